@@ -1,0 +1,26 @@
+# One-command set-up. Each target builds its own virtualenv from scratch if needed.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: venv test demo bench clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	$(PY) -m pytest -q tests
+
+demo: venv
+	$(VENV)/bin/hf-resumable demo
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,65 @@
+"""File names, patterns and state keys of the hf_resumable checkpoint format.
+
+Constants that name files include the extension. Names that Hugging Face tools read are spelled
+exactly as they expect them (``model.safetensors.index.json``, ``model-00001-of-00003.safetensors``),
+so ``transformers.AutoModel.from_pretrained(checkpoint_dir)`` works on our checkpoints.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Version of the on-disk layout. Bump on any incompatible change; readers refuse newer versions.
+FORMAT_VERSION = 1
+# Value of the "format" field of the manifest: tells our checkpoints apart from anything else.
+FORMAT_NAME = "hf_resumable"
+
+# Model weights, readable by transformers / huggingface_hub.
+MODEL_INDEX_FILE = "model.safetensors.index.json"
+MODEL_FILE_PATTERN = "model{suffix}.safetensors"
+# Optimizer tensors, keyed by parameter name ("state/<param name>/<key>").
+OPTIMIZER_INDEX_FILE = "optimizer.safetensors.index.json"
+OPTIMIZER_FILE_PATTERN = "optimizer{suffix}.safetensors"
+# Progress cursor, scheduler, scaler, optimizer param groups and user extras (JSON, no pickle).
+TRAINING_STATE_FILE = "training_state.json"
+# Per-rank RNG states as byte tensors ("rng/rank-00000.safetensors").
+RNG_DIR = "rng"
+RNG_FILE_PATTERN = "rank-{rank:05d}.safetensors"
+# Per-rank data-loader positions (JSON), written by the integrations.
+DATA_STATE_DIR = "data"
+DATA_STATE_FILE_PATTERN = "rank-{rank:05d}.json"
+# Written last; its presence (and validity) is what makes a directory a committed checkpoint.
+MANIFEST_FILE = "manifest.json"
+
+# Directory naming. "checkpoint-<step>" keeps transformers' get_last_checkpoint regex working.
+CHECKPOINT_PREFIX = "checkpoint-"
+CHECKPOINT_DIR_RE = re.compile(r"^checkpoint-(\d+)$")
+# Temporary sibling directories used while a checkpoint is written; renamed into place on commit.
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+# File inside a temporary directory that records the writing process (for stale-dir cleanup).
+OWNER_FILE = ".owner.json"
+
+# safetensors header metadata we write into every shard.
+SAFETENSORS_METADATA = {"format": "pt"}
+# Largest safetensors header we accept (the safetensors library uses 100 MB as well).
+MAX_HEADER_SIZE = 100_000_000
+# Largest JSON file (index, manifest, state) we parse.
+MAX_JSON_SIZE = 256 * 1024 * 1024
+
+# Default shard size for training checkpoints: small enough that shard-at-a-time loading
+# bounds memory, unlike transformers v5's 50GB export default.
+DEFAULT_MAX_SHARD_SIZE = "2GB"
+
+# Keys of training_state.json.
+STATE_KEY_FORMAT_VERSION = "format_version"  # int, equals FORMAT_VERSION
+STATE_KEY_PROGRESS = "progress"  # dict: the TrainingState progress cursor
+STATE_KEY_SCHEDULER = "scheduler"  # encoded lr_scheduler.state_dict() or null
+STATE_KEY_SCALER = "scaler"  # encoded GradScaler.state_dict() or null
+STATE_KEY_OPTIMIZER = "optimizer"  # {"class", "param_groups", "non_tensor_state"} or null
+STATE_KEY_EXTRA = "extra"  # dict of user / integration state (encoded JSON)
+
+# Safetensors tensor-name prefix for optimizer state: f"state/{param_name}/{key}".
+OPTIMIZER_STATE_PREFIX = "state/"
+# Safetensors tensor-name prefix for tensors found inside param groups: f"param_groups/{i}/{key}".
+OPTIMIZER_GROUP_PREFIX = "param_groups/"

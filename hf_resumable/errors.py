@@ -1,0 +1,92 @@
+"""Typed exceptions raised by hf_resumable.
+
+Every error says what failed, where (a path, a key, a step) and how to fix it. Each class also
+inherits the builtin a caller would naturally catch (``FileNotFoundError``, ``ValueError``, ...), so
+existing ``except`` clauses keep working.
+
+Example:
+
+```python
+>>> from hf_resumable.errors import HfResumableError, CorruptCheckpointError
+>>> issubclass(CorruptCheckpointError, HfResumableError)
+True
+```
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HfResumableError",
+    "CheckpointNotFoundError",
+    "IncompleteCheckpointError",
+    "CorruptCheckpointError",
+    "UnsafeIndexError",
+    "CheckpointMismatchError",
+    "CheckpointExistsError",
+    "UnsupportedStateError",
+    "FormatVersionError",
+    "InexactResumeError",
+    "ConfigDriftError",
+    "AsyncSaveError",
+    "HubError",
+    "StorageError",
+]
+
+
+class HfResumableError(Exception):
+    """Base class of every error raised by hf_resumable."""
+
+
+class CheckpointNotFoundError(HfResumableError, FileNotFoundError):
+    """No checkpoint (or no valid checkpoint) exists where one was asked for."""
+
+
+class IncompleteCheckpointError(HfResumableError, FileNotFoundError):
+    """A checkpoint directory has no manifest or misses files the manifest lists.
+
+    Such a directory is what a save that was killed part-way leaves behind; it is never loaded.
+    """
+
+
+class CorruptCheckpointError(HfResumableError, ValueError):
+    """A checkpoint file exists but its bytes are wrong: truncated, bad header, or hash mismatch."""
+
+
+class UnsafeIndexError(CorruptCheckpointError):
+    """An index or manifest names a file outside the checkpoint, or a file of an unexpected kind."""
+
+
+class CheckpointMismatchError(HfResumableError, ValueError):
+    """The checkpoint does not fit the model or optimizer it is loaded into (keys, shapes, dtypes)."""
+
+
+class CheckpointExistsError(HfResumableError, FileExistsError):
+    """A committed checkpoint already exists at the target path and overwriting was not asked for."""
+
+
+class UnsupportedStateError(HfResumableError, TypeError):
+    """A state object holds a value that cannot be stored without pickle."""
+
+
+class FormatVersionError(CorruptCheckpointError):
+    """The checkpoint was written in a format this version of hf_resumable cannot read."""
+
+
+class InexactResumeError(HfResumableError, RuntimeError):
+    """Resuming would not continue the run exactly (missing RNG, data position, ...)."""
+
+
+class ConfigDriftError(InexactResumeError, ValueError):
+    """The run is resumed with a configuration that differs from the one that wrote the checkpoint."""
+
+
+class AsyncSaveError(HfResumableError, RuntimeError):
+    """A background save failed; raised at the next save, load or wait, never lost."""
+
+
+class HubError(HfResumableError, RuntimeError):
+    """A Hub operation failed (after retries) or the Hub returned something unusable."""
+
+
+class StorageError(HfResumableError, OSError):
+    """An object-store or remote-storage operation failed."""

@@ -1,0 +1,405 @@
+"""Reading and writing single safetensors files, with the hash computed while the bytes move.
+
+The files are standard safetensors (8-byte little-endian header length, JSON header, data), readable
+by ``safetensors.safe_open`` and ``transformers``. We write them ourselves rather than through
+``safetensors.torch.save_file`` for two reasons:
+
+1. the sha256 is computed on the bytes as they are written (pipelined on a helper thread, since
+   ``hashlib`` and ``write`` both release the GIL), so the manifest never needs a read-back pass;
+2. loads can ``readinto`` the destination parameter's own memory, one copy from the page cache,
+   with the hash again computed on the fly.
+
+Headers are validated before any data is trusted: a header that claims more bytes than the file
+holds, overlapping or gapped offsets, unknown dtypes, or a pickle payload are all rejected with
+:class:`~hf_resumable.errors.CorruptCheckpointError` naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .constants import MAX_HEADER_SIZE, SAFETENSORS_METADATA
+from .errors import CorruptCheckpointError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DTYPE_TO_STR",
+    "STR_TO_DTYPE",
+    "TensorInfo",
+    "SafetensorsHeader",
+    "FileRecord",
+    "read_header",
+    "write_safetensors",
+    "read_safetensors",
+    "hash_file",
+]
+
+CHUNK_SIZE = 16 * 1024 * 1024
+
+DTYPE_TO_STR: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+}
+for _name, _st in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"), ("float8_e4m3fn", "F8_E4M3"),
+                   ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        DTYPE_TO_STR[getattr(torch, _name)] = _st
+STR_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_STR.items()}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives inside a safetensors file (offsets relative to the data section)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return STR_TO_DTYPE[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A parsed, validated safetensors header."""
+
+    path: str
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    data_offset: int
+    file_size: int
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """Size and sha256 of a file as it was written (the manifest's entry)."""
+
+    size: int
+    sha256: str
+
+
+def _corrupt(path: str, why: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{path}: {why}. The file is truncated, corrupt or not a safetensors file; "
+        "load an earlier checkpoint (find_latest_checkpoint skips this one) or re-create it."
+    )
+
+
+def _itemsize(dtype: str) -> float:
+    if dtype == "BOOL":
+        return 1
+    return torch.empty((), dtype=STR_TO_DTYPE[dtype]).element_size()
+
+
+def parse_header_bytes(path: str, raw: bytes, file_size: int) -> SafetensorsHeader:
+    """Validate the JSON header ``raw`` of a file of ``file_size`` bytes (no IO)."""
+    try:
+        document = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise _corrupt(path, f"header is not valid JSON ({err.__class__.__name__})") from None
+    if not isinstance(document, dict):
+        raise _corrupt(path, "header is not a JSON object")
+    metadata = document.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _corrupt(path, "__metadata__ must map strings to strings")
+    data_offset = 8 + len(raw)
+    data_size = file_size - data_offset
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in document.items():
+        try:
+            dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            ok = dtype in STR_TO_DTYPE and all(isinstance(d, int) and d >= 0 for d in shape)
+            ok = ok and isinstance(start, int) and isinstance(end, int) and 0 <= start <= end
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise _corrupt(path, f"header entry for tensor {name!r} is malformed: {entry!r:.200}")
+        expected = math.prod(shape) * _itemsize(dtype)
+        if end - start != expected:
+            raise _corrupt(path, f"tensor {name!r} claims {end - start} bytes but shape {list(shape)} needs {expected}")
+        tensors[name] = TensorInfo(name, dtype, shape, start, end)
+    cursor = 0
+    for info in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
+        if info.start != cursor:
+            raise _corrupt(path, f"tensor {info.name!r} starts at {info.start}, expected {cursor} (gap or overlap)")
+        cursor = info.end
+    if cursor != data_size:
+        raise _corrupt(path, f"header describes {cursor} data bytes but the file holds {data_size}")
+    return SafetensorsHeader(path, tensors, dict(metadata), data_offset, file_size)
+
+
+def read_header(path: str | os.PathLike) -> SafetensorsHeader:
+    """Read and validate the header of the safetensors file at ``path``.
+
+    Raises:
+        CorruptCheckpointError: if the file is too short, the header is oversized or malformed, or
+            the header's offsets do not match the file size (truncation).
+        FileNotFoundError: if there is no such file.
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise _corrupt(path, f"file has {file_size} bytes, fewer than the 8-byte header length")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > MAX_HEADER_SIZE:
+            raise _corrupt(path, f"header length {length} exceeds the {MAX_HEADER_SIZE}-byte limit")
+        if 8 + length > file_size:
+            raise _corrupt(path, f"header claims {length} bytes but the file has only {file_size}")
+        raw = f.read(length)
+    return parse_header_bytes(path, raw, file_size)
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor."""
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    return tensor.contiguous()
+
+
+def layout_tensors(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Data-section order: widest dtypes first (so every tensor stays aligned), then by name."""
+    return sorted(tensors, key=lambda item: (-item[1].element_size(), item[0]))
+
+
+def build_header(
+    tensors: Sequence[tuple[str, torch.Tensor]], metadata: Mapping[str, str] | None = None
+) -> bytes:
+    """Header bytes (length prefix + space-padded JSON) for tensors already in layout order."""
+    header: dict[str, object] = {"__metadata__": dict(metadata or SAFETENSORS_METADATA)}
+    offset = 0
+    for name, tensor in tensors:
+        if tensor.dtype not in DTYPE_TO_STR:
+            raise TypeError(f"Tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store.")
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": DTYPE_TO_STR[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class _Pipeline:
+    """Hash chunks on a helper thread, in order, while the caller does IO on them."""
+
+    def __init__(self, pool: ThreadPoolExecutor | None) -> None:
+        self.digest = hashlib.sha256()
+        self.pool = pool
+        self.pending = None
+
+    def feed(self, chunk: memoryview) -> None:
+        if self.pool is None:
+            self.digest.update(chunk)
+        else:
+            self.pending = self.pool.submit(self.digest.update, chunk)
+
+    def hexdigest(self) -> str:
+        if self.pending is not None:
+            self.pending.result()
+        return self.digest.hexdigest()
+
+
+_HASH_POOL: ThreadPoolExecutor | None = None
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    global _HASH_POOL
+    if _HASH_POOL is None:
+        _HASH_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_resumable-hash")
+    return _HASH_POOL
+
+
+def _write_all(fd: int, chunk: memoryview) -> None:
+    while chunk:
+        written = os.write(fd, chunk)
+        chunk = chunk[written:]
+
+
+def write_safetensors(
+    path: str | os.PathLike,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    metadata: Mapping[str, str] | None = None,
+    fsync: bool = True,
+) -> FileRecord:
+    """Write ``tensors`` to a new safetensors file at ``path`` and return its size and sha256.
+
+    The file is created exclusively (an existing file is an error, never overwritten). The hash is
+    computed on a helper thread on the very bytes being written.
+
+    Raises:
+        FileExistsError: if ``path`` exists.
+        OSError: on write failures (e.g. ENOSPC); the partial file is removed.
+    """
+    path = os.fspath(path)
+    ordered = layout_tensors([(name, _cpu_contiguous(t)) for name, t in tensors])
+    header = build_header(ordered, metadata)
+    pipeline = _Pipeline(_hash_pool())
+    size = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for chunk in _chunks([memoryview(header)] + [_as_bytes(t) for _, t in ordered]):
+            pipeline.feed(chunk)
+            _write_all(fd, chunk)
+            size += len(chunk)
+        digest = pipeline.hexdigest()
+        if fsync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        if pipeline.pending is not None:
+            pipeline.pending.exception()
+        _unlink_quietly(path)
+        raise
+    os.close(fd)
+    return FileRecord(size=size, sha256=digest)
+
+
+def _chunks(views: Iterable[memoryview]) -> Iterable[memoryview]:
+    for view in views:
+        for start in range(0, len(view), CHUNK_SIZE):
+            yield view[start : start + CHUNK_SIZE]
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _can_read_into(target: torch.Tensor | None, info: TensorInfo) -> bool:
+    return (
+        target is not None
+        and target.device.type == "cpu"
+        and target.dtype == info.torch_dtype
+        and tuple(target.shape) == info.shape
+        and target.is_contiguous()
+    )
+
+
+def read_safetensors(
+    path: str | os.PathLike,
+    *,
+    header: SafetensorsHeader | None = None,
+    names: Iterable[str] | None = None,
+    into: Mapping[str, torch.Tensor] | None = None,
+    expected_sha256: str | None = None,
+    on_tensor: Callable[[str, torch.Tensor], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Read tensors from ``path`` sequentially, optionally straight into existing tensors.
+
+    Args:
+        header (`SafetensorsHeader`, *optional*): a header already read (saves one read).
+        names (`Iterable[str]`, *optional*): only these tensors (default all). Ignored when
+            ``expected_sha256`` is given, which needs every byte.
+        into (`Mapping[str, torch.Tensor]`, *optional*): destination tensors. A destination on CPU
+            with the same dtype and shape that is contiguous is filled in place with ``readinto``
+            (no extra copy); any other destination gets a ``copy_``.
+        expected_sha256 (`str`, *optional*): verify the whole file's hash while reading.
+        on_tensor (`Callable`, *optional*): called with each tensor as soon as it is read
+            (tensors are then not kept in the returned dict, bounding memory to one tensor).
+
+    Returns:
+        `dict[str, torch.Tensor]`: the tensors read that were not written ``into`` a destination.
+
+    Raises:
+        CorruptCheckpointError: on a bad header, a short read, or a hash mismatch.
+    """
+    path = os.fspath(path)
+    header = header or read_header(path)
+    wanted = set(header.tensors) if names is None else set(names)
+    missing = wanted - set(header.tensors)
+    if missing:
+        raise _corrupt(path, f"missing tensors {sorted(missing)[:10]}")
+    pipeline = _Pipeline(_hash_pool()) if expected_sha256 else None
+    out: dict[str, torch.Tensor] = {}
+    into = into or {}
+    with open(path, "rb", buffering=0) as f:
+        if pipeline is not None:
+            prefix = f.read(header.data_offset)
+            pipeline.feed(memoryview(prefix))
+        for info in sorted(header.tensors.values(), key=lambda t: t.start):
+            if info.name not in wanted and pipeline is None:
+                continue
+            target = into.get(info.name)
+            buffer = target if _can_read_into(target, info) else torch.empty(info.shape, dtype=info.torch_dtype)
+            f.seek(header.data_offset + info.start)
+            _read_exact(f, _as_bytes(buffer), path, info, pipeline)
+            if info.name not in wanted:
+                continue
+            if target is not None and buffer is not target:
+                with torch.no_grad():
+                    target.copy_(buffer)
+            elif target is None:
+                if on_tensor is not None:
+                    on_tensor(info.name, buffer)
+                else:
+                    out[info.name] = buffer
+    if pipeline is not None:
+        digest = pipeline.hexdigest()
+        if digest != expected_sha256:
+            raise _corrupt(path, f"sha256 is {digest}, the manifest says {expected_sha256}")
+    return out
+
+
+def _read_exact(f, view: memoryview, path: str, info: TensorInfo, pipeline: _Pipeline | None) -> None:
+    for chunk in _chunks([view]):
+        got = 0
+        while got < len(chunk):
+            n = f.readinto(chunk[got:])
+            if not n:
+                raise _corrupt(path, f"file ends inside tensor {info.name!r}")
+            got += n
+        if pipeline is not None:
+            pipeline.feed(chunk)
+
+
+def hash_file(path: str | os.PathLike) -> FileRecord:
+    """Size and sha256 of a file, read in chunks (used for JSON files and by full verification)."""
+    digest = hashlib.sha256()
+    size = 0
+    buffer = bytearray(CHUNK_SIZE)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            digest.update(view[:n])
+            size += n
+    return FileRecord(size=size, sha256=digest.hexdigest())
