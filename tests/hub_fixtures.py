@@ -1,0 +1,89 @@
+"""Pytest fixtures that start the local fake Hub and point the real ``huggingface_hub`` client at it.
+
+Import the fixtures into a test module (``from hub_fixtures import hub, hub_env  # noqa: F401``). The server is
+started once per importing module and stopped at its end; every test gets a fresh cache directory, an empty request
+log and no faults.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fakehub import FakeHub
+
+__all__ = ["hub", "hub_env", "hub_environ", "new_repo_id"]
+
+
+def hub_environ(endpoint: str, home: Path) -> dict[str, str]:
+    """Environment variables that point a (sub)process' huggingface_hub at ``endpoint`` with a private cache."""
+    no_proxy = ",".join(filter(None, [os.environ.get("NO_PROXY"), "127.0.0.1", "localhost"]))
+    return {
+        "HF_ENDPOINT": endpoint,
+        "HF_HOME": str(home),
+        "HF_HUB_CACHE": str(home / "hub"),
+        "HF_TOKEN": "hf_dummy_token",
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "HF_HUB_DISABLE_UPDATE_CHECK": "1",
+        "HF_HUB_ETAG_TIMEOUT": "30",
+        "HF_HUB_DOWNLOAD_TIMEOUT": "30",
+        "NO_PROXY": no_proxy,
+        "no_proxy": no_proxy,
+    }
+
+
+@pytest.fixture(scope="module")
+def _hub_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHub]:
+    server = FakeHub(tmp_path_factory.mktemp("fakehub"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def hub_env(_hub_server: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """Point huggingface_hub (already imported or not) at the fake server, with a per-test cache."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    home = tmp_path / "hf_home"
+    env = hub_environ(_hub_server.endpoint, home)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    for key in ("HF_HUB_OFFLINE", "HUGGINGFACE_CO_STAGING", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", _hub_server.endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        _hub_server.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
+    huggingface_hub.utils.disable_progress_bars()
+    huggingface_hub.close_session()  # the next client reads NO_PROXY afresh
+    yield env
+    huggingface_hub.close_session()
+
+
+@pytest.fixture
+def hub(_hub_server: FakeHub, hub_env: dict[str, str]) -> Iterator[FakeHub]:
+    """The running fake Hub, with an empty request log, no faults, and the client pointed at it."""
+    _hub_server.clear_faults()
+    _hub_server.clear_log()
+    _hub_server.cdn = False
+    _hub_server.multipart_threshold = None
+    yield _hub_server
+    _hub_server.clear_faults()
+    _hub_server.cdn = False
+    _hub_server.multipart_threshold = None
+
+
+def new_repo_id(prefix: str = "repo") -> str:
+    """A repo id no other test uses."""
+    return f"user/{prefix}-{uuid.uuid4().hex[:8]}"
