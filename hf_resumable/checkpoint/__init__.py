@@ -1,0 +1,36 @@
+"""The hf_resumable checkpoint format: sharded safetensors, no pickle, hashed, atomically committed.
+
+Layout of ``checkpoint-<step>/``::
+
+    model.safetensors.index.json        HF-compatible (from_pretrained works), + per-shard sha256
+    model-00001-of-0000N.safetensors
+    config.json, generation_config.json, tokenizer files
+    optimizer.safetensors.index.json    optimizer tensors keyed by parameter name
+    optimizer-00001-of-0000N.safetensors
+    training_state.json                 progress cursor, scheduler, scaler, param groups, extra
+    rng/rank-00000.safetensors          RNG states as byte tensors
+    data/rank-00000.json                data-loader position (integrations)
+    manifest.json                       written last: every file, size, sha256, versions
+"""
+
+from .api import CheckpointInfo, load_checkpoint, save_checkpoint, wait_for_pending_saves
+from .discovery import apply_retention, cleanup_stale_temp_dirs, find_latest_checkpoint, list_checkpoints
+from .manifest import Manifest, read_manifest
+from ._reader import LoadedCheckpoint
+from .verify import VerifyReport, verify_checkpoint
+
+__all__ = [
+    "CheckpointInfo",
+    "LoadedCheckpoint",
+    "Manifest",
+    "VerifyReport",
+    "apply_retention",
+    "cleanup_stale_temp_dirs",
+    "find_latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "read_manifest",
+    "save_checkpoint",
+    "verify_checkpoint",
+    "wait_for_pending_saves",
+]

@@ -1,0 +1,119 @@
+"""Optimizer state <-> tensors keyed by parameter *name* plus JSON (param groups, scalar state).
+
+``optimizer.state_dict()`` keys state by parameter index, which silently breaks when parameters are
+reordered. Here each tensor is stored as ``state/<param name>/<key>`` and each group's ``params`` as a
+list of names, so a freshly built optimizer is matched by name.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..constants import OPTIMIZER_GROUP_PREFIX, OPTIMIZER_STATE_PREFIX
+from ..errors import CheckpointMismatchError
+from ..state_codec import decode_state, encode_state
+
+logger = logging.getLogger(__name__)
+
+
+def parameter_names(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Names of the optimizer's parameters in ``state_dict`` index order.
+
+    Raises:
+        CheckpointMismatchError: if a parameter of the optimizer is not part of ``model``.
+    """
+    by_id: dict[int, str] = {}
+    if model is not None:
+        for name, param in model.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(param), name)
+    names, orphans = [], 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name = by_id.get(id(param))
+            if name is None:
+                orphans += 1
+                name = f"<unnamed>/{len(names)}"
+            names.append(name)
+    if orphans and model is not None:
+        raise CheckpointMismatchError(
+            f"{orphans} optimizer parameter(s) do not belong to the model passed to save/load_checkpoint; "
+            "pass the model that owns every optimized parameter."
+        )
+    return names
+
+
+def optimizer_to_tensors(
+    optimizer: torch.optim.Optimizer, names: list[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split ``optimizer.state_dict()`` into named tensors and a JSON document."""
+    state_dict = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, per_param in state_dict["state"].items():
+        name = names[index]
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{OPTIMIZER_STATE_PREFIX}{name}/{key}"] = value.detach()
+            else:
+                scalars.setdefault(name, {})[key] = encode_state(value, tensors, prefix=f"scalar/{name}/{key}")
+    groups = []
+    for i, group in enumerate(state_dict["param_groups"]):
+        encoded = {k: encode_state(v, tensors, prefix=f"{OPTIMIZER_GROUP_PREFIX}{i}/{k}")
+                   for k, v in group.items() if k != "params"}
+        encoded["params"] = [names[index] for index in group["params"]]
+        groups.append(encoded)
+    document = {"class": type(optimizer).__qualname__, "param_groups": groups, "non_tensor_state": scalars}
+    return tensors, document
+
+
+def optimizer_from_tensors(
+    optimizer: torch.optim.Optimizer,
+    names: list[str],
+    tensors: Mapping[str, torch.Tensor],
+    document: Mapping[str, Any],
+    *,
+    source: str,
+) -> None:
+    """Load state produced by :func:`optimizer_to_tensors` into ``optimizer``, matched by name.
+
+    Raises:
+        CheckpointMismatchError: if the optimizer class, group structure or parameter names differ.
+    """
+    saved_class = document.get("class")
+    if saved_class != type(optimizer).__qualname__:
+        raise CheckpointMismatchError(f"{source}: optimizer was {saved_class}, now {type(optimizer).__qualname__}; "
+                                      "build the same optimizer class to resume.")
+    index_of = {name: i for i, name in enumerate(names)}
+    saved_groups = document["param_groups"]
+    problems = []
+    if len(saved_groups) != len(optimizer.param_groups):
+        problems.append(f"{len(saved_groups)} param group(s) saved, optimizer has {len(optimizer.param_groups)}")
+    saved_names = [n for g in saved_groups for n in g["params"]]
+    problems += [f"{n}: saved in the optimizer state but not optimized now" for n in saved_names if n not in index_of]
+    problems += [f"{n}: optimized now but absent from the saved state" for n in names if n not in set(saved_names)]
+    if problems:
+        raise CheckpointMismatchError(f"{source}: optimizer does not match the checkpoint:\n  " +
+                                      "\n  ".join(problems[:50]))
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        if key.startswith(OPTIMIZER_STATE_PREFIX):
+            name, _, field = key[len(OPTIMIZER_STATE_PREFIX):].rpartition("/")
+            state.setdefault(index_of[name], {})[field] = value
+    for name, fields in document.get("non_tensor_state", {}).items():
+        for field, value in fields.items():
+            state.setdefault(index_of[name], {})[field] = decode_state(value, tensors, source=source)
+    groups, offset = [], 0
+    for i, (group, current) in enumerate(zip(saved_groups, optimizer.param_groups)):
+        current_names = names[offset : offset + len(current["params"])]
+        if set(group["params"]) != set(current_names):
+            raise CheckpointMismatchError(f"{source}: param group {i} holds different parameters than when saved.")
+        decoded = {k: decode_state(v, tensors, source=source) for k, v in group.items() if k != "params"}
+        # torch pairs saved and current params by position, so list them in the current order.
+        decoded["params"] = list(range(offset, offset + len(current_names)))
+        groups.append(decoded)
+        offset += len(current_names)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

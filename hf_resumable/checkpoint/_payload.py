@@ -1,0 +1,182 @@
+"""Capture: turn live training objects into a :class:`Payload` of files to write (no IO yet).
+
+Splitting capture from writing is what makes async saves possible: the payload's tensors can be
+copied into staging buffers, and the writer never looks at the live objects again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..constants import (
+    DATA_STATE_DIR,
+    DATA_STATE_FILE_PATTERN,
+    FORMAT_VERSION,
+    MODEL_FILE_PATTERN,
+    MODEL_INDEX_FILE,
+    OPTIMIZER_FILE_PATTERN,
+    OPTIMIZER_INDEX_FILE,
+    RNG_DIR,
+    RNG_FILE_PATTERN,
+    STATE_KEY_EXTRA,
+    STATE_KEY_FORMAT_VERSION,
+    STATE_KEY_OPTIMIZER,
+    STATE_KEY_PROGRESS,
+    STATE_KEY_SCALER,
+    STATE_KEY_SCHEDULER,
+    TRAINING_STATE_FILE,
+)
+from ..rng import RngState, capture_rng_state
+from ..sharding import check_relative_name, plan_shards
+from ..state_codec import encode_state
+from ._model import TIED_KEY, dedupe_tied, model_state
+from ._optimizer import optimizer_to_tensors, parameter_names
+
+logger = logging.getLogger(__name__)
+
+# Tensors found inside scheduler / scaler / progress / extra state (rare) are stored here.
+STATE_TENSORS_FILE = "training_state.safetensors"
+# Index metadata key with each shard's size and sha256 (transformers ignores unknown metadata keys).
+SHARDS_KEY = "hf_resumable_shards"
+
+
+@dataclass
+class TensorFile:
+    """One safetensors file to write."""
+
+    relpath: str
+    tensors: list[tuple[str, torch.Tensor]]
+    metadata: dict[str, str] | None = None
+
+
+@dataclass
+class IndexSpec:
+    """An index file to write after its shards, with their hashes in the metadata."""
+
+    relpath: str
+    weight_map: dict[str, str]
+    metadata: dict[str, Any]
+
+
+@dataclass
+class Payload:
+    """Everything one rank writes for one checkpoint."""
+
+    tensor_files: list[TensorFile] = field(default_factory=list)
+    blobs: dict[str, bytes] = field(default_factory=dict)
+    indexes: list[IndexSpec] = field(default_factory=list)
+    rng: RngState | None = None
+    rng_relpath: str | None = None
+
+    def tensor_count(self) -> int:
+        return sum(len(f.tensors) for f in self.tensor_files)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _add_sharded(payload: Payload, tensors: Mapping[str, torch.Tensor], *, pattern: str, index: str,
+                 max_shard_size: int | str, metadata: dict[str, Any]) -> None:
+    plan = plan_shards({k: _nbytes(v) for k, v in tensors.items()}, max_shard_size=max_shard_size,
+                       filename_pattern=pattern)
+    for filename, names in plan.filename_to_names.items():
+        payload.tensor_files.append(TensorFile(filename, [(n, tensors[n]) for n in names]))
+    payload.indexes.append(IndexSpec(index, dict(sorted(plan.name_to_filename.items())),
+                                     {"total_size": plan.total_size, **metadata}))
+
+
+def _json_bytes(document: Any) -> bytes:
+    return (json.dumps(document, indent=2, sort_keys=True, allow_nan=True) + "\n").encode()
+
+
+def _pretrained_files(save: Callable[[str], Any]) -> dict[str, bytes]:
+    """Files an object's ``save_pretrained`` writes, captured as bytes (no pickle files allowed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        save(tmp)
+        files = {p.relative_to(tmp).as_posix(): p.read_bytes() for p in Path(tmp).rglob("*") if p.is_file()}
+    return {k: v for k, v in files.items() if not k.endswith((".bin", ".pkl", ".pt", ".pth"))}
+
+
+def capture_payload(
+    *,
+    model: torch.nn.Module | Mapping[str, torch.Tensor] | None,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    scaler: Any,
+    training_state: Mapping[str, Any] | None,
+    extra: Mapping[str, Any] | None,
+    extra_files: Mapping[str, bytes | str] | None,
+    data_state: Mapping[str, Any] | None,
+    rng: bool | RngState,
+    max_shard_size: int | str,
+    processing_class: Any,
+    rank: int,
+    is_main: bool,
+) -> Payload:
+    """Build the payload of one rank; only the main rank carries model, optimizer and shared state."""
+    payload = Payload()
+    if is_main:
+        _capture_shared(payload, model, optimizer, scheduler, scaler, training_state, extra, max_shard_size)
+        if model is not None and isinstance(model, torch.nn.Module):
+            _capture_pretrained(payload, model, processing_class)
+        for relpath, content in (extra_files or {}).items():
+            check_relative_name(relpath, source="extra_files", suffix=None)
+            payload.blobs[relpath] = content.encode() if isinstance(content, str) else bytes(content)
+    if data_state is not None:
+        payload.blobs[f"{DATA_STATE_DIR}/{DATA_STATE_FILE_PATTERN.format(rank=rank)}"] = _json_bytes(
+            encode_state(dict(data_state), {}, prefix="data_state"))
+    if rng is not False:
+        payload.rng = rng if isinstance(rng, RngState) else capture_rng_state()
+        payload.rng_relpath = f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"
+    return payload
+
+
+def _capture_shared(payload: Payload, model, optimizer, scheduler, scaler, training_state, extra,
+                    max_shard_size) -> None:
+    state_tensors: dict[str, torch.Tensor] = {}
+    optimizer_doc = None
+    if model is not None:
+        tensors, tied = dedupe_tied(model_state(model))
+        _add_sharded(payload, tensors, pattern=MODEL_FILE_PATTERN, index=MODEL_INDEX_FILE,
+                     max_shard_size=max_shard_size, metadata={TIED_KEY: tied, "format": "pt"})
+    if optimizer is not None:
+        names = parameter_names(model if isinstance(model, torch.nn.Module) else None, optimizer)
+        opt_tensors, optimizer_doc = optimizer_to_tensors(optimizer, names)
+        _add_sharded(payload, opt_tensors, pattern=OPTIMIZER_FILE_PATTERN, index=OPTIMIZER_INDEX_FILE,
+                     max_shard_size=max_shard_size, metadata={})
+    document = {
+        STATE_KEY_FORMAT_VERSION: FORMAT_VERSION,
+        STATE_KEY_PROGRESS: encode_state(dict(training_state or {}), state_tensors, prefix="progress"),
+        STATE_KEY_SCHEDULER: encode_state(scheduler.state_dict(), state_tensors, prefix="scheduler")
+        if scheduler is not None else None,
+        STATE_KEY_SCALER: encode_state(scaler.state_dict(), state_tensors, prefix="scaler")
+        if scaler is not None else None,
+        STATE_KEY_OPTIMIZER: optimizer_doc,
+        STATE_KEY_EXTRA: encode_state(dict(extra or {}), state_tensors, prefix="extra"),
+    }
+    payload.blobs[TRAINING_STATE_FILE] = _json_bytes(document)
+    if state_tensors:
+        payload.tensor_files.append(TensorFile(STATE_TENSORS_FILE, sorted(state_tensors.items())))
+
+
+def _capture_pretrained(payload: Payload, model: torch.nn.Module, processing_class: Any) -> None:
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        payload.blobs.update(_pretrained_files(config.save_pretrained))
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and hasattr(generation_config, "save_pretrained"):
+        try:
+            payload.blobs.update(_pretrained_files(generation_config.save_pretrained))
+        except ValueError as err:  # transformers refuses to save an invalid generation config
+            logger.warning("Not saving generation_config.json: %s", err)
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        payload.blobs.update(_pretrained_files(processing_class.save_pretrained))

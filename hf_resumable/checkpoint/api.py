@@ -1,0 +1,216 @@
+"""Public entry points: ``save_checkpoint`` and ``load_checkpoint``."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..constants import DEFAULT_MAX_SHARD_SIZE, RNG_DIR, RNG_FILE_PATTERN
+from ..distributed import is_distributed, rank_and_world_size
+from ..errors import InexactResumeError
+from ..rng import RngState, restore_rng_state
+from ._payload import capture_payload
+from ._reader import LoadedCheckpoint, _Reader, load_all
+from ._writer import AsyncSaver, check_target, save_payload
+from .discovery import apply_retention
+from .manifest import Manifest
+from .verify import verify_checkpoint
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CheckpointInfo", "save_checkpoint", "load_checkpoint", "wait_for_pending_saves"]
+
+_ASYNC = AsyncSaver()
+atexit.register(lambda: _ASYNC.wait())
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """Where a save went. For ``blocking=False`` the checkpoint is committed only after
+    :func:`wait_for_pending_saves` (or the next save/load) returns.
+
+    Args:
+        path (`Path`): the checkpoint directory.
+        step (`int`, *optional*): the step recorded in the manifest.
+        manifest (`Manifest`, *optional*): the committed manifest (None while an async save is in flight).
+    """
+
+    path: Path
+    step: int | None
+    manifest: Manifest | None = None
+
+
+def wait_for_pending_saves() -> None:
+    """Block until the in-flight async save has committed.
+
+    Raises:
+        AsyncSaveError: if that save failed (the previous checkpoint is untouched).
+    """
+    _ASYNC.wait()
+
+
+def save_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    model: torch.nn.Module | Mapping[str, torch.Tensor] | None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    step: int | None = None,
+    training_state: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    extra_files: Mapping[str, bytes | str] | None = None,
+    data_state: Mapping[str, Any] | None = None,
+    rng: bool | RngState = True,
+    metrics: Mapping[str, float] | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    blocking: bool = True,
+    overwrite: bool = False,
+    processing_class: Any = None,
+    keep_last: int | None = None,
+    best_metric: str | None = None,
+    greater_is_better: bool = False,
+) -> CheckpointInfo:
+    """Save a crash-safe, sharded, pickle-free training checkpoint to ``directory``.
+
+    Files are written into a temporary sibling directory, fsynced, and renamed into place after
+    ``manifest.json`` (every file with its size and sha256, computed while writing) is written last.
+    A save killed at any moment leaves the previous checkpoint intact and no directory that looks
+    committed. Model weights are HF-compatible sharded safetensors (``from_pretrained(directory)``
+    works); tied weights are stored once.
+
+    Args:
+        directory (`str` or `os.PathLike`): the checkpoint directory, e.g. ``out/checkpoint-120``.
+        model (`torch.nn.Module` or state dict): the weights to save (``None`` to save none).
+        optimizer (`torch.optim.Optimizer`, *optional*): saved keyed by parameter name.
+        scheduler (*optional*): an LR scheduler (anything with ``state_dict``/``load_state_dict``).
+        scaler (*optional*): a ``torch.amp.GradScaler``.
+        step (`int`, *optional*): the global step, recorded in the manifest.
+        training_state (`Mapping`, *optional*): the progress cursor (JSON-able values and tensors).
+        extra (`Mapping`, *optional*): more state (JSON-able values and tensors).
+        extra_files (`Mapping[str, bytes | str]`, *optional*): more files (relative path -> content).
+        data_state (`Mapping`, *optional*): this rank's data-loader position.
+        rng (`bool` or `RngState`, *optional*, defaults to `True`): capture this rank's RNG now, or
+            store the given state.
+        metrics (`Mapping[str, float]`, *optional*): recorded in the manifest, for ``best_metric`` retention.
+        max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard size limit.
+        blocking (`bool`, *optional*, defaults to `True`): with `False`, tensors are staged into
+            reusable host buffers and written by a background thread; the call returns after staging.
+        overwrite (`bool`, *optional*, defaults to `False`): replace an existing checkpoint atomically.
+        processing_class (*optional*): a tokenizer/processor whose ``save_pretrained`` files are included.
+        keep_last (`int`, *optional*): after the commit, apply :func:`apply_retention` to the parent.
+        best_metric (`str`, *optional*) / greater_is_better (`bool`): keep-best retention.
+
+    Returns:
+        `CheckpointInfo`
+
+    Raises:
+        CheckpointExistsError: if ``directory`` exists and ``overwrite`` is False.
+        UnsupportedStateError: if some state cannot be stored without pickle.
+        AsyncSaveError: if the previous background save failed.
+        OSError: if writing fails (e.g. ENOSPC); the previous checkpoint is untouched.
+
+    Example:
+
+    ```python
+    >>> from hf_resumable import save_checkpoint, load_checkpoint
+    >>> save_checkpoint("out/checkpoint-10", model=model, optimizer=optimizer, step=10)  # doctest: +SKIP
+    >>> load_checkpoint("out/checkpoint-10", model=model, optimizer=optimizer).step  # doctest: +SKIP
+    10
+    ```
+    """
+    target = Path(directory)
+    _ASYNC.wait()
+    rank, _world = rank_and_world_size()
+    if rank == 0:
+        check_target(target, overwrite=overwrite)
+    payload = capture_payload(
+        model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, training_state=training_state,
+        extra=extra, extra_files=extra_files, data_state=data_state, rng=rng, max_shard_size=max_shard_size,
+        processing_class=processing_class, rank=rank, is_main=rank == 0,
+    )
+    metrics = dict(metrics or {})
+
+    def retention() -> None:
+        if keep_last is not None and rank == 0:
+            apply_retention(target.parent, keep_last=keep_last, best_metric=best_metric,
+                            greater_is_better=greater_is_better)
+
+    if not blocking and is_distributed():
+        logger.warning("blocking=False is not supported under torch.distributed yet (collectives from a background "
+                       "thread would race the training loop's); saving %s synchronously.", target)
+        blocking = True
+    if not blocking:
+        _ASYNC.submit(target, payload, step=step, metrics=metrics, overwrite=overwrite, on_commit=retention)
+        return CheckpointInfo(path=target, step=step)
+    manifest = save_payload(target, payload, step=step, metrics=metrics, overwrite=overwrite)
+    retention()
+    return CheckpointInfo(path=target, step=step, manifest=manifest)
+
+
+def load_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    restore_rng: bool = True,
+    strict: bool = True,
+    verify: str = "quick",
+    allow_inexact_resume: bool = False,
+) -> LoadedCheckpoint:
+    """Load a checkpoint written by :func:`save_checkpoint` into freshly built objects, bit for bit.
+
+    The checkpoint is verified before anything is touched (``verify="quick"``: manifest, sizes,
+    headers, index consistency) and every file is hash-checked while it is read; ``verify="full"``
+    checks every hash first (one extra read). Keys are matched once across all shards; every missing,
+    unexpected or mismatched key is reported at once. The RNG is restored last.
+
+    Args:
+        directory (`str` or `os.PathLike`): a committed checkpoint directory.
+        model, optimizer, scheduler, scaler (*optional*): objects to fill (``None`` skips a part).
+        restore_rng (`bool`, *optional*, defaults to `True`): restore this rank's RNG state.
+        strict (`bool`, *optional*, defaults to `True`): missing/unexpected model keys are errors.
+        verify (`str`, *optional*, defaults to `"quick"`): ``"quick"``, ``"full"`` or ``"none"``
+            (``"none"`` skips hash checks while reading; structure is always checked).
+        allow_inexact_resume (`bool`, *optional*, defaults to `False`): continue with a WARNING when
+            this rank's RNG state is missing instead of raising.
+
+    Returns:
+        `LoadedCheckpoint`: training state, extra state, data position and RNG state.
+
+    Raises:
+        IncompleteCheckpointError: no manifest, or a requested part was not saved.
+        CorruptCheckpointError: truncated/corrupt file or hash mismatch (if raised while reading,
+            the objects passed in may be partially filled: load them from another checkpoint).
+        CheckpointMismatchError: the model/optimizer does not fit (all offending keys listed).
+        InexactResumeError: the RNG state for this rank is missing and ``allow_inexact_resume`` is False.
+    """
+    if verify not in ("quick", "full", "none"):
+        raise ValueError(f"verify must be 'quick', 'full' or 'none', got {verify!r}.")
+    _ASYNC.wait()
+    path = Path(directory)
+    report = verify_checkpoint(path, full=verify == "full", raise_on_error=True)
+    rank, _world = rank_and_world_size()
+    reader = _Reader(path, report, hash_on_read=verify == "quick")
+    loaded = load_all(reader, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                      restore_rng=restore_rng, strict=strict, rank=rank)
+    if restore_rng:
+        if loaded.rng_state is None:
+            message = (f"{path} has no RNG state for rank {rank} "
+                       f"({RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}); the run will not continue exactly")
+            if not allow_inexact_resume:
+                raise InexactResumeError(message + ". Pass allow_inexact_resume=True to continue anyway.")
+            logger.warning("%s.", message)
+        else:
+            restore_rng_state(loaded.rng_state, allow_device_mismatch=allow_inexact_resume)
+    logger.info("Loaded %s (step %s)", path, loaded.step)
+    return loaded

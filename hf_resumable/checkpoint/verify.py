@@ -1,0 +1,141 @@
+"""Verify a checkpoint: quick (manifest, sizes, headers, index consistency) or full (+ sha256)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..constants import MODEL_INDEX_FILE, OPTIMIZER_INDEX_FILE
+from ..errors import CorruptCheckpointError, HfResumableError, IncompleteCheckpointError
+from ..safetensors_io import SafetensorsHeader, hash_file, read_header
+from ..sharding import parse_index
+from .manifest import Manifest, read_manifest
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["VerifyReport", "verify_checkpoint"]
+
+
+@dataclass
+class VerifyReport:
+    """Result of :func:`verify_checkpoint`.
+
+    Args:
+        path (`str`): the checkpoint directory.
+        full (`bool`): whether hashes were checked.
+        problems (`list[tuple[str, str]]`): ``(file, reason)`` for every problem found.
+        manifest (`Manifest`, *optional*): the parsed manifest, when it could be read.
+    """
+
+    path: str
+    full: bool
+    problems: list[tuple[str, str]] = field(default_factory=list)
+    manifest: Manifest | None = None
+    headers: dict[str, SafetensorsHeader] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        if self.ok:
+            return f"{self.path}: OK ({'full' if self.full else 'quick'} verification)"
+        lines = [f"{self.path}: {len(self.problems)} problem(s)"] + [f"  {f}: {why}" for f, why in self.problems]
+        return "\n".join(lines)
+
+    def raise_if_bad(self) -> None:
+        """Raise the typed error that fits the first problem."""
+        if self.ok:
+            return
+        error = IncompleteCheckpointError if any("missing" in why for _, why in self.problems) else \
+            CorruptCheckpointError
+        raise error(self.summary() + "\nUse find_latest_checkpoint() to resume from the newest valid checkpoint.")
+
+
+def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, raise_on_error: bool = False) -> VerifyReport:
+    """Check that ``directory`` is a complete, uncorrupted checkpoint.
+
+    Quick mode reads the manifest, checks every listed file exists with the listed size, parses every
+    safetensors header (catching truncation and bogus offsets) and checks that each index refers only
+    to listed shards holding the tensors it names. Full mode also recomputes every sha256.
+
+    Args:
+        directory (`str` or `os.PathLike`): the checkpoint directory.
+        full (`bool`, *optional*, defaults to `True`): also verify hashes.
+        raise_on_error (`bool`, *optional*, defaults to `False`): raise instead of returning a bad report.
+
+    Returns:
+        `VerifyReport`: ``report.ok`` and ``report.problems`` name each bad file and why.
+
+    Raises:
+        IncompleteCheckpointError / CorruptCheckpointError: only with ``raise_on_error=True``.
+
+    Example:
+
+    ```python
+    >>> report = verify_checkpoint("out/checkpoint-100", full=False)  # doctest: +SKIP
+    >>> report.ok
+    True
+    ```
+    """
+    directory = Path(directory)
+    report = VerifyReport(path=str(directory), full=full)
+    try:
+        report.manifest = read_manifest(directory)
+    except HfResumableError as err:
+        report.problems.append(("manifest.json", str(err)))
+    else:
+        _check_files(directory, report)
+        if not report.problems:
+            _check_indexes(directory, report)
+    if raise_on_error:
+        report.raise_if_bad()
+    if not report.ok:
+        logger.debug("%s", report.summary())
+    return report
+
+
+def _check_files(directory: Path, report: VerifyReport) -> None:
+    for relpath, record in report.manifest.files.items():
+        path = directory / relpath
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            report.problems.append((relpath, "missing"))
+            continue
+        if size != record.size:
+            report.problems.append((relpath, f"size is {size} bytes, the manifest says {record.size} (truncated?)"))
+            continue
+        if relpath.endswith(".safetensors"):
+            try:
+                report.headers[relpath] = read_header(path)
+            except CorruptCheckpointError as err:
+                report.problems.append((relpath, str(err)))
+                continue
+        if report.full:
+            actual = hash_file(path)
+            if actual.sha256 != record.sha256:
+                report.problems.append((relpath, f"sha256 mismatch: {actual.sha256} != {record.sha256} "
+                                                 "(the file was modified or corrupted after the save)"))
+
+
+def _check_indexes(directory: Path, report: VerifyReport) -> None:
+    for index_name in (MODEL_INDEX_FILE, OPTIMIZER_INDEX_FILE):
+        if index_name not in report.manifest.files:
+            continue
+        try:
+            index = parse_index(json.loads((directory / index_name).read_bytes()), source=index_name)
+        except (ValueError, HfResumableError) as err:
+            report.problems.append((index_name, f"invalid index: {err}"))
+            continue
+        for filename, names in index.group_by_file().items():
+            header = report.headers.get(filename)
+            if header is None:
+                report.problems.append((index_name, f"refers to {filename!r}, which the manifest does not list"))
+                continue
+            absent = sorted(set(names) - set(header.tensors))
+            if absent:
+                report.problems.append((filename, f"lacks tensors the index places there: {absent[:5]}"))

@@ -1,0 +1,196 @@
+"""Capture and restore every random number generator a training step touches, without pickle.
+
+An :class:`RngState` holds python's ``random``, numpy's global generator, torch's CPU generator and
+every CUDA device's generator. It is stored as a safetensors file of byte tensors, with python's and
+numpy's small scalar parts in the safetensors metadata (JSON strings), so loading it never executes
+anything.
+
+:func:`seeded_rng` is the other half of exactness: inside it, the three global generators are
+reseeded from a position-derived seed (run seed, epoch, sample index...) and put back afterwards, so
+randomness in collators and dataset transforms becomes a pure function of *where* the run is.
+
+Example:
+
+```python
+>>> import random
+>>> from hf_resumable.rng import capture_rng_state, restore_rng_state
+>>> state = capture_rng_state()
+>>> a = random.random()
+>>> restore_rng_state(state)
+>>> a == random.random()
+True
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .errors import CorruptCheckpointError, InexactResumeError
+from .safetensors_io import FileRecord, read_header, read_safetensors, write_safetensors
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RngState", "capture_rng_state", "restore_rng_state", "save_rng_state", "load_rng_state", "derive_seed",
+           "seeded_rng"]
+
+_KEY_TORCH = "torch_cpu"
+_KEY_NUMPY = "numpy_keys"
+_KEY_PYTHON = "python_state"
+_CUDA_PREFIX = "cuda/"
+_META_PYTHON = "python"
+_META_NUMPY = "numpy"
+_META_DEVICES = "cuda_device_count"
+
+
+@dataclass
+class RngState:
+    """The state of python ``random``, numpy's global generator, torch CPU and every CUDA device.
+
+    Args:
+        python (`tuple`): ``random.getstate()``.
+        numpy (`tuple`): ``np.random.get_state()`` (legacy MT19937 tuple).
+        torch_cpu (`torch.Tensor`): ``torch.get_rng_state()`` (uint8).
+        cuda (`list[torch.Tensor]`): ``torch.cuda.get_rng_state_all()`` ([] without CUDA).
+    """
+
+    python: tuple
+    numpy: tuple
+    torch_cpu: torch.Tensor
+    cuda: list[torch.Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.torch_cpu.dtype != torch.uint8:
+            raise ValueError(f"torch_cpu RNG state must be uint8, got {self.torch_cpu.dtype}.")
+
+    def equals(self, other: "RngState") -> bool:
+        """Exact equality of every generator's state."""
+        return (
+            self.python == other.python
+            and self.numpy[0] == other.numpy[0]
+            and np.array_equal(self.numpy[1], other.numpy[1])
+            and tuple(self.numpy[2:]) == tuple(other.numpy[2:])
+            and torch.equal(self.torch_cpu, other.torch_cpu)
+            and len(self.cuda) == len(other.cuda)
+            and all(torch.equal(a, b) for a, b in zip(self.cuda, other.cuda))
+        )
+
+
+def capture_rng_state() -> RngState:
+    """Snapshot python, numpy, torch CPU and all CUDA generators (copies, safe to keep)."""
+    cuda = [s.clone() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
+    return RngState(random.getstate(), np.random.get_state(), torch.get_rng_state().clone(), cuda)
+
+
+def restore_rng_state(state: RngState, *, allow_device_mismatch: bool = False) -> None:
+    """Put every generator back to ``state``.
+
+    Raises:
+        InexactResumeError: if the number of CUDA devices differs from the saved one (the run would
+            not continue exactly), unless ``allow_device_mismatch=True``, which logs a WARNING.
+    """
+    random.setstate(state.python)
+    np.random.set_state(state.numpy)
+    torch.set_rng_state(state.torch_cpu)
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if devices != len(state.cuda):
+        message = f"RNG state was saved with {len(state.cuda)} CUDA device(s) but {devices} are visible now"
+        if not allow_device_mismatch:
+            raise InexactResumeError(message + "; pass allow_inexact_resume=True to continue anyway.")
+        logger.warning("%s; CUDA generators are not restored, the run will not continue exactly.", message)
+        return
+    if devices:
+        torch.cuda.set_rng_state_all(state.cuda)
+
+
+def _python_to_json(state: tuple) -> str:
+    version, internal, gauss = state
+    return json.dumps([version, list(internal), gauss])
+
+
+def _python_from_json(text: str) -> tuple:
+    version, internal, gauss = json.loads(text)
+    return (version, tuple(internal), gauss)
+
+
+def save_rng_state(path: str | os.PathLike, state: RngState | None = None, *, fsync: bool = True) -> FileRecord:
+    """Write ``state`` (default: the current one) as a safetensors file of byte tensors."""
+    state = state or capture_rng_state()
+    kind, keys, pos, has_gauss, cached = state.numpy
+    tensors = [(_KEY_TORCH, state.torch_cpu), (_KEY_NUMPY, torch.from_numpy(np.asarray(keys, dtype=np.uint32)
+                                                                            .view(np.int32).copy()))]
+    tensors += [(f"{_CUDA_PREFIX}{i}", s) for i, s in enumerate(state.cuda)]
+    metadata = {
+        "format": "pt",
+        _META_PYTHON: _python_to_json(state.python),
+        _META_NUMPY: json.dumps([kind, int(pos), int(has_gauss), float(cached)]),
+        _META_DEVICES: str(len(state.cuda)),
+    }
+    return write_safetensors(path, tensors, metadata=metadata, fsync=fsync)
+
+
+def load_rng_state(path: str | os.PathLike, *, expected_sha256: str | None = None) -> RngState:
+    """Read an :class:`RngState` written by :func:`save_rng_state`.
+
+    Raises:
+        CorruptCheckpointError: if the file is not such a file (bad header, missing parts, hash).
+    """
+    path = os.fspath(path)
+    header = read_header(path)
+    tensors = read_safetensors(path, header=header, expected_sha256=expected_sha256)
+    meta = header.metadata
+    try:
+        devices = int(meta[_META_DEVICES])
+        kind, pos, has_gauss, cached = json.loads(meta[_META_NUMPY])
+        keys = tensors[_KEY_NUMPY].numpy().view(np.uint32).copy()
+        numpy_state = (kind, keys, int(pos), int(has_gauss), float(cached))
+        cuda = [tensors[f"{_CUDA_PREFIX}{i}"] for i in range(devices)]
+        return RngState(_python_from_json(meta[_META_PYTHON]), numpy_state, tensors[_KEY_TORCH], cuda)
+    except (KeyError, ValueError, TypeError) as err:
+        raise CorruptCheckpointError(
+            f"{path}: not an hf_resumable RNG state file ({err.__class__.__name__}: {err}). "
+            "Resume from an earlier checkpoint, or pass allow_inexact_resume=True to continue without it."
+        ) from None
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 32-bit seed that is a pure function of ``parts`` (stable across processes and platforms).
+
+    Example:
+
+    ```python
+    >>> derive_seed(42, 0, 17) == derive_seed(42, 0, 17) != derive_seed(42, 0, 18)
+    True
+    ```
+    """
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0xFFFFFFFF
+
+
+@contextlib.contextmanager
+def seeded_rng(seed: int) -> Iterator[None]:
+    """Run the body with python, numpy and torch CPU generators seeded from ``seed``, then restore them.
+
+    The caller's streams (e.g. the one dropout draws from) are left exactly as they were, so data
+    randomness and model randomness never interleave.
+    """
+    saved = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
