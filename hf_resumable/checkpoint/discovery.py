@@ -48,11 +48,13 @@ def cleanup_stale_temp_dirs(root: str | os.PathLike) -> list[Path]:
     return removed
 
 
-def find_latest_checkpoint(root: str | os.PathLike, *, cleanup: bool = True) -> Path | None:
-    """The newest ``checkpoint-N`` under ``root`` that passes quick verification, or None.
+def find_latest_checkpoint(root: str | os.PathLike, *, cleanup: bool = True, full: bool = False) -> Path | None:
+    """The newest ``checkpoint-N`` under ``root`` that passes verification, or None.
 
     Directories without a manifest (interrupted saves) or with truncated/corrupt files are skipped
-    with a WARNING naming the reason. With ``cleanup``, stale temp dirs of dead writers are removed.
+    with a WARNING naming the reason. Quick verification is the default (sizes, headers, hashes of
+    files up to 4 MiB); ``full=True`` hashes every file. With ``cleanup``, stale temp dirs of dead
+    writers are removed.
 
     Example:
 
@@ -65,7 +67,7 @@ def find_latest_checkpoint(root: str | os.PathLike, *, cleanup: bool = True) -> 
     if cleanup:
         cleanup_stale_temp_dirs(root)
     for step, path in reversed(list_checkpoints(root)):
-        report = verify_checkpoint(path, full=False)
+        report = verify_checkpoint(path, full=full)
         if report.ok:
             return path
         logger.warning("Skipping %s: %s", path, "; ".join(f"{f}: {why}" for f, why in report.problems)[:500])

@@ -26,11 +26,13 @@ __all__ = ["Manifest", "read_manifest", "library_versions"]
 
 def library_versions() -> dict[str, str]:
     """Versions of the libraries that shape the bytes of a checkpoint."""
+    from importlib.metadata import PackageNotFoundError, version
+
     versions = {"hf_resumable": __version__, "python": platform.python_version()}
-    for module in ("torch", "transformers", "safetensors", "accelerate", "huggingface_hub"):
+    for package in ("torch", "transformers", "safetensors", "accelerate", "huggingface_hub", "datasets"):
         try:
-            versions[module] = __import__(module).__version__
-        except Exception:  # noqa: BLE001 - an optional library that fails to import is simply not recorded
+            versions[package] = version(package)
+        except PackageNotFoundError:
             continue
     return versions
 
@@ -76,6 +78,7 @@ class Manifest:
             "versions": self.versions,
             "files": {k: {"size": v.size, "sha256": v.sha256} for k, v in sorted(self.files.items())},
         }
+        document["checksum"] = _checksum(document)
         return (json.dumps(document, indent=2, sort_keys=True) + "\n").encode()
 
     @classmethod
@@ -86,6 +89,9 @@ class Manifest:
             raise CorruptCheckpointError(f"{source}: manifest is not valid JSON ({err}).") from None
         if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(f"{source}: not an hf_resumable manifest (format field is missing or wrong).")
+        if document.pop("checksum", None) != _checksum(document):
+            raise CorruptCheckpointError(f"{source}: manifest checksum mismatch (the manifest was modified or "
+                                         "corrupted after the save).")
         version = document.get("format_version")
         if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
             raise FormatVersionError(
@@ -101,6 +107,15 @@ class Manifest:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise CorruptCheckpointError(f"{source}: manifest is malformed ({err.__class__.__name__}: {err}).") from None
+
+
+def _checksum(document: Mapping[str, Any]) -> str:
+    """sha256 of the manifest's canonical JSON without its own checksum field."""
+    import hashlib
+
+    canonical = json.dumps({k: v for k, v in document.items() if k != "checksum"}, sort_keys=True,
+                           separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:

@@ -16,7 +16,11 @@ from .manifest import Manifest, read_manifest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VerifyReport", "verify_checkpoint"]
+__all__ = ["VerifyReport", "verify_checkpoint", "QUICK_HASH_LIMIT"]
+
+# Quick verification still hashes files up to this size (JSON, RNG, small shards): it costs little
+# and catches flipped bytes in every file that is not a large tensor shard.
+QUICK_HASH_LIMIT = 4 * 1024 * 1024
 
 
 @dataclass
@@ -34,6 +38,7 @@ class VerifyReport:
     full: bool
     problems: list[tuple[str, str]] = field(default_factory=list)
     manifest: Manifest | None = None
+    error_types: list[type[HfResumableError]] = field(default_factory=list)
     headers: dict[str, SafetensorsHeader] = field(default_factory=dict)
 
     @property
@@ -46,21 +51,25 @@ class VerifyReport:
         lines = [f"{self.path}: {len(self.problems)} problem(s)"] + [f"  {f}: {why}" for f, why in self.problems]
         return "\n".join(lines)
 
+    def add(self, file: str, reason: str, error_type: type[HfResumableError] = CorruptCheckpointError) -> None:
+        self.problems.append((file, reason))
+        self.error_types.append(error_type)
+
     def raise_if_bad(self) -> None:
         """Raise the typed error that fits the first problem."""
         if self.ok:
             return
-        error = IncompleteCheckpointError if any("missing" in why for _, why in self.problems) else \
-            CorruptCheckpointError
+        error = self.error_types[0] if self.error_types else CorruptCheckpointError
         raise error(self.summary() + "\nUse find_latest_checkpoint() to resume from the newest valid checkpoint.")
 
 
 def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, raise_on_error: bool = False) -> VerifyReport:
     """Check that ``directory`` is a complete, uncorrupted checkpoint.
 
-    Quick mode reads the manifest, checks every listed file exists with the listed size, parses every
-    safetensors header (catching truncation and bogus offsets) and checks that each index refers only
-    to listed shards holding the tensors it names. Full mode also recomputes every sha256.
+    Quick mode reads the manifest (and checks its own checksum), checks every listed file exists with
+    the listed size, parses every safetensors header (catching truncation and bogus offsets), hashes
+    every file up to ``QUICK_HASH_LIMIT`` (4 MiB) and checks that each index refers only to listed
+    shards holding the tensors it names. Full mode recomputes every sha256.
 
     Args:
         directory (`str` or `os.PathLike`): the checkpoint directory.
@@ -86,7 +95,7 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, raise_
     try:
         report.manifest = read_manifest(directory)
     except HfResumableError as err:
-        report.problems.append(("manifest.json", str(err)))
+        report.add("manifest.json", str(err), type(err))
     else:
         _check_files(directory, report)
         if not report.problems:
@@ -104,22 +113,22 @@ def _check_files(directory: Path, report: VerifyReport) -> None:
         try:
             size = path.stat().st_size
         except FileNotFoundError:
-            report.problems.append((relpath, "missing"))
+            report.add(relpath, "missing", IncompleteCheckpointError)
             continue
         if size != record.size:
-            report.problems.append((relpath, f"size is {size} bytes, the manifest says {record.size} (truncated?)"))
+            report.add(relpath, f"size is {size} bytes, the manifest says {record.size} (truncated?)")
             continue
         if relpath.endswith(".safetensors"):
             try:
                 report.headers[relpath] = read_header(path)
             except CorruptCheckpointError as err:
-                report.problems.append((relpath, str(err)))
+                report.add(relpath, str(err))
                 continue
-        if report.full:
+        if report.full or record.size <= QUICK_HASH_LIMIT:
             actual = hash_file(path)
             if actual.sha256 != record.sha256:
-                report.problems.append((relpath, f"sha256 mismatch: {actual.sha256} != {record.sha256} "
-                                                 "(the file was modified or corrupted after the save)"))
+                report.add(relpath, f"sha256 mismatch: {actual.sha256} != {record.sha256} "
+                                                 "(the file was modified or corrupted after the save)")
 
 
 def _check_indexes(directory: Path, report: VerifyReport) -> None:
@@ -128,14 +137,17 @@ def _check_indexes(directory: Path, report: VerifyReport) -> None:
             continue
         try:
             index = parse_index(json.loads((directory / index_name).read_bytes()), source=index_name)
-        except (ValueError, HfResumableError) as err:
-            report.problems.append((index_name, f"invalid index: {err}"))
+        except HfResumableError as err:
+            report.add(index_name, f"invalid index: {err}", type(err))
+            continue
+        except ValueError as err:
+            report.add(index_name, f"invalid index: {err}")
             continue
         for filename, names in index.group_by_file().items():
             header = report.headers.get(filename)
             if header is None:
-                report.problems.append((index_name, f"refers to {filename!r}, which the manifest does not list"))
+                report.add(index_name, f"refers to {filename!r}, which the manifest does not list")
                 continue
             absent = sorted(set(names) - set(header.tensors))
             if absent:
-                report.problems.append((filename, f"lacks tensors the index places there: {absent[:5]}"))
+                report.add(filename, f"lacks tensors the index places there: {absent[:5]}")
