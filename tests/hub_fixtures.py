@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from fakehub import FakeHub
 
-__all__ = ["hub", "hub_env", "hub_environ", "new_repo_id"]
+__all__ = ["hub", "hub_env", "hub_environ", "new_repo_id", "make_checkpoint_dir", "on_meta", "tiny_gpt2", "tiny_llama"]
 
 
 def hub_environ(endpoint: str, home: Path) -> dict[str, str]:
@@ -87,3 +87,50 @@ def hub(_hub_server: FakeHub, hub_env: dict[str, str]) -> Iterator[FakeHub]:
 def new_repo_id(prefix: str = "repo") -> str:
     """A repo id no other test uses."""
     return f"user/{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def tiny_gpt2(*, n_layer: int = 2, seed: int = 0):
+    """A tiny GPT-2 (tied lm_head) with deterministic random weights."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=n_layer, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
+                        bos_token_id=0, eos_token_id=1)
+    return GPT2LMHeadModel(config).eval()
+
+
+def tiny_llama(*, layers: int = 2, seed: int = 0):
+    """A tiny Llama (untied head, GQA, rotary buffers) with deterministic random weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, bos_token_id=0,
+                         eos_token_id=1, pad_token_id=None)
+    return LlamaForCausalLM(config).eval()
+
+
+def on_meta(model):
+    """A fresh copy of ``model``'s architecture on the meta device (buffers stay real)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        return type(model)(model.config).eval()
+
+
+def make_checkpoint_dir(directory: Path, files: dict[str, bytes], *, bad_hash_for: str | None = None) -> Path:
+    """A committed-looking checkpoint directory: ``files`` plus a ``manifest.json`` with size and sha256 of each."""
+    import hashlib
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    records = {}
+    for name, data in files.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_bytes(data)
+        digest = hashlib.sha256(data).hexdigest() if name != bad_hash_for else "0" * 64
+        records[name] = {"size": len(data), "sha256": digest}
+    (directory / "manifest.json").write_text(json.dumps({"format": "hf_resumable", "files": records}))
+    return directory
