@@ -21,9 +21,10 @@ import json
 import logging
 import math
 import os
+import queue
 import struct
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -217,33 +218,39 @@ def build_header(
 
 
 class _Pipeline:
-    """Hash chunks on a helper thread, in order, while the caller does IO on them."""
+    """Hash chunks on a helper thread, in order, while the caller does IO on them.
 
-    def __init__(self, pool: ThreadPoolExecutor | None) -> None:
+    A plain thread and queue rather than an executor: saves may run while the interpreter shuts
+    down (atexit waits for an async save), when executors refuse new work.
+    """
+
+    def __init__(self) -> None:
         self.digest = hashlib.sha256()
-        self.pool = pool
-        self.pending = None
+        self.queue: queue.Queue = queue.Queue(maxsize=8)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="hf_resumable-hash", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (chunk := self.queue.get()) is not None:
+            try:
+                self.digest.update(chunk)
+            except BaseException as err:  # noqa: BLE001 - surfaced by hexdigest()
+                self.error = err
 
     def feed(self, chunk: memoryview) -> None:
-        if self.pool is None:
-            self.digest.update(chunk)
-        else:
-            self.pending = self.pool.submit(self.digest.update, chunk)
+        self.queue.put(chunk)
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
 
     def hexdigest(self) -> str:
-        if self.pending is not None:
-            self.pending.result()
+        self.close()
+        if self.error is not None:
+            raise self.error
         return self.digest.hexdigest()
-
-
-_HASH_POOL: ThreadPoolExecutor | None = None
-
-
-def _hash_pool() -> ThreadPoolExecutor:
-    global _HASH_POOL
-    if _HASH_POOL is None:
-        _HASH_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_resumable-hash")
-    return _HASH_POOL
 
 
 def _write_all(fd: int, chunk: memoryview) -> None:
@@ -271,7 +278,7 @@ def write_safetensors(
     path = os.fspath(path)
     ordered = layout_tensors([(name, _cpu_contiguous(t)) for name, t in tensors])
     header = build_header(ordered, metadata)
-    pipeline = _Pipeline(_hash_pool())
+    pipeline = _Pipeline()
     size = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -284,8 +291,7 @@ def write_safetensors(
             os.fsync(fd)
     except BaseException:
         os.close(fd)
-        if pipeline.pending is not None:
-            pipeline.pending.exception()
+        pipeline.close()
         _unlink_quietly(path)
         raise
     os.close(fd)
@@ -349,30 +355,34 @@ def read_safetensors(
     missing = wanted - set(header.tensors)
     if missing:
         raise _corrupt(path, f"missing tensors {sorted(missing)[:10]}")
-    pipeline = _Pipeline(_hash_pool()) if expected_sha256 else None
+    pipeline = _Pipeline() if expected_sha256 else None
     out: dict[str, torch.Tensor] = {}
     into = into or {}
-    with open(path, "rb", buffering=0) as f:
+    try:
+        with open(path, "rb", buffering=0) as f:
+            if pipeline is not None:
+                prefix = f.read(header.data_offset)
+                pipeline.feed(memoryview(prefix))
+            for info in sorted(header.tensors.values(), key=lambda t: t.start):
+                if info.name not in wanted and pipeline is None:
+                    continue
+                target = into.get(info.name)
+                buffer = target if _can_read_into(target, info) else torch.empty(info.shape, dtype=info.torch_dtype)
+                f.seek(header.data_offset + info.start)
+                _read_exact(f, _as_bytes(buffer), path, info, pipeline)
+                if info.name not in wanted:
+                    continue
+                if target is not None and buffer is not target:
+                    with torch.no_grad():
+                        target.copy_(buffer)
+                elif target is None:
+                    if on_tensor is not None:
+                        on_tensor(info.name, buffer)
+                    else:
+                        out[info.name] = buffer
+    finally:
         if pipeline is not None:
-            prefix = f.read(header.data_offset)
-            pipeline.feed(memoryview(prefix))
-        for info in sorted(header.tensors.values(), key=lambda t: t.start):
-            if info.name not in wanted and pipeline is None:
-                continue
-            target = into.get(info.name)
-            buffer = target if _can_read_into(target, info) else torch.empty(info.shape, dtype=info.torch_dtype)
-            f.seek(header.data_offset + info.start)
-            _read_exact(f, _as_bytes(buffer), path, info, pipeline)
-            if info.name not in wanted:
-                continue
-            if target is not None and buffer is not target:
-                with torch.no_grad():
-                    target.copy_(buffer)
-            elif target is None:
-                if on_tensor is not None:
-                    on_tensor(info.name, buffer)
-                else:
-                    out[info.name] = buffer
+            pipeline.close()
     if pipeline is not None:
         digest = pipeline.hexdigest()
         if digest != expected_sha256:

@@ -1,0 +1,118 @@
+"""Async saves: training continues while the save is in flight; the files equal a blocking save's."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from tiny_models import tiny_gpt2, train_steps
+
+from hf_resumable.checkpoint import (
+    find_latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+    wait_for_pending_saves,
+)
+from hf_resumable.checkpoint import _writer, api
+from hf_resumable.errors import AsyncSaveError
+
+
+def _files(directory):
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in directory.rglob("*")
+            if p.is_file() and p.name != "manifest.json"}
+
+
+def test_training_runs_during_async_save_and_bytes_equal_blocking(tmp_path, monkeypatch):
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, optimizer, steps=2)
+    rng = torch.get_rng_state()
+    save_checkpoint(tmp_path / "blocking" / "checkpoint-2", model=model, optimizer=optimizer, step=2,
+                    max_shard_size="16KB", rng=False)
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+
+    gate = threading.Event()
+    started = threading.Event()
+    real = _writer.write_safetensors
+
+    def gated(path, tensors, **kwargs):
+        started.set()
+        assert gate.wait(30), "test gate never opened"
+        return real(path, tensors, **kwargs)
+
+    monkeypatch.setattr(_writer, "write_safetensors", gated)
+    info = save_checkpoint(tmp_path / "async" / "checkpoint-2", model=model, optimizer=optimizer, step=2,
+                           max_shard_size="16KB", rng=False, blocking=False)
+    assert info.manifest is None
+    assert started.wait(30)
+    assert api._ASYNC.in_flight
+    train_steps(model, optimizer, steps=3, seed=11)  # mutates parameters and optimizer state in place
+    assert not torch.equal(model.transformer.wte.weight, snapshot["transformer.wte.weight"])
+    assert not (tmp_path / "async" / "checkpoint-2").exists()
+    gate.set()
+    wait_for_pending_saves()
+    assert _files(tmp_path / "blocking" / "checkpoint-2") == _files(tmp_path / "async" / "checkpoint-2")
+    assert read_manifest(tmp_path / "async" / "checkpoint-2").files == \
+        read_manifest(tmp_path / "blocking" / "checkpoint-2").files
+    fresh = tiny_gpt2(seed=9)
+    load_checkpoint(tmp_path / "async" / "checkpoint-2", model=fresh, restore_rng=False)
+    for key, value in snapshot.items():
+        assert torch.equal(fresh.state_dict()[key], value)
+    torch.set_rng_state(rng)
+
+
+def test_staging_buffers_are_reused_across_saves(tmp_path):
+    model = tiny_gpt2()
+    save_checkpoint(tmp_path / "checkpoint-1", model=model, step=1, blocking=False, rng=False)
+    wait_for_pending_saves()
+    first = {key: buf.data_ptr() for key, buf in api._ASYNC._buffers.items() if key[0].startswith("model-")}
+    save_checkpoint(tmp_path / "checkpoint-2", model=model, step=2, blocking=False, rng=False)
+    wait_for_pending_saves()
+    second = {key: buf.data_ptr() for key, buf in api._ASYNC._buffers.items() if key[0].startswith("model-")}
+    assert first and first == second
+
+
+def test_background_failure_is_raised_at_next_call_and_loses_nothing(tmp_path, monkeypatch):
+    model = tiny_gpt2()
+    save_checkpoint(tmp_path / "checkpoint-1", model=model, step=1, rng=False)
+
+    failed = threading.Event()
+
+    def broken(path, tensors, **kwargs):
+        failed.set()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_writer, "write_safetensors", broken)
+    save_checkpoint(tmp_path / "checkpoint-2", model=model, step=2, blocking=False, rng=False)
+    assert failed.wait(30)
+    monkeypatch.undo()
+    with pytest.raises(AsyncSaveError, match="No space left"):
+        save_checkpoint(tmp_path / "checkpoint-3", model=model, step=3, rng=False)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
+    assert find_latest_checkpoint(tmp_path) == tmp_path / "checkpoint-1"
+    save_checkpoint(tmp_path / "checkpoint-3", model=model, step=3, rng=False)  # the error was raised once
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1, 3]
+
+
+def test_load_waits_for_the_in_flight_save(tmp_path):
+    model = tiny_gpt2()
+    save_checkpoint(tmp_path / "checkpoint-1", model=model, step=1, blocking=False, rng=False)
+    fresh = tiny_gpt2(seed=4)
+    load_checkpoint(tmp_path / "checkpoint-1", model=fresh, restore_rng=False)
+    assert torch.equal(fresh.transformer.wte.weight, model.transformer.wte.weight)
+
+
+def test_interpreter_exit_waits_for_the_save(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from hf_resumable.checkpoint import save_checkpoint\n"
+        f"save_checkpoint(r'{tmp_path}/checkpoint-1', model={{'w': torch.randn(512, 512)}}, step=1, blocking=False)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert find_latest_checkpoint(tmp_path, full=True) == tmp_path / "checkpoint-1"
