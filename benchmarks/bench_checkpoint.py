@@ -1,0 +1,168 @@
+"""Checkpoint save/load speed as ratios against this machine's raw disk limits, measured in the same run.
+
+For a Llama-shaped model + AdamW state of about 1 GiB, each repetition measures:
+
+- raw write+fsync of the same byte count (the durable-write limit),
+- our blocking save (``save_checkpoint``),
+- our async save's stall (time until ``save_checkpoint(blocking=False)`` returns and training may go on),
+- the stock pattern (``save_pretrained`` + ``torch.save(optimizer.state_dict())``, fsynced),
+- raw cold read of the checkpoint's bytes and our full load (``load_checkpoint``, hashes checked on the fly).
+
+Caches are dropped before every write and cold read when the process may write ``/proc/sys/vm/drop_caches``.
+Prints a markdown table of medians and the ratios the targets are stated in.
+
+Usage:
+    python benchmarks/bench_checkpoint.py --repeats 5 [--dir /path/on/the/disk/to/test]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_resumable.checkpoint import load_checkpoint, save_checkpoint, wait_for_pending_saves
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                         num_key_value_heads=16, vocab_size=16000, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def raw_write(path: Path, buffer: memoryview) -> float:
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for offset in range(0, len(buffer), 16 << 20):
+        os.write(fd, buffer[offset : offset + (16 << 20)])
+    os.fsync(fd)
+    os.close(fd)
+    return time.perf_counter() - start
+
+
+def raw_read(directory: Path, buffer: bytearray) -> float:
+    view = memoryview(buffer)
+    start = time.perf_counter()
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            with open(path, "rb", buffering=0) as f:
+                while f.readinto(view[: 16 << 20]):
+                    pass
+    return time.perf_counter() - start
+
+
+def stock_save(model, optimizer, directory: Path) -> float:
+    start = time.perf_counter()
+    model.save_pretrained(directory)
+    torch.save(optimizer.state_dict(), directory / "optimizer.pt")
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir))
+    model, optimizer = build()
+    fresh_model, fresh_optimizer = build(seed=1)
+    can_drop = drop_caches()
+    results: dict[str, list[float]] = {k: [] for k in ("raw_write", "save", "async_stall", "async_total", "stock",
+                                                       "raw_read", "load")}
+    # Warm-up: allocate the async staging buffers once (they are reused afterwards, as in training).
+    save_checkpoint(root / "warm", model=model, optimizer=optimizer, blocking=False)
+    wait_for_pending_saves()
+    nbytes = dir_bytes(root / "warm")
+    shutil.rmtree(root / "warm")
+    payload = memoryview(os.urandom(nbytes))
+    read_buffer = bytearray(16 << 20)
+    for rep in range(args.repeats):
+        drop_caches()
+        results["raw_write"].append(raw_write(root / "raw.bin", payload))
+        (root / "raw.bin").unlink()
+        drop_caches()
+        start = time.perf_counter()
+        save_checkpoint(root / f"checkpoint-{rep}", model=model, optimizer=optimizer, step=rep)
+        results["save"].append(time.perf_counter() - start)
+        drop_caches()
+        start = time.perf_counter()
+        save_checkpoint(root / f"async-{rep}", model=model, optimizer=optimizer, step=rep, blocking=False)
+        results["async_stall"].append(time.perf_counter() - start)
+        wait_for_pending_saves()
+        results["async_total"].append(time.perf_counter() - start)
+        shutil.rmtree(root / f"async-{rep}")
+        drop_caches()
+        results["stock"].append(stock_save(model, optimizer, root / f"stock-{rep}"))
+        shutil.rmtree(root / f"stock-{rep}")
+        drop_caches()
+        results["raw_read"].append(raw_read(root / f"checkpoint-{rep}", read_buffer))
+        drop_caches()
+        start = time.perf_counter()
+        load_checkpoint(root / f"checkpoint-{rep}", model=fresh_model, optimizer=fresh_optimizer)
+        results["load"].append(time.perf_counter() - start)
+        shutil.rmtree(root / f"checkpoint-{rep}")
+    shutil.rmtree(root, ignore_errors=True)
+    report(results, nbytes, args.repeats, can_drop)
+
+
+def report(results: dict[str, list[float]], nbytes: int, repeats: int, can_drop: bool) -> None:
+    med = {k: statistics.median(v) for k, v in results.items()}
+    gbps = {k: nbytes / v / 1e9 for k, v in med.items()}
+    print(f"\nCheckpoint of {nbytes / 2**30:.2f} GiB (model + AdamW), median of {repeats} runs, "
+          f"page cache dropped: {can_drop}\n")
+    print("| operation | median s | GB/s | ratio | target |")
+    print("|---|---|---|---|---|")
+    rows = [
+        ("raw write + fsync (limit)", "raw_write", "1.00x", ""),
+        ("hf_resumable blocking save", "save", f"{med['raw_write'] / med['save']:.2f}x raw write", ">= 0.9x"),
+        ("hf_resumable async save: stall", "async_stall", f"{med['async_stall'] / med['save']:.3f}x blocking save",
+         "<= 0.1x"),
+        ("hf_resumable async save: until committed", "async_total", f"{med['raw_write'] / med['async_total']:.2f}x "
+         "raw write", ""),
+        ("stock: save_pretrained + torch.save(optimizer)", "stock", f"{med['raw_write'] / med['stock']:.2f}x raw "
+         "write", ""),
+        ("raw cold read (limit)", "raw_read", "1.00x", ""),
+        ("hf_resumable full load (hash-checked)", "load", f"{med['raw_read'] / med['load']:.2f}x raw read",
+         ">= 0.9x"),
+    ]
+    for label, key, ratio, target in rows:
+        print(f"| {label} | {med[key]:.3f} | {gbps[key]:.2f} | {ratio} | {target} |")
+    print(f"\nspeed-up over the stock pattern: {med['stock'] / med['save']:.2f}x (blocking), "
+          f"{med['stock'] / med['async_stall']:.1f}x (async stall)")
+
+
+if __name__ == "__main__":
+    main()
