@@ -61,6 +61,9 @@ __all__ = [
     "SHARD_RECORDS_KEY",
     "HfUrl",
     "HubSnapshot",
+    "read_index_file",
+    "shard_record",
+    "write_sharded_model",
     "PushedCheckpoint",
     "CheckpointUploader",
     "parse_hf_url",
@@ -212,7 +215,7 @@ class HubSnapshot:
         except EntryNotFoundError:
             path = None
         if path is not None:
-            return _load_index_file(path, source=f"{self.label}/{MODEL_INDEX_FILE}"), path.parent
+            return read_index_file(path, source=f"{self.label}/{MODEL_INDEX_FILE}"), path.parent
         try:
             return None, self.fetch(SINGLE_MODEL_FILE).parent
         except EntryNotFoundError:
@@ -239,13 +242,34 @@ class HubSnapshot:
 
 
 def shard_record(index: ShardIndex, filename: str) -> dict[str, Any] | None:
-    """The ``{"size", "sha256"}`` that :func:`push_sharded` recorded for ``filename``, if any."""
+    """The ``{"size", "sha256"}`` that :func:`push_sharded` recorded for ``filename``, if any.
+
+    Example:
+
+    ```python
+    >>> shard_record(index, "model-00001-of-00002.safetensors")
+    {'size': 20480, 'sha256': '9f86d0...'}
+    ```
+    """
     records = index.metadata.get(SHARD_RECORDS_KEY)
     record = records.get(filename) if isinstance(records, dict) else None
     return record if isinstance(record, dict) else None
 
 
-def _load_index_file(path: Path, *, source: str) -> ShardIndex:
+def read_index_file(path: Path, *, source: str) -> ShardIndex:
+    """Parse and validate a local ``*.safetensors.index.json`` (size-capped, traversal-checked).
+
+    Raises:
+        UnsafeIndexError: if the file is oversized, malformed, or names files outside its directory.
+        CorruptCheckpointError: if it is not JSON.
+
+    Example:
+
+    ```python
+    >>> read_index_file(Path("out/model.safetensors.index.json"), source="out").filenames
+    ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
+    ```
+    """
     if path.stat().st_size > MAX_JSON_SIZE:
         raise UnsafeIndexError(f"{source}: index is larger than {MAX_JSON_SIZE} bytes; refusing to parse it.")
     try:
@@ -571,6 +595,23 @@ def _fetch_into(part: Path, remote: _RemoteFile, start: int, token: str | None) 
     return size
 
 
+def _git_blob_sha1(path: Path) -> str:
+    digest = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_DOWNLOAD_CHUNK * 8):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _is_up_to_date(target: Path, remote: _RemoteFile, expected_sha256: str | None) -> bool:
+    """Whether ``target`` already holds the remote file (by sha256, or the git blob id of a regular file)."""
+    if not target.is_file() or (remote.size is not None and target.stat().st_size != remote.size):
+        return False
+    if expected_sha256 is not None or (remote.etag and _SHA256_RE.match(remote.etag)):
+        return _sha256_of(target) == (expected_sha256 or remote.etag)
+    return bool(remote.etag) and _git_blob_sha1(target) == remote.etag
+
+
 def _finish_download(part: Path, target: Path, expected_sha256: str | None, source: str) -> None:
     if expected_sha256 is not None:
         actual = _sha256_of(part)
@@ -632,11 +673,11 @@ def resumable_download(
     check_relative_name(filename, source=f"{repo_id}", suffix=None)
     target = Path(local_dir) / filename
     source = f"{repo_id}@{revision or 'main'}/{filename}"
-    if target.exists() and expected_sha256 is not None and _sha256_of(target) == expected_sha256:
-        return target
     remote = _remote_file(repo_id, filename, revision, token, repo_type)
     if expected_size is not None and remote.size is not None and remote.size != expected_size:
         raise CorruptCheckpointError(f"{source}: the Hub reports {remote.size} bytes, expected {expected_size}.")
+    if _is_up_to_date(target, remote, expected_sha256):
+        return target
     part, sidecar = target.with_name(target.name + PART_SUFFIX), target.with_name(target.name + SIDECAR_SUFFIX)
     size = _prepare_part(part, sidecar, remote)
     for attempt in range(max_retries + 1):

@@ -38,7 +38,7 @@ from torch import nn
 
 from .constants import MODEL_INDEX_FILE
 from .errors import CheckpointMismatchError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
-from .hub import SINGLE_MODEL_FILE, HubSnapshot, _load_index_file, _verify_file, shard_record
+from .hub import SINGLE_MODEL_FILE, HubSnapshot, read_index_file
 from .safetensors_io import STR_TO_DTYPE, read_header, read_safetensors
 from .sharding import ShardIndex
 
@@ -200,7 +200,7 @@ def _open_local(path: Path) -> LazyStateDict:
                 "save_pretrained / push_sharded, or at a .safetensors file."
             )
         return _open_local(single)
-    index = _load_index_file(index_path, source=str(index_path))
+    index = read_index_file(index_path, source=str(index_path))
     metas: dict[str, TensorMeta] = {}
     for filename in index.filenames:
         shard = path / filename

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from fakehub import FakeHub
 
-__all__ = ["hub", "hub_env", "hub_environ", "new_repo_id", "make_checkpoint_dir", "on_meta", "tiny_gpt2", "tiny_llama"]
+__all__ = ["hub", "hub_env", "hub_constants", "hub_environ", "new_repo_id", "make_checkpoint_dir", "on_meta", "tiny_gpt2", "tiny_llama"]
 
 
 def hub_environ(endpoint: str, home: Path) -> dict[str, str]:
@@ -34,6 +34,19 @@ def hub_environ(endpoint: str, home: Path) -> dict[str, str]:
         "HF_HUB_DOWNLOAD_TIMEOUT": "30",
         "NO_PROXY": no_proxy,
         "no_proxy": no_proxy,
+    }
+
+
+def hub_constants(endpoint: str, home: Path) -> dict[str, object]:
+    """``huggingface_hub.constants`` values to set when the library was imported before the environment was."""
+    return {
+        "ENDPOINT": endpoint,
+        "HUGGINGFACE_CO_URL_TEMPLATE": endpoint + "/{repo_id}/resolve/{revision}/{filename}",
+        "HF_HUB_DISABLE_XET": True,
+        "HF_HUB_OFFLINE": False,
+        "HF_HOME": str(home),
+        "HF_HUB_CACHE": str(home / "hub"),
+        "HF_HUB_DISABLE_TELEMETRY": True,
     }
 
 
@@ -57,14 +70,8 @@ def hub_env(_hub_server: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         monkeypatch.setenv(key, value)
     for key in ("HF_HUB_OFFLINE", "HUGGINGFACE_CO_STAGING", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setattr(constants, "ENDPOINT", _hub_server.endpoint)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
-                        _hub_server.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "HF_HOME", str(home))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", True)
+    for key, value in hub_constants(_hub_server.endpoint, home).items():
+        monkeypatch.setattr(constants, key, value)
     huggingface_hub.utils.disable_progress_bars()
     huggingface_hub.close_session()  # the next client reads NO_PROXY afresh
     yield env

@@ -223,6 +223,9 @@ def test_resumable_download_retries_in_call_and_checks_hash(hub: FakeHub, tmp_pa
     path = resumable_download(repo_id, "w.safetensors", local_dir=tmp_path)
     assert path.read_bytes() == data
     assert [r.range for r in hub.requests("GET", "^/cdn/")] == [None, "bytes=100000-"]
+    hub.clear_log()
+    assert resumable_download(repo_id, "w.safetensors", local_dir=tmp_path) == path
+    assert hub.requests("GET") == []  # an up-to-date local copy is not fetched again
     with pytest.raises(CorruptCheckpointError, match="expected 0000"):
         resumable_download(repo_id, "w.safetensors", local_dir=tmp_path / "x", expected_sha256="0" * 64)
     assert list((tmp_path / "x").iterdir()) == [(tmp_path / "x/w.safetensors.part.json")]
@@ -262,7 +265,9 @@ def test_push_and_pull_checkpoint_on_branch_and_tag(hub: FakeHub, tmp_path: Path
     assert pulled == tmp_path / "pulled/checkpoint-120"
     for name, data in files.items():
         assert (pulled / name).read_bytes() == data
-    assert pull_checkpoint(pushed.url, local_dir=tmp_path / "again") == tmp_path / "again/checkpoint-120"
+    hub.clear_log()
+    assert pull_checkpoint(pushed.url, local_dir=tmp_path / "pulled") == pulled
+    assert hub.requests("GET", "/resolve/") == []  # regular (git sha1) and LFS (sha256) files both up to date
 
 
 def test_pull_checkpoint_rejects_bad_checkpoints(hub: FakeHub, tmp_path: Path) -> None:
