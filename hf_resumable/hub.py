@@ -314,24 +314,6 @@ def _verify_file(path: Path, expected: Mapping[str, Any], *, source: str) -> Non
 
 
 # --------------------------------------------------------------------------------------------------- push a model
-def _dedupe_shared(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Keep the first name of tensors that alias the same memory; return ``(kept, {dropped: kept_name})``."""
-    seen: dict[tuple, str] = {}
-    kept: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    for name, tensor in state_dict.items():
-        if tensor.device.type == "meta":
-            raise ValueError(f"Tensor {name!r} is on the meta device and has no data to push; load the weights first.")
-        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-               tuple(tensor.stride()), tensor.dtype)
-        if tensor.numel() and key in seen:
-            aliases[name] = seen[key]
-            continue
-        seen[key] = name
-        kept[name] = tensor
-    return kept, aliases
-
-
 def write_sharded_model(state_dict: Mapping[str, torch.Tensor], directory: str | os.PathLike, *,
                         max_shard_size: int | str) -> dict:
     """Write ``state_dict`` as ``model-0000k-of-0000N.safetensors`` plus the index into ``directory``.
@@ -351,12 +333,13 @@ def write_sharded_model(state_dict: Mapping[str, torch.Tensor], directory: str |
     ['model-00001-of-00001.safetensors']
     ```
     """
+    from .checkpoint._model import dedupe_tied  # same aliasing rule as training checkpoints
     from .constants import SAFETENSORS_METADATA
     from .safetensors_io import write_safetensors
     from .sharding import build_index
 
     directory = Path(directory)
-    tensors, aliases = _dedupe_shared(state_dict)
+    tensors, aliases = dedupe_tied(state_dict)
     plan = plan_shards({n: t.numel() * t.element_size() for n, t in tensors.items()},
                        max_shard_size=max_shard_size, filename_pattern=MODEL_FILE_PATTERN)
     records = {}
@@ -435,7 +418,7 @@ def push_sharded(
 
     Raises:
         CheckpointNotFoundError: if a directory holds no safetensors weights.
-        ValueError: if a tensor is on the meta device.
+        CheckpointMismatchError: if a tensor is on the meta device.
 
     Example:
 

@@ -96,6 +96,18 @@ def test_repush_with_other_layout_deletes_stale_shards(hub: FakeHub, pushed_gpt2
     assert sorted(f for f in files if f.endswith(".safetensors")) == ["model-00001-of-00001.safetensors"]
 
 
+def test_push_with_processing_class(hub: FakeHub) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    repo_id = new_repo_id("tok")
+    push_sharded(tiny_gpt2(), repo_id, processing_class=tokenizer)
+    assert AutoTokenizer.from_pretrained(repo_id)("hello world")["input_ids"] == [1, 2]
+
+
 def test_push_state_dict_with_shared_storage_multipart(hub: FakeHub) -> None:
     hub.multipart_threshold = 30_000
     hub.multipart_chunk_size = 16_000
@@ -283,6 +295,21 @@ def test_pull_checkpoint_rejects_bad_checkpoints(hub: FakeHub, tmp_path: Path) -
     (tmp_path / "nomanifest").mkdir()
     with pytest.raises(IncompleteCheckpointError, match="never committed"):
         push_checkpoint(tmp_path / "nomanifest", repo_id)
+
+
+def test_real_training_checkpoint_round_trip(hub: FakeHub, tmp_path: Path) -> None:
+    from hf_resumable.checkpoint import save_checkpoint, verify_checkpoint
+
+    model = tiny_gpt2(seed=7)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    optimizer.step()
+    save_checkpoint(tmp_path / "checkpoint-1", model=model, optimizer=optimizer, step=1, max_shard_size="20KB")
+    pushed = push_checkpoint(tmp_path / "checkpoint-1", new_repo_id("real"), tag="step-1")
+    pulled = pull_checkpoint(pushed.url, local_dir=tmp_path / "pulled")
+    assert verify_checkpoint(pulled, full=True).ok
+    loaded = AutoModelForCausalLM.from_pretrained(pulled)
+    assert torch.equal(loaded.transformer.h[1].mlp.c_fc.weight, model.transformer.h[1].mlp.c_fc.weight)
 
 
 # --------------------------------------------------------------------------------------------------- uploader
