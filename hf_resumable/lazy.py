@@ -304,8 +304,15 @@ def _owner(model: nn.Module, key: str) -> tuple[nn.Module, str]:
     return model.get_submodule(module_path) if module_path else model, attr
 
 
-def _materialize(model: nn.Module, key: str) -> torch.Tensor:
-    """The CPU tensor behind ``key``; a meta tensor is replaced by uninitialized CPU memory first.
+Allocator = Callable[[torch.Size, torch.dtype], torch.Tensor]
+
+
+def _empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="cpu")
+
+
+def _materialize(model: nn.Module, key: str, allocate: Allocator = _empty) -> torch.Tensor:
+    """The CPU tensor behind ``key``; a meta tensor is replaced by memory from ``allocate`` first.
 
     Parameters are swapped in place (``torch.utils.swap_tensors``) so every module sharing them stays tied.
     """
@@ -313,7 +320,7 @@ def _materialize(model: nn.Module, key: str) -> torch.Tensor:
     current = getattr(module, attr)
     if not current.is_meta:
         return current
-    fresh = torch.empty(current.shape, dtype=current.dtype, device="cpu")
+    fresh = allocate(current.shape, current.dtype)
     if isinstance(current, nn.Parameter):
         torch.utils.swap_tensors(current, nn.Parameter(fresh, requires_grad=current.requires_grad))
         return current
@@ -322,14 +329,14 @@ def _materialize(model: nn.Module, key: str) -> torch.Tensor:
 
 
 def _read_shard(model: nn.Module, weights: LazyStateDict, filename: str, names: list[str],
-                sources: Mapping[str, list[str]]) -> None:
+                sources: Mapping[str, list[str]], allocate: Allocator = _empty) -> None:
     """Read ``names`` of one shard straight into the model's tensors (``readinto``, no intermediate copy)."""
     path = weights.shard_path(filename)
     header = read_header(path)
     into: dict[str, torch.Tensor] = {}
     for name in names:
         keys = sources[name]
-        into[name] = _materialize(model, keys[0])
+        into[name] = _materialize(model, keys[0], allocate)
         info = header.tensors.get(name)
         if info is None or info.shape != tuple(into[name].shape):
             raise CorruptCheckpointError(f"{path}: tensor {name!r} is missing or has another shape than its header "
@@ -338,7 +345,7 @@ def _read_shard(model: nn.Module, weights: LazyStateDict, filename: str, names: 
     with torch.no_grad():
         for name in names:
             for extra in sources[name][1:]:
-                target = _materialize(model, extra)
+                target = _materialize(model, extra, allocate)
                 if target is not into[name]:
                     target.copy_(into[name])
 
@@ -442,13 +449,28 @@ def _find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     return best[1], best[2]
 
 
-def _release(module: nn.Module) -> None:
-    """Put a block's parameters back on the meta device, freeing their memory."""
-    with torch.no_grad():
-        for sub in module.modules():
-            for attr, param in list(sub._parameters.items()):
-                if param is not None and not param.is_meta:
-                    setattr(sub, attr, nn.Parameter(param.to("meta"), requires_grad=param.requires_grad))
+class _BufferPool:
+    """Reuses released block tensors for the next block: blocks share shapes, so after the first block no new
+    memory is allocated (no allocator churn, no first-touch page faults)."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+
+    def allocate(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        stack = self.free.get((tuple(shape), dtype))
+        return stack.pop() if stack else _empty(shape, dtype)
+
+    def release(self, module: nn.Module) -> None:
+        """Put a block's parameters back on the meta device, keeping their memory for the next block."""
+        with torch.no_grad():
+            for sub in module.modules():
+                for attr, param in list(sub._parameters.items()):
+                    if param is not None and not param.is_meta:
+                        self.free.setdefault((tuple(param.shape), param.dtype), []).append(param.data)
+                        setattr(sub, attr, nn.Parameter(param.to("meta"), requires_grad=param.requires_grad))
+
+    def clear(self) -> None:
+        self.free.clear()
 
 
 class StreamingModel(contextlib.AbstractContextManager):
@@ -490,6 +512,7 @@ class StreamingModel(contextlib.AbstractContextManager):
         self.strict = strict
         self.plan: LoadPlan | None = None
         self._handles: list[Any] = []
+        self._pool = _BufferPool()
 
     def _block_prefix(self, index: int) -> str:
         return f"{self.blocks_name}.{index}."
@@ -506,7 +529,7 @@ class StreamingModel(contextlib.AbstractContextManager):
         _tie(self.model)
         for index, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(self._pre_hook(index)))
-            self._handles.append(block.register_forward_hook(lambda module, args, output: _release(module)))
+            self._handles.append(block.register_forward_hook(lambda module, args, output: self._pool.release(module)))
         return self.model
 
     def __exit__(self, *exc: object) -> None:
@@ -514,12 +537,13 @@ class StreamingModel(contextlib.AbstractContextManager):
             handle.remove()
         self._handles.clear()
         for block in self.blocks:
-            _release(block)
+            self._pool.release(block)
+        self._pool.clear()
         self.weights.release()
 
     def _load(self, names: list[str]) -> None:
         for filename, group in self.weights.group_by_file(names).items():
-            _read_shard(self.model, self.weights, filename, group, self.plan.sources)
+            _read_shard(self.model, self.weights, filename, group, self.plan.sources, self._pool.allocate)
 
     def _pre_hook(self, index: int) -> Callable[..., None]:
         prefix = self._block_prefix(index)
