@@ -26,6 +26,7 @@ import logging
 import os
 import queue
 import re
+import shutil
 import tempfile
 import threading
 import time
@@ -372,6 +373,13 @@ def _stage_model(model_or_state_dict: Any, directory: Path, *, max_shard_size: i
         processing_class.save_pretrained(directory)
 
 
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def _check_model_dir(directory: Path) -> None:
     if not (directory / MODEL_INDEX_FILE).is_file() and not (directory / SINGLE_MODEL_FILE).is_file():
         raise CheckpointNotFoundError(
@@ -430,15 +438,19 @@ def push_sharded(
     api = HfApi(token=token)
     with tempfile.TemporaryDirectory(prefix="hf_resumable-push-") as tmp:
         # 1. Stage the files locally (or use the given directory as is).
+        folder = Path(tmp)
         if isinstance(model_or_state_dict_or_dir, (str, os.PathLike)):
-            folder = Path(model_or_state_dict_or_dir)
-            _check_model_dir(folder)
+            _check_model_dir(Path(model_or_state_dict_or_dir))
+            if card is None:
+                folder = Path(model_or_state_dict_or_dir)
+            else:  # never write into the caller's directory: link its files into the staging dir
+                shutil.copytree(model_or_state_dict_or_dir, folder, dirs_exist_ok=True, copy_function=_link_or_copy)
         else:
-            folder = Path(tmp)
             _stage_model(model_or_state_dict_or_dir, folder, max_shard_size=max_shard_size,
                          processing_class=processing_class)
-            if card is not None:
-                (folder / "README.md").write_text(card, encoding="utf-8")
+        if card is not None:
+            (folder / "README.md").unlink(missing_ok=True)
+            (folder / "README.md").write_text(card, encoding="utf-8")
         # 2. Make sure the repo and branch exist, then 3. push everything in one commit.
         api.create_repo(repo_id, private=private, exist_ok=True)
         if revision is not None and not create_pr:

@@ -107,6 +107,9 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
         path = Path(path_or_repo_id)
         if path.exists():
             return _open_local(path)
+        if path.is_absolute() or str(path_or_repo_id).startswith(".") or str(path_or_repo_id).count("/") != 1:
+            raise CheckpointNotFoundError(f"{path_or_repo_id}: no such local path, and not a 'namespace/name' Hub "
+                                          "repo id either. Check the path.")
         return _open_repo(str(path_or_repo_id), revision=revision, token=token)
 
     # Mapping protocol ----------------------------------------------------------------------------------------------

@@ -199,3 +199,19 @@ def test_request_log_contract_for_hf_hub_download(hub: FakeHub) -> None:
     hf_hub_download(repo_id, "config.json")
     calls = [(r.method, r.path.split("?")[0]) for r in hub.log if "agent-harnesses" not in r.path]
     assert calls == [("HEAD", f"/{repo_id}/resolve/main/config.json"), ("GET", f"/{repo_id}/resolve/main/config.json")]
+
+
+def test_slow_fault_whoami_and_delete_repo(hub: FakeHub) -> None:
+    import time
+
+    api = HfApi()
+    assert api.whoami()["name"] == "user"
+    repo_id = new_repo_id()
+    api.create_repo(repo_id)
+    hub.add_fault(Fault(r"/api/models/.*/revision/", kind="slow", delay=0.3))
+    start = time.monotonic()
+    assert api.repo_info(repo_id, revision="main").sha == hub.head(repo_id).oid
+    assert time.monotonic() - start >= 0.3
+    api.delete_repo(repo_id)
+    with pytest.raises(RepositoryNotFoundError):
+        api.repo_info(repo_id)

@@ -130,7 +130,9 @@ def test_push_directory_and_to_branch(hub: FakeHub, tmp_path: Path) -> None:
     repo_id = new_repo_id("dir")
     info = push_sharded(tmp_path / "saved", repo_id, revision="dev", card="---\nlicense: mit\n---\n# Tiny\n")
     assert hub.repo(repo_id).branches["dev"] == info.oid
-    assert "model.safetensors" in HfApi().list_repo_files(repo_id, revision="dev")
+    assert {"model.safetensors", "README.md"} <= set(HfApi().list_repo_files(repo_id, revision="dev"))
+    assert hub.requests("POST", "/api/validate-yaml") and not (tmp_path / "saved/README.md").exists()
+    assert hub.read_file(repo_id, "README.md", "dev").endswith(b"# Tiny\n")
     with pytest.raises(CheckpointNotFoundError, match="no model.safetensors.index.json"):
         push_sharded(tmp_path, repo_id)
 

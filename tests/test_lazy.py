@@ -51,6 +51,8 @@ def test_lazy_state_dict_local_matches_state_dict(tmp_path: Path) -> None:
 def test_lazy_state_dict_errors(tmp_path: Path) -> None:
     with pytest.raises(CheckpointNotFoundError, match="no model.safetensors.index.json"):
         LazyStateDict.from_pretrained(tmp_path)
+    with pytest.raises(CheckpointNotFoundError, match="no such local path"):
+        LazyStateDict.from_pretrained(tmp_path / "nope")
     folder = _save(tiny_gpt2().state_dict(), tmp_path / "m", "20KB")
     victim = sorted(folder.glob("model-*.safetensors"))[1]
     victim.unlink()
