@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import tiny_models
 from fakehub import FakeHub
 
 __all__ = ["hub", "hub_env", "hub_constants", "hub_environ", "new_repo_id", "make_checkpoint_dir", "on_meta", "tiny_gpt2", "tiny_llama"]
@@ -96,27 +97,14 @@ def new_repo_id(prefix: str = "repo") -> str:
     return f"user/{prefix}-{uuid.uuid4().hex[:8]}"
 
 
-def tiny_gpt2(*, n_layer: int = 2, seed: int = 0):
-    """A tiny GPT-2 (tied lm_head) with deterministic random weights."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(seed)
-    config = GPT2Config(n_layer=n_layer, n_embd=32, n_head=2, vocab_size=128, n_positions=64,
-                        bos_token_id=0, eos_token_id=1)
-    return GPT2LMHeadModel(config).eval()
+def tiny_gpt2(*, seed: int = 0):
+    """``tiny_models.tiny_gpt2`` (tied lm_head) in eval mode, so forward passes are deterministic."""
+    return tiny_models.tiny_gpt2(seed).eval()
 
 
-def tiny_llama(*, layers: int = 2, seed: int = 0):
-    """A tiny Llama (untied head, GQA, rotary buffers) with deterministic random weights."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, bos_token_id=0,
-                         eos_token_id=1, pad_token_id=None)
-    return LlamaForCausalLM(config).eval()
+def tiny_llama(*, seed: int = 0):
+    """``tiny_models.tiny_llama`` with grouped-query attention (4 heads, 2 KV heads), in eval mode."""
+    return tiny_models.tiny_llama(seed, num_attention_heads=4, num_key_value_heads=2).eval()
 
 
 def on_meta(model):
