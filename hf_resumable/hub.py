@@ -508,6 +508,7 @@ def download_shards(
         IncompleteCheckpointError: if the index names a shard the repo does not have.
         CorruptCheckpointError: if a shard's hash does not match the index (the bad file is removed).
         CheckpointMismatchError: if a requested tensor name is not in the index.
+        huggingface_hub.errors.RepositoryNotFoundError / RevisionNotFoundError: if the repo or revision is unknown.
 
     Example:
 
@@ -638,6 +639,10 @@ def resumable_download(
     matches the remote file, checks the sha256 (``expected_sha256``, else the ETag of an LFS file, which is its
     sha256), then renames the file into place atomically.
 
+    > [!WARNING]
+    > Two processes must not download the same file into the same ``local_dir`` at the same time: they would append
+    > to one ``.part`` file.
+
     Args:
         repo_id (`str`): the repo.
         filename (`str`): path inside the repo.
@@ -756,6 +761,7 @@ def pull_checkpoint(
         IncompleteCheckpointError: if the remote directory has no ``manifest.json`` or misses a listed file.
         CorruptCheckpointError: if a file does not match the manifest (it is removed; pulling again re-fetches it).
         HubError: if the connection keeps failing (partial files are kept; pulling again resumes).
+        huggingface_hub.errors.RepositoryNotFoundError / RevisionNotFoundError: if the repo or revision is unknown.
 
     Example:
 

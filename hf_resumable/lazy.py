@@ -100,7 +100,8 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
         """Open a local directory / file, or a Hub repo (only the index and the headers are fetched).
 
         Raises:
-            CheckpointNotFoundError: if there is no index and no ``model.safetensors``.
+            CheckpointNotFoundError: if there is no index and no ``model.safetensors``, or a local-looking path
+                does not exist.
             UnsafeIndexError: if the index names files outside the directory.
             IncompleteCheckpointError: if the index names a shard or tensor that does not exist.
         """
