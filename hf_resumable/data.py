@@ -1,0 +1,463 @@
+"""Resumable data position and position-derived randomness for training data loaders.
+
+Exact resume needs two things from the data pipeline:
+
+1. **A cursor instead of a history.** The order of samples is a pure function of ``(seed, epoch)``
+   (map-style data) or lives in the data set's own ``state_dict`` (streaming data), so resuming at
+   batch ``n`` never fetches, transforms or collates the ``n`` batches before it.
+2. **Randomness keyed by position.** Every batch is fetched, transformed *and* collated inside a
+   random context seeded from ``(seed, epoch, rank, batch)`` (plus the worker id for streaming data),
+   so masking in ``DataCollatorForLanguageModeling``, augmentation in a ``set_transform`` or a
+   ``Dataset.__getitem__`` draws the same numbers whether the run was interrupted or not, with any
+   number of workers. In the main process the caller's generators (the ones dropout draws from) are
+   put back afterwards, so data randomness never shifts model randomness.
+
+The pieces are framework-agnostic (no ``transformers`` import); :mod:`hf_resumable.integrations.trainer`
+assembles them for the ``Trainer``.
+
+Example:
+
+```python
+>>> from hf_resumable.data import ResumableBatchSampler, SeededMapDataset, build_map_dataloader
+>>> data = [{"x": i} for i in range(10)]
+>>> loader = build_map_dataloader(data, collate_fn=lambda items: [d["x"] for d in items], batch_size=4, seed=0)
+>>> first_epoch = [batch for batch in loader]
+>>> resumed = loader.skip(1)  # start at batch 1 without touching batch 0
+>>> [batch for batch in resumed] == first_epoch[1:]
+True
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import logging
+import math
+import random
+from collections.abc import Callable, Iterator, Mapping, Sized
+from itertools import islice
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
+
+from .errors import InexactResumeError
+from .rng import derive_seed
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BatchKey",
+    "data_rng",
+    "ResumableBatchSampler",
+    "SeededMapDataset",
+    "SeededIterableDataset",
+    "ResumableDataLoader",
+    "build_map_dataloader",
+    "build_stream_dataloader",
+    "dataset_fingerprint",
+]
+
+# Domain-separation tags for derive_seed, so the permutation, map-style batches and streaming batches
+# never share a seed even when their numbers coincide.
+_TAG_PERMUTATION = "permutation"
+_TAG_MAP_BATCH = "map-batch"
+_TAG_STREAM_BATCH = "stream-batch"
+_TAG_LOADER = "loader"
+_TAG_FINGERPRINT = "fingerprint"
+
+# Keys of the JSON data-position records written into checkpoints (data/rank-0000R.json).
+DATA_KIND = "kind"  # "map" or "stream"
+DATA_EPOCH = "epoch"  # epoch of the next batch to train on
+DATA_STEP = "step"  # batches of that epoch already consumed (map-style)
+DATA_NUM_BATCHES = "num_batches"  # batches per epoch on this rank (map-style)
+DATA_LOADER = "loader"  # StatefulDataLoader.state_dict() (streaming)
+
+
+class BatchKey(NamedTuple):
+    """Everything that identifies one map-style batch: the seed of its randomness and its samples.
+
+    Args:
+        epoch (`int`): epoch the batch belongs to.
+        rank (`int`): data-parallel rank that trains on it.
+        step (`int`): number of the batch within this rank's epoch (0-based).
+        indices (`tuple[int, ...]`): dataset indices of its samples, in order.
+    """
+
+    epoch: int
+    rank: int
+    step: int
+    indices: tuple[int, ...]
+
+
+@contextlib.contextmanager
+def data_rng(seed: int) -> Iterator[None]:
+    """Seed python ``random``, numpy's global generator and torch's CPU generator for a data operation.
+
+    In a ``DataLoader`` worker the generators are only reseeded (nothing else in a worker draws from
+    them); in the main process they are saved first and restored on exit, so the stream dropout draws
+    from is untouched. This is :func:`hf_resumable.rng.seeded_rng` tuned for the per-batch hot path:
+    it reseeds torch's default CPU generator directly (``torch.manual_seed`` also walks every
+    accelerator and costs ~0.25 ms), so transforms that draw from CUDA generators are not covered.
+
+    Example:
+
+    ```python
+    >>> import random
+    >>> with data_rng(7):
+    ...     a = random.random()
+    >>> with data_rng(7):
+    ...     b = random.random()
+    >>> a == b
+    True
+    ```
+    """
+    in_worker = get_worker_info() is not None
+    saved = None if in_worker else (random.getstate(), np.random.get_state(), torch.default_generator.get_state())
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.default_generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            torch.default_generator.set_state(saved[2])
+
+
+def _identity(batch: Any) -> Any:
+    """``collate_fn`` of our loaders: batches are already collated by the seeded dataset wrappers."""
+    return batch
+
+
+class ResumableBatchSampler(Sampler[BatchKey]):
+    """Batches of a shuffled (or sequential) epoch as a pure function of ``(seed, epoch)``, with a cursor.
+
+    The permutation comes from a private ``torch.Generator`` seeded with ``derive_seed(seed, epoch)``,
+    never from the global generator. Under data parallelism the epoch is padded to a multiple of
+    ``world_size`` (as ``DistributedSampler`` does) and rank ``r`` takes every ``world_size``-th sample.
+
+    Args:
+        num_samples (`int`): length of the data set.
+        batch_size (`int`): samples per batch on this rank.
+        seed (`int`): run seed; the permutation of epoch ``e`` depends only on ``(seed, e)``.
+        shuffle (`bool`, *optional*, defaults to `True`): shuffle every epoch.
+        drop_last (`bool`, *optional*, defaults to `False`): drop the last incomplete batch.
+        rank (`int`, *optional*, defaults to 0), world_size (`int`, *optional*, defaults to 1): data-parallel position.
+        start_step (`int`, *optional*, defaults to 0): first batch to yield in the current epoch.
+
+    Example:
+
+    ```python
+    >>> sampler = ResumableBatchSampler(10, 4, seed=0)
+    >>> [len(key.indices) for key in sampler]
+    [4, 4, 2]
+    >>> [key.step for key in sampler.skip(2)]
+    [2]
+    ```
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, *, seed: int, shuffle: bool = True,
+                 drop_last: bool = False, rank: int = 0, world_size: int = 1, start_step: int = 0) -> None:
+        if num_samples < 0 or batch_size < 1:
+            raise ValueError(f"num_samples must be >= 0 and batch_size >= 1, got {num_samples} and {batch_size}.")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}.")
+        self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
+        self.shuffle, self.drop_last, self.rank, self.world_size = shuffle, drop_last, rank, world_size
+        self.epoch = 0
+        if not 0 <= start_step <= len(self):
+            raise ValueError(f"start_step must be in [0, {len(self)}] (batches per epoch), got {start_step}.")
+        self.start_step = start_step
+
+    def _samples_per_rank(self) -> int:
+        return math.ceil(self.num_samples / self.world_size) if self.num_samples else 0
+
+    def __len__(self) -> int:
+        per_rank = self._samples_per_rank()
+        return per_rank // self.batch_size if self.drop_last else math.ceil(per_rank / self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose permutation the next iteration yields."""
+        self.epoch = epoch
+
+    def skip(self, num_batches: int) -> "ResumableBatchSampler":
+        """A copy that starts at batch ``num_batches`` of the current epoch (nothing before it is produced)."""
+        clone = copy.copy(self)
+        if not 0 <= num_batches <= len(self):
+            raise ValueError(f"Cannot skip {num_batches} batches of an epoch of {len(self)} batches.")
+        clone.start_step = num_batches
+        return clone
+
+    def epoch_indices(self, epoch: int) -> list[int]:
+        """This rank's sample order for ``epoch``."""
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(derive_seed(self.seed, _TAG_PERMUTATION, epoch))
+            order = torch.randperm(self.num_samples, generator=generator).tolist()
+        else:
+            order = list(range(self.num_samples))
+        padded = self._samples_per_rank() * self.world_size
+        if order and padded > len(order):
+            order += order[: padded - len(order)]
+        return order[self.rank :: self.world_size]
+
+    def __iter__(self) -> Iterator[BatchKey]:
+        order = self.epoch_indices(self.epoch)
+        for step in range(self.start_step, len(self)):
+            chunk = tuple(order[step * self.batch_size : (step + 1) * self.batch_size])
+            yield BatchKey(self.epoch, self.rank, step, chunk)
+
+
+class SeededMapDataset(Dataset):
+    """Fetch and collate a whole :class:`BatchKey` inside a random context seeded by the batch's position.
+
+    Used with :class:`ResumableBatchSampler` as ``batch_sampler``: the ``DataLoader`` hands each key to
+    :meth:`__getitems__`, which runs the user's data set (including a ``datasets`` ``set_transform``)
+    and collator under ``data_rng(derive_seed(seed, epoch, rank, step))``.
+
+    Args:
+        dataset (`torch.utils.data.Dataset`): any map-style data set (``datasets.Dataset`` included).
+        collate_fn (`Callable`): the collator, e.g. ``DataCollatorForLanguageModeling``.
+        seed (`int`): run seed.
+    """
+
+    def __init__(self, dataset: Any, collate_fn: Callable[[list], Any], *, seed: int) -> None:
+        self.dataset, self.collate_fn, self.seed = dataset, collate_fn, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _fetch(self, indices: list[int]) -> list:
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if getitems is not None:
+            return list(getitems(indices))
+        return [self.dataset[index] for index in indices]
+
+    def __getitems__(self, key: BatchKey) -> Any:
+        with data_rng(derive_seed(self.seed, _TAG_MAP_BATCH, key.epoch, key.rank, key.step)):
+            return self.collate_fn(self._fetch(list(key.indices)))
+
+    __getitem__ = __getitems__
+
+
+class SeededIterableDataset(IterableDataset):
+    """Batch a streaming data set, one seeded random context per batch, and expose its position.
+
+    Each batch (``batch_size`` examples pulled from the wrapped iterator, so lazy ``.map`` transforms
+    run here, then collated) is built under ``data_rng(derive_seed(seed, epoch, rank, worker, batch))``.
+    :meth:`state_dict` returns the wrapped data set's own ``state_dict()`` plus the batch counter, so
+    ``torchdata``'s ``StatefulDataLoader`` can snapshot it per yielded batch and resume without replay.
+
+    Args:
+        dataset: a ``datasets.IterableDataset`` (or any iterable data set with ``state_dict`` /
+            ``load_state_dict``).
+        collate_fn (`Callable`): the collator.
+        batch_size (`int`): examples per batch.
+        seed (`int`): run seed.
+        drop_last (`bool`, *optional*, defaults to `False`): drop a final incomplete batch.
+        rank (`int`, *optional*, defaults to 0): data-parallel rank (part of the seed).
+    """
+
+    def __init__(self, dataset: Any, collate_fn: Callable[[list], Any], *, batch_size: int, seed: int,
+                 drop_last: bool = False, rank: int = 0) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+        self.dataset, self.collate_fn, self.batch_size, self.seed = dataset, collate_fn, batch_size, seed
+        self.drop_last, self.rank = drop_last, rank
+        self.epoch, self._step, self._start_step = 0, 0, 0
+
+    @property
+    def is_stateful(self) -> bool:
+        """Whether the wrapped data set can save and restore its position."""
+        return callable(getattr(self.dataset, "state_dict", None)) and callable(
+            getattr(self.dataset, "load_state_dict", None))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward the epoch to the wrapped data set (``datasets`` reshuffles per epoch) and to the seeds."""
+        self.epoch = epoch
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        iterator = iter(self.dataset)
+        self._step, self._start_step = self._start_step, 0
+        while True:
+            with data_rng(derive_seed(self.seed, _TAG_STREAM_BATCH, self.epoch, self.rank, worker, self._step)):
+                items = list(islice(iterator, self.batch_size))
+                if not items or (self.drop_last and len(items) < self.batch_size):
+                    return
+                batch = self.collate_fn(items)
+            self._step += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position after the last batch this copy produced: the data set's state and the batch counter."""
+        if not self.is_stateful:
+            raise InexactResumeError(
+                f"{type(self.dataset).__name__} has no state_dict()/load_state_dict(), so its position cannot be "
+                "saved. Use a datasets.IterableDataset, or implement both methods on your data set.")
+        return {"dataset": self.dataset.state_dict(), "step": self._step, "epoch": self.epoch}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at the position :meth:`state_dict` returned (takes effect at the next ``iter``)."""
+        self.dataset.load_state_dict(state["dataset"])
+        self._start_step = int(state["step"])
+        self.set_epoch(int(state["epoch"]))
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` over :class:`SeededMapDataset` + :class:`ResumableBatchSampler` with ``set_epoch``/``skip``.
+
+    Build it with :func:`build_map_dataloader`. ``skip(n)`` returns a loader for the rest of the current
+    epoch starting at batch ``n``; the skipped batches are neither fetched nor collated. The loader has
+    its own ``torch.Generator``, so ``iter()`` never draws worker seeds from the global generator.
+    """
+
+    def __init__(self, dataset: SeededMapDataset, *, batch_sampler: ResumableBatchSampler,
+                 **kwargs: Any) -> None:
+        self._init_kwargs = dict(kwargs)
+        super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (permutation and seeds) of the next iteration."""
+        self.batch_sampler.set_epoch(epoch)
+
+    def skip(self, num_batches: int) -> "ResumableDataLoader":
+        """A loader over the current epoch from batch ``num_batches`` on, without producing the earlier ones."""
+        return ResumableDataLoader(self.dataset, batch_sampler=self.batch_sampler.skip(num_batches),
+                                   **self._init_kwargs)
+
+    def position(self, *, epoch: int, step: int) -> dict[str, Any]:
+        """The JSON data-position record for "``step`` batches of ``epoch`` consumed"."""
+        return {DATA_KIND: "map", DATA_EPOCH: epoch, DATA_STEP: step, DATA_NUM_BATCHES: len(self.batch_sampler)}
+
+
+def _loader_kwargs(seed: int, num_workers: int, *, pin_memory: bool, persistent_workers: bool,
+                   prefetch_factor: int | None, multiprocessing_context: Any) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "collate_fn": _identity,
+        "num_workers": num_workers,
+        "pin_memory": pin_memory,
+        "generator": torch.Generator().manual_seed(derive_seed(seed, _TAG_LOADER)),
+    }
+    if num_workers > 0:
+        kwargs.update(persistent_workers=persistent_workers,
+                      prefetch_factor=prefetch_factor, multiprocessing_context=multiprocessing_context)
+    return kwargs
+
+
+def build_map_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], batch_size: int, seed: int,
+                         shuffle: bool = True, drop_last: bool = False, rank: int = 0, world_size: int = 1,
+                         num_workers: int = 0, pin_memory: bool = False, persistent_workers: bool = False,
+                         prefetch_factor: int | None = None,
+                         multiprocessing_context: Any = None) -> ResumableDataLoader:
+    """A :class:`ResumableDataLoader` for a map-style data set.
+
+    Args:
+        dataset: map-style data set (has ``__len__`` and ``__getitem__``).
+        collate_fn (`Callable`): collator, run in the same seeded context as the fetch.
+        batch_size (`int`): per-rank batch size.
+        seed (`int`): run seed (permutation, per-batch randomness, worker base seed).
+        shuffle, drop_last, rank, world_size: see :class:`ResumableBatchSampler`.
+        num_workers, pin_memory, persistent_workers, prefetch_factor, multiprocessing_context:
+            forwarded to ``torch.utils.data.DataLoader``.
+
+    Returns:
+        [`ResumableDataLoader`]
+    """
+    sampler = ResumableBatchSampler(len(dataset), batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
+                                    rank=rank, world_size=world_size)
+    kwargs = _loader_kwargs(seed, num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers,
+                            prefetch_factor=prefetch_factor, multiprocessing_context=multiprocessing_context)
+    return ResumableDataLoader(SeededMapDataset(dataset, collate_fn, seed=seed), batch_sampler=sampler, **kwargs)
+
+
+def build_stream_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], batch_size: int, seed: int,
+                            drop_last: bool = False, rank: int = 0, num_workers: int = 0,
+                            pin_memory: bool = False, persistent_workers: bool = False,
+                            prefetch_factor: int | None = None,
+                            multiprocessing_context: Any = None) -> "ResumableStreamLoader":
+    """A :class:`ResumableStreamLoader` (``torchdata`` ``StatefulDataLoader``) over a streaming data set.
+
+    Args: as :func:`build_map_dataloader`; ``dataset`` is a ``datasets.IterableDataset`` already split for
+    this rank (``datasets.distributed.split_dataset_by_node``) when training data-parallel.
+
+    Raises:
+        ImportError: if ``torchdata`` is not installed.
+    """
+    wrapper = SeededIterableDataset(dataset, collate_fn, batch_size=batch_size, seed=seed, drop_last=drop_last,
+                                    rank=rank)
+    kwargs = _loader_kwargs(seed, num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers,
+                            prefetch_factor=prefetch_factor, multiprocessing_context=multiprocessing_context)
+    return _stream_loader_class()(wrapper, batch_size=None, **kwargs)
+
+
+_STREAM_LOADER_CLASS: type | None = None
+
+
+def _stream_loader_class() -> type:
+    """Define :class:`ResumableStreamLoader` on first use, so ``torchdata`` stays an optional import."""
+    global _STREAM_LOADER_CLASS
+    if _STREAM_LOADER_CLASS is None:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        class ResumableStreamLoader(StatefulDataLoader):
+            """``StatefulDataLoader`` over a :class:`SeededIterableDataset`, with ``set_epoch``, ``skip``, position."""
+
+            _resumed_batches: int | None = None
+
+            def set_epoch(self, epoch: int) -> None:
+                self.dataset.set_epoch(epoch)
+
+            def load_position(self, record: Mapping[str, Any]) -> None:
+                state = record[DATA_LOADER]
+                self.load_state_dict(state)
+                self._resumed_batches = int(state.get("_num_yielded", 0))
+
+            def skip(self, num_batches: int) -> "ResumableStreamLoader":
+                if num_batches and self._resumed_batches != num_batches:
+                    raise InexactResumeError(
+                        f"The trainer resumes after {num_batches} batches but the streaming loader's restored "
+                        f"position is {self._resumed_batches} batches; the checkpoint's data state does not match "
+                        "its step. Resume from another checkpoint.")
+                return self
+
+            def position(self, *, epoch: int, step: int) -> dict[str, Any]:
+                return {DATA_KIND: "stream", DATA_EPOCH: epoch, DATA_STEP: step,
+                        DATA_LOADER: self.state_dict()}
+
+        _STREAM_LOADER_CLASS = ResumableStreamLoader
+    return _STREAM_LOADER_CLASS
+
+
+def dataset_fingerprint(dataset: Any, *, seed: int = 0) -> tuple[int | None, str]:
+    """``(length, fingerprint)`` of a training data set, to detect that a resumed run trains on other data.
+
+    ``datasets.Dataset`` uses its ``_fingerprint``; other map-style data sets hash their length and the
+    repr of up to 3 samples (fetched under a fixed seed, so random transforms do not change it);
+    streaming data sets hash their class, shard count and features (nothing is read from the stream).
+
+    Example:
+
+    ```python
+    >>> dataset_fingerprint([1, 2, 3]) == dataset_fingerprint([1, 2, 3]) != dataset_fingerprint([1, 2, 4])
+    True
+    ```
+    """
+    own = getattr(dataset, "_fingerprint", None)
+    length = len(dataset) if isinstance(dataset, Sized) else None
+    if isinstance(own, str):
+        return length, own
+    if length is None:
+        parts = [type(dataset).__qualname__, getattr(dataset, "n_shards", None), getattr(dataset, "features", None)]
+    else:
+        probe = sorted({0, length // 2, length - 1}) if length else []
+        with data_rng(derive_seed(seed, _TAG_FINGERPRINT)):
+            parts = [type(dataset).__qualname__, length] + [dataset[i] for i in probe]
+    return length, hashlib.sha256(repr(parts).encode()).hexdigest()[:32]

@@ -1,0 +1,491 @@
+"""``ResumableTrainer``: a drop-in ``transformers.Trainer`` whose restarts continue bit for bit.
+
+This is the only module that touches ``Trainer`` internals. What it changes, and why:
+
+* **Data** (``get_train_dataloader``): the training loader is built from :mod:`hf_resumable.data`: the
+  sample order is a pure function of ``(seed, epoch)``, every batch is fetched, transformed and
+  collated under a seed derived from its position, and the loader has its own ``torch.Generator``.
+  Streaming data sets go through ``torchdata``'s ``StatefulDataLoader`` and resume from their
+  ``state_dict``. The main-process RNG is therefore consumed only by the model (dropout).
+* **Skipping** (``transformers.trainer.skip_first_batches``, patched for the duration of ``train``):
+  for our loaders, skipping is a cursor move: nothing before the resume point is fetched.
+* **Checkpoints** (``_save_checkpoint``, ``_load_*``): written and read with
+  :func:`hf_resumable.checkpoint.save_checkpoint` / ``load_checkpoint`` (sharded safetensors, no pickle,
+  atomic, hashed); the RNG captured after the optimizer step is restored by the Trainer's own
+  ``_load_rng_state`` call, i.e. right before the first resumed forward pass. The logging
+  accumulators (``_tr_loss``, ...) are saved too, so every logged loss matches the uninterrupted run.
+* **Discovery**: ``train(resume_from_checkpoint=True)`` (or ``"auto"``) resumes from the newest checkpoint
+  that verifies, skipping partial or corrupt ones, and starts fresh when there is none.
+* **Drift**: the run configuration is recorded in every checkpoint; resuming with another one raises
+  :class:`~hf_resumable.errors.ConfigDriftError` unless ``allow_config_drift=True``.
+* **Preemption**: SIGTERM finishes the current optimizer step, saves, and exits with
+  :data:`~hf_resumable.preemption.PREEMPTION_EXIT_CODE`.
+
+Checkpoints land on optimizer-step boundaries (after the optimizer step, the scheduler step, logging
+and evaluation of that step), exactly where ``Trainer`` saves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+import transformers.trainer as _trainer_module
+from packaging import version
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from ..checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
+from ..checkpoint import apply_retention, wait_for_pending_saves
+from ..constants import CHECKPOINT_PREFIX
+from ..data import (DATA_EPOCH, DATA_KIND, DATA_STEP, ResumableDataLoader, build_map_dataloader,
+                    build_stream_dataloader, dataset_fingerprint)
+from ..errors import CheckpointNotFoundError, InexactResumeError
+from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
+from ..rng import restore_rng_state
+from ..state import RunConfig, check_config_drift
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ResumableTrainer", "check_trainer_internals", "TESTED_TRANSFORMERS"]
+
+# Range of transformers versions whose internals this module was written against.
+TESTED_TRANSFORMERS = (">=5.0", "<6.0")
+# Trainer internals we override or call; check_trainer_internals() verifies each still exists.
+_INTERNALS = ("_inner_training_loop", "_run_epoch", "_init_training_state", "_prepare_for_training",
+              "_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler",
+              "_load_rng_state", "_load_best_model", "_remove_unused_columns", "_get_collator_with_removed_columns",
+              "_get_output_dir", "_push_from_checkpoint", "store_flos", "_finalize_training")
+# Source fragments of Trainer methods whose behaviour we rely on (name -> fragments).
+_SOURCE_CONTRACT = {
+    "_run_epoch": ("skip_first_batches(train_dataloader, steps_trained_in_current_epoch)",
+                   "self._load_rng_state(resume_from_checkpoint)", "train_dataloader.set_epoch(epoch)"),
+    "_inner_training_loop": ("self._tr_loss = torch.tensor(0.0", "self._globalstep_last_logged = self.state.global_step",
+                             "on_train_begin"),
+    "_prepare_for_training": ("self._load_optimizer_and_scheduler(resume_from_checkpoint)",),
+    "train": ("self._load_from_checkpoint(resume_from_checkpoint)", "TRAINER_STATE_NAME"),
+}
+TRAINER_STATE_FILE = "trainer_state.json"
+# Keys of the progress record saved in training_state.json["progress"].
+_PROGRESS_LOOP = "trainer_loop"  # accumulators of the logging loop (exact floats)
+_EXTRA_RUN_CONFIG = "run_config"  # RunConfig.to_dict()
+_EXTRA_MODEL_ONLY = "model_only"  # True when saved with save_only_model (cannot resume exactly)
+
+
+def check_trainer_internals() -> list[str]:
+    """Problems with the ``Trainer`` internals this module relies on (empty when all is as expected).
+
+    Example:
+
+    ```python
+    >>> check_trainer_internals()
+    []
+    ```
+    """
+    problems = [f"Trainer.{name} is missing" for name in _INTERNALS if not callable(getattr(Trainer, name, None))]
+    if not callable(getattr(_trainer_module, "skip_first_batches", None)):
+        problems.append("transformers.trainer.skip_first_batches is missing")
+    for name, fragments in _SOURCE_CONTRACT.items():
+        source = inspect.getsource(getattr(Trainer, name))
+        problems += [f"Trainer.{name} no longer contains {fragment!r}" for fragment in fragments
+                     if fragment not in source]
+    current = version.parse(transformers.__version__)
+    if not all(current in _specifier(spec) for spec in TESTED_TRANSFORMERS):
+        problems.append(f"transformers {transformers.__version__} is outside the tested range {TESTED_TRANSFORMERS}")
+    return problems
+
+
+def _specifier(spec: str) -> Any:
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(spec)
+
+
+_PROBLEMS = check_trainer_internals()
+if _PROBLEMS:
+    raise ImportError(
+        "hf_resumable.integrations.trainer cannot guarantee exact resume with this transformers version: "
+        + "; ".join(_PROBLEMS) + ". Install a transformers version in " + ", ".join(TESTED_TRANSFORMERS) + ".")
+
+
+@contextlib.contextmanager
+def _cursor_skipping() -> Iterator[None]:
+    """Make the Trainer's ``skip_first_batches`` a cursor move for our loaders (others are unaffected)."""
+    original = _trainer_module.skip_first_batches
+
+    def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+        if callable(getattr(dataloader, "skip", None)) and callable(getattr(dataloader, "position", None)):
+            return dataloader.skip(num_batches)
+        return original(dataloader, num_batches)
+
+    _trainer_module.skip_first_batches = skip_first_batches
+    try:
+        yield
+    finally:
+        _trainer_module.skip_first_batches = original
+
+
+@dataclasses.dataclass
+class _Resume:
+    """What train() read from the checkpoint it resumes from, before the Trainer loads the weights."""
+
+    path: Path
+    loaded: Any  # LoadedCheckpoint (training state, extra, data state, RNG state)
+
+
+class _ResumableCallback(TrainerCallback):
+    """Restores the logging accumulators at train begin and turns a SIGTERM into save + stop."""
+
+    def __init__(self, trainer: "ResumableTrainer") -> None:
+        self._trainer = trainer
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        self._trainer._restore_loop_state()
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        if self._trainer._preemption.requested and not self._trainer.preempted:
+            self._trainer.preempted = True
+            control.should_save = True
+            control.should_training_stop = True
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    metrics: dict[str, float] | None = None, **kwargs: Any) -> None:
+        self._trainer._last_eval = (state.global_step, dict(metrics or {}))
+
+
+class ResumableTrainer(Trainer):
+    """A ``transformers.Trainer`` whose runs can be killed at any moment and restarted bit for bit.
+
+    Same constructor, ``TrainingArguments``, callbacks, evaluation and ``load_best_model_at_end`` as
+    ``Trainer``; checkpoints are written in the :mod:`hf_resumable.checkpoint` format. A run killed
+    at any point and restarted with ``train(resume_from_checkpoint=True)`` produces the same logged
+    losses and the same final weights and optimizer state, bit for bit, as the uninterrupted run
+    (same machine type and world size).
+
+    Args:
+        *args, **kwargs: everything ``transformers.Trainer`` accepts.
+        allow_config_drift (`bool`, *optional*, defaults to `False`): resume even when the gradient
+            accumulation, batch size, world size, seed or training data differ from the checkpoint's
+            (logs a WARNING; the run then does not continue exactly).
+        allow_inexact_resume (`bool`, *optional*, defaults to `False`): resume even when a piece of
+            state is missing (RNG, data position), with a WARNING.
+        exit_on_preemption (`bool`, *optional*, defaults to `True`): after a SIGTERM-triggered
+            checkpoint has committed, exit the process with ``PREEMPTION_EXIT_CODE`` (143). With
+            `False`, ``train`` returns and ``trainer.preempted`` is `True`.
+        checkpoint_verify (`str`, *optional*, defaults to `"quick"`): verification when loading
+            (``"quick"`` or ``"full"``).
+
+    > [!WARNING]
+    > ``train_sampling_strategy`` other than ``"random"``/``"sequential"`` and ``accelerator_config``
+    > dispatching fall back to the stock data loader, which does not resume exactly (a WARNING says so).
+
+    Example:
+
+    ```python
+    >>> from hf_resumable import ResumableTrainer
+    >>> trainer = ResumableTrainer(model=model, args=args, train_dataset=train, data_collator=collator)  # doctest: +SKIP
+    >>> trainer.train(resume_from_checkpoint=True)  # doctest: +SKIP
+    ```
+    """
+
+    def __init__(self, *args: Any, allow_config_drift: bool = False, allow_inexact_resume: bool = False,
+                 exit_on_preemption: bool = True, checkpoint_verify: str = "quick", **kwargs: Any) -> None:
+        if checkpoint_verify not in ("quick", "full"):
+            raise ValueError(f"checkpoint_verify must be 'quick' or 'full', got {checkpoint_verify!r}.")
+        super().__init__(*args, **kwargs)
+        self.allow_config_drift = allow_config_drift
+        self.allow_inexact_resume = allow_inexact_resume
+        self.exit_on_preemption = exit_on_preemption
+        self.checkpoint_verify = checkpoint_verify
+        self.preempted = False
+        self._preemption = PreemptionHandler()
+        self._resume: _Resume | None = None
+        self._train_loader: Any = None
+        self._run_config: RunConfig | None = None
+        self._last_eval: tuple[int, dict[str, float]] | None = None
+        self.add_callback(_ResumableCallback(self))
+
+    # ---- train / resume discovery ----
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+              ignore_keys_for_eval: list[str] | None = None, **kwargs: Any) -> Any:
+        """Train, resuming from ``resume_from_checkpoint`` when given.
+
+        Args:
+            resume_from_checkpoint (`str`, `bool` or `os.PathLike`, *optional*): ``True`` or ``"auto"``:
+                the newest checkpoint under ``output_dir`` that verifies (partial/corrupt ones are
+                skipped with a WARNING), or a fresh start when there is none. A path: that checkpoint
+                (it must verify). ``None``/``False``: a fresh start.
+
+        Raises:
+            CheckpointNotFoundError: the given path is not a directory.
+            CorruptCheckpointError / IncompleteCheckpointError: the given path does not verify.
+            ConfigDriftError: the run configuration differs from the checkpoint's.
+            SystemExit: with ``PREEMPTION_EXIT_CODE`` after a SIGTERM, when ``exit_on_preemption``.
+        """
+        self.preempted = False
+        self._preemption.requested = False
+        self._run_config = None
+        checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
+        self._resume = self._open_checkpoint(checkpoint) if checkpoint is not None else None
+        try:
+            with self._preemption, _cursor_skipping():
+                output = super().train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint),
+                                       trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        finally:
+            self._resume = None
+        wait_for_pending_saves()
+        if self.preempted:
+            self._exit_preempted()
+        return output
+
+    def _resolve_checkpoint(self, resume_from_checkpoint: str | bool | os.PathLike | None) -> Path | None:
+        if resume_from_checkpoint in (None, False):
+            return None
+        if resume_from_checkpoint is True or resume_from_checkpoint == "auto":
+            latest = find_latest_checkpoint(self.args.output_dir)
+            if latest is None:
+                logger.info("No valid checkpoint under %s: starting a fresh run.", self.args.output_dir)
+            else:
+                logger.info("Resuming from %s (newest checkpoint that verifies).", latest)
+            return latest
+        path = Path(resume_from_checkpoint)
+        if not path.is_dir():
+            raise CheckpointNotFoundError(
+                f"resume_from_checkpoint={str(path)!r} is not a directory. Pass a checkpoint directory, or True "
+                f"to resume from the newest valid checkpoint under output_dir={self.args.output_dir!r}.")
+        verify_checkpoint(path, full=self.checkpoint_verify == "full", raise_on_error=True)
+        return path
+
+    def _open_checkpoint(self, path: Path) -> _Resume:
+        loaded = load_checkpoint(path, restore_rng=False, verify=self.checkpoint_verify)
+        if loaded.extra.get(_EXTRA_MODEL_ONLY):
+            self._inexact(f"{path} was saved with save_only_model=True (no optimizer, scheduler or RNG state)")
+        saved = loaded.extra.get(_EXTRA_RUN_CONFIG)
+        if saved is None:
+            self._inexact(f"{path} records no run configuration (not written by ResumableTrainer)")
+        else:
+            check_config_drift(RunConfig.from_dict(saved), self._current_run_config(), checkpoint=str(path),
+                               allow=self.allow_config_drift)
+        return _Resume(path=path, loaded=loaded)
+
+    def _inexact(self, message: str) -> None:
+        if not self.allow_inexact_resume:
+            raise InexactResumeError(f"{message}; the run would not continue exactly. Resume from another "
+                                     "checkpoint, or pass allow_inexact_resume=True to ResumableTrainer.")
+        logger.warning("%s; continuing because allow_inexact_resume=True (NOT bit-exact).", message)
+
+    def _exit_preempted(self) -> None:
+        logger.warning("Preempted (signal %s): checkpoint at step %d committed under %s.",
+                       self._preemption.received, self.state.global_step, self.args.output_dir)
+        if self.exit_on_preemption:
+            raise SystemExit(PREEMPTION_EXIT_CODE)
+
+    def _current_run_config(self) -> RunConfig:
+        if self._run_config is None:
+            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+            length, fingerprint = dataset_fingerprint(self.train_dataset, seed=seed)
+            self._run_config = RunConfig(
+                gradient_accumulation_steps=self.args.gradient_accumulation_steps,
+                per_device_train_batch_size=self.args.per_device_train_batch_size,
+                world_size=self.args.world_size, seed=self.args.seed, data_seed=self.args.data_seed,
+                dataset_length=length, dataset_fingerprint=fingerprint)
+        return self._run_config
+
+    # ---- data ----
+
+    def get_train_dataloader(self) -> Any:
+        """The training loader: position-seeded, resumable without replay (see :mod:`hf_resumable.data`)."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        if self.args.train_sampling_strategy not in ("random", "sequential"):
+            logger.warning("train_sampling_strategy=%r is not supported by ResumableTrainer: using the stock loader, "
+                           "whose resume is NOT bit-exact.", self.args.train_sampling_strategy)
+            return super().get_train_dataloader()
+        dataset, collator = self._train_dataset_and_collator()
+        options = self._loader_options()
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            loader = build_stream_dataloader(self._split_for_rank(dataset), collate_fn=collator,
+                                             drop_last=self.args.dataloader_drop_last, **options)
+        else:
+            loader = build_map_dataloader(dataset, collate_fn=collator, drop_last=self.args.dataloader_drop_last,
+                                          shuffle=self.args.train_sampling_strategy == "random",
+                                          world_size=self.args.world_size, **options)
+        self._restore_data_position(loader)
+        self._train_loader = loader
+        return loader
+
+    def _train_dataset_and_collator(self) -> tuple[Any, Any]:
+        dataset, collator = self.train_dataset, self.data_collator
+        try:
+            import datasets
+        except ImportError:  # pragma: no cover - datasets is a dependency
+            datasets = None
+        if datasets is not None and isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="Training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="Training")
+        return dataset, collator
+
+    def _loader_options(self) -> dict[str, Any]:
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        return dict(batch_size=self._train_batch_size, seed=seed, rank=self.args.process_index,
+                    num_workers=self.args.dataloader_num_workers,
+                    pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
+                    persistent_workers=self.args.dataloader_persistent_workers,
+                    prefetch_factor=self.args.dataloader_prefetch_factor,
+                    multiprocessing_context=self.args.dataloader_multiprocessing_context)
+
+    def _split_for_rank(self, dataset: Any) -> Any:
+        if self.args.world_size <= 1:
+            return dataset
+        from datasets import IterableDataset as HfIterableDataset
+        from datasets.distributed import split_dataset_by_node
+
+        if not isinstance(dataset, HfIterableDataset):
+            raise InexactResumeError("Data-parallel training on a torch IterableDataset needs per-rank splitting; "
+                                     "use a datasets.IterableDataset (split with split_dataset_by_node).")
+        return split_dataset_by_node(dataset, rank=self.args.process_index, world_size=self.args.world_size)
+
+    def _restore_data_position(self, loader: Any) -> None:
+        if self._resume is None:
+            return
+        record = self._resume.loaded.data_state
+        if record is None:
+            self._inexact(f"{self._resume.path} has no data position for rank {self.args.process_index}")
+            return
+        if record.get(DATA_KIND) == "stream":
+            if not callable(getattr(loader, "load_position", None)):
+                self._inexact(f"{self._resume.path} holds a streaming position but the training data is map-style")
+                return
+            loader.load_position(record)
+
+    def _data_position(self) -> dict[str, Any] | None:
+        loader = self._train_loader
+        if loader is None or not callable(getattr(loader, "position", None)):
+            return None
+        ga = self.args.gradient_accumulation_steps
+        if isinstance(loader, ResumableDataLoader):
+            per_epoch = max(len(loader) // ga + int(len(loader) % ga > 0), 1)
+            epoch, step = divmod(self.state.global_step, per_epoch)
+            return loader.position(epoch=epoch, step=min(step * ga, len(loader)))
+        return loader.position(epoch=0, step=self.state.global_step * ga)
+
+    # ---- saving ----
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """Write ``checkpoint-<global_step>`` in the hf_resumable format (atomic, hashed, no pickle)."""
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = Path(self._get_output_dir(trial=trial))
+        output_dir = run_dir / f"{CHECKPOINT_PREFIX}{self.state.global_step}"
+        self._update_best_checkpoint(run_dir)
+        self._export_callback_states()
+        model_only = self.args.save_only_model
+        save_checkpoint(
+            output_dir, model=self.accelerator.unwrap_model(self.model),
+            optimizer=None if model_only else self.optimizer,
+            scheduler=None if model_only else self.lr_scheduler,
+            scaler=None if model_only else self.accelerator.scaler,
+            step=self.state.global_step, training_state={_PROGRESS_LOOP: self._loop_state()},
+            extra={_EXTRA_RUN_CONFIG: self._current_run_config().to_dict(), _EXTRA_MODEL_ONLY: model_only},
+            extra_files={TRAINER_STATE_FILE: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True)},
+            data_state=self._data_position(), rng=not model_only, metrics=self._metrics_of_this_step(),
+            processing_class=self.processing_class, overwrite=True)
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(str(output_dir))
+        if self.args.should_save and self.args.save_total_limit:
+            protect = [self.state.best_model_checkpoint] if self.state.best_model_checkpoint else []
+            apply_retention(run_dir, keep_last=max(1, self.args.save_total_limit), protect=protect)
+
+    def _update_best_checkpoint(self, run_dir: Path) -> None:
+        # Same rule as Trainer._save_checkpoint: the best step's directory becomes best_model_checkpoint.
+        if self.args.save_strategy in ("steps", "epoch", "best") and self.state.best_global_step:
+            if self.args.parallel_mode == transformers.training_args.ParallelMode.DISTRIBUTED:
+                torch.distributed.barrier()
+            best = run_dir / f"{CHECKPOINT_PREFIX}{self.state.best_global_step}"
+            if best.exists() or self.state.best_global_step == self.state.global_step:
+                self.state.best_model_checkpoint = str(best)
+
+    def _export_callback_states(self) -> None:
+        # Same as Trainer._save_checkpoint: ExportableState callbacks and TrainerControl into the state.
+        from transformers.trainer_callback import ExportableState
+
+        for callback in self.callback_handler.callbacks + [self.control]:
+            if isinstance(callback, ExportableState):
+                name = callback.__class__.__name__
+                if isinstance(self.state.stateful_callbacks.get(name), list):
+                    self.state.stateful_callbacks[name].append(callback.state())
+                else:
+                    self.state.stateful_callbacks[name] = callback.state()
+
+    def _metrics_of_this_step(self) -> dict[str, float]:
+        if self._last_eval is None or self._last_eval[0] != self.state.global_step:
+            return {}
+        return {k: float(v) for k, v in self._last_eval[1].items() if isinstance(v, (int, float))}
+
+    def _loop_state(self) -> dict[str, Any]:
+        """The logging loop's accumulators, so the next logged loss averages the same steps as without a restart."""
+        return {"tr_loss": float(self._tr_loss.item()), "total_loss_scalar": float(self._total_loss_scalar),
+                "globalstep_last_logged": int(self._globalstep_last_logged),
+                "initial_global_step": int(self._initial_global_step)}
+
+    def _restore_loop_state(self) -> None:
+        if self._resume is None:
+            return
+        loop = self._resume.loaded.training_state.get(_PROGRESS_LOOP)
+        if loop is None:
+            self._inexact(f"{self._resume.path} has no logging-loop state")
+            return
+        self._tr_loss = torch.tensor(loop["tr_loss"], dtype=self._tr_loss.dtype, device=self._tr_loss.device)
+        self._total_loss_scalar = loop["total_loss_scalar"]
+        self._globalstep_last_logged = loop["globalstep_last_logged"]
+        self._initial_global_step = loop["initial_global_step"]
+
+    # ---- loading ----
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        # Weights are loaded together with the optimizer in _load_optimizer_and_scheduler (one verified read,
+        # parameter names resolved against the same model).
+        logger.debug("Deferring weight loading of %s until the optimizer exists.", resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        model_only = self._resume is not None and self._resume.loaded.extra.get(_EXTRA_MODEL_ONLY)
+        load_checkpoint(checkpoint, model=self.accelerator.unwrap_model(self.model),
+                        optimizer=None if model_only else self.optimizer,
+                        scheduler=None if model_only else self.lr_scheduler,
+                        scaler=None if model_only else self.accelerator.scaler,
+                        restore_rng=False, verify=self.checkpoint_verify)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        # Loaded with the optimizer.
+        return None
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        """Restore the RNG captured after the checkpoint's optimizer step; the Trainer calls this right
+        before the first resumed forward pass (our data loading never touches the global RNG)."""
+        if checkpoint is None or self._resume is None:
+            return
+        state = self._resume.loaded.rng_state
+        if state is None:
+            self._inexact(f"{checkpoint} has no RNG state for rank {self.args.process_index}")
+            return
+        restore_rng_state(state, allow_device_mismatch=self.allow_inexact_resume)
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
+        load_checkpoint(best, model=self.accelerator.unwrap_model(self.model), restore_rng=False,
+                        verify=self.checkpoint_verify)

@@ -1,0 +1,105 @@
+"""What a run was started with, recorded in every checkpoint, and the check that a resume still matches it.
+
+A bit-exact resume is only possible when the resumed run slices the data exactly as the interrupted one
+did. :class:`RunConfig` records the settings that decide that (gradient accumulation, per-device batch
+size, world size, seeds, the training data set); :func:`check_config_drift` compares the recorded
+settings with the current ones and raises :class:`~hf_resumable.errors.ConfigDriftError` naming
+*every* field that changed, or, when the user opted in, logs a WARNING and lets the run continue.
+
+Example:
+
+```python
+>>> from hf_resumable.state import RunConfig, check_config_drift
+>>> saved = RunConfig(gradient_accumulation_steps=4, per_device_train_batch_size=8, world_size=1, seed=42,
+...                   data_seed=None, dataset_length=1000, dataset_fingerprint="abc")
+>>> check_config_drift(saved, saved, checkpoint="out/checkpoint-10")  # nothing changed: no error
+>>> saved.diff(RunConfig.from_dict({**saved.to_dict(), "seed": 7}))
+{'seed': (42, 7)}
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigDriftError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RunConfig", "check_config_drift"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """The settings that decide which samples each optimizer step sees, and with which randomness.
+
+    Args:
+        gradient_accumulation_steps (`int`): micro-batches per optimizer step.
+        per_device_train_batch_size (`int`): samples per micro-batch on each rank.
+        world_size (`int`): number of data-parallel processes.
+        seed (`int`): ``TrainingArguments.seed``.
+        data_seed (`int`, *optional*): ``TrainingArguments.data_seed``.
+        dataset_length (`int`, *optional*): length of the training data set (``None`` when streaming).
+        dataset_fingerprint (`str`): see :func:`hf_resumable.data.dataset_fingerprint`.
+    """
+
+    gradient_accumulation_steps: int
+    per_device_train_batch_size: int
+    world_size: int
+    seed: int
+    data_seed: int | None
+    dataset_length: int | None
+    dataset_fingerprint: str
+
+    def __post_init__(self) -> None:
+        for name in ("gradient_accumulation_steps", "per_device_train_batch_size", "world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"RunConfig.{name} must be a positive int, got {value!r}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (stored in the checkpoint's ``extra``)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RunConfig":
+        """Inverse of :meth:`to_dict`; unknown keys (from a newer writer) are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in names})
+
+    def diff(self, other: "RunConfig") -> dict[str, tuple[Any, Any]]:
+        """``{field: (self's value, other's value)}`` for every field that differs."""
+        return {
+            f.name: (getattr(self, f.name), getattr(other, f.name))
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        }
+
+
+def check_config_drift(saved: RunConfig, current: RunConfig, *, checkpoint: str, allow: bool = False) -> None:
+    """Raise if the run is resumed with settings that change what the next steps train on.
+
+    Args:
+        saved (`RunConfig`): what the checkpoint was written with.
+        current (`RunConfig`): what the resumed run uses.
+        checkpoint (`str`): the checkpoint path (for the message).
+        allow (`bool`, *optional*, defaults to `False`): log a WARNING and continue instead of raising.
+
+    Raises:
+        ConfigDriftError: if any field differs and ``allow`` is false. The message names every changed
+            field with its old and new value.
+    """
+    changed = saved.diff(current)
+    if not changed:
+        return
+    details = ", ".join(f"{name}: {old!r} -> {new!r}" for name, (old, new) in changed.items())
+    message = f"Resuming {checkpoint} with a different configuration ({details})"
+    if not allow:
+        raise ConfigDriftError(
+            f"{message}. The run would not continue exactly. Restore the original settings, or pass "
+            "allow_config_drift=True to ResumableTrainer to continue as well as possible.")
+    logger.warning("%s; continuing because allow_config_drift=True. The run will NOT continue bit for bit.", message)

@@ -1,0 +1,258 @@
+"""Train a tiny model with ResumableTrainer (or the stock Trainer) and dump everything a test compares.
+
+Run by the subprocess tests in tests/test_trainer_*.py. The same command line is used for the
+uninterrupted run, the run that gets killed, and its restart; only environment variables decide
+where the process kills itself:
+
+    HFR_KILL_AFTER_SAVE=k   SIGKILL right after checkpoint-k has committed (on_save of step k)
+    HFR_KILL_MID_STEP=k     SIGKILL inside optimizer step k+1 (after its first micro-batch backward,
+                            or before its forward when gradient_accumulation_steps == 1)
+    HFR_SIGTERM_AT=k        SIGTERM to itself at the start of optimizer step k+1
+
+At the end it writes OUTPUT_DIR/result.json (log history) and OUTPUT_DIR/final.safetensors (model
+parameters and optimizer state tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+import datasets
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, GPT2Config, GPT2LMHeadModel,
+                          LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback, TrainingArguments)
+
+VOCAB = 64
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIAL), VOCAB)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]")
+
+
+def build_model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.1,
+                            embd_pdrop=0.1, attn_pdrop=0.1, pad_token_id=0)
+        return GPT2LMHeadModel(config)
+    if kind == "llama":
+        config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=64,
+                             attention_dropout=0.1, pad_token_id=0)
+        return LlamaForCausalLM(config)
+    if kind == "bert":
+        config = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                            vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout_prob=0.1,
+                            attention_probs_dropout_prob=0.1, pad_token_id=0)
+        return BertForMaskedLM(config)
+    raise ValueError(kind)
+
+
+def token_rows(n: int, *, seed: int = 1234, min_len: int = 5, max_len: int = 20) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(len(SPECIAL), VOCAB, size=int(rng.integers(min_len, max_len + 1))).tolist() for _ in range(n)]
+
+
+def augment_python_numpy(ids: list[int]) -> list[int]:
+    """Random augmentation drawing from python random and numpy's global generator."""
+    ids = list(ids)
+    if len(ids) > 6 and random.random() < 0.5:
+        del ids[random.randrange(len(ids))]
+    noise = np.random.randint(len(SPECIAL), VOCAB)
+    ids[np.random.randint(len(ids))] = int(noise)
+    return ids
+
+
+class RandomCropDataset(torch.utils.data.Dataset):
+    """A plain torch Dataset whose __getitem__ draws from numpy's and torch's global generators."""
+
+    def __init__(self, rows: list[list[int]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        ids = self.rows[index]
+        start = int(np.random.randint(0, 3))
+        ids = ids[start:]
+        ids = [i if torch.rand(()) > 0.1 else 4 for i in ids]
+        return {"input_ids": ids}
+
+
+class NoisyCollator:
+    """A custom collator that pads and then draws from torch's global generator (token noise)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
+        self.inner = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+
+    def __call__(self, features: list[dict]) -> dict:
+        batch = self.inner(features)
+        noise = torch.randint(len(SPECIAL), VOCAB, batch["input_ids"].shape)
+        flip = (torch.rand(batch["input_ids"].shape) < 0.05) & (batch["attention_mask"] == 1)
+        batch["input_ids"] = torch.where(flip, noise, batch["input_ids"])
+        return batch
+
+
+def wwm_rows(n: int) -> list[dict]:
+    """Rows with offset mappings whose words span 1-3 tokens (for whole-word masking)."""
+    rng = np.random.default_rng(99)
+    out = []
+    for _ in range(n):
+        ids, offsets, pos = [], [], 0
+        while len(ids) < 16:
+            for piece in range(int(rng.integers(1, 4))):
+                ids.append(int(rng.integers(len(SPECIAL), VOCAB)))
+                offsets.append([pos, pos + 2])
+                pos += 2
+            pos += 1  # a space between words
+        out.append({"input_ids": ids[:16], "offset_mapping": offsets[:16]})
+    return out
+
+
+def build_data(kind: str, tokenizer: PreTrainedTokenizerFast, n: int):
+    if kind == "lm":
+        return datasets.Dataset.from_dict({"input_ids": token_rows(n)}), DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    if kind == "lm_transform":
+        ds = datasets.Dataset.from_dict({"input_ids": token_rows(n)})
+        ds.set_transform(lambda batch: {"input_ids": [augment_python_numpy(r) for r in batch["input_ids"]]})
+        return ds, NoisyCollator(tokenizer)
+    if kind == "torch_random":
+        return RandomCropDataset(token_rows(n)), DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    if kind == "mlm":
+        return datasets.Dataset.from_dict({"input_ids": token_rows(n)}), DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3)
+    if kind == "wwm":
+        rows = wwm_rows(n)
+        ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in rows[0]})
+        return ds, DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3, whole_word_mask=True)
+    if kind in ("stream", "stream_shuffle"):
+        ds = datasets.Dataset.from_dict({"input_ids": token_rows(n)}).to_iterable_dataset(num_shards=4)
+        if kind == "stream_shuffle":
+            ds = ds.shuffle(seed=7, buffer_size=16)
+        ds = ds.map(lambda row: {"input_ids": augment_python_numpy(row["input_ids"])})
+        return ds, DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    raise ValueError(kind)
+
+
+class Interrupter(TrainerCallback):
+    """Kills this process at the step named by HFR_* environment variables."""
+
+    def __init__(self, ga: int) -> None:
+        self.ga = ga
+        self.after_save = _env_int("HFR_KILL_AFTER_SAVE")
+        self.mid_step = _env_int("HFR_KILL_MID_STEP")
+        self.sigterm_at = _env_int("HFR_SIGTERM_AT")
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.after_save:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.sigterm_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self.ga == 1 and state.global_step == self.mid_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if state.global_step == self.mid_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def dump_results(trainer, output_dir: Path, train_output) -> None:
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    tensors = {f"model/{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in trainer.optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in trainer.optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value):
+                    tensors[f"optim/{names[id(p)]}/{key}"] = value.detach().clone().contiguous()
+    save_file(tensors, str(output_dir / "final.safetensors"))
+    history = [{k: v for k, v in entry.items() if not k.startswith(("train_runtime", "train_samples_per", "train_steps_per"))}
+               for entry in trainer.state.log_history]
+    (output_dir / "result.json").write_text(json.dumps({"log_history": history, "global_step": train_output.global_step,
+                                                         "lr": trainer.lr_scheduler.get_last_lr()}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--model", default="gpt2", choices=["gpt2", "llama", "bert"])
+    p.add_argument("--data", default="lm")
+    p.add_argument("--samples", type=int, default=44)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--ga", type=int, default=1)
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--epochs", type=float, default=2)
+    p.add_argument("--max-steps", type=int, default=-1)
+    p.add_argument("--save-steps", type=int, default=1)
+    p.add_argument("--save-total-limit", type=int, default=None)
+    p.add_argument("--logging-steps", type=int, default=1)
+    p.add_argument("--eval", action="store_true", help="evaluate every save, load_best_model_at_end")
+    p.add_argument("--lora", action="store_true")
+    p.add_argument("--stock", action="store_true", help="use transformers.Trainer (for comparisons)")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--allow-config-drift", action="store_true")
+    p.add_argument("--no-resume", action="store_true")
+    a = p.parse_args(argv)
+
+    from hf_resumable.integrations.trainer import ResumableTrainer
+
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    tokenizer = build_tokenizer()
+    model = build_model(a.model)
+    if a.lora:
+        from peft import LoraConfig, get_peft_model
+
+        target = {"gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"], "bert": ["query", "value"]}[a.model]
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=target))
+    train, collator = build_data(a.data, tokenizer, a.samples)
+    evaluation = {}
+    if a.eval:
+        evaluation = dict(eval_strategy="steps", eval_steps=a.save_steps, load_best_model_at_end=True,
+                          metric_for_best_model="eval_loss", greater_is_better=False)
+    args = TrainingArguments(
+        output_dir=a.output_dir, per_device_train_batch_size=a.batch, per_device_eval_batch_size=8,
+        gradient_accumulation_steps=a.ga, num_train_epochs=a.epochs, max_steps=a.max_steps, learning_rate=1e-2,
+        lr_scheduler_type="linear", warmup_steps=2, weight_decay=0.01, logging_steps=a.logging_steps,
+        save_strategy="steps", save_steps=a.save_steps, save_total_limit=a.save_total_limit,
+        dataloader_num_workers=a.workers, seed=a.seed, report_to=[], disable_tqdm=True, use_cpu=True,
+        **evaluation)
+    kwargs = dict(model=model, args=args, train_dataset=train, data_collator=collator, processing_class=tokenizer,
+                  callbacks=[Interrupter(a.ga)])
+    if a.eval:
+        kwargs["eval_dataset"] = datasets.Dataset.from_dict({"input_ids": token_rows(16, seed=5)})
+    if a.stock:
+        trainer = transformers.Trainer(**kwargs)
+    else:
+        trainer = ResumableTrainer(allow_config_drift=a.allow_config_drift, **kwargs)
+    output = trainer.train(resume_from_checkpoint=not a.no_resume)
+    dump_results(trainer, Path(a.output_dir), output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
