@@ -1,0 +1,321 @@
+"""Summarize a checkpoint without loading a model: progress, batch geometry, shards, verification.
+
+:func:`summarize_checkpoint` reads only the manifest, ``training_state.json`` and the safetensors
+headers, so it is cheap on checkpoints of any size and works on damaged ones: whatever can be read is
+reported, and the verification result says what is wrong. The ``hf-resumable inspect`` command and
+the model cards (:mod:`hf_resumable.cards`) are built on it.
+
+Example:
+
+```python
+>>> from hf_resumable.summary import summarize_checkpoint
+>>> summary = summarize_checkpoint("out/checkpoint-120")  # doctest: +SKIP
+>>> summary.step, summary.parameter_count, summary.verified  # doctest: +SKIP
+(120, 124439808, True)
+```
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import verify_checkpoint
+from .constants import (
+    MANIFEST_FILE,
+    MAX_JSON_SIZE,
+    MODEL_INDEX_FILE,
+    OPTIMIZER_INDEX_FILE,
+    STATE_KEY_EXTRA,
+    STATE_KEY_OPTIMIZER,
+    STATE_KEY_PROGRESS,
+    TRAINING_STATE_FILE,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ShardSummary", "CheckpointSummary", "summarize_checkpoint", "format_size"]
+
+# Names under which progress and batch geometry are recorded by our integrations, the stock Trainer
+# (trainer_state.json / TrainingArguments) and hand-written loops. The first one found wins.
+_STEP_KEYS = ("global_step", "step")
+_EPOCH_KEYS = ("epoch",)
+_SAMPLES_KEYS = ("samples_seen", "num_samples_seen", "num_input_samples", "samples", "consumed_samples")
+_PER_DEVICE_KEYS = ("per_device_train_batch_size", "per_device_batch_size", "micro_batch_size", "batch_size",
+                    "train_batch_size")
+_ACCUMULATION_KEYS = ("gradient_accumulation_steps", "grad_accum_steps", "accumulation_steps")
+_WORLD_SIZE_KEYS = ("world_size", "num_processes")
+_RESUMES_KEYS = ("resumes", "num_resumes", "resume_count")
+
+
+def format_size(num_bytes: int) -> str:
+    """Human-readable decimal size, as the Hub shows it: ``format_size(2_500_000) == "2.50 MB"``."""
+    value = float(num_bytes)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1000
+    return f"{value:.2f} TB"  # unreachable; keeps type checkers quiet
+
+
+@dataclass(frozen=True)
+class ShardSummary:
+    """One tensor file of a checkpoint.
+
+    Args:
+        file (`str`): path relative to the checkpoint.
+        kind (`str`): ``"model"``, ``"optimizer"``, ``"rng"`` or ``"other"``.
+        size (`int`): bytes on disk (as listed in the manifest).
+        sha256 (`str`): hex digest from the manifest.
+        dtypes (`dict[str, int]`): safetensors dtype -> number of tensors (empty if the header is unreadable).
+        num_tensors (`int`): tensors in the file.
+        num_elements (`int`): elements over all tensors.
+    """
+
+    file: str
+    kind: str
+    size: int
+    sha256: str
+    dtypes: dict[str, int] = field(default_factory=dict)
+    num_tensors: int = 0
+    num_elements: int = 0
+
+
+@dataclass
+class CheckpointSummary:
+    """What ``hf-resumable inspect`` shows. Fields are ``None`` when the checkpoint does not record them.
+
+    Args:
+        path (`str`): the checkpoint directory.
+        step (`int`, *optional*): global (optimizer) step.
+        epoch (`float`, *optional*): epoch, possibly fractional.
+        samples_seen (`int`, *optional*): training samples consumed so far.
+        per_device_batch_size / gradient_accumulation_steps / world_size (`int`, *optional*): batch geometry.
+        effective_batch_size (`int`, *optional*): their product, when all three are known.
+        resumes (`int`, *optional*): how many times the run was resumed, when recorded.
+        parameter_count (`int`, *optional*): elements over all stored model tensors (tied weights once).
+        optimizer_class (`str`, *optional*): class name of the optimizer.
+        shards (`list[ShardSummary]`): every safetensors file listed in the manifest.
+        verified (`bool`): quick (or full) verification passed.
+        verification (`str`): ``"quick"`` or ``"full"``.
+        problems (`list[tuple[str, str]]`): ``(file, reason)`` for every problem found.
+        metrics (`dict[str, float]`): metrics recorded in the manifest.
+        versions (`dict[str, str]`): library versions that wrote the checkpoint.
+    """
+
+    path: str
+    step: int | None = None
+    epoch: float | None = None
+    samples_seen: int | None = None
+    per_device_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+    world_size: int | None = None
+    effective_batch_size: int | None = None
+    resumes: int | None = None
+    parameter_count: int | None = None
+    optimizer_class: str | None = None
+    shards: list[ShardSummary] = field(default_factory=list)
+    verified: bool = False
+    verification: str = "quick"
+    problems: list[tuple[str, str]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def total_size(self) -> int:
+        """Bytes over all tensor files."""
+        return sum(shard.size for shard in self.shards)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (the ``--json`` output of ``hf-resumable inspect``)."""
+        document = asdict(self)
+        document["problems"] = [{"file": f, "reason": why} for f, why in self.problems]
+        document["total_size"] = self.total_size
+        return document
+
+    def format_table(self) -> str:
+        """A readable two-part table: overview, then one line per shard."""
+        status = "OK" if self.verified else f"FAILED ({len(self.problems)} problem(s))"
+        batch = _describe_batch(self)
+        rows = [
+            ("checkpoint", self.path),
+            ("step", _or_dash(self.step)),
+            ("epoch", _or_dash(None if self.epoch is None else f"{self.epoch:g}")),
+            ("samples seen", _or_dash(self.samples_seen)),
+            ("effective batch", batch),
+            ("resumes", _or_dash(self.resumes)),
+            ("parameters", _or_dash(None if self.parameter_count is None else f"{self.parameter_count:,}")),
+            ("optimizer", _or_dash(self.optimizer_class)),
+            ("tensor files", f"{len(self.shards)} ({format_size(self.total_size)})"),
+            ("verification", f"{status} [{self.verification}]"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        lines = [f"{k:<{width}}  {v}" for k, v in rows]
+        lines += [f"  ! {f}: {why}" for f, why in self.problems]
+        if self.shards:
+            lines += ["", _shard_table(self.shards)]
+        return "\n".join(lines)
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _describe_batch(summary: CheckpointSummary) -> str:
+    parts = (summary.per_device_batch_size, summary.gradient_accumulation_steps, summary.world_size)
+    if summary.effective_batch_size is None:
+        return "-"
+    return f"{summary.effective_batch_size} (= {parts[0]} per device x {parts[1]} accumulation x {parts[2]} ranks)"
+
+
+def _shard_table(shards: Iterable[ShardSummary]) -> str:
+    header = ("file", "kind", "size", "tensors", "dtypes")
+    rows = [(s.file, s.kind, format_size(s.size), str(s.num_tensors),
+             ", ".join(f"{d}x{n}" for d, n in sorted(s.dtypes.items())) or "?") for s in shards]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _find(document: Any, keys: tuple[str, ...], *, depth: int = 4) -> Any:
+    """First value of any of ``keys`` in a nested mapping, breadth first (top-level keys win)."""
+    level = [document]
+    for _ in range(depth):
+        nested = []
+        for mapping in level:
+            if not isinstance(mapping, Mapping):
+                continue
+            for key in keys:
+                value = mapping.get(key)
+                if value is not None and not isinstance(value, (Mapping, list)):
+                    return value
+            nested += [v for v in mapping.values() if isinstance(v, Mapping)]
+        level = nested
+    return None
+
+
+def _as_int(value: Any) -> int | None:
+    try:
+        return None if value is None or isinstance(value, bool) else int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        if path.stat().st_size > MAX_JSON_SIZE:
+            return None
+        document = json.loads(path.read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return document if isinstance(document, dict) else None
+
+
+def _fill_progress(summary: CheckpointSummary, state: Mapping[str, Any]) -> None:
+    progress = state.get(STATE_KEY_PROGRESS) or {}
+    extra = state.get(STATE_KEY_EXTRA) or {}
+    both = {"progress": progress, "extra": extra}
+    if summary.step is None:
+        summary.step = _as_int(_find(both, _STEP_KEYS))
+    epoch = _find(both, _EPOCH_KEYS)
+    summary.epoch = float(epoch) if isinstance(epoch, (int, float)) and not isinstance(epoch, bool) else None
+    summary.samples_seen = _as_int(_find(both, _SAMPLES_KEYS))
+    summary.resumes = _as_int(_find(both, _RESUMES_KEYS))
+    summary.per_device_batch_size = _as_int(_find(both, _PER_DEVICE_KEYS))
+    summary.gradient_accumulation_steps = _as_int(_find(both, _ACCUMULATION_KEYS))
+    summary.world_size = _as_int(_find(both, _WORLD_SIZE_KEYS)) or summary.world_size
+    geometry = (summary.per_device_batch_size, summary.gradient_accumulation_steps, summary.world_size)
+    if all(isinstance(v, int) and v > 0 for v in geometry):
+        summary.effective_batch_size = geometry[0] * geometry[1] * geometry[2]
+    optimizer = state.get(STATE_KEY_OPTIMIZER)
+    if isinstance(optimizer, Mapping) and isinstance(optimizer.get("class"), str):
+        summary.optimizer_class = optimizer["class"]
+
+
+def _shard_kind(relpath: str) -> str:
+    name = relpath.rsplit("/", 1)[-1]
+    if relpath.startswith("rng/"):
+        return "rng"
+    for kind in ("model", "optimizer"):
+        if name == f"{kind}.safetensors" or name.startswith(f"{kind}-"):
+            return kind
+    return "other"
+
+
+def _fill_shards(summary: CheckpointSummary, report: Any) -> None:
+    model_elements = 0
+    for relpath, record in sorted(report.manifest.files.items()):
+        if not relpath.endswith(".safetensors"):
+            continue
+        header = report.headers.get(relpath)
+        dtypes: dict[str, int] = {}
+        elements = 0
+        for info in (header.tensors.values() if header is not None else ()):
+            dtypes[info.dtype] = dtypes.get(info.dtype, 0) + 1
+            count = 1
+            for dim in info.shape:
+                count *= dim
+            elements += count
+        shard = ShardSummary(relpath, _shard_kind(relpath), record.size, record.sha256, dtypes,
+                             len(header.tensors) if header is not None else 0, elements)
+        summary.shards.append(shard)
+        if shard.kind == "model":
+            model_elements += elements
+    has_model = MODEL_INDEX_FILE in report.manifest.files or any(s.kind == "model" for s in summary.shards)
+    summary.parameter_count = model_elements if has_model else None
+
+
+def summarize_checkpoint(directory: str | os.PathLike, *, full: bool = False) -> CheckpointSummary:
+    """Summarize the checkpoint at ``directory`` from its manifest, state file and safetensors headers.
+
+    Nothing is loaded into memory beyond headers and JSON. A damaged checkpoint is still summarized as far
+    as it can be read; ``verified`` is then False and ``problems`` names each bad file.
+
+    Args:
+        directory (`str` or `os.PathLike`): a checkpoint directory (``checkpoint-N``).
+        full (`bool`, *optional*, defaults to `False`): verify every sha256 (reads every byte) instead of
+            the quick check (sizes, headers, small files' hashes, index consistency).
+
+    Returns:
+        [`CheckpointSummary`]
+
+    Raises:
+        CheckpointNotFoundError: if ``directory`` does not exist or is not a directory.
+
+    Example:
+
+    ```python
+    >>> print(summarize_checkpoint("out/checkpoint-120").format_table())  # doctest: +SKIP
+    checkpoint       out/checkpoint-120
+    step             120
+    ...
+    ```
+    """
+    from .errors import CheckpointNotFoundError
+
+    path = Path(directory)
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"{path}: no such checkpoint directory.")
+    report = verify_checkpoint(path, full=full)
+    summary = CheckpointSummary(path=str(path), verified=report.ok, verification="full" if full else "quick",
+                                problems=list(report.problems))
+    if report.manifest is not None:
+        summary.step = report.manifest.step
+        summary.world_size = report.manifest.world_size
+        summary.metrics = dict(report.manifest.metrics)
+        summary.versions = dict(report.manifest.versions)
+        _fill_shards(summary, report)
+    elif not (path / MANIFEST_FILE).exists():
+        logger.debug("%s has no manifest; summarizing what is there", path)
+    state = _read_json(path / TRAINING_STATE_FILE)
+    if state is not None:
+        _fill_progress(summary, state)
+    if summary.optimizer_class is None and OPTIMIZER_INDEX_FILE in (report.manifest.files if report.manifest else {}):
+        summary.optimizer_class = "unknown"
+    return summary
