@@ -559,8 +559,23 @@ class StreamingModel(contextlib.AbstractContextManager):
 
 
 def stream_forward(model: nn.Module, path_or_repo_id: str | os.PathLike | LazyStateDict, input_ids: torch.Tensor,
-                   *, revision: str | None = None, token: str | None = None, **kwargs: Any) -> Any:
+                   *, attention_mask: torch.Tensor | None = None, revision: str | None = None,
+                   token: str | None = None) -> Any:
     """One forward pass of a meta-device model with its blocks streamed from the shards (see :class:`StreamingModel`).
+
+    Args:
+        model (`torch.nn.Module`): the model on the meta device (``accelerate.init_empty_weights()``).
+        path_or_repo_id (`str`, `os.PathLike` or [`LazyStateDict`]): where the weights are.
+        input_ids (`torch.Tensor`): token ids, shape ``(batch, sequence)``.
+        attention_mask (`torch.Tensor`, *optional*): passed to the model.
+        revision (`str`, *optional*): Hub revision.
+        token (`str`, *optional*): Hub token.
+
+    Returns:
+        The model's output (e.g. ``CausalLMOutputWithPast``), computed under ``torch.no_grad()``.
+
+    Raises:
+        CheckpointMismatchError: if the weights do not fit the model (checked once, before any block runs).
 
     Example:
 
@@ -571,4 +586,4 @@ def stream_forward(model: nn.Module, path_or_repo_id: str | os.PathLike | LazySt
     ```
     """
     with StreamingModel(model, path_or_repo_id, revision=revision, token=token) as streamed, torch.no_grad():
-        return streamed(input_ids, **kwargs)
+        return streamed(input_ids, attention_mask=attention_mask)
