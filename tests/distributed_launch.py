@@ -1,0 +1,90 @@
+"""Start and stop real ``torch.distributed`` process groups (gloo, CPU) from a test.
+
+Each rank is a plain subprocess with the environment ``torchrun`` would give it (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``), so the test owns
+every pid: it can wait for them, and SIGKILL whatever is still running after the timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+__all__ = ["RankResult", "free_port", "launch_ranks", "child_env"]
+
+
+@dataclass
+class RankResult:
+    """What one rank did: its exit status (negative = killed by that signal), output, and whether we killed it."""
+
+    rank: int
+    returncode: int
+    stdout: str
+    stderr: str
+    killed_by_timeout: bool
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}: rc={self.returncode} killed_by_timeout={self.killed_by_timeout}\n"
+                f"--- stdout ---\n{self.stdout[-3000:]}\n--- stderr ---\n{self.stderr[-5000:]}")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The parent's environment with the repository importable, one thread per process and ``extra``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.update(extra or {})
+    return env
+
+
+def launch_ranks(argv: list[str], *, world_size: int, timeout: float,
+                 env: dict[str, str] | None = None) -> list[RankResult]:
+    """Run ``python argv...`` once per rank as a gloo process group; kill survivors after ``timeout`` s.
+
+    Args:
+        argv: script and arguments (the interpreter is ``sys.executable``).
+        world_size: number of ranks.
+        timeout: seconds to wait for all ranks together; ranks still running then get SIGKILL.
+        env: extra environment variables for every rank.
+    """
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        rank_env = child_env({**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                              "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        # Files, not pipes: a rank blocked on a full pipe while we wait for another would look like a hang.
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        procs.append((subprocess.Popen([sys.executable, *argv], env=rank_env, stdout=out, stderr=err,
+                                       cwd=REPO_ROOT), out, err))
+    deadline = time.monotonic() + timeout
+    results = []
+    for rank, (proc, out, err) in enumerate(procs):
+        killed = False
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            killed = True
+        out.seek(0)
+        err.seek(0)
+        results.append(RankResult(rank, proc.returncode, out.read(), err.read(), killed))
+        out.close()
+        err.close()
+    return results
