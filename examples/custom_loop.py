@@ -1,0 +1,167 @@
+"""Reference custom training loop with ``ResumableAccelerator``: kill it at any moment, rerun the same command.
+
+A tiny GPT-2 (dropout on) is trained on variable-length random token sequences with a collator that
+draws random numbers (label dropping, token noise, random crops), token-exact gradient accumulation
+and a checkpoint every ``--save-every`` optimizer steps. Rerunning the same command after a crash (or
+SIGTERM: the step finishes, a checkpoint is committed, the process exits with 143) resumes from the
+newest valid checkpoint and produces bit for bit the losses and weights of an uninterrupted run.
+
+Usage:
+
+    python examples/custom_loop.py --output-dir out                       # 1 process
+    accelerate launch --num_processes 2 --cpu examples/custom_loop.py --output-dir out   # 2 processes (gloo)
+
+Per-step losses are appended to ``<output-dir>/losses.jsonl`` (``float.hex`` of the window's token-mean
+loss over all processes). ``HF_RESUMABLE_EXAMPLE_KILL_AFTER_STEP=k`` makes the process SIGKILL itself
+right after step ``k`` (the test hook; ``HF_RESUMABLE_EXAMPLE_KILL_RANK`` limits it to one rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import signal
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate.utils import set_seed
+from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
+
+from hf_resumable.integrations.accelerate import ResumableAccelerator
+
+logger = logging.getLogger("custom_loop")
+
+VOCAB = 128
+PAD = 0
+IGNORE = -100
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--num-samples", type=int, default=44)
+    parser.add_argument("--batch-size", type=int, default=4, help="per-process micro-batch size")
+    parser.add_argument("--ga", type=int, default=3, help="gradient accumulation steps")
+    parser.add_argument("--save-every", type=int, default=2, help="optimizer steps between checkpoints")
+    parser.add_argument("--num-workers", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--save-async", action="store_true")
+    return parser.parse_args(argv)
+
+
+def make_dataset(num_samples: int, seed: int) -> list[dict[str, list[int]]]:
+    """Variable-length random token sequences (a pure function of the seed)."""
+    generator = torch.Generator().manual_seed(seed + 1234)
+    lengths = torch.randint(6, 24, (num_samples,), generator=generator).tolist()
+    return [{"input_ids": torch.randint(3, VOCAB, (n,), generator=generator).tolist()} for n in lengths]
+
+
+def collate(examples: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    """Random crop (numpy), token noise (python ``random``), label dropping (torch), then right padding."""
+    rows = []
+    for example in examples:
+        ids = list(example["input_ids"])
+        start = int(np.random.randint(0, 3))
+        ids = ids[start:]
+        ids = [random.randrange(3, VOCAB) if random.random() < 0.05 else token for token in ids]
+        rows.append(ids)
+    width = max(len(ids) for ids in rows)
+    input_ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, ids in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention_mask[i, : len(ids)] = 1
+    labels = input_ids.masked_fill(attention_mask == 0, IGNORE)
+    labels = labels.masked_fill(torch.rand(labels.shape) < 0.1, IGNORE)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def count_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Items the loss is averaged over: predicted label tokens (labels are shifted by one)."""
+    return (batch["labels"][:, 1:] != IGNORE).sum()
+
+
+def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum (not mean) of the next-token cross-entropy over the micro-batch's label tokens."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(),
+                                             batch["labels"][:, 1:].reshape(-1), ignore_index=IGNORE,
+                                             reduction="sum")
+
+
+def build_model(seed: int) -> GPT2LMHeadModel:
+    set_seed(seed)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, bos_token_id=1,
+                        eos_token_id=2, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    return GPT2LMHeadModel(config)
+
+
+def maybe_kill(step: int, rank: int) -> None:
+    """Test hook: SIGKILL this process after ``step`` (no cleanup, no flush, like a crash)."""
+    kill_after = os.environ.get("HF_RESUMABLE_EXAMPLE_KILL_AFTER_STEP")
+    kill_rank = os.environ.get("HF_RESUMABLE_EXAMPLE_KILL_RANK")
+    if kill_after is not None and int(kill_after) == step and (kill_rank is None or int(kill_rank) == rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def log_step(path: Path, step: int, epoch: int, loss: float) -> None:
+    with path.open("a") as handle:
+        handle.write(json.dumps({"step": step, "epoch": epoch, "loss": loss.hex()}) + "\n")
+
+
+def train(args: argparse.Namespace) -> ResumableAccelerator:
+    output = Path(args.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    accelerator = ResumableAccelerator(gradient_accumulation_steps=args.ga, checkpoint_dir=output / "checkpoints",
+                                       keep_last=2, save_async=args.save_async, cpu=True)
+    model = build_model(args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    loader = accelerator.prepare_resumable_dataloader(make_dataset(args.num_samples, args.seed), collate_fn=collate,
+                                                      batch_size=args.batch_size, seed=args.seed,
+                                                      num_workers=args.num_workers)
+    steps_per_epoch = -(-len(loader) // args.ga)
+    scheduler = get_linear_schedule_with_warmup(optimizer, 2, steps_per_epoch * args.epochs)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    accelerator.load_state()  # newest valid checkpoint, or nothing on a fresh start
+    losses = output / "losses.jsonl"
+
+    for epoch in range(loader.epoch, args.epochs):
+        model.train()
+        for window in accelerator.accumulation_windows(loader, count_items=count_tokens):
+            total = torch.zeros((), dtype=torch.float64)
+            for batch in window:
+                with accelerator.accumulate(model):
+                    loss = loss_sum(model, batch)
+                    accelerator.backward(loss, num_items_in_batch=window.num_items)
+                    total += loss.detach().double()
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+            step_loss = float(accelerator.reduce(total, reduction="sum")) / window.num_items
+            if accelerator.is_main_process:
+                log_step(losses, accelerator.global_step, epoch, step_loss)
+            if accelerator.global_step % args.save_every == 0:
+                accelerator.save_state()
+            accelerator.checkpoint_if_preempted()
+            maybe_kill(accelerator.global_step, accelerator.process_index)
+    accelerator.save_state()  # the final state (a no-op if the last step was just saved)
+    accelerator.end_training()
+    return accelerator
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = parse_args(argv)
+    accelerator = train(args)
+    if accelerator.is_main_process:
+        logger.info("finished at step %d", accelerator.global_step)
+
+
+if __name__ == "__main__":
+    main()
