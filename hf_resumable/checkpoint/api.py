@@ -16,6 +16,7 @@ from ..constants import DEFAULT_MAX_SHARD_SIZE, RNG_DIR, RNG_FILE_PATTERN
 from ..distributed import is_distributed, rank_and_world_size
 from ..errors import InexactResumeError
 from ..rng import RngState, restore_rng_state
+from ..storage import resolve_checkpoint
 from ._payload import capture_payload
 from ._reader import LoadedCheckpoint, _Reader, load_all
 from ._writer import AsyncSaver, check_target, save_payload
@@ -166,6 +167,7 @@ def load_checkpoint(
     strict: bool = True,
     verify: str = "quick",
     allow_inexact_resume: bool = False,
+    storage_options: dict | None = None,
 ) -> LoadedCheckpoint:
     """Load a checkpoint written by :func:`save_checkpoint` into freshly built objects, bit for bit.
 
@@ -183,6 +185,9 @@ def load_checkpoint(
             (``"none"`` skips hash checks while reading; structure is always checked).
         allow_inexact_resume (`bool`, *optional*, defaults to `False`): continue with a WARNING when
             this rank's RNG state is missing instead of raising.
+        storage_options (`dict`, *optional*): fsspec options when ``directory`` is a remote URL
+            (``s3://bucket/run/checkpoint-100``, or a run root to load its latest); the checkpoint is
+            downloaded and hash-checked first.
 
     Returns:
         `LoadedCheckpoint`: training state, extra state, data position and RNG state.
@@ -197,7 +202,7 @@ def load_checkpoint(
     if verify not in ("quick", "full", "none"):
         raise ValueError(f"verify must be 'quick', 'full' or 'none', got {verify!r}.")
     _ASYNC.wait()
-    path = Path(directory)
+    path = resolve_checkpoint(directory, storage_options=storage_options)
     report = verify_checkpoint(path, full=verify == "full", raise_on_error=True)
     rank, _world = rank_and_world_size()
     reader = _Reader(path, report, hash_on_read=verify == "quick")

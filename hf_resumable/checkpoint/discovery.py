@@ -48,13 +48,16 @@ def cleanup_stale_temp_dirs(root: str | os.PathLike) -> list[Path]:
     return removed
 
 
-def find_latest_checkpoint(root: str | os.PathLike, *, cleanup: bool = True, full: bool = False) -> Path | None:
+def find_latest_checkpoint(
+    root: str | os.PathLike, *, cleanup: bool = True, full: bool = False, storage_options: dict | None = None
+) -> Path | str | None:
     """The newest ``checkpoint-N`` under ``root`` that passes verification, or None.
 
     Directories without a manifest (interrupted saves) or with truncated/corrupt files are skipped
     with a WARNING naming the reason. Quick verification is the default (sizes, headers, hashes of
     files up to 4 MiB); ``full=True`` hashes every file. With ``cleanup``, stale temp dirs of dead
-    writers are removed.
+    writers are removed. ``root`` may be an fsspec URL (``s3://bucket/run``): the result is then the
+    URL of the newest remote checkpoint whose manifest and files are all present.
 
     Example:
 
@@ -64,6 +67,10 @@ def find_latest_checkpoint(root: str | os.PathLike, *, cleanup: bool = True, ful
     'checkpoint-1200'
     ```
     """
+    from ..storage import find_latest_remote_checkpoint, is_remote_url
+
+    if is_remote_url(root):
+        return find_latest_remote_checkpoint(os.fspath(root), storage_options=storage_options)
     if cleanup:
         cleanup_stale_temp_dirs(root)
     for step, path in reversed(list_checkpoints(root)):
