@@ -1,0 +1,267 @@
+"""``hf-resumable``: inspect, verify, convert, reshard, push and pull checkpoints, and run the resume demo.
+
+Thin by design: each subcommand parses its arguments and calls one library function. User mistakes
+(a missing path, a corrupt checkpoint, a bad size string) print one line to stderr and exit with a
+non-zero code, without a traceback.
+
+Example:
+
+```bash
+hf-resumable inspect out/checkpoint-120
+hf-resumable verify --full out/checkpoint-120     # exit 0 if valid, 1 if not
+hf-resumable convert out-stock/checkpoint-500 --output converted/checkpoint-500
+hf-resumable reshard converted/checkpoint-500 --max-shard-size 200MB
+hf-resumable push out/checkpoint-120 me/run --revision step-120
+hf-resumable pull hf://me/run@step-120 --local-dir restored
+hf-resumable demo
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import __version__
+from .errors import HfResumableError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["main", "build_parser"]
+
+EXIT_OK = 0
+EXIT_INVALID = 1  # verification failed / demo runs differ
+EXIT_USAGE = 2  # bad arguments, missing path, unreadable input (argparse uses 2 as well)
+
+
+def _is_hub_reference(target: str) -> bool:
+    return target.startswith("hf://")
+
+
+def _local_checkpoint(target: str, *, quiet: bool) -> Path:
+    """A local directory for ``target``; ``hf://`` references are pulled (resumably, verified) first."""
+    if not _is_hub_reference(target):
+        return Path(target)
+    from .hub import pull_checkpoint
+
+    if not quiet:
+        print(f"pulling {target} ...", file=sys.stderr)
+    return pull_checkpoint(target)
+
+
+# ------------------------------------------------------------------------------------------------ commands
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .summary import summarize_checkpoint
+
+    summary = summarize_checkpoint(_local_checkpoint(args.path, quiet=args.quiet), full=args.full)
+    print(json.dumps(summary.to_dict(), indent=2) if args.json else summary.format_table())
+    return EXIT_OK if summary.verified else EXIT_INVALID
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .checkpoint import verify_checkpoint
+
+    path = Path(args.path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such checkpoint directory")
+    report = verify_checkpoint(path, full=args.full)
+    if report.ok:
+        if not args.quiet:
+            print(report.summary())
+        return EXIT_OK
+    print(report.summary(), file=sys.stderr)
+    return EXIT_INVALID
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import PICKLE_WARNING, convert_trainer_checkpoint
+
+    source = Path(args.path)
+    output = Path(args.output) if args.output else source.parent / "hf_resumable" / source.name
+    print(f"NOTICE: {PICKLE_WARNING}", file=sys.stderr)
+    info = convert_trainer_checkpoint(source, output, optimizer=args.optimizer, max_shard_size=args.max_shard_size,
+                                      overwrite=args.overwrite)
+    if not args.quiet:
+        print(f"converted {source} -> {info.path} (step {info.step}, {len(info.manifest.files)} files)")
+    return EXIT_OK
+
+
+def cmd_reshard(args: argparse.Namespace) -> int:
+    from .convert import reshard_checkpoint
+    from .summary import summarize_checkpoint
+
+    target = reshard_checkpoint(args.path, max_shard_size=args.max_shard_size, output=args.output)
+    if not args.quiet:
+        shards = summarize_checkpoint(target).shards
+        counts = {kind: sum(s.kind == kind for s in shards) for kind in ("model", "optimizer")}
+        print(f"resharded {args.path} -> {target} ({counts['model']} model shard(s), "
+              f"{counts['optimizer']} optimizer shard(s))")
+    return EXIT_OK
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from .cards import render_checkpoint_card
+
+    path = Path(args.path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such checkpoint directory")
+    if args.path_in_repo is not None or args.tag is not None:
+        from .hub import push_checkpoint
+
+        if not args.no_card:
+            logger.warning("push_checkpoint (used for --path-in-repo/--tag) takes no model card; pushing without one.")
+        pushed = push_checkpoint(path, args.repo_id, path_in_repo=args.path_in_repo, branch=args.revision,
+                                 tag=args.tag, commit_message=args.commit_message, private=args.private)
+        print(pushed.url)
+        return EXIT_OK
+    from .hub import push_sharded
+
+    card = None if args.no_card else str(render_checkpoint_card(path, repo_id=args.repo_id, revision=args.revision,
+                                                                license=args.license))
+    info = push_sharded(path, args.repo_id, revision=args.revision, commit_message=args.commit_message,
+                        private=args.private, card=card)
+    print(f"hf://{args.repo_id}@{info.oid}")
+    return EXIT_OK
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from .hub import pull_checkpoint
+
+    path = pull_checkpoint(args.reference, revision=args.revision, local_dir=args.local_dir)
+    print(path)
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from .demo import format_comparison, run_demo
+
+    output = Path(args.output) if args.output else Path(tempfile.mkdtemp(prefix="hf_resumable-demo-"))
+    if not args.quiet:
+        print(f"Training a tiny GPT-2 twice in {output}: once uninterrupted, once SIGKILLed at a random step and "
+              "restarted with the same command ...", flush=True)
+    report = run_demo(output, max_steps=args.max_steps, save_every=args.save_every, seed=args.seed,
+                      kill_step=args.kill_at, plot=not args.no_plot)
+    if not args.quiet or not report.comparison.ok:
+        print(format_comparison(report.comparison, kill_step=report.kill_step,
+                                resumed_from=report.resumed.resumed_from))
+        print(f"\nloss plot: {report.plot or 'skipped (matplotlib not installed)'}")
+        print(f"report:    {output / 'demo_report.json'}  ({report.seconds:.1f} s)")
+    return EXIT_OK if report.comparison.ok else EXIT_INVALID
+
+
+# ------------------------------------------------------------------------------------------------ parser
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-q", "--quiet", action="store_true", help="print only results and errors")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log INFO messages of hf_resumable")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``hf-resumable`` (one sub-parser per command)."""
+    parser = argparse.ArgumentParser(prog="hf-resumable", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"hf_resumable {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = commands.add_parser("inspect", help="summarize a checkpoint (step, batch, shards, verification)")
+    p.add_argument("path", help="checkpoint directory or hf://namespace/name[@revision][/sub/dir]")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--full", action="store_true", help="verify every sha256 (reads every byte)")
+    p.set_defaults(func=cmd_inspect)
+
+    p = commands.add_parser("verify", help="check a checkpoint; exit 0 if valid, 1 if not")
+    p.add_argument("path", help="checkpoint directory")
+    p.add_argument("--full", action="store_true", help="recompute every sha256 (default: quick check)")
+    p.set_defaults(func=cmd_verify)
+
+    p = commands.add_parser("convert", help="convert a stock transformers.Trainer checkpoint (reads pickles!)")
+    p.add_argument("path", help="stock checkpoint directory (config.json, model*.safetensors, optimizer.pt, ...)")
+    p.add_argument("--output", help="new checkpoint directory (default: <parent>/hf_resumable/<name>)")
+    p.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "adagrad", "rmsprop"],
+                   help="optimizer class of the run (default: inferred from its state)")
+    p.add_argument("--max-shard-size", default="2GB", help="shard size of the new checkpoint (default: 2GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    p.set_defaults(func=cmd_convert)
+
+    p = commands.add_parser("reshard", help="rewrite model and optimizer shards with a new size")
+    p.add_argument("path", help="checkpoint directory")
+    p.add_argument("--max-shard-size", required=True, help="new shard size, e.g. 500MB or 2GiB")
+    p.add_argument("--output", help="write here instead of replacing the checkpoint in place")
+    p.set_defaults(func=cmd_reshard)
+
+    p = commands.add_parser("push", help="upload a checkpoint to the Hub with a model card")
+    p.add_argument("path", help="checkpoint directory")
+    p.add_argument("repo_id", help="namespace/name (created if missing)")
+    p.add_argument("--revision", "--branch", dest="revision", help="target branch (created if missing)")
+    p.add_argument("--path-in-repo", help="upload into this sub-directory (no model card)")
+    p.add_argument("--tag", help="tag the commit (no model card)")
+    p.add_argument("--commit-message")
+    p.add_argument("--private", action="store_true", default=None, help="create the repo private")
+    p.add_argument("--license", help="license id for the model card metadata, e.g. apache-2.0")
+    p.add_argument("--no-card", action="store_true", help="do not write README.md")
+    p.set_defaults(func=cmd_push)
+
+    p = commands.add_parser("pull", help="download a checkpoint (resumable, verified against its manifest)")
+    p.add_argument("reference", help="hf://namespace/name[@revision][/sub/dir] or namespace/name")
+    p.add_argument("--revision", help="branch, tag or commit (overrides @revision)")
+    p.add_argument("--local-dir", help="destination (default: under HF_HOME, keyed by commit)")
+    p.set_defaults(func=cmd_pull)
+
+    p = commands.add_parser("demo", help="train, SIGKILL at a random step, resume, and prove the runs are identical")
+    p.add_argument("--output", help="demo directory (default: a new temporary directory)")
+    p.add_argument("--max-steps", type=int, default=40, help="optimizer steps per run (default: 40)")
+    p.add_argument("--save-every", type=int, default=5, help="checkpoint interval in steps (default: 5)")
+    p.add_argument("--kill-at", type=int, help="kill after this step (default: random)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    p.set_defaults(func=cmd_demo)
+
+    for sub in commands.choices.values():
+        _add_common(sub)
+    return parser
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    level = logging.INFO if args.verbose else logging.ERROR if args.quiet else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("hf_resumable").setLevel(level)
+    if args.quiet:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+
+def _one_line(err: BaseException) -> str:
+    """The error message on one line (multi-line reports are joined, so every bad file stays named)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return " ".join(lines) or type(err).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``hf-resumable`` (and ``python -m hf_resumable``); returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _configure_logging(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # output piped into `head` & co: not an error of ours
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except (HfResumableError, OSError, ValueError) as err:  # OSError: missing paths, disk full, Hub HTTP errors
+        if args.verbose:
+            logger.exception("%s failed", args.command)
+        print(f"hf-resumable {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        return EXIT_INVALID if isinstance(err, HfResumableError) and args.command == "verify" else EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"hf-resumable {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
