@@ -59,6 +59,7 @@ __all__ = [
     "build_map_dataloader",
     "build_stream_dataloader",
     "dataset_fingerprint",
+    "has_shuffle_buffer",
 ]
 
 # Domain-separation tags for derive_seed, so the permutation, map-style batches and streaming batches
@@ -401,6 +402,17 @@ def build_stream_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], 
 _STREAM_LOADER_CLASS: type | None = None
 
 
+def _batches_yielded(state: Mapping[str, Any]) -> int:
+    """Batches a ``StatefulDataLoader`` had yielded when ``state`` was taken (single- or multi-process form)."""
+    if "_num_yielded" in state:
+        return int(state["_num_yielded"])
+    snapshot = state.get("_snapshot") or {}
+    if "_snapshot_step" in snapshot:
+        return int(snapshot["_snapshot_step"]) + int(state.get("_steps_since_snapshot", 0))
+    raise InexactResumeError(f"Unrecognised StatefulDataLoader state (keys {sorted(state)}); this torchdata "
+                             "version is not supported.")
+
+
 def _stream_loader_class() -> type:
     """Define :class:`ResumableStreamLoader` on first use, so ``torchdata`` stays an optional import."""
     global _STREAM_LOADER_CLASS
@@ -418,7 +430,7 @@ def _stream_loader_class() -> type:
             def load_position(self, record: Mapping[str, Any]) -> None:
                 state = record[DATA_LOADER]
                 self.load_state_dict(state)
-                self._resumed_batches = int(state.get("_num_yielded", 0))
+                self._resumed_batches = _batches_yielded(state)
 
             def skip(self, num_batches: int) -> "ResumableStreamLoader":
                 if num_batches and self._resumed_batches != num_batches:
@@ -461,3 +473,23 @@ def dataset_fingerprint(dataset: Any, *, seed: int = 0) -> tuple[int | None, str
         with data_rng(derive_seed(seed, _TAG_FINGERPRINT)):
             parts = [type(dataset).__qualname__, length] + [dataset[i] for i in probe]
     return length, hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+def has_shuffle_buffer(dataset: Any) -> bool:
+    """Whether a ``datasets.IterableDataset`` pipeline contains a ``.shuffle(buffer_size=...)`` buffer.
+
+    ``datasets`` saves the position of the stream under a shuffle buffer but not the buffer's content
+    (its ``load_state_dict`` refills the buffer from the resume point), so such a stream cannot be
+    resumed bit for bit from its ``state_dict``.
+    """
+    pending, seen = [getattr(dataset, "_ex_iterable", None)], set()
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "BufferShuffledExamplesIterable":
+            return True
+        pending.append(getattr(node, "ex_iterable", None))
+        pending.extend(getattr(node, "ex_iterables", None) or [])
+    return False

@@ -46,8 +46,8 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from ..checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
 from ..checkpoint import apply_retention, wait_for_pending_saves
 from ..constants import CHECKPOINT_PREFIX
-from ..data import (DATA_EPOCH, DATA_KIND, DATA_STEP, ResumableDataLoader, build_map_dataloader,
-                    build_stream_dataloader, dataset_fingerprint)
+from ..data import (DATA_KIND, ResumableDataLoader, build_map_dataloader, build_stream_dataloader,
+                    dataset_fingerprint, has_shuffle_buffer)
 from ..errors import CheckpointNotFoundError, InexactResumeError
 from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
 from ..rng import restore_rng_state
@@ -208,6 +208,7 @@ class ResumableTrainer(Trainer):
         self.exit_on_preemption = exit_on_preemption
         self.checkpoint_verify = checkpoint_verify
         self.preempted = False
+        self.resumed_from: Path | None = None
         self._preemption = PreemptionHandler()
         self._resume: _Resume | None = None
         self._train_loader: Any = None
@@ -237,6 +238,7 @@ class ResumableTrainer(Trainer):
         self._preemption.requested = False
         self._run_config = None
         checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
+        self.resumed_from = checkpoint
         self._resume = self._open_checkpoint(checkpoint) if checkpoint is not None else None
         try:
             with self._preemption, _cursor_skipping():
@@ -368,6 +370,9 @@ class ResumableTrainer(Trainer):
             if not callable(getattr(loader, "load_position", None)):
                 self._inexact(f"{self._resume.path} holds a streaming position but the training data is map-style")
                 return
+            if has_shuffle_buffer(self.train_dataset):
+                self._inexact("The streaming training set has a shuffle buffer, whose content datasets does not "
+                              "save (the buffer is refilled from the resume point)")
             loader.load_position(record)
 
     def _data_position(self) -> dict[str, Any] | None:

@@ -193,7 +193,9 @@ def dump_results(trainer, output_dir: Path, train_output) -> None:
     history = [{k: v for k, v in entry.items() if not k.startswith(("train_runtime", "train_samples_per", "train_steps_per"))}
                for entry in trainer.state.log_history]
     (output_dir / "result.json").write_text(json.dumps({"log_history": history, "global_step": train_output.global_step,
-                                                         "lr": trainer.lr_scheduler.get_last_lr()}, indent=1))
+                                                         "lr": trainer.lr_scheduler.get_last_lr(),
+                                                         "resumed_from": str(getattr(trainer, "resumed_from", None) or "") or None},
+                                                        indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stock", action="store_true", help="use transformers.Trainer (for comparisons)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--allow-config-drift", action="store_true")
+    p.add_argument("--allow-inexact-resume", action="store_true")
     p.add_argument("--no-resume", action="store_true")
     a = p.parse_args(argv)
 
@@ -240,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         lr_scheduler_type="linear", warmup_steps=2, weight_decay=0.01, logging_steps=a.logging_steps,
         save_strategy="steps", save_steps=a.save_steps, save_total_limit=a.save_total_limit,
         dataloader_num_workers=a.workers, seed=a.seed, report_to=[], disable_tqdm=True, use_cpu=True,
+        remove_unused_columns=a.data != "wwm",  # the whole-word-masking collator needs offset_mapping
         **evaluation)
     kwargs = dict(model=model, args=args, train_dataset=train, data_collator=collator, processing_class=tokenizer,
                   callbacks=[Interrupter(a.ga)])
@@ -248,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.stock:
         trainer = transformers.Trainer(**kwargs)
     else:
-        trainer = ResumableTrainer(allow_config_drift=a.allow_config_drift, **kwargs)
+        trainer = ResumableTrainer(allow_config_drift=a.allow_config_drift,
+                                   allow_inexact_resume=a.allow_inexact_resume, **kwargs)
     output = trainer.train(resume_from_checkpoint=not a.no_resume)
     dump_results(trainer, Path(a.output_dir), output)
     return 0

@@ -1,0 +1,149 @@
+"""ResumableTrainer in-process: upstream-internals contract, checkpoint discovery, config drift, and
+token-exact gradient accumulation through the wrapper."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from transformers import DataCollatorForLanguageModeling, TrainerCallback, TrainingArguments
+
+from hf_resumable.errors import CheckpointNotFoundError, ConfigDriftError
+from hf_resumable.integrations.trainer import ResumableTrainer, check_trainer_internals
+
+sys.path.insert(0, str(Path(__file__).parent / "trainer_scripts"))
+import train_tiny  # noqa: E402  (tiny models, tokenizer and data shared with the subprocess grid)
+
+
+def test_trainer_internals_we_rely_on_are_unchanged() -> None:
+    """Fails loudly when a transformers upgrade changes an internal ResumableTrainer overrides or patches."""
+    assert check_trainer_internals() == []
+
+
+def _trainer(output_dir: Path, *, ga: int = 1, batch: int = 4, seed: int = 42, samples: int = 24, max_steps: int = 2,
+             dropout_model: str = "gpt2", **kwargs) -> ResumableTrainer:
+    tokenizer = train_tiny.build_tokenizer()
+    args = TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=batch,
+                             gradient_accumulation_steps=ga, max_steps=max_steps, save_steps=2, logging_steps=1,
+                             seed=seed, report_to=[], disable_tqdm=True, use_cpu=True, learning_rate=1e-3)
+    data = datasets.Dataset.from_dict({"input_ids": train_tiny.token_rows(samples)})
+    return ResumableTrainer(model=train_tiny.build_model(dropout_model), args=args, train_dataset=data,
+                            data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def trained_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output = tmp_path_factory.mktemp("trained")
+    _trainer(output).train()
+    assert (output / "checkpoint-2" / "manifest.json").is_file()
+    return output
+
+
+def test_resume_true_starts_fresh_when_there_is_no_checkpoint(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path, max_steps=1)
+    output = trainer.train(resume_from_checkpoint="auto")
+    assert trainer.resumed_from is None and output.global_step == 1
+
+
+def test_resume_from_a_path_that_is_not_a_checkpoint_raises(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointNotFoundError, match="not a directory"):
+        _trainer(tmp_path).train(resume_from_checkpoint=str(tmp_path / "nope"))
+
+
+def _copy(trained_dir: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    shutil.copytree(trained_dir / "checkpoint-2", tmp_path / "checkpoint-2")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [({"ga": 2}, "gradient_accumulation_steps"), ({"batch": 2}, "per_device_train_batch_size"),
+     ({"seed": 7}, "seed"), ({"samples": 20}, "dataset_length")],
+)
+def test_config_drift_raises_a_typed_error_naming_the_field(trained_dir: Path, tmp_path: Path, change: dict,
+                                                            field: str) -> None:
+    trainer = _trainer(_copy(trained_dir, tmp_path), max_steps=3, **change)
+    with pytest.raises(ConfigDriftError, match=field):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_changed_data_with_the_same_length_is_caught_by_the_fingerprint(trained_dir: Path, tmp_path: Path) -> None:
+    trainer = _trainer(_copy(trained_dir, tmp_path), max_steps=3)
+    trainer.train_dataset = datasets.Dataset.from_dict({"input_ids": train_tiny.token_rows(24, seed=5)})
+    with pytest.raises(ConfigDriftError, match="dataset_fingerprint") as err:
+        trainer.train(resume_from_checkpoint=True)
+    assert "dataset_length" not in str(err.value)
+
+
+def test_world_size_drift_is_caught(trained_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = _trainer(_copy(trained_dir, tmp_path), max_steps=3)
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
+    with pytest.raises(ConfigDriftError, match=r"world_size: 1 -> 2"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_every_changed_field_is_named_at_once(trained_dir: Path, tmp_path: Path) -> None:
+    trainer = _trainer(_copy(trained_dir, tmp_path), max_steps=3, ga=2, seed=7)
+    with pytest.raises(ConfigDriftError, match="gradient_accumulation_steps.*seed"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_opting_in_to_drift_warns_and_continues(trained_dir: Path, tmp_path: Path,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    trainer = _trainer(_copy(trained_dir, tmp_path), max_steps=3, batch=2, allow_config_drift=True)
+    with caplog.at_level(logging.WARNING, logger="hf_resumable"):
+        output = trainer.train(resume_from_checkpoint=True)
+    assert output.global_step == 3 and trainer.resumed_from.name == "checkpoint-2"
+    assert any("per_device_train_batch_size: 4 -> 2" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records)
+
+
+class _GradRecorder(TrainerCallback):
+    """Records the accumulated gradient right before every optimizer step."""
+
+    def __init__(self) -> None:
+        self.grads: list[torch.Tensor] = []
+        self.model: torch.nn.Module | None = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append(torch.cat([p.grad.flatten().clone() for p in model.parameters() if p.grad is not None]))
+
+
+def _accumulated_grads(tmp_path: Path, *, ga: int, batch: int) -> list[torch.Tensor]:
+    tokenizer = train_tiny.build_tokenizer()
+    model = train_tiny.build_model("gpt2")
+    model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    # 20 variable-length sequences -> optimizer steps of 8, 8 and 4 samples (a short last window).
+    data = datasets.Dataset.from_dict({"input_ids": train_tiny.token_rows(20, min_len=3, max_len=24)})
+    args = TrainingArguments(output_dir=str(tmp_path / f"ga{ga}"), per_device_train_batch_size=batch,
+                             gradient_accumulation_steps=ga, num_train_epochs=1, max_grad_norm=0.0,
+                             train_sampling_strategy="sequential", save_strategy="no", report_to=[],
+                             disable_tqdm=True, use_cpu=True, learning_rate=1e-3)
+    recorder = _GradRecorder()
+    trainer = ResumableTrainer(model=model, args=args, train_dataset=data, callbacks=[recorder],
+                               data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+    trainer.train()
+    return recorder.grads
+
+
+def test_gradient_accumulation_is_token_exact(tmp_path: Path) -> None:
+    """GA=4 x batch 2 equals GA=1 x batch 8 (padded causal-LM batches, num_items_in_batch path)."""
+    small = _accumulated_grads(tmp_path, ga=4, batch=2)
+    big = _accumulated_grads(tmp_path, ga=1, batch=8)
+    assert len(small) == len(big) == 3
+    for step, (a, b) in enumerate(zip(small, big)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"optimizer step {step}")
+    # The case only tests something if micro-batches of a window hold different numbers of label tokens
+    # (otherwise mean-of-means would be exact too).
+    lengths = [len(row) for row in train_tiny.token_rows(20, min_len=3, max_len=24)]
+    tokens_per_micro_batch = [sum(n - 1 for n in lengths[i : i + 2]) for i in range(0, 8, 2)]
+    assert len(set(tokens_per_micro_batch)) > 1
