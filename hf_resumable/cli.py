@@ -78,11 +78,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import PICKLE_WARNING, convert_trainer_checkpoint
+    from .convert import PICKLE_WARNING, TrainerCheckpointFiles, convert_trainer_checkpoint
 
     source = Path(args.path)
     output = Path(args.output) if args.output else source.parent / "hf_resumable" / source.name
-    print(f"NOTICE: {PICKLE_WARNING}", file=sys.stderr)
+    if TrainerCheckpointFiles.scan(source).has_pickles:
+        print(f"NOTICE: {PICKLE_WARNING}", file=sys.stderr)
     info = convert_trainer_checkpoint(source, output, optimizer=args.optimizer, max_shard_size=args.max_shard_size,
                                       overwrite=args.overwrite)
     if not args.quiet:

@@ -82,6 +82,11 @@ class TrainerCheckpointFiles:
     trainer_state: dict[str, Any]
     copied: list[Path]
 
+    @property
+    def has_pickles(self) -> bool:
+        """Whether converting reads any pickle file."""
+        return any((self.optimizer, self.scheduler, self.scaler, self.rng))
+
     @classmethod
     def scan(cls, directory: Path) -> TrainerCheckpointFiles:
         """Find the files; raise if there is no config or no safetensors weights."""
@@ -248,7 +253,7 @@ def convert_trainer_checkpoint(
     files = TrainerCheckpointFiles.scan(Path(source))
     parse_size(max_shard_size)
     model = _build_model(files.directory)
-    if any((files.optimizer, files.scheduler, files.scaler, files.rng)):
+    if files.has_pickles:
         logger.warning("%s", PICKLE_WARNING)
     opt = _rebuild_optimizer(model, files.optimizer, optimizer) if files.optimizer else None
     scheduler = _StateHolder(_load_pickle(files.scheduler)) if files.scheduler else None
