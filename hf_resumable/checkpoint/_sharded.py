@@ -1,0 +1,315 @@
+"""Per-rank pieces of DTensor-sharded (FSDP2) state: what each rank writes, and where every piece sits.
+
+Under FSDP2 (or any DTensor sharding) every rank holds a *piece* of each tensor: a box of the global
+tensor given by an ``offset`` and a ``shape``. A save writes each rank's pieces into its own
+safetensors files, in parallel, and rank 0 records the *layout* (every tensor's dtype and global shape,
+and which file holds which box) in ``sharded_layout.json``. A load computes the box the *loading* rank
+needs (any world size, any sharding, or the whole tensor for a plain model) and reads only the
+intersecting slices.
+
+Nothing here pickles: the layout travels between ranks as JSON (:func:`hf_resumable.distributed.all_gather_json`)
+and is written as JSON; tensors are written as safetensors.
+
+The pure helpers (:func:`intersect_boxes`, :func:`plan_region_reads`) work on integer tuples only, so
+they are tested without tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointMismatchError, CorruptCheckpointError, UnsupportedStateError
+from ..safetensors_io import DTYPE_TO_STR
+from ..state_codec import encode_state
+from ._payload import TensorFile
+
+logger = logging.getLogger(__name__)
+
+# Written by rank 0: every tensor's dtype and global shape, and which file holds which piece (JSON).
+LAYOUT_FILE = "sharded_layout.json"
+# Per-rank piece files: "sharded/model-rank00000-of-00002.safetensors" (and "optimizer-...").
+SHARDED_DIR = "sharded"
+PIECE_FILE_PATTERN = "{kind}-rank{rank:05d}-of-{world_size:05d}.safetensors"
+# safetensors header metadata key of each piece file: {name: {"offset": [...], "global_shape": [...]}} (JSON).
+PIECES_METADATA_KEY = "hf_resumable_pieces"
+# Version of the layout document; readers refuse newer ones.
+LAYOUT_VERSION = 1
+
+# Keys of the layout document.
+LAYOUT_KEY_VERSION = "layout_version"  # int, LAYOUT_VERSION
+LAYOUT_KEY_WORLD_SIZE = "world_size"  # int, ranks that wrote the pieces
+LAYOUT_KEY_MODEL = "model"  # section for model weights, or null
+LAYOUT_KEY_OPTIMIZER = "optimizer"  # section for optimizer tensors, or null
+LAYOUT_KEY_OPTIMIZER_DOC = "optimizer_document"  # {"class", "param_groups", "non_tensor_state"} or null
+SECTION_TENSORS = "tensors"  # {name: {"dtype": "F32", "shape": [global shape]}}
+SECTION_PIECES = "pieces"  # {file: {name: {"offset": [...], "shape": [...]}}}
+SECTION_TIED = "tied"  # {dropped alias: kept name} (model only)
+
+__all__ = [
+    "LAYOUT_FILE",
+    "Box",
+    "LocalState",
+    "intersect_boxes",
+    "plan_region_reads",
+    "local_box",
+    "collect_local_state",
+    "flatten_optimizer_state",
+    "piece_file",
+]
+
+
+@dataclass(frozen=True)
+class Box:
+    """A box of a global tensor: ``offset`` and ``shape`` per dimension (both empty for a 0-d tensor)."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_json(self) -> dict[str, list[int]]:
+        return {"offset": list(self.offset), "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, document: Mapping[str, Any], *, source: str) -> "Box":
+        try:
+            offset, shape = tuple(int(x) for x in document["offset"]), tuple(int(x) for x in document["shape"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise CorruptCheckpointError(f"{source}: malformed piece entry {document!r} ({err}).") from None
+        if len(offset) != len(shape) or any(x < 0 for x in offset + shape):
+            raise CorruptCheckpointError(f"{source}: malformed piece entry {document!r}.")
+        return cls(offset, shape)
+
+
+def intersect_boxes(a: Box, b: Box) -> Box | None:
+    """The box both ``a`` and ``b`` cover, or ``None`` if they do not overlap.
+
+    Example:
+
+    ```python
+    >>> intersect_boxes(Box((0, 0), (4, 3)), Box((2, 0), (4, 3)))
+    Box(offset=(2, 0), shape=(2, 3))
+    >>> intersect_boxes(Box((0,), (2,)), Box((2,), (2,))) is None
+    True
+    ```
+    """
+    if len(a.offset) != len(b.offset):
+        raise ValueError(f"Boxes of different rank: {a} and {b}.")
+    lows = [max(x, y) for x, y in zip(a.offset, b.offset)]
+    highs = [min(x + m, y + n) for x, m, y, n in zip(a.offset, a.shape, b.offset, b.shape)]
+    if any(hi <= lo for lo, hi in zip(lows, highs)):
+        return None
+    return Box(tuple(lows), tuple(hi - lo for lo, hi in zip(lows, highs)))
+
+
+@dataclass(frozen=True)
+class RegionRead:
+    """Copy ``source`` (relative to the stored piece) of ``file`` into ``target`` (relative to the wanted box)."""
+
+    file: str
+    source: tuple[slice, ...]
+    target: tuple[slice, ...]
+    whole_piece: bool
+
+
+def _relative(box: Box, origin: Box) -> tuple[slice, ...]:
+    return tuple(slice(o - p, o - p + n) for o, p, n in zip(box.offset, origin.offset, box.shape))
+
+
+def plan_region_reads(wanted: Box, pieces: Mapping[str, Box], *, name: str, source: str) -> list[RegionRead]:
+    """The slice reads that assemble ``wanted`` from stored ``pieces`` (file -> box); pure, no IO.
+
+    Pieces of one tensor never overlap (each is written by exactly one rank), so the wanted box is
+    fully covered exactly when the intersections add up to its size.
+
+    Raises:
+        CorruptCheckpointError: if the stored pieces do not cover ``wanted``.
+
+    Example:
+
+    ```python
+    >>> reads = plan_region_reads(Box((1,), (2,)), {"a": Box((0,), (2,)), "b": Box((2,), (2,))}, name="w", source="x")
+    >>> [(r.file, r.source, r.target) for r in reads]
+    [('a', (slice(1, 2, None),), (slice(0, 1, None),)), ('b', (slice(0, 1, None),), (slice(1, 2, None),))]
+    ```
+    """
+    reads, covered = [], 0
+    for file, piece in pieces.items():
+        overlap = intersect_boxes(piece, wanted)
+        if overlap is None:
+            continue
+        reads.append(RegionRead(file, _relative(overlap, piece), _relative(overlap, wanted), overlap == piece))
+        covered += overlap.numel
+    if covered != wanted.numel:
+        raise CorruptCheckpointError(
+            f"{source}: the stored pieces of {name!r} cover {covered} of the {wanted.numel} elements of the box "
+            f"at offset {list(wanted.offset)} with shape {list(wanted.shape)}. The layout is corrupt or pieces are "
+            "missing; load an earlier checkpoint."
+        )
+    return reads
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def local_box(tensor: torch.Tensor) -> Box:
+    """The box of the global tensor this rank holds: a DTensor's local piece, or all of a plain tensor.
+
+    Raises:
+        UnsupportedStateError: for a DTensor with a ``Partial`` placement (pending reduction).
+    """
+    if not _is_dtensor(tensor):
+        return Box((0,) * tensor.dim(), tuple(tensor.shape))
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(p.is_partial() for p in tensor.placements):
+        raise UnsupportedStateError(
+            f"A DTensor with placements {tensor.placements} holds a pending reduction (Partial); call "
+            "redistribute() to Shard or Replicate before saving."
+        )
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return Box(tuple(int(x) for x in offset), tuple(int(x) for x in shape))
+
+
+def _writes_piece(tensor: torch.Tensor, rank: int) -> bool:
+    """Exactly one rank writes each distinct piece: for replicated mesh dims, the one at coordinate 0."""
+    if not _is_dtensor(tensor):
+        return rank == 0
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None:
+        return False
+    return all(c == 0 for c, p in zip(coordinate, tensor.placements) if p.is_replicate())
+
+
+def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.to_local() if _is_dtensor(tensor) else tensor).detach()
+
+
+@dataclass
+class LocalState:
+    """What one rank contributes for one kind of state (model or optimizer).
+
+    Args:
+        tensors (`dict[str, dict]`): every tensor's global ``dtype`` and ``shape`` (same on every rank).
+        pieces (`list[tuple[str, torch.Tensor, Box]]`): this rank's pieces to write.
+        tied (`dict[str, str]`): aliases dropped because they share a tensor with a kept name.
+    """
+
+    tensors: dict[str, dict[str, Any]]
+    pieces: list[tuple[str, torch.Tensor, Box]]
+    tied: dict[str, str]
+
+
+def _dedupe_aliases(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Keep the first name of tensors that are the very same object (tied weights, e.g. GPT-2's lm_head).
+
+    Identity of the (D)Tensor object is used rather than storage, so every rank reaches the same
+    answer even where its local piece is empty.
+    """
+    kept_by_id: dict[int, str] = {}
+    kept: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    for name, tensor in state.items():
+        first = kept_by_id.setdefault(id(tensor), name)
+        if first != name:
+            tied[name] = first
+        else:
+            kept[name] = tensor
+    return kept, tied
+
+
+def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, dedupe: bool) -> LocalState:
+    """This rank's pieces of ``state`` (DTensors and plain tensors) and every tensor's global description.
+
+    Raises:
+        UnsupportedStateError: for an unsupported dtype or placement.
+        CheckpointMismatchError: if a DTensor's local tensor does not have the shape its placement implies.
+    """
+    kept, tied = _dedupe_aliases(state) if dedupe else (dict(state), {})
+    tensors: dict[str, dict[str, Any]] = {}
+    pieces: list[tuple[str, torch.Tensor, Box]] = []
+    for name, tensor in kept.items():
+        if tensor.dtype not in DTYPE_TO_STR:
+            raise UnsupportedStateError(f"{name!r}: dtype {tensor.dtype} cannot be stored in safetensors.")
+        tensors[name] = {"dtype": DTYPE_TO_STR[tensor.dtype], "shape": list(tensor.shape)}
+        box = local_box(tensor)
+        local = _local_tensor(tensor)
+        if tuple(local.shape) != box.shape:
+            raise CheckpointMismatchError(
+                f"{name!r}: the local tensor has shape {list(local.shape)} but its placement implies "
+                f"{list(box.shape)}; this sharding is not supported by save_sharded_checkpoint."
+            )
+        if box.numel and _writes_piece(tensor, rank):
+            pieces.append((name, local, box))
+    return LocalState(tensors, pieces, tied)
+
+
+def flatten_optimizer_state(optimizer_state: Mapping[str, Any], optimizer_class: str
+                            ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split an FQN-keyed optimizer state dict (``get_optimizer_state_dict``) into tensors and a JSON document.
+
+    Tensors (DTensors included) are named ``state/<param fqn>/<key>``, exactly as in
+    ``optimizer.safetensors`` of a regular checkpoint, and the document has the same shape as a
+    regular checkpoint's ``training_state.json["optimizer"]``, so :func:`consolidate_sharded_checkpoint`
+    turns one into the other by assembling tensors only.
+
+    Raises:
+        UnsupportedStateError: if a value cannot be stored without pickle.
+    """
+    from ..constants import OPTIMIZER_GROUP_PREFIX, OPTIMIZER_STATE_PREFIX
+
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for fqn, fields in optimizer_state["state"].items():
+        for key, value in fields.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{OPTIMIZER_STATE_PREFIX}{fqn}/{key}"] = value
+            else:
+                scalars.setdefault(fqn, {})[key] = encode_state(value, tensors, prefix=f"scalar/{fqn}/{key}")
+    groups = []
+    for i, group in enumerate(optimizer_state["param_groups"]):
+        encoded = {k: encode_state(v, tensors, prefix=f"{OPTIMIZER_GROUP_PREFIX}{i}/{k}")
+                   for k, v in group.items() if k != "params"}
+        encoded["params"] = [str(p) for p in group["params"]]
+        groups.append(encoded)
+    return tensors, {"class": optimizer_class, "param_groups": groups, "non_tensor_state": scalars}
+
+
+def piece_file(kind: str, rank: int, world_size: int) -> str:
+    """Relative path of rank ``rank``'s piece file for ``kind`` (``"model"`` or ``"optimizer"``)."""
+    return f"{SHARDED_DIR}/{PIECE_FILE_PATTERN.format(kind=kind, rank=rank, world_size=world_size)}"
+
+
+def piece_tensor_file(relpath: str, local: LocalState) -> TensorFile | None:
+    """The safetensors file of this rank's pieces (self-describing: boxes in the header metadata), if any."""
+    if not local.pieces:
+        return None
+    described = {name: {**box.to_json(), "global_shape": local.tensors[name]["shape"]}
+                 for name, _, box in local.pieces}
+    metadata = {"format": "pt", PIECES_METADATA_KEY: json.dumps(described, sort_keys=True)}
+    return TensorFile(relpath, [(name, tensor) for name, tensor, _ in local.pieces], metadata)
+
+
+def section_from_gathered(local: LocalState, gathered: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The layout section of one kind of state from every rank's ``{"file", "pieces"}`` report."""
+    pieces = {g["file"]: g["pieces"] for g in gathered if g["file"] is not None}
+    return {SECTION_TENSORS: local.tensors, SECTION_PIECES: pieces, SECTION_TIED: local.tied}
+
+
+def piece_report(relpath: str, local: LocalState) -> dict[str, Any]:
+    """This rank's contribution to the layout (JSON), gathered by rank 0."""
+    if not local.pieces:
+        return {"file": None, "pieces": {}}
+    return {"file": relpath, "pieces": {name: box.to_json() for name, _, box in local.pieces}}

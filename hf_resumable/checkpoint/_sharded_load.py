@@ -1,0 +1,177 @@
+"""Read the pieces of a sharded checkpoint into whatever sharding the loading rank has (any world size).
+
+For every tensor the loading rank needs, the wanted box is this rank's DTensor piece (or the whole
+tensor for a plain model); :func:`~hf_resumable.checkpoint._sharded.plan_region_reads` says which
+slices of which stored pieces make it up, and ``safetensors.safe_open(...).get_slice`` reads only
+those bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointMismatchError, CorruptCheckpointError, FormatVersionError
+from ..safetensors_io import STR_TO_DTYPE
+from ..sharding import check_relative_name
+from ._sharded import (
+    LAYOUT_FILE,
+    LAYOUT_KEY_VERSION,
+    LAYOUT_KEY_WORLD_SIZE,
+    LAYOUT_VERSION,
+    SECTION_PIECES,
+    SECTION_TENSORS,
+    SECTION_TIED,
+    Box,
+    local_box,
+    plan_region_reads,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Section", "parse_layout", "PieceReader", "fill_state"]
+
+
+@dataclass(frozen=True)
+class Section:
+    """A validated layout section: global tensor descriptions, stored pieces by tensor, tied aliases."""
+
+    dtypes: dict[str, torch.dtype]
+    shapes: dict[str, tuple[int, ...]]
+    pieces: dict[str, dict[str, Box]]  # tensor name -> {file: box}
+    tied: dict[str, str]
+
+    @classmethod
+    def from_json(cls, document: Mapping[str, Any], *, source: str) -> "Section":
+        try:
+            described = document[SECTION_TENSORS]
+            dtypes = {n: STR_TO_DTYPE[d["dtype"]] for n, d in described.items()}
+            shapes = {n: tuple(int(x) for x in d["shape"]) for n, d in described.items()}
+            tied = {str(k): str(v) for k, v in (document.get(SECTION_TIED) or {}).items()}
+            pieces: dict[str, dict[str, Box]] = {n: {} for n in described}
+            for file, entries in document[SECTION_PIECES].items():
+                check_relative_name(file, source=source)
+                for name, entry in entries.items():
+                    pieces[name][file] = Box.from_json(entry, source=source)
+        except (KeyError, TypeError, AttributeError) as err:
+            raise CorruptCheckpointError(f"{source}: malformed layout section ({type(err).__name__}: {err}).") from None
+        return cls(dtypes, shapes, pieces, tied)
+
+
+def parse_layout(document: Any, *, source: str) -> dict[str, Any]:
+    """Check the layout document's version and basic structure.
+
+    Raises:
+        FormatVersionError: if it was written by a newer hf_resumable.
+        CorruptCheckpointError: if it is not a layout document.
+    """
+    if not isinstance(document, dict) or not isinstance(document.get(LAYOUT_KEY_VERSION), int):
+        raise CorruptCheckpointError(f"{source}: not an hf_resumable sharded layout ({LAYOUT_FILE}).")
+    if document[LAYOUT_KEY_VERSION] > LAYOUT_VERSION:
+        raise FormatVersionError(f"{source}: layout version {document[LAYOUT_KEY_VERSION]}; this hf_resumable reads "
+                                 f"up to {LAYOUT_VERSION}. Upgrade hf_resumable to load it.")
+    if not isinstance(document.get(LAYOUT_KEY_WORLD_SIZE), int):
+        raise CorruptCheckpointError(f"{source}: layout lacks its world size.")
+    return document
+
+
+class PieceReader:
+    """Reads boxes of stored tensors with ``safe_open(...).get_slice``; keeps each file open once.
+
+    Use as a context manager so the file handles are closed.
+    """
+
+    def __init__(self, directory: Path, section: Section, *, source: str) -> None:
+        self.directory = directory
+        self.section = section
+        self.source = source
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[str, Any] = {}
+
+    def __enter__(self) -> "PieceReader":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stack.close()
+
+    def _handle(self, file: str) -> Any:
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(safe_open(str(self.directory / file), framework="pt"))
+        return self._handles[file]
+
+    def read_box(self, name: str, wanted: Box) -> torch.Tensor:
+        """The ``wanted`` box of stored tensor ``name`` as a new CPU tensor."""
+        out = torch.empty(wanted.shape, dtype=self.section.dtypes[name])
+        for read in plan_region_reads(wanted, self.section.pieces[name], name=name, source=self.source):
+            handle = self._handle(read.file)
+            chunk = handle.get_tensor(name) if read.whole_piece else handle.get_slice(name)[read.source]
+            if out.dim() == 0:
+                out.copy_(chunk.reshape(()))
+            else:
+                out[read.target] = chunk
+        return out
+
+    def read_full(self, name: str) -> torch.Tensor:
+        """The whole stored tensor ``name``."""
+        shape = self.section.shapes[name]
+        return self.read_box(name, Box((0,) * len(shape), shape))
+
+
+def _wrap_like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a tensor of the same kind as ``template`` (a DTensor with its mesh and placements)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(template, DTensor):
+        return local
+    return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False,
+                              shape=template.shape, stride=template.stride())
+
+
+def check_fits(current: Mapping[str, torch.Tensor], section: Section, *, strict: bool, source: str,
+               what: str) -> list[str]:
+    """Names of ``current`` to fill; every missing, unexpected or mismatched key is reported at once.
+
+    Raises:
+        CheckpointMismatchError: listing all offending keys.
+    """
+    available = set(section.dtypes) | set(section.tied)
+    missing = sorted(set(current) - available)
+    unexpected = sorted(available - set(current))
+    problems = []
+    for name in sorted(set(current) & available):
+        stored = section.tied.get(name, name)
+        target = current[name]
+        if section.shapes[stored] != tuple(target.shape) or section.dtypes[stored] != target.dtype:
+            problems.append(f"{name}: checkpoint has {section.dtypes[stored]} {list(section.shapes[stored])}, "
+                            f"the {what} has {target.dtype} {list(target.shape)}")
+    lines = problems + ([f"{n}: missing from the checkpoint" for n in missing] +
+                        [f"{n}: in the checkpoint but not in the {what}" for n in unexpected] if strict else [])
+    if lines:
+        raise CheckpointMismatchError(
+            f"{source} does not fit the {what} ({len(lines)} problem(s)):\n  " + "\n  ".join(lines[:50])
+            + f"\nBuild the {what} the same way as when saving (same config), or pass strict=False to skip "
+            "missing/unexpected keys."
+        )
+    if missing or unexpected:
+        logger.warning("Loading %s with strict=False: %d missing key(s) %s, %d unexpected key(s) %s", source,
+                       len(missing), missing[:5], len(unexpected), unexpected[:5])
+    return [name for name in current if name in available]
+
+
+def fill_state(current: Mapping[str, torch.Tensor], reader: PieceReader, names: list[str]) -> dict[str, torch.Tensor]:
+    """New tensors shaped and sharded like ``current[name]`` for each of ``names``, read from the pieces."""
+    filled: dict[str, torch.Tensor] = {}
+    for name in names:
+        template = current[name]
+        stored = reader.section.tied.get(name, name)
+        local = reader.read_box(stored, local_box(template))
+        filled[name] = _wrap_like(template, local)
+    return filled

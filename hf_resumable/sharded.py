@@ -1,0 +1,469 @@
+"""Sharded checkpoints for FSDP2 / DTensor models: every rank writes its own pieces, any world size loads them.
+
+``save_sharded_checkpoint`` is the parallel counterpart of :func:`~hf_resumable.save_checkpoint`: each
+rank writes the pieces of the model weights and optimizer state it holds (``DTensor.to_local()``) into
+its own safetensors files, in parallel, and rank 0 commits the checkpoint with the same protocol
+(temp directory, ``manifest.json`` last with every file's size and sha256, atomic rename). Plain
+(unsharded) models work too: rank 0 writes their tensors.
+
+``load_sharded_checkpoint`` loads into any sharding at any world size (2 -> 1, 1 -> 2, ...): each rank
+reads only the slices of the stored pieces that overlap what it holds. ``consolidate_sharded_checkpoint``
+turns a sharded checkpoint into a regular one, whose weights are HF sharded safetensors
+(``model.safetensors.index.json``) that ``from_pretrained`` loads.
+
+Layout of a sharded ``checkpoint-<step>/``::
+
+    sharded/model-rank00000-of-00002.safetensors      rank 0's pieces of the weights (boxes in the header)
+    sharded/optimizer-rank00000-of-00002.safetensors  rank 0's pieces of the optimizer state
+    sharded/...-rank00001-of-00002.safetensors        rank 1's
+    sharded_layout.json                               every tensor's dtype, global shape, and piece boxes
+    config.json, generation_config.json               as save_pretrained writes them
+    training_state.json, rng/, data/                  as in a regular checkpoint
+    manifest.json                                     written last
+
+Nothing is pickled: torch.distributed.checkpoint's ``FileSystemWriter`` writes a pickled ``.metadata``,
+and its ``HuggingFaceStorageWriter`` exchanges plans with pickling collectives and stores non-tensor
+optimizer state with ``torch.save``, so neither is used; coordination here is JSON over
+:mod:`hf_resumable.distributed`.
+
+Example:
+
+```python
+>>> from torch.distributed.fsdp import fully_shard
+>>> from hf_resumable.sharded import save_sharded_checkpoint, load_sharded_checkpoint
+>>> for block in model.model.layers:  # doctest: +SKIP
+...     fully_shard(block)
+>>> fully_shard(model)  # doctest: +SKIP
+>>> save_sharded_checkpoint("out/checkpoint-100", model=model, optimizer=optimizer, step=100)  # doctest: +SKIP
+>>> # later, on any number of ranks (or in a single process, into a plain model):
+>>> load_sharded_checkpoint("out/checkpoint-100", model=model, optimizer=optimizer)  # doctest: +SKIP
+```
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import wait_for_pending_saves
+from .checkpoint._model import TIED_KEY
+from .checkpoint._payload import Payload, _add_sharded, _capture_pretrained, capture_payload
+from .checkpoint._reader import LoadedCheckpoint, _Reader, load_all
+from .checkpoint._sharded import (
+    LAYOUT_FILE,
+    LAYOUT_KEY_MODEL,
+    LAYOUT_KEY_OPTIMIZER,
+    LAYOUT_KEY_OPTIMIZER_DOC,
+    LAYOUT_KEY_VERSION,
+    LAYOUT_KEY_WORLD_SIZE,
+    LAYOUT_VERSION,
+    SHARDED_DIR,
+    LocalState,
+    collect_local_state,
+    flatten_optimizer_state,
+    piece_file,
+    piece_report,
+    piece_tensor_file,
+    section_from_gathered,
+)
+from .checkpoint._sharded_load import PieceReader, Section, check_fits, fill_state, parse_layout
+from .checkpoint._writer import check_target, save_payload
+from .checkpoint.api import CheckpointInfo
+from .checkpoint.discovery import apply_retention
+from .checkpoint.manifest import Manifest
+from .checkpoint.verify import verify_checkpoint
+from .constants import (
+    DEFAULT_MAX_SHARD_SIZE,
+    MODEL_FILE_PATTERN,
+    MODEL_INDEX_FILE,
+    OPTIMIZER_FILE_PATTERN,
+    OPTIMIZER_INDEX_FILE,
+    OPTIMIZER_STATE_PREFIX,
+    STATE_KEY_OPTIMIZER,
+    TRAINING_STATE_FILE,
+)
+from .distributed import all_gather_json, rank_and_world_size
+from .errors import CheckpointMismatchError, IncompleteCheckpointError, InexactResumeError
+from .rng import RngState, restore_rng_state
+from .state_codec import decode_state
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["save_sharded_checkpoint", "load_sharded_checkpoint", "consolidate_sharded_checkpoint"]
+
+
+def _options(**kwargs: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**kwargs)
+
+
+def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """FQN-keyed weights as this rank holds them (DTensor pieces under FSDP2, plain tensors otherwise)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_options())
+
+
+def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """FQN-keyed optimizer state (initialized with a zero-lr step if the optimizer has none yet)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_options())
+
+
+def _json_bytes(document: Any) -> bytes:
+    return (json.dumps(document, indent=2) + "\n").encode()
+
+
+def _add_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, rank: int,
+                world_size: int) -> dict[str, Any]:
+    """Add this rank's piece files to ``payload``; return the layout (complete on every rank, JSON)."""
+    locals_: dict[str, LocalState] = {"model": collect_local_state(_model_state(model), rank=rank, dedupe=True)}
+    document = None
+    if optimizer is not None:
+        tensors, document = flatten_optimizer_state(_optimizer_state(model, optimizer), type(optimizer).__qualname__)
+        locals_["optimizer"] = collect_local_state(tensors, rank=rank, dedupe=False)
+    reports = {}
+    for kind, local in locals_.items():
+        relpath = piece_file(kind, rank, world_size)
+        tensor_file = piece_tensor_file(relpath, local)
+        if tensor_file is not None:
+            payload.tensor_files.append(tensor_file)
+        reports[kind] = piece_report(relpath, local)
+    gathered = all_gather_json(reports)
+    sections = {kind: section_from_gathered(local, [g[kind] for g in gathered]) for kind, local in locals_.items()}
+    return {LAYOUT_KEY_VERSION: LAYOUT_VERSION, LAYOUT_KEY_WORLD_SIZE: world_size,
+            LAYOUT_KEY_MODEL: sections["model"], LAYOUT_KEY_OPTIMIZER: sections.get("optimizer"),
+            LAYOUT_KEY_OPTIMIZER_DOC: document}
+
+
+def save_sharded_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    step: int | None = None,
+    training_state: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    data_state: Mapping[str, Any] | None = None,
+    rng: bool | RngState = True,
+    metrics: Mapping[str, float] | None = None,
+    overwrite: bool = False,
+    processing_class: Any = None,
+    keep_last: int | None = None,
+) -> CheckpointInfo:
+    """Save a checkpoint in which every rank writes its own pieces of the model and optimizer, in parallel.
+
+    Works for FSDP2 (``fully_shard``) and other DTensor-sharded models, and for plain models (rank 0
+    writes them). Under torch.distributed it is a collective: every rank calls it. The commit is the
+    same as :func:`~hf_resumable.save_checkpoint`'s: files go into a temporary sibling directory, rank 0
+    writes ``manifest.json`` (every rank's files with size and sha256, hashed while writing) only after
+    every rank reported its files durable, then renames. A rank killed mid-save leaves the previous
+    checkpoint the latest valid one.
+
+    Args:
+        directory (`str` or `os.PathLike`): the checkpoint directory, e.g. ``out/checkpoint-120``.
+        model (`torch.nn.Module`): the model (FSDP2-wrapped or not); its ``config`` is saved by rank 0.
+        optimizer (`torch.optim.Optimizer`, *optional*): saved keyed by parameter FQN, sharded like the weights.
+        scheduler, scaler (*optional*): saved by rank 0 as JSON, as in ``save_checkpoint``.
+        step (`int`, *optional*): the global step, recorded in the manifest.
+        training_state (`Mapping`, *optional*): the (global) progress cursor, e.g. ``{"sampler":
+            ElasticSampler.state_dict()}``; saved by rank 0.
+        extra (`Mapping`, *optional*): more global state (JSON-able values and tensors); saved by rank 0.
+        data_state (`Mapping`, *optional*): this rank's data position (per rank, not elastic).
+        rng (`bool` or `RngState`, *optional*, defaults to `True`): capture this rank's RNG now.
+        metrics (`Mapping[str, float]`, *optional*): recorded in the manifest.
+        overwrite (`bool`, *optional*, defaults to `False`): replace an existing checkpoint atomically.
+        processing_class (*optional*): a tokenizer/processor whose ``save_pretrained`` files are included.
+        keep_last (`int`, *optional*): after the commit, rank 0 applies ``apply_retention`` to the parent.
+
+    Returns:
+        `CheckpointInfo`: path, step and the committed manifest.
+
+    Raises:
+        CheckpointExistsError: if ``directory`` exists and ``overwrite`` is False.
+        UnsupportedStateError: for state that cannot be stored without pickle (or a ``Partial`` DTensor).
+        OSError: if any rank fails to write; the previous checkpoint is untouched.
+
+    Example:
+
+    ```python
+    >>> save_sharded_checkpoint("out/checkpoint-10", model=model, optimizer=optimizer, step=10,
+    ...                         training_state={"sampler": sampler.state_dict()})  # doctest: +SKIP
+    ```
+    """
+    target = Path(directory)
+    wait_for_pending_saves()
+    rank, world_size = rank_and_world_size()
+    if rank == 0:
+        check_target(target, overwrite=overwrite)
+    # 1. Global and per-rank non-tensor state, exactly as a regular checkpoint stores it.
+    payload = capture_payload(
+        model=None, optimizer=None, scheduler=scheduler, scaler=scaler, training_state=training_state, extra=extra,
+        extra_files=None, data_state=data_state, rng=rng, max_shard_size=DEFAULT_MAX_SHARD_SIZE,
+        processing_class=None, rank=rank, is_main=rank == 0,
+    )
+    # 2. This rank's pieces; the layout of every rank's pieces is gathered as JSON.
+    layout = _add_pieces(payload, model, optimizer, rank=rank, world_size=world_size)
+    # 3. Rank 0 adds the layout and the files from_pretrained needs besides the weights.
+    if rank == 0:
+        payload.blobs[LAYOUT_FILE] = _json_bytes(layout)
+        _capture_pretrained(payload, model, processing_class)
+    # 4. Commit: manifest last, after every rank's files are durable.
+    manifest = save_payload(target, payload, step=step, metrics=dict(metrics or {}), overwrite=overwrite)
+    if keep_last is not None and rank == 0:
+        apply_retention(target.parent, keep_last=keep_last)
+    return CheckpointInfo(path=target, step=step, manifest=manifest)
+
+
+def _read_layout(reader: _Reader) -> dict[str, Any]:
+    if LAYOUT_FILE not in reader.manifest.files:
+        raise IncompleteCheckpointError(
+            f"{reader.path} has no {LAYOUT_FILE}: it is not a sharded checkpoint. Load it with "
+            "hf_resumable.load_checkpoint instead.")
+    return parse_layout(reader.json(LAYOUT_FILE), source=str(reader.path / LAYOUT_FILE))
+
+
+def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Module, *, strict: bool) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    source = str(reader.path)
+    current = _model_state(model)
+    section = Section.from_json(layout[LAYOUT_KEY_MODEL], source=str(reader.path / LAYOUT_FILE))
+    names = check_fits(current, section, strict=strict, source=source, what="model")
+    with PieceReader(reader.path, section, source=source) as pieces:
+        filled = fill_state(current, pieces, names)
+    set_model_state_dict(model, filled, options=_options(strict=strict))
+
+
+def _param_groups(saved: list[Mapping[str, Any]], current: list[Mapping[str, Any]], tensors: Mapping[str, Any],
+                  *, source: str) -> list[dict[str, Any]]:
+    """Saved hyper-parameters, with each group's parameters listed as the current optimizer lists them."""
+    if len(saved) != len(current):
+        raise CheckpointMismatchError(f"{source}: {len(saved)} param group(s) saved, the optimizer has "
+                                      f"{len(current)}; build the optimizer with the same groups.")
+    groups = []
+    for i, (group, now) in enumerate(zip(saved, current)):
+        if set(group["params"]) != set(now["params"]):
+            raise CheckpointMismatchError(f"{source}: param group {i} holds different parameters than when saved.")
+        decoded = {k: decode_state(v, tensors, source=source) for k, v in group.items() if k != "params"}
+        groups.append({**decoded, "params": list(now["params"])})
+    return groups
+
+
+def _rebuild_optimizer_state(filled: Mapping[str, torch.Tensor], document: Mapping[str, Any],
+                             current: Mapping[str, Any], *, source: str) -> dict[str, Any]:
+    state: dict[str, dict[str, Any]] = {}
+    for key, value in filled.items():
+        if key.startswith(OPTIMIZER_STATE_PREFIX):
+            fqn, _, field = key[len(OPTIMIZER_STATE_PREFIX):].rpartition("/")
+            state.setdefault(fqn, {})[field] = value
+    for fqn, fields in document.get("non_tensor_state", {}).items():
+        for field, value in fields.items():
+            state.setdefault(fqn, {})[field] = decode_state(value, filled, source=source)
+    groups = _param_groups(document["param_groups"], current["param_groups"], filled, source=source)
+    return {"state": state, "param_groups": groups}
+
+
+def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    source = str(reader.path)
+    document = layout.get(LAYOUT_KEY_OPTIMIZER_DOC)
+    if document is None or layout.get(LAYOUT_KEY_OPTIMIZER) is None:
+        raise IncompleteCheckpointError(f"{source}: no optimizer state was saved; load without optimizer=.")
+    if document.get("class") != type(optimizer).__qualname__:
+        raise CheckpointMismatchError(f"{source}: optimizer was {document.get('class')}, now "
+                                      f"{type(optimizer).__qualname__}; build the same optimizer class to resume.")
+    current = _optimizer_state(model, optimizer)
+    current_tensors, _ = flatten_optimizer_state(current, type(optimizer).__qualname__)
+    section = Section.from_json(layout[LAYOUT_KEY_OPTIMIZER], source=str(reader.path / LAYOUT_FILE))
+    names = check_fits(current_tensors, section, strict=True, source=source, what="optimizer")
+    with PieceReader(reader.path, section, source=source) as pieces:
+        filled = fill_state(current_tensors, pieces, names)
+    state = _rebuild_optimizer_state(filled, document, current, source=source)
+    set_optimizer_state_dict(model, optimizer, state, options=_options())
+
+
+def _check_world_size(path: Path, saved: int, now: int, *, restore_rng: bool, allow_inexact_resume: bool) -> None:
+    """A different world size reshards model and optimizer exactly, but per-rank RNG streams cannot follow."""
+    if saved == now or not restore_rng:
+        return
+    message = (f"{path} was saved by {saved} rank(s) and is loaded by {now}: weights, optimizer state and an "
+               "ElasticSampler position carry over exactly, but per-rank RNG streams (dropout) do not")
+    if not allow_inexact_resume:
+        raise InexactResumeError(message + ". Pass allow_inexact_resume=True (or restore_rng=False) to continue.")
+    logger.warning("%s; restoring the RNG state of rank indices that exist in both runs only.", message)
+
+
+def _restore_rng(loaded: LoadedCheckpoint, *, rank: int, same_world: bool, allow_inexact_resume: bool) -> None:
+    if loaded.rng_state is not None:
+        restore_rng_state(loaded.rng_state, allow_device_mismatch=allow_inexact_resume)
+        return
+    message = f"{loaded.path} has no RNG state for rank {rank}; the run will not continue exactly"
+    if same_world and not allow_inexact_resume:
+        raise InexactResumeError(message + ". Pass allow_inexact_resume=True to continue anyway.")
+    logger.warning("%s.", message)
+
+
+def load_sharded_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    restore_rng: bool = True,
+    strict: bool = True,
+    verify: str = "quick",
+    allow_inexact_resume: bool = False,
+) -> LoadedCheckpoint:
+    """Load a checkpoint written by :func:`save_sharded_checkpoint` at any world size, into any sharding.
+
+    Each rank reads only the slices of the stored pieces that overlap the pieces it holds (the whole
+    tensors for a plain model), so 2 -> 1, 1 -> 2 or 4 -> 3 all give weights and optimizer tensors equal
+    to the consolidated originals. Under torch.distributed every rank calls it. The RNG is restored last.
+
+    Args:
+        directory (`str` or `os.PathLike`): a committed sharded checkpoint.
+        model (`torch.nn.Module`, *optional*): filled in place (FSDP2-wrapped or plain).
+        optimizer (`torch.optim.Optimizer`, *optional*): filled in place, matched by parameter FQN; needs ``model``.
+        scheduler, scaler (*optional*): objects to fill.
+        restore_rng (`bool`, *optional*, defaults to `True`): restore this rank's RNG state.
+        strict (`bool`, *optional*, defaults to `True`): missing/unexpected model keys are errors.
+        verify (`str`, *optional*, defaults to `"quick"`): ``"quick"`` (manifest, sizes, headers, hashes of
+            files up to 4 MiB), ``"full"`` (every hash first) or ``"none"``. Piece files are read by slices,
+            so files above 4 MiB are hash-checked only with ``"full"``.
+        allow_inexact_resume (`bool`, *optional*, defaults to `False`): continue with a WARNING when the
+            world size changed or this rank's RNG state is missing, instead of raising.
+
+    Returns:
+        `LoadedCheckpoint`: training state (e.g. the ``ElasticSampler`` position), extra state, data position
+        and RNG state.
+
+    Raises:
+        IncompleteCheckpointError: no manifest, not a sharded checkpoint, or a requested part was not saved.
+        CorruptCheckpointError: corrupt files, hash mismatches, or pieces that do not cover a tensor.
+        CheckpointMismatchError: the model/optimizer does not fit (all offending keys listed).
+        InexactResumeError: the world size changed (or an RNG state is missing) and ``allow_inexact_resume`` is
+            False and ``restore_rng`` is True.
+
+    Example:
+
+    ```python
+    >>> loaded = load_sharded_checkpoint("out/checkpoint-10", model=model, optimizer=optimizer,
+    ...                                  allow_inexact_resume=True)  # doctest: +SKIP
+    >>> sampler.load_state_dict(loaded.training_state["sampler"])  # doctest: +SKIP
+    ```
+    """
+    if verify not in ("quick", "full", "none"):
+        raise ValueError(f"verify must be 'quick', 'full' or 'none', got {verify!r}.")
+    if optimizer is not None and model is None:
+        raise ValueError("load_sharded_checkpoint needs model= to match optimizer state by parameter name.")
+    wait_for_pending_saves()
+    # 1. Verify, read the layout and refuse a silent inexact resume before touching anything.
+    path = Path(directory)
+    report = verify_checkpoint(path, full=verify == "full", raise_on_error=True)
+    reader = _Reader(path, report, hash_on_read=verify == "quick")
+    layout = _read_layout(reader)
+    rank, world_size = rank_and_world_size()
+    saved_world = layout[LAYOUT_KEY_WORLD_SIZE]
+    _check_world_size(path, saved_world, world_size, restore_rng=restore_rng,
+                      allow_inexact_resume=allow_inexact_resume)
+    # 2. Weights, then optimizer state (which is matched against the loaded parameters).
+    if model is not None:
+        _load_model(reader, layout, model, strict=strict)
+    if optimizer is not None:
+        _load_optimizer(reader, layout, model, optimizer)
+    # 3. Scheduler, scaler, progress, data position; RNG last.
+    loaded = load_all(reader, model=None, optimizer=None, scheduler=scheduler, scaler=scaler,
+                      restore_rng=restore_rng, strict=strict, rank=rank)
+    if restore_rng:
+        _restore_rng(loaded, rank=rank, same_world=saved_world == world_size,
+                     allow_inexact_resume=allow_inexact_resume)
+    logger.info("Loaded sharded %s (step %s, saved by %d rank(s), loaded by %d)", path, loaded.step, saved_world,
+                world_size)
+    return loaded
+
+
+def _consolidated_section(path: Path, layout: Mapping[str, Any], key: str) -> tuple[Section, dict[str, torch.Tensor]]:
+    section = Section.from_json(layout[key], source=str(path / LAYOUT_FILE))
+    with PieceReader(path, section, source=str(path)) as pieces:
+        return section, {name: pieces.read_full(name) for name in section.dtypes}
+
+
+def consolidate_sharded_checkpoint(
+    directory: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    include_optimizer: bool = True,
+    overwrite: bool = False,
+) -> Manifest:
+    """Turn a sharded checkpoint into a regular one: HF sharded safetensors weights that ``from_pretrained`` loads.
+
+    The output holds ``model.safetensors.index.json`` with ``model-0000k-of-0000N.safetensors`` (tied weights
+    stored once, as transformers expects), ``config.json``, and, with ``include_optimizer``,
+    ``optimizer.safetensors.index.json`` plus ``training_state.json`` in the regular format, so
+    :func:`~hf_resumable.load_checkpoint` resumes from it too. It is committed like any checkpoint
+    (manifest last, atomic rename). Run it in one process (outside torch.distributed, or it becomes a
+    collective); it holds one kind of state (weights, then optimizer) in memory at a time.
+
+    Args:
+        directory (`str` or `os.PathLike`): a committed sharded checkpoint (written at any world size).
+        output_dir (`str` or `os.PathLike`): where to write the regular checkpoint.
+        max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard size of the output.
+        include_optimizer (`bool`, *optional*, defaults to `True`): also consolidate the optimizer state.
+        overwrite (`bool`, *optional*, defaults to `False`): replace ``output_dir`` atomically.
+
+    Returns:
+        `Manifest`: the manifest of the output.
+
+    Raises:
+        IncompleteCheckpointError / CorruptCheckpointError: if the sharded checkpoint is not valid.
+        CheckpointExistsError: if ``output_dir`` exists and ``overwrite`` is False.
+
+    Example:
+
+    ```python
+    >>> consolidate_sharded_checkpoint("out/checkpoint-10", "export/model")  # doctest: +SKIP
+    >>> AutoModelForCausalLM.from_pretrained("export/model")  # doctest: +SKIP
+    ```
+    """
+    # 1. Verify every hash: consolidation is the moment a silently corrupted piece would spread.
+    path = Path(directory)
+    reader = _Reader(path, verify_checkpoint(path, full=True, raise_on_error=True), hash_on_read=True)
+    layout = _read_layout(reader)
+    payload = Payload()
+    # 2. Weights as HF shards; tied aliases recorded so load_checkpoint re-ties and transformers ties itself.
+    section, weights = _consolidated_section(path, layout, LAYOUT_KEY_MODEL)
+    _add_sharded(payload, weights, pattern=MODEL_FILE_PATTERN, index=MODEL_INDEX_FILE,
+                 max_shard_size=max_shard_size, metadata={TIED_KEY: section.tied, "format": "pt"})
+    del weights
+    # 3. Optimizer tensors and document in the regular layout.
+    training_state = reader.json(TRAINING_STATE_FILE)
+    if include_optimizer and layout.get(LAYOUT_KEY_OPTIMIZER) is not None:
+        _, tensors = _consolidated_section(path, layout, LAYOUT_KEY_OPTIMIZER)
+        _add_sharded(payload, tensors, pattern=OPTIMIZER_FILE_PATTERN, index=OPTIMIZER_INDEX_FILE,
+                     max_shard_size=max_shard_size, metadata={})
+        training_state[STATE_KEY_OPTIMIZER] = layout[LAYOUT_KEY_OPTIMIZER_DOC]
+    payload.blobs[TRAINING_STATE_FILE] = (json.dumps(training_state, indent=2, sort_keys=True, allow_nan=True)
+                                          + "\n").encode()
+    # 4. Everything else (config, tokenizer, RNG, data positions) as is.
+    for relpath in reader.manifest.files:
+        if relpath != LAYOUT_FILE and relpath != TRAINING_STATE_FILE and not relpath.startswith(f"{SHARDED_DIR}/"):
+            payload.blobs[relpath] = (path / relpath).read_bytes()
+    manifest = save_payload(Path(output_dir), payload, step=reader.manifest.step,
+                            metrics=dict(reader.manifest.metrics), overwrite=overwrite)
+    logger.info("Consolidated %s (saved by %d rank(s)) into %s", path, layout[LAYOUT_KEY_WORLD_SIZE], output_dir)
+    return manifest
