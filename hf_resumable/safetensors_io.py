@@ -47,6 +47,8 @@ __all__ = [
 ]
 
 CHUNK_SIZE = 16 * 1024 * 1024
+# With fsync=True, flush every this many bytes so disk writes overlap hashing (see write_safetensors).
+WRITE_BEHIND = 64 * 1024 * 1024
 
 DTYPE_TO_STR: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -282,10 +284,17 @@ def write_safetensors(
     size = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
+        unsynced = 0
         for chunk in _chunks([memoryview(header)] + [_as_bytes(t) for _, t in ordered]):
             pipeline.feed(chunk)
             _write_all(fd, chunk)
             size += len(chunk)
+            unsynced += len(chunk)
+            if fsync and unsynced >= WRITE_BEHIND:
+                # Push dirty pages to disk while the helper thread is still hashing: the disk and the
+                # hash overlap instead of running one after the other at the final fsync.
+                os.fdatasync(fd)
+                unsynced = 0
         digest = pipeline.hexdigest()
         if fsync:
             os.fsync(fd)

@@ -33,6 +33,7 @@ from ..state_codec import decode_state
 from ._model import TIED_KEY, check_model_fits, retie
 from ._optimizer import optimizer_from_tensors, parameter_names
 from ._payload import STATE_TENSORS_FILE
+from ._writer import run_in_threads
 from .manifest import Manifest
 from .verify import VerifyReport
 
@@ -98,11 +99,13 @@ class _Reader:
                                 expected_sha256=self.sha(relpath))
 
     def sharded(self, index: ShardIndex, *, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
         for filename in index.filenames:
             if filename not in self.manifest.files:
                 raise IncompleteCheckpointError(f"{self.path}: index names {filename}, which the manifest lacks.")
-            out.update(self.tensors(filename, into=into))
+        out: dict[str, torch.Tensor] = {}
+        # Two files at a time: each file's hash runs on its own thread, so both cores hash while reading.
+        for part in run_in_threads(lambda f: self.tensors(f, into=into), index.filenames, workers=2):
+            out.update(part)
         return out
 
 
@@ -121,12 +124,15 @@ def load_model_weights(reader: _Reader, model: torch.nn.Module, *, strict: bool)
     retie(model.state_dict(keep_vars=True), tied)
 
 
-def load_optimizer_state(reader: _Reader, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer,
-                         document: Mapping[str, Any]) -> None:
+def read_optimizer_tensors(reader: _Reader, document: Mapping[str, Any] | None) -> dict[str, torch.Tensor]:
     if OPTIMIZER_INDEX_FILE not in reader.manifest.files or not document:
         raise IncompleteCheckpointError(
             f"{reader.path}: the checkpoint has no optimizer state; load without optimizer= or save with it.")
-    tensors = reader.sharded(reader.index(OPTIMIZER_INDEX_FILE))
+    return reader.sharded(reader.index(OPTIMIZER_INDEX_FILE))
+
+
+def load_optimizer_state(reader: _Reader, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer,
+                         document: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
     names = parameter_names(model, optimizer)
     optimizer_from_tensors(optimizer, names, tensors, document, source=str(reader.path))
 
@@ -137,10 +143,13 @@ def load_all(reader: _Reader, *, model, optimizer, scheduler, scaler, restore_rn
     state = reader.json(TRAINING_STATE_FILE)
     state_tensors = reader.tensors(STATE_TENSORS_FILE) if STATE_TENSORS_FILE in reader.manifest.files else {}
     source = str(reader.path / TRAINING_STATE_FILE)
-    if model is not None:
-        load_model_weights(reader, model, strict=strict)
+    document = state.get(STATE_KEY_OPTIMIZER)
+    # The optimizer's tensors are read while the model loads (two IO streams, hashes on both cores).
+    jobs = [lambda: read_optimizer_tensors(reader, document) if optimizer is not None else None,
+            lambda: load_model_weights(reader, model, strict=strict) if model is not None else None]
+    optimizer_tensors, _ = run_in_threads(lambda job: job(), jobs, workers=2)
     if optimizer is not None:
-        load_optimizer_state(reader, model, optimizer, state.get(STATE_KEY_OPTIMIZER))
+        load_optimizer_state(reader, model, optimizer, document, optimizer_tensors)
     for name, obj, key in (("scheduler", scheduler, STATE_KEY_SCHEDULER), ("scaler", scaler, STATE_KEY_SCALER)):
         if obj is None:
             continue

@@ -28,6 +28,9 @@ from .manifest import Manifest, read_manifest, records_from_json, records_to_jso
 
 logger = logging.getLogger(__name__)
 
+# Tensor files written concurrently by one rank.
+WRITE_THREADS = 2
+
 
 def check_target(target: Path, *, overwrite: bool) -> None:
     """Refuse to replace an existing directory unless ``overwrite``."""
@@ -42,10 +45,15 @@ def check_target(target: Path, *, overwrite: bool) -> None:
 def write_payload(tmp: Path, payload: Payload) -> dict[str, FileRecord]:
     """Write every file of ``payload`` under ``tmp``; return their records."""
     records: dict[str, FileRecord] = {}
-    for tensor_file in payload.tensor_files:
+
+    def write(tensor_file) -> tuple[str, FileRecord]:
         path = tmp / tensor_file.relpath
         path.parent.mkdir(parents=True, exist_ok=True)
-        records[tensor_file.relpath] = write_safetensors(path, tensor_file.tensors, metadata=tensor_file.metadata)
+        return tensor_file.relpath, write_safetensors(path, tensor_file.tensors, metadata=tensor_file.metadata)
+
+    # Two files at a time: each file's hash runs on its own thread, so two hashes use both cores
+    # while the disk is kept busy.
+    records.update(run_in_threads(write, payload.tensor_files, workers=WRITE_THREADS))
     for spec in payload.indexes:
         shards = {name: {"size": records[name].size, "sha256": records[name].sha256}
                   for name in dict.fromkeys(spec.weight_map.values())}
@@ -59,6 +67,37 @@ def write_payload(tmp: Path, payload: Payload) -> dict[str, FileRecord]:
         path.parent.mkdir(parents=True, exist_ok=True)
         records[payload.rng_relpath] = save_rng_state(path, payload.rng)
     return records
+
+
+def run_in_threads(fn, items: list, *, workers: int) -> list:
+    """``[fn(item) for item in items]`` on up to ``workers`` plain threads (usable during interpreter exit,
+    when executors refuse work); the first exception is re-raised after every thread has stopped."""
+    results: list = [None] * len(items)
+    errors: list[BaseException] = []
+    cursor = iter(range(len(items)))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                index = next(cursor, None)
+                if index is None or errors:
+                    return
+            try:
+                results[index] = fn(items[index])
+            except BaseException as err:  # noqa: BLE001 - re-raised by the caller's thread
+                with lock:
+                    errors.append(err)
+
+    threads = [threading.Thread(target=worker, name="hf_resumable-io") for _ in range(min(workers, len(items)) - 1)]
+    for thread in threads:
+        thread.start()
+    worker()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def save_payload(target: Path, payload: Payload, *, step: int | None, metrics: dict[str, float] | None,
