@@ -12,8 +12,9 @@ Usage:
     accelerate launch --num_processes 2 --cpu examples/custom_loop.py --output-dir out   # 2 processes (gloo)
 
 Per-step losses are appended to ``<output-dir>/losses.jsonl`` (``float.hex`` of the window's token-mean
-loss over all processes). ``HF_RESUMABLE_EXAMPLE_KILL_AFTER_STEP=k`` makes the process SIGKILL itself
-right after step ``k`` (the test hook; ``HF_RESUMABLE_EXAMPLE_KILL_RANK`` limits it to one rank).
+loss over all processes). Test hooks: ``HF_RESUMABLE_EXAMPLE_KILL_AFTER_STEP=k`` makes the process SIGKILL
+itself right after step ``k``, ``HF_RESUMABLE_EXAMPLE_TERM_AFTER_STEP=k`` sends it SIGTERM there;
+``HF_RESUMABLE_EXAMPLE_SIGNAL_RANK`` limits either to one rank.
 """
 
 from __future__ import annotations
@@ -102,12 +103,13 @@ def build_model(seed: int) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
-def maybe_kill(step: int, rank: int) -> None:
-    """Test hook: SIGKILL this process after ``step`` (no cleanup, no flush, like a crash)."""
-    kill_after = os.environ.get("HF_RESUMABLE_EXAMPLE_KILL_AFTER_STEP")
-    kill_rank = os.environ.get("HF_RESUMABLE_EXAMPLE_KILL_RANK")
-    if kill_after is not None and int(kill_after) == step and (kill_rank is None or int(kill_rank) == rank):
-        os.kill(os.getpid(), signal.SIGKILL)
+def maybe_signal(step: int, rank: int, signum: signal.Signals) -> None:
+    """Test hooks: send ``signum`` to this process after ``step`` (SIGKILL: a crash, no cleanup at all;
+    SIGTERM: a preemption notice, handled by ``checkpoint_if_preempted``)."""
+    after = os.environ.get(f"HF_RESUMABLE_EXAMPLE_{signum.name[3:]}_AFTER_STEP")
+    only_rank = os.environ.get("HF_RESUMABLE_EXAMPLE_SIGNAL_RANK")
+    if after is not None and int(after) == step and (only_rank is None or int(only_rank) == rank):
+        os.kill(os.getpid(), signum)
 
 
 def log_step(path: Path, step: int, epoch: int, loss: float) -> None:
@@ -148,8 +150,9 @@ def train(args: argparse.Namespace) -> ResumableAccelerator:
                 log_step(losses, accelerator.global_step, epoch, step_loss)
             if accelerator.global_step % args.save_every == 0:
                 accelerator.save_state()
-            accelerator.checkpoint_if_preempted()
-            maybe_kill(accelerator.global_step, accelerator.process_index)
+            maybe_signal(accelerator.global_step, accelerator.process_index, signal.SIGTERM)
+            accelerator.checkpoint_if_preempted()  # SIGTERM received: save this step, exit with 143
+            maybe_signal(accelerator.global_step, accelerator.process_index, signal.SIGKILL)
     accelerator.save_state()  # the final state (a no-op if the last step was just saved)
     accelerator.end_training()
     return accelerator

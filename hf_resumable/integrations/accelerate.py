@@ -564,7 +564,7 @@ class ResumableAccelerator(Accelerator):
         loaded = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=self.scaler,
                                  restore_rng=False, allow_inexact_resume=self.allow_inexact_resume)
         # 3. Counters and data positions, 4. registered objects, 5. RNG.
-        self.global_step = int(loaded.training_state[PROGRESS_GLOBAL_STEP])
+        self.global_step = int(loaded.training_state.get(PROGRESS_GLOBAL_STEP, loaded.step or 0))
         self.step = int(loaded.training_state.get(PROGRESS_MICRO_STEP, 0))
         self._restore_loaders(path, loaded.data_state)
         self._restore_custom_objects(path, loaded.extra.get(EXTRA_CUSTOM_OBJECTS) or [])
