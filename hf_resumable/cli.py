@@ -147,11 +147,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"Training a tiny GPT-2 twice in {output}: once uninterrupted, once SIGKILLed at a random step and "
               "restarted with the same command ...", flush=True)
     report = run_demo(output, max_steps=args.max_steps, save_every=args.save_every, seed=args.seed,
-                      kill_step=args.kill_at, plot=not args.no_plot)
+                      kill_step=args.kill_at, backend=args.backend, plot=not args.no_plot, progress=not args.quiet)
     if not args.quiet or not report.comparison.ok:
         print(format_comparison(report.comparison, kill_step=report.kill_step,
                                 resumed_from=report.resumed.resumed_from))
-        print(f"\nloss plot: {report.plot or 'skipped (matplotlib not installed)'}")
+        print(f"\ntrainer:   {'ResumableTrainer' if report.backend == 'trainer' else 'plain torch loop'} "
+              f"(--backend {report.backend})")
+        print(f"loss plot: {report.plot or 'skipped (matplotlib not installed)'}")
         print(f"report:    {output / 'demo_report.json'}  ({report.seconds:.1f} s)")
     return EXIT_OK if report.comparison.ok else EXIT_INVALID
 
@@ -218,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=5, help="checkpoint interval in steps (default: 5)")
     p.add_argument("--kill-at", type=int, help="kill after this step (default: random)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--backend", choices=["auto", "trainer", "loop"], default="auto",
+                   help="ResumableTrainer ('trainer'), the plain torch loop ('loop'), or the trainer if available")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     p.set_defaults(func=cmd_demo)
 

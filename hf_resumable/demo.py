@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .demo_train import CHECKPOINTS_DIR, FINAL_FILE, LOSSES_FILE, RESUMES_FILE
+from .demo_train import CHECKPOINTS_DIR, FINAL_FILE, LOSSES_FILE, RESUMES_FILE, resolve_backend
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,11 @@ def compare_runs(reference: RunRecord, resumed: RunRecord) -> RunComparison:
 def format_comparison(comparison: RunComparison, *, kill_step: int | None = None,
                       resumed_from: list[int] = ()) -> str:
     """The per-step table, the final hashes and the verdict, as text."""
-    lines = [f"{'step':>5}  {'uninterrupted':>22}  {'killed + resumed':>22}  same", "-" * 62]
+    lines = []
+    if kill_step is not None:
+        resumed = ", ".join(f"checkpoint-{s}" for s in resumed_from) or "scratch (no checkpoint yet)"
+        lines += [f"SIGKILL after step {kill_step}; the same command restarted it and it resumed from {resumed}.", ""]
+    lines += [f"{'step':>5}  {'uninterrupted':>22}  {'killed + resumed':>22}  same", "-" * 62]
     for row in comparison.rows:
         note = ""
         if row.step == kill_step:
@@ -216,9 +220,11 @@ class DemoReport:
     resumed: RunRecord
     plot: Path | None
     seconds: float
+    backend: str = "loop"
 
     def to_dict(self) -> dict:
-        return {"ok": self.comparison.ok, "kill_step": self.kill_step, "resumed_from": self.resumed.resumed_from,
+        return {"ok": self.comparison.ok, "backend": self.backend, "kill_step": self.kill_step,
+                "resumed_from": self.resumed.resumed_from,
                 "problems": self.comparison.problems, "reference_sha256": self.comparison.reference_sha256,
                 "resumed_sha256": self.comparison.resumed_sha256, "plot": str(self.plot) if self.plot else None,
                 "seconds": round(self.seconds, 2),
@@ -226,9 +232,30 @@ class DemoReport:
                            for r in self.comparison.rows]}
 
 
-def _train_command(run_dir: Path, *, max_steps: int, seed: int, save_every: int) -> list[str]:
+def _train_command(run_dir: Path, *, max_steps: int, seed: int, save_every: int, backend: str) -> list[str]:
     return [sys.executable, "-m", "hf_resumable.demo_train", "--output", str(run_dir), "--max-steps", str(max_steps),
-            "--seed", str(seed), "--save-every", str(save_every)]
+            "--seed", str(seed), "--save-every", str(save_every), "--backend", backend]
+
+
+class _Progress:
+    """A tqdm bar over the steps both runs have logged (re-run steps count again), or nothing."""
+
+    def __init__(self, logs: list[Path], total: int, enabled: bool) -> None:
+        self.logs = logs
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc="training (both runs)", unit="step", leave=False)
+
+    def update(self) -> None:
+        if self.bar is not None:
+            self.bar.n = min(self.bar.total, sum(_logged_steps(log) for log in self.logs))
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _logged_steps(log: Path) -> int:
@@ -238,7 +265,7 @@ def _logged_steps(log: Path) -> int:
         return 0
 
 
-def _kill_when(process: subprocess.Popen, log: Path, step: int) -> int:
+def _kill_when(process: subprocess.Popen, log: Path, step: int, progress: _Progress) -> int:
     """SIGKILL ``process`` as soon as its loss log has ``step`` lines; return the steps it had logged by then.
 
     Raises:
@@ -248,14 +275,18 @@ def _kill_when(process: subprocess.Popen, log: Path, step: int) -> int:
         if process.poll() is not None:
             raise RuntimeError(f"the training process exited with {process.returncode} before step {step}; "
                                f"see {log.parent}/train.log")
+        progress.update()
         time.sleep(_POLL_SECONDS)
     process.send_signal(signal.SIGKILL)
     process.wait()
     return _logged_steps(log)
 
 
-def _finish(process: subprocess.Popen, what: str, log_path: Path) -> None:
-    if process.wait() != 0:
+def _finish(process: subprocess.Popen, what: str, log_path: Path, progress: _Progress) -> None:
+    while process.poll() is None:
+        progress.update()
+        time.sleep(0.1)
+    if process.returncode != 0:
         raise RuntimeError(f"the {what} training run failed with exit code {process.returncode}; see {log_path}")
 
 
@@ -266,7 +297,8 @@ def _start(command: list[str], log_path: Path, env: Mapping[str, str]) -> subpro
 
 
 def run_demo(output: str | os.PathLike, *, max_steps: int = 40, save_every: int = 5, seed: int = 1234,
-             kill_step: int | None = None, plot: bool = True) -> DemoReport:
+             kill_step: int | None = None, backend: str = "auto", plot: bool = True,
+             progress: bool = False) -> DemoReport:
     """Run the kill-and-resume demo in ``output`` and compare the runs.
 
     1. Start the reference run and the victim run side by side (one thread each).
@@ -280,7 +312,10 @@ def run_demo(output: str | os.PathLike, *, max_steps: int = 40, save_every: int 
         save_every (`int`, *optional*, defaults to 5): checkpoint interval in steps.
         seed (`int`, *optional*, defaults to 1234): training seed (same for both runs).
         kill_step (`int`, *optional*): step at which to kill (default: drawn at random).
+        backend (`str`, *optional*, defaults to `"auto"`): ``"trainer"`` (``ResumableTrainer``), ``"loop"``
+            (plain torch loop) or ``"auto"`` (the trainer when its integration imports).
         plot (`bool`, *optional*, defaults to `True`): write ``loss_curves.png``.
+        progress (`bool`, *optional*, defaults to `False`): show a tqdm progress bar.
 
     Returns:
         [`DemoReport`]: ``report.comparison.ok`` is the verdict.
@@ -299,19 +334,22 @@ def run_demo(output: str | os.PathLike, *, max_steps: int = 40, save_every: int 
     kill_step = kill_step or random.SystemRandom().randint(save_every + 1, max_steps - 1)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1"}
     reference_dir, victim_dir = output / "reference", output / "resumed"
-    options = {"max_steps": max_steps, "seed": seed, "save_every": save_every}
+    backend = resolve_backend(backend)
+    options = {"max_steps": max_steps, "seed": seed, "save_every": save_every, "backend": backend}
     logger.info("starting the uninterrupted run and the run to be killed at step %d", kill_step)
     reference = _start(_train_command(reference_dir, **options), reference_dir / "train.log", env)
     victim = _start(_train_command(victim_dir, **options), victim_dir / "train.log", env)
     processes = [reference, victim]
+    bar = _Progress([reference_dir / LOSSES_FILE, victim_dir / LOSSES_FILE], 2 * max_steps, progress)
     try:
-        kill_step = _kill_when(victim, victim_dir / LOSSES_FILE, kill_step)
+        kill_step = _kill_when(victim, victim_dir / LOSSES_FILE, kill_step, bar)
         logger.info("killed the run after step %d (exit %s); restarting it with the same command", kill_step,
                     victim.returncode)
         processes.append(_start(_train_command(victim_dir, **options), victim_dir / "train.log", env))
-        _finish(processes[-1], "resumed", victim_dir / "train.log")
-        _finish(reference, "uninterrupted", reference_dir / "train.log")
+        _finish(processes[-1], "resumed", victim_dir / "train.log", bar)
+        _finish(reference, "uninterrupted", reference_dir / "train.log", bar)
     finally:
+        bar.close()
         for process in processes:
             if process.poll() is None:
                 process.kill()
@@ -320,7 +358,7 @@ def run_demo(output: str | os.PathLike, *, max_steps: int = 40, save_every: int 
     comparison = compare_runs(ref_record, res_record)
     plot_path = plot_losses(ref_record, res_record, output / PLOT_FILE, kill_step=kill_step) if plot else None
     report = DemoReport(output, kill_step, comparison, ref_record, res_record, plot_path,
-                        time.perf_counter() - started)
+                        time.perf_counter() - started, backend)
     (output / REPORT_FILE).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     return report
 

@@ -46,7 +46,8 @@ from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DemoConfig", "train", "weights_sha256", "LOSSES_FILE", "FINAL_FILE", "RESUMES_FILE", "CHECKPOINTS_DIR"]
+__all__ = ["DemoConfig", "train", "train_loop", "resolve_backend", "weights_sha256", "append_json", "truncate_log",
+           "BACKENDS", "LOSSES_FILE", "FINAL_FILE", "RESUMES_FILE", "CHECKPOINTS_DIR"]
 
 # Files of a demo run directory.
 LOSSES_FILE = "losses.jsonl"  # one {"step", "loss", "loss_hex", "lr"} line per optimizer step
@@ -54,6 +55,9 @@ FINAL_FILE = "final.json"  # {"steps", "weights_sha256"} written after the last 
 RESUMES_FILE = "resumes.jsonl"  # one {"from_step", "checkpoint"} line per resume
 CHECKPOINTS_DIR = "checkpoints"
 CORPUS = "tiny_corpus.txt"
+# "trainer": ResumableTrainer (hf_resumable.integrations.trainer); "loop": the plain torch loop below;
+# "auto": the trainer when its integration imports, else the loop.
+BACKENDS = ("auto", "trainer", "loop")
 # Progress keys stored in training_state.json["progress"].
 _EPOCH, _POSITION, _STEP, _SAMPLES, _RESUMES = "epoch", "position", "global_step", "samples_seen", "resumes"
 
@@ -158,14 +162,14 @@ class _Run:
     def resume_if_possible(self) -> None:
         latest = find_latest_checkpoint(self.checkpoints)
         if latest is None:
-            _truncate_log(self.config.output / LOSSES_FILE, 0)
+            truncate_log(self.config.output / LOSSES_FILE, 0)
             return
         # RNG is restored last, inside load_checkpoint; nothing below draws random numbers.
         loaded = load_checkpoint(latest, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
         self.progress.update(loaded.training_state)
         self.progress[_RESUMES] += 1
-        _truncate_log(self.config.output / LOSSES_FILE, self.progress[_STEP])
-        _append_json(self.config.output / RESUMES_FILE, {"from_step": self.progress[_STEP], "checkpoint": latest.name})
+        truncate_log(self.config.output / LOSSES_FILE, self.progress[_STEP])
+        append_json(self.config.output / RESUMES_FILE, {"from_step": self.progress[_STEP], "checkpoint": latest.name})
         logger.info("resumed from %s (step %d)", latest, self.progress[_STEP])
 
     def save(self) -> None:
@@ -194,13 +198,13 @@ class _Run:
         return total
 
 
-def _append_json(path: Path, document: dict) -> None:
+def append_json(path: Path, document: dict) -> None:
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(document) + "\n")
         f.flush()  # in the kernel before the next step: a SIGKILL cannot lose it
 
 
-def _truncate_log(path: Path, last_step: int) -> None:
+def truncate_log(path: Path, last_step: int) -> None:
     """Keep only the lines of steps ``<= last_step`` (the rest are re-run after a resume), atomically."""
     if not path.exists():
         return
@@ -211,8 +215,36 @@ def _truncate_log(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
-def train(config: DemoConfig) -> str:
-    """Train (resuming if a checkpoint exists) to ``config.max_steps``; return the final weights' sha256.
+def resolve_backend(backend: str) -> str:
+    """``"trainer"`` or ``"loop"`` for ``backend`` (``"auto"``: the trainer when its integration imports).
+
+    Raises:
+        ValueError: for an unknown backend name.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+    if backend != "auto":
+        return backend
+    try:
+        from .integrations.trainer import ResumableTrainer  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - any import failure means: use the loop, and say why
+        logger.warning("ResumableTrainer is not usable (%s: %s); the demo uses the plain torch loop.",
+                       type(err).__name__, err)
+        return "loop"
+    return "trainer"
+
+
+def train(config: DemoConfig, *, backend: str = "auto") -> str:
+    """Train with ``backend`` (resuming if a checkpoint exists); return the final weights' sha256."""
+    if resolve_backend(backend) == "trainer":
+        from .demo_trainer import train_with_trainer
+
+        return train_with_trainer(config)
+    return train_loop(config)
+
+
+def train_loop(config: DemoConfig) -> str:
+    """Train with the plain torch loop (resuming if a checkpoint exists); return the final weights' sha256.
 
     Raises:
         CorruptCheckpointError / CheckpointMismatchError: if the newest valid checkpoint cannot be loaded.
@@ -227,7 +259,7 @@ def train(config: DemoConfig) -> str:
     while run.progress[_STEP] < config.max_steps:
         loss = run.step(batches)
         step = run.progress[_STEP]
-        _append_json(config.output / LOSSES_FILE, {"step": step, "loss": loss, "loss_hex": float.hex(loss),
+        append_json(config.output / LOSSES_FILE, {"step": step, "loss": loss, "loss_hex": float.hex(loss),
                                                    "lr": run.scheduler.get_last_lr()[0]})
         if step % config.save_every == 0 or step == config.max_steps:
             run.save()
@@ -245,11 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--save-every", type=int, default=5)
     parser.add_argument("--kill-at", type=int, default=None, help="SIGKILL itself right after this step")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="ResumableTrainer or the plain loop")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config = DemoConfig(output=args.output, max_steps=args.max_steps, seed=args.seed, save_every=args.save_every,
                         kill_at=args.kill_at)
-    train(config)
+    train(config, backend=args.backend)
     return 0
 
 

@@ -275,3 +275,30 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert (tmp_path / "demo" / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
     resumed = load_run(tmp_path / "demo" / "resumed")
     assert sorted(resumed.losses) == list(range(1, 9))
+
+
+def test_demo_loop_backend_resumes_exactly_in_process(tmp_path: Path, monkeypatch) -> None:
+    """The plain-loop backend: a crash right after step 4 (checkpoints every 3) and a restart match the reference."""
+    from hf_resumable import demo_train
+
+    class Killed(BaseException):
+        pass
+
+    def fake_kill(pid, sig):
+        raise Killed
+
+    threads = torch.get_num_threads()
+    try:
+        reference = demo_train.train_loop(demo_train.DemoConfig(output=tmp_path / "ref", max_steps=6, save_every=3))
+        monkeypatch.setattr(demo_train.os, "kill", fake_kill)
+        config = demo_train.DemoConfig(output=tmp_path / "run", max_steps=6, save_every=3, kill_at=4)
+        with pytest.raises(Killed):
+            demo_train.train_loop(config)
+        assert len(load_run(tmp_path / "run").losses) == 4
+        resumed = demo_train.train_loop(demo_train.DemoConfig(output=tmp_path / "run", max_steps=6, save_every=3))
+    finally:
+        torch.set_num_threads(threads)
+    assert resumed == reference
+    record = load_run(tmp_path / "run")
+    assert record.resumed_from == [3] and sorted(record.losses) == list(range(1, 7))
+    assert compare_runs(load_run(tmp_path / "ref"), record).ok
