@@ -66,6 +66,7 @@ from .checkpoint._sharded import (
     SHARDED_DIR,
     LocalState,
     collect_local_state,
+    find_tied,
     flatten_optimizer_state,
     piece_file,
     piece_report,
@@ -125,11 +126,14 @@ def _json_bytes(document: Any) -> bytes:
 def _add_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, rank: int,
                 world_size: int) -> dict[str, Any]:
     """Add this rank's piece files to ``payload``; return the layout (complete on every rank, JSON)."""
-    locals_: dict[str, LocalState] = {"model": collect_local_state(_model_state(model), rank=rank, dedupe=True)}
+    weights = _model_state(model)
+    # Every rank must drop the same aliases; a rank holding an empty piece cannot see a tie by itself.
+    tied = {alias: kept for report in all_gather_json(find_tied(weights)) for alias, kept in report.items()}
+    locals_: dict[str, LocalState] = {"model": collect_local_state(weights, rank=rank, tied=tied)}
     document = None
     if optimizer is not None:
         tensors, document = flatten_optimizer_state(_optimizer_state(model, optimizer), type(optimizer).__qualname__)
-        locals_["optimizer"] = collect_local_state(tensors, rank=rank, dedupe=False)
+        locals_["optimizer"] = collect_local_state(tensors, rank=rank, tied={})
     reports = {}
     for kind, local in locals_.items():
         relpath = piece_file(kind, rank, world_size)

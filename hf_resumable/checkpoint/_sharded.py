@@ -60,6 +60,7 @@ __all__ = [
     "plan_region_reads",
     "local_box",
     "collect_local_state",
+    "find_tied",
     "flatten_optimizer_state",
     "piece_file",
 ]
@@ -212,35 +213,47 @@ class LocalState:
     tied: dict[str, str]
 
 
-def _dedupe_aliases(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Keep the first name of tensors that are the very same object (tied weights, e.g. GPT-2's lm_head).
+def _alias_key(tensor: torch.Tensor) -> tuple | None:
+    """What two names of one tied tensor share: the local piece's storage, offset, shape, stride and dtype."""
+    local = _local_tensor(tensor)
+    if not local.numel():
+        return None
+    return (local.device, local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
+            tuple(local.stride()), local.dtype)
 
-    Identity of the (D)Tensor object is used rather than storage, so every rank reaches the same
-    answer even where its local piece is empty.
+
+def find_tied(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """``{alias: first name}`` for names whose tensors share memory (tied weights, e.g. GPT-2's ``lm_head``).
+
+    ``state_dict()`` detaches every entry, so tied names hold distinct objects over one storage; the
+    storage of the local piece tells them apart. A rank whose piece is empty cannot see a tie, so the
+    caller unites every rank's answer (:func:`hf_resumable.distributed.all_gather_json`).
     """
-    kept_by_id: dict[int, str] = {}
-    kept: dict[str, torch.Tensor] = {}
+    first: dict[tuple, str] = {}
     tied: dict[str, str] = {}
     for name, tensor in state.items():
-        first = kept_by_id.setdefault(id(tensor), name)
-        if first != name:
-            tied[name] = first
-        else:
-            kept[name] = tensor
-    return kept, tied
+        key = _alias_key(tensor)
+        if key is None:
+            continue
+        kept = first.setdefault(key, name)
+        if kept != name:
+            tied[name] = kept
+    return tied
 
 
-def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, dedupe: bool) -> LocalState:
-    """This rank's pieces of ``state`` (DTensors and plain tensors) and every tensor's global description.
+def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: Mapping[str, str]) -> LocalState:
+    """This rank's pieces of ``state`` (DTensors and plain tensors, ``tied`` aliases left out) and every
+    tensor's global description.
 
     Raises:
         UnsupportedStateError: for an unsupported dtype or placement.
         CheckpointMismatchError: if a DTensor's local tensor does not have the shape its placement implies.
     """
-    kept, tied = _dedupe_aliases(state) if dedupe else (dict(state), {})
     tensors: dict[str, dict[str, Any]] = {}
     pieces: list[tuple[str, torch.Tensor, Box]] = []
-    for name, tensor in kept.items():
+    for name, tensor in state.items():
+        if name in tied:
+            continue
         if tensor.dtype not in DTYPE_TO_STR:
             raise UnsupportedStateError(f"{name!r}: dtype {tensor.dtype} cannot be stored in safetensors.")
         tensors[name] = {"dtype": DTYPE_TO_STR[tensor.dtype], "shape": list(tensor.shape)}
@@ -253,7 +266,7 @@ def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, dedupe:
             )
         if box.numel and _writes_piece(tensor, rank):
             pieces.append((name, local, box))
-    return LocalState(tensors, pieces, tied)
+    return LocalState(tensors, pieces, dict(tied))
 
 
 def flatten_optimizer_state(optimizer_state: Mapping[str, Any], optimizer_class: str

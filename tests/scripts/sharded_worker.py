@@ -1,0 +1,83 @@
+"""One rank of a 2-rank FSDP2 run on gloo (CPU), started by tests/test_sharded.py.
+
+Usage: ``python sharded_worker.py MODE ROOT MODEL`` with the torchrun environment set.
+
+* ``save``: FSDP2 model + AdamW, 2 training steps on ElasticSampler batches, ``save_sharded_checkpoint``
+  to ROOT/checkpoint-2 with the sampler position; rank 0 writes the consolidated reference and each
+  rank the indices it trained on (``seen-rank{r}.json``).
+* ``load``: fresh FSDP2 model (other weights) + AdamW, ``load_sharded_checkpoint`` of ROOT/checkpoint-2
+  (saved at another world size), compare the consolidated state with ROOT's reference (``result.json``
+  from rank 0), then iterate the rest of the epoch (``rest-rank{r}.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor import init_device_mesh  # noqa: E402
+
+from hf_resumable.elastic import ElasticSampler  # noqa: E402
+from hf_resumable.sharded import load_sharded_checkpoint, save_sharded_checkpoint  # noqa: E402
+
+import sharded_fixtures as fx  # noqa: E402
+
+
+def shard(model: torch.nn.Module) -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    blocks = model.transformer.h if hasattr(model, "transformer") else model.model.layers
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def sampler(rank: int, world_size: int) -> ElasticSampler:
+    return ElasticSampler(fx.DATASET_LEN, seed=fx.SEED, rank=rank, world_size=world_size, batch_size=fx.BATCH_SIZE)
+
+
+def save(root: Path, kind: str, rank: int, world_size: int) -> None:
+    model, _ = fx.build(kind)
+    shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    data = sampler(rank, world_size)
+    seen = fx.train(model, optimizer, data, steps=2)
+    save_sharded_checkpoint(root / "checkpoint-2", model=model, optimizer=optimizer, step=2,
+                            training_state={"sampler": data.state_dict()})
+    fx.write_reference(root, model, optimizer, is_main=rank == 0)
+    (root / f"seen-rank{rank}.json").write_text(json.dumps(seen))
+
+
+def load(root: Path, kind: str, rank: int, world_size: int) -> None:
+    model, _ = fx.build(kind, seed=99)
+    shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.0)
+    loaded = load_sharded_checkpoint(root / "checkpoint-2", model=model, optimizer=optimizer,
+                                     allow_inexact_resume=True)
+    problems = fx.compare_to_reference(root, model, optimizer)
+    if rank == 0:
+        (root / "result.json").write_text(json.dumps({"problems": problems, "step": loaded.step}))
+    data = sampler(rank, world_size)
+    data.load_state_dict(loaded.training_state["sampler"])
+    (root / f"rest-rank{rank}.json").write_text(json.dumps([i for batch in data for i in batch]))
+
+
+def main() -> None:
+    mode, root, kind = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        {"save": save, "load": load}[mode](root, kind, rank, dist.get_world_size())
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    print(f"rank {rank} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

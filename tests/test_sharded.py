@@ -1,0 +1,146 @@
+"""Sharded (FSDP2 / DTensor) checkpoints: parallel per-rank writes, resharding loads at another world size.
+
+Real 2-rank gloo groups on CPU (started and stopped here) train tiny GPT-2 / Llama models under FSDP2
+``fully_shard`` with AdamW. Every comparison is bitwise against the *consolidated originals* of the
+saving run (full weights and full optimizer tensors):
+
+* 2 ranks -> 1 process (plain model): weights, optimizer tensors and param groups equal; the consolidated
+  export loads with ``from_pretrained`` and with ``load_checkpoint``; the elastic data position continues
+  with exactly the unseen samples;
+* 1 process (plain model) -> 2 FSDP2 ranks (Llama, unevenly sharded embedding): the same.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import sharded_fixtures as fx
+from distributed_launch import launch_ranks
+from hf_resumable.checkpoint import load_checkpoint, read_manifest, verify_checkpoint
+from hf_resumable.checkpoint._sharded import Box, intersect_boxes, plan_region_reads
+from hf_resumable.elastic import ElasticSampler
+from hf_resumable.errors import CheckpointMismatchError, CorruptCheckpointError, InexactResumeError
+from hf_resumable.sharded import consolidate_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
+
+WORKER = str(Path(__file__).parent / "scripts" / "sharded_worker.py")
+WORLD_SIZE = 2
+
+
+def run_ranks(mode: str, root: Path, kind: str) -> None:
+    results = launch_ranks([WORKER, mode, str(root), kind], world_size=WORLD_SIZE, timeout=150.0)
+    for result in results:
+        assert result.returncode == 0 and not result.killed_by_timeout, result.describe()
+
+
+def sampler(world_size: int = 1) -> ElasticSampler:
+    return ElasticSampler(fx.DATASET_LEN, seed=fx.SEED, world_size=world_size, batch_size=fx.BATCH_SIZE)
+
+
+def assert_every_sample_once(*groups: list[int]) -> None:
+    everything = [i for group in groups for i in group]
+    assert sorted(everything) == list(range(fx.DATASET_LEN)), everything
+
+
+# --- pure planning ---------------------------------------------------------------------------------
+
+
+def test_region_reads_assemble_any_box_from_uneven_pieces():
+    pieces = {"r0": Box((0, 0), (3, 4)), "r1": Box((3, 0), (2, 4))}  # 5 rows split 3 + 2
+    reads = plan_region_reads(Box((2, 1), (2, 2)), pieces, name="w", source="t")
+    assert [(r.file, r.source, r.target) for r in reads] == [
+        ("r0", (slice(2, 3), slice(1, 3)), (slice(0, 1), slice(0, 2))),
+        ("r1", (slice(0, 1), slice(1, 3)), (slice(1, 2), slice(0, 2))),
+    ]
+    assert intersect_boxes(Box((), ()), Box((), ())) == Box((), ())  # 0-d tensors (AdamW "step")
+
+
+def test_region_reads_refuse_pieces_that_do_not_cover_the_box():
+    with pytest.raises(CorruptCheckpointError, match="cover 3 of the 5"):
+        plan_region_reads(Box((0,), (5,)), {"r0": Box((0,), (3,))}, name="w", source="t")
+
+
+# --- single process --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def plain_checkpoint(tmp_path) -> Path:
+    """A plain (unsharded) Llama trained 2 steps, saved sharded by one process, with its reference."""
+    model, optimizer = fx.build("llama")
+    data = sampler()
+    seen = fx.train(model, optimizer, data, steps=2)
+    save_sharded_checkpoint(tmp_path / "checkpoint-2", model=model, optimizer=optimizer, step=2,
+                            training_state={"sampler": data.state_dict()})
+    fx.write_reference(tmp_path, model, optimizer, is_main=True)
+    (tmp_path / "seen.json").write_text(json.dumps(seen))
+    return tmp_path
+
+
+def test_plain_model_round_trip_and_typed_errors(plain_checkpoint):
+    path = plain_checkpoint / "checkpoint-2"
+    assert verify_checkpoint(path, full=True).ok
+    model, optimizer = fx.build("llama", seed=5)
+    load_sharded_checkpoint(path, model=model, optimizer=optimizer)
+    assert fx.compare_to_reference(plain_checkpoint, model, optimizer) == []
+
+    wrong, wrong_optimizer = fx.build("gpt2")
+    with pytest.raises(CheckpointMismatchError, match="missing from the checkpoint"):
+        load_sharded_checkpoint(path, model=wrong, optimizer=wrong_optimizer)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(CheckpointMismatchError, match="optimizer was AdamW"):
+        load_sharded_checkpoint(path, model=model, optimizer=sgd)
+
+
+# --- 2 ranks <-> 1 process -----------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_fsdp2_two_ranks_save_load_on_one_process_and_consolidate(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    run_ranks("save", tmp_path, "gpt2")
+    path = tmp_path / "checkpoint-2"
+    manifest = read_manifest(path)
+    assert manifest.world_size == WORLD_SIZE and verify_checkpoint(path, full=True).ok
+    pieces = sorted(f for f in manifest.files if f.startswith("sharded/"))
+    assert pieces == [f"sharded/{kind}-rank0000{r}-of-00002.safetensors" for kind in ("model", "optimizer")
+                      for r in range(2)]
+
+    # A world-size change is never silent.
+    model, optimizer = fx.build("gpt2", seed=5)
+    with pytest.raises(InexactResumeError, match="saved by 2 rank"):
+        load_sharded_checkpoint(path, model=model, optimizer=optimizer)
+    loaded = load_sharded_checkpoint(path, model=model, optimizer=optimizer, allow_inexact_resume=True)
+    assert fx.compare_to_reference(tmp_path, model, optimizer) == []
+
+    # Elastic data: 2 steps on 2 ranks, then the rest of the epoch on 1 rank.
+    rest = sampler(world_size=1)
+    rest.load_state_dict(loaded.training_state["sampler"])
+    seen = [json.loads((tmp_path / f"seen-rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    assert_every_sample_once(*seen, [i for batch in rest for i in batch])
+
+    # Consolidated export: HF sharded safetensors for from_pretrained, and a regular checkpoint.
+    consolidate_sharded_checkpoint(path, tmp_path / "export", max_shard_size=40_000)
+    index = json.loads((tmp_path / "export" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2 and "lm_head.weight" not in index["weight_map"]
+    hf_model = GPT2LMHeadModel.from_pretrained(tmp_path / "export")
+    reference = fx.read_safetensors(tmp_path / fx.REFERENCE_FILE)
+    for name, tensor in hf_model.state_dict().items():
+        assert torch.equal(tensor, reference[f"model/{name}"]), name
+    model, optimizer = fx.build("gpt2", seed=6)
+    load_checkpoint(tmp_path / "export", model=model, optimizer=optimizer, allow_inexact_resume=True)
+    assert fx.compare_to_reference(tmp_path, model, optimizer) == []
+
+
+@pytest.mark.distributed
+def test_one_process_save_loads_on_two_fsdp2_ranks(plain_checkpoint):
+    run_ranks("load", plain_checkpoint, "llama")
+    result = json.loads((plain_checkpoint / "result.json").read_text())
+    assert result == {"problems": [], "step": 2}
+    seen = json.loads((plain_checkpoint / "seen.json").read_text())
+    rest = [json.loads((plain_checkpoint / f"rest-rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    assert rest[0] and rest[1]
+    assert_every_sample_once(seen, *rest)
