@@ -166,7 +166,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hf-resumable`` (one sub-parser per command)."""
-    parser = argparse.ArgumentParser(prog="hf-resumable", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="hf-resumable", description="Inspect, verify, convert, reshard, push and pull hf_resumable checkpoints, "
+                                         "and run the kill-and-resume demo.")
     parser.add_argument("--version", action="version", version=f"hf_resumable {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -246,6 +248,11 @@ def _one_line(err: BaseException) -> str:
     return " ".join(lines) or type(err).__name__
 
 
+def _is_network_error(err: BaseException) -> bool:
+    """Connection errors of the Hub client's HTTP library (not OSError subclasses), by module name."""
+    return type(err).__module__.split(".")[0] in ("httpx", "httpx2", "httpcore", "requests", "urllib3")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hf-resumable`` (and ``python -m hf_resumable``); returns the exit code."""
     parser = build_parser()
@@ -263,6 +270,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             logger.exception("%s failed", args.command)
         print(f"hf-resumable {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return EXIT_INVALID if isinstance(err, HfResumableError) and args.command == "verify" else EXIT_USAGE
+    except Exception as err:
+        if not _is_network_error(err):
+            raise
+        print(f"hf-resumable {args.command}: error: cannot reach the Hub ({type(err).__name__}: {_one_line(err)})",
+              file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"hf-resumable {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -245,6 +245,19 @@ def test_push_with_card_then_pull_and_inspect(hub, checkpoint: Path, tmp_path: P
     assert code == 0 and json.loads(out)["step"] == 2
 
 
+def test_push_into_subdirectory_with_tag_then_pull(hub, checkpoint: Path, tmp_path: Path, capsys) -> None:
+    repo_id = new_repo_id("cli-sub")
+    code, out, _ = _run(capsys, "push", str(checkpoint), repo_id, "--path-in-repo", "checkpoint-2", "--tag", "v2")
+    url = out.strip()
+    assert code == 0 and url.startswith(f"hf://{repo_id}@") and url.endswith("/checkpoint-2")
+    assert hub.repo(repo_id).tags["v2"] in url
+    code, out, _ = _run(capsys, "pull", f"hf://{repo_id}@v2/checkpoint-2", "--local-dir", str(tmp_path / "p"))
+    assert code == 0 and Path(out.strip()) == tmp_path / "p" / "checkpoint-2"
+    assert verify_checkpoint(tmp_path / "p" / "checkpoint-2", full=True).ok
+    code, _, err = _run(capsys, "pull", new_repo_id("missing"), "--local-dir", str(tmp_path / "q"))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
 # ----------------------------------------------------------------------------------------------- demo
 def test_compare_runs_accepts_identical_and_rejects_any_difference() -> None:
     reference = RunRecord({1: 3.5, 2: 3.25, 3: 3.0}, "a" * 64)
