@@ -1,0 +1,142 @@
+"""ElasticSampler: a run interrupted at any step and resumed at any world size sees every sample once.
+
+Ranks are simulated in one process (the sampler is a pure function of seed, epoch, rank, world size and
+cursor); tests/test_sharded.py runs the same continuation across real 2-rank gloo groups (2 -> 1, 1 -> 2)
+through a sharded checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from hf_resumable.elastic import ElasticSampler, ElasticSeededDataset, SampleKey, sample_seed, split_global_step
+from hf_resumable.errors import ConfigDriftError, CorruptCheckpointError
+
+SEED = 7
+
+
+def ranks(n: int, world_size: int, *, batch_size: int = 2, **kwargs) -> list[ElasticSampler]:
+    return [ElasticSampler(n, seed=SEED, rank=r, world_size=world_size, batch_size=batch_size, **kwargs)
+            for r in range(world_size)]
+
+
+def run_steps(samplers: list[ElasticSampler], steps: int | None) -> list[int]:
+    """Iterate all ranks in lockstep for ``steps`` global steps (None: to the end of the epoch).
+
+    Returns the samples in global order: each step's batches concatenated in rank order.
+    """
+    iterators = [iter(s) for s in samplers]
+    consumed: list[int] = []
+    lengths = {len(s) for s in samplers}
+    assert len(lengths) == 1, "ranks must agree on the number of batches (lockstep)"
+    for _ in range(lengths.pop() if steps is None else steps):
+        for it in iterators:
+            consumed += next(it)
+    states = {json.dumps(s.state_dict() | {"world_size": 0}) for s in samplers}
+    assert len(states) == 1, "every rank must hold the same global cursor"
+    return consumed
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("n", [22, 24, 5])
+def test_resume_at_any_world_size_continues_the_global_order(n, shuffle, drop_last):
+    order = ElasticSampler(n, seed=SEED, batch_size=1, shuffle=shuffle).global_order(0)
+    for saved_world in (1, 2, 3):
+        for resumed_world in (1, 2, 3):
+            total = len(ranks(n, saved_world, shuffle=shuffle, drop_last=drop_last)[0])
+            for steps in sorted({0, min(1, total), total // 2, total}):
+                before = ranks(n, saved_world, shuffle=shuffle, drop_last=drop_last)
+                seen = run_steps(before, steps)
+                state = json.loads(json.dumps(before[0].state_dict()))  # survives JSON
+                after = ranks(n, resumed_world, shuffle=shuffle, drop_last=drop_last)
+                for sampler in after:
+                    sampler.load_state_dict(state)
+                seen += run_steps(after, None)
+                case = (saved_world, resumed_world, steps)
+                assert len(seen) == len(set(seen)), ("repeated", case)
+                assert seen == order[: len(seen)], ("skipped or reordered", case)
+                if not drop_last:
+                    assert len(seen) == n, ("not every sample", case)
+                else:
+                    assert n - len(seen) < max(saved_world, resumed_world) * 2, ("dropped too much", case)
+
+
+def test_order_depends_on_seed_and_epoch_only():
+    one, two = ranks(50, 1)[0], ranks(50, 2)[1]
+    assert one.global_order(3) == two.global_order(3) != one.global_order(4)
+    assert sorted(one.global_order(3)) == list(range(50))
+    assert ElasticSampler(50, seed=SEED + 1, batch_size=1).global_order(3) != one.global_order(3)
+
+
+def test_short_last_step_keeps_ranks_in_lockstep():
+    samplers = ranks(5, 3)  # one global step of 5 < 6: split 2, 2, 1
+    assert [list(s) for s in samplers] == [[s.global_order(0)[0:2]] for s in samplers[:1]] + [
+        [samplers[1].global_order(0)[2:4]], [samplers[2].global_order(0)[4:5]]]
+    lonely = ranks(1, 2)
+    assert [len(s) for s in lonely] == [1, 1]
+    assert [list(s) for s in lonely] == [[[0]], [[]]]
+    assert split_global_step(0, 1, world_size=2, batch_size=4, rank=1) == (1, 1)
+
+
+def test_epochs_and_state_validation():
+    sampler = ranks(10, 2)[0]
+    list(sampler)
+    assert sampler.state_dict()["consumed"] == 10 and len(sampler) == 0
+    sampler.set_epoch(0)  # the current epoch keeps its cursor (a resumed loop calls set_epoch again)
+    assert len(sampler) == 0
+    sampler.set_epoch(1)
+    assert len(sampler) == 3 and sampler.state_dict()["epoch"] == 1
+
+    state = sampler.state_dict()
+    with pytest.raises(ConfigDriftError, match="seed"):
+        ElasticSampler(10, seed=SEED + 1, batch_size=2).load_state_dict(state)
+    with pytest.raises(ConfigDriftError, match="dataset_len"):
+        ElasticSampler(11, seed=SEED, batch_size=2).load_state_dict(state)
+    with pytest.raises(CorruptCheckpointError, match="Not an ElasticSampler state"):
+        ElasticSampler(10, seed=SEED, batch_size=2).load_state_dict({"epoch": 1})
+    with pytest.raises(ValueError, match="rank"):
+        ElasticSampler(10, seed=SEED, rank=2, world_size=2, batch_size=2)
+
+
+class Jitter:
+    """A data set whose items carry their own randomness (python, numpy and torch draws)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        import numpy as np
+
+        return torch.tensor([index, random.random(), float(np.random.rand()), torch.rand(()).item()],
+                            dtype=torch.float64)
+
+
+def items_by_index(world_size: int, *, num_workers: int) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for rank in range(world_size):
+        sampler = ElasticSampler(12, seed=SEED, rank=rank, world_size=world_size, batch_size=2, keys=True)
+        # The loader's own generator: a DataLoader otherwise draws its base seed from the global stream.
+        loader = DataLoader(ElasticSeededDataset(Jitter(), seed=SEED), batch_sampler=sampler,
+                            num_workers=num_workers, generator=torch.Generator().manual_seed(0))
+        for batch in loader:
+            out.update({int(row[0]): row.tolist() for row in batch})
+    return out
+
+
+def test_per_sample_randomness_is_the_same_at_any_world_size_and_worker_count():
+    torch.manual_seed(0)
+    before = torch.rand(3)
+    torch.manual_seed(0)
+    one = items_by_index(1, num_workers=0)
+    assert torch.equal(torch.rand(3), before), "fetching must not move the caller's torch stream"
+    assert one == items_by_index(3, num_workers=0) == items_by_index(2, num_workers=2)
+    assert len(one) == 12 and len({tuple(v[1:]) for v in one.values()}) == 12
+    data = ElasticSeededDataset(Jitter(), seed=SEED)
+    assert data[SampleKey(0, 3)].tolist() != data[SampleKey(1, 3)].tolist()  # a new epoch, new draws
+    assert sample_seed(SEED, 0, 3) != sample_seed(SEED, 1, 3)
