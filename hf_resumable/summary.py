@@ -37,6 +37,9 @@ from .constants import (
     TRAINING_STATE_FILE,
 )
 
+# Written by transformers.Trainer and by our Trainer integration (progress, epoch, log history).
+TRAINER_STATE_FILE = "trainer_state.json"
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["ShardSummary", "CheckpointSummary", "summarize_checkpoint", "format_size"]
@@ -217,6 +220,12 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return document if isinstance(document, dict) else None
 
 
+def _fill_geometry(summary: CheckpointSummary) -> None:
+    geometry = (summary.per_device_batch_size, summary.gradient_accumulation_steps, summary.world_size)
+    if all(isinstance(v, int) and v > 0 for v in geometry):
+        summary.effective_batch_size = geometry[0] * geometry[1] * geometry[2]
+
+
 def _fill_progress(summary: CheckpointSummary, state: Mapping[str, Any]) -> None:
     progress = state.get(STATE_KEY_PROGRESS) or {}
     extra = state.get(STATE_KEY_EXTRA) or {}
@@ -230,12 +239,44 @@ def _fill_progress(summary: CheckpointSummary, state: Mapping[str, Any]) -> None
     summary.per_device_batch_size = _as_int(_find(both, _PER_DEVICE_KEYS))
     summary.gradient_accumulation_steps = _as_int(_find(both, _ACCUMULATION_KEYS))
     summary.world_size = _as_int(_find(both, _WORLD_SIZE_KEYS)) or summary.world_size
-    geometry = (summary.per_device_batch_size, summary.gradient_accumulation_steps, summary.world_size)
-    if all(isinstance(v, int) and v > 0 for v in geometry):
-        summary.effective_batch_size = geometry[0] * geometry[1] * geometry[2]
+    _fill_geometry(summary)
     optimizer = state.get(STATE_KEY_OPTIMIZER)
-    if isinstance(optimizer, Mapping) and isinstance(optimizer.get("class"), str):
-        summary.optimizer_class = optimizer["class"]
+    if isinstance(optimizer, Mapping):
+        summary.optimizer_class = _optimizer_name(optimizer)
+
+
+def _fill_from_trainer_state(summary: CheckpointSummary, trainer_state: Mapping[str, Any]) -> None:
+    """Fallbacks from ``trainer_state.json`` (written by the Trainer integrations and the stock Trainer)."""
+    if summary.step is None:
+        summary.step = _as_int(trainer_state.get("global_step"))
+    epoch = trainer_state.get("epoch")
+    if summary.epoch is None and isinstance(epoch, (int, float)) and not isinstance(epoch, bool):
+        summary.epoch = float(epoch)
+    if summary.per_device_batch_size is None:
+        summary.per_device_batch_size = _as_int(trainer_state.get("train_batch_size"))
+
+
+# Optimizer wrappers whose class name hides the real optimizer (accelerate, Lightning).
+_WRAPPERS = ("AcceleratedOptimizer", "LightningOptimizer", "OptimizerWrapper")
+
+
+def _optimizer_name(document: Mapping[str, Any]) -> str | None:
+    """Class name of the optimizer, looking through known wrappers by the hyper-parameters they carry."""
+    name = document.get("class")
+    if not isinstance(name, str) or name not in _WRAPPERS:
+        return name if isinstance(name, str) else None
+    groups = document.get("param_groups") or [{}]
+    keys = set(groups[0]) if isinstance(groups[0], Mapping) else set()
+    inner = None
+    if "betas" in keys:
+        inner = "AdamW" if groups[0].get("decoupled_weight_decay", True) else "Adam"
+    elif {"momentum", "dampening"} <= keys:
+        inner = "SGD"
+    elif "lr_decay" in keys:
+        inner = "Adagrad"
+    elif {"alpha", "centered"} <= keys:
+        inner = "RMSprop"
+    return f"{inner} (in {name})" if inner else name
 
 
 def _shard_kind(relpath: str) -> str:
@@ -316,6 +357,10 @@ def summarize_checkpoint(directory: str | os.PathLike, *, full: bool = False) ->
     state = _read_json(path / TRAINING_STATE_FILE)
     if state is not None:
         _fill_progress(summary, state)
+    trainer_state = _read_json(path / TRAINER_STATE_FILE)
+    if trainer_state is not None:
+        _fill_from_trainer_state(summary, trainer_state)
+        _fill_geometry(summary)
     if summary.optimizer_class is None and OPTIMIZER_INDEX_FILE in (report.manifest.files if report.manifest else {}):
         summary.optimizer_class = "unknown"
     return summary

@@ -216,6 +216,9 @@ def test_convert_stock_trainer_checkpoint(stock_checkpoint: Path, tmp_path: Path
     assert loaded.step == 2 and loaded.training_state["global_step"] == 2
     assert loaded.extra["converted_from"] == "transformers.Trainer"
     assert loaded.rng_state is not None
+    code, summary, _ = _run(capsys, "inspect", "--json", str(out))
+    document = json.loads(summary)
+    assert (code, document["step"], document["epoch"], document["optimizer_class"]) == (0, 2, 0.5, "AdamW")
     stock_rng = torch.load(stock_checkpoint / "rng_state.pth", weights_only=False)
     assert torch.equal(loaded.rng_state.torch_cpu, stock_rng["cpu"])
     assert loaded.rng_state.python == stock_rng["python"]
@@ -315,3 +318,13 @@ def test_demo_loop_backend_resumes_exactly_in_process(tmp_path: Path, monkeypatc
     record = load_run(tmp_path / "run")
     assert record.resumed_from == [3] and sorted(record.losses) == list(range(1, 7))
     assert compare_runs(load_run(tmp_path / "ref"), record).ok
+
+
+def test_summary_sees_through_optimizer_wrappers() -> None:
+    from hf_resumable.summary import _optimizer_name
+
+    adamw = {"betas": [0.9, 0.999], "decoupled_weight_decay": True, "lr": 1e-3}
+    assert _optimizer_name({"class": "AcceleratedOptimizer", "param_groups": [adamw]}) == "AdamW (in AcceleratedOptimizer)"
+    sgd = {"momentum": 0.9, "dampening": 0, "lr": 0.1}
+    assert _optimizer_name({"class": "AcceleratedOptimizer", "param_groups": [sgd]}) == "SGD (in AcceleratedOptimizer)"
+    assert _optimizer_name({"class": "Lion", "param_groups": [{}]}) == "Lion"
