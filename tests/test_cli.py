@@ -241,6 +241,17 @@ def test_push_with_card_then_pull_and_inspect(hub, checkpoint: Path, tmp_path: P
     assert card.data.library_name == "transformers" and "hf_resumable" in card.data.tags
     assert "| Global step | 2 |" in card.text
     assert not (checkpoint / "README.md").exists()  # the caller's directory is untouched
+    # The card's lazy-loading snippet works against the pushed repo.
+    from accelerate import init_empty_weights
+
+    from hf_resumable.lazy import load_lazily
+
+    assert f'load_lazily(model, "{repo_id}", revision="step-2")' in card.text
+    with init_empty_weights():
+        lazy = type(tiny_gpt2())(tiny_gpt2().config)
+    assert load_lazily(lazy, repo_id, revision="step-2") == ([], [])
+    expected, _ = _load_fresh(checkpoint)
+    assert_same_state(expected.state_dict(), lazy.state_dict())
     code, out, _ = _run(capsys, "pull", f"hf://{repo_id}@step-2", "--local-dir", str(tmp_path / "pulled"))
     pulled = Path(out.strip())
     assert code == 0 and verify_checkpoint(pulled, full=True).ok
