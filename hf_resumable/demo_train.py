@@ -204,12 +204,20 @@ def append_json(path: Path, document: dict) -> None:
         f.flush()  # in the kernel before the next step: a SIGKILL cannot lose it
 
 
+def _step_of(line: str) -> int | None:
+    """The step of a log line, or None for a blank or torn line (a kill can land mid-write)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def truncate_log(path: Path, last_step: int) -> None:
     """Keep only the lines of steps ``<= last_step`` (the rest are re-run after a resume), atomically."""
     if not path.exists():
         return
     kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and json.loads(line)["step"] <= last_step]
+            if (_step_of(line) or last_step + 1) <= last_step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
     os.replace(tmp, path)
