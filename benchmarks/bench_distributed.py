@@ -1,0 +1,219 @@
+"""Checkpoint write bandwidth: 2 ranks each writing their own FSDP2 shards vs one rank writing everything.
+
+For a Llama-shaped model + AdamW state (about 350 MB by default), measured in the same run on the same disk:
+
+- raw write+fsync of the same byte count, one stream and two parallel streams (the disk's limits),
+- ``save_sharded_checkpoint`` by 1 process holding a plain model (rank 0 writes every byte),
+- ``save_sharded_checkpoint`` by 2 gloo ranks under FSDP2 ``fully_shard`` (each rank writes its half),
+- ``save_checkpoint`` (the regular single-writer format) by 1 process, for reference.
+
+Each save is timed from a barrier to its return (manifest committed, every file fsynced), repeated
+``--repeats`` times in the same processes (median reported); page caches are dropped first when the
+process may write ``/proc/sys/vm/drop_caches``. Ranks are plain subprocesses with the ``torchrun``
+environment on 127.0.0.1. Prints a markdown table with bandwidths and ratios. (Upload throughput to an
+object store is measured elsewhere.)
+
+Usage:
+    python benchmarks/bench_distributed.py --repeats 3 [--dir /path/on/the/disk/to/test] [--hidden 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def drop_caches() -> None:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        pass
+
+
+def build(hidden: int) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8, vocab_size=16000, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def prime_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW with state (one step on random gradients), after any sharding."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for param in model.parameters():
+        param.grad = torch.randn_like(param) * 1e-3
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+# --- workers ---------------------------------------------------------------------------------------
+
+
+def time_saves(save, root: Path, repeats: int, *, rank: int = 0) -> tuple[list[float], int]:
+    """Run ``save(path)`` ``repeats`` times between barriers; seconds per save and bytes of one checkpoint."""
+    from hf_resumable.distributed import barrier
+
+    seconds, size = [], 0
+    for i in range(repeats):
+        path = root / f"checkpoint-{i}"
+        if rank == 0:
+            drop_caches()
+        barrier()
+        start = time.perf_counter()
+        save(path)
+        seconds.append(time.perf_counter() - start)
+        barrier()
+        if rank == 0:
+            size = dir_bytes(path)
+            shutil.rmtree(path)
+    return seconds, size
+
+
+def worker(mode: str, root: Path, repeats: int, hidden: int, out: Path) -> None:
+    """One process of a measurement: ``sharded-2`` (a rank under FSDP2), ``sharded-1`` or ``regular-1``."""
+    import torch.distributed as dist
+
+    from hf_resumable import save_checkpoint
+    from hf_resumable.sharded import save_sharded_checkpoint
+
+    torch.set_num_threads(1)
+    rank = 0
+    model = build(hidden)
+    if mode == "sharded-2":
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    optimizer = prime_optimizer(model)
+    writer = save_checkpoint if mode == "regular-1" else save_sharded_checkpoint
+    seconds, size = time_saves(lambda p: writer(p, model=model, optimizer=optimizer, step=0), root, repeats,
+                               rank=rank)
+    if rank == 0:
+        out.write_text(json.dumps({"seconds": seconds, "bytes": size}))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- driver ----------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(mode: str, world_size: int, root: Path, args: argparse.Namespace) -> dict:
+    out = root / f"{mode}.json"
+    port = str(free_port())
+    procs = []
+    for rank in range(world_size):
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        argv = [sys.executable, __file__, "--worker", mode, "--dir", str(root), "--repeats", str(args.repeats),
+                "--hidden", str(args.hidden)]
+        procs.append(subprocess.Popen(argv, env=env))
+    if any(p.wait() != 0 for p in procs):
+        raise SystemExit(f"{mode}: a worker failed")
+    return json.loads(out.read_text())
+
+
+def raw_writes(root: Path, size: int, streams: int, repeats: int) -> list[float]:
+    """Seconds to write+fsync ``size`` bytes split over ``streams`` parallel files (os.write releases the GIL)."""
+    chunk = memoryview(os.urandom(16 << 20))
+
+    def write(path: Path, nbytes: int) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for offset in range(0, nbytes, len(chunk)):
+            os.write(fd, chunk[: min(len(chunk), nbytes - offset)])
+        os.fsync(fd)
+        os.close(fd)
+
+    seconds = []
+    for _ in range(repeats):
+        drop_caches()
+        threads = [threading.Thread(target=write, args=(root / f"raw-{i}", size // streams)) for i in range(streams)]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        seconds.append(time.perf_counter() - start)
+        for i in range(streams):
+            (root / f"raw-{i}").unlink()
+    return seconds
+
+
+def report(rows: dict[str, tuple[list[float], int]], repeats: int) -> str:
+    def bandwidth(name: str) -> float:
+        seconds, size = rows[name]
+        return size / statistics.median(seconds) / 1e6
+
+    base = bandwidth("save_sharded_checkpoint, 1 rank writes everything")
+    raw = bandwidth("raw write+fsync, 1 stream")
+    lines = [f"Median of {repeats} runs; checkpoint of {rows['save_sharded_checkpoint, 2 ranks (FSDP2)'][1] / 1e6:.0f} MB "
+             "(Llama-shaped weights + AdamW state).", "",
+             "| writer | median s | MB/s | vs 1-rank sharded save | vs raw 1-stream write |",
+             "|---|---:|---:|---:|---:|"]
+    for name, (seconds, _size) in rows.items():
+        mbps = bandwidth(name)
+        lines.append(f"| {name} | {statistics.median(seconds):.2f} | {mbps:.0f} | {mbps / base:.2f}x | "
+                     f"{mbps / raw:.2f}x |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=None, help="directory on the disk to test (default: a temp dir)")
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size of the Llama-shaped model")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        worker(args.worker, args.dir, args.repeats, args.hidden, args.dir / f"{args.worker}.json")
+        return
+    root = Path(tempfile.mkdtemp(prefix="bench-distributed-", dir=args.dir))
+    try:
+        measured = {
+            "save_sharded_checkpoint, 2 ranks (FSDP2)": launch("sharded-2", 2, root, args),
+            "save_sharded_checkpoint, 1 rank writes everything": launch("sharded-1", 1, root, args),
+            "save_checkpoint (regular format), 1 process": launch("regular-1", 1, root, args),
+        }
+        size = measured["save_sharded_checkpoint, 1 rank writes everything"]["bytes"]
+        rows = {name: (m["seconds"], m["bytes"]) for name, m in measured.items()}
+        rows["raw write+fsync, 1 stream"] = (raw_writes(root, size, 1, args.repeats), size)
+        rows["raw write+fsync, 2 parallel streams"] = (raw_writes(root, size, 2, args.repeats), size)
+        print(report(rows, args.repeats))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
