@@ -190,8 +190,9 @@ def dump_results(trainer, output_dir: Path, train_output) -> None:
                 if torch.is_tensor(value):
                     tensors[f"optim/{names[id(p)]}/{key}"] = value.detach().clone().contiguous()
     save_file(tensors, str(output_dir / "final.safetensors"))
-    history = [{k: v for k, v in entry.items() if not k.startswith(("train_runtime", "train_samples_per", "train_steps_per"))}
-               for entry in trainer.state.log_history]
+    # Wall-clock fields are the only non-deterministic ones; they are removed by name.
+    timing = ("_runtime", "_samples_per_second", "_steps_per_second")
+    history = [{k: v for k, v in entry.items() if not k.endswith(timing)} for entry in trainer.state.log_history]
     (output_dir / "result.json").write_text(json.dumps({"log_history": history, "global_step": train_output.global_step,
                                                          "lr": trainer.lr_scheduler.get_last_lr(),
                                                          "resumed_from": str(getattr(trainer, "resumed_from", None) or "") or None},
