@@ -90,6 +90,32 @@ def test_missing_rng_state_fails_loudly(tmp_path):
     assert relaxed.load_state().step == 3 and relaxed.global_step == 3
 
 
+def test_mean_loss_in_short_last_window_is_divided_by_its_real_length():
+    accelerator = ResumableAccelerator(gradient_accumulation_steps=3, cpu=True, handle_preemption=False)
+    data = [float(i) for i in range(10)]  # batches of 2: 5 per epoch -> windows of 3 and 2
+    loader = accelerator.prepare_resumable_dataloader(data, collate_fn=torch.tensor, batch_size=2, seed=0,
+                                                      shuffle=False)
+    model = accelerator.prepare(torch.nn.Linear(1, 1, bias=False))
+    grads = []
+    for window in accelerator.accumulation_windows(loader):
+        for batch in window:
+            with accelerator.accumulate(model):
+                accelerator.backward((model(batch[:, None]) ** 2).mean())
+        grads.append(model.weight.grad.clone())
+        model.zero_grad()
+    with pytest.raises(ValueError, match="already restored"):
+        accelerator.skip_first_batches(loader, 1)
+    reference = torch.nn.Linear(1, 1, bias=False)
+    reference.load_state_dict(accelerator.unwrap_model(model).state_dict())
+    for window, got in zip(([0, 1, 2], [3, 4]), grads):
+        reference.zero_grad()
+        for step in window:
+            batch = torch.tensor(data[2 * step:2 * step + 2])[:, None]
+            ((reference(batch) ** 2).mean() / len(window)).backward()
+        assert torch.allclose(got, reference.weight.grad, rtol=1e-6, atol=0), (window, got, reference.weight.grad)
+    assert accelerator.global_step == 2 and loader.epoch == 1
+
+
 # ------------------------------------------------------------------ token-exact gradient accumulation
 
 
@@ -121,8 +147,9 @@ def test_accumulation_equals_full_batch_two_processes(tmp_path):
 # ------------------------------------------------------------------ interrupt grid on the example
 
 
-def run_example(output: Path, *, num_workers: int, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(EXAMPLE), "--output-dir", str(output), "--num-workers", str(num_workers)]
+def run_example(output: Path, *, num_workers: int, env: dict[str, str] | None = None,
+                extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(EXAMPLE), "--output-dir", str(output), "--num-workers", str(num_workers), *extra]
     return subprocess.run(command, env=child_env(env), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
 
 
@@ -157,16 +184,18 @@ def reference_run(tmp_path_factory) -> Path:
     return output
 
 
-@pytest.mark.parametrize(("signum", "step", "num_workers"), [
-    (signal.SIGKILL, 3, 0),  # between checkpoints: resume from checkpoint-2, replay step 3
+@pytest.mark.parametrize(("signum", "step", "num_workers", "extra"), [
+    (signal.SIGKILL, 3, 0, ()),  # between checkpoints: resume from checkpoint-2, replay step 3
     # On a checkpoint at the end of epoch 0, with 2 worker processes: compared with the reference run
     # (num_workers=0), this also shows that worker processes do not change the run.
-    (signal.SIGKILL, 4, 2),
-    (signal.SIGTERM, 5, 0),  # preemption notice after step 5: finish, save checkpoint-5, exit 143
+    (signal.SIGKILL, 4, 2, ()),
+    # Preemption notice after step 5: finish, save checkpoint-5, exit 143. Periodic saves are
+    # asynchronous here (the final comparison also checks what the background writer committed).
+    (signal.SIGTERM, 5, 0, ("--save-async",)),
 ])
-def test_kill_and_restart_is_bit_exact(tmp_path, reference_run, signum, step, num_workers):
+def test_kill_and_restart_is_bit_exact(tmp_path, reference_run, signum, step, num_workers, extra):
     name = "KILL" if signum == signal.SIGKILL else "TERM"
-    interrupted = run_example(tmp_path, num_workers=num_workers,
+    interrupted = run_example(tmp_path, num_workers=num_workers, extra=extra,
                               env={f"HF_RESUMABLE_EXAMPLE_{name}_AFTER_STEP": str(step)})
     expected_rc = -signal.SIGKILL if signum == signal.SIGKILL else PREEMPTION_EXIT_CODE
     assert interrupted.returncode == expected_rc, interrupted.stderr[-3000:]
@@ -174,7 +203,7 @@ def test_kill_and_restart_is_bit_exact(tmp_path, reference_run, signum, step, nu
     assert latest is not None and latest.name == f"checkpoint-{step if step % 2 == 0 or name == 'TERM' else step - 1}"
     assert max(s for s, _ in read_losses(tmp_path)) == step  # it really stopped there
 
-    resumed = run_example(tmp_path, num_workers=num_workers)  # the same command
+    resumed = run_example(tmp_path, num_workers=num_workers, extra=extra)  # the same command
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Resumed from {latest}" in resumed.stderr
     assert_same_run(tmp_path, reference_run)

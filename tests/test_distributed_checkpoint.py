@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 from pathlib import Path
 
@@ -51,8 +52,23 @@ def assert_rank_got_its_own_state(root: Path, step: int) -> None:
     assert expected[0]["data_state"] != expected[1]["data_state"]
 
 
-def test_each_rank_gets_its_own_rng_and_data_state_back(tmp_path):
-    assert_all_ok(run_pair("save", tmp_path, 1))
+@pytest.fixture(scope="module")
+def saved_by_two_ranks(tmp_path_factory) -> Path:
+    """A root holding checkpoint-1, saved by 2 ranks with different RNG and data states (read-only)."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    assert_all_ok(run_pair("save", root, 1))
+    return root
+
+
+@pytest.fixture
+def root_with_checkpoint_1(saved_by_two_ranks, tmp_path) -> Path:
+    for entry in saved_by_two_ranks.iterdir():
+        (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, tmp_path / entry.name)
+    return tmp_path
+
+
+def test_each_rank_gets_its_own_rng_and_data_state_back(root_with_checkpoint_1):
+    tmp_path = root_with_checkpoint_1
     manifest = read_manifest(tmp_path / "checkpoint-1")
     assert manifest.world_size == WORLD_SIZE
     assert {"rng/rank-00000.safetensors", "rng/rank-00001.safetensors", "data/rank-00000.json",
@@ -63,9 +79,8 @@ def test_each_rank_gets_its_own_rng_and_data_state_back(tmp_path):
     assert find_latest_checkpoint(tmp_path) == tmp_path / "checkpoint-2"
 
 
-def test_sigkill_of_one_rank_during_save_keeps_previous_checkpoint_and_restart_works(tmp_path):
-    assert_all_ok(run_pair("save", tmp_path, 1))
-
+def test_sigkill_of_one_rank_during_save_keeps_previous_checkpoint_and_restart_works(root_with_checkpoint_1):
+    tmp_path = root_with_checkpoint_1
     crashed = run_pair("crash", tmp_path, 2, timeout=25.0)
     assert crashed[1].returncode == -signal.SIGKILL, crashed[1].describe()
     # Rank 0 either noticed the dead peer and failed, or hung in the collective until we killed it.

@@ -197,18 +197,20 @@ class ResumablePreparedLoader(DataLoaderStateMixin):
         epoch, consumed = (self.epoch + 1, 0) if self.consumed >= len(self) else (self.epoch, self.consumed)
         return self.loader.position(epoch=epoch, step=consumed)
 
-    def load_position(self, record: Mapping[str, Any], *, source: str) -> None:
-        """Continue at ``record`` (from :meth:`position`); nothing is fetched.
+    def fits(self, record: Mapping[str, Any]) -> bool:
+        """Whether ``record`` is a map-style position of an epoch as long as this loader's."""
+        return record.get(DATA_KIND) == "map" and int(record.get(DATA_NUM_BATCHES, -1)) == len(self)
 
-        Raises:
-            ConfigDriftError: if the record is not a map-style position of an epoch of the same length.
+    def load_position(self, record: Mapping[str, Any], *, restart_epoch: bool = False) -> None:
+        """Continue at ``record`` (from :meth:`position`) without fetching anything.
+
+        Args:
+            record (`Mapping`): the saved position.
+            restart_epoch (`bool`, *optional*, defaults to `False`): keep only the epoch and start it over
+                (the inexact fallback when the record does not :meth:`fits`).
         """
-        if record.get(DATA_KIND) != "map" or int(record.get(DATA_NUM_BATCHES, -1)) != len(self):
-            raise ConfigDriftError(
-                f"{source}: the saved data position {dict(record)} does not fit this loader ({len(self)} batches per "
-                "epoch on this rank). The data set, batch size, drop_last or world size changed; restore them, or "
-                "pass allow_inexact_resume=True to ResumableAccelerator to restart the epoch.")
-        self.epoch, self.consumed = int(record[DATA_EPOCH]), int(record[DATA_STEP])
+        self.epoch = int(record.get(DATA_EPOCH, 0))
+        self.consumed = 0 if restart_epoch else int(record[DATA_STEP])
 
     def settings(self) -> dict[str, Any]:
         """What decides this loader's batches (compared at resume time)."""
@@ -359,6 +361,17 @@ class ResumableAccelerator(Accelerator):
         self._resumable_loaders.append(prepared)
         return prepared
 
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """accelerate's ``skip_first_batches``, refused for resumable loaders (``load_state`` already positioned them).
+
+        Raises:
+            ValueError: for a :class:`ResumablePreparedLoader` (skipping again would skip twice).
+        """
+        if isinstance(dataloader, ResumablePreparedLoader):
+            raise ValueError("load_state() already restored this loader's position (epoch "
+                             f"{dataloader.epoch}, batch {dataloader.consumed}); do not skip batches yourself.")
+        return super().skip_first_batches(dataloader, num_batches)
+
     # ---------------------------------------------------------------- gradient accumulation
 
     def accumulation_windows(self, dataloader: Any, *,
@@ -497,6 +510,7 @@ class ResumableAccelerator(Accelerator):
                 "Call it after the window's optimizer step.")
         automatic = output_dir is None
         target = Path(output_dir) if output_dir is not None else self.checkpoint_dir / f"{CHECKPOINT_PREFIX}{self.global_step}"
+        wait_for_pending_saves()  # save_checkpoint would wait anyway; the previous save may be this very step
         if automatic and broadcast_json(self.is_main_process and (target / MANIFEST_FILE).exists()):
             logger.info("%s is already committed; not saving step %d again.", target, self.global_step)
             return target
@@ -603,11 +617,13 @@ class ResumableAccelerator(Accelerator):
             self._inexact(f"{path} has no position for the {len(self._resumable_loaders)} prepared loader(s) of rank "
                           f"{self.process_index}")
             return
-        for loader, record in zip(self._resumable_loaders, records):
-            try:
-                loader.load_position(record, source=str(path))
-            except ConfigDriftError as err:
-                self._inexact(str(err).split(". ")[0], ConfigDriftError)
+        for index, (loader, record) in enumerate(zip(self._resumable_loaders, records)):
+            fits = loader.fits(record)
+            if not fits:
+                self._inexact(f"{path}: the saved position {dict(record)} of loader {index} does not fit it "
+                              f"({len(loader)} batches per epoch on rank {self.process_index}; the data set, batch "
+                              "size, drop_last or world size changed); its epoch restarts", ConfigDriftError)
+            loader.load_position(record, restart_epoch=not fits)
 
     def _restore_custom_objects(self, path: Path, states: list[Any]) -> None:
         if len(states) != len(self._custom_objects):
