@@ -51,6 +51,8 @@ from .errors import (
     UnsafeIndexError,
 )
 from .sharding import ShardIndex, check_relative_name, parse_index, plan_shards
+from .checkpoint.manifest import read_manifest
+from .checkpoint.verify import verify_checkpoint
 
 if TYPE_CHECKING:
     import torch
@@ -702,36 +704,26 @@ def resumable_download(
 
 # --------------------------------------------------------------------------------------------------- checkpoints
 def _manifest_files(manifest_path: Path) -> dict[str, dict[str, Any]]:
-    try:
-        document = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise IncompleteCheckpointError(
-            f"{manifest_path}: missing or unreadable manifest ({err.__class__.__name__}); the checkpoint was never "
-            "committed. Pick another checkpoint."
-        ) from None
-    files = document.get("files") if isinstance(document, dict) else None
-    if not isinstance(files, dict):
-        raise CorruptCheckpointError(f"{manifest_path}: manifest has no 'files' object; re-create the checkpoint.")
-    for relpath in files:
-        check_relative_name(relpath, source=str(manifest_path), suffix=None)
-    return files
+    """``{relpath: {"size", "sha256"}}`` of a manifest, validated by the checkpoint module's parser."""
+    manifest = read_manifest(manifest_path.parent)
+    return {rel: {"size": record.size, "sha256": record.sha256} for rel, record in manifest.files.items()}
 
 
 def _verify_against_manifest(directory: str | os.PathLike, *, check_hashes: bool = True) -> None:
-    """Check every file that ``manifest.json`` lists: present, right size, right sha256.
-
-    Kept isolated so it can be swapped for ``hf_resumable.checkpoint.verify_checkpoint``.
+    """Verify a checkpoint with :func:`hf_resumable.checkpoint.verify_checkpoint`; bad files are removed so a
+    re-pull fetches them again.
 
     Raises:
         IncompleteCheckpointError: if the manifest or a listed file is missing.
-        CorruptCheckpointError: on a size or sha256 mismatch (the bad file is removed so a re-pull fetches it).
+        CorruptCheckpointError: on a size or sha256 mismatch.
     """
     directory = Path(directory)
-    for relpath, record in _manifest_files(directory / MANIFEST_FILE).items():
-        path = directory / relpath
-        if not path.is_file():
-            raise IncompleteCheckpointError(f"{directory}: manifest lists {relpath!r}, which is missing.")
-        _verify_file(path, record if check_hashes else {"size": record.get("size")}, source=f"{directory}/{relpath}")
+    report = verify_checkpoint(directory, full=check_hashes)
+    if not report.ok:
+        for relpath, _why in report.problems:
+            if relpath != MANIFEST_FILE and (directory / relpath).is_file():
+                (directory / relpath).unlink()
+        report.raise_if_bad()
 
 
 def _default_pull_dir(url: HfUrl, commit: str) -> Path:

@@ -118,7 +118,9 @@ def on_meta(model):
 def make_checkpoint_dir(directory: Path, files: dict[str, bytes], *, bad_hash_for: str | None = None) -> Path:
     """A committed-looking checkpoint directory: ``files`` plus a ``manifest.json`` with size and sha256 of each."""
     import hashlib
-    import json
+
+    from hf_resumable.checkpoint.manifest import Manifest
+    from hf_resumable.safetensors_io import FileRecord
 
     directory.mkdir(parents=True, exist_ok=True)
     records = {}
@@ -126,6 +128,6 @@ def make_checkpoint_dir(directory: Path, files: dict[str, bytes], *, bad_hash_fo
         (directory / name).parent.mkdir(parents=True, exist_ok=True)
         (directory / name).write_bytes(data)
         digest = hashlib.sha256(data).hexdigest() if name != bad_hash_for else "0" * 64
-        records[name] = {"size": len(data), "sha256": digest}
-    (directory / "manifest.json").write_text(json.dumps({"format": "hf_resumable", "files": records}))
+        records[name] = FileRecord(len(data), digest)
+    (directory / "manifest.json").write_bytes(Manifest(files=records).to_json())
     return directory

@@ -268,8 +268,8 @@ def test_parse_hf_url_rejects(url: str, match: str) -> None:
 
 
 def test_push_and_pull_checkpoint_on_branch_and_tag(hub: FakeHub, tmp_path: Path) -> None:
-    files = {"model-00001-of-00001.safetensors": os.urandom(50_000), "training_state.json": b'{"step": 120}',
-             "rng/rank-00000.safetensors": os.urandom(1000)}
+    files = {"weights.bin": os.urandom(50_000), "training_state.json": b'{"step": 120}',
+             "rng/rank-00000.bin": os.urandom(1000)}
     local = make_checkpoint_dir(tmp_path / "checkpoint-120", files)
     repo_id = new_repo_id("run")
     pushed = push_checkpoint(local, repo_id, branch="step-120", tag="v-step-120")
@@ -286,16 +286,20 @@ def test_push_and_pull_checkpoint_on_branch_and_tag(hub: FakeHub, tmp_path: Path
 
 def test_pull_checkpoint_rejects_bad_checkpoints(hub: FakeHub, tmp_path: Path) -> None:
     repo_id = new_repo_id("bad")
-    bad = make_checkpoint_dir(tmp_path / "checkpoint-5", {"a.bin": b"abc", "b.json": b"{}"}, bad_hash_for="a.bin")
-    push_checkpoint(bad, repo_id)
-    with pytest.raises(CorruptCheckpointError, match="a.bin: downloaded sha256"):
+    bad = make_checkpoint_dir(tmp_path / "bad" / "checkpoint-5", {"a.bin": b"abc"}, bad_hash_for="a.bin")
+    with pytest.raises(CorruptCheckpointError, match="a.bin: sha256 mismatch"):
+        push_checkpoint(bad, repo_id)  # a corrupt local checkpoint is never published
+    good = make_checkpoint_dir(tmp_path / "checkpoint-5", {"a.bin": b"abc", "b.json": b"{}"})
+    push_checkpoint(good, repo_id)
+    HfApi().upload_file(path_or_fileobj=b"xyz", path_in_repo="checkpoint-5/a.bin", repo_id=repo_id)  # tampered
+    with pytest.raises(CorruptCheckpointError, match="a.bin: sha256 mismatch"):
         pull_checkpoint(f"hf://{repo_id}/checkpoint-5", local_dir=tmp_path / "p")
     assert not (tmp_path / "p/checkpoint-5/a.bin").exists()
     HfApi().upload_file(path_or_fileobj=b"x", path_in_repo="half/a.bin", repo_id=repo_id)
     with pytest.raises(IncompleteCheckpointError, match="no manifest.json"):
         pull_checkpoint(f"hf://{repo_id}/half", local_dir=tmp_path / "q")
     (tmp_path / "nomanifest").mkdir()
-    with pytest.raises(IncompleteCheckpointError, match="never committed"):
+    with pytest.raises(IncompleteCheckpointError, match="not a committed checkpoint"):
         push_checkpoint(tmp_path / "nomanifest", repo_id)
 
 
