@@ -287,17 +287,18 @@ def test_compare_runs_accepts_identical_and_rejects_any_difference() -> None:
     assert compare_runs(RunRecord({1: float("nan")}, "x"), RunRecord({1: float("nan")}, "x")).ok
 
 
+@pytest.mark.slow
 def test_demo_end_to_end(tmp_path: Path) -> None:
     """The real demo, small: SIGKILL after step 5 (checkpoints every 3), restart, identical losses and weights."""
     env = {**os.environ, "MPLBACKEND": "Agg"}
     result = subprocess.run(
         [sys.executable, "-m", "hf_resumable", "demo", "--output", str(tmp_path / "demo"), "--max-steps", "8",
-         "--save-every", "3", "--kill-at", "5"],
+         "--save-every", "3", "--kill-at", "5", "--backend", "trainer"],
         capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "IDENTICAL: all 8 losses and the final weights match bit for bit." in result.stdout
     report = json.loads((tmp_path / "demo" / "demo_report.json").read_text())
-    assert report["ok"] and report["kill_step"] >= 5 and report["resumed_from"] in ([3], [6])
+    assert report["ok"] and report["backend"] == "trainer" and report["kill_step"] >= 5 and report["resumed_from"] in ([3], [6])
     assert report["reference_sha256"] == report["resumed_sha256"]
     assert (tmp_path / "demo" / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
     resumed = load_run(tmp_path / "demo" / "resumed")
