@@ -113,10 +113,19 @@ def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """FQN-keyed optimizer state (initialized with a zero-lr step if the optimizer has none yet)."""
+    """FQN-keyed optimizer state, without side effects on an optimizer that has not stepped yet.
+
+    ``get_optimizer_state_dict`` initializes an empty optimizer with a zero-lr step, which would start
+    AdamW's step count at 1 and change the run; that state is dropped again here.
+    """
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(model, optimizer, options=_options())
+    fresh = not optimizer.state
+    state = get_optimizer_state_dict(model, optimizer, options=_options())
+    if fresh and optimizer.state:
+        optimizer.state.clear()
+        state = {"state": {}, "param_groups": state["param_groups"]}
+    return state
 
 
 def _json_bytes(document: Any) -> bytes:
@@ -278,9 +287,19 @@ def _rebuild_optimizer_state(filled: Mapping[str, torch.Tensor], document: Mappi
     return {"state": state, "param_groups": groups}
 
 
+def _load_param_groups_only(model: torch.nn.Module, optimizer: torch.optim.Optimizer, document: Mapping[str, Any],
+                            *, source: str) -> None:
+    """The saved optimizer had not stepped yet: restore its hyper-parameters and leave its state empty."""
+    current = _optimizer_state(model, optimizer)
+    optimizer.state.clear()
+    groups = _param_groups(document["param_groups"], current["param_groups"], {}, source=source)
+    for group, saved in zip(optimizer.param_groups, groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
 def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer) -> None:
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     source = str(reader.path)
     document = layout.get(LAYOUT_KEY_OPTIMIZER_DOC)
@@ -289,9 +308,12 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
     if document.get("class") != type(optimizer).__qualname__:
         raise CheckpointMismatchError(f"{source}: optimizer was {document.get('class')}, now "
                                       f"{type(optimizer).__qualname__}; build the same optimizer class to resume.")
-    current = _optimizer_state(model, optimizer)
-    current_tensors, _ = flatten_optimizer_state(current, type(optimizer).__qualname__)
     section = Section.from_json(layout[LAYOUT_KEY_OPTIMIZER], source=str(reader.path / LAYOUT_FILE))
+    if not document["non_tensor_state"] and not any(n.startswith(OPTIMIZER_STATE_PREFIX) for n in section.dtypes):
+        _load_param_groups_only(model, optimizer, document, source=source)
+        return
+    current = get_optimizer_state_dict(model, optimizer, options=_options())  # initializes an empty optimizer
+    current_tensors, _ = flatten_optimizer_state(current, type(optimizer).__qualname__)
     names = check_fits(current_tensors, section, strict=True, source=source, what="optimizer")
     with PieceReader(reader.path, section, source=source) as pieces:
         filled = fill_state(current_tensors, pieces, names)

@@ -4,7 +4,7 @@ Real 2-rank gloo groups on CPU (started and stopped here) train tiny GPT-2 / Lla
 ``fully_shard`` with AdamW. Every comparison is bitwise against the *consolidated originals* of the
 saving run (full weights and full optimizer tensors):
 
-* 2 ranks -> 1 process (plain model): weights, optimizer tensors and param groups equal; the consolidated
+* 2 ranks -> 2 fresh ranks (same world size, RNG restored) and 2 ranks -> 1 process (plain model): weights, optimizer tensors and param groups equal; the consolidated
   export loads with ``from_pretrained`` and with ``load_checkpoint``; the elastic data position continues
   with exactly the unseen samples;
 * 1 process (plain model) -> 2 FSDP2 ranks (Llama, unevenly sharded embedding): the same.
@@ -94,6 +94,18 @@ def test_plain_model_round_trip_and_typed_errors(plain_checkpoint):
         load_sharded_checkpoint(path, model=model, optimizer=sgd)
 
 
+def test_optimizer_that_never_stepped_is_saved_and_loaded_without_side_effects(tmp_path):
+    model, optimizer = fx.build("gpt2")
+    save_sharded_checkpoint(tmp_path / "checkpoint-0", model=model, optimizer=optimizer, step=0)
+    assert not optimizer.state, "saving must not initialize the optimizer (AdamW's step count would shift)"
+    fresh, fresh_optimizer = fx.build("gpt2", seed=3)
+    fresh_optimizer.param_groups[0]["lr"] = 0.5
+    load_sharded_checkpoint(tmp_path / "checkpoint-0", model=fresh, optimizer=fresh_optimizer)
+    assert not fresh_optimizer.state and fresh_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, fresh.state_dict()[name]), name
+
+
 # --- 2 ranks <-> 1 process -----------------------------------------------------------------------
 
 
@@ -103,6 +115,7 @@ def test_fsdp2_two_ranks_save_load_on_one_process_and_consolidate(tmp_path):
 
     run_ranks("save", tmp_path, "gpt2")
     path = tmp_path / "checkpoint-2"
+    assert json.loads((tmp_path / "result-same-world.json").read_text()) == {"problems": []}  # 2 -> 2
     manifest = read_manifest(path)
     assert manifest.world_size == WORLD_SIZE and verify_checkpoint(path, full=True).ok
     pieces = sorted(f for f in manifest.files if f.startswith("sharded/"))

@@ -4,7 +4,8 @@ Usage: ``python sharded_worker.py MODE ROOT MODEL`` with the torchrun environmen
 
 * ``save``: FSDP2 model + AdamW, 2 training steps on ElasticSampler batches, ``save_sharded_checkpoint``
   to ROOT/checkpoint-2 with the sampler position; rank 0 writes the consolidated reference and each
-  rank the indices it trained on (``seen-rank{r}.json``).
+  rank the indices it trained on (``seen-rank{r}.json``); then loads it back into a fresh FSDP2 model at
+  the same world size and compares (``result-same-world.json``).
 * ``load``: fresh FSDP2 model (other weights) + AdamW, ``load_sharded_checkpoint`` of ROOT/checkpoint-2
   (saved at another world size), compare the consolidated state with ROOT's reference (``result.json``
   from rank 0), then iterate the rest of the epoch (``rest-rank{r}.json``).
@@ -51,6 +52,14 @@ def save(root: Path, kind: str, rank: int, world_size: int) -> None:
                             training_state={"sampler": data.state_dict()})
     fx.write_reference(root, model, optimizer, is_main=rank == 0)
     (root / f"seen-rank{rank}.json").write_text(json.dumps(seen))
+    # Same world size: exact resume, RNG included (no allow_inexact_resume needed).
+    fresh, _ = fx.build(kind, seed=99)
+    shard(fresh)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    load_sharded_checkpoint(root / "checkpoint-2", model=fresh, optimizer=fresh_optimizer)
+    problems = fx.compare_to_reference(root, fresh, fresh_optimizer)
+    if rank == 0:
+        (root / "result-same-world.json").write_text(json.dumps({"problems": problems}))
 
 
 def load(root: Path, kind: str, rank: int, world_size: int) -> None:
