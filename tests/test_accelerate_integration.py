@@ -116,6 +116,66 @@ def test_mean_loss_in_short_last_window_is_divided_by_its_real_length():
     assert accelerator.global_step == 2 and loader.epoch == 1
 
 
+class Counter:
+    """A registered custom object (accelerate's ``register_for_checkpointing``)."""
+
+    def __init__(self) -> None:
+        self.count, self.history = 0, torch.zeros(3)
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "history": self.history}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count, self.history = state["count"], state["history"]
+
+
+def _build_small(tmp_path: Path, **options):
+    accelerator = ResumableAccelerator(gradient_accumulation_steps=2, cpu=True, checkpoint_dir=tmp_path,
+                                       handle_preemption=False, **options)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = accelerator.prepare_resumable_dataloader([float(i) for i in range(14)], collate_fn=torch.tensor,
+                                                      batch_size=2, seed=3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    return accelerator, model, optimizer, loader, counter
+
+
+def _train_windows(accelerator, model, optimizer, windows, count: int) -> list[list[float]]:
+    seen = []
+    for _ in range(count):
+        for batch in next(windows):
+            seen.append(batch.tolist())
+            with accelerator.accumulate(model):
+                accelerator.backward(torch.nn.functional.dropout(model(batch[:, None]), 0.5).pow(2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+    return seen
+
+
+def test_save_state_load_state_round_trip_in_process(tmp_path):
+    accelerator, model, optimizer, loader, counter = _build_small(tmp_path)
+    windows = accelerator.accumulation_windows(loader)
+    _train_windows(accelerator, model, optimizer, windows, 2)
+    counter.count, counter.history = 5, torch.tensor([1.0, 2.0, 3.0])
+    assert accelerator.save_state() == tmp_path / "checkpoint-2"
+    rest = _train_windows(accelerator, model, optimizer, windows, 2)  # 4 more batches, dropout draws RNG
+    weights = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    resumed, model2, optimizer2, loader2, counter2 = _build_small(tmp_path)
+    assert resumed.load_state().step == 2
+    assert (resumed.global_step, loader2.epoch, loader2.consumed) == (2, 0, 4)
+    assert counter2.count == 5 and torch.equal(counter2.history, torch.tensor([1.0, 2.0, 3.0]))
+    assert _train_windows(resumed, model2, optimizer2, resumed.accumulation_windows(loader2), 2) == rest
+    for key, value in resumed.unwrap_model(model2).state_dict().items():
+        assert torch.equal(value, weights[key]), key
+    assert resumed.global_step == 4
+
+
 # ------------------------------------------------------------------ token-exact gradient accumulation
 
 
