@@ -249,6 +249,14 @@ def convert_trainer_checkpoint(
         CheckpointMismatchError: if the optimizer state does not fit the model's parameter groups.
         ValueError: for an unknown ``optimizer`` name or a bad ``max_shard_size``.
         pickle.UnpicklingError: if a pickle holds anything ``weights_only=True`` refuses.
+
+    Example:
+
+    ```python
+    >>> info = convert_trainer_checkpoint("out/checkpoint-500", "converted/checkpoint-500")  # doctest: +SKIP
+    >>> load_checkpoint(info.path, model=model, optimizer=optimizer, scheduler=scheduler).step  # doctest: +SKIP
+    500
+    ```
     """
     files = TrainerCheckpointFiles.scan(Path(source))
     parse_size(max_shard_size)

@@ -324,6 +324,13 @@ def run_demo(output: str | os.PathLike, *, max_steps: int = 40, save_every: int 
         FileExistsError: if ``output`` already holds demo runs.
         ValueError: if ``max_steps`` leaves no room to kill after a checkpoint.
         RuntimeError: if a training process fails.
+
+    Example:
+
+    ```python
+    >>> report = run_demo("demo-output", max_steps=20, save_every=4, backend="loop")  # doctest: +SKIP
+    >>> print(format_comparison(report.comparison, kill_step=report.kill_step))  # doctest: +SKIP
+    ```
     """
     started = time.perf_counter()
     output = Path(output)
