@@ -147,7 +147,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"Training a tiny GPT-2 twice in {output}: once uninterrupted, once SIGKILLed at a random step and "
               "restarted with the same command ...", flush=True)
     report = run_demo(output, max_steps=args.max_steps, save_every=args.save_every, seed=args.seed,
-                      kill_step=args.kill_at, backend=args.backend, plot=not args.no_plot, progress=not args.quiet)
+                      kill_step=args.kill_at, backend=args.backend, plot=not args.no_plot,
+                      progress=not args.quiet and sys.stderr.isatty())
     if not args.quiet or not report.comparison.ok:
         print(format_comparison(report.comparison, kill_step=report.kill_step,
                                 resumed_from=report.resumed.resumed_from))

@@ -157,11 +157,10 @@ def format_comparison(comparison: RunComparison, *, kill_step: int | None = None
         lines += [f"SIGKILL after step {kill_step}; the same command restarted it and it resumed from {resumed}.", ""]
     lines += [f"{'step':>5}  {'uninterrupted':>22}  {'killed + resumed':>22}  same", "-" * 62]
     for row in comparison.rows:
-        note = ""
+        notes = [f"first step after resuming from checkpoint-{row.step - 1}"] if row.step - 1 in resumed_from else []
         if row.step == kill_step:
-            note = "   <- SIGKILL during the next step"
-        elif row.step - 1 in resumed_from:
-            note = f"   <- resumed from checkpoint-{row.step - 1}"
+            notes.append("last step logged before the SIGKILL")
+        note = f"   <- {'; '.join(notes)}" if notes else ""
         lines.append(f"{row.step:>5}  {_fmt(row.reference):>22}  {_fmt(row.resumed):>22}  "
                      f"{'yes' if row.equal else 'NO'}{note}")
     lines += ["", f"final weights sha256, uninterrupted:    {comparison.reference_sha256}",
@@ -249,8 +248,11 @@ class _Progress:
             self.bar = tqdm(total=total, desc="training (both runs)", unit="step", leave=False)
 
     def update(self) -> None:
-        if self.bar is not None:
-            self.bar.n = min(self.bar.total, sum(_logged_steps(log) for log in self.logs))
+        if self.bar is None:
+            return
+        done = min(self.bar.total, sum(_logged_steps(log) for log in self.logs))
+        if done != self.bar.n:  # refresh only on progress: no flood of lines when stderr is not a terminal
+            self.bar.n = done
             self.bar.refresh()
 
     def close(self) -> None:
