@@ -178,8 +178,8 @@ def report(rows: dict[str, tuple[list[float], int]], repeats: int) -> str:
 
     base = bandwidth("save_sharded_checkpoint, 1 rank writes everything")
     raw = bandwidth("raw write+fsync, 1 stream")
-    lines = [f"Median of {repeats} runs; checkpoint of {rows['save_sharded_checkpoint, 2 ranks (FSDP2)'][1] / 1e6:.0f} MB "
-             "(Llama-shaped weights + AdamW state).", "",
+    size = rows["save_sharded_checkpoint, 2 ranks (FSDP2)"][1]
+    lines = [f"Median of {repeats} runs; checkpoint of {size / 1e6:.0f} MB (Llama-shaped weights + AdamW state).", "",
              "| writer | median s | MB/s | vs 1-rank sharded save | vs raw 1-stream write |",
              "|---|---:|---:|---:|---:|"]
     for name, (seconds, _size) in rows.items():

@@ -114,7 +114,7 @@ def split_global_step(start: int, count: int, *, world_size: int, batch_size: in
 
 
 class ElasticSampler(Sampler[list]):
-    """Batches of a global order that is a function of ``(seed, epoch)``, with a global cursor that survives a world-size change.
+    """Batches of a global order fixed by ``(seed, epoch)``, with a global cursor that survives a world-size change.
 
     Use it as a ``batch_sampler``. Every rank yields the same number of batches per epoch, so ranks stay
     in lockstep. The cursor advances by one *global* step (``world_size * batch_size`` samples, the short
@@ -217,16 +217,9 @@ class ElasticSampler(Sampler[list]):
             ConfigDriftError: if the seed, data set length or shuffling differ from the saved run.
             CorruptCheckpointError: if the state is malformed or from a newer hf_resumable.
         """
-        try:
-            version, epoch, consumed = int(state[KEY_VERSION]), int(state[KEY_EPOCH]), int(state[KEY_CONSUMED])
-            saved = {KEY_SEED: state[KEY_SEED], KEY_DATASET_LEN: state[KEY_DATASET_LEN], KEY_SHUFFLE: state[KEY_SHUFFLE]}
-        except (KeyError, TypeError, ValueError) as err:
-            raise CorruptCheckpointError(f"Not an ElasticSampler state ({type(err).__name__}: {err}): {state!r}") from None
-        if version > STATE_VERSION or not 0 <= consumed <= self.dataset_len:
-            raise CorruptCheckpointError(f"Invalid ElasticSampler state (version {version}, consumed {consumed} of "
-                                         f"{self.dataset_len}); upgrade hf_resumable or resume from another checkpoint.")
+        epoch, consumed = self._parse_position(state)
         now = {KEY_SEED: self.seed, KEY_DATASET_LEN: self.dataset_len, KEY_SHUFFLE: self.shuffle}
-        drift = [f"{k}: saved {saved[k]!r}, now {now[k]!r}" for k in now if saved[k] != now[k]]
+        drift = [f"{k}: saved {state[k]!r}, now {now[k]!r}" for k in now if state[k] != now[k]]
         if drift:
             raise ConfigDriftError("The data order cannot continue: " + "; ".join(drift) +
                                    ". Build the ElasticSampler with the saved values.")
@@ -235,9 +228,23 @@ class ElasticSampler(Sampler[list]):
                         state.get(KEY_WORLD_SIZE), self.world_size, epoch, consumed)
         self.epoch, self.consumed = epoch, consumed
 
+    def _parse_position(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        """``(epoch, consumed)`` of a state dict, checked for shape, version and range."""
+        try:
+            version, epoch, consumed = int(state[KEY_VERSION]), int(state[KEY_EPOCH]), int(state[KEY_CONSUMED])
+            missing = [k for k in (KEY_SEED, KEY_DATASET_LEN, KEY_SHUFFLE) if k not in state]
+        except (KeyError, TypeError, ValueError) as err:
+            raise CorruptCheckpointError(
+                f"Not an ElasticSampler state ({type(err).__name__}: {err}): {state!r}") from None
+        if missing or version > STATE_VERSION or not 0 <= consumed <= self.dataset_len:
+            raise CorruptCheckpointError(
+                f"Invalid ElasticSampler state (version {version}, consumed {consumed} of {self.dataset_len}, "
+                f"missing {missing}); upgrade hf_resumable or resume from another checkpoint.")
+        return epoch, consumed
+
 
 class ElasticSeededDataset(Dataset):
-    """Fetch ``dataset[index]`` with generators seeded from ``(seed, epoch, index)``: per-sample randomness at any world size.
+    """``dataset[index]`` fetched with generators seeded from ``(seed, epoch, index)``: the same at any world size.
 
     Indexed by :class:`SampleKey` (use ``ElasticSampler(..., keys=True)``). In ``DataLoader`` workers the
     generators are reseeded per sample; in the main process the caller's streams are restored afterwards

@@ -73,7 +73,14 @@ from .checkpoint._sharded import (
     piece_tensor_file,
     section_from_gathered,
 )
-from .checkpoint._sharded_load import PieceReader, Section, check_fits, fill_state, parse_layout
+from .checkpoint._sharded_load import (
+    PieceReader,
+    Section,
+    check_fits,
+    check_pieces_stored,
+    fill_state,
+    parse_layout,
+)
 from .checkpoint._writer import check_target, save_payload
 from .checkpoint.api import CheckpointInfo
 from .checkpoint.discovery import apply_retention
@@ -246,12 +253,20 @@ def _read_layout(reader: _Reader) -> dict[str, Any]:
     return parse_layout(reader.json(LAYOUT_FILE), source=str(reader.path / LAYOUT_FILE))
 
 
+def _section(reader: _Reader, layout: Mapping[str, Any], key: str) -> Section:
+    """One layout section, checked against the verified headers of the files it names."""
+    source = str(reader.path / LAYOUT_FILE)
+    section = Section.from_json(layout[key], source=source)
+    check_pieces_stored(section, reader.report.headers, source=source)
+    return section
+
+
 def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Module, *, strict: bool) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     source = str(reader.path)
     current = _model_state(model)
-    section = Section.from_json(layout[LAYOUT_KEY_MODEL], source=str(reader.path / LAYOUT_FILE))
+    section = _section(reader, layout, LAYOUT_KEY_MODEL)
     names = check_fits(current, section, strict=strict, source=source, what="model")
     with PieceReader(reader.path, section, source=source) as pieces:
         filled = fill_state(current, pieces, names)
@@ -308,7 +323,7 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
     if document.get("class") != type(optimizer).__qualname__:
         raise CheckpointMismatchError(f"{source}: optimizer was {document.get('class')}, now "
                                       f"{type(optimizer).__qualname__}; build the same optimizer class to resume.")
-    section = Section.from_json(layout[LAYOUT_KEY_OPTIMIZER], source=str(reader.path / LAYOUT_FILE))
+    section = _section(reader, layout, LAYOUT_KEY_OPTIMIZER)
     if not document["non_tensor_state"] and not any(n.startswith(OPTIMIZER_STATE_PREFIX) for n in section.dtypes):
         _load_param_groups_only(model, optimizer, document, source=source)
         return
@@ -422,9 +437,10 @@ def load_sharded_checkpoint(
     return loaded
 
 
-def _consolidated_section(path: Path, layout: Mapping[str, Any], key: str) -> tuple[Section, dict[str, torch.Tensor]]:
-    section = Section.from_json(layout[key], source=str(path / LAYOUT_FILE))
-    with PieceReader(path, section, source=str(path)) as pieces:
+def _consolidated_section(reader: _Reader, layout: Mapping[str, Any], key: str
+                          ) -> tuple[Section, dict[str, torch.Tensor]]:
+    section = _section(reader, layout, key)
+    with PieceReader(reader.path, section, source=str(reader.path)) as pieces:
         return section, {name: pieces.read_full(name) for name in section.dtypes}
 
 
@@ -472,14 +488,14 @@ def consolidate_sharded_checkpoint(
     layout = _read_layout(reader)
     payload = Payload()
     # 2. Weights as HF shards; tied aliases recorded so load_checkpoint re-ties and transformers ties itself.
-    section, weights = _consolidated_section(path, layout, LAYOUT_KEY_MODEL)
+    section, weights = _consolidated_section(reader, layout, LAYOUT_KEY_MODEL)
     _add_sharded(payload, weights, pattern=MODEL_FILE_PATTERN, index=MODEL_INDEX_FILE,
                  max_shard_size=max_shard_size, metadata={TIED_KEY: section.tied, "format": "pt"})
     del weights
     # 3. Optimizer tensors and document in the regular layout.
     training_state = reader.json(TRAINING_STATE_FILE)
     if include_optimizer and layout.get(LAYOUT_KEY_OPTIMIZER) is not None:
-        _, tensors = _consolidated_section(path, layout, LAYOUT_KEY_OPTIMIZER)
+        _, tensors = _consolidated_section(reader, layout, LAYOUT_KEY_OPTIMIZER)
         _add_sharded(payload, tensors, pattern=OPTIMIZER_FILE_PATTERN, index=OPTIMIZER_INDEX_FILE,
                      max_shard_size=max_shard_size, metadata={})
         training_state[STATE_KEY_OPTIMIZER] = layout[LAYOUT_KEY_OPTIMIZER_DOC]

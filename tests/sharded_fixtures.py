@@ -80,7 +80,8 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     return tensors, groups
 
 
-def write_reference(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, is_main: bool) -> None:
+def write_reference(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                    is_main: bool) -> None:
     tensors, groups = full_state(model, optimizer)
     if is_main:
         write_safetensors(directory / REFERENCE_FILE, sorted(tensors.items()), fsync=False)

@@ -4,7 +4,8 @@ Real 2-rank gloo groups on CPU (started and stopped here) train tiny GPT-2 / Lla
 ``fully_shard`` with AdamW. Every comparison is bitwise against the *consolidated originals* of the
 saving run (full weights and full optimizer tensors):
 
-* 2 ranks -> 2 fresh ranks (same world size, RNG restored) and 2 ranks -> 1 process (plain model): weights, optimizer tensors and param groups equal; the consolidated
+* 2 ranks -> 2 fresh ranks (same world size, RNG restored) and 2 ranks -> 1 process (plain model):
+  weights, optimizer tensors and param groups equal; the consolidated
   export loads with ``from_pretrained`` and with ``load_checkpoint``; the elastic data position continues
   with exactly the unseen samples;
 * 1 process (plain model) -> 2 FSDP2 ranks (Llama, unevenly sharded embedding): the same.
@@ -20,10 +21,16 @@ import torch
 
 import sharded_fixtures as fx
 from distributed_launch import launch_ranks
-from hf_resumable.checkpoint import load_checkpoint, read_manifest, verify_checkpoint
+from hf_resumable.checkpoint import Manifest, load_checkpoint, read_manifest, verify_checkpoint
 from hf_resumable.checkpoint._sharded import Box, intersect_boxes, plan_region_reads
 from hf_resumable.elastic import ElasticSampler
-from hf_resumable.errors import CheckpointMismatchError, CorruptCheckpointError, InexactResumeError
+from hf_resumable.errors import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    InexactResumeError,
+)
+from hf_resumable.safetensors_io import hash_file
 from hf_resumable.sharded import consolidate_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 
 WORKER = str(Path(__file__).parent / "scripts" / "sharded_worker.py")
@@ -92,6 +99,28 @@ def test_plain_model_round_trip_and_typed_errors(plain_checkpoint):
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(CheckpointMismatchError, match="optimizer was AdamW"):
         load_sharded_checkpoint(path, model=model, optimizer=sgd)
+
+
+def resign(path: Path, relpath: str) -> None:
+    """Rewrite the manifest after editing ``relpath``, as an attacker or a buggy tool could."""
+    manifest = read_manifest(path)
+    files = {**manifest.files, relpath: hash_file(path / relpath)}
+    (path / "manifest.json").write_bytes(Manifest(files=files, step=manifest.step).to_json())
+
+
+def test_missing_or_misdescribed_pieces_raise_typed_errors(plain_checkpoint):
+    path = plain_checkpoint / "checkpoint-2"
+    layout = json.loads((path / "sharded_layout.json").read_text())
+    pieces = layout["model"]["pieces"]["sharded/model-rank00000-of-00001.safetensors"]
+    pieces["model.norm.weight"]["shape"] = [3]
+    (path / "sharded_layout.json").write_text(json.dumps(layout))
+    resign(path, "sharded_layout.json")
+    model, optimizer = fx.build("llama", seed=5)
+    with pytest.raises(CorruptCheckpointError, match="'model.norm.weight' is not stored as"):
+        load_sharded_checkpoint(path, model=model, optimizer=optimizer)
+    (path / "sharded/optimizer-rank00000-of-00001.safetensors").unlink()
+    with pytest.raises(IncompleteCheckpointError, match="missing"):
+        load_sharded_checkpoint(path, model=model, optimizer=optimizer)
 
 
 def test_optimizer_that_never_stepped_is_saved_and_loaded_without_side_effects(tmp_path):

@@ -35,7 +35,7 @@ from ._sharded import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Section", "parse_layout", "PieceReader", "fill_state"]
+__all__ = ["Section", "parse_layout", "check_pieces_stored", "PieceReader", "check_fits", "fill_state"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,8 @@ class Section:
                 for name, entry in entries.items():
                     pieces[name][file] = Box.from_json(entry, source=source)
         except (KeyError, TypeError, AttributeError) as err:
-            raise CorruptCheckpointError(f"{source}: malformed layout section ({type(err).__name__}: {err}).") from None
+            raise CorruptCheckpointError(
+                f"{source}: malformed layout section ({type(err).__name__}: {err}).") from None
         return cls(dtypes, shapes, pieces, tied)
 
 
@@ -79,6 +80,30 @@ def parse_layout(document: Any, *, source: str) -> dict[str, Any]:
     if not isinstance(document.get(LAYOUT_KEY_WORLD_SIZE), int):
         raise CorruptCheckpointError(f"{source}: layout lacks its world size.")
     return document
+
+
+def check_pieces_stored(section: Section, headers: Mapping[str, Any], *, source: str) -> None:
+    """Check every piece the layout names against the verified safetensors headers (file, name, shape, dtype).
+
+    Args:
+        headers: relative path -> parsed header, for the files the manifest lists (``VerifyReport.headers``).
+
+    Raises:
+        CorruptCheckpointError: listing every piece that is not stored as the layout says.
+    """
+    problems = []
+    for name, pieces in section.pieces.items():
+        for file, box in pieces.items():
+            header = headers.get(file)
+            info = header.tensors.get(name) if header is not None else None
+            if header is None:
+                problems.append(f"{file}: named by the layout but not listed in the manifest")
+            elif info is None or info.shape != box.shape or info.torch_dtype != section.dtypes[name]:
+                problems.append(f"{file}: {name!r} is not stored as a {section.dtypes[name]} piece of shape "
+                                f"{list(box.shape)}")
+    if problems:
+        raise CorruptCheckpointError(f"{source}: the layout does not match the stored pieces:\n  "
+                                     + "\n  ".join(problems[:20]) + "\nLoad an earlier checkpoint.")
 
 
 class PieceReader:
