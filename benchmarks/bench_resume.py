@@ -85,7 +85,8 @@ def _child(options: argparse.Namespace) -> None:
             if options.mode == "train" and state.global_step >= options.stop_at:
                 control.should_training_stop = True
             if options.mode == "resume":
-                Path(options.report).write_text(json.dumps({"first_step_unix": time.time(), "step": state.global_step}))
+                record = {"first_step_unix": time.time(), "step": state.global_step}
+                Path(options.report).write_text(json.dumps(record))
                 os._exit(0)
 
     probe = Probe()
@@ -158,8 +159,8 @@ def main() -> None:
     resume = measure_resume(out, options.steps, options.repeats)
     steady = measure_steady(out, max(options.repeats, 3))
     first, last = options.steps[0], options.steps[-1]
-    print(f"\n### (a) Process start -> first resumed optimizer step (streaming, .map {MAP_COST_S * 1e3:.0f} ms/example, "
-          f"batch {BATCH}, median of {options.repeats})\n")
+    print(f"\n### (a) Process start -> first resumed optimizer step (streaming, .map {MAP_COST_S * 1e3:.0f} "
+          f"ms/example, batch {BATCH}, median of {options.repeats})\n")
     print("| trained steps | " + " | ".join(str(n) for n in options.steps) + f" | ratio {last}/{first} |")
     print("|---|" + "---|" * (len(options.steps) + 1))
     for kind, label in (("resumable", "ResumableTrainer"), ("stock", "transformers.Trainer")):

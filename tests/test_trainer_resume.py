@@ -38,7 +38,8 @@ CONFIGS = {
     # BERT + whole-word masking, 2 workers.
     "bert_wwm_w2": ["--model", "bert", "--data", "wwm", "--ga", "2", "--workers", "2", "--epochs", "1"],
     # Llama + datasets set_transform drawing from python random and numpy + a custom collator drawing from torch.
-    "llama_transform_w2": ["--model", "llama", "--data", "lm_transform", "--ga", "2", "--workers", "2", "--epochs", "1"],
+    "llama_transform_w2": ["--model", "llama", "--data", "lm_transform", "--ga", "2", "--workers", "2",
+                           "--epochs", "1"],
     # torch Dataset.__getitem__ drawing from numpy and torch.
     "gpt2_torch_dataset": ["--model", "gpt2", "--data", "torch_random", "--ga", "1", "--epochs", "1"],
     # Streaming datasets.IterableDataset (4 shards) with a random .map, resumed from its state_dict.

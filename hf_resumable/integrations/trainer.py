@@ -68,8 +68,8 @@ _INTERNALS = ("_inner_training_loop", "_run_epoch", "_init_training_state", "_pr
 _SOURCE_CONTRACT = {
     "_run_epoch": ("skip_first_batches(train_dataloader, steps_trained_in_current_epoch)",
                    "self._load_rng_state(resume_from_checkpoint)", "train_dataloader.set_epoch(epoch)"),
-    "_inner_training_loop": ("self._tr_loss = torch.tensor(0.0", "self._globalstep_last_logged = self.state.global_step",
-                             "on_train_begin"),
+    "_inner_training_loop": ("self._tr_loss = torch.tensor(0.0",
+                             "self._globalstep_last_logged = self.state.global_step", "on_train_begin"),
     "_prepare_for_training": ("self._load_optimizer_and_scheduler(resume_from_checkpoint)",),
     "train": ("self._load_from_checkpoint(resume_from_checkpoint)", "TRAINER_STATE_NAME"),
 }
@@ -193,7 +193,7 @@ class ResumableTrainer(Trainer):
 
     ```python
     >>> from hf_resumable import ResumableTrainer
-    >>> trainer = ResumableTrainer(model=model, args=args, train_dataset=train, data_collator=collator)  # doctest: +SKIP
+    >>> trainer = ResumableTrainer(model=model, args=args, train_dataset=train)  # doctest: +SKIP
     >>> trainer.train(resume_from_checkpoint=True)  # doctest: +SKIP
     ```
     """

@@ -128,8 +128,9 @@ def wwm_rows(n: int) -> list[dict]:
 
 
 def build_data(kind: str, tokenizer: PreTrainedTokenizerFast, n: int):
+    rows = datasets.Dataset.from_dict({"input_ids": token_rows(n)})
     if kind == "lm":
-        return datasets.Dataset.from_dict({"input_ids": token_rows(n)}), DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        return rows, DataCollatorForLanguageModeling(tokenizer, mlm=False)
     if kind == "lm_transform":
         ds = datasets.Dataset.from_dict({"input_ids": token_rows(n)})
         ds.set_transform(lambda batch: {"input_ids": [augment_python_numpy(r) for r in batch["input_ids"]]})
@@ -137,7 +138,7 @@ def build_data(kind: str, tokenizer: PreTrainedTokenizerFast, n: int):
     if kind == "torch_random":
         return RandomCropDataset(token_rows(n)), DataCollatorForLanguageModeling(tokenizer, mlm=False)
     if kind == "mlm":
-        return datasets.Dataset.from_dict({"input_ids": token_rows(n)}), DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3)
+        return rows, DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3)
     if kind == "wwm":
         rows = wwm_rows(n)
         ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in rows[0]})
@@ -193,10 +194,10 @@ def dump_results(trainer, output_dir: Path, train_output) -> None:
     # Wall-clock fields are the only non-deterministic ones; they are removed by name.
     timing = ("_runtime", "_samples_per_second", "_steps_per_second")
     history = [{k: v for k, v in entry.items() if not k.endswith(timing)} for entry in trainer.state.log_history]
-    (output_dir / "result.json").write_text(json.dumps({"log_history": history, "global_step": train_output.global_step,
-                                                         "lr": trainer.lr_scheduler.get_last_lr(),
-                                                         "resumed_from": str(getattr(trainer, "resumed_from", None) or "") or None},
-                                                        indent=1))
+    resumed_from = getattr(trainer, "resumed_from", None)
+    result = {"log_history": history, "global_step": train_output.global_step, "lr": trainer.lr_scheduler.get_last_lr(),
+              "resumed_from": str(resumed_from) if resumed_from else None}
+    (output_dir / "result.json").write_text(json.dumps(result, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
