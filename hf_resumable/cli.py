@@ -57,8 +57,12 @@ def _local_checkpoint(target: str, *, quiet: bool) -> Path:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .summary import summarize_checkpoint
 
-    summary = summarize_checkpoint(_local_checkpoint(args.path, quiet=args.quiet), full=args.full)
+    path = _local_checkpoint(args.path, quiet=args.quiet)
+    summary = summarize_checkpoint(path, full=args.full)
     print(json.dumps(summary.to_dict(), indent=2) if args.json else summary.format_table())
+    if not (path / "manifest.json").exists() and (path / "optimizer.pt").exists() and not args.quiet:
+        print(f"hint: {path} looks like a stock transformers.Trainer checkpoint; `hf-resumable convert {path}` "
+              "turns it into a verified, pickle-free one.", file=sys.stderr)
     return EXIT_OK if summary.verified else EXIT_INVALID
 
 
