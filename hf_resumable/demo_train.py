@@ -5,7 +5,7 @@ used for a fresh start and for a restart after a crash: it resumes from the newe
 under ``DIR/checkpoints`` (:func:`~hf_resumable.find_latest_checkpoint`) when there is one.
 
 Everything is built locally: a GPT-2 with two layers from a config, a byte-level vocabulary (no
-tokenizer download) and the corpus shipped in the package (``hf_resumable/data/tiny_corpus.txt``).
+tokenizer download) and the corpus shipped in the package (``hf_resumable/resources/tiny_corpus.txt``).
 The loop is exact by construction:
 
 * data order is a pure function of ``(seed, epoch)`` (a private ``torch.Generator``), and the cursor
@@ -94,7 +94,7 @@ class DemoConfig:
 
 def load_corpus(block_size: int) -> torch.Tensor:
     """The packaged corpus as byte-level samples of ``block_size`` tokens (stride ``block_size // 2``)."""
-    text = resources.files("hf_resumable").joinpath("data", CORPUS).read_text(encoding="utf-8")
+    text = resources.files("hf_resumable").joinpath("resources", CORPUS).read_text(encoding="utf-8")
     ids = torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
     starts = range(0, len(ids) - block_size, block_size // 2)
     return torch.stack([ids[s:s + block_size] for s in starts])
