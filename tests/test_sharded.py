@@ -7,13 +7,14 @@ saving run (full weights and full optimizer tensors):
 * 2 ranks -> 2 fresh ranks (same world size, RNG restored) and 2 ranks -> 1 process (plain model):
   weights, optimizer tensors and param groups equal; the consolidated
   export loads with ``from_pretrained`` and with ``load_checkpoint``; the elastic data position continues
-  with exactly the unseen samples;
+  with exactly the unseen samples; a rank SIGKILLed inside a later save leaves that checkpoint the latest;
 * 1 process (plain model) -> 2 FSDP2 ranks (Llama, unevenly sharded embedding): the same.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,13 @@ import torch
 
 import sharded_fixtures as fx
 from distributed_launch import launch_ranks
-from hf_resumable.checkpoint import Manifest, load_checkpoint, read_manifest, verify_checkpoint
+from hf_resumable.checkpoint import (
+    Manifest,
+    find_latest_checkpoint,
+    load_checkpoint,
+    read_manifest,
+    verify_checkpoint,
+)
 from hf_resumable.checkpoint._sharded import Box, intersect_boxes, plan_region_reads
 from hf_resumable.elastic import ElasticSampler
 from hf_resumable.errors import (
@@ -37,10 +44,11 @@ WORKER = str(Path(__file__).parent / "scripts" / "sharded_worker.py")
 WORLD_SIZE = 2
 
 
-def run_ranks(mode: str, root: Path, kind: str) -> None:
-    results = launch_ranks([WORKER, mode, str(root), kind], world_size=WORLD_SIZE, timeout=150.0)
-    for result in results:
+def run_ranks(mode: str, root: Path, kind: str, *, step: int = 2, timeout: float = 150.0) -> list:
+    results = launch_ranks([WORKER, mode, str(root), kind, str(step)], world_size=WORLD_SIZE, timeout=timeout)
+    for result in results if mode != "crash" else []:
         assert result.returncode == 0 and not result.killed_by_timeout, result.describe()
+    return results
 
 
 def sampler(world_size: int = 1) -> ElasticSampler:
@@ -175,6 +183,14 @@ def test_fsdp2_two_ranks_save_load_on_one_process_and_consolidate(tmp_path):
     model, optimizer = fx.build("gpt2", seed=6)
     load_checkpoint(tmp_path / "export", model=model, optimizer=optimizer, allow_inexact_resume=True)
     assert fx.compare_to_reference(tmp_path, model, optimizer) == []
+
+    # A rank SIGKILLed while writing its pieces: no checkpoint-3, checkpoint-2 stays the latest valid one.
+    crashed = run_ranks("crash", tmp_path, "gpt2", step=3, timeout=60.0)
+    assert crashed[1].returncode == -signal.SIGKILL, crashed[1].describe()
+    assert crashed[0].returncode != 0 and "rank 0 done" not in crashed[0].stdout, crashed[0].describe()
+    assert not (tmp_path / "checkpoint-3").exists()
+    assert any(p.name.startswith(".tmp-checkpoint-3") for p in tmp_path.iterdir()), "the kill missed the save"
+    assert find_latest_checkpoint(tmp_path) == path and verify_checkpoint(path, full=True).ok
 
 
 @pytest.mark.distributed

@@ -1,11 +1,12 @@
 """One rank of a 2-rank FSDP2 run on gloo (CPU), started by tests/test_sharded.py.
 
-Usage: ``python sharded_worker.py MODE ROOT MODEL`` with the torchrun environment set.
+Usage: ``python sharded_worker.py MODE ROOT MODEL [STEP]`` with the torchrun environment set.
 
 * ``save``: FSDP2 model + AdamW, 2 training steps on ElasticSampler batches, ``save_sharded_checkpoint``
   to ROOT/checkpoint-2 with the sampler position; rank 0 writes the consolidated reference and each
   rank the indices it trained on (``seen-rank{r}.json``); then loads it back into a fresh FSDP2 model at
   the same world size and compares (``result-same-world.json``).
+* ``crash``: as ``save`` to ROOT/checkpoint-STEP, but rank 1 SIGKILLs itself while writing its model pieces.
 * ``load``: fresh FSDP2 model (other weights) + AdamW, ``load_sharded_checkpoint`` of ROOT/checkpoint-2
   (saved at another world size), compare the consolidated state with ROOT's reference (``result.json``
   from rank 0), then iterate the rest of the epoch (``rest-rank{r}.json``).
@@ -14,6 +15,8 @@ Usage: ``python sharded_worker.py MODE ROOT MODEL`` with the torchrun environmen
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -42,13 +45,36 @@ def sampler(rank: int, world_size: int) -> ElasticSampler:
     return ElasticSampler(fx.DATASET_LEN, seed=fx.SEED, rank=rank, world_size=world_size, batch_size=fx.BATCH_SIZE)
 
 
-def save(root: Path, kind: str, rank: int, world_size: int) -> None:
+def kill_inside_piece_write(rank: int) -> None:
+    """Make rank 1 die by SIGKILL in the middle of writing its model pieces (other ranks carry on)."""
+    from hf_resumable.checkpoint import _writer
+
+    original = _writer.write_safetensors
+
+    def write_then_die(path, tensors, **kwargs):
+        if rank == 1 and "model-rank00001" in str(path):
+            Path(path).write_bytes(b"partial")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(path, tensors, **kwargs)
+
+    _writer.write_safetensors = write_then_die
+
+
+def crash(root: Path, kind: str, rank: int, world_size: int, step: int) -> None:
+    kill_inside_piece_write(rank)
+    model, _ = fx.build(kind)
+    shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    save_sharded_checkpoint(root / f"checkpoint-{step}", model=model, optimizer=optimizer, step=step)
+
+
+def save(root: Path, kind: str, rank: int, world_size: int, step: int) -> None:
     model, _ = fx.build(kind)
     shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     data = sampler(rank, world_size)
     seen = fx.train(model, optimizer, data, steps=2)
-    save_sharded_checkpoint(root / "checkpoint-2", model=model, optimizer=optimizer, step=2,
+    save_sharded_checkpoint(root / f"checkpoint-{step}", model=model, optimizer=optimizer, step=step,
                             training_state={"sampler": data.state_dict()})
     fx.write_reference(root, model, optimizer, is_main=rank == 0)
     (root / f"seen-rank{rank}.json").write_text(json.dumps(seen))
@@ -56,17 +82,17 @@ def save(root: Path, kind: str, rank: int, world_size: int) -> None:
     fresh, _ = fx.build(kind, seed=99)
     shard(fresh)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.5)
-    load_sharded_checkpoint(root / "checkpoint-2", model=fresh, optimizer=fresh_optimizer)
+    load_sharded_checkpoint(root / f"checkpoint-{step}", model=fresh, optimizer=fresh_optimizer)
     problems = fx.compare_to_reference(root, fresh, fresh_optimizer)
     if rank == 0:
         (root / "result-same-world.json").write_text(json.dumps({"problems": problems}))
 
 
-def load(root: Path, kind: str, rank: int, world_size: int) -> None:
+def load(root: Path, kind: str, rank: int, world_size: int, step: int) -> None:
     model, _ = fx.build(kind, seed=99)
     shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.0)
-    loaded = load_sharded_checkpoint(root / "checkpoint-2", model=model, optimizer=optimizer,
+    loaded = load_sharded_checkpoint(root / f"checkpoint-{step}", model=model, optimizer=optimizer,
                                      allow_inexact_resume=True)
     problems = fx.compare_to_reference(root, model, optimizer)
     if rank == 0:
@@ -78,10 +104,11 @@ def load(root: Path, kind: str, rank: int, world_size: int) -> None:
 
 def main() -> None:
     mode, root, kind = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    step = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
-        {"save": save, "load": load}[mode](root, kind, rank, dist.get_world_size())
+        {"save": save, "load": load, "crash": crash}[mode](root, kind, rank, dist.get_world_size(), step)
         dist.barrier()
     finally:
         dist.destroy_process_group()
