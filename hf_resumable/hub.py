@@ -41,7 +41,7 @@ from huggingface_hub import CommitInfo, HfApi, constants, get_hf_file_metadata, 
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-from .constants import FORMAT_VERSION, MANIFEST_FILE, MAX_JSON_SIZE, MODEL_FILE_PATTERN, MODEL_INDEX_FILE
+from .constants import CHECKPOINT_DIR_RE, FORMAT_VERSION, MANIFEST_FILE, MAX_JSON_SIZE, MODEL_FILE_PATTERN, MODEL_INDEX_FILE
 from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -75,6 +75,7 @@ __all__ = [
     "resumable_download",
     "pull_checkpoint",
     "push_checkpoint",
+    "find_latest_hub_checkpoint",
 ]
 
 # Un-sharded weights file (transformers and huggingface_hub write it when everything fits in one shard).
@@ -740,7 +741,9 @@ def pull_checkpoint(
     """Download a committed training checkpoint directory, resumably, and verify it against its manifest.
 
     Args:
-        repo_id_or_hf_url (`str`): ``"user/repo"`` or ``"hf://user/repo@revision/sub/dir"``.
+        repo_id_or_hf_url (`str`): ``"user/repo"`` or ``"hf://user/repo@revision/sub/dir"``. A path that is
+            not itself a checkpoint but holds ``checkpoint-N/`` directories resolves to the newest one
+            with a manifest (so ``hf://user/run`` resumes the latest pushed checkpoint).
         revision (`str`, *optional*): overrides the URL's ``@revision``.
         local_dir (`str` or `os.PathLike`, *optional*): destination root (default: under ``HF_HOME``, keyed by
             commit); the checkpoint lands at ``local_dir/<sub/dir>``.
@@ -768,6 +771,11 @@ def pull_checkpoint(
     root = Path(local_dir) if local_dir is not None else _default_pull_dir(url, snapshot.commit)
     prefix = f"{url.path_in_repo}/" if url.path_in_repo else ""
     remote = _list_remote_files(snapshot, url.path_in_repo)
+    latest = _latest_checkpoint_under(remote, prefix) if f"{prefix}{MANIFEST_FILE}" not in remote else None
+    if latest is not None:  # a run root: take its newest committed checkpoint-N
+        url = HfUrl(url.repo_id, url.revision, f"{prefix}{latest}".strip("/"), url.repo_type)
+        prefix = f"{url.path_in_repo}/"
+        remote = {name: size for name, size in remote.items() if name.startswith(prefix)}
     if f"{prefix}{MANIFEST_FILE}" not in remote:
         raise IncompleteCheckpointError(
             f"hf://{snapshot.label}/{url.path_in_repo}: no {MANIFEST_FILE}; this is not a committed hf_resumable "
@@ -779,11 +787,42 @@ def pull_checkpoint(
     for name, size in remote.items():
         record = manifest.get(name[len(prefix):], {})
         if name != f"{prefix}{MANIFEST_FILE}":
-            get(name, expected_size=record.get("size", size))
+            get(name, expected_size=record.get("size", size), expected_sha256=record.get("sha256"))
     checkpoint_dir = root / url.path_in_repo if url.path_in_repo else root
     _verify_against_manifest(checkpoint_dir)
     logger.info("pulled checkpoint %s into %s", snapshot.label, checkpoint_dir)
     return checkpoint_dir
+
+
+def _latest_checkpoint_under(remote: Mapping[str, int], prefix: str) -> str | None:
+    """Name of the highest ``checkpoint-N`` directly under ``prefix`` that has a manifest."""
+    steps = []
+    for name in remote:
+        parts = name[len(prefix):].split("/")
+        if len(parts) == 2 and parts[1] == MANIFEST_FILE and CHECKPOINT_DIR_RE.match(parts[0]):
+            steps.append((int(CHECKPOINT_DIR_RE.match(parts[0]).group(1)), parts[0]))
+    return max(steps)[1] if steps else None
+
+
+def find_latest_hub_checkpoint(repo_id_or_hf_url: str, *, revision: str | None = None,
+                               token: str | None = None) -> str | None:
+    """``hf://`` URL (pinned to a commit) of the newest committed ``checkpoint-N`` under a repo path, or None.
+
+    Example:
+
+    ```python
+    >>> find_latest_hub_checkpoint("hf://me/run")  # doctest: +SKIP
+    'hf://me/run@3f2a.../checkpoint-120'
+    ```
+    """
+    url = parse_hf_url(repo_id_or_hf_url)
+    snapshot = HubSnapshot.resolve(url.repo_id, revision=revision or url.revision, token=token, repo_type=url.repo_type)
+    prefix = f"{url.path_in_repo}/" if url.path_in_repo else ""
+    latest = _latest_checkpoint_under(_list_remote_files(snapshot, url.path_in_repo), prefix)
+    if latest is None:
+        return None
+    kind = "" if url.repo_type == "model" else f"{url.repo_type}s/"
+    return f"hf://{kind}{url.repo_id}@{snapshot.commit}/{prefix}{latest}"
 
 
 def _list_remote_files(snapshot: HubSnapshot, path_in_repo: str) -> dict[str, int]:

@@ -292,7 +292,7 @@ def test_pull_checkpoint_rejects_bad_checkpoints(hub: FakeHub, tmp_path: Path) -
     good = make_checkpoint_dir(tmp_path / "checkpoint-5", {"a.bin": b"abc", "b.json": b"{}"})
     push_checkpoint(good, repo_id)
     HfApi().upload_file(path_or_fileobj=b"xyz", path_in_repo="checkpoint-5/a.bin", repo_id=repo_id)  # tampered
-    with pytest.raises(CorruptCheckpointError, match="a.bin: sha256 mismatch"):
+    with pytest.raises(CorruptCheckpointError, match="a.bin: downloaded sha256"):  # caught while downloading
         pull_checkpoint(f"hf://{repo_id}/checkpoint-5", local_dir=tmp_path / "p")
     assert not (tmp_path / "p/checkpoint-5/a.bin").exists()
     HfApi().upload_file(path_or_fileobj=b"x", path_in_repo="half/a.bin", repo_id=repo_id)
@@ -354,3 +354,18 @@ def test_uploader_never_reports_a_failed_commit(hub: FakeHub, tmp_path: Path) ->
     with pytest.raises(HubError, match="closed"):
         uploader.submit(local)
     assert hf_hub_download(repo_id, "checkpoint-30/w.bin", revision="main")
+
+
+def test_pull_of_a_run_root_takes_the_newest_committed_checkpoint(hub: FakeHub, tmp_path: Path) -> None:
+    from hf_resumable.hub import find_latest_hub_checkpoint
+
+    repo_id = new_repo_id("root")
+    for step in (5, 10):
+        local = make_checkpoint_dir(tmp_path / "local" / f"checkpoint-{step}", {"a.bin": f"step {step}".encode()})
+        push_checkpoint(local, repo_id)
+    HfApi().upload_file(path_or_fileobj=b"partial", path_in_repo="checkpoint-15/a.bin", repo_id=repo_id)
+    latest = find_latest_hub_checkpoint(f"hf://{repo_id}")
+    assert latest is not None and latest.endswith("/checkpoint-10")
+    pulled = pull_checkpoint(f"hf://{repo_id}", local_dir=tmp_path / "p")
+    assert pulled == tmp_path / "p" / "checkpoint-10"
+    assert (pulled / "a.bin").read_bytes() == b"step 10"
