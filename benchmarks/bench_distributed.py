@@ -7,14 +7,15 @@ For a Llama-shaped model + AdamW state (about 350 MB by default), measured in th
 - ``save_sharded_checkpoint`` by 2 gloo ranks under FSDP2 ``fully_shard`` (each rank writes its half),
 - ``save_checkpoint`` (the regular single-writer format) by 1 process, for reference.
 
-Each save is timed from a barrier to its return (manifest committed, every file fsynced), repeated
-``--repeats`` times in the same processes (median reported); page caches are dropped first when the
+Each save is timed from a barrier to its return (manifest committed, every file fsynced). The writers
+run in ``--rounds`` interleaved rounds (the load of a shared machine drifts), each doing a warm-up save
+and ``--repeats`` timed ones; medians are reported. Page caches are dropped before every write when the
 process may write ``/proc/sys/vm/drop_caches``. Ranks are plain subprocesses with the ``torchrun``
 environment on 127.0.0.1. Prints a markdown table with bandwidths and ratios. (Upload throughput to an
 object store is measured elsewhere.)
 
 Usage:
-    python benchmarks/bench_distributed.py --repeats 3 [--dir /path/on/the/disk/to/test] [--hidden 512]
+    python benchmarks/bench_distributed.py [--rounds 3] [--repeats 2] [--dir /path/on/the/disk] [--hidden 512]
 """
 
 from __future__ import annotations
@@ -112,8 +113,9 @@ def worker(mode: str, root: Path, repeats: int, hidden: int, out: Path) -> None:
         fully_shard(model)
     optimizer = prime_optimizer(model)
     writer = save_checkpoint if mode == "regular-1" else save_sharded_checkpoint
-    seconds, size = time_saves(lambda p: writer(p, model=model, optimizer=optimizer, step=0), root, repeats,
+    seconds, size = time_saves(lambda p: writer(p, model=model, optimizer=optimizer, step=0), root, repeats + 1,
                                rank=rank)
+    seconds = seconds[1:]  # the first save pays one-time costs (first touch of buffers, imports)
     if rank == 0:
         out.write_text(json.dumps({"seconds": seconds, "bytes": size}))
     if dist.is_initialized():
@@ -171,7 +173,7 @@ def raw_writes(root: Path, size: int, streams: int, repeats: int) -> list[float]
     return seconds
 
 
-def report(rows: dict[str, tuple[list[float], int]], repeats: int) -> str:
+def report(rows: dict[str, tuple[list[float], int]], args: argparse.Namespace) -> str:
     def bandwidth(name: str) -> float:
         seconds, size = rows[name]
         return size / statistics.median(seconds) / 1e6
@@ -179,19 +181,45 @@ def report(rows: dict[str, tuple[list[float], int]], repeats: int) -> str:
     base = bandwidth("save_sharded_checkpoint, 1 rank writes everything")
     raw = bandwidth("raw write+fsync, 1 stream")
     size = rows["save_sharded_checkpoint, 2 ranks (FSDP2)"][1]
-    lines = [f"Median of {repeats} runs; checkpoint of {size / 1e6:.0f} MB (Llama-shaped weights + AdamW state).", "",
-             "| writer | median s | MB/s | vs 1-rank sharded save | vs raw 1-stream write |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [f"Median of {args.rounds * args.repeats} timed writes each ({args.rounds} interleaved rounds x "
+             f"{args.repeats}, after a warm-up save); checkpoint of {size / 1e6:.0f} MB (Llama-shaped weights + "
+             "AdamW state).", "",
+             "| writer | median s | min-max s | MB/s | vs 1-rank sharded save | vs raw 1-stream write |",
+             "|---|---:|---:|---:|---:|---:|"]
     for name, (seconds, _size) in rows.items():
         mbps = bandwidth(name)
-        lines.append(f"| {name} | {statistics.median(seconds):.2f} | {mbps:.0f} | {mbps / base:.2f}x | "
-                     f"{mbps / raw:.2f}x |")
+        lines.append(f"| {name} | {statistics.median(seconds):.2f} | {min(seconds):.2f}-{max(seconds):.2f} | "
+                     f"{mbps:.0f} | {mbps / base:.2f}x | {mbps / raw:.2f}x |")
     return "\n".join(lines)
+
+
+CONFIGS = {  # row name -> (worker mode, world size)
+    "save_sharded_checkpoint, 2 ranks (FSDP2)": ("sharded-2", 2),
+    "save_sharded_checkpoint, 1 rank writes everything": ("sharded-1", 1),
+    "save_checkpoint (regular format), 1 process": ("regular-1", 1),
+}
+RAW = {"raw write+fsync, 1 stream": 1, "raw write+fsync, 2 parallel streams": 2}
+
+
+def measure(root: Path, args: argparse.Namespace) -> dict[str, tuple[list[float], int]]:
+    """Interleaved rounds (the machine's load drifts): every writer once per round, in a rotating order."""
+    rows: dict[str, tuple[list[float], int]] = {name: ([], 0) for name in [*CONFIGS, *RAW]}
+    names = list(CONFIGS)
+    for round_ in range(args.rounds):
+        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+            mode, world_size = CONFIGS[name]
+            result = launch(mode, world_size, root, args)
+            rows[name] = (rows[name][0] + result["seconds"], result["bytes"])
+        size = rows[names[1]][1]
+        for name, streams in RAW.items():
+            rows[name] = (rows[name][0] + raw_writes(root, size, streams, args.repeats), size)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each writer once per round)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed saves per writer and round (after a warm-up)")
     parser.add_argument("--dir", type=Path, default=None, help="directory on the disk to test (default: a temp dir)")
     parser.add_argument("--hidden", type=int, default=512, help="hidden size of the Llama-shaped model")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -201,16 +229,7 @@ def main() -> None:
         return
     root = Path(tempfile.mkdtemp(prefix="bench-distributed-", dir=args.dir))
     try:
-        measured = {
-            "save_sharded_checkpoint, 2 ranks (FSDP2)": launch("sharded-2", 2, root, args),
-            "save_sharded_checkpoint, 1 rank writes everything": launch("sharded-1", 1, root, args),
-            "save_checkpoint (regular format), 1 process": launch("regular-1", 1, root, args),
-        }
-        size = measured["save_sharded_checkpoint, 1 rank writes everything"]["bytes"]
-        rows = {name: (m["seconds"], m["bytes"]) for name, m in measured.items()}
-        rows["raw write+fsync, 1 stream"] = (raw_writes(root, size, 1, args.repeats), size)
-        rows["raw write+fsync, 2 parallel streams"] = (raw_writes(root, size, 2, args.repeats), size)
-        print(report(rows, args.repeats))
+        print(report(measure(root, args), args))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
