@@ -5,7 +5,8 @@ Usage: ``python sharded_worker.py MODE ROOT MODEL [STEP]`` with the torchrun env
 * ``save``: FSDP2 model + AdamW, 2 training steps on ElasticSampler batches, ``save_sharded_checkpoint``
   to ROOT/checkpoint-2 with the sampler position; rank 0 writes the consolidated reference and each
   rank the indices it trained on (``seen-rank{r}.json``); then loads it back into a fresh FSDP2 model at
-  the same world size and compares (``result-same-world.json``).
+  the same world size, compares, and trains one more step on both the resumed and the uninterrupted
+  model (``result-same-world.json``).
 * ``crash``: as ``save`` to ROOT/checkpoint-STEP, but rank 1 SIGKILLs itself while writing its model pieces.
 * ``load``: fresh FSDP2 model (other weights) + AdamW, ``load_sharded_checkpoint`` of ROOT/checkpoint-2
   (saved at another world size), compare the consolidated state with ROOT's reference (``result.json``
@@ -28,6 +29,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import init_device_mesh  # noqa: E402
 
 from hf_resumable.elastic import ElasticSampler  # noqa: E402
+from hf_resumable.rng import restore_rng_state  # noqa: E402
 from hf_resumable.sharded import load_sharded_checkpoint, save_sharded_checkpoint  # noqa: E402
 
 import sharded_fixtures as fx  # noqa: E402
@@ -78,14 +80,23 @@ def save(root: Path, kind: str, rank: int, world_size: int, step: int) -> None:
                             training_state={"sampler": data.state_dict()})
     fx.write_reference(root, model, optimizer, is_main=rank == 0)
     (root / f"seen-rank{rank}.json").write_text(json.dumps(seen))
-    # Same world size: exact resume, RNG included (no allow_inexact_resume needed).
+    # Same world size: exact resume, RNG included (no allow_inexact_resume needed) ...
     fresh, _ = fx.build(kind, seed=99)
     shard(fresh)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.5)
-    load_sharded_checkpoint(root / f"checkpoint-{step}", model=fresh, optimizer=fresh_optimizer)
+    loaded = load_sharded_checkpoint(root / f"checkpoint-{step}", model=fresh, optimizer=fresh_optimizer)
     problems = fx.compare_to_reference(root, fresh, fresh_optimizer)
+    # ... and one more step (dropout on) of the resumed run equals that step of the uninterrupted run, bitwise.
+    resumed = sampler(rank, world_size)
+    resumed.load_state_dict(loaded.training_state["sampler"])
+    fx.train(fresh, fresh_optimizer, resumed, steps=1)
+    after_resume, _ = fx.full_state(fresh, fresh_optimizer)
+    restore_rng_state(loaded.rng_state)  # the uninterrupted run's RNG where it stood at the save
+    fx.train(model, optimizer, data, steps=1)
+    uninterrupted, _ = fx.full_state(model, optimizer)
     if rank == 0:
-        (root / "result-same-world.json").write_text(json.dumps({"problems": problems}))
+        continued = [k for k in uninterrupted if not torch.equal(uninterrupted[k], after_resume[k])]
+        (root / "result-same-world.json").write_text(json.dumps({"problems": problems, "continued": continued}))
 
 
 def load(root: Path, kind: str, rank: int, world_size: int, step: int) -> None:
