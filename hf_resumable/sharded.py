@@ -79,6 +79,7 @@ from .checkpoint._sharded_load import (
     check_fits,
     check_pieces_stored,
     fill_state,
+    layout_from_regular,
     parse_layout,
 )
 from .checkpoint._writer import check_target, save_payload
@@ -246,11 +247,18 @@ def save_sharded_checkpoint(
 
 
 def _read_layout(reader: _Reader) -> dict[str, Any]:
-    if LAYOUT_FILE not in reader.manifest.files:
+    """The sharded layout, or the one implied by a regular checkpoint's indexes (whole tensors, one writer)."""
+    if LAYOUT_FILE in reader.manifest.files:
+        return parse_layout(reader.json(LAYOUT_FILE), source=str(reader.path / LAYOUT_FILE))
+    if MODEL_INDEX_FILE not in reader.manifest.files:
         raise IncompleteCheckpointError(
-            f"{reader.path} has no {LAYOUT_FILE}: it is not a sharded checkpoint. Load it with "
-            "hf_resumable.load_checkpoint instead.")
-    return parse_layout(reader.json(LAYOUT_FILE), source=str(reader.path / LAYOUT_FILE))
+            f"{reader.path} has neither {LAYOUT_FILE} nor {MODEL_INDEX_FILE}: it holds no model weights to load.")
+    has_optimizer = OPTIMIZER_INDEX_FILE in reader.manifest.files
+    indexes = {"model": reader.index(MODEL_INDEX_FILE),
+               "optimizer": reader.index(OPTIMIZER_INDEX_FILE) if has_optimizer else None}
+    document = reader.json(TRAINING_STATE_FILE).get(STATE_KEY_OPTIMIZER) if has_optimizer else None
+    return layout_from_regular(indexes, reader.report.headers, world_size=reader.manifest.world_size,
+                               optimizer_document=document)
 
 
 def _section(reader: _Reader, layout: Mapping[str, Any], key: str) -> Section:
@@ -373,10 +381,12 @@ def load_sharded_checkpoint(
 
     Each rank reads only the slices of the stored pieces that overlap the pieces it holds (the whole
     tensors for a plain model), so 2 -> 1, 1 -> 2 or 4 -> 3 all give weights and optimizer tensors equal
-    to the consolidated originals. Under torch.distributed every rank calls it. The RNG is restored last.
+    to the consolidated originals. A regular checkpoint (:func:`~hf_resumable.save_checkpoint`, or the
+    output of :func:`consolidate_sharded_checkpoint`) loads the same way, each tensor being one whole
+    piece. Under torch.distributed every rank calls it. The RNG is restored last.
 
     Args:
-        directory (`str` or `os.PathLike`): a committed sharded checkpoint.
+        directory (`str` or `os.PathLike`): a committed sharded (or regular) checkpoint.
         model (`torch.nn.Module`, *optional*): filled in place (FSDP2-wrapped or plain).
         optimizer (`torch.optim.Optimizer`, *optional*): filled in place, matched by parameter FQN; needs ``model``.
         scheduler, scaler (*optional*): objects to fill.
@@ -393,7 +403,7 @@ def load_sharded_checkpoint(
         and RNG state.
 
     Raises:
-        IncompleteCheckpointError: no manifest, not a sharded checkpoint, or a requested part was not saved.
+        IncompleteCheckpointError: no manifest, no weights, or a requested part was not saved.
         CorruptCheckpointError: corrupt files, hash mismatches, or pieces that do not cover a tensor.
         CheckpointMismatchError: the model/optimizer does not fit (all offending keys listed).
         InexactResumeError: the world size changed (or an RNG state is missing) and ``allow_inexact_resume`` is
@@ -472,7 +482,7 @@ def consolidate_sharded_checkpoint(
         `Manifest`: the manifest of the output.
 
     Raises:
-        IncompleteCheckpointError / CorruptCheckpointError: if the sharded checkpoint is not valid.
+        IncompleteCheckpointError / CorruptCheckpointError: if ``directory`` is not a valid sharded checkpoint.
         CheckpointExistsError: if ``output_dir`` exists and ``overwrite`` is False.
 
     Example:
@@ -485,6 +495,9 @@ def consolidate_sharded_checkpoint(
     # 1. Verify every hash: consolidation is the moment a silently corrupted piece would spread.
     path = Path(directory)
     reader = _Reader(path, verify_checkpoint(path, full=True, raise_on_error=True), hash_on_read=True)
+    if LAYOUT_FILE not in reader.manifest.files:
+        raise IncompleteCheckpointError(f"{path} has no {LAYOUT_FILE}: it is already a regular checkpoint "
+                                        "(from_pretrained and load_checkpoint read it as is).")
     layout = _read_layout(reader)
     payload = Payload()
     # 2. Weights as HF shards; tied aliases recorded so load_checkpoint re-ties and transformers ties itself.

@@ -9,7 +9,8 @@ saving run (full weights and full optimizer tensors):
   weights, optimizer tensors and param groups equal; the consolidated
   export loads with ``from_pretrained`` and with ``load_checkpoint``; the elastic data position continues
   with exactly the unseen samples; a rank SIGKILLed inside a later save leaves that checkpoint the latest;
-* 1 process (plain model) -> 2 FSDP2 ranks (Llama, unevenly sharded embedding): the same.
+* 1 process (plain model) -> 2 FSDP2 ranks (Llama, unevenly sharded embedding): the same, from a sharded
+  and from a regular (``save_checkpoint``) checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from hf_resumable.checkpoint import (
     Manifest,
     find_latest_checkpoint,
     load_checkpoint,
+    save_checkpoint,
     read_manifest,
     verify_checkpoint,
 )
@@ -84,12 +86,14 @@ def test_region_reads_refuse_pieces_that_do_not_cover_the_box():
 
 @pytest.fixture
 def plain_checkpoint(tmp_path) -> Path:
-    """A plain (unsharded) Llama trained 2 steps, saved sharded by one process, with its reference."""
+    """A plain (unsharded) Llama trained 2 steps, saved sharded and regular by one process, with its reference."""
     model, optimizer = fx.build("llama")
     data = sampler()
     seen = fx.train(model, optimizer, data, steps=2)
     save_sharded_checkpoint(tmp_path / "checkpoint-2", model=model, optimizer=optimizer, step=2,
                             training_state={"sampler": data.state_dict()})
+    save_checkpoint(tmp_path / "regular-2", model=model, optimizer=optimizer, step=2,
+                    training_state={"sampler": data.state_dict()})
     fx.write_reference(tmp_path, model, optimizer, is_main=True)
     (tmp_path / "seen.json").write_text(json.dumps(seen))
     return tmp_path
@@ -101,6 +105,12 @@ def test_plain_model_round_trip_and_typed_errors(plain_checkpoint):
     model, optimizer = fx.build("llama", seed=5)
     load_sharded_checkpoint(path, model=model, optimizer=optimizer)
     assert fx.compare_to_reference(plain_checkpoint, model, optimizer) == []
+
+    model, optimizer = fx.build("llama", seed=6)
+    load_sharded_checkpoint(plain_checkpoint / "regular-2", model=model, optimizer=optimizer)
+    assert fx.compare_to_reference(plain_checkpoint, model, optimizer) == []
+    with pytest.raises(IncompleteCheckpointError, match="already a regular checkpoint"):
+        consolidate_sharded_checkpoint(plain_checkpoint / "regular-2", plain_checkpoint / "export")
 
     wrong, wrong_optimizer = fx.build("gpt2")
     with pytest.raises(CheckpointMismatchError, match="missing from the checkpoint"):
@@ -199,7 +209,7 @@ def test_fsdp2_two_ranks_save_load_on_one_process_and_consolidate(tmp_path):
 def test_one_process_save_loads_on_two_fsdp2_ranks(plain_checkpoint):
     run_ranks("load", plain_checkpoint, "llama")
     result = json.loads((plain_checkpoint / "result.json").read_text())
-    assert result == {"problems": [], "step": 2}
+    assert result == {"problems": [], "regular_problems": [], "step": 2}
     seen = json.loads((plain_checkpoint / "seen.json").read_text())
     rest = [json.loads((plain_checkpoint / f"rest-rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
     assert rest[0] and rest[1]

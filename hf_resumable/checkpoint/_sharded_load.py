@@ -19,9 +19,13 @@ import torch
 
 from ..errors import CheckpointMismatchError, CorruptCheckpointError, FormatVersionError
 from ..safetensors_io import STR_TO_DTYPE
-from ..sharding import check_relative_name
+from ..sharding import ShardIndex, check_relative_name
+from ._model import TIED_KEY
 from ._sharded import (
     LAYOUT_FILE,
+    LAYOUT_KEY_MODEL,
+    LAYOUT_KEY_OPTIMIZER,
+    LAYOUT_KEY_OPTIMIZER_DOC,
     LAYOUT_KEY_VERSION,
     LAYOUT_KEY_WORLD_SIZE,
     LAYOUT_VERSION,
@@ -35,7 +39,8 @@ from ._sharded import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Section", "parse_layout", "check_pieces_stored", "PieceReader", "check_fits", "fill_state"]
+__all__ = ["Section", "parse_layout", "layout_from_regular", "check_pieces_stored", "PieceReader", "check_fits",
+           "fill_state"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,43 @@ def parse_layout(document: Any, *, source: str) -> dict[str, Any]:
     if not isinstance(document.get(LAYOUT_KEY_WORLD_SIZE), int):
         raise CorruptCheckpointError(f"{source}: layout lacks its world size.")
     return document
+
+
+def _whole_tensor_section(index: ShardIndex, headers: Mapping[str, Any], tied: Mapping[str, str]) -> dict[str, Any]:
+    """A layout section for an HF-style index: every tensor is one piece, the whole tensor, in its shard."""
+    tensors: dict[str, dict[str, Any]] = {}
+    pieces: dict[str, dict[str, Any]] = {}
+    for file, names in index.group_by_file().items():
+        header = headers.get(file)
+        if header is None:
+            raise CorruptCheckpointError(f"{index.source}: refers to {file!r}, which the manifest does not list.")
+        for name in names:
+            info = header.tensors[name]
+            tensors[name] = {"dtype": info.dtype, "shape": list(info.shape)}
+            pieces.setdefault(file, {})[name] = Box((0,) * len(info.shape), info.shape).to_json()
+    return {SECTION_TENSORS: tensors, SECTION_PIECES: pieces, SECTION_TIED: dict(tied)}
+
+
+def layout_from_regular(indexes: Mapping[str, ShardIndex | None], headers: Mapping[str, Any], *, world_size: int,
+                        optimizer_document: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The layout of a regular (single-writer) checkpoint, so it loads into any sharding like a sharded one.
+
+    Its optimizer tensors (``state/<name>/<key>``) and optimizer document already use the sharded
+    checkpoint's names and shape; only the pieces (whole tensors) are implied by the indexes.
+
+    Args:
+        indexes: ``{"model": ShardIndex, "optimizer": ShardIndex or None}``.
+        headers: relative path -> verified safetensors header.
+    """
+    model = indexes["model"]
+    optimizer = indexes.get("optimizer")
+    return {
+        LAYOUT_KEY_VERSION: LAYOUT_VERSION,
+        LAYOUT_KEY_WORLD_SIZE: world_size,
+        LAYOUT_KEY_MODEL: _whole_tensor_section(model, headers, model.metadata.get(TIED_KEY) or {}),
+        LAYOUT_KEY_OPTIMIZER: _whole_tensor_section(optimizer, headers, {}) if optimizer is not None else None,
+        LAYOUT_KEY_OPTIMIZER_DOC: optimizer_document if optimizer is not None else None,
+    }
 
 
 def check_pieces_stored(section: Section, headers: Mapping[str, Any], *, source: str) -> None:

@@ -9,8 +9,9 @@ Usage: ``python sharded_worker.py MODE ROOT MODEL [STEP]`` with the torchrun env
   model (``result-same-world.json``).
 * ``crash``: as ``save`` to ROOT/checkpoint-STEP, but rank 1 SIGKILLs itself while writing its model pieces.
 * ``load``: fresh FSDP2 model (other weights) + AdamW, ``load_sharded_checkpoint`` of ROOT/checkpoint-2
-  (saved at another world size), compare the consolidated state with ROOT's reference (``result.json``
-  from rank 0), then iterate the rest of the epoch (``rest-rank{r}.json``).
+  (saved at another world size) and of ROOT/regular-2 (a regular checkpoint), compare the consolidated
+  state with ROOT's reference (``result.json`` from rank 0), then iterate the rest of the epoch
+  (``rest-rank{r}.json``).
 """
 
 from __future__ import annotations
@@ -106,8 +107,16 @@ def load(root: Path, kind: str, rank: int, world_size: int, step: int) -> None:
     loaded = load_sharded_checkpoint(root / f"checkpoint-{step}", model=model, optimizer=optimizer,
                                      allow_inexact_resume=True)
     problems = fx.compare_to_reference(root, model, optimizer)
+    # A regular single-writer checkpoint reshards the same way (each tensor one whole piece).
+    regular, _ = fx.build(kind, seed=98)
+    shard(regular)
+    regular_optimizer = torch.optim.AdamW(regular.parameters(), lr=0.5)
+    load_sharded_checkpoint(root / f"regular-{step}", model=regular, optimizer=regular_optimizer,
+                            allow_inexact_resume=True)
+    regular_problems = fx.compare_to_reference(root, regular, regular_optimizer)
     if rank == 0:
-        (root / "result.json").write_text(json.dumps({"problems": problems, "step": loaded.step}))
+        (root / "result.json").write_text(json.dumps({"problems": problems, "regular_problems": regular_problems,
+                                                      "step": loaded.step}))
     data = sampler(rank, world_size)
     data.load_state_dict(loaded.training_state["sampler"])
     (root / f"rest-rank{rank}.json").write_text(json.dumps([i for batch in data for i in batch]))
