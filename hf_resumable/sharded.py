@@ -17,6 +17,9 @@ Layout of a sharded ``checkpoint-<step>/``::
     sharded/optimizer-rank00000-of-00002.safetensors  rank 0's pieces of the optimizer state
     sharded/...-rank00001-of-00002.safetensors        rank 1's
     sharded_layout.json                               every tensor's dtype, global shape, and piece boxes
+    model.safetensors.index.json, model-0000k-of-0000N.safetensors
+                                                      with hf_weights=True only: whole weights instead of
+                                                      model pieces, written round robin by the ranks
     config.json, generation_config.json               as save_pretrained writes them
     training_state.json, rng/, data/                  as in a regular checkpoint
     manifest.json                                     written last
@@ -53,7 +56,7 @@ import torch
 
 from .checkpoint import wait_for_pending_saves
 from .checkpoint._model import TIED_KEY
-from .checkpoint._payload import Payload, _add_sharded, _capture_pretrained, capture_payload
+from .checkpoint._payload import Payload, TensorFile, _add_sharded, _capture_pretrained, capture_payload
 from .checkpoint._reader import LoadedCheckpoint, _Reader, load_all
 from .checkpoint._sharded import (
     LAYOUT_FILE,
@@ -68,9 +71,12 @@ from .checkpoint._sharded import (
     collect_local_state,
     find_tied,
     flatten_optimizer_state,
+    full_weights_for,
+    hf_weights_section,
     piece_file,
     piece_report,
     piece_tensor_file,
+    plan_hf_weights,
     section_from_gathered,
 )
 from .checkpoint._sharded_load import (
@@ -100,6 +106,7 @@ from .constants import (
 from .distributed import all_gather_json, rank_and_world_size
 from .errors import CheckpointMismatchError, IncompleteCheckpointError, InexactResumeError
 from .rng import RngState, restore_rng_state
+from .sharding import build_index
 from .state_codec import decode_state
 
 logger = logging.getLogger(__name__)
@@ -140,13 +147,34 @@ def _json_bytes(document: Any) -> bytes:
     return (json.dumps(document, indent=2) + "\n").encode()
 
 
+def _add_hf_weights(payload: Payload, weights: Mapping[str, torch.Tensor], local: LocalState, *, rank: int,
+                    world_size: int, max_shard_size: int | str) -> dict[str, Any]:
+    """Add the HF shard files this rank owns (whole tensors, gathered) and, on rank 0, their index."""
+    sizes = {name: weights[name].numel() * weights[name].element_size() for name in local.tensors}
+    plan, owner = plan_hf_weights(sizes, world_size=world_size, max_shard_size=max_shard_size)
+    mine = full_weights_for(weights, plan.name_to_filename, owner, rank=rank)
+    for filename in plan.filenames:
+        if filename in mine:
+            payload.tensor_files.append(TensorFile(filename, mine[filename], {"format": "pt"}))
+    if rank == 0:
+        index = build_index(plan, metadata={TIED_KEY: local.tied, "format": "pt"})
+        payload.blobs[MODEL_INDEX_FILE] = _json_bytes(index)
+    return hf_weights_section(plan, local.tensors, local.tied)
+
+
 def _add_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, rank: int,
-                world_size: int) -> dict[str, Any]:
-    """Add this rank's piece files to ``payload``; return the layout (complete on every rank, JSON)."""
+                world_size: int, hf_weights: bool, max_shard_size: int | str) -> dict[str, Any]:
+    """Add this rank's files to ``payload``; return the layout (complete on every rank, JSON)."""
     weights = _model_state(model)
     # Every rank must drop the same aliases; a rank holding an empty piece cannot see a tie by itself.
     tied = {alias: kept for report in all_gather_json(find_tied(weights)) for alias, kept in report.items()}
-    locals_: dict[str, LocalState] = {"model": collect_local_state(weights, rank=rank, tied=tied)}
+    model_local = collect_local_state(weights, rank=rank, tied=tied)
+    locals_: dict[str, LocalState] = {}
+    if hf_weights:
+        model_section = _add_hf_weights(payload, weights, model_local, rank=rank, world_size=world_size,
+                                        max_shard_size=max_shard_size)
+    else:
+        locals_["model"] = model_local
     document = None
     if optimizer is not None:
         tensors, document = flatten_optimizer_state(_optimizer_state(model, optimizer), type(optimizer).__qualname__)
@@ -161,8 +189,8 @@ def _add_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.optim
     gathered = all_gather_json(reports)
     sections = {kind: section_from_gathered(local, [g[kind] for g in gathered]) for kind, local in locals_.items()}
     return {LAYOUT_KEY_VERSION: LAYOUT_VERSION, LAYOUT_KEY_WORLD_SIZE: world_size,
-            LAYOUT_KEY_MODEL: sections["model"], LAYOUT_KEY_OPTIMIZER: sections.get("optimizer"),
-            LAYOUT_KEY_OPTIMIZER_DOC: document}
+            LAYOUT_KEY_MODEL: model_section if hf_weights else sections["model"],
+            LAYOUT_KEY_OPTIMIZER: sections.get("optimizer"), LAYOUT_KEY_OPTIMIZER_DOC: document}
 
 
 def save_sharded_checkpoint(
@@ -181,6 +209,8 @@ def save_sharded_checkpoint(
     overwrite: bool = False,
     processing_class: Any = None,
     keep_last: int | None = None,
+    hf_weights: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> CheckpointInfo:
     """Save a checkpoint in which every rank writes its own pieces of the model and optimizer, in parallel.
 
@@ -206,6 +236,13 @@ def save_sharded_checkpoint(
         overwrite (`bool`, *optional*, defaults to `False`): replace an existing checkpoint atomically.
         processing_class (*optional*): a tokenizer/processor whose ``save_pretrained`` files are included.
         keep_last (`int`, *optional*): after the commit, rank 0 applies ``apply_retention`` to the parent.
+        hf_weights (`bool`, *optional*, defaults to `False`): store the weights whole, as HF sharded safetensors
+            (``model.safetensors.index.json`` + ``model-0000k-of-0000N.safetensors``), so ``from_pretrained``
+            loads the checkpoint directory itself. The files are spread round robin over the ranks, which
+            write them in parallel; each weight is all-gathered (``DTensor.full_tensor()``) to its writer,
+            which costs one model's worth of communication per rank. Optimizer state stays in per-rank pieces.
+            Without it, call :func:`consolidate_sharded_checkpoint` to get an HF export.
+        max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard size of the ``hf_weights`` files.
 
     Returns:
         `CheckpointInfo`: path, step and the committed manifest.
@@ -233,8 +270,9 @@ def save_sharded_checkpoint(
         extra_files=None, data_state=data_state, rng=rng, max_shard_size=DEFAULT_MAX_SHARD_SIZE,
         processing_class=None, rank=rank, is_main=rank == 0,
     )
-    # 2. This rank's pieces; the layout of every rank's pieces is gathered as JSON.
-    layout = _add_pieces(payload, model, optimizer, rank=rank, world_size=world_size)
+    # 2. This rank's pieces (and HF weight shards); the layout of every rank's pieces is gathered as JSON.
+    layout = _add_pieces(payload, model, optimizer, rank=rank, world_size=world_size, hf_weights=hf_weights,
+                         max_shard_size=max_shard_size)
     # 3. Rank 0 adds the layout and the files from_pretrained needs besides the weights.
     if rank == 0:
         payload.blobs[LAYOUT_FILE] = _json_bytes(layout)
@@ -502,6 +540,8 @@ def consolidate_sharded_checkpoint(
     payload = Payload()
     # 2. Weights as HF shards; tied aliases recorded so load_checkpoint re-ties and transformers ties itself.
     section, weights = _consolidated_section(reader, layout, LAYOUT_KEY_MODEL)
+    consumed = {LAYOUT_FILE, TRAINING_STATE_FILE, MODEL_INDEX_FILE, OPTIMIZER_INDEX_FILE}
+    consumed |= {file for pieces in section.pieces.values() for file in pieces}
     _add_sharded(payload, weights, pattern=MODEL_FILE_PATTERN, index=MODEL_INDEX_FILE,
                  max_shard_size=max_shard_size, metadata={TIED_KEY: section.tied, "format": "pt"})
     del weights
@@ -516,7 +556,7 @@ def consolidate_sharded_checkpoint(
                                           + "\n").encode()
     # 4. Everything else (config, tokenizer, RNG, data positions) as is.
     for relpath in reader.manifest.files:
-        if relpath != LAYOUT_FILE and relpath != TRAINING_STATE_FILE and not relpath.startswith(f"{SHARDED_DIR}/"):
+        if relpath not in consumed and not relpath.startswith(f"{SHARDED_DIR}/"):
             payload.blobs[relpath] = (path / relpath).read_bytes()
     manifest = save_payload(Path(output_dir), payload, step=reader.manifest.step,
                             metrics=dict(reader.manifest.metrics), overwrite=overwrite)

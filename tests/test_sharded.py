@@ -6,7 +6,7 @@ saving run (full weights and full optimizer tensors):
 
 * 2 ranks -> 2 fresh ranks (same world size, RNG restored; the next step equals the uninterrupted run's)
   and 2 ranks -> 1 process (plain model):
-  weights, optimizer tensors and param groups equal; the consolidated
+  weights, optimizer tensors and param groups equal; ``hf_weights=True`` checkpoints and the consolidated
   export loads with ``from_pretrained`` and with ``load_checkpoint``; the elastic data position continues
   with exactly the unseen samples; a rank SIGKILLed inside a later save leaves that checkpoint the latest;
 * 1 process (plain model) -> 2 FSDP2 ranks (Llama, unevenly sharded embedding): the same, from a sharded
@@ -194,6 +194,17 @@ def test_fsdp2_two_ranks_save_load_on_one_process_and_consolidate(tmp_path):
         assert torch.equal(tensor, reference[f"model/{name}"]), name
     model, optimizer = fx.build("gpt2", seed=6)
     load_checkpoint(tmp_path / "export", model=model, optimizer=optimizer, allow_inexact_resume=True)
+    assert fx.compare_to_reference(tmp_path, model, optimizer) == []
+
+    # hf_weights=True: the checkpoint directory itself is an HF sharded model, and still reshards on load.
+    hf_dir = tmp_path / "hf-2"
+    assert not any(f.startswith("sharded/model-") for f in read_manifest(hf_dir).files)
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2 and "lm_head.weight" not in index["weight_map"]
+    for name, tensor in GPT2LMHeadModel.from_pretrained(hf_dir).state_dict().items():
+        assert torch.equal(tensor, reference[f"model/{name}"]), name
+    model, optimizer = fx.build("gpt2", seed=7)
+    load_sharded_checkpoint(hf_dir, model=model, optimizer=optimizer, allow_inexact_resume=True)
     assert fx.compare_to_reference(tmp_path, model, optimizer) == []
 
     # A rank SIGKILLed while writing its pieces: no checkpoint-3, checkpoint-2 stays the latest valid one.

@@ -27,6 +27,7 @@ import torch
 
 from ..errors import CheckpointMismatchError, CorruptCheckpointError, UnsupportedStateError
 from ..safetensors_io import DTYPE_TO_STR
+from ..sharding import ShardPlan, plan_shards
 from ..state_codec import encode_state
 from ._payload import TensorFile
 
@@ -63,6 +64,8 @@ __all__ = [
     "find_tied",
     "flatten_optimizer_state",
     "piece_file",
+    "plan_hf_weights",
+    "full_weights_for",
 ]
 
 
@@ -326,3 +329,49 @@ def piece_report(relpath: str, local: LocalState) -> dict[str, Any]:
     if not local.pieces:
         return {"file": None, "pieces": {}}
     return {"file": relpath, "pieces": {name: box.to_json() for name, _, box in local.pieces}}
+
+
+def plan_hf_weights(sizes: Mapping[str, int], *, world_size: int, max_shard_size: int | str
+                    ) -> tuple[ShardPlan, dict[str, int]]:
+    """HF shard files for whole weights, and which rank writes each (round robin): pure, the same on every rank.
+
+    Example:
+
+    ```python
+    >>> plan, owner = plan_hf_weights({"a": 600, "b": 600, "c": 100}, world_size=2, max_shard_size=1000)
+    >>> owner
+    {'model-00001-of-00002.safetensors': 0, 'model-00002-of-00002.safetensors': 1}
+    ```
+    """
+    from ..constants import MODEL_FILE_PATTERN
+
+    plan = plan_shards(sizes, max_shard_size=max_shard_size, filename_pattern=MODEL_FILE_PATTERN)
+    return plan, {filename: i % world_size for i, filename in enumerate(plan.filenames)}
+
+
+def full_weights_for(state: Mapping[str, torch.Tensor], files: Mapping[str, str], owner: Mapping[str, int], *,
+                     rank: int) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """Whole tensors of the HF shard files this rank writes, gathered from every rank's pieces.
+
+    ``DTensor.full_tensor()`` is a collective, so every rank walks ``state`` in the same order and takes
+    part in every gather; it keeps only the tensors of files it owns (memory: those files, plus one
+    tensor in flight).
+    """
+    mine: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in state.items():
+        if name not in files:
+            continue
+        full = tensor.full_tensor() if _is_dtensor(tensor) else tensor
+        if owner[files[name]] == rank:
+            mine.setdefault(files[name], []).append((name, full.detach()))
+    return mine
+
+
+def hf_weights_section(plan: ShardPlan, described: Mapping[str, Mapping[str, Any]], tied: Mapping[str, str]
+                       ) -> dict[str, Any]:
+    """Layout section for weights stored whole in HF shards: each tensor is one piece, its whole box."""
+    pieces: dict[str, dict[str, Any]] = {}
+    for filename, names in plan.filename_to_names.items():
+        pieces[filename] = {n: Box((0,) * len(described[n]["shape"]), tuple(described[n]["shape"])).to_json()
+                            for n in names}
+    return {SECTION_TENSORS: dict(described), SECTION_PIECES: pieces, SECTION_TIED: dict(tied)}

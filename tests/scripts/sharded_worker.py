@@ -3,7 +3,7 @@
 Usage: ``python sharded_worker.py MODE ROOT MODEL [STEP]`` with the torchrun environment set.
 
 * ``save``: FSDP2 model + AdamW, 2 training steps on ElasticSampler batches, ``save_sharded_checkpoint``
-  to ROOT/checkpoint-2 with the sampler position; rank 0 writes the consolidated reference and each
+  to ROOT/checkpoint-2 with the sampler position (and to ROOT/hf-2 with ``hf_weights=True``); rank 0 writes the consolidated reference and each
   rank the indices it trained on (``seen-rank{r}.json``); then loads it back into a fresh FSDP2 model at
   the same world size, compares, and trains one more step on both the resumed and the uninterrupted
   model (``result-same-world.json``).
@@ -79,6 +79,9 @@ def save(root: Path, kind: str, rank: int, world_size: int, step: int) -> None:
     seen = fx.train(model, optimizer, data, steps=2)
     save_sharded_checkpoint(root / f"checkpoint-{step}", model=model, optimizer=optimizer, step=step,
                             training_state={"sampler": data.state_dict()})
+    # The same state with whole HF weight shards (several files, so both ranks write some).
+    save_sharded_checkpoint(root / f"hf-{step}", model=model, optimizer=optimizer, step=step, hf_weights=True,
+                            max_shard_size=40_000)
     fx.write_reference(root, model, optimizer, is_main=rank == 0)
     (root / f"seen-rank{rank}.json").write_text(json.dumps(seen))
     # Same world size: exact resume, RNG included (no allow_inexact_resume needed) ...
