@@ -3,7 +3,8 @@
 Usage: ``python sharded_worker.py MODE ROOT MODEL [STEP]`` with the torchrun environment set.
 
 * ``save``: FSDP2 model + AdamW, 2 training steps on ElasticSampler batches, ``save_sharded_checkpoint``
-  to ROOT/checkpoint-2 with the sampler position (and to ROOT/hf-2 with ``hf_weights=True``); rank 0 writes the consolidated reference and each
+  to ROOT/checkpoint-2 with the sampler position (and to ROOT/hf-2 with ``hf_weights=True``); rank 0
+  writes the consolidated reference and each
   rank the indices it trained on (``seen-rank{r}.json``); then loads it back into a fresh FSDP2 model at
   the same world size, compares, and trains one more step on both the resumed and the uninterrupted
   model (``result-same-world.json``).
