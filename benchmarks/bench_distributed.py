@@ -5,6 +5,7 @@ For a Llama-shaped model + AdamW state (about 350 MB by default), measured in th
 - raw write+fsync of the same byte count, one stream and two parallel streams (the disk's limits),
 - ``save_sharded_checkpoint`` by 1 process holding a plain model (rank 0 writes every byte),
 - ``save_sharded_checkpoint`` by 2 gloo ranks under FSDP2 ``fully_shard`` (each rank writes its half),
+- the same with ``hf_weights=True`` (weights all-gathered and written whole as 50 MB HF shards, round robin),
 - ``save_checkpoint`` (the regular single-writer format) by 1 process, for reference.
 
 Each save is timed from a barrier to its return (manifest committed, every file fsynced). The writers
@@ -103,7 +104,7 @@ def worker(mode: str, root: Path, repeats: int, hidden: int, out: Path) -> None:
     torch.set_num_threads(1)
     rank = 0
     model = build(hidden)
-    if mode == "sharded-2":
+    if mode in ("sharded-2", "sharded-hf-2"):
         from torch.distributed.fsdp import fully_shard
 
         dist.init_process_group("gloo")
@@ -112,9 +113,14 @@ def worker(mode: str, root: Path, repeats: int, hidden: int, out: Path) -> None:
             fully_shard(layer)
         fully_shard(model)
     optimizer = prime_optimizer(model)
-    writer = save_checkpoint if mode == "regular-1" else save_sharded_checkpoint
-    seconds, size = time_saves(lambda p: writer(p, model=model, optimizer=optimizer, step=0), root, repeats + 1,
-                               rank=rank)
+    if mode == "regular-1":
+        def writer(path: Path) -> None:
+            save_checkpoint(path, model=model, optimizer=optimizer, step=0)
+    else:
+        def writer(path: Path) -> None:
+            save_sharded_checkpoint(path, model=model, optimizer=optimizer, step=0, hf_weights=mode == "sharded-hf-2",
+                                    max_shard_size="50MB")
+    seconds, size = time_saves(writer, root, repeats + 1, rank=rank)
     seconds = seconds[1:]  # the first save pays one-time costs (first touch of buffers, imports)
     if rank == 0:
         out.write_text(json.dumps({"seconds": seconds, "bytes": size}))
@@ -195,6 +201,7 @@ def report(rows: dict[str, tuple[list[float], int]], args: argparse.Namespace) -
 
 CONFIGS = {  # row name -> (worker mode, world size)
     "save_sharded_checkpoint, 2 ranks (FSDP2)": ("sharded-2", 2),
+    "save_sharded_checkpoint(hf_weights=True), 2 ranks (FSDP2)": ("sharded-hf-2", 2),
     "save_sharded_checkpoint, 1 rank writes everything": ("sharded-1", 1),
     "save_checkpoint (regular format), 1 process": ("regular-1", 1),
 }
@@ -210,7 +217,7 @@ def measure(root: Path, args: argparse.Namespace) -> dict[str, tuple[list[float]
             mode, world_size = CONFIGS[name]
             result = launch(mode, world_size, root, args)
             rows[name] = (rows[name][0] + result["seconds"], result["bytes"])
-        size = rows[names[1]][1]
+        size = rows["save_sharded_checkpoint, 1 rank writes everything"][1]
         for name, streams in RAW.items():
             rows[name] = (rows[name][0] + raw_writes(root, size, streams, args.repeats), size)
     return rows
