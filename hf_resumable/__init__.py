@@ -22,8 +22,25 @@ from .checkpoint import (
     wait_for_pending_saves,
 )
 
+# Integrations import transformers / accelerate; load them on first use so `import hf_resumable` stays light.
+_LAZY = {
+    "ResumableTrainer": "hf_resumable.integrations.trainer",
+    "ResumableAccelerator": "hf_resumable.integrations.accelerate",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hf_resumable' has no attribute {name!r}")
+
+
 __all__ = [
     "__version__",
+    "ResumableAccelerator",
+    "ResumableTrainer",
     "apply_retention",
     "find_latest_checkpoint",
     "load_checkpoint",

@@ -50,6 +50,7 @@ from ..data import (DATA_KIND, ResumableDataLoader, build_map_dataloader, build_
                     dataset_fingerprint, has_shuffle_buffer)
 from ..errors import CheckpointNotFoundError, InexactResumeError
 from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
+from ..remote import is_remote, open_uploader, resolve_resume_path
 from ..rng import restore_rng_state
 from ..state import RunConfig, check_config_drift
 
@@ -184,6 +185,11 @@ class ResumableTrainer(Trainer):
             `False`, ``train`` returns and ``trainer.preempted`` is `True`.
         checkpoint_verify (`str`, *optional*, defaults to `"quick"`): verification when loading
             (``"quick"`` or ``"full"``).
+        push_checkpoints_to (`str`, *optional*): after each checkpoint commits, upload it in the background
+            (queued, never skipped, retried): ``"user/repo"`` / ``"hf://user/repo[@branch][/path]"`` (one Hub
+            commit per checkpoint) or an fsspec URL such as ``"s3://bucket/run"`` (remote manifest written
+            last). Local retention (``save_total_limit``) never deletes a checkpoint whose upload is pending.
+        storage_options (`dict`, *optional*): fsspec options for ``s3://`` pushes and resumes.
 
     > [!WARNING]
     > ``train_sampling_strategy`` other than ``"random"``/``"sequential"`` and ``accelerator_config``
@@ -199,7 +205,9 @@ class ResumableTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, allow_config_drift: bool = False, allow_inexact_resume: bool = False,
-                 exit_on_preemption: bool = True, checkpoint_verify: str = "quick", **kwargs: Any) -> None:
+                 exit_on_preemption: bool = True, checkpoint_verify: str = "quick",
+                 push_checkpoints_to: str | None = None, storage_options: dict | None = None,
+                 **kwargs: Any) -> None:
         if checkpoint_verify not in ("quick", "full"):
             raise ValueError(f"checkpoint_verify must be 'quick' or 'full', got {checkpoint_verify!r}.")
         super().__init__(*args, **kwargs)
@@ -215,6 +223,16 @@ class ResumableTrainer(Trainer):
         self._run_config: RunConfig | None = None
         self._last_eval: tuple[int, dict[str, float]] | None = None
         self.add_callback(_ResumableCallback(self))
+        self.storage_options = storage_options
+        self._uploader = None
+        if push_checkpoints_to is not None and self.args.should_save:
+            self._uploader = open_uploader(push_checkpoints_to, token=self.args.hub_token,
+                                           storage_options=storage_options)
+
+    def wait_for_uploads(self, timeout: float | None = None) -> None:
+        """Block until every checkpoint queued for ``push_checkpoints_to`` is confirmed; raise the first failure."""
+        if self._uploader is not None:
+            self._uploader.wait(timeout=timeout)
 
     # ---- train / resume discovery ----
 
@@ -226,7 +244,9 @@ class ResumableTrainer(Trainer):
             resume_from_checkpoint (`str`, `bool` or `os.PathLike`, *optional*): ``True`` or ``"auto"``:
                 the newest checkpoint under ``output_dir`` that verifies (partial/corrupt ones are
                 skipped with a WARNING), or a fresh start when there is none. A path: that checkpoint
-                (it must verify). ``None``/``False``: a fresh start.
+                (it must verify). ``"hf://user/repo[@rev][/path]"`` or ``"s3://bucket/run"``: that
+                remote checkpoint, or the newest committed one under a run root, downloaded resumably
+                and hash-checked first. ``None``/``False``: a fresh start.
 
         Raises:
             CheckpointNotFoundError: the given path is not a directory.
@@ -261,6 +281,10 @@ class ResumableTrainer(Trainer):
             else:
                 logger.info("Resuming from %s (newest checkpoint that verifies).", latest)
             return latest
+        if is_remote(resume_from_checkpoint):  # hf://user/repo[@rev][/path] or s3://bucket/run[/checkpoint-N]
+            cache = Path(self.args.output_dir) / ".remote-resume"
+            return resolve_resume_path(resume_from_checkpoint, cache_dir=cache, token=self.args.hub_token,
+                                       storage_options=self.storage_options)
         path = Path(resume_from_checkpoint)
         if not path.is_dir():
             raise CheckpointNotFoundError(
@@ -409,8 +433,11 @@ class ResumableTrainer(Trainer):
             processing_class=self.processing_class, overwrite=True)
         if self.args.push_to_hub:
             self._push_from_checkpoint(str(output_dir))
+        if self._uploader is not None and self.args.should_save:
+            self._uploader.submit(output_dir)
         if self.args.should_save and self.args.save_total_limit:
             protect = [self.state.best_model_checkpoint] if self.state.best_model_checkpoint else []
+            protect += list(self._uploader.pending()) if self._uploader is not None else []
             apply_retention(run_dir, keep_last=max(1, self.args.save_total_limit), protect=protect)
 
     def _update_best_checkpoint(self, run_dir: Path) -> None:
