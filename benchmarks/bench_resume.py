@@ -4,8 +4,9 @@
     on a streaming datasets.IterableDataset whose .map costs ~1 ms per example. The stock Trainer
     replays (fetches, maps, collates) every skipped batch; ResumableTrainer restores the stream's
     state_dict, so its resume time stays flat.
-(b) Steady-state optimizer-step time of both trainers on the same map-style run (median over steps
-    after warm-up, median over repeats, runs interleaved).
+(b) Steady-state optimizer-step time of both trainers on the same map-style run: one process trains
+    alternately with each trainer (rounds of 40 steps, so machine noise hits both alike); median
+    step time over all steps after a 5-step warm-up of each round.
 
 Usage:
     python benchmarks/bench_resume.py [--repeats 3] [--steps 10 100 1000] [--out bench_out/resume]
@@ -89,16 +90,38 @@ def _child(options: argparse.Namespace) -> None:
                 Path(options.report).write_text(json.dumps(record))
                 os._exit(0)
 
+    if options.mode == "steady":
+        _steady(options, Probe)
+        return
     probe = Probe()
-    data = "map" if options.mode == "steady" else "stream"
-    max_steps = options.stop_at if options.mode == "steady" else 2000
-    save_steps = 0 if options.mode == "steady" else options.stop_at
-    trainer = _build(options.kind, data, options.output_dir, max_steps=max_steps, save_steps=save_steps,
+    trainer = _build(options.kind, "stream", options.output_dir, max_steps=2000, save_steps=options.stop_at,
                      callbacks=[probe])
     trainer.train(resume_from_checkpoint=True if options.mode == "resume" else None)
-    if options.mode == "steady":
-        gaps = [b - a for a, b in zip(probe.times, probe.times[1:])][10:]
-        Path(options.report).write_text(json.dumps({"step_s": statistics.median(gaps)}))
+
+
+def _steady(options: argparse.Namespace, probe_class: type) -> None:
+    gaps: dict[str, list[float]] = {"resumable": [], "stock": []}
+    for round_index in range(options.stop_at):
+        for kind in ("resumable", "stock") if round_index % 2 == 0 else ("stock", "resumable"):
+            probe = probe_class()
+            _build(kind, "map", f"{options.output_dir}/{kind}-{round_index}", max_steps=40, save_steps=0,
+                   callbacks=[probe]).train()
+            gaps[kind] += [b - a for a, b in zip(probe.times, probe.times[1:])][5:]
+    result = {kind: statistics.median(v) for kind, v in gaps.items()}
+    result.update({f"{kind}_loader": _loader_batch_time(kind, options.output_dir) for kind in gaps})
+    Path(options.report).write_text(json.dumps(result))
+
+
+def _loader_batch_time(kind: str, output_dir: str, batches: int = 200) -> float:
+    """Median time to produce one training batch (the only per-step code path that differs), main process."""
+    trainer = _build(kind, "map", f"{output_dir}/{kind}-loader", max_steps=batches, save_steps=0, callbacks=[])
+    iterator = iter(trainer.get_train_dataloader())
+    times = []
+    for _ in range(batches):
+        start = time.perf_counter()
+        next(iterator)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[10:])
 
 
 def _spawn(kind: str, mode: str, output_dir: Path, stop_at: int, report: Path) -> float:
@@ -128,15 +151,10 @@ def measure_resume(out: Path, steps: list[int], repeats: int) -> dict[tuple[str,
     return results
 
 
-def measure_steady(out: Path, repeats: int, steps: int = 80) -> dict[str, float]:
-    samples: dict[str, list[float]] = {"resumable": [], "stock": []}
-    for i in range(repeats):
-        for kind in ("resumable", "stock") if i % 2 == 0 else ("stock", "resumable"):
-            report = out / f"steady-{kind}-{i}.json"
-            _spawn(kind, "steady", out / f"steady-{kind}-{i}", steps, report)
-            samples[kind].append(json.loads(report.read_text())["step_s"])
-    print(f"  steady samples: {samples}", file=sys.stderr)
-    return {kind: statistics.median(values) for kind, values in samples.items()}
+def measure_steady(out: Path, rounds: int) -> dict[str, float]:
+    report = out / "steady.json"
+    _spawn("resumable", "steady", out / "steady", rounds, report)
+    return json.loads(report.read_text())
 
 
 def main() -> None:
@@ -149,6 +167,7 @@ def main() -> None:
     parser.add_argument("--report")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, nargs="+", default=[10, 100, 1000])
+    parser.add_argument("--only", choices=["resume", "steady"], default=None)
     parser.add_argument("--out", default=None, help="work directory (default: a temporary one)")
     options = parser.parse_args()
     if options.child:
@@ -156,8 +175,13 @@ def main() -> None:
         return
     out = Path(options.out or tempfile.mkdtemp(prefix="bench_resume_"))
     out.mkdir(parents=True, exist_ok=True)
-    resume = measure_resume(out, options.steps, options.repeats)
-    steady = measure_steady(out, max(options.repeats, 3))
+    if options.only != "steady":
+        _print_resume(measure_resume(out, options.steps, options.repeats), options)
+    if options.only != "resume":
+        _print_steady(measure_steady(out, 4 * max(options.repeats, 3)))
+
+
+def _print_resume(resume: dict[tuple[str, int], float], options: argparse.Namespace) -> None:
     first, last = options.steps[0], options.steps[-1]
     print(f"\n### (a) Process start -> first resumed optimizer step (streaming, .map {MAP_COST_S * 1e3:.0f} "
           f"ms/example, batch {BATCH}, median of {options.repeats})\n")
@@ -166,11 +190,18 @@ def main() -> None:
     for kind, label in (("resumable", "ResumableTrainer"), ("stock", "transformers.Trainer")):
         cells = " | ".join(f"{resume[(kind, n)]:.2f} s" for n in options.steps)
         print(f"| {label} | {cells} | {resume[(kind, last)] / resume[(kind, first)]:.2f}x |")
+
+
+def _print_steady(steady: dict[str, float]) -> None:
     overhead = steady["resumable"] / steady["stock"] - 1
-    print("\n### (b) Steady-state optimizer step (map-style, GPT-2 4x128, batch 8, median)\n")
+    print("\n### (b) Steady-state optimizer step (map-style, GPT-2 4x128, batch 8, interleaved rounds, median)\n")
     print("| trainer | step time | overhead vs stock |\n|---|---|---|")
     print(f"| transformers.Trainer | {steady['stock'] * 1e3:.2f} ms | - |")
     print(f"| ResumableTrainer | {steady['resumable'] * 1e3:.2f} ms | {overhead * 100:+.2f} % |")
+    extra = steady["resumable_loader"] - steady["stock_loader"]
+    print(f"\nData path alone (median time to produce one batch): stock {steady['stock_loader'] * 1e3:.3f} ms, "
+          f"ResumableTrainer {steady['resumable_loader'] * 1e3:.3f} ms: {extra * 1e3:+.3f} ms per micro-batch = "
+          f"{extra / steady['stock'] * 100:+.2f} % of the stock step time.")
 
 
 if __name__ == "__main__":
