@@ -8,8 +8,12 @@ newest valid checkpoint and produces bit for bit the losses and weights of an un
 
 Usage:
 
-    python examples/custom_loop.py --output-dir out                       # 1 process
-    accelerate launch --num_processes 2 --cpu examples/custom_loop.py --output-dir out   # 2 processes (gloo)
+    python examples/custom_loop.py --output-dir out                                  # 1 process
+    torchrun --nproc-per-node 2 examples/custom_loop.py --output-dir out             # 2 processes (gloo)
+    accelerate launch --multi_gpu --num_processes 2 examples/custom_loop.py --output-dir out   # same, on CPU
+
+(``accelerate launch --cpu`` always starts a single process; ``--multi_gpu`` goes through torchrun, and the
+script's ``ResumableAccelerator(cpu=True)`` then trains on CPU with gloo.)
 
 Per-step losses are appended to ``<output-dir>/losses.jsonl`` (``float.hex`` of the window's token-mean
 loss over all processes). Test hooks: ``HF_RESUMABLE_EXAMPLE_KILL_AFTER_STEP=k`` makes the process SIGKILL

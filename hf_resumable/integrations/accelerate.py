@@ -512,7 +512,8 @@ class ResumableAccelerator(Accelerator):
         target = Path(output_dir) if output_dir is not None else self.checkpoint_dir / f"{CHECKPOINT_PREFIX}{self.global_step}"
         wait_for_pending_saves()  # save_checkpoint would wait anyway; the previous save may be this very step
         if automatic and broadcast_json(self.is_main_process and (target / MANIFEST_FILE).exists()):
-            logger.info("%s is already committed; not saving step %d again.", target, self.global_step)
+            if self.is_main_process:
+                logger.info("%s is already committed; not saving step %d again.", target, self.global_step)
             return target
         model, optimizer, scheduler = self._single_objects()
         save_checkpoint(
@@ -674,8 +675,13 @@ class ResumableAccelerator(Accelerator):
         return True
 
     def end_training(self) -> None:
-        """Wait for an in-flight asynchronous save, uninstall the SIGTERM handler, then accelerate's ``end_training``."""
+        """Wait for an in-flight asynchronous save, uninstall the SIGTERM handler, then accelerate's ``end_training``.
+
+        All processes meet at a barrier before the process group is destroyed: without it a rank that
+        tears down gloo while its peer is still finishing can hang at exit (seen under ``torchrun``).
+        """
         wait_for_pending_saves()
         if self._preemption is not None:
             self._preemption.uninstall()
+        self.wait_for_everyone()
         super().end_training()
