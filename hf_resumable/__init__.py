@@ -21,6 +21,8 @@ from .checkpoint import (
     verify_checkpoint,
     wait_for_pending_saves,
 )
+from .elastic import ElasticSampler
+from .sharded import consolidate_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 
 # Integrations import transformers / accelerate; load them on first use so `import hf_resumable` stays light.
 _LAZY = {
@@ -39,12 +41,16 @@ def __getattr__(name: str):
 
 __all__ = [
     "__version__",
+    "ElasticSampler",
     "ResumableAccelerator",
     "ResumableTrainer",
     "apply_retention",
+    "consolidate_sharded_checkpoint",
     "find_latest_checkpoint",
     "load_checkpoint",
+    "load_sharded_checkpoint",
     "save_checkpoint",
+    "save_sharded_checkpoint",
     "verify_checkpoint",
     "wait_for_pending_saves",
 ]

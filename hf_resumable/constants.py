@@ -28,6 +28,11 @@ RNG_FILE_PATTERN = "rank-{rank:05d}.safetensors"
 # Per-rank data-loader positions (JSON), written by the integrations.
 DATA_STATE_DIR = "data"
 DATA_STATE_FILE_PATTERN = "rank-{rank:05d}.json"
+# Sharded (per-rank) checkpoints, e.g. FSDP2: rank 0 writes the layout (JSON: every tensor's dtype, global
+# shape and which file holds which piece); each rank writes its pieces under SHARDED_DIR.
+LAYOUT_FILE = "sharded_layout.json"
+SHARDED_DIR = "sharded"
+PIECE_FILE_PATTERN = "{kind}-rank{rank:05d}-of-{world_size:05d}.safetensors"
 # Written last; its presence (and validity) is what makes a directory a committed checkpoint.
 MANIFEST_FILE = "manifest.json"
 

@@ -56,7 +56,7 @@ import torch
 
 from .checkpoint import wait_for_pending_saves
 from .checkpoint._model import TIED_KEY
-from .checkpoint._payload import Payload, TensorFile, _add_sharded, _capture_pretrained, capture_payload
+from .checkpoint._payload import Payload, TensorFile, add_sharded, capture_pretrained, capture_payload
 from .checkpoint._reader import LoadedCheckpoint, _Reader, load_all
 from .checkpoint._sharded import (
     LAYOUT_FILE,
@@ -276,7 +276,7 @@ def save_sharded_checkpoint(
     # 3. Rank 0 adds the layout and the files from_pretrained needs besides the weights.
     if rank == 0:
         payload.blobs[LAYOUT_FILE] = _json_bytes(layout)
-        _capture_pretrained(payload, model, processing_class)
+        capture_pretrained(payload, model, processing_class)
     # 4. Commit: manifest last, after every rank's files are durable.
     manifest = save_payload(target, payload, step=step, metrics=dict(metrics or {}), overwrite=overwrite)
     if keep_last is not None and rank == 0:
@@ -542,14 +542,14 @@ def consolidate_sharded_checkpoint(
     section, weights = _consolidated_section(reader, layout, LAYOUT_KEY_MODEL)
     consumed = {LAYOUT_FILE, TRAINING_STATE_FILE, MODEL_INDEX_FILE, OPTIMIZER_INDEX_FILE}
     consumed |= {file for pieces in section.pieces.values() for file in pieces}
-    _add_sharded(payload, weights, pattern=MODEL_FILE_PATTERN, index=MODEL_INDEX_FILE,
+    add_sharded(payload, weights, pattern=MODEL_FILE_PATTERN, index=MODEL_INDEX_FILE,
                  max_shard_size=max_shard_size, metadata={TIED_KEY: section.tied, "format": "pt"})
     del weights
     # 3. Optimizer tensors and document in the regular layout.
     training_state = reader.json(TRAINING_STATE_FILE)
     if include_optimizer and layout.get(LAYOUT_KEY_OPTIMIZER) is not None:
         _, tensors = _consolidated_section(reader, layout, LAYOUT_KEY_OPTIMIZER)
-        _add_sharded(payload, tensors, pattern=OPTIMIZER_FILE_PATTERN, index=OPTIMIZER_INDEX_FILE,
+        add_sharded(payload, tensors, pattern=OPTIMIZER_FILE_PATTERN, index=OPTIMIZER_INDEX_FILE,
                      max_shard_size=max_shard_size, metadata={})
         training_state[STATE_KEY_OPTIMIZER] = layout[LAYOUT_KEY_OPTIMIZER_DOC]
     payload.blobs[TRAINING_STATE_FILE] = (json.dumps(training_state, indent=2, sort_keys=True, allow_nan=True)

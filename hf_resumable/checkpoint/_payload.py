@@ -84,7 +84,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _add_sharded(payload: Payload, tensors: Mapping[str, torch.Tensor], *, pattern: str, index: str,
+def add_sharded(payload: Payload, tensors: Mapping[str, torch.Tensor], *, pattern: str, index: str,
                  max_shard_size: int | str, metadata: dict[str, Any]) -> None:
     plan = plan_shards({k: _nbytes(v) for k, v in tensors.items()}, max_shard_size=max_shard_size,
                        filename_pattern=pattern)
@@ -127,7 +127,7 @@ def capture_payload(
     if is_main:
         _capture_shared(payload, model, optimizer, scheduler, scaler, training_state, extra, max_shard_size)
         if model is not None and isinstance(model, torch.nn.Module):
-            _capture_pretrained(payload, model, processing_class)
+            capture_pretrained(payload, model, processing_class)
         for relpath, content in (extra_files or {}).items():
             check_relative_name(relpath, source="extra_files", suffix=None)
             payload.blobs[relpath] = content.encode() if isinstance(content, str) else bytes(content)
@@ -146,12 +146,12 @@ def _capture_shared(payload: Payload, model, optimizer, scheduler, scaler, train
     optimizer_doc = None
     if model is not None:
         tensors, tied = dedupe_tied(model_state(model))
-        _add_sharded(payload, tensors, pattern=MODEL_FILE_PATTERN, index=MODEL_INDEX_FILE,
+        add_sharded(payload, tensors, pattern=MODEL_FILE_PATTERN, index=MODEL_INDEX_FILE,
                      max_shard_size=max_shard_size, metadata={TIED_KEY: tied, "format": "pt"})
     if optimizer is not None:
         names = parameter_names(model if isinstance(model, torch.nn.Module) else None, optimizer)
         opt_tensors, optimizer_doc = optimizer_to_tensors(optimizer, names)
-        _add_sharded(payload, opt_tensors, pattern=OPTIMIZER_FILE_PATTERN, index=OPTIMIZER_INDEX_FILE,
+        add_sharded(payload, opt_tensors, pattern=OPTIMIZER_FILE_PATTERN, index=OPTIMIZER_INDEX_FILE,
                      max_shard_size=max_shard_size, metadata={})
     document = {
         STATE_KEY_FORMAT_VERSION: FORMAT_VERSION,
@@ -168,7 +168,7 @@ def _capture_shared(payload: Payload, model, optimizer, scheduler, scaler, train
         payload.tensor_files.append(TensorFile(STATE_TENSORS_FILE, sorted(state_tensors.items())))
 
 
-def _capture_pretrained(payload: Payload, model: torch.nn.Module, processing_class: Any) -> None:
+def capture_pretrained(payload: Payload, model: torch.nn.Module, processing_class: Any) -> None:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         payload.blobs.update(_pretrained_files(config.save_pretrained))

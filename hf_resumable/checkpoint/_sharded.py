@@ -33,11 +33,7 @@ from ._payload import TensorFile
 
 logger = logging.getLogger(__name__)
 
-# Written by rank 0: every tensor's dtype and global shape, and which file holds which piece (JSON).
-LAYOUT_FILE = "sharded_layout.json"
-# Per-rank piece files: "sharded/model-rank00000-of-00002.safetensors" (and "optimizer-...").
-SHARDED_DIR = "sharded"
-PIECE_FILE_PATTERN = "{kind}-rank{rank:05d}-of-{world_size:05d}.safetensors"
+from ..constants import LAYOUT_FILE, PIECE_FILE_PATTERN, SHARDED_DIR  # noqa: F401 - re-exported
 # safetensors header metadata key of each piece file: {name: {"offset": [...], "global_shape": [...]}} (JSON).
 PIECES_METADATA_KEY = "hf_resumable_pieces"
 # Version of the layout document; readers refuse newer ones.

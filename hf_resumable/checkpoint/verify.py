@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..constants import MODEL_INDEX_FILE, OPTIMIZER_INDEX_FILE
+from ..constants import LAYOUT_FILE, MODEL_INDEX_FILE, OPTIMIZER_INDEX_FILE
 from ..errors import CorruptCheckpointError, HfResumableError, IncompleteCheckpointError
 from ..safetensors_io import SafetensorsHeader, hash_file, read_header
 from ..sharding import parse_index
@@ -100,6 +100,7 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, raise_
         _check_files(directory, report)
         if not report.problems:
             _check_indexes(directory, report)
+            _check_layout(directory, report)
     if raise_on_error:
         report.raise_if_bad()
     if not report.ok:
@@ -151,3 +152,21 @@ def _check_indexes(directory: Path, report: VerifyReport) -> None:
             absent = sorted(set(names) - set(header.tensors))
             if absent:
                 report.add(filename, f"lacks tensors the index places there: {absent[:5]}")
+
+
+def _check_layout(directory: Path, report: VerifyReport) -> None:
+    """Sharded (per-rank) checkpoints: every piece the layout describes is stored as described."""
+    from ._sharded_load import Section, check_pieces_stored, parse_layout
+
+    if LAYOUT_FILE not in report.manifest.files:
+        return
+    try:
+        layout = parse_layout(json.loads((directory / LAYOUT_FILE).read_bytes()), source=LAYOUT_FILE)
+        for key in ("model", "optimizer"):
+            if layout.get(key) is not None:
+                check_pieces_stored(Section.from_json(layout[key], source=LAYOUT_FILE), report.headers,
+                                    source=LAYOUT_FILE)
+    except HfResumableError as err:
+        report.add(LAYOUT_FILE, str(err), type(err))
+    except ValueError as err:
+        report.add(LAYOUT_FILE, f"invalid layout: {err}")
