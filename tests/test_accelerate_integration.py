@@ -130,8 +130,8 @@ class Counter:
         self.count, self.history = state["count"], state["history"]
 
 
-def _build_small(tmp_path: Path, **options):
-    accelerator = ResumableAccelerator(gradient_accumulation_steps=2, cpu=True, checkpoint_dir=tmp_path,
+def _build_small(tmp_path: Path, *, ga: int = 2, **options):
+    accelerator = ResumableAccelerator(gradient_accumulation_steps=ga, cpu=True, checkpoint_dir=tmp_path,
                                        handle_preemption=False, **options)
     torch.manual_seed(0)
     model = torch.nn.Linear(1, 1)
@@ -175,6 +175,20 @@ def test_save_state_load_state_round_trip_in_process(tmp_path):
     for key, value in resumed.unwrap_model(model2).state_dict().items():
         assert torch.equal(value, weights[key]), key
     assert resumed.global_step == 4
+
+
+def test_changed_accumulation_is_refused_before_anything_is_loaded(tmp_path):
+    accelerator, model, optimizer, loader, _ = _build_small(tmp_path)
+    _train_windows(accelerator, model, optimizer, accelerator.accumulation_windows(loader), 1)
+    accelerator.save_state()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    resumed, model2, *_ = _build_small(tmp_path, ga=3)
+    before = {k: v.clone() for k, v in resumed.unwrap_model(model2).state_dict().items()}
+    with pytest.raises(ConfigDriftError, match=r"gradient_accumulation_steps: 2 -> 3"):
+        resumed.load_state()
+    assert resumed.global_step == 0
+    assert all(torch.equal(v, before[k]) for k, v in resumed.unwrap_model(model2).state_dict().items())
 
 
 # ------------------------------------------------------------------ token-exact gradient accumulation

@@ -1,6 +1,8 @@
 """``ResumableAccelerator``: accelerate's ``Accelerator`` with crash-safe checkpoints and bit-exact resume.
 
-What it changes compared to ``accelerate.Accelerator`` (see ``/work/shared/anchors.md`` §2):
+What it changes compared to ``accelerate.Accelerator`` (whose ``save_state`` pickles optimizer and scheduler,
+deletes old checkpoints before writing the new one, swallows RNG load failures and leaves mid-epoch
+resume to the user):
 
 * ``save_state()`` writes the hf_resumable format (sharded safetensors, no pickle, manifest last, atomic
   commit) into ``checkpoint-<global_step>`` directories, and applies retention only *after* the commit.
@@ -569,7 +571,8 @@ class ResumableAccelerator(Accelerator):
             raise TypeError(f"ResumableAccelerator.load_state does not take {sorted(_unused)}.")
         path = self._resolve_checkpoint(input_dir)
         if path is None:
-            logger.info("No valid checkpoint under %s; starting from scratch.", self.checkpoint_dir)
+            if self.is_main_process:
+                logger.info("No valid checkpoint under %s; starting from scratch.", self.checkpoint_dir)
             return None
         # 1. Compare the saved settings with ours before any object is touched.
         peek = load_checkpoint(path, restore_rng=False, allow_inexact_resume=True)
