@@ -1,13 +1,19 @@
-"""Integrations with training loops of the Hugging Face stack (the only code that touches their internals)."""
+"""Integrations with training loops of the Hugging Face stack (the only code that touches their internals).
+
+Both are imported on first use: importing them imports ``transformers.Trainer`` / ``accelerate``.
+"""
 
 from __future__ import annotations
 
-__all__ = ["ResumableTrainer"]
+import importlib
+from typing import Any
+
+__all__ = ["ResumableTrainer", "ResumableAccelerator"]
+
+_LAZY = {"ResumableTrainer": ".trainer", "ResumableAccelerator": ".accelerate"}
 
 
-def __getattr__(name: str):  # lazy: importing hf_resumable.integrations must not import transformers' Trainer
-    if name == "ResumableTrainer":
-        from .trainer import ResumableTrainer
-
-        return ResumableTrainer
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
