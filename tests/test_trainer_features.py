@@ -147,3 +147,42 @@ def test_gradient_accumulation_is_token_exact(tmp_path: Path) -> None:
     lengths = [len(row) for row in train_tiny.token_rows(20, min_len=3, max_len=24)]
     tokens_per_micro_batch = [sum(n - 1 for n in lengths[i : i + 2]) for i in range(0, 8, 2)]
     assert len(set(tokens_per_micro_batch)) > 1
+
+
+def test_preemption_handler_only_flags_and_restores_the_previous_handler() -> None:
+    import os
+    import signal
+    import threading
+
+    from hf_resumable.preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
+
+    assert PREEMPTION_EXIT_CODE == 128 + signal.SIGTERM
+    previous = signal.getsignal(signal.SIGTERM)
+    handler = PreemptionHandler()
+    with handler:
+        assert not handler.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert handler.requested and handler.received == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is previous
+    # Off the main thread nothing is installed (and nothing raises).
+    other = PreemptionHandler()
+    thread = threading.Thread(target=other.install)
+    thread.start()
+    thread.join()
+    assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_sigterm_with_exit_disabled_returns_after_the_checkpoint(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    class SendSigterm(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer = _trainer(tmp_path, max_steps=5, exit_on_preemption=False, callbacks=[SendSigterm()])
+    output = trainer.train()
+    assert trainer.preempted and output.global_step == 2
+    assert (tmp_path / "checkpoint-2" / "manifest.json").is_file()
+    assert signal.getsignal(signal.SIGTERM) != trainer._preemption._handle  # handler removed after train()
