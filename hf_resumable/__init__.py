@@ -22,6 +22,7 @@ from .checkpoint import (
     wait_for_pending_saves,
 )
 from .elastic import ElasticSampler
+from .preemption import PREEMPTION_EXIT_CODE
 from .sharded import consolidate_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 
 # Integrations import transformers / accelerate; load them on first use so `import hf_resumable` stays light.
@@ -41,6 +42,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "__version__",
+    "PREEMPTION_EXIT_CODE",
     "ElasticSampler",
     "ResumableAccelerator",
     "ResumableTrainer",

@@ -226,3 +226,24 @@ def test_bf16_and_empty_tensors(tmp_path):
     for k, v in state.items():
         assert torch.equal(getattr(module, k), v)
     assert verify_checkpoint(tmp_path / "c").ok
+
+
+def test_peft_checkpoint_also_ships_a_loadable_adapter(tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    model = get_peft_model(tiny_gpt2(), LoraConfig(r=4, target_modules=["c_attn"], task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(0.01)
+    save_checkpoint(tmp_path / "c", model=model, rng=False)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "c").iterdir()}
+    assert verify_checkpoint(tmp_path / "c").ok  # the adapter files are hashed in the manifest too
+    adapter = PeftModel.from_pretrained(tiny_gpt2(), tmp_path / "c")
+    expected = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    got = {k: v for k, v in adapter.state_dict().items() if "lora_" in k}
+    assert expected.keys() == got.keys() and expected
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    full = get_peft_model(tiny_gpt2(seed=3), LoraConfig(r=4, target_modules=["c_attn"], task_type="CAUSAL_LM"))
+    load_checkpoint(tmp_path / "c", model=full, restore_rng=False)  # the full state resumes exactly
+    assert_same_state(model.state_dict(), full.state_dict())

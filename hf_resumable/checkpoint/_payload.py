@@ -178,5 +178,10 @@ def capture_pretrained(payload: Payload, model: torch.nn.Module, processing_clas
             payload.blobs.update(_pretrained_files(generation_config.save_pretrained))
         except ValueError as err:  # transformers refuses to save an invalid generation config
             logger.warning("Not saving generation_config.json: %s", err)
+    if hasattr(model, "peft_config") and hasattr(model, "save_pretrained"):
+        # PEFT models: also ship the adapter as PEFT writes it (adapter_model.safetensors + adapter_config.json),
+        # so the checkpoint doubles as a loadable adapter; the full state above is what resumes exactly.
+        payload.blobs.update({k: v for k, v in _pretrained_files(model.save_pretrained).items()
+                              if k.startswith("adapter_") or "/adapter_" in k})
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
         payload.blobs.update(_pretrained_files(processing_class.save_pretrained))
