@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -19,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
@@ -300,7 +302,7 @@ def two_process_reference(tmp_path_factory) -> Path:
     return output
 
 
-def run_torchrun(output: Path, *, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_torchrun(output: Path, *, env: dict[str, str] | None = None, timeout: float = 150) -> subprocess.CompletedProcess:
     """The example under the real ``torchrun`` (2 CPU processes); the whole process group is SIGKILLed on timeout."""
     command = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), str(EXAMPLE), "--output-dir", str(output), "--num-workers", "0"]
@@ -309,20 +311,31 @@ def run_torchrun(output: Path, *, env: dict[str, str] | None = None, timeout: fl
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # torchrun starts each worker in its own session: collect the whole tree before killing it.
+        tree = psutil.Process(proc.pid).children(recursive=True)
         os.killpg(proc.pid, signal.SIGKILL)
+        for child in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
         out, _ = proc.communicate()
         pytest.fail(f"torchrun did not finish within {timeout} s:\n{out[-5000:]}")
     return subprocess.CompletedProcess(command, proc.returncode, out, "")
 
 
 @pytest.mark.distributed
-def test_two_process_kill_of_one_rank_and_restart_is_bit_exact(tmp_path, two_process_reference):
-    # Under torchrun: rank 1 SIGKILLs itself after step 3; the agent tears the job down.
-    crashed = run_torchrun(tmp_path, env={"HF_RESUMABLE_EXAMPLE_KILL_AFTER_STEP": "3",
-                                          "HF_RESUMABLE_EXAMPLE_SIGNAL_RANK": "1"})
-    assert crashed.returncode != 0 and "exitcode: -9" in crashed.stdout, crashed.stdout[-5000:]
+@pytest.mark.parametrize(("signal_name", "exitcode", "checkpoint"), [
+    ("KILL", "-9", "checkpoint-2"),  # a crash: resume from the last periodic checkpoint
+    # Preemption notice to ONE rank: the flag is combined across ranks, both save step 3 and exit 143.
+    ("TERM", str(PREEMPTION_EXIT_CODE), "checkpoint-3"),
+])
+def test_two_process_interrupt_of_one_rank_and_restart_is_bit_exact(tmp_path, two_process_reference, signal_name,
+                                                                    exitcode, checkpoint):
+    # Under torchrun: rank 1 gets the signal after step 3; the agent tears the job down.
+    interrupted = run_torchrun(tmp_path, env={f"HF_RESUMABLE_EXAMPLE_{signal_name}_AFTER_STEP": "3",
+                                              "HF_RESUMABLE_EXAMPLE_SIGNAL_RANK": "1"})
+    assert interrupted.returncode != 0 and f"exitcode: {exitcode}" in interrupted.stdout, interrupted.stdout[-5000:]
     latest = find_latest_checkpoint(tmp_path / "checkpoints")
-    assert latest is not None and latest.name == "checkpoint-2"
+    assert latest is not None and latest.name == checkpoint
     assert read_manifest(latest).world_size == 2
 
     resumed = run_torchrun(tmp_path)  # the same command

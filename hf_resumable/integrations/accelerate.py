@@ -678,13 +678,16 @@ class ResumableAccelerator(Accelerator):
         return True
 
     def end_training(self) -> None:
-        """Wait for an in-flight asynchronous save, uninstall the SIGTERM handler, then accelerate's ``end_training``.
+        """Wait for an in-flight asynchronous save, uninstall the SIGTERM handler, finish trackers, meet at a barrier.
 
-        All processes meet at a barrier before the process group is destroyed: without it a rank that
-        tears down gloo while its peer is still finishing can hang at exit (seen under ``torchrun``).
+        Unlike accelerate's ``end_training`` the process group is *not* destroyed here: with gloo,
+        destroying it while a DDP-wrapped model still references it can deadlock later, when the model is
+        released (``~Reducer`` -> ``~ProcessGroupGloo`` waits on a mutex forever; seen under ``torchrun``
+        on 2 CPU processes). The group is released with the model, or at interpreter exit.
         """
         wait_for_pending_saves()
         if self._preemption is not None:
             self._preemption.uninstall()
+        for tracker in self.trackers:
+            tracker.finish()
         self.wait_for_everyone()
-        super().end_training()
