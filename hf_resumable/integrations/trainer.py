@@ -394,9 +394,10 @@ class ResumableTrainer(Trainer):
             if not callable(getattr(loader, "load_position", None)):
                 self._inexact(f"{self._resume.path} holds a streaming position but the training data is map-style")
                 return
-            if has_shuffle_buffer(self.train_dataset):
-                self._inexact("The streaming training set has a shuffle buffer, whose content datasets does not "
-                              "save (the buffer is refilled from the resume point)")
+            if has_shuffle_buffer(getattr(loader.dataset, "dataset", None)):  # a buffer data.py could not replace
+                self._inexact("The streaming training set has a shuffle buffer that hf_resumable could not replace "
+                              "(see the WARNING above), whose content datasets does not save (the buffer is "
+                              "refilled from the resume point)")
             loader.load_position(record)
 
     def _data_position(self) -> dict[str, Any] | None:
