@@ -302,7 +302,8 @@ def two_process_reference(tmp_path_factory) -> Path:
     return output
 
 
-def run_torchrun(output: Path, *, env: dict[str, str] | None = None, timeout: float = 150) -> subprocess.CompletedProcess:
+def run_torchrun(output: Path, *, env: dict[str, str] | None = None,
+                 timeout: float = 150) -> subprocess.CompletedProcess:
     """The example under the real ``torchrun`` (2 CPU processes); the whole process group is SIGKILLed on timeout."""
     command = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), str(EXAMPLE), "--output-dir", str(output), "--num-workers", "0"]

@@ -31,7 +31,7 @@ Example:
 ```python
 >>> from hf_resumable.integrations.accelerate import ResumableAccelerator
 >>> accelerator = ResumableAccelerator(gradient_accumulation_steps=4, checkpoint_dir="out")  # doctest: +SKIP
->>> loader = accelerator.prepare_resumable_dataloader(dataset, collate_fn=collate, batch_size=8, seed=0)  # doctest: +SKIP
+>>> loader = accelerator.prepare_resumable_dataloader(data, collate_fn=collate, batch_size=8, seed=0)  # doctest: +SKIP
 >>> model, optimizer = accelerator.prepare(model, optimizer)  # doctest: +SKIP
 >>> accelerator.load_state()  # latest valid checkpoint, or None on a fresh start  # doctest: +SKIP
 >>> for epoch in range(loader.epoch, num_epochs):  # doctest: +SKIP
@@ -328,7 +328,8 @@ class ResumableAccelerator(Accelerator):
         Example:
 
         ```python
-        >>> loader = accelerator.prepare_resumable_dataloader(data, collate_fn=collate, batch_size=8, seed=0)  # doctest: +SKIP
+        >>> loader = accelerator.prepare_resumable_dataloader(  # doctest: +SKIP
+        ...     data, collate_fn=collate, batch_size=8, seed=0)
         ```
         """
         loader = build_map_dataloader(dataset, collate_fn=collate_fn, batch_size=batch_size, seed=seed,
@@ -511,7 +512,7 @@ class ResumableAccelerator(Accelerator):
                 f"{self.gradient_accumulation_steps}); checkpoints land on optimizer-step boundaries only. "
                 "Call it after the window's optimizer step.")
         automatic = output_dir is None
-        target = Path(output_dir) if output_dir is not None else self.checkpoint_dir / f"{CHECKPOINT_PREFIX}{self.global_step}"
+        target = Path(output_dir) if not automatic else self.checkpoint_dir / f"{CHECKPOINT_PREFIX}{self.global_step}"
         wait_for_pending_saves()  # save_checkpoint would wait anyway; the previous save may be this very step
         if automatic and broadcast_json(self.is_main_process and (target / MANIFEST_FILE).exists()):
             if self.is_main_process:
