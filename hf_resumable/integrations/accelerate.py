@@ -65,9 +65,14 @@ from accelerate.state import GradientState
 from accelerate.utils import DistributedType, send_to_device
 from packaging import version
 
-from ..checkpoint import find_latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
-from ..checkpoint import wait_for_pending_saves
-from ..checkpoint._reader import LoadedCheckpoint
+from ..checkpoint import (
+    LoadedCheckpoint,
+    find_latest_checkpoint,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+    wait_for_pending_saves,
+)
 from ..constants import CHECKPOINT_PREFIX, MANIFEST_FILE
 from ..data import DATA_EPOCH, DATA_KIND, DATA_NUM_BATCHES, DATA_STEP, ResumableDataLoader, build_map_dataloader
 from ..distributed import broadcast_json
