@@ -179,6 +179,23 @@ def test_save_state_load_state_round_trip_in_process(tmp_path):
     assert resumed.global_step == 4
 
 
+def test_load_state_skips_a_corrupt_newest_checkpoint(tmp_path, caplog):
+    accelerator, model, optimizer, loader, _ = _build_small(tmp_path, keep_last=None)
+    windows = accelerator.accumulation_windows(loader)
+    for _ in range(2):
+        _train_windows(accelerator, model, optimizer, windows, 1)
+        accelerator.save_state()
+    shard = next((tmp_path / "checkpoint-2").glob("model-*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-8])  # truncated, as by a disk fault after the commit
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    resumed, *_ = _build_small(tmp_path)
+    with caplog.at_level("WARNING"):
+        loaded = resumed.load_state()
+    assert loaded.path == tmp_path / "checkpoint-1" and resumed.global_step == 1
+    assert "Skipping" in caplog.text and "checkpoint-2" in caplog.text
+
+
 def test_changed_accumulation_is_refused_before_anything_is_loaded(tmp_path):
     accelerator, model, optimizer, loader, _ = _build_small(tmp_path)
     _train_windows(accelerator, model, optimizer, accelerator.accumulation_windows(loader), 1)
