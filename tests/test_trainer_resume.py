@@ -106,14 +106,15 @@ def _finish_reference(root: Path, name: str) -> Path:
     return output
 
 
-def _load(output_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    return json.loads((output_dir / "result.json").read_text()), load_file(str(output_dir / "final.safetensors"))
+def _load(output_dir: Path, suffix: str = "") -> tuple[dict, dict[str, torch.Tensor]]:
+    return (json.loads((output_dir / f"result{suffix}.json").read_text()),
+            load_file(str(output_dir / f"final{suffix}.safetensors")))
 
 
-def assert_identical(reference: Path, resumed: Path) -> None:
-    """Bitwise equality of logged history, final weights and optimizer state."""
-    ref_result, ref_tensors = _load(reference)
-    got_result, got_tensors = _load(resumed)
+def assert_identical(reference: Path, resumed: Path, *, suffix: str = "") -> None:
+    """Bitwise equality of logged history, final weights and optimizer state (``suffix``: ``-rank1``... of a rank)."""
+    ref_result, ref_tensors = _load(reference, suffix)
+    got_result, got_tensors = _load(resumed, suffix)
     assert got_result["global_step"] == ref_result["global_step"]
     assert got_result["lr"] == ref_result["lr"]
     ref_log, got_log = ref_result["log_history"], got_result["log_history"]

@@ -19,7 +19,9 @@ This is the only module that touches ``Trainer`` internals. What it changes, and
 * **Drift**: the run configuration is recorded in every checkpoint; resuming with another one raises
   :class:`~hf_resumable.errors.ConfigDriftError` unless ``allow_config_drift=True``.
 * **Preemption**: SIGTERM finishes the current optimizer step, saves, and exits with
-  :data:`~hf_resumable.preemption.PREEMPTION_EXIT_CODE`.
+  :data:`~hf_resumable.preemption.PREEMPTION_EXIT_CODE`. Under ``torch.distributed`` the flag is
+  all-reduced (MAX) at every optimizer-step boundary, so a signal that reaches one rank makes every rank
+  save the same step (checkpoints are collective: each rank writes its RNG and data position).
 
 Checkpoints land on optimizer-step boundaries (after the optimizer step, the scheduler step, logging
 and evaluation of that step), exactly where ``Trainer`` saves.
@@ -154,7 +156,9 @@ class _ResumableCallback(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        if self._trainer._preemption.requested and not self._trainer.preempted:
+        if self._trainer.preempted:
+            return
+        if self._trainer._preemption_agreed(args):
             self._trainer.preempted = True
             control.should_save = True
             control.should_training_stop = True
@@ -311,9 +315,24 @@ class ResumableTrainer(Trainer):
                                      "checkpoint, or pass allow_inexact_resume=True to ResumableTrainer.")
         logger.warning("%s; continuing because allow_inexact_resume=True (NOT bit-exact).", message)
 
+    def _preemption_agreed(self, args: TrainingArguments) -> bool:
+        """Whether any rank received SIGTERM (one all-reduce per optimizer step under torch.distributed)."""
+        requested = bool(self._preemption.requested)
+        if args.world_size <= 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return requested
+        flag = torch.tensor([int(requested)], dtype=torch.int32, device=args.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        agreed = bool(flag.item())
+        if agreed and not requested:
+            logger.warning("Rank %d: another rank received a preemption signal; saving step %d on every rank.",
+                           args.process_index, self.state.global_step)
+        return agreed
+
     def _exit_preempted(self) -> None:
-        logger.warning("Preempted (signal %s): checkpoint at step %d committed under %s.",
-                       self._preemption.received, self.state.global_step, self.args.output_dir)
+        received = self._preemption.received
+        logger.warning("Preempted (%s): checkpoint at step %d committed under %s.",
+                       f"signal {received}" if received is not None else "signal received by another rank",
+                       self.state.global_step, self.args.output_dir)
         if self.exit_on_preemption:
             raise SystemExit(PREEMPTION_EXIT_CODE)
 

@@ -8,9 +8,13 @@ where the process kills itself:
     HFR_KILL_MID_STEP=k     SIGKILL inside optimizer step k+1 (after its first micro-batch backward,
                             or before its forward when gradient_accumulation_steps == 1)
     HFR_SIGTERM_AT=k        SIGTERM to itself at the start of optimizer step k+1
+    HFR_SIGNAL_RANK=r       under torchrun: only rank r sends itself the signals above (default: every rank)
+    HFR_KILL_JOB_AFTER_SAVE=k   under torchrun: rank 0 SIGKILLs the whole job (the torchrun agent and every
+                            worker) right after checkpoint-k has committed
 
 At the end it writes OUTPUT_DIR/result.json (log history) and OUTPUT_DIR/final.safetensors (model
-parameters and optimizer state tensors).
+parameters and optimizer state tensors); under torchrun rank r > 0 writes result-rank{r}.json and
+final-rank{r}.safetensors, and a rank leaving through a preemption exit writes exit-rank{r}.json.
 """
 
 from __future__ import annotations
@@ -160,10 +164,16 @@ class Interrupter(TrainerCallback):
         self.after_save = _env_int("HFR_KILL_AFTER_SAVE")
         self.mid_step = _env_int("HFR_KILL_MID_STEP")
         self.sigterm_at = _env_int("HFR_SIGTERM_AT")
+        self.kill_job_after_save = _env_int("HFR_KILL_JOB_AFTER_SAVE")
+        signal_rank = _env_int("HFR_SIGNAL_RANK")
+        if signal_rank is not None and signal_rank != RANK:
+            self.after_save = self.mid_step = self.sigterm_at = None
 
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == self.after_save:
             os.kill(os.getpid(), signal.SIGKILL)
+        if state.global_step == self.kill_job_after_save and RANK == 0:
+            kill_torchrun_job()
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step == self.sigterm_at:
@@ -174,6 +184,23 @@ class Interrupter(TrainerCallback):
     def on_substep_end(self, args, state, control, **kwargs):
         if state.global_step == self.mid_step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+RANK = int(os.environ.get("RANK", "0"))
+
+
+def kill_torchrun_job() -> None:
+    """SIGKILL the torchrun agent (this process's parent) and every process under it, this one last."""
+    import psutil
+
+    agent = psutil.Process(os.getppid())
+    victims = [agent] + [p for p in agent.children(recursive=True) if p.pid != os.getpid()]
+    for process in victims:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _env_int(name: str) -> int | None:
@@ -190,14 +217,15 @@ def dump_results(trainer, output_dir: Path, train_output) -> None:
             for key, value in trainer.optimizer.state.get(p, {}).items():
                 if torch.is_tensor(value):
                     tensors[f"optim/{names[id(p)]}/{key}"] = value.detach().clone().contiguous()
-    save_file(tensors, str(output_dir / "final.safetensors"))
+    suffix = f"-rank{RANK}" if RANK else ""
+    save_file(tensors, str(output_dir / f"final{suffix}.safetensors"))
     # Wall-clock fields are the only non-deterministic ones; they are removed by name.
     timing = ("_runtime", "_samples_per_second", "_steps_per_second")
     history = [{k: v for k, v in entry.items() if not k.endswith(timing)} for entry in trainer.state.log_history]
     resumed_from = getattr(trainer, "resumed_from", None)
     result = {"log_history": history, "global_step": train_output.global_step, "lr": trainer.lr_scheduler.get_last_lr(),
               "resumed_from": str(resumed_from) if resumed_from else None}
-    (output_dir / "result.json").write_text(json.dumps(result, indent=1))
+    (output_dir / f"result{suffix}.json").write_text(json.dumps(result, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -256,7 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         trainer = ResumableTrainer(allow_config_drift=a.allow_config_drift,
                                    allow_inexact_resume=a.allow_inexact_resume, **kwargs)
-    output = trainer.train(resume_from_checkpoint=not a.no_resume)
+    try:
+        output = trainer.train(resume_from_checkpoint=not a.no_resume)
+    except SystemExit as exit_:  # preemption: record which step this rank saved before leaving
+        record = {"code": exit_.code, "global_step": trainer.state.global_step}
+        (Path(a.output_dir) / f"exit-rank{RANK}.json").write_text(json.dumps(record))
+        raise
     dump_results(trainer, Path(a.output_dir), output)
     return 0
 

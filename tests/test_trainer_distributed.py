@@ -1,0 +1,120 @@
+"""ResumableTrainer under the real ``torchrun`` with 2 processes (gloo, CPU, DDP).
+
+Every rank saves its own RNG and data position in each (collective) checkpoint; a job SIGKILLed as a
+whole and restarted with the same command, and a job where ONE rank receives SIGTERM (both ranks agree
+on the step to save, save it, and exit 143), end bit-identical to the uninterrupted 2-process run on
+every rank. Resuming a 2-process checkpoint with 1 process is refused (ConfigDriftError) unless
+``allow_config_drift``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hf_resumable.checkpoint import find_latest_checkpoint, read_manifest
+from hf_resumable.preemption import PREEMPTION_EXIT_CODE
+
+from distributed_launch import REPO_ROOT, free_port
+from test_trainer_resume import SCRIPT, _env, _resumed_from, _run, assert_identical
+
+pytestmark = pytest.mark.distributed
+
+# 44 samples, batch 4 per rank, 2 ranks: 6 batches per rank and epoch; GPT-2 with dropout, GA 1.
+OPTIONS = ["--model", "gpt2", "--data", "lm", "--max-steps", "6"]
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+RANK_SUFFIXES = ("", "-rank1")
+
+
+def torchrun(output_dir: Path, *, timeout: float = 180, **kill: int) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node 2 train_tiny.py`` (the same command every time; ``kill`` sets HFR_* variables).
+
+    The job runs in its own session; if it outlives ``timeout`` the whole tree is SIGKILLed and the test fails.
+    """
+    command = [str(TORCHRUN), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+               str(free_port()), str(SCRIPT), "--output-dir", str(output_dir), *OPTIONS]
+    proc = subprocess.Popen(command, env=_env(**kill), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGKILL)
+        for child in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish within {timeout} s:\n{out[-5000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, out, "")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output = tmp_path_factory.mktemp("reference2") / "run"
+    done = torchrun(output)
+    assert done.returncode == 0, done.stdout[-5000:]
+    return output
+
+
+def _assert_every_rank_identical(reference: Path, run: Path, resumed_from: str) -> None:
+    for suffix in RANK_SUFFIXES:
+        assert_identical(reference, run, suffix=suffix)
+        result = json.loads((run / f"result{suffix}.json").read_text())
+        assert result["resumed_from"].endswith(resumed_from)
+
+
+def _assert_per_rank_state(checkpoint: Path) -> None:
+    assert read_manifest(checkpoint).world_size == 2
+    files = {p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file()}
+    assert {"rng/rank-00000.safetensors", "rng/rank-00001.safetensors", "data/rank-00000.json",
+            "data/rank-00001.json"} <= files
+
+
+def test_whole_job_sigkilled_then_restarted_is_bit_identical(reference: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    killed = torchrun(run, kill_job_after_save=3)  # rank 0 SIGKILLs the agent and both workers
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-5000:]
+    assert not (run / "result.json").exists()
+    latest = find_latest_checkpoint(run)
+    assert latest is not None and latest.name == "checkpoint-3"
+    _assert_per_rank_state(latest)
+    resumed = torchrun(run)  # the same command
+    assert resumed.returncode == 0, resumed.stdout[-5000:]
+    _assert_every_rank_identical(reference, run, "checkpoint-3")
+
+
+def test_sigterm_to_one_rank_saves_the_same_step_on_both(reference: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    # Rank 1 alone gets SIGTERM at the start of step 4; the flag is all-reduced at the end of step 4.
+    preempted = torchrun(run, sigterm_at=3, signal_rank=1)
+    assert preempted.returncode != 0 and f"exitcode: {PREEMPTION_EXIT_CODE}" in preempted.stdout, \
+        preempted.stdout[-5000:]
+    exits = [json.loads((run / f"exit-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert exits == [{"code": PREEMPTION_EXIT_CODE, "global_step": 4}] * 2
+    assert "another rank received a preemption signal; saving step 4" in preempted.stdout
+    latest = find_latest_checkpoint(run)
+    assert latest is not None and latest.name == "checkpoint-4"
+    _assert_per_rank_state(latest)
+    resumed = torchrun(run)
+    assert resumed.returncode == 0, resumed.stdout[-5000:]
+    _assert_every_rank_identical(reference, run, "checkpoint-4")
+
+
+def test_resuming_with_another_world_size_is_refused_unless_allowed(reference: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(reference / "checkpoint-3", run / "checkpoint-3")
+    _run(run, OPTIONS, expected=1)  # one process: world_size 2 -> 1
+    log = (tmp_path / "run.log").read_text()
+    assert "ConfigDriftError" in log and "world_size: 2 -> 1" in log, log[-3000:]
+    assert not (run / "checkpoint-4").exists()
+    _run(run, OPTIONS + ["--allow-config-drift"])
+    assert _resumed_from(run).endswith("checkpoint-3")
