@@ -245,6 +245,10 @@ def _configure_logging(args: argparse.Namespace) -> None:
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()
+    elif sys.stderr.isatty():
+        from .progress import enable_progress_bars
+
+        enable_progress_bars()
 
 
 def _one_line(err: BaseException) -> str:

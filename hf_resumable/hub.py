@@ -52,6 +52,7 @@ from .errors import (
 )
 from .sharding import ShardIndex, check_relative_name, parse_index, plan_shards
 from .checkpoint.manifest import read_manifest
+from .progress import progress_bar
 from .checkpoint.verify import verify_checkpoint
 
 if TYPE_CHECKING:
@@ -784,10 +785,12 @@ def pull_checkpoint(
     get = functools.partial(resumable_download, url.repo_id, revision=snapshot.commit, local_dir=root, token=token,
                             repo_type=url.repo_type)
     manifest = _manifest_files(get(f"{prefix}{MANIFEST_FILE}"))
-    for name, size in remote.items():
-        record = manifest.get(name[len(prefix):], {})
-        if name != f"{prefix}{MANIFEST_FILE}":
-            get(name, expected_size=record.get("size", size), expected_sha256=record.get("sha256"))
+    with progress_bar(total=sum(remote.values()), desc=f"pulling {url.path_in_repo or url.repo_id}") as bar:
+        for name, size in remote.items():
+            record = manifest.get(name[len(prefix):], {})
+            if name != f"{prefix}{MANIFEST_FILE}":
+                get(name, expected_size=record.get("size", size), expected_sha256=record.get("sha256"))
+            bar.update(size)
     checkpoint_dir = root / url.path_in_repo if url.path_in_repo else root
     _verify_against_manifest(checkpoint_dir)
     logger.info("pulled checkpoint %s into %s", snapshot.label, checkpoint_dir)

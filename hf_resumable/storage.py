@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .constants import CHECKPOINT_DIR_RE, MANIFEST_FILE, MAX_JSON_SIZE
+from .progress import progress_bar
 from .errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, HfResumableError, StorageError
 
 logger = logging.getLogger(__name__)
@@ -185,8 +186,12 @@ def upload_checkpoint(
         # Un-commit first, so a failure half-way never leaves a manifest over mixed files.
         fs.rm_file(f"{root}/{MANIFEST_FILE}")
     started = time.perf_counter()
-    for rel, record in sorted(report.manifest.files.items()):
-        _with_retries(f"upload of {rel} to {url}", lambda rel=rel: fs.put_file(str(local_dir / rel), f"{root}/{rel}"))
+    total = sum(r.size for r in report.manifest.files.values())
+    with progress_bar(total=total, desc=f"uploading {local_dir.name}") as bar:
+        for rel, record in sorted(report.manifest.files.items()):
+            _with_retries(f"upload of {rel} to {url}",
+                          lambda rel=rel: fs.put_file(str(local_dir / rel), f"{root}/{rel}"))
+            bar.update(record.size)
     _fresh(fs, root)
     sizes = _remote_sizes(fs, root)
     wrong = [rel for rel, record in report.manifest.files.items() if sizes.get(rel) != record.size]
@@ -265,10 +270,13 @@ def download_checkpoint(
     tmp = temp_dir_for(target, unique=True)
     create_temp_dir(tmp)
     try:
-        for rel, record in manifest.files.items():
-            check_relative_name(rel, source=MANIFEST_FILE, suffix=None)
-            _with_retries(f"download of {rel}", lambda rel=rel, record=record: _fetch(fs, f"{root}/{rel}",
-                                                                                    tmp / rel, record))
+        total = sum(r.size for r in manifest.files.values())
+        with progress_bar(total=total, desc=f"downloading {target.name}") as bar:
+            for rel, record in manifest.files.items():
+                check_relative_name(rel, source=MANIFEST_FILE, suffix=None)
+                _with_retries(f"download of {rel}", lambda rel=rel, record=record: _fetch(fs, f"{root}/{rel}",
+                                                                                        tmp / rel, record))
+                bar.update(record.size)
         write_bytes_durably(tmp / MANIFEST_FILE, manifest.to_json())
         commit_dir(tmp, target, overwrite=target.exists())
     except BaseException:

@@ -340,3 +340,19 @@ def test_summary_sees_through_optimizer_wrappers() -> None:
     sgd = {"momentum": 0.9, "dampening": 0, "lr": 0.1}
     assert _optimizer_name({"class": "AcceleratedOptimizer", "param_groups": [sgd]}) == "SGD (in AcceleratedOptimizer)"
     assert _optimizer_name({"class": "Lion", "param_groups": [{}]}) == "Lion"
+
+
+def test_progress_bars_show_on_saves_only_when_enabled(tmp_path, capsys):
+    import torch
+
+    from hf_resumable.checkpoint import save_checkpoint
+    from hf_resumable.progress import disable_progress_bars, enable_progress_bars
+
+    save_checkpoint(tmp_path / "quiet", model={"w": torch.zeros(1024)}, rng=False)
+    assert "saving" not in capsys.readouterr().err
+    enable_progress_bars()
+    try:
+        save_checkpoint(tmp_path / "loud", model={"w": torch.zeros(1024)}, rng=False)
+    finally:
+        disable_progress_bars()
+    assert "saving .tmp-loud" in capsys.readouterr().err

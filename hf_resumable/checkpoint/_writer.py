@@ -20,6 +20,7 @@ import torch
 from ..constants import MANIFEST_FILE
 from ..distributed import all_gather_json, barrier, broadcast_json, is_distributed
 from ..errors import CheckpointExistsError
+from ..progress import progress_bar
 from ..rng import save_rng_state
 from ..safetensors_io import FileRecord, write_safetensors
 from ._fs import commit_dir, create_temp_dir, temp_dir_for, write_bytes_durably
@@ -45,15 +46,19 @@ def check_target(target: Path, *, overwrite: bool) -> None:
 def write_payload(tmp: Path, payload: Payload) -> dict[str, FileRecord]:
     """Write every file of ``payload`` under ``tmp``; return their records."""
     records: dict[str, FileRecord] = {}
+    total = sum(t.numel() * t.element_size() for f in payload.tensor_files for _, t in f.tensors)
+    with progress_bar(total=total, desc=f"saving {tmp.name}") as bar:
 
-    def write(tensor_file) -> tuple[str, FileRecord]:
-        path = tmp / tensor_file.relpath
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return tensor_file.relpath, write_safetensors(path, tensor_file.tensors, metadata=tensor_file.metadata)
+        def write(tensor_file) -> tuple[str, FileRecord]:
+            path = tmp / tensor_file.relpath
+            path.parent.mkdir(parents=True, exist_ok=True)
+            record = write_safetensors(path, tensor_file.tensors, metadata=tensor_file.metadata)
+            bar.update(record.size)
+            return tensor_file.relpath, record
 
-    # Two files at a time: each file's hash runs on its own thread, so two hashes use both cores
-    # while the disk is kept busy.
-    records.update(run_in_threads(write, payload.tensor_files, workers=WRITE_THREADS))
+        # Two files at a time: each file's hash runs on its own thread, so two hashes use both cores
+        # while the disk is kept busy.
+        records.update(run_in_threads(write, payload.tensor_files, workers=WRITE_THREADS))
     for spec in payload.indexes:
         shards = {name: {"size": records[name].size, "sha256": records[name].sha256}
                   for name in dict.fromkeys(spec.weight_map.values())}
