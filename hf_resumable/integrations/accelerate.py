@@ -67,6 +67,7 @@ from packaging import version
 
 from ..checkpoint import (
     LoadedCheckpoint,
+    apply_retention,
     find_latest_checkpoint,
     load_checkpoint,
     read_manifest,
@@ -78,6 +79,7 @@ from ..data import DATA_EPOCH, DATA_KIND, DATA_NUM_BATCHES, DATA_STEP, Resumable
 from ..distributed import broadcast_json
 from ..errors import ConfigDriftError, HfResumableError, InexactResumeError, UnsupportedStateError
 from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
+from ..remote import is_remote, open_uploader, resolve_resume_path
 from ..rng import restore_rng_state
 
 logger = logging.getLogger(__name__)
@@ -271,6 +273,10 @@ class ResumableAccelerator(Accelerator):
         handle_preemption (`bool`, *optional*, defaults to `True`): install the SIGTERM flag handler.
         exit_on_preemption (`bool`, *optional*, defaults to `True`): :meth:`checkpoint_if_preempted` raises
             ``SystemExit(PREEMPTION_EXIT_CODE)`` after saving; with `False` it returns `True` instead.
+        push_checkpoints_to (`str`, *optional*): upload each committed checkpoint in the background (queued,
+            never skipped, retried) to the Hub (``"user/repo"``, ``"hf://user/repo[@branch][/path]"``) or an
+            fsspec store (``"s3://bucket/run"``); retention never deletes a checkpoint whose upload is pending.
+        storage_options (`dict`, *optional*): fsspec options for ``s3://`` pushes and ``load_state`` URLs.
 
     Example:
 
@@ -284,7 +290,8 @@ class ResumableAccelerator(Accelerator):
 
     def __init__(self, *args: Any, checkpoint_dir: str | os.PathLike | None = None, keep_last: int | None = 2,
                  save_async: bool = False, allow_inexact_resume: bool = False, handle_preemption: bool = True,
-                 exit_on_preemption: bool = True, **kwargs: Any) -> None:
+                 exit_on_preemption: bool = True, push_checkpoints_to: str | None = None,
+                 storage_options: dict | None = None, **kwargs: Any) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}.")
         super().__init__(*args, **kwargs)
@@ -303,6 +310,14 @@ class ResumableAccelerator(Accelerator):
         self._window_slot: tuple[int, int] | None = None
         self._resumable_loaders: list[ResumablePreparedLoader] = []
         self._preemption = PreemptionHandler().install() if handle_preemption else None
+        self.storage_options = storage_options
+        self._uploader = (open_uploader(push_checkpoints_to, storage_options=storage_options)
+                          if push_checkpoints_to is not None and self.is_main_process else None)
+
+    def wait_for_uploads(self, timeout: float | None = None) -> None:
+        """Block until every checkpoint queued for ``push_checkpoints_to`` is confirmed; raise the first failure."""
+        if self._uploader is not None:
+            self._uploader.wait(timeout=timeout)
 
     # ---------------------------------------------------------------- locations
 
@@ -531,9 +546,14 @@ class ResumableAccelerator(Accelerator):
             extra={EXTRA_RUN: self._run_settings(),
                    EXTRA_CUSTOM_OBJECTS: [obj.state_dict() for obj in self._custom_objects]},
             data_state={DATA_LOADERS: [loader.position() for loader in self._resumable_loaders]},
-            keep_last=self.keep_last if automatic else None,
+            keep_last=self.keep_last if automatic and self._uploader is None else None,
             blocking=not self.save_async if blocking is None else blocking,
         )
+        if self._uploader is not None:
+            wait_for_pending_saves()  # only committed checkpoints are uploaded
+            self._uploader.submit(target)
+            if automatic and self.keep_last is not None:
+                apply_retention(self.checkpoint_dir, keep_last=self.keep_last, protect=self._uploader.pending())
         if self.is_main_process:
             logger.info("Saved state at step %d to %s", self.global_step, target)
         return target
@@ -598,6 +618,9 @@ class ResumableAccelerator(Accelerator):
         return loaded
 
     def _resolve_checkpoint(self, input_dir: str | os.PathLike | None) -> Path | None:
+        if is_remote(input_dir):  # hf://user/repo[@rev][/path] or s3://bucket/run[/checkpoint-N]
+            return resolve_resume_path(input_dir, cache_dir=self.checkpoint_dir / ".remote-resume",
+                                       storage_options=self.storage_options)
         if input_dir is not None:
             return Path(input_dir)
         # One process looks (and cleans up stale temp dirs); all use its answer.
