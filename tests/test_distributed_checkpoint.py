@@ -101,3 +101,16 @@ def test_sigkill_of_one_rank_during_save_keeps_previous_checkpoint_and_restart_w
     assert find_latest_checkpoint(tmp_path) == tmp_path / "checkpoint-2"
     assert verify_checkpoint(tmp_path / "checkpoint-2", full=True).ok
     assert read_manifest(tmp_path / "checkpoint-2").world_size == WORLD_SIZE
+
+
+def test_single_process_load_of_a_two_rank_checkpoint_is_refused_unless_opted_in(saved_by_two_ranks):
+    import torch
+
+    from hf_resumable.checkpoint import load_checkpoint
+    from hf_resumable.errors import ConfigDriftError
+
+    with pytest.raises(ConfigDriftError, match="written by 2 process"):
+        load_checkpoint(saved_by_two_ranks / "checkpoint-1", restore_rng=True)
+    state = torch.get_rng_state()
+    loaded = load_checkpoint(saved_by_two_ranks / "checkpoint-1", restore_rng=False, allow_inexact_resume=True)
+    assert loaded.manifest.world_size == 2 and torch.equal(torch.get_rng_state(), state)

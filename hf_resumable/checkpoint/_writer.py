@@ -157,9 +157,10 @@ def save_payload(target: Path, payload: Payload, *, step: int | None, metrics: d
         barrier()
         if not (target / MANIFEST_FILE).exists():
             raise OSError(f"rank 0 failed to commit {target}; the previous checkpoint is untouched.")
-    total = sum(r.size for r in files.values())
-    logger.info("Saved %s (%d files, %.1f MB) in %.2f s", target, len(files), total / 1e6,
-                time.perf_counter() - started)
+    if rank == 0:
+        total = sum(r.size for r in files.values())
+        logger.info("Saved %s (%d files, %.1f MB) in %.2f s", target, len(files), total / 1e6,
+                    time.perf_counter() - started)
     return manifest
 
 

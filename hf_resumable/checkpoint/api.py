@@ -14,7 +14,7 @@ import torch
 
 from ..constants import DEFAULT_MAX_SHARD_SIZE, RNG_DIR, RNG_FILE_PATTERN
 from ..distributed import is_distributed, rank_and_world_size
-from ..errors import InexactResumeError
+from ..errors import ConfigDriftError, InexactResumeError
 from ..rng import RngState, restore_rng_state
 from ..storage import resolve_checkpoint
 from ._payload import capture_payload
@@ -198,13 +198,22 @@ def load_checkpoint(
             the objects passed in may be partially filled: load them from another checkpoint).
         CheckpointMismatchError: the model/optimizer does not fit (all offending keys listed).
         InexactResumeError: the RNG state for this rank is missing and ``allow_inexact_resume`` is False.
+        ConfigDriftError: the checkpoint was written by a different number of processes (unless
+            ``allow_inexact_resume``).
     """
     if verify not in ("quick", "full", "none"):
         raise ValueError(f"verify must be 'quick', 'full' or 'none', got {verify!r}.")
     _ASYNC.wait()
     path = resolve_checkpoint(directory, storage_options=storage_options)
     report = verify_checkpoint(path, full=verify == "full", raise_on_error=True)
-    rank, _world = rank_and_world_size()
+    rank, world_size = rank_and_world_size()
+    if report.manifest.world_size != world_size and (restore_rng or model is not None):
+        message = (f"{path} was written by {report.manifest.world_size} process(es) and is loaded by {world_size}: "
+                   "per-rank RNG and data positions do not carry over, so the run would not continue exactly")
+        if not allow_inexact_resume:
+            raise ConfigDriftError(message + ". Resume with the same world size, reshard with "
+                                   "hf_resumable.load_sharded_checkpoint, or pass allow_inexact_resume=True.")
+        logger.warning("%s; continuing because allow_inexact_resume=True.", message)
     reader = _Reader(path, report, hash_on_read=verify == "quick")
     loaded = load_all(reader, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                       restore_rng=restore_rng, strict=strict, rank=rank)

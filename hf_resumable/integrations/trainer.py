@@ -519,7 +519,9 @@ class ResumableTrainer(Trainer):
                         optimizer=None if model_only else self.optimizer,
                         scheduler=None if model_only else self.lr_scheduler,
                         scaler=None if model_only else self.accelerator.scaler,
-                        restore_rng=False, verify=self.checkpoint_verify)
+                        restore_rng=False, verify=self.checkpoint_verify,
+                        # a world-size change was already refused (or allowed) by the run-config drift check
+                        allow_inexact_resume=True)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         # Loaded with the optimizer.
@@ -540,4 +542,4 @@ class ResumableTrainer(Trainer):
         best = self.state.best_model_checkpoint
         logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
         load_checkpoint(best, model=self.accelerator.unwrap_model(self.model), restore_rng=False,
-                        verify=self.checkpoint_verify)
+                        verify=self.checkpoint_verify, allow_inexact_resume=True)  # weights only: no drift
