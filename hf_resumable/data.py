@@ -11,6 +11,9 @@ Exact resume needs two things from the data pipeline:
    ``Dataset.__getitem__`` draws the same numbers whether the run was interrupted or not, with any
    number of workers. In the main process the caller's generators (the ones dropout draws from) are
    put back afterwards, so data randomness never shifts model randomness.
+3. **State for every buffer.** A ``datasets`` shuffle buffer (``ds.shuffle(seed, buffer_size=N)``) is
+   replaced by a :class:`ResumableShuffleBuffer` whose content and generator are part of the saved
+   position (``datasets`` saves neither); the resulting order differs from ``datasets``' own shuffle.
 
 The pieces are framework-agnostic (no ``transformers`` import); :mod:`hf_resumable.integrations.trainer`
 assembles them for the ``Trainer``.
@@ -503,7 +506,8 @@ def has_shuffle_buffer(dataset: Any) -> bool:
 
     ``datasets`` saves the position of the stream under a shuffle buffer but not the buffer's content
     (its ``load_state_dict`` refills the buffer from the resume point), so such a stream cannot be
-    resumed bit for bit from its ``state_dict``.
+    resumed bit for bit from its ``state_dict``; :func:`build_stream_dataloader` therefore replaces the
+    buffer with a :class:`ResumableShuffleBuffer` (see :func:`resumable_shuffle_buffer`).
     """
     return _has_buffer_node(getattr(dataset, "_ex_iterable", None))
 

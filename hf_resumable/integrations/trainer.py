@@ -6,7 +6,9 @@ This is the only module that touches ``Trainer`` internals. What it changes, and
   sample order is a pure function of ``(seed, epoch)``, every batch is fetched, transformed and
   collated under a seed derived from its position, and the loader has its own ``torch.Generator``.
   Streaming data sets go through ``torchdata``'s ``StatefulDataLoader`` and resume from their
-  ``state_dict``. The main-process RNG is therefore consumed only by the model (dropout).
+  ``state_dict``; a ``.shuffle(buffer_size=...)`` buffer is replaced by
+  :class:`~hf_resumable.data.ResumableShuffleBuffer`, saved with its content (sample order differs from
+  ``datasets``' own buffer with the same seed). The main-process RNG is therefore consumed only by the model (dropout).
 * **Skipping** (``transformers.trainer.skip_first_batches``, patched for the duration of ``train``):
   for our loaders, skipping is a cursor move: nothing before the resume point is fetched.
 * **Checkpoints** (``_save_checkpoint``, ``_load_*``): written and read with
