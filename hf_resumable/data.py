@@ -49,7 +49,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
 from .errors import InexactResumeError
-from .rng import derive_seed
+from .rng import derive_seed, seeded_rng
 
 logger = logging.getLogger(__name__)
 
@@ -103,15 +103,13 @@ class BatchKey(NamedTuple):
     indices: tuple[int, ...]
 
 
-@contextlib.contextmanager
-def data_rng(seed: int) -> Iterator[None]:
+def data_rng(seed: int) -> contextlib.AbstractContextManager[None]:
     """Seed python ``random``, numpy's global generator and torch's CPU generator for a data operation.
 
-    In a ``DataLoader`` worker the generators are only reseeded (nothing else in a worker draws from
-    them); in the main process they are saved first and restored on exit, so the stream dropout draws
-    from is untouched. This is :func:`hf_resumable.rng.seeded_rng` tuned for the per-batch hot path:
-    it reseeds torch's default CPU generator directly (``torch.manual_seed`` also walks every
-    accelerator and costs ~0.25 ms), so transforms that draw from CUDA generators are not covered.
+    :func:`hf_resumable.rng.seeded_rng`, except that in a ``DataLoader`` worker the generators are only
+    reseeded (nothing else in a worker draws from them); in the main process they are saved first and
+    restored on exit, so the stream dropout draws from is untouched. Transforms that draw from CUDA
+    generators are not covered.
 
     Example:
 
@@ -125,18 +123,7 @@ def data_rng(seed: int) -> Iterator[None]:
     True
     ```
     """
-    in_worker = get_worker_info() is not None
-    saved = None if in_worker else (random.getstate(), np.random.get_state(), torch.default_generator.get_state())
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.default_generator.manual_seed(seed)
-    try:
-        yield
-    finally:
-        if saved is not None:
-            random.setstate(saved[0])
-            np.random.set_state(saved[1])
-            torch.default_generator.set_state(saved[2])
+    return seeded_rng(seed, restore=get_worker_info() is None)
 
 
 def _identity(batch: Any) -> Any:

@@ -178,13 +178,14 @@ def derive_seed(*parts: int | str) -> int:
 
 
 @contextlib.contextmanager
-def seeded_rng(seed: int) -> Iterator[None]:
+def seeded_rng(seed: int, *, restore: bool = True) -> Iterator[None]:
     """Run the body with python, numpy and torch CPU generators seeded from ``seed``, then restore them.
 
     The caller's streams (e.g. the one dropout draws from) are left exactly as they were, so data
-    randomness and model randomness never interleave.
+    randomness and model randomness never interleave. ``restore=False`` skips saving and restoring
+    (e.g. inside a DataLoader worker, whose streams nothing else uses).
     """
-    saved = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    saved = (random.getstate(), np.random.get_state(), torch.default_generator.get_state()) if restore else None
     random.seed(seed)
     np.random.seed(seed)
     # Only the CPU generator: torch.manual_seed also walks every accelerator (~100x slower), and data code
@@ -193,6 +194,7 @@ def seeded_rng(seed: int) -> Iterator[None]:
     try:
         yield
     finally:
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-        torch.set_rng_state(saved[2])
+        if saved is not None:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            torch.default_generator.set_state(saved[2])

@@ -247,3 +247,9 @@ def test_peft_checkpoint_also_ships_a_loadable_adapter(tmp_path):
     full = get_peft_model(tiny_gpt2(seed=3), LoraConfig(r=4, target_modules=["c_attn"], task_type="CAUSAL_LM"))
     load_checkpoint(tmp_path / "c", model=full, restore_rng=False)  # the full state resumes exactly
     assert_same_state(model.state_dict(), full.state_dict())
+
+
+def test_data_state_with_tensors_is_refused_not_silently_dropped(tmp_path):
+    with pytest.raises(UnsupportedStateError, match="data_state holds tensors"):
+        save_checkpoint(tmp_path / "c", model=None, data_state={"buffer": torch.arange(3)}, rng=False)
+    assert not (tmp_path / "c").exists()

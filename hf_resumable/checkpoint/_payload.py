@@ -34,6 +34,7 @@ from ..constants import (
     STATE_KEY_SCHEDULER,
     TRAINING_STATE_FILE,
 )
+from ..errors import UnsupportedStateError
 from ..rng import RngState, capture_rng_state
 from ..sharding import check_relative_name, plan_shards
 from ..state_codec import encode_state
@@ -132,8 +133,13 @@ def capture_payload(
             check_relative_name(relpath, source="extra_files", suffix=None)
             payload.blobs[relpath] = content.encode() if isinstance(content, str) else bytes(content)
     if data_state is not None:
-        payload.blobs[f"{DATA_STATE_DIR}/{DATA_STATE_FILE_PATTERN.format(rank=rank)}"] = _json_bytes(
-            encode_state(dict(data_state), {}, prefix="data_state"))
+        tensors: dict[str, torch.Tensor] = {}
+        document = encode_state(dict(data_state), tensors, prefix="data_state")
+        if tensors:
+            raise UnsupportedStateError(
+                f"data_state holds tensors ({sorted(tensors)[:3]}); the per-rank data position is stored as JSON. "
+                "Convert them to lists (or base64 strings) in the loader's state_dict().")
+        payload.blobs[f"{DATA_STATE_DIR}/{DATA_STATE_FILE_PATTERN.format(rank=rank)}"] = _json_bytes(document)
     if rng is not False:
         payload.rng = rng if isinstance(rng, RngState) else capture_rng_state()
         payload.rng_relpath = f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"
