@@ -39,7 +39,6 @@ import copy
 import hashlib
 import logging
 import math
-import random
 from collections.abc import Callable, Iterator, Mapping, Sized
 from itertools import islice
 from typing import Any, NamedTuple
@@ -379,7 +378,7 @@ def build_stream_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], 
                             drop_last: bool = False, rank: int = 0, num_workers: int = 0,
                             pin_memory: bool = False, persistent_workers: bool = False,
                             prefetch_factor: int | None = None,
-                            multiprocessing_context: Any = None) -> "ResumableStreamLoader":
+                            multiprocessing_context: Any = None) -> Any:
     """A :class:`ResumableStreamLoader` (``torchdata`` ``StatefulDataLoader``) over a streaming data set.
 
     Args: as :func:`build_map_dataloader`; ``dataset`` is a ``datasets.IterableDataset`` already split for

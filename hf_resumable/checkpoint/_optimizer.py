@@ -46,28 +46,43 @@ def parameter_names(model: torch.nn.Module | None, optimizer: torch.optim.Optimi
     return names
 
 
-def optimizer_to_tensors(
-    optimizer: torch.optim.Optimizer, names: list[str]
+def encode_named_optimizer_state(
+    state: Mapping[str, Mapping[str, Any]], param_groups: list[Mapping[str, Any]], class_name: str
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Split ``optimizer.state_dict()`` into named tensors and a JSON document."""
-    state_dict = optimizer.state_dict()
+    """Split a NAME-keyed optimizer state (groups list parameter names) into named tensors and a JSON document.
+
+    Tensors are named ``state/<param name>/<key>``; non-tensor values and param groups go into the document
+    (``{"class", "param_groups", "non_tensor_state"}``). Shared by regular and sharded (FSDP2) checkpoints,
+    so one layout serves both.
+
+    Raises:
+        UnsupportedStateError: if a value cannot be stored without pickle.
+    """
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
-    for index, per_param in state_dict["state"].items():
-        name = names[index]
+    for name, per_param in state.items():
         for key, value in per_param.items():
             if isinstance(value, torch.Tensor):
                 tensors[f"{OPTIMIZER_STATE_PREFIX}{name}/{key}"] = value.detach()
             else:
                 scalars.setdefault(name, {})[key] = encode_state(value, tensors, prefix=f"scalar/{name}/{key}")
     groups = []
-    for i, group in enumerate(state_dict["param_groups"]):
+    for i, group in enumerate(param_groups):
         encoded = {k: encode_state(v, tensors, prefix=f"{OPTIMIZER_GROUP_PREFIX}{i}/{k}")
                    for k, v in group.items() if k != "params"}
-        encoded["params"] = [names[index] for index in group["params"]]
+        encoded["params"] = [str(name) for name in group["params"]]
         groups.append(encoded)
-    document = {"class": type(optimizer).__qualname__, "param_groups": groups, "non_tensor_state": scalars}
-    return tensors, document
+    return tensors, {"class": class_name, "param_groups": groups, "non_tensor_state": scalars}
+
+
+def optimizer_to_tensors(
+    optimizer: torch.optim.Optimizer, names: list[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split ``optimizer.state_dict()`` into named tensors and a JSON document."""
+    state_dict = optimizer.state_dict()
+    state = {names[index]: fields for index, fields in state_dict["state"].items()}
+    groups = [{**group, "params": [names[index] for index in group["params"]]} for group in state_dict["param_groups"]]
+    return encode_named_optimizer_state(state, groups, type(optimizer).__qualname__)
 
 
 def optimizer_from_tensors(

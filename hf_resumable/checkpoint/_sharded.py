@@ -28,7 +28,6 @@ import torch
 from ..errors import CheckpointMismatchError, CorruptCheckpointError, UnsupportedStateError
 from ..safetensors_io import DTYPE_TO_STR
 from ..sharding import ShardPlan, plan_shards
-from ..state_codec import encode_state
 from ._payload import TensorFile
 
 logger = logging.getLogger(__name__)
@@ -280,23 +279,9 @@ def flatten_optimizer_state(optimizer_state: Mapping[str, Any], optimizer_class:
     Raises:
         UnsupportedStateError: if a value cannot be stored without pickle.
     """
-    from ..constants import OPTIMIZER_GROUP_PREFIX, OPTIMIZER_STATE_PREFIX
+    from ._optimizer import encode_named_optimizer_state
 
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for fqn, fields in optimizer_state["state"].items():
-        for key, value in fields.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{OPTIMIZER_STATE_PREFIX}{fqn}/{key}"] = value
-            else:
-                scalars.setdefault(fqn, {})[key] = encode_state(value, tensors, prefix=f"scalar/{fqn}/{key}")
-    groups = []
-    for i, group in enumerate(optimizer_state["param_groups"]):
-        encoded = {k: encode_state(v, tensors, prefix=f"{OPTIMIZER_GROUP_PREFIX}{i}/{k}")
-                   for k, v in group.items() if k != "params"}
-        encoded["params"] = [str(p) for p in group["params"]]
-        groups.append(encoded)
-    return tensors, {"class": optimizer_class, "param_groups": groups, "non_tensor_state": scalars}
+    return encode_named_optimizer_state(optimizer_state["state"], optimizer_state["param_groups"], optimizer_class)
 
 
 def piece_file(kind: str, rank: int, world_size: int) -> str:

@@ -25,7 +25,7 @@ from ..rng import save_rng_state
 from ..safetensors_io import FileRecord, write_safetensors
 from ._fs import commit_dir, create_temp_dir, temp_dir_for, write_bytes_durably
 from ._payload import SHARDS_KEY, Payload
-from .manifest import Manifest, read_manifest, records_from_json, records_to_json
+from .manifest import Manifest, records_from_json, records_to_json
 
 logger = logging.getLogger(__name__)
 
