@@ -19,7 +19,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["RankResult", "free_port", "launch_ranks", "child_env"]
+__all__ = ["RankResult", "free_port", "launch_ranks", "child_env", "run_torchrun"]
 
 
 @dataclass
@@ -88,3 +88,32 @@ def launch_ranks(argv: list[str], *, world_size: int, timeout: float,
         out.close()
         err.close()
     return results
+
+
+def run_torchrun(script: str | Path, args: list[str], *, env: dict[str, str], timeout: float,
+                 nproc: int = 2) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node N script args`` on 127.0.0.1 with a free port, in its own session.
+
+    torchrun starts each worker in a session of its own, so on timeout the whole process tree is collected
+    first and then SIGKILLed, and the test fails with the job's output.
+    """
+    import contextlib
+
+    import psutil
+    import pytest
+
+    command = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(nproc), "--master-addr",
+               "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
+    proc = subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGKILL)
+        for child in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish within {timeout} s:\n{out[-5000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, out, "")

@@ -11,16 +11,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
-import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
@@ -31,7 +28,8 @@ from hf_resumable.errors import ConfigDriftError, InexactResumeError
 from hf_resumable.integrations.accelerate import ResumableAccelerator, check_accelerate_internals
 from hf_resumable.preemption import PREEMPTION_EXIT_CODE
 
-from distributed_launch import REPO_ROOT, child_env, free_port, launch_ranks
+from distributed_launch import REPO_ROOT, child_env, launch_ranks
+from distributed_launch import run_torchrun as launch_torchrun
 
 SCRIPTS = Path(__file__).parent / "scripts"
 EXAMPLE = REPO_ROOT / "examples" / "custom_loop.py"
@@ -322,22 +320,8 @@ def two_process_reference(tmp_path_factory) -> Path:
 def run_torchrun(output: Path, *, env: dict[str, str] | None = None,
                  timeout: float = 150) -> subprocess.CompletedProcess:
     """The example under the real ``torchrun`` (2 CPU processes); the whole process group is SIGKILLed on timeout."""
-    command = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), str(EXAMPLE), "--output-dir", str(output), "--num-workers", "0"]
-    proc = subprocess.Popen(command, env=child_env(env), cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # torchrun starts each worker in its own session: collect the whole tree before killing it.
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        os.killpg(proc.pid, signal.SIGKILL)
-        for child in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish within {timeout} s:\n{out[-5000:]}")
-    return subprocess.CompletedProcess(command, proc.returncode, out, "")
+    return launch_torchrun(EXAMPLE, ["--output-dir", str(output), "--num-workers", "0"], env=child_env(env),
+                        timeout=timeout)
 
 
 @pytest.mark.distributed

@@ -9,29 +9,24 @@ every rank. Resuming a 2-process checkpoint with 1 process is refused (ConfigDri
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
 from hf_resumable.checkpoint import find_latest_checkpoint, read_manifest
 from hf_resumable.preemption import PREEMPTION_EXIT_CODE
 
-from distributed_launch import REPO_ROOT, free_port
+from distributed_launch import run_torchrun
 from test_trainer_resume import SCRIPT, _env, _resumed_from, _run, assert_identical
 
 pytestmark = pytest.mark.distributed
 
 # 44 samples, batch 4 per rank, 2 ranks: 6 batches per rank and epoch; GPT-2 with dropout, GA 1.
 OPTIONS = ["--model", "gpt2", "--data", "lm", "--max-steps", "6"]
-TORCHRUN = Path(sys.executable).parent / "torchrun"
 RANK_SUFFIXES = ("", "-rank1")
 
 
@@ -40,21 +35,7 @@ def torchrun(output_dir: Path, *, timeout: float = 180, **kill: int) -> subproce
 
     The job runs in its own session; if it outlives ``timeout`` the whole tree is SIGKILLed and the test fails.
     """
-    command = [str(TORCHRUN), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
-               str(free_port()), str(SCRIPT), "--output-dir", str(output_dir), *OPTIONS]
-    proc = subprocess.Popen(command, env=_env(**kill), cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        os.killpg(proc.pid, signal.SIGKILL)
-        for child in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish within {timeout} s:\n{out[-5000:]}")
-    return subprocess.CompletedProcess(command, proc.returncode, out, "")
+    return run_torchrun(SCRIPT, ["--output-dir", str(output_dir), *OPTIONS], env=_env(**kill), timeout=timeout)
 
 
 @pytest.fixture(scope="module")
