@@ -33,7 +33,7 @@ from ..state_codec import decode_state
 from ._model import TIED_KEY, check_model_fits, retie
 from ._optimizer import optimizer_from_tensors, parameter_names
 from ._payload import STATE_TENSORS_FILE
-from ._writer import run_in_threads
+from ._threads import run_in_threads
 from .manifest import Manifest
 from .verify import VerifyReport
 

@@ -25,6 +25,8 @@ from ..rng import save_rng_state
 from ..safetensors_io import FileRecord, write_safetensors
 from ._fs import commit_dir, create_temp_dir, temp_dir_for, write_bytes_durably
 from ._payload import SHARDS_KEY, Payload
+from ._staging import copy_into
+from ._threads import run_in_threads
 from .manifest import Manifest, records_from_json, records_to_json
 
 logger = logging.getLogger(__name__)
@@ -72,37 +74,6 @@ def write_payload(tmp: Path, payload: Payload) -> dict[str, FileRecord]:
         path.parent.mkdir(parents=True, exist_ok=True)
         records[payload.rng_relpath] = save_rng_state(path, payload.rng)
     return records
-
-
-def run_in_threads(fn, items: list, *, workers: int) -> list:
-    """``[fn(item) for item in items]`` on up to ``workers`` plain threads (usable during interpreter exit,
-    when executors refuse work); the first exception is re-raised after every thread has stopped."""
-    results: list = [None] * len(items)
-    errors: list[BaseException] = []
-    cursor = iter(range(len(items)))
-    lock = threading.Lock()
-
-    def worker() -> None:
-        while True:
-            with lock:
-                index = next(cursor, None)
-                if index is None or errors:
-                    return
-            try:
-                results[index] = fn(items[index])
-            except BaseException as err:  # noqa: BLE001 - re-raised by the caller's thread
-                with lock:
-                    errors.append(err)
-
-    threads = [threading.Thread(target=worker, name="hf_resumable-io") for _ in range(min(workers, len(items)) - 1)]
-    for thread in threads:
-        thread.start()
-    worker()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
 def save_payload(target: Path, payload: Payload, *, step: int | None, metrics: dict[str, float] | None,
@@ -186,6 +157,7 @@ class AsyncSaver:
 
     def stage(self, payload: Payload) -> Payload:
         """Copy every tensor of ``payload`` into a staging buffer (returns a payload over the buffers)."""
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for tensor_file in payload.tensor_files:
             staged = []
             for name, tensor in tensor_file.tensors:
@@ -195,9 +167,10 @@ class AsyncSaver:
                     buffer = torch.empty(tensor.shape, dtype=tensor.dtype,
                                          pin_memory=torch.cuda.is_available() and tensor.is_cuda)
                     self._buffers[key] = buffer
-                buffer.copy_(tensor.detach(), non_blocking=False)
+                pairs.append((buffer, tensor))
                 staged.append((name, buffer))
             tensor_file.tensors = staged
+        copy_into(pairs)
         return payload
 
     def submit(self, target: Path, payload: Payload, *, step, metrics, overwrite, on_commit=None) -> None:
