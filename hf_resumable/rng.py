@@ -139,7 +139,7 @@ def save_rng_state(path: str | os.PathLike, state: RngState | None = None, *, fs
     return write_safetensors(path, tensors, metadata=metadata, fsync=fsync)
 
 
-def load_rng_state(path: str | os.PathLike, *, expected_sha256: str | None = None) -> RngState:
+def load_rng_state(path: str | os.PathLike, *, expected: FileRecord | None = None) -> RngState:
     """Read an :class:`RngState` written by :func:`save_rng_state`.
 
     Raises:
@@ -147,7 +147,7 @@ def load_rng_state(path: str | os.PathLike, *, expected_sha256: str | None = Non
     """
     path = os.fspath(path)
     header = read_header(path)
-    tensors = read_safetensors(path, header=header, expected_sha256=expected_sha256)
+    tensors = read_safetensors(path, header=header, expected=expected)
     meta = header.metadata
     try:
         devices = int(meta[_META_DEVICES])

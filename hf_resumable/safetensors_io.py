@@ -4,10 +4,13 @@ The files are standard safetensors (8-byte little-endian header length, JSON hea
 by ``safetensors.safe_open`` and ``transformers``. We write them ourselves rather than through
 ``safetensors.torch.save_file`` for two reasons:
 
-1. the sha256 is computed on the bytes as they are written (pipelined on a helper thread, since
-   ``hashlib`` and ``write`` both release the GIL), so the manifest never needs a read-back pass;
+1. the sha256 (pipelined on a helper thread, since ``hashlib`` and ``write`` both release the GIL)
+   and a fast xxh3-128 checksum are computed on the bytes as they are written, so the manifest
+   never needs a read-back pass;
 2. loads can ``readinto`` the destination parameter's own memory, one copy from the page cache,
-   with the hash again computed on the fly.
+   with the xxh3-128 checksum checked on the fly (about 10 GiB/s per core, against 1.3 GiB/s for
+   sha256: hash-checked loads stay disk-bound). The sha256 is the content address (Hub LFS oid,
+   full verification); both detect accidental corruption equally well, and neither is a signature.
 
 Headers are validated before any data is trusted: a header that claims more bytes than the file
 holds, overlapping or gapped offsets, unknown dtypes, or a pickle payload are all rejected with
@@ -28,6 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from .constants import MAX_HEADER_SIZE, SAFETENSORS_METADATA
 from .errors import CorruptCheckpointError
@@ -102,10 +106,35 @@ class SafetensorsHeader:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """Size and sha256 of a file as it was written (the manifest's entry)."""
+    """Size, sha256 and xxh3-128 of a file as it was written (the manifest's entry).
+
+    ``xxh3_128`` is ``None`` in manifests written before it was recorded; such files are checked by sha256.
+    """
 
     size: int
     sha256: str
+    xxh3_128: str | None = None
+
+    def mismatch(self, actual: "FileRecord") -> str | None:
+        """Why ``actual`` (a record of the same file computed now) disagrees with this one, or ``None``."""
+        if actual.size != self.size:
+            return f"size is {actual.size} bytes, the manifest says {self.size}"
+        if actual.sha256 != self.sha256:
+            return f"sha256 mismatch: {actual.sha256} != {self.sha256}"
+        if self.xxh3_128 is not None and actual.xxh3_128 is not None and actual.xxh3_128 != self.xxh3_128:
+            return f"xxh3-128 mismatch: {actual.xxh3_128} != {self.xxh3_128}"
+        return None
+
+
+def fast_checksum() -> "xxhash.xxh3_128":
+    """A fresh xxh3-128 state (``update`` releases the GIL)."""
+    return xxhash.xxh3_128()
+
+
+def record_of(data: bytes | memoryview) -> FileRecord:
+    """The record of an in-memory file."""
+    return FileRecord(size=len(data), sha256=hashlib.sha256(data).hexdigest(),
+                      xxh3_128=xxhash.xxh3_128(data).hexdigest())
 
 
 def _corrupt(path: str, why: str) -> CorruptCheckpointError:
@@ -220,14 +249,15 @@ def build_header(
 
 
 class _Pipeline:
-    """Hash chunks on a helper thread, in order, while the caller does IO on them.
+    """sha256 (and optionally xxh3-128) of chunks on a helper thread, in order, while the caller does IO on them.
 
     A plain thread and queue rather than an executor: saves may run while the interpreter shuts
     down (atexit waits for an async save), when executors refuse new work.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, with_fast: bool = False) -> None:
         self.digest = hashlib.sha256()
+        self.fast = fast_checksum() if with_fast else None
         self.queue: queue.Queue = queue.Queue(maxsize=8)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="hf_resumable-hash", daemon=True)
@@ -237,6 +267,8 @@ class _Pipeline:
         while (chunk := self.queue.get()) is not None:
             try:
                 self.digest.update(chunk)
+                if self.fast is not None:
+                    self.fast.update(chunk)
             except BaseException as err:  # noqa: BLE001 - surfaced by hexdigest()
                 self.error = err
 
@@ -280,7 +312,7 @@ def write_safetensors(
     path = os.fspath(path)
     ordered = layout_tensors([(name, _cpu_contiguous(t)) for name, t in tensors])
     header = build_header(ordered, metadata)
-    pipeline = _Pipeline()
+    pipeline = _Pipeline(with_fast=True)
     size = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -304,7 +336,7 @@ def write_safetensors(
         _unlink_quietly(path)
         raise
     os.close(fd)
-    return FileRecord(size=size, sha256=digest)
+    return FileRecord(size=size, sha256=digest, xxh3_128=pipeline.fast.hexdigest())
 
 
 def _chunks(views: Iterable[memoryview]) -> Iterable[memoryview]:
@@ -330,13 +362,41 @@ def _can_read_into(target: torch.Tensor | None, info: TensorInfo) -> bool:
     )
 
 
+class _Checker:
+    """Checks a file's bytes against its record while they are read: xxh3-128 inline when the record has one
+    (cheap enough to keep loads disk-bound), else sha256 on a helper thread."""
+
+    def __init__(self, expected: FileRecord) -> None:
+        self.expected = expected
+        self.fast = fast_checksum() if expected.xxh3_128 is not None else None
+        self.pipeline = _Pipeline() if self.fast is None else None
+
+    def feed(self, chunk: memoryview) -> None:
+        if self.fast is not None:
+            self.fast.update(chunk)
+        else:
+            self.pipeline.feed(chunk)
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
+
+    def problem(self) -> str | None:
+        if self.fast is not None:
+            actual = self.fast.hexdigest()
+            return None if actual == self.expected.xxh3_128 else (
+                f"xxh3-128 is {actual}, the manifest says {self.expected.xxh3_128}")
+        actual = self.pipeline.hexdigest()
+        return None if actual == self.expected.sha256 else f"sha256 is {actual}, the manifest says {self.expected.sha256}"
+
+
 def read_safetensors(
     path: str | os.PathLike,
     *,
     header: SafetensorsHeader | None = None,
     names: Iterable[str] | None = None,
     into: Mapping[str, torch.Tensor] | None = None,
-    expected_sha256: str | None = None,
+    expected: FileRecord | None = None,
     on_tensor: Callable[[str, torch.Tensor], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read tensors from ``path`` sequentially, optionally straight into existing tensors.
@@ -344,11 +404,12 @@ def read_safetensors(
     Args:
         header (`SafetensorsHeader`, *optional*): a header already read (saves one read).
         names (`Iterable[str]`, *optional*): only these tensors (default all). Ignored when
-            ``expected_sha256`` is given, which needs every byte.
+            ``expected`` is given, which needs every byte.
         into (`Mapping[str, torch.Tensor]`, *optional*): destination tensors. A destination on CPU
             with the same dtype and shape that is contiguous is filled in place with ``readinto``
             (no extra copy); any other destination gets a ``copy_``.
-        expected_sha256 (`str`, *optional*): verify the whole file's hash while reading.
+        expected (`FileRecord`, *optional*): check the whole file against this record while reading
+            (its xxh3-128 inline, or its sha256 on a helper thread for records without one).
         on_tensor (`Callable`, *optional*): called with each tensor as soon as it is read
             (tensors are then not kept in the returned dict, bounding memory to one tensor).
 
@@ -364,7 +425,7 @@ def read_safetensors(
     missing = wanted - set(header.tensors)
     if missing:
         raise _corrupt(path, f"missing tensors {sorted(missing)[:10]}")
-    pipeline = _Pipeline() if expected_sha256 else None
+    pipeline = _Checker(expected) if expected is not None else None
     out: dict[str, torch.Tensor] = {}
     into = into or {}
     try:
@@ -392,14 +453,12 @@ def read_safetensors(
     finally:
         if pipeline is not None:
             pipeline.close()
-    if pipeline is not None:
-        digest = pipeline.hexdigest()
-        if digest != expected_sha256:
-            raise _corrupt(path, f"sha256 is {digest}, the manifest says {expected_sha256}")
+    if pipeline is not None and (problem := pipeline.problem()) is not None:
+        raise _corrupt(path, problem)
     return out
 
 
-def _read_exact(f, view: memoryview, path: str, info: TensorInfo, pipeline: _Pipeline | None) -> None:
+def _read_exact(f, view: memoryview, path: str, info: TensorInfo, pipeline: _Checker | None) -> None:
     for chunk in _chunks([view]):
         got = 0
         while got < len(chunk):
@@ -412,13 +471,15 @@ def _read_exact(f, view: memoryview, path: str, info: TensorInfo, pipeline: _Pip
 
 
 def hash_file(path: str | os.PathLike) -> FileRecord:
-    """Size and sha256 of a file, read in chunks (used for JSON files and by full verification)."""
+    """Size, sha256 and xxh3-128 of a file, read in chunks (used by full verification)."""
     digest = hashlib.sha256()
+    fast = fast_checksum()
     size = 0
     buffer = bytearray(CHUNK_SIZE)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(view):
             digest.update(view[:n])
+            fast.update(view[:n])
             size += n
-    return FileRecord(size=size, sha256=digest.hexdigest())
+    return FileRecord(size=size, sha256=digest.hexdigest(), xxh3_128=fast.hexdigest())

@@ -98,8 +98,44 @@ def test_flip_in_a_large_shard_needs_full_verification_and_is_caught_on_load(tmp
     assert find_latest_checkpoint(tmp_path, full=True) == tmp_path / "checkpoint-1"
     module = torch.nn.Module()
     module.register_buffer("w", torch.zeros(1536, 1024))
-    with pytest.raises(CorruptCheckpointError, match="sha256"):
+    with pytest.raises(CorruptCheckpointError, match="xxh3-128 is"):
         load_checkpoint(tmp_path / "checkpoint-2", model=module, restore_rng=False)
+
+
+def test_records_hold_both_hashes_of_the_bytes_on_disk_and_old_records_are_checked_by_sha256(tmp_path):
+    import dataclasses
+    import hashlib
+
+    import xxhash
+
+    from hf_resumable.checkpoint import read_manifest
+    from hf_resumable.checkpoint.manifest import Manifest
+
+    big = {"w": torch.randn(1536, 1024)}
+    save_checkpoint(tmp_path / "checkpoint-2", model=big, step=2, rng=False)
+    directory = tmp_path / "checkpoint-2"
+    manifest = read_manifest(directory)
+    for relpath, record in manifest.files.items():
+        data = (directory / relpath).read_bytes()
+        assert record.size == len(data)
+        assert record.sha256 == hashlib.sha256(data).hexdigest()
+        assert record.xxh3_128 == xxhash.xxh3_128(data).hexdigest()
+    # A manifest from before the fast checksum (sha256 only) still loads, and a flipped byte is caught by sha256.
+    old = Manifest(files={k: dataclasses.replace(v, xxh3_128=None) for k, v in manifest.files.items()}, step=2)
+    (directory / "manifest.json").write_bytes(old.to_json())
+    assert "xxh3_128" not in (directory / "manifest.json").read_text()
+    module = torch.nn.Module()
+    module.register_buffer("w", torch.zeros(1536, 1024))
+    load_checkpoint(directory, model=module, restore_rng=False)
+    assert torch.equal(module.w, big["w"])
+    shard = _find(directory, "model-00001")
+    with open(shard, "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x80]))
+    with pytest.raises(CorruptCheckpointError, match="sha256 is"):
+        load_checkpoint(directory, model=module, restore_rng=False)
 
 
 def test_directory_without_manifest_is_never_a_checkpoint(tmp_path):

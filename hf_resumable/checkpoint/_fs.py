@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 
 from ..constants import OWNER_FILE, TMP_PREFIX, TRASH_PREFIX
-from ..safetensors_io import FileRecord
+from ..safetensors_io import FileRecord, record_of
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +27,7 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 def write_bytes_durably(path: Path, data: bytes) -> FileRecord:
-    """Create ``path`` exclusively, write ``data``, fsync; return size and sha256."""
-    import hashlib
-
+    """Create ``path`` exclusively, write ``data``, fsync; return its record (size and hashes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -42,7 +40,7 @@ def write_bytes_durably(path: Path, data: bytes) -> FileRecord:
         path.unlink(missing_ok=True)
         raise
     os.close(fd)
-    return FileRecord(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    return record_of(data)
 
 
 def temp_dir_for(target: Path, *, unique: bool) -> Path:

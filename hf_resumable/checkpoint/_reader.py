@@ -27,7 +27,7 @@ from ..constants import (
 )
 from ..errors import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
 from ..rng import RngState, load_rng_state
-from ..safetensors_io import read_safetensors
+from ..safetensors_io import FileRecord, read_safetensors, record_of
 from ..sharding import ShardIndex, parse_index
 from ..state_codec import decode_state
 from ._model import TIED_KEY, check_model_fits, retie
@@ -74,18 +74,16 @@ class _Reader:
         self.manifest = report.manifest
         self.hash_on_read = hash_on_read
 
-    def sha(self, relpath: str) -> str | None:
-        return self.manifest.files[relpath].sha256 if self.hash_on_read else None
+    def expected(self, relpath: str) -> FileRecord | None:
+        """The manifest record to check ``relpath`` against while reading it (``None``: not checked)."""
+        return self.manifest.files[relpath] if self.hash_on_read else None
 
     def json(self, relpath: str) -> Any:
-        import hashlib
-
         if relpath not in self.manifest.files:
             raise IncompleteCheckpointError(f"{self.path}: {relpath} is not part of this checkpoint.")
         raw = (self.path / relpath).read_bytes()
-        expected = self.manifest.files[relpath].sha256
-        if self.hash_on_read and hashlib.sha256(raw).hexdigest() != expected:
-            raise CorruptCheckpointError(f"{self.path / relpath}: sha256 mismatch with the manifest.")
+        if self.hash_on_read and (problem := self.manifest.files[relpath].mismatch(record_of(raw))):
+            raise CorruptCheckpointError(f"{self.path / relpath}: {problem} (modified or corrupted after the save).")
         try:
             return json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -96,7 +94,7 @@ class _Reader:
 
     def tensors(self, relpath: str, *, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         return read_safetensors(self.path / relpath, header=self.report.headers.get(relpath), into=into,
-                                expected_sha256=self.sha(relpath))
+                                expected=self.expected(relpath))
 
     def sharded(self, index: ShardIndex, *, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         for filename in index.filenames:
@@ -167,5 +165,5 @@ def load_all(reader: _Reader, *, model, optimizer, scheduler, scaler, restore_rn
         loaded.data_state = decode_state(reader.json(data_rel), {}, source=data_rel)
     rng_rel = f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"
     if rng_rel in reader.manifest.files:
-        loaded.rng_state = load_rng_state(reader.path / rng_rel, expected_sha256=reader.sha(rng_rel))
+        loaded.rng_state = load_rng_state(reader.path / rng_rel, expected=reader.expected(rng_rel))
     return loaded

@@ -1,4 +1,4 @@
-"""The manifest: the last file written, listing every other file with its size and sha256.
+"""The manifest: the last file written, listing every other file with its size, sha256 and xxh3-128.
 
 A directory is a committed checkpoint if and only if it holds a manifest that parses, has our
 format name and a version we can read, and whose files are all present with the listed sizes.
@@ -42,7 +42,7 @@ class Manifest:
     """Parsed ``manifest.json``.
 
     Args:
-        files (`dict[str, FileRecord]`): relative path -> size and sha256.
+        files (`dict[str, FileRecord]`): relative path -> size, sha256 and xxh3-128.
         step (`int`, *optional*): the global step the checkpoint was taken at.
         world_size (`int`): number of ranks that wrote it.
         metrics (`dict[str, float]`): metrics recorded at save time (keep-best retention).
@@ -76,7 +76,7 @@ class Manifest:
             "created": self.created,
             "metrics": self.metrics,
             "versions": self.versions,
-            "files": {k: {"size": v.size, "sha256": v.sha256} for k, v in sorted(self.files.items())},
+            "files": {k: _record_to_json(v) for k, v in sorted(self.files.items())},
         }
         document["checksum"] = _checksum(document)
         return (json.dumps(document, indent=2, sort_keys=True) + "\n").encode()
@@ -99,7 +99,7 @@ class Manifest:
                 f"1..{FORMAT_VERSION}. Upgrade hf_resumable to load it."
             )
         try:
-            files = {str(k): FileRecord(int(v["size"]), str(v["sha256"])) for k, v in document["files"].items()}
+            files = {str(k): _record_from_json(v) for k, v in document["files"].items()}
             return cls(files=files, step=document.get("step"), world_size=int(document.get("world_size", 1)),
                        metrics=dict(document.get("metrics") or {}), versions=dict(document.get("versions") or {}),
                        created=float(document.get("created", 0.0)), format_version=version)
@@ -139,11 +139,23 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     return Manifest.from_json(path.read_bytes(), source=str(path))
 
 
+def _record_to_json(record: FileRecord) -> dict[str, Any]:
+    document: dict[str, Any] = {"size": record.size, "sha256": record.sha256}
+    if record.xxh3_128 is not None:
+        document["xxh3_128"] = record.xxh3_128
+    return document
+
+
+def _record_from_json(document: Mapping[str, Any]) -> FileRecord:
+    fast = document.get("xxh3_128")
+    return FileRecord(int(document["size"]), str(document["sha256"]), None if fast is None else str(fast))
+
+
 def records_to_json(records: Mapping[str, FileRecord]) -> dict[str, Any]:
     """JSON form of file records (for gathering across ranks)."""
-    return {k: [v.size, v.sha256] for k, v in records.items()}
+    return {k: _record_to_json(v) for k, v in records.items()}
 
 
 def records_from_json(document: Mapping[str, Any]) -> dict[str, FileRecord]:
     """Inverse of :func:`records_to_json`."""
-    return {k: FileRecord(int(v[0]), str(v[1])) for k, v in document.items()}
+    return {k: _record_from_json(v) for k, v in document.items()}

@@ -126,10 +126,9 @@ def _check_files(directory: Path, report: VerifyReport) -> None:
                 report.add(relpath, str(err))
                 continue
         if report.full or record.size <= QUICK_HASH_LIMIT:
-            actual = hash_file(path)
-            if actual.sha256 != record.sha256:
-                report.add(relpath, f"sha256 mismatch: {actual.sha256} != {record.sha256} "
-                                                 "(the file was modified or corrupted after the save)")
+            problem = record.mismatch(hash_file(path))
+            if problem is not None:
+                report.add(relpath, f"{problem} (the file was modified or corrupted after the save)")
 
 
 def _check_indexes(directory: Path, report: VerifyReport) -> None:
