@@ -6,7 +6,10 @@ For a Llama-shaped model + AdamW state of about 1 GiB, each repetition measures:
 - our blocking save (``save_checkpoint``),
 - our async save's stall (time until ``save_checkpoint(blocking=False)`` returns and training may go on),
 - the stock pattern (``save_pretrained`` + ``torch.save(optimizer.state_dict())``, fsynced),
-- raw cold read of the checkpoint's bytes and our full load (``load_checkpoint``, hashes checked on the fly).
+- raw cold read of the checkpoint's bytes and our full load (``load_checkpoint``, hashes checked on the fly)
+  into a model and optimizer that exist with state (like the raw read, into memory that is already there),
+- the same load into an optimizer without state (a fresh-process resume), which also pays the first touch
+  of the optimizer state's new memory.
 
 Caches are dropped before every write and cold read when the process may write ``/proc/sys/vm/drop_caches``.
 Prints a markdown table of medians and the ratios the targets are stated in.
@@ -101,7 +104,7 @@ def main() -> None:
     fresh_model, fresh_optimizer = build(seed=1)
     can_drop = drop_caches()
     results: dict[str, list[float]] = {k: [] for k in ("raw_write", "save", "async_stall", "async_total", "stock",
-                                                       "raw_read", "load")}
+                                                       "raw_read", "load", "load_fresh")}
     # Warm-up: allocate the async staging buffers once (they are reused afterwards, as in training).
     save_checkpoint(root / "warm", model=model, optimizer=optimizer, blocking=False)
     wait_for_pending_saves()
@@ -133,6 +136,12 @@ def main() -> None:
         start = time.perf_counter()
         load_checkpoint(root / f"checkpoint-{rep}", model=fresh_model, optimizer=fresh_optimizer)
         results["load"].append(time.perf_counter() - start)
+        stateless = torch.optim.AdamW(fresh_model.parameters(), lr=1e-4)
+        drop_caches()
+        start = time.perf_counter()
+        load_checkpoint(root / f"checkpoint-{rep}", model=fresh_model, optimizer=stateless)
+        results["load_fresh"].append(time.perf_counter() - start)
+        del stateless
         shutil.rmtree(root / f"checkpoint-{rep}")
     shutil.rmtree(root, ignore_errors=True)
     report(results, nbytes, args.repeats, can_drop)
@@ -157,6 +166,8 @@ def report(results: dict[str, list[float]], nbytes: int, repeats: int, can_drop:
         ("raw cold read (limit)", "raw_read", "1.00x", ""),
         ("hf_resumable full load (hash-checked)", "load", f"{med['raw_read'] / med['load']:.2f}x raw read",
          ">= 0.9x"),
+        ("hf_resumable full load, optimizer without state", "load_fresh",
+         f"{med['raw_read'] / med['load_fresh']:.2f}x raw read", ""),
     ]
     for label, key, ratio, target in rows:
         print(f"| {label} | {med[key]:.3f} | {gbps[key]:.2f} | {ratio} | {target} |")

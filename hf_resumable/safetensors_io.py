@@ -287,6 +287,40 @@ class _Pipeline:
         return self.digest.hexdigest()
 
 
+class _WriteBehind:
+    """Flush a file's dirty pages on a helper thread while the caller keeps writing.
+
+    Without it every byte reaches the disk only at the final fsync, after all the hashing; a flush
+    in the writing thread itself would leave the disk idle while each next batch is written. One
+    flush is in flight at a time; its error is raised by :meth:`finish`.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.thread: threading.Thread | None = None
+        self.error: OSError | None = None
+
+    def kick(self) -> bool:
+        """Start a flush unless one is running; ``True`` if one was started."""
+        if self.thread is not None and self.thread.is_alive():
+            return False
+        self.thread = threading.Thread(target=self._flush, name="hf_resumable-flush", daemon=True)
+        self.thread.start()
+        return True
+
+    def _flush(self) -> None:
+        try:
+            os.fdatasync(self.fd)
+        except OSError as err:
+            self.error = err
+
+    def finish(self, *, raise_error: bool = True) -> None:
+        if self.thread is not None:
+            self.thread.join()
+        if raise_error and self.error is not None:
+            raise self.error
+
+
 def _write_all(fd: int, chunk: memoryview) -> None:
     while chunk:
         written = os.write(fd, chunk)
@@ -315,6 +349,7 @@ def write_safetensors(
     pipeline = _Pipeline(with_fast=True)
     size = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    flusher = _WriteBehind(fd) if fsync else None
     try:
         unsynced = 0
         for chunk in _chunks([memoryview(header)] + [_as_bytes(t) for _, t in ordered]):
@@ -322,15 +357,15 @@ def write_safetensors(
             _write_all(fd, chunk)
             size += len(chunk)
             unsynced += len(chunk)
-            if fsync and unsynced >= WRITE_BEHIND:
-                # Push dirty pages to disk while the helper thread is still hashing: the disk and the
-                # hash overlap instead of running one after the other at the final fsync.
-                os.fdatasync(fd)
+            if flusher is not None and unsynced >= WRITE_BEHIND and flusher.kick():
                 unsynced = 0
         digest = pipeline.hexdigest()
-        if fsync:
+        if flusher is not None:
+            flusher.finish()
             os.fsync(fd)
     except BaseException:
+        if flusher is not None:
+            flusher.finish(raise_error=False)
         os.close(fd)
         pipeline.close()
         _unlink_quietly(path)

@@ -253,3 +253,59 @@ def test_data_state_with_tensors_is_refused_not_silently_dropped(tmp_path):
     with pytest.raises(UnsupportedStateError, match="data_state holds tensors"):
         save_checkpoint(tmp_path / "c", model=None, data_state={"buffer": torch.arange(3)}, rng=False)
     assert not (tmp_path / "c").exists()
+
+
+def test_load_into_an_optimizer_that_has_state_fills_it_in_place_bit_exactly(tmp_path):
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, optimizer, steps=2)
+    save_checkpoint(tmp_path / "checkpoint-2", model=model, optimizer=optimizer, max_shard_size="64KB", rng=False)
+    expected_model = {k: v.clone() for k, v in model.state_dict().items()}
+
+    other = tiny_llama(seed=1)
+    other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    train_steps(other, other_optimizer, steps=3, seed=5)  # state exists, with different values
+    existing = {id(v): v.data_ptr() for s in other_optimizer.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor)}
+    load_checkpoint(tmp_path / "checkpoint-2", model=other, optimizer=other_optimizer, restore_rng=False)
+    assert_same_state(expected_model, other.state_dict())
+    assert_same_optimizer(optimizer, other_optimizer)
+    kept = [v for s in other_optimizer.state.values() for v in s.values()
+            if isinstance(v, torch.Tensor) and existing.get(id(v)) == v.data_ptr()]
+    assert len(kept) == len(existing)  # every state tensor was refilled, none reallocated
+    # Training on from the load is identical to training on from the original.
+    train_steps(model, optimizer, steps=2, seed=9)
+    train_steps(other, other_optimizer, steps=2, seed=9)
+    assert_same_state(model.state_dict(), other.state_dict())
+
+
+def test_mismatched_optimizer_with_state_is_refused_before_anything_is_overwritten(tmp_path):
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, optimizer, steps=1)
+    save_checkpoint(tmp_path / "checkpoint-1", model=model, optimizer=optimizer, rng=False)
+    other = tiny_gpt2(seed=3)
+    adam = torch.optim.Adam(other.parameters(), lr=1e-2)  # another class, same state keys and shapes
+    train_steps(other, adam, steps=1, seed=4)
+    before = {(i, k): v.clone() for i, s in enumerate(adam.state.values()) for k, v in s.items()}
+    with pytest.raises(CheckpointMismatchError, match="optimizer was AdamW, now Adam"):
+        load_checkpoint(tmp_path / "checkpoint-1", model=other, optimizer=adam, restore_rng=False)
+    after = {(i, k): v for i, s in enumerate(adam.state.values()) for k, v in s.items()}
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_existing_state_of_another_shape_is_replaced_not_overwritten(tmp_path):
+    model = tiny_gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    train_steps(model, optimizer, steps=2)
+    save_checkpoint(tmp_path / "checkpoint-2", model=model, optimizer=optimizer, rng=False)
+    other = tiny_gpt2(seed=2)
+    other_optimizer = torch.optim.SGD(other.parameters(), lr=1e-2, momentum=0.9)
+    train_steps(other, other_optimizer, steps=1)
+    first = next(iter(other_optimizer.state.values()))
+    odd = torch.zeros(3, dtype=torch.float64)
+    first["momentum_buffer"] = odd  # a stale entry that cannot receive the saved tensor
+    load_checkpoint(tmp_path / "checkpoint-2", model=other, optimizer=other_optimizer, restore_rng=False)
+    assert torch.equal(odd, torch.zeros(3, dtype=torch.float64))
+    assert_same_optimizer(optimizer, other_optimizer)

@@ -85,15 +85,29 @@ def optimizer_to_tensors(
     return encode_named_optimizer_state(state, groups, type(optimizer).__qualname__)
 
 
-def optimizer_from_tensors(
-    optimizer: torch.optim.Optimizer,
-    names: list[str],
-    tensors: Mapping[str, torch.Tensor],
-    document: Mapping[str, Any],
-    *,
-    source: str,
-) -> None:
-    """Load state produced by :func:`optimizer_to_tensors` into ``optimizer``, matched by name.
+def existing_state_targets(
+    optimizer: torch.optim.Optimizer, names: list[str], stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+) -> dict[str, torch.Tensor]:
+    """The optimizer's current state tensors that a load can overwrite in place, by stored tensor name.
+
+    Only tensors whose stored dtype and shape match exactly are returned; everything else is read into
+    fresh memory. Loading into an optimizer that already holds state (a reload, a rollback) then skips
+    allocating and first-touching that memory, as model weights do.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    targets: dict[str, torch.Tensor] = {}
+    for name, param in zip(names, params):
+        for key, value in optimizer.state.get(param, {}).items():
+            stored_name = f"{OPTIMIZER_STATE_PREFIX}{name}/{key}"
+            if (isinstance(value, torch.Tensor) and stored_name in stored
+                    and stored[stored_name] == (value.dtype, tuple(value.shape))):
+                targets[stored_name] = value
+    return targets
+
+
+def check_optimizer_matches(optimizer: torch.optim.Optimizer, names: list[str], document: Mapping[str, Any], *,
+                            source: str) -> None:
+    """Refuse a saved optimizer state that cannot fit ``optimizer`` (checked before any tensor is read).
 
     Raises:
         CheckpointMismatchError: if the optimizer class, group structure or parameter names differ.
@@ -113,6 +127,29 @@ def optimizer_from_tensors(
     if problems:
         raise CheckpointMismatchError(f"{source}: optimizer does not match the checkpoint:\n  " +
                                       "\n  ".join(problems[:50]))
+    offset = 0
+    for i, (group, current) in enumerate(zip(saved_groups, optimizer.param_groups)):
+        if set(group["params"]) != set(names[offset : offset + len(current["params"])]):
+            raise CheckpointMismatchError(f"{source}: param group {i} holds different parameters than when saved.")
+        offset += len(current["params"])
+
+
+def optimizer_from_tensors(
+    optimizer: torch.optim.Optimizer,
+    names: list[str],
+    tensors: Mapping[str, torch.Tensor],
+    document: Mapping[str, Any],
+    *,
+    source: str,
+) -> None:
+    """Load state produced by :func:`optimizer_to_tensors` into ``optimizer``, matched by name.
+
+    Raises:
+        CheckpointMismatchError: if the optimizer class, group structure or parameter names differ.
+    """
+    check_optimizer_matches(optimizer, names, document, source=source)
+    index_of = {name: i for i, name in enumerate(names)}
+    saved_groups = document["param_groups"]
     state: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
         if key.startswith(OPTIMIZER_STATE_PREFIX):
@@ -122,10 +159,8 @@ def optimizer_from_tensors(
         for field, value in fields.items():
             state.setdefault(index_of[name], {})[field] = decode_state(value, tensors, source=source)
     groups, offset = [], 0
-    for i, (group, current) in enumerate(zip(saved_groups, optimizer.param_groups)):
+    for group, current in zip(saved_groups, optimizer.param_groups):
         current_names = names[offset : offset + len(current["params"])]
-        if set(group["params"]) != set(current_names):
-            raise CheckpointMismatchError(f"{source}: param group {i} holds different parameters than when saved.")
         decoded = {k: decode_state(v, tensors, source=source) for k, v in group.items() if k != "params"}
         # torch pairs saved and current params by position, so list them in the current order.
         decoded["params"] = list(range(offset, offset + len(current_names)))

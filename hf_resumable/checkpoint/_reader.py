@@ -31,7 +31,7 @@ from ..safetensors_io import FileRecord, read_safetensors, record_of
 from ..sharding import ShardIndex, parse_index
 from ..state_codec import decode_state
 from ._model import TIED_KEY, check_model_fits, retie
-from ._optimizer import optimizer_from_tensors, parameter_names
+from ._optimizer import check_optimizer_matches, existing_state_targets, optimizer_from_tensors, parameter_names
 from ._payload import STATE_TENSORS_FILE
 from ._threads import run_in_threads
 from .manifest import Manifest
@@ -122,11 +122,27 @@ def load_model_weights(reader: _Reader, model: torch.nn.Module, *, strict: bool)
     retie(model.state_dict(keep_vars=True), tied)
 
 
-def read_optimizer_tensors(reader: _Reader, document: Mapping[str, Any] | None) -> dict[str, torch.Tensor]:
+def optimizer_targets(reader: _Reader, model: torch.nn.Module | None,
+                      optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Existing optimizer state tensors the load can fill in place (see ``existing_state_targets``)."""
+    if OPTIMIZER_INDEX_FILE not in reader.manifest.files or not optimizer.state:
+        return {}
+    stored = {}
+    for filename in reader.index(OPTIMIZER_INDEX_FILE).filenames:
+        header = reader.report.headers.get(filename)
+        if header is None:
+            return {}
+        stored.update({n: (t.torch_dtype, t.shape) for n, t in header.tensors.items()})
+    return existing_state_targets(optimizer, parameter_names(model, optimizer), stored)
+
+
+def read_optimizer_tensors(reader: _Reader, document: Mapping[str, Any] | None,
+                           into: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if OPTIMIZER_INDEX_FILE not in reader.manifest.files or not document:
         raise IncompleteCheckpointError(
             f"{reader.path}: the checkpoint has no optimizer state; load without optimizer= or save with it.")
-    return reader.sharded(reader.index(OPTIMIZER_INDEX_FILE))
+    leftovers = reader.sharded(reader.index(OPTIMIZER_INDEX_FILE), into=into)
+    return {**into, **leftovers}
 
 
 def load_optimizer_state(reader: _Reader, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer,
@@ -143,7 +159,12 @@ def load_all(reader: _Reader, *, model, optimizer, scheduler, scaler, restore_rn
     source = str(reader.path / TRAINING_STATE_FILE)
     document = state.get(STATE_KEY_OPTIMIZER)
     # The optimizer's tensors are read while the model loads (two IO streams, hashes on both cores).
-    jobs = [lambda: read_optimizer_tensors(reader, document) if optimizer is not None else None,
+    into: dict[str, torch.Tensor] = {}
+    if optimizer is not None and document:
+        # Refuse a mismatched optimizer before its existing state could be overwritten in place.
+        check_optimizer_matches(optimizer, parameter_names(model, optimizer), document, source=source)
+        into = optimizer_targets(reader, model, optimizer)
+    jobs = [lambda: read_optimizer_tensors(reader, document, into) if optimizer is not None else None,
             lambda: load_model_weights(reader, model, strict=strict) if model is not None else None]
     optimizer_tensors, _ = run_in_threads(lambda job: job(), jobs, workers=2)
     if optimizer is not None:
