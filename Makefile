@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 
 .PHONY: venv test demo bench clean
 
-$(VENV)/.installed: setup.cfg pyproject.toml
+$(VENV)/.installed: setup.cfg setup.py pyproject.toml hf_resumable/_fastcopy.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build.

@@ -150,8 +150,10 @@ def main() -> None:
 def report(results: dict[str, list[float]], nbytes: int, repeats: int, can_drop: bool) -> None:
     med = {k: statistics.median(v) for k, v in results.items()}
     gbps = {k: nbytes / v / 1e9 for k, v in med.items()}
+    from hf_resumable.checkpoint._staging import COPY_KIND
+
     print(f"\nCheckpoint of {nbytes / 2**30:.2f} GiB (model + AdamW), median of {repeats} runs, "
-          f"page cache dropped: {can_drop}\n")
+          f"page cache dropped: {can_drop}, staging copy: {COPY_KIND}\n")
     print("| operation | median s | GB/s | ratio | target |")
     print("|---|---|---|---|---|")
     rows = [

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_resumable.checkpoint import _staging
 from hf_resumable.checkpoint._staging import Piece, copy_into, plan_stretches
+
+COPIERS = {"memmove": _staging._memmove}
+if _staging._nt_copy is not None:
+    COPIERS["non-temporal"] = _staging._nt_copy
 
 
 @pytest.mark.parametrize("sizes", [[], [0], [1], [100, 28], [7, 0, 13, 4096, 1], [10_000] * 5, [1 << 20, 3, 5 << 10]])
@@ -41,8 +46,9 @@ def _bits(t: torch.Tensor) -> bytes:
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
+@pytest.mark.parametrize("copier", sorted(COPIERS))
 @pytest.mark.parametrize("workers", [1, 2, 4])
-def test_copy_into_is_bit_exact_for_every_kind_of_source(workers):
+def test_copy_into_is_bit_exact_for_every_kind_of_source(workers, copier):
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(3_000_000, generator=gen)
     sources = [
@@ -58,7 +64,40 @@ def test_copy_into_is_bit_exact_for_every_kind_of_source(workers):
         torch.nn.Parameter(torch.randn(513, 7, generator=gen)),          # requires_grad
     ]
     buffers = [torch.full(s.shape, 0, dtype=s.dtype) for s in sources]
-    copy_into(list(zip(buffers, sources)), workers=workers)
+    copy_into(list(zip(buffers, sources)), workers=workers, copier=COPIERS[copier])
     for buffer, source in zip(buffers, sources):
         assert buffer.shape == source.shape and buffer.dtype == source.dtype
         assert _bits(buffer) == _bits(source.resolve_conj())
+
+
+def test_fast_copy_extension_is_built_where_a_c_compiler_exists():
+    import shutil
+    import sysconfig
+
+    from pathlib import Path
+
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if shutil.which(compiler) is None or not headers.exists():
+        pytest.skip(f"no C compiler ({compiler}) or Python headers here: the memmove fallback is what runs")
+    assert _staging._nt_copy is not None, "hf_resumable._fastcopy was not built; reinstall with `pip install -e .`"
+    assert _staging.COPY_KIND == "non-temporal"
+
+
+@pytest.mark.skipif(_staging._nt_copy is None, reason="hf_resumable._fastcopy not built")
+@pytest.mark.parametrize("dst_offset", [0, 1, 13, 64])
+@pytest.mark.parametrize("src_offset", [0, 3, 64])
+@pytest.mark.parametrize("nbytes", [0, 1, 63, 4096 * 4 - 1, 4096 * 4 + 63, 4096 * 4 * 3 + 4097, 1 << 20])
+def test_non_temporal_copy_is_bit_exact_at_any_alignment_and_length(dst_offset, src_offset, nbytes):
+    source = torch.randint(0, 256, (nbytes + 128,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    target = torch.zeros(nbytes + 128, dtype=torch.uint8)
+    _staging._nt_copy(target.data_ptr() + dst_offset, source.data_ptr() + src_offset, nbytes)
+    assert torch.equal(target[dst_offset : dst_offset + nbytes], source[src_offset : src_offset + nbytes])
+    assert not target[:dst_offset].any() and not target[dst_offset + nbytes :].any()  # nothing outside written
+
+
+def test_non_temporal_copy_rejects_null_addresses():
+    if _staging._nt_copy is None:
+        pytest.skip("hf_resumable._fastcopy not built")
+    with pytest.raises(ValueError, match="null"):
+        _staging._nt_copy(0, 0, 8)
