@@ -1,0 +1,51 @@
+"""Move sharded models and committed training checkpoints to and from the Hugging Face Hub.
+
+Everything goes through ``huggingface_hub`` (one ``upload_folder`` commit per push, ``hf_hub_download`` for the index
+and the shards), with one exception: :func:`resumable_download`, which issues ranged ``GET``s itself because
+``huggingface_hub`` 2.x deletes partial downloads when a process dies, so a multi-GB file would restart from zero.
+
+Downloads are index first: the ``model.safetensors.index.json`` names the shards, so only the shards holding the
+tensors asked for are fetched, and each is checked against the sha256 that :func:`push_sharded` recorded in the index
+metadata (``metadata["hf_resumable_shards"]``).
+
+Example:
+
+```python
+>>> from hf_resumable.hub import push_sharded, download_shards
+>>> push_sharded(model, "me/tiny-gpt2", max_shard_size="50MB")
+>>> folder = download_shards("me/tiny-gpt2", prefixes=["transformer.h.0."])
+```
+"""
+
+from ._common import (
+    SHARD_RECORDS_KEY,
+    SINGLE_MODEL_FILE,
+    HfUrl,
+    HubSnapshot,
+    parse_hf_url,
+    read_index_file,
+    shard_record,
+)
+from .checkpoints import PushedCheckpoint, find_latest_hub_checkpoint, pull_checkpoint, push_checkpoint
+from .download import resumable_download
+from .models import download_shards, push_sharded, write_sharded_model
+from .uploader import CheckpointUploader
+
+__all__ = [
+    "SINGLE_MODEL_FILE",
+    "SHARD_RECORDS_KEY",
+    "HfUrl",
+    "HubSnapshot",
+    "read_index_file",
+    "shard_record",
+    "write_sharded_model",
+    "PushedCheckpoint",
+    "CheckpointUploader",
+    "parse_hf_url",
+    "push_sharded",
+    "download_shards",
+    "resumable_download",
+    "pull_checkpoint",
+    "push_checkpoint",
+    "find_latest_hub_checkpoint",
+]

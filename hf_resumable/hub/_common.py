@@ -1,0 +1,275 @@
+"""Shared pieces of the hub package: hf:// URLs, a repo pinned at one commit, index and shard checks."""
+
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import HfApi, hf_hub_download
+from huggingface_hub.errors import EntryNotFoundError
+
+from ..constants import MAX_JSON_SIZE, MODEL_INDEX_FILE
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    HubError,
+    IncompleteCheckpointError,
+    UnsafeIndexError,
+)
+from ..sharding import ShardIndex, check_relative_name, parse_index
+
+logger = logging.getLogger(__name__)
+
+
+
+
+# Un-sharded weights file (transformers and huggingface_hub write it when everything fits in one shard).
+SINGLE_MODEL_FILE = "model.safetensors"
+# Index metadata key: {shard file: {"size": int, "sha256": str}} (transformers ignores unknown keys).
+SHARD_RECORDS_KEY = "hf_resumable_shards"
+# Index metadata key: format version of what push_sharded wrote.
+INDEX_VERSION_KEY = "hf_resumable_format_version"
+# Suffixes of the partial file and its sidecar used by resumable_download.
+PART_SUFFIX = ".part"
+SIDECAR_SUFFIX = ".part.json"
+# Remote files push_sharded replaces on every push (stale shards of an earlier layout are deleted).
+WEIGHT_PATTERNS = ["model*.safetensors", MODEL_INDEX_FILE]
+_DOWNLOAD_CHUNK = 1024 * 1024
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+
+
+# --------------------------------------------------------------------------------------------------- hf:// URLs
+@dataclass(frozen=True)
+class HfUrl:
+    """A parsed ``hf://[datasets/]<namespace>/<name>[@<revision>][/<path>]`` reference.
+
+    Args:
+        repo_id (`str`): ``namespace/name``.
+        revision (`str`, *optional*): branch, tag or commit sha (``None``: the default branch).
+        path_in_repo (`str`): sub-directory inside the repo (``""``: the root).
+        repo_type (`str`): ``"model"`` or ``"dataset"``.
+    """
+
+    repo_id: str
+    revision: str | None = None
+    path_in_repo: str = ""
+    repo_type: str = "model"
+
+    def __post_init__(self) -> None:
+        if self.repo_id.count("/") != 1 or not all(self.repo_id.split("/")):
+            raise ValueError(f"repo_id must look like 'namespace/name', got {self.repo_id!r}.")
+        if self.path_in_repo:
+            check_relative_name(self.path_in_repo, source=f"hf://{self.repo_id}", suffix=None)
+        if self.repo_type not in ("model", "dataset"):
+            raise ValueError(f"repo_type must be 'model' or 'dataset', got {self.repo_type!r}.")
+
+
+def parse_hf_url(url: str) -> HfUrl:
+    """Parse ``hf://user/repo@revision/sub/dir`` (the scheme is optional; ``@revision`` may be URL-quoted).
+
+    Raises:
+        ValueError: if the URL has no ``namespace/name`` or its path escapes the repo.
+
+    Example:
+
+    ```python
+    >>> parse_hf_url("hf://me/run@step-120/checkpoint-120")
+    HfUrl(repo_id='me/run', revision='step-120', path_in_repo='checkpoint-120', repo_type='model')
+    >>> parse_hf_url("me/run").revision is None
+    True
+    ```
+    """
+    rest = url[len("hf://"):] if url.startswith("hf://") else url
+    repo_type = "model"
+    if rest.startswith("datasets/"):
+        repo_type, rest = "dataset", rest[len("datasets/"):]
+    parts = rest.strip("/").split("/")
+    if len(parts) < 2:
+        raise ValueError(f"Cannot parse {url!r}: expected 'hf://namespace/name[@revision][/path]'.")
+    name, _, revision = parts[1].partition("@")
+    path = "/".join(parts[2:])
+    return HfUrl(f"{parts[0]}/{name}", urllib.parse.unquote(revision) or None, path, repo_type)
+
+
+# --------------------------------------------------------------------------------------------------- remote snapshot
+@dataclass(frozen=True)
+class HubSnapshot:
+    """One repo pinned at one commit: every file it hands out comes from that same commit.
+
+    Create it with :meth:`HubSnapshot.resolve`, which turns a branch or tag into a commit sha once, so a push that
+    lands while shards are being fetched cannot mix two versions of a model.
+
+    Args:
+        repo_id (`str`): the repo.
+        commit (`str`): the 40-hex commit sha.
+        token (`str`, *optional*): Hub token (default: the configured one).
+        local_dir (`Path`, *optional*): download into this folder instead of the Hub cache.
+        repo_type (`str`): ``"model"`` or ``"dataset"``.
+    """
+
+    repo_id: str
+    commit: str
+    token: str | None = None
+    local_dir: Path | None = None
+    repo_type: str = "model"
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[0-9a-f]{40}", self.commit):
+            raise ValueError(f"HubSnapshot.commit must be a 40-hex commit sha, got {self.commit!r}.")
+
+    @classmethod
+    def resolve(cls, repo_id: str, *, revision: str | None = None, token: str | None = None,
+                local_dir: str | os.PathLike | None = None, repo_type: str = "model") -> HubSnapshot:
+        """Resolve ``revision`` (default: the main branch) to its commit sha with one API call.
+
+        Example:
+
+        ```python
+        >>> snapshot = HubSnapshot.resolve("me/tiny-gpt2", revision="main")
+        >>> len(snapshot.commit)
+        40
+        ```
+        """
+        info = HfApi(token=token).repo_info(repo_id, revision=revision, repo_type=repo_type)
+        if not info.sha:
+            raise HubError(f"{repo_id}@{revision or 'main'}: the Hub returned no commit sha; retry, or pass a commit.")
+        return cls(repo_id, info.sha, token, Path(local_dir) if local_dir is not None else None, repo_type)
+
+    @property
+    def label(self) -> str:
+        return f"{self.repo_id}@{self.commit[:12]}"
+
+    def fetch(self, filename: str, *, expected: Mapping[str, Any] | None = None) -> Path:
+        """Download ``filename`` (cached) and return its local path, verified against ``expected`` size/sha256.
+
+        Raises:
+            EntryNotFoundError: if the commit has no such file.
+            CorruptCheckpointError: if the bytes do not match ``expected``; the bad file is removed first.
+        """
+        path = Path(hf_hub_download(self.repo_id, filename, revision=self.commit, token=self.token,
+                                    local_dir=self.local_dir, repo_type=self.repo_type))
+        if expected is not None:
+            _verify_file(path, expected, source=f"{self.label}/{filename}")
+        return path
+
+    def fetch_index(self) -> tuple[ShardIndex | None, Path]:
+        """The parsed index (``None`` for a single ``model.safetensors``) and the local folder holding it.
+
+        Raises:
+            CheckpointNotFoundError: if the commit has neither an index nor ``model.safetensors``.
+            UnsafeIndexError: if the index is malformed or names files outside the repo.
+        """
+        try:
+            path = self.fetch(MODEL_INDEX_FILE)
+        except EntryNotFoundError:
+            path = None
+        if path is not None:
+            return read_index_file(path, source=f"{self.label}/{MODEL_INDEX_FILE}"), path.parent
+        try:
+            return None, self.fetch(SINGLE_MODEL_FILE).parent
+        except EntryNotFoundError:
+            raise CheckpointNotFoundError(
+                f"{self.label}: no {MODEL_INDEX_FILE} and no {SINGLE_MODEL_FILE}; this repo holds no safetensors "
+                "model. Push one with hf_resumable.hub.push_sharded(model, repo_id), or check repo_id/revision."
+            ) from None
+
+    def fetch_shard(self, index: ShardIndex, filename: str) -> Path:
+        """Download one shard named by ``index``, verified against its recorded hash when there is one.
+
+        Raises:
+            IncompleteCheckpointError: if the index names a shard the commit does not have.
+            CorruptCheckpointError: if the shard's bytes do not match the index's record.
+        """
+        expected = shard_record(index, filename)
+        try:
+            return self.fetch(filename, expected=expected)
+        except EntryNotFoundError:
+            raise IncompleteCheckpointError(
+                f"{index.source} names shard {filename!r}, but {self.label} has no such file: the push was partial or"
+                " the index is stale. Re-push the model with push_sharded(...)."
+            ) from None
+
+
+def shard_record(index: ShardIndex, filename: str) -> dict[str, Any] | None:
+    """The ``{"size", "sha256"}`` that :func:`push_sharded` recorded for ``filename``, if any.
+
+    Example:
+
+    ```python
+    >>> shard_record(index, "model-00001-of-00002.safetensors")
+    {'size': 20480, 'sha256': '9f86d0...'}
+    ```
+    """
+    records = index.metadata.get(SHARD_RECORDS_KEY)
+    record = records.get(filename) if isinstance(records, dict) else None
+    return record if isinstance(record, dict) else None
+
+
+def read_index_file(path: Path, *, source: str) -> ShardIndex:
+    """Parse and validate a local ``*.safetensors.index.json`` (size-capped, traversal-checked).
+
+    Raises:
+        UnsafeIndexError: if the file is oversized, malformed, or names files outside its directory.
+        CorruptCheckpointError: if it is not JSON.
+
+    Example:
+
+    ```python
+    >>> read_index_file(Path("out/model.safetensors.index.json"), source="out").filenames
+    ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
+    ```
+    """
+    if path.stat().st_size > MAX_JSON_SIZE:
+        raise UnsafeIndexError(f"{source}: index is larger than {MAX_JSON_SIZE} bytes; refusing to parse it.")
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CorruptCheckpointError(f"{source}: index is not valid JSON ({err}); re-push the model.") from None
+    return parse_index(document, source=source)
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_DOWNLOAD_CHUNK * 8):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _remove_download(path: Path) -> None:
+    """Remove a downloaded file and, for a Hub-cache symlink, the blob it points to."""
+    blob = Path(os.path.realpath(path))
+    for target in {path, blob}:
+        try:
+            target.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _verify_file(path: Path, expected: Mapping[str, Any], *, source: str) -> None:
+    size, sha256 = expected.get("size"), expected.get("sha256")
+    actual_size = path.stat().st_size
+    problem = None
+    if size is not None and actual_size != int(size):
+        problem = f"size is {actual_size} bytes, expected {size}"
+    elif sha256 is not None and (actual := _sha256_of(path)) != sha256:
+        problem = f"sha256 is {actual}, expected {sha256}"
+    if problem is not None:
+        _remove_download(path)
+        raise CorruptCheckpointError(
+            f"{source}: downloaded {problem}. The bad copy at {path} was removed; retry the download, and if it "
+            "persists the remote file or its index is corrupt: re-push it."
+        )
+
+
