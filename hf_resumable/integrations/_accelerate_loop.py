@@ -1,0 +1,134 @@
+"""The training-loop side of :class:`~hf_resumable.integrations.accelerate.ResumableAccelerator`: prepared
+resumable loaders (device placement, epoch and position) and accumulation windows (the micro-batches of one
+optimizer step with their item count)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from accelerate.data_loader import DataLoaderStateMixin
+from accelerate.state import GradientState
+from accelerate.utils import send_to_device
+
+from ..data import DATA_EPOCH, DATA_KIND, DATA_NUM_BATCHES, DATA_STEP, ResumableDataLoader
+
+if TYPE_CHECKING:
+    from .accelerate import ResumableAccelerator
+
+__all__ = ["AccumulationWindow", "ResumablePreparedLoader"]
+
+
+class ResumablePreparedLoader(DataLoaderStateMixin):
+    """A prepared :class:`~hf_resumable.data.ResumableDataLoader`: device placement, epoch and position.
+
+    Iterating it yields the rest of the current epoch (from the restored position on), then advances
+    :attr:`epoch`. Iterate epochs as ``for epoch in range(loader.epoch, num_epochs): for batch in loader:``
+    so a resumed run continues in the epoch it was interrupted in. ``end_of_dataloader`` is set on the
+    last batch of the epoch without prefetching (the batch count is known), as accelerate's gradient
+    synchronisation expects.
+
+    Args:
+        loader (`ResumableDataLoader`): built for this rank (``rank``/``world_size`` of the accelerator).
+        gradient_state (`GradientState`): the accelerator's gradient state.
+        device (`torch.device`, *optional*): where batches are moved (``None``: left where they are).
+    """
+
+    def __init__(self, loader: ResumableDataLoader, *, gradient_state: GradientState,
+                 device: torch.device | None) -> None:
+        self.loader = loader
+        self.gradient_state = gradient_state
+        self.device = device
+        self.dataset = loader.dataset
+        self._drop_last = loader.batch_sampler.drop_last
+        self.total_batch_size = loader.batch_sampler.batch_size * loader.batch_sampler.world_size
+        self.epoch = loader.batch_sampler.epoch
+        self.consumed = 0  # batches of ``epoch`` already handed out
+
+    @property
+    def batch_size(self) -> int:
+        return self.loader.batch_sampler.batch_size
+
+    def __len__(self) -> int:
+        return len(self.loader.batch_sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select an epoch; selecting the current one keeps the position (so resumed runs may call it)."""
+        if epoch != self.epoch:
+            self.epoch, self.consumed = epoch, 0
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.consumed >= len(self):
+            self._next_epoch()
+            return
+        self.loader.set_epoch(self.epoch)
+        source = self.loader.skip(self.consumed) if self.consumed else self.loader
+        self.begin()
+        try:
+            for batch in source:
+                self.consumed += 1
+                self.end_of_dataloader = self.consumed == len(self)
+                yield batch if self.device is None else send_to_device(batch, self.device)
+        finally:
+            self.end()
+        if self.consumed >= len(self):
+            self._next_epoch()
+
+    def _next_epoch(self) -> None:
+        self.epoch, self.consumed = self.epoch + 1, 0
+
+    def position(self) -> dict[str, Any]:
+        """JSON record of where the next batch comes from (an exhausted epoch is recorded as the next one)."""
+        epoch, consumed = (self.epoch + 1, 0) if self.consumed >= len(self) else (self.epoch, self.consumed)
+        return self.loader.position(epoch=epoch, step=consumed)
+
+    def fits(self, record: Mapping[str, Any]) -> bool:
+        """Whether ``record`` is a map-style position of an epoch as long as this loader's."""
+        return record.get(DATA_KIND) == "map" and int(record.get(DATA_NUM_BATCHES, -1)) == len(self)
+
+    def load_position(self, record: Mapping[str, Any], *, restart_epoch: bool = False) -> None:
+        """Continue at ``record`` (from :meth:`position`) without fetching anything.
+
+        Args:
+            record (`Mapping`): the saved position.
+            restart_epoch (`bool`, *optional*, defaults to `False`): keep only the epoch and start it over
+                (the inexact fallback when the record does not :meth:`fits`).
+        """
+        self.epoch = int(record.get(DATA_EPOCH, 0))
+        self.consumed = 0 if restart_epoch else int(record[DATA_STEP])
+
+    def settings(self) -> dict[str, Any]:
+        """What decides this loader's batches (compared at resume time)."""
+        sampler = self.loader.batch_sampler
+        return {"num_samples": sampler.num_samples, "batch_size": sampler.batch_size, "seed": sampler.seed,
+                "shuffle": sampler.shuffle, "drop_last": sampler.drop_last, "num_batches": len(self)}
+
+
+class AccumulationWindow:
+    """The micro-batches of one optimizer step, with their item count summed over micro-batches and ranks.
+
+    Iterate it inside ``accelerator.accumulate(model)``: the accelerator synchronises gradients (and lets
+    the optimizer step) exactly on the window's last micro-batch, also when the window is shorter than
+    ``gradient_accumulation_steps`` (end of an epoch).
+
+    Args:
+        batches (`list`): the micro-batches on this rank.
+        num_items (`int`, *optional*): items (e.g. label tokens) in the whole window on all ranks.
+    """
+
+    def __init__(self, accelerator: "ResumableAccelerator", batches: list[Any], num_items: int | None) -> None:
+        self._accelerator = accelerator
+        self.batches = batches
+        self.num_items = num_items
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            for index, batch in enumerate(self.batches):
+                self._accelerator._window_slot = (index, len(self.batches))
+                yield batch
+        finally:
+            self._accelerator._window_slot = None
