@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
 from hf_resumable.checkpoint import _staging
 from hf_resumable.checkpoint._staging import Piece, copy_into, plan_stretches
 
-COPIERS = {"memmove": _staging._memmove}
+COPIERS = {"memmove": ctypes.memmove}
 if _staging._nt_copy is not None:
     COPIERS["non-temporal"] = _staging._nt_copy
 

@@ -144,10 +144,9 @@ def optimizer_from_tensors(
 ) -> None:
     """Load state produced by :func:`optimizer_to_tensors` into ``optimizer``, matched by name.
 
-    Raises:
-        CheckpointMismatchError: if the optimizer class, group structure or parameter names differ.
+    The caller has run :func:`check_optimizer_matches` on ``document`` first (before reading any tensor,
+    since a load may fill the optimizer's existing state in place).
     """
-    check_optimizer_matches(optimizer, names, document, source=source)
     index_of = {name: i for i, name in enumerate(names)}
     saved_groups = document["param_groups"]
     state: dict[int, dict[str, Any]] = {}

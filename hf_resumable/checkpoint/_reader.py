@@ -96,6 +96,14 @@ class _Reader:
         return read_safetensors(self.path / relpath, header=self.report.headers.get(relpath), into=into,
                                 expected=self.expected(relpath))
 
+    def stored(self, index: ShardIndex) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """dtype and shape of every tensor ``index`` names, from the headers verification already read."""
+        stored = {}
+        for filename in index.filenames:
+            tensors = self.report.headers[filename].tensors
+            stored.update({n: (tensors[n].torch_dtype, tensors[n].shape) for n in index.names_in(filename)})
+        return stored
+
     def sharded(self, index: ShardIndex, *, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         for filename in index.filenames:
             if filename not in self.manifest.files:
@@ -111,44 +119,18 @@ def load_model_weights(reader: _Reader, model: torch.nn.Module, *, strict: bool)
     """Fill ``model`` shard by shard, reading straight into its parameters where possible."""
     index = reader.index(MODEL_INDEX_FILE)
     tied = index.metadata.get(TIED_KEY) or {}
-    stored = {}
-    for filename in index.filenames:
-        header = reader.report.headers[filename]
-        stored.update({n: (header.tensors[n].torch_dtype, header.tensors[n].shape) for n in index.names_in(filename)})
-    targets = check_model_fits(model, stored, tied, strict=strict, source=str(reader.path))
+    targets = check_model_fits(model, reader.stored(index), tied, strict=strict, source=str(reader.path))
     leftovers = reader.sharded(index, into=targets)
     if leftovers and strict:
         raise CheckpointMismatchError(f"{reader.path}: unexpected tensors {sorted(leftovers)[:10]}")
     retie(model.state_dict(keep_vars=True), tied)
 
 
-def optimizer_targets(reader: _Reader, model: torch.nn.Module | None,
-                      optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Existing optimizer state tensors the load can fill in place (see ``existing_state_targets``)."""
-    if OPTIMIZER_INDEX_FILE not in reader.manifest.files or not optimizer.state:
-        return {}
-    stored = {}
-    for filename in reader.index(OPTIMIZER_INDEX_FILE).filenames:
-        header = reader.report.headers.get(filename)
-        if header is None:
-            return {}
-        stored.update({n: (t.torch_dtype, t.shape) for n, t in header.tensors.items()})
-    return existing_state_targets(optimizer, parameter_names(model, optimizer), stored)
-
-
-def read_optimizer_tensors(reader: _Reader, document: Mapping[str, Any] | None,
-                           into: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def optimizer_index(reader: _Reader, document: Mapping[str, Any] | None) -> ShardIndex:
     if OPTIMIZER_INDEX_FILE not in reader.manifest.files or not document:
         raise IncompleteCheckpointError(
             f"{reader.path}: the checkpoint has no optimizer state; load without optimizer= or save with it.")
-    leftovers = reader.sharded(reader.index(OPTIMIZER_INDEX_FILE), into=into)
-    return {**into, **leftovers}
-
-
-def load_optimizer_state(reader: _Reader, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer,
-                         document: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
-    names = parameter_names(model, optimizer)
-    optimizer_from_tensors(optimizer, names, tensors, document, source=str(reader.path))
+    return reader.index(OPTIMIZER_INDEX_FILE)
 
 
 def load_all(reader: _Reader, *, model, optimizer, scheduler, scaler, restore_rng: bool, strict: bool,
@@ -160,15 +142,18 @@ def load_all(reader: _Reader, *, model, optimizer, scheduler, scaler, restore_rn
     document = state.get(STATE_KEY_OPTIMIZER)
     # The optimizer's tensors are read while the model loads (two IO streams, hashes on both cores).
     into: dict[str, torch.Tensor] = {}
-    if optimizer is not None and document:
-        # Refuse a mismatched optimizer before its existing state could be overwritten in place.
-        check_optimizer_matches(optimizer, parameter_names(model, optimizer), document, source=source)
-        into = optimizer_targets(reader, model, optimizer)
-    jobs = [lambda: read_optimizer_tensors(reader, document, into) if optimizer is not None else None,
+    if optimizer is not None:
+        index = optimizer_index(reader, document)
+        names = parameter_names(model, optimizer)
+        # Refuse a mismatched optimizer before its existing state is overwritten in place (existing state
+        # tensors of the stored dtype and shape are filled directly, as model weights are).
+        check_optimizer_matches(optimizer, names, document, source=source)
+        into = existing_state_targets(optimizer, names, reader.stored(index)) if optimizer.state else {}
+    jobs = [lambda: {**into, **reader.sharded(index, into=into)} if optimizer is not None else None,
             lambda: load_model_weights(reader, model, strict=strict) if model is not None else None]
     optimizer_tensors, _ = run_in_threads(lambda job: job(), jobs, workers=2)
     if optimizer is not None:
-        load_optimizer_state(reader, model, optimizer, document, optimizer_tensors)
+        optimizer_from_tensors(optimizer, names, optimizer_tensors, document, source=source)
     for name, obj, key in (("scheduler", scheduler, STATE_KEY_SCHEDULER), ("scaler", scaler, STATE_KEY_SCALER)):
         if obj is None:
             continue

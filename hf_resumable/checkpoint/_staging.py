@@ -27,12 +27,8 @@ except ImportError:  # built without a C compiler: memmove (GIL released by ctyp
     _nt_copy = None
 
 
-def _memmove(dst: int, src: int, nbytes: int) -> None:
-    ctypes.memmove(dst, src, nbytes)
-
-
 # The byte copier used for staging, and its name (benchmarks print it).
-copy_bytes = _nt_copy or _memmove
+copy_bytes = _nt_copy or ctypes.memmove
 COPY_KIND = "non-temporal" if _nt_copy is not None else "memmove"
 
 # Below this many bytes one thread copies everything (thread start-up would cost more than it saves).
