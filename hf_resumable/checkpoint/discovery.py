@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -19,14 +20,18 @@ logger = logging.getLogger(__name__)
 __all__ = ["list_checkpoints", "find_latest_checkpoint", "cleanup_stale_temp_dirs", "apply_retention"]
 
 
-def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every ``checkpoint-N`` directory under ``root``, by step (not by mtime or name)."""
+def list_checkpoints(root: str | os.PathLike, *, pattern: re.Pattern[str] = CHECKPOINT_DIR_RE) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``checkpoint-N`` directory under ``root``, by step (not by mtime or name).
+
+    ``pattern`` (a compiled regex whose first group is the number) selects another naming scheme, e.g.
+    accelerate's ``checkpoint_<iteration>``.
+    """
     root = Path(root)
     if not root.is_dir():
         return []
     found = []
     for entry in root.iterdir():
-        match = CHECKPOINT_DIR_RE.match(entry.name)
+        match = pattern.match(entry.name)
         if match and entry.is_dir():
             found.append((int(match.group(1)), entry))
     return sorted(found)
@@ -49,7 +54,8 @@ def cleanup_stale_temp_dirs(root: str | os.PathLike) -> list[Path]:
 
 
 def find_latest_checkpoint(
-    root: str | os.PathLike, *, cleanup: bool = True, full: bool = False, storage_options: dict | None = None
+    root: str | os.PathLike, *, cleanup: bool = True, full: bool = False, storage_options: dict | None = None,
+    pattern: re.Pattern[str] = CHECKPOINT_DIR_RE,
 ) -> Path | str | None:
     """The newest ``checkpoint-N`` under ``root`` that passes verification, or None.
 
@@ -73,7 +79,7 @@ def find_latest_checkpoint(
         return find_latest_remote_checkpoint(os.fspath(root), storage_options=storage_options)
     if cleanup:
         cleanup_stale_temp_dirs(root)
-    for step, path in reversed(list_checkpoints(root)):
+    for step, path in reversed(list_checkpoints(root, pattern=pattern)):
         report = verify_checkpoint(path, full=full)
         if report.ok:
             return path
@@ -88,6 +94,7 @@ def apply_retention(
     best_metric: str | None = None,
     greater_is_better: bool = False,
     protect: Iterable[str | os.PathLike] = (),
+    pattern: re.Pattern[str] = CHECKPOINT_DIR_RE,
 ) -> list[Path]:
     """Delete old committed checkpoints, keeping the newest ``keep_last``, the best one and ``protect``.
 
@@ -102,6 +109,8 @@ def apply_retention(
             (as passed to ``save_checkpoint(metrics=...)``).
         greater_is_better (`bool`, *optional*, defaults to `False`): direction of ``best_metric``.
         protect (`Iterable[str | os.PathLike]`, *optional*): paths never to delete (e.g. uploads in flight).
+        pattern (`re.Pattern`, *optional*): directory-name regex (first group: the step), defaults to
+            ``checkpoint-<N>``.
 
     Returns:
         `list[Path]`: the deleted checkpoints.
@@ -112,7 +121,7 @@ def apply_retention(
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (the newest valid checkpoint is always kept), got {keep_last}.")
     committed = []
-    for step, path in list_checkpoints(root):
+    for step, path in list_checkpoints(root, pattern=pattern):
         try:
             committed.append((step, path, read_manifest(path)))
         except HfResumableError:
