@@ -39,10 +39,16 @@ MANIFEST_FILE = "manifest.json"
 # Directory naming. "checkpoint-<step>" keeps transformers' get_last_checkpoint regex working.
 CHECKPOINT_PREFIX = "checkpoint-"
 CHECKPOINT_DIR_RE = re.compile(r"^checkpoint-(\d+)$")
-# Temporary sibling directories used while a checkpoint is written; renamed into place on commit.
+# Owned sibling names (the owner's host hash, pid and start time are part of the name; see checkpoint/_owner.py):
+# a checkpoint being written, renamed into place on commit;
 TMP_PREFIX = ".tmp-"
+# a checkpoint being removed (renamed away first, so a half-deleted directory never looks like a checkpoint);
 TRASH_PREFIX = ".trash-"
-# File inside a temporary directory that records the writing process (for stale-dir cleanup).
+# a reader's pin on a checkpoint (an empty file): retention does not remove a pinned checkpoint.
+PIN_PREFIX = ".pin-"
+# Seconds after which a pin no longer protects a checkpoint, even if its reader is still alive.
+PIN_TTL = 600.0
+# Record inside temp dirs written by earlier versions (pid/host of the writer); read only by cleanup.
 OWNER_FILE = ".owner.json"
 
 # safetensors header metadata we write into every shard.

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from ._jsonio import parse_json
+from ._safefile import open_regular
 from .constants import MAX_HEADER_SIZE, SAFETENSORS_METADATA
 from .errors import CorruptCheckpointError
 
@@ -50,6 +52,8 @@ __all__ = [
     "hash_file",
 ]
 
+# Most dimensions a stored tensor may have (torch allows 64).
+MAX_TENSOR_DIMS = 64
 CHUNK_SIZE = 16 * 1024 * 1024
 # With fsync=True, flush every this many bytes so disk writes overlap hashing (see write_safetensors).
 WRITE_BEHIND = 64 * 1024 * 1024
@@ -153,9 +157,9 @@ def _itemsize(dtype: str) -> float:
 def parse_header_bytes(path: str, raw: bytes, file_size: int) -> SafetensorsHeader:
     """Validate the JSON header ``raw`` of a file of ``file_size`` bytes (no IO)."""
     try:
-        document = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise _corrupt(path, f"header is not valid JSON ({err.__class__.__name__})") from None
+        document = parse_json(raw, source=f"{path} (header)")
+    except CorruptCheckpointError as err:
+        raise _corrupt(path, f"header is not valid JSON ({err})") from None
     if not isinstance(document, dict):
         raise _corrupt(path, "header is not a JSON object")
     metadata = document.pop("__metadata__", None) or {}
@@ -167,8 +171,10 @@ def parse_header_bytes(path: str, raw: bytes, file_size: int) -> SafetensorsHead
     for name, entry in document.items():
         try:
             dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-            ok = dtype in STR_TO_DTYPE and all(isinstance(d, int) and d >= 0 for d in shape)
-            ok = ok and isinstance(start, int) and isinstance(end, int) and 0 <= start <= end
+            ok = isinstance(dtype, str) and dtype in STR_TO_DTYPE and len(shape) <= MAX_TENSOR_DIMS
+            ok = ok and all(_is_index(d) for d in shape) and _is_index(start) and _is_index(end) and start <= end
+            # torch sizes are int64: the product of the non-zero dimensions must fit, even for an empty tensor.
+            ok = ok and math.prod(d for d in shape if d) < 2**63
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
@@ -187,16 +193,20 @@ def parse_header_bytes(path: str, raw: bytes, file_size: int) -> SafetensorsHead
     return SafetensorsHeader(path, tensors, dict(metadata), data_offset, file_size)
 
 
+def _is_index(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
 def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     """Read and validate the header of the safetensors file at ``path``.
 
     Raises:
-        CorruptCheckpointError: if the file is too short, the header is oversized or malformed, or
-            the header's offsets do not match the file size (truncation).
+        CorruptCheckpointError: if the file is too short, the header is oversized or malformed, the
+            header's offsets do not match the file size (truncation), or it is not a regular file.
         FileNotFoundError: if there is no such file.
     """
     path = os.fspath(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         file_size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         if len(prefix) < 8:
@@ -464,7 +474,7 @@ def read_safetensors(
     out: dict[str, torch.Tensor] = {}
     into = into or {}
     try:
-        with open(path, "rb", buffering=0) as f:
+        with open_regular(path, buffering=0) as f:
             if pipeline is not None:
                 prefix = f.read(header.data_offset)
                 pipeline.feed(memoryview(prefix))
@@ -512,7 +522,7 @@ def hash_file(path: str | os.PathLike) -> FileRecord:
     size = 0
     buffer = bytearray(CHUNK_SIZE)
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, buffering=0) as f:
         while n := f.readinto(view):
             digest.update(view[:n])
             fast.update(view[:n])

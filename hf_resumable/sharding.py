@@ -26,6 +26,8 @@ from .errors import UnsafeIndexError
 
 __all__ = ["ShardPlan", "ShardIndex", "parse_size", "plan_shards", "build_index", "parse_index"]
 
+# Longest relative file name accepted in an index or manifest (each component is also limited to 255 bytes).
+MAX_NAME_LENGTH = 1024
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1,
@@ -197,13 +199,20 @@ class ShardIndex:
 
 
 def check_relative_name(name: str, *, source: str, suffix: str | None = ".safetensors") -> str:
-    """Reject absolute paths, ``..`` components, backslashes and (optionally) a wrong extension.
+    """Reject absolute paths, ``..`` components, backslashes, control characters, oversized names and
+    (optionally) a wrong extension.
 
     Raises:
         UnsafeIndexError: naming ``source`` and the offending entry.
     """
     if not isinstance(name, str) or not name:
-        raise UnsafeIndexError(f"{source}: file name {name!r} is not a non-empty string.")
+        raise UnsafeIndexError(f"{source}: file name {name!r:.100} is not a non-empty string.")
+    if len(name) > MAX_NAME_LENGTH or any(len(part.encode("utf-8", "surrogatepass")) > 255 for part in name.split("/")):
+        raise UnsafeIndexError(f"{source}: file name {name[:60]!r}... is longer than the filesystem allows "
+                               f"({len(name)} characters); the index is corrupt or crafted.")
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise UnsafeIndexError(f"{source}: file name {name!r:.100} contains a control character (e.g. NUL); "
+                               "the index is corrupt or crafted.")
     normalized = posixpath.normpath(name)
     if (
         name.startswith(("/", "\\"))

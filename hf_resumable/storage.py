@@ -255,7 +255,8 @@ def download_checkpoint(
         IncompleteCheckpointError: if the remote checkpoint is not committed.
         CorruptCheckpointError: if a downloaded file's size or sha256 differs from the manifest.
     """
-    from .checkpoint._fs import commit_dir, create_temp_dir, temp_dir_for, write_bytes_durably
+    from .checkpoint._fs import commit_dir, create_temp_dir, write_bytes_durably
+    from .checkpoint._writer import check_target
     from .checkpoint.verify import verify_checkpoint
     from .sharding import check_relative_name
 
@@ -267,8 +268,8 @@ def download_checkpoint(
     target = Path(local_dir)
     if target.exists() and verify_checkpoint(target, full=False).ok:
         return target
-    tmp = temp_dir_for(target, unique=True)
-    create_temp_dir(tmp)
+    replaces = check_target(target, overwrite=True)
+    tmp = create_temp_dir(target)
     try:
         total = sum(r.size for r in manifest.files.values())
         with progress_bar(total=total, desc=f"downloading {target.name}") as bar:
@@ -278,7 +279,7 @@ def download_checkpoint(
                                                                                         tmp / rel, record))
                 bar.update(record.size)
         write_bytes_durably(tmp / MANIFEST_FILE, manifest.to_json())
-        commit_dir(tmp, target, overwrite=target.exists())
+        commit_dir(tmp, target, replaces=replaces)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,20 +1,40 @@
-"""Local-filesystem primitives for the commit protocol: durable writes, temp dirs, atomic rename."""
+"""Local-filesystem primitives of the commit protocol: durable writes, owned temp names, atomic renames.
+
+Three rules make concurrent writers, readers and cleaners safe (docs/architecture.md, "Concurrency"):
+
+1. Every temporary entry is created under a name that carries its owner (``_owner.py``), so no instant
+   exists at which it looks ownerless, and only entries of provably dead owners are ever removed.
+2. A directory is removed by first renaming it to a name its remover alone owns; whatever is deleted
+   afterwards can no longer be renamed into place by anybody else.
+3. Commits never replace by accident: ``renameat2(RENAME_NOREPLACE)`` for a new checkpoint, and a
+   compare-and-swap (``RENAME_EXCHANGE``, checked against the directory the save meant to replace) for
+   ``overwrite=True``. Two processes committing the same name: exactly one wins.
+"""
 
 from __future__ import annotations
 
-import json
+import ctypes
+import errno
 import logging
 import os
 import shutil
-import socket
-import time
-import uuid
+import stat
 from pathlib import Path
 
-from ..constants import OWNER_FILE, TMP_PREFIX, TRASH_PREFIX
+from ..constants import TMP_PREFIX, TRASH_PREFIX
+from ..errors import CheckpointExistsError
 from ..safetensors_io import FileRecord, record_of
+from ._owner import DELETING_MARK, member_name
+from ._pins import live_pins
 
 logger = logging.getLogger(__name__)
+
+# The identity of a directory: (st_dev, st_ino). A save records the one it is allowed to replace.
+DirIdentity = tuple[int, int]
+
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -43,67 +63,175 @@ def write_bytes_durably(path: Path, data: bytes) -> FileRecord:
     return record_of(data)
 
 
-def temp_dir_for(target: Path, *, unique: bool) -> Path:
-    """The sibling temp dir a save of ``target`` writes into (unique per process unless distributed)."""
-    suffix = f"-{uuid.uuid4().hex[:8]}" if unique else ""
-    return target.parent / f"{TMP_PREFIX}{target.name}{suffix}"
-
-
-def create_temp_dir(path: Path) -> None:
-    """Create ``path`` (removing a stale one of the same name) and record who writes it."""
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-    owner = {"pid": os.getpid(), "host": socket.gethostname(), "created": time.time()}
-    (path / OWNER_FILE).write_text(json.dumps(owner))
-
-
 def fsync_tree(path: Path) -> None:
     """fsync every directory under ``path`` (files are fsynced as they are written)."""
     for root, _dirs, _files in os.walk(path):
         fsync_dir(root)
 
 
-def commit_dir(tmp: Path, target: Path, *, overwrite: bool) -> None:
-    """Atomically move ``tmp`` to ``target``; with ``overwrite`` the old target is swapped out first."""
-    (tmp / OWNER_FILE).unlink(missing_ok=True)
-    fsync_tree(tmp)
-    trash = None
-    if overwrite and target.exists():
-        trash = target.parent / f"{TRASH_PREFIX}{target.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(target, trash)
-    os.rename(tmp, target)
-    fsync_dir(target.parent)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
+# ------------------------------------------------------------------------------------------------- atomic renames
+def _load_renameat2():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
 
 
-def remove_dir(path: Path) -> None:
-    """Delete a directory so that no half-deleted copy can ever look like a checkpoint.
+_renameat2_function = _load_renameat2()
 
-    The directory is first renamed to a trash name (atomic), then removed.
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """``renameat2(src, dst, flags)``: ``True`` if done, ``False`` if this system or filesystem lacks it."""
+    if _renameat2_function is None:
+        return False
+    if _renameat2_function(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), os.fspath(src), None, os.fspath(dst))
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst``, failing with ``FileExistsError`` if ``dst`` exists (even an empty directory).
+
+    Without ``renameat2`` the check and the rename are two steps; a plain rename still refuses a non-empty
+    directory, so a committed checkpoint is never replaced.
     """
-    trash = path.parent / f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
-    os.rename(path, trash)
+    if _renameat2(src, dst, _RENAME_NOREPLACE):
+        return
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), os.fspath(dst))
+    os.rename(src, dst)
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths; ``False`` if the system or filesystem cannot."""
+    return _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+def dir_identity(path: Path) -> DirIdentity | None:
+    """``(st_dev, st_ino)`` of the directory ``path`` (not following a symlink), or ``None`` if absent."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return (info.st_dev, info.st_ino) if stat.S_ISDIR(info.st_mode) else None
+
+
+# ------------------------------------------------------------------------------------------------- the commit
+def create_temp_dir(target: Path) -> Path:
+    """Create and return a fresh owned sibling ``.tmp-<target>.<owner>.<nonce>`` for a save of ``target``."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / member_name(TMP_PREFIX, target.name)
+    tmp.mkdir()
+    return tmp
+
+
+def commit_dir(tmp: Path, target: Path, *, replaces: DirIdentity | None) -> None:
+    """Move the finished ``tmp`` to ``target`` atomically.
+
+    ``replaces`` is the directory the caller checked and may replace (see ``_writer.check_target``), or
+    ``None`` if ``target`` must not exist.
+
+    Raises:
+        CheckpointExistsError: ``target`` appeared, or was replaced by somebody else, since the save started.
+    """
+    # 1. Make every entry of the temp dir durable before its name changes.
+    fsync_tree(tmp)
+    # 2. Rename into place: no-replace for a new target, compare-and-swap for an overwrite.
+    old = None if replaces is None else _swap_in(tmp, target, replaces)
+    if replaces is None:
+        try:
+            rename_noreplace(tmp, target)
+        except OSError as err:
+            if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            raise CheckpointExistsError(
+                f"{target} was created by another process while this save was written; this save was not "
+                "committed (the other one was). Save under another name, or pass overwrite=True."
+            ) from None
+    # 3. Make the rename durable, then delete what was replaced.
+    fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _changed(target: Path) -> CheckpointExistsError:
+    return CheckpointExistsError(
+        f"{target} was replaced by another process while this save was written; this save was not committed, "
+        "so the other save is kept. Save under another name to keep both."
+    )
+
+
+def _swap_in(tmp: Path, target: Path, replaces: DirIdentity) -> Path:
+    """Replace ``target`` (still the directory ``replaces``) with ``tmp``; return where the old one now is."""
+    if dir_identity(target) != replaces:
+        raise _changed(target)
+    if exchange(tmp, target):
+        if dir_identity(tmp) != replaces:  # somebody swapped target between the check and the exchange
+            exchange(tmp, target)
+            raise _changed(target)
+        return tmp
+    # No RENAME_EXCHANGE (e.g. some network filesystems): two renames. A crash between them leaves the old
+    # checkpoint in an unmarked trash dir, which cleanup puts back (see discovery.cleanup_stale_temp_dirs).
+    trash = target.parent / member_name(TRASH_PREFIX, target.name)
+    os.rename(target, trash)
+    if dir_identity(trash) != replaces:
+        rename_noreplace(trash, target)
+        raise _changed(target)
+    try:
+        rename_noreplace(tmp, target)
+    except OSError:
+        try:
+            rename_noreplace(trash, target)
+        except OSError:
+            logger.error("Could not put %s back at %s; it is kept there.", trash, target)
+        raise _changed(target) from None
+    return trash
+
+
+# ------------------------------------------------------------------------------------------------- removal
+def claim(entry: Path, target_name: str) -> Path | None:
+    """Rename ``entry`` to a trash name this process owns, marked for deletion; ``None`` if it vanished."""
+    mine = entry.parent / member_name(TRASH_PREFIX, target_name, mark=DELETING_MARK)
+    try:
+        os.rename(entry, mine)
+    except FileNotFoundError:
+        return None
+    return mine
+
+
+def remove_dir(path: Path) -> bool:
+    """Remove a committed checkpoint directory unless a live reader pinned it; ``True`` if removed.
+
+    1. Rename it to a trash name this process owns: from now on nobody can find it as a checkpoint.
+    2. If a reader pinned it meanwhile (see ``_pins.py``), put it back and keep it.
+    3. Otherwise mark the trash as decided (readers waiting on it stop waiting) and delete it.
+    """
+    trash = path.parent / member_name(TRASH_PREFIX, path.name)
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return False
+    if live_pins(path.parent, path.name, ignore_own=True):
+        try:
+            rename_noreplace(trash, path)
+            logger.info("Kept %s: a reader has pinned it.", path)
+            return False
+        except OSError:
+            pass  # a new directory of that name exists; the pinned reader will see that one
+    decided = trash.with_name(trash.name + DELETING_MARK)
+    os.rename(trash, decided)
     fsync_dir(path.parent)
-    shutil.rmtree(trash, ignore_errors=True)
+    shutil.rmtree(decided, ignore_errors=True)
+    return True
 
 
-def is_stale_temp(path: Path) -> bool:
-    """A temp/trash dir whose writer is gone (dead pid on this host), or with no owner record."""
-    if path.name.startswith(TRASH_PREFIX):
-        return True
-    try:
-        owner = json.loads((path / OWNER_FILE).read_text())
-    except (OSError, ValueError):
-        # No owner: the writer already removed it right before committing (and then died), or it is foreign.
-        return True
-    if owner.get("host") != socket.gethostname():
-        return False
-    try:
-        os.kill(int(owner["pid"]), 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, KeyError, ValueError):
-        return False
-    return False
+def discard(path: Path) -> None:
+    """Delete a temp dir this process owns (a failed save)."""
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,7 +1,7 @@
 """Write a :class:`Payload` into a temp dir, then commit: manifest last, fsync, atomic rename.
 
-Single process: a unique temp sibling ``.tmp-checkpoint-N-<id>``. Under torch.distributed every rank
-writes its own files into the shared ``.tmp-checkpoint-N``; rank 0 gathers the file records (as
+Rank 0 creates an owned temp sibling ``.tmp-checkpoint-N.<owner>.<nonce>`` (see ``_owner.py``) and
+tells every rank its name; every rank writes its own files there; rank 0 gathers the file records (as
 JSON, never pickle), writes the manifest only after every rank reported its files durable, and
 renames. A rank killed mid-save therefore leaves no manifest, and the previous checkpoint stays the
 latest valid one.
@@ -11,23 +11,26 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..constants import MANIFEST_FILE
-from ..distributed import all_gather_json, barrier, broadcast_json, is_distributed
-from ..errors import CheckpointExistsError
+from ..distributed import all_gather_json, barrier, broadcast_json, is_distributed, rank_and_world_size
+from ..errors import CheckpointExistsError, HfResumableError
 from ..progress import progress_bar
 from ..rng import save_rng_state
 from ..safetensors_io import FileRecord, write_safetensors
-from ._fs import commit_dir, create_temp_dir, temp_dir_for, write_bytes_durably
+from ._fs import DirIdentity, commit_dir, create_temp_dir, discard, write_bytes_durably
 from ._payload import SHARDS_KEY, Payload
 from ._staging import copy_into
 from ._threads import run_in_threads
-from .manifest import Manifest, records_from_json, records_to_json
+from .manifest import Manifest, read_manifest, records_from_json, records_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +38,50 @@ logger = logging.getLogger(__name__)
 WRITE_THREADS = 2
 
 
-def check_target(target: Path, *, overwrite: bool) -> None:
-    """Refuse to replace an existing directory unless ``overwrite``."""
-    if target.exists() and not overwrite:
-        kind = "a committed checkpoint" if (target / MANIFEST_FILE).exists() else "a directory"
+def check_target(target: Path, *, overwrite: bool) -> DirIdentity | None:
+    """Whether a save may go to ``target``: the directory it will replace, or ``None`` if ``target`` is free.
+
+    Only an empty directory or a committed hf_resumable checkpoint is ever replaced (and only with
+    ``overwrite``): hf_resumable never deletes what it did not write.
+
+    Raises:
+        CheckpointExistsError: ``target`` exists and may not be replaced (the message says why and what to do).
+    """
+    try:
+        info = os.lstat(target)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(info.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "a file"
+        raise CheckpointExistsError(f"{target} exists and is {kind}, not a checkpoint directory; hf_resumable does "
+                                    "not replace it. Remove it, or save under another name.")
+    committed = _is_committed(target)
+    if not overwrite:
+        kind = "a committed checkpoint" if committed else "a directory"
         raise CheckpointExistsError(
             f"{target} already exists and is {kind}; pass overwrite=True to replace it atomically, or save under "
             "another step."
         )
+    if not committed and _has_entries(target):
+        raise CheckpointExistsError(
+            f"{target} holds files that hf_resumable did not write (no valid {MANIFEST_FILE}), e.g. a checkpoint "
+            "of the stock Trainer or of another tool; hf_resumable never replaces those. Move them away or save "
+            "under another name (a stock Trainer checkpoint can be converted with `hf-resumable convert`)."
+        )
+    return (info.st_dev, info.st_ino)
+
+
+def _is_committed(directory: Path) -> bool:
+    try:
+        read_manifest(directory)
+    except HfResumableError:
+        return False
+    return True
+
+
+def _has_entries(directory: Path) -> bool:
+    with os.scandir(directory) as entries:
+        return next(entries, None) is not None
 
 
 def write_payload(tmp: Path, payload: Payload) -> dict[str, FileRecord]:
@@ -78,56 +117,71 @@ def write_payload(tmp: Path, payload: Payload) -> dict[str, FileRecord]:
 
 def save_payload(target: Path, payload: Payload, *, step: int | None, metrics: dict[str, float] | None,
                  overwrite: bool) -> Manifest:
-    """Write and commit ``payload`` at ``target`` (collective under torch.distributed)."""
+    """Write and commit ``payload`` at ``target`` (collective under torch.distributed).
+
+    The steps are those of docs/architecture.md, "Commit protocol". Errors keep their type (an
+    ``OSError`` keeps its errno) on the rank where they happened; the other ranks raise the same kind.
+    """
     started = time.perf_counter()
     distributed = is_distributed()
-    tmp = temp_dir_for(target, unique=not distributed)
-    rank = torch.distributed.get_rank() if distributed else 0
-    world_size = torch.distributed.get_world_size() if distributed else 1
-    error = None
+    rank, world_size = rank_and_world_size()
+    # 1. Rank 0 checks the target (only an empty dir or our own checkpoint may be replaced) and creates the
+    #    temp dir under a name that carries its owner, so no cleaner can ever take it for a dead save's.
+    replaces, tmp, failure = None, None, None
     if rank == 0:
         try:
-            check_target(target, overwrite=overwrite)
-            create_temp_dir(tmp)
-        except Exception as err:  # noqa: BLE001 - re-raised on every rank below
-            error = f"{type(err).__name__}: {err}"
-    error = broadcast_json(error)
-    if error is not None:
-        if rank == 0:
-            raise CheckpointExistsError(error) if "already exists" in error else RuntimeError(error)
-        raise RuntimeError(f"rank 0 could not start the save of {target}: {error}")
+            replaces = check_target(target, overwrite=overwrite)
+            tmp = create_temp_dir(target)
+        except Exception as err:
+            if not distributed:
+                raise
+            failure = err
+    started_on_0 = broadcast_json({"tmp": None if tmp is None else tmp.name, "error": _describe(failure)})
+    if started_on_0["error"] is not None:
+        if failure is not None:
+            raise failure
+        raise _rebuild(started_on_0["error"], f"rank 0 could not start the save of {target}")
+    tmp = target.parent / started_on_0["tmp"]
+    # 2. Every rank writes its own files there: created exclusively, hashed while written, fsynced.
     try:
-        records = write_payload(tmp, payload)
-        local_error = None
-    except Exception as err:  # noqa: BLE001 - every rank must learn that the save failed
-        records, local_error = {}, f"rank {rank}: {type(err).__name__}: {err}"
+        records, local = write_payload(tmp, payload), None
+    except Exception as err:
         if not distributed:
-            _discard(tmp)
+            discard(tmp)
             raise
-    gathered = all_gather_json({"records": records_to_json(records), "error": local_error})
-    errors = [g["error"] for g in gathered if g["error"]]
-    if errors:
+        records, local = {}, err
+    # 3. The records meet on every rank as JSON (never pickle). If any rank failed, nothing is committed.
+    gathered = all_gather_json({"records": records_to_json(records), "error": _describe(local)})
+    failed = [entry["error"] for entry in gathered if entry["error"] is not None]
+    if failed:
         if rank == 0:
-            _discard(tmp)
+            discard(tmp)
         barrier()
-        raise OSError(f"Saving {target} failed; the previous checkpoint is untouched: " + "; ".join(errors))
+        if local is not None:
+            raise local
+        raise _rebuild(failed[0], f"saving {target} failed on another rank; the previous checkpoint is untouched")
     files: dict[str, FileRecord] = {}
     for entry in gathered:
         files.update(records_from_json(entry["records"]))
     manifest = Manifest(files=files, step=step, world_size=world_size, metrics=dict(metrics or {}))
+    # 4. Rank 0 writes the manifest last, then commits: fsync the tree, rename into place (no-replace, or
+    #    compare-and-swap for an overwrite), fsync the parent.
+    outcome = None
     if rank == 0:
         try:
             write_bytes_durably(tmp / MANIFEST_FILE, manifest.to_json())
-            commit_dir(tmp, target, overwrite=overwrite)
-        except BaseException:
-            _discard(tmp)
-            raise
-        finally:
-            barrier()
-    else:
-        barrier()
-        if not (target / MANIFEST_FILE).exists():
-            raise OSError(f"rank 0 failed to commit {target}; the previous checkpoint is untouched.")
+            commit_dir(tmp, target, replaces=replaces)
+        except BaseException as err:
+            discard(tmp)
+            if not distributed or not isinstance(err, Exception):
+                raise
+            outcome = err
+    # 5. Every rank learns whether the commit happened.
+    committed = broadcast_json(_describe(outcome))
+    if committed is not None:
+        if outcome is not None:
+            raise outcome
+        raise _rebuild(committed, f"rank 0 failed to commit {target}; the previous checkpoint is untouched")
     if rank == 0:
         total = sum(r.size for r in files.values())
         logger.info("Saved %s (%d files, %.1f MB) in %.2f s", target, len(files), total / 1e6,
@@ -135,10 +189,22 @@ def save_payload(target: Path, payload: Payload, *, step: int | None, metrics: d
     return manifest
 
 
-def _discard(tmp: Path) -> None:
-    import shutil
+def _describe(err: BaseException | None) -> dict[str, Any] | None:
+    """A JSON description of an exception, to re-raise the same kind of error on other ranks."""
+    if err is None:
+        return None
+    rank, _ = rank_and_world_size()
+    return {"type": type(err).__name__, "errno": getattr(err, "errno", None) if isinstance(err, OSError) else None,
+            "message": f"rank {rank}: {type(err).__name__}: {err}"}
 
-    shutil.rmtree(tmp, ignore_errors=True)
+
+def _rebuild(description: dict[str, Any], context: str) -> Exception:
+    message = f"{context}: {description['message']}"
+    if description["type"] == CheckpointExistsError.__name__:
+        return CheckpointExistsError(message)
+    if description["errno"] is not None:
+        return OSError(description["errno"], message)
+    return RuntimeError(message)
 
 
 class AsyncSaver:

@@ -6,12 +6,18 @@ import logging
 import math
 import os
 import re
+import shutil
+import socket
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..constants import CHECKPOINT_DIR_RE, TMP_PREFIX, TRASH_PREFIX
+from .._jsonio import parse_json
+from .._safefile import read_regular_file
+from ..constants import CHECKPOINT_DIR_RE, OWNER_FILE, PIN_PREFIX, TMP_PREFIX, TRASH_PREFIX
 from ..errors import HfResumableError
-from ._fs import is_stale_temp, remove_dir
+from ._fs import claim, remove_dir, rename_noreplace
+from ._owner import OwnerTag, current_owner, owner_is_alive, parse_member_name
+from ._pins import hold_pin, pin, unpin
 from .manifest import read_manifest
 from .verify import verify_checkpoint
 
@@ -38,19 +44,79 @@ def list_checkpoints(root: str | os.PathLike, *, pattern: re.Pattern[str] = CHEC
 
 
 def cleanup_stale_temp_dirs(root: str | os.PathLike) -> list[Path]:
-    """Remove temp and trash dirs left by saves whose process is gone. Returns what was removed."""
-    root = Path(root)
-    removed = []
-    if not root.is_dir():
-        return removed
-    for entry in root.iterdir():
-        if entry.is_dir() and entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)) and is_stale_temp(entry):
-            import shutil
+    """Remove what saves, removals and readers of dead processes left next to the checkpoints.
 
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-            logger.info("Removed %s left by an interrupted save", entry)
+    Only owned names (see ``_owner.py``) whose owner is provably dead are touched: a live writer's temp
+    dir, another host's, or any name hf_resumable did not create is never removed. Each stale entry is
+    first renamed to a name this process owns, then deleted, so two cleaners never delete the same
+    thing and nothing can be renamed into place while it is being deleted. A removal interrupted after
+    its first rename (the checkpoint sits in an undecided trash dir and its name is free) is undone:
+    the checkpoint is put back. Returns what was removed.
+    """
+    root = Path(root)
+    removed: list[Path] = []
+    try:
+        with os.scandir(root) as it:
+            entries = [Path(e.path) for e in it if e.name.startswith((TMP_PREFIX, TRASH_PREFIX, PIN_PREFIX))]
+    except OSError:
+        return removed
+    for entry in entries:
+        owned = parse_member_name(entry.name)
+        if owned is None:
+            if _is_legacy_stale_temp(entry):
+                _delete_claimed(claim(entry, entry.name), removed, entry)
+            continue
+        if owner_is_alive(owned.owner):
+            continue
+        if owned.prefix == PIN_PREFIX:
+            unpin(entry)
+        elif owned.prefix == TRASH_PREFIX and not owned.mark and _restore(entry, root / owned.target):
+            continue
+        else:
+            _delete_claimed(claim(entry, owned.target), removed, entry)
     return removed
+
+
+def _delete_claimed(claimed: Path | None, removed: list[Path], entry: Path) -> None:
+    if claimed is None:
+        return  # another cleaner took it
+    shutil.rmtree(claimed, ignore_errors=True)
+    removed.append(entry)
+    logger.info("Removed %s, left by a process that is gone", entry)
+
+
+def _restore(trash: Path, target: Path) -> bool:
+    """Put back a checkpoint whose removal (or overwrite) was interrupted, if its name is still free."""
+    if os.path.lexists(target) or not _is_committed(trash):
+        return False
+    try:
+        rename_noreplace(trash, target)
+    except OSError:
+        return False
+    logger.warning("Restored %s from %s (its removal was interrupted)", target, trash.name)
+    return True
+
+
+def _is_committed(directory: Path) -> bool:
+    try:
+        read_manifest(directory)
+    except HfResumableError:
+        return False
+    return True
+
+
+def _is_legacy_stale_temp(entry: Path) -> bool:
+    """A temp dir of an earlier version: its ``.owner.json`` names a dead process on this host."""
+    if not entry.name.startswith(TMP_PREFIX):
+        return False
+    try:
+        owner = parse_json(read_regular_file(entry / OWNER_FILE, limit=4096), source=str(entry / OWNER_FILE))
+        pid, host = owner["pid"], owner["host"]
+    except (HfResumableError, OSError, KeyError, TypeError):
+        return False
+    if host != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    return not owner_is_alive(OwnerTag(host=current_owner().host, pid=pid, start=0))
 
 
 def find_latest_checkpoint(
@@ -59,11 +125,15 @@ def find_latest_checkpoint(
 ) -> Path | str | None:
     """The newest ``checkpoint-N`` under ``root`` that passes verification, or None.
 
-    Directories without a manifest (interrupted saves) or with truncated/corrupt files are skipped
-    with a WARNING naming the reason. Quick verification is the default (sizes, headers, hashes of
-    files up to 4 MiB); ``full=True`` hashes every file. With ``cleanup``, stale temp dirs of dead
-    writers are removed. ``root`` may be an fsspec URL (``s3://bucket/run``): the result is then the
-    URL of the newest remote checkpoint whose manifest and files are all present.
+    Directories without a manifest (interrupted saves), with truncated/corrupt/hostile files, or that
+    cannot be read at all are skipped with a WARNING naming the reason; one bad candidate never stops
+    the search. Quick verification is the default (sizes, headers, hashes of files up to 4 MiB);
+    ``full=True`` hashes every file. With ``cleanup``, what dead processes left behind is removed
+    (see :func:`cleanup_stale_temp_dirs`). The checkpoint returned is pinned for this process (until
+    its next call on the same ``root``, its exit, or ``PIN_TTL``), so retention run by a concurrent
+    writer does not remove it before it is loaded. ``root`` may be an fsspec URL
+    (``s3://bucket/run``): the result is then the URL of the newest remote checkpoint whose manifest
+    and files are all present.
 
     Example:
 
@@ -79,12 +149,28 @@ def find_latest_checkpoint(
         return find_latest_remote_checkpoint(os.fspath(root), storage_options=storage_options)
     if cleanup:
         cleanup_stale_temp_dirs(root)
-    for step, path in reversed(list_checkpoints(root, pattern=pattern)):
-        report = verify_checkpoint(path, full=full)
-        if report.ok:
+    key = os.path.abspath(root)
+    for _step, path in reversed(list_checkpoints(root, pattern=pattern)):
+        pin_path = pin(path)
+        if pin_path is None:
+            continue  # removed by retention meanwhile
+        problems = _problems(path, full=full)
+        if not problems:
+            hold_pin(key, pin_path)
             return path
-        logger.warning("Skipping %s: %s", path, "; ".join(f"{f}: {why}" for f, why in report.problems)[:500])
+        unpin(pin_path)
+        logger.warning("Skipping %s: %s", path, problems[:500])
+    hold_pin(key, None)
     return None
+
+
+def _problems(path: Path, *, full: bool) -> str:
+    """Why ``path`` is not a valid checkpoint ('' if it is). Never raises for what the files contain."""
+    try:
+        report = verify_checkpoint(path, full=full)
+    except Exception as err:  # noqa: BLE001 - one bad candidate must never stop the fallback
+        return f"could not be verified ({type(err).__name__}: {err})"
+    return "; ".join(f"{f}: {why}" for f, why in report.problems)
 
 
 def apply_retention(
@@ -99,9 +185,10 @@ def apply_retention(
     """Delete old committed checkpoints, keeping the newest ``keep_last``, the best one and ``protect``.
 
     Call it only after the newest checkpoint has committed (the save functions do). It never deletes
-    the newest valid checkpoint, never touches directories without a valid manifest (they may belong
-    to a save in progress), orders by step (not mtime or string), and removes by renaming first so a
-    half-deleted directory never looks like a checkpoint.
+    the newest valid checkpoint, never touches directories without a valid manifest (they were written
+    by another tool, or by the user), orders by step (not mtime or string), removes by renaming first
+    so a half-deleted directory never looks like a checkpoint, and keeps a checkpoint that a live
+    reader in another process has pinned (see :func:`find_latest_checkpoint`).
 
     Args:
         keep_last (`int`, *optional*, defaults to 2): newest checkpoints to keep (>= 1).
@@ -140,7 +227,7 @@ def apply_retention(
     for _, path, _ in committed:
         if path in keep or path.resolve() in keep:
             continue
-        remove_dir(path)
-        deleted.append(path)
-        logger.info("Retention removed %s", path)
+        if remove_dir(path):
+            deleted.append(path)
+            logger.info("Retention removed %s", path)
     return deleted

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,12 +17,19 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
+from .._jsonio import json_bytes, parse_json
+from .._safefile import member_path, read_regular_file
 from ..constants import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, MAX_JSON_SIZE
 from ..errors import CorruptCheckpointError, FormatVersionError, IncompleteCheckpointError, UnsafeIndexError
 from ..safetensors_io import FileRecord
 from ..sharding import check_relative_name
 
 __all__ = ["Manifest", "read_manifest", "library_versions"]
+
+# Largest world size a manifest may claim (bounds per-rank loops over a crafted value).
+MAX_WORLD_SIZE = 1 << 20
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_XXH3 = re.compile(r"[0-9a-f]{32}")
 
 
 def library_versions() -> dict[str, str]:
@@ -79,34 +87,49 @@ class Manifest:
             "files": {k: _record_to_json(v) for k, v in sorted(self.files.items())},
         }
         document["checksum"] = _checksum(document)
-        return (json.dumps(document, indent=2, sort_keys=True) + "\n").encode()
+        return json_bytes(document)
 
     @classmethod
     def from_json(cls, raw: bytes, *, source: str) -> "Manifest":
-        try:
-            document = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise CorruptCheckpointError(f"{source}: manifest is not valid JSON ({err}).") from None
+        """Parse and validate a manifest: bounded JSON, our format, its checksum, and every field's type.
+
+        Raises:
+            CorruptCheckpointError / FormatVersionError / UnsafeIndexError: naming ``source`` and the field.
+        """
+        document = parse_json(raw, source=source)
         if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(f"{source}: not an hf_resumable manifest (format field is missing or wrong).")
         if document.pop("checksum", None) != _checksum(document):
             raise CorruptCheckpointError(f"{source}: manifest checksum mismatch (the manifest was modified or "
                                          "corrupted after the save).")
         version = document.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+        if not _is_int(version) or version > FORMAT_VERSION or version < 1:
             raise FormatVersionError(
                 f"{source}: checkpoint format version {version!r}; this hf_resumable ({__version__}) reads versions "
                 f"1..{FORMAT_VERSION}. Upgrade hf_resumable to load it."
             )
+        files = document.get("files")
+        if not isinstance(files, dict):
+            raise CorruptCheckpointError(f"{source}: 'files' must be a JSON object of file records.")
+        step, world_size = document.get("step"), document.get("world_size", 1)
+        created, metrics = document.get("created", 0.0), document.get("metrics") or {}
+        versions = document.get("versions") or {}
+        _require(step is None or (_is_int(step) and step >= 0), source, "step", "null or an integer >= 0", step)
+        _require(_is_int(world_size) and 1 <= world_size <= MAX_WORLD_SIZE, source, "world_size",
+                 f"an integer in 1..{MAX_WORLD_SIZE}", world_size)
+        _require(_is_number(created), source, "created", "a number", created)
+        _require(isinstance(metrics, dict) and all(isinstance(k, str) and _is_number(v) for k, v in metrics.items()),
+                 source, "metrics", "an object of numbers", metrics)
+        _require(isinstance(versions, dict) and all(isinstance(v, str) for v in versions.values()), source,
+                 "versions", "an object of strings", versions)
+        records = {name: _record_from_json(record, source=source, name=name) for name, record in files.items()}
         try:
-            files = {str(k): _record_from_json(v) for k, v in document["files"].items()}
-            return cls(files=files, step=document.get("step"), world_size=int(document.get("world_size", 1)),
-                       metrics=dict(document.get("metrics") or {}), versions=dict(document.get("versions") or {}),
-                       created=float(document.get("created", 0.0)), format_version=version)
+            return cls(files=records, step=step, world_size=world_size, metrics=dict(metrics),
+                       versions=dict(versions), created=float(created), format_version=version)
         except UnsafeIndexError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise CorruptCheckpointError(f"{source}: manifest is malformed ({err.__class__.__name__}: {err}).") from None
+        except ValueError as err:
+            raise CorruptCheckpointError(f"{source}: manifest is malformed ({err}).") from None
 
 
 def _checksum(document: Mapping[str, Any]) -> str:
@@ -123,20 +146,22 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
 
     Raises:
         IncompleteCheckpointError: if there is no manifest (the save never committed).
-        CorruptCheckpointError / FormatVersionError / UnsafeIndexError: if it is unreadable, foreign,
-            too new, or lists paths outside the directory.
+        CorruptCheckpointError / FormatVersionError / UnsafeIndexError: if it is unreadable, not a regular
+            file, foreign, too new, or lists paths outside the directory.
     """
     path = Path(directory) / MANIFEST_FILE
     try:
-        size = path.stat().st_size
+        raw = read_regular_file(member_path(directory, MANIFEST_FILE), limit=MAX_JSON_SIZE)
     except FileNotFoundError:
         raise IncompleteCheckpointError(
             f"{directory}: no {MANIFEST_FILE}; this directory is not a committed checkpoint (a save was interrupted "
             "or it was written by another tool). Use find_latest_checkpoint() to pick a valid one."
         ) from None
-    if size > MAX_JSON_SIZE:
-        raise CorruptCheckpointError(f"{path}: manifest of {size} bytes exceeds the {MAX_JSON_SIZE}-byte limit.")
-    return Manifest.from_json(path.read_bytes(), source=str(path))
+    except NotADirectoryError:
+        raise CorruptCheckpointError(f"{directory}: is not a directory.") from None
+    except PermissionError as err:
+        raise CorruptCheckpointError(f"{path}: cannot be read ({err.strerror}).") from None
+    return Manifest.from_json(raw, source=str(path))
 
 
 def _record_to_json(record: FileRecord) -> dict[str, Any]:
@@ -146,9 +171,29 @@ def _record_to_json(record: FileRecord) -> dict[str, Any]:
     return document
 
 
-def _record_from_json(document: Mapping[str, Any]) -> FileRecord:
-    fast = document.get("xxh3_128")
-    return FileRecord(int(document["size"]), str(document["sha256"]), None if fast is None else str(fast))
+def _record_from_json(document: Any, *, source: str, name: str) -> FileRecord:
+    where = f"files[{name[:100]!r}]"
+    _require(isinstance(document, dict), source, where, "an object with size, sha256 (and xxh3_128)", document)
+    size, sha256, fast = document.get("size"), document.get("sha256"), document.get("xxh3_128")
+    _require(_is_int(size) and 0 <= size < 2**63, source, f"{where}.size", "an integer >= 0", size)
+    _require(isinstance(sha256, str) and _SHA256.fullmatch(sha256) is not None, source, f"{where}.sha256",
+             "64 lowercase hex digits", sha256)
+    _require(fast is None or (isinstance(fast, str) and _XXH3.fullmatch(fast) is not None), source,
+             f"{where}.xxh3_128", "32 lowercase hex digits", fast)
+    return FileRecord(size, sha256, fast)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _require(ok: bool, source: str, field_name: str, expected: str, value: Any) -> None:
+    if not ok:
+        raise CorruptCheckpointError(f"{source}: field {field_name!r} must be {expected}, got {value!r:.100}.")
 
 
 def records_to_json(records: Mapping[str, FileRecord]) -> dict[str, Any]:
@@ -158,4 +203,4 @@ def records_to_json(records: Mapping[str, FileRecord]) -> dict[str, Any]:
 
 def records_from_json(document: Mapping[str, Any]) -> dict[str, FileRecord]:
     """Inverse of :func:`records_to_json`."""
-    return {k: _record_from_json(v) for k, v in document.items()}
+    return {k: _record_from_json(v, source="<records>", name=k) for k, v in document.items()}

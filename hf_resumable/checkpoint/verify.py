@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..constants import LAYOUT_FILE, MODEL_INDEX_FILE, OPTIMIZER_INDEX_FILE
+from .._jsonio import parse_json
+from .._safefile import file_kind, member_path, read_regular_file
+from ..constants import LAYOUT_FILE, MAX_JSON_SIZE, MODEL_INDEX_FILE, OPTIMIZER_INDEX_FILE
 from ..errors import CorruptCheckpointError, HfResumableError, IncompleteCheckpointError
 from ..safetensors_io import SafetensorsHeader, hash_file, read_header
 from ..sharding import parse_index
@@ -96,6 +98,8 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, raise_
         report.manifest = read_manifest(directory)
     except HfResumableError as err:
         report.add("manifest.json", str(err), type(err))
+    except OSError as err:
+        report.add("manifest.json", f"cannot be read ({type(err).__name__}: {err})")
     else:
         _check_files(directory, report)
         if not report.problems:
@@ -110,25 +114,39 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, raise_
 
 def _check_files(directory: Path, report: VerifyReport) -> None:
     for relpath, record in report.manifest.files.items():
-        path = directory / relpath
         try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            report.add(relpath, "missing", IncompleteCheckpointError)
-            continue
-        if size != record.size:
-            report.add(relpath, f"size is {size} bytes, the manifest says {record.size} (truncated?)")
-            continue
-        if relpath.endswith(".safetensors"):
-            try:
-                report.headers[relpath] = read_header(path)
-            except CorruptCheckpointError as err:
-                report.add(relpath, str(err))
-                continue
-        if report.full or record.size <= QUICK_HASH_LIMIT:
-            problem = record.mismatch(hash_file(path))
-            if problem is not None:
-                report.add(relpath, f"{problem} (the file was modified or corrupted after the save)")
+            _check_file(directory, relpath, record, report)
+        except HfResumableError as err:
+            report.add(relpath, str(err), type(err))
+        except OSError as err:  # unreadable (permissions, I/O error): this checkpoint cannot be used
+            report.add(relpath, f"cannot be read ({type(err).__name__}: {err.strerror or err})")
+
+
+def _check_file(directory: Path, relpath: str, record, report: VerifyReport) -> None:
+    path = member_path(directory, relpath)
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        report.add(relpath, "missing", IncompleteCheckpointError)
+        return
+    if not stat.S_ISREG(info.st_mode):
+        report.add(relpath, f"is {file_kind(info.st_mode)}, not a regular file")
+        return
+    if info.st_size != record.size:
+        report.add(relpath, f"size is {info.st_size} bytes, the manifest says {record.size} (truncated?)")
+        return
+    if relpath.endswith(".safetensors"):
+        report.headers[relpath] = read_header(path)
+    if report.full or record.size <= QUICK_HASH_LIMIT:
+        problem = record.mismatch(hash_file(path))
+        if problem is not None:
+            report.add(relpath, f"{problem} (the file was modified or corrupted after the save)")
+
+
+def _read_json(directory: Path, relpath: str) -> object:
+    """A JSON file of the checkpoint, read safely (regular file, inside the directory, bounded)."""
+    raw = read_regular_file(member_path(directory, relpath), limit=MAX_JSON_SIZE)
+    return parse_json(raw, source=str(directory / relpath))
 
 
 def _check_indexes(directory: Path, report: VerifyReport) -> None:
@@ -136,11 +154,11 @@ def _check_indexes(directory: Path, report: VerifyReport) -> None:
         if index_name not in report.manifest.files:
             continue
         try:
-            index = parse_index(json.loads((directory / index_name).read_bytes()), source=index_name)
+            index = parse_index(_read_json(directory, index_name), source=index_name)
         except HfResumableError as err:
             report.add(index_name, f"invalid index: {err}", type(err))
             continue
-        except ValueError as err:
+        except (ValueError, OSError) as err:
             report.add(index_name, f"invalid index: {err}")
             continue
         for filename, names in index.group_by_file().items():
@@ -160,12 +178,12 @@ def _check_layout(directory: Path, report: VerifyReport) -> None:
     if LAYOUT_FILE not in report.manifest.files:
         return
     try:
-        layout = parse_layout(json.loads((directory / LAYOUT_FILE).read_bytes()), source=LAYOUT_FILE)
+        layout = parse_layout(_read_json(directory, LAYOUT_FILE), source=LAYOUT_FILE)
         for key in ("model", "optimizer"):
             if layout.get(key) is not None:
                 check_pieces_stored(Section.from_json(layout[key], source=LAYOUT_FILE), report.headers,
                                     source=LAYOUT_FILE)
     except HfResumableError as err:
         report.add(LAYOUT_FILE, str(err), type(err))
-    except ValueError as err:
-        report.add(LAYOUT_FILE, f"invalid layout: {err}")
+    except (ValueError, TypeError, KeyError, AttributeError, OSError) as err:
+        report.add(LAYOUT_FILE, f"invalid layout: {type(err).__name__}: {err}")

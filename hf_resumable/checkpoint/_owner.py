@@ -1,0 +1,137 @@
+"""Who owns a temporary name: the writer's identity is part of the name itself.
+
+Every directory or file the commit protocol creates next to checkpoints (``.tmp-*`` while a save is
+written, ``.trash-*`` while one is removed, ``.pin-*`` while a reader holds one) carries its owner in
+its name::
+
+    .tmp-checkpoint-120.3fa2b1c0.48213.912345.9ab3c2d1
+         ^ target       ^ host   ^ pid ^ start ^ random
+
+``mkdir``/``rename``/``open(O_EXCL)`` create a name atomically, so there is no instant at which the
+entry exists without an owner, and a rename to a name owned by somebody else is a transfer of
+ownership. An entry is *stale* only if its owner is provably dead: same host, and no process with
+that pid and that start time exists. Anything else (a live owner, another host, a name we cannot
+parse) is never touched.
+
+Example:
+
+```python
+>>> tag = OwnerTag(host="3fa2b1c0", pid=7, start=123)
+>>> name = member_name(".tmp-", "checkpoint-5", tag, nonce="00ff00ff")
+>>> name
+'.tmp-checkpoint-5.3fa2b1c0.7.123.00ff00ff'
+>>> parse_member_name(name)
+OwnedName(prefix='.tmp-', target='checkpoint-5', owner=OwnerTag(host='3fa2b1c0', pid=7, start=123), nonce='00ff00ff', mark='')
+>>> parse_member_name(".tmp-something-else") is None
+True
+
+```
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import socket
+import uuid
+from dataclasses import dataclass
+
+__all__ = ["OwnerTag", "OwnedName", "current_owner", "member_name", "parse_member_name", "owner_is_alive"]
+
+_NAME_RE = re.compile(
+    r"^(?P<prefix>\.(?:tmp|trash|pin)-)(?P<target>.+)\.(?P<host>[0-9a-f]{8})\.(?P<pid>\d{1,10})\.(?P<start>\d{1,20})"
+    r"\.(?P<nonce>[0-9a-f]{8})(?P<mark>\.d)?$"
+)
+# Mark appended to a trash name once its owner has decided to delete it (readers stop waiting for it).
+DELETING_MARK = ".d"
+
+
+@dataclass(frozen=True)
+class OwnerTag:
+    """A process: a hash of its host name, its pid and its start time (clock ticks since boot; 0 if unknown)."""
+
+    host: str
+    pid: int
+    start: int
+
+    def __str__(self) -> str:
+        return f"{self.host}.{self.pid}.{self.start}"
+
+
+@dataclass(frozen=True)
+class OwnedName:
+    """A parsed owned name (see the module docstring)."""
+
+    prefix: str
+    target: str
+    owner: OwnerTag
+    nonce: str
+    mark: str = ""
+
+
+def _host_hash(hostname: str) -> str:
+    return hashlib.sha256(hostname.encode("utf-8", "surrogateescape")).hexdigest()[:8]
+
+
+def _start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (Linux ``/proc``); ``None`` if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return 0
+    # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
+    fields = stat[stat.rfind(b")") + 2:].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return 0
+
+
+@functools.lru_cache(maxsize=None)
+def _owner_of(pid: int) -> OwnerTag:
+    return OwnerTag(host=_host_hash(socket.gethostname()), pid=pid, start=_start_time(pid) or 0)
+
+
+def current_owner() -> OwnerTag:
+    """This process's tag (recomputed after a fork, since the pid changes)."""
+    return _owner_of(os.getpid())
+
+
+def member_name(prefix: str, target: str, owner: OwnerTag | None = None, *, nonce: str | None = None,
+                mark: str = "") -> str:
+    """The owned name ``<prefix><target>.<owner>.<nonce>[mark]``."""
+    owner = owner or current_owner()
+    return f"{prefix}{target}.{owner}.{nonce or uuid.uuid4().hex[:8]}{mark}"
+
+
+def parse_member_name(name: str) -> OwnedName | None:
+    """Parse an owned name; ``None`` for anything else (which is then never treated as ours)."""
+    match = _NAME_RE.match(name)
+    if match is None:
+        return None
+    owner = OwnerTag(match["host"], int(match["pid"]), int(match["start"]))
+    return OwnedName(match["prefix"], match["target"], owner, match["nonce"], match["mark"] or "")
+
+
+def owner_is_alive(owner: OwnerTag) -> bool:
+    """Whether ``owner`` may still be running. ``True`` unless provably dead (same host, pid gone or reused)."""
+    if owner.host != current_owner().host:
+        return True
+    try:
+        os.kill(owner.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by another user
+    except OverflowError:
+        return False
+    start = _start_time(owner.pid)
+    if start is None:
+        return False
+    # A recorded start time that differs means the pid was reused by a new process.
+    return not (owner.start and start and start != owner.start)
