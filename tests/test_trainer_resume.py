@@ -117,6 +117,7 @@ def assert_identical(reference: Path, resumed: Path, *, suffix: str = "") -> Non
     got_result, got_tensors = _load(resumed, suffix)
     assert got_result["global_step"] == ref_result["global_step"]
     assert got_result["lr"] == ref_result["lr"]
+    assert got_result["train_output"] == ref_result["train_output"]  # TrainOutput, wall-clock fields removed
     ref_log, got_log = ref_result["log_history"], got_result["log_history"]
     assert [e.get("step") for e in got_log] == [e.get("step") for e in ref_log]
     for ref_entry, got_entry in zip(ref_log, got_log):

@@ -45,14 +45,14 @@ import torch
 import transformers
 import transformers.trainer as _trainer_module
 from packaging import version
-from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from ..checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
-from ..checkpoint import apply_retention, wait_for_pending_saves
+from ..checkpoint import apply_retention, read_manifest, wait_for_pending_saves
 from ..constants import CHECKPOINT_PREFIX
 from ..data import (DATA_KIND, ResumableDataLoader, build_map_dataloader, build_stream_dataloader,
                     dataset_fingerprint, has_shuffle_buffer)
-from ..errors import CheckpointNotFoundError, InexactResumeError
+from ..errors import CheckpointNotFoundError, HfResumableError, InexactResumeError
 from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
 from ..remote import is_remote, open_uploader, resolve_resume_path
 from ..rng import restore_rng_state
@@ -68,14 +68,21 @@ TESTED_TRANSFORMERS = (">=5.0", "<6.0")
 _INTERNALS = ("_inner_training_loop", "_run_epoch", "_init_training_state", "_prepare_for_training",
               "_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler",
               "_load_rng_state", "_load_best_model", "_remove_unused_columns", "_get_collator_with_removed_columns",
-              "_get_output_dir", "_push_from_checkpoint", "store_flos", "_finalize_training")
+              "_get_output_dir", "_push_from_checkpoint", "store_flos", "_finalize_training",
+              "_maybe_log_save_evaluate", "_evaluate", "set_initial_training_values", "_load_callback_state")
 # Source fragments of Trainer methods whose behaviour we rely on (name -> fragments).
 _SOURCE_CONTRACT = {
     "_run_epoch": ("skip_first_batches(train_dataloader, steps_trained_in_current_epoch)",
-                   "self._load_rng_state(resume_from_checkpoint)", "train_dataloader.set_epoch(epoch)"),
+                   "self._load_rng_state(resume_from_checkpoint)", "train_dataloader.set_epoch(epoch)",
+                   "self.control = self.callback_handler.on_epoch_end(", "self._maybe_log_save_evaluate("),
     "_inner_training_loop": ("self._tr_loss = torch.tensor(0.0",
-                             "self._globalstep_last_logged = self.state.global_step", "on_train_begin"),
+                             "self._globalstep_last_logged = self.state.global_step", "on_train_begin",
+                             "self.set_initial_training_values(args, train_dataloader)", "self._run_epoch(",
+                             "if args.eval_on_start:", "return self._finalize_training("),
     "_prepare_for_training": ("self._load_optimizer_and_scheduler(resume_from_checkpoint)",),
+    "_finalize_training": ("self._total_loss_scalar += self._tr_loss.item()", "sort_checkpoints("),
+    "_init_training_state": ("self._load_callback_state()",),
+    "_load_callback_state": ("if not self.args.restore_callback_states_from_checkpoint:",),
     "train": ("self._load_from_checkpoint(resume_from_checkpoint)", "TRAINER_STATE_NAME"),
 }
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -138,36 +145,68 @@ def _cursor_skipping() -> Iterator[None]:
         _trainer_module.skip_first_batches = original
 
 
+@contextlib.contextmanager
+def _own_checkpoints_only(trainer: "ResumableTrainer") -> Iterator[None]:
+    """Make the Trainer's ``sort_checkpoints`` list only committed hf_resumable checkpoints with no pending upload.
+
+    ``Trainer._finalize_training`` deletes every listed checkpoint but the best one when ``save_total_limit=1``;
+    a checkpoint another tool wrote (a stock ``checkpoint-N``) or one still being uploaded must never be deleted.
+    """
+    original = _trainer_module.sort_checkpoints
+
+    def sort_checkpoints(output_dir: str, *args: Any, **kwargs: Any) -> list[str]:
+        pending = {os.path.abspath(p) for p in trainer._uploader.pending()} if trainer._uploader is not None else set()
+        return [path for path in original(output_dir, *args, **kwargs)
+                if _is_own_checkpoint(Path(path)) and os.path.abspath(path) not in pending]
+
+    _trainer_module.sort_checkpoints = sort_checkpoints
+    try:
+        yield
+    finally:
+        _trainer_module.sort_checkpoints = original
+
+
+def _is_own_checkpoint(path: Path) -> bool:
+    try:
+        read_manifest(path)
+    except (HfResumableError, OSError):
+        return False
+    return True
+
+
+@dataclasses.dataclass
+class _LoopTracker:
+    """Where the training loop stands relative to the Trainer's step-end / epoch-end bookkeeping.
+
+    ``Trainer._run_epoch`` calls ``_maybe_log_save_evaluate`` once after every optimizer step and once more
+    after ``on_epoch_end`` (same ``global_step``). A checkpoint written by the step-end call of the last step of
+    an epoch (or of the run) therefore precedes that epoch's end-of-epoch logging, evaluation and saving; the
+    resumed run performs it first (see ``ResumableTrainer._resume_prologue``).
+    """
+
+    trial: Any = None
+    ignore_keys_for_eval: list[str] | None = None
+    last_call_step: int | None = None  # global_step of the previous _maybe_log_save_evaluate call
+    in_epoch_end: bool = False  # the current _maybe_log_save_evaluate call follows on_epoch_end
+    grad_norm: float | None = None  # of the last optimizer step (logged again by the epoch-end call)
+    learning_rate: float | None = None
+    steps_per_epoch: int | None = None  # optimizer steps per epoch (set_initial_training_values)
+    prologue_done: bool = False
+    finished: bool = False  # the resumed checkpoint is the end of the run: nothing is trained
+
+
+def _as_float(value: Any) -> float | None:
+    if value is None:
+        return None
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
 @dataclasses.dataclass
 class _Resume:
     """What train() read from the checkpoint it resumes from, before the Trainer loads the weights."""
 
     path: Path
     loaded: Any  # LoadedCheckpoint (training state, extra, data state, RNG state)
-
-
-class _ResumableCallback(TrainerCallback):
-    """Restores the logging accumulators at train begin and turns a SIGTERM into save + stop."""
-
-    def __init__(self, trainer: "ResumableTrainer") -> None:
-        self._trainer = trainer
-
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kwargs: Any) -> None:
-        self._trainer._restore_loop_state()
-
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
-        if self._trainer.preempted:
-            return
-        if self._trainer._preemption_agreed(args):
-            self._trainer.preempted = True
-            control.should_save = True
-            control.should_training_stop = True
-
-    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    metrics: dict[str, float] | None = None, **kwargs: Any) -> None:
-        self._trainer._last_eval = (state.global_step, dict(metrics or {}))
 
 
 class ResumableTrainer(Trainer):
@@ -228,7 +267,8 @@ class ResumableTrainer(Trainer):
         self._train_loader: Any = None
         self._run_config: RunConfig | None = None
         self._last_eval: tuple[int, dict[str, float]] | None = None
-        self.add_callback(_ResumableCallback(self))
+        self._loop = _LoopTracker()
+        self._rng_restored = False
         self.storage_options = storage_options
         self._uploader = None
         if push_checkpoints_to is not None and self.args.should_save:
@@ -266,8 +306,10 @@ class ResumableTrainer(Trainer):
         checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
         self.resumed_from = checkpoint
         self._resume = self._open_checkpoint(checkpoint) if checkpoint is not None else None
+        self._loop = _LoopTracker(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
+        self._rng_restored = False
         try:
-            with self._preemption, _cursor_skipping():
+            with self._preemption, _cursor_skipping(), _own_checkpoints_only(self), self._no_eval_on_resume():
                 output = super().train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint),
                                        trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         finally:
@@ -489,22 +531,121 @@ class ResumableTrainer(Trainer):
         return {k: float(v) for k, v in self._last_eval[1].items() if isinstance(v, (int, float))}
 
     def _loop_state(self) -> dict[str, Any]:
-        """The logging loop's accumulators, so the next logged loss averages the same steps as without a restart."""
+        """The logging loop's accumulators, so the next logged loss averages the same steps as without a restart,
+        and where the step stands in the loop (stopped, end-of-epoch bookkeeping done) so a restart neither
+        repeats nor skips any of it."""
+        loop = self._loop
         return {"tr_loss": float(self._tr_loss.item()), "total_loss_scalar": float(self._total_loss_scalar),
                 "globalstep_last_logged": int(self._globalstep_last_logged),
-                "initial_global_step": int(self._initial_global_step)}
+                "initial_global_step": int(self._initial_global_step),
+                # stopped before max_steps by a callback (EarlyStoppingCallback...); reaching max_steps is not
+                # recorded as a stop, so a restart with a larger max_steps continues
+                "stopped": bool(self.control.should_training_stop) and self.state.global_step < self.state.max_steps,
+                "epoch_end_done": loop.in_epoch_end,
+                "grad_norm": loop.grad_norm, "learning_rate": loop.learning_rate}
 
-    def _restore_loop_state(self) -> None:
-        if self._resume is None:
-            return
+    def _restore_loop_state(self) -> dict[str, Any] | None:
         loop = self._resume.loaded.training_state.get(_PROGRESS_LOOP)
         if loop is None:
             self._inexact(f"{self._resume.path} has no logging-loop state")
-            return
+            return None
         self._tr_loss = torch.tensor(loop["tr_loss"], dtype=self._tr_loss.dtype, device=self._tr_loss.device)
         self._total_loss_scalar = loop["total_loss_scalar"]
         self._globalstep_last_logged = loop["globalstep_last_logged"]
         self._initial_global_step = loop["initial_global_step"]
+        return loop
+
+    # ---- the training loop ----
+
+    @contextlib.contextmanager
+    def _no_eval_on_resume(self) -> Iterator[None]:
+        """``eval_on_start`` evaluates before the first step of the run, not again at every restart."""
+        if self._resume is None or not self.args.eval_on_start:
+            yield
+            return
+        self.args.eval_on_start = False
+        try:
+            yield
+        finally:
+            self.args.eval_on_start = True
+
+    def set_initial_training_values(self, args: TrainingArguments, dataloader: Any) -> tuple:
+        values = super().set_initial_training_values(args, dataloader)
+        self._loop.steps_per_epoch = values[1]
+        return values
+
+    def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, grad_norm: Any, model: torch.nn.Module, trial: Any,
+                                 epoch: float, ignore_keys_for_eval: list[str] | None, start_time: float,
+                                 learning_rate: float | None = None, **kwargs: Any) -> None:
+        # Called after every optimizer step and once more after on_epoch_end (same global_step); see _LoopTracker.
+        loop = self._loop
+        loop.in_epoch_end = loop.last_call_step == self.state.global_step
+        loop.last_call_step = self.state.global_step
+        if not loop.in_epoch_end:
+            loop.grad_norm, loop.learning_rate = _as_float(grad_norm), learning_rate
+        # SIGTERM: save this step on every rank, then stop. The stop is requested after the save so that the
+        # checkpoint records only the run's own decision to stop (a preempted run is not a finished one).
+        preempt = not self.preempted and self._preemption_agreed(self.args)
+        if preempt:
+            self.preempted = True
+            self.control.should_save = True
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
+                                         learning_rate=learning_rate, **kwargs)
+        if preempt:
+            self.control.should_training_stop = True
+
+    def _evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        metrics = super()._evaluate(*args, **kwargs)
+        self._last_eval = (self.state.global_step, dict(metrics or {}))
+        return metrics
+
+    def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
+        bound = inspect.signature(Trainer._run_epoch).bind(self, *args, **kwargs).arguments
+        self._resume_prologue(model=bound["model"], start_time=bound["start_time"])
+        if self._loop.finished:  # the checkpoint is the end of the run: train nothing, save nothing
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(*args, **kwargs)
+
+    def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
+        self._resume_prologue(model=self.model_wrapped, start_time=start_time)
+        return super()._finalize_training(trial, num_train_samples, start_time)
+
+    def _resume_prologue(self, *, model: torch.nn.Module, start_time: float) -> None:
+        """Once per ``train``, before the first resumed step (or the end of training when nothing is left).
+
+        Restores the logging accumulators; finishes the end-of-epoch work (``on_epoch_end``, epoch-strategy
+        logging, evaluation and saving) that the uninterrupted run did right after the checkpoint's step; and
+        recognises a checkpoint that ends the run (``max_steps`` reached, or the run asked to stop, e.g. by
+        ``EarlyStoppingCallback``), so that re-running a finished run trains nothing and writes nothing.
+        """
+        loop = self._loop
+        if loop.prologue_done:
+            return
+        loop.prologue_done = True
+        if self._resume is None:
+            return
+        record = self._restore_loop_state()
+        if record is None:
+            return
+        step = self.state.global_step
+        loop.finished = step >= self.state.max_steps or bool(record.get("stopped"))
+        per_epoch = loop.steps_per_epoch or self.state.max_steps
+        if step > 0 and (step % per_epoch == 0 or loop.finished) and not record.get("epoch_end_done", True):
+            self._load_rng_state(str(self._resume.path))  # the RNG the epoch-end evaluation drew from
+            self._rng_restored = True
+            self.control.should_log = self.control.should_evaluate = self.control.should_save = False
+            self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
+            loop.last_call_step = step
+            self._maybe_log_save_evaluate(self._tr_loss, record.get("grad_norm"), model, loop.trial, (step - 1) // per_epoch,
+                                          loop.ignore_keys_for_eval, start_time,
+                                          learning_rate=record.get("learning_rate"))
+        if loop.finished:
+            logger.info("%s is the end of this run (step %d of %d%s): nothing left to train.", self._resume.path,
+                        step, self.state.max_steps, ", stopped by a callback" if record.get("stopped") else "")
+            if not self._rng_restored:
+                self._load_rng_state(str(self._resume.path))
+                self._rng_restored = True
 
     # ---- loading ----
 
@@ -532,7 +673,7 @@ class ResumableTrainer(Trainer):
     def _load_rng_state(self, checkpoint: str | None) -> None:
         """Restore the RNG captured after the checkpoint's optimizer step; the Trainer calls this right
         before the first resumed forward pass (our data loading never touches the global RNG)."""
-        if checkpoint is None or self._resume is None:
+        if checkpoint is None or self._resume is None or self._rng_restored:
             return
         state = self._resume.loaded.rng_state
         if state is None:

@@ -223,8 +223,11 @@ def dump_results(trainer, output_dir: Path, train_output) -> None:
     timing = ("_runtime", "_samples_per_second", "_steps_per_second")
     history = [{k: v for k, v in entry.items() if not k.endswith(timing)} for entry in trainer.state.log_history]
     resumed_from = getattr(trainer, "resumed_from", None)
+    metrics = {k: v for k, v in train_output.metrics.items() if not k.endswith(timing)}
     result = {"log_history": history, "global_step": train_output.global_step, "lr": trainer.lr_scheduler.get_last_lr(),
-              "resumed_from": str(resumed_from) if resumed_from else None}
+              "resumed_from": str(resumed_from) if resumed_from else None,
+              "train_output": {"global_step": train_output.global_step, "training_loss": train_output.training_loss,
+                               "metrics": metrics}}
     (output_dir / f"result{suffix}.json").write_text(json.dumps(result, indent=1))
 
 
@@ -242,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-steps", type=int, default=1)
     p.add_argument("--save-total-limit", type=int, default=None)
     p.add_argument("--logging-steps", type=int, default=1)
+    p.add_argument("--logging-strategy", default="steps", choices=["steps", "epoch"])
     p.add_argument("--eval", action="store_true", help="evaluate every save, load_best_model_at_end")
     p.add_argument("--lora", action="store_true")
     p.add_argument("--stock", action="store_true", help="use transformers.Trainer (for comparisons)")
@@ -271,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         output_dir=a.output_dir, per_device_train_batch_size=a.batch, per_device_eval_batch_size=8,
         gradient_accumulation_steps=a.ga, num_train_epochs=a.epochs, max_steps=a.max_steps, learning_rate=1e-2,
         lr_scheduler_type="linear", warmup_steps=2, weight_decay=0.01, logging_steps=a.logging_steps,
+        logging_strategy=a.logging_strategy,
         save_strategy="steps", save_steps=a.save_steps, save_total_limit=a.save_total_limit,
         dataloader_num_workers=a.workers, seed=a.seed, report_to=[], disable_tqdm=True, use_cpu=True,
         remove_unused_columns=a.data != "wwm",  # the whole-word-masking collator needs offset_mapping
