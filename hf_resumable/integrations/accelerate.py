@@ -72,9 +72,10 @@ from ..checkpoint import (
     load_checkpoint,
     read_manifest,
     save_checkpoint,
+    verify_checkpoint,
     wait_for_pending_saves,
 )
-from ..constants import CHECKPOINT_PREFIX, MANIFEST_FILE
+from ..constants import CHECKPOINT_PREFIX
 from ..data import ResumableDataLoader, build_map_dataloader
 from ..distributed import broadcast_json
 from ..errors import ConfigDriftError, HfResumableError, InexactResumeError, UnsupportedStateError
@@ -82,6 +83,7 @@ from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
 from ..remote import is_remote, open_uploader, resolve_resume_path
 from ..rng import restore_rng_state
 from ._accelerate_loop import AccumulationWindow, ResumablePreparedLoader
+from ._accelerate_state import StepCounts, StepHook, state_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,7 @@ _INSTANCE_INTERNALS = ("_models", "_optimizers", "_schedulers", "_custom_objects
 # training_state keys (the progress cursor).
 PROGRESS_GLOBAL_STEP = "global_step"  # completed optimizer steps (accumulation windows)
 PROGRESS_MICRO_STEP = "accelerate_micro_step"  # Accelerator.step, accelerate's own micro-step counter
+PROGRESS_OPTIMIZER_STEPS = "optimizer_steps"  # real steps of each prepared optimizer, in preparation order
 # extra keys.
 EXTRA_RUN = "accelerate_run"  # the settings a bit-exact resume depends on (see _run_settings)
 EXTRA_CUSTOM_OBJECTS = "custom_objects"  # state_dict() of objects passed to register_for_checkpointing
@@ -193,13 +196,50 @@ class ResumableAccelerator(Accelerator):
         self.save_async = save_async
         self.allow_inexact_resume = allow_inexact_resume
         self.exit_on_preemption = exit_on_preemption
-        self.global_step = 0
+        self._step_counts = StepCounts()
+        self._committed: dict[Path, str] = {}  # checkpoint this accelerator committed -> fingerprint of its state
         self._window_slot: tuple[int, int] | None = None
         self._resumable_loaders: list[ResumablePreparedLoader] = []
         self._preemption = PreemptionHandler().install() if handle_preemption else None
         self.storage_options = storage_options
         self._uploader = (open_uploader(push_checkpoints_to, storage_options=storage_options)
                           if push_checkpoints_to is not None and self.is_main_process else None)
+
+    @property
+    def global_step(self) -> int:
+        """Completed optimizer steps (of the most-stepped prepared optimizer; accumulation windows if none).
+
+        Counted by a step hook on every prepared optimizer, however the loop is written: micro-steps inside
+        an accumulation window and steps a ``GradScaler`` skipped on overflow do not count.
+        """
+        return self._step_counts.global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self._step_counts.global_step = int(value)
+
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """accelerate's ``prepare``; additionally counts the real steps of every prepared optimizer."""
+        prepared = super().prepare(*args, device_placement=device_placement)
+        self._attach_step_hooks()
+        return prepared
+
+    def _attach_step_hooks(self) -> None:
+        for optimizer in self._optimizers:
+            if getattr(optimizer, "_hf_resumable_step_hook", None) is None:
+                hook = StepHook(self._step_counts)
+                inner = getattr(optimizer, "optimizer", optimizer)
+                inner.register_step_post_hook(hook)
+                optimizer._hf_resumable_step_hook = hook
+
+    def _optimizer_step_counts(self) -> list[int]:
+        self._attach_step_hooks()
+        return [optimizer._hf_resumable_step_hook.count for optimizer in self._optimizers]
+
+    def _set_optimizer_step_counts(self, counts: list[int]) -> None:
+        self._attach_step_hooks()
+        for optimizer, count in zip(self._optimizers, counts):
+            optimizer._hf_resumable_step_hook.count = int(count)
 
     def wait_for_uploads(self, timeout: float | None = None) -> None:
         """Block until every checkpoint queued for ``push_checkpoints_to`` is confirmed; raise the first failure."""
@@ -334,10 +374,10 @@ class ResumableAccelerator(Accelerator):
 
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
-        """accelerate's ``accumulate``; additionally counts completed optimizer steps in :attr:`global_step`."""
+        """accelerate's ``accumulate``; without a prepared optimizer, counts completed windows in :attr:`global_step`."""
         with super().accumulate(*models):
             yield
-        if self.sync_gradients:
+        if self.sync_gradients and not self._optimizers:
             self.global_step += 1
 
     def backward(self, loss: torch.Tensor, *, num_items_in_batch: int | torch.Tensor | None = None,
@@ -421,15 +461,18 @@ class ResumableAccelerator(Accelerator):
         automatic = output_dir is None
         target = Path(output_dir) if not automatic else self.checkpoint_dir / f"{CHECKPOINT_PREFIX}{self.global_step}"
         wait_for_pending_saves()  # save_checkpoint would wait anyway; the previous save may be this very step
-        if automatic and broadcast_json(self.is_main_process and (target / MANIFEST_FILE).exists()):
+        fingerprint = self._fingerprint(target)
+        if automatic and broadcast_json(self.is_main_process and self._already_on_disk(target, fingerprint)):
             if self.is_main_process:
-                logger.info("%s is already committed; not saving step %d again.", target, self.global_step)
+                logger.info("%s already holds exactly the current state (step %d); not writing it again.", target,
+                            self.global_step)
             return target
         model, optimizer, scheduler = self._single_objects()
         save_checkpoint(
             target, model=model, optimizer=optimizer, scheduler=scheduler, scaler=self.scaler,
-            step=self.global_step,
-            training_state={PROGRESS_GLOBAL_STEP: self.global_step, PROGRESS_MICRO_STEP: self.step},
+            step=self.global_step, overwrite=automatic,
+            training_state={PROGRESS_GLOBAL_STEP: self.global_step, PROGRESS_MICRO_STEP: self.step,
+                            PROGRESS_OPTIMIZER_STEPS: self._optimizer_step_counts()},
             extra={EXTRA_RUN: self._run_settings(),
                    EXTRA_CUSTOM_OBJECTS: [obj.state_dict() for obj in self._custom_objects]},
             data_state={DATA_LOADERS: [loader.position() for loader in self._resumable_loaders]},
@@ -441,9 +484,25 @@ class ResumableAccelerator(Accelerator):
             self._uploader.submit(target)
             if automatic and self.keep_last is not None:
                 apply_retention(self.checkpoint_dir, keep_last=self.keep_last, protect=self._uploader.pending())
+        self._committed[target] = fingerprint
         if self.is_main_process:
             logger.info("Saved state at step %d to %s", self.global_step, target)
         return target
+
+    def _fingerprint(self, target: Path) -> str:
+        """Digest of everything :meth:`save_state` writes (see :func:`state_fingerprint`)."""
+        small = {"target": str(target), "global_step": self.global_step, "micro_step": self.step,
+                 "optimizer_steps": self._optimizer_step_counts(),
+                 "schedulers": [scheduler.state_dict() for scheduler in self._schedulers],
+                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                 "custom_objects": [obj.state_dict() for obj in self._custom_objects],
+                 "loaders": [loader.position() for loader in self._resumable_loaders]}
+        return state_fingerprint(models=self._models, optimizers=[getattr(o, "optimizer", o) for o in self._optimizers],
+                                 small_state=small)
+
+    def _already_on_disk(self, target: Path, fingerprint: str) -> bool:
+        """Whether this accelerator committed ``target`` from exactly the current state, and it is still intact."""
+        return self._committed.get(target) == fingerprint and verify_checkpoint(target, full=False).ok
 
     def _single_objects(self) -> tuple[torch.nn.Module | None, torch.optim.Optimizer | None, Any]:
         counts = {"models": len(self._models), "optimizers": len(self._optimizers),
@@ -496,6 +555,8 @@ class ResumableAccelerator(Accelerator):
                                  restore_rng=False, allow_inexact_resume=self.allow_inexact_resume)
         # 3. Counters and data positions, 4. registered objects, 5. RNG.
         self.global_step = int(loaded.training_state.get(PROGRESS_GLOBAL_STEP, loaded.step or 0))
+        self._set_optimizer_step_counts(loaded.training_state.get(PROGRESS_OPTIMIZER_STEPS)
+                                        or [self.global_step] * len(self._optimizers))
         self.step = int(loaded.training_state.get(PROGRESS_MICRO_STEP, 0))
         self._restore_loaders(path, loaded.data_state)
         self._restore_custom_objects(path, loaded.extra.get(EXTRA_CUSTOM_OBJECTS) or [])
