@@ -44,8 +44,10 @@ CHECKPOINT_DIR_RE = re.compile(r"^checkpoint-(\d+)$")
 TMP_PREFIX = ".tmp-"
 # a checkpoint being removed (renamed away first, so a half-deleted directory never looks like a checkpoint);
 TRASH_PREFIX = ".trash-"
-# a reader's pin on a checkpoint (an empty file): retention does not remove a pinned checkpoint.
+# a reader's pin on a checkpoint (an empty file): retention does not remove a pinned checkpoint;
 PIN_PREFIX = ".pin-"
+# a remover's announcement that it is about to remove a checkpoint (an empty file; see checkpoint/_pins.py).
+REMOVING_PREFIX = ".removing-"
 # Seconds after which a pin no longer protects a checkpoint, even if its reader is still alive.
 PIN_TTL = 600.0
 # Record inside temp dirs written by earlier versions (pid/host of the writer); read only by cleanup.

@@ -21,7 +21,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from ..constants import TMP_PREFIX, TRASH_PREFIX
+from ..constants import REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
 from ..errors import CheckpointExistsError
 from ..safetensors_io import FileRecord, record_of
 from ._owner import DELETING_MARK, member_name
@@ -209,27 +209,25 @@ def claim(entry: Path, target_name: str) -> Path | None:
 def remove_dir(path: Path) -> bool:
     """Remove a committed checkpoint directory unless a live reader pinned it; ``True`` if removed.
 
-    1. Rename it to a trash name this process owns: from now on nobody can find it as a checkpoint.
-    2. If a reader pinned it meanwhile (see ``_pins.py``), put it back and keep it.
-    3. Otherwise mark the trash as decided (readers waiting on it stop waiting) and delete it.
+    1. Announce the removal (an owned ``.removing-`` file): readers that pin from now on wait for it.
+    2. If a reader in another process has pinned it, withdraw and keep it; it was never moved.
+    3. Rename it to a trash name this process owns (from now on nobody finds it as a checkpoint), make that
+       durable, delete the trash, and withdraw the announcement.
     """
-    trash = path.parent / member_name(TRASH_PREFIX, path.name)
+    announcement = path.parent / member_name(REMOVING_PREFIX, path.name)
+    os.close(os.open(announcement, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
     try:
-        os.rename(path, trash)
-    except FileNotFoundError:
-        return False
-    if live_pins(path.parent, path.name, ignore_own=True):
-        try:
-            rename_noreplace(trash, path)
+        if live_pins(path.parent, path.name, ignore_own=True):
             logger.info("Kept %s: a reader has pinned it.", path)
             return False
-        except OSError:
-            pass  # a new directory of that name exists; the pinned reader will see that one
-    decided = trash.with_name(trash.name + DELETING_MARK)
-    os.rename(trash, decided)
-    fsync_dir(path.parent)
-    shutil.rmtree(decided, ignore_errors=True)
-    return True
+        trash = claim(path, path.name)
+        if trash is None:
+            return False
+        fsync_dir(path.parent)
+        shutil.rmtree(trash, ignore_errors=True)
+        return True
+    finally:
+        os.unlink(announcement)
 
 
 def discard(path: Path) -> None:

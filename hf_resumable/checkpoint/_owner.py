@@ -1,8 +1,8 @@
 """Who owns a temporary name: the writer's identity is part of the name itself.
 
 Every directory or file the commit protocol creates next to checkpoints (``.tmp-*`` while a save is
-written, ``.trash-*`` while one is removed, ``.pin-*`` while a reader holds one) carries its owner in
-its name::
+written, ``.trash-*`` while one is deleted, ``.removing-*`` while a remover decides, ``.pin-*`` while a
+reader holds one) carries its owner in its name::
 
     .tmp-checkpoint-120.3fa2b1c0.48213.912345.9ab3c2d1
          ^ target       ^ host   ^ pid ^ start ^ random
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 __all__ = ["OwnerTag", "OwnedName", "current_owner", "member_name", "parse_member_name", "owner_is_alive"]
 
 _NAME_RE = re.compile(
-    r"^(?P<prefix>\.(?:tmp|trash|pin)-)(?P<target>.+)\.(?P<host>[0-9a-f]{8})\.(?P<pid>\d{1,10})\.(?P<start>\d{1,20})"
+    r"^(?P<prefix>\.(?:tmp|trash|pin|removing)-)(?P<target>.+)\.(?P<host>[0-9a-f]{8})\.(?P<pid>\d{1,10})\.(?P<start>\d{1,20})"
     r"\.(?P<nonce>[0-9a-f]{8})(?P<mark>\.d)?$"
 )
 # Mark appended to a trash name once its owner has decided to delete it (readers stop waiting for it).

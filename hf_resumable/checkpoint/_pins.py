@@ -1,23 +1,26 @@
 """Reader pins: a reader that is about to load a checkpoint keeps retention from removing it under it.
 
-A pin is an empty file ``.pin-<checkpoint>.<owner>.<nonce>`` next to the checkpoint. The protocol,
-with the remover's steps in ``_fs.remove_dir``:
+A pin is an empty file ``.pin-<checkpoint>.<owner>.<nonce>`` next to the checkpoint; a remover
+announces itself with an empty ``.removing-<checkpoint>.<owner>.<nonce>``. Each side first writes its
+own flag, then looks for the other's (``_fs.remove_dir`` is the remover):
 
 ========================================  ==========================================================
 reader (``pin``)                          remover (``remove_dir``)
 ========================================  ==========================================================
-1. create the pin                         1. rename the checkpoint to its own trash name
-2. if the checkpoint is there: pinned     2. if a live pin exists: rename it back, keep it
-3. else wait while an undecided trash     3. else mark the trash decided (``.d``) and delete it
-   of that name exists, then look again
+1. create the pin                         1. create the announcement
+2. wait while a live remover's            2. if a live pin exists: withdraw the announcement and
+   announcement for it exists                keep the checkpoint (it is never moved)
+3. the checkpoint is there: pinned;       3. else rename it to a trash name of its own, delete it,
+   else it is gone                           then withdraw the announcement
 ========================================  ==========================================================
 
-If the pin exists before the remover's step 2, the remover puts the checkpoint back and the reader,
-waiting at its step 3, finds it; if it came later, the remover had already decided and the reader
-sees the checkpoint gone (``find_latest_checkpoint`` then takes the next one). A reader therefore
-never holds a path that retention deletes. Pins of dead processes are ignored and cleaned up; a pin
-older than ``PIN_TTL`` stops protecting (a reader that sleeps for an hour does not block retention
-forever). Where the directory is read-only nothing can be deleted anyway, and no pin is made.
+If the pin exists before the remover's step 2, the checkpoint is never touched; if it came later, the
+announcement is still there when the reader looks (step 2), so the reader waits until the removal is
+done and sees the checkpoint gone (``find_latest_checkpoint`` then takes the next one). A reader
+therefore never holds a path that retention deletes, and never sees a pinned checkpoint flicker
+away. Flags of dead processes are ignored and cleaned up; a pin older than ``PIN_TTL`` stops
+protecting (a reader that sleeps for an hour does not block retention forever). Where the directory
+is read-only nothing can be deleted anyway, and no pin is made.
 """
 
 from __future__ import annotations
@@ -29,16 +32,16 @@ import threading
 import time
 from pathlib import Path
 
-from ..constants import MANIFEST_FILE, PIN_PREFIX, PIN_TTL, TRASH_PREFIX
+from ..constants import MANIFEST_FILE, PIN_PREFIX, PIN_TTL, REMOVING_PREFIX
 from ._owner import current_owner, member_name, owner_is_alive, parse_member_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["pin", "unpin", "live_pins", "hold_pin", "release_held_pins"]
+__all__ = ["pin", "unpin", "live_pins", "removal_announced", "hold_pin", "release_held_pins"]
 
-# How long a reader waits for a remover to decide about a checkpoint it has renamed away (it decides at once;
-# this only bounds a remover that was stopped between its steps 1 and 3).
-PIN_WAIT = 10.0
+# How long a reader waits for a live remover to finish (removals take as long as deleting the files; this only
+# bounds a remover that was stopped between its steps 1 and 3).
+PIN_WAIT = 60.0
 
 _held: dict[str, Path] = {}
 _held_lock = threading.Lock()
@@ -57,11 +60,9 @@ def pin(directory: Path) -> Path | None:
     except OSError as err:
         logger.debug("Cannot pin %s (%s); reading it unpinned.", directory, err)
         return pin_path if _present(directory) else None
-    if _present(directory):
-        return pin_path
     deadline = time.monotonic() + PIN_WAIT
-    while _undecided_trash(parent, name) and time.monotonic() < deadline:
-        time.sleep(0.005)
+    while removal_announced(parent, name) and time.monotonic() < deadline:
+        time.sleep(0.002)
     if _present(directory):
         return pin_path
     unpin(pin_path)
@@ -118,10 +119,11 @@ def _present(directory: Path) -> bool:
     return os.path.lexists(directory / MANIFEST_FILE)
 
 
-def _undecided_trash(parent: Path, name: str) -> bool:
-    for entry in _entries(parent, f"{TRASH_PREFIX}{name}."):
+def removal_announced(parent: Path, name: str) -> bool:
+    """Whether a live remover has announced that it is removing ``parent/name``."""
+    for entry in _entries(parent, f"{REMOVING_PREFIX}{name}."):
         owned = parse_member_name(entry.name)
-        if owned is not None and owned.target == name and not owned.mark and owner_is_alive(owned.owner):
+        if owned is not None and owned.target == name and owner_is_alive(owned.owner):
             return True
     return False
 

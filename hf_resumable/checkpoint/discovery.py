@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .._jsonio import parse_json
 from .._safefile import read_regular_file
-from ..constants import CHECKPOINT_DIR_RE, OWNER_FILE, PIN_PREFIX, TMP_PREFIX, TRASH_PREFIX
+from ..constants import CHECKPOINT_DIR_RE, OWNER_FILE, PIN_PREFIX, REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
 from ..errors import HfResumableError
 from ._fs import claim, remove_dir, rename_noreplace
 from ._owner import OwnerTag, current_owner, owner_is_alive, parse_member_name
@@ -49,15 +49,17 @@ def cleanup_stale_temp_dirs(root: str | os.PathLike) -> list[Path]:
     Only owned names (see ``_owner.py``) whose owner is provably dead are touched: a live writer's temp
     dir, another host's, or any name hf_resumable did not create is never removed. Each stale entry is
     first renamed to a name this process owns, then deleted, so two cleaners never delete the same
-    thing and nothing can be renamed into place while it is being deleted. A removal interrupted after
-    its first rename (the checkpoint sits in an undecided trash dir and its name is free) is undone:
-    the checkpoint is put back. Returns what was removed.
+    thing and nothing can be renamed into place while it is being deleted. An overwrite interrupted
+    between its two renames (where the filesystem cannot swap atomically: the old checkpoint sits in
+    an unmarked trash dir and its name is free) is undone: the checkpoint is put back. Returns what was
+    removed.
     """
     root = Path(root)
     removed: list[Path] = []
     try:
         with os.scandir(root) as it:
-            entries = [Path(e.path) for e in it if e.name.startswith((TMP_PREFIX, TRASH_PREFIX, PIN_PREFIX))]
+            entries = [Path(e.path) for e in it
+                       if e.name.startswith((TMP_PREFIX, TRASH_PREFIX, PIN_PREFIX, REMOVING_PREFIX))]
     except OSError:
         return removed
     for entry in entries:
@@ -68,7 +70,7 @@ def cleanup_stale_temp_dirs(root: str | os.PathLike) -> list[Path]:
             continue
         if owner_is_alive(owned.owner):
             continue
-        if owned.prefix == PIN_PREFIX:
+        if owned.prefix in (PIN_PREFIX, REMOVING_PREFIX):
             unpin(entry)
         elif owned.prefix == TRASH_PREFIX and not owned.mark and _restore(entry, root / owned.target):
             continue
@@ -93,7 +95,7 @@ def _restore(trash: Path, target: Path) -> bool:
         rename_noreplace(trash, target)
     except OSError:
         return False
-    logger.warning("Restored %s from %s (its removal was interrupted)", target, trash.name)
+    logger.warning("Restored %s from %s (an overwrite of it was interrupted)", target, trash.name)
     return True
 
 

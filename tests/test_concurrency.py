@@ -1,0 +1,270 @@
+"""Concurrent writers, readers and cleaners on one checkpoint root, with real processes.
+
+The commit protocol promises: no reader, cleanup or retention ever deletes or modifies a directory a live
+writer owns or has committed; a path ``find_latest_checkpoint`` returns stays loadable while a concurrent
+writer's retention runs; two writers of the same name: exactly one commits, the other gets
+``CheckpointExistsError``. Each test here runs separate processes (tests/scripts/concurrent_checkpoints.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_resumable.checkpoint import (
+    apply_retention,
+    cleanup_stale_temp_dirs,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from hf_resumable.checkpoint import _pins
+from hf_resumable.checkpoint._owner import current_owner, member_name, parse_member_name
+from hf_resumable.constants import PIN_PREFIX, REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
+from hf_resumable.errors import CheckpointExistsError
+
+SCRIPT = Path(__file__).parent / "scripts" / "concurrent_checkpoints.py"
+
+
+def _spawn(role: str, root: Path, log: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(SCRIPT), role, "--root", str(root), "--log", str(log), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _records(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def _model(value: float) -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(value)
+    return model
+
+
+def _run_writer_and_readers(tmp_path: Path, *, saves: int, keep_last: int, commit_delay: float) -> tuple:
+    root, done = tmp_path / "run", tmp_path / "writer-done"
+    root.mkdir()
+    logs = [tmp_path / f"{name}.jsonl" for name in ("writer", "reader-1", "reader-2")]
+    readers = [_spawn("reader", root, log, "--until", str(done)) for log in logs[1:]]
+    writer = _spawn("writer", root, logs[0], "--saves", str(saves), "--keep-last", str(keep_last),
+                    "--commit-delay", str(commit_delay))
+    try:
+        out, _ = writer.communicate(timeout=240)
+        assert writer.returncode == 0, out.decode()[-3000:]
+    finally:
+        done.touch()
+        for process in readers:
+            try:
+                process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    return root, [_records(log) for log in logs]
+
+
+def _assert_nothing_lost(root: Path, writer_log: list[dict], reader_logs: list[list[dict]]) -> None:
+    errors = [r for r in writer_log if "error" in r]
+    assert not errors, errors[:3]
+    committed = [r["committed"] for r in writer_log if "committed" in r]
+    removed = {name for r in writer_log for name in r.get("removed", [])}
+    assert committed, "the writer committed nothing"
+    for step in committed:
+        path = root / f"checkpoint-{step}"
+        if path.name in removed:
+            assert not path.exists(), f"{path} was reported removed by retention but still exists"
+            continue
+        # Everything the writer reported committed and did not remove itself is whole and loads.
+        assert verify_checkpoint(path, full=True).ok, verify_checkpoint(path, full=True).summary()
+        model = _model(-1.0)
+        load_checkpoint(path, model=model, restore_rng=False)
+        assert all(bool((p == float(step)).all()) for p in model.parameters()), path
+    for log in reader_logs:
+        failures = [r for r in log if "got" in r and not r["ok"]]
+        assert not failures, f"a reader got a path that then failed to load: {failures[:3]}"
+        assert not [r for r in log if "error" in r and "got" not in r], log[:3]
+
+
+@pytest.mark.slow
+def test_concurrent_readers_and_cleanup_never_lose_a_committed_checkpoint(tmp_path):
+    """One writer commits 120 checkpoints with keep_last=1 retention while two readers loop over
+    cleanup + find_latest_checkpoint + load_checkpoint."""
+    root, (writer_log, *reader_logs) = _run_writer_and_readers(tmp_path, saves=120, keep_last=1, commit_delay=0.0)
+    _assert_nothing_lost(root, writer_log, reader_logs)
+    assert sum(1 for log in reader_logs for r in log if "got" in r) >= 20, "the readers hardly raced the writer"
+    assert [s for s, _ in list_checkpoints(root)][-1] == 120
+
+
+@pytest.mark.slow
+def test_widened_commit_window_cannot_be_cleaned_up_under_the_writer(tmp_path):
+    """Deterministic version: every commit sleeps 0.15 s between finishing its temp dir and renaming it,
+    while two readers run cleanup in a loop. Earlier versions removed the owner record before that window,
+    so cleanup deleted the temp dir of a live writer (committed checkpoints came out empty)."""
+    root, (writer_log, *reader_logs) = _run_writer_and_readers(tmp_path, saves=12, keep_last=2, commit_delay=0.15)
+    _assert_nothing_lost(root, writer_log, reader_logs)
+    assert [s for s, _ in list_checkpoints(root)] == [11, 12]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "over-committed"])
+def test_two_writers_of_one_name_exactly_one_commits(tmp_path, existing):
+    """Two processes save the same checkpoint-N at once (both inside a widened commit window)."""
+    root, go = tmp_path / "run", tmp_path / "go"
+    root.mkdir()
+    if existing:  # racing overwrites are refused too: a save replaces only what it checked at its start
+        save_checkpoint(root / "checkpoint-1", model=_model(0.0), step=1, rng=False)
+    logs = [tmp_path / f"racer-{i}.jsonl" for i in (1, 2)]
+    extra = ["--until", str(go), "--commit-delay", "0.3"]
+    racers = [_spawn("racer", root, log, "--value", str(i + 1), *extra) for i, log in enumerate(logs)]
+    time.sleep(1.5)  # both processes are importing / waiting for the start file
+    go.touch()
+    for process in racers:
+        out, _ = process.communicate(timeout=120)
+        assert process.returncode == 0, out.decode()[-2000:]
+    results = [[r for r in _records(log) if "committed" in r or "error" in r][0] for log in logs]
+    if existing:
+        # Without overwrite=True both are refused before writing anything; the old checkpoint is untouched.
+        assert all(r.get("error") == "CheckpointExistsError" for r in results), results
+        model = _model(-1.0)
+        load_checkpoint(root / "checkpoint-1", model=model, restore_rng=False)
+        assert all(bool((p == 0.0).all()) for p in model.parameters())
+    else:
+        winners = [r["committed"] for r in results if "committed" in r]
+        losers = [r for r in results if "error" in r]
+        assert len(winners) == 1 and len(losers) == 1, results
+        assert losers[0]["error"] == "CheckpointExistsError" and "FileExistsError" in losers[0]["builtin"]
+        model = _model(-1.0)
+        load_checkpoint(root / "checkpoint-1", model=model, restore_rng=False)
+        assert all(bool((p == winners[0]).all()) for p in model.parameters())
+    assert verify_checkpoint(root / "checkpoint-1", full=True).ok
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-1"]  # no temp dir of the loser left
+
+
+def test_racing_overwrites_replace_only_what_they_checked(tmp_path):
+    """overwrite=True is a compare-and-swap: if the target changed since the save checked it, it is refused."""
+    from hf_resumable.checkpoint._fs import commit_dir, create_temp_dir, dir_identity
+
+    target = tmp_path / "checkpoint-1"
+    save_checkpoint(target, model=_model(1.0), step=1, rng=False)
+    checked = dir_identity(target)
+    save_checkpoint(target, model=_model(2.0), step=1, rng=False, overwrite=True)  # somebody else's overwrite
+    tmp = create_temp_dir(target)
+    (tmp / "manifest.json").write_text("{}")
+    with pytest.raises(CheckpointExistsError, match="replaced by another process"):
+        commit_dir(tmp, target, replaces=checked)
+    model = _model(-1.0)
+    load_checkpoint(target, model=model, restore_rng=False)
+    assert all(bool((p == 2.0).all()) for p in model.parameters())
+
+
+def _pin_holder(path: Path, ready: Path) -> subprocess.Popen:
+    code = (f"import sys, time, pathlib\nfrom hf_resumable.checkpoint import _pins\n"
+            f"p = _pins.pin(pathlib.Path({str(path)!r}))\nassert p is not None\n"
+            f"pathlib.Path({str(ready)!r}).write_text(str(p))\ntime.sleep(600)\n")
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def test_retention_keeps_a_checkpoint_pinned_by_a_live_reader_and_cleans_up_after_it_dies(tmp_path):
+    root = tmp_path / "run"
+    for step in (1, 2):
+        save_checkpoint(root / f"checkpoint-{step}", model=_model(float(step)), step=step, rng=False)
+    ready = tmp_path / "ready"
+    holder = _pin_holder(root / "checkpoint-1", ready)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pin_file = Path(ready.read_text())
+        assert pin_file.exists()
+        save_checkpoint(root / "checkpoint-3", model=_model(3.0), step=3, rng=False)
+        assert [p.name for p in apply_retention(root, keep_last=1)] == ["checkpoint-2"]
+        assert (root / "checkpoint-1").is_dir() and verify_checkpoint(root / "checkpoint-1").ok
+        assert cleanup_stale_temp_dirs(root) == [] and pin_file.exists()  # a live reader's pin stays
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    cleanup_stale_temp_dirs(root)
+    assert not pin_file.exists()
+    assert [p.name for p in apply_retention(root, keep_last=1)] == ["checkpoint-1"]
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-3"]
+
+
+def test_own_pins_do_not_block_own_retention(tmp_path):
+    from hf_resumable.checkpoint import find_latest_checkpoint
+
+    root = tmp_path / "run"
+    save_checkpoint(root / "checkpoint-1", model=_model(1.0), step=1, rng=False)
+    assert find_latest_checkpoint(root) == root / "checkpoint-1"  # pinned for this process
+    save_checkpoint(root / "checkpoint-2", model=_model(2.0), step=2, rng=False, keep_last=1)
+    assert [s for s, _ in list_checkpoints(root)] == [2]
+    _pins.release_held_pins()
+    assert not [p for p in root.iterdir() if p.name.startswith(PIN_PREFIX)]
+
+
+def _dead_owner_name(prefix: str, target: str, *, mark: str = "") -> str:
+    probe = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = current_owner().__class__(current_owner().host, int(probe.stdout), 1)
+    return member_name(prefix, target, dead, mark=mark)
+
+
+def test_cleanup_touches_only_provably_dead_owners(tmp_path):
+    root = tmp_path / "run"
+    save_checkpoint(root / "checkpoint-1", model=_model(1.0), step=1, rng=False)
+    dead_tmp = root / _dead_owner_name(TMP_PREFIX, "checkpoint-2")
+    live_tmp = root / member_name(TMP_PREFIX, "checkpoint-3")
+    other_host = root / member_name(TMP_PREFIX, "checkpoint-4", current_owner().__class__("00000000", 1, 1))
+    foreign = [root / ".tmp-theirs", root / ".trash-theirs-1234", root / ".pin-theirs"]
+    for path in (dead_tmp, live_tmp, other_host, *foreign[:2]):
+        path.mkdir()
+        (path / "data.bin").write_bytes(b"x")
+    foreign[2].write_text("not ours")
+    dead_pin = root / _dead_owner_name(PIN_PREFIX, "checkpoint-1")
+    dead_pin.touch()
+    dead_announcement = root / _dead_owner_name(REMOVING_PREFIX, "checkpoint-1")
+    dead_announcement.touch()
+    removed = cleanup_stale_temp_dirs(root)
+    assert sorted(p.name for p in removed) == [dead_tmp.name]
+    assert not dead_tmp.exists() and not dead_pin.exists() and not dead_announcement.exists()
+    for path in (live_tmp, other_host, *foreign):
+        assert path.exists(), f"{path.name} was touched"
+    assert not [p for p in root.iterdir() if p.name.startswith(TRASH_PREFIX) and parse_member_name(p.name)]
+
+
+def test_cleanup_puts_back_a_checkpoint_whose_overwrite_was_interrupted(tmp_path):
+    """An overwrite without RENAME_EXCHANGE, killed between its two renames: the old checkpoint is put back."""
+    root = tmp_path / "run"
+    save_checkpoint(root / "checkpoint-1", model=_model(1.0), step=1, rng=False)
+    trash = root / _dead_owner_name(TRASH_PREFIX, "checkpoint-1")
+    os.rename(root / "checkpoint-1", trash)
+    decided = root / _dead_owner_name(TRASH_PREFIX, "checkpoint-9", mark=".d")
+    decided.mkdir()
+    cleanup_stale_temp_dirs(root)
+    assert verify_checkpoint(root / "checkpoint-1", full=True).ok
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-1"]
+
+
+def test_owned_names_exist_from_the_first_instant(tmp_path, monkeypatch):
+    """The temp dir's owner is in its name: there is no moment at which cleanup could take it for stale."""
+    from hf_resumable.checkpoint import _fs
+
+    seen: list[str] = []
+    original = _fs.fsync_tree
+
+    def spy(path: Path) -> None:
+        seen.append(path.name)
+        assert cleanup_stale_temp_dirs(path.parent) == []
+        original(path)
+
+    monkeypatch.setattr(_fs, "fsync_tree", spy)
+    save_checkpoint(tmp_path / "checkpoint-1", model=_model(1.0), step=1, rng=False)
+    owned = parse_member_name(seen[0])
+    assert owned is not None and owned.prefix == TMP_PREFIX and owned.owner == current_owner()
