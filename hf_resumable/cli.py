@@ -277,13 +277,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (HfResumableError, OSError, ValueError) as err:  # OSError: missing paths, disk full, Hub HTTP errors
         if args.verbose:
             logger.exception("%s failed", args.command)
-        print(f"hf-resumable {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        print(f"hf-resumable {args.command}: error: {_one_line(err)[:2000]}", file=sys.stderr)
         return EXIT_INVALID if isinstance(err, HfResumableError) and args.command == "verify" else EXIT_USAGE
-    except Exception as err:
-        if not _is_network_error(err):
-            raise
-        print(f"hf-resumable {args.command}: error: cannot reach the Hub ({type(err).__name__}: {_one_line(err)})",
-              file=sys.stderr)
+    except Exception as err:  # noqa: BLE001 - a bad input must never end in a traceback
+        if args.verbose:
+            logger.exception("%s failed", args.command)
+        if _is_network_error(err):
+            print(f"hf-resumable {args.command}: error: cannot reach the Hub ({type(err).__name__}: "
+                  f"{_one_line(err)})", file=sys.stderr)
+        else:
+            hint = "" if args.verbose else " (run with --verbose for the traceback)"
+            print(f"hf-resumable {args.command}: error: {type(err).__name__}: {_one_line(err)[:2000]}{hint}",
+                  file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"hf-resumable {args.command}: interrupted", file=sys.stderr)

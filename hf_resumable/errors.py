@@ -15,6 +15,8 @@ True
 
 from __future__ import annotations
 
+from huggingface_hub.errors import EntryNotFoundError as _HubEntryNotFound
+
 __all__ = [
     "HfResumableError",
     "CheckpointNotFoundError",
@@ -29,6 +31,9 @@ __all__ = [
     "ConfigDriftError",
     "AsyncSaveError",
     "HubError",
+    "HubEntryNotFoundError",
+    "HubServerError",
+    "HubFormatError",
     "StorageError",
 ]
 
@@ -84,8 +89,27 @@ class AsyncSaveError(HfResumableError, RuntimeError):
     """A background save failed; raised at the next save, load or wait, never lost."""
 
 
-class HubError(HfResumableError, RuntimeError):
-    """A Hub operation failed (after retries) or the Hub returned something unusable."""
+class HubError(HfResumableError, OSError):
+    """A Hub operation failed (after retries) or the Hub returned something unusable.
+
+    Also an ``OSError``, as ``huggingface_hub``'s own HTTP errors are. Messages name the repo, the revision
+    (commit) and the file.
+    """
+
+
+class HubEntryNotFoundError(HubError, IncompleteCheckpointError, _HubEntryNotFound):
+    """The repo at that revision has no file that an index or manifest names (HTTP 404).
+
+    Also ``huggingface_hub.errors.EntryNotFoundError``, what ``hf_hub_download`` raises for it.
+    """
+
+
+class HubServerError(HubError):
+    """The Hub answered with a server error (HTTP 5xx) or not at all, after retries."""
+
+
+class HubFormatError(HubError):
+    """A file from the Hub is unusable: a malformed shard record, an unknown dtype, a bad header."""
 
 
 class StorageError(HfResumableError, OSError):

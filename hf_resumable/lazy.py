@@ -37,7 +37,13 @@ from safetensors import safe_open
 from torch import nn
 
 from .constants import MODEL_INDEX_FILE
-from .errors import CheckpointMismatchError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
+from .errors import (
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    HubFormatError,
+    IncompleteCheckpointError,
+)
 from .hub import SINGLE_MODEL_FILE, HubSnapshot, read_index_file
 from .safetensors_io import STR_TO_DTYPE, read_header, read_safetensors
 from .sharding import ShardIndex
@@ -217,21 +223,22 @@ def _open_local(path: Path) -> LazyStateDict:
 
 
 def _open_repo(repo_id: str, *, revision: str | None, token: str | None) -> LazyStateDict:
-    from huggingface_hub import HfApi
-
     snapshot = HubSnapshot.resolve(repo_id, revision=revision, token=token)
     index, folder = snapshot.fetch_index()
     if index is None:
         local = _open_local(folder / SINGLE_MODEL_FILE)
         local.source = snapshot.label
         return local
-    api = HfApi(token=token)
     metas: dict[str, TensorMeta] = {}
-    for filename in index.filenames:
-        # Ranged GETs of the header only (huggingface_hub's own parser), no tensor data.
-        header = api.parse_safetensors_file_metadata(repo_id, filename, revision=snapshot.commit)
-        metas.update({n: TensorMeta(n, STR_TO_DTYPE[t.dtype], tuple(t.shape), filename)
-                      for n, t in header.tensors.items() if index.weight_map.get(n) == filename})
+    # Ranged GETs of the headers only (huggingface_hub's own parser), concurrently; no tensor data.
+    for filename, header in snapshot.fetch_headers(index).items():
+        for name, info in header.tensors.items():
+            if index.weight_map.get(name) != filename:
+                continue
+            if info.dtype not in STR_TO_DTYPE:
+                raise HubFormatError(f"hf://{snapshot.label}/{filename}: tensor {name!r} has dtype {info.dtype!r}, "
+                                     f"which hf_resumable cannot load (known: {sorted(STR_TO_DTYPE)}).")
+            metas[name] = TensorMeta(name, STR_TO_DTYPE[info.dtype], tuple(info.shape), filename)
     _check_index_against_headers(index, metas)
     return LazyStateDict(metas, lambda f: snapshot.fetch_shard(index, f), source=snapshot.label,
                          aliases=_aliases(index))

@@ -28,6 +28,9 @@ __all__ = ["ShardPlan", "ShardIndex", "parse_size", "plan_shards", "build_index"
 
 # Longest relative file name accepted in an index or manifest (each component is also limited to 255 bytes).
 MAX_NAME_LENGTH = 1024
+# Most shard files one index may name (the largest public models use a few hundred): every shard costs a
+# request or an open, so a crafted index must not turn into ten thousand of them.
+MAX_INDEX_SHARDS = 4096
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1,
@@ -245,6 +248,11 @@ def parse_index(document: object, *, source: str = "<index>") -> ShardIndex:
         metadata = {}
     if not isinstance(metadata, dict):
         raise UnsafeIndexError(f"{source}: 'metadata' must be a JSON object.")
+    shards = set(document["weight_map"].values()) if all(
+        isinstance(f, str) for f in document["weight_map"].values()) else set()
+    if len(shards) > MAX_INDEX_SHARDS:
+        raise UnsafeIndexError(f"{source}: the index names {len(shards)} shard files, more than the "
+                               f"{MAX_INDEX_SHARDS} hf_resumable accepts; it is corrupt or crafted.")
     weight_map: dict[str, str] = {}
     for name, filename in document["weight_map"].items():
         if not isinstance(name, str):

@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -25,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._jsonio import parse_json
+from ._safefile import read_regular_file
 from .checkpoint import verify_checkpoint
 from .constants import (
     MANIFEST_FILE,
@@ -36,6 +37,7 @@ from .constants import (
     STATE_KEY_PROGRESS,
     TRAINING_STATE_FILE,
 )
+from .errors import HfResumableError
 
 # Written by transformers.Trainer and by our Trainer integration (progress, epoch, log history).
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -211,11 +213,10 @@ def _as_int(value: Any) -> int | None:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from ``path``, or ``None`` if it is missing, not a regular file, oversized or malformed."""
     try:
-        if path.stat().st_size > MAX_JSON_SIZE:
-            return None
-        document = json.loads(path.read_bytes())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        document = parse_json(read_regular_file(path, limit=MAX_JSON_SIZE), source=str(path))
+    except (OSError, HfResumableError):
         return None
     return document if isinstance(document, dict) else None
 

@@ -174,6 +174,8 @@ class RequestRecord:
     bytes_sent: int = 0
     bytes_received: int = 0
     fault: str | None = None
+    started: float = field(default_factory=time.monotonic)  # when the server began handling it
+    ended: float = 0.0  # when it finished answering
 
     @property
     def range(self) -> str | None:
@@ -396,6 +398,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error(err)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
+        finally:
+            record.ended = time.monotonic()
 
     def _read_body(self) -> bytes:
         if self._body is not None:

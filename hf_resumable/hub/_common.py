@@ -3,27 +3,37 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import json
 import logging
 import os
 import re
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from huggingface_hub import HfApi, hf_hub_download
-from huggingface_hub.errors import EntryNotFoundError
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    HfHubHTTPError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+    SafetensorsParsingError,
+)
 
+from .._jsonio import parse_json
+from .._safefile import read_regular_file
 from ..constants import MAX_JSON_SIZE, MODEL_INDEX_FILE
 from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    HubEntryNotFoundError,
     HubError,
-    IncompleteCheckpointError,
-    UnsafeIndexError,
+    HubFormatError,
+    HubServerError,
 )
 from ..sharding import ShardIndex, check_relative_name, parse_index
 
@@ -45,8 +55,42 @@ SIDECAR_SUFFIX = ".part.json"
 WEIGHT_PATTERNS = ["model*.safetensors", MODEL_INDEX_FILE]
 _DOWNLOAD_CHUNK = 1024 * 1024
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+# Shard headers fetched at once when an index is opened (ranged GETs; each is small).
+HEADER_FETCH_WORKERS = 8
 
 
+# --------------------------------------------------------------------------------------------------- errors
+@contextlib.contextmanager
+def hub_errors(where: str) -> Iterator[None]:
+    """Turn ``huggingface_hub`` failures about one file into typed :class:`HubError` s naming ``where``.
+
+    ``where`` is ``"<repo>@<commit>/<file>"``. An unknown repo or revision keeps huggingface_hub's own
+    ``RepositoryNotFoundError`` / ``RevisionNotFoundError``.
+    """
+    try:
+        yield
+    except (HubError, RepositoryNotFoundError, RevisionNotFoundError):
+        raise
+    except EntryNotFoundError:
+        raise HubEntryNotFoundError(f"hf://{where}: no such file at that revision (404). The push was partial or "
+                                    "the index is stale: re-push the model or checkpoint.") from None
+    except SafetensorsParsingError as err:
+        raise HubFormatError(f"hf://{where}: not a readable safetensors file ({err}).") from None
+    except HfHubHTTPError as err:
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        if status == 404:
+            raise HubEntryNotFoundError(f"hf://{where}: no such file at that revision (404).") from None
+        if status is not None and status >= 500:
+            raise HubServerError(f"hf://{where}: the Hub answered {status} ({_first_line(err)}); retry later.") from None
+        raise
+    except OSError as err:  # connection errors (httpx errors are OSErrors here)
+        raise HubServerError(f"hf://{where}: cannot reach the Hub ({type(err).__name__}: {_first_line(err)}); "
+                             "retry later.") from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else type(err).__name__
 
 
 # --------------------------------------------------------------------------------------------------- hf:// URLs
@@ -154,11 +198,13 @@ class HubSnapshot:
         """Download ``filename`` (cached) and return its local path, verified against ``expected`` size/sha256.
 
         Raises:
-            EntryNotFoundError: if the commit has no such file.
+            HubEntryNotFoundError: if the commit has no such file (also an ``IncompleteCheckpointError``).
+            HubServerError: if the Hub answers 5xx or cannot be reached.
             CorruptCheckpointError: if the bytes do not match ``expected``; the bad file is removed first.
         """
-        path = Path(hf_hub_download(self.repo_id, filename, revision=self.commit, token=self.token,
-                                    local_dir=self.local_dir, repo_type=self.repo_type))
+        with hub_errors(f"{self.label}/{filename}"):
+            path = Path(hf_hub_download(self.repo_id, filename, revision=self.commit, token=self.token,
+                                        local_dir=self.local_dir, repo_type=self.repo_type))
         if expected is not None:
             _verify_file(path, expected, source=f"{self.label}/{filename}")
         return path
@@ -172,13 +218,13 @@ class HubSnapshot:
         """
         try:
             path = self.fetch(MODEL_INDEX_FILE)
-        except EntryNotFoundError:
+        except HubEntryNotFoundError:
             path = None
         if path is not None:
             return read_index_file(path, source=f"{self.label}/{MODEL_INDEX_FILE}"), path.parent
         try:
             return None, self.fetch(SINGLE_MODEL_FILE).parent
-        except EntryNotFoundError:
+        except HubEntryNotFoundError:
             raise CheckpointNotFoundError(
                 f"{self.label}: no {MODEL_INDEX_FILE} and no {SINGLE_MODEL_FILE}; this repo holds no safetensors "
                 "model. Push one with hf_resumable.hub.push_sharded(model, repo_id), or check repo_id/revision."
@@ -188,40 +234,75 @@ class HubSnapshot:
         """Download one shard named by ``index``, verified against its recorded hash when there is one.
 
         Raises:
-            IncompleteCheckpointError: if the index names a shard the commit does not have.
+            HubEntryNotFoundError: if the index names a shard the commit does not have.
+            HubFormatError: if the index's record for the shard is malformed.
             CorruptCheckpointError: if the shard's bytes do not match the index's record.
         """
-        expected = shard_record(index, filename)
+        expected = shard_record(index, filename, source=f"{self.label}/{MODEL_INDEX_FILE}")
         try:
             return self.fetch(filename, expected=expected)
-        except EntryNotFoundError:
-            raise IncompleteCheckpointError(
+        except HubEntryNotFoundError:
+            raise HubEntryNotFoundError(
                 f"{index.source} names shard {filename!r}, but {self.label} has no such file: the push was partial or"
                 " the index is stale. Re-push the model with push_sharded(...)."
             ) from None
 
+    def fetch_headers(self, index: ShardIndex) -> dict[str, Any]:
+        """The safetensors header of every shard ``index`` names (ranged GETs only, no tensor data), fetched
+        ``HEADER_FETCH_WORKERS`` at a time. The number of shards is bounded by ``parse_index``.
 
-def shard_record(index: ShardIndex, filename: str) -> dict[str, Any] | None:
+        Raises:
+            HubEntryNotFoundError / HubServerError / HubFormatError: naming the repo, commit and shard.
+        """
+        api = HfApi(token=self.token)
+
+        def header(filename: str) -> Any:
+            with hub_errors(f"{self.label}/{filename}"):
+                return api.parse_safetensors_file_metadata(self.repo_id, filename, revision=self.commit,
+                                                           repo_type=self.repo_type)
+
+        with ThreadPoolExecutor(max_workers=HEADER_FETCH_WORKERS, thread_name_prefix="hf_resumable-header") as pool:
+            return dict(zip(index.filenames, pool.map(header, index.filenames)))
+
+
+def shard_record(index: ShardIndex, filename: str, *, source: str | None = None) -> dict[str, Any] | None:
     """The ``{"size", "sha256"}`` that :func:`push_sharded` recorded for ``filename``, if any.
+
+    Raises:
+        HubFormatError: if the ``hf_resumable_shards`` metadata is present but malformed (never guessed around).
 
     Example:
 
     ```python
-    >>> shard_record(index, "model-00001-of-00002.safetensors")
+    >>> shard_record(index, "model-00001-of-00002.safetensors")  # doctest: +SKIP
     {'size': 20480, 'sha256': '9f86d0...'}
+
     ```
     """
+    source = source or index.source
     records = index.metadata.get(SHARD_RECORDS_KEY)
-    record = records.get(filename) if isinstance(records, dict) else None
-    return record if isinstance(record, dict) else None
+    if records is None:
+        return None
+    if not isinstance(records, dict):
+        raise HubFormatError(f"{source}: metadata {SHARD_RECORDS_KEY!r} must be an object of shard records; "
+                             "the index is corrupt. Re-push the model.")
+    record = records.get(filename)
+    if record is None:
+        return None
+    size, sha256 = (record.get("size"), record.get("sha256")) if isinstance(record, dict) else (None, None)
+    if not (isinstance(size, int) and not isinstance(size, bool) and size >= 0
+            and isinstance(sha256, str) and _SHA256_RE.match(sha256)):
+        raise HubFormatError(f"{source}: the {SHARD_RECORDS_KEY} record of {filename!r} is malformed "
+                             f"({record!r:.200}); expected {{\"size\": int, \"sha256\": 64 hex digits}}. Re-push the model.")
+    return {"size": size, "sha256": sha256}
 
 
 def read_index_file(path: Path, *, source: str) -> ShardIndex:
     """Parse and validate a local ``*.safetensors.index.json`` (size-capped, traversal-checked).
 
     Raises:
-        UnsafeIndexError: if the file is oversized, malformed, or names files outside its directory.
-        CorruptCheckpointError: if it is not JSON.
+        UnsafeIndexError: if the index is malformed, names too many shards, or names files outside its directory.
+        CorruptCheckpointError: if it is not (bounded) JSON, oversized, or not a regular file.
 
     Example:
 
@@ -230,12 +311,7 @@ def read_index_file(path: Path, *, source: str) -> ShardIndex:
     ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
     ```
     """
-    if path.stat().st_size > MAX_JSON_SIZE:
-        raise UnsafeIndexError(f"{source}: index is larger than {MAX_JSON_SIZE} bytes; refusing to parse it.")
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CorruptCheckpointError(f"{source}: index is not valid JSON ({err}); re-push the model.") from None
+    document = parse_json(read_regular_file(path, limit=MAX_JSON_SIZE), source=source)
     return parse_index(document, source=source)
 
 

@@ -20,7 +20,7 @@ from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_st
 
 from ..errors import CorruptCheckpointError, HubError
 from ..sharding import check_relative_name
-from ._common import _DOWNLOAD_CHUNK, _SHA256_RE, PART_SUFFIX, SIDECAR_SUFFIX, _sha256_of
+from ._common import _DOWNLOAD_CHUNK, _SHA256_RE, PART_SUFFIX, SIDECAR_SUFFIX, _sha256_of, hub_errors
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,9 @@ def resumable_download(
         UnsafeIndexError: if ``filename`` escapes ``local_dir``.
         CorruptCheckpointError: on a size or hash mismatch (the partial file is removed).
         HubError: if the connection keeps failing; the ``.part`` file is kept for the next call.
-        EntryNotFoundError: if the file does not exist at ``revision``.
+        HubEntryNotFoundError: if the file does not exist at ``revision`` (also huggingface_hub's
+            ``EntryNotFoundError``).
+        HubServerError: if the Hub answers 5xx or cannot be reached.
 
     Example:
 
@@ -171,7 +173,8 @@ def resumable_download(
     check_relative_name(filename, source=f"{repo_id}", suffix=None)
     target = Path(local_dir) / filename
     source = f"{repo_id}@{revision or 'main'}/{filename}"
-    remote = _remote_file(repo_id, filename, revision, token, repo_type)
+    with hub_errors(source):
+        remote = _remote_file(repo_id, filename, revision, token, repo_type)
     if expected_size is not None and remote.size is not None and remote.size != expected_size:
         raise CorruptCheckpointError(f"{source}: the Hub reports {remote.size} bytes, expected {expected_size}.")
     if _is_up_to_date(target, remote, expected_sha256):

@@ -1,0 +1,89 @@
+"""The CLI on hostile input: one error line, a non-zero exit, never a traceback, never a hang."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_resumable.checkpoint import save_checkpoint
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hf_resumable", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=60)
+
+
+def _assert_one_error_line(result: subprocess.CompletedProcess, command: str) -> None:
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr
+    last = [line for line in result.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith(f"hf-resumable {command}: error:") or f"hf-resumable {command}" in last, result.stderr
+
+
+def _checkpoint(path: Path) -> Path:
+    save_checkpoint(path, model=torch.nn.Linear(3, 3), step=1)
+    return path
+
+
+class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_convert_of_a_pickle_bomb_is_one_line_and_never_executes(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    stock = tmp_path / "stock" / "checkpoint-4"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=32, n_positions=16)).save_pretrained(stock)
+    marker = tmp_path / "pwned"
+    (stock / "optimizer.pt").write_bytes(pickle.dumps(_Evil(marker)))
+    result = _cli("convert", str(stock), "--output", str(tmp_path / "out"), cwd=tmp_path)
+    _assert_one_error_line(result, "convert")
+    assert not marker.exists(), "the pickle's payload ran"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_deeply_nested_manifest_is_one_line(tmp_path, command):
+    ckpt = _checkpoint(tmp_path / "checkpoint-1")
+    (ckpt / "manifest.json").write_bytes(b"[" * 200_000 + b"]" * 200_000)
+    result = _cli(command, str(ckpt), cwd=tmp_path)
+    assert result.returncode != 0 and "Traceback" not in result.stderr + result.stdout
+    assert "nested deeper" in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_fifo_manifest_does_not_hang_the_cli(tmp_path, command):
+    ckpt = _checkpoint(tmp_path / "checkpoint-1")
+    (ckpt / "manifest.json").unlink()
+    os.mkfifo(ckpt / "manifest.json")
+    result = _cli(command, str(ckpt), cwd=tmp_path)
+    assert result.returncode != 0 and "Traceback" not in result.stderr + result.stdout
+    assert "FIFO" in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("target", ["missing", "file"])
+def test_verify_of_a_path_that_is_not_a_checkpoint_is_one_line(tmp_path, target):
+    path = tmp_path / "x"
+    if target == "file":
+        path.write_text("hello")
+    _assert_one_error_line(_cli("verify", str(path), cwd=tmp_path), "verify")
+
+
+def test_a_fifo_given_as_the_checkpoint_path_does_not_hang(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for command in ("verify", "inspect"):
+        result = _cli(command, str(fifo), cwd=tmp_path)
+        assert result.returncode != 0 and "Traceback" not in result.stderr + result.stdout
