@@ -65,6 +65,7 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 }
 # Files of a stock checkpoint that the conversion consumes (everything else small is copied as is).
 _STOCK_WEIGHTS = ("model.safetensors", MODEL_INDEX_FILE)
+_ADAPTER_WEIGHTS = "adapter_model.safetensors"  # a PEFT model's checkpoint (converted only with model=)
 _PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl")
 _REGENERATED = ("config.json", "generation_config.json")
 _TRAINER_STATE = "trainer_state.json"
@@ -88,13 +89,14 @@ class TrainerCheckpointFiles:
         return any((self.optimizer, self.scheduler, self.scaler, self.rng))
 
     @classmethod
-    def scan(cls, directory: Path) -> TrainerCheckpointFiles:
-        """Find the files; raise if there is no config or no safetensors weights."""
+    def scan(cls, directory: Path, *, need_config: bool = True) -> TrainerCheckpointFiles:
+        """Find the files; raise if there is no config (when ``need_config``) or no safetensors weights."""
         if not directory.is_dir():
             raise CheckpointNotFoundError(f"{directory}: no such directory.")
-        if not (directory / "config.json").is_file():
+        if need_config and not (directory / "config.json").is_file():
             raise CheckpointNotFoundError(f"{directory}: no config.json; this is not a transformers checkpoint.")
-        if not any((directory / name).is_file() for name in _STOCK_WEIGHTS):
+        weights = _STOCK_WEIGHTS if need_config else _STOCK_WEIGHTS + (_ADAPTER_WEIGHTS,)
+        if not any((directory / name).is_file() for name in weights):
             raise CheckpointNotFoundError(f"{directory}: no model.safetensors or {MODEL_INDEX_FILE}; only "
                                           "safetensors weights are converted (save with save_safetensors=True).")
         if (directory / MANIFEST_FILE).exists():
@@ -108,7 +110,8 @@ class TrainerCheckpointFiles:
             rng[int(path.stem.rsplit("_", 1)[1])] = path
         state = json.loads((directory / _TRAINER_STATE).read_text()) if optional(_TRAINER_STATE) else {}
         copied = [p for p in sorted(directory.iterdir()) if p.is_file() and not p.name.endswith(_PICKLE_SUFFIXES)
-                  and p.name not in _REGENERATED and not (p.name.startswith("model") and ".safetensors" in p.name)]
+                  and p.name not in _REGENERATED and p.name != _ADAPTER_WEIGHTS
+                  and not (p.name.startswith("model") and ".safetensors" in p.name)]
         return cls(directory, optional("optimizer.pt"), optional("scheduler.pt"), optional("scaler.pt"), rng, state,
                    copied)
 
@@ -223,12 +226,13 @@ def convert_trainer_checkpoint(
     optimizer: str | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
+    model: torch.nn.Module | None = None,
 ) -> CheckpointInfo:
     """Convert a stock ``transformers.Trainer`` checkpoint directory into an hf_resumable checkpoint.
 
     1. Scan ``source`` (config, safetensors weights, ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``,
        ``rng_state*.pth``, ``trainer_state.json``, tokenizer files).
-    2. Build the model with ``from_pretrained(source)`` (weights exactly as saved).
+    2. Build the model with ``from_pretrained(source)`` (weights exactly as saved), unless ``model`` is given.
     3. Log a WARNING, then read the pickles with ``torch.load(weights_only=True)``.
     4. Rebuild the optimizer over the Trainer's parameter groups and load its state.
     5. ``save_checkpoint`` everything, pickle-free, with the step and epoch of ``trainer_state.json``.
@@ -239,6 +243,10 @@ def convert_trainer_checkpoint(
         optimizer (`str`, *optional*): one of ``OPTIMIZERS`` (default: inferred from the state, else AdamW).
         max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard size of the new checkpoint.
         overwrite (`bool`, *optional*, defaults to `False`): replace an existing ``output`` atomically.
+        model (`torch.nn.Module`, *optional*): a model that already holds the checkpoint's weights (e.g. loaded by
+            ``Trainer._load_from_checkpoint``), used instead of ``from_pretrained(source)``; this converts any
+            model class and PEFT adapter checkpoints (no ``config.json``). The optimizer state is mapped onto its
+            trainable parameters.
 
     Returns:
         [`CheckpointInfo`]
@@ -258,9 +266,10 @@ def convert_trainer_checkpoint(
     500
     ```
     """
-    files = TrainerCheckpointFiles.scan(Path(source))
+    files = TrainerCheckpointFiles.scan(Path(source), need_config=model is None)
     parse_size(max_shard_size)
-    model = _build_model(files.directory)
+    if model is None:
+        model = _build_model(files.directory)
     if files.has_pickles:
         logger.warning("%s", PICKLE_WARNING)
     opt = _rebuild_optimizer(model, files.optimizer, optimizer) if files.optimizer else None

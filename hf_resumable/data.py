@@ -414,6 +414,19 @@ def _resumable_source(dataset: Any, rank: int) -> Any:
 _STREAM_LOADER_CLASS: type | None = None
 
 
+class _ReplaySkip:
+    """A stream loader read from its start with the first ``num_batches`` batches dropped (no saved position)."""
+
+    def __init__(self, loader: Any, num_batches: int) -> None:
+        self.loader, self.num_batches = loader, num_batches
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        return islice(iter(self.loader), self.num_batches, None)
+
+
 def _batches_yielded(state: Mapping[str, Any]) -> int:
     """Batches a ``StatefulDataLoader`` had yielded when ``state`` was taken (single- or multi-process form)."""
     if "_num_yielded" in state:
@@ -444,7 +457,11 @@ def _stream_loader_class() -> type:
                 self.load_state_dict(state)
                 self._resumed_batches = _batches_yielded(state)
 
-            def skip(self, num_batches: int) -> "ResumableStreamLoader":
+            def skip(self, num_batches: int) -> Any:
+                if num_batches and self._resumed_batches is None:  # only reached when an inexact resume is allowed
+                    logger.warning("No streaming position was restored: the first %d batches are read again and "
+                                   "dropped (the stock Trainer's skipping; NOT bit-exact).", num_batches)
+                    return _ReplaySkip(self, num_batches)
                 if num_batches and self._resumed_batches != num_batches:
                     raise InexactResumeError(
                         f"The trainer resumes after {num_batches} batches but the streaming loader's restored "

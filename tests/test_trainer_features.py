@@ -49,9 +49,22 @@ def test_resume_true_starts_fresh_when_there_is_no_checkpoint(tmp_path: Path) ->
     assert trainer.resumed_from is None and output.global_step == 1
 
 
-def test_resume_from_a_path_that_is_not_a_checkpoint_raises(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointNotFoundError, match="not a directory"):
-        _trainer(tmp_path).train(resume_from_checkpoint=str(tmp_path / "nope"))
+def test_resume_from_a_path_that_does_not_exist_raises_what_stock_raises(tmp_path: Path) -> None:
+    """Trainer raises ValueError("Can't find a valid checkpoint at <path>"); ours is also a CheckpointNotFoundError."""
+    missing = tmp_path / "nope"
+    with pytest.raises(ValueError, match=r"Can't find a valid checkpoint at .*nope.*no such directory") as err:
+        _trainer(tmp_path).train(resume_from_checkpoint=str(missing))
+    assert isinstance(err.value, CheckpointNotFoundError) and isinstance(err.value, FileNotFoundError)
+    assert not any(tmp_path.iterdir()), "nothing may be written before the error"
+
+
+def test_resume_from_a_foreign_directory_names_the_converter(tmp_path: Path) -> None:
+    foreign = tmp_path / "checkpoint-3"
+    foreign.mkdir()
+    (foreign / "weights.npz").write_bytes(b"not ours")
+    with pytest.raises(ValueError, match=r"Can't find a valid checkpoint at .*checkpoint-3.*hf-resumable convert"):
+        _trainer(tmp_path).train(resume_from_checkpoint=str(foreign))
+    assert (foreign / "weights.npz").read_bytes() == b"not ours"
 
 
 def _copy(trained_dir: Path, tmp_path: Path) -> Path:

@@ -181,16 +181,23 @@ def test_interrupted_and_restarted_is_bit_identical(reference_root: Path, tmp_pa
 
 def test_restart_skips_corrupt_and_partial_checkpoints(reference_root: Path, tmp_path: Path) -> None:
     """Killed after checkpoint-7 of 8 (the step before the last); checkpoint-7 is then corrupted and a
-    partial checkpoint-8 appears: the restart resumes from checkpoint-6 and still ends identical."""
+    partial checkpoint-8 (no manifest) appears. hf_resumable never writes such a directory (saves commit by
+    rename), so it is someone else's: the restart refuses to train into it before the first step. Once it is
+    moved away, the restart resumes from checkpoint-6 (skipping the corrupt 7) and still ends identical."""
     config = "gpt2_ga3_w2"
     _reference(reference_root, config)
     run = tmp_path / "run"
     _run(run, CONFIGS[config], expected=KILLED, kill_after_save=7)
-    shard = next((run / "checkpoint-7").glob("model-*.safetensors"))
+    shard = next((run / "checkpoint-7").glob("model*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-64])
     partial = run / "checkpoint-8"
     shutil.copytree(run / "checkpoint-6", partial)
     (partial / "manifest.json").unlink()
+    _run(run, CONFIGS[config], expected=1)
+    log = (tmp_path / "run.log").read_text()
+    assert "CheckpointExistsError" in log and "checkpoint-8 (another tool)" in log and "Nothing was trained" in log
+    assert "Skipping" in log and "checkpoint-7" in log  # the corrupt one was recognised and passed over
+    shutil.move(str(partial), str(tmp_path / "moved-away"))
     _run(run, CONFIGS[config])
     assert _resumed_from(run).endswith("checkpoint-6")
     assert_identical(_finish_reference(reference_root, config), run)

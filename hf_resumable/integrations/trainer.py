@@ -37,6 +37,7 @@ import inspect
 import json
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,21 +47,24 @@ import transformers
 import transformers.trainer as _trainer_module
 from packaging import version
 from transformers import Trainer, TrainingArguments
+from transformers.trainer_callback import ExportableState
 
 from ..checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
 from ..checkpoint import apply_retention, read_manifest, wait_for_pending_saves
-from ..constants import CHECKPOINT_PREFIX
+from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, OPTIMIZER_INDEX_FILE
 from ..data import (DATA_KIND, ResumableDataLoader, build_map_dataloader, build_stream_dataloader,
                     dataset_fingerprint, has_shuffle_buffer)
-from ..errors import CheckpointNotFoundError, HfResumableError, InexactResumeError
+from ..errors import HfResumableError, InexactResumeError, UnsupportedStateError
 from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
 from ..remote import is_remote, open_uploader, resolve_resume_path
 from ..rng import restore_rng_state
 from ..state import RunConfig, check_config_drift
+from ._trainer_discovery import (CONVERTED_DIR, CheckpointKind, ResumeCheckpointNotFoundError, classify_checkpoint_dir,
+                                 colliding_checkpoints, collision_error, newest_stock_checkpoint, not_a_checkpoint_error)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ResumableTrainer", "check_trainer_internals", "TESTED_TRANSFORMERS"]
+__all__ = ["ResumableTrainer", "ResumeCheckpointNotFoundError", "check_trainer_internals", "TESTED_TRANSFORMERS"]
 
 # Range of transformers versions whose internals this module was written against.
 TESTED_TRANSFORMERS = (">=5.0", "<6.0")
@@ -166,6 +170,22 @@ def _own_checkpoints_only(trainer: "ResumableTrainer") -> Iterator[None]:
         _trainer_module.sort_checkpoints = original
 
 
+def _step_of(path: Path) -> int:
+    match = CHECKPOINT_DIR_RE.match(Path(path).name)
+    return int(match.group(1)) if match else -1
+
+
+def _is_conversion_of(target: Path, stock: Path) -> bool:
+    """Whether ``target`` is a committed conversion of ``stock`` made after ``stock`` last changed."""
+    try:
+        manifest = read_manifest(target)
+        newest_source = max(p.stat().st_mtime for p in stock.iterdir() if p.is_file())
+    except (HfResumableError, OSError, ValueError):
+        return False
+    return manifest.step == _step_of(stock) and manifest.created >= newest_source and not verify_checkpoint(
+        target, full=False).problems
+
+
 def _is_own_checkpoint(path: Path) -> bool:
     try:
         read_manifest(path)
@@ -195,6 +215,12 @@ class _LoopTracker:
     finished: bool = False  # the resumed checkpoint is the end of the run: nothing is trained
 
 
+def _unwrapped_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (its class is what a checkpoint records)."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
 def _as_float(value: Any) -> float | None:
     if value is None:
         return None
@@ -207,6 +233,7 @@ class _Resume:
 
     path: Path
     loaded: Any  # LoadedCheckpoint (training state, extra, data state, RNG state)
+    converted_from: Path | None = None  # the stock transformers.Trainer checkpoint ``path`` was converted from
 
 
 class ResumableTrainer(Trainer):
@@ -235,6 +262,11 @@ class ResumableTrainer(Trainer):
             commit per checkpoint) or an fsspec URL such as ``"s3://bucket/run"`` (remote manifest written
             last). Local retention (``save_total_limit``) never deletes a checkpoint whose upload is pending.
         storage_options (`dict`, *optional*): fsspec options for ``s3://`` pushes and resumes.
+        restore_callback_states (`bool`, *optional*, defaults to `True`): on resume, restore the state of every
+            ``ExportableState`` callback (``EarlyStoppingCallback``'s patience counter...) and of
+            ``TrainerControl`` from the checkpoint, as ``restore_callback_states_from_checkpoint=True`` does in
+            ``Trainer`` (whose default is `False`, which makes a resumed run diverge). `False` leaves the
+            callbacks as constructed unless ``restore_callback_states_from_checkpoint=True``.
 
     > [!WARNING]
     > ``train_sampling_strategy`` other than ``"random"``/``"sequential"`` and ``accelerator_config``
@@ -252,10 +284,11 @@ class ResumableTrainer(Trainer):
     def __init__(self, *args: Any, allow_config_drift: bool = False, allow_inexact_resume: bool = False,
                  exit_on_preemption: bool = True, checkpoint_verify: str = "quick",
                  push_checkpoints_to: str | None = None, storage_options: dict | None = None,
-                 **kwargs: Any) -> None:
+                 restore_callback_states: bool = True, **kwargs: Any) -> None:
         if checkpoint_verify not in ("quick", "full"):
             raise ValueError(f"checkpoint_verify must be 'quick' or 'full', got {checkpoint_verify!r}.")
         super().__init__(*args, **kwargs)
+        self.restore_callback_states = restore_callback_states
         self.allow_config_drift = allow_config_drift
         self.allow_inexact_resume = allow_inexact_resume
         self.exit_on_preemption = exit_on_preemption
@@ -269,6 +302,8 @@ class ResumableTrainer(Trainer):
         self._last_eval: tuple[int, dict[str, float]] | None = None
         self._loop = _LoopTracker()
         self._rng_restored = False
+        self._converted_from: Path | None = None
+        self._loader_fallback: str | None = None
         self.storage_options = storage_options
         self._uploader = None
         if push_checkpoints_to is not None and self.args.should_save:
@@ -304,10 +339,12 @@ class ResumableTrainer(Trainer):
         self._preemption.requested = False
         self._run_config = None
         checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
-        self.resumed_from = checkpoint
         self._resume = self._open_checkpoint(checkpoint) if checkpoint is not None else None
+        self.resumed_from = None if self._resume is None else (self._resume.converted_from or checkpoint)
         self._loop = _LoopTracker(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
         self._rng_restored = False
+        self._loader_fallback = None
+        self._train_loader = None
         try:
             with self._preemption, _cursor_skipping(), _own_checkpoints_only(self), self._no_eval_on_resume():
                 output = super().train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint),
@@ -322,27 +359,71 @@ class ResumableTrainer(Trainer):
     def _resolve_checkpoint(self, resume_from_checkpoint: str | bool | os.PathLike | None) -> Path | None:
         if resume_from_checkpoint in (None, False):
             return None
+        output_dir = self.args.output_dir
         if resume_from_checkpoint is True or resume_from_checkpoint == "auto":
-            latest = find_latest_checkpoint(self.args.output_dir)
+            latest = find_latest_checkpoint(output_dir)
+            stock = newest_stock_checkpoint(output_dir)
+            if stock is not None and (latest is None or stock.step > _step_of(latest)):
+                logger.info("The newest checkpoint under %s is %s, written by the stock transformers.Trainer.",
+                            output_dir, stock.path)
+                return self._convert_stock_checkpoint(stock.path)
             if latest is None:
-                logger.info("No valid checkpoint under %s: starting a fresh run.", self.args.output_dir)
+                logger.info("No valid checkpoint under %s: starting a fresh run.", output_dir)
             else:
                 logger.info("Resuming from %s (newest checkpoint that verifies).", latest)
             return latest
         if is_remote(resume_from_checkpoint):  # hf://user/repo[@rev][/path] or s3://bucket/run[/checkpoint-N]
-            cache = Path(self.args.output_dir) / ".remote-resume"
+            cache = Path(output_dir) / ".remote-resume"
             return resolve_resume_path(resume_from_checkpoint, cache_dir=cache, token=self.args.hub_token,
                                        storage_options=self.storage_options)
         path = Path(resume_from_checkpoint)
-        if not path.is_dir():
-            raise CheckpointNotFoundError(
-                f"resume_from_checkpoint={str(path)!r} is not a directory. Pass a checkpoint directory, or True "
-                f"to resume from the newest valid checkpoint under output_dir={self.args.output_dir!r}.")
+        kind = classify_checkpoint_dir(path)
+        if kind is CheckpointKind.STOCK:
+            return self._convert_stock_checkpoint(path)
+        if kind is not CheckpointKind.OURS:
+            raise not_a_checkpoint_error(path, output_dir)
         verify_checkpoint(path, full=self.checkpoint_verify == "full", raise_on_error=True)
         return path
 
+    def _convert_stock_checkpoint(self, stock: Path) -> Path:
+        """Convert a stock ``transformers.Trainer`` checkpoint under ``output_dir/.hf-resumable-converted``.
+
+        The stock files are only read (pickles with ``torch.load(weights_only=True)``, after the converter's
+        WARNING); the stock directory is never changed or deleted. The weights are read by the stock
+        ``Trainer._load_from_checkpoint`` into this trainer's model (any model class, PEFT adapters included).
+        """
+        from ..convert import convert_trainer_checkpoint
+
+        target = Path(self.args.output_dir) / CONVERTED_DIR / stock.name
+        logger.warning("Resuming from %s, a checkpoint of the stock transformers.Trainer, converted to %s. This "
+                       "resume is NOT bit-exact: the stock checkpoint has no data position, logging accumulators "
+                       "or run configuration, and hf_resumable's sample order differs from the stock sampler's. "
+                       "Every checkpoint this run writes resumes bit for bit.", stock, target)
+        # one process per filesystem converts (save_on_each_node: node-local output_dirs), the others wait for it
+        with self.args.main_process_first(local=self.args.save_on_each_node, desc="converting a stock checkpoint"):
+            if not _is_conversion_of(target, stock):
+                Trainer._load_from_checkpoint(self, str(stock))
+                convert_trainer_checkpoint(stock, target, model=self.accelerator.unwrap_model(self.model),
+                                           overwrite=target.exists())
+        self._converted_from = stock
+        return target
+
+    def _drop_conversion(self) -> None:
+        """Remove the converted copy of a stock checkpoint once a checkpoint of this run has committed."""
+        resume = self._resume
+        if resume is None or resume.converted_from is None or not self.args.should_save:
+            return
+        converted = Path(self.args.output_dir) / CONVERTED_DIR
+        if resume.path.parent == converted and resume.path.is_dir():
+            shutil.rmtree(resume.path, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                converted.rmdir()  # only when empty
+
     def _open_checkpoint(self, path: Path) -> _Resume:
         loaded = load_checkpoint(path, restore_rng=False, verify=self.checkpoint_verify)
+        converted_from, self._converted_from = self._converted_from, None
+        if converted_from is not None or loaded.extra.get("converted_from"):
+            return _Resume(path=path, loaded=loaded, converted_from=converted_from or path)
         if loaded.extra.get(_EXTRA_MODEL_ONLY):
             self._inexact(f"{path} was saved with save_only_model=True (no optimizer, scheduler or RNG state)")
         saved = loaded.extra.get(_EXTRA_RUN_CONFIG)
@@ -398,14 +479,20 @@ class ResumableTrainer(Trainer):
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         if self.args.train_sampling_strategy not in ("random", "sequential"):
-            logger.warning("train_sampling_strategy=%r is not supported by ResumableTrainer: using the stock loader, "
-                           "whose resume is NOT bit-exact.", self.args.train_sampling_strategy)
+            self._loader_fallback = (f"train_sampling_strategy={self.args.train_sampling_strategy!r} is not supported "
+                                     "by ResumableTrainer, so the training data comes from the stock loader")
             return super().get_train_dataloader()
         dataset, collator = self._train_dataset_and_collator()
         options = self._loader_options()
         if isinstance(dataset, torch.utils.data.IterableDataset):
             loader = build_stream_dataloader(self._split_for_rank(dataset), collate_fn=collator,
                                              drop_last=self.args.dataloader_drop_last, **options)
+            if not loader.dataset.is_stateful and self._saves_checkpoints():
+                self._refuse_at_start(
+                    f"The training set {type(dataset).__name__} is a torch IterableDataset without state_dict() and "
+                    "load_state_dict(), so no checkpoint can record where the stream stands",
+                    fix="Use a datasets.IterableDataset (e.g. Dataset.to_iterable_dataset()) or a map-style data set, "
+                        "or implement state_dict()/load_state_dict() on your data set")
         else:
             loader = build_map_dataloader(dataset, collate_fn=collator, drop_last=self.args.dataloader_drop_last,
                                           shuffle=self.args.train_sampling_strategy == "random",
@@ -450,6 +537,8 @@ class ResumableTrainer(Trainer):
         if self._resume is None:
             return
         record = self._resume.loaded.data_state
+        if record is None and self._resume.converted_from is not None:
+            return  # a stock checkpoint: the loader starts at the Trainer's (epoch, batch), in hf_resumable's order
         if record is None:
             self._inexact(f"{self._resume.path} has no data position for rank {self.args.process_index}")
             return
@@ -467,12 +556,24 @@ class ResumableTrainer(Trainer):
         loader = self._train_loader
         if loader is None or not callable(getattr(loader, "position", None)):
             return None
+        if not getattr(loader.dataset, "is_stateful", True):  # refused at train start unless allow_inexact_resume
+            return None
         ga = self.args.gradient_accumulation_steps
         if isinstance(loader, ResumableDataLoader):
             per_epoch = max(len(loader) // ga + int(len(loader) % ga > 0), 1)
             epoch, step = divmod(self.state.global_step, per_epoch)
             return loader.position(epoch=epoch, step=min(step * ga, len(loader)))
         return loader.position(epoch=0, step=self.state.global_step * ga)
+
+    def _load_callback_state(self) -> None:
+        """Restore ``ExportableState`` callbacks from the checkpoint (``restore_callback_states``, default on)."""
+        if not self.restore_callback_states or self.args.restore_callback_states_from_checkpoint:
+            return super()._load_callback_state()
+        self.args.restore_callback_states_from_checkpoint = True
+        try:
+            super()._load_callback_state()
+        finally:
+            self.args.restore_callback_states_from_checkpoint = False
 
     # ---- saving ----
 
@@ -487,7 +588,7 @@ class ResumableTrainer(Trainer):
         model_only = self.args.save_only_model
         save_checkpoint(
             output_dir, model=self.accelerator.unwrap_model(self.model),
-            optimizer=None if model_only else self.optimizer,
+            optimizer=None if model_only else _unwrapped_optimizer(self.optimizer),
             scheduler=None if model_only else self.lr_scheduler,
             scaler=None if model_only else self.accelerator.scaler,
             step=self.state.global_step, training_state={_PROGRESS_LOOP: self._loop_state()},
@@ -495,6 +596,7 @@ class ResumableTrainer(Trainer):
             extra_files={TRAINER_STATE_FILE: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True)},
             data_state=self._data_position(), rng=not model_only, metrics=self._metrics_of_this_step(),
             processing_class=self.processing_class, overwrite=True)
+        self._drop_conversion()
         if self.args.push_to_hub:
             self._push_from_checkpoint(str(output_dir))
         if self._uploader is not None and self.args.should_save:
@@ -515,8 +617,6 @@ class ResumableTrainer(Trainer):
 
     def _export_callback_states(self) -> None:
         # Same as Trainer._save_checkpoint: ExportableState callbacks and TrainerControl into the state.
-        from transformers.trainer_callback import ExportableState
-
         for callback in self.callback_handler.callbacks + [self.control]:
             if isinstance(callback, ExportableState):
                 name = callback.__class__.__name__
@@ -546,6 +646,8 @@ class ResumableTrainer(Trainer):
 
     def _restore_loop_state(self) -> dict[str, Any] | None:
         loop = self._resume.loaded.training_state.get(_PROGRESS_LOOP)
+        if loop is None and self._resume.converted_from is not None:
+            return None  # a stock checkpoint: the accumulators start from zero, as in a stock resume
         if loop is None:
             self._inexact(f"{self._resume.path} has no logging-loop state")
             return None
@@ -572,7 +674,54 @@ class ResumableTrainer(Trainer):
     def set_initial_training_values(self, args: TrainingArguments, dataloader: Any) -> tuple:
         values = super().set_initial_training_values(args, dataloader)
         self._loop.steps_per_epoch = values[1]
+        self._check_before_training(dataloader, max_steps=values[-1])
         return values
+
+    def _saves_checkpoints(self) -> bool:
+        return str(getattr(self.args.save_strategy, "value", self.args.save_strategy)) != "no"
+
+    def _check_before_training(self, dataloader: Any, *, max_steps: int) -> None:
+        """Refuse, before the first step, a run whose checkpoints would fail or could not be resumed exactly."""
+        start = (self._resume.loaded.step or 0) if self._resume is not None else 0
+        record = self._resume.loaded.training_state.get(_PROGRESS_LOOP) if self._resume is not None else None
+        self._loop.finished = self._resume is not None and (start >= max_steps or bool((record or {}).get("stopped")))
+        if self.args.should_save and not self._loop.finished:
+            collisions = colliding_checkpoints(self._get_output_dir(self._loop.trial), after_step=start,
+                                               up_to_step=max_steps)
+            if collisions:
+                raise collision_error(self._get_output_dir(self._loop.trial), collisions, after_step=start,
+                                      up_to_step=max_steps)
+        if not self._saves_checkpoints():
+            return
+        if self.args.save_only_model:
+            self._refuse_at_start(
+                "save_only_model=True writes checkpoints without optimizer, scheduler, RNG state or data position, "
+                "so a restart from them cannot continue the run",
+                fix="Set save_only_model=False (checkpoints hold no pickle either way)")
+        if dataloader is not self._train_loader:
+            reason = self._loader_fallback or (f"{type(self).__name__}.get_train_dataloader builds its own "
+                                               f"{type(dataloader).__name__}")
+            self._refuse_at_start(
+                f"{reason}; its checkpoints record no data position",
+                fix="Use train_sampling_strategy='random', 'sequential' or 'group_by_length' and the inherited "
+                    "get_train_dataloader")
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, ExportableState):
+                try:
+                    json.dumps(callback.state())
+                except (TypeError, ValueError) as err:
+                    raise UnsupportedStateError(
+                        f"{type(callback).__name__}.state() is not JSON-serializable ({err}); every checkpoint's "
+                        "trainer_state.json stores it, so the first save would fail. Nothing was trained. Return "
+                        "only numbers, strings, lists and dicts from state().") from err
+
+    def _refuse_at_start(self, message: str, *, fix: str) -> None:
+        if self.allow_inexact_resume:
+            logger.warning("%s; training anyway because allow_inexact_resume=True: a restart will NOT continue "
+                           "bit for bit (and needs allow_inexact_resume=True too).", message)
+            return
+        raise InexactResumeError(f"{message}. Nothing was trained. {fix}, or pass allow_inexact_resume=True to "
+                                 "ResumableTrainer to train anyway (a restart is then NOT bit-exact).")
 
     def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, grad_norm: Any, model: torch.nn.Module, trial: Any,
                                  epoch: float, ignore_keys_for_eval: list[str] | None, start_time: float,
@@ -658,8 +807,11 @@ class ResumableTrainer(Trainer):
         if checkpoint is None:
             return
         model_only = self._resume is not None and self._resume.loaded.extra.get(_EXTRA_MODEL_ONLY)
+        if self._resume is not None and self._resume.converted_from is not None:
+            # a stock checkpoint saved with save_only_model has no optimizer state: a fresh optimizer, as stock
+            model_only = OPTIMIZER_INDEX_FILE not in self._resume.loaded.manifest.files
         load_checkpoint(checkpoint, model=self.accelerator.unwrap_model(self.model),
-                        optimizer=None if model_only else self.optimizer,
+                        optimizer=None if model_only else _unwrapped_optimizer(self.optimizer),
                         scheduler=None if model_only else self.lr_scheduler,
                         scaler=None if model_only else self.accelerator.scaler,
                         restore_rng=False, verify=self.checkpoint_verify,
@@ -676,6 +828,8 @@ class ResumableTrainer(Trainer):
         if checkpoint is None or self._resume is None or self._rng_restored:
             return
         state = self._resume.loaded.rng_state
+        if state is None and self._resume.converted_from is not None:
+            return
         if state is None:
             self._inexact(f"{checkpoint} has no RNG state for rank {self.args.process_index}")
             return
@@ -683,6 +837,8 @@ class ResumableTrainer(Trainer):
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
+        if not _is_own_checkpoint(Path(best)):  # a stock Trainer checkpoint (a run resumed from stock ones)
+            return super()._load_best_model()
         logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
         load_checkpoint(best, model=self.accelerator.unwrap_model(self.model), restore_rng=False,
                         verify=self.checkpoint_verify, allow_inexact_resume=True)  # weights only: no drift

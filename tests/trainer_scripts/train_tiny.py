@@ -248,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logging-strategy", default="steps", choices=["steps", "epoch"])
     p.add_argument("--eval", action="store_true", help="evaluate every save, load_best_model_at_end")
     p.add_argument("--lora", action="store_true")
+    p.add_argument("--early-stopping", type=int, default=None,
+                   help="EarlyStoppingCallback patience (threshold 1.0: every evaluation after the first counts)")
+    p.add_argument("--no-restore-callbacks", action="store_true", help="ResumableTrainer(restore_callback_states=False)")
     p.add_argument("--stock", action="store_true", help="use transformers.Trainer (for comparisons)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--allow-config-drift", action="store_true")
@@ -280,15 +283,20 @@ def main(argv: list[str] | None = None) -> int:
         dataloader_num_workers=a.workers, seed=a.seed, report_to=[], disable_tqdm=True, use_cpu=True,
         remove_unused_columns=a.data != "wwm",  # the whole-word-masking collator needs offset_mapping
         **evaluation)
+    callbacks = [Interrupter(a.ga)]
+    if a.early_stopping is not None:
+        callbacks.append(transformers.EarlyStoppingCallback(early_stopping_patience=a.early_stopping,
+                                                            early_stopping_threshold=1.0))
     kwargs = dict(model=model, args=args, train_dataset=train, data_collator=collator, processing_class=tokenizer,
-                  callbacks=[Interrupter(a.ga)])
+                  callbacks=callbacks)
     if a.eval:
         kwargs["eval_dataset"] = datasets.Dataset.from_dict({"input_ids": token_rows(16, seed=5)})
     if a.stock:
         trainer = transformers.Trainer(**kwargs)
     else:
         trainer = ResumableTrainer(allow_config_drift=a.allow_config_drift,
-                                   allow_inexact_resume=a.allow_inexact_resume, **kwargs)
+                                   allow_inexact_resume=a.allow_inexact_resume,
+                                   restore_callback_states=not a.no_restore_callbacks, **kwargs)
     try:
         output = trainer.train(resume_from_checkpoint=not a.no_resume)
     except SystemExit as exit_:  # preemption: record which step this rank saved before leaving
