@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from itertools import islice
 from pathlib import Path
@@ -69,27 +70,67 @@ from ..checkpoint import (
     LoadedCheckpoint,
     apply_retention,
     find_latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
-    read_manifest,
     save_checkpoint,
     verify_checkpoint,
     wait_for_pending_saves,
 )
-from ..constants import CHECKPOINT_PREFIX
+from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, MANIFEST_FILE, MODEL_INDEX_FILE, OPTIMIZER_INDEX_FILE
 from ..data import ResumableDataLoader, build_map_dataloader
 from ..distributed import broadcast_json
-from ..errors import ConfigDriftError, HfResumableError, InexactResumeError, UnsupportedStateError
+from ..errors import (
+    CheckpointExistsError,
+    ConfigDriftError,
+    HfResumableError,
+    IncompleteCheckpointError,
+    InexactResumeError,
+)
 from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
 from ..remote import is_remote, open_uploader, resolve_resume_path
 from ..rng import restore_rng_state
+from ._accelerate_data import (
+    ResumableDataLoaderDispatcher,
+    ResumableDataLoaderShard,
+    plan_loader,
+    rebuild_prepared_loader,
+)
 from ._accelerate_loop import AccumulationWindow, ResumablePreparedLoader
+from ._accelerate_objects import (
+    KIND_MODULE,
+    SLOT_CORE,
+    SLOT_EXTRA,
+    Layout,
+    encode_optimizer,
+    load_optimizer,
+    parameter_keys,
+    plan_layout,
+    require_slots,
+)
+from ._accelerate_paths import (
+    AUTOMATIC_CHECKPOINT_RE,
+    CheckpointIterationExistsError,
+    CheckpointPathNotFoundError,
+    HookFileConflictError,
+    automatic_name,
+    collect_hook_files,
+    hook_file_conflicts,
+    next_iteration,
+    refusal_reason,
+    stock_accelerate_files,
+)
 from ._accelerate_state import StepCounts, StepHook, state_fingerprint
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "AccumulationWindow",
+    "CheckpointIterationExistsError",
+    "CheckpointPathNotFoundError",
+    "HookFileConflictError",
     "ResumableAccelerator",
+    "ResumableDataLoaderDispatcher",
+    "ResumableDataLoaderShard",
     "ResumablePreparedLoader",
     "check_accelerate_internals",
 ]
@@ -109,9 +150,20 @@ _INSTANCE_INTERNALS = ("_models", "_optimizers", "_schedulers", "_custom_objects
 PROGRESS_GLOBAL_STEP = "global_step"  # completed optimizer steps (accumulation windows)
 PROGRESS_MICRO_STEP = "accelerate_micro_step"  # Accelerator.step, accelerate's own micro-step counter
 PROGRESS_OPTIMIZER_STEPS = "optimizer_steps"  # real steps of each prepared optimizer, in preparation order
+PROGRESS_ITERATION = "project_iteration"  # ProjectConfiguration.iteration of an automatic checkpoint_<iteration>
 # extra keys.
 EXTRA_RUN = "accelerate_run"  # the settings a bit-exact resume depends on (see _run_settings)
+EXTRA_LAYOUT = "accelerate_layout"  # where each model/optimizer/scheduler went (Layout.to_json)
 EXTRA_CUSTOM_OBJECTS = "custom_objects"  # state_dict() of objects passed to register_for_checkpointing
+EXTRA_MODELS = "models"  # weights of saved models 1, 2, ... (model 0 is the checkpoint's model)
+EXTRA_OPTIMIZERS = "optimizers"  # per optimizer: its name-keyed state, or None when it is the checkpoint's own
+EXTRA_SCHEDULERS = "schedulers"  # state_dict() of schedulers 1, 2, ... (scheduler 0 is the checkpoint's own)
+# Where save_state() writes (see ResumableAccelerator.save_state).
+_NAMING_AUTOMATIC = "automatic"  # ProjectConfiguration(automatic_checkpoint_naming=True): checkpoint_<iteration>
+_NAMING_EXPLICIT = "explicit"  # save_state(output_dir)
+_NAMING_STEPS = "steps"  # save_state(): checkpoint-<global_step>
+DEFAULT_KEEP_LAST = 2  # checkpoint-<step> checkpoints kept when neither keep_last nor total_limit is given
+_DEFAULT = object()  # "argument not given"
 # data_state key: the positions of the prepared resumable loaders, in preparation order.
 DATA_LOADERS = "loaders"
 
@@ -153,9 +205,12 @@ class ResumableAccelerator(Accelerator):
     Args:
         *args, **kwargs: forwarded to ``accelerate.Accelerator`` (e.g. ``gradient_accumulation_steps``,
             ``mixed_precision``, ``project_dir``).
-        checkpoint_dir (`str` or `os.PathLike`, *optional*): where ``checkpoint-<step>`` directories go;
-            defaults to ``<project_dir>/checkpoints``.
-        keep_last (`int`, *optional*, defaults to 2): checkpoints kept after each commit (``None``: all).
+        checkpoint_dir (`str` or `os.PathLike`, *optional*): where automatic checkpoints go (accelerate's
+            ``checkpoint_<iteration>`` with ``ProjectConfiguration(automatic_checkpoint_naming=True)``,
+            ``checkpoint-<step>`` for ``save_state()`` otherwise); defaults to ``<project_dir>/checkpoints``.
+        keep_last (`int`, *optional*): committed checkpoints kept after each automatic save (``None``: all).
+            Defaults to ``ProjectConfiguration.total_limit``; without it, to all of them with automatic naming
+            (as accelerate) and to 2 for ``checkpoint-<step>``.
         save_async (`bool`, *optional*, defaults to `False`): ``save_state`` stages tensors and writes in the
             background (single process only; under torch.distributed saves stay synchronous).
         allow_inexact_resume (`bool`, *optional*, defaults to `False`): resume despite a missing RNG/data
@@ -178,11 +233,11 @@ class ResumableAccelerator(Accelerator):
     ```
     """
 
-    def __init__(self, *args: Any, checkpoint_dir: str | os.PathLike | None = None, keep_last: int | None = 2,
+    def __init__(self, *args: Any, checkpoint_dir: str | os.PathLike | None = None, keep_last: Any = _DEFAULT,
                  save_async: bool = False, allow_inexact_resume: bool = False, handle_preemption: bool = True,
                  exit_on_preemption: bool = True, push_checkpoints_to: str | None = None,
                  storage_options: dict | None = None, **kwargs: Any) -> None:
-        if keep_last is not None and keep_last < 1:
+        if keep_last is not _DEFAULT and keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}.")
         super().__init__(*args, **kwargs)
         missing = check_accelerate_internals(self)
@@ -192,18 +247,26 @@ class ResumableAccelerator(Accelerator):
                 "needs. Install an accelerate version in the supported range "
                 f"(>={SUPPORTED_ACCELERATE[0]},<{SUPPORTED_ACCELERATE[1]}).")
         self._checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.keep_last = keep_last
+        self._keep_last = keep_last
         self.save_async = save_async
         self.allow_inexact_resume = allow_inexact_resume
         self.exit_on_preemption = exit_on_preemption
         self._step_counts = StepCounts()
         self._committed: dict[Path, str] = {}  # checkpoint this accelerator committed -> fingerprint of its state
+        self._retention_due: str | None = None  # naming of a committed save whose retention has not run yet
+        self._warned: dict[str, bool] = {}  # one WARNING per ignored option
         self._window_slot: tuple[int, int] | None = None
-        self._resumable_loaders: list[ResumablePreparedLoader] = []
+        # Loaders whose position is saved, in preparation order (ResumablePreparedLoader, ResumableDataLoaderShard...).
+        self._resumable_loaders: list[Any] = []
         self._preemption = PreemptionHandler().install() if handle_preemption else None
         self.storage_options = storage_options
         self._uploader = (open_uploader(push_checkpoints_to, storage_options=storage_options)
                           if push_checkpoints_to is not None and self.is_main_process else None)
+
+    @property
+    def keep_last(self) -> int | None:
+        """Committed checkpoints kept after each automatic save (``None``: all); see the class arguments."""
+        return self._keep()
 
     @property
     def global_step(self) -> int:
@@ -288,17 +351,47 @@ class ResumableAccelerator(Accelerator):
 
     def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None,
                             slice_fn_for_dispatch: Any = None) -> Any:
-        """Resumable loaders are wrapped without re-sharding; other loaders get accelerate's treatment.
+        """accelerate's ``prepare_data_loader``, returning a loader that resumes exactly.
+
+        * A plain ``DataLoader`` (or torchdata ``StatefulDataLoader``) over a map-style data set is prepared by
+          accelerate as usual (sharding, ``even_batches``, ``dispatch_batches``, device placement,
+          ``use_stateful_dataloader``), then rebuilt as a :class:`ResumableDataLoaderShard` (or
+          :class:`ResumableDataLoaderDispatcher`): the same class for ``isinstance``, the same batches per
+          process, plus a saved position (``load_state`` continues mid-epoch without fetching the skipped
+          batches), an order derived from ``(seed, epoch)`` and per-batch randomness keyed by position (see
+          :mod:`hf_resumable.integrations._accelerate_data`).
+        * A :class:`~hf_resumable.data.ResumableDataLoader` (from :meth:`prepare_resumable_dataloader`) is
+          wrapped without re-sharding.
+        * Any other loader (e.g. over an ``IterableDataset``) gets accelerate's treatment, and a WARNING says
+          that its position is not saved.
 
         Raises:
             ValueError: if a :class:`ResumableDataLoader` was built for another rank or world size.
         """
-        if not isinstance(data_loader, ResumableDataLoader):
-            logger.warning("%s is not an hf_resumable loader: its position is not saved, a resumed run restarts "
-                           "it from its beginning. Build training loaders with prepare_resumable_dataloader().",
-                           type(data_loader).__name__)
+        if isinstance(data_loader, ResumableDataLoader):
+            return self._prepare_resumable_loader(data_loader, device_placement)
+        if getattr(data_loader, "_is_accelerate_prepared", False) or data_loader in self._resumable_loaders:
             return super().prepare_data_loader(data_loader, device_placement=device_placement,
                                                slice_fn_for_dispatch=slice_fn_for_dispatch)
+        plan = plan_loader(data_loader)
+        # Drawn on every process (the same generator stream as without hf_resumable), process 0's value is used.
+        seed = broadcast_json(int(torch.empty((), dtype=torch.int64).random_().item())) if plan.resumable else None
+        prepared = super().prepare_data_loader(data_loader, device_placement=device_placement,
+                                               slice_fn_for_dispatch=slice_fn_for_dispatch)
+        rebuilt = (rebuild_prepared_loader(prepared, seed=seed, process_index=self.process_index,
+                                           num_processes=self.num_processes) if plan.resumable else prepared)
+        if rebuilt is prepared:
+            logger.warning("%s is prepared by accelerate only: its position is not saved and a resumed run restarts "
+                           "it from its beginning (%s).", type(data_loader).__name__,
+                           plan.note or f"accelerate returned a {type(prepared).__name__}")
+            return prepared
+        self._dataloaders = [rebuilt if loader is prepared else loader for loader in self._dataloaders]
+        self._resumable_loaders.append(rebuilt)
+        if plan.note is not None:
+            logger.warning("%s: %s.", type(data_loader).__name__, plan.note)
+        return rebuilt
+
+    def _prepare_resumable_loader(self, data_loader: ResumableDataLoader, device_placement: bool | None) -> Any:
         sampler = data_loader.batch_sampler
         if (sampler.rank, sampler.world_size) != (self.process_index, self.num_processes):
             raise ValueError(
@@ -312,15 +405,41 @@ class ResumableAccelerator(Accelerator):
         return prepared
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
-        """accelerate's ``skip_first_batches``, refused for resumable loaders (``load_state`` already positioned them).
+        """accelerate's ``skip_first_batches``, aware of positions restored by ``load_state``.
+
+        For a loader prepared here, the loader itself is returned, positioned: after ``load_state`` restored
+        it at batch ``n`` of its epoch, ``skip_first_batches(loader, n)`` (what accelerate's checkpointing
+        examples compute from the checkpoint name) continues there, never skipping twice; on a loader without
+        a restored position the next pass starts at ``num_batches`` (as accelerate's skipping loader does,
+        without fetching the skipped batches), and later passes are whole epochs.
 
         Raises:
-            ValueError: for a :class:`ResumablePreparedLoader` (skipping again would skip twice).
+            ValueError: ``num_batches`` differs from the position ``load_state`` restored (the script's count
+                and the checkpoint disagree), or the loader is being iterated.
         """
         if isinstance(dataloader, ResumablePreparedLoader):
-            raise ValueError("load_state() already restored this loader's position (epoch "
-                             f"{dataloader.epoch}, batch {dataloader.consumed}); do not skip batches yourself.")
+            if num_batches != dataloader.consumed:
+                raise ValueError("load_state() already restored this loader's position (epoch "
+                                 f"{dataloader.epoch}, batch {dataloader.consumed}); do not skip batches yourself.")
+            return dataloader
+        if isinstance(dataloader, (ResumableDataLoaderShard, ResumableDataLoaderDispatcher)):
+            if dataloader.is_iterating:
+                raise ValueError("skip_first_batches() was called on a loader that is being iterated.")
+            restored = dataloader.restored_batches
+            if restored and num_batches != restored:
+                raise ValueError(f"load_state() restored this loader at batch {restored} of epoch "
+                                 f"{dataloader.iteration}, but skip_first_batches() was asked to skip {num_batches}: "
+                                 "the script's step count and the checkpoint disagree. Skip exactly the restored "
+                                 "number (or do not skip: the loader already continues there).")
+            if not restored:
+                dataloader.skip(num_batches)
+            return dataloader
         return super().skip_first_batches(dataloader, num_batches)
+
+    def free_memory(self, *objects: Any) -> Any:
+        """accelerate's ``free_memory``; also forgets the prepared loaders' positions."""
+        self._resumable_loaders = []
+        return super().free_memory(*objects)
 
     # ---------------------------------------------------------------- gradient accumulation
 
@@ -374,7 +493,7 @@ class ResumableAccelerator(Accelerator):
 
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
-        """accelerate's ``accumulate``; without a prepared optimizer, counts completed windows in :attr:`global_step`."""
+        """accelerate's ``accumulate``; without a prepared optimizer it counts windows in :attr:`global_step`."""
         with super().accumulate(*models):
             yield
         if self.sync_gradients and not self._optimizers:
@@ -422,26 +541,70 @@ class ResumableAccelerator(Accelerator):
 
     # ---------------------------------------------------------------- save
 
-    def save_state(self, output_dir: str | os.PathLike | None = None, *, blocking: bool | None = None,
-                   **_unused: Any) -> Path:
-        """Save model, optimizer, scheduler, scaler, step counters, loader positions and every rank's RNG.
+    def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
+        """accelerate's hook: ``hook(models, weights, output_dir)`` runs in :meth:`save_state` before any saving.
 
-        Collective: call it on every process. The default directory is
-        ``<checkpoint_dir>/checkpoint-<global_step>``; saving a step that is already committed there is a
-        no-op (e.g. a preemption save right after a periodic one). Retention (``keep_last``) runs after
-        the commit.
+        Exactly as in accelerate, ``models`` is the list of prepared models, ``weights`` their state dicts (a hook
+        may remove entries, e.g. to save LoRA adapters itself, or replace them), and ``output_dir`` a directory
+        to write files into. Here that directory is a private staging directory: whatever the hook writes is
+        committed with the checkpoint, hashed in its manifest, and appears at the same relative path inside
+        the committed checkpoint directory (where the ``load_state`` pre-hook finds it). Only the main process's
+        files are kept (as with a shared directory; guard writes with ``accelerator.is_main_process``).
+
+        Returns:
+            `torch.utils.hooks.RemovableHandle`
+        """
+        return super().register_save_state_pre_hook(hook)
+
+    def register_load_state_pre_hook(self, hook: Callable[..., None]) -> Any:
+        """accelerate's hook: ``hook(models, input_dir)`` runs in :meth:`load_state` before anything is loaded.
+
+        ``models`` is a new list of the prepared models: a model the hook removes from it is not loaded (the
+        hook loaded it), exactly as in accelerate. ``input_dir`` is the committed checkpoint directory.
+
+        Returns:
+            `torch.utils.hooks.RemovableHandle`
+        """
+        return super().register_load_state_pre_hook(hook)
+
+    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, *,
+                   blocking: bool | None = None, **save_model_func_kwargs: Any) -> Path:
+        """Save models, optimizers, schedulers, scaler, registered objects, counters, loader positions and RNG.
+
+        Collective: call it on every process. Where it goes, as in accelerate:
+
+        * With ``ProjectConfiguration(automatic_checkpoint_naming=True)``: ``<project_dir>/checkpoints/
+          checkpoint_<iteration>`` (``output_dir`` is ignored, as in accelerate); ``iteration`` advances by one
+          per save, and after the commit only the newest ``total_limit`` committed checkpoints are kept (all
+          without ``total_limit``). An existing ``checkpoint_<iteration>`` is refused, as accelerate does.
+        * With ``output_dir``: that directory. A missing or empty directory, or a checkpoint hf_resumable wrote
+          there before, is replaced atomically (readers never see a half-written checkpoint); a directory
+          holding files hf_resumable did not write is refused (nothing is deleted or mixed into it).
+        * Neither (hf_resumable's addition): ``<checkpoint_dir>/checkpoint-<global_step>``, ``keep_last``
+          retention after the commit; saving the same step again writes nothing only when the checkpoint
+          provably holds the current state already (same tensors, unmodified, same RNG, counters, positions).
+
+        Everything is written as sharded safetensors and JSON (no pickle), manifest last, committed atomically.
 
         Args:
-            output_dir (`str` or `os.PathLike`, *optional*): an explicit checkpoint directory.
+            output_dir (`str` or `os.PathLike`, *optional*): the checkpoint directory.
+            safe_serialization (`bool`, *optional*, defaults to `True`): accepted for accelerate compatibility;
+                `False` asks for pickle, which hf_resumable never writes (safetensors are written anyway, with a
+                WARNING).
             blocking (`bool`, *optional*): overrides ``save_async`` for this call.
+            save_model_func_kwargs: accepted for accelerate compatibility (they configure DeepSpeed's own
+                ``save_checkpoint``, which is not used here); ignored with a WARNING.
 
         Returns:
             `Path`: the checkpoint directory (committed, unless the save is asynchronous).
 
         Raises:
             InexactResumeError: if called inside an accumulation window (gradients of the window would be lost).
-            UnsupportedStateError: with more than one prepared model, optimizer or scheduler.
-            CheckpointExistsError / OSError / AsyncSaveError: see :func:`hf_resumable.save_checkpoint`.
+            CheckpointIterationExistsError: automatic naming and ``checkpoint_<iteration>`` exists (also a
+                ``ValueError``, as in accelerate).
+            CheckpointExistsError: ``output_dir`` holds files hf_resumable did not write (a ``FileExistsError``).
+            HookFileConflictError: a pre-hook wrote a file whose name the checkpoint format uses.
+            UnsupportedStateError / OSError / AsyncSaveError: see :func:`hf_resumable.save_checkpoint`.
 
         Example:
 
@@ -450,44 +613,157 @@ class ResumableAccelerator(Accelerator):
         PosixPath('out/checkpoint-120')
         ```
         """
-        if _unused:
-            raise TypeError(f"ResumableAccelerator.save_state does not take {sorted(_unused)} (accelerate options of "
-                            "its pickle-based format).")
+        self._warn_save_options(safe_serialization, save_model_func_kwargs)
         if not self.sync_gradients:
             raise InexactResumeError(
                 f"save_state() was called inside an accumulation window (micro-step {self.step} of "
                 f"{self.gradient_accumulation_steps}); checkpoints land on optimizer-step boundaries only. "
                 "Call it after the window's optimizer step.")
-        automatic = output_dir is None
-        target = Path(output_dir) if not automatic else self.checkpoint_dir / f"{CHECKPOINT_PREFIX}{self.global_step}"
         wait_for_pending_saves()  # save_checkpoint would wait anyway; the previous save may be this very step
+        self._apply_pending_retention()
+        mode, target = self._save_target(output_dir)
         fingerprint = self._fingerprint(target)
-        if automatic and broadcast_json(self.is_main_process and self._already_on_disk(target, fingerprint)):
+        on_disk = self.is_main_process and mode == _NAMING_STEPS and self._already_on_disk(target, fingerprint)
+        if broadcast_json(on_disk):
             if self.is_main_process:
                 logger.info("%s already holds exactly the current state (step %d); not writing it again.", target,
                             self.global_step)
             return target
-        model, optimizer, scheduler = self._single_objects()
-        save_checkpoint(
-            target, model=model, optimizer=optimizer, scheduler=scheduler, scaler=self.scaler,
-            step=self.global_step, overwrite=automatic,
-            training_state={PROGRESS_GLOBAL_STEP: self.global_step, PROGRESS_MICRO_STEP: self.step,
-                            PROGRESS_OPTIMIZER_STEPS: self._optimizer_step_counts()},
-            extra={EXTRA_RUN: self._run_settings(),
-                   EXTRA_CUSTOM_OBJECTS: [obj.state_dict() for obj in self._custom_objects]},
-            data_state={DATA_LOADERS: [loader.position() for loader in self._resumable_loaders]},
-            keep_last=self.keep_last if automatic and self._uploader is None else None,
-            blocking=not self.save_async if blocking is None else blocking,
-        )
+        self._check_target(mode, target)
+        if target in self._pending_uploads():
+            self._uploader.wait()  # never replace a checkpoint while it is being uploaded
+        blocking = not self.save_async if blocking is None else blocking
+        save_checkpoint(target, **self._capture(), step=self.global_step, overwrite=mode != _NAMING_AUTOMATIC,
+                        keep_last=self._keep() if mode == _NAMING_STEPS and self._uploader is None else None,
+                        blocking=blocking)
+        self._committed[target] = fingerprint
+        if mode == _NAMING_AUTOMATIC:
+            self.project_configuration.iteration += 1
         if self._uploader is not None:
             wait_for_pending_saves()  # only committed checkpoints are uploaded
             self._uploader.submit(target)
-            if automatic and self.keep_last is not None:
-                apply_retention(self.checkpoint_dir, keep_last=self.keep_last, protect=self._uploader.pending())
-        self._committed[target] = fingerprint
+        if mode != _NAMING_EXPLICIT and (self._uploader is not None or mode == _NAMING_AUTOMATIC):
+            self._retention_due = mode
+            if blocking or self._uploader is not None:
+                self._apply_pending_retention()
         if self.is_main_process:
             logger.info("Saved state at step %d to %s", self.global_step, target)
         return target
+
+    def _warn_save_options(self, safe_serialization: bool, options: Mapping[str, Any]) -> None:
+        if not safe_serialization and not self._warned.get("safe_serialization"):
+            self._warned["safe_serialization"] = True
+            logger.warning("save_state(safe_serialization=False) asks for pickle files; hf_resumable never writes "
+                           "pickle, so the checkpoint is written as safetensors and JSON anyway.")
+        if options and not self._warned.get("save_options"):
+            self._warned["save_options"] = True
+            logger.warning("save_state(%s): these options configure DeepSpeed's own save_checkpoint, which "
+                           "ResumableAccelerator does not use; ignored.", ", ".join(sorted(options)))
+
+    def _save_target(self, output_dir: str | os.PathLike | None) -> tuple[str, Path]:
+        if self.project_configuration.automatic_checkpoint_naming:
+            return _NAMING_AUTOMATIC, self.checkpoint_dir / automatic_name(self.save_iteration)
+        if output_dir is not None:
+            return _NAMING_EXPLICIT, Path(output_dir)
+        return _NAMING_STEPS, self.checkpoint_dir / f"{CHECKPOINT_PREFIX}{self.global_step}"
+
+    def _check_target(self, mode: str, target: Path) -> None:
+        """Refuse a target on every process alike (the main process looks), before any collective of the save."""
+        if mode == _NAMING_AUTOMATIC:
+            exists = broadcast_json(self.is_main_process and os.path.lexists(target))
+            if exists:
+                raise CheckpointIterationExistsError(
+                    f"Checkpoint directory {target} ({self.save_iteration}) already exists. Set "
+                    "accelerator.project_configuration.iteration to the iteration to continue with, or resume with "
+                    "load_state(), which continues after the newest checkpoint_<i>.")
+            return
+        reason = broadcast_json(refusal_reason(target) if self.is_main_process else None)
+        if reason is not None:
+            raise CheckpointExistsError(f"Not saving to {target}: {reason}. Save to a new or empty directory, or "
+                                        "move those files away first.")
+
+    def _keep(self) -> int | None:
+        """Checkpoints kept after a commit: ``keep_last`` if given, else ``total_limit``, else the naming's default."""
+        if self._keep_last is not _DEFAULT:
+            return self._keep_last
+        if self.project_configuration.total_limit is not None:
+            return self.project_configuration.total_limit
+        return None if self.project_configuration.automatic_checkpoint_naming else DEFAULT_KEEP_LAST
+
+    def _pending_uploads(self) -> set[Path]:
+        return set(self._uploader.pending()) if self._uploader is not None else set()
+
+    def _apply_pending_retention(self) -> None:
+        """Retention of the last automatic (or uploading) save, once it has committed (never before)."""
+        mode, self._retention_due = self._retention_due, None
+        keep = self._keep()
+        if mode is None or keep is None or not self.is_main_process:
+            return
+        wait_for_pending_saves()
+        pattern = AUTOMATIC_CHECKPOINT_RE if mode == _NAMING_AUTOMATIC else CHECKPOINT_DIR_RE
+        apply_retention(self.checkpoint_dir, keep_last=keep, pattern=pattern, protect=self._pending_uploads())
+
+    def _weights(self) -> list[Any]:
+        """accelerate's ``weights`` list for the save hooks: each prepared model's state dict (not unwrapped)."""
+        return [self.get_state_dict(model, unwrap=False) for model in self._models]
+
+    def _capture(self) -> dict[str, Any]:
+        """Everything :func:`save_checkpoint` takes, after running the ``save_state`` pre-hooks."""
+        originals = self._weights() if self._save_model_state_pre_hook else [None] * len(self._models)
+        weights = list(originals)
+        hook_files = self._run_save_hooks(weights)
+        unwrapped = [self.unwrap_model(model) for model in self._models]
+        optimizers = [getattr(optimizer, "optimizer", optimizer) for optimizer in self._optimizers]
+        if not self._save_model_state_pre_hook:
+            weights = originals = list(unwrapped)  # no hook could have changed them
+        layout = plan_layout(weights=weights, originals=originals, models=unwrapped, optimizers=optimizers,
+                             schedulers=len(self._schedulers), custom_objects=len(self._custom_objects),
+                             hook_files=list(hook_files), hooks_registered=bool(self._save_model_state_pre_hook))
+        model_slot = bool(layout.models)
+        conflicts = hook_file_conflicts(hook_files, model_slot=model_slot,
+                                        optimizer_slot=SLOT_CORE in layout.optimizers)
+        if conflicts:
+            raise HookFileConflictError(f"save_state pre-hook(s) wrote {conflicts}, which the hf_resumable checkpoint "
+                                        "writes itself; write them under another name or in a subdirectory.")
+
+        def slot_state(index: int) -> Any:
+            if layout.models[index] == KIND_MODULE:  # model ``index``'s own weights, unchanged by the hooks
+                return unwrapped[index] if index == 0 else unwrapped[index].state_dict()
+            return weights[index]  # a state dict a hook put there, saved (and loaded) as accelerate would
+
+        extra = {EXTRA_RUN: self._run_settings(), EXTRA_LAYOUT: layout.to_json(),
+                 EXTRA_CUSTOM_OBJECTS: [obj.state_dict() for obj in self._custom_objects],
+                 EXTRA_MODELS: [slot_state(i) for i in range(1, len(layout.models))],
+                 EXTRA_OPTIMIZERS: [None if slot == SLOT_CORE else
+                                    encode_optimizer(opt, parameter_keys(unwrapped, opt))
+                                    for slot, opt in zip(layout.optimizers, optimizers)],
+                 EXTRA_SCHEDULERS: [scheduler.state_dict() for scheduler in self._schedulers[1:]]}
+        return {
+            "model": slot_state(0) if model_slot else None,
+            "optimizer": optimizers[0] if layout.optimizers[:1] == [SLOT_CORE] else None,
+            "scheduler": getattr(self._schedulers[0], "scheduler", self._schedulers[0]) if self._schedulers else None,
+            "scaler": self.scaler,
+            "training_state": {PROGRESS_GLOBAL_STEP: self.global_step, PROGRESS_MICRO_STEP: self.step,
+                               PROGRESS_OPTIMIZER_STEPS: self._optimizer_step_counts(),
+                               PROGRESS_ITERATION: self.save_iteration
+                               if self.project_configuration.automatic_checkpoint_naming else None},
+            "extra": extra,
+            "extra_files": hook_files,
+            "data_state": {DATA_LOADERS: [loader.position() for loader in self._resumable_loaders]},
+        }
+
+    def _run_save_hooks(self, weights: list[Any]) -> dict[str, bytes]:
+        """Run the ``save_state`` pre-hooks with a staging directory; return the files they wrote (main process)."""
+        if not self._save_model_state_pre_hook:
+            return {}
+        with tempfile.TemporaryDirectory(prefix="hf_resumable-save-hooks-") as staging:
+            for hook in self._save_model_state_pre_hook.values():
+                hook(self._models, weights, staging)
+            files = collect_hook_files(Path(staging))
+        if files and not self.is_main_process:
+            logger.warning("save_state pre-hooks wrote %s on process %d; only the main process's files are saved.",
+                           sorted(files)[:5], self.process_index)
+        return files if self.is_main_process else {}
 
     def _fingerprint(self, target: Path) -> str:
         """Digest of everything :meth:`save_state` writes (see :func:`state_fingerprint`)."""
@@ -496,25 +772,14 @@ class ResumableAccelerator(Accelerator):
                  "schedulers": [scheduler.state_dict() for scheduler in self._schedulers],
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                  "custom_objects": [obj.state_dict() for obj in self._custom_objects],
-                 "loaders": [loader.position() for loader in self._resumable_loaders]}
-        return state_fingerprint(models=self._models, optimizers=[getattr(o, "optimizer", o) for o in self._optimizers],
-                                 small_state=small)
+                 "loaders": [loader.position() for loader in self._resumable_loaders],
+                 "hooks": [id(hook) for hook in self._save_model_state_pre_hook.values()]}
+        optimizers = [getattr(optimizer, "optimizer", optimizer) for optimizer in self._optimizers]
+        return state_fingerprint(models=self._models, optimizers=optimizers, small_state=small)
 
     def _already_on_disk(self, target: Path, fingerprint: str) -> bool:
         """Whether this accelerator committed ``target`` from exactly the current state, and it is still intact."""
         return self._committed.get(target) == fingerprint and verify_checkpoint(target, full=False).ok
-
-    def _single_objects(self) -> tuple[torch.nn.Module | None, torch.optim.Optimizer | None, Any]:
-        counts = {"models": len(self._models), "optimizers": len(self._optimizers),
-                  "schedulers": len(self._schedulers)}
-        if any(count > 1 for count in counts.values()):
-            raise UnsupportedStateError(
-                f"ResumableAccelerator saves one model, optimizer and scheduler; {counts} were prepared. Prepare "
-                "one of each (combine parameter groups into one optimizer).")
-        model = self.unwrap_model(self._models[0]) if self._models else None
-        optimizer = self._optimizers[0].optimizer if self._optimizers else None
-        scheduler = self._schedulers[0].scheduler if self._schedulers else None
-        return model, optimizer, scheduler
 
     def _run_settings(self) -> dict[str, Any]:
         return {"world_size": self.num_processes, "gradient_accumulation_steps": self.gradient_accumulation_steps,
@@ -522,42 +787,69 @@ class ResumableAccelerator(Accelerator):
 
     # ---------------------------------------------------------------- load
 
-    def load_state(self, input_dir: str | os.PathLike | None = None, **_unused: Any) -> LoadedCheckpoint | None:
-        """Resume from ``input_dir``, or from the newest checkpoint under :attr:`checkpoint_dir` that verifies.
+    def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
+                   **load_model_func_kwargs: Any) -> LoadedCheckpoint | None:
+        """Resume from ``input_dir``, or from the newest checkpoint that *verifies*.
 
-        Collective: call it on every process, after ``prepare``. Restores model, optimizer, scheduler,
-        scaler, :attr:`global_step`, the loaders' epoch and position, registered custom objects, then
-        (last) this rank's RNG.
+        Collective: call it on every process, after ``prepare``. Runs the ``load_state`` pre-hooks, then
+        restores models, optimizers, schedulers, scaler, counters (:attr:`global_step`, accelerate's ``step``,
+        ``ProjectConfiguration.iteration``), the loaders' epoch and position, registered objects, and (last) this
+        process's RNG.
+
+        Without ``input_dir``: the newest valid ``checkpoint_<i>`` (automatic naming) or ``checkpoint-<step>``
+        under :attr:`checkpoint_dir`; partial or corrupt ones are skipped with a WARNING. ``input_dir`` may also
+        be ``hf://user/repo[@rev][/path]`` or an fsspec URL (downloaded and hash-checked first).
+
+        After a resume with automatic naming, ``ProjectConfiguration.iteration`` continues after the loaded and
+        every existing ``checkpoint_<i>``, so the next save never collides (accelerate leaves that to the user).
+
+        Args:
+            input_dir (`str` or `os.PathLike`, *optional*): the checkpoint to load.
+            load_kwargs (`dict`, *optional*): accelerate's options for ``torch.load``, which is never used here
+                (no pickle); ignored with a WARNING.
+            load_model_func_kwargs: ``strict`` (missing/unexpected model keys are errors, default `True`) and
+                ``map_location`` (``None``, ``"cpu"`` or ``"on_device"``, as in accelerate: state is loaded
+                straight to where the parameters are either way). Any other option is refused.
 
         Returns:
             `LoadedCheckpoint` or `None`: `None` when ``input_dir`` is omitted and no valid checkpoint exists.
 
         Raises:
+            CheckpointPathNotFoundError: ``input_dir`` does not exist (a ``CheckpointNotFoundError`` and a
+                ``ValueError``, which accelerate raises).
+            IncompleteCheckpointError: not a committed hf_resumable checkpoint (e.g. written by stock accelerate),
+                or it lacks an object that is prepared now.
             ConfigDriftError: the world size, accumulation steps or data layout differ from the saved run
                 (unless ``allow_inexact_resume``).
-            InexactResumeError: this rank's RNG or data position is missing (unless ``allow_inexact_resume``).
-            CheckpointNotFoundError / IncompleteCheckpointError / CorruptCheckpointError /
-            CheckpointMismatchError: see :func:`hf_resumable.load_checkpoint`.
+            InexactResumeError: this process's RNG or data position is missing (unless ``allow_inexact_resume``).
+            CorruptCheckpointError / CheckpointMismatchError: see :func:`hf_resumable.load_checkpoint`.
+            TypeError: an unsupported ``map_location`` or option.
         """
-        if _unused:
-            raise TypeError(f"ResumableAccelerator.load_state does not take {sorted(_unused)}.")
+        strict = self._load_options(load_kwargs, load_model_func_kwargs)
         path = self._resolve_checkpoint(input_dir)
         if path is None:
             if self.is_main_process:
                 logger.info("No valid checkpoint under %s; starting from scratch.", self.checkpoint_dir)
             return None
         # 1. Compare the saved settings with ours before any object is touched.
-        peek = load_checkpoint(path, restore_rng=False, allow_inexact_resume=True)
-        self._check_drift(path, read_manifest(path).world_size, peek.extra.get(EXTRA_RUN))
-        # 2. Fill the objects (RNG excluded: it goes last, step 5).
-        model, optimizer, scheduler = self._single_objects()
-        loaded = load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, scaler=self.scaler,
-                                 restore_rng=False, allow_inexact_resume=self.allow_inexact_resume)
-        # 3. Counters and data positions, 4. registered objects, 5. RNG.
-        self.global_step = int(loaded.training_state.get(PROGRESS_GLOBAL_STEP, loaded.step or 0))
-        self._set_optimizer_step_counts(loaded.training_state.get(PROGRESS_OPTIMIZER_STEPS)
-                                        or [self.global_step] * len(self._optimizers))
-        self.step = int(loaded.training_state.get(PROGRESS_MICRO_STEP, 0))
+        peek = self._read_checkpoint(path)
+        self._check_drift(path, peek.manifest.world_size, peek.extra.get(EXTRA_RUN))
+        layout = self._layout_of(peek)
+        # 2. accelerate's load hooks: a model they remove from the list is not loaded here.
+        models = list(self._models)
+        for hook in self._load_model_state_pre_hook.values():
+            hook(models, str(path))
+        require_slots(layout, models_to_fill=len(models), optimizers=len(self._optimizers),
+                      schedulers=len(self._schedulers), where=str(path))
+        # 3. Fill the objects (RNG excluded: it goes last).
+        core_model, core_optimizer = self._core_load_targets(layout, models)
+        loaded = self._read_checkpoint(path, model=core_model, optimizer=core_optimizer,
+                                       scheduler=getattr(self._schedulers[0], "scheduler", self._schedulers[0])
+                                       if self._schedulers else None,
+                                       scaler=self.scaler, strict=strict)
+        self._restore_extra_objects(path, layout, loaded.extra, models, strict=strict)
+        # 4. Counters and data positions, 5. registered objects, 6. RNG.
+        self._restore_counters(path, loaded)
         self._restore_loaders(path, loaded.data_state)
         self._restore_custom_objects(path, loaded.extra.get(EXTRA_CUSTOM_OBJECTS) or [])
         self._restore_rng(path, loaded)  # last: restoring anything else may draw random numbers
@@ -565,16 +857,119 @@ class ResumableAccelerator(Accelerator):
             logger.info("Resumed from %s at step %d", path, self.global_step)
         return loaded
 
+    def _load_options(self, load_kwargs: dict | None, options: dict[str, Any]) -> bool:
+        options = dict(options)
+        map_location = options.pop("map_location", None)
+        if map_location not in (None, "cpu", "on_device"):
+            raise TypeError("Unsupported optimizer map location passed, please choose one of `None`, `'cpu'`, or "
+                            f"`'on_device'` (got {map_location!r}).")
+        strict = bool(options.pop("strict", True))
+        options.pop("device", None)  # safetensors' load_model option: tensors go where the parameters are
+        if options:
+            raise TypeError(f"load_state() got unsupported options {sorted(options)}; ResumableAccelerator accepts "
+                            "strict= and map_location= (and load_kwargs, ignored).")
+        if load_kwargs and not self._warned.get("load_kwargs"):
+            self._warned["load_kwargs"] = True
+            logger.warning("load_state(load_kwargs=%s): these are torch.load options; hf_resumable never unpickles, "
+                           "so they are ignored.", sorted(load_kwargs))
+        return strict
+
+    def _read_checkpoint(self, path: Path, **objects: Any) -> LoadedCheckpoint:
+        """The one place the resume path reads a checkpoint (without objects: a look at its state only)."""
+        if not objects:
+            return load_checkpoint(path, restore_rng=False, allow_inexact_resume=True)
+        return load_checkpoint(path, restore_rng=False, allow_inexact_resume=self.allow_inexact_resume, **objects)
+
+    def _layout_of(self, peek: LoadedCheckpoint) -> Layout:
+        record = peek.extra.get(EXTRA_LAYOUT)
+        if record is not None:
+            return Layout.from_json(record)
+        files = peek.manifest.files
+        return Layout.legacy(has_model=MODEL_INDEX_FILE in files, has_optimizer=OPTIMIZER_INDEX_FILE in files,
+                             has_scheduler=bool(self._schedulers),
+                             custom_objects=len(peek.extra.get(EXTRA_CUSTOM_OBJECTS) or []))
+
+    def _core_load_targets(self, layout: Layout, models: list[Any]) -> tuple[Any, Any]:
+        """What the checkpoint's own model and optimizer slots are loaded into."""
+        model = None
+        if layout.models and models:
+            model = self.unwrap_model(models[0]) if layout.models[0] == KIND_MODULE else models[0]
+        optimizer = None
+        if layout.optimizers[:1] == [SLOT_CORE] and self._optimizers:
+            optimizer = getattr(self._optimizers[0], "optimizer", self._optimizers[0])
+            if model is None:
+                # The optimizer's state is keyed by model 0's parameter names, so model 0 is loaded with it.
+                logger.warning("A load_state pre-hook removed model 0, but optimizer 0's saved state is keyed by its "
+                               "parameter names: model 0's weights are loaded from the checkpoint as well.")
+                model = self.unwrap_model(self._models[0])
+        return model, optimizer
+
+    def _restore_extra_objects(self, path: Path, layout: Layout, extra: Mapping[str, Any], models: list[Any], *,
+                               strict: bool) -> None:
+        saved_models = extra.get(EXTRA_MODELS) or []
+        for index, model in enumerate(models[1:], start=1):
+            target = self.unwrap_model(model) if layout.models[index] == KIND_MODULE else model
+            target.load_state_dict(saved_models[index - 1], strict=strict)
+        unwrapped = [self.unwrap_model(model) for model in self._models]
+        saved_optimizers = extra.get(EXTRA_OPTIMIZERS) or []
+        for index, (slot, optimizer) in enumerate(zip(layout.optimizers, self._optimizers)):
+            if slot == SLOT_EXTRA:
+                inner = getattr(optimizer, "optimizer", optimizer)
+                load_optimizer(inner, parameter_keys(unwrapped, inner), saved_optimizers[index],
+                               where=f"{path} (optimizer {index})")
+        for scheduler, state in zip(self._schedulers[1:], extra.get(EXTRA_SCHEDULERS) or []):
+            scheduler.load_state_dict(state)
+
+    def _restore_counters(self, path: Path, loaded: LoadedCheckpoint) -> None:
+        progress = loaded.training_state
+        self.global_step = int(progress.get(PROGRESS_GLOBAL_STEP, loaded.step or 0))
+        self.step = int(progress.get(PROGRESS_MICRO_STEP, 0))
+        self._set_optimizer_step_counts(progress.get(PROGRESS_OPTIMIZER_STEPS)
+                                        or [self.global_step] * len(self._optimizers))
+        if self.project_configuration.automatic_checkpoint_naming:
+            saved = progress.get(PROGRESS_ITERATION)
+            match = AUTOMATIC_CHECKPOINT_RE.match(path.name)
+            loaded_iteration = saved if saved is not None else (int(match.group(1)) if match else None)
+            existing = broadcast_json([number for number, _ in list_checkpoints(
+                self.checkpoint_dir, pattern=AUTOMATIC_CHECKPOINT_RE)] if self.is_main_process else None)
+            self.project_configuration.iteration = next_iteration(self.save_iteration, loaded=loaded_iteration,
+                                                                  existing=existing)
+
     def _resolve_checkpoint(self, input_dir: str | os.PathLike | None) -> Path | None:
         if is_remote(input_dir):  # hf://user/repo[@rev][/path] or s3://bucket/run[/checkpoint-N]
             return resolve_resume_path(input_dir, cache_dir=self.checkpoint_dir / ".remote-resume",
                                        storage_options=self.storage_options)
         if input_dir is not None:
-            return Path(input_dir)
+            path = Path(os.path.expanduser(os.fspath(input_dir)))
+            problem = broadcast_json(self._describe_missing(path) if self.is_main_process else None)
+            if problem is not None:
+                raise CheckpointPathNotFoundError(problem)
+            return path
+        pattern = (AUTOMATIC_CHECKPOINT_RE if self.project_configuration.automatic_checkpoint_naming
+                   else CHECKPOINT_DIR_RE)
         # One process looks (and cleans up stale temp dirs); all use its answer.
-        found = find_latest_checkpoint(self.checkpoint_dir) if self.is_main_process else None
+        found = find_latest_checkpoint(self.checkpoint_dir, pattern=pattern) if self.is_main_process else None
         found = broadcast_json(str(found) if found is not None else None)
         return Path(found) if found is not None else None
+
+    def _describe_missing(self, path: Path) -> str | None:
+        """Why ``path`` cannot be loaded (main process), or ``None``; names a stock accelerate checkpoint as such."""
+        if not path.exists():
+            return (f"{path} does not exist. Check the path, or call load_state() without an argument to resume "
+                    f"from the newest valid checkpoint under {self.checkpoint_dir if self._has_root() else 'it'}.")
+        if not path.is_dir():
+            return f"{path} is a file, not a checkpoint directory."
+        stock = stock_accelerate_files(path)
+        if stock and not (path / MANIFEST_FILE).exists():
+            raise IncompleteCheckpointError(
+                f"{path} was written by stock accelerate ({', '.join(stock[:4])}): its optimizer, scheduler, RNG and "
+                "registered-object states are pickle files, which hf_resumable never loads (unpickling runs code). "
+                "Resume it once with accelerate's own Accelerator and save it with ResumableAccelerator, or start "
+                "from its model weights.")
+        return None
+
+    def _has_root(self) -> bool:
+        return self._checkpoint_dir is not None or self.project_dir is not None
 
     def _inexact(self, message: str, error: type[InexactResumeError] = InexactResumeError) -> None:
         if not self.allow_inexact_resume:
@@ -663,6 +1058,7 @@ class ResumableAccelerator(Accelerator):
         on 2 CPU processes). The group is released with the model, or at interpreter exit.
         """
         wait_for_pending_saves()
+        self._apply_pending_retention()
         if self._preemption is not None:
             self._preemption.uninstall()
         for tracker in self.trackers:

@@ -1,0 +1,162 @@
+"""Where :class:`~hf_resumable.integrations.accelerate.ResumableAccelerator` saves and what it refuses to touch:
+accelerate's automatic ``checkpoint_<iteration>`` naming, existing target directories, the files
+``save_state`` pre-hooks write, and the typed errors of these decisions.
+
+Planning functions are pure; the few that look at the disk say so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..checkpoint import read_manifest
+from ..constants import (
+    DATA_STATE_DIR,
+    MANIFEST_FILE,
+    MODEL_INDEX_FILE,
+    OPTIMIZER_INDEX_FILE,
+    RNG_DIR,
+    TMP_PREFIX,
+    TRAINING_STATE_FILE,
+    TRASH_PREFIX,
+)
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, HfResumableError
+
+__all__ = [
+    "AUTOMATIC_CHECKPOINT_RE",
+    "CheckpointPathNotFoundError",
+    "CheckpointIterationExistsError",
+    "HookFileConflictError",
+    "automatic_name",
+    "next_iteration",
+    "refusal_reason",
+    "stock_accelerate_files",
+    "collect_hook_files",
+    "hook_file_conflicts",
+]
+
+# accelerate's ProjectConfiguration(automatic_checkpoint_naming=True) names: <project_dir>/checkpoints/checkpoint_<i>.
+AUTOMATIC_CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
+# Files stock accelerate's save_state writes (pickle, except the model weights).
+_STOCK_FILES = re.compile(r"^(random_states_\d+\.pkl|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|scaler\.pt|"
+                          r"sampler(_\d+)?\.bin|dl_state_dict(_\d+)?\.bin|custom_checkpoint_\d+\.pkl|"
+                          r"pytorch_model(_\d+)?\.bin|model(_\d+)?\.safetensors)$")
+
+
+class CheckpointPathNotFoundError(CheckpointNotFoundError, ValueError):
+    """``load_state(path)`` of a path that does not exist (also a ``ValueError``, which accelerate raises)."""
+
+
+class CheckpointIterationExistsError(CheckpointExistsError, ValueError):
+    """accelerate's automatic ``checkpoint_<iteration>`` already exists (also the ``ValueError`` accelerate raises)."""
+
+
+class HookFileConflictError(HfResumableError, ValueError):
+    """A ``save_state`` pre-hook wrote a file whose name the hf_resumable checkpoint format uses itself."""
+
+
+def automatic_name(iteration: int) -> str:
+    """accelerate's automatic checkpoint directory name."""
+    if iteration < 0:
+        raise ValueError(f"ProjectConfiguration.iteration must be >= 0, got {iteration}.")
+    return f"checkpoint_{iteration}"
+
+
+def next_iteration(current: int, *, loaded: int | None, existing: Iterable[int]) -> int:
+    """The iteration the next automatic save uses after a resume: never one that exists already.
+
+    accelerate leaves ``ProjectConfiguration.iteration`` to the user (a resumed script must set it, or its next
+    save collides). Here it becomes the largest of the configured value, the loaded checkpoint's iteration + 1
+    and every existing ``checkpoint_<i>`` + 1 (a corrupt newer one included).
+
+    Example:
+
+    ```python
+    >>> next_iteration(0, loaded=3, existing=[0, 1, 2, 3, 4])
+    5
+    ```
+    """
+    candidates = [current, *(i + 1 for i in existing)]
+    if loaded is not None:
+        candidates.append(loaded + 1)
+    return max(candidates)
+
+
+def refusal_reason(target: Path) -> str | None:
+    """Why a save may not go to ``target`` (looks at the disk), or ``None``.
+
+    A missing path, an empty directory and a committed hf_resumable checkpoint may be replaced (atomically);
+    a file, a link, or a directory holding files hf_resumable did not write may not: hf_resumable never deletes
+    what it did not write.
+    """
+    try:
+        info = os.lstat(target)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(info.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "a file"
+        return f"{target} exists and is {kind}, not a directory"
+    try:
+        read_manifest(target)
+        return None
+    except HfResumableError:
+        pass
+    entries = sorted(os.listdir(target))
+    if not entries:
+        return None
+    stock = stock_accelerate_files(target)
+    what = (f"a checkpoint of stock accelerate ({', '.join(stock[:4])})" if stock
+            else f"files hf_resumable did not write ({', '.join(entries[:4])}{', ...' if len(entries) > 4 else ''})")
+    return f"{target} holds {what} and no valid {MANIFEST_FILE}; hf_resumable never deletes or mixes into them"
+
+
+def stock_accelerate_files(directory: Path) -> list[str]:
+    """Names in ``directory`` that stock accelerate's ``save_state`` writes (looks at the disk)."""
+    try:
+        return sorted(name for name in os.listdir(directory) if _STOCK_FILES.match(name))
+    except OSError:
+        return []
+
+
+def collect_hook_files(staging: Path) -> dict[str, bytes]:
+    """Every regular file under ``staging`` (relative POSIX path -> bytes), for ``save_checkpoint(extra_files=...)``.
+
+    Raises:
+        HookFileConflictError: for a symbolic link or another non-regular entry (its content is not defined).
+    """
+    files: dict[str, bytes] = {}
+    for root, dirs, names in os.walk(staging):
+        for name in sorted(dirs + names):
+            path = Path(root) / name
+            info = os.lstat(path)
+            if stat.S_ISDIR(info.st_mode):
+                continue
+            relpath = path.relative_to(staging).as_posix()
+            if not stat.S_ISREG(info.st_mode):
+                raise HookFileConflictError(f"A save_state pre-hook created {relpath!r}, which is not a regular file "
+                                            "(e.g. a symbolic link); write regular files only.")
+            files[relpath] = path.read_bytes()
+    return files
+
+
+def hook_file_conflicts(relpaths: Iterable[str], *, model_slot: bool, optimizer_slot: bool) -> list[str]:
+    """Hook files whose names the checkpoint writes itself (pure)."""
+    conflicts = []
+    for relpath in relpaths:
+        top = relpath.split("/", 1)[0]
+        reserved = (
+            relpath in (MANIFEST_FILE, TRAINING_STATE_FILE, "training_state.safetensors")
+            or top in (RNG_DIR, DATA_STATE_DIR) or top.startswith((TMP_PREFIX, TRASH_PREFIX))
+            or (model_slot and (relpath == MODEL_INDEX_FILE or re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors",
+                                                                             relpath) is not None
+                                or relpath in ("config.json", "generation_config.json")))
+            or (optimizer_slot and (relpath == OPTIMIZER_INDEX_FILE
+                                    or re.fullmatch(r"optimizer(-\d+-of-\d+)?\.safetensors", relpath) is not None))
+        )
+        if reserved:
+            conflicts.append(relpath)
+    return conflicts

@@ -1,0 +1,194 @@
+"""``accelerator.prepare(DataLoader(...))`` with ResumableAccelerator: accelerate's loader classes, resumed exactly.
+
+A plain ``DataLoader`` (shuffled, with random augmentation in the data set and the collator, with and without
+worker processes) is saved in the middle of an epoch and resumed by a fresh accelerator: the remaining batches,
+the next epoch and every random draw are the ones the uninterrupted run saw, and no skipped batch is fetched.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import DataLoaderConfiguration
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from hf_resumable.integrations.accelerate import ResumableAccelerator
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def reset_accelerate() -> None:
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+class NoisyDataset(Dataset):
+    """22 samples with random augmentation in ``__getitem__``; counts fetches made in this process."""
+
+    def __init__(self) -> None:
+        self.fetched = 0
+
+    def __len__(self) -> int:
+        return 22
+
+    def __getitem__(self, index: int) -> dict:
+        self.fetched += 1
+        return {"x": torch.tensor([float(index)]) + torch.rand(1), "index": index}
+
+
+def noisy_collate(items: list[dict]) -> dict:
+    """Randomness from python ``random`` and numpy, as collators do (masking, cropping...)."""
+    x = torch.cat([item["x"] for item in items])
+    return {"x": x + random.random() + float(np.random.rand()), "index": torch.tensor([i["index"] for i in items])}
+
+
+def as_lists(batches: list[dict]) -> list[tuple]:
+    return [(b["index"].tolist(), b["x"].tolist()) for b in batches]
+
+
+def make_loader(num_workers: int = 0, **options) -> DataLoader:
+    return DataLoader(NoisyDataset(), batch_size=4, shuffle=True, collate_fn=noisy_collate, num_workers=num_workers,
+                      **options)
+
+
+def build(tmp_path, *, seed: int, num_workers: int = 0, config: DataLoaderConfiguration | None = None):
+    accelerator = ResumableAccelerator(cpu=True, checkpoint_dir=tmp_path, handle_preemption=False,
+                                       dataloader_config=config)
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(1, 1)
+    model, optimizer, loader = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3),
+                                                   make_loader(num_workers))
+    return accelerator, model, optimizer, loader
+
+
+def train_on(accelerator, model, optimizer, batch) -> None:
+    accelerator.backward(torch.nn.functional.dropout(model(batch["x"][:, None]), 0.5).pow(2).mean())
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_plain_loader_saved_mid_epoch_resumes_the_remaining_batches_exactly(tmp_path, num_workers):
+    accelerator, model, optimizer, loader = build(tmp_path, seed=0, num_workers=num_workers)
+    assert isinstance(loader, DataLoaderShard) and isinstance(loader, DataLoader)
+    seen = {0: [], 1: []}
+    for epoch in range(2):
+        for step, batch in enumerate(loader):
+            train_on(accelerator, model, optimizer, batch)
+            seen[epoch].append(batch)
+            if epoch == 0 and step == 2:
+                accelerator.save_state()  # inside the loop: 3 batches of epoch 0 consumed
+                after_save = torch.rand(3)  # the main process's RNG stream after the save point
+    assert len(seen[0]) == 6 and as_lists(seen[0]) != as_lists(seen[1])  # reshuffled every epoch
+    weights = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+
+    reset_accelerate()
+    resumed, model2, optimizer2, loader2 = build(tmp_path, seed=123, num_workers=num_workers)  # another seed
+    dataset = loader2.dataset.dataset
+    resumed.load_state()
+    assert torch.equal(torch.rand(3), after_save)  # RNG restored (dropout below draws from it)
+    rest = {0: [], 1: []}
+    for epoch in range(loader2.iteration, 2):
+        for batch in loader2:
+            train_on(resumed, model2, optimizer2, batch)
+            rest[epoch].append(batch)
+    assert as_lists(rest[0]) == as_lists(seen[0][3:])  # the same samples with the same random augmentation
+    assert as_lists(rest[1]) == as_lists(seen[1])
+    if num_workers == 0:
+        assert dataset.fetched == 22 - 12 + 22  # the 3 skipped batches (12 samples) were never fetched
+    for key, value in resumed.unwrap_model(model2).state_dict().items():
+        assert torch.equal(value, weights[key]), key
+
+
+def test_iterating_a_prepared_loader_leaves_the_main_rng_alone(tmp_path):
+    accelerator, _, _, loader = build(tmp_path, seed=0, num_workers=0)
+    torch.manual_seed(7)
+    random.seed(7)
+    list(loader)
+    after = (torch.rand(1), random.random())
+    torch.manual_seed(7)
+    random.seed(7)
+    assert (torch.rand(1), random.random()) == after
+
+
+def test_without_shuffle_the_batches_are_accelerates(tmp_path):
+    def plain(index_only):
+        return DataLoader(list(range(10)), batch_size=3)
+
+    stock = Accelerator(cpu=True)
+    want = [b.tolist() for b in stock.prepare(plain(True))]
+    reset_accelerate()
+    ours = ResumableAccelerator(cpu=True, checkpoint_dir=tmp_path, handle_preemption=False)
+    loader = ours.prepare(plain(True))
+    assert [b.tolist() for b in loader] == want
+    assert len(loader) == 4 and loader.total_batch_size == 3
+
+
+@pytest.mark.parametrize(("config", "cls"), [
+    (DataLoaderConfiguration(use_stateful_dataloader=True), StatefulDataLoader),
+    (DataLoaderConfiguration(dispatch_batches=True), DataLoaderDispatcher),
+])
+def test_stateful_and_dispatching_loaders_keep_their_class_and_resume(tmp_path, config, cls):
+    accelerator, model, optimizer, loader = build(tmp_path, seed=0, config=config)
+    assert isinstance(loader, cls) and isinstance(loader, DataLoader)
+    batches = []
+    for step, batch in enumerate(loader):
+        batches.append(batch)
+        if step == 1:
+            accelerator.save_state()
+    reset_accelerate()
+    resumed, _, _, loader2 = build(tmp_path, seed=5, config=config)
+    resumed.load_state()
+    assert as_lists(list(loader2)) == as_lists(batches[2:])
+    assert loader2.state_dict()["epoch"] == 1
+
+
+def test_skip_first_batches_after_load_state_continues_once(tmp_path):
+    """accelerate's checkpointing example: load_state(), then skip_first_batches(loader, resume_step)."""
+    accelerator, _, _, loader = build(tmp_path, seed=0)
+    epoch0 = []
+    for step, batch in enumerate(loader):
+        epoch0.append(batch)
+        if step == 3:
+            accelerator.save_state()
+    epoch1 = list(loader)
+    reset_accelerate()
+    resumed, _, _, loader2 = build(tmp_path, seed=0)
+    resumed.load_state()
+    with pytest.raises(ValueError, match="restored this loader at batch 4"):
+        resumed.skip_first_batches(loader2, 2)
+    active = resumed.skip_first_batches(loader2, 4)
+    assert active is loader2
+    assert as_lists(list(active)) == as_lists(epoch0[4:]) and as_lists(list(loader2)) == as_lists(epoch1)
+
+    reset_accelerate()
+    fresh, _, _, loader3 = build(tmp_path / "fresh", seed=0)
+    assert as_lists(list(fresh.skip_first_batches(loader3, 2))) == as_lists(epoch0[2:])  # no restored position
+    assert as_lists(list(loader3)) == as_lists(epoch1)  # later passes are whole epochs
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(8))
+
+
+def test_a_loader_that_cannot_be_positioned_says_so_at_prepare(tmp_path, caplog):
+    accelerator = ResumableAccelerator(cpu=True, checkpoint_dir=tmp_path, handle_preemption=False)
+    with caplog.at_level("WARNING"):
+        loader = accelerator.prepare(DataLoader(Stream(), batch_size=2))
+    assert "position is not saved" in caplog.text and "IterableDataset" in caplog.text
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
