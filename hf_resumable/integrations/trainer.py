@@ -59,6 +59,8 @@ from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
 from ..remote import is_remote, open_uploader, resolve_resume_path
 from ..rng import restore_rng_state
 from ..state import RunConfig, check_config_drift
+from ._trainer_hparams import (RESUME_HYPERPARAMETERS, HyperparameterChange, apply_new_hyperparameters,
+                               hyperparameter_changes, hyperparameter_snapshot, report_hyperparameter_changes)
 from ._trainer_discovery import (CONVERTED_DIR, CheckpointKind, ResumeCheckpointNotFoundError, classify_checkpoint_dir,
                                  colliding_checkpoints, collision_error, newest_stock_checkpoint, not_a_checkpoint_error)
 
@@ -94,6 +96,7 @@ TRAINER_STATE_FILE = "trainer_state.json"
 _PROGRESS_LOOP = "trainer_loop"  # accumulators of the logging loop (exact floats)
 _EXTRA_RUN_CONFIG = "run_config"  # RunConfig.to_dict()
 _EXTRA_MODEL_ONLY = "model_only"  # True when saved with save_only_model (cannot resume exactly)
+_EXTRA_HYPERPARAMETERS = "hyperparameters"  # _trainer_hparams.hyperparameter_snapshot()
 
 
 def check_trainer_internals() -> list[str]:
@@ -267,6 +270,12 @@ class ResumableTrainer(Trainer):
             ``TrainerControl`` from the checkpoint, as ``restore_callback_states_from_checkpoint=True`` does in
             ``Trainer`` (whose default is `False`, which makes a resumed run diverge). `False` leaves the
             callbacks as constructed unless ``restore_callback_states_from_checkpoint=True``.
+        resume_hyperparameters (`str`, *optional*, defaults to `"checkpoint"`): when a run is resumed with another
+            ``learning_rate``, ``weight_decay``, ``adam_beta1/2`` or ``adam_epsilon``, ``"checkpoint"`` keeps the
+            values restored with the optimizer and scheduler (as ``Trainer`` does), ``"arguments"`` writes the new
+            ones into them. Every changed optimization setting is reported at resume (old -> new, which one is in
+            effect); schedule settings (``lr_scheduler_type``, ``warmup_steps``, ``max_steps``) and
+            ``max_grad_norm`` always follow the arguments.
 
     > [!WARNING]
     > ``train_sampling_strategy`` other than ``"random"``/``"sequential"`` and ``accelerator_config``
@@ -284,11 +293,17 @@ class ResumableTrainer(Trainer):
     def __init__(self, *args: Any, allow_config_drift: bool = False, allow_inexact_resume: bool = False,
                  exit_on_preemption: bool = True, checkpoint_verify: str = "quick",
                  push_checkpoints_to: str | None = None, storage_options: dict | None = None,
-                 restore_callback_states: bool = True, **kwargs: Any) -> None:
+                 restore_callback_states: bool = True, resume_hyperparameters: str = "checkpoint",
+                 **kwargs: Any) -> None:
         if checkpoint_verify not in ("quick", "full"):
             raise ValueError(f"checkpoint_verify must be 'quick' or 'full', got {checkpoint_verify!r}.")
+        if resume_hyperparameters not in RESUME_HYPERPARAMETERS:
+            raise ValueError(f"resume_hyperparameters must be one of {RESUME_HYPERPARAMETERS}, got "
+                             f"{resume_hyperparameters!r}.")
         super().__init__(*args, **kwargs)
         self.restore_callback_states = restore_callback_states
+        self.resume_hyperparameters = resume_hyperparameters
+        self._hyperparameter_changes: list[HyperparameterChange] = []
         self.allow_config_drift = allow_config_drift
         self.allow_inexact_resume = allow_inexact_resume
         self.exit_on_preemption = exit_on_preemption
@@ -592,7 +607,8 @@ class ResumableTrainer(Trainer):
             scheduler=None if model_only else self.lr_scheduler,
             scaler=None if model_only else self.accelerator.scaler,
             step=self.state.global_step, training_state={_PROGRESS_LOOP: self._loop_state()},
-            extra={_EXTRA_RUN_CONFIG: self._current_run_config().to_dict(), _EXTRA_MODEL_ONLY: model_only},
+            extra={_EXTRA_RUN_CONFIG: self._current_run_config().to_dict(), _EXTRA_MODEL_ONLY: model_only,
+                   _EXTRA_HYPERPARAMETERS: hyperparameter_snapshot(self.args, max_steps=self.state.max_steps)},
             extra_files={TRAINER_STATE_FILE: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True)},
             data_state=self._data_position(), rng=not model_only, metrics=self._metrics_of_this_step(),
             processing_class=self.processing_class, overwrite=True)
@@ -685,6 +701,13 @@ class ResumableTrainer(Trainer):
         start = (self._resume.loaded.step or 0) if self._resume is not None else 0
         record = self._resume.loaded.training_state.get(_PROGRESS_LOOP) if self._resume is not None else None
         self._loop.finished = self._resume is not None and (start >= max_steps or bool((record or {}).get("stopped")))
+        self._hyperparameter_changes = []
+        saved = self._resume.loaded.extra.get(_EXTRA_HYPERPARAMETERS) if self._resume is not None else None
+        if saved is not None:
+            self._hyperparameter_changes = hyperparameter_changes(
+                saved, hyperparameter_snapshot(self.args, max_steps=max_steps))
+            report_hyperparameter_changes(self._hyperparameter_changes, checkpoint=str(self._resume.path),
+                                          mode=self.resume_hyperparameters)
         if self.args.should_save and not self._loop.finished:
             collisions = colliding_checkpoints(self._get_output_dir(self._loop.trial), after_step=start,
                                                up_to_step=max_steps)
@@ -817,6 +840,17 @@ class ResumableTrainer(Trainer):
                         restore_rng=False, verify=self.checkpoint_verify,
                         # a world-size change was already refused (or allowed) by the run-config drift check
                         allow_inexact_resume=True)
+        if self.resume_hyperparameters == "arguments" and self._hyperparameter_changes and not model_only:
+            apply_new_hyperparameters(_unwrapped_optimizer(self.optimizer), self.lr_scheduler,
+                                      self._hyperparameter_changes, decay_groups=self._decay_groups())
+
+    def _decay_groups(self) -> list[bool]:
+        """Per optimizer param group: whether it holds only parameters ``Trainer`` applies weight decay to."""
+        model = self.accelerator.unwrap_model(self.model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        decay = set(self.get_decay_parameter_names(model))
+        return [bool(group["params"]) and all(names.get(id(p)) in decay for p in group["params"])
+                for group in self.optimizer.param_groups]
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         # Loaded with the optimizer.
