@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test test-upstream demo bench clean
 
 $(VENV)/.installed: setup.cfg setup.py pyproject.toml hf_resumable/_fastcopy.c
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ venv: $(VENV)/.installed
 
 test: venv
 	$(PY) -m pytest -q tests
+
+# accelerate's own checkpointing tests against ResumableAccelerator (also part of `make test`).
+test-upstream: venv
+	$(PY) tests/upstream/run_accelerate_upstream.py
 
 demo: venv
 	$(VENV)/bin/hf-resumable demo
