@@ -192,3 +192,40 @@ def test_a_loader_that_cannot_be_positioned_says_so_at_prepare(tmp_path, caplog)
         loader = accelerator.prepare(DataLoader(Stream(), batch_size=2))
     assert "position is not saved" in caplog.text and "IterableDataset" in caplog.text
     assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+class StatefulStream(IterableDataset):
+    """A stream whose state_dict() is its position (as datasets.IterableDataset's is)."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def __iter__(self):
+        while self.position < 12:
+            self.position += 1
+            yield self.position - 1
+        self.position = 0
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+def test_a_stateful_iterable_loader_resumes_mid_epoch_as_with_stock_accelerate(tmp_path):
+    config = DataLoaderConfiguration(use_stateful_dataloader=True)
+    accelerator = ResumableAccelerator(cpu=True, checkpoint_dir=tmp_path, handle_preemption=False,
+                                       dataloader_config=config)
+    loader = accelerator.prepare(DataLoader(StatefulStream(), batch_size=2))
+    batches = []
+    for step, batch in enumerate(loader):
+        batches.append(batch.tolist())
+        if step == 1:
+            accelerator.save_state()
+    reset_accelerate()
+    resumed = ResumableAccelerator(cpu=True, checkpoint_dir=tmp_path, handle_preemption=False,
+                                   dataloader_config=config)
+    loader2 = resumed.prepare(DataLoader(StatefulStream(), batch_size=2))
+    resumed.load_state()
+    assert [b.tolist() for b in loader2] == batches[2:]

@@ -57,6 +57,7 @@ from torch.utils.data import (
 
 from ..data import DATA_EPOCH, DATA_KIND, DATA_NUM_BATCHES, DATA_STEP, data_rng
 from ..rng import derive_seed
+from ..state_codec import decode_state, encode_state
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +65,16 @@ __all__ = [
     "LoaderPlan",
     "ResumableDataLoaderDispatcher",
     "ResumableDataLoaderShard",
+    "StatefulLoaderPosition",
     "plan_loader",
     "rebuild_prepared_loader",
     "KIND_ACCELERATE",
+    "KIND_STATEFUL",
 ]
 
 KIND_ACCELERATE = "accelerate"  # DATA_KIND of a ResumableDataLoaderShard/Dispatcher position record
+KIND_STATEFUL = "stateful"  # DATA_KIND of a torchdata StatefulDataLoader state (StatefulLoaderPosition)
+DATA_STATE = "state"  # the StatefulDataLoader state, JSON-encoded (state_codec)
 DATA_SEED = "seed"  # the loader's seed, part of its position record
 _TAG_ORDER = "accelerate-order"
 _TAG_LOADER = "accelerate-loader"
@@ -382,3 +387,42 @@ def rebuild_prepared_loader(prepared: Any, *, seed: int, process_index: int, num
         per_batch = 1
     loader._init_position(keyed, seed=seed, base_per_batch=per_batch, generator=generator)
     return loader
+
+
+class StatefulLoaderPosition:
+    """The position of a loader accelerate prepared with ``use_stateful_dataloader=True`` that could not be rebuilt
+    resumable (an ``IterableDataset``): torchdata's own ``state_dict()``, saved and restored as stock accelerate
+    does (its ``dl_state_dict.bin``), as JSON. Randomness inside the pipeline is not keyed by position here.
+
+    Args:
+        loader: the prepared loader (its ``state_dict``/``load_state_dict`` are torchdata's).
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        try:
+            return len(self.loader)
+        except TypeError:
+            return 0
+
+    def position(self) -> dict[str, Any] | None:
+        """The JSON record, or ``None`` (with a WARNING) if the state holds tensors, which per-process JSON cannot."""
+        tensors: dict[str, torch.Tensor] = {}
+        state = encode_state(self.loader.state_dict(), tensors, prefix="loader")
+        if tensors:
+            logger.warning("The StatefulDataLoader state of %s holds tensors (%s); its position is not saved and a "
+                           "resumed run restarts it.", type(self.loader.dataset).__name__, sorted(tensors)[:3])
+            return None
+        return {DATA_KIND: KIND_STATEFUL, DATA_STATE: state}
+
+    def fits(self, record: Mapping[str, Any] | None) -> bool:
+        return record is not None and record.get(DATA_KIND) == KIND_STATEFUL
+
+    def load_position(self, record: Mapping[str, Any] | None, *, restart_epoch: bool = False) -> None:
+        if record is not None and not restart_epoch:
+            self.loader.load_state_dict(decode_state(record[DATA_STATE], {}, source="StatefulDataLoader state"))
+
+    def settings(self) -> dict[str, Any]:
+        return {DATA_KIND: KIND_STATEFUL}

@@ -92,6 +92,7 @@ from ..rng import restore_rng_state
 from ._accelerate_data import (
     ResumableDataLoaderDispatcher,
     ResumableDataLoaderShard,
+    StatefulLoaderPosition,
     plan_loader,
     rebuild_prepared_loader,
 )
@@ -370,7 +371,8 @@ class ResumableAccelerator(Accelerator):
         """
         if isinstance(data_loader, ResumableDataLoader):
             return self._prepare_resumable_loader(data_loader, device_placement)
-        if getattr(data_loader, "_is_accelerate_prepared", False) or data_loader in self._resumable_loaders:
+        if getattr(data_loader, "_is_accelerate_prepared", False) or any(data_loader is loader
+                                                                         for loader in self._resumable_loaders):
             return super().prepare_data_loader(data_loader, device_placement=device_placement,
                                                slice_fn_for_dispatch=slice_fn_for_dispatch)
         plan = plan_loader(data_loader)
@@ -380,6 +382,12 @@ class ResumableAccelerator(Accelerator):
                                                slice_fn_for_dispatch=slice_fn_for_dispatch)
         rebuilt = (rebuild_prepared_loader(prepared, seed=seed, process_index=self.process_index,
                                            num_processes=self.num_processes) if plan.resumable else prepared)
+        if rebuilt is prepared and getattr(prepared, "use_stateful_dataloader", False):
+            logger.warning("%s is prepared by accelerate only (%s); its torchdata StatefulDataLoader state is saved "
+                           "and restored as stock accelerate does, so it resumes mid-epoch, but randomness inside "
+                           "its pipeline is not keyed by position.", type(data_loader).__name__, plan.note)
+            self._resumable_loaders.append(StatefulLoaderPosition(prepared))
+            return prepared
         if rebuilt is prepared:
             logger.warning("%s is prepared by accelerate only: its position is not saved and a resumed run restarts "
                            "it from its beginning (%s).", type(data_loader).__name__,
@@ -630,7 +638,7 @@ class ResumableAccelerator(Accelerator):
                             self.global_step)
             return target
         self._check_target(mode, target)
-        if target in self._pending_uploads():
+        if target.resolve() in self._pending_uploads():
             self._uploader.wait()  # never replace a checkpoint while it is being uploaded
         blocking = not self.save_async if blocking is None else blocking
         save_checkpoint(target, **self._capture(), step=self.global_step, overwrite=mode != _NAMING_AUTOMATIC,
@@ -691,7 +699,8 @@ class ResumableAccelerator(Accelerator):
         return None if self.project_configuration.automatic_checkpoint_naming else DEFAULT_KEEP_LAST
 
     def _pending_uploads(self) -> set[Path]:
-        return set(self._uploader.pending()) if self._uploader is not None else set()
+        """Local checkpoints whose upload is not confirmed yet (resolved paths)."""
+        return {Path(path).resolve() for path in self._uploader.pending()} if self._uploader is not None else set()
 
     def _apply_pending_retention(self) -> None:
         """Retention of the last automatic (or uploading) save, once it has committed (never before)."""
@@ -994,6 +1003,10 @@ class ResumableAccelerator(Accelerator):
                           f"{self.process_index}")
             return
         for index, (loader, record) in enumerate(zip(self._resumable_loaders, records)):
+            if record is None:
+                self._inexact(f"{path} has no position for loader {index} of rank {self.process_index} (it could not "
+                              "be saved; see the WARNING of that save)")
+                continue
             fits = loader.fits(record)
             if not fits:
                 self._inexact(f"{path}: the saved position {dict(record)} of loader {index} does not fit it "
