@@ -55,7 +55,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from ..data import DATA_EPOCH, DATA_KIND, DATA_NUM_BATCHES, DATA_STEP, data_rng
+from ..data import DATA_EPOCH, DATA_KIND, DATA_LOADER, DATA_NUM_BATCHES, DATA_STEP, data_rng
 from ..rng import derive_seed
 from ..state_codec import decode_state, encode_state
 
@@ -68,14 +68,18 @@ __all__ = [
     "StatefulLoaderPosition",
     "plan_loader",
     "rebuild_prepared_loader",
-    "KIND_ACCELERATE",
-    "KIND_STATEFUL",
+    "SOURCE_ACCELERATE",
+    "SOURCE_STATEFUL",
 ]
 
-KIND_ACCELERATE = "accelerate"  # DATA_KIND of a ResumableDataLoaderShard/Dispatcher position record
-KIND_STATEFUL = "stateful"  # DATA_KIND of a torchdata StatefulDataLoader state (StatefulLoaderPosition)
-DATA_STATE = "state"  # the StatefulDataLoader state, JSON-encoded (state_codec)
+# Position records use hf_resumable.data's record kinds ("map": epoch, step, num_batches; "stream": epoch, step and
+# the loader's state_dict()), which the checkpoint core validates on load; DATA_SOURCE tells whose record it is.
+KIND_MAP, KIND_STREAM = "map", "stream"
+DATA_SOURCE = "source"
+SOURCE_ACCELERATE = "accelerate"  # a ResumableDataLoaderShard/Dispatcher position (also carries DATA_SEED)
+SOURCE_STATEFUL = "accelerate-stateful"  # a torchdata StatefulDataLoader state (StatefulLoaderPosition)
 DATA_SEED = "seed"  # the loader's seed, part of its position record
+DATA_SAVED = "saved"  # False when a StatefulDataLoader state could not be stored as JSON
 _TAG_ORDER = "accelerate-order"
 _TAG_LOADER = "accelerate-loader"
 _TAG_BATCH = "accelerate-batch"
@@ -289,12 +293,13 @@ class _PositionMixin:
         epoch = self.iteration
         if len(self) and step >= len(self):
             epoch, step = epoch + 1, 0
-        return {DATA_KIND: KIND_ACCELERATE, DATA_EPOCH: epoch, DATA_STEP: step, DATA_NUM_BATCHES: len(self),
-                DATA_SEED: self.seed}
+        return {DATA_KIND: KIND_MAP, DATA_SOURCE: SOURCE_ACCELERATE, DATA_EPOCH: epoch, DATA_STEP: step,
+                DATA_NUM_BATCHES: len(self), DATA_SEED: self.seed}
 
     def fits(self, record: Mapping[str, Any]) -> bool:
         """Whether ``record`` is a position of a loader with as many batches per epoch as this one."""
-        return record.get(DATA_KIND) == KIND_ACCELERATE and int(record.get(DATA_NUM_BATCHES, -1)) == len(self)
+        return (record.get(DATA_SOURCE) == SOURCE_ACCELERATE and record.get(DATA_KIND) == KIND_MAP
+                and int(record.get(DATA_NUM_BATCHES, -1)) == len(self))
 
     def load_position(self, record: Mapping[str, Any], *, restart_epoch: bool = False) -> None:
         """Continue at ``record`` (from :meth:`position`): the next pass starts there, nothing is fetched now."""
@@ -307,7 +312,7 @@ class _PositionMixin:
 
     def settings(self) -> dict[str, Any]:
         """What decides this loader's batches (compared at resume time)."""
-        return {DATA_KIND: KIND_ACCELERATE, DATA_NUM_BATCHES: len(self), "dataset_length": len(self.dataset)}
+        return {DATA_SOURCE: SOURCE_ACCELERATE, DATA_NUM_BATCHES: len(self), "dataset_length": len(self.dataset)}
 
     def state_dict(self) -> dict[str, Any]:
         """The position record (torchdata's ``StatefulDataLoader`` API, with hf_resumable's exact position)."""
@@ -319,7 +324,7 @@ class _PositionMixin:
         Raises:
             ValueError: for a state of another kind (e.g. a torchdata ``StatefulDataLoader`` state).
         """
-        if state_dict.get(DATA_KIND) != KIND_ACCELERATE:
+        if state_dict.get(DATA_SOURCE) != SOURCE_ACCELERATE:
             raise ValueError(f"Not a position of this loader (keys {sorted(state_dict)[:6]}); pass what its "
                              "state_dict() returned.")
         self.load_position(state_dict)
@@ -407,22 +412,26 @@ class StatefulLoaderPosition:
         except TypeError:
             return 0
 
-    def position(self) -> dict[str, Any] | None:
-        """The JSON record, or ``None`` (with a WARNING) if the state holds tensors, which per-process JSON cannot."""
+    def position(self) -> dict[str, Any]:
+        """The JSON record (marked not saved, with a WARNING, if the state holds tensors: per-process JSON cannot)."""
+        state = self.loader.state_dict()
         tensors: dict[str, torch.Tensor] = {}
-        state = encode_state(self.loader.state_dict(), tensors, prefix="loader")
+        encoded = encode_state(state, tensors, prefix="loader")
+        record = {DATA_KIND: KIND_STREAM, DATA_SOURCE: SOURCE_STATEFUL, DATA_EPOCH: int(getattr(self.loader,
+                                                                                              "iteration", 0)),
+                  DATA_STEP: int(state.get("_num_yielded", 0) or 0), DATA_LOADER: encoded}
         if tensors:
             logger.warning("The StatefulDataLoader state of %s holds tensors (%s); its position is not saved and a "
                            "resumed run restarts it.", type(self.loader.dataset).__name__, sorted(tensors)[:3])
-            return None
-        return {DATA_KIND: KIND_STATEFUL, DATA_STATE: state}
+            record.update({DATA_LOADER: {}, DATA_SAVED: False})
+        return record
 
-    def fits(self, record: Mapping[str, Any] | None) -> bool:
-        return record is not None and record.get(DATA_KIND) == KIND_STATEFUL
+    def fits(self, record: Mapping[str, Any]) -> bool:
+        return record.get(DATA_SOURCE) == SOURCE_STATEFUL and record.get(DATA_SAVED, True) is not False
 
-    def load_position(self, record: Mapping[str, Any] | None, *, restart_epoch: bool = False) -> None:
-        if record is not None and not restart_epoch:
-            self.loader.load_state_dict(decode_state(record[DATA_STATE], {}, source="StatefulDataLoader state"))
+    def load_position(self, record: Mapping[str, Any], *, restart_epoch: bool = False) -> None:
+        if not restart_epoch and self.fits(record):
+            self.loader.load_state_dict(decode_state(record[DATA_LOADER], {}, source="StatefulDataLoader state"))
 
     def settings(self) -> dict[str, Any]:
-        return {DATA_KIND: KIND_STATEFUL}
+        return {DATA_SOURCE: SOURCE_STATEFUL}

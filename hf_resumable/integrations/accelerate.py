@@ -754,8 +754,8 @@ class ResumableAccelerator(Accelerator):
             "scaler": self.scaler,
             "training_state": {PROGRESS_GLOBAL_STEP: self.global_step, PROGRESS_MICRO_STEP: self.step,
                                PROGRESS_OPTIMIZER_STEPS: self._optimizer_step_counts(),
-                               PROGRESS_ITERATION: self.save_iteration
-                               if self.project_configuration.automatic_checkpoint_naming else None},
+                               **({PROGRESS_ITERATION: self.save_iteration}
+                                  if self.project_configuration.automatic_checkpoint_naming else {})},
             "extra": extra,
             "extra_files": hook_files,
             "data_state": {DATA_LOADERS: [loader.position() for loader in self._resumable_loaders]},
@@ -1003,7 +1003,7 @@ class ResumableAccelerator(Accelerator):
                           f"{self.process_index}")
             return
         for index, (loader, record) in enumerate(zip(self._resumable_loaders, records)):
-            if record is None:
+            if record.get("saved") is False:
                 self._inexact(f"{path} has no position for loader {index} of rank {self.process_index} (it could not "
                               "be saved; see the WARNING of that save)")
                 continue
