@@ -1,17 +1,28 @@
 """``ResumableAccelerator``: accelerate's ``Accelerator`` with crash-safe checkpoints and bit-exact resume.
 
-What it changes compared to ``accelerate.Accelerator`` (whose ``save_state`` pickles optimizer and scheduler,
-deletes old checkpoints before writing the new one, swallows RNG load failures and leaves mid-epoch
-resume to the user):
+A drop-in: ``from hf_resumable import ResumableAccelerator as Accelerator`` in a working accelerate script
+changes nothing else. accelerate's own checkpointing tests pass with that one-line change
+(``tests/upstream/run_accelerate_upstream.py``). What it changes compared to ``accelerate.Accelerator``
+(whose ``save_state`` pickles optimizer, scheduler and RNG, deletes old checkpoints before writing the new one,
+swallows RNG load failures and leaves mid-epoch resume to the user):
 
 * ``save_state()`` writes the hf_resumable format (sharded safetensors, no pickle, manifest last, atomic
-  commit) into ``checkpoint-<global_step>`` directories, and applies retention only *after* the commit.
-  ``load_state()`` with no argument resumes from the newest checkpoint that *verifies*, and restores the
-  step counter, so the next save does not collide.
-* Training loaders built with :func:`hf_resumable.data.build_map_dataloader` (or
-  :meth:`ResumableAccelerator.prepare_resumable_dataloader`) are prepared without accelerate's
-  re-sharding; their epoch and position are saved per rank and restored without fetching, collating or
-  moving a single skipped batch.
+  commit) where accelerate would: ``output_dir``, or ``checkpoint_<iteration>`` with
+  ``ProjectConfiguration(automatic_checkpoint_naming=True)`` (``total_limit`` retention only *after* the
+  commit, and only of hf_resumable checkpoints), or, without either, ``checkpoint-<global_step>``.
+  ``load_state()`` with no argument resumes from the newest checkpoint that *verifies* and restores every
+  counter, so the next save does not collide. Any number of models, optimizers, schedulers and registered
+  objects; accelerate's save/load pre-hooks run where accelerate runs them (see
+  :mod:`~hf_resumable.integrations._accelerate_objects` and :mod:`~hf_resumable.integrations._accelerate_paths`).
+* :attr:`ResumableAccelerator.global_step` counts real optimizer steps (a step hook on every prepared
+  optimizer), however the loop is written; a save never returns without writing unless a fingerprint proves
+  the checkpoint holds exactly the current state (:mod:`~hf_resumable.integrations._accelerate_state`).
+* ``prepare(DataLoader(...))`` returns accelerate's own loader class, rebuilt so that its position, order and
+  per-batch randomness resume exactly (:mod:`~hf_resumable.integrations._accelerate_data`). Training loaders
+  built with :func:`hf_resumable.data.build_map_dataloader` (or
+  :meth:`ResumableAccelerator.prepare_resumable_dataloader`) are prepared without accelerate's re-sharding.
+  Either way positions are saved per rank and restored without fetching, collating or moving a single
+  skipped batch.
 * RNG of every rank is saved and restored after everything else; a missing or mismatched piece raises
   :class:`~hf_resumable.errors.InexactResumeError` (never a log line at INFO).
 * Resuming with another world size, accumulation setting or data layout raises
@@ -622,6 +633,7 @@ class ResumableAccelerator(Accelerator):
         ```
         """
         self._warn_save_options(safe_serialization, save_model_func_kwargs)
+        self._check_engine("save_state")
         if not self.sync_gradients:
             raise InexactResumeError(
                 f"save_state() was called inside an accumulation window (micro-step {self.step} of "
@@ -657,6 +669,15 @@ class ResumableAccelerator(Accelerator):
         if self.is_main_process:
             logger.info("Saved state at step %d to %s", self.global_step, target)
         return target
+
+    def _check_engine(self, what: str) -> None:
+        """Refuse engines whose state this checkpoint path does not capture (never save only part of a run)."""
+        unsupported = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+        if self.distributed_type in unsupported:
+            raise NotImplementedError(
+                f"ResumableAccelerator.{what} does not capture {self.distributed_type} state (sharded parameters, "
+                "engine-owned optimizers). For FSDP2 use hf_resumable.save_sharded_checkpoint / "
+                "load_sharded_checkpoint; otherwise use accelerate's Accelerator for this run.")
 
     def _warn_save_options(self, safe_serialization: bool, options: Mapping[str, Any]) -> None:
         if not safe_serialization and not self._warned.get("safe_serialization"):
@@ -835,6 +856,7 @@ class ResumableAccelerator(Accelerator):
             TypeError: an unsupported ``map_location`` or option.
         """
         strict = self._load_options(load_kwargs, load_model_func_kwargs)
+        self._check_engine("load_state")
         path = self._resolve_checkpoint(input_dir)
         if path is None:
             if self.is_main_process:
