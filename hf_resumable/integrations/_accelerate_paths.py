@@ -97,6 +97,8 @@ def refusal_reason(target: Path) -> str | None:
         info = os.lstat(target)
     except FileNotFoundError:
         return None
+    except OSError as error:
+        return f"{target} cannot be inspected ({error})"
     if not stat.S_ISDIR(info.st_mode):
         kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "a file"
         return f"{target} exists and is {kind}, not a directory"
@@ -105,7 +107,10 @@ def refusal_reason(target: Path) -> str | None:
         return None
     except HfResumableError:
         pass
-    entries = sorted(os.listdir(target))
+    try:
+        entries = sorted(os.listdir(target))
+    except OSError as error:
+        return f"{target} cannot be listed ({error})"
     if not entries:
         return None
     stock = stock_accelerate_files(target)

@@ -972,9 +972,11 @@ class ResumableAccelerator(Accelerator):
                                        storage_options=self.storage_options)
         if input_dir is not None:
             path = Path(os.path.expanduser(os.fspath(input_dir)))
+            # The main process looks; every process raises the same error (none is left waiting in a collective).
             problem = broadcast_json(self._describe_missing(path) if self.is_main_process else None)
             if problem is not None:
-                raise CheckpointPathNotFoundError(problem)
+                kind, message = problem
+                raise (CheckpointPathNotFoundError if kind == "missing" else IncompleteCheckpointError)(message)
             return path
         pattern = (AUTOMATIC_CHECKPOINT_RE if self.project_configuration.automatic_checkpoint_naming
                    else CHECKPOINT_DIR_RE)
@@ -983,16 +985,18 @@ class ResumableAccelerator(Accelerator):
         found = broadcast_json(str(found) if found is not None else None)
         return Path(found) if found is not None else None
 
-    def _describe_missing(self, path: Path) -> str | None:
-        """Why ``path`` cannot be loaded (main process), or ``None``; names a stock accelerate checkpoint as such."""
+    def _describe_missing(self, path: Path) -> tuple[str, str] | None:
+        """``(kind, message)`` if ``path`` cannot be loaded (looks at the disk), else ``None``; kind is ``"missing"``
+        or ``"foreign"`` (a stock accelerate checkpoint is named as such)."""
         if not path.exists():
-            return (f"{path} does not exist. Check the path, or call load_state() without an argument to resume "
-                    f"from the newest valid checkpoint under {self.checkpoint_dir if self._has_root() else 'it'}.")
+            root = self.checkpoint_dir if self._has_root() else "it"
+            return "missing", (f"{path} does not exist. Check the path, or call load_state() without an argument to "
+                               f"resume from the newest valid checkpoint under {root}.")
         if not path.is_dir():
-            return f"{path} is a file, not a checkpoint directory."
+            return "missing", f"{path} is a file, not a checkpoint directory."
         stock = stock_accelerate_files(path)
         if stock and not (path / MANIFEST_FILE).exists():
-            raise IncompleteCheckpointError(
+            return "foreign", (
                 f"{path} was written by stock accelerate ({', '.join(stock[:4])}): its optimizer, scheduler, RNG and "
                 "registered-object states are pickle files, which hf_resumable never loads (unpickling runs code). "
                 "Resume it once with accelerate's own Accelerator and save it with ResumableAccelerator, or start "
