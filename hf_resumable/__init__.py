@@ -11,7 +11,7 @@ Example:
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 from .checkpoint import (
     apply_retention,

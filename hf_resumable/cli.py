@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import __version__
+from ._version import __version__
 from .errors import HfResumableError
 
 logger = logging.getLogger(__name__)
