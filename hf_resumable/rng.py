@@ -19,6 +19,7 @@ Example:
 >>> restore_rng_state(state)
 >>> a == random.random()
 True
+
 ```
 """
 
@@ -41,8 +42,8 @@ from .safetensors_io import FileRecord, read_header, read_safetensors, write_saf
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RngState", "capture_rng_state", "restore_rng_state", "save_rng_state", "load_rng_state", "derive_seed",
-           "seeded_rng"]
+__all__ = ["RngState", "capture_rng_state", "restore_rng_state", "check_rng_state", "save_rng_state", "load_rng_state",
+           "derive_seed", "seeded_rng"]
 
 _KEY_TORCH = "torch_cpu"
 _KEY_NUMPY = "numpy_keys"
@@ -51,6 +52,7 @@ _CUDA_PREFIX = "cuda/"
 _META_PYTHON = "python"
 _META_NUMPY = "numpy"
 _META_DEVICES = "cuda_device_count"
+_MT_WORDS = 624  # words of an MT19937 state (python's and numpy's generators)
 
 
 @dataclass
@@ -113,6 +115,60 @@ def restore_rng_state(state: RngState, *, allow_device_mismatch: bool = False) -
         torch.cuda.set_rng_state_all(state.cuda)
 
 
+def check_rng_state(state: RngState, *, source: str = "<rng state>") -> None:
+    """Refuse a state that the generators would reject, before any generator (or anything else) is changed.
+
+    Each part is tried on a private generator of its kind (``random.Random``, ``numpy.random.RandomState``,
+    ``torch.Generator``), so the check is exactly the generators' own and the global streams are untouched.
+    CUDA states are checked for their dtype and, when CUDA is visible, their size.
+
+    Raises:
+        CorruptCheckpointError: naming ``source`` and the generator whose state is invalid.
+    """
+    _check_ranges(state, source)
+    checks = (("python", lambda: random.Random().setstate(state.python)),
+              ("numpy", lambda: np.random.RandomState().set_state(state.numpy)),
+              ("torch_cpu", lambda: torch.Generator().set_state(state.torch_cpu)))
+    for part, check in checks:
+        try:
+            check()
+        except (TypeError, ValueError, RuntimeError, OverflowError, IndexError) as err:
+            raise CorruptCheckpointError(
+                f"{source}: the {part} RNG state is invalid ({type(err).__name__}: {err}); expected a state that "
+                f"{part} generators accept. Resume from an earlier checkpoint, or pass allow_inexact_resume=True "
+                "with restore_rng=False to continue without it.") from None
+    size = torch.cuda.get_rng_state(0).numel() if torch.cuda.is_available() and torch.cuda.device_count() else None
+    for i, cuda in enumerate(state.cuda):
+        if cuda.dtype != torch.uint8 or cuda.dim() != 1 or (size is not None and cuda.numel() != size):
+            raise CorruptCheckpointError(
+                f"{source}: the RNG state of CUDA device {i} is a {cuda.dtype} tensor of shape {list(cuda.shape)}; "
+                f"expected uint8 of shape [{size if size is not None else 'n'}]. Resume from an earlier checkpoint.")
+
+
+def _check_ranges(state: RngState, source: str) -> None:
+    """What the generators accept but would silently change: out-of-range words and positions."""
+    words = _MT_WORDS
+    problem = None
+    try:
+        version, internal, gauss = state.python
+        if version != 3 or not isinstance(internal, tuple) or len(internal) != words + 1:
+            problem = f"python: expected (3, <{words + 1} ints>, gauss)"
+        elif not all(type(x) is int and 0 <= x < 2**32 for x in internal[:words]) or not (
+                type(internal[words]) is int and 0 <= internal[words] <= words):
+            problem = f"python: expected {words} 32-bit words and a position in 0..{words}"
+        elif gauss is not None and type(gauss) is not float:
+            problem = "python: expected a float or None as the cached gauss value"
+        kind, keys, pos, has_gauss, cached = state.numpy
+        if problem is None and not (type(pos) is int and 0 <= pos <= words and has_gauss in (0, 1)
+                                    and type(cached) is float and len(keys) == words):
+            problem = f"numpy: expected {words} keys, a position in 0..{words}, has_gauss 0 or 1 and a float"
+    except (TypeError, ValueError):
+        problem = "expected python (version, internal, gauss) and numpy (kind, keys, pos, has_gauss, cached) tuples"
+    if problem is not None:
+        raise CorruptCheckpointError(f"{source}: invalid RNG state ({problem}). Resume from an earlier checkpoint, or "
+                                     "pass allow_inexact_resume=True with restore_rng=False to continue without it.")
+
+
 def _python_to_json(state: tuple) -> str:
     version, internal, gauss = state
     return json.dumps([version, list(internal), gauss])
@@ -143,7 +199,8 @@ def load_rng_state(path: str | os.PathLike, *, expected: FileRecord | None = Non
     """Read an :class:`RngState` written by :func:`save_rng_state`.
 
     Raises:
-        CorruptCheckpointError: if the file is not such a file (bad header, missing parts, hash).
+        CorruptCheckpointError: if the file is not such a file (bad header, missing parts, hash) or holds a
+            state that a generator would reject (checked with :func:`check_rng_state`).
     """
     path = os.fspath(path)
     header = read_header(path)
@@ -155,12 +212,14 @@ def load_rng_state(path: str | os.PathLike, *, expected: FileRecord | None = Non
         keys = tensors[_KEY_NUMPY].numpy().view(np.uint32).copy()
         numpy_state = (kind, keys, int(pos), int(has_gauss), float(cached))
         cuda = [tensors[f"{_CUDA_PREFIX}{i}"] for i in range(devices)]
-        return RngState(_python_from_json(meta[_META_PYTHON]), numpy_state, tensors[_KEY_TORCH], cuda)
-    except (KeyError, ValueError, TypeError) as err:
+        state = RngState(_python_from_json(meta[_META_PYTHON]), numpy_state, tensors[_KEY_TORCH], cuda)
+    except (KeyError, ValueError, TypeError, AttributeError, OverflowError, RecursionError) as err:
         raise CorruptCheckpointError(
             f"{path}: not an hf_resumable RNG state file ({err.__class__.__name__}: {err}). "
             "Resume from an earlier checkpoint, or pass allow_inexact_resume=True to continue without it."
         ) from None
+    check_rng_state(state, source=path)
+    return state
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -171,6 +230,7 @@ def derive_seed(*parts: int | str) -> int:
     ```python
     >>> derive_seed(42, 0, 17) == derive_seed(42, 0, 17) != derive_seed(42, 0, 18)
     True
+
     ```
     """
     digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()

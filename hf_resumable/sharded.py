@@ -54,10 +54,10 @@ from typing import Any
 
 import torch
 
-from .checkpoint import wait_for_pending_saves
+from .checkpoint import open_checkpoint, wait_for_pending_saves
 from .checkpoint._model import TIED_KEY
-from .checkpoint._payload import Payload, TensorFile, add_sharded, capture_pretrained, capture_payload
-from .checkpoint._reader import LoadedCheckpoint, _Reader, load_all
+from .checkpoint._payload import Payload, TensorFile, add_sharded, capture_payload, capture_pretrained
+from .checkpoint._reader import LoadedCheckpoint, OpenedCheckpoint, _Reader
 from .checkpoint._sharded import (
     LAYOUT_FILE,
     LAYOUT_KEY_MODEL,
@@ -88,6 +88,7 @@ from .checkpoint._sharded_load import (
     layout_from_regular,
     parse_layout,
 )
+from .checkpoint._validate import check_optimizer_document
 from .checkpoint._writer import check_target, save_payload
 from .checkpoint.api import CheckpointInfo
 from .checkpoint.discovery import apply_retention
@@ -101,11 +102,13 @@ from .constants import (
     OPTIMIZER_INDEX_FILE,
     OPTIMIZER_STATE_PREFIX,
     STATE_KEY_OPTIMIZER,
+    STATE_KEY_SCALER,
+    STATE_KEY_SCHEDULER,
     TRAINING_STATE_FILE,
 )
 from .distributed import all_gather_json, rank_and_world_size
-from .errors import CheckpointMismatchError, IncompleteCheckpointError, InexactResumeError
-from .rng import RngState, restore_rng_state
+from .errors import CheckpointMismatchError, IncompleteCheckpointError
+from .rng import RngState
 from .sharding import build_index
 from .state_codec import decode_state
 
@@ -382,27 +385,6 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
     set_optimizer_state_dict(model, optimizer, state, options=_options())
 
 
-def _check_world_size(path: Path, saved: int, now: int, *, restore_rng: bool, allow_inexact_resume: bool) -> None:
-    """A different world size reshards model and optimizer exactly, but per-rank RNG streams cannot follow."""
-    if saved == now or not restore_rng:
-        return
-    message = (f"{path} was saved by {saved} rank(s) and is loaded by {now}: weights, optimizer state and an "
-               "ElasticSampler position carry over exactly, but per-rank RNG streams (dropout) do not")
-    if not allow_inexact_resume:
-        raise InexactResumeError(message + ". Pass allow_inexact_resume=True (or restore_rng=False) to continue.")
-    logger.warning("%s; restoring the RNG state of rank indices that exist in both runs only.", message)
-
-
-def _restore_rng(loaded: LoadedCheckpoint, *, rank: int, same_world: bool, allow_inexact_resume: bool) -> None:
-    if loaded.rng_state is not None:
-        restore_rng_state(loaded.rng_state, allow_device_mismatch=allow_inexact_resume)
-        return
-    message = f"{loaded.path} has no RNG state for rank {rank}; the run will not continue exactly"
-    if same_world and not allow_inexact_resume:
-        raise InexactResumeError(message + ". Pass allow_inexact_resume=True to continue anyway.")
-    logger.warning("%s.", message)
-
-
 def load_sharded_checkpoint(
     directory: str | os.PathLike,
     *,
@@ -460,29 +442,43 @@ def load_sharded_checkpoint(
     if optimizer is not None and model is None:
         raise ValueError("load_sharded_checkpoint needs model= to match optimizer state by parameter name.")
     wait_for_pending_saves()
-    # 1. Verify, read the layout and refuse a silent inexact resume before touching anything.
-    path = Path(directory)
-    report = verify_checkpoint(path, full=verify == "full", raise_on_error=True)
-    reader = _Reader(path, report, hash_on_read=verify == "quick")
+    # 1. Verify once; decode and check the non-tensor state (training state, data position, RNG); read the
+    #    layout; refuse a silent inexact resume and state that does not fit, before touching anything.
+    opened = open_checkpoint(directory, verify=verify, allow_inexact_resume=allow_inexact_resume, elastic=True)
+    reader = opened._reader
     layout = _read_layout(reader)
-    rank, world_size = rank_and_world_size()
-    saved_world = layout[LAYOUT_KEY_WORLD_SIZE]
-    _check_world_size(path, saved_world, world_size, restore_rng=restore_rng,
-                      allow_inexact_resume=allow_inexact_resume)
+    opened.check_exact(weights=model is not None, rng=restore_rng)
+    if optimizer is not None:
+        _check_optimizer_document(opened, layout, optimizer)
+    for name, obj, key in (("scheduler", scheduler, STATE_KEY_SCHEDULER), ("scaler", scaler, STATE_KEY_SCALER)):
+        if obj is not None:
+            opened._object_state(name, key, obj)
     # 2. Weights, then optimizer state (which is matched against the loaded parameters).
     if model is not None:
         _load_model(reader, layout, model, strict=strict)
     if optimizer is not None:
         _load_optimizer(reader, layout, model, optimizer)
-    # 3. Scheduler, scaler, progress, data position; RNG last.
-    loaded = load_all(reader, model=None, optimizer=None, scheduler=scheduler, scaler=scaler,
-                      restore_rng=restore_rng, strict=strict, rank=rank)
-    if restore_rng:
-        _restore_rng(loaded, rank=rank, same_world=saved_world == world_size,
-                     allow_inexact_resume=allow_inexact_resume)
-    logger.info("Loaded sharded %s (step %s, saved by %d rank(s), loaded by %d)", path, loaded.step, saved_world,
-                world_size)
-    return loaded
+    # 3. Scheduler, scaler; RNG last.
+    opened.load_into(scheduler=scheduler, scaler=scaler, restore_rng=restore_rng)
+    logger.info("Loaded sharded %s (step %s, saved by %d rank(s), loaded by %d)", opened.path, opened.step,
+                layout[LAYOUT_KEY_WORLD_SIZE], opened.world_size)
+    return opened
+
+
+def _check_optimizer_document(opened: OpenedCheckpoint, layout: Mapping[str, Any],
+                              optimizer: torch.optim.Optimizer) -> None:
+    """The layout's optimizer document is well formed and of the live optimizer's class (before any load)."""
+    source = str(opened.path / LAYOUT_FILE) if LAYOUT_FILE in opened.manifest.files else str(opened.path)
+    document = layout.get(LAYOUT_KEY_OPTIMIZER_DOC)
+    if document is None or layout.get(LAYOUT_KEY_OPTIMIZER) is None:
+        raise IncompleteCheckpointError(f"{opened.path}: no optimizer state was saved; load without optimizer=.")
+    check_optimizer_document(document, source=source)
+    if document["class"] != type(optimizer).__qualname__:
+        raise CheckpointMismatchError(f"{opened.path}: optimizer was {document['class']}, now "
+                                      f"{type(optimizer).__qualname__}; build the same optimizer class to resume.")
+    if len(document["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointMismatchError(f"{opened.path}: {len(document['param_groups'])} param group(s) saved, the "
+                                      f"optimizer has {len(optimizer.param_groups)}; build it with the same groups.")
 
 
 def _consolidated_section(reader: _Reader, layout: Mapping[str, Any], key: str

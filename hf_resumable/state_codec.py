@@ -20,12 +20,13 @@ Example:
 >>> doc = encode_state({"betas": (0.9, 0.99), 3: torch.ones(2)}, tensors, prefix="opt")
 >>> decode_state(doc, tensors) == {"betas": (0.9, 0.99), 3: tensors["opt/3"]}
 True
+
 ```
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ import torch
 
 from .errors import CorruptCheckpointError, UnsupportedStateError
 
-__all__ = ["encode_state", "decode_state"]
+__all__ = ["encode_state", "decode_state", "check_encoded"]
 
 _TUPLE = "__tuple__"
 _DICT = "__dict__"
@@ -75,33 +76,107 @@ def encode_state(value: Any, tensors: dict[str, torch.Tensor], *, prefix: str) -
     )
 
 
-def decode_state(value: Any, tensors: Mapping[str, torch.Tensor], *, source: str = "<state>") -> Any:
-    """Invert :func:`encode_state`.
+def decode_state(value: Any, tensors: Mapping[str, torch.Tensor], *, source: str = "<state>", path: str = "") -> Any:
+    """Invert :func:`encode_state`, checking every marker (nothing is trusted from the file).
+
+    Args:
+        value: the JSON document (as ``json.loads`` returned it).
+        tensors (`Mapping[str, torch.Tensor]`): the side table the document refers to.
+        source (`str`, *optional*): the file, for error messages.
+        path (`str`, *optional*): where ``value`` sits inside the file, for error messages.
 
     Raises:
-        CorruptCheckpointError: if a referenced tensor is missing or a marker is malformed.
+        CorruptCheckpointError: naming the file, the path inside it and what was expected, if a marker is
+            malformed (e.g. ``{"__tuple__": 5}``), a referenced tensor is missing, a dict key is not hashable,
+            or the document is nested too deeply.
     """
+    try:
+        return _decode(value, _resolver(tensors, source), source, path)
+    except RecursionError:
+        raise CorruptCheckpointError(f"{source}: {path or '<root>'}: the state is nested too deeply.") from None
+
+
+def check_encoded(value: Any, tensor_names: Collection[str], *, source: str = "<state>", path: str = "") -> set[str]:
+    """Check an encoded document without decoding tensors; return the tensor names it refers to.
+
+    Raises:
+        CorruptCheckpointError: as :func:`decode_state` does (a reference outside ``tensor_names`` is missing).
+    """
+    referenced: set[str] = set()
+
+    def resolve(name: str, where: str) -> str:
+        if name not in tensor_names:
+            raise _missing(source, where, name)
+        referenced.add(name)
+        return name
+
+    try:
+        _decode(value, resolve, source, path)
+    except RecursionError:
+        raise CorruptCheckpointError(f"{source}: {path or '<root>'}: the state is nested too deeply.") from None
+    return referenced
+
+
+def _resolver(tensors: Mapping[str, torch.Tensor], source: str) -> Callable[[str, str], Any]:
+    def resolve(name: str, where: str) -> torch.Tensor:
+        if name not in tensors:
+            raise _missing(source, where, name)
+        return tensors[name]
+
+    return resolve
+
+
+def _missing(source: str, where: str, name: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{source}: {where or '<root>'}: tensor {name!r} is referenced but not stored.")
+
+
+def _bad(source: str, path: str, value: Any, expected: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{source}: {path or '<root>'}: {value!r:.120} is malformed, expected {expected}. "
+                                  "The file was not written by hf_resumable or was modified; load another checkpoint.")
+
+
+def _decode(value: Any, resolve: Callable[[str, str], Any], source: str, path: str) -> Any:
     if isinstance(value, list):
-        return [decode_state(v, tensors, source=source) for v in value]
-    if not isinstance(value, dict):
+        return [_decode(v, resolve, source, f"{path}/{i}") for i, v in enumerate(value)]
+    if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if len(value) == 1:
-        ((key, inner),) = value.items()
-        if key == _TUPLE:
-            return tuple(decode_state(v, tensors, source=source) for v in inner)
-        if key == _DICT:
-            return {_hashable(decode_state(k, tensors, source=source)): decode_state(v, tensors, source=source)
-                    for k, v in inner}
-        if key == _TENSOR:
-            if inner not in tensors:
-                raise CorruptCheckpointError(f"{source}: tensor {inner!r} is referenced but not stored.")
-            return tensors[inner]
-        if key == _DTYPE:
-            dtype = getattr(torch, str(inner), None)
-            if not isinstance(dtype, torch.dtype):
-                raise CorruptCheckpointError(f"{source}: unknown dtype {inner!r}.")
-            return dtype
-    return {k: decode_state(v, tensors, source=source) for k, v in value.items()}
+    if not isinstance(value, dict):
+        raise _bad(source, path, value, "a JSON value")
+    markers = _MARKERS.intersection(value)
+    if not markers:
+        return {k: _decode(v, resolve, source, f"{path}/{k}") for k, v in value.items()}
+    if len(value) != 1:  # the encoder escapes dicts holding marker keys as __dict__ pairs
+        raise _bad(source, path, value, f"a single-key {sorted(markers)[0]} marker")
+    ((key, inner),) = value.items()
+    if key == _TUPLE:
+        if not isinstance(inner, list):
+            raise _bad(source, path, value, '{"__tuple__": [items]}')
+        return tuple(_decode(v, resolve, source, f"{path}/{i}") for i, v in enumerate(inner))
+    if key == _DICT:
+        return _decode_pairs(value, inner, resolve, source, path)
+    if key == _TENSOR:
+        if not isinstance(inner, str):
+            raise _bad(source, path, value, '{"__tensor__": "<name>"}')
+        return resolve(inner, path)
+    # vars(), not getattr(): a name from the file must never trigger torch's lazy submodule imports.
+    dtype = vars(torch).get(inner) if isinstance(inner, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise _bad(source, path, value, 'a torch dtype name such as {"__dtype__": "float32"}')
+    return dtype
+
+
+def _decode_pairs(value: Any, inner: Any, resolve: Callable[[str, str], Any], source: str, path: str) -> dict:
+    if not isinstance(inner, list) or not all(isinstance(p, list) and len(p) == 2 for p in inner):
+        raise _bad(source, path, value, '{"__dict__": [[key, value], ...]}')
+    out = {}
+    for i, (k, v) in enumerate(inner):
+        key = _hashable(_decode(k, resolve, source, f"{path}/key{i}"))
+        try:
+            hash(key)
+        except TypeError:
+            raise _bad(source, f"{path}/key{i}", k, "a hashable key (None, bool, number, str or tuple)") from None
+        out[key] = _decode(v, resolve, source, f"{path}/{key}")
+    return out
 
 
 def _hashable(key: Any) -> Any:

@@ -13,22 +13,24 @@ Layout of ``checkpoint-<step>/``::
     manifest.json                       written last: every file, size, sha256, versions
 """
 
-from .api import CheckpointInfo, load_checkpoint, save_checkpoint, wait_for_pending_saves
+from ._reader import LoadedCheckpoint, OpenedCheckpoint
+from .api import CheckpointInfo, load_checkpoint, open_checkpoint, save_checkpoint, wait_for_pending_saves
 from .discovery import apply_retention, cleanup_stale_temp_dirs, find_latest_checkpoint, list_checkpoints
 from .manifest import Manifest, read_manifest
-from ._reader import LoadedCheckpoint
 from .verify import VerifyReport, verify_checkpoint
 
 __all__ = [
     "CheckpointInfo",
     "LoadedCheckpoint",
     "Manifest",
+    "OpenedCheckpoint",
     "VerifyReport",
     "apply_retention",
     "cleanup_stale_temp_dirs",
     "find_latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "open_checkpoint",
     "read_manifest",
     "save_checkpoint",
     "verify_checkpoint",

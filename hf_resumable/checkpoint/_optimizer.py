@@ -8,7 +8,9 @@ list of names, so a freshly built optimizer is matched by name.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ import torch
 from ..constants import OPTIMIZER_GROUP_PREFIX, OPTIMIZER_STATE_PREFIX
 from ..errors import CheckpointMismatchError
 from ..state_codec import decode_state, encode_state
+from ._validate import check_hyperparameters, check_step_value
 
 logger = logging.getLogger(__name__)
 
@@ -85,29 +88,52 @@ def optimizer_to_tensors(
     return encode_named_optimizer_state(state, groups, type(optimizer).__qualname__)
 
 
-def existing_state_targets(
-    optimizer: torch.optim.Optimizer, names: list[str], stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
-) -> dict[str, torch.Tensor]:
-    """The optimizer's current state tensors that a load can overwrite in place, by stored tensor name.
+# Per-parameter state that torch.optim's optimizers keep in the parameter's shape (Adam/AdamW/NAdam/RAdam/Adamax,
+# SGD, Adagrad, Adadelta, RMSprop, Rprop, ASGD); a saved tensor under one of these keys must have that shape.
+PARAM_SHAPED_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum", "square_avg",
+                                "acc_delta", "grad_avg", "exp_inf", "ax", "prev", "step_size"})
+STEP_KEY = "step"
 
-    Only tensors whose stored dtype and shape match exactly are returned; everything else is read into
-    fresh memory. Loading into an optimizer that already holds state (a reload, a rollback) then skips
-    allocating and first-touching that memory, as model weights do.
+
+@dataclass
+class OptimizerLoadPlan:
+    """Everything a load needs to fill an optimizer, decided before any byte is read.
+
+    Args:
+        names (`list[str]`): parameter names in ``state_dict`` index order.
+        targets (`dict[str, torch.Tensor]`): stored tensor name -> the tensor its bytes go into, allocated once
+            in the dtype, device and layout ``Optimizer.load_state_dict`` keeps (so it copies nothing), or the
+            optimizer's existing state tensor of exactly that kind (filled in place).
+        steps (`list[str]`): stored names of ``step`` tensors, whose values are checked before anything is applied.
     """
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    targets: dict[str, torch.Tensor] = {}
-    for name, param in zip(names, params):
-        for key, value in optimizer.state.get(param, {}).items():
-            stored_name = f"{OPTIMIZER_STATE_PREFIX}{name}/{key}"
-            if (isinstance(value, torch.Tensor) and stored_name in stored
-                    and stored[stored_name] == (value.dtype, tuple(value.shape))):
-                targets[stored_name] = value
-    return targets
+
+    names: list[str]
+    targets: dict[str, torch.Tensor] = field(default_factory=dict)
+    steps: list[str] = field(default_factory=list)
+
+
+class _MetaTensors(Mapping):
+    """Stored tensors as meta tensors (dtype and shape, no data): decode documents before reading any byte."""
+
+    def __init__(self, stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        self.stored = stored
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        dtype, shape = self.stored[name]
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def __iter__(self):
+        return iter(self.stored)
+
+    def __len__(self) -> int:
+        return len(self.stored)
 
 
 def check_optimizer_matches(optimizer: torch.optim.Optimizer, names: list[str], document: Mapping[str, Any], *,
                             source: str) -> None:
     """Refuse a saved optimizer state that cannot fit ``optimizer`` (checked before any tensor is read).
+
+    ``document`` has passed :func:`~hf_resumable.checkpoint._validate.check_optimizer_document`.
 
     Raises:
         CheckpointMismatchError: if the optimizer class, group structure or parameter names differ.
@@ -134,31 +160,120 @@ def check_optimizer_matches(optimizer: torch.optim.Optimizer, names: list[str], 
         offset += len(current["params"])
 
 
-def optimizer_from_tensors(
+def _final_kind(param: torch.Tensor, key: str, stored_dtype: torch.dtype, group: Mapping[str, Any]
+                ) -> tuple[torch.dtype, torch.device]:
+    """Dtype and device ``Optimizer.load_state_dict`` gives a state tensor (its
+    ``_process_value_according_to_param_policy``): ``step`` stays as stored on the CPU unless the group is
+    fused or capturable (float32 on the parameter's device); everything else moves to the parameter's device,
+    cast to its dtype if it is floating point."""
+    if key == STEP_KEY:
+        if group.get("fused") or group.get("capturable"):
+            return torch.float32, param.device
+        return stored_dtype, torch.device("cpu")
+    return (param.dtype if param.is_floating_point() else stored_dtype), param.device
+
+
+def plan_optimizer_load(
     optimizer: torch.optim.Optimizer,
     names: list[str],
+    document: Mapping[str, Any],
+    stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    *,
+    source: str,
+) -> OptimizerLoadPlan:
+    """Check the saved optimizer against the live one and allocate its state, without touching the optimizer.
+
+    Checks, all before any byte is read: class, groups and parameter names; each group's hyper-parameters
+    against the live group's kinds; non-tensor state (``step`` a whole non-negative number); each stored
+    ``state/<name>/<key>`` tensor names an optimized parameter, and per-parameter moments (``exp_avg``,
+    ``momentum_buffer``, ...) have the parameter's shape and floating dtype.
+
+    Raises:
+        CheckpointMismatchError: listing every problem.
+        CorruptCheckpointError: for malformed encoded values.
+    """
+    check_optimizer_matches(optimizer, names, document, source=source)
+    meta = _MetaTensors(stored)
+    problems: list[str] = []
+    saved_groups = [{k: decode_state(v, meta, source=source, path=f"optimizer/param_groups/{i}/{k}")
+                     for k, v in group.items() if k != "params"} for i, group in enumerate(document["param_groups"])]
+    for i, (saved, live) in enumerate(zip(saved_groups, optimizer.param_groups)):
+        check_hyperparameters(saved, live, path=f"param_groups/{i}", problems=problems)
+    for name, fields in document.get("non_tensor_state", {}).items():
+        decoded = decode_state(fields, meta, source=source, path=f"optimizer/non_tensor_state/{name}")
+        if STEP_KEY in decoded and not isinstance(decoded[STEP_KEY], torch.Tensor):
+            check_step_value(decoded[STEP_KEY], field=f"optimizer/non_tensor_state/{name}/step", source=source)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    group_of = {name: saved_groups[i] for i, g in enumerate(document["param_groups"]) for name in g["params"]}
+    index_of = {name: i for i, name in enumerate(names)}
+    plan = OptimizerLoadPlan(names=names)
+    for tensor_name, (dtype, shape) in stored.items():
+        if not tensor_name.startswith(OPTIMIZER_STATE_PREFIX):
+            continue  # tensors inside param groups or non-tensor state, resolved by name when decoding
+        name, _, key = tensor_name[len(OPTIMIZER_STATE_PREFIX):].rpartition("/")
+        if name not in index_of or not key:
+            problems.append(f"{tensor_name}: names no parameter of the optimizer")
+            continue
+        param = params[index_of[name]]
+        if key in PARAM_SHAPED_STATE and (shape != tuple(param.shape) or
+                                          (param.is_floating_point() and dtype != param.dtype)):
+            problems.append(f"{tensor_name}: saved {dtype} {list(shape)}, the parameter is {param.dtype} "
+                            f"{list(param.shape)}")
+            continue
+        if key == STEP_KEY and math.prod(shape) != 1:
+            problems.append(f"{tensor_name}: saved {dtype} {list(shape)}, expected a single step count")
+            continue
+        plan.targets[tensor_name] = _target(optimizer, param, key, dtype, shape, group_of[name])
+        if key == STEP_KEY:
+            plan.steps.append(tensor_name)
+    if problems:
+        raise CheckpointMismatchError(f"{source}: the saved optimizer state does not fit the optimizer "
+                                      f"({len(problems)} problem(s)):\n  " + "\n  ".join(problems[:50])
+                                      + "\nBuild the same model and optimizer (dtypes, arguments) as when saving.")
+    return plan
+
+
+def _target(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str, dtype: torch.dtype,
+            shape: tuple[int, ...], group: Mapping[str, Any]) -> torch.Tensor:
+    """The existing state tensor of the final kind (filled in place: a reload skips allocating and first-touching
+    that memory, as model weights do), else a new one allocated in that kind and the parameter's layout."""
+    final_dtype, device = _final_kind(param, key, dtype, group)
+    existing = optimizer.state.get(param, {}).get(key)
+    if (isinstance(existing, torch.Tensor) and existing.dtype == final_dtype and tuple(existing.shape) == shape
+            and existing.device == device):
+        return existing
+    if tuple(param.shape) == shape and param.device == device and key != STEP_KEY:
+        return torch.empty_like(param, dtype=final_dtype, memory_format=torch.preserve_format)
+    return torch.empty(shape, dtype=final_dtype, device=device)
+
+
+def apply_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    plan: OptimizerLoadPlan,
     tensors: Mapping[str, torch.Tensor],
     document: Mapping[str, Any],
     *,
     source: str,
 ) -> None:
-    """Load state produced by :func:`optimizer_to_tensors` into ``optimizer``, matched by name.
+    """Hand the state to ``optimizer.load_state_dict`` (its hooks and subclass logic run, as upstream); the
+    tensors are already of the final dtype and device, so it keeps them without a copy.
 
-    The caller has run :func:`check_optimizer_matches` on ``document`` first (before reading any tensor,
-    since a load may fill the optimizer's existing state in place).
+    The caller has run :func:`plan_optimizer_load` and read every tensor of ``plan.targets`` (``tensors`` also
+    holds the tensors referenced from param groups or non-tensor state).
     """
+    names = plan.names
     index_of = {name: i for i, name in enumerate(names)}
-    saved_groups = document["param_groups"]
     state: dict[int, dict[str, Any]] = {}
-    for key, value in tensors.items():
+    for key, value in {**tensors, **plan.targets}.items():
         if key.startswith(OPTIMIZER_STATE_PREFIX):
-            name, _, field = key[len(OPTIMIZER_STATE_PREFIX):].rpartition("/")
-            state.setdefault(index_of[name], {})[field] = value
+            name, _, entry = key[len(OPTIMIZER_STATE_PREFIX):].rpartition("/")
+            state.setdefault(index_of[name], {})[entry] = value
     for name, fields in document.get("non_tensor_state", {}).items():
-        for field, value in fields.items():
-            state.setdefault(index_of[name], {})[field] = decode_state(value, tensors, source=source)
+        for entry, value in fields.items():
+            state.setdefault(index_of[name], {})[entry] = decode_state(
+                value, tensors, source=source, path=f"optimizer/non_tensor_state/{name}/{entry}")
     groups, offset = [], 0
-    for group, current in zip(saved_groups, optimizer.param_groups):
+    for group, current in zip(document["param_groups"], optimizer.param_groups):
         current_names = names[offset : offset + len(current["params"])]
         decoded = {k: decode_state(v, tensors, source=source) for k, v in group.items() if k != "params"}
         # torch pairs saved and current params by position, so list them in the current order.

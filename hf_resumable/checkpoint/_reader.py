@@ -1,19 +1,30 @@
-"""Load a committed checkpoint into live objects (model, optimizer, scheduler, scaler, RNG)."""
+"""Open a committed checkpoint once (verify, decode, check), then fill live objects from it.
+
+:class:`OpenedCheckpoint` is the one read path: ``open`` verifies the checkpoint and decodes and checks
+everything that does not depend on a live object (training state, extras, data position, RNG, tied
+weights, counters); :meth:`OpenedCheckpoint.load_into` then checks the checkpoint against the live model,
+optimizer, scheduler and scaler, reads the tensors (hash-checked on the fly) and applies them, in the
+numbered steps of docs/architecture.md ("Loading"). Nothing is written into a live object before every
+check has passed.
+"""
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Mapping
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .._jsonio import parse_json
+from .._safefile import member_path, open_regular, read_regular_file
 from ..constants import (
     DATA_STATE_DIR,
     DATA_STATE_FILE_PATTERN,
+    MAX_JSON_SIZE,
     MODEL_INDEX_FILE,
     OPTIMIZER_INDEX_FILE,
     RNG_DIR,
@@ -25,19 +36,31 @@ from ..constants import (
     STATE_KEY_SCHEDULER,
     TRAINING_STATE_FILE,
 )
-from ..errors import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
-from ..rng import RngState, load_rng_state
+from ..errors import (
+    CheckpointMismatchError,
+    ConfigDriftError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    InexactResumeError,
+)
+from ..rng import RngState, load_rng_state, restore_rng_state
 from ..safetensors_io import FileRecord, read_safetensors, record_of
 from ..sharding import ShardIndex, parse_index
 from ..state_codec import decode_state
-from ._model import TIED_KEY, check_model_fits, retie
-from ._optimizer import check_optimizer_matches, existing_state_targets, optimizer_from_tensors, parameter_names
+from ._model import TIED_KEY, check_model_fits, check_tied, load_state_dict_reason, load_through_state_dict, retie
+from ._optimizer import OptimizerLoadPlan, apply_optimizer_state, parameter_names, plan_optimizer_load
+from ._parallel_read import FileRead, read_files
 from ._payload import STATE_TENSORS_FILE
-from ._threads import run_in_threads
+from ._validate import check_counters, check_data_position, check_like_live, check_step_value, check_training_state
 from .manifest import Manifest
 from .verify import VerifyReport
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["LoadedCheckpoint", "OpenedCheckpoint"]
+
+# Progress-cursor counters every open checks (non-negative ints when present); callers name more.
+DEFAULT_COUNTERS = ("global_step",)
 
 
 @dataclass
@@ -79,21 +102,27 @@ class _Reader:
         return self.manifest.files[relpath] if self.hash_on_read else None
 
     def json(self, relpath: str) -> Any:
+        """A JSON file of the checkpoint: a regular file inside it, hash-checked, parsed with bounded depth."""
         if relpath not in self.manifest.files:
             raise IncompleteCheckpointError(f"{self.path}: {relpath} is not part of this checkpoint.")
-        raw = (self.path / relpath).read_bytes()
+        raw = read_regular_file(member_path(self.path, relpath), limit=MAX_JSON_SIZE)
         if self.hash_on_read and (problem := self.manifest.files[relpath].mismatch(record_of(raw))):
             raise CorruptCheckpointError(f"{self.path / relpath}: {problem} (modified or corrupted after the save).")
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise CorruptCheckpointError(f"{self.path / relpath}: invalid JSON ({err}).") from None
+        return parse_json(raw, source=str(self.path / relpath))
 
     def index(self, relpath: str) -> ShardIndex:
-        return parse_index(self.json(relpath), source=str(self.path / relpath))
+        index = parse_index(self.json(relpath), source=str(self.path / relpath))
+        for filename in index.filenames:
+            if filename not in self.manifest.files or filename not in self.report.headers:
+                raise IncompleteCheckpointError(f"{self.path / relpath}: names {filename}, which the manifest lacks.")
+            extra = sorted(set(self.report.headers[filename].tensors) - set(index.names_in(filename)))
+            if extra:
+                raise CorruptCheckpointError(f"{self.path / filename}: holds tensors its index {relpath} does not "
+                                             f"place there: {extra[:5]}. Resume from another checkpoint.")
+        return index
 
     def tensors(self, relpath: str, *, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        return read_safetensors(self.path / relpath, header=self.report.headers.get(relpath), into=into,
+        return read_safetensors(member_path(self.path, relpath), header=self.report.headers.get(relpath), into=into,
                                 expected=self.expected(relpath))
 
     def stored(self, index: ShardIndex) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -104,72 +133,266 @@ class _Reader:
             stored.update({n: (tensors[n].torch_dtype, tensors[n].shape) for n in index.names_in(filename)})
         return stored
 
-    def sharded(self, index: ShardIndex, *, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        for filename in index.filenames:
-            if filename not in self.manifest.files:
-                raise IncompleteCheckpointError(f"{self.path}: index names {filename}, which the manifest lacks.")
-        out: dict[str, torch.Tensor] = {}
-        # Two files at a time: each file's hash runs on its own thread, so both cores hash while reading.
-        for part in run_in_threads(lambda f: self.tensors(f, into=into), index.filenames, workers=2):
-            out.update(part)
+    def peek(self, index: ShardIndex, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Small tensors read by offset, NOT hash-checked (the full read checks them again): lets a load
+        check values such as optimizer step counts before anything is applied."""
+        out = {}
+        for name in names:
+            filename = index.weight_map[name]
+            header = self.report.headers[filename]
+            info = header.tensors[name]
+            with open_regular(member_path(self.path, filename), buffering=0) as f:
+                raw = os.pread(f.fileno(), info.nbytes, header.data_offset + info.start)
+            if len(raw) != info.nbytes:
+                raise CorruptCheckpointError(f"{self.path / filename}: file ends inside tensor {name!r}.")
+            out[name] = torch.frombuffer(bytearray(raw), dtype=info.torch_dtype).reshape(info.shape)
         return out
 
+    def read(self, jobs: list[tuple[ShardIndex, Mapping[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+        """Read every file of every index, into the given destinations where a tensor has one; return the rest.
 
-def load_model_weights(reader: _Reader, model: torch.nn.Module, *, strict: bool) -> None:
-    """Fill ``model`` shard by shard, reading straight into its parameters where possible."""
-    index = reader.index(MODEL_INDEX_FILE)
-    tied = index.metadata.get(TIED_KEY) or {}
-    targets = check_model_fits(model, reader.stored(index), tied, strict=strict, source=str(reader.path))
-    leftovers = reader.sharded(index, into=targets)
-    if leftovers and strict:
-        raise CheckpointMismatchError(f"{reader.path}: unexpected tensors {sorted(leftovers)[:10]}")
-    retie(model.state_dict(keep_vars=True), tied)
-
-
-def optimizer_index(reader: _Reader, document: Mapping[str, Any] | None) -> ShardIndex:
-    if OPTIMIZER_INDEX_FILE not in reader.manifest.files or not document:
-        raise IncompleteCheckpointError(
-            f"{reader.path}: the checkpoint has no optimizer state; load without optimizer= or save with it.")
-    return reader.index(OPTIMIZER_INDEX_FILE)
+        All files at once, several threads per file (:mod:`._parallel_read`); each file's hash is checked on
+        the fly, in byte order, and a mismatch raises :class:`CorruptCheckpointError` naming the file.
+        """
+        reads = [FileRead(member_path(self.path, filename), self.report.headers[filename], self.expected(filename),
+                          into) for index, into in jobs for filename in index.filenames]
+        return read_files(reads)
 
 
-def load_all(reader: _Reader, *, model, optimizer, scheduler, scaler, restore_rng: bool, strict: bool,
-             rank: int) -> LoadedCheckpoint:
-    """Load every requested part, RNG last (restoring anything else may draw random numbers)."""
-    state = reader.json(TRAINING_STATE_FILE)
-    state_tensors = reader.tensors(STATE_TENSORS_FILE) if STATE_TENSORS_FILE in reader.manifest.files else {}
-    source = str(reader.path / TRAINING_STATE_FILE)
-    document = state.get(STATE_KEY_OPTIMIZER)
-    # The optimizer's tensors are read while the model loads (two IO streams, hashes on both cores).
-    into: dict[str, torch.Tensor] = {}
-    if optimizer is not None:
-        index = optimizer_index(reader, document)
+@dataclass(eq=False)
+class OpenedCheckpoint(LoadedCheckpoint):
+    """A verified, decoded and checked checkpoint, ready to fill live objects (see :func:`open_checkpoint`).
+
+    Args (besides :class:`LoadedCheckpoint`'s):
+        rank (`int`) / world_size (`int`): the process that opened it.
+        allow_inexact_resume (`bool`): the default of :meth:`load_into` and :meth:`restore_rng`.
+        elastic (`bool`): weights and optimizer are resharded on load (``load_sharded_checkpoint``), so a
+            world-size change only affects the per-rank RNG streams.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    allow_inexact_resume: bool = False
+    elastic: bool = False
+    _reader: _Reader | None = field(default=None, repr=False)
+    _document: dict[str, Any] = field(default_factory=dict, repr=False)
+    _state_tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _objects: dict[str, Any] = field(default_factory=dict, repr=False)  # decoded scheduler / scaler state
+    _model_index: ShardIndex | None = field(default=None, repr=False)
+    _tied: dict[str, str] = field(default_factory=dict, repr=False)
+    _optimizer_index: ShardIndex | None = field(default=None, repr=False)
+
+    # ------------------------------------------------------------------ open
+
+    @classmethod
+    def open(cls, path: Path, report: VerifyReport, *, verify: str, rank: int, world_size: int,
+             allow_inexact_resume: bool, counters: Iterable[str] = (), elastic: bool = False) -> "OpenedCheckpoint":
+        """Decode and check everything that does not depend on a live object. ``report`` verified ``path``."""
+        reader = _Reader(path, report, hash_on_read=verify == "quick")
+        manifest = report.manifest
+        state_source = str(path / TRAINING_STATE_FILE)
+        # 1. Counters of the manifest, structure of training_state.json, its tensors.
+        if manifest.step is not None and (type(manifest.step) is not int or manifest.step < 0):
+            raise CorruptCheckpointError(f"{path / 'manifest.json'}: step: {manifest.step!r} is invalid, expected a "
+                                         "non-negative int or null. Resume from another checkpoint.")
+        document = check_training_state(reader.json(TRAINING_STATE_FILE), source=state_source)
+        tensors = reader.tensors(STATE_TENSORS_FILE) if STATE_TENSORS_FILE in manifest.files else {}
+        # 2. Decode once: progress, extra, scheduler and scaler state (every codec marker checked).
+        decode = lambda key: decode_state(document.get(key) or {}, tensors, source=state_source, path=key)  # noqa: E731
+        opened = cls(path=path, manifest=manifest, training_state=decode(STATE_KEY_PROGRESS),
+                     extra=decode(STATE_KEY_EXTRA), rank=rank, world_size=world_size,
+                     allow_inexact_resume=allow_inexact_resume, elastic=elastic, _reader=reader, _document=document,
+                     _state_tensors=tensors)
+        for key in (STATE_KEY_SCHEDULER, STATE_KEY_SCALER):
+            if document.get(key) is not None:
+                opened._objects[key] = decode(key)
+        check_counters(opened.training_state, (*DEFAULT_COUNTERS, *counters), source=state_source)
+        # 3. This rank's data position and RNG state (a generator's own check, on private generators).
+        data_rel = f"{DATA_STATE_DIR}/{DATA_STATE_FILE_PATTERN.format(rank=rank)}"
+        if data_rel in manifest.files:
+            opened.data_state = decode_state(reader.json(data_rel), {}, source=str(path / data_rel))
+            check_data_position(opened.data_state, source=str(path / data_rel))
+        rng_rel = f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"
+        if rng_rel in manifest.files:
+            opened.rng_state = load_rng_state(path / rng_rel, expected=reader.expected(rng_rel))
+        # 4. The model index and its tied-weight record.
+        if MODEL_INDEX_FILE in manifest.files:
+            opened._model_index = reader.index(MODEL_INDEX_FILE)
+            opened._tied = check_tied(opened._model_index.metadata.get(TIED_KEY) or {},
+                                      reader.stored(opened._model_index), source=str(path / MODEL_INDEX_FILE))
+        return opened
+
+    # ------------------------------------------------------------------ policy
+
+    @staticmethod
+    def _inexact(message: str, fix: str, error: type[InexactResumeError], allow: bool) -> None:
+        if not allow:
+            raise error(f"{message}. {fix}")
+        logger.warning("%s; continuing because allow_inexact_resume=True (NOT bit-exact).", message)
+
+    def check_exact(self, *, weights: bool, rng: bool, allow_inexact_resume: bool | None = None) -> None:
+        """The world-size / RNG inexactness policy, applied before anything is loaded.
+
+        A regular checkpoint holds per-rank data positions and RNG streams, so loading weights to resume
+        (or the RNG) at another world size is refused; an elastic (resharded) load only refuses the RNG.
+
+        Raises:
+            ConfigDriftError: another world size (regular checkpoints), unless ``allow_inexact_resume``.
+            InexactResumeError: another world size (elastic, with ``rng``), this rank's RNG state missing,
+                or another number of CUDA devices, unless ``allow_inexact_resume``.
+        """
+        allow = self.allow_inexact_resume if allow_inexact_resume is None else allow_inexact_resume
+        saved, now = self.manifest.world_size, self.world_size
+        if saved != now and not self.elastic and (weights or rng):
+            self._inexact(f"{self.path} was written by {saved} process(es) and is loaded by {now}: per-rank RNG and "
+                          "data positions do not carry over, so the run would not continue exactly",
+                          "Resume with the same world size, reshard with hf_resumable.load_sharded_checkpoint, or "
+                          "pass allow_inexact_resume=True.", ConfigDriftError, allow)
+        if not rng:
+            return
+        if saved != now and self.elastic:
+            self._inexact(f"{self.path} was saved by {saved} rank(s) and is loaded by {now}: weights, optimizer state "
+                          "and an ElasticSampler position carry over exactly, but per-rank RNG streams (dropout) do "
+                          "not", "Pass allow_inexact_resume=True (or restore_rng=False) to continue.",
+                          InexactResumeError, allow)
+        if self.rng_state is None:
+            if self.elastic and saved != now:
+                logger.warning("%s has no RNG state for rank %d; the run will not continue exactly.", self.path,
+                               self.rank)
+                return
+            self._inexact(f"{self.path} has no RNG state for rank {self.rank} "
+                          f"({RNG_DIR}/{RNG_FILE_PATTERN.format(rank=self.rank)}); the run will not continue exactly",
+                          "Pass allow_inexact_resume=True to continue anyway.", InexactResumeError, allow)
+            return
+        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if devices != len(self.rng_state.cuda):
+            self._inexact(f"{self.path}: RNG state was saved with {len(self.rng_state.cuda)} CUDA device(s) but "
+                          f"{devices} are visible now", "Pass allow_inexact_resume=True to continue anyway.",
+                          InexactResumeError, allow)
+
+    def restore_rng(self, *, allow_inexact_resume: bool | None = None) -> None:
+        """Restore this rank's RNG state (python, numpy, torch CPU, CUDA). Call it last: restoring anything
+        else may draw random numbers.
+
+        Raises:
+            InexactResumeError / ConfigDriftError: see :meth:`check_exact`.
+        """
+        allow = self.allow_inexact_resume if allow_inexact_resume is None else allow_inexact_resume
+        self.check_exact(weights=False, rng=True, allow_inexact_resume=allow)
+        if self.rng_state is not None:
+            restore_rng_state(self.rng_state, allow_device_mismatch=True)
+
+    # ------------------------------------------------------------------ fill
+
+    def load_into(
+        self,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        strict: bool = True,
+        restore_rng: bool = False,
+        allow_inexact_resume: bool | None = None,
+    ) -> "OpenedCheckpoint":
+        """Fill the given objects; every check runs before the first byte is written into any of them.
+
+        Args:
+            model, optimizer, scheduler, scaler (*optional*): objects to fill (``None`` skips a part).
+            strict (`bool`, *optional*, defaults to `True`): missing/unexpected model keys are errors.
+            restore_rng (`bool`, *optional*, defaults to `False`): also restore this rank's RNG, last.
+            allow_inexact_resume (`bool`, *optional*): overrides the value given to :func:`open_checkpoint`.
+
+        Returns:
+            `OpenedCheckpoint`: ``self``.
+
+        Raises:
+            IncompleteCheckpointError: a requested part was not saved.
+            CheckpointMismatchError: an object does not fit (every offending key listed); nothing was changed.
+            CorruptCheckpointError: inconsistent state (nothing was changed), or a hash mismatch found while
+                reading a file larger than the quick-verification limit (then the model's parameters, and
+                optimizer state that existed before the call, may hold part of the new bytes; the optimizer's
+                new state, scheduler, scaler and RNG are unchanged). ``verify="full"`` checks every hash
+                before anything is read into an object.
+            ConfigDriftError / InexactResumeError: see :meth:`check_exact`.
+        """
+        reader = self._reader
+        source = str(self.path)
+        # 1. Policy: world size and RNG, before anything else.
+        self.check_exact(weights=model is not None, rng=restore_rng, allow_inexact_resume=allow_inexact_resume)
+        # 2. Plan the model: keys, shapes, dtypes and tied aliases, or the model's own load_state_dict.
+        model_plan = self._plan_model(model, strict=strict) if model is not None else None
+        # 3. Plan the optimizer: structure, hyper-parameters, state shapes; its state allocated, not installed.
+        optimizer_plan = self._plan_optimizer(model, optimizer) if optimizer is not None else None
+        # 4. Scheduler and scaler state against the live objects' state_dict() keys and kinds.
+        objects = [(name, obj, self._object_state(name, key, obj)) for name, obj, key in
+                   (("scheduler", scheduler, STATE_KEY_SCHEDULER), ("scaler", scaler, STATE_KEY_SCALER))
+                   if obj is not None]
+        # 5. Values read by offset before applying anything: optimizer step counts.
+        if optimizer_plan is not None:
+            for name, value in reader.peek(self._optimizer_index, optimizer_plan.steps).items():
+                check_step_value(value, field=f"{OPTIMIZER_INDEX_FILE}: {name}", source=source)
+        # 6. Read every tensor, hash-checked: weights in place (or into new buffers for load_state_dict),
+        #    optimizer state into its final tensors.
+        jobs = []
+        if model_plan is not None:
+            jobs.append((self._model_index, model_plan["into"]))
+        if optimizer_plan is not None:
+            jobs.append((self._optimizer_index, optimizer_plan.targets))
+        leftovers = reader.read(jobs) if jobs else {}
+        # 7. Apply: model, optimizer (through its load_state_dict), scheduler, scaler; 8. RNG last.
+        if model_plan is not None:
+            self._apply_model(model, model_plan, leftovers, strict=strict)
+        if optimizer_plan is not None:
+            apply_optimizer_state(optimizer, optimizer_plan, leftovers, self._document[STATE_KEY_OPTIMIZER],
+                                  source=source)
+        for _name, obj, state in objects:
+            obj.load_state_dict(state)
+        if restore_rng and self.rng_state is not None:
+            restore_rng_state(self.rng_state, allow_device_mismatch=True)  # the device count was checked in step 1
+        logger.info("Loaded %s (step %s)", self.path, self.step)
+        return self
+
+    def _plan_model(self, model: torch.nn.Module, *, strict: bool) -> dict[str, Any]:
+        if self._model_index is None:
+            raise IncompleteCheckpointError(f"{self.path}: no model weights were saved; load without model=.")
+        targets = model.state_dict(keep_vars=True)
+        reason = load_state_dict_reason(model, targets)
+        if reason is not None:  # the model's own load_state_dict decides keys and shapes, as upstream
+            return {"reason": reason, "targets": targets, "into": {}}
+        into = check_model_fits(model, self._reader.stored(self._model_index), self._tied, strict=strict,
+                                source=str(self.path), targets=targets)
+        return {"reason": None, "targets": targets, "into": into}
+
+    def _apply_model(self, model: torch.nn.Module, plan: Mapping[str, Any], leftovers: dict[str, torch.Tensor], *,
+                     strict: bool) -> None:
+        names = self._model_index.weight_map
+        if plan["reason"] is not None:
+            tensors = {name: leftovers.pop(name) for name in names}
+            load_through_state_dict(model, tensors, self._tied, strict=strict, source=str(self.path),
+                                    reason=plan["reason"])
+            return
+        for name in names:
+            leftovers.pop(name, None)  # stored tensors the model does not have (strict=False)
+        retie(plan["targets"], self._tied)
+
+    def _plan_optimizer(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer) -> OptimizerLoadPlan:
+        if OPTIMIZER_INDEX_FILE not in self.manifest.files or not self._document.get(STATE_KEY_OPTIMIZER):
+            raise IncompleteCheckpointError(
+                f"{self.path}: the checkpoint has no optimizer state; load without optimizer= or save with it.")
+        if self._optimizer_index is None:
+            self._optimizer_index = self._reader.index(OPTIMIZER_INDEX_FILE)
+        index = self._optimizer_index
         names = parameter_names(model, optimizer)
-        # Refuse a mismatched optimizer before its existing state is overwritten in place (existing state
-        # tensors of the stored dtype and shape are filled directly, as model weights are).
-        check_optimizer_matches(optimizer, names, document, source=source)
-        into = existing_state_targets(optimizer, names, reader.stored(index)) if optimizer.state else {}
-    jobs = [lambda: {**into, **reader.sharded(index, into=into)} if optimizer is not None else None,
-            lambda: load_model_weights(reader, model, strict=strict) if model is not None else None]
-    optimizer_tensors, _ = run_in_threads(lambda job: job(), jobs, workers=2)
-    if optimizer is not None:
-        optimizer_from_tensors(optimizer, names, optimizer_tensors, document, source=source)
-    for name, obj, key in (("scheduler", scheduler, STATE_KEY_SCHEDULER), ("scaler", scaler, STATE_KEY_SCALER)):
-        if obj is None:
-            continue
-        if state.get(key) is None:
-            raise IncompleteCheckpointError(f"{reader.path}: no {name} state was saved; pass {name}=None to load.")
-        obj.load_state_dict(decode_state(state[key], state_tensors, source=source))
-    loaded = LoadedCheckpoint(
-        path=reader.path,
-        manifest=reader.manifest,
-        training_state=decode_state(state.get(STATE_KEY_PROGRESS) or {}, state_tensors, source=source),
-        extra=decode_state(state.get(STATE_KEY_EXTRA) or {}, state_tensors, source=source),
-    )
-    data_rel = f"{DATA_STATE_DIR}/{DATA_STATE_FILE_PATTERN.format(rank=rank)}"
-    if data_rel in reader.manifest.files:
-        loaded.data_state = decode_state(reader.json(data_rel), {}, source=data_rel)
-    rng_rel = f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"
-    if rng_rel in reader.manifest.files:
-        loaded.rng_state = load_rng_state(reader.path / rng_rel, expected=reader.expected(rng_rel))
-    return loaded
+        return plan_optimizer_load(optimizer, names, self._document[STATE_KEY_OPTIMIZER], self._reader.stored(index),
+                                   source=str(self.path / TRAINING_STATE_FILE))
+
+    def _object_state(self, name: str, key: str, obj: Any) -> Any:
+        if key not in self._objects:
+            raise IncompleteCheckpointError(f"{self.path}: no {name} state was saved; pass {name}=None to load.")
+        state = self._objects[key]
+        if callable(getattr(obj, "state_dict", None)):
+            check_like_live(state, obj.state_dict(), source=str(self.path / TRAINING_STATE_FILE), what=name)
+        elif not isinstance(state, Mapping):
+            raise CheckpointMismatchError(f"{self.path}: the saved {name} state is not an object.")
+        return state

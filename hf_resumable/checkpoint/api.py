@@ -1,24 +1,23 @@
-"""Public entry points: ``save_checkpoint`` and ``load_checkpoint``."""
+"""Public entry points: ``save_checkpoint``, ``open_checkpoint`` and ``load_checkpoint``."""
 
 from __future__ import annotations
 
 import atexit
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..constants import DEFAULT_MAX_SHARD_SIZE, RNG_DIR, RNG_FILE_PATTERN
+from ..constants import DEFAULT_MAX_SHARD_SIZE
 from ..distributed import is_distributed, rank_and_world_size
-from ..errors import ConfigDriftError, InexactResumeError
-from ..rng import RngState, restore_rng_state
+from ..rng import RngState
 from ..storage import resolve_checkpoint
 from ._payload import capture_payload
-from ._reader import LoadedCheckpoint, _Reader, load_all
+from ._reader import LoadedCheckpoint, OpenedCheckpoint
 from ._writer import AsyncSaver, check_target, save_payload
 from .discovery import apply_retention
 from .manifest import Manifest
@@ -26,7 +25,7 @@ from .verify import verify_checkpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointInfo", "save_checkpoint", "load_checkpoint", "wait_for_pending_saves"]
+__all__ = ["CheckpointInfo", "save_checkpoint", "load_checkpoint", "open_checkpoint", "wait_for_pending_saves"]
 
 _ASYNC = AsyncSaver()
 atexit.register(lambda: _ASYNC.wait())
@@ -156,6 +155,64 @@ def save_checkpoint(
     return CheckpointInfo(path=target, step=step, manifest=manifest)
 
 
+def open_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    verify: str = "quick",
+    allow_inexact_resume: bool = False,
+    counters: Iterable[str] = (),
+    elastic: bool = False,
+) -> OpenedCheckpoint:
+    """Verify a local checkpoint once and decode everything in it that does not depend on a live object.
+
+    The returned object holds the training state, extras, this rank's data position and RNG state, all
+    decoded and checked (codec markers, counters, data-position bounds, RNG validity, tied-weight record);
+    :meth:`~OpenedCheckpoint.load_into` fills a model, optimizer, scheduler and scaler later (checking each
+    against the checkpoint before writing anything), and :meth:`~OpenedCheckpoint.restore_rng` restores the
+    RNG. Opening touches no live object and no generator.
+
+    Args:
+        directory (`str` or `os.PathLike`): a committed checkpoint directory on the local filesystem.
+        verify (`str`, *optional*, defaults to `"quick"`): ``"quick"`` (manifest, sizes, headers, hashes of
+            small files, then every other file's hash while it is read), ``"full"`` (every hash now, so
+            nothing is read into an object before every byte is known good) or ``"none"`` (structure only).
+        allow_inexact_resume (`bool`, *optional*, defaults to `False`): the default of ``load_into`` and
+            ``restore_rng``: continue with a WARNING where the run would not continue exactly (another world
+            size, a missing RNG state, another CUDA device count) instead of raising.
+        counters (`Iterable[str]`, *optional*): more progress-cursor keys (``"outer/inner"`` for nested ones)
+            that must be non-negative ints when present (``global_step`` always is).
+        elastic (`bool`, *optional*, defaults to `False`): the caller reshards weights and optimizer itself
+            (``load_sharded_checkpoint``); a world-size change then only affects per-rank RNG streams.
+
+    Returns:
+        `OpenedCheckpoint`: also a :class:`LoadedCheckpoint` (``step``, ``training_state``, ``extra``,
+        ``data_state``, ``rng_state``).
+
+    Raises:
+        IncompleteCheckpointError / CorruptCheckpointError: the checkpoint does not verify, or holds
+            inconsistent state (the error names the file, the field and what was expected).
+
+    Example:
+
+    ```python
+    >>> from hf_resumable.checkpoint import open_checkpoint
+    >>> opened = open_checkpoint("out/checkpoint-10")  # doctest: +SKIP
+    >>> opened.step, opened.training_state  # doctest: +SKIP
+    (10, {'global_step': 10})
+    >>> opened.load_into(model=model, optimizer=optimizer, scheduler=scheduler)  # doctest: +SKIP
+    >>> opened.restore_rng()  # doctest: +SKIP
+    ```
+    """
+    if verify not in ("quick", "full", "none"):
+        raise ValueError(f"verify must be 'quick', 'full' or 'none', got {verify!r}.")
+    _ASYNC.wait()
+    path = Path(directory)
+    report = verify_checkpoint(path, full=verify == "full", raise_on_error=True)
+    rank, world_size = rank_and_world_size()
+    return OpenedCheckpoint.open(path, report, verify=verify, rank=rank, world_size=world_size,
+                                 allow_inexact_resume=allow_inexact_resume, counters=counters, elastic=elastic)
+
+
 def load_checkpoint(
     directory: str | os.PathLike,
     *,
@@ -171,10 +228,13 @@ def load_checkpoint(
 ) -> LoadedCheckpoint:
     """Load a checkpoint written by :func:`save_checkpoint` into freshly built objects, bit for bit.
 
-    The checkpoint is verified before anything is touched (``verify="quick"``: manifest, sizes,
-    headers, index consistency) and every file is hash-checked while it is read; ``verify="full"``
-    checks every hash first (one extra read). Keys are matched once across all shards; every missing,
-    unexpected or mismatched key is reported at once. The RNG is restored last.
+    :func:`open_checkpoint` followed by :meth:`OpenedCheckpoint.load_into`. Everything is checked before
+    anything is written into an object: the checkpoint verifies (``verify="quick"``: manifest, sizes,
+    headers, index consistency; ``verify="full"``: every hash first), its state decodes and is consistent
+    (types, counters, data position, RNG), and it fits the objects (keys, shapes and dtypes across all
+    shards, optimizer groups and state shapes, scheduler/scaler keys). Every missing, unexpected or
+    mismatched key is reported at once. Large files are hash-checked while they are read. The RNG is
+    restored last.
 
     Args:
         directory (`str` or `os.PathLike`): a committed checkpoint directory.
@@ -184,19 +244,21 @@ def load_checkpoint(
         verify (`str`, *optional*, defaults to `"quick"`): ``"quick"``, ``"full"`` or ``"none"``
             (``"none"`` skips hash checks while reading; structure is always checked).
         allow_inexact_resume (`bool`, *optional*, defaults to `False`): continue with a WARNING when
-            this rank's RNG state is missing instead of raising.
+            this rank's RNG state is missing, or the world size changed, instead of raising.
         storage_options (`dict`, *optional*): fsspec options when ``directory`` is a remote URL
             (``s3://bucket/run/checkpoint-100``, or a run root to load its latest); the checkpoint is
             downloaded and hash-checked first.
 
     Returns:
-        `LoadedCheckpoint`: training state, extra state, data position and RNG state.
+        `LoadedCheckpoint`: training state, extra state, data position and RNG state (the
+        :class:`OpenedCheckpoint` the load went through).
 
     Raises:
         IncompleteCheckpointError: no manifest, or a requested part was not saved.
-        CorruptCheckpointError: truncated/corrupt file or hash mismatch (if raised while reading,
-            the objects passed in may be partially filled: load them from another checkpoint).
-        CheckpointMismatchError: the model/optimizer does not fit (all offending keys listed).
+        CorruptCheckpointError: truncated/corrupt file, inconsistent state, or a hash mismatch (found while
+            reading a large file with ``verify="quick"``: see :meth:`OpenedCheckpoint.load_into` for what
+            may then have been filled).
+        CheckpointMismatchError: the model/optimizer/scheduler/scaler does not fit (all offending keys listed).
         InexactResumeError: the RNG state for this rank is missing and ``allow_inexact_resume`` is False.
         ConfigDriftError: the checkpoint was written by a different number of processes (unless
             ``allow_inexact_resume``).
@@ -205,26 +267,6 @@ def load_checkpoint(
         raise ValueError(f"verify must be 'quick', 'full' or 'none', got {verify!r}.")
     _ASYNC.wait()
     path = resolve_checkpoint(directory, storage_options=storage_options)
-    report = verify_checkpoint(path, full=verify == "full", raise_on_error=True)
-    rank, world_size = rank_and_world_size()
-    if report.manifest.world_size != world_size and (restore_rng or model is not None):
-        message = (f"{path} was written by {report.manifest.world_size} process(es) and is loaded by {world_size}: "
-                   "per-rank RNG and data positions do not carry over, so the run would not continue exactly")
-        if not allow_inexact_resume:
-            raise ConfigDriftError(message + ". Resume with the same world size, reshard with "
-                                   "hf_resumable.load_sharded_checkpoint, or pass allow_inexact_resume=True.")
-        logger.warning("%s; continuing because allow_inexact_resume=True.", message)
-    reader = _Reader(path, report, hash_on_read=verify == "quick")
-    loaded = load_all(reader, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                      restore_rng=restore_rng, strict=strict, rank=rank)
-    if restore_rng:
-        if loaded.rng_state is None:
-            message = (f"{path} has no RNG state for rank {rank} "
-                       f"({RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}); the run will not continue exactly")
-            if not allow_inexact_resume:
-                raise InexactResumeError(message + ". Pass allow_inexact_resume=True to continue anyway.")
-            logger.warning("%s.", message)
-        else:
-            restore_rng_state(loaded.rng_state, allow_device_mismatch=allow_inexact_resume)
-    logger.info("Loaded %s (step %s)", path, loaded.step)
-    return loaded
+    opened = open_checkpoint(path, verify=verify, allow_inexact_resume=allow_inexact_resume)
+    return opened.load_into(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, strict=strict,
+                            restore_rng=restore_rng)

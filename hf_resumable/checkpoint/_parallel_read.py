@@ -1,0 +1,226 @@
+"""Read many safetensors files at once, several threads per file, each file's hash checked in byte order.
+
+A resume reads one model and one optimizer of similar size. Reading file by file (or one thread per
+file) leaves the disk's queue shallow and puts the page faults of fresh memory (a new optimizer's
+state) on one core; here every file is cut into chunks that a pool of threads reads with ``pread``
+straight into the destination tensors' bytes, while the file's checksum is fed in order by whichever
+thread completes the next chunk. ``pread``, ``xxh3`` and ``sha256`` all release the GIL.
+
+Planning (:func:`plan_reads`) is pure: which byte range of which file lands in which tensor. Tensors
+that cannot receive bytes in place (another device, dtype or layout) are read into CPU staging buffers
+and copied into their destination only after EVERY file's hash has matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import xxhash
+
+from .._safefile import open_regular
+from ..errors import CorruptCheckpointError
+from ..safetensors_io import FileRecord, SafetensorsHeader, TensorInfo
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FileRead", "Chunk", "plan_reads", "read_files", "READ_WORKERS", "CHUNK_BYTES"]
+
+# Threads reading at once (all files share them); more than the cores, so the disk queue stays deep while
+# some threads fault in fresh pages or hash.
+READ_WORKERS = 4
+# Largest byte range one thread reads at a time.
+CHUNK_BYTES = 8 * 1024 * 1024
+
+
+@dataclass
+class FileRead:
+    """One file to read: its verified header, the record to check it against (``None``: no check) and the
+    destination tensors by name (any subset; the rest are returned as new tensors)."""
+
+    path: Path
+    header: SafetensorsHeader
+    expected: FileRecord | None = None
+    into: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Chunk:
+    """``length`` bytes at ``offset`` of file ``file`` (its ``index``-th chunk), landing in ``view``."""
+
+    file: int
+    index: int
+    offset: int
+    view: memoryview
+
+
+def _in_place(target: torch.Tensor | None, info: TensorInfo) -> bool:
+    return (target is not None and target.device.type == "cpu" and target.dtype == info.torch_dtype
+            and tuple(target.shape) == info.shape and target.is_contiguous()
+            and not isinstance(target, torch.nn.parameter.UninitializedTensorMixin))
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(bytearray(0))
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def plan_reads(reads: list[FileRead], *, chunk_bytes: int = CHUNK_BYTES
+               ) -> tuple[list[list[Chunk]], dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Cut every file into chunks (header bytes first when hashed, then every tensor in data order).
+
+    Returns:
+        `(chunks per file, new tensors by name, (staging buffer, destination) pairs to copy after the checks)`.
+    """
+    files: list[list[Chunk]] = []
+    fresh: dict[str, torch.Tensor] = {}
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for number, read in enumerate(reads):
+        header, chunks = read.header, []
+
+        def add(offset: int, view: memoryview) -> None:
+            for start in range(0, len(view), chunk_bytes):
+                part = view[start : start + chunk_bytes]
+                chunks.append(Chunk(number, len(chunks), offset + start, part))
+
+        if read.expected is not None:
+            add(0, memoryview(bytearray(header.data_offset)))
+        for info in sorted(header.tensors.values(), key=lambda t: t.start):
+            target = read.into.get(info.name)
+            if _in_place(target, info):
+                buffer = target
+            else:
+                buffer = torch.empty(info.shape, dtype=info.torch_dtype)
+                if target is not None:
+                    staged.append((buffer, target))
+                else:
+                    fresh[info.name] = buffer
+            add(header.data_offset + info.start, _byte_view(buffer))
+        files.append(chunks)
+    return files, fresh, staged
+
+
+class _FileState:
+    """Per-file bookkeeping: its descriptor, which chunks are in, and the in-order checksum."""
+
+    def __init__(self, read: FileRead, chunks: list[Chunk]) -> None:
+        self.read = read
+        self.chunks = chunks
+        self.done = [False] * len(chunks)
+        self.next = 0
+        self.hashing = False
+        self.lock = threading.Lock()
+        expected = read.expected
+        self.digest = None if expected is None else (
+            xxhash.xxh3_128() if expected.xxh3_128 is not None else hashlib.sha256())
+        self.file = None
+
+    def completed(self, index: int) -> None:
+        """Chunk ``index`` is in; feed every chunk that is now next in line (one feeder at a time)."""
+        if self.digest is None:
+            return
+        with self.lock:
+            self.done[index] = True
+            if self.hashing:
+                return
+            self.hashing = True
+        while True:
+            with self.lock:
+                if self.next >= len(self.chunks) or not self.done[self.next]:
+                    self.hashing = False
+                    return
+                chunk = self.chunks[self.next]
+                self.next += 1
+            self.digest.update(chunk.view)
+
+    def problem(self) -> str | None:
+        if self.digest is None:
+            return None
+        expected = self.read.expected
+        if self.next != len(self.chunks):
+            return "not every byte was checked"
+        actual = self.digest.hexdigest()
+        if expected.xxh3_128 is not None:
+            return None if actual == expected.xxh3_128 else (
+                f"xxh3-128 is {actual}, the manifest says {expected.xxh3_128}")
+        return None if actual == expected.sha256 else f"sha256 is {actual}, the manifest says {expected.sha256}"
+
+
+def _pread_into(fd: int, chunk: Chunk, path: Path) -> None:
+    view, offset = chunk.view, chunk.offset
+    while view:
+        n = os.preadv(fd, [view], offset)
+        if n <= 0:
+            raise CorruptCheckpointError(f"{path}: file ends at byte {offset}, inside its data; the file is "
+                                         "truncated. Load an earlier checkpoint (find_latest_checkpoint skips it).")
+        view, offset = view[n:], offset + n
+
+
+def read_files(reads: list[FileRead], *, workers: int = READ_WORKERS, chunk_bytes: int = CHUNK_BYTES
+               ) -> dict[str, torch.Tensor]:
+    """Read every tensor of every file; fill destinations; return the tensors that had none.
+
+    Destinations that are plain contiguous CPU tensors of the stored dtype and shape receive the bytes
+    directly (before the file's hash is known); every other destination is copied from a staging buffer
+    after all hashes matched.
+
+    Raises:
+        CorruptCheckpointError: a hash mismatch or a short file, naming the file (after every thread stopped).
+        OSError: if a file cannot be read.
+    """
+    files, fresh, staged = plan_reads(reads, chunk_bytes=chunk_bytes)
+    states = [_FileState(read, chunks) for read, chunks in zip(reads, files)]
+    # Files in order, chunks in order inside each: neighbouring threads read neighbouring ranges.
+    queue = [chunk for chunks in files for chunk in chunks]
+    cursor = iter(range(len(queue)))
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        while True:
+            with lock:
+                position = next(cursor, None)
+                if position is None or errors:
+                    return
+            chunk = queue[position]
+            state = states[chunk.file]
+            try:
+                _pread_into(state.file.fileno(), chunk, state.read.path)
+                state.completed(chunk.index)
+            except BaseException as err:  # noqa: BLE001 - re-raised by the calling thread
+                with lock:
+                    errors.append(err)
+
+    try:
+        for state in states:
+            state.file = open_regular(state.read.path, buffering=0)
+        threads = [threading.Thread(target=work, name="hf_resumable-read", daemon=True)
+                   for _ in range(max(0, min(workers, len(queue)) - 1))]
+        for thread in threads:
+            thread.start()
+        work()
+        for thread in threads:
+            thread.join()
+    finally:
+        for state in states:
+            if state.file is not None:
+                state.file.close()
+    if errors:
+        raise errors[0]
+    for state in states:
+        if (problem := state.problem()) is not None:
+            raise CorruptCheckpointError(
+                f"{state.read.path}: {problem}. The file is corrupt or was modified after the save; load an earlier "
+                "checkpoint (find_latest_checkpoint skips this one) or re-create it.")
+    with torch.no_grad():
+        for buffer, target in staged:
+            target.copy_(buffer)
+    return fresh

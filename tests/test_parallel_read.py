@@ -1,0 +1,108 @@
+"""The parallel, hash-checked reader of the load path: bit-exact, in place where it can, checked in byte order."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hf_resumable.checkpoint._parallel_read import FileRead, plan_reads, read_files
+from hf_resumable.errors import CorruptCheckpointError
+from hf_resumable.safetensors_io import FileRecord, hash_file, read_header, write_safetensors
+
+TENSORS = {
+    "a": torch.randn(300, 7),
+    "b16": torch.randn(5, 33).to(torch.bfloat16),
+    "empty": torch.zeros(0, 4),
+    "scalar": torch.tensor(3.5),
+    "flags": torch.tensor([True, False, True]),
+    "ints": torch.arange(1001, dtype=torch.int64),
+}
+
+
+@pytest.fixture
+def files(tmp_path):
+    paths = []
+    for i in range(3):
+        path = tmp_path / f"f{i}.safetensors"
+        write_safetensors(path, [(f"{name}{i}", t + i if t.dtype != torch.bool else t) for name, t in TENSORS.items()],
+                          fsync=False)
+        paths.append(path)
+    return paths
+
+
+def _reads(paths, into=None, expected=True):
+    return [FileRead(p, read_header(p), hash_file(p) if expected else None, into or {}) for p in paths]
+
+
+@pytest.mark.parametrize("chunk_bytes, workers", [(64, 8), (1000, 3), (8 << 20, 1)])
+def test_every_tensor_comes_back_bitwise(files, chunk_bytes, workers):
+    out = read_files(_reads(files), workers=workers, chunk_bytes=chunk_bytes)
+    expected = {k: v for p in files for k, v in load_file(p).items()}
+    assert out.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
+
+
+def test_destinations_are_filled_in_place_or_through_staging(files):
+    expected = load_file(files[0])
+    in_place, ints = torch.empty(300, 7), torch.empty(1001, dtype=torch.int64)
+    pointer = in_place.data_ptr()
+    out = read_files(_reads(files[:1], {"a0": in_place, "ints0": ints}), chunk_bytes=128)
+    assert in_place.data_ptr() == pointer and torch.equal(in_place, expected["a0"])
+    assert torch.equal(ints, expected["ints0"])
+    assert "a0" not in out and "ints0" not in out and "scalar0" in out
+    cast = torch.empty(300, 7, dtype=torch.float64)  # another dtype: staged, then copied
+    read_files(_reads(files[:1], {"a0": cast}))
+    assert torch.equal(cast, expected["a0"].double())
+    strided = torch.empty(7, 300).t()  # not contiguous: staged
+    read_files(_reads(files[:1], {"a0": strided}))
+    assert torch.equal(strided, expected["a0"])
+
+
+def _flip(path, offset_from_end):
+    with open(path, "r+b") as f:
+        f.seek(-offset_from_end, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-offset_from_end, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_a_flipped_byte_anywhere_is_found_and_staged_destinations_stay_untouched(files):
+    records = [hash_file(p) for p in files]
+    _flip(files[1], 2000)
+    cast = torch.zeros(300, 7, dtype=torch.float64)
+    reads = [FileRead(p, read_header(p), r, {"a0": cast} if i == 0 else {}) for i, (p, r) in
+             enumerate(zip(files, records))]
+    with pytest.raises(CorruptCheckpointError, match=r"f1\.safetensors: xxh3-128 is"):
+        read_files(reads, workers=4, chunk_bytes=256)
+    assert not cast.any()  # file 0 was fine, but nothing is copied into a staged destination before every check
+
+
+def test_records_without_xxh3_are_checked_by_sha256(files):
+    old = [FileRecord(r.size, r.sha256, None) for r in map(hash_file, files)]
+    reads = [FileRead(p, read_header(p), r) for p, r in zip(files, old)]
+    assert len(read_files(reads, chunk_bytes=512)) == len(TENSORS) * 3
+    _flip(files[2], 10)
+    with pytest.raises(CorruptCheckpointError, match="sha256 is"):
+        read_files([FileRead(p, read_header(p), r) for p, r in zip(files, old)], chunk_bytes=512)
+
+
+def test_a_file_truncated_after_its_header_was_read(files):
+    header = read_header(files[0])
+    with open(files[0], "r+b") as f:
+        f.truncate(header.file_size - 100)
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        read_files([FileRead(files[0], header, None)])
+
+
+def test_the_plan_covers_every_byte_once(files):
+    chunks, fresh, staged = plan_reads(_reads(files), chunk_bytes=100)
+    for path, file_chunks in zip(files, chunks):
+        covered = sorted((c.offset, c.offset + len(c.view)) for c in file_chunks)
+        assert covered[0][0] == 0 and covered[-1][1] == path.stat().st_size
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+        assert [c.index for c in file_chunks] == list(range(len(file_chunks)))
+    assert len(fresh) == len(TENSORS) * 3 and not staged
