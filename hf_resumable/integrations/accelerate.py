@@ -642,8 +642,9 @@ class ResumableAccelerator(Accelerator):
         wait_for_pending_saves()  # save_checkpoint would wait anyway; the previous save may be this very step
         self._apply_pending_retention()
         mode, target = self._save_target(output_dir)
-        fingerprint = self._fingerprint(target)
-        on_disk = self.is_main_process and mode == _NAMING_STEPS and self._already_on_disk(target, fingerprint)
+        # Only checkpoint-<step> saves can meet a checkpoint of this very state (the other namings always write).
+        fingerprint = self._fingerprint(target) if mode == _NAMING_STEPS else None
+        on_disk = self.is_main_process and fingerprint is not None and self._already_on_disk(target, fingerprint)
         if broadcast_json(on_disk):
             if self.is_main_process:
                 logger.info("%s already holds exactly the current state (step %d); not writing it again.", target,
@@ -656,7 +657,8 @@ class ResumableAccelerator(Accelerator):
         save_checkpoint(target, **self._capture(), step=self.global_step, overwrite=mode != _NAMING_AUTOMATIC,
                         keep_last=self._keep() if mode == _NAMING_STEPS and self._uploader is None else None,
                         blocking=blocking)
-        self._committed[target] = fingerprint
+        if fingerprint is not None:
+            self._committed[target] = fingerprint
         if mode == _NAMING_AUTOMATIC:
             self.project_configuration.iteration += 1
         if self._uploader is not None:
