@@ -14,6 +14,18 @@ Exact resume needs two things from the data pipeline:
 3. **State for every buffer.** A ``datasets`` shuffle buffer (``ds.shuffle(seed, buffer_size=N)``) is
    replaced by a :class:`ResumableShuffleBuffer` whose content and generator are part of the saved
    position (``datasets`` saves neither); the resulting order differs from ``datasets``' own shuffle.
+4. **Private generators keyed by position too.** Collators and data sets that keep their own generator
+   (``DataCollatorForLanguageModeling(seed=...)``, ``self.rng = np.random.default_rng(0)``) would restart
+   from their seed after a resume. :class:`GeneratorSlots` finds every ``torch.Generator``,
+   ``numpy.random.Generator``, ``numpy.random.RandomState`` and ``random.Random`` reachable from the
+   collator (and from a torch data set or a ``datasets`` transform) through attributes, dataclass fields,
+   ``functools.partial`` arguments, closures and small lists/dicts (up to 4 levels), plus the generator
+   transformers' collators create lazily from their ``seed``, and reseeds each one before every batch
+   from the batch's seed and the generator's path (and the object's own ``seed`` attribute), in the main
+   process and in workers alike. Generators reached any other way (module globals, objects created
+   inside the call, containers of more than 64 items, CUDA generators) are not covered.
+5. **Length-grouped batches.** ``group_by_length`` (the seq2seq/ASR habit) orders each epoch as a pure
+   function of ``(seed, epoch, lengths)`` (:func:`length_grouped_order`), so it resumes exactly too.
 
 The pieces are framework-agnostic (no ``transformers`` import); :mod:`hf_resumable.integrations.trainer`
 assembles them for the ``Trainer``.
@@ -37,9 +49,13 @@ import base64
 import contextlib
 import copy
 import hashlib
+import functools
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sized
+import os
+import random
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
 from itertools import islice
 from typing import Any, NamedTuple
 
@@ -65,6 +81,8 @@ __all__ = [
     "has_shuffle_buffer",
     "ResumableShuffleBuffer",
     "resumable_shuffle_buffer",
+    "GeneratorSlots",
+    "length_grouped_order",
 ]
 
 # Domain-separation tags for derive_seed, so the permutation, map-style batches and streaming batches
@@ -75,6 +93,7 @@ _TAG_STREAM_BATCH = "stream-batch"
 _TAG_LOADER = "loader"
 _TAG_FINGERPRINT = "fingerprint"
 _TAG_SHUFFLE_BUFFER = "shuffle-buffer"
+_TAG_GENERATOR = "private-generator"
 _BUFFER_NODE = "BufferShuffledExamplesIterable"  # datasets' shuffle buffer in an IterableDataset pipeline
 _ARRAY = "__hfr_array__"  # marker of a tensor/ndarray encoded inside a shuffle buffer's JSON state
 
@@ -145,6 +164,10 @@ class ResumableBatchSampler(Sampler[BatchKey]):
         drop_last (`bool`, *optional*, defaults to `False`): drop the last incomplete batch.
         rank (`int`, *optional*, defaults to 0), world_size (`int`, *optional*, defaults to 1): data-parallel position.
         start_step (`int`, *optional*, defaults to 0): first batch to yield in the current epoch.
+        lengths (`Sequence[int]`, *optional*): per-sample lengths; each epoch is then ordered by
+            :func:`length_grouped_order` (``group_by_length``) instead of a plain permutation.
+        group_size (`int`, *optional*): samples that should have similar lengths (default: ``batch_size *
+            world_size``; the Trainer passes its batch size times gradient accumulation times world size).
 
     Example:
 
@@ -158,11 +181,17 @@ class ResumableBatchSampler(Sampler[BatchKey]):
     """
 
     def __init__(self, num_samples: int, batch_size: int, *, seed: int, shuffle: bool = True,
-                 drop_last: bool = False, rank: int = 0, world_size: int = 1, start_step: int = 0) -> None:
+                 drop_last: bool = False, rank: int = 0, world_size: int = 1, start_step: int = 0,
+                 lengths: Sequence[int] | None = None, group_size: int | None = None) -> None:
         if num_samples < 0 or batch_size < 1:
             raise ValueError(f"num_samples must be >= 0 and batch_size >= 1, got {num_samples} and {batch_size}.")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}.")
+        if lengths is not None and (len(lengths) != num_samples or not shuffle):
+            raise ValueError(f"lengths must have one entry per sample ({num_samples}, got {len(lengths)}) and "
+                             "length grouping needs shuffle=True.")
+        self.lengths = list(lengths) if lengths is not None else None
+        self.group_size = group_size or batch_size * world_size
         self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
         self.shuffle, self.drop_last, self.rank, self.world_size = shuffle, drop_last, rank, world_size
         self.epoch = 0
@@ -193,7 +222,10 @@ class ResumableBatchSampler(Sampler[BatchKey]):
         """This rank's sample order for ``epoch``."""
         if self.shuffle:
             generator = torch.Generator().manual_seed(derive_seed(self.seed, _TAG_PERMUTATION, epoch))
-            order = torch.randperm(self.num_samples, generator=generator).tolist()
+            if self.lengths is not None:
+                order = length_grouped_order(self.lengths, self.group_size, generator=generator)
+            else:
+                order = torch.randperm(self.num_samples, generator=generator).tolist()
         else:
             order = list(range(self.num_samples))
         padded = self._samples_per_rank() * self.world_size
@@ -206,6 +238,191 @@ class ResumableBatchSampler(Sampler[BatchKey]):
         for step in range(self.start_step, len(self)):
             chunk = tuple(order[step * self.batch_size : (step + 1) * self.batch_size])
             yield BatchKey(self.epoch, self.rank, step, chunk)
+
+
+_GENERATOR_TYPES = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
+_LEAF_TYPES = (str, bytes, int, float, complex, bool, type(None), torch.Tensor, np.ndarray, np.generic,
+               torch.nn.Module, type, types.ModuleType, types.BuiltinFunctionType, torch.dtype, torch.device)
+_SKIPPED_PACKAGES = ("tokenizers", "datasets", "torch", "numpy", "pyarrow", "pandas")
+_MAX_DEPTH = 4
+_MAX_ITEMS = 64
+
+
+def _reseed(generator: Any, seed: int) -> None:
+    if isinstance(generator, torch.Generator):
+        generator.manual_seed(seed)
+    elif isinstance(generator, np.random.Generator):
+        generator.bit_generator.state = type(generator.bit_generator)(seed).state
+    elif isinstance(generator, np.random.RandomState):
+        generator.seed(seed)
+    else:
+        generator.seed(seed)
+
+
+def _is_lazy_collator(obj: Any) -> bool:
+    """transformers' collators with ``seed=`` create ``self.generator`` on their first call (and per process)."""
+    return (isinstance(getattr(obj, "seed", None), int) and hasattr(obj, "generator")
+            and callable(getattr(obj, "get_generator", None)))
+
+
+def _children(obj: Any) -> Iterator[tuple[tuple[str, Any], Any]]:
+    """``((kind, key), child)`` for everything a generator may hide behind."""
+    if isinstance(obj, functools.partial):
+        yield ("attr", "func"), obj.func
+        for index, value in enumerate(obj.args):
+            yield ("arg", index), value
+        for key, value in obj.keywords.items():
+            yield ("kwarg", key), value
+        return
+    if isinstance(obj, types.MethodType):
+        yield ("attr", "__self__"), obj.__self__
+        yield ("attr", "__func__"), obj.__func__
+        return
+    if isinstance(obj, types.FunctionType):
+        for index, cell in enumerate(obj.__closure__ or ()):
+            with contextlib.suppress(ValueError):  # an empty cell
+                yield ("cell", index), cell.cell_contents
+        return
+    if isinstance(obj, (list, tuple)):
+        if len(obj) <= _MAX_ITEMS:
+            yield from ((("item", index), value) for index, value in enumerate(obj))
+        return
+    if isinstance(obj, dict):
+        if len(obj) <= _MAX_ITEMS:
+            yield from ((("item", key), value) for key, value in obj.items() if isinstance(key, (str, int)))
+        return
+    if type(obj).__module__.split(".")[0] in _SKIPPED_PACKAGES or hasattr(obj, "convert_tokens_to_ids"):
+        return  # tokenizers, data sets, arrays: large, and hold no private generator of the user's
+    attributes = getattr(obj, "__dict__", None)
+    if isinstance(attributes, dict) and len(attributes) <= _MAX_ITEMS:
+        yield from ((("attr", key), value) for key, value in attributes.items() if not key.startswith("__"))
+
+
+def _resolve(root: Any, path: tuple[tuple[str, Any], ...]) -> Any:
+    obj = root
+    for kind, key in path:
+        if kind == "attr":
+            obj = getattr(obj, key)
+        elif kind == "arg":
+            obj = obj.args[key]
+        elif kind == "kwarg":
+            obj = obj.keywords[key]
+        elif kind == "cell":
+            obj = obj.__closure__[key].cell_contents
+        else:
+            obj = obj[key]
+    return obj
+
+
+class GeneratorSlots:
+    """The private random generators reachable from an object, found once and reseeded before every batch.
+
+    ``root`` is searched (see the module docstring for what is covered); each generator found is remembered
+    by its path from ``root``, so a copy of ``root`` in a ``DataLoader`` worker is reseeded the same way.
+
+    Args:
+        root: a collator, a data set, a transform function (``None``: nothing to reseed).
+
+    Example:
+
+    ```python
+    >>> import numpy as np
+    >>> class Noise:
+    ...     def __init__(self):
+    ...         self.rng = np.random.default_rng(0)
+    ...     def __call__(self, items):
+    ...         return [self.rng.integers(100) for _ in items]
+    >>> noise = Noise()
+    >>> slots = GeneratorSlots(noise)
+    >>> slots.paths
+    ['rng']
+    >>> slots.reseed(noise, seed=7); first = noise([0, 0])
+    >>> slots.reseed(noise, seed=7); first == noise([0, 0])
+    True
+    ```
+    """
+
+    def __init__(self, root: Any) -> None:
+        self._slots: list[tuple[tuple[tuple[str, Any], ...], bool]] = []  # (path, lazily created by a collator)
+        if root is not None:
+            self._search(root, (), set())
+
+    def _search(self, obj: Any, path: tuple, seen: set[int]) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, _GENERATOR_TYPES):
+            self._slots.append((path, False))
+            return
+        if len(path) >= _MAX_DEPTH or isinstance(obj, _LEAF_TYPES):
+            return
+        lazy = _is_lazy_collator(obj)
+        if lazy:
+            self._slots.append((path, True))
+        for step, child in _children(obj):
+            if lazy and step == ("attr", "generator"):
+                continue
+            self._search(child, path + (step,), seen)
+
+    @property
+    def paths(self) -> list[str]:
+        """Readable paths of the generators found (``"inner.generator"``, ``"rng"``...)."""
+        return [".".join([str(key) for _, key in path] + (["generator"] if lazy else [])) for path, lazy in self._slots]
+
+    def __bool__(self) -> bool:
+        return bool(self._slots)
+
+    def reseed(self, root: Any, *, seed: int) -> None:
+        """Reseed every generator under ``root`` from ``seed`` and its path (and its owner's ``seed``)."""
+        for path, lazy in self._slots:
+            try:
+                obj = _resolve(root, path)
+            except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+                continue  # the object changed shape since it was searched
+            name = "/".join(str(key) for _, key in path)
+            if lazy:
+                if not isinstance(obj.generator, _GENERATOR_TYPES):
+                    obj.generator = obj.get_generator(obj.seed)
+                if hasattr(obj, "_generator_pid"):  # else the collator re-creates it from its seed in a worker
+                    obj._generator_pid = os.getpid()
+                _reseed(obj.generator, derive_seed(seed, _TAG_GENERATOR, name, "generator", obj.seed))
+            else:
+                _reseed(obj, derive_seed(seed, _TAG_GENERATOR, name))
+
+
+def _dataset_generator_root(dataset: Any) -> Any:
+    """What to search for private generators in a data set: a torch data set itself, or a ``datasets`` transform."""
+    if type(dataset).__module__.split(".")[0] == "datasets":
+        return (getattr(dataset, "_format_kwargs", None) or {}).get("transform")
+    return dataset
+
+
+def length_grouped_order(lengths: Sequence[int], group_size: int, *, generator: torch.Generator) -> list[int]:
+    """An epoch order in which every ``group_size`` consecutive samples have similar lengths (``group_by_length``).
+
+    A random permutation (from ``generator`` only) is cut into mega-batches of ``k * group_size`` samples
+    (``k = min(len // (4 * group_size), 50)``, at least 1), each sorted by decreasing length, and the longest
+    sample overall is moved to the very first position so that an out-of-memory error shows at once. The
+    order is a pure function of ``(generator state, lengths, group_size)``.
+
+    Example:
+
+    ```python
+    >>> order = length_grouped_order([1, 9, 2, 8, 3, 7, 4, 6], 2, generator=torch.Generator().manual_seed(0))
+    >>> sorted(order) == list(range(8)) and order[0] == 1  # sample 1 (length 9) comes first
+    True
+    ```
+    """
+    count = len(lengths)
+    multiple = max(min(count // (group_size * 4), 50), 1)
+    size = multiple * group_size
+    permutation = torch.randperm(count, generator=generator).tolist()
+    chunks = [sorted(permutation[i : i + size], key=lambda index: lengths[index], reverse=True)
+              for i in range(0, count, size)]
+    if chunks:
+        longest = max(range(len(chunks)), key=lambda c: (lengths[chunks[c][0]], -c))
+        chunks[0][0], chunks[longest][0] = chunks[longest][0], chunks[0][0]
+    return [index for chunk in chunks for index in chunk]
 
 
 class SeededMapDataset(Dataset):
@@ -223,6 +440,8 @@ class SeededMapDataset(Dataset):
 
     def __init__(self, dataset: Any, collate_fn: Callable[[list], Any], *, seed: int) -> None:
         self.dataset, self.collate_fn, self.seed = dataset, collate_fn, seed
+        self._collate_generators = GeneratorSlots(collate_fn)
+        self._dataset_generators = GeneratorSlots(_dataset_generator_root(dataset))
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -234,7 +453,10 @@ class SeededMapDataset(Dataset):
         return [self.dataset[index] for index in indices]
 
     def __getitems__(self, key: BatchKey) -> Any:
-        with data_rng(derive_seed(self.seed, _TAG_MAP_BATCH, key.epoch, key.rank, key.step)):
+        seed = derive_seed(self.seed, _TAG_MAP_BATCH, key.epoch, key.rank, key.step)
+        self._dataset_generators.reseed(_dataset_generator_root(self.dataset), seed=seed)
+        self._collate_generators.reseed(self.collate_fn, seed=seed)
+        with data_rng(seed):
             return self.collate_fn(self._fetch(list(key.indices)))
 
     __getitem__ = __getitems__
@@ -265,6 +487,7 @@ class SeededIterableDataset(IterableDataset):
         self.dataset, self.collate_fn, self.batch_size, self.seed = dataset, collate_fn, batch_size, seed
         self.drop_last, self.rank = drop_last, rank
         self.epoch, self._step, self._start_step = 0, 0, 0
+        self._collate_generators = GeneratorSlots(collate_fn)
 
     @property
     def is_stateful(self) -> bool:
@@ -284,7 +507,9 @@ class SeededIterableDataset(IterableDataset):
         iterator = iter(self.dataset)
         self._step, self._start_step = self._start_step, 0
         while True:
-            with data_rng(derive_seed(self.seed, _TAG_STREAM_BATCH, self.epoch, self.rank, worker, self._step)):
+            seed = derive_seed(self.seed, _TAG_STREAM_BATCH, self.epoch, self.rank, worker, self._step)
+            self._collate_generators.reseed(self.collate_fn, seed=seed)
+            with data_rng(seed):
                 items = list(islice(iterator, self.batch_size))
                 if not items or (self.drop_last and len(items) < self.batch_size):
                     return
@@ -351,8 +576,9 @@ def _loader_kwargs(seed: int, num_workers: int, *, pin_memory: bool, persistent_
 def build_map_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], batch_size: int, seed: int,
                          shuffle: bool = True, drop_last: bool = False, rank: int = 0, world_size: int = 1,
                          num_workers: int = 0, pin_memory: bool = False, persistent_workers: bool = False,
-                         prefetch_factor: int | None = None,
-                         multiprocessing_context: Any = None) -> ResumableDataLoader:
+                         prefetch_factor: int | None = None, multiprocessing_context: Any = None,
+                         lengths: Sequence[int] | None = None,
+                         group_size: int | None = None) -> ResumableDataLoader:
     """A :class:`ResumableDataLoader` for a map-style data set.
 
     Args:
@@ -360,7 +586,7 @@ def build_map_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], bat
         collate_fn (`Callable`): collator, run in the same seeded context as the fetch.
         batch_size (`int`): per-rank batch size.
         seed (`int`): run seed (permutation, per-batch randomness, worker base seed).
-        shuffle, drop_last, rank, world_size: see :class:`ResumableBatchSampler`.
+        shuffle, drop_last, rank, world_size, lengths, group_size: see :class:`ResumableBatchSampler`.
         num_workers, pin_memory, persistent_workers, prefetch_factor, multiprocessing_context:
             forwarded to ``torch.utils.data.DataLoader``.
 
@@ -368,7 +594,7 @@ def build_map_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], bat
         [`ResumableDataLoader`]
     """
     sampler = ResumableBatchSampler(len(dataset), batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
-                                    rank=rank, world_size=world_size)
+                                    rank=rank, world_size=world_size, lengths=lengths, group_size=group_size)
     kwargs = _loader_kwargs(seed, num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers,
                             prefetch_factor=prefetch_factor, multiprocessing_context=multiprocessing_context)
     return ResumableDataLoader(SeededMapDataset(dataset, collate_fn, seed=seed), batch_sampler=sampler, **kwargs)

@@ -45,6 +45,11 @@ class RunConfig:
         data_seed (`int`, *optional*): ``TrainingArguments.data_seed``.
         dataset_length (`int`, *optional*): length of the training data set (``None`` when streaming).
         dataset_fingerprint (`str`): see :func:`hf_resumable.data.dataset_fingerprint`.
+        train_sampling_strategy (`str`, *optional*): ``"random"``, ``"sequential"`` or ``"group_by_length"``.
+        dataloader_drop_last (`bool`, *optional*): whether the last incomplete batch of an epoch is dropped.
+
+    The two optional fields are ``None`` in checkpoints written before they were recorded; ``None`` is not
+    compared (see :meth:`diff`).
     """
 
     gradient_accumulation_steps: int
@@ -54,6 +59,8 @@ class RunConfig:
     data_seed: int | None
     dataset_length: int | None
     dataset_fingerprint: str
+    train_sampling_strategy: str | None = None
+    dataloader_drop_last: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("gradient_accumulation_steps", "per_device_train_batch_size", "world_size"):
@@ -72,11 +79,14 @@ class RunConfig:
         return cls(**{key: value for key, value in data.items() if key in names})
 
     def diff(self, other: "RunConfig") -> dict[str, tuple[Any, Any]]:
-        """``{field: (self's value, other's value)}`` for every field that differs."""
+        """``{field: (self's value, other's value)}`` for every field that differs (an optional field that either
+        side did not record is not compared)."""
+        optional = {"train_sampling_strategy", "dataloader_drop_last"}
         return {
             f.name: (getattr(self, f.name), getattr(other, f.name))
             for f in dataclasses.fields(self)
             if getattr(self, f.name) != getattr(other, f.name)
+            and not (f.name in optional and None in (getattr(self, f.name), getattr(other, f.name)))
         }
 
 

@@ -52,6 +52,13 @@ CONFIGS = {
                           "--max-steps", "8"],
     "stream_shuffle_w2": ["--model", "gpt2", "--data", "stream_shuffle", "--samples", "80", "--ga", "2",
                           "--max-steps", "8", "--workers", "2"],
+    # DataCollatorForLanguageModeling(seed=123): the collator's own generator, created lazily per worker.
+    "bert_mlm_seeded_w2": ["--model", "bert", "--data", "mlm_seeded", "--ga", "2", "--workers", "2", "--epochs", "1"],
+    # A custom collator drawing from its own numpy Generator attribute.
+    "gpt2_private_rng": ["--model", "gpt2", "--data", "private_rng", "--epochs", "1"],
+    # train_sampling_strategy="group_by_length" (lengths 5-20), 2 epochs, GA 2.
+    "gpt2_group_by_length": ["--model", "gpt2", "--data", "lm", "--sampling", "group_by_length", "--ga", "2",
+                             "--epochs", "2"],
     # PEFT LoRA adapters + evaluation every 2 steps + load_best_model_at_end + save_total_limit=2.
     "gpt2_lora_eval": ["--model", "gpt2", "--data", "lm", "--lora", "--eval", "--save-steps", "2",
                        "--save-total-limit", "2", "--epochs", "1"],
@@ -154,11 +161,15 @@ SIGTERM_EXIT = PREEMPTION_EXIT_CODE
         ("stream_shuffle_w0", [({"kill_mid_step": 3}, KILLED)]),
         ("stream_shuffle_w2", [({"kill_after_save": 5}, KILLED)]),
         ("gpt2_lora_eval", [({"kill_after_save": 6}, KILLED)]),
+        ("bert_mlm_seeded_w2", [({"kill_mid_step": 3}, KILLED)]),
+        ("gpt2_private_rng", [({"kill_after_save": 4}, KILLED)]),
+        ("gpt2_group_by_length", [({"kill_after_save": 7}, KILLED)]),
     ],
     ids=["gpt2-first-step-fresh-sigterm", "gpt2-epoch-end-then-again-workers", "bert-mlm-mid-window",
          "bert-wwm-workers", "llama-transform-workers", "torch-dataset-mid-step", "streaming-mid-step",
          "streaming-workers", "streaming-shuffle-buffer", "streaming-shuffle-buffer-workers",
-         "lora-eval-best-retention"],
+         "lora-eval-best-retention", "seeded-collator-workers", "collator-private-generator",
+         "group-by-length-second-epoch"],
 )
 def test_interrupted_and_restarted_is_bit_identical(reference_root: Path, tmp_path: Path, config: str,
                                                     interruptions: list[tuple[dict[str, int], int]]) -> None:

@@ -38,7 +38,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +52,12 @@ from transformers.trainer_callback import ExportableState
 from ..checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
 from ..checkpoint import apply_retention, read_manifest, wait_for_pending_saves
 from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, OPTIMIZER_INDEX_FILE
-from ..data import (DATA_KIND, ResumableDataLoader, build_map_dataloader, build_stream_dataloader,
+from ..data import (DATA_KIND, ResumableDataLoader, build_map_dataloader, build_stream_dataloader, data_rng,
                     dataset_fingerprint, has_shuffle_buffer)
 from ..errors import HfResumableError, InexactResumeError, UnsupportedStateError
 from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
 from ..remote import is_remote, open_uploader, resolve_resume_path
-from ..rng import restore_rng_state
+from ..rng import derive_seed, restore_rng_state
 from ..state import RunConfig, check_config_drift
 from ._trainer_hparams import (RESUME_HYPERPARAMETERS, HyperparameterChange, apply_new_hyperparameters,
                                hyperparameter_changes, hyperparameter_snapshot, report_hyperparameter_changes)
@@ -484,7 +484,9 @@ class ResumableTrainer(Trainer):
                 gradient_accumulation_steps=self.args.gradient_accumulation_steps,
                 per_device_train_batch_size=self.args.per_device_train_batch_size,
                 world_size=self.args.world_size, seed=self.args.seed, data_seed=self.args.data_seed,
-                dataset_length=length, dataset_fingerprint=fingerprint)
+                dataset_length=length, dataset_fingerprint=fingerprint,
+                train_sampling_strategy=str(self.args.train_sampling_strategy),
+                dataloader_drop_last=bool(self.args.dataloader_drop_last))
         return self._run_config
 
     # ---- data ----
@@ -493,13 +495,17 @@ class ResumableTrainer(Trainer):
         """The training loader: position-seeded, resumable without replay (see :mod:`hf_resumable.data`)."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
-        if self.args.train_sampling_strategy not in ("random", "sequential"):
+        strategy = self.args.train_sampling_strategy
+        if strategy not in ("random", "sequential", "group_by_length"):
             self._loader_fallback = (f"train_sampling_strategy={self.args.train_sampling_strategy!r} is not supported "
                                      "by ResumableTrainer, so the training data comes from the stock loader")
             return super().get_train_dataloader()
         dataset, collator = self._train_dataset_and_collator()
         options = self._loader_options()
         if isinstance(dataset, torch.utils.data.IterableDataset):
+            if strategy == "group_by_length":
+                logger.warning("train_sampling_strategy='group_by_length' is ignored for a streaming data set (it "
+                               "has no lengths to group by); examples come in the stream's own order.")
             loader = build_stream_dataloader(self._split_for_rank(dataset), collate_fn=collator,
                                              drop_last=self.args.dataloader_drop_last, **options)
             if not loader.dataset.is_stateful and self._saves_checkpoints():
@@ -509,12 +515,32 @@ class ResumableTrainer(Trainer):
                     fix="Use a datasets.IterableDataset (e.g. Dataset.to_iterable_dataset()) or a map-style data set, "
                         "or implement state_dict()/load_state_dict() on your data set")
         else:
+            grouped = strategy == "group_by_length"
+            group_size = self._train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
             loader = build_map_dataloader(dataset, collate_fn=collator, drop_last=self.args.dataloader_drop_last,
-                                          shuffle=self.args.train_sampling_strategy == "random",
-                                          world_size=self.args.world_size, **options)
+                                          shuffle=strategy != "sequential", world_size=self.args.world_size,
+                                          lengths=self._train_lengths() if grouped else None,
+                                          group_size=group_size if grouped else None, **options)
         self._restore_data_position(loader)
         self._train_loader = loader
         return loader
+
+    def _train_lengths(self) -> list[int]:
+        """Per-sample lengths for ``group_by_length``: ``length_column_name`` if present, else the length of the
+        first model input (read under a fixed seed, so random transforms neither vary nor touch the global RNG)."""
+        import datasets
+
+        dataset, column = self.train_dataset, self.args.length_column_name
+        if isinstance(dataset, datasets.Dataset) and column in dataset.column_names:
+            return [int(length) for length in dataset[column]]
+        names = getattr(self.processing_class, "model_input_names", None) or ["input_ids"]
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        with data_rng(derive_seed(seed, "group-by-length")):
+            first = dataset[0] if len(dataset) else {}
+            if not isinstance(first, Mapping) or names[0] not in first:
+                raise ValueError(f"train_sampling_strategy='group_by_length' needs a {column!r} column or samples "
+                                 f"that are dicts with an {names[0]!r} key to read lengths from.")
+            return [len(dataset[index][names[0]]) for index in range(len(dataset))]
 
     def _train_dataset_and_collator(self) -> tuple[Any, Any]:
         dataset, collator = self.train_dataset, self.data_collator

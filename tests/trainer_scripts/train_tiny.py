@@ -115,6 +115,20 @@ class NoisyCollator:
         return batch
 
 
+class PrivateRngCollator:
+    """A custom collator with its own numpy generator (a private stream, not the global one)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
+        self.inner = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        self.rng = np.random.default_rng(0)
+
+    def __call__(self, features: list[dict]) -> dict:
+        batch = self.inner(features)
+        flip = torch.from_numpy(self.rng.random(tuple(batch["input_ids"].shape)) < 0.1) & (batch["attention_mask"] == 1)
+        batch["input_ids"] = torch.where(flip, torch.full_like(batch["input_ids"], 4), batch["input_ids"])
+        return batch
+
+
 def wwm_rows(n: int) -> list[dict]:
     """Rows with offset mappings whose words span 1-3 tokens (for whole-word masking)."""
     rng = np.random.default_rng(99)
@@ -143,6 +157,10 @@ def build_data(kind: str, tokenizer: PreTrainedTokenizerFast, n: int):
         return RandomCropDataset(token_rows(n)), DataCollatorForLanguageModeling(tokenizer, mlm=False)
     if kind == "mlm":
         return rows, DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3)
+    if kind == "mlm_seeded":  # the collator's own generator (seed=, re-seeded per worker by transformers)
+        return rows, DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3, seed=123)
+    if kind == "private_rng":
+        return rows, PrivateRngCollator(tokenizer)
     if kind == "wwm":
         rows = wwm_rows(n)
         ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in rows[0]})
@@ -253,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-restore-callbacks", action="store_true", help="ResumableTrainer(restore_callback_states=False)")
     p.add_argument("--stock", action="store_true", help="use transformers.Trainer (for comparisons)")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--sampling", default="random", choices=["random", "sequential", "group_by_length"])
     p.add_argument("--allow-config-drift", action="store_true")
     p.add_argument("--allow-inexact-resume", action="store_true")
     p.add_argument("--no-resume", action="store_true")
@@ -278,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         output_dir=a.output_dir, per_device_train_batch_size=a.batch, per_device_eval_batch_size=8,
         gradient_accumulation_steps=a.ga, num_train_epochs=a.epochs, max_steps=a.max_steps, learning_rate=1e-2,
         lr_scheduler_type="linear", warmup_steps=2, weight_decay=0.01, logging_steps=a.logging_steps,
-        logging_strategy=a.logging_strategy,
+        logging_strategy=a.logging_strategy, train_sampling_strategy=a.sampling,
         save_strategy="steps", save_steps=a.save_steps, save_total_limit=a.save_total_limit,
         dataloader_num_workers=a.workers, seed=a.seed, report_to=[], disable_tqdm=True, use_cpu=True,
         remove_unused_columns=a.data != "wwm",  # the whole-word-masking collator needs offset_mapping
