@@ -658,7 +658,7 @@ class ResumableAccelerator(Accelerator):
                         keep_last=self._keep() if mode == _NAMING_STEPS and self._uploader is None else None,
                         blocking=blocking)
         if fingerprint is not None:
-            self._committed[target] = fingerprint
+            self._committed = {target: fingerprint}  # steps only grow: only the newest can be met again
         if mode == _NAMING_AUTOMATIC:
             self.project_configuration.iteration += 1
         if self._uploader is not None:
