@@ -72,7 +72,7 @@ from typing import Any
 import accelerate
 import torch
 from accelerate import Accelerator
-from accelerate.data_loader import DataLoaderStateMixin
+from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard, DataLoaderStateMixin
 from accelerate.state import GradientState
 from accelerate.utils import DistributedType
 from packaging import version
@@ -151,12 +151,18 @@ __all__ = [
 SUPPORTED_ACCELERATE = (version.parse("1.10"), version.parse("2.0"))
 # Private accelerate names this module relies on; a test fails loudly when one disappears.
 _INTERNALS: dict[Any, tuple[str, ...]] = {
-    Accelerator: ("_do_sync", "unwrap_model", "reduce", "accumulate", "backward", "prepare_data_loader"),
+    Accelerator: ("_do_sync", "unwrap_model", "reduce", "accumulate", "backward", "prepare_data_loader",
+                  "get_state_dict", "skip_first_batches", "free_memory", "save_iteration",
+                  "register_save_state_pre_hook", "register_load_state_pre_hook"),
     DataLoaderStateMixin: ("begin", "end", "reset"),
+    DataLoaderShard: ("set_epoch", "_update_state_dict", "total_batch_size"),
+    DataLoaderDispatcher: ("set_epoch", "_update_state_dict", "total_batch_size"),
     GradientState: ("_add_dataloader", "_remove_dataloader", "_set_sync_gradients", "end_of_dataloader"),
 }
 # Attributes set in Accelerator.__init__ (checked on the instance).
-_INSTANCE_INTERNALS = ("_models", "_optimizers", "_schedulers", "_custom_objects", "gradient_state", "scaler", "step")
+_INSTANCE_INTERNALS = ("_models", "_optimizers", "_schedulers", "_custom_objects", "_dataloaders", "gradient_state",
+                       "scaler", "step", "project_configuration", "_save_model_state_pre_hook",
+                       "_load_model_state_pre_hook")
 
 # training_state keys (the progress cursor).
 PROGRESS_GLOBAL_STEP = "global_step"  # completed optimizer steps (accumulation windows)
