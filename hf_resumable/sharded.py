@@ -90,7 +90,7 @@ from .checkpoint._sharded_load import (
 )
 from .checkpoint._validate import check_optimizer_document
 from .checkpoint._writer import check_target, save_payload
-from .checkpoint.api import CheckpointInfo
+from .checkpoint.api import CheckpointInfo, background_saver
 from .checkpoint.discovery import apply_retention
 from .checkpoint.manifest import Manifest
 from .checkpoint.verify import verify_checkpoint
@@ -106,7 +106,7 @@ from .constants import (
     STATE_KEY_SCHEDULER,
     TRAINING_STATE_FILE,
 )
-from .distributed import all_gather_json, rank_and_world_size
+from .distributed import all_gather_json, is_distributed, rank_and_world_size
 from .errors import CheckpointMismatchError, IncompleteCheckpointError
 from .rng import RngState
 from .sharding import build_index
@@ -214,6 +214,7 @@ def save_sharded_checkpoint(
     keep_last: int | None = None,
     hf_weights: bool = False,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    blocking: bool = True,
 ) -> CheckpointInfo:
     """Save a checkpoint in which every rank writes its own pieces of the model and optimizer, in parallel.
 
@@ -246,9 +247,14 @@ def save_sharded_checkpoint(
             which costs one model's worth of communication per rank. Optimizer state stays in per-rank pieces.
             Without it, call :func:`consolidate_sharded_checkpoint` to get an HF export.
         max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard size of the ``hf_weights`` files.
+        blocking (`bool`, *optional*, defaults to `True`): with `False`, every rank copies its pieces into
+            reusable host buffers and returns; the files are written in the background and rank 0 commits once
+            every rank's files are durable (over a gloo group of its own, never the training loop's). The next
+            save, any load, ``wait_for_pending_saves`` and interpreter exit wait for it and raise its error.
 
     Returns:
-        `CheckpointInfo`: path, step and the committed manifest.
+        `CheckpointInfo`: path, step and the committed manifest (``manifest=None`` while a non-blocking save is
+        in flight).
 
     Raises:
         CheckpointExistsError: if ``directory`` exists and ``overwrite`` is False.
@@ -265,7 +271,7 @@ def save_sharded_checkpoint(
     target = Path(directory)
     wait_for_pending_saves()
     rank, world_size = rank_and_world_size()
-    if rank == 0:
+    if not is_distributed():  # fail before capturing anything (under torch.distributed step 1 tells every rank)
         check_target(target, overwrite=overwrite)
     # 1. Global and per-rank non-tensor state, exactly as a regular checkpoint stores it.
     payload = capture_payload(
@@ -280,10 +286,17 @@ def save_sharded_checkpoint(
     if rank == 0:
         payload.blobs[LAYOUT_FILE] = _json_bytes(layout)
         capture_pretrained(payload, model, processing_class)
-    # 4. Commit: manifest last, after every rank's files are durable.
+    # 4. Commit: manifest last, after every rank's files are durable (in the background if not blocking).
+    def retention() -> None:
+        if keep_last is not None and rank == 0:
+            apply_retention(target.parent, keep_last=keep_last)
+
+    if not blocking:
+        background_saver().submit(target, payload, step=step, metrics=dict(metrics or {}), overwrite=overwrite,
+                                  on_commit=retention)
+        return CheckpointInfo(path=target, step=step)
     manifest = save_payload(target, payload, step=step, metrics=dict(metrics or {}), overwrite=overwrite)
-    if keep_last is not None and rank == 0:
-        apply_retention(target.parent, keep_last=keep_last)
+    retention()
     return CheckpointInfo(path=target, step=step, manifest=manifest)
 
 

@@ -15,13 +15,21 @@ import os
 import stat
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..constants import MANIFEST_FILE
-from ..distributed import all_gather_json, barrier, broadcast_json, is_distributed, rank_and_world_size
+from ..distributed import (
+    all_gather_json,
+    barrier,
+    broadcast_json,
+    checkpoint_group,
+    is_distributed,
+    rank_and_world_size,
+)
 from ..errors import CheckpointExistsError, HfResumableError
 from ..progress import progress_bar
 from ..rng import save_rng_state
@@ -115,18 +123,25 @@ def write_payload(tmp: Path, payload: Payload) -> dict[str, FileRecord]:
     return records
 
 
-def save_payload(target: Path, payload: Payload, *, step: int | None, metrics: dict[str, float] | None,
-                 overwrite: bool) -> Manifest:
-    """Write and commit ``payload`` at ``target`` (collective under torch.distributed).
+@dataclass(frozen=True)
+class SaveStart:
+    """A save that passed step 1 on every rank: its target, the temp dir, and what it may replace."""
 
-    The steps are those of docs/architecture.md, "Commit protocol". Errors keep their type (an
-    ``OSError`` keeps its errno) on the rank where they happened; the other ranks raise the same kind.
+    target: Path
+    tmp: Path
+    replaces: DirIdentity | None
+    group: Any = None
+
+
+def begin_save(target: Path, *, overwrite: bool, group: Any = None) -> SaveStart:
+    """Step 1 of the commit protocol (collective over ``group`` under torch.distributed).
+
+    Rank 0 checks the target (only an empty dir or our own checkpoint may be replaced) and creates the temp
+    dir under a name that carries its owner, so no cleaner can ever take it for a dead save's; every rank
+    learns its name, or rank 0's error (raised on every rank, with its type).
     """
-    started = time.perf_counter()
     distributed = is_distributed()
-    rank, world_size = rank_and_world_size()
-    # 1. Rank 0 checks the target (only an empty dir or our own checkpoint may be replaced) and creates the
-    #    temp dir under a name that carries its owner, so no cleaner can ever take it for a dead save's.
+    rank, _ = rank_and_world_size()
     replaces, tmp, failure = None, None, None
     if rank == 0:
         try:
@@ -136,12 +151,20 @@ def save_payload(target: Path, payload: Payload, *, step: int | None, metrics: d
             if not distributed:
                 raise
             failure = err
-    started_on_0 = broadcast_json({"tmp": None if tmp is None else tmp.name, "error": _describe(failure)})
-    if started_on_0["error"] is not None:
+    started = broadcast_json({"tmp": None if tmp is None else tmp.name, "error": _describe(failure)}, group=group)
+    if started["error"] is not None:
         if failure is not None:
             raise failure
-        raise _rebuild(started_on_0["error"], f"rank 0 could not start the save of {target}")
-    tmp = target.parent / started_on_0["tmp"]
+        raise _rebuild(started["error"], f"rank 0 could not start the save of {target}")
+    return SaveStart(target, target.parent / started["tmp"], replaces, group)
+
+
+def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics: dict[str, float] | None) -> Manifest:
+    """Steps 2-5 of the commit protocol for a save that :func:`begin_save` started (collective over its group)."""
+    began = time.perf_counter()
+    distributed = is_distributed()
+    rank, world_size = rank_and_world_size()
+    target, tmp, group = start.target, start.tmp, start.group
     # 2. Every rank writes its own files there: created exclusively, hashed while written, fsynced.
     try:
         records, local = write_payload(tmp, payload), None
@@ -151,12 +174,12 @@ def save_payload(target: Path, payload: Payload, *, step: int | None, metrics: d
             raise
         records, local = {}, err
     # 3. The records meet on every rank as JSON (never pickle). If any rank failed, nothing is committed.
-    gathered = all_gather_json({"records": records_to_json(records), "error": _describe(local)})
+    gathered = all_gather_json({"records": records_to_json(records), "error": _describe(local)}, group=group)
     failed = [entry["error"] for entry in gathered if entry["error"] is not None]
     if failed:
         if rank == 0:
             discard(tmp)
-        barrier()
+        barrier(group)
         if local is not None:
             raise local
         raise _rebuild(failed[0], f"saving {target} failed on another rank; the previous checkpoint is untouched")
@@ -170,14 +193,14 @@ def save_payload(target: Path, payload: Payload, *, step: int | None, metrics: d
     if rank == 0:
         try:
             write_bytes_durably(tmp / MANIFEST_FILE, manifest.to_json())
-            commit_dir(tmp, target, replaces=replaces)
+            commit_dir(tmp, target, replaces=start.replaces)
         except BaseException as err:
             discard(tmp)
             if not distributed or not isinstance(err, Exception):
                 raise
             outcome = err
     # 5. Every rank learns whether the commit happened.
-    committed = broadcast_json(_describe(outcome))
+    committed = broadcast_json(_describe(outcome), group=group)
     if committed is not None:
         if outcome is not None:
             raise outcome
@@ -185,8 +208,18 @@ def save_payload(target: Path, payload: Payload, *, step: int | None, metrics: d
     if rank == 0:
         total = sum(r.size for r in files.values())
         logger.info("Saved %s (%d files, %.1f MB) in %.2f s", target, len(files), total / 1e6,
-                    time.perf_counter() - started)
+                    time.perf_counter() - began)
     return manifest
+
+
+def save_payload(target: Path, payload: Payload, *, step: int | None, metrics: dict[str, float] | None,
+                 overwrite: bool) -> Manifest:
+    """Write and commit ``payload`` at ``target`` (collective under torch.distributed), blocking.
+
+    The steps are those of docs/architecture.md, "Commit protocol". Errors keep their type (an
+    ``OSError`` keeps its errno) on the rank where they happened; the other ranks raise the same kind.
+    """
+    return finish_save(begin_save(target, overwrite=overwrite), payload, step=step, metrics=metrics)
 
 
 def _describe(err: BaseException | None) -> dict[str, Any] | None:
@@ -240,13 +273,21 @@ class AsyncSaver:
         return payload
 
     def submit(self, target: Path, payload: Payload, *, step, metrics, overwrite, on_commit=None) -> None:
-        """Wait for the previous save, stage ``payload`` and start writing it in the background."""
+        """Wait for the previous save, stage ``payload`` and start writing it in the background.
+
+        Under torch.distributed every rank calls it: step 1 (rank 0 checks the target and creates the temp dir)
+        runs here, so a refused target raises now on every rank; the rest runs on the background thread,
+        whose collectives use their own gloo group (``distributed.checkpoint_group``), never the training
+        loop's.
+        """
         self.wait()
+        group = checkpoint_group()
         self.stage(payload)
+        start = begin_save(target, overwrite=overwrite, group=group)
 
         def run() -> None:
             try:
-                save_payload(target, payload, step=step, metrics=metrics, overwrite=overwrite)
+                finish_save(start, payload, step=step, metrics=metrics)
                 if on_commit is not None:
                     on_commit()
             except BaseException as err:  # noqa: BLE001 - kept and raised at the next call

@@ -47,6 +47,11 @@ class CheckpointInfo:
     manifest: Manifest | None = None
 
 
+def background_saver() -> AsyncSaver:
+    """The process's one background saver (at most one save in flight; loads and exit wait for it)."""
+    return _ASYNC
+
+
 def wait_for_pending_saves() -> None:
     """Block until the in-flight async save has committed.
 
@@ -102,7 +107,11 @@ def save_checkpoint(
         metrics (`Mapping[str, float]`, *optional*): recorded in the manifest, for ``best_metric`` retention.
         max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard size limit.
         blocking (`bool`, *optional*, defaults to `True`): with `False`, tensors are staged into
-            reusable host buffers and written by a background thread; the call returns after staging.
+            reusable host buffers and written by a background thread; the call returns after staging. Under
+            torch.distributed too: every rank stages and returns, writes its files in the background, and
+            rank 0 commits once every rank's files are durable (over a gloo group of its own, so the training
+            loop's collectives are never interleaved). The next save, any load, ``wait_for_pending_saves``
+            and interpreter exit wait for it and raise its error.
         overwrite (`bool`, *optional*, defaults to `False`): replace an existing checkpoint atomically.
         processing_class (*optional*): a tokenizer/processor whose ``save_pretrained`` files are included.
         keep_last (`int`, *optional*): after the commit, apply :func:`apply_retention` to the parent.
@@ -129,7 +138,7 @@ def save_checkpoint(
     target = Path(directory)
     _ASYNC.wait()
     rank, _world = rank_and_world_size()
-    if rank == 0:
+    if not is_distributed():  # fail before capturing anything (under torch.distributed step 1 tells every rank)
         check_target(target, overwrite=overwrite)
     payload = capture_payload(
         model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, training_state=training_state,
@@ -143,10 +152,6 @@ def save_checkpoint(
             apply_retention(target.parent, keep_last=keep_last, best_metric=best_metric,
                             greater_is_better=greater_is_better)
 
-    if not blocking and is_distributed():
-        logger.warning("blocking=False is not supported under torch.distributed yet (collectives from a background "
-                       "thread would race the training loop's); saving %s synchronously.", target)
-        blocking = True
     if not blocking:
         _ASYNC.submit(target, payload, step=step, metrics=metrics, overwrite=overwrite, on_commit=retention)
         return CheckpointInfo(path=target, step=step)

@@ -1,0 +1,134 @@
+"""One rank of a 2-rank gloo run that saves in the background while it trains (tests/test_distributed_async.py).
+
+Usage: ``dist_async_worker.py MODE ROOT`` with the torchrun environment set.
+
+Every mode trains the same data-parallel loop for 6 steps (gradients all-reduced on the default group after
+every backward, so training collectives run while background saves are in flight) and saves at steps 2, 4
+and 6 with ``save_checkpoint`` (or ``save_sharded_checkpoint`` on an FSDP2 model).
+
+* ``blocking`` / ``async``: saves with ``blocking=True`` / ``blocking=False``; writes ``result-rank{R}.json``
+  (losses, final weight digest, the stall of each save call).
+* ``sharded-blocking`` / ``sharded-async``: the same on an FSDP2 (``fully_shard``) model.
+* ``fail``: async; rank 1's background write of the step-4 save fails with ENOSPC. Every rank records the
+  error it got at the next wait (``error-rank{R}.json``).
+* ``kill``: async; rank 1 is SIGKILLed inside its background write of the step-4 save.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hf_resumable.checkpoint import _writer, save_checkpoint, wait_for_pending_saves
+from hf_resumable.errors import AsyncSaveError
+
+
+def build(sharded: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                                torch.nn.Linear(64, 4))
+    if sharded:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for index in (0, 2):
+            fully_shard(model[index], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def digest(model: torch.nn.Module) -> str:
+    state = model.state_dict()
+    h = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name]
+        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        h.update(name.encode())
+        h.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def sabotage(mode: str, rank: int) -> None:
+    """Make rank 1's background write of the step-4 save fail (ENOSPC) or die (SIGKILL).
+
+    Rank 1 writes only its RNG file in a regular checkpoint (rank 0 writes model and optimizer), so that write
+    is the one that fails.
+    """
+    original = _writer.save_rng_state
+
+    def write(path, state):
+        if rank == 1 and ".tmp-checkpoint-4" in str(path):
+            if mode == "kill":
+                Path(path).write_bytes(b"partial")
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return original(path, state)
+
+    _writer.save_rng_state = write
+
+
+def main() -> int:
+    mode, root = sys.argv[1], Path(sys.argv[2])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    sharded = mode.startswith("sharded")
+    blocking = mode.endswith("blocking")
+    if mode in ("fail", "kill"):
+        sabotage(mode, rank)
+    model, optimizer = build(sharded)
+    losses, stalls, error = [], [], None
+    generator = torch.Generator().manual_seed(100 + rank)
+    for step in range(1, 7):
+        inputs = torch.randn(8, 16, generator=generator)
+        loss = model(inputs).pow(2).mean()
+        loss.backward()
+        if not sharded:
+            for parameter in model.parameters():
+                dist.all_reduce(parameter.grad)  # the training loop's collectives, on the default group
+                parameter.grad /= world
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if step % 2 == 0:
+            started = time.perf_counter()
+            try:
+                if sharded:
+                    from hf_resumable.sharded import save_sharded_checkpoint
+
+                    save_sharded_checkpoint(root / f"checkpoint-{step}", model=model, optimizer=optimizer, step=step,
+                                            blocking=blocking)
+                else:
+                    save_checkpoint(root / f"checkpoint-{step}", model=model, optimizer=optimizer, step=step,
+                                    blocking=blocking)
+            except AsyncSaveError as err:
+                error = {"step": step, "type": type(err).__name__, "cause": type(err.__cause__).__name__,
+                         "errno": getattr(err.__cause__, "errno", None), "message": str(err)}
+                break
+            stalls.append(time.perf_counter() - started)
+    try:
+        wait_for_pending_saves()
+    except AsyncSaveError as err:
+        error = error or {"step": None, "type": type(err).__name__, "cause": type(err.__cause__).__name__,
+                          "errno": getattr(err.__cause__, "errno", None), "message": str(err)}
+    name = "error" if mode in ("fail", "kill") else "result"
+    (root / f"{name}-rank{rank}.json").write_text(json.dumps(
+        {"losses": losses, "digest": digest(model), "stalls": stalls, "error": error}))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

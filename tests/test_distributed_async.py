@@ -1,0 +1,83 @@
+"""Background saves under torch.distributed: 2 real gloo processes that keep training (with all-reduces on the
+default group) while their checkpoints are written and committed over a group of their own.
+
+* async saves commit exactly the bytes a blocking save commits, for DDP-style and FSDP2 (``fully_shard``) models,
+  and training is not disturbed (same losses and final weights);
+* a failure on one rank (ENOSPC) leaves no committed checkpoint, the previous one valid, and every rank raises
+  ``AsyncSaveError`` at its next save;
+* a rank SIGKILLed inside its background write: the other rank never commits, the previous checkpoint stays
+  the newest valid one.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+
+from hf_resumable.checkpoint import find_latest_checkpoint, list_checkpoints, read_manifest, verify_checkpoint
+
+from distributed_launch import launch_ranks
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+WORKER = str(Path(__file__).parent / "scripts" / "dist_async_worker.py")
+
+
+def _run(mode: str, root: Path, *, timeout: float = 150.0):
+    root.mkdir(parents=True, exist_ok=True)
+    return launch_ranks([WORKER, mode, str(root)], world_size=2, timeout=timeout)
+
+
+def _ok(results) -> None:
+    for result in results:
+        assert result.returncode == 0 and not result.killed_by_timeout, result.describe()
+
+
+def _tensor_records(checkpoint: Path) -> dict:
+    """sha256 of every tensor file (model, optimizer, pieces), which must not depend on blocking or not."""
+    files = read_manifest(checkpoint).files
+    return {name: record.sha256 for name, record in files.items()
+            if name.endswith(".safetensors") and not name.startswith("rng/")}
+
+
+@pytest.mark.parametrize("kind", ["", "sharded-"], ids=["ddp", "fsdp2"])
+def test_async_saves_commit_the_same_bytes_as_blocking_saves_while_training_goes_on(tmp_path, kind):
+    _ok(_run(f"{kind}blocking", tmp_path / "blocking"))
+    _ok(_run(f"{kind}async", tmp_path / "async"))
+    for rank in (0, 1):
+        blocking = json.loads((tmp_path / "blocking" / f"result-rank{rank}.json").read_text())
+        background = json.loads((tmp_path / "async" / f"result-rank{rank}.json").read_text())
+        assert background["losses"] == blocking["losses"] and background["digest"] == blocking["digest"]
+        assert background["error"] is None
+    for step in (2, 4, 6):
+        ours, reference = tmp_path / "async" / f"checkpoint-{step}", tmp_path / "blocking" / f"checkpoint-{step}"
+        assert verify_checkpoint(ours, full=True).ok
+        assert read_manifest(ours).world_size == 2
+        assert _tensor_records(ours) == _tensor_records(reference) and _tensor_records(ours)
+    leftovers = [p.name for p in (tmp_path / "async").iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+def test_a_failure_on_one_rank_commits_nothing_and_every_rank_raises_at_its_next_save(tmp_path):
+    root = tmp_path / "run"
+    _ok(_run("fail", root))
+    assert [s for s, _ in list_checkpoints(root)] == [2]
+    assert find_latest_checkpoint(root) == root / "checkpoint-2"
+    errors = [json.loads((root / f"error-rank{rank}.json").read_text())["error"] for rank in (0, 1)]
+    assert all(e is not None and e["type"] == "AsyncSaveError" and e["step"] == 6 for e in errors), errors
+    assert errors[1]["cause"] == "OSError" and errors[1]["errno"] == errno.ENOSPC  # the failing rank's own error
+    assert "ENOSPC" in errors[0]["message"] or "No space left" in errors[0]["message"]
+    assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-")] == []
+
+
+def test_a_rank_killed_inside_its_background_write_leaves_the_previous_checkpoint_newest(tmp_path):
+    root = tmp_path / "run"
+    results = _run("kill", root, timeout=120)
+    assert results[1].returncode == -9, results[1].describe()
+    assert results[0].returncode != 0 or results[0].killed_by_timeout  # its peer is gone
+    assert not (root / "checkpoint-4").exists()
+    assert find_latest_checkpoint(root) == root / "checkpoint-2"
+    assert verify_checkpoint(root / "checkpoint-2", full=True).ok
