@@ -59,6 +59,8 @@ from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
 from ..remote import is_remote, open_uploader, resolve_resume_path
 from ..rng import derive_seed, restore_rng_state
 from ..state import RunConfig, check_config_drift
+from ..state_codec import encode_state
+from ._trainer_family import DEFAULT_STATE_ATTRIBUTES, RESUMABLE_OPTIONS, encode_attribute, restore_attribute
 from ._trainer_hparams import (RESUME_HYPERPARAMETERS, HyperparameterChange, apply_new_hyperparameters,
                                hyperparameter_changes, hyperparameter_snapshot, report_hyperparameter_changes)
 from ._trainer_discovery import (CONVERTED_DIR, CheckpointKind, ResumeCheckpointNotFoundError, classify_checkpoint_dir,
@@ -66,7 +68,8 @@ from ._trainer_discovery import (CONVERTED_DIR, CheckpointKind, ResumeCheckpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ResumableTrainer", "ResumeCheckpointNotFoundError", "check_trainer_internals", "TESTED_TRANSFORMERS"]
+__all__ = ["ResumableTrainer", "make_resumable", "ResumeCheckpointNotFoundError", "check_trainer_internals",
+           "TESTED_TRANSFORMERS"]
 
 # Range of transformers versions whose internals this module was written against.
 TESTED_TRANSFORMERS = (">=5.0", "<6.0")
@@ -94,6 +97,7 @@ _SOURCE_CONTRACT = {
 TRAINER_STATE_FILE = "trainer_state.json"
 # Keys of the progress record saved in training_state.json["progress"].
 _PROGRESS_LOOP = "trainer_loop"  # accumulators of the logging loop (exact floats)
+_PROGRESS_ATTRIBUTES = "trainer_attributes"  # resumable_state_attributes of a Trainer subclass (TRL counters)
 _EXTRA_RUN_CONFIG = "run_config"  # RunConfig.to_dict()
 _EXTRA_MODEL_ONLY = "model_only"  # True when saved with save_only_model (cannot resume exactly)
 _EXTRA_HYPERPARAMETERS = "hyperparameters"  # _trainer_hparams.hyperparameter_snapshot()
@@ -290,11 +294,24 @@ class ResumableTrainer(Trainer):
     ```
     """
 
+    # Trainer attributes saved in every checkpoint when present (see _trainer_family); make_resumable adds more.
+    resumable_state_attributes: tuple[str, ...] = DEFAULT_STATE_ATTRIBUTES
+
     def __init__(self, *args: Any, allow_config_drift: bool = False, allow_inexact_resume: bool = False,
                  exit_on_preemption: bool = True, checkpoint_verify: str = "quick",
                  push_checkpoints_to: str | None = None, storage_options: dict | None = None,
                  restore_callback_states: bool = True, resume_hyperparameters: str = "checkpoint",
                  **kwargs: Any) -> None:
+        # Options given to a make_resumable() class were set aside before the subclass's constructor ran.
+        pending = self.__dict__.pop("_hfr_options", {})
+        allow_config_drift = pending.get("allow_config_drift", allow_config_drift)
+        allow_inexact_resume = pending.get("allow_inexact_resume", allow_inexact_resume)
+        exit_on_preemption = pending.get("exit_on_preemption", exit_on_preemption)
+        checkpoint_verify = pending.get("checkpoint_verify", checkpoint_verify)
+        push_checkpoints_to = pending.get("push_checkpoints_to", push_checkpoints_to)
+        storage_options = pending.get("storage_options", storage_options)
+        restore_callback_states = pending.get("restore_callback_states", restore_callback_states)
+        resume_hyperparameters = pending.get("resume_hyperparameters", resume_hyperparameters)
         if checkpoint_verify not in ("quick", "full"):
             raise ValueError(f"checkpoint_verify must be 'quick' or 'full', got {checkpoint_verify!r}.")
         if resume_hyperparameters not in RESUME_HYPERPARAMETERS:
@@ -632,7 +649,8 @@ class ResumableTrainer(Trainer):
             optimizer=None if model_only else _unwrapped_optimizer(self.optimizer),
             scheduler=None if model_only else self.lr_scheduler,
             scaler=None if model_only else self.accelerator.scaler,
-            step=self.state.global_step, training_state={_PROGRESS_LOOP: self._loop_state()},
+            step=self.state.global_step,
+            training_state={_PROGRESS_LOOP: self._loop_state(), _PROGRESS_ATTRIBUTES: self._trainer_attributes()},
             extra={_EXTRA_RUN_CONFIG: self._current_run_config().to_dict(), _EXTRA_MODEL_ONLY: model_only,
                    _EXTRA_HYPERPARAMETERS: hyperparameter_snapshot(self.args, max_steps=self.state.max_steps)},
             extra_files={TRAINER_STATE_FILE: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True)},
@@ -684,7 +702,23 @@ class ResumableTrainer(Trainer):
                 # recorded as a stop, so a restart with a larger max_steps continues
                 "stopped": bool(self.control.should_training_stop) and self.state.global_step < self.state.max_steps,
                 "epoch_end_done": loop.in_epoch_end,
+                # train/eval mode after this step's evaluation (TRL's log() picks its metrics by it)
+                "model_training": bool(self.model.training),
                 "grad_norm": loop.grad_norm, "learning_rate": loop.learning_rate}
+
+    def _trainer_attributes(self) -> dict[str, Any]:
+        return {name: encode_attribute(getattr(self, name)) for name in self.resumable_state_attributes
+                if hasattr(self, name)}
+
+    def _restore_trainer_attributes(self) -> None:
+        saved = self._resume.loaded.training_state.get(_PROGRESS_ATTRIBUTES) or {}
+        for name, value in saved.items():
+            if name in self.resumable_state_attributes:
+                setattr(self, name, restore_attribute(getattr(self, name, None), value))
+        missing = [name for name in self.resumable_state_attributes if hasattr(self, name) and name not in saved]
+        if missing and self._resume.converted_from is None:
+            self._inexact(f"{self._resume.path} does not hold the trainer attributes {missing} of "
+                          f"{type(self).__name__}")
 
     def _restore_loop_state(self) -> dict[str, Any] | None:
         loop = self._resume.loaded.training_state.get(_PROGRESS_LOOP)
@@ -754,6 +788,13 @@ class ResumableTrainer(Trainer):
                 f"{reason}; its checkpoints record no data position",
                 fix="Use train_sampling_strategy='random', 'sequential' or 'group_by_length' and the inherited "
                     "get_train_dataloader")
+        try:
+            encode_state(self._trainer_attributes(), {}, prefix=_PROGRESS_ATTRIBUTES)
+        except UnsupportedStateError as err:
+            raise UnsupportedStateError(
+                f"{err} Every checkpoint stores the trainer attributes {self.resumable_state_attributes}, so the first "
+                "save would fail. Nothing was trained. Leave that attribute out of make_resumable(..., "
+                "state_attributes=...) or keep it to numbers, strings, tensors, lists and dicts.") from err
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, ExportableState):
                 try:
@@ -823,9 +864,12 @@ class ResumableTrainer(Trainer):
         loop.prologue_done = True
         if self._resume is None:
             return
+        self._restore_trainer_attributes()
         record = self._restore_loop_state()
         if record is None:
             return
+        if "model_training" in record:
+            self.model.train(record["model_training"])
         step = self.state.global_step
         loop.finished = step >= self.state.max_steps or bool(record.get("stopped"))
         per_epoch = loop.steps_per_epoch or self.state.max_steps
@@ -902,3 +946,60 @@ class ResumableTrainer(Trainer):
         logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
         load_checkpoint(best, model=self.accelerator.unwrap_model(self.model), restore_rng=False,
                         verify=self.checkpoint_verify, allow_inexact_resume=True)  # weights only: no drift
+
+
+_RESUMABLE_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def make_resumable(trainer_class: type, *, state_attributes: tuple[str, ...] | list[str] = ()) -> type:
+    """The resumable version of a ``transformers.Trainer`` subclass (TRL's ``SFTTrainer``, ``Seq2SeqTrainer``...).
+
+    The returned class, ``Resumable<Name>``, is ``trainer_class`` with ``ResumableTrainer`` placed under it: the
+    subclass keeps its own preprocessing, ``compute_loss``, ``log``, model card and ``_save_checkpoint`` extras,
+    and gets ResumableTrainer's checkpoints, exact restarts, stock-checkpoint resume and early errors. Its
+    constructor takes the subclass's arguments plus ResumableTrainer's options (``allow_config_drift``,
+    ``allow_inexact_resume``, ``exit_on_preemption``, ``checkpoint_verify``, ``push_checkpoints_to``,
+    ``storage_options``, ``restore_callback_states``, ``resume_hyperparameters``). The same class is returned for
+    the same arguments.
+
+    Args:
+        trainer_class (`type`): a subclass of ``transformers.Trainer``.
+        state_attributes (`tuple[str, ...]`, *optional*): more trainer attributes to save in every checkpoint and
+            restore before the first resumed step (numbers, strings, tensors, lists, dicts), besides
+            ``ResumableTrainer.resumable_state_attributes`` (TRL's ``_metrics``, ``_total_train_tokens``, ``_step``).
+
+    Returns:
+        `type`: the resumable subclass (``trainer_class`` itself if it already is one).
+
+    Raises:
+        TypeError: if ``trainer_class`` is not a ``transformers.Trainer`` subclass.
+
+    Example:
+
+    ```python
+    >>> from trl import SFTConfig, SFTTrainer  # doctest: +SKIP
+    >>> ResumableSFTTrainer = make_resumable(SFTTrainer)  # doctest: +SKIP
+    >>> trainer = ResumableSFTTrainer(model=model, args=SFTConfig("out"), train_dataset=data)  # doctest: +SKIP
+    >>> trainer.train(resume_from_checkpoint=True)  # doctest: +SKIP
+    ```
+    """
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        raise TypeError(f"make_resumable expects a transformers.Trainer subclass, got {trainer_class!r}.")
+    extra = tuple(name for name in state_attributes if name not in ResumableTrainer.resumable_state_attributes)
+    if issubclass(trainer_class, ResumableTrainer) and not extra:
+        return trainer_class
+    key = (trainer_class, extra)
+    if key not in _RESUMABLE_CLASSES:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            self._hfr_options = {name: kwargs.pop(name) for name in RESUMABLE_OPTIONS if name in kwargs}
+            trainer_class.__init__(self, *args, **kwargs)
+
+        bases = (trainer_class,) if issubclass(trainer_class, ResumableTrainer) else (trainer_class, ResumableTrainer)
+        name = trainer_class.__name__ if trainer_class.__name__.startswith("Resumable") else (
+            f"Resumable{trainer_class.__name__}")
+        _RESUMABLE_CLASSES[key] = type(name, bases, {
+            "__init__": __init__, "__module__": __name__, "__qualname__": name,
+            "__doc__": f"``{trainer_class.__qualname__}`` made resumable by :func:`make_resumable`.\n\n"
+                       + (trainer_class.__doc__ or ""),
+            "resumable_state_attributes": ResumableTrainer.resumable_state_attributes + extra})
+    return _RESUMABLE_CLASSES[key]
