@@ -26,6 +26,9 @@ Exact resume needs two things from the data pipeline:
    inside the call, containers of more than 64 items, CUDA generators) are not covered.
 5. **Length-grouped batches.** ``group_by_length`` (the seq2seq/ASR habit) orders each epoch as a pure
    function of ``(seed, epoch, lengths)`` (:func:`length_grouped_order`), so it resumes exactly too.
+6. **Custom samplers.** An index sampler of the user's (a ``Trainer`` subclass's ``_get_train_sampler``,
+   TRL's ``RepeatSampler``) is replayed per epoch under a seed derived from ``(seed, epoch)``
+   (:func:`sampler_epoch_order`), which makes its order a function of the epoch, and resumed by cursor.
 
 The pieces are framework-agnostic (no ``transformers`` import); :mod:`hf_resumable.integrations.trainer`
 assembles them for the ``Trainer``.
@@ -83,6 +86,7 @@ __all__ = [
     "resumable_shuffle_buffer",
     "GeneratorSlots",
     "length_grouped_order",
+    "sampler_epoch_order",
 ]
 
 # Domain-separation tags for derive_seed, so the permutation, map-style batches and streaming batches
@@ -94,6 +98,7 @@ _TAG_LOADER = "loader"
 _TAG_FINGERPRINT = "fingerprint"
 _TAG_SHUFFLE_BUFFER = "shuffle-buffer"
 _TAG_GENERATOR = "private-generator"
+_TAG_SAMPLER = "custom-sampler"
 _BUFFER_NODE = "BufferShuffledExamplesIterable"  # datasets' shuffle buffer in an IterableDataset pipeline
 _ARRAY = "__hfr_array__"  # marker of a tensor/ndarray encoded inside a shuffle buffer's JSON state
 
@@ -168,6 +173,8 @@ class ResumableBatchSampler(Sampler[BatchKey]):
             :func:`length_grouped_order` (``group_by_length``) instead of a plain permutation.
         group_size (`int`, *optional*): samples that should have similar lengths (default: ``batch_size *
             world_size``; the Trainer passes its batch size times gradient accumulation times world size).
+        order (`Callable[[int], Sequence[int]]`, *optional*): ``epoch -> indices`` of a custom sampler (see
+            :func:`sampler_epoch_order`), ``num_samples`` long; replaces the built-in permutation.
 
     Example:
 
@@ -182,7 +189,8 @@ class ResumableBatchSampler(Sampler[BatchKey]):
 
     def __init__(self, num_samples: int, batch_size: int, *, seed: int, shuffle: bool = True,
                  drop_last: bool = False, rank: int = 0, world_size: int = 1, start_step: int = 0,
-                 lengths: Sequence[int] | None = None, group_size: int | None = None) -> None:
+                 lengths: Sequence[int] | None = None, group_size: int | None = None,
+                 order: Callable[[int], Sequence[int]] | None = None) -> None:
         if num_samples < 0 or batch_size < 1:
             raise ValueError(f"num_samples must be >= 0 and batch_size >= 1, got {num_samples} and {batch_size}.")
         if not 0 <= rank < world_size:
@@ -192,6 +200,7 @@ class ResumableBatchSampler(Sampler[BatchKey]):
                              "length grouping needs shuffle=True.")
         self.lengths = list(lengths) if lengths is not None else None
         self.group_size = group_size or batch_size * world_size
+        self.order = order
         self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
         self.shuffle, self.drop_last, self.rank, self.world_size = shuffle, drop_last, rank, world_size
         self.epoch = 0
@@ -220,7 +229,12 @@ class ResumableBatchSampler(Sampler[BatchKey]):
 
     def epoch_indices(self, epoch: int) -> list[int]:
         """This rank's sample order for ``epoch``."""
-        if self.shuffle:
+        if self.order is not None:
+            order = [int(index) for index in self.order(epoch)]
+            if len(order) != self.num_samples:
+                raise InexactResumeError(f"The sampler yielded {len(order)} indices for epoch {epoch}, but its length "
+                                         f"is {self.num_samples}; an epoch's order must have a fixed length.")
+        elif self.shuffle:
             generator = torch.Generator().manual_seed(derive_seed(self.seed, _TAG_PERMUTATION, epoch))
             if self.lengths is not None:
                 order = length_grouped_order(self.lengths, self.group_size, generator=generator)
@@ -395,6 +409,41 @@ def _dataset_generator_root(dataset: Any) -> Any:
     if type(dataset).__module__.split(".")[0] == "datasets":
         return (getattr(dataset, "_format_kwargs", None) or {}).get("transform")
     return dataset
+
+
+def sampler_epoch_order(sampler: Any, *, seed: int) -> Callable[[int], list[int]]:
+    """``epoch -> indices`` of an index sampler, as a pure function of ``(seed, epoch)``.
+
+    For each epoch the sampler's ``set_epoch`` (if any) is called, its private generators (a ``generator``
+    attribute...; see :class:`GeneratorSlots`) are reseeded from ``(seed, epoch)``, and it is iterated inside a
+    random context seeded the same way (``RandomSampler``/``WeightedRandomSampler`` without a generator draw their
+    seed from the global one), in the main process, with the caller's streams restored afterwards. A sampler whose
+    order depends on anything else (the wall clock, a counter of how often it was iterated) is not made exact.
+
+    Example:
+
+    ```python
+    >>> from torch.utils.data import RandomSampler
+    >>> order = sampler_epoch_order(RandomSampler(range(6)), seed=0)
+    >>> order(1) == order(1) != order(2)
+    True
+    ```
+    """
+    slots = GeneratorSlots(sampler)
+
+    def order(epoch: int) -> list[int]:
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
+        epoch_seed = derive_seed(seed, _TAG_SAMPLER, epoch)
+        slots.reseed(sampler, seed=epoch_seed)
+        with seeded_rng(epoch_seed):
+            indices = list(sampler)
+        if indices and not isinstance(indices[0], (int, np.integer, torch.Tensor)):
+            raise InexactResumeError(f"{type(sampler).__name__} yields {type(indices[0]).__name__} items, not sample "
+                                     "indices (a batch sampler?); only index samplers can be replayed by position.")
+        return [int(index) for index in indices]
+
+    return order
 
 
 def length_grouped_order(lengths: Sequence[int], group_size: int, *, generator: torch.Generator) -> list[int]:
@@ -577,8 +626,9 @@ def build_map_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], bat
                          shuffle: bool = True, drop_last: bool = False, rank: int = 0, world_size: int = 1,
                          num_workers: int = 0, pin_memory: bool = False, persistent_workers: bool = False,
                          prefetch_factor: int | None = None, multiprocessing_context: Any = None,
-                         lengths: Sequence[int] | None = None,
-                         group_size: int | None = None) -> ResumableDataLoader:
+                         lengths: Sequence[int] | None = None, group_size: int | None = None,
+                         order: Callable[[int], Sequence[int]] | None = None,
+                         num_samples: int | None = None) -> ResumableDataLoader:
     """A :class:`ResumableDataLoader` for a map-style data set.
 
     Args:
@@ -586,15 +636,17 @@ def build_map_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], bat
         collate_fn (`Callable`): collator, run in the same seeded context as the fetch.
         batch_size (`int`): per-rank batch size.
         seed (`int`): run seed (permutation, per-batch randomness, worker base seed).
-        shuffle, drop_last, rank, world_size, lengths, group_size: see :class:`ResumableBatchSampler`.
+        shuffle, drop_last, rank, world_size, lengths, group_size, order: see :class:`ResumableBatchSampler`.
+        num_samples (`int`, *optional*): indices per epoch of ``order`` (default: ``len(dataset)``).
         num_workers, pin_memory, persistent_workers, prefetch_factor, multiprocessing_context:
             forwarded to ``torch.utils.data.DataLoader``.
 
     Returns:
         [`ResumableDataLoader`]
     """
-    sampler = ResumableBatchSampler(len(dataset), batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last,
-                                    rank=rank, world_size=world_size, lengths=lengths, group_size=group_size)
+    count = len(dataset) if num_samples is None else num_samples
+    sampler = ResumableBatchSampler(count, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank,
+                                    world_size=world_size, lengths=lengths, group_size=group_size, order=order)
     kwargs = _loader_kwargs(seed, num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers,
                             prefetch_factor=prefetch_factor, multiprocessing_context=multiprocessing_context)
     return ResumableDataLoader(SeededMapDataset(dataset, collate_fn, seed=seed), batch_sampler=sampler, **kwargs)

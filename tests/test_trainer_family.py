@@ -1,5 +1,5 @@
-"""The Trainer family through ``make_resumable``: TRL's SFTTrainer (with and without ``peft_config``) and
-DPOTrainer, and transformers' Seq2SeqTrainer with ``predict_with_generate`` evaluation, killed with SIGKILL
+"""The Trainer family through ``make_resumable``: TRL's SFTTrainer (with and without ``peft_config``),
+DPOTrainer and GRPOTrainer, and transformers' Seq2SeqTrainer with ``predict_with_generate`` evaluation, killed with SIGKILL
 and restarted with the same command, end bit-identical to the uninterrupted run: every logged metric
 (TRL's ``num_tokens``, ``entropy``, ``mean_token_accuracy``, DPO's reward metrics, generated-token
 evaluation metrics), the final weights and the optimizer state.
@@ -21,7 +21,7 @@ from test_trainer_resume import KILLED, _env, _load, _resumed_from, assert_ident
 pytest.importorskip("trl", reason="trl is a test dependency (setup.cfg [test])")
 
 SCRIPT = Path(__file__).parent / "trainer_scripts" / "train_family.py"
-TRAINERS = ("sft", "sft_peft", "dpo", "seq2seq")
+TRAINERS = ("sft", "sft_peft", "dpo", "grpo", "seq2seq")
 _REFERENCES: dict[str, subprocess.Popen] = {}
 
 
@@ -62,6 +62,7 @@ def _reference(root: Path, trainer: str) -> Path:
     ("sft", {"kill_after_save": 3}),        # between two logs: TRL's pending metrics are in the checkpoint
     ("sft_peft", {"kill_mid_step": 2}),     # inside step 3 (after its first micro-batch); LoRA adapters
     ("dpo", {"kill_after_save": 3}),
+    ("grpo", {"kill_after_save": 3}),       # sampled completions: generation draws from the restored RNG
     ("seq2seq", {"kill_after_save": 3}),    # after the generate-based evaluation of step 2
 ], ids=TRAINERS)
 def test_killed_and_restarted_is_bit_identical(references: Path, tmp_path: Path, trainer: str,
@@ -76,6 +77,7 @@ def test_killed_and_restarted_is_bit_identical(references: Path, tmp_path: Path,
     expected = {"sft": {"num_tokens", "entropy", "mean_token_accuracy"},
                 "sft_peft": {"num_tokens", "mean_token_accuracy"},
                 "dpo": {"rewards/chosen", "rewards/margins", "rewards/accuracies"},
+                "grpo": {"reward", "reward_std", "num_tokens", "completions/mean_length"},
                 "seq2seq": {"eval_token_accuracy", "eval_loss"}}[trainer]
     assert expected <= logged, f"the comparison covers {sorted(expected - logged)} only if they are logged"
     if trainer.startswith("sft"):

@@ -59,6 +59,8 @@ CONFIGS = {
     # train_sampling_strategy="group_by_length" (lengths 5-20), 2 epochs, GA 2.
     "gpt2_group_by_length": ["--model", "gpt2", "--data", "lm", "--sampling", "group_by_length", "--ga", "2",
                              "--epochs", "2"],
+    # A user Trainer subclass (make_resumable) whose _get_train_sampler is a WeightedRandomSampler, 2 epochs.
+    "gpt2_user_sampler": ["--model", "gpt2", "--data", "lm", "--weighted-sampler", "--ga", "2", "--epochs", "2"],
     # PEFT LoRA adapters + evaluation every 2 steps + load_best_model_at_end + save_total_limit=2.
     "gpt2_lora_eval": ["--model", "gpt2", "--data", "lm", "--lora", "--eval", "--save-steps", "2",
                        "--save-total-limit", "2", "--epochs", "1"],
@@ -164,12 +166,13 @@ SIGTERM_EXIT = PREEMPTION_EXIT_CODE
         ("bert_mlm_seeded_w2", [({"kill_mid_step": 3}, KILLED)]),
         ("gpt2_private_rng", [({"kill_after_save": 4}, KILLED)]),
         ("gpt2_group_by_length", [({"kill_after_save": 7}, KILLED)]),
+        ("gpt2_user_sampler", [({"kill_mid_step": 8}, KILLED)]),
     ],
     ids=["gpt2-first-step-fresh-sigterm", "gpt2-epoch-end-then-again-workers", "bert-mlm-mid-window",
          "bert-wwm-workers", "llama-transform-workers", "torch-dataset-mid-step", "streaming-mid-step",
          "streaming-workers", "streaming-shuffle-buffer", "streaming-shuffle-buffer-workers",
          "lora-eval-best-retention", "seeded-collator-workers", "collator-private-generator",
-         "group-by-length-second-epoch"],
+         "group-by-length-second-epoch", "user-subclass-custom-sampler"],
 )
 def test_interrupted_and_restarted_is_bit_identical(reference_root: Path, tmp_path: Path, config: str,
                                                     interruptions: list[tuple[dict[str, int], int]]) -> None:

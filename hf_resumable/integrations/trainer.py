@@ -53,7 +53,7 @@ from ..checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoin
 from ..checkpoint import apply_retention, read_manifest, wait_for_pending_saves
 from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, OPTIMIZER_INDEX_FILE
 from ..data import (DATA_KIND, ResumableDataLoader, build_map_dataloader, build_stream_dataloader, data_rng,
-                    dataset_fingerprint, has_shuffle_buffer)
+                    dataset_fingerprint, has_shuffle_buffer, sampler_epoch_order)
 from ..errors import HfResumableError, InexactResumeError, UnsupportedStateError
 from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
 from ..remote import is_remote, open_uploader, resolve_resume_path
@@ -78,7 +78,8 @@ _INTERNALS = ("_inner_training_loop", "_run_epoch", "_init_training_state", "_pr
               "_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler",
               "_load_rng_state", "_load_best_model", "_remove_unused_columns", "_get_collator_with_removed_columns",
               "_get_output_dir", "_push_from_checkpoint", "store_flos", "_finalize_training",
-              "_maybe_log_save_evaluate", "_evaluate", "set_initial_training_values", "_load_callback_state")
+              "_maybe_log_save_evaluate", "_evaluate", "set_initial_training_values", "_load_callback_state",
+              "_get_dataloader", "_get_train_sampler")
 # Source fragments of Trainer methods whose behaviour we rely on (name -> fragments).
 _SOURCE_CONTRACT = {
     "_run_epoch": ("skip_first_batches(train_dataloader, steps_trained_in_current_epoch)",
@@ -512,13 +513,26 @@ class ResumableTrainer(Trainer):
         """The training loader: position-seeded, resumable without replay (see :mod:`hf_resumable.data`)."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
+        return self._get_dataloader(self.train_dataset, description="Training", batch_size=self._train_batch_size,
+                                    sampler_fn=self._get_train_sampler, is_training=True)
+
+    def _get_dataloader(self, dataset: Any, description: str, batch_size: int, sampler_fn: Any = None,
+                        is_training: bool = False, dataloader_key: str | None = None) -> Any:
+        """Training loaders (also those a subclass's own ``get_train_dataloader`` asks for, e.g. TRL's GRPO) are
+        hf_resumable loaders; evaluation loaders are the stock ones."""
+        if not is_training:
+            return super()._get_dataloader(dataset, description, batch_size, sampler_fn=sampler_fn,
+                                           is_training=is_training, dataloader_key=dataloader_key)
         strategy = self.args.train_sampling_strategy
-        if strategy not in ("random", "sequential", "group_by_length"):
-            self._loader_fallback = (f"train_sampling_strategy={self.args.train_sampling_strategy!r} is not supported "
-                                     "by ResumableTrainer, so the training data comes from the stock loader")
-            return super().get_train_dataloader()
-        dataset, collator = self._train_dataset_and_collator()
-        options = self._loader_options()
+        custom_sampler = (sampler_fn is not None and not isinstance(dataset, torch.utils.data.IterableDataset)
+                          and type(self)._get_train_sampler is not Trainer._get_train_sampler)
+        if strategy not in ("random", "sequential", "group_by_length") and not custom_sampler:
+            self._loader_fallback = (f"train_sampling_strategy={strategy!r} is not supported by ResumableTrainer, so "
+                                     "the training data comes from the stock loader")
+            return super()._get_dataloader(dataset, description, batch_size, sampler_fn=sampler_fn,
+                                           is_training=is_training, dataloader_key=dataloader_key)
+        dataset, collator = self._train_dataset_and_collator(dataset)
+        options = self._loader_options(batch_size)
         if isinstance(dataset, torch.utils.data.IterableDataset):
             if strategy == "group_by_length":
                 logger.warning("train_sampling_strategy='group_by_length' is ignored for a streaming data set (it "
@@ -531,6 +545,15 @@ class ResumableTrainer(Trainer):
                     "load_state_dict(), so no checkpoint can record where the stream stands",
                     fix="Use a datasets.IterableDataset (e.g. Dataset.to_iterable_dataset()) or a map-style data set, "
                         "or implement state_dict()/load_state_dict() on your data set")
+        elif custom_sampler:
+            # a subclass's _get_train_sampler (TRL's RepeatSampler, a weighted sampler...): replayed per epoch under a
+            # seed derived from (seed, epoch), batched and resumed by cursor
+            sampler = sampler_fn(dataset)
+            if sampler is None:
+                sampler = range(len(dataset))  # what DataLoader does without a sampler
+            loader = build_map_dataloader(dataset, collate_fn=collator, drop_last=self.args.dataloader_drop_last,
+                                          world_size=self.args.world_size, num_samples=len(sampler),
+                                          order=sampler_epoch_order(sampler, seed=options["seed"]), **options)
         else:
             grouped = strategy == "group_by_length"
             group_size = self._train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
@@ -559,8 +582,8 @@ class ResumableTrainer(Trainer):
                                  f"that are dicts with an {names[0]!r} key to read lengths from.")
             return [len(dataset[index][names[0]]) for index in range(len(dataset))]
 
-    def _train_dataset_and_collator(self) -> tuple[Any, Any]:
-        dataset, collator = self.train_dataset, self.data_collator
+    def _train_dataset_and_collator(self, dataset: Any) -> tuple[Any, Any]:
+        collator = self.data_collator
         try:
             import datasets
         except ImportError:  # pragma: no cover - datasets is a dependency
@@ -571,9 +594,9 @@ class ResumableTrainer(Trainer):
             collator = self._get_collator_with_removed_columns(collator, description="Training")
         return dataset, collator
 
-    def _loader_options(self) -> dict[str, Any]:
+    def _loader_options(self, batch_size: int) -> dict[str, Any]:
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        return dict(batch_size=self._train_batch_size, seed=seed, rank=self.args.process_index,
+        return dict(batch_size=batch_size, seed=seed, rank=self.args.process_index,
                     num_workers=self.args.dataloader_num_workers,
                     pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
                     persistent_workers=self.args.dataloader_persistent_workers,
@@ -992,12 +1015,12 @@ def make_resumable(trainer_class: type, *, state_attributes: tuple[str, ...] | l
     if key not in _RESUMABLE_CLASSES:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             self._hfr_options = {name: kwargs.pop(name) for name in RESUMABLE_OPTIONS if name in kwargs}
-            trainer_class.__init__(self, *args, **kwargs)
+            super(resumable, self).__init__(*args, **kwargs)  # the subclass's constructor, else ResumableTrainer's
 
         bases = (trainer_class,) if issubclass(trainer_class, ResumableTrainer) else (trainer_class, ResumableTrainer)
         name = trainer_class.__name__ if trainer_class.__name__.startswith("Resumable") else (
             f"Resumable{trainer_class.__name__}")
-        _RESUMABLE_CLASSES[key] = type(name, bases, {
+        resumable = _RESUMABLE_CLASSES[key] = type(name, bases, {
             "__init__": __init__, "__module__": __name__, "__qualname__": name,
             "__doc__": f"``{trainer_class.__qualname__}`` made resumable by :func:`make_resumable`.\n\n"
                        + (trainer_class.__doc__ or ""),

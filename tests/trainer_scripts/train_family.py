@@ -3,6 +3,8 @@
     --trainer sft        TRL SFTTrainer (text data set, tokenized by TRL), logging every 2 steps
     --trainer sft_peft   the same with peft_config=LoraConfig(...) (TRL wraps the model)
     --trainer dpo        TRL DPOTrainer (prompt/chosen/rejected), explicit reference model
+    --trainer grpo       TRL GRPOTrainer (2 sampled completions per prompt, a length reward; its RepeatSampler
+                         is replayed by position)
     --trainer seq2seq    transformers' Seq2SeqTrainer, T5, evaluation with predict_with_generate every 2 steps
 
 The kill switches (HFR_KILL_AFTER_SAVE, HFR_KILL_MID_STEP, ...) and the result files are those of
@@ -45,7 +47,7 @@ def exact_tokens(prediction: transformers.EvalPrediction) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--trainer", required=True, choices=["sft", "sft_peft", "dpo", "seq2seq"])
+    p.add_argument("--trainer", required=True, choices=["sft", "sft_peft", "dpo", "grpo", "seq2seq"])
     p.add_argument("--max-steps", type=int, default=6)
     p.add_argument("--ga", type=int, default=2)
     a = p.parse_args(argv)
@@ -86,6 +88,16 @@ def main(argv: list[str] | None = None) -> int:
         trainer = make_resumable(DPOTrainer)(
             model=build_model("gpt2"), ref_model=build_model("gpt2"), args=DPOConfig(max_length=32, **common),
             train_dataset=train, processing_class=tokenizer, callbacks=callbacks)
+    elif a.trainer == "grpo":
+        from trl import GRPOConfig, GRPOTrainer
+
+        def reward(completions: list[str], **kwargs) -> list[float]:
+            return [len(set(completion.split())) / 4 for completion in completions]
+
+        train = datasets.Dataset.from_dict({"prompt": [words(r[:4]) for r in rows]})
+        trainer = make_resumable(GRPOTrainer)(
+            model=build_model("gpt2"), reward_funcs=reward, train_dataset=train, processing_class=tokenizer,
+            args=GRPOConfig(num_generations=2, max_completion_length=4, **common), callbacks=callbacks)
     else:
         def pairs(source: list[list[int]]) -> datasets.Dataset:
             return datasets.Dataset.from_dict({"input_ids": [r[:12] for r in source],

@@ -204,6 +204,15 @@ class Interrupter(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class WeightedTrainer(transformers.Trainer):
+    """A user subclass that samples rows with weights 1, 2, 3, 1, 2, 3, ... (with replacement)."""
+
+    def _get_train_sampler(self, train_dataset=None):
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        weights = [1.0 + i % 3 for i in range(len(dataset))]
+        return torch.utils.data.WeightedRandomSampler(weights, num_samples=len(dataset), replacement=True)
+
+
 RANK = int(os.environ.get("RANK", "0"))
 
 
@@ -238,7 +247,7 @@ def dump_results(trainer, output_dir: Path, train_output) -> None:
     suffix = f"-rank{RANK}" if RANK else ""
     save_file(tensors, str(output_dir / f"final{suffix}.safetensors"))
     # Wall-clock fields are the only non-deterministic ones; they are removed by name.
-    timing = ("_runtime", "_samples_per_second", "_steps_per_second")
+    timing = ("_runtime", "_samples_per_second", "_steps_per_second", "step_time")  # step_time: TRL's GRPO
     history = [{k: v for k, v in entry.items() if not k.endswith(timing)} for entry in trainer.state.log_history]
     resumed_from = getattr(trainer, "resumed_from", None)
     metrics = {k: v for k, v in train_output.metrics.items() if not k.endswith(timing)}
@@ -269,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--early-stopping", type=int, default=None,
                    help="EarlyStoppingCallback patience (threshold 1.0: every evaluation after the first counts)")
     p.add_argument("--no-restore-callbacks", action="store_true", help="ResumableTrainer(restore_callback_states=False)")
+    p.add_argument("--weighted-sampler", action="store_true",
+                   help="a user Trainer subclass whose _get_train_sampler is a WeightedRandomSampler (make_resumable)")
     p.add_argument("--stock", action="store_true", help="use transformers.Trainer (for comparisons)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--sampling", default="random", choices=["random", "sequential", "group_by_length"])
@@ -312,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
         kwargs["eval_dataset"] = datasets.Dataset.from_dict({"input_ids": token_rows(16, seed=5)})
     if a.stock:
         trainer = transformers.Trainer(**kwargs)
+    elif a.weighted_sampler:
+        from hf_resumable.integrations.trainer import make_resumable
+
+        trainer = make_resumable(WeightedTrainer)(allow_config_drift=a.allow_config_drift, **kwargs)
     else:
         trainer = ResumableTrainer(allow_config_drift=a.allow_config_drift,
                                    allow_inexact_resume=a.allow_inexact_resume,
