@@ -15,8 +15,15 @@ process may write ``/proc/sys/vm/drop_caches``. Ranks are plain subprocesses wit
 environment on 127.0.0.1. Prints a markdown table with bandwidths and ratios. (Upload throughput to an
 object store is measured elsewhere.)
 
+With ``--stall``, instead: the cost of a checkpoint to the training loop at 2 gloo ranks on the same FSDP2
+model + AdamW state, in one process group and interleaved rounds: our blocking ``save_sharded_checkpoint``,
+our ``blocking=False`` stall (until the call returns; the files are then written in the background), torch's
+DCP ``dcp.save`` and DCP ``dcp.async_save``'s stall (until it returns its future), each also timed to
+completion. Medians of every rank's times (the slower rank of each save counts).
+
 Usage:
     python benchmarks/bench_distributed.py [--rounds 3] [--repeats 2] [--dir /path/on/the/disk] [--hidden 512]
+    python benchmarks/bench_distributed.py --stall [--repeats 5] [--hidden 512]
 """
 
 from __future__ import annotations
@@ -128,6 +135,86 @@ def worker(mode: str, root: Path, repeats: int, hidden: int, out: Path) -> None:
         dist.destroy_process_group()
 
 
+def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
+    """One FSDP2 rank: every save kind ``repeats`` times in rotating order; per save, the stall and the total."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_resumable import wait_for_pending_saves
+    from hf_resumable.sharded import save_sharded_checkpoint
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = build(hidden)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = prime_optimizer(model)
+
+    def ours(path: Path, blocking: bool):
+        save_sharded_checkpoint(path, model=model, optimizer=optimizer, step=0, blocking=blocking)
+        return wait_for_pending_saves
+
+    def theirs(path: Path, blocking: bool):
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optimizer_state}
+        if blocking:
+            dcp.save(state, checkpoint_id=str(path))
+            return lambda: None
+        future = dcp.async_save(state, checkpoint_id=str(path))
+        return lambda: future.result()
+
+    kinds = {"ours blocking": (ours, True), "ours async": (ours, False), "DCP save": (theirs, True),
+             "DCP async_save": (theirs, False)}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in kinds}
+    names = list(kinds)
+    for i in range(repeats + 1):  # the first round warms up (staging buffers, DCP's first plan)
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            save, blocking = kinds[name]
+            path = root / f"{name.replace(' ', '-')}-{i}"
+            if rank == 0:
+                drop_caches()
+            dist.barrier()
+            start = time.perf_counter()
+            finish = save(path, blocking)
+            returned = time.perf_counter() - start
+            finish()
+            total = time.perf_counter() - start
+            dist.barrier()
+            if i:
+                times[name].append((returned, total))
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)  # benchmark driver only: the library never pickles
+    if rank == 0:
+        slowest = {name: [max(per_rank[name][k] for per_rank in gathered) for k in range(repeats)] for name in names}
+        out.write_text(json.dumps({"times": slowest, "bytes_per_rank": sum(
+            t.numel() * t.element_size() for t in list(model.state_dict().values()))}))
+    dist.destroy_process_group()
+
+
+def stall_report(result: dict, args: argparse.Namespace) -> str:
+    times = result["times"]
+
+    def median(name: str, index: int) -> float:
+        return statistics.median(entry[index] for entry in times[name])
+
+    blocking, dcp_stall = median("ours blocking", 1), median("DCP async_save", 0)
+    lines = [f"2 gloo ranks, FSDP2 Llama-shaped model (hidden {args.hidden}) + AdamW; median of {args.repeats} "
+             "interleaved saves each (slower rank), after a warm-up round.", "",
+             "| save | call returns after (s) | done after (s) | stall vs our blocking save | vs DCP async_save stall |",
+             "|---|---:|---:|---:|---:|"]
+    for name in times:
+        stall, total = median(name, 0), median(name, 1)
+        lines.append(f"| {name} | {stall:.3f} | {total:.3f} | {stall / blocking:.3f}x | {stall / dcp_stall:.2f}x |")
+    lines += ["", f"ours blocking vs DCP save: {median('DCP save', 1) / blocking:.2f}x the speed (higher is better)"]
+    return "\n".join(lines)
+
+
 # --- driver ----------------------------------------------------------------------------------------
 
 
@@ -229,14 +316,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed saves per writer and round (after a warm-up)")
     parser.add_argument("--dir", type=Path, default=None, help="directory on the disk to test (default: a temp dir)")
     parser.add_argument("--hidden", type=int, default=512, help="hidden size of the Llama-shaped model")
+    parser.add_argument("--stall", action="store_true", help="compare save stalls with torch DCP instead")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker == "stall":
+        stall_worker(args.dir, args.repeats, args.hidden, args.dir / "stall.json")
+        return
     if args.worker is not None:
         worker(args.worker, args.dir, args.repeats, args.hidden, args.dir / f"{args.worker}.json")
         return
     root = Path(tempfile.mkdtemp(prefix="bench-distributed-", dir=args.dir))
     try:
-        print(report(measure(root, args), args))
+        if args.stall:
+            print(stall_report(launch("stall", 2, root, args), args))
+        else:
+            print(report(measure(root, args), args))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

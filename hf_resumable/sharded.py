@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from ._jsonio import json_bytes
 from .checkpoint import open_checkpoint, wait_for_pending_saves
 from .checkpoint._model import TIED_KEY
 from .checkpoint._payload import Payload, TensorFile, add_sharded, capture_payload, capture_pretrained
@@ -146,10 +147,6 @@ def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     return state
 
 
-def _json_bytes(document: Any) -> bytes:
-    return (json.dumps(document, indent=2) + "\n").encode()
-
-
 def _add_hf_weights(payload: Payload, weights: Mapping[str, torch.Tensor], local: LocalState, *, rank: int,
                     world_size: int, max_shard_size: int | str) -> dict[str, Any]:
     """Add the HF shard files this rank owns (whole tensors, gathered) and, on rank 0, their index."""
@@ -161,7 +158,7 @@ def _add_hf_weights(payload: Payload, weights: Mapping[str, torch.Tensor], local
             payload.tensor_files.append(TensorFile(filename, mine[filename], {"format": "pt"}))
     if rank == 0:
         index = build_index(plan, metadata={TIED_KEY: local.tied, "format": "pt"})
-        payload.blobs[MODEL_INDEX_FILE] = _json_bytes(index)
+        payload.blobs[MODEL_INDEX_FILE] = json_bytes(index)
     return hf_weights_section(plan, local.tensors, local.tied)
 
 
@@ -284,7 +281,8 @@ def save_sharded_checkpoint(
                          max_shard_size=max_shard_size)
     # 3. Rank 0 adds the layout and the files from_pretrained needs besides the weights.
     if rank == 0:
-        payload.blobs[LAYOUT_FILE] = _json_bytes(layout)
+        # Compact: the layout names every piece of every rank, and the C encoder (no indent) keeps the stall short.
+        payload.blobs[LAYOUT_FILE] = json_bytes(layout, indent=None)
         capture_pretrained(payload, model, processing_class)
     # 4. Commit: manifest last, after every rank's files are durable (in the background if not blocking).
     def retention() -> None:

@@ -91,7 +91,7 @@ def launch_ranks(argv: list[str], *, world_size: int, timeout: float,
 
 
 def run_torchrun(script: str | Path, args: list[str], *, env: dict[str, str], timeout: float,
-                 nproc: int = 2) -> subprocess.CompletedProcess:
+                 nproc: int = 2, torchrun_args: list[str] = ()) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node N script args`` on 127.0.0.1 with a free port, in its own session.
 
     torchrun starts each worker in a session of its own, so on timeout the whole process tree is collected
@@ -103,7 +103,7 @@ def run_torchrun(script: str | Path, args: list[str], *, env: dict[str, str], ti
     import pytest
 
     command = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(nproc), "--master-addr",
-               "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
+               "127.0.0.1", "--master-port", str(free_port()), *torchrun_args, str(script), *args]
     proc = subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
