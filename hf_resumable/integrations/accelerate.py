@@ -79,10 +79,11 @@ from packaging import version
 
 from ..checkpoint import (
     LoadedCheckpoint,
+    OpenedCheckpoint,
     apply_retention,
     find_latest_checkpoint,
     list_checkpoints,
-    load_checkpoint,
+    open_checkpoint,
     save_checkpoint,
     verify_checkpoint,
     wait_for_pending_saves,
@@ -860,7 +861,8 @@ class ResumableAccelerator(Accelerator):
             ConfigDriftError: the world size, accumulation steps or data layout differ from the saved run
                 (unless ``allow_inexact_resume``).
             InexactResumeError: this process's RNG or data position is missing (unless ``allow_inexact_resume``).
-            CorruptCheckpointError / CheckpointMismatchError: see :func:`hf_resumable.load_checkpoint`.
+            CorruptCheckpointError / CheckpointMismatchError: see :func:`hf_resumable.checkpoint.open_checkpoint`
+                and ``OpenedCheckpoint.load_into`` (everything is checked before anything is filled).
             TypeError: an unsupported ``map_location`` or option.
         """
         strict = self._load_options(load_kwargs, load_model_func_kwargs)
@@ -870,10 +872,10 @@ class ResumableAccelerator(Accelerator):
             if self.is_main_process:
                 logger.info("No valid checkpoint under %s; starting from scratch.", self.checkpoint_dir)
             return None
-        # 1. Compare the saved settings with ours before any object is touched.
-        peek = self._read_checkpoint(path)
-        self._check_drift(path, peek.manifest.world_size, peek.extra.get(EXTRA_RUN))
-        layout = self._layout_of(peek)
+        # 1. Verify and decode once; compare the saved settings with ours before any object is touched.
+        opened = self._open_checkpoint(path)
+        self._check_drift(path, opened.manifest.world_size, opened.extra.get(EXTRA_RUN))
+        layout = self._layout_of(opened)
         # 2. accelerate's load hooks: a model they remove from the list is not loaded here.
         models = list(self._models)
         for hook in self._load_model_state_pre_hook.values():
@@ -882,10 +884,9 @@ class ResumableAccelerator(Accelerator):
                       schedulers=len(self._schedulers), where=str(path))
         # 3. Fill the objects (RNG excluded: it goes last).
         core_model, core_optimizer = self._core_load_targets(layout, models)
-        loaded = self._read_checkpoint(path, model=core_model, optimizer=core_optimizer,
-                                       scheduler=getattr(self._schedulers[0], "scheduler", self._schedulers[0])
-                                       if self._schedulers else None,
-                                       scaler=self.scaler, strict=strict)
+        loaded = opened.load_into(model=core_model, optimizer=core_optimizer,
+                                  scheduler=getattr(self._schedulers[0], "scheduler", self._schedulers[0])
+                                  if self._schedulers else None, scaler=self.scaler, strict=strict)
         self._restore_extra_objects(path, layout, loaded.extra, models, strict=strict)
         # 4. Counters and data positions, 5. registered objects, 6. RNG.
         self._restore_counters(path, loaded)
@@ -913,11 +914,10 @@ class ResumableAccelerator(Accelerator):
                            "so they are ignored.", sorted(load_kwargs))
         return strict
 
-    def _read_checkpoint(self, path: Path, **objects: Any) -> LoadedCheckpoint:
-        """The one place the resume path reads a checkpoint (without objects: a look at its state only)."""
-        if not objects:
-            return load_checkpoint(path, restore_rng=False, allow_inexact_resume=True)
-        return load_checkpoint(path, restore_rng=False, allow_inexact_resume=self.allow_inexact_resume, **objects)
+    def _open_checkpoint(self, path: Path) -> OpenedCheckpoint:
+        """The one place the resume path reads a checkpoint: verified and decoded once, no live object touched."""
+        return open_checkpoint(path, allow_inexact_resume=self.allow_inexact_resume,
+                               counters=(PROGRESS_MICRO_STEP, PROGRESS_ITERATION))
 
     def _layout_of(self, peek: LoadedCheckpoint) -> Layout:
         record = peek.extra.get(EXTRA_LAYOUT)
