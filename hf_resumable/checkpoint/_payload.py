@@ -174,14 +174,32 @@ def _capture_shared(payload: Payload, model, optimizer, scheduler, scaler, train
         payload.tensor_files.append(TensorFile(STATE_TENSORS_FILE, sorted(state_tensors.items())))
 
 
+# id(config) -> (its JSON, the files its save_pretrained wrote): a config that did not change since the last save is
+# not written to a temporary directory again (saves run on the training loop's time).
+_CONFIG_FILES: dict[int, tuple[str, dict[str, bytes]]] = {}
+
+
+def _config_files(config: Any) -> dict[str, bytes]:
+    """``config.save_pretrained``'s files, reused while the config's JSON is unchanged."""
+    to_json = getattr(config, "to_json_string", None)
+    key = to_json() if callable(to_json) else None
+    cached = _CONFIG_FILES.get(id(config))
+    if key is not None and cached is not None and cached[0] == key:
+        return cached[1]
+    files = _pretrained_files(config.save_pretrained)
+    if key is not None:
+        _CONFIG_FILES[id(config)] = (key, files)
+    return files
+
+
 def capture_pretrained(payload: Payload, model: torch.nn.Module, processing_class: Any) -> None:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
-        payload.blobs.update(_pretrained_files(config.save_pretrained))
+        payload.blobs.update(_config_files(config))
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and hasattr(generation_config, "save_pretrained"):
         try:
-            payload.blobs.update(_pretrained_files(generation_config.save_pretrained))
+            payload.blobs.update(_config_files(generation_config))
         except ValueError as err:  # transformers refuses to save an invalid generation config
             logger.warning("Not saving generation_config.json: %s", err)
     if hasattr(model, "peft_config") and hasattr(model, "save_pretrained"):

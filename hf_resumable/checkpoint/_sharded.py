@@ -16,6 +16,8 @@ they are tested without tensors.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import logging
 import math
@@ -171,15 +173,22 @@ def local_box(tensor: torch.Tensor) -> Box:
     """
     if not _is_dtensor(tensor):
         return Box((0,) * tensor.dim(), tuple(tensor.shape))
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     if any(p.is_partial() for p in tensor.placements):
         raise UnsupportedStateError(
             f"A DTensor with placements {tensor.placements} holds a pending reduction (Partial); call "
             "redistribute() to Shard or Replicate before saving."
         )
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    return Box(tuple(int(x) for x in offset), tuple(int(x) for x in shape))
+    return _box_of(tuple(tensor.shape), tensor.device_mesh, tuple(tensor.placements))
+
+
+@functools.lru_cache(maxsize=65536)
+def _box_of(shape: tuple[int, ...], mesh: Any, placements: tuple) -> Box:
+    """The local box of a global ``shape`` placed on ``mesh`` (pure in its arguments, so computed once per save
+    layout instead of once per tensor per save)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return Box(tuple(int(x) for x in offset), tuple(int(x) for x in local_shape))
 
 
 def _writes_piece(tensor: torch.Tensor, rank: int) -> bool:
@@ -193,7 +202,12 @@ def _writes_piece(tensor: torch.Tensor, rank: int) -> bool:
 
 
 def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.to_local() if _is_dtensor(tensor) else tensor).detach()
+    if not _is_dtensor(tensor):
+        return tensor.detach()
+    # The local shard itself (what to_local() returns, without its autograd Function: this runs for every
+    # tensor at every save, on the training loop's time).
+    local = getattr(tensor, "_local_tensor", None)
+    return (local if isinstance(local, torch.Tensor) else tensor.to_local()).detach()
 
 
 @dataclass
