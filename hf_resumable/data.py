@@ -174,7 +174,9 @@ class ResumableBatchSampler(Sampler[BatchKey]):
         group_size (`int`, *optional*): samples that should have similar lengths (default: ``batch_size *
             world_size``; the Trainer passes its batch size times gradient accumulation times world size).
         order (`Callable[[int], Sequence[int]]`, *optional*): ``epoch -> indices`` of a custom sampler (see
-            :func:`sampler_epoch_order`), ``num_samples`` long; replaces the built-in permutation.
+            :func:`sampler_epoch_order`), ``num_samples`` long; replaces the built-in permutation. Under data
+            parallelism it is sharded by whole batches (rank ``r`` takes batches ``r``, ``r + world_size``, ...,
+            as accelerate's ``BatchSamplerShard`` does), not by sample.
 
     Example:
 
@@ -209,7 +211,11 @@ class ResumableBatchSampler(Sampler[BatchKey]):
         self.start_step = start_step
 
     def _samples_per_rank(self) -> int:
-        return math.ceil(self.num_samples / self.world_size) if self.num_samples else 0
+        if not self.num_samples:
+            return 0
+        if self.order is not None and self.world_size > 1:  # sharded by whole batches, padded to full rounds
+            return math.ceil(self.num_samples / (self.batch_size * self.world_size)) * self.batch_size
+        return math.ceil(self.num_samples / self.world_size)
 
     def __len__(self) -> int:
         per_rank = self._samples_per_rank()
@@ -244,7 +250,13 @@ class ResumableBatchSampler(Sampler[BatchKey]):
             order = list(range(self.num_samples))
         padded = self._samples_per_rank() * self.world_size
         if order and padded > len(order):
-            order += order[: padded - len(order)]
+            order += (order * (padded // len(order) + 1))[: padded - len(order)]
+        if self.order is not None:
+            # a custom sampler's consecutive indices belong together (TRL's RepeatSampler repeats each prompt
+            # num_generations times): rank r takes whole batches r, r + world_size, ... as accelerate does
+            size = self.batch_size
+            return [index for start in range(self.rank * size, len(order), size * self.world_size)
+                    for index in order[start : start + size]]
         return order[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[BatchKey]:

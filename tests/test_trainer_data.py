@@ -108,3 +108,14 @@ def test_a_length_grouped_sampler_resumes_at_any_batch() -> None:
     assert [key.indices for key in sampler.skip(57)] == full[57:]
     sampler.set_epoch(2)
     assert [key.indices for key in sampler] != full
+
+
+def test_a_custom_sampler_order_is_sharded_by_whole_batches() -> None:
+    """Consecutive indices of a custom sampler (TRL's repeated prompts) stay together on one rank, as with
+    accelerate's BatchSamplerShard; one process keeps a short last batch, as a DataLoader does."""
+    order = lambda epoch: [i // 2 for i in range(12)]  # noqa: E731 - each index twice, like num_generations=2
+    ranks = [[key.indices for key in ResumableBatchSampler(12, 2, seed=0, rank=r, world_size=2, order=order)]
+             for r in (0, 1)]
+    assert ranks == [[(0, 0), (2, 2), (4, 4)], [(1, 1), (3, 3), (5, 5)]]
+    single = ResumableBatchSampler(10, 4, seed=0, order=lambda epoch: list(range(10)))
+    assert [key.indices for key in single] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9)]

@@ -56,7 +56,7 @@ from ..data import (DATA_KIND, ResumableDataLoader, build_map_dataloader, build_
                     dataset_fingerprint, has_shuffle_buffer, sampler_epoch_order)
 from ..errors import HfResumableError, InexactResumeError, UnsupportedStateError
 from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
-from ..remote import is_remote, open_uploader, resolve_resume_path
+from ..locations import is_remote, open_uploader, resolve_resume_path
 from ..rng import derive_seed, restore_rng_state
 from ..state import RunConfig, check_config_drift
 from ..state_codec import encode_state
@@ -678,7 +678,8 @@ class ResumableTrainer(Trainer):
                    _EXTRA_HYPERPARAMETERS: hyperparameter_snapshot(self.args, max_steps=self.state.max_steps)},
             extra_files={TRAINER_STATE_FILE: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True)},
             data_state=self._data_position(), rng=not model_only, metrics=self._metrics_of_this_step(),
-            processing_class=self.processing_class, overwrite=True)
+            # as Trainer._save: without a processing_class, the collator's tokenizer is saved
+            processing_class=self.processing_class or getattr(self.data_collator, "tokenizer", None), overwrite=True)
         self._drop_conversion()
         if self.args.push_to_hub:
             self._push_from_checkpoint(str(output_dir))
