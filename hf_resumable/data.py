@@ -393,7 +393,8 @@ class GeneratorSlots:
     @property
     def paths(self) -> list[str]:
         """Readable paths of the generators found (``"inner.generator"``, ``"rng"``...)."""
-        return [".".join([str(key) for _, key in path] + (["generator"] if lazy else [])) for path, lazy in self._slots]
+        return [".".join([str(key) for _, key in path] + (["generator"] if lazy else []))
+                for path, lazy in self._slots]
 
     def __bool__(self) -> bool:
         return bool(self._slots)
@@ -985,7 +986,8 @@ def resumable_shuffle_buffer(dataset: Any, *, rank: int = 0) -> ResumableShuffle
         path.append(node)
         node = getattr(node, "ex_iterable", None)
     if node is None:
-        raise InexactResumeError("The stream's shuffle buffer is inside a multi-source pipeline (interleave/concatenate) "
+        raise InexactResumeError("The stream's shuffle buffer is inside a multi-source pipeline "
+                                 "(interleave/concatenate) "
                                  "or absent; hf_resumable can only replace a buffer of a single-source pipeline.")
     child = node.ex_iterable
     if type(child).__name__ == "InterleavedShardsExamplesIterable":

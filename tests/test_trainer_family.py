@@ -1,7 +1,7 @@
 """The Trainer family through ``make_resumable``: TRL's SFTTrainer (with and without ``peft_config``),
-DPOTrainer and GRPOTrainer, and transformers' Seq2SeqTrainer with ``predict_with_generate`` evaluation, killed with SIGKILL
-and restarted with the same command, end bit-identical to the uninterrupted run: every logged metric
-(TRL's ``num_tokens``, ``entropy``, ``mean_token_accuracy``, DPO's reward metrics, generated-token
+DPOTrainer and GRPOTrainer, and transformers' Seq2SeqTrainer with ``predict_with_generate`` evaluation,
+killed with SIGKILL and restarted with the same command, end bit-identical to the uninterrupted run:
+every logged metric (TRL's ``num_tokens``, ``entropy``, ``mean_token_accuracy``, DPO's reward metrics, generated-token
 evaluation metrics), the final weights and the optimizer state.
 
 Each run is a separate process (tests/trainer_scripts/train_family.py); checkpoints every step, metrics

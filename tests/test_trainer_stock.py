@@ -31,7 +31,8 @@ def stock_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     output = tmp_path_factory.mktemp("stock") / "run"
     _run(output, OPTIONS + ["--stock", "--no-resume"], expected=KILLED, kill_after_save=STOCK_STEPS)
     assert sorted(p.name for p in output.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
-    assert (output / "checkpoint-3" / "optimizer.pt").is_file() and not (output / "checkpoint-3" / "manifest.json").exists()
+    assert (output / "checkpoint-3" / "optimizer.pt").is_file()
+    assert not (output / "checkpoint-3" / "manifest.json").exists()
     return output
 
 

@@ -396,7 +396,8 @@ def test_multiple_instances_of_the_same_stateful_callback(tmp_path: Path) -> Non
 
 def test_missing_stateful_callback_warning(tmp_path: Path) -> None:
     regression_trainer(tmp_path, callbacks=[EarlyStoppingCallback()], **_EVAL_AND_SAVE).train()
-    trainer = regression_trainer(tmp_path, **{k: v for k, v in _EVAL_AND_SAVE.items() if k != "load_best_model_at_end"})
+    arguments = {k: v for k, v in _EVAL_AND_SAVE.items() if k != "load_best_model_at_end"}
+    trainer = regression_trainer(tmp_path, **arguments)
     with patch("transformers.trainer.logger.warning") as warn:
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert any("EarlyStoppingCallback" in str(call.args[0]) for call in warn.call_args_list)

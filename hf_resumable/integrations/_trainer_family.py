@@ -44,7 +44,7 @@ RESUMABLE_OPTIONS = ("allow_config_drift", "allow_inexact_resume", "exit_on_pree
 
 
 def encode_attribute(value: Any) -> Any:
-    """A plain (dict/list) copy of a trainer attribute, for ``encode_state`` (``defaultdict`` -> dict, ``deque`` -> list)."""
+    """A plain copy of a trainer attribute for ``encode_state`` (``defaultdict`` -> dict, ``deque`` -> list)."""
     if isinstance(value, Mapping):
         return {key: encode_attribute(item) for key, item in value.items()}
     if isinstance(value, (list, tuple, collections.deque)):

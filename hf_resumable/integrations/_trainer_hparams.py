@@ -63,7 +63,7 @@ class HyperparameterChange:
 
     @property
     def restored_from_checkpoint(self) -> bool:
-        """Whether the resumed run would keep the checkpoint's value (unless ``resume_hyperparameters="arguments"``)."""
+        """Whether a resumed run keeps the checkpoint's value (unless ``resume_hyperparameters="arguments"``)."""
         return self.name in _OPTIMIZER_FIELDS
 
     def describe(self, mode: str) -> str:

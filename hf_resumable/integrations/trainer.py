@@ -1,29 +1,45 @@
 """``ResumableTrainer``: a drop-in ``transformers.Trainer`` whose restarts continue bit for bit.
 
-This is the only module that touches ``Trainer`` internals. What it changes, and why:
+This is the only module that touches ``Trainer`` internals (its helpers live in ``_trainer_*.py``). What it
+changes, and why:
 
-* **Data** (``get_train_dataloader``): the training loader is built from :mod:`hf_resumable.data`: the
-  sample order is a pure function of ``(seed, epoch)``, every batch is fetched, transformed and
-  collated under a seed derived from its position, and the loader has its own ``torch.Generator``.
+* **Data** (``_get_dataloader`` for training loaders, so also a subclass's own ``get_train_dataloader``): the
+  training loader is built from :mod:`hf_resumable.data`: the sample order is a pure function of
+  ``(seed, epoch)`` (random, sequential, ``group_by_length``, or a subclass's ``_get_train_sampler`` replayed
+  per epoch), every batch is fetched, transformed and collated under a seed derived from its position (private
+  generators of the collator and data set included), and the loader has its own ``torch.Generator``.
   Streaming data sets go through ``torchdata``'s ``StatefulDataLoader`` and resume from their
   ``state_dict``; a ``.shuffle(buffer_size=...)`` buffer is replaced by
   :class:`~hf_resumable.data.ResumableShuffleBuffer`, saved with its content (sample order differs from
-  ``datasets``' own buffer with the same seed). The main-process RNG is therefore consumed only by the model (dropout).
+  ``datasets``' own buffer with the same seed). The main-process RNG is therefore consumed only by the model.
 * **Skipping** (``transformers.trainer.skip_first_batches``, patched for the duration of ``train``):
   for our loaders, skipping is a cursor move: nothing before the resume point is fetched.
 * **Checkpoints** (``_save_checkpoint``, ``_load_*``): written and read with
   :func:`hf_resumable.checkpoint.save_checkpoint` / ``load_checkpoint`` (sharded safetensors, no pickle,
   atomic, hashed); the RNG captured after the optimizer step is restored by the Trainer's own
-  ``_load_rng_state`` call, i.e. right before the first resumed forward pass. The logging
-  accumulators (``_tr_loss``, ...) are saved too, so every logged loss matches the uninterrupted run.
-* **Discovery**: ``train(resume_from_checkpoint=True)`` (or ``"auto"``) resumes from the newest checkpoint
-  that verifies, skipping partial or corrupt ones, and starts fresh when there is none.
+  ``_load_rng_state`` call, i.e. right before the first resumed forward pass. The logging accumulators
+  (``_tr_loss``, ...), where the step stands in the loop (stopped by a callback, end-of-epoch work done), and a
+  subclass's own counters (``resumable_state_attributes``: TRL's ``_metrics``, ``_total_train_tokens``...) are
+  saved too, so every logged value matches the uninterrupted run.
+* **The loop** (``_run_epoch``, ``_finalize_training``, ``_maybe_log_save_evaluate``): before the first resumed
+  step, the end-of-epoch logging/evaluation/saving that followed the checkpoint in the uninterrupted run is done,
+  and a checkpoint that ends the run (``max_steps``, or a callback's stop) trains and writes nothing more.
+  ``ExportableState`` callbacks are restored by default (``_load_callback_state``).
+* **Discovery** (:mod:`._trainer_discovery`): ``train(resume_from_checkpoint=True)`` (or ``"auto"``) resumes
+  from the newest checkpoint that verifies, skipping partial or corrupt ones, or from a newer stock
+  ``transformers.Trainer`` checkpoint (converted on the fly, not bit-exact), and starts fresh when there is none.
+  Directories hf_resumable did not write are never overwritten or deleted.
+* **Checks before the first step** (``set_initial_training_values``): a setup whose checkpoints would fail or
+  not resume exactly is refused with the fix; changed optimization hyperparameters are reported
+  (:mod:`._trainer_hparams`).
 * **Drift**: the run configuration is recorded in every checkpoint; resuming with another one raises
   :class:`~hf_resumable.errors.ConfigDriftError` unless ``allow_config_drift=True``.
 * **Preemption**: SIGTERM finishes the current optimizer step, saves, and exits with
   :data:`~hf_resumable.preemption.PREEMPTION_EXIT_CODE`. Under ``torch.distributed`` the flag is
   all-reduced (MAX) at every optimizer-step boundary, so a signal that reaches one rank makes every rank
   save the same step (checkpoints are collective: each rank writes its RNG and data position).
+* **Subclasses** (:func:`make_resumable`, :mod:`._trainer_family`): ``ResumableTrainer`` goes under TRL's and
+  the user's ``Trainer`` subclasses in the method order, so their own overrides stay in effect.
 
 Checkpoints land on optimizer-step boundaries (after the optimizer step, the scheduler step, logging
 and evaluation of that step), exactly where ``Trainer`` saves.
@@ -63,8 +79,9 @@ from ..state_codec import encode_state
 from ._trainer_family import DEFAULT_STATE_ATTRIBUTES, RESUMABLE_OPTIONS, encode_attribute, restore_attribute
 from ._trainer_hparams import (RESUME_HYPERPARAMETERS, HyperparameterChange, apply_new_hyperparameters,
                                hyperparameter_changes, hyperparameter_snapshot, report_hyperparameter_changes)
-from ._trainer_discovery import (CONVERTED_DIR, CheckpointKind, ResumeCheckpointNotFoundError, classify_checkpoint_dir,
-                                 colliding_checkpoints, collision_error, newest_stock_checkpoint, not_a_checkpoint_error)
+from ._trainer_discovery import (CONVERTED_DIR, CheckpointKind, ResumeCheckpointNotFoundError,
+                                 classify_checkpoint_dir, colliding_checkpoints, collision_error,
+                                 newest_stock_checkpoint, not_a_checkpoint_error)
 
 logger = logging.getLogger(__name__)
 
@@ -283,8 +300,9 @@ class ResumableTrainer(Trainer):
             ``max_grad_norm`` always follow the arguments.
 
     > [!WARNING]
-    > ``train_sampling_strategy`` other than ``"random"``/``"sequential"`` and ``accelerator_config``
-    > dispatching fall back to the stock data loader, which does not resume exactly (a WARNING says so).
+    > ``train_sampling_strategy="batch_rebalance"`` uses the stock data loader, which does not resume exactly:
+    > ``train`` refuses it (and other setups whose checkpoints could not resume exactly) before the first step
+    > unless ``allow_inexact_resume=True``.
 
     Example:
 
@@ -357,15 +375,21 @@ class ResumableTrainer(Trainer):
         Args:
             resume_from_checkpoint (`str`, `bool` or `os.PathLike`, *optional*): ``True`` or ``"auto"``:
                 the newest checkpoint under ``output_dir`` that verifies (partial/corrupt ones are
-                skipped with a WARNING), or a fresh start when there is none. A path: that checkpoint
-                (it must verify). ``"hf://user/repo[@rev][/path]"`` or ``"s3://bucket/run"``: that
+                skipped with a WARNING) or a newer stock ``transformers.Trainer`` checkpoint (converted, not
+                bit-exact), or a fresh start when there is none. A path: that checkpoint (it must verify; a stock
+                Trainer checkpoint is converted). ``"hf://user/repo[@rev][/path]"`` or ``"s3://bucket/run"``: that
                 remote checkpoint, or the newest committed one under a run root, downloaded resumably
                 and hash-checked first. ``None``/``False``: a fresh start.
 
         Raises:
-            CheckpointNotFoundError: the given path is not a directory.
+            ResumeCheckpointNotFoundError: the given path does not exist or is not a checkpoint (also a
+                ``ValueError``, as in ``Trainer``, and a ``CheckpointNotFoundError``).
             CorruptCheckpointError / IncompleteCheckpointError: the given path does not verify.
             ConfigDriftError: the run configuration differs from the checkpoint's.
+            CheckpointExistsError: the run would save over a ``checkpoint-N`` directory hf_resumable did not write
+                (raised before the first step).
+            InexactResumeError / UnsupportedStateError: before the first step, for a setup whose checkpoints could
+                not be resumed exactly or not be written (see the README).
             SystemExit: with ``PREEMPTION_EXIT_CODE`` after a SIGTERM, when ``exit_on_preemption``.
         """
         self.preempted = False
@@ -816,7 +840,8 @@ class ResumableTrainer(Trainer):
             encode_state(self._trainer_attributes(), {}, prefix=_PROGRESS_ATTRIBUTES)
         except UnsupportedStateError as err:
             raise UnsupportedStateError(
-                f"{err} Every checkpoint stores the trainer attributes {self.resumable_state_attributes}, so the first "
+                f"{err} Every checkpoint stores the trainer attributes {self.resumable_state_attributes}, so the "
+                "first "
                 "save would fail. Nothing was trained. Leave that attribute out of make_resumable(..., "
                 "state_attributes=...) or keep it to numbers, strings, tensors, lists and dicts.") from err
         for callback in self.callback_handler.callbacks:
@@ -903,8 +928,8 @@ class ResumableTrainer(Trainer):
             self.control.should_log = self.control.should_evaluate = self.control.should_save = False
             self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
             loop.last_call_step = step
-            self._maybe_log_save_evaluate(self._tr_loss, record.get("grad_norm"), model, loop.trial, (step - 1) // per_epoch,
-                                          loop.ignore_keys_for_eval, start_time,
+            self._maybe_log_save_evaluate(self._tr_loss, record.get("grad_norm"), model, loop.trial,
+                                          (step - 1) // per_epoch, loop.ignore_keys_for_eval, start_time,
                                           learning_rate=record.get("learning_rate"))
         if loop.finished:
             logger.info("%s is the end of this run (step %d of %d%s): nothing left to train.", self._resume.path,

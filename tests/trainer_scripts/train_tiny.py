@@ -124,7 +124,8 @@ class PrivateRngCollator:
 
     def __call__(self, features: list[dict]) -> dict:
         batch = self.inner(features)
-        flip = torch.from_numpy(self.rng.random(tuple(batch["input_ids"].shape)) < 0.1) & (batch["attention_mask"] == 1)
+        noise = torch.from_numpy(self.rng.random(tuple(batch["input_ids"].shape)))
+        flip = (noise < 0.1) & (batch["attention_mask"] == 1)
         batch["input_ids"] = torch.where(flip, torch.full_like(batch["input_ids"], 4), batch["input_ids"])
         return batch
 
@@ -251,7 +252,8 @@ def dump_results(trainer, output_dir: Path, train_output) -> None:
     history = [{k: v for k, v in entry.items() if not k.endswith(timing)} for entry in trainer.state.log_history]
     resumed_from = getattr(trainer, "resumed_from", None)
     metrics = {k: v for k, v in train_output.metrics.items() if not k.endswith(timing)}
-    result = {"log_history": history, "global_step": train_output.global_step, "lr": trainer.lr_scheduler.get_last_lr(),
+    result = {"log_history": history, "global_step": train_output.global_step,
+              "lr": trainer.lr_scheduler.get_last_lr(),
               "resumed_from": str(resumed_from) if resumed_from else None,
               "train_output": {"global_step": train_output.global_step, "training_loss": train_output.training_loss,
                                "metrics": metrics}}
@@ -277,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora", action="store_true")
     p.add_argument("--early-stopping", type=int, default=None,
                    help="EarlyStoppingCallback patience (threshold 1.0: every evaluation after the first counts)")
-    p.add_argument("--no-restore-callbacks", action="store_true", help="ResumableTrainer(restore_callback_states=False)")
+    p.add_argument("--no-restore-callbacks", action="store_true",
+                   help="ResumableTrainer(restore_callback_states=False)")
     p.add_argument("--weighted-sampler", action="store_true",
                    help="a user Trainer subclass whose _get_train_sampler is a WeightedRandomSampler (make_resumable)")
     p.add_argument("--stock", action="store_true", help="use transformers.Trainer (for comparisons)")
