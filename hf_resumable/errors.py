@@ -35,6 +35,7 @@ __all__ = [
     "HubServerError",
     "HubFormatError",
     "StorageError",
+    "UploadTimeoutError",
 ]
 
 
@@ -114,3 +115,7 @@ class HubFormatError(HubError):
 
 class StorageError(HfResumableError, OSError):
     """An object-store or remote-storage operation failed."""
+
+
+class UploadTimeoutError(HfResumableError, TimeoutError):
+    """Waiting for background uploads timed out; they continue in the background (nothing was dropped)."""

@@ -7,7 +7,7 @@ import torch
 from s3_fixtures import CuttableProxy, bucket, seaweed, storage_options  # noqa: F401 - fixtures
 from tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, train_steps
 
-from hf_resumable.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from hf_resumable import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from hf_resumable.errors import CheckpointExistsError, StorageError
 from hf_resumable.storage import (
     CheckpointMirror,
@@ -114,7 +114,7 @@ def test_mirror_queues_every_upload_and_applies_remote_retention(tmp_path, seawe
     assert mirror.pending()  # uploads are in flight, not skipped
     mirror.wait(timeout=120)
     assert mirror.pending() == set()
-    assert mirror.confirmed() == [f"s3://{bucket}/run/checkpoint-{s}" for s in (1, 2, 3)]
+    assert list(mirror.results().values()) == [f"s3://{bucket}/run/checkpoint-{s}" for s in (1, 2, 3)]
     committed = [s for s, p in list_remote_checkpoints(f"s3://{bucket}/run", storage_options=opts)
                  if is_committed_remote(p, storage_options=opts)]
     assert committed == [2, 3]
@@ -129,7 +129,7 @@ def test_mirror_failure_is_raised_not_lost(tmp_path, seaweed, bucket):
     mirror.submit(tmp_path / "local" / "checkpoint-1")
     with pytest.raises(StorageError):
         mirror.wait(timeout=120)
-    assert mirror.confirmed() == []
+    assert mirror.confirmed() == set()
     proxy.restore()
 
 

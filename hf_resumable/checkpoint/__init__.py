@@ -16,6 +16,8 @@ Layout of ``checkpoint-<step>/``::
 from ._reader import LoadedCheckpoint, OpenedCheckpoint
 from .api import CheckpointInfo, load_checkpoint, open_checkpoint, save_checkpoint, wait_for_pending_saves
 from .discovery import apply_retention, cleanup_stale_temp_dirs, find_latest_checkpoint, list_checkpoints
+from ._fs import write_bytes_durably as write_file_durably
+from ._writer import committed_directory
 from .manifest import Manifest, read_manifest
 from .verify import VerifyReport, verify_checkpoint
 
@@ -27,6 +29,7 @@ __all__ = [
     "VerifyReport",
     "apply_retention",
     "cleanup_stale_temp_dirs",
+    "committed_directory",
     "find_latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
@@ -35,4 +38,5 @@ __all__ = [
     "save_checkpoint",
     "verify_checkpoint",
     "wait_for_pending_saves",
+    "write_file_durably",
 ]

@@ -9,6 +9,7 @@ latest valid one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import stat
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +79,37 @@ def check_target(target: Path, *, overwrite: bool) -> DirIdentity | None:
             "under another name (a stock Trainer checkpoint can be converted with `hf-resumable convert`)."
         )
     return (info.st_dev, info.st_ino)
+
+
+@contextlib.contextmanager
+def committed_directory(target: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """The commit primitive for other writers (a verified download, a conversion): a fresh temporary directory
+    next to ``target`` that becomes ``target`` atomically when the block completes, and is deleted if it raises.
+
+    The same rules as a save: only an empty directory or a committed hf_resumable checkpoint is replaced (with
+    ``overwrite``); the caller writes ``manifest.json`` last. Single process only.
+
+    Raises:
+        CheckpointExistsError: ``target`` exists and may not be replaced, or appeared meanwhile.
+
+    Example:
+
+    ```python
+    >>> with committed_directory("pulled/checkpoint-7") as tmp:  # doctest: +SKIP
+    ...     fetch_every_file_into(tmp)
+    ...     write_file_durably(tmp / "manifest.json", manifest.to_json())
+
+    ```
+    """
+    target = Path(target)
+    replaces = check_target(target, overwrite=overwrite)
+    tmp = create_temp_dir(target)
+    try:
+        yield tmp
+        commit_dir(tmp, target, replaces=replaces)
+    except BaseException:
+        discard(tmp)
+        raise
 
 
 def _is_committed(directory: Path) -> bool:

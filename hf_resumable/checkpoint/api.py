@@ -15,7 +15,7 @@ import torch
 from ..constants import DEFAULT_MAX_SHARD_SIZE
 from ..distributed import is_distributed, rank_and_world_size
 from ..rng import RngState
-from ..storage import resolve_checkpoint
+from .._urls import is_remote
 from ._payload import capture_payload
 from ._reader import LoadedCheckpoint, OpenedCheckpoint
 from ._writer import AsyncSaver, check_target, save_payload
@@ -45,6 +45,18 @@ class CheckpointInfo:
     path: Path
     step: int | None
     manifest: Manifest | None = None
+
+
+def require_local(location: Any, function: str) -> None:
+    """Refuse a remote location in the checkpoint core (which reads and writes local directories only).
+
+    Raises:
+        ValueError: for ``hf://`` and object-store URLs, naming the front function that takes them.
+    """
+    if is_remote(location):
+        raise ValueError(f"hf_resumable.checkpoint.{function} takes local directories; {os.fspath(location)!r} is "
+                         f"remote. Use hf_resumable.{function} (or hf_resumable.locations.{function}), which "
+                         "downloads and verifies it first.")
 
 
 def background_saver() -> AsyncSaver:
@@ -210,6 +222,7 @@ def open_checkpoint(
     """
     if verify not in ("quick", "full", "none"):
         raise ValueError(f"verify must be 'quick', 'full' or 'none', got {verify!r}.")
+    require_local(directory, "open_checkpoint")
     _ASYNC.wait()
     path = Path(directory)
     report = verify_checkpoint(path, full=verify == "full", raise_on_error=True)
@@ -250,9 +263,8 @@ def load_checkpoint(
             (``"none"`` skips hash checks while reading; structure is always checked).
         allow_inexact_resume (`bool`, *optional*, defaults to `False`): continue with a WARNING when
             this rank's RNG state is missing, or the world size changed, instead of raising.
-        storage_options (`dict`, *optional*): fsspec options when ``directory`` is a remote URL
-            (``s3://bucket/run/checkpoint-100``, or a run root to load its latest); the checkpoint is
-            downloaded and hash-checked first.
+        storage_options (`dict`, *optional*): fsspec options, for :func:`hf_resumable.load_checkpoint` (the front
+            that also takes ``s3://`` and ``hf://`` locations); this function reads local directories only.
 
     Returns:
         `LoadedCheckpoint`: training state, extra state, data position and RNG state (the
@@ -270,8 +282,8 @@ def load_checkpoint(
     """
     if verify not in ("quick", "full", "none"):
         raise ValueError(f"verify must be 'quick', 'full' or 'none', got {verify!r}.")
+    require_local(directory, "load_checkpoint")
     _ASYNC.wait()
-    path = resolve_checkpoint(directory, storage_options=storage_options)
-    opened = open_checkpoint(path, verify=verify, allow_inexact_resume=allow_inexact_resume)
+    opened = open_checkpoint(directory, verify=verify, allow_inexact_resume=allow_inexact_resume)
     return opened.load_into(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, strict=strict,
                             restore_rng=restore_rng)

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .._jsonio import parse_json
+from .._urls import is_remote
 from .._safefile import read_regular_file
 from ..constants import CHECKPOINT_DIR_RE, OWNER_FILE, PIN_PREFIX, REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
 from ..errors import HfResumableError
@@ -124,7 +125,7 @@ def _is_legacy_stale_temp(entry: Path) -> bool:
 def find_latest_checkpoint(
     root: str | os.PathLike, *, cleanup: bool = True, full: bool = False, storage_options: dict | None = None,
     pattern: re.Pattern[str] = CHECKPOINT_DIR_RE,
-) -> Path | str | None:
+) -> Path | None:
     """The newest ``checkpoint-N`` under ``root`` that passes verification, or None.
 
     Directories without a manifest (interrupted saves), with truncated/corrupt/hostile files, or that
@@ -133,9 +134,9 @@ def find_latest_checkpoint(
     ``full=True`` hashes every file. With ``cleanup``, what dead processes left behind is removed
     (see :func:`cleanup_stale_temp_dirs`). The checkpoint returned is pinned for this process (until
     its next call on the same ``root``, its exit, or ``PIN_TTL``), so retention run by a concurrent
-    writer does not remove it before it is loaded. ``root`` may be an fsspec URL
-    (``s3://bucket/run``): the result is then the URL of the newest remote checkpoint whose manifest
-    and files are all present.
+    writer does not remove it before it is loaded. ``root`` is a local directory: for ``s3://`` and
+    ``hf://`` roots use :func:`hf_resumable.find_latest_checkpoint` (``storage_options`` is accepted
+    here for the same signature, and unused).
 
     Example:
 
@@ -145,10 +146,10 @@ def find_latest_checkpoint(
     'checkpoint-1200'
     ```
     """
-    from ..storage import find_latest_remote_checkpoint, is_remote_url
-
-    if is_remote_url(root):
-        return find_latest_remote_checkpoint(os.fspath(root), storage_options=storage_options)
+    if is_remote(root):
+        raise ValueError(f"hf_resumable.checkpoint.find_latest_checkpoint takes local directories; {os.fspath(root)!r}"
+                         " is remote. Use hf_resumable.find_latest_checkpoint (or hf_resumable.locations), which "
+                         "looks there.")
     if cleanup:
         cleanup_stale_temp_dirs(root)
     key = os.path.abspath(root)

@@ -99,7 +99,7 @@ from ..errors import (
     InexactResumeError,
 )
 from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
-from ..remote import is_remote, open_uploader, resolve_resume_path
+from ..locations import is_remote, open_uploader, resolve_resume_path
 from ..rng import restore_rng_state
 from ._accelerate_data import (
     ResumableDataLoaderDispatcher,
