@@ -33,7 +33,7 @@ WORK = tempfile.mkdtemp(prefix="hf_resumable_colab_")"""),
 import torch
 from transformers import TrainingArguments, TrainerCallback
 from hf_resumable import ResumableTrainer
-from hf_resumable.demo_train import build_model, load_corpus
+from hf_resumable.demo.train import build_model, load_corpus
 
 BLOCK = 32
 samples = load_corpus(BLOCK)

@@ -1,6 +1,6 @@
 """``hf-resumable demo``: train, SIGKILL at a random step, restart with the same command, prove nothing changed.
 
-Two training processes (:mod:`hf_resumable.demo_train`) start side by side: a reference run that is
+Two training processes (:mod:`hf_resumable.demo.train`) start side by side: a reference run that is
 never interrupted, and a run that this process kills with ``SIGKILL`` once its loss log reaches a
 randomly drawn step (wherever it is then: mid-step, mid-save...). The killed run is then started
 again with the very same command line; it resumes from the newest valid checkpoint and finishes.
@@ -32,7 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .demo_train import CHECKPOINTS_DIR, FINAL_FILE, LOSSES_FILE, RESUMES_FILE, resolve_backend
+from ._common import CHECKPOINTS_DIR, FINAL_FILE, LOSSES_FILE, RESUMES_FILE
+from .train import resolve_backend
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +233,7 @@ class DemoReport:
 
 
 def _train_command(run_dir: Path, *, max_steps: int, seed: int, save_every: int, backend: str) -> list[str]:
-    return [sys.executable, "-m", "hf_resumable.demo_train", "--output", str(run_dir), "--max-steps", str(max_steps),
+    return [sys.executable, "-m", "hf_resumable.demo.train", "--output", str(run_dir), "--max-steps", str(max_steps),
             "--seed", str(seed), "--save-every", str(save_every), "--backend", backend]
 
 

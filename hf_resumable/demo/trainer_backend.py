@@ -2,7 +2,7 @@
 
 Restarting with the same command calls ``train(resume_from_checkpoint=True)``, which resumes from the
 newest checkpoint under ``DIR/checkpoints`` that verifies. Losses are logged every step through a
-callback into the same ``losses.jsonl`` as the plain-loop backend (:mod:`hf_resumable.demo_train`),
+callback into the same ``losses.jsonl`` as the plain-loop backend (:mod:`hf_resumable.demo.train`),
 so :func:`hf_resumable.demo.compare_runs` reads both the same way.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from .demo_train import (
+from ._common import (
     CHECKPOINTS_DIR,
     FINAL_FILE,
     LOSSES_FILE,
@@ -80,7 +80,7 @@ def train_with_trainer(config: DemoConfig) -> str:
     """
     from transformers import TrainingArguments
 
-    from .integrations.trainer import ResumableTrainer
+    from ..integrations.trainer import ResumableTrainer
 
     config.output.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)  # identical reduction order in every process
