@@ -16,8 +16,8 @@ import os
 import stat
 import threading
 import time
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from ..distributed import (
     is_distributed,
     rank_and_world_size,
 )
-from ..errors import CheckpointExistsError, HfResumableError
+from ..errors import CheckpointExistsError
 from ..progress import progress_bar
 from ..rng import save_rng_state
 from ..safetensors_io import FileRecord, write_safetensors
@@ -40,7 +40,7 @@ from ._fs import DirIdentity, commit_dir, create_temp_dir, discard, write_bytes_
 from ._payload import SHARDS_KEY, Payload
 from ._staging import copy_into
 from ._threads import run_in_threads
-from .manifest import Manifest, read_manifest, records_from_json, records_to_json
+from .manifest import Manifest, is_committed, records_from_json, records_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def check_target(target: Path, *, overwrite: bool) -> DirIdentity | None:
         kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "a file"
         raise CheckpointExistsError(f"{target} exists and is {kind}, not a checkpoint directory; hf_resumable does "
                                     "not replace it. Remove it, or save under another name.")
-    committed = _is_committed(target)
+    committed = is_committed(target)
     if not overwrite:
         kind = "a committed checkpoint" if committed else "a directory"
         raise CheckpointExistsError(
@@ -111,13 +111,6 @@ def committed_directory(target: str | os.PathLike, *, overwrite: bool = False) -
         discard(tmp)
         raise
 
-
-def _is_committed(directory: Path) -> bool:
-    try:
-        read_manifest(directory)
-    except HfResumableError:
-        return False
-    return True
 
 
 def _has_entries(directory: Path) -> bool:

@@ -12,14 +12,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .._jsonio import parse_json
-from .._urls import is_remote
 from .._safefile import read_regular_file
+from .._urls import is_remote
 from ..constants import CHECKPOINT_DIR_RE, OWNER_FILE, PIN_PREFIX, REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
 from ..errors import HfResumableError
 from ._fs import claim, remove_dir, rename_noreplace
 from ._owner import OwnerTag, current_owner, owner_is_alive, parse_member_name
 from ._pins import hold_pin, pin, unpin
-from .manifest import read_manifest
+from .manifest import is_committed, read_manifest
 from .verify import verify_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["list_checkpoints", "find_latest_checkpoint", "cleanup_stale_temp_dirs", "apply_retention"]
 
 
-def list_checkpoints(root: str | os.PathLike, *, pattern: re.Pattern[str] = CHECKPOINT_DIR_RE) -> list[tuple[int, Path]]:
+def list_checkpoints(root: str | os.PathLike, *,
+                     pattern: re.Pattern[str] = CHECKPOINT_DIR_RE) -> list[tuple[int, Path]]:
     """``(step, path)`` of every ``checkpoint-N`` directory under ``root``, by step (not by mtime or name).
 
     ``pattern`` (a compiled regex whose first group is the number) selects another naming scheme, e.g.
@@ -90,7 +91,7 @@ def _delete_claimed(claimed: Path | None, removed: list[Path], entry: Path) -> N
 
 def _restore(trash: Path, target: Path) -> bool:
     """Put back a checkpoint whose removal (or overwrite) was interrupted, if its name is still free."""
-    if os.path.lexists(target) or not _is_committed(trash):
+    if os.path.lexists(target) or not is_committed(trash):
         return False
     try:
         rename_noreplace(trash, target)
@@ -99,13 +100,6 @@ def _restore(trash: Path, target: Path) -> bool:
     logger.warning("Restored %s from %s (an overwrite of it was interrupted)", target, trash.name)
     return True
 
-
-def _is_committed(directory: Path) -> bool:
-    try:
-        read_manifest(directory)
-    except HfResumableError:
-        return False
-    return True
 
 
 def _is_legacy_stale_temp(entry: Path) -> bool:

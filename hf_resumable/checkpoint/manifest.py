@@ -16,15 +16,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._version import __version__
 from .._jsonio import json_bytes, parse_json
 from .._safefile import member_path, read_regular_file
+from .._version import __version__
 from ..constants import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, MAX_JSON_SIZE
-from ..errors import CorruptCheckpointError, FormatVersionError, IncompleteCheckpointError, UnsafeIndexError
+from ..errors import (
+    CorruptCheckpointError,
+    FormatVersionError,
+    HfResumableError,
+    IncompleteCheckpointError,
+    UnsafeIndexError,
+)
 from ..safetensors_io import FileRecord
 from ..sharding import check_relative_name
 
-__all__ = ["Manifest", "read_manifest", "library_versions"]
+__all__ = ["Manifest", "read_manifest", "is_committed", "library_versions"]
 
 # Largest world size a manifest may claim (bounds per-rank loops over a crafted value).
 MAX_WORLD_SIZE = 1 << 20
@@ -162,6 +168,15 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     except PermissionError as err:
         raise CorruptCheckpointError(f"{path}: cannot be read ({err.strerror}).") from None
     return Manifest.from_json(raw, source=str(path))
+
+
+def is_committed(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds a valid hf_resumable manifest (it is a checkpoint hf_resumable committed)."""
+    try:
+        read_manifest(directory)
+    except (HfResumableError, OSError):
+        return False
+    return True
 
 
 def _record_to_json(record: FileRecord) -> dict[str, Any]:
