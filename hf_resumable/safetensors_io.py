@@ -27,7 +27,7 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -181,7 +181,8 @@ def parse_header_bytes(path: str, raw: bytes, file_size: int) -> SafetensorsHead
             raise _corrupt(path, f"header entry for tensor {name!r} is malformed: {entry!r:.200}")
         expected = math.prod(shape) * _itemsize(dtype)
         if end - start != expected:
-            raise _corrupt(path, f"tensor {name!r} claims {end - start} bytes but shape {list(shape)} needs {expected}")
+            raise _corrupt(path, f"tensor {name!r} claims {end - start} bytes but shape {list(shape)} needs "
+                                 f"{expected}")
         tensors[name] = TensorInfo(name, dtype, shape, start, end)
     cursor = 0
     for info in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
@@ -432,7 +433,9 @@ class _Checker:
             return None if actual == self.expected.xxh3_128 else (
                 f"xxh3-128 is {actual}, the manifest says {self.expected.xxh3_128}")
         actual = self.pipeline.hexdigest()
-        return None if actual == self.expected.sha256 else f"sha256 is {actual}, the manifest says {self.expected.sha256}"
+        if actual == self.expected.sha256:
+            return None
+        return f"sha256 is {actual}, the manifest says {self.expected.sha256}"
 
 
 def read_safetensors(
@@ -442,7 +445,6 @@ def read_safetensors(
     names: Iterable[str] | None = None,
     into: Mapping[str, torch.Tensor] | None = None,
     expected: FileRecord | None = None,
-    on_tensor: Callable[[str, torch.Tensor], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read tensors from ``path`` sequentially, optionally straight into existing tensors.
 
@@ -455,8 +457,6 @@ def read_safetensors(
             (no extra copy); any other destination gets a ``copy_``.
         expected (`FileRecord`, *optional*): check the whole file against this record while reading
             (its xxh3-128 inline, or its sha256 on a helper thread for records without one).
-        on_tensor (`Callable`, *optional*): called with each tensor as soon as it is read
-            (tensors are then not kept in the returned dict, bounding memory to one tensor).
 
     Returns:
         `dict[str, torch.Tensor]`: the tensors read that were not written ``into`` a destination.
@@ -491,10 +491,7 @@ def read_safetensors(
                     with torch.no_grad():
                         target.copy_(buffer)
                 elif target is None:
-                    if on_tensor is not None:
-                        on_tensor(info.name, buffer)
-                    else:
-                        out[info.name] = buffer
+                    out[info.name] = buffer
     finally:
         if pipeline is not None:
             pipeline.close()

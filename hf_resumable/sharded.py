@@ -45,7 +45,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -559,8 +558,7 @@ def consolidate_sharded_checkpoint(
         add_sharded(payload, tensors, pattern=OPTIMIZER_FILE_PATTERN, index=OPTIMIZER_INDEX_FILE,
                      max_shard_size=max_shard_size, metadata={})
         training_state[STATE_KEY_OPTIMIZER] = layout[LAYOUT_KEY_OPTIMIZER_DOC]
-    payload.blobs[TRAINING_STATE_FILE] = (json.dumps(training_state, indent=2, sort_keys=True, allow_nan=True)
-                                          + "\n").encode()
+    payload.blobs[TRAINING_STATE_FILE] = json_bytes(training_state)
     # 4. Everything else (config, tokenizer, RNG, data positions) as is.
     for relpath in reader.manifest.files:
         if relpath not in consumed and not relpath.startswith(f"{SHARDED_DIR}/"):

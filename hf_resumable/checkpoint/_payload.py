@@ -6,7 +6,6 @@ copied into staging buffers, and the writer never looks at the live objects agai
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 from collections.abc import Callable, Mapping
@@ -16,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .._jsonio import json_bytes
 from ..constants import (
     DATA_STATE_DIR,
     DATA_STATE_FILE_PATTERN,
@@ -77,9 +77,6 @@ class Payload:
     rng: RngState | None = None
     rng_relpath: str | None = None
 
-    def tensor_count(self) -> int:
-        return sum(len(f.tensors) for f in self.tensor_files)
-
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
@@ -93,10 +90,6 @@ def add_sharded(payload: Payload, tensors: Mapping[str, torch.Tensor], *, patter
         payload.tensor_files.append(TensorFile(filename, [(n, tensors[n]) for n in names]))
     payload.indexes.append(IndexSpec(index, dict(sorted(plan.name_to_filename.items())),
                                      {"total_size": plan.total_size, **metadata}))
-
-
-def _json_bytes(document: Any) -> bytes:
-    return (json.dumps(document, indent=2, sort_keys=True, allow_nan=True) + "\n").encode()
 
 
 def _pretrained_files(save: Callable[[str], Any]) -> dict[str, bytes]:
@@ -139,7 +132,7 @@ def capture_payload(
             raise UnsupportedStateError(
                 f"data_state holds tensors ({sorted(tensors)[:3]}); the per-rank data position is stored as JSON. "
                 "Convert them to lists (or base64 strings) in the loader's state_dict().")
-        payload.blobs[f"{DATA_STATE_DIR}/{DATA_STATE_FILE_PATTERN.format(rank=rank)}"] = _json_bytes(document)
+        payload.blobs[f"{DATA_STATE_DIR}/{DATA_STATE_FILE_PATTERN.format(rank=rank)}"] = json_bytes(document)
     if rng is not False:
         payload.rng = rng if isinstance(rng, RngState) else capture_rng_state()
         payload.rng_relpath = f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"
@@ -169,7 +162,7 @@ def _capture_shared(payload: Payload, model, optimizer, scheduler, scaler, train
         STATE_KEY_OPTIMIZER: optimizer_doc,
         STATE_KEY_EXTRA: encode_state(dict(extra or {}), state_tensors, prefix="extra"),
     }
-    payload.blobs[TRAINING_STATE_FILE] = _json_bytes(document)
+    payload.blobs[TRAINING_STATE_FILE] = json_bytes(document)
     if state_tensors:
         payload.tensor_files.append(TensorFile(STATE_TENSORS_FILE, sorted(state_tensors.items())))
 

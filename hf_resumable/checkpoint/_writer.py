@@ -10,7 +10,6 @@ latest valid one.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import stat
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .._jsonio import json_bytes
 from ..constants import MANIFEST_FILE
 from ..distributed import (
     all_gather_json,
@@ -138,7 +138,7 @@ def write_payload(tmp: Path, payload: Payload) -> dict[str, FileRecord]:
         shards = {name: {"size": records[name].size, "sha256": records[name].sha256}
                   for name in dict.fromkeys(spec.weight_map.values())}
         document = {"metadata": {**spec.metadata, SHARDS_KEY: shards}, "weight_map": spec.weight_map}
-        raw = (json.dumps(document, indent=2, sort_keys=True) + "\n").encode()
+        raw = json_bytes(document)
         records[spec.relpath] = write_bytes_durably(tmp / spec.relpath, raw)
     for relpath, data in payload.blobs.items():
         records[relpath] = write_bytes_durably(tmp / relpath, data)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import re
@@ -35,6 +34,7 @@ from ..errors import (
     HubFormatError,
     HubServerError,
 )
+from ..safetensors_io import hash_file
 from ..sharding import ShardIndex, check_relative_name, parse_index
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,8 @@ def hub_errors(where: str) -> Iterator[None]:
         if status == 404:
             raise HubEntryNotFoundError(f"hf://{where}: no such file at that revision (404).") from None
         if status is not None and status >= 500:
-            raise HubServerError(f"hf://{where}: the Hub answered {status} ({_first_line(err)}); retry later.") from None
+            raise HubServerError(
+                f"hf://{where}: the Hub answered {status} ({_first_line(err)}); retry later.") from None
         raise
     except OSError as err:  # connection errors (httpx errors are OSErrors here)
         raise HubServerError(f"hf://{where}: cannot reach the Hub ({type(err).__name__}: {_first_line(err)}); "
@@ -293,7 +294,8 @@ def shard_record(index: ShardIndex, filename: str, *, source: str | None = None)
     if not (isinstance(size, int) and not isinstance(size, bool) and size >= 0
             and isinstance(sha256, str) and _SHA256_RE.match(sha256)):
         raise HubFormatError(f"{source}: the {SHARD_RECORDS_KEY} record of {filename!r} is malformed "
-                             f"({record!r:.200}); expected {{\"size\": int, \"sha256\": 64 hex digits}}. Re-push the model.")
+                             f"({record!r:.200}); expected {{\"size\": int, \"sha256\": 64 hex digits}}. "
+                             "Re-push the model.")
     return {"size": size, "sha256": sha256}
 
 
@@ -316,11 +318,7 @@ def read_index_file(path: Path, *, source: str) -> ShardIndex:
 
 
 def _sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_DOWNLOAD_CHUNK * 8):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return hash_file(path).sha256
 
 
 def _remove_download(path: Path) -> None:

@@ -90,7 +90,8 @@ def pull_checkpoint(
     ```
     """
     url = parse_hf_url(repo_id_or_hf_url)
-    snapshot = HubSnapshot.resolve(url.repo_id, revision=revision or url.revision, token=token, repo_type=url.repo_type)
+    snapshot = HubSnapshot.resolve(url.repo_id, revision=revision or url.revision, token=token,
+                                   repo_type=url.repo_type)
     root = Path(local_dir) if local_dir is not None else _default_pull_dir(url, snapshot.commit)
     prefix = f"{url.path_in_repo}/" if url.path_in_repo else ""
     remote = _list_remote_files(snapshot, url.path_in_repo)
@@ -141,7 +142,8 @@ def find_latest_hub_checkpoint(repo_id_or_hf_url: str, *, revision: str | None =
     ```
     """
     url = parse_hf_url(repo_id_or_hf_url)
-    snapshot = HubSnapshot.resolve(url.repo_id, revision=revision or url.revision, token=token, repo_type=url.repo_type)
+    snapshot = HubSnapshot.resolve(url.repo_id, revision=revision or url.revision, token=token,
+                                   repo_type=url.repo_type)
     prefix = f"{url.path_in_repo}/" if url.path_in_repo else ""
     latest = _latest_checkpoint_under(_list_remote_files(snapshot, url.path_in_repo), prefix)
     if latest is None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from huggingface_hub import CommitInfo, HfApi
 
+from .._jsonio import json_bytes
 from ..constants import FORMAT_VERSION, MODEL_FILE_PATTERN, MODEL_INDEX_FILE
 from ..errors import CheckpointMismatchError, CheckpointNotFoundError
 from ..sharding import ShardIndex, plan_shards
@@ -61,7 +61,7 @@ def write_sharded_model(state_dict: Mapping[str, torch.Tensor], directory: str |
                                    metadata=SAFETENSORS_METADATA, fsync=False)
         records[filename] = {"size": record.size, "sha256": record.sha256}
     index = build_index(plan, metadata={**aliases, INDEX_VERSION_KEY: FORMAT_VERSION, SHARD_RECORDS_KEY: records})
-    (directory / MODEL_INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    (directory / MODEL_INDEX_FILE).write_bytes(json_bytes(index))
     return index
 
 
@@ -175,7 +175,8 @@ def push_sharded(
 
 
 # --------------------------------------------------------------------------------------------------- download shards
-def _select_names(index: ShardIndex, tensors: Iterable[str] | None, prefixes: Iterable[str] | None) -> list[str] | None:
+def _select_names(index: ShardIndex, tensors: Iterable[str] | None,
+                  prefixes: Iterable[str] | None) -> list[str] | None:
     if tensors is None and prefixes is None:
         return None
     names = list(tensors or [])
