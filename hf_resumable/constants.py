@@ -17,11 +17,23 @@ FORMAT_NAME = "hf_resumable"
 # Model weights, readable by transformers / huggingface_hub.
 MODEL_INDEX_FILE = "model.safetensors.index.json"
 MODEL_FILE_PATTERN = "model{suffix}.safetensors"
+# Un-sharded weights file (transformers and huggingface_hub write it when everything fits in one shard).
+SINGLE_MODEL_FILE = "model.safetensors"
+# Index metadata key: {shard file: {"size": int, "sha256": str}} (transformers ignores unknown metadata keys).
+SHARDS_KEY = "hf_resumable_shards"
+# Index metadata key recording tied / shared tensors that were stored once: {dropped: kept}.
+TIED_KEY = "hf_resumable_tied"
+# Index metadata key: format version of what push_sharded wrote.
+INDEX_VERSION_KEY = "hf_resumable_format_version"
 # Optimizer tensors, keyed by parameter name ("state/<param name>/<key>").
 OPTIMIZER_INDEX_FILE = "optimizer.safetensors.index.json"
 OPTIMIZER_FILE_PATTERN = "optimizer{suffix}.safetensors"
 # Progress cursor, scheduler, scaler, optimizer param groups and user extras (JSON, no pickle).
 TRAINING_STATE_FILE = "training_state.json"
+# Tensors found inside scheduler / scaler / progress / extra state (rare) are stored here.
+STATE_TENSORS_FILE = "training_state.safetensors"
+# Written by transformers.Trainer and by our Trainer integration (progress, epoch, log history), as upstream names it.
+TRAINER_STATE_FILE = "trainer_state.json"
 # Per-rank RNG states as byte tensors ("rng/rank-00000.safetensors").
 RNG_DIR = "rng"
 RNG_FILE_PATTERN = "rank-{rank:05d}.safetensors"
@@ -33,6 +45,16 @@ DATA_STATE_FILE_PATTERN = "rank-{rank:05d}.json"
 LAYOUT_FILE = "sharded_layout.json"
 SHARDED_DIR = "sharded"
 PIECE_FILE_PATTERN = "{kind}-rank{rank:05d}-of-{world_size:05d}.safetensors"
+# safetensors header metadata key of each piece file: {name: {"offset": [...], "global_shape": [...]}} (JSON).
+PIECES_METADATA_KEY = "hf_resumable_pieces"
+# Version of the layout document; readers refuse newer ones.
+LAYOUT_VERSION = 1
+# Keys of the layout document.
+LAYOUT_KEY_VERSION = "layout_version"  # int, LAYOUT_VERSION
+LAYOUT_KEY_WORLD_SIZE = "world_size"  # int, ranks that wrote the pieces
+LAYOUT_KEY_MODEL = "model"  # section for model weights, or null
+LAYOUT_KEY_OPTIMIZER = "optimizer"  # section for optimizer tensors, or null
+LAYOUT_KEY_OPTIMIZER_DOC = "optimizer_document"  # {"class", "param_groups", "non_tensor_state"} or null
 # Written last; its presence (and validity) is what makes a directory a committed checkpoint.
 MANIFEST_FILE = "manifest.json"
 
@@ -59,6 +81,9 @@ SAFETENSORS_METADATA = {"format": "pt"}
 MAX_HEADER_SIZE = 100_000_000
 # Largest JSON file (index, manifest, state) we parse.
 MAX_JSON_SIZE = 256 * 1024 * 1024
+# Suffixes of the partial file and its sidecar that resumable Hub downloads keep between attempts.
+PART_SUFFIX = ".part"
+SIDECAR_SUFFIX = ".part.json"
 
 # Default shard size for training checkpoints: small enough that shard-at-a-time loading
 # bounds memory, unlike transformers v5's 50GB export default.

@@ -35,12 +35,11 @@ from .constants import (
     STATE_KEY_EXTRA,
     STATE_KEY_OPTIMIZER,
     STATE_KEY_PROGRESS,
+    TRAINER_STATE_FILE,
     TRAINING_STATE_FILE,
 )
 from .errors import HfResumableError
 
-# Written by transformers.Trainer and by our Trainer integration (progress, epoch, log history).
-TRAINER_STATE_FILE = "trainer_state.json"
 
 logger = logging.getLogger(__name__)
 

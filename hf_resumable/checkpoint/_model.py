@@ -9,12 +9,11 @@ from typing import Any
 
 import torch
 
+from ..constants import TIED_KEY  # noqa: F401 - also imported from here
 from ..errors import CheckpointMismatchError, CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
 
-# Index metadata key recording tied / shared tensors that were stored once: {dropped: kept}.
-TIED_KEY = "hf_resumable_tied"
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:

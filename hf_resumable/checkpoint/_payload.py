@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .._jsonio import json_bytes
-from ..constants import (
+from ..constants import (  # noqa: F401 - SHARDS_KEY and STATE_TENSORS_FILE are also imported from here
     DATA_STATE_DIR,
     DATA_STATE_FILE_PATTERN,
     FORMAT_VERSION,
@@ -26,12 +26,14 @@ from ..constants import (
     OPTIMIZER_INDEX_FILE,
     RNG_DIR,
     RNG_FILE_PATTERN,
+    SHARDS_KEY,
     STATE_KEY_EXTRA,
     STATE_KEY_FORMAT_VERSION,
     STATE_KEY_OPTIMIZER,
     STATE_KEY_PROGRESS,
     STATE_KEY_SCALER,
     STATE_KEY_SCHEDULER,
+    STATE_TENSORS_FILE,
     TRAINING_STATE_FILE,
 )
 from ..errors import UnsupportedStateError
@@ -43,10 +45,6 @@ from ._optimizer import optimizer_to_tensors, parameter_names
 
 logger = logging.getLogger(__name__)
 
-# Tensors found inside scheduler / scaler / progress / extra state (rare) are stored here.
-STATE_TENSORS_FILE = "training_state.safetensors"
-# Index metadata key with each shard's size and sha256 (transformers ignores unknown metadata keys).
-SHARDS_KEY = "hf_resumable_shards"
 
 
 @dataclass

@@ -34,18 +34,18 @@ from ._payload import TensorFile
 
 logger = logging.getLogger(__name__)
 
-from ..constants import LAYOUT_FILE, PIECE_FILE_PATTERN, SHARDED_DIR  # noqa: F401 - re-exported
-# safetensors header metadata key of each piece file: {name: {"offset": [...], "global_shape": [...]}} (JSON).
-PIECES_METADATA_KEY = "hf_resumable_pieces"
-# Version of the layout document; readers refuse newer ones.
-LAYOUT_VERSION = 1
-
-# Keys of the layout document.
-LAYOUT_KEY_VERSION = "layout_version"  # int, LAYOUT_VERSION
-LAYOUT_KEY_WORLD_SIZE = "world_size"  # int, ranks that wrote the pieces
-LAYOUT_KEY_MODEL = "model"  # section for model weights, or null
-LAYOUT_KEY_OPTIMIZER = "optimizer"  # section for optimizer tensors, or null
-LAYOUT_KEY_OPTIMIZER_DOC = "optimizer_document"  # {"class", "param_groups", "non_tensor_state"} or null
+from ..constants import (  # noqa: F401 - re-exported for the sharded modules
+    LAYOUT_FILE,
+    LAYOUT_KEY_MODEL,
+    LAYOUT_KEY_OPTIMIZER,
+    LAYOUT_KEY_OPTIMIZER_DOC,
+    LAYOUT_KEY_VERSION,
+    LAYOUT_KEY_WORLD_SIZE,
+    LAYOUT_VERSION,
+    PIECE_FILE_PATTERN,
+    PIECES_METADATA_KEY,
+    SHARDED_DIR,
+)
 SECTION_TENSORS = "tensors"  # {name: {"dtype": "F32", "shape": [global shape]}}
 SECTION_PIECES = "pieces"  # {file: {name: {"offset": [...], "shape": [...]}}}
 SECTION_TIED = "tied"  # {dropped alias: kept name} (model only)

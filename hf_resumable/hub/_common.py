@@ -25,7 +25,15 @@ from huggingface_hub.errors import (
 
 from .._jsonio import parse_json
 from .._safefile import read_regular_file
-from ..constants import MAX_JSON_SIZE, MODEL_INDEX_FILE
+from ..constants import (  # noqa: F401 - INDEX_VERSION_KEY, PART_SUFFIX, SIDECAR_SUFFIX re-exported for hub modules
+    INDEX_VERSION_KEY,
+    MAX_JSON_SIZE,
+    MODEL_INDEX_FILE,
+    PART_SUFFIX,
+    SHARDS_KEY,
+    SIDECAR_SUFFIX,
+    SINGLE_MODEL_FILE,
+)
 from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -42,15 +50,8 @@ logger = logging.getLogger(__name__)
 
 
 
-# Un-sharded weights file (transformers and huggingface_hub write it when everything fits in one shard).
-SINGLE_MODEL_FILE = "model.safetensors"
-# Index metadata key: {shard file: {"size": int, "sha256": str}} (transformers ignores unknown keys).
-SHARD_RECORDS_KEY = "hf_resumable_shards"
-# Index metadata key: format version of what push_sharded wrote.
-INDEX_VERSION_KEY = "hf_resumable_format_version"
-# Suffixes of the partial file and its sidecar used by resumable_download.
-PART_SUFFIX = ".part"
-SIDECAR_SUFFIX = ".part.json"
+# The index's shard records (one key with the checkpoint format's SHARDS_KEY, under the name the hub module used).
+SHARD_RECORDS_KEY = SHARDS_KEY
 # Remote files push_sharded replaces on every push (stale shards of an earlier layout are deleted).
 WEIGHT_PATTERNS = ["model*.safetensors", MODEL_INDEX_FILE]
 _DOWNLOAD_CHUNK = 1024 * 1024

@@ -67,7 +67,7 @@ from transformers.trainer_callback import ExportableState
 
 from ..checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
 from ..checkpoint import apply_retention, read_manifest, wait_for_pending_saves
-from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, OPTIMIZER_INDEX_FILE
+from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, OPTIMIZER_INDEX_FILE, TRAINER_STATE_FILE
 from ..data import (DATA_KIND, ResumableDataLoader, build_map_dataloader, build_stream_dataloader, data_rng,
                     dataset_fingerprint, has_shuffle_buffer, sampler_epoch_order)
 from ..errors import HfResumableError, InexactResumeError, UnsupportedStateError
@@ -112,7 +112,6 @@ _SOURCE_CONTRACT = {
     "_load_callback_state": ("if not self.args.restore_callback_states_from_checkpoint:",),
     "train": ("self._load_from_checkpoint(resume_from_checkpoint)", "TRAINER_STATE_NAME"),
 }
-TRAINER_STATE_FILE = "trainer_state.json"
 # Keys of the progress record saved in training_state.json["progress"].
 _PROGRESS_LOOP = "trainer_loop"  # accumulators of the logging loop (exact floats)
 _PROGRESS_ATTRIBUTES = "trainer_attributes"  # resumable_state_attributes of a Trainer subclass (TRL counters)

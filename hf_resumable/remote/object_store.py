@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
