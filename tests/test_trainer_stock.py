@@ -95,3 +95,22 @@ def test_resuming_an_older_stock_checkpoint_below_a_newer_one_is_refused(stock_r
         _trainer(run, max_steps=6, samples=44).train(resume_from_checkpoint=str(run / "checkpoint-2"))
     assert isinstance(err.value, FileExistsError)
     assert {k: v for k, v in snapshot(run).items() if not k.startswith(".hf-resumable-converted")} == before
+
+
+def test_end_of_training_deletion_spares_foreign_checkpoints(tmp_path: Path) -> None:
+    """save_total_limit=1 with a best checkpoint: Trainer._finalize_training deletes every other checkpoint-N,
+    a stock one included; ResumableTrainer deletes only its own."""
+    from unittest.mock import patch
+
+    from test_trainer_upstream import _evaluate_with, regression_trainer
+
+    stock = tmp_path / "checkpoint-99"  # beyond this run's steps: no collision, so the run is not refused
+    stock.mkdir()
+    (stock / "trainer_state.json").write_text("{}")
+    (stock / "model.safetensors").write_bytes(b"stock weights")
+    trainer = regression_trainer(tmp_path, eval_strategy="steps", eval_steps=1, save_steps=1, max_steps=3,
+                                 metric_for_best_model="accuracy", greater_is_better=True, save_total_limit=1)
+    with patch.object(trainer, "_evaluate", side_effect=_evaluate_with([0.9, 0.8, 0.7])):
+        trainer.train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-99"]
+    assert (stock / "model.safetensors").read_bytes() == b"stock weights"

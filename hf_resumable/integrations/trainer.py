@@ -815,7 +815,7 @@ class ResumableTrainer(Trainer):
                 saved, hyperparameter_snapshot(self.args, max_steps=max_steps))
             report_hyperparameter_changes(self._hyperparameter_changes, checkpoint=str(self._resume.path),
                                           mode=self.resume_hyperparameters)
-        if self.args.should_save and not self._loop.finished:
+        if not self._loop.finished:  # on every rank: a refusal on one rank alone would leave the others waiting
             collisions = colliding_checkpoints(self._get_output_dir(self._loop.trial), after_step=start,
                                                up_to_step=max_steps)
             if collisions:
