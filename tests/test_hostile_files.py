@@ -295,3 +295,17 @@ def test_overwrite_replaces_an_empty_directory_and_our_own_checkpoint(tmp_path):
     assert load_checkpoint(target, model=model).step == 2
     assert all(bool((p == 2.0).all()) for p in model.parameters())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+
+
+def test_overwrite_never_deletes_files_added_to_a_committed_checkpoint(tmp_path):
+    target = tmp_path / "checkpoint-1"
+    save_checkpoint(target, model=_model(1.0), step=1)
+    (target / "eval_results.json").write_text('{"accuracy": 0.9}')  # an eval watcher's output
+    (target / "notes").mkdir()
+    with pytest.raises(CheckpointExistsError, match="eval_results.json"):
+        save_checkpoint(target, model=_model(2.0), step=1, overwrite=True)
+    assert (target / "eval_results.json").read_text() == '{"accuracy": 0.9}' and (target / "notes").is_dir()
+    model = _model(0.0)
+    load_checkpoint(target, model=model)
+    assert all(bool((p == 1.0).all()) for p in model.parameters())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]

@@ -32,7 +32,7 @@ from ..distributed import (
     is_distributed,
     rank_and_world_size,
 )
-from ..errors import CheckpointExistsError
+from ..errors import CheckpointExistsError, HfResumableError
 from ..progress import progress_bar
 from ..rng import save_rng_state
 from ..safetensors_io import FileRecord, write_safetensors
@@ -40,7 +40,7 @@ from ._fs import DirIdentity, commit_dir, create_temp_dir, discard, write_bytes_
 from ._payload import SHARDS_KEY, Payload
 from ._staging import copy_into
 from ._threads import run_in_threads
-from .manifest import Manifest, is_committed, records_from_json, records_to_json
+from .manifest import Manifest, read_manifest, records_from_json, records_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -65,20 +65,51 @@ def check_target(target: Path, *, overwrite: bool) -> DirIdentity | None:
         kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "a file"
         raise CheckpointExistsError(f"{target} exists and is {kind}, not a checkpoint directory; hf_resumable does "
                                     "not replace it. Remove it, or save under another name.")
-    committed = is_committed(target)
+    manifest = _manifest_or_none(target)
     if not overwrite:
-        kind = "a committed checkpoint" if committed else "a directory"
+        kind = "a committed checkpoint" if manifest is not None else "a directory"
         raise CheckpointExistsError(
             f"{target} already exists and is {kind}; pass overwrite=True to replace it atomically, or save under "
             "another step."
         )
-    if not committed and _has_entries(target):
+    if manifest is None and _has_entries(target):
         raise CheckpointExistsError(
             f"{target} holds files that hf_resumable did not write (no valid {MANIFEST_FILE}), e.g. a checkpoint "
             "of the stock Trainer or of another tool; hf_resumable never replaces those. Move them away or save "
             "under another name (a stock Trainer checkpoint can be converted with `hf-resumable convert`)."
         )
+    if manifest is not None and (added := _unlisted_entries(target, manifest)):
+        raise CheckpointExistsError(
+            f"{target} is a committed checkpoint, but files were added to it that hf_resumable did not write "
+            f"({', '.join(added[:5])}{', ...' if len(added) > 5 else ''}); replacing it would delete them. Move "
+            "them out of the checkpoint, or save under another name."
+        )
     return (info.st_dev, info.st_ino)
+
+
+def _manifest_or_none(directory: Path) -> Manifest | None:
+    try:
+        return read_manifest(directory)
+    except (HfResumableError, OSError):
+        return None
+
+
+def _unlisted_entries(directory: Path, manifest: Manifest) -> list[str]:
+    """Files (and empty directories) under ``directory`` that ``manifest`` does not list: somebody else's."""
+    listed = set(manifest.files) | {MANIFEST_FILE}
+    parents = {str(Path(name).parent) for name in listed}
+    extra = []
+    for root, dirs, files in os.walk(directory):
+        relroot = os.path.relpath(root, directory)
+        for name in files:
+            relpath = name if relroot == "." else f"{relroot}/{name}"
+            if relpath not in listed:
+                extra.append(relpath)
+        for name in dirs:
+            relpath = name if relroot == "." else f"{relroot}/{name}"
+            if relpath not in parents and not any(p.startswith(relpath + "/") for p in parents):
+                extra.append(relpath + "/")
+    return sorted(extra)
 
 
 @contextlib.contextmanager
