@@ -1,0 +1,34 @@
+"""Background saves through the integrations under torchrun: ResumableAccelerator(save_async=True) with 2 processes,
+one SIGKILLed after a step, restarted with the same command, ends bit-identical to a run with blocking saves."""
+
+from __future__ import annotations
+
+import pytest
+from test_accelerate_integration import (  # noqa: F401 - the fixture is used by name
+    EXAMPLE,
+    assert_same_run,
+    child_env,
+    launch_torchrun,
+    two_process_reference,
+)
+
+from hf_resumable.checkpoint import find_latest_checkpoint, read_manifest
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def _torchrun(output, *, env=None):
+    return launch_torchrun(EXAMPLE, ["--output-dir", str(output), "--num-workers", "0", "--save-async"],
+                           env=child_env(env), timeout=180)
+
+
+def test_async_saves_under_torchrun_survive_a_sigkill_and_resume_bit_exact(tmp_path, two_process_reference):
+    interrupted = _torchrun(tmp_path, env={"HF_RESUMABLE_EXAMPLE_KILL_AFTER_STEP": "3",
+                                           "HF_RESUMABLE_EXAMPLE_SIGNAL_RANK": "1"})
+    assert interrupted.returncode != 0 and "exitcode: -9" in interrupted.stdout, interrupted.stdout[-5000:]
+    latest = find_latest_checkpoint(tmp_path / "checkpoints")
+    assert latest is not None and latest.name == "checkpoint-2" and read_manifest(latest).world_size == 2
+    resumed = _torchrun(tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-5000:]
+    assert f"Resumed from {latest}" in resumed.stdout
+    assert_same_run(tmp_path, two_process_reference, final_step=4)  # the reference saved blocking
