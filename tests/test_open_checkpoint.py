@@ -93,9 +93,13 @@ def test_parts_can_be_filled_one_at_a_time(saved):
     assert scheduler.state_dict() == fresh_scheduler.state_dict()
 
 
-def test_exports():
-    assert hf_resumable.open_checkpoint is open_checkpoint
+def test_exports(saved):
+    # The top level exports the location-aware front (hf_resumable.locations), which opens local paths as is.
+    path, _, _ = saved
     assert "open_checkpoint" in hf_resumable.__all__ and "OpenedCheckpoint" in hf_resumable.checkpoint.__all__
+    assert "open_checkpoint" in hf_resumable.checkpoint.__all__
+    opened = hf_resumable.open_checkpoint(path, verify="full")
+    assert isinstance(opened, OpenedCheckpoint) and opened.step == open_checkpoint(path).step == 2
 
 
 def test_rng_policy_lives_in_the_object(tmp_path, caplog):

@@ -1,10 +1,12 @@
 """Read many safetensors files at once, several threads per file, each file's hash checked in byte order.
 
-A resume reads one model and one optimizer of similar size. Reading file by file (or one thread per
-file) leaves the disk's queue shallow and puts the page faults of fresh memory (a new optimizer's
-state) on one core; here every file is cut into chunks that a pool of threads reads with ``pread``
-straight into the destination tensors' bytes, while the file's checksum is fed in order by whichever
-thread completes the next chunk. ``pread``, ``xxh3`` and ``sha256`` all release the GIL.
+A resume reads a model and an optimizer state twice its size. One thread per file puts the page faults
+of the new memory (a fresh process's optimizer state) on one core while the model's thread finishes
+early; file after file leaves the CPU idle while the model is read and the disk waiting while the
+state's pages are faulted in. Here every file is cut into chunks, all files' chunks are interleaved
+(:func:`interleave`) and a pool of threads reads them with ``pread`` straight into the destination
+tensors' bytes, while each file's checksum is fed in order by whichever thread completes its next
+chunk. ``pread``, ``xxh3`` and ``sha256`` release the GIL.
 
 Planning (:func:`plan_reads`) is pure: which byte range of which file lands in which tensor. Tensors
 that cannot receive bytes in place (another device, dtype or layout) are read into CPU staging buffers
@@ -30,7 +32,7 @@ from ..safetensors_io import FileRecord, SafetensorsHeader, TensorInfo
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FileRead", "Chunk", "plan_reads", "read_files", "READ_WORKERS", "CHUNK_BYTES"]
+__all__ = ["FileRead", "Chunk", "plan_reads", "interleave", "read_files", "READ_WORKERS", "CHUNK_BYTES"]
 
 # Threads reading at once (all files share them); more than the cores, so the disk queue stays deep while
 # some threads fault in fresh pages or hash.
@@ -154,6 +156,33 @@ class _FileState:
         return None if actual == expected.sha256 else f"sha256 is {actual}, the manifest says {expected.sha256}"
 
 
+def interleave(files: list[list[Chunk]]) -> list[Chunk]:
+    """All files' chunks in one queue, each file advancing at the same relative pace.
+
+    A resume reads the model into memory that exists (disk-bound) and the optimizer state into new memory
+    (bound by page faults, i.e. CPU). File after file would leave the CPU idle during the first and the
+    disk waiting during the second; interleaved, both work at once. Within a file chunks stay in order,
+    so its checksum is fed as soon as possible.
+
+    Example:
+
+    ```python
+    >>> a = [Chunk(0, i, i * 10, memoryview(bytes(10))) for i in range(4)]
+    >>> b = [Chunk(1, i, i * 20, memoryview(bytes(20))) for i in range(2)]
+    >>> [(c.file, c.index) for c in interleave([a, b])]
+    [(0, 0), (1, 0), (0, 1), (0, 2), (1, 1), (0, 3)]
+
+    ```
+    """
+    keyed = []
+    for chunks in files:
+        size, done = max(1, sum(len(c.view) for c in chunks)), 0
+        for chunk in chunks:
+            keyed.append((done / size, chunk.file, chunk.index, chunk))
+            done += len(chunk.view)
+    return [item[3] for item in sorted(keyed, key=lambda item: item[:3])]
+
+
 def _pread_into(fd: int, chunk: Chunk, path: Path) -> None:
     view, offset = chunk.view, chunk.offset
     while view:
@@ -178,8 +207,7 @@ def read_files(reads: list[FileRead], *, workers: int = READ_WORKERS, chunk_byte
     """
     files, fresh, staged = plan_reads(reads, chunk_bytes=chunk_bytes)
     states = [_FileState(read, chunks) for read, chunks in zip(reads, files)]
-    # Files in order, chunks in order inside each: neighbouring threads read neighbouring ranges.
-    queue = [chunk for chunks in files for chunk in chunks]
+    queue = interleave(files)
     cursor = iter(range(len(queue)))
     lock = threading.Lock()
     errors: list[BaseException] = []
