@@ -14,10 +14,10 @@ Three tools, all index first (``model.safetensors.index.json`` or a single ``mod
 Example:
 
 ```python
->>> from accelerate import init_empty_weights
->>> with init_empty_weights():
+>>> from accelerate import init_empty_weights  # doctest: +SKIP
+>>> with init_empty_weights():  # doctest: +SKIP
 ...     model = AutoModelForCausalLM.from_config(config)
->>> missing, unexpected = load_lazily(model, "me/tiny-llama")
+>>> missing, unexpected = load_lazily(model, "me/tiny-llama")  # doctest: +SKIP
 ```
 """
 
@@ -81,10 +81,10 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
     Example:
 
     ```python
-    >>> weights = LazyStateDict.from_pretrained("me/tiny-gpt2")
-    >>> weights.meta("transformer.h.0.attn.c_attn.weight").shape
+    >>> weights = LazyStateDict.from_pretrained("me/tiny-gpt2")  # doctest: +SKIP
+    >>> weights.meta("transformer.h.0.attn.c_attn.weight").shape  # doctest: +SKIP
     (32, 96)
-    >>> weights["transformer.h.0.attn.c_attn.weight"].sum()  # downloads only the shard holding it
+    >>> weights["transformer.h.0.attn.c_attn.weight"].sum()  # downloads only the shard holding it  # doctest: +SKIP
     ```
     """
 
@@ -282,8 +282,8 @@ def plan_load(model: nn.Module, weights: LazyStateDict, *, keys: list[str] | Non
     Example:
 
     ```python
-    >>> plan = plan_load(model, LazyStateDict.from_pretrained("out"))
-    >>> plan.missing, plan.unexpected
+    >>> plan = plan_load(model, LazyStateDict.from_pretrained("out"))  # doctest: +SKIP
+    >>> plan.missing, plan.unexpected  # doctest: +SKIP
     ([], [])
     ```
     """
@@ -414,9 +414,9 @@ def load_lazily(
     Example:
 
     ```python
-    >>> with init_empty_weights():
+    >>> with init_empty_weights():  # doctest: +SKIP
     ...     model = LlamaForCausalLM(config)
-    >>> load_lazily(model, "out/checkpoint-120")
+    >>> load_lazily(model, "out/checkpoint-120")  # doctest: +SKIP
     ([], [])
     ```
     """
@@ -504,9 +504,9 @@ class StreamingModel(contextlib.AbstractContextManager):
     Example:
 
     ```python
-    >>> with init_empty_weights():
+    >>> with init_empty_weights():  # doctest: +SKIP
     ...     model = LlamaForCausalLM(config)
-    >>> with StreamingModel(model, "me/tiny-llama") as streamed, torch.no_grad():
+    >>> with StreamingModel(model, "me/tiny-llama") as streamed, torch.no_grad():  # doctest: +SKIP
     ...     logits = streamed(input_ids).logits
     ```
     """
@@ -587,8 +587,8 @@ def stream_forward(model: nn.Module, path_or_repo_id: str | os.PathLike | LazySt
     Example:
 
     ```python
-    >>> out = stream_forward(meta_model, "out/model", torch.tensor([[1, 2, 3]]))
-    >>> out.logits.shape
+    >>> out = stream_forward(meta_model, "out/model", torch.tensor([[1, 2, 3]]))  # doctest: +SKIP
+    >>> out.logits.shape  # doctest: +SKIP
     torch.Size([1, 3, 128])
     ```
     """

@@ -210,7 +210,8 @@ def check_relative_name(name: str, *, source: str, suffix: str | None = ".safete
     """
     if not isinstance(name, str) or not name:
         raise UnsafeIndexError(f"{source}: file name {name!r:.100} is not a non-empty string.")
-    if len(name) > MAX_NAME_LENGTH or any(len(part.encode("utf-8", "surrogatepass")) > 255 for part in name.split("/")):
+    too_long = any(len(part.encode("utf-8", "surrogatepass")) > 255 for part in name.split("/"))
+    if len(name) > MAX_NAME_LENGTH or too_long:
         raise UnsafeIndexError(f"{source}: file name {name[:60]!r}... is longer than the filesystem allows "
                                f"({len(name)} characters); the index is corrupt or crafted.")
     if any(ord(c) < 32 or ord(c) == 127 for c in name):

@@ -20,8 +20,9 @@ Example:
 >>> name = member_name(".tmp-", "checkpoint-5", tag, nonce="00ff00ff")
 >>> name
 '.tmp-checkpoint-5.3fa2b1c0.7.123.00ff00ff'
->>> parse_member_name(name)
-OwnedName(prefix='.tmp-', target='checkpoint-5', owner=OwnerTag(host='3fa2b1c0', pid=7, start=123), nonce='00ff00ff', mark='')
+>>> owned = parse_member_name(name)
+>>> owned.prefix, owned.target, owned.owner, owned.nonce
+('.tmp-', 'checkpoint-5', OwnerTag(host='3fa2b1c0', pid=7, start=123), '00ff00ff')
 >>> parse_member_name(".tmp-something-else") is None
 True
 

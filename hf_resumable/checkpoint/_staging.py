@@ -64,8 +64,11 @@ def plan_stretches(sizes: Sequence[int], workers: int, *, align: int = ALIGN) ->
     Example:
 
     ```python
-    >>> plan_stretches([100, 28], 2, align=4)
-    [[Piece(index=0, offset=0, length=64)], [Piece(index=0, offset=64, length=36), Piece(index=1, offset=0, length=28)]]
+    >>> first, second = plan_stretches([100, 28], 2, align=4)
+    >>> first
+    [Piece(index=0, offset=0, length=64)]
+    >>> second
+    [Piece(index=0, offset=64, length=36), Piece(index=1, offset=0, length=28)]
     ```
     """
     if workers < 1:

@@ -136,7 +136,7 @@ def find_latest_checkpoint(
 
     ```python
     >>> latest = find_latest_checkpoint("out")  # doctest: +SKIP
-    >>> latest.name
+    >>> latest.name  # doctest: +SKIP
     'checkpoint-1200'
     ```
     """

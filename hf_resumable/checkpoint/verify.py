@@ -65,7 +65,8 @@ class VerifyReport:
         raise error(self.summary() + "\nUse find_latest_checkpoint() to resume from the newest valid checkpoint.")
 
 
-def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, raise_on_error: bool = False) -> VerifyReport:
+def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True,
+                      raise_on_error: bool = False) -> VerifyReport:
     """Check that ``directory`` is a complete, uncorrupted checkpoint.
 
     Quick mode reads the manifest (and checks its own checksum), checks every listed file exists with
@@ -88,7 +89,7 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, raise_
 
     ```python
     >>> report = verify_checkpoint("out/checkpoint-100", full=False)  # doctest: +SKIP
-    >>> report.ok
+    >>> report.ok  # doctest: +SKIP
     True
     ```
     """

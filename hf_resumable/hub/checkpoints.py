@@ -84,8 +84,8 @@ def pull_checkpoint(
     Example:
 
     ```python
-    >>> path = pull_checkpoint("hf://me/run@step-120/checkpoint-120")
-    >>> (path / "manifest.json").exists()
+    >>> path = pull_checkpoint("hf://me/run@step-120/checkpoint-120")  # doctest: +SKIP
+    >>> (path / "manifest.json").exists()  # doctest: +SKIP
     True
     ```
     """
@@ -223,8 +223,8 @@ def push_checkpoint(
     Example:
 
     ```python
-    >>> pushed = push_checkpoint("out/checkpoint-120", "me/run", branch="step-120")
-    >>> pull_checkpoint(pushed.url)
+    >>> pushed = push_checkpoint("out/checkpoint-120", "me/run", branch="step-120")  # doctest: +SKIP
+    >>> pull_checkpoint(pushed.url)  # doctest: +SKIP
     ```
     """
     directory = Path(local_checkpoint_dir)

@@ -166,7 +166,7 @@ def resumable_download(
     Example:
 
     ```python
-    >>> path = resumable_download("me/run", "checkpoint-120/model-00001-of-00002.safetensors",
+    >>> path = resumable_download("me/run", "checkpoint-120/model-00001-of-00002.safetensors",  # doctest: +SKIP
     ...                           revision="step-120", local_dir="pulled")
     ```
     """

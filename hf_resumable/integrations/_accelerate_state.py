@@ -116,12 +116,12 @@ def state_fingerprint(*, models: Iterable[torch.nn.Module], optimizers: Iterable
     Example:
 
     ```python
-    >>> import torch
-    >>> model = torch.nn.Linear(2, 1)
-    >>> before = state_fingerprint(models=[model], optimizers=[], small_state={"step": 1})
-    >>> with torch.no_grad():
+    >>> import torch  # doctest: +SKIP
+    >>> model = torch.nn.Linear(2, 1)  # doctest: +SKIP
+    >>> before = state_fingerprint(models=[model], optimizers=[], small_state={"step": 1})  # doctest: +SKIP
+    >>> with torch.no_grad():  # doctest: +SKIP
     ...     model.weight.add_(1.0)
-    >>> before == state_fingerprint(models=[model], optimizers=[], small_state={"step": 1})
+    >>> before == state_fingerprint(models=[model], optimizers=[], small_state={"step": 1})  # doctest: +SKIP
     False
     ```
     """

@@ -32,7 +32,13 @@ from ..constants import CHECKPOINT_DIR_RE, MANIFEST_FILE, MAX_JSON_SIZE
 from .._urls import is_object_store_url
 from ..progress import progress_bar
 from .uploader import BackgroundUploader
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, HfResumableError, StorageError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    HfResumableError,
+    StorageError,
+)
 
 logger = logging.getLogger(__name__)
 
