@@ -105,11 +105,13 @@ class OptimizerLoadPlan:
             in the dtype, device and layout ``Optimizer.load_state_dict`` keeps (so it copies nothing), or the
             optimizer's existing state tensor of exactly that kind (filled in place).
         steps (`list[str]`): stored names of ``step`` tensors, whose values are checked before anything is applied.
+        new (`set[str]`): the targets allocated here (never touched yet), as opposed to reused state.
     """
 
     names: list[str]
     targets: dict[str, torch.Tensor] = field(default_factory=dict)
     steps: list[str] = field(default_factory=list)
+    new: set[str] = field(default_factory=set)
 
 
 class _MetaTensors(Mapping):
@@ -223,7 +225,9 @@ def plan_optimizer_load(
         if key == STEP_KEY and math.prod(shape) != 1:
             problems.append(f"{tensor_name}: saved {dtype} {list(shape)}, expected a single step count")
             continue
-        plan.targets[tensor_name] = _target(optimizer, param, key, dtype, shape, group_of[name])
+        plan.targets[tensor_name] = target = _target(optimizer, param, key, dtype, shape, group_of[name])
+        if target is not optimizer.state.get(param, {}).get(key):
+            plan.new.add(tensor_name)
         if key == STEP_KEY:
             plan.steps.append(tensor_name)
     if problems:

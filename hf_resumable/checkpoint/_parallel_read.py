@@ -15,11 +15,13 @@ and copied into their destination only after EVERY file's hash has matched.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
+import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,23 +45,28 @@ CHUNK_BYTES = 8 * 1024 * 1024
 
 @dataclass
 class FileRead:
-    """One file to read: its verified header, the record to check it against (``None``: no check) and the
-    destination tensors by name (any subset; the rest are returned as new tensors)."""
+    """One file to read: its verified header, the record to check it against (``None``: no check), the
+    destination tensors by name (any subset; the rest are returned as new tensors), and which of those
+    destinations are newly allocated (``new``: their pages are faulted in ahead of the reads)."""
 
     path: Path
     header: SafetensorsHeader
     expected: FileRecord | None = None
     into: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    new: Collection[str] = ()
 
 
 @dataclass
 class Chunk:
-    """``length`` bytes at ``offset`` of file ``file`` (its ``index``-th chunk), landing in ``view``."""
+    """``len(view)`` bytes at ``offset`` of file ``file`` (its ``index``-th chunk), landing in ``view``, whose
+    memory is ``new`` (never touched yet) or not."""
 
     file: int
     index: int
     offset: int
     view: memoryview
+    new: bool = False
+    address: int = 0
 
 
 def _in_place(target: torch.Tensor | None, info: TensorInfo) -> bool:
@@ -88,24 +95,24 @@ def plan_reads(reads: list[FileRead], *, chunk_bytes: int = CHUNK_BYTES
     for number, read in enumerate(reads):
         header, chunks = read.header, []
 
-        def add(offset: int, view: memoryview) -> None:
+        def add(offset: int, view: memoryview, *, new: bool = False, address: int = 0) -> None:
             for start in range(0, len(view), chunk_bytes):
                 part = view[start : start + chunk_bytes]
-                chunks.append(Chunk(number, len(chunks), offset + start, part))
+                chunks.append(Chunk(number, len(chunks), offset + start, part, new, address + start))
 
         if read.expected is not None:
             add(0, memoryview(bytearray(header.data_offset)))
         for info in sorted(header.tensors.values(), key=lambda t: t.start):
             target = read.into.get(info.name)
             if _in_place(target, info):
-                buffer = target
+                buffer, new = target, info.name in read.new
             else:
-                buffer = torch.empty(info.shape, dtype=info.torch_dtype)
+                buffer, new = torch.empty(info.shape, dtype=info.torch_dtype), True
                 if target is not None:
                     staged.append((buffer, target))
                 else:
                     fresh[info.name] = buffer
-            add(header.data_offset + info.start, _byte_view(buffer))
+            add(header.data_offset + info.start, _byte_view(buffer), new=new, address=buffer.data_ptr())
         files.append(chunks)
     return files, fresh, staged
 
@@ -183,6 +190,45 @@ def interleave(files: list[list[Chunk]]) -> list[Chunk]:
     return [item[3] for item in sorted(keyed, key=lambda item: item[:3])]
 
 
+def _madvise() -> Callable[[int, int], int] | None:
+    """``madvise(address, length, MADV_POPULATE_WRITE)`` through libc (Linux >= 5.14), or ``None``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)  # ctypes releases the GIL during the call
+        call = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    call.argtypes, call.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+    return lambda address, length: call(address, length, _MADV_POPULATE_WRITE)
+
+
+_MADV_POPULATE_WRITE = 23
+_PAGE = 4096
+
+
+def _prefault(queue: list[Chunk], stop: threading.Event) -> None:
+    """Fault in the pages of new destinations, in reading order, ahead of the readers.
+
+    The first touch of new memory is a page fault per 4 KiB page (a costly one in a VM); inside ``pread``
+    it would come after the data arrived, here it overlaps the disk's work. Pages a reader reaches first
+    simply fault there. Stops quietly if the kernel does not support ``MADV_POPULATE_WRITE``.
+    """
+    populate = _madvise()
+    if populate is None:
+        return
+    for chunk in queue:
+        if stop.is_set():
+            return
+        if not chunk.new:
+            continue
+        start = -(-chunk.address // _PAGE) * _PAGE
+        end = (chunk.address + len(chunk.view)) // _PAGE * _PAGE
+        if end > start and populate(start, end - start) != 0:
+            logger.debug("madvise(MADV_POPULATE_WRITE) failed (errno %d); no prefaulting.", ctypes.get_errno())
+            return
+
+
 def _pread_into(fd: int, chunk: Chunk, path: Path) -> None:
     view, offset = chunk.view, chunk.offset
     while view:
@@ -227,17 +273,24 @@ def read_files(reads: list[FileRead], *, workers: int = READ_WORKERS, chunk_byte
                 with lock:
                     errors.append(err)
 
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
     try:
         for state in states:
             state.file = open_regular(state.read.path, buffering=0)
-        threads = [threading.Thread(target=work, name="hf_resumable-read", daemon=True)
-                   for _ in range(max(0, min(workers, len(queue)) - 1))]
+        if any(chunk.new for chunk in queue):
+            threads.append(threading.Thread(target=_prefault, args=(queue, stop), name="hf_resumable-prefault",
+                                            daemon=True))
+        threads += [threading.Thread(target=work, name="hf_resumable-read", daemon=True)
+                    for _ in range(max(0, min(workers, len(queue)) - 1))]
         for thread in threads:
             thread.start()
         work()
-        for thread in threads:
-            thread.join()
     finally:
+        stop.set()
+        for thread in threads:
+            if thread.ident is not None:
+                thread.join()
         for state in states:
             if state.file is not None:
                 state.file.close()

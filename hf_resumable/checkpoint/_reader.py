@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,14 +148,16 @@ class _Reader:
             out[name] = torch.frombuffer(bytearray(raw), dtype=info.torch_dtype).reshape(info.shape)
         return out
 
-    def read(self, jobs: list[tuple[ShardIndex, Mapping[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
-        """Read every file of every index, into the given destinations where a tensor has one; return the rest.
+    def read(self, jobs: list[tuple[ShardIndex, Mapping[str, torch.Tensor], Collection[str]]]
+             ) -> dict[str, torch.Tensor]:
+        """Read every file of every ``(index, destinations, names of new destinations)``, into the destinations
+        where a tensor has one; return the rest.
 
         All files at once, several threads per file (:mod:`._parallel_read`); each file's hash is checked on
         the fly, in byte order, and a mismatch raises :class:`CorruptCheckpointError` naming the file.
         """
         reads = [FileRead(member_path(self.path, filename), self.report.headers[filename], self.expected(filename),
-                          into) for index, into in jobs for filename in index.filenames]
+                          into, new) for index, into, new in jobs for filename in index.filenames]
         return read_files(reads)
 
 
@@ -336,9 +338,9 @@ class OpenedCheckpoint(LoadedCheckpoint):
         #    optimizer state into its final tensors.
         jobs = []
         if model_plan is not None:
-            jobs.append((self._model_index, model_plan["into"]))
+            jobs.append((self._model_index, model_plan["into"], ()))
         if optimizer_plan is not None:
-            jobs.append((self._optimizer_index, optimizer_plan.targets))
+            jobs.append((self._optimizer_index, optimizer_plan.targets, optimizer_plan.new))
         leftovers = reader.read(jobs) if jobs else {}
         # 7. Apply: model, optimizer (through its load_state_dict), scheduler, scaler; 8. RNG last.
         if model_plan is not None:
