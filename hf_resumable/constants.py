@@ -25,6 +25,33 @@ SHARDS_KEY = "hf_resumable_shards"
 TIED_KEY = "hf_resumable_tied"
 # Index metadata key: format version of what push_sharded wrote.
 INDEX_VERSION_KEY = "hf_resumable_format_version"
+# Checkpoints that reference their frozen base (the default when the model has parameters with requires_grad=False,
+# e.g. a PEFT/LoRA base or a frozen embedding): the trainable parameters and buffers are sharded like the model
+# files but under their own names, so a tool looking for model.safetensors[.index.json] never loads a partial model
+# as if it were whole; the frozen parameters are described, not stored, in FROZEN_RECORD_FILE.
+TRAINABLE_INDEX_FILE = "trainable.safetensors.index.json"
+TRAINABLE_FILE_PATTERN = "trainable{suffix}.safetensors"
+# Index metadata key of TRAINABLE_INDEX_FILE: {name in the file: state-dict name} for tensors stored under another
+# name (a PEFT adapter's tensors are stored once, in adapter_model.safetensors, under PEFT's names).
+RENAMED_KEY = "hf_resumable_renamed"
+# What the frozen parameters are instead of their bytes: names, dtypes, shapes, xxh3-128 fingerprints (whole and
+# sampled), tied aliases, and where the base came from (local path or Hub repo id + revision).
+FROZEN_RECORD_FILE = "frozen_base.json"
+# Version of that document; readers refuse newer ones.
+FROZEN_RECORD_VERSION = 1
+# Keys of the frozen record.
+FROZEN_KEY_VERSION = "version"  # int, FROZEN_RECORD_VERSION
+FROZEN_KEY_HASH = "hash"  # "xxh3-128"
+FROZEN_KEY_SAMPLE = "sample"  # {"windows": int, "window_bytes": int}: how sample_xxh3_128 was taken
+FROZEN_KEY_TENSORS = "tensors"  # {name: {"dtype", "shape", "xxh3_128", "sample_xxh3_128"}}
+FROZEN_KEY_TIED = "tied"  # {alias: name in tensors}
+FROZEN_KEY_SOURCE = "source"  # {"name_or_path", "kind", "revision", "commit", "quantization", "model_class"}
+# The model config save_pretrained writes (a checkpoint of a PEFT model that does not store its base has none, as
+# PEFT's own save: from_pretrained(checkpoint) then loads the base named in adapter_config.json, plus the adapter).
+CONFIG_FILE = "config.json"
+# PEFT's adapter files, where PeftModel.from_pretrained(base, checkpoint_dir) looks for them.
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
 # Optimizer tensors, keyed by parameter name ("state/<param name>/<key>").
 OPTIMIZER_INDEX_FILE = "optimizer.safetensors.index.json"
 OPTIMIZER_FILE_PATTERN = "optimizer{suffix}.safetensors"

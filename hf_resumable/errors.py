@@ -24,6 +24,8 @@ __all__ = [
     "CorruptCheckpointError",
     "UnsafeIndexError",
     "CheckpointMismatchError",
+    "BaseMismatchError",
+    "BaseNotStoredError",
     "CheckpointExistsError",
     "UnsupportedStateError",
     "FormatVersionError",
@@ -64,6 +66,20 @@ class UnsafeIndexError(CorruptCheckpointError):
 
 class CheckpointMismatchError(HfResumableError, ValueError):
     """The checkpoint does not fit the model or optimizer it is loaded into (keys, shapes, dtypes)."""
+
+
+class BaseMismatchError(CheckpointMismatchError):
+    """The live model's frozen parameters are not the ones the checkpoint was trained with (another base model,
+    revision, dtype or quantization): the checkpoint stores only the trainable part, so it cannot resume this run."""
+
+
+class BaseNotStoredError(HfResumableError, FileNotFoundError):
+    """The checkpoint holds only the trainable part of the model; its frozen base is referenced, not stored.
+
+    Raised where a whole model is expected (lazy loading, pushing as a model repo, resharded loading). Load it with
+    ``load_checkpoint`` into a model built from its base, or make a full model directory with
+    ``hf-resumable export``.
+    """
 
 
 class CheckpointExistsError(HfResumableError, FileExistsError):

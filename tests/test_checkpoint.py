@@ -14,6 +14,7 @@ from tiny_models import FACTORIES, assert_same_optimizer, assert_same_state, tin
 from hf_resumable.checkpoint import load_checkpoint, read_manifest, save_checkpoint, verify_checkpoint
 from hf_resumable.constants import MANIFEST_FILE, MODEL_INDEX_FILE
 from hf_resumable.errors import (
+    BaseMismatchError,
     CheckpointExistsError,
     CheckpointMismatchError,
     IncompleteCheckpointError,
@@ -244,9 +245,17 @@ def test_peft_checkpoint_also_ships_a_loadable_adapter(tmp_path):
     got = {k: v for k, v in adapter.state_dict().items() if "lora_" in k}
     assert expected.keys() == got.keys() and expected
     assert all(torch.equal(expected[k], got[k]) for k in expected)
-    full = get_peft_model(tiny_gpt2(seed=3), LoraConfig(r=4, target_modules=["c_attn"], task_type="CAUSAL_LM"))
-    load_checkpoint(tmp_path / "c", model=full, restore_rng=False)  # the full state resumes exactly
-    assert_same_state(model.state_dict(), full.state_dict())
+    # The base is not stored (tests/test_frozen_checkpoints.py): another base is refused, the same one resumes.
+    other = get_peft_model(tiny_gpt2(seed=3), LoraConfig(r=4, target_modules=["c_attn"], task_type="CAUSAL_LM"))
+    with pytest.raises(BaseMismatchError, match="transformer.h.0.attn.c_attn.base_layer.weight: its bytes differ"):
+        load_checkpoint(tmp_path / "c", model=other, restore_rng=False)
+    same = get_peft_model(tiny_gpt2(), LoraConfig(r=4, target_modules=["c_attn"], task_type="CAUSAL_LM"))
+    load_checkpoint(tmp_path / "c", model=same, restore_rng=False)
+    assert_same_state(model.state_dict(), same.state_dict())
+    # A standalone checkpoint holds the base too: it loads into any model of that shape.
+    save_checkpoint(tmp_path / "standalone", model=model, rng=False, standalone=True)
+    load_checkpoint(tmp_path / "standalone", model=other, restore_rng=False)
+    assert_same_state(model.state_dict(), other.state_dict())
 
 
 def test_data_state_with_tensors_is_refused_not_silently_dropped(tmp_path):

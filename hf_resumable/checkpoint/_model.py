@@ -4,7 +4,7 @@ the choice between reading in place and the model's own ``load_state_dict``."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -169,14 +169,14 @@ class ModelSnapshot:
     the model's tensors, only on the ``load_state_dict`` path.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, skip: Collection[int] = ()) -> None:
         self.modules = [(m, dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set))
                         for m in model.modules()]
         self.values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for _, params, buffers, _ in self.modules:
             for tensor in (*params.values(), *buffers.values()):
                 lazy = isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin)  # no data to keep
-                if tensor is not None and not lazy and id(tensor) not in self.values:
+                if tensor is not None and not lazy and id(tensor) not in self.values and id(tensor) not in skip:
                     self.values[id(tensor)] = (tensor, tensor.detach().clone())
 
     def restore(self) -> None:
@@ -196,8 +196,11 @@ class ModelSnapshot:
 
 
 def load_through_state_dict(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], tied: Mapping[str, str],
-                            *, strict: bool, source: str, reason: str) -> None:
+                            *, strict: bool, source: str, reason: str, covered: Collection[str] = ()) -> None:
     """Fill ``model`` with its own ``load_state_dict`` (aliases included), putting it back if that raises.
+
+    ``covered``: state-dict names the checkpoint does not store because they were checked against its frozen
+    record; they are left as they are (not snapshotted, not missing).
 
     Raises:
         CheckpointMismatchError: with the model's own error; the model is as before the call.
@@ -207,14 +210,18 @@ def load_through_state_dict(model: torch.nn.Module, tensors: Mapping[str, torch.
         if kept in state:
             state.setdefault(alias, state[kept])
     logger.info("Loading %s through %s.load_state_dict: %s.", source, type(model).__qualname__, reason)
-    snapshot = ModelSnapshot(model)
+    kept_as_is = {id(t) for name, t in model.state_dict(keep_vars=True).items() if name in covered} if covered else ()
+    snapshot = ModelSnapshot(model, skip=kept_as_is)
     try:
-        result = model.load_state_dict(state, strict=strict)
+        result = model.load_state_dict(state, strict=strict and not covered)
+        missing = [k for k in getattr(result, "missing_keys", []) if k not in covered]
+        unexpected = list(getattr(result, "unexpected_keys", []))
+        if covered and strict and (missing or unexpected):
+            raise RuntimeError(f"missing keys {missing[:10]}, unexpected keys {unexpected[:10]}")
     except Exception as err:  # noqa: BLE001 - the model's own refusal, re-raised typed after the rollback
         snapshot.restore()
         raise CheckpointMismatchError(f"{source}: {type(model).__qualname__}.load_state_dict refused the checkpoint "
                                       f"(the model is unchanged): {err}") from err
-    missing, unexpected = getattr(result, "missing_keys", []), getattr(result, "unexpected_keys", [])
     if missing or unexpected:
         logger.warning("Loading %s with strict=False: %d missing key(s) %s, %d unexpected key(s) %s", source,
                        len(missing), list(missing)[:5], len(unexpected), list(unexpected)[:5])

@@ -6,6 +6,7 @@ copied into staging buffers, and the writer never looks at the live objects agai
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 from collections.abc import Callable, Mapping
@@ -17,13 +18,18 @@ import torch
 
 from .._jsonio import json_bytes
 from ..constants import (  # noqa: F401 - SHARDS_KEY and STATE_TENSORS_FILE are also imported from here
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    CONFIG_FILE,
     DATA_STATE_DIR,
     DATA_STATE_FILE_PATTERN,
     FORMAT_VERSION,
+    FROZEN_RECORD_FILE,
     MODEL_FILE_PATTERN,
     MODEL_INDEX_FILE,
     OPTIMIZER_FILE_PATTERN,
     OPTIMIZER_INDEX_FILE,
+    RENAMED_KEY,
     RNG_DIR,
     RNG_FILE_PATTERN,
     SHARDS_KEY,
@@ -34,17 +40,19 @@ from ..constants import (  # noqa: F401 - SHARDS_KEY and STATE_TENSORS_FILE are 
     STATE_KEY_SCALER,
     STATE_KEY_SCHEDULER,
     STATE_TENSORS_FILE,
+    TRAINABLE_FILE_PATTERN,
+    TRAINABLE_INDEX_FILE,
     TRAINING_STATE_FILE,
 )
 from ..errors import UnsupportedStateError
 from ..rng import RngState, capture_rng_state
 from ..sharding import check_relative_name, plan_shards
 from ..state_codec import encode_state
-from ._model import TIED_KEY, dedupe_tied, model_state
+from ._frozen import base_provenance, build_record, frozen_names
+from ._model import TIED_KEY, _storage_key, dedupe_tied, model_state
 from ._optimizer import optimizer_to_tensors, parameter_names
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -113,11 +121,18 @@ def capture_payload(
     processing_class: Any,
     rank: int,
     is_main: bool,
+    standalone: bool = False,
 ) -> Payload:
-    """Build the payload of one rank; only the main rank carries model, optimizer and shared state."""
+    """Build the payload of one rank; only the main rank carries model, optimizer and shared state.
+
+    A model with frozen parameters is captured as its trainable part plus the frozen record (see
+    :mod:`._frozen`) unless ``standalone``.
+    """
     payload = Payload()
     if is_main:
-        _capture_shared(payload, model, optimizer, scheduler, scaler, training_state, extra, max_shard_size)
+        reserved = set(extra_files or {})  # files the caller writes itself (accelerate's save hooks): not ours
+        _capture_shared(payload, model, optimizer, scheduler, scaler, training_state, extra, max_shard_size,
+                        standalone=standalone, reserved=reserved)
         if model is not None and isinstance(model, torch.nn.Module):
             capture_pretrained(payload, model, processing_class)
         for relpath, content in (extra_files or {}).items():
@@ -138,13 +153,11 @@ def capture_payload(
 
 
 def _capture_shared(payload: Payload, model, optimizer, scheduler, scaler, training_state, extra,
-                    max_shard_size) -> None:
+                    max_shard_size, *, standalone: bool = False, reserved: set[str] | frozenset = frozenset()) -> None:
     state_tensors: dict[str, torch.Tensor] = {}
     optimizer_doc = None
     if model is not None:
-        tensors, tied = dedupe_tied(model_state(model))
-        add_sharded(payload, tensors, pattern=MODEL_FILE_PATTERN, index=MODEL_INDEX_FILE,
-                     max_shard_size=max_shard_size, metadata={TIED_KEY: tied, "format": "pt"})
+        capture_model(payload, model, max_shard_size=max_shard_size, standalone=standalone, reserved=reserved)
     if optimizer is not None:
         names = parameter_names(model if isinstance(model, torch.nn.Module) else None, optimizer)
         opt_tensors, optimizer_doc = optimizer_to_tensors(optimizer, names)
@@ -165,6 +178,86 @@ def _capture_shared(payload: Payload, model, optimizer, scheduler, scaler, train
         payload.tensor_files.append(TensorFile(STATE_TENSORS_FILE, sorted(state_tensors.items())))
 
 
+def capture_model(payload: Payload, model: torch.nn.Module | Mapping[str, torch.Tensor], *,
+                  max_shard_size: int | str, standalone: bool = False,
+                  reserved: set[str] | frozenset = frozenset()) -> None:
+    """The model's files: the whole state in the HF layout, or (frozen parameters, not ``standalone``) the trainable
+    part and the frozen record; a PEFT model's adapter files in both cases (not those in ``reserved``)."""
+    tensors, tied = dedupe_tied(model_state(model))
+    module = model if isinstance(model, torch.nn.Module) else None
+    adapters = {relpath: named for relpath, named in adapter_tensors(module).items() if relpath not in reserved}
+    frozen = set() if standalone or module is None else frozen_names(module, tensors)
+    if not frozen:
+        add_sharded(payload, tensors, pattern=MODEL_FILE_PATTERN, index=MODEL_INDEX_FILE,
+                     max_shard_size=max_shard_size, metadata={TIED_KEY: tied, "format": "pt"})
+        payload.tensor_files += [TensorFile(relpath, named) for relpath, named in adapters.items()]
+        return
+    stored = {name: t for name, t in tensors.items() if name not in frozen}
+    record = build_record({name: t for name, t in tensors.items() if name in frozen},
+                          {alias: kept for alias, kept in tied.items() if kept in frozen}, base_provenance(module))
+    # A PEFT adapter file whose every tensor is a stored trainable tensor holds those tensors for the checkpoint
+    # too (stored once, under PEFT's names); any other adapter file is written besides.
+    by_storage = {_storage_key(t): name for name, t in stored.items() if t.numel()}
+    renamed: dict[str, str] = {}
+    in_adapters: dict[str, str] = {}
+    for relpath, named in adapters.items():
+        owners = [by_storage.get(_storage_key(t)) if t.numel() else None for _, t in named]
+        if all(owners) and not any(owner in renamed.values() for owner in owners):
+            for (name, _), owner in zip(named, owners):
+                renamed[name] = owner
+                in_adapters[name] = relpath
+        payload.tensor_files.append(TensorFile(relpath, named))
+    rest = {name: t for name, t in stored.items() if name not in set(renamed.values())}
+    placed: dict[str, str] = {}
+    if rest:
+        plan = plan_shards({k: _nbytes(v) for k, v in rest.items()}, max_shard_size=max_shard_size,
+                           filename_pattern=TRAINABLE_FILE_PATTERN)
+        payload.tensor_files += [TensorFile(filename, [(n, rest[n]) for n in names])
+                                 for filename, names in plan.filename_to_names.items()]
+        placed = plan.name_to_filename
+    weight_map = dict(sorted({**placed, **in_adapters}.items()))
+    metadata = {"total_size": sum(_nbytes(t) for t in stored.values()), TIED_KEY:
+                {alias: kept for alias, kept in tied.items() if kept not in frozen}, RENAMED_KEY: renamed,
+                "format": "pt"}
+    payload.indexes.append(IndexSpec(TRAINABLE_INDEX_FILE, weight_map, metadata))
+    payload.blobs[FROZEN_RECORD_FILE] = json_bytes(record.to_json())
+    logger.info("Frozen base not stored: %d tensor(s), %.1f MB (%s); %d trainable tensor(s) and buffers, %.1f MB.",
+                len(record.tensors), record.total_bytes / 1e6, record.describe_source(), len(stored),
+                metadata["total_size"] / 1e6)
+
+
+def adapter_tensors(model: torch.nn.Module | None) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """A PEFT model's adapter files as ``PeftModel.save_pretrained`` writes them: ``adapter_model.safetensors`` for
+    the ``default`` adapter, ``<name>/adapter_model.safetensors`` for the others (PEFT's own state dict)."""
+    peft_config = getattr(model, "peft_config", None) if model is not None else None
+    if not isinstance(peft_config, Mapping) or not peft_config or not hasattr(model, "save_pretrained"):
+        return {}
+    from peft.utils import get_peft_model_state_dict
+
+    files = {}
+    for name in peft_config:
+        state = get_peft_model_state_dict(model, adapter_name=name)
+        relpath = ADAPTER_WEIGHTS_FILE if name == "default" else f"{name}/{ADAPTER_WEIGHTS_FILE}"
+        check_relative_name(relpath, source="PEFT adapter name")
+        files[relpath] = _unshare([(key, value.detach()) for key, value in state.items()])
+    return files
+
+
+def _unshare(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Tensors that share memory are written as separate copies (what PEFT's save does: safetensors has no
+    aliases)."""
+    seen: set[tuple] = set()
+    out = []
+    for name, tensor in named:
+        key = _storage_key(tensor) if tensor.numel() else None
+        if key is not None and key in seen:
+            tensor = tensor.clone()
+        elif key is not None:
+            seen.add(key)
+        out.append((name, tensor))
+    return out
+
+
 # id(config) -> (its JSON, the files its save_pretrained wrote): a config that did not change since the last save is
 # not written to a temporary directory again (saves run on the training loop's time).
 _CONFIG_FILES: dict[int, tuple[str, dict[str, bytes]]] = {}
@@ -183,6 +276,24 @@ def _config_files(config: Any) -> dict[str, bytes]:
     return files
 
 
+# id(model) -> (the adapters' configs as JSON, the adapter_config.json files PEFT wrote for them).
+_ADAPTER_CONFIGS: dict[int, tuple[str, dict[str, bytes]]] = {}
+
+
+def _adapter_configs(model: Any) -> dict[str, bytes]:
+    """The ``adapter_config.json`` files of ``model.save_pretrained``, reused while the adapter configs are unchanged
+    (so a save does not write the adapter weights to a temporary directory each time)."""
+    key = json.dumps({name: config.to_dict() for name, config in model.peft_config.items()}, sort_keys=True,
+                     default=str)
+    cached = _ADAPTER_CONFIGS.get(id(model))
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    files = {k: v for k, v in _pretrained_files(model.save_pretrained).items()
+             if k == ADAPTER_CONFIG_FILE or k.endswith(f"/{ADAPTER_CONFIG_FILE}")}
+    _ADAPTER_CONFIGS[id(model)] = (key, files)
+    return files
+
+
 def capture_pretrained(payload: Payload, model: torch.nn.Module, processing_class: Any) -> None:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
@@ -193,10 +304,13 @@ def capture_pretrained(payload: Payload, model: torch.nn.Module, processing_clas
             payload.blobs.update(_config_files(generation_config))
         except ValueError as err:  # transformers refuses to save an invalid generation config
             logger.warning("Not saving generation_config.json: %s", err)
-    if hasattr(model, "peft_config") and hasattr(model, "save_pretrained"):
-        # PEFT models: also ship the adapter as PEFT writes it (adapter_model.safetensors + adapter_config.json),
-        # so the checkpoint doubles as a loadable adapter; the full state above is what resumes exactly.
-        payload.blobs.update({k: v for k, v in _pretrained_files(model.save_pretrained).items()
-                              if k.startswith("adapter_") or "/adapter_" in k})
+    if isinstance(getattr(model, "peft_config", None), Mapping) and hasattr(model, "save_pretrained"):
+        # PEFT models: the checkpoint doubles as a loadable adapter (adapter_model.safetensors, written by
+        # capture_model, + adapter_config.json as PEFT writes it). Like PEFT's own save, a checkpoint that does not
+        # store the base has no config.json, so from_pretrained(checkpoint) loads the base named in
+        # adapter_config.json and the adapter on top, as it does for a stock Trainer checkpoint.
+        payload.blobs.update(_adapter_configs(model))
+        if any(spec.relpath == TRAINABLE_INDEX_FILE for spec in payload.indexes):
+            payload.blobs.pop(CONFIG_FILE, None)
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
         payload.blobs.update(_pretrained_files(processing_class.save_pretrained))

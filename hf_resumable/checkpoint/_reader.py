@@ -47,6 +47,7 @@ from ..rng import RngState, load_rng_state, restore_rng_state
 from ..safetensors_io import FileRecord, read_safetensors, record_of
 from ..sharding import ShardIndex, parse_index
 from ..state_codec import decode_state
+from ._frozen import TrainablePart, forget_fingerprints
 from ._model import TIED_KEY, check_model_fits, check_tied, load_state_dict_reason, load_through_state_dict, retie
 from ._optimizer import OptimizerLoadPlan, apply_optimizer_state, parameter_names, plan_optimizer_load
 from ._parallel_read import FileRead, read_files
@@ -183,6 +184,7 @@ class OpenedCheckpoint(LoadedCheckpoint):
     _model_index: ShardIndex | None = field(default=None, repr=False)
     _tied: dict[str, str] = field(default_factory=dict, repr=False)
     _optimizer_index: ShardIndex | None = field(default=None, repr=False)
+    _trainable: TrainablePart | None = field(default=None, repr=False)  # a checkpoint that references its base
 
     # ------------------------------------------------------------------ open
 
@@ -217,11 +219,13 @@ class OpenedCheckpoint(LoadedCheckpoint):
         rng_rel = f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"
         if rng_rel in manifest.files:
             opened.rng_state = load_rng_state(path / rng_rel, expected=reader.expected(rng_rel))
-        # 4. The model index and its tied-weight record.
+        # 4. The model index and its tied-weight record; or the trainable part's, with the frozen base's record.
         if MODEL_INDEX_FILE in manifest.files:
             opened._model_index = reader.index(MODEL_INDEX_FILE)
             opened._tied = check_tied(opened._model_index.metadata.get(TIED_KEY) or {},
                                       reader.stored(opened._model_index), source=str(path / MODEL_INDEX_FILE))
+        elif (trainable := TrainablePart.open(reader, path)) is not None:
+            opened._trainable, opened._model_index, opened._tied = trainable, trainable.index, trainable.tied
         return opened
 
     # ------------------------------------------------------------------ policy
@@ -359,6 +363,9 @@ class OpenedCheckpoint(LoadedCheckpoint):
         if self._model_index is None:
             raise IncompleteCheckpointError(f"{self.path}: no model weights were saved; load without model=.")
         targets = model.state_dict(keep_vars=True)
+        if self._trainable is not None:  # the frozen base is checked against its record, not read
+            return self._trainable.plan(model, targets, strict=strict, full=self._reader.report.full,
+                                        source=str(self.path))
         reason = load_state_dict_reason(model, targets)
         if reason is not None:  # the model's own load_state_dict decides keys and shapes, as upstream
             return {"reason": reason, "targets": targets, "into": {}}
@@ -368,6 +375,9 @@ class OpenedCheckpoint(LoadedCheckpoint):
 
     def _apply_model(self, model: torch.nn.Module, plan: Mapping[str, Any], leftovers: dict[str, torch.Tensor], *,
                      strict: bool) -> None:
+        if self._trainable is not None:
+            return self._trainable.apply(model, plan, leftovers, strict=strict, source=str(self.path))
+        forget_fingerprints(plan["targets"].values())  # written without a version bump: cached fingerprints are stale
         names = self._model_index.weight_map
         if plan["reason"] is not None:
             tensors = {name: leftovers.pop(name) for name in names}

@@ -94,6 +94,7 @@ def save_checkpoint(
     keep_last: int | None = None,
     best_metric: str | None = None,
     greater_is_better: bool = False,
+    standalone: bool = False,
 ) -> CheckpointInfo:
     """Save a crash-safe, sharded, pickle-free training checkpoint to ``directory``.
 
@@ -102,6 +103,17 @@ def save_checkpoint(
     A save killed at any moment leaves the previous checkpoint intact and no directory that looks
     committed. Model weights are HF-compatible sharded safetensors (``from_pretrained(directory)``
     works); tied weights are stored once.
+
+    Frozen parameters are identity, not state: when ``model`` has parameters with ``requires_grad=False`` (a
+    PEFT/LoRA base, a frozen embedding, a quantized base), only its trainable part is stored
+    (``trainable.safetensors.index.json``: trainable parameters and every buffer; a PEFT adapter's tensors once, in
+    ``adapter_model.safetensors``), and ``frozen_base.json`` records what the frozen parameters are: names, dtypes,
+    shapes, xxh3-128 fingerprints (computed once per process, then cached) and where the base came from. Loading
+    checks the live model's frozen tensors against that record instead of reading them. Such a checkpoint is not a
+    whole model: ``from_pretrained(directory)`` loads a PEFT checkpoint as the base named in its
+    ``adapter_config.json`` plus the adapter (as for a stock Trainer checkpoint) and finds no weights otherwise;
+    ``hf-resumable export`` turns it and its base into a full model directory. ``standalone=True`` stores every
+    parameter instead.
 
     Args:
         directory (`str` or `os.PathLike`): the checkpoint directory, e.g. ``out/checkpoint-120``.
@@ -128,6 +140,8 @@ def save_checkpoint(
         processing_class (*optional*): a tokenizer/processor whose ``save_pretrained`` files are included.
         keep_last (`int`, *optional*): after the commit, apply :func:`apply_retention` to the parent.
         best_metric (`str`, *optional*) / greater_is_better (`bool`): keep-best retention.
+        standalone (`bool`, *optional*, defaults to `False`): store frozen parameters too, so the checkpoint needs
+            no base to load (and ``from_pretrained(directory)`` loads the whole model).
 
     Returns:
         `CheckpointInfo`
@@ -155,7 +169,7 @@ def save_checkpoint(
     payload = capture_payload(
         model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, training_state=training_state,
         extra=extra, extra_files=extra_files, data_state=data_state, rng=rng, max_shard_size=max_shard_size,
-        processing_class=processing_class, rank=rank, is_main=rank == 0,
+        processing_class=processing_class, rank=rank, is_main=rank == 0, standalone=standalone,
     )
     metrics = dict(metrics or {})
 
@@ -276,6 +290,8 @@ def load_checkpoint(
             reading a large file with ``verify="quick"``: see :meth:`OpenedCheckpoint.load_into` for what
             may then have been filled).
         CheckpointMismatchError: the model/optimizer/scheduler/scaler does not fit (all offending keys listed).
+        BaseMismatchError: the checkpoint references its frozen base and the model's frozen parameters differ from
+            it (a ``CheckpointMismatchError``; nothing was changed).
         InexactResumeError: the RNG state for this rank is missing and ``allow_inexact_resume`` is False.
         ConfigDriftError: the checkpoint was written by a different number of processes (unless
             ``allow_inexact_resume``).

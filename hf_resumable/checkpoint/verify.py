@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .._jsonio import parse_json
 from .._safefile import file_kind, member_path, read_regular_file
-from ..constants import LAYOUT_FILE, MAX_JSON_SIZE, MODEL_INDEX_FILE, OPTIMIZER_INDEX_FILE
+from ..constants import LAYOUT_FILE, MAX_JSON_SIZE, MODEL_INDEX_FILE, OPTIMIZER_INDEX_FILE, TRAINABLE_INDEX_FILE
 from ..errors import CorruptCheckpointError, HfResumableError, IncompleteCheckpointError
 from ..safetensors_io import SafetensorsHeader, hash_file, read_header
 from ..sharding import parse_index
@@ -151,7 +151,7 @@ def _read_json(directory: Path, relpath: str) -> object:
 
 
 def _check_indexes(directory: Path, report: VerifyReport) -> None:
-    for index_name in (MODEL_INDEX_FILE, OPTIMIZER_INDEX_FILE):
+    for index_name in (MODEL_INDEX_FILE, TRAINABLE_INDEX_FILE, OPTIMIZER_INDEX_FILE):
         if index_name not in report.manifest.files:
             continue
         try:

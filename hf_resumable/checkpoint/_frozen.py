@@ -1,0 +1,524 @@
+"""Frozen parameters are identity, not state: what a checkpoint records instead of their bytes, and its checks.
+
+A model with parameters that do not train (``requires_grad=False``: a PEFT/LoRA base, a frozen embedding, a
+bitsandbytes-quantized base) is saved by default as its *trainable part* plus a *frozen record*:
+
+* ``trainable.safetensors.index.json`` + ``trainable-0000k-of-0000N.safetensors``: the trainable parameters and
+  every buffer, HF-style sharded under names that ``from_pretrained`` does not mistake for a whole model. A PEFT
+  adapter's tensors are stored once, in ``adapter_model.safetensors`` (PEFT's names; the index maps them back with
+  ``hf_resumable_renamed``), so the checkpoint is also a loadable adapter at no extra cost.
+* ``frozen_base.json``: every frozen tensor's name, dtype, shape and xxh3-128 fingerprint (of all its bytes, and of
+  a fixed sample of them), tied aliases, and where the base came from when known (a local path, or a Hub repo id
+  with the revision and commit).
+
+Loading checks the live model's frozen tensors against the record before anything is written: names, dtypes and
+shapes always; bytes by the sampled fingerprint (``verify="quick"``/``"none"``) or every byte
+(``verify="full"``). A different base raises :class:`~hf_resumable.errors.BaseMismatchError` naming the first
+differing tensors; a matching base is never read from disk.
+
+Fingerprints are computed once per process and cached (keyed by the tensor's storage, shape, stride, dtype and
+version counter); each later use re-hashes only the sample, so a save costs what the trainable state costs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from ..constants import (
+    FROZEN_KEY_HASH,
+    FROZEN_KEY_SAMPLE,
+    FROZEN_KEY_SOURCE,
+    FROZEN_KEY_TENSORS,
+    FROZEN_KEY_TIED,
+    FROZEN_KEY_VERSION,
+    FROZEN_RECORD_FILE,
+    FROZEN_RECORD_VERSION,
+    RENAMED_KEY,
+    TIED_KEY,
+    TRAINABLE_INDEX_FILE,
+)
+from ..errors import BaseMismatchError, CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
+from ..safetensors_io import DTYPE_TO_STR, STR_TO_DTYPE
+from ..sharding import ShardIndex
+from ._model import check_model_fits, check_tied, load_state_dict_reason, load_through_state_dict, retie
+from ._threads import run_in_threads
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FrozenTensor", "FrozenRecord", "TrainablePart", "frozen_names", "build_record", "base_provenance",
+           "check_frozen_base", "fingerprint", "forget_fingerprints"]
+
+# The sampled fingerprint: SAMPLE_WINDOWS windows of SAMPLE_BYTES bytes, evenly spaced from the first byte to the
+# last; tensors up to SAMPLE_WINDOWS * SAMPLE_BYTES bytes are sampled whole (sample == every byte).
+SAMPLE_WINDOWS = 16
+SAMPLE_BYTES = 4096
+# Tensors hashed concurrently (xxhash releases the GIL; on small machines memory bandwidth is the limit).
+HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+# Device tensors are copied to the host in chunks of this many bytes to be hashed (bounded host memory).
+_HOST_CHUNK = 64 * 1024 * 1024
+_HEX128 = re.compile(r"^[0-9a-f]{32}$")
+# Largest number of frozen tensors a record may describe (a 70B model has ~ 1000).
+MAX_FROZEN_TENSORS = 1_000_000
+_ERRORS_SHOWN = 10
+
+
+# ------------------------------------------------------------------------------------------------ fingerprints
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor on its device (a view when it is contiguous)."""
+    flat = tensor.detach().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+def _update(digest: "xxhash.xxh3_128", data: torch.Tensor) -> None:
+    """Feed a flat uint8 tensor into ``digest`` (device tensors through bounded host copies)."""
+    if data.numel() == 0:
+        return
+    if data.device.type == "cpu":
+        digest.update(memoryview(data.numpy()).cast("B"))
+        return
+    for start in range(0, data.numel(), _HOST_CHUNK):
+        digest.update(memoryview(data[start:start + _HOST_CHUNK].cpu().numpy()).cast("B"))
+
+
+def _full_hash(tensor: torch.Tensor) -> str:
+    digest = xxhash.xxh3_128()
+    _update(digest, _byte_view(tensor))
+    return digest.hexdigest()
+
+
+def _sample_hash(tensor: torch.Tensor) -> str:
+    data = _byte_view(tensor)
+    total = data.numel()
+    if total <= SAMPLE_WINDOWS * SAMPLE_BYTES:
+        return _full_hash(tensor)
+    digest = xxhash.xxh3_128()
+    span = total - SAMPLE_BYTES
+    for i in range(SAMPLE_WINDOWS):
+        start = (span * i) // (SAMPLE_WINDOWS - 1)
+        _update(digest, data[start:start + SAMPLE_BYTES])
+    return digest.hexdigest()
+
+
+def _cache_key(tensor: torch.Tensor) -> tuple:
+    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+            tuple(tensor.stride()), tensor.dtype, tensor._version)
+
+
+@dataclass
+class _Fingerprint:
+    sample: str
+    full: str | None = None
+
+
+# storage identity -> fingerprint. A hit is trusted only after its sample is hashed again and matches (a tensor
+# written in place through .data does not bump the version counter).
+_CACHE: dict[tuple, _Fingerprint] = {}
+_CACHE_LIMIT = 200_000
+
+
+def fingerprint(tensor: torch.Tensor, *, full: bool) -> _Fingerprint:
+    """The tensor's sampled fingerprint, and with ``full`` the xxh3-128 of every byte (computed once, cached)."""
+    key = _cache_key(tensor)
+    sample = _sample_hash(tensor)
+    entry = _CACHE.get(key)
+    if entry is None or entry.sample != sample:
+        if len(_CACHE) >= _CACHE_LIMIT:
+            _CACHE.clear()
+        entry = _CACHE[key] = _Fingerprint(sample=sample)
+    if full and entry.full is None:
+        entry.full = sample if _byte_view(tensor).numel() <= SAMPLE_WINDOWS * SAMPLE_BYTES else _full_hash(tensor)
+    return entry
+
+
+def forget_fingerprints(tensors: Iterable[torch.Tensor]) -> None:
+    """Drop cached fingerprints of tensors that were just written (a load fills them without a version bump)."""
+    if not _CACHE:
+        return
+    for tensor in tensors:
+        if (isinstance(tensor, torch.Tensor) and tensor.device.type != "meta"
+                and not isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin)):
+            _CACHE.pop(_cache_key(tensor), None)
+
+
+def _fingerprints(tensors: Mapping[str, torch.Tensor], *, full: bool) -> dict[str, _Fingerprint]:
+    """Fingerprints of many tensors, largest first on a few threads."""
+    names = sorted(tensors, key=lambda n: -tensors[n].numel() * tensors[n].element_size())
+    results = run_in_threads(lambda n: fingerprint(tensors[n], full=full), names, workers=HASH_THREADS)
+    return dict(zip(names, results))
+
+
+# ------------------------------------------------------------------------------------------------ the record
+@dataclass(frozen=True)
+class FrozenTensor:
+    """One frozen tensor as a checkpoint records it.
+
+    Args:
+        dtype (`str`): safetensors dtype name (``"F32"``, ``"BF16"``, ``"U8"`` ...).
+        shape (`tuple[int, ...]`): its shape.
+        xxh3_128 (`str`): xxh3-128 of every byte (C order).
+        sample_xxh3_128 (`str`): xxh3-128 of the sample (see ``SAMPLE_WINDOWS``/``SAMPLE_BYTES``).
+    """
+
+    dtype: str
+    shape: tuple[int, ...]
+    xxh3_128: str
+    sample_xxh3_128: str
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count * torch.empty((), dtype=STR_TO_DTYPE[self.dtype]).element_size()
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count
+
+
+@dataclass(frozen=True)
+class FrozenRecord:
+    """What a checkpoint records about the frozen parameters it does not store (``frozen_base.json``).
+
+    Args:
+        tensors (`dict[str, FrozenTensor]`): state-dict name -> dtype, shape and fingerprints.
+        tied (`dict[str, str]`): aliases (state-dict names sharing a recorded tensor) -> the recorded name.
+        source (`dict`): where the base came from, when known: ``name_or_path``, ``kind`` (``"local"`` or
+            ``"hub"``), ``revision``, ``commit``, ``quantization`` (its ``quantization_config``), ``model_class``.
+    """
+
+    tensors: dict[str, FrozenTensor]
+    tied: dict[str, str] = field(default_factory=dict)
+    source: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors.values())
+
+    def describe_source(self) -> str:
+        """``"gpt2 (Hub, revision main, commit 1a2b...)"``, ``"/path/to/base (local)"`` or ``"unknown"``."""
+        return describe_source(self.source)
+
+    def to_json(self) -> dict[str, Any]:
+        return {FROZEN_KEY_VERSION: FROZEN_RECORD_VERSION, FROZEN_KEY_HASH: "xxh3-128",
+                FROZEN_KEY_SAMPLE: {"windows": SAMPLE_WINDOWS, "window_bytes": SAMPLE_BYTES},
+                FROZEN_KEY_SOURCE: dict(self.source),
+                FROZEN_KEY_TIED: dict(sorted(self.tied.items())),
+                FROZEN_KEY_TENSORS: {name: {"dtype": t.dtype, "shape": list(t.shape), "xxh3_128": t.xxh3_128,
+                                            "sample_xxh3_128": t.sample_xxh3_128}
+                                     for name, t in self.tensors.items()}}
+
+    @classmethod
+    def from_json(cls, document: Any, *, source: str) -> "FrozenRecord":
+        """Validate a parsed ``frozen_base.json``.
+
+        Raises:
+            FormatVersionError: a newer record version.
+            CorruptCheckpointError: anything malformed (named).
+        """
+        from ..errors import FormatVersionError
+
+        def bad(why: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"{source}: {why}. Resume from another checkpoint.")
+
+        if not isinstance(document, dict):
+            raise bad("not a JSON object")
+        version = document.get(FROZEN_KEY_VERSION)
+        if type(version) is not int:
+            raise bad(f"{FROZEN_KEY_VERSION} is {version!r:.60}, expected an int")
+        if version > FROZEN_RECORD_VERSION:
+            raise FormatVersionError(f"{source}: frozen record version {version} is newer than this hf_resumable "
+                                     f"reads ({FROZEN_RECORD_VERSION}); upgrade hf_resumable.")
+        if document.get(FROZEN_KEY_HASH) != "xxh3-128":
+            raise bad(f"{FROZEN_KEY_HASH} is {document.get(FROZEN_KEY_HASH)!r:.60}, expected 'xxh3-128'")
+        if document.get(FROZEN_KEY_SAMPLE) != {"windows": SAMPLE_WINDOWS, "window_bytes": SAMPLE_BYTES}:
+            raise bad(f"{FROZEN_KEY_SAMPLE} is {document.get(FROZEN_KEY_SAMPLE)!r:.80}, expected "
+                      f"{{'windows': {SAMPLE_WINDOWS}, 'window_bytes': {SAMPLE_BYTES}}}")
+        entries = document.get(FROZEN_KEY_TENSORS)
+        if not isinstance(entries, dict) or len(entries) > MAX_FROZEN_TENSORS:
+            raise bad(f"{FROZEN_KEY_TENSORS} must be an object of at most {MAX_FROZEN_TENSORS} tensors")
+        tensors = {name: _tensor_entry(name, entry, bad) for name, entry in entries.items()}
+        tied = document.get(FROZEN_KEY_TIED, {})
+        if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+            raise bad(f"{FROZEN_KEY_TIED} must map each alias to a recorded tensor name")
+        wrong = [f"{a} -> {k}" for a, k in tied.items() if a in tensors or k not in tensors]
+        if wrong:
+            raise bad(f"{FROZEN_KEY_TIED} has aliases that are recorded themselves or point at no recorded tensor: "
+                      f"{wrong[:5]}")
+        origin = document.get(FROZEN_KEY_SOURCE, {})
+        if not isinstance(origin, dict):
+            raise bad(f"{FROZEN_KEY_SOURCE} must be an object")
+        return cls(tensors=tensors, tied=dict(tied), source=origin)
+
+
+def _tensor_entry(name: Any, entry: Any, bad) -> FrozenTensor:
+    if not isinstance(name, str) or not name or len(name) > 1024:
+        raise bad(f"tensor name {name!r:.80} is not a non-empty string of at most 1024 characters")
+    if not isinstance(entry, dict):
+        raise bad(f"{name}: expected an object with dtype, shape, xxh3_128 and sample_xxh3_128")
+    dtype, shape = entry.get("dtype"), entry.get("shape")
+    if dtype not in STR_TO_DTYPE:
+        raise bad(f"{name}: dtype {dtype!r:.40} is not one hf_resumable knows ({sorted(STR_TO_DTYPE)})")
+    if (not isinstance(shape, list) or len(shape) > 64
+            or not all(type(d) is int and 0 <= d < 2 ** 62 for d in shape)):
+        raise bad(f"{name}: shape {shape!r:.80} is not a list of non-negative ints")
+    hashes = [entry.get("xxh3_128"), entry.get("sample_xxh3_128")]
+    if not all(isinstance(h, str) and _HEX128.match(h) for h in hashes):
+        raise bad(f"{name}: xxh3_128 / sample_xxh3_128 must be 32 lowercase hex digits")
+    return FrozenTensor(dtype, tuple(shape), hashes[0], hashes[1])
+
+
+def describe_source(source: Mapping[str, Any]) -> str:
+    name = source.get("name_or_path")
+    if not name:
+        return "unknown (not recorded)"
+    details = ["local" if source.get("kind") == "local" else "Hub"]
+    if source.get("revision"):
+        details.append(f"revision {source['revision']}")
+    if source.get("commit"):
+        details.append(f"commit {source['commit']}")
+    if source.get("quantization"):
+        method = source["quantization"].get("quant_method") if isinstance(source["quantization"], dict) else None
+        details.append(f"quantized: {method or 'yes'}")
+    return f"{name} ({', '.join(details)})"
+
+
+# ------------------------------------------------------------------------------------------------ saving
+def frozen_names(model: torch.nn.Module, names: Iterable[str]) -> set[str]:
+    """The state-dict entries of ``model`` that are frozen: parameters with ``requires_grad=False``, and entries a
+    module's own ``_save_to_state_dict`` adds for frozen parameters (bitsandbytes' quantization state, e.g.
+    ``weight.absmax`` or ``SCB``: not registered tensors, on a module whose parameters are all frozen).
+    Buffers are state (running statistics change), never frozen.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    frozen_params = {n for n, p in params.items() if not p.requires_grad}
+    if not frozen_params:
+        return set()
+    buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    frozen: set[str] = set()
+    for name in names:
+        if name in params:
+            if name in frozen_params:
+                frozen.add(name)
+            continue
+        if name in buffers:
+            continue
+        owner = _owner(modules, name)
+        direct = list(owner.parameters(recurse=False)) if owner is not None else []
+        if direct and not any(p.requires_grad for p in direct):
+            frozen.add(name)
+    return frozen
+
+
+def _owner(modules: Mapping[str, torch.nn.Module], name: str) -> torch.nn.Module | None:
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, -1, -1):
+        module = modules.get(".".join(parts[:cut]))
+        if module is not None:
+            return module
+    return None
+
+
+def base_provenance(model: torch.nn.Module) -> dict[str, Any]:
+    """Where the frozen base came from, when the model knows: PEFT's ``base_model_name_or_path`` and ``revision``,
+    else ``config._name_or_path``; the Hub commit ``from_pretrained`` resolved (``config._commit_hash``); the
+    ``quantization_config``; the base model's class."""
+    peft = getattr(model, "peft_config", None)
+    config = getattr(model, "config", None)
+    name = revision = None
+    if isinstance(peft, Mapping) and peft:
+        first = next(iter(peft.values()))
+        name, revision = getattr(first, "base_model_name_or_path", None), getattr(first, "revision", None)
+    name = name or getattr(config, "_name_or_path", None) or None
+    source: dict[str, Any] = {"name_or_path": str(name) if name else None,
+                              "kind": None if not name else "local" if os.path.isdir(str(name)) else "hub",
+                              "revision": revision if isinstance(revision, str) else None,
+                              "commit": getattr(config, "_commit_hash", None) if config is not None else None}
+    if source["kind"] == "local":
+        source["name_or_path"] = os.path.abspath(str(name))
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None:
+        as_dict = quantization.to_dict() if hasattr(quantization, "to_dict") else quantization
+        source["quantization"] = _json_safe(as_dict)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    source["model_class"] = type(base).__name__
+    return source
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def build_record(tensors: Mapping[str, torch.Tensor], tied: Mapping[str, str],
+                 source: Mapping[str, Any]) -> FrozenRecord:
+    """The record of the frozen ``tensors`` (deduplicated; ``tied``: their aliases), with full fingerprints."""
+    prints = _fingerprints(tensors, full=True)
+    entries = {}
+    for name, tensor in tensors.items():
+        if tensor.dtype not in DTYPE_TO_STR:
+            raise CheckpointMismatchError(f"Frozen tensor {name!r} has dtype {tensor.dtype}, which the checkpoint "
+                                          "format cannot describe; save with standalone=True.")
+        entries[name] = FrozenTensor(DTYPE_TO_STR[tensor.dtype], tuple(tensor.shape), prints[name].full,
+                                     prints[name].sample)
+    return FrozenRecord(tensors=entries, tied=dict(tied), source=dict(source))
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def check_frozen_base(record: FrozenRecord, targets: Mapping[str, torch.Tensor], *, full: bool, strict: bool,
+                      source: str) -> set[str]:
+    """Check the live model's tensors against the frozen record; return the state-dict names it covers.
+
+    Names, dtypes and shapes first, then bytes: the sampled fingerprint, or with ``full`` every byte.
+
+    Raises:
+        BaseMismatchError: a recorded tensor differs (the first ones are named, with what differs).
+        CheckpointMismatchError: with ``strict``, recorded tensors the model does not have.
+    """
+    wanted = {**{n: n for n in record.tensors}, **record.tied}  # model name -> recorded name
+    present = {n: r for n, r in wanted.items() if n in targets}
+    problems: list[str] = []
+    comparable: dict[str, torch.Tensor] = {}
+    for name, recorded in present.items():
+        live, entry = targets[name], record.tensors[recorded]
+        if live.device.type == "meta":
+            problems.append(f"{name}: the model's tensor is on the meta device (nothing to compare)")
+        elif DTYPE_TO_STR.get(live.dtype) != entry.dtype or tuple(live.shape) != entry.shape:
+            problems.append(f"{name}: the checkpoint's base has {entry.dtype} {list(entry.shape)}, the model has "
+                            f"{DTYPE_TO_STR.get(live.dtype, live.dtype)} {list(live.shape)}")
+        else:
+            comparable[name] = live
+    prints = _fingerprints(comparable, full=full)
+    for name in comparable:
+        entry = record.tensors[present[name]]
+        got, expected = (prints[name].full, entry.xxh3_128) if full else (prints[name].sample, entry.sample_xxh3_128)
+        if got != expected:
+            problems.append(f"{name}: its bytes differ ({'' if full else 'sampled '}xxh3-128 {got}, recorded "
+                            f"{expected})")
+    if problems:
+        raise BaseMismatchError(
+            f"{source}: the model's frozen parameters are not the base this checkpoint was trained with: "
+            f"{len(problems)} of {len(present)} recorded tensor(s) differ:\n  " + "\n  ".join(problems[:_ERRORS_SHOWN])
+            + (f"\n  ... and {len(problems) - _ERRORS_SHOWN} more" if len(problems) > _ERRORS_SHOWN else "")
+            + f"\nThe checkpoint stores only the trainable part; its base is {record.describe_source()}. Build the "
+            "model from that base (same revision, dtype and quantization, the same PEFT config) before loading, or "
+            "resume from a standalone checkpoint (save_checkpoint(..., standalone=True), "
+            "ResumableTrainer(standalone_checkpoints=True)).")
+    absent = sorted(set(wanted) - set(targets))
+    if absent and strict:
+        raise CheckpointMismatchError(
+            f"{source}: {len(absent)} frozen tensor(s) of the checkpoint's base are not in the model, e.g. "
+            f"{absent[:5]}. Build the model from {record.describe_source()} with the checkpoint's PEFT config, or "
+            "pass strict=False.")
+    if absent:
+        logger.warning("Loading %s with strict=False: %d recorded frozen tensor(s) are not in the model %s", source,
+                       len(absent), absent[:5])
+    logger.info("%s: the model's %d frozen tensor(s) match the checkpoint's base record (%s).", source, len(present),
+                "every byte" if full else "names, dtypes, shapes and sampled bytes")
+    return set(present)
+
+
+@dataclass
+class TrainablePart:
+    """The model part of a checkpoint that references its frozen base: the trainable index and the frozen record.
+
+    Args:
+        index (`ShardIndex`): ``trainable.safetensors.index.json`` (tensor names as stored in the files).
+        renamed (`dict[str, str]`): name in a file -> state-dict name, where they differ.
+        tied (`dict[str, str]`): stored aliases, in state-dict names.
+        record (`FrozenRecord`): the frozen parameters.
+        stored (`dict`): state-dict name -> (dtype, shape) of every stored tensor.
+    """
+
+    index: ShardIndex
+    renamed: dict[str, str]
+    tied: dict[str, str]
+    record: FrozenRecord
+    stored: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+    @classmethod
+    def open(cls, reader: Any, path: Any) -> "TrainablePart | None":
+        """The trainable part of the checkpoint ``reader`` reads, or ``None`` if it stores its whole model.
+
+        Raises:
+            IncompleteCheckpointError: the trainable index without its frozen record.
+            CorruptCheckpointError: an inconsistent index, rename map, tied record or frozen record.
+        """
+        files = reader.manifest.files
+        if TRAINABLE_INDEX_FILE not in files:
+            return None
+        if FROZEN_RECORD_FILE not in files:
+            raise IncompleteCheckpointError(f"{path}: has {TRAINABLE_INDEX_FILE} but no {FROZEN_RECORD_FILE}; the "
+                                            "checkpoint is incomplete. Resume from another checkpoint.")
+        index = reader.index(TRAINABLE_INDEX_FILE)
+        source = str(path / TRAINABLE_INDEX_FILE)
+        renamed = _check_renamed(index, source=source)
+        stored = {renamed.get(n, n): v for n, v in reader.stored(index).items()}
+        tied = check_tied(index.metadata.get(TIED_KEY) or {}, stored, source=source)
+        record = FrozenRecord.from_json(reader.json(FROZEN_RECORD_FILE), source=str(path / FROZEN_RECORD_FILE))
+        both = sorted((set(record.tensors) | set(record.tied)) & (set(stored) | set(tied)))
+        if both:
+            raise CorruptCheckpointError(f"{path}: tensors both stored and recorded as frozen: {both[:5]}. Resume "
+                                         "from another checkpoint.")
+        return cls(index=index, renamed=renamed, tied=tied, record=record, stored=stored)
+
+    def plan(self, model: torch.nn.Module, targets: Mapping[str, torch.Tensor], *, strict: bool, full: bool,
+             source: str) -> dict[str, Any]:
+        """Check the frozen base, then the trainable part's keys, shapes and dtypes (nothing is written)."""
+        covered = check_frozen_base(self.record, targets, full=full, strict=strict, source=source)
+        rest = {name: tensor for name, tensor in targets.items() if name not in covered}
+        reason = load_state_dict_reason(model, targets)
+        if reason is not None:
+            return {"reason": reason, "targets": targets, "into": {}, "covered": covered}
+        into = check_model_fits(model, self.stored, self.tied, strict=strict, source=source, targets=rest)
+        in_file = {state: stored for stored, state in self.renamed.items()}
+        return {"reason": None, "targets": targets, "into": {in_file.get(n, n): t for n, t in into.items()},
+                "covered": covered}
+
+    def apply(self, model: torch.nn.Module, plan: Mapping[str, Any], leftovers: dict[str, torch.Tensor], *,
+              strict: bool, source: str) -> None:
+        forget_fingerprints(t for name, t in plan["targets"].items() if name not in plan["covered"])
+        if plan["reason"] is not None:
+            tensors = {self.renamed.get(n, n): leftovers.pop(n) for n in self.index.weight_map}
+            load_through_state_dict(model, tensors, self.tied, strict=strict, source=source, reason=plan["reason"],
+                                    covered=plan["covered"])
+            return
+        for name in self.index.weight_map:
+            leftovers.pop(name, None)  # stored tensors the model does not have (strict=False)
+        retie(plan["targets"], self.tied)
+
+
+def _check_renamed(index: ShardIndex, *, source: str) -> dict[str, str]:
+    renamed = index.metadata.get(RENAMED_KEY) or {}
+    if not isinstance(renamed, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                for k, v in renamed.items()):
+        raise CorruptCheckpointError(f"{source}: metadata {RENAMED_KEY} must map names in files to state-dict "
+                                     "names. Resume from another checkpoint.")
+    unknown = sorted(set(renamed) - set(index.weight_map))
+    targets = [renamed.get(n, n) for n in index.weight_map]
+    if unknown or len(set(targets)) != len(targets):
+        raise CorruptCheckpointError(f"{source}: metadata {RENAMED_KEY} renames tensors the index does not hold, or "
+                                     f"two stored tensors to one name ({unknown[:5]}). Resume from another "
+                                     "checkpoint.")
+    return dict(renamed)
