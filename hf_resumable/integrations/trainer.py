@@ -297,6 +297,10 @@ class ResumableTrainer(Trainer):
             ones into them. Every changed optimization setting is reported at resume (old -> new, which one is in
             effect); schedule settings (``lr_scheduler_type``, ``warmup_steps``, ``max_steps``) and
             ``max_grad_norm`` always follow the arguments.
+        standalone_checkpoints (`bool`, *optional*, defaults to `False`): store frozen parameters (a PEFT base, a
+            frozen embedding) in every checkpoint too. By default they are recorded, not stored (names, dtypes,
+            shapes, fingerprints, where the base came from) and checked against the model on resume; see
+            :func:`hf_resumable.save_checkpoint`.
 
     > [!WARNING]
     > ``train_sampling_strategy="batch_rebalance"`` uses the stock data loader, which does not resume exactly:
@@ -319,7 +323,7 @@ class ResumableTrainer(Trainer):
                  exit_on_preemption: bool = True, checkpoint_verify: str = "quick",
                  push_checkpoints_to: str | None = None, storage_options: dict | None = None,
                  restore_callback_states: bool = True, resume_hyperparameters: str = "checkpoint",
-                 **kwargs: Any) -> None:
+                 standalone_checkpoints: bool = False, **kwargs: Any) -> None:
         # Options given to a make_resumable() class were set aside before the subclass's constructor ran.
         pending = self.__dict__.pop("_hfr_options", {})
         allow_config_drift = pending.get("allow_config_drift", allow_config_drift)
@@ -330,6 +334,7 @@ class ResumableTrainer(Trainer):
         storage_options = pending.get("storage_options", storage_options)
         restore_callback_states = pending.get("restore_callback_states", restore_callback_states)
         resume_hyperparameters = pending.get("resume_hyperparameters", resume_hyperparameters)
+        self.standalone_checkpoints = bool(pending.get("standalone_checkpoints", standalone_checkpoints))
         if checkpoint_verify not in ("quick", "full"):
             raise ValueError(f"checkpoint_verify must be 'quick' or 'full', got {checkpoint_verify!r}.")
         if resume_hyperparameters not in RESUME_HYPERPARAMETERS:
@@ -702,7 +707,8 @@ class ResumableTrainer(Trainer):
             extra_files={TRAINER_STATE_FILE: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True)},
             data_state=self._data_position(), rng=not model_only, metrics=self._metrics_of_this_step(),
             # as Trainer._save: without a processing_class, the collator's tokenizer is saved
-            processing_class=self.processing_class or getattr(self.data_collator, "tokenizer", None), overwrite=True)
+            processing_class=self.processing_class or getattr(self.data_collator, "tokenizer", None), overwrite=True,
+            standalone=self.standalone_checkpoints)
         self._drop_conversion()
         if self.args.push_to_hub:
             self._push_from_checkpoint(str(output_dir))
@@ -1007,8 +1013,8 @@ def make_resumable(trainer_class: type, *, state_attributes: tuple[str, ...] | l
     and gets ResumableTrainer's checkpoints, exact restarts, stock-checkpoint resume and early errors. Its
     constructor takes the subclass's arguments plus ResumableTrainer's options (``allow_config_drift``,
     ``allow_inexact_resume``, ``exit_on_preemption``, ``checkpoint_verify``, ``push_checkpoints_to``,
-    ``storage_options``, ``restore_callback_states``, ``resume_hyperparameters``). The same class is returned for
-    the same arguments.
+    ``storage_options``, ``restore_callback_states``, ``resume_hyperparameters``, ``standalone_checkpoints``). The
+    same class is returned for the same arguments.
 
     Args:
         trainer_class (`type`): a subclass of ``transformers.Trainer``.
