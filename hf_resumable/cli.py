@@ -1,4 +1,4 @@
-"""``hf-resumable``: inspect, verify, convert, reshard, push and pull checkpoints, and run the resume demo.
+"""``hf-resumable``: inspect, verify, convert, reshard, export, push and pull checkpoints, and run the resume demo.
 
 Thin by design: each subcommand parses its arguments and calls one library function. User mistakes
 (a missing path, a corrupt checkpoint, a bad size string) print one line to stderr and exit with a
@@ -11,6 +11,7 @@ hf-resumable inspect out/checkpoint-120
 hf-resumable verify --full out/checkpoint-120     # exit 0 if valid, 1 if not
 hf-resumable convert out-stock/checkpoint-500 --output converted/checkpoint-500
 hf-resumable reshard converted/checkpoint-500 --max-shard-size 200MB
+hf-resumable export out/checkpoint-120 --output merged --merge   # + its frozen base -> a from_pretrained directory
 hf-resumable push out/checkpoint-120 me/run --revision step-120
 hf-resumable pull hf://me/run@step-120 --local-dir restored
 hf-resumable demo
@@ -108,6 +109,17 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export_model
+
+    path = _local_checkpoint(args.path, quiet=args.quiet)
+    target = export_model(path, args.output, base=args.base, revision=args.revision, merge_adapters=args.merge,
+                          max_shard_size=args.max_shard_size, verify="full" if args.full else "quick")
+    if not args.quiet:
+        print(f"exported {args.path} -> {target}")
+    return EXIT_OK
+
+
 def cmd_push(args: argparse.Namespace) -> int:
     from .cards import render_checkpoint_card
 
@@ -202,6 +214,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", required=True, help="new shard size, e.g. 500MB or 2GiB")
     p.add_argument("--output", help="write here instead of replacing the checkpoint in place")
     p.set_defaults(func=cmd_reshard)
+
+    p = commands.add_parser("export", help="write a checkpoint (with its frozen base) as a from_pretrained directory")
+    p.add_argument("path", help="checkpoint directory or hf://namespace/name[@revision][/sub/dir]")
+    p.add_argument("--output", required=True, help="new model directory (must not exist or be empty)")
+    p.add_argument("--base", help="base model directory or Hub repo id (default: the one the checkpoint records)")
+    p.add_argument("--revision", help="Hub revision of --base (default: the recorded commit)")
+    p.add_argument("--merge", action="store_true", help="merge PEFT adapters into the weights (default: base weights "
+                   "and adapter files side by side)")
+    p.add_argument("--max-shard-size", default="5GB", help="shard size of the written weights (default: 5GB)")
+    p.add_argument("--full", action="store_true", help="check every byte of the base against the checkpoint's "
+                   "record (default: names, dtypes, shapes and sampled bytes)")
+    p.set_defaults(func=cmd_export)
 
     p = commands.add_parser("push", help="upload a checkpoint to the Hub with a model card")
     p.add_argument("path", help="checkpoint directory")

@@ -36,6 +36,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from .checkpoint._frozen import base_not_stored
 from .constants import MODEL_INDEX_FILE
 from .errors import (
     CheckpointMismatchError,
@@ -108,6 +109,8 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
         Raises:
             CheckpointNotFoundError: if there is no index and no ``model.safetensors``, or a local-looking path
                 does not exist.
+            BaseNotStoredError: if the directory is a checkpoint that holds only its trainable part (its frozen
+                base is referenced); export a full model first (``hf-resumable export``).
             UnsafeIndexError: if the index names files outside the directory.
             IncompleteCheckpointError: if the index names a shard or tensor that does not exist.
         """
@@ -205,6 +208,8 @@ def _open_local(path: Path) -> LazyStateDict:
     index_path, single = path / MODEL_INDEX_FILE, path / SINGLE_MODEL_FILE
     if not index_path.is_file():
         if not single.is_file():
+            if (error := base_not_stored(path, wanted="lazy loading needs every weight")) is not None:
+                raise error
             raise CheckpointNotFoundError(
                 f"{path}: no {MODEL_INDEX_FILE} and no {SINGLE_MODEL_FILE}; point at a directory written by "
                 "save_pretrained / push_sharded, or at a .safetensors file."

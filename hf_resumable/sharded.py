@@ -55,6 +55,7 @@ import torch
 
 from ._jsonio import json_bytes
 from .checkpoint import open_checkpoint, wait_for_pending_saves
+from .checkpoint._frozen import base_not_stored
 from .checkpoint._model import TIED_KEY
 from .checkpoint._payload import Payload, TensorFile, add_sharded, capture_payload, capture_pretrained
 from .checkpoint._reader import LoadedCheckpoint, OpenedCheckpoint, _Reader
@@ -302,6 +303,9 @@ def _read_layout(reader: _Reader) -> dict[str, Any]:
     if LAYOUT_FILE in reader.manifest.files:
         return parse_layout(reader.json(LAYOUT_FILE), source=str(reader.path / LAYOUT_FILE))
     if MODEL_INDEX_FILE not in reader.manifest.files:
+        wanted = "resharded loading needs every weight (load_checkpoint checks its base against the model instead)"
+        if (error := base_not_stored(reader.path, wanted=wanted)) is not None:
+            raise error
         raise IncompleteCheckpointError(
             f"{reader.path} has neither {LAYOUT_FILE} nor {MODEL_INDEX_FILE}: it holds no model weights to load.")
     has_optimizer = OPTIMIZER_INDEX_FILE in reader.manifest.files

@@ -30,11 +30,13 @@ from .checkpoint import verify_checkpoint
 from .constants import (
     MANIFEST_FILE,
     MAX_JSON_SIZE,
+    FROZEN_RECORD_FILE,
     MODEL_INDEX_FILE,
     OPTIMIZER_INDEX_FILE,
     STATE_KEY_EXTRA,
     STATE_KEY_OPTIMIZER,
     STATE_KEY_PROGRESS,
+    TRAINABLE_INDEX_FILE,
     TRAINER_STATE_FILE,
     TRAINING_STATE_FILE,
 )
@@ -103,6 +105,10 @@ class CheckpointSummary:
         effective_batch_size (`int`, *optional*): their product, when all three are known.
         resumes (`int`, *optional*): how many times the run was resumed, when recorded.
         parameter_count (`int`, *optional*): elements over all stored model tensors (tied weights once).
+        frozen_parameter_count (`int`, *optional*): elements of the frozen parameters the checkpoint records but does
+            not store (a checkpoint that references its base); ``None`` for a checkpoint that stores its whole model.
+        frozen_size (`int`, *optional*): their bytes.
+        frozen_base (`str`, *optional*): where that base came from (path or Hub repo id, revision, commit).
         optimizer_class (`str`, *optional*): class name of the optimizer.
         shards (`list[ShardSummary]`): every safetensors file listed in the manifest.
         verified (`bool`): quick (or full) verification passed.
@@ -122,6 +128,9 @@ class CheckpointSummary:
     effective_batch_size: int | None = None
     resumes: int | None = None
     parameter_count: int | None = None
+    frozen_parameter_count: int | None = None
+    frozen_size: int | None = None
+    frozen_base: str | None = None
     optimizer_class: str | None = None
     shards: list[ShardSummary] = field(default_factory=list)
     verified: bool = False
@@ -154,6 +163,9 @@ class CheckpointSummary:
             ("effective batch", batch),
             ("resumes", _or_dash(self.resumes)),
             ("parameters", _or_dash(None if self.parameter_count is None else f"{self.parameter_count:,}")),
+            *([("frozen base", f"{self.frozen_parameter_count:,} parameters, {format_size(self.frozen_size or 0)}, "
+                               f"not stored; from {self.frozen_base}")] if self.frozen_parameter_count is not None
+              else []),
             ("optimizer", _or_dash(self.optimizer_class)),
             ("tensor files", f"{len(self.shards)} ({format_size(self.total_size)})"),
             ("verification", f"{status} [{self.verification}]"),
@@ -286,6 +298,8 @@ def _shard_kind(relpath: str) -> str:
     for kind in ("model", "optimizer"):
         if name == f"{kind}.safetensors" or name.startswith(f"{kind}-"):
             return kind
+    if name.startswith("trainable-"):  # the trainable part of a checkpoint that references its frozen base
+        return "model"
     return "other"
 
 
@@ -310,6 +324,34 @@ def _fill_shards(summary: CheckpointSummary, report: Any) -> None:
             model_elements += elements
     has_model = MODEL_INDEX_FILE in report.manifest.files or any(s.kind == "model" for s in summary.shards)
     summary.parameter_count = model_elements if has_model else None
+    if TRAINABLE_INDEX_FILE in report.manifest.files:
+        _fill_frozen(summary, report)
+
+
+def _fill_frozen(summary: CheckpointSummary, report: Any) -> None:
+    """A checkpoint that references its base: trainable elements from its index, the frozen base from its record."""
+    from .checkpoint._frozen import FrozenRecord
+
+    index = _read_json(Path(report.path) / TRAINABLE_INDEX_FILE)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if isinstance(weight_map, dict):
+        elements = 0
+        for name, filename in weight_map.items():
+            header = report.headers.get(filename) if isinstance(filename, str) else None
+            info = header.tensors.get(name) if header is not None else None
+            if info is not None:
+                count = 1
+                for dim in info.shape:
+                    count *= dim
+                elements += count
+        summary.parameter_count = elements
+    try:
+        record = FrozenRecord.from_json(_read_json(Path(report.path) / FROZEN_RECORD_FILE),
+                                        source=FROZEN_RECORD_FILE)
+    except HfResumableError:
+        return
+    summary.frozen_parameter_count, summary.frozen_size = record.numel, record.total_bytes
+    summary.frozen_base = record.describe_source()
 
 
 def summarize_checkpoint(directory: str | os.PathLike, *, full: bool = False) -> CheckpointSummary:

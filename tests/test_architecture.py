@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                 "distributed", "safetensors_io", "sharding", "state_codec", "rng", "state"]),
     ("checkpoint", ["checkpoint", "sharded", "_reshard", "summary"]),
     ("data, remote", ["data", "elastic", "remote", "storage"]),
-    ("hub, lazy, conversions", ["hub", "lazy", "cards", "convert"]),
+    ("hub, lazy, conversions", ["hub", "lazy", "cards", "convert", "export"]),
     ("locations", ["locations"]),
     ("integrations", ["integrations"]),
     ("entry points", ["cli", "demo", "demo_train", "__main__", ""]),

@@ -45,7 +45,13 @@ from ..constants import (
     TIED_KEY,
     TRAINABLE_INDEX_FILE,
 )
-from ..errors import BaseMismatchError, CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import (
+    BaseMismatchError,
+    BaseNotStoredError,
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
 from ..safetensors_io import DTYPE_TO_STR, STR_TO_DTYPE
 from ..sharding import ShardIndex
 from ._model import check_model_fits, check_tied, load_state_dict_reason, load_through_state_dict, retie
@@ -54,7 +60,7 @@ from ._threads import run_in_threads
 logger = logging.getLogger(__name__)
 
 __all__ = ["FrozenTensor", "FrozenRecord", "TrainablePart", "frozen_names", "build_record", "base_provenance",
-           "check_frozen_base", "fingerprint", "forget_fingerprints"]
+           "check_frozen_base", "fingerprint", "forget_fingerprints", "base_not_stored"]
 
 # The sampled fingerprint: SAMPLE_WINDOWS windows of SAMPLE_BYTES bytes, evenly spaced from the first byte to the
 # last; tensors up to SAMPLE_WINDOWS * SAMPLE_BYTES bytes are sampled whole (sample == every byte).
@@ -522,3 +528,31 @@ def _check_renamed(index: ShardIndex, *, source: str) -> dict[str, str]:
                                      f"two stored tensors to one name ({unknown[:5]}). Resume from another "
                                      "checkpoint.")
     return dict(renamed)
+
+
+def base_not_stored(directory: Any, *, wanted: str) -> BaseNotStoredError | None:
+    """Where a whole model is expected: the error for a checkpoint that holds only its trainable part, else ``None``.
+
+    Args:
+        directory (`Path`): the directory that was given.
+        wanted (`str`): what the caller needed, e.g. ``"lazy loading needs every weight"``.
+    """
+    from pathlib import Path
+
+    from .._jsonio import parse_json
+    from .._safefile import read_regular_file
+    from ..constants import MAX_JSON_SIZE
+
+    record = Path(directory) / FROZEN_RECORD_FILE
+    if not record.is_file():
+        return None
+    try:
+        document = parse_json(read_regular_file(record, limit=MAX_JSON_SIZE), source=str(record))
+        base = describe_source(document.get(FROZEN_KEY_SOURCE) or {}) if isinstance(document, dict) else "unknown"
+    except (OSError, ValueError):
+        base = "unknown (unreadable record)"
+    return BaseNotStoredError(
+        f"{directory} holds only the trainable part of its model (its frozen base, {base}, is recorded in "
+        f"{FROZEN_RECORD_FILE}, not stored), and {wanted}. Load it with load_checkpoint into a model built from that "
+        f"base, or write a full model directory with `hf-resumable export {directory} --output DIR` (add --merge to "
+        "merge PEFT adapters); save with standalone=True to store the base in every checkpoint.")

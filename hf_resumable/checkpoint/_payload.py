@@ -309,7 +309,12 @@ def capture_pretrained(payload: Payload, model: torch.nn.Module, processing_clas
         # capture_model, + adapter_config.json as PEFT writes it). Like PEFT's own save, a checkpoint that does not
         # store the base has no config.json, so from_pretrained(checkpoint) loads the base named in
         # adapter_config.json and the adapter on top, as it does for a stock Trainer checkpoint.
-        payload.blobs.update(_adapter_configs(model))
+        written = {f.relpath for f in payload.tensor_files}
+        if any(relpath.endswith(ADAPTER_WEIGHTS_FILE) for relpath in written):
+            payload.blobs.update(_adapter_configs(model))
+        else:  # the model was not captured by capture_model (sharded saves): the adapter files as PEFT writes them
+            payload.blobs.update({k: v for k, v in _pretrained_files(model.save_pretrained).items()
+                                  if k.startswith("adapter_") or "/adapter_" in k})
         if any(spec.relpath == TRAINABLE_INDEX_FILE for spec in payload.indexes):
             payload.blobs.pop(CONFIG_FILE, None)
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):

@@ -94,6 +94,12 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 def _check_model_dir(directory: Path) -> None:
     if not (directory / MODEL_INDEX_FILE).is_file() and not (directory / SINGLE_MODEL_FILE).is_file():
+        from ..checkpoint._frozen import base_not_stored
+
+        wanted = ("push_sharded uploads a whole model (push the checkpoint itself with push_checkpoint, or "
+                  "`hf-resumable push DIR REPO --path-in-repo NAME`)")
+        if (error := base_not_stored(directory, wanted=wanted)) is not None:
+            raise error
         raise CheckpointNotFoundError(
             f"{directory}: no {MODEL_INDEX_FILE} or {SINGLE_MODEL_FILE}; save the model there first "
             "(model.save_pretrained(dir)) or pass the model itself to push_sharded."
@@ -138,6 +144,8 @@ def push_sharded(
 
     Raises:
         CheckpointNotFoundError: if a directory holds no safetensors weights.
+        BaseNotStoredError: if a directory is a checkpoint that holds only its trainable part (export a full model
+            with ``hf-resumable export`` first, or push it with :func:`push_checkpoint`).
         CheckpointMismatchError: if a tensor is on the meta device.
 
     Example:

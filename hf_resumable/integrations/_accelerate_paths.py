@@ -16,11 +16,13 @@ from pathlib import Path
 from ..checkpoint import read_manifest
 from ..constants import (
     DATA_STATE_DIR,
+    FROZEN_RECORD_FILE,
     MANIFEST_FILE,
     MODEL_INDEX_FILE,
     OPTIMIZER_INDEX_FILE,
     RNG_DIR,
     TMP_PREFIX,
+    TRAINABLE_INDEX_FILE,
     TRAINING_STATE_FILE,
     TRASH_PREFIX,
 )
@@ -156,8 +158,8 @@ def hook_file_conflicts(relpaths: Iterable[str], *, model_slot: bool, optimizer_
         reserved = (
             relpath in (MANIFEST_FILE, TRAINING_STATE_FILE, "training_state.safetensors")
             or top in (RNG_DIR, DATA_STATE_DIR) or top.startswith((TMP_PREFIX, TRASH_PREFIX))
-            or (model_slot and (relpath == MODEL_INDEX_FILE or re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors",
-                                                                             relpath) is not None
+            or (model_slot and (relpath in (MODEL_INDEX_FILE, TRAINABLE_INDEX_FILE, FROZEN_RECORD_FILE)
+                                or re.fullmatch(r"(model|trainable)(-\d+-of-\d+)?\.safetensors", relpath) is not None
                                 or relpath in ("config.json", "generation_config.json")))
             or (optimizer_slot and (relpath == OPTIMIZER_INDEX_FILE
                                     or re.fullmatch(r"optimizer(-\d+-of-\d+)?\.safetensors", relpath) is not None))

@@ -241,6 +241,9 @@ class ResumableAccelerator(Accelerator):
             never skipped, retried) to the Hub (``"user/repo"``, ``"hf://user/repo[@branch][/path]"``) or an
             fsspec store (``"s3://bucket/run"``); retention never deletes a checkpoint whose upload is pending.
         storage_options (`dict`, *optional*): fsspec options for ``s3://`` pushes and ``load_state`` URLs.
+        standalone_checkpoints (`bool`, *optional*, defaults to `False`): store the first model's frozen parameters
+            (a PEFT base, a frozen embedding) in every checkpoint too; by default they are recorded, not stored, and
+            checked against the model by ``load_state`` (see :func:`hf_resumable.save_checkpoint`).
 
     Example:
 
@@ -255,7 +258,7 @@ class ResumableAccelerator(Accelerator):
     def __init__(self, *args: Any, checkpoint_dir: str | os.PathLike | None = None, keep_last: Any = _DEFAULT,
                  save_async: bool = False, allow_inexact_resume: bool = False, handle_preemption: bool = True,
                  exit_on_preemption: bool = True, push_checkpoints_to: str | None = None,
-                 storage_options: dict | None = None, **kwargs: Any) -> None:
+                 storage_options: dict | None = None, standalone_checkpoints: bool = False, **kwargs: Any) -> None:
         if keep_last is not _DEFAULT and keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}.")
         super().__init__(*args, **kwargs)
@@ -270,6 +273,7 @@ class ResumableAccelerator(Accelerator):
         self.save_async = save_async
         self.allow_inexact_resume = allow_inexact_resume
         self.exit_on_preemption = exit_on_preemption
+        self.standalone_checkpoints = standalone_checkpoints
         self._step_counts = StepCounts()
         self._committed: dict[Path, str] = {}  # checkpoint this accelerator committed -> fingerprint of its state
         self._retention_due: str | None = None  # naming of a committed save whose retention has not run yet
@@ -663,7 +667,7 @@ class ResumableAccelerator(Accelerator):
         blocking = not self.save_async if blocking is None else blocking
         save_checkpoint(target, **self._capture(), step=self.global_step, overwrite=mode != _NAMING_AUTOMATIC,
                         keep_last=self._keep() if mode == _NAMING_STEPS and self._uploader is None else None,
-                        blocking=blocking)
+                        blocking=blocking, standalone=self.standalone_checkpoints)
         if fingerprint is not None:
             self._committed = {target: fingerprint}  # steps only grow: only the newest can be met again
         if mode == _NAMING_AUTOMATIC:
