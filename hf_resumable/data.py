@@ -51,8 +51,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import copy
-import hashlib
 import functools
+import hashlib
 import logging
 import math
 import os

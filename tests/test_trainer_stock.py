@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from hf_resumable.checkpoint import read_manifest
+
 from test_trainer_rerun import snapshot
 from test_trainer_resume import KILLED, _load, _resumed_from, _run, assert_identical
 

@@ -20,8 +20,16 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from transformers import (EarlyStoppingCallback, PretrainedConfig, PreTrainedModel, Trainer, TrainerCallback,
-                          TrainerState, TrainingArguments, default_data_collator)
+from transformers import (
+    EarlyStoppingCallback,
+    PretrainedConfig,
+    PreTrainedModel,
+    Trainer,
+    TrainerCallback,
+    TrainerState,
+    TrainingArguments,
+    default_data_collator,
+)
 from transformers.trainer_callback import ExportableState
 
 from hf_resumable.checkpoint import load_checkpoint, read_manifest

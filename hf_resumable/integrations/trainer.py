@@ -65,23 +65,51 @@ from packaging import version
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
-from ..checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
-from ..checkpoint import apply_retention, read_manifest, wait_for_pending_saves
+from ..checkpoint import (
+    apply_retention,
+    find_latest_checkpoint,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+    verify_checkpoint,
+    wait_for_pending_saves,
+)
 from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, OPTIMIZER_INDEX_FILE, TRAINER_STATE_FILE
-from ..data import (DATA_KIND, ResumableDataLoader, build_map_dataloader, build_stream_dataloader, data_rng,
-                    dataset_fingerprint, has_shuffle_buffer, sampler_epoch_order)
+from ..data import (
+    DATA_KIND,
+    ResumableDataLoader,
+    build_map_dataloader,
+    build_stream_dataloader,
+    data_rng,
+    dataset_fingerprint,
+    has_shuffle_buffer,
+    sampler_epoch_order,
+)
 from ..errors import HfResumableError, InexactResumeError, UnsupportedStateError
-from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
 from ..locations import is_remote, open_uploader, resolve_resume_path
+from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
 from ..rng import derive_seed, restore_rng_state
 from ..state import RunConfig, check_config_drift
 from ..state_codec import encode_state
+from ._trainer_discovery import (
+    CONVERTED_DIR,
+    CheckpointKind,
+    ResumeCheckpointNotFoundError,
+    classify_checkpoint_dir,
+    colliding_checkpoints,
+    collision_error,
+    newest_stock_checkpoint,
+    not_a_checkpoint_error,
+)
 from ._trainer_family import DEFAULT_STATE_ATTRIBUTES, RESUMABLE_OPTIONS, encode_attribute, restore_attribute
-from ._trainer_hparams import (RESUME_HYPERPARAMETERS, HyperparameterChange, apply_new_hyperparameters,
-                               hyperparameter_changes, hyperparameter_snapshot, report_hyperparameter_changes)
-from ._trainer_discovery import (CONVERTED_DIR, CheckpointKind, ResumeCheckpointNotFoundError,
-                                 classify_checkpoint_dir, colliding_checkpoints, collision_error,
-                                 newest_stock_checkpoint, not_a_checkpoint_error)
+from ._trainer_hparams import (
+    RESUME_HYPERPARAMETERS,
+    HyperparameterChange,
+    apply_new_hyperparameters,
+    hyperparameter_changes,
+    hyperparameter_snapshot,
+    report_hyperparameter_changes,
+)
 
 logger = logging.getLogger(__name__)
 

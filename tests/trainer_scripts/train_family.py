@@ -17,9 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
 import datasets
+import numpy as np
 import transformers
 from train_tiny import VOCAB, Interrupter, build_model, build_tokenizer, dump_results, token_rows
 

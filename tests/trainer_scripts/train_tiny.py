@@ -27,15 +27,24 @@ import signal
 import sys
 from pathlib import Path
 
+import datasets
 import numpy as np
 import torch
-from safetensors.torch import save_file
-
-import datasets
 import transformers
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, GPT2Config, GPT2LMHeadModel,
-                          LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback, TrainingArguments)
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    DataCollatorForLanguageModeling,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 VOCAB = 64
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
