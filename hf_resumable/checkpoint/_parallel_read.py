@@ -16,6 +16,7 @@ and copied into their destination only after EVERY file's hash has matched.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -190,6 +191,7 @@ def interleave(files: list[list[Chunk]]) -> list[Chunk]:
     return [item[3] for item in sorted(keyed, key=lambda item: item[:3])]
 
 
+@functools.lru_cache(maxsize=1)
 def _madvise() -> Callable[[int, int], int] | None:
     """``madvise(address, length, MADV_POPULATE_WRITE)`` through libc (Linux >= 5.14), or ``None``."""
     if not sys.platform.startswith("linux"):
