@@ -290,7 +290,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hf-resumable`` (and ``python -m hf_resumable``); returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    package_logger = logging.getLogger("hf_resumable")
+    previous_level = package_logger.level
     _configure_logging(args)
+    try:
+        return _run(args)
+    finally:  # called in-process (a notebook, a test): leave the caller's logging as it was
+        package_logger.setLevel(previous_level)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the chosen command; every error becomes one line on stderr and an exit code."""
     try:
         return args.func(args)
     except BrokenPipeError:  # output piped into `head` & co: not an error of ours

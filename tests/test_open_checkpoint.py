@@ -111,7 +111,7 @@ def test_rng_policy_lives_in_the_object(tmp_path, caplog):
         opened.restore_rng()
     with pytest.raises(InexactResumeError, match="no RNG state"):
         opened.load_into(model=model, restore_rng=True)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="hf_resumable"):
         opened.restore_rng(allow_inexact_resume=True)
     assert "NOT bit-exact" in caplog.text
     open_checkpoint(tmp_path / "c", allow_inexact_resume=True).restore_rng()
