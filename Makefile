@@ -16,7 +16,10 @@ $(VENV)/.installed: setup.cfg setup.py pyproject.toml hf_resumable/_fastcopy.c
 
 venv: $(VENV)/.installed
 
+# Lint, the package's doctests, then the suite.
 test: venv
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules hf_resumable
 	$(PY) -m pytest -q tests
 
 # accelerate's own checkpointing tests against ResumableAccelerator (also part of `make test`).

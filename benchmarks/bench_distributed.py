@@ -206,7 +206,8 @@ def stall_report(result: dict, args: argparse.Namespace) -> str:
     blocking, dcp_stall = median("ours blocking", 1), median("DCP async_save", 0)
     lines = [f"2 gloo ranks, FSDP2 Llama-shaped model (hidden {args.hidden}) + AdamW; median of {args.repeats} "
              "interleaved saves each (slower rank), after a warm-up round.", "",
-             "| save | call returns after (s) | done after (s) | stall vs our blocking save | vs DCP async_save stall |",
+             "| save | call returns after (s) | done after (s) | stall vs our blocking save "
+             "| vs DCP async_save stall |",
              "|---|---:|---:|---:|---:|"]
     for name in times:
         stall, total = median(name, 0), median(name, 1)

@@ -12,7 +12,8 @@ For a Llama-shaped model saved as >= 8 shards, each loading variant runs in a fr
 After loading, every variant reads each weight once (transformers 5 maps the files and reads lazily), so the
 weights are resident in all of them.
 
-The overhead of a variant is ``peak RSS - RSS after imports (modeling code included) - model weight bytes`` and is reported as a ratio to the
+The overhead of a variant is ``peak RSS - RSS after imports (modeling code included) - model weight bytes``
+and is reported as a ratio to the
 largest shard (target for ``load_lazily``: <= 1.25). Then a fake Hub (tests/fakehub.py) serves the model and the bytes
 sent for a one-layer ``download_shards`` are compared to a full ``snapshot_download``.
 
@@ -129,10 +130,11 @@ def memory_table(folder: Path, metadata: dict, runs: int) -> list[str]:
 def download_table(folder: Path, layer: int) -> list[str]:
     """Bytes the fake Hub sends for one layer vs the whole repo."""
     sys.path.insert(0, str(REPO_ROOT / "tests"))
-    from fakehub import FakeHub
-    from hub_fixtures import hub_constants, hub_environ
     from huggingface_hub import close_session, constants, snapshot_download
     from huggingface_hub.utils import disable_progress_bars
+
+    from fakehub import FakeHub
+    from hub_fixtures import hub_constants, hub_environ
 
     disable_progress_bars()
 

@@ -26,6 +26,7 @@ Per-step losses (mean over processes, ``float.hex``) are appended to ``<output_d
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -172,6 +173,13 @@ def training_function(args: argparse.Namespace) -> None:
     accelerator.wait_for_everyone()
     accelerator.save_model(model, os.path.join(args.output_dir, "final_model"))
     accelerator.end_training()
+    # Under torch.distributed: release the DDP-wrapped model, then the process group (a gloo group left to
+    # interpreter exit can abort the process there; destroyed while a DDP model holds it, it can hang).
+    del model, optimizer, lr_scheduler, train_dataloader, eval_dataloader
+    accelerator.free_memory()
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -168,6 +168,23 @@ def main(argv: list[str] | None = None) -> None:
     accelerator = train(args)
     if accelerator.is_main_process:
         logger.info("finished at step %d", accelerator.global_step)
+    release_process_group(accelerator)
+
+
+def release_process_group(accelerator) -> None:
+    """Under torch.distributed: drop the prepared (DDP-wrapped) model, then destroy the process group.
+
+    A gloo group left to interpreter exit can abort the process there (a known torch issue), and destroying
+    it while a DDP model still holds it can hang when the model is released; so the model goes first.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    accelerator.free_memory()
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

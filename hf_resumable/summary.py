@@ -28,9 +28,9 @@ from ._jsonio import parse_json
 from ._safefile import read_regular_file
 from .checkpoint import verify_checkpoint
 from .constants import (
+    FROZEN_RECORD_FILE,
     MANIFEST_FILE,
     MAX_JSON_SIZE,
-    FROZEN_RECORD_FILE,
     MODEL_INDEX_FILE,
     OPTIMIZER_INDEX_FILE,
     STATE_KEY_EXTRA,
@@ -41,7 +41,6 @@ from .constants import (
     TRAINING_STATE_FILE,
 )
 from .errors import HfResumableError
-
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 import tiny_models
 from fakehub import FakeHub
 
-__all__ = ["hub", "hub_env", "hub_constants", "hub_environ", "new_repo_id", "make_checkpoint_dir", "on_meta", "tiny_gpt2", "tiny_llama"]
+__all__ = ["hub", "hub_env", "hub_constants", "hub_environ", "new_repo_id", "make_checkpoint_dir", "on_meta",
+           "tiny_gpt2", "tiny_llama"]
 
 
 def hub_environ(endpoint: str, home: Path) -> dict[str, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from accelerate.state import AcceleratorState, GradientState
+
 from hub_fixtures import _hub_server, hub, hub_env, new_repo_id  # noqa: F401 - fixtures
 from test_accelerate_integration import _build_small, _train_windows
 

@@ -111,7 +111,8 @@ def test_no_import_cycles():
         for target in sorted(GRAPH[module]):
             if state.get(target) == 1:
                 cycle = path[path.index(target):] + [target] if target in path else [module, target]
-                pytest.fail("import cycle: " + " -> ".join(f"hf_resumable.{m}" if m else "hf_resumable" for m in cycle))
+                names = (f"hf_resumable.{m}" if m else "hf_resumable" for m in cycle)
+                pytest.fail("import cycle: " + " -> ".join(names))
             if target not in state:
                 visit(target, path + [target])
         state[module] = 2

@@ -4,6 +4,9 @@ one SIGKILLed after a step, restarted with the same command, ends bit-identical 
 from __future__ import annotations
 
 import pytest
+
+from hf_resumable.checkpoint import find_latest_checkpoint, read_manifest
+
 from test_accelerate_integration import (  # noqa: F401 - the fixture is used by name
     EXAMPLE,
     assert_same_run,
@@ -11,8 +14,6 @@ from test_accelerate_integration import (  # noqa: F401 - the fixture is used by
     launch_torchrun,
     two_process_reference,
 )
-
-from hf_resumable.checkpoint import find_latest_checkpoint, read_manifest
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import ModelCard, metadata_load
-from tiny_models import tiny_gpt2, train_steps
 
 from hf_resumable import save_checkpoint
 from hf_resumable.cards import DEFAULT_TAGS, card_metadata, render_checkpoint_card, render_model_card
 from hf_resumable.checkpoint import read_manifest
 from hf_resumable.summary import summarize_checkpoint
+
+from tiny_models import tiny_gpt2, train_steps
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from tiny_models import FACTORIES, assert_same_optimizer, assert_same_state, tiny_gpt2, tiny_llama, train_steps
 
 from hf_resumable.checkpoint import load_checkpoint, read_manifest, save_checkpoint, verify_checkpoint
 from hf_resumable.constants import MANIFEST_FILE, MODEL_INDEX_FILE
@@ -21,6 +20,8 @@ from hf_resumable.errors import (
     InexactResumeError,
     UnsupportedStateError,
 )
+
+from tiny_models import FACTORIES, assert_same_optimizer, assert_same_state, tiny_gpt2, tiny_llama, train_steps
 
 
 def _setup(kind: str, seed: int, optimizer_cls=torch.optim.AdamW, **opt_kwargs):

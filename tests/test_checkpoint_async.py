@@ -6,9 +6,10 @@ import threading
 
 import pytest
 import torch
-from tiny_models import tiny_gpt2, train_steps
 
 from hf_resumable.checkpoint import (
+    _writer,
+    api,
     find_latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -16,8 +17,9 @@ from hf_resumable.checkpoint import (
     save_checkpoint,
     wait_for_pending_saves,
 )
-from hf_resumable.checkpoint import _writer, api
 from hf_resumable.errors import AsyncSaveError
+
+from tiny_models import tiny_gpt2, train_steps
 
 
 def _files(directory):

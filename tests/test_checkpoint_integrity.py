@@ -9,9 +9,9 @@ import subprocess
 
 import pytest
 import torch
-from tiny_models import assert_same_state, tiny_gpt2, train_steps
 
 from hf_resumable.checkpoint import (
+    _writer,
     apply_retention,
     find_latest_checkpoint,
     list_checkpoints,
@@ -20,7 +20,6 @@ from hf_resumable.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from hf_resumable.checkpoint import _writer
 from hf_resumable.errors import (
     CorruptCheckpointError,
     FormatVersionError,
@@ -28,6 +27,8 @@ from hf_resumable.errors import (
     UnsafeIndexError,
 )
 from hf_resumable.safetensors_io import read_header
+
+from tiny_models import assert_same_state, tiny_gpt2, train_steps
 
 
 def _save_two(root):

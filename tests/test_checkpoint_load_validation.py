@@ -16,7 +16,6 @@ import random
 import numpy as np
 import pytest
 import torch
-from tiny_models import tiny_gpt2, train_steps
 
 from hf_resumable.checkpoint import load_checkpoint, open_checkpoint, read_manifest, save_checkpoint
 from hf_resumable.checkpoint.manifest import Manifest
@@ -29,6 +28,8 @@ from hf_resumable.errors import (
 )
 from hf_resumable.rng import RngState, capture_rng_state, save_rng_state
 from hf_resumable.safetensors_io import hash_file, read_header, read_safetensors, write_safetensors
+
+from tiny_models import tiny_gpt2, train_steps
 
 RNG_FILE = "rng/rank-00000.safetensors"
 DATA_FILE = "data/rank-00000.json"

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from hf_resumable.checkpoint import (
+    _pins,
     apply_retention,
     cleanup_stale_temp_dirs,
     list_checkpoints,
@@ -27,7 +28,6 @@ from hf_resumable.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from hf_resumable.checkpoint import _pins
 from hf_resumable.checkpoint._owner import current_owner, member_name, parse_member_name
 from hf_resumable.constants import PIN_PREFIX, REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
 from hf_resumable.errors import CheckpointExistsError

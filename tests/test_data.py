@@ -10,9 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from hf_resumable.data import (ResumableBatchSampler, ResumableShuffleBuffer, SeededIterableDataset,
-                               build_map_dataloader, build_stream_dataloader, data_rng, dataset_fingerprint,
-                               has_shuffle_buffer, resumable_shuffle_buffer)
+from hf_resumable.data import (
+    ResumableBatchSampler,
+    ResumableShuffleBuffer,
+    SeededIterableDataset,
+    build_map_dataloader,
+    build_stream_dataloader,
+    data_rng,
+    dataset_fingerprint,
+    has_shuffle_buffer,
+    resumable_shuffle_buffer,
+)
 from hf_resumable.errors import InexactResumeError
 
 

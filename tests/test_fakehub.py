@@ -8,10 +8,11 @@ from pathlib import Path
 
 import huggingface_hub
 import pytest
-from fakehub import Fault, FakeHub
-from hub_fixtures import _hub_server, hub, hub_env, new_repo_id  # noqa: F401
 from huggingface_hub import CommitOperationAdd, HfApi, HfFileSystem, hf_hub_download, snapshot_download
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+from fakehub import FakeHub, Fault
+from hub_fixtures import _hub_server, hub, hub_env, new_repo_id  # noqa: F401
 
 
 def _files(tmp_path: Path, files: dict[str, bytes]) -> Path:

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakehub import Fault, FakeHub
-from hub_fixtures import _hub_server, hub, hub_env, make_checkpoint_dir, new_repo_id, tiny_gpt2  # noqa: F401
 from huggingface_hub import HfApi, hf_hub_download
 from transformers import AutoModelForCausalLM
 
@@ -35,6 +33,9 @@ from hf_resumable.hub import (
     push_sharded,
     resumable_download,
 )
+
+from fakehub import FakeHub, Fault
+from hub_fixtures import _hub_server, hub, hub_env, make_checkpoint_dir, new_repo_id, tiny_gpt2  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 INDEX = "model.safetensors.index.json"
@@ -187,7 +188,7 @@ def test_download_shards_rejects_bad_repos(hub: FakeHub, pushed_gpt2: tuple, tmp
         download_shards(empty)
 
 
-# --------------------------------------------------------------------------------------------------- resumable_download
+# -------------------------------------------------------------------------------------------------- resumable_download
 _CHILD = """
 import sys
 from hf_resumable.hub import resumable_download

@@ -12,8 +12,6 @@ import struct
 
 import pytest
 import torch
-from fakehub import Fault, FakeHub
-from hub_fixtures import _hub_server, hub, hub_env, new_repo_id, tiny_llama  # noqa: F401
 from huggingface_hub import HfApi
 from huggingface_hub.errors import EntryNotFoundError
 
@@ -27,6 +25,9 @@ from hf_resumable.errors import (
 )
 from hf_resumable.hub import push_sharded
 from hf_resumable.lazy import LazyStateDict, load_lazily
+
+from fakehub import FakeHub, Fault
+from hub_fixtures import _hub_server, hub, hub_env, new_repo_id, tiny_llama  # noqa: F401
 
 INDEX = "model.safetensors.index.json"
 

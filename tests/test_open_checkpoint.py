@@ -8,7 +8,6 @@ import random
 import numpy as np
 import pytest
 import torch
-from tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, train_steps
 
 import hf_resumable
 import hf_resumable.checkpoint.api as api
@@ -25,6 +24,8 @@ from hf_resumable.checkpoint import (
 from hf_resumable.checkpoint.manifest import Manifest
 from hf_resumable.errors import ConfigDriftError, IncompleteCheckpointError, InexactResumeError
 from hf_resumable.rng import capture_rng_state
+
+from tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, train_steps
 
 
 def _setup(seed):

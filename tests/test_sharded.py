@@ -22,14 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import sharded_fixtures as fx
-from distributed_launch import launch_ranks
 from hf_resumable.checkpoint import (
     Manifest,
     find_latest_checkpoint,
     load_checkpoint,
-    save_checkpoint,
     read_manifest,
+    save_checkpoint,
     verify_checkpoint,
 )
 from hf_resumable.checkpoint._sharded import Box, intersect_boxes, plan_region_reads
@@ -42,6 +40,9 @@ from hf_resumable.errors import (
 )
 from hf_resumable.safetensors_io import hash_file
 from hf_resumable.sharded import consolidate_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
+
+import sharded_fixtures as fx
+from distributed_launch import launch_ranks
 
 WORKER = str(Path(__file__).parent / "scripts" / "sharded_worker.py")
 WORLD_SIZE = 2

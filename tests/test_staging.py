@@ -75,7 +75,6 @@ def test_copy_into_is_bit_exact_for_every_kind_of_source(workers, copier):
 def test_fast_copy_extension_is_built_where_a_c_compiler_exists():
     import shutil
     import sysconfig
-
     from pathlib import Path
 
     compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from s3_fixtures import CuttableProxy, bucket, seaweed, storage_options  # noqa: F401 - fixtures
-from tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, train_steps
 
 from hf_resumable import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from hf_resumable.errors import CheckpointExistsError, StorageError
@@ -18,6 +16,9 @@ from hf_resumable.storage import (
     list_remote_checkpoints,
     upload_checkpoint,
 )
+
+from s3_fixtures import CuttableProxy, bucket, seaweed, storage_options  # noqa: F401 - fixtures
+from tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, train_steps
 
 
 def _trained(tmp_path, steps=(1,), big=False):

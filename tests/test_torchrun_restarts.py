@@ -9,7 +9,6 @@ The loop is tests/scripts/ddp_restart_loop.py (DDP, 2 processes, gloo, dropout, 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -13,11 +13,11 @@ Layout of ``checkpoint-<step>/``::
     manifest.json                       written last: every file, size, sha256, versions
 """
 
+from ._fs import write_bytes_durably as write_file_durably
 from ._reader import LoadedCheckpoint, OpenedCheckpoint
+from ._writer import committed_directory
 from .api import CheckpointInfo, load_checkpoint, open_checkpoint, save_checkpoint, wait_for_pending_saves
 from .discovery import apply_retention, cleanup_stale_temp_dirs, find_latest_checkpoint, list_checkpoints
-from ._fs import write_bytes_durably as write_file_durably
-from ._writer import committed_directory
 from .manifest import Manifest, read_manifest
 from .verify import VerifyReport, verify_checkpoint
 

@@ -17,7 +17,6 @@ they are tested without tensors.
 from __future__ import annotations
 
 import functools
-
 import json
 import logging
 import math
@@ -26,13 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from ..errors import CheckpointMismatchError, CorruptCheckpointError, UnsupportedStateError
-from ..safetensors_io import DTYPE_TO_STR
-from ..sharding import ShardPlan, plan_shards
-from ._payload import TensorFile
-
-logger = logging.getLogger(__name__)
 
 from ..constants import (  # noqa: F401 - re-exported for the sharded modules
     LAYOUT_FILE,
@@ -46,6 +38,13 @@ from ..constants import (  # noqa: F401 - re-exported for the sharded modules
     PIECES_METADATA_KEY,
     SHARDED_DIR,
 )
+from ..errors import CheckpointMismatchError, CorruptCheckpointError, UnsupportedStateError
+from ..safetensors_io import DTYPE_TO_STR
+from ..sharding import ShardPlan, plan_shards
+from ._payload import TensorFile
+
+logger = logging.getLogger(__name__)
+
 SECTION_TENSORS = "tensors"  # {name: {"dtype": "F32", "shape": [global shape]}}
 SECTION_PIECES = "pieces"  # {file: {name: {"offset": [...], "shape": [...]}}}
 SECTION_TIED = "tied"  # {dropped alias: kept name} (model only)

@@ -98,8 +98,8 @@ from ..errors import (
     IncompleteCheckpointError,
     InexactResumeError,
 )
-from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
 from ..locations import is_remote, open_uploader, resolve_resume_path
+from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
 from ..rng import restore_rng_state
 from ._accelerate_data import (
     ResumableDataLoaderDispatcher,

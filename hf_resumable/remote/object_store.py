@@ -28,10 +28,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..constants import CHECKPOINT_DIR_RE, MANIFEST_FILE, MAX_JSON_SIZE
 from .._urls import is_object_store_url
-from ..progress import progress_bar
-from .uploader import BackgroundUploader
+from ..constants import CHECKPOINT_DIR_RE, MANIFEST_FILE, MAX_JSON_SIZE
 from ..errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -39,6 +37,8 @@ from ..errors import (
     HfResumableError,
     StorageError,
 )
+from ..progress import progress_bar
+from .uploader import BackgroundUploader
 
 logger = logging.getLogger(__name__)
 

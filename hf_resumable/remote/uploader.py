@@ -65,7 +65,9 @@ class BackgroundUploader(Generic[T]):
     """
 
     def __init__(self, push: Callable[..., T], *, name: str,
-                 is_retryable: Callable[[BaseException], bool] | None = None, error_type: type[HfResumableError] = HfResumableError, max_retries: int = 5, base_delay: float = 1.0,
+                 is_retryable: Callable[[BaseException], bool] | None = None,
+                 error_type: type[HfResumableError] = HfResumableError, max_retries: int = 5,
+                 base_delay: float = 1.0,
                  max_delay: float = 60.0) -> None:
         if max_retries < 0 or base_delay < 0 or max_delay < base_delay:
             raise ValueError(f"Need max_retries >= 0 and 0 <= base_delay <= max_delay, got {max_retries}, "

@@ -28,8 +28,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hf_resumable.checkpoint import _writer, find_latest_checkpoint, load_checkpoint, save_checkpoint
-from hf_resumable.checkpoint import wait_for_pending_saves
+from hf_resumable.checkpoint import (
+    _writer,
+    find_latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    wait_for_pending_saves,
+)
 from hf_resumable.elastic import ElasticSampler
 
 STEPS, SAVE_EVERY, DATASET, BATCH = 8, 2, 48, 4

@@ -345,13 +345,21 @@ def main(argv: list[str] | None = None) -> int:
                                    restore_callback_states=not a.no_restore_callbacks, **kwargs)
     try:
         output = trainer.train(resume_from_checkpoint=not a.no_resume)
+        dump_results(trainer, Path(a.output_dir), output)
     except SystemExit as exit_:  # preemption: record which step this rank saved before leaving
         record = {"code": exit_.code, "global_step": trainer.state.global_step}
         (Path(a.output_dir) / f"exit-rank{RANK}.json").write_text(json.dumps(record))
         raise
-    dump_results(trainer, Path(a.output_dir), output)
-    return 0
+    finally:
+        if torch.distributed.is_initialized():
+            # gloo left to interpreter exit can SIGABRT there (a known torch issue); destroying the group while
+            # the DDP-wrapped model still holds it can deadlock when the model is released: release it first.
+            import gc
 
+            del trainer, kwargs, model
+            gc.collect()
+            torch.distributed.destroy_process_group()
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())
