@@ -44,7 +44,13 @@ from .constants import (
     OPTIMIZER_FILE_PATTERN,
     OPTIMIZER_INDEX_FILE,
 )
-from .errors import CheckpointExistsError, CheckpointMismatchError, CheckpointNotFoundError
+from .errors import (
+    CheckpointExistsError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsafePickleError,
+)
 from .rng import RngState, save_rng_state
 from .sharding import parse_size
 
@@ -127,10 +133,23 @@ class _StateHolder:
 
 
 def _load_pickle(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)``; a refused or unreadable pickle raises a typed error naming it."""
+    import pickle
+
     from transformers.trainer_pt_utils import safe_globals
 
-    with safe_globals():  # allow-lists numpy's array reconstruction for the RNG files, nothing more
-        return torch.load(path, weights_only=True, map_location="cpu")
+    try:
+        with safe_globals():  # allow-lists numpy's array reconstruction for the RNG files, nothing more
+            return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        reason = " ".join(str(err).split())[:300]
+        raise UnsafePickleError(
+            f"{path}: refused by torch.load(weights_only=True), which builds only tensors and plain containers "
+            f"({reason}). hf_resumable never unpickles other objects; convert only checkpoints written by "
+            "transformers' Trainer.") from err
+    except (RuntimeError, EOFError) as err:  # torch's zip reader on a truncated or non-zip file
+        raise CorruptCheckpointError(f"{path}: not a readable torch.save file ({' '.join(str(err).split())[:300]})"
+                                     ) from err
 
 
 def _build_model(directory: Path) -> torch.nn.Module:
@@ -256,7 +275,8 @@ def convert_trainer_checkpoint(
         CheckpointExistsError: if ``source`` is already converted, or ``output`` exists without ``overwrite``.
         CheckpointMismatchError: if the optimizer state does not fit the model's parameter groups.
         ValueError: for an unknown ``optimizer`` name or a bad ``max_shard_size``.
-        pickle.UnpicklingError: if a pickle holds anything ``weights_only=True`` refuses.
+        UnsafePickleError: (also a ``pickle.UnpicklingError``) if a pickle holds anything ``weights_only=True``
+            refuses; CorruptCheckpointError if it is not a readable ``torch.save`` file.
 
     Example:
 

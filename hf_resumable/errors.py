@@ -15,6 +15,8 @@ True
 
 from __future__ import annotations
 
+import pickle
+
 from huggingface_hub.errors import EntryNotFoundError as _HubEntryNotFound
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "CorruptCheckpointError",
     "UnsafeIndexError",
+    "UnsafePickleError",
     "CheckpointMismatchError",
     "BaseMismatchError",
     "BaseNotStoredError",
@@ -62,6 +65,14 @@ class CorruptCheckpointError(HfResumableError, ValueError):
 
 class UnsafeIndexError(CorruptCheckpointError):
     """An index or manifest names a file outside the checkpoint, or a file of an unexpected kind."""
+
+
+class UnsafePickleError(CorruptCheckpointError, pickle.UnpicklingError):
+    """A stock checkpoint's pickle holds objects that ``torch.load(weights_only=True)`` refuses to build.
+
+    Only :mod:`hf_resumable.convert` reads pickles; it never unpickles anything but tensors and plain
+    containers, so such a file (possibly malicious) is refused, naming it. Also a ``pickle.UnpicklingError``.
+    """
 
 
 class CheckpointMismatchError(HfResumableError, ValueError):

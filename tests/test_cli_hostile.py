@@ -50,7 +50,29 @@ def test_convert_of_a_pickle_bomb_is_one_line_and_never_executes(tmp_path):
     (stock / "optimizer.pt").write_bytes(pickle.dumps(_Evil(marker)))
     result = _cli("convert", str(stock), "--output", str(tmp_path / "out"), cwd=tmp_path)
     _assert_one_error_line(result, "convert")
+    assert "optimizer.pt" in result.stderr and "weights_only=True" in result.stderr
     assert not marker.exists(), "the pickle's payload ran"
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_raises_typed_errors_for_refused_and_broken_pickles(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_resumable.convert import convert_trainer_checkpoint
+    from hf_resumable.errors import CorruptCheckpointError, UnsafePickleError
+
+    stock = tmp_path / "stock" / "checkpoint-4"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=32, n_positions=16)).save_pretrained(stock)
+    marker = tmp_path / "pwned"
+    (stock / "optimizer.pt").write_bytes(pickle.dumps(_Evil(marker)))
+    with pytest.raises(UnsafePickleError, match="optimizer.pt") as refused:
+        convert_trainer_checkpoint(stock, tmp_path / "out")
+    assert isinstance(refused.value, pickle.UnpicklingError)  # the type torch.load itself raises
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    torch.save({"state": {}, "param_groups": []}, stock / "optimizer.pt")
+    (stock / "optimizer.pt").write_bytes((stock / "optimizer.pt").read_bytes()[:40])  # truncated
+    with pytest.raises(CorruptCheckpointError, match="optimizer.pt"):
+        convert_trainer_checkpoint(stock, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
