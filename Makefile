@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: venv test test-upstream demo bench clean
+.PHONY: venv test test-all test-upstream demo bench clean
 
 $(VENV)/.installed: setup.cfg setup.py pyproject.toml hf_resumable/_fastcopy.c
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +16,14 @@ $(VENV)/.installed: setup.cfg setup.py pyproject.toml hf_resumable/_fastcopy.c
 
 venv: $(VENV)/.installed
 
-# Lint, the package's doctests, then the suite.
+# Lint, the package's doctests, then the suite: every guarantee at least once (what CI runs, ~15 min on 2 cores).
 test: venv
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules hf_resumable
+	$(PY) -m pytest -q -m "not extended" tests
+
+# Everything, including the further kill/restart variants marked `extended` (about twice as long).
+test-all: venv
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules hf_resumable
 	$(PY) -m pytest -q tests

@@ -18,7 +18,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "save_loop.py"
 sys.path.insert(0, str(SCRIPT.parent))
 from save_loop import weights  # noqa: E402
 
-TRIALS = 20
+TRIALS = 12
 
 
 def test_sigkill_during_saves_never_leaves_an_invalid_latest(tmp_path):

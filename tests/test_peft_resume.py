@@ -74,17 +74,20 @@ def _options(name: str, bases: dict[str, Path]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory: pytest.TempPathFactory, bases: dict[str, Path]) -> Path:
-    """The uninterrupted runs, started at once in the background (each test waits for its own)."""
+def references(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the uninterrupted runs go; each test starts its own (in the background, see ``_begin_reference``)."""
     root = tmp_path_factory.mktemp("peft-references")
-    for name in CONFIGS:
-        _REFERENCES[name] = _start(root / name, _options(name, bases))
-    _REFERENCES["sft_peft"] = _start(root / "sft_peft", ["--trainer", "sft_peft"], script="train_family.py")
     yield root
     for process in _REFERENCES.values():
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def _begin_reference(root: Path, name: str, options: list[str], script: str = "train_peft.py") -> None:
+    """Start the uninterrupted run of ``name`` now, so that it runs while the test kills and restarts its own."""
+    if name not in _REFERENCES:
+        _REFERENCES[name] = _start(root / name, options, script=script)
 
 
 def _reference(root: Path, name: str) -> Path:
@@ -122,6 +125,7 @@ def _assert_base_not_stored(checkpoint: Path, *, peft: bool, from_pretrained: bo
 ])
 def test_frozen_base_runs_killed_and_restarted_are_bit_identical(references: Path, bases: dict[str, Path],
                                                                  tmp_path: Path, name: str, kill: dict) -> None:
+    _begin_reference(references, name, _options(name, bases))
     run = tmp_path / "run"
     _wait(_start(run, _options(name, bases), **kill), run, KILLED)
     step = kill.get("kill_after_save", kill.get("kill_mid_step"))
@@ -134,6 +138,7 @@ def test_frozen_base_runs_killed_and_restarted_are_bit_identical(references: Pat
 
 
 def test_sft_trainer_with_peft_config_killed_and_restarted(references: Path, tmp_path: Path) -> None:
+    _begin_reference(references, "sft_peft", ["--trainer", "sft_peft"], script="train_family.py")
     run = tmp_path / "run"
     _wait(_start(run, ["--trainer", "sft_peft"], script="train_family.py", kill_after_save=3), run, KILLED)
     _assert_base_not_stored(run / "checkpoint-3", peft=True, from_pretrained=False)  # TRL gets a model object
