@@ -84,8 +84,9 @@ def reference(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize(("kill_after", "num_workers", "resumes_from"), [
     (6, 0, "step_4"),  # between checkpoints, mid-epoch: load_state + skip_first_batches(loader, 4)
-    # Right after the checkpoint at the end of epoch 0, with 2 worker processes (the reference had none).
-    (8, 2, "step_8"),
+    # Right after the checkpoint at the end of epoch 0, with 2 worker processes (the reference had none); loader
+    # workers are covered in make test by test_accelerate_integration's (SIGKILL, 4, 2) case.
+    pytest.param(8, 2, "step_8", marks=pytest.mark.extended),
 ])
 def test_sigkill_and_restart_with_the_same_command_is_bit_exact(tmp_path, reference, kill_after, num_workers,
                                                                 resumes_from):

@@ -277,7 +277,8 @@ def reference_run(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize(("signum", "step", "num_workers", "extra"), [
-    (signal.SIGKILL, 3, 0, ()),  # between checkpoints: resume from checkpoint-2, replay step 3
+    # between checkpoints: resume from checkpoint-2, replay step 3 (test_accelerate_example covers this case)
+    pytest.param(signal.SIGKILL, 3, 0, (), marks=pytest.mark.extended),
     # On a checkpoint at the end of epoch 0, with 2 worker processes: compared with the reference run
     # (num_workers=0), this also shows that worker processes do not change the run.
     (signal.SIGKILL, 4, 2, ()),
@@ -326,7 +327,8 @@ def run_torchrun(output: Path, *, env: dict[str, str] | None = None,
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(("signal_name", "exitcode", "checkpoint"), [
-    ("KILL", "-9", "checkpoint-2"),  # a crash: resume from the last periodic checkpoint
+    # a crash: resume from the last periodic checkpoint (test_async_integrations SIGKILLs one rank under torchrun)
+    pytest.param("KILL", "-9", "checkpoint-2", marks=pytest.mark.extended),
     # Preemption notice to ONE rank: the flag is combined across ranks, both save step 3 and exit 143.
     ("TERM", str(PREEMPTION_EXIT_CODE), "checkpoint-3"),
 ])
