@@ -33,6 +33,7 @@ from ..constants import (  # noqa: F401 - SHARDS_KEY and STATE_TENSORS_FILE are 
     RNG_DIR,
     RNG_FILE_PATTERN,
     SHARDS_KEY,
+    SINGLE_MODEL_FILE,
     STATE_KEY_EXTRA,
     STATE_KEY_FORMAT_VERSION,
     STATE_KEY_OPTIMIZER,
@@ -50,6 +51,7 @@ from ..sharding import check_relative_name, plan_shards
 from ..state_codec import encode_state
 from ._frozen import base_provenance, build_record, frozen_names
 from ._model import TIED_KEY, _storage_key, dedupe_tied, model_state
+from ._model_files import plan_model_files, single_file_metadata
 from ._optimizer import optimizer_to_tensors, parameter_names
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,19 @@ def add_sharded(payload: Payload, tensors: Mapping[str, torch.Tensor], *, patter
         payload.tensor_files.append(TensorFile(filename, [(n, tensors[n]) for n in names]))
     payload.indexes.append(IndexSpec(index, dict(sorted(plan.name_to_filename.items())),
                                      {"total_size": plan.total_size, **metadata}))
+
+
+def add_model_weights(payload: Payload, tensors: Mapping[str, torch.Tensor], *, tied: Mapping[str, str],
+                      max_shard_size: int | str) -> None:
+    """The whole model's weights (aliases already dropped): one ``model.safetensors`` with the tied record in its
+    header when they fit in one shard (as ``save_pretrained`` writes them), else the HF index and shards."""
+    plan = plan_model_files({k: _nbytes(v) for k, v in tensors.items()}, max_shard_size=max_shard_size)
+    if plan.filenames == [SINGLE_MODEL_FILE]:
+        payload.tensor_files.append(TensorFile(SINGLE_MODEL_FILE, [(n, tensors[n]) for n in plan.filename_to_names[
+            SINGLE_MODEL_FILE]], single_file_metadata(tied)))
+        return
+    add_sharded(payload, tensors, pattern=MODEL_FILE_PATTERN, index=MODEL_INDEX_FILE, max_shard_size=max_shard_size,
+                metadata={TIED_KEY: dict(tied), "format": "pt"})
 
 
 def _pretrained_files(save: Callable[[str], Any]) -> dict[str, bytes]:
@@ -181,15 +196,15 @@ def _capture_shared(payload: Payload, model, optimizer, scheduler, scaler, train
 def capture_model(payload: Payload, model: torch.nn.Module | Mapping[str, torch.Tensor], *,
                   max_shard_size: int | str, standalone: bool = False,
                   reserved: set[str] | frozenset = frozenset()) -> None:
-    """The model's files: the whole state in the HF layout, or (frozen parameters, not ``standalone``) the trainable
-    part and the frozen record; a PEFT model's adapter files in both cases (not those in ``reserved``)."""
+    """The model's files: the whole state as ``save_pretrained`` lays it out (:func:`add_model_weights`), or (frozen
+    parameters, not ``standalone``) the trainable part and the frozen record; a PEFT model's adapter files in both
+    cases (not those in ``reserved``)."""
     tensors, tied = dedupe_tied(model_state(model))
     module = model if isinstance(model, torch.nn.Module) else None
     adapters = {relpath: named for relpath, named in adapter_tensors(module).items() if relpath not in reserved}
     frozen = set() if standalone or module is None else frozen_names(module, tensors)
     if not frozen:
-        add_sharded(payload, tensors, pattern=MODEL_FILE_PATTERN, index=MODEL_INDEX_FILE,
-                     max_shard_size=max_shard_size, metadata={TIED_KEY: tied, "format": "pt"})
+        add_model_weights(payload, tensors, tied=tied, max_shard_size=max_shard_size)
         payload.tensor_files += [TensorFile(relpath, named) for relpath, named in adapters.items()]
         return
     stored = {name: t for name, t in tensors.items() if name not in frozen}
