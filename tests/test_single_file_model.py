@@ -212,7 +212,8 @@ def test_a_model_safetensors_without_our_metadata_loads_as_save_pretrained_wrote
     _rewrite_metadata(path, {"format": "pt"})  # no tied record: no aliases restored, lm_head.weight missing
     assert verify_checkpoint(path, full=True).ok
     fresh = tiny_gpt2(seed=2)
-    load_checkpoint(path, model=fresh, strict=False, restore_rng=False)  # lm_head.weight shares wte's storage: it gets its bytes
+    # lm_head.weight shares wte's storage: it gets its bytes
+    load_checkpoint(path, model=fresh, strict=False, restore_rng=False)
     assert_same_state(model.state_dict(), fresh.state_dict())
 
 
