@@ -300,3 +300,35 @@ def test_resumable_trainer_checkpoints_hold_model_safetensors_like_the_stock_tra
     assert all(torch.equal(tensor, state[name]) for name, tensor in ours_stored.items())
     assert os.path.isfile(our_dir / "trainer_state.json") and os.path.isfile(our_dir / "config.json")
     assert_same_state(state, AutoModelForCausalLM.from_pretrained(our_dir).state_dict())
+
+
+# --- names the checkpoint writes itself -----------------------------------------------------------------------------
+
+
+def test_an_extra_file_named_like_the_model_file_is_refused_before_anything_is_written(tmp_path):
+    from hf_resumable.errors import CheckpointExistsError
+
+    model, _ = _trained()
+    with pytest.raises(CheckpointExistsError, match="extra_files names 'model.safetensors'"):
+        save_checkpoint(tmp_path / "c", model=model, extra_files={SINGLE_MODEL_FILE: b"mine"})
+    assert list(tmp_path.iterdir()) == []  # no checkpoint, no temporary directory
+
+
+def test_a_foreign_model_safetensors_next_to_a_trainable_part_is_not_taken_for_the_model(tmp_path):
+    model = tiny_gpt2()
+    model.transformer.wpe.weight.requires_grad_(False)  # the checkpoint stores the trainable part only
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    train_steps(model, optimizer, steps=2)
+    foreign = tmp_path / "foreign.safetensors"
+    write_safetensors(foreign, [("something", torch.ones(3))])
+    save_checkpoint(tmp_path / "c", model=model, optimizer=optimizer, rng=False,
+                    extra_files={SINGLE_MODEL_FILE: foreign.read_bytes()})
+    files = read_manifest(tmp_path / "c").files
+    assert "trainable.safetensors.index.json" in files and SINGLE_MODEL_FILE in files
+    assert MODEL_INDEX_FILE not in files
+    fresh = tiny_gpt2(seed=0)  # the same frozen base
+    fresh.transformer.wpe.weight.requires_grad_(False)
+    fresh_optimizer = torch.optim.AdamW([p for p in fresh.parameters() if p.requires_grad], lr=1e-3)
+    load_checkpoint(tmp_path / "c", model=fresh, optimizer=fresh_optimizer, restore_rng=False)
+    assert_same_state(model.state_dict(), fresh.state_dict())
+    assert_same_optimizer(optimizer, fresh_optimizer)

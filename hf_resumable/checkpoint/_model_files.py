@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from .._jsonio import parse_json
-from ..constants import MODEL_FILE_PATTERN, MODEL_INDEX_FILE, SINGLE_MODEL_FILE, TIED_KEY
+from ..constants import MODEL_FILE_PATTERN, MODEL_INDEX_FILE, SINGLE_MODEL_FILE, TIED_KEY, TRAINABLE_INDEX_FILE
 from ..errors import CorruptCheckpointError
 from ..safetensors_io import SafetensorsHeader
 from ..sharding import ShardIndex, ShardPlan, plan_shards
@@ -62,10 +62,14 @@ def single_file_metadata(tied: Mapping[str, str]) -> dict[str, str]:
 
 def model_weights_file(files: Collection[str]) -> str | None:
     """The file that describes the model weights among ``files``: the index (it wins, as in every earlier
-    checkpoint), else ``model.safetensors``, else ``None`` (no whole model stored)."""
+    checkpoint), else ``model.safetensors``, else ``None`` (no whole model stored).
+
+    A checkpoint that stores only its trainable part (``trainable.safetensors.index.json``) never has a
+    ``model.safetensors`` of ours: one there is somebody else's file (a save hook's) and not the model.
+    """
     if MODEL_INDEX_FILE in files:
         return MODEL_INDEX_FILE
-    if SINGLE_MODEL_FILE in files:
+    if SINGLE_MODEL_FILE in files and TRAINABLE_INDEX_FILE not in files:
         return SINGLE_MODEL_FILE
     return None
 
@@ -75,7 +79,7 @@ def has_model_weights(files: Collection[str]) -> bool:
     return model_weights_file(files) is not None
 
 
-def single_file_index(header: SafetensorsHeader, *, source: str, filename: str = SINGLE_MODEL_FILE) -> ShardIndex:
+def single_file_index(header: SafetensorsHeader, *, source: str) -> ShardIndex:
     """The index a single ``model.safetensors`` implies (pure): every tensor in that file; metadata with
     ``total_size`` and the tied record read from the header (absent in a ``save_pretrained`` file: no aliases).
 
@@ -103,7 +107,8 @@ def single_file_index(header: SafetensorsHeader, *, source: str, filename: str =
                                      "checkpoint.")
     total = sum(info.nbytes for info in header.tensors.values())
     metadata = {"total_size": total, TIED_KEY: tied, "format": header.metadata.get("format")}
-    return ShardIndex(weight_map={name: filename for name in header.tensors}, metadata=metadata, source=source)
+    return ShardIndex(weight_map={name: SINGLE_MODEL_FILE for name in header.tensors}, metadata=metadata,
+                      source=source)
 
 
 def model_index(files: Collection[str], headers: Mapping[str, SafetensorsHeader], *,

@@ -45,7 +45,7 @@ from ..constants import (  # noqa: F401 - SHARDS_KEY and STATE_TENSORS_FILE are 
     TRAINABLE_INDEX_FILE,
     TRAINING_STATE_FILE,
 )
-from ..errors import UnsupportedStateError
+from ..errors import CheckpointExistsError, UnsupportedStateError
 from ..rng import RngState, capture_rng_state
 from ..sharding import check_relative_name, plan_shards
 from ..state_codec import encode_state
@@ -106,8 +106,8 @@ def add_model_weights(payload: Payload, tensors: Mapping[str, torch.Tensor], *, 
     header when they fit in one shard (as ``save_pretrained`` writes them), else the HF index and shards."""
     plan = plan_model_files({k: _nbytes(v) for k, v in tensors.items()}, max_shard_size=max_shard_size)
     if plan.filenames == [SINGLE_MODEL_FILE]:
-        payload.tensor_files.append(TensorFile(SINGLE_MODEL_FILE, [(n, tensors[n]) for n in plan.filename_to_names[
-            SINGLE_MODEL_FILE]], single_file_metadata(tied)))
+        named = [(name, tensors[name]) for name in plan.filename_to_names[SINGLE_MODEL_FILE]]
+        payload.tensor_files.append(TensorFile(SINGLE_MODEL_FILE, named, single_file_metadata(tied)))
         return
     add_sharded(payload, tensors, pattern=MODEL_FILE_PATTERN, index=MODEL_INDEX_FILE, max_shard_size=max_shard_size,
                 metadata={TIED_KEY: dict(tied), "format": "pt"})
@@ -150,8 +150,13 @@ def capture_payload(
                         standalone=standalone, reserved=reserved)
         if model is not None and isinstance(model, torch.nn.Module):
             capture_pretrained(payload, model, processing_class)
+        ours = {f.relpath for f in payload.tensor_files} | {spec.relpath for spec in payload.indexes}
         for relpath, content in (extra_files or {}).items():
             check_relative_name(relpath, source="extra_files", suffix=None)
+            if relpath in ours:
+                raise CheckpointExistsError(
+                    f"extra_files names {relpath!r}, which the checkpoint writes itself (e.g. the model's "
+                    f"{SINGLE_MODEL_FILE} or its shards); nothing was written. Store that file under another name.")
             payload.blobs[relpath] = content.encode() if isinstance(content, str) else bytes(content)
     if data_state is not None:
         tensors: dict[str, torch.Tensor] = {}
