@@ -1,5 +1,8 @@
 """Rewrite the sharded tensor files of a committed checkpoint with a new shard size (helper of ``convert``).
 
+The model weights come out as any save writes them: one ``model.safetensors`` if they fit in one shard of the
+new size, else the HF index and its shards (so resharding also moves a checkpoint between the two layouts).
+
 Builds a checkpoint :class:`~hf_resumable.checkpoint._payload.Payload` from the files on disk (sharded
 tensors re-planned, every other file carried as bytes) and commits it with the same writer
 ``save_checkpoint`` uses: temp directory, manifest last, atomic rename.
@@ -13,9 +16,12 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint._payload import SHARDS_KEY, IndexSpec, Payload, TensorFile
+from .checkpoint._model import TIED_KEY, check_tied
+from .checkpoint._model_files import model_index, model_weights_file
+from .checkpoint._payload import SHARDS_KEY, IndexSpec, Payload, TensorFile, add_model_weights
 from .checkpoint._writer import save_payload
 from .checkpoint.manifest import Manifest
+from .constants import OPTIMIZER_FILE_PATTERN, OPTIMIZER_INDEX_FILE, SINGLE_MODEL_FILE
 from .safetensors_io import read_header, read_safetensors
 from .sharding import ShardIndex, parse_index, plan_shards
 
@@ -42,19 +48,29 @@ def _replan(payload: Payload, tensors: Mapping[str, torch.Tensor], index: ShardI
                                      {"total_size": plan.total_size, **metadata}))
 
 
-def rewrite_shards(source: Path, target: Path, manifest: Manifest, *, max_shard_size: int | str,
-                   patterns: Mapping[str, str]) -> Manifest:
-    """Re-shard every index in ``patterns`` (index file -> shard filename pattern) from ``source`` into ``target``."""
+def _read_index(source: Path, relpath: str) -> ShardIndex:
+    return parse_index(json.loads((source / relpath).read_bytes()), source=str(source / relpath))
+
+
+def rewrite_shards(source: Path, target: Path, manifest: Manifest, *, max_shard_size: int | str) -> Manifest:
+    """Re-shard the model weights (either layout, see :mod:`.checkpoint._model_files`: one ``model.safetensors``
+    when they fit in one shard, else the HF index) and the optimizer tensors from ``source`` into ``target``."""
     payload = Payload()
     consumed: set[str] = set()
-    for relpath, pattern in patterns.items():
-        if relpath not in manifest.files:
-            continue
-        index = parse_index(json.loads((source / relpath).read_bytes()), source=str(source / relpath))
-        _replan(payload, _read_sharded(source, index), index, relpath=relpath, pattern=pattern,
-                max_shard_size=max_shard_size)
-        consumed |= {relpath, *index.filenames}
-    for relpath in manifest.files:
+    files = manifest.files
+    headers = {SINGLE_MODEL_FILE: read_header(source / SINGLE_MODEL_FILE)} if SINGLE_MODEL_FILE in files else {}
+    model = model_index(files, headers, read_index=lambda relpath: _read_index(source, relpath), source=str(source))
+    if model is not None:
+        tensors = _read_sharded(source, model)
+        tied = check_tied(model.metadata.get(TIED_KEY) or {}, tensors, source=model.source)
+        add_model_weights(payload, tensors, tied=tied, max_shard_size=max_shard_size)
+        consumed |= {model_weights_file(files), *model.filenames}
+    if OPTIMIZER_INDEX_FILE in files:
+        index = _read_index(source, OPTIMIZER_INDEX_FILE)
+        _replan(payload, _read_sharded(source, index), index, relpath=OPTIMIZER_INDEX_FILE,
+                pattern=OPTIMIZER_FILE_PATTERN, max_shard_size=max_shard_size)
+        consumed |= {OPTIMIZER_INDEX_FILE, *index.filenames}
+    for relpath in files:
         if relpath not in consumed:
             payload.blobs[relpath] = (source / relpath).read_bytes()
     return save_payload(target, payload, step=manifest.step, metrics=dict(manifest.metrics),

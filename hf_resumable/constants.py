@@ -1,8 +1,9 @@
 """File names, patterns and state keys of the hf_resumable checkpoint format.
 
 Constants that name files include the extension. Names that Hugging Face tools read are spelled
-exactly as they expect them (``model.safetensors.index.json``, ``model-00001-of-00003.safetensors``),
-so ``transformers.AutoModel.from_pretrained(checkpoint_dir)`` works on our checkpoints.
+exactly as they expect them (``model.safetensors``, or ``model.safetensors.index.json`` with
+``model-00001-of-00003.safetensors``), so ``transformers.AutoModel.from_pretrained(checkpoint_dir)`` works on
+our checkpoints.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ FORMAT_NAME = "hf_resumable"
 # Model weights, readable by transformers / huggingface_hub.
 MODEL_INDEX_FILE = "model.safetensors.index.json"
 MODEL_FILE_PATTERN = "model{suffix}.safetensors"
-# Un-sharded weights file (transformers and huggingface_hub write it when everything fits in one shard).
+# Un-sharded weights file (transformers and huggingface_hub write it when everything fits in one shard; so does
+# save_checkpoint, with TIED_KEY as a JSON string in its header metadata instead of in an index).
 SINGLE_MODEL_FILE = "model.safetensors"
 # Index metadata key: {shard file: {"size": int, "sha256": str}} (transformers ignores unknown metadata keys).
 SHARDS_KEY = "hf_resumable_shards"

@@ -39,10 +39,7 @@ from .checkpoint import CheckpointInfo, read_manifest, save_checkpoint, verify_c
 from .constants import (
     DEFAULT_MAX_SHARD_SIZE,
     MANIFEST_FILE,
-    MODEL_FILE_PATTERN,
     MODEL_INDEX_FILE,
-    OPTIMIZER_FILE_PATTERN,
-    OPTIMIZER_INDEX_FILE,
 )
 from .errors import (
     CheckpointExistsError,
@@ -313,7 +310,8 @@ def reshard_checkpoint(
     """Rewrite the model and optimizer shards of a checkpoint with a new ``max_shard_size``.
 
     Every tensor keeps its name, dtype and bytes; every other file (training state, RNG, data
-    positions, config, tokenizer) is carried over unchanged; a new manifest is written last. Without
+    positions, config, tokenizer) is carried over unchanged; a new manifest is written last. Weights that fit in
+    one shard of the new size come out as one ``model.safetensors`` (no index), as every save writes them. Without
     ``output`` the checkpoint is replaced atomically in place (the old one stays valid until the new
     one is committed).
 
@@ -347,6 +345,5 @@ def reshard_checkpoint(
         raise ValueError(f"{source} was written by {manifest.world_size} ranks; resharding multi-rank checkpoints "
                          "is not supported yet.")
     target = Path(output) if output is not None else source
-    rewrite_shards(source, target, manifest, max_shard_size=max_shard_size,
-                   patterns={MODEL_INDEX_FILE: MODEL_FILE_PATTERN, OPTIMIZER_INDEX_FILE: OPTIMIZER_FILE_PATTERN})
+    rewrite_shards(source, target, manifest, max_shard_size=max_shard_size)
     return target

@@ -8,8 +8,8 @@ its own safetensors files, in parallel, and rank 0 commits the checkpoint with t
 
 ``load_sharded_checkpoint`` loads into any sharding at any world size (2 -> 1, 1 -> 2, ...): each rank
 reads only the slices of the stored pieces that overlap what it holds. ``consolidate_sharded_checkpoint``
-turns a sharded checkpoint into a regular one, whose weights are HF sharded safetensors
-(``model.safetensors.index.json``) that ``from_pretrained`` loads.
+turns a sharded checkpoint into a regular one, whose weights are laid out as ``save_pretrained`` lays them out
+(one ``model.safetensors``, or ``model.safetensors.index.json`` and its shards) so ``from_pretrained`` loads them.
 
 Layout of a sharded ``checkpoint-<step>/``::
 
@@ -17,9 +17,9 @@ Layout of a sharded ``checkpoint-<step>/``::
     sharded/optimizer-rank00000-of-00002.safetensors  rank 0's pieces of the optimizer state
     sharded/...-rank00001-of-00002.safetensors        rank 1's
     sharded_layout.json                               every tensor's dtype, global shape, and piece boxes
-    model.safetensors.index.json, model-0000k-of-0000N.safetensors
-                                                      with hf_weights=True only: whole weights instead of
-                                                      model pieces, written round robin by the ranks
+    model.safetensors                                 with hf_weights=True only: whole weights instead of
+    (or model.safetensors.index.json,                 model pieces (one file when they fit in one shard),
+     model-0000k-of-0000N.safetensors)                written round robin by the ranks
     config.json, generation_config.json               as save_pretrained writes them
     training_state.json, rng/, data/                  as in a regular checkpoint
     manifest.json                                     written last
@@ -57,7 +57,15 @@ from ._jsonio import json_bytes
 from .checkpoint import open_checkpoint, wait_for_pending_saves
 from .checkpoint._frozen import base_not_stored
 from .checkpoint._model import TIED_KEY
-from .checkpoint._payload import Payload, TensorFile, add_sharded, capture_payload, capture_pretrained
+from .checkpoint._model_files import single_file_metadata
+from .checkpoint._payload import (
+    Payload,
+    TensorFile,
+    add_model_weights,
+    add_sharded,
+    capture_payload,
+    capture_pretrained,
+)
 from .checkpoint._reader import LoadedCheckpoint, OpenedCheckpoint, _Reader
 from .checkpoint._sharded import (
     LAYOUT_FILE,
@@ -97,11 +105,11 @@ from .checkpoint.manifest import Manifest
 from .checkpoint.verify import verify_checkpoint
 from .constants import (
     DEFAULT_MAX_SHARD_SIZE,
-    MODEL_FILE_PATTERN,
     MODEL_INDEX_FILE,
     OPTIMIZER_FILE_PATTERN,
     OPTIMIZER_INDEX_FILE,
     OPTIMIZER_STATE_PREFIX,
+    SINGLE_MODEL_FILE,
     STATE_KEY_OPTIMIZER,
     STATE_KEY_SCALER,
     STATE_KEY_SCHEDULER,
@@ -153,10 +161,12 @@ def _add_hf_weights(payload: Payload, weights: Mapping[str, torch.Tensor], local
     sizes = {name: weights[name].numel() * weights[name].element_size() for name in local.tensors}
     plan, owner = plan_hf_weights(sizes, world_size=world_size, max_shard_size=max_shard_size)
     mine = full_weights_for(weights, plan.name_to_filename, owner, rank=rank)
+    single = plan.filenames == [SINGLE_MODEL_FILE]  # one model.safetensors (tied record in its header), no index
     for filename in plan.filenames:
         if filename in mine:
-            payload.tensor_files.append(TensorFile(filename, mine[filename], {"format": "pt"}))
-    if rank == 0:
+            metadata = single_file_metadata(local.tied) if single else {"format": "pt"}
+            payload.tensor_files.append(TensorFile(filename, mine[filename], metadata))
+    if rank == 0 and not single:
         index = build_index(plan, metadata={TIED_KEY: local.tied, "format": "pt"})
         payload.blobs[MODEL_INDEX_FILE] = json_bytes(index)
     return hf_weights_section(plan, local.tensors, local.tied)
@@ -237,8 +247,9 @@ def save_sharded_checkpoint(
         overwrite (`bool`, *optional*, defaults to `False`): replace an existing checkpoint atomically.
         processing_class (*optional*): a tokenizer/processor whose ``save_pretrained`` files are included.
         keep_last (`int`, *optional*): after the commit, rank 0 applies ``apply_retention`` to the parent.
-        hf_weights (`bool`, *optional*, defaults to `False`): store the weights whole, as HF sharded safetensors
-            (``model.safetensors.index.json`` + ``model-0000k-of-0000N.safetensors``), so ``from_pretrained``
+        hf_weights (`bool`, *optional*, defaults to `False`): store the weights whole, as ``save_pretrained``
+            does (one ``model.safetensors`` when they fit in ``max_shard_size``, else
+            ``model.safetensors.index.json`` + ``model-0000k-of-0000N.safetensors``), so ``from_pretrained``
             loads the checkpoint directory itself. The files are spread round robin over the ranks, which
             write them in parallel; each weight is all-gathered (``DTensor.full_tensor()``) to its writer,
             which costs one model's worth of communication per rank. Optimizer state stays in per-rank pieces.
@@ -302,15 +313,15 @@ def _read_layout(reader: _Reader) -> dict[str, Any]:
     """The sharded layout, or the one implied by a regular checkpoint's indexes (whole tensors, one writer)."""
     if LAYOUT_FILE in reader.manifest.files:
         return parse_layout(reader.json(LAYOUT_FILE), source=str(reader.path / LAYOUT_FILE))
-    if MODEL_INDEX_FILE not in reader.manifest.files:
+    model = reader.model_index()
+    if model is None:
         wanted = "resharded loading needs every weight (load_checkpoint checks its base against the model instead)"
         if (error := base_not_stored(reader.path, wanted=wanted)) is not None:
             raise error
-        raise IncompleteCheckpointError(
-            f"{reader.path} has neither {LAYOUT_FILE} nor {MODEL_INDEX_FILE}: it holds no model weights to load.")
+        raise IncompleteCheckpointError(f"{reader.path} has neither {LAYOUT_FILE} nor {MODEL_INDEX_FILE} or "
+                                        f"{SINGLE_MODEL_FILE}: it holds no model weights to load.")
     has_optimizer = OPTIMIZER_INDEX_FILE in reader.manifest.files
-    indexes = {"model": reader.index(MODEL_INDEX_FILE),
-               "optimizer": reader.index(OPTIMIZER_INDEX_FILE) if has_optimizer else None}
+    indexes = {"model": model, "optimizer": reader.index(OPTIMIZER_INDEX_FILE) if has_optimizer else None}
     document = reader.json(TRAINING_STATE_FILE).get(STATE_KEY_OPTIMIZER) if has_optimizer else None
     return layout_from_regular(indexes, reader.report.headers, world_size=reader.manifest.world_size,
                                optimizer_document=document)
@@ -510,11 +521,12 @@ def consolidate_sharded_checkpoint(
     include_optimizer: bool = True,
     overwrite: bool = False,
 ) -> Manifest:
-    """Turn a sharded checkpoint into a regular one: HF sharded safetensors weights that ``from_pretrained`` loads.
+    """Turn a sharded checkpoint into a regular one: HF safetensors weights that ``from_pretrained`` loads.
 
-    The output holds ``model.safetensors.index.json`` with ``model-0000k-of-0000N.safetensors`` (tied weights
-    stored once, as transformers expects), ``config.json``, and, with ``include_optimizer``,
-    ``optimizer.safetensors.index.json`` plus ``training_state.json`` in the regular format, so
+    The output holds ``model.safetensors`` (or, above ``max_shard_size``, ``model.safetensors.index.json`` with
+    ``model-0000k-of-0000N.safetensors``; tied weights stored once, as transformers expects), ``config.json``,
+    and, with ``include_optimizer``, ``optimizer.safetensors.index.json`` plus ``training_state.json`` in the
+    regular format, so
     :func:`~hf_resumable.load_checkpoint` resumes from it too. It is committed like any checkpoint
     (manifest last, atomic rename). Run it in one process (outside torch.distributed, or it becomes a
     collective); it holds one kind of state (weights, then optimizer) in memory at a time.
@@ -552,8 +564,7 @@ def consolidate_sharded_checkpoint(
     section, weights = _consolidated_section(reader, layout, LAYOUT_KEY_MODEL)
     consumed = {LAYOUT_FILE, TRAINING_STATE_FILE, MODEL_INDEX_FILE, OPTIMIZER_INDEX_FILE}
     consumed |= {file for pieces in section.pieces.values() for file in pieces}
-    add_sharded(payload, weights, pattern=MODEL_FILE_PATTERN, index=MODEL_INDEX_FILE,
-                 max_shard_size=max_shard_size, metadata={TIED_KEY: section.tied, "format": "pt"})
+    add_model_weights(payload, weights, tied=section.tied, max_shard_size=max_shard_size)
     del weights
     # 3. Optimizer tensors and document in the regular layout.
     training_state = reader.json(TRAINING_STATE_FILE)

@@ -107,18 +107,21 @@ def plan_shards(
     *,
     max_shard_size: int | str,
     filename_pattern: str = MODEL_FILE_PATTERN,
+    single_filename: str | None = None,
 ) -> ShardPlan:
     """Split tensors into shards of at most ``max_shard_size`` bytes, greedily, in key order.
 
-    A tensor bigger than ``max_shard_size`` gets a shard of its own. Shards are always named
-    ``<prefix>-0000k-of-0000N<ext>`` (even a single one), so the layout never changes shape with
-    the model's size.
+    A tensor bigger than ``max_shard_size`` gets a shard of its own. Shards are named
+    ``<prefix>-0000k-of-0000N<ext>`` (even a single one), unless ``single_filename`` is given and
+    everything fits in one shard: that one file is then named ``single_filename`` (what
+    ``save_pretrained`` writes, ``model.safetensors``).
 
     Args:
         sizes (`Mapping[str, int]`): tensor name -> size in bytes, in the order to write them.
         max_shard_size (`int` or `str`): the limit, e.g. ``"2GB"``.
         filename_pattern (`str`, *optional*, defaults to `"model{suffix}.safetensors"`):
             must contain ``{suffix}``.
+        single_filename (`str`, *optional*): the name of the only file when there is one shard.
 
     Returns:
         `ShardPlan`
@@ -148,6 +151,8 @@ def plan_shards(
     filename_to_names = {
         filename_pattern.format(suffix=f"-{i + 1:05d}-of-{count:05d}"): tuple(group) for i, group in enumerate(groups)
     }
+    if count == 1 and single_filename is not None:
+        filename_to_names = {single_filename: tuple(groups[0])}
     name_to_filename = {name: filename for filename, names in filename_to_names.items() for name in names}
     return ShardPlan(filename_to_names=filename_to_names, name_to_filename=name_to_filename, total_size=total)
 

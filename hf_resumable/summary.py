@@ -27,11 +27,11 @@ from typing import Any
 from ._jsonio import parse_json
 from ._safefile import read_regular_file
 from .checkpoint import verify_checkpoint
+from .checkpoint._model_files import has_model_weights
 from .constants import (
     FROZEN_RECORD_FILE,
     MANIFEST_FILE,
     MAX_JSON_SIZE,
-    MODEL_INDEX_FILE,
     OPTIMIZER_INDEX_FILE,
     STATE_KEY_EXTRA,
     STATE_KEY_OPTIMIZER,
@@ -321,7 +321,7 @@ def _fill_shards(summary: CheckpointSummary, report: Any) -> None:
         summary.shards.append(shard)
         if shard.kind == "model":
             model_elements += elements
-    has_model = MODEL_INDEX_FILE in report.manifest.files or any(s.kind == "model" for s in summary.shards)
+    has_model = has_model_weights(report.manifest.files) or any(s.kind == "model" for s in summary.shards)
     summary.parameter_count = model_elements if has_model else None
     if TRAINABLE_INDEX_FILE in report.manifest.files:
         _fill_frozen(summary, report)

@@ -20,6 +20,7 @@ from hf_resumable.errors import (
     InexactResumeError,
     UnsupportedStateError,
 )
+from hf_resumable.safetensors_io import read_header
 
 from tiny_models import FACTORIES, assert_same_optimizer, assert_same_state, tiny_gpt2, tiny_llama, train_steps
 
@@ -107,7 +108,13 @@ def test_tied_weights_saved_once_and_come_back_tied(tmp_path):
     model = tiny_gpt2()
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
     save_checkpoint(tmp_path / "c", model=model, rng=False)
-    index = json.loads((tmp_path / "c" / MODEL_INDEX_FILE).read_text())
+    assert not (tmp_path / "c" / MODEL_INDEX_FILE).exists()  # one shard: model.safetensors, as save_pretrained
+    header = read_header(tmp_path / "c" / "model.safetensors")
+    assert "lm_head.weight" not in header.tensors and "transformer.wte.weight" in header.tensors
+    assert json.loads(header.metadata["hf_resumable_tied"]) == {"lm_head.weight": "transformer.wte.weight"}
+    assert header.metadata["format"] == "pt"
+    save_checkpoint(tmp_path / "sharded", model=model, rng=False, max_shard_size="10KB")
+    index = json.loads((tmp_path / "sharded" / MODEL_INDEX_FILE).read_text())
     assert "lm_head.weight" not in index["weight_map"]
     assert index["metadata"]["hf_resumable_tied"] == {"lm_head.weight": "transformer.wte.weight"}
     model2 = tiny_gpt2(seed=7)

@@ -70,10 +70,10 @@ def test_staging_buffers_are_reused_across_saves(tmp_path):
     model = tiny_gpt2()
     save_checkpoint(tmp_path / "checkpoint-1", model=model, step=1, blocking=False, rng=False)
     wait_for_pending_saves()
-    first = {key: buf.data_ptr() for key, buf in api._ASYNC._buffers.items() if key[0].startswith("model-")}
+    first = {key: buf.data_ptr() for key, buf in api._ASYNC._buffers.items() if key[0].startswith("model")}
     save_checkpoint(tmp_path / "checkpoint-2", model=model, step=2, blocking=False, rng=False)
     wait_for_pending_saves()
-    second = {key: buf.data_ptr() for key, buf in api._ASYNC._buffers.items() if key[0].startswith("model-")}
+    second = {key: buf.data_ptr() for key, buf in api._ASYNC._buffers.items() if key[0].startswith("model")}
     assert first and first == second
 
 

@@ -87,7 +87,7 @@ def test_flip_in_a_large_shard_needs_full_verification_and_is_caught_on_load(tmp
     big = {"w": torch.randn(1536, 1024)}  # 6 MiB, above the quick-hash limit
     save_checkpoint(tmp_path / "checkpoint-1", model={"w": torch.zeros(2)}, step=1, rng=False)
     save_checkpoint(tmp_path / "checkpoint-2", model=big, step=2, rng=False)
-    shard = _find(tmp_path / "checkpoint-2", "model-00001")
+    shard = _find(tmp_path / "checkpoint-2", "model.safetensors")
     with open(shard, "r+b") as f:
         f.seek(-100, os.SEEK_END)
         byte = f.read(1)
@@ -129,7 +129,7 @@ def test_records_hold_both_hashes_of_the_bytes_on_disk_and_old_records_are_check
     module.register_buffer("w", torch.zeros(1536, 1024))
     load_checkpoint(directory, model=module, restore_rng=False)
     assert torch.equal(module.w, big["w"])
-    shard = _find(directory, "model-00001")
+    shard = _find(directory, "model.safetensors")
     with open(shard, "r+b") as f:
         f.seek(-100, os.SEEK_END)
         byte = f.read(1)
@@ -316,7 +316,7 @@ def test_retention_keeps_newest_best_and_never_touches_partials(tmp_path):
     for step, loss in [(10, 3.0), (20, 1.0), (30, 2.0), (40, 2.5), (50, 2.2)]:
         save_checkpoint(tmp_path / f"checkpoint-{step}", model=model, step=step, metrics={"loss": loss}, rng=False)
     (tmp_path / "checkpoint-60").mkdir()  # a save in progress elsewhere: no manifest
-    (tmp_path / "checkpoint-60" / "model-00001-of-00001.safetensors").write_bytes(b"partial")
+    (tmp_path / "checkpoint-60" / "model.safetensors").write_bytes(b"partial")
     deleted = apply_retention(tmp_path, keep_last=2, best_metric="loss")
     assert sorted(p.name for p in deleted) == ["checkpoint-10", "checkpoint-30"]
     assert [p.name for _, p in list_checkpoints(tmp_path)] == ["checkpoint-20", "checkpoint-40", "checkpoint-50",

@@ -309,14 +309,16 @@ def test_header_tensor_that_the_index_does_not_list(checkpoint, live):
 
 
 def _big_checkpoint(tmp_path):
-    """A model whose single shard is above the quick-verification hash limit (checked while read)."""
+    """A model whose single file (model.safetensors) is above the quick-verification hash limit (checked while
+    read)."""
     model = tiny_gpt2(n_embd=256, n_layer=2, n_head=4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
     train_steps(model, optimizer, scheduler, steps=1)
     path = tmp_path / "checkpoint-1"
     save_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, step=1)
-    shard = next(path.glob("model-*.safetensors"))
+    assert not (path / MODEL_INDEX_FILE).exists()
+    shard = path / "model.safetensors"
     assert shard.stat().st_size > 4 * 2**20
     with open(shard, "r+b") as f:  # flip one byte of the last tensor
         f.seek(-100, os.SEEK_END)
@@ -332,7 +334,7 @@ def test_hash_mismatch_with_full_verification_leaves_everything_untouched(tmp_pa
     path, model, optimizer, scheduler = _big_checkpoint(tmp_path)
     train_steps(model, optimizer, scheduler, steps=1, seed=3)  # live state of its own
     before = _snapshot(model, optimizer, scheduler, torch.amp.GradScaler("cpu"))
-    with pytest.raises(CorruptCheckpointError, match="model-00001"):
+    with pytest.raises(CorruptCheckpointError, match="model.safetensors"):
         load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler, verify="full")
     after = _snapshot(model, optimizer, scheduler, torch.amp.GradScaler("cpu"))
     assert all(_same(a, b) for a, b in zip(before, after))
@@ -345,7 +347,7 @@ def test_hash_mismatch_found_while_reading_leaves_new_optimizer_state_scheduler_
     scheduler_before, rng_before = copy.deepcopy(scheduler.state_dict()), capture_rng_state()
     random.random(), np.random.rand()
     rng_before = capture_rng_state()
-    with pytest.raises(CorruptCheckpointError, match="model-00001.*xxh3-128"):
+    with pytest.raises(CorruptCheckpointError, match="model.safetensors.*xxh3-128"):
         load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler)
     assert not optimizer.state  # the optimizer's new state was never installed
     assert scheduler.state_dict() == scheduler_before

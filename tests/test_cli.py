@@ -147,9 +147,12 @@ def test_reshard_to_new_dir_and_in_place(checkpoint: Path, tmp_path: Path, capsy
     # Every other file is carried over byte for byte.
     for name in ("training_state.json", "config.json", "rng/rank-00000.safetensors"):
         assert (out / name).read_bytes() == (checkpoint / name).read_bytes()
-    # In place, to one shard each: atomic replace of the same directory.
-    assert _run(capsys, "reshard", str(checkpoint), "--max-shard-size", "10MB")[0] == 0
-    assert _shards(checkpoint, "model") == ["model-00001-of-00001.safetensors"]
+    # In place, to one shard each: atomic replace of the same directory; one model file is model.safetensors.
+    code, stdout, _ = _run(capsys, "reshard", str(checkpoint), "--max-shard-size", "10MB")
+    assert code == 0 and "1 model shard(s), 1 optimizer shard(s)" in stdout
+    assert _shards(checkpoint, "model") == [] and (checkpoint / "model.safetensors").is_file()
+    assert not (checkpoint / "model.safetensors.index.json").exists()
+    assert _shards(checkpoint, "optimizer") == ["optimizer-00001-of-00001.safetensors"]
     assert not (checkpoint / "model-00002-of-00004.safetensors").exists()
     assert_same_state(before[0].state_dict(), _load_fresh(checkpoint)[0].state_dict())
 

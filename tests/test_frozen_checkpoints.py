@@ -87,7 +87,7 @@ def test_lora_checkpoint_stores_only_the_trainable_part_and_resumes_exactly(gpt2
     save_checkpoint(tmp_path / "full", model=model, optimizer=optimizer, rng=False, standalone=True)
     files = set(read_manifest(tmp_path / "c").files)
     assert {TRAINABLE_INDEX_FILE, FROZEN_RECORD_FILE, "adapter_model.safetensors", "adapter_config.json"} <= files
-    assert MODEL_INDEX_FILE not in files and "config.json" not in files
+    assert MODEL_INDEX_FILE not in files and "model.safetensors" not in files and "config.json" not in files
     adapter_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
     # adapter once (adapter_model.safetensors) + AdamW's two moments: no base, no second copy of the adapter
     assert tensor_bytes(tmp_path / "c") < 3 * adapter_bytes + 8192
@@ -251,7 +251,7 @@ def test_full_finetune_with_a_frozen_embedding(tmp_path: Path):
     assert_same_optimizer(optimizer, resumed_optimizer)
     # standalone: a whole model again, loadable by from_pretrained
     save_checkpoint(tmp_path / "s", model=model, optimizer=optimizer, rng=False, standalone=True)
-    assert MODEL_INDEX_FILE in read_manifest(tmp_path / "s").files
+    assert "model.safetensors" in read_manifest(tmp_path / "s").files
     assert_same_state(model.state_dict(), AutoModelForCausalLM.from_pretrained(tmp_path / "s").state_dict())
 
 

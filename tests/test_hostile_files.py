@@ -31,7 +31,7 @@ from hf_resumable.errors import (
 
 pytestmark = pytest.mark.timeout(60)
 
-SHARD = "model-00001-of-00001.safetensors"
+SHARD = "model.safetensors"  # a model that fits in one shard, as save_pretrained writes it
 RNG = "rng/rank-00000.safetensors"
 
 

@@ -101,7 +101,8 @@ def _assert_base_not_stored(checkpoint: Path, *, peft: bool, from_pretrained: bo
     """The checkpoint holds the trainable part only, far smaller than the frozen base it records."""
     assert verify_checkpoint(checkpoint, full=True).ok
     files = read_manifest(checkpoint).files
-    assert MODEL_INDEX_FILE not in files and {TRAINABLE_INDEX_FILE, FROZEN_RECORD_FILE} <= set(files)
+    assert MODEL_INDEX_FILE not in files and "model.safetensors" not in files
+    assert {TRAINABLE_INDEX_FILE, FROZEN_RECORD_FILE} <= set(files)
     record = json.loads((checkpoint / FROZEN_RECORD_FILE).read_text())
     frozen = sum(torch.empty(t["shape"], dtype=STR_TO_DTYPE[t["dtype"]]).nbytes for t in record["tensors"].values())
     index = json.loads((checkpoint / TRAINABLE_INDEX_FILE).read_text())

@@ -207,6 +207,12 @@ def test_fsdp2_two_ranks_save_load_on_one_process_and_consolidate(tmp_path):
     model, optimizer = fx.build("gpt2", seed=7)
     load_sharded_checkpoint(hf_dir, model=model, optimizer=optimizer, allow_inexact_resume=True)
     assert fx.compare_to_reference(tmp_path, model, optimizer) == []
+    # Weights that fit in one shard: one model.safetensors (written by rank 0), no index.
+    single = tmp_path / "hf-single-2"
+    assert "model.safetensors" in read_manifest(single).files
+    assert not (single / "model.safetensors.index.json").exists() and verify_checkpoint(single, full=True).ok
+    for name, tensor in GPT2LMHeadModel.from_pretrained(single).state_dict().items():
+        assert torch.equal(tensor, reference[f"model/{name}"]), name
 
     # A rank SIGKILLed while writing its pieces: no checkpoint-3, checkpoint-2 stays the latest valid one.
     crashed = run_ranks("crash", tmp_path, "gpt2", step=3, timeout=60.0)

@@ -82,7 +82,7 @@ def test_remote_checkpoint_with_missing_file_is_skipped(tmp_path, seaweed, bucke
         upload_checkpoint(tmp_path / "local" / f"checkpoint-{step}", f"s3://{bucket}/run/checkpoint-{step}",
                           storage_options=opts)
     fs = s3fs.S3FileSystem(**opts)
-    fs.rm_file(f"{bucket}/run/checkpoint-2/model-00001-of-00001.safetensors")
+    fs.rm_file(f"{bucket}/run/checkpoint-2/model.safetensors")
     assert find_latest_checkpoint(f"s3://{bucket}/run", storage_options=opts) == f"s3://{bucket}/run/checkpoint-1"
 
 

@@ -121,6 +121,7 @@ def test_can_resume_training(tmp_path: Path, pretrained: bool) -> None:
     trainer = regression_trainer(tmp_path, **kwargs)
     trainer.train()
     params, state = _params(trainer), dataclasses.asdict(trainer.state)
+    assert (tmp_path / "checkpoint-5" / "model.safetensors").is_file()  # PreTrainedModel or not, as stock saves it
     for checkpoint in ("checkpoint-5", "checkpoint-15"):  # mid-epoch, and after an epoch boundary
         resumed = regression_trainer(tmp_path, **kwargs)
         resumed.train(resume_from_checkpoint=str(tmp_path / checkpoint))
@@ -253,7 +254,10 @@ def test_save_checkpoints_and_trainer_state(tmp_path: Path) -> None:
     assert _checkpoints(tmp_path) == list(range(5, total, 5)) + [total]
     state = TrainerState.load_from_json(str(tmp_path / f"checkpoint-{total}" / "trainer_state.json"))
     assert state.global_step == total and state.log_history == trainer.state.log_history[:-1]  # but the train summary
-    assert (tmp_path / f"checkpoint-{total}" / "config.json").is_file()
+    # stock's check_saved_checkpoints, less the pickle files: the weights where upstream tools look for them
+    for step in _checkpoints(tmp_path):
+        for name in ("model.safetensors", "trainer_state.json", "config.json"):
+            assert (tmp_path / f"checkpoint-{step}" / name).is_file(), (step, name)
 
 
 def test_checkpoint_rotation(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
 Layout of ``checkpoint-<step>/``::
 
-    model.safetensors.index.json        HF-compatible (from_pretrained works), + per-shard sha256
+    model.safetensors                   one shard: as save_pretrained writes it (tied record in its header)
+    model.safetensors.index.json        or, for more: HF-compatible (from_pretrained works), + per-shard sha256
     model-00001-of-0000N.safetensors
     config.json, generation_config.json, tokenizer files
     optimizer.safetensors.index.json    optimizer tensors keyed by parameter name

@@ -33,6 +33,7 @@ from ..constants import (  # noqa: F401 - SHARDS_KEY and STATE_TENSORS_FILE are 
     RNG_DIR,
     RNG_FILE_PATTERN,
     SHARDS_KEY,
+    SINGLE_MODEL_FILE,
     STATE_KEY_EXTRA,
     STATE_KEY_FORMAT_VERSION,
     STATE_KEY_OPTIMIZER,
@@ -44,12 +45,13 @@ from ..constants import (  # noqa: F401 - SHARDS_KEY and STATE_TENSORS_FILE are 
     TRAINABLE_INDEX_FILE,
     TRAINING_STATE_FILE,
 )
-from ..errors import UnsupportedStateError
+from ..errors import CheckpointExistsError, UnsupportedStateError
 from ..rng import RngState, capture_rng_state
 from ..sharding import check_relative_name, plan_shards
 from ..state_codec import encode_state
 from ._frozen import base_provenance, build_record, frozen_names
 from ._model import TIED_KEY, _storage_key, dedupe_tied, model_state
+from ._model_files import plan_model_files, single_file_metadata
 from ._optimizer import optimizer_to_tensors, parameter_names
 
 logger = logging.getLogger(__name__)
@@ -98,6 +100,19 @@ def add_sharded(payload: Payload, tensors: Mapping[str, torch.Tensor], *, patter
                                      {"total_size": plan.total_size, **metadata}))
 
 
+def add_model_weights(payload: Payload, tensors: Mapping[str, torch.Tensor], *, tied: Mapping[str, str],
+                      max_shard_size: int | str) -> None:
+    """The whole model's weights (aliases already dropped): one ``model.safetensors`` with the tied record in its
+    header when they fit in one shard (as ``save_pretrained`` writes them), else the HF index and shards."""
+    plan = plan_model_files({k: _nbytes(v) for k, v in tensors.items()}, max_shard_size=max_shard_size)
+    if plan.filenames == [SINGLE_MODEL_FILE]:
+        named = [(name, tensors[name]) for name in plan.filename_to_names[SINGLE_MODEL_FILE]]
+        payload.tensor_files.append(TensorFile(SINGLE_MODEL_FILE, named, single_file_metadata(tied)))
+        return
+    add_sharded(payload, tensors, pattern=MODEL_FILE_PATTERN, index=MODEL_INDEX_FILE, max_shard_size=max_shard_size,
+                metadata={TIED_KEY: dict(tied), "format": "pt"})
+
+
 def _pretrained_files(save: Callable[[str], Any]) -> dict[str, bytes]:
     """Files an object's ``save_pretrained`` writes, captured as bytes (no pickle files allowed)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,8 +150,13 @@ def capture_payload(
                         standalone=standalone, reserved=reserved)
         if model is not None and isinstance(model, torch.nn.Module):
             capture_pretrained(payload, model, processing_class)
+        ours = {f.relpath for f in payload.tensor_files} | {spec.relpath for spec in payload.indexes}
         for relpath, content in (extra_files or {}).items():
             check_relative_name(relpath, source="extra_files", suffix=None)
+            if relpath in ours:
+                raise CheckpointExistsError(
+                    f"extra_files names {relpath!r}, which the checkpoint writes itself (e.g. the model's "
+                    f"{SINGLE_MODEL_FILE} or its shards); nothing was written. Store that file under another name.")
             payload.blobs[relpath] = content.encode() if isinstance(content, str) else bytes(content)
     if data_state is not None:
         tensors: dict[str, torch.Tensor] = {}
@@ -181,15 +201,15 @@ def _capture_shared(payload: Payload, model, optimizer, scheduler, scaler, train
 def capture_model(payload: Payload, model: torch.nn.Module | Mapping[str, torch.Tensor], *,
                   max_shard_size: int | str, standalone: bool = False,
                   reserved: set[str] | frozenset = frozenset()) -> None:
-    """The model's files: the whole state in the HF layout, or (frozen parameters, not ``standalone``) the trainable
-    part and the frozen record; a PEFT model's adapter files in both cases (not those in ``reserved``)."""
+    """The model's files: the whole state as ``save_pretrained`` lays it out (:func:`add_model_weights`), or (frozen
+    parameters, not ``standalone``) the trainable part and the frozen record; a PEFT model's adapter files in both
+    cases (not those in ``reserved``)."""
     tensors, tied = dedupe_tied(model_state(model))
     module = model if isinstance(model, torch.nn.Module) else None
     adapters = {relpath: named for relpath, named in adapter_tensors(module).items() if relpath not in reserved}
     frozen = set() if standalone or module is None else frozen_names(module, tensors)
     if not frozen:
-        add_sharded(payload, tensors, pattern=MODEL_FILE_PATTERN, index=MODEL_INDEX_FILE,
-                     max_shard_size=max_shard_size, metadata={TIED_KEY: tied, "format": "pt"})
+        add_model_weights(payload, tensors, tied=tied, max_shard_size=max_shard_size)
         payload.tensor_files += [TensorFile(relpath, named) for relpath, named in adapters.items()]
         return
     stored = {name: t for name, t in tensors.items() if name not in frozen}

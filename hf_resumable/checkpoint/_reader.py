@@ -25,7 +25,6 @@ from ..constants import (
     DATA_STATE_DIR,
     DATA_STATE_FILE_PATTERN,
     MAX_JSON_SIZE,
-    MODEL_INDEX_FILE,
     OPTIMIZER_INDEX_FILE,
     RNG_DIR,
     RNG_FILE_PATTERN,
@@ -49,6 +48,7 @@ from ..sharding import ShardIndex, parse_index
 from ..state_codec import decode_state
 from ._frozen import TrainablePart, forget_fingerprints
 from ._model import TIED_KEY, check_model_fits, check_tied, load_state_dict_reason, load_through_state_dict, retie
+from ._model_files import model_index
 from ._optimizer import OptimizerLoadPlan, apply_optimizer_state, parameter_names, plan_optimizer_load
 from ._parallel_read import FileRead, read_files
 from ._payload import STATE_TENSORS_FILE
@@ -121,6 +121,11 @@ class _Reader:
                 raise CorruptCheckpointError(f"{self.path / filename}: holds tensors its index {relpath} does not "
                                              f"place there: {extra[:5]}. Resume from another checkpoint.")
         return index
+
+    def model_index(self) -> ShardIndex | None:
+        """The model's index whatever the layout (``model.safetensors`` alone, or the HF index); ``None``: no whole
+        model stored."""
+        return model_index(self.manifest.files, self.report.headers, read_index=self.index, source=str(self.path))
 
     def tensors(self, relpath: str, *, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         return read_safetensors(member_path(self.path, relpath), header=self.report.headers.get(relpath), into=into,
@@ -220,10 +225,9 @@ class OpenedCheckpoint(LoadedCheckpoint):
         if rng_rel in manifest.files:
             opened.rng_state = load_rng_state(path / rng_rel, expected=reader.expected(rng_rel))
         # 4. The model index and its tied-weight record; or the trainable part's, with the frozen base's record.
-        if MODEL_INDEX_FILE in manifest.files:
-            opened._model_index = reader.index(MODEL_INDEX_FILE)
-            opened._tied = check_tied(opened._model_index.metadata.get(TIED_KEY) or {},
-                                      reader.stored(opened._model_index), source=str(path / MODEL_INDEX_FILE))
+        if (index := reader.model_index()) is not None:
+            opened._model_index = index
+            opened._tied = check_tied(index.metadata.get(TIED_KEY) or {}, reader.stored(index), source=index.source)
         elif (trainable := TrainablePart.open(reader, path)) is not None:
             opened._trainable, opened._model_index, opened._tied = trainable, trainable.index, trainable.tied
         return opened

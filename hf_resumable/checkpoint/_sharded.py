@@ -40,7 +40,7 @@ from ..constants import (  # noqa: F401 - re-exported for the sharded modules
 )
 from ..errors import CheckpointMismatchError, CorruptCheckpointError, UnsupportedStateError
 from ..safetensors_io import DTYPE_TO_STR
-from ..sharding import ShardPlan, plan_shards
+from ..sharding import ShardPlan
 from ._payload import TensorFile
 
 logger = logging.getLogger(__name__)
@@ -327,7 +327,8 @@ def piece_report(relpath: str, local: LocalState) -> dict[str, Any]:
 
 def plan_hf_weights(sizes: Mapping[str, int], *, world_size: int, max_shard_size: int | str
                     ) -> tuple[ShardPlan, dict[str, int]]:
-    """HF shard files for whole weights, and which rank writes each (round robin): pure, the same on every rank.
+    """HF weight files for whole weights (one ``model.safetensors`` when they fit in one shard), and which rank
+    writes each (round robin): pure, the same on every rank.
 
     Example:
 
@@ -337,9 +338,9 @@ def plan_hf_weights(sizes: Mapping[str, int], *, world_size: int, max_shard_size
     {'model-00001-of-00002.safetensors': 0, 'model-00002-of-00002.safetensors': 1}
     ```
     """
-    from ..constants import MODEL_FILE_PATTERN
+    from ._model_files import plan_model_files
 
-    plan = plan_shards(sizes, max_shard_size=max_shard_size, filename_pattern=MODEL_FILE_PATTERN)
+    plan = plan_model_files(sizes, max_shard_size=max_shard_size)
     return plan, {filename: i % world_size for i, filename in enumerate(plan.filenames)}
 
 

@@ -101,8 +101,9 @@ def save_checkpoint(
     Files are written into a temporary sibling directory, fsynced, and renamed into place after
     ``manifest.json`` (every file with its size and sha256, computed while writing) is written last.
     A save killed at any moment leaves the previous checkpoint intact and no directory that looks
-    committed. Model weights are HF-compatible sharded safetensors (``from_pretrained(directory)``
-    works); tied weights are stored once.
+    committed. Model weights are laid out as ``save_pretrained`` lays them out: one ``model.safetensors`` when they
+    fit in ``max_shard_size``, else ``model.safetensors.index.json`` and ``model-0000k-of-0000N.safetensors``
+    (``from_pretrained(directory)`` works either way); tied weights are stored once.
 
     Frozen parameters are identity, not state: when ``model`` has parameters with ``requires_grad=False`` (a
     PEFT/LoRA base, a frozen embedding, a quantized base), only its trainable part is stored

@@ -10,10 +10,18 @@ from pathlib import Path
 
 from .._jsonio import parse_json
 from .._safefile import file_kind, member_path, read_regular_file
-from ..constants import LAYOUT_FILE, MAX_JSON_SIZE, MODEL_INDEX_FILE, OPTIMIZER_INDEX_FILE, TRAINABLE_INDEX_FILE
+from ..constants import (
+    LAYOUT_FILE,
+    MAX_JSON_SIZE,
+    MODEL_INDEX_FILE,
+    OPTIMIZER_INDEX_FILE,
+    SINGLE_MODEL_FILE,
+    TRAINABLE_INDEX_FILE,
+)
 from ..errors import CorruptCheckpointError, HfResumableError, IncompleteCheckpointError
 from ..safetensors_io import SafetensorsHeader, hash_file, read_header
 from ..sharding import parse_index
+from ._model_files import model_weights_file, single_file_index
 from .manifest import Manifest, read_manifest
 
 logger = logging.getLogger(__name__)
@@ -72,7 +80,8 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True,
     Quick mode reads the manifest (and checks its own checksum), checks every listed file exists with
     the listed size, parses every safetensors header (catching truncation and bogus offsets), hashes
     every file up to ``QUICK_HASH_LIMIT`` (4 MiB) and checks that each index refers only to listed
-    shards holding the tensors it names. Full mode recomputes every sha256.
+    shards holding the tensors it names (and that a single ``model.safetensors``'s tied record parses).
+    Full mode recomputes every sha256.
 
     Args:
         directory (`str` or `os.PathLike`): the checkpoint directory.
@@ -151,6 +160,12 @@ def _read_json(directory: Path, relpath: str) -> object:
 
 
 def _check_indexes(directory: Path, report: VerifyReport) -> None:
+    files = report.manifest.files
+    if model_weights_file(files) == SINGLE_MODEL_FILE and SINGLE_MODEL_FILE in report.headers:
+        try:  # a model stored as one model.safetensors: its header's tied record is its index's metadata
+            single_file_index(report.headers[SINGLE_MODEL_FILE], source=SINGLE_MODEL_FILE)
+        except HfResumableError as err:
+            report.add(SINGLE_MODEL_FILE, f"invalid header metadata: {err}", type(err))
     for index_name in (MODEL_INDEX_FILE, TRAINABLE_INDEX_FILE, OPTIMIZER_INDEX_FILE):
         if index_name not in report.manifest.files:
             continue

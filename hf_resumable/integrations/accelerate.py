@@ -88,7 +88,8 @@ from ..checkpoint import (
     verify_checkpoint,
     wait_for_pending_saves,
 )
-from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, MANIFEST_FILE, MODEL_INDEX_FILE, OPTIMIZER_INDEX_FILE
+from ..checkpoint._model_files import has_model_weights
+from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, MANIFEST_FILE, OPTIMIZER_INDEX_FILE
 from ..data import ResumableDataLoader, build_map_dataloader
 from ..distributed import broadcast_json
 from ..errors import (
@@ -928,7 +929,7 @@ class ResumableAccelerator(Accelerator):
         if record is not None:
             return Layout.from_json(record)
         files = peek.manifest.files
-        return Layout.legacy(has_model=MODEL_INDEX_FILE in files, has_optimizer=OPTIMIZER_INDEX_FILE in files,
+        return Layout.legacy(has_model=has_model_weights(files), has_optimizer=OPTIMIZER_INDEX_FILE in files,
                              has_scheduler=bool(self._schedulers),
                              custom_objects=len(peek.extra.get(EXTRA_CUSTOM_OBJECTS) or []))
 

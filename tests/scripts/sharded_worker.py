@@ -83,6 +83,8 @@ def save(root: Path, kind: str, rank: int, world_size: int, step: int) -> None:
     # The same state with whole HF weight shards (several files, so both ranks write some).
     save_sharded_checkpoint(root / f"hf-{step}", model=model, optimizer=optimizer, step=step, hf_weights=True,
                             max_shard_size=40_000)
+    # ... and in one file (model.safetensors, as save_pretrained), which rank 0 alone writes.
+    save_sharded_checkpoint(root / f"hf-single-{step}", model=model, step=step, hf_weights=True)
     fx.write_reference(root, model, optimizer, is_main=rank == 0)
     (root / f"seen-rank{rank}.json").write_text(json.dumps(seen))
     # Same world size: exact resume, RNG included (no allow_inexact_resume needed) ...
