@@ -22,6 +22,7 @@ import pytest
 
 from hf_resumable.checkpoint import find_latest_checkpoint, list_checkpoints, read_manifest, verify_checkpoint
 from hf_resumable.constants import TRAINER_STATE_FILE
+from hf_resumable.preemption import PREEMPTION_EXIT_CODE
 
 from distributed_launch import run_torchrun
 from test_trainer_distributed import OPTIONS as TORCHRUN_OPTIONS
@@ -131,3 +132,20 @@ def test_a_failed_background_save_raises_and_leaves_the_previous_checkpoint_newe
         assert "in _save_checkpoint" in log
     else:
         assert "in _finalize_training" in log
+
+
+def test_sigterm_with_save_async_commits_the_save_then_exits_and_resumes_bit_identical(tmp_path: Path) -> None:
+    # a make_resumable() subclass (save_async goes through its constructor), against a blocking reference
+    options = ["--model", "gpt2", "--data", "lm", "--max-steps", "6", "--weighted-sampler"]
+    reference_run, run = tmp_path / "reference", tmp_path / "run"
+    uninterrupted = _start(reference_run, options)
+    _run(run, options + ["--save-async"], expected=PREEMPTION_EXIT_CODE, sigterm_at=3)  # SIGTERM during step 4
+    assert json.loads((run / "exit-rank0.json").read_text()) == {"code": PREEMPTION_EXIT_CODE, "global_step": 4}
+    latest = find_latest_checkpoint(run)
+    assert latest is not None and latest.name == "checkpoint-4"  # committed before the exit
+    assert not verify_checkpoint(latest, full=True).problems
+    _run(run, options + ["--save-async"])
+    _wait(uninterrupted, reference_run, 0)
+    assert_identical(reference_run, run)
+    assert _result(run)["resumed_from"].endswith("checkpoint-4")
+    assert _result(run)["saves_in_flight_at_on_save"] == [5, 6]

@@ -430,6 +430,14 @@ class ResumableTrainer(Trainer):
 
         Raises:
             AsyncSaveError: the background save failed (the previous checkpoint is untouched and the newest).
+
+        Example:
+
+        ```python
+        >>> trainer = ResumableTrainer(model=model, args=args, train_dataset=train, save_async=True)  # doctest: +SKIP
+        >>> trainer.train()  # doctest: +SKIP
+        >>> trainer.wait_for_pending_saves()  # train() has waited already; after a manual _save_checkpoint, wait here
+        ```
         """
         self._settle_saves()
 
@@ -1140,8 +1148,8 @@ def make_resumable(trainer_class: type, *, state_attributes: tuple[str, ...] | l
     and gets ResumableTrainer's checkpoints, exact restarts, stock-checkpoint resume and early errors. Its
     constructor takes the subclass's arguments plus ResumableTrainer's options (``allow_config_drift``,
     ``allow_inexact_resume``, ``exit_on_preemption``, ``checkpoint_verify``, ``push_checkpoints_to``,
-    ``storage_options``, ``restore_callback_states``, ``resume_hyperparameters``, ``standalone_checkpoints``). The
-    same class is returned for the same arguments.
+    ``storage_options``, ``restore_callback_states``, ``resume_hyperparameters``, ``standalone_checkpoints``,
+    ``save_async``). The same class is returned for the same arguments.
 
     Args:
         trainer_class (`type`): a subclass of ``transformers.Trainer``.
