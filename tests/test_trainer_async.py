@@ -14,20 +14,24 @@ Each run is a separate process (tests/trainer_scripts/train_tiny.py, tiny GPT-2,
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 
 from hf_resumable.checkpoint import find_latest_checkpoint, list_checkpoints, read_manifest, verify_checkpoint
 from hf_resumable.constants import TRAINER_STATE_FILE
+from hf_resumable.integrations.trainer import ResumableTrainer
 from hf_resumable.preemption import PREEMPTION_EXIT_CODE
 
 from distributed_launch import run_torchrun
 from test_trainer_distributed import OPTIONS as TORCHRUN_OPTIONS
 from test_trainer_distributed import RANK_SUFFIXES, _assert_every_rank_identical, reference  # noqa: F401
 from test_trainer_resume import SCRIPT, _env, _run, _start, _wait, assert_identical
+from test_trainer_upstream import _checkpoints, _evaluate_with, regression_trainer
 
 # 44 samples, batch 4, GA 1: evaluation every save (every 2 steps), load_best_model_at_end, save_total_limit=2
 # (retention keeps the newest two and the best one).
@@ -53,6 +57,7 @@ def _trainer_state(checkpoint: Path) -> dict:
     return state
 
 
+@pytest.mark.slow
 def test_async_run_ends_and_checkpoints_exactly_as_a_blocking_run(tmp_path: Path) -> None:
     blocking, background = tmp_path / "blocking", tmp_path / "async"
     runs = [(_start(blocking, ONE_PROCESS), blocking),
@@ -83,12 +88,34 @@ def test_async_run_ends_and_checkpoints_exactly_as_a_blocking_run(tmp_path: Path
         assert state["best_model_checkpoint"] == "RUN/checkpoint-2"
 
 
+@pytest.mark.parametrize("limit", [1, 2])
+def test_async_retention_and_best_checkpoint_match_blocking_saves(tmp_path: Path, limit: int) -> None:
+    """In process: save_total_limit with a best checkpoint (step 2 of 6), as with blocking saves; with limit 1 the
+    end of training deletes every checkpoint but the best one (after the last background save committed)."""
+    outcomes = []
+    for save_async in (False, True):
+        output = tmp_path / f"async-{save_async}"
+        trainer = regression_trainer(output, eval_strategy="steps", eval_steps=1, save_steps=1, max_steps=6,
+                                     metric_for_best_model="accuracy", greater_is_better=True,
+                                     save_total_limit=limit, load_best_model_at_end=True,
+                                     trainer_class=functools.partial(ResumableTrainer, save_async=save_async))
+        with patch.object(trainer, "_evaluate", side_effect=_evaluate_with([0.8, 0.9, 0.7, 0.6, 0.5, 0.4])):
+            trainer.train()
+        assert trainer._pending_commit is None
+        outcomes.append((_checkpoints(output), Path(trainer.state.best_model_checkpoint).name,
+                         trainer.model.a.item(), trainer.model.b.item()))
+        assert sorted(p.name for p in output.iterdir() if p.name.startswith(".tmp")) == []
+    assert outcomes[1] == outcomes[0]
+    assert outcomes[0][:2] == ([2] if limit == 1 else [2, 5, 6], "checkpoint-2")
+
+
 def _torchrun_async(output: Path, **kill: int):
     return run_torchrun(SCRIPT, ["--output-dir", str(output), *TORCHRUN_OPTIONS, "--save-async"], env=_env(**kill),
                         timeout=240)
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_torchrun_async_run_with_a_rank_sigkilled_mid_save_resumes_bit_identical(reference: Path,
                                                                                   tmp_path: Path) -> None:
     run = tmp_path / "run"
@@ -134,6 +161,7 @@ def test_a_failed_background_save_raises_and_leaves_the_previous_checkpoint_newe
         assert "in _finalize_training" in log
 
 
+@pytest.mark.slow
 def test_sigterm_with_save_async_commits_the_save_then_exits_and_resumes_bit_identical(tmp_path: Path) -> None:
     # a make_resumable() subclass (save_async goes through its constructor), against a blocking reference
     options = ["--model", "gpt2", "--data", "lm", "--max-steps", "6", "--weighted-sampler"]
