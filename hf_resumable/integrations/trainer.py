@@ -436,7 +436,7 @@ class ResumableTrainer(Trainer):
         ```python
         >>> trainer = ResumableTrainer(model=model, args=args, train_dataset=train, save_async=True)  # doctest: +SKIP
         >>> trainer.train()  # doctest: +SKIP
-        >>> trainer.wait_for_pending_saves()  # train() has waited already; after a manual _save_checkpoint, wait here
+        >>> trainer.wait_for_pending_saves()  # doctest: +SKIP
         ```
         """
         self._settle_saves()
