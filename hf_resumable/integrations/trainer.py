@@ -348,8 +348,9 @@ class ResumableTrainer(Trainer):
             next save, a load, the end of ``train`` (also a preempted one: the SIGTERM save is written before the
             exit) and interpreter exit wait for it; a failed background save raises
             :class:`~hf_resumable.errors.AsyncSaveError` at the next save or at the end of ``train``, and the
-            previous checkpoint stays the newest. ``save_total_limit`` retention, ``push_checkpoints_to`` uploads,
-            ``push_to_hub`` and ``best_model_checkpoint`` only ever act on committed checkpoints. Callbacks'
+            previous checkpoint stays the newest. ``save_total_limit`` retention, ``push_checkpoints_to`` uploads
+            and ``push_to_hub`` only ever act on committed checkpoints; ``best_model_checkpoint`` is decided once
+            the previous save has committed, so it is the same as with blocking saves. Callbacks'
             ``on_save`` is called when the save returns, as in ``Trainer``: with ``save_async=True`` the
             checkpoint may still be in flight then (call :meth:`wait_for_pending_saves` to wait for it).
 
