@@ -16,11 +16,12 @@ changes, and why:
   for our loaders, skipping is a cursor move: nothing before the resume point is fetched.
 * **Checkpoints** (``_save_checkpoint``, ``_load_*``): written and read with
   :func:`hf_resumable.checkpoint.save_checkpoint` / ``load_checkpoint`` (sharded safetensors, no pickle,
-  atomic, hashed); the RNG captured after the optimizer step is restored by the Trainer's own
-  ``_load_rng_state`` call, i.e. right before the first resumed forward pass. The logging accumulators
-  (``_tr_loss``, ...), where the step stands in the loop (stopped by a callback, end-of-epoch work done), and a
-  subclass's own counters (``resumable_state_attributes``: TRL's ``_metrics``, ``_total_train_tokens``...) are
-  saved too, so every logged value matches the uninterrupted run.
+  atomic, hashed); with ``save_async=True`` staged and written in the background while training goes on
+  (retention and uploads act on a checkpoint only once it has committed). The RNG captured after the optimizer
+  step is restored by the Trainer's own ``_load_rng_state`` call, i.e. right before the first resumed forward pass.
+  The logging accumulators (``_tr_loss``, ...), where the step stands in the loop (stopped by a callback,
+  end-of-epoch work done), and a subclass's own counters (``resumable_state_attributes``: TRL's ``_metrics``,
+  ``_total_train_tokens``...) are saved too, so every logged value matches the uninterrupted run.
 * **The loop** (``_run_epoch``, ``_finalize_training``, ``_maybe_log_save_evaluate``): before the first resumed
   step, the end-of-epoch logging/evaluation/saving that followed the checkpoint in the uninterrupted run is done,
   and a checkpoint that ends the run (``max_steps``, or a callback's stop) trains and writes nothing more.
@@ -74,6 +75,7 @@ from ..checkpoint import (
     verify_checkpoint,
     wait_for_pending_saves,
 )
+from ..checkpoint.api import background_saver
 from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, OPTIMIZER_INDEX_FILE, TRAINER_STATE_FILE
 from ..data import (
     DATA_KIND,
@@ -85,7 +87,7 @@ from ..data import (
     has_shuffle_buffer,
     sampler_epoch_order,
 )
-from ..errors import HfResumableError, InexactResumeError, UnsupportedStateError
+from ..errors import AsyncSaveError, HfResumableError, InexactResumeError, UnsupportedStateError
 from ..locations import is_remote, open_uploader, resolve_resume_path
 from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
 from ..rng import derive_seed, restore_rng_state
@@ -288,6 +290,15 @@ class _Resume:
     converted_from: Path | None = None  # the stock transformers.Trainer checkpoint ``path`` was converted from
 
 
+@dataclasses.dataclass(frozen=True)
+class _PendingCommit:
+    """What follows the commit of a checkpoint: for a background save, done once it has committed."""
+
+    checkpoint: Path
+    run_dir: Path
+    conversion: Path | None = None  # the converted copy of a stock checkpoint, dropped once this one committed
+
+
 class ResumableTrainer(Trainer):
     """A ``transformers.Trainer`` whose runs can be killed at any moment and restarted bit for bit.
 
@@ -329,6 +340,19 @@ class ResumableTrainer(Trainer):
             frozen embedding) in every checkpoint too. By default they are recorded, not stored (names, dtypes,
             shapes, fingerprints, where the base came from) and checked against the model on resume; see
             :func:`hf_resumable.save_checkpoint`.
+        save_async (`bool`, *optional*, defaults to `False`): write checkpoints in the background. A save copies
+            the tensors into reusable host buffers (one more copy of model and optimizer state in memory), captures
+            everything else of that step (``trainer_state.json``, RNG, data position, logging accumulators) and
+            returns; training goes on while the files are written, hashed and committed. Under torch.distributed
+            every rank writes its files in the background and rank 0 commits once every rank's are durable. The
+            next save, a load, the end of ``train`` (also a preempted one: the SIGTERM save is written before the
+            exit) and interpreter exit wait for it; a failed background save raises
+            :class:`~hf_resumable.errors.AsyncSaveError` at the next save or at the end of ``train``, and the
+            previous checkpoint stays the newest. ``save_total_limit`` retention, ``push_checkpoints_to`` uploads
+            and ``push_to_hub`` only ever act on committed checkpoints; ``best_model_checkpoint`` is decided once
+            the previous save has committed, so it is the same as with blocking saves. Callbacks'
+            ``on_save`` is called when the save returns, as in ``Trainer``: with ``save_async=True`` the
+            checkpoint may still be in flight then (call :meth:`wait_for_pending_saves` to wait for it).
 
     > [!WARNING]
     > ``train_sampling_strategy="batch_rebalance"`` uses the stock data loader, which does not resume exactly:
@@ -351,7 +375,7 @@ class ResumableTrainer(Trainer):
                  exit_on_preemption: bool = True, checkpoint_verify: str = "quick",
                  push_checkpoints_to: str | None = None, storage_options: dict | None = None,
                  restore_callback_states: bool = True, resume_hyperparameters: str = "checkpoint",
-                 standalone_checkpoints: bool = False, **kwargs: Any) -> None:
+                 standalone_checkpoints: bool = False, save_async: bool = False, **kwargs: Any) -> None:
         # Options given to a make_resumable() class were set aside before the subclass's constructor ran.
         pending = self.__dict__.pop("_hfr_options", {})
         allow_config_drift = pending.get("allow_config_drift", allow_config_drift)
@@ -363,6 +387,7 @@ class ResumableTrainer(Trainer):
         restore_callback_states = pending.get("restore_callback_states", restore_callback_states)
         resume_hyperparameters = pending.get("resume_hyperparameters", resume_hyperparameters)
         self.standalone_checkpoints = bool(pending.get("standalone_checkpoints", standalone_checkpoints))
+        self.save_async = bool(pending.get("save_async", save_async))
         if checkpoint_verify not in ("quick", "full"):
             raise ValueError(f"checkpoint_verify must be 'quick' or 'full', got {checkpoint_verify!r}.")
         if resume_hyperparameters not in RESUME_HYPERPARAMETERS:
@@ -389,6 +414,8 @@ class ResumableTrainer(Trainer):
         self._loader_fallback: str | None = None
         self.storage_options = storage_options
         self._uploader = None
+        self._pending_commit: _PendingCommit | None = None  # a background save not yet known to be committed
+        self._save_error: AsyncSaveError | None = None  # its failure, raised at the next save or the end of train
         if push_checkpoints_to is not None and self.args.should_save:
             self._uploader = open_uploader(push_checkpoints_to, token=self.args.hub_token,
                                            storage_options=storage_options)
@@ -397,6 +424,23 @@ class ResumableTrainer(Trainer):
         """Block until every checkpoint queued for ``push_checkpoints_to`` is confirmed; raise the first failure."""
         if self._uploader is not None:
             self._uploader.wait(timeout=timeout)
+
+    def wait_for_pending_saves(self) -> None:
+        """Block until a checkpoint being written in the background (``save_async=True``) has committed, then apply
+        what follows its commit (``save_total_limit`` retention, uploads).
+
+        Raises:
+            AsyncSaveError: the background save failed (the previous checkpoint is untouched and the newest).
+
+        Example:
+
+        ```python
+        >>> trainer = ResumableTrainer(model=model, args=args, train_dataset=train, save_async=True)  # doctest: +SKIP
+        >>> trainer.train()  # doctest: +SKIP
+        >>> trainer.wait_for_pending_saves()  # doctest: +SKIP
+        ```
+        """
+        self._settle_saves()
 
     # ---- train / resume discovery ----
 
@@ -424,6 +468,7 @@ class ResumableTrainer(Trainer):
                 not be resumed exactly or not be written (see the README).
             SystemExit: with ``PREEMPTION_EXIT_CODE`` after a SIGTERM, when ``exit_on_preemption``.
         """
+        self._settle_saves()  # discovery below sees only committed checkpoints
         self.preempted = False
         self._preemption.requested = False
         self._run_config = None
@@ -438,9 +483,12 @@ class ResumableTrainer(Trainer):
             with self._preemption, _cursor_skipping(), _own_checkpoints_only(self), self._no_eval_on_resume():
                 output = super().train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint),
                                        trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        except BaseException:
+            self._settle_saves_after_error()
+            raise
         finally:
             self._resume = None
-        wait_for_pending_saves()
+        self._settle_saves()
         if self.preempted:
             self._exit_preempted()
         return output
@@ -497,16 +545,19 @@ class ResumableTrainer(Trainer):
         self._converted_from = stock
         return target
 
-    def _drop_conversion(self) -> None:
-        """Remove the converted copy of a stock checkpoint once a checkpoint of this run has committed."""
+    def _conversion_to_drop(self) -> Path | None:
+        """The converted copy of a stock checkpoint this run resumed from (removed once a checkpoint committed)."""
         resume = self._resume
         if resume is None or resume.converted_from is None or not self.args.should_save:
-            return
-        converted = Path(self.args.output_dir) / CONVERTED_DIR
-        if resume.path.parent == converted and resume.path.is_dir():
-            shutil.rmtree(resume.path, ignore_errors=True)
+            return None
+        return resume.path if resume.path.parent == Path(self.args.output_dir) / CONVERTED_DIR else None
+
+    @staticmethod
+    def _drop_conversion(path: Path | None) -> None:
+        if path is not None and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
             with contextlib.suppress(OSError):
-                converted.rmdir()  # only when empty
+                path.parent.rmdir()  # only when empty
 
     def _open_checkpoint(self, path: Path) -> _Resume:
         loaded = load_checkpoint(path, restore_rng=False, verify=self.checkpoint_verify)
@@ -715,7 +766,13 @@ class ResumableTrainer(Trainer):
     # ---- saving ----
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        """Write ``checkpoint-<global_step>`` in the hf_resumable format (atomic, hashed, no pickle)."""
+        """Write ``checkpoint-<global_step>`` in the hf_resumable format (atomic, hashed, no pickle).
+
+        With ``save_async`` the checkpoint is staged and written in the background (the SIGTERM save excepted: the
+        process exits right after it); what follows its commit (retention, uploads) runs once it has committed.
+        Everything the checkpoint holds is captured here, at this step.
+        """
+        self._settle_saves()  # the previous background save has committed (or its failure is raised here)
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         run_dir = Path(self._get_output_dir(trial=trial))
@@ -723,6 +780,7 @@ class ResumableTrainer(Trainer):
         self._update_best_checkpoint(run_dir)
         self._export_callback_states()
         model_only = self.args.save_only_model
+        blocking = not self.save_async or self.preempted  # the SIGTERM save: the process exits right after it
         save_checkpoint(
             output_dir, model=self.accelerator.unwrap_model(self.model),
             optimizer=None if model_only else _unwrapped_optimizer(self.optimizer),
@@ -736,16 +794,62 @@ class ResumableTrainer(Trainer):
             data_state=self._data_position(), rng=not model_only, metrics=self._metrics_of_this_step(),
             # as Trainer._save: without a processing_class, the collator's tokenizer is saved
             processing_class=self.processing_class or getattr(self.data_collator, "tokenizer", None), overwrite=True,
-            standalone=self.standalone_checkpoints)
-        self._drop_conversion()
+            standalone=self.standalone_checkpoints, blocking=blocking)
+        commit = _PendingCommit(checkpoint=output_dir, run_dir=run_dir, conversion=self._conversion_to_drop())
+        if blocking:
+            self._after_commit(commit)
+        else:
+            self._pending_commit = commit
+
+    def _after_commit(self, commit: _PendingCommit) -> None:
+        """What follows a checkpoint's commit: drop a converted stock checkpoint, push, upload, apply retention.
+
+        Rank-local (no collective): a background save may be known to have committed at different steps on
+        different ranks.
+        """
+        self._drop_conversion(commit.conversion)
         if self.args.push_to_hub:
-            self._push_from_checkpoint(str(output_dir))
+            self._push_from_checkpoint(str(commit.checkpoint))
         if self._uploader is not None and self.args.should_save:
-            self._uploader.submit(output_dir)
+            self._uploader.submit(commit.checkpoint)
         if self.args.should_save and self.args.save_total_limit:
             protect = [self.state.best_model_checkpoint] if self.state.best_model_checkpoint else []
             protect += list(self._uploader.pending()) if self._uploader is not None else []
-            apply_retention(run_dir, keep_last=max(1, self.args.save_total_limit), protect=protect)
+            apply_retention(commit.run_dir, keep_last=max(1, self.args.save_total_limit), protect=protect)
+
+    def _settle_saves(self, *, poll: bool = False) -> None:
+        """Wait for this trainer's background save, then run what follows its commit; raise its failure.
+
+        With ``poll``, only a save that has already finished is settled, and a failure is kept to be raised at the
+        next save or at the end of ``train`` (where every rank waits: ranks never raise at different steps).
+        """
+        pending = self._pending_commit
+        if poll and (pending is None or background_saver().in_flight):
+            return
+        self._pending_commit = None
+        try:
+            wait_for_pending_saves()
+        except AsyncSaveError as err:
+            if pending is None:  # a save this trainer did not start
+                raise
+            self._save_error = AsyncSaveError(
+                f"The background save of {pending.checkpoint} failed ({err.__cause__ or err}); nothing was committed "
+                "there and the previous checkpoint is untouched (still the newest). Fix the cause (e.g. free disk "
+                "space) and restart with train(resume_from_checkpoint=True).")
+            self._save_error.__cause__ = err.__cause__ or err
+            pending = None
+        if pending is not None:
+            self._after_commit(pending)
+        if not poll and self._save_error is not None:
+            error, self._save_error = self._save_error, None
+            raise error
+
+    def _settle_saves_after_error(self) -> None:
+        """``train`` is raising: wait for a background save still in flight; log (not raise) its failure."""
+        try:
+            self._settle_saves()
+        except AsyncSaveError as err:
+            logger.error("%s (raised instead: the error that stopped training)", err)
 
     def _update_best_checkpoint(self, run_dir: Path) -> None:
         # Same rule as Trainer._save_checkpoint: the best step's directory becomes best_model_checkpoint.
@@ -899,6 +1003,7 @@ class ResumableTrainer(Trainer):
                                  epoch: float, ignore_keys_for_eval: list[str] | None, start_time: float,
                                  learning_rate: float | None = None, **kwargs: Any) -> None:
         # Called after every optimizer step and once more after on_epoch_end (same global_step); see _LoopTracker.
+        self._settle_saves(poll=True)  # a background save that has committed meanwhile: its retention, uploads
         loop = self._loop
         loop.in_epoch_end = loop.last_call_step == self.state.global_step
         loop.last_call_step = self.state.global_step
@@ -930,6 +1035,9 @@ class ResumableTrainer(Trainer):
 
     def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
         self._resume_prologue(model=self.model_wrapped, start_time=start_time)
+        # the last checkpoint commits (or its failure is raised) before the best model is loaded and
+        # save_total_limit=1 deletes checkpoints
+        self._settle_saves()
         return super()._finalize_training(trial, num_train_samples, start_time)
 
     def _resume_prologue(self, *, model: torch.nn.Module, start_time: float) -> None:
@@ -1041,8 +1149,8 @@ def make_resumable(trainer_class: type, *, state_attributes: tuple[str, ...] | l
     and gets ResumableTrainer's checkpoints, exact restarts, stock-checkpoint resume and early errors. Its
     constructor takes the subclass's arguments plus ResumableTrainer's options (``allow_config_drift``,
     ``allow_inexact_resume``, ``exit_on_preemption``, ``checkpoint_verify``, ``push_checkpoints_to``,
-    ``storage_options``, ``restore_callback_states``, ``resume_hyperparameters``, ``standalone_checkpoints``). The
-    same class is returned for the same arguments.
+    ``storage_options``, ``restore_callback_states``, ``resume_hyperparameters``, ``standalone_checkpoints``,
+    ``save_async``). The same class is returned for the same arguments.
 
     Args:
         trainer_class (`type`): a subclass of ``transformers.Trainer``.

@@ -11,6 +11,11 @@ where the process kills itself:
     HFR_SIGNAL_RANK=r       under torchrun: only rank r sends itself the signals above (default: every rank)
     HFR_KILL_JOB_AFTER_SAVE=k   under torchrun: rank 0 SIGKILLs the whole job (the torchrun agent and every
                             worker) right after checkpoint-k has committed
+    HFR_FAIL_SAVE=k         writing checkpoint-k's tensor files fails with OSError(ENOSPC) (a full disk), after
+                            part of the first file is written
+
+With ``--save-async`` a save returns before its checkpoint has committed: on_save of step k then only means that
+checkpoint-(k-1) has committed (the save of step k waited for it), checkpoint-k may still be in flight.
 
 At the end it writes OUTPUT_DIR/result.json (log history) and OUTPUT_DIR/final.safetensors (model
 parameters and optimizer state tensors); under torchrun rank r > 0 writes result-rank{r}.json and
@@ -240,12 +245,43 @@ def kill_torchrun_job() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+class SaveRecorder(TrainerCallback):
+    """Records, at each on_save, whether the checkpoint of that step was still being written in the background."""
+
+    def __init__(self) -> None:
+        self.trainer = None
+        self.in_flight: list[int] = []
+
+    def on_save(self, args, state, control, **kwargs):
+        if getattr(self.trainer, "_pending_commit", None) is not None:
+            self.in_flight.append(state.global_step)
+
+
+def fail_saves_of(step: int) -> None:
+    """Make the tensor files of checkpoint-``step`` fail to write as on a full disk (ENOSPC, after 1 KiB)."""
+    import errno
+
+    from hf_resumable.checkpoint import _writer
+
+    original = _writer.write_safetensors
+    marker = f".tmp-checkpoint-{step}."
+
+    def write_safetensors(path, *args, **kwargs):
+        if any(part.startswith(marker) for part in Path(path).parts):
+            with open(path, "xb") as partial:
+                partial.write(b"\0" * 1024)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return original(path, *args, **kwargs)
+
+    _writer.write_safetensors = write_safetensors
+
+
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     return int(value) if value else None
 
 
-def dump_results(trainer, output_dir: Path, train_output) -> None:
+def dump_results(trainer, output_dir: Path, train_output, saves_in_flight: list[int] = ()) -> None:
     model = trainer.accelerator.unwrap_model(trainer.model)
     tensors = {f"model/{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     names = {id(p): n for n, p in model.named_parameters()}
@@ -264,6 +300,7 @@ def dump_results(trainer, output_dir: Path, train_output) -> None:
     result = {"log_history": history, "global_step": train_output.global_step,
               "lr": trainer.lr_scheduler.get_last_lr(),
               "resumed_from": str(resumed_from) if resumed_from else None,
+              "saves_in_flight_at_on_save": list(saves_in_flight),
               "train_output": {"global_step": train_output.global_step, "training_loss": train_output.training_loss,
                                "metrics": metrics}}
     (output_dir / f"result{suffix}.json").write_text(json.dumps(result, indent=1))
@@ -298,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-config-drift", action="store_true")
     p.add_argument("--allow-inexact-resume", action="store_true")
     p.add_argument("--no-resume", action="store_true")
+    p.add_argument("--save-async", action="store_true", help="ResumableTrainer(save_async=True)")
     a = p.parse_args(argv)
 
     from hf_resumable.integrations.trainer import ResumableTrainer
@@ -325,7 +363,10 @@ def main(argv: list[str] | None = None) -> int:
         dataloader_num_workers=a.workers, seed=a.seed, report_to=[], disable_tqdm=True, use_cpu=True,
         remove_unused_columns=a.data != "wwm",  # the whole-word-masking collator needs offset_mapping
         **evaluation)
-    callbacks = [Interrupter(a.ga)]
+    if _env_int("HFR_FAIL_SAVE") is not None:
+        fail_saves_of(_env_int("HFR_FAIL_SAVE"))
+    recorder = SaveRecorder()
+    callbacks = [Interrupter(a.ga), recorder]
     if a.early_stopping is not None:
         callbacks.append(transformers.EarlyStoppingCallback(early_stopping_patience=a.early_stopping,
                                                             early_stopping_threshold=1.0))
@@ -338,14 +379,17 @@ def main(argv: list[str] | None = None) -> int:
     elif a.weighted_sampler:
         from hf_resumable.integrations.trainer import make_resumable
 
-        trainer = make_resumable(WeightedTrainer)(allow_config_drift=a.allow_config_drift, **kwargs)
+        trainer = make_resumable(WeightedTrainer)(allow_config_drift=a.allow_config_drift, save_async=a.save_async,
+                                                  **kwargs)
     else:
         trainer = ResumableTrainer(allow_config_drift=a.allow_config_drift,
                                    allow_inexact_resume=a.allow_inexact_resume,
-                                   restore_callback_states=not a.no_restore_callbacks, **kwargs)
+                                   restore_callback_states=not a.no_restore_callbacks, save_async=a.save_async,
+                                   **kwargs)
+    recorder.trainer = trainer
     try:
         output = trainer.train(resume_from_checkpoint=not a.no_resume)
-        dump_results(trainer, Path(a.output_dir), output)
+        dump_results(trainer, Path(a.output_dir), output, recorder.in_flight)
     except SystemExit as exit_:  # preemption: record which step this rank saved before leaving
         record = {"code": exit_.code, "global_step": trainer.state.global_step}
         (Path(a.output_dir) / f"exit-rank{RANK}.json").write_text(json.dumps(record))
@@ -356,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             # the DDP-wrapped model still holds it can deadlock when the model is released: release it first.
             import gc
 
-            del trainer, kwargs, model
+            del trainer, kwargs, model, recorder
             gc.collect()
             torch.distributed.destroy_process_group()
     return 0
