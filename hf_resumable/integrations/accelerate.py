@@ -232,7 +232,9 @@ class ResumableAccelerator(Accelerator):
             Defaults to ``ProjectConfiguration.total_limit``; without it, to all of them with automatic naming
             (as accelerate) and to 2 for ``checkpoint-<step>``.
         save_async (`bool`, *optional*, defaults to `False`): ``save_state`` stages tensors and writes in the
-            background (single process only; under torch.distributed saves stay synchronous).
+            background; under torch.distributed every rank writes its files in the background and rank 0
+            commits once all are durable (coordinated on a gloo group of its own). The next save, a load and
+            ``end_training`` wait; a background failure is raised at the next of them.
         allow_inexact_resume (`bool`, *optional*, defaults to `False`): resume despite a missing RNG/data
             state or a changed world size / accumulation / data layout, with a WARNING.
         handle_preemption (`bool`, *optional*, defaults to `True`): install the SIGTERM flag handler.
