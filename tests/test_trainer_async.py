@@ -139,7 +139,10 @@ def test_torchrun_async_run_with_a_rank_sigkilled_mid_save_resumes_bit_identical
                                                                                 7))
 
 
-@pytest.mark.parametrize("failing, raised_at", [(3, "the next save"), (6, "the end of train")])
+@pytest.mark.parametrize("failing, raised_at", [
+    (3, "the next save"),
+    pytest.param(6, "the end of train", marks=pytest.mark.extended),
+])
 def test_a_failed_background_save_raises_and_leaves_the_previous_checkpoint_newest(tmp_path: Path, failing: int,
                                                                                     raised_at: str) -> None:
     run = tmp_path / "run"
@@ -162,6 +165,7 @@ def test_a_failed_background_save_raises_and_leaves_the_previous_checkpoint_newe
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the preemption save is blocking either way; covered for blocking saves in make test
 def test_sigterm_with_save_async_commits_the_save_then_exits_and_resumes_bit_identical(tmp_path: Path) -> None:
     # a make_resumable() subclass (save_async goes through its constructor), against a blocking reference
     options = ["--model", "gpt2", "--data", "lm", "--max-steps", "6", "--weighted-sampler"]
