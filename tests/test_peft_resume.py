@@ -139,6 +139,7 @@ def test_frozen_base_runs_killed_and_restarted_are_bit_identical(references: Pat
     assert_identical(_reference(references, name), run)
 
 
+@pytest.mark.extended  # test_trainer_family's sft_peft case kills and restarts the same run in make test
 def test_sft_trainer_with_peft_config_killed_and_restarted(references: Path, tmp_path: Path) -> None:
     _begin_reference(references, "sft_peft", ["--trainer", "sft_peft"], script="train_family.py")
     run = tmp_path / "run"

@@ -20,7 +20,10 @@ import pytest
 
 from distributed_launch import REPO_ROOT, child_env, free_port, run_torchrun
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+# Extended (make test-all), not in make test: torch's static rendezvous keeps one TCPStore for every restart, with
+# no per-attempt prefix, so a restarted worker can read the previous attempt's gloo address of its peer and fail
+# "connectFullMesh ... Connection refused"; under load the job then exhausts its restarts (seen with c10d too).
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.extended]
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_restart_loop.py"
 

@@ -45,6 +45,7 @@ def test_early_stopping_counter_is_restored_on_resume(reference: Path, tmp_path:
     assert_identical(reference, run)
 
 
+@pytest.mark.extended
 def test_opting_out_resumes_with_fresh_callbacks(reference: Path, tmp_path: Path) -> None:
     """restore_callback_states=False (the stock default): the counter restarts at 0 and the run goes on longer."""
     run = tmp_path / "run"

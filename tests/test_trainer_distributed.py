@@ -90,6 +90,7 @@ def test_sigterm_to_one_rank_saves_the_same_step_on_both(reference: Path, tmp_pa
     _assert_every_rank_identical(reference, run, "checkpoint-4")
 
 
+@pytest.mark.extended  # world-size drift is also refused in-process (test_open_checkpoint)
 def test_resuming_with_another_world_size_is_refused_unless_allowed(reference: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     shutil.copytree(reference / "checkpoint-3", run / "checkpoint-3")

@@ -40,10 +40,8 @@ def _wait(process: subprocess.Popen, output_dir: Path, expected: int) -> None:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """All uninterrupted runs, started at once in the background (each test waits for its own)."""
+    """Where the uninterrupted runs go; each test starts its own in the background, beside its kill/restart."""
     root = tmp_path_factory.mktemp("family-references")
-    for trainer in TRAINERS:
-        _REFERENCES[trainer] = _start(root / trainer, trainer)
     yield root
     for process in _REFERENCES.values():
         if process.poll() is None:
@@ -51,7 +49,13 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> Path:
             process.wait()
 
 
+def _begin_reference(root: Path, trainer: str) -> None:
+    if trainer not in _REFERENCES:
+        _REFERENCES[trainer] = _start(root / trainer, trainer)
+
+
 def _reference(root: Path, trainer: str) -> Path:
+    _begin_reference(root, trainer)
     process = _REFERENCES[trainer]
     if process.returncode is None:
         _wait(process, root / trainer, 0)
@@ -61,12 +65,14 @@ def _reference(root: Path, trainer: str) -> Path:
 @pytest.mark.parametrize("trainer, kill", [
     ("sft", {"kill_after_save": 3}),        # between two logs: TRL's pending metrics are in the checkpoint
     ("sft_peft", {"kill_mid_step": 2}),     # inside step 3 (after its first micro-batch); LoRA adapters
-    ("dpo", {"kill_after_save": 3}),
-    ("grpo", {"kill_after_save": 3}),       # sampled completions: generation draws from the restored RNG
+    pytest.param("dpo", {"kill_after_save": 3}, marks=pytest.mark.extended),
+    # sampled completions: generation draws from the restored RNG
+    pytest.param("grpo", {"kill_after_save": 3}, marks=pytest.mark.extended),
     ("seq2seq", {"kill_after_save": 3}),    # after the generate-based evaluation of step 2
 ], ids=TRAINERS)
 def test_killed_and_restarted_is_bit_identical(references: Path, tmp_path: Path, trainer: str,
                                                kill: dict[str, int]) -> None:
+    _begin_reference(references, trainer)
     run = tmp_path / "run"
     _wait(_start(run, trainer, **kill), run, KILLED)
     _wait(_start(run, trainer), run, 0)

@@ -144,35 +144,37 @@ def _resumed_from(output_dir: Path) -> str | None:
 SIGTERM_EXIT = PREEMPTION_EXIT_CODE
 
 
+_EXTENDED = pytest.mark.extended  # further cases of a guarantee a make-test case already proves (make test-all)
+
+
 @pytest.mark.parametrize(
     "config, interruptions",
     [
         # inside the very first step before any checkpoint exists (restart starts fresh), then right after
         # the first checkpoint, then SIGTERM at step 5 (finishes step 6, saves, exits 143): three restarts
-        ("gpt2_ga1", [({"kill_mid_step": 0}, KILLED), ({"kill_after_save": 1}, KILLED),
-                      ({"sigterm_at": 5}, SIGTERM_EXIT)]),
+        pytest.param("gpt2_ga1", [({"kill_mid_step": 0}, KILLED), ({"kill_after_save": 1}, KILLED),
+                                  ({"sigterm_at": 5}, SIGTERM_EXIT)], id="gpt2-first-step-fresh-sigterm"),
         # exact end of epoch 1 (step 4 of 4), then resuming the resumed run and killing it mid-window
-        ("gpt2_ga3_w2", [({"kill_after_save": 4}, KILLED), ({"kill_mid_step": 5}, KILLED)]),
+        pytest.param("gpt2_ga3_w2", [({"kill_after_save": 4}, KILLED), ({"kill_mid_step": 5}, KILLED)],
+                     id="gpt2-epoch-end-then-again-workers", marks=_EXTENDED),
         # mid-epoch, inside an accumulation window (MLM masking in the collator)
-        ("bert_mlm", [({"kill_mid_step": 3}, KILLED)]),
-        ("bert_wwm_w2", [({"kill_after_save": 2}, KILLED)]),
-        ("llama_transform_w2", [({"kill_after_save": 3}, KILLED)]),
-        ("gpt2_torch_dataset", [({"kill_mid_step": 4}, KILLED)]),
-        ("stream_w0", [({"kill_mid_step": 3}, KILLED)]),
-        ("stream_w2", [({"kill_after_save": 5}, KILLED)]),
-        ("stream_shuffle_w0", [({"kill_mid_step": 3}, KILLED)]),
-        ("stream_shuffle_w2", [({"kill_after_save": 5}, KILLED)]),
-        ("gpt2_lora_eval", [({"kill_after_save": 6}, KILLED)]),
-        ("bert_mlm_seeded_w2", [({"kill_mid_step": 3}, KILLED)]),
-        ("gpt2_private_rng", [({"kill_after_save": 4}, KILLED)]),
-        ("gpt2_group_by_length", [({"kill_after_save": 7}, KILLED)]),
-        ("gpt2_user_sampler", [({"kill_mid_step": 8}, KILLED)]),
+        pytest.param("bert_mlm", [({"kill_mid_step": 3}, KILLED)], id="bert-mlm-mid-window"),
+        pytest.param("bert_wwm_w2", [({"kill_after_save": 2}, KILLED)], id="bert-wwm-workers", marks=_EXTENDED),
+        pytest.param("llama_transform_w2", [({"kill_after_save": 3}, KILLED)], id="llama-transform-workers"),
+        pytest.param("gpt2_torch_dataset", [({"kill_mid_step": 4}, KILLED)], id="torch-dataset-mid-step",
+                     marks=_EXTENDED),
+        pytest.param("stream_w0", [({"kill_mid_step": 3}, KILLED)], id="streaming-mid-step", marks=_EXTENDED),
+        pytest.param("stream_w2", [({"kill_after_save": 5}, KILLED)], id="streaming-workers", marks=_EXTENDED),
+        pytest.param("stream_shuffle_w0", [({"kill_mid_step": 3}, KILLED)], id="streaming-shuffle-buffer",
+                     marks=_EXTENDED),
+        pytest.param("stream_shuffle_w2", [({"kill_after_save": 5}, KILLED)], id="streaming-shuffle-buffer-workers"),
+        pytest.param("gpt2_lora_eval", [({"kill_after_save": 6}, KILLED)], id="lora-eval-best-retention",
+                     marks=_EXTENDED),
+        pytest.param("bert_mlm_seeded_w2", [({"kill_mid_step": 3}, KILLED)], id="seeded-collator-workers"),
+        pytest.param("gpt2_private_rng", [({"kill_after_save": 4}, KILLED)], id="collator-private-generator"),
+        pytest.param("gpt2_group_by_length", [({"kill_after_save": 7}, KILLED)], id="group-by-length-second-epoch"),
+        pytest.param("gpt2_user_sampler", [({"kill_mid_step": 8}, KILLED)], id="user-subclass-custom-sampler"),
     ],
-    ids=["gpt2-first-step-fresh-sigterm", "gpt2-epoch-end-then-again-workers", "bert-mlm-mid-window",
-         "bert-wwm-workers", "llama-transform-workers", "torch-dataset-mid-step", "streaming-mid-step",
-         "streaming-workers", "streaming-shuffle-buffer", "streaming-shuffle-buffer-workers",
-         "lora-eval-best-retention", "seeded-collator-workers", "collator-private-generator",
-         "group-by-length-second-epoch", "user-subclass-custom-sampler"],
 )
 def test_interrupted_and_restarted_is_bit_identical(reference_root: Path, tmp_path: Path, config: str,
                                                     interruptions: list[tuple[dict[str, int], int]]) -> None:
