@@ -36,19 +36,10 @@ import time
 from pathlib import Path
 
 import torch
+from _bench_common import drop_caches
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_resumable.checkpoint import load_checkpoint, save_checkpoint, wait_for_pending_saves
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

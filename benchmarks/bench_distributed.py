@@ -42,17 +42,9 @@ import time
 from pathlib import Path
 
 import torch
+from _bench_common import drop_caches
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def drop_caches() -> None:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        pass
 
 
 def build(hidden: int) -> torch.nn.Module:

@@ -34,21 +34,12 @@ from pathlib import Path
 import datasets
 import torch
 import transformers
+from _bench_common import drop_caches
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
 from hf_resumable.checkpoint import _frozen, wait_for_pending_saves
 from hf_resumable.constants import FROZEN_RECORD_FILE
 from hf_resumable.integrations.trainer import ResumableTrainer
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def dir_bytes(path: Path) -> int:

@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _bench_common import drop_caches
+
 MAP_COST_S = 0.001  # per-example cost of the streaming .map
 BATCH = 4
 
@@ -247,16 +249,6 @@ def measure_resume(out: Path, steps: list[int], repeats: int) -> dict[tuple[str,
     return results
 
 
-def _drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def _raw_read(directory: Path) -> float:
     buffer = memoryview(bytearray(16 << 20))
     start = time.perf_counter()
@@ -283,9 +275,9 @@ def measure_e2e(out: Path, repeats: int) -> dict[str, dict[str, float]]:
     for _ in range(repeats):
         for kind in ("resumable", "stock"):  # alternating, so machine noise hits both alike
             checkpoint = runs[kind] / "checkpoint-1"
-            _drop_caches()
+            drop_caches()
             raw = _raw_read(checkpoint)
-            _drop_caches()
+            drop_caches()
             _warm_imports()  # libraries back in the page cache, the checkpoint not
             report = out / f"e2e-{kind}-resume.json"
             start = _spawn(kind, "resume", runs[kind], 1, report, data="big")
