@@ -107,16 +107,21 @@ def test_a_multi_shard_model_keeps_the_index_layout(tmp_path):
     assert_same_state(model.state_dict(), AutoModelForCausalLM.from_pretrained(tmp_path / "c").state_dict())
 
 
+def _assert_loads_into_a_fresh_gpt2(path, model, optimizer, *, seed):
+    """load_checkpoint into a differently initialized GPT-2 + AdamW: same state, tied weights tied again."""
+    fresh = tiny_gpt2(seed=seed)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    load_checkpoint(path, model=fresh, optimizer=fresh_optimizer)
+    assert_same_state(model.state_dict(), fresh.state_dict())
+    assert_same_optimizer(optimizer, fresh_optimizer)
+    assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr()
+
+
 @pytest.mark.parametrize("shard_size", ["2GB", "16KB"], ids=["single-file", "index"])
 def test_both_layouts_load_bit_for_bit_with_tied_aliases_restored(tmp_path, shard_size):
     model, optimizer = _trained()
     save_checkpoint(tmp_path / "c", model=model, optimizer=optimizer, step=2, max_shard_size=shard_size)
-    fresh = tiny_gpt2(seed=9)
-    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
-    load_checkpoint(tmp_path / "c", model=fresh, optimizer=fresh_optimizer)
-    assert_same_state(model.state_dict(), fresh.state_dict())
-    assert_same_optimizer(optimizer, fresh_optimizer)
-    assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr()
+    _assert_loads_into_a_fresh_gpt2(tmp_path / "c", model, optimizer, seed=9)
     # An untied copy of the alias receives the kept tensor's bytes.
     untied = tiny_gpt2(seed=3)
     untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
@@ -263,12 +268,7 @@ def test_sharded_checkpoints_write_the_same_layout(tmp_path):
     save_sharded_checkpoint(tmp_path / "pieces", model=model, optimizer=optimizer, step=2)
     consolidate_sharded_checkpoint(tmp_path / "pieces", tmp_path / "export")
     assert _weight_files(tmp_path / "export") == [SINGLE_MODEL_FILE]
-    fresh = tiny_gpt2(seed=7)
-    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
-    load_checkpoint(tmp_path / "export", model=fresh, optimizer=fresh_optimizer)
-    assert_same_state(model.state_dict(), fresh.state_dict())
-    assert_same_optimizer(optimizer, fresh_optimizer)
-    assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr()
+    _assert_loads_into_a_fresh_gpt2(tmp_path / "export", model, optimizer, seed=7)
 
 
 # --- the Trainer ----------------------------------------------------------------------------------------------------
