@@ -379,7 +379,7 @@ def rebuild_prepared_loader(prepared: Any, *, seed: int, process_index: int, num
             sampler.generator = torch.Generator()
     dataset = _PositionedDataset(base.dataset, collate_fn)
     common = dict(use_stateful_dataloader=prepared.use_stateful_dataloader, _drop_last=prepared._drop_last,
-                  _non_blocking=prepared._non_blocking, iteration=prepared.iteration, batch_sampler=keyed,
+                  _non_blocking=prepared._non_blocking, batch_sampler=keyed,
                   collate_fn=_identity, **kwargs)
     if dispatcher:
         loader = ResumableDataLoaderDispatcher(dataset, split_batches=prepared.split_batches,
@@ -390,6 +390,8 @@ def rebuild_prepared_loader(prepared: Any, *, seed: int, process_index: int, num
         loader = ResumableDataLoaderShard(dataset, device=prepared.device, rng_types=prepared.rng_types,
                                           synchronized_generator=prepared.synchronized_generator, **common)
         per_batch = 1
+    # Set after construction: accelerate < 1.15 has no ``iteration`` argument (its loaders start at 0).
+    loader.iteration = prepared.iteration
     loader._init_position(keyed, seed=seed, base_per_batch=per_batch, generator=generator)
     return loader
 
