@@ -199,3 +199,22 @@ def test_sigterm_with_exit_disabled_returns_after_the_checkpoint(tmp_path: Path)
     assert trainer.preempted and output.global_step == 2
     assert (tmp_path / "checkpoint-2" / "manifest.json").is_file()
     assert signal.getsignal(signal.SIGTERM) != trainer._preemption._handle  # handler removed after train()
+
+
+def test_a_resume_opens_and_verifies_the_checkpoint_once(trained_dir: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 14 item 1: the Trainer resumes through one open_checkpoint (one verification, one decode)."""
+    import hf_resumable.checkpoint.api as api
+    from hf_resumable.checkpoint import OpenedCheckpoint
+
+    verified, opened = [], []
+    verify, open_ = api.verify_checkpoint, OpenedCheckpoint.open.__func__
+    monkeypatch.setattr(api, "verify_checkpoint", lambda *a, **k: verified.append(a[0]) or verify(*a, **k))
+    monkeypatch.setattr(OpenedCheckpoint, "open",
+                        classmethod(lambda cls, *a, **k: opened.append(a[0]) or open_(cls, *a, **k)))
+    output_dir = _copy(trained_dir, tmp_path)
+    trainer = _trainer(output_dir, max_steps=3)
+    output = trainer.train(resume_from_checkpoint=str(output_dir / "checkpoint-2"))
+    assert output.global_step == 3 and trainer.resumed_from.name == "checkpoint-2"
+    assert [Path(p).name for p in opened] == ["checkpoint-2"], opened
+    assert [Path(p).name for p in verified] == ["checkpoint-2"], verified

@@ -70,6 +70,7 @@ from ..checkpoint import (
     apply_retention,
     find_latest_checkpoint,
     load_checkpoint,
+    open_checkpoint,
     read_manifest,
     save_checkpoint,
     verify_checkpoint,
@@ -560,7 +561,9 @@ class ResumableTrainer(Trainer):
                 path.parent.rmdir()  # only when empty
 
     def _open_checkpoint(self, path: Path) -> _Resume:
-        loaded = load_checkpoint(path, restore_rng=False, verify=self.checkpoint_verify)
+        # Opened (verified and decoded) once here; the weights and optimizer are filled from this same object in
+        # _load_optimizer_and_scheduler, so a resume never verifies or hashes the checkpoint twice.
+        loaded = open_checkpoint(path, verify=self.checkpoint_verify)
         converted_from, self._converted_from = self._converted_from, None
         if converted_from is not None or loaded.extra.get("converted_from"):
             return _Resume(path=path, loaded=loaded, converted_from=converted_from or path)
@@ -1093,13 +1096,15 @@ class ResumableTrainer(Trainer):
         if self._resume is not None and self._resume.converted_from is not None:
             # a stock checkpoint saved with save_only_model has no optimizer state: a fresh optimizer, as stock
             model_only = OPTIMIZER_INDEX_FILE not in self._resume.loaded.manifest.files
-        load_checkpoint(checkpoint, model=self.accelerator.unwrap_model(self.model),
-                        optimizer=None if model_only else _unwrapped_optimizer(self.optimizer),
-                        scheduler=None if model_only else self.lr_scheduler,
-                        scaler=None if model_only else self.accelerator.scaler,
-                        restore_rng=False, verify=self.checkpoint_verify,
-                        # a world-size change was already refused (or allowed) by the run-config drift check
-                        allow_inexact_resume=True)
+        opened = (self._resume.loaded if self._resume is not None and Path(checkpoint) == self._resume.path
+                  else open_checkpoint(checkpoint, verify=self.checkpoint_verify))
+        opened.load_into(model=self.accelerator.unwrap_model(self.model),
+                         optimizer=None if model_only else _unwrapped_optimizer(self.optimizer),
+                         scheduler=None if model_only else self.lr_scheduler,
+                         scaler=None if model_only else self.accelerator.scaler,
+                         restore_rng=False,
+                         # a world-size change was already refused (or allowed) by the run-config drift check
+                         allow_inexact_resume=True)
         if self.resume_hyperparameters == "arguments" and self._hyperparameter_changes and not model_only:
             apply_new_hyperparameters(_unwrapped_optimizer(self.optimizer), self.lr_scheduler,
                                       self._hyperparameter_changes, decay_groups=self._decay_groups())
