@@ -97,3 +97,27 @@ def test_fsdp2_frozen_embedding_is_recorded_not_stored_and_resumes_exactly(tmp_p
     assert results[0]["problems"] == [] and results[0]["continued"] == [] and results[0]["plain_problems"] == []
     for result in results:
         assert result["mismatch"] is not None and "model.embed_tokens.weight" in result["mismatch"], result
+
+
+def test_piece_records_are_validated():
+    from hf_resumable.checkpoint import _frozen
+    from hf_resumable.errors import CorruptCheckpointError
+
+    hashes = {"xxh3_128": "0" * 32, "sample_xxh3_128": "1" * 32}
+    good = {"version": 2, "hash": "xxh3-128", "sample": {"windows": 16, "window_bytes": 4096}, "source": {},
+            "tied": {}, "tensors": {"w": {"dtype": "F32", "shape": [5, 2], "pieces": [
+                {"offset": [0, 0], "shape": [3, 2], **hashes}, {"offset": [3, 0], "shape": [2, 2], **hashes}]}}}
+    record = _frozen.FrozenRecord.from_json(good, source="r")
+    assert record.tensors["w"].xxh3_128 is None and len(record.tensors["w"].boxes()) == 2
+    assert record.to_json() == good
+    for piece, match in [({"offset": [4, 0], "shape": [2, 2], **hashes}, "inside"),  # past the end
+                         ({"offset": [3, 0], "shape": [1, 2], **hashes}, "tile"),  # a row missing
+                         ({"offset": [3, 0], "shape": [2, 2], "xxh3_128": "x"}, "hex")]:
+        bad = json.loads(json.dumps(good))
+        bad["tensors"]["w"]["pieces"][1] = piece
+        with pytest.raises(CorruptCheckpointError, match=match):
+            _frozen.FrozenRecord.from_json(bad, source="r")
+    # The regular load path never takes a piece record for a whole-tensor one.
+    live = {"w": torch.zeros(5, 2)}
+    with pytest.raises(BaseMismatchError, match="load_sharded_checkpoint"):
+        _frozen.check_frozen_base(record, live, full=False, strict=True, source="r")
