@@ -20,6 +20,9 @@ Layout of a sharded ``checkpoint-<step>/``::
     model.safetensors                                 with hf_weights=True only: whole weights instead of
     (or model.safetensors.index.json,                 model pieces (one file when they fit in one shard),
      model-0000k-of-0000N.safetensors)                written round robin by the ranks
+    frozen_base.json                                  frozen parameters (requires_grad=False), recorded instead of
+                                                      stored: each rank's piece fingerprinted (not with
+                                                      standalone=True or hf_weights=True)
     config.json, generation_config.json               as save_pretrained writes them
     training_state.json, rng/, data/                  as in a regular checkpoint
     manifest.json                                     written last

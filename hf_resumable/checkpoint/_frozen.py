@@ -16,6 +16,10 @@ shapes always; bytes by the sampled fingerprint (``verify="quick"``/``"none"``) 
 (``verify="full"``). A different base raises :class:`~hf_resumable.errors.BaseMismatchError` naming the first
 differing tensors; a matching base is never read from disk.
 
+Sharded (FSDP2) checkpoints record frozen parameters the same way, per piece: each saving rank fingerprints the box
+it holds (:func:`split_frozen_sharded`, record version 2) and a load checks the boxes the loading rank holds whole,
+``full_tensor()`` for the others (:func:`check_frozen_sharded`).
+
 Fingerprints are computed once per process and cached (keyed by the tensor's storage, shape, stride, dtype and
 version counter); each later use re-hashes only the sample, so a save costs what the trainable state costs.
 """
