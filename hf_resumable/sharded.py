@@ -58,7 +58,8 @@ import torch
 
 from ._jsonio import json_bytes
 from .checkpoint import open_checkpoint, wait_for_pending_saves
-from .checkpoint._frozen import base_not_stored, check_frozen_sharded, split_frozen_sharded
+from .checkpoint._frozen import base_not_stored
+from .checkpoint._frozen_sharded import check_frozen_sharded, split_frozen_sharded
 from .checkpoint._model import TIED_KEY
 from .checkpoint._model_files import single_file_metadata
 from .checkpoint._payload import (
