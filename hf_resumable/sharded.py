@@ -20,6 +20,9 @@ Layout of a sharded ``checkpoint-<step>/``::
     model.safetensors                                 with hf_weights=True only: whole weights instead of
     (or model.safetensors.index.json,                 model pieces (one file when they fit in one shard),
      model-0000k-of-0000N.safetensors)                written round robin by the ranks
+    frozen_base.json                                  frozen parameters (requires_grad=False), recorded instead of
+                                                      stored: each rank's piece fingerprinted (not with
+                                                      standalone=True or hf_weights=True)
     config.json, generation_config.json               as save_pretrained writes them
     training_state.json, rng/, data/                  as in a regular checkpoint
     manifest.json                                     written last
@@ -56,6 +59,7 @@ import torch
 from ._jsonio import json_bytes
 from .checkpoint import open_checkpoint, wait_for_pending_saves
 from .checkpoint._frozen import base_not_stored
+from .checkpoint._frozen_sharded import check_frozen_sharded, split_frozen_sharded
 from .checkpoint._model import TIED_KEY
 from .checkpoint._model_files import single_file_metadata
 from .checkpoint._payload import (
@@ -105,6 +109,7 @@ from .checkpoint.manifest import Manifest
 from .checkpoint.verify import verify_checkpoint
 from .constants import (
     DEFAULT_MAX_SHARD_SIZE,
+    FROZEN_RECORD_FILE,
     MODEL_INDEX_FILE,
     OPTIMIZER_FILE_PATTERN,
     OPTIMIZER_INDEX_FILE,
@@ -173,11 +178,16 @@ def _add_hf_weights(payload: Payload, weights: Mapping[str, torch.Tensor], local
 
 
 def _add_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, rank: int,
-                world_size: int, hf_weights: bool, max_shard_size: int | str) -> dict[str, Any]:
+                world_size: int, hf_weights: bool, max_shard_size: int | str, standalone: bool = False
+                ) -> dict[str, Any]:
     """Add this rank's files to ``payload``; return the layout (complete on every rank, JSON)."""
     weights = _model_state(model)
     # Every rank must drop the same aliases; a rank holding an empty piece cannot see a tie by itself.
     tied = {alias: kept for report in all_gather_json(find_tied(weights)) for alias, kept in report.items()}
+    if not (hf_weights or standalone):  # frozen parameters are recorded, not stored (hf_weights: a whole model)
+        weights, tied, record = split_frozen_sharded(model, weights, tied, rank=rank)
+        if record is not None:
+            payload.blobs[FROZEN_RECORD_FILE] = record
     model_local = collect_local_state(weights, rank=rank, tied=tied)
     locals_: dict[str, LocalState] = {}
     if hf_weights:
@@ -222,6 +232,7 @@ def save_sharded_checkpoint(
     hf_weights: bool = False,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     blocking: bool = True,
+    standalone: bool = False,
 ) -> CheckpointInfo:
     """Save a checkpoint in which every rank writes its own pieces of the model and optimizer, in parallel.
 
@@ -259,6 +270,10 @@ def save_sharded_checkpoint(
             reusable host buffers and returns; the files are written in the background and rank 0 commits once
             every rank's files are durable (over a gloo group of its own, never the training loop's). The next
             save, any load, ``wait_for_pending_saves`` and interpreter exit wait for it and raise its error.
+        standalone (`bool`, *optional*, defaults to `False`): store frozen parameters (``requires_grad=False``: a
+            PEFT base, a frozen embedding) too. By default they are recorded, not stored: ``frozen_base.json`` holds
+            their names, dtypes, shapes and each saving rank's piece fingerprints, checked on load. ``hf_weights``
+            checkpoints always store every weight.
 
     Returns:
         `CheckpointInfo`: path, step and the committed manifest (``manifest=None`` while a non-blocking save is
@@ -289,7 +304,7 @@ def save_sharded_checkpoint(
     )
     # 2. This rank's pieces (and HF weight shards); the layout of every rank's pieces is gathered as JSON.
     layout = _add_pieces(payload, model, optimizer, rank=rank, world_size=world_size, hf_weights=hf_weights,
-                         max_shard_size=max_shard_size)
+                         max_shard_size=max_shard_size, standalone=standalone)
     # 3. Rank 0 adds the layout and the files from_pretrained needs besides the weights.
     if rank == 0:
         # Compact: the layout names every piece of every rank, and the C encoder (no indent) keeps the stall short.
@@ -335,16 +350,19 @@ def _section(reader: _Reader, layout: Mapping[str, Any], key: str) -> Section:
     return section
 
 
-def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Module, *, strict: bool) -> None:
+def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Module, *, strict: bool,
+                full: bool = False) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     source = str(reader.path)
     current = _model_state(model)
+    frozen = check_frozen_sharded(reader, current, full=full, strict=strict)  # recorded, not stored: checked
+    current = {name: tensor for name, tensor in current.items() if name not in frozen}
     section = _section(reader, layout, LAYOUT_KEY_MODEL)
     names = check_fits(current, section, strict=strict, source=source, what="model")
     with PieceReader(reader.path, section, source=source) as pieces:
         filled = fill_state(current, pieces, names)
-    set_model_state_dict(model, filled, options=_options(strict=strict))
+    set_model_state_dict(model, filled, options=_options(strict=strict and not frozen))
 
 
 def _param_groups(saved: list[Mapping[str, Any]], current: list[Mapping[str, Any]], tensors: Mapping[str, Any],
@@ -480,7 +498,7 @@ def load_sharded_checkpoint(
             opened._object_state(name, key, obj)
     # 2. Weights, then optimizer state (which is matched against the loaded parameters).
     if model is not None:
-        _load_model(reader, layout, model, strict=strict)
+        _load_model(reader, layout, model, strict=strict, full=verify == "full")
     if optimizer is not None:
         _load_optimizer(reader, layout, model, optimizer)
     # 3. Scheduler, scaler; RNG last.
@@ -559,6 +577,8 @@ def consolidate_sharded_checkpoint(
         raise IncompleteCheckpointError(f"{path} has no {LAYOUT_FILE}: it is already a regular checkpoint "
                                         "(from_pretrained and load_checkpoint read it as is).")
     layout = _read_layout(reader)
+    if (error := base_not_stored(path, wanted="consolidation needs every weight")) is not None:
+        raise error
     payload = Payload()
     # 2. Weights as HF shards; tied aliases recorded so load_checkpoint re-ties and transformers ties itself.
     section, weights = _consolidated_section(reader, layout, LAYOUT_KEY_MODEL)

@@ -376,7 +376,7 @@ def test_malformed_frozen_records_are_refused():
     record = _frozen.build_record({"w": torch.ones(3)}, {}, {"name_or_path": "x"}).to_json()
     assert _frozen.FrozenRecord.from_json(json.loads(json.dumps(record)), source="r").tensors["w"].shape == (3,)
     for change, match in [
-        (lambda d: d.update(version=2), None),
+        (lambda d: d.update(version=3), None),  # 2: per-piece records of sharded checkpoints
         (lambda d: d["tensors"]["w"].update(dtype="F99"), "dtype"),
         (lambda d: d["tensors"]["w"].update(shape=[-1]), "shape"),
         (lambda d: d["tensors"]["w"].update(xxh3_128="zz"), "hex"),

@@ -16,6 +16,10 @@ shapes always; bytes by the sampled fingerprint (``verify="quick"``/``"none"``) 
 (``verify="full"``). A different base raises :class:`~hf_resumable.errors.BaseMismatchError` naming the first
 differing tensors; a matching base is never read from disk.
 
+Sharded (FSDP2) checkpoints record frozen parameters the same way, per piece: each saving rank fingerprints the box
+it holds (record version 2) and a load checks the boxes the loading rank holds whole, ``full_tensor()`` for the
+others (see :mod:`._frozen_sharded`).
+
 Fingerprints are computed once per process and cached (keyed by the tensor's storage, shape, stride, dtype and
 version counter); each later use re-hashes only the sample, so a save costs what the trainable state costs.
 """
@@ -23,6 +27,7 @@ version counter); each later use re-hashes only the sample, so a save costs what
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -60,7 +65,8 @@ from ._threads import run_in_threads
 logger = logging.getLogger(__name__)
 
 __all__ = ["FrozenTensor", "FrozenRecord", "TrainablePart", "frozen_names", "build_record", "base_provenance",
-           "check_frozen_base", "fingerprint", "forget_fingerprints", "base_not_stored"]
+           "check_frozen_base", "fingerprint", "forget_fingerprints", "base_not_stored", "FrozenPiece",
+           "raise_base_problems"]
 
 # The sampled fingerprint: SAMPLE_WINDOWS windows of SAMPLE_BYTES bytes, evenly spaced from the first byte to the
 # last; tensors up to SAMPLE_WINDOWS * SAMPLE_BYTES bytes are sampled whole (sample == every byte).
@@ -74,6 +80,8 @@ _HEX128 = re.compile(r"^[0-9a-f]{32}$")
 # Largest number of frozen tensors a record may describe (a 70B model has ~ 1000).
 MAX_FROZEN_TENSORS = 1_000_000
 _ERRORS_SHOWN = 10
+# A record with per-piece fingerprints (sharded checkpoints) is version 2; whole-tensor records stay version 1.
+PIECES_RECORD_VERSION = 2
 
 
 # ------------------------------------------------------------------------------------------------ fingerprints
@@ -100,16 +108,26 @@ def _full_hash(tensor: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
+def _sample_starts(total: int) -> list[int]:
+    """Byte offsets of the sampled windows of a tensor of ``total`` bytes (more than the whole sample)."""
+    span = total - SAMPLE_BYTES
+    return [(span * i) // (SAMPLE_WINDOWS - 1) for i in range(SAMPLE_WINDOWS)]
+
+
 def _sample_hash(tensor: torch.Tensor) -> str:
     data = _byte_view(tensor)
     total = data.numel()
     if total <= SAMPLE_WINDOWS * SAMPLE_BYTES:
         return _full_hash(tensor)
     digest = xxhash.xxh3_128()
-    span = total - SAMPLE_BYTES
-    for i in range(SAMPLE_WINDOWS):
-        start = (span * i) // (SAMPLE_WINDOWS - 1)
-        _update(digest, data[start:start + SAMPLE_BYTES])
+    if data.device.type == "cpu":
+        # Slices of one memoryview: no tensor per window (the per-window torch slicing was most of the cost).
+        view = memoryview(data.numpy()).cast("B")
+        for start in _sample_starts(total):
+            digest.update(view[start:start + SAMPLE_BYTES])
+    else:  # one device-to-host copy of the windows, not one per window
+        windows = torch.cat([data[start:start + SAMPLE_BYTES] for start in _sample_starts(total)])
+        digest.update(memoryview(windows.cpu().numpy()).cast("B"))
     return digest.hexdigest()
 
 
@@ -163,20 +181,51 @@ def _fingerprints(tensors: Mapping[str, torch.Tensor], *, full: bool) -> dict[st
 
 # ------------------------------------------------------------------------------------------------ the record
 @dataclass(frozen=True)
+class FrozenPiece:
+    """The fingerprints of one box of a frozen tensor (a sharded checkpoint records each rank's piece).
+
+    Args:
+        offset (`tuple[int, ...]`): where the box starts in the global tensor.
+        shape (`tuple[int, ...]`): its shape.
+        xxh3_128 (`str`): xxh3-128 of every byte of the box (C order).
+        sample_xxh3_128 (`str`): xxh3-128 of the box's sample.
+    """
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    xxh3_128: str
+    sample_xxh3_128: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"offset": list(self.offset), "shape": list(self.shape), "xxh3_128": self.xxh3_128,
+                "sample_xxh3_128": self.sample_xxh3_128}
+
+
+@dataclass(frozen=True)
 class FrozenTensor:
     """One frozen tensor as a checkpoint records it.
 
     Args:
         dtype (`str`): safetensors dtype name (``"F32"``, ``"BF16"``, ``"U8"`` ...).
         shape (`tuple[int, ...]`): its shape.
-        xxh3_128 (`str`): xxh3-128 of every byte (C order).
-        sample_xxh3_128 (`str`): xxh3-128 of the sample (see ``SAMPLE_WINDOWS``/``SAMPLE_BYTES``).
+        xxh3_128 (`str` or `None`): xxh3-128 of every byte (C order); ``None`` in a sharded record whose tensor
+            was split over ranks (its ``pieces`` have the fingerprints).
+        sample_xxh3_128 (`str` or `None`): xxh3-128 of the sample (see ``SAMPLE_WINDOWS``/``SAMPLE_BYTES``).
+        pieces (`tuple[FrozenPiece, ...]`): sharded records only: the fingerprints of every stored-elsewhere box,
+            as the saving ranks held them (they tile the tensor).
     """
 
     dtype: str
     shape: tuple[int, ...]
-    xxh3_128: str
-    sample_xxh3_128: str
+    xxh3_128: str | None
+    sample_xxh3_128: str | None
+    pieces: tuple[FrozenPiece, ...] = ()
+
+    def boxes(self) -> tuple[FrozenPiece, ...]:
+        """The recorded boxes: the pieces, or the whole tensor as one."""
+        if self.pieces:
+            return self.pieces
+        return (FrozenPiece((0,) * len(self.shape), self.shape, self.xxh3_128, self.sample_xxh3_128),)
 
     @property
     def nbytes(self) -> int:
@@ -221,13 +270,14 @@ class FrozenRecord:
         return describe_source(self.source)
 
     def to_json(self) -> dict[str, Any]:
-        return {FROZEN_KEY_VERSION: FROZEN_RECORD_VERSION, FROZEN_KEY_HASH: "xxh3-128",
+        document = {FROZEN_KEY_VERSION: FROZEN_RECORD_VERSION, FROZEN_KEY_HASH: "xxh3-128",
                 FROZEN_KEY_SAMPLE: {"windows": SAMPLE_WINDOWS, "window_bytes": SAMPLE_BYTES},
                 FROZEN_KEY_SOURCE: dict(self.source),
                 FROZEN_KEY_TIED: dict(sorted(self.tied.items())),
-                FROZEN_KEY_TENSORS: {name: {"dtype": t.dtype, "shape": list(t.shape), "xxh3_128": t.xxh3_128,
-                                            "sample_xxh3_128": t.sample_xxh3_128}
-                                     for name, t in self.tensors.items()}}
+                FROZEN_KEY_TENSORS: {name: _tensor_json(t) for name, t in self.tensors.items()}}
+        if any(t.pieces for t in self.tensors.values()):
+            document[FROZEN_KEY_VERSION] = PIECES_RECORD_VERSION  # readers of version 1 cannot check pieces
+        return document
 
     @classmethod
     def from_json(cls, document: Any, *, source: str) -> "FrozenRecord":
@@ -247,9 +297,9 @@ class FrozenRecord:
         version = document.get(FROZEN_KEY_VERSION)
         if type(version) is not int:
             raise bad(f"{FROZEN_KEY_VERSION} is {version!r:.60}, expected an int")
-        if version > FROZEN_RECORD_VERSION:
+        if version > PIECES_RECORD_VERSION:
             raise FormatVersionError(f"{source}: frozen record version {version} is newer than this hf_resumable "
-                                     f"reads ({FROZEN_RECORD_VERSION}); upgrade hf_resumable.")
+                                     f"reads ({PIECES_RECORD_VERSION}); upgrade hf_resumable.")
         if document.get(FROZEN_KEY_HASH) != "xxh3-128":
             raise bad(f"{FROZEN_KEY_HASH} is {document.get(FROZEN_KEY_HASH)!r:.60}, expected 'xxh3-128'")
         if document.get(FROZEN_KEY_SAMPLE) != {"windows": SAMPLE_WINDOWS, "window_bytes": SAMPLE_BYTES}:
@@ -283,10 +333,44 @@ def _tensor_entry(name: Any, entry: Any, bad) -> FrozenTensor:
     if (not isinstance(shape, list) or len(shape) > 64
             or not all(type(d) is int and 0 <= d < 2 ** 62 for d in shape)):
         raise bad(f"{name}: shape {shape!r:.80} is not a list of non-negative ints")
-    hashes = [entry.get("xxh3_128"), entry.get("sample_xxh3_128")]
+    if "pieces" not in entry:
+        hashes = _hashes(name, entry, bad)
+        return FrozenTensor(dtype, tuple(shape), hashes[0], hashes[1])
+    listed = entry["pieces"]
+    if not isinstance(listed, list) or len(listed) > MAX_FROZEN_TENSORS:
+        raise bad(f"{name}: pieces must be a list of boxes with their fingerprints")
+    pieces = []
+    for piece in listed:
+        if not isinstance(piece, dict):
+            raise bad(f"{name}: a piece must be an object with offset, shape, xxh3_128 and sample_xxh3_128")
+        offset, box = piece.get("offset"), piece.get("shape")
+        if (not isinstance(offset, list) or not isinstance(box, list) or len(offset) != len(shape)
+                or len(box) != len(shape) or not all(type(d) is int for d in offset + box)
+                or any(o < 0 or n <= 0 or o + n > d for o, n, d in zip(offset, box, shape))):
+            raise bad(f"{name}: piece {piece!r:.120} is not a box inside the tensor's shape {shape}")
+        pieces.append(FrozenPiece(tuple(offset), tuple(box), *_hashes(name, piece, bad)))
+    if sum(math.prod(p.shape) for p in pieces) != math.prod(shape):
+        raise bad(f"{name}: its pieces do not tile the tensor (they hold {sum(math.prod(p.shape) for p in pieces)} "
+                  f"of its {math.prod(shape)} elements)")
+    whole = [] if len(pieces) != 1 or pieces[0].shape != tuple(shape) else [pieces[0].xxh3_128,
+                                                                              pieces[0].sample_xxh3_128]
+    return FrozenTensor(dtype, tuple(shape), *(whole or [None, None]), pieces=tuple(pieces))
+
+
+def _hashes(name: str, entry: Mapping[str, Any], bad) -> tuple[str, str]:
+    hashes = (entry.get("xxh3_128"), entry.get("sample_xxh3_128"))
     if not all(isinstance(h, str) and _HEX128.match(h) for h in hashes):
         raise bad(f"{name}: xxh3_128 / sample_xxh3_128 must be 32 lowercase hex digits")
-    return FrozenTensor(dtype, tuple(shape), hashes[0], hashes[1])
+    return hashes
+
+
+def _tensor_json(tensor: FrozenTensor) -> dict[str, Any]:
+    document: dict[str, Any] = {"dtype": tensor.dtype, "shape": list(tensor.shape)}
+    if tensor.pieces:
+        document["pieces"] = [piece.to_json() for piece in tensor.pieces]
+    else:
+        document.update(xxh3_128=tensor.xxh3_128, sample_xxh3_128=tensor.sample_xxh3_128)
+    return document
 
 
 def describe_source(source: Mapping[str, Any]) -> str:
@@ -410,6 +494,9 @@ def check_frozen_base(record: FrozenRecord, targets: Mapping[str, torch.Tensor],
         live, entry = targets[name], record.tensors[recorded]
         if live.device.type == "meta":
             problems.append(f"{name}: the model's tensor is on the meta device (nothing to compare)")
+        elif entry.xxh3_128 is None:
+            problems.append(f"{name}: recorded piece by piece (a sharded checkpoint); load it with "
+                            "load_sharded_checkpoint")
         elif DTYPE_TO_STR.get(live.dtype) != entry.dtype or tuple(live.shape) != entry.shape:
             problems.append(f"{name}: the checkpoint's base has {entry.dtype} {list(entry.shape)}, the model has "
                             f"{DTYPE_TO_STR.get(live.dtype, live.dtype)} {list(live.shape)}")
@@ -422,16 +509,24 @@ def check_frozen_base(record: FrozenRecord, targets: Mapping[str, torch.Tensor],
         if got != expected:
             problems.append(f"{name}: its bytes differ ({'' if full else 'sampled '}xxh3-128 {got}, recorded "
                             f"{expected})")
+    raise_base_problems(record, problems, len(present), sorted(set(wanted) - set(targets)), strict=strict,
+                    source=source)
+    logger.info("%s: the model's %d frozen tensor(s) match the checkpoint's base record (%s).", source, len(present),
+                "every byte" if full else "names, dtypes, shapes and sampled bytes")
+    return set(present)
+
+
+def raise_base_problems(record: FrozenRecord, problems: list[str], checked: int, absent: list[str], *, strict: bool,
+                    source: str) -> None:
     if problems:
         raise BaseMismatchError(
             f"{source}: the model's frozen parameters are not the base this checkpoint was trained with: "
-            f"{len(problems)} of {len(present)} recorded tensor(s) differ:\n  " + "\n  ".join(problems[:_ERRORS_SHOWN])
+            f"{len(problems)} of {checked} recorded tensor(s) differ:\n  " + "\n  ".join(problems[:_ERRORS_SHOWN])
             + (f"\n  ... and {len(problems) - _ERRORS_SHOWN} more" if len(problems) > _ERRORS_SHOWN else "")
             + f"\nThe checkpoint stores only the trainable part; its base is {record.describe_source()}. Build the "
             "model from that base (same revision, dtype and quantization, the same PEFT config) before loading, or "
             "resume from a standalone checkpoint (save_checkpoint(..., standalone=True), "
             "ResumableTrainer(standalone_checkpoints=True)).")
-    absent = sorted(set(wanted) - set(targets))
     if absent and strict:
         raise CheckpointMismatchError(
             f"{source}: {len(absent)} frozen tensor(s) of the checkpoint's base are not in the model, e.g. "
@@ -440,9 +535,6 @@ def check_frozen_base(record: FrozenRecord, targets: Mapping[str, torch.Tensor],
     if absent:
         logger.warning("Loading %s with strict=False: %d recorded frozen tensor(s) are not in the model %s", source,
                        len(absent), absent[:5])
-    logger.info("%s: the model's %d frozen tensor(s) match the checkpoint's base record (%s).", source, len(present),
-                "every byte" if full else "names, dtypes, shapes and sampled bytes")
-    return set(present)
 
 
 @dataclass
@@ -541,7 +633,7 @@ def base_not_stored(directory: Any, *, wanted: str) -> BaseNotStoredError | None
 
     from .._jsonio import parse_json
     from .._safefile import read_regular_file
-    from ..constants import MAX_JSON_SIZE
+    from ..constants import LAYOUT_FILE, MAX_JSON_SIZE
 
     record = Path(directory) / FROZEN_RECORD_FILE
     if not record.is_file():
@@ -551,8 +643,12 @@ def base_not_stored(directory: Any, *, wanted: str) -> BaseNotStoredError | None
         base = describe_source(document.get(FROZEN_KEY_SOURCE) or {}) if isinstance(document, dict) else "unknown"
     except (OSError, ValueError):
         base = "unknown (unreadable record)"
+    if (Path(directory) / LAYOUT_FILE).is_file():
+        how = "Load it with load_sharded_checkpoint into a model built from that base"
+    else:
+        how = (f"Load it with load_checkpoint into a model built from that base, or write a full model directory "
+               f"with `hf-resumable export {directory} --output DIR` (add --merge to merge PEFT adapters)")
     return BaseNotStoredError(
         f"{directory} holds only the trainable part of its model (its frozen base, {base}, is recorded in "
-        f"{FROZEN_RECORD_FILE}, not stored), and {wanted}. Load it with load_checkpoint into a model built from that "
-        f"base, or write a full model directory with `hf-resumable export {directory} --output DIR` (add --merge to "
-        "merge PEFT adapters); save with standalone=True to store the base in every checkpoint.")
+        f"{FROZEN_RECORD_FILE}, not stored), and {wanted}. {how}; save with standalone=True to store the base in "
+        "every checkpoint.")
