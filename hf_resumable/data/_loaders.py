@@ -1,0 +1,194 @@
+"""The resumable data loaders (map-style and streaming) and their builders."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from itertools import islice
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from ..errors import InexactResumeError
+from ..rng import derive_seed
+from ._order import ResumableBatchSampler
+from ._position import _TAG_LOADER, DATA_EPOCH, DATA_KIND, DATA_LOADER, DATA_NUM_BATCHES, DATA_STEP, _identity
+from ._seeded import SeededIterableDataset, SeededMapDataset
+from ._shuffle_buffer import has_shuffle_buffer, resumable_shuffle_buffer
+
+logger = logging.getLogger(__name__)
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` over :class:`SeededMapDataset` + :class:`ResumableBatchSampler` with ``set_epoch``/``skip``.
+
+    Build it with :func:`build_map_dataloader`. ``skip(n)`` returns a loader for the rest of the current
+    epoch starting at batch ``n``; the skipped batches are neither fetched nor collated. The loader has
+    its own ``torch.Generator``, so ``iter()`` never draws worker seeds from the global generator.
+    """
+
+    def __init__(self, dataset: SeededMapDataset, *, batch_sampler: ResumableBatchSampler,
+                 **kwargs: Any) -> None:
+        self._init_kwargs = dict(kwargs)
+        super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (permutation and seeds) of the next iteration."""
+        self.batch_sampler.set_epoch(epoch)
+
+    def skip(self, num_batches: int) -> "ResumableDataLoader":
+        """A loader over the current epoch from batch ``num_batches`` on, without producing the earlier ones."""
+        return ResumableDataLoader(self.dataset, batch_sampler=self.batch_sampler.skip(num_batches),
+                                   **self._init_kwargs)
+
+    def position(self, *, epoch: int, step: int) -> dict[str, Any]:
+        """The JSON data-position record for "``step`` batches of ``epoch`` consumed"."""
+        return {DATA_KIND: "map", DATA_EPOCH: epoch, DATA_STEP: step, DATA_NUM_BATCHES: len(self.batch_sampler)}
+
+
+def _loader_kwargs(seed: int, num_workers: int, *, pin_memory: bool, persistent_workers: bool,
+                   prefetch_factor: int | None, multiprocessing_context: Any) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "collate_fn": _identity,
+        "num_workers": num_workers,
+        "pin_memory": pin_memory,
+        "generator": torch.Generator().manual_seed(derive_seed(seed, _TAG_LOADER)),
+    }
+    if num_workers > 0:
+        kwargs.update(persistent_workers=persistent_workers,
+                      prefetch_factor=prefetch_factor, multiprocessing_context=multiprocessing_context)
+    return kwargs
+
+
+def build_map_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], batch_size: int, seed: int,
+                         shuffle: bool = True, drop_last: bool = False, rank: int = 0, world_size: int = 1,
+                         num_workers: int = 0, pin_memory: bool = False, persistent_workers: bool = False,
+                         prefetch_factor: int | None = None, multiprocessing_context: Any = None,
+                         lengths: Sequence[int] | None = None, group_size: int | None = None,
+                         order: Callable[[int], Sequence[int]] | None = None,
+                         num_samples: int | None = None) -> ResumableDataLoader:
+    """A :class:`ResumableDataLoader` for a map-style data set.
+
+    Args:
+        dataset: map-style data set (has ``__len__`` and ``__getitem__``).
+        collate_fn (`Callable`): collator, run in the same seeded context as the fetch.
+        batch_size (`int`): per-rank batch size.
+        seed (`int`): run seed (permutation, per-batch randomness, worker base seed).
+        shuffle, drop_last, rank, world_size, lengths, group_size, order: see :class:`ResumableBatchSampler`.
+        num_samples (`int`, *optional*): indices per epoch of ``order`` (default: ``len(dataset)``).
+        num_workers, pin_memory, persistent_workers, prefetch_factor, multiprocessing_context:
+            forwarded to ``torch.utils.data.DataLoader``.
+
+    Returns:
+        [`ResumableDataLoader`]
+    """
+    count = len(dataset) if num_samples is None else num_samples
+    sampler = ResumableBatchSampler(count, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank,
+                                    world_size=world_size, lengths=lengths, group_size=group_size, order=order)
+    kwargs = _loader_kwargs(seed, num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers,
+                            prefetch_factor=prefetch_factor, multiprocessing_context=multiprocessing_context)
+    return ResumableDataLoader(SeededMapDataset(dataset, collate_fn, seed=seed), batch_sampler=sampler, **kwargs)
+
+
+def build_stream_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], batch_size: int, seed: int,
+                            drop_last: bool = False, rank: int = 0, num_workers: int = 0,
+                            pin_memory: bool = False, persistent_workers: bool = False,
+                            prefetch_factor: int | None = None,
+                            multiprocessing_context: Any = None) -> Any:
+    """A :class:`ResumableStreamLoader` (``torchdata`` ``StatefulDataLoader``) over a streaming data set.
+
+    Args: as :func:`build_map_dataloader`; ``dataset`` is a ``datasets.IterableDataset`` already split for
+    this rank (``datasets.distributed.split_dataset_by_node``) when training data-parallel.
+
+    A ``datasets`` shuffle buffer (``ds.shuffle(seed=..., buffer_size=N)``) is replaced by a
+    :class:`ResumableShuffleBuffer` of the same size (see :func:`resumable_shuffle_buffer`), whose content
+    is part of the saved position, so the stream resumes bit for bit. The resulting sample order differs
+    from the one ``datasets`` would produce with the same seed. A buffer that cannot be replaced (inside
+    ``interleave_datasets``/``concatenate_datasets`` sources, or several buffers) is kept, with a WARNING.
+
+    Raises:
+        ImportError: if ``torchdata`` is not installed.
+    """
+    wrapper = SeededIterableDataset(_resumable_source(dataset, rank), collate_fn, batch_size=batch_size, seed=seed,
+                                    drop_last=drop_last, rank=rank)
+    kwargs = _loader_kwargs(seed, num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers,
+                            prefetch_factor=prefetch_factor, multiprocessing_context=multiprocessing_context)
+    return _stream_loader_class()(wrapper, batch_size=None, **kwargs)
+
+
+def _resumable_source(dataset: Any, rank: int) -> Any:
+    """``dataset`` with its ``datasets`` shuffle buffer replaced by a :class:`ResumableShuffleBuffer` when possible."""
+    if not has_shuffle_buffer(dataset):
+        return dataset
+    try:
+        return resumable_shuffle_buffer(dataset, rank=rank)
+    except InexactResumeError as error:
+        logger.warning("%s Keeping datasets' own shuffle buffer: resuming this stream will NOT be bit-exact.", error)
+        return dataset
+
+
+_STREAM_LOADER_CLASS: type | None = None
+
+
+class _ReplaySkip:
+    """A stream loader read from its start with the first ``num_batches`` batches dropped (no saved position)."""
+
+    def __init__(self, loader: Any, num_batches: int) -> None:
+        self.loader, self.num_batches = loader, num_batches
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        return islice(iter(self.loader), self.num_batches, None)
+
+
+def _batches_yielded(state: Mapping[str, Any]) -> int:
+    """Batches a ``StatefulDataLoader`` had yielded when ``state`` was taken (single- or multi-process form)."""
+    if "_num_yielded" in state:
+        return int(state["_num_yielded"])
+    snapshot = state.get("_snapshot") or {}
+    if "_snapshot_step" in snapshot:
+        return int(snapshot["_snapshot_step"]) + int(state.get("_steps_since_snapshot", 0))
+    raise InexactResumeError(f"Unrecognised StatefulDataLoader state (keys {sorted(state)}); this torchdata "
+                             "version is not supported.")
+
+
+def _stream_loader_class() -> type:
+    """Define :class:`ResumableStreamLoader` on first use, so ``torchdata`` stays an optional import."""
+    global _STREAM_LOADER_CLASS
+    if _STREAM_LOADER_CLASS is None:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        class ResumableStreamLoader(StatefulDataLoader):
+            """``StatefulDataLoader`` over a :class:`SeededIterableDataset`, with ``set_epoch``, ``skip``, position."""
+
+            _resumed_batches: int | None = None
+
+            def set_epoch(self, epoch: int) -> None:
+                self.dataset.set_epoch(epoch)
+
+            def load_position(self, record: Mapping[str, Any]) -> None:
+                state = record[DATA_LOADER]
+                self.load_state_dict(state)
+                self._resumed_batches = _batches_yielded(state)
+
+            def skip(self, num_batches: int) -> Any:
+                if num_batches and self._resumed_batches is None:  # only reached when an inexact resume is allowed
+                    logger.warning("No streaming position was restored: the first %d batches are read again and "
+                                   "dropped (the stock Trainer's skipping; NOT bit-exact).", num_batches)
+                    return _ReplaySkip(self, num_batches)
+                if num_batches and self._resumed_batches != num_batches:
+                    raise InexactResumeError(
+                        f"The trainer resumes after {num_batches} batches but the streaming loader's restored "
+                        f"position is {self._resumed_batches} batches; the checkpoint's data state does not match "
+                        "its step. Resume from another checkpoint.")
+                return self
+
+            def position(self, *, epoch: int, step: int) -> dict[str, Any]:
+                return {DATA_KIND: "stream", DATA_EPOCH: epoch, DATA_STEP: step,
+                        DATA_LOADER: self.state_dict()}
+
+        _STREAM_LOADER_CLASS = ResumableStreamLoader
+    return _STREAM_LOADER_CLASS

@@ -1,0 +1,76 @@
+"""Data-position record keys, the batch key and the position-seeded random context."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, NamedTuple
+
+from torch.utils.data import get_worker_info
+
+from ..rng import seeded_rng
+
+logger = logging.getLogger(__name__)
+
+
+# Domain-separation tags for derive_seed, so the permutation, map-style batches and streaming batches
+# never share a seed even when their numbers coincide.
+_TAG_PERMUTATION = "permutation"
+_TAG_MAP_BATCH = "map-batch"
+_TAG_STREAM_BATCH = "stream-batch"
+_TAG_LOADER = "loader"
+_TAG_FINGERPRINT = "fingerprint"
+_TAG_SHUFFLE_BUFFER = "shuffle-buffer"
+_TAG_GENERATOR = "private-generator"
+_TAG_SAMPLER = "custom-sampler"
+
+# Keys of the JSON data-position records written into checkpoints (data/rank-0000R.json).
+DATA_KIND = "kind"  # "map" or "stream"
+DATA_EPOCH = "epoch"  # epoch of the next batch to train on
+DATA_STEP = "step"  # batches of that epoch already consumed (map-style)
+DATA_NUM_BATCHES = "num_batches"  # batches per epoch on this rank (map-style)
+DATA_LOADER = "loader"  # StatefulDataLoader.state_dict() (streaming)
+
+
+class BatchKey(NamedTuple):
+    """Everything that identifies one map-style batch: the seed of its randomness and its samples.
+
+    Args:
+        epoch (`int`): epoch the batch belongs to.
+        rank (`int`): data-parallel rank that trains on it.
+        step (`int`): number of the batch within this rank's epoch (0-based).
+        indices (`tuple[int, ...]`): dataset indices of its samples, in order.
+    """
+
+    epoch: int
+    rank: int
+    step: int
+    indices: tuple[int, ...]
+
+
+def data_rng(seed: int) -> contextlib.AbstractContextManager[None]:
+    """Seed python ``random``, numpy's global generator and torch's CPU generator for a data operation.
+
+    :func:`hf_resumable.rng.seeded_rng`, except that in a ``DataLoader`` worker the generators are only
+    reseeded (nothing else in a worker draws from them); in the main process they are saved first and
+    restored on exit, so the stream dropout draws from is untouched. Transforms that draw from CUDA
+    generators are not covered.
+
+    Example:
+
+    ```python
+    >>> import random
+    >>> with data_rng(7):
+    ...     a = random.random()
+    >>> with data_rng(7):
+    ...     b = random.random()
+    >>> a == b
+    True
+    ```
+    """
+    return seeded_rng(seed, restore=get_worker_info() is None)
+
+
+def _identity(batch: Any) -> Any:
+    """``collate_fn`` of our loaders: batches are already collated by the seeded dataset wrappers."""
+    return batch
