@@ -37,6 +37,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .checkpoint._frozen import base_not_stored
+from .checkpoint._model import KeyMatch, Mismatch, find_aliases, match_keys, mismatch_message
 from .constants import MODEL_INDEX_FILE
 from .errors import (
     CheckpointMismatchError,
@@ -257,20 +258,23 @@ class LoadPlan:
     Args:
         sources (`dict[str, list[str]]`): checkpoint name -> model keys it fills.
         missing (`list[str]`): model keys nothing fills (tied copies of loaded tensors excluded).
-        unexpected (`list[str]`): checkpoint names the model has no key for.
+        unexpected (`list[str]`): checkpoint names (and recorded aliases) the model has no key for.
         mismatched (`list[str]`): ``"key: checkpoint shape vs model shape"`` entries.
+        match (`KeyMatch`, *optional*): the key match these come from (the checkpoint loader's own matcher).
     """
 
     sources: dict[str, list[str]]
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
+    match: KeyMatch | None = field(default=None, repr=False, compare=False)
 
-    def describe(self, source: str) -> str:
-        parts = [f"{label} ({len(keys)}): {keys[:20]}{' ...' if len(keys) > 20 else ''}"
-                 for label, keys in (("missing keys", self.missing), ("unexpected keys", self.unexpected),
-                                     ("shape mismatches", self.mismatched)) if keys]
-        return f"Checkpoint {source} does not fit the model: " + "; ".join(parts)
+    def describe(self, source: str, *, strict: bool = True) -> str:
+        """The one "does not fit" message (:func:`hf_resumable.checkpoint._model.mismatch_message`)."""
+        match = self.match or KeyMatch(self.sources, self.missing, self.unexpected,
+                                       [Mismatch(line.partition(": ")[0], reason=line.partition(": ")[2])
+                                        for line in self.mismatched])
+        return mismatch_message(match, source=source, what="model", strict=strict)
 
 
 def _model_tensors(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -281,8 +285,10 @@ def _model_tensors(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor
 def plan_load(model: nn.Module, weights: LazyStateDict, *, keys: list[str] | None = None) -> LoadPlan:
     """Match model keys to stored tensors using headers only: sources, missing, unexpected and shape mismatches.
 
-    A model key counts as filled when it is stored, when it shares its tensor with a stored key (tied weights), or
-    when the index records it as an alias of a stored tensor.
+    The same matcher as a checkpoint load (:func:`hf_resumable.checkpoint._model.match_keys`), on shapes only:
+    a stored dtype is cast into the model's, as ``from_pretrained`` does. A model key counts as filled when it is
+    stored, when the index records it as an alias of a stored tensor, or when the model ties it to a stored key
+    (:func:`hf_resumable.checkpoint._model.find_aliases`: one parameter under two names, e.g. on the meta device).
 
     Example:
 
@@ -294,24 +300,12 @@ def plan_load(model: nn.Module, weights: LazyStateDict, *, keys: list[str] | Non
     """
     tensors = _model_tensors(model)
     wanted = list(tensors) if keys is None else keys
-    groups: dict[int, list[str]] = {}
-    for key, tensor in tensors.items():
-        groups.setdefault(id(tensor), []).append(key)
-    sources: dict[str, list[str]] = {}
-    missing, mismatched = [], []
-    for key in wanted:
-        stored = key if key in weights else weights.aliases.get(key)
-        if stored is None or stored not in weights:
-            if not any(k in weights for k in groups[id(tensors[key])]):
-                missing.append(key)
-            continue
-        shape = weights.meta(stored).shape
-        if tuple(tensors[key].shape) != shape:
-            mismatched.append(f"{key}: checkpoint {list(shape)} vs model {list(tensors[key].shape)}")
-            continue
-        sources.setdefault(stored, []).append(key)
-    unexpected = [] if keys is not None else [n for n in weights if n not in tensors]
-    return LoadPlan(sources, sorted(missing), sorted(unexpected), mismatched)
+    stored = {name: (meta.dtype, meta.shape) for name, meta in weights._metas.items()}
+    match = match_keys({key: (tensors[key].dtype, tuple(tensors[key].shape)) for key in wanted}, stored,
+                       tied=weights.aliases, shared=find_aliases(tensors), compare_dtype=False,
+                       report_unexpected=keys is None)
+    return LoadPlan(match.sources, match.missing, match.unexpected, [m.describe("model") for m in match.mismatched],
+                    match=match)
 
 
 # --------------------------------------------------------------------------------------------------- loading
@@ -428,9 +422,7 @@ def load_lazily(
     weights = _as_weights(path_or_repo_id, revision, token)
     _tie(model)
     plan = plan_load(model, weights)
-    if plan.mismatched or (strict and (plan.missing or plan.unexpected)):
-        raise CheckpointMismatchError(plan.describe(weights.source) + ". Check that the checkpoint was saved from "
-                                      "this model's config, or pass strict=False to accept missing/unexpected keys.")
+    plan.match.check(strict=strict, source=weights.source)
     # Each shard is read with an implicit strict=False: strictness was decided above, across all shards at once.
     for filename, names in weights.group_by_file(list(plan.sources)).items():
         _read_shard(model, weights, filename, names, plan.sources)
@@ -536,9 +528,7 @@ class StreamingModel(contextlib.AbstractContextManager):
     def __enter__(self) -> nn.Module:
         _tie(self.model)
         self.plan = plan_load(self.model, self.weights)
-        if self.plan.mismatched or (self.strict and (self.plan.missing or self.plan.unexpected)):
-            raise CheckpointMismatchError(self.plan.describe(self.weights.source) + "; pass strict=False to accept "
-                                          "missing/unexpected keys.")
+        self.plan.match.check(strict=self.strict, source=self.weights.source)
         block_prefix = f"{self.blocks_name}."
         outside = [n for n, keys in self.plan.sources.items() if not keys[0].startswith(block_prefix)]
         self._load(outside)
