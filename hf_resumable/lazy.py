@@ -24,10 +24,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from torch import nn
 
 from .checkpoint._frozen import base_not_stored
 from .checkpoint._model import KeyMatch, Mismatch, find_aliases, match_keys, mismatch_message
-from .constants import MODEL_INDEX_FILE
+from .constants import MODEL_INDEX_FILE, TIED_KEY
 from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -188,6 +189,23 @@ def _metas_from_header(path: Path, filename: str) -> dict[str, TensorMeta]:
     return {n: TensorMeta(n, info.torch_dtype, info.shape, filename) for n, info in header.tensors.items()}
 
 
+def _recorded_aliases(entries: Mapping[str, Any], stored: Collection[str]) -> dict[str, str]:
+    """The ``{dropped: kept}`` entries of a record that name an unstored alias of a stored tensor (others are
+    ignored: lazy loading reads files of any origin, and an alias only ever adds a name to fill)."""
+    return {k: v for k, v in entries.items() if isinstance(k, str) and isinstance(v, str) and v in stored
+            and k not in stored}
+
+
+def _tied_record(raw: Any, stored: Collection[str]) -> dict[str, str]:
+    """hf_resumable's own tied record (``TIED_KEY``): an object in an index, a JSON string in a file header."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            return {}
+    return _recorded_aliases(raw, stored) if isinstance(raw, dict) else {}
+
+
 def _check_index_against_headers(index: ShardIndex, metas: dict[str, TensorMeta]) -> None:
     missing = [n for n in index.weight_map if n not in metas]
     if missing:
@@ -198,14 +216,18 @@ def _check_index_against_headers(index: ShardIndex, metas: dict[str, TensorMeta]
 
 
 def _aliases(index: ShardIndex) -> dict[str, str]:
-    """``{dropped: kept}`` entries huggingface_hub (and push_sharded) put in the index metadata."""
-    return {k: v for k, v in index.metadata.items()
-            if isinstance(v, str) and v in index.weight_map and k not in index.weight_map}
+    """``{dropped: kept}`` entries huggingface_hub (and push_sharded) put in the index metadata, and the tied record
+    of an hf_resumable checkpoint."""
+    stored = index.weight_map
+    return {**_recorded_aliases(index.metadata, stored), **_tied_record(index.metadata.get(TIED_KEY), stored)}
 
 
 def _open_local(path: Path) -> LazyStateDict:
     if path.is_file():
-        return LazyStateDict(_metas_from_header(path, path.name), lambda _: path, source=str(path))
+        header = read_header(path)
+        metas = {n: TensorMeta(n, info.torch_dtype, info.shape, path.name) for n, info in header.tensors.items()}
+        return LazyStateDict(metas, lambda _: path, source=str(path),
+                             aliases=_tied_record(header.metadata.get(TIED_KEY), metas))
     index_path, single = path / MODEL_INDEX_FILE, path / SINGLE_MODEL_FILE
     if not index_path.is_file():
         if not single.is_file():

@@ -29,6 +29,7 @@ from ..constants import (  # noqa: F401 - SHARDS_KEY and STATE_TENSORS_FILE are 
     MODEL_INDEX_FILE,
     OPTIMIZER_FILE_PATTERN,
     OPTIMIZER_INDEX_FILE,
+    PICKLE_SUFFIXES,
     RENAMED_KEY,
     RNG_DIR,
     RNG_FILE_PATTERN,
@@ -47,7 +48,7 @@ from ..constants import (  # noqa: F401 - SHARDS_KEY and STATE_TENSORS_FILE are 
 )
 from ..errors import CheckpointExistsError, UnsupportedStateError
 from ..rng import RngState, capture_rng_state
-from ..sharding import check_relative_name, plan_shards
+from ..sharding import build_index, check_relative_name, plan_shards
 from ..state_codec import encode_state
 from ._frozen import base_provenance, build_record, frozen_names
 from ._model import TIED_KEY, dedupe_tied, find_aliases, model_state, storage_key
@@ -91,13 +92,16 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def add_sharded(payload: Payload, tensors: Mapping[str, torch.Tensor], *, pattern: str, index: str,
-                 max_shard_size: int | str, metadata: dict[str, Any]) -> None:
+                max_shard_size: int | str, metadata: Mapping[str, Any]) -> None:
+    """The one shard-planning path for tensors written as HF-style shards plus an index (model, optimizer,
+    reshard, Hub push): :func:`~hf_resumable.sharding.plan_shards` places them, :func:`~hf_resumable.sharding.
+    build_index` describes them; the writer adds each shard's record to the index (``_writer.index_document``)."""
     plan = plan_shards({k: _nbytes(v) for k, v in tensors.items()}, max_shard_size=max_shard_size,
                        filename_pattern=pattern)
     for filename, names in plan.filename_to_names.items():
         payload.tensor_files.append(TensorFile(filename, [(n, tensors[n]) for n in names]))
-    payload.indexes.append(IndexSpec(index, dict(sorted(plan.name_to_filename.items())),
-                                     {"total_size": plan.total_size, **metadata}))
+    document = build_index(plan, metadata=metadata)
+    payload.indexes.append(IndexSpec(index, document["weight_map"], document["metadata"]))
 
 
 def add_model_weights(payload: Payload, tensors: Mapping[str, torch.Tensor], *, tied: Mapping[str, str],
@@ -118,7 +122,7 @@ def _pretrained_files(save: Callable[[str], Any]) -> dict[str, bytes]:
     with tempfile.TemporaryDirectory() as tmp:
         save(tmp)
         files = {p.relative_to(tmp).as_posix(): p.read_bytes() for p in Path(tmp).rglob("*") if p.is_file()}
-    return {k: v for k, v in files.items() if not k.endswith((".bin", ".pkl", ".pt", ".pth"))}
+    return {k: v for k, v in files.items() if not k.endswith(PICKLE_SUFFIXES)}
 
 
 def capture_payload(
