@@ -24,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from collections import OrderedDict
@@ -37,6 +36,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ._jsonio import parse_json
 from .checkpoint._frozen import base_not_stored
 from .checkpoint._model import KeyMatch, Mismatch, find_aliases, match_keys, mismatch_message
 from .constants import MODEL_INDEX_FILE, TIED_KEY
@@ -191,7 +191,7 @@ def _metas_from_header(path: Path, filename: str) -> dict[str, TensorMeta]:
 
 def _recorded_aliases(entries: Mapping[str, Any], stored: Collection[str]) -> dict[str, str]:
     """The ``{dropped: kept}`` entries of a record that name an unstored alias of a stored tensor (others are
-    ignored: lazy loading reads files of any origin, and an alias only ever adds a name to fill)."""
+    ignored: lazy loading reads weights of any origin, whose metadata may hold anything)."""
     return {k: v for k, v in entries.items() if isinstance(k, str) and isinstance(v, str) and v in stored
             and k not in stored}
 
@@ -200,8 +200,8 @@ def _tied_record(raw: Any, stored: Collection[str]) -> dict[str, str]:
     """hf_resumable's own tied record (``TIED_KEY``): an object in an index, a JSON string in a file header."""
     if isinstance(raw, str):
         try:
-            raw = json.loads(raw)
-        except ValueError:
+            raw = parse_json(raw, source=TIED_KEY)  # bounded depth: the header is untrusted
+        except CorruptCheckpointError:
             return {}
     return _recorded_aliases(raw, stored) if isinstance(raw, dict) else {}
 

@@ -106,3 +106,13 @@ def test_match_keys_fills_aliases_and_the_models_own_ties() -> None:
     assert match_keys({"wte": spec}, stored, tied={"head": "wte"}).unexpected == ["head"]
     assert match_keys({"wte": (torch.bfloat16, (4, 2))}, stored).mismatched[0].kind == "dtype"
     assert match_keys({"wte": (torch.bfloat16, (4, 2))}, stored, compare_dtype=False).fits(strict=True)
+
+
+def test_a_tied_checkpoint_fills_an_untied_model_the_same_way_on_all_three(checkpoint: Path) -> None:
+    # The checkpoint stores wte once and records lm_head.weight as its alias; each path reads that record.
+    wte = tiny_gpt2().transformer.wte.weight.detach()
+    for name, load in PATHS.items():
+        model = tiny_gpt2(seed=3, tie_word_embeddings=False)
+        load(checkpoint, model, True)
+        assert model.lm_head.weight is not model.transformer.wte.weight, name
+        assert torch.equal(model.lm_head.weight, wte) and torch.equal(model.transformer.wte.weight, wte), name

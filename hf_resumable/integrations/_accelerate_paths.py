@@ -49,7 +49,6 @@ __all__ = [
 ]
 
 
-
 class CheckpointPathNotFoundError(CheckpointNotFoundError, ValueError):
     """``load_state(path)`` of a path that does not exist (also a ``ValueError``, which accelerate raises)."""
 
