@@ -18,12 +18,12 @@ import torch
 
 from .checkpoint._model import TIED_KEY, check_tied
 from .checkpoint._model_files import model_index, model_weights_file
-from .checkpoint._payload import SHARDS_KEY, IndexSpec, Payload, TensorFile, add_model_weights
+from .checkpoint._payload import SHARDS_KEY, Payload, add_model_weights, add_sharded
 from .checkpoint._writer import save_payload
 from .checkpoint.manifest import Manifest
 from .constants import OPTIMIZER_FILE_PATTERN, OPTIMIZER_INDEX_FILE, SINGLE_MODEL_FILE
 from .safetensors_io import read_header, read_safetensors
-from .sharding import ShardIndex, parse_index, plan_shards
+from .sharding import ShardIndex, parse_index
 
 
 def _read_sharded(directory: Path, index: ShardIndex) -> dict[str, torch.Tensor]:
@@ -39,13 +39,8 @@ def _read_sharded(directory: Path, index: ShardIndex) -> dict[str, torch.Tensor]
 
 def _replan(payload: Payload, tensors: Mapping[str, torch.Tensor], index: ShardIndex, *, relpath: str,
             pattern: str, max_shard_size: int | str) -> None:
-    plan = plan_shards({k: v.numel() * v.element_size() for k, v in tensors.items()}, max_shard_size=max_shard_size,
-                       filename_pattern=pattern)
-    for filename, names in plan.filename_to_names.items():
-        payload.tensor_files.append(TensorFile(filename, [(n, tensors[n]) for n in names]))
     metadata = {k: v for k, v in index.metadata.items() if k not in ("total_size", SHARDS_KEY)}
-    payload.indexes.append(IndexSpec(relpath, dict(sorted(plan.name_to_filename.items())),
-                                     {"total_size": plan.total_size, **metadata}))
+    add_sharded(payload, tensors, pattern=pattern, index=relpath, max_shard_size=max_shard_size, metadata=metadata)
 
 
 def _read_index(source: Path, relpath: str) -> ShardIndex:

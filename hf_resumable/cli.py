@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ._version import __version__
+from .constants import MANIFEST_FILE, STOCK_OPTIMIZER_FILE
 from .errors import HfResumableError
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     path = _local_checkpoint(args.path, quiet=args.quiet)
     summary = summarize_checkpoint(path, full=args.full)
     print(json.dumps(summary.to_dict(), indent=2) if args.json else summary.format_table())
-    if not (path / "manifest.json").exists() and (path / "optimizer.pt").exists() and not args.quiet:
+    if not (path / MANIFEST_FILE).exists() and (path / STOCK_OPTIMIZER_FILE).exists() and not args.quiet:
         print(f"hint: {path} looks like a stock transformers.Trainer checkpoint; `hf-resumable convert {path}` "
               "turns it into a verified, pickle-free one.", file=sys.stderr)
     return EXIT_OK if summary.verified else EXIT_INVALID

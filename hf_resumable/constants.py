@@ -104,6 +104,36 @@ PIN_TTL = 600.0
 # Record inside temp dirs written by earlier versions (pid/host of the writer); read only by cleanup.
 OWNER_FILE = ".owner.json"
 
+# Other files of a model directory, as save_pretrained and the Hub name them.
+GENERATION_CONFIG_FILE = "generation_config.json"
+README_FILE = "README.md"  # the model card
+# Regular expressions over the weight files a save writes (the single file or the shards of the pattern).
+MODEL_FILES_RE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
+TRAINABLE_FILES_RE = re.compile(r"^trainable(-\d+-of-\d+)?\.safetensors$")
+OPTIMIZER_FILES_RE = re.compile(r"^optimizer(-\d+-of-\d+)?\.safetensors$")
+
+# Stock layouts: files other tools write, which hf_resumable recognizes, converts (the only pickle reads, in
+# convert.py) or refuses, spelled as upstream spells them.
+# transformers.Trainer's checkpoint-<step>: weights (safetensors, or pickled), trainer_state.json (TRAINER_STATE_FILE),
+STOCK_PICKLED_WEIGHTS_FILE = "pytorch_model.bin"
+STOCK_PICKLED_WEIGHTS_INDEX_FILE = "pytorch_model.bin.index.json"
+STOCK_PICKLED_ADAPTER_FILE = "adapter_model.bin"
+# and, pickled, the optimizer, scheduler, GradScaler and per-rank RNG state (rng_state.pth on one process).
+STOCK_OPTIMIZER_FILE = "optimizer.pt"
+STOCK_SCHEDULER_FILE = "scheduler.pt"
+STOCK_SCALER_FILE = "scaler.pt"
+STOCK_RNG_FILE = "rng_state.pth"
+STOCK_RNG_FILE_GLOB = "rng_state_*.pth"
+# Suffixes of pickle files: never written by hf_resumable, never read outside convert.py.
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl")
+# accelerate's save_state: ProjectConfiguration(automatic_checkpoint_naming=True) names
+# <project_dir>/checkpoints/checkpoint_<i>, and the files it writes there (pickle, except the model weights).
+AUTOMATIC_CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
+STOCK_ACCELERATE_FILES_RE = re.compile(r"^(random_states_\d+\.pkl|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|"
+                                       r"scaler\.pt|sampler(_\d+)?\.bin|dl_state_dict(_\d+)?\.bin|"
+                                       r"custom_checkpoint_\d+\.pkl|pytorch_model(_\d+)?\.bin|"
+                                       r"model(_\d+)?\.safetensors)$")
+
 # safetensors header metadata we write into every shard.
 SAFETENSORS_METADATA = {"format": "pt"}
 # Largest safetensors header we accept (the safetensors library uses 100 MB as well).

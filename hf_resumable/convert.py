@@ -37,9 +37,22 @@ import torch
 
 from .checkpoint import CheckpointInfo, read_manifest, save_checkpoint, verify_checkpoint
 from .constants import (
+    ADAPTER_WEIGHTS_FILE,
+    CONFIG_FILE,
     DEFAULT_MAX_SHARD_SIZE,
+    GENERATION_CONFIG_FILE,
     MANIFEST_FILE,
     MODEL_INDEX_FILE,
+    PICKLE_SUFFIXES,
+    RNG_DIR,
+    RNG_FILE_PATTERN,
+    SINGLE_MODEL_FILE,
+    STOCK_OPTIMIZER_FILE,
+    STOCK_RNG_FILE,
+    STOCK_RNG_FILE_GLOB,
+    STOCK_SCALER_FILE,
+    STOCK_SCHEDULER_FILE,
+    TRAINER_STATE_FILE,
 )
 from .errors import (
     CheckpointExistsError,
@@ -67,11 +80,9 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "rmsprop": torch.optim.RMSprop,
 }
 # Files of a stock checkpoint that the conversion consumes (everything else small is copied as is).
-_STOCK_WEIGHTS = ("model.safetensors", MODEL_INDEX_FILE)
-_ADAPTER_WEIGHTS = "adapter_model.safetensors"  # a PEFT model's checkpoint (converted only with model=)
-_PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl")
-_REGENERATED = ("config.json", "generation_config.json")
-_TRAINER_STATE = "trainer_state.json"
+_STOCK_WEIGHTS = (SINGLE_MODEL_FILE, MODEL_INDEX_FILE)
+_ADAPTER_WEIGHTS = ADAPTER_WEIGHTS_FILE  # a PEFT model's checkpoint (converted only with model=)
+_REGENERATED = (CONFIG_FILE, GENERATION_CONFIG_FILE)
 
 
 @dataclass(frozen=True)
@@ -96,11 +107,11 @@ class TrainerCheckpointFiles:
         """Find the files; raise if there is no config (when ``need_config``) or no safetensors weights."""
         if not directory.is_dir():
             raise CheckpointNotFoundError(f"{directory}: no such directory.")
-        if need_config and not (directory / "config.json").is_file():
-            raise CheckpointNotFoundError(f"{directory}: no config.json; this is not a transformers checkpoint.")
+        if need_config and not (directory / CONFIG_FILE).is_file():
+            raise CheckpointNotFoundError(f"{directory}: no {CONFIG_FILE}; this is not a transformers checkpoint.")
         weights = _STOCK_WEIGHTS if need_config else _STOCK_WEIGHTS + (_ADAPTER_WEIGHTS,)
         if not any((directory / name).is_file() for name in weights):
-            raise CheckpointNotFoundError(f"{directory}: no model.safetensors or {MODEL_INDEX_FILE}; only "
+            raise CheckpointNotFoundError(f"{directory}: no {SINGLE_MODEL_FILE} or {MODEL_INDEX_FILE}; only "
                                           "safetensors weights are converted (save with save_safetensors=True).")
         if (directory / MANIFEST_FILE).exists():
             raise CheckpointExistsError(f"{directory} is already an hf_resumable checkpoint; nothing to convert.")
@@ -108,15 +119,15 @@ class TrainerCheckpointFiles:
         def optional(name: str) -> Path | None:
             return directory / name if (directory / name).is_file() else None
 
-        rng = {0: directory / "rng_state.pth"} if (directory / "rng_state.pth").is_file() else {}
-        for path in directory.glob("rng_state_*.pth"):
+        rng = {0: directory / STOCK_RNG_FILE} if (directory / STOCK_RNG_FILE).is_file() else {}
+        for path in directory.glob(STOCK_RNG_FILE_GLOB):
             rng[int(path.stem.rsplit("_", 1)[1])] = path
-        state = json.loads((directory / _TRAINER_STATE).read_text()) if optional(_TRAINER_STATE) else {}
-        copied = [p for p in sorted(directory.iterdir()) if p.is_file() and not p.name.endswith(_PICKLE_SUFFIXES)
+        state = json.loads((directory / TRAINER_STATE_FILE).read_text()) if optional(TRAINER_STATE_FILE) else {}
+        copied = [p for p in sorted(directory.iterdir()) if p.is_file() and not p.name.endswith(PICKLE_SUFFIXES)
                   and p.name not in _REGENERATED and p.name != _ADAPTER_WEIGHTS
                   and not (p.name.startswith("model") and ".safetensors" in p.name)]
-        return cls(directory, optional("optimizer.pt"), optional("scheduler.pt"), optional("scaler.pt"), rng, state,
-                   copied)
+        return cls(directory, optional(STOCK_OPTIMIZER_FILE), optional(STOCK_SCHEDULER_FILE),
+                   optional(STOCK_SCALER_FILE), rng, state, copied)
 
 
 class _StateHolder:
@@ -219,7 +230,7 @@ def _rng_files(files: TrainerCheckpointFiles) -> tuple[RngState | bool, dict[str
             continue
         with tempfile.TemporaryDirectory() as tmp:
             save_rng_state(Path(tmp) / "rng.safetensors", state, fsync=False)
-            extra[f"rng/rank-{rank:05d}.safetensors"] = (Path(tmp) / "rng.safetensors").read_bytes()
+            extra[f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"] = (Path(tmp) / "rng.safetensors").read_bytes()
     if rank0 is False:
         logger.warning("%s has no rng_state.pth; the converted checkpoint has no RNG state and resuming from it "
                        "will need allow_inexact_resume=True.", files.directory)

@@ -44,9 +44,11 @@ from .constants import (
     CONFIG_FILE,
     DATA_STATE_DIR,
     FROZEN_RECORD_FILE,
+    GENERATION_CONFIG_FILE,
     MANIFEST_FILE,
     MODEL_INDEX_FILE,
     OPTIMIZER_INDEX_FILE,
+    README_FILE,
     RNG_DIR,
     SHARDED_DIR,
     STATE_TENSORS_FILE,
@@ -63,8 +65,8 @@ __all__ = ["export_model", "ExportError"]
 
 # Checkpoint files that are training state, not part of a model directory.
 _NOT_EXPORTED = (MANIFEST_FILE, TRAINING_STATE_FILE, STATE_TENSORS_FILE, TRAINER_STATE_FILE, FROZEN_RECORD_FILE,
-                 MODEL_INDEX_FILE, TRAINABLE_INDEX_FILE, OPTIMIZER_INDEX_FILE, CONFIG_FILE, "generation_config.json",
-                 "README.md")
+                 MODEL_INDEX_FILE, TRAINABLE_INDEX_FILE, OPTIMIZER_INDEX_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE,
+                 README_FILE)
 _NOT_EXPORTED_DIRS = (RNG_DIR, DATA_STATE_DIR, SHARDED_DIR)
 
 
@@ -218,7 +220,7 @@ def _write(model: Any, directory: Path, *, merge_adapters: bool, quantized: bool
         model.merge_and_unload().save_pretrained(directory, max_shard_size=max_shard_size)
         return
     model.save_pretrained(directory)  # adapter_config.json + adapter_model.safetensors (every adapter)
-    (directory / "README.md").unlink(missing_ok=True)
+    (directory / README_FILE).unlink(missing_ok=True)
     model.unload().save_pretrained(directory, max_shard_size=max_shard_size)  # the base, without adapter layers
 
 

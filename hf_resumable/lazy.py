@@ -27,7 +27,7 @@ import contextlib
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,8 +36,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ._jsonio import parse_json
 from .checkpoint._frozen import base_not_stored
-from .constants import MODEL_INDEX_FILE
+from .checkpoint._model import KeyMatch, Mismatch, find_aliases, match_keys, mismatch_message
+from .constants import MODEL_INDEX_FILE, TIED_KEY
 from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -187,6 +189,23 @@ def _metas_from_header(path: Path, filename: str) -> dict[str, TensorMeta]:
     return {n: TensorMeta(n, info.torch_dtype, info.shape, filename) for n, info in header.tensors.items()}
 
 
+def _recorded_aliases(entries: Mapping[str, Any], stored: Collection[str]) -> dict[str, str]:
+    """The ``{dropped: kept}`` entries of a record that name an unstored alias of a stored tensor (others are
+    ignored: lazy loading reads weights of any origin, whose metadata may hold anything)."""
+    return {k: v for k, v in entries.items() if isinstance(k, str) and isinstance(v, str) and v in stored
+            and k not in stored}
+
+
+def _tied_record(raw: Any, stored: Collection[str]) -> dict[str, str]:
+    """hf_resumable's own tied record (``TIED_KEY``): an object in an index, a JSON string in a file header."""
+    if isinstance(raw, str):
+        try:
+            raw = parse_json(raw, source=TIED_KEY)  # bounded depth: the header is untrusted
+        except CorruptCheckpointError:
+            return {}
+    return _recorded_aliases(raw, stored) if isinstance(raw, dict) else {}
+
+
 def _check_index_against_headers(index: ShardIndex, metas: dict[str, TensorMeta]) -> None:
     missing = [n for n in index.weight_map if n not in metas]
     if missing:
@@ -197,14 +216,18 @@ def _check_index_against_headers(index: ShardIndex, metas: dict[str, TensorMeta]
 
 
 def _aliases(index: ShardIndex) -> dict[str, str]:
-    """``{dropped: kept}`` entries huggingface_hub (and push_sharded) put in the index metadata."""
-    return {k: v for k, v in index.metadata.items()
-            if isinstance(v, str) and v in index.weight_map and k not in index.weight_map}
+    """``{dropped: kept}`` entries huggingface_hub (and push_sharded) put in the index metadata, and the tied record
+    of an hf_resumable checkpoint."""
+    stored = index.weight_map
+    return {**_recorded_aliases(index.metadata, stored), **_tied_record(index.metadata.get(TIED_KEY), stored)}
 
 
 def _open_local(path: Path) -> LazyStateDict:
     if path.is_file():
-        return LazyStateDict(_metas_from_header(path, path.name), lambda _: path, source=str(path))
+        header = read_header(path)
+        metas = {n: TensorMeta(n, info.torch_dtype, info.shape, path.name) for n, info in header.tensors.items()}
+        return LazyStateDict(metas, lambda _: path, source=str(path),
+                             aliases=_tied_record(header.metadata.get(TIED_KEY), metas))
     index_path, single = path / MODEL_INDEX_FILE, path / SINGLE_MODEL_FILE
     if not index_path.is_file():
         if not single.is_file():
@@ -257,20 +280,23 @@ class LoadPlan:
     Args:
         sources (`dict[str, list[str]]`): checkpoint name -> model keys it fills.
         missing (`list[str]`): model keys nothing fills (tied copies of loaded tensors excluded).
-        unexpected (`list[str]`): checkpoint names the model has no key for.
+        unexpected (`list[str]`): checkpoint names (and recorded aliases) the model has no key for.
         mismatched (`list[str]`): ``"key: checkpoint shape vs model shape"`` entries.
+        match (`KeyMatch`, *optional*): the key match these come from (the checkpoint loader's own matcher).
     """
 
     sources: dict[str, list[str]]
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
+    match: KeyMatch | None = field(default=None, repr=False, compare=False)
 
-    def describe(self, source: str) -> str:
-        parts = [f"{label} ({len(keys)}): {keys[:20]}{' ...' if len(keys) > 20 else ''}"
-                 for label, keys in (("missing keys", self.missing), ("unexpected keys", self.unexpected),
-                                     ("shape mismatches", self.mismatched)) if keys]
-        return f"Checkpoint {source} does not fit the model: " + "; ".join(parts)
+    def describe(self, source: str, *, strict: bool = True) -> str:
+        """The one "does not fit" message (:func:`hf_resumable.checkpoint._model.mismatch_message`)."""
+        match = self.match or KeyMatch(self.sources, self.missing, self.unexpected,
+                                       [Mismatch(line.partition(": ")[0], reason=line.partition(": ")[2])
+                                        for line in self.mismatched])
+        return mismatch_message(match, source=source, what="model", strict=strict)
 
 
 def _model_tensors(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -281,8 +307,10 @@ def _model_tensors(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor
 def plan_load(model: nn.Module, weights: LazyStateDict, *, keys: list[str] | None = None) -> LoadPlan:
     """Match model keys to stored tensors using headers only: sources, missing, unexpected and shape mismatches.
 
-    A model key counts as filled when it is stored, when it shares its tensor with a stored key (tied weights), or
-    when the index records it as an alias of a stored tensor.
+    The same matcher as a checkpoint load (:func:`hf_resumable.checkpoint._model.match_keys`), on shapes only:
+    a stored dtype is cast into the model's, as ``from_pretrained`` does. A model key counts as filled when it is
+    stored, when the index records it as an alias of a stored tensor, or when the model ties it to a stored key
+    (:func:`hf_resumable.checkpoint._model.find_aliases`: one parameter under two names, e.g. on the meta device).
 
     Example:
 
@@ -294,24 +322,12 @@ def plan_load(model: nn.Module, weights: LazyStateDict, *, keys: list[str] | Non
     """
     tensors = _model_tensors(model)
     wanted = list(tensors) if keys is None else keys
-    groups: dict[int, list[str]] = {}
-    for key, tensor in tensors.items():
-        groups.setdefault(id(tensor), []).append(key)
-    sources: dict[str, list[str]] = {}
-    missing, mismatched = [], []
-    for key in wanted:
-        stored = key if key in weights else weights.aliases.get(key)
-        if stored is None or stored not in weights:
-            if not any(k in weights for k in groups[id(tensors[key])]):
-                missing.append(key)
-            continue
-        shape = weights.meta(stored).shape
-        if tuple(tensors[key].shape) != shape:
-            mismatched.append(f"{key}: checkpoint {list(shape)} vs model {list(tensors[key].shape)}")
-            continue
-        sources.setdefault(stored, []).append(key)
-    unexpected = [] if keys is not None else [n for n in weights if n not in tensors]
-    return LoadPlan(sources, sorted(missing), sorted(unexpected), mismatched)
+    stored = {name: (meta.dtype, meta.shape) for name, meta in weights._metas.items()}
+    match = match_keys({key: (tensors[key].dtype, tuple(tensors[key].shape)) for key in wanted}, stored,
+                       tied=weights.aliases, shared=find_aliases(tensors), compare_dtype=False,
+                       report_unexpected=keys is None)
+    return LoadPlan(match.sources, match.missing, match.unexpected, [m.describe("model") for m in match.mismatched],
+                    match=match)
 
 
 # --------------------------------------------------------------------------------------------------- loading
@@ -428,9 +444,7 @@ def load_lazily(
     weights = _as_weights(path_or_repo_id, revision, token)
     _tie(model)
     plan = plan_load(model, weights)
-    if plan.mismatched or (strict and (plan.missing or plan.unexpected)):
-        raise CheckpointMismatchError(plan.describe(weights.source) + ". Check that the checkpoint was saved from "
-                                      "this model's config, or pass strict=False to accept missing/unexpected keys.")
+    plan.match.check(strict=strict, source=weights.source)
     # Each shard is read with an implicit strict=False: strictness was decided above, across all shards at once.
     for filename, names in weights.group_by_file(list(plan.sources)).items():
         _read_shard(model, weights, filename, names, plan.sources)
@@ -536,9 +550,7 @@ class StreamingModel(contextlib.AbstractContextManager):
     def __enter__(self) -> nn.Module:
         _tie(self.model)
         self.plan = plan_load(self.model, self.weights)
-        if self.plan.mismatched or (self.strict and (self.plan.missing or self.plan.unexpected)):
-            raise CheckpointMismatchError(self.plan.describe(self.weights.source) + "; pass strict=False to accept "
-                                          "missing/unexpected keys.")
+        self.plan.match.check(strict=self.strict, source=self.weights.source)
         block_prefix = f"{self.blocks_name}."
         outside = [n for n, keys in self.plan.sources.items() if not keys[0].startswith(block_prefix)]
         self._load(outside)

@@ -485,8 +485,9 @@ def load_sharded_checkpoint(
     if optimizer is not None and model is None:
         raise ValueError("load_sharded_checkpoint needs model= to match optimizer state by parameter name.")
     wait_for_pending_saves()
-    # 1. Verify once; decode and check the non-tensor state (training state, data position, RNG); read the
-    #    layout; refuse a silent inexact resume and state that does not fit, before touching anything.
+    # 1. Open: open_checkpoint's steps 1-5 (verify once; decode and check the training state, data position, RNG);
+    #    read the layout; refuse a silent inexact resume and optimizer/scheduler/scaler state of another kind,
+    #    before touching anything.
     opened = open_checkpoint(directory, verify=verify, allow_inexact_resume=allow_inexact_resume, elastic=True)
     reader = opened._reader
     layout = _read_layout(reader)
@@ -496,12 +497,13 @@ def load_sharded_checkpoint(
     for name, obj, key in (("scheduler", scheduler, STATE_KEY_SCHEDULER), ("scaler", scaler, STATE_KEY_SCALER)):
         if obj is not None:
             opened._object_state(name, key, obj)
-    # 2. Weights, then optimizer state (which is matched against the loaded parameters).
+    # 2. Weights (keys matched by the one key matcher, then the pieces read), then optimizer state, matched
+    #    against the loaded parameters (FSDP2 builds optimizer state from them).
     if model is not None:
         _load_model(reader, layout, model, strict=strict, full=verify == "full")
     if optimizer is not None:
         _load_optimizer(reader, layout, model, optimizer)
-    # 3. Scheduler, scaler; RNG last.
+    # 3. Scheduler, scaler; RNG last (load_into's steps 4, 7 and 8).
     opened.load_into(scheduler=scheduler, scaler=scaler, restore_rng=restore_rng)
     logger.info("Loaded sharded %s (step %s, saved by %d rank(s), loaded by %d)", opened.path, opened.step,
                 layout[LAYOUT_KEY_WORLD_SIZE], opened.world_size)

@@ -1,10 +1,34 @@
-"""Model weights <-> named tensors: tied-weight dedup on save; on load, tied-record and global key checks, and
-the choice between reading in place and the model's own ``load_state_dict``."""
+"""Model weights <-> named tensors: the one tied-weight detector (:func:`find_aliases`, used for dedup on save,
+the sharded save and lazy loading), the one key matcher (:func:`match_keys`: does this checkpoint fit this model,
+for regular, sharded and lazy loads) with its one error message, and on load the tied-record check and the choice
+between reading in place and the model's own ``load_state_dict``.
+
+Example:
+
+```python
+>>> import torch
+>>> w = torch.ones(2, 3)
+>>> find_aliases({"wte.weight": w, "lm_head.weight": w, "wpe.weight": torch.ones(2, 3)})
+{'lm_head.weight': 'wte.weight'}
+>>> spec = (torch.float32, (2, 3))
+>>> match = match_keys({"a": spec, "b": (torch.float32, (3, 3)), "c": spec}, {"a": spec, "b": spec, "d": spec})
+>>> match.missing, match.unexpected, [m.name for m in match.mismatched]
+(['c'], ['d'], ['b'])
+>>> print(mismatch_message(match, source="ckpt", what="model", strict=True))
+ckpt does not fit the model (3 problem(s): missing keys (1), unexpected keys (1), shape mismatches (1)):
+  b: checkpoint [2, 3] vs model [3, 3]
+  c: missing from the checkpoint
+  d: in the checkpoint but not in the model
+Build the model with the checkpoint's config; strict=False skips missing/unexpected keys, not mismatches.
+
+```
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -14,11 +38,47 @@ from ..errors import CheckpointMismatchError, CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["TensorSpec", "storage_key", "find_aliases", "dedupe_tied", "Mismatch", "KeyMatch", "match_keys",
+           "mismatch_message", "check_tied", "check_model_fits", "retie", "load_state_dict_reason", "ModelSnapshot",
+           "load_through_state_dict", "model_state"]
+
+# What a key match compares: a tensor's dtype and shape.
+TensorSpec = tuple[torch.dtype, tuple[int, ...]]
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple:
+# --------------------------------------------------------------------------------------------------- tied weights
+def storage_key(tensor: torch.Tensor) -> tuple | None:
+    """What two names of one tied tensor share: device, storage, offset, shape, stride and dtype; ``None`` for a
+    tensor without bytes (empty, or on the meta device), which shares nothing by storage."""
+    if tensor.device.type == "meta" or not tensor.numel():
+        return None
     return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
             tuple(tensor.stride()), tensor.dtype)
+
+
+def find_aliases(state: Mapping[str, torch.Tensor], *,
+                 local: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, str]:
+    """``{alias: first name}`` for the names of ``state`` that are one tensor (tied weights, e.g. GPT-2's
+    ``lm_head.weight`` and ``transformer.wte.weight``): the one tied-weight detector.
+
+    Two entries are one tensor when they view the same bytes the same way (:func:`storage_key`; ``state_dict()``
+    detaches every entry, so tied names hold distinct objects over one storage), or, for a tensor without bytes
+    (a meta-device model, an empty tensor), when they are the very same object. The first name in ``state``
+    order is kept, as transformers keeps it.
+
+    Args:
+        state: names -> tensors, in state-dict order.
+        local: the tensor whose storage to compare (a DTensor's local piece); default the entry itself.
+    """
+    first: dict[tuple, str] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in state.items():
+        key = storage_key(local(tensor) if local is not None else tensor)
+        key = ("object", id(tensor)) if key is None else key  # ``state`` keeps the object alive: its id is unique
+        kept = first.setdefault(key, name)
+        if kept != name:
+            aliases[name] = kept
+    return aliases
 
 
 def model_state(model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -29,28 +89,22 @@ def model_state(model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor
 
 
 def dedupe_tied(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Drop exact aliases (same storage, offset, shape, stride, dtype), keeping the first name.
+    """Drop aliases (:func:`find_aliases`), keeping the first name.
 
     The first name in state-dict order is the one transformers keeps too (e.g. GPT-2's
     ``transformer.wte.weight`` over ``lm_head.weight``), so ``from_pretrained`` re-ties correctly.
 
     Returns:
         `(tensors, tied)`: tensors to write, and ``{dropped_name: kept_name}``.
+
+    Raises:
+        CheckpointMismatchError: a tensor is on the meta device (it has no data to save).
     """
-    kept: dict[tuple, str] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    tied: dict[str, str] = {}
     for name, tensor in state.items():
         if tensor.device.type == "meta":
             raise CheckpointMismatchError(f"Tensor {name!r} is on the meta device and has no data to save.")
-        key = _storage_key(tensor) if tensor.numel() else None
-        if key is not None and key in kept:
-            tied[name] = kept[key]
-            continue
-        if key is not None:
-            kept[key] = name
-        tensors[name] = tensor
-    return tensors, tied
+    tied = find_aliases(state)
+    return {name: tensor for name, tensor in state.items() if name not in tied}, tied
 
 
 def check_tied(tied: Any, stored: Mapping[str, Any], *, source: str) -> dict[str, str]:
@@ -75,47 +129,191 @@ def check_tied(tied: Any, stored: Mapping[str, Any], *, source: str) -> dict[str
     return dict(tied)
 
 
+# --------------------------------------------------------------------------------------------------- key matching
+@dataclass(frozen=True)
+class Mismatch:
+    """An expected tensor the checkpoint cannot fill as it is: another shape or dtype, or a ``reason``.
+
+    Args:
+        name (`str`): the expected (model) name.
+        stored (`TensorSpec`, *optional*): the checkpoint's dtype and shape for it.
+        expected (`TensorSpec`, *optional*): the model's.
+        reason (`str`, *optional*): why it cannot receive bytes at all (e.g. it is on the meta device).
+    """
+
+    name: str
+    stored: TensorSpec | None = None
+    expected: TensorSpec | None = None
+    reason: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """``"shape"``, ``"dtype"`` or ``"unusable"`` (a ``reason``)."""
+        if self.reason is not None or self.stored is None or self.expected is None:
+            return "unusable"
+        return "shape" if tuple(self.stored[1]) != tuple(self.expected[1]) else "dtype"
+
+    def describe(self, what: str = "model") -> str:
+        if self.kind == "unusable":
+            return f"{self.name}: {self.reason}"
+        (dtype, shape), (want_dtype, want_shape) = self.stored, self.expected
+        if dtype == want_dtype:
+            return f"{self.name}: checkpoint {list(shape)} vs {what} {list(want_shape)}"
+        return f"{self.name}: checkpoint {dtype} {list(shape)} vs {what} {want_dtype} {list(want_shape)}"
+
+
+@dataclass(frozen=True)
+class KeyMatch:
+    """How a checkpoint's tensors meet what is to be filled (pure facts; :meth:`check` decides with ``strict``).
+
+    Args:
+        sources (`dict[str, list[str]]`): stored name -> expected names it fills (itself, and aliases of it).
+        missing (`list[str]`): expected names nothing fills (sorted).
+        unexpected (`list[str]`): stored names and recorded aliases nothing expects (sorted).
+        mismatched (`list[Mismatch]`): expected names whose stored tensor has another shape or dtype (sorted).
+    """
+
+    sources: dict[str, list[str]] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[Mismatch] = field(default_factory=list)
+
+    @property
+    def filled(self) -> set[str]:
+        """Expected names that receive stored bytes."""
+        return {name for names in self.sources.values() for name in names}
+
+    def fits(self, *, strict: bool) -> bool:
+        """No mismatch, and with ``strict`` nothing missing or unexpected."""
+        return not self.mismatched and not (strict and (self.missing or self.unexpected))
+
+    def check(self, *, strict: bool, source: str, what: str = "model") -> None:
+        """Raise if it does not fit; with ``strict=False`` log what is skipped.
+
+        Raises:
+            CheckpointMismatchError: :func:`mismatch_message`, every problem at once.
+        """
+        if not self.fits(strict=strict):
+            raise CheckpointMismatchError(mismatch_message(self, source=source, what=what, strict=strict))
+        if self.missing or self.unexpected:
+            logger.warning("Loading %s with strict=False: %d missing key(s) %s, %d unexpected key(s) %s", source,
+                           len(self.missing), self.missing[:5], len(self.unexpected), self.unexpected[:5])
+
+
+def match_keys(
+    expected: Mapping[str, TensorSpec],
+    stored: Mapping[str, TensorSpec],
+    *,
+    tied: Mapping[str, str] | None = None,
+    shared: Mapping[str, str] | None = None,
+    unusable: Mapping[str, str] | None = None,
+    compare_dtype: bool = True,
+    report_unexpected: bool = True,
+) -> KeyMatch:
+    """The one answer to "does this checkpoint fit": match expected names to stored tensors by dtype and shape.
+
+    Used by the regular load (:func:`check_model_fits`), the sharded load
+    (:func:`hf_resumable.checkpoint._sharded_load.check_fits`) and lazy loading
+    (:func:`hf_resumable.lazy.plan_load`). Pure: only names, dtypes and shapes.
+
+    An expected name is filled by the stored tensor of the same name, or by the one the checkpoint's ``tied``
+    record says it is an alias of (it receives that tensor's bytes, so it must have its shape and dtype). A name
+    the checkpoint does not fill is still covered, not missing, when the expected side ties it (``shared``) to a
+    name that is stored: it is the same tensor.
+
+    Args:
+        expected: names to fill -> their dtype and shape (the model's state dict).
+        stored: the checkpoint's tensors -> dtype and shape (from the headers).
+        tied: the checkpoint's alias record ``{alias: stored name}``.
+        shared: the expected side's own ties ``{alias: first name}`` (:func:`find_aliases`).
+        unusable: expected names that cannot receive bytes -> why (reported as mismatches when filled).
+        compare_dtype: a dtype difference is a mismatch (lazy loading casts, as ``from_pretrained``; a resume
+            does not).
+        report_unexpected: list stored tensors nothing expects (off when ``expected`` is a chosen subset).
+
+    Returns:
+        `KeyMatch`
+    """
+    tied, shared, unusable = tied or {}, shared or {}, unusable or {}
+    groups: dict[str, list[str]] = {}
+    for alias, first in shared.items():
+        groups.setdefault(first, [first]).append(alias)
+    sources: dict[str, list[str]] = {}
+    missing: list[str] = []
+    mismatched: list[Mismatch] = []
+    for name, spec in expected.items():
+        source = name if name in stored else tied.get(name)
+        if source not in stored:
+            group = groups.get(shared.get(name, name), ())
+            if not any(other in stored for other in group):
+                missing.append(name)
+            continue
+        have = stored[source]
+        if name in unusable:
+            mismatched.append(Mismatch(name, have, spec, reason=unusable[name]))
+        elif tuple(have[1]) != tuple(spec[1]) or (compare_dtype and have[0] != spec[0]):
+            mismatched.append(Mismatch(name, have, spec))
+        else:
+            sources.setdefault(source, []).append(name)
+    unexpected = sorted(n for n in (*stored, *tied) if n not in expected) if report_unexpected else []
+    return KeyMatch(sources, sorted(missing), unexpected, sorted(mismatched, key=lambda m: m.name))
+
+
+# Lines listed per kind of problem; the count says how many there are in all.
+_LISTED = 50
+
+
+def _first(lines: list[str]) -> list[str]:
+    return lines[:_LISTED] + ([f"... and {len(lines) - _LISTED} more"] if len(lines) > _LISTED else [])
+
+
+def mismatch_message(match: KeyMatch, *, source: str, what: str = "model", strict: bool = True) -> str:
+    """The one "does not fit" message: counts per kind, the first names of each, and the fix.
+
+    With ``strict=False`` missing and unexpected names are not problems and are not listed.
+    """
+    keys = [("missing keys", [f"{n}: missing from the checkpoint" for n in match.missing]),
+            ("unexpected keys", [f"{n}: in the checkpoint but not in the {what}" for n in match.unexpected])]
+    mismatches = [(label, [m.describe(what) for m in match.mismatched if m.kind == kind])
+                  for kind, label in (("unusable", "unusable tensors"), ("shape", "shape mismatches"),
+                                      ("dtype", "dtype mismatches"))]
+    key_groups = [group for group in keys if group[1]] if strict else []
+    mismatch_groups = [group for group in mismatches if group[1]]
+    total = sum(len(lines) for _, lines in key_groups + mismatch_groups)
+    counts = ", ".join(f"{label} ({len(lines)})" for label, lines in key_groups + mismatch_groups)
+    # Mismatches are listed first: they are errors even with strict=False.
+    listed = [line for _, lines in mismatch_groups + key_groups for line in _first(lines)]
+    fix = (f"Build the {what} with the checkpoint's config; strict=False skips missing/unexpected keys, not "
+           "mismatches." if match.mismatched else
+           f"Build the {what} with the checkpoint's config, or pass strict=False to skip missing/unexpected keys.")
+    return f"{source} does not fit the {what} ({total} problem(s): {counts}):\n  " + "\n  ".join(listed) + "\n" + fix
+
+
 def check_model_fits(
     model: torch.nn.Module,
-    stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    stored: Mapping[str, TensorSpec],
     tied: Mapping[str, str],
     *,
     strict: bool,
     source: str,
     targets: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Compare checkpoint keys/shapes/dtypes with the model once, globally; return the model's targets.
+    """Compare checkpoint keys/shapes/dtypes with the model once, globally (:func:`match_keys`); return the
+    model's targets that stored tensors are read into.
 
     Aliases (``tied``) are checked against the tensor they share: the model's tensor under the alias name
-    must have the stored tensor's dtype and shape, since it receives its bytes.
+    must have the stored tensor's dtype and shape, since it receives its bytes. A model tensor on the meta
+    device cannot receive bytes in place.
 
     Raises:
         CheckpointMismatchError: listing every missing, unexpected and mismatched key at once.
     """
     targets = dict(model.state_dict(keep_vars=True) if targets is None else targets)
-    available = set(stored) | set(tied)
-    missing = sorted(set(targets) - available)
-    unexpected = sorted(available - set(targets))
-    problems = []
-    for name in sorted(set(targets) & available):
-        dtype, shape = stored[tied.get(name, name)]
-        target = targets[name]
-        if target.device.type == "meta":
-            problems.append(f"{name}: the model's tensor is on the meta device (use hf_resumable.load_lazily)")
-        elif tuple(target.shape) != shape or target.dtype != dtype:
-            problems.append(f"{name}: checkpoint has {dtype} {list(shape)}, model has {target.dtype} "
-                            f"{list(target.shape)}")
-    if problems or (strict and (missing or unexpected)):
-        lines = problems + [f"{n}: missing from the checkpoint" for n in missing if strict]
-        lines += [f"{n}: in the checkpoint but not in the model" for n in unexpected if strict]
-        raise CheckpointMismatchError(
-            f"{source} does not fit the model ({len(lines)} problem(s)):\n  " + "\n  ".join(lines[:50])
-            + ("\nBuild the model with the checkpoint's config, or pass strict=False to skip missing/unexpected "
-               "keys." if not problems else "")
-        )
-    if missing or unexpected:
-        logger.warning("Loading %s with strict=False: %d missing key(s) %s, %d unexpected key(s) %s", source,
-                       len(missing), missing[:5], len(unexpected), unexpected[:5])
+    meta = {name: "the model's tensor is on the meta device (use hf_resumable.load_lazily)"
+            for name, t in targets.items() if t.device.type == "meta"}
+    match = match_keys({name: (t.dtype, tuple(t.shape)) for name, t in targets.items()}, stored, tied=tied,
+                       unusable=meta)
+    match.check(strict=strict, source=source, what="model")
     return {name: t for name, t in targets.items() if name in stored}
 
 

@@ -29,6 +29,7 @@ from ..constants import (  # noqa: F401 - SHARDS_KEY and STATE_TENSORS_FILE are 
     MODEL_INDEX_FILE,
     OPTIMIZER_FILE_PATTERN,
     OPTIMIZER_INDEX_FILE,
+    PICKLE_SUFFIXES,
     RENAMED_KEY,
     RNG_DIR,
     RNG_FILE_PATTERN,
@@ -47,10 +48,10 @@ from ..constants import (  # noqa: F401 - SHARDS_KEY and STATE_TENSORS_FILE are 
 )
 from ..errors import CheckpointExistsError, UnsupportedStateError
 from ..rng import RngState, capture_rng_state
-from ..sharding import check_relative_name, plan_shards
+from ..sharding import build_index, check_relative_name, plan_shards
 from ..state_codec import encode_state
 from ._frozen import base_provenance, build_record, frozen_names
-from ._model import TIED_KEY, _storage_key, dedupe_tied, model_state
+from ._model import TIED_KEY, dedupe_tied, find_aliases, model_state, storage_key
 from ._model_files import plan_model_files, single_file_metadata
 from ._optimizer import optimizer_to_tensors, parameter_names
 
@@ -91,13 +92,16 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def add_sharded(payload: Payload, tensors: Mapping[str, torch.Tensor], *, pattern: str, index: str,
-                 max_shard_size: int | str, metadata: dict[str, Any]) -> None:
+                max_shard_size: int | str, metadata: Mapping[str, Any]) -> None:
+    """The one shard-planning path for tensors written as HF-style shards plus an index (model, optimizer,
+    reshard, Hub push): :func:`~hf_resumable.sharding.plan_shards` places them, :func:`~hf_resumable.sharding.
+    build_index` describes them; the writer adds each shard's record to the index (``_writer.index_document``)."""
     plan = plan_shards({k: _nbytes(v) for k, v in tensors.items()}, max_shard_size=max_shard_size,
                        filename_pattern=pattern)
     for filename, names in plan.filename_to_names.items():
         payload.tensor_files.append(TensorFile(filename, [(n, tensors[n]) for n in names]))
-    payload.indexes.append(IndexSpec(index, dict(sorted(plan.name_to_filename.items())),
-                                     {"total_size": plan.total_size, **metadata}))
+    document = build_index(plan, metadata=metadata)
+    payload.indexes.append(IndexSpec(index, document["weight_map"], document["metadata"]))
 
 
 def add_model_weights(payload: Payload, tensors: Mapping[str, torch.Tensor], *, tied: Mapping[str, str],
@@ -118,7 +122,7 @@ def _pretrained_files(save: Callable[[str], Any]) -> dict[str, bytes]:
     with tempfile.TemporaryDirectory() as tmp:
         save(tmp)
         files = {p.relative_to(tmp).as_posix(): p.read_bytes() for p in Path(tmp).rglob("*") if p.is_file()}
-    return {k: v for k, v in files.items() if not k.endswith((".bin", ".pkl", ".pt", ".pth"))}
+    return {k: v for k, v in files.items() if not k.endswith(PICKLE_SUFFIXES)}
 
 
 def capture_payload(
@@ -217,11 +221,11 @@ def capture_model(payload: Payload, model: torch.nn.Module | Mapping[str, torch.
                           {alias: kept for alias, kept in tied.items() if kept in frozen}, base_provenance(module))
     # A PEFT adapter file whose every tensor is a stored trainable tensor holds those tensors for the checkpoint
     # too (stored once, under PEFT's names); any other adapter file is written besides.
-    by_storage = {_storage_key(t): name for name, t in stored.items() if t.numel()}
+    by_storage = {key: name for name, t in stored.items() if (key := storage_key(t)) is not None}
     renamed: dict[str, str] = {}
     in_adapters: dict[str, str] = {}
     for relpath, named in adapters.items():
-        owners = [by_storage.get(_storage_key(t)) if t.numel() else None for _, t in named]
+        owners = [by_storage.get(storage_key(t)) for _, t in named]  # None: no bytes, no owner
         if all(owners) and not any(owner in renamed.values() for owner in owners):
             for (name, _), owner in zip(named, owners):
                 renamed[name] = owner
@@ -266,16 +270,8 @@ def adapter_tensors(model: torch.nn.Module | None) -> dict[str, list[tuple[str, 
 def _unshare(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """Tensors that share memory are written as separate copies (what PEFT's save does: safetensors has no
     aliases)."""
-    seen: set[tuple] = set()
-    out = []
-    for name, tensor in named:
-        key = _storage_key(tensor) if tensor.numel() else None
-        if key is not None and key in seen:
-            tensor = tensor.clone()
-        elif key is not None:
-            seen.add(key)
-        out.append((name, tensor))
-    return out
+    aliases = find_aliases(dict(named))
+    return [(name, tensor.clone() if name in aliases else tensor) for name, tensor in named]
 
 
 # id(config) -> (its JSON, the files its save_pretrained wrote): a config that did not change since the last save is

@@ -24,6 +24,7 @@ from .._safefile import member_path, open_regular, read_regular_file
 from ..constants import (
     DATA_STATE_DIR,
     DATA_STATE_FILE_PATTERN,
+    MANIFEST_FILE,
     MAX_JSON_SIZE,
     OPTIMIZER_INDEX_FILE,
     RNG_DIR,
@@ -196,17 +197,20 @@ class OpenedCheckpoint(LoadedCheckpoint):
     @classmethod
     def open(cls, path: Path, report: VerifyReport, *, verify: str, rank: int, world_size: int,
              allow_inexact_resume: bool, counters: Iterable[str] = (), elastic: bool = False) -> "OpenedCheckpoint":
-        """Decode and check everything that does not depend on a live object. ``report`` verified ``path``."""
+        """Decode and check everything that does not depend on a live object: steps 2-5 of opening (step 1,
+        verification, is :func:`~hf_resumable.checkpoint.open_checkpoint`'s; ``report`` verified ``path``)."""
         reader = _Reader(path, report, hash_on_read=verify == "quick")
         manifest = report.manifest
         state_source = str(path / TRAINING_STATE_FILE)
-        # 1. Counters of the manifest, structure of training_state.json, its tensors.
+        # 2. Counters of the manifest, structure of training_state.json, its tensors: the structure is checked
+        #    before decoding so that a malformed document fails with its field named, not deep in the codec.
         if manifest.step is not None and (type(manifest.step) is not int or manifest.step < 0):
-            raise CorruptCheckpointError(f"{path / 'manifest.json'}: step: {manifest.step!r} is invalid, expected a "
+            raise CorruptCheckpointError(f"{path / MANIFEST_FILE}: step: {manifest.step!r} is invalid, expected a "
                                          "non-negative int or null. Resume from another checkpoint.")
         document = check_training_state(reader.json(TRAINING_STATE_FILE), source=state_source)
         tensors = reader.tensors(STATE_TENSORS_FILE) if STATE_TENSORS_FILE in manifest.files else {}
-        # 2. Decode once: progress, extra, scheduler and scaler state (every codec marker checked).
+        # 3. Decode once: progress, extra, scheduler and scaler state (every codec marker checked); load_into and
+        #    the integrations use these decoded objects, nobody reads training_state.json again.
         decode = lambda key: decode_state(document.get(key) or {}, tensors, source=state_source, path=key)  # noqa: E731
         opened = cls(path=path, manifest=manifest, training_state=decode(STATE_KEY_PROGRESS),
                      extra=decode(STATE_KEY_EXTRA), rank=rank, world_size=world_size,
@@ -216,7 +220,8 @@ class OpenedCheckpoint(LoadedCheckpoint):
             if document.get(key) is not None:
                 opened._objects[key] = decode(key)
         check_counters(opened.training_state, (*DEFAULT_COUNTERS, *counters), source=state_source)
-        # 3. This rank's data position and RNG state (a generator's own check, on private generators).
+        # 4. This rank's data position and RNG state. The RNG state is tried on private generators: a state the
+        #    real generators would refuse (or silently change) fails here, before any live object is touched.
         data_rel = f"{DATA_STATE_DIR}/{DATA_STATE_FILE_PATTERN.format(rank=rank)}"
         if data_rel in manifest.files:
             opened.data_state = decode_state(reader.json(data_rel), {}, source=str(path / data_rel))
@@ -224,7 +229,9 @@ class OpenedCheckpoint(LoadedCheckpoint):
         rng_rel = f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"
         if rng_rel in manifest.files:
             opened.rng_state = load_rng_state(path / rng_rel, expected=reader.expected(rng_rel))
-        # 4. The model index and its tied-weight record; or the trainable part's, with the frozen base's record.
+        # 5. The model index and its tied-weight record (an alias must not be stored itself and must point at a
+        #    stored tensor, else a load would overwrite one tensor with another); or the trainable part's index,
+        #    with the frozen base's record.
         if (index := reader.model_index()) is not None:
             opened._model_index = index
             opened._tied = check_tied(index.metadata.get(TIED_KEY) or {}, reader.stored(index), source=index.source)
@@ -328,7 +335,7 @@ class OpenedCheckpoint(LoadedCheckpoint):
         """
         reader = self._reader
         source = str(self.path)
-        # 1. Policy: world size and RNG, before anything else.
+        # 1. Policy: world size and RNG, before anything else (a refusal must not cost a planned load).
         self.check_exact(weights=model is not None, rng=restore_rng, allow_inexact_resume=allow_inexact_resume)
         # 2. Plan the model: keys, shapes, dtypes and tied aliases, or the model's own load_state_dict.
         model_plan = self._plan_model(model, strict=strict) if model is not None else None
@@ -338,19 +345,22 @@ class OpenedCheckpoint(LoadedCheckpoint):
         objects = [(name, obj, self._object_state(name, key, obj)) for name, obj, key in
                    (("scheduler", scheduler, STATE_KEY_SCHEDULER), ("scaler", scaler, STATE_KEY_SCALER))
                    if obj is not None]
-        # 5. Values read by offset before applying anything: optimizer step counts.
+        # 5. Values read by offset before applying anything: optimizer step counts (a negative or non-integral
+        #    step would only fail inside the optimizer's next step, after everything was applied).
         if optimizer_plan is not None:
             for name, value in reader.peek(self._optimizer_index, optimizer_plan.steps).items():
                 check_step_value(value, field=f"{OPTIMIZER_INDEX_FILE}: {name}", source=source)
         # 6. Read every tensor, hash-checked: weights in place (or into new buffers for load_state_dict),
-        #    optimizer state into its final tensors.
+        #    optimizer state into its final tensors. All files at once, so the disk stays busy while new
+        #    optimizer state is faulted in.
         jobs = []
         if model_plan is not None:
             jobs.append((self._model_index, model_plan["into"], ()))
         if optimizer_plan is not None:
             jobs.append((self._optimizer_index, optimizer_plan.targets, optimizer_plan.new))
         leftovers = reader.read(jobs) if jobs else {}
-        # 7. Apply: model, optimizer (through its load_state_dict), scheduler, scaler; 8. RNG last.
+        # 7. Apply: model (retie aliases, or its own load_state_dict), optimizer (its load_state_dict, with tensors
+        #    already final), scheduler, scaler.
         if model_plan is not None:
             self._apply_model(model, model_plan, leftovers, strict=strict)
         if optimizer_plan is not None:
@@ -358,6 +368,7 @@ class OpenedCheckpoint(LoadedCheckpoint):
                                   source=source)
         for _name, obj, state in objects:
             obj.load_state_dict(state)
+        # 8. The RNG last: applying anything else may draw random numbers.
         if restore_rng and self.rng_state is not None:
             restore_rng_state(self.rng_state, allow_device_mismatch=True)  # the device count was checked in step 1
         logger.info("Loaded %s (step %s)", self.path, self.step)

@@ -41,6 +41,7 @@ from ..constants import (  # noqa: F401 - re-exported for the sharded modules
 from ..errors import CheckpointMismatchError, CorruptCheckpointError, UnsupportedStateError
 from ..safetensors_io import DTYPE_TO_STR
 from ..sharding import ShardPlan
+from ._model import find_aliases
 from ._payload import TensorFile
 
 logger = logging.getLogger(__name__)
@@ -224,32 +225,15 @@ class LocalState:
     tied: dict[str, str]
 
 
-def _alias_key(tensor: torch.Tensor) -> tuple | None:
-    """What two names of one tied tensor share: the local piece's storage, offset, shape, stride and dtype."""
-    local = _local_tensor(tensor)
-    if not local.numel():
-        return None
-    return (local.device, local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
-            tuple(local.stride()), local.dtype)
-
-
 def find_tied(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """``{alias: first name}`` for names whose tensors share memory (tied weights, e.g. GPT-2's ``lm_head``).
 
-    ``state_dict()`` detaches every entry, so tied names hold distinct objects over one storage; the
-    storage of the local piece tells them apart. A rank whose piece is empty cannot see a tie, so the
-    caller unites every rank's answer (:func:`hf_resumable.distributed.all_gather_json`).
+    :func:`~hf_resumable.checkpoint._model.find_aliases` on the local pieces: ``state_dict()`` detaches every
+    entry, so tied names hold distinct objects over one storage, which the local piece's storage tells apart. A
+    rank whose piece is empty cannot see a tie, so the caller unites every rank's answer
+    (:func:`hf_resumable.distributed.all_gather_json`).
     """
-    first: dict[tuple, str] = {}
-    tied: dict[str, str] = {}
-    for name, tensor in state.items():
-        key = _alias_key(tensor)
-        if key is None:
-            continue
-        kept = first.setdefault(key, name)
-        if kept != name:
-            tied[name] = kept
-    return tied
+    return find_aliases(state, local=_local_tensor)
 
 
 def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: Mapping[str, str]) -> LocalState:

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointMismatchError, CorruptCheckpointError, FormatVersionError
+from ..errors import CorruptCheckpointError, FormatVersionError
 from ..safetensors_io import STR_TO_DTYPE
 from ..sharding import ShardIndex, check_relative_name
-from ._model import TIED_KEY
+from ._model import TIED_KEY, match_keys
 from ._sharded import (
     LAYOUT_FILE,
     LAYOUT_KEY_MODEL,
@@ -204,33 +204,17 @@ def _wrap_like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 def check_fits(current: Mapping[str, torch.Tensor], section: Section, *, strict: bool, source: str,
                what: str) -> list[str]:
-    """Names of ``current`` to fill; every missing, unexpected or mismatched key is reported at once.
+    """Names of ``current`` to fill (in its order), matched by :func:`~hf_resumable.checkpoint._model.match_keys`;
+    every missing, unexpected or mismatched key is reported at once.
 
     Raises:
         CheckpointMismatchError: listing all offending keys.
     """
-    available = set(section.dtypes) | set(section.tied)
-    missing = sorted(set(current) - available)
-    unexpected = sorted(available - set(current))
-    problems = []
-    for name in sorted(set(current) & available):
-        stored = section.tied.get(name, name)
-        target = current[name]
-        if section.shapes[stored] != tuple(target.shape) or section.dtypes[stored] != target.dtype:
-            problems.append(f"{name}: checkpoint has {section.dtypes[stored]} {list(section.shapes[stored])}, "
-                            f"the {what} has {target.dtype} {list(target.shape)}")
-    lines = problems + ([f"{n}: missing from the checkpoint" for n in missing] +
-                        [f"{n}: in the checkpoint but not in the {what}" for n in unexpected] if strict else [])
-    if lines:
-        raise CheckpointMismatchError(
-            f"{source} does not fit the {what} ({len(lines)} problem(s)):\n  " + "\n  ".join(lines[:50])
-            + f"\nBuild the {what} the same way as when saving (same config), or pass strict=False to skip "
-            "missing/unexpected keys."
-        )
-    if missing or unexpected:
-        logger.warning("Loading %s with strict=False: %d missing key(s) %s, %d unexpected key(s) %s", source,
-                       len(missing), missing[:5], len(unexpected), unexpected[:5])
-    return [name for name in current if name in available]
+    stored = {name: (section.dtypes[name], section.shapes[name]) for name in section.dtypes}
+    match = match_keys({name: (t.dtype, tuple(t.shape)) for name, t in current.items()}, stored, tied=section.tied)
+    match.check(strict=strict, source=source, what=what)
+    filled = match.filled
+    return [name for name in current if name in filled]
 
 
 def fill_state(current: Mapping[str, torch.Tensor], reader: PieceReader, names: list[str]) -> dict[str, torch.Tensor]:

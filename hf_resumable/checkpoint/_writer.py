@@ -15,7 +15,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from ..progress import progress_bar
 from ..rng import save_rng_state
 from ..safetensors_io import FileRecord, write_safetensors
 from ._fs import DirIdentity, commit_dir, create_temp_dir, discard, write_bytes_durably
-from ._payload import SHARDS_KEY, Payload
+from ._payload import SHARDS_KEY, IndexSpec, Payload
 from ._staging import copy_into
 from ._threads import run_in_threads
 from .manifest import Manifest, read_manifest, records_from_json, records_to_json
@@ -149,6 +149,14 @@ def _has_entries(directory: Path) -> bool:
         return next(entries, None) is not None
 
 
+def index_document(spec: IndexSpec, records: Mapping[str, FileRecord]) -> dict[str, Any]:
+    """The index file of ``spec`` once its shards are written (pure): its weight map and metadata, plus each
+    shard's size and sha256 under ``SHARDS_KEY`` (what loads and Hub downloads check a shard against)."""
+    shards = {name: {"size": records[name].size, "sha256": records[name].sha256}
+              for name in dict.fromkeys(spec.weight_map.values())}
+    return {"metadata": {**spec.metadata, SHARDS_KEY: shards}, "weight_map": spec.weight_map}
+
+
 def write_payload(tmp: Path, payload: Payload) -> dict[str, FileRecord]:
     """Write every file of ``payload`` under ``tmp``; return their records."""
     records: dict[str, FileRecord] = {}
@@ -166,11 +174,7 @@ def write_payload(tmp: Path, payload: Payload) -> dict[str, FileRecord]:
         # while the disk is kept busy.
         records.update(run_in_threads(write, payload.tensor_files, workers=WRITE_THREADS))
     for spec in payload.indexes:
-        shards = {name: {"size": records[name].size, "sha256": records[name].sha256}
-                  for name in dict.fromkeys(spec.weight_map.values())}
-        document = {"metadata": {**spec.metadata, SHARDS_KEY: shards}, "weight_map": spec.weight_map}
-        raw = json_bytes(document)
-        records[spec.relpath] = write_bytes_durably(tmp / spec.relpath, raw)
+        records[spec.relpath] = write_bytes_durably(tmp / spec.relpath, json_bytes(index_document(spec, records)))
     for relpath, data in payload.blobs.items():
         records[relpath] = write_bytes_durably(tmp / relpath, data)
     if payload.rng is not None and payload.rng_relpath is not None:

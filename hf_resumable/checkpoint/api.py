@@ -238,10 +238,13 @@ def open_checkpoint(
     if verify not in ("quick", "full", "none"):
         raise ValueError(f"verify must be 'quick', 'full' or 'none', got {verify!r}.")
     require_local(directory, "open_checkpoint")
-    _ASYNC.wait()
+    _ASYNC.wait()  # a background save of this process may be committing this very directory
     path = Path(directory)
+    # 1. Verify once (quick: manifest, sizes, headers, small-file hashes, index consistency; full: every hash). The
+    #    report's parsed headers serve every later step, so no file is parsed twice.
     report = verify_checkpoint(path, full=verify == "full", raise_on_error=True)
     rank, world_size = rank_and_world_size()
+    # 2-5. Decode and check what does not depend on a live object (OpenedCheckpoint.open).
     return OpenedCheckpoint.open(path, report, verify=verify, rank=rank, world_size=world_size,
                                  allow_inexact_resume=allow_inexact_resume, counters=counters, elastic=elastic)
 

@@ -12,6 +12,7 @@ from .._jsonio import parse_json
 from .._safefile import file_kind, member_path, read_regular_file
 from ..constants import (
     LAYOUT_FILE,
+    MANIFEST_FILE,
     MAX_JSON_SIZE,
     MODEL_INDEX_FILE,
     OPTIMIZER_INDEX_FILE,
@@ -107,9 +108,9 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True,
     try:
         report.manifest = read_manifest(directory)
     except HfResumableError as err:
-        report.add("manifest.json", str(err), type(err))
+        report.add(MANIFEST_FILE, str(err), type(err))
     except OSError as err:
-        report.add("manifest.json", f"cannot be read ({type(err).__name__}: {err})")
+        report.add(MANIFEST_FILE, f"cannot be read ({type(err).__name__}: {err})")
     else:
         _check_files(directory, report)
         if not report.problems:

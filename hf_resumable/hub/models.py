@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 from huggingface_hub import CommitInfo, HfApi
 
 from .._jsonio import json_bytes
-from ..constants import FORMAT_VERSION, MODEL_FILE_PATTERN, MODEL_INDEX_FILE
+from ..constants import FORMAT_VERSION, MODEL_FILE_PATTERN, MODEL_INDEX_FILE, README_FILE
 from ..errors import CheckpointMismatchError, CheckpointNotFoundError
-from ..sharding import ShardIndex, plan_shards
-from ._common import INDEX_VERSION_KEY, SHARD_RECORDS_KEY, SINGLE_MODEL_FILE, WEIGHT_PATTERNS, HubSnapshot
+from ..sharding import ShardIndex
+from ._common import INDEX_VERSION_KEY, SINGLE_MODEL_FILE, WEIGHT_PATTERNS, HubSnapshot
 
 if TYPE_CHECKING:
     import torch
@@ -47,20 +47,19 @@ def write_sharded_model(state_dict: Mapping[str, torch.Tensor], directory: str |
     ```
     """
     from ..checkpoint._model import dedupe_tied  # same aliasing rule as training checkpoints
-    from ..constants import SAFETENSORS_METADATA
+    from ..checkpoint._payload import Payload, add_sharded  # same shard planning as training checkpoints
+    from ..checkpoint._writer import index_document
     from ..safetensors_io import write_safetensors
-    from ..sharding import build_index
 
     directory = Path(directory)
     tensors, aliases = dedupe_tied(state_dict)
-    plan = plan_shards({n: t.numel() * t.element_size() for n, t in tensors.items()},
-                       max_shard_size=max_shard_size, filename_pattern=MODEL_FILE_PATTERN)
-    records = {}
-    for filename, names in plan.filename_to_names.items():
-        record = write_safetensors(directory / filename, [(n, tensors[n]) for n in names],
-                                   metadata=SAFETENSORS_METADATA, fsync=False)
-        records[filename] = {"size": record.size, "sha256": record.sha256}
-    index = build_index(plan, metadata={**aliases, INDEX_VERSION_KEY: FORMAT_VERSION, SHARD_RECORDS_KEY: records})
+    payload = Payload()
+    add_sharded(payload, tensors, pattern=MODEL_FILE_PATTERN, index=MODEL_INDEX_FILE, max_shard_size=max_shard_size,
+                metadata={**aliases, INDEX_VERSION_KEY: FORMAT_VERSION})
+    records = {file.relpath: write_safetensors(directory / file.relpath, file.tensors, metadata=file.metadata,
+                                               fsync=False) for file in payload.tensor_files}
+    (spec,) = payload.indexes
+    index = index_document(spec, records)
     (directory / MODEL_INDEX_FILE).write_bytes(json_bytes(index))
     return index
 
@@ -169,8 +168,8 @@ def push_sharded(
             _stage_model(model_or_state_dict_or_dir, folder, max_shard_size=max_shard_size,
                          processing_class=processing_class)
         if card is not None:
-            (folder / "README.md").unlink(missing_ok=True)
-            (folder / "README.md").write_text(card, encoding="utf-8")
+            (folder / README_FILE).unlink(missing_ok=True)
+            (folder / README_FILE).write_text(card, encoding="utf-8")
         # 2. Make sure the repo and branch exist, then 3. push everything in one commit.
         api.create_repo(repo_id, private=private, exist_ok=True)
         if revision is not None and not create_pr:

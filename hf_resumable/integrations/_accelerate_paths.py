@@ -8,20 +8,27 @@ Planning functions are pure; the few that look at the disk say so.
 from __future__ import annotations
 
 import os
-import re
 import stat
 from collections.abc import Iterable
 from pathlib import Path
 
 from ..checkpoint import read_manifest
 from ..constants import (
+    AUTOMATIC_CHECKPOINT_RE,
+    CONFIG_FILE,
     DATA_STATE_DIR,
     FROZEN_RECORD_FILE,
+    GENERATION_CONFIG_FILE,
     MANIFEST_FILE,
+    MODEL_FILES_RE,
     MODEL_INDEX_FILE,
+    OPTIMIZER_FILES_RE,
     OPTIMIZER_INDEX_FILE,
     RNG_DIR,
+    STATE_TENSORS_FILE,
+    STOCK_ACCELERATE_FILES_RE,
     TMP_PREFIX,
+    TRAINABLE_FILES_RE,
     TRAINABLE_INDEX_FILE,
     TRAINING_STATE_FILE,
     TRASH_PREFIX,
@@ -40,13 +47,6 @@ __all__ = [
     "collect_hook_files",
     "hook_file_conflicts",
 ]
-
-# accelerate's ProjectConfiguration(automatic_checkpoint_naming=True) names: <project_dir>/checkpoints/checkpoint_<i>.
-AUTOMATIC_CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")
-# Files stock accelerate's save_state writes (pickle, except the model weights).
-_STOCK_FILES = re.compile(r"^(random_states_\d+\.pkl|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|scaler\.pt|"
-                          r"sampler(_\d+)?\.bin|dl_state_dict(_\d+)?\.bin|custom_checkpoint_\d+\.pkl|"
-                          r"pytorch_model(_\d+)?\.bin|model(_\d+)?\.safetensors)$")
 
 
 class CheckpointPathNotFoundError(CheckpointNotFoundError, ValueError):
@@ -124,7 +124,7 @@ def refusal_reason(target: Path) -> str | None:
 def stock_accelerate_files(directory: Path) -> list[str]:
     """Names in ``directory`` that stock accelerate's ``save_state`` writes (looks at the disk)."""
     try:
-        return sorted(name for name in os.listdir(directory) if _STOCK_FILES.match(name))
+        return sorted(name for name in os.listdir(directory) if STOCK_ACCELERATE_FILES_RE.match(name))
     except OSError:
         return []
 
@@ -156,13 +156,14 @@ def hook_file_conflicts(relpaths: Iterable[str], *, model_slot: bool, optimizer_
     for relpath in relpaths:
         top = relpath.split("/", 1)[0]
         reserved = (
-            relpath in (MANIFEST_FILE, TRAINING_STATE_FILE, "training_state.safetensors")
+            relpath in (MANIFEST_FILE, TRAINING_STATE_FILE, STATE_TENSORS_FILE)
             or top in (RNG_DIR, DATA_STATE_DIR) or top.startswith((TMP_PREFIX, TRASH_PREFIX))
             or (model_slot and (relpath in (MODEL_INDEX_FILE, TRAINABLE_INDEX_FILE, FROZEN_RECORD_FILE)
-                                or re.fullmatch(r"(model|trainable)(-\d+-of-\d+)?\.safetensors", relpath) is not None
-                                or relpath in ("config.json", "generation_config.json")))
+                                or MODEL_FILES_RE.fullmatch(relpath) is not None
+                                or TRAINABLE_FILES_RE.fullmatch(relpath) is not None
+                                or relpath in (CONFIG_FILE, GENERATION_CONFIG_FILE)))
             or (optimizer_slot and (relpath == OPTIMIZER_INDEX_FILE
-                                    or re.fullmatch(r"optimizer(-\d+-of-\d+)?\.safetensors", relpath) is not None))
+                                    or OPTIMIZER_FILES_RE.fullmatch(relpath) is not None))
         )
         if reserved:
             conflicts.append(relpath)

@@ -32,7 +32,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint import list_checkpoints
-from ..constants import MANIFEST_FILE, MODEL_INDEX_FILE, TRAINING_STATE_FILE
+from ..constants import (
+    ADAPTER_WEIGHTS_FILE,
+    MANIFEST_FILE,
+    MODEL_INDEX_FILE,
+    SINGLE_MODEL_FILE,
+    STOCK_PICKLED_ADAPTER_FILE,
+    STOCK_PICKLED_WEIGHTS_FILE,
+    STOCK_PICKLED_WEIGHTS_INDEX_FILE,
+    TRAINER_STATE_FILE,
+    TRAINING_STATE_FILE,
+)
 from ..errors import CheckpointExistsError, CheckpointNotFoundError
 
 logger = logging.getLogger(__name__)
@@ -43,9 +53,9 @@ __all__ = ["CheckpointKind", "CheckpointDir", "ResumeCheckpointNotFoundError", "
 
 # Hidden directory of output_dir where stock checkpoints are converted before they are loaded.
 CONVERTED_DIR = ".hf-resumable-converted"
-_STOCK_STATE = "trainer_state.json"
-_STOCK_WEIGHTS = ("model.safetensors", MODEL_INDEX_FILE, "adapter_model.safetensors", "pytorch_model.bin",
-                  "pytorch_model.bin.index.json", "adapter_model.bin")
+_STOCK_STATE = TRAINER_STATE_FILE
+_STOCK_WEIGHTS = (SINGLE_MODEL_FILE, MODEL_INDEX_FILE, ADAPTER_WEIGHTS_FILE, STOCK_PICKLED_WEIGHTS_FILE,
+                  STOCK_PICKLED_WEIGHTS_INDEX_FILE, STOCK_PICKLED_ADAPTER_FILE)
 CONVERT_HINT = "hf-resumable convert"
 
 
