@@ -57,7 +57,7 @@ def _local_checkpoint(target: str, *, quiet: bool) -> Path:
 
 # ------------------------------------------------------------------------------------------------ commands
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .summary import summarize_checkpoint
+    from .checkpoint.summary import summarize_checkpoint
 
     path = _local_checkpoint(args.path, quiet=args.quiet)
     summary = summarize_checkpoint(path, full=args.full)
@@ -84,7 +84,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import PICKLE_WARNING, TrainerCheckpointFiles, convert_trainer_checkpoint
+    from .conversions.stock import PICKLE_WARNING, TrainerCheckpointFiles, convert_trainer_checkpoint
 
     source = Path(args.path)
     output = Path(args.output) if args.output else source.parent / "hf_resumable" / source.name
@@ -98,8 +98,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
-    from .convert import reshard_checkpoint
-    from .summary import summarize_checkpoint
+    from .checkpoint.summary import summarize_checkpoint
+    from .conversions.stock import reshard_checkpoint
 
     target = reshard_checkpoint(args.path, max_shard_size=args.max_shard_size, output=args.output)
     if not args.quiet:
@@ -111,7 +111,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import export_model
+    from .conversions.export import export_model
 
     path = _local_checkpoint(args.path, quiet=args.quiet)
     target = export_model(path, args.output, base=args.base, revision=args.revision, merge_adapters=args.merge,
@@ -122,7 +122,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from .cards import render_checkpoint_card
+    from .hub.cards import render_checkpoint_card
 
     path = Path(args.path)
     if not path.is_dir():

@@ -18,9 +18,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hf_resumable"
 LAYERS: list[tuple[str, list[str]]] = [
     ("format", ["_version", "errors", "constants", "_jsonio", "_safefile", "_urls", "progress", "preemption",
                 "distributed", "safetensors_io", "sharding", "state_codec", "rng", "state"]),
-    ("checkpoint", ["checkpoint", "sharded", "_reshard", "summary"]),
+    ("checkpoint", ["checkpoint", "sharded"]),
     ("data, remote", ["data", "elastic", "remote", "storage"]),
-    ("hub, lazy, conversions", ["hub", "lazy", "cards", "convert", "export"]),
+    ("hub, lazy, conversions", ["hub", "lazy", "conversions", "cards", "convert"]),
     ("locations", ["locations"]),
     ("integrations", ["integrations"]),
     ("entry points", ["cli", "demo", "demo_train", "__main__", ""]),

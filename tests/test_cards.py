@@ -11,9 +11,9 @@ import torch
 from huggingface_hub import ModelCard, metadata_load
 
 from hf_resumable import save_checkpoint
-from hf_resumable.cards import DEFAULT_TAGS, card_metadata, render_checkpoint_card, render_model_card
 from hf_resumable.checkpoint import read_manifest
-from hf_resumable.summary import summarize_checkpoint
+from hf_resumable.checkpoint.summary import summarize_checkpoint
+from hf_resumable.hub.cards import DEFAULT_TAGS, card_metadata, render_checkpoint_card, render_model_card
 
 from tiny_models import tiny_gpt2, train_steps
 

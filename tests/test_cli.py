@@ -338,7 +338,7 @@ def test_demo_loop_backend_resumes_exactly_in_process(tmp_path: Path, monkeypatc
 
 
 def test_summary_sees_through_optimizer_wrappers() -> None:
-    from hf_resumable.summary import _optimizer_name
+    from hf_resumable.checkpoint.summary import _optimizer_name
 
     adamw = {"betas": [0.9, 0.999], "decoupled_weight_decay": True, "lr": 1e-3}
     accelerated = "AdamW (in AcceleratedOptimizer)"

@@ -306,8 +306,8 @@ def test_tools_that_need_a_whole_model_say_so(gpt2_base: Path, tmp_path: Path):
 
 
 def test_inspect_reshard_and_cli_on_a_trainable_only_checkpoint(gpt2_base: Path, tmp_path: Path):
+    from hf_resumable.checkpoint.summary import summarize_checkpoint
     from hf_resumable.convert import reshard_checkpoint
-    from hf_resumable.summary import summarize_checkpoint
 
     model, optimizer = trained(lora(gpt2_base))
     save_checkpoint(tmp_path / "c", model=model, optimizer=optimizer, rng=False)
@@ -359,7 +359,7 @@ def test_export_merged_and_unmerged(gpt2_base: Path, tmp_path: Path):
 
 
 def test_export_of_a_model_without_recorded_source_needs_a_base(tmp_path: Path):
-    from hf_resumable.export import ExportError, export_model
+    from hf_resumable.conversions.export import ExportError, export_model
 
     model = tiny_gpt2(n_embd=64)  # built from a config: no name_or_path
     model.get_input_embeddings().requires_grad_(False)

@@ -530,7 +530,7 @@ class ResumableTrainer(Trainer):
         WARNING); the stock directory is never changed or deleted. The weights are read by the stock
         ``Trainer._load_from_checkpoint`` into this trainer's model (any model class, PEFT adapters included).
         """
-        from ..convert import convert_trainer_checkpoint
+        from ..conversions.stock import convert_trainer_checkpoint
 
         target = Path(self.args.output_dir) / CONVERTED_DIR / stock.name
         logger.warning("Resuming from %s, a checkpoint of the stock transformers.Trainer, converted to %s. This "

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint._model import TIED_KEY, check_tied
-from .checkpoint._model_files import model_index, model_weights_file
-from .checkpoint._payload import SHARDS_KEY, Payload, add_model_weights, add_sharded
-from .checkpoint._writer import save_payload
-from .checkpoint.manifest import Manifest
-from .constants import OPTIMIZER_FILE_PATTERN, OPTIMIZER_INDEX_FILE, SINGLE_MODEL_FILE
-from .safetensors_io import read_header, read_safetensors
-from .sharding import ShardIndex, parse_index
+from ..constants import OPTIMIZER_FILE_PATTERN, OPTIMIZER_INDEX_FILE, SINGLE_MODEL_FILE
+from ..safetensors_io import read_header, read_safetensors
+from ..sharding import ShardIndex, parse_index
+from ._model import TIED_KEY, check_tied
+from ._model_files import model_index, model_weights_file
+from ._payload import SHARDS_KEY, Payload, add_model_weights, add_sharded
+from ._writer import save_payload
+from .manifest import Manifest
 
 
 def _read_sharded(directory: Path, index: ShardIndex) -> dict[str, torch.Tensor]:

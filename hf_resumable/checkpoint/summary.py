@@ -8,7 +8,7 @@ the model cards (:mod:`hf_resumable.cards`) are built on it.
 Example:
 
 ```python
->>> from hf_resumable.summary import summarize_checkpoint
+>>> from hf_resumable.checkpoint.summary import summarize_checkpoint
 >>> summary = summarize_checkpoint("out/checkpoint-120")  # doctest: +SKIP
 >>> summary.step, summary.parameter_count, summary.verified  # doctest: +SKIP
 (120, 124439808, True)
@@ -24,11 +24,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._jsonio import parse_json
-from ._safefile import read_regular_file
-from .checkpoint import verify_checkpoint
-from .checkpoint._model_files import has_model_weights
-from .constants import (
+from .._jsonio import parse_json
+from .._safefile import read_regular_file
+from ..constants import (
     FROZEN_RECORD_FILE,
     MANIFEST_FILE,
     MAX_JSON_SIZE,
@@ -40,7 +38,9 @@ from .constants import (
     TRAINER_STATE_FILE,
     TRAINING_STATE_FILE,
 )
-from .errors import HfResumableError
+from ..errors import HfResumableError
+from ._model_files import has_model_weights
+from .verify import verify_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -329,7 +329,7 @@ def _fill_shards(summary: CheckpointSummary, report: Any) -> None:
 
 def _fill_frozen(summary: CheckpointSummary, report: Any) -> None:
     """A checkpoint that references its base: trainable elements from its index, the frozen base from its record."""
-    from .checkpoint._frozen import FrozenRecord
+    from ._frozen import FrozenRecord
 
     index = _read_json(Path(report.path) / TRAINABLE_INDEX_FILE)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -379,7 +379,7 @@ def summarize_checkpoint(directory: str | os.PathLike, *, full: bool = False) ->
     ...
     ```
     """
-    from .errors import CheckpointNotFoundError
+    from ..errors import CheckpointNotFoundError
 
     path = Path(directory)
     if not path.is_dir():

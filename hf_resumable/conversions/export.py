@@ -18,7 +18,7 @@ exports the same way without a base. Nothing from the checkpoint is executed: th
 Example:
 
 ```python
->>> from hf_resumable.export import export_model
+>>> from hf_resumable.conversions.export import export_model
 >>> export_model("out/checkpoint-500", "exported", merge_adapters=True)  # doctest: +SKIP
 PosixPath('exported')
 ```
@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from .checkpoint import open_checkpoint
-from .checkpoint._reader import OpenedCheckpoint
-from .constants import (
+from ..checkpoint import open_checkpoint
+from ..checkpoint._reader import OpenedCheckpoint
+from ..constants import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
     CONFIG_FILE,
@@ -56,8 +56,8 @@ from .constants import (
     TRAINER_STATE_FILE,
     TRAINING_STATE_FILE,
 )
-from .errors import CheckpointExistsError, HfResumableError
-from .safetensors_io import STR_TO_DTYPE
+from ..errors import CheckpointExistsError, HfResumableError
+from ..safetensors_io import STR_TO_DTYPE
 
 logger = logging.getLogger(__name__)
 

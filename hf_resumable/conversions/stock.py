@@ -1,0 +1,360 @@
+"""Convert a stock ``transformers.Trainer`` checkpoint into the hf_resumable format, and reshard checkpoints.
+
+> [!WARNING]
+> A stock Trainer checkpoint stores optimizer, scheduler, scaler and RNG state with pickle
+> (``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state*.pth``). This module is the only
+> place in hf_resumable that reads pickles, always with ``torch.load(weights_only=True)`` (which refuses
+> arbitrary code), and only after logging a WARNING. Convert only checkpoints you trust; the converted
+> checkpoint contains no pickle.
+
+The stock optimizer state is keyed by parameter *index*. The index order is rebuilt the way
+``Trainer.create_optimizer`` builds it (a weight-decay group, then a no-decay group, each in
+``named_parameters()`` order), checked against the saved group sizes, and then stored by parameter
+*name* as usual.
+
+Example:
+
+```python
+>>> from hf_resumable.convert import convert_trainer_checkpoint, reshard_checkpoint
+>>> convert_trainer_checkpoint("out/checkpoint-500", "converted/checkpoint-500")  # doctest: +SKIP
+>>> reshard_checkpoint("converted/checkpoint-500", max_shard_size="200MB", output="resharded/checkpoint-500")
+... # doctest: +SKIP
+```
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoint import CheckpointInfo, read_manifest, save_checkpoint, verify_checkpoint
+from ..constants import (
+    ADAPTER_WEIGHTS_FILE,
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD_SIZE,
+    GENERATION_CONFIG_FILE,
+    MANIFEST_FILE,
+    MODEL_INDEX_FILE,
+    PICKLE_SUFFIXES,
+    RNG_DIR,
+    RNG_FILE_PATTERN,
+    SINGLE_MODEL_FILE,
+    STOCK_OPTIMIZER_FILE,
+    STOCK_RNG_FILE,
+    STOCK_RNG_FILE_GLOB,
+    STOCK_SCALER_FILE,
+    STOCK_SCHEDULER_FILE,
+    TRAINER_STATE_FILE,
+)
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsafePickleError,
+)
+from ..rng import RngState, save_rng_state
+from ..sharding import parse_size
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PICKLE_WARNING", "OPTIMIZERS", "TrainerCheckpointFiles", "convert_trainer_checkpoint",
+           "reshard_checkpoint"]
+
+PICKLE_WARNING = ("Reading pickle files (optimizer.pt, scheduler.pt, scaler.pt, rng_state*.pth) of a stock Trainer "
+                  "checkpoint with torch.load(weights_only=True). Only convert checkpoints you trust.")
+# Optimizer classes the converter can rebuild, by command-line name.
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW,
+    "adam": torch.optim.Adam,
+    "sgd": torch.optim.SGD,
+    "adagrad": torch.optim.Adagrad,
+    "rmsprop": torch.optim.RMSprop,
+}
+# Files of a stock checkpoint that the conversion consumes (everything else small is copied as is).
+_STOCK_WEIGHTS = (SINGLE_MODEL_FILE, MODEL_INDEX_FILE)
+_ADAPTER_WEIGHTS = ADAPTER_WEIGHTS_FILE  # a PEFT model's checkpoint (converted only with model=)
+_REGENERATED = (CONFIG_FILE, GENERATION_CONFIG_FILE)
+
+
+@dataclass(frozen=True)
+class TrainerCheckpointFiles:
+    """The files found in a stock Trainer checkpoint directory."""
+
+    directory: Path
+    optimizer: Path | None
+    scheduler: Path | None
+    scaler: Path | None
+    rng: dict[int, Path]
+    trainer_state: dict[str, Any]
+    copied: list[Path]
+
+    @property
+    def has_pickles(self) -> bool:
+        """Whether converting reads any pickle file."""
+        return any((self.optimizer, self.scheduler, self.scaler, self.rng))
+
+    @classmethod
+    def scan(cls, directory: Path, *, need_config: bool = True) -> TrainerCheckpointFiles:
+        """Find the files; raise if there is no config (when ``need_config``) or no safetensors weights."""
+        if not directory.is_dir():
+            raise CheckpointNotFoundError(f"{directory}: no such directory.")
+        if need_config and not (directory / CONFIG_FILE).is_file():
+            raise CheckpointNotFoundError(f"{directory}: no {CONFIG_FILE}; this is not a transformers checkpoint.")
+        weights = _STOCK_WEIGHTS if need_config else _STOCK_WEIGHTS + (_ADAPTER_WEIGHTS,)
+        if not any((directory / name).is_file() for name in weights):
+            raise CheckpointNotFoundError(f"{directory}: no {SINGLE_MODEL_FILE} or {MODEL_INDEX_FILE}; only "
+                                          "safetensors weights are converted (save with save_safetensors=True).")
+        if (directory / MANIFEST_FILE).exists():
+            raise CheckpointExistsError(f"{directory} is already an hf_resumable checkpoint; nothing to convert.")
+
+        def optional(name: str) -> Path | None:
+            return directory / name if (directory / name).is_file() else None
+
+        rng = {0: directory / STOCK_RNG_FILE} if (directory / STOCK_RNG_FILE).is_file() else {}
+        for path in directory.glob(STOCK_RNG_FILE_GLOB):
+            rng[int(path.stem.rsplit("_", 1)[1])] = path
+        state = json.loads((directory / TRAINER_STATE_FILE).read_text()) if optional(TRAINER_STATE_FILE) else {}
+        copied = [p for p in sorted(directory.iterdir()) if p.is_file() and not p.name.endswith(PICKLE_SUFFIXES)
+                  and p.name not in _REGENERATED and p.name != _ADAPTER_WEIGHTS
+                  and not (p.name.startswith("model") and ".safetensors" in p.name)]
+        return cls(directory, optional(STOCK_OPTIMIZER_FILE), optional(STOCK_SCHEDULER_FILE),
+                   optional(STOCK_SCALER_FILE), rng, state, copied)
+
+
+class _StateHolder:
+    """Carries a loaded ``state_dict`` into ``save_checkpoint`` without rebuilding the original object."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state
+
+
+def _load_pickle(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)``; a refused or unreadable pickle raises a typed error naming it."""
+    import pickle
+
+    from transformers.trainer_pt_utils import safe_globals
+
+    try:
+        with safe_globals():  # allow-lists numpy's array reconstruction for the RNG files, nothing more
+            return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        reason = " ".join(str(err).split())[:300]
+        raise UnsafePickleError(
+            f"{path}: refused by torch.load(weights_only=True), which builds only tensors and plain containers "
+            f"({reason}). hf_resumable never unpickles other objects; convert only checkpoints written by "
+            "transformers' Trainer.") from err
+    except (RuntimeError, EOFError) as err:  # torch's zip reader on a truncated or non-zip file
+        raise CorruptCheckpointError(f"{path}: not a readable torch.save file ({' '.join(str(err).split())[:300]})"
+                                     ) from err
+
+
+def _build_model(directory: Path) -> torch.nn.Module:
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(directory)
+    except ValueError:  # not a causal LM architecture: fall back to the base model class
+        return AutoModel.from_pretrained(directory)
+
+
+def _infer_optimizer(saved: dict[str, Any]) -> str:
+    keys = {k for per_param in saved.get("state", {}).values() for k in per_param}
+    group = (saved.get("param_groups") or [{}])[0]
+    if "exp_avg" in keys or "exp_avg_sq" in keys:
+        return "adam" if group.get("decoupled_weight_decay") is False else "adamw"
+    for key, name in (("momentum_buffer", "sgd"), ("sum", "adagrad"), ("square_avg", "rmsprop")):
+        if key in keys:
+            return name
+    return "adamw"
+
+
+def _trainer_param_groups(model: torch.nn.Module, saved: dict[str, Any]) -> list[list[torch.nn.Parameter]]:
+    """Parameters per group in the order ``Trainer.create_optimizer`` used, checked against the saved sizes."""
+    from transformers import Trainer
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    trainer_groups = [[p for n, p in named if n in decay], [p for n, p in named if n not in decay]]
+    sizes = [len(g["params"]) for g in saved["param_groups"]]
+    if sizes == [len(g) for g in trainer_groups]:
+        return trainer_groups
+    if sizes == [len(named)]:
+        return [[p for _, p in named]]
+    raise CheckpointMismatchError(
+        f"optimizer.pt has param groups of sizes {sizes}, but the model gives {[len(g) for g in trainer_groups]} "
+        "(Trainer's decay/no-decay split) or [{len(named)}] (one group); the optimizer was not built by the stock "
+        "Trainer from this model, so its state cannot be mapped to parameter names."
+    )
+
+
+def _rebuild_optimizer(model: torch.nn.Module, path: Path, optimizer_name: str | None) -> torch.optim.Optimizer:
+    saved = _load_pickle(path)
+    name = (optimizer_name or _infer_optimizer(saved)).lower()
+    if name not in OPTIMIZERS:
+        raise ValueError(f"Unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}.")
+    groups = _trainer_param_groups(model, saved)
+    optimizer = OPTIMIZERS[name]([{"params": g} for g in groups])
+    optimizer.load_state_dict(saved)  # also restores every group's hyper-parameters (lr, betas, weight decay...)
+    logger.info("Rebuilt %s over %d parameter group(s) from %s", type(optimizer).__name__, len(groups), path)
+    return optimizer
+
+
+def _rng_state(document: dict[str, Any]) -> RngState:
+    cuda = document.get("cuda")
+    if isinstance(cuda, torch.Tensor):
+        cuda = [cuda]
+    return RngState(python=tuple(document["python"]), numpy=tuple(document["numpy"]), torch_cpu=document["cpu"],
+                    cuda=list(cuda or []))
+
+
+def _rng_files(files: TrainerCheckpointFiles) -> tuple[RngState | bool, dict[str, bytes]]:
+    """RNG of rank 0 (for ``rng=``) and every other rank's RNG file as bytes (for ``extra_files``)."""
+    extra: dict[str, bytes] = {}
+    rank0: RngState | bool = False
+    for rank, path in sorted(files.rng.items()):
+        state = _rng_state(_load_pickle(path))
+        if rank == 0:
+            rank0 = state
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            save_rng_state(Path(tmp) / "rng.safetensors", state, fsync=False)
+            extra[f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"] = (Path(tmp) / "rng.safetensors").read_bytes()
+    if rank0 is False:
+        logger.warning("%s has no rng_state.pth; the converted checkpoint has no RNG state and resuming from it "
+                       "will need allow_inexact_resume=True.", files.directory)
+    return rank0, extra
+
+
+def _progress(trainer_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    progress = {k: trainer_state[k] for k in ("global_step", "epoch", "num_input_tokens_seen")
+                if trainer_state.get(k) is not None}
+    extra = {"converted_from": "transformers.Trainer", "trainer_state": trainer_state}
+    if trainer_state.get("train_batch_size") is not None:
+        extra["train_batch_size"] = trainer_state["train_batch_size"]
+    return progress, extra
+
+
+def convert_trainer_checkpoint(
+    source: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    optimizer: str | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    overwrite: bool = False,
+    model: torch.nn.Module | None = None,
+) -> CheckpointInfo:
+    """Convert a stock ``transformers.Trainer`` checkpoint directory into an hf_resumable checkpoint.
+
+    1. Scan ``source`` (config, safetensors weights, ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``,
+       ``rng_state*.pth``, ``trainer_state.json``, tokenizer files).
+    2. Build the model with ``from_pretrained(source)`` (weights exactly as saved), unless ``model`` is given.
+    3. Log a WARNING, then read the pickles with ``torch.load(weights_only=True)``.
+    4. Rebuild the optimizer over the Trainer's parameter groups and load its state.
+    5. ``save_checkpoint`` everything, pickle-free, with the step and epoch of ``trainer_state.json``.
+
+    Args:
+        source (`str` or `os.PathLike`): the stock checkpoint, e.g. ``out/checkpoint-500``.
+        output (`str` or `os.PathLike`): the new checkpoint directory.
+        optimizer (`str`, *optional*): one of ``OPTIMIZERS`` (default: inferred from the state, else AdamW).
+        max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard size of the new checkpoint.
+        overwrite (`bool`, *optional*, defaults to `False`): replace an existing ``output`` atomically.
+        model (`torch.nn.Module`, *optional*): a model that already holds the checkpoint's weights (e.g. loaded by
+            ``Trainer._load_from_checkpoint``), used instead of ``from_pretrained(source)``; this converts any
+            model class and PEFT adapter checkpoints (no ``config.json``). The optimizer state is mapped onto its
+            trainable parameters.
+
+    Returns:
+        [`CheckpointInfo`]
+
+    Raises:
+        CheckpointNotFoundError: if ``source`` is not a transformers checkpoint with safetensors weights.
+        CheckpointExistsError: if ``source`` is already converted, or ``output`` exists without ``overwrite``.
+        CheckpointMismatchError: if the optimizer state does not fit the model's parameter groups.
+        ValueError: for an unknown ``optimizer`` name or a bad ``max_shard_size``.
+        UnsafePickleError: (also a ``pickle.UnpicklingError``) if a pickle holds anything ``weights_only=True``
+            refuses; CorruptCheckpointError if it is not a readable ``torch.save`` file.
+
+    Example:
+
+    ```python
+    >>> info = convert_trainer_checkpoint("out/checkpoint-500", "converted/checkpoint-500")  # doctest: +SKIP
+    >>> load_checkpoint(info.path, model=model, optimizer=optimizer, scheduler=scheduler).step  # doctest: +SKIP
+    500
+    ```
+    """
+    files = TrainerCheckpointFiles.scan(Path(source), need_config=model is None)
+    parse_size(max_shard_size)
+    if model is None:
+        model = _build_model(files.directory)
+    if files.has_pickles:
+        logger.warning("%s", PICKLE_WARNING)
+    opt = _rebuild_optimizer(model, files.optimizer, optimizer) if files.optimizer else None
+    scheduler = _StateHolder(_load_pickle(files.scheduler)) if files.scheduler else None
+    scaler = _StateHolder(_load_pickle(files.scaler)) if files.scaler else None
+    rng, rng_files = _rng_files(files)
+    progress, extra = _progress(files.trainer_state)
+    extra_files = {path.name: path.read_bytes() for path in files.copied}
+    extra_files.update(rng_files)
+    return save_checkpoint(output, model=model, optimizer=opt, scheduler=scheduler, scaler=scaler,
+                           step=progress.get("global_step"), training_state=progress, extra=extra,
+                           extra_files=extra_files, rng=rng, max_shard_size=max_shard_size, overwrite=overwrite)
+
+
+def reshard_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    max_shard_size: int | str,
+    output: str | os.PathLike | None = None,
+) -> Path:
+    """Rewrite the model and optimizer shards of a checkpoint with a new ``max_shard_size``.
+
+    Every tensor keeps its name, dtype and bytes; every other file (training state, RNG, data
+    positions, config, tokenizer) is carried over unchanged; a new manifest is written last. Weights that fit in
+    one shard of the new size come out as one ``model.safetensors`` (no index), as every save writes them. Without
+    ``output`` the checkpoint is replaced atomically in place (the old one stays valid until the new
+    one is committed).
+
+    Args:
+        directory (`str` or `os.PathLike`): a committed checkpoint (verified in full first).
+        max_shard_size (`int` or `str`): the new shard size limit, e.g. ``"500MB"``.
+        output (`str` or `os.PathLike`, *optional*): write the result here instead of in place.
+
+    Returns:
+        `Path`: the resharded checkpoint.
+
+    Raises:
+        IncompleteCheckpointError / CorruptCheckpointError: if the checkpoint does not verify.
+        CheckpointExistsError: if ``output`` exists.
+        ValueError: if ``max_shard_size`` cannot be parsed, or the checkpoint was written by several ranks.
+
+    Example:
+
+    ```python
+    >>> reshard_checkpoint("out/checkpoint-100", max_shard_size="50MB")  # doctest: +SKIP
+    PosixPath('out/checkpoint-100')
+    ```
+    """
+    from ..checkpoint._reshard import rewrite_shards
+
+    source = Path(directory)
+    parse_size(max_shard_size)
+    verify_checkpoint(source, full=True, raise_on_error=True)
+    manifest = read_manifest(source)
+    if manifest.world_size != 1:
+        raise ValueError(f"{source} was written by {manifest.world_size} ranks; resharding multi-rank checkpoints "
+                         "is not supported yet.")
+    target = Path(output) if output is not None else source
+    rewrite_shards(source, target, manifest, max_shard_size=max_shard_size)
+    return target
