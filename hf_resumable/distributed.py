@@ -1,13 +1,27 @@
-"""Small, pickle-free collectives over ``torch.distributed`` (works with gloo on CPU).
+"""``torch.distributed`` glue: small pickle-free collectives, and a rendezvous that survives torchrun's restarts.
 
 ``all_gather_object`` and ``broadcast_object_list`` pickle their payloads; checkpoint coordination
 only ever needs JSON, so it is sent as UTF-8 bytes in uint8 tensors instead.
+
+Under ``torchrun --max-restarts`` the workers of every attempt meet in the *agent's* TCPStore
+(``TORCHELASTIC_USE_AGENT_STORE=True``), which outlives the attempts, and ``env://`` gives them that store with no
+per-attempt prefix: a restarted worker can read the previous attempt's gloo address of a peer and fail with
+"connectFullMesh ... Connection refused". Importing this module (``import hf_resumable`` does) wraps torch's
+``env://`` rendezvous so that each attempt's process group lives under a key prefix of its own (see
+[`init_process_group`]); nothing changes outside torchelastic's agent store. ``HF_RESUMABLE_ATTEMPT_STORE=0``
+turns it off.
 """
 
 from __future__ import annotations
 
+import datetime
+import importlib
 import json
 import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -15,7 +29,16 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["is_distributed", "rank_and_world_size", "barrier", "all_gather_json", "broadcast_json", "checkpoint_group"]
+__all__ = [
+    "is_distributed",
+    "rank_and_world_size",
+    "barrier",
+    "all_gather_json",
+    "broadcast_json",
+    "checkpoint_group",
+    "init_process_group",
+    "install_attempt_scoped_rendezvous",
+]
 
 
 def is_distributed() -> bool:
@@ -83,3 +106,124 @@ def checkpoint_group() -> dist.ProcessGroup | None:
         _side.clear()
         _side[key] = dist.new_group(backend="gloo")
     return _side[key]
+
+
+# --- torchrun restarts: one key namespace per attempt in the agent's store -------------------------------------------
+
+_MEETING = "hf_resumable/rendezvous"  # where an attempt's ranks agree on its number
+_ATTEMPT = "hf_resumable/attempt-"  # + the number: the prefix of that attempt's process group keys
+_POLL_SECONDS = 0.02
+
+
+def init_process_group(*args: Any, **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group``, safe under torchrun's restarts; takes exactly the same arguments.
+
+    Under torchelastic with the agent's store (``torchrun``'s default), the group's keys are put under a prefix that
+    the attempt's ranks agree on first, so one attempt never reads another's (a restarted worker would otherwise
+    connect to the previous attempt's address of its peer). Elsewhere, and with an explicit ``store`` or a
+    non-``env://`` ``init_method``, it is ``torch.distributed.init_process_group`` unchanged. ``import hf_resumable``
+    already installs the same behaviour for plain ``torch.distributed.init_process_group`` calls (accelerate's,
+    the Trainer's, a custom loop's); this function is for code that wants to say so explicitly.
+
+    Example:
+
+    ```python
+    >>> from hf_resumable.distributed import init_process_group
+    >>> init_process_group("gloo")  # doctest: +SKIP
+    ```
+    """
+    install_attempt_scoped_rendezvous()
+    dist.init_process_group(*args, **kwargs)
+
+
+def install_attempt_scoped_rendezvous() -> bool:
+    """Wrap torch's ``env://`` rendezvous handler so that each torchelastic attempt gets its own key prefix.
+
+    Idempotent; returns whether the wrapper is installed (``False`` when ``HF_RESUMABLE_ATTEMPT_STORE=0`` or this
+    torch has no ``env://`` handler to wrap).
+
+    Example:
+
+    ```python
+    >>> from hf_resumable.distributed import install_attempt_scoped_rendezvous
+    >>> install_attempt_scoped_rendezvous()
+    True
+    ```
+    """
+    if os.environ.get("HF_RESUMABLE_ATTEMPT_STORE", "1") == "0":
+        return False
+    handlers = getattr(importlib.import_module("torch.distributed.rendezvous"), "_rendezvous_handlers", None)
+    if not isinstance(handlers, dict) or "env" not in handlers:
+        logger.debug("torch.distributed has no env:// rendezvous handler to wrap; torchrun restarts are not scoped")
+        return False
+    if not getattr(handlers["env"], "_hf_resumable_attempt_scoped", False):
+        handlers["env"] = _attempt_scoped(handlers["env"])
+    return True
+
+
+def _attempt_scoped(env_handler: Callable[..., Iterator[tuple[dist.Store, int, int]]]):
+    def handler(url: str, timeout: datetime.timedelta = dist.constants.default_pg_timeout, **kwargs: Any):
+        inner = env_handler(url, timeout=timeout, **kwargs)
+        store, rank, world_size = next(inner)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True) and world_size > 0:
+            store = _attempt_store(store, rank, world_size, timeout=timeout)
+        yield store, rank, world_size
+        next(inner)  # torch's own "unable to perform re-rendezvous" error
+
+    handler._hf_resumable_attempt_scoped = True
+    return handler
+
+
+def _attempt_store(store: dist.Store, rank: int, world_size: int, *,
+                  timeout: datetime.timedelta = dist.constants.default_pg_timeout) -> dist.PrefixStore:
+    """``store`` under a prefix that every rank of this attempt (and no rank of any other) agrees on.
+
+    The ranks cannot use ``TORCHELASTIC_RESTART_COUNT``: it counts one agent's restarts, and agents of a
+    multi-node job restart different numbers of times (a node that was SIGKILLed and started again counts from
+    0). Instead rank 0 draws a fresh number from a counter in the store, and hands it to each other rank in reply
+    to a nonce that rank has just written; a reply to an older process's nonce is ignored. Processes of an
+    attempt that ended are dead before the next attempt starts (the agents stop their workers before they
+    re-rendezvous), so nothing stale is written once rank 0 has cleared the nonces.
+
+    Raises:
+        torch.distributed.DistStoreError: a rank did not answer within ``timeout``.
+    """
+    meeting = dist.PrefixStore(_MEETING, store)
+    deadline = time.monotonic() + timeout.total_seconds()
+    if rank == 0:
+        attempt = meeting.add("counter", 1)
+        for peer in range(1, world_size):
+            meeting.delete_key(f"join/{peer}")
+        for peer in range(1, world_size):
+            nonce = _poll(lambda p=peer: meeting.get(f"join/{p}") if meeting.check([f"join/{p}"]) else None,
+                          deadline, f"rank {peer} to join attempt {attempt}")
+            meeting.set(f"reply/{peer}", nonce + b" " + str(attempt).encode())
+    else:
+        nonce = f"{uuid.uuid4().hex}-{os.getpid()}".encode()
+
+        def reply() -> int | None:
+            meeting.set(f"join/{rank}", nonce)  # again on every poll: rank 0 may clear it after our first write
+            if meeting.check([f"reply/{rank}"]):
+                answer_nonce, _, number = meeting.get(f"reply/{rank}").partition(b" ")
+                if answer_nonce == nonce:
+                    return int(number)
+            return None
+
+        attempt = _poll(reply, deadline, "rank 0 to open this attempt's rendezvous")
+    logger.debug("rank %d: process group keys under %s%d (restart count %s)", rank, _ATTEMPT, attempt,
+                 os.environ.get("TORCHELASTIC_RESTART_COUNT"))
+    return dist.PrefixStore(f"{_ATTEMPT}{attempt}", store)
+
+
+def _poll(probe: Callable[[], Any], deadline: float, waiting_for: str) -> Any:
+    while (value := probe()) is None:
+        if time.monotonic() > deadline:
+            raise dist.DistStoreError(
+                f"Timed out waiting for {waiting_for} in torchelastic's store (hf_resumable's per-attempt "
+                "rendezvous). Check that every worker started; HF_RESUMABLE_ATTEMPT_STORE=0 turns this off."
+            )
+        time.sleep(_POLL_SECONDS)
+    return value
+
+
+install_attempt_scoped_rendezvous()

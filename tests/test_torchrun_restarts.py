@@ -1,31 +1,108 @@
-"""torchrun's own restarts: a worker SIGKILLed mid-step or mid-save, torchrun restarts the whole group
-(``--max-restarts``), the group resumes from the newest valid checkpoint, and the run ends bit-identical to
+"""torchrun's own restarts: a worker SIGKILLed mid-step, mid-save or mid-async-save, torchrun restarts the whole
+group (``--max-restarts``), the group resumes from the newest valid checkpoint, and the run ends bit-identical to
 an uninterrupted one. Also two torchrun agents as two "nodes" on 127.0.0.1 (c10d rendezvous), one of which is
 SIGKILLed and started again.
 
 The loop is tests/scripts/ddp_restart_loop.py (DDP, 2 processes, gloo, dropout, AdamW, ElasticSampler).
+
+torchrun's workers meet in the agent's TCPStore, which outlives the attempts, with no per-attempt key prefix; a
+restarted worker could read the previous attempt's gloo address of its peer and hang or fail ("connectFullMesh ...
+Connection refused"). ``import hf_resumable`` scopes every attempt's keys (hf_resumable.distributed); the first
+tests here prove that on a store shared by successive groups, without torchrun in the way.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+import torch.distributed as dist
+
+from hf_resumable import distributed as hfr_dist
 
 from distributed_launch import REPO_ROOT, child_env, free_port, run_torchrun
 
-# Extended (make test-all), not in make test: torch's static rendezvous keeps one TCPStore for every restart, with
-# no per-attempt prefix, so a restarted worker can read the previous attempt's gloo address of its peer and fail
-# "connectFullMesh ... Connection refused"; under load the job then exhausts its restarts (seen with c10d too).
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.extended]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_restart_loop.py"
+GROUP = Path(__file__).parent / "scripts" / "agent_store_group.py"
+
+
+def _agent_store() -> tuple[dist.TCPStore, int]:
+    """A TCPStore like the one torchrun's agent hosts for all attempts (``multi_tenant``, no waiting for clients)."""
+    port = free_port()
+    return dist.TCPStore("127.0.0.1", port, 1, True, datetime.timedelta(seconds=30), multi_tenant=True), port
+
+
+def _scoped(store: dist.Store, world_size: int) -> list[str]:
+    """Every rank's ``_attempt_store`` over ``store`` at once (threads), each as the prefix its keys get."""
+    prefixes: list[str] = [""] * world_size
+
+    def rank(r: int) -> None:
+        scoped = hfr_dist._attempt_store(store, r, world_size, timeout=datetime.timedelta(seconds=20))
+        scoped.set(f"probe/{r}", "here")
+        prefixes[r] = next(p for p in (f"hf_resumable/attempt-{n}" for n in range(50, 0, -1))  # the newest
+                           if store.check([f"{p}/probe/{r}"]))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return prefixes
+
+
+def test_each_attempt_agrees_on_a_fresh_prefix_whatever_the_previous_attempt_left():
+    store, _ = _agent_store()
+    first = _scoped(store, 3)
+    assert len(set(first)) == 1 and first[0]
+    # What a killed attempt leaves behind: a join nonce and a reply to it (another process's, never answered now).
+    meeting = dist.PrefixStore("hf_resumable/rendezvous", store)
+    meeting.set("join/1", b"stale-nonce")
+    meeting.set("reply/2", b"stale-nonce 1")
+    second = _scoped(store, 3)
+    assert len(set(second)) == 1 and second[0] and second[0] != first[0]
+
+
+def test_a_rank_that_never_joins_is_a_typed_timeout_naming_it():
+    store, _ = _agent_store()
+    with pytest.raises(dist.DistStoreError, match="rank 1 to join"):
+        hfr_dist._attempt_store(store, 0, 2, timeout=datetime.timedelta(seconds=0.5))
+
+
+def test_plain_init_process_group_on_a_store_that_outlives_the_group_never_reads_the_last_groups_keys():
+    """Two gloo groups, one after the other, in the same store (torchrun's agent store across a restart). In the
+    second, rank 0 starts late: without the per-attempt prefix rank 1 reads rank 0's address from the first group
+    and hangs (checked by hand: HF_RESUMABLE_ATTEMPT_STORE=0 hangs past 60 s here)."""
+    store, port = _agent_store()
+    for attempt, delays in enumerate([(0, 0), (2, 0)]):
+        procs = []
+        for rank, delay in enumerate(delays):
+            env = child_env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                             "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                             "TORCHELASTIC_RESTART_COUNT": str(attempt)})
+            env.pop("HF_RESUMABLE_ATTEMPT_STORE", None)
+            procs.append(subprocess.Popen([sys.executable, str(GROUP), str(delay)], env=env, cwd=REPO_ROOT,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        try:
+            outs = [proc.communicate(timeout=120)[0] for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        assert [proc.returncode for proc in procs] == [0, 0], f"attempt {attempt}:\n" + "\n".join(outs)
+        assert all("sum 3.0" in out for out in outs), outs
+    assert dist.PrefixStore("hf_resumable/rendezvous", store).add("counter", 0) == 2  # both went through it
 
 
 def _losses(out: Path) -> dict[int, list[float]]:
@@ -52,11 +129,8 @@ def _assert_same_run(out: Path, reference: Path) -> None:
     assert _losses(out) == _losses(reference)
 
 
-# A kill inside a *background* save is covered without torchrun's restarts (test_distributed_async.py: the previous
-# checkpoint stays newest; test_async_integrations.py: the same command resumes bit-exact). Under torchrun's own
-# restarts it is not: the restarted group's gloo init (before any hf_resumable code runs) fails intermittently with
-# "connectFullMesh ... Connection refused" and the job exhausts its restarts (README, Limits).
-@pytest.mark.parametrize("where,blocking", [("step", True), ("save", True)], ids=["mid-step", "mid-save"])
+@pytest.mark.parametrize("where,blocking", [("step", True), ("save", True), ("save", False)],
+                         ids=["mid-step", "mid-save", "mid-async-save"])
 def test_torchrun_restarts_the_group_and_the_run_ends_bit_identical(tmp_path, reference, where, blocking):
     args = [str(tmp_path), "--kill-at", "4" if where == "save" else "5", "--kill-in", where, "--kill-rank", "1"]
     if not blocking:
