@@ -155,6 +155,16 @@ def _agent(node_rank: int, port: int, out: Path, log: Path) -> subprocess.Popen:
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _wait_until_listening(process: subprocess.Popen, port: int, timeout: float = 120) -> None:
+    """Until ``process`` listens on ``port`` (a fixed sleep is not enough on a loaded machine: torch's import alone
+    can take longer, and then the *other* agent hosts the store and killing it breaks the rendezvous)."""
+    deadline = time.monotonic() + timeout
+    while not any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                  for c in psutil.Process(process.pid).net_connections(kind="tcp")):
+        assert process.poll() is None and time.monotonic() < deadline, f"agent 0 never listened on {port}"
+        time.sleep(0.05)
+
+
 def _kill_tree(process: subprocess.Popen) -> None:
     try:
         children = psutil.Process(process.pid).children(recursive=True)
@@ -172,7 +182,7 @@ def test_two_agents_as_two_nodes_one_sigkilled_and_started_again(tmp_path, refer
     starting it again re-forms the group, which resumes from that checkpoint and ends bit-identical."""
     port = free_port()
     host = _agent(0, port, tmp_path, tmp_path / "agent0.log")
-    time.sleep(1.0)  # agent 0 binds the rendezvous store first
+    _wait_until_listening(host, port)  # the first agent to bind the endpoint hosts the rendezvous store: agent 0
     other = _agent(1, port, tmp_path, tmp_path / "agent1.log")
     try:
         deadline = time.monotonic() + 120
