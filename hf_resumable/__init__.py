@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from ._version import __version__
 from .checkpoint import apply_retention, save_checkpoint, verify_checkpoint, wait_for_pending_saves
+from .checkpoint.sharded import consolidate_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 from .data.elastic import ElasticSampler
 from .locations import find_latest_checkpoint, load_checkpoint, open_checkpoint  # any location: local, hf://, s3://
 from .preemption import PREEMPTION_EXIT_CODE
-from .sharded import consolidate_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 
 # Integrations import transformers / accelerate; load them on first use so `import hf_resumable` stays light.
 _LAZY = {

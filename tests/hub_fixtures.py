@@ -122,7 +122,7 @@ def make_checkpoint_dir(directory: Path, files: dict[str, bytes], *, bad_hash_fo
     import hashlib
 
     from hf_resumable.checkpoint.manifest import Manifest
-    from hf_resumable.safetensors_io import FileRecord
+    from hf_resumable.format.safetensors_io import FileRecord
 
     directory.mkdir(parents=True, exist_ok=True)
     records = {}

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from hf_resumable.elastic import ElasticSampler
-from hf_resumable.rng import derive_seed
-from hf_resumable.safetensors_io import read_safetensors, write_safetensors
+from hf_resumable.format.rng import derive_seed
+from hf_resumable.format.safetensors_io import read_safetensors, write_safetensors
 
 from tiny_models import tiny_gpt2, tiny_llama
 

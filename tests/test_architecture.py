@@ -16,14 +16,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hf_resumable"
 
 # Lowest first. A module belongs to the first layer with a prefix that names it or one of its packages.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("format", ["_version", "errors", "constants", "_jsonio", "_safefile", "_urls", "progress", "preemption",
-                "distributed", "safetensors_io", "sharding", "state_codec", "rng", "state"]),
-    ("checkpoint", ["checkpoint", "sharded"]),
-    ("data, remote", ["data", "elastic", "remote", "storage"]),
-    ("hub, lazy, conversions", ["hub", "lazy", "conversions", "cards", "convert"]),
+    ("format", ["_version", "errors", "constants", "_urls", "progress", "preemption", "distributed", "format"]),
+    ("checkpoint", ["checkpoint"]),
+    ("data, remote", ["data", "remote"]),
+    ("hub, lazy, conversions", ["hub", "lazy", "conversions"]),
     ("locations", ["locations"]),
     ("integrations", ["integrations"]),
-    ("entry points", ["cli", "demo", "demo_train", "__main__", ""]),
+    ("entry points", ["cli", "demo", "__main__", ""]),
+    # Import paths of earlier releases, each re-exporting the module that moved; nothing in the package imports them.
+    ("compatibility paths", ["storage", "elastic", "sharded", "cards", "convert", "demo_train"]),
 ]
 
 

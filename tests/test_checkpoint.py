@@ -20,7 +20,7 @@ from hf_resumable.errors import (
     InexactResumeError,
     UnsupportedStateError,
 )
-from hf_resumable.safetensors_io import read_header
+from hf_resumable.format.safetensors_io import read_header
 
 from tiny_models import FACTORIES, assert_same_optimizer, assert_same_state, tiny_gpt2, tiny_llama, train_steps
 

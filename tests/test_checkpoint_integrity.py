@@ -26,7 +26,7 @@ from hf_resumable.errors import (
     IncompleteCheckpointError,
     UnsafeIndexError,
 )
-from hf_resumable.safetensors_io import read_header
+from hf_resumable.format.safetensors_io import read_header
 
 from tiny_models import assert_same_state, tiny_gpt2, train_steps
 
@@ -160,7 +160,7 @@ def test_missing_shard_is_reported_by_name(tmp_path):
 def _rewrite_manifest(directory, mutate):
     """An attacker who also rewrites the manifest consistently."""
     from hf_resumable.checkpoint.manifest import Manifest
-    from hf_resumable.safetensors_io import hash_file
+    from hf_resumable.format.safetensors_io import hash_file
 
     manifest = read_manifest(directory)
     files = dict(manifest.files)

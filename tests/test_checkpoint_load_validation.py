@@ -26,8 +26,8 @@ from hf_resumable.errors import (
     FormatVersionError,
     HfResumableError,
 )
-from hf_resumable.rng import RngState, capture_rng_state, save_rng_state
-from hf_resumable.safetensors_io import hash_file, read_header, read_safetensors, write_safetensors
+from hf_resumable.format.rng import RngState, capture_rng_state, save_rng_state
+from hf_resumable.format.safetensors_io import hash_file, read_header, read_safetensors, write_safetensors
 
 from tiny_models import tiny_gpt2, train_steps
 

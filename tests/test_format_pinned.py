@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_resumable.checkpoint import load_checkpoint, read_manifest, save_checkpoint, verify_checkpoint
-from hf_resumable.safetensors_io import read_safetensors
+from hf_resumable.format.safetensors_io import read_safetensors
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden-v1"
 

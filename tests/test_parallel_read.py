@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from hf_resumable.checkpoint._parallel_read import FileRead, plan_reads, read_files
 from hf_resumable.errors import CorruptCheckpointError
-from hf_resumable.safetensors_io import FileRecord, hash_file, read_header, write_safetensors
+from hf_resumable.format.safetensors_io import FileRecord, hash_file, read_header, write_safetensors
 
 TENSORS = {
     "a": torch.randn(300, 7),

@@ -23,7 +23,7 @@ import torch
 
 from hf_resumable.checkpoint import read_manifest, verify_checkpoint
 from hf_resumable.constants import FROZEN_RECORD_FILE, MODEL_INDEX_FILE, TRAINABLE_INDEX_FILE
-from hf_resumable.safetensors_io import STR_TO_DTYPE
+from hf_resumable.format.safetensors_io import STR_TO_DTYPE
 
 from test_trainer_resume import KILLED, _env, _resumed_from, assert_identical
 

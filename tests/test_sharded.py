@@ -38,7 +38,7 @@ from hf_resumable.errors import (
     IncompleteCheckpointError,
     InexactResumeError,
 )
-from hf_resumable.safetensors_io import hash_file
+from hf_resumable.format.safetensors_io import hash_file
 from hf_resumable.sharded import consolidate_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 
 import sharded_fixtures as fx

@@ -1,7 +1,7 @@
 import pytest
 
 from hf_resumable.errors import UnsafeIndexError
-from hf_resumable.sharding import build_index, parse_index, parse_size, plan_shards
+from hf_resumable.format.sharding import build_index, parse_index, parse_size, plan_shards
 
 
 def test_parse_size_units():

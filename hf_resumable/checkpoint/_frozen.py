@@ -57,8 +57,8 @@ from ..errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from ..safetensors_io import DTYPE_TO_STR, STR_TO_DTYPE
-from ..sharding import ShardIndex
+from ..format.safetensors_io import DTYPE_TO_STR, STR_TO_DTYPE
+from ..format.sharding import ShardIndex
 from ._model import check_model_fits, check_tied, load_state_dict_reason, load_through_state_dict, retie
 from ._threads import run_in_threads
 
@@ -631,9 +631,9 @@ def base_not_stored(directory: Any, *, wanted: str) -> BaseNotStoredError | None
     """
     from pathlib import Path
 
-    from .._jsonio import parse_json
-    from .._safefile import read_regular_file
     from ..constants import LAYOUT_FILE, MAX_JSON_SIZE
+    from ..format._jsonio import parse_json
+    from ..format._safefile import read_regular_file
 
     record = Path(directory) / FROZEN_RECORD_FILE
     if not record.is_file():

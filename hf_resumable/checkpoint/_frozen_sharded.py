@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from .._jsonio import json_bytes
 from ..constants import FROZEN_RECORD_FILE
 from ..distributed import all_gather_json
 from ..errors import CheckpointMismatchError
-from ..safetensors_io import DTYPE_TO_STR
+from ..format._jsonio import json_bytes
+from ..format.safetensors_io import DTYPE_TO_STR
 from ._frozen import (
     FrozenPiece,
     FrozenRecord,

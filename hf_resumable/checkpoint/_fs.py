@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..constants import REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
 from ..errors import CheckpointExistsError
-from ..safetensors_io import FileRecord, record_of
+from ..format.safetensors_io import FileRecord, record_of
 from ._owner import DELETING_MARK, member_name
 from ._pins import live_pins
 

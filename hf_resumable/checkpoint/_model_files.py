@@ -29,11 +29,11 @@ import json
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from .._jsonio import parse_json
 from ..constants import MODEL_FILE_PATTERN, MODEL_INDEX_FILE, SINGLE_MODEL_FILE, TIED_KEY, TRAINABLE_INDEX_FILE
 from ..errors import CorruptCheckpointError
-from ..safetensors_io import SafetensorsHeader
-from ..sharding import ShardIndex, ShardPlan, plan_shards
+from ..format._jsonio import parse_json
+from ..format.safetensors_io import SafetensorsHeader
+from ..format.sharding import ShardIndex, ShardPlan, plan_shards
 
 __all__ = [
     "plan_model_files",
@@ -49,7 +49,7 @@ def plan_model_files(sizes: Mapping[str, int], *, max_shard_size: int | str) -> 
     """The model's weight files (pure): ``model.safetensors`` if everything fits in one shard, else HF shards.
 
     Raises:
-        ValueError: as :func:`hf_resumable.sharding.plan_shards`.
+        ValueError: as :func:`hf_resumable.format.sharding.plan_shards`.
     """
     return plan_shards(sizes, max_shard_size=max_shard_size, filename_pattern=MODEL_FILE_PATTERN,
                        single_filename=SINGLE_MODEL_FILE)
@@ -90,7 +90,7 @@ def single_file_index(header: SafetensorsHeader, *, source: str) -> ShardIndex:
 
     ```python
     >>> import json
-    >>> from hf_resumable.safetensors_io import parse_header_bytes
+    >>> from hf_resumable.format.safetensors_io import parse_header_bytes
     >>> tensors = {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
     >>> raw = json.dumps({"__metadata__": single_file_metadata({"b": "a"}), **tensors}).encode()
     >>> index = single_file_index(parse_header_bytes("m", raw, 8 + len(raw) + 4), source="m")

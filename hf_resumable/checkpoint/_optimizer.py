@@ -17,7 +17,7 @@ import torch
 
 from ..constants import OPTIMIZER_GROUP_PREFIX, OPTIMIZER_STATE_PREFIX
 from ..errors import CheckpointMismatchError
-from ..state_codec import decode_state, encode_state
+from ..format.state_codec import decode_state, encode_state
 from ._validate import check_hyperparameters, check_step_value
 
 logger = logging.getLogger(__name__)

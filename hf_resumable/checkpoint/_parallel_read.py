@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 import xxhash
 
-from .._safefile import open_regular
 from ..errors import CorruptCheckpointError
-from ..safetensors_io import FileRecord, SafetensorsHeader, TensorInfo
+from ..format._safefile import open_regular
+from ..format.safetensors_io import FileRecord, SafetensorsHeader, TensorInfo
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from .._jsonio import json_bytes
 from ..constants import (  # noqa: F401 - SHARDS_KEY and STATE_TENSORS_FILE are also imported from here
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
@@ -47,9 +46,10 @@ from ..constants import (  # noqa: F401 - SHARDS_KEY and STATE_TENSORS_FILE are 
     TRAINING_STATE_FILE,
 )
 from ..errors import CheckpointExistsError, UnsupportedStateError
-from ..rng import RngState, capture_rng_state
-from ..sharding import build_index, check_relative_name, plan_shards
-from ..state_codec import encode_state
+from ..format._jsonio import json_bytes
+from ..format.rng import RngState, capture_rng_state
+from ..format.sharding import build_index, check_relative_name, plan_shards
+from ..format.state_codec import encode_state
 from ._frozen import base_provenance, build_record, frozen_names
 from ._model import TIED_KEY, dedupe_tied, find_aliases, model_state, storage_key
 from ._model_files import plan_model_files, single_file_metadata
@@ -94,8 +94,9 @@ def _nbytes(tensor: torch.Tensor) -> int:
 def add_sharded(payload: Payload, tensors: Mapping[str, torch.Tensor], *, pattern: str, index: str,
                 max_shard_size: int | str, metadata: Mapping[str, Any]) -> None:
     """The one shard-planning path for tensors written as HF-style shards plus an index (model, optimizer,
-    reshard, Hub push): :func:`~hf_resumable.sharding.plan_shards` places them, :func:`~hf_resumable.sharding.
-    build_index` describes them; the writer adds each shard's record to the index (``_writer.index_document``)."""
+    reshard, Hub push): :func:`~hf_resumable.format.sharding.plan_shards` places them,
+    :func:`~hf_resumable.format.sharding.build_index` describes them; the writer adds each shard's record to the index
+    (``_writer.index_document``)."""
     plan = plan_shards({k: _nbytes(v) for k, v in tensors.items()}, max_shard_size=max_shard_size,
                        filename_pattern=pattern)
     for filename, names in plan.filename_to_names.items():

@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 
-from .._jsonio import parse_json
-from .._safefile import member_path, open_regular, read_regular_file
 from ..constants import (
     DATA_STATE_DIR,
     DATA_STATE_FILE_PATTERN,
@@ -43,10 +41,12 @@ from ..errors import (
     IncompleteCheckpointError,
     InexactResumeError,
 )
-from ..rng import RngState, load_rng_state, restore_rng_state
-from ..safetensors_io import FileRecord, read_safetensors, record_of
-from ..sharding import ShardIndex, parse_index
-from ..state_codec import decode_state
+from ..format._jsonio import parse_json
+from ..format._safefile import member_path, open_regular, read_regular_file
+from ..format.rng import RngState, load_rng_state, restore_rng_state
+from ..format.safetensors_io import FileRecord, read_safetensors, record_of
+from ..format.sharding import ShardIndex, parse_index
+from ..format.state_codec import decode_state
 from ._frozen import TrainablePart, forget_fingerprints
 from ._model import TIED_KEY, check_model_fits, check_tied, load_state_dict_reason, load_through_state_dict, retie
 from ._model_files import model_index

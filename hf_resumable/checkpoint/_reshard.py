@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from ..constants import OPTIMIZER_FILE_PATTERN, OPTIMIZER_INDEX_FILE, SINGLE_MODEL_FILE
-from ..safetensors_io import read_header, read_safetensors
-from ..sharding import ShardIndex, parse_index
+from ..format.safetensors_io import read_header, read_safetensors
+from ..format.sharding import ShardIndex, parse_index
 from ._model import TIED_KEY, check_tied
 from ._model_files import model_index, model_weights_file
 from ._payload import SHARDS_KEY, Payload, add_model_weights, add_sharded

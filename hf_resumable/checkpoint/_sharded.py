@@ -39,8 +39,8 @@ from ..constants import (  # noqa: F401 - re-exported for the sharded modules
     SHARDED_DIR,
 )
 from ..errors import CheckpointMismatchError, CorruptCheckpointError, UnsupportedStateError
-from ..safetensors_io import DTYPE_TO_STR
-from ..sharding import ShardPlan
+from ..format.safetensors_io import DTYPE_TO_STR
+from ..format.sharding import ShardPlan
 from ._model import find_aliases
 from ._payload import TensorFile
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError, FormatVersionError
-from ..safetensors_io import STR_TO_DTYPE
-from ..sharding import ShardIndex, check_relative_name
+from ..format.safetensors_io import STR_TO_DTYPE
+from ..format.sharding import ShardIndex, check_relative_name
 from ._model import TIED_KEY, match_keys
 from ._sharded import (
     LAYOUT_FILE,

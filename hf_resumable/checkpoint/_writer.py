@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from .._jsonio import json_bytes
 from ..constants import MANIFEST_FILE
 from ..distributed import (
     all_gather_json,
@@ -33,9 +32,10 @@ from ..distributed import (
     rank_and_world_size,
 )
 from ..errors import CheckpointExistsError, HfResumableError
+from ..format._jsonio import json_bytes
+from ..format.rng import save_rng_state
+from ..format.safetensors_io import FileRecord, write_safetensors
 from ..progress import progress_bar
-from ..rng import save_rng_state
-from ..safetensors_io import FileRecord, write_safetensors
 from ._fs import DirIdentity, commit_dir, create_temp_dir, discard, write_bytes_durably
 from ._payload import SHARDS_KEY, IndexSpec, Payload
 from ._staging import copy_into

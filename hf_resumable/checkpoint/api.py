@@ -15,7 +15,7 @@ import torch
 from .._urls import is_remote
 from ..constants import DEFAULT_MAX_SHARD_SIZE
 from ..distributed import is_distributed, rank_and_world_size
-from ..rng import RngState
+from ..format.rng import RngState
 from ._payload import capture_payload
 from ._reader import LoadedCheckpoint, OpenedCheckpoint
 from ._writer import AsyncSaver, check_target, save_payload

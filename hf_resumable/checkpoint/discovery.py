@@ -11,11 +11,11 @@ import socket
 from collections.abc import Iterable
 from pathlib import Path
 
-from .._jsonio import parse_json
-from .._safefile import read_regular_file
 from .._urls import is_remote
 from ..constants import CHECKPOINT_DIR_RE, OWNER_FILE, PIN_PREFIX, REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
 from ..errors import HfResumableError
+from ..format._jsonio import parse_json
+from ..format._safefile import read_regular_file
 from ._fs import claim, remove_dir, rename_noreplace
 from ._owner import OwnerTag, current_owner, owner_is_alive, parse_member_name
 from ._pins import hold_pin, pin, unpin

@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._jsonio import json_bytes, parse_json
-from .._safefile import member_path, read_regular_file
 from .._version import __version__
 from ..constants import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, MAX_JSON_SIZE
 from ..errors import (
@@ -27,8 +25,10 @@ from ..errors import (
     IncompleteCheckpointError,
     UnsafeIndexError,
 )
-from ..safetensors_io import FileRecord
-from ..sharding import check_relative_name
+from ..format._jsonio import json_bytes, parse_json
+from ..format._safefile import member_path, read_regular_file
+from ..format.safetensors_io import FileRecord
+from ..format.sharding import check_relative_name
 
 __all__ = ["Manifest", "read_manifest", "is_committed", "library_versions"]
 

@@ -24,8 +24,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._jsonio import parse_json
-from .._safefile import read_regular_file
 from ..constants import (
     FROZEN_RECORD_FILE,
     MANIFEST_FILE,
@@ -39,6 +37,8 @@ from ..constants import (
     TRAINING_STATE_FILE,
 )
 from ..errors import HfResumableError
+from ..format._jsonio import parse_json
+from ..format._safefile import read_regular_file
 from ._model_files import has_model_weights
 from .verify import verify_checkpoint
 

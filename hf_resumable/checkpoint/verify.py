@@ -8,8 +8,6 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._jsonio import parse_json
-from .._safefile import file_kind, member_path, read_regular_file
 from ..constants import (
     LAYOUT_FILE,
     MANIFEST_FILE,
@@ -20,8 +18,10 @@ from ..constants import (
     TRAINABLE_INDEX_FILE,
 )
 from ..errors import CorruptCheckpointError, HfResumableError, IncompleteCheckpointError
-from ..safetensors_io import SafetensorsHeader, hash_file, read_header
-from ..sharding import parse_index
+from ..format._jsonio import parse_json
+from ..format._safefile import file_kind, member_path, read_regular_file
+from ..format.safetensors_io import SafetensorsHeader, hash_file, read_header
+from ..format.sharding import parse_index
 from ._model_files import model_weights_file, single_file_index
 from .manifest import Manifest, read_manifest
 

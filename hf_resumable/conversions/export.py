@@ -57,7 +57,7 @@ from ..constants import (
     TRAINING_STATE_FILE,
 )
 from ..errors import CheckpointExistsError, HfResumableError
-from ..safetensors_io import STR_TO_DTYPE
+from ..format.safetensors_io import STR_TO_DTYPE
 
 logger = logging.getLogger(__name__)
 

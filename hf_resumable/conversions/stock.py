@@ -61,8 +61,8 @@ from ..errors import (
     CorruptCheckpointError,
     UnsafePickleError,
 )
-from ..rng import RngState, save_rng_state
-from ..sharding import parse_size
+from ..format.rng import RngState, save_rng_state
+from ..format.sharding import parse_size
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Sized
 from typing import Any
 
-from ..rng import derive_seed
+from ..format.rng import derive_seed
 from ._position import _TAG_FINGERPRINT, data_rng
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..rng import derive_seed
+from ..format.rng import derive_seed
 from ._position import _TAG_GENERATOR
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..errors import InexactResumeError
-from ..rng import derive_seed
+from ..format.rng import derive_seed
 from ._order import ResumableBatchSampler
 from ._position import _TAG_LOADER, DATA_EPOCH, DATA_KIND, DATA_LOADER, DATA_NUM_BATCHES, DATA_STEP, _identity
 from ._seeded import SeededIterableDataset, SeededMapDataset

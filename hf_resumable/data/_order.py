@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import Sampler
 
 from ..errors import InexactResumeError
-from ..rng import derive_seed, seeded_rng
+from ..format.rng import derive_seed, seeded_rng
 from ._generators import GeneratorSlots
 from ._position import _TAG_PERMUTATION, _TAG_SAMPLER, BatchKey
 

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from torch.utils.data import get_worker_info
 
-from ..rng import seeded_rng
+from ..format.rng import seeded_rng
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class BatchKey(NamedTuple):
 def data_rng(seed: int) -> contextlib.AbstractContextManager[None]:
     """Seed python ``random``, numpy's global generator and torch's CPU generator for a data operation.
 
-    :func:`hf_resumable.rng.seeded_rng`, except that in a ``DataLoader`` worker the generators are only
+    :func:`hf_resumable.format.rng.seeded_rng`, except that in a ``DataLoader`` worker the generators are only
     reseeded (nothing else in a worker draws from them); in the main process they are saved first and
     restored on exit, so the stream dropout draws from is untouched. Transforms that draw from CUDA
     generators are not covered.

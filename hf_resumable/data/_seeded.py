@@ -10,7 +10,7 @@ from typing import Any
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from ..errors import InexactResumeError
-from ..rng import derive_seed
+from ..format.rng import derive_seed
 from ._generators import GeneratorSlots, _dataset_generator_root
 from ._position import _TAG_MAP_BATCH, _TAG_STREAM_BATCH, BatchKey, data_rng
 

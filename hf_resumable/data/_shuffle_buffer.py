@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import InexactResumeError
-from ..rng import derive_seed
+from ..format.rng import derive_seed
 from ._position import _TAG_SHUFFLE_BUFFER
 
 _BUFFER_NODE = "BufferShuffledExamplesIterable"  # datasets' shuffle buffer in an IterableDataset pipeline

@@ -43,7 +43,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from ..errors import ConfigDriftError, CorruptCheckpointError
-from ..rng import derive_seed
+from ..format.rng import derive_seed
 from ._position import data_rng
 
 logger = logging.getLogger(__name__)

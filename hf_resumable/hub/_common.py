@@ -23,8 +23,6 @@ from huggingface_hub.errors import (
     SafetensorsParsingError,
 )
 
-from .._jsonio import parse_json
-from .._safefile import read_regular_file
 from ..constants import (  # noqa: F401 - INDEX_VERSION_KEY, PART_SUFFIX, SIDECAR_SUFFIX re-exported for hub modules
     INDEX_VERSION_KEY,
     MAX_JSON_SIZE,
@@ -42,8 +40,10 @@ from ..errors import (
     HubFormatError,
     HubServerError,
 )
-from ..safetensors_io import hash_file
-from ..sharding import ShardIndex, check_relative_name, parse_index
+from ..format._jsonio import parse_json
+from ..format._safefile import read_regular_file
+from ..format.safetensors_io import hash_file
+from ..format.sharding import ShardIndex, check_relative_name, parse_index
 
 logger = logging.getLogger(__name__)
 

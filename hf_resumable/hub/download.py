@@ -19,7 +19,7 @@ from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
 from ..errors import CorruptCheckpointError, HubError
-from ..sharding import check_relative_name
+from ..format.sharding import check_relative_name
 from ._common import _DOWNLOAD_CHUNK, _SHA256_RE, PART_SUFFIX, SIDECAR_SUFFIX, _sha256_of, hub_errors
 
 logger = logging.getLogger(__name__)

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from huggingface_hub import CommitInfo, HfApi
 
-from .._jsonio import json_bytes
 from ..constants import FORMAT_VERSION, MODEL_FILE_PATTERN, MODEL_INDEX_FILE, README_FILE
 from ..errors import CheckpointMismatchError, CheckpointNotFoundError
-from ..sharding import ShardIndex
+from ..format._jsonio import json_bytes
+from ..format.sharding import ShardIndex
 from ._common import INDEX_VERSION_KEY, SINGLE_MODEL_FILE, WEIGHT_PATTERNS, HubSnapshot
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def write_sharded_model(state_dict: Mapping[str, torch.Tensor], directory: str |
     from ..checkpoint._model import dedupe_tied  # same aliasing rule as training checkpoints
     from ..checkpoint._payload import Payload, add_sharded  # same shard planning as training checkpoints
     from ..checkpoint._writer import index_document
-    from ..safetensors_io import write_safetensors
+    from ..format.safetensors_io import write_safetensors
 
     directory = Path(directory)
     tensors, aliases = dedupe_tied(state_dict)

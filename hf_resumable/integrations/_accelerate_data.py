@@ -56,8 +56,8 @@ from torch.utils.data import (
 )
 
 from ..data import DATA_EPOCH, DATA_KIND, DATA_LOADER, DATA_NUM_BATCHES, DATA_STEP, data_rng
-from ..rng import derive_seed
-from ..state_codec import decode_state, encode_state
+from ..format.rng import derive_seed
+from ..format.state_codec import decode_state, encode_state
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..rng import capture_rng_state
+from ..format.rng import capture_rng_state
 
 __all__ = ["StepCounts", "StepHook", "state_fingerprint"]
 

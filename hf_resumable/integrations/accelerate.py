@@ -99,9 +99,9 @@ from ..errors import (
     IncompleteCheckpointError,
     InexactResumeError,
 )
+from ..format.rng import restore_rng_state
 from ..locations import is_remote, open_uploader, resolve_resume_path
 from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
-from ..rng import restore_rng_state
 from ._accelerate_data import (
     ResumableDataLoaderDispatcher,
     ResumableDataLoaderShard,

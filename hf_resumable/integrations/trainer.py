@@ -89,11 +89,11 @@ from ..data import (
     sampler_epoch_order,
 )
 from ..errors import AsyncSaveError, HfResumableError, InexactResumeError, UnsupportedStateError
+from ..format.rng import derive_seed, restore_rng_state
+from ..format.state import RunConfig, check_config_drift
+from ..format.state_codec import encode_state
 from ..locations import is_remote, open_uploader, resolve_resume_path
 from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
-from ..rng import derive_seed, restore_rng_state
-from ..state import RunConfig, check_config_drift
-from ..state_codec import encode_state
 from ._trainer_discovery import (
     CONVERTED_DIR,
     CheckpointKind,

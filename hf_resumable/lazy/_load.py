@@ -15,7 +15,7 @@ from ..errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,
 )
-from ..safetensors_io import read_header, read_safetensors
+from ..format.safetensors_io import read_header, read_safetensors
 from ._weights import LazyStateDict
 
 logger = logging.getLogger(__name__)

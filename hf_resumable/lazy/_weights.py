@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from .._jsonio import parse_json
 from ..checkpoint._frozen import base_not_stored
 from ..constants import MODEL_INDEX_FILE, TIED_KEY
 from ..errors import (
@@ -22,9 +21,10 @@ from ..errors import (
     HubFormatError,
     IncompleteCheckpointError,
 )
+from ..format._jsonio import parse_json
+from ..format.safetensors_io import STR_TO_DTYPE, read_header
+from ..format.sharding import ShardIndex
 from ..hub import SINGLE_MODEL_FILE, HubSnapshot, read_index_file
-from ..safetensors_io import STR_TO_DTYPE, read_header
-from ..sharding import ShardIndex
 
 logger = logging.getLogger(__name__)
 

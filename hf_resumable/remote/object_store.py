@@ -252,7 +252,7 @@ def download_checkpoint(
         CorruptCheckpointError: if a downloaded file's size or sha256 differs from the manifest.
     """
     from ..checkpoint import committed_directory, verify_checkpoint, write_file_durably
-    from ..sharding import check_relative_name
+    from ..format.sharding import check_relative_name
 
     fs, root = _fs(remote_dir, storage_options)
     manifest = read_remote_manifest(root, fs=fs)

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import init_device_mesh  # noqa: E402
 
 from hf_resumable.elastic import ElasticSampler  # noqa: E402
-from hf_resumable.rng import restore_rng_state  # noqa: E402
+from hf_resumable.format.rng import restore_rng_state  # noqa: E402
 from hf_resumable.sharded import load_sharded_checkpoint, save_sharded_checkpoint  # noqa: E402
 
 import sharded_fixtures as fx  # noqa: E402

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 
 __all__ = ["MAX_JSON_DEPTH", "MAX_INT_DIGITS", "json_bytes", "parse_json"]
 

@@ -29,7 +29,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import CorruptCheckpointError, UnsafeIndexError
+from ..errors import CorruptCheckpointError, UnsafeIndexError
 
 __all__ = ["open_regular", "read_regular_file", "member_path", "file_kind"]
 

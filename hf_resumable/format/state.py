@@ -9,7 +9,7 @@ settings with the current ones and raises :class:`~hf_resumable.errors.ConfigDri
 Example:
 
 ```python
->>> from hf_resumable.state import RunConfig, check_config_drift
+>>> from hf_resumable.format.state import RunConfig, check_config_drift
 >>> saved = RunConfig(gradient_accumulation_steps=4, per_device_train_batch_size=8, world_size=1, seed=42,
 ...                   data_seed=None, dataset_length=1000, dataset_fingerprint="abc")
 >>> check_config_drift(saved, saved, checkpoint="out/checkpoint-10")  # nothing changed: no error
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ConfigDriftError
+from ..errors import ConfigDriftError
 
 logger = logging.getLogger(__name__)
 

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from ..constants import MAX_HEADER_SIZE, SAFETENSORS_METADATA
+from ..errors import CorruptCheckpointError
 from ._jsonio import parse_json
 from ._safefile import open_regular
-from .constants import MAX_HEADER_SIZE, SAFETENSORS_METADATA
-from .errors import CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ Example:
 
 ```python
 >>> import random
->>> from hf_resumable.rng import capture_rng_state, restore_rng_state
+>>> from hf_resumable.format.rng import capture_rng_state, restore_rng_state
 >>> state = capture_rng_state()
 >>> a = random.random()
 >>> restore_rng_state(state)
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .errors import CorruptCheckpointError, InexactResumeError
+from ..errors import CorruptCheckpointError, InexactResumeError
 from .safetensors_io import FileRecord, read_header, read_safetensors, write_safetensors
 
 logger = logging.getLogger(__name__)

@@ -1,13 +1,13 @@
 """Pure planning of sharded safetensors files, and parsing of their index files.
 
 Nothing here touches a file or a tensor: sizes come in as integers, plans and indexes come out as
-dataclasses and dicts. The IO lives in :mod:`hf_resumable.safetensors_io` and
+dataclasses and dicts. The IO lives in :mod:`hf_resumable.format.safetensors_io` and
 :mod:`hf_resumable.checkpoint`.
 
 Example:
 
 ```python
->>> from hf_resumable.sharding import plan_shards
+>>> from hf_resumable.format.sharding import plan_shards
 >>> plan = plan_shards({"a": 600, "b": 600, "c": 100}, max_shard_size=1000)
 >>> plan.filename_to_names
 {'model-00001-of-00002.safetensors': ('a',), 'model-00002-of-00002.safetensors': ('b', 'c')}
@@ -21,8 +21,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .constants import MODEL_FILE_PATTERN
-from .errors import UnsafeIndexError
+from ..constants import MODEL_FILE_PATTERN
+from ..errors import UnsafeIndexError
 
 __all__ = ["ShardPlan", "ShardIndex", "parse_size", "plan_shards", "build_index", "parse_index"]
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CorruptCheckpointError, UnsupportedStateError
+from ..errors import CorruptCheckpointError, UnsupportedStateError
 
 __all__ = ["encode_state", "decode_state", "check_encoded"]
 

@@ -1,0 +1,605 @@
+"""Sharded checkpoints for FSDP2 / DTensor models: every rank writes its own pieces, any world size loads them.
+
+``save_sharded_checkpoint`` is the parallel counterpart of :func:`~hf_resumable.save_checkpoint`: each
+rank writes the pieces of the model weights and optimizer state it holds (``DTensor.to_local()``) into
+its own safetensors files, in parallel, and rank 0 commits the checkpoint with the same protocol
+(temp directory, ``manifest.json`` last with every file's size and sha256, atomic rename). Plain
+(unsharded) models work too: rank 0 writes their tensors.
+
+``load_sharded_checkpoint`` loads into any sharding at any world size (2 -> 1, 1 -> 2, ...): each rank
+reads only the slices of the stored pieces that overlap what it holds. ``consolidate_sharded_checkpoint``
+turns a sharded checkpoint into a regular one, whose weights are laid out as ``save_pretrained`` lays them out
+(one ``model.safetensors``, or ``model.safetensors.index.json`` and its shards) so ``from_pretrained`` loads them.
+
+Layout of a sharded ``checkpoint-<step>/``::
+
+    sharded/model-rank00000-of-00002.safetensors      rank 0's pieces of the weights (boxes in the header)
+    sharded/optimizer-rank00000-of-00002.safetensors  rank 0's pieces of the optimizer state
+    sharded/...-rank00001-of-00002.safetensors        rank 1's
+    sharded_layout.json                               every tensor's dtype, global shape, and piece boxes
+    model.safetensors                                 with hf_weights=True only: whole weights instead of
+    (or model.safetensors.index.json,                 model pieces (one file when they fit in one shard),
+     model-0000k-of-0000N.safetensors)                written round robin by the ranks
+    frozen_base.json                                  frozen parameters (requires_grad=False), recorded instead of
+                                                      stored: each rank's piece fingerprinted (not with
+                                                      standalone=True or hf_weights=True)
+    config.json, generation_config.json               as save_pretrained writes them
+    training_state.json, rng/, data/                  as in a regular checkpoint
+    manifest.json                                     written last
+
+Nothing is pickled: torch.distributed.checkpoint's ``FileSystemWriter`` writes a pickled ``.metadata``,
+and its ``HuggingFaceStorageWriter`` exchanges plans with pickling collectives and stores non-tensor
+optimizer state with ``torch.save``, so neither is used; coordination here is JSON over
+:mod:`hf_resumable.distributed`.
+
+Example:
+
+```python
+>>> from torch.distributed.fsdp import fully_shard
+>>> from hf_resumable.sharded import save_sharded_checkpoint, load_sharded_checkpoint
+>>> for block in model.model.layers:  # doctest: +SKIP
+...     fully_shard(block)
+>>> fully_shard(model)  # doctest: +SKIP
+>>> save_sharded_checkpoint("out/checkpoint-100", model=model, optimizer=optimizer, step=100)  # doctest: +SKIP
+>>> # later, on any number of ranks (or in a single process, into a plain model):
+>>> load_sharded_checkpoint("out/checkpoint-100", model=model, optimizer=optimizer)  # doctest: +SKIP
+```
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..constants import (
+    DEFAULT_MAX_SHARD_SIZE,
+    FROZEN_RECORD_FILE,
+    MODEL_INDEX_FILE,
+    OPTIMIZER_FILE_PATTERN,
+    OPTIMIZER_INDEX_FILE,
+    OPTIMIZER_STATE_PREFIX,
+    SINGLE_MODEL_FILE,
+    STATE_KEY_OPTIMIZER,
+    STATE_KEY_SCALER,
+    STATE_KEY_SCHEDULER,
+    TRAINING_STATE_FILE,
+)
+from ..distributed import all_gather_json, is_distributed, rank_and_world_size
+from ..errors import CheckpointMismatchError, IncompleteCheckpointError
+from ..format._jsonio import json_bytes
+from ..format.rng import RngState
+from ..format.sharding import build_index
+from ..format.state_codec import decode_state
+from ._frozen import base_not_stored
+from ._frozen_sharded import check_frozen_sharded, split_frozen_sharded
+from ._model import TIED_KEY
+from ._model_files import single_file_metadata
+from ._payload import (
+    Payload,
+    TensorFile,
+    add_model_weights,
+    add_sharded,
+    capture_payload,
+    capture_pretrained,
+)
+from ._reader import LoadedCheckpoint, OpenedCheckpoint, _Reader
+from ._sharded import (
+    LAYOUT_FILE,
+    LAYOUT_KEY_MODEL,
+    LAYOUT_KEY_OPTIMIZER,
+    LAYOUT_KEY_OPTIMIZER_DOC,
+    LAYOUT_KEY_VERSION,
+    LAYOUT_KEY_WORLD_SIZE,
+    LAYOUT_VERSION,
+    SHARDED_DIR,
+    LocalState,
+    collect_local_state,
+    find_tied,
+    flatten_optimizer_state,
+    full_weights_for,
+    hf_weights_section,
+    piece_file,
+    piece_report,
+    piece_tensor_file,
+    plan_hf_weights,
+    section_from_gathered,
+)
+from ._sharded_load import (
+    PieceReader,
+    Section,
+    check_fits,
+    check_pieces_stored,
+    fill_state,
+    layout_from_regular,
+    parse_layout,
+)
+from ._validate import check_optimizer_document
+from ._writer import check_target, save_payload
+from .api import CheckpointInfo, background_saver, open_checkpoint, wait_for_pending_saves
+from .discovery import apply_retention
+from .manifest import Manifest
+from .verify import verify_checkpoint
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["save_sharded_checkpoint", "load_sharded_checkpoint", "consolidate_sharded_checkpoint"]
+
+
+def _options(**kwargs: Any) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**kwargs)
+
+
+def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """FQN-keyed weights as this rank holds them (DTensor pieces under FSDP2, plain tensors otherwise)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_options())
+
+
+def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """FQN-keyed optimizer state, without side effects on an optimizer that has not stepped yet.
+
+    ``get_optimizer_state_dict`` initializes an empty optimizer with a zero-lr step, which would start
+    AdamW's step count at 1 and change the run; that state is dropped again here.
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    fresh = not optimizer.state
+    state = get_optimizer_state_dict(model, optimizer, options=_options())
+    if fresh and optimizer.state:
+        optimizer.state.clear()
+        state = {"state": {}, "param_groups": state["param_groups"]}
+    return state
+
+
+def _add_hf_weights(payload: Payload, weights: Mapping[str, torch.Tensor], local: LocalState, *, rank: int,
+                    world_size: int, max_shard_size: int | str) -> dict[str, Any]:
+    """Add the HF shard files this rank owns (whole tensors, gathered) and, on rank 0, their index."""
+    sizes = {name: weights[name].numel() * weights[name].element_size() for name in local.tensors}
+    plan, owner = plan_hf_weights(sizes, world_size=world_size, max_shard_size=max_shard_size)
+    mine = full_weights_for(weights, plan.name_to_filename, owner, rank=rank)
+    single = plan.filenames == [SINGLE_MODEL_FILE]  # one model.safetensors (tied record in its header), no index
+    for filename in plan.filenames:
+        if filename in mine:
+            metadata = single_file_metadata(local.tied) if single else {"format": "pt"}
+            payload.tensor_files.append(TensorFile(filename, mine[filename], metadata))
+    if rank == 0 and not single:
+        index = build_index(plan, metadata={TIED_KEY: local.tied, "format": "pt"})
+        payload.blobs[MODEL_INDEX_FILE] = json_bytes(index)
+    return hf_weights_section(plan, local.tensors, local.tied)
+
+
+def _add_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, rank: int,
+                world_size: int, hf_weights: bool, max_shard_size: int | str, standalone: bool = False
+                ) -> dict[str, Any]:
+    """Add this rank's files to ``payload``; return the layout (complete on every rank, JSON)."""
+    weights = _model_state(model)
+    # Every rank must drop the same aliases; a rank holding an empty piece cannot see a tie by itself.
+    tied = {alias: kept for report in all_gather_json(find_tied(weights)) for alias, kept in report.items()}
+    if not (hf_weights or standalone):  # frozen parameters are recorded, not stored (hf_weights: a whole model)
+        weights, tied, record = split_frozen_sharded(model, weights, tied, rank=rank)
+        if record is not None:
+            payload.blobs[FROZEN_RECORD_FILE] = record
+    model_local = collect_local_state(weights, rank=rank, tied=tied)
+    locals_: dict[str, LocalState] = {}
+    if hf_weights:
+        model_section = _add_hf_weights(payload, weights, model_local, rank=rank, world_size=world_size,
+                                        max_shard_size=max_shard_size)
+    else:
+        locals_["model"] = model_local
+    document = None
+    if optimizer is not None:
+        tensors, document = flatten_optimizer_state(_optimizer_state(model, optimizer), type(optimizer).__qualname__)
+        locals_["optimizer"] = collect_local_state(tensors, rank=rank, tied={})
+    reports = {}
+    for kind, local in locals_.items():
+        relpath = piece_file(kind, rank, world_size)
+        tensor_file = piece_tensor_file(relpath, local)
+        if tensor_file is not None:
+            payload.tensor_files.append(tensor_file)
+        reports[kind] = piece_report(relpath, local)
+    gathered = all_gather_json(reports)
+    sections = {kind: section_from_gathered(local, [g[kind] for g in gathered]) for kind, local in locals_.items()}
+    return {LAYOUT_KEY_VERSION: LAYOUT_VERSION, LAYOUT_KEY_WORLD_SIZE: world_size,
+            LAYOUT_KEY_MODEL: model_section if hf_weights else sections["model"],
+            LAYOUT_KEY_OPTIMIZER: sections.get("optimizer"), LAYOUT_KEY_OPTIMIZER_DOC: document}
+
+
+def save_sharded_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    step: int | None = None,
+    training_state: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    data_state: Mapping[str, Any] | None = None,
+    rng: bool | RngState = True,
+    metrics: Mapping[str, float] | None = None,
+    overwrite: bool = False,
+    processing_class: Any = None,
+    keep_last: int | None = None,
+    hf_weights: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    blocking: bool = True,
+    standalone: bool = False,
+) -> CheckpointInfo:
+    """Save a checkpoint in which every rank writes its own pieces of the model and optimizer, in parallel.
+
+    Works for FSDP2 (``fully_shard``) and other DTensor-sharded models, and for plain models (rank 0
+    writes them). Under torch.distributed it is a collective: every rank calls it. The commit is the
+    same as :func:`~hf_resumable.save_checkpoint`'s: files go into a temporary sibling directory, rank 0
+    writes ``manifest.json`` (every rank's files with size and sha256, hashed while writing) only after
+    every rank reported its files durable, then renames. A rank killed mid-save leaves the previous
+    checkpoint the latest valid one.
+
+    Args:
+        directory (`str` or `os.PathLike`): the checkpoint directory, e.g. ``out/checkpoint-120``.
+        model (`torch.nn.Module`): the model (FSDP2-wrapped or not); its ``config`` is saved by rank 0.
+        optimizer (`torch.optim.Optimizer`, *optional*): saved keyed by parameter FQN, sharded like the weights.
+        scheduler, scaler (*optional*): saved by rank 0 as JSON, as in ``save_checkpoint``.
+        step (`int`, *optional*): the global step, recorded in the manifest.
+        training_state (`Mapping`, *optional*): the (global) progress cursor, e.g. ``{"sampler":
+            ElasticSampler.state_dict()}``; saved by rank 0.
+        extra (`Mapping`, *optional*): more global state (JSON-able values and tensors); saved by rank 0.
+        data_state (`Mapping`, *optional*): this rank's data position (per rank, not elastic).
+        rng (`bool` or `RngState`, *optional*, defaults to `True`): capture this rank's RNG now.
+        metrics (`Mapping[str, float]`, *optional*): recorded in the manifest.
+        overwrite (`bool`, *optional*, defaults to `False`): replace an existing checkpoint atomically.
+        processing_class (*optional*): a tokenizer/processor whose ``save_pretrained`` files are included.
+        keep_last (`int`, *optional*): after the commit, rank 0 applies ``apply_retention`` to the parent.
+        hf_weights (`bool`, *optional*, defaults to `False`): store the weights whole, as ``save_pretrained``
+            does (one ``model.safetensors`` when they fit in ``max_shard_size``, else
+            ``model.safetensors.index.json`` + ``model-0000k-of-0000N.safetensors``), so ``from_pretrained``
+            loads the checkpoint directory itself. The files are spread round robin over the ranks, which
+            write them in parallel; each weight is all-gathered (``DTensor.full_tensor()``) to its writer,
+            which costs one model's worth of communication per rank. Optimizer state stays in per-rank pieces.
+            Without it, call :func:`consolidate_sharded_checkpoint` to get an HF export.
+        max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard size of the ``hf_weights`` files.
+        blocking (`bool`, *optional*, defaults to `True`): with `False`, every rank copies its pieces into
+            reusable host buffers and returns; the files are written in the background and rank 0 commits once
+            every rank's files are durable (over a gloo group of its own, never the training loop's). The next
+            save, any load, ``wait_for_pending_saves`` and interpreter exit wait for it and raise its error.
+        standalone (`bool`, *optional*, defaults to `False`): store frozen parameters (``requires_grad=False``: a
+            PEFT base, a frozen embedding) too. By default they are recorded, not stored: ``frozen_base.json`` holds
+            their names, dtypes, shapes and each saving rank's piece fingerprints, checked on load. ``hf_weights``
+            checkpoints always store every weight.
+
+    Returns:
+        `CheckpointInfo`: path, step and the committed manifest (``manifest=None`` while a non-blocking save is
+        in flight).
+
+    Raises:
+        CheckpointExistsError: if ``directory`` exists and ``overwrite`` is False.
+        UnsupportedStateError: for state that cannot be stored without pickle (or a ``Partial`` DTensor).
+        OSError: if any rank fails to write; the previous checkpoint is untouched.
+
+    Example:
+
+    ```python
+    >>> save_sharded_checkpoint("out/checkpoint-10", model=model, optimizer=optimizer, step=10,
+    ...                         training_state={"sampler": sampler.state_dict()})  # doctest: +SKIP
+    ```
+    """
+    target = Path(directory)
+    wait_for_pending_saves()
+    rank, world_size = rank_and_world_size()
+    if not is_distributed():  # fail before capturing anything (under torch.distributed step 1 tells every rank)
+        check_target(target, overwrite=overwrite)
+    # 1. Global and per-rank non-tensor state, exactly as a regular checkpoint stores it.
+    payload = capture_payload(
+        model=None, optimizer=None, scheduler=scheduler, scaler=scaler, training_state=training_state, extra=extra,
+        extra_files=None, data_state=data_state, rng=rng, max_shard_size=DEFAULT_MAX_SHARD_SIZE,
+        processing_class=None, rank=rank, is_main=rank == 0,
+    )
+    # 2. This rank's pieces (and HF weight shards); the layout of every rank's pieces is gathered as JSON.
+    layout = _add_pieces(payload, model, optimizer, rank=rank, world_size=world_size, hf_weights=hf_weights,
+                         max_shard_size=max_shard_size, standalone=standalone)
+    # 3. Rank 0 adds the layout and the files from_pretrained needs besides the weights.
+    if rank == 0:
+        # Compact: the layout names every piece of every rank, and the C encoder (no indent) keeps the stall short.
+        payload.blobs[LAYOUT_FILE] = json_bytes(layout, indent=None)
+        capture_pretrained(payload, model, processing_class)
+    # 4. Commit: manifest last, after every rank's files are durable (in the background if not blocking).
+    def retention() -> None:
+        if keep_last is not None and rank == 0:
+            apply_retention(target.parent, keep_last=keep_last)
+
+    if not blocking:
+        background_saver().submit(target, payload, step=step, metrics=dict(metrics or {}), overwrite=overwrite,
+                                  on_commit=retention)
+        return CheckpointInfo(path=target, step=step)
+    manifest = save_payload(target, payload, step=step, metrics=dict(metrics or {}), overwrite=overwrite)
+    retention()
+    return CheckpointInfo(path=target, step=step, manifest=manifest)
+
+
+def _read_layout(reader: _Reader) -> dict[str, Any]:
+    """The sharded layout, or the one implied by a regular checkpoint's indexes (whole tensors, one writer)."""
+    if LAYOUT_FILE in reader.manifest.files:
+        return parse_layout(reader.json(LAYOUT_FILE), source=str(reader.path / LAYOUT_FILE))
+    model = reader.model_index()
+    if model is None:
+        wanted = "resharded loading needs every weight (load_checkpoint checks its base against the model instead)"
+        if (error := base_not_stored(reader.path, wanted=wanted)) is not None:
+            raise error
+        raise IncompleteCheckpointError(f"{reader.path} has neither {LAYOUT_FILE} nor {MODEL_INDEX_FILE} or "
+                                        f"{SINGLE_MODEL_FILE}: it holds no model weights to load.")
+    has_optimizer = OPTIMIZER_INDEX_FILE in reader.manifest.files
+    indexes = {"model": model, "optimizer": reader.index(OPTIMIZER_INDEX_FILE) if has_optimizer else None}
+    document = reader.json(TRAINING_STATE_FILE).get(STATE_KEY_OPTIMIZER) if has_optimizer else None
+    return layout_from_regular(indexes, reader.report.headers, world_size=reader.manifest.world_size,
+                               optimizer_document=document)
+
+
+def _section(reader: _Reader, layout: Mapping[str, Any], key: str) -> Section:
+    """One layout section, checked against the verified headers of the files it names."""
+    source = str(reader.path / LAYOUT_FILE)
+    section = Section.from_json(layout[key], source=source)
+    check_pieces_stored(section, reader.report.headers, source=source)
+    return section
+
+
+def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Module, *, strict: bool,
+                full: bool = False) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    source = str(reader.path)
+    current = _model_state(model)
+    frozen = check_frozen_sharded(reader, current, full=full, strict=strict)  # recorded, not stored: checked
+    current = {name: tensor for name, tensor in current.items() if name not in frozen}
+    section = _section(reader, layout, LAYOUT_KEY_MODEL)
+    names = check_fits(current, section, strict=strict, source=source, what="model")
+    with PieceReader(reader.path, section, source=source) as pieces:
+        filled = fill_state(current, pieces, names)
+    set_model_state_dict(model, filled, options=_options(strict=strict and not frozen))
+
+
+def _param_groups(saved: list[Mapping[str, Any]], current: list[Mapping[str, Any]], tensors: Mapping[str, Any],
+                  *, source: str) -> list[dict[str, Any]]:
+    """Saved hyper-parameters, with each group's parameters listed as the current optimizer lists them."""
+    if len(saved) != len(current):
+        raise CheckpointMismatchError(f"{source}: {len(saved)} param group(s) saved, the optimizer has "
+                                      f"{len(current)}; build the optimizer with the same groups.")
+    groups = []
+    for i, (group, now) in enumerate(zip(saved, current)):
+        if set(group["params"]) != set(now["params"]):
+            raise CheckpointMismatchError(f"{source}: param group {i} holds different parameters than when saved.")
+        decoded = {k: decode_state(v, tensors, source=source) for k, v in group.items() if k != "params"}
+        groups.append({**decoded, "params": list(now["params"])})
+    return groups
+
+
+def _rebuild_optimizer_state(filled: Mapping[str, torch.Tensor], document: Mapping[str, Any],
+                             current: Mapping[str, Any], *, source: str) -> dict[str, Any]:
+    state: dict[str, dict[str, Any]] = {}
+    for key, value in filled.items():
+        if key.startswith(OPTIMIZER_STATE_PREFIX):
+            fqn, _, field = key[len(OPTIMIZER_STATE_PREFIX):].rpartition("/")
+            state.setdefault(fqn, {})[field] = value
+    for fqn, fields in document.get("non_tensor_state", {}).items():
+        for field, value in fields.items():
+            state.setdefault(fqn, {})[field] = decode_state(value, filled, source=source)
+    groups = _param_groups(document["param_groups"], current["param_groups"], filled, source=source)
+    return {"state": state, "param_groups": groups}
+
+
+def _load_param_groups_only(model: torch.nn.Module, optimizer: torch.optim.Optimizer, document: Mapping[str, Any],
+                            *, source: str) -> None:
+    """The saved optimizer had not stepped yet: restore its hyper-parameters and leave its state empty."""
+    current = _optimizer_state(model, optimizer)
+    optimizer.state.clear()
+    groups = _param_groups(document["param_groups"], current["param_groups"], {}, source=source)
+    for group, saved in zip(optimizer.param_groups, groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer) -> None:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    source = str(reader.path)
+    document = layout.get(LAYOUT_KEY_OPTIMIZER_DOC)
+    if document is None or layout.get(LAYOUT_KEY_OPTIMIZER) is None:
+        raise IncompleteCheckpointError(f"{source}: no optimizer state was saved; load without optimizer=.")
+    if document.get("class") != type(optimizer).__qualname__:
+        raise CheckpointMismatchError(f"{source}: optimizer was {document.get('class')}, now "
+                                      f"{type(optimizer).__qualname__}; build the same optimizer class to resume.")
+    section = _section(reader, layout, LAYOUT_KEY_OPTIMIZER)
+    if not document["non_tensor_state"] and not any(n.startswith(OPTIMIZER_STATE_PREFIX) for n in section.dtypes):
+        _load_param_groups_only(model, optimizer, document, source=source)
+        return
+    current = get_optimizer_state_dict(model, optimizer, options=_options())  # initializes an empty optimizer
+    current_tensors, _ = flatten_optimizer_state(current, type(optimizer).__qualname__)
+    names = check_fits(current_tensors, section, strict=True, source=source, what="optimizer")
+    with PieceReader(reader.path, section, source=source) as pieces:
+        filled = fill_state(current_tensors, pieces, names)
+    state = _rebuild_optimizer_state(filled, document, current, source=source)
+    set_optimizer_state_dict(model, optimizer, state, options=_options())
+
+
+def load_sharded_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    restore_rng: bool = True,
+    strict: bool = True,
+    verify: str = "quick",
+    allow_inexact_resume: bool = False,
+) -> LoadedCheckpoint:
+    """Load a checkpoint written by :func:`save_sharded_checkpoint` at any world size, into any sharding.
+
+    Each rank reads only the slices of the stored pieces that overlap the pieces it holds (the whole
+    tensors for a plain model), so 2 -> 1, 1 -> 2 or 4 -> 3 all give weights and optimizer tensors equal
+    to the consolidated originals. A regular checkpoint (:func:`~hf_resumable.save_checkpoint`, or the
+    output of :func:`consolidate_sharded_checkpoint`) loads the same way, each tensor being one whole
+    piece. Under torch.distributed every rank calls it. The RNG is restored last.
+
+    Args:
+        directory (`str` or `os.PathLike`): a committed sharded (or regular) checkpoint.
+        model (`torch.nn.Module`, *optional*): filled in place (FSDP2-wrapped or plain).
+        optimizer (`torch.optim.Optimizer`, *optional*): filled in place, matched by parameter FQN; needs ``model``.
+        scheduler, scaler (*optional*): objects to fill.
+        restore_rng (`bool`, *optional*, defaults to `True`): restore this rank's RNG state.
+        strict (`bool`, *optional*, defaults to `True`): missing/unexpected model keys are errors.
+        verify (`str`, *optional*, defaults to `"quick"`): ``"quick"`` (manifest, sizes, headers, hashes of
+            files up to 4 MiB), ``"full"`` (every hash first) or ``"none"``. Piece files are read by slices,
+            so files above 4 MiB are hash-checked only with ``"full"``.
+        allow_inexact_resume (`bool`, *optional*, defaults to `False`): continue with a WARNING when the
+            world size changed or this rank's RNG state is missing, instead of raising.
+
+    Returns:
+        `LoadedCheckpoint`: training state (e.g. the ``ElasticSampler`` position), extra state, data position
+        and RNG state.
+
+    Raises:
+        IncompleteCheckpointError: no manifest, no weights, or a requested part was not saved.
+        CorruptCheckpointError: corrupt files, hash mismatches, or pieces that do not cover a tensor.
+        CheckpointMismatchError: the model/optimizer does not fit (all offending keys listed).
+        InexactResumeError: the world size changed (or an RNG state is missing) and ``allow_inexact_resume`` is
+            False and ``restore_rng`` is True.
+
+    Example:
+
+    ```python
+    >>> loaded = load_sharded_checkpoint("out/checkpoint-10", model=model, optimizer=optimizer,
+    ...                                  allow_inexact_resume=True)  # doctest: +SKIP
+    >>> sampler.load_state_dict(loaded.training_state["sampler"])  # doctest: +SKIP
+    ```
+    """
+    if verify not in ("quick", "full", "none"):
+        raise ValueError(f"verify must be 'quick', 'full' or 'none', got {verify!r}.")
+    if optimizer is not None and model is None:
+        raise ValueError("load_sharded_checkpoint needs model= to match optimizer state by parameter name.")
+    wait_for_pending_saves()
+    # 1. Open: open_checkpoint's steps 1-5 (verify once; decode and check the training state, data position, RNG);
+    #    read the layout; refuse a silent inexact resume and optimizer/scheduler/scaler state of another kind,
+    #    before touching anything.
+    opened = open_checkpoint(directory, verify=verify, allow_inexact_resume=allow_inexact_resume, elastic=True)
+    reader = opened._reader
+    layout = _read_layout(reader)
+    opened.check_exact(weights=model is not None, rng=restore_rng)
+    if optimizer is not None:
+        _check_optimizer_document(opened, layout, optimizer)
+    for name, obj, key in (("scheduler", scheduler, STATE_KEY_SCHEDULER), ("scaler", scaler, STATE_KEY_SCALER)):
+        if obj is not None:
+            opened._object_state(name, key, obj)
+    # 2. Weights (keys matched by the one key matcher, then the pieces read), then optimizer state, matched
+    #    against the loaded parameters (FSDP2 builds optimizer state from them).
+    if model is not None:
+        _load_model(reader, layout, model, strict=strict, full=verify == "full")
+    if optimizer is not None:
+        _load_optimizer(reader, layout, model, optimizer)
+    # 3. Scheduler, scaler; RNG last (load_into's steps 4, 7 and 8).
+    opened.load_into(scheduler=scheduler, scaler=scaler, restore_rng=restore_rng)
+    logger.info("Loaded sharded %s (step %s, saved by %d rank(s), loaded by %d)", opened.path, opened.step,
+                layout[LAYOUT_KEY_WORLD_SIZE], opened.world_size)
+    return opened
+
+
+def _check_optimizer_document(opened: OpenedCheckpoint, layout: Mapping[str, Any],
+                              optimizer: torch.optim.Optimizer) -> None:
+    """The layout's optimizer document is well formed and of the live optimizer's class (before any load)."""
+    source = str(opened.path / LAYOUT_FILE) if LAYOUT_FILE in opened.manifest.files else str(opened.path)
+    document = layout.get(LAYOUT_KEY_OPTIMIZER_DOC)
+    if document is None or layout.get(LAYOUT_KEY_OPTIMIZER) is None:
+        raise IncompleteCheckpointError(f"{opened.path}: no optimizer state was saved; load without optimizer=.")
+    check_optimizer_document(document, source=source)
+    if document["class"] != type(optimizer).__qualname__:
+        raise CheckpointMismatchError(f"{opened.path}: optimizer was {document['class']}, now "
+                                      f"{type(optimizer).__qualname__}; build the same optimizer class to resume.")
+    if len(document["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointMismatchError(f"{opened.path}: {len(document['param_groups'])} param group(s) saved, the "
+                                      f"optimizer has {len(optimizer.param_groups)}; build it with the same groups.")
+
+
+def _consolidated_section(reader: _Reader, layout: Mapping[str, Any], key: str
+                          ) -> tuple[Section, dict[str, torch.Tensor]]:
+    section = _section(reader, layout, key)
+    with PieceReader(reader.path, section, source=str(reader.path)) as pieces:
+        return section, {name: pieces.read_full(name) for name in section.dtypes}
+
+
+def consolidate_sharded_checkpoint(
+    directory: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    include_optimizer: bool = True,
+    overwrite: bool = False,
+) -> Manifest:
+    """Turn a sharded checkpoint into a regular one: HF safetensors weights that ``from_pretrained`` loads.
+
+    The output holds ``model.safetensors`` (or, above ``max_shard_size``, ``model.safetensors.index.json`` with
+    ``model-0000k-of-0000N.safetensors``; tied weights stored once, as transformers expects), ``config.json``,
+    and, with ``include_optimizer``, ``optimizer.safetensors.index.json`` plus ``training_state.json`` in the
+    regular format, so
+    :func:`~hf_resumable.load_checkpoint` resumes from it too. It is committed like any checkpoint
+    (manifest last, atomic rename). Run it in one process (outside torch.distributed, or it becomes a
+    collective); it holds one kind of state (weights, then optimizer) in memory at a time.
+
+    Args:
+        directory (`str` or `os.PathLike`): a committed sharded checkpoint (written at any world size).
+        output_dir (`str` or `os.PathLike`): where to write the regular checkpoint.
+        max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard size of the output.
+        include_optimizer (`bool`, *optional*, defaults to `True`): also consolidate the optimizer state.
+        overwrite (`bool`, *optional*, defaults to `False`): replace ``output_dir`` atomically.
+
+    Returns:
+        `Manifest`: the manifest of the output.
+
+    Raises:
+        IncompleteCheckpointError / CorruptCheckpointError: if ``directory`` is not a valid sharded checkpoint.
+        CheckpointExistsError: if ``output_dir`` exists and ``overwrite`` is False.
+
+    Example:
+
+    ```python
+    >>> consolidate_sharded_checkpoint("out/checkpoint-10", "export/model")  # doctest: +SKIP
+    >>> AutoModelForCausalLM.from_pretrained("export/model")  # doctest: +SKIP
+    ```
+    """
+    # 1. Verify every hash: consolidation is the moment a silently corrupted piece would spread.
+    path = Path(directory)
+    reader = _Reader(path, verify_checkpoint(path, full=True, raise_on_error=True), hash_on_read=True)
+    if LAYOUT_FILE not in reader.manifest.files:
+        raise IncompleteCheckpointError(f"{path} has no {LAYOUT_FILE}: it is already a regular checkpoint "
+                                        "(from_pretrained and load_checkpoint read it as is).")
+    layout = _read_layout(reader)
+    if (error := base_not_stored(path, wanted="consolidation needs every weight")) is not None:
+        raise error
+    payload = Payload()
+    # 2. Weights as HF shards; tied aliases recorded so load_checkpoint re-ties and transformers ties itself.
+    section, weights = _consolidated_section(reader, layout, LAYOUT_KEY_MODEL)
+    consumed = {LAYOUT_FILE, TRAINING_STATE_FILE, MODEL_INDEX_FILE, OPTIMIZER_INDEX_FILE}
+    consumed |= {file for pieces in section.pieces.values() for file in pieces}
+    add_model_weights(payload, weights, tied=section.tied, max_shard_size=max_shard_size)
+    del weights
+    # 3. Optimizer tensors and document in the regular layout.
+    training_state = reader.json(TRAINING_STATE_FILE)
+    if include_optimizer and layout.get(LAYOUT_KEY_OPTIMIZER) is not None:
+        _, tensors = _consolidated_section(reader, layout, LAYOUT_KEY_OPTIMIZER)
+        add_sharded(payload, tensors, pattern=OPTIMIZER_FILE_PATTERN, index=OPTIMIZER_INDEX_FILE,
+                     max_shard_size=max_shard_size, metadata={})
+        training_state[STATE_KEY_OPTIMIZER] = layout[LAYOUT_KEY_OPTIMIZER_DOC]
+    payload.blobs[TRAINING_STATE_FILE] = json_bytes(training_state)
+    # 4. Everything else (config, tokenizer, RNG, data positions) as is.
+    for relpath in reader.manifest.files:
+        if relpath not in consumed and not relpath.startswith(f"{SHARDED_DIR}/"):
+            payload.blobs[relpath] = (path / relpath).read_bytes()
+    manifest = save_payload(Path(output_dir), payload, step=reader.manifest.step,
+                            metrics=dict(reader.manifest.metrics), overwrite=overwrite)
+    logger.info("Consolidated %s (saved by %d rank(s)) into %s", path, layout[LAYOUT_KEY_WORLD_SIZE], output_dir)
+    return manifest
