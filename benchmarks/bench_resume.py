@@ -191,29 +191,7 @@ def _steady(options: argparse.Namespace, probe_class: type) -> None:
 
 def _accelerate_round(kind: str, output_dir: str, *, steps: int) -> list[float]:
     """CPU time per optimizer step of a plain accelerate loop, with ``Accelerator`` or ``ResumableAccelerator``."""
-    import torch
-    from accelerate import Accelerator
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from hf_resumable.integrations.accelerate import ResumableAccelerator
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=512, n_positions=64))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 512, (steps * 8, 64), generator=torch.Generator().manual_seed(0))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=8, shuffle=True,
-                                         generator=torch.Generator().manual_seed(0))
-    accelerator = (ResumableAccelerator(cpu=True, checkpoint_dir=output_dir, handle_preemption=False)
-                   if kind == "resumable_accelerate" else Accelerator(cpu=True))
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    marks = []
-    for (batch,) in loader:
-        loss = model(input_ids=batch, labels=batch).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        marks.append(time.process_time())
-    accelerator.free_memory()
+    marks = [time.process_time() for _ in _accelerate_steps(kind, output_dir, steps=steps)]
     return [b - a for a, b in zip(marks, marks[1:])]
 
 
@@ -323,6 +301,7 @@ def _accelerate_steps(kind: str, output_dir: str, *, steps: int):
         optimizer.step()
         optimizer.zero_grad()
         yield
+    accelerator.free_memory()
 
 
 def _lockstep_accelerators(output_dir: str, steps: int) -> dict[str, list[float]]:
