@@ -15,7 +15,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from ..format.rng import save_rng_state
 from ..format.safetensors_io import FileRecord, write_safetensors
 from ..progress import progress_bar
 from ._fs import DirIdentity, commit_dir, create_temp_dir, discard, write_bytes_durably
-from ._payload import SHARDS_KEY, IndexSpec, Payload
+from ._payload import SHARDS_KEY, IndexSpec, Payload, TensorFile
 from ._staging import copy_into
 from ._threads import run_in_threads
 from .manifest import Manifest, read_manifest, records_from_json, records_to_json
@@ -220,22 +220,34 @@ def begin_save(target: Path, *, overwrite: bool, group: Any = None) -> SaveStart
     return SaveStart(target, target.parent / started["tmp"], replaces, group)
 
 
-def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics: dict[str, float] | None) -> Manifest:
-    """Steps 2-5 of the commit protocol for a save that :func:`begin_save` started (collective over its group)."""
+def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics: dict[str, float] | None,
+                prepare: Callable[[], Any] | None = None,
+                finalize: Callable[[list[Any]], Mapping[str, bytes]] | None = None) -> Manifest:
+    """Steps 2-5 of the commit protocol for a save that :func:`begin_save` started (collective over its group).
+
+    ``prepare()``, if given, runs first in step 2 (it may add files to ``payload``); its JSON result travels with
+    this rank's records, and a failure in it fails the save like a failed write. ``finalize(reports)``, if given,
+    gets every rank's ``prepare`` result in rank order and returns more small files (``{relpath: bytes}``, e.g. a
+    layout of every rank's files); rank 0 calls it and writes them once every rank's files are durable, before the
+    manifest, and every rank learns their records in step 5.
+    """
     began = time.perf_counter()
     distributed = is_distributed()
     rank, world_size = rank_and_world_size()
     target, tmp, group = start.target, start.tmp, start.group
     # 2. Every rank writes its own files there: created exclusively, hashed while written, fsynced.
+    report = None
     try:
+        report = prepare() if prepare is not None else None
         records, local = write_payload(tmp, payload), None
     except Exception as err:
         if not distributed:
             discard(tmp)
             raise
-        records, local = {}, err
+        records, local, report = {}, err, None
     # 3. The records meet on every rank as JSON (never pickle). If any rank failed, nothing is committed.
-    gathered = all_gather_json({"records": records_to_json(records), "error": _describe(local)}, group=group)
+    gathered = all_gather_json({"records": records_to_json(records), "error": _describe(local), "report": report},
+                               group=group)
     failed = [entry["error"] for entry in gathered if entry["error"] is not None]
     if failed:
         if rank == 0:
@@ -247,25 +259,31 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
     files: dict[str, FileRecord] = {}
     for entry in gathered:
         files.update(records_from_json(entry["records"]))
-    manifest = Manifest(files=files, step=step, world_size=world_size, metrics=dict(metrics or {}))
-    # 4. Rank 0 writes the manifest last, then commits: fsync the tree, rename into place (no-replace, or
-    #    compare-and-swap for an overwrite), fsync the parent.
-    outcome = None
+    # 4. Rank 0 writes the files built from every rank's report, the manifest last, then commits: fsync the tree,
+    #    rename into place (no-replace, or compare-and-swap for an overwrite), fsync the parent.
+    outcome, late = None, {}
     if rank == 0:
         try:
-            write_bytes_durably(tmp / MANIFEST_FILE, manifest.to_json())
+            if finalize is not None:
+                for relpath, data in finalize([entry["report"] for entry in gathered]).items():
+                    late[relpath] = write_bytes_durably(tmp / relpath, data)
+            files.update(late)
+            write_bytes_durably(tmp / MANIFEST_FILE, Manifest(files=files, step=step, world_size=world_size,
+                                                              metrics=dict(metrics or {})).to_json())
             commit_dir(tmp, target, replaces=start.replaces)
         except BaseException as err:
             discard(tmp)
             if not distributed or not isinstance(err, Exception):
                 raise
             outcome = err
-    # 5. Every rank learns whether the commit happened.
-    committed = broadcast_json(_describe(outcome), group=group)
-    if committed is not None:
+    # 5. Every rank learns whether the commit happened (and the records of rank 0's late files).
+    committed = broadcast_json({"error": _describe(outcome), "late": records_to_json(late)}, group=group)
+    if committed["error"] is not None:
         if outcome is not None:
             raise outcome
-        raise _rebuild(committed, f"rank 0 failed to commit {target}; the previous checkpoint is untouched")
+        raise _rebuild(committed["error"], f"rank 0 failed to commit {target}; the previous checkpoint is untouched")
+    files.update(records_from_json(committed["late"]))
+    manifest = Manifest(files=files, step=step, world_size=world_size, metrics=dict(metrics or {}))
     if rank == 0:
         total = sum(r.size for r in files.values())
         logger.info("Saved %s (%d files, %.1f MB) in %.2f s", target, len(files), total / 1e6,
@@ -274,13 +292,16 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
 
 
 def save_payload(target: Path, payload: Payload, *, step: int | None, metrics: dict[str, float] | None,
-                 overwrite: bool) -> Manifest:
+                 overwrite: bool, prepare: Callable[[], Any] | None = None,
+                 finalize: Callable[[list[Any]], Mapping[str, bytes]] | None = None) -> Manifest:
     """Write and commit ``payload`` at ``target`` (collective under torch.distributed), blocking.
 
-    The steps are those of docs/architecture.md, "Commit protocol". Errors keep their type (an
-    ``OSError`` keeps its errno) on the rank where they happened; the other ranks raise the same kind.
+    The steps are those of docs/architecture.md, "Commit protocol" (``prepare`` and ``finalize``: see
+    :func:`finish_save`). Errors keep their type (an ``OSError`` keeps its errno) on the rank where they happened;
+    the other ranks raise the same kind.
     """
-    return finish_save(begin_save(target, overwrite=overwrite), payload, step=step, metrics=metrics)
+    return finish_save(begin_save(target, overwrite=overwrite), payload, step=step, metrics=metrics, prepare=prepare,
+                       finalize=finalize)
 
 
 def _describe(err: BaseException | None) -> dict[str, Any] | None:
@@ -301,6 +322,27 @@ def _rebuild(description: dict[str, Any], context: str) -> Exception:
     return RuntimeError(message)
 
 
+class _Call:
+    """``fn()`` on a helper thread; :meth:`result` joins it and returns its value or raises its exception."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn, self._value, self._error = fn, None, None
+        self._thread = threading.Thread(target=self._run, name="hf_resumable-save-start", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._fn()
+        except BaseException as err:  # noqa: BLE001 - raised by result() on the caller's thread
+            self._error = err
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 class AsyncSaver:
     """Stage tensors into reusable host buffers, then write them on a background thread.
 
@@ -315,10 +357,11 @@ class AsyncSaver:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
 
-    def stage(self, payload: Payload) -> Payload:
-        """Copy every tensor of ``payload`` into a staging buffer (returns a payload over the buffers)."""
+    def stage(self, payload: Payload, also: Sequence[TensorFile] = ()) -> Payload:
+        """Copy every tensor of ``payload`` (and of the files ``also``) into staging buffers, in one parallel copy;
+        the files then hold the buffers (returns ``payload``)."""
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for tensor_file in payload.tensor_files:
+        for tensor_file in [*payload.tensor_files, *also]:
             staged = []
             for name, tensor in tensor_file.tensors:
                 key = (tensor_file.relpath, name)
@@ -333,29 +376,56 @@ class AsyncSaver:
         copy_into(pairs)
         return payload
 
-    def submit(self, target: Path, payload: Payload, *, step, metrics, overwrite, on_commit=None) -> None:
-        """Wait for the previous save, stage ``payload`` and start writing it in the background.
+    def submit(self, target: Path, payload: Payload, *, step, metrics, overwrite, on_commit=None,
+               also_stage: Sequence[TensorFile] = (), prepare=None, finalize=None) -> None:
+        """Wait for the previous save, stage ``payload`` (and ``also_stage``) and start writing it in the background.
 
         Under torch.distributed every rank calls it: step 1 (rank 0 checks the target and creates the temp dir)
-        runs here, so a refused target raises now on every rank; the rest runs on the background thread,
-        whose collectives use their own gloo group (``distributed.checkpoint_group``), never the training
-        loop's.
+        runs while the tensors are copied, on a helper thread over the save's own gloo group
+        (``distributed.checkpoint_group``), and is over when this returns, so a refused target raises now on every
+        rank; the rest (``prepare`` and ``finalize`` too, see :func:`finish_save`) runs on the background thread,
+        whose collectives use that group too, never the training loop's. If the copy fails on this rank after step
+        1, the background part still runs, so that every rank learns of the failure and nothing is committed; the
+        error is raised here.
         """
         self.wait()
+        if not is_distributed():
+            self.stage(payload, also_stage)
+            self._start(begin_save(target, overwrite=overwrite), payload, step=step, metrics=metrics,
+                        on_commit=on_commit, prepare=prepare, finalize=finalize)
+            return
         group = checkpoint_group()
-        self.stage(payload)
-        start = begin_save(target, overwrite=overwrite, group=group)
+        starting = _Call(lambda: begin_save(target, overwrite=overwrite, group=group))
+        try:
+            self.stage(payload, also_stage)
+        except BaseException as err:
+            start = starting.result()  # every rank took part in step 1: tell them in step 3 that this one failed
+            cause = err
+
+            def failed() -> None:
+                raise RuntimeError(f"staging the tensors failed: {type(cause).__name__}: {cause}") from cause
+
+            self._start(start, payload, step=step, metrics=metrics, on_commit=None, prepare=failed, finalize=None,
+                        keep_error=False)
+            raise
+        self._start(starting.result(), payload, step=step, metrics=metrics, on_commit=on_commit, prepare=prepare,
+                    finalize=finalize)
+
+    def _start(self, start: SaveStart, payload: Payload, *, step, metrics, on_commit, prepare, finalize,
+               keep_error: bool = True) -> None:
+        """Run steps 2-5 of ``start`` on the background thread (its error is raised at the next wait)."""
 
         def run() -> None:
             try:
-                finish_save(start, payload, step=step, metrics=metrics)
+                finish_save(start, payload, step=step, metrics=metrics, prepare=prepare, finalize=finalize)
                 if on_commit is not None:
                     on_commit()
             except BaseException as err:  # noqa: BLE001 - kept and raised at the next call
-                with self._lock:
-                    self._error = err
+                if keep_error:
+                    with self._lock:
+                        self._error = err
 
-        self._thread = threading.Thread(target=run, name=f"hf_resumable-save-{target.name}", daemon=False)
+        self._thread = threading.Thread(target=run, name=f"hf_resumable-save-{start.target.name}", daemon=False)
         self._thread.start()
 
     def wait(self) -> None:
