@@ -36,14 +36,18 @@ def _ok(results) -> None:
         assert result.returncode == 0 and not result.killed_by_timeout, result.describe()
 
 
+PLANNED = ("sharded_layout.json", "frozen_base.json")  # built from every rank's report; off the training thread
+
+
 def _tensor_records(checkpoint: Path) -> dict:
-    """sha256 of every tensor file (model, optimizer, pieces), which must not depend on blocking or not."""
+    """sha256 of every tensor file (model, optimizer, pieces) and of a sharded save's layout and frozen record,
+    which must not depend on blocking or not."""
     files = read_manifest(checkpoint).files
     return {name: record.sha256 for name, record in files.items()
-            if name.endswith(".safetensors") and not name.startswith("rng/")}
+            if (name.endswith(".safetensors") and not name.startswith("rng/")) or name in PLANNED}
 
 
-@pytest.mark.parametrize("kind", ["", "sharded-"], ids=["ddp", "fsdp2"])
+@pytest.mark.parametrize("kind", ["", "sharded-", "sharded-frozen-"], ids=["ddp", "fsdp2", "fsdp2-frozen"])
 def test_async_saves_commit_the_same_bytes_as_blocking_saves_while_training_goes_on(tmp_path, kind):
     _ok(_run(f"{kind}blocking", tmp_path / "blocking"))
     _ok(_run(f"{kind}async", tmp_path / "async"))
@@ -52,11 +56,18 @@ def test_async_saves_commit_the_same_bytes_as_blocking_saves_while_training_goes
         background = json.loads((tmp_path / "async" / f"result-rank{rank}.json").read_text())
         assert background["losses"] == blocking["losses"] and background["digest"] == blocking["digest"]
         assert background["error"] is None
+        # Sharded: each checkpoint, loaded into a fresh model and optimizer (the optimizer gained a param group
+        # between the first and the second save), equals torch's own full state dicts at the save.
+        expected = {"2": True, "4": True, "6": True} if kind else {}
+        assert background["reloaded"] == expected and blocking["reloaded"] == expected
     for step in (2, 4, 6):
         ours, reference = tmp_path / "async" / f"checkpoint-{step}", tmp_path / "blocking" / f"checkpoint-{step}"
         assert verify_checkpoint(ours, full=True).ok
         assert read_manifest(ours).world_size == 2
-        assert _tensor_records(ours) == _tensor_records(reference) and _tensor_records(ours)
+        records = _tensor_records(ours)
+        assert records == _tensor_records(reference) and records
+        assert [name for name in PLANNED if name in records] == {"": [], "sharded-": [PLANNED[0]],
+                                                                 "sharded-frozen-": list(PLANNED)}[kind]
     leftovers = [p.name for p in (tmp_path / "async").iterdir() if p.name.startswith(".")]
     assert leftovers == []
 
