@@ -1,10 +1,13 @@
 """Background saves under torch.distributed: 2 real gloo processes that keep training (with all-reduces on the
 default group) while their checkpoints are written and committed over a group of their own.
 
-* async saves commit exactly the bytes a blocking save commits, for DDP-style and FSDP2 (``fully_shard``) models,
-  and training is not disturbed (same losses and final weights);
+* async saves commit exactly the bytes a blocking save commits, for DDP-style and FSDP2 (``fully_shard``) models
+  (with and without frozen parameters; the layout and the frozen record included), and training is not disturbed
+  (same losses and final weights); every sharded checkpoint reloads to torch's own full state dicts at its save,
+  also after the optimizer gained a param group between two saves;
 * a failure on one rank (ENOSPC) leaves no committed checkpoint, the previous one valid, and every rank raises
-  ``AsyncSaveError`` at its next save;
+  ``AsyncSaveError`` at its next save, also when it is rank 0's write of a sharded layout (built from every rank's
+  report after every rank's files are durable);
 * a rank SIGKILLed inside its background write: the other rank never commits, the previous checkpoint stays
   the newest valid one.
 """
@@ -81,6 +84,18 @@ def test_a_failure_on_one_rank_commits_nothing_and_every_rank_raises_at_its_next
     assert all(e is not None and e["type"] == "AsyncSaveError" and e["step"] == 6 for e in errors), errors
     assert errors[1]["cause"] == "OSError" and errors[1]["errno"] == errno.ENOSPC  # the failing rank's own error
     assert "ENOSPC" in errors[0]["message"] or "No space left" in errors[0]["message"]
+    assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-")] == []
+
+
+def test_a_sharded_save_whose_layout_write_fails_on_rank_0_commits_nothing(tmp_path):
+    root = tmp_path / "run"
+    _ok(_run("sharded-fail", root))
+    assert [s for s, _ in list_checkpoints(root)] == [2]
+    assert find_latest_checkpoint(root) == root / "checkpoint-2"
+    errors = [json.loads((root / f"error-rank{rank}.json").read_text())["error"] for rank in (0, 1)]
+    assert all(e is not None and e["type"] == "AsyncSaveError" and e["step"] == 6 for e in errors), errors
+    assert errors[0]["cause"] == "OSError" and errors[0]["errno"] == errno.ENOSPC  # the failing rank's own error
+    assert errors[1]["cause"] == "OSError" and errors[1]["errno"] == errno.ENOSPC  # rebuilt from rank 0's
     assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-")] == []
 
 

@@ -17,6 +17,8 @@ and 6 with ``save_checkpoint`` (or ``save_sharded_checkpoint`` on an FSDP2 model
 * ``fail``: async; rank 1's background write of the step-4 save fails with ENOSPC. Every rank records the
   error it got at the next wait (``error-rank{R}.json``).
 * ``kill``: async; rank 1 is SIGKILLed inside its background write of the step-4 save.
+* ``sharded-fail``: sharded async; rank 0's write of ``sharded_layout.json`` (built from every rank's report once
+  every rank's files are durable) fails with ENOSPC in the step-4 save.
 """
 
 from __future__ import annotations
@@ -113,6 +115,18 @@ def sabotage(mode: str, rank: int) -> None:
     _writer.save_rng_state = write
 
 
+def sabotage_layout(rank: int) -> None:
+    """Make rank 0's write of the step-4 save's layout fail (ENOSPC), after every rank's files are durable."""
+    original = _writer.write_bytes_durably
+
+    def write(path, data):
+        if rank == 0 and Path(path).name == "sharded_layout.json" and ".tmp-checkpoint-4" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return original(path, data)
+
+    _writer.write_bytes_durably = write
+
+
 def main() -> int:
     mode, root = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -121,8 +135,11 @@ def main() -> int:
     sharded = mode.startswith("sharded")
     frozen = mode.startswith("sharded-frozen")
     blocking = mode.endswith("blocking")
+    failing = mode in ("fail", "kill", "sharded-fail")
     if mode in ("fail", "kill"):
         sabotage(mode, rank)
+    if mode == "sharded-fail":
+        sabotage_layout(rank)
     model, optimizer = build(sharded, frozen=frozen)
     losses, stalls, error, saved = [], [], None, {}
     generator = torch.Generator().manual_seed(100 + rank)
@@ -163,7 +180,7 @@ def main() -> int:
         error = error or {"step": None, "type": type(err).__name__, "cause": type(err.__cause__).__name__,
                           "errno": getattr(err.__cause__, "errno", None), "message": str(err)}
     reloaded = {}
-    for step, expected in saved.items():  # every checkpoint, loaded into a fresh model and optimizer
+    for step, expected in {} if failing else saved.items():  # every checkpoint, into a fresh model and optimizer
         from hf_resumable.sharded import load_sharded_checkpoint
 
         fresh, fresh_optimizer = build(True, frozen=frozen)
@@ -171,7 +188,7 @@ def main() -> int:
             regroup(fresh, fresh_optimizer)
         load_sharded_checkpoint(root / f"checkpoint-{step}", model=fresh, optimizer=fresh_optimizer)
         reloaded[step] = full_digest(fresh, fresh_optimizer) == expected
-    name = "error" if mode in ("fail", "kill") else "result"
+    name = "error" if failing else "result"
     (root / f"{name}-rank{rank}.json").write_text(json.dumps(
         {"losses": losses, "digest": digest(model), "stalls": stalls, "error": error, "reloaded": reloaded}))
     dist.barrier()
