@@ -261,15 +261,15 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
         files.update(records_from_json(entry["records"]))
     # 4. Rank 0 writes the files built from every rank's report, the manifest last, then commits: fsync the tree,
     #    rename into place (no-replace, or compare-and-swap for an overwrite), fsync the parent.
-    outcome, late = None, {}
+    outcome, late, manifest = None, {}, None
     if rank == 0:
         try:
             if finalize is not None:
                 for relpath, data in finalize([entry["report"] for entry in gathered]).items():
                     late[relpath] = write_bytes_durably(tmp / relpath, data)
-            files.update(late)
-            write_bytes_durably(tmp / MANIFEST_FILE, Manifest(files=files, step=step, world_size=world_size,
-                                                              metrics=dict(metrics or {})).to_json())
+            manifest = Manifest(files={**files, **late}, step=step, world_size=world_size,
+                                metrics=dict(metrics or {}))
+            write_bytes_durably(tmp / MANIFEST_FILE, manifest.to_json())
             commit_dir(tmp, target, replaces=start.replaces)
         except BaseException as err:
             discard(tmp)
@@ -282,8 +282,10 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
         if outcome is not None:
             raise outcome
         raise _rebuild(committed["error"], f"rank 0 failed to commit {target}; the previous checkpoint is untouched")
-    files.update(records_from_json(committed["late"]))
-    manifest = Manifest(files=files, step=step, world_size=world_size, metrics=dict(metrics or {}))
+    if manifest is None:  # the other ranks: the same files (rank 0's late ones included), step and metrics
+        manifest = Manifest(files={**files, **records_from_json(committed["late"])}, step=step,
+                            world_size=world_size, metrics=dict(metrics or {}))
+    files = manifest.files
     if rank == 0:
         total = sum(r.size for r in files.values())
         logger.info("Saved %s (%d files, %.1f MB) in %.2f s", target, len(files), total / 1e6,
