@@ -38,11 +38,23 @@ ALIGN = 64
 
 
 def staging_threads() -> int:
-    """Threads used for the staging copy: the CPUs this process may run on, at most 8."""
+    """Threads used for the staging copy: this process's share of the CPUs it may run on, at most 8.
+
+    Under torchrun every local rank stages at the same moment (a save is a collective), so unless the launcher
+    already gave each rank CPUs of its own (an affinity narrower than the machine), the CPUs are shared by
+    ``LOCAL_WORLD_SIZE`` processes: 2 ranks on 2 cores copy on one thread each instead of four threads fighting
+    for two cores.
+    """
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - non-Linux
         cpus = os.cpu_count() or 1
+    try:
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local_ranks = 1
+    if cpus >= (os.cpu_count() or cpus):
+        cpus //= local_ranks
     return max(1, min(8, cpus))
 
 
