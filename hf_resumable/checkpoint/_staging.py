@@ -4,8 +4,10 @@ An async save stalls training only for this copy, so it is the one hot loop of t
 The bytes are split into one contiguous stretch per thread (a pure plan, :func:`plan_stretches`)
 and each stretch is copied with the GIL released by ``hf_resumable._fastcopy`` (non-temporal
 stores: a staging buffer is read back only much later, so caching it is pure cost), or by the C
-library's ``memmove`` where the extension was not built. Measured on a 2-core VM for 0.94 GiB:
-``Tensor.copy_`` 0.100 s, ``memmove`` on two threads 0.079 s, the non-temporal copy 0.051 s.
+library's ``memmove`` where the extension was not built. Measured on a 2-core AMD EPYC VM (shared, loaded)
+for 175 MB in 17.5 MB tensors on one thread: ``memmove`` 48-91 ms, the non-temporal copy 38-66 ms (an earlier
+version that interleaved four pages per step: 160-250 ms). Each process copies on its share of the CPUs
+(:func:`staging_threads`).
 Anything that is not a plain contiguous CPU tensor of the same dtype and shape goes through
 ``copy_``; CUDA sources are copied ``non_blocking`` into pinned buffers and synchronized once.
 """
