@@ -102,21 +102,3 @@ def test_non_temporal_copy_rejects_null_addresses():
         pytest.skip("hf_resumable._fastcopy not built")
     with pytest.raises(ValueError, match="null"):
         _staging._nt_copy(0, 0, 8)
-
-
-@pytest.mark.parametrize(("cpus", "machine", "local", "expected"), [
-    (2, 2, None, 2),  # one process: every CPU
-    (2, 2, "2", 1),  # 2 torchrun ranks on 2 cores: one thread each
-    (16, 16, "4", 4),
-    (16, 16, "32", 1),  # never fewer than one
-    (4, 16, "4", 4),  # the launcher pinned this rank to 4 CPUs of its own: all of them
-    (64, 64, None, 8),  # at most 8
-])
-def test_staging_threads_share_the_cpus_with_the_other_local_ranks(monkeypatch, cpus, machine, local, expected):
-    monkeypatch.setattr(_staging.os, "sched_getaffinity", lambda pid: set(range(cpus)))
-    monkeypatch.setattr(_staging.os, "cpu_count", lambda: machine)
-    if local is None:
-        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    else:
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
-    assert _staging.staging_threads() == expected

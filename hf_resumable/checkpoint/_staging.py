@@ -6,8 +6,7 @@ and each stretch is copied with the GIL released by ``hf_resumable._fastcopy`` (
 stores: a staging buffer is read back only much later, so caching it is pure cost), or by the C
 library's ``memmove`` where the extension was not built. Measured on a 2-core AMD EPYC VM (shared, loaded)
 for 175 MB in 17.5 MB tensors on one thread: ``memmove`` 48-91 ms, the non-temporal copy 38-66 ms (an earlier
-version that interleaved four pages per step: 160-250 ms). Each process copies on its share of the CPUs
-(:func:`staging_threads`).
+version that interleaved four pages per step: 160-250 ms).
 Anything that is not a plain contiguous CPU tensor of the same dtype and shape goes through
 ``copy_``; CUDA sources are copied ``non_blocking`` into pinned buffers and synchronized once.
 """
@@ -40,23 +39,17 @@ ALIGN = 64
 
 
 def staging_threads() -> int:
-    """Threads used for the staging copy: this process's share of the CPUs it may run on, at most 8.
+    """Threads used for the staging copy: the CPUs this process may run on, at most 8.
 
-    Under torchrun every local rank stages at the same moment (a save is a collective), so unless the launcher
-    already gave each rank CPUs of its own (an affinity narrower than the machine), the CPUs are shared by
-    ``LOCAL_WORLD_SIZE`` processes: 2 ranks on 2 cores copy on one thread each instead of four threads fighting
-    for two cores.
+    Also under torchrun, where the local ranks stage at the same moment: they copy different amounts (under DDP only
+    rank 0 copies anything; FSDP2 shards can be uneven), and oversubscribed threads of a memory-bound copy let the
+    scheduler give an idle rank's cores to the ones still copying, where one thread per rank's share would leave
+    them idle. The copy is bound by memory bandwidth, which the threads share either way.
     """
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - non-Linux
         cpus = os.cpu_count() or 1
-    try:
-        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local_ranks = 1
-    if cpus >= (os.cpu_count() or cpus):
-        cpus //= local_ranks
     return max(1, min(8, cpus))
 
 
