@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import stat
 import threading
 import time
@@ -324,25 +325,88 @@ def _rebuild(description: dict[str, Any], context: str) -> Exception:
     return RuntimeError(message)
 
 
-class _Call:
-    """``fn()`` on a helper thread; :meth:`result` joins it and returns its value or raises its exception."""
+class _SaveJob:
+    """One async save on the saver's thread: step 1, then (once the training thread has staged) steps 2-5."""
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._fn, self._value, self._error = fn, None, None
-        self._thread = threading.Thread(target=self._run, name="hf_resumable-save-start", daemon=True)
-        self._thread.start()
+    def __init__(self, target: Path, payload: Payload, *, overwrite: bool, group: Any, step, metrics, on_commit,
+                 prepare, finalize) -> None:
+        self.target, self._payload, self._overwrite, self._group = target, payload, overwrite, group
+        self._step, self._metrics, self._on_commit = step, metrics, on_commit
+        self._prepare, self._finalize = prepare, finalize
+        self._started = threading.Event()  # step 1 is over (start_error says how)
+        self._staged = threading.Event()  # the training thread's copy is over (staging_error says how)
+        self.done = threading.Event()
+        self.start_error: BaseException | None = None
+        self.staging_error: BaseException | None = None
+        self.error: BaseException | None = None  # raised at the next wait
+
+    def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.done.set()
 
     def _run(self) -> None:
         try:
-            self._value = self._fn()
-        except BaseException as err:  # noqa: BLE001 - raised by result() on the caller's thread
-            self._error = err
+            start = begin_save(self.target, overwrite=self._overwrite, group=self._group)
+        except BaseException as err:  # noqa: BLE001 - raised on the training thread by started()
+            self.start_error = err
+            return
+        finally:
+            self._started.set()
+        self._staged.wait()
+        prepare, finalize, keep = self._prepare, self._finalize, True
+        if self.staging_error is not None:  # raised on the training thread; every rank must learn it in step 3
+            cause, finalize, keep = self.staging_error, None, False
 
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
+            def prepare() -> None:
+                raise RuntimeError(f"staging the tensors failed: {type(cause).__name__}: {cause}") from cause
+        try:
+            finish_save(start, self._payload, step=self._step, metrics=self._metrics, prepare=prepare,
+                        finalize=finalize)
+            if self._on_commit is not None:
+                self._on_commit()
+        except BaseException as err:  # noqa: BLE001 - kept and raised at the next call
+            if keep:
+                self.error = err
+
+    def staged(self, error: BaseException | None = None) -> None:
+        """The training thread's copy is over (``error``: it failed)."""
+        self.staging_error = error
+        self._staged.set()
+
+    def started(self) -> None:
+        """Wait for step 1; raise its error (on every rank: rank 0 told them) if it failed."""
+        self._started.wait()
+        if self.start_error is not None:
+            raise self.start_error
+
+
+class _Worker:
+    """One daemon thread, started on first use, that runs submitted jobs in order.
+
+    A thread started per save would block the starter until it runs, tens of milliseconds on a loaded machine, on
+    the training loop's time. Daemon: interpreter exit waits for the in-flight save through ``atexit`` (see
+    :mod:`.api`), not for an idle thread; a forked child starts its own.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._pid: int | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+            self._jobs, self._pid = queue.SimpleQueue(), os.getpid()
+            self._thread = threading.Thread(target=self._serve, args=(self._jobs,), name=self._name, daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue) -> None:
+        while True:
+            jobs.get()()  # a job keeps its own errors
 
 
 class AsyncSaver:
@@ -355,9 +419,8 @@ class AsyncSaver:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
+        self._job: _SaveJob | None = None
+        self._worker = _Worker("hf_resumable-save")
 
     def stage(self, payload: Payload, also: Sequence[TensorFile] = ()) -> Payload:
         """Copy every tensor of ``payload`` (and of the files ``also``) into staging buffers, in one parallel copy;
@@ -382,67 +445,39 @@ class AsyncSaver:
                also_stage: Sequence[TensorFile] = (), prepare=None, finalize=None) -> None:
         """Wait for the previous save, stage ``payload`` (and ``also_stage``) and start writing it in the background.
 
-        Under torch.distributed every rank calls it: step 1 (rank 0 checks the target and creates the temp dir)
-        runs while the tensors are copied, on a helper thread over the save's own gloo group
-        (``distributed.checkpoint_group``), and is over when this returns, so a refused target raises now on every
-        rank; the rest (``prepare`` and ``finalize`` too, see :func:`finish_save`) runs on the background thread,
-        whose collectives use that group too, never the training loop's. If the copy fails on this rank after step
-        1, the background part still runs, so that every rank learns of the failure and nothing is committed; the
-        error is raised here.
+        Under torch.distributed every rank calls it. Step 1 (rank 0 checks the target and creates the temp dir) runs
+        on the saver's thread while this one copies the tensors, and is over when this returns, so a refused target
+        raises now on every rank; steps 2-5 (``prepare`` and ``finalize`` too, see :func:`finish_save`) follow on
+        that thread. Its collectives use the save's own gloo group (``distributed.checkpoint_group``), never the
+        training loop's. If the copy fails on this rank after step 1, the background part still runs, so that every
+        rank learns of the failure and nothing is committed; the error is raised here.
         """
         self.wait()
-        if not is_distributed():
-            self.stage(payload, also_stage)
-            self._start(begin_save(target, overwrite=overwrite), payload, step=step, metrics=metrics,
-                        on_commit=on_commit, prepare=prepare, finalize=finalize)
-            return
-        group = checkpoint_group()
-        starting = _Call(lambda: begin_save(target, overwrite=overwrite, group=group))
+        group = checkpoint_group()  # created on first use: a collective of the training thread
+        job = _SaveJob(target, payload, overwrite=overwrite, group=group, step=step, metrics=metrics,
+                       on_commit=on_commit, prepare=prepare, finalize=finalize)
+        self._job = job
+        self._worker.submit(job.run)
         try:
             self.stage(payload, also_stage)
         except BaseException as err:
-            start = starting.result()  # every rank took part in step 1: tell them in step 3 that this one failed
-            cause = err
-
-            def failed() -> None:
-                raise RuntimeError(f"staging the tensors failed: {type(cause).__name__}: {cause}") from cause
-
-            self._start(start, payload, step=step, metrics=metrics, on_commit=None, prepare=failed, finalize=None,
-                        keep_error=False)
+            job.staged(err)
             raise
-        self._start(starting.result(), payload, step=step, metrics=metrics, on_commit=on_commit, prepare=prepare,
-                    finalize=finalize)
+        job.staged()
+        job.started()
 
-    def _start(self, start: SaveStart, payload: Payload, *, step, metrics, on_commit, prepare, finalize,
-               keep_error: bool = True) -> None:
-        """Run steps 2-5 of ``start`` on the background thread (its error is raised at the next wait)."""
-
-        def run() -> None:
-            try:
-                finish_save(start, payload, step=step, metrics=metrics, prepare=prepare, finalize=finalize)
-                if on_commit is not None:
-                    on_commit()
-            except BaseException as err:  # noqa: BLE001 - kept and raised at the next call
-                if keep_error:
-                    with self._lock:
-                        self._error = err
-
-        self._thread = threading.Thread(target=run, name=f"hf_resumable-save-{start.target.name}", daemon=False)
-        self._thread.start()
+    @property
+    def in_flight(self) -> bool:
+        return self._job is not None and not self._job.done.is_set()
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed; raise its error if it failed."""
         from ..errors import AsyncSaveError
 
-        thread = self._thread
-        if thread is not None:
-            thread.join()
-            self._thread = None
-        with self._lock:
-            error, self._error = self._error, None
-        if error is not None:
-            raise AsyncSaveError(f"A background checkpoint save failed: {type(error).__name__}: {error}") from error
-
-    @property
-    def in_flight(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        job, self._job = self._job, None
+        if job is None:
+            return
+        job.done.wait()
+        if job.error is not None:
+            raise AsyncSaveError(f"A background checkpoint save failed: {type(job.error).__name__}: {job.error}"
+                                 ) from job.error
