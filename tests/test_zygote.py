@@ -33,6 +33,20 @@ print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "rank": os.environ.get("
 """
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _warm():
+    """A zygote starts the second time an environment is asked for (the first is a plain subprocess)."""
+    for env in (dict(os.environ), {**os.environ, "PYTHONHASHSEED": "0"}):
+        for _ in range(3):
+            zygote.run([sys.executable, "-c", "pass"], env=env, check=True, timeout=300)
+
+
+def test_an_environment_seen_once_gets_a_plain_subprocess():
+    once = zygote.Popen([sys.executable, "-c", "pass"], env={**os.environ, "HF_HOME": "/nonexistent-once"})
+    assert type(once) is subprocess.Popen
+    assert once.wait(timeout=120) == 0
+
+
 def _probe(tmp_path: Path, *args: str, **env: str) -> dict:
     script = tmp_path / "probe.py"
     script.write_text(PROBE)

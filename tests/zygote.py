@@ -60,7 +60,7 @@ PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.checkpoint"
            "hf_resumable.integrations.accelerate", "hf_resumable.hub")
 
 _HEADER = struct.Struct("!I")
-_MAX_ZYGOTES = 6
+_MAX_ZYGOTES = 10
 
 
 def _enabled() -> bool:
@@ -320,12 +320,21 @@ _lock = threading.Lock()
 
 
 _turn = itertools.count()
+_seen: dict[tuple, int] = {}
 
 
 def _zygote_for(env: dict[str, str]) -> _Zygote | None:
-    """The zygote for ``env``'s import-time environment (started on first use), ``None`` if it cannot serve."""
+    """The zygote for ``env``'s import-time environment, ``None`` if there is none (yet) or it cannot serve.
+
+    A zygote is started the second time an environment is asked for: one that is used once (a test's private
+    ``HF_HOME``) costs a plain process, not a zygote's imports.
+    """
     zygote_env = {k: v for k, v in env.items() if not _is_runtime(k)}
     key = _import_environment(env)
+    with _lock:
+        _seen[key] = _seen.get(key, 0) + 1
+        if _seen[key] < 2:
+            return None
     if "PYTHONHASHSEED" not in env:
         # Fresh interpreters hash strings with a random seed each: alternate between two zygotes with different
         # seeds, so that two consecutive processes (a run and its resume) do not share one.
