@@ -19,7 +19,9 @@ With ``--stall``, instead: the cost of a checkpoint to the training loop at 2 gl
 model + AdamW state, in one process group and interleaved rounds: our blocking ``save_sharded_checkpoint``,
 our ``blocking=False`` stall (until the call returns; the files are then written in the background), torch's
 DCP ``dcp.save`` and DCP ``dcp.async_save``'s stall (until it returns its future), each also timed to
-completion. Medians of every rank's times (the slower rank of each save counts).
+completion; and, on a DDP replica of the same model in the same processes, ``save_checkpoint`` blocking and
+``blocking=False`` (rank 0 writes every tensor, the other rank its RNG state). Medians of every rank's times (the
+slower rank of each save counts); each stall is compared with the blocking save of the same kind of model.
 
 Usage:
     python benchmarks/bench_distributed.py [--rounds 3] [--repeats 2] [--dir /path/on/the/disk] [--hidden 512]
@@ -134,7 +136,7 @@ def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    from hf_resumable import wait_for_pending_saves
+    from hf_resumable import save_checkpoint, wait_for_pending_saves
     from hf_resumable.sharded import save_sharded_checkpoint
 
     torch.set_num_threads(1)
@@ -145,9 +147,15 @@ def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
         fully_shard(layer)
     fully_shard(model)
     optimizer = prime_optimizer(model)
+    replica = torch.nn.parallel.DistributedDataParallel(build(hidden)).module  # DDP: every rank holds all of it
+    replica_optimizer = prime_optimizer(replica)
 
     def ours(path: Path, blocking: bool):
         save_sharded_checkpoint(path, model=model, optimizer=optimizer, step=0, blocking=blocking)
+        return wait_for_pending_saves
+
+    def ours_ddp(path: Path, blocking: bool):
+        save_checkpoint(path, model=replica, optimizer=replica_optimizer, step=0, blocking=blocking)
         return wait_for_pending_saves
 
     def theirs(path: Path, blocking: bool):
@@ -160,7 +168,8 @@ def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
         return lambda: future.result()
 
     kinds = {"ours blocking": (ours, True), "ours async": (ours, False), "DCP save": (theirs, True),
-             "DCP async_save": (theirs, False)}
+             "DCP async_save": (theirs, False), "ours blocking, DDP": (ours_ddp, True),
+             "ours async, DDP": (ours_ddp, False)}
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in kinds}
     names = list(kinds)
     for i in range(repeats + 1):  # the first round warms up (staging buffers, DCP's first plan)
@@ -196,14 +205,16 @@ def stall_report(result: dict, args: argparse.Namespace) -> str:
         return statistics.median(entry[index] for entry in times[name])
 
     blocking, dcp_stall = median("ours blocking", 1), median("DCP async_save", 0)
-    lines = [f"2 gloo ranks, FSDP2 Llama-shaped model (hidden {args.hidden}) + AdamW; median of {args.repeats} "
-             "interleaved saves each (slower rank), after a warm-up round.", "",
-             "| save | call returns after (s) | done after (s) | stall vs our blocking save "
+    lines = [f"2 gloo ranks, FSDP2 Llama-shaped model (hidden {args.hidden}) + AdamW (and a DDP replica of it); "
+             f"median of {args.repeats} interleaved saves each (slower rank), after a warm-up round.", "",
+             "| save | call returns after (s) | slowest return (s) | done after (s) | stall vs our blocking save "
              "| vs DCP async_save stall |",
-             "|---|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|"]
     for name in times:
-        stall, total = median(name, 0), median(name, 1)
-        lines.append(f"| {name} | {stall:.3f} | {total:.3f} | {stall / blocking:.3f}x | {stall / dcp_stall:.2f}x |")
+        stall, total, slowest = median(name, 0), median(name, 1), max(entry[0] for entry in times[name])
+        base = median("ours blocking, DDP", 1) if name.endswith("DDP") else blocking
+        versus = "" if name.endswith("DDP") else f"{stall / dcp_stall:.2f}x"
+        lines.append(f"| {name} | {stall:.3f} | {slowest:.3f} | {total:.3f} | {stall / base:.3f}x | {versus} |")
     lines += ["", f"ours blocking vs DCP save: {median('DCP save', 1) / blocking:.2f}x the speed (higher is better)"]
     return "\n".join(lines)
 

@@ -6,8 +6,10 @@
  * byte copied. Non-temporal stores move 2. glibc's memmove switches to them only above
  * x86_non_temporal_threshold (3/4 of the per-thread share of L3), which on machines that report a
  * large L3 (many VMs, large-cache servers) is bigger than any tensor, so tensor-sized copies never
- * get them. This copies four pages at a time, interleaved, with 16-byte streaming stores (SSE2, present
- * on every x86-64 CPU), then fences. Elsewhere it is a plain memcpy.
+ * get them. This copies in one sequential stream of 16-byte streaming stores (SSE2, present on every
+ * x86-64 CPU), 64 bytes (one cache line) per step, then fences. An earlier version interleaved four
+ * pages per step; on an AMD EPYC (Zen 3) KVM guest that ran 3-4x slower than this and 2x slower than
+ * memmove, while the sequential stream beats memmove by about 30 %. Elsewhere it is a plain memcpy.
  *
  * Python API: copy(dst_address, src_address, nbytes) -> None, with the GIL released. The caller
  * guarantees both ranges are valid, writable (dst) and do not overlap.
@@ -26,9 +28,8 @@
 
 static void copy_bytes(char *dst, const char *src, size_t n) {
 #if HF_NT_COPY
-    const size_t page = 4096, group = 4 * 4096;
     size_t head = (64 - ((uintptr_t)dst & 63)) & 63;
-    if (n < group + head) {
+    if (n < 4096 + head) {
         memcpy(dst, src, n);
         return;
     }
@@ -36,24 +37,18 @@ static void copy_bytes(char *dst, const char *src, size_t n) {
     dst += head;
     src += head;
     n -= head;
-    while (n >= group) {
-        for (size_t off = 0; off < page; off += 64) {
-            for (size_t k = 0; k < 4; k++) {
-                const char *s = src + k * page + off;
-                char *d = dst + k * page + off;
-                __m128i a = _mm_loadu_si128((const __m128i *)s);
-                __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
-                __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
-                __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
-                _mm_stream_si128((__m128i *)d, a);
-                _mm_stream_si128((__m128i *)(d + 16), b);
-                _mm_stream_si128((__m128i *)(d + 32), c);
-                _mm_stream_si128((__m128i *)(d + 48), e);
-            }
-        }
-        src += group;
-        dst += group;
-        n -= group;
+    while (n >= 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)src);
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(src + 48));
+        _mm_stream_si128((__m128i *)dst, a);
+        _mm_stream_si128((__m128i *)(dst + 16), b);
+        _mm_stream_si128((__m128i *)(dst + 32), c);
+        _mm_stream_si128((__m128i *)(dst + 48), e);
+        src += 64;
+        dst += 64;
+        n -= 64;
     }
     _mm_sfence();
     memcpy(dst, src, n);

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_resumable.checkpoint import _staging
-from hf_resumable.checkpoint._staging import Piece, copy_into, plan_stretches
+from hf_resumable.checkpoint._staging import Piece, copy_into, plan_chunks
 
 COPIERS = {"memmove": ctypes.memmove}
 if _staging._nt_copy is not None:
@@ -16,31 +16,25 @@ if _staging._nt_copy is not None:
 
 
 @pytest.mark.parametrize("sizes", [[], [0], [1], [100, 28], [7, 0, 13, 4096, 1], [10_000] * 5, [1 << 20, 3, 5 << 10]])
-@pytest.mark.parametrize("workers", [1, 2, 3, 8])
-def test_plan_covers_every_byte_once(sizes, workers):
-    stretches = plan_stretches(sizes, workers, align=64)
-    assert len(stretches) <= workers
-    assert all(stretch for stretch in stretches)
+@pytest.mark.parametrize("chunk", [1, 64, 100, 4096, 1 << 20])
+def test_plan_covers_every_byte_once(sizes, chunk):
+    pieces = plan_chunks(sizes, chunk=chunk, align=64)
     covered = [[0] * size for size in sizes]
-    for stretch in stretches:
-        for piece in stretch:
-            assert piece.length > 0
-            for offset in range(piece.offset, piece.offset + piece.length):
-                covered[piece.index][offset] += 1
+    for piece in pieces:
+        assert 0 < piece.length <= max(chunk, 64) + 63
+        assert piece.offset % 64 == 0  # cuts inside a tensor fall on cache lines
+        for offset in range(piece.offset, piece.offset + piece.length):
+            covered[piece.index][offset] += 1
     assert all(count == 1 for row in covered for count in row)
-    # Cuts inside a tensor fall on the alignment; stretches are balanced to within a tensor boundary + alignment.
-    for stretch in stretches:
-        for piece in stretch:
-            assert piece.offset % 64 == 0
-    if sum(sizes):
-        loads = [sum(p.length for p in stretch) for stretch in stretches]
-        assert max(loads) - min(loads) <= -(-sum(sizes) // workers) + 64
+    assert pieces == sorted(pieces, key=lambda p: (p.index, p.offset))  # in order: each tensor read front to back
 
 
-def test_plan_example_and_bad_workers():
-    assert plan_stretches([100, 28], 2, align=4) == [[Piece(0, 0, 64)], [Piece(0, 64, 36), Piece(1, 0, 28)]]
+def test_plan_example_and_bad_arguments():
+    assert plan_chunks([100, 28], chunk=64, align=4) == [Piece(0, 0, 64), Piece(0, 64, 36), Piece(1, 0, 28)]
+    with pytest.raises(ValueError, match="chunk"):
+        plan_chunks([1], chunk=0)
     with pytest.raises(ValueError, match="workers"):
-        plan_stretches([1], 0)
+        copy_into([(torch.empty(1), torch.ones(1))], workers=0)
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -54,7 +48,7 @@ def test_copy_into_is_bit_exact_for_every_kind_of_source(workers, copier):
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(3_000_000, generator=gen)
     sources = [
-        base,                                               # large, split across threads
+        base,                                               # large, split into pieces across threads
         base[17:1017],                                      # view with a storage offset
         torch.randn(64, 48, generator=gen).t(),             # non-contiguous: falls back to copy_
         torch.randn(300, generator=gen).to(torch.bfloat16),
@@ -102,3 +96,37 @@ def test_non_temporal_copy_rejects_null_addresses():
         pytest.skip("hf_resumable._fastcopy not built")
     with pytest.raises(ValueError, match="null"):
         _staging._nt_copy(0, 0, 8)
+
+
+def test_a_failing_copy_is_raised_and_the_helpers_serve_the_next_copy():
+    source = torch.randn(12_000_000)  # 12 pieces, above the parallel threshold: the helper threads take part
+    buffer = torch.zeros_like(source)
+    calls = []
+
+    def failing(dst, src, nbytes):
+        calls.append(nbytes)
+        if len(calls) == 3:
+            raise OSError("copier failed")
+        ctypes.memmove(dst, src, nbytes)
+
+    with pytest.raises(OSError, match="copier failed"):
+        copy_into([(buffer, source)], workers=3, copier=failing)
+    assert len(calls) < len(plan_chunks([source.numel() * 4]))  # the other threads stopped claiming pieces
+    copy_into([(buffer, source)], workers=3, copier=ctypes.memmove)
+    assert torch.equal(buffer, source)
+
+
+def test_helpers_are_started_once_and_the_caller_copies_alone_when_none_wakes():
+    source, buffer = torch.randn(5_000_000), torch.zeros(5_000_000)
+    copy_into([(buffer, source)], workers=2)
+    helpers = list(_staging._CREW._threads)
+    assert helpers and all(t.is_alive() and t.daemon for t in helpers)
+    copy_into([(buffer, source)], workers=2)
+    assert _staging._CREW._threads == helpers  # no thread started per copy
+    # A job whose helper never wakes (a loaded machine) costs nothing: the caller claims every piece itself.
+    source.add_(1)
+    nbytes = source.numel() * source.element_size()
+    job = _staging._Job(plan_chunks([nbytes]), [(buffer.data_ptr(), source.data_ptr(), nbytes)], ctypes.memmove, 2)
+    job.work()
+    job.wait()
+    assert torch.equal(buffer, source)

@@ -7,7 +7,9 @@
   checkpoint-4 in flight or just committed); the same command resumes and ends bit-identical, on every rank, to the
   uninterrupted 2-process run with blocking saves;
 * a background save that fails (ENOSPC while writing checkpoint-k) raises AsyncSaveError at the next save, or at
-  the end of ``train`` for the last one; nothing of checkpoint-k is left and the previous checkpoint is the newest.
+  the end of ``train`` for the last one; nothing of checkpoint-k is left and the previous checkpoint is the newest;
+* the default (``save_async=None``): background saves under torch.distributed unless a callback overrides
+  ``on_save`` (it may read the checkpoint), blocking in one process; ``save_async=False`` opts out.
 
 Each run is a separate process (tests/trainer_scripts/train_tiny.py, tiny GPT-2, 6 steps).
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 from unittest.mock import patch
 
 import pytest
+from transformers import TrainerCallback
 
 from hf_resumable.checkpoint import find_latest_checkpoint, list_checkpoints, read_manifest, verify_checkpoint
 from hf_resumable.constants import TRAINER_STATE_FILE
@@ -181,3 +184,39 @@ def test_sigterm_with_save_async_commits_the_save_then_exits_and_resumes_bit_ide
     assert_identical(reference_run, run)
     assert _result(run)["resumed_from"].endswith("checkpoint-4")
     assert _result(run)["saves_in_flight_at_on_save"] == [5, 6]
+
+
+class _ReadsCheckpoints(TrainerCallback):
+    """A tracker-style callback: on_save may look at the checkpoint (as WandbCallback and MLflowCallback can)."""
+
+    def on_save(self, args, state, control, **kwargs):
+        return control
+
+
+@pytest.mark.parametrize(("save_async", "distributed", "callbacks", "expected"), [
+    (None, False, (), False),  # the default, one process: blocking
+    (None, True, (), True),  # the default under torch.distributed: in the background
+    (None, True, (_ReadsCheckpoints(),), False),  # ... unless a callback's on_save may read the checkpoint
+    (True, True, (_ReadsCheckpoints(),), True),
+    (False, True, (), False),  # save_async=False opts out
+    (True, False, (), True),
+])
+def test_save_async_defaults_to_background_saves_under_torchrun(tmp_path: Path, monkeypatch, caplog, save_async,
+                                                                distributed, callbacks, expected) -> None:
+    from hf_resumable.integrations import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "saves_async", lambda option: distributed if option is None else option)
+    trainer = regression_trainer(tmp_path, callbacks=callbacks,
+                                 trainer_class=functools.partial(ResumableTrainer, save_async=save_async))
+    assert trainer.save_async is save_async
+    with caplog.at_level("INFO", logger="hf_resumable.integrations.trainer"):
+        assert trainer._saves_in_background() is expected
+    assert ("_ReadsCheckpoints override on_save" in caplog.text) == (save_async is None and distributed
+                                                                     and bool(callbacks))
+
+
+def test_the_default_resolves_against_the_real_process_group_state() -> None:
+    from hf_resumable.checkpoint.api import saves_async
+
+    assert saves_async(None) is False  # no process group in this process
+    assert saves_async(True) is True and saves_async(False) is False

@@ -43,18 +43,20 @@ def split_frozen_sharded(model: torch.nn.Module, state: Mapping[str, torch.Tenso
     """A sharded save's model state without its frozen parameters, and (rank 0) their record.
 
     Each rank fingerprints the pieces of the frozen tensors it would have written (once per process, cached as in
-    a regular save); rank 0 gathers them (JSON) into a ``frozen_base.json`` whose tensors list their pieces. A
-    collective under torch.distributed: every rank calls it with the same names.
+    a regular save); rank 0 gathers them and every rank's aliases (JSON) into a ``frozen_base.json`` whose tensors
+    list their pieces. A collective under torch.distributed when something is frozen (every rank calls it with the
+    same names; ``requires_grad`` is the same on every rank), so it runs on the training loop's thread.
 
     Args:
         model (`torch.nn.Module`): the model (FSDP2-wrapped or plain), for ``requires_grad`` and provenance.
         state (`Mapping[str, torch.Tensor]`): its FQN-keyed state (DTensor pieces or plain tensors).
-        tied (`Mapping[str, str]`): aliases left out of the state (alias -> kept name).
+        tied (`Mapping[str, str]`): the aliases this rank sees and leaves out (alias -> kept name; a rank whose
+            piece is empty cannot see a tie, so the record unites every rank's).
         rank (`int`): this rank.
 
     Returns:
-        `tuple`: the state to store, the aliases to store, and the record's bytes on rank 0 (``None`` on the other
-        ranks, and on every rank when nothing is frozen).
+        `tuple`: the state to store, this rank's aliases of stored tensors, and the record's bytes on rank 0
+        (``None`` on the other ranks, and on every rank when nothing is frozen).
 
     Example:
 
@@ -77,15 +79,17 @@ def split_frozen_sharded(model: torch.nn.Module, state: Mapping[str, torch.Tenso
     prints = _fingerprints({name: local for name, (_, local) in mine.items()}, full=True)
     report = {name: FrozenPiece(box.offset, box.shape, prints[name].full, prints[name].sample).to_json()
               for name, (box, _) in mine.items()}
-    gathered = all_gather_json(report)
+    gathered = all_gather_json({"pieces": report, "tied": dict(tied)})
     stored = {name: tensor for name, tensor in state.items() if name not in frozen}
     kept_tied = {alias: kept for alias, kept in tied.items() if kept not in frozen}
     if rank != 0:
         return stored, kept_tied, None
+    tied = {alias: kept for ranks in gathered for alias, kept in ranks["tied"].items()}
     entries = {}
     for name in sorted(frozen - set(tied)):
         pieces = sorted((FrozenPiece(tuple(p["offset"]), tuple(p["shape"]), p["xxh3_128"], p["sample_xxh3_128"])
-                         for ranks in gathered for n, p in ranks.items() if n == name), key=lambda p: p.offset)
+                         for ranks in gathered for n, p in ranks["pieces"].items() if n == name),
+                        key=lambda p: p.offset)
         tensor = state[name]
         whole = len(pieces) == 1 and pieces[0].shape == tuple(tensor.shape)
         entries[name] = FrozenTensor(DTYPE_TO_STR[tensor.dtype], tuple(tensor.shape),

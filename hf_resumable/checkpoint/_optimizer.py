@@ -65,8 +65,8 @@ def encode_named_optimizer_state(
     scalars: dict[str, dict[str, Any]] = {}
     for name, per_param in state.items():
         for key, value in per_param.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{OPTIMIZER_STATE_PREFIX}{name}/{key}"] = value.detach()
+            if isinstance(value, torch.Tensor):  # detach() only if needed: on a DTensor it is a dispatched op
+                tensors[f"{OPTIMIZER_STATE_PREFIX}{name}/{key}"] = value.detach() if value.requires_grad else value
             else:
                 scalars.setdefault(name, {})[key] = encode_state(value, tensors, prefix=f"scalar/{name}/{key}")
     groups = []

@@ -57,8 +57,11 @@ __all__ = [
     "intersect_boxes",
     "plan_region_reads",
     "local_box",
+    "check_storable",
+    "pieces_to_stage",
     "collect_local_state",
     "find_tied",
+    "section_from_reports",
     "flatten_optimizer_state",
     "piece_file",
     "plan_hf_weights",
@@ -159,10 +162,15 @@ def plan_region_reads(wanted: Box, pieces: Mapping[str, Box], *, name: str, sour
     return reads
 
 
-def _is_dtensor(value: Any) -> bool:
+@functools.cache
+def _dtensor_class() -> type:
     from torch.distributed.tensor import DTensor
 
-    return isinstance(value, DTensor)
+    return DTensor
+
+
+def _is_dtensor(value: Any) -> bool:
+    return isinstance(value, _dtensor_class())
 
 
 def local_box(tensor: torch.Tensor) -> Box:
@@ -195,10 +203,17 @@ def _writes_piece(tensor: torch.Tensor, rank: int) -> bool:
     """Exactly one rank writes each distinct piece: for replicated mesh dims, the one at coordinate 0."""
     if not _is_dtensor(tensor):
         return rank == 0
-    coordinate = tensor.device_mesh.get_coordinate()
+    return _writes_placed(tensor.device_mesh, tuple(tensor.placements))
+
+
+@functools.lru_cache(maxsize=4096)
+def _writes_placed(mesh: Any, placements: tuple) -> bool:
+    """:func:`_writes_piece` for a DTensor on ``mesh`` with ``placements`` (pure in them: this process's coordinate
+    on a mesh does not change)."""
+    coordinate = mesh.get_coordinate()
     if coordinate is None:
         return False
-    return all(c == 0 for c, p in zip(coordinate, tensor.placements) if p.is_replicate())
+    return all(c == 0 for c, p in zip(coordinate, placements) if p.is_replicate())
 
 
 def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -225,20 +240,57 @@ class LocalState:
     tied: dict[str, str]
 
 
-def find_tied(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+def local_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every entry's local piece (detached), taken once for :func:`find_tied` and :func:`pieces_to_stage`."""
+    return {name: _local_tensor(tensor) for name, tensor in state.items()}
+
+
+def find_tied(state: Mapping[str, torch.Tensor], *, local: Mapping[str, torch.Tensor] | None = None
+              ) -> dict[str, str]:
     """``{alias: first name}`` for names whose tensors share memory (tied weights, e.g. GPT-2's ``lm_head``).
 
     :func:`~hf_resumable.checkpoint._model.find_aliases` on the local pieces: ``state_dict()`` detaches every
     entry, so tied names hold distinct objects over one storage, which the local piece's storage tells apart. A
-    rank whose piece is empty cannot see a tie, so the caller unites every rank's answer
-    (:func:`hf_resumable.distributed.all_gather_json`).
+    rank whose piece is empty cannot see a tie, but it writes nothing for it either: every rank drops the aliases it
+    sees, and the layout unites every rank's (:func:`section_from_reports`). ``local``: the :func:`local_tensors`
+    of ``state``, if already taken.
     """
-    return find_aliases(state, local=_local_tensor)
+    if local is None:
+        return find_aliases(state, local=_local_tensor)
+    return find_aliases({name: local[name] for name in state})
 
 
-def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: Mapping[str, str]) -> LocalState:
+def check_storable(state: Mapping[str, torch.Tensor]) -> None:
+    """Refuse what no piece file can hold, before anything is staged or written (dtypes and placements only).
+
+    Raises:
+        UnsupportedStateError: for a dtype safetensors cannot store, or a ``Partial`` DTensor.
+    """
+    for name, tensor in state.items():
+        if tensor.dtype not in DTYPE_TO_STR:
+            raise UnsupportedStateError(f"{name!r}: dtype {tensor.dtype} cannot be stored in safetensors.")
+        if _is_dtensor(tensor) and any(p.is_partial() for p in tensor.placements):
+            local_box(tensor)  # raises, naming the placements
+
+
+def pieces_to_stage(state: Mapping[str, torch.Tensor], tied: Mapping[str, str], *, rank: int,
+                    local: Mapping[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """``(name, local piece)`` of every piece :func:`collect_local_state` will write for this rank: what an async
+    save copies on the training loop's time (never a byte of a tied alias, an empty piece or a replica another rank
+    writes). ``local``: the :func:`local_tensors` of ``state``, if already taken."""
+    local = local if local is not None else local_tensors(state)
+    return [(name, local[name]) for name, tensor in state.items()
+            if name not in tied and local[name].numel() and _writes_piece(tensor, rank)]
+
+
+def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: Mapping[str, str],
+                        staged: Mapping[str, torch.Tensor] | None = None) -> LocalState:
     """This rank's pieces of ``state`` (DTensors and plain tensors, ``tied`` aliases left out) and every
     tensor's global description.
+
+    ``staged`` (an async save's copies of the :func:`pieces_to_stage`) replaces the live local pieces: only the
+    tensors' metadata (dtype, global shape, mesh, placements) is read from ``state`` then, so this may run on a
+    background thread while training changes the live tensors.
 
     Raises:
         UnsupportedStateError: for an unsupported dtype or placement.
@@ -253,13 +305,17 @@ def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: M
             raise UnsupportedStateError(f"{name!r}: dtype {tensor.dtype} cannot be stored in safetensors.")
         tensors[name] = {"dtype": DTYPE_TO_STR[tensor.dtype], "shape": list(tensor.shape)}
         box = local_box(tensor)
-        local = _local_tensor(tensor)
+        local = _local_tensor(tensor)  # with ``staged``, only its shape is read
         if tuple(local.shape) != box.shape:
             raise CheckpointMismatchError(
                 f"{name!r}: the local tensor has shape {list(local.shape)} but its placement implies "
                 f"{list(box.shape)}; this sharding is not supported by save_sharded_checkpoint."
             )
         if box.numel and _writes_piece(tensor, rank):
+            if staged is not None:
+                if name not in staged:  # never read a live tensor off the training thread
+                    raise RuntimeError(f"{name!r}: its piece was not staged; this is a bug in hf_resumable.")
+                local = staged[name]
             pieces.append((name, local, box))
     return LocalState(tensors, pieces, dict(tied))
 
@@ -296,17 +352,36 @@ def piece_tensor_file(relpath: str, local: LocalState) -> TensorFile | None:
     return TensorFile(relpath, [(name, tensor) for name, tensor, _ in local.pieces], metadata)
 
 
-def section_from_gathered(local: LocalState, gathered: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """The layout section of one kind of state from every rank's ``{"file", "pieces"}`` report."""
-    pieces = {g["file"]: g["pieces"] for g in gathered if g["file"] is not None}
-    return {SECTION_TENSORS: local.tensors, SECTION_PIECES: pieces, SECTION_TIED: local.tied}
+def section_from_reports(tensors: Mapping[str, Mapping[str, Any]], reports: list[Mapping[str, Any]]
+                         ) -> dict[str, Any]:
+    """The layout section of one kind of state from every rank's :func:`piece_report`: the ranks' ties united,
+    every tensor but the aliases described (``tensors``: one rank's description), and every rank's pieces. Pure, so
+    every rank builds the same section from the same reports.
+
+    Example:
+
+    ```python
+    >>> section = section_from_reports(
+    ...     {"w": {"dtype": "F32", "shape": [2]}, "v": {"dtype": "F32", "shape": [2]}},
+    ...     [{"file": "a", "pieces": {"w": {"offset": [0], "shape": [2]}}, "tied": {"v": "w"}},
+    ...      {"file": None, "pieces": {}, "tied": {}}])
+    >>> section["tensors"], section["tied"]
+    ({'w': {'dtype': 'F32', 'shape': [2]}}, {'v': 'w'})
+    ```
+    """
+    tied = {alias: kept for report in reports for alias, kept in report["tied"].items()}
+    return {SECTION_TENSORS: {name: dict(d) for name, d in tensors.items() if name not in tied},
+            SECTION_PIECES: {r["file"]: r["pieces"] for r in reports if r["file"] is not None},
+            SECTION_TIED: tied}
 
 
 def piece_report(relpath: str, local: LocalState) -> dict[str, Any]:
-    """This rank's contribution to the layout (JSON), gathered by rank 0."""
+    """This rank's contribution to the layout (JSON): its piece file, the boxes in it, and the aliases it left
+    out."""
     if not local.pieces:
-        return {"file": None, "pieces": {}}
-    return {"file": relpath, "pieces": {name: box.to_json() for name, _, box in local.pieces}}
+        return {"file": None, "pieces": {}, "tied": dict(local.tied)}
+    return {"file": relpath, "pieces": {name: box.to_json() for name, _, box in local.pieces},
+            "tied": dict(local.tied)}
 
 
 def plan_hf_weights(sizes: Mapping[str, int], *, world_size: int, max_shard_size: int | str

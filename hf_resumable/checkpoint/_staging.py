@@ -1,12 +1,13 @@
 """Copy tensors into host staging buffers as fast as this machine's memory allows.
 
-An async save stalls training only for this copy, so it is the one hot loop of the async path.
-The bytes are split into one contiguous stretch per thread (a pure plan, :func:`plan_stretches`)
-and each stretch is copied with the GIL released by ``hf_resumable._fastcopy`` (non-temporal
-stores: a staging buffer is read back only much later, so caching it is pure cost), or by the C
-library's ``memmove`` where the extension was not built. Measured on a 2-core VM for 0.94 GiB:
-``Tensor.copy_`` 0.100 s, ``memmove`` on two threads 0.079 s, the non-temporal copy 0.051 s.
-Anything that is not a plain contiguous CPU tensor of the same dtype and shape goes through
+An async save stalls training only for this copy, so it is the one hot loop of the async path. The bytes are
+split into 4 MiB pieces (a pure plan, :func:`plan_chunks`) that the calling thread and helper threads (kept
+waiting between saves: starting a thread on a loaded machine can take tens of milliseconds) claim one at a time,
+and each piece is copied with the GIL released by ``hf_resumable._fastcopy`` (non-temporal stores: a staging
+buffer is read back only much later, so caching it is pure cost), or by the C library's ``memmove`` where the
+extension was not built. Measured on a 2-core AMD EPYC VM (shared, loaded) for 175 MB in 17.5 MB tensors on one
+thread: ``memmove`` 48-91 ms, the non-temporal copy 38-66 ms (an earlier version that interleaved four pages per
+step: 160-250 ms). Anything that is not a plain contiguous CPU tensor of the same dtype and shape goes through
 ``copy_``; CUDA sources are copied ``non_blocking`` into pinned buffers and synchronized once.
 """
 
@@ -14,12 +15,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from ._threads import run_in_threads
 
 try:
     from .._fastcopy import copy as _nt_copy
@@ -33,12 +33,20 @@ COPY_KIND = "non-temporal" if _nt_copy is not None else "memmove"
 
 # Below this many bytes one thread copies everything (thread start-up would cost more than it saves).
 PARALLEL_MIN_BYTES = 8 << 20
-# Stretch boundaries fall on cache lines.
+# Piece boundaries fall on cache lines.
 ALIGN = 64
+# The unit of work a copy thread claims (about a millisecond of copying).
+CHUNK_BYTES = 4 << 20
 
 
 def staging_threads() -> int:
-    """Threads used for the staging copy: the CPUs this process may run on, at most 8."""
+    """Threads used for the staging copy: the CPUs this process may run on, at most 8.
+
+    Also under torchrun, where the local ranks stage at the same moment: they copy different amounts (under DDP only
+    rank 0 copies anything; FSDP2 shards can be uneven), and oversubscribed threads of a memory-bound copy let the
+    scheduler give an idle rank's cores to the ones still copying, where one thread per rank's share would leave
+    them idle. The copy is bound by memory bandwidth, which the threads share either way.
+    """
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - non-Linux
@@ -55,45 +63,116 @@ class Piece:
     length: int
 
 
-def plan_stretches(sizes: Sequence[int], workers: int, *, align: int = ALIGN) -> list[list[Piece]]:
-    """Split the concatenation of ``sizes`` bytes into at most ``workers`` stretches of about equal length.
+def plan_chunks(sizes: Sequence[int], *, chunk: int = CHUNK_BYTES, align: int = ALIGN) -> list[Piece]:
+    """Split tensors of ``sizes`` bytes into pieces of at most ``chunk`` bytes, in order: the units the copy threads
+    claim one at a time (so no thread ever waits for a share another thread has not started).
 
-    Every byte is covered exactly once, pieces never cross a tensor, and cuts inside a tensor fall on
-    ``align`` bytes of that tensor (so a stretch may run up to ``align - 1`` bytes long).
+    Every byte is covered exactly once, pieces never cross a tensor, and cuts inside a tensor fall on multiples of
+    ``chunk`` (rounded up to ``align``) of that tensor.
 
     Example:
 
     ```python
-    >>> first, second = plan_stretches([100, 28], 2, align=4)
-    >>> first
-    [Piece(index=0, offset=0, length=64)]
-    >>> second
-    [Piece(index=0, offset=64, length=36), Piece(index=1, offset=0, length=28)]
+    >>> plan_chunks([100, 0, 28], chunk=64, align=4)
+    [Piece(index=0, offset=0, length=64), Piece(index=0, offset=64, length=36), Piece(index=2, offset=0, length=28)]
     ```
     """
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
-    total = sum(sizes)
-    target = -(-total // workers) if total else 0
-    target = -(-target // align) * align
-    stretches: list[list[Piece]] = []
-    current: list[Piece] = []
-    room = target
-    for index, size in enumerate(sizes):
-        offset = 0
-        while offset < size:
-            end = offset + min(size - offset, room)
-            if end < size:  # a cut inside the tensor: on an aligned offset
-                end = min(size, -(-end // align) * align)
-            current.append(Piece(index, offset, end - offset))
-            room -= end - offset
-            offset = end
-            if room <= 0:
-                stretches.append(current)
-                current, room = [], target
-    if current:
-        stretches.append(current)
-    return stretches
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    step = -(-chunk // align) * align
+    return [Piece(index, offset, min(step, size - offset))
+            for index, size in enumerate(sizes) for offset in range(0, size, step)]
+
+
+class _Job:
+    """One staging copy: its pieces, claimed one at a time by up to ``workers`` threads (the caller among them)."""
+
+    def __init__(self, pieces: list[Piece], addresses: list[tuple[int, int, int]], copier, workers: int) -> None:
+        self._pieces, self._addresses, self._copier = pieces, addresses, copier
+        self._lock = threading.Lock()
+        self._next = 0
+        self._active = 0
+        self._slots = workers
+        self._errors: list[BaseException] = []
+        self._done = threading.Event()
+
+    def work(self) -> None:
+        """Copy pieces until none is left (a no-op once every slot is taken or the job is over)."""
+        with self._lock:
+            if not self._slots or self._done.is_set():
+                return
+            self._slots -= 1
+            self._active += 1
+        try:
+            while True:
+                with self._lock:
+                    if self._next >= len(self._pieces) or self._errors:
+                        return
+                    piece = self._pieces[self._next]
+                    self._next += 1
+                dst, src, _ = self._addresses[piece.index]
+                try:  # both copiers release the GIL for the duration of the call: pieces copy in parallel
+                    self._copier(dst + piece.offset, src + piece.offset, piece.length)
+                except BaseException as err:  # noqa: BLE001 - raised by wait() on the caller's thread
+                    with self._lock:
+                        self._errors.append(err)
+        finally:
+            with self._lock:
+                self._active -= 1
+                if not self._active:
+                    self._done.set()
+
+    def wait(self) -> None:
+        """Return once every claimed piece is copied (the caller's own :meth:`work` has claimed the rest)."""
+        self._done.wait()
+        if self._errors:
+            raise self._errors[0]
+
+
+class _Crew:
+    """The staging copy's helper threads: started once per process and kept waiting for the next copy.
+
+    Starting a thread blocks the starter until the new thread runs, which on a loaded machine takes tens of
+    milliseconds, all of it on the training loop's time; a waiting helper is woken instead, and the caller copies
+    meanwhile (a helper that is slow to wake finds nothing left to claim).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._job: _Job | None = None
+        self._generation = 0
+        self._threads: list[threading.Thread] = []
+        self._pid = os.getpid()
+
+    def run(self, job: _Job, helpers: int) -> None:
+        """Copy ``job`` on the calling thread and up to ``helpers`` helper threads; return when it is done."""
+        with self._cond:
+            if self._pid != os.getpid():  # a forked child: the helpers stayed in the parent
+                self._threads, self._pid = [], os.getpid()
+            while len(self._threads) < helpers:
+                thread = threading.Thread(target=self._serve, name="hf_resumable-stage", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+            self._job, self._generation = job, self._generation + 1
+            self._cond.notify_all()
+        try:
+            job.work()
+            job.wait()
+        finally:
+            with self._cond:
+                self._job = None
+
+    def _serve(self) -> None:
+        seen = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._generation != seen)
+                seen, job = self._generation, self._job
+            if job is not None:
+                job.work()
+
+
+_CREW = _Crew()
 
 
 def _memmove_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -129,16 +208,13 @@ def copy_into(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, workers: in
             dst.copy_(src)
     total = sum(n for _, _, n in fast)
     workers = staging_threads() if workers is None else workers
-    if total < PARALLEL_MIN_BYTES:
-        workers = 1
-    stretches = plan_stretches([n for _, _, n in fast], workers)
-
-    def run(stretch: list[Piece]) -> None:
-        for piece in stretch:
-            dst_addr, src_addr, _ = fast[piece.index]
-            # Both copiers release the GIL for the duration of the call, so stretches copy in parallel.
-            copier(dst_addr + piece.offset, src_addr + piece.offset, piece.length)
-
-    run_in_threads(run, stretches, workers=len(stretches))
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    job = _Job(plan_chunks([n for _, _, n in fast]), fast, copier, workers)
+    if total < PARALLEL_MIN_BYTES or workers == 1:
+        job.work()  # one thread: waking helpers would cost more than it saves
+        job.wait()
+    else:
+        _CREW.run(job, workers - 1)
     for device in cuda_devices:
         torch.cuda.synchronize(device)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import stat
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from ..format.rng import save_rng_state
 from ..format.safetensors_io import FileRecord, write_safetensors
 from ..progress import progress_bar
 from ._fs import DirIdentity, commit_dir, create_temp_dir, discard, write_bytes_durably
-from ._payload import SHARDS_KEY, IndexSpec, Payload
+from ._payload import SHARDS_KEY, IndexSpec, Payload, TensorFile
 from ._staging import copy_into
 from ._threads import run_in_threads
 from .manifest import Manifest, read_manifest, records_from_json, records_to_json
@@ -220,22 +221,34 @@ def begin_save(target: Path, *, overwrite: bool, group: Any = None) -> SaveStart
     return SaveStart(target, target.parent / started["tmp"], replaces, group)
 
 
-def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics: dict[str, float] | None) -> Manifest:
-    """Steps 2-5 of the commit protocol for a save that :func:`begin_save` started (collective over its group)."""
+def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics: dict[str, float] | None,
+                prepare: Callable[[], Any] | None = None,
+                finalize: Callable[[list[Any]], Mapping[str, bytes]] | None = None) -> Manifest:
+    """Steps 2-5 of the commit protocol for a save that :func:`begin_save` started (collective over its group).
+
+    ``prepare()``, if given, runs first in step 2 (it may add files to ``payload``); its JSON result travels with
+    this rank's records, and a failure in it fails the save like a failed write. ``finalize(reports)``, if given,
+    gets every rank's ``prepare`` result in rank order and returns more small files (``{relpath: bytes}``, e.g. a
+    layout of every rank's files); rank 0 calls it and writes them once every rank's files are durable, before the
+    manifest, and every rank learns their records in step 5.
+    """
     began = time.perf_counter()
     distributed = is_distributed()
     rank, world_size = rank_and_world_size()
     target, tmp, group = start.target, start.tmp, start.group
     # 2. Every rank writes its own files there: created exclusively, hashed while written, fsynced.
+    report = None
     try:
+        report = prepare() if prepare is not None else None
         records, local = write_payload(tmp, payload), None
     except Exception as err:
         if not distributed:
             discard(tmp)
             raise
-        records, local = {}, err
+        records, local, report = {}, err, None
     # 3. The records meet on every rank as JSON (never pickle). If any rank failed, nothing is committed.
-    gathered = all_gather_json({"records": records_to_json(records), "error": _describe(local)}, group=group)
+    gathered = all_gather_json({"records": records_to_json(records), "error": _describe(local), "report": report},
+                               group=group)
     failed = [entry["error"] for entry in gathered if entry["error"] is not None]
     if failed:
         if rank == 0:
@@ -247,12 +260,16 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
     files: dict[str, FileRecord] = {}
     for entry in gathered:
         files.update(records_from_json(entry["records"]))
-    manifest = Manifest(files=files, step=step, world_size=world_size, metrics=dict(metrics or {}))
-    # 4. Rank 0 writes the manifest last, then commits: fsync the tree, rename into place (no-replace, or
-    #    compare-and-swap for an overwrite), fsync the parent.
-    outcome = None
+    # 4. Rank 0 writes the files built from every rank's report, the manifest last, then commits: fsync the tree,
+    #    rename into place (no-replace, or compare-and-swap for an overwrite), fsync the parent.
+    outcome, late, manifest = None, {}, None
     if rank == 0:
         try:
+            if finalize is not None:
+                for relpath, data in finalize([entry["report"] for entry in gathered]).items():
+                    late[relpath] = write_bytes_durably(tmp / relpath, data)
+            manifest = Manifest(files={**files, **late}, step=step, world_size=world_size,
+                                metrics=dict(metrics or {}))
             write_bytes_durably(tmp / MANIFEST_FILE, manifest.to_json())
             commit_dir(tmp, target, replaces=start.replaces)
         except BaseException as err:
@@ -260,12 +277,16 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
             if not distributed or not isinstance(err, Exception):
                 raise
             outcome = err
-    # 5. Every rank learns whether the commit happened.
-    committed = broadcast_json(_describe(outcome), group=group)
-    if committed is not None:
+    # 5. Every rank learns whether the commit happened (and the records of rank 0's late files).
+    committed = broadcast_json({"error": _describe(outcome), "late": records_to_json(late)}, group=group)
+    if committed["error"] is not None:
         if outcome is not None:
             raise outcome
-        raise _rebuild(committed, f"rank 0 failed to commit {target}; the previous checkpoint is untouched")
+        raise _rebuild(committed["error"], f"rank 0 failed to commit {target}; the previous checkpoint is untouched")
+    if manifest is None:  # the other ranks: the same files (rank 0's late ones included), step and metrics
+        manifest = Manifest(files={**files, **records_from_json(committed["late"])}, step=step,
+                            world_size=world_size, metrics=dict(metrics or {}))
+    files = manifest.files
     if rank == 0:
         total = sum(r.size for r in files.values())
         logger.info("Saved %s (%d files, %.1f MB) in %.2f s", target, len(files), total / 1e6,
@@ -274,13 +295,16 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
 
 
 def save_payload(target: Path, payload: Payload, *, step: int | None, metrics: dict[str, float] | None,
-                 overwrite: bool) -> Manifest:
+                 overwrite: bool, prepare: Callable[[], Any] | None = None,
+                 finalize: Callable[[list[Any]], Mapping[str, bytes]] | None = None) -> Manifest:
     """Write and commit ``payload`` at ``target`` (collective under torch.distributed), blocking.
 
-    The steps are those of docs/architecture.md, "Commit protocol". Errors keep their type (an
-    ``OSError`` keeps its errno) on the rank where they happened; the other ranks raise the same kind.
+    The steps are those of docs/architecture.md, "Commit protocol" (``prepare`` and ``finalize``: see
+    :func:`finish_save`). Errors keep their type (an ``OSError`` keeps its errno) on the rank where they happened;
+    the other ranks raise the same kind.
     """
-    return finish_save(begin_save(target, overwrite=overwrite), payload, step=step, metrics=metrics)
+    return finish_save(begin_save(target, overwrite=overwrite), payload, step=step, metrics=metrics, prepare=prepare,
+                       finalize=finalize)
 
 
 def _describe(err: BaseException | None) -> dict[str, Any] | None:
@@ -301,6 +325,90 @@ def _rebuild(description: dict[str, Any], context: str) -> Exception:
     return RuntimeError(message)
 
 
+class _SaveJob:
+    """One async save on the saver's thread: step 1, then (once the training thread has staged) steps 2-5."""
+
+    def __init__(self, target: Path, payload: Payload, *, overwrite: bool, group: Any, step, metrics, on_commit,
+                 prepare, finalize) -> None:
+        self.target, self._payload, self._overwrite, self._group = target, payload, overwrite, group
+        self._step, self._metrics, self._on_commit = step, metrics, on_commit
+        self._prepare, self._finalize = prepare, finalize
+        self._started = threading.Event()  # step 1 is over (start_error says how)
+        self._staged = threading.Event()  # the training thread's copy is over (staging_error says how)
+        self.done = threading.Event()
+        self.start_error: BaseException | None = None
+        self.staging_error: BaseException | None = None
+        self.error: BaseException | None = None  # raised at the next wait
+
+    def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.done.set()
+
+    def _run(self) -> None:
+        try:
+            start = begin_save(self.target, overwrite=self._overwrite, group=self._group)
+        except BaseException as err:  # noqa: BLE001 - raised on the training thread by started()
+            self.start_error = err
+            return
+        finally:
+            self._started.set()
+        self._staged.wait()
+        prepare, finalize, keep = self._prepare, self._finalize, True
+        if self.staging_error is not None:  # raised on the training thread; every rank must learn it in step 3
+            cause, finalize, keep = self.staging_error, None, False
+
+            def prepare() -> None:
+                raise RuntimeError(f"staging the tensors failed: {type(cause).__name__}: {cause}") from cause
+        try:
+            finish_save(start, self._payload, step=self._step, metrics=self._metrics, prepare=prepare,
+                        finalize=finalize)
+            if self._on_commit is not None:
+                self._on_commit()
+        except BaseException as err:  # noqa: BLE001 - kept and raised at the next call
+            if keep:
+                self.error = err
+
+    def staged(self, error: BaseException | None = None) -> None:
+        """The training thread's copy is over (``error``: it failed)."""
+        self.staging_error = error
+        self._staged.set()
+
+    def started(self) -> None:
+        """Wait for step 1; raise its error (on every rank: rank 0 told them) if it failed."""
+        self._started.wait()
+        if self.start_error is not None:
+            raise self.start_error
+
+
+class _Worker:
+    """One daemon thread, started on first use, that runs submitted jobs in order.
+
+    A thread started per save would block the starter until it runs, tens of milliseconds on a loaded machine, on
+    the training loop's time. Daemon: interpreter exit waits for the in-flight save through ``atexit`` (see
+    :mod:`.api`), not for an idle thread; a forked child starts its own.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._pid: int | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+            self._jobs, self._pid = queue.SimpleQueue(), os.getpid()
+            self._thread = threading.Thread(target=self._serve, args=(self._jobs,), name=self._name, daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue) -> None:
+        while True:
+            jobs.get()()  # a job keeps its own errors
+
+
 class AsyncSaver:
     """Stage tensors into reusable host buffers, then write them on a background thread.
 
@@ -311,14 +419,14 @@ class AsyncSaver:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
+        self._job: _SaveJob | None = None
+        self._worker = _Worker("hf_resumable-save")
 
-    def stage(self, payload: Payload) -> Payload:
-        """Copy every tensor of ``payload`` into a staging buffer (returns a payload over the buffers)."""
+    def stage(self, payload: Payload, also: Sequence[TensorFile] = ()) -> Payload:
+        """Copy every tensor of ``payload`` (and of the files ``also``) into staging buffers, in one parallel copy;
+        the files then hold the buffers (returns ``payload``)."""
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for tensor_file in payload.tensor_files:
+        for tensor_file in [*payload.tensor_files, *also]:
             staged = []
             for name, tensor in tensor_file.tensors:
                 key = (tensor_file.relpath, name)
@@ -333,44 +441,43 @@ class AsyncSaver:
         copy_into(pairs)
         return payload
 
-    def submit(self, target: Path, payload: Payload, *, step, metrics, overwrite, on_commit=None) -> None:
-        """Wait for the previous save, stage ``payload`` and start writing it in the background.
+    def submit(self, target: Path, payload: Payload, *, step, metrics, overwrite, on_commit=None,
+               also_stage: Sequence[TensorFile] = (), prepare=None, finalize=None) -> None:
+        """Wait for the previous save, stage ``payload`` (and ``also_stage``) and start writing it in the background.
 
-        Under torch.distributed every rank calls it: step 1 (rank 0 checks the target and creates the temp dir)
-        runs here, so a refused target raises now on every rank; the rest runs on the background thread,
-        whose collectives use their own gloo group (``distributed.checkpoint_group``), never the training
-        loop's.
+        Under torch.distributed every rank calls it. Step 1 (rank 0 checks the target and creates the temp dir) runs
+        on the saver's thread while this one copies the tensors, and is over when this returns, so a refused target
+        raises now on every rank; steps 2-5 (``prepare`` and ``finalize`` too, see :func:`finish_save`) follow on
+        that thread. Its collectives use the save's own gloo group (``distributed.checkpoint_group``), never the
+        training loop's. If the copy fails on this rank after step 1, the background part still runs, so that every
+        rank learns of the failure and nothing is committed; the error is raised here.
         """
         self.wait()
-        group = checkpoint_group()
-        self.stage(payload)
-        start = begin_save(target, overwrite=overwrite, group=group)
+        group = checkpoint_group()  # created on first use: a collective of the training thread
+        job = _SaveJob(target, payload, overwrite=overwrite, group=group, step=step, metrics=metrics,
+                       on_commit=on_commit, prepare=prepare, finalize=finalize)
+        self._job = job
+        self._worker.submit(job.run)
+        try:
+            self.stage(payload, also_stage)
+        except BaseException as err:
+            job.staged(err)
+            raise
+        job.staged()
+        job.started()
 
-        def run() -> None:
-            try:
-                finish_save(start, payload, step=step, metrics=metrics)
-                if on_commit is not None:
-                    on_commit()
-            except BaseException as err:  # noqa: BLE001 - kept and raised at the next call
-                with self._lock:
-                    self._error = err
-
-        self._thread = threading.Thread(target=run, name=f"hf_resumable-save-{target.name}", daemon=False)
-        self._thread.start()
+    @property
+    def in_flight(self) -> bool:
+        return self._job is not None and not self._job.done.is_set()
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed; raise its error if it failed."""
         from ..errors import AsyncSaveError
 
-        thread = self._thread
-        if thread is not None:
-            thread.join()
-            self._thread = None
-        with self._lock:
-            error, self._error = self._error, None
-        if error is not None:
-            raise AsyncSaveError(f"A background checkpoint save failed: {type(error).__name__}: {error}") from error
-
-    @property
-    def in_flight(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        job, self._job = self._job, None
+        if job is None:
+            return
+        job.done.wait()
+        if job.error is not None:
+            raise AsyncSaveError(f"A background checkpoint save failed: {type(job.error).__name__}: {job.error}"
+                                 ) from job.error

@@ -64,6 +64,24 @@ def background_saver() -> AsyncSaver:
     return _ASYNC
 
 
+def saves_async(save_async: bool | None) -> bool:
+    """An integration's ``save_async`` option (``ResumableTrainer``'s): ``None`` (its default) is on under
+    torch.distributed (torchrun with 2+ processes: every rank stages and returns, about 0.08x the stall of a blocking
+    save at 2 ranks in ``benchmarks/bench_distributed.py --stall``) and off in a single process; ``True``/``False``
+    decide.
+
+    Example:
+
+    ```python
+    >>> saves_async(None)  # one process
+    False
+    >>> saves_async(True)
+    True
+    ```
+    """
+    return is_distributed() if save_async is None else bool(save_async)
+
+
 def wait_for_pending_saves() -> None:
     """Block until the in-flight async save has committed.
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,7 @@ from ..format._jsonio import json_bytes
 from ..format.rng import RngState
 from ..format.sharding import build_index
 from ..format.state_codec import decode_state
+from ._fqn_state import model_state_dict, optimizer_state_dict
 from ._frozen import base_not_stored
 from ._frozen_sharded import check_frozen_sharded, split_frozen_sharded
 from ._model import TIED_KEY
@@ -98,16 +100,19 @@ from ._sharded import (
     LAYOUT_VERSION,
     SHARDED_DIR,
     LocalState,
+    check_storable,
     collect_local_state,
     find_tied,
     flatten_optimizer_state,
     full_weights_for,
     hf_weights_section,
+    local_tensors,
     piece_file,
     piece_report,
     piece_tensor_file,
+    pieces_to_stage,
     plan_hf_weights,
-    section_from_gathered,
+    section_from_reports,
 )
 from ._sharded_load import (
     PieceReader,
@@ -138,9 +143,7 @@ def _options(**kwargs: Any) -> Any:
 
 def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """FQN-keyed weights as this rank holds them (DTensor pieces under FSDP2, plain tensors otherwise)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return get_model_state_dict(model, options=_options())
+    return model_state_dict(model)
 
 
 def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -149,10 +152,8 @@ def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     ``get_optimizer_state_dict`` initializes an empty optimizer with a zero-lr step, which would start
     AdamW's step count at 1 and change the run; that state is dropped again here.
     """
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
     fresh = not optimizer.state
-    state = get_optimizer_state_dict(model, optimizer, options=_options())
+    state = optimizer_state_dict(model, optimizer)
     if fresh and optimizer.state:
         optimizer.state.clear()
         state = {"state": {}, "param_groups": state["param_groups"]}
@@ -176,40 +177,91 @@ def _add_hf_weights(payload: Payload, weights: Mapping[str, torch.Tensor], local
     return hf_weights_section(plan, local.tensors, local.tied)
 
 
-def _add_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, rank: int,
-                world_size: int, hf_weights: bool, max_shard_size: int | str, standalone: bool = False
-                ) -> dict[str, Any]:
-    """Add this rank's files to ``payload``; return the layout (complete on every rank, JSON)."""
+@dataclass
+class _Pieces:
+    """This rank's share of a sharded save, captured on the training loop's time, planned inside the commit.
+
+    :func:`_capture_pieces` takes the state dicts (and, for an async save, the list of local pieces to copy);
+    :meth:`prepare` (step 2 of the commit protocol, on the background thread of an async save) describes them and
+    adds this rank's piece files; :meth:`finalize` builds ``sharded_layout.json`` from every rank's report, the
+    same bytes on every rank, which rank 0 writes once every rank's files are durable.
+
+    Args:
+        states (`dict`): ``kind -> (FQN-keyed state, the aliases this rank sees)`` of each kind stored in pieces.
+        staging (`dict[str, TensorFile]`): ``kind -> (name, local piece)`` of every piece written, for an async
+            save to copy in place (empty for a blocking save, which writes the live tensors).
+        layout (`dict`): the layout's fixed entries (version, world size, the ``hf_weights`` model section, the
+            optimizer document).
+        rank, world_size (`int`): this rank and the world size.
+    """
+
+    states: dict[str, tuple[Mapping[str, torch.Tensor], dict[str, str]]]
+    staging: dict[str, TensorFile]
+    layout: dict[str, Any]
+    rank: int
+    world_size: int
+    described: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def prepare(self, payload: Payload) -> dict[str, Any]:
+        """Add this rank's piece files to ``payload``; return its report (JSON: files, boxes, aliases)."""
+        reports = {}
+        for kind, (state, tied) in self.states.items():
+            relpath = piece_file(kind, self.rank, self.world_size)
+            staged = dict(self.staging[kind].tensors) if kind in self.staging else None
+            local = collect_local_state(state, rank=self.rank, tied=tied, staged=staged)
+            tensor_file = piece_tensor_file(relpath, local)
+            if tensor_file is not None:
+                payload.tensor_files.append(tensor_file)
+            self.described[kind] = local.tensors
+            reports[kind] = piece_report(relpath, local)
+        return reports
+
+    def finalize(self, reports: list[Mapping[str, Any]]) -> dict[str, bytes]:
+        """``sharded_layout.json`` from every rank's report (pure: the same bytes on every rank)."""
+        layout = {LAYOUT_KEY_VERSION: LAYOUT_VERSION, LAYOUT_KEY_WORLD_SIZE: self.world_size,
+                  LAYOUT_KEY_MODEL: self.layout.get(LAYOUT_KEY_MODEL), LAYOUT_KEY_OPTIMIZER: None,
+                  LAYOUT_KEY_OPTIMIZER_DOC: self.layout.get(LAYOUT_KEY_OPTIMIZER_DOC)}
+        for kind in self.states:
+            layout[kind] = section_from_reports(self.described[kind], [report[kind] for report in reports])
+        # Compact: the layout names every piece of every rank, and the C encoder (no indent) is fast.
+        return {LAYOUT_FILE: json_bytes(layout, indent=None)}
+
+
+def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
+                    rank: int, world_size: int, hf_weights: bool, max_shard_size: int | str, standalone: bool,
+                    stage: bool) -> _Pieces:
+    """What must happen on the training loop's time: the state-dict walks, the checks that raise now, the
+    collectives on the default group (the frozen record's gather; ``hf_weights``' gathers) and, with ``stage``,
+    the list of the local pieces an async save copies."""
     weights = _model_state(model)
-    # Every rank must drop the same aliases; a rank holding an empty piece cannot see a tie by itself.
-    tied = {alias: kept for report in all_gather_json(find_tied(weights)) for alias, kept in report.items()}
-    if not (hf_weights or standalone):  # frozen parameters are recorded, not stored (hf_weights: a whole model)
-        weights, tied, record = split_frozen_sharded(model, weights, tied, rank=rank)
-        if record is not None:
-            payload.blobs[FROZEN_RECORD_FILE] = record
-    model_local = collect_local_state(weights, rank=rank, tied=tied)
-    locals_: dict[str, LocalState] = {}
+    states: dict[str, tuple[Mapping[str, torch.Tensor], dict[str, str]]] = {}
+    layout: dict[str, Any] = {}
+    local = local_tensors(weights)
+    tied = find_tied(weights, local=local)  # this rank's view; the layout unites every rank's
     if hf_weights:
-        model_section = _add_hf_weights(payload, weights, model_local, rank=rank, world_size=world_size,
-                                        max_shard_size=max_shard_size)
+        # The HF files and their index name every alias: every rank must know every tie (one gather).
+        tied = {alias: kept for report in all_gather_json(tied) for alias, kept in report.items()}
+        described = collect_local_state(weights, rank=rank, tied=tied)
+        layout[LAYOUT_KEY_MODEL] = _add_hf_weights(payload, weights, described, rank=rank, world_size=world_size,
+                                                   max_shard_size=max_shard_size)
     else:
-        locals_["model"] = model_local
-    document = None
+        if not standalone:  # frozen parameters are recorded, not stored (a collective when there are any)
+            weights, tied, record = split_frozen_sharded(model, weights, tied, rank=rank)
+            if record is not None:
+                payload.blobs[FROZEN_RECORD_FILE] = record
+        check_storable(weights)
+        states[LAYOUT_KEY_MODEL] = (weights, tied)
     if optimizer is not None:
-        tensors, document = flatten_optimizer_state(_optimizer_state(model, optimizer), type(optimizer).__qualname__)
-        locals_["optimizer"] = collect_local_state(tensors, rank=rank, tied={})
-    reports = {}
-    for kind, local in locals_.items():
-        relpath = piece_file(kind, rank, world_size)
-        tensor_file = piece_tensor_file(relpath, local)
-        if tensor_file is not None:
-            payload.tensor_files.append(tensor_file)
-        reports[kind] = piece_report(relpath, local)
-    gathered = all_gather_json(reports)
-    sections = {kind: section_from_gathered(local, [g[kind] for g in gathered]) for kind, local in locals_.items()}
-    return {LAYOUT_KEY_VERSION: LAYOUT_VERSION, LAYOUT_KEY_WORLD_SIZE: world_size,
-            LAYOUT_KEY_MODEL: model_section if hf_weights else sections["model"],
-            LAYOUT_KEY_OPTIMIZER: sections.get("optimizer"), LAYOUT_KEY_OPTIMIZER_DOC: document}
+        tensors, layout[LAYOUT_KEY_OPTIMIZER_DOC] = flatten_optimizer_state(_optimizer_state(model, optimizer),
+                                                                            type(optimizer).__qualname__)
+        check_storable(tensors)
+        states[LAYOUT_KEY_OPTIMIZER] = (tensors, {})
+    staging = {}
+    if stage:
+        staging = {kind: TensorFile(piece_file(kind, rank, world_size), pieces_to_stage(
+            state, tied, rank=rank, local=local if kind == LAYOUT_KEY_MODEL else None))
+            for kind, (state, tied) in states.items()}
+    return _Pieces(states, staging, layout, rank, world_size)
 
 
 def save_sharded_checkpoint(
@@ -301,24 +353,30 @@ def save_sharded_checkpoint(
         extra_files=None, data_state=data_state, rng=rng, max_shard_size=DEFAULT_MAX_SHARD_SIZE,
         processing_class=None, rank=rank, is_main=rank == 0,
     )
-    # 2. This rank's pieces (and HF weight shards); the layout of every rank's pieces is gathered as JSON.
-    layout = _add_pieces(payload, model, optimizer, rank=rank, world_size=world_size, hf_weights=hf_weights,
-                         max_shard_size=max_shard_size, standalone=standalone)
-    # 3. Rank 0 adds the layout and the files from_pretrained needs besides the weights.
+    # 2. References to this rank's pieces (and its HF weight shards, gathered now); rank 0 adds the files
+    #    from_pretrained needs besides the weights.
+    pieces = _capture_pieces(payload, model, optimizer, rank=rank, world_size=world_size, hf_weights=hf_weights,
+                             max_shard_size=max_shard_size, standalone=standalone, stage=not blocking)
     if rank == 0:
-        # Compact: the layout names every piece of every rank, and the C encoder (no indent) keeps the stall short.
-        payload.blobs[LAYOUT_FILE] = json_bytes(layout, indent=None)
         capture_pretrained(payload, model, processing_class)
-    # 4. Commit: manifest last, after every rank's files are durable (in the background if not blocking).
+
+    # 3. Commit: every rank describes and writes its piece files; once every rank's files are durable, rank 0
+    #    writes the layout built from every rank's report, then the manifest (in the background if not blocking:
+    #    an async save copies the pieces first, and only that copy is on the training loop's time).
+    def prepare() -> dict[str, Any]:
+        return pieces.prepare(payload)
+
     def retention() -> None:
         if keep_last is not None and rank == 0:
             apply_retention(target.parent, keep_last=keep_last)
 
     if not blocking:
         background_saver().submit(target, payload, step=step, metrics=dict(metrics or {}), overwrite=overwrite,
-                                  on_commit=retention)
+                                  on_commit=retention, also_stage=list(pieces.staging.values()), prepare=prepare,
+                                  finalize=pieces.finalize)
         return CheckpointInfo(path=target, step=step)
-    manifest = save_payload(target, payload, step=step, metrics=dict(metrics or {}), overwrite=overwrite)
+    manifest = save_payload(target, payload, step=step, metrics=dict(metrics or {}), overwrite=overwrite,
+                            prepare=prepare, finalize=pieces.finalize)
     retention()
     return CheckpointInfo(path=target, step=step, manifest=manifest)
 

@@ -16,9 +16,10 @@ changes, and why:
   for our loaders, skipping is a cursor move: nothing before the resume point is fetched.
 * **Checkpoints** (``_save_checkpoint``, ``_load_*``): written and read with
   :func:`hf_resumable.checkpoint.save_checkpoint` / ``load_checkpoint`` (sharded safetensors, no pickle,
-  atomic, hashed); with ``save_async=True`` staged and written in the background while training goes on
-  (retention and uploads act on a checkpoint only once it has committed). The RNG captured after the optimizer
-  step is restored by the Trainer's own ``_load_rng_state`` call, i.e. right before the first resumed forward pass.
+  atomic, hashed); with ``save_async`` (by default under torchrun) staged and written in the background while
+  training goes on (retention and uploads act on a checkpoint only once it has committed). The RNG captured after
+  the optimizer step is restored by the Trainer's own ``_load_rng_state`` call, i.e. right before the first resumed
+  forward pass.
   The logging accumulators (``_tr_loss``, ...), where the step stands in the loop (stopped by a callback,
   end-of-epoch work done), and a subclass's own counters (``resumable_state_attributes``: TRL's ``_metrics``,
   ``_total_train_tokens``...) are saved too, so every logged value matches the uninterrupted run.
@@ -64,7 +65,7 @@ import transformers
 import transformers.trainer as _trainer_module
 from packaging import version
 from transformers import Trainer, TrainingArguments
-from transformers.trainer_callback import ExportableState
+from transformers.trainer_callback import ExportableState, TrainerCallback
 
 from ..checkpoint import (
     apply_retention,
@@ -76,7 +77,7 @@ from ..checkpoint import (
     verify_checkpoint,
     wait_for_pending_saves,
 )
-from ..checkpoint.api import background_saver
+from ..checkpoint.api import background_saver, saves_async
 from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, OPTIMIZER_INDEX_FILE, TRAINER_STATE_FILE
 from ..data import (
     DATA_KIND,
@@ -341,7 +342,9 @@ class ResumableTrainer(Trainer):
             frozen embedding) in every checkpoint too. By default they are recorded, not stored (names, dtypes,
             shapes, fingerprints, where the base came from) and checked against the model on resume; see
             :func:`hf_resumable.save_checkpoint`.
-        save_async (`bool`, *optional*, defaults to `False`): write checkpoints in the background. A save copies
+        save_async (`bool`, *optional*): write checkpoints in the background; by default on under torch.distributed
+            (torchrun with 2+ processes) unless a callback overrides ``on_save`` (which may read the checkpoint), off
+            in a single process; ``False`` turns it off, ``True`` on. A save copies
             the tensors into reusable host buffers (one more copy of model and optimizer state in memory), captures
             everything else of that step (``trainer_state.json``, RNG, data position, logging accumulators) and
             returns; training goes on while the files are written, hashed and committed. Under torch.distributed
@@ -376,7 +379,7 @@ class ResumableTrainer(Trainer):
                  exit_on_preemption: bool = True, checkpoint_verify: str = "quick",
                  push_checkpoints_to: str | None = None, storage_options: dict | None = None,
                  restore_callback_states: bool = True, resume_hyperparameters: str = "checkpoint",
-                 standalone_checkpoints: bool = False, save_async: bool = False, **kwargs: Any) -> None:
+                 standalone_checkpoints: bool = False, save_async: bool | None = None, **kwargs: Any) -> None:
         # Options given to a make_resumable() class were set aside before the subclass's constructor ran.
         pending = self.__dict__.pop("_hfr_options", {})
         allow_config_drift = pending.get("allow_config_drift", allow_config_drift)
@@ -388,7 +391,8 @@ class ResumableTrainer(Trainer):
         restore_callback_states = pending.get("restore_callback_states", restore_callback_states)
         resume_hyperparameters = pending.get("resume_hyperparameters", resume_hyperparameters)
         self.standalone_checkpoints = bool(pending.get("standalone_checkpoints", standalone_checkpoints))
-        self.save_async = bool(pending.get("save_async", save_async))
+        save_async = pending.get("save_async", save_async)
+        self.save_async = None if save_async is None else bool(save_async)  # None: saves_async decides per save
         if checkpoint_verify not in ("quick", "full"):
             raise ValueError(f"checkpoint_verify must be 'quick' or 'full', got {checkpoint_verify!r}.")
         if resume_hyperparameters not in RESUME_HYPERPARAMETERS:
@@ -420,6 +424,20 @@ class ResumableTrainer(Trainer):
         if push_checkpoints_to is not None and self.args.should_save:
             self._uploader = open_uploader(push_checkpoints_to, token=self.args.hub_token,
                                            storage_options=storage_options)
+
+    def _saves_in_background(self) -> bool:
+        """``save_async``; by default (``None``) on under torch.distributed, unless a callback overrides ``on_save``:
+        it is called when the save returns, as in ``Trainer``, and may read the checkpoint (a tracker uploading it),
+        which a blocking save has committed by then."""
+        if self.save_async is not None or not saves_async(None):
+            return saves_async(self.save_async)
+        readers = sorted({type(callback).__name__ for callback in self.callback_handler.callbacks
+                          if type(callback).on_save is not TrainerCallback.on_save})
+        if readers and not getattr(self, "_hfr_told_blocking", False):
+            self._hfr_told_blocking = True
+            logger.info("Saving checkpoints blocking: %s override on_save and may read the checkpoint there; pass "
+                        "save_async=True to write them in the background anyway.", ", ".join(readers))
+        return not readers
 
     def wait_for_uploads(self, timeout: float | None = None) -> None:
         """Block until every checkpoint queued for ``push_checkpoints_to`` is confirmed; raise the first failure."""
@@ -783,7 +801,8 @@ class ResumableTrainer(Trainer):
         self._update_best_checkpoint(run_dir)
         self._export_callback_states()
         model_only = self.args.save_only_model
-        blocking = not self.save_async or self.preempted  # the SIGTERM save: the process exits right after it
+        # The SIGTERM save is blocking: the process exits right after it.
+        blocking = not self._saves_in_background() or self.preempted
         save_checkpoint(
             output_dir, model=self.accelerator.unwrap_model(self.model),
             optimizer=None if model_only else _unwrapped_optimizer(self.optimizer),

@@ -8,10 +8,17 @@ and 6 with ``save_checkpoint`` (or ``save_sharded_checkpoint`` on an FSDP2 model
 
 * ``blocking`` / ``async``: saves with ``blocking=True`` / ``blocking=False``; writes ``result-rank{R}.json``
   (losses, final weight digest, the stall of each save call).
-* ``sharded-blocking`` / ``sharded-async``: the same on an FSDP2 (``fully_shard``) model.
+* ``sharded-blocking`` / ``sharded-async``: the same on an FSDP2 (``fully_shard``) model, whose optimizer gets the
+  last layer as a new param group after the first save (the structure changes between two saves). Every checkpoint
+  is loaded into a fresh model and optimizer at the end and compared with torch's own full state dicts taken at the
+  save (``reloaded``).
+* ``sharded-frozen-blocking`` / ``sharded-frozen-async``: the same with the first layer frozen (recorded in
+  ``frozen_base.json``, not stored).
 * ``fail``: async; rank 1's background write of the step-4 save fails with ENOSPC. Every rank records the
   error it got at the next wait (``error-rank{R}.json``).
 * ``kill``: async; rank 1 is SIGKILLed inside its background write of the step-4 save.
+* ``sharded-fail``: sharded async; rank 0's write of ``sharded_layout.json`` (built from every rank's report once
+  every rank's files are durable) fails with ENOSPC in the step-4 save.
 """
 
 from __future__ import annotations
@@ -33,19 +40,49 @@ from hf_resumable.checkpoint import _writer, save_checkpoint, wait_for_pending_s
 from hf_resumable.errors import AsyncSaveError
 
 
-def build(sharded: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(sharded: bool, *, frozen: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model and its optimizer; a sharded model's optimizer leaves out the last layer (see :func:`regroup`)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
                                 torch.nn.Linear(64, 4))
-    if sharded:
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import init_device_mesh
+    if not sharded:
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for index in (0, 2):
-            fully_shard(model[index], mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model[0].requires_grad_(not frozen)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for index in (0, 2):
+        fully_shard(model[index], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    trainable = [p for index in (0, 2) for p in model[index].parameters() if p.requires_grad]
+    return model, torch.optim.AdamW(trainable, lr=1e-2)
+
+
+def regroup(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The last layer joins the optimizer as a group of its own (new parameters, a new group)."""
+    optimizer.add_param_group({"params": list(model[4].parameters()), "lr": 5e-3})
+
+
+def full_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """sha256 of torch's own full (consolidated) model and optimizer state dicts (a collective under FSDP2)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    tensors = {f"model/{k}": v for k, v in get_model_state_dict(model, options=options).items()}
+    optim = get_optimizer_state_dict(model, optimizer, options=options)
+    tensors.update({f"optim/{fqn}/{key}": value for fqn, fields in optim["state"].items()
+                    for key, value in fields.items()})
+    h = hashlib.sha256(json.dumps([{k: v for k, v in g.items() if k != "params"} | {"params": g["params"]}
+                                   for g in optim["param_groups"]], sort_keys=True, default=list).encode())
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def digest(model: torch.nn.Module) -> str:
@@ -78,17 +115,33 @@ def sabotage(mode: str, rank: int) -> None:
     _writer.save_rng_state = write
 
 
+def sabotage_layout(rank: int) -> None:
+    """Make rank 0's write of the step-4 save's layout fail (ENOSPC), after every rank's files are durable."""
+    original = _writer.write_bytes_durably
+
+    def write(path, data):
+        if rank == 0 and Path(path).name == "sharded_layout.json" and ".tmp-checkpoint-4" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return original(path, data)
+
+    _writer.write_bytes_durably = write
+
+
 def main() -> int:
     mode, root = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     sharded = mode.startswith("sharded")
+    frozen = mode.startswith("sharded-frozen")
     blocking = mode.endswith("blocking")
+    failing = mode in ("fail", "kill", "sharded-fail")
     if mode in ("fail", "kill"):
         sabotage(mode, rank)
-    model, optimizer = build(sharded)
-    losses, stalls, error = [], [], None
+    if mode == "sharded-fail":
+        sabotage_layout(rank)
+    model, optimizer = build(sharded, frozen=frozen)
+    losses, stalls, error, saved = [], [], None, {}
     generator = torch.Generator().manual_seed(100 + rank)
     for step in range(1, 7):
         inputs = torch.randn(8, 16, generator=generator)
@@ -101,6 +154,8 @@ def main() -> int:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+        if sharded and step == 3:
+            regroup(model, optimizer)
         if step % 2 == 0:
             started = time.perf_counter()
             try:
@@ -117,14 +172,25 @@ def main() -> int:
                          "errno": getattr(err.__cause__, "errno", None), "message": str(err)}
                 break
             stalls.append(time.perf_counter() - started)
+            if sharded:
+                saved[step] = full_digest(model, optimizer)
     try:
         wait_for_pending_saves()
     except AsyncSaveError as err:
         error = error or {"step": None, "type": type(err).__name__, "cause": type(err.__cause__).__name__,
                           "errno": getattr(err.__cause__, "errno", None), "message": str(err)}
-    name = "error" if mode in ("fail", "kill") else "result"
+    reloaded = {}
+    for step, expected in {} if failing else saved.items():  # every checkpoint, into a fresh model and optimizer
+        from hf_resumable.sharded import load_sharded_checkpoint
+
+        fresh, fresh_optimizer = build(True, frozen=frozen)
+        if step > 3:
+            regroup(fresh, fresh_optimizer)
+        load_sharded_checkpoint(root / f"checkpoint-{step}", model=fresh, optimizer=fresh_optimizer)
+        reloaded[step] = full_digest(fresh, fresh_optimizer) == expected
+    name = "error" if failing else "result"
     (root / f"{name}-rank{rank}.json").write_text(json.dumps(
-        {"losses": losses, "digest": digest(model), "stalls": stalls, "error": error}))
+        {"losses": losses, "digest": digest(model), "stalls": stalls, "error": error, "reloaded": reloaded}))
     dist.barrier()
     dist.destroy_process_group()
     return 0
