@@ -395,11 +395,12 @@ class OpenedCheckpoint(LoadedCheckpoint):
         Raises:
             IncompleteCheckpointError: a requested part was not saved.
             CheckpointMismatchError: an object does not fit (every offending key listed); nothing was changed.
-            CorruptCheckpointError: inconsistent state (nothing was changed), or a hash mismatch found while
-                reading a file larger than the quick-verification limit (then the model's parameters, and
-                optimizer state that existed before the call, may hold part of the new bytes; the optimizer's
-                new state, scheduler, scaler and RNG are unchanged). ``verify="full"`` checks every hash
-                before anything is read into an object.
+            CorruptCheckpointError: inconsistent state, or a file that changed since the checkpoint was verified
+                (nothing was changed: every file is checked against its verified identity before a byte is read),
+                or a hash mismatch found while reading a file larger than the quick-verification limit (then the
+                model's parameters, and optimizer state that existed before the call, may hold part of the new
+                bytes; the optimizer's new state, scheduler, scaler and RNG are unchanged). ``verify="full"``
+                checks every hash before anything is read into an object.
             ConfigDriftError / InexactResumeError: see :meth:`check_exact`.
         """
         reader = self._reader
