@@ -139,16 +139,54 @@ def test_the_number_of_streams_follows_the_disk_and_the_override(files, monkeypa
     monkeypatch.delenv(READ_STREAMS_ENV, raising=False)
     real = _parallel_read._rotational(os.stat(files[0]).st_dev)  # this machine's answer, whatever its disk
     assert real in (True, False, None)
-    for rotational, streams in ((True, 1), (False, READ_WORKERS), (None, READ_WORKERS)):
+    for rotational, probe in ((True, True), (False, False), (None, False)):
         monkeypatch.setattr(_parallel_read, "_rotational", lambda device, answer=rotational: answer)
-        assert read_streams(files) == streams
-    assert read_streams([files[0].parent / "gone"]) == READ_WORKERS
+        choice = read_streams(files)
+        assert (choice.streams, choice.probe) == (READ_WORKERS, probe), choice
+    assert read_streams([files[0].parent / "gone"]).streams == READ_WORKERS
     monkeypatch.setenv(READ_STREAMS_ENV, "3")
-    assert read_streams(files) == 3
+    assert (read_streams(files).streams, read_streams(files).probe) == (3, False)
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv(READ_STREAMS_ENV, bad)
         with pytest.raises(ValueError, match=READ_STREAMS_ENV):
             read_streams(files)
+
+
+@pytest.mark.parametrize("disk, chosen", [("seeks", 1), ("queues", 4)])
+def test_a_rotational_disk_is_measured_and_the_faster_number_of_streams_kept(tmp_path, monkeypatch, caplog, disk,
+                                                                              chosen):
+    """A disk where concurrent reads slow each other down (a hard disk) keeps one stream; one that serves them in
+    parallel (a virtual disk backed by flash) keeps four. Either way every byte arrives and is checked."""
+    import logging
+    import threading
+    import time
+
+    from hf_resumable.checkpoint import _parallel_read
+
+    path = tmp_path / "big.safetensors"
+    write_safetensors(path, [(f"t{i}", torch.randn(64, 1024)) for i in range(16)], fsync=False)  # 4 MiB
+    monkeypatch.delenv(_parallel_read.READ_STREAMS_ENV, raising=False)
+    monkeypatch.setattr(_parallel_read, "_rotational", lambda device: True)
+    monkeypatch.setattr(_parallel_read, "PROBE_BYTES", 256 << 10)
+    monkeypatch.setattr(_parallel_read, "PROBE_MIN_BYTES", 1 << 20)
+    inside, lock, pread = [0], threading.Lock(), _parallel_read._pread_into
+
+    def simulated(fd, chunk, file):
+        with lock:
+            inside[0] += 1
+            concurrent = inside[0]
+        time.sleep(0.004 * concurrent**2 if disk == "seeks" else 0.004)  # seeks: concurrent reads slow each other
+        try:
+            pread(fd, chunk, file)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(_parallel_read, "_pread_into", simulated)
+    caplog.set_level(logging.DEBUG, logger=_parallel_read.__name__)
+    out = read_files([FileRead(path, read_header(path), hash_file(path))], chunk_bytes=32 << 10)
+    assert all(torch.equal(out[name], t) for name, t in load_file(path).items())
+    assert f"reading on with {chosen}." in caplog.text, caplog.text
 
 
 def test_one_stream_reads_the_files_one_after_the_other_front_to_back(files, monkeypatch):

@@ -107,6 +107,7 @@ class VerifyReport:
     headers: dict[str, SafetensorsHeader] = field(default_factory=dict)
     identities: dict[str, FileIdentity] = field(default_factory=dict, repr=False)
     contents: dict[str, bytes] = field(default_factory=dict, repr=False)
+    kept_bytes: int = field(default=0, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -260,8 +261,9 @@ def _check_file(directory: Path, relpath: str, record: FileRecord, report: Verif
         return
     report.identities[relpath] = identity
     if data is not None and (relpath in _REREAD or (keep is not None and keep(relpath))) and (
-            sum(map(len, report.contents.values())) + len(data) <= KEEP_BUDGET):
+            report.kept_bytes + len(data) <= KEEP_BUDGET):
         report.contents[relpath] = data
+        report.kept_bytes += len(data)
 
 
 def _read_whole(path: Path) -> tuple[bytes, FileIdentity]:
