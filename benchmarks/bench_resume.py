@@ -144,19 +144,22 @@ _LOAD_METHODS = ("_resolve_checkpoint", "_open_checkpoint", "_load_from_checkpoi
 
 
 def _time_checkpoint_methods(cls: type, report: Path) -> None:
-    """Wrap the checkpoint methods of ``cls``: their total time is written to ``report`` after each call."""
+    """Wrap the checkpoint methods of ``cls``: their total time (and each one's) is written to ``report`` after
+    each call."""
     total = {"load_s": 0.0}
     for name in _LOAD_METHODS:
         method = getattr(cls, name, None)
         if method is None:
             continue
 
-        def timed(self, *args, _method=method, **kwargs):
+        def timed(self, *args, _method=method, _name=name, **kwargs):
             start = time.perf_counter()
             try:
                 return _method(self, *args, **kwargs)
             finally:
-                total["load_s"] += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                total["load_s"] += elapsed
+                total[_name] = total.get(_name, 0.0) + elapsed
                 report.write_text(json.dumps(total))
 
         setattr(cls, name, timed)
@@ -406,6 +409,8 @@ def measure_e2e(out: Path, repeats: int) -> dict[str, dict[str, float]]:
     """(c): each trainer trains 1 step of the large model and saves it, then resumes ``repeats`` times."""
     results: dict[str, dict[str, list[float]]] = {}
     runs = {}
+    print(f"  e2e: load average (1 min) {os.getloadavg()[0]:.2f} at the start ({os.cpu_count()} cores)",
+          file=sys.stderr)
     for kind in ("resumable", "stock"):
         runs[kind] = out / f"e2e-{kind}"
         _spawn(kind, "train", runs[kind], 1, out / "ignore.json", data="big")
@@ -421,14 +426,17 @@ def measure_e2e(out: Path, repeats: int) -> dict[str, dict[str, float]]:
             first = json.loads(report.read_text())
             if first["step"] != 2:
                 raise RuntimeError(f"{kind}: resumed at step {first['step']}, expected 2")
-            load = json.loads(report.with_suffix(".load.json").read_text())["load_s"]
+            methods = json.loads(report.with_suffix(".load.json").read_text())
+            load = methods.pop("load_s")
             record = results.setdefault(kind, {"total": [], "load": [], "raw": []})
             record["total"].append(first["first_step_unix"] - start)
             record["load"].append(load)
             record["raw"].append(raw)
-            print(f"  e2e {kind:9s}: first step after {record['total'][-1]:.2f} s, load {load:.3f} s, raw read "
-                  f"{raw:.3f} s", file=sys.stderr)
+            parts = ", ".join(f"{name.strip('_')} {t:.3f}" for name, t in methods.items() if t >= 5e-4)
+            print(f"  e2e {kind:9s}: first step after {record['total'][-1]:.2f} s, load {load:.3f} s ({parts}), raw "
+                  f"read {raw:.3f} s", file=sys.stderr)
     size = sum(p.stat().st_size for p in (runs["resumable"] / "checkpoint-1").rglob("*") if p.is_file())
+    print(f"  e2e: load average (1 min) {os.getloadavg()[0]:.2f} at the end", file=sys.stderr)
     medians = {kind: {k: statistics.median(v) for k, v in r.items()} for kind, r in results.items()}
     medians["_bytes"] = {"resumable": size,
                          "stock": sum(p.stat().st_size for p in (runs["stock"] / "checkpoint-1").rglob("*")

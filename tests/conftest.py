@@ -26,3 +26,10 @@ def _restore_global_state():
     np.random.set_state(saved[1])
     torch.set_rng_state(saved[2])
     torch.set_default_dtype(saved[3])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the zygotes that forked this session's test processes (tests/zygote.py)."""
+    import zygote
+
+    zygote.shutdown()

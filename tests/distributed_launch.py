@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import zygote
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 __all__ = ["RankResult", "free_port", "launch_ranks", "child_env", "run_torchrun"]
@@ -70,7 +72,7 @@ def launch_ranks(argv: list[str], *, world_size: int, timeout: float,
                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
         # Files, not pipes: a rank blocked on a full pipe while we wait for another would look like a hang.
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        procs.append((subprocess.Popen([sys.executable, *argv], env=rank_env, stdout=out, stderr=err,
+        procs.append((zygote.Popen([sys.executable, *argv], env=rank_env, stdout=out, stderr=err,
                                        cwd=REPO_ROOT), out, err))
     deadline = time.monotonic() + timeout
     results = []

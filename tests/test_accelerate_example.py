@@ -18,6 +18,7 @@ import pytest
 
 from hf_resumable.checkpoint import read_manifest, verify_checkpoint
 
+import zygote
 from distributed_launch import REPO_ROOT, child_env, run_torchrun
 
 EXAMPLE = REPO_ROOT / "examples" / "accelerate_checkpointing.py"
@@ -33,7 +34,7 @@ def run_example(output: Path, *, checkpointing_steps: int = 4, num_workers: int 
                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, str(EXAMPLE), *command_args(output, checkpointing_steps=checkpointing_steps,
                                                            num_workers=num_workers)]
-    return subprocess.run(command, env=child_env(env), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    return zygote.run(command, env=child_env(env), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
 
 
 def losses(output: Path) -> list[tuple[int, str]]:

@@ -28,6 +28,7 @@ from hf_resumable.errors import ConfigDriftError, InexactResumeError
 from hf_resumable.integrations.accelerate import ResumableAccelerator, check_accelerate_internals
 from hf_resumable.preemption import PREEMPTION_EXIT_CODE
 
+import zygote
 from distributed_launch import REPO_ROOT, child_env, launch_ranks
 from distributed_launch import run_torchrun as launch_torchrun
 
@@ -242,7 +243,7 @@ def test_accumulation_equals_full_batch_two_processes(tmp_path):
 def run_example(output: Path, *, num_workers: int, env: dict[str, str] | None = None,
                 extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     command = [sys.executable, str(EXAMPLE), "--output-dir", str(output), "--num-workers", str(num_workers), *extra]
-    return subprocess.run(command, env=child_env(env), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    return zygote.run(command, env=child_env(env), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
 
 
 def read_losses(output: Path) -> list[tuple[int, str]]:

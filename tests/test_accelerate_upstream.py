@@ -9,15 +9,16 @@ the one-line import change, and every case must pass with both, except the docum
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
+
+import zygote
 
 RUNNER = Path(__file__).parent / "upstream" / "run_accelerate_upstream.py"
 
 
 def test_accelerates_checkpointing_suite_passes_with_resumable_accelerator(tmp_path):
-    done = subprocess.run([sys.executable, str(RUNNER), "--work-dir", str(tmp_path)], capture_output=True, text=True,
+    done = zygote.run([sys.executable, str(RUNNER), "--work-dir", str(tmp_path)], capture_output=True, text=True,
                           timeout=1200)
     report = done.stdout[-20000:] + done.stderr[-3000:]
     assert done.returncode == 0, report

@@ -296,6 +296,30 @@ def test_load_into_an_optimizer_that_has_state_fills_it_in_place_bit_exactly(tmp
     assert_same_state(model.state_dict(), other.state_dict())
 
 
+def test_a_fresh_optimizer_gets_its_state_allocated_once_and_read_straight_into(tmp_path, monkeypatch):
+    """Issue 17: a restarted job's optimizer has no state; the load allocates each state tensor once, in its final
+    dtype, device and layout, reads the bytes into it, and ``Optimizer.load_state_dict`` installs that very tensor
+    (no second copy)."""
+    from hf_resumable.checkpoint import _optimizer
+
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, optimizer, steps=2)
+    save_checkpoint(tmp_path / "checkpoint-2", model=model, optimizer=optimizer, rng=False)
+    allocated, target = {}, _optimizer._target
+    monkeypatch.setattr(_optimizer, "_target", lambda *a, **k: (lambda t: allocated.setdefault(id(t), t))(
+        target(*a, **k)))
+    fresh = tiny_llama(seed=1)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_checkpoint(tmp_path / "checkpoint-2", model=fresh, optimizer=fresh_optimizer, restore_rng=False)
+    installed = [v for s in fresh_optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    assert len(installed) == len(allocated) == 3 * len(list(fresh.parameters()))
+    assert all(allocated.get(id(v)) is v for v in installed)  # the tensors read into are the ones installed
+    for param, state in fresh_optimizer.state.items():
+        assert state["exp_avg"].dtype == param.dtype and state["exp_avg"].stride() == param.stride()
+    assert_same_optimizer(optimizer, fresh_optimizer)
+
+
 def test_mismatched_optimizer_with_state_is_refused_before_anything_is_overwritten(tmp_path):
     model = tiny_gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -19,6 +19,7 @@ from hf_resumable.checkpoint import (
 )
 from hf_resumable.errors import AsyncSaveError
 
+import zygote
 from tiny_models import tiny_gpt2, train_steps
 
 
@@ -108,7 +109,6 @@ def test_load_waits_for_the_in_flight_save(tmp_path):
 
 
 def test_interpreter_exit_waits_for_the_save(tmp_path):
-    import subprocess
     import sys
 
     code = (
@@ -116,5 +116,5 @@ def test_interpreter_exit_waits_for_the_save(tmp_path):
         "from hf_resumable.checkpoint import save_checkpoint\n"
         f"save_checkpoint(r'{tmp_path}/checkpoint-1', model={{'w': torch.randn(512, 512)}}, step=1, blocking=False)\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    zygote.run([sys.executable, "-c", code], check=True)
     assert find_latest_checkpoint(tmp_path, full=True) == tmp_path / "checkpoint-1"

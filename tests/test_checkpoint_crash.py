@@ -14,6 +14,8 @@ import torch
 
 from hf_resumable.checkpoint import find_latest_checkpoint, load_checkpoint, read_manifest, verify_checkpoint
 
+from zygote import Popen as spawn
+
 SCRIPT = Path(__file__).parent / "scripts" / "save_loop.py"
 sys.path.insert(0, str(SCRIPT.parent))
 from save_loop import weights  # noqa: E402
@@ -27,7 +29,7 @@ def test_sigkill_during_saves_never_leaves_an_invalid_latest(tmp_path):
     seen_steps = []
     leftovers = 0
     for trial in range(TRIALS):
-        child = subprocess.Popen([sys.executable, str(SCRIPT), str(tmp_path)], stdout=subprocess.PIPE, env=env)
+        child = spawn([sys.executable, str(SCRIPT), str(tmp_path)], stdout=subprocess.PIPE, env=env)
         assert child.stdout.readline().strip() == b"ready"
         time.sleep(rng.uniform(0.02, 0.4))
         os.kill(child.pid, signal.SIGKILL)

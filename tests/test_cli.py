@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from hf_resumable import load_checkpoint, save_checkpoint, verify_checkpoint
 from hf_resumable.cli import main
 from hf_resumable.demo import RunRecord, compare_runs, format_comparison, load_run
 
+import zygote
 from hub_fixtures import _hub_server, hub, hub_env, new_repo_id  # noqa: F401
 from tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, train_steps
 
@@ -116,7 +116,7 @@ def test_user_mistakes_print_one_line(checkpoint: Path, tmp_path: Path, capsys, 
 
 
 def test_python_dash_m_entry_point(checkpoint: Path) -> None:
-    corrupt = subprocess.run([sys.executable, "-m", "hf_resumable", "verify", str(checkpoint.parent / "nope")],
+    corrupt = zygote.run([sys.executable, "-m", "hf_resumable", "verify", str(checkpoint.parent / "nope")],
                              capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
     assert corrupt.returncode == 2 and "Traceback" not in corrupt.stderr
     assert corrupt.stderr.startswith("hf-resumable verify: error:")
@@ -295,7 +295,7 @@ def test_compare_runs_accepts_identical_and_rejects_any_difference() -> None:
 def test_demo_end_to_end(tmp_path: Path) -> None:
     """The real demo, small: SIGKILL after step 5 (checkpoints every 3), restart, identical losses and weights."""
     env = {**os.environ, "MPLBACKEND": "Agg"}
-    result = subprocess.run(
+    result = zygote.run(
         [sys.executable, "-m", "hf_resumable", "demo", "--output", str(tmp_path / "demo"), "--max-steps", "8",
          "--save-every", "3", "--kill-at", "5", "--backend", "trainer"],
         capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=300)

@@ -13,11 +13,13 @@ import torch
 
 from hf_resumable.checkpoint import save_checkpoint
 
+import zygote
+
 pytestmark = pytest.mark.timeout(120)
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hf_resumable", *args], capture_output=True, text=True, cwd=cwd,
+    return zygote.run([sys.executable, "-m", "hf_resumable", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=60)
 
 

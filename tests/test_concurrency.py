@@ -32,11 +32,13 @@ from hf_resumable.checkpoint._owner import current_owner, member_name, parse_mem
 from hf_resumable.constants import PIN_PREFIX, REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
 from hf_resumable.errors import CheckpointExistsError
 
+import zygote
+
 SCRIPT = Path(__file__).parent / "scripts" / "concurrent_checkpoints.py"
 
 
 def _spawn(role: str, root: Path, log: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(SCRIPT), role, "--root", str(root), "--log", str(log), *extra],
+    return zygote.Popen([sys.executable, str(SCRIPT), role, "--root", str(root), "--log", str(log), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -170,7 +172,7 @@ def _pin_holder(path: Path, ready: Path) -> subprocess.Popen:
     code = (f"import sys, time, pathlib\nfrom hf_resumable.checkpoint import _pins\n"
             f"p = _pins.pin(pathlib.Path({str(path)!r}))\nassert p is not None\n"
             f"pathlib.Path({str(ready)!r}).write_text(str(p))\ntime.sleep(600)\n")
-    return subprocess.Popen([sys.executable, "-c", code])
+    return zygote.Popen([sys.executable, "-c", code])
 
 
 def test_retention_keeps_a_checkpoint_pinned_by_a_live_reader_and_cleans_up_after_it_dies(tmp_path):
@@ -211,7 +213,7 @@ def test_own_pins_do_not_block_own_retention(tmp_path):
 
 
 def _dead_owner_name(prefix: str, target: str, *, mark: str = "") -> str:
-    probe = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    probe = zygote.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = current_owner().__class__(current_owner().host, int(probe.stdout), 1)
     return member_name(prefix, target, dead, mark=mark)
 

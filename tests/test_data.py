@@ -84,6 +84,44 @@ def test_data_rng_keeps_the_callers_streams() -> None:
     assert torch.equal(torch.get_rng_state(), state[2])
 
 
+def _full_numpy_state() -> tuple:
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    return name, key.tolist(), pos, has_gauss, gauss
+
+
+@pytest.mark.parametrize("raw_copy", [True, False], ids=["raw-struct", "get_state"])
+@pytest.mark.parametrize("cached_gauss", [False, True], ids=["no-cached-normal", "cached-normal"])
+@pytest.mark.parametrize("inner_normals", [0, 1, 2])
+def test_data_rng_restores_numpy_exactly_and_draws_what_seeded_rng_draws(
+        monkeypatch: pytest.MonkeyPatch, raw_copy: bool, cached_gauss: bool, inner_normals: int) -> None:
+    from hf_resumable.data import _global_rng
+    from hf_resumable.format.rng import seeded_rng
+
+    numpy_streams = _global_rng._NumpyStreams()
+    monkeypatch.setattr(_global_rng, "_NUMPY", numpy_streams)
+    if not raw_copy:
+        monkeypatch.setattr(_global_rng, "_raw_copy_works", lambda state: False)
+    np.random.seed(11)
+    if cached_gauss:  # legacy RandomState keeps the second normal of a pair: part of the caller's stream
+        np.random.standard_normal()
+    before = _full_numpy_state()
+    assert before[3] == int(cached_gauss)
+
+    def draws() -> list:
+        return [np.random.rand(2).tolist(), np.random.standard_normal(inner_normals).tolist(), random.random(),
+                torch.rand(2).tolist()]
+
+    with data_rng(5):
+        ours = draws()
+    assert (numpy_streams._address is not None) == raw_copy
+    assert _full_numpy_state() == before
+    continued = np.random.standard_normal(3).tolist()
+    np.random.set_state(before[:1] + (np.array(before[1], dtype=np.uint32),) + before[2:])
+    assert np.random.standard_normal(3).tolist() == continued
+    with seeded_rng(5):
+        assert draws() == ours
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_skip_resumes_without_fetching_and_with_the_same_randomness(workers: int) -> None:
     reference = _batches(build_map_dataloader(CountingRandomDataset(22), collate_fn=collate_with_noise,

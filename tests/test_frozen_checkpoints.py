@@ -8,7 +8,6 @@ local fake Hub, a real SeaweedFS server for s3://. The process-level SIGKILL tes
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from hf_resumable.errors import (
 
 from hub_fixtures import _hub_server, hub, hub_env, new_repo_id  # noqa: F401 - fixtures
 from tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, tiny_llama, train_steps
+from zygote import run as run_process
 
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
@@ -321,9 +321,9 @@ def test_inspect_reshard_and_cli_on_a_trainable_only_checkpoint(gpt2_base: Path,
     load_checkpoint(tmp_path / "r", model=resumed, restore_rng=False)
     assert_same_state(model.state_dict(), resumed.state_dict())
     cli = [sys.executable, "-m", "hf_resumable"]
-    shown = subprocess.run([*cli, "inspect", str(tmp_path / "c")], capture_output=True, text=True, timeout=120)
+    shown = run_process([*cli, "inspect", str(tmp_path / "c")], capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0 and "frozen base" in shown.stdout
-    pushed = subprocess.run([*cli, "push", str(tmp_path / "c"), "user/x"], capture_output=True, text=True,
+    pushed = run_process([*cli, "push", str(tmp_path / "c"), "user/x"], capture_output=True, text=True,
                             timeout=120)
     assert pushed.returncode == 2 and "holds only the trainable part" in pushed.stderr
     assert len(pushed.stderr.strip().splitlines()) == 1
@@ -339,7 +339,7 @@ def test_export_merged_and_unmerged(gpt2_base: Path, tmp_path: Path):
         expected = model(IDS).logits
     cli = [sys.executable, "-m", "hf_resumable", "export", str(tmp_path / "c")]
     for name, extra in (("unmerged", []), ("merged", ["--merge"])):
-        done = subprocess.run([*cli, "--output", str(tmp_path / name), *extra], capture_output=True, text=True,
+        done = run_process([*cli, "--output", str(tmp_path / name), *extra], capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stderr
         files = {p.name for p in (tmp_path / name).iterdir()}
@@ -352,7 +352,7 @@ def test_export_merged_and_unmerged(gpt2_base: Path, tmp_path: Path):
         assert torch.allclose(got, expected, atol=1e-5) and (name == "merged" or torch.equal(got, expected))
     wrong = tmp_path / "other-base"
     tiny_gpt2(seed=9, n_embd=64).save_pretrained(wrong)
-    done = subprocess.run([*cli, "--output", str(tmp_path / "x"), "--base", str(wrong)], capture_output=True,
+    done = run_process([*cli, "--output", str(tmp_path / "x"), "--base", str(wrong)], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr and "its bytes differ" in done.stderr
     assert not (tmp_path / "x").exists()

@@ -34,6 +34,7 @@ from hf_resumable.hub import (
     resumable_download,
 )
 
+import zygote
 from fakehub import FakeHub, Fault
 from hub_fixtures import _hub_server, hub, hub_env, make_checkpoint_dir, new_repo_id, tiny_gpt2  # noqa: F401
 
@@ -202,7 +203,7 @@ except Exception as err:
 
 def _child(args: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run([sys.executable, "-c", _CHILD, *args], env=env, capture_output=True, text=True, timeout=120)
+    return zygote.run([sys.executable, "-c", _CHILD, *args], env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_cut_download_resumes_in_a_new_process(hub: FakeHub, tmp_path: Path) -> None:

@@ -130,3 +130,104 @@ def test_new_destinations_are_marked_and_prefaulted(files):
         assert populate(start, 4 * page) == 0
     read_files(reads, chunk_bytes=1024, workers=3)
     assert torch.equal(new_target, expected["a0"]) and torch.equal(old_target, expected["ints0"])
+
+
+def test_the_number_of_streams_follows_the_disk_and_the_override(files, monkeypatch):
+    from hf_resumable.checkpoint import _parallel_read
+    from hf_resumable.checkpoint._parallel_read import READ_STREAMS_ENV, READ_WORKERS, read_streams
+
+    monkeypatch.delenv(READ_STREAMS_ENV, raising=False)
+    real = _parallel_read._rotational(os.stat(files[0]).st_dev)  # this machine's answer, whatever its disk
+    assert real in (True, False, None)
+    for rotational, probe in ((True, True), (False, False), (None, False)):
+        monkeypatch.setattr(_parallel_read, "_rotational", lambda device, answer=rotational: answer)
+        choice = read_streams(files)
+        assert (choice.streams, choice.probe) == (READ_WORKERS, probe), choice
+    assert read_streams([files[0].parent / "gone"]).streams == READ_WORKERS
+    monkeypatch.setenv(READ_STREAMS_ENV, "3")
+    assert (read_streams(files).streams, read_streams(files).probe) == (3, False)
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(READ_STREAMS_ENV, bad)
+        with pytest.raises(ValueError, match=READ_STREAMS_ENV):
+            read_streams(files)
+
+
+@pytest.mark.parametrize("disk, chosen", [("seeks", 1), ("queues", 4)])
+def test_a_rotational_disk_is_measured_and_the_faster_number_of_streams_kept(tmp_path, monkeypatch, caplog, disk,
+                                                                              chosen):
+    """A disk where concurrent reads slow each other down (a hard disk) keeps one stream; one that serves them in
+    parallel (a virtual disk backed by flash) keeps four. Either way every byte arrives and is checked."""
+    import logging
+    import threading
+    import time
+
+    from hf_resumable.checkpoint import _parallel_read
+
+    path = tmp_path / "big.safetensors"
+    write_safetensors(path, [(f"t{i}", torch.randn(64, 1024)) for i in range(16)], fsync=False)  # 4 MiB
+    monkeypatch.delenv(_parallel_read.READ_STREAMS_ENV, raising=False)
+    monkeypatch.setattr(_parallel_read, "_rotational", lambda device: True)
+    monkeypatch.setattr(_parallel_read, "PROBE_BYTES", 256 << 10)
+    monkeypatch.setattr(_parallel_read, "PROBE_MIN_BYTES", 1 << 20)
+    inside, lock, pread = [0], threading.Lock(), _parallel_read._pread_into
+
+    def simulated(fd, chunk, file):
+        with lock:
+            inside[0] += 1
+            concurrent = inside[0]
+        time.sleep(0.004 * concurrent**2 if disk == "seeks" else 0.004)  # seeks: concurrent reads slow each other
+        try:
+            pread(fd, chunk, file)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(_parallel_read, "_pread_into", simulated)
+    caplog.set_level(logging.DEBUG, logger=_parallel_read.__name__)
+    out = read_files([FileRead(path, read_header(path), hash_file(path))], chunk_bytes=32 << 10)
+    assert all(torch.equal(out[name], t) for name, t in load_file(path).items())
+    assert f"reading on with {chosen}." in caplog.text, caplog.text
+
+
+def test_one_stream_reads_the_files_one_after_the_other_front_to_back(files, monkeypatch):
+    from hf_resumable.checkpoint import _parallel_read
+
+    seen, pread = [], _parallel_read._pread_into
+    monkeypatch.setattr(_parallel_read, "_pread_into", lambda fd, chunk, path: seen.append((path, chunk.offset))
+                        or pread(fd, chunk, path))
+    out = read_files(_reads(files), workers=1, chunk_bytes=256)
+    assert seen == sorted(seen, key=lambda item: (files.index(item[0]), item[1]))
+    assert {path for path, _ in seen} == set(files)
+    for path in files:
+        assert all(torch.equal(out[name], t) for name, t in load_file(path).items())
+
+
+def test_verified_bytes_are_copied_from_memory_without_a_read_or_a_hash(files, tmp_path):
+    data = files[0].read_bytes()
+    header = read_header(files[0])
+    gone = tmp_path / "not-on-disk.safetensors"  # nothing is opened: the bytes come from ``data``
+    target = torch.zeros(300, 7)
+    out = read_files([FileRead(gone, header, None, {"a0": target}, data=data)], chunk_bytes=128)
+    expected = load_file(files[0])
+    assert torch.equal(target, expected["a0"])
+    assert all(torch.equal(out[name], t) for name, t in expected.items() if name != "a0")
+    with pytest.raises(ValueError, match="expected=None"):
+        FileRead(gone, header, hash_file(files[0]), data=data)
+    with pytest.raises(CorruptCheckpointError, match="verified bytes end"):
+        read_files([FileRead(gone, header, None, data=data[:-8])])
+
+
+def test_a_file_refused_by_its_check_is_refused_before_any_byte_lands(files):
+    targets = {"a0": torch.zeros(300, 7)}
+    stats = []
+
+    def refuse(now: os.stat_result) -> None:
+        stats.append(now)
+        raise CorruptCheckpointError("changed after the checkpoint was verified")
+
+    reads = _reads(files[1:]) + [FileRead(files[0], read_header(files[0]), hash_file(files[0]), targets,
+                                          check=refuse)]
+    with pytest.raises(CorruptCheckpointError, match="changed after"):
+        read_files(reads, workers=4, chunk_bytes=64)
+    assert stats and stats[0].st_ino == os.stat(files[0]).st_ino
+    assert not targets["a0"].any()

@@ -26,6 +26,7 @@ from hf_resumable.constants import FROZEN_RECORD_FILE, MODEL_INDEX_FILE, TRAINAB
 from hf_resumable.format.safetensors_io import STR_TO_DTYPE
 
 from test_trainer_resume import KILLED, _env, _resumed_from, assert_identical
+from zygote import Popen as spawn
 
 SCRIPTS = Path(__file__).parent / "trainer_scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -43,7 +44,7 @@ _REFERENCES: dict[str, subprocess.Popen] = {}
 def _start(output_dir: Path, options: list[str], *, script: str = "train_peft.py", **kill: int) -> subprocess.Popen:
     output_dir.mkdir(parents=True, exist_ok=True)
     log = open(output_dir.parent / f"{output_dir.name}.log", "ab")
-    return subprocess.Popen([sys.executable, str(SCRIPTS / script), "--output-dir", str(output_dir), *options],
+    return spawn([sys.executable, str(SCRIPTS / script), "--output-dir", str(output_dir), *options],
                             env=_env(**kill), stdout=log, stderr=subprocess.STDOUT)
 
 

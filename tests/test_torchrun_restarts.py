@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from hf_resumable import distributed as hfr_dist
 
+import zygote
 from distributed_launch import REPO_ROOT, child_env, free_port, run_torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -91,7 +92,7 @@ def test_plain_init_process_group_on_a_store_that_outlives_the_group_never_reads
                              "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                              "TORCHELASTIC_RESTART_COUNT": str(attempt)})
             env.pop("HF_RESUMABLE_ATTEMPT_STORE", None)
-            procs.append(subprocess.Popen([sys.executable, str(GROUP), str(delay)], env=env, cwd=REPO_ROOT,
+            procs.append(zygote.Popen([sys.executable, str(GROUP), str(delay)], env=env, cwd=REPO_ROOT,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         try:
             outs = [proc.communicate(timeout=120)[0] for proc in procs]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import zygote
 from test_trainer_resume import KILLED, _env, _load, _resumed_from, assert_identical
 
 pytest.importorskip("trl", reason="trl is a test dependency (setup.cfg [test])")
@@ -28,7 +29,7 @@ _REFERENCES: dict[str, subprocess.Popen] = {}
 def _start(output_dir: Path, trainer: str, **kill: int) -> subprocess.Popen:
     output_dir.mkdir(parents=True, exist_ok=True)
     log = open(output_dir.parent / f"{output_dir.name}.log", "ab")
-    return subprocess.Popen([sys.executable, str(SCRIPT), "--output-dir", str(output_dir), "--trainer", trainer],
+    return zygote.Popen([sys.executable, str(SCRIPT), "--output-dir", str(output_dir), "--trainer", trainer],
                             env=_env(**kill), stdout=log, stderr=subprocess.STDOUT)
 
 

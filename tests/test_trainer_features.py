@@ -201,20 +201,50 @@ def test_sigterm_with_exit_disabled_returns_after_the_checkpoint(tmp_path: Path)
     assert signal.getsignal(signal.SIGTERM) != trainer._preemption._handle  # handler removed after train()
 
 
-def test_a_resume_opens_and_verifies_the_checkpoint_once(trained_dir: Path, tmp_path: Path,
+@pytest.mark.parametrize("resume", ["path", True])
+def test_a_resume_opens_and_verifies_the_checkpoint_once(trained_dir: Path, tmp_path: Path, resume,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 14 item 1: the Trainer resumes through one open_checkpoint (one verification, one decode)."""
-    import hf_resumable.checkpoint.api as api
-    from hf_resumable.checkpoint import OpenedCheckpoint
+    """Issues 14 and 17: the Trainer resumes through one open_checkpoint, with the one verification that found the
+    checkpoint (discovery's for ``True``, the check of the given path otherwise): every file of the checkpoint is
+    opened once and hashed once (all are small here: verification hashes them and the open uses its bytes)."""
+    import collections
+    import os
 
-    verified, opened = [], []
-    verify, open_ = api.verify_checkpoint, OpenedCheckpoint.open.__func__
-    monkeypatch.setattr(api, "verify_checkpoint", lambda *a, **k: verified.append(a[0]) or verify(*a, **k))
+    import hf_resumable.checkpoint._reader as reader
+    import hf_resumable.checkpoint.api as api
+    import hf_resumable.checkpoint.discovery as discovery
+    import hf_resumable.checkpoint.verify as verify_module
+    import hf_resumable.integrations.trainer as trainer_module
+    from hf_resumable.checkpoint import OpenedCheckpoint, read_manifest
+
+    output_dir = _copy(trained_dir, tmp_path)
+    checkpoint = output_dir / "checkpoint-2"
+    files = sorted(read_manifest(checkpoint).files)
+    verified, opened, opens, hashed, hashed_on_read = [], [], [], [], []
+    verify, open_ = verify_module.verify_checkpoint, OpenedCheckpoint.open.__func__
+    for module in (api, discovery, trainer_module):
+        monkeypatch.setattr(module, "verify_checkpoint", lambda *a, **k: verified.append(a[0]) or verify(*a, **k))
     monkeypatch.setattr(OpenedCheckpoint, "open",
                         classmethod(lambda cls, *a, **k: opened.append(a[0]) or open_(cls, *a, **k)))
-    output_dir = _copy(trained_dir, tmp_path)
-    trainer = _trainer(output_dir, max_steps=3)
-    output = trainer.train(resume_from_checkpoint=str(output_dir / "checkpoint-2"))
+    record_of, read_files, real_open = verify_module.record_of, reader.read_files, os.open
+    monkeypatch.setattr(verify_module, "record_of", lambda data: hashed.append(len(data)) or record_of(data))
+    monkeypatch.setattr(reader, "record_of", lambda data: hashed_on_read.append(len(data)) or record_of(data))
+    monkeypatch.setattr(reader, "read_files", lambda reads, **kw: hashed_on_read.extend(
+        r.path.name for r in reads if r.expected is not None) or read_files(reads, **kw))
+    base, resuming = os.path.realpath(checkpoint) + os.sep, [True]
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: (
+        opens.append(os.path.relpath(os.path.realpath(path), base))
+        if resuming[0] and os.path.realpath(path).startswith(base) else None) or real_open(path, *a, **k))
+
+    class FirstStep(TrainerCallback):  # the resume is over once the first resumed step has run
+        def on_step_end(self, args, state, control, **kwargs):
+            resuming[0] = False
+
+    trainer = _trainer(output_dir, max_steps=3, callbacks=[FirstStep()])
+    output = trainer.train(resume_from_checkpoint=str(checkpoint) if resume == "path" else True)
     assert output.global_step == 3 and trainer.resumed_from.name == "checkpoint-2"
     assert [Path(p).name for p in opened] == ["checkpoint-2"], opened
     assert [Path(p).name for p in verified] == ["checkpoint-2"], verified
+    reads = collections.Counter(opens)
+    assert reads == collections.Counter(files + ["manifest.json"]), reads
+    assert len(hashed) == len(files) and hashed_on_read == [], (hashed, hashed_on_read)

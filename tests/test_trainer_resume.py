@@ -24,6 +24,8 @@ from safetensors.torch import load_file
 
 from hf_resumable.preemption import PREEMPTION_EXIT_CODE
 
+import zygote
+
 SCRIPT = Path(__file__).parent / "trainer_scripts" / "train_tiny.py"
 KILLED = -signal.SIGKILL
 
@@ -79,7 +81,7 @@ def _env(**kill: int) -> dict[str, str]:
 def _start(output_dir: Path, options: list[str], **kill: int) -> subprocess.Popen:
     output_dir.mkdir(parents=True, exist_ok=True)
     log = open(output_dir.parent / f"{output_dir.name}.log", "ab")
-    return subprocess.Popen([sys.executable, str(SCRIPT), "--output-dir", str(output_dir), *options],
+    return zygote.Popen([sys.executable, str(SCRIPT), "--output-dir", str(output_dir), *options],
                             env=_env(**kill), stdout=log, stderr=subprocess.STDOUT)
 
 

@@ -18,7 +18,13 @@ from ._fs import write_bytes_durably as write_file_durably
 from ._reader import LoadedCheckpoint, OpenedCheckpoint
 from ._writer import committed_directory
 from .api import CheckpointInfo, load_checkpoint, open_checkpoint, save_checkpoint, wait_for_pending_saves
-from .discovery import apply_retention, cleanup_stale_temp_dirs, find_latest_checkpoint, list_checkpoints
+from .discovery import (
+    apply_retention,
+    cleanup_stale_temp_dirs,
+    find_latest_checkpoint,
+    find_latest_verified,
+    list_checkpoints,
+)
 from .manifest import Manifest, read_manifest
 from .verify import VerifyReport, verify_checkpoint
 
@@ -32,6 +38,7 @@ __all__ = [
     "cleanup_stale_temp_dirs",
     "committed_directory",
     "find_latest_checkpoint",
+    "find_latest_verified",
     "list_checkpoints",
     "load_checkpoint",
     "open_checkpoint",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +22,11 @@ import torch
 from ..constants import (
     DATA_STATE_DIR,
     DATA_STATE_FILE_PATTERN,
+    FROZEN_RECORD_FILE,
+    LAYOUT_FILE,
     MANIFEST_FILE,
     MAX_JSON_SIZE,
+    MODEL_INDEX_FILE,
     OPTIMIZER_INDEX_FILE,
     RNG_DIR,
     RNG_FILE_PATTERN,
@@ -32,6 +35,7 @@ from ..constants import (
     STATE_KEY_PROGRESS,
     STATE_KEY_SCALER,
     STATE_KEY_SCHEDULER,
+    TRAINABLE_INDEX_FILE,
     TRAINING_STATE_FILE,
 )
 from ..errors import (
@@ -43,8 +47,8 @@ from ..errors import (
 )
 from ..format._jsonio import parse_json
 from ..format._safefile import member_path, open_regular, read_regular_file
-from ..format.rng import RngState, load_rng_state, restore_rng_state
-from ..format.safetensors_io import FileRecord, read_safetensors, record_of
+from ..format.rng import RngState, decode_rng_state, restore_rng_state
+from ..format.safetensors_io import FileRecord, record_of
 from ..format.sharding import ShardIndex, parse_index
 from ..format.state_codec import decode_state
 from ._frozen import TrainablePart, forget_fingerprints
@@ -59,7 +63,7 @@ from .verify import VerifyReport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoadedCheckpoint", "OpenedCheckpoint"]
+__all__ = ["LoadedCheckpoint", "OpenedCheckpoint", "read_on_load"]
 
 # Progress-cursor counters every open checks (non-negative ints when present); callers name more.
 DEFAULT_COUNTERS = ("global_step",)
@@ -90,8 +94,35 @@ class LoadedCheckpoint:
         return self.manifest.step
 
 
+# Files an open and a load read besides this rank's data position and RNG state (safetensors files at the top
+# level: weights, optimizer state, training-state tensors).
+_READ_ON_LOAD = frozenset({TRAINING_STATE_FILE, MODEL_INDEX_FILE, TRAINABLE_INDEX_FILE, OPTIMIZER_INDEX_FILE,
+                           FROZEN_RECORD_FILE, LAYOUT_FILE})
+
+
+def read_on_load(rank: int) -> Callable[[str], bool]:
+    """Which files of a checkpoint opening and loading it on ``rank`` reads: the ``keep`` of a verification whose
+    report is handed to :func:`~hf_resumable.checkpoint.open_checkpoint` (``verified=``).
+
+    Example:
+
+    ```python
+    >>> keep = read_on_load(1)
+    >>> [keep(f) for f in ("training_state.json", "rng/rank-00001.safetensors", "rng/rank-00000.safetensors")]
+    [True, True, False]
+
+    ```
+    """
+    own = {f"{DATA_STATE_DIR}/{DATA_STATE_FILE_PATTERN.format(rank=rank)}",
+           f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"}
+    return lambda relpath: relpath in own or relpath in _READ_ON_LOAD or (
+        "/" not in relpath and relpath.endswith(".safetensors"))
+
+
 class _Reader:
-    """Reads files of one verified checkpoint, checking each file's hash while reading it."""
+    """Reads files of one verified checkpoint: the bytes its verification kept (hashed once, no second read), else
+    from disk, refusing a file that is no longer the one verification checked, and checking each file's hash while
+    reading it (``hash_on_read``)."""
 
     def __init__(self, path: Path, report: VerifyReport, *, hash_on_read: bool) -> None:
         self.path = path
@@ -103,14 +134,48 @@ class _Reader:
         """The manifest record to check ``relpath`` against while reading it (``None``: not checked)."""
         return self.manifest.files[relpath] if self.hash_on_read else None
 
-    def json(self, relpath: str) -> Any:
-        """A JSON file of the checkpoint: a regular file inside it, hash-checked, parsed with bounded depth."""
+    def file_read(self, relpath: str, into: Mapping[str, torch.Tensor] | None = None,
+                  new: Collection[str] = ()) -> FileRead:
+        """How to read the safetensors file ``relpath``: from the verified bytes, or from disk (refused if it is no
+        longer the file verification checked; hash-checked with ``hash_on_read``)."""
+        path, header = member_path(self.path, relpath), self.report.headers[relpath]
+        data = self.report.verified_bytes(relpath)
+        if data is not None:
+            return FileRead(path, header, None, into or {}, new, data=data)
+        check = None
+        if relpath in self.report.identities:
+            check = lambda now: self.report.check_unchanged(relpath, now)  # noqa: E731
+        return FileRead(path, header, self.expected(relpath), into or {}, new, check=check)
+
+    def raw(self, relpath: str, *, limit: int = MAX_JSON_SIZE) -> bytes:
+        """The bytes of a small file of the checkpoint: those its verification hashed and kept, else read (a regular
+        file inside the checkpoint, bounded; refused if it is no longer the file verification checked) and, with
+        ``hash_on_read``, hash-checked."""
         if relpath not in self.manifest.files:
             raise IncompleteCheckpointError(f"{self.path}: {relpath} is not part of this checkpoint.")
-        raw = read_regular_file(member_path(self.path, relpath), limit=MAX_JSON_SIZE)
+        data = self.report.verified_bytes(relpath)
+        if data is not None:
+            return data
+        self.report.check_unchanged(relpath)
+        raw = read_regular_file(member_path(self.path, relpath), limit=limit)
         if self.hash_on_read and (problem := self.manifest.files[relpath].mismatch(record_of(raw))):
             raise CorruptCheckpointError(f"{self.path / relpath}: {problem} (modified or corrupted after the save).")
-        return parse_json(raw, source=str(self.path / relpath))
+        return raw
+
+    def json(self, relpath: str) -> Any:
+        """A JSON file of the checkpoint (:meth:`raw`), parsed with bounded depth."""
+        return parse_json(self.raw(relpath), source=str(self.path / relpath))
+
+    def rng(self, relpath: str) -> RngState:
+        """This rank's RNG state file, read as every other safetensors file (:meth:`file_read`)."""
+        if relpath not in self.report.headers:
+            raise CorruptCheckpointError(f"{self.path / relpath}: not a safetensors file.")
+        return decode_rng_state(self.report.headers[relpath].metadata, self.tensors(relpath),
+                                source=str(self.path / relpath))
+
+    def release(self) -> None:
+        """Drop the verified bytes kept for this open (a later read goes to disk, hash-checked)."""
+        self.report.contents.clear()
 
     def index(self, relpath: str) -> ShardIndex:
         index = parse_index(self.json(relpath), source=str(self.path / relpath))
@@ -129,8 +194,9 @@ class _Reader:
         return model_index(self.manifest.files, self.report.headers, read_index=self.index, source=str(self.path))
 
     def tensors(self, relpath: str, *, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        return read_safetensors(member_path(self.path, relpath), header=self.report.headers.get(relpath), into=into,
-                                expected=self.expected(relpath))
+        if relpath not in self.report.headers:
+            raise CorruptCheckpointError(f"{self.path / relpath}: not a safetensors file.")
+        return read_files([self.file_read(relpath, into)])
 
     def stored(self, index: ShardIndex) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """dtype and shape of every tensor ``index`` names, from the headers verification already read."""
@@ -148,8 +214,12 @@ class _Reader:
             filename = index.weight_map[name]
             header = self.report.headers[filename]
             info = header.tensors[name]
-            with open_regular(member_path(self.path, filename), buffering=0) as f:
-                raw = os.pread(f.fileno(), info.nbytes, header.data_offset + info.start)
+            start = header.data_offset + info.start
+            if (kept := self.report.contents.get(filename)) is not None:
+                raw = kept[start : start + info.nbytes]  # checked to be unchanged when the full read takes them
+            else:
+                with open_regular(member_path(self.path, filename), buffering=0) as f:
+                    raw = os.pread(f.fileno(), info.nbytes, start)
             if len(raw) != info.nbytes:
                 raise CorruptCheckpointError(f"{self.path / filename}: file ends inside tensor {name!r}.")
             out[name] = torch.frombuffer(bytearray(raw), dtype=info.torch_dtype).reshape(info.shape)
@@ -163,9 +233,8 @@ class _Reader:
         All files at once, several threads per file (:mod:`._parallel_read`); each file's hash is checked on
         the fly, in byte order, and a mismatch raises :class:`CorruptCheckpointError` naming the file.
         """
-        reads = [FileRead(member_path(self.path, filename), self.report.headers[filename], self.expected(filename),
-                          into, new) for index, into, new in jobs for filename in index.filenames]
-        return read_files(reads)
+        return read_files([self.file_read(filename, into, new) for index, into, new in jobs
+                           for filename in index.filenames])
 
 
 @dataclass(eq=False)
@@ -228,7 +297,7 @@ class OpenedCheckpoint(LoadedCheckpoint):
             check_data_position(opened.data_state, source=str(path / data_rel))
         rng_rel = f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"
         if rng_rel in manifest.files:
-            opened.rng_state = load_rng_state(path / rng_rel, expected=reader.expected(rng_rel))
+            opened.rng_state = reader.rng(rng_rel)
         # 5. The model index and its tied-weight record (an alias must not be stored itself and must point at a
         #    stored tensor, else a load would overwrite one tensor with another); or the trainable part's index,
         #    with the frozen base's record.
@@ -326,11 +395,12 @@ class OpenedCheckpoint(LoadedCheckpoint):
         Raises:
             IncompleteCheckpointError: a requested part was not saved.
             CheckpointMismatchError: an object does not fit (every offending key listed); nothing was changed.
-            CorruptCheckpointError: inconsistent state (nothing was changed), or a hash mismatch found while
-                reading a file larger than the quick-verification limit (then the model's parameters, and
-                optimizer state that existed before the call, may hold part of the new bytes; the optimizer's
-                new state, scheduler, scaler and RNG are unchanged). ``verify="full"`` checks every hash
-                before anything is read into an object.
+            CorruptCheckpointError: inconsistent state, or a file that changed since the checkpoint was verified
+                (nothing was changed: every file is checked against its verified identity before a byte is read),
+                or a hash mismatch found while reading a file larger than the quick-verification limit (then the
+                model's parameters, and optimizer state that existed before the call, may hold part of the new
+                bytes; the optimizer's new state, scheduler, scaler and RNG are unchanged). ``verify="full"``
+                checks every hash before anything is read into an object.
             ConfigDriftError / InexactResumeError: see :meth:`check_exact`.
         """
         reader = self._reader
@@ -358,7 +428,10 @@ class OpenedCheckpoint(LoadedCheckpoint):
             jobs.append((self._model_index, model_plan["into"], ()))
         if optimizer_plan is not None:
             jobs.append((self._optimizer_index, optimizer_plan.targets, optimizer_plan.new))
-        leftovers = reader.read(jobs) if jobs else {}
+        try:
+            leftovers = reader.read(jobs) if jobs else {}
+        finally:
+            reader.release()  # the verified bytes kept for this load are used (or will be read again, checked)
         # 7. Apply: model (retie aliases, or its own load_state_dict), optimizer (its load_state_dict, with tensors
         #    already final), scheduler, scaler.
         if model_plan is not None:

@@ -13,15 +13,15 @@ from typing import Any
 import torch
 
 from .._urls import is_remote
-from ..constants import DEFAULT_MAX_SHARD_SIZE
+from ..constants import DEFAULT_MAX_SHARD_SIZE, MANIFEST_FILE
 from ..distributed import is_distributed, rank_and_world_size
 from ..format.rng import RngState
 from ._payload import capture_payload
-from ._reader import LoadedCheckpoint, OpenedCheckpoint
+from ._reader import LoadedCheckpoint, OpenedCheckpoint, read_on_load
 from ._writer import AsyncSaver, check_target, save_payload
 from .discovery import apply_retention
 from .manifest import Manifest
-from .verify import verify_checkpoint
+from .verify import VerifyReport, verify_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +212,7 @@ def open_checkpoint(
     allow_inexact_resume: bool = False,
     counters: Iterable[str] = (),
     elastic: bool = False,
+    verified: VerifyReport | None = None,
 ) -> OpenedCheckpoint:
     """Verify a local checkpoint once and decode everything in it that does not depend on a live object.
 
@@ -233,19 +234,29 @@ def open_checkpoint(
             that must be non-negative ints when present (``global_step`` always is).
         elastic (`bool`, *optional*, defaults to `False`): the caller reshards weights and optimizer itself
             (``load_sharded_checkpoint``); a world-size change then only affects per-rank RNG streams.
+        verified (`VerifyReport`, *optional*): the verification of this directory that just ran, e.g. the one
+            :func:`~hf_resumable.checkpoint.find_latest_verified` returns: it is not repeated. The small files it
+            hashed and kept are used from memory (each byte used is a byte that was hashed; none is read twice);
+            every other file is hash-checked while it is read, as without it, and any file whose size, times or
+            inode changed since that verification is refused. A quick report does not stand for ``verify="full"``
+            (the checkpoint is then verified fully).
 
     Returns:
         `OpenedCheckpoint`: also a :class:`LoadedCheckpoint` (``step``, ``training_state``, ``extra``,
         ``data_state``, ``rng_state``).
 
     Raises:
-        IncompleteCheckpointError / CorruptCheckpointError: the checkpoint does not verify, or holds
-            inconsistent state (the error names the file, the field and what was expected).
+        IncompleteCheckpointError / CorruptCheckpointError: the checkpoint does not verify, holds
+            inconsistent state (the error names the file, the field and what was expected), or changed since
+            ``verified`` was made.
+        ValueError: ``verified`` is the report of another directory, or not a report.
 
     Example:
 
     ```python
-    >>> from hf_resumable.checkpoint import open_checkpoint
+    >>> from hf_resumable.checkpoint import find_latest_verified, open_checkpoint
+    >>> report = find_latest_verified("out")  # doctest: +SKIP
+    >>> opened = open_checkpoint(report.path, verified=report)  # doctest: +SKIP
     >>> opened = open_checkpoint("out/checkpoint-10")  # doctest: +SKIP
     >>> opened.step, opened.training_state  # doctest: +SKIP
     (10, {'global_step': 10})
@@ -258,13 +269,37 @@ def open_checkpoint(
     require_local(directory, "open_checkpoint")
     _ASYNC.wait()  # a background save of this process may be committing this very directory
     path = Path(directory)
-    # 1. Verify once (quick: manifest, sizes, headers, small-file hashes, index consistency; full: every hash). The
-    #    report's parsed headers serve every later step, so no file is parsed twice.
-    report = verify_checkpoint(path, full=verify == "full", raise_on_error=True)
     rank, world_size = rank_and_world_size()
+    # 1. Verify once (quick: manifest, sizes, headers, small-file hashes, index consistency; full: every hash), or take
+    #    the verification that just ran. The report's parsed headers serve every later step, so no file is parsed
+    #    twice, and the small files it hashed are read from its kept bytes.
+    if verified is not None and _reusable(verified, path, verify=verify):
+        report = verified
+    else:
+        report = verify_checkpoint(path, full=verify == "full", raise_on_error=True, keep=read_on_load(rank))
     # 2-5. Decode and check what does not depend on a live object (OpenedCheckpoint.open).
     return OpenedCheckpoint.open(path, report, verify=verify, rank=rank, world_size=world_size,
                                  allow_inexact_resume=allow_inexact_resume, counters=counters, elastic=elastic)
+
+
+def _reusable(report: VerifyReport, path: Path, *, verify: str) -> bool:
+    """Whether ``report`` stands for the verification ``open_checkpoint(path, verify=verify)`` would run.
+
+    Raises:
+        ValueError: it is not a report, or the report of another directory.
+        IncompleteCheckpointError / CorruptCheckpointError: it found problems, or the manifest changed since.
+    """
+    if not isinstance(report, VerifyReport):
+        raise ValueError(f"verified= takes the VerifyReport of a verification of {path} (find_latest_verified or "
+                         f"verify_checkpoint), got {type(report).__name__}.")
+    if os.path.abspath(report.path) != os.path.abspath(path):
+        raise ValueError(f"verified= is the report of {report.path}, not of {path}; pass the report of the "
+                         "directory you open.")
+    report.raise_if_bad()
+    if verify == "full" and not report.full:
+        return False
+    report.check_unchanged(MANIFEST_FILE)
+    return True
 
 
 def load_checkpoint(

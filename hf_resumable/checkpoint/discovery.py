@@ -8,23 +8,26 @@ import os
 import re
 import shutil
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from .._urls import is_remote
 from ..constants import CHECKPOINT_DIR_RE, OWNER_FILE, PIN_PREFIX, REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
+from ..distributed import rank_and_world_size
 from ..errors import HfResumableError
 from ..format._jsonio import parse_json
 from ..format._safefile import read_regular_file
 from ._fs import claim, remove_dir, rename_noreplace
 from ._owner import OwnerTag, current_owner, owner_is_alive, parse_member_name
 from ._pins import hold_pin, pin, unpin
+from ._reader import read_on_load
 from .manifest import is_committed, read_manifest
-from .verify import verify_checkpoint
+from .verify import VerifyReport, verify_checkpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["list_checkpoints", "find_latest_checkpoint", "cleanup_stale_temp_dirs", "apply_retention"]
+__all__ = ["list_checkpoints", "find_latest_checkpoint", "find_latest_verified", "cleanup_stale_temp_dirs",
+           "apply_retention"]
 
 
 def list_checkpoints(root: str | os.PathLike, *,
@@ -130,7 +133,8 @@ def find_latest_checkpoint(
     its next call on the same ``root``, its exit, or ``PIN_TTL``), so retention run by a concurrent
     writer does not remove it before it is loaded. ``root`` is a local directory: for ``s3://`` and
     ``hf://`` roots use :func:`hf_resumable.find_latest_checkpoint` (``storage_options`` is accepted
-    here for the same signature, and unused).
+    here for the same signature, and unused). To open the checkpoint found without verifying it again, use
+    :func:`find_latest_verified`.
 
     Example:
 
@@ -140,6 +144,30 @@ def find_latest_checkpoint(
     'checkpoint-1200'
     ```
     """
+    report = find_latest_verified(root, cleanup=cleanup, full=full, pattern=pattern)
+    return None if report is None else Path(report.path)
+
+
+def find_latest_verified(
+    root: str | os.PathLike, *, cleanup: bool = True, full: bool = False,
+    pattern: re.Pattern[str] = CHECKPOINT_DIR_RE,
+) -> VerifyReport | None:
+    """:func:`find_latest_checkpoint`, returning the verification of the checkpoint it found (or None).
+
+    The report (``report.path`` is the checkpoint, pinned as :func:`find_latest_checkpoint` pins it) keeps the
+    bytes of the small files this process will read when it opens and loads the checkpoint, so that
+    ``open_checkpoint(report.path, verified=report)`` neither verifies the checkpoint again nor reads or hashes
+    those files a second time: a resume reads each small file once, cold, and hashes it once. Any file that
+    changes after this call is refused by that open (or hash-checked while it is read, for the large files).
+
+    Example:
+
+    ```python
+    >>> from hf_resumable.checkpoint import find_latest_verified, open_checkpoint
+    >>> report = find_latest_verified("out")  # doctest: +SKIP
+    >>> opened = open_checkpoint(report.path, verified=report)  # doctest: +SKIP
+    ```
+    """
     if is_remote(root):
         raise ValueError(f"hf_resumable.checkpoint.find_latest_checkpoint takes local directories; {os.fspath(root)!r}"
                          " is remote. Use hf_resumable.find_latest_checkpoint (or hf_resumable.locations), which "
@@ -147,27 +175,29 @@ def find_latest_checkpoint(
     if cleanup:
         cleanup_stale_temp_dirs(root)
     key = os.path.abspath(root)
+    keep = read_on_load(rank_and_world_size()[0])
     for _step, path in reversed(list_checkpoints(root, pattern=pattern)):
         pin_path = pin(path)
         if pin_path is None:
             continue  # removed by retention meanwhile
-        problems = _problems(path, full=full)
+        report, problems = _verify(path, full=full, keep=keep)
         if not problems:
             hold_pin(key, pin_path)
-            return path
+            return report
         unpin(pin_path)
         logger.warning("Skipping %s: %s", path, problems[:500])
     hold_pin(key, None)
     return None
 
 
-def _problems(path: Path, *, full: bool) -> str:
-    """Why ``path`` is not a valid checkpoint ('' if it is). Never raises for what the files contain."""
+def _verify(path: Path, *, full: bool, keep: Callable[[str], bool]) -> tuple[VerifyReport | None, str]:
+    """The verification of ``path`` and why it is not a valid checkpoint ('' if it is). Never raises for what the
+    files contain."""
     try:
-        report = verify_checkpoint(path, full=full)
+        report = verify_checkpoint(path, full=full, keep=keep)
     except Exception as err:  # noqa: BLE001 - one bad candidate must never stop the fallback
-        return f"could not be verified ({type(err).__name__}: {err})"
-    return "; ".join(f"{f}: {why}" for f, why in report.problems)
+        return None, f"could not be verified ({type(err).__name__}: {err})"
+    return report, "; ".join(f"{f}: {why}" for f, why in report.problems)
 
 
 def apply_retention(

@@ -1,12 +1,23 @@
-"""Verify a checkpoint: quick (manifest, sizes, headers, index consistency) or full (+ sha256)."""
+"""Verify a checkpoint: quick (manifest, sizes, headers, index consistency) or full (+ sha256).
+
+A report records the identity (device, inode, size, mtime, ctime) of every file it checked, and can keep the exact
+bytes of the small files it hashed (``keep=``). ``open_checkpoint(verified=report)`` then reads those files from
+memory instead of from disk (each byte used is a byte that was hashed: no window between check and use, one hash
+per file and resume), and refuses any file whose identity has changed since, before reading a byte of it
+(:meth:`VerifyReport.check_unchanged`); large files are still hash-checked while they are read.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import xxhash
 
 from ..constants import (
     LAYOUT_FILE,
@@ -19,19 +30,57 @@ from ..constants import (
 )
 from ..errors import CorruptCheckpointError, HfResumableError, IncompleteCheckpointError
 from ..format._jsonio import parse_json
-from ..format._safefile import file_kind, member_path, read_regular_file
-from ..format.safetensors_io import SafetensorsHeader, hash_file, read_header
+from ..format._safefile import file_kind, member_path, open_regular, read_regular_file
+from ..format.safetensors_io import FileRecord, SafetensorsHeader, header_from_bytes, read_header, record_of
 from ..format.sharding import parse_index
 from ._model_files import model_weights_file, single_file_index
 from .manifest import Manifest, read_manifest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VerifyReport", "verify_checkpoint", "QUICK_HASH_LIMIT"]
+__all__ = ["VerifyReport", "FileIdentity", "verify_checkpoint", "QUICK_HASH_LIMIT", "KEEP_BUDGET"]
 
 # Quick verification still hashes files up to this size (JSON, RNG, small shards): it costs little
 # and catches flipped bytes in every file that is not a large tensor shard.
 QUICK_HASH_LIMIT = 4 * 1024 * 1024
+# Most bytes of verified small files one report keeps for the open that follows (``keep=``); files beyond it are
+# read again by the open, and hash-checked there.
+KEEP_BUDGET = 32 * 1024 * 1024
+# Files verification itself reads again after hashing them (index and layout consistency): always kept.
+_REREAD = (MODEL_INDEX_FILE, TRAINABLE_INDEX_FILE, OPTIMIZER_INDEX_FILE, LAYOUT_FILE)
+_HASH_CHUNK = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What ``fstat`` said about a file right after its bytes were read and hashed.
+
+    A later ``stat`` that differs means the file was replaced, written to, or had its metadata changed since;
+    the ctime cannot be set from user space, so a write cannot hide behind a restored mtime.
+
+    Args:
+        device (`int`) / inode (`int`): which file it is.
+        size (`int`), mtime_ns (`int`), ctime_ns (`int`): its size and last data / status change.
+
+    Example:
+
+    ```python
+    >>> import os
+    >>> FileIdentity.of(os.stat(".")) == FileIdentity.of(os.stat("."))
+    True
+
+    ```
+    """
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, info: os.stat_result) -> "FileIdentity":
+        return cls(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 @dataclass
@@ -43,6 +92,11 @@ class VerifyReport:
         full (`bool`): whether hashes were checked.
         problems (`list[tuple[str, str]]`): ``(file, reason)`` for every problem found.
         manifest (`Manifest`, *optional*): the parsed manifest, when it could be read.
+        headers (`dict[str, SafetensorsHeader]`): the parsed header of every safetensors file.
+        identities (`dict[str, FileIdentity]`): every file that was checked (hashed, or in quick mode sized and its
+            header parsed) and the manifest, as it was then.
+        contents (`dict[str, bytes]`): the verified bytes of the small files kept for the open that follows
+            (``verify_checkpoint(keep=...)``); a load that used them releases them.
     """
 
     path: str
@@ -51,6 +105,9 @@ class VerifyReport:
     manifest: Manifest | None = None
     error_types: list[type[HfResumableError]] = field(default_factory=list)
     headers: dict[str, SafetensorsHeader] = field(default_factory=dict)
+    identities: dict[str, FileIdentity] = field(default_factory=dict, repr=False)
+    contents: dict[str, bytes] = field(default_factory=dict, repr=False)
+    kept_bytes: int = field(default=0, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -73,21 +130,58 @@ class VerifyReport:
         error = self.error_types[0] if self.error_types else CorruptCheckpointError
         raise error(self.summary() + "\nUse find_latest_checkpoint() to resume from the newest valid checkpoint.")
 
+    def check_unchanged(self, relpath: str, now: os.stat_result | None = None) -> None:
+        """Refuse ``relpath`` if it is no longer the file this verification checked (nothing to check for a file it
+        did not). ``now``: the ``fstat`` of a descriptor just opened on it (default: ``stat`` its path).
 
-def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True,
-                      raise_on_error: bool = False) -> VerifyReport:
+        Raises:
+            CorruptCheckpointError: it was replaced, written to or had its metadata changed since.
+            IncompleteCheckpointError: it is gone.
+        """
+        identity = self.identities.get(relpath)
+        if identity is None:
+            return
+        path = Path(self.path) / relpath
+        if now is None:
+            try:
+                now = os.stat(member_path(self.path, relpath))
+            except FileNotFoundError:
+                raise IncompleteCheckpointError(
+                    f"{path}: was removed after the checkpoint was verified. Another process changed the checkpoint; "
+                    "find it again (find_latest_checkpoint) and load that.") from None
+        if FileIdentity.of(now) != identity:
+            raise CorruptCheckpointError(
+                f"{path}: changed after the checkpoint was verified (size, times or inode differ: another process "
+                "wrote to it or replaced it); nothing was loaded from it. Find the checkpoint again "
+                "(find_latest_checkpoint) and load that.")
+
+    def verified_bytes(self, relpath: str) -> bytes | None:
+        """The bytes this verification hashed and kept for ``relpath`` (``None``: not kept), after checking that the
+        file is still the one they came from (:meth:`check_unchanged`)."""
+        data = self.contents.get(relpath)
+        if data is not None:
+            self.check_unchanged(relpath)
+        return data
+
+
+def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, raise_on_error: bool = False,
+                      keep: Callable[[str], bool] | None = None) -> VerifyReport:
     """Check that ``directory`` is a complete, uncorrupted checkpoint.
 
     Quick mode reads the manifest (and checks its own checksum), checks every listed file exists with
     the listed size, parses every safetensors header (catching truncation and bogus offsets), hashes
     every file up to ``QUICK_HASH_LIMIT`` (4 MiB) and checks that each index refers only to listed
     shards holding the tensors it names (and that a single ``model.safetensors``'s tied record parses).
-    Full mode recomputes every sha256.
+    Full mode recomputes every sha256. Each small file is read once: its header is parsed and its hash computed
+    from the same bytes.
 
     Args:
         directory (`str` or `os.PathLike`): the checkpoint directory.
         full (`bool`, *optional*, defaults to `True`): also verify hashes.
         raise_on_error (`bool`, *optional*, defaults to `False`): raise instead of returning a bad report.
+        keep (`Callable[[str], bool]`, *optional*): which small files' verified bytes to keep in
+            ``report.contents`` (by relative path, at most ``KEEP_BUDGET`` bytes in all), for
+            ``open_checkpoint(verified=report)``.
 
     Returns:
         `VerifyReport`: ``report.ok`` and ``report.problems`` name each bad file and why.
@@ -107,12 +201,13 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True,
     report = VerifyReport(path=str(directory), full=full)
     try:
         report.manifest = read_manifest(directory)
+        report.identities[MANIFEST_FILE] = FileIdentity.of(os.stat(member_path(directory, MANIFEST_FILE)))
     except HfResumableError as err:
         report.add(MANIFEST_FILE, str(err), type(err))
     except OSError as err:
         report.add(MANIFEST_FILE, f"cannot be read ({type(err).__name__}: {err})")
     else:
-        _check_files(directory, report)
+        _check_files(directory, report, keep)
         if not report.problems:
             _check_indexes(directory, report)
             _check_layout(directory, report)
@@ -123,17 +218,18 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True,
     return report
 
 
-def _check_files(directory: Path, report: VerifyReport) -> None:
+def _check_files(directory: Path, report: VerifyReport, keep: Callable[[str], bool] | None) -> None:
     for relpath, record in report.manifest.files.items():
         try:
-            _check_file(directory, relpath, record, report)
+            _check_file(directory, relpath, record, report, keep)
         except HfResumableError as err:
             report.add(relpath, str(err), type(err))
         except OSError as err:  # unreadable (permissions, I/O error): this checkpoint cannot be used
             report.add(relpath, f"cannot be read ({type(err).__name__}: {err.strerror or err})")
 
 
-def _check_file(directory: Path, relpath: str, record, report: VerifyReport) -> None:
+def _check_file(directory: Path, relpath: str, record: FileRecord, report: VerifyReport,
+                keep: Callable[[str], bool] | None) -> None:
     path = member_path(directory, relpath)
     try:
         info = os.stat(path)
@@ -146,17 +242,56 @@ def _check_file(directory: Path, relpath: str, record, report: VerifyReport) -> 
     if info.st_size != record.size:
         report.add(relpath, f"size is {info.st_size} bytes, the manifest says {record.size} (truncated?)")
         return
-    if relpath.endswith(".safetensors"):
-        report.headers[relpath] = read_header(path)
-    if report.full or record.size <= QUICK_HASH_LIMIT:
-        problem = record.mismatch(hash_file(path))
-        if problem is not None:
-            report.add(relpath, f"{problem} (the file was modified or corrupted after the save)")
+    data = None
+    if record.size <= QUICK_HASH_LIMIT:  # read once: header and hash from the same bytes
+        data, identity = _read_whole(path)
+        if relpath.endswith(".safetensors"):
+            report.headers[relpath] = header_from_bytes(path, data)
+        actual = record_of(data)
+    else:
+        if relpath.endswith(".safetensors"):
+            report.headers[relpath] = read_header(path)
+        if not report.full:  # hash-checked while a load reads it; refused before that if it is another file by then
+            report.identities[relpath] = FileIdentity.of(info)
+            return
+        actual, identity = _hash_file(path)
+    problem = record.mismatch(actual)
+    if problem is not None:
+        report.add(relpath, f"{problem} (the file was modified or corrupted after the save)")
+        return
+    report.identities[relpath] = identity
+    if data is not None and (relpath in _REREAD or (keep is not None and keep(relpath))) and (
+            report.kept_bytes + len(data) <= KEEP_BUDGET):
+        report.contents[relpath] = data
+        report.kept_bytes += len(data)
 
 
-def _read_json(directory: Path, relpath: str) -> object:
-    """A JSON file of the checkpoint, read safely (regular file, inside the directory, bounded)."""
-    raw = read_regular_file(member_path(directory, relpath), limit=MAX_JSON_SIZE)
+def _read_whole(path: Path) -> tuple[bytes, FileIdentity]:
+    """A small file's bytes and its identity right after they were read (from the same descriptor)."""
+    with open_regular(path, buffering=0) as f:
+        data = f.read(QUICK_HASH_LIMIT + 1)
+        return data, FileIdentity.of(os.fstat(f.fileno()))
+
+
+def _hash_file(path: Path) -> tuple[FileRecord, FileIdentity]:
+    """Size, sha256 and xxh3-128 of a large file, and its identity right after it was read."""
+    digest, fast, size = hashlib.sha256(), xxhash.xxh3_128(), 0
+    view = memoryview(bytearray(_HASH_CHUNK))
+    with open_regular(path, buffering=0) as f:
+        while n := f.readinto(view):
+            digest.update(view[:n])
+            fast.update(view[:n])
+            size += n
+        identity = FileIdentity.of(os.fstat(f.fileno()))
+    return FileRecord(size=size, sha256=digest.hexdigest(), xxh3_128=fast.hexdigest()), identity
+
+
+def _read_json(directory: Path, relpath: str, report: VerifyReport) -> object:
+    """A JSON file of the checkpoint: the bytes just verified, or read safely (regular file, inside the directory,
+    bounded) when it was too large to hash in quick mode."""
+    raw = report.contents.get(relpath)
+    if raw is None:
+        raw = read_regular_file(member_path(directory, relpath), limit=MAX_JSON_SIZE)
     return parse_json(raw, source=str(directory / relpath))
 
 
@@ -171,7 +306,7 @@ def _check_indexes(directory: Path, report: VerifyReport) -> None:
         if index_name not in report.manifest.files:
             continue
         try:
-            index = parse_index(_read_json(directory, index_name), source=index_name)
+            index = parse_index(_read_json(directory, index_name, report), source=index_name)
         except HfResumableError as err:
             report.add(index_name, f"invalid index: {err}", type(err))
             continue
@@ -195,7 +330,7 @@ def _check_layout(directory: Path, report: VerifyReport) -> None:
     if LAYOUT_FILE not in report.manifest.files:
         return
     try:
-        layout = parse_layout(_read_json(directory, LAYOUT_FILE), source=LAYOUT_FILE)
+        layout = parse_layout(_read_json(directory, LAYOUT_FILE, report), source=LAYOUT_FILE)
         for key in ("model", "optimizer"):
             if layout.get(key) is not None:
                 check_pieces_stored(Section.from_json(layout[key], source=LAYOUT_FILE), report.headers,

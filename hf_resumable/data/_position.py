@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from torch.utils.data import get_worker_info
 
-from ..format.rng import seeded_rng
+from ._global_rng import SeededStreams
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +51,11 @@ class BatchKey(NamedTuple):
 def data_rng(seed: int) -> contextlib.AbstractContextManager[None]:
     """Seed python ``random``, numpy's global generator and torch's CPU generator for a data operation.
 
-    :func:`hf_resumable.format.rng.seeded_rng`, except that in a ``DataLoader`` worker the generators are only
-    reseeded (nothing else in a worker draws from them); in the main process they are saved first and
-    restored on exit, so the stream dropout draws from is untouched. Transforms that draw from CUDA
-    generators are not covered.
+    :func:`hf_resumable.format.rng.seeded_rng` (the same numbers inside), except that in a ``DataLoader`` worker
+    the generators are only reseeded (nothing else in a worker draws from them); in the main process they are
+    saved first and restored on exit, so the stream dropout draws from is untouched. It runs for every batch,
+    so saving and restoring is made cheap (:class:`~hf_resumable.data._global_rng.SeededStreams`). Transforms
+    that draw from CUDA generators are not covered.
 
     Example:
 
@@ -68,7 +69,7 @@ def data_rng(seed: int) -> contextlib.AbstractContextManager[None]:
     True
     ```
     """
-    return seeded_rng(seed, restore=get_worker_info() is None)
+    return SeededStreams(seed, restore=get_worker_info() is None)
 
 
 def _identity(batch: Any) -> Any:

@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,7 +43,7 @@ from .safetensors_io import FileRecord, read_header, read_safetensors, write_saf
 logger = logging.getLogger(__name__)
 
 __all__ = ["RngState", "capture_rng_state", "restore_rng_state", "check_rng_state", "save_rng_state", "load_rng_state",
-           "derive_seed", "seeded_rng"]
+           "decode_rng_state", "derive_seed", "seeded_rng"]
 
 _KEY_TORCH = "torch_cpu"
 _KEY_NUMPY = "numpy_keys"
@@ -204,8 +204,17 @@ def load_rng_state(path: str | os.PathLike, *, expected: FileRecord | None = Non
     """
     path = os.fspath(path)
     header = read_header(path)
-    tensors = read_safetensors(path, header=header, expected=expected)
-    meta = header.metadata
+    return decode_rng_state(header.metadata, read_safetensors(path, header=header, expected=expected), source=path)
+
+
+def decode_rng_state(meta: Mapping[str, str], tensors: Mapping[str, torch.Tensor], *, source: str) -> RngState:
+    """The :class:`RngState` that a file written by :func:`save_rng_state` holds: its header's metadata and its
+    tensors, already read (and hash-checked) by the caller.
+
+    Raises:
+        CorruptCheckpointError: as :func:`load_rng_state`.
+    """
+    path = source
     try:
         devices = int(meta[_META_DEVICES])
         kind, pos, has_gauss, cached = json.loads(meta[_META_NUMPY])

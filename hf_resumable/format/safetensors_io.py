@@ -47,6 +47,7 @@ __all__ = [
     "SafetensorsHeader",
     "FileRecord",
     "read_header",
+    "header_from_bytes",
     "write_safetensors",
     "read_safetensors",
     "hash_file",
@@ -209,16 +210,28 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     path = os.fspath(path)
     with open_regular(path) as f:
         file_size = os.fstat(f.fileno()).st_size
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise _corrupt(path, f"file has {file_size} bytes, fewer than the 8-byte header length")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > MAX_HEADER_SIZE:
-            raise _corrupt(path, f"header length {length} exceeds the {MAX_HEADER_SIZE}-byte limit")
-        if 8 + length > file_size:
-            raise _corrupt(path, f"header claims {length} bytes but the file has only {file_size}")
+        length = _header_length(path, f.read(8), file_size)
         raw = f.read(length)
     return parse_header_bytes(path, raw, file_size)
+
+
+def _header_length(path: str, prefix: bytes, file_size: int) -> int:
+    """The header length the 8-byte ``prefix`` of a ``file_size``-byte file announces, checked against the file."""
+    if len(prefix) < 8:
+        raise _corrupt(path, f"file has {file_size} bytes, fewer than the 8-byte header length")
+    (length,) = struct.unpack("<Q", prefix[:8])
+    if length > MAX_HEADER_SIZE:
+        raise _corrupt(path, f"header length {length} exceeds the {MAX_HEADER_SIZE}-byte limit")
+    if 8 + length > file_size:
+        raise _corrupt(path, f"header claims {length} bytes but the file has only {file_size}")
+    return length
+
+
+def header_from_bytes(path: str | os.PathLike, data: bytes | memoryview) -> SafetensorsHeader:
+    """The validated header of a whole safetensors file held in memory (``data``), as :func:`read_header`."""
+    path = os.fspath(path)
+    length = _header_length(path, bytes(data[:8]), len(data))
+    return parse_header_bytes(path, bytes(data[8 : 8 + length]), len(data))
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:

@@ -68,8 +68,9 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import ExportableState, TrainerCallback
 
 from ..checkpoint import (
+    VerifyReport,
     apply_retention,
-    find_latest_checkpoint,
+    find_latest_verified,
     load_checkpoint,
     open_checkpoint,
     read_manifest,
@@ -77,6 +78,7 @@ from ..checkpoint import (
     verify_checkpoint,
     wait_for_pending_saves,
 )
+from ..checkpoint._reader import read_on_load
 from ..checkpoint.api import background_saver, saves_async
 from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, OPTIMIZER_INDEX_FILE, TRAINER_STATE_FILE
 from ..data import (
@@ -89,6 +91,7 @@ from ..data import (
     has_shuffle_buffer,
     sampler_epoch_order,
 )
+from ..distributed import rank_and_world_size
 from ..errors import AsyncSaveError, HfResumableError, InexactResumeError, UnsupportedStateError
 from ..format.rng import derive_seed, restore_rng_state
 from ..format.state import RunConfig, check_config_drift
@@ -491,8 +494,8 @@ class ResumableTrainer(Trainer):
         self.preempted = False
         self._preemption.requested = False
         self._run_config = None
-        checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
-        self._resume = self._open_checkpoint(checkpoint) if checkpoint is not None else None
+        checkpoint, verified = self._resolve_checkpoint(resume_from_checkpoint)
+        self._resume = self._open_checkpoint(checkpoint, verified) if checkpoint is not None else None
         self.resumed_from = None if self._resume is None else (self._resume.converted_from or checkpoint)
         self._loop = _LoopTracker(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
         self._rng_restored = False
@@ -512,34 +515,39 @@ class ResumableTrainer(Trainer):
             self._exit_preempted()
         return output
 
-    def _resolve_checkpoint(self, resume_from_checkpoint: str | bool | os.PathLike | None) -> Path | None:
+    def _resolve_checkpoint(self, resume_from_checkpoint: str | bool | os.PathLike | None
+                            ) -> tuple[Path | None, VerifyReport | None]:
+        """The checkpoint to resume from, and the verification that chose it (handed to the open, so that a resume
+        verifies the checkpoint and reads its small files once)."""
         if resume_from_checkpoint in (None, False):
-            return None
+            return None, None
         output_dir = self.args.output_dir
         if resume_from_checkpoint is True or resume_from_checkpoint == "auto":
-            latest = find_latest_checkpoint(output_dir)
+            report = find_latest_verified(output_dir)
+            latest = None if report is None else Path(report.path)
             stock = newest_stock_checkpoint(output_dir)
             if stock is not None and (latest is None or stock.step > _step_of(latest)):
                 logger.info("The newest checkpoint under %s is %s, written by the stock transformers.Trainer.",
                             output_dir, stock.path)
-                return self._convert_stock_checkpoint(stock.path)
+                return self._convert_stock_checkpoint(stock.path), None
             if latest is None:
                 logger.info("No valid checkpoint under %s: starting a fresh run.", output_dir)
             else:
                 logger.info("Resuming from %s (newest checkpoint that verifies).", latest)
-            return latest
+            return latest, report
         if is_remote(resume_from_checkpoint):  # hf://user/repo[@rev][/path] or s3://bucket/run[/checkpoint-N]
             cache = Path(output_dir) / ".remote-resume"
             return resolve_resume_path(resume_from_checkpoint, cache_dir=cache, token=self.args.hub_token,
-                                       storage_options=self.storage_options)
+                                       storage_options=self.storage_options), None
         path = Path(resume_from_checkpoint)
         kind = classify_checkpoint_dir(path)
         if kind is CheckpointKind.STOCK:
-            return self._convert_stock_checkpoint(path)
+            return self._convert_stock_checkpoint(path), None
         if kind is not CheckpointKind.OURS:
             raise not_a_checkpoint_error(path, output_dir)
-        verify_checkpoint(path, full=self.checkpoint_verify == "full", raise_on_error=True)
-        return path
+        report = verify_checkpoint(path, full=self.checkpoint_verify == "full", raise_on_error=True,
+                                   keep=read_on_load(rank_and_world_size()[0]))
+        return path, report
 
     def _convert_stock_checkpoint(self, stock: Path) -> Path:
         """Convert a stock ``transformers.Trainer`` checkpoint under ``output_dir/.hf-resumable-converted``.
@@ -578,10 +586,10 @@ class ResumableTrainer(Trainer):
             with contextlib.suppress(OSError):
                 path.parent.rmdir()  # only when empty
 
-    def _open_checkpoint(self, path: Path) -> _Resume:
-        # Opened (verified and decoded) once here; the weights and optimizer are filled from this same object in
-        # _load_optimizer_and_scheduler, so a resume never verifies or hashes the checkpoint twice.
-        loaded = open_checkpoint(path, verify=self.checkpoint_verify)
+    def _open_checkpoint(self, path: Path, verified: VerifyReport | None = None) -> _Resume:
+        # Opened (decoded) once here, with the verification that found it; the weights and optimizer are filled from
+        # this same object in _load_optimizer_and_scheduler, so a resume never verifies, reads or hashes a file twice.
+        loaded = open_checkpoint(path, verify=self.checkpoint_verify, verified=verified)
         converted_from, self._converted_from = self._converted_from, None
         if converted_from is not None or loaded.extra.get("converted_from"):
             return _Resume(path=path, loaded=loaded, converted_from=converted_from or path)

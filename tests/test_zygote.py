@@ -1,0 +1,131 @@
+"""The test zygote (tests/zygote.py) behaves like a fresh ``python`` process where the suite relies on it.
+
+Every kill/restart test starts its processes through it, so what they prove holds only if a forked child is
+indistinguishable from ``subprocess.Popen([sys.executable, ...])`` in what they observe: its own pid that SIGKILL
+ends with -9, exit codes, output to files and pipes, the environment, cwd and argv given, atexit handlers and
+non-daemon threads at exit, fresh random seeds, and a hash seed that differs between two consecutive processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import zygote
+
+pytestmark = pytest.mark.skipif(not zygote._enabled(), reason="HF_RESUMABLE_TEST_ZYGOTE=0 turns the zygote off")
+
+PROBE = """
+import json, os, sys, random
+import numpy, torch
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "rank": os.environ.get("RANK"),
+                  "extra": os.environ.get("HFR_PROBE"), "path0": sys.path[0], "name": __name__,
+                  "hash": hash("hf_resumable"), "torch_seed": torch.initial_seed(),
+                  "numpy": int(numpy.random.randint(0, 2**31)), "random": random.random(),
+                  "pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0)}))
+"""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _warm():
+    """A zygote starts the second time an environment is asked for (the first is a plain subprocess)."""
+    for env in (dict(os.environ), {**os.environ, "PYTHONHASHSEED": "0"}):
+        for _ in range(3):
+            zygote.run([sys.executable, "-c", "pass"], env=env, check=True, timeout=300)
+
+
+def test_an_environment_seen_once_gets_a_plain_subprocess():
+    once = zygote.Popen([sys.executable, "-c", "pass"], env={**os.environ, "HF_HOME": "/nonexistent-once"})
+    assert type(once) is subprocess.Popen
+    assert once.wait(timeout=120) == 0
+
+
+def _probe(tmp_path: Path, *args: str, **env: str) -> dict:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    done = zygote.run([sys.executable, str(script), *args], env={**os.environ, **env}, cwd=tmp_path,
+                      capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_child_is_forked_and_sees_its_argv_env_and_cwd(tmp_path: Path):
+    first = _probe(tmp_path, "a", "--b", RANK="3", HFR_PROBE="x")
+    assert first["argv"] == [str(tmp_path / "probe.py"), "a", "--b"]
+    assert (first["cwd"], first["path0"], first["name"]) == (str(tmp_path), str(tmp_path), "__main__")
+    assert (first["rank"], first["extra"]) == ("3", "x")
+    assert first["ppid"] != os.getpid(), "not forked by a zygote: the zygote is not in use"
+    assert first["pgid"] not in (os.getpgid(0), os.getpgid(first["ppid"])), "signals to its group reach others"
+
+
+def test_consecutive_children_differ_in_every_seed_a_fresh_interpreter_draws(tmp_path: Path):
+    first, second = _probe(tmp_path), _probe(tmp_path)
+    for key in ("hash", "torch_seed", "numpy", "random"):
+        assert first[key] != second[key], key
+    pinned = [_probe(tmp_path, PYTHONHASHSEED="0")["hash"] for _ in range(2)]
+    assert pinned[0] == pinned[1] == _fresh_hash(tmp_path)
+
+
+def _fresh_hash(tmp_path: Path) -> int:
+    code = "print(hash('hf_resumable'))"
+    return int(subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": "0"},
+                              capture_output=True, text=True, check=True).stdout)
+
+
+def test_sigkill_exit_codes_and_files(tmp_path: Path):
+    log = tmp_path / "log"
+    script = tmp_path / "s.py"
+    script.write_text("import sys, time\nprint('started', flush=True)\nsys.stderr.write('err\\n')\n"
+                      "time.sleep(float(sys.argv[1]))\nsys.exit(int(sys.argv[2]))\n")
+    with open(log, "wb") as out:
+        quick = zygote.Popen([sys.executable, str(script), "0", "7"], stdout=out, stderr=subprocess.STDOUT)
+        assert isinstance(quick, zygote.Popen)
+        assert quick.wait(timeout=120) == 7
+        slow = zygote.Popen([sys.executable, str(script), "600", "0"], stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while log.read_text().count("started") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert slow.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            slow.wait(timeout=0.2)
+        os.kill(slow.pid, signal.SIGKILL)
+        assert slow.wait(timeout=30) == -signal.SIGKILL
+    assert log.read_text().count("started") == 2 and "err" in log.read_text()
+
+
+def test_normal_interpreter_exit_runs_atexit_and_joins_threads(tmp_path: Path):
+    script = tmp_path / "s.py"
+    script.write_text("import atexit, threading, time\natexit.register(lambda: print('atexit', flush=True))\n"
+                      "threading.Thread(target=lambda: (time.sleep(0.3), print('thread', flush=True))).start()\n"
+                      "raise ValueError('boom')\n")
+    done = zygote.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stdout.split() == ["thread", "atexit"]
+    assert "ValueError: boom" in done.stderr
+
+
+def test_sigterm_reaches_the_default_handler_and_module_runs(tmp_path: Path):
+    script = tmp_path / "s.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    proc = zygote.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "up\n"
+    proc.terminate()
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    proc.stdout.close()
+    module = zygote.run([sys.executable, "-m", "hf_resumable", "--version"], capture_output=True, text=True,
+                        timeout=120)
+    assert module.returncode == 0 and module.stdout.strip()
+
+
+def test_what_it_cannot_run_is_a_plain_subprocess():
+    for args in ([sys.executable, "-X", "dev", "-c", "pass"], ["true"], f"{sys.executable} -c pass"):
+        proc = zygote.Popen(args, shell=isinstance(args, str))
+        assert type(proc) is subprocess.Popen
+        assert proc.wait(timeout=120) == 0
