@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -118,3 +121,33 @@ def test_interpreter_exit_waits_for_the_save(tmp_path):
     )
     zygote.run([sys.executable, "-c", code], check=True)
     assert find_latest_checkpoint(tmp_path, full=True) == tmp_path / "checkpoint-1"
+
+
+def test_a_forked_child_does_not_wait_for_its_parents_save(tmp_path, monkeypatch):
+    """A child forked while a save is in flight (its writer thread stays in the parent) exits without waiting."""
+    gate = threading.Event()
+    real = _writer.write_safetensors
+
+    def gated(path, tensors, **kwargs):
+        assert gate.wait(30), "test gate never opened"
+        return real(path, tensors, **kwargs)
+
+    monkeypatch.setattr(_writer, "write_safetensors", gated)
+    model = torch.nn.Linear(4, 4)
+    save_checkpoint(tmp_path / "checkpoint-1", model=model, step=1, rng=False, blocking=False)
+    assert api._ASYNC.in_flight
+    pid = os.fork()
+    if pid == 0:  # the child: its interpreter exit (atexit waits for pending saves) must not hang
+        code = 0 if not api._ASYNC.in_flight else 3
+        wait_for_pending_saves()
+        os._exit(code)
+    deadline = time.monotonic() + 20
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:  # still waiting: it hung on a save it does not own
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    gate.set()
+    wait_for_pending_saves()
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
+    assert (tmp_path / "checkpoint-1" / "manifest.json").exists()

@@ -333,6 +333,7 @@ class _SaveJob:
         self.target, self._payload, self._overwrite, self._group = target, payload, overwrite, group
         self._step, self._metrics, self._on_commit = step, metrics, on_commit
         self._prepare, self._finalize = prepare, finalize
+        self.pid = os.getpid()  # a forked child does not own its parent's save (nor the thread writing it)
         self._started = threading.Event()  # step 1 is over (start_error says how)
         self._staged = threading.Event()  # the training thread's copy is over (staging_error says how)
         self.done = threading.Event()
@@ -468,14 +469,15 @@ class AsyncSaver:
 
     @property
     def in_flight(self) -> bool:
-        return self._job is not None and not self._job.done.is_set()
+        job = self._job
+        return job is not None and job.pid == os.getpid() and not job.done.is_set()
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed; raise its error if it failed."""
         from ..errors import AsyncSaveError
 
         job, self._job = self._job, None
-        if job is None:
+        if job is None or job.pid != os.getpid():  # nothing in flight, or the parent's save (this is a forked child)
             return
         job.done.wait()
         if job.error is not None:
