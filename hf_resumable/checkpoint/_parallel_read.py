@@ -21,11 +21,13 @@ rotational is either a hard disk (where concurrent reads at several offsets seek
 or a virtual disk that does not say what is behind it (virtio-blk reports 1 whatever backs it; the one this
 project is measured on read 1 GiB at 0.76x the speed of one stream with four, when nothing else used it, and
 faster with four while other jobs read from the same host). So there the files are read front to back, one
-after the other, and the number of streams is measured on the first bytes read (:func:`_probe`: 32 MiB at
-one stream and 32 MiB at ``READ_WORKERS``, twice each), and the faster is kept for the rest. A read of fewer
+after the other, and the number of streams is measured on the first bytes read (:func:`_probe`: 16 MiB at
+one stream and 32 MiB at ``READ_WORKERS``, twice each), and the faster is kept for the rest: at most 64 MiB
+(6 % of a 1 GiB load) are read the slower way. A read of fewer
 than 256 MiB from such a disk uses one stream. ``HF_RESUMABLE_READ_STREAMS=<n>`` (or ``read_files(workers=n)``)
 fixes the number. Either way the pages of new destinations are faulted in ahead of the reads on one more
-thread, and hashing runs in the reading threads (xxh3 at about 10 GiB/s per core).
+thread. Several streams hash in the reading threads (xxh3 at about 10 GiB/s per core); files read front to
+back are hashed on a thread of their own, so the one thread reading does nothing but read.
 
 A file may also come from memory (:attr:`FileRead.data`: bytes a verification already hashed and kept), and a
 file that verification hashed but did not keep is checked to be the very file it hashed before it is read
@@ -39,6 +41,7 @@ import functools
 import hashlib
 import logging
 import os
+import queue as _queue
 import sys
 import threading
 import time
@@ -65,7 +68,8 @@ READ_WORKERS = 4
 CHUNK_BYTES = 8 * 1024 * 1024
 # New destinations smaller than this in all are faulted in by the readers themselves (no prefault thread).
 PREFAULT_MIN_BYTES = 1024 * 1024
-# A disk that reports itself rotational is measured: this many bytes at one stream and at READ_WORKERS, twice each.
+# A disk that reports itself rotational is measured: this many bytes at READ_WORKERS streams and half as many at
+# one stream, twice each.
 PROBE_BYTES = 32 * 1024 * 1024
 # Reads of fewer bytes from disk are not measured (a rotational disk reads them with one stream).
 PROBE_MIN_BYTES = 8 * PROBE_BYTES
@@ -383,15 +387,25 @@ class _Gate:
             self.cond.wait_for(lambda: self.active <= limit or self.finished())
 
 
+def _hash_in_order(hashes: _queue.SimpleQueue) -> None:
+    """Feed the checksums of the chunks put on ``hashes`` (``(file state, chunk index)``; ``None`` ends)."""
+    while (item := hashes.get()) is not None:
+        state, index = item
+        state.completed(index)
+
+
 def _probe(gate: _Gate, streams: int) -> int:
-    """Measure one stream against ``streams`` while the readers run (``PROBE_BYTES`` each, in the order 1, n, n, 1
-    after one chunk of warm-up, so a steady drift of the disk's speed favours neither), then keep the faster."""
+    """Measure one stream against ``streams`` while the readers run, in the order 1, n, n, 1 after one chunk of
+    warm-up (so a steady drift of the disk's speed favours neither), then keep the faster. ``streams`` read
+    ``PROBE_BYTES`` per turn (four chunks in flight at once), one stream half as much: the slower choice costs
+    the least."""
     gate.wait(lambda: gate.done > 0)
     rates: dict[int, list[float]] = {1: [], streams: []}
     for limit in (1, streams, streams, 1):
         gate.set_limit(limit)
         start, before = time.perf_counter(), gate.done
-        gate.wait(lambda: gate.done - before >= PROBE_BYTES)
+        amount = PROBE_BYTES if limit > 1 else PROBE_BYTES // 2
+        gate.wait(lambda: gate.done - before >= amount)
         if gate.finished():
             return streams
         rates[limit].append((gate.done - before) / max(time.perf_counter() - start, 1e-9))
@@ -426,6 +440,10 @@ def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes
     states = [_FileState(read, chunks) for read, chunks in zip(reads, files)]
     sequential = choice.probe or choice.streams == 1
     queue = [chunk for chunks in files for chunk in chunks] if sequential else interleave(files)
+    # One stream of reads keeps the disk busy only if its thread does nothing else: its chunks are hashed on a
+    # thread of their own. Several streams hash in whichever thread completes the next chunk.
+    hashes: _queue.SimpleQueue | None = (_queue.SimpleQueue() if sequential and any(st.digest for st in states)
+                                         else None)
     readers = max(1, min(choice.streams, len(queue)))
     gate = _Gate(1 if choice.probe else readers, readers)
     cursor = iter(range(len(queue)))
@@ -447,7 +465,10 @@ def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes
             else:
                 _pread_into(state.file.fileno(), chunk, state.read.path)
                 nbytes = len(chunk.view)
-            state.completed(chunk.index)
+            if hashes is not None:
+                hashes.put((state, chunk.index))
+            else:
+                state.completed(chunk.index)
         except BaseException as err:  # noqa: BLE001 - re-raised by the calling thread
             with lock:
                 errors.append(err)
@@ -471,6 +492,9 @@ def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes
                 state.file = open_regular(state.read.path, buffering=0)
                 if state.read.check is not None:
                     state.read.check(os.fstat(state.file.fileno()))
+        if hashes is not None:
+            threads.append(threading.Thread(target=_hash_in_order, args=(hashes,), name="hf_resumable-hash",
+                                            daemon=True))
         if sum(len(chunk.view) for chunk in queue if chunk.new) >= PREFAULT_MIN_BYTES:
             threads.append(threading.Thread(target=_prefault, args=(queue, stop), name="hf_resumable-prefault",
                                             daemon=True))
@@ -486,6 +510,8 @@ def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes
             work()
     finally:
         stop.set()
+        if hashes is not None:
+            hashes.put(None)
         for thread in threads:
             if thread.ident is not None:
                 thread.join()
