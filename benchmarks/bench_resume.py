@@ -11,9 +11,13 @@
     turns, one optimizer step each (ResumableTrainer, Trainer, ResumableTrainer, ...), so consecutive steps of the
     pair see the same machine state; a step's cost is the process CPU time (``time.process_time``, one torch
     thread) from the moment it gets its turn to its ``on_step_end``, the other trainer being blocked meanwhile.
-    The overhead is the median of the per-pair ratios (ours / upstream - 1) with a bootstrap 95 % confidence
-    interval of that median; the same for a plain accelerate loop with ``accelerate.Accelerator`` against
-    ``ResumableAccelerator`` (two generators stepped alternately).
+    The same for a plain accelerate loop with ``accelerate.Accelerator`` against ``ResumableAccelerator`` (two
+    generators stepped alternately). This runs in ``--lockstep-runs`` separate processes; in every other one the
+    upstream side is built first and takes the first turn. The overhead is the median of the per-pair ratios
+    (ours / upstream - 1) of all processes, with a 95 % interval from a two-stage bootstrap (processes resampled,
+    then pairs within each): the same code measured against itself in two fresh processes differs by up to
+    about 1.5 % for the whole process (where its tensors land in memory, which side was built first), which a
+    bootstrap of the pairs of one process would report as a measured overhead.
 (c) End to end, a large map-style run: process start -> first resumed optimizer step of a Llama-shaped model
     whose checkpoint (weights + AdamW state) is about 1 GiB, ResumableTrainer (open, verify, hash-checked
     load) against the stock Trainer (``model.safetensors`` + ``torch.load`` of its optimizer/scheduler/RNG
@@ -25,7 +29,7 @@
 Usage:
     python benchmarks/bench_resume.py [--repeats 3] [--steps 10 100 1000] [--out bench_out/resume]
     python benchmarks/bench_resume.py --only e2e --repeats 5
-    python benchmarks/bench_resume.py --only lockstep --lockstep-steps 400
+    python benchmarks/bench_resume.py --only lockstep --lockstep-steps 400 --lockstep-runs 6
 
 Prints a markdown table. Each measured run is its own process, started by this script.
 """
@@ -233,15 +237,18 @@ class _Turns:
             self.condition.notify_all()
 
 
-def _lockstep_trainers(output_dir: str, steps: int) -> dict[str, list[float]]:
-    """CPU time of every optimizer step of both trainers, run in two threads that take strict turns."""
+def _lockstep_trainers(output_dir: str, steps: int, *, ours_first: bool = True) -> dict[str, list[float]]:
+    """CPU time of every optimizer step of both trainers, run in two threads that take strict turns.
+
+    ``ours_first``: ResumableTrainer is built first and takes the first turn of every pair (else transformers.Trainer).
+    """
     import threading
 
     import torch
     from transformers import TrainerCallback
 
     torch.set_num_threads(1)
-    names = ["resumable", "stock"]
+    names = ["resumable", "stock"] if ours_first else ["stock", "resumable"]
     turns = _Turns(names)
     costs: dict[str, list[float]] = {name: [] for name in names}
 
@@ -307,12 +314,13 @@ def _accelerate_steps(kind: str, output_dir: str, *, steps: int):
     accelerator.free_memory()
 
 
-def _lockstep_accelerators(output_dir: str, steps: int) -> dict[str, list[float]]:
+def _lockstep_accelerators(output_dir: str, steps: int, *, ours_first: bool = True) -> dict[str, list[float]]:
+    """CPU time of every optimizer step of both accelerate loops, stepped alternately (``ours_first`` as above)."""
     import torch
 
     torch.set_num_threads(1)
-    loops = {kind: _accelerate_steps(kind, f"{output_dir}/{kind}-lockstep", steps=steps)
-             for kind in ("resumable_accelerate", "accelerate")}
+    kinds = ("resumable_accelerate", "accelerate") if ours_first else ("accelerate", "resumable_accelerate")
+    loops = {kind: _accelerate_steps(kind, f"{output_dir}/{kind}-lockstep", steps=steps) for kind in kinds}
     costs: dict[str, list[float]] = {kind: [] for kind in loops}
     for _ in range(steps):
         for kind, loop in loops.items():
@@ -323,42 +331,68 @@ def _lockstep_accelerators(output_dir: str, steps: int) -> dict[str, list[float]
 
 
 def _lockstep(options: argparse.Namespace) -> None:
-    costs = _lockstep_trainers(options.output_dir, options.stop_at)
-    costs.update(_lockstep_accelerators(options.output_dir, options.stop_at))
+    # In lockstep mode --kind says whose model is built first and who takes the first turn of each pair.
+    ours_first = options.kind != "stock"
+    costs = _lockstep_trainers(options.output_dir, options.stop_at, ours_first=ours_first)
+    costs.update(_lockstep_accelerators(options.output_dir, options.stop_at, ours_first=ours_first))
     Path(options.report).write_text(json.dumps(costs))
 
 
-def _paired_overhead(ours: list[float], theirs: list[float], *, warmup: int = 10, resamples: int = 2000,
-                     seed: int = 0) -> tuple[float, float, float, float, float, int]:
-    """Median per-step cost of each, the median of the paired overheads (%) and its bootstrap 95 % interval."""
+def _pair_ratios(ours: list[float], theirs: list[float], warmup: int = 10) -> list[float]:
+    """Per-pair overheads (%) of one run, warm-up steps dropped."""
+    return [(a / b - 1) * 100 for a, b in zip(ours[warmup:], theirs[warmup:]) if b > 0]
+
+
+def _paired_overhead(runs: list[tuple[list[float], list[float]]], *, warmup: int = 10, resamples: int = 2000,
+                     seed: int = 0) -> dict[str, object]:
+    """Median per-step cost of each, the median of the paired overheads (%) pooled over runs, and its 95 % interval.
+
+    The interval is a two-stage bootstrap: runs are resampled, then pairs within each drawn run, so a difference
+    that holds for a whole process (where its tensors landed in memory, which model was built first) widens the
+    interval instead of passing for a measured overhead.
+    """
     import random
 
-    pairs = list(zip(ours[warmup:], theirs[warmup:]))
-    ratios = [(a / b - 1) * 100 for a, b in pairs if b > 0]
+    per_run = [_pair_ratios(ours, theirs, warmup) for ours, theirs in runs]
     rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
-    low, high = medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
-    return (statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs),
-            statistics.median(ratios), low, high, len(ratios))
+    medians = []
+    for _ in range(resamples):
+        pooled: list[float] = []
+        for ratios in rng.choices(per_run, k=len(per_run)):
+            pooled += rng.choices(ratios, k=len(ratios))
+        medians.append(statistics.median(pooled))
+    medians.sort()
+    return {"ours": statistics.median(a for ours, _ in runs for a in ours[warmup:]),
+            "theirs": statistics.median(b for _, theirs in runs for b in theirs[warmup:]),
+            "median": statistics.median([r for ratios in per_run for r in ratios]),
+            "low": medians[int(0.025 * resamples)], "high": medians[int(0.975 * resamples) - 1],
+            "pairs": sum(len(r) for r in per_run), "run_medians": [statistics.median(r) for r in per_run]}
 
 
-def measure_lockstep(out: Path, steps: int) -> dict[str, list[float]]:
-    report = out / "lockstep.json"
-    _spawn("resumable", "lockstep", out / "lockstep", steps, report)
-    return json.loads(report.read_text())
+def measure_lockstep(out: Path, steps: int, runs: int) -> list[dict[str, list[float]]]:
+    """``runs`` lockstep processes; ours is built first and moves first in even runs, upstream in odd ones."""
+    results = []
+    for run in range(runs):
+        report = out / f"lockstep-{run}.json"
+        _spawn("resumable" if run % 2 == 0 else "stock", "lockstep", out / f"lockstep-{run}", steps, report)
+        results.append(json.loads(report.read_text()))
+        print(f"  lockstep run {run + 1}/{runs} done", file=sys.stderr)
+    return results
 
 
-def _print_lockstep(costs: dict[str, list[float]]) -> None:
-    steps = len(costs["stock"])
-    print(f"\n### (d) CPU time per optimizer step, lockstep pairs ({steps} steps each, first 10 dropped, "
-          "1 torch thread)\n")
-    print("| pair | ours | upstream | overhead (median of pairs) | 95 % interval | pairs |\n|---|---|---|---|---|---|")
+def _print_lockstep(runs: list[dict[str, list[float]]]) -> None:
+    steps = len(runs[0]["stock"])
+    print(f"\n### (d) CPU time per optimizer step, lockstep pairs ({len(runs)} processes x {steps} steps each, "
+          "first 10 dropped, 1 torch thread; who goes first alternates between processes)\n")
+    print("| pair | ours | upstream | overhead (median of pairs) | 95 % interval (runs and pairs resampled) | pairs "
+          "| per-process medians |\n|---|---|---|---|---|---|---|")
     for label, ours, theirs in (("ResumableTrainer vs transformers.Trainer", "resumable", "stock"),
                                 ("ResumableAccelerator vs accelerate.Accelerator", "resumable_accelerate",
                                  "accelerate")):
-        a, b, median, low, high, n = _paired_overhead(costs[ours], costs[theirs])
-        print(f"| {label} | {a * 1e3:.2f} ms | {b * 1e3:.2f} ms | {median:+.2f} % | {low:+.2f} % .. {high:+.2f} % "
-              f"| {n} |")
+        r = _paired_overhead([(run[ours], run[theirs]) for run in runs])
+        per_process = ", ".join(f"{m:+.2f}" for m in r["run_medians"])
+        print(f"| {label} | {r['ours'] * 1e3:.2f} ms | {r['theirs'] * 1e3:.2f} ms | {r['median']:+.2f} % | "
+              f"{r['low']:+.2f} % .. {r['high']:+.2f} % | {r['pairs']} | {per_process} |")
     print("\nTarget: <= 1 %.")
 
 
@@ -462,7 +496,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--data", choices=["stream", "big"], default="stream", help=argparse.SUPPRESS)
     parser.add_argument("--only", choices=["resume", "steady", "e2e", "lockstep"], default=None)
-    parser.add_argument("--lockstep-steps", type=int, default=400, help="steps per trainer in the lockstep run (d)")
+    parser.add_argument("--lockstep-steps", type=int, default=400, help="steps per trainer in each lockstep run (d)")
+    parser.add_argument("--lockstep-runs", type=int, default=4,
+                        help="lockstep processes (d); who goes first alternates, so an even number")
     parser.add_argument("--out", default=None, help="work directory (default: a temporary one)")
     options = parser.parse_args()
     if options.child:
@@ -475,7 +511,7 @@ def main() -> None:
     if options.only in (None, "steady"):
         _print_steady(measure_steady(out, 4 * max(options.repeats, 3)))
     if options.only in (None, "lockstep"):
-        _print_lockstep(measure_lockstep(out, options.lockstep_steps))
+        _print_lockstep(measure_lockstep(out, options.lockstep_steps, options.lockstep_runs))
     if options.only in (None, "e2e"):
         _print_e2e(measure_e2e(out, options.repeats), options.repeats)
 
