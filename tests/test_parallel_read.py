@@ -70,14 +70,15 @@ def _flip(path, offset_from_end):
         f.write(bytes([byte[0] ^ 0x10]))
 
 
-def test_a_flipped_byte_anywhere_is_found_and_staged_destinations_stay_untouched(files):
+@pytest.mark.parametrize("workers", [1, 4])  # one stream hashes on a thread of its own, several in the readers
+def test_a_flipped_byte_anywhere_is_found_and_staged_destinations_stay_untouched(files, workers):
     records = [hash_file(p) for p in files]
     _flip(files[1], 2000)
     cast = torch.zeros(300, 7, dtype=torch.float64)
     reads = [FileRead(p, read_header(p), r, {"a0": cast} if i == 0 else {}) for i, (p, r) in
              enumerate(zip(files, records))]
     with pytest.raises(CorruptCheckpointError, match=r"f1\.safetensors: xxh3-128 is"):
-        read_files(reads, workers=4, chunk_bytes=256)
+        read_files(reads, workers=workers, chunk_bytes=256)
     assert not cast.any()  # file 0 was fine, but nothing is copied into a staged destination before every check
 
 
@@ -86,8 +87,9 @@ def test_records_without_xxh3_are_checked_by_sha256(files):
     reads = [FileRead(p, read_header(p), r) for p, r in zip(files, old)]
     assert len(read_files(reads, chunk_bytes=512)) == len(TENSORS) * 3
     _flip(files[2], 10)
-    with pytest.raises(CorruptCheckpointError, match="sha256 is"):
-        read_files([FileRead(p, read_header(p), r) for p, r in zip(files, old)], chunk_bytes=512)
+    for workers in (1, 4):
+        with pytest.raises(CorruptCheckpointError, match="sha256 is"):
+            read_files([FileRead(p, read_header(p), r) for p, r in zip(files, old)], workers=workers, chunk_bytes=512)
 
 
 def test_a_file_truncated_after_its_header_was_read(files):
