@@ -17,11 +17,17 @@ For a Llama-shaped model + AdamW state of about 1 GiB, each repetition measures:
   table shows whether the choice is right here,
 - the same load into a model and optimizer that exist with state (in place, into memory already there).
 
+Every load is paired: the same process reads the same files raw (one stream, into a reused 16 MiB buffer) just
+before and just after it, and its ratio is the mean of those two raw reads over the load; the table reports the
+median of these per-load ratios, with their range. (This VM's disk drifts by up to 2x within a minute, so a
+ratio of medians taken minutes apart compares two different disks.) A raw read into new memory (the first touch
+of its pages included, which a fresh process's load cannot avoid) is paired the same way, for reference.
+
 Caches are dropped before every write and cold read when the process may write ``/proc/sys/vm/drop_caches``.
 Prints a markdown table of medians and the ratios the targets are stated in.
 
 Usage:
-    python benchmarks/bench_checkpoint.py --repeats 5 [--dir /path/on/the/disk/to/test]
+    python benchmarks/bench_checkpoint.py --repeats 7 [--dir /path/on/the/disk/to/test]
 """
 
 from __future__ import annotations
@@ -126,9 +132,23 @@ def raw_read_parallel(directory: Path, workers: int = 4) -> float:
     return time.perf_counter() - start
 
 
-def fresh_process_load(directory: Path, streams: int | None = None) -> float:
+def raw_read_new_memory(directory: Path) -> float:
+    """Cold read of every file into memory allocated for it (the first touch of new pages included), one stream."""
+    start = time.perf_counter()
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            view = memoryview(torch.empty(path.stat().st_size, dtype=torch.uint8).numpy())
+            with open(path, "rb", buffering=0) as f:
+                done = 0
+                while n := f.readinto(view[done : done + (16 << 20)]):
+                    done += n
+    return time.perf_counter() - start
+
+
+def fresh_process_load(directory: Path, streams: int | None = None) -> dict[str, float]:
     """``load_checkpoint`` timed inside a new process that first builds the model and an AdamW without state
-    (reading with ``streams`` read streams; default: the choice for this disk)."""
+    (reading with ``streams`` read streams; default: the choice for this disk), between two raw cold reads of the
+    same files in the same process (the paired baseline), and a raw read into new memory after it."""
     drop_caches()
     env = dict(os.environ)
     env.pop(READ_STREAMS_ENV, None)
@@ -137,9 +157,9 @@ def fresh_process_load(directory: Path, streams: int | None = None) -> float:
     out = subprocess.run([sys.executable, __file__, "--fresh-load", str(directory)], check=True,
                          capture_output=True, text=True, env=env).stdout
     result = json.loads(out.strip().splitlines()[-1])
-    for message in result["probe"]:
+    for message in result.pop("probe"):
         print(f"  fresh-process load ({streams or 'default'} streams): {message}", file=sys.stderr)
-    return result["load_s"]
+    return result
 
 
 def _fresh_load_child(directory: str) -> None:
@@ -151,12 +171,20 @@ def _fresh_load_child(directory: str) -> None:
     probe = _ProbeLog()
     logging.getLogger("hf_resumable.checkpoint._parallel_read").addHandler(probe)
     logging.getLogger("hf_resumable.checkpoint._parallel_read").setLevel(logging.DEBUG)
+    buffer = bytearray(16 << 20)
+    drop_caches()
+    raw_before = raw_read(Path(directory), buffer)
     drop_caches()
     start = time.perf_counter()
     load_checkpoint(directory, model=model, optimizer=optimizer, scheduler=schedule(optimizer))
     elapsed = time.perf_counter() - start
     assert optimizer.state, "the optimizer state was not loaded"
-    print(json.dumps({"load_s": elapsed, "probe": probe.messages}))
+    drop_caches()
+    raw_after = raw_read(Path(directory), buffer)
+    drop_caches()
+    raw_new = raw_read_new_memory(Path(directory))
+    print(json.dumps({"load_s": elapsed, "raw_before": raw_before, "raw_after": raw_after, "raw_new": raw_new,
+                      "probe": probe.messages}))
 
 
 class _ProbeLog(logging.Handler):
@@ -186,7 +214,12 @@ def main() -> None:
     can_drop = drop_caches()
     results: dict[str, list[float]] = {k: [] for k in ("raw_write", "save", "async_stall", "async_total", "stock",
                                                        "raw_read", "raw_read_parallel", "load_fresh",
-                                                       "load_fresh_1", "load_fresh_n", "load")}
+                                                       "load_fresh_1", "load_fresh_n", "load",
+                                                       "raw_read_new")}
+    # Each load's ratio to the raw cold reads of the same files just before and after it, in the same process:
+    # this disk's speed drifts by up to 2x within a minute, so unpaired medians compare different disks.
+    paired: dict[str, list[float]] = {k: [] for k in ("load_fresh", "load_fresh_1", "load_fresh_n", "load",
+                                                      "raw_read_new")}
     choice = read_streams([root])
     fixed = {"load_fresh": None, "load_fresh_1": 1, "load_fresh_n": READ_WORKERS}
     # Warm-up: allocate the async staging buffers once (they are reused afterwards, as in training).
@@ -221,23 +254,35 @@ def main() -> None:
         results["raw_read_parallel"].append(raw_read_parallel(root / f"checkpoint-{rep}"))
         order = list(fixed)[rep % 3:] + list(fixed)[:rep % 3]  # each variant first, second and third in turn
         for key in order:
-            results[key].append(fresh_process_load(root / f"checkpoint-{rep}", fixed[key]))
+            run = fresh_process_load(root / f"checkpoint-{rep}", fixed[key])
+            baseline = (run["raw_before"] + run["raw_after"]) / 2
+            results[key].append(run["load_s"])
+            paired[key].append(baseline / run["load_s"])
+            if key == "load_fresh":
+                results["raw_read_new"].append(run["raw_new"])
+                paired["raw_read_new"].append(baseline / run["raw_new"])
+        drop_caches()
+        before = raw_read(root / f"checkpoint-{rep}", read_buffer)
         drop_caches()
         start = time.perf_counter()
         load_checkpoint(root / f"checkpoint-{rep}", model=fresh_model, optimizer=fresh_optimizer,
                         scheduler=schedule(fresh_optimizer))
         results["load"].append(time.perf_counter() - start)
+        drop_caches()
+        paired["load"].append((before + raw_read(root / f"checkpoint-{rep}", read_buffer)) / 2 / results["load"][-1])
         shutil.rmtree(root / f"checkpoint-{rep}")
         print(f"  repeat {rep}: " + ", ".join(f"{key} {values[-1]:.3f}" for key, values in results.items()),
               file=sys.stderr)
     shutil.rmtree(root, ignore_errors=True)
-    report(results, nbytes, args.repeats, can_drop, choice.reason)
+    report(results, paired, nbytes, args.repeats, can_drop, choice.reason)
     print(f"\nload average (1 min) of the machine: {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the "
           f"end ({os.cpu_count()} cores)")
 
 
-def report(results: dict[str, list[float]], nbytes: int, repeats: int, can_drop: bool, streams: str) -> None:
+def report(results: dict[str, list[float]], paired: dict[str, list[float]], nbytes: int, repeats: int,
+           can_drop: bool, streams: str) -> None:
     med = {k: statistics.median(v) for k, v in results.items()}
+    pair = {k: f"{statistics.median(v):.2f}x raw read (paired; {min(v):.2f}..{max(v):.2f})" for k, v in paired.items()}
     gbps = {k: nbytes / v / 1e9 for k, v in med.items()}
     from hf_resumable.checkpoint._staging import COPY_KIND
 
@@ -257,14 +302,15 @@ def report(results: dict[str, list[float]], nbytes: int, repeats: int, can_drop:
         ("raw cold read (limit)", "raw_read", "1.00x", ""),
         ("raw cold read, 4 threads (parallel limit)", "raw_read_parallel",
          f"{med['raw_read'] / med['raw_read_parallel']:.2f}x raw read", ""),
+        ("raw cold read into new memory (first touch of the pages included)", "raw_read_new",
+         pair["raw_read_new"], ""),
         (f"hf_resumable resume in a fresh process (model + new AdamW state, hash-checked; read streams: {streams})",
-         "load_fresh", f"{med['raw_read'] / med['load_fresh']:.2f}x raw read", ">= 0.9x"),
-        ("the same, 1 read stream (HF_RESUMABLE_READ_STREAMS=1)", "load_fresh_1",
-         f"{med['raw_read'] / med['load_fresh_1']:.2f}x raw read", ""),
+         "load_fresh", pair["load_fresh"], ">= 0.9x"),
+        ("the same, 1 read stream (HF_RESUMABLE_READ_STREAMS=1)", "load_fresh_1", pair["load_fresh_1"], ""),
         (f"the same, {READ_WORKERS} read streams (HF_RESUMABLE_READ_STREAMS={READ_WORKERS})", "load_fresh_n",
-         f"{med['raw_read'] / med['load_fresh_n']:.2f}x raw read", ""),
-        ("hf_resumable load in place (model + existing AdamW state, hash-checked)", "load",
-         f"{med['raw_read'] / med['load']:.2f}x raw read", ">= 0.9x"),
+         pair["load_fresh_n"], ""),
+        ("hf_resumable load in place (model + existing AdamW state, hash-checked)", "load", pair["load"],
+         ">= 0.9x"),
     ]
     for label, key, ratio, target in rows:
         print(f"| {label} | {med[key]:.3f} | {gbps[key]:.2f} | {ratio} | {target} |")
