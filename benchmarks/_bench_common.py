@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 
 
@@ -14,3 +15,40 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+def throttle_reads(directory: str, mib_per_s: int) -> str:
+    """Cap this process's (and its children's) reads from the disk under ``directory`` at ``mib_per_s`` MiB/s.
+
+    A disk of known, steady speed: a VM's virtual disk is served partly from its host's cache, so its speed drifts
+    by 2x within a minute and a ratio against a raw read measured seconds earlier means little. Uses the cgroup
+    v1 ``blkio`` throttle (needs root); raises ``RuntimeError`` saying why where that is not possible. Returns the
+    device rule written (``major:minor bytes_per_s``).
+    """
+    root = "/sys/fs/cgroup/blkio"
+    if not os.path.isdir(root):
+        raise RuntimeError(f"--throttle-read-mibps needs the cgroup v1 blkio controller at {root}")
+    device = os.stat(directory).st_dev
+    major, minor = os.major(device), os.minor(device)
+    sys_dev = f"/sys/dev/block/{major}:{minor}"
+    if os.path.exists(f"{sys_dev}/partition"):  # the throttle applies to whole disks: use the partition's disk
+        with open(f"{os.path.realpath(sys_dev)}/../dev") as f:
+            major, minor = (int(x) for x in f.read().split(":"))
+    group = f"{root}/hf_resumable_bench_{os.getpid()}"
+    os.makedirs(group, exist_ok=True)
+    rule = f"{major}:{minor} {mib_per_s << 20}"
+    with open(f"{group}/blkio.throttle.read_bps_device", "w") as f:
+        f.write(rule)
+    with open(f"{group}/cgroup.procs", "w") as f:
+        f.write(str(os.getpid()))
+    atexit.register(_leave_group, root, group)
+    return rule
+
+
+def _leave_group(root: str, group: str) -> None:
+    try:
+        with open(f"{root}/cgroup.procs", "w") as f:
+            f.write(str(os.getpid()))
+        os.rmdir(group)
+    except OSError:
+        pass

@@ -467,9 +467,9 @@ def measure_e2e(out: Path, repeats: int) -> dict[str, dict[str, float]]:
             record = results.setdefault(kind, {"total": [], "load": [], "raw": [], "load_ratio": []})
             record["total"].append(first["first_step_unix"] - start)
             record["load"].append(load)
-            # The raw reads of the same files just before and just after this process, the paired baseline: this
-            # disk's speed drifts by up to 2x within a minute.
-            record["raw"].append((raw_before + raw_after) / 2)
+            # The faster of the raw reads of the same files just before and just after this process, the paired
+            # baseline: this disk's speed drifts by up to 2x within a minute.
+            record["raw"].append(min(raw_before, raw_after))
             record["load_ratio"].append(load / record["raw"][-1])
             parts = ", ".join(f"{name.strip('_')} {t:.3f}" for name, t in methods.items() if t >= 5e-4)
             print(f"  e2e {kind:9s}: first step after {record['total'][-1]:.2f} s, load {load:.3f} s ({parts}), raw "
@@ -528,7 +528,7 @@ def _print_e2e(e2e: dict[str, dict[str, float]], repeats: int) -> None:
     print(f"\n### (c) Process start -> first resumed optimizer step, Llama-shaped model + AdamW (checkpoint "
           f"{sizes['resumable'] / 2**30:.2f} GiB ours, {sizes['stock'] / 2**30:.2f} GiB stock; median of {repeats}, "
           "page cache dropped)\n")
-    print("| trainer | start -> first resumed step | checkpoint load | raw cold read (before and after) "
+    print("| trainer | start -> first resumed step | checkpoint load | raw cold read (faster of before and after) "
           "| load / raw read (median of pairs) |")
     print("|---|---|---|---|---|")
     for kind, label in (("resumable", "ResumableTrainer"), ("stock", "transformers.Trainer")):
