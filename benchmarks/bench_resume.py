@@ -28,7 +28,7 @@
 
 Usage:
     python benchmarks/bench_resume.py [--repeats 3] [--steps 10 100 1000] [--out bench_out/resume]
-    python benchmarks/bench_resume.py --only e2e --repeats 5
+    python benchmarks/bench_resume.py --only e2e --repeats 5 [--throttle-read-mibps 400]
     python benchmarks/bench_resume.py --only lockstep --lockstep-steps 400 --lockstep-runs 6
 
 Prints a markdown table. Each measured run is its own process, started by this script.
@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _bench_common import drop_caches
+from _bench_common import drop_caches, throttle_reads
 
 MAP_COST_S = 0.001  # per-example cost of the streaming .map
 BATCH = 4
@@ -507,12 +507,18 @@ def main() -> None:
     parser.add_argument("--lockstep-runs", type=int, default=4,
                         help="lockstep processes (d); who goes first alternates, so an even number")
     parser.add_argument("--out", default=None, help="work directory (default: a temporary one)")
+    parser.add_argument("--throttle-read-mibps", type=int, default=None,
+                        help="cap reads from the disk at this many MiB/s, for this process and its children (a disk "
+                             "of steady speed; cgroup v1, root)")
     options = parser.parse_args()
     if options.child:
         _child(options)
         return
     out = Path(options.out or tempfile.mkdtemp(prefix="bench_resume_"))
     out.mkdir(parents=True, exist_ok=True)
+    if options.throttle_read_mibps:
+        rule = throttle_reads(str(out), options.throttle_read_mibps)
+        print(f"reads throttled to {options.throttle_read_mibps} MiB/s (blkio rule {rule}; writes not throttled)")
     if options.only in (None, "resume"):
         _print_resume(measure_resume(out, options.steps, options.repeats), options)
     if options.only in (None, "steady"):
