@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 import torch
-from _bench_common import drop_caches, throttle_reads
+from _bench_common import drop_caches, raw_read, throttle_reads
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_resumable.checkpoint import load_checkpoint, save_checkpoint, wait_for_pending_saves
@@ -86,17 +86,6 @@ def raw_write(path: Path, buffer: memoryview) -> float:
         os.write(fd, buffer[offset : offset + (16 << 20)])
     os.fsync(fd)
     os.close(fd)
-    return time.perf_counter() - start
-
-
-def raw_read(directory: Path, buffer: bytearray) -> float:
-    view = memoryview(buffer)
-    start = time.perf_counter()
-    for path in sorted(directory.rglob("*")):
-        if path.is_file():
-            with open(path, "rb", buffering=0) as f:
-                while f.readinto(view[: 16 << 20]):
-                    pass
     return time.perf_counter() - start
 
 
@@ -137,19 +126,6 @@ def raw_read_parallel(directory: Path, workers: int = 4) -> float:
     return time.perf_counter() - start
 
 
-def raw_read_new_memory(directory: Path) -> float:
-    """Cold read of every file into memory allocated for it (the first touch of new pages included), one stream."""
-    start = time.perf_counter()
-    for path in sorted(directory.rglob("*")):
-        if path.is_file():
-            view = memoryview(torch.empty(path.stat().st_size, dtype=torch.uint8).numpy())
-            with open(path, "rb", buffering=0) as f:
-                done = 0
-                while n := f.readinto(view[done : done + (16 << 20)]):
-                    done += n
-    return time.perf_counter() - start
-
-
 def fresh_process_load(directory: Path, streams: int | None = None) -> dict[str, float]:
     """``load_checkpoint`` timed inside a new process that first builds the model and an AdamW without state
     (reading with ``streams`` read streams; default: the choice for this disk), between two raw cold reads of the
@@ -187,7 +163,7 @@ def _fresh_load_child(directory: str) -> None:
     drop_caches()
     raw_after = raw_read(Path(directory), buffer)
     drop_caches()
-    raw_new = raw_read_new_memory(Path(directory))
+    raw_new = raw_read(Path(directory))  # into new memory
     print(json.dumps({"load_s": elapsed, "raw_before": raw_before, "raw_after": raw_after, "raw_new": raw_new,
                       "probe": probe.messages}))
 

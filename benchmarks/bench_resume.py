@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _bench_common import drop_caches, throttle_reads
+from _bench_common import drop_caches, raw_read, throttle_reads
 
 MAP_COST_S = 0.001  # per-example cost of the streaming .map
 BATCH = 4
@@ -423,17 +423,6 @@ def measure_resume(out: Path, steps: list[int], repeats: int) -> dict[tuple[str,
     return results
 
 
-def _raw_read(directory: Path) -> float:
-    buffer = memoryview(bytearray(16 << 20))
-    start = time.perf_counter()
-    for path in sorted(directory.rglob("*")):
-        if path.is_file():
-            with open(path, "rb", buffering=0) as f:
-                while f.readinto(buffer):
-                    pass
-    return time.perf_counter() - start
-
-
 def _warm_imports() -> None:
     subprocess.run([sys.executable, "-c", "import datasets, torch, transformers, hf_resumable.integrations.trainer"],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -448,17 +437,18 @@ def measure_e2e(out: Path, repeats: int) -> dict[str, dict[str, float]]:
     for kind in ("resumable", "stock"):
         runs[kind] = out / f"e2e-{kind}"
         _spawn(kind, "train", runs[kind], 1, out / "ignore.json", data="big")
+    buffer = bytearray(16 << 20)  # the raw reads' destination, reused
     for _ in range(repeats):
         for kind in ("resumable", "stock"):  # alternating, so machine noise hits both alike
             checkpoint = runs[kind] / "checkpoint-1"
             drop_caches()
-            raw_before = _raw_read(checkpoint)
+            raw_before = raw_read(checkpoint, buffer)
             drop_caches()
             _warm_imports()  # libraries back in the page cache, the checkpoint not
             report = out / f"e2e-{kind}-resume.json"
             start = _spawn(kind, "resume", runs[kind], 1, report, data="big")
             drop_caches()
-            raw_after = _raw_read(checkpoint)
+            raw_after = raw_read(checkpoint, buffer)
             first = json.loads(report.read_text())
             if first["step"] != 2:
                 raise RuntimeError(f"{kind}: resumed at step {first['step']}, expected 2")
