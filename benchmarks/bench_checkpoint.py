@@ -55,7 +55,7 @@ from _bench_common import drop_caches, raw_read, throttle_reads
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_resumable.checkpoint import load_checkpoint, save_checkpoint, wait_for_pending_saves
-from hf_resumable.checkpoint._parallel_read import READ_STREAMS_ENV, READ_WORKERS, read_streams
+from hf_resumable.checkpoint._parallel_read import DIRECT_READS_ENV, READ_STREAMS_ENV, READ_WORKERS, read_streams
 
 
 def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -126,15 +126,17 @@ def raw_read_parallel(directory: Path, workers: int = 4) -> float:
     return time.perf_counter() - start
 
 
-def fresh_process_load(directory: Path, streams: int | None = None) -> dict[str, float]:
+def fresh_process_load(directory: Path, settings: dict[str, str]) -> dict[str, float]:
     """``load_checkpoint`` timed inside a new process that first builds the model and an AdamW without state
-    (reading with ``streams`` read streams; default: the choice for this disk), between two raw cold reads of the
-    same files in the same process (the paired baseline), and a raw read into new memory after it."""
+    (with the reader's environment ``settings``; none: the defaults for this disk), between two raw cold reads of
+    the same files in the same process (the paired baseline), and raw reads into new memory and with ``O_DIRECT``
+    after it."""
     drop_caches()
     env = dict(os.environ)
     env.pop(READ_STREAMS_ENV, None)
-    if streams is not None:
-        env[READ_STREAMS_ENV] = str(streams)
+    env.pop(DIRECT_READS_ENV, None)
+    env.update(settings)
+    streams = settings.get(READ_STREAMS_ENV)
     out = subprocess.run([sys.executable, __file__, "--fresh-load", str(directory)], check=True,
                          capture_output=True, text=True, env=env).stdout
     result = json.loads(out.strip().splitlines()[-1])
@@ -164,8 +166,10 @@ def _fresh_load_child(directory: str) -> None:
     raw_after = raw_read(Path(directory), buffer)
     drop_caches()
     raw_new = raw_read(Path(directory))  # into new memory
+    drop_caches()
+    raw_direct = raw_read(Path(directory), direct=True)
     print(json.dumps({"load_s": elapsed, "raw_before": raw_before, "raw_after": raw_after, "raw_new": raw_new,
-                      "probe": probe.messages}))
+                      "raw_direct": raw_direct, "probe": probe.messages}))
 
 
 class _ProbeLog(logging.Handler):
@@ -198,14 +202,16 @@ def main() -> None:
     can_drop = drop_caches()
     results: dict[str, list[float]] = {k: [] for k in ("raw_write", "save", "async_stall", "async_total", "stock",
                                                        "raw_read", "raw_read_parallel", "load_fresh",
-                                                       "load_fresh_1", "load_fresh_n", "load",
-                                                       "raw_read_new")}
+                                                       "load_fresh_1", "load_fresh_n", "load_fresh_buffered", "load",
+                                                       "raw_read_new", "raw_read_direct")}
     # Each load's ratio to the raw cold reads of the same files just before and after it, in the same process:
     # this disk's speed drifts by up to 2x within a minute, so unpaired medians compare different disks.
-    paired: dict[str, list[float]] = {k: [] for k in ("load_fresh", "load_fresh_1", "load_fresh_n", "load",
-                                                      "raw_read_new")}
+    paired: dict[str, list[float]] = {k: [] for k in ("load_fresh", "load_fresh_1", "load_fresh_n",
+                                                      "load_fresh_buffered", "load", "raw_read_new",
+                                                      "raw_read_direct")}
     choice = read_streams([root])
-    fixed = {"load_fresh": None, "load_fresh_1": 1, "load_fresh_n": READ_WORKERS}
+    fixed = {"load_fresh": {}, "load_fresh_1": {READ_STREAMS_ENV: "1"}, "load_fresh_n": {READ_STREAMS_ENV:
+             str(READ_WORKERS)}, "load_fresh_buffered": {DIRECT_READS_ENV: "0"}}
     # Warm-up: allocate the async staging buffers once (they are reused afterwards, as in training).
     save_checkpoint(root / "warm", model=model, optimizer=optimizer, blocking=False)
     wait_for_pending_saves()
@@ -236,15 +242,16 @@ def main() -> None:
         results["raw_read"].append(raw_read(root / f"checkpoint-{rep}", read_buffer))
         drop_caches()
         results["raw_read_parallel"].append(raw_read_parallel(root / f"checkpoint-{rep}"))
-        order = list(fixed)[rep % 3:] + list(fixed)[:rep % 3]  # each variant first, second and third in turn
+        order = list(fixed)[rep % 4:] + list(fixed)[:rep % 4]  # each variant first, second, ... in turn
         for key in order:
             run = fresh_process_load(root / f"checkpoint-{rep}", fixed[key])
             baseline = min(run["raw_before"], run["raw_after"])
             results[key].append(run["load_s"])
             paired[key].append(baseline / run["load_s"])
             if key == "load_fresh":
-                results["raw_read_new"].append(run["raw_new"])
-                paired["raw_read_new"].append(baseline / run["raw_new"])
+                for raw in ("new", "direct"):
+                    results[f"raw_read_{raw}"].append(run[f"raw_{raw}"])
+                    paired[f"raw_read_{raw}"].append(baseline / run[f"raw_{raw}"])
         drop_caches()
         before = raw_read(root / f"checkpoint-{rep}", read_buffer)
         drop_caches()
@@ -290,11 +297,15 @@ def report(results: dict[str, list[float]], paired: dict[str, list[float]], nbyt
          f"{med['raw_read'] / med['raw_read_parallel']:.2f}x raw read", ""),
         ("raw cold read into new memory (first touch of the pages included)", "raw_read_new",
          pair["raw_read_new"], ""),
+        ("raw cold read with O_DIRECT (no page cache; reused aligned buffer)", "raw_read_direct",
+         pair["raw_read_direct"], ""),
         (f"hf_resumable resume in a fresh process (model + new AdamW state, hash-checked; read streams: {streams})",
          "load_fresh", pair["load_fresh"], ">= 0.9x"),
         ("the same, 1 read stream (HF_RESUMABLE_READ_STREAMS=1)", "load_fresh_1", pair["load_fresh_1"], ""),
         (f"the same, {READ_WORKERS} read streams (HF_RESUMABLE_READ_STREAMS={READ_WORKERS})", "load_fresh_n",
          pair["load_fresh_n"], ""),
+        ("the same, buffered reads only (HF_RESUMABLE_DIRECT_READS=0)", "load_fresh_buffered",
+         pair["load_fresh_buffered"], ""),
         ("hf_resumable load in place (model + existing AdamW state, hash-checked)", "load", pair["load"],
          ">= 0.9x"),
     ]

@@ -168,6 +168,7 @@ def test_a_rotational_disk_is_measured_and_the_faster_number_of_streams_kept(tmp
     path = tmp_path / "big.safetensors"
     write_safetensors(path, [(f"t{i}", torch.randn(64, 1024)) for i in range(16)], fsync=False)  # 4 MiB
     monkeypatch.delenv(_parallel_read.READ_STREAMS_ENV, raising=False)
+    monkeypatch.setenv(_parallel_read.DIRECT_READS_ENV, "0")  # the simulated disk is behind buffered reads
     monkeypatch.setattr(_parallel_read, "_rotational", lambda device: True)
     monkeypatch.setattr(_parallel_read, "PROBE_BYTES", 256 << 10)
     monkeypatch.setattr(_parallel_read, "PROBE_MIN_BYTES", 1 << 20)
@@ -233,3 +234,149 @@ def test_a_file_refused_by_its_check_is_refused_before_any_byte_lands(files):
         read_files(reads, workers=4, chunk_bytes=64)
     assert stats and stats[0].st_ino == os.stat(files[0]).st_ino
     assert not targets["a0"].any()
+
+
+def _direct_io_works(directory) -> bool:
+    """Whether this filesystem serves an aligned O_DIRECT read (ext4, xfs: yes; some tmpfs, FUSE: no)."""
+    import mmap
+
+    probe = directory / "probe"
+    probe.write_bytes(b"x" * 8192)
+    try:
+        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
+    except (OSError, AttributeError):
+        return False
+    try:
+        return os.preadv(fd, [mmap.mmap(-1, 4096)], 0) == 4096
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """How many chunks were read with O_DIRECT and how many buffered."""
+    from hf_resumable.checkpoint import _parallel_read
+
+    counts = {"direct": 0, "buffered": 0}
+    direct_read, buffered_read = _parallel_read._Direct.read, _parallel_read._pread_into
+
+    def direct(self, chunk, bounce):
+        done = direct_read(self, chunk, bounce)
+        counts["direct"] += done
+        return done
+
+    def buffered(fd, chunk, path):
+        counts["buffered"] += 1
+        return buffered_read(fd, chunk, path)
+
+    monkeypatch.setattr(_parallel_read._Direct, "read", direct)
+    monkeypatch.setattr(_parallel_read, "_pread_into", buffered)
+    return counts
+
+
+@pytest.mark.parametrize("chunk_bytes, workers", [(64, 8), (1000, 3), (5000, 1), (8 << 20, 2)])
+def test_direct_reads_are_bitwise_into_place_and_new_memory(files, tmp_path, monkeypatch, counted, chunk_bytes,
+                                                            workers):
+    """O_DIRECT reads go through an aligned buffer whatever the tensors' offsets and addresses (none aligned here),
+    in place and into new memory, and every byte is hashed."""
+    from hf_resumable.checkpoint._parallel_read import DIRECT_READS_ENV
+
+    monkeypatch.setenv(DIRECT_READS_ENV, "1")
+    expected = {k: v for p in files for k, v in load_file(p).items()}
+    in_place = torch.empty(300, 7)
+    out = read_files(_reads(files, {"a0": in_place}), workers=workers, chunk_bytes=chunk_bytes)
+    assert torch.equal(in_place, expected["a0"])
+    for name, tensor in expected.items():
+        got = in_place if name == "a0" else out[name]
+        assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+    if _direct_io_works(tmp_path):
+        assert counted["direct"] > 0 and counted["buffered"] == 0, counted
+    else:  # the filesystem refuses O_DIRECT: every chunk was read buffered instead
+        assert counted["direct"] == 0 and counted["buffered"] > 0, counted
+
+
+def test_auto_reads_direct_only_what_is_not_cached(tmp_path, monkeypatch, counted):
+    """By default, pages in the page cache are read buffered (memory), pages that are not with O_DIRECT."""
+    from hf_resumable.checkpoint._parallel_read import DIRECT_READS_ENV
+
+    if not _direct_io_works(tmp_path):
+        pytest.skip("this filesystem has no O_DIRECT; test_direct_reads_are_bitwise_* covers the fallback")
+    monkeypatch.delenv(DIRECT_READS_ENV, raising=False)
+    path = tmp_path / "f.safetensors"
+    expected = {f"t{i}": torch.randn(256, 256) for i in range(4)}  # 1 MiB
+    write_safetensors(path, list(expected.items()), fsync=True)
+    path.read_bytes()  # every page is cached now (load_file would keep a mapping that pins them)
+    reads = _reads([path])  # hashing it reads it (buffered)
+    out = read_files(reads, workers=2, chunk_bytes=64 << 10)
+    assert counted == {"direct": 0, "buffered": 17}, counted  # the header, then 16 chunks of 64 KiB
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # drop its clean pages from the cache
+    os.close(fd)
+    counted.update(direct=0, buffered=0)
+    again = read_files(reads, workers=2, chunk_bytes=64 << 10)
+    assert counted["direct"] >= 16, counted
+    for name, tensor in expected.items():
+        assert torch.equal(out[name], tensor) and torch.equal(again[name], tensor), name
+
+
+def test_direct_reads_find_a_flipped_byte_and_a_truncated_file(files, monkeypatch, counted):
+    from hf_resumable.checkpoint._parallel_read import DIRECT_READS_ENV
+
+    monkeypatch.setenv(DIRECT_READS_ENV, "1")
+    records = [hash_file(p) for p in files]
+    _flip(files[1], 2000)
+    reads = [FileRead(p, read_header(p), r) for p, r in zip(files, records)]
+    with pytest.raises(CorruptCheckpointError, match=r"f1\.safetensors: xxh3-128 is"):
+        read_files(reads, workers=2, chunk_bytes=4096)
+    header = read_header(files[2])
+    with open(files[2], "r+b") as f:
+        f.truncate(os.path.getsize(files[2]) - 100)
+    with pytest.raises(CorruptCheckpointError, match=r"f2\.safetensors: file ends at byte \d+.*truncated"):
+        read_files([FileRead(files[2], header, records[2])], workers=1)
+
+
+def test_a_filesystem_without_o_direct_is_read_buffered(files, monkeypatch, counted):
+    """Where ``open(O_DIRECT)`` fails (EINVAL), or an O_DIRECT read does, the file is read buffered, all of it."""
+    import errno
+
+    from hf_resumable.checkpoint import _parallel_read
+
+    monkeypatch.setenv(_parallel_read.DIRECT_READS_ENV, "1")
+    expected = {k: v for p in files for k, v in load_file(p).items()}
+    real_open = os.open
+
+    def no_direct_open(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct_open)
+    out = read_files(_reads(files), workers=2, chunk_bytes=1000)
+    assert counted["direct"] == 0 and counted["buffered"] > 0
+    assert all(torch.equal(out[name], t) for name, t in expected.items())
+    monkeypatch.setattr(os, "open", real_open)
+    real_preadv = os.preadv
+
+    def refuse_direct(fd, buffers, offset, *args):
+        if os.get_blocking(fd) is False:  # our O_DIRECT descriptor is opened non-blocking
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", refuse_direct)
+    counted.update(direct=0, buffered=0)
+    out = read_files(_reads(files), workers=2, chunk_bytes=1000)
+    assert counted["direct"] == 0 and counted["buffered"] > 0
+    assert all(torch.equal(out[name], t) for name, t in expected.items())
+
+
+def test_the_direct_reads_setting_is_checked(monkeypatch):
+    from hf_resumable.checkpoint._parallel_read import DIRECT_READS_ENV, direct_reads
+
+    for value, mode in (("", "auto"), ("auto", "auto"), ("0", "never"), ("1", "always")):
+        monkeypatch.setenv(DIRECT_READS_ENV, value)
+        assert direct_reads() == (mode if hasattr(os, "O_DIRECT") else "never")
+    monkeypatch.setenv(DIRECT_READS_ENV, "yes")
+    with pytest.raises(ValueError, match=DIRECT_READS_ENV):
+        direct_reads()

@@ -29,6 +29,15 @@ fixes the number. Either way the pages of new destinations are faulted in ahead 
 thread. Several streams hash in the reading threads (xxh3 at about 10 GiB/s per core); files read front to
 back are hashed on a thread of their own, so the one thread reading does nothing but read.
 
+Bytes that are not in the page cache are read with ``O_DIRECT`` (:class:`_Direct`): the disk (or a virtual disk's
+host) writes them into an aligned buffer of the reading thread, and they are copied from there into the
+destination; a buffered read would first allocate and fill a page-cache page for every 4 KiB, then copy it, and on
+this project's VM that allocation, not the disk, was most of a cold load's time (a buffered cold read of 1 GiB took
+0.88-2.6 s, the same read with ``O_DIRECT`` 0.64-0.81 s). Pages already cached (a checkpoint just written, or read
+before) are read buffered, as memory. Filesystems without ``O_DIRECT`` (tmpfs, some FUSE and network ones) are read
+buffered. ``HF_RESUMABLE_DIRECT_READS=0`` never reads direct, ``=1`` reads every byte direct where the filesystem
+allows it, cached or not.
+
 A file may also come from memory (:attr:`FileRead.data`: bytes a verification already hashed and kept), and a
 file that verification hashed but did not keep is checked to be the very file it hashed before it is read
 (:attr:`FileRead.check`).
@@ -37,9 +46,11 @@ file that verification hashed but did not keep is checked to be the very file it
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import hashlib
 import logging
+import mmap
 import os
 import queue as _queue
 import sys
@@ -59,7 +70,7 @@ from ..format.safetensors_io import FileRecord, SafetensorsHeader, TensorInfo
 logger = logging.getLogger(__name__)
 
 __all__ = ["FileRead", "Chunk", "StreamChoice", "plan_reads", "interleave", "read_files", "read_streams",
-           "READ_WORKERS", "CHUNK_BYTES", "READ_STREAMS_ENV"]
+           "direct_reads", "READ_WORKERS", "CHUNK_BYTES", "READ_STREAMS_ENV", "DIRECT_READS_ENV"]
 
 # Threads reading at once on a solid-state (or unknown) disk (all files share them); more than the cores, so the
 # disk queue stays deep while some threads fault in fresh pages or hash.
@@ -75,6 +86,11 @@ PROBE_BYTES = 32 * 1024 * 1024
 PROBE_MIN_BYTES = 8 * PROBE_BYTES
 # Environment variable that sets the number of read streams (an integer >= 1), whatever the disk.
 READ_STREAMS_ENV = "HF_RESUMABLE_READ_STREAMS"
+# Environment variable: "0" never reads with O_DIRECT, "1" reads every byte with it (where the filesystem allows),
+# unset or "auto" reads with it the pages that are not in the page cache.
+DIRECT_READS_ENV = "HF_RESUMABLE_DIRECT_READS"
+# O_DIRECT offsets, lengths and buffer addresses are multiples of this (every common disk's logical block divides it).
+DIRECT_ALIGN = 4096
 
 
 @dataclass
@@ -143,7 +159,7 @@ def plan_reads(reads: list[FileRead], *, chunk_bytes: int = CHUNK_BYTES
         def add(offset: int, view: memoryview, *, new: bool = False, address: int = 0) -> None:
             for start in range(0, len(view), chunk_bytes):
                 part = view[start : start + chunk_bytes]
-                chunks.append(Chunk(number, len(chunks), offset + start, part, new, address + start))
+                chunks.append(Chunk(number, len(chunks), offset + start, part, new, address and address + start))
 
         if read.expected is not None:
             add(0, memoryview(bytearray(header.data_offset)))
@@ -176,6 +192,7 @@ class _FileState:
         self.digest = None if expected is None else (
             xxhash.xxh3_128() if expected.xxh3_128 is not None else hashlib.sha256())
         self.file = None
+        self.direct: _Direct | None = None
 
     def completed(self, index: int) -> None:
         """Chunk ``index`` is in; feed every chunk that is now next in line (one feeder at a time)."""
@@ -290,6 +307,151 @@ def _pread_into(fd: int, chunk: Chunk, path: Path) -> None:
             raise CorruptCheckpointError(f"{path}: file ends at byte {offset}, inside its data; the file is "
                                          "truncated. Load an earlier checkpoint (find_latest_checkpoint skips it).")
         view, offset = view[n:], offset + n
+
+
+def direct_reads() -> str:
+    """The ``HF_RESUMABLE_DIRECT_READS`` mode: ``"auto"`` (default: pages not in the page cache are read with
+    ``O_DIRECT``), ``"never"`` (``0``) or ``"always"`` (``1``).
+
+    Raises:
+        ValueError: the variable is set to anything else.
+    """
+    value = os.environ.get(DIRECT_READS_ENV, "").strip().lower()
+    modes = {"": "auto", "auto": "auto", "0": "never", "1": "always"}
+    if value not in modes:
+        raise ValueError(f"{DIRECT_READS_ENV}={value!r}: expected 0 (never read with O_DIRECT), 1 (always, where the "
+                         "filesystem allows it) or auto.")
+    return modes[value] if hasattr(os, "O_DIRECT") else "never"
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.munmap.argtypes, libc.munmap.restype = (ctypes.c_void_p, ctypes.c_size_t), ctypes.c_int
+        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+        libc.mincore.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def _resident(fd: int, size: int) -> bytes | None:
+    """Which pages of the file behind ``fd`` are in the page cache (``mincore``: one byte per page, bit 0 set when
+    resident); ``None`` if that cannot be asked. Maps the file without touching it, so nothing is read."""
+    libc = _libc()
+    if libc is None or size <= 0:
+        return None
+    address = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+    if address is None or address == ctypes.c_void_p(-1).value:
+        return None
+    try:
+        pages = -(-size // _PAGE)
+        vector = (ctypes.c_ubyte * pages)()
+        if libc.mincore(address, size, vector) != 0:
+            return None
+        return bytes(vector)
+    finally:
+        libc.munmap(address, size)
+
+
+class _Direct:
+    """A file opened a second time with ``O_DIRECT``, and which of its pages were cached when it was opened.
+
+    :meth:`read` reads a chunk through an aligned buffer of the calling thread, unless all its pages are cached;
+    it returns ``False`` when the chunk should be read buffered (cached, or the filesystem refused ``O_DIRECT``:
+    then this file is read buffered from there on).
+    """
+
+    def __init__(self, path: Path, fd: int, size: int, always: bool) -> None:
+        self.path, self.fd, self.size = path, fd, size
+        self.cached = None if always else _resident(fd, size)
+        self.usable = True
+
+    @classmethod
+    def open(cls, path: Path, buffered_fd: int, mode: str) -> _Direct | None:
+        if mode == "never":
+            return None
+        size = os.fstat(buffered_fd).st_size
+        try:
+            # O_NONBLOCK: never wait on a FIFO put in its place (the identity check below then refuses it).
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except OSError as err:  # EINVAL: the filesystem has no O_DIRECT
+            logger.debug("%s: no O_DIRECT (%s); reading it buffered.", path, err)
+            return None
+        opened, verified = os.fstat(fd), os.fstat(buffered_fd)
+        if (opened.st_dev, opened.st_ino) != (verified.st_dev, verified.st_ino):  # replaced: read the one verified
+            os.close(fd)
+            return None
+        return cls(path, fd, size, mode == "always")
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def wanted(self, offset: int, length: int) -> bool:
+        if not self.usable:
+            return False
+        if self.cached is None:
+            return True
+        first, last = offset // _PAGE, (offset + length - 1) // _PAGE + 1
+        return self.cached.find(b"\0", first, last) != -1 or len(self.cached) < last
+
+    def read(self, chunk: Chunk, bounce: _Bounce) -> bool:
+        length = len(chunk.view)
+        if length == 0 or not self.wanted(chunk.offset, length):
+            return False
+        start = chunk.offset // DIRECT_ALIGN * DIRECT_ALIGN
+        need = chunk.offset + length - start
+        span = -(-need // DIRECT_ALIGN) * DIRECT_ALIGN
+        buffer = bounce.get(span)
+        got = 0
+        while got < need:
+            try:
+                n = os.preadv(self.fd, [buffer[got:span]], start + got)
+            except OSError as err:
+                if err.errno != errno.EINVAL or got:
+                    raise
+                logger.debug("%s: O_DIRECT read refused (%s); reading it buffered.", self.path, err)
+                self.usable = False
+                return False
+            if n <= 0 or (n % DIRECT_ALIGN and got + n < need):
+                raise CorruptCheckpointError(
+                    f"{self.path}: file ends at byte {start + got + max(n, 0)}, inside its data; the file is "
+                    "truncated. Load an earlier checkpoint (find_latest_checkpoint skips it).")
+            got += n
+        skip = chunk.offset - start
+        if chunk.address:
+            ctypes.memmove(chunk.address, bounce.address + skip, length)  # releases the GIL
+        else:
+            chunk.view[:] = buffer[skip : skip + length]
+        return True
+
+
+class _Bounce(threading.local):
+    """One page-aligned buffer per reading thread for ``O_DIRECT`` reads, grown on demand, freed with the load."""
+
+    def __init__(self) -> None:
+        self.memory: mmap.mmap | None = None
+        self.view: memoryview | None = None
+        self.address = 0
+
+    def get(self, size: int) -> memoryview:
+        if self.memory is None or len(self.memory) < size:
+            self.release()
+            self.memory = mmap.mmap(-1, size)
+            self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.memory))
+            self.view = memoryview(self.memory)
+        return self.view
+
+    def release(self) -> None:
+        if self.view is not None:
+            self.view.release()
+        self.memory = self.view = None
 
 
 @dataclass(frozen=True)
@@ -463,7 +625,8 @@ def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes
             if state.read.data is not None:
                 _copy_into(state.read.data, chunk, state.read.path)
             else:
-                _pread_into(state.file.fileno(), chunk, state.read.path)
+                if state.direct is None or not state.direct.read(chunk, bounce):
+                    _pread_into(state.file.fileno(), chunk, state.read.path)
                 nbytes = len(chunk.view)
             if hashes is not None:
                 hashes.put((state, chunk.index))
@@ -486,12 +649,14 @@ def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes
 
     stop = threading.Event()
     threads: list[threading.Thread] = []
+    direct, bounce = direct_reads(), _Bounce()
     try:
         for state in states:
             if state.read.data is None:
                 state.file = open_regular(state.read.path, buffering=0)
                 if state.read.check is not None:
                     state.read.check(os.fstat(state.file.fileno()))
+                state.direct = _Direct.open(state.read.path, state.file.fileno(), direct)
         if hashes is not None:
             threads.append(threading.Thread(target=_hash_in_order, args=(hashes,), name="hf_resumable-hash",
                                             daemon=True))
@@ -516,8 +681,11 @@ def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes
             if thread.ident is not None:
                 thread.join()
         for state in states:
+            if state.direct is not None:
+                state.direct.close()
             if state.file is not None:
                 state.file.close()
+        bounce.release()
     if errors:
         raise errors[0]
     for state in states:
