@@ -50,6 +50,7 @@ import errno
 import functools
 import hashlib
 import logging
+import math
 import mmap
 import os
 import queue as _queue
@@ -70,7 +71,7 @@ from ..format.safetensors_io import FileRecord, SafetensorsHeader, TensorInfo
 logger = logging.getLogger(__name__)
 
 __all__ = ["FileRead", "Chunk", "StreamChoice", "plan_reads", "interleave", "read_files", "read_streams",
-           "direct_reads", "READ_WORKERS", "CHUNK_BYTES", "READ_STREAMS_ENV", "DIRECT_READS_ENV"]
+           "direct_reads", "empty_aligned", "READ_WORKERS", "CHUNK_BYTES", "READ_STREAMS_ENV", "DIRECT_READS_ENV"]
 
 # Threads reading at once on a solid-state (or unknown) disk (all files share them); more than the cores, so the
 # disk queue stays deep while some threads fault in fresh pages or hash.
@@ -157,9 +158,14 @@ def plan_reads(reads: list[FileRead], *, chunk_bytes: int = CHUNK_BYTES
         header, chunks = read.header, []
 
         def add(offset: int, view: memoryview, *, new: bool = False, address: int = 0) -> None:
-            for start in range(0, len(view), chunk_bytes):
-                part = view[start : start + chunk_bytes]
-                chunks.append(Chunk(number, len(chunks), offset + start, part, new, address and address + start))
+            # Cut at file offsets that are multiples of chunk_bytes: every chunk but a tensor's first and last is
+            # then aligned for O_DIRECT (when chunk_bytes is a multiple of DIRECT_ALIGN).
+            start = 0
+            while start < len(view):
+                end = min(len(view), (offset + start) // chunk_bytes * chunk_bytes + chunk_bytes - offset)
+                chunks.append(Chunk(number, len(chunks), offset + start, view[start:end], new,
+                                    address and address + start))
+                start = end
 
         if read.expected is not None:
             add(0, memoryview(bytearray(header.data_offset)))
@@ -168,7 +174,7 @@ def plan_reads(reads: list[FileRead], *, chunk_bytes: int = CHUNK_BYTES
             if _in_place(target, info):
                 buffer, new = target, info.name in read.new
             else:
-                buffer, new = torch.empty(info.shape, dtype=info.torch_dtype), True
+                buffer, new = empty_aligned(info.shape, info.torch_dtype, header.data_offset + info.start), True
                 if target is not None:
                     staged.append((buffer, target))
                 else:
@@ -402,17 +408,45 @@ class _Direct:
         return self.cached.find(b"\0", first, last) != -1 or len(self.cached) < last
 
     def read(self, chunk: Chunk, bounce: _Bounce) -> bool:
-        length = len(chunk.view)
-        if length == 0 or not self.wanted(chunk.offset, length):
+        """Read ``chunk`` with ``O_DIRECT``: straight into its destination where the destination's address and the
+        file offset are aligned alike (the aligned whole blocks of it), through ``bounce`` otherwise."""
+        length, offset = len(chunk.view), chunk.offset
+        if length == 0 or not self.wanted(offset, length):
             return False
-        start = chunk.offset // DIRECT_ALIGN * DIRECT_ALIGN
-        need = chunk.offset + length - start
+        if chunk.address and (chunk.address - offset) % DIRECT_ALIGN == 0:
+            first = -(-offset // DIRECT_ALIGN) * DIRECT_ALIGN
+            last = (offset + length) // DIRECT_ALIGN * DIRECT_ALIGN
+            if last > first:
+                if not self._read(chunk.view[first - offset : last - offset], first, last - first):
+                    return False
+                for begin, end in ((offset, first), (last, offset + length)):
+                    if end > begin and not self._through(bounce, chunk, begin, end):
+                        return False  # pragma: no cover - the filesystem took the aligned read, then refused one
+                return True
+        return self._through(bounce, chunk, offset, offset + length)
+
+    def _through(self, bounce: _Bounce, chunk: Chunk, begin: int, end: int) -> bool:
+        """Bytes ``[begin, end)`` of the file, read aligned into ``bounce`` and copied into ``chunk``."""
+        start = begin // DIRECT_ALIGN * DIRECT_ALIGN
+        need = end - start
         span = -(-need // DIRECT_ALIGN) * DIRECT_ALIGN
         buffer = bounce.get(span)
+        if not self._read(buffer[:span], start, need):
+            return False
+        skip, into = begin - start, begin - chunk.offset
+        if chunk.address:
+            ctypes.memmove(chunk.address + into, bounce.address + skip, end - begin)  # releases the GIL
+        else:
+            chunk.view[into : into + end - begin] = buffer[skip : skip + end - begin]
+        return True
+
+    def _read(self, view: memoryview, start: int, need: int) -> bool:
+        """At least ``need`` bytes from ``start`` (aligned) into ``view`` (aligned; whole blocks); ``False``: the
+        filesystem refused ``O_DIRECT`` (nothing read; this file is read buffered from now on)."""
         got = 0
         while got < need:
             try:
-                n = os.preadv(self.fd, [buffer[got:span]], start + got)
+                n = os.preadv(self.fd, [view[got:]], start + got)
             except OSError as err:
                 if err.errno != errno.EINVAL or got:
                     raise
@@ -424,12 +458,33 @@ class _Direct:
                     f"{self.path}: file ends at byte {start + got + max(n, 0)}, inside its data; the file is "
                     "truncated. Load an earlier checkpoint (find_latest_checkpoint skips it).")
             got += n
-        skip = chunk.offset - start
-        if chunk.address:
-            ctypes.memmove(chunk.address, bounce.address + skip, length)  # releases the GIL
-        else:
-            chunk.view[:] = buffer[skip : skip + length]
         return True
+
+
+def empty_aligned(shape: tuple[int, ...], dtype: torch.dtype, file_offset: int) -> torch.Tensor:
+    """A new contiguous CPU tensor whose address is aligned like ``file_offset`` (modulo ``DIRECT_ALIGN``), so that
+    ``O_DIRECT`` reads the bytes stored there straight into it, with no copy (a view into a buffer
+    ``DIRECT_ALIGN`` bytes larger). Small tensors, and offsets no tensor of ``dtype`` can be aligned to, get a
+    plain ``torch.empty``.
+
+    Example:
+
+    ```python
+    >>> t = empty_aligned((1024, 1024), torch.float32, file_offset=4096 * 3 + 136)
+    >>> (t.data_ptr() % 4096, t.shape, t.is_contiguous())
+    (136, torch.Size([1024, 1024]), True)
+
+    ```
+    """
+    size = dtype.itemsize
+    nbytes = math.prod(shape) * size
+    if nbytes < 16 * DIRECT_ALIGN:
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
+    shift = (file_offset - raw.data_ptr()) % DIRECT_ALIGN
+    if shift % size:
+        return torch.empty(shape, dtype=dtype)
+    return raw[shift : shift + nbytes].view(dtype).view(shape)
 
 
 class _Bounce(threading.local):

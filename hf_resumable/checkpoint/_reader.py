@@ -206,6 +206,14 @@ class _Reader:
             stored.update({n: (tensors[n].torch_dtype, tensors[n].shape) for n in index.names_in(filename)})
         return stored
 
+    def offsets(self, index: ShardIndex) -> dict[str, int]:
+        """Where the bytes of every tensor ``index`` names start in its file (from the verified headers)."""
+        offsets = {}
+        for filename in index.filenames:
+            header = self.report.headers[filename]
+            offsets.update({n: header.data_offset + header.tensors[n].start for n in index.names_in(filename)})
+        return offsets
+
     def peek(self, index: ShardIndex, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Small tensors read by offset, NOT hash-checked (the full read checks them again): lets a load
         check values such as optimizer step counts before anything is applied."""
@@ -485,7 +493,7 @@ class OpenedCheckpoint(LoadedCheckpoint):
         index = self._optimizer_index
         names = parameter_names(model, optimizer)
         return plan_optimizer_load(optimizer, names, self._document[STATE_KEY_OPTIMIZER], self._reader.stored(index),
-                                   source=str(self.path / TRAINING_STATE_FILE))
+                                   source=str(self.path / TRAINING_STATE_FILE), offsets=self._reader.offsets(index))
 
     def _object_state(self, name: str, key: str, obj: Any) -> Any:
         if key not in self._objects:
