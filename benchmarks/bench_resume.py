@@ -472,8 +472,8 @@ def measure_e2e(out: Path, repeats: int) -> dict[str, dict[str, float]]:
             record["load_ratio_direct"].append(load / record["raw_direct"][-1])
             parts = ", ".join(f"{name.strip('_')} {t:.3f}" for name, t in methods.items() if t >= 5e-4)
             print(f"  e2e {kind:9s}: first step after {record['total'][-1]:.2f} s, load {load:.3f} s ({parts}), raw "
-                  f"read {raw_before:.3f} s before, {raw_after:.3f} s after (O_DIRECT {direct_before:.3f}, {direct_after:.3f})",
-                  file=sys.stderr)
+                  f"read {raw_before:.3f} s before, {raw_after:.3f} s after (O_DIRECT {direct_before:.3f}, "
+                  f"{direct_after:.3f})", file=sys.stderr)
         pair = results.setdefault("_pairs", {"total_ratio": []})
         pair["total_ratio"].append(results["resumable"]["total"][-1] / results["stock"]["total"][-1])
     size = sum(p.stat().st_size for p in (runs["resumable"] / "checkpoint-1").rglob("*") if p.is_file())
