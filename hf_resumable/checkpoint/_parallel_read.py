@@ -490,7 +490,8 @@ def empty_aligned(shape: tuple[int, ...], dtype: torch.dtype, file_offset: int) 
 class _Bounce(threading.local):
     """One page-aligned buffer per reading thread for ``O_DIRECT`` reads, grown on demand, freed with the load."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int = 0) -> None:
+        self.size = size  # allocated at once, so that a thread's first (small) chunk does not decide it
         self.memory: mmap.mmap | None = None
         self.view: memoryview | None = None
         self.address = 0
@@ -498,7 +499,7 @@ class _Bounce(threading.local):
     def get(self, size: int) -> memoryview:
         if self.memory is None or len(self.memory) < size:
             self.release()
-            self.memory = mmap.mmap(-1, size)
+            self.memory = mmap.mmap(-1, max(size, self.size))
             self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.memory))
             self.view = memoryview(self.memory)
         return self.view
@@ -704,7 +705,7 @@ def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes
 
     stop = threading.Event()
     threads: list[threading.Thread] = []
-    direct, bounce = direct_reads(), _Bounce()
+    direct, bounce = direct_reads(), _Bounce(-(-chunk_bytes // DIRECT_ALIGN) * DIRECT_ALIGN + 2 * DIRECT_ALIGN)
     try:
         for state in states:
             if state.read.data is None:
