@@ -16,7 +16,7 @@ $(VENV)/.installed: setup.cfg setup.py pyproject.toml hf_resumable/_fastcopy.c
 
 venv: $(VENV)/.installed
 
-# Lint, the package's doctests, then the suite: every guarantee at least once (what CI runs; 22 min of pytest on 2 cores, 2026-12-02).
+# Lint, the package's doctests, then the suite: every guarantee at least once (what CI runs; 15-22 min of pytest on 2 cores, 2026-12-01/02).
 test: venv
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules hf_resumable

@@ -63,7 +63,7 @@ def _expensive_map(example: dict) -> dict:
     return example
 
 
-def _build(kind: str, data: str, output_dir: str, *, max_steps: int, save_steps: int, callbacks: list):
+def _build(kind: str, data: str, output_dir: str, *, max_steps: int, save_steps: int, callbacks: list, shared=None):
     import datasets
     import numpy as np
     import torch
@@ -101,6 +101,8 @@ def _build(kind: str, data: str, output_dir: str, *, max_steps: int, save_steps:
                              use_cpu=True, learning_rate=1e-3)
     cls = ResumableTrainer if kind == "resumable" else transformers.Trainer
     del default_data_collator
+    if shared is not None:  # another trainer's model: the same parameter memory for both
+        model = shared
     return cls(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=callbacks)
 
 
@@ -237,10 +239,13 @@ class _Turns:
             self.condition.notify_all()
 
 
-def _lockstep_trainers(output_dir: str, steps: int, *, ours_first: bool = True) -> dict[str, list[float]]:
+def _lockstep_trainers(output_dir: str, steps: int, *, ours_first: bool = True, shared_model: bool = False
+                       ) -> dict[str, list[float]]:
     """CPU time of every optimizer step of both trainers, run in two threads that take strict turns.
 
     ``ours_first``: ResumableTrainer is built first and takes the first turn of every pair (else transformers.Trainer).
+    ``shared_model``: both trainers train the one model object (each with its own optimizer), so that where the
+    weights and gradients land in memory is the same for both sides.
     """
     import threading
 
@@ -266,8 +271,11 @@ def _lockstep_trainers(output_dir: str, steps: int, *, ours_first: bool = True) 
             turns.wait(self.name)
             self.start = time.process_time()
 
-    trainers = {name: _build(name, "map", f"{output_dir}/{name}-lockstep", max_steps=steps, save_steps=0,
-                             callbacks=[Turn(name)]) for name in names}
+    trainers: dict = {}
+    for name in names:
+        shared = next(iter(trainers.values())).model if shared_model and trainers else None
+        trainers[name] = _build(name, "map", f"{output_dir}/{name}-lockstep", max_steps=steps, save_steps=0,
+                                callbacks=[Turn(name)], shared=shared)
     errors: list[BaseException] = []
 
     def run(name: str) -> None:
@@ -333,7 +341,8 @@ def _lockstep_accelerators(output_dir: str, steps: int, *, ours_first: bool = Tr
 def _lockstep(options: argparse.Namespace) -> None:
     # In lockstep mode --kind says whose model is built first and who takes the first turn of each pair.
     ours_first = options.kind != "stock"
-    costs = _lockstep_trainers(options.output_dir, options.stop_at, ours_first=ours_first)
+    costs = _lockstep_trainers(options.output_dir, options.stop_at, ours_first=ours_first,
+                               shared_model=options.lockstep_shared_model)
     costs.update(_lockstep_accelerators(options.output_dir, options.stop_at, ours_first=ours_first))
     Path(options.report).write_text(json.dumps(costs))
 
@@ -383,7 +392,8 @@ def measure_lockstep(out: Path, steps: int, runs: int) -> list[dict[str, list[fl
 def _print_lockstep(runs: list[dict[str, list[float]]]) -> None:
     steps = len(runs[0]["stock"])
     print(f"\n### (d) CPU time per optimizer step, lockstep pairs ({len(runs)} processes x {steps} steps each, "
-          "first 10 dropped, 1 torch thread; who goes first alternates between processes)\n")
+          "first 10 dropped, 1 torch thread; who goes first alternates between processes"
+          f"{'; the two Trainers share one model' if SHARED_MODEL else ''})\n")
     print("| pair | ours | upstream | overhead (median of pairs) | 95 % interval (runs and pairs resampled) | pairs "
           "| per-process medians |\n|---|---|---|---|---|---|---|")
     for label, ours, theirs in (("ResumableTrainer vs transformers.Trainer", "resumable", "stock"),
@@ -396,9 +406,13 @@ def _print_lockstep(runs: list[dict[str, list[float]]]) -> None:
     print("\nTarget: <= 1 %.")
 
 
+SHARED_MODEL = False  # --lockstep-shared-model, passed on to the children
+
+
 def _spawn(kind: str, mode: str, output_dir: Path, stop_at: int, report: Path, data: str = "stream") -> float:
     command = [sys.executable, __file__, "--child", "--kind", kind, "--mode", mode, "--output-dir", str(output_dir),
-               "--stop-at", str(stop_at), "--report", str(report), "--data", data]
+               "--stop-at", str(stop_at), "--report", str(report), "--data", data] + (
+                   ["--lockstep-shared-model"] if SHARED_MODEL else [])
     start = time.time()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return start
@@ -504,6 +518,8 @@ def main() -> None:
     parser.add_argument("--data", choices=["stream", "big"], default="stream", help=argparse.SUPPRESS)
     parser.add_argument("--only", choices=["resume", "steady", "e2e", "lockstep"], default=None)
     parser.add_argument("--lockstep-steps", type=int, default=400, help="steps per trainer in each lockstep run (d)")
+    parser.add_argument("--lockstep-shared-model", action="store_true",
+                        help="(d): both trainers train one model object (the same weight memory for both sides)")
     parser.add_argument("--lockstep-runs", type=int, default=4,
                         help="lockstep processes (d); who goes first alternates, so an even number")
     parser.add_argument("--out", default=None, help="work directory (default: a temporary one)")
@@ -511,6 +527,8 @@ def main() -> None:
                         help="cap reads from the disk at this many MiB/s, for this process and its children (a disk "
                              "of steady speed; cgroup v1, root)")
     options = parser.parse_args()
+    global SHARED_MODEL
+    SHARED_MODEL = options.lockstep_shared_model
     if options.child:
         _child(options)
         return
