@@ -17,7 +17,9 @@
     (ours / upstream - 1) of all processes, with a 95 % interval from a two-stage bootstrap (processes resampled,
     then pairs within each): the same code measured against itself in two fresh processes differs by up to
     about 1.5 % for the whole process (where its tensors land in memory, which side was built first), which a
-    bootstrap of the pairs of one process would report as a measured overhead.
+    bootstrap of the pairs of one process would report as a measured overhead. ``--lockstep-shared-model`` has
+    the two Trainers train one model object (each its own optimizer), which takes the weights' and gradients'
+    place in memory out of that spread.
 (c) End to end, a large map-style run: process start -> first resumed optimizer step of a Llama-shaped model
     whose checkpoint (weights + AdamW state) is about 1 GiB, ResumableTrainer (open, verify, hash-checked
     load) against the stock Trainer (``model.safetensors`` + ``torch.load`` of its optimizer/scheduler/RNG
@@ -29,7 +31,7 @@
 Usage:
     python benchmarks/bench_resume.py [--repeats 3] [--steps 10 100 1000] [--out bench_out/resume]
     python benchmarks/bench_resume.py --only e2e --repeats 5 [--throttle-read-mibps 400]
-    python benchmarks/bench_resume.py --only lockstep --lockstep-steps 400 --lockstep-runs 6
+    python benchmarks/bench_resume.py --only lockstep --lockstep-steps 150 --lockstep-runs 12 --lockstep-shared-model
 
 Prints a markdown table. Each measured run is its own process, started by this script.
 """
