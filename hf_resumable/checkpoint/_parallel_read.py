@@ -259,17 +259,33 @@ def interleave(files: list[list[Chunk]]) -> list[Chunk]:
 
 
 @functools.lru_cache(maxsize=1)
-def _madvise() -> Callable[[int, int], int] | None:
-    """``madvise(address, length, MADV_POPULATE_WRITE)`` through libc (Linux >= 5.14), or ``None``."""
+def _libc() -> ctypes.CDLL | None:
+    """libc through ctypes (which releases the GIL during each call), with the signatures used here; ``None``
+    off Linux."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)  # ctypes releases the GIL during the call
-        call = libc.madvise
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.munmap.argtypes, libc.munmap.restype = (ctypes.c_void_p, ctypes.c_size_t), ctypes.c_int
+        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+        libc.mincore.restype = ctypes.c_int
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        libc.madvise.restype = ctypes.c_int
     except (OSError, AttributeError):
         return None
-    call.argtypes, call.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
-    return lambda address, length: call(address, length, _MADV_POPULATE_WRITE)
+    return libc
+
+
+@functools.lru_cache(maxsize=1)
+def _madvise() -> Callable[[int, int], int] | None:
+    """``madvise(address, length, MADV_POPULATE_WRITE)`` through libc (Linux >= 5.14), or ``None``."""
+    libc = _libc()
+    if libc is None:
+        return None
+    return lambda address, length: libc.madvise(address, length, _MADV_POPULATE_WRITE)
 
 
 _MADV_POPULATE_WRITE = 23
@@ -305,13 +321,17 @@ def _copy_into(data: bytes, chunk: Chunk, path: Path) -> None:
     chunk.view[:] = part
 
 
+def _truncated(path: Path, end: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: file ends at byte {end}, inside its data; the file is truncated. Load an "
+                                  "earlier checkpoint (find_latest_checkpoint skips it).")
+
+
 def _pread_into(fd: int, chunk: Chunk, path: Path) -> None:
     view, offset = chunk.view, chunk.offset
     while view:
         n = os.preadv(fd, [view], offset)
         if n <= 0:
-            raise CorruptCheckpointError(f"{path}: file ends at byte {offset}, inside its data; the file is "
-                                         "truncated. Load an earlier checkpoint (find_latest_checkpoint skips it).")
+            raise _truncated(path, offset)
         view, offset = view[n:], offset + n
 
 
@@ -328,23 +348,6 @@ def direct_reads() -> str:
         raise ValueError(f"{DIRECT_READS_ENV}={value!r}: expected 0 (never read with O_DIRECT), 1 (always, where the "
                          "filesystem allows it) or auto.")
     return modes[value] if hasattr(os, "O_DIRECT") else "never"
-
-
-@functools.lru_cache(maxsize=1)
-def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.munmap.argtypes, libc.munmap.restype = (ctypes.c_void_p, ctypes.c_size_t), ctypes.c_int
-        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-        libc.mincore.restype = ctypes.c_int
-    except (OSError, AttributeError):
-        return None
-    return libc
 
 
 def _resident(fd: int, size: int) -> bytes | None:
@@ -375,7 +378,7 @@ class _Direct:
     """
 
     def __init__(self, path: Path, fd: int, size: int, always: bool) -> None:
-        self.path, self.fd, self.size = path, fd, size
+        self.path, self.fd = path, fd
         self.cached = None if always else _resident(fd, size)
         self.usable = True
 
@@ -383,7 +386,6 @@ class _Direct:
     def open(cls, path: Path, buffered_fd: int, mode: str) -> _Direct | None:
         if mode == "never":
             return None
-        size = os.fstat(buffered_fd).st_size
         try:
             # O_NONBLOCK: never wait on a FIFO put in its place (the identity check below then refuses it).
             fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -394,7 +396,7 @@ class _Direct:
         if (opened.st_dev, opened.st_ino) != (verified.st_dev, verified.st_ino):  # replaced: read the one verified
             os.close(fd)
             return None
-        return cls(path, fd, size, mode == "always")
+        return cls(path, fd, verified.st_size, mode == "always")
 
     def close(self) -> None:
         os.close(self.fd)
@@ -454,9 +456,7 @@ class _Direct:
                 self.usable = False
                 return False
             if n <= 0 or (n % DIRECT_ALIGN and got + n < need):
-                raise CorruptCheckpointError(
-                    f"{self.path}: file ends at byte {start + got + max(n, 0)}, inside its data; the file is "
-                    "truncated. Load an earlier checkpoint (find_latest_checkpoint skips it).")
+                raise _truncated(self.path, start + got + max(n, 0))
             got += n
         return True
 
