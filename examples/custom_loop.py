@@ -18,7 +18,9 @@ script's ``ResumableAccelerator(cpu=True)`` then trains on CPU with gloo.)
 Per-step losses are appended to ``<output-dir>/losses.jsonl`` (``float.hex`` of the window's token-mean
 loss over all processes). Test hooks: ``HF_RESUMABLE_EXAMPLE_KILL_AFTER_STEP=k`` makes the process SIGKILL
 itself right after step ``k``, ``HF_RESUMABLE_EXAMPLE_TERM_AFTER_STEP=k`` sends it SIGTERM there;
-``HF_RESUMABLE_EXAMPLE_SIGNAL_RANK`` limits either to one rank.
+``HF_RESUMABLE_EXAMPLE_SIGNAL_RANK`` limits either to one rank; with ``HF_RESUMABLE_EXAMPLE_AWAIT_COMMIT=1`` the
+signal waits until this process's background save (if one is in flight) has committed, so a test's kill follows the
+event it needs, not the machine's speed.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 from accelerate.utils import set_seed
 from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
 
+from hf_resumable.checkpoint import wait_for_pending_saves
 from hf_resumable.integrations.accelerate import ResumableAccelerator
 
 logger = logging.getLogger("custom_loop")
@@ -113,6 +116,8 @@ def maybe_signal(step: int, rank: int, signum: signal.Signals) -> None:
     after = os.environ.get(f"HF_RESUMABLE_EXAMPLE_{signum.name[3:]}_AFTER_STEP")
     only_rank = os.environ.get("HF_RESUMABLE_EXAMPLE_SIGNAL_RANK")
     if after is not None and int(after) == step and (only_rank is None or int(only_rank) == rank):
+        if os.environ.get("HF_RESUMABLE_EXAMPLE_AWAIT_COMMIT") == "1":
+            wait_for_pending_saves()  # returns once every rank knows the commit happened (or failed)
         os.kill(os.getpid(), signum)
 
 

@@ -25,7 +25,8 @@ def _torchrun(output, *, env=None):
 
 def test_async_saves_under_torchrun_survive_a_sigkill_and_resume_bit_exact(tmp_path, two_process_reference):
     interrupted = _torchrun(tmp_path, env={"HF_RESUMABLE_EXAMPLE_KILL_AFTER_STEP": "3",
-                                           "HF_RESUMABLE_EXAMPLE_SIGNAL_RANK": "1"})
+                                           "HF_RESUMABLE_EXAMPLE_SIGNAL_RANK": "1",
+                                           "HF_RESUMABLE_EXAMPLE_AWAIT_COMMIT": "1"})
     assert interrupted.returncode != 0 and "exitcode: -9" in interrupted.stdout, interrupted.stdout[-5000:]
     latest = find_latest_checkpoint(tmp_path / "checkpoints")
     assert latest is not None and latest.name == "checkpoint-2" and read_manifest(latest).world_size == 2

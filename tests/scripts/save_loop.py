@@ -1,5 +1,7 @@
 """Child process for the crash test: saves checkpoints in a loop until killed.
 
+It prints ``saving N`` before and ``committed N`` after each save, so the parent can time its kill by events.
+
 Weights at step s are a pure function of s, so the parent can check that whatever checkpoint it
 finds holds exactly the weights of its step.
 """
@@ -22,8 +24,10 @@ def main(root: str) -> None:
     print("ready", flush=True)
     while True:
         step += 1
+        print(f"saving {step}", flush=True)
         save_checkpoint(f"{root}/checkpoint-{step}", model=weights(step), step=step, max_shard_size="600KB",
                         training_state={"global_step": step}, keep_last=3)
+        print(f"committed {step}", flush=True)
 
 
 if __name__ == "__main__":
