@@ -15,7 +15,7 @@ The stock optimizer state is keyed by parameter *index*. The index order is rebu
 Example:
 
 ```python
->>> from hf_resumable.convert import convert_trainer_checkpoint, reshard_checkpoint
+>>> from hf_resumable.conversions.stock import convert_trainer_checkpoint, reshard_checkpoint
 >>> convert_trainer_checkpoint("out/checkpoint-500", "converted/checkpoint-500")  # doctest: +SKIP
 >>> reshard_checkpoint("converted/checkpoint-500", max_shard_size="200MB", output="resharded/checkpoint-500")
 ... # doctest: +SKIP
