@@ -189,8 +189,8 @@ def test_only_integrations_import_the_trainer_or_the_accelerator():
     outside = {m: p for m, p in MODULES.items() if m != "integrations" and not m.startswith("integrations.")}
     offenders = [f"hf_resumable/{path.relative_to(PACKAGE)} {where}" for path in sorted(outside.values())
                  for where in _loop_imports(path.read_text(encoding="utf-8"))]
-    assert not offenders, ("only hf_resumable/integrations/ may import transformers.Trainer / transformers.trainer* or "
-                           "accelerate.Accelerator / accelerate.accelerator:\n" + "\n".join(offenders))
+    assert not offenders, ("only hf_resumable/integrations/ may import transformers.Trainer / transformers.trainer* "
+                           "or accelerate.Accelerator / accelerate.accelerator:\n" + "\n".join(offenders))
 
 
 @pytest.mark.parametrize("source", [
