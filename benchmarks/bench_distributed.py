@@ -100,7 +100,7 @@ def worker(mode: str, root: Path, repeats: int, hidden: int, out: Path) -> None:
     import torch.distributed as dist
 
     from hf_resumable import save_checkpoint
-    from hf_resumable.sharded import save_sharded_checkpoint
+    from hf_resumable.checkpoint.sharded import save_sharded_checkpoint
 
     torch.set_num_threads(1)
     rank = 0
@@ -137,7 +137,7 @@ def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from hf_resumable import save_checkpoint, wait_for_pending_saves
-    from hf_resumable.sharded import save_sharded_checkpoint
+    from hf_resumable.checkpoint.sharded import save_sharded_checkpoint
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -70,7 +70,7 @@ class UnsafeIndexError(CorruptCheckpointError):
 class UnsafePickleError(CorruptCheckpointError, pickle.UnpicklingError):
     """A stock checkpoint's pickle holds objects that ``torch.load(weights_only=True)`` refuses to build.
 
-    Only :mod:`hf_resumable.convert` reads pickles; it never unpickles anything but tensors and plain
+    Only :mod:`hf_resumable.conversions.stock` reads pickles; it never unpickles anything but tensors and plain
     containers, so such a file (possibly malicious) is refused, naming it. Also a ``pickle.UnpicklingError``.
     """
 

@@ -114,8 +114,16 @@ def find_latest_checkpoint(root: str | os.PathLike, *, cleanup: bool = True, ful
     For an object-store root (``s3://bucket/run``) the result is the URL of its newest checkpoint whose manifest
     and files are all present; for ``hf://user/repo[/path]`` the ``hf://`` reference of the newest committed one
     (pinned to its commit); for a local root the newest local checkpoint that verifies.
+
+    Args:
+        root (`str` or `os.PathLike`): a local run directory, ``hf://user/repo[/path]`` or an fsspec URL.
+        storage_options (`dict`, *optional*): fsspec options (credentials, endpoint) for an object-store ``root``.
+
+    Raises:
+        ValueError: if ``storage_options`` are given for a local or ``hf://`` root (only fsspec reads them).
     """
     kind = location_kind(root) if isinstance(root, (str, os.PathLike)) else "local"
+    _check_storage_options(root, kind, storage_options)
     if kind == "object_store":
         from .remote import find_latest_remote_checkpoint
 
@@ -129,7 +137,11 @@ def find_latest_checkpoint(root: str | os.PathLike, *, cleanup: bool = True, ful
 
 def open_checkpoint(location: str | os.PathLike, *, storage_options: dict | None = None, token: str | None = None,
                     **kwargs: Any) -> _core.OpenedCheckpoint:
-    """:func:`hf_resumable.checkpoint.open_checkpoint` for any location (remote ones are downloaded first)."""
+    """:func:`hf_resumable.checkpoint.open_checkpoint` for any location (remote ones are downloaded first).
+
+    Raises:
+        ValueError: if ``storage_options`` are given for a local or ``hf://`` location (only fsspec reads them).
+    """
     return _core.open_checkpoint(_local(location, storage_options=storage_options, token=token), **kwargs)
 
 
@@ -137,6 +149,16 @@ def load_checkpoint(location: str | os.PathLike, *, storage_options: dict | None
                     **kwargs: Any) -> _core.LoadedCheckpoint:
     """:func:`hf_resumable.checkpoint.load_checkpoint` for any location (remote ones are downloaded and
     hash-checked first; a remote run root loads its newest committed checkpoint).
+
+    Args:
+        location (`str` or `os.PathLike`): a local checkpoint, ``hf://user/repo[/path]`` or an fsspec URL (a
+            checkpoint or a run root).
+        storage_options (`dict`, *optional*): fsspec options (credentials, endpoint) for an object-store location.
+        token (`str`, *optional*): Hub token for an ``hf://`` location.
+        **kwargs: the options of :func:`hf_resumable.checkpoint.load_checkpoint` (``model``, ``optimizer``, ...).
+
+    Raises:
+        ValueError: if ``storage_options`` are given for a local or ``hf://`` location (only fsspec reads them).
 
     Example:
 
@@ -151,6 +173,18 @@ def load_checkpoint(location: str | os.PathLike, *, storage_options: dict | None
 
 
 def _local(location: str | os.PathLike, *, storage_options: dict | None, token: str | None) -> str | os.PathLike:
-    if not is_remote(location):
+    kind = location_kind(location) if isinstance(location, (str, os.PathLike)) else "local"
+    _check_storage_options(location, kind, storage_options)
+    if kind == "local":
         return location
     return _download(os.fspath(location), None, token=token, storage_options=storage_options)
+
+
+def _check_storage_options(location: Any, kind: str, storage_options: dict | None) -> None:
+    """``storage_options`` configure fsspec, which only object-store locations go through; refuse them elsewhere
+    rather than drop them (a caller relying on them, say for credentials, would never learn they were unused)."""
+    if storage_options and kind != "object_store":
+        where = "a Hub" if kind == "hub" else "a local"
+        raise ValueError(f"storage_options apply only to object-store locations (s3://, gs://, ... read through "
+                         f"fsspec); {location!r} is {where} location. Drop storage_options, or give an object-store "
+                         "URL.")

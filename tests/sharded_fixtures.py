@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hf_resumable.elastic import ElasticSampler
+from hf_resumable.data.elastic import ElasticSampler
 from hf_resumable.format.rng import derive_seed
 from hf_resumable.format.safetensors_io import read_safetensors, write_safetensors
 

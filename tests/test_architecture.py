@@ -1,5 +1,6 @@
-"""The package's imports, parsed with ``ast``: no import cycles, and the layers of docs/architecture.md import one
-way only (a module may import its own layer and the layers below it, never a layer above).
+"""The package's imports, parsed with ``ast``: no import cycles, the layers of docs/architecture.md import one
+way only (a module may import its own layer and the layers below it, never a layer above), and only
+``integrations/`` imports ``transformers.Trainer`` or ``accelerate.Accelerator``.
 
 Every import counts, also the ones inside functions (a lazy import is still a dependency), except those under
 ``if TYPE_CHECKING:``. A new module must be given a layer here (and in docs/architecture.md) or this test fails.
@@ -23,8 +24,6 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("locations", ["locations"]),
     ("integrations", ["integrations"]),
     ("entry points", ["cli", "demo", "__main__", ""]),
-    # Import paths of earlier releases, each re-exporting the module that moved; nothing in the package imports them.
-    ("compatibility paths", ["storage", "elastic", "sharded", "cards", "convert", "demo_train"]),
 ]
 
 
@@ -135,7 +134,7 @@ def test_layers_import_one_way():
 def test_the_checkpoint_core_imports_nothing_remote():
     core = [m for m in MODULES if m == "checkpoint" or m.startswith("checkpoint.")]
     remote = [f"{a} -> {b}" for a in core for b in GRAPH[a]
-              if b.split(".")[0] in ("remote", "storage", "hub", "locations", "lazy")]
+              if b.split(".")[0] in ("remote", "hub", "locations", "lazy")]
     assert not remote, remote
 
 
@@ -143,3 +142,83 @@ def test_the_graph_is_not_trivially_empty():
     # Guards the parser itself: these edges exist, so a parser that found none would let everything pass.
     assert "checkpoint.api" in GRAPH["checkpoint"] and "checkpoint" in GRAPH["locations"]
     assert "remote.uploader" in GRAPH["hub.uploader"]
+
+
+# Only integrations/ may touch the training loops: transformers.Trainer (or a transformers.trainer* module, where its
+# helpers live) and accelerate.Accelerator (or the accelerate.accelerator module).
+_LOOP_NAMES = {"transformers": ("Trainer",), "accelerate": ("Accelerator",)}
+_LOOP_MODULES = {"transformers": "trainer", "accelerate": "accelerator"}
+
+
+def _is_loop_module(dotted: str) -> bool:
+    """``transformers.trainer*`` or ``accelerate.accelerator*`` (a module of either package holding its loop)."""
+    top, _, rest = dotted.partition(".")
+    return top in _LOOP_MODULES and rest.split(".")[0].startswith(_LOOP_MODULES[top])
+
+
+def _is_loop_name(package: str, name: str) -> bool:
+    return name in _LOOP_NAMES.get(package, ()) or _is_loop_module(f"{package}.{name}")
+
+
+def _loop_imports(source: str) -> list[str]:
+    """Where ``source`` imports (or reaches as an attribute or via ``import_module``) a training loop's class/module.
+
+    Every import counts, ``if TYPE_CHECKING:`` ones included: an annotation naming the Trainer still ties the module
+    to it.
+    """
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [f"line {node.lineno}: import {a.name}" for a in node.names if _is_loop_module(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [a.name for a in node.names]
+            if _is_loop_module(node.module) or any(_is_loop_name(node.module, name) for name in names):
+                found.append(f"line {node.lineno}: from {node.module} import {', '.join(names)}")
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if _is_loop_name(node.value.id, node.attr):
+                found.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            target = node.args[0].value
+            if func in ("import_module", "__import__") and isinstance(target, str) and _is_loop_module(target):
+                found.append(f"line {node.lineno}: {func}({target!r})")
+    return found
+
+
+def test_only_integrations_import_the_trainer_or_the_accelerator():
+    outside = {m: p for m, p in MODULES.items() if m != "integrations" and not m.startswith("integrations.")}
+    offenders = [f"hf_resumable/{path.relative_to(PACKAGE)} {where}" for path in sorted(outside.values())
+                 for where in _loop_imports(path.read_text(encoding="utf-8"))]
+    assert not offenders, ("only hf_resumable/integrations/ may import transformers.Trainer / transformers.trainer* "
+                           "or accelerate.Accelerator / accelerate.accelerator:\n" + "\n".join(offenders))
+
+
+@pytest.mark.parametrize("source", [
+    "from transformers import Trainer",
+    "from transformers.trainer_pt_utils import safe_globals",
+    "import transformers.trainer_utils",
+    "import transformers\ntransformers.Trainer.get_decay_parameter_names(None, model)",
+    "from accelerate import Accelerator",
+    "from accelerate.accelerator import Accelerator",
+    "import importlib\nimportlib.import_module('transformers.trainer')",
+    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from transformers import Trainer",
+])
+def test_the_loop_import_scan_finds(source):
+    assert _loop_imports(source)
+
+
+@pytest.mark.parametrize("source", [
+    "from transformers import TrainerCallback, TrainingArguments, AutoModel",
+    "from transformers.modeling_utils import PreTrainedModel",
+    "from accelerate import init_empty_weights",
+    "from accelerate.utils import set_seed",
+    "extra = {'converted_from': 'transformers.Trainer'}",
+])
+def test_the_loop_import_scan_allows(source):
+    assert not _loop_imports(source)
+
+
+def test_the_integrations_do_import_the_loops():
+    # Guards the scan: the two modules that wrap the loops import them, so a scan that found nothing there is broken.
+    assert _loop_imports(MODULES["integrations.trainer"].read_text(encoding="utf-8"))
+    assert _loop_imports(MODULES["integrations.accelerate"].read_text(encoding="utf-8"))

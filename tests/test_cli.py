@@ -312,7 +312,7 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
 
 def test_demo_loop_backend_resumes_exactly_in_process(tmp_path: Path, monkeypatch) -> None:
     """The plain-loop backend: a crash right after step 4 (checkpoints every 3) and a restart match the reference."""
-    from hf_resumable import demo_train
+    from hf_resumable.demo import train as demo_train
 
     class Killed(BaseException):
         pass

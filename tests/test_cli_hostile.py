@@ -60,7 +60,7 @@ def test_convert_of_a_pickle_bomb_is_one_line_and_never_executes(tmp_path):
 def test_convert_raises_typed_errors_for_refused_and_broken_pickles(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from hf_resumable.convert import convert_trainer_checkpoint
+    from hf_resumable.conversions.stock import convert_trainer_checkpoint
     from hf_resumable.errors import CorruptCheckpointError, UnsafePickleError
 
     stock = tmp_path / "stock" / "checkpoint-4"

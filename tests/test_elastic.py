@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from hf_resumable.elastic import ElasticSampler, ElasticSeededDataset, SampleKey, sample_seed, split_global_step
+from hf_resumable.data.elastic import ElasticSampler, ElasticSeededDataset, SampleKey, sample_seed, split_global_step
 from hf_resumable.errors import ConfigDriftError, CorruptCheckpointError
 
 SEED = 7

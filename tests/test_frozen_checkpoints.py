@@ -292,9 +292,9 @@ def test_bitsandbytes_quantized_base_on_cpu(tmp_path: Path, bits: int):
 
 # ------------------------------------------------------------------------------------------------ consumers
 def test_tools_that_need_a_whole_model_say_so(gpt2_base: Path, tmp_path: Path):
+    from hf_resumable.checkpoint.sharded import load_sharded_checkpoint
     from hf_resumable.hub import push_sharded
     from hf_resumable.lazy import LazyStateDict
-    from hf_resumable.sharded import load_sharded_checkpoint
 
     model, optimizer = trained(lora(gpt2_base))
     save_checkpoint(tmp_path / "c", model=model, optimizer=optimizer, rng=False)
@@ -307,7 +307,7 @@ def test_tools_that_need_a_whole_model_say_so(gpt2_base: Path, tmp_path: Path):
 
 def test_inspect_reshard_and_cli_on_a_trainable_only_checkpoint(gpt2_base: Path, tmp_path: Path):
     from hf_resumable.checkpoint.summary import summarize_checkpoint
-    from hf_resumable.convert import reshard_checkpoint
+    from hf_resumable.conversions.stock import reshard_checkpoint
 
     model, optimizer = trained(lora(gpt2_base))
     save_checkpoint(tmp_path / "c", model=model, optimizer=optimizer, rng=False)

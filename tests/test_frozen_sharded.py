@@ -20,9 +20,13 @@ import pytest
 import torch
 
 from hf_resumable.checkpoint import read_manifest, verify_checkpoint
+from hf_resumable.checkpoint.sharded import (
+    consolidate_sharded_checkpoint,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
 from hf_resumable.errors import BaseMismatchError, BaseNotStoredError
 from hf_resumable.format.safetensors_io import read_safetensors
-from hf_resumable.sharded import consolidate_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 
 import sharded_fixtures as fx
 from distributed_launch import launch_ranks

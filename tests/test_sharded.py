@@ -31,7 +31,12 @@ from hf_resumable.checkpoint import (
     verify_checkpoint,
 )
 from hf_resumable.checkpoint._sharded import Box, intersect_boxes, plan_region_reads
-from hf_resumable.elastic import ElasticSampler
+from hf_resumable.checkpoint.sharded import (
+    consolidate_sharded_checkpoint,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
+from hf_resumable.data.elastic import ElasticSampler
 from hf_resumable.errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,
@@ -39,7 +44,6 @@ from hf_resumable.errors import (
     InexactResumeError,
 )
 from hf_resumable.format.safetensors_io import hash_file
-from hf_resumable.sharded import consolidate_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 
 import sharded_fixtures as fx
 from distributed_launch import launch_ranks

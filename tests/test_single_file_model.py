@@ -24,12 +24,16 @@ from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, 
 
 from hf_resumable.checkpoint import load_checkpoint, open_checkpoint, read_manifest, save_checkpoint, verify_checkpoint
 from hf_resumable.checkpoint.manifest import Manifest
+from hf_resumable.checkpoint.sharded import (
+    consolidate_sharded_checkpoint,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
 from hf_resumable.checkpoint.summary import summarize_checkpoint
 from hf_resumable.constants import MODEL_INDEX_FILE, SINGLE_MODEL_FILE
-from hf_resumable.convert import reshard_checkpoint
+from hf_resumable.conversions.stock import reshard_checkpoint
 from hf_resumable.errors import CorruptCheckpointError, IncompleteCheckpointError
 from hf_resumable.format.safetensors_io import hash_file, read_safetensors, write_safetensors
-from hf_resumable.sharded import consolidate_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 
 from tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, tiny_llama, train_steps
 

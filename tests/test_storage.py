@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from hf_resumable import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from hf_resumable._urls import is_object_store_url
 from hf_resumable.errors import CheckpointExistsError, StorageError
-from hf_resumable.storage import (
+from hf_resumable.remote import (
     CheckpointMirror,
     apply_remote_retention,
     download_checkpoint,
     is_committed_remote,
-    is_remote_url,
     list_remote_checkpoints,
     upload_checkpoint,
 )
@@ -31,9 +31,10 @@ def _trained(tmp_path, steps=(1,), big=False):
     return model, optimizer
 
 
-def test_is_remote_url():
-    assert is_remote_url("s3://b/run") and is_remote_url("gs://b/x")
-    assert not is_remote_url("/tmp/x") and not is_remote_url("file:///tmp/x") and not is_remote_url("hf://u/r")
+def test_is_object_store_url():
+    assert is_object_store_url("s3://b/run") and is_object_store_url("gs://b/x")
+    assert not is_object_store_url("/tmp/x") and not is_object_store_url("file:///tmp/x")
+    assert not is_object_store_url("hf://u/r")
 
 
 def test_upload_find_latest_and_resume_from_s3_bit_exact(tmp_path, seaweed, bucket):

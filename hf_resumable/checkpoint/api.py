@@ -313,7 +313,6 @@ def load_checkpoint(
     strict: bool = True,
     verify: str = "quick",
     allow_inexact_resume: bool = False,
-    storage_options: dict | None = None,
 ) -> LoadedCheckpoint:
     """Load a checkpoint written by :func:`save_checkpoint` into freshly built objects, bit for bit.
 
@@ -334,8 +333,6 @@ def load_checkpoint(
             (``"none"`` skips hash checks while reading; structure is always checked).
         allow_inexact_resume (`bool`, *optional*, defaults to `False`): continue with a WARNING when
             this rank's RNG state is missing, or the world size changed, instead of raising.
-        storage_options (`dict`, *optional*): fsspec options, for :func:`hf_resumable.load_checkpoint` (the front
-            that also takes ``s3://`` and ``hf://`` locations); this function reads local directories only.
 
     Returns:
         `LoadedCheckpoint`: training state, extra state, data position and RNG state (the

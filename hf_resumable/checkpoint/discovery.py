@@ -120,8 +120,7 @@ def _is_legacy_stale_temp(entry: Path) -> bool:
 
 
 def find_latest_checkpoint(
-    root: str | os.PathLike, *, cleanup: bool = True, full: bool = False, storage_options: dict | None = None,
-    pattern: re.Pattern[str] = CHECKPOINT_DIR_RE,
+    root: str | os.PathLike, *, cleanup: bool = True, full: bool = False, pattern: re.Pattern[str] = CHECKPOINT_DIR_RE,
 ) -> Path | None:
     """The newest ``checkpoint-N`` under ``root`` that passes verification, or None.
 
@@ -132,9 +131,8 @@ def find_latest_checkpoint(
     (see :func:`cleanup_stale_temp_dirs`). The checkpoint returned is pinned for this process (until
     its next call on the same ``root``, its exit, or ``PIN_TTL``), so retention run by a concurrent
     writer does not remove it before it is loaded. ``root`` is a local directory: for ``s3://`` and
-    ``hf://`` roots use :func:`hf_resumable.find_latest_checkpoint` (``storage_options`` is accepted
-    here for the same signature, and unused). To open the checkpoint found without verifying it again, use
-    :func:`find_latest_verified`.
+    ``hf://`` roots use :func:`hf_resumable.find_latest_checkpoint` (which takes ``storage_options`` for s3://).
+    To open the checkpoint found without verifying it again, use :func:`find_latest_verified`.
 
     Example:
 

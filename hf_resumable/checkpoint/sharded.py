@@ -36,7 +36,7 @@ Example:
 
 ```python
 >>> from torch.distributed.fsdp import fully_shard
->>> from hf_resumable.sharded import save_sharded_checkpoint, load_sharded_checkpoint
+>>> from hf_resumable.checkpoint.sharded import save_sharded_checkpoint, load_sharded_checkpoint
 >>> for block in model.model.layers:  # doctest: +SKIP
 ...     fully_shard(block)
 >>> fully_shard(model)  # doctest: +SKIP

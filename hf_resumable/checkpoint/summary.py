@@ -3,7 +3,7 @@
 :func:`summarize_checkpoint` reads only the manifest, ``training_state.json`` and the safetensors
 headers, so it is cheap on checkpoints of any size and works on damaged ones: whatever can be read is
 reported, and the verification result says what is wrong. The ``hf-resumable inspect`` command and
-the model cards (:mod:`hf_resumable.cards`) are built on it.
+the model cards (:mod:`hf_resumable.hub.cards`) are built on it.
 
 Example:
 

@@ -10,12 +10,15 @@
 The stock optimizer state is keyed by parameter *index*. The index order is rebuilt the way
 ``Trainer.create_optimizer`` builds it (a weight-decay group, then a no-decay group, each in
 ``named_parameters()`` order), checked against the saved group sizes, and then stored by parameter
-*name* as usual.
+*name* as usual. This module reads the stock *files* and never imports the ``Trainer``: the file names come from
+:mod:`hf_resumable.constants`, and the two pieces of the Trainer's behaviour it mirrors (the weight-decay split and
+the ``weights_only`` allow-list) are written out here and checked against the Trainer's own in
+``tests/test_conversions.py``.
 
 Example:
 
 ```python
->>> from hf_resumable.convert import convert_trainer_checkpoint, reshard_checkpoint
+>>> from hf_resumable.conversions.stock import convert_trainer_checkpoint, reshard_checkpoint
 >>> convert_trainer_checkpoint("out/checkpoint-500", "converted/checkpoint-500")  # doctest: +SKIP
 >>> reshard_checkpoint("converted/checkpoint-500", max_shard_size="200MB", output="resharded/checkpoint-500")
 ... # doctest: +SKIP
@@ -27,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -83,6 +87,9 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 _STOCK_WEIGHTS = (SINGLE_MODEL_FILE, MODEL_INDEX_FILE)
 _ADAPTER_WEIGHTS = ADAPTER_WEIGHTS_FILE  # a PEFT model's checkpoint (converted only with model=)
 _REGENERATED = (CONFIG_FILE, GENERATION_CONFIG_FILE)
+# Parameter names the Trainer excludes from weight decay (transformers 5: ``Trainer.get_decay_parameter_names``),
+# matched against the lower-cased name. Parameters inside an ``nn.LayerNorm`` are excluded too.
+_NO_DECAY_NAME = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
 
 
 @dataclass(frozen=True)
@@ -140,14 +147,24 @@ class _StateHolder:
         return self._state
 
 
+def _numpy_safe_globals() -> list[Any]:
+    """What ``weights_only=True`` must also build for the stock RNG files: numpy arrays (the numpy generator state).
+
+    The allow-list of transformers' ``trainer_pt_utils.safe_globals``, with which the Trainer reads these files.
+    """
+    import numpy as np
+
+    core = np._core if hasattr(np, "_core") else np.core  # numpy 2 renamed numpy.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
 def _load_pickle(path: Path) -> Any:
     """``torch.load(path, weights_only=True)``; a refused or unreadable pickle raises a typed error naming it."""
     import pickle
 
-    from transformers.trainer_pt_utils import safe_globals
-
     try:
-        with safe_globals():  # allow-lists numpy's array reconstruction for the RNG files, nothing more
+        # allow-lists numpy's array reconstruction for the RNG files, nothing more
+        with torch.serialization.safe_globals(_numpy_safe_globals()):
             return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as err:
         reason = " ".join(str(err).split())[:300]
@@ -180,12 +197,21 @@ def _infer_optimizer(saved: dict[str, Any]) -> str:
     return "adamw"
 
 
+def _decay_parameter_names(model: torch.nn.Module) -> set[str]:
+    """The names ``Trainer.get_decay_parameter_names`` gives: every parameter not inside an ``nn.LayerNorm`` (below
+    ``model`` itself) and whose lower-cased name does not match ``_NO_DECAY_NAME``; children in
+    ``named_children()`` order, as the Trainer walks them (a module registered twice counts under its first name)."""
+    names = [name for name, _ in model.named_parameters(recurse=False, remove_duplicate=False)]
+    for child_name, child in model.named_children():
+        if not isinstance(child, torch.nn.LayerNorm):
+            names += [f"{child_name}.{name}" for name in _decay_parameter_names(child)]
+    return {name for name in names if not _NO_DECAY_NAME.search(name.lower())}
+
+
 def _trainer_param_groups(model: torch.nn.Module, saved: dict[str, Any]) -> list[list[torch.nn.Parameter]]:
     """Parameters per group in the order ``Trainer.create_optimizer`` used, checked against the saved sizes."""
-    from transformers import Trainer
-
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    decay = set(Trainer.get_decay_parameter_names(None, model))
+    decay = _decay_parameter_names(model)
     trainer_groups = [[p for n, p in named if n in decay], [p for n, p in named if n not in decay]]
     sizes = [len(g["params"]) for g in saved["param_groups"]]
     if sizes == [len(g) for g in trainer_groups]:

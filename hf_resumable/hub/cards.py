@@ -7,7 +7,7 @@ table of every shard with its size and sha256, and how to load the weights lazil
 Example:
 
 ```python
->>> from hf_resumable.cards import render_checkpoint_card
+>>> from hf_resumable.hub.cards import render_checkpoint_card
 >>> card = render_checkpoint_card("out/checkpoint-120", repo_id="me/run")  # doctest: +SKIP
 >>> card.data.library_name  # doctest: +SKIP
 'transformers'

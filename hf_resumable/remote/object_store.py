@@ -43,7 +43,6 @@ from .uploader import BackgroundUploader
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "is_remote_url",
     "upload_checkpoint",
     "read_remote_manifest",
     "is_committed_remote",
@@ -55,8 +54,6 @@ __all__ = [
 ]
 
 _CHUNK = 8 * 1024 * 1024
-# Kept under its old name: ``hf_resumable.storage.is_remote_url``.
-is_remote_url = is_object_store_url
 
 
 def _fs(url: str, storage_options: Mapping[str, Any] | None):
@@ -334,7 +331,7 @@ class CheckpointMirror(BackgroundUploader[str]):
     def __init__(self, remote_root: str, *, keep_last: int | None = None,
                  storage_options: Mapping[str, Any] | None = None, max_retries: int = 2, base_delay: float = 1.0,
                  max_delay: float = 30.0) -> None:
-        if not is_remote_url(remote_root):
+        if not is_object_store_url(remote_root):
             raise ValueError(f"remote_root must be an fsspec URL such as s3://bucket/run, got {remote_root!r}.")
         self.remote_root = remote_root.rstrip("/")
         self.keep_last = keep_last
@@ -359,7 +356,7 @@ def resolve_checkpoint(path_or_url: str | os.PathLike, *, storage_options: Mappi
         CheckpointNotFoundError: if a remote root holds no committed checkpoint.
     """
     text = os.fspath(path_or_url)
-    if not is_remote_url(text):
+    if not is_object_store_url(text):
         return Path(text)
     name = text.rstrip("/").rsplit("/", 1)[-1]
     if not CHECKPOINT_DIR_RE.match(name):

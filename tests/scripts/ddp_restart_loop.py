@@ -35,7 +35,7 @@ from hf_resumable.checkpoint import (
     save_checkpoint,
     wait_for_pending_saves,
 )
-from hf_resumable.elastic import ElasticSampler
+from hf_resumable.data.elastic import ElasticSampler
 
 STEPS, SAVE_EVERY, DATASET, BATCH = 8, 2, 48, 4
 

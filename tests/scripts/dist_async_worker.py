@@ -160,7 +160,7 @@ def main() -> int:
             started = time.perf_counter()
             try:
                 if sharded:
-                    from hf_resumable.sharded import save_sharded_checkpoint
+                    from hf_resumable.checkpoint.sharded import save_sharded_checkpoint
 
                     save_sharded_checkpoint(root / f"checkpoint-{step}", model=model, optimizer=optimizer, step=step,
                                             blocking=blocking)
@@ -181,7 +181,7 @@ def main() -> int:
                           "errno": getattr(err.__cause__, "errno", None), "message": str(err)}
     reloaded = {}
     for step, expected in {} if failing else saved.items():  # every checkpoint, into a fresh model and optimizer
-        from hf_resumable.sharded import load_sharded_checkpoint
+        from hf_resumable.checkpoint.sharded import load_sharded_checkpoint
 
         fresh, fresh_optimizer = build(True, frozen=frozen)
         if step > 3:

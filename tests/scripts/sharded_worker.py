@@ -30,9 +30,9 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import init_device_mesh  # noqa: E402
 
-from hf_resumable.elastic import ElasticSampler  # noqa: E402
+from hf_resumable.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint  # noqa: E402
+from hf_resumable.data.elastic import ElasticSampler  # noqa: E402
 from hf_resumable.format.rng import restore_rng_state  # noqa: E402
-from hf_resumable.sharded import load_sharded_checkpoint, save_sharded_checkpoint  # noqa: E402
 
 import sharded_fixtures as fx  # noqa: E402
 
