@@ -118,7 +118,8 @@ def on_meta(model):
 
 
 def make_checkpoint_dir(directory: Path, files: dict[str, bytes], *, bad_hash_for: str | None = None) -> Path:
-    """A committed-looking checkpoint directory: ``files`` plus a ``manifest.json`` with size and sha256 of each."""
+    """A committed-looking checkpoint directory: ``files`` (and a ``training_state.json``, which every checkpoint
+    has, if they hold none) plus a ``manifest.json`` with size and sha256 of each."""
     import hashlib
 
     from hf_resumable.checkpoint.manifest import Manifest
@@ -126,7 +127,7 @@ def make_checkpoint_dir(directory: Path, files: dict[str, bytes], *, bad_hash_fo
 
     directory.mkdir(parents=True, exist_ok=True)
     records = {}
-    for name, data in files.items():
+    for name, data in {"training_state.json": b"{}", **files}.items():
         (directory / name).parent.mkdir(parents=True, exist_ok=True)
         (directory / name).write_bytes(data)
         digest = hashlib.sha256(data).hexdigest() if name != bad_hash_for else "0" * 64

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_resumable.checkpoint import save_checkpoint
+from hf_resumable.checkpoint import Manifest, read_manifest, save_checkpoint
 
 import zygote
 
@@ -85,6 +85,25 @@ def test_deeply_nested_manifest_is_one_line(tmp_path, command):
     result = _cli(command, str(ckpt), cwd=tmp_path)
     assert result.returncode != 0 and "Traceback" not in result.stderr + result.stdout
     assert "nested deeper" in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("content", [b"9" * 5000, b"[" * 100_000 + b"]" * 100_000],
+                         ids=["5000-digit-integer", "deeply-nested"])
+def test_inspect_of_an_unreadable_training_state_fails_naming_it(tmp_path, content):
+    """The state file replaced and the manifest resealed (so its hash matches): inspect used to exit 0."""
+    from hf_resumable.format.safetensors_io import hash_file
+
+    ckpt = _checkpoint(tmp_path / "checkpoint-1")
+    (ckpt / "training_state.json").write_bytes(content)
+    manifest = read_manifest(ckpt)
+    files = {name: hash_file(ckpt / name) for name in manifest.files}
+    (ckpt / "manifest.json").write_bytes(Manifest(files=files, step=manifest.step).to_json())
+    result = _cli("inspect", str(ckpt), cwd=tmp_path)
+    assert result.returncode != 0 and "Traceback" not in result.stderr + result.stdout
+    problems = [line for line in (result.stdout + result.stderr).splitlines() if "training_state.json" in line]
+    assert len(problems) == 1, result.stdout + result.stderr
+    assert str(ckpt / "training_state.json") in problems[0]
+    assert "5000 digits" in problems[0] or "nested deeper" in problems[0], problems[0]
 
 
 @pytest.mark.parametrize("command", ["verify", "inspect"])

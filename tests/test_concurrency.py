@@ -8,12 +8,15 @@ writer's retention runs; two writers of the same name: exactly one commits, the 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,14 +26,16 @@ from hf_resumable.checkpoint import (
     _pins,
     apply_retention,
     cleanup_stale_temp_dirs,
+    find_latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
     verify_checkpoint,
+    wait_for_pending_saves,
 )
 from hf_resumable.checkpoint._owner import current_owner, member_name, parse_member_name
 from hf_resumable.constants import PIN_PREFIX, REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
-from hf_resumable.errors import CheckpointExistsError
+from hf_resumable.errors import AsyncSaveError, CheckpointExistsError
 
 import zygote
 
@@ -270,3 +275,87 @@ def test_owned_names_exist_from_the_first_instant(tmp_path, monkeypatch):
     save_checkpoint(tmp_path / "checkpoint-1", model=_model(1.0), step=1, rng=False)
     owned = parse_member_name(seen[0])
     assert owned is not None and owned.prefix == TMP_PREFIX and owned.owner == current_owner()
+
+
+def _owned_entries(root: Path) -> list[str]:
+    """Pins, removal announcements, temp and trash dirs (owned names) left under ``root``."""
+    return sorted(p.name for p in root.iterdir() if parse_member_name(p.name) is not None)
+
+
+@contextlib.contextmanager
+def _small_disk(directory: Path, monkeypatch, *, capacity: int = 2 * 1024 * 1024) -> Iterator[Path]:
+    """``directory`` on a full-able filesystem: a real ``capacity``-byte tmpfs (as root), or else ``os.write``
+    answering ENOSPC, as the kernel would, once the files under ``directory`` have been written ``capacity`` bytes."""
+    directory.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={capacity}", "tmpfs", str(directory)], capture_output=True
+    ).returncode == 0
+    if not mounted:
+        written, real_write = [0], os.write
+
+        def write(fd: int, data) -> int:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(f"{directory}/"):
+                if written[0] + len(data) > capacity:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                written[0] += len(data)
+            return real_write(fd, data)
+
+        monkeypatch.setattr(os, "write", write)
+    try:
+        yield directory
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(directory)], check=False)
+
+
+def test_a_background_save_that_fails_on_a_full_disk_leaves_no_pin(tmp_path, monkeypatch):
+    """The process found (pinned) its checkpoint, then a background save failed with ENOSPC and the process lives
+    on: its pin used to stay, protecting a checkpoint nobody was going to read, until the process exited."""
+    with _small_disk(tmp_path / "disk", monkeypatch) as root:
+        save_checkpoint(root / "checkpoint-1", model=_model(1.0), step=1, rng=False)
+        assert find_latest_checkpoint(root) == root / "checkpoint-1"
+        assert [name for name in _owned_entries(root) if name.startswith(PIN_PREFIX)]  # pinned, as documented
+        big = {"w": torch.ones(1024, 1024)}  # 4 MiB: does not fit
+        save_checkpoint(root / "checkpoint-2", model=big, step=2, rng=False, blocking=False)
+        with pytest.raises(AsyncSaveError) as raised:
+            wait_for_pending_saves()
+        assert isinstance(raised.value.__cause__, OSError) and raised.value.__cause__.errno == errno.ENOSPC
+        assert _owned_entries(root) == [] and sorted(p.name for p in root.iterdir()) == ["checkpoint-1"]
+        assert verify_checkpoint(root / "checkpoint-1", full=True).ok
+        model = _model(-1.0)
+        load_checkpoint(root / "checkpoint-1", model=model, restore_rng=False)
+        assert all(bool((p == 1.0).all()) for p in model.parameters())
+
+
+def test_a_sigkilled_retention_run_leaves_nothing_a_later_cleanup_keeps(tmp_path):
+    """A process finds (pins) the newest checkpoint and applies retention in a loop; it is SIGKILLed. Until its
+    parent reaps it, it is a zombie: ``kill(pid, 0)`` succeeds and ``/proc`` still shows its start time, so its pin
+    (and any announcement or trash it left) looked owned by a live process, and no later cleanup removed them."""
+    root = tmp_path / "run"
+    for step in (1, 2, 3):
+        save_checkpoint(root / f"checkpoint-{step}", model=_model(float(step)), step=step, rng=False)
+    ready = tmp_path / "ready"
+    pid = os.fork()
+    if pid == 0:  # the retention run (only file operations: safe in a forked child)
+        try:
+            find_latest_checkpoint(root, cleanup=False)
+            ready.touch()
+            while True:
+                apply_retention(root, keep_last=1)
+        finally:
+            os._exit(1)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # a few retention passes
+        os.kill(pid, signal.SIGKILL)
+        while not Path(f"/proc/{pid}/stat").read_bytes().split(b") ")[1].startswith(b"Z"):
+            time.sleep(0.01)  # dead, not reaped: a zombie
+        assert [name for name in _owned_entries(root) if name.startswith(PIN_PREFIX)]  # its pin
+        cleanup_stale_temp_dirs(root)  # a later run
+        assert _owned_entries(root) == []
+    finally:
+        os.waitpid(pid, 0)
+    assert [p.name for _, p in list_checkpoints(root)] == ["checkpoint-3"]
+    assert verify_checkpoint(root / "checkpoint-3", full=True).ok

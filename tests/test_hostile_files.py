@@ -135,6 +135,26 @@ def test_manifest_with_infinity_where_an_int_belongs_is_skipped(run, field_name)
     _assert_skipped(run, file="manifest.json", error=CorruptCheckpointError)
 
 
+@pytest.mark.parametrize("kept", [(), (SHARD,)], ids=["no-files", "no-training-state"])
+def test_manifest_that_lists_no_checkpoint_is_skipped(run, kept):
+    """An emptied manifest, resealed: it listed nothing to check, so it verified (quick and full) and was picked."""
+    ckpt = run / "checkpoint-2"
+    document = _manifest(ckpt)
+    document["files"] = {name: record for name, record in document["files"].items() if name in kept}
+    _write_manifest(ckpt, document)
+    for full in (False, True):
+        with pytest.raises(CorruptCheckpointError, match=r"manifest\.json.*no training_state\.json"):
+            verify_checkpoint(ckpt, full=full, raise_on_error=True)
+    _assert_skipped(run, file="manifest.json", error=CorruptCheckpointError)
+
+
+@pytest.mark.parametrize("content", [b"9" * 5000, DEEP], ids=["5000-digit-integer", "deeply-nested"])
+def test_training_state_that_does_not_parse_is_skipped(run, content):
+    """Resealed, it passed its hash check; verification parses it (bounded), so the checkpoint is not picked."""
+    _reseal(run / "checkpoint-2", "training_state.json", content)
+    _assert_skipped(run, file="training_state.json", error=CorruptCheckpointError)
+
+
 def test_header_with_infinity_in_a_shape_is_skipped(run):
     ckpt = run / "checkpoint-2"
     header = json.loads((ckpt / SHARD).read_bytes()[8:8 + struct.unpack("<Q", (ckpt / SHARD).read_bytes()[:8])[0]])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import types
 
 import pytest
 import torch
@@ -74,6 +75,30 @@ def test_server_error_on_a_shard_download_is_a_typed_hub_server_error(hub):
         weights[name]
     hub.clear_faults()
     assert torch.equal(weights[name], model.state_dict()[name])  # nothing cached from the failure
+
+
+def test_server_error_resolving_the_revision_is_a_typed_hub_server_error(hub):
+    """The first request of from_pretrained (repo info: the commit of the revision) answered 500: huggingface_hub's
+    raw HfHubHTTPError escaped."""
+    repo_id, _model, _index = _pushed(hub)
+    hub.add_fault(Fault(path_regex=rf"^/api/models/{repo_id}", method="GET", status=500, times=None))
+    with pytest.raises(HubServerError) as raised:
+        LazyStateDict.from_pretrained(repo_id, revision="main")
+    assert "500" in str(raised.value) and f"{repo_id}@main" in str(raised.value)
+
+
+def test_server_error_on_the_index_is_a_typed_hub_server_error_not_a_missing_model(hub, monkeypatch):
+    """hf_hub_download reports a HEAD that answered 500 (after its retries) as a file it cannot find: that was
+    taken for a repo without an index, then (model.safetensors too) for a repo without any model."""
+    import huggingface_hub.utils._http as hub_http
+
+    monkeypatch.setattr(hub_http, "time", types.SimpleNamespace(sleep=lambda _seconds: None))  # its retry backoff
+    repo_id, _model, _index = _pushed(hub)
+    hub.add_fault(Fault(path_regex=r"/model\.safetensors(\.index\.json)?$", method="HEAD", status=500, times=None))
+    with pytest.raises(HubServerError) as raised:
+        LazyStateDict.from_pretrained(repo_id)
+    message = str(raised.value)
+    assert "500" in message and repo_id in message and hub.head(repo_id).oid[:12] in message and INDEX in message
 
 
 def _shard_with_dtype(dtype: str) -> bytes:

@@ -10,8 +10,8 @@ reader holds one) carries its owner in its name::
 ``mkdir``/``rename``/``open(O_EXCL)`` create a name atomically, so there is no instant at which the
 entry exists without an owner, and a rename to a name owned by somebody else is a transfer of
 ownership. An entry is *stale* only if its owner is provably dead: same host, and no process with
-that pid and that start time exists. Anything else (a live owner, another host, a name we cannot
-parse) is never touched.
+that pid and that start time exists (a zombie, exited but not yet reaped by its parent, is dead). Anything
+else (a live owner, another host, a name we cannot parse) is never touched.
 
 Example:
 
@@ -77,7 +77,8 @@ def _host_hash(hostname: str) -> str:
 
 
 def _start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (Linux ``/proc``); ``None`` if there is no such process."""
+    """Start time of ``pid`` in clock ticks since boot (Linux ``/proc``); ``None`` if there is no such process or it
+    has exited (a zombie: killed, its parent has not reaped it yet, and ``kill(pid, 0)`` still succeeds)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -87,6 +88,8 @@ def _start_time(pid: int) -> int | None:
         return 0
     # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
     fields = stat[stat.rfind(b")") + 2:].split()
+    if fields[:1] in ([b"Z"], [b"X"]):  # field 3, the state: zombie or dead, it holds nothing any more
+        return None
     try:
         return int(fields[19])
     except (IndexError, ValueError):

@@ -37,7 +37,7 @@ from ._owner import current_owner, member_name, owner_is_alive, parse_member_nam
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["pin", "unpin", "live_pins", "removal_announced", "hold_pin", "release_held_pins"]
+__all__ = ["pin", "unpin", "live_pins", "removal_announced", "hold_pin", "release_pin", "release_held_pins"]
 
 # How long a reader waits for a live remover to finish (removals take as long as deleting the files; this only
 # bounds a remover that was stopped between its steps 1 and 3).
@@ -86,6 +86,15 @@ def hold_pin(key: str, pin_path: Path | None) -> None:
             _held[key] = pin_path
     if previous is not None and previous != pin_path:
         unpin(previous)
+
+
+def release_pin(root: str | os.PathLike) -> None:
+    """Release this process's pin for the run ``root`` (held since :func:`hold_pin`), if any.
+
+    A save into ``root`` calls it: a process that writes a new checkpoint has loaded the one it found, and its pin
+    must not outlive a save that fails (a full disk) in a process that keeps running.
+    """
+    hold_pin(os.path.abspath(root), None)
 
 
 @atexit.register

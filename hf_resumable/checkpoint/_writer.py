@@ -39,6 +39,7 @@ from ..format.safetensors_io import FileRecord, write_safetensors
 from ..progress import progress_bar
 from ._fs import DirIdentity, commit_dir, create_temp_dir, discard, write_bytes_durably
 from ._payload import SHARDS_KEY, IndexSpec, Payload, TensorFile
+from ._pins import release_pin
 from ._staging import copy_into
 from ._threads import run_in_threads
 from .manifest import Manifest, read_manifest, records_from_json, records_to_json
@@ -200,10 +201,12 @@ def begin_save(target: Path, *, overwrite: bool, group: Any = None) -> SaveStart
 
     Rank 0 checks the target (only an empty dir or our own checkpoint may be replaced) and creates the temp
     dir under a name that carries its owner, so no cleaner can ever take it for a dead save's; every rank
-    learns its name, or rank 0's error (raised on every rank, with its type).
+    learns its name, or rank 0's error (raised on every rank, with its type). Every rank first releases its
+    reader pin on the target's parent (``find_latest_checkpoint``'s), so that none is left if the save fails.
     """
     distributed = is_distributed()
     rank, _ = rank_and_world_size()
+    release_pin(target.parent)  # the checkpoint this process found there is loaded by now; never outlive a failure
     replaces, tmp, failure = None, None, None
     if rank == 0:
         try:

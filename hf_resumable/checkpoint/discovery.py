@@ -129,10 +129,11 @@ def find_latest_checkpoint(
     the search. Quick verification is the default (sizes, headers, hashes of files up to 4 MiB);
     ``full=True`` hashes every file. With ``cleanup``, what dead processes left behind is removed
     (see :func:`cleanup_stale_temp_dirs`). The checkpoint returned is pinned for this process (until
-    its next call on the same ``root``, its exit, or ``PIN_TTL``), so retention run by a concurrent
-    writer does not remove it before it is loaded. ``root`` is a local directory: for ``s3://`` and
-    ``hf://`` roots use :func:`hf_resumable.find_latest_checkpoint` (which takes ``storage_options`` for s3://).
-    To open the checkpoint found without verifying it again, use :func:`find_latest_verified`.
+    its next call on the same ``root``, its next save into ``root``, its exit, or ``PIN_TTL``), so
+    retention run by a concurrent writer does not remove it before it is loaded. ``root`` is a local
+    directory: for ``s3://`` and ``hf://`` roots use :func:`hf_resumable.find_latest_checkpoint` (which takes
+    ``storage_options`` for s3://). To open the checkpoint found without verifying it again, use
+    :func:`find_latest_verified`.
 
     Example:
 
@@ -172,7 +173,7 @@ def find_latest_verified(
                          "looks there.")
     if cleanup:
         cleanup_stale_temp_dirs(root)
-    key = os.path.abspath(root)
+    key = os.path.abspath(root)  # the key of this process's pin on root (see _pins.release_pin)
     keep = read_on_load(rank_and_world_size()[0])
     for _step, path in reversed(list_checkpoints(root, pattern=pattern)):
         pin_path = pin(path)

@@ -1,7 +1,8 @@
 """The manifest: the last file written, listing every other file with its size, sha256 and xxh3-128.
 
 A directory is a committed checkpoint if and only if it holds a manifest that parses, has our
-format name and a version we can read, and whose files are all present with the listed sizes.
+format name and a version we can read, lists at least ``training_state.json`` (every save writes it, so an
+emptied manifest is refused), and whose files are all present with the listed sizes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..constants import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, MAX_JSON_SIZE
+from ..constants import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, MAX_JSON_SIZE, TRAINING_STATE_FILE
 from ..errors import (
     CorruptCheckpointError,
     FormatVersionError,
@@ -78,6 +79,9 @@ class Manifest:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}.")
         if MANIFEST_FILE in self.files:
             raise ValueError("The manifest cannot list itself.")
+        if TRAINING_STATE_FILE not in self.files:  # every save writes it: a manifest without it lists no checkpoint
+            raise ValueError(f"it lists {len(self.files)} file(s) and no {TRAINING_STATE_FILE}, which every "
+                             "checkpoint holds: the manifest was emptied or forged; resume from another checkpoint")
         for name in self.files:
             check_relative_name(name, source=MANIFEST_FILE, suffix=None)
 

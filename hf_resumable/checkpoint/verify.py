@@ -1,4 +1,4 @@
-"""Verify a checkpoint: quick (manifest, sizes, headers, index consistency) or full (+ sha256).
+"""Verify a checkpoint: quick (manifest, sizes, headers, training state, index consistency) or full (+ sha256).
 
 A report records the identity (device, inode, size, mtime, ctime) of every file it checked, and can keep the exact
 bytes of the small files it hashed (``keep=``). ``open_checkpoint(verified=report)`` then reads those files from
@@ -27,6 +27,7 @@ from ..constants import (
     OPTIMIZER_INDEX_FILE,
     SINGLE_MODEL_FILE,
     TRAINABLE_INDEX_FILE,
+    TRAINING_STATE_FILE,
 )
 from ..errors import CorruptCheckpointError, HfResumableError, IncompleteCheckpointError
 from ..format._jsonio import parse_json
@@ -34,6 +35,7 @@ from ..format._safefile import file_kind, member_path, open_regular, read_regula
 from ..format.safetensors_io import FileRecord, SafetensorsHeader, header_from_bytes, read_header, record_of
 from ..format.sharding import parse_index
 from ._model_files import model_weights_file, single_file_index
+from ._validate import check_training_state
 from .manifest import Manifest, read_manifest
 
 logger = logging.getLogger(__name__)
@@ -46,8 +48,8 @@ QUICK_HASH_LIMIT = 4 * 1024 * 1024
 # Most bytes of verified small files one report keeps for the open that follows (``keep=``); files beyond it are
 # read again by the open, and hash-checked there.
 KEEP_BUDGET = 32 * 1024 * 1024
-# Files verification itself reads again after hashing them (index and layout consistency): always kept.
-_REREAD = (MODEL_INDEX_FILE, TRAINABLE_INDEX_FILE, OPTIMIZER_INDEX_FILE, LAYOUT_FILE)
+# Files verification itself reads again after hashing them (index, layout and training-state structure): always kept.
+_REREAD = (MODEL_INDEX_FILE, TRAINABLE_INDEX_FILE, OPTIMIZER_INDEX_FILE, LAYOUT_FILE, TRAINING_STATE_FILE)
 _HASH_CHUNK = 16 * 1024 * 1024
 
 
@@ -170,8 +172,9 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, raise_
 
     Quick mode reads the manifest (and checks its own checksum), checks every listed file exists with
     the listed size, parses every safetensors header (catching truncation and bogus offsets), hashes
-    every file up to ``QUICK_HASH_LIMIT`` (4 MiB) and checks that each index refers only to listed
-    shards holding the tensors it names (and that a single ``model.safetensors``'s tied record parses).
+    every file up to ``QUICK_HASH_LIMIT`` (4 MiB), parses ``training_state.json`` (bounded) and checks its
+    structure, and checks that each index refers only to listed shards holding the tensors it names (and that a
+    single ``model.safetensors``'s tied record parses).
     Full mode recomputes every sha256. Each small file is read once: its header is parsed and its hash computed
     from the same bytes.
 
@@ -209,6 +212,7 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, raise_
     else:
         _check_files(directory, report, keep)
         if not report.problems:
+            _check_training_state(directory, report)
             _check_indexes(directory, report)
             _check_layout(directory, report)
     if raise_on_error:
@@ -293,6 +297,18 @@ def _read_json(directory: Path, relpath: str, report: VerifyReport) -> object:
     if raw is None:
         raw = read_regular_file(member_path(directory, relpath), limit=MAX_JSON_SIZE)
     return parse_json(raw, source=str(directory / relpath))
+
+
+def _check_training_state(directory: Path, report: VerifyReport) -> None:
+    """``training_state.json`` parses (bounded) and has its structure: a hash that matches proves only that the
+    manifest was resealed with it, and a state that cannot be read makes the checkpoint unusable."""
+    try:
+        check_training_state(_read_json(directory, TRAINING_STATE_FILE, report),
+                             source=str(directory / TRAINING_STATE_FILE))
+    except HfResumableError as err:
+        report.add(TRAINING_STATE_FILE, str(err), type(err))
+    except OSError as err:
+        report.add(TRAINING_STATE_FILE, f"cannot be read ({type(err).__name__}: {err.strerror or err})")
 
 
 def _check_indexes(directory: Path, report: VerifyReport) -> None:

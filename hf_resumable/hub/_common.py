@@ -18,6 +18,7 @@ from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import (
     EntryNotFoundError,
     HfHubHTTPError,
+    LocalEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
     SafetensorsParsingError,
@@ -65,29 +66,47 @@ HEADER_FETCH_WORKERS = 8
 def hub_errors(where: str) -> Iterator[None]:
     """Turn ``huggingface_hub`` failures about one file into typed :class:`HubError` s naming ``where``.
 
-    ``where`` is ``"<repo>@<commit>/<file>"``. An unknown repo or revision keeps huggingface_hub's own
+    ``where`` is ``"<repo>@<commit>/<file>"`` (``"<repo>@<revision>"`` while resolving a revision). A 5xx answer, or
+    none, is a :class:`HubServerError`, also when ``hf_hub_download`` reports it as a file it cannot find (its HEAD
+    failed and nothing is cached). An unknown repo or revision keeps huggingface_hub's own
     ``RepositoryNotFoundError`` / ``RevisionNotFoundError``.
     """
     try:
         yield
     except (HubError, RepositoryNotFoundError, RevisionNotFoundError):
         raise
+    except LocalEntryNotFoundError as err:  # hf_hub_download: the HEAD failed (5xx, no connection), nothing cached
+        cause, status = err.__cause__ or err, _status(err.__cause__)
+        if isinstance(cause, HfHubHTTPError) and status is not None and status < 500:
+            raise cause from None  # e.g. 403: huggingface_hub's own error, as for any other answer
+        raise _server_error(where, cause) from None
     except EntryNotFoundError:
         raise HubEntryNotFoundError(f"hf://{where}: no such file at that revision (404). The push was partial or "
                                     "the index is stale: re-push the model or checkpoint.") from None
     except SafetensorsParsingError as err:
         raise HubFormatError(f"hf://{where}: not a readable safetensors file ({err}).") from None
     except HfHubHTTPError as err:
-        status = getattr(getattr(err, "response", None), "status_code", None)
+        status = _status(err)
         if status == 404:
             raise HubEntryNotFoundError(f"hf://{where}: no such file at that revision (404).") from None
         if status is not None and status >= 500:
-            raise HubServerError(
-                f"hf://{where}: the Hub answered {status} ({_first_line(err)}); retry later.") from None
+            raise _server_error(where, err) from None
         raise
     except OSError as err:  # connection errors (httpx errors are OSErrors here)
-        raise HubServerError(f"hf://{where}: cannot reach the Hub ({type(err).__name__}: {_first_line(err)}); "
-                             "retry later.") from None
+        raise _server_error(where, err) from None
+
+
+def _server_error(where: str, err: BaseException) -> HubServerError:
+    """A 5xx answer, or no answer at all, about ``where``."""
+    status = _status(err)
+    if isinstance(err, HfHubHTTPError) and status is not None:
+        return HubServerError(f"hf://{where}: the Hub answered {status} ({_first_line(err)}); retry later.")
+    return HubServerError(f"hf://{where}: cannot reach the Hub ({type(err).__name__}: {_first_line(err)}); "
+                          "retry later.")
+
+
+def _status(err: BaseException) -> int | None:
+    return getattr(getattr(err, "response", None), "status_code", None)
 
 
 def _first_line(err: BaseException) -> str:
@@ -179,6 +198,10 @@ class HubSnapshot:
                 local_dir: str | os.PathLike | None = None, repo_type: str = "model") -> HubSnapshot:
         """Resolve ``revision`` (default: the main branch) to its commit sha with one API call.
 
+        Raises:
+            HubServerError: if the Hub answers 5xx or cannot be reached (naming the repo and revision).
+            RepositoryNotFoundError / RevisionNotFoundError: huggingface_hub's own, for an unknown repo or revision.
+
         Example:
 
         ```python
@@ -187,7 +210,8 @@ class HubSnapshot:
         40
         ```
         """
-        info = HfApi(token=token).repo_info(repo_id, revision=revision, repo_type=repo_type)
+        with hub_errors(f"{repo_id}@{revision or 'main'}"):
+            info = HfApi(token=token).repo_info(repo_id, revision=revision, repo_type=repo_type)
         if not info.sha:
             raise HubError(f"{repo_id}@{revision or 'main'}: the Hub returned no commit sha; retry, or pass a commit.")
         return cls(repo_id, info.sha, token, Path(local_dir) if local_dir is not None else None, repo_type)
