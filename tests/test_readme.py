@@ -45,6 +45,7 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
 
 
 def first_line(code: str) -> str:
+    """The block's first non-empty line, which names it in failure messages."""
     return next((line.strip() for line in code.splitlines() if line.strip()), "")
 
 
@@ -60,7 +61,7 @@ BLOCKS = python_blocks(README.read_text(encoding="utf-8"))
 def test_python_blocks_are_found():
     assert python_blocks("text\n```python\nx = 1\n```\n```bash\nls\n```\n") == [(3, "x = 1\n")]
     assert len(BLOCKS) >= 3, "README.md should hold the three quickstarts as ```python blocks"
-    script = Path("/tmp/readme_line10.py")
+    script = Path("readme_line10.py")
     assert failing_readme_line(f'File "{script}", line 1\nFile "{script}", line 4\nError', script, 10) == 13
 
 
