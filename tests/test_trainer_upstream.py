@@ -5,7 +5,7 @@ Ported from ``tests/trainer/test_trainer_checkpointing.py``, ``test_trainer_resu
 tiny regression model, in-process), apart from what ResumableTrainer changes on purpose: checkpoint file
 names (no ``optimizer.pt``/``scheduler.pt``/``rng_state.pth``/``training_args.bin``: no pickle), a resume
 whose batch size or accumulation changed (``ConfigDriftError``), and ``resume_from_checkpoint=True`` in an
-empty ``output_dir`` (a fresh start). The README lists every difference.
+empty ``output_dir`` (a fresh start). docs/trainer.md lists every difference.
 """
 
 from __future__ import annotations

@@ -487,7 +487,7 @@ class ResumableTrainer(Trainer):
             CheckpointExistsError: the run would save over a ``checkpoint-N`` directory hf_resumable did not write
                 (raised before the first step).
             InexactResumeError / UnsupportedStateError: before the first step, for a setup whose checkpoints could
-                not be resumed exactly or not be written (see the README).
+                not be resumed exactly or not be written (see docs/trainer.md).
             SystemExit: with ``PREEMPTION_EXIT_CODE`` after a SIGTERM, when ``exit_on_preemption``.
         """
         self._settle_saves()  # discovery below sees only committed checkpoints

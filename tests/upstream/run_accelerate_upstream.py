@@ -9,7 +9,7 @@ checkpoint-related tests of ``tests/test_accelerator.py`` (see :data:`SELECTION`
   ``from hf_resumable import ResumableAccelerator as Accelerator``. No assertion is edited.
 
 Every case must pass in the control (otherwise the environment is broken and the run says so) and in the
-resumable run, except the cases listed in :data:`EXPECTED_FAILURES` with their reason (the README lists them
+resumable run, except the cases listed in :data:`EXPECTED_FAILURES` with their reason (docs/accelerate.md lists them
 too). A listed case that starts passing is reported, so the list stays true.
 
 Usage::
@@ -49,7 +49,7 @@ SELECTION = {
     "test_accelerator.py": ("save_load_model or stateful_dataloader or nested_hook or can_pickle_dataloader "
                             "or prepared_objects_are_referenced"),
 }
-# Cases expected to fail with ResumableAccelerator, and why (kept in sync with the README).
+# Cases expected to fail with ResumableAccelerator, and why (kept in sync with docs/accelerate.md).
 EXPECTED_FAILURES: dict[str, str] = {}
 # accelerate's tests spawn DataLoader workers and train tiny models: one thread each is fastest on small machines.
 CHILD_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
@@ -174,7 +174,7 @@ def compare(control: dict[str, str], resumable: dict[str, str]) -> tuple[list[st
                 problems.append(f"{case}: skipped in the control but {got} with ResumableAccelerator")
             continue
         if got == "passed" and expected:
-            problems.append(f"{case}: passes now; remove it from EXPECTED_FAILURES (and the README)")
+            problems.append(f"{case}: passes now; remove it from EXPECTED_FAILURES (and docs/accelerate.md)")
         elif got != "passed" and not expected:
             problems.append(f"{case}: {got} with ResumableAccelerator (passes with stock accelerate)")
         elif got != "passed":
