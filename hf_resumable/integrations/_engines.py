@@ -32,7 +32,7 @@ __all__ = ["check_accelerate_options", "check_accelerate_state", "check_trainer_
 # What to use instead, per front door.
 _ACCELERATE_FIX = ("Use FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2)) or DDP with ResumableAccelerator, or "
                    "the stock accelerate.Accelerator for this run")
-_TRAINER_FIX = ("Use FSDP2 (TrainingArguments(fsdp='full_shard', fsdp_config={'fsdp_version': 2})) or DDP with "
+_TRAINER_FIX = ("Use FSDP2 (TrainingArguments(fsdp=True, fsdp_config={'version': 2})) or DDP with "
                 "ResumableTrainer, or the stock transformers.Trainer for this run")
 # Why each engine is refused (the checkpoint would not hold the run's full state, or could not be written).
 _WHY = {
