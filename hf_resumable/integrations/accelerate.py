@@ -34,6 +34,9 @@ swallows RNG load failures and leaves mid-epoch resume to the user):
   num_items_in_batch=window.num_items)`` then makes the accumulated gradient the full-batch token mean,
   short last window of an epoch included (accelerate divides every micro-batch by the configured number
   of steps: a mean of means, and wrong for a short window).
+* Engines (:mod:`~hf_resumable.integrations._engines`): DDP and FSDP2 (every rank writes its own DTensor pieces);
+  DeepSpeed, Megatron-LM and FSDP1 are refused with :class:`~hf_resumable.errors.UnsupportedEngineError` when the
+  accelerator is built, before any training step.
 
 Checkpoints land only on optimizer-step boundaries: ``save_state()`` inside an accumulation window raises.
 
@@ -251,6 +254,15 @@ class ResumableAccelerator(Accelerator):
         standalone_checkpoints (`bool`, *optional*, defaults to `False`): store the first model's frozen parameters
             (a PEFT base, a frozen embedding) in every checkpoint too; by default they are recorded, not stored, and
             checked against the model by ``load_state`` (see :func:`hf_resumable.save_checkpoint`).
+
+    Engines: a single process, DDP and FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``, either
+    ``state_dict_type``: every rank saves and loads its own DTensor pieces with
+    :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`, same ``save_state``/``load_state`` contract).
+
+    Raises:
+        UnsupportedEngineError: when built for DeepSpeed (any ZeRO stage; deepspeed is never imported), Megatron-LM or
+            FSDP1, whose state these checkpoints would not hold (see :mod:`._engines`); under FSDP2, ``prepare`` of a
+            second model or optimizer. Both before any training step.
 
     Example:
 

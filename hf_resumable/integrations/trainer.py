@@ -31,6 +31,9 @@ changes, and why:
   from the newest checkpoint that verifies, skipping partial or corrupt ones, or from a newer stock
   ``transformers.Trainer`` checkpoint (converted on the fly, not bit-exact), and starts fresh when there is none.
   Directories hf_resumable did not write are never overwritten or deleted.
+* **Engines** (:mod:`._engines`): DDP and FSDP2 (``fsdp_config={"version": 2}``, either ``state_dict_type``:
+  every rank saves and loads its own DTensor pieces, :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`);
+  DeepSpeed, FSDP1 and XLA FSDP are refused when ``train()`` starts.
 * **Checks before the first step** (``set_initial_training_values``): a setup whose checkpoints would fail or
   not resume exactly is refused with the fix; changed optimization hyperparameters are reported
   (:mod:`._trainer_hparams`).
@@ -488,6 +491,8 @@ class ResumableTrainer(Trainer):
             ConfigDriftError: the run configuration differs from the checkpoint's.
             CheckpointExistsError: the run would save over a ``checkpoint-N`` directory hf_resumable did not write
                 (raised before the first step).
+            UnsupportedEngineError: DeepSpeed (``TrainingArguments.deepspeed``, any ZeRO stage), FSDP1 or XLA FSDP,
+                refused before anything is read or trained (FSDP2 is supported: every rank saves its DTensor pieces).
             InexactResumeError / UnsupportedStateError: before the first step, for a setup whose checkpoints could
                 not be resumed exactly or not be written (see the README).
             SystemExit: with ``PREEMPTION_EXIT_CODE`` after a SIGTERM, when ``exit_on_preemption``.
