@@ -237,3 +237,24 @@ def test_fsdp1_is_refused_before_step_1(tmp_path, worker):
     assert "UnsupportedEngineError" in done.stdout and "cannot checkpoint FSDP1 runs" in done.stdout, \
         done.stdout[-5000:]
     assert not list(run.glob("**/checkpoint*")) and not list(run.glob("losses-*")) and not list(run.glob("final-*"))
+
+
+@pytest.fixture
+def one_rank_group():
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def test_whole_tensor_save_of_an_fsdp2_model_names_the_sharded_save(tmp_path, one_rank_group):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import init_device_mesh
+
+    from hf_resumable import save_checkpoint
+    from hf_resumable.errors import UnsupportedStateError
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    with pytest.raises(UnsupportedStateError, match="DTensor parameters.*save_sharded_checkpoint"):
+        save_checkpoint(tmp_path / "checkpoint-1", model=model)
+    assert not (tmp_path / "checkpoint-1").exists()
