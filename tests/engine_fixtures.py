@@ -5,6 +5,7 @@
   makes accelerate see GPUs whose collective backend is gloo and whose device is the CPU
   (``ACCELERATE_TORCH_DEVICE=cpu``), so the FSDP code paths run as on GPUs, where they use NCCL. The library never
   depends on it: nothing in ``hf_resumable`` imports it.
+* :func:`parse_worker_args`: the options of both worker scripts.
 * :func:`build_model`: a tiny GPT-2 (2 layers, ``n_embd`` 32, dropout on).
 * :func:`hold_after_save`: ``HFR_HOLD_AFTER_SAVE=k`` makes every rank stop for good once it has saved step ``k``
   (a background save still commits); the test polls for the committed checkpoint and SIGKILLs the job.
@@ -14,14 +15,15 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import threading
 from pathlib import Path
 
 import torch
 
-__all__ = ["install_cpu_engines", "build_model", "hold_after_save", "dump_local_state", "read_local_state", "RANK",
-           "VOCAB"]
+__all__ = ["install_cpu_engines", "parse_worker_args", "build_model", "hold_after_save", "dump_local_state",
+           "read_local_state", "RANK", "VOCAB"]
 
 RANK = int(os.environ.get("RANK", "0"))
 VOCAB = 64
@@ -38,6 +40,16 @@ def install_cpu_engines() -> None:
         return "gloo", DistributedType.MULTI_GPU
 
     PartialState._prepare_backend = prepare_backend
+
+
+def parse_worker_args() -> argparse.Namespace:
+    """The options of both worker scripts (the same command line trains, is held, and resumes)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output-dir", required=True, type=Path)
+    parser.add_argument("--version", type=int, default=2, help="FSDP version")
+    parser.add_argument("--state-dict-type", default="SHARDED_STATE_DICT")
+    parser.add_argument("--max-steps", type=int, default=5)
+    return parser.parse_args()
 
 
 def build_model() -> torch.nn.Module:

@@ -25,7 +25,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DeepSpeedPlugin, DistributedType, MegatronLMPlugin
 from transformers import TrainerCallback, TrainingArguments
 
@@ -37,21 +36,13 @@ from hf_resumable.integrations.trainer import ResumableTrainer
 
 from distributed_launch import REPO_ROOT, child_env, free_port, run_torchrun
 from engine_fixtures import build_model, read_local_state
+from test_accelerate_integration import _fresh_accelerate_state  # noqa: F401 - autouse: a fresh accelerate state
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ACCELERATE_WORKER = SCRIPTS / "fsdp_accelerate_worker.py"
 TRAINER_WORKER = SCRIPTS / "fsdp_trainer_worker.py"
 HOLD_STEP = 3  # the job is held after checkpoint-3 committed, then SIGKILLed
 RANKS = (0, 1)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 # ------------------------------------------------------------------ refused before step 1 (in process)
@@ -174,20 +165,22 @@ def _losses(path: Path) -> dict[int, str]:
     return {row["step"]: row["loss"] for row in map(json.loads, path.read_text().splitlines())}
 
 
-@pytest.fixture(scope="module")
-def accelerate_reference(tmp_path_factory) -> Path:
-    output = tmp_path_factory.mktemp("accelerate") / "reference"
-    done = _run_job(ACCELERATE_WORKER, output, [])
+def _reference(tmp_path_factory: pytest.TempPathFactory, worker: Path) -> Path:
+    """The uninterrupted run (accelerate's default SHARDED_STATE_DICT; FULL_STATE_DICT runs must equal it too)."""
+    output = tmp_path_factory.mktemp(worker.stem) / "reference"
+    done = _run_job(worker, output, [])
     assert done.returncode == 0, done.stdout[-5000:]
     return output
+
+
+@pytest.fixture(scope="module")
+def accelerate_reference(tmp_path_factory) -> Path:
+    return _reference(tmp_path_factory, ACCELERATE_WORKER)
 
 
 @pytest.fixture(scope="module")
 def trainer_reference(tmp_path_factory) -> Path:
-    output = tmp_path_factory.mktemp("trainer") / "reference"
-    done = _run_job(TRAINER_WORKER, output, [])
-    assert done.returncode == 0, done.stdout[-5000:]
-    return output
+    return _reference(tmp_path_factory, TRAINER_WORKER)
 
 
 @pytest.mark.distributed

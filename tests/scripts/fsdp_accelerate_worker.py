@@ -9,7 +9,6 @@ appends ``{"step", "loss"}`` (``float.hex``) to ``losses-rank{r}.jsonl`` and wri
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -41,13 +40,8 @@ def collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--version", type=int, default=2)
-    parser.add_argument("--state-dict-type", default="SHARDED_STATE_DICT")
-    parser.add_argument("--max-steps", type=int, default=5)
-    options = parser.parse_args()
-    output = Path(options.output_dir)
+    options = fx.parse_worker_args()
+    output = options.output_dir
     output.mkdir(parents=True, exist_ok=True)
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=options.version, auto_wrap_policy="transformer_based_wrap",

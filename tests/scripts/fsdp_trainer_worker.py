@@ -8,7 +8,6 @@ parameter pieces and optimizer state) and ``result-rank{r}.json`` (log history w
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -44,14 +43,9 @@ def fsdp_arguments(version: int, state_dict_type: str) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--version", type=int, default=2)
-    parser.add_argument("--state-dict-type", default="SHARDED_STATE_DICT")
-    parser.add_argument("--max-steps", type=int, default=5)
-    options = parser.parse_args()
+    options = fx.parse_worker_args()
     transformers.logging.set_verbosity_error()
-    output = Path(options.output_dir)
+    output = options.output_dir
     tokenizer = build_tokenizer()
     train, collator = build_data("lm", tokenizer, 44)
     args = TrainingArguments(
