@@ -498,8 +498,8 @@ class ResumableTrainer(Trainer):
             SystemExit: with ``PREEMPTION_EXIT_CODE`` after a SIGTERM, when ``exit_on_preemption``.
         """
         # an engine whose state the checkpoints would not hold: refused before anything is read or trained
-        check_trainer_engine(self.args, self.accelerator.state, fsdp_xla=bool(getattr(self, "is_fsdp_xla_enabled",
-                                                                                          False)))
+        fsdp_xla = bool(getattr(self, "is_fsdp_xla_enabled", False))
+        check_trainer_engine(self.args, self.accelerator.state, fsdp_xla=fsdp_xla)
         self._settle_saves()  # discovery below sees only committed checkpoints
         self.preempted = False
         self._preemption.requested = False
