@@ -31,6 +31,7 @@ __all__ = [
     "BaseNotStoredError",
     "CheckpointExistsError",
     "UnsupportedStateError",
+    "UnsupportedEngineError",
     "FormatVersionError",
     "InexactResumeError",
     "ConfigDriftError",
@@ -99,6 +100,16 @@ class CheckpointExistsError(HfResumableError, FileExistsError):
 
 class UnsupportedStateError(HfResumableError, TypeError):
     """A state object holds a value that cannot be stored without pickle."""
+
+
+class UnsupportedEngineError(HfResumableError, NotImplementedError):
+    """The run uses a distributed engine whose state hf_resumable cannot checkpoint and resume exactly.
+
+    Raised when ``ResumableAccelerator`` is built or ``ResumableTrainer.train`` starts, before any training step
+    (DeepSpeed ZeRO, FSDP1, Megatron-LM, XLA FSDP): never at the first save, after training up to it. The message
+    names the engine and what to use instead (FSDP2, or the stock ``Trainer``/``Accelerator`` for that run). Also a
+    ``NotImplementedError``.
+    """
 
 
 class FormatVersionError(CorruptCheckpointError):

@@ -203,13 +203,28 @@ def _capture_shared(payload: Payload, model, optimizer, scheduler, scaler, train
         payload.tensor_files.append(TensorFile(STATE_TENSORS_FILE, sorted(state_tensors.items())))
 
 
+def _refuse_dtensors(state: Mapping[str, torch.Tensor]) -> None:
+    """Whole-tensor files cannot hold DTensors (FSDP2, tensor parallel): each rank holds only its pieces."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [name for name, tensor in state.items() if isinstance(tensor, DTensor)]
+    if sharded:
+        raise UnsupportedStateError(
+            f"The model holds DTensor parameters ({', '.join(sharded[:3])}{', ...' if len(sharded) > 3 else ''}: "
+            "FSDP2 or tensor parallel), of which each rank holds only its pieces; save_checkpoint writes whole "
+            "tensors. Save it with hf_resumable.save_sharded_checkpoint (every rank writes its pieces) and load it "
+            "with load_sharded_checkpoint.")
+
+
 def capture_model(payload: Payload, model: torch.nn.Module | Mapping[str, torch.Tensor], *,
                   max_shard_size: int | str, standalone: bool = False,
                   reserved: set[str] | frozenset = frozenset()) -> None:
     """The model's files: the whole state as ``save_pretrained`` lays it out (:func:`add_model_weights`), or (frozen
     parameters, not ``standalone``) the trainable part and the frozen record; a PEFT model's adapter files in both
     cases (not those in ``reserved``)."""
-    tensors, tied = dedupe_tied(model_state(model))
+    state = model_state(model)
+    _refuse_dtensors(state)
+    tensors, tied = dedupe_tied(state)
     module = model if isinstance(model, torch.nn.Module) else None
     adapters = {relpath: named for relpath, named in adapter_tensors(module).items() if relpath not in reserved}
     frozen = set() if standalone or module is None else frozen_names(module, tensors)

@@ -132,7 +132,7 @@ from .verify import verify_checkpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_sharded_checkpoint", "load_sharded_checkpoint", "consolidate_sharded_checkpoint"]
+__all__ = ["save_sharded_checkpoint", "load_sharded_checkpoint", "load_sharded_into", "consolidate_sharded_checkpoint"]
 
 
 def _options(**kwargs: Any) -> Any:
@@ -274,6 +274,7 @@ def save_sharded_checkpoint(
     step: int | None = None,
     training_state: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | None = None,
+    extra_files: Mapping[str, bytes | str] | None = None,
     data_state: Mapping[str, Any] | None = None,
     rng: bool | RngState = True,
     metrics: Mapping[str, float] | None = None,
@@ -303,6 +304,8 @@ def save_sharded_checkpoint(
         training_state (`Mapping`, *optional*): the (global) progress cursor, e.g. ``{"sampler":
             ElasticSampler.state_dict()}``; saved by rank 0.
         extra (`Mapping`, *optional*): more global state (JSON-able values and tensors); saved by rank 0.
+        extra_files (`Mapping[str, bytes | str]`, *optional*): more files (relative name -> content), e.g. the
+            Trainer's ``trainer_state.json``; written by rank 0, as in ``save_checkpoint``.
         data_state (`Mapping`, *optional*): this rank's data position (per rank, not elastic).
         rng (`bool` or `RngState`, *optional*, defaults to `True`): capture this rank's RNG now.
         metrics (`Mapping[str, float]`, *optional*): recorded in the manifest.
@@ -350,7 +353,7 @@ def save_sharded_checkpoint(
     # 1. Global and per-rank non-tensor state, exactly as a regular checkpoint stores it.
     payload = capture_payload(
         model=None, optimizer=None, scheduler=scheduler, scaler=scaler, training_state=training_state, extra=extra,
-        extra_files=None, data_state=data_state, rng=rng, max_shard_size=DEFAULT_MAX_SHARD_SIZE,
+        extra_files=extra_files, data_state=data_state, rng=rng, max_shard_size=DEFAULT_MAX_SHARD_SIZE,
         processing_class=None, rank=rank, is_main=rank == 0,
     )
     # 2. References to this rank's pieces (and its HF weight shards, gathered now); rank 0 adds the files
@@ -542,10 +545,42 @@ def load_sharded_checkpoint(
     if optimizer is not None and model is None:
         raise ValueError("load_sharded_checkpoint needs model= to match optimizer state by parameter name.")
     wait_for_pending_saves()
-    # 1. Open: open_checkpoint's steps 1-5 (verify once; decode and check the training state, data position, RNG);
-    #    read the layout; refuse a silent inexact resume and optimizer/scheduler/scaler state of another kind,
-    #    before touching anything.
+    # 1. Open: open_checkpoint's steps 1-5 (verify once; decode and check the training state, data position, RNG).
     opened = open_checkpoint(directory, verify=verify, allow_inexact_resume=allow_inexact_resume, elastic=True)
+    return load_sharded_into(opened, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                             restore_rng=restore_rng, strict=strict, full=verify == "full")
+
+
+def load_sharded_into(
+    opened: OpenedCheckpoint,
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    restore_rng: bool = True,
+    strict: bool = True,
+    full: bool = False,
+) -> OpenedCheckpoint:
+    """Fill live objects from an opened sharded (or regular) checkpoint: :func:`load_sharded_checkpoint` after
+    its open, for callers that opened the checkpoint themselves (the integrations check their own settings first).
+
+    Args:
+        opened (`OpenedCheckpoint`): from :func:`~hf_resumable.checkpoint.open_checkpoint`.
+        model, optimizer, scheduler, scaler, restore_rng, strict: as in :func:`load_sharded_checkpoint`.
+        full (`bool`, *optional*, defaults to `False`): the open verified every hash (frozen pieces are then
+            checked by their whole fingerprint).
+
+    Returns:
+        `OpenedCheckpoint`: ``opened``, its objects filled.
+
+    Raises:
+        As :func:`load_sharded_checkpoint`, after the open.
+    """
+    if optimizer is not None and model is None:
+        raise ValueError("load_sharded_into needs model= to match optimizer state by parameter name.")
+    # 1. Read the layout; refuse a silent inexact resume and optimizer/scheduler/scaler state of another kind,
+    #    before touching anything.
     reader = opened._reader
     layout = _read_layout(reader)
     opened.check_exact(weights=model is not None, rng=restore_rng)
@@ -557,7 +592,7 @@ def load_sharded_checkpoint(
     # 2. Weights (keys matched by the one key matcher, then the pieces read), then optimizer state, matched
     #    against the loaded parameters (FSDP2 builds optimizer state from them).
     if model is not None:
-        _load_model(reader, layout, model, strict=strict, full=verify == "full")
+        _load_model(reader, layout, model, strict=strict, full=full)
     if optimizer is not None:
         _load_optimizer(reader, layout, model, optimizer)
     # 3. Scheduler, scaler; RNG last (load_into's steps 4, 7 and 8).

@@ -57,6 +57,12 @@ class StepHook:
         self.counts.global_step = max(self.counts.global_step, self.count)
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 class _Digest:
     """Feeds values into one blake2b digest in a canonical, type-tagged form."""
 
@@ -68,6 +74,9 @@ class _Digest:
         self._hash.update(len(data).to_bytes(8, "little") + data)
 
     def tensor(self, tensor: torch.Tensor) -> None:
+        if _is_dtensor(tensor):  # FSDP2: this rank's piece (every rank digests its own; the save compares them all)
+            self.text(f"P{tensor.placements}")
+            tensor = tensor.to_local()
         self.text(f"T{tuple(tensor.shape)}{tensor.dtype}{tensor.device}")
         if tensor.numel() * tensor.element_size() <= _CONTENT_DIGEST_BYTES and tensor.device.type != "meta":
             self._hash.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -34,6 +34,9 @@ swallows RNG load failures and leaves mid-epoch resume to the user):
   num_items_in_batch=window.num_items)`` then makes the accumulated gradient the full-batch token mean,
   short last window of an epoch included (accelerate divides every micro-batch by the configured number
   of steps: a mean of means, and wrong for a short window).
+* Engines (:mod:`~hf_resumable.integrations._engines`): DDP and FSDP2 (every rank writes its own DTensor pieces);
+  DeepSpeed, Megatron-LM and FSDP1 are refused with :class:`~hf_resumable.errors.UnsupportedEngineError` when the
+  accelerator is built, before any training step.
 
 Checkpoints land only on optimizer-step boundaries: ``save_state()`` inside an accumulation window raises.
 
@@ -61,6 +64,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import tempfile
@@ -89,15 +93,17 @@ from ..checkpoint import (
     wait_for_pending_saves,
 )
 from ..checkpoint._model_files import has_model_weights
+from ..checkpoint.sharded import load_sharded_into, save_sharded_checkpoint
 from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, MANIFEST_FILE, OPTIMIZER_INDEX_FILE
 from ..data import ResumableDataLoader, build_map_dataloader
-from ..distributed import broadcast_json
+from ..distributed import all_gather_json, broadcast_json
 from ..errors import (
     CheckpointExistsError,
     ConfigDriftError,
     HfResumableError,
     IncompleteCheckpointError,
     InexactResumeError,
+    UnsupportedEngineError,
 )
 from ..format.rng import restore_rng_state
 from ..locations import is_remote, open_uploader, resolve_resume_path
@@ -134,6 +140,7 @@ from ._accelerate_paths import (
     stock_accelerate_files,
 )
 from ._accelerate_state import StepCounts, StepHook, state_fingerprint
+from ._engines import check_accelerate_options, check_accelerate_state, holds_dtensors
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +255,15 @@ class ResumableAccelerator(Accelerator):
             (a PEFT base, a frozen embedding) in every checkpoint too; by default they are recorded, not stored, and
             checked against the model by ``load_state`` (see :func:`hf_resumable.save_checkpoint`).
 
+    Engines: a single process, DDP and FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``, either
+    ``state_dict_type``: every rank saves and loads its own DTensor pieces with
+    :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`, same ``save_state``/``load_state`` contract).
+
+    Raises:
+        UnsupportedEngineError: when built for DeepSpeed (any ZeRO stage; deepspeed is never imported), Megatron-LM or
+            FSDP1, whose state these checkpoints would not hold (see :mod:`._engines`); under FSDP2, ``prepare`` of a
+            second model or optimizer. Both before any training step.
+
     Example:
 
     ```python
@@ -264,7 +280,10 @@ class ResumableAccelerator(Accelerator):
                  storage_options: dict | None = None, standalone_checkpoints: bool = False, **kwargs: Any) -> None:
         if keep_last is not _DEFAULT and keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}.")
+        # Engines refused before accelerate sets them up (DeepSpeed is imported there), then from its built state.
+        check_accelerate_options(inspect.signature(Accelerator.__init__).bind(self, *args, **kwargs).arguments)
         super().__init__(*args, **kwargs)
+        check_accelerate_state(self.state)
         missing = check_accelerate_internals(self)
         if missing:
             raise HfResumableError(
@@ -308,10 +327,23 @@ class ResumableAccelerator(Accelerator):
         self._step_counts.global_step = int(value)
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        """accelerate's ``prepare``; additionally counts the real steps of every prepared optimizer."""
+        """accelerate's ``prepare``; additionally counts the real steps of every prepared optimizer.
+
+        Raises:
+            UnsupportedEngineError: under FSDP2, a second model or optimizer (before any training step).
+        """
         prepared = super().prepare(*args, device_placement=device_placement)
         self._attach_step_hooks()
+        if self._saves_pieces() and (len(self._models) > 1 or len(self._optimizers) > 1):
+            raise UnsupportedEngineError(
+                f"ResumableAccelerator checkpoints one FSDP2 model and its optimizer; {len(self._models)} models and "
+                f"{len(self._optimizers)} optimizers are prepared. Nothing was trained. Prepare one model and one "
+                "optimizer, or use the stock accelerate.Accelerator for this run.")
         return prepared
+
+    def _saves_pieces(self) -> bool:
+        """Whether checkpoints hold per-rank pieces (FSDP2 / DTensor parameters) instead of whole tensors."""
+        return any(holds_dtensors(self.unwrap_model(model)) for model in self._models)
 
     def _attach_step_hooks(self) -> None:
         for optimizer in self._optimizers:
@@ -647,7 +679,6 @@ class ResumableAccelerator(Accelerator):
         ```
         """
         self._warn_save_options(safe_serialization, save_model_func_kwargs)
-        self._check_engine("save_state")
         if not self.sync_gradients:
             raise InexactResumeError(
                 f"save_state() was called inside an accumulation window (micro-step {self.step} of "
@@ -658,7 +689,9 @@ class ResumableAccelerator(Accelerator):
         mode, target = self._save_target(output_dir)
         # Only checkpoint-<step> saves can meet a checkpoint of this very state (the other namings always write).
         fingerprint = self._fingerprint(target) if mode == _NAMING_STEPS else None
-        on_disk = self.is_main_process and fingerprint is not None and self._already_on_disk(target, fingerprint)
+        # every rank's own state unchanged (its pieces, its RNG), and the checkpoint intact
+        unchanged = all(all_gather_json(fingerprint is not None and self._committed.get(target) == fingerprint))
+        on_disk = self.is_main_process and unchanged and verify_checkpoint(target, full=False).ok
         if broadcast_json(on_disk):
             if self.is_main_process:
                 logger.info("%s already holds exactly the current state (step %d); not writing it again.", target,
@@ -668,9 +701,10 @@ class ResumableAccelerator(Accelerator):
         if target.resolve() in self._pending_uploads():
             self._uploader.wait()  # never replace a checkpoint while it is being uploaded
         blocking = not self.save_async if blocking is None else blocking
-        save_checkpoint(target, **self._capture(), step=self.global_step, overwrite=mode != _NAMING_AUTOMATIC,
-                        keep_last=self._keep() if mode == _NAMING_STEPS and self._uploader is None else None,
-                        blocking=blocking, standalone=self.standalone_checkpoints)
+        save = save_sharded_checkpoint if self._saves_pieces() else save_checkpoint  # FSDP2: every rank its pieces
+        save(target, **self._capture(), step=self.global_step, overwrite=mode != _NAMING_AUTOMATIC,
+             keep_last=self._keep() if mode == _NAMING_STEPS and self._uploader is None else None,
+             blocking=blocking, standalone=self.standalone_checkpoints)
         if fingerprint is not None:
             self._committed = {target: fingerprint}  # steps only grow: only the newest can be met again
         if mode == _NAMING_AUTOMATIC:
@@ -685,15 +719,6 @@ class ResumableAccelerator(Accelerator):
         if self.is_main_process:
             logger.info("Saved state at step %d to %s", self.global_step, target)
         return target
-
-    def _check_engine(self, what: str) -> None:
-        """Refuse engines whose state this checkpoint path does not capture (never save only part of a run)."""
-        unsupported = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
-        if self.distributed_type in unsupported:
-            raise NotImplementedError(
-                f"ResumableAccelerator.{what} does not capture {self.distributed_type} state (sharded parameters, "
-                "engine-owned optimizers). For FSDP2 use hf_resumable.save_sharded_checkpoint / "
-                "load_sharded_checkpoint; otherwise use accelerate's Accelerator for this run.")
 
     def _warn_save_options(self, safe_serialization: bool, options: Mapping[str, Any]) -> None:
         if not safe_serialization and not self._warned.get("safe_serialization"):
@@ -823,10 +848,6 @@ class ResumableAccelerator(Accelerator):
         optimizers = [getattr(optimizer, "optimizer", optimizer) for optimizer in self._optimizers]
         return state_fingerprint(models=self._models, optimizers=optimizers, small_state=small)
 
-    def _already_on_disk(self, target: Path, fingerprint: str) -> bool:
-        """Whether this accelerator committed ``target`` from exactly the current state, and it is still intact."""
-        return self._committed.get(target) == fingerprint and verify_checkpoint(target, full=False).ok
-
     def _run_settings(self) -> dict[str, Any]:
         return {"world_size": self.num_processes, "gradient_accumulation_steps": self.gradient_accumulation_steps,
                 "loaders": [loader.settings() for loader in self._resumable_loaders]}
@@ -873,7 +894,6 @@ class ResumableAccelerator(Accelerator):
             TypeError: an unsupported ``map_location`` or option.
         """
         strict = self._load_options(load_kwargs, load_model_func_kwargs)
-        self._check_engine("load_state")
         path = self._resolve_checkpoint(input_dir)
         if path is None:
             if self.is_main_process:
@@ -891,9 +911,13 @@ class ResumableAccelerator(Accelerator):
                       schedulers=len(self._schedulers), where=str(path))
         # 3. Fill the objects (RNG excluded: it goes last).
         core_model, core_optimizer = self._core_load_targets(layout, models)
-        loaded = opened.load_into(model=core_model, optimizer=core_optimizer,
-                                  scheduler=getattr(self._schedulers[0], "scheduler", self._schedulers[0])
-                                  if self._schedulers else None, scaler=self.scaler, strict=strict)
+        scheduler = getattr(self._schedulers[0], "scheduler", self._schedulers[0]) if self._schedulers else None
+        if self._saves_pieces():  # FSDP2: every rank reads the slices of the pieces it holds
+            loaded = load_sharded_into(opened, model=core_model, optimizer=core_optimizer, scheduler=scheduler,
+                                       scaler=self.scaler, restore_rng=False, strict=strict)
+        else:
+            loaded = opened.load_into(model=core_model, optimizer=core_optimizer, scheduler=scheduler,
+                                      scaler=self.scaler, strict=strict)
         self._restore_extra_objects(path, layout, loaded.extra, models, strict=strict)
         # 4. Counters and data positions, 5. registered objects, 6. RNG.
         self._restore_counters(path, loaded)

@@ -31,6 +31,9 @@ changes, and why:
   from the newest checkpoint that verifies, skipping partial or corrupt ones, or from a newer stock
   ``transformers.Trainer`` checkpoint (converted on the fly, not bit-exact), and starts fresh when there is none.
   Directories hf_resumable did not write are never overwritten or deleted.
+* **Engines** (:mod:`._engines`): DDP and FSDP2 (``fsdp_config={"version": 2}``, either ``state_dict_type``:
+  every rank saves and loads its own DTensor pieces, :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`);
+  DeepSpeed, FSDP1 and XLA FSDP are refused when ``train()`` starts.
 * **Checks before the first step** (``set_initial_training_values``): a setup whose checkpoints would fail or
   not resume exactly is refused with the fix; changed optimization hyperparameters are reported
   (:mod:`._trainer_hparams`).
@@ -80,6 +83,7 @@ from ..checkpoint import (
 )
 from ..checkpoint._reader import read_on_load
 from ..checkpoint.api import background_saver, saves_async
+from ..checkpoint.sharded import load_sharded_checkpoint, load_sharded_into, save_sharded_checkpoint
 from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, OPTIMIZER_INDEX_FILE, TRAINER_STATE_FILE
 from ..data import (
     DATA_KIND,
@@ -98,6 +102,7 @@ from ..format.state import RunConfig, check_config_drift
 from ..format.state_codec import encode_state
 from ..locations import is_remote, open_uploader, resolve_resume_path
 from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
+from ._engines import check_trainer_engine, holds_dtensors
 from ._trainer_discovery import (
     CONVERTED_DIR,
     CheckpointKind,
@@ -486,10 +491,15 @@ class ResumableTrainer(Trainer):
             ConfigDriftError: the run configuration differs from the checkpoint's.
             CheckpointExistsError: the run would save over a ``checkpoint-N`` directory hf_resumable did not write
                 (raised before the first step).
+            UnsupportedEngineError: DeepSpeed (``TrainingArguments.deepspeed``, any ZeRO stage), FSDP1 or XLA FSDP,
+                refused before anything is read or trained (FSDP2 is supported: every rank saves its DTensor pieces).
             InexactResumeError / UnsupportedStateError: before the first step, for a setup whose checkpoints could
                 not be resumed exactly or not be written (see docs/trainer.md).
             SystemExit: with ``PREEMPTION_EXIT_CODE`` after a SIGTERM, when ``exit_on_preemption``.
         """
+        # an engine whose state the checkpoints would not hold: refused before anything is read or trained
+        fsdp_xla = bool(getattr(self, "is_fsdp_xla_enabled", False))
+        check_trainer_engine(self.args, self.accelerator.state, fsdp_xla=fsdp_xla)
         self._settle_saves()  # discovery below sees only committed checkpoints
         self.preempted = False
         self._preemption.requested = False
@@ -811,8 +821,10 @@ class ResumableTrainer(Trainer):
         model_only = self.args.save_only_model
         # The SIGTERM save is blocking: the process exits right after it.
         blocking = not self._saves_in_background() or self.preempted
-        save_checkpoint(
-            output_dir, model=self.accelerator.unwrap_model(self.model),
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        save = save_sharded_checkpoint if holds_dtensors(unwrapped) else save_checkpoint  # FSDP2: per-rank pieces
+        save(
+            output_dir, model=unwrapped,
             optimizer=None if model_only else _unwrapped_optimizer(self.optimizer),
             scheduler=None if model_only else self.lr_scheduler,
             scaler=None if model_only else self.accelerator.scaler,
@@ -1125,13 +1137,15 @@ class ResumableTrainer(Trainer):
             model_only = OPTIMIZER_INDEX_FILE not in self._resume.loaded.manifest.files
         opened = (self._resume.loaded if self._resume is not None and Path(checkpoint) == self._resume.path
                   else open_checkpoint(checkpoint, verify=self.checkpoint_verify))
-        opened.load_into(model=self.accelerator.unwrap_model(self.model),
-                         optimizer=None if model_only else _unwrapped_optimizer(self.optimizer),
-                         scheduler=None if model_only else self.lr_scheduler,
-                         scaler=None if model_only else self.accelerator.scaler,
-                         restore_rng=False,
-                         # a world-size change was already refused (or allowed) by the run-config drift check
-                         allow_inexact_resume=True)
+        model = self.accelerator.unwrap_model(self.model)
+        objects = dict(optimizer=None if model_only else _unwrapped_optimizer(self.optimizer),
+                       scheduler=None if model_only else self.lr_scheduler,
+                       scaler=None if model_only else self.accelerator.scaler)
+        if holds_dtensors(model):  # FSDP2: every rank reads the slices of the pieces it holds
+            load_sharded_into(opened, model=model, **objects, restore_rng=False)
+        else:
+            # a world-size change was already refused (or allowed) by the run-config drift check
+            opened.load_into(model=model, **objects, restore_rng=False, allow_inexact_resume=True)
         if self.resume_hyperparameters == "arguments" and self._hyperparameter_changes and not model_only:
             apply_new_hyperparameters(_unwrapped_optimizer(self.optimizer), self.lr_scheduler,
                                       self._hyperparameter_changes, decay_groups=self._decay_groups())
@@ -1166,8 +1180,10 @@ class ResumableTrainer(Trainer):
         if not _is_own_checkpoint(Path(best)):  # a stock Trainer checkpoint (a run resumed from stock ones)
             return super()._load_best_model()
         logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
-        load_checkpoint(best, model=self.accelerator.unwrap_model(self.model), restore_rng=False,
-                        verify=self.checkpoint_verify, allow_inexact_resume=True)  # weights only: no drift
+        model = self.accelerator.unwrap_model(self.model)
+        load = load_sharded_checkpoint if holds_dtensors(model) else load_checkpoint
+        load(best, model=model, restore_rng=False, verify=self.checkpoint_verify,
+             allow_inexact_resume=True)  # weights only: no drift
 
 
 _RESUMABLE_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}

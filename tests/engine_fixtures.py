@@ -1,0 +1,93 @@
+"""TEST-ONLY helpers of the FSDP / DeepSpeed engine tests (tests/test_engines.py and its worker scripts).
+
+* :func:`install_cpu_engines`: accelerate turns FSDP (and DeepSpeed) on only for accelerator devices; with ``cpu=True``
+  it silently trains DDP. Called by a worker script before it builds an ``Accelerator`` or ``TrainingArguments``, it
+  makes accelerate see GPUs whose collective backend is gloo and whose device is the CPU
+  (``ACCELERATE_TORCH_DEVICE=cpu``), so the FSDP code paths run as on GPUs, where they use NCCL. The library never
+  depends on it: nothing in ``hf_resumable`` imports it.
+* :func:`parse_worker_args`: the options of both worker scripts.
+* :func:`build_model`: a tiny GPT-2 (2 layers, ``n_embd`` 32, dropout on).
+* :func:`hold_after_save`: ``HFR_HOLD_AFTER_SAVE=k`` makes every rank stop for good once it has saved step ``k``
+  (a background save still commits); the test polls for the committed checkpoint and SIGKILLs the job.
+* :func:`dump_local_state` / :func:`read_local_state`: every rank's parameter pieces and optimizer state, as it holds
+  them (``DTensor.to_local()``), for bitwise comparisons.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["install_cpu_engines", "parse_worker_args", "build_model", "hold_after_save", "dump_local_state",
+           "read_local_state", "RANK", "VOCAB"]
+
+RANK = int(os.environ.get("RANK", "0"))
+VOCAB = 64
+
+
+def install_cpu_engines() -> None:
+    """Patch ``PartialState._prepare_backend`` to ``("gloo", MULTI_GPU)`` with the CPU as the device."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"
+
+    def prepare_backend(self, cpu: bool = False, sagemaker_dp: bool = False, backend: str | None = None):
+        return "gloo", DistributedType.MULTI_GPU
+
+    PartialState._prepare_backend = prepare_backend
+
+
+def parse_worker_args() -> argparse.Namespace:
+    """The options of both worker scripts (the same command line trains, is held, and resumes)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output-dir", required=True, type=Path)
+    parser.add_argument("--version", type=int, default=2, help="FSDP version")
+    parser.add_argument("--state-dict-type", default="SHARDED_STATE_DICT")
+    parser.add_argument("--max-steps", type=int, default=5)
+    return parser.parse_args()
+
+
+def build_model() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, bos_token_id=1,
+                        eos_token_id=2, pad_token_id=0, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    return GPT2LMHeadModel(config)
+
+
+def hold_after_save(step: int) -> None:
+    """Stop this rank for good if ``HFR_HOLD_AFTER_SAVE`` is ``step`` (the test kills the job)."""
+    if os.environ.get("HFR_HOLD_AFTER_SAVE") == str(step):
+        threading.Event().wait()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.detach().clone().contiguous()
+
+
+def dump_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """This rank's parameter pieces and optimizer state tensors into ``path`` (safetensors)."""
+    from safetensors.torch import save_file
+
+    tensors = {f"model/{name}": _local(param) for name, param in model.named_parameters()}
+    names = {id(param): name for name, param in model.named_parameters()}
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                tensors[f"optim/{names[id(param)]}/{key}"] = _local(value)
+    save_file(tensors, str(path))
+
+
+def read_local_state(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))

@@ -1,0 +1,80 @@
+"""One rank of a ``ResumableAccelerator`` FSDP loop (2 gloo ranks on CPU, torchrun), started by tests/test_engines.py.
+
+Usage: ``torchrun --nproc-per-node 2 fsdp_accelerate_worker.py --output-dir DIR [--version 2] [--state-dict-type T]``.
+The same command trains uninterrupted, is held after a save (``HFR_HOLD_AFTER_SAVE=k``, then SIGKILLed by the test)
+and resumes (``load_state()``). Every optimizer step is saved in the background (``save_async=True``); each rank
+appends ``{"step", "loss"}`` (``float.hex``) to ``losses-rank{r}.jsonl`` and writes ``final-rank{r}.safetensors``
+(its parameter pieces and optimizer state) at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(TESTS))
+
+import engine_fixtures as fx  # noqa: E402
+
+fx.install_cpu_engines()  # before the accelerator builds its state
+
+import torch  # noqa: E402
+from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: E402
+from transformers import get_linear_schedule_with_warmup  # noqa: E402
+
+from hf_resumable.integrations.accelerate import ResumableAccelerator  # noqa: E402
+
+
+def make_rows(count: int = 44, length: int = 12) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    return [torch.randint(3, fx.VOCAB, (length,), generator=generator) for _ in range(count)]
+
+
+def collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    ids = torch.stack(rows)
+    noise = torch.rand(ids.shape) < 0.1  # per-batch randomness (seeded by the batch's position)
+    ids = torch.where(noise, torch.full_like(ids, 3), ids)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def main() -> int:
+    options = fx.parse_worker_args()
+    output = options.output_dir
+    output.mkdir(parents=True, exist_ok=True)
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=options.version, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["GPT2Block"], state_dict_type=options.state_dict_type,
+        cpu_ram_efficient_loading=False, sync_module_states=False)  # FSDP1 broadcasts from a CUDA device otherwise
+    accelerator = ResumableAccelerator(fsdp_plugin=plugin, checkpoint_dir=output / "checkpoints", save_async=True,
+                                       handle_preemption=False)
+    model = fx.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    scheduler = get_linear_schedule_with_warmup(optimizer, 2, options.max_steps)
+    loader = accelerator.prepare_resumable_dataloader(make_rows(), collate_fn=collate, batch_size=4, seed=0)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    accelerator.load_state()
+    with (output / f"losses-rank{fx.RANK}.jsonl").open("a") as log:
+        for batch in loader:  # one epoch holds more steps than max_steps
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            log.write(json.dumps({"step": accelerator.global_step, "loss": loss.item().hex()}) + "\n")
+            log.flush()
+            accelerator.save_state()
+            fx.hold_after_save(accelerator.global_step)
+            if accelerator.global_step >= options.max_steps:
+                break
+    accelerator.end_training()
+    fx.dump_local_state(accelerator.unwrap_model(model), optimizer.optimizer,
+                        output / f"final-rank{fx.RANK}.safetensors")
+    del model, optimizer, accelerator
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

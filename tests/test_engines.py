@@ -1,0 +1,253 @@
+"""Distributed engines through both front doors: refused before step 1, or resumed bit for bit (FSDP2).
+
+* DeepSpeed (ZeRO-1/2/3, through ``ResumableAccelerator`` and ``TrainingArguments.deepspeed``), Megatron-LM and
+  FSDP1 are refused with :class:`UnsupportedEngineError` (also a ``NotImplementedError``) when the accelerator is
+  built or ``train()`` starts: no step runs, no checkpoint directory appears. DeepSpeed is not installed here, which
+  is the point: the refusal never imports it.
+* FSDP2 (2 gloo ranks on CPU under torchrun, accelerate's FSDP code paths turned on by
+  ``engine_fixtures.install_cpu_engines``): a run held after a committed checkpoint, SIGKILLed as a whole job and
+  rerun with the same command ends with every rank's parameter pieces, optimizer state and logged losses
+  bit-identical to the uninterrupted run, through ``ResumableAccelerator`` (background saves) and ``ResumableTrainer``,
+  with accelerate's SHARDED and FULL state-dict types (hf_resumable writes per-rank pieces for both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate.utils import DeepSpeedPlugin, DistributedType, MegatronLMPlugin
+from transformers import TrainerCallback, TrainingArguments
+
+from hf_resumable.checkpoint import read_manifest, verify_checkpoint
+from hf_resumable.errors import UnsupportedEngineError
+from hf_resumable.integrations._engines import check_accelerate_state
+from hf_resumable.integrations.accelerate import ResumableAccelerator
+from hf_resumable.integrations.trainer import ResumableTrainer
+
+from distributed_launch import REPO_ROOT, child_env, free_port, run_torchrun
+from engine_fixtures import build_model, read_local_state
+from test_accelerate_integration import _fresh_accelerate_state  # noqa: F401 - autouse: a fresh accelerate state
+
+SCRIPTS = Path(__file__).parent / "scripts"
+ACCELERATE_WORKER = SCRIPTS / "fsdp_accelerate_worker.py"
+TRAINER_WORKER = SCRIPTS / "fsdp_trainer_worker.py"
+HOLD_STEP = 3  # the job is held after checkpoint-3 committed, then SIGKILLed
+RANKS = (0, 1)
+
+
+# ------------------------------------------------------------------ refused before step 1 (in process)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_accelerate_deepspeed_is_refused_when_built(tmp_path, stage):
+    with pytest.raises(UnsupportedEngineError, match=rf"DeepSpeed ZeRO-{stage}.*fsdp_version=2") as caught:
+        ResumableAccelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=stage), checkpoint_dir=tmp_path / "ck",
+                             handle_preemption=False)
+    assert isinstance(caught.value, NotImplementedError)
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("variable", ["ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_MEGATRON_LM"])
+def test_accelerate_engines_enabled_by_the_environment_are_refused(tmp_path, monkeypatch, variable):
+    monkeypatch.setenv(variable, "true")
+    with pytest.raises(UnsupportedEngineError, match="DeepSpeed|Megatron-LM"):
+        ResumableAccelerator(checkpoint_dir=tmp_path / "ck", handle_preemption=False)
+
+
+def test_accelerate_megatron_plugin_is_refused(tmp_path):
+    with pytest.raises(UnsupportedEngineError, match="Megatron-LM"):
+        ResumableAccelerator(megatron_lm_plugin=MegatronLMPlugin(), checkpoint_dir=tmp_path / "ck",
+                             handle_preemption=False)
+
+
+def test_engine_of_accelerate_state():
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, fsdp_plugin=SimpleNamespace(fsdp_version=1))
+    with pytest.raises(UnsupportedEngineError, match="FSDP1"):
+        check_accelerate_state(fsdp)
+    check_accelerate_state(SimpleNamespace(distributed_type=DistributedType.FSDP,
+                                           fsdp_plugin=SimpleNamespace(fsdp_version=2)))
+    check_accelerate_state(SimpleNamespace(distributed_type=DistributedType.MULTI_GPU))
+    deepspeed = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
+                                deepspeed_plugin=SimpleNamespace(zero_stage=None,
+                                                                 deepspeed_config={"zero_optimization": {"stage": 3}}))
+    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-3"):
+        check_accelerate_state(deepspeed)
+
+
+class _CountSteps(TrainerCallback):
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.steps += 1
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_trainer_deepspeed_is_refused_when_train_starts(tmp_path, stage):
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, max_steps=2, save_steps=1,
+                             report_to=[], disable_tqdm=True)
+    # TrainingArguments(deepspeed=...) itself needs deepspeed installed; a configured run is what train() sees.
+    args.deepspeed = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto"}
+    counter = _CountSteps()
+    rows = [{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8]}] * 8
+    trainer = ResumableTrainer(model=build_model(), args=args, train_dataset=rows, callbacks=[counter])
+    with pytest.raises(UnsupportedEngineError, match=rf"DeepSpeed ZeRO-{stage}.*'version': 2") as caught:
+        trainer.train()
+    assert isinstance(caught.value, NotImplementedError)
+    assert counter.steps == 0 and trainer.state.global_step == 0
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+# ------------------------------------------------------------------ torchrun jobs
+
+
+def _command(worker: Path, output: Path, options: list[str], port: int) -> list[str]:
+    return [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(port), str(worker), "--output-dir", str(output), *options]
+
+
+def _run_job(worker: Path, output: Path, options: list[str]) -> subprocess.CompletedProcess:
+    return run_torchrun(worker, ["--output-dir", str(output), *options], env=child_env(), timeout=300)
+
+
+def _kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the torchrun agent's process group and every worker (torchrun starts each in its own session)."""
+    import psutil
+
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for child in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    proc.wait()
+
+
+def _kill_after_commit(worker: Path, output: Path, options: list[str], checkpoint: Path) -> None:
+    """Run the job held after checkpoint ``HOLD_STEP``; once that checkpoint has committed, SIGKILL the job."""
+    log = output.parent / f"{output.name}-held.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(_command(worker, output, options, free_port()), cwd=REPO_ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env=child_env({"HFR_HOLD_AFTER_SAVE": str(HOLD_STEP)}))
+        try:
+            deadline = time.monotonic() + 300
+            while not (checkpoint / "manifest.json").exists():  # the manifest is renamed into place: committed
+                assert proc.poll() is None, log.read_text()[-5000:]
+                assert time.monotonic() < deadline, log.read_text()[-5000:]
+                time.sleep(0.05)
+        finally:
+            _kill_job(proc)
+    assert proc.returncode == -signal.SIGKILL
+    assert verify_checkpoint(checkpoint, full=True).ok
+    assert read_manifest(checkpoint).world_size == 2
+    assert not list(output.glob("final-rank*")), "the job ran to its end before it was killed"
+
+
+def _assert_same_pieces(run: Path, reference: Path) -> None:
+    for rank in RANKS:
+        want, got = (read_local_state(path / f"final-rank{rank}.safetensors") for path in (reference, run))
+        assert sorted(got) == sorted(want) and any(name.startswith("optim/") for name in want)
+        different = [name for name in want if not torch.equal(want[name], got[name])]
+        assert not different, (rank, different[:5])
+
+
+def _losses(path: Path) -> dict[int, str]:
+    return {row["step"]: row["loss"] for row in map(json.loads, path.read_text().splitlines())}
+
+
+def _reference(tmp_path_factory: pytest.TempPathFactory, worker: Path) -> Path:
+    """The uninterrupted run (accelerate's default SHARDED_STATE_DICT; FULL_STATE_DICT runs must equal it too)."""
+    output = tmp_path_factory.mktemp(worker.stem) / "reference"
+    done = _run_job(worker, output, [])
+    assert done.returncode == 0, done.stdout[-5000:]
+    return output
+
+
+@pytest.fixture(scope="module")
+def accelerate_reference(tmp_path_factory) -> Path:
+    return _reference(tmp_path_factory, ACCELERATE_WORKER)
+
+
+@pytest.fixture(scope="module")
+def trainer_reference(tmp_path_factory) -> Path:
+    return _reference(tmp_path_factory, TRAINER_WORKER)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_accelerate_fsdp2_killed_after_a_commit_resumes_bit_exact(tmp_path, accelerate_reference, state_dict_type):
+    run, options = tmp_path / "run", ["--state-dict-type", state_dict_type]
+    checkpoint = run / "checkpoints" / f"checkpoint-{HOLD_STEP}"
+    _kill_after_commit(ACCELERATE_WORKER, run, options, checkpoint)
+    assert (checkpoint / "sharded_layout.json").is_file()  # every rank's pieces, not a gathered copy
+    resumed = _run_job(ACCELERATE_WORKER, run, options)  # the same command
+    assert resumed.returncode == 0, resumed.stdout[-5000:]
+    for rank in RANKS:
+        want = _losses(accelerate_reference / f"losses-rank{rank}.jsonl")
+        lines = (run / f"losses-rank{rank}.jsonl").read_text().splitlines()
+        # steps 1-3 before the kill, 4-5 after the resume from checkpoint-3: nothing repeated or skipped
+        assert [json.loads(line)["step"] for line in lines] == list(range(1, 6))
+        assert _losses(run / f"losses-rank{rank}.jsonl") == want
+    _assert_same_pieces(run, accelerate_reference)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_trainer_fsdp2_killed_after_a_commit_resumes_bit_exact(tmp_path, trainer_reference, state_dict_type):
+    run, options = tmp_path / "run", ["--state-dict-type", state_dict_type]
+    checkpoint = run / f"checkpoint-{HOLD_STEP}"
+    _kill_after_commit(TRAINER_WORKER, run, options, checkpoint)
+    assert (checkpoint / "sharded_layout.json").is_file() and (checkpoint / "trainer_state.json").is_file()
+    resumed = _run_job(TRAINER_WORKER, run, options)  # the same command
+    assert resumed.returncode == 0, resumed.stdout[-5000:]
+    for rank in RANKS:
+        want = json.loads((trainer_reference / f"result-rank{rank}.json").read_text())
+        got = json.loads((run / f"result-rank{rank}.json").read_text())
+        assert got["resumed_from"].endswith(f"checkpoint-{HOLD_STEP}")
+        assert got["log_history"] == want["log_history"]  # every logged loss, grad norm and learning rate
+    _assert_same_pieces(run, trainer_reference)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("worker", [ACCELERATE_WORKER, TRAINER_WORKER], ids=["accelerate", "trainer"])
+def test_fsdp1_is_refused_before_step_1(tmp_path, worker):
+    run = tmp_path / "run"
+    done = _run_job(worker, run, ["--version", "1"])
+    assert done.returncode != 0
+    assert "UnsupportedEngineError" in done.stdout and "cannot checkpoint FSDP1 runs" in done.stdout, \
+        done.stdout[-5000:]
+    assert not list(run.glob("**/checkpoint*")) and not list(run.glob("losses-*")) and not list(run.glob("final-*"))
+
+
+@pytest.fixture
+def one_rank_group():
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def test_whole_tensor_save_of_an_fsdp2_model_names_the_sharded_save(tmp_path, one_rank_group):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import init_device_mesh
+
+    from hf_resumable import save_checkpoint
+    from hf_resumable.errors import UnsupportedStateError
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    with pytest.raises(UnsupportedStateError, match="DTensor parameters.*save_sharded_checkpoint"):
+        save_checkpoint(tmp_path / "checkpoint-1", model=model)
+    assert not (tmp_path / "checkpoint-1").exists()
