@@ -6,7 +6,7 @@ directories of ``output_dir`` the run must leave alone.
 * **ours**: written by hf_resumable (``manifest.json`` present; validity is checked by ``verify_checkpoint``);
 * **stock**: written by the stock ``transformers.Trainer`` (``trainer_state.json`` and weights, pickled
   optimizer state, no manifest). ``resume_from_checkpoint=True`` continues from it when it is the newest,
-  converted on the fly by :func:`hf_resumable.convert.convert_trainer_checkpoint` (``weights_only=True``
+  converted on the fly by :func:`hf_resumable.conversions.stock.convert_trainer_checkpoint` (``weights_only=True``
   pickle reads); that resume is not bit-exact;
 * **foreign**: anything else that is not empty (another tool's files, a stock save killed half-way).
 
