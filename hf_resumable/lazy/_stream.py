@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..hub import parse_hf_url
+from ._mapped import map_tensors
 from ._load import LoadPlan, _as_weights, _empty, _fill_aliases, _materialize, _read_into, _read_shard, _tie, plan_load
 from ._prefetch import BlockPrefetcher
 from ._residency import ResidencyPlan, plan_residency
@@ -41,6 +42,7 @@ class _BufferPool:
 
     def __init__(self) -> None:
         self.free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._owned: set[int] = set()  # data pointers of the tensors allocated here (mapped ones are not pooled)
         self._lock = threading.Lock()
 
     def allocate(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -48,11 +50,16 @@ class _BufferPool:
             stack = self.free.get((tuple(shape), dtype))
             if stack:
                 return stack.pop()
-        return _empty(shape, dtype)
+        tensor = _empty(shape, dtype)
+        with self._lock:
+            self._owned.add(tensor.data_ptr())
+        return tensor
 
     def put(self, tensor: torch.Tensor) -> None:
+        """Keep ``tensor`` for reuse if it was allocated here; drop it otherwise (a mapping is unmapped with it)."""
         with self._lock:
-            self.free.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
+            if tensor.data_ptr() in self._owned:
+                self.free.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
 
     def put_block(self, block: dict[str, torch.Tensor]) -> None:
         for tensor in block.values():
@@ -70,6 +77,7 @@ class _BufferPool:
     def clear(self) -> None:
         with self._lock:
             self.free.clear()
+            self._owned.clear()
 
 
 def _resolve(path_or_repo_id: str | os.PathLike, revision: str | None) -> tuple[str | os.PathLike, str | None]:
@@ -267,9 +275,13 @@ class StreamingModel(contextlib.AbstractContextManager):
             _read_shard(self.model, self.weights, filename, group, self.plan.sources, self._pool.allocate)
 
     def _read_block(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """One block's tensors, read into pooled buffers (runs on the prefetch thread; touches no module)."""
+        """One block's tensors (runs on the prefetch thread; touches no module): mapped from the shard without a
+        copy when stored in the model's dtype, else read into pooled buffers and cast."""
         block: dict[str, torch.Tensor] = {}
         for filename, group in self.weights.group_by_file(names).items():
+            if all(self.weights.meta(name).dtype == self._targets[name][1] for name in group):
+                block.update(map_tensors(self.weights.shard_path(filename), group, self._targets))
+                continue
             into = {name: self._pool.allocate(*self._targets[name]) for name in group}
             _read_into(self.weights, filename, into)
             block.update(into)
