@@ -10,12 +10,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DataCollatorForLanguageModeling, TrainingArguments
 
-import tiny_models
 from hf_resumable.errors import MemoryBudgetError
 from hf_resumable.hub import push_sharded, write_sharded_model
 from hf_resumable.lazy import LazyStateDict, StreamingModel, plan_residency
 from hf_resumable.lazy._prefetch import BlockPrefetcher
 
+import tiny_models
 from fakehub import FakeHub
 from hub_fixtures import _hub_server, hub, hub_env, new_repo_id, on_meta, tiny_gpt2  # noqa: F401
 
@@ -92,7 +92,7 @@ def test_streaming_model_raises_the_budget_error_on_enter(tmp_path: Path) -> Non
         assert torch.equal(_generate(streamed), _generate(model))
 
 
-# --------------------------------------------------------------------------------------------------- the read-ahead thread
+# ------------------------------------------------------------------------------------------------- read-ahead thread
 def test_prefetcher_restarts_when_asked_out_of_order_and_reraises_read_errors() -> None:
     read: list[int] = []
     discarded: list[int] = []

@@ -6,7 +6,6 @@ import logging
 import mmap
 import os
 from collections.abc import Collection
-from pathlib import Path
 
 import torch
 

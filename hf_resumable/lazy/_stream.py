@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from ..hub import parse_hf_url
-from ._mapped import map_tensors
 from ._load import LoadPlan, _as_weights, _empty, _fill_aliases, _materialize, _read_into, _read_shard, _tie, plan_load
+from ._mapped import map_tensors
 from ._prefetch import BlockPrefetcher
 from ._residency import ResidencyPlan, plan_residency
 from ._weights import LazyStateDict
