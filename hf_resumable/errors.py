@@ -42,6 +42,7 @@ __all__ = [
     "HubFormatError",
     "StorageError",
     "UploadTimeoutError",
+    "MemoryBudgetError",
 ]
 
 
@@ -157,3 +158,8 @@ class StorageError(HfResumableError, OSError):
 
 class UploadTimeoutError(HfResumableError, TimeoutError):
     """Waiting for background uploads timed out; they continue in the background (nothing was dropped)."""
+
+
+class MemoryBudgetError(HfResumableError, ValueError):
+    """A memory budget (``max_memory``) is too small to run the model at all; the message names the smallest one
+    that works."""

@@ -8,8 +8,9 @@ Three tools, all index first (``model.safetensors.index.json`` or a single ``mod
 - :func:`load_lazily`: fill a model (also one built on the meta device) shard by shard, reading each tensor straight
   into the parameter's memory, so at most one shard's worth of pages is in flight beyond the model's own weights.
   Strictness is decided **once**, against all shards, before anything is read.
-- :class:`StreamingModel` / :func:`stream_forward`: run a model that lives on the meta device, loading each
-  transformer block's weights just before it runs and releasing them right after.
+- :class:`StreamingModel` / :func:`stream_forward`: run a model that lives on the meta device within a memory budget
+  (``max_memory``): the blocks that fit stay resident (:func:`plan_residency`), the others are read from the shards
+  as they run, the next one on a background thread while the current one computes; ``generate`` works.
 
 Example:
 
@@ -23,7 +24,9 @@ Example:
 
 
 from ._load import LoadPlan, load_lazily, plan_load
+from ._residency import ResidencyPlan, plan_residency
 from ._stream import StreamingModel, stream_forward
 from ._weights import LazyStateDict, TensorMeta
 
-__all__ = ["TensorMeta", "LazyStateDict", "LoadPlan", "plan_load", "load_lazily", "StreamingModel", "stream_forward"]
+__all__ = ["TensorMeta", "LazyStateDict", "LoadPlan", "plan_load", "load_lazily", "ResidencyPlan", "plan_residency",
+           "StreamingModel", "stream_forward"]

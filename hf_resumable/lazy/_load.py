@@ -108,26 +108,35 @@ def _materialize(model: nn.Module, key: str, allocate: Allocator = _empty) -> to
     return fresh
 
 
+def _read_into(weights: LazyStateDict, filename: str, into: Mapping[str, torch.Tensor]) -> None:
+    """Read the tensors named in ``into`` from one shard straight into them (``readinto``, no intermediate copy)."""
+    path = weights.shard_path(filename)
+    header = read_header(path)
+    for name, target in into.items():
+        info = header.tensors.get(name)
+        if info is None or info.shape != tuple(target.shape):
+            raise CorruptCheckpointError(f"{path}: tensor {name!r} is missing or has another shape than its header "
+                                         "promised; the file changed under us. Re-download it.")
+    read_safetensors(path, header=header, names=list(into), into=into)
+
+
+def _fill_aliases(model: nn.Module, filled: Mapping[str, torch.Tensor], sources: Mapping[str, list[str]],
+                  allocate: Allocator = _empty) -> None:
+    """Copy each stored tensor into the other model keys it fills (untied aliases recorded in the index)."""
+    with torch.no_grad():
+        for name, tensor in filled.items():
+            for extra in sources[name][1:]:
+                target = _materialize(model, extra, allocate)
+                if target is not tensor:
+                    target.copy_(tensor)
+
+
 def _read_shard(model: nn.Module, weights: LazyStateDict, filename: str, names: list[str],
                 sources: Mapping[str, list[str]], allocate: Allocator = _empty) -> None:
     """Read ``names`` of one shard straight into the model's tensors (``readinto``, no intermediate copy)."""
-    path = weights.shard_path(filename)
-    header = read_header(path)
-    into: dict[str, torch.Tensor] = {}
-    for name in names:
-        keys = sources[name]
-        into[name] = _materialize(model, keys[0], allocate)
-        info = header.tensors.get(name)
-        if info is None or info.shape != tuple(into[name].shape):
-            raise CorruptCheckpointError(f"{path}: tensor {name!r} is missing or has another shape than its header "
-                                         "promised; the file changed under us. Re-download it.")
-    read_safetensors(path, header=header, names=names, into=into)
-    with torch.no_grad():
-        for name in names:
-            for extra in sources[name][1:]:
-                target = _materialize(model, extra, allocate)
-                if target is not into[name]:
-                    target.copy_(into[name])
+    into = {name: _materialize(model, sources[name][0], allocate) for name in names}
+    _read_into(weights, filename, into)
+    _fill_aliases(model, into, sources, allocate)
 
 
 def _tie(model: nn.Module) -> None:

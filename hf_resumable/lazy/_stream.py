@@ -5,13 +5,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from ._load import LoadPlan, _as_weights, _empty, _read_shard, _tie, plan_load
+from ..hub import parse_hf_url
+from ._load import LoadPlan, _as_weights, _empty, _fill_aliases, _materialize, _read_into, _read_shard, _tie, plan_load
+from ._mapped import map_tensors
+from ._prefetch import BlockPrefetcher
+from ._residency import ResidencyPlan, plan_residency
 from ._weights import LazyStateDict
 
 logger = logging.getLogger(__name__)
@@ -31,15 +36,34 @@ def _find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 
 class _BufferPool:
-    """Reuses released block tensors for the next block: blocks share shapes, so after the first block no new
-    memory is allocated (no allocator churn, no first-touch page faults)."""
+    """Reuses released block tensors for the next block: blocks share shapes, so after the first blocks no new
+    memory is allocated (no allocator churn, no first-touch page faults). Thread-safe: the prefetch thread
+    allocates while the forward pass releases."""
 
     def __init__(self) -> None:
         self.free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._owned: set[int] = set()  # data pointers of the tensors allocated here (mapped ones are not pooled)
+        self._lock = threading.Lock()
 
     def allocate(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        stack = self.free.get((tuple(shape), dtype))
-        return stack.pop() if stack else _empty(shape, dtype)
+        with self._lock:
+            stack = self.free.get((tuple(shape), dtype))
+            if stack:
+                return stack.pop()
+        tensor = _empty(shape, dtype)
+        with self._lock:
+            self._owned.add(tensor.data_ptr())
+        return tensor
+
+    def put(self, tensor: torch.Tensor) -> None:
+        """Keep ``tensor`` for reuse if it was allocated here; drop it otherwise (a mapping is unmapped with it)."""
+        with self._lock:
+            if tensor.data_ptr() in self._owned:
+                self.free.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
+
+    def put_block(self, block: dict[str, torch.Tensor]) -> None:
+        for tensor in block.values():
+            self.put(tensor)
 
     def release(self, module: nn.Module) -> None:
         """Put a block's parameters back on the meta device, keeping their memory for the next block."""
@@ -47,90 +71,241 @@ class _BufferPool:
             for sub in module.modules():
                 for attr, param in list(sub._parameters.items()):
                     if param is not None and not param.is_meta:
-                        self.free.setdefault((tuple(param.shape), param.dtype), []).append(param.data)
+                        self.put(param.data)
                         setattr(sub, attr, nn.Parameter(param.to("meta"), requires_grad=param.requires_grad))
 
     def clear(self) -> None:
-        self.free.clear()
+        with self._lock:
+            self.free.clear()
+            self._owned.clear()
+
+
+def _resolve(path_or_repo_id: str | os.PathLike, revision: str | None) -> tuple[str | os.PathLike, str | None]:
+    """``hf://namespace/name[@revision]`` -> ``(namespace/name, revision)``; anything else unchanged."""
+    if not str(path_or_repo_id).startswith("hf://"):
+        return path_or_repo_id, revision
+    url = parse_hf_url(str(path_or_repo_id))
+    if url.path_in_repo or url.repo_type != "model":
+        raise ValueError(f"{path_or_repo_id}: streaming reads a model repo's root (hf://namespace/name[@revision]); "
+                         "push the checkpoint's model files to the root of a model repo.")
+    return url.repo_id, url.revision or revision
+
+
+def _model_on_meta(location: str | os.PathLike, config: Any, revision: str | None, token: str | None) -> nn.Module:
+    """``AutoModelForCausalLM.from_config`` on the meta device (buffers stay real), in eval mode."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if config is None:
+        config = AutoConfig.from_pretrained(location, revision=revision, token=token)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    return model.eval()
 
 
 class StreamingModel(contextlib.AbstractContextManager):
-    """Run a meta-device model by loading each block's weights just before it runs and releasing them after.
+    """Run a meta-device model within a memory budget: blocks that do not fit are read from the shards as they run.
 
     On enter, every weight outside the blocks (embeddings, final norm, head) is loaded and the key match is checked
-    once for the whole model (``strict`` as in :func:`load_lazily`); each block then gets a forward pre-hook that
-    reads its tensors from the shards and a forward hook that puts them back on the meta device. Peak memory is the
-    non-block weights plus one block. Outputs equal those of the fully loaded model. ``generate`` works too (every
-    decoding step streams every block again).
+    once for the whole model (``strict`` as in :func:`load_lazily`). Then :func:`plan_residency` splits the budget:
+    as many blocks as fit are loaded and kept (resident); the others are streamed. A streamed block gets a forward
+    pre-hook that installs its tensors and a forward hook that puts them back on the meta device, returning their
+    memory to a pool. A background thread reads the next streamed blocks (in forward order, wrapping around to
+    the next decoding step) into pooled buffers while the current block computes, so reading and computing overlap.
+    Outputs equal those of the fully loaded model, and ``generate`` works with the KV cache (the cache holds keys
+    and values, not weights, so streaming does not touch it).
+
+    Memory: the weights held never exceed ``max_memory``; activations and the KV cache come on top, as with
+    accelerate's ``max_memory``. Reads go through the OS page cache (``pread`` into pooled buffers, the GIL released
+    while reading), so a model that fits in RAM is served from memory after the first pass.
+
+    > [!WARNING]
+    > The prefetch thread needs a core while the model computes: on a machine with few cores, leave it one
+    > (``torch.set_num_threads(os.cpu_count() - 1)``).
 
     Args:
         model (`torch.nn.Module`): the model on the meta device (``accelerate.init_empty_weights()``).
         path_or_repo_id (`str`, `os.PathLike` or [`LazyStateDict`]): where the weights are.
         blocks (`str`, *optional*): dotted name of the ``nn.ModuleList`` of blocks (default: the largest one).
+        max_memory (`int` or `str`, *optional*): budget for the weights, in bytes or as ``"1GB"`` (default: no
+            budget; every block is streamed).
+        prefetch (`bool`, *optional*, defaults to `True`): read the next block while one runs (when it fits).
         strict (`bool`, *optional*, defaults to `True`): fail on missing or unexpected keys.
         revision (`str`, *optional*): Hub revision.
         token (`str`, *optional*): Hub token.
 
+    Raises:
+        MemoryBudgetError: on enter, if ``max_memory`` is smaller than the non-block weights plus one block (the
+            message names the smallest budget that works).
+        CheckpointMismatchError: on enter, if the weights do not fit the model.
+
     Example:
 
     ```python
+    >>> with StreamingModel.from_pretrained("me/llama-7b", max_memory="4GB") as model:  # doctest: +SKIP
+    ...     tokens = model.generate(input_ids, max_new_tokens=32, do_sample=False)
     >>> with init_empty_weights():  # doctest: +SKIP
     ...     model = LlamaForCausalLM(config)
-    >>> with StreamingModel(model, "me/tiny-llama") as streamed, torch.no_grad():  # doctest: +SKIP
+    >>> with StreamingModel(model, "out/checkpoint-120") as streamed, torch.no_grad():  # doctest: +SKIP
     ...     logits = streamed(input_ids).logits
     ```
     """
 
     def __init__(self, model: nn.Module, path_or_repo_id: str | os.PathLike | LazyStateDict, *,
-                 blocks: str | None = None, strict: bool = True, revision: str | None = None,
-                 token: str | None = None) -> None:
+                 blocks: str | None = None, max_memory: int | str | None = None, prefetch: bool = True,
+                 strict: bool = True, revision: str | None = None, token: str | None = None) -> None:
         self.model = model
         self.weights = _as_weights(path_or_repo_id, revision, token)
         if blocks is None:
             self.blocks_name, self.blocks = _find_blocks(model)
         else:
             self.blocks_name, self.blocks = blocks, model.get_submodule(blocks)
-        self.strict = strict
+        self.max_memory, self.prefetch, self.strict = max_memory, prefetch, strict
         self.plan: LoadPlan | None = None
+        self.residency: ResidencyPlan | None = None
         self._handles: list[Any] = []
         self._pool = _BufferPool()
+        self._prefetcher: BlockPrefetcher | None = None
+        self._installed: int | None = None
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, *, config: Any = None,
+                        max_memory: int | str | None = None, prefetch: bool = True, strict: bool = True,
+                        revision: str | None = None, token: str | None = None) -> StreamingModel:
+        """A streamed ``AutoModelForCausalLM`` from a model directory, a checkpoint directory, or a Hub repo.
+
+        Only headers are read here; the model is built on the meta device from ``config`` (default:
+        ``AutoConfig.from_pretrained`` of the same location), and weights are read on enter. For a Hub repo
+        (``namespace/name`` or ``hf://namespace/name[@revision]``), each shard is downloaded (once, into the Hub
+        cache) when a block in it is first read.
+
+        Args:
+            path_or_repo_id (`str` or `os.PathLike`): a directory holding ``config.json`` and the weights (a
+                ``save_pretrained`` output or a ``checkpoint-N`` directory), or a Hub repo.
+            config (`transformers.PretrainedConfig`, *optional*): the model's config (e.g. from ``AutoConfig``).
+            max_memory, prefetch, strict, revision, token: as in :class:`StreamingModel`.
+
+        Raises:
+            CheckpointNotFoundError: if there are no weights at ``path_or_repo_id``.
+            ValueError: for an ``hf://`` URL with a path inside the repo.
+
+        Example:
+
+        ```python
+        >>> with StreamingModel.from_pretrained("out/checkpoint-500", max_memory="1GB") as model:  # doctest: +SKIP
+        ...     model.generate(input_ids, max_new_tokens=32, do_sample=False)
+        ```
+        """
+        location, revision = _resolve(path_or_repo_id, revision)
+        weights = LazyStateDict.from_pretrained(location, revision=revision, token=token)
+        model = _model_on_meta(location, config, revision, token)
+        return cls(model, weights, max_memory=max_memory, prefetch=prefetch, strict=strict)
 
     def _block_prefix(self, index: int) -> str:
         return f"{self.blocks_name}.{index}."
 
     def __enter__(self) -> nn.Module:
+        # 1. Match keys once, for the whole model.
         _tie(self.model)
         self.plan = plan_load(self.model, self.weights)
         self.plan.match.check(strict=self.strict, source=self.weights.source)
-        block_prefix = f"{self.blocks_name}."
-        outside = [n for n, keys in self.plan.sources.items() if not keys[0].startswith(block_prefix)]
-        self._load(outside)
+        # 2. Split the budget: non-block weights and resident blocks are loaded now; the rest is streamed.
+        outside, per_block = self._names_by_block()
+        sizes = self._nbytes()
+        self.residency = plan_residency(sum(sizes[n] for n in outside),
+                                        [sum(sizes[n] for n in names) for names in per_block],
+                                        max_memory=self.max_memory, prefetch=self.prefetch)
+        self._load(outside + [n for i in self.residency.resident for n in per_block[i]])
         _tie(self.model)
-        for index, block in enumerate(self.blocks):
-            self._handles.append(block.register_forward_pre_hook(self._pre_hook(index)))
-            self._handles.append(block.register_forward_hook(lambda module, args, output: self._pool.release(module)))
+        self._log_plan()
+        # 3. Hooks on the streamed blocks, and the thread that reads them ahead.
+        streamed = self.residency.streamed
+        if streamed:
+            self._prefetcher = BlockPrefetcher(streamed, lambda i: self._read_block(per_block[i]),
+                                               self._pool.put_block, slots=self.residency.slots)
+            for index in streamed:
+                block = self.blocks[index]
+                self._handles.append(block.register_forward_pre_hook(self._pre_hook(index)))
+                self._handles.append(block.register_forward_hook(self._post_hook))
+            self._prefetcher.start()
         return self.model
 
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
         for block in self.blocks:
             self._pool.release(block)
+        self._installed = None
         self._pool.clear()
         self.weights.release()
+
+    def _names_by_block(self) -> tuple[list[str], list[list[str]]]:
+        """Checkpoint names outside the blocks, and those of each block."""
+        per_block: list[list[str]] = [[] for _ in self.blocks]
+        outside: list[str] = []
+        prefix = f"{self.blocks_name}."
+        for name, keys in self.plan.sources.items():
+            index, dot, _ = keys[0][len(prefix):].partition(".")
+            if keys[0].startswith(prefix) and dot and index.isdigit() and int(index) < len(per_block):
+                per_block[int(index)].append(name)
+            else:
+                outside.append(name)
+        return outside, per_block
+
+    def _nbytes(self) -> dict[str, int]:
+        """Bytes each checkpoint tensor takes in the model (its dtype there, which a load casts to)."""
+        tensors = self.model.state_dict(keep_vars=True)
+        self._targets = {name: (tensors[keys[0]].shape, tensors[keys[0]].dtype)
+                         for name, keys in self.plan.sources.items()}
+        return {name: shape.numel() * dtype.itemsize for name, (shape, dtype) in self._targets.items()}
+
+    def _log_plan(self) -> None:
+        plan = self.residency
+        logger.info("Streaming %s: %d of %d blocks resident, %d streamed (%s); %.3f GB of weights held%s.",
+                    self.weights.source, len(plan.resident), len(self.blocks), len(plan.streamed),
+                    "read ahead" if plan.prefetch else "read as they run", plan.weight_bytes / 1e9,
+                    f" of a {plan.budget / 1e9:.3f} GB budget" if plan.budget is not None else "")
 
     def _load(self, names: list[str]) -> None:
         for filename, group in self.weights.group_by_file(names).items():
             _read_shard(self.model, self.weights, filename, group, self.plan.sources, self._pool.allocate)
 
-    def _pre_hook(self, index: int) -> Callable[..., None]:
-        prefix = self._block_prefix(index)
+    def _read_block(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """One block's tensors (runs on the prefetch thread; touches no module): mapped from the shard without a
+        copy when stored in the model's dtype, else read into pooled buffers and cast."""
+        block: dict[str, torch.Tensor] = {}
+        for filename, group in self.weights.group_by_file(names).items():
+            if all(self.weights.meta(name).dtype == self._targets[name][1] for name in group):
+                block.update(map_tensors(self.weights.shard_path(filename), group, self._targets))
+                continue
+            into = {name: self._pool.allocate(*self._targets[name]) for name in group}
+            _read_into(self.weights, filename, into)
+            block.update(into)
+        return block
 
+    def _pre_hook(self, index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple) -> None:
-            self._load([n for n, keys in self.plan.sources.items() if keys[0].startswith(prefix)])
+            if self._installed is not None:  # the previous pass stopped inside a block (an exception): free it
+                self._release(self.blocks[self._installed])
+            block = self._prefetcher.take(index)
+            for name, tensor in block.items():
+                _materialize(self.model, self.plan.sources[name][0], lambda *_, t=tensor: t)
+            _fill_aliases(self.model, block, self.plan.sources, self._pool.allocate)
+            self._installed = index
 
         return hook
+
+    def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._release(module)
+
+    def _release(self, module: nn.Module) -> None:
+        self._pool.release(module)
+        self._installed = None
+        self._prefetcher.done()
 
 
 def stream_forward(model: nn.Module, path_or_repo_id: str | os.PathLike | LazyStateDict, input_ids: torch.Tensor,
