@@ -16,17 +16,23 @@ $(VENV)/.installed: setup.cfg setup.py pyproject.toml hf_resumable/_fastcopy.c
 
 venv: $(VENV)/.installed
 
-# Lint, the package's doctests, then the suite: every guarantee at least once (what CI runs; 15-22 min of pytest on 2 cores, 2026-12-01/02).
+# Lint, the package's doctests, then the suite in three tiers, fastest first: unit (in-process), process (kills and
+# restarts of one process, servers), distributed (torch.distributed process groups). Every guarantee at least once;
+# further kill/restart variants are marked `extended` and run by `make test-all`. This is what CI runs.
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=10
+TIERS := "not slow and not distributed" "slow and not distributed" "distributed"
+
 test: venv
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules hf_resumable
-	$(PY) -m pytest -q -m "not extended" tests
+	$(PYTEST) --doctest-modules hf_resumable
+	@for tier in $(TIERS); do echo "== tests: $$tier (not extended)"; \
+		$(PYTEST) -m "($$tier) and not extended" tests || exit 1; done
 
 # Everything, including the further kill/restart variants marked `extended` (about twice as long).
 test-all: venv
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules hf_resumable
-	$(PY) -m pytest -q tests
+	$(PYTEST) --doctest-modules hf_resumable
+	@for tier in $(TIERS); do echo "== tests: $$tier"; $(PYTEST) -m "$$tier" tests || exit 1; done
 
 # accelerate's own checkpointing tests against ResumableAccelerator (also part of `make test`).
 test-upstream: venv

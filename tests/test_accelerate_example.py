@@ -83,6 +83,7 @@ def reference(tmp_path_factory) -> Path:
     return output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kill_after", "num_workers", "resumes_from"), [
     (6, 0, "step_4"),  # between checkpoints, mid-epoch: load_state + skip_first_batches(loader, 4)
     # Right after the checkpoint at the end of epoch 0, with 2 worker processes (the reference had none); loader

@@ -223,6 +223,7 @@ def check_ga_records(records: list[dict], world_size: int) -> None:
     assert records[-1]["global_step"] == len(records)
 
 
+@pytest.mark.slow
 def test_accumulation_equals_full_batch_single_process():
     worker = load_module("accelerate_ga_worker", SCRIPTS / "accelerate_ga_worker.py")
     check_ga_records(worker.run(), world_size=1)
@@ -277,6 +278,7 @@ def reference_run(tmp_path_factory) -> Path:
     return output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("signum", "step", "num_workers", "extra"), [
     # between checkpoints: resume from checkpoint-2, replay step 3 (test_accelerate_example covers this case)
     pytest.param(signal.SIGKILL, 3, 0, (), marks=pytest.mark.extended),

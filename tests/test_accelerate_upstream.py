@@ -12,11 +12,14 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 import zygote
 
 RUNNER = Path(__file__).parent / "upstream" / "run_accelerate_upstream.py"
 
 
+@pytest.mark.slow
 def test_accelerates_checkpointing_suite_passes_with_resumable_accelerator(tmp_path):
     done = zygote.run([sys.executable, str(RUNNER), "--work-dir", str(tmp_path)], capture_output=True, text=True,
                           timeout=1200)

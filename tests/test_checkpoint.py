@@ -32,6 +32,7 @@ def _setup(kind: str, seed: int, optimizer_cls=torch.optim.AdamW, **opt_kwargs):
     return model, optimizer, scheduler
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
 def test_round_trip_is_bitwise(tmp_path, kind):
     model, optimizer, scheduler = _setup(kind, seed=0)
@@ -70,6 +71,7 @@ def test_round_trip_is_bitwise(tmp_path, kind):
     assert_same_state(model.state_dict(), model2.state_dict())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "optimizer_cls, kwargs",
     [(torch.optim.SGD, {"momentum": 0.9}), (torch.optim.Adagrad, {}), (torch.optim.Adam, {"amsgrad": True}),
@@ -272,6 +274,7 @@ def test_data_state_with_tensors_is_refused_not_silently_dropped(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.slow
 def test_load_into_an_optimizer_that_has_state_fills_it_in_place_bit_exactly(tmp_path):
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

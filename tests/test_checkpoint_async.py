@@ -31,6 +31,7 @@ def _files(directory):
             if p.is_file() and p.name != "manifest.json"}
 
 
+@pytest.mark.slow
 def test_training_runs_during_async_save_and_bytes_equal_blocking(tmp_path, monkeypatch):
     model = tiny_gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -111,6 +112,7 @@ def test_load_waits_for_the_in_flight_save(tmp_path):
     assert torch.equal(fresh.transformer.wte.weight, model.transformer.wte.weight)
 
 
+@pytest.mark.slow
 def test_interpreter_exit_waits_for_the_save(tmp_path):
     import sys
 

@@ -42,6 +42,7 @@ class ScaledOnLoad(GPT2LMHeadModel):
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
 
+@pytest.mark.slow
 def test_a_model_overriding_load_state_dict_goes_through_it(tmp_path):
     model = tiny_gpt2()
     path = _save(tmp_path, model)
@@ -106,6 +107,7 @@ def test_a_buffer_that_changed_shape_without_a_resizing_module_is_refused_as_sto
         _stock(WithHistory(resizable=False), path)
 
 
+@pytest.mark.slow
 def test_load_state_dict_pre_and_post_hooks_run(tmp_path):
     model = tiny_gpt2()
     path = _save(tmp_path, model)

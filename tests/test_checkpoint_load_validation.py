@@ -140,6 +140,7 @@ def test_codec_tuple_marker_with_a_number(checkpoint, live):
                    '{"__tuple__": [items]}')
 
 
+@pytest.mark.slow
 def test_codec_markers_of_every_kind(checkpoint, live):
     for bad, expected in (({"__dict__": [[1]]}, "[[key, value]"), ({"__tensor__": 3}, '"__tensor__": "<name>"'),
                           ({"__tensor__": "nope"}, "'nope' is referenced but not stored"),
@@ -148,12 +149,14 @@ def test_codec_markers_of_every_kind(checkpoint, live):
         assert_refused(checkpoint, live, CorruptCheckpointError, "extra/bad", expected)
 
 
+@pytest.mark.slow
 def test_training_state_that_is_a_list(checkpoint, live):
     document = json.loads((checkpoint / TRAINING_STATE_FILE).read_bytes())
     reseal(checkpoint, TRAINING_STATE_FILE, json.dumps([document]).encode())
     assert_refused(checkpoint, live, CorruptCheckpointError, TRAINING_STATE_FILE, "a JSON object")
 
 
+@pytest.mark.slow
 def test_training_state_parts_of_the_wrong_type_and_a_newer_format(checkpoint, live):
     edit_json(checkpoint, TRAINING_STATE_FILE, lambda d: d.update(progress=[1, 2]))
     assert_refused(checkpoint, live, CorruptCheckpointError, "progress", "a JSON object")
@@ -166,6 +169,7 @@ def test_missing_param_groups(checkpoint, live):
     assert_refused(checkpoint, live, CorruptCheckpointError, "optimizer/param_groups", "a list of param-group")
 
 
+@pytest.mark.slow
 def test_param_group_params_that_are_not_names_or_repeat(checkpoint, live):
     edit_json(checkpoint, TRAINING_STATE_FILE, lambda d: d["optimizer"]["param_groups"][0].update(params=[0, 1]))
     assert_refused(checkpoint, live, CorruptCheckpointError, "param_groups/0/params", "parameter names")
@@ -174,12 +178,14 @@ def test_param_group_params_that_are_not_names_or_repeat(checkpoint, live):
     assert_refused(checkpoint, live, CorruptCheckpointError, "each parameter in one group only")
 
 
+@pytest.mark.slow
 def test_hyperparameter_of_the_wrong_kind(checkpoint, live):
     edit_json(checkpoint, TRAINING_STATE_FILE, lambda d: d["optimizer"]["param_groups"][0].update(lr="fast",
                                                                                                  amsgrad=1))
     assert_refused(checkpoint, live, CheckpointMismatchError, "param_groups/0/lr", "param_groups/0/amsgrad")
 
 
+@pytest.mark.slow
 def test_tied_metadata_that_aliases_two_stored_tensors(checkpoint, live):
     def alias(document):
         document["metadata"]["hf_resumable_tied"]["transformer.wpe.weight"] = "transformer.wte.weight"
@@ -190,6 +196,7 @@ def test_tied_metadata_that_aliases_two_stored_tensors(checkpoint, live):
     assert "hf_resumable_tied" in str(error)
 
 
+@pytest.mark.slow
 def test_tied_metadata_pointing_nowhere_or_malformed(checkpoint, live):
     edit_json(checkpoint, MODEL_INDEX_FILE, lambda d: d["metadata"].update(hf_resumable_tied={"lm_head.weight": "x"}))
     assert_refused(checkpoint, live, CorruptCheckpointError, "'x', which is not a stored tensor")
@@ -197,6 +204,7 @@ def test_tied_metadata_pointing_nowhere_or_malformed(checkpoint, live):
     assert_refused(checkpoint, live, CorruptCheckpointError, "hf_resumable_tied")
 
 
+@pytest.mark.slow
 def test_optimizer_state_of_the_wrong_shape(checkpoint, live):
     name = "state/transformer.h.0.attn.c_attn.weight/exp_avg"
     edit_tensors(checkpoint, _optimizer_file(checkpoint, name), lambda t: t.update({name: t[name].t().contiguous()}))
@@ -215,6 +223,7 @@ def test_optimizer_state_of_the_wrong_dtype_or_naming_no_parameter(checkpoint, l
     assert_refused(checkpoint, live, CheckpointMismatchError, "state/no.such.param/exp_avg", "names no parameter")
 
 
+@pytest.mark.slow
 def test_scheduler_keys_that_would_become_arbitrary_attributes(checkpoint, live):
     edit_json(checkpoint, TRAINING_STATE_FILE, lambda d: d["scheduler"].update(__class__="int", optimizer=None))
     error = assert_refused(checkpoint, live, CheckpointMismatchError, "scheduler/__class__", "scheduler/optimizer")
@@ -223,6 +232,7 @@ def test_scheduler_keys_that_would_become_arbitrary_attributes(checkpoint, live)
     assert type(scheduler) is torch.optim.lr_scheduler.StepLR and scheduler.optimizer is optimizer
 
 
+@pytest.mark.slow
 def test_scheduler_and_scaler_values_of_the_wrong_kind_or_missing(checkpoint, live):
     edit_json(checkpoint, TRAINING_STATE_FILE, lambda d: d["scheduler"].update(last_epoch=1.5))
     assert_refused(checkpoint, live, CheckpointMismatchError, "scheduler/last_epoch", "an int >= -1")
@@ -231,6 +241,7 @@ def test_scheduler_and_scaler_values_of_the_wrong_kind_or_missing(checkpoint, li
     assert_refused(checkpoint, live, CheckpointMismatchError, "scaler/_growth_tracker", "not in the checkpoint")
 
 
+@pytest.mark.slow
 def test_data_position_past_the_end(checkpoint, live):
     edit_json(checkpoint, DATA_FILE, lambda d: d.update(step=9))
     assert_refused(checkpoint, live, CorruptCheckpointError, DATA_FILE, "step: 9 is past the end of an epoch of 8")
@@ -287,6 +298,7 @@ def test_negative_manifest_step(checkpoint, live):
     assert_refused(checkpoint, live, CorruptCheckpointError, "manifest.json", "step", "-1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", [-1.0, 2.5, float("nan")])
 def test_optimizer_step_that_is_negative_or_not_whole(checkpoint, live, value):
     name = "state/transformer.h.1.mlp.c_fc.bias/step"
@@ -301,6 +313,7 @@ def test_caller_named_counters_are_checked(checkpoint, live):
         open_checkpoint(checkpoint, counters=["loop/initial_global_step"])
 
 
+@pytest.mark.slow
 def test_header_tensor_that_the_index_does_not_list(checkpoint, live):
     index = json.loads((checkpoint / MODEL_INDEX_FILE).read_text())
     shard = index["weight_map"]["transformer.wte.weight"]
@@ -330,6 +343,7 @@ def _big_checkpoint(tmp_path):
     return path, other, other_optimizer, torch.optim.lr_scheduler.StepLR(other_optimizer, step_size=2)
 
 
+@pytest.mark.slow
 def test_hash_mismatch_with_full_verification_leaves_everything_untouched(tmp_path):
     path, model, optimizer, scheduler = _big_checkpoint(tmp_path)
     train_steps(model, optimizer, scheduler, steps=1, seed=3)  # live state of its own

@@ -88,6 +88,7 @@ def test_inspect_table_and_json(checkpoint: Path, capsys) -> None:
     assert all(s["dtypes"] == {"F32": s["num_tensors"]} for s in document["shards"] if s["kind"] == "model")
 
 
+@pytest.mark.slow
 def test_inspect_reports_corruption(checkpoint: Path, capsys) -> None:
     _flip_byte(checkpoint / "model-00001-of-00004.safetensors")
     code, out, _ = _run(capsys, "inspect", "--json", str(checkpoint))
@@ -99,6 +100,7 @@ def test_inspect_reports_corruption(checkpoint: Path, capsys) -> None:
     assert code == 1 and "FAILED (1 problem(s))" in out and "! model-00001-of-00004.safetensors" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, fragment", [
     (["inspect", "{missing}"], "no such checkpoint directory"),
     (["verify", "{missing}"], "no such checkpoint directory"),
@@ -115,6 +117,7 @@ def test_user_mistakes_print_one_line(checkpoint: Path, tmp_path: Path, capsys, 
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_python_dash_m_entry_point(checkpoint: Path) -> None:
     corrupt = zygote.run([sys.executable, "-m", "hf_resumable", "verify", str(checkpoint.parent / "nope")],
                              capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
@@ -189,6 +192,7 @@ def _trainer_groups(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
     return [[p for n, p in named if n in decay], [p for n, p in named if n not in decay]]
 
 
+@pytest.mark.slow
 def test_convert_stock_trainer_checkpoint(stock_checkpoint: Path, tmp_path: Path, capsys, caplog) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -235,6 +239,7 @@ def test_convert_refuses_non_transformers_dirs(tmp_path: Path, capsys) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- push / pull
+@pytest.mark.slow
 def test_push_with_card_then_pull_and_inspect(hub, checkpoint: Path, tmp_path: Path, capsys) -> None:
     from huggingface_hub import ModelCard
 
@@ -263,6 +268,7 @@ def test_push_with_card_then_pull_and_inspect(hub, checkpoint: Path, tmp_path: P
     assert code == 0 and json.loads(out)["step"] == 2
 
 
+@pytest.mark.slow
 def test_push_into_subdirectory_with_tag_then_pull(hub, checkpoint: Path, tmp_path: Path, capsys) -> None:
     repo_id = new_repo_id("cli-sub")
     code, out, _ = _run(capsys, "push", str(checkpoint), repo_id, "--path-in-repo", "checkpoint-2", "--tag", "v2")
@@ -310,6 +316,7 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert sorted(resumed.losses) == list(range(1, 9))
 
 
+@pytest.mark.slow
 def test_demo_loop_backend_resumes_exactly_in_process(tmp_path: Path, monkeypatch) -> None:
     """The plain-loop backend: a crash right after step 4 (checkpoints every 3) and a restart match the reference."""
     from hf_resumable.demo import train as demo_train

@@ -43,6 +43,7 @@ class _Evil:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
 def test_convert_of_a_pickle_bomb_is_one_line_and_never_executes(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -78,6 +79,7 @@ def test_convert_raises_typed_errors_for_refused_and_broken_pickles(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["verify", "inspect"])
 def test_deeply_nested_manifest_is_one_line(tmp_path, command):
     ckpt = _checkpoint(tmp_path / "checkpoint-1")
@@ -106,6 +108,7 @@ def test_inspect_of_an_unreadable_training_state_fails_naming_it(tmp_path, conte
     assert "5000 digits" in problems[0] or "nested deeper" in problems[0], problems[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["verify", "inspect"])
 def test_fifo_manifest_does_not_hang_the_cli(tmp_path, command):
     ckpt = _checkpoint(tmp_path / "checkpoint-1")
@@ -116,6 +119,7 @@ def test_fifo_manifest_does_not_hang_the_cli(tmp_path, command):
     assert "FIFO" in result.stderr + result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["missing", "file"])
 def test_verify_of_a_path_that_is_not_a_checkpoint_is_one_line(tmp_path, target):
     path = tmp_path / "x"
@@ -124,6 +128,7 @@ def test_verify_of_a_path_that_is_not_a_checkpoint_is_one_line(tmp_path, target)
     _assert_one_error_line(_cli("verify", str(path), cwd=tmp_path), "verify")
 
 
+@pytest.mark.slow
 def test_a_fifo_given_as_the_checkpoint_path_does_not_hang(tmp_path):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)

@@ -223,6 +223,7 @@ def _dead_owner_name(prefix: str, target: str, *, mark: str = "") -> str:
     return member_name(prefix, target, dead, mark=mark)
 
 
+@pytest.mark.slow
 def test_cleanup_touches_only_provably_dead_owners(tmp_path):
     root = tmp_path / "run"
     save_checkpoint(root / "checkpoint-1", model=_model(1.0), step=1, rng=False)
@@ -246,6 +247,7 @@ def test_cleanup_touches_only_provably_dead_owners(tmp_path):
     assert not [p for p in root.iterdir() if p.name.startswith(TRASH_PREFIX) and parse_member_name(p.name)]
 
 
+@pytest.mark.slow
 def test_cleanup_puts_back_a_checkpoint_whose_overwrite_was_interrupted(tmp_path):
     """An overwrite without RENAME_EXCHANGE, killed between its two renames: the old checkpoint is put back."""
     root = tmp_path / "run"

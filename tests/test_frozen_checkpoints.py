@@ -305,6 +305,7 @@ def test_tools_that_need_a_whole_model_say_so(gpt2_base: Path, tmp_path: Path):
             call()
 
 
+@pytest.mark.slow
 def test_inspect_reshard_and_cli_on_a_trainable_only_checkpoint(gpt2_base: Path, tmp_path: Path):
     from hf_resumable.checkpoint.summary import summarize_checkpoint
     from hf_resumable.conversions.stock import reshard_checkpoint
@@ -330,6 +331,7 @@ def test_inspect_reshard_and_cli_on_a_trainable_only_checkpoint(gpt2_base: Path,
 
 
 # ------------------------------------------------------------------------------------------------ export
+@pytest.mark.slow
 def test_export_merged_and_unmerged(gpt2_base: Path, tmp_path: Path):
     model, optimizer = trained(lora(gpt2_base))
     model.eval()
@@ -391,6 +393,7 @@ def test_malformed_frozen_records_are_refused():
             _frozen.FrozenRecord.from_json(bad, source="r")
 
 
+@pytest.mark.slow
 def test_a_save_hook_that_writes_the_adapter_file_keeps_it(gpt2_base: Path, tmp_path: Path):
     model, optimizer = trained(lora(gpt2_base))
     model.save_pretrained(tmp_path / "hook")  # what an accelerate save hook typically writes
@@ -411,6 +414,7 @@ def test_open_checkpoint_exposes_the_record(gpt2_base: Path, tmp_path: Path):
 
 
 # ------------------------------------------------------------------------------------------------ remote copies
+@pytest.mark.slow
 def test_hub_pushes_upload_the_trainable_part_only(gpt2_base: Path, tmp_path: Path, hub):  # noqa: F811
     from hf_resumable.hub import pull_checkpoint, push_checkpoint
 

@@ -206,6 +206,7 @@ def _child(args: list[str]) -> subprocess.CompletedProcess:
     return zygote.run([sys.executable, "-c", _CHILD, *args], env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_cut_download_resumes_in_a_new_process(hub: FakeHub, tmp_path: Path) -> None:
     repo_id = new_repo_id("resume")
     data = os.urandom(3_000_000)
@@ -305,6 +306,7 @@ def test_pull_checkpoint_rejects_bad_checkpoints(hub: FakeHub, tmp_path: Path) -
         push_checkpoint(tmp_path / "nomanifest", repo_id)
 
 
+@pytest.mark.slow
 def test_real_training_checkpoint_round_trip(hub: FakeHub, tmp_path: Path) -> None:
     from hf_resumable.checkpoint import save_checkpoint, verify_checkpoint
 

@@ -147,6 +147,7 @@ def test_alias_fills_untied_model_key(tmp_path: Path) -> None:
     assert torch.equal(model.y.weight, shared) and model.y.weight is not model.x.weight
 
 
+@pytest.mark.slow
 def test_load_lazily_llama_from_repo_downloads_each_shard_once(hub: FakeHub) -> None:
     model = tiny_llama(seed=3)
     repo_id = new_repo_id("llama")
@@ -176,6 +177,7 @@ def test_stream_forward_equals_full_model(tmp_path: Path, factory) -> None:
     assert all(p.is_meta for p in blocks.parameters())  # released after the pass
 
 
+@pytest.mark.slow
 def test_streaming_generate_and_from_repo(hub: FakeHub) -> None:
     model = tiny_llama(seed=5)
     repo_id = new_repo_id("stream")

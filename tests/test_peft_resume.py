@@ -119,11 +119,12 @@ def _assert_base_not_stored(checkpoint: Path, *, peft: bool, from_pretrained: bo
         assert "transformer.wte.weight" in record["tensors"] and "lm_head.weight" in record["tied"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, kill", [
     ("gpt2_lora", {"kill_mid_step": 3}),             # inside step 4, mid accumulation window; then another base
     # LoRA + modules_to_save (a trainable copy of lm_head)
-    ("llama_lora", {"kill_after_save": 2}),
-    ("gpt2_frozen_embedding", {"kill_after_save": 3}),
+    pytest.param("llama_lora", {"kill_after_save": 2}, marks=pytest.mark.extended),
+    pytest.param("gpt2_frozen_embedding", {"kill_after_save": 3}, marks=pytest.mark.extended),
     ("llama_qlora4", {"kill_mid_step": 2}),          # bitsandbytes nf4 base on CPU
 ])
 def test_frozen_base_runs_killed_and_restarted_are_bit_identical(references: Path, bases: dict[str, Path],

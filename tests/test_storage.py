@@ -37,6 +37,7 @@ def test_is_object_store_url():
     assert not is_object_store_url("hf://u/r")
 
 
+@pytest.mark.slow
 def test_upload_find_latest_and_resume_from_s3_bit_exact(tmp_path, seaweed, bucket):
     opts = storage_options(seaweed.endpoint)
     model, optimizer = _trained(tmp_path / "local", steps=(1, 2))
@@ -55,6 +56,7 @@ def test_upload_find_latest_and_resume_from_s3_bit_exact(tmp_path, seaweed, buck
         upload_checkpoint(tmp_path / "local" / "checkpoint-2", latest, storage_options=opts)
 
 
+@pytest.mark.slow
 def test_connection_cut_mid_upload_never_looks_committed(tmp_path, seaweed, bucket):
     proxy = CuttableProxy(seaweed.s3_port)
     opts = storage_options(proxy.endpoint)
@@ -87,6 +89,7 @@ def test_remote_checkpoint_with_missing_file_is_skipped(tmp_path, seaweed, bucke
     assert find_latest_checkpoint(f"s3://{bucket}/run", storage_options=opts) == f"s3://{bucket}/run/checkpoint-1"
 
 
+@pytest.mark.slow
 def test_download_detects_tampered_bytes(tmp_path, seaweed, bucket):
     import s3fs
 
@@ -107,6 +110,7 @@ def test_download_detects_tampered_bytes(tmp_path, seaweed, bucket):
     assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_mirror_queues_every_upload_and_applies_remote_retention(tmp_path, seaweed, bucket):
     opts = storage_options(seaweed.endpoint)
     _trained(tmp_path / "local", steps=(1, 2, 3))
@@ -122,6 +126,7 @@ def test_mirror_queues_every_upload_and_applies_remote_retention(tmp_path, seawe
     assert committed == [2, 3]
 
 
+@pytest.mark.slow
 def test_mirror_failure_is_raised_not_lost(tmp_path, seaweed, bucket):
     proxy = CuttableProxy(seaweed.s3_port)
     opts = storage_options(proxy.endpoint)
@@ -135,6 +140,7 @@ def test_mirror_failure_is_raised_not_lost(tmp_path, seaweed, bucket):
     proxy.restore()
 
 
+@pytest.mark.slow
 def test_remote_retention_keeps_newest_committed(tmp_path, seaweed, bucket):
     opts = storage_options(seaweed.endpoint)
     _trained(tmp_path / "local", steps=(1, 2, 3))

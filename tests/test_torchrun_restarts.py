@@ -130,7 +130,8 @@ def _assert_same_run(out: Path, reference: Path) -> None:
     assert _losses(out) == _losses(reference)
 
 
-@pytest.mark.parametrize("where,blocking", [("step", True), ("save", True), ("save", False)],
+@pytest.mark.parametrize("where,blocking", [pytest.param("step", True, marks=pytest.mark.extended), ("save", True),
+                                            pytest.param("save", False, marks=pytest.mark.extended)],
                          ids=["mid-step", "mid-save", "mid-async-save"])
 def test_torchrun_restarts_the_group_and_the_run_ends_bit_identical(tmp_path, reference, where, blocking):
     args = [str(tmp_path), "--kill-at", "4" if where == "save" else "5", "--kill-in", where, "--kill-rank", "1"]

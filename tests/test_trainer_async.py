@@ -91,6 +91,7 @@ def test_async_run_ends_and_checkpoints_exactly_as_a_blocking_run(tmp_path: Path
         assert state["best_model_checkpoint"] == "RUN/checkpoint-2"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limit", [1, 2])
 def test_async_retention_and_best_checkpoint_match_blocking_saves(tmp_path: Path, limit: int) -> None:
     """In process: save_total_limit with a best checkpoint (step 2 of 6), as with blocking saves; with limit 1 the
@@ -142,6 +143,7 @@ def test_torchrun_async_run_with_a_rank_sigkilled_mid_save_resumes_bit_identical
                                                                                 7))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failing, raised_at", [
     (3, "the next save"),
     pytest.param(6, "the end of train", marks=pytest.mark.extended),

@@ -36,6 +36,7 @@ def _patience_counter(checkpoint: Path) -> int:
     return state["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"]["early_stopping_patience_counter"]
 
 
+@pytest.mark.slow
 def test_early_stopping_counter_is_restored_on_resume(reference: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     _run(run, OPTIONS, expected=KILLED, kill_after_save=6)
@@ -55,6 +56,7 @@ def test_opting_out_resumes_with_fresh_callbacks(reference: Path, tmp_path: Path
     assert _load(run)[0]["global_step"] > STOP_STEP
 
 
+@pytest.mark.slow
 def test_a_run_the_callback_stopped_is_finished(reference: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     _run(run, OPTIONS, expected=KILLED, kill_after_save=STOP_STEP)  # killed after the stopping step's save

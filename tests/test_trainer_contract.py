@@ -69,6 +69,7 @@ def test_a_stream_without_state_dict_is_refused_at_train_start(tmp_path: Path) -
              "allow_inexact_resume=True")
 
 
+@pytest.mark.slow
 def test_a_stream_without_state_dict_trains_when_inexact_resume_is_allowed(tmp_path: Path,
                                                                            caplog: pytest.LogCaptureFixture) -> None:
     trainer, steps = _trainer(tmp_path, _PlainStream(), allow_inexact_resume=True)

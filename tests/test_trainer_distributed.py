@@ -60,6 +60,7 @@ def _assert_per_rank_state(checkpoint: Path) -> None:
             "data/rank-00001.json"} <= files
 
 
+@pytest.mark.extended  # test_trainer_async SIGKILLs a rank mid-save under torchrun (the default, background saves)
 def test_whole_job_sigkilled_then_restarted_is_bit_identical(reference: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     killed = torchrun(run, kill_job_after_save=3)  # rank 0 SIGKILLs the agent and both workers

@@ -63,6 +63,7 @@ def _reference(root: Path, trainer: str) -> Path:
     return root / trainer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer, kill", [
     ("sft", {"kill_after_save": 3}),        # between two logs: TRL's pending metrics are in the checkpoint
     ("sft_peft", {"kill_mid_step": 2}),     # inside step 3 (after its first micro-batch); LoRA adapters

@@ -107,6 +107,7 @@ def test_every_changed_field_is_named_at_once(trained_dir: Path, tmp_path: Path)
         trainer.train(resume_from_checkpoint=True)
 
 
+@pytest.mark.slow
 def test_opting_in_to_drift_warns_and_continues(trained_dir: Path, tmp_path: Path,
                                                 caplog: pytest.LogCaptureFixture) -> None:
     trainer = _trainer(_copy(trained_dir, tmp_path), max_steps=3, batch=2, allow_config_drift=True)
@@ -148,6 +149,7 @@ def _accumulated_grads(tmp_path: Path, *, ga: int, batch: int) -> list[torch.Ten
     return recorder.grads
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_is_token_exact(tmp_path: Path) -> None:
     """GA=4 x batch 2 equals GA=1 x batch 8 (padded causal-LM batches, num_items_in_batch path)."""
     small = _accumulated_grads(tmp_path, ga=4, batch=2)

@@ -47,6 +47,7 @@ def _resume(checkpoint: Path, caplog: pytest.LogCaptureFixture, **changes) -> tu
     return trainer, messages[0] if messages else ""
 
 
+@pytest.mark.slow
 def test_every_changed_hyperparameter_is_reported_with_the_value_in_effect(checkpoint_dir: Path,
                                                                           caplog: pytest.LogCaptureFixture) -> None:
     trainer, message = _resume(checkpoint_dir, caplog, learning_rate=5e-3, weight_decay=0.1, max_grad_norm=0.5,
@@ -64,6 +65,7 @@ def test_every_changed_hyperparameter_is_reported_with_the_value_in_effect(check
     assert trainer.state.global_step == 4
 
 
+@pytest.mark.slow
 def test_resume_hyperparameters_arguments_applies_the_new_values(checkpoint_dir: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     trainer, message = _resume(checkpoint_dir, caplog, learning_rate=5e-3, weight_decay=0.1, adam_beta2=0.99,

@@ -52,6 +52,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: root / name for name in CONFIGS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config, kills", [("max_steps_mid_epoch", [5]), ("epochs_log_per_epoch", [6, 9])],
                          ids=["max-steps-mid-epoch", "fractional-epochs-epoch-end-logging"])
 def test_restart_after_the_last_checkpoint_trains_nothing_more(references: dict[str, Path], tmp_path: Path,
@@ -69,6 +70,7 @@ def test_restart_after_the_last_checkpoint_trains_nothing_more(references: dict[
         assert losses == [6, 9]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", list(CONFIGS), ids=["max-steps-mid-epoch", "fractional-epochs"])
 def test_rerunning_a_finished_run_is_a_no_op(references: dict[str, Path], tmp_path: Path, config: str) -> None:
     import shutil

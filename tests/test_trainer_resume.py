@@ -149,6 +149,7 @@ SIGTERM_EXIT = PREEMPTION_EXIT_CODE
 _EXTENDED = pytest.mark.extended  # further cases of a guarantee a make-test case already proves (make test-all)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config, interruptions",
     [
@@ -197,6 +198,7 @@ def test_interrupted_and_restarted_is_bit_identical(reference_root: Path, tmp_pa
         assert len(list(run.glob("checkpoint-*"))) <= 3
 
 
+@pytest.mark.slow
 def test_restart_skips_corrupt_and_partial_checkpoints(reference_root: Path, tmp_path: Path) -> None:
     """Killed after checkpoint-7 of 8 (the step before the last); checkpoint-7 is then corrupted and a
     partial checkpoint-8 (no manifest) appears. hf_resumable never writes such a directory (saves commit by

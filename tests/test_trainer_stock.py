@@ -48,6 +48,7 @@ def continued(stock_run: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     return output
 
 
+@pytest.mark.slow
 def test_resume_true_continues_from_the_newest_stock_checkpoint(continued: Path) -> None:
     result, _ = _load(continued)
     assert _resumed_from(continued).endswith(f"checkpoint-{STOCK_STEPS}")
@@ -62,6 +63,7 @@ def test_resume_true_continues_from_the_newest_stock_checkpoint(continued: Path)
     assert "NOT bit-exact" in log and "weights_only=True" in log
 
 
+@pytest.mark.slow
 def test_checkpoints_written_after_the_stock_resume_resume_bit_for_bit(stock_run: Path, continued: Path,
                                                                        tmp_path: Path) -> None:
     run = tmp_path / "run"
@@ -72,6 +74,7 @@ def test_checkpoints_written_after_the_stock_resume_resume_bit_for_bit(stock_run
     assert_identical(continued, run)
 
 
+@pytest.mark.slow
 def test_a_fresh_run_over_stock_checkpoints_is_refused_before_training(stock_run: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     shutil.copytree(stock_run, run)

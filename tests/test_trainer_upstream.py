@@ -115,6 +115,7 @@ def assert_same_trainer_state(state: dict, state1: dict) -> None:
 
 # ---- resume (TrainerResumeTrainingTest) ----
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pretrained", [True, False], ids=["PreTrainedModel", "nn.Module"])
 def test_can_resume_training(tmp_path: Path, pretrained: bool) -> None:
     kwargs = dict(train_len=128, save_steps=5, learning_rate=0.1, logging_steps=5, pretrained=pretrained)
@@ -145,6 +146,7 @@ def test_training_with_resume_from_checkpoint_false(tmp_path: Path) -> None:
     regression_trainer(tmp_path, max_steps=3, save_steps=5).train(resume_from_checkpoint=False)
 
 
+@pytest.mark.slow
 def test_resume_training_with_gradient_accumulation(tmp_path: Path) -> None:
     kwargs = dict(train_len=128, gradient_accumulation_steps=2, per_device_train_batch_size=4, save_steps=5,
                   learning_rate=0.1)
@@ -156,6 +158,7 @@ def test_resume_training_with_gradient_accumulation(tmp_path: Path) -> None:
     assert_same_trainer_state(dataclasses.asdict(trainer.state), dataclasses.asdict(resumed.state))
 
 
+@pytest.mark.slow
 def test_resume_training_with_frozen_params(tmp_path: Path) -> None:
     kwargs = dict(train_len=128, per_device_train_batch_size=4, save_steps=5, learning_rate=0.1)
     trainer = regression_trainer(tmp_path, **kwargs)

@@ -41,6 +41,7 @@ def _warm():
             zygote.run([sys.executable, "-c", "pass"], env=env, check=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_an_environment_seen_once_gets_a_plain_subprocess():
     once = zygote.Popen([sys.executable, "-c", "pass"], env={**os.environ, "HF_HOME": "/nonexistent-once"})
     assert type(once) is subprocess.Popen
@@ -65,6 +66,7 @@ def test_child_is_forked_and_sees_its_argv_env_and_cwd(tmp_path: Path):
     assert first["pgid"] not in (os.getpgid(0), os.getpgid(first["ppid"])), "signals to its group reach others"
 
 
+@pytest.mark.slow
 def test_consecutive_children_differ_in_every_seed_a_fresh_interpreter_draws(tmp_path: Path):
     first, second = _probe(tmp_path), _probe(tmp_path)
     for key in ("hash", "torch_seed", "numpy", "random"):
@@ -79,6 +81,7 @@ def _fresh_hash(tmp_path: Path) -> int:
                               capture_output=True, text=True, check=True).stdout)
 
 
+@pytest.mark.slow
 def test_sigkill_exit_codes_and_files(tmp_path: Path):
     log = tmp_path / "log"
     script = tmp_path / "s.py"
@@ -100,6 +103,7 @@ def test_sigkill_exit_codes_and_files(tmp_path: Path):
     assert log.read_text().count("started") == 2 and "err" in log.read_text()
 
 
+@pytest.mark.slow
 def test_normal_interpreter_exit_runs_atexit_and_joins_threads(tmp_path: Path):
     script = tmp_path / "s.py"
     script.write_text("import atexit, threading, time\natexit.register(lambda: print('atexit', flush=True))\n"
@@ -111,6 +115,7 @@ def test_normal_interpreter_exit_runs_atexit_and_joins_threads(tmp_path: Path):
     assert "ValueError: boom" in done.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_reaches_the_default_handler_and_module_runs(tmp_path: Path):
     script = tmp_path / "s.py"
     script.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
@@ -124,6 +129,7 @@ def test_sigterm_reaches_the_default_handler_and_module_runs(tmp_path: Path):
     assert module.returncode == 0 and module.stdout.strip()
 
 
+@pytest.mark.slow
 def test_what_it_cannot_run_is_a_plain_subprocess():
     for args in ([sys.executable, "-X", "dev", "-c", "pass"], ["true"], f"{sys.executable} -c pass"):
         proc = zygote.Popen(args, shell=isinstance(args, str))
