@@ -140,6 +140,15 @@ from ._accelerate_paths import (
     stock_accelerate_files,
 )
 from ._accelerate_state import StepCounts, StepHook, state_fingerprint
+from ._deepspeed import (
+    EXTRA_DEEPSPEED,
+    capture_engine_state,
+    checkpoint_optimizer,
+    deepspeed_engine,
+    restore_engine_state,
+    torch_optimizer,
+    zero_optimizer,
+)
 from ._engines import check_accelerate_options, check_accelerate_state, holds_dtensors
 
 logger = logging.getLogger(__name__)
@@ -333,24 +342,34 @@ class ResumableAccelerator(Accelerator):
             UnsupportedEngineError: under FSDP2, a second model or optimizer (before any training step).
         """
         prepared = super().prepare(*args, device_placement=device_placement)
+        self._checkpoint_optimizers()  # refuses ZeRO-3 / ZeRO-Offload optimizers, before any step
         self._attach_step_hooks()
         if self._saves_pieces() and (len(self._models) > 1 or len(self._optimizers) > 1):
             raise UnsupportedEngineError(
-                f"ResumableAccelerator checkpoints one FSDP2 model and its optimizer; {len(self._models)} models and "
+                f"ResumableAccelerator checkpoints one FSDP2 or ZeRO model and its optimizer; {len(self._models)} "
+                f"models and "
                 f"{len(self._optimizers)} optimizers are prepared. Nothing was trained. Prepare one model and one "
                 "optimizer, or use the stock accelerate.Accelerator for this run.")
         return prepared
 
     def _saves_pieces(self) -> bool:
-        """Whether checkpoints hold per-rank pieces (FSDP2 / DTensor parameters) instead of whole tensors."""
-        return any(holds_dtensors(self.unwrap_model(model)) for model in self._models)
+        """Whether checkpoints hold per-rank pieces (FSDP2 / DTensor parameters, ZeRO partitions) instead of whole
+        tensors."""
+        return (any(holds_dtensors(self.unwrap_model(model)) for model in self._models)
+                or any(zero_optimizer(optimizer) is not None for optimizer in self._optimizers))
+
+    def _checkpoint_optimizers(self) -> list[Any]:
+        """What checkpoints save of each prepared optimizer: the torch optimizer, or a ZeRO optimizer's partitions."""
+        return [checkpoint_optimizer(optimizer) for optimizer in self._optimizers]
+
+    def _deepspeed_engine(self) -> Any:
+        return deepspeed_engine(self._models[0]) if self._models else None
 
     def _attach_step_hooks(self) -> None:
         for optimizer in self._optimizers:
             if getattr(optimizer, "_hf_resumable_step_hook", None) is None:
                 hook = StepHook(self._step_counts)
-                inner = getattr(optimizer, "optimizer", optimizer)
-                inner.register_step_post_hook(hook)
+                torch_optimizer(optimizer).register_step_post_hook(hook)  # under ZeRO: the one over its partitions
                 optimizer._hf_resumable_step_hook = hook
 
     def _optimizer_step_counts(self) -> list[int]:
@@ -784,7 +803,7 @@ class ResumableAccelerator(Accelerator):
         weights = list(originals)
         hook_files = self._run_save_hooks(weights)
         unwrapped = [self.unwrap_model(model) for model in self._models]
-        optimizers = [getattr(optimizer, "optimizer", optimizer) for optimizer in self._optimizers]
+        optimizers = self._checkpoint_optimizers()
         if not self._save_model_state_pre_hook:
             weights = originals = list(unwrapped)  # no hook could have changed them
         layout = plan_layout(weights=weights, originals=originals, models=unwrapped, optimizers=optimizers,
@@ -802,7 +821,9 @@ class ResumableAccelerator(Accelerator):
                 return unwrapped[index] if index == 0 else unwrapped[index].state_dict()
             return weights[index]  # a state dict a hook put there, saved (and loaded) as accelerate would
 
+        engine = self._deepspeed_engine()
         extra = {EXTRA_RUN: self._run_settings(), EXTRA_LAYOUT: layout.to_json(),
+                 **({EXTRA_DEEPSPEED: capture_engine_state(engine, optimizers[0])} if engine is not None else {}),
                  EXTRA_CUSTOM_OBJECTS: [obj.state_dict() for obj in self._custom_objects],
                  EXTRA_MODELS: [slot_state(i) for i in range(1, len(layout.models))],
                  EXTRA_OPTIMIZERS: [None if slot == SLOT_CORE else
@@ -845,7 +866,9 @@ class ResumableAccelerator(Accelerator):
                  "custom_objects": [obj.state_dict() for obj in self._custom_objects],
                  "loaders": [loader.position() for loader in self._resumable_loaders],
                  "hooks": [id(hook) for hook in self._save_model_state_pre_hook.values()]}
-        optimizers = [getattr(optimizer, "optimizer", optimizer) for optimizer in self._optimizers]
+        engine = self._deepspeed_engine()
+        small["engine"] = capture_engine_state(engine, None) if engine is not None else None
+        optimizers = self._checkpoint_optimizers()
         return state_fingerprint(models=self._models, optimizers=optimizers, small_state=small)
 
     def _run_settings(self) -> dict[str, Any]:
@@ -919,6 +942,8 @@ class ResumableAccelerator(Accelerator):
             loaded = opened.load_into(model=core_model, optimizer=core_optimizer, scheduler=scheduler,
                                       scaler=self.scaler, strict=strict)
         self._restore_extra_objects(path, layout, loaded.extra, models, strict=strict)
+        if (engine := self._deepspeed_engine()) is not None:
+            restore_engine_state(engine, core_optimizer, loaded.extra.get(EXTRA_DEEPSPEED), where=path)
         # 4. Counters and data positions, 5. registered objects, 6. RNG.
         self._restore_counters(path, loaded)
         self._restore_loaders(path, loaded.data_state)
@@ -966,7 +991,7 @@ class ResumableAccelerator(Accelerator):
             model = self.unwrap_model(models[0]) if layout.models[0] == KIND_MODULE else models[0]
         optimizer = None
         if layout.optimizers[:1] == [SLOT_CORE] and self._optimizers:
-            optimizer = getattr(self._optimizers[0], "optimizer", self._optimizers[0])
+            optimizer = self._checkpoint_optimizers()[0]
             if model is None:
                 # The optimizer's state is keyed by model 0's parameter names, so model 0 is loaded with it.
                 logger.warning("A load_state pre-hook removed model 0, but optimizer 0's saved state is keyed by its "
