@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -39,6 +40,11 @@ def install_cpu_engines() -> None:
 
     os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"
     os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is imported (accelerate imports it for a DeepSpeed run)
+    if "deepspeed" in sys.argv:
+        import deepspeed.ops
+
+        # DeepSpeed's CPU collectives would JIT-compile a shared-memory op (minutes, and a compiler); gloo does it all.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
     def prepare_backend(self, cpu: bool = False, sagemaker_dp: bool = False, backend: str | None = None):
         return "gloo", DistributedType.MULTI_GPU

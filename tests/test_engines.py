@@ -1,14 +1,16 @@
-"""Distributed engines through both front doors: refused before step 1, or resumed bit for bit (FSDP2).
+"""Distributed engines through both front doors: refused before step 1, or resumed bit for bit (FSDP2, ZeRO-1/2).
 
-* DeepSpeed (ZeRO-1/2/3, through ``ResumableAccelerator`` and ``TrainingArguments.deepspeed``), Megatron-LM and
-  FSDP1 are refused with :class:`UnsupportedEngineError` (also a ``NotImplementedError``) when the accelerator is
-  built or ``train()`` starts: no step runs, no checkpoint directory appears. DeepSpeed is not installed here, which
-  is the point: the refusal never imports it.
+* DeepSpeed ZeRO-3 and ZeRO-Offload (through ``ResumableAccelerator`` and ``TrainingArguments.deepspeed``),
+  Megatron-LM and FSDP1 are refused with :class:`UnsupportedEngineError` (also a ``NotImplementedError``) when the
+  accelerator is built or ``train()`` starts: no step runs, no checkpoint directory appears, and the refusal of a
+  configured DeepSpeed run never imports deepspeed.
 * FSDP2 (2 gloo ranks on CPU under torchrun, accelerate's FSDP code paths turned on by
   ``engine_fixtures.install_cpu_engines``): a run held after a committed checkpoint, SIGKILLed as a whole job and
   rerun with the same command ends with every rank's parameter pieces, optimizer state and logged losses
   bit-identical to the uninterrupted run, through ``ResumableAccelerator`` (background saves) and ``ResumableTrainer``,
   with accelerate's SHARDED and FULL state-dict types (hf_resumable writes per-rank pieces for both).
+* DeepSpeed ZeRO-1/2 (2 gloo ranks on DeepSpeed's CPU accelerator, a torch AdamW): the same, through both front
+  doors; every rank's partitions of the fp32 master weights and of the Adam moments are compared bit for bit.
 """
 
 from __future__ import annotations
@@ -48,10 +50,15 @@ RANKS = (0, 1)
 # ------------------------------------------------------------------ refused before step 1 (in process)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_accelerate_deepspeed_is_refused_when_built(tmp_path, stage):
-    with pytest.raises(UnsupportedEngineError, match=rf"DeepSpeed ZeRO-{stage}.*fsdp_version=2") as caught:
-        ResumableAccelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=stage), checkpoint_dir=tmp_path / "ck",
+_OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+
+
+@pytest.mark.parametrize("plugin, engine", [(dict(zero_stage=3), "DeepSpeed ZeRO-3"),
+                                            (dict(hf_ds_config=_OFFLOAD), "DeepSpeed ZeRO-Offload")],
+                         ids=["zero3", "offload"])
+def test_accelerate_deepspeed_is_refused_when_built(tmp_path, plugin, engine):
+    with pytest.raises(UnsupportedEngineError, match=rf"{engine} runs.*ZeRO-1/2 without offload") as caught:
+        ResumableAccelerator(deepspeed_plugin=DeepSpeedPlugin(**plugin), checkpoint_dir=tmp_path / "ck",
                              handle_preemption=False)
     assert isinstance(caught.value, NotImplementedError)
     assert not (tmp_path / "ck").exists()
@@ -60,6 +67,7 @@ def test_accelerate_deepspeed_is_refused_when_built(tmp_path, stage):
 @pytest.mark.parametrize("variable", ["ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_MEGATRON_LM"])
 def test_accelerate_engines_enabled_by_the_environment_are_refused(tmp_path, monkeypatch, variable):
     monkeypatch.setenv(variable, "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
     with pytest.raises(UnsupportedEngineError, match="DeepSpeed|Megatron-LM"):
         ResumableAccelerator(checkpoint_dir=tmp_path / "ck", handle_preemption=False)
 
@@ -82,6 +90,9 @@ def test_engine_of_accelerate_state():
                                                                  deepspeed_config={"zero_optimization": {"stage": 3}}))
     with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-3"):
         check_accelerate_state(deepspeed)
+    for stage in (1, 2):
+        check_accelerate_state(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
+                                               deepspeed_plugin=SimpleNamespace(zero_stage=stage)))
 
 
 class _CountSteps(TrainerCallback):
@@ -92,16 +103,18 @@ class _CountSteps(TrainerCallback):
         self.steps += 1
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_trainer_deepspeed_is_refused_when_train_starts(tmp_path, stage):
+@pytest.mark.parametrize("zero, engine", [({"stage": 3}, "DeepSpeed ZeRO-3"),
+                                          (_OFFLOAD["zero_optimization"], "DeepSpeed ZeRO-Offload")],
+                         ids=["zero3", "offload"])
+def test_trainer_deepspeed_is_refused_when_train_starts(tmp_path, zero, engine):
     args = TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, max_steps=2, save_steps=1,
                              report_to=[], disable_tqdm=True)
-    # TrainingArguments(deepspeed=...) itself needs deepspeed installed; a configured run is what train() sees.
-    args.deepspeed = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto"}
+    # TrainingArguments(deepspeed=...) builds DeepSpeed's state; a configured run is what train() sees.
+    args.deepspeed = {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto"}
     counter = _CountSteps()
     rows = [{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8]}] * 8
     trainer = ResumableTrainer(model=build_model(), args=args, train_dataset=rows, callbacks=[counter])
-    with pytest.raises(UnsupportedEngineError, match=rf"DeepSpeed ZeRO-{stage}.*'version': 2") as caught:
+    with pytest.raises(UnsupportedEngineError, match=rf"{engine} runs.*'version': 2") as caught:
         trainer.train()
     assert isinstance(caught.value, NotImplementedError)
     assert counter.steps == 0 and trainer.state.global_step == 0
@@ -165,10 +178,10 @@ def _losses(path: Path) -> dict[int, str]:
     return {row["step"]: row["loss"] for row in map(json.loads, path.read_text().splitlines())}
 
 
-def _reference(tmp_path_factory: pytest.TempPathFactory, worker: Path) -> Path:
+def _reference(tmp_path_factory: pytest.TempPathFactory, worker: Path, options: tuple[str, ...] = ()) -> Path:
     """The uninterrupted run (accelerate's default SHARDED_STATE_DICT; FULL_STATE_DICT runs must equal it too)."""
     output = tmp_path_factory.mktemp(worker.stem) / "reference"
-    done = _run_job(worker, output, [])
+    done = _run_job(worker, output, list(options))
     assert done.returncode == 0, done.stdout[-5000:]
     return output
 
@@ -183,41 +196,76 @@ def trainer_reference(tmp_path_factory) -> Path:
     return _reference(tmp_path_factory, TRAINER_WORKER)
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
-def test_accelerate_fsdp2_killed_after_a_commit_resumes_bit_exact(tmp_path, accelerate_reference, state_dict_type):
-    run, options = tmp_path / "run", ["--state-dict-type", state_dict_type]
+def _resume_accelerate_bit_exact(run: Path, reference: Path, options: list[str]) -> None:
+    """Kill the accelerate job after checkpoint-3 committed, rerun it, and compare it with ``reference``."""
     checkpoint = run / "checkpoints" / f"checkpoint-{HOLD_STEP}"
     _kill_after_commit(ACCELERATE_WORKER, run, options, checkpoint)
     assert (checkpoint / "sharded_layout.json").is_file()  # every rank's pieces, not a gathered copy
     resumed = _run_job(ACCELERATE_WORKER, run, options)  # the same command
     assert resumed.returncode == 0, resumed.stdout[-5000:]
     for rank in RANKS:
-        want = _losses(accelerate_reference / f"losses-rank{rank}.jsonl")
+        want = _losses(reference / f"losses-rank{rank}.jsonl")
         lines = (run / f"losses-rank{rank}.jsonl").read_text().splitlines()
         # steps 1-3 before the kill, 4-5 after the resume from checkpoint-3: nothing repeated or skipped
         assert [json.loads(line)["step"] for line in lines] == list(range(1, 6))
         assert _losses(run / f"losses-rank{rank}.jsonl") == want
-    _assert_same_pieces(run, accelerate_reference)
+    _assert_same_pieces(run, reference)
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
-def test_trainer_fsdp2_killed_after_a_commit_resumes_bit_exact(tmp_path, trainer_reference, state_dict_type):
-    run, options = tmp_path / "run", ["--state-dict-type", state_dict_type]
+def _resume_trainer_bit_exact(run: Path, reference: Path, options: list[str]) -> None:
+    """Kill the Trainer job after checkpoint-3 committed, rerun it, and compare it with ``reference``."""
     checkpoint = run / f"checkpoint-{HOLD_STEP}"
     _kill_after_commit(TRAINER_WORKER, run, options, checkpoint)
     assert (checkpoint / "sharded_layout.json").is_file() and (checkpoint / "trainer_state.json").is_file()
     resumed = _run_job(TRAINER_WORKER, run, options)  # the same command
     assert resumed.returncode == 0, resumed.stdout[-5000:]
     for rank in RANKS:
-        want = json.loads((trainer_reference / f"result-rank{rank}.json").read_text())
+        want = json.loads((reference / f"result-rank{rank}.json").read_text())
         got = json.loads((run / f"result-rank{rank}.json").read_text())
         assert got["resumed_from"].endswith(f"checkpoint-{HOLD_STEP}")
         assert got["log_history"] == want["log_history"]  # every logged loss, grad norm and learning rate
-    _assert_same_pieces(run, trainer_reference)
+    _assert_same_pieces(run, reference)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_accelerate_fsdp2_killed_after_a_commit_resumes_bit_exact(tmp_path, accelerate_reference, state_dict_type):
+    _resume_accelerate_bit_exact(tmp_path / "run", accelerate_reference, ["--state-dict-type", state_dict_type])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_trainer_fsdp2_killed_after_a_commit_resumes_bit_exact(tmp_path, trainer_reference, state_dict_type):
+    _resume_trainer_bit_exact(tmp_path / "run", trainer_reference, ["--state-dict-type", state_dict_type])
+
+
+# ZeRO-2 runs in `make test`; ZeRO-1 (the same partitions, gradients not partitioned) in `make test-all`.
+ZERO_STAGES = [pytest.param(1, marks=pytest.mark.extended), 2]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ZERO_STAGES)
+def test_accelerate_deepspeed_killed_after_a_commit_resumes_bit_exact(tmp_path, tmp_path_factory, stage):
+    options = ["--engine", "deepspeed", "--zero-stage", str(stage)]
+    reference = _reference(tmp_path_factory, ACCELERATE_WORKER, tuple(options))
+    _resume_accelerate_bit_exact(tmp_path / "run", reference, options)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ZERO_STAGES)
+def test_trainer_deepspeed_killed_after_a_commit_resumes_bit_exact(tmp_path, tmp_path_factory, stage):
+    options = ["--engine", "deepspeed", "--zero-stage", str(stage)]
+    reference = _reference(tmp_path_factory, TRAINER_WORKER, tuple(options))
+    _resume_trainer_bit_exact(tmp_path / "run", reference, options)
+    # every rank wrote its own partitions of the fp32 master weights and of the Adam moments
+    layout = json.loads((tmp_path / "run" / "checkpoint-5" / "sharded_layout.json").read_text())  # the last one
+    for rank in RANKS:
+        assert any(name.endswith("/fp32") for name in layout["optimizer"]["pieces"][
+            f"sharded/optimizer-rank{rank:05d}-of-00002.safetensors"])
 
 
 @pytest.mark.distributed

@@ -58,15 +58,18 @@ def zero_optimizer(optimizer: Any) -> Any:
     return next((inner for inner in _wrapped(optimizer) if is_zero_optimizer(inner)), None)
 
 
-def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The innermost optimizer, the one that steps: inside accelerate's wrapper and inside ZeRO's."""
-    *_, inner = _wrapped(optimizer)
-    return inner
+def torch_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer that steps: the one inside accelerate's wrapper, or inside ZeRO's (over its partitions)."""
+    zero = zero_optimizer(optimizer)
+    if zero is not None:
+        return zero.optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
 def checkpoint_optimizer(optimizer: Any) -> Any:
     """What a checkpoint saves for ``optimizer`` (accelerate's wrapper or the engine's optimizer): a
-    :class:`ZeroOptimizerState` for ZeRO-1/2, the torch optimizer otherwise.
+    :class:`ZeroOptimizerState` for ZeRO-1/2, the torch optimizer otherwise (its class is what a checkpoint records).
 
     Raises:
         UnsupportedEngineError: ZeRO-3, or ZeRO-1/2 with the optimizer offloaded (before any training step).

@@ -102,6 +102,15 @@ from ..format.state import RunConfig, check_config_drift
 from ..format.state_codec import encode_state
 from ..locations import is_remote, open_uploader, resolve_resume_path
 from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
+from ._deepspeed import (
+    EXTRA_DEEPSPEED,
+    capture_engine_state,
+    checkpoint_optimizer,
+    deepspeed_engine,
+    deepspeed_resume_by_us,
+    restore_engine_state,
+    torch_optimizer,
+)
 from ._engines import check_trainer_engine, holds_dtensors
 from ._trainer_discovery import (
     CONVERTED_DIR,
@@ -277,12 +286,6 @@ class _LoopTracker:
     steps_per_epoch: int | None = None  # optimizer steps per epoch (set_initial_training_values)
     prologue_done: bool = False
     finished: bool = False  # the resumed checkpoint is the end of the run: nothing is trained
-
-
-def _unwrapped_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (its class is what a checkpoint records)."""
-    inner = getattr(optimizer, "optimizer", None)
-    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
 def _as_float(value: Any) -> float | None:
@@ -512,7 +515,8 @@ class ResumableTrainer(Trainer):
         self._loader_fallback = None
         self._train_loader = None
         try:
-            with self._preemption, _cursor_skipping(), _own_checkpoints_only(self), self._no_eval_on_resume():
+            with self._preemption, _cursor_skipping(), _own_checkpoints_only(self), self._no_eval_on_resume(), \
+                    deepspeed_resume_by_us():
                 output = super().train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint),
                                        trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         except BaseException:
@@ -822,16 +826,20 @@ class ResumableTrainer(Trainer):
         # The SIGTERM save is blocking: the process exits right after it.
         blocking = not self._saves_in_background() or self.preempted
         unwrapped = self.accelerator.unwrap_model(self.model)
-        save = save_sharded_checkpoint if holds_dtensors(unwrapped) else save_checkpoint  # FSDP2: per-rank pieces
+        optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO-1/2: this rank's partitions
+        engine = deepspeed_engine(self.model_wrapped)
+        sharded = holds_dtensors(unwrapped) or engine is not None
+        save = save_sharded_checkpoint if sharded else save_checkpoint  # FSDP2 / ZeRO: per-rank pieces
         save(
             output_dir, model=unwrapped,
-            optimizer=None if model_only else _unwrapped_optimizer(self.optimizer),
+            optimizer=None if model_only else optimizer,
             scheduler=None if model_only else self.lr_scheduler,
             scaler=None if model_only else self.accelerator.scaler,
             step=self.state.global_step,
             training_state={_PROGRESS_LOOP: self._loop_state(), _PROGRESS_ATTRIBUTES: self._trainer_attributes()},
             extra={_EXTRA_RUN_CONFIG: self._current_run_config().to_dict(), _EXTRA_MODEL_ONLY: model_only,
-                   _EXTRA_HYPERPARAMETERS: hyperparameter_snapshot(self.args, max_steps=self.state.max_steps)},
+                   _EXTRA_HYPERPARAMETERS: hyperparameter_snapshot(self.args, max_steps=self.state.max_steps),
+                   **({EXTRA_DEEPSPEED: capture_engine_state(engine, optimizer)} if engine is not None else {})},
             extra_files={TRAINER_STATE_FILE: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True)},
             data_state=self._data_position(), rng=not model_only, metrics=self._metrics_of_this_step(),
             # as Trainer._save: without a processing_class, the collator's tokenizer is saved
@@ -1138,16 +1146,20 @@ class ResumableTrainer(Trainer):
         opened = (self._resume.loaded if self._resume is not None and Path(checkpoint) == self._resume.path
                   else open_checkpoint(checkpoint, verify=self.checkpoint_verify))
         model = self.accelerator.unwrap_model(self.model)
-        objects = dict(optimizer=None if model_only else _unwrapped_optimizer(self.optimizer),
+        optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO-1/2: this rank's partitions
+        objects = dict(optimizer=None if model_only else optimizer,
                        scheduler=None if model_only else self.lr_scheduler,
                        scaler=None if model_only else self.accelerator.scaler)
-        if holds_dtensors(model):  # FSDP2: every rank reads the slices of the pieces it holds
+        engine = deepspeed_engine(self.model_wrapped)
+        if holds_dtensors(model) or engine is not None:  # FSDP2 / ZeRO: every rank reads its pieces' slices
             load_sharded_into(opened, model=model, **objects, restore_rng=False)
+            if engine is not None and not model_only:
+                restore_engine_state(engine, optimizer, opened.extra.get(EXTRA_DEEPSPEED), where=checkpoint)
         else:
             # a world-size change was already refused (or allowed) by the run-config drift check
             opened.load_into(model=model, **objects, restore_rng=False, allow_inexact_resume=True)
         if self.resume_hyperparameters == "arguments" and self._hyperparameter_changes and not model_only:
-            apply_new_hyperparameters(_unwrapped_optimizer(self.optimizer), self.lr_scheduler,
+            apply_new_hyperparameters(torch_optimizer(self.optimizer), self.lr_scheduler,
                                       self._hyperparameter_changes, decay_groups=self._decay_groups())
 
     def _decay_groups(self) -> list[bool]:
