@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["install_cpu_engines", "parse_worker_args", "deepspeed_config", "build_model", "hold_after_save", "dump_local_state",
-           "read_local_state", "RANK", "VOCAB"]
+__all__ = ["install_cpu_engines", "parse_worker_args", "deepspeed_config", "build_model", "hold_after_save",
+           "dump_local_state", "read_local_state", "RANK", "VOCAB"]
 
 RANK = int(os.environ.get("RANK", "0"))
 VOCAB = 64
@@ -102,8 +102,8 @@ def dump_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, p
     names = {id(param): name for name, param in model.named_parameters()}
     if hasattr(optimizer, "single_partition_of_fp32_groups"):  # ZeRO-1/2: one flat partition per param group
         for index, flat in enumerate(optimizer.single_partition_of_fp32_groups):
-            names[id(flat)] = f"zero.group{index}"
-            tensors[f"optim/zero.group{index}/fp32"] = _local(flat)
+            names[id(flat)] = f"group{index}"
+            tensors[f"optim/group{index}/fp32"] = _local(flat)
         optimizer = optimizer.optimizer
     for param, state in optimizer.state.items():
         for key, value in state.items():

@@ -95,6 +95,20 @@ def test_engine_of_accelerate_state():
                                                deepspeed_plugin=SimpleNamespace(zero_stage=stage)))
 
 
+def test_deepspeed_optimizers_other_than_zero_1_2_are_refused():
+    from hf_resumable.integrations._deepspeed import checkpoint_optimizer
+
+    adamw = torch.optim.AdamW([torch.zeros(2, requires_grad=True)])
+    bf16 = type("BF16_Optimizer", (), {"__module__": "deepspeed.runtime.bf16_optimizer"})()
+    bf16.optimizer = adamw  # what DeepSpeed picks for ZeRO-1 in bf16: its own partitions, not ZeRO-1/2's
+    with pytest.raises(UnsupportedEngineError, match=r"DeepSpeed \(with its BF16_Optimizer\) runs"):
+        checkpoint_optimizer(SimpleNamespace(optimizer=bf16))  # inside accelerate's wrapper
+    zero3 = SimpleNamespace(fp32_partitioned_groups_flat=[], optimizer=adamw)
+    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-3 runs"):
+        checkpoint_optimizer(SimpleNamespace(optimizer=zero3))
+    assert checkpoint_optimizer(SimpleNamespace(optimizer=adamw)) is adamw  # no DeepSpeed: the torch optimizer
+
+
 class _CountSteps(TrainerCallback):
     def __init__(self) -> None:
         self.steps = 0

@@ -4,12 +4,14 @@ Under ZeRO-1/2 every rank holds the whole (bit16 or fp32) model, and its own par
 flattened fp32 master weights, over which the torch optimizer steps: its Adam moments are partitions too. A
 checkpoint stores them as pieces of one global flat tensor per param group (:class:`ZeroOptimizerState` shows each
 partition as a ``DTensor`` sharded on dim 0 over the data-parallel group), so the sharded writer and reader
-(:mod:`hf_resumable.checkpoint.sharded`) handle them as they handle FSDP2 pieces: ``zero.group<i>`` with the keys
-``fp32`` (the master partition) and the base optimizer's own (``exp_avg``, ``exp_avg_sq``, ``step``). The model's
-weights are saved whole by rank 0, and the engine's counters and loss scaler as JSON (:func:`capture_engine_state`).
+(:mod:`hf_resumable.checkpoint.sharded`) handle them as they handle FSDP2 pieces, under the pseudo-parameter
+``zero<dp size>.group<i>`` with the keys ``fp32`` (the master partition) and the base optimizer's own
+(``exp_avg``, ``exp_avg_sq``, ``step``). The model's weights are saved whole by rank 0, and the engine's counters
+and loss scaler as JSON (:func:`capture_engine_state`).
 
-A partition's global offset depends on the data-parallel world size and DeepSpeed's alignment padding, so these
-checkpoints resume at the same world size (a changed one is refused as configuration drift by both front doors).
+A partition's place in the flat tensor depends on the data-parallel size, which is part of the name: these
+checkpoints resume at the same world size (a changed one is refused as configuration drift by both front doors,
+and, if allowed anyway, fails naming the optimizer keys).
 
 Nothing here imports deepspeed: the ZeRO optimizer is recognised by its attributes, so accelerate and the Trainer
 import it as they always do, and only when it is configured.
@@ -35,7 +37,9 @@ __all__ = ["ZeroOptimizerState", "checkpoint_optimizer", "zero_optimizer", "torc
 
 SUPPORTED_STAGES = (1, 2)
 MASTER_KEY = "fp32"  # the fp32 master-weight partition, next to the base optimizer's own state keys
-GROUP_NAME = "zero.group{index}"  # a param group's flat partition, named as a parameter would be
+# A param group's flat partition, named as a parameter would be. The data-parallel size is part of the name: the
+# partitions' layout depends on it, so a resume at another world size fails naming the keys (never mixes layouts).
+GROUP_NAME = "zero{world_size}.group{index}"
 EXTRA_DEEPSPEED = "deepspeed_engine"  # extra-state key: the engine's counters and loss scaler (capture_engine_state)
 ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")  # DeepSpeedEngine's
 _SCALER_TYPES = (bool, int, float)  # the loss scaler's fields saved as JSON (scale, iteration, hysteresis ...)
@@ -79,6 +83,10 @@ def checkpoint_optimizer(optimizer: Any) -> Any:
         return ZeroOptimizerState(zero)
     if any(hasattr(inner, "fp32_partitioned_groups_flat") for inner in _wrapped(optimizer)):  # ZeRO-3's
         raise _unsupported("DeepSpeed ZeRO-3")
+    # Another optimizer of DeepSpeed's own (BF16_Optimizer for ZeRO-1 in bf16, FP16_Optimizer...): state not saved.
+    other = next((inner for inner in _wrapped(optimizer) if type(inner).__module__.startswith("deepspeed.")), None)
+    if other is not None:
+        raise _unsupported(f"DeepSpeed (with its {type(other).__name__})")
     return torch_optimizer(optimizer)
 
 
@@ -124,7 +132,9 @@ class ZeroOptimizerState:
     def _partitions(self) -> Iterator[tuple[str, torch.Tensor, Any]]:
         for index, group in enumerate(self.base.param_groups):
             (flat,) = group["params"]  # ZeRO puts one flat fp32 partition in each group
-            yield GROUP_NAME.format(index=index), flat, self.zero.real_dp_process_group[index]
+            dp_group = self.zero.real_dp_process_group[index]
+            world_size = torch.distributed.get_world_size(dp_group)
+            yield GROUP_NAME.format(world_size=world_size, index=index), flat, dp_group
 
     @staticmethod
     def _piece(local: torch.Tensor, group: Any) -> torch.Tensor:

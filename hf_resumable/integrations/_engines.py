@@ -40,7 +40,8 @@ _TRAINER_FIX = ("Use DeepSpeed ZeRO-1/2 without offload, FSDP2 (TrainingArgument
 # Why each engine is refused (the checkpoint would not hold the run's full state, or could not be written).
 _WHY = {
     "DeepSpeed ZeRO-Offload": "the optimizer offloaded to the CPU or NVMe (DeepSpeedCPUAdam) has not been tested",
-    "DeepSpeed": "ZeRO-3 partitions the parameters themselves, which hf_resumable does not save yet",
+    "DeepSpeed": "ZeRO-3 partitions the parameters themselves, and DeepSpeed's other optimizers (BF16_Optimizer, "
+                 "FP16_Optimizer) keep their own state; hf_resumable saves ZeRO-1/2's partitions only",
     "FSDP1": "FSDP1's flat parameters are saved and loaded only through FSDP1's own state-dict collectives, which "
              "hf_resumable does not drive",
     "Megatron-LM": "Megatron-LM wraps the model and optimizer in its own parallel objects",

@@ -155,7 +155,8 @@ _SOURCE_CONTRACT = {
                              "self._globalstep_last_logged = self.state.global_step", "on_train_begin",
                              "self.set_initial_training_values(args, train_dataloader)", "self._run_epoch(",
                              "if args.eval_on_start:", "return self._finalize_training("),
-    "_prepare_for_training": ("self._load_optimizer_and_scheduler(resume_from_checkpoint)",),
+    "_prepare_for_training": ("self._load_optimizer_and_scheduler(resume_from_checkpoint)",
+                              "deepspeed_load_checkpoint("),
     "_finalize_training": ("self._total_loss_scalar += self._tr_loss.item()", "sort_checkpoints("),
     "_init_training_state": ("self._load_callback_state()",),
     "_load_callback_state": ("if not self.args.restore_callback_states_from_checkpoint:",),
@@ -981,6 +982,12 @@ class ResumableTrainer(Trainer):
             yield
         finally:
             self.args.eval_on_start = True
+
+    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
+        prepared = super()._prepare_for_training(*args, **kwargs)
+        if self.is_deepspeed_enabled:
+            checkpoint_optimizer(self.optimizer)  # DeepSpeed optimizers other than ZeRO-1/2's: refused before step 1
+        return prepared
 
     def set_initial_training_values(self, args: TrainingArguments, dataloader: Any) -> tuple:
         values = super().set_initial_training_values(args, dataloader)

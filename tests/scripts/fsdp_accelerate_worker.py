@@ -43,7 +43,8 @@ def collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def engine_plugin(options) -> dict:
     if options.engine == "deepspeed":
-        return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=fx.deepspeed_config(options.zero_stage, batch_size=4))}
+        config = fx.deepspeed_config(options.zero_stage, batch_size=4)  # no loader in prepare(): say the batch size
+        return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=config)}
     return {"fsdp_plugin": FullyShardedDataParallelPlugin(
         fsdp_version=options.version, auto_wrap_policy="transformer_based_wrap",
         transformer_cls_names_to_wrap=["GPT2Block"], state_dict_type=options.state_dict_type,
