@@ -259,27 +259,25 @@ def test_trainer_fsdp2_killed_after_a_commit_resumes_bit_exact(tmp_path, trainer
 ZERO_STAGES = [pytest.param(1, marks=pytest.mark.extended), 2]
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", ZERO_STAGES)
-def test_accelerate_deepspeed_killed_after_a_commit_resumes_bit_exact(tmp_path, tmp_path_factory, stage):
-    options = ["--engine", "deepspeed", "--zero-stage", str(stage)]
-    reference = _reference(tmp_path_factory, ACCELERATE_WORKER, tuple(options))
-    _resume_accelerate_bit_exact(tmp_path / "run", reference, options)
+# per front door: its worker, its kill-and-resume check, where its checkpoints go
+_FRONT_DOORS = {"accelerate": (ACCELERATE_WORKER, _resume_accelerate_bit_exact, "checkpoints"),
+                "trainer": (TRAINER_WORKER, _resume_trainer_bit_exact, "")}
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ZERO_STAGES)
-def test_trainer_deepspeed_killed_after_a_commit_resumes_bit_exact(tmp_path, tmp_path_factory, stage):
+@pytest.mark.parametrize("front_door", sorted(_FRONT_DOORS))
+def test_deepspeed_killed_after_a_commit_resumes_bit_exact(tmp_path, tmp_path_factory, front_door, stage):
+    worker, resume_bit_exact, checkpoints = _FRONT_DOORS[front_door]
     options = ["--engine", "deepspeed", "--zero-stage", str(stage)]
-    reference = _reference(tmp_path_factory, TRAINER_WORKER, tuple(options))
-    _resume_trainer_bit_exact(tmp_path / "run", reference, options)
-    # every rank wrote its own partitions of the fp32 master weights and of the Adam moments
-    layout = json.loads((tmp_path / "run" / "checkpoint-5" / "sharded_layout.json").read_text())  # the last one
+    reference = _reference(tmp_path_factory, worker, tuple(options))
+    resume_bit_exact(tmp_path / "run", reference, options)
+    # every rank wrote its own partitions of the fp32 master weights and of the Adam moments (in the last checkpoint)
+    layout = json.loads((tmp_path / "run" / checkpoints / "checkpoint-5" / "sharded_layout.json").read_text())
     for rank in RANKS:
-        assert any(name.endswith("/fp32") for name in layout["optimizer"]["pieces"][
-            f"sharded/optimizer-rank{rank:05d}-of-00002.safetensors"])
+        names = layout["optimizer"]["pieces"][f"sharded/optimizer-rank{rank:05d}-of-00002.safetensors"]
+        assert {name.rpartition("/")[2] for name in names} >= {"fp32", "exp_avg", "exp_avg_sq"}, names
 
 
 @pytest.mark.distributed

@@ -34,9 +34,11 @@ swallows RNG load failures and leaves mid-epoch resume to the user):
   num_items_in_batch=window.num_items)`` then makes the accumulated gradient the full-batch token mean,
   short last window of an epoch included (accelerate divides every micro-batch by the configured number
   of steps: a mean of means, and wrong for a short window).
-* Engines (:mod:`~hf_resumable.integrations._engines`): DDP and FSDP2 (every rank writes its own DTensor pieces);
-  DeepSpeed, Megatron-LM and FSDP1 are refused with :class:`~hf_resumable.errors.UnsupportedEngineError` when the
-  accelerator is built, before any training step.
+* Engines (:mod:`~hf_resumable.integrations._engines`): DDP, FSDP2 (every rank writes its own DTensor pieces) and
+  DeepSpeed ZeRO-1/2 (every rank writes its partitions of the fp32 master weights and optimizer state,
+  :mod:`~hf_resumable.integrations._deepspeed`); DeepSpeed ZeRO-3 and ZeRO-Offload, Megatron-LM and FSDP1 are
+  refused with :class:`~hf_resumable.errors.UnsupportedEngineError` when the accelerator is built (DeepSpeed's
+  other optimizers when prepared), before any training step.
 
 Checkpoints land only on optimizer-step boundaries: ``save_state()`` inside an accumulation window raises.
 
@@ -264,14 +266,17 @@ class ResumableAccelerator(Accelerator):
             (a PEFT base, a frozen embedding) in every checkpoint too; by default they are recorded, not stored, and
             checked against the model by ``load_state`` (see :func:`hf_resumable.save_checkpoint`).
 
-    Engines: a single process, DDP and FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``, either
+    Engines: a single process, DDP, FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``, either
     ``state_dict_type``: every rank saves and loads its own DTensor pieces with
-    :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`, same ``save_state``/``load_state`` contract).
+    :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`, same ``save_state``/``load_state`` contract)
+    and DeepSpeed ZeRO-1/2 without offload (every rank saves and loads its ZeRO partitions the same way, at the same
+    world size).
 
     Raises:
-        UnsupportedEngineError: when built for DeepSpeed (any ZeRO stage; deepspeed is never imported), Megatron-LM or
-            FSDP1, whose state these checkpoints would not hold (see :mod:`._engines`); under FSDP2, ``prepare`` of a
-            second model or optimizer. Both before any training step.
+        UnsupportedEngineError: when built for DeepSpeed ZeRO-3 or ZeRO-Offload (deepspeed is not imported for the
+            refusal), Megatron-LM or FSDP1, whose state these checkpoints would not hold (see :mod:`._engines`);
+            ``prepare`` of another DeepSpeed optimizer (``BF16_Optimizer``), or, under FSDP2 or ZeRO, of a second
+            model or optimizer. All before any training step.
 
     Example:
 

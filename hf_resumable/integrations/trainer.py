@@ -31,9 +31,11 @@ changes, and why:
   from the newest checkpoint that verifies, skipping partial or corrupt ones, or from a newer stock
   ``transformers.Trainer`` checkpoint (converted on the fly, not bit-exact), and starts fresh when there is none.
   Directories hf_resumable did not write are never overwritten or deleted.
-* **Engines** (:mod:`._engines`): DDP and FSDP2 (``fsdp_config={"version": 2}``, either ``state_dict_type``:
-  every rank saves and loads its own DTensor pieces, :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`);
-  DeepSpeed, FSDP1 and XLA FSDP are refused when ``train()`` starts.
+* **Engines** (:mod:`._engines`): DDP, FSDP2 (``fsdp_config={"version": 2}``, either ``state_dict_type``:
+  every rank saves and loads its own DTensor pieces, :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`)
+  and DeepSpeed ZeRO-1/2 (``deepspeed=`` a config of stage 1 or 2: every rank saves and loads its ZeRO partitions,
+  :mod:`._deepspeed`; DeepSpeed's own ``global_step*`` checkpoints are neither written nor read); DeepSpeed ZeRO-3
+  and ZeRO-Offload, FSDP1 and XLA FSDP are refused when ``train()`` starts.
 * **Checks before the first step** (``set_initial_training_values``): a setup whose checkpoints would fail or
   not resume exactly is refused with the fix; changed optimization hyperparameters are reported
   (:mod:`._trainer_hparams`).
@@ -495,8 +497,9 @@ class ResumableTrainer(Trainer):
             ConfigDriftError: the run configuration differs from the checkpoint's.
             CheckpointExistsError: the run would save over a ``checkpoint-N`` directory hf_resumable did not write
                 (raised before the first step).
-            UnsupportedEngineError: DeepSpeed (``TrainingArguments.deepspeed``, any ZeRO stage), FSDP1 or XLA FSDP,
-                refused before anything is read or trained (FSDP2 is supported: every rank saves its DTensor pieces).
+            UnsupportedEngineError: DeepSpeed ZeRO-3 or ZeRO-Offload (``TrainingArguments.deepspeed``), FSDP1 or XLA
+                FSDP, refused before anything is read or trained; DeepSpeed's other optimizers (``BF16_Optimizer``)
+                once built, before the first step. FSDP2 and ZeRO-1/2 are supported: every rank saves its pieces.
             InexactResumeError / UnsupportedStateError: before the first step, for a setup whose checkpoints could
                 not be resumed exactly or not be written (see docs/trainer.md).
             SystemExit: with ``PREEMPTION_EXIT_CODE`` after a SIGTERM, when ``exit_on_preemption``.
