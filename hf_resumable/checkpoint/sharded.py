@@ -156,6 +156,16 @@ class ShardedOptimizerState(Protocol):
     (groups list names), saved exactly as FSDP2 optimizer state; ``init_state()`` creates state to load into;
     ``load_sharded_state_dict(state)`` puts a state dict of that shape in place. ``checkpoint_class`` is recorded
     (and checked on load) as the optimizer's class; ``state`` and ``param_groups`` are the torch optimizer's.
+
+    Example:
+
+    ```python
+    >>> from hf_resumable.integrations._deepspeed import checkpoint_optimizer
+    >>> zero = checkpoint_optimizer(engine.optimizer)  # a ZeRO-1/2 engine's optimizer  # doctest: +SKIP
+    >>> isinstance(zero, ShardedOptimizerState)  # doctest: +SKIP
+    True
+    >>> save_sharded_checkpoint("out/checkpoint-10", model=engine.module, optimizer=zero, step=10)  # doctest: +SKIP
+    ```
     """
 
     checkpoint_class: str

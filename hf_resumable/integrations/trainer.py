@@ -1203,7 +1203,8 @@ class ResumableTrainer(Trainer):
             return super()._load_best_model()
         logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
         model = self.accelerator.unwrap_model(self.model)
-        load = load_sharded_checkpoint if holds_dtensors(model) else load_checkpoint
+        # FSDP2 and ZeRO checkpoints hold per-rank pieces; under ZeRO-1/2 every rank loads the whole weights
+        load = load_sharded_checkpoint if holds_dtensors(model) or self.is_deepspeed_enabled else load_checkpoint
         load(best, model=model, restore_rng=False, verify=self.checkpoint_verify,
              allow_inexact_resume=True)  # weights only: no drift
 
