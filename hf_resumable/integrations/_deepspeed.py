@@ -196,17 +196,22 @@ def deepspeed_engine(model: Any) -> Any:
     return model if all(hasattr(model, name) for name in ENGINE_COUNTERS) else None
 
 
-def capture_engine_state(engine: Any, zero: ZeroOptimizerState | None) -> dict[str, Any]:
-    """The engine's step counters and the ZeRO optimizer's loss scaler (JSON)."""
+def _loss_scaler(optimizers: list[Any]) -> Any:
+    """The loss scaler of the ZeRO optimizer among ``optimizers`` (what a checkpoint saves of them), if any."""
+    zero = next((optimizer.zero for optimizer in optimizers if isinstance(optimizer, ZeroOptimizerState)), None)
+    return getattr(zero, "loss_scaler", None)
+
+
+def capture_engine_state(engine: Any, optimizers: list[Any]) -> dict[str, Any]:
+    """The engine's step counters and the loss scaler of its ZeRO optimizer (among ``optimizers``), as JSON."""
     state: dict[str, Any] = {name: int(getattr(engine, name)) for name in ENGINE_COUNTERS}
-    scaler = getattr(zero.zero, "loss_scaler", None) if zero is not None else None
+    scaler = _loss_scaler(optimizers)
     if scaler is not None:
         state["loss_scaler"] = {k: v for k, v in vars(scaler).items() if type(v) in _SCALER_TYPES}
     return state
 
 
-def restore_engine_state(engine: Any, zero: ZeroOptimizerState | None, state: Mapping[str, Any] | None, *,
-                         where: Any) -> None:
+def restore_engine_state(engine: Any, optimizers: list[Any], state: Mapping[str, Any] | None, *, where: Any) -> None:
     """Put back what :func:`capture_engine_state` saved.
 
     Raises:
@@ -217,7 +222,7 @@ def restore_engine_state(engine: Any, zero: ZeroOptimizerState | None, state: Ma
                                         "run. Resume it without DeepSpeed, or start this run from scratch.")
     for name in ENGINE_COUNTERS:
         setattr(engine, name, int(state[name]))
-    scaler = getattr(zero.zero, "loss_scaler", None) if zero is not None else None
+    scaler = _loss_scaler(optimizers)
     for key, value in (state.get("loss_scaler") or {}).items():
         if scaler is not None and hasattr(scaler, key):
             setattr(scaler, key, value)

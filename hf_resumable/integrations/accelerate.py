@@ -344,7 +344,8 @@ class ResumableAccelerator(Accelerator):
         """accelerate's ``prepare``; additionally counts the real steps of every prepared optimizer.
 
         Raises:
-            UnsupportedEngineError: under FSDP2, a second model or optimizer (before any training step).
+            UnsupportedEngineError: under FSDP2 or ZeRO, a second model or optimizer; a DeepSpeed optimizer other than
+                ZeRO-1/2's (before any training step).
         """
         prepared = super().prepare(*args, device_placement=device_placement)
         self._checkpoint_optimizers()  # refuses ZeRO-3 / ZeRO-Offload optimizers, before any step
@@ -352,9 +353,8 @@ class ResumableAccelerator(Accelerator):
         if self._saves_pieces() and (len(self._models) > 1 or len(self._optimizers) > 1):
             raise UnsupportedEngineError(
                 f"ResumableAccelerator checkpoints one FSDP2 or ZeRO model and its optimizer; {len(self._models)} "
-                f"models and "
-                f"{len(self._optimizers)} optimizers are prepared. Nothing was trained. Prepare one model and one "
-                "optimizer, or use the stock accelerate.Accelerator for this run.")
+                f"models and {len(self._optimizers)} optimizers are prepared. Nothing was trained. Prepare one model "
+                "and one optimizer, or use the stock accelerate.Accelerator for this run.")
         return prepared
 
     def _saves_pieces(self) -> bool:
@@ -828,7 +828,7 @@ class ResumableAccelerator(Accelerator):
 
         engine = self._deepspeed_engine()
         extra = {EXTRA_RUN: self._run_settings(), EXTRA_LAYOUT: layout.to_json(),
-                 **({EXTRA_DEEPSPEED: capture_engine_state(engine, optimizers[0])} if engine is not None else {}),
+                 **({EXTRA_DEEPSPEED: capture_engine_state(engine, optimizers[:1])} if engine is not None else {}),
                  EXTRA_CUSTOM_OBJECTS: [obj.state_dict() for obj in self._custom_objects],
                  EXTRA_MODELS: [slot_state(i) for i in range(1, len(layout.models))],
                  EXTRA_OPTIMIZERS: [None if slot == SLOT_CORE else
@@ -872,7 +872,7 @@ class ResumableAccelerator(Accelerator):
                  "loaders": [loader.position() for loader in self._resumable_loaders],
                  "hooks": [id(hook) for hook in self._save_model_state_pre_hook.values()]}
         engine = self._deepspeed_engine()
-        small["engine"] = capture_engine_state(engine, None) if engine is not None else None
+        small["engine"] = capture_engine_state(engine, []) if engine is not None else None
         optimizers = self._checkpoint_optimizers()
         return state_fingerprint(models=self._models, optimizers=optimizers, small_state=small)
 
@@ -948,7 +948,7 @@ class ResumableAccelerator(Accelerator):
                                       scaler=self.scaler, strict=strict)
         self._restore_extra_objects(path, layout, loaded.extra, models, strict=strict)
         if (engine := self._deepspeed_engine()) is not None:
-            restore_engine_state(engine, core_optimizer, loaded.extra.get(EXTRA_DEEPSPEED), where=path)
+            restore_engine_state(engine, [core_optimizer], loaded.extra.get(EXTRA_DEEPSPEED), where=path)
         # 4. Counters and data positions, 5. registered objects, 6. RNG.
         self._restore_counters(path, loaded)
         self._restore_loaders(path, loaded.data_state)

@@ -843,7 +843,7 @@ class ResumableTrainer(Trainer):
             training_state={_PROGRESS_LOOP: self._loop_state(), _PROGRESS_ATTRIBUTES: self._trainer_attributes()},
             extra={_EXTRA_RUN_CONFIG: self._current_run_config().to_dict(), _EXTRA_MODEL_ONLY: model_only,
                    _EXTRA_HYPERPARAMETERS: hyperparameter_snapshot(self.args, max_steps=self.state.max_steps),
-                   **({EXTRA_DEEPSPEED: capture_engine_state(engine, optimizer)} if engine is not None else {})},
+                   **({EXTRA_DEEPSPEED: capture_engine_state(engine, [optimizer])} if engine is not None else {})},
             extra_files={TRAINER_STATE_FILE: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True)},
             data_state=self._data_position(), rng=not model_only, metrics=self._metrics_of_this_step(),
             # as Trainer._save: without a processing_class, the collator's tokenizer is saved
@@ -1164,7 +1164,7 @@ class ResumableTrainer(Trainer):
         if holds_dtensors(model) or engine is not None:  # FSDP2 / ZeRO: every rank reads its pieces' slices
             load_sharded_into(opened, model=model, **objects, restore_rng=False)
             if engine is not None and not model_only:
-                restore_engine_state(engine, optimizer, opened.extra.get(EXTRA_DEEPSPEED), where=checkpoint)
+                restore_engine_state(engine, [optimizer], opened.extra.get(EXTRA_DEEPSPEED), where=checkpoint)
         else:
             # a world-size change was already refused (or allowed) by the run-config drift check
             opened.load_into(model=model, **objects, restore_rng=False, allow_inexact_resume=True)
