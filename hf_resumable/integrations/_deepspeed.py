@@ -33,6 +33,7 @@ from ._engines import refuse_engine
 logger = logging.getLogger(__name__)
 
 __all__ = ["ZeroOptimizerState", "checkpoint_optimizer", "zero_optimizer", "torch_optimizer", "EXTRA_DEEPSPEED",
+           "saved_engine_state",
            "capture_engine_state", "restore_engine_state", "deepspeed_engine", "deepspeed_resume_by_us"]
 
 SUPPORTED_STAGES = (1, 2)
@@ -211,15 +212,21 @@ def capture_engine_state(engine: Any, optimizers: list[Any]) -> dict[str, Any]:
     return state
 
 
-def restore_engine_state(engine: Any, optimizers: list[Any], state: Mapping[str, Any] | None, *, where: Any) -> None:
-    """Put back what :func:`capture_engine_state` saved.
+def saved_engine_state(extra: Mapping[str, Any], *, where: Any) -> Mapping[str, Any]:
+    """The engine state a checkpoint's extra state holds, checked before anything is loaded.
 
     Raises:
         IncompleteCheckpointError: the checkpoint was not written by a DeepSpeed run (no engine state).
     """
-    if state is None:
+    state = extra.get(EXTRA_DEEPSPEED)
+    if not isinstance(state, Mapping) or any(not isinstance(state.get(name), int) for name in ENGINE_COUNTERS):
         raise IncompleteCheckpointError(f"{where} holds no DeepSpeed engine state: it was not saved by a DeepSpeed "
                                         "run. Resume it without DeepSpeed, or start this run from scratch.")
+    return state
+
+
+def restore_engine_state(engine: Any, optimizers: list[Any], state: Mapping[str, Any]) -> None:
+    """Put back what :func:`capture_engine_state` saved (:func:`saved_engine_state`)."""
     for name in ENGINE_COUNTERS:
         setattr(engine, name, int(state[name]))
     scaler = _loss_scaler(optimizers)

@@ -148,6 +148,7 @@ from ._deepspeed import (
     checkpoint_optimizer,
     deepspeed_engine,
     restore_engine_state,
+    saved_engine_state,
     torch_optimizer,
     zero_optimizer,
 )
@@ -937,6 +938,8 @@ class ResumableAccelerator(Accelerator):
             hook(models, str(path))
         require_slots(layout, models_to_fill=len(models), optimizers=len(self._optimizers),
                       schedulers=len(self._schedulers), where=str(path))
+        engine = self._deepspeed_engine()
+        engine_state = saved_engine_state(opened.extra, where=path) if engine is not None else None
         # 3. Fill the objects (RNG excluded: it goes last).
         core_model, core_optimizer = self._core_load_targets(layout, models)
         scheduler = getattr(self._schedulers[0], "scheduler", self._schedulers[0]) if self._schedulers else None
@@ -947,8 +950,8 @@ class ResumableAccelerator(Accelerator):
             loaded = opened.load_into(model=core_model, optimizer=core_optimizer, scheduler=scheduler,
                                       scaler=self.scaler, strict=strict)
         self._restore_extra_objects(path, layout, loaded.extra, models, strict=strict)
-        if (engine := self._deepspeed_engine()) is not None:
-            restore_engine_state(engine, [core_optimizer], loaded.extra.get(EXTRA_DEEPSPEED), where=path)
+        if engine is not None:
+            restore_engine_state(engine, [core_optimizer], engine_state)
         # 4. Counters and data positions, 5. registered objects, 6. RNG.
         self._restore_counters(path, loaded)
         self._restore_loaders(path, loaded.data_state)

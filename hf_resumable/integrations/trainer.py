@@ -111,6 +111,7 @@ from ._deepspeed import (
     deepspeed_engine,
     deepspeed_resume_by_us,
     restore_engine_state,
+    saved_engine_state,
     torch_optimizer,
 )
 from ._engines import check_trainer_engine, holds_dtensors
@@ -1161,10 +1162,13 @@ class ResumableTrainer(Trainer):
                        scheduler=None if model_only else self.lr_scheduler,
                        scaler=None if model_only else self.accelerator.scaler)
         engine = deepspeed_engine(self.model_wrapped)
+        engine_state = None
+        if engine is not None and not model_only:  # checked before anything is loaded
+            engine_state = saved_engine_state(opened.extra, where=checkpoint)
         if holds_dtensors(model) or engine is not None:  # FSDP2 / ZeRO: every rank reads its pieces' slices
             load_sharded_into(opened, model=model, **objects, restore_rng=False)
-            if engine is not None and not model_only:
-                restore_engine_state(engine, [optimizer], opened.extra.get(EXTRA_DEEPSPEED), where=checkpoint)
+            if engine_state is not None:
+                restore_engine_state(engine, [optimizer], engine_state)
         else:
             # a world-size change was already refused (or allowed) by the run-config drift check
             opened.load_into(model=model, **objects, restore_rng=False, allow_inexact_resume=True)
