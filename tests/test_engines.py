@@ -95,6 +95,26 @@ def test_engine_of_accelerate_state():
                                                deepspeed_plugin=SimpleNamespace(zero_stage=stage)))
 
 
+def test_deepspeed_configs_are_decided_from_the_config(tmp_path):
+    from hf_resumable.integrations._engines import check_trainer_engine
+
+    def state(config: dict) -> SimpleNamespace:
+        plugin = SimpleNamespace(zero_stage=config["zero_optimization"]["stage"], deepspeed_config=config)
+        return SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, deepspeed_plugin=plugin)
+
+    zero3 = {"zero_optimization": {"stage": 3}}
+    path = tmp_path / "ds_config.json"  # TrainingArguments(deepspeed=) takes a JSON file too
+    path.write_text(json.dumps(zero3))
+    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-3 runs"):
+        check_trainer_engine(SimpleNamespace(deepspeed=str(path)), state(zero3))
+    nvme = {"zero_optimization": {"stage": 1, "offload_param": {"device": "nvme"}}}
+    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-Offload runs"):
+        check_trainer_engine(SimpleNamespace(deepspeed=nvme), state(nvme))
+    for stage in (1, 2):  # supported, also with offload explicitly off
+        config = {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "none"}}}
+        check_trainer_engine(SimpleNamespace(deepspeed=config), state(config))
+
+
 def test_deepspeed_optimizers_other_than_zero_1_2_are_refused():
     from hf_resumable.integrations._deepspeed import checkpoint_optimizer
 
