@@ -506,6 +506,17 @@ def _load_param_groups_only(model: torch.nn.Module, optimizer: torch.optim.Optim
         group.update({k: v for k, v in saved.items() if k != "params"})
 
 
+def _engine_sharded_templates(optimizer: ShardedOptimizerState, section: Section) -> dict[str, Any]:
+    """The live state to fill, created first (``init_state``) only if the checkpoint holds state it lacks: a
+    checkpoint saved before the first step holds the master weights alone."""
+    current = optimizer.sharded_state_dict()
+    tensors, _ = flatten_optimizer_state(current, _class_name(optimizer))
+    if set(section.dtypes) - set(tensors):
+        optimizer.init_state()
+        current = optimizer.sharded_state_dict()
+    return current
+
+
 def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer) -> None:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -523,8 +534,7 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
         return
     engine_sharded = isinstance(optimizer, ShardedOptimizerState)
     if engine_sharded:
-        optimizer.init_state()
-        current = optimizer.sharded_state_dict()
+        current = _engine_sharded_templates(optimizer, section)
     else:
         current = get_optimizer_state_dict(model, optimizer, options=_options())  # initializes an empty optimizer
     current_tensors, _ = flatten_optimizer_state(current, _class_name(optimizer))

@@ -33,10 +33,9 @@ from ._engines import refuse_engine
 logger = logging.getLogger(__name__)
 
 __all__ = ["ZeroOptimizerState", "checkpoint_optimizer", "zero_optimizer", "torch_optimizer", "EXTRA_DEEPSPEED",
-           "saved_engine_state",
-           "capture_engine_state", "restore_engine_state", "deepspeed_engine", "deepspeed_resume_by_us"]
+           "saved_engine_state", "capture_engine_state", "restore_engine_state", "deepspeed_engine",
+           "deepspeed_resume_by_us"]
 
-SUPPORTED_STAGES = (1, 2)
 MASTER_KEY = "fp32"  # the fp32 master-weight partition, next to the base optimizer's own state keys
 # A param group's flat partition, named as a parameter would be. The data-parallel size is part of the name: the
 # partitions' layout depends on it, so a resume at another world size fails naming the keys (never mixes layouts).
@@ -160,7 +159,8 @@ class ZeroOptimizerState:
 
     def init_state(self) -> None:
         """Create the base optimizer's state (zero gradients, learning rate 0) so a load has templates to fill,
-        as ``torch.distributed.checkpoint`` does for FSDP2; the load overwrites all of it. Step hooks do not run."""
+        as ``torch.distributed.checkpoint`` does for FSDP2; the load overwrites all of it (the master partitions
+        too). Step hooks do not run, so :attr:`ResumableAccelerator.global_step` does not count it."""
         if self.base.state:
             return
         lrs = [group["lr"] for group in self.base.param_groups]
