@@ -10,7 +10,8 @@
   bit-identical to the uninterrupted run, through ``ResumableAccelerator`` (background saves) and ``ResumableTrainer``,
   with accelerate's SHARDED and FULL state-dict types (hf_resumable writes per-rank pieces for both).
 * DeepSpeed ZeRO-1/2 (2 gloo ranks on DeepSpeed's CPU accelerator, a torch AdamW): the same, through both front
-  doors; every rank's partitions of the fp32 master weights and of the Adam moments are compared bit for bit.
+  doors; every rank's partitions of the fp32 master weights and of the Adam moments are compared bit for bit. In one
+  process, a ZeRO-2 engine's partitions round-trip through save_sharded_checkpoint / load_sharded_checkpoint.
 """
 
 from __future__ import annotations
