@@ -12,6 +12,8 @@ $(VENV)/.installed: setup.cfg setup.py pyproject.toml hf_resumable/_fastcopy.c
 	# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e ".[test]"
+	# DeepSpeed for the ZeRO engine tests, from its sdist without compiled ops (its CPU accelerator uses gloo).
+	DS_BUILD_OPS=0 $(PIP) install --quiet "deepspeed==0.19.8"
 	touch $@
 
 venv: $(VENV)/.installed

@@ -3,8 +3,11 @@
 * :func:`install_cpu_engines`: accelerate turns FSDP (and DeepSpeed) on only for accelerator devices; with ``cpu=True``
   it silently trains DDP. Called by a worker script before it builds an ``Accelerator`` or ``TrainingArguments``, it
   makes accelerate see GPUs whose collective backend is gloo and whose device is the CPU
-  (``ACCELERATE_TORCH_DEVICE=cpu``), so the FSDP code paths run as on GPUs, where they use NCCL. The library never
-  depends on it: nothing in ``hf_resumable`` imports it.
+  (``ACCELERATE_TORCH_DEVICE=cpu``), so the FSDP and DeepSpeed code paths run as on GPUs, where they use NCCL.
+  DeepSpeed runs on its CPU accelerator (``DS_ACCELERATOR=cpu``, whose collectives fall back to gloo without oneCCL;
+  no compiled ops: the optimizer is a torch one). The library never depends on it: nothing in ``hf_resumable``
+  imports it.
+* :func:`deepspeed_config`: the tiny runs' ZeRO config (no offload, a torch optimizer of the script's own).
 * :func:`parse_worker_args`: the options of both worker scripts.
 * :func:`build_model`: a tiny GPT-2 (2 layers, ``n_embd`` 32, dropout on).
 * :func:`hold_after_save`: ``HFR_HOLD_AFTER_SAVE=k`` makes every rank stop for good once it has saved step ``k``
@@ -17,13 +20,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import threading
 from pathlib import Path
 
 import torch
 
-__all__ = ["install_cpu_engines", "parse_worker_args", "build_model", "hold_after_save", "dump_local_state",
-           "read_local_state", "RANK", "VOCAB"]
+__all__ = ["install_cpu_engines", "parse_worker_args", "deepspeed_config", "build_model", "hold_after_save",
+           "dump_local_state", "read_local_state", "RANK", "VOCAB"]
 
 RANK = int(os.environ.get("RANK", "0"))
 VOCAB = 64
@@ -35,6 +39,12 @@ def install_cpu_engines() -> None:
     from accelerate.utils import DistributedType
 
     os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"
+    os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is imported (accelerate imports it for a DeepSpeed run)
+    if "deepspeed" in sys.argv:
+        import deepspeed.ops
+
+        # DeepSpeed's CPU collectives would JIT-compile a shared-memory op (minutes, and a compiler); gloo does it all.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
     def prepare_backend(self, cpu: bool = False, sagemaker_dp: bool = False, backend: str | None = None):
         return "gloo", DistributedType.MULTI_GPU
@@ -46,10 +56,19 @@ def parse_worker_args() -> argparse.Namespace:
     """The options of both worker scripts (the same command line trains, is held, and resumes)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--output-dir", required=True, type=Path)
+    parser.add_argument("--engine", choices=("fsdp", "deepspeed"), default="fsdp")
     parser.add_argument("--version", type=int, default=2, help="FSDP version")
+    parser.add_argument("--zero-stage", type=int, default=2, help="DeepSpeed ZeRO stage")
     parser.add_argument("--state-dict-type", default="SHARDED_STATE_DICT")
     parser.add_argument("--max-steps", type=int, default=5)
     return parser.parse_args()
+
+
+def deepspeed_config(stage: int, *, batch_size: int | str = "auto") -> dict:
+    """ZeRO ``stage`` without offload; the optimizer is the script's torch AdamW (no compiled DeepSpeed ops here)."""
+    return {"train_micro_batch_size_per_gpu": batch_size, "gradient_accumulation_steps": 1 if batch_size != "auto"
+            else "auto", "zero_optimization": {"stage": stage}, "zero_force_ds_cpu_optimizer": False,
+            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
 
 
 def build_model() -> torch.nn.Module:
@@ -75,11 +94,17 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def dump_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    """This rank's parameter pieces and optimizer state tensors into ``path`` (safetensors)."""
+    """This rank's parameter pieces and optimizer state tensors into ``path`` (safetensors); under ZeRO-1/2
+    (``optimizer`` is DeepSpeed's), this rank's partitions of the fp32 master weights and of the moments."""
     from safetensors.torch import save_file
 
     tensors = {f"model/{name}": _local(param) for name, param in model.named_parameters()}
     names = {id(param): name for name, param in model.named_parameters()}
+    if hasattr(optimizer, "single_partition_of_fp32_groups"):  # ZeRO-1/2: one flat partition per param group
+        for index, flat in enumerate(optimizer.single_partition_of_fp32_groups):
+            names[id(flat)] = f"group{index}"
+            tensors[f"optim/group{index}/fp32"] = _local(flat)
+        optimizer = optimizer.optimizer
     for param, state in optimizer.state.items():
         for key, value in state.items():
             if torch.is_tensor(value):

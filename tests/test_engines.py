@@ -1,14 +1,17 @@
-"""Distributed engines through both front doors: refused before step 1, or resumed bit for bit (FSDP2).
+"""Distributed engines through both front doors: refused before step 1, or resumed bit for bit (FSDP2, ZeRO-1/2).
 
-* DeepSpeed (ZeRO-1/2/3, through ``ResumableAccelerator`` and ``TrainingArguments.deepspeed``), Megatron-LM and
-  FSDP1 are refused with :class:`UnsupportedEngineError` (also a ``NotImplementedError``) when the accelerator is
-  built or ``train()`` starts: no step runs, no checkpoint directory appears. DeepSpeed is not installed here, which
-  is the point: the refusal never imports it.
+* DeepSpeed ZeRO-3 and ZeRO-Offload (through ``ResumableAccelerator`` and ``TrainingArguments.deepspeed``),
+  Megatron-LM and FSDP1 are refused with :class:`UnsupportedEngineError` (also a ``NotImplementedError``) when the
+  accelerator is built or ``train()`` starts: no step runs, no checkpoint directory appears, and the refusal of a
+  configured DeepSpeed run never imports deepspeed.
 * FSDP2 (2 gloo ranks on CPU under torchrun, accelerate's FSDP code paths turned on by
   ``engine_fixtures.install_cpu_engines``): a run held after a committed checkpoint, SIGKILLed as a whole job and
   rerun with the same command ends with every rank's parameter pieces, optimizer state and logged losses
   bit-identical to the uninterrupted run, through ``ResumableAccelerator`` (background saves) and ``ResumableTrainer``,
   with accelerate's SHARDED and FULL state-dict types (hf_resumable writes per-rank pieces for both).
+* DeepSpeed ZeRO-1/2 (2 gloo ranks on DeepSpeed's CPU accelerator, a torch AdamW): the same, through both front
+  doors; every rank's partitions of the fp32 master weights and of the Adam moments are compared bit for bit. In one
+  process, a ZeRO-2 engine's partitions round-trip through save_sharded_checkpoint / load_sharded_checkpoint.
 """
 
 from __future__ import annotations
@@ -49,10 +52,15 @@ _EXTENDED = pytest.mark.extended  # a further variant of a guarantee make test p
 # ------------------------------------------------------------------ refused before step 1 (in process)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_accelerate_deepspeed_is_refused_when_built(tmp_path, stage):
-    with pytest.raises(UnsupportedEngineError, match=rf"DeepSpeed ZeRO-{stage}.*fsdp_version=2") as caught:
-        ResumableAccelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=stage), checkpoint_dir=tmp_path / "ck",
+_OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+
+
+@pytest.mark.parametrize("plugin, engine", [(dict(zero_stage=3), "DeepSpeed ZeRO-3"),
+                                            (dict(hf_ds_config=_OFFLOAD), "DeepSpeed ZeRO-Offload")],
+                         ids=["zero3", "offload"])
+def test_accelerate_deepspeed_is_refused_when_built(tmp_path, plugin, engine):
+    with pytest.raises(UnsupportedEngineError, match=rf"{engine} runs.*ZeRO-1/2 without offload") as caught:
+        ResumableAccelerator(deepspeed_plugin=DeepSpeedPlugin(**plugin), checkpoint_dir=tmp_path / "ck",
                              handle_preemption=False)
     assert isinstance(caught.value, NotImplementedError)
     assert not (tmp_path / "ck").exists()
@@ -61,6 +69,7 @@ def test_accelerate_deepspeed_is_refused_when_built(tmp_path, stage):
 @pytest.mark.parametrize("variable", ["ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_MEGATRON_LM"])
 def test_accelerate_engines_enabled_by_the_environment_are_refused(tmp_path, monkeypatch, variable):
     monkeypatch.setenv(variable, "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
     with pytest.raises(UnsupportedEngineError, match="DeepSpeed|Megatron-LM"):
         ResumableAccelerator(checkpoint_dir=tmp_path / "ck", handle_preemption=False)
 
@@ -83,6 +92,43 @@ def test_engine_of_accelerate_state():
                                                                  deepspeed_config={"zero_optimization": {"stage": 3}}))
     with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-3"):
         check_accelerate_state(deepspeed)
+    for stage in (1, 2):
+        check_accelerate_state(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
+                                               deepspeed_plugin=SimpleNamespace(zero_stage=stage)))
+
+
+def test_deepspeed_configs_are_decided_from_the_config(tmp_path):
+    from hf_resumable.integrations._engines import check_trainer_engine
+
+    def state(config: dict) -> SimpleNamespace:
+        plugin = SimpleNamespace(zero_stage=config["zero_optimization"]["stage"], deepspeed_config=config)
+        return SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, deepspeed_plugin=plugin)
+
+    zero3 = {"zero_optimization": {"stage": 3}}
+    path = tmp_path / "ds_config.json"  # TrainingArguments(deepspeed=) takes a JSON file too
+    path.write_text(json.dumps(zero3))
+    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-3 runs"):
+        check_trainer_engine(SimpleNamespace(deepspeed=str(path)), state(zero3))
+    nvme = {"zero_optimization": {"stage": 1, "offload_param": {"device": "nvme"}}}
+    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-Offload runs"):
+        check_trainer_engine(SimpleNamespace(deepspeed=nvme), state(nvme))
+    for stage in (1, 2):  # supported, also with offload explicitly off
+        config = {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "none"}}}
+        check_trainer_engine(SimpleNamespace(deepspeed=config), state(config))
+
+
+def test_deepspeed_optimizers_other_than_zero_1_2_are_refused():
+    from hf_resumable.integrations._deepspeed import checkpoint_optimizer
+
+    adamw = torch.optim.AdamW([torch.zeros(2, requires_grad=True)])
+    bf16 = type("BF16_Optimizer", (), {"__module__": "deepspeed.runtime.bf16_optimizer"})()
+    bf16.optimizer = adamw  # what DeepSpeed picks for ZeRO-1 in bf16: its own partitions, not ZeRO-1/2's
+    with pytest.raises(UnsupportedEngineError, match=r"DeepSpeed \(with its BF16_Optimizer\) runs"):
+        checkpoint_optimizer(SimpleNamespace(optimizer=bf16))  # inside accelerate's wrapper
+    zero3 = SimpleNamespace(fp32_partitioned_groups_flat=[], optimizer=adamw)
+    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-3 runs"):
+        checkpoint_optimizer(SimpleNamespace(optimizer=zero3))
+    assert checkpoint_optimizer(SimpleNamespace(optimizer=adamw)) is adamw  # no DeepSpeed: the torch optimizer
 
 
 class _CountSteps(TrainerCallback):
@@ -93,16 +139,18 @@ class _CountSteps(TrainerCallback):
         self.steps += 1
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_trainer_deepspeed_is_refused_when_train_starts(tmp_path, stage):
+@pytest.mark.parametrize("zero, engine", [({"stage": 3}, "DeepSpeed ZeRO-3"),
+                                          (_OFFLOAD["zero_optimization"], "DeepSpeed ZeRO-Offload")],
+                         ids=["zero3", "offload"])
+def test_trainer_deepspeed_is_refused_when_train_starts(tmp_path, zero, engine):
     args = TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, max_steps=2, save_steps=1,
                              report_to=[], disable_tqdm=True)
-    # TrainingArguments(deepspeed=...) itself needs deepspeed installed; a configured run is what train() sees.
-    args.deepspeed = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto"}
+    # TrainingArguments(deepspeed=...) builds DeepSpeed's state; a configured run is what train() sees.
+    args.deepspeed = {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto"}
     counter = _CountSteps()
     rows = [{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8]}] * 8
     trainer = ResumableTrainer(model=build_model(), args=args, train_dataset=rows, callbacks=[counter])
-    with pytest.raises(UnsupportedEngineError, match=rf"DeepSpeed ZeRO-{stage}.*'version': 2") as caught:
+    with pytest.raises(UnsupportedEngineError, match=rf"{engine} runs.*'version': 2") as caught:
         trainer.train()
     assert isinstance(caught.value, NotImplementedError)
     assert counter.steps == 0 and trainer.state.global_step == 0
@@ -166,10 +214,10 @@ def _losses(path: Path) -> dict[int, str]:
     return {row["step"]: row["loss"] for row in map(json.loads, path.read_text().splitlines())}
 
 
-def _reference(tmp_path_factory: pytest.TempPathFactory, worker: Path) -> Path:
+def _reference(tmp_path_factory: pytest.TempPathFactory, worker: Path, options: tuple[str, ...] = ()) -> Path:
     """The uninterrupted run (accelerate's default SHARDED_STATE_DICT; FULL_STATE_DICT runs must equal it too)."""
     output = tmp_path_factory.mktemp(worker.stem) / "reference"
-    done = _run_job(worker, output, [])
+    done = _run_job(worker, output, list(options))
     assert done.returncode == 0, done.stdout[-5000:]
     return output
 
@@ -184,41 +232,74 @@ def trainer_reference(tmp_path_factory) -> Path:
     return _reference(tmp_path_factory, TRAINER_WORKER)
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", pytest.param("FULL_STATE_DICT", marks=_EXTENDED)])
-def test_accelerate_fsdp2_killed_after_a_commit_resumes_bit_exact(tmp_path, accelerate_reference, state_dict_type):
-    run, options = tmp_path / "run", ["--state-dict-type", state_dict_type]
+def _resume_accelerate_bit_exact(run: Path, reference: Path, options: list[str]) -> None:
+    """Kill the accelerate job after checkpoint-3 committed, rerun it, and compare it with ``reference``."""
     checkpoint = run / "checkpoints" / f"checkpoint-{HOLD_STEP}"
     _kill_after_commit(ACCELERATE_WORKER, run, options, checkpoint)
     assert (checkpoint / "sharded_layout.json").is_file()  # every rank's pieces, not a gathered copy
     resumed = _run_job(ACCELERATE_WORKER, run, options)  # the same command
     assert resumed.returncode == 0, resumed.stdout[-5000:]
     for rank in RANKS:
-        want = _losses(accelerate_reference / f"losses-rank{rank}.jsonl")
+        want = _losses(reference / f"losses-rank{rank}.jsonl")
         lines = (run / f"losses-rank{rank}.jsonl").read_text().splitlines()
         # steps 1-3 before the kill, 4-5 after the resume from checkpoint-3: nothing repeated or skipped
         assert [json.loads(line)["step"] for line in lines] == list(range(1, 6))
         assert _losses(run / f"losses-rank{rank}.jsonl") == want
-    _assert_same_pieces(run, accelerate_reference)
+    _assert_same_pieces(run, reference)
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", pytest.param("FULL_STATE_DICT", marks=_EXTENDED)])
-def test_trainer_fsdp2_killed_after_a_commit_resumes_bit_exact(tmp_path, trainer_reference, state_dict_type):
-    run, options = tmp_path / "run", ["--state-dict-type", state_dict_type]
+def _resume_trainer_bit_exact(run: Path, reference: Path, options: list[str]) -> None:
+    """Kill the Trainer job after checkpoint-3 committed, rerun it, and compare it with ``reference``."""
     checkpoint = run / f"checkpoint-{HOLD_STEP}"
     _kill_after_commit(TRAINER_WORKER, run, options, checkpoint)
     assert (checkpoint / "sharded_layout.json").is_file() and (checkpoint / "trainer_state.json").is_file()
     resumed = _run_job(TRAINER_WORKER, run, options)  # the same command
     assert resumed.returncode == 0, resumed.stdout[-5000:]
     for rank in RANKS:
-        want = json.loads((trainer_reference / f"result-rank{rank}.json").read_text())
+        want = json.loads((reference / f"result-rank{rank}.json").read_text())
         got = json.loads((run / f"result-rank{rank}.json").read_text())
         assert got["resumed_from"].endswith(f"checkpoint-{HOLD_STEP}")
         assert got["log_history"] == want["log_history"]  # every logged loss, grad norm and learning rate
-    _assert_same_pieces(run, trainer_reference)
+    _assert_same_pieces(run, reference)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", pytest.param("FULL_STATE_DICT", marks=_EXTENDED)])
+def test_accelerate_fsdp2_killed_after_a_commit_resumes_bit_exact(tmp_path, accelerate_reference, state_dict_type):
+    _resume_accelerate_bit_exact(tmp_path / "run", accelerate_reference, ["--state-dict-type", state_dict_type])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", pytest.param("FULL_STATE_DICT", marks=_EXTENDED)])
+def test_trainer_fsdp2_killed_after_a_commit_resumes_bit_exact(tmp_path, trainer_reference, state_dict_type):
+    _resume_trainer_bit_exact(tmp_path / "run", trainer_reference, ["--state-dict-type", state_dict_type])
+
+
+# ZeRO-2 runs in `make test`; ZeRO-1 (the same partitions, gradients not partitioned) in `make test-all`.
+ZERO_STAGES = [pytest.param(1, marks=_EXTENDED), 2]
+
+
+# per front door: its worker, its kill-and-resume check, where its checkpoints go
+_FRONT_DOORS = {"accelerate": (ACCELERATE_WORKER, _resume_accelerate_bit_exact, "checkpoints"),
+                "trainer": (TRAINER_WORKER, _resume_trainer_bit_exact, "")}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ZERO_STAGES)
+@pytest.mark.parametrize("front_door", sorted(_FRONT_DOORS))
+def test_deepspeed_killed_after_a_commit_resumes_bit_exact(tmp_path, tmp_path_factory, front_door, stage):
+    worker, resume_bit_exact, checkpoints = _FRONT_DOORS[front_door]
+    options = ["--engine", "deepspeed", "--zero-stage", str(stage)]
+    reference = _reference(tmp_path_factory, worker, tuple(options))
+    resume_bit_exact(tmp_path / "run", reference, options)
+    # every rank wrote its own partitions of the fp32 master weights and of the Adam moments (in the last checkpoint)
+    layout = json.loads((tmp_path / "run" / checkpoints / "checkpoint-5" / "sharded_layout.json").read_text())
+    for rank in RANKS:
+        names = layout["optimizer"]["pieces"][f"sharded/optimizer-rank{rank:05d}-of-00002.safetensors"]
+        assert {name.rpartition("/")[2] for name in names} >= {"fp32", "exp_avg", "exp_avg_sq"}, names
 
 
 @pytest.mark.distributed
@@ -253,3 +334,48 @@ def test_whole_tensor_save_of_an_fsdp2_model_names_the_sharded_save(tmp_path, on
     with pytest.raises(UnsupportedStateError, match="DTensor parameters.*save_sharded_checkpoint"):
         save_checkpoint(tmp_path / "checkpoint-1", model=model)
     assert not (tmp_path / "checkpoint-1").exists()
+
+
+def _zero2_engine() -> torch.nn.Module:
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      config=config)
+    return engine
+
+
+def _step(engine: torch.nn.Module) -> None:
+    engine.backward(engine(torch.ones(2, 4)).square().sum())
+    engine.step()
+
+
+@pytest.mark.slow
+def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_rank_group):
+    """save_sharded_checkpoint / load_sharded_checkpoint of a ZeRO-2 engine's partitions, before the first step
+    (master weights only) and after one; the reloaded engine steps exactly as the saving one."""
+    for name, value in {"DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)  # what torchrun sets, which DeepSpeed reads
+    ops = pytest.importorskip("deepspeed.ops")
+    monkeypatch.setitem(ops.__compatible_ops__, "deepspeed_shm_comm", False)  # no JIT build of a CPU op
+    from hf_resumable import load_sharded_checkpoint, save_sharded_checkpoint
+    from hf_resumable.integrations._deepspeed import checkpoint_optimizer
+
+    saving = _zero2_engine()
+    for step in (0, 1):
+        save_sharded_checkpoint(tmp_path / f"checkpoint-{step}", model=saving.module,
+                                optimizer=checkpoint_optimizer(saving.optimizer), step=step)
+        loading = _zero2_engine()
+        load_sharded_checkpoint(tmp_path / f"checkpoint-{step}", model=loading.module,
+                                optimizer=checkpoint_optimizer(loading.optimizer))
+        _step(saving)
+        _step(loading)
+        for engine in (saving, loading):
+            assert engine.optimizer.optimizer.state_dict()["state"][0]["step"].item() == step + 1
+        for one, other in zip(saving.module.parameters(), loading.module.parameters()):
+            assert torch.equal(one, other)
+        assert torch.equal(saving.optimizer.single_partition_of_fp32_groups[0],
+                           loading.optimizer.single_partition_of_fp32_groups[0])

@@ -53,7 +53,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -132,7 +132,8 @@ from .verify import verify_checkpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_sharded_checkpoint", "load_sharded_checkpoint", "load_sharded_into", "consolidate_sharded_checkpoint"]
+__all__ = ["save_sharded_checkpoint", "load_sharded_checkpoint", "load_sharded_into", "consolidate_sharded_checkpoint",
+           "ShardedOptimizerState"]
 
 
 def _options(**kwargs: Any) -> Any:
@@ -146,12 +147,53 @@ def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return model_state_dict(model)
 
 
+@runtime_checkable
+class ShardedOptimizerState(Protocol):
+    """An optimizer whose state an engine already splits across ranks (DeepSpeed ZeRO's flat partitions, see
+    :mod:`hf_resumable.integrations._deepspeed`), passed as ``optimizer=`` instead of the torch optimizer.
+
+    ``sharded_state_dict()`` returns ``{"state": {name: {key: DTensor piece or value}}, "param_groups": [...]}``
+    (groups list names), saved exactly as FSDP2 optimizer state; ``init_state()`` creates state to load into;
+    ``load_sharded_state_dict(state)`` puts a state dict of that shape in place. ``checkpoint_class`` is recorded
+    (and checked on load) as the optimizer's class; ``state`` and ``param_groups`` are the torch optimizer's.
+
+    Example:
+
+    ```python
+    >>> from hf_resumable.integrations._deepspeed import checkpoint_optimizer
+    >>> zero = checkpoint_optimizer(engine.optimizer)  # a ZeRO-1/2 engine's optimizer  # doctest: +SKIP
+    >>> isinstance(zero, ShardedOptimizerState)  # doctest: +SKIP
+    True
+    >>> save_sharded_checkpoint("out/checkpoint-10", model=engine.module, optimizer=zero, step=10)  # doctest: +SKIP
+    ```
+    """
+
+    checkpoint_class: str
+    param_groups: list[dict[str, Any]]
+    state: Any
+
+    def sharded_state_dict(self) -> dict[str, Any]: ...
+
+    def init_state(self) -> None: ...
+
+    def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+def _class_name(optimizer: Any) -> str:
+    """The optimizer class a checkpoint records."""
+    if isinstance(optimizer, ShardedOptimizerState):
+        return optimizer.checkpoint_class
+    return type(optimizer).__qualname__
+
+
 def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """FQN-keyed optimizer state, without side effects on an optimizer that has not stepped yet.
 
     ``get_optimizer_state_dict`` initializes an empty optimizer with a zero-lr step, which would start
     AdamW's step count at 1 and change the run; that state is dropped again here.
     """
+    if isinstance(optimizer, ShardedOptimizerState):
+        return optimizer.sharded_state_dict()
     fresh = not optimizer.state
     state = optimizer_state_dict(model, optimizer)
     if fresh and optimizer.state:
@@ -253,7 +295,7 @@ def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.o
         states[LAYOUT_KEY_MODEL] = (weights, tied)
     if optimizer is not None:
         tensors, layout[LAYOUT_KEY_OPTIMIZER_DOC] = flatten_optimizer_state(_optimizer_state(model, optimizer),
-                                                                            type(optimizer).__qualname__)
+                                                                            _class_name(optimizer))
         check_storable(tensors)
         states[LAYOUT_KEY_OPTIMIZER] = (tensors, {})
     staging = {}
@@ -464,6 +506,17 @@ def _load_param_groups_only(model: torch.nn.Module, optimizer: torch.optim.Optim
         group.update({k: v for k, v in saved.items() if k != "params"})
 
 
+def _engine_sharded_templates(optimizer: ShardedOptimizerState, section: Section) -> dict[str, Any]:
+    """The live state to fill, created first (``init_state``) only if the checkpoint holds state it lacks: a
+    checkpoint saved before the first step holds the master weights alone."""
+    current = optimizer.sharded_state_dict()
+    tensors, _ = flatten_optimizer_state(current, _class_name(optimizer))
+    if set(section.dtypes) - set(tensors):
+        optimizer.init_state()
+        current = optimizer.sharded_state_dict()
+    return current
+
+
 def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer) -> None:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -472,20 +525,27 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
     document = layout.get(LAYOUT_KEY_OPTIMIZER_DOC)
     if document is None or layout.get(LAYOUT_KEY_OPTIMIZER) is None:
         raise IncompleteCheckpointError(f"{source}: no optimizer state was saved; load without optimizer=.")
-    if document.get("class") != type(optimizer).__qualname__:
+    if document.get("class") != _class_name(optimizer):
         raise CheckpointMismatchError(f"{source}: optimizer was {document.get('class')}, now "
-                                      f"{type(optimizer).__qualname__}; build the same optimizer class to resume.")
+                                      f"{_class_name(optimizer)}; build the same optimizer class to resume.")
     section = _section(reader, layout, LAYOUT_KEY_OPTIMIZER)
     if not document["non_tensor_state"] and not any(n.startswith(OPTIMIZER_STATE_PREFIX) for n in section.dtypes):
         _load_param_groups_only(model, optimizer, document, source=source)
         return
-    current = get_optimizer_state_dict(model, optimizer, options=_options())  # initializes an empty optimizer
-    current_tensors, _ = flatten_optimizer_state(current, type(optimizer).__qualname__)
+    engine_sharded = isinstance(optimizer, ShardedOptimizerState)
+    if engine_sharded:
+        current = _engine_sharded_templates(optimizer, section)
+    else:
+        current = get_optimizer_state_dict(model, optimizer, options=_options())  # initializes an empty optimizer
+    current_tensors, _ = flatten_optimizer_state(current, _class_name(optimizer))
     names = check_fits(current_tensors, section, strict=True, source=source, what="optimizer")
     with PieceReader(reader.path, section, source=source) as pieces:
         filled = fill_state(current_tensors, pieces, names)
     state = _rebuild_optimizer_state(filled, document, current, source=source)
-    set_optimizer_state_dict(model, optimizer, state, options=_options())
+    if engine_sharded:
+        optimizer.load_sharded_state_dict(state)
+    else:
+        set_optimizer_state_dict(model, optimizer, state, options=_options())
 
 
 def load_sharded_checkpoint(
@@ -610,9 +670,9 @@ def _check_optimizer_document(opened: OpenedCheckpoint, layout: Mapping[str, Any
     if document is None or layout.get(LAYOUT_KEY_OPTIMIZER) is None:
         raise IncompleteCheckpointError(f"{opened.path}: no optimizer state was saved; load without optimizer=.")
     check_optimizer_document(document, source=source)
-    if document["class"] != type(optimizer).__qualname__:
+    if document["class"] != _class_name(optimizer):
         raise CheckpointMismatchError(f"{opened.path}: optimizer was {document['class']}, now "
-                                      f"{type(optimizer).__qualname__}; build the same optimizer class to resume.")
+                                      f"{_class_name(optimizer)}; build the same optimizer class to resume.")
     if len(document["param_groups"]) != len(optimizer.param_groups):
         raise CheckpointMismatchError(f"{opened.path}: {len(document['param_groups'])} param group(s) saved, the "
                                       f"optimizer has {len(optimizer.param_groups)}; build it with the same groups.")

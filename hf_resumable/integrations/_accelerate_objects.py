@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..checkpoint.sharded import ShardedOptimizerState
 from ..errors import CheckpointMismatchError, IncompleteCheckpointError
 
 __all__ = [
@@ -128,8 +129,9 @@ def plan_layout(*, weights: Sequence[Any], originals: Sequence[Any], models: Seq
         kinds.append(KIND_MODULE if index < len(originals) and entry is originals[index] else KIND_STATE_DICT)
     core_optimizer = (
         bool(optimizers) and bool(kinds) and kinds[0] == KIND_MODULE and not hooks_registered
-        and all(not key.startswith(UNNAMED) and key.startswith("model/")
-                for key in parameter_keys(models[:1], optimizers[0]))
+        and (isinstance(optimizers[0], ShardedOptimizerState)  # ZeRO partitions: model 0's, by construction
+             or all(not key.startswith(UNNAMED) and key.startswith("model/")
+                    for key in parameter_keys(models[:1], optimizers[0])))
     )
     slots = [SLOT_CORE if index == 0 and core_optimizer else SLOT_EXTRA for index in range(len(optimizers))]
     return Layout(models=kinds, optimizers=slots, schedulers=schedulers, custom_objects=custom_objects,

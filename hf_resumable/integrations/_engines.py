@@ -1,12 +1,14 @@
 """Which distributed engines ``ResumableAccelerator`` and ``ResumableTrainer`` checkpoint, decided before step 1.
 
-Supported: a single process, DDP (CPU or GPU), and FSDP2 (``fully_shard``: every rank saves and loads its own
-DTensor pieces, see :mod:`hf_resumable.checkpoint.sharded`). Refused, with :class:`UnsupportedEngineError`, when the
-accelerator is built or ``train()`` starts, never at the first save after training up to it:
+Supported: a single process, DDP (CPU or GPU), FSDP2 (``fully_shard``: every rank saves and loads its own
+DTensor pieces, see :mod:`hf_resumable.checkpoint.sharded`) and DeepSpeed ZeRO-1/2 without offload (every rank
+saves and loads its partitions of the fp32 master weights and optimizer state, see :mod:`._deepspeed`). Refused,
+with :class:`UnsupportedEngineError`, when the accelerator is built or ``train()`` starts, never at the first save
+after training up to it:
 
-* DeepSpeed (any ZeRO stage): the engine owns the optimizer (flat fp32 partitions, its own step hooks and loss
-  scaling) and its state is only reachable through DeepSpeed's pickled ``save_checkpoint``. Detected from the
-  plugin, ``ACCELERATE_USE_DEEPSPEED`` or ``TrainingArguments.deepspeed``, without importing deepspeed.
+* DeepSpeed ZeRO-3: its parameters are partitioned too (``ds_tensor``), which is not wired yet; and ZeRO-Offload
+  (``offload_optimizer`` / ``offload_param`` on ``cpu`` or ``nvme``), not tested. Detected from the plugin,
+  accelerate's environment or ``TrainingArguments.deepspeed``, without importing deepspeed.
 * FSDP1 (``FullyShardedDataParallel`` wrappers, any state-dict type): flat parameters whose state dicts need
   FSDP1's collectives in a fixed order; not wired.
 * Megatron-LM and XLA FSDP: their own model and optimizer wrappers.
@@ -27,25 +29,30 @@ import torch
 
 from ..errors import UnsupportedEngineError
 
-__all__ = ["check_accelerate_options", "check_accelerate_state", "check_trainer_engine", "holds_dtensors"]
+__all__ = ["check_accelerate_options", "check_accelerate_state", "check_trainer_engine", "holds_dtensors",
+           "refuse_engine", "DEEPSPEED_STAGES"]
 
 # What to use instead, per front door.
-_ACCELERATE_FIX = ("Use FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2)) or DDP with ResumableAccelerator, or "
-                   "the stock accelerate.Accelerator for this run")
-_TRAINER_FIX = ("Use FSDP2 (TrainingArguments(fsdp=True, fsdp_config={'version': 2})) or DDP with "
-                "ResumableTrainer, or the stock transformers.Trainer for this run")
+_ACCELERATE_FIX = ("Use DeepSpeed ZeRO-1/2 without offload, FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2)) "
+                   "or DDP with ResumableAccelerator, or the stock accelerate.Accelerator for this run")
+_TRAINER_FIX = ("Use DeepSpeed ZeRO-1/2 without offload, FSDP2 (TrainingArguments(fsdp=True, fsdp_config="
+                "{'version': 2})) or DDP with ResumableTrainer, or the stock transformers.Trainer for this run")
 # Why each engine is refused (the checkpoint would not hold the run's full state, or could not be written).
 _WHY = {
-    "DeepSpeed": "the DeepSpeed engine owns the optimizer (flat fp32 partitions, its own loss scaling), whose state "
-                 "only DeepSpeed's pickled save_checkpoint can write",
+    "DeepSpeed ZeRO-Offload": "the optimizer offloaded to the CPU or NVMe (DeepSpeedCPUAdam) has not been tested",
+    "DeepSpeed": "ZeRO-3 partitions the parameters themselves, and DeepSpeed's other optimizers (BF16_Optimizer, "
+                 "FP16_Optimizer) keep their own state; hf_resumable saves ZeRO-1/2's partitions only",
     "FSDP1": "FSDP1's flat parameters are saved and loaded only through FSDP1's own state-dict collectives, which "
              "hf_resumable does not drive",
     "Megatron-LM": "Megatron-LM wraps the model and optimizer in its own parallel objects",
     "XLA FSDP": "XLA FSDP wraps the model and optimizer in its own sharded objects",
 }
+DEEPSPEED_STAGES = (1, 2)  # ZeRO stages whose state hf_resumable saves
+_OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
 
 
-def _refuse(engine: str, *, front_door: str, fix: str) -> UnsupportedEngineError:
+def refuse_engine(engine: str, *, front_door: str, fix: str) -> UnsupportedEngineError:
+    """The error refusing ``engine`` (a name starting with one of the families of ``_WHY``), before step 1."""
     family = next(name for name in _WHY if engine.startswith(name))
     return UnsupportedEngineError(
         f"{front_door} cannot checkpoint {engine} runs exactly: {_WHY[family]}. Nothing was trained. {fix}.")
@@ -55,40 +62,70 @@ def _is_true(environ: Mapping[str, str], name: str) -> bool:
     return environ.get(name, "false").strip().lower() in ("1", "true", "yes")
 
 
-def _zero_stage(config: Any) -> int | None:
-    """The ZeRO stage of a DeepSpeed config (a dict, a JSON file path or a ``DeepSpeedPlugin``), if it says."""
-    stage = getattr(config, "zero_stage", None)
-    if stage is None and hasattr(config, "deepspeed_config"):
-        config = config.deepspeed_config
+def _zero_section(config: Any) -> Mapping[str, Any]:
+    """The ``zero_optimization`` section of a DeepSpeed config (a dict, a JSON file path or a ``DeepSpeedPlugin``)."""
+    config = getattr(config, "deepspeed_config", config)
     if isinstance(config, (str, os.PathLike)) and Path(config).is_file():
         try:
             config = json.loads(Path(config).read_text())
         except (OSError, ValueError):
-            return None
-    if stage is None and isinstance(config, Mapping):
-        stage = (config.get("zero_optimization") or {}).get("stage")
-    return stage if isinstance(stage, int) else None
+            return {}
+    section = config.get("zero_optimization") if isinstance(config, Mapping) else None
+    return section if isinstance(section, Mapping) else {}
 
 
-def _deepspeed(config: Any) -> str:
-    stage = _zero_stage(config)
-    return "DeepSpeed" if stage is None else f"DeepSpeed ZeRO-{stage}"
+def _zero_stage(config: Any, environ: Mapping[str, str]) -> int | None:
+    """The ZeRO stage of a DeepSpeed config, or of accelerate's environment (``ACCELERATE_DEEPSPEED_ZERO_STAGE``,
+    accelerate's default 2) for a plugin built from it, if it says."""
+    stage = getattr(config, "zero_stage", None)
+    if stage is None:
+        stage = _zero_section(config).get("stage")
+    if stage is None and config is None:
+        stage = environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    try:
+        return int(stage)
+    except (TypeError, ValueError):
+        return None
+
+
+def _offloads(config: Any, environ: Mapping[str, str]) -> bool:
+    section = _zero_section(config)
+    devices = [section[key].get("device") for key in _OFFLOAD_KEYS if isinstance(section.get(key), Mapping)]
+    if config is None:
+        devices += [environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
+                    environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")]
+    return any(device in ("cpu", "nvme") for device in devices)
+
+
+def _refused_deepspeed(config: Any, environ: Mapping[str, str] | None = None) -> str | None:
+    """The DeepSpeed set-up ``config`` runs, if hf_resumable refuses it (an unknown stage is decided later, from the
+    built state)."""
+    environ = os.environ if environ is None else environ
+    stage = _zero_stage(config, environ)
+    if stage is not None and stage not in DEEPSPEED_STAGES:
+        return f"DeepSpeed ZeRO-{stage}"
+    if _offloads(config, environ):
+        return "DeepSpeed ZeRO-Offload"
+    return None
 
 
 def check_accelerate_options(options: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> None:
     """Refuse, from ``Accelerator`` options and the environment alone, engines accelerate would set up in its
-    constructor (DeepSpeed, Megatron-LM): before accelerate imports them or builds its state.
+    constructor (DeepSpeed ZeRO-3 or ZeRO-Offload, Megatron-LM): before accelerate imports them or builds its state.
 
     Raises:
-        UnsupportedEngineError: a DeepSpeed or Megatron-LM plugin is given or enabled by the environment.
+        UnsupportedEngineError: DeepSpeed ZeRO-3 or ZeRO-Offload, or Megatron-LM, given or enabled by the
+            environment.
     """
     environ = os.environ if environ is None else environ
     plugin = options.get("deepspeed_plugin") or options.get("deepspeed_plugins")
     if plugin is not None or _is_true(environ, "ACCELERATE_USE_DEEPSPEED"):
-        first = next(iter(plugin.values()), None) if isinstance(plugin, Mapping) else plugin
-        raise _refuse(_deepspeed(first), front_door="ResumableAccelerator", fix=_ACCELERATE_FIX)
+        plugins = list(plugin.values()) if isinstance(plugin, Mapping) else [plugin]
+        refused = [engine for engine in map(lambda p: _refused_deepspeed(p, environ), plugins) if engine]
+        if refused:
+            raise refuse_engine(refused[0], front_door="ResumableAccelerator", fix=_ACCELERATE_FIX)
     if options.get("megatron_lm_plugin") is not None or _is_true(environ, "ACCELERATE_USE_MEGATRON_LM"):
-        raise _refuse("Megatron-LM", front_door="ResumableAccelerator", fix=_ACCELERATE_FIX)
+        raise refuse_engine("Megatron-LM", front_door="ResumableAccelerator", fix=_ACCELERATE_FIX)
 
 
 def _state_engine(state: Any) -> str | None:
@@ -97,7 +134,8 @@ def _state_engine(state: Any) -> str | None:
 
     kind = getattr(state, "distributed_type", None)
     if kind == DistributedType.DEEPSPEED:
-        return _deepspeed(getattr(state, "deepspeed_plugin", None))
+        plugin = getattr(state, "deepspeed_plugin", None)
+        return _refused_deepspeed(plugin) or (None if _zero_stage(plugin, {}) in DEEPSPEED_STAGES else "DeepSpeed")
     if kind == DistributedType.MEGATRON_LM:
         return "Megatron-LM"
     if kind == DistributedType.FSDP and getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", 1) != 2:
@@ -109,11 +147,11 @@ def check_accelerate_state(state: Any) -> None:
     """Refuse the engine accelerate's (built) state runs, if it is one hf_resumable does not checkpoint.
 
     Raises:
-        UnsupportedEngineError: DeepSpeed, Megatron-LM or FSDP1.
+        UnsupportedEngineError: DeepSpeed ZeRO-3 (or a stage it cannot tell) or ZeRO-Offload, Megatron-LM or FSDP1.
     """
     engine = _state_engine(state)
     if engine is not None:
-        raise _refuse(engine, front_door="ResumableAccelerator", fix=_ACCELERATE_FIX)
+        raise refuse_engine(engine, front_door="ResumableAccelerator", fix=_ACCELERATE_FIX)
 
 
 def check_trainer_engine(args: Any, state: Any, *, fsdp_xla: bool = False) -> None:
@@ -125,15 +163,15 @@ def check_trainer_engine(args: Any, state: Any, *, fsdp_xla: bool = False) -> No
         fsdp_xla (`bool`, *optional*, defaults to `False`): the Trainer wraps the model with XLA FSDP.
 
     Raises:
-        UnsupportedEngineError: DeepSpeed, FSDP1 or XLA FSDP.
+        UnsupportedEngineError: DeepSpeed ZeRO-3 or ZeRO-Offload, FSDP1 or XLA FSDP.
     """
-    if getattr(args, "deepspeed", None):
-        raise _refuse(_deepspeed(args.deepspeed), front_door="ResumableTrainer", fix=_TRAINER_FIX)
+    if getattr(args, "deepspeed", None) and (engine := _refused_deepspeed(args.deepspeed, {})) is not None:
+        raise refuse_engine(engine, front_door="ResumableTrainer", fix=_TRAINER_FIX)
     if fsdp_xla:
-        raise _refuse("XLA FSDP", front_door="ResumableTrainer", fix=_TRAINER_FIX)
+        raise refuse_engine("XLA FSDP", front_door="ResumableTrainer", fix=_TRAINER_FIX)
     engine = _state_engine(state)
     if engine is not None:
-        raise _refuse(engine, front_door="ResumableTrainer", fix=_TRAINER_FIX)
+        raise refuse_engine(engine, front_door="ResumableTrainer", fix=_TRAINER_FIX)
 
 
 def holds_dtensors(model: torch.nn.Module | None) -> bool:

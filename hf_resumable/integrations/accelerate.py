@@ -34,9 +34,11 @@ swallows RNG load failures and leaves mid-epoch resume to the user):
   num_items_in_batch=window.num_items)`` then makes the accumulated gradient the full-batch token mean,
   short last window of an epoch included (accelerate divides every micro-batch by the configured number
   of steps: a mean of means, and wrong for a short window).
-* Engines (:mod:`~hf_resumable.integrations._engines`): DDP and FSDP2 (every rank writes its own DTensor pieces);
-  DeepSpeed, Megatron-LM and FSDP1 are refused with :class:`~hf_resumable.errors.UnsupportedEngineError` when the
-  accelerator is built, before any training step.
+* Engines (:mod:`~hf_resumable.integrations._engines`): DDP, FSDP2 (every rank writes its own DTensor pieces) and
+  DeepSpeed ZeRO-1/2 (every rank writes its partitions of the fp32 master weights and optimizer state,
+  :mod:`~hf_resumable.integrations._deepspeed`); DeepSpeed ZeRO-3 and ZeRO-Offload, Megatron-LM and FSDP1 are
+  refused with :class:`~hf_resumable.errors.UnsupportedEngineError` when the accelerator is built (DeepSpeed's
+  other optimizers when prepared), before any training step.
 
 Checkpoints land only on optimizer-step boundaries: ``save_state()`` inside an accumulation window raises.
 
@@ -140,6 +142,16 @@ from ._accelerate_paths import (
     stock_accelerate_files,
 )
 from ._accelerate_state import StepCounts, StepHook, state_fingerprint
+from ._deepspeed import (
+    EXTRA_DEEPSPEED,
+    capture_engine_state,
+    checkpoint_optimizer,
+    deepspeed_engine,
+    restore_engine_state,
+    saved_engine_state,
+    torch_optimizer,
+    zero_optimizer,
+)
 from ._engines import check_accelerate_options, check_accelerate_state, holds_dtensors
 
 logger = logging.getLogger(__name__)
@@ -255,14 +267,17 @@ class ResumableAccelerator(Accelerator):
             (a PEFT base, a frozen embedding) in every checkpoint too; by default they are recorded, not stored, and
             checked against the model by ``load_state`` (see :func:`hf_resumable.save_checkpoint`).
 
-    Engines: a single process, DDP and FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``, either
+    Engines: a single process, DDP, FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``, either
     ``state_dict_type``: every rank saves and loads its own DTensor pieces with
-    :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`, same ``save_state``/``load_state`` contract).
+    :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`, same ``save_state``/``load_state`` contract)
+    and DeepSpeed ZeRO-1/2 without offload (every rank saves and loads its ZeRO partitions the same way, at the same
+    world size).
 
     Raises:
-        UnsupportedEngineError: when built for DeepSpeed (any ZeRO stage; deepspeed is never imported), Megatron-LM or
-            FSDP1, whose state these checkpoints would not hold (see :mod:`._engines`); under FSDP2, ``prepare`` of a
-            second model or optimizer. Both before any training step.
+        UnsupportedEngineError: when built for DeepSpeed ZeRO-3 or ZeRO-Offload (deepspeed is not imported for the
+            refusal), Megatron-LM or FSDP1, whose state these checkpoints would not hold (see :mod:`._engines`);
+            ``prepare`` of another DeepSpeed optimizer (``BF16_Optimizer``), or, under FSDP2 or ZeRO, of a second
+            model or optimizer. All before any training step.
 
     Example:
 
@@ -330,27 +345,37 @@ class ResumableAccelerator(Accelerator):
         """accelerate's ``prepare``; additionally counts the real steps of every prepared optimizer.
 
         Raises:
-            UnsupportedEngineError: under FSDP2, a second model or optimizer (before any training step).
+            UnsupportedEngineError: under FSDP2 or ZeRO, a second model or optimizer; a DeepSpeed optimizer other than
+                ZeRO-1/2's (before any training step).
         """
         prepared = super().prepare(*args, device_placement=device_placement)
+        self._checkpoint_optimizers()  # refuses ZeRO-3 / ZeRO-Offload optimizers, before any step
         self._attach_step_hooks()
         if self._saves_pieces() and (len(self._models) > 1 or len(self._optimizers) > 1):
             raise UnsupportedEngineError(
-                f"ResumableAccelerator checkpoints one FSDP2 model and its optimizer; {len(self._models)} models and "
-                f"{len(self._optimizers)} optimizers are prepared. Nothing was trained. Prepare one model and one "
-                "optimizer, or use the stock accelerate.Accelerator for this run.")
+                f"ResumableAccelerator checkpoints one FSDP2 or ZeRO model and its optimizer; {len(self._models)} "
+                f"models and {len(self._optimizers)} optimizers are prepared. Nothing was trained. Prepare one model "
+                "and one optimizer, or use the stock accelerate.Accelerator for this run.")
         return prepared
 
     def _saves_pieces(self) -> bool:
-        """Whether checkpoints hold per-rank pieces (FSDP2 / DTensor parameters) instead of whole tensors."""
-        return any(holds_dtensors(self.unwrap_model(model)) for model in self._models)
+        """Whether checkpoints hold per-rank pieces (FSDP2 / DTensor parameters, ZeRO partitions) instead of whole
+        tensors."""
+        return (any(holds_dtensors(self.unwrap_model(model)) for model in self._models)
+                or any(zero_optimizer(optimizer) is not None for optimizer in self._optimizers))
+
+    def _checkpoint_optimizers(self) -> list[Any]:
+        """What checkpoints save of each prepared optimizer: the torch optimizer, or a ZeRO optimizer's partitions."""
+        return [checkpoint_optimizer(optimizer) for optimizer in self._optimizers]
+
+    def _deepspeed_engine(self) -> Any:
+        return deepspeed_engine(self._models[0]) if self._models else None
 
     def _attach_step_hooks(self) -> None:
         for optimizer in self._optimizers:
             if getattr(optimizer, "_hf_resumable_step_hook", None) is None:
                 hook = StepHook(self._step_counts)
-                inner = getattr(optimizer, "optimizer", optimizer)
-                inner.register_step_post_hook(hook)
+                torch_optimizer(optimizer).register_step_post_hook(hook)  # under ZeRO: the one over its partitions
                 optimizer._hf_resumable_step_hook = hook
 
     def _optimizer_step_counts(self) -> list[int]:
@@ -784,7 +809,7 @@ class ResumableAccelerator(Accelerator):
         weights = list(originals)
         hook_files = self._run_save_hooks(weights)
         unwrapped = [self.unwrap_model(model) for model in self._models]
-        optimizers = [getattr(optimizer, "optimizer", optimizer) for optimizer in self._optimizers]
+        optimizers = self._checkpoint_optimizers()
         if not self._save_model_state_pre_hook:
             weights = originals = list(unwrapped)  # no hook could have changed them
         layout = plan_layout(weights=weights, originals=originals, models=unwrapped, optimizers=optimizers,
@@ -802,7 +827,9 @@ class ResumableAccelerator(Accelerator):
                 return unwrapped[index] if index == 0 else unwrapped[index].state_dict()
             return weights[index]  # a state dict a hook put there, saved (and loaded) as accelerate would
 
+        engine = self._deepspeed_engine()
         extra = {EXTRA_RUN: self._run_settings(), EXTRA_LAYOUT: layout.to_json(),
+                 **({EXTRA_DEEPSPEED: capture_engine_state(engine, optimizers[:1])} if engine is not None else {}),
                  EXTRA_CUSTOM_OBJECTS: [obj.state_dict() for obj in self._custom_objects],
                  EXTRA_MODELS: [slot_state(i) for i in range(1, len(layout.models))],
                  EXTRA_OPTIMIZERS: [None if slot == SLOT_CORE else
@@ -845,7 +872,9 @@ class ResumableAccelerator(Accelerator):
                  "custom_objects": [obj.state_dict() for obj in self._custom_objects],
                  "loaders": [loader.position() for loader in self._resumable_loaders],
                  "hooks": [id(hook) for hook in self._save_model_state_pre_hook.values()]}
-        optimizers = [getattr(optimizer, "optimizer", optimizer) for optimizer in self._optimizers]
+        engine = self._deepspeed_engine()
+        small["engine"] = capture_engine_state(engine, []) if engine is not None else None
+        optimizers = self._checkpoint_optimizers()
         return state_fingerprint(models=self._models, optimizers=optimizers, small_state=small)
 
     def _run_settings(self) -> dict[str, Any]:
@@ -909,6 +938,8 @@ class ResumableAccelerator(Accelerator):
             hook(models, str(path))
         require_slots(layout, models_to_fill=len(models), optimizers=len(self._optimizers),
                       schedulers=len(self._schedulers), where=str(path))
+        engine = self._deepspeed_engine()
+        engine_state = saved_engine_state(opened.extra, where=path) if engine is not None else None
         # 3. Fill the objects (RNG excluded: it goes last).
         core_model, core_optimizer = self._core_load_targets(layout, models)
         scheduler = getattr(self._schedulers[0], "scheduler", self._schedulers[0]) if self._schedulers else None
@@ -919,6 +950,8 @@ class ResumableAccelerator(Accelerator):
             loaded = opened.load_into(model=core_model, optimizer=core_optimizer, scheduler=scheduler,
                                       scaler=self.scaler, strict=strict)
         self._restore_extra_objects(path, layout, loaded.extra, models, strict=strict)
+        if engine is not None:
+            restore_engine_state(engine, [core_optimizer], engine_state)
         # 4. Counters and data positions, 5. registered objects, 6. RNG.
         self._restore_counters(path, loaded)
         self._restore_loaders(path, loaded.data_state)
@@ -966,7 +999,7 @@ class ResumableAccelerator(Accelerator):
             model = self.unwrap_model(models[0]) if layout.models[0] == KIND_MODULE else models[0]
         optimizer = None
         if layout.optimizers[:1] == [SLOT_CORE] and self._optimizers:
-            optimizer = getattr(self._optimizers[0], "optimizer", self._optimizers[0])
+            optimizer = self._checkpoint_optimizers()[0]
             if model is None:
                 # The optimizer's state is keyed by model 0's parameter names, so model 0 is loaded with it.
                 logger.warning("A load_state pre-hook removed model 0, but optimizer 0's saved state is keyed by its "

@@ -31,9 +31,11 @@ changes, and why:
   from the newest checkpoint that verifies, skipping partial or corrupt ones, or from a newer stock
   ``transformers.Trainer`` checkpoint (converted on the fly, not bit-exact), and starts fresh when there is none.
   Directories hf_resumable did not write are never overwritten or deleted.
-* **Engines** (:mod:`._engines`): DDP and FSDP2 (``fsdp_config={"version": 2}``, either ``state_dict_type``:
-  every rank saves and loads its own DTensor pieces, :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`);
-  DeepSpeed, FSDP1 and XLA FSDP are refused when ``train()`` starts.
+* **Engines** (:mod:`._engines`): DDP, FSDP2 (``fsdp_config={"version": 2}``, either ``state_dict_type``:
+  every rank saves and loads its own DTensor pieces, :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`)
+  and DeepSpeed ZeRO-1/2 (``deepspeed=`` a config of stage 1 or 2: every rank saves and loads its ZeRO partitions,
+  :mod:`._deepspeed`; DeepSpeed's own ``global_step*`` checkpoints are neither written nor read); DeepSpeed ZeRO-3
+  and ZeRO-Offload, FSDP1 and XLA FSDP are refused when ``train()`` starts.
 * **Checks before the first step** (``set_initial_training_values``): a setup whose checkpoints would fail or
   not resume exactly is refused with the fix; changed optimization hyperparameters are reported
   (:mod:`._trainer_hparams`).
@@ -102,6 +104,16 @@ from ..format.state import RunConfig, check_config_drift
 from ..format.state_codec import encode_state
 from ..locations import is_remote, open_uploader, resolve_resume_path
 from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
+from ._deepspeed import (
+    EXTRA_DEEPSPEED,
+    capture_engine_state,
+    checkpoint_optimizer,
+    deepspeed_engine,
+    deepspeed_resume_by_us,
+    restore_engine_state,
+    saved_engine_state,
+    torch_optimizer,
+)
 from ._engines import check_trainer_engine, holds_dtensors
 from ._trainer_discovery import (
     CONVERTED_DIR,
@@ -146,7 +158,8 @@ _SOURCE_CONTRACT = {
                              "self._globalstep_last_logged = self.state.global_step", "on_train_begin",
                              "self.set_initial_training_values(args, train_dataloader)", "self._run_epoch(",
                              "if args.eval_on_start:", "return self._finalize_training("),
-    "_prepare_for_training": ("self._load_optimizer_and_scheduler(resume_from_checkpoint)",),
+    "_prepare_for_training": ("self._load_optimizer_and_scheduler(resume_from_checkpoint)",
+                              "deepspeed_load_checkpoint("),
     "_finalize_training": ("self._total_loss_scalar += self._tr_loss.item()", "sort_checkpoints("),
     "_init_training_state": ("self._load_callback_state()",),
     "_load_callback_state": ("if not self.args.restore_callback_states_from_checkpoint:",),
@@ -277,12 +290,6 @@ class _LoopTracker:
     steps_per_epoch: int | None = None  # optimizer steps per epoch (set_initial_training_values)
     prologue_done: bool = False
     finished: bool = False  # the resumed checkpoint is the end of the run: nothing is trained
-
-
-def _unwrapped_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (its class is what a checkpoint records)."""
-    inner = getattr(optimizer, "optimizer", None)
-    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
 def _as_float(value: Any) -> float | None:
@@ -491,8 +498,9 @@ class ResumableTrainer(Trainer):
             ConfigDriftError: the run configuration differs from the checkpoint's.
             CheckpointExistsError: the run would save over a ``checkpoint-N`` directory hf_resumable did not write
                 (raised before the first step).
-            UnsupportedEngineError: DeepSpeed (``TrainingArguments.deepspeed``, any ZeRO stage), FSDP1 or XLA FSDP,
-                refused before anything is read or trained (FSDP2 is supported: every rank saves its DTensor pieces).
+            UnsupportedEngineError: DeepSpeed ZeRO-3 or ZeRO-Offload (``TrainingArguments.deepspeed``), FSDP1 or XLA
+                FSDP, refused before anything is read or trained; DeepSpeed's other optimizers (``BF16_Optimizer``)
+                once built, before the first step. FSDP2 and ZeRO-1/2 are supported: every rank saves its pieces.
             InexactResumeError / UnsupportedStateError: before the first step, for a setup whose checkpoints could
                 not be resumed exactly or not be written (see docs/trainer.md).
             SystemExit: with ``PREEMPTION_EXIT_CODE`` after a SIGTERM, when ``exit_on_preemption``.
@@ -512,7 +520,8 @@ class ResumableTrainer(Trainer):
         self._loader_fallback = None
         self._train_loader = None
         try:
-            with self._preemption, _cursor_skipping(), _own_checkpoints_only(self), self._no_eval_on_resume():
+            with self._preemption, _cursor_skipping(), _own_checkpoints_only(self), self._no_eval_on_resume(), \
+                    deepspeed_resume_by_us():
                 output = super().train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint),
                                        trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         except BaseException:
@@ -822,16 +831,20 @@ class ResumableTrainer(Trainer):
         # The SIGTERM save is blocking: the process exits right after it.
         blocking = not self._saves_in_background() or self.preempted
         unwrapped = self.accelerator.unwrap_model(self.model)
-        save = save_sharded_checkpoint if holds_dtensors(unwrapped) else save_checkpoint  # FSDP2: per-rank pieces
+        optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO-1/2: this rank's partitions
+        engine = deepspeed_engine(self.model_wrapped)
+        sharded = holds_dtensors(unwrapped) or engine is not None
+        save = save_sharded_checkpoint if sharded else save_checkpoint  # FSDP2 / ZeRO: per-rank pieces
         save(
             output_dir, model=unwrapped,
-            optimizer=None if model_only else _unwrapped_optimizer(self.optimizer),
+            optimizer=None if model_only else optimizer,
             scheduler=None if model_only else self.lr_scheduler,
             scaler=None if model_only else self.accelerator.scaler,
             step=self.state.global_step,
             training_state={_PROGRESS_LOOP: self._loop_state(), _PROGRESS_ATTRIBUTES: self._trainer_attributes()},
             extra={_EXTRA_RUN_CONFIG: self._current_run_config().to_dict(), _EXTRA_MODEL_ONLY: model_only,
-                   _EXTRA_HYPERPARAMETERS: hyperparameter_snapshot(self.args, max_steps=self.state.max_steps)},
+                   _EXTRA_HYPERPARAMETERS: hyperparameter_snapshot(self.args, max_steps=self.state.max_steps),
+                   **({EXTRA_DEEPSPEED: capture_engine_state(engine, [optimizer])} if engine is not None else {})},
             extra_files={TRAINER_STATE_FILE: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True)},
             data_state=self._data_position(), rng=not model_only, metrics=self._metrics_of_this_step(),
             # as Trainer._save: without a processing_class, the collator's tokenizer is saved
@@ -973,6 +986,12 @@ class ResumableTrainer(Trainer):
             yield
         finally:
             self.args.eval_on_start = True
+
+    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
+        prepared = super()._prepare_for_training(*args, **kwargs)
+        if self.is_deepspeed_enabled:
+            checkpoint_optimizer(self.optimizer)  # DeepSpeed optimizers other than ZeRO-1/2's: refused before step 1
+        return prepared
 
     def set_initial_training_values(self, args: TrainingArguments, dataloader: Any) -> tuple:
         values = super().set_initial_training_values(args, dataloader)
@@ -1138,16 +1157,23 @@ class ResumableTrainer(Trainer):
         opened = (self._resume.loaded if self._resume is not None and Path(checkpoint) == self._resume.path
                   else open_checkpoint(checkpoint, verify=self.checkpoint_verify))
         model = self.accelerator.unwrap_model(self.model)
-        objects = dict(optimizer=None if model_only else _unwrapped_optimizer(self.optimizer),
+        optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO-1/2: this rank's partitions
+        objects = dict(optimizer=None if model_only else optimizer,
                        scheduler=None if model_only else self.lr_scheduler,
                        scaler=None if model_only else self.accelerator.scaler)
-        if holds_dtensors(model):  # FSDP2: every rank reads the slices of the pieces it holds
+        engine = deepspeed_engine(self.model_wrapped)
+        engine_state = None
+        if engine is not None and not model_only:  # checked before anything is loaded
+            engine_state = saved_engine_state(opened.extra, where=checkpoint)
+        if holds_dtensors(model) or engine is not None:  # FSDP2 / ZeRO: every rank reads its pieces' slices
             load_sharded_into(opened, model=model, **objects, restore_rng=False)
+            if engine_state is not None:
+                restore_engine_state(engine, [optimizer], engine_state)
         else:
             # a world-size change was already refused (or allowed) by the run-config drift check
             opened.load_into(model=model, **objects, restore_rng=False, allow_inexact_resume=True)
         if self.resume_hyperparameters == "arguments" and self._hyperparameter_changes and not model_only:
-            apply_new_hyperparameters(_unwrapped_optimizer(self.optimizer), self.lr_scheduler,
+            apply_new_hyperparameters(torch_optimizer(self.optimizer), self.lr_scheduler,
                                       self._hyperparameter_changes, decay_groups=self._decay_groups())
 
     def _decay_groups(self) -> list[bool]:
@@ -1181,7 +1207,8 @@ class ResumableTrainer(Trainer):
             return super()._load_best_model()
         logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
         model = self.accelerator.unwrap_model(self.model)
-        load = load_sharded_checkpoint if holds_dtensors(model) else load_checkpoint
+        # FSDP2 and ZeRO checkpoints hold per-rank pieces; under ZeRO-1/2 every rank loads the whole weights
+        load = load_sharded_checkpoint if holds_dtensors(model) or self.is_deepspeed_enabled else load_checkpoint
         load(best, model=model, restore_rng=False, verify=self.checkpoint_verify,
              allow_inexact_resume=True)  # weights only: no drift
 

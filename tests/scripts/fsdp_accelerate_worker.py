@@ -1,6 +1,8 @@
-"""One rank of a ``ResumableAccelerator`` FSDP loop (2 gloo ranks on CPU, torchrun), started by tests/test_engines.py.
+"""One rank of a ``ResumableAccelerator`` FSDP or DeepSpeed loop (2 gloo ranks on CPU, torchrun), started by
+tests/test_engines.py.
 
-Usage: ``torchrun --nproc-per-node 2 fsdp_accelerate_worker.py --output-dir DIR [--version 2] [--state-dict-type T]``.
+Usage: ``torchrun --nproc-per-node 2 fsdp_accelerate_worker.py --output-dir DIR [--version 2] [--state-dict-type T]``,
+or ``... --engine deepspeed [--zero-stage 2]``.
 The same command trains uninterrupted, is held after a save (``HFR_HOLD_AFTER_SAVE=k``, then SIGKILLed by the test)
 and resumes (``load_state()``). Every optimizer step is saved in the background (``save_async=True``); each rank
 appends ``{"step", "loss"}`` (``float.hex``) to ``losses-rank{r}.jsonl`` and writes ``final-rank{r}.safetensors``
@@ -21,7 +23,7 @@ import engine_fixtures as fx  # noqa: E402
 fx.install_cpu_engines()  # before the accelerator builds its state
 
 import torch  # noqa: E402
-from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: E402
+from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin  # noqa: E402
 from transformers import get_linear_schedule_with_warmup  # noqa: E402
 
 from hf_resumable.integrations.accelerate import ResumableAccelerator  # noqa: E402
@@ -39,16 +41,22 @@ def collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def engine_plugin(options) -> dict:
+    if options.engine == "deepspeed":
+        config = fx.deepspeed_config(options.zero_stage, batch_size=4)  # no loader in prepare(): say the batch size
+        return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=config)}
+    return {"fsdp_plugin": FullyShardedDataParallelPlugin(
+        fsdp_version=options.version, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["GPT2Block"], state_dict_type=options.state_dict_type,
+        cpu_ram_efficient_loading=False, sync_module_states=False)}  # FSDP1 broadcasts from a CUDA device otherwise
+
+
 def main() -> int:
     options = fx.parse_worker_args()
     output = options.output_dir
     output.mkdir(parents=True, exist_ok=True)
-    plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=options.version, auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=["GPT2Block"], state_dict_type=options.state_dict_type,
-        cpu_ram_efficient_loading=False, sync_module_states=False)  # FSDP1 broadcasts from a CUDA device otherwise
-    accelerator = ResumableAccelerator(fsdp_plugin=plugin, checkpoint_dir=output / "checkpoints", save_async=True,
-                                       handle_preemption=False)
+    accelerator = ResumableAccelerator(**engine_plugin(options), checkpoint_dir=output / "checkpoints",
+                                       save_async=True, handle_preemption=False)
     model = fx.build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     scheduler = get_linear_schedule_with_warmup(optimizer, 2, options.max_steps)

@@ -1,6 +1,8 @@
-"""One rank of ``ResumableTrainer`` under FSDP (2 gloo ranks on CPU, torchrun), started by tests/test_engines.py.
+"""One rank of ``ResumableTrainer`` under FSDP or DeepSpeed (2 gloo ranks on CPU, torchrun), started by
+tests/test_engines.py.
 
-Usage: ``torchrun --nproc-per-node 2 fsdp_trainer_worker.py --output-dir DIR [--version 2] [--state-dict-type T]``.
+Usage: ``torchrun --nproc-per-node 2 fsdp_trainer_worker.py --output-dir DIR [--version 2] [--state-dict-type T]``,
+or ``... --engine deepspeed [--zero-stage 2]``.
 The same command trains uninterrupted, is held after a save (``HFR_HOLD_AFTER_SAVE=k``, then SIGKILLed by the test)
 and resumes (``resume_from_checkpoint=True``). At the end every rank writes ``final-rank{r}.safetensors`` (its
 parameter pieces and optimizer state) and ``result-rank{r}.json`` (log history without wall-clock fields).
@@ -34,6 +36,12 @@ class HoldAfterSave(TrainerCallback):
         fx.hold_after_save(state.global_step)
 
 
+def engine_arguments(options) -> dict:
+    if options.engine == "deepspeed":
+        return {"deepspeed": fx.deepspeed_config(options.zero_stage)}
+    return fsdp_arguments(options.version, options.state_dict_type)
+
+
 def fsdp_arguments(version: int, state_dict_type: str) -> dict:
     config = {"version": version, "transformer_layer_cls_to_wrap": ["GPT2Block"], "state_dict_type": state_dict_type,
               "cpu_ram_efficient_loading": False}
@@ -52,7 +60,7 @@ def main() -> int:
         output_dir=str(output), per_device_train_batch_size=4, max_steps=options.max_steps, learning_rate=1e-2,
         lr_scheduler_type="linear", warmup_steps=2, weight_decay=0.01, logging_steps=1, save_strategy="steps",
         save_steps=1, save_total_limit=2, seed=42, report_to=[], disable_tqdm=True,
-        **fsdp_arguments(options.version, options.state_dict_type))
+        **engine_arguments(options))
     trainer = ResumableTrainer(model=fx.build_model(), args=args, train_dataset=train, data_collator=collator,
                                processing_class=tokenizer, callbacks=[HoldAfterSave()])
     try:

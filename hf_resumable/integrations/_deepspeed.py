@@ -1,0 +1,254 @@
+"""DeepSpeed ZeRO-1/2 state in hf_resumable checkpoints: every rank writes its own partitions, no pickle.
+
+Under ZeRO-1/2 every rank holds the whole (bit16 or fp32) model, and its own partition of each param group's
+flattened fp32 master weights, over which the torch optimizer steps: its Adam moments are partitions too. A
+checkpoint stores them as pieces of one global flat tensor per param group (:class:`ZeroOptimizerState` shows each
+partition as a ``DTensor`` sharded on dim 0 over the data-parallel group), so the sharded writer and reader
+(:mod:`hf_resumable.checkpoint.sharded`) handle them as they handle FSDP2 pieces, under the pseudo-parameter
+``zero<dp size>.group<i>`` with the keys ``fp32`` (the master partition) and the base optimizer's own
+(``exp_avg``, ``exp_avg_sq``, ``step``). The model's weights are saved whole by rank 0, and the engine's counters
+and loss scaler as JSON (:func:`capture_engine_state`).
+
+A partition's place in the flat tensor depends on the data-parallel size, which is part of the name: these
+checkpoints resume at the same world size (a changed one is refused as configuration drift by both front doors,
+and, if allowed anyway, fails naming the optimizer keys).
+
+Nothing here imports deepspeed: the ZeRO optimizer is recognised by its attributes, so accelerate and the Trainer
+import it as they always do, and only when it is configured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ..errors import IncompleteCheckpointError, UnsupportedEngineError
+from ._engines import refuse_engine
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ZeroOptimizerState", "checkpoint_optimizer", "zero_optimizer", "torch_optimizer", "EXTRA_DEEPSPEED",
+           "saved_engine_state", "capture_engine_state", "restore_engine_state", "deepspeed_engine",
+           "deepspeed_resume_by_us"]
+
+MASTER_KEY = "fp32"  # the fp32 master-weight partition, next to the base optimizer's own state keys
+# A param group's flat partition, named as a parameter would be. The data-parallel size is part of the name: the
+# partitions' layout depends on it, so a resume at another world size fails naming the keys (never mixes layouts).
+GROUP_NAME = "zero{world_size}.group{index}"
+EXTRA_DEEPSPEED = "deepspeed_engine"  # extra-state key: the engine's counters and loss scaler (capture_engine_state)
+ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")  # DeepSpeedEngine's
+_SCALER_TYPES = (bool, int, float)  # the loss scaler's fields saved as JSON (scale, iteration, hysteresis ...)
+
+
+def is_zero_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is DeepSpeed's ZeRO-1/2 optimizer (flat fp32 partitions over a torch optimizer)."""
+    return hasattr(optimizer, "single_partition_of_fp32_groups") and hasattr(optimizer, "real_dp_process_group")
+
+
+def _wrapped(optimizer: Any) -> Iterator[Any]:
+    """``optimizer`` and every optimizer it wraps, outermost first (accelerate's wrapper, ZeRO's, torch's)."""
+    while optimizer is not None:
+        yield optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+
+
+def zero_optimizer(optimizer: Any) -> Any:
+    """The ZeRO-1/2 optimizer inside ``optimizer`` (accelerate's wrapper, or itself), or ``None``."""
+    return next((inner for inner in _wrapped(optimizer) if is_zero_optimizer(inner)), None)
+
+
+def torch_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer that steps: the one inside accelerate's wrapper, or inside ZeRO's (over its partitions)."""
+    zero = zero_optimizer(optimizer)
+    if zero is not None:
+        return zero.optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+def checkpoint_optimizer(optimizer: Any) -> Any:
+    """What a checkpoint saves for ``optimizer`` (accelerate's wrapper or the engine's optimizer): a
+    :class:`ZeroOptimizerState` for ZeRO-1/2, the torch optimizer otherwise (its class is what a checkpoint records).
+
+    Raises:
+        UnsupportedEngineError: ZeRO-3, or ZeRO-1/2 with the optimizer offloaded (before any training step).
+    """
+    zero = zero_optimizer(optimizer)
+    if zero is not None:
+        return ZeroOptimizerState(zero)
+    if any(hasattr(inner, "fp32_partitioned_groups_flat") for inner in _wrapped(optimizer)):  # ZeRO-3's
+        raise _unsupported("DeepSpeed ZeRO-3")
+    # Another optimizer of DeepSpeed's own (BF16_Optimizer for ZeRO-1 in bf16, FP16_Optimizer...): state not saved.
+    other = next((inner for inner in _wrapped(optimizer) if type(inner).__module__.startswith("deepspeed.")), None)
+    if other is not None:
+        raise _unsupported(f"DeepSpeed (with its {type(other).__name__})")
+    return torch_optimizer(optimizer)
+
+
+def _unsupported(engine: str) -> UnsupportedEngineError:
+    return refuse_engine(engine, front_door="hf_resumable",
+                         fix="Use DeepSpeed ZeRO-1/2 without offload, FSDP2 or DDP, or the stock classes for this run")
+
+
+@functools.lru_cache(maxsize=16)
+def _mesh(group: Any, device_type: str) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, device_type)
+
+
+class ZeroOptimizerState:
+    """A ZeRO-1/2 optimizer as the sharded checkpoint sees it (:class:`~hf_resumable.checkpoint.sharded.
+    ShardedOptimizerState`): one pseudo-parameter per param group, whose state is this rank's partitions.
+
+    Args:
+        zero (`DeepSpeedZeroOptimizer`): the engine's optimizer.
+
+    Raises:
+        UnsupportedEngineError: the optimizer is offloaded to the CPU (DeepSpeedCPUAdam, not tested).
+    """
+
+    def __init__(self, zero: Any) -> None:
+        if getattr(zero, "cpu_offload", False):
+            raise _unsupported("DeepSpeed ZeRO-Offload")
+        self.zero = zero
+        self.base: torch.optim.Optimizer = zero.optimizer
+        stage = 2 if getattr(zero, "partition_gradients", False) else 1
+        self.checkpoint_class = f"DeepSpeedZero{stage}/{type(self.base).__qualname__}"
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.base.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.base.state
+
+    def _partitions(self) -> Iterator[tuple[str, torch.Tensor, Any]]:
+        for index, group in enumerate(self.base.param_groups):
+            (flat,) = group["params"]  # ZeRO puts one flat fp32 partition in each group
+            dp_group = self.zero.real_dp_process_group[index]
+            world_size = torch.distributed.get_world_size(dp_group)
+            yield GROUP_NAME.format(world_size=world_size, index=index), flat, dp_group
+
+    @staticmethod
+    def _piece(local: torch.Tensor, group: Any) -> torch.Tensor:
+        """``local`` (this rank's partition) as a piece of the group's global flat tensor (no communication)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = _mesh(group, local.device.type)
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(local.numel() * mesh.size(),),
+                                  stride=(1,))
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """``{"state": {group name: {key: piece or value}}, "param_groups": [...]}``, names for parameters."""
+        state, groups = {}, []
+        for (name, flat, group), param_group in zip(self._partitions(), self.base.param_groups):
+            entries = {MASTER_KEY: self._piece(flat.detach(), group)}
+            for key, value in self.base.state.get(flat, {}).items():
+                partitioned = torch.is_tensor(value) and value.shape == flat.shape
+                entries[key] = self._piece(value, group) if partitioned else value
+            state[name] = entries
+            groups.append({**{k: v for k, v in param_group.items() if k != "params"}, "params": [name]})
+        return {"state": state, "param_groups": groups}
+
+    def init_state(self) -> None:
+        """Create the base optimizer's state (zero gradients, learning rate 0) so a load has templates to fill,
+        as ``torch.distributed.checkpoint`` does for FSDP2; the load overwrites all of it (the master partitions
+        too). Step hooks do not run, so :attr:`ResumableAccelerator.global_step` does not count it."""
+        if self.base.state:
+            return
+        lrs = [group["lr"] for group in self.base.param_groups]
+        hooks = self.base._optimizer_step_pre_hooks, self.base._optimizer_step_post_hooks
+        self.base._optimizer_step_pre_hooks, self.base._optimizer_step_post_hooks = type(hooks[0])(), type(hooks[1])()
+        try:
+            for group in self.base.param_groups:
+                group["lr"] = 0.0
+                for flat in group["params"]:
+                    flat.grad = torch.zeros_like(flat)
+            self.base.step()
+        finally:
+            self.base._optimizer_step_pre_hooks, self.base._optimizer_step_post_hooks = hooks
+            for group, lr in zip(self.base.param_groups, lrs):
+                group["lr"] = lr
+                for flat in group["params"]:
+                    flat.grad = None
+
+    def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put the master partitions, the base optimizer's state and the hyper-parameters in place."""
+        for (name, flat, _), param_group, saved in zip(self._partitions(), self.base.param_groups,
+                                                       state["param_groups"]):
+            entries = {key: value.to_local() if hasattr(value, "to_local") else value
+                       for key, value in state["state"][name].items()}
+            with torch.no_grad():
+                flat.copy_(entries.pop(MASTER_KEY))
+            self.base.state[flat] = {key: value.to(flat.device) if torch.is_tensor(value) and
+                                     value.shape == flat.shape else value for key, value in entries.items()}
+            param_group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def deepspeed_engine(model: Any) -> Any:
+    """The ``DeepSpeedEngine`` a prepared model is (or ``None``)."""
+    return model if all(hasattr(model, name) for name in ENGINE_COUNTERS) else None
+
+
+def _loss_scaler(optimizers: list[Any]) -> Any:
+    """The loss scaler of the ZeRO optimizer among ``optimizers`` (what a checkpoint saves of them), if any."""
+    zero = next((optimizer.zero for optimizer in optimizers if isinstance(optimizer, ZeroOptimizerState)), None)
+    return getattr(zero, "loss_scaler", None)
+
+
+def capture_engine_state(engine: Any, optimizers: list[Any]) -> dict[str, Any]:
+    """The engine's step counters and the loss scaler of its ZeRO optimizer (among ``optimizers``), as JSON."""
+    state: dict[str, Any] = {name: int(getattr(engine, name)) for name in ENGINE_COUNTERS}
+    scaler = _loss_scaler(optimizers)
+    if scaler is not None:
+        state["loss_scaler"] = {k: v for k, v in vars(scaler).items() if type(v) in _SCALER_TYPES}
+    return state
+
+
+def saved_engine_state(extra: Mapping[str, Any], *, where: Any) -> Mapping[str, Any]:
+    """The engine state a checkpoint's extra state holds, checked before anything is loaded.
+
+    Raises:
+        IncompleteCheckpointError: the checkpoint was not written by a DeepSpeed run (no engine state).
+    """
+    state = extra.get(EXTRA_DEEPSPEED)
+    if not isinstance(state, Mapping) or any(not isinstance(state.get(name), int) for name in ENGINE_COUNTERS):
+        raise IncompleteCheckpointError(f"{where} holds no DeepSpeed engine state: it was not saved by a DeepSpeed "
+                                        "run. Resume it without DeepSpeed, or start this run from scratch.")
+    return state
+
+
+def restore_engine_state(engine: Any, optimizers: list[Any], state: Mapping[str, Any]) -> None:
+    """Put back what :func:`capture_engine_state` saved (:func:`saved_engine_state`)."""
+    for name in ENGINE_COUNTERS:
+        setattr(engine, name, int(state[name]))
+    scaler = _loss_scaler(optimizers)
+    for key, value in (state.get("loss_scaler") or {}).items():
+        if scaler is not None and hasattr(scaler, key):
+            setattr(scaler, key, value)
+
+
+@contextlib.contextmanager
+def deepspeed_resume_by_us() -> Iterator[None]:
+    """Inside ``Trainer.train``: the Trainer's ``deepspeed_load_checkpoint`` (DeepSpeed's pickled
+    ``global_step*`` folders) does nothing; ``ResumableTrainer`` loads weights, ZeRO partitions and counters from
+    its own checkpoint in ``_load_optimizer_and_scheduler``."""
+    import transformers.trainer as trainer_module
+
+    original = trainer_module.deepspeed_load_checkpoint
+
+    def load_nothing(*args: Any, **kwargs: Any) -> None:
+        logger.debug("DeepSpeed's own checkpoint loading skipped: hf_resumable loads the ZeRO state.")
+
+    trainer_module.deepspeed_load_checkpoint = load_nothing
+    try:
+        yield
+    finally:
+        trainer_module.deepspeed_load_checkpoint = original
