@@ -189,6 +189,7 @@ def save_checkpoint(
         model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, training_state=training_state,
         extra=extra, extra_files=extra_files, data_state=data_state, rng=rng, max_shard_size=max_shard_size,
         processing_class=processing_class, rank=rank, is_main=rank == 0, standalone=standalone,
+        replicas=is_distributed(),  # DDP: every rank holds the model and optimizer; the ranks share their writing
     )
     metrics = dict(metrics or {})
 
