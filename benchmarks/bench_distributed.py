@@ -23,9 +23,15 @@ completion; and, on a DDP replica of the same model in the same processes, ``sav
 ``blocking=False`` (rank 0 writes every tensor, the other rank its RNG state). Medians of every rank's times (the
 slower rank of each save counts); each stall is compared with the blocking save of the same kind of model.
 
+With ``--replicated``, instead: ``save_checkpoint`` of a DDP replica (every rank holds the same Llama-shaped model
+and AdamW state) by 2 gloo ranks, blocking, with the replicated model and optimizer files split across the ranks
+(today's plan) and with rank 0 writing all of them (the single-writer plan, ``HF_RESUMABLE_SPLIT_REPLICAS=0``),
+alternating in one process group; the slower rank of each save counts, medians of ``--repeats`` each.
+
 Usage:
     python benchmarks/bench_distributed.py [--rounds 3] [--repeats 2] [--dir /path/on/the/disk] [--hidden 512]
     python benchmarks/bench_distributed.py --stall [--repeats 5] [--hidden 512]
+    python benchmarks/bench_distributed.py --replicated [--repeats 5] [--dir /dev/shm] [--max-shard-size 2GB]
 """
 
 from __future__ import annotations
@@ -198,6 +204,59 @@ def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
     dist.destroy_process_group()
 
 
+def replicated_worker(root: Path, repeats: int, hidden: int, max_shard_size: str, out: Path) -> None:
+    """One rank of a DDP replica: blocking saves, split and single-writer alternating; every save's seconds."""
+    import torch.distributed as dist
+
+    from hf_resumable import save_checkpoint
+    from hf_resumable.checkpoint._replicas import SPLIT_ENV
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = build(hidden)  # seeded: the same weights and optimizer state on every rank
+    optimizer = prime_optimizer(model)
+    plans = {"split": "1", "single writer": "0"}
+    times: dict[str, list[float]] = {name: [] for name in plans}
+    for i in range(repeats + 1):  # the first round warms up
+        for name in (list(plans) if i % 2 else list(plans)[::-1]):
+            os.environ[SPLIT_ENV] = plans[name]
+            path = root / f"{name.replace(' ', '-')}-{i}"
+            if rank == 0:
+                drop_caches()
+            dist.barrier()
+            start = time.perf_counter()
+            save_checkpoint(path, model=model, optimizer=optimizer, step=0, max_shard_size=max_shard_size)
+            seconds = time.perf_counter() - start
+            dist.barrier()
+            if i:
+                times[name].append(seconds)
+            if rank == 0:
+                size = dir_bytes(path)
+                files = sum(1 for p in path.rglob("*.safetensors"))
+                shutil.rmtree(path, ignore_errors=True)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)  # benchmark driver only: the library never pickles
+    if rank == 0:
+        slowest = {name: [max(per_rank[name][k] for per_rank in gathered) for k in range(repeats)] for name in plans}
+        out.write_text(json.dumps({"times": slowest, "bytes": size, "files": files}))
+    dist.destroy_process_group()
+
+
+def replicated_report(result: dict, args: argparse.Namespace) -> str:
+    times = result["times"]
+    split, single = (statistics.median(times[name]) for name in ("split", "single writer"))
+    return "\n".join([
+        f"2 gloo ranks, DDP replica of a Llama-shaped model (hidden {args.hidden}) + AdamW, save_checkpoint(blocking, "
+        f"max_shard_size={args.max_shard_size}): {result['bytes'] / 1e6:.0f} MB in {result['files']} safetensors "
+        f"files, under {args.dir or tempfile.gettempdir()}; median of {args.repeats} alternating saves each (slower "
+        "rank), after a warm-up round.", "",
+        "| plan | median s | min-max s | MB/s |", "|---|---:|---:|---:|",
+        *(f"| {name} | {statistics.median(t):.3f} | {min(t):.3f}-{max(t):.3f} | "
+          f"{result['bytes'] / statistics.median(t) / 1e6:.0f} |" for name, t in times.items()),
+        "", f"split / single writer: {split / single:.2f}x the time (lower is better)"])
+
+
 def stall_report(result: dict, args: argparse.Namespace) -> str:
     times = result["times"]
 
@@ -237,7 +296,7 @@ def launch(mode: str, world_size: int, root: Path, args: argparse.Namespace) -> 
                "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         argv = [sys.executable, __file__, "--worker", mode, "--dir", str(root), "--repeats", str(args.repeats),
-                "--hidden", str(args.hidden)]
+                "--hidden", str(args.hidden), "--max-shard-size", args.max_shard_size]
         procs.append(subprocess.Popen(argv, env=env))
     if any(p.wait() != 0 for p in procs):
         raise SystemExit(f"{mode}: a worker failed")
@@ -321,10 +380,16 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="directory on the disk to test (default: a temp dir)")
     parser.add_argument("--hidden", type=int, default=512, help="hidden size of the Llama-shaped model")
     parser.add_argument("--stall", action="store_true", help="compare save stalls with torch DCP instead")
+    parser.add_argument("--replicated", action="store_true",
+                        help="DDP replica: ranks sharing the save vs rank 0 writing it all")
+    parser.add_argument("--max-shard-size", default="2GB", help="shard size of --replicated saves")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "stall":
         stall_worker(args.dir, args.repeats, args.hidden, args.dir / "stall.json")
+        return
+    if args.worker == "replicated":
+        replicated_worker(args.dir, args.repeats, args.hidden, args.max_shard_size, args.dir / "replicated.json")
         return
     if args.worker is not None:
         worker(args.worker, args.dir, args.repeats, args.hidden, args.dir / f"{args.worker}.json")
@@ -333,6 +398,8 @@ def main() -> None:
     try:
         if args.stall:
             print(stall_report(launch("stall", 2, root, args), args))
+        elif args.replicated:
+            print(replicated_report(launch("replicated", 2, root, args), args))
         else:
             print(report(measure(root, args), args))
     finally:
