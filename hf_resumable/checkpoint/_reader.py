@@ -393,6 +393,9 @@ class OpenedCheckpoint(LoadedCheckpoint):
     ) -> "OpenedCheckpoint":
         """Fill the given objects; every check runs before the first byte is written into any of them.
 
+        Under torch.distributed, with a model or an optimizer, it is collective: every rank calls it (a DDP resume),
+        and each tensor file is read from storage by one rank and exchanged (see :mod:`._shared_read`).
+
         Args:
             model, optimizer, scheduler, scaler (*optional*): objects to fill (``None`` skips a part).
             strict (`bool`, *optional*, defaults to `True`): missing/unexpected model keys are errors.

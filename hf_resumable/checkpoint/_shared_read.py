@@ -27,6 +27,7 @@ from .. import errors
 from ..distributed import all_gather_json, checkpoint_group, is_distributed, rank_and_world_size
 from ._parallel_read import FileRead, _in_place, read_files
 from ._replicas import plan_replica_writers
+from ._writer import BACKGROUND_SAVER
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +97,7 @@ def read_shared(reads: list[FileRead], *, source: str) -> dict[str, torch.Tensor
         CorruptCheckpointError: a hash mismatch on any rank (the same type on every rank), or another rank's error
             of another kind (its type kept where it is one of hf_resumable's, else its errno).
     """
-    from .api import wait_for_pending_saves  # the save's collectives use the same group: never two at once
-
-    wait_for_pending_saves()
+    BACKGROUND_SAVER.wait()  # the save's collectives use the same group: never two at once
     group = checkpoint_group()
     rank, world_size = rank_and_world_size()
     # 1. Agree: the same reads on every rank (and none failed planning its load).

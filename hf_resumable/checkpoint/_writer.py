@@ -512,3 +512,8 @@ class AsyncSaver:
         if job.error is not None:
             raise AsyncSaveError(f"A background checkpoint save failed: {type(job.error).__name__}: {job.error}"
                                  ) from job.error
+
+
+# The process's one background saver (``api.background_saver``), defined here so that a load below ``api`` (the shared
+# reads, whose collectives use the save's group) can wait for it.
+BACKGROUND_SAVER = AsyncSaver()
