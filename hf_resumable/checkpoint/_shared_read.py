@@ -1,9 +1,12 @@
 """Read once: on a data-parallel (DDP) resume every rank loads the same model and optimizer, so the tensor files are
 split across the ranks (the same PURE plan as a save's, :func:`._replicas.plan_replica_writers`), each rank reads
-its share from storage (hash-checked while read, as a single-process load), the ranks learn whether every read
-verified, and only then are the tensors exchanged over the checkpoint's gloo group (one broadcast per tensor, from
-the rank that read it). Each byte therefore comes from storage once across the ranks, and no rank uses a byte
-whose hash was not checked. A hash mismatch raises the same ``CorruptCheckpointError`` on every rank.
+its share from storage (hash-checked while read, as a single-process load) and broadcasts each file's tensors over
+the checkpoint's gloo group once the file verified, while it reads its next files (the receives are posted ahead,
+in the same order on every rank). Then the ranks learn whether every read verified, and only then are received
+bytes copied into destinations that could not take them in place, or the load returns. Each byte therefore comes
+from storage once across the ranks, and every byte sent was hash-checked by the rank that read it; a mismatch
+raises the same ``CorruptCheckpointError`` on every rank (the failing rank still sends what it has, so that no
+rank waits; the model's parameters may then hold part of it, as after a mismatch in a single-process load).
 
 It applies when every rank's reads agree (:func:`read_signature`: the files' sizes and every tensor's destination
 kind); otherwise, or with ``HF_RESUMABLE_SHARED_READS=0``, every rank reads every file, as before. Under
@@ -106,51 +109,82 @@ def read_shared(reads: list[FileRead], *, source: str) -> dict[str, torch.Tensor
     if any(entry["signature"] != agreed[0]["signature"] for entry in agreed):
         logger.debug("ranks load different tensors from %s: each reads every file", source)
         return read_files(reads)
-    # 2. Each rank reads its share (bytes kept by verification are in every rank's memory: read there).
+    # 2. Each rank reads its share (bytes kept by verification are in every rank's memory: read there), in the order
+    #    of the files, and sends each run of its files as soon as they are read and verified, while the receives of
+    #    the other ranks' files are already posted: reads and transfers overlap.
     owners = plan_replica_writers({f"{i:08d}": read.header.file_size for i, read in enumerate(reads)
                                    if read.data is None}, world_size)
     owner = [owners.get(f"{i:08d}", rank) for i in range(len(reads))]
     fresh: dict[str, torch.Tensor] = {}
+    exchange = _Exchange(rank, group, fresh)
     local = None
-    try:
-        fresh = read_files([read for read, who in zip(reads, owner) if who == rank])
-    except Exception as err:
-        local = err
-    # 3. Every rank learns whether every read verified before any byte is exchanged.
+    for mine, run in _runs(reads, owner, rank):
+        if mine and local is None:
+            try:
+                fresh.update(read_files([read for read, _ in run]))
+            except Exception as err:
+                local = err  # its sends still go out (every rank posts the same broadcasts); nothing is applied
+        for read, src in run:
+            exchange.post(read, src)
+    exchange.wait()
+    # 3. Every rank learns whether every read verified before any received byte is applied.
     outcome = all_gather_json({"error": None if local is None else _describe(local)}, group=group)
     _raise_if_failed(outcome, local, f"reading {source} failed on another rank")
-    # 4. The exchange: each tensor from the rank that read it.
-    _exchange(reads, owner, fresh, rank=rank, group=group)
+    exchange.apply()
     return fresh
 
 
-def _exchange(reads: list[FileRead], owner: list[int], fresh: dict[str, torch.Tensor], *, rank: int,
-              group: Any) -> None:
-    import torch.distributed as dist
+def _runs(reads: list[FileRead], owner: list[int], rank: int) -> list[tuple[bool, list[tuple[FileRead, int]]]]:
+    """Consecutive files this rank reads (``True``) or receives (``False``), in the files' order."""
+    runs: list[tuple[bool, list[tuple[FileRead, int]]]] = []
+    for read, src in zip(reads, owner):
+        mine = src == rank
+        if not runs or runs[-1][0] != mine:
+            runs.append((mine, []))
+        runs[-1][1].append((read, src))
+    return runs
 
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    works = []
-    with torch.no_grad():
-        for read, src in zip(reads, owner):
-            if read.data is not None:
-                continue
-            for info in sorted(read.header.tensors.values(), key=lambda t: t.start):
-                name, target = info.name, read.into.get(info.name)
-                if src == rank:
-                    buffer = fresh[name] if target is None else target
-                    if target is not None and not _in_place(target, info):
-                        buffer = target.detach().to("cpu", copy=True).contiguous()
-                elif target is None:
-                    buffer = fresh[name] = torch.empty(info.shape, dtype=info.torch_dtype)
-                elif _in_place(target, info):
-                    buffer = target
-                else:
-                    buffer = torch.empty(tuple(target.shape), dtype=target.dtype)
-                    copies.append((buffer, target))
-                if buffer.numel():
-                    works.append(dist.broadcast(buffer.detach().reshape(-1).view(torch.uint8), src=src,
-                                                group=group, async_op=True))
-        for work in works:
+
+class _Exchange:
+    """The broadcasts of one shared load: each tensor of a file from the rank that read it, posted without waiting,
+    in the same order on every rank (one gloo group orders them); copies into destinations that cannot take the
+    bytes in place wait for :meth:`apply`."""
+
+    def __init__(self, rank: int, group: Any, fresh: dict[str, torch.Tensor]) -> None:
+        self.rank, self.group, self.fresh = rank, group, fresh
+        self.works: list[Any] = []
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def post(self, read: FileRead, src: int) -> None:
+        import torch.distributed as dist
+
+        if read.data is not None:  # in every rank's memory: read there
+            return
+        for info in sorted(read.header.tensors.values(), key=lambda t: t.start):
+            buffer = self._buffer(read, info, sending=src == self.rank)
+            if buffer.numel():
+                self.works.append(dist.broadcast(buffer.detach().reshape(-1).view(torch.uint8), src=src,
+                                                 group=self.group, async_op=True))
+
+    def _buffer(self, read: FileRead, info: Any, *, sending: bool) -> torch.Tensor:
+        name, target = info.name, read.into.get(info.name)
+        if target is None:
+            if name not in self.fresh:  # a receive (or the send of a read that failed)
+                self.fresh[name] = torch.empty(info.shape, dtype=info.torch_dtype)
+            return self.fresh[name]
+        if _in_place(target, info):
+            return target
+        if sending:
+            return target.detach().to("cpu", copy=True).contiguous()
+        buffer = torch.empty(tuple(target.shape), dtype=target.dtype)
+        self.copies.append((buffer, target))
+        return buffer
+
+    def wait(self) -> None:
+        for work in self.works:
             work.wait()
-        for buffer, target in copies:
-            target.copy_(buffer)
+
+    def apply(self) -> None:
+        with torch.no_grad():
+            for buffer, target in self.copies:
+                target.copy_(buffer)
