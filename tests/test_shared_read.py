@@ -67,3 +67,12 @@ def test_a_corrupted_byte_is_caught_on_both_ranks(saved, tmp_path):
     victim.write_bytes(bytes(data))
     results = _run("load", tmp_path)
     assert [r.get("error") for r in results] == ["CorruptCheckpointError"] * 2, results
+
+
+def test_runs_group_consecutive_files_by_reader():
+    from hf_resumable.checkpoint._shared_read import _runs
+
+    reads = ["a", "b", "c", "d", "e"]
+    runs = _runs(reads, [0, 0, 1, 0, 1], rank=0)
+    assert [(mine, [r for r, _ in run]) for mine, run in runs] == [
+        (True, ["a", "b"]), (False, ["c"]), (True, ["d"]), (False, ["e"])]

@@ -30,7 +30,7 @@ from .. import errors
 from ..distributed import all_gather_json, checkpoint_group, is_distributed, rank_and_world_size
 from ._parallel_read import FileRead, _in_place, read_files
 from ._replicas import plan_replica_writers
-from ._writer import BACKGROUND_SAVER
+from ._writer import BACKGROUND_SAVER, _describe
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +63,9 @@ def read_signature(reads: Sequence[FileRead]) -> str:
     return hashlib.sha256(json.dumps(described).encode()).hexdigest()
 
 
-def _describe(err: BaseException) -> dict[str, Any]:
-    rank, _ = rank_and_world_size()
-    return {"type": type(err).__name__, "errno": getattr(err, "errno", None) if isinstance(err, OSError) else None,
-            "message": f"rank {rank}: {type(err).__name__}: {err}"}
-
-
 def _rebuild(description: Mapping[str, Any], context: str) -> Exception:
-    """Another rank's error as the same hf_resumable type (else an ``OSError`` with its errno, or a RuntimeError)."""
+    """Another rank's error (``_writer._describe``) as the same hf_resumable type (else an ``OSError`` with its
+    errno, or a RuntimeError)."""
     message = f"{context}: {description['message']}"
     kind = getattr(errors, description["type"], None)
     if isinstance(kind, type) and issubclass(kind, errors.HfResumableError):
