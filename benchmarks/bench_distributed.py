@@ -20,12 +20,24 @@ model + AdamW state, in one process group and interleaved rounds: our blocking `
 our ``blocking=False`` stall (until the call returns; the files are then written in the background), torch's
 DCP ``dcp.save`` and DCP ``dcp.async_save``'s stall (until it returns its future), each also timed to
 completion; and, on a DDP replica of the same model in the same processes, ``save_checkpoint`` blocking and
-``blocking=False`` (rank 0 writes every tensor, the other rank its RNG state). Medians of every rank's times (the
+``blocking=False`` (the ranks split the replica's files). Medians of every rank's times (the
 slower rank of each save counts); each stall is compared with the blocking save of the same kind of model.
+
+With ``--replicated``, instead: ``save_checkpoint`` of a DDP replica (every rank holds the same Llama-shaped model
+and AdamW state) by 2 gloo ranks, blocking, with the replicated model and optimizer files split across the ranks
+(today's plan) and with rank 0 writing all of them (the single-writer plan, ``HF_RESUMABLE_SPLIT_REPLICAS=0``),
+alternating in one process group; the slower rank of each save counts, medians of ``--repeats`` each.
+
+With ``--resume``, instead: ``load_checkpoint`` of that DDP replica's checkpoint by 2 gloo ranks into fresh objects,
+page cache dropped before each load, with the tensor files split across the ranks and exchanged over gloo (today's
+reads) and with every rank reading every file (``HF_RESUMABLE_SHARED_READS=0``), alternating: the slower rank's
+time and the bytes both ranks read from storage (``/proc/self/io`` read_bytes) against the checkpoint's size.
 
 Usage:
     python benchmarks/bench_distributed.py [--rounds 3] [--repeats 2] [--dir /path/on/the/disk] [--hidden 512]
     python benchmarks/bench_distributed.py --stall [--repeats 5] [--hidden 512]
+    python benchmarks/bench_distributed.py --replicated [--repeats 5] [--dir /dev/shm] [--max-shard-size 2GB]
+    python benchmarks/bench_distributed.py --resume [--repeats 5] [--dir /path/on/the/disk] [--max-shard-size 2GB]
 """
 
 from __future__ import annotations
@@ -198,6 +210,125 @@ def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
     dist.destroy_process_group()
 
 
+def replicated_worker(root: Path, repeats: int, hidden: int, max_shard_size: str, out: Path) -> None:
+    """One rank of a DDP replica: blocking saves, split and single-writer alternating; every save's seconds."""
+    import torch.distributed as dist
+
+    from hf_resumable import save_checkpoint
+    from hf_resumable.checkpoint._replicas import SPLIT_ENV
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = build(hidden)  # seeded: the same weights and optimizer state on every rank
+    optimizer = prime_optimizer(model)
+    plans = {"split": "1", "single writer": "0"}
+    times: dict[str, list[float]] = {name: [] for name in plans}
+    for i in range(repeats + 1):  # the first round warms up
+        for name in (list(plans) if i % 2 else list(plans)[::-1]):
+            os.environ[SPLIT_ENV] = plans[name]
+            path = root / f"{name.replace(' ', '-')}-{i}"
+            if rank == 0:
+                drop_caches()
+            dist.barrier()
+            start = time.perf_counter()
+            save_checkpoint(path, model=model, optimizer=optimizer, step=0, max_shard_size=max_shard_size)
+            seconds = time.perf_counter() - start
+            dist.barrier()
+            if i:
+                times[name].append(seconds)
+            if rank == 0:
+                size = dir_bytes(path)
+                files = sum(1 for p in path.rglob("*.safetensors"))
+                shutil.rmtree(path, ignore_errors=True)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)  # benchmark driver only: the library never pickles
+    if rank == 0:
+        slowest = {name: [max(per_rank[name][k] for per_rank in gathered) for k in range(repeats)] for name in plans}
+        out.write_text(json.dumps({"times": slowest, "bytes": size, "files": files}))
+    dist.destroy_process_group()
+
+
+def _read_bytes() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def resume_worker(root: Path, repeats: int, hidden: int, max_shard_size: str, out: Path) -> None:
+    """One rank of a DDP resume: loads with shared and per-rank reads alternating; seconds and bytes read."""
+    import torch.distributed as dist
+
+    from hf_resumable import load_checkpoint, save_checkpoint
+    from hf_resumable.checkpoint._shared_read import SHARED_READS_ENV
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = build(hidden)
+    optimizer = prime_optimizer(model)
+    path = root / "checkpoint-0"
+    save_checkpoint(path, model=model, optimizer=optimizer, step=0, max_shard_size=max_shard_size)
+    plans = {"shared reads": "1", "every rank reads all": "0"}
+    times: dict[str, list[tuple[float, int]]] = {name: [] for name in plans}
+    for i in range(repeats + 1):  # the first round warms up
+        for name in (list(plans) if i % 2 else list(plans)[::-1]):
+            os.environ[SHARED_READS_ENV] = plans[name]
+            fresh = build(hidden)
+            fresh_optimizer = prime_optimizer(fresh)
+            if rank == 0:
+                drop_caches()
+            dist.barrier()
+            before, start = _read_bytes(), time.perf_counter()
+            load_checkpoint(path, model=fresh, optimizer=fresh_optimizer, restore_rng=False)
+            seconds, nbytes = time.perf_counter() - start, _read_bytes() - before
+            dist.barrier()
+            if i:
+                times[name].append((seconds, nbytes))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)  # benchmark driver only: the library never pickles
+    if rank == 0:
+        merged = {name: [(max(r[name][k][0] for r in gathered), sum(r[name][k][1] for r in gathered))
+                         for k in range(repeats)] for name in plans}
+        out.write_text(json.dumps({"times": merged, "bytes": dir_bytes(path),
+                                   "files": sum(1 for _ in path.rglob("*.safetensors"))}))
+    dist.destroy_process_group()
+
+
+def resume_report(result: dict, args: argparse.Namespace) -> str:
+    times, size = result["times"], result["bytes"]
+    seconds = {name: statistics.median(s for s, _ in entries) for name, entries in times.items()}
+    lines = [f"2 gloo ranks resuming a DDP replica (hidden {args.hidden}) + AdamW, load_checkpoint, max_shard_size="
+             f"{args.max_shard_size}: {size / 1e6:.0f} MB ({result['files']} safetensors files) under "
+             f"{args.dir or tempfile.gettempdir()}; page cache dropped before each load; median of {args.repeats} "
+             "alternating loads each (slower rank), after a warm-up round.", "",
+             "| reads | median s | min-max s | bytes read by both ranks / checkpoint size (median, min-max) |",
+             "|---|---:|---:|---:|"]
+    for name, entries in times.items():
+        ratios = [nbytes / size for _, nbytes in entries]
+        lines.append(f"| {name} | {seconds[name]:.3f} | {min(s for s, _ in entries):.3f}-"
+                     f"{max(s for s, _ in entries):.3f} | {statistics.median(ratios):.2f}x "
+                     f"({min(ratios):.2f}-{max(ratios):.2f}) |")
+    lines += ["", f"shared / every rank reads all: {seconds['shared reads'] / seconds['every rank reads all']:.2f}x "
+              "the time (lower is better)"]
+    return "\n".join(lines)
+
+
+def replicated_report(result: dict, args: argparse.Namespace) -> str:
+    times = result["times"]
+    split, single = (statistics.median(times[name]) for name in ("split", "single writer"))
+    return "\n".join([
+        f"2 gloo ranks, DDP replica of a Llama-shaped model (hidden {args.hidden}) + AdamW, save_checkpoint(blocking, "
+        f"max_shard_size={args.max_shard_size}): {result['bytes'] / 1e6:.0f} MB in {result['files']} safetensors "
+        f"files, under {args.dir or tempfile.gettempdir()}; median of {args.repeats} alternating saves each (slower "
+        "rank), after a warm-up round.", "",
+        "| plan | median s | min-max s | MB/s |", "|---|---:|---:|---:|",
+        *(f"| {name} | {statistics.median(t):.3f} | {min(t):.3f}-{max(t):.3f} | "
+          f"{result['bytes'] / statistics.median(t) / 1e6:.0f} |" for name, t in times.items()),
+        "", f"split / single writer: {split / single:.2f}x the time (lower is better)"])
+
+
 def stall_report(result: dict, args: argparse.Namespace) -> str:
     times = result["times"]
 
@@ -237,7 +368,7 @@ def launch(mode: str, world_size: int, root: Path, args: argparse.Namespace) -> 
                "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         argv = [sys.executable, __file__, "--worker", mode, "--dir", str(root), "--repeats", str(args.repeats),
-                "--hidden", str(args.hidden)]
+                "--hidden", str(args.hidden), "--max-shard-size", args.max_shard_size]
         procs.append(subprocess.Popen(argv, env=env))
     if any(p.wait() != 0 for p in procs):
         raise SystemExit(f"{mode}: a worker failed")
@@ -321,10 +452,21 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="directory on the disk to test (default: a temp dir)")
     parser.add_argument("--hidden", type=int, default=512, help="hidden size of the Llama-shaped model")
     parser.add_argument("--stall", action="store_true", help="compare save stalls with torch DCP instead")
+    parser.add_argument("--replicated", action="store_true",
+                        help="DDP replica: ranks sharing the save vs rank 0 writing it all")
+    parser.add_argument("--resume", action="store_true",
+                        help="DDP resume: each file read once and exchanged vs every rank reading every file")
+    parser.add_argument("--max-shard-size", default="2GB", help="shard size of --replicated and --resume saves")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "stall":
         stall_worker(args.dir, args.repeats, args.hidden, args.dir / "stall.json")
+        return
+    if args.worker == "resume":
+        resume_worker(args.dir, args.repeats, args.hidden, args.max_shard_size, args.dir / "resume.json")
+        return
+    if args.worker == "replicated":
+        replicated_worker(args.dir, args.repeats, args.hidden, args.max_shard_size, args.dir / "replicated.json")
         return
     if args.worker is not None:
         worker(args.worker, args.dir, args.repeats, args.hidden, args.dir / f"{args.worker}.json")
@@ -333,6 +475,10 @@ def main() -> None:
     try:
         if args.stall:
             print(stall_report(launch("stall", 2, root, args), args))
+        elif args.resume:
+            print(resume_report(launch("resume", 2, root, args), args))
+        elif args.replicated:
+            print(replicated_report(launch("replicated", 2, root, args), args))
         else:
             print(report(measure(root, args), args))
     finally:

@@ -85,6 +85,9 @@ class Payload:
     indexes: list[IndexSpec] = field(default_factory=list)
     rng: RngState | None = None
     rng_relpath: str | None = None
+    # Tensor files every rank holds the same bytes of (a DDP replica's model and optimizer): split across the ranks
+    # that hold them (see ``_replicas.py``).
+    replicated: set[str] = field(default_factory=set)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -142,13 +145,19 @@ def capture_payload(
     rank: int,
     is_main: bool,
     standalone: bool = False,
+    replicas: bool = False,
 ) -> Payload:
-    """Build the payload of one rank; only the main rank carries model, optimizer and shared state.
+    """Build the payload of one rank; only the main rank carries the shared state.
 
-    A model with frozen parameters is captured as its trainable part plus the frozen record (see
-    :mod:`._frozen`) unless ``standalone``.
+    With ``replicas`` (every rank holds the same model and optimizer, as under DDP), every other rank carries the
+    model's and optimizer's tensor files too, marked ``replicated``, so that the ranks can share their writing;
+    otherwise only the main rank carries them. A model with frozen parameters is captured as its trainable part plus
+    the frozen record (see :mod:`._frozen`) unless ``standalone``.
     """
     payload = Payload()
+    if replicas and not is_main:
+        _capture_replicas(payload, model, optimizer, max_shard_size, standalone=standalone,
+                          reserved=set(extra_files or {}))
     if is_main:
         reserved = set(extra_files or {})  # files the caller writes itself (accelerate's save hooks): not ours
         _capture_shared(payload, model, optimizer, scheduler, scaler, training_state, extra, max_shard_size,
@@ -177,17 +186,28 @@ def capture_payload(
     return payload
 
 
-def _capture_shared(payload: Payload, model, optimizer, scheduler, scaler, training_state, extra,
-                    max_shard_size, *, standalone: bool = False, reserved: set[str] | frozenset = frozenset()) -> None:
-    state_tensors: dict[str, torch.Tensor] = {}
+def _capture_replicas(payload: Payload, model, optimizer, max_shard_size, *, standalone: bool,
+                      reserved: set[str], record: bool = False) -> dict[str, Any] | None:
+    """The model's and optimizer's files (and indexes), marked ``replicated``; the optimizer's JSON document.
+    ``record``: also the frozen record (only the main rank writes it)."""
     optimizer_doc = None
     if model is not None:
-        capture_model(payload, model, max_shard_size=max_shard_size, standalone=standalone, reserved=reserved)
+        capture_model(payload, model, max_shard_size=max_shard_size, standalone=standalone, reserved=reserved,
+                      record=record)
     if optimizer is not None:
         names = parameter_names(model if isinstance(model, torch.nn.Module) else None, optimizer)
         opt_tensors, optimizer_doc = optimizer_to_tensors(optimizer, names)
         add_sharded(payload, opt_tensors, pattern=OPTIMIZER_FILE_PATTERN, index=OPTIMIZER_INDEX_FILE,
-                     max_shard_size=max_shard_size, metadata={})
+                    max_shard_size=max_shard_size, metadata={})
+    payload.replicated = {f.relpath for f in payload.tensor_files}
+    return optimizer_doc
+
+
+def _capture_shared(payload: Payload, model, optimizer, scheduler, scaler, training_state, extra,
+                    max_shard_size, *, standalone: bool = False, reserved: set[str] | frozenset = frozenset()) -> None:
+    state_tensors: dict[str, torch.Tensor] = {}
+    optimizer_doc = _capture_replicas(payload, model, optimizer, max_shard_size, standalone=standalone,
+                                      reserved=set(reserved), record=True)
     document = {
         STATE_KEY_FORMAT_VERSION: FORMAT_VERSION,
         STATE_KEY_PROGRESS: encode_state(dict(training_state or {}), state_tensors, prefix="progress"),
@@ -218,10 +238,11 @@ def _refuse_dtensors(state: Mapping[str, torch.Tensor]) -> None:
 
 def capture_model(payload: Payload, model: torch.nn.Module | Mapping[str, torch.Tensor], *,
                   max_shard_size: int | str, standalone: bool = False,
-                  reserved: set[str] | frozenset = frozenset()) -> None:
+                  reserved: set[str] | frozenset = frozenset(), record: bool = True) -> None:
     """The model's files: the whole state as ``save_pretrained`` lays it out (:func:`add_model_weights`), or (frozen
     parameters, not ``standalone``) the trainable part and the frozen record; a PEFT model's adapter files in both
-    cases (not those in ``reserved``)."""
+    cases (not those in ``reserved``). ``record=False`` leaves out the frozen record (a replica's capture: only the
+    main rank writes it)."""
     state = model_state(model)
     _refuse_dtensors(state)
     tensors, tied = dedupe_tied(state)
@@ -233,8 +254,22 @@ def capture_model(payload: Payload, model: torch.nn.Module | Mapping[str, torch.
         payload.tensor_files += [TensorFile(relpath, named) for relpath, named in adapters.items()]
         return
     stored = {name: t for name, t in tensors.items() if name not in frozen}
-    record = build_record({name: t for name, t in tensors.items() if name in frozen},
-                          {alias: kept for alias, kept in tied.items() if kept in frozen}, base_provenance(module))
+    _add_trainable(payload, stored, tied, frozen, adapters, max_shard_size=max_shard_size)
+    if not record:
+        return
+    frozen_record = build_record({name: t for name, t in tensors.items() if name in frozen},
+                                 {alias: kept for alias, kept in tied.items() if kept in frozen},
+                                 base_provenance(module))
+    payload.blobs[FROZEN_RECORD_FILE] = json_bytes(frozen_record.to_json())
+    logger.info("Frozen base not stored: %d tensor(s), %.1f MB (%s); %d trainable tensor(s) and buffers, %.1f MB.",
+                len(frozen_record.tensors), frozen_record.total_bytes / 1e6, frozen_record.describe_source(),
+                len(stored),
+                sum(_nbytes(t) for t in stored.values()) / 1e6)
+
+
+def _add_trainable(payload: Payload, stored: dict[str, torch.Tensor], tied: Mapping[str, str], frozen: set[str],
+                   adapters: Mapping[str, list[tuple[str, torch.Tensor]]], *, max_shard_size: int | str) -> None:
+    """The trainable part's files and index (``stored``: every tensor that is not frozen)."""
     # A PEFT adapter file whose every tensor is a stored trainable tensor holds those tensors for the checkpoint
     # too (stored once, under PEFT's names); any other adapter file is written besides.
     by_storage = {key: name for name, t in stored.items() if (key := storage_key(t)) is not None}
@@ -260,10 +295,6 @@ def capture_model(payload: Payload, model: torch.nn.Module | Mapping[str, torch.
                 {alias: kept for alias, kept in tied.items() if kept not in frozen}, RENAMED_KEY: renamed,
                 "format": "pt"}
     payload.indexes.append(IndexSpec(TRAINABLE_INDEX_FILE, weight_map, metadata))
-    payload.blobs[FROZEN_RECORD_FILE] = json_bytes(record.to_json())
-    logger.info("Frozen base not stored: %d tensor(s), %.1f MB (%s); %d trainable tensor(s) and buffers, %.1f MB.",
-                len(record.tensors), record.total_bytes / 1e6, record.describe_source(), len(stored),
-                metadata["total_size"] / 1e6)
 
 
 def adapter_tensors(model: torch.nn.Module | None) -> dict[str, list[tuple[str, torch.Tensor]]]:

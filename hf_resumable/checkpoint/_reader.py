@@ -57,6 +57,7 @@ from ._model_files import model_index
 from ._optimizer import OptimizerLoadPlan, apply_optimizer_state, parameter_names, plan_optimizer_load
 from ._parallel_read import FileRead, read_files
 from ._payload import STATE_TENSORS_FILE
+from ._shared_read import announce_failure, read_shared, shares_reads
 from ._validate import check_counters, check_data_position, check_like_live, check_step_value, check_training_state
 from .manifest import Manifest
 from .verify import VerifyReport
@@ -233,16 +234,17 @@ class _Reader:
             out[name] = torch.frombuffer(bytearray(raw), dtype=info.torch_dtype).reshape(info.shape)
         return out
 
-    def read(self, jobs: list[tuple[ShardIndex, Mapping[str, torch.Tensor], Collection[str]]]
-             ) -> dict[str, torch.Tensor]:
+    def read(self, jobs: list[tuple[ShardIndex, Mapping[str, torch.Tensor], Collection[str]]], *,
+             shared: bool = False) -> dict[str, torch.Tensor]:
         """Read every file of every ``(index, destinations, names of new destinations)``, into the destinations
         where a tensor has one; return the rest.
 
         All files at once, several threads per file (:mod:`._parallel_read`); each file's hash is checked on
-        the fly, in byte order, and a mismatch raises :class:`CorruptCheckpointError` naming the file.
+        the fly, in byte order, and a mismatch raises :class:`CorruptCheckpointError` naming the file. ``shared``
+        (collective): the files are split across the ranks, which exchange what they read (:mod:`._shared_read`).
         """
-        return read_files([self.file_read(filename, into, new) for index, into, new in jobs
-                           for filename in index.filenames])
+        reads = [self.file_read(filename, into, new) for index, into, new in jobs for filename in index.filenames]
+        return read_shared(reads, source=str(self.path)) if shared else read_files(reads)
 
 
 @dataclass(eq=False)
@@ -391,6 +393,9 @@ class OpenedCheckpoint(LoadedCheckpoint):
     ) -> "OpenedCheckpoint":
         """Fill the given objects; every check runs before the first byte is written into any of them.
 
+        Under torch.distributed, with a model or an optimizer, it is collective: every rank calls it (a DDP resume),
+        and each tensor file is read from storage by one rank and exchanged (see :mod:`._shared_read`).
+
         Args:
             model, optimizer, scheduler, scaler (*optional*): objects to fill (``None`` skips a part).
             strict (`bool`, *optional*, defaults to `True`): missing/unexpected model keys are errors.
@@ -411,23 +416,18 @@ class OpenedCheckpoint(LoadedCheckpoint):
                 checks every hash before anything is read into an object.
             ConfigDriftError / InexactResumeError: see :meth:`check_exact`.
         """
-        reader = self._reader
         source = str(self.path)
-        # 1. Policy: world size and RNG, before anything else (a refusal must not cost a planned load).
-        self.check_exact(weights=model is not None, rng=restore_rng, allow_inexact_resume=allow_inexact_resume)
-        # 2. Plan the model: keys, shapes, dtypes and tied aliases, or the model's own load_state_dict.
-        model_plan = self._plan_model(model, strict=strict) if model is not None else None
-        # 3. Plan the optimizer: structure, hyper-parameters, state shapes; its state allocated, not installed.
-        optimizer_plan = self._plan_optimizer(model, optimizer) if optimizer is not None else None
-        # 4. Scheduler and scaler state against the live objects' state_dict() keys and kinds.
-        objects = [(name, obj, self._object_state(name, key, obj)) for name, obj, key in
-                   (("scheduler", scheduler, STATE_KEY_SCHEDULER), ("scaler", scaler, STATE_KEY_SCALER))
-                   if obj is not None]
-        # 5. Values read by offset before applying anything: optimizer step counts (a negative or non-integral
-        #    step would only fail inside the optimizer's next step, after everything was applied).
-        if optimizer_plan is not None:
-            for name, value in reader.peek(self._optimizer_index, optimizer_plan.steps).items():
-                check_step_value(value, field=f"{OPTIMIZER_INDEX_FILE}: {name}", source=source)
+        # Under torch.distributed the reads of a model or optimizer are shared by the ranks (collective): a rank that
+        # fails before them tells the others, which would wait for it otherwise.
+        shared = (model is not None or optimizer is not None) and shares_reads()
+        try:
+            model_plan, optimizer_plan, objects = self._plan_load(
+                model, optimizer, scheduler, scaler, strict=strict, restore_rng=restore_rng,
+                allow_inexact_resume=allow_inexact_resume)
+        except BaseException as err:
+            if shared:
+                announce_failure(err)
+            raise
         # 6. Read every tensor, hash-checked: weights in place (or into new buffers for load_state_dict),
         #    optimizer state into its final tensors. All files at once, so the disk stays busy while new
         #    optimizer state is faulted in.
@@ -437,9 +437,9 @@ class OpenedCheckpoint(LoadedCheckpoint):
         if optimizer_plan is not None:
             jobs.append((self._optimizer_index, optimizer_plan.targets, optimizer_plan.new))
         try:
-            leftovers = reader.read(jobs) if jobs else {}
+            leftovers = self._reader.read(jobs, shared=shared) if jobs else {}
         finally:
-            reader.release()  # the verified bytes kept for this load are used (or will be read again, checked)
+            self._reader.release()  # the verified bytes kept for this load are used (or will be read again, checked)
         # 7. Apply: model (retie aliases, or its own load_state_dict), optimizer (its load_state_dict, with tensors
         #    already final), scheduler, scaler.
         if model_plan is not None:
@@ -454,6 +454,27 @@ class OpenedCheckpoint(LoadedCheckpoint):
             restore_rng_state(self.rng_state, allow_device_mismatch=True)  # the device count was checked in step 1
         logger.info("Loaded %s (step %s)", self.path, self.step)
         return self
+
+    def _plan_load(self, model, optimizer, scheduler, scaler, *, strict: bool, restore_rng: bool,
+                   allow_inexact_resume: bool | None) -> tuple[dict[str, Any] | None, OptimizerLoadPlan | None, list]:
+        """Steps 1-5 of :meth:`load_into`: every check and plan, nothing written into a live object."""
+        source = str(self.path)
+        # 1. Policy: world size and RNG, before anything else (a refusal must not cost a planned load).
+        self.check_exact(weights=model is not None, rng=restore_rng, allow_inexact_resume=allow_inexact_resume)
+        # 2. Plan the model: keys, shapes, dtypes and tied aliases, or the model's own load_state_dict.
+        model_plan = self._plan_model(model, strict=strict) if model is not None else None
+        # 3. Plan the optimizer: structure, hyper-parameters, state shapes; its state allocated, not installed.
+        optimizer_plan = self._plan_optimizer(model, optimizer) if optimizer is not None else None
+        # 4. Scheduler and scaler state against the live objects' state_dict() keys and kinds.
+        objects = [(name, obj, self._object_state(name, key, obj)) for name, obj, key in
+                   (("scheduler", scheduler, STATE_KEY_SCHEDULER), ("scaler", scaler, STATE_KEY_SCALER))
+                   if obj is not None]
+        # 5. Values read by offset before applying anything: optimizer step counts (a negative or non-integral
+        #    step would only fail inside the optimizer's next step, after everything was applied).
+        if optimizer_plan is not None:
+            for name, value in self._reader.peek(self._optimizer_index, optimizer_plan.steps).items():
+                check_step_value(value, field=f"{OPTIMIZER_INDEX_FILE}: {name}", source=source)
+        return model_plan, optimizer_plan, objects
 
     def _plan_model(self, model: torch.nn.Module, *, strict: bool) -> dict[str, Any]:
         if self._model_index is None:

@@ -40,6 +40,7 @@ from ..progress import progress_bar
 from ._fs import DirIdentity, commit_dir, create_temp_dir, discard, write_bytes_durably
 from ._payload import SHARDS_KEY, IndexSpec, Payload, TensorFile
 from ._pins import release_pin
+from ._replicas import part_of_rank, replica_signature, replicas_split
 from ._staging import copy_into
 from ._threads import run_in_threads
 from .manifest import Manifest, read_manifest, records_from_json, records_to_json
@@ -194,15 +195,18 @@ class SaveStart:
     tmp: Path
     replaces: DirIdentity | None
     group: Any = None
+    split: bool = False  # every rank holds the same replicated files: each writes its share (``_replicas.py``)
 
 
-def begin_save(target: Path, *, overwrite: bool, group: Any = None) -> SaveStart:
+def begin_save(target: Path, *, overwrite: bool, group: Any = None, signature: str | None = None) -> SaveStart:
     """Step 1 of the commit protocol (collective over ``group`` under torch.distributed).
 
     Rank 0 checks the target (only an empty dir or our own checkpoint may be replaced) and creates the temp
     dir under a name that carries its owner, so no cleaner can ever take it for a dead save's; every rank
     learns its name, or rank 0's error (raised on every rank, with its type). Every rank first releases its
     reader pin on the target's parent (``find_latest_checkpoint``'s), so that none is left if the save fails.
+    The same exchange carries every rank's ``signature`` (``_replicas.replica_signature`` of its payload): the
+    replicated files are split across the ranks only if all are the same.
     """
     distributed = is_distributed()
     rank, _ = rank_and_world_size()
@@ -216,12 +220,15 @@ def begin_save(target: Path, *, overwrite: bool, group: Any = None) -> SaveStart
             if not distributed:
                 raise
             failure = err
-    started = broadcast_json({"tmp": None if tmp is None else tmp.name, "error": _describe(failure)}, group=group)
+    gathered = all_gather_json({"tmp": None if tmp is None else tmp.name, "error": _describe(failure),
+                                "signature": signature}, group=group)
+    started = gathered[0]
     if started["error"] is not None:
         if failure is not None:
             raise failure
         raise _rebuild(started["error"], f"rank 0 could not start the save of {target}")
-    return SaveStart(target, target.parent / started["tmp"], replaces, group)
+    split = replicas_split([entry["signature"] for entry in gathered])
+    return SaveStart(target, target.parent / started["tmp"], replaces, group, split)
 
 
 def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics: dict[str, float] | None,
@@ -239,11 +246,12 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
     distributed = is_distributed()
     rank, world_size = rank_and_world_size()
     target, tmp, group = start.target, start.tmp, start.group
-    # 2. Every rank writes its own files there: created exclusively, hashed while written, fsynced.
+    # 2. Every rank writes its own files there (and its share of the replicated ones): created exclusively, hashed
+    #    while written, fsynced.
     report = None
     try:
         report = prepare() if prepare is not None else None
-        records, local = write_payload(tmp, payload), None
+        records, local = write_payload(tmp, part_of_rank(payload, rank, world_size, split=start.split)), None
     except Exception as err:
         if not distributed:
             discard(tmp)
@@ -268,6 +276,10 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
     outcome, late, manifest = None, {}, None
     if rank == 0:
         try:
+            if start.split:  # the indexes of shards that several ranks wrote
+                for spec in payload.indexes:
+                    late[spec.relpath] = write_bytes_durably(tmp / spec.relpath,
+                                                             json_bytes(index_document(spec, files)))
             if finalize is not None:
                 for relpath, data in finalize([entry["report"] for entry in gathered]).items():
                     late[relpath] = write_bytes_durably(tmp / relpath, data)
@@ -306,8 +318,8 @@ def save_payload(target: Path, payload: Payload, *, step: int | None, metrics: d
     :func:`finish_save`). Errors keep their type (an ``OSError`` keeps its errno) on the rank where they happened;
     the other ranks raise the same kind.
     """
-    return finish_save(begin_save(target, overwrite=overwrite), payload, step=step, metrics=metrics, prepare=prepare,
-                       finalize=finalize)
+    start = begin_save(target, overwrite=overwrite, signature=replica_signature(payload))
+    return finish_save(start, payload, step=step, metrics=metrics, prepare=prepare, finalize=finalize)
 
 
 def _describe(err: BaseException | None) -> dict[str, Any] | None:
@@ -332,14 +344,16 @@ class _SaveJob:
     """One async save on the saver's thread: step 1, then (once the training thread has staged) steps 2-5."""
 
     def __init__(self, target: Path, payload: Payload, *, overwrite: bool, group: Any, step, metrics, on_commit,
-                 prepare, finalize) -> None:
+                 prepare, finalize, signature: str | None = None) -> None:
         self.target, self._payload, self._overwrite, self._group = target, payload, overwrite, group
+        self._signature = signature
         self._step, self._metrics, self._on_commit = step, metrics, on_commit
         self._prepare, self._finalize = prepare, finalize
         self.pid = os.getpid()  # a forked child does not own its parent's save (nor the thread writing it)
         self._started = threading.Event()  # step 1 is over (start_error says how)
         self._staged = threading.Event()  # the training thread's copy is over (staging_error says how)
         self.done = threading.Event()
+        self.start: SaveStart | None = None
         self.start_error: BaseException | None = None
         self.staging_error: BaseException | None = None
         self.error: BaseException | None = None  # raised at the next wait
@@ -352,7 +366,8 @@ class _SaveJob:
 
     def _run(self) -> None:
         try:
-            start = begin_save(self.target, overwrite=self._overwrite, group=self._group)
+            start = self.start = begin_save(self.target, overwrite=self._overwrite, group=self._group,
+                                            signature=self._signature)
         except BaseException as err:  # noqa: BLE001 - raised on the training thread by started()
             self.start_error = err
             return
@@ -379,11 +394,12 @@ class _SaveJob:
         self.staging_error = error
         self._staged.set()
 
-    def started(self) -> None:
+    def started(self) -> SaveStart:
         """Wait for step 1; raise its error (on every rank: rank 0 told them) if it failed."""
         self._started.wait()
         if self.start_error is not None:
             raise self.start_error
+        return self.start
 
 
 class _Worker:
@@ -458,17 +474,27 @@ class AsyncSaver:
         """
         self.wait()
         group = checkpoint_group()  # created on first use: a collective of the training thread
+        signature = replica_signature(payload)
         job = _SaveJob(target, payload, overwrite=overwrite, group=group, step=step, metrics=metrics,
-                       on_commit=on_commit, prepare=prepare, finalize=finalize)
+                       on_commit=on_commit, prepare=prepare, finalize=finalize, signature=signature)
         self._job = job
         self._worker.submit(job.run)
+        rank, world_size = rank_and_world_size()
         try:
-            self.stage(payload, also_stage)
+            # Only the files this rank writes: its share of the replicated ones as planned, while step 1 settles
+            # whether the ranks split them (they do unless their payloads differ); then whatever that adds.
+            staged = self._stage_part(part_of_rank(payload, rank, world_size, split=signature is not None), also_stage)
+            start = job.started()  # a refused target raises here (the job is over: it waits for no staging)
+            self._stage_part(part_of_rank(payload, rank, world_size, split=start.split), (), skip=staged)
         except BaseException as err:
             job.staged(err)
             raise
         job.staged()
-        job.started()
+
+    def _stage_part(self, part: Payload, also: Sequence[TensorFile], *, skip: set[str] = frozenset()) -> set[str]:
+        """:meth:`stage` the files of ``part`` not in ``skip``; the relpaths of ``part``'s files."""
+        self.stage(Payload(tensor_files=[f for f in part.tensor_files if f.relpath not in skip]), also)
+        return {f.relpath for f in part.tensor_files}
 
     @property
     def in_flight(self) -> bool:
@@ -486,3 +512,8 @@ class AsyncSaver:
         if job.error is not None:
             raise AsyncSaveError(f"A background checkpoint save failed: {type(job.error).__name__}: {job.error}"
                                  ) from job.error
+
+
+# The process's one background saver (``api.background_saver``), defined here so that a load below ``api`` (the shared
+# reads, whose collectives use the save's group) can wait for it.
+BACKGROUND_SAVER = AsyncSaver()

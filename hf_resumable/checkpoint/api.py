@@ -18,7 +18,7 @@ from ..distributed import is_distributed, rank_and_world_size
 from ..format.rng import RngState
 from ._payload import capture_payload
 from ._reader import LoadedCheckpoint, OpenedCheckpoint, read_on_load
-from ._writer import AsyncSaver, check_target, save_payload
+from ._writer import BACKGROUND_SAVER, AsyncSaver, check_target, save_payload
 from .discovery import apply_retention
 from .manifest import Manifest
 from .verify import VerifyReport, verify_checkpoint
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointInfo", "save_checkpoint", "load_checkpoint", "open_checkpoint", "wait_for_pending_saves"]
 
-_ASYNC = AsyncSaver()
+_ASYNC = BACKGROUND_SAVER
 atexit.register(lambda: _ASYNC.wait())
 
 
@@ -123,6 +123,10 @@ def save_checkpoint(
     fit in ``max_shard_size``, else ``model.safetensors.index.json`` and ``model-0000k-of-0000N.safetensors``
     (``from_pretrained(directory)`` works either way); tied weights are stored once.
 
+    Under torch.distributed every rank calls it (collective). Every rank passes the same model and optimizer (DDP
+    replicas): their files are split across the ranks, each writing whole files of its share (rank 0 writes them
+    all if the ranks' files differ in names, shapes or dtypes); the checkpoint is the same bytes as one writer's.
+
     Frozen parameters are identity, not state: when ``model`` has parameters with ``requires_grad=False`` (a
     PEFT/LoRA base, a frozen embedding, a quantized base), only its trainable part is stored
     (``trainable.safetensors.index.json``: trainable parameters and every buffer; a PEFT adapter's tensors once, in
@@ -189,6 +193,7 @@ def save_checkpoint(
         model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, training_state=training_state,
         extra=extra, extra_files=extra_files, data_state=data_state, rng=rng, max_shard_size=max_shard_size,
         processing_class=processing_class, rank=rank, is_main=rank == 0, standalone=standalone,
+        replicas=is_distributed(),  # DDP: every rank holds the model and optimizer; the ranks share their writing
     )
     metrics = dict(metrics or {})
 
@@ -316,7 +321,10 @@ def load_checkpoint(
 ) -> LoadedCheckpoint:
     """Load a checkpoint written by :func:`save_checkpoint` into freshly built objects, bit for bit.
 
-    :func:`open_checkpoint` followed by :meth:`OpenedCheckpoint.load_into`. Everything is checked before
+    :func:`open_checkpoint` followed by :meth:`OpenedCheckpoint.load_into`. Under torch.distributed a load of a
+    model or optimizer is collective (every rank calls it, as a DDP resume does): the tensor files are split across
+    the ranks, each reads and hash-checks its share and the ranks exchange the tensors, so each byte is read from
+    storage once (``HF_RESUMABLE_SHARED_READS=0``: every rank reads every file). Everything is checked before
     anything is written into an object: the checkpoint verifies (``verify="quick"``: manifest, sizes,
     headers, index consistency; ``verify="full"``: every hash first), its state decodes and is consistent
     (types, counters, data position, RNG), and it fits the objects (keys, shapes and dtypes across all

@@ -1,0 +1,89 @@
+"""Replicas share the save: under data parallelism (DDP) every rank holds the same model and optimizer, so the
+files that hold them are split across the ranks, each rank writing whole files of its share.
+
+The split is PURE (:func:`plan_replica_writers`: file sizes and the world size in, a rank per file out), so every
+rank computes the same plan from its own payload without a collective. Whether the ranks really hold the same files
+is settled in step 1 of the commit protocol, which already meets every rank: each sends
+:func:`replica_signature` (file names, tensor names, dtypes and shapes); only if all agree is the save split, else
+rank 0 writes every replicated file, as before. ``HF_RESUMABLE_SPLIT_REPLICAS=0`` keeps rank 0 the only writer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import replace
+
+from ._payload import Payload, TensorFile
+
+__all__ = ["plan_replica_writers", "replica_signature", "replicas_split", "part_of_rank", "writer_plan"]
+
+# "0": rank 0 writes every replicated byte (the single-writer plan, e.g. as a benchmark's baseline).
+SPLIT_ENV = "HF_RESUMABLE_SPLIT_REPLICAS"
+
+
+def plan_replica_writers(sizes: Mapping[str, int], world_size: int) -> dict[str, int]:
+    """Which rank writes each replicated file (pure): the largest file first, each to the rank with the fewest
+    bytes so far (ties: the lower rank; equal sizes: by name), so every rank computes the same plan.
+
+    Example:
+
+    ```python
+    >>> plan_replica_writers({"model.safetensors": 4, "optimizer-00001-of-00002.safetensors": 5,
+    ...                       "optimizer-00002-of-00002.safetensors": 3}, 2)
+    {'optimizer-00001-of-00002.safetensors': 0, 'model.safetensors': 1, 'optimizer-00002-of-00002.safetensors': 1}
+    ```
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    loads = [0] * world_size
+    writers: dict[str, int] = {}
+    for relpath in sorted(sizes, key=lambda name: (-sizes[name], name)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        writers[relpath] = rank
+        loads[rank] += sizes[relpath]
+    return writers
+
+
+def _file_bytes(tensor_file: TensorFile) -> int:
+    return sum(t.numel() * t.element_size() for _, t in tensor_file.tensors)
+
+
+def writer_plan(payload: Payload, world_size: int) -> dict[str, int]:
+    """:func:`plan_replica_writers` over ``payload``'s replicated files."""
+    return plan_replica_writers({f.relpath: _file_bytes(f) for f in payload.tensor_files
+                                 if f.relpath in payload.replicated}, world_size)
+
+
+def replica_signature(payload: Payload) -> str | None:
+    """What must be the same on every rank for the replicated files to be split: their names, metadata and
+    tensors' names, dtypes and shapes (a digest), or ``None`` where this rank does not take part (no replicated
+    files, or ``HF_RESUMABLE_SPLIT_REPLICAS=0``)."""
+    if not payload.replicated or os.environ.get(SPLIT_ENV, "1") == "0":
+        return None
+    described = [[f.relpath, f.metadata, [[name, str(t.dtype), list(t.shape)] for name, t in f.tensors]]
+                 for f in payload.tensor_files if f.relpath in payload.replicated]
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+
+
+def replicas_split(signatures: list[str | None]) -> bool:
+    """Whether a save is split: more than one rank, and every rank sent the same signature."""
+    return len(signatures) > 1 and signatures[0] is not None and all(s == signatures[0] for s in signatures)
+
+
+def part_of_rank(payload: Payload, rank: int, world_size: int, *, split: bool) -> Payload:
+    """The part of ``payload`` this rank writes: its own files, plus the replicated files the plan gives it
+    (``split``) or, unsplit, all of them on rank 0 and none elsewhere. A split payload's indexes are left out:
+    they need every rank's shard records, so rank 0 writes them after the gather."""
+    if not payload.replicated:
+        return payload
+    if split:
+        writers = writer_plan(payload, world_size)
+        keep = [f for f in payload.tensor_files if writers.get(f.relpath, rank) == rank]
+        return replace(payload, tensor_files=keep, indexes=[])
+    if rank == 0:
+        return payload
+    return replace(payload, tensor_files=[f for f in payload.tensor_files if f.relpath not in payload.replicated],
+                   indexes=[])

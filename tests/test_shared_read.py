@@ -1,0 +1,78 @@
+"""Read once (``checkpoint/_shared_read.py``): a 2-rank DDP resume reads each byte of the checkpoint from storage once
+across the ranks, exchanges the rest over gloo, and loads bitwise the saved state; a corrupted byte is caught on
+both ranks as ``CorruptCheckpointError``.
+
+Bytes read from storage are each rank's ``/proc/self/io`` read_bytes around the load, with the checkpoint's pages
+dropped from the page cache first (``posix_fadvise(DONTNEED)``), so the checkpoint must live on a block device.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from distributed_launch import launch_ranks
+
+pytestmark = pytest.mark.distributed
+
+WORKER = str(Path(__file__).parent / "scripts" / "shared_read_worker.py")
+
+
+def _run(mode: str, root: Path, *, shared: bool = True) -> list[dict]:
+    results = launch_ranks([WORKER, mode, str(root)], world_size=2, timeout=120.0,
+                           env={"HF_RESUMABLE_SHARED_READS": "1" if shared else "0"})
+    for result in results:
+        assert result.returncode == 0 and not result.killed_by_timeout, result.describe()
+    if mode == "save":
+        return []
+    return [json.loads((root / f"result-rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("shared_read")
+    _run("save", root)
+    return root
+
+
+def _size(checkpoint: Path) -> int:
+    return sum(p.stat().st_size for p in checkpoint.rglob("*.safetensors"))
+
+
+def test_a_two_rank_resume_reads_the_checkpoint_once_and_loads_it_bitwise(saved):
+    size = _size(saved / "checkpoint-1")
+    each = _run("load", saved, shared=False)  # every rank reads every file: the reads this replaces
+    assert all(result.get("same") for result in each), each
+    before = sum(r["read_bytes"] for r in each)
+    if before < 0.5 * size:
+        pytest.skip(f"{saved} is not on a block device (tmpfs?): read_bytes counts no reads there")
+    shared = _run("load", saved)
+    assert all(result.get("same") for result in shared), shared
+    total = sum(r["read_bytes"] for r in shared)
+    assert total <= 1.1 * size, (total, size, shared)
+    assert all(r["read_bytes"] > 0.25 * size for r in shared), shared  # both ranks read their share
+    assert before >= 1.5 * size, (before, size, each)
+
+
+def test_a_corrupted_byte_is_caught_on_both_ranks(saved, tmp_path):
+    checkpoint = tmp_path / "checkpoint-1"
+    checkpoint.mkdir()
+    for path in (saved / "checkpoint-1").iterdir():
+        (checkpoint / path.name).write_bytes(path.read_bytes())
+    victim = max(checkpoint.glob("optimizer-*.safetensors"), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0x01  # in the tensor data (the headers are checked by the quick verification)
+    victim.write_bytes(bytes(data))
+    results = _run("load", tmp_path)
+    assert [r.get("error") for r in results] == ["CorruptCheckpointError"] * 2, results
+
+
+def test_runs_group_consecutive_files_by_reader():
+    from hf_resumable.checkpoint._shared_read import _runs
+
+    reads = ["a", "b", "c", "d", "e"]
+    runs = _runs(reads, [0, 0, 1, 0, 1], rank=0)
+    assert [(mine, [r for r, _ in run]) for mine, run in runs] == [
+        (True, ["a", "b"]), (False, ["c"]), (True, ["d"]), (False, ["e"])]
