@@ -222,6 +222,13 @@ def _rng_state(document: dict[str, Any]) -> RngState:
                     cuda=list(cuda or []))
 
 
+def _rng_bytes(state: RngState) -> bytes:
+    """The bytes of ``rng/rank-<r>.safetensors`` for ``state`` (another rank's RNG, written by this process)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        save_rng_state(Path(tmp) / "rng.safetensors", state, fsync=False)
+        return (Path(tmp) / "rng.safetensors").read_bytes()
+
+
 def _rng_files(files: TrainerCheckpointFiles) -> tuple[RngState | bool, dict[str, bytes]]:
     """RNG of rank 0 (for ``rng=``) and every other rank's RNG file as bytes (for ``extra_files``)."""
     extra: dict[str, bytes] = {}
@@ -231,9 +238,7 @@ def _rng_files(files: TrainerCheckpointFiles) -> tuple[RngState | bool, dict[str
         if rank == 0:
             rank0 = state
             continue
-        with tempfile.TemporaryDirectory() as tmp:
-            save_rng_state(Path(tmp) / "rng.safetensors", state, fsync=False)
-            extra[f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"] = (Path(tmp) / "rng.safetensors").read_bytes()
+        extra[f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"] = _rng_bytes(state)
     if rank0 is False:
         logger.warning("%s has no rng_state.pth; the converted checkpoint has no RNG state and resuming from it "
                        "will need allow_inexact_resume=True.", files.directory)
