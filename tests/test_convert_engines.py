@@ -220,6 +220,14 @@ def test_plan_dcp_pieces_refuses_records_outside_the_checkpoint(relative_path):
         plan_dcp_pieces(_metadata(relative_path), source="x")
 
 
+def test_deepspeed_names_mirror_the_integration():
+    from hf_resumable.conversions import deepspeed as converter
+    from hf_resumable.integrations import _deepspeed as integration
+
+    for name in ("MASTER_KEY", "GROUP_NAME", "EXTRA_DEEPSPEED"):
+        assert getattr(converter, name) == getattr(integration, name), name
+
+
 def test_plan_zero_boxes():
     assert plan_zero_boxes([[6, 2], [6, 2]], source="x") == [[Box((0,), (6,)), Box((0,), (2,))],
                                                              [Box((6,), (6,)), Box((2,), (2,))]]

@@ -63,7 +63,6 @@ from ..constants import (
     STOCK_DEEPSPEED_TAG_RE,
 )
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedEngineError
-from ..integrations._deepspeed import EXTRA_DEEPSPEED, GROUP_NAME, MASTER_KEY
 from ._commit import commit_for_ranks
 from ._layout import RankPiece, add_rank_pieces, layout_document, whole_box
 from ._pickle import DEEPSPEED_GLOBALS, load_torch_pickle
@@ -82,6 +81,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["DeepSpeedCheckpointFiles", "is_deepspeed_checkpoint", "plan_zero_boxes", "convert_deepspeed_checkpoint",
            "NOT_BIT_EXACT_WARNING"]
 
+# The names ResumableTrainer / ResumableAccelerator give DeepSpeed state (integrations/_deepspeed.py, a layer above
+# this one: mirrored here, checked equal in tests/test_convert_engines.py).
+MASTER_KEY = "fp32"  # the fp32 master-weight partition, next to the base optimizer's own state keys
+GROUP_NAME = "zero{world_size}.group{index}"  # a param group's flat partition, named as a parameter would be
+EXTRA_DEEPSPEED = "deepspeed_engine"  # extra-state key: the engine's counters and loss scaler
 DEEPSPEED_PICKLE_WARNING = (
     "Reading the pickle files of a stock DeepSpeed checkpoint (global_step*/*.pt, rng_state*.pth, scheduler.pt) with "
     "torch.load(weights_only=True) (DeepSpeed's loss scaler, stage enum and fragment addresses as inert stand-ins; "
