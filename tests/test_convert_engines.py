@@ -91,10 +91,14 @@ def test_stock_deepspeed_checkpoint_converts_and_resumes(tmp_path, stage):
     assert layout["optimizer_document"]["class"] == f"DeepSpeedZero{stage}/AdamW"
     _job(RESUME_WORKER, resumed, [*zero, "--resume", str(converted)])
     _assert_resumed_as_saved(stock, resumed)
+    stock_history = json.loads((stock / "checkpoint-3" / "trainer_state.json").read_text())["log_history"]
     for rank in RANKS:
         result = json.loads((resumed / f"result-rank{rank}.json").read_text())
         assert result["resumed_from"] == str(converted)
-        assert [entry["step"] for entry in result["log_history"] if "loss" in entry] == [4, 5]
+        logged = [entry for entry in result["log_history"] if "loss" in entry]
+        # steps 1-3 are the stock run's history (trainer_state.json), then 4 and 5 trained after the switch
+        assert [entry["step"] for entry in logged] == [1, 2, 3, 4, 5]
+        assert logged[:3] == [entry for entry in stock_history if "loss" in entry]
     assert verify_checkpoint(resumed / "checkpoint-5", full=True).ok
 
 
@@ -172,6 +176,17 @@ def test_dcp_metadata_naming_os_system_is_refused(tmp_path):
     assert str(metadata) in done.stderr and "system" in done.stderr, done.stderr[-3000:]
     assert not marker.exists()
     assert not (tmp_path / "out").exists()
+
+
+def test_deepspeed_optimizer_file_naming_os_system_is_refused(tmp_path):
+    from hf_resumable.conversions._pickle import DEEPSPEED_GLOBALS, load_torch_pickle
+
+    marker = tmp_path / "pwned"
+    path = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"loss_scaler": _RunsCommand(f"touch {marker}")}}, path)
+    with pytest.raises(UnsafePickleError, match=r"zero_pp_rank_0_mp_rank_00_optim_states\.pt.*system"):
+        load_torch_pickle(path, safe_globals=DEEPSPEED_GLOBALS)
+    assert not marker.exists()
 
 
 def test_dcp_metadata_other_than_metadata_is_refused(tmp_path):

@@ -26,6 +26,7 @@ import io
 import logging
 import os
 import pickle
+import re
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["load_torch_pickle", "load_dcp_metadata", "DEEPSPEED_GLOBALS", "numpy_globals", "StandIn"]
 
+# How torch's weights_only unpickler names a global it refused.
+_REFUSED_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 # Largest .metadata accepted (a 70B model's is a few MB).
 MAX_DCP_METADATA_BYTES = 256 * 2**20
 
@@ -117,7 +120,9 @@ def load_torch_pickle(path: str | os.PathLike, *, safe_globals: Iterable[Any] = 
         with torch.serialization.safe_globals([*numpy_globals(), *safe_globals]):
             return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as err:
-        reason = " ".join(str(err).split())[:300]
+        message = " ".join(str(err).split())
+        named = _REFUSED_GLOBAL_RE.search(message)
+        reason = f"it names {named.group(1)}" if named else message[:300]
         raise UnsafePickleError(
             f"{path}: refused by torch.load(weights_only=True), which builds only tensors, plain containers and the "
             f"stand-ins hf_resumable names ({reason}). hf_resumable never unpickles other objects; convert only "
