@@ -175,6 +175,23 @@ def _model_class(name: Any, *, where: str) -> type:
     return cls
 
 
+def _auto_model(config: Any, *, where: str) -> Any:
+    """The model transformers' auto classes map ``config.model_type`` to (a causal LM when there is one; the
+    checkpoint's weights then decide, under ``strict=True``, whether it fits). Only transformers' own classes."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    for auto in (AutoModelForCausalLM, AutoModel):
+        try:
+            model = auto.from_config(config)
+        except ValueError:  # no class of that kind for this model type
+            continue
+        logger.warning("%s names no architecture; exporting as %s (transformers' auto class for model_type %r).",
+                       where, type(model).__name__, getattr(config, "model_type", None))
+        return model
+    raise ExportError(f"{where}: names no architecture and transformers has no model class for model_type "
+                      f"{getattr(config, 'model_type', None)!r}.")
+
+
 def _build_model(opened: OpenedCheckpoint, *, base: str | os.PathLike | None, revision: str | None) -> Any:
     from transformers import AutoConfig
 
@@ -184,7 +201,9 @@ def _build_model(opened: OpenedCheckpoint, *, base: str | os.PathLike | None, re
         if not (path / CONFIG_FILE).is_file():
             raise ExportError(f"{path}: no {CONFIG_FILE}; cannot tell which model it holds.")
         config = AutoConfig.from_pretrained(path)
-        architectures = getattr(config, "architectures", None) or [None]
+        architectures = getattr(config, "architectures", None)
+        if not architectures:  # a config saved by config.save_pretrained (not model.save_pretrained) names none
+            return _with_adapters(_auto_model(config, where=str(path / CONFIG_FILE)), opened)
         model = _model_class(architectures[0], where=str(path / CONFIG_FILE))._from_config(config)
         return _with_adapters(model, opened)
     recorded = trainable.record.source
