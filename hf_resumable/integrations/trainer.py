@@ -86,7 +86,7 @@ from ..checkpoint import (
 from ..checkpoint._reader import read_on_load
 from ..checkpoint.api import background_saver, saves_async
 from ..checkpoint.sharded import load_sharded_checkpoint, load_sharded_into, save_sharded_checkpoint
-from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, OPTIMIZER_INDEX_FILE, TRAINER_STATE_FILE
+from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, LAYOUT_FILE, OPTIMIZER_INDEX_FILE, TRAINER_STATE_FILE
 from ..data import (
     DATA_KIND,
     ResumableDataLoader,
@@ -1153,7 +1153,8 @@ class ResumableTrainer(Trainer):
         model_only = self._resume is not None and self._resume.loaded.extra.get(_EXTRA_MODEL_ONLY)
         if self._resume is not None and self._resume.converted_from is not None:
             # a stock checkpoint saved with save_only_model has no optimizer state: a fresh optimizer, as stock
-            model_only = OPTIMIZER_INDEX_FILE not in self._resume.loaded.manifest.files
+            files = self._resume.loaded.manifest.files  # a converted DeepSpeed checkpoint holds it in pieces
+            model_only = OPTIMIZER_INDEX_FILE not in files and LAYOUT_FILE not in files
         opened = (self._resume.loaded if self._resume is not None and Path(checkpoint) == self._resume.path
                   else open_checkpoint(checkpoint, verify=self.checkpoint_verify))
         model = self.accelerator.unwrap_model(self.model)
