@@ -68,7 +68,6 @@ from typing import Any
 import torch
 import transformers
 import transformers.trainer as _trainer_module
-from packaging import version
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import ExportableState, TrainerCallback
 
@@ -100,10 +99,11 @@ from ..data import (
 from ..distributed import rank_and_world_size
 from ..errors import AsyncSaveError, HfResumableError, InexactResumeError, UnsupportedStateError
 from ..format.rng import derive_seed, restore_rng_state
-from ..format.state import RunConfig, check_config_drift
+from ..format.state import RunConfig
 from ..format.state_codec import encode_state
 from ..locations import is_remote, open_uploader, resolve_resume_path
-from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
+from ..preemption import PreemptionHandler, agree_on_preemption, exit_after_preemption
+from ._core import ResumeOptions, check_drift, check_upstream, inexact
 from ._deepspeed import (
     EXTRA_DEEPSPEED,
     capture_engine_state,
@@ -127,7 +127,6 @@ from ._trainer_discovery import (
 )
 from ._trainer_family import DEFAULT_STATE_ATTRIBUTES, RESUMABLE_OPTIONS, encode_attribute, restore_attribute
 from ._trainer_hparams import (
-    RESUME_HYPERPARAMETERS,
     HyperparameterChange,
     apply_new_hyperparameters,
     hyperparameter_changes,
@@ -187,26 +186,13 @@ def check_trainer_internals() -> list[str]:
     if not callable(getattr(_trainer_module, "skip_first_batches", None)):
         problems.append("transformers.trainer.skip_first_batches is missing")
     for name, fragments in _SOURCE_CONTRACT.items():
-        source = inspect.getsource(getattr(Trainer, name))
+        source = inspect.getsource(getattr(Trainer, name)) if callable(getattr(Trainer, name, None)) else ""
         problems += [f"Trainer.{name} no longer contains {fragment!r}" for fragment in fragments
                      if fragment not in source]
-    current = version.parse(transformers.__version__)
-    if not all(current in _specifier(spec) for spec in TESTED_TRANSFORMERS):
-        problems.append(f"transformers {transformers.__version__} is outside the tested range {TESTED_TRANSFORMERS}")
     return problems
 
 
-def _specifier(spec: str) -> Any:
-    from packaging.specifiers import SpecifierSet
-
-    return SpecifierSet(spec)
-
-
-_PROBLEMS = check_trainer_internals()
-if _PROBLEMS:
-    raise ImportError(
-        "hf_resumable.integrations.trainer cannot guarantee exact resume with this transformers version: "
-        + "; ".join(_PROBLEMS) + ". Install a transformers version in " + ", ".join(TESTED_TRANSFORMERS) + ".")
+check_upstream("transformers", transformers.__version__, TESTED_TRANSFORMERS, check_trainer_internals())
 
 
 @contextlib.contextmanager
@@ -396,31 +382,15 @@ class ResumableTrainer(Trainer):
                  restore_callback_states: bool = True, resume_hyperparameters: str = "checkpoint",
                  standalone_checkpoints: bool = False, save_async: bool | None = None, **kwargs: Any) -> None:
         # Options given to a make_resumable() class were set aside before the subclass's constructor ran.
-        pending = self.__dict__.pop("_hfr_options", {})
-        allow_config_drift = pending.get("allow_config_drift", allow_config_drift)
-        allow_inexact_resume = pending.get("allow_inexact_resume", allow_inexact_resume)
-        exit_on_preemption = pending.get("exit_on_preemption", exit_on_preemption)
-        checkpoint_verify = pending.get("checkpoint_verify", checkpoint_verify)
-        push_checkpoints_to = pending.get("push_checkpoints_to", push_checkpoints_to)
-        storage_options = pending.get("storage_options", storage_options)
-        restore_callback_states = pending.get("restore_callback_states", restore_callback_states)
-        resume_hyperparameters = pending.get("resume_hyperparameters", resume_hyperparameters)
-        self.standalone_checkpoints = bool(pending.get("standalone_checkpoints", standalone_checkpoints))
-        save_async = pending.get("save_async", save_async)
-        self.save_async = None if save_async is None else bool(save_async)  # None: saves_async decides per save
-        if checkpoint_verify not in ("quick", "full"):
-            raise ValueError(f"checkpoint_verify must be 'quick' or 'full', got {checkpoint_verify!r}.")
-        if resume_hyperparameters not in RESUME_HYPERPARAMETERS:
-            raise ValueError(f"resume_hyperparameters must be one of {RESUME_HYPERPARAMETERS}, got "
-                             f"{resume_hyperparameters!r}.")
+        options = dict(allow_config_drift=allow_config_drift, allow_inexact_resume=allow_inexact_resume,
+                       exit_on_preemption=exit_on_preemption, checkpoint_verify=checkpoint_verify,
+                       push_checkpoints_to=push_checkpoints_to, storage_options=storage_options,
+                       restore_callback_states=restore_callback_states, resume_hyperparameters=resume_hyperparameters,
+                       standalone_checkpoints=standalone_checkpoints, save_async=save_async)
+        # save_async=None: saves_async decides per save
+        self.options = ResumeOptions(**{**options, **self.__dict__.pop("_hfr_options", {})})
         super().__init__(*args, **kwargs)
-        self.restore_callback_states = restore_callback_states
-        self.resume_hyperparameters = resume_hyperparameters
         self._hyperparameter_changes: list[HyperparameterChange] = []
-        self.allow_config_drift = allow_config_drift
-        self.allow_inexact_resume = allow_inexact_resume
-        self.exit_on_preemption = exit_on_preemption
-        self.checkpoint_verify = checkpoint_verify
         self.preempted = False
         self.resumed_from: Path | None = None
         self._preemption = PreemptionHandler()
@@ -432,20 +402,19 @@ class ResumableTrainer(Trainer):
         self._rng_restored = False
         self._converted_from: Path | None = None
         self._loader_fallback: str | None = None
-        self.storage_options = storage_options
         self._uploader = None
         self._pending_commit: _PendingCommit | None = None  # a background save not yet known to be committed
         self._save_error: AsyncSaveError | None = None  # its failure, raised at the next save or the end of train
-        if push_checkpoints_to is not None and self.args.should_save:
-            self._uploader = open_uploader(push_checkpoints_to, token=self.args.hub_token,
-                                           storage_options=storage_options)
+        if self.options.push_checkpoints_to is not None and self.args.should_save:
+            self._uploader = open_uploader(self.options.push_checkpoints_to, token=self.args.hub_token,
+                                           storage_options=self.options.storage_options)
 
     def _saves_in_background(self) -> bool:
         """``save_async``; by default (``None``) on under torch.distributed, unless a callback overrides ``on_save``:
         it is called when the save returns, as in ``Trainer``, and may read the checkpoint (a tracker uploading it),
         which a blocking save has committed by then."""
-        if self.save_async is not None or not saves_async(None):
-            return saves_async(self.save_async)
+        if self.options.save_async is not None or not saves_async(None):
+            return saves_async(self.options.save_async)
         readers = sorted({type(callback).__name__ for callback in self.callback_handler.callbacks
                           if type(callback).on_save is not TrainerCallback.on_save})
         if readers and not getattr(self, "_hfr_told_blocking", False):
@@ -531,7 +500,8 @@ class ResumableTrainer(Trainer):
             self._resume = None
         self._settle_saves()
         if self.preempted:
-            self._exit_preempted()
+            exit_after_preemption(self._preemption, checkpoint=str(self.args.output_dir), step=self.state.global_step,
+                                  exit=self.options.exit_on_preemption)
         return output
 
     def _resolve_checkpoint(self, resume_from_checkpoint: str | bool | os.PathLike | None
@@ -557,14 +527,14 @@ class ResumableTrainer(Trainer):
         if is_remote(resume_from_checkpoint):  # hf://user/repo[@rev][/path] or s3://bucket/run[/checkpoint-N]
             cache = Path(output_dir) / ".remote-resume"
             return resolve_resume_path(resume_from_checkpoint, cache_dir=cache, token=self.args.hub_token,
-                                       storage_options=self.storage_options), None
+                                       storage_options=self.options.storage_options), None
         path = Path(resume_from_checkpoint)
         kind = classify_checkpoint_dir(path)
         if kind is CheckpointKind.STOCK:
             return self._convert_stock_checkpoint(path), None
         if kind is not CheckpointKind.OURS:
             raise not_a_checkpoint_error(path, output_dir)
-        report = verify_checkpoint(path, full=self.checkpoint_verify == "full", raise_on_error=True,
+        report = verify_checkpoint(path, full=self.options.checkpoint_verify == "full", raise_on_error=True,
                                    keep=read_on_load(rank_and_world_size()[0]))
         return path, report
 
@@ -608,7 +578,7 @@ class ResumableTrainer(Trainer):
     def _open_checkpoint(self, path: Path, verified: VerifyReport | None = None) -> _Resume:
         # Opened (decoded) once here, with the verification that found it; the weights and optimizer are filled from
         # this same object in _load_optimizer_and_scheduler, so a resume never verifies, reads or hashes a file twice.
-        loaded = open_checkpoint(path, verify=self.checkpoint_verify, verified=verified)
+        loaded = open_checkpoint(path, verify=self.options.checkpoint_verify, verified=verified)
         converted_from, self._converted_from = self._converted_from, None
         if converted_from is not None or loaded.extra.get("converted_from"):
             return _Resume(path=path, loaded=loaded, converted_from=converted_from or path)
@@ -618,36 +588,12 @@ class ResumableTrainer(Trainer):
         if saved is None:
             self._inexact(f"{path} records no run configuration (not written by ResumableTrainer)")
         else:
-            check_config_drift(RunConfig.from_dict(saved), self._current_run_config(), checkpoint=str(path),
-                               allow=self.allow_config_drift)
+            check_drift(RunConfig.from_dict(saved).diff(self._current_run_config()), checkpoint=str(path),
+                        allow=self.options.allow_config_drift, option="allow_config_drift", owner="ResumableTrainer")
         return _Resume(path=path, loaded=loaded)
 
     def _inexact(self, message: str) -> None:
-        if not self.allow_inexact_resume:
-            raise InexactResumeError(f"{message}; the run would not continue exactly. Resume from another "
-                                     "checkpoint, or pass allow_inexact_resume=True to ResumableTrainer.")
-        logger.warning("%s; continuing because allow_inexact_resume=True (NOT bit-exact).", message)
-
-    def _preemption_agreed(self, args: TrainingArguments) -> bool:
-        """Whether any rank received SIGTERM (one all-reduce per optimizer step under torch.distributed)."""
-        requested = bool(self._preemption.requested)
-        if args.world_size <= 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return requested
-        flag = torch.tensor([int(requested)], dtype=torch.int32, device=args.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        agreed = bool(flag.item())
-        if agreed and not requested:
-            logger.warning("Rank %d: another rank received a preemption signal; saving step %d on every rank.",
-                           args.process_index, self.state.global_step)
-        return agreed
-
-    def _exit_preempted(self) -> None:
-        received = self._preemption.received
-        logger.warning("Preempted (%s): checkpoint at step %d committed under %s.",
-                       f"signal {received}" if received is not None else "signal received by another rank",
-                       self.state.global_step, self.args.output_dir)
-        if self.exit_on_preemption:
-            raise SystemExit(PREEMPTION_EXIT_CODE)
+        inexact(message, allow=self.options.allow_inexact_resume, owner="ResumableTrainer")
 
     def _current_run_config(self) -> RunConfig:
         if self._run_config is None:
@@ -803,7 +749,7 @@ class ResumableTrainer(Trainer):
 
     def _load_callback_state(self) -> None:
         """Restore ``ExportableState`` callbacks from the checkpoint (``restore_callback_states``, default on)."""
-        if not self.restore_callback_states or self.args.restore_callback_states_from_checkpoint:
+        if not self.options.restore_callback_states or self.args.restore_callback_states_from_checkpoint:
             return super()._load_callback_state()
         self.args.restore_callback_states_from_checkpoint = True
         try:
@@ -849,7 +795,7 @@ class ResumableTrainer(Trainer):
             data_state=self._data_position(), rng=not model_only, metrics=self._metrics_of_this_step(),
             # as Trainer._save: without a processing_class, the collator's tokenizer is saved
             processing_class=self.processing_class or getattr(self.data_collator, "tokenizer", None), overwrite=True,
-            standalone=self.standalone_checkpoints, blocking=blocking)
+            standalone=self.options.standalone_checkpoints, blocking=blocking)
         commit = _PendingCommit(checkpoint=output_dir, run_dir=run_dir, conversion=self._conversion_to_drop())
         if blocking:
             self._after_commit(commit)
@@ -1013,7 +959,7 @@ class ResumableTrainer(Trainer):
             self._hyperparameter_changes = hyperparameter_changes(
                 saved, hyperparameter_snapshot(self.args, max_steps=max_steps))
             report_hyperparameter_changes(self._hyperparameter_changes, checkpoint=str(self._resume.path),
-                                          mode=self.resume_hyperparameters)
+                                          mode=self.options.resume_hyperparameters)
         if not self._loop.finished:  # on every rank: a refusal on one rank alone would leave the others waiting
             collisions = colliding_checkpoints(self._get_output_dir(self._loop.trial), after_step=start,
                                                up_to_step=max_steps)
@@ -1053,7 +999,7 @@ class ResumableTrainer(Trainer):
                         "only numbers, strings, lists and dicts from state().") from err
 
     def _refuse_at_start(self, message: str, *, fix: str) -> None:
-        if self.allow_inexact_resume:
+        if self.options.allow_inexact_resume:
             logger.warning("%s; training anyway because allow_inexact_resume=True: a restart will NOT continue "
                            "bit for bit (and needs allow_inexact_resume=True too).", message)
             return
@@ -1072,7 +1018,8 @@ class ResumableTrainer(Trainer):
             loop.grad_norm, loop.learning_rate = _as_float(grad_norm), learning_rate
         # SIGTERM: save this step on every rank, then stop. The stop is requested after the save so that the
         # checkpoint records only the run's own decision to stop (a preempted run is not a finished one).
-        preempt = not self.preempted and self._preemption_agreed(self.args)
+        preempt = not self.preempted and agree_on_preemption(self._preemption, device=self.args.device,
+                                                             step=self.state.global_step)
         if preempt:
             self.preempted = True
             self.control.should_save = True
@@ -1155,7 +1102,7 @@ class ResumableTrainer(Trainer):
             # a stock checkpoint saved with save_only_model has no optimizer state: a fresh optimizer, as stock
             model_only = OPTIMIZER_INDEX_FILE not in self._resume.loaded.manifest.files
         opened = (self._resume.loaded if self._resume is not None and Path(checkpoint) == self._resume.path
-                  else open_checkpoint(checkpoint, verify=self.checkpoint_verify))
+                  else open_checkpoint(checkpoint, verify=self.options.checkpoint_verify))
         model = self.accelerator.unwrap_model(self.model)
         optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO-1/2: this rank's partitions
         objects = dict(optimizer=None if model_only else optimizer,
@@ -1172,7 +1119,7 @@ class ResumableTrainer(Trainer):
         else:
             # a world-size change was already refused (or allowed) by the run-config drift check
             opened.load_into(model=model, **objects, restore_rng=False, allow_inexact_resume=True)
-        if self.resume_hyperparameters == "arguments" and self._hyperparameter_changes and not model_only:
+        if self.options.resume_hyperparameters == "arguments" and self._hyperparameter_changes and not model_only:
             apply_new_hyperparameters(torch_optimizer(self.optimizer), self.lr_scheduler,
                                       self._hyperparameter_changes, decay_groups=self._decay_groups())
 
@@ -1199,7 +1146,7 @@ class ResumableTrainer(Trainer):
         if state is None:
             self._inexact(f"{checkpoint} has no RNG state for rank {self.args.process_index}")
             return
-        restore_rng_state(state, allow_device_mismatch=self.allow_inexact_resume)
+        restore_rng_state(state, allow_device_mismatch=self.options.allow_inexact_resume)
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
@@ -1209,7 +1156,7 @@ class ResumableTrainer(Trainer):
         model = self.accelerator.unwrap_model(self.model)
         # FSDP2 and ZeRO checkpoints hold per-rank pieces; under ZeRO-1/2 every rank loads the whole weights
         load = load_sharded_checkpoint if holds_dtensors(model) or self.is_deepspeed_enabled else load_checkpoint
-        load(best, model=model, restore_rng=False, verify=self.checkpoint_verify,
+        load(best, model=model, restore_rng=False, verify=self.options.checkpoint_verify,
              allow_inexact_resume=True)  # weights only: no drift
 
 
