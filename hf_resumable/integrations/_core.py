@@ -9,6 +9,9 @@ They decide the same questions the same way, here:
   :class:`~hf_resumable.errors.InexactResumeError` unless ``allow_inexact_resume=True``, which logs a WARNING.
 * **Drift** (:func:`check_drift`): every setting that changed since the checkpoint is named (old -> new) in one
   :class:`~hf_resumable.errors.ConfigDriftError`, or in one WARNING when the user opted in.
+* **After a commit** (:class:`AfterCommit`): what follows a checkpoint's commit (retention, uploads, dropping a
+  converted checkpoint) is attached to the save's future and runs on the training thread once it has committed,
+  never for a save that failed.
 * **Upstream versions** (:func:`check_upstream`): a version outside the tested range is a WARNING (the run goes
   on); a missing internal that the integration needs is an :class:`UpstreamInternalsError` (an ``ImportError``),
   raised before anything is trained.
@@ -32,19 +35,22 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from ..checkpoint import wait_for_pending_saves
 from ..errors import ConfigDriftError, HfResumableError, InexactResumeError
 from ._trainer_hparams import RESUME_HYPERPARAMETERS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT", "ResumeOptions", "UpstreamInternalsError", "check_drift", "check_upstream", "inexact"]
+__all__ = ["DEFAULT", "AfterCommit", "ResumeOptions", "UpstreamInternalsError", "changed_settings", "check_drift",
+           "check_upstream", "inexact"]
 
 # "option not given" (keep_last falls back to accelerate's ProjectConfiguration.total_limit).
 DEFAULT: Any = type("_Default", (), {"__repr__": lambda self: "DEFAULT"})()
@@ -182,3 +188,39 @@ def check_upstream(package: str, installed: str, tested: Iterable[str], problems
         logger.warning("hf_resumable's %s integration was tested with %s %s; found %s. Its internals are still as "
                        "expected; run the integration tests before trusting resumes.", package, package,
                        ",".join(tested), installed)
+
+
+class AfterCommit:
+    """Follow-ups of checkpoint commits, attached to each save's future and run on the training thread.
+
+    A blocking save (``future=None``) has committed when it returns: its follow-up runs at once. A background
+    save's runs at the first :meth:`settle` after its future is done, and never if the save failed.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Future, Callable[[], None]]] = []
+
+    @property
+    def pending(self) -> bool:
+        """Whether a follow-up waits for its save."""
+        return bool(self._pending)
+
+    def attach(self, future: Future | None, follow_up: Callable[[], None]) -> None:
+        """Run ``follow_up`` once the save of ``future`` has committed (now for a blocking save)."""
+        if future is None:
+            follow_up()
+        else:
+            self._pending.append((future, follow_up))
+
+    def settle(self, *, poll: bool = False) -> None:
+        """Wait for the save in flight, then run the follow-ups (with ``poll``: only once every attached save is done).
+
+        Raises:
+            AsyncSaveError: the background save failed; its follow-ups are dropped (nothing was committed).
+        """
+        if poll and (not self._pending or any(not future.done() for future, _ in self._pending)):
+            return
+        pending, self._pending = self._pending, []
+        wait_for_pending_saves()
+        for _, follow_up in pending:
+            follow_up()

@@ -91,9 +91,9 @@ from ..checkpoint import (
     open_checkpoint,
     save_checkpoint,
     verify_checkpoint,
-    wait_for_pending_saves,
 )
 from ..checkpoint._model_files import has_model_weights
+from ..checkpoint.api import background_saver
 from ..checkpoint.sharded import load_sharded_into, save_sharded_checkpoint
 from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, MANIFEST_FILE, OPTIMIZER_INDEX_FILE
 from ..data import ResumableDataLoader, build_map_dataloader
@@ -140,7 +140,7 @@ from ._accelerate_paths import (
     stock_accelerate_files,
 )
 from ._accelerate_state import StepCounts, StepHook, state_fingerprint
-from ._core import DEFAULT, ResumeOptions, changed_settings, check_drift, check_upstream, inexact
+from ._core import DEFAULT, AfterCommit, ResumeOptions, changed_settings, check_drift, check_upstream, inexact
 from ._deepspeed import (
     EXTRA_DEEPSPEED,
     capture_engine_state,
@@ -295,7 +295,7 @@ class ResumableAccelerator(Accelerator):
         check_upstream("accelerate", accelerate.__version__, TESTED_ACCELERATE, check_accelerate_internals(self))
         self._step_counts = StepCounts()
         self._committed: dict[Path, str] = {}  # checkpoint this accelerator committed -> fingerprint of its state
-        self._retention_due: str | None = None  # naming of a committed save whose retention has not run yet
+        self._commits = AfterCommit()  # follow-ups (upload, retention) of saves not yet known to be committed
         self._warned: dict[str, bool] = {}  # one WARNING per ignored option
         self._window_slot: tuple[int, int] | None = None
         # Loaders whose position is saved, in preparation order (ResumablePreparedLoader, ResumableDataLoaderShard...).
@@ -690,8 +690,7 @@ class ResumableAccelerator(Accelerator):
                 f"save_state() was called inside an accumulation window (micro-step {self.step} of "
                 f"{self.gradient_accumulation_steps}); checkpoints land on optimizer-step boundaries only. "
                 "Call it after the window's optimizer step.")
-        wait_for_pending_saves()  # save_checkpoint would wait anyway; the previous save may be this very step
-        self._apply_pending_retention()
+        self._commits.settle()  # the previous save has committed (its retention and upload done): it may be this step
         mode, target = self._save_target(output_dir)
         # Only checkpoint-<step> saves can meet a checkpoint of this very state (the other namings always write).
         fingerprint = self._fingerprint(target) if mode == _NAMING_STEPS else None
@@ -709,19 +708,14 @@ class ResumableAccelerator(Accelerator):
         blocking = not self.options.save_async if blocking is None else blocking
         save = save_sharded_checkpoint if self._saves_pieces() else save_checkpoint  # FSDP2: every rank its pieces
         save(target, **self._capture(), step=self.global_step, overwrite=mode != _NAMING_AUTOMATIC,
-             keep_last=self._keep() if mode == _NAMING_STEPS and self._uploader is None else None,
              blocking=blocking, standalone=self.options.standalone_checkpoints)
         if fingerprint is not None:
             self._committed = {target: fingerprint}  # steps only grow: only the newest can be met again
         if mode == _NAMING_AUTOMATIC:
             self.project_configuration.iteration += 1
+        self._commits.attach(None if blocking else background_saver().future, lambda: self._after_commit(mode, target))
         if self._uploader is not None:
-            wait_for_pending_saves()  # only committed checkpoints are uploaded
-            self._uploader.submit(target)
-        if mode != _NAMING_EXPLICIT and (self._uploader is not None or mode == _NAMING_AUTOMATIC):
-            self._retention_due = mode
-            if blocking or self._uploader is not None:
-                self._apply_pending_retention()
+            self._commits.settle()  # uploads start as soon as the save returns (only committed checkpoints upload)
         if self.is_main_process:
             logger.info("Saved state at step %d to %s", self.global_step, target)
         return target
@@ -770,13 +764,13 @@ class ResumableAccelerator(Accelerator):
         """Local checkpoints whose upload is not confirmed yet (resolved paths)."""
         return {Path(path).resolve() for path in self._uploader.pending()} if self._uploader is not None else set()
 
-    def _apply_pending_retention(self) -> None:
-        """Retention of the last automatic (or uploading) save, once it has committed (never before)."""
-        mode, self._retention_due = self._retention_due, None
+    def _after_commit(self, mode: str, target: Path) -> None:
+        """What follows a commit: the upload, then retention of the automatic namings (never before the commit)."""
+        if self._uploader is not None:
+            self._uploader.submit(target)
         keep = self._keep()
-        if mode is None or keep is None or not self.is_main_process:
+        if mode == _NAMING_EXPLICIT or keep is None or not self.is_main_process:
             return
-        wait_for_pending_saves()
         pattern = AUTOMATIC_CHECKPOINT_RE if mode == _NAMING_AUTOMATIC else CHECKPOINT_DIR_RE
         apply_retention(self.checkpoint_dir, keep_last=keep, pattern=pattern, protect=self._pending_uploads())
 
@@ -1125,7 +1119,6 @@ class ResumableAccelerator(Accelerator):
         if not agree_on_preemption(self._preemption, device=self.device, step=self.global_step):
             return False
         path = self.save_state(blocking=True)
-        wait_for_pending_saves()
         exit_after_preemption(self._preemption, checkpoint=str(path), step=self.global_step,
                               exit=self.options.exit_on_preemption)
         return True
@@ -1138,8 +1131,7 @@ class ResumableAccelerator(Accelerator):
         released (``~Reducer`` -> ``~ProcessGroupGloo`` waits on a mutex forever; seen under ``torchrun``
         on 2 CPU processes). The group is released with the model, or at interpreter exit.
         """
-        wait_for_pending_saves()
-        self._apply_pending_retention()
+        self._commits.settle()
         if self._preemption is not None:
             self._preemption.uninstall()
         for tracker in self.trackers:

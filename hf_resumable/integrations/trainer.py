@@ -80,7 +80,6 @@ from ..checkpoint import (
     read_manifest,
     save_checkpoint,
     verify_checkpoint,
-    wait_for_pending_saves,
 )
 from ..checkpoint._reader import read_on_load
 from ..checkpoint.api import background_saver, saves_async
@@ -103,7 +102,7 @@ from ..format.state import RunConfig
 from ..format.state_codec import encode_state
 from ..locations import is_remote, open_uploader, resolve_resume_path
 from ..preemption import PreemptionHandler, agree_on_preemption, exit_after_preemption
-from ._core import ResumeOptions, check_drift, check_upstream, inexact
+from ._core import AfterCommit, ResumeOptions, check_drift, check_upstream, inexact
 from ._deepspeed import (
     EXTRA_DEEPSPEED,
     capture_engine_state,
@@ -293,15 +292,6 @@ class _Resume:
     converted_from: Path | None = None  # the stock transformers.Trainer checkpoint ``path`` was converted from
 
 
-@dataclasses.dataclass(frozen=True)
-class _PendingCommit:
-    """What follows the commit of a checkpoint: for a background save, done once it has committed."""
-
-    checkpoint: Path
-    run_dir: Path
-    conversion: Path | None = None  # the converted copy of a stock checkpoint, dropped once this one committed
-
-
 class ResumableTrainer(Trainer):
     """A ``transformers.Trainer`` whose runs can be killed at any moment and restarted bit for bit.
 
@@ -403,7 +393,7 @@ class ResumableTrainer(Trainer):
         self._converted_from: Path | None = None
         self._loader_fallback: str | None = None
         self._uploader = None
-        self._pending_commit: _PendingCommit | None = None  # a background save not yet known to be committed
+        self._commits = AfterCommit()  # follow-ups of background saves not yet known to be committed
         self._save_error: AsyncSaveError | None = None  # its failure, raised at the next save or the end of train
         if self.options.push_checkpoints_to is not None and self.args.should_save:
             self._uploader = open_uploader(self.options.push_checkpoints_to, token=self.args.hub_token,
@@ -796,27 +786,25 @@ class ResumableTrainer(Trainer):
             # as Trainer._save: without a processing_class, the collator's tokenizer is saved
             processing_class=self.processing_class or getattr(self.data_collator, "tokenizer", None), overwrite=True,
             standalone=self.options.standalone_checkpoints, blocking=blocking)
-        commit = _PendingCommit(checkpoint=output_dir, run_dir=run_dir, conversion=self._conversion_to_drop())
-        if blocking:
-            self._after_commit(commit)
-        else:
-            self._pending_commit = commit
+        conversion = self._conversion_to_drop()
+        self._commits.attach(None if blocking else background_saver().future,
+                             lambda: self._after_commit(output_dir, run_dir, conversion))
 
-    def _after_commit(self, commit: _PendingCommit) -> None:
+    def _after_commit(self, checkpoint: Path, run_dir: Path, conversion: Path | None) -> None:
         """What follows a checkpoint's commit: drop a converted stock checkpoint, push, upload, apply retention.
 
         Rank-local (no collective): a background save may be known to have committed at different steps on
         different ranks.
         """
-        self._drop_conversion(commit.conversion)
+        self._drop_conversion(conversion)
         if self.args.push_to_hub:
-            self._push_from_checkpoint(str(commit.checkpoint))
+            self._push_from_checkpoint(str(checkpoint))
         if self._uploader is not None and self.args.should_save:
-            self._uploader.submit(commit.checkpoint)
+            self._uploader.submit(checkpoint)
         if self.args.should_save and self.args.save_total_limit:
             protect = [self.state.best_model_checkpoint] if self.state.best_model_checkpoint else []
             protect += list(self._uploader.pending()) if self._uploader is not None else []
-            apply_retention(commit.run_dir, keep_last=max(1, self.args.save_total_limit), protect=protect)
+            apply_retention(run_dir, keep_last=max(1, self.args.save_total_limit), protect=protect)
 
     def _settle_saves(self, *, poll: bool = False) -> None:
         """Wait for this trainer's background save, then run what follows its commit; raise its failure.
@@ -824,23 +812,10 @@ class ResumableTrainer(Trainer):
         With ``poll``, only a save that has already finished is settled, and a failure is kept to be raised at the
         next save or at the end of ``train`` (where every rank waits: ranks never raise at different steps).
         """
-        pending = self._pending_commit
-        if poll and (pending is None or background_saver().in_flight):
-            return
-        self._pending_commit = None
         try:
-            wait_for_pending_saves()
+            self._commits.settle(poll=poll)
         except AsyncSaveError as err:
-            if pending is None:  # a save this trainer did not start
-                raise
-            self._save_error = AsyncSaveError(
-                f"The background save of {pending.checkpoint} failed ({err.__cause__ or err}); nothing was committed "
-                "there and the previous checkpoint is untouched (still the newest). Fix the cause (e.g. free disk "
-                "space) and restart with train(resume_from_checkpoint=True).")
-            self._save_error.__cause__ = err.__cause__ or err
-            pending = None
-        if pending is not None:
-            self._after_commit(pending)
+            self._save_error = err
         if not poll and self._save_error is not None:
             error, self._save_error = self._save_error, None
             raise error
