@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..constants import MANIFEST_FILE
+from ..constants import MANIFEST_FILE, STOCK_ACCELERATE_FILES_RE
 from ..distributed import (
     all_gather_json,
     barrier,
@@ -45,43 +45,65 @@ logger = logging.getLogger(__name__)
 WRITE_THREADS = 2
 
 
-def check_target(target: Path, *, overwrite: bool) -> DirIdentity | None:
-    """Whether a save may go to ``target``: the directory it will replace, or ``None`` if ``target`` is free.
+def save_refusal(target: Path, *, overwrite: bool) -> str | None:
+    """The one answer to "may a save go to ``target``?": why not (looks at the disk), or ``None``.
 
-    Only an empty directory or a committed hf_resumable checkpoint is ever replaced (and only with
-    ``overwrite``): hf_resumable never deletes what it did not write.
+    A missing path may always be saved to; an empty directory or a committed hf_resumable checkpoint only with
+    ``overwrite`` (replaced atomically). Never a file, a link, a directory holding files hf_resumable did not write
+    (a stock Trainer's or accelerate's checkpoint), or a committed checkpoint somebody added files to: hf_resumable
+    never deletes what it did not write.
+    """
+    return _refusal(target, overwrite=overwrite)[0]
+
+
+def check_target(target: Path, *, overwrite: bool) -> DirIdentity | None:
+    """:func:`save_refusal` as a check: the directory the save will replace, or ``None`` if ``target`` is free.
 
     Raises:
         CheckpointExistsError: ``target`` exists and may not be replaced (the message says why and what to do).
     """
+    reason, info = _refusal(target, overwrite=overwrite)
+    if reason is not None:
+        raise CheckpointExistsError(reason)
+    return None if info is None else (info.st_dev, info.st_ino)
+
+
+def _refusal(target: Path, *, overwrite: bool) -> tuple[str | None, os.stat_result | None]:
     try:
         info = os.lstat(target)
     except FileNotFoundError:
-        return None
+        return None, None
+    except OSError as error:
+        return f"{target} cannot be inspected ({error}).", None
     if not stat.S_ISDIR(info.st_mode):
         kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "a file"
-        raise CheckpointExistsError(f"{target} exists and is {kind}, not a checkpoint directory; hf_resumable does "
-                                    "not replace it. Remove it, or save under another name.")
+        return (f"{target} exists and is {kind}, not a checkpoint directory; hf_resumable does not replace it. Remove "
+                "it, or save under another name."), info
     manifest = _manifest_or_none(target)
     if not overwrite:
         kind = "a committed checkpoint" if manifest is not None else "a directory"
-        raise CheckpointExistsError(
-            f"{target} already exists and is {kind}; pass overwrite=True to replace it atomically, or save under "
-            "another step."
-        )
-    if manifest is None and _has_entries(target):
-        raise CheckpointExistsError(
-            f"{target} holds files that hf_resumable did not write (no valid {MANIFEST_FILE}), e.g. a checkpoint "
-            "of the stock Trainer or of another tool; hf_resumable never replaces those. Move them away or save "
-            "under another name (a stock Trainer checkpoint can be converted with `hf-resumable convert`)."
-        )
+        return (f"{target} already exists and is {kind}; pass overwrite=True to replace it atomically, or save under "
+                "another step."), info
+    if manifest is None and (entries := sorted(os.listdir(target))):
+        stock = stock_accelerate_files(target)
+        what = (f"a checkpoint of stock accelerate ({', '.join(stock[:4])})" if stock else
+                f"files hf_resumable did not write ({', '.join(entries[:4])}{', ...' if len(entries) > 4 else ''})")
+        return (f"{target} holds {what} and no valid {MANIFEST_FILE}, e.g. a checkpoint of the stock Trainer or of "
+                "another tool; hf_resumable never replaces or mixes into those. Move them away or save under another "
+                "name (a stock Trainer checkpoint can be converted with `hf-resumable convert`)."), info
     if manifest is not None and (added := _unlisted_entries(target, manifest)):
-        raise CheckpointExistsError(
-            f"{target} is a committed checkpoint, but files were added to it that hf_resumable did not write "
-            f"({', '.join(added[:5])}{', ...' if len(added) > 5 else ''}); replacing it would delete them. Move "
-            "them out of the checkpoint, or save under another name."
-        )
-    return (info.st_dev, info.st_ino)
+        return (f"{target} is a committed checkpoint, but files were added to it that hf_resumable did not write "
+                f"({', '.join(added[:5])}{', ...' if len(added) > 5 else ''}); replacing it would delete them. Move "
+                "them out of the checkpoint, or save under another name."), info
+    return None, info
+
+
+def stock_accelerate_files(directory: Path) -> list[str]:
+    """Names in ``directory`` that stock accelerate's ``save_state`` writes (looks at the disk)."""
+    try:
+        return sorted(name for name in os.listdir(directory) if STOCK_ACCELERATE_FILES_RE.match(name))
+    except OSError:
+        return []
 
 
 def _manifest_or_none(directory: Path) -> Manifest | None:
@@ -139,11 +161,6 @@ def committed_directory(target: str | os.PathLike, *, overwrite: bool = False) -
         discard(tmp)
         raise
 
-
-
-def _has_entries(directory: Path) -> bool:
-    with os.scandir(directory) as entries:
-        return next(entries, None) is not None
 
 
 def index_document(spec: IndexSpec, records: Mapping[str, FileRecord]) -> dict[str, Any]:

@@ -93,6 +93,7 @@ from ..checkpoint import (
     verify_checkpoint,
 )
 from ..checkpoint._model_files import has_model_weights
+from ..checkpoint._writer import save_refusal, stock_accelerate_files
 from ..checkpoint.api import background_saver
 from ..checkpoint.sharded import load_sharded_into, save_sharded_checkpoint
 from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, MANIFEST_FILE, OPTIMIZER_INDEX_FILE
@@ -136,8 +137,6 @@ from ._accelerate_paths import (
     collect_hook_files,
     hook_file_conflicts,
     next_iteration,
-    refusal_reason,
-    stock_accelerate_files,
 )
 from ._accelerate_state import StepCounts, StepHook, state_fingerprint
 from ._core import DEFAULT, AfterCommit, ResumeOptions, changed_settings, check_drift, check_upstream, inexact
@@ -747,10 +746,9 @@ class ResumableAccelerator(Accelerator):
                     "accelerator.project_configuration.iteration to the iteration to continue with, or resume with "
                     "load_state(), which continues after the newest checkpoint_<i>.")
             return
-        reason = broadcast_json(refusal_reason(target) if self.is_main_process else None)
+        reason = broadcast_json(save_refusal(target, overwrite=True) if self.is_main_process else None)
         if reason is not None:
-            raise CheckpointExistsError(f"Not saving to {target}: {reason}. Save to a new or empty directory, or "
-                                        "move those files away first.")
+            raise CheckpointExistsError(reason)
 
     def _keep(self) -> int | None:
         """Checkpoints kept after a commit: ``keep_last`` if given, else ``total_limit``, else the naming's default."""
