@@ -122,3 +122,39 @@ def test_preemption_agreement_in_one_process_is_the_local_flag():
         exit_after_preemption(handler, checkpoint="out", step=3, exit=True)
     assert exited.value.code == PREEMPTION_EXIT_CODE
     exit_after_preemption(handler, checkpoint="out", step=3, exit=False)  # returns
+
+
+def test_every_accelerate_loader_kind_has_the_one_position_interface(tmp_path):
+    """ResumableAccelerator saves and restores every prepared loader through data._position.LoaderPosition."""
+    from torch.utils.data import DataLoader
+
+    from hf_resumable.data import build_map_dataloader
+    from hf_resumable.data._position import LoaderPosition
+    from hf_resumable.integrations._accelerate_data import StatefulLoaderPosition
+    from hf_resumable.integrations.accelerate import ResumableAccelerator
+
+    accelerator = ResumableAccelerator(checkpoint_dir=tmp_path, handle_preemption=False)
+    data = [torch.tensor([float(i)]) for i in range(8)]
+    rebuilt = accelerator.prepare(DataLoader(data, batch_size=2, shuffle=True))
+    prepared = accelerator.prepare_resumable_dataloader(data, collate_fn=torch.stack, batch_size=2, seed=0)
+    stateful = StatefulLoaderPosition(build_map_dataloader(data, collate_fn=torch.stack, batch_size=2, seed=0))
+    for loader in (rebuilt, prepared, stateful):
+        assert isinstance(loader, LoaderPosition), type(loader)
+    for loader in (rebuilt, prepared):
+        record = loader.position()
+        assert loader.fits(record) and record["step"] == 0
+    assert accelerator._resumable_loaders == [rebuilt, prepared]
+
+
+def test_one_reader_of_torchdata_counters():
+    """checkpoint._validate.batches_yielded reads both forms of StatefulDataLoader state; the loaders and the load
+    validation use it (a corrupt counter is refused, an unknown form is None)."""
+    from hf_resumable.checkpoint._validate import batches_yielded, check_data_position
+    from hf_resumable.errors import CorruptCheckpointError
+
+    assert batches_yielded({"_num_yielded": 3}, source="s") == 3
+    assert batches_yielded({"_snapshot": {"_snapshot_step": 4}, "_steps_since_snapshot": 1}, source="s") == 5
+    assert batches_yielded({"other": 1}, source="s") is None
+    with pytest.raises(CorruptCheckpointError, match="loader/_snapshot/_snapshot_step"):
+        check_data_position({"kind": "stream", "step": 0, "loader": {"_snapshot": {"_snapshot_step": -1}}},
+                            source="data/rank-00000.json")

@@ -44,6 +44,7 @@ __all__ = [
     "check_like_live",
     "check_hyperparameters",
     "check_step_value",
+    "batches_yielded",
     "is_count",
 ]
 
@@ -51,7 +52,10 @@ __all__ = [
 # hf_resumable.data.DATA_* (a test asserts it), kept here so the checkpoint core imports nothing above it.
 DATA_KIND, DATA_EPOCH, DATA_STEP, DATA_NUM_BATCHES, DATA_LOADER = "kind", "epoch", "step", "num_batches", "loader"
 DATA_LOADERS = "loaders"  # ResumableAccelerator: one record per prepared loader
-_NUM_YIELDED = "_num_yielded"  # torchdata StatefulDataLoader's batch counter inside DATA_LOADER
+# torchdata StatefulDataLoader's private counters inside DATA_LOADER (read by batches_yielded only): batches yielded
+# without workers; with workers, the last snapshot's step and the steps since it.
+_NUM_YIELDED, _SNAPSHOT, _SNAPSHOT_STEP, _STEPS_SINCE = ("_num_yielded", "_snapshot", "_snapshot_step",
+                                                        "_steps_since_snapshot")
 # Counters of torch schedulers and GradScaler that load_state_dict assigns as attributes: ints, never floats.
 _INT_COUNTERS = {"last_epoch": -1, "_step_count": 0, "_growth_tracker": 0, "growth_interval": 1}
 
@@ -165,8 +169,34 @@ def _check_record(record: Mapping[str, Any], *, source: str, prefix: str) -> Non
         loader = record[DATA_LOADER]
         if not isinstance(loader, dict):
             raise _corrupt(source, f"{prefix}{DATA_LOADER}", loader, "the loader's state_dict() object")
-        if _NUM_YIELDED in loader and not is_count(loader[_NUM_YIELDED]):
-            raise _corrupt(source, f"{prefix}{DATA_LOADER}/{_NUM_YIELDED}", loader[_NUM_YIELDED], "a non-negative int")
+        batches_yielded(loader, source=source, prefix=f"{prefix}{DATA_LOADER}/")
+
+
+def batches_yielded(state: Mapping[str, Any], *, source: str, prefix: str = "") -> int | None:
+    """The one reader of torchdata ``StatefulDataLoader``'s private counters: the batches it had yielded when
+    ``state`` (its ``state_dict()``) was taken, or ``None`` for a state of another form (another torchdata version).
+
+    Raises:
+        CorruptCheckpointError: a counter that is not a non-negative int (``prefix`` + its key names it).
+
+    Example:
+
+    ```python
+    >>> batches_yielded({"_snapshot": {"_snapshot_step": 4}, "_steps_since_snapshot": 2}, source="data")
+    6
+    ```
+    """
+    if _NUM_YIELDED in state:
+        counts = {_NUM_YIELDED: state[_NUM_YIELDED]}
+    elif isinstance(state.get(_SNAPSHOT), Mapping) and _SNAPSHOT_STEP in state[_SNAPSHOT]:
+        counts = {f"{_SNAPSHOT}/{_SNAPSHOT_STEP}": state[_SNAPSHOT][_SNAPSHOT_STEP],
+                  _STEPS_SINCE: state.get(_STEPS_SINCE, 0)}
+    else:
+        return None
+    for key, value in counts.items():
+        if not is_count(value):
+            raise _corrupt(source, f"{prefix}{key}", value, "a non-negative int")
+    return sum(counts.values())
 
 
 def check_counters(progress: Mapping[str, Any], paths: Iterable[str], *, source: str) -> None:

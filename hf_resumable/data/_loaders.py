@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from ..checkpoint._validate import batches_yielded
 from ..errors import InexactResumeError
 from ..format.rng import derive_seed
 from ._order import ResumableBatchSampler
@@ -146,13 +147,11 @@ class _ReplaySkip:
 
 def _batches_yielded(state: Mapping[str, Any]) -> int:
     """Batches a ``StatefulDataLoader`` had yielded when ``state`` was taken (single- or multi-process form)."""
-    if "_num_yielded" in state:
-        return int(state["_num_yielded"])
-    snapshot = state.get("_snapshot") or {}
-    if "_snapshot_step" in snapshot:
-        return int(snapshot["_snapshot_step"]) + int(state.get("_steps_since_snapshot", 0))
-    raise InexactResumeError(f"Unrecognised StatefulDataLoader state (keys {sorted(state)}); this torchdata "
-                             "version is not supported.")
+    count = batches_yielded(state, source="the streaming loader's saved position")
+    if count is None:
+        raise InexactResumeError(f"Unrecognised StatefulDataLoader state (keys {sorted(state)}); this torchdata "
+                                 "version is not supported.")
+    return count
 
 
 def _stream_loader_class() -> type:

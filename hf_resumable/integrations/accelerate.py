@@ -98,6 +98,7 @@ from ..checkpoint.api import background_saver
 from ..checkpoint.sharded import load_sharded_into, save_sharded_checkpoint
 from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, MANIFEST_FILE, OPTIMIZER_INDEX_FILE
 from ..data import ResumableDataLoader, build_map_dataloader
+from ..data._position import LoaderPosition
 from ..distributed import all_gather_json, broadcast_json
 from ..errors import (
     CheckpointExistsError,
@@ -296,9 +297,9 @@ class ResumableAccelerator(Accelerator):
         self._committed: dict[Path, str] = {}  # checkpoint this accelerator committed -> fingerprint of its state
         self._commits = AfterCommit()  # follow-ups (upload, retention) of saves not yet known to be committed
         self._warned: dict[str, bool] = {}  # one WARNING per ignored option
-        self._window_slot: tuple[int, int] | None = None
+        self._window: AccumulationWindow | None = None  # the window accumulation_windows() handed out last
         # Loaders whose position is saved, in preparation order (ResumablePreparedLoader, ResumableDataLoaderShard...).
-        self._resumable_loaders: list[Any] = []
+        self._resumable_loaders: list[LoaderPosition] = []
         self._preemption = PreemptionHandler().install() if handle_preemption else None
         self._uploader = (open_uploader(push_checkpoints_to, storage_options=storage_options)
                           if push_checkpoints_to is not None and self.is_main_process else None)
@@ -543,7 +544,11 @@ class ResumableAccelerator(Accelerator):
             if not batches:
                 return
             num_items = self._count_window_items(batches, count_items) if count_items is not None else None
-            yield AccumulationWindow(self, batches, num_items)
+            self._window = AccumulationWindow(batches, num_items)
+            try:
+                yield self._window
+            finally:
+                self._window = None
 
     def _count_window_items(self, batches: list[Any], count_items: Callable[[Any], int | torch.Tensor]) -> int:
         local = sum(int(count_items(batch)) for batch in batches)
@@ -554,10 +559,11 @@ class ResumableAccelerator(Accelerator):
 
     def _do_sync(self) -> None:
         # Inside an AccumulationWindow the window decides: sync on its last micro-batch, whatever its length.
-        if self._window_slot is None:
+        slot = self._window.slot if self._window is not None else None
+        if slot is None:
             super()._do_sync()
             return
-        index, size = self._window_slot
+        index, size = slot
         self.step = 0 if index == size - 1 else index + 1
         self.gradient_state._set_sync_gradients(index == size - 1)
 
@@ -605,8 +611,8 @@ class ResumableAccelerator(Accelerator):
             if count <= 0:
                 raise ValueError(f"num_items_in_batch must be > 0, got {count} (a window without any item).")
             return loss * (self.num_processes / count)
-        if self._window_slot is not None:
-            return loss / self._window_slot[1]
+        if self._window is not None and self._window.slot is not None:
+            return loss / self._window.slot[1]
         return loss / self.gradient_accumulation_steps
 
     # ---------------------------------------------------------------- save
