@@ -89,18 +89,9 @@ class PreemptionHandler:
 
 
 def agree_on_preemption(handler: PreemptionHandler | None, *, device: Any, step: int) -> bool:
-    """Whether any rank received a preemption signal: one all-reduce (MAX over int32) under torch.distributed.
-
-    Collective: every rank calls it at the same optimizer-step boundary.
-
-    Args:
-        handler (`PreemptionHandler`, *optional*): this rank's handler (``None``: none installed here).
-        device (`torch.device`): where the flag goes (the process group's device: CUDA under NCCL).
-        step (`int`): the optimizer step, for the log line of a rank that did not receive the signal.
-
-    Returns:
-        `bool`: the same answer on every rank.
-    """
+    """Whether any rank's ``handler`` received a preemption signal, the same answer on every rank: one all-reduce
+    (MAX over int32, on ``device``: the process group's) under torch.distributed. Collective: every rank calls it at
+    the same optimizer-step boundary ``step``."""
     requested = handler is not None and handler.requested
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if not distributed or torch.distributed.get_world_size() <= 1:

@@ -1,21 +1,9 @@
 """Background saves: stage the tensors into reusable host buffers, write and commit on a thread, return a future.
 
-:meth:`AsyncSaver.submit` waits for the previous save, copies every tensor the save writes into staging buffers
-(the only part the training loop waits for), and hands the rest of the commit protocol (:mod:`._writer`, steps
-2-5) to one background thread. It returns a :class:`concurrent.futures.Future` whose result is the committed
-:class:`~hf_resumable.checkpoint.manifest.Manifest` (or the save's exception): the integrations attach what
-follows a commit (retention, uploads, dropping a converted checkpoint) to it
-(:class:`~hf_resumable.integrations._core.AfterCommit`). At most one save is in flight: the next save, any load
-and interpreter exit wait for it (:meth:`AsyncSaver.wait`, which raises
-:class:`~hf_resumable.errors.AsyncSaveError` for a failed one).
-
-Example:
-
-```python
->>> from hf_resumable.checkpoint.async_save import BACKGROUND_SAVER
->>> BACKGROUND_SAVER.in_flight
-False
-```
+:meth:`AsyncSaver.submit` returns a :class:`concurrent.futures.Future` of the committed manifest, to which the
+integrations attach what follows a commit (``integrations._core.AfterCommit``). At most one save is in flight: the
+next save, any load and interpreter exit wait for it (:meth:`AsyncSaver.wait` raises ``AsyncSaveError`` for a failed
+one). The commit protocol itself is :mod:`._writer`'s.
 """
 
 from __future__ import annotations

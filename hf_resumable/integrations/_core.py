@@ -1,29 +1,13 @@
-"""What both front doors share: their options, the inexact-resume and drift policies, and the upstream-version policy.
-
-:class:`~hf_resumable.integrations.trainer.ResumableTrainer` and
-:class:`~hf_resumable.integrations.accelerate.ResumableAccelerator` take the same options as keyword arguments
-(each its own subset, spelled as before) and build one :class:`ResumeOptions` from them, validated when it is built.
-They decide the same questions the same way, here:
-
-* **Inexact resume** (:func:`inexact`): a missing piece of state raises
-  :class:`~hf_resumable.errors.InexactResumeError` unless ``allow_inexact_resume=True``, which logs a WARNING.
-* **Drift** (:func:`check_drift`): every setting that changed since the checkpoint is named (old -> new) in one
-  :class:`~hf_resumable.errors.ConfigDriftError`, or in one WARNING when the user opted in.
-* **After a commit** (:class:`AfterCommit`): what follows a checkpoint's commit (retention, uploads, dropping a
-  converted checkpoint) is attached to the save's future and runs on the training thread once it has committed,
-  never for a save that failed.
-* **Upstream versions** (:func:`check_upstream`): a version outside the tested range is a WARNING (the run goes
-  on); a missing internal that the integration needs is an :class:`UpstreamInternalsError` (an ``ImportError``),
-  raised before anything is trained.
-
-The preemption protocol (one all-reduce of the SIGTERM flag, MAX over int32) is
-:func:`hf_resumable.preemption.agree_on_preemption`.
+"""What both front doors share: their options (:class:`ResumeOptions`), the inexact-resume policy
+(:func:`inexact`: raise, or a WARNING with ``allow_inexact_resume=True``), the one drift check (:func:`check_drift`:
+every changed setting, old -> new, in one ``ConfigDriftError`` or one WARNING), the follow-ups of a commit
+(:class:`AfterCommit`, attached to the save's future) and the upstream-version policy (:func:`check_upstream`: a
+WARNING outside the tested range, :class:`UpstreamInternalsError` only for a missing internal). The preemption
+protocol is :func:`hf_resumable.preemption.agree_on_preemption`.
 
 Example:
 
 ```python
->>> ResumeOptions(checkpoint_verify="full").checkpoint_verify
-'full'
 >>> ResumeOptions(keep_last=0)
 Traceback (most recent call last):
 ...
@@ -62,28 +46,12 @@ class UpstreamInternalsError(HfResumableError, ImportError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ResumeOptions:
-    """The options of both front doors, validated when built (each front door uses the ones it documents).
+    """The options of both front doors, validated when built.
 
-    Args:
-        allow_inexact_resume (`bool`, *optional*, defaults to `False`): resume despite a missing piece of state
-            (and, for ``ResumableAccelerator``, a changed configuration), with a WARNING.
-        allow_config_drift (`bool`, *optional*, defaults to `False`): ``ResumableTrainer``: resume despite a changed
-            run configuration, with a WARNING.
-        exit_on_preemption (`bool`, *optional*, defaults to `True`): exit with ``PREEMPTION_EXIT_CODE`` after the
-            SIGTERM checkpoint has committed.
-        handle_preemption (`bool`, *optional*, defaults to `True`): install the SIGTERM flag handler.
-        checkpoint_verify (`str`, *optional*, defaults to `"quick"`): ``"quick"`` or ``"full"`` verification on load.
-        push_checkpoints_to (`str`, *optional*): upload every committed checkpoint there in the background.
-        storage_options (`dict`, *optional*): fsspec options for ``s3://`` pushes and resumes.
-        save_async (`bool`, *optional*): write checkpoints in the background (``None``: the front door's default).
-        standalone_checkpoints (`bool`, *optional*, defaults to `False`): store frozen parameters too.
-        restore_callback_states (`bool`, *optional*, defaults to `True`): ``ResumableTrainer``: restore
-            ``ExportableState`` callbacks.
-        resume_hyperparameters (`str`, *optional*, defaults to `"checkpoint"`): ``ResumableTrainer``: which
-            optimization hyperparameters win on resume (``"checkpoint"`` or ``"arguments"``).
-        checkpoint_dir (`Path`, *optional*): ``ResumableAccelerator``: where automatic checkpoints go.
-        keep_last (`int`, *optional*): ``ResumableAccelerator``: committed checkpoints kept (``None``: all;
-            :data:`DEFAULT`: the naming's default).
+    Each front door takes its options as keyword arguments, spelled and documented as before
+    (:class:`~hf_resumable.integrations.trainer.ResumableTrainer`,
+    :class:`~hf_resumable.integrations.accelerate.ResumableAccelerator`), and builds one of these from them.
+    ``keep_last`` is :data:`DEFAULT` when not given.
 
     Raises:
         ValueError: an option outside its allowed values (named, with the allowed ones).
@@ -121,14 +89,8 @@ class ResumeOptions:
 
 
 def inexact(message: str, *, allow: bool, owner: str, error: type[InexactResumeError] = InexactResumeError) -> None:
-    """The inexact-resume policy: raise ``error`` unless ``allow``, else log a WARNING and go on.
-
-    Args:
-        message (`str`): what is missing or changed, and where.
-        allow (`bool`): the user passed ``allow_inexact_resume=True``.
-        owner (`str`): the front door, named in the fix (``"ResumableTrainer"``).
-        error (`type`, *optional*): the error to raise (``ConfigDriftError`` for a changed configuration).
-    """
+    """The inexact-resume policy: raise ``error`` (naming the front door ``owner`` in the fix) unless ``allow``, else
+    log a WARNING and go on."""
     if not allow:
         raise error(f"{message}; the run would not continue exactly. Resume from another checkpoint, or pass "
                     f"allow_inexact_resume=True to {owner} to continue anyway.")
@@ -137,14 +99,8 @@ def inexact(message: str, *, allow: bool, owner: str, error: type[InexactResumeE
 
 def check_drift(changed: Mapping[str, tuple[Any, Any]], *, checkpoint: str, allow: bool, option: str,
                 owner: str) -> None:
-    """The one drift check: every changed setting (``{name: (saved, current)}``) in one error, or one WARNING.
-
-    Args:
-        changed (`Mapping`): the settings that differ from the checkpoint's (empty: nothing happens).
-        checkpoint (`str`): the checkpoint path, for the message.
-        allow (`bool`): the user opted in (``option=True``).
-        option (`str`): the opt-in option's name (``"allow_config_drift"``).
-        owner (`str`): the front door, named in the fix.
+    """The one drift check: every changed setting (``{name: (saved, current)}``) in one error, or one WARNING when
+    the user opted in (``<option>=True`` of the front door ``owner``).
 
     Raises:
         ConfigDriftError: ``changed`` is not empty and ``allow`` is false.
@@ -165,16 +121,9 @@ def changed_settings(saved: Mapping[str, Any], current: Mapping[str, Any]) -> di
 
 
 def check_upstream(package: str, installed: str, tested: Iterable[str], problems: list[str]) -> None:
-    """The upstream-version policy of both integrations.
-
-    Outside the tested range: a WARNING (the integration's own checks of the internals it uses still hold).
-    A missing internal: :class:`UpstreamInternalsError`, since the integration cannot work without it.
-
-    Args:
-        package (`str`): ``"transformers"`` or ``"accelerate"``.
-        installed (`str`): its installed version.
-        tested (`Iterable[str]`): the tested range as specifiers (``(">=5.0", "<6.0")``).
-        problems (`list[str]`): the internals found missing or changed (empty: none).
+    """The upstream-version policy of both integrations: outside the ``tested`` range (specifiers such as
+    ``(">=5.0", "<6.0")``) a WARNING, since the checks of the internals still hold; a missing or changed internal
+    (``problems``) is an error, since the integration cannot work without it.
 
     Raises:
         UpstreamInternalsError: ``problems`` is not empty.

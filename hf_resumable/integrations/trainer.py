@@ -195,7 +195,17 @@ check_upstream("transformers", transformers.__version__, TESTED_TRANSFORMERS, ch
 
 
 @contextlib.contextmanager
-def _cursor_skipping() -> Iterator[None]:
+def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.<name>`` is ``value`` for the duration of the block."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _cursor_skipping() -> contextlib.AbstractContextManager[None]:
     """Make the Trainer's ``skip_first_batches`` a cursor move for our loaders (others are unaffected)."""
     original = _trainer_module.skip_first_batches
 
@@ -204,15 +214,10 @@ def _cursor_skipping() -> Iterator[None]:
             return dataloader.skip(num_batches)
         return original(dataloader, num_batches)
 
-    _trainer_module.skip_first_batches = skip_first_batches
-    try:
-        yield
-    finally:
-        _trainer_module.skip_first_batches = original
+    return _patched(_trainer_module, "skip_first_batches", skip_first_batches)
 
 
-@contextlib.contextmanager
-def _own_checkpoints_only(trainer: "ResumableTrainer") -> Iterator[None]:
+def _own_checkpoints_only(trainer: "ResumableTrainer") -> contextlib.AbstractContextManager[None]:
     """Make the Trainer's ``sort_checkpoints`` list only committed hf_resumable checkpoints with no pending upload.
 
     ``Trainer._finalize_training`` deletes every listed checkpoint but the best one when ``save_total_limit=1``;
@@ -225,11 +230,7 @@ def _own_checkpoints_only(trainer: "ResumableTrainer") -> Iterator[None]:
         return [path for path in original(output_dir, *args, **kwargs)
                 if _is_own_checkpoint(Path(path)) and os.path.abspath(path) not in pending]
 
-    _trainer_module.sort_checkpoints = sort_checkpoints
-    try:
-        yield
-    finally:
-        _trainer_module.sort_checkpoints = original
+    return _patched(_trainer_module, "sort_checkpoints", sort_checkpoints)
 
 
 def _step_of(path: Path) -> int:
@@ -478,8 +479,10 @@ class ResumableTrainer(Trainer):
         self._rng_restored = False
         self._loader_fallback = None
         self._train_loader = None
+        # eval_on_start evaluates before the first step of the run, not again at every restart
+        no_eval = contextlib.nullcontext() if self._resume is None else _patched(self.args, "eval_on_start", False)
         try:
-            with self._preemption, _cursor_skipping(), _own_checkpoints_only(self), self._no_eval_on_resume(), \
+            with self._preemption, _cursor_skipping(), _own_checkpoints_only(self), no_eval, \
                     deepspeed_resume_by_us():
                 output = super().train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint),
                                        trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
@@ -741,11 +744,8 @@ class ResumableTrainer(Trainer):
         """Restore ``ExportableState`` callbacks from the checkpoint (``restore_callback_states``, default on)."""
         if not self.options.restore_callback_states or self.args.restore_callback_states_from_checkpoint:
             return super()._load_callback_state()
-        self.args.restore_callback_states_from_checkpoint = True
-        try:
+        with _patched(self.args, "restore_callback_states_from_checkpoint", True):
             super()._load_callback_state()
-        finally:
-            self.args.restore_callback_states_from_checkpoint = False
 
     # ---- saving ----
 
@@ -895,18 +895,6 @@ class ResumableTrainer(Trainer):
         return loop
 
     # ---- the training loop ----
-
-    @contextlib.contextmanager
-    def _no_eval_on_resume(self) -> Iterator[None]:
-        """``eval_on_start`` evaluates before the first step of the run, not again at every restart."""
-        if self._resume is None or not self.args.eval_on_start:
-            yield
-            return
-        self.args.eval_on_start = False
-        try:
-            yield
-        finally:
-            self.args.eval_on_start = True
 
     def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
         prepared = super()._prepare_for_training(*args, **kwargs)
