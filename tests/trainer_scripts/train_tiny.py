@@ -253,7 +253,7 @@ class SaveRecorder(TrainerCallback):
         self.in_flight: list[int] = []
 
     def on_save(self, args, state, control, **kwargs):
-        if self.trainer._commits.pending:
+        if getattr(getattr(self.trainer, "_commits", None), "pending", False):  # the stock Trainer has none
             self.in_flight.append(state.global_step)
 
 
