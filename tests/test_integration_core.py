@@ -47,7 +47,7 @@ def test_both_front_doors_build_their_options_from_their_keywords(tmp_path):
 
     accelerator = ResumableAccelerator(checkpoint_dir=tmp_path, keep_last=3, allow_inexact_resume=True,
                                        handle_preemption=False)
-    assert accelerator.options == ResumeOptions(checkpoint_dir=tmp_path, keep_last=3, allow_inexact_resume=True,
+    assert accelerator.resume_options == ResumeOptions(checkpoint_dir=tmp_path, keep_last=3, allow_inexact_resume=True,
                                                 handle_preemption=False, save_async=False)
     assert accelerator.keep_last == 3
     with pytest.raises(ValueError, match="keep_last"):

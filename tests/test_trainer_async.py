@@ -210,7 +210,7 @@ def test_save_async_defaults_to_background_saves_under_torchrun(tmp_path: Path, 
     monkeypatch.setattr(trainer_module, "saves_async", lambda option: distributed if option is None else option)
     trainer = regression_trainer(tmp_path, callbacks=callbacks,
                                  trainer_class=functools.partial(ResumableTrainer, save_async=save_async))
-    assert trainer.options.save_async is save_async
+    assert trainer.resume_options.save_async is save_async
     with caplog.at_level("INFO", logger="hf_resumable.integrations.trainer"):
         assert trainer._saves_in_background() is expected
     assert ("_ReadsCheckpoints override on_save" in caplog.text) == (save_async is None and distributed

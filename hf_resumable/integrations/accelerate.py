@@ -257,6 +257,9 @@ class ResumableAccelerator(Accelerator):
             (a PEFT base, a frozen embedding) in every checkpoint too; by default they are recorded, not stored, and
             checked against the model by ``load_state`` (see :func:`hf_resumable.save_checkpoint`).
 
+    These options are validated when the accelerator is built and kept in ``resume_options`` (a frozen
+    ``ResumeOptions``, shared with ``ResumableTrainer``).
+
     Engines: a single process, DDP, FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``, either
     ``state_dict_type``: every rank saves and loads its own DTensor pieces with
     :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`, same ``save_state``/``load_state`` contract)
@@ -283,7 +286,7 @@ class ResumableAccelerator(Accelerator):
                  save_async: bool = False, allow_inexact_resume: bool = False, handle_preemption: bool = True,
                  exit_on_preemption: bool = True, push_checkpoints_to: str | None = None,
                  storage_options: dict | None = None, standalone_checkpoints: bool = False, **kwargs: Any) -> None:
-        self.options = ResumeOptions(
+        self.resume_options = ResumeOptions(
             checkpoint_dir=checkpoint_dir, keep_last=keep_last, save_async=bool(save_async),
             allow_inexact_resume=allow_inexact_resume, handle_preemption=handle_preemption,
             exit_on_preemption=exit_on_preemption, push_checkpoints_to=push_checkpoints_to,
@@ -382,8 +385,8 @@ class ResumableAccelerator(Accelerator):
         Raises:
             ValueError: if neither ``checkpoint_dir`` nor ``project_dir`` was given.
         """
-        if self.options.checkpoint_dir is not None:
-            return self.options.checkpoint_dir
+        if self.resume_options.checkpoint_dir is not None:
+            return self.resume_options.checkpoint_dir
         if self.project_dir is not None:
             return Path(self.project_dir) / "checkpoints"
         raise ValueError("ResumableAccelerator needs checkpoint_dir= (or project_dir=) to save or find checkpoints.")
@@ -710,10 +713,10 @@ class ResumableAccelerator(Accelerator):
         self._check_target(mode, target)
         if target.resolve() in self._pending_uploads():
             self._uploader.wait()  # never replace a checkpoint while it is being uploaded
-        blocking = not self.options.save_async if blocking is None else blocking
+        blocking = not self.resume_options.save_async if blocking is None else blocking
         save = save_sharded_checkpoint if self._saves_pieces() else save_checkpoint  # FSDP2: every rank its pieces
         save(target, **self._capture(), step=self.global_step, overwrite=mode != _NAMING_AUTOMATIC,
-             blocking=blocking, standalone=self.options.standalone_checkpoints)
+             blocking=blocking, standalone=self.resume_options.standalone_checkpoints)
         if fingerprint is not None:
             self._committed = {target: fingerprint}  # steps only grow: only the newest can be met again
         if mode == _NAMING_AUTOMATIC:
@@ -758,8 +761,8 @@ class ResumableAccelerator(Accelerator):
 
     def _keep(self) -> int | None:
         """Checkpoints kept after a commit: ``keep_last`` if given, else ``total_limit``, else the naming's default."""
-        if self.options.keep_last is not DEFAULT:
-            return self.options.keep_last
+        if self.resume_options.keep_last is not DEFAULT:
+            return self.resume_options.keep_last
         if self.project_configuration.total_limit is not None:
             return self.project_configuration.total_limit
         return None if self.project_configuration.automatic_checkpoint_naming else DEFAULT_KEEP_LAST
@@ -959,7 +962,7 @@ class ResumableAccelerator(Accelerator):
 
     def _open_checkpoint(self, path: Path) -> OpenedCheckpoint:
         """The one place the resume path reads a checkpoint: verified and decoded once, no live object touched."""
-        return open_checkpoint(path, allow_inexact_resume=self.options.allow_inexact_resume,
+        return open_checkpoint(path, allow_inexact_resume=self.resume_options.allow_inexact_resume,
                                counters=(PROGRESS_MICRO_STEP, PROGRESS_ITERATION))
 
     def _layout_of(self, peek: LoadedCheckpoint) -> Layout:
@@ -1020,7 +1023,7 @@ class ResumableAccelerator(Accelerator):
     def _resolve_checkpoint(self, input_dir: str | os.PathLike | None) -> Path | None:
         if is_remote(input_dir):  # hf://user/repo[@rev][/path] or s3://bucket/run[/checkpoint-N]
             return resolve_resume_path(input_dir, cache_dir=self.checkpoint_dir / ".remote-resume",
-                                       storage_options=self.options.storage_options)
+                                       storage_options=self.resume_options.storage_options)
         if input_dir is not None:
             path = Path(os.path.expanduser(os.fspath(input_dir)))
             # The main process looks; every process raises the same error (none is left waiting in a collective).
@@ -1055,15 +1058,15 @@ class ResumableAccelerator(Accelerator):
         return None
 
     def _has_root(self) -> bool:
-        return self.options.checkpoint_dir is not None or self.project_dir is not None
+        return self.resume_options.checkpoint_dir is not None or self.project_dir is not None
 
     def _inexact(self, message: str, error: type[InexactResumeError] = InexactResumeError) -> None:
-        inexact(message, allow=self.options.allow_inexact_resume, owner="ResumableAccelerator", error=error)
+        inexact(message, allow=self.resume_options.allow_inexact_resume, owner="ResumableAccelerator", error=error)
 
     def _check_drift(self, path: Path, saved_world_size: int, saved: Mapping[str, Any] | None) -> None:
         saved = {**(saved or {}), "world_size": saved_world_size}  # the manifest's count is authoritative
         check_drift(changed_settings(saved, self._run_settings()), checkpoint=str(path),
-                    allow=self.options.allow_inexact_resume, option="allow_inexact_resume",
+                    allow=self.resume_options.allow_inexact_resume, option="allow_inexact_resume",
                     owner="ResumableAccelerator")
 
     def _restore_loaders(self, path: Path, data_state: Mapping[str, Any] | None) -> None:
@@ -1098,7 +1101,7 @@ class ResumableAccelerator(Accelerator):
         if loaded.rng_state is None:
             self._inexact(f"{path} has no RNG state for rank {self.process_index}")
             return
-        restore_rng_state(loaded.rng_state, allow_device_mismatch=self.options.allow_inexact_resume)
+        restore_rng_state(loaded.rng_state, allow_device_mismatch=self.resume_options.allow_inexact_resume)
 
     # ---------------------------------------------------------------- preemption
 
@@ -1124,7 +1127,7 @@ class ResumableAccelerator(Accelerator):
             return False
         path = self.save_state(blocking=True)
         exit_after_preemption(self._preemption, checkpoint=str(path), step=self.global_step,
-                              exit=self.options.exit_on_preemption)
+                              exit=self.resume_options.exit_on_preemption)
         return True
 
     def end_training(self) -> None:

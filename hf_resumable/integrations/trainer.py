@@ -350,6 +350,9 @@ class ResumableTrainer(Trainer):
             ``on_save`` is called when the save returns, as in ``Trainer``: with ``save_async=True`` the
             checkpoint may still be in flight then (call :meth:`wait_for_pending_saves` to wait for it).
 
+    These options are validated when the trainer is built and kept in ``resume_options`` (a frozen
+    ``ResumeOptions``, shared with ``ResumableAccelerator``).
+
     > [!WARNING]
     > ``train_sampling_strategy="batch_rebalance"`` uses the stock data loader, which does not resume exactly:
     > ``train`` refuses it (and other setups whose checkpoints could not resume exactly) before the first step
@@ -379,7 +382,7 @@ class ResumableTrainer(Trainer):
                        restore_callback_states=restore_callback_states, resume_hyperparameters=resume_hyperparameters,
                        standalone_checkpoints=standalone_checkpoints, save_async=save_async)
         # save_async=None: saves_async decides per save
-        self.options = ResumeOptions(**{**options, **self.__dict__.pop("_hfr_options", {})})
+        self.resume_options = ResumeOptions(**{**options, **self.__dict__.pop("_hfr_options", {})})
         super().__init__(*args, **kwargs)
         self._hyperparameter_changes: list[HyperparameterChange] = []
         self.preempted = False
@@ -396,16 +399,16 @@ class ResumableTrainer(Trainer):
         self._uploader = None
         self._commits = AfterCommit()  # follow-ups of background saves not yet known to be committed
         self._save_error: AsyncSaveError | None = None  # its failure, raised at the next save or the end of train
-        if self.options.push_checkpoints_to is not None and self.args.should_save:
-            self._uploader = open_uploader(self.options.push_checkpoints_to, token=self.args.hub_token,
-                                           storage_options=self.options.storage_options)
+        if self.resume_options.push_checkpoints_to is not None and self.args.should_save:
+            self._uploader = open_uploader(self.resume_options.push_checkpoints_to, token=self.args.hub_token,
+                                           storage_options=self.resume_options.storage_options)
 
     def _saves_in_background(self) -> bool:
         """``save_async``; by default (``None``) on under torch.distributed, unless a callback overrides ``on_save``:
         it is called when the save returns, as in ``Trainer``, and may read the checkpoint (a tracker uploading it),
         which a blocking save has committed by then."""
-        if self.options.save_async is not None or not saves_async(None):
-            return saves_async(self.options.save_async)
+        if self.resume_options.save_async is not None or not saves_async(None):
+            return saves_async(self.resume_options.save_async)
         readers = sorted({type(callback).__name__ for callback in self.callback_handler.callbacks
                           if type(callback).on_save is not TrainerCallback.on_save})
         if readers and not getattr(self, "_hfr_told_blocking", False):
@@ -494,7 +497,7 @@ class ResumableTrainer(Trainer):
         self._settle_saves()
         if self.preempted:
             exit_after_preemption(self._preemption, checkpoint=str(self.args.output_dir), step=self.state.global_step,
-                                  exit=self.options.exit_on_preemption)
+                                  exit=self.resume_options.exit_on_preemption)
         return output
 
     def _resolve_checkpoint(self, resume_from_checkpoint: str | bool | os.PathLike | None
@@ -520,14 +523,14 @@ class ResumableTrainer(Trainer):
         if is_remote(resume_from_checkpoint):  # hf://user/repo[@rev][/path] or s3://bucket/run[/checkpoint-N]
             cache = Path(output_dir) / ".remote-resume"
             return resolve_resume_path(resume_from_checkpoint, cache_dir=cache, token=self.args.hub_token,
-                                       storage_options=self.options.storage_options), None
+                                       storage_options=self.resume_options.storage_options), None
         path = Path(resume_from_checkpoint)
         kind = classify_checkpoint_dir(path)
         if kind is CheckpointKind.STOCK:
             return self._convert_stock_checkpoint(path), None
         if kind is not CheckpointKind.OURS:
             raise not_a_checkpoint_error(path, output_dir)
-        report = verify_checkpoint(path, full=self.options.checkpoint_verify == "full", raise_on_error=True,
+        report = verify_checkpoint(path, full=self.resume_options.checkpoint_verify == "full", raise_on_error=True,
                                    keep=read_on_load(rank_and_world_size()[0]))
         return path, report
 
@@ -571,7 +574,7 @@ class ResumableTrainer(Trainer):
     def _open_checkpoint(self, path: Path, verified: VerifyReport | None = None) -> _Resume:
         # Opened (decoded) once here, with the verification that found it; the weights and optimizer are filled from
         # this same object in _load_optimizer_and_scheduler, so a resume never verifies, reads or hashes a file twice.
-        loaded = open_checkpoint(path, verify=self.options.checkpoint_verify, verified=verified)
+        loaded = open_checkpoint(path, verify=self.resume_options.checkpoint_verify, verified=verified)
         converted_from, self._converted_from = self._converted_from, None
         if converted_from is not None or loaded.extra.get("converted_from"):
             return _Resume(path=path, loaded=loaded, converted_from=converted_from or path)
@@ -582,11 +585,12 @@ class ResumableTrainer(Trainer):
             self._inexact(f"{path} records no run configuration (not written by ResumableTrainer)")
         else:
             check_drift(RunConfig.from_dict(saved).diff(self._current_run_config()), checkpoint=str(path),
-                        allow=self.options.allow_config_drift, option="allow_config_drift", owner="ResumableTrainer")
+                        allow=self.resume_options.allow_config_drift, option="allow_config_drift",
+                        owner="ResumableTrainer")
         return _Resume(path=path, loaded=loaded)
 
     def _inexact(self, message: str) -> None:
-        inexact(message, allow=self.options.allow_inexact_resume, owner="ResumableTrainer")
+        inexact(message, allow=self.resume_options.allow_inexact_resume, owner="ResumableTrainer")
 
     def _current_run_config(self) -> RunConfig:
         if self._run_config is None:
@@ -742,7 +746,7 @@ class ResumableTrainer(Trainer):
 
     def _load_callback_state(self) -> None:
         """Restore ``ExportableState`` callbacks from the checkpoint (``restore_callback_states``, default on)."""
-        if not self.options.restore_callback_states or self.args.restore_callback_states_from_checkpoint:
+        if not self.resume_options.restore_callback_states or self.args.restore_callback_states_from_checkpoint:
             return super()._load_callback_state()
         with _patched(self.args, "restore_callback_states_from_checkpoint", True):
             super()._load_callback_state()
@@ -785,7 +789,7 @@ class ResumableTrainer(Trainer):
             data_state=self._data_position(), rng=not model_only, metrics=self._metrics_of_this_step(),
             # as Trainer._save: without a processing_class, the collator's tokenizer is saved
             processing_class=self.processing_class or getattr(self.data_collator, "tokenizer", None), overwrite=True,
-            standalone=self.options.standalone_checkpoints, blocking=blocking)
+            standalone=self.resume_options.standalone_checkpoints, blocking=blocking)
         conversion = self._conversion_to_drop()
         self._commits.attach(None if blocking else background_saver().future,
                              lambda: self._after_commit(output_dir, run_dir, conversion))
@@ -922,7 +926,7 @@ class ResumableTrainer(Trainer):
             self._hyperparameter_changes = hyperparameter_changes(
                 saved, hyperparameter_snapshot(self.args, max_steps=max_steps))
             report_hyperparameter_changes(self._hyperparameter_changes, checkpoint=str(self._resume.path),
-                                          mode=self.options.resume_hyperparameters)
+                                          mode=self.resume_options.resume_hyperparameters)
         if not self._loop.finished:  # on every rank: a refusal on one rank alone would leave the others waiting
             collisions = colliding_checkpoints(self._get_output_dir(self._loop.trial), after_step=start,
                                                up_to_step=max_steps)
@@ -962,7 +966,7 @@ class ResumableTrainer(Trainer):
                         "only numbers, strings, lists and dicts from state().") from err
 
     def _refuse_at_start(self, message: str, *, fix: str) -> None:
-        if self.options.allow_inexact_resume:
+        if self.resume_options.allow_inexact_resume:
             logger.warning("%s; training anyway because allow_inexact_resume=True: a restart will NOT continue "
                            "bit for bit (and needs allow_inexact_resume=True too).", message)
             return
@@ -1065,7 +1069,7 @@ class ResumableTrainer(Trainer):
             # a stock checkpoint saved with save_only_model has no optimizer state: a fresh optimizer, as stock
             model_only = OPTIMIZER_INDEX_FILE not in self._resume.loaded.manifest.files
         opened = (self._resume.loaded if self._resume is not None and Path(checkpoint) == self._resume.path
-                  else open_checkpoint(checkpoint, verify=self.options.checkpoint_verify))
+                  else open_checkpoint(checkpoint, verify=self.resume_options.checkpoint_verify))
         model = self.accelerator.unwrap_model(self.model)
         optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO-1/2: this rank's partitions
         objects = dict(optimizer=None if model_only else optimizer,
@@ -1082,7 +1086,8 @@ class ResumableTrainer(Trainer):
         else:
             # a world-size change was already refused (or allowed) by the run-config drift check
             opened.load_into(model=model, **objects, restore_rng=False, allow_inexact_resume=True)
-        if self.options.resume_hyperparameters == "arguments" and self._hyperparameter_changes and not model_only:
+        changes = self._hyperparameter_changes and not model_only
+        if changes and self.resume_options.resume_hyperparameters == "arguments":
             apply_new_hyperparameters(torch_optimizer(self.optimizer), self.lr_scheduler,
                                       self._hyperparameter_changes, decay_groups=self._decay_groups())
 
@@ -1109,7 +1114,7 @@ class ResumableTrainer(Trainer):
         if state is None:
             self._inexact(f"{checkpoint} has no RNG state for rank {self.args.process_index}")
             return
-        restore_rng_state(state, allow_device_mismatch=self.options.allow_inexact_resume)
+        restore_rng_state(state, allow_device_mismatch=self.resume_options.allow_inexact_resume)
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
@@ -1119,7 +1124,7 @@ class ResumableTrainer(Trainer):
         model = self.accelerator.unwrap_model(self.model)
         # FSDP2 and ZeRO checkpoints hold per-rank pieces; under ZeRO-1/2 every rank loads the whole weights
         load = load_sharded_checkpoint if holds_dtensors(model) or self.is_deepspeed_enabled else load_checkpoint
-        load(best, model=model, restore_rng=False, verify=self.options.checkpoint_verify,
+        load(best, model=model, restore_rng=False, verify=self.resume_options.checkpoint_verify,
              allow_inexact_resume=True)  # weights only: no drift
 
 
