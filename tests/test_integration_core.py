@@ -158,3 +158,22 @@ def test_one_reader_of_torchdata_counters():
     with pytest.raises(CorruptCheckpointError, match="loader/_snapshot/_snapshot_step"):
         check_data_position({"kind": "stream", "step": 0, "loader": {"_snapshot": {"_snapshot_step": -1}}},
                             source="data/rank-00000.json")
+
+
+def test_the_trainer_loader_position_is_the_same_interface(tmp_path):
+    """ResumableTrainer's training loader is saved through StepPosition, a LoaderPosition: the Trainer's optimizer
+    steps (of gradient_accumulation_steps batches) say where the data stands, a short last window included."""
+    from hf_resumable.data import build_map_dataloader
+    from hf_resumable.data._loaders import StepPosition
+    from hf_resumable.data._position import LoaderPosition
+
+    loader = build_map_dataloader(list(range(10)), collate_fn=list, batch_size=2, seed=0)  # 5 batches per epoch
+    steps = [0]
+    position = StepPosition(loader, steps_done=lambda: steps[0], batches_per_step=2)  # 3 optimizer steps per epoch
+    assert isinstance(position, LoaderPosition)
+    expected = {0: (0, 0), 2: (0, 4), 3: (1, 0), 4: (1, 2)}
+    for done, (epoch, step) in expected.items():
+        steps[0] = done
+        record = position.position()
+        assert (record["epoch"], record["step"], record["num_batches"]) == (epoch, step, 5) and position.fits(record)
+    assert not position.fits({"kind": "stream"})

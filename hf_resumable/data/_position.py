@@ -38,10 +38,11 @@ DATA_LOADER = "loader"  # StatefulDataLoader.state_dict() (streaming)
 class LoaderPosition(Protocol):
     """A loader's data position, whatever the loader: captured as a JSON record, restored without fetching.
 
-    ``ResumableAccelerator`` saves and restores every prepared loader through it (``ResumablePreparedLoader``,
-    ``ResumableDataLoaderShard``/``Dispatcher``, ``StatefulLoaderPosition``). Records use the ``DATA_*`` keys;
-    ``checkpoint._validate.check_data_position`` checks them on load (torchdata's counters through its one reader,
-    ``batches_yielded``).
+    Both front doors save and restore their loaders through it: ``ResumableAccelerator`` every prepared loader
+    (``ResumablePreparedLoader``, ``ResumableDataLoaderShard``/``Dispatcher``, ``StatefulLoaderPosition``),
+    ``ResumableTrainer`` its training loader (:class:`~hf_resumable.data._loaders.StepPosition`). Records use the
+    ``DATA_*`` keys; ``checkpoint._validate.check_data_position`` checks them on load (torchdata's counters through
+    its one reader, ``batches_yielded``).
     """
 
     def position(self) -> dict[str, Any]:

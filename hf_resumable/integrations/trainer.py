@@ -87,7 +87,6 @@ from ..checkpoint.sharded import load_sharded_checkpoint, load_sharded_into, sav
 from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, OPTIMIZER_INDEX_FILE, TRAINER_STATE_FILE
 from ..data import (
     DATA_KIND,
-    ResumableDataLoader,
     build_map_dataloader,
     build_stream_dataloader,
     data_rng,
@@ -95,6 +94,7 @@ from ..data import (
     has_shuffle_buffer,
     sampler_epoch_order,
 )
+from ..data._loaders import StepPosition
 from ..distributed import rank_and_world_size
 from ..errors import AsyncSaveError, HfResumableError, InexactResumeError, UnsupportedStateError
 from ..format.rng import derive_seed, restore_rng_state
@@ -390,6 +390,7 @@ class ResumableTrainer(Trainer):
         self._preemption = PreemptionHandler()
         self._resume: _Resume | None = None
         self._train_loader: Any = None
+        self._train_position: StepPosition | None = None  # the training loader's LoaderPosition
         self._run_config: RunConfig | None = None
         self._last_eval: tuple[int, dict[str, float]] | None = None
         self._loop = _LoopTracker()
@@ -481,7 +482,7 @@ class ResumableTrainer(Trainer):
         self._loop = _LoopTracker(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
         self._rng_restored = False
         self._loader_fallback = None
-        self._train_loader = None
+        self._train_loader = self._train_position = None
         # eval_on_start evaluates before the first step of the run, not again at every restart
         no_eval = contextlib.nullcontext() if self._resume is None else _patched(self.args, "eval_on_start", False)
         try:
@@ -659,8 +660,10 @@ class ResumableTrainer(Trainer):
                                           shuffle=strategy != "sequential", world_size=self.args.world_size,
                                           lengths=self._train_lengths() if grouped else None,
                                           group_size=group_size if grouped else None, **options)
-        self._restore_data_position(loader)
         self._train_loader = loader
+        self._train_position = StepPosition(loader, steps_done=lambda: self.state.global_step,
+                                            batches_per_step=self.args.gradient_accumulation_steps)
+        self._restore_data_position(loader)
         return loader
 
     def _train_lengths(self) -> list[int]:
@@ -722,27 +725,21 @@ class ResumableTrainer(Trainer):
             self._inexact(f"{self._resume.path} has no data position for rank {self.args.process_index}")
             return
         if record.get(DATA_KIND) == "stream":
-            if not callable(getattr(loader, "load_position", None)):
+            if not self._train_position.fits(record):
                 self._inexact(f"{self._resume.path} holds a streaming position but the training data is map-style")
                 return
             if has_shuffle_buffer(getattr(loader.dataset, "dataset", None)):  # a buffer data.py could not replace
                 self._inexact("The streaming training set has a shuffle buffer that hf_resumable could not replace "
                               "(see the WARNING above), whose content datasets does not save (the buffer is "
                               "refilled from the resume point)")
-            loader.load_position(record)
+            self._train_position.load_position(record)
 
     def _data_position(self) -> dict[str, Any] | None:
-        loader = self._train_loader
-        if loader is None or not callable(getattr(loader, "position", None)):
+        position = self._train_position
+        # a stream without state_dict(): refused at train start unless allow_inexact_resume
+        if position is None or not getattr(position.loader.dataset, "is_stateful", True):
             return None
-        if not getattr(loader.dataset, "is_stateful", True):  # refused at train start unless allow_inexact_resume
-            return None
-        ga = self.args.gradient_accumulation_steps
-        if isinstance(loader, ResumableDataLoader):
-            per_epoch = max(len(loader) // ga + int(len(loader) % ga > 0), 1)
-            epoch, step = divmod(self.state.global_step, per_epoch)
-            return loader.position(epoch=epoch, step=min(step * ga, len(loader)))
-        return loader.position(epoch=0, step=self.state.global_step * ga)
+        return position.position()
 
     def _load_callback_state(self) -> None:
         """Restore ``ExportableState`` callbacks from the checkpoint (``restore_callback_states``, default on)."""
