@@ -747,15 +747,13 @@ class ResumableAccelerator(Accelerator):
 
     def _check_target(self, mode: str, target: Path) -> None:
         """Refuse a target on every process alike (the main process looks), before any collective of the save."""
-        if mode == _NAMING_AUTOMATIC:
-            exists = broadcast_json(self.is_main_process and os.path.lexists(target))
-            if exists:
-                raise CheckpointIterationExistsError(
-                    f"Checkpoint directory {target} ({self.save_iteration}) already exists. Set "
-                    "accelerator.project_configuration.iteration to the iteration to continue with, or resume with "
-                    "load_state(), which continues after the newest checkpoint_<i>.")
-            return
-        reason = broadcast_json(save_refusal(target, overwrite=True) if self.is_main_process else None)
+        automatic = mode == _NAMING_AUTOMATIC  # accelerate never replaces a checkpoint_<iteration>
+        reason = broadcast_json(save_refusal(target, overwrite=not automatic) if self.is_main_process else None)
+        if reason is not None and automatic:
+            raise CheckpointIterationExistsError(
+                f"Checkpoint directory {target} ({self.save_iteration}) already exists. Set "
+                "accelerator.project_configuration.iteration to the iteration to continue with, or resume with "
+                "load_state(), which continues after the newest checkpoint_<i>.")
         if reason is not None:
             raise CheckpointExistsError(reason)
 
