@@ -130,7 +130,7 @@ def _gathered(run: Path, engine: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["fsdp", "deepspeed"])
+@pytest.mark.parametrize("engine", ["fsdp", pytest.param("deepspeed", marks=_EXTENDED)])
 def test_export_of_a_two_rank_checkpoint_loads_with_from_pretrained(tmp_path, engine):
     from transformers import AutoModelForCausalLM
 
