@@ -94,14 +94,19 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def dump_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    """This rank's parameter pieces and optimizer state tensors into ``path`` (safetensors); under ZeRO-1/2
-    (``optimizer`` is DeepSpeed's), this rank's partitions of the fp32 master weights and of the moments."""
+    """This rank's parameter pieces and optimizer state tensors into ``path`` (safetensors); under ZeRO-1/2/3
+    (``optimizer`` is DeepSpeed's), this rank's partitions of the fp32 master weights and of the moments (and, under
+    ZeRO-3, of every parameter)."""
     from safetensors.torch import save_file
 
-    tensors = {f"model/{name}": _local(param) for name, param in model.named_parameters()}
+    # ZeRO-3: a parameter's data is empty (or gathered); this rank holds its partition, ds_tensor
+    tensors = {f"model/{name}": _local(getattr(param, "ds_tensor", None) if hasattr(param, "ds_tensor") else param)
+               for name, param in model.named_parameters()}
     names = {id(param): name for name, param in model.named_parameters()}
-    if hasattr(optimizer, "single_partition_of_fp32_groups"):  # ZeRO-1/2: one flat partition per param group
-        for index, flat in enumerate(optimizer.single_partition_of_fp32_groups):
+    flats = getattr(optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2: one flat partition per group
+    flats = getattr(optimizer, "fp32_partitioned_groups_flat", flats)  # ZeRO-3: one per sub-group
+    if flats is not None:
+        for index, flat in enumerate(flats):
             names[id(flat)] = f"group{index}"
             tensors[f"optim/group{index}/fp32"] = _local(flat)
         optimizer = optimizer.optimizer

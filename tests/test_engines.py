@@ -336,12 +336,12 @@ def test_whole_tensor_save_of_an_fsdp2_model_names_the_sharded_save(tmp_path, on
     assert not (tmp_path / "checkpoint-1").exists()
 
 
-def _zero2_engine() -> torch.nn.Module:
+def _zero_engine(stage: int) -> torch.nn.Module:
     import deepspeed
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
                                       config=config)
@@ -353,29 +353,43 @@ def _step(engine: torch.nn.Module) -> None:
     engine.step()
 
 
+def _master(engine: torch.nn.Module) -> torch.Tensor:
+    """The engine's (first) flat partition of the fp32 master weights."""
+    zero = engine.optimizer
+    return getattr(zero, "fp32_partitioned_groups_flat", getattr(zero, "single_partition_of_fp32_groups", None))[0]
+
+
 @pytest.mark.slow
-def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_rank_group):
-    """save_sharded_checkpoint / load_sharded_checkpoint of a ZeRO-2 engine's partitions, before the first step
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_rank_group, stage):
+    """save_sharded_checkpoint / load_sharded_checkpoint of a ZeRO-2/3 engine's partitions, before the first step
     (master weights only) and after one; the reloaded engine steps exactly as the saving one."""
     for name, value in {"DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)  # what torchrun sets, which DeepSpeed reads
     ops = pytest.importorskip("deepspeed.ops")
     monkeypatch.setitem(ops.__compatible_ops__, "deepspeed_shm_comm", False)  # no JIT build of a CPU op
+    from deepspeed.utils import groups
+
+    monkeypatch.setattr(groups, "_WORLD_GROUP", None)  # DeepSpeed caches the world group of a previous test
     from hf_resumable import load_sharded_checkpoint, save_sharded_checkpoint
     from hf_resumable.integrations._deepspeed import checkpoint_optimizer
 
-    saving = _zero2_engine()
+    saving = _zero_engine(stage)
     for step in (0, 1):
         save_sharded_checkpoint(tmp_path / f"checkpoint-{step}", model=saving.module,
                                 optimizer=checkpoint_optimizer(saving.optimizer), step=step)
-        loading = _zero2_engine()
+        loading = _zero_engine(stage)
+        if step:  # the fresh engine's master weights differ from the saved ones until the load
+            assert not torch.equal(_master(saving), _master(loading))
         load_sharded_checkpoint(tmp_path / f"checkpoint-{step}", model=loading.module,
                                 optimizer=checkpoint_optimizer(loading.optimizer))
         _step(saving)
         _step(loading)
         for engine in (saving, loading):
-            assert engine.optimizer.optimizer.state_dict()["state"][0]["step"].item() == step + 1
+            (state,) = checkpoint_optimizer(engine.optimizer).state.values()
+            assert state["step"].item() == step + 1
         for one, other in zip(saving.module.parameters(), loading.module.parameters()):
-            assert torch.equal(one, other)
-        assert torch.equal(saving.optimizer.single_partition_of_fp32_groups[0],
-                           loading.optimizer.single_partition_of_fp32_groups[0])
+            assert torch.equal(one, other)  # under ZeRO-3 these tiny parameters are kept gathered (persistent)
+            if stage == 3:
+                assert torch.equal(one.ds_tensor, other.ds_tensor)
+        assert torch.equal(_master(saving), _master(loading))

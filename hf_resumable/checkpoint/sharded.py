@@ -81,6 +81,7 @@ from ._frozen import base_not_stored
 from ._frozen_sharded import check_frozen_sharded, split_frozen_sharded
 from ._model import TIED_KEY
 from ._model_files import single_file_metadata
+from ._partitioned import is_partitioned, load_partitioned_state, partitioned_state
 from ._payload import (
     Payload,
     TensorFile,
@@ -143,8 +144,10 @@ def _options(**kwargs: Any) -> Any:
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """FQN-keyed weights as this rank holds them (DTensor pieces under FSDP2, plain tensors otherwise)."""
-    return model_state_dict(model)
+    """FQN-keyed weights as this rank holds them (DTensor pieces under FSDP2 and FSDP1's sharded state dict, the
+    partitions of the flattened parameters under DeepSpeed ZeRO-3, plain tensors otherwise)."""
+    state = model_state_dict(model)
+    return partitioned_state(model, state) if is_partitioned(model) else state
 
 
 @runtime_checkable
@@ -464,6 +467,11 @@ def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Modu
     names = check_fits(current, section, strict=strict, source=source, what="model")
     with PieceReader(reader.path, section, source=source) as pieces:
         filled = fill_state(current, pieces, names)
+    if is_partitioned(model):  # ZeRO-3: the pieces go into the partitions; keys were matched above
+        buffers = load_partitioned_state(model, filled)
+        if buffers:
+            model.load_state_dict(buffers, strict=False)  # strict=False: the parameters are loaded already
+        return
     set_model_state_dict(model, filled, options=_options(strict=strict and not frozen))
 
 

@@ -40,14 +40,14 @@ _TRAINER_FIX = ("Use DeepSpeed ZeRO-1/2 without offload, FSDP2 (TrainingArgument
 # Why each engine is refused (the checkpoint would not hold the run's full state, or could not be written).
 _WHY = {
     "DeepSpeed ZeRO-Offload": "the optimizer offloaded to the CPU or NVMe (DeepSpeedCPUAdam) has not been tested",
-    "DeepSpeed": "ZeRO-3 partitions the parameters themselves, and DeepSpeed's other optimizers (BF16_Optimizer, "
-                 "FP16_Optimizer) keep their own state; hf_resumable saves ZeRO-1/2's partitions only",
+    "DeepSpeed": "DeepSpeed's other optimizers (BF16_Optimizer, FP16_Optimizer) and ZeRO stages other than 1, 2 "
+                 "and 3 keep their own state; hf_resumable saves the ZeRO-1/2/3 optimizers' partitions only",
     "FSDP1": "FSDP1's flat parameters are saved and loaded only through FSDP1's own state-dict collectives, which "
              "hf_resumable does not drive",
     "Megatron-LM": "Megatron-LM wraps the model and optimizer in its own parallel objects",
     "XLA FSDP": "XLA FSDP wraps the model and optimizer in its own sharded objects",
 }
-DEEPSPEED_STAGES = (1, 2)  # ZeRO stages whose state hf_resumable saves
+DEEPSPEED_STAGES = (1, 2, 3)  # ZeRO stages whose state hf_resumable saves
 _OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
 
 

@@ -147,9 +147,9 @@ from ._deepspeed import (
     capture_engine_state,
     checkpoint_optimizer,
     deepspeed_engine,
+    register_step_hook,
     restore_engine_state,
     saved_engine_state,
-    torch_optimizer,
     zero_optimizer,
 )
 from ._engines import check_accelerate_options, check_accelerate_state, holds_dtensors
@@ -375,7 +375,7 @@ class ResumableAccelerator(Accelerator):
         for optimizer in self._optimizers:
             if getattr(optimizer, "_hf_resumable_step_hook", None) is None:
                 hook = StepHook(self._step_counts)
-                torch_optimizer(optimizer).register_step_post_hook(hook)  # under ZeRO: the one over its partitions
+                register_step_hook(optimizer, hook)  # under ZeRO: the one over its partitions, once per step
                 optimizer._hf_resumable_step_hook = hook
 
     def _optimizer_step_counts(self) -> list[int]:
