@@ -277,8 +277,9 @@ def test_trainer_fsdp2_killed_after_a_commit_resumes_bit_exact(tmp_path, trainer
     _resume_trainer_bit_exact(tmp_path / "run", trainer_reference, ["--state-dict-type", state_dict_type])
 
 
-# ZeRO-2 runs in `make test`; ZeRO-1 (the same partitions, gradients not partitioned) in `make test-all`.
-ZERO_STAGES = [pytest.param(1, marks=_EXTENDED), 2]
+# ZeRO-2 and ZeRO-3 (parameters partitioned too) run in `make test`; ZeRO-1 (the same partitions as ZeRO-2,
+# gradients not partitioned) in `make test-all`.
+ZERO_STAGES = [pytest.param(1, marks=_EXTENDED), 2, 3]
 
 
 # per front door: its worker, its kill-and-resume check, where its checkpoints go
@@ -296,10 +297,18 @@ def test_deepspeed_killed_after_a_commit_resumes_bit_exact(tmp_path, tmp_path_fa
     reference = _reference(tmp_path_factory, worker, tuple(options))
     resume_bit_exact(tmp_path / "run", reference, options)
     # every rank wrote its own partitions of the fp32 master weights and of the Adam moments (in the last checkpoint)
+    # and, under ZeRO-3, of every parameter
     layout = json.loads((tmp_path / "run" / checkpoints / "checkpoint-5" / "sharded_layout.json").read_text())
+    assert layout["optimizer_document"]["class"] == f"DeepSpeedZero{stage}/AdamW"
     for rank in RANKS:
         names = layout["optimizer"]["pieces"][f"sharded/optimizer-rank{rank:05d}-of-00002.safetensors"]
         assert {name.rpartition("/")[2] for name in names} >= {"fp32", "exp_avg", "exp_avg_sq"}, names
+    # ZeRO-1/2: rank 0 writes the whole weights; ZeRO-3: each rank its half of each (flattened) weight
+    pieces = layout["model"]["pieces"].get("sharded/model-rank00001-of-00002.safetensors", {})
+    assert bool(pieces) == (stage == 3)
+    if stage == 3:
+        numel = layout["model"]["tensors"]["transformer.h.0.attn.c_attn.weight"]["shape"]
+        assert pieces["transformer.h.0.attn.c_attn.weight"] == {"offset": [numel[0] // 2], "shape": [numel[0] // 2]}
 
 
 @pytest.mark.distributed
