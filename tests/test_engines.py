@@ -53,13 +53,14 @@ _EXTENDED = pytest.mark.extended  # a further variant of a guarantee make test p
 
 
 _OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+_OFFLOAD_PARAM = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
 
 
-@pytest.mark.parametrize("plugin, engine", [(dict(zero_stage=3), "DeepSpeed ZeRO-3"),
-                                            (dict(hf_ds_config=_OFFLOAD), "DeepSpeed ZeRO-Offload")],
-                         ids=["zero3", "offload"])
-def test_accelerate_deepspeed_is_refused_when_built(tmp_path, plugin, engine):
-    with pytest.raises(UnsupportedEngineError, match=rf"{engine} runs.*ZeRO-1/2 without offload") as caught:
+@pytest.mark.parametrize("plugin", [dict(hf_ds_config=_OFFLOAD), dict(hf_ds_config=_OFFLOAD_PARAM)],
+                         ids=["offload", "zero3-offload-param"])
+def test_accelerate_deepspeed_is_refused_when_built(tmp_path, plugin):
+    with pytest.raises(UnsupportedEngineError, match=r"DeepSpeed ZeRO-Offload runs.*ZeRO-1/2/3 without offload") \
+            as caught:
         ResumableAccelerator(deepspeed_plugin=DeepSpeedPlugin(**plugin), checkpoint_dir=tmp_path / "ck",
                              handle_preemption=False)
     assert isinstance(caught.value, NotImplementedError)
@@ -70,6 +71,7 @@ def test_accelerate_deepspeed_is_refused_when_built(tmp_path, plugin, engine):
 def test_accelerate_engines_enabled_by_the_environment_are_refused(tmp_path, monkeypatch, variable):
     monkeypatch.setenv(variable, "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "cpu")
     with pytest.raises(UnsupportedEngineError, match="DeepSpeed|Megatron-LM"):
         ResumableAccelerator(checkpoint_dir=tmp_path / "ck", handle_preemption=False)
 
@@ -89,10 +91,10 @@ def test_engine_of_accelerate_state():
     check_accelerate_state(SimpleNamespace(distributed_type=DistributedType.MULTI_GPU))
     deepspeed = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
                                 deepspeed_plugin=SimpleNamespace(zero_stage=None,
-                                                                 deepspeed_config={"zero_optimization": {"stage": 3}}))
-    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-3"):
+                                                                 deepspeed_config={"zero_optimization": {"stage": 0}}))
+    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-0"):
         check_accelerate_state(deepspeed)
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         check_accelerate_state(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
                                                deepspeed_plugin=SimpleNamespace(zero_stage=stage)))
 
@@ -104,20 +106,20 @@ def test_deepspeed_configs_are_decided_from_the_config(tmp_path):
         plugin = SimpleNamespace(zero_stage=config["zero_optimization"]["stage"], deepspeed_config=config)
         return SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, deepspeed_plugin=plugin)
 
-    zero3 = {"zero_optimization": {"stage": 3}}
+    zero0 = {"zero_optimization": {"stage": 0}}
     path = tmp_path / "ds_config.json"  # TrainingArguments(deepspeed=) takes a JSON file too
-    path.write_text(json.dumps(zero3))
-    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-3 runs"):
-        check_trainer_engine(SimpleNamespace(deepspeed=str(path)), state(zero3))
+    path.write_text(json.dumps(zero0))
+    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-0 runs"):
+        check_trainer_engine(SimpleNamespace(deepspeed=str(path)), state(zero0))
     nvme = {"zero_optimization": {"stage": 1, "offload_param": {"device": "nvme"}}}
     with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-Offload runs"):
         check_trainer_engine(SimpleNamespace(deepspeed=nvme), state(nvme))
-    for stage in (1, 2):  # supported, also with offload explicitly off
+    for stage in (1, 2, 3):  # supported, also with offload explicitly off
         config = {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "none"}}}
         check_trainer_engine(SimpleNamespace(deepspeed=config), state(config))
 
 
-def test_deepspeed_optimizers_other_than_zero_1_2_are_refused():
+def test_deepspeed_optimizers_other_than_zero_1_2_3_are_refused():
     from hf_resumable.integrations._deepspeed import checkpoint_optimizer
 
     adamw = torch.optim.AdamW([torch.zeros(2, requires_grad=True)])
@@ -125,8 +127,9 @@ def test_deepspeed_optimizers_other_than_zero_1_2_are_refused():
     bf16.optimizer = adamw  # what DeepSpeed picks for ZeRO-1 in bf16: its own partitions, not ZeRO-1/2's
     with pytest.raises(UnsupportedEngineError, match=r"DeepSpeed \(with its BF16_Optimizer\) runs"):
         checkpoint_optimizer(SimpleNamespace(optimizer=bf16))  # inside accelerate's wrapper
-    zero3 = SimpleNamespace(fp32_partitioned_groups_flat=[], optimizer=adamw)
-    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-3 runs"):
+    zero3 = SimpleNamespace(fp32_partitioned_groups_flat=[], sub_group_to_group_id={}, optimizer=adamw,
+                            offload_optimizer=False, offload_param=True)  # what ZeRO-3 with offload_param sets
+    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-Offload runs"):
         checkpoint_optimizer(SimpleNamespace(optimizer=zero3))
     assert checkpoint_optimizer(SimpleNamespace(optimizer=adamw)) is adamw  # no DeepSpeed: the torch optimizer
 
@@ -139,9 +142,9 @@ class _CountSteps(TrainerCallback):
         self.steps += 1
 
 
-@pytest.mark.parametrize("zero, engine", [({"stage": 3}, "DeepSpeed ZeRO-3"),
+@pytest.mark.parametrize("zero, engine", [({"stage": 0}, "DeepSpeed ZeRO-0"),
                                           (_OFFLOAD["zero_optimization"], "DeepSpeed ZeRO-Offload")],
-                         ids=["zero3", "offload"])
+                         ids=["zero0", "offload"])
 def test_trainer_deepspeed_is_refused_when_train_starts(tmp_path, zero, engine):
     args = TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, max_steps=2, save_steps=1,
                              report_to=[], disable_tqdm=True)

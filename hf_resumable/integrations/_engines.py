@@ -33,9 +33,9 @@ __all__ = ["check_accelerate_options", "check_accelerate_state", "check_trainer_
            "refuse_engine", "DEEPSPEED_STAGES"]
 
 # What to use instead, per front door.
-_ACCELERATE_FIX = ("Use DeepSpeed ZeRO-1/2 without offload, FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2)) "
+_ACCELERATE_FIX = ("Use DeepSpeed ZeRO-1/2/3 without offload, FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2)) "
                    "or DDP with ResumableAccelerator, or the stock accelerate.Accelerator for this run")
-_TRAINER_FIX = ("Use DeepSpeed ZeRO-1/2 without offload, FSDP2 (TrainingArguments(fsdp=True, fsdp_config="
+_TRAINER_FIX = ("Use DeepSpeed ZeRO-1/2/3 without offload, FSDP2 (TrainingArguments(fsdp=True, fsdp_config="
                 "{'version': 2})) or DDP with ResumableTrainer, or the stock transformers.Trainer for this run")
 # Why each engine is refused (the checkpoint would not hold the run's full state, or could not be written).
 _WHY = {
