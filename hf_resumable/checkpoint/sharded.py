@@ -124,6 +124,7 @@ from ._sharded_load import (
     layout_from_regular,
     parse_layout,
 )
+from ._sharded_tensors import as_dtensors, into_sharded_tensors, optimizer_as_dtensors, optimizer_into_sharded_tensors
 from ._validate import check_optimizer_document
 from ._writer import check_target, save_payload
 from .api import CheckpointInfo, background_saver, open_checkpoint, wait_for_pending_saves
@@ -143,11 +144,18 @@ def _options(**kwargs: Any) -> Any:
     return StateDictOptions(**kwargs)
 
 
-def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """FQN-keyed weights as this rank holds them (DTensor pieces under FSDP2 and FSDP1's sharded state dict, the
-    partitions of the flattened parameters under DeepSpeed ZeRO-3, plain tensors otherwise)."""
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(iter(model.parameters()), torch.empty(0)).device
+
+
+def _model_state(model: torch.nn.Module, originals: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """FQN-keyed weights as this rank holds them (DTensor pieces under FSDP2 and, re-wrapped, FSDP1's sharded state
+    dict, whose ``ShardedTensor`` of each name goes into ``originals``; the partitions of the flattened parameters
+    under DeepSpeed ZeRO-3; plain tensors otherwise)."""
     state = model_state_dict(model)
-    return partitioned_state(model, state) if is_partitioned(model) else state
+    if is_partitioned(model):
+        return partitioned_state(model, state)
+    return as_dtensors(state, device=_device(model), originals=originals)
 
 
 @runtime_checkable
@@ -202,7 +210,7 @@ def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     if fresh and optimizer.state:
         optimizer.state.clear()
         state = {"state": {}, "param_groups": state["param_groups"]}
-    return state
+    return optimizer_as_dtensors(state, device=_device(model))  # FSDP1: its ShardedTensors as DTensor pieces
 
 
 def _add_hf_weights(payload: Payload, weights: Mapping[str, torch.Tensor], local: LocalState, *, rank: int,
@@ -460,7 +468,8 @@ def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Modu
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     source = str(reader.path)
-    current = _model_state(model)
+    originals: dict[str, Any] = {}  # FSDP1: the ShardedTensors its load reads, filled from the pieces
+    current = _model_state(model, originals)
     frozen = check_frozen_sharded(reader, current, full=full, strict=strict)  # recorded, not stored: checked
     current = {name: tensor for name, tensor in current.items() if name not in frozen}
     section = _section(reader, layout, LAYOUT_KEY_MODEL)
@@ -472,6 +481,7 @@ def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Modu
         if buffers:
             model.load_state_dict(buffers, strict=False)  # strict=False: the parameters are loaded already
         return
+    filled = into_sharded_tensors(filled, originals)
     set_model_state_dict(model, filled, options=_options(strict=strict and not frozen))
 
 
@@ -541,10 +551,12 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
         _load_param_groups_only(model, optimizer, document, source=source)
         return
     engine_sharded = isinstance(optimizer, ShardedOptimizerState)
+    originals: dict[str, Any] = {}  # FSDP1: the ShardedTensors its load reads, filled from the pieces
     if engine_sharded:
         current = _engine_sharded_templates(optimizer, section)
     else:
         current = get_optimizer_state_dict(model, optimizer, options=_options())  # initializes an empty optimizer
+        current = optimizer_as_dtensors(current, device=_device(model), originals=originals)
     current_tensors, _ = flatten_optimizer_state(current, _class_name(optimizer))
     names = check_fits(current_tensors, section, strict=True, source=source, what="optimizer")
     with PieceReader(reader.path, section, source=source) as pieces:
@@ -553,6 +565,7 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
     if engine_sharded:
         optimizer.load_sharded_state_dict(state)
     else:
+        state = optimizer_into_sharded_tensors(state, originals)
         set_optimizer_state_dict(model, optimizer, state, options=_options())
 
 

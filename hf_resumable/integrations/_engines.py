@@ -30,7 +30,7 @@ import torch
 from ..errors import UnsupportedEngineError
 
 __all__ = ["check_accelerate_options", "check_accelerate_state", "check_trainer_engine", "holds_dtensors",
-           "refuse_engine", "DEEPSPEED_STAGES"]
+           "is_fsdp1", "checkpoint_model", "refuse_engine", "DEEPSPEED_STAGES"]
 
 # What to use instead, per front door.
 _ACCELERATE_FIX = ("Use DeepSpeed ZeRO-1/2/3 without offload, FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2)) "
@@ -128,8 +128,18 @@ def check_accelerate_options(options: Mapping[str, Any], environ: Mapping[str, s
         raise refuse_engine("Megatron-LM", front_door="ResumableAccelerator", fix=_ACCELERATE_FIX)
 
 
+def _fsdp1_engine(plugin: Any) -> str | None:
+    """The FSDP1 set-up ``plugin`` runs, if hf_resumable refuses it: any state-dict type but SHARDED_STATE_DICT,
+    and hybrid sharding strategies (their replica groups)."""
+    state_dict_type = str(getattr(plugin, "state_dict_type", None) or "SHARDED_STATE_DICT")
+    if "SHARDED_STATE_DICT" not in state_dict_type:
+        return f"FSDP1 {state_dict_type.rpartition('.')[2]}"
+    strategy = str(getattr(plugin, "sharding_strategy", None) or "")
+    return f"FSDP1 {strategy.rpartition('.')[2]}" if "HYBRID" in strategy else None
+
+
 def _state_engine(state: Any) -> str | None:
-    """The refused engine accelerate's state runs, or ``None`` (no engine, DDP, FSDP2)."""
+    """The refused engine accelerate's state runs, or ``None`` (no engine, DDP, FSDP2, FSDP1 sharded)."""
     from accelerate.utils import DistributedType
 
     kind = getattr(state, "distributed_type", None)
@@ -138,8 +148,9 @@ def _state_engine(state: Any) -> str | None:
         return _refused_deepspeed(plugin) or (None if _zero_stage(plugin, {}) in DEEPSPEED_STAGES else "DeepSpeed")
     if kind == DistributedType.MEGATRON_LM:
         return "Megatron-LM"
-    if kind == DistributedType.FSDP and getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", 1) != 2:
-        return "FSDP1"
+    plugin = getattr(state, "fsdp_plugin", None)
+    if kind == DistributedType.FSDP and getattr(plugin, "fsdp_version", 1) != 2:
+        return _fsdp1_engine(plugin)
     return None
 
 
@@ -175,10 +186,28 @@ def check_trainer_engine(args: Any, state: Any, *, fsdp_xla: bool = False) -> No
 
 
 def holds_dtensors(model: torch.nn.Module | None) -> bool:
-    """Whether ``model``'s parameters are DTensors (FSDP2 ``fully_shard``, tensor parallel): its checkpoint is
-    written as per-rank pieces (``save_sharded_checkpoint``) instead of whole tensors."""
+    """Whether ``model``'s checkpoint is written as per-rank pieces (``save_sharded_checkpoint``) instead of whole
+    tensors: its parameters are DTensors (FSDP2 ``fully_shard``, tensor parallel), or it is (or holds) FSDP1
+    wrappers, whose sharded state dict is stored as pieces."""
     if model is None:
         return False
     from torch.distributed.tensor import DTensor
 
-    return any(isinstance(parameter, DTensor) for parameter in model.parameters())
+    return is_fsdp1(model) or any(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
+def is_fsdp1(model: Any) -> bool:
+    """Whether ``model`` is, or holds, an FSDP1 ``FullyShardedDataParallel`` wrapper."""
+    if not isinstance(model, torch.nn.Module):
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(module, FullyShardedDataParallel) for module in model.modules())
+
+
+def checkpoint_model(prepared: Any, unwrapped: Any) -> Any:
+    """The module a checkpoint saves and loads: FSDP1's root wrapper itself (its sharded state dict is a collective
+    driven from the root, and names the weights as the unwrapped model does), else the unwrapped model."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return prepared if isinstance(prepared, FullyShardedDataParallel) else unwrapped
