@@ -33,17 +33,19 @@ __all__ = ["check_accelerate_options", "check_accelerate_state", "check_trainer_
            "is_fsdp1", "checkpoint_model", "refuse_engine", "DEEPSPEED_STAGES"]
 
 # What to use instead, per front door.
-_ACCELERATE_FIX = ("Use DeepSpeed ZeRO-1/2/3 without offload, FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2)) "
-                   "or DDP with ResumableAccelerator, or the stock accelerate.Accelerator for this run")
+_ACCELERATE_FIX = ("Use DeepSpeed ZeRO-1/2/3 without offload, FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2)), "
+                   "FSDP1 with FULL_SHARD or SHARD_GRAD_OP, or DDP with ResumableAccelerator, or the stock "
+                   "accelerate.Accelerator for this run")
 _TRAINER_FIX = ("Use DeepSpeed ZeRO-1/2/3 without offload, FSDP2 (TrainingArguments(fsdp=True, fsdp_config="
-                "{'version': 2})) or DDP with ResumableTrainer, or the stock transformers.Trainer for this run")
+                "{'version': 2})), FSDP1 with FULL_SHARD or SHARD_GRAD_OP, or DDP with ResumableTrainer, or the stock "
+                "transformers.Trainer for this run")
 # Why each engine is refused (the checkpoint would not hold the run's full state, or could not be written).
 _WHY = {
     "DeepSpeed ZeRO-Offload": "the optimizer offloaded to the CPU or NVMe (DeepSpeedCPUAdam) has not been tested",
     "DeepSpeed": "DeepSpeed's other optimizers (BF16_Optimizer, FP16_Optimizer) and ZeRO stages other than 1, 2 "
                  "and 3 keep their own state; hf_resumable saves the ZeRO-1/2/3 optimizers' partitions only",
-    "FSDP1": "FSDP1's flat parameters are saved and loaded only through FSDP1's own state-dict collectives, which "
-             "hf_resumable does not drive",
+    "FSDP1": "a hybrid sharding strategy replicates FSDP1's shards over groups of ranks, whose identical pieces "
+             "hf_resumable does not store once (FULL_SHARD and SHARD_GRAD_OP are supported)",
     "Megatron-LM": "Megatron-LM wraps the model and optimizer in its own parallel objects",
     "XLA FSDP": "XLA FSDP wraps the model and optimizer in its own sharded objects",
 }
@@ -129,11 +131,9 @@ def check_accelerate_options(options: Mapping[str, Any], environ: Mapping[str, s
 
 
 def _fsdp1_engine(plugin: Any) -> str | None:
-    """The FSDP1 set-up ``plugin`` runs, if hf_resumable refuses it: any state-dict type but SHARDED_STATE_DICT,
-    and hybrid sharding strategies (their replica groups)."""
-    state_dict_type = str(getattr(plugin, "state_dict_type", None) or "SHARDED_STATE_DICT")
-    if "SHARDED_STATE_DICT" not in state_dict_type:
-        return f"FSDP1 {state_dict_type.rpartition('.')[2]}"
+    """The FSDP1 set-up ``plugin`` runs, if hf_resumable refuses it: a hybrid sharding strategy (its replica groups
+    would each write the same pieces). Any ``state_dict_type`` is accepted: checkpoints always read FSDP1's sharded
+    state dict, whatever accelerate uses for its own saves."""
     strategy = str(getattr(plugin, "sharding_strategy", None) or "")
     return f"FSDP1 {strategy.rpartition('.')[2]}" if "HYBRID" in strategy else None
 
