@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1/2 state in hf_resumable checkpoints: every rank writes its own partitions, no pickle.
+"""DeepSpeed ZeRO-1/2/3 state in hf_resumable checkpoints: every rank writes its own partitions, no pickle.
 
 Under ZeRO-1/2 every rank holds the whole (bit16 or fp32) model, and its own partition of each param group's
 flattened fp32 master weights, over which the torch optimizer steps: its Adam moments are partitions too. A
@@ -9,9 +9,16 @@ partition as a ``DTensor`` sharded on dim 0 over the data-parallel group), so th
 (``exp_avg``, ``exp_avg_sq``, ``step``). The model's weights are saved whole by rank 0, and the engine's counters
 and loss scaler as JSON (:func:`capture_engine_state`).
 
+Under ZeRO-3 the parameters are partitioned too: every rank writes its partition of every weight (``ds_tensor``,
+as a piece of the flattened weight, :mod:`hf_resumable.checkpoint._partitioned`), and its partition of each
+sub-group's flat fp32 master weights and moments (:class:`Zero3OptimizerState`, pseudo-parameters
+``zero<dp size>.subgroup<i>``). Small parameters ZeRO-3 keeps gathered (``ds_persist``) are gathered again from the
+loaded partitions, as DeepSpeed does after its own loads.
+
 A partition's place in the flat tensor depends on the data-parallel size, which is part of the name: these
 checkpoints resume at the same world size (a changed one is refused as configuration drift by both front doors,
-and, if allowed anyway, fails naming the optimizer keys).
+and, if allowed anyway, fails naming the optimizer keys). ZeRO-Offload (optimizer or parameters on the CPU or NVMe)
+is refused: it is not tested.
 
 Nothing here imports deepspeed: the ZeRO optimizer is recognised by its attributes, so accelerate and the Trainer
 import it as they always do, and only when it is configured.
@@ -314,7 +321,8 @@ def deepspeed_engine(model: Any) -> Any:
 
 def _loss_scaler(optimizers: list[Any]) -> Any:
     """The loss scaler of the ZeRO optimizer among ``optimizers`` (what a checkpoint saves of them), if any."""
-    zero = next((optimizer.zero for optimizer in optimizers if isinstance(optimizer, ZeroOptimizerState)), None)
+    zero = next((optimizer.zero for optimizer in optimizers
+                 if isinstance(optimizer, (ZeroOptimizerState, Zero3OptimizerState))), None)
     return getattr(zero, "loss_scaler", None)
 
 
