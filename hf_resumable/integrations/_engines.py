@@ -1,16 +1,31 @@
 """Which distributed engines ``ResumableAccelerator`` and ``ResumableTrainer`` checkpoint, decided before step 1.
 
-Supported: a single process, DDP (CPU or GPU), FSDP2 (``fully_shard``: every rank saves and loads its own
-DTensor pieces, see :mod:`hf_resumable.checkpoint.sharded`) and DeepSpeed ZeRO-1/2 without offload (every rank
-saves and loads its partitions of the fp32 master weights and optimizer state, see :mod:`._deepspeed`). Refused,
-with :class:`UnsupportedEngineError`, when the accelerator is built or ``train()`` starts, never at the first save
-after training up to it:
+Supported (every rank saves and loads its own pieces, :mod:`hf_resumable.checkpoint.sharded`; the same world size
+resumes bit-exactly):
 
-* DeepSpeed ZeRO-3: its parameters are partitioned too (``ds_tensor``), which is not wired yet; and ZeRO-Offload
-  (``offload_optimizer`` / ``offload_param`` on ``cpu`` or ``nvme``), not tested. Detected from the plugin,
-  accelerate's environment or ``TrainingArguments.deepspeed``, without importing deepspeed.
-* FSDP1 (``FullyShardedDataParallel`` wrappers, any state-dict type): flat parameters whose state dicts need
-  FSDP1's collectives in a fixed order; not wired.
+======================================  ========================================================================
+Engine                                  What each rank writes
+======================================  ========================================================================
+a single process, DDP                   rank 0 the whole state, every rank its RNG and data position
+FSDP2 (``fully_shard``)                 its DTensor pieces of the weights and optimizer state
+FSDP1, FULL_SHARD / SHARD_GRAD_OP,      its chunks of FSDP1's sharded state dict (``ShardedTensor`` local shards,
+any ``state_dict_type``                 :mod:`hf_resumable.checkpoint._sharded_tensors`), read from the root wrapper
+                                        (:func:`checkpoint_model`) whatever type accelerate uses for its own saves
+DeepSpeed ZeRO-1/2, no offload          rank 0 the whole weights; every rank its partitions of the fp32 master
+                                        weights and optimizer state (:mod:`._deepspeed`)
+DeepSpeed ZeRO-3, no offload            every rank its partition of every weight (``ds_tensor``,
+                                        :mod:`hf_resumable.checkpoint._partitioned`) and of each sub-group's fp32
+                                        master weights and optimizer state
+======================================  ========================================================================
+
+Refused, with :class:`UnsupportedEngineError`, when the accelerator is built or ``train()`` starts, never at the
+first save after training up to it:
+
+* DeepSpeed ZeRO-Offload (``offload_optimizer`` / ``offload_param`` on ``cpu`` or ``nvme``): not tested; and ZeRO
+  stage 0 or DeepSpeed's other optimizers (``BF16_Optimizer``, ``FP16_Optimizer``), whose state is their own.
+  Detected from the plugin, accelerate's environment or ``TrainingArguments.deepspeed``, without importing deepspeed.
+* FSDP1 with a hybrid sharding strategy (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``): replica groups would each
+  write the same pieces.
 * Megatron-LM and XLA FSDP: their own model and optimizer wrappers.
 
 Everything here is pure over the options, the environment and accelerate's state: nothing is imported that the
