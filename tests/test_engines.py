@@ -419,3 +419,16 @@ def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_ra
             if stage == 3:
                 assert torch.equal(one.ds_tensor, other.ds_tensor)
         assert torch.equal(_master(saving), _master(loading))
+    # outside the engine: into a plain model, and consolidated (ZeRO-3's flattened partitions get their shapes back)
+    from safetensors.torch import load_file
+
+    from hf_resumable import consolidate_sharded_checkpoint
+
+    save_sharded_checkpoint(tmp_path / "checkpoint-2", model=saving.module,
+                            optimizer=checkpoint_optimizer(saving.optimizer), step=2)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    load_sharded_checkpoint(tmp_path / "checkpoint-2", model=plain, restore_rng=False)
+    consolidate_sharded_checkpoint(tmp_path / "checkpoint-2", tmp_path / "export")
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    for (name, want), got in zip(saving.module.named_parameters(), plain.parameters()):
+        assert torch.equal(got, want) and torch.equal(exported[name], want), name

@@ -23,7 +23,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["is_partitioned", "partitioned_state", "load_partitioned_state"]
+__all__ = ["is_partitioned", "partitioned_state", "partitioned_views", "load_partitioned_state"]
 
 
 def _is_partitioned_parameter(value: Any) -> bool:
@@ -73,6 +73,14 @@ def partitioned_state(model: torch.nn.Module, state: Mapping[str, Any]) -> dict[
             value = pieces[id(parameter)]
         result[name] = value
     return result
+
+
+def partitioned_views(model: torch.nn.Module) -> dict[str, list[int]]:
+    """``{name: shape}`` of every partitioned parameter (tied names included): the layout records it next to the
+    flattened global shape (``"view"``), so a consolidation, or a load into a model that is not partitioned, gives
+    each weight its own shape back."""
+    return {name: [int(x) for x in parameter.ds_shape] for name, parameter in model.state_dict(keep_vars=True).items()
+            if _is_partitioned_parameter(parameter) and hasattr(parameter, "ds_shape")}
 
 
 def load_partitioned_state(model: torch.nn.Module, filled: Mapping[str, Any]) -> dict[str, Any]:

@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 SECTION_TENSORS = "tensors"  # {name: {"dtype": "F32", "shape": [global shape]}}
 SECTION_PIECES = "pieces"  # {file: {name: {"offset": [...], "shape": [...]}}}
 SECTION_TIED = "tied"  # {dropped alias: kept name} (model only)
+TENSOR_VIEW = "view"  # in a tensor's description: its own shape, when stored flattened (ZeRO-3's partitions)
 
 __all__ = [
     "LAYOUT_FILE",

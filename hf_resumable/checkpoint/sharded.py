@@ -81,7 +81,7 @@ from ._frozen import base_not_stored
 from ._frozen_sharded import check_frozen_sharded, split_frozen_sharded
 from ._model import TIED_KEY
 from ._model_files import single_file_metadata
-from ._partitioned import is_partitioned, load_partitioned_state, partitioned_state
+from ._partitioned import is_partitioned, load_partitioned_state, partitioned_state, partitioned_views
 from ._payload import (
     Payload,
     TensorFile,
@@ -100,6 +100,7 @@ from ._sharded import (
     LAYOUT_KEY_WORLD_SIZE,
     LAYOUT_VERSION,
     SHARDED_DIR,
+    TENSOR_VIEW,
     LocalState,
     check_storable,
     collect_local_state,
@@ -253,6 +254,7 @@ class _Pieces:
     layout: dict[str, Any]
     rank: int
     world_size: int
+    views: dict[str, list[int]] = field(default_factory=dict)  # ZeRO-3: each weight's own shape (stored flattened)
     described: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def prepare(self, payload: Payload) -> dict[str, Any]:
@@ -262,6 +264,10 @@ class _Pieces:
             relpath = piece_file(kind, self.rank, self.world_size)
             staged = dict(self.staging[kind].tensors) if kind in self.staging else None
             local = collect_local_state(state, rank=self.rank, tied=tied, staged=staged)
+            if kind == LAYOUT_KEY_MODEL:
+                for name, view in self.views.items():
+                    if name in local.tensors:
+                        local.tensors[name][TENSOR_VIEW] = view
             tensor_file = piece_tensor_file(relpath, local)
             if tensor_file is not None:
                 payload.tensor_files.append(tensor_file)
@@ -314,7 +320,8 @@ def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.o
         staging = {kind: TensorFile(piece_file(kind, rank, world_size), pieces_to_stage(
             state, tied, rank=rank, local=local if kind == LAYOUT_KEY_MODEL else None))
             for kind, (state, tied) in states.items()}
-    return _Pieces(states, staging, layout, rank, world_size)
+    views = partitioned_views(model) if is_partitioned(model) else {}
+    return _Pieces(states, staging, layout, rank, world_size, views)
 
 
 def save_sharded_checkpoint(
@@ -703,7 +710,9 @@ def _consolidated_section(reader: _Reader, layout: Mapping[str, Any], key: str
                           ) -> tuple[Section, dict[str, torch.Tensor]]:
     section = _section(reader, layout, key)
     with PieceReader(reader.path, section, source=str(reader.path)) as pieces:
-        return section, {name: pieces.read_full(name) for name in section.dtypes}
+        # a weight stored flattened (ZeRO-3's partitions) gets its own shape back
+        return section, {name: pieces.read_full(name).view(section.views.get(name, section.shapes[name]))
+                         for name in section.dtypes}
 
 
 def consolidate_sharded_checkpoint(
