@@ -14,12 +14,13 @@ Nothing here imports deepspeed: partitioned parameters are recognised by their a
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from ._sharded import group_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +36,6 @@ def is_partitioned(model: torch.nn.Module | None) -> bool:
     return model is not None and any(_is_partitioned_parameter(p) for p in model.parameters())
 
 
-@functools.lru_cache(maxsize=16)
-def _mesh(group: Any, device_type: str) -> Any:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh.from_group(group, device_type)
-
-
 def _held(parameter: Any) -> torch.Tensor:
     """The valid part of this rank's partition (padding cut off): what ``torch.chunk`` gives this rank."""
     size = parameter.ds_tensor.numel()
@@ -53,7 +47,7 @@ def _piece(parameter: Any) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Shard
 
     local = _held(parameter)
-    mesh = _mesh(parameter.ds_process_group, local.device.type)
+    mesh = group_mesh(parameter.ds_process_group, local.device.type)
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(int(parameter.ds_numel),),
                               stride=(1,))
 

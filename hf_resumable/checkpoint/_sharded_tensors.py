@@ -14,7 +14,6 @@ replica groups would each write the same pieces, is refused.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedStateError
+from ._sharded import group_mesh, local_box
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +38,6 @@ def is_sharded_tensor(value: Any) -> bool:
     return isinstance(value, ShardedTensor)
 
 
-@functools.lru_cache(maxsize=16)
-def _mesh(group: Any, device_type: str) -> Any:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh.from_group(group, device_type)
-
-
 def _piece(name: str, value: Any, device: torch.device) -> torch.Tensor:
     """The local shard of ``value`` as a DTensor sharded on dim 0 over its process group (the local tensor itself).
 
@@ -53,7 +46,6 @@ def _piece(name: str, value: Any, device: torch.device) -> torch.Tensor:
     """
     from torch.distributed.tensor import DTensor, Shard
 
-    from ._sharded import local_box
 
     group = value._process_group
     shards = value.local_shards()
@@ -68,7 +60,7 @@ def _piece(name: str, value: Any, device: torch.device) -> torch.Tensor:
     else:
         local = torch.empty((0, *shape[1:]), dtype=value.dtype, device=device)
     stride = torch.empty(shape, device="meta").stride()
-    piece = DTensor.from_local(local, _mesh(group, local.device.type), [Shard(0)], run_check=False, shape=shape,
+    piece = DTensor.from_local(local, group_mesh(group, local.device.type), [Shard(0)], run_check=False, shape=shape,
                                stride=stride)
     if shards and tuple(shards[0].metadata.shard_offsets) != local_box(piece).offset:
         raise UnsupportedStateError(

@@ -27,13 +27,13 @@ import it as they always do, and only when it is configured.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
+from ..checkpoint._sharded import group_mesh
 from ..errors import IncompleteCheckpointError, UnsupportedEngineError
 from ._engines import refuse_engine
 
@@ -110,11 +110,34 @@ def _unsupported(engine: str) -> UnsupportedEngineError:
                              "run")
 
 
-@functools.lru_cache(maxsize=16)
-def _mesh(group: Any, device_type: str) -> Any:
-    from torch.distributed.device_mesh import DeviceMesh
+def _flat_piece(local: torch.Tensor, group: Any) -> torch.Tensor:
+    """``local`` (this rank's partition) as a piece of the group's global flat tensor (no communication)."""
+    from torch.distributed.tensor import DTensor, Shard
 
-    return DeviceMesh.from_group(group, device_type)
+    mesh = group_mesh(group, local.device.type)
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(local.numel() * mesh.size(),),
+                              stride=(1,))
+
+
+def _init_base_state(base: torch.optim.Optimizer) -> None:
+    """Create ``base``'s state over the flat partitions its groups list (zero gradients, learning rate 0) so a load
+    has templates to fill, as ``torch.distributed.checkpoint`` does for FSDP2; the load overwrites all of it (the
+    master partitions too). Step hooks do not run, so :attr:`ResumableAccelerator.global_step` does not count it."""
+    lrs = [group["lr"] for group in base.param_groups]
+    hooks = base._optimizer_step_pre_hooks, base._optimizer_step_post_hooks
+    base._optimizer_step_pre_hooks, base._optimizer_step_post_hooks = type(hooks[0])(), type(hooks[1])()
+    try:
+        for group in base.param_groups:
+            group["lr"] = 0.0
+            for flat in group["params"]:
+                flat.grad = torch.zeros_like(flat)
+        base.step()
+    finally:
+        base._optimizer_step_pre_hooks, base._optimizer_step_post_hooks = hooks
+        for group, lr in zip(base.param_groups, lrs):
+            group["lr"] = lr
+            for flat in group["params"]:
+                flat.grad = None
 
 
 class ZeroOptimizerState:
@@ -151,48 +174,22 @@ class ZeroOptimizerState:
             world_size = torch.distributed.get_world_size(dp_group)
             yield GROUP_NAME.format(world_size=world_size, index=index), flat, dp_group
 
-    @staticmethod
-    def _piece(local: torch.Tensor, group: Any) -> torch.Tensor:
-        """``local`` (this rank's partition) as a piece of the group's global flat tensor (no communication)."""
-        from torch.distributed.tensor import DTensor, Shard
-
-        mesh = _mesh(group, local.device.type)
-        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(local.numel() * mesh.size(),),
-                                  stride=(1,))
-
     def sharded_state_dict(self) -> dict[str, Any]:
         """``{"state": {group name: {key: piece or value}}, "param_groups": [...]}``, names for parameters."""
         state, groups = {}, []
         for (name, flat, group), param_group in zip(self._partitions(), self.base.param_groups):
-            entries = {MASTER_KEY: self._piece(flat.detach(), group)}
+            entries = {MASTER_KEY: _flat_piece(flat.detach(), group)}
             for key, value in self.base.state.get(flat, {}).items():
                 partitioned = torch.is_tensor(value) and value.shape == flat.shape
-                entries[key] = self._piece(value, group) if partitioned else value
+                entries[key] = _flat_piece(value, group) if partitioned else value
             state[name] = entries
             groups.append({**{k: v for k, v in param_group.items() if k != "params"}, "params": [name]})
         return {"state": state, "param_groups": groups}
 
     def init_state(self) -> None:
-        """Create the base optimizer's state (zero gradients, learning rate 0) so a load has templates to fill,
-        as ``torch.distributed.checkpoint`` does for FSDP2; the load overwrites all of it (the master partitions
-        too). Step hooks do not run, so :attr:`ResumableAccelerator.global_step` does not count it."""
-        if self.base.state:
-            return
-        lrs = [group["lr"] for group in self.base.param_groups]
-        hooks = self.base._optimizer_step_pre_hooks, self.base._optimizer_step_post_hooks
-        self.base._optimizer_step_pre_hooks, self.base._optimizer_step_post_hooks = type(hooks[0])(), type(hooks[1])()
-        try:
-            for group in self.base.param_groups:
-                group["lr"] = 0.0
-                for flat in group["params"]:
-                    flat.grad = torch.zeros_like(flat)
-            self.base.step()
-        finally:
-            self.base._optimizer_step_pre_hooks, self.base._optimizer_step_post_hooks = hooks
-            for group, lr in zip(self.base.param_groups, lrs):
-                group["lr"] = lr
-                for flat in group["params"]:
-                    flat.grad = None
+        """Create the base optimizer's state for a load to fill (:func:`_init_base_state`)."""
+        if not self.base.state:
+            _init_base_state(self.base)
 
     def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
         """Put the master partitions, the base optimizer's state and the hyper-parameters in place."""
@@ -253,10 +250,10 @@ class Zero3OptimizerState:
         state: dict[str, Any] = {}
         listed: list[list[str]] = [[] for _ in self.base.param_groups]
         for name, flat, group, group_id in self._partitions():
-            entries = {MASTER_KEY: ZeroOptimizerState._piece(flat.detach(), group)}
+            entries = {MASTER_KEY: _flat_piece(flat.detach(), group)}
             for key, value in self.base.state.get(flat, {}).items():
                 partitioned = torch.is_tensor(value) and value.shape == flat.shape
-                entries[key] = ZeroOptimizerState._piece(value, group) if partitioned else value
+                entries[key] = _flat_piece(value, group) if partitioned else value
             state[name] = entries
             listed[group_id].append(name)
         groups = [{**{k: v for k, v in param_group.items() if k != "params"}, "params": names}
@@ -273,12 +270,12 @@ class Zero3OptimizerState:
             self.zero._clear_fp32_optimizer_param_groups()
 
     def init_state(self) -> None:
-        """Create the base optimizer's state (zero gradients, learning rate 0) so a load has templates to fill, as
-        :meth:`ZeroOptimizerState.init_state`; the load overwrites all of it."""
+        """Create the base optimizer's state for a load to fill (:func:`_init_base_state`), the flat partitions
+        listed in their groups meanwhile."""
         if self.base.state:
             return
         with self._listed():
-            ZeroOptimizerState.init_state(self)
+            _init_base_state(self.base)
 
     def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
         """Put the master partitions, the base optimizer's state and the hyper-parameters in place (the model's
