@@ -362,15 +362,21 @@ def test_whole_tensor_save_of_an_fsdp2_model_names_the_sharded_save(tmp_path, on
     assert not (tmp_path / "checkpoint-1").exists()
 
 
-def _zero_engine(stage: int) -> torch.nn.Module:
+def _zero_engine(stage: int, sub_groups: bool = False) -> torch.nn.Module:
+    """A ZeRO engine over a tiny MLP; with ``sub_groups``, two param groups (weights, biases without decay) and, under
+    ZeRO-3, sub-groups of at most 16 elements (several per param group)."""
     import deepspeed
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+    zero = {"stage": stage, **({"sub_group_size": 16} if sub_groups else {})}
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                      config=config)
+    params = list(model.parameters())
+    if sub_groups:
+        params = [{"params": [p for p in params if p.dim() == 2]},
+                  {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0}]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-2), config=config)
     return engine
 
 
@@ -380,16 +386,18 @@ def _step(engine: torch.nn.Module) -> None:
 
 
 def _master(engine: torch.nn.Module) -> torch.Tensor:
-    """The engine's (first) flat partition of the fp32 master weights."""
+    """The engine's flat partitions of the fp32 master weights, concatenated."""
     zero = engine.optimizer
-    return getattr(zero, "fp32_partitioned_groups_flat", getattr(zero, "single_partition_of_fp32_groups", None))[0]
+    return torch.cat(getattr(zero, "fp32_partitioned_groups_flat", getattr(zero, "single_partition_of_fp32_groups",
+                                                                             None)))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_rank_group, stage):
+@pytest.mark.parametrize("stage, sub_groups", [(2, False), (3, False), (3, True)], ids=["2", "3", "3-subgroups"])
+def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_rank_group, stage, sub_groups):
     """save_sharded_checkpoint / load_sharded_checkpoint of a ZeRO-2/3 engine's partitions, before the first step
-    (master weights only) and after one; the reloaded engine steps exactly as the saving one."""
+    (master weights only) and after one; the reloaded engine steps exactly as the saving one. ZeRO-3 steps its
+    torch optimizer once per sub-group: the step hook still counts engine steps."""
     for name, value in {"DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)  # what torchrun sets, which DeepSpeed reads
     ops = pytest.importorskip("deepspeed.ops")
@@ -398,13 +406,17 @@ def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_ra
 
     monkeypatch.setattr(groups, "_WORLD_GROUP", None)  # DeepSpeed caches the world group of a previous test
     from hf_resumable import load_sharded_checkpoint, save_sharded_checkpoint
-    from hf_resumable.integrations._deepspeed import checkpoint_optimizer
+    from hf_resumable.integrations._deepspeed import checkpoint_optimizer, register_step_hook
 
-    saving = _zero_engine(stage)
+    saving = _zero_engine(stage, sub_groups)
+    if sub_groups:
+        assert len(saving.optimizer.fp32_partitioned_groups_flat) > len(saving.optimizer.optimizer.param_groups) == 2
+    steps = []
+    register_step_hook(saving.optimizer, lambda *args: steps.append(1))
     for step in (0, 1):
         save_sharded_checkpoint(tmp_path / f"checkpoint-{step}", model=saving.module,
                                 optimizer=checkpoint_optimizer(saving.optimizer), step=step)
-        loading = _zero_engine(stage)
+        loading = _zero_engine(stage, sub_groups)
         if step:  # the fresh engine's master weights differ from the saved ones until the load
             assert not torch.equal(_master(saving), _master(loading))
         load_sharded_checkpoint(tmp_path / f"checkpoint-{step}", model=loading.module,
@@ -412,8 +424,9 @@ def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_ra
         _step(saving)
         _step(loading)
         for engine in (saving, loading):
-            (state,) = checkpoint_optimizer(engine.optimizer).state.values()
-            assert state["step"].item() == step + 1
+            states = checkpoint_optimizer(engine.optimizer).state.values()
+            assert states and all(state["step"].item() == step + 1 for state in states)
+        assert len(steps) == step + 1
         for one, other in zip(saving.module.parameters(), loading.module.parameters()):
             assert torch.equal(one, other)  # under ZeRO-3 these tiny parameters are kept gathered (persistent)
             if stage == 3:
