@@ -445,3 +445,35 @@ def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_ra
     exported = load_file(tmp_path / "export" / "model.safetensors")
     for (name, want), got in zip(saving.module.named_parameters(), plain.parameters()):
         assert torch.equal(got, want) and torch.equal(exported[name], want), name
+
+
+def test_fsdp1_sharded_tensors_are_stored_as_dtensor_pieces(one_rank_group):
+    """FSDP1's ShardedTensor (one chunk of dim 0 per rank) becomes a DTensor piece over the same bytes, and a loaded
+    piece is copied back into the ShardedTensor FSDP1's load reads."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+
+    from hf_resumable.checkpoint._sharded import local_box
+    from hf_resumable.checkpoint._sharded_tensors import as_dtensors, into_sharded_tensors
+
+    local = torch.arange(12.0).reshape(4, 3)
+    sharded = init_from_local_shards([Shard(local, ShardMetadata([0, 0], [4, 3], "rank:0/cpu"))], [4, 3])
+    originals: dict = {}
+    state = as_dtensors({"w": sharded, "b": torch.ones(2)}, device=torch.device("cpu"), originals=originals)
+    assert originals == {"w": sharded} and torch.equal(state["b"], torch.ones(2))
+    assert state["w"].shape == (4, 3) and local_box(state["w"]).offset == (0, 0)
+    assert state["w"].to_local().data_ptr() == local.data_ptr()  # no copy
+    loaded = into_sharded_tensors({"w": state["w"] * 2, "b": state["b"]}, originals)
+    assert loaded["w"] is sharded
+    assert torch.equal(sharded.local_shards()[0].tensor, torch.arange(12.0).reshape(4, 3) * 2)
+
+
+def test_a_flattened_weight_whose_view_does_not_fit_is_corrupt():
+    from hf_resumable.checkpoint._sharded_load import Section
+    from hf_resumable.errors import CorruptCheckpointError
+
+    section = {"tensors": {"w": {"dtype": "F32", "shape": [12], "view": [4, 3]}},
+               "pieces": {"sharded/model-rank00000-of-00001.safetensors": {"w": {"offset": [0], "shape": [12]}}}}
+    assert Section.from_json(section, source="x").views == {"w": (4, 3)}
+    section["tensors"]["w"]["view"] = [4, 4]
+    with pytest.raises(CorruptCheckpointError, match="not the flattened view"):
+        Section.from_json(section, source="x")
