@@ -93,15 +93,44 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return local.detach().clone().contiguous()
 
 
-def dump_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    """This rank's parameter pieces and optimizer state tensors into ``path`` (safetensors); under ZeRO-1/2
-    (``optimizer`` is DeepSpeed's), this rank's partitions of the fp32 master weights and of the moments."""
-    from safetensors.torch import save_file
+def _shard(value: torch.Tensor) -> torch.Tensor:
+    """A ShardedTensor's local shard (empty if this rank holds none), or the tensor itself."""
+    if not hasattr(value, "local_shards"):
+        return _local(value)
+    shards = value.local_shards()
+    return _local(shards[0].tensor) if shards else torch.empty(0)
 
-    tensors = {f"model/{name}": _local(param) for name, param in model.named_parameters()}
+
+def _fsdp1_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """FSDP1: the local shards of its sharded state dicts (what every rank holds of each weight and moment)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    tensors = {f"model/{name}": _shard(value) for name, value in get_model_state_dict(model).items()}
+    for fqn, fields in get_optimizer_state_dict(model, optimizer)["state"].items():
+        tensors.update({f"optim/{fqn}/{key}": _shard(value) for key, value in fields.items()
+                        if torch.is_tensor(value)})
+    return tensors
+
+
+def dump_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """This rank's parameter pieces and optimizer state tensors into ``path`` (safetensors); under ZeRO-1/2/3
+    (``optimizer`` is DeepSpeed's), this rank's partitions of the fp32 master weights and of the moments (and, under
+    ZeRO-3, of every parameter); for FSDP1 (``model`` is its root wrapper), the local shards of its sharded
+    state dicts."""
+    from safetensors.torch import save_file
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):  # FSDP1 (the root wrapper)
+        save_file(_fsdp1_local_state(model, optimizer), str(path))
+        return
+    # ZeRO-3: a parameter's data is empty (or gathered); this rank holds its partition, ds_tensor
+    tensors = {f"model/{name}": _local(getattr(param, "ds_tensor", None) if hasattr(param, "ds_tensor") else param)
+               for name, param in model.named_parameters()}
     names = {id(param): name for name, param in model.named_parameters()}
-    if hasattr(optimizer, "single_partition_of_fp32_groups"):  # ZeRO-1/2: one flat partition per param group
-        for index, flat in enumerate(optimizer.single_partition_of_fp32_groups):
+    flats = getattr(optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2: one flat partition per group
+    flats = getattr(optimizer, "fp32_partitioned_groups_flat", flats)  # ZeRO-3: one per sub-group
+    if flats is not None:
+        for index, flat in enumerate(flats):
             names[id(flat)] = f"group{index}"
             tensors[f"optim/group{index}/fp32"] = _local(flat)
         optimizer = optimizer.optimizer

@@ -53,13 +53,14 @@ _EXTENDED = pytest.mark.extended  # a further variant of a guarantee make test p
 
 
 _OFFLOAD = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+_OFFLOAD_PARAM = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
 
 
-@pytest.mark.parametrize("plugin, engine", [(dict(zero_stage=3), "DeepSpeed ZeRO-3"),
-                                            (dict(hf_ds_config=_OFFLOAD), "DeepSpeed ZeRO-Offload")],
-                         ids=["zero3", "offload"])
-def test_accelerate_deepspeed_is_refused_when_built(tmp_path, plugin, engine):
-    with pytest.raises(UnsupportedEngineError, match=rf"{engine} runs.*ZeRO-1/2 without offload") as caught:
+@pytest.mark.parametrize("plugin", [dict(hf_ds_config=_OFFLOAD), dict(hf_ds_config=_OFFLOAD_PARAM)],
+                         ids=["offload", "zero3-offload-param"])
+def test_accelerate_deepspeed_is_refused_when_built(tmp_path, plugin):
+    with pytest.raises(UnsupportedEngineError, match=r"DeepSpeed ZeRO-Offload runs.*ZeRO-1/2/3 without offload") \
+            as caught:
         ResumableAccelerator(deepspeed_plugin=DeepSpeedPlugin(**plugin), checkpoint_dir=tmp_path / "ck",
                              handle_preemption=False)
     assert isinstance(caught.value, NotImplementedError)
@@ -70,6 +71,7 @@ def test_accelerate_deepspeed_is_refused_when_built(tmp_path, plugin, engine):
 def test_accelerate_engines_enabled_by_the_environment_are_refused(tmp_path, monkeypatch, variable):
     monkeypatch.setenv(variable, "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "cpu")
     with pytest.raises(UnsupportedEngineError, match="DeepSpeed|Megatron-LM"):
         ResumableAccelerator(checkpoint_dir=tmp_path / "ck", handle_preemption=False)
 
@@ -81,18 +83,25 @@ def test_accelerate_megatron_plugin_is_refused(tmp_path):
 
 
 def test_engine_of_accelerate_state():
-    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, fsdp_plugin=SimpleNamespace(fsdp_version=1))
-    with pytest.raises(UnsupportedEngineError, match="FSDP1"):
-        check_accelerate_state(fsdp)
+    def fsdp1(**plugin) -> SimpleNamespace:
+        return SimpleNamespace(distributed_type=DistributedType.FSDP, fsdp_plugin=SimpleNamespace(fsdp_version=1,
+                                                                                                  **plugin))
+
+    for strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):  # replica groups: refused
+        with pytest.raises(UnsupportedEngineError, match=f"FSDP1 {strategy} runs"):
+            check_accelerate_state(fsdp1(sharding_strategy=f"ShardingStrategy.{strategy}"))
+    for state_dict_type in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):  # checkpoints read the sharded state dict
+        check_accelerate_state(fsdp1(state_dict_type=f"StateDictType.{state_dict_type}",
+                                     sharding_strategy="ShardingStrategy.FULL_SHARD"))
     check_accelerate_state(SimpleNamespace(distributed_type=DistributedType.FSDP,
                                            fsdp_plugin=SimpleNamespace(fsdp_version=2)))
     check_accelerate_state(SimpleNamespace(distributed_type=DistributedType.MULTI_GPU))
     deepspeed = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
                                 deepspeed_plugin=SimpleNamespace(zero_stage=None,
-                                                                 deepspeed_config={"zero_optimization": {"stage": 3}}))
-    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-3"):
+                                                                 deepspeed_config={"zero_optimization": {"stage": 0}}))
+    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-0"):
         check_accelerate_state(deepspeed)
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         check_accelerate_state(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
                                                deepspeed_plugin=SimpleNamespace(zero_stage=stage)))
 
@@ -104,20 +113,20 @@ def test_deepspeed_configs_are_decided_from_the_config(tmp_path):
         plugin = SimpleNamespace(zero_stage=config["zero_optimization"]["stage"], deepspeed_config=config)
         return SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, deepspeed_plugin=plugin)
 
-    zero3 = {"zero_optimization": {"stage": 3}}
+    zero0 = {"zero_optimization": {"stage": 0}}
     path = tmp_path / "ds_config.json"  # TrainingArguments(deepspeed=) takes a JSON file too
-    path.write_text(json.dumps(zero3))
-    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-3 runs"):
-        check_trainer_engine(SimpleNamespace(deepspeed=str(path)), state(zero3))
+    path.write_text(json.dumps(zero0))
+    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-0 runs"):
+        check_trainer_engine(SimpleNamespace(deepspeed=str(path)), state(zero0))
     nvme = {"zero_optimization": {"stage": 1, "offload_param": {"device": "nvme"}}}
     with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-Offload runs"):
         check_trainer_engine(SimpleNamespace(deepspeed=nvme), state(nvme))
-    for stage in (1, 2):  # supported, also with offload explicitly off
+    for stage in (1, 2, 3):  # supported, also with offload explicitly off
         config = {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "none"}}}
         check_trainer_engine(SimpleNamespace(deepspeed=config), state(config))
 
 
-def test_deepspeed_optimizers_other_than_zero_1_2_are_refused():
+def test_deepspeed_optimizers_other_than_zero_1_2_3_are_refused():
     from hf_resumable.integrations._deepspeed import checkpoint_optimizer
 
     adamw = torch.optim.AdamW([torch.zeros(2, requires_grad=True)])
@@ -125,8 +134,9 @@ def test_deepspeed_optimizers_other_than_zero_1_2_are_refused():
     bf16.optimizer = adamw  # what DeepSpeed picks for ZeRO-1 in bf16: its own partitions, not ZeRO-1/2's
     with pytest.raises(UnsupportedEngineError, match=r"DeepSpeed \(with its BF16_Optimizer\) runs"):
         checkpoint_optimizer(SimpleNamespace(optimizer=bf16))  # inside accelerate's wrapper
-    zero3 = SimpleNamespace(fp32_partitioned_groups_flat=[], optimizer=adamw)
-    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-3 runs"):
+    zero3 = SimpleNamespace(fp32_partitioned_groups_flat=[], sub_group_to_group_id={}, optimizer=adamw,
+                            offload_optimizer=False, offload_param=True)  # what ZeRO-3 with offload_param sets
+    with pytest.raises(UnsupportedEngineError, match="DeepSpeed ZeRO-Offload runs"):
         checkpoint_optimizer(SimpleNamespace(optimizer=zero3))
     assert checkpoint_optimizer(SimpleNamespace(optimizer=adamw)) is adamw  # no DeepSpeed: the torch optimizer
 
@@ -139,9 +149,9 @@ class _CountSteps(TrainerCallback):
         self.steps += 1
 
 
-@pytest.mark.parametrize("zero, engine", [({"stage": 3}, "DeepSpeed ZeRO-3"),
+@pytest.mark.parametrize("zero, engine", [({"stage": 0}, "DeepSpeed ZeRO-0"),
                                           (_OFFLOAD["zero_optimization"], "DeepSpeed ZeRO-Offload")],
-                         ids=["zero3", "offload"])
+                         ids=["zero0", "offload"])
 def test_trainer_deepspeed_is_refused_when_train_starts(tmp_path, zero, engine):
     args = TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, max_steps=2, save_steps=1,
                              report_to=[], disable_tqdm=True)
@@ -277,8 +287,9 @@ def test_trainer_fsdp2_killed_after_a_commit_resumes_bit_exact(tmp_path, trainer
     _resume_trainer_bit_exact(tmp_path / "run", trainer_reference, ["--state-dict-type", state_dict_type])
 
 
-# ZeRO-2 runs in `make test`; ZeRO-1 (the same partitions, gradients not partitioned) in `make test-all`.
-ZERO_STAGES = [pytest.param(1, marks=_EXTENDED), 2]
+# ZeRO-2 and ZeRO-3 (parameters partitioned too) run in `make test`; ZeRO-1 (the same partitions as ZeRO-2,
+# gradients not partitioned) in `make test-all`.
+ZERO_STAGES = [pytest.param(1, marks=_EXTENDED), 2, 3]
 
 
 # per front door: its worker, its kill-and-resume check, where its checkpoints go
@@ -296,23 +307,38 @@ def test_deepspeed_killed_after_a_commit_resumes_bit_exact(tmp_path, tmp_path_fa
     reference = _reference(tmp_path_factory, worker, tuple(options))
     resume_bit_exact(tmp_path / "run", reference, options)
     # every rank wrote its own partitions of the fp32 master weights and of the Adam moments (in the last checkpoint)
+    # and, under ZeRO-3, of every parameter
     layout = json.loads((tmp_path / "run" / checkpoints / "checkpoint-5" / "sharded_layout.json").read_text())
+    assert layout["optimizer_document"]["class"] == f"DeepSpeedZero{stage}/AdamW"
     for rank in RANKS:
         names = layout["optimizer"]["pieces"][f"sharded/optimizer-rank{rank:05d}-of-00002.safetensors"]
         assert {name.rpartition("/")[2] for name in names} >= {"fp32", "exp_avg", "exp_avg_sq"}, names
+    # ZeRO-1/2: rank 0 writes the whole weights; ZeRO-3: each rank its half of each (flattened) weight
+    pieces = layout["model"]["pieces"].get("sharded/model-rank00001-of-00002.safetensors", {})
+    assert bool(pieces) == (stage == 3)
+    if stage == 3:
+        numel = layout["model"]["tensors"]["transformer.h.0.attn.c_attn.weight"]["shape"]
+        assert pieces["transformer.h.0.attn.c_attn.weight"] == {"offset": [numel[0] // 2], "shape": [numel[0] // 2]}
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("worker", [pytest.param(ACCELERATE_WORKER, marks=_EXTENDED), TRAINER_WORKER],
-                         ids=["accelerate", "trainer"])  # accelerate's FSDP1 decision: test_engine_of_accelerate_state
-def test_fsdp1_is_refused_before_step_1(tmp_path, worker):
-    run = tmp_path / "run"
-    done = _run_job(worker, run, ["--version", "1"])
-    assert done.returncode != 0
-    assert "UnsupportedEngineError" in done.stdout and "cannot checkpoint FSDP1 runs" in done.stdout, \
-        done.stdout[-5000:]
-    assert not list(run.glob("**/checkpoint*")) and not list(run.glob("losses-*")) and not list(run.glob("final-*"))
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", pytest.param("FULL_STATE_DICT", marks=_EXTENDED)])
+@pytest.mark.parametrize("front_door", sorted(_FRONT_DOORS))
+def test_fsdp1_killed_after_a_commit_resumes_bit_exact(tmp_path, tmp_path_factory, front_door, state_dict_type):
+    """FSDP1 (``use_orig_params``, GPT2Block wrapped): checkpoints hold FSDP1's sharded state dict whatever
+    ``state_dict_type`` accelerate is set to, so a FULL_STATE_DICT run equals the SHARDED_STATE_DICT reference."""
+    worker, resume_bit_exact, checkpoints = _FRONT_DOORS[front_door]
+    reference = _reference(tmp_path_factory, worker, ("--version", "1"))
+    resume_bit_exact(tmp_path / "run", reference, ["--version", "1", "--state-dict-type", state_dict_type])
+    # every rank wrote its own chunk of dim 0 of every weight and every Adam moment (FSDP1's sharded state dict)
+    layout = json.loads((tmp_path / "run" / checkpoints / "checkpoint-5" / "sharded_layout.json").read_text())
+    assert layout["model"]["tensors"]["transformer.wpe.weight"]["shape"] == [64, 32]  # the weights' own shapes
+    for kind in ("model", "optimizer"):
+        pieces = layout[kind]["pieces"]
+        want = {"model": "transformer.wpe.weight", "optimizer": "state/transformer.wpe.weight/exp_avg"}[kind]
+        assert [pieces[f"sharded/{kind}-rank{rank:05d}-of-00002.safetensors"][want] for rank in RANKS] == [
+            {"offset": [0, 0], "shape": [32, 32]}, {"offset": [32, 0], "shape": [32, 32]}]
 
 
 @pytest.fixture
@@ -336,15 +362,21 @@ def test_whole_tensor_save_of_an_fsdp2_model_names_the_sharded_save(tmp_path, on
     assert not (tmp_path / "checkpoint-1").exists()
 
 
-def _zero2_engine() -> torch.nn.Module:
+def _zero_engine(stage: int, sub_groups: bool = False) -> torch.nn.Module:
+    """A ZeRO engine over a tiny MLP; with ``sub_groups``, two param groups (weights, biases without decay) and, under
+    ZeRO-3, sub-groups of at most 16 elements (several per param group)."""
     import deepspeed
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+    zero = {"stage": stage, **({"sub_group_size": 16} if sub_groups else {})}
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                      config=config)
+    params = list(model.parameters())
+    if sub_groups:
+        params = [{"params": [p for p in params if p.dim() == 2]},
+                  {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0}]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(params, lr=1e-2), config=config)
     return engine
 
 
@@ -353,29 +385,95 @@ def _step(engine: torch.nn.Module) -> None:
     engine.step()
 
 
+def _master(engine: torch.nn.Module) -> torch.Tensor:
+    """The engine's flat partitions of the fp32 master weights, concatenated."""
+    zero = engine.optimizer
+    return torch.cat(getattr(zero, "fp32_partitioned_groups_flat", getattr(zero, "single_partition_of_fp32_groups",
+                                                                             None)))
+
+
 @pytest.mark.slow
-def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_rank_group):
-    """save_sharded_checkpoint / load_sharded_checkpoint of a ZeRO-2 engine's partitions, before the first step
-    (master weights only) and after one; the reloaded engine steps exactly as the saving one."""
+@pytest.mark.parametrize("stage, sub_groups", [(2, False), (3, False), (3, True)], ids=["2", "3", "3-subgroups"])
+def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_rank_group, stage, sub_groups):
+    """save_sharded_checkpoint / load_sharded_checkpoint of a ZeRO-2/3 engine's partitions, before the first step
+    (master weights only) and after one; the reloaded engine steps exactly as the saving one. ZeRO-3 steps its
+    torch optimizer once per sub-group: the step hook still counts engine steps."""
     for name, value in {"DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)  # what torchrun sets, which DeepSpeed reads
     ops = pytest.importorskip("deepspeed.ops")
     monkeypatch.setitem(ops.__compatible_ops__, "deepspeed_shm_comm", False)  # no JIT build of a CPU op
-    from hf_resumable import load_sharded_checkpoint, save_sharded_checkpoint
-    from hf_resumable.integrations._deepspeed import checkpoint_optimizer
+    from deepspeed.utils import groups
 
-    saving = _zero2_engine()
+    monkeypatch.setattr(groups, "_WORLD_GROUP", None)  # DeepSpeed caches the world group of a previous test
+    from hf_resumable import load_sharded_checkpoint, save_sharded_checkpoint
+    from hf_resumable.integrations._deepspeed import checkpoint_optimizer, register_step_hook
+
+    saving = _zero_engine(stage, sub_groups)
+    if sub_groups:
+        assert len(saving.optimizer.fp32_partitioned_groups_flat) > len(saving.optimizer.optimizer.param_groups) == 2
+    steps = []
+    register_step_hook(saving.optimizer, lambda *args: steps.append(1))
     for step in (0, 1):
         save_sharded_checkpoint(tmp_path / f"checkpoint-{step}", model=saving.module,
                                 optimizer=checkpoint_optimizer(saving.optimizer), step=step)
-        loading = _zero2_engine()
+        loading = _zero_engine(stage, sub_groups)
+        if step:  # the fresh engine's master weights differ from the saved ones until the load
+            assert not torch.equal(_master(saving), _master(loading))
         load_sharded_checkpoint(tmp_path / f"checkpoint-{step}", model=loading.module,
                                 optimizer=checkpoint_optimizer(loading.optimizer))
         _step(saving)
         _step(loading)
         for engine in (saving, loading):
-            assert engine.optimizer.optimizer.state_dict()["state"][0]["step"].item() == step + 1
+            states = checkpoint_optimizer(engine.optimizer).state.values()
+            assert states and all(state["step"].item() == step + 1 for state in states)
+        assert len(steps) == step + 1
         for one, other in zip(saving.module.parameters(), loading.module.parameters()):
-            assert torch.equal(one, other)
-        assert torch.equal(saving.optimizer.single_partition_of_fp32_groups[0],
-                           loading.optimizer.single_partition_of_fp32_groups[0])
+            assert torch.equal(one, other)  # under ZeRO-3 these tiny parameters are kept gathered (persistent)
+            if stage == 3:
+                assert torch.equal(one.ds_tensor, other.ds_tensor)
+        assert torch.equal(_master(saving), _master(loading))
+    # outside the engine: into a plain model, and consolidated (ZeRO-3's flattened partitions get their shapes back)
+    from safetensors.torch import load_file
+
+    from hf_resumable import consolidate_sharded_checkpoint
+
+    save_sharded_checkpoint(tmp_path / "checkpoint-2", model=saving.module,
+                            optimizer=checkpoint_optimizer(saving.optimizer), step=2)
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    load_sharded_checkpoint(tmp_path / "checkpoint-2", model=plain, restore_rng=False)
+    consolidate_sharded_checkpoint(tmp_path / "checkpoint-2", tmp_path / "export")
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    for (name, want), got in zip(saving.module.named_parameters(), plain.parameters()):
+        assert torch.equal(got, want) and torch.equal(exported[name], want), name
+
+
+def test_fsdp1_sharded_tensors_are_stored_as_dtensor_pieces(one_rank_group):
+    """FSDP1's ShardedTensor (one chunk of dim 0 per rank) becomes a DTensor piece over the same bytes, and a loaded
+    piece is copied back into the ShardedTensor FSDP1's load reads."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+
+    from hf_resumable.checkpoint._sharded import local_box
+    from hf_resumable.checkpoint._sharded_tensors import as_dtensors, into_sharded_tensors
+
+    local = torch.arange(12.0).reshape(4, 3)
+    sharded = init_from_local_shards([Shard(local, ShardMetadata([0, 0], [4, 3], "rank:0/cpu"))], [4, 3])
+    originals: dict = {}
+    state = as_dtensors({"w": sharded, "b": torch.ones(2)}, device=torch.device("cpu"), originals=originals)
+    assert originals == {"w": sharded} and torch.equal(state["b"], torch.ones(2))
+    assert state["w"].shape == (4, 3) and local_box(state["w"]).offset == (0, 0)
+    assert state["w"].to_local().data_ptr() == local.data_ptr()  # no copy
+    loaded = into_sharded_tensors({"w": state["w"] * 2, "b": state["b"]}, originals)
+    assert loaded["w"] is sharded
+    assert torch.equal(sharded.local_shards()[0].tensor, torch.arange(12.0).reshape(4, 3) * 2)
+
+
+def test_a_flattened_weight_whose_view_does_not_fit_is_corrupt():
+    from hf_resumable.checkpoint._sharded_load import Section
+    from hf_resumable.errors import CorruptCheckpointError
+
+    section = {"tensors": {"w": {"dtype": "F32", "shape": [12], "view": [4, 3]}},
+               "pieces": {"sharded/model-rank00000-of-00001.safetensors": {"w": {"offset": [0], "shape": [12]}}}}
+    assert Section.from_json(section, source="x").views == {"w": (4, 3)}
+    section["tensors"]["w"]["view"] = [4, 4]
+    with pytest.raises(CorruptCheckpointError, match="not the flattened view"):
+        Section.from_json(section, source="x")

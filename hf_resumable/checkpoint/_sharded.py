@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 SECTION_TENSORS = "tensors"  # {name: {"dtype": "F32", "shape": [global shape]}}
 SECTION_PIECES = "pieces"  # {file: {name: {"offset": [...], "shape": [...]}}}
 SECTION_TIED = "tied"  # {dropped alias: kept name} (model only)
+TENSOR_VIEW = "view"  # in a tensor's description: its own shape, when stored flattened (ZeRO-3's partitions)
 
 __all__ = [
     "LAYOUT_FILE",
@@ -57,6 +58,7 @@ __all__ = [
     "intersect_boxes",
     "plan_region_reads",
     "local_box",
+    "group_mesh",
     "check_storable",
     "pieces_to_stage",
     "collect_local_state",
@@ -171,6 +173,15 @@ def _dtensor_class() -> type:
 
 def _is_dtensor(value: Any) -> bool:
     return isinstance(value, _dtensor_class())
+
+
+@functools.lru_cache(maxsize=16)
+def group_mesh(group: Any, device_type: str) -> Any:
+    """A 1-D ``DeviceMesh`` over a process group (cached: engines that shard over their own groups, DeepSpeed ZeRO and
+    FSDP1, show their pieces as DTensors on it, without communication)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, device_type)
 
 
 def local_box(tensor: torch.Tensor) -> Box:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from ._sharded import (
     SECTION_PIECES,
     SECTION_TENSORS,
     SECTION_TIED,
+    TENSOR_VIEW,
     Box,
     local_box,
     plan_region_reads,
@@ -45,12 +47,14 @@ __all__ = ["Section", "parse_layout", "layout_from_regular", "check_pieces_store
 
 @dataclass(frozen=True)
 class Section:
-    """A validated layout section: global tensor descriptions, stored pieces by tensor, tied aliases."""
+    """A validated layout section: global tensor descriptions, stored pieces by tensor, tied aliases, and the shape of
+    each tensor stored flattened (ZeRO-3's partitioned weights, ``"view"`` in its description)."""
 
     dtypes: dict[str, torch.dtype]
     shapes: dict[str, tuple[int, ...]]
     pieces: dict[str, dict[str, Box]]  # tensor name -> {file: box}
     tied: dict[str, str]
+    views: dict[str, tuple[int, ...]] = field(default_factory=dict)  # tensor name -> its shape (stored flattened)
 
     @classmethod
     def from_json(cls, document: Mapping[str, Any], *, source: str) -> "Section":
@@ -59,6 +63,7 @@ class Section:
             dtypes = {n: STR_TO_DTYPE[d["dtype"]] for n, d in described.items()}
             shapes = {n: tuple(int(x) for x in d["shape"]) for n, d in described.items()}
             tied = {str(k): str(v) for k, v in (document.get(SECTION_TIED) or {}).items()}
+            views = {n: tuple(int(x) for x in d[TENSOR_VIEW]) for n, d in described.items() if TENSOR_VIEW in d}
             pieces: dict[str, dict[str, Box]] = {n: {} for n in described}
             for file, entries in document[SECTION_PIECES].items():
                 check_relative_name(file, source=source)
@@ -67,7 +72,11 @@ class Section:
         except (KeyError, TypeError, AttributeError) as err:
             raise CorruptCheckpointError(
                 f"{source}: malformed layout section ({type(err).__name__}: {err}).") from None
-        return cls(dtypes, shapes, pieces, tied)
+        for name, view in views.items():
+            if math.prod(view) != math.prod(shapes[name]) or len(shapes[name]) != 1:
+                raise CorruptCheckpointError(f"{source}: {name!r} is stored with shape {list(shapes[name])}, which "
+                                             f"is not the flattened view {list(view)}.")
+        return cls(dtypes, shapes, pieces, tied, views)
 
 
 def parse_layout(document: Any, *, source: str) -> dict[str, Any]:
@@ -210,19 +219,34 @@ def check_fits(current: Mapping[str, torch.Tensor], section: Section, *, strict:
     Raises:
         CheckpointMismatchError: listing all offending keys.
     """
-    stored = {name: (section.dtypes[name], section.shapes[name]) for name in section.dtypes}
+    stored = {name: (section.dtypes[name], _shape_for(current.get(name), section, name)) for name in section.dtypes}
     match = match_keys({name: (t.dtype, tuple(t.shape)) for name, t in current.items()}, stored, tied=section.tied)
     match.check(strict=strict, source=source, what=what)
     filled = match.filled
     return [name for name in current if name in filled]
 
 
+def _shape_for(template: torch.Tensor | None, section: Section, name: str) -> tuple[int, ...]:
+    """The stored shape ``template`` is matched against: a flattened tensor's own shape (its ``"view"``) when the
+    template is a whole tensor of that shape (a model that is not partitioned), else the stored global shape."""
+    view = section.views.get(name)
+    if view is not None and template is not None and not hasattr(template, "to_local") and \
+            tuple(template.shape) == view:
+        return view
+    return section.shapes[name]
+
+
 def fill_state(current: Mapping[str, torch.Tensor], reader: PieceReader, names: list[str]) -> dict[str, torch.Tensor]:
-    """New tensors shaped and sharded like ``current[name]`` for each of ``names``, read from the pieces."""
+    """New tensors shaped and sharded like ``current[name]`` for each of ``names``, read from the pieces (a
+    tensor stored flattened, into a whole template of its own shape: read whole and viewed)."""
     filled: dict[str, torch.Tensor] = {}
     for name in names:
         template = current[name]
         stored = reader.section.tied.get(name, name)
+        shape = _shape_for(template, reader.section, stored)
+        if shape != reader.section.shapes[stored]:
+            filled[name] = reader.read_full(stored).view(shape)
+            continue
         local = reader.read_box(stored, local_box(template))
         filled[name] = _wrap_like(template, local)
     return filled

@@ -81,6 +81,7 @@ from ._frozen import base_not_stored
 from ._frozen_sharded import check_frozen_sharded, split_frozen_sharded
 from ._model import TIED_KEY
 from ._model_files import single_file_metadata
+from ._partitioned import is_partitioned, load_partitioned_state, partitioned_state, partitioned_views
 from ._payload import (
     Payload,
     TensorFile,
@@ -99,6 +100,7 @@ from ._sharded import (
     LAYOUT_KEY_WORLD_SIZE,
     LAYOUT_VERSION,
     SHARDED_DIR,
+    TENSOR_VIEW,
     LocalState,
     check_storable,
     collect_local_state,
@@ -123,6 +125,7 @@ from ._sharded_load import (
     layout_from_regular,
     parse_layout,
 )
+from ._sharded_tensors import as_dtensors, into_sharded_tensors, optimizer_as_dtensors, optimizer_into_sharded_tensors
 from ._validate import check_optimizer_document
 from ._writer import check_target, save_payload
 from .api import CheckpointInfo, background_saver, open_checkpoint, wait_for_pending_saves
@@ -142,9 +145,18 @@ def _options(**kwargs: Any) -> Any:
     return StateDictOptions(**kwargs)
 
 
-def _model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """FQN-keyed weights as this rank holds them (DTensor pieces under FSDP2, plain tensors otherwise)."""
-    return model_state_dict(model)
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(iter(model.parameters()), torch.empty(0)).device
+
+
+def _model_state(model: torch.nn.Module, originals: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """FQN-keyed weights as this rank holds them (DTensor pieces under FSDP2 and, re-wrapped, FSDP1's sharded state
+    dict, whose ``ShardedTensor`` of each name goes into ``originals``; the partitions of the flattened parameters
+    under DeepSpeed ZeRO-3; plain tensors otherwise)."""
+    state = model_state_dict(model)
+    if is_partitioned(model):
+        return partitioned_state(model, state)
+    return as_dtensors(state, device=_device(model), originals=originals)
 
 
 @runtime_checkable
@@ -199,7 +211,7 @@ def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     if fresh and optimizer.state:
         optimizer.state.clear()
         state = {"state": {}, "param_groups": state["param_groups"]}
-    return state
+    return optimizer_as_dtensors(state, device=_device(model))  # FSDP1: its ShardedTensors as DTensor pieces
 
 
 def _add_hf_weights(payload: Payload, weights: Mapping[str, torch.Tensor], local: LocalState, *, rank: int,
@@ -242,6 +254,7 @@ class _Pieces:
     layout: dict[str, Any]
     rank: int
     world_size: int
+    views: dict[str, list[int]] = field(default_factory=dict)  # ZeRO-3: each weight's own shape (stored flattened)
     described: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def prepare(self, payload: Payload) -> dict[str, Any]:
@@ -251,6 +264,10 @@ class _Pieces:
             relpath = piece_file(kind, self.rank, self.world_size)
             staged = dict(self.staging[kind].tensors) if kind in self.staging else None
             local = collect_local_state(state, rank=self.rank, tied=tied, staged=staged)
+            if kind == LAYOUT_KEY_MODEL:
+                for name, view in self.views.items():
+                    if name in local.tensors:
+                        local.tensors[name][TENSOR_VIEW] = view
             tensor_file = piece_tensor_file(relpath, local)
             if tensor_file is not None:
                 payload.tensor_files.append(tensor_file)
@@ -303,7 +320,8 @@ def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.o
         staging = {kind: TensorFile(piece_file(kind, rank, world_size), pieces_to_stage(
             state, tied, rank=rank, local=local if kind == LAYOUT_KEY_MODEL else None))
             for kind, (state, tied) in states.items()}
-    return _Pieces(states, staging, layout, rank, world_size)
+    views = partitioned_views(model) if is_partitioned(model) else {}
+    return _Pieces(states, staging, layout, rank, world_size, views)
 
 
 def save_sharded_checkpoint(
@@ -457,13 +475,20 @@ def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Modu
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     source = str(reader.path)
-    current = _model_state(model)
+    originals: dict[str, Any] = {}  # FSDP1: the ShardedTensors its load reads, filled from the pieces
+    current = _model_state(model, originals)
     frozen = check_frozen_sharded(reader, current, full=full, strict=strict)  # recorded, not stored: checked
     current = {name: tensor for name, tensor in current.items() if name not in frozen}
     section = _section(reader, layout, LAYOUT_KEY_MODEL)
     names = check_fits(current, section, strict=strict, source=source, what="model")
     with PieceReader(reader.path, section, source=source) as pieces:
         filled = fill_state(current, pieces, names)
+    if is_partitioned(model):  # ZeRO-3: the pieces go into the partitions; keys were matched above
+        buffers = load_partitioned_state(model, filled)
+        if buffers:
+            model.load_state_dict(buffers, strict=False)  # strict=False: the parameters are loaded already
+        return
+    filled = into_sharded_tensors(filled, originals)
     set_model_state_dict(model, filled, options=_options(strict=strict and not frozen))
 
 
@@ -533,10 +558,12 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
         _load_param_groups_only(model, optimizer, document, source=source)
         return
     engine_sharded = isinstance(optimizer, ShardedOptimizerState)
+    originals: dict[str, Any] = {}  # FSDP1: the ShardedTensors its load reads, filled from the pieces
     if engine_sharded:
         current = _engine_sharded_templates(optimizer, section)
     else:
         current = get_optimizer_state_dict(model, optimizer, options=_options())  # initializes an empty optimizer
+        current = optimizer_as_dtensors(current, device=_device(model), originals=originals)
     current_tensors, _ = flatten_optimizer_state(current, _class_name(optimizer))
     names = check_fits(current_tensors, section, strict=True, source=source, what="optimizer")
     with PieceReader(reader.path, section, source=source) as pieces:
@@ -545,6 +572,7 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
     if engine_sharded:
         optimizer.load_sharded_state_dict(state)
     else:
+        state = optimizer_into_sharded_tensors(state, originals)
         set_optimizer_state_dict(model, optimizer, state, options=_options())
 
 
@@ -682,7 +710,9 @@ def _consolidated_section(reader: _Reader, layout: Mapping[str, Any], key: str
                           ) -> tuple[Section, dict[str, torch.Tensor]]:
     section = _section(reader, layout, key)
     with PieceReader(reader.path, section, source=str(reader.path)) as pieces:
-        return section, {name: pieces.read_full(name) for name in section.dtypes}
+        # a weight stored flattened (ZeRO-3's partitions) gets its own shape back
+        return section, {name: pieces.read_full(name).view(section.views.get(name, section.shapes[name]))
+                         for name in section.dtypes}
 
 
 def consolidate_sharded_checkpoint(

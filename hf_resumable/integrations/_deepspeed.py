@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1/2 state in hf_resumable checkpoints: every rank writes its own partitions, no pickle.
+"""DeepSpeed ZeRO-1/2/3 state in hf_resumable checkpoints: every rank writes its own partitions, no pickle.
 
 Under ZeRO-1/2 every rank holds the whole (bit16 or fp32) model, and its own partition of each param group's
 flattened fp32 master weights, over which the torch optimizer steps: its Adam moments are partitions too. A
@@ -9,9 +9,16 @@ partition as a ``DTensor`` sharded on dim 0 over the data-parallel group), so th
 (``exp_avg``, ``exp_avg_sq``, ``step``). The model's weights are saved whole by rank 0, and the engine's counters
 and loss scaler as JSON (:func:`capture_engine_state`).
 
+Under ZeRO-3 the parameters are partitioned too: every rank writes its partition of every weight (``ds_tensor``,
+as a piece of the flattened weight, :mod:`hf_resumable.checkpoint._partitioned`), and its partition of each
+sub-group's flat fp32 master weights and moments (:class:`Zero3OptimizerState`, pseudo-parameters
+``zero<dp size>.subgroup<i>``). Small parameters ZeRO-3 keeps gathered (``ds_persist``) are gathered again from the
+loaded partitions, as DeepSpeed does after its own loads.
+
 A partition's place in the flat tensor depends on the data-parallel size, which is part of the name: these
 checkpoints resume at the same world size (a changed one is refused as configuration drift by both front doors,
-and, if allowed anyway, fails naming the optimizer keys).
+and, if allowed anyway, fails naming the optimizer keys). ZeRO-Offload (optimizer or parameters on the CPU or NVMe)
+is refused: it is not tested.
 
 Nothing here imports deepspeed: the ZeRO optimizer is recognised by its attributes, so accelerate and the Trainer
 import it as they always do, and only when it is configured.
@@ -20,26 +27,27 @@ import it as they always do, and only when it is configured.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
+from ..checkpoint._sharded import group_mesh
 from ..errors import IncompleteCheckpointError, UnsupportedEngineError
 from ._engines import refuse_engine
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ZeroOptimizerState", "checkpoint_optimizer", "zero_optimizer", "torch_optimizer", "EXTRA_DEEPSPEED",
-           "saved_engine_state", "capture_engine_state", "restore_engine_state", "deepspeed_engine",
-           "deepspeed_resume_by_us"]
+__all__ = ["ZeroOptimizerState", "Zero3OptimizerState", "register_step_hook", "checkpoint_optimizer",
+           "zero_optimizer", "torch_optimizer", "EXTRA_DEEPSPEED", "saved_engine_state", "capture_engine_state",
+           "restore_engine_state", "deepspeed_engine", "deepspeed_resume_by_us"]
 
 MASTER_KEY = "fp32"  # the fp32 master-weight partition, next to the base optimizer's own state keys
 # A param group's flat partition, named as a parameter would be. The data-parallel size is part of the name: the
 # partitions' layout depends on it, so a resume at another world size fails naming the keys (never mixes layouts).
 GROUP_NAME = "zero{world_size}.group{index}"
+SUBGROUP_NAME = "zero{world_size}.subgroup{index}"  # ZeRO-3: a sub-group's flat partition, named the same way
 EXTRA_DEEPSPEED = "deepspeed_engine"  # extra-state key: the engine's counters and loss scaler (capture_engine_state)
 ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")  # DeepSpeedEngine's
 _SCALER_TYPES = (bool, int, float)  # the loss scaler's fields saved as JSON (scale, iteration, hysteresis ...)
@@ -50,6 +58,11 @@ def is_zero_optimizer(optimizer: Any) -> bool:
     return hasattr(optimizer, "single_partition_of_fp32_groups") and hasattr(optimizer, "real_dp_process_group")
 
 
+def is_zero3_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is DeepSpeed's ZeRO-3 optimizer (flat fp32 partitions per sub-group)."""
+    return hasattr(optimizer, "fp32_partitioned_groups_flat") and hasattr(optimizer, "sub_group_to_group_id")
+
+
 def _wrapped(optimizer: Any) -> Iterator[Any]:
     """``optimizer`` and every optimizer it wraps, outermost first (accelerate's wrapper, ZeRO's, torch's)."""
     while optimizer is not None:
@@ -58,8 +71,9 @@ def _wrapped(optimizer: Any) -> Iterator[Any]:
 
 
 def zero_optimizer(optimizer: Any) -> Any:
-    """The ZeRO-1/2 optimizer inside ``optimizer`` (accelerate's wrapper, or itself), or ``None``."""
-    return next((inner for inner in _wrapped(optimizer) if is_zero_optimizer(inner)), None)
+    """The ZeRO-1/2/3 optimizer inside ``optimizer`` (accelerate's wrapper, or itself), or ``None``."""
+    return next((inner for inner in _wrapped(optimizer) if is_zero_optimizer(inner) or is_zero3_optimizer(inner)),
+                None)
 
 
 def torch_optimizer(optimizer: Any) -> Any:
@@ -73,16 +87,16 @@ def torch_optimizer(optimizer: Any) -> Any:
 
 def checkpoint_optimizer(optimizer: Any) -> Any:
     """What a checkpoint saves for ``optimizer`` (accelerate's wrapper or the engine's optimizer): a
-    :class:`ZeroOptimizerState` for ZeRO-1/2, the torch optimizer otherwise (its class is what a checkpoint records).
+    :class:`ZeroOptimizerState` for ZeRO-1/2, a :class:`Zero3OptimizerState` for ZeRO-3, the torch optimizer
+    otherwise (its class is what a checkpoint records).
 
     Raises:
-        UnsupportedEngineError: ZeRO-3, or ZeRO-1/2 with the optimizer offloaded (before any training step).
+        UnsupportedEngineError: ZeRO with the optimizer or parameters offloaded, or another DeepSpeed optimizer
+            (before any training step).
     """
     zero = zero_optimizer(optimizer)
     if zero is not None:
-        return ZeroOptimizerState(zero)
-    if any(hasattr(inner, "fp32_partitioned_groups_flat") for inner in _wrapped(optimizer)):  # ZeRO-3's
-        raise _unsupported("DeepSpeed ZeRO-3")
+        return Zero3OptimizerState(zero) if is_zero3_optimizer(zero) else ZeroOptimizerState(zero)
     # Another optimizer of DeepSpeed's own (BF16_Optimizer for ZeRO-1 in bf16, FP16_Optimizer...): state not saved.
     other = next((inner for inner in _wrapped(optimizer) if type(inner).__module__.startswith("deepspeed.")), None)
     if other is not None:
@@ -92,14 +106,38 @@ def checkpoint_optimizer(optimizer: Any) -> Any:
 
 def _unsupported(engine: str) -> UnsupportedEngineError:
     return refuse_engine(engine, front_door="hf_resumable",
-                         fix="Use DeepSpeed ZeRO-1/2 without offload, FSDP2 or DDP, or the stock classes for this run")
+                         fix="Use DeepSpeed ZeRO-1/2/3 without offload, FSDP2 or DDP, or the stock classes for this "
+                             "run")
 
 
-@functools.lru_cache(maxsize=16)
-def _mesh(group: Any, device_type: str) -> Any:
-    from torch.distributed.device_mesh import DeviceMesh
+def _flat_piece(local: torch.Tensor, group: Any) -> torch.Tensor:
+    """``local`` (this rank's partition) as a piece of the group's global flat tensor (no communication)."""
+    from torch.distributed.tensor import DTensor, Shard
 
-    return DeviceMesh.from_group(group, device_type)
+    mesh = group_mesh(group, local.device.type)
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(local.numel() * mesh.size(),),
+                              stride=(1,))
+
+
+def _init_base_state(base: torch.optim.Optimizer) -> None:
+    """Create ``base``'s state over the flat partitions its groups list (zero gradients, learning rate 0) so a load
+    has templates to fill, as ``torch.distributed.checkpoint`` does for FSDP2; the load overwrites all of it (the
+    master partitions too). Step hooks do not run, so :attr:`ResumableAccelerator.global_step` does not count it."""
+    lrs = [group["lr"] for group in base.param_groups]
+    hooks = base._optimizer_step_pre_hooks, base._optimizer_step_post_hooks
+    base._optimizer_step_pre_hooks, base._optimizer_step_post_hooks = type(hooks[0])(), type(hooks[1])()
+    try:
+        for group in base.param_groups:
+            group["lr"] = 0.0
+            for flat in group["params"]:
+                flat.grad = torch.zeros_like(flat)
+        base.step()
+    finally:
+        base._optimizer_step_pre_hooks, base._optimizer_step_post_hooks = hooks
+        for group, lr in zip(base.param_groups, lrs):
+            group["lr"] = lr
+            for flat in group["params"]:
+                flat.grad = None
 
 
 class ZeroOptimizerState:
@@ -136,48 +174,22 @@ class ZeroOptimizerState:
             world_size = torch.distributed.get_world_size(dp_group)
             yield GROUP_NAME.format(world_size=world_size, index=index), flat, dp_group
 
-    @staticmethod
-    def _piece(local: torch.Tensor, group: Any) -> torch.Tensor:
-        """``local`` (this rank's partition) as a piece of the group's global flat tensor (no communication)."""
-        from torch.distributed.tensor import DTensor, Shard
-
-        mesh = _mesh(group, local.device.type)
-        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(local.numel() * mesh.size(),),
-                                  stride=(1,))
-
     def sharded_state_dict(self) -> dict[str, Any]:
         """``{"state": {group name: {key: piece or value}}, "param_groups": [...]}``, names for parameters."""
         state, groups = {}, []
         for (name, flat, group), param_group in zip(self._partitions(), self.base.param_groups):
-            entries = {MASTER_KEY: self._piece(flat.detach(), group)}
+            entries = {MASTER_KEY: _flat_piece(flat.detach(), group)}
             for key, value in self.base.state.get(flat, {}).items():
                 partitioned = torch.is_tensor(value) and value.shape == flat.shape
-                entries[key] = self._piece(value, group) if partitioned else value
+                entries[key] = _flat_piece(value, group) if partitioned else value
             state[name] = entries
             groups.append({**{k: v for k, v in param_group.items() if k != "params"}, "params": [name]})
         return {"state": state, "param_groups": groups}
 
     def init_state(self) -> None:
-        """Create the base optimizer's state (zero gradients, learning rate 0) so a load has templates to fill,
-        as ``torch.distributed.checkpoint`` does for FSDP2; the load overwrites all of it (the master partitions
-        too). Step hooks do not run, so :attr:`ResumableAccelerator.global_step` does not count it."""
-        if self.base.state:
-            return
-        lrs = [group["lr"] for group in self.base.param_groups]
-        hooks = self.base._optimizer_step_pre_hooks, self.base._optimizer_step_post_hooks
-        self.base._optimizer_step_pre_hooks, self.base._optimizer_step_post_hooks = type(hooks[0])(), type(hooks[1])()
-        try:
-            for group in self.base.param_groups:
-                group["lr"] = 0.0
-                for flat in group["params"]:
-                    flat.grad = torch.zeros_like(flat)
-            self.base.step()
-        finally:
-            self.base._optimizer_step_pre_hooks, self.base._optimizer_step_post_hooks = hooks
-            for group, lr in zip(self.base.param_groups, lrs):
-                group["lr"] = lr
-                for flat in group["params"]:
-                    flat.grad = None
+        """Create the base optimizer's state for a load to fill (:func:`_init_base_state`)."""
+        if not self.base.state:
+            _init_base_state(self.base)
 
     def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
         """Put the master partitions, the base optimizer's state and the hyper-parameters in place."""
@@ -192,6 +204,113 @@ class ZeroOptimizerState:
             param_group.update({k: v for k, v in saved.items() if k != "params"})
 
 
+class Zero3OptimizerState:
+    """A ZeRO-3 optimizer as the sharded checkpoint sees it (:class:`~hf_resumable.checkpoint.sharded.
+    ShardedOptimizerState`): one pseudo-parameter per sub-group (``zero<dp size>.subgroup<i>``), whose state is this
+    rank's partition of the sub-group's flat fp32 master weights (``fp32``) and the base optimizer's state over it.
+
+    ZeRO-3 lists a sub-group's flat partition in its param group only while it steps it; the param groups saved
+    list, per param group, the sub-groups that belong to it. The model's own partitions (``ds_tensor``) are saved
+    with the model (:mod:`hf_resumable.checkpoint._partitioned`).
+
+    Args:
+        zero (`DeepSpeedZeroOptimizer_Stage3`): the engine's optimizer.
+
+    Raises:
+        UnsupportedEngineError: the optimizer or the parameters are offloaded (ZeRO-Offload, not tested).
+    """
+
+    def __init__(self, zero: Any) -> None:
+        if getattr(zero, "offload_optimizer", False) or getattr(zero, "offload_param", False):
+            raise _unsupported("DeepSpeed ZeRO-Offload")
+        self.zero = zero
+        self.base: torch.optim.Optimizer = zero.optimizer
+        self.checkpoint_class = f"DeepSpeedZero3/{type(self.base).__qualname__}"
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.base.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.base.state
+
+    def _partitions(self) -> Iterator[tuple[str, torch.Tensor, Any, int]]:
+        """``(name, flat fp32 partition, its process group, its param group)`` per sub-group."""
+        zero = self.zero
+        for index, flat in enumerate(zero.fp32_partitioned_groups_flat):
+            group = (zero._get_sub_group_process_group(index) if hasattr(zero, "_get_sub_group_process_group")
+                     else zero.dp_process_group)
+            world_size = torch.distributed.get_world_size(group)
+            yield (SUBGROUP_NAME.format(world_size=world_size, index=index), flat, group,
+                   zero.sub_group_to_group_id[index])
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """``{"state": {sub-group name: {key: piece or value}}, "param_groups": [...]}``, names for parameters."""
+        state: dict[str, Any] = {}
+        listed: list[list[str]] = [[] for _ in self.base.param_groups]
+        for name, flat, group, group_id in self._partitions():
+            entries = {MASTER_KEY: _flat_piece(flat.detach(), group)}
+            for key, value in self.base.state.get(flat, {}).items():
+                partitioned = torch.is_tensor(value) and value.shape == flat.shape
+                entries[key] = _flat_piece(value, group) if partitioned else value
+            state[name] = entries
+            listed[group_id].append(name)
+        groups = [{**{k: v for k, v in param_group.items() if k != "params"}, "params": names}
+                  for param_group, names in zip(self.base.param_groups, listed)]
+        return {"state": state, "param_groups": groups}
+
+    @contextlib.contextmanager
+    def _listed(self) -> Iterator[None]:
+        """The flat partitions listed in their param groups (as ZeRO-3 does around a step or its own save)."""
+        self.zero._set_fp32_optimizer_param_groups()
+        try:
+            yield
+        finally:
+            self.zero._clear_fp32_optimizer_param_groups()
+
+    def init_state(self) -> None:
+        """Create the base optimizer's state for a load to fill (:func:`_init_base_state`), the flat partitions
+        listed in their groups meanwhile."""
+        if self.base.state:
+            return
+        with self._listed():
+            _init_base_state(self.base)
+
+    def load_sharded_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put the master partitions, the base optimizer's state and the hyper-parameters in place (the model's
+        partitions are loaded with the model)."""
+        for name, flat, _, _ in self._partitions():
+            entries = {key: value.to_local() if hasattr(value, "to_local") else value
+                       for key, value in state["state"][name].items()}
+            with torch.no_grad():
+                flat.copy_(entries.pop(MASTER_KEY))
+            self.base.state[flat] = {key: value.to(flat.device) if torch.is_tensor(value) and
+                                     value.shape == flat.shape else value for key, value in entries.items()}
+        for param_group, saved in zip(self.base.param_groups, state["param_groups"]):
+            param_group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def register_step_hook(optimizer: Any, hook: Any) -> Any:
+    """Register ``hook`` as a step post-hook of the torch optimizer that steps (:func:`torch_optimizer`), called
+    once per optimizer step: ZeRO-3 steps its base optimizer once per sub-group, and the hook runs after the last.
+
+    Returns:
+        `RemovableHandle`: the handle of the registration.
+    """
+    zero = zero_optimizer(optimizer)
+    if zero is None or not is_zero3_optimizer(zero):
+        return torch_optimizer(optimizer).register_step_post_hook(hook)
+
+    def after_last_sub_group(base: Any, args: Any, kwargs: Any) -> None:
+        last = zero.fp32_partitioned_groups_flat[-1]
+        group = base.param_groups[zero.sub_group_to_group_id[len(zero.fp32_partitioned_groups_flat) - 1]]
+        if any(param is last for param in group["params"]):
+            hook(base, args, kwargs)
+
+    return zero.optimizer.register_step_post_hook(after_last_sub_group)
+
+
 def deepspeed_engine(model: Any) -> Any:
     """The ``DeepSpeedEngine`` a prepared model is (or ``None``)."""
     return model if all(hasattr(model, name) for name in ENGINE_COUNTERS) else None
@@ -199,7 +318,8 @@ def deepspeed_engine(model: Any) -> Any:
 
 def _loss_scaler(optimizers: list[Any]) -> Any:
     """The loss scaler of the ZeRO optimizer among ``optimizers`` (what a checkpoint saves of them), if any."""
-    zero = next((optimizer.zero for optimizer in optimizers if isinstance(optimizer, ZeroOptimizerState)), None)
+    zero = next((optimizer.zero for optimizer in optimizers
+                 if isinstance(optimizer, (ZeroOptimizerState, Zero3OptimizerState))), None)
     return getattr(zero, "loss_scaler", None)
 
 

@@ -1,16 +1,31 @@
 """Which distributed engines ``ResumableAccelerator`` and ``ResumableTrainer`` checkpoint, decided before step 1.
 
-Supported: a single process, DDP (CPU or GPU), FSDP2 (``fully_shard``: every rank saves and loads its own
-DTensor pieces, see :mod:`hf_resumable.checkpoint.sharded`) and DeepSpeed ZeRO-1/2 without offload (every rank
-saves and loads its partitions of the fp32 master weights and optimizer state, see :mod:`._deepspeed`). Refused,
-with :class:`UnsupportedEngineError`, when the accelerator is built or ``train()`` starts, never at the first save
-after training up to it:
+Supported (every rank saves and loads its own pieces, :mod:`hf_resumable.checkpoint.sharded`; the same world size
+resumes bit-exactly):
 
-* DeepSpeed ZeRO-3: its parameters are partitioned too (``ds_tensor``), which is not wired yet; and ZeRO-Offload
-  (``offload_optimizer`` / ``offload_param`` on ``cpu`` or ``nvme``), not tested. Detected from the plugin,
-  accelerate's environment or ``TrainingArguments.deepspeed``, without importing deepspeed.
-* FSDP1 (``FullyShardedDataParallel`` wrappers, any state-dict type): flat parameters whose state dicts need
-  FSDP1's collectives in a fixed order; not wired.
+======================================  ========================================================================
+Engine                                  What each rank writes
+======================================  ========================================================================
+a single process, DDP                   rank 0 the whole state, every rank its RNG and data position
+FSDP2 (``fully_shard``)                 its DTensor pieces of the weights and optimizer state
+FSDP1, FULL_SHARD / SHARD_GRAD_OP,      its chunks of FSDP1's sharded state dict (``ShardedTensor`` local shards,
+any ``state_dict_type``                 :mod:`hf_resumable.checkpoint._sharded_tensors`), read from the root wrapper
+                                        (:func:`checkpoint_model`) whatever type accelerate uses for its own saves
+DeepSpeed ZeRO-1/2, no offload          rank 0 the whole weights; every rank its partitions of the fp32 master
+                                        weights and optimizer state (:mod:`._deepspeed`)
+DeepSpeed ZeRO-3, no offload            every rank its partition of every weight (``ds_tensor``,
+                                        :mod:`hf_resumable.checkpoint._partitioned`) and of each sub-group's fp32
+                                        master weights and optimizer state
+======================================  ========================================================================
+
+Refused, with :class:`UnsupportedEngineError`, when the accelerator is built or ``train()`` starts, never at the
+first save after training up to it:
+
+* DeepSpeed ZeRO-Offload (``offload_optimizer`` / ``offload_param`` on ``cpu`` or ``nvme``): not tested; and ZeRO
+  stage 0 or DeepSpeed's other optimizers (``BF16_Optimizer``, ``FP16_Optimizer``), whose state is their own.
+  Detected from the plugin, accelerate's environment or ``TrainingArguments.deepspeed``, without importing deepspeed.
+* FSDP1 with a hybrid sharding strategy (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``): replica groups would each
+  write the same pieces.
 * Megatron-LM and XLA FSDP: their own model and optimizer wrappers.
 
 Everything here is pure over the options, the environment and accelerate's state: nothing is imported that the
@@ -30,24 +45,26 @@ import torch
 from ..errors import UnsupportedEngineError
 
 __all__ = ["check_accelerate_options", "check_accelerate_state", "check_trainer_engine", "holds_dtensors",
-           "refuse_engine", "DEEPSPEED_STAGES"]
+           "is_fsdp1", "checkpoint_model", "refuse_engine", "DEEPSPEED_STAGES"]
 
 # What to use instead, per front door.
-_ACCELERATE_FIX = ("Use DeepSpeed ZeRO-1/2 without offload, FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2)) "
-                   "or DDP with ResumableAccelerator, or the stock accelerate.Accelerator for this run")
-_TRAINER_FIX = ("Use DeepSpeed ZeRO-1/2 without offload, FSDP2 (TrainingArguments(fsdp=True, fsdp_config="
-                "{'version': 2})) or DDP with ResumableTrainer, or the stock transformers.Trainer for this run")
+_ACCELERATE_FIX = ("Use DeepSpeed ZeRO-1/2/3 without offload, FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2)), "
+                   "FSDP1 with FULL_SHARD or SHARD_GRAD_OP, or DDP with ResumableAccelerator, or the stock "
+                   "accelerate.Accelerator for this run")
+_TRAINER_FIX = ("Use DeepSpeed ZeRO-1/2/3 without offload, FSDP2 (TrainingArguments(fsdp=True, fsdp_config="
+                "{'version': 2})), FSDP1 with FULL_SHARD or SHARD_GRAD_OP, or DDP with ResumableTrainer, or the stock "
+                "transformers.Trainer for this run")
 # Why each engine is refused (the checkpoint would not hold the run's full state, or could not be written).
 _WHY = {
     "DeepSpeed ZeRO-Offload": "the optimizer offloaded to the CPU or NVMe (DeepSpeedCPUAdam) has not been tested",
-    "DeepSpeed": "ZeRO-3 partitions the parameters themselves, and DeepSpeed's other optimizers (BF16_Optimizer, "
-                 "FP16_Optimizer) keep their own state; hf_resumable saves ZeRO-1/2's partitions only",
-    "FSDP1": "FSDP1's flat parameters are saved and loaded only through FSDP1's own state-dict collectives, which "
-             "hf_resumable does not drive",
+    "DeepSpeed": "DeepSpeed's other optimizers (BF16_Optimizer, FP16_Optimizer) and ZeRO stages other than 1, 2 "
+                 "and 3 keep their own state; hf_resumable saves the ZeRO-1/2/3 optimizers' partitions only",
+    "FSDP1": "a hybrid sharding strategy replicates FSDP1's shards over groups of ranks, whose identical pieces "
+             "hf_resumable does not store once (FULL_SHARD and SHARD_GRAD_OP are supported)",
     "Megatron-LM": "Megatron-LM wraps the model and optimizer in its own parallel objects",
     "XLA FSDP": "XLA FSDP wraps the model and optimizer in its own sharded objects",
 }
-DEEPSPEED_STAGES = (1, 2)  # ZeRO stages whose state hf_resumable saves
+DEEPSPEED_STAGES = (1, 2, 3)  # ZeRO stages whose state hf_resumable saves
 _OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
 
 
@@ -128,8 +145,16 @@ def check_accelerate_options(options: Mapping[str, Any], environ: Mapping[str, s
         raise refuse_engine("Megatron-LM", front_door="ResumableAccelerator", fix=_ACCELERATE_FIX)
 
 
+def _fsdp1_engine(plugin: Any) -> str | None:
+    """The FSDP1 set-up ``plugin`` runs, if hf_resumable refuses it: a hybrid sharding strategy (its replica groups
+    would each write the same pieces). Any ``state_dict_type`` is accepted: checkpoints always read FSDP1's sharded
+    state dict, whatever accelerate uses for its own saves."""
+    strategy = str(getattr(plugin, "sharding_strategy", None) or "")
+    return f"FSDP1 {strategy.rpartition('.')[2]}" if "HYBRID" in strategy else None
+
+
 def _state_engine(state: Any) -> str | None:
-    """The refused engine accelerate's state runs, or ``None`` (no engine, DDP, FSDP2)."""
+    """The refused engine accelerate's state runs, or ``None`` (no engine, DDP, FSDP2, FSDP1 sharded)."""
     from accelerate.utils import DistributedType
 
     kind = getattr(state, "distributed_type", None)
@@ -138,8 +163,9 @@ def _state_engine(state: Any) -> str | None:
         return _refused_deepspeed(plugin) or (None if _zero_stage(plugin, {}) in DEEPSPEED_STAGES else "DeepSpeed")
     if kind == DistributedType.MEGATRON_LM:
         return "Megatron-LM"
-    if kind == DistributedType.FSDP and getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", 1) != 2:
-        return "FSDP1"
+    plugin = getattr(state, "fsdp_plugin", None)
+    if kind == DistributedType.FSDP and getattr(plugin, "fsdp_version", 1) != 2:
+        return _fsdp1_engine(plugin)
     return None
 
 
@@ -175,10 +201,28 @@ def check_trainer_engine(args: Any, state: Any, *, fsdp_xla: bool = False) -> No
 
 
 def holds_dtensors(model: torch.nn.Module | None) -> bool:
-    """Whether ``model``'s parameters are DTensors (FSDP2 ``fully_shard``, tensor parallel): its checkpoint is
-    written as per-rank pieces (``save_sharded_checkpoint``) instead of whole tensors."""
+    """Whether ``model``'s checkpoint is written as per-rank pieces (``save_sharded_checkpoint``) instead of whole
+    tensors: its parameters are DTensors (FSDP2 ``fully_shard``, tensor parallel), or it is (or holds) FSDP1
+    wrappers, whose sharded state dict is stored as pieces."""
     if model is None:
         return False
     from torch.distributed.tensor import DTensor
 
-    return any(isinstance(parameter, DTensor) for parameter in model.parameters())
+    return is_fsdp1(model) or any(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
+def is_fsdp1(model: Any) -> bool:
+    """Whether ``model`` is, or holds, an FSDP1 ``FullyShardedDataParallel`` wrapper."""
+    if not isinstance(model, torch.nn.Module):
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(module, FullyShardedDataParallel) for module in model.modules())
+
+
+def checkpoint_model(prepared: Any, unwrapped: Any) -> Any:
+    """The module a checkpoint saves and loads: FSDP1's root wrapper itself (its sharded state dict is a collective
+    driven from the root, and names the weights as the unwrapped model does), else the unwrapped model."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return prepared if isinstance(prepared, FullyShardedDataParallel) else unwrapped

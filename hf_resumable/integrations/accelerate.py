@@ -146,12 +146,12 @@ from ._deepspeed import (
     capture_engine_state,
     checkpoint_optimizer,
     deepspeed_engine,
+    register_step_hook,
     restore_engine_state,
     saved_engine_state,
-    torch_optimizer,
     zero_optimizer,
 )
-from ._engines import check_accelerate_options, check_accelerate_state, holds_dtensors
+from ._engines import check_accelerate_options, check_accelerate_state, checkpoint_model, holds_dtensors
 
 logger = logging.getLogger(__name__)
 
@@ -345,7 +345,7 @@ class ResumableAccelerator(Accelerator):
     def _saves_pieces(self) -> bool:
         """Whether checkpoints hold per-rank pieces (FSDP2 / DTensor parameters, ZeRO partitions) instead of whole
         tensors."""
-        return (any(holds_dtensors(self.unwrap_model(model)) for model in self._models)
+        return (any(holds_dtensors(model) for model in self._models)
                 or any(zero_optimizer(optimizer) is not None for optimizer in self._optimizers))
 
     def _checkpoint_optimizers(self) -> list[Any]:
@@ -359,7 +359,7 @@ class ResumableAccelerator(Accelerator):
         for optimizer in self._optimizers:
             if getattr(optimizer, "_hf_resumable_step_hook", None) is None:
                 hook = StepHook(self._step_counts)
-                torch_optimizer(optimizer).register_step_post_hook(hook)  # under ZeRO: the one over its partitions
+                register_step_hook(optimizer, hook)  # under ZeRO: the one over its partitions, once per step
                 optimizer._hf_resumable_step_hook = hook
 
     def _optimizer_step_counts(self) -> list[int]:
@@ -788,7 +788,7 @@ class ResumableAccelerator(Accelerator):
         originals = self._weights() if self._save_model_state_pre_hook else [None] * len(self._models)
         weights = list(originals)
         hook_files = self._run_save_hooks(weights)
-        unwrapped = [self.unwrap_model(model) for model in self._models]
+        unwrapped = [checkpoint_model(model, self.unwrap_model(model)) for model in self._models]  # FSDP1: its root
         optimizers = self._checkpoint_optimizers()
         if not self._save_model_state_pre_hook:
             weights = originals = list(unwrapped)  # no hook could have changed them
@@ -976,7 +976,8 @@ class ResumableAccelerator(Accelerator):
         """What the checkpoint's own model and optimizer slots are loaded into."""
         model = None
         if layout.models and models:
-            model = self.unwrap_model(models[0]) if layout.models[0] == KIND_MODULE else models[0]
+            model = checkpoint_model(models[0], self.unwrap_model(models[0])) if layout.models[0] == KIND_MODULE \
+                else models[0]
         optimizer = None
         if layout.optimizers[:1] == [SLOT_CORE] and self._optimizers:
             optimizer = self._checkpoint_optimizers()[0]
@@ -984,7 +985,7 @@ class ResumableAccelerator(Accelerator):
                 # The optimizer's state is keyed by model 0's parameter names, so model 0 is loaded with it.
                 logger.warning("A load_state pre-hook removed model 0, but optimizer 0's saved state is keyed by its "
                                "parameter names: model 0's weights are loaded from the checkpoint as well.")
-                model = self.unwrap_model(self._models[0])
+                model = checkpoint_model(self._models[0], self.unwrap_model(self._models[0]))
         return model, optimizer
 
     def _restore_extra_objects(self, path: Path, layout: Layout, extra: Mapping[str, Any], models: list[Any], *,

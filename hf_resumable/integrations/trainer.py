@@ -113,7 +113,7 @@ from ._deepspeed import (
     saved_engine_state,
     torch_optimizer,
 )
-from ._engines import check_trainer_engine, holds_dtensors
+from ._engines import check_trainer_engine, checkpoint_model, holds_dtensors
 from ._trainer_discovery import (
     CONVERTED_DIR,
     CheckpointKind,
@@ -767,7 +767,7 @@ class ResumableTrainer(Trainer):
         model_only = self.args.save_only_model
         # The SIGTERM save is blocking: the process exits right after it.
         blocking = not self._saves_in_background() or self.preempted
-        unwrapped = self.accelerator.unwrap_model(self.model)
+        unwrapped = checkpoint_model(self.model, self.accelerator.unwrap_model(self.model))  # FSDP1: its root
         optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO-1/2: this rank's partitions
         engine = deepspeed_engine(self.model_wrapped)
         sharded = holds_dtensors(unwrapped) or engine is not None
@@ -1068,7 +1068,7 @@ class ResumableTrainer(Trainer):
             model_only = OPTIMIZER_INDEX_FILE not in files and LAYOUT_FILE not in files
         opened = (self._resume.loaded if self._resume is not None and Path(checkpoint) == self._resume.path
                   else open_checkpoint(checkpoint, verify=self.resume_options.checkpoint_verify))
-        model = self.accelerator.unwrap_model(self.model)
+        model = checkpoint_model(self.model, self.accelerator.unwrap_model(self.model))  # FSDP1: its root
         optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO-1/2: this rank's partitions
         objects = dict(optimizer=None if model_only else optimizer,
                        scheduler=None if model_only else self.lr_scheduler,
@@ -1119,7 +1119,7 @@ class ResumableTrainer(Trainer):
         if not _is_own_checkpoint(Path(best)):  # a stock Trainer checkpoint (a run resumed from stock ones)
             return super()._load_best_model()
         logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
-        model = self.accelerator.unwrap_model(self.model)
+        model = checkpoint_model(self.model, self.accelerator.unwrap_model(self.model))  # FSDP1: its root
         # FSDP2 and ZeRO checkpoints hold per-rank pieces; under ZeRO-1/2 every rank loads the whole weights
         load = load_sharded_checkpoint if holds_dtensors(model) or self.is_deepspeed_enabled else load_checkpoint
         load(best, model=model, restore_rng=False, verify=self.resume_options.checkpoint_verify,

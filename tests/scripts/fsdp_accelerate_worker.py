@@ -58,10 +58,16 @@ def main() -> int:
     accelerator = ResumableAccelerator(**engine_plugin(options), checkpoint_dir=output / "checkpoints",
                                        save_async=True, handle_preemption=False)
     model = fx.build_model()
+    fsdp1 = options.engine == "fsdp" and options.version == 1
+    if fsdp1:  # FSDP1 replaces the parameters: the model is prepared before the optimizer is built over them
+        model = accelerator.prepare(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     scheduler = get_linear_schedule_with_warmup(optimizer, 2, options.max_steps)
     loader = accelerator.prepare_resumable_dataloader(make_rows(), collate_fn=collate, batch_size=4, seed=0)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if fsdp1:
+        optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
+    else:
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     accelerator.load_state()
     with (output / f"losses-rank{fx.RANK}.jsonl").open("a") as log:
         for batch in loader:  # one epoch holds more steps than max_steps
@@ -77,8 +83,8 @@ def main() -> int:
             if accelerator.global_step >= options.max_steps:
                 break
     accelerator.end_training()
-    fx.dump_local_state(accelerator.unwrap_model(model), optimizer.optimizer,
-                        output / f"final-rank{fx.RANK}.safetensors")
+    model = model if fsdp1 else accelerator.unwrap_model(model)  # FSDP1's state dicts are read from its root
+    fx.dump_local_state(model, optimizer.optimizer, output / f"final-rank{fx.RANK}.safetensors")
     del model, optimizer, accelerator
     torch.distributed.destroy_process_group()
     return 0

@@ -65,7 +65,8 @@ def main() -> int:
                                processing_class=tokenizer, callbacks=[HoldAfterSave()])
     try:
         trainer.train(resume_from_checkpoint=True)
-        model = trainer.accelerator.unwrap_model(trainer.model)
+        fsdp1 = options.engine == "fsdp" and options.version == 1  # FSDP1's state dicts are read from its root
+        model = trainer.model if fsdp1 else trainer.accelerator.unwrap_model(trainer.model)
         fx.dump_local_state(model, trainer.optimizer.optimizer, output / f"final-rank{fx.RANK}.safetensors")
         history = [{k: v for k, v in entry.items() if not k.endswith(TIMING)} for entry in trainer.state.log_history]
         result = {"log_history": history, "resumed_from": str(trainer.resumed_from or "")}
