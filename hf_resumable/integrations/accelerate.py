@@ -34,11 +34,11 @@ swallows RNG load failures and leaves mid-epoch resume to the user):
   num_items_in_batch=window.num_items)`` then makes the accumulated gradient the full-batch token mean,
   short last window of an epoch included (accelerate divides every micro-batch by the configured number
   of steps: a mean of means, and wrong for a short window).
-* Engines (:mod:`~hf_resumable.integrations._engines`): DDP, FSDP2 (every rank writes its own DTensor pieces) and
-  DeepSpeed ZeRO-1/2 (every rank writes its partitions of the fp32 master weights and optimizer state,
-  :mod:`~hf_resumable.integrations._deepspeed`); DeepSpeed ZeRO-3 and ZeRO-Offload, Megatron-LM and FSDP1 are
-  refused with :class:`~hf_resumable.errors.UnsupportedEngineError` when the accelerator is built (DeepSpeed's
-  other optimizers when prepared), before any training step.
+* Engines (:mod:`~hf_resumable.integrations._engines`): DDP, FSDP2 and FSDP1 (every rank writes its own
+  pieces) and DeepSpeed ZeRO-1/2/3 (every rank writes its partitions of the weights, the fp32 master weights and
+  optimizer state, :mod:`~hf_resumable.integrations._deepspeed`); ZeRO-Offload, FSDP1 hybrid sharding and
+  Megatron-LM are refused with :class:`~hf_resumable.errors.UnsupportedEngineError` when the accelerator is
+  built (DeepSpeed's other optimizers when prepared), before any training step.
 
 Checkpoints land only on optimizer-step boundaries: ``save_state()`` inside an accumulation window raises.
 
@@ -260,15 +260,16 @@ class ResumableAccelerator(Accelerator):
     These options are validated when the accelerator is built and kept in ``resume_options`` (a frozen
     ``ResumeOptions``, shared with ``ResumableTrainer``).
 
-    Engines: a single process, DDP, FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``, either
-    ``state_dict_type``: every rank saves and loads its own DTensor pieces with
+    Engines: a single process, DDP, FSDP2 and FSDP1 (``FullyShardedDataParallelPlugin``, either
+    ``state_dict_type``: every rank saves and loads its own pieces with
     :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`, same ``save_state``/``load_state`` contract)
-    and DeepSpeed ZeRO-1/2 without offload (every rank saves and loads its ZeRO partitions the same way, at the same
-    world size).
+    and DeepSpeed ZeRO-1/2/3 without offload (every rank saves and loads its ZeRO partitions the same way, at the
+    same world size).
 
     Raises:
-        UnsupportedEngineError: when built for DeepSpeed ZeRO-3 or ZeRO-Offload (deepspeed is not imported for the
-            refusal), Megatron-LM or FSDP1, whose state these checkpoints would not hold (see :mod:`._engines`);
+        UnsupportedEngineError: when built for DeepSpeed ZeRO-Offload (deepspeed is not imported for the
+            refusal), Megatron-LM or FSDP1 hybrid sharding, whose state these checkpoints would not hold (see
+            :mod:`._engines`);
             ``prepare`` of another DeepSpeed optimizer (``BF16_Optimizer``), or, under FSDP2 or ZeRO, of a second
             model or optimizer. All before any training step.
 
@@ -330,10 +331,10 @@ class ResumableAccelerator(Accelerator):
 
         Raises:
             UnsupportedEngineError: under FSDP2 or ZeRO, a second model or optimizer; a DeepSpeed optimizer other than
-                ZeRO-1/2's (before any training step).
+                ZeRO's own (before any training step).
         """
         prepared = super().prepare(*args, device_placement=device_placement)
-        self._checkpoint_optimizers()  # refuses ZeRO-3 / ZeRO-Offload optimizers, before any step
+        self._checkpoint_optimizers()  # refuses DeepSpeed's other optimizers, before any step
         self._attach_step_hooks()
         if self._saves_pieces() and (len(self._models) > 1 or len(self._optimizers) > 1):
             raise UnsupportedEngineError(

@@ -31,11 +31,11 @@ changes, and why:
   from the newest checkpoint that verifies, skipping partial or corrupt ones, or from a newer stock
   ``transformers.Trainer`` checkpoint (converted on the fly, not bit-exact), and starts fresh when there is none.
   Directories hf_resumable did not write are never overwritten or deleted.
-* **Engines** (:mod:`._engines`): DDP, FSDP2 (``fsdp_config={"version": 2}``, either ``state_dict_type``:
-  every rank saves and loads its own DTensor pieces, :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`)
-  and DeepSpeed ZeRO-1/2 (``deepspeed=`` a config of stage 1 or 2: every rank saves and loads its ZeRO partitions,
-  :mod:`._deepspeed`; DeepSpeed's own ``global_step*`` checkpoints are neither written nor read); DeepSpeed ZeRO-3
-  and ZeRO-Offload, FSDP1 and XLA FSDP are refused when ``train()`` starts.
+* **Engines** (:mod:`._engines`): DDP, FSDP2 and FSDP1 (``fsdp=``/``fsdp_config``, either ``state_dict_type``:
+  every rank saves and loads its own pieces, :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`)
+  and DeepSpeed ZeRO-1/2/3 (``deepspeed=``: every rank saves and loads its ZeRO partitions,
+  :mod:`._deepspeed`; DeepSpeed's own ``global_step*`` checkpoints are neither written nor read); ZeRO-Offload,
+  FSDP1 hybrid sharding and XLA FSDP are refused when ``train()`` starts.
 * **Checks before the first step** (``set_initial_training_values``): a setup whose checkpoints would fail or
   not resume exactly is refused with the fix; changed optimization hyperparameters are reported
   (:mod:`._trainer_hparams`).
@@ -462,9 +462,10 @@ class ResumableTrainer(Trainer):
             ConfigDriftError: the run configuration differs from the checkpoint's.
             CheckpointExistsError: the run would save over a ``checkpoint-N`` directory hf_resumable did not write
                 (raised before the first step).
-            UnsupportedEngineError: DeepSpeed ZeRO-3 or ZeRO-Offload (``TrainingArguments.deepspeed``), FSDP1 or XLA
-                FSDP, refused before anything is read or trained; DeepSpeed's other optimizers (``BF16_Optimizer``)
-                once built, before the first step. FSDP2 and ZeRO-1/2 are supported: every rank saves its pieces.
+            UnsupportedEngineError: DeepSpeed ZeRO-Offload (``TrainingArguments.deepspeed``), FSDP1 hybrid sharding
+                or XLA FSDP, refused before anything is read or trained; DeepSpeed's other optimizers
+                (``BF16_Optimizer``) once built, before the first step. FSDP1/2 and ZeRO-1/2/3 are supported: every
+                rank saves its pieces.
             InexactResumeError / UnsupportedStateError: before the first step, for a setup whose checkpoints could
                 not be resumed exactly or not be written (see docs/trainer.md).
             SystemExit: with ``PREEMPTION_EXIT_CODE`` after a SIGTERM, when ``exit_on_preemption``.
@@ -768,7 +769,7 @@ class ResumableTrainer(Trainer):
         # The SIGTERM save is blocking: the process exits right after it.
         blocking = not self._saves_in_background() or self.preempted
         unwrapped = checkpoint_model(self.model, self.accelerator.unwrap_model(self.model))  # FSDP1: its root
-        optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO-1/2: this rank's partitions
+        optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO: this rank's partitions
         engine = deepspeed_engine(self.model_wrapped)
         sharded = holds_dtensors(unwrapped) or engine is not None
         save = save_sharded_checkpoint if sharded else save_checkpoint  # FSDP2 / ZeRO: per-rank pieces
@@ -900,7 +901,7 @@ class ResumableTrainer(Trainer):
     def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
         prepared = super()._prepare_for_training(*args, **kwargs)
         if self.is_deepspeed_enabled:
-            checkpoint_optimizer(self.optimizer)  # DeepSpeed optimizers other than ZeRO-1/2's: refused before step 1
+            checkpoint_optimizer(self.optimizer)  # DeepSpeed optimizers other than ZeRO's: refused before step 1
         return prepared
 
     def set_initial_training_values(self, args: TrainingArguments, dataloader: Any) -> tuple:
@@ -1069,7 +1070,7 @@ class ResumableTrainer(Trainer):
         opened = (self._resume.loaded if self._resume is not None and Path(checkpoint) == self._resume.path
                   else open_checkpoint(checkpoint, verify=self.resume_options.checkpoint_verify))
         model = checkpoint_model(self.model, self.accelerator.unwrap_model(self.model))  # FSDP1: its root
-        optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO-1/2: this rank's partitions
+        optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO: this rank's partitions
         objects = dict(optimizer=None if model_only else optimizer,
                        scheduler=None if model_only else self.lr_scheduler,
                        scaler=None if model_only else self.accelerator.scaler)
