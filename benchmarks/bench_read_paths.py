@@ -165,7 +165,10 @@ WARM_VARIANTS: dict[str, tuple[str, dict[str, str], Callable[[], bool] | None]] 
 
 
 def evict(directory: Path, how: str) -> str:
-    """Make the page cache cold for ``directory``'s files; returns the method used."""
+    """Make the page cache cold for ``directory``'s files; returns the method used (tmpfs: nothing to do, its files
+    live in the page cache)."""
+    if how == "none":
+        return "tmpfs: always in memory"
     if how == "drop" and drop_caches():
         return "drop_caches"
     os.sync()
@@ -221,7 +224,7 @@ def child(directory: Path, variant: tuple[str, dict[str, str], Callable[[], bool
         method = evict(directory, how)
     raw_before = raw_read(directory, buffer)
     cold_share = None
-    if not warm:
+    if not warm and how != "none":
         evict(directory, how)
         cold_share = resident_fraction(directory)
     start = time.perf_counter()
@@ -378,7 +381,7 @@ def main() -> None:
             directory = root / "ckpt"
             nbytes = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
             kind = fs_type(directory)
-            runs = run_set(directory, variants, args.repeats, warm=False, how=args.evict)
+            runs = run_set(directory, variants, args.repeats, warm=False, how="none" if kind == "tmpfs" else args.evict)
             report(f"Fresh-process resume from {kind} ({root.parent}), {nbytes / 2**30:.2f} GiB, cold cache, "
                    f"median of {args.repeats}", variants, runs, nbytes)
             if args.warm and kind != "tmpfs":
