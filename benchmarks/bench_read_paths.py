@@ -227,15 +227,15 @@ def child(directory: Path, variant: tuple[str, dict[str, str], Callable[[], bool
     if not warm and how != "none":
         evict(directory, how)
         cold_share = resident_fraction(directory)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     load_checkpoint(directory, model=model, optimizer=optimizer, restore_rng=False)
-    load_s = time.perf_counter() - start
+    load_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
     if not optimizer.state:
         raise RuntimeError("the optimizer state was not loaded")
     if not warm:
         evict(directory, how)
     raw_after = raw_read(directory, buffer)
-    return {"load": load_s, "raw_before": raw_before, "raw_after": raw_after, "evict": method,
+    return {"load": load_s, "cpu": cpu_s, "raw_before": raw_before, "raw_after": raw_after, "evict": method,
             "resident_before_load": cold_share}
 
 
@@ -284,31 +284,34 @@ def run_set(directory: Path, variants: dict, repeats: int, *, warm: bool, how: s
             result = forked(lambda: child(directory, variants[name], warm=warm, how=how))
             runs[name].append(result)
             if not result.get("skipped"):
-                print(f"  {directory} {'warm' if warm else 'cold'} round {rnd} {name}: load {result['load']:.3f} s, "
+                print(f"  {directory} {'warm' if warm else 'cold'} round {rnd} {name}: load {result['load']:.3f} s "
+                      f"(CPU {result['cpu']:.2f} s), "
                       f"raw {result['raw_before']:.3f}/{result['raw_after']:.3f} s", file=sys.stderr)
     return runs
 
 
 def report(title: str, variants: dict, runs: dict[str, list[dict]], nbytes: int) -> None:
     print(f"\n{title}\n")
-    print("| variant | load median s | GB/s | raw read median s | load vs raw read (median of pairs; range) | "
-          "ref vs this (median of per-round ratios; range) |")
-    print("|---|---|---|---|---|---|")
+    print("| variant | load median s | GB/s | CPU s (all threads) | raw read median s | load vs raw read (median of "
+          "pairs; range) | ref vs this (median of per-round ratios; range) |")
+    print("|---|---|---|---|---|---|---|")
     ref = runs["ref"]
     for name, results in runs.items():
         if any(r.get("skipped") for r in results):
-            print(f"| {name}: {variants[name][0]} | not in this version | | | | |")
+            print(f"| {name}: {variants[name][0]} | not in this version | | | | | |")
             continue
         loads = [r["load"] for r in results]
         raws = [min(r["raw_before"], r["raw_after"]) for r in results]
         pairs = [raw / load for raw, load in zip(raws, loads)]
         vs_ref = [a["load"] / b["load"] for a, b in zip(ref, results)]
         print(f"| {name}: {variants[name][0]} | {statistics.median(loads):.3f} | "
-              f"{nbytes / statistics.median(loads) / 1e9:.2f} | {statistics.median(raws):.3f} | "
+              f"{nbytes / statistics.median(loads) / 1e9:.2f} | {statistics.median(r['cpu'] for r in results):.2f} | "
+              f"{statistics.median(raws):.3f} | "
               f"{statistics.median(pairs):.2f}x ({min(pairs):.2f}..{max(pairs):.2f}) | "
               f"{statistics.median(vs_ref):.2f}x ({min(vs_ref):.2f}..{max(vs_ref):.2f}) |")
     evictions = {r.get("evict") for rs in runs.values() for r in rs if not r.get("skipped")}
-    shares = [r["resident_before_load"] for rs in runs.values() for r in rs if r.get("resident_before_load") is not None]
+    shares = [r["resident_before_load"] for rs in runs.values() for r in rs
+              if r.get("resident_before_load") is not None]
     line = f"\ncache: {', '.join(sorted(evictions))}"
     if shares:
         line += f"; share of the files' pages cached when a load started: at most {max(shares):.1%}"
@@ -381,7 +384,8 @@ def main() -> None:
             directory = root / "ckpt"
             nbytes = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
             kind = fs_type(directory)
-            runs = run_set(directory, variants, args.repeats, warm=False, how="none" if kind == "tmpfs" else args.evict)
+            how = "none" if kind == "tmpfs" else args.evict
+            runs = run_set(directory, variants, args.repeats, warm=False, how=how)
             report(f"Fresh-process resume from {kind} ({root.parent}), {nbytes / 2**30:.2f} GiB, cold cache, "
                    f"median of {args.repeats}", variants, runs, nbytes)
             if args.warm and kind != "tmpfs":
