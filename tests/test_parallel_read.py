@@ -70,7 +70,7 @@ def _flip(path, offset_from_end):
         f.write(bytes([byte[0] ^ 0x10]))
 
 
-@pytest.mark.parametrize("workers", [1, 4])  # one stream hashes on a thread of its own, several in the readers
+@pytest.mark.parametrize("workers", [1, 4])
 def test_a_flipped_byte_anywhere_is_found_and_staged_destinations_stay_untouched(files, workers):
     records = [hash_file(p) for p in files]
     _flip(files[1], 2000)
@@ -134,74 +134,34 @@ def test_new_destinations_are_marked_and_prefaulted(files):
     assert torch.equal(new_target, expected["a0"]) and torch.equal(old_target, expected["ints0"])
 
 
-def test_the_number_of_streams_follows_the_disk_and_the_override(files, monkeypatch):
-    from hf_resumable.checkpoint import _parallel_read
+def test_the_number_of_streams_is_the_override_or_the_default(files, monkeypatch):
     from hf_resumable.checkpoint._parallel_read import READ_STREAMS_ENV, READ_WORKERS, read_streams
 
     monkeypatch.delenv(READ_STREAMS_ENV, raising=False)
-    real = _parallel_read._rotational(os.stat(files[0]).st_dev)  # this machine's answer, whatever its disk
-    assert real in (True, False, None)
-    for rotational, probe in ((True, True), (False, False), (None, False)):
-        monkeypatch.setattr(_parallel_read, "_rotational", lambda device, answer=rotational: answer)
-        choice = read_streams(files)
-        assert (choice.streams, choice.probe) == (READ_WORKERS, probe), choice
-    assert read_streams([files[0].parent / "gone"]).streams == READ_WORKERS
-    monkeypatch.setenv(READ_STREAMS_ENV, "3")
-    assert (read_streams(files).streams, read_streams(files).probe) == (3, False)
+    assert read_streams() == READ_WORKERS
+    monkeypatch.setenv(READ_STREAMS_ENV, " 3 ")
+    assert read_streams() == 3
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv(READ_STREAMS_ENV, bad)
         with pytest.raises(ValueError, match=READ_STREAMS_ENV):
-            read_streams(files)
+            read_streams()
+        with pytest.raises(ValueError, match=READ_STREAMS_ENV):
+            read_files(_reads(files))
 
 
-@pytest.mark.parametrize("disk, chosen", [("seeks", 1), ("queues", 4)])
-def test_a_rotational_disk_is_measured_and_the_faster_number_of_streams_kept(tmp_path, monkeypatch, caplog, disk,
-                                                                              chosen):
-    """A disk where concurrent reads slow each other down (a hard disk) keeps one stream; one that serves them in
-    parallel (a virtual disk backed by flash) keeps four. Either way every byte arrives and is checked."""
-    import logging
-    import threading
-    import time
-
-    from hf_resumable.checkpoint import _parallel_read
-
-    path = tmp_path / "big.safetensors"
-    write_safetensors(path, [(f"t{i}", torch.randn(64, 1024)) for i in range(16)], fsync=False)  # 4 MiB
-    monkeypatch.delenv(_parallel_read.READ_STREAMS_ENV, raising=False)
-    monkeypatch.setenv(_parallel_read.DIRECT_READS_ENV, "0")  # the simulated disk is behind buffered reads
-    monkeypatch.setattr(_parallel_read, "_rotational", lambda device: True)
-    monkeypatch.setattr(_parallel_read, "PROBE_BYTES", 256 << 10)
-    monkeypatch.setattr(_parallel_read, "PROBE_MIN_BYTES", 1 << 20)
-    inside, lock, pread = [0], threading.Lock(), _parallel_read._pread_into
-
-    def simulated(fd, chunk, file):
-        with lock:
-            inside[0] += 1
-            concurrent = inside[0]
-        time.sleep(0.004 * concurrent**2 if disk == "seeks" else 0.004)  # seeks: concurrent reads slow each other
-        try:
-            pread(fd, chunk, file)
-        finally:
-            with lock:
-                inside[0] -= 1
-
-    monkeypatch.setattr(_parallel_read, "_pread_into", simulated)
-    caplog.set_level(logging.DEBUG, logger=_parallel_read.__name__)
-    out = read_files([FileRead(path, read_header(path), hash_file(path))], chunk_bytes=32 << 10)
-    assert all(torch.equal(out[name], t) for name, t in load_file(path).items())
-    assert f"reading on with {chosen}." in caplog.text, caplog.text
-
-
-def test_one_stream_reads_the_files_one_after_the_other_front_to_back(files, monkeypatch):
+@pytest.mark.parametrize("workers", [1, 3])
+def test_the_files_chunks_are_read_interleaved_each_file_in_order(files, monkeypatch, workers):
     from hf_resumable.checkpoint import _parallel_read
 
     monkeypatch.setenv(_parallel_read.DIRECT_READS_ENV, "0")  # watched through the buffered reads
     seen, pread = [], _parallel_read._pread_into
     monkeypatch.setattr(_parallel_read, "_pread_into", lambda fd, chunk, path: seen.append((path, chunk.offset))
                         or pread(fd, chunk, path))
-    out = read_files(_reads(files), workers=1, chunk_bytes=256)
-    assert seen == sorted(seen, key=lambda item: (files.index(item[0]), item[1]))
-    assert {path for path, _ in seen} == set(files)
+    out = read_files(_reads(files), workers=workers, chunk_bytes=256)
+    if workers == 1:  # one stream reads the interleaved queue in its order
+        planned = _parallel_read.interleave(plan_reads(_reads(files), chunk_bytes=256)[0])
+        assert seen == [(files[c.file], c.offset) for c in planned]
+    assert len(seen) == len(set(seen)) and {path for path, _ in seen} == set(files)  # every chunk read once
     for path in files:
         assert all(torch.equal(out[name], t) for name, t in load_file(path).items())
 

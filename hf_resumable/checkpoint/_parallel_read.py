@@ -53,10 +53,8 @@ import logging
 import math
 import mmap
 import os
-import queue as _queue
 import sys
 import threading
-import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,10 +65,11 @@ import xxhash
 from ..errors import CorruptCheckpointError
 from ..format._safefile import open_regular
 from ..format.safetensors_io import FileRecord, SafetensorsHeader, TensorInfo
+from ._threads import run_in_threads
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FileRead", "Chunk", "StreamChoice", "plan_reads", "interleave", "read_files", "read_streams",
+__all__ = ["FileRead", "Chunk", "plan_reads", "interleave", "read_files", "read_streams",
            "direct_reads", "empty_aligned", "READ_WORKERS", "CHUNK_BYTES", "READ_STREAMS_ENV", "DIRECT_READS_ENV"]
 
 # Threads reading at once on a solid-state (or unknown) disk (all files share them); more than the cores, so the
@@ -80,11 +79,6 @@ READ_WORKERS = 4
 CHUNK_BYTES = 8 * 1024 * 1024
 # New destinations smaller than this in all are faulted in by the readers themselves (no prefault thread).
 PREFAULT_MIN_BYTES = 1024 * 1024
-# A disk that reports itself rotational is measured: this many bytes at READ_WORKERS streams and half as many at
-# one stream, twice each.
-PROBE_BYTES = 32 * 1024 * 1024
-# Reads of fewer bytes from disk are not measured (a rotational disk reads them with one stream).
-PROBE_MIN_BYTES = 8 * PROBE_BYTES
 # Environment variable that sets the number of read streams (an integer >= 1), whatever the disk.
 READ_STREAMS_ENV = "HF_RESUMABLE_READ_STREAMS"
 # Environment variable: "0" never reads with O_DIRECT, "1" reads every byte with it (where the filesystem allows),
@@ -199,6 +193,12 @@ class _FileState:
             xxhash.xxh3_128() if expected.xxh3_128 is not None else hashlib.sha256())
         self.file = None
         self.direct: _Direct | None = None
+
+    def close(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
+        if self.file is not None:
+            self.file.close()
 
     def completed(self, index: int) -> None:
         """Chunk ``index`` is in; feed every chunk that is now next in line (one feeder at a time)."""
@@ -510,129 +510,18 @@ class _Bounce(threading.local):
         self.memory = self.view = None
 
 
-@dataclass(frozen=True)
-class StreamChoice:
-    """How many reads a load keeps in flight, and why (:func:`read_streams`).
-
-    Args:
-        streams (`int`): reads in flight; when ``probe``, the most that is tried.
-        probe (`bool`): measure one stream against ``streams`` on the first bytes and keep the faster.
-        reason (`str`): what decided it, for logs and benchmarks.
-    """
-
-    streams: int
-    probe: bool
-    reason: str
-
-
-def read_streams(paths: Collection[Path]) -> StreamChoice:
-    """How to read ``paths``: ``HF_RESUMABLE_READ_STREAMS`` streams when set; on a disk that reports itself
-    rotational, measured (:func:`read_files`: one stream against ``READ_WORKERS`` on the first bytes); on any other,
-    ``READ_WORKERS`` streams (see the module's docstring).
+def read_streams() -> int:
+    """Reads kept in flight: ``HF_RESUMABLE_READ_STREAMS`` when set, else ``READ_WORKERS``.
 
     Raises:
         ValueError: ``HF_RESUMABLE_READ_STREAMS`` is not an integer >= 1.
     """
     override = os.environ.get(READ_STREAMS_ENV, "").strip()
-    if override:
-        if not override.isdigit() or int(override) < 1:
-            raise ValueError(f"{READ_STREAMS_ENV}={override!r}: expected the number of read streams, an integer >= 1.")
-        return StreamChoice(int(override), False, f"{READ_STREAMS_ENV}={int(override)}")
-    for path in paths:
-        try:
-            device = os.stat(path).st_dev
-        except OSError:
-            continue
-        if _rotational(device):
-            return StreamChoice(READ_WORKERS, True, "a disk that reports itself rotational: measured")
-        return StreamChoice(READ_WORKERS, False, "a solid-state disk, or one that reports nothing")
-    return StreamChoice(READ_WORKERS, False, "no file on disk")
-
-
-@functools.lru_cache(maxsize=64)
-def _rotational(device: int) -> bool | None:
-    """Whether the block device ``device`` (a ``st_dev``) reports itself rotational; ``None``: it has no such flag
-    (tmpfs, network and FUSE filesystems, btrfs subvolumes, non-Linux)."""
-    try:
-        real = Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}").resolve(strict=True)
-    except (OSError, ValueError):
-        return None
-    for block in (real, real.parent):  # a partition's queue is its disk's
-        try:
-            return (block / "queue" / "rotational").read_text().strip() == "1"
-        except OSError:
-            continue
-    return None
-
-
-class _Gate:
-    """Lets at most ``limit`` reads run at once and counts the bytes read from disk, so that a probe can measure a
-    number of streams and change it while the readers run."""
-
-    def __init__(self, limit: int, readers: int) -> None:
-        self.limit, self.readers = limit, readers
-        self.active = self.done = self.exited = 0
-        self.cond = threading.Condition()
-
-    def enter(self) -> None:
-        with self.cond:
-            while self.active >= self.limit:
-                self.cond.wait()
-            self.active += 1
-
-    def leave(self, nbytes: int) -> None:
-        with self.cond:
-            self.active -= 1
-            self.done += nbytes
-            self.cond.notify_all()
-
-    def exit(self) -> None:
-        with self.cond:
-            self.exited += 1
-            self.cond.notify_all()
-
-    def finished(self) -> bool:
-        return self.exited >= self.readers
-
-    def wait(self, predicate: Callable[[], bool]) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: predicate() or self.finished())
-
-    def set_limit(self, limit: int) -> None:
-        with self.cond:
-            self.limit = limit
-            self.cond.notify_all()
-            self.cond.wait_for(lambda: self.active <= limit or self.finished())
-
-
-def _hash_in_order(hashes: _queue.SimpleQueue) -> None:
-    """Feed the checksums of the chunks put on ``hashes`` (``(file state, chunk index)``; ``None`` ends)."""
-    while (item := hashes.get()) is not None:
-        state, index = item
-        state.completed(index)
-
-
-def _probe(gate: _Gate, streams: int) -> int:
-    """Measure one stream against ``streams`` while the readers run, in the order 1, n, n, 1 after one chunk of
-    warm-up (so a steady drift of the disk's speed favours neither), then keep the faster. ``streams`` read
-    ``PROBE_BYTES`` per turn (four chunks in flight at once), one stream half as much: the slower choice costs
-    the least."""
-    gate.wait(lambda: gate.done > 0)
-    rates: dict[int, list[float]] = {1: [], streams: []}
-    for limit in (1, streams, streams, 1):
-        gate.set_limit(limit)
-        start, before = time.perf_counter(), gate.done
-        amount = PROBE_BYTES if limit > 1 else PROBE_BYTES // 2
-        gate.wait(lambda: gate.done - before >= amount)
-        if gate.finished():
-            return streams
-        rates[limit].append((gate.done - before) / max(time.perf_counter() - start, 1e-9))
-    one, many = sum(rates[1]), sum(rates[streams])
-    chosen = 1 if one > many else streams
-    logger.debug("Read streams measured: 1 at %.0f MB/s, %d at %.0f MB/s; reading on with %d.", one / 2e6, streams,
-                 many / 2e6, chosen)
-    gate.set_limit(chosen)
-    return chosen
+    if not override:
+        return READ_WORKERS
+    if not override.isdigit() or int(override) < 1:
+        raise ValueError(f"{READ_STREAMS_ENV}={override!r}: expected the number of read streams, an integer >= 1.")
+    return int(override)
 
 
 def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes: int = CHUNK_BYTES
@@ -641,109 +530,42 @@ def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes
 
     Destinations that are plain contiguous CPU tensors of the stored dtype and shape receive the bytes
     directly (before the file's hash is known); every other destination is copied from a staging buffer
-    after all hashes matched. ``workers``: reads in flight (default :func:`read_streams`); with one, or when the
-    number is measured, the files are read one after the other, each front to back.
+    after all hashes matched. ``workers``: reads in flight (default :func:`read_streams`), all files' chunks
+    interleaved.
 
     Raises:
         CorruptCheckpointError: a hash mismatch or a short file, naming the file (after every thread stopped), or a
             file that changed since it was verified (``FileRead.check``; before any byte of it is read).
         OSError: if a file cannot be read.
     """
-    choice = (read_streams([read.path for read in reads if read.data is None]) if workers is None
-              else StreamChoice(workers, False, "workers="))
+    streams = read_streams() if workers is None else workers
     files, fresh, staged = plan_reads(reads, chunk_bytes=chunk_bytes)
-    from_disk = sum(len(c.view) for read, chunks in zip(reads, files) if read.data is None for c in chunks)
-    if choice.probe and from_disk < PROBE_MIN_BYTES:
-        choice = StreamChoice(1, False, f"{choice.reason}; too little to measure")
     states = [_FileState(read, chunks) for read, chunks in zip(reads, files)]
-    sequential = choice.probe or choice.streams == 1
-    queue = [chunk for chunks in files for chunk in chunks] if sequential else interleave(files)
-    # One stream of reads keeps the disk busy only if its thread does nothing else: its chunks are hashed on a
-    # thread of their own. Several streams hash in whichever thread completes the next chunk.
-    hashes: _queue.SimpleQueue | None = (_queue.SimpleQueue() if sequential and any(st.digest for st in states)
-                                         else None)
-    readers = max(1, min(choice.streams, len(queue)))
-    gate = _Gate(1 if choice.probe else readers, readers)
-    cursor = iter(range(len(queue)))
-    lock = threading.Lock()
-    errors: list[BaseException] = []
+    queue = interleave(files)
+    bounce = _Bounce(-(-chunk_bytes // DIRECT_ALIGN) * DIRECT_ALIGN + 2 * DIRECT_ALIGN)
 
-    def read_one() -> bool:
-        gate.enter()
-        nbytes = 0
-        try:
-            with lock:
-                position = next(cursor, None)
-                if position is None or errors:
-                    return False
-            chunk = queue[position]
-            state = states[chunk.file]
-            if state.read.data is not None:
-                _copy_into(state.read.data, chunk, state.read.path)
-            else:
-                if state.direct is None or not state.direct.read(chunk, bounce):
-                    _pread_into(state.file.fileno(), chunk, state.read.path)
-                nbytes = len(chunk.view)
-            if hashes is not None:
-                hashes.put((state, chunk.index))
-            else:
-                state.completed(chunk.index)
-        except BaseException as err:  # noqa: BLE001 - re-raised by the calling thread
-            with lock:
-                errors.append(err)
-            return False
-        finally:
-            gate.leave(nbytes)
-        return True
-
-    def work() -> None:
-        try:
-            while read_one():
-                pass
-        finally:
-            gate.exit()
+    def read_chunk(chunk: Chunk) -> None:
+        state = states[chunk.file]
+        if state.read.data is not None:
+            _copy_into(state.read.data, chunk, state.read.path)
+        elif state.direct is None or not state.direct.read(chunk, bounce):
+            _pread_into(state.file.fileno(), chunk, state.read.path)
+        state.completed(chunk.index)
 
     stop = threading.Event()
-    threads: list[threading.Thread] = []
-    direct, bounce = direct_reads(), _Bounce(-(-chunk_bytes // DIRECT_ALIGN) * DIRECT_ALIGN + 2 * DIRECT_ALIGN)
+    prefault = threading.Thread(target=_prefault, args=(queue, stop), name="hf_resumable-prefault", daemon=True)
     try:
-        for state in states:
-            if state.read.data is None:
-                state.file = open_regular(state.read.path, buffering=0)
-                if state.read.check is not None:
-                    state.read.check(os.fstat(state.file.fileno()))
-                state.direct = _Direct.open(state.read.path, state.file.fileno(), direct)
-        if hashes is not None:
-            threads.append(threading.Thread(target=_hash_in_order, args=(hashes,), name="hf_resumable-hash",
-                                            daemon=True))
+        _open_files(states, direct_reads())
         if sum(len(chunk.view) for chunk in queue if chunk.new) >= PREFAULT_MIN_BYTES:
-            threads.append(threading.Thread(target=_prefault, args=(queue, stop), name="hf_resumable-prefault",
-                                            daemon=True))
-        # The calling thread reads too, unless it measures the number of streams.
-        threads += [threading.Thread(target=work, name="hf_resumable-read", daemon=True)
-                    for _ in range(readers if choice.probe else readers - 1)]
-        for thread in threads:
-            thread.start()
-        if choice.probe:
-            _probe(gate, readers)
-            gate.wait(lambda: False)  # until every reader is done
-        else:
-            work()
+            prefault.start()
+        run_in_threads(read_chunk, queue, workers=max(1, streams))
     finally:
         stop.set()
-        if hashes is not None:
-            hashes.put(None)
-        for thread in threads:
-            if thread.ident is not None:
-                thread.join()
+        if prefault.ident is not None:
+            prefault.join()
         for state in states:
-            if state.direct is not None:
-                state.direct.close()
-            if state.file is not None:
-                state.file.close()
+            state.close()
         bounce.release()
-    if errors:
-        raise errors[0]
     for state in states:
         if (problem := state.problem()) is not None:
             raise CorruptCheckpointError(
@@ -753,3 +575,13 @@ def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes
         for buffer, target in staged:
             target.copy_(buffer)
     return fresh
+
+
+def _open_files(states: list[_FileState], direct: str) -> None:
+    """Open every file read from disk (and its ``O_DIRECT`` twin), checking it first where it has a check."""
+    for state in states:
+        if state.read.data is None:
+            state.file = open_regular(state.read.path, buffering=0)
+            if state.read.check is not None:
+                state.read.check(os.fstat(state.file.fileno()))
+            state.direct = _Direct.open(state.read.path, state.file.fileno(), direct)
