@@ -7,8 +7,9 @@ it), so each row says what that one mechanism is worth here:
 
 - ``probe``: the library's default, which on a disk reporting itself rotational measures 1 against N streams on the
   first bytes (the probe is forced on tmpfs, which reports nothing);
-- ``one``: one stream, files front to back, hashed on a thread of their own; ``one_inline_hash``: the same with the
-  hash run by the reading thread itself;
+- ``two``, ``one``: 2 streams, 1 stream (before the probe was deleted, one stream read the files front to back and
+  hashed them on a thread of its own); ``one_inline_hash``: one stream hashed by the reading thread itself (in the
+  version with the hash thread);
 - ``no_direct``: no ``O_DIRECT`` (every byte buffered); ``no_align``: new tensors allocated by plain
   ``torch.empty`` (not aligned like their file offset, so ``O_DIRECT`` goes through the bounce buffer);
 - ``no_prefault``: no thread faulting in new memory ahead of the readers;
@@ -145,7 +146,8 @@ DIRECT = getattr(_parallel_read, "DIRECT_READS_ENV", "HF_RESUMABLE_DIRECT_READS"
 VARIANTS: dict[str, tuple[str, dict[str, str], Callable[[], bool] | None]] = {
     "ref": (f"{READ_WORKERS} streams, interleaved (reference)", {STREAMS: str(READ_WORKERS)}, None),
     "probe": ("streams measured on the first bytes (1 vs N)", {}, _patch_probe_everywhere),
-    "one": ("1 stream, files front to back, hash thread", {STREAMS: "1"}, _needs("_hash_in_order")),
+    "two": ("2 streams", {STREAMS: "2"}, None),
+    "one": ("1 stream", {STREAMS: "1"}, None),
     "one_inline_hash": ("1 stream, hashed by the reading thread", {STREAMS: "1"}, _patch_inline_hash),
     "no_direct": ("no O_DIRECT (buffered reads only)", {STREAMS: str(READ_WORKERS), DIRECT: "0"},
                   _needs("_Direct")),
