@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from _bench_common import drop_caches, raw_read
+from _bench_common import drop_caches, raw_read, resident_pages
 
 from hf_resumable.checkpoint import _optimizer, _parallel_read, load_checkpoint, save_checkpoint
 
@@ -186,25 +186,15 @@ def evict(directory: Path, how: str) -> str:
 
 def resident_fraction(directory: Path) -> float:
     """Share of ``directory``'s file pages in the page cache (``mincore``), to confirm that an eviction worked."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long)
-    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
     resident = total = 0
     for path in directory.rglob("*.safetensors"):
-        size = path.stat().st_size
         fd = os.open(path, os.O_RDONLY)
         try:
-            address = libc.mmap(None, size, 1, 1, fd, 0)
-            pages = -(-size // 4096)
-            vector = (ctypes.c_ubyte * pages)()
-            libc.mincore(ctypes.c_void_p(address), size, vector)
-            libc.munmap(ctypes.c_void_p(address), size)
+            pages = resident_pages(fd, os.fstat(fd).st_size) or b""
         finally:
             os.close(fd)
-        resident += sum(b & 1 for b in bytes(vector))
-        total += pages
+        resident += sum(b & 1 for b in pages)
+        total += len(pages)
     return resident / max(total, 1)
 
 
