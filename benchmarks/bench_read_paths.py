@@ -15,7 +15,10 @@ it), so each row says what that one mechanism is worth here:
 - ``no_prefault``: no thread faulting in new memory ahead of the readers;
 - ``no_interleave``: the N streams take the files' chunks file after file instead of interleaved.
 
-Variants whose mechanism this version of the library does not have any more are skipped (named in the output).
+Variants whose mechanism this version of the library does not have any more are skipped (named in the output); to
+measure them, run this script against the commit that still had them (c073833, before the stream probe, the hash
+thread, interleaving and ``O_DIRECT`` were deleted), e.g. from ``git worktree add /tmp/base c073833`` with
+``PYTHONPATH=/tmp/base``.
 Each run is a child forked from a parent that imported torch and hf_resumable but ran no torch op (so the child's
 allocations and page faults are a fresh process's; ``fork`` saves the 5-10 s import per run). The child builds the
 model and an AdamW without state, makes the page cache cold (``--evict drop``: ``echo 3 >
@@ -144,7 +147,7 @@ def _needs(name: str) -> Callable[[], bool]:
 STREAMS = getattr(_parallel_read, "READ_STREAMS_ENV", "HF_RESUMABLE_READ_STREAMS")
 DIRECT = getattr(_parallel_read, "DIRECT_READS_ENV", "HF_RESUMABLE_DIRECT_READS")
 VARIANTS: dict[str, tuple[str, dict[str, str], Callable[[], bool] | None]] = {
-    "ref": (f"{READ_WORKERS} streams, interleaved (reference)", {STREAMS: str(READ_WORKERS)}, None),
+    "ref": (f"{READ_WORKERS} streams (reference)", {STREAMS: str(READ_WORKERS)}, None),
     "probe": ("streams measured on the first bytes (1 vs N)", {}, _patch_probe_everywhere),
     "two": ("2 streams", {STREAMS: "2"}, None),
     "one": ("1 stream", {STREAMS: "1"}, None),
