@@ -209,3 +209,25 @@ def test_a_file_refused_by_its_check_is_refused_before_any_byte_lands(files):
         read_files(reads, workers=4, chunk_bytes=64)
     assert stats and stats[0].st_ino == os.stat(files[0]).st_ino
     assert not targets["a0"].any()
+
+
+def test_a_failing_read_is_raised_after_every_thread_stopped(files, monkeypatch):
+    import errno
+
+    real, calls = os.preadv, []
+
+    def failing(fd, buffers, offset, *args):
+        calls.append(offset)
+        if len(calls) == 5:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", failing)
+    reads = _reads(files)
+    with pytest.raises(OSError, match="Input/output error"):
+        read_files(reads, workers=3, chunk_bytes=256)
+    total = sum(len(c) for c in plan_reads(reads, chunk_bytes=256)[0])
+    assert len(calls) < total  # the other streams stopped claiming chunks
+    monkeypatch.setattr(os, "preadv", real)
+    out = read_files(reads, workers=3, chunk_bytes=256)  # nothing was left open or half-done
+    assert all(torch.equal(out[name], t) for path in files for name, t in load_file(path).items())
