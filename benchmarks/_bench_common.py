@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import ctypes
 import mmap
 import os
 import time
@@ -52,6 +53,26 @@ def raw_read(directory: Path, buffer: bytearray | None = None, *, direct: bool =
                 while n := f.readinto(view[done : done + (16 << 20)]):
                     done += n
     return time.perf_counter() - start
+
+
+def resident_pages(fd: int, size: int) -> bytes | None:
+    """Which pages of the file behind ``fd`` are in the page cache (``mincore``: one byte per page, bit 0 set when
+    resident); ``None`` where that cannot be asked. Maps the file without touching it, so nothing is read."""
+    if size <= 0 or not hasattr(os, "O_DIRECT"):  # Linux only
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == ctypes.c_void_p(-1).value:
+        return None
+    try:
+        vector = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+        return bytes(vector) if libc.mincore(address, size, vector) == 0 else None
+    finally:
+        libc.munmap(address, size)
 
 
 def throttle_reads(directory: str, mib_per_s: int) -> str:

@@ -11,10 +11,9 @@ For a Llama-shaped model + AdamW state of about 1 GiB, each repetition measures:
 - the headline load: a fresh-process resume. A new process builds the model (randomly initialized), an
   AdamW without state and its scheduler, as a restarted job does, then times ``load_checkpoint`` (weights,
   optimizer, scheduler, RNG; hashes checked on the fly). The optimizer state is new memory, allocated and
-  first touched by the load. It reads with the number of streams chosen for this disk (four on a solid-state
-  disk; measured, one against four, on one that reports itself rotational); the same load with one stream
+  first touched by the load. It reads with the default number of streams; the same load with one stream
   and with four (``HF_RESUMABLE_READ_STREAMS``) runs right next to it, the three in rotating order, so the
-  table shows whether the choice is right here,
+  table shows whether the default is right here,
 - the same load into a model and optimizer that exist with state (in place, into memory already there).
 
 Every load is paired: the same process reads the same files raw (one stream, into a reused 16 MiB buffer) just
@@ -55,7 +54,7 @@ from _bench_common import drop_caches, raw_read, throttle_reads
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_resumable.checkpoint import load_checkpoint, save_checkpoint, wait_for_pending_saves
-from hf_resumable.checkpoint._parallel_read import DIRECT_READS_ENV, READ_STREAMS_ENV, READ_WORKERS, read_streams
+from hf_resumable.checkpoint._parallel_read import READ_STREAMS_ENV, READ_WORKERS, read_streams
 
 
 def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -134,7 +133,6 @@ def fresh_process_load(directory: Path, settings: dict[str, str]) -> dict[str, f
     drop_caches()
     env = dict(os.environ)
     env.pop(READ_STREAMS_ENV, None)
-    env.pop(DIRECT_READS_ENV, None)
     env.update(settings)
     streams = settings.get(READ_STREAMS_ENV)
     out = subprocess.run([sys.executable, __file__, "--fresh-load", str(directory)], check=True,
@@ -202,16 +200,15 @@ def main() -> None:
     can_drop = drop_caches()
     results: dict[str, list[float]] = {k: [] for k in ("raw_write", "save", "async_stall", "async_total", "stock",
                                                        "raw_read", "raw_read_parallel", "load_fresh",
-                                                       "load_fresh_1", "load_fresh_n", "load_fresh_buffered", "load",
+                                                       "load_fresh_1", "load_fresh_n", "load",
                                                        "raw_read_new", "raw_read_direct")}
     # Each load's ratio to the raw cold reads of the same files just before and after it, in the same process:
     # this disk's speed drifts by up to 2x within a minute, so unpaired medians compare different disks.
-    paired: dict[str, list[float]] = {k: [] for k in ("load_fresh", "load_fresh_1", "load_fresh_n",
-                                                      "load_fresh_buffered", "load", "raw_read_new",
-                                                      "raw_read_direct")}
-    choice = read_streams([root])
+    paired: dict[str, list[float]] = {k: [] for k in ("load_fresh", "load_fresh_1", "load_fresh_n", "load",
+                                                      "raw_read_new", "raw_read_direct")}
+    streams = read_streams()
     fixed = {"load_fresh": {}, "load_fresh_1": {READ_STREAMS_ENV: "1"}, "load_fresh_n": {READ_STREAMS_ENV:
-             str(READ_WORKERS)}, "load_fresh_buffered": {DIRECT_READS_ENV: "0"}}
+             str(READ_WORKERS)}}
     # Warm-up: allocate the async staging buffers once (they are reused afterwards, as in training).
     save_checkpoint(root / "warm", model=model, optimizer=optimizer, blocking=False)
     wait_for_pending_saves()
@@ -242,7 +239,8 @@ def main() -> None:
         results["raw_read"].append(raw_read(root / f"checkpoint-{rep}", read_buffer))
         drop_caches()
         results["raw_read_parallel"].append(raw_read_parallel(root / f"checkpoint-{rep}"))
-        order = list(fixed)[rep % 4:] + list(fixed)[:rep % 4]  # each variant first, second, ... in turn
+        turn = rep % len(fixed)
+        order = list(fixed)[turn:] + list(fixed)[:turn]  # each variant first, second, ... in turn
         for key in order:
             run = fresh_process_load(root / f"checkpoint-{rep}", fixed[key])
             baseline = min(run["raw_before"], run["raw_after"])
@@ -265,7 +263,7 @@ def main() -> None:
         print(f"  repeat {rep}: " + ", ".join(f"{key} {values[-1]:.3f}" for key, values in results.items()),
               file=sys.stderr)
     shutil.rmtree(root, ignore_errors=True)
-    report(results, paired, nbytes, args.repeats, can_drop, choice.reason)
+    report(results, paired, nbytes, args.repeats, can_drop, f"{streams} ({READ_STREAMS_ENV} or the default)")
     if throttled:
         print(f"\nreads throttled to {args.throttle_read_mibps} MiB/s (blkio rule {throttled}; writes not throttled)")
     print(f"\nload average (1 min) of the machine: {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the "
@@ -304,8 +302,6 @@ def report(results: dict[str, list[float]], paired: dict[str, list[float]], nbyt
         ("the same, 1 read stream (HF_RESUMABLE_READ_STREAMS=1)", "load_fresh_1", pair["load_fresh_1"], ""),
         (f"the same, {READ_WORKERS} read streams (HF_RESUMABLE_READ_STREAMS={READ_WORKERS})", "load_fresh_n",
          pair["load_fresh_n"], ""),
-        ("the same, buffered reads only (HF_RESUMABLE_DIRECT_READS=0)", "load_fresh_buffered",
-         pair["load_fresh_buffered"], ""),
         ("hf_resumable load in place (model + existing AdamW state, hash-checked)", "load", pair["load"],
          ">= 0.9x"),
     ]

@@ -69,7 +69,7 @@ CHILD = r"""
 import json, os, sys, time
 import psutil, torch
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
-from hf_resumable.checkpoint._parallel_read import _resident
+from _bench_common import resident_pages as _resident
 from hf_resumable.lazy import StreamingModel
 
 side, folder, budget, threads, offload = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
@@ -131,7 +131,8 @@ def drop_from_cache(folder: Path) -> None:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "benchmarks")]),
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
 def build_model(folder: Path, hidden: int, layers: int) -> int:

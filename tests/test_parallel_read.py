@@ -70,7 +70,7 @@ def _flip(path, offset_from_end):
         f.write(bytes([byte[0] ^ 0x10]))
 
 
-@pytest.mark.parametrize("workers", [1, 4])  # one stream hashes on a thread of its own, several in the readers
+@pytest.mark.parametrize("workers", [1, 4])
 def test_a_flipped_byte_anywhere_is_found_and_staged_destinations_stay_untouched(files, workers):
     records = [hash_file(p) for p in files]
     _flip(files[1], 2000)
@@ -134,74 +134,48 @@ def test_new_destinations_are_marked_and_prefaulted(files):
     assert torch.equal(new_target, expected["a0"]) and torch.equal(old_target, expected["ints0"])
 
 
-def test_the_number_of_streams_follows_the_disk_and_the_override(files, monkeypatch):
-    from hf_resumable.checkpoint import _parallel_read
+def test_the_number_of_streams_is_the_override_or_the_default(files, monkeypatch):
     from hf_resumable.checkpoint._parallel_read import READ_STREAMS_ENV, READ_WORKERS, read_streams
 
     monkeypatch.delenv(READ_STREAMS_ENV, raising=False)
-    real = _parallel_read._rotational(os.stat(files[0]).st_dev)  # this machine's answer, whatever its disk
-    assert real in (True, False, None)
-    for rotational, probe in ((True, True), (False, False), (None, False)):
-        monkeypatch.setattr(_parallel_read, "_rotational", lambda device, answer=rotational: answer)
-        choice = read_streams(files)
-        assert (choice.streams, choice.probe) == (READ_WORKERS, probe), choice
-    assert read_streams([files[0].parent / "gone"]).streams == READ_WORKERS
-    monkeypatch.setenv(READ_STREAMS_ENV, "3")
-    assert (read_streams(files).streams, read_streams(files).probe) == (3, False)
+    assert read_streams() == READ_WORKERS
+    monkeypatch.setenv(READ_STREAMS_ENV, " 3 ")
+    assert read_streams() == 3
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv(READ_STREAMS_ENV, bad)
         with pytest.raises(ValueError, match=READ_STREAMS_ENV):
-            read_streams(files)
+            read_streams()
+        with pytest.raises(ValueError, match=READ_STREAMS_ENV):
+            read_files(_reads(files))
 
 
-@pytest.mark.parametrize("disk, chosen", [("seeks", 1), ("queues", 4)])
-def test_a_rotational_disk_is_measured_and_the_faster_number_of_streams_kept(tmp_path, monkeypatch, caplog, disk,
-                                                                              chosen):
-    """A disk where concurrent reads slow each other down (a hard disk) keeps one stream; one that serves them in
-    parallel (a virtual disk backed by flash) keeps four. Either way every byte arrives and is checked."""
-    import logging
-    import threading
-    import time
-
+@pytest.mark.parametrize("workers", [1, 3])
+def test_every_chunk_is_read_once_in_file_order_by_one_stream(files, monkeypatch, workers):
     from hf_resumable.checkpoint import _parallel_read
 
-    path = tmp_path / "big.safetensors"
-    write_safetensors(path, [(f"t{i}", torch.randn(64, 1024)) for i in range(16)], fsync=False)  # 4 MiB
-    monkeypatch.delenv(_parallel_read.READ_STREAMS_ENV, raising=False)
-    monkeypatch.setenv(_parallel_read.DIRECT_READS_ENV, "0")  # the simulated disk is behind buffered reads
-    monkeypatch.setattr(_parallel_read, "_rotational", lambda device: True)
-    monkeypatch.setattr(_parallel_read, "PROBE_BYTES", 256 << 10)
-    monkeypatch.setattr(_parallel_read, "PROBE_MIN_BYTES", 1 << 20)
-    inside, lock, pread = [0], threading.Lock(), _parallel_read._pread_into
-
-    def simulated(fd, chunk, file):
-        with lock:
-            inside[0] += 1
-            concurrent = inside[0]
-        time.sleep(0.004 * concurrent**2 if disk == "seeks" else 0.004)  # seeks: concurrent reads slow each other
-        try:
-            pread(fd, chunk, file)
-        finally:
-            with lock:
-                inside[0] -= 1
-
-    monkeypatch.setattr(_parallel_read, "_pread_into", simulated)
-    caplog.set_level(logging.DEBUG, logger=_parallel_read.__name__)
-    out = read_files([FileRead(path, read_header(path), hash_file(path))], chunk_bytes=32 << 10)
-    assert all(torch.equal(out[name], t) for name, t in load_file(path).items())
-    assert f"reading on with {chosen}." in caplog.text, caplog.text
-
-
-def test_one_stream_reads_the_files_one_after_the_other_front_to_back(files, monkeypatch):
-    from hf_resumable.checkpoint import _parallel_read
-
-    monkeypatch.setenv(_parallel_read.DIRECT_READS_ENV, "0")  # watched through the buffered reads
     seen, pread = [], _parallel_read._pread_into
     monkeypatch.setattr(_parallel_read, "_pread_into", lambda fd, chunk, path: seen.append((path, chunk.offset))
                         or pread(fd, chunk, path))
-    out = read_files(_reads(files), workers=1, chunk_bytes=256)
-    assert seen == sorted(seen, key=lambda item: (files.index(item[0]), item[1]))
-    assert {path for path, _ in seen} == set(files)
+    out = read_files(_reads(files), workers=workers, chunk_bytes=256)
+    if workers == 1:  # one stream: the files one after the other, each front to back
+        assert seen == sorted(seen, key=lambda item: (files.index(item[0]), item[1]))
+    assert len(seen) == len(set(seen)) and {path for path, _ in seen} == set(files)
+    for path in files:
+        assert all(torch.equal(out[name], t) for name, t in load_file(path).items())
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_short_reads_are_continued_until_every_byte_is_in(files, monkeypatch, workers):
+    """``preadv`` may return fewer bytes than asked (signals, network filesystems): the reader asks again."""
+    real, calls = os.preadv, []
+
+    def short(fd, buffers, offset, *args):
+        calls.append(offset)
+        return real(fd, [memoryview(buffers[0])[:333]], offset, *args)
+
+    monkeypatch.setattr(os, "preadv", short)
+    out = read_files(_reads(files), workers=workers, chunk_bytes=4096)
+    assert len(calls) > sum(len(c) for c in plan_reads(_reads(files), chunk_bytes=4096)[0])
     for path in files:
         assert all(torch.equal(out[name], t) for name, t in load_file(path).items())
 
@@ -237,178 +211,23 @@ def test_a_file_refused_by_its_check_is_refused_before_any_byte_lands(files):
     assert not targets["a0"].any()
 
 
-def _direct_io_works(directory) -> bool:
-    """Whether this filesystem serves an aligned O_DIRECT read (ext4, xfs: yes; some tmpfs, FUSE: no)."""
-    import mmap
-
-    probe = directory / "probe"
-    probe.write_bytes(b"x" * 8192)
-    try:
-        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
-    except (OSError, AttributeError):
-        return False
-    try:
-        return os.preadv(fd, [mmap.mmap(-1, 4096)], 0) == 4096
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-@pytest.fixture
-def counted(monkeypatch):
-    """How many chunks were read with O_DIRECT and how many buffered."""
-    from hf_resumable.checkpoint import _parallel_read
-
-    counts = {"direct": 0, "buffered": 0}
-    direct_read, buffered_read = _parallel_read._Direct.read, _parallel_read._pread_into
-
-    def direct(self, chunk, bounce):
-        done = direct_read(self, chunk, bounce)
-        counts["direct"] += done
-        return done
-
-    def buffered(fd, chunk, path):
-        counts["buffered"] += 1
-        return buffered_read(fd, chunk, path)
-
-    monkeypatch.setattr(_parallel_read._Direct, "read", direct)
-    monkeypatch.setattr(_parallel_read, "_pread_into", buffered)
-    return counts
-
-
-@pytest.mark.parametrize("chunk_bytes, workers", [(64, 8), (1000, 3), (5000, 1), (8 << 20, 2)])
-def test_direct_reads_are_bitwise_into_place_and_new_memory(files, tmp_path, monkeypatch, counted, chunk_bytes,
-                                                            workers):
-    """O_DIRECT reads go through an aligned buffer whatever the tensors' offsets and addresses (none aligned here),
-    in place and into new memory, and every byte is hashed."""
-    from hf_resumable.checkpoint._parallel_read import DIRECT_READS_ENV
-
-    monkeypatch.setenv(DIRECT_READS_ENV, "1")
-    expected = {k: v for p in files for k, v in load_file(p).items()}
-    in_place = torch.empty(300, 7)
-    out = read_files(_reads(files, {"a0": in_place}), workers=workers, chunk_bytes=chunk_bytes)
-    assert torch.equal(in_place, expected["a0"])
-    for name, tensor in expected.items():
-        got = in_place if name == "a0" else out[name]
-        assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
-    if _direct_io_works(tmp_path):
-        assert counted["direct"] > 0 and counted["buffered"] == 0, counted
-    else:  # the filesystem refuses O_DIRECT: every chunk was read buffered instead
-        assert counted["direct"] == 0 and counted["buffered"] > 0, counted
-
-
-def test_auto_reads_direct_only_what_is_not_cached(tmp_path, monkeypatch, counted):
-    """By default, pages in the page cache are read buffered (memory), pages that are not with O_DIRECT."""
-    from hf_resumable.checkpoint._parallel_read import DIRECT_READS_ENV
-
-    if not _direct_io_works(tmp_path):
-        pytest.skip("this filesystem has no O_DIRECT; test_direct_reads_are_bitwise_* covers the fallback")
-    monkeypatch.delenv(DIRECT_READS_ENV, raising=False)
-    path = tmp_path / "f.safetensors"
-    expected = {f"t{i}": torch.randn(256, 256) for i in range(4)}  # 1 MiB
-    write_safetensors(path, list(expected.items()), fsync=True)
-    path.read_bytes()  # every page is cached now (load_file would keep a mapping that pins them)
-    reads = _reads([path])  # hashing it reads it (buffered)
-    chunks = sum(len(file_chunks) for file_chunks in plan_reads(reads, chunk_bytes=64 << 10)[0])
-    out = read_files(reads, workers=2, chunk_bytes=64 << 10)
-    assert chunks >= 17 and counted == {"direct": 0, "buffered": chunks}, counted
-    fd = os.open(path, os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # drop its clean pages from the cache
-    os.close(fd)
-    counted.update(direct=0, buffered=0)
-    again = read_files(reads, workers=2, chunk_bytes=64 << 10)
-    assert counted == {"direct": chunks, "buffered": 0}, counted
-    for name, tensor in expected.items():
-        assert torch.equal(out[name], tensor) and torch.equal(again[name], tensor), name
-
-
-def test_direct_reads_find_a_flipped_byte_and_a_truncated_file(files, monkeypatch, counted):
-    from hf_resumable.checkpoint._parallel_read import DIRECT_READS_ENV
-
-    monkeypatch.setenv(DIRECT_READS_ENV, "1")
-    records = [hash_file(p) for p in files]
-    _flip(files[1], 2000)
-    reads = [FileRead(p, read_header(p), r) for p, r in zip(files, records)]
-    with pytest.raises(CorruptCheckpointError, match=r"f1\.safetensors: xxh3-128 is"):
-        read_files(reads, workers=2, chunk_bytes=4096)
-    header = read_header(files[2])
-    with open(files[2], "r+b") as f:
-        f.truncate(os.path.getsize(files[2]) - 100)
-    with pytest.raises(CorruptCheckpointError, match=r"f2\.safetensors: file ends at byte \d+.*truncated"):
-        read_files([FileRead(files[2], header, records[2])], workers=1)
-
-
-def test_a_filesystem_without_o_direct_is_read_buffered(files, monkeypatch, counted):
-    """Where ``open(O_DIRECT)`` fails (EINVAL), or an O_DIRECT read does, the file is read buffered, all of it."""
+def test_a_failing_read_is_raised_after_every_thread_stopped(files, monkeypatch):
     import errno
 
-    from hf_resumable.checkpoint import _parallel_read
+    real, calls = os.preadv, []
 
-    monkeypatch.setenv(_parallel_read.DIRECT_READS_ENV, "1")
-    expected = {k: v for p in files for k, v in load_file(p).items()}
-    real_open = os.open
+    def failing(fd, buffers, offset, *args):
+        calls.append(offset)
+        if len(calls) == 5:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset, *args)
 
-    def no_direct_open(path, flags, *args):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(os, "open", no_direct_open)
-    out = read_files(_reads(files), workers=2, chunk_bytes=1000)
-    assert counted["direct"] == 0 and counted["buffered"] > 0
-    assert all(torch.equal(out[name], t) for name, t in expected.items())
-    monkeypatch.setattr(os, "open", real_open)
-    real_preadv = os.preadv
-
-    def refuse_direct(fd, buffers, offset, *args):
-        if os.get_blocking(fd) is False:  # our O_DIRECT descriptor is opened non-blocking
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_preadv(fd, buffers, offset, *args)
-
-    monkeypatch.setattr(os, "preadv", refuse_direct)
-    counted.update(direct=0, buffered=0)
-    out = read_files(_reads(files), workers=2, chunk_bytes=1000)
-    assert counted["direct"] == 0 and counted["buffered"] > 0
-    assert all(torch.equal(out[name], t) for name, t in expected.items())
-
-
-def test_the_direct_reads_setting_is_checked(monkeypatch):
-    from hf_resumable.checkpoint._parallel_read import DIRECT_READS_ENV, direct_reads
-
-    for value, mode in (("", "auto"), ("auto", "auto"), ("0", "never"), ("1", "always")):
-        monkeypatch.setenv(DIRECT_READS_ENV, value)
-        assert direct_reads() == (mode if hasattr(os, "O_DIRECT") else "never")
-    monkeypatch.setenv(DIRECT_READS_ENV, "yes")
-    with pytest.raises(ValueError, match=DIRECT_READS_ENV):
-        direct_reads()
-
-
-def test_aligned_destinations_are_read_straight_into(tmp_path, monkeypatch, counted):
-    """A destination aligned like its bytes' file offset (``empty_aligned``, as new optimizer state is) takes the
-    O_DIRECT reads itself: only the unaligned head and tail of the tensor pass through the aligned buffer."""
-    from hf_resumable.checkpoint import _parallel_read
-    from hf_resumable.checkpoint._parallel_read import DIRECT_ALIGN, DIRECT_READS_ENV, empty_aligned
-
-    if not _direct_io_works(tmp_path):
-        pytest.skip("this filesystem has no O_DIRECT; test_direct_reads_are_bitwise_* covers the fallback")
-    monkeypatch.setenv(DIRECT_READS_ENV, "1")
-    path = tmp_path / "f.safetensors"
-    tensors = {"small": torch.randn(3), "big": torch.randn(256, 1024)}  # "big" starts 12 bytes into the data
-    write_safetensors(path, list(tensors.items()), fsync=True)
-    header = read_header(path)
-    offset = header.data_offset + header.tensors["big"].start
-    assert offset % DIRECT_ALIGN != 0
-    target = empty_aligned((256, 1024), torch.float32, offset)
-    assert target.data_ptr() % DIRECT_ALIGN == offset % DIRECT_ALIGN and target.is_contiguous()
-    through, real = [], _parallel_read._Direct._through
-    monkeypatch.setattr(_parallel_read._Direct, "_through",
-                        lambda self, bounce, chunk, begin, end: through.append(end - begin) or real(
-                            self, bounce, chunk, begin, end))
-    out = read_files([FileRead(path, header, hash_file(path), {"big": target})], workers=2, chunk_bytes=64 << 10)
-    assert torch.equal(target, tensors["big"]) and torch.equal(out["small"], tensors["small"])
-    chunks = len(plan_reads([FileRead(path, header, None, {"big": target})], chunk_bytes=64 << 10)[0][0])
-    assert chunks == 18 and counted["direct"] == chunks + 1  # the header too
-    # Through the buffer: the header, "small", and big's head and tail (under one block each); the rest went in
-    # place, 1 MiB in all.
-    assert len(through) == 4 and max(through) < DIRECT_ALIGN + header.data_offset, through
+    monkeypatch.setattr(os, "preadv", failing)
+    reads = _reads(files)
+    with pytest.raises(OSError, match="Input/output error"):
+        read_files(reads, workers=3, chunk_bytes=256)
+    total = sum(len(c) for c in plan_reads(reads, chunk_bytes=256)[0])
+    assert len(calls) < total  # the other streams stopped claiming chunks
+    monkeypatch.setattr(os, "preadv", real)
+    out = read_files(reads, workers=3, chunk_bytes=256)  # nothing was left open or half-done
+    assert all(torch.equal(out[name], t) for path in files for name, t in load_file(path).items())

@@ -18,7 +18,6 @@ import torch
 from ..constants import OPTIMIZER_GROUP_PREFIX, OPTIMIZER_STATE_PREFIX
 from ..errors import CheckpointMismatchError
 from ..format.state_codec import decode_state, encode_state
-from ._parallel_read import empty_aligned
 from ._validate import check_hyperparameters, check_step_value
 
 logger = logging.getLogger(__name__)
@@ -191,8 +190,8 @@ def plan_optimizer_load(
     against the live group's kinds; non-tensor state (``step`` a whole non-negative number); each stored
     ``state/<name>/<key>`` tensor names an optimized parameter, and per-parameter moments (``exp_avg``,
     ``momentum_buffer``, ...) have the parameter's shape and floating dtype. ``offsets``: where each stored
-    tensor's bytes start in its file; new CPU state is then allocated aligned like them, for ``O_DIRECT`` reads
-    straight into it (:func:`._parallel_read.empty_aligned`).
+    tensor's bytes start in its file; new CPU state of the stored dtype is then allocated contiguous, so the read
+    lands in it in place.
 
     Raises:
         CheckpointMismatchError: listing every problem.
@@ -245,8 +244,8 @@ def plan_optimizer_load(
 def _target(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str, dtype: torch.dtype,
             shape: tuple[int, ...], group: Mapping[str, Any], offset: int | None = None) -> torch.Tensor:
     """The existing state tensor of the final kind (filled in place: a reload skips allocating and first-touching
-    that memory, as model weights do), else a new one allocated in that kind and the parameter's layout (aligned
-    like its bytes' file ``offset`` when it is a contiguous CPU tensor read in place)."""
+    that memory, as model weights do), else a new one allocated in that kind and the parameter's layout (contiguous
+    when it is a CPU tensor read in place, ``offset`` known)."""
     final_dtype, device = _final_kind(param, key, dtype, group)
     existing = optimizer.state.get(param, {}).get(key)
     if (isinstance(existing, torch.Tensor) and existing.dtype == final_dtype and tuple(existing.shape) == shape
@@ -254,7 +253,7 @@ def _target(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str, dty
         return existing
     if (offset is not None and device.type == "cpu" and final_dtype == dtype and key != STEP_KEY
             and (tuple(param.shape) != shape or param.is_contiguous())):
-        return empty_aligned(shape, final_dtype, offset)
+        return torch.empty(shape, dtype=final_dtype)
     if tuple(param.shape) == shape and param.device == device and key != STEP_KEY:
         return torch.empty_like(param, dtype=final_dtype, memory_format=torch.preserve_format)
     return torch.empty(shape, dtype=final_dtype, device=device)

@@ -1,42 +1,31 @@
-"""Read many safetensors files at once, several threads per file, each file's hash checked in byte order.
+"""Read many safetensors files at once with a few threads, each file's hash checked in byte order.
 
-A resume reads a model and an optimizer state twice its size. One thread per file puts the page faults
-of the new memory (a fresh process's optimizer state) on one core while the model's thread finishes
-early; file after file leaves the CPU idle while the model is read and the disk waiting while the
-state's pages are faulted in. Here every file is cut into chunks, all files' chunks are interleaved
-(:func:`interleave`) and a pool of threads reads them with ``pread`` straight into the destination
-tensors' bytes, while each file's checksum is fed in order by whichever thread completes its next
-chunk. ``pread``, ``xxh3`` and ``sha256`` release the GIL.
+A resume reads a model into memory that exists and an optimizer state twice its size into new memory. Every file is
+cut into chunks of at most ``CHUNK_BYTES`` (:func:`plan_reads`, pure: which byte range of which file lands in which
+tensor), and ``READ_WORKERS`` threads (``HF_RESUMABLE_READ_STREAMS=<n>`` or ``read_files(workers=n)`` changes it)
+take the chunks in file order and ``pread`` each straight into the destination tensor's bytes. Whichever thread
+completes a file's next chunk feeds that file's checksum, so every byte is hashed in order while the reads go on.
+``pread``, ``xxh3`` and ``sha256`` release the GIL. One more thread faults in the pages of new destinations ahead of
+the readers (``madvise(MADV_POPULATE_WRITE)``). Tensors that cannot receive bytes in place (another device, dtype or
+layout) are read into CPU staging buffers and copied into their destination only after EVERY file's hash matched.
 
-Planning (:func:`plan_reads`) is pure: which byte range of which file lands in which tensor. Tensors
-that cannot receive bytes in place (another device, dtype or layout) are read into CPU staging buffers
-and copied into their destination only after EVERY file's hash has matched.
+What each mechanism is worth was measured with ``benchmarks/bench_read_paths.py``: a fresh-process resume of 0.94
+GiB (model into existing memory, new AdamW state, every hash checked), one mechanism on vs off, rounds run in
+rotating order, as the median of the per-round time ratios of two runs (n=5, n=7) on this project's 2-core VM
+while other jobs kept its load average at 7-10 (docs/benchmarks.md has the tables):
 
-How many reads are in flight (:func:`read_streams`) depends on the disk. On a disk that reports itself solid
-state (NVMe and SATA SSDs: ``/sys/dev/block/<dev>/queue/rotational`` is 0), and where there is no such flag
-(tmpfs, network and FUSE filesystems), ``READ_WORKERS`` streams read all files' chunks interleaved: an NVMe
-drive needs many requests in flight to reach its bandwidth, and one buffered stream only has the kernel's
-read-ahead window in flight, so this never measures and never reads with fewer. A disk that reports itself
-rotational is either a hard disk (where concurrent reads at several offsets seek, and one stream is fastest)
-or a virtual disk that does not say what is behind it (virtio-blk reports 1 whatever backs it; the one this
-project is measured on read 1 GiB at 0.76x the speed of one stream with four, when nothing else used it, and
-faster with four while other jobs read from the same host). So there the files are read front to back, one
-after the other, and the number of streams is measured on the first bytes read (:func:`_probe`: 16 MiB at
-one stream and 32 MiB at ``READ_WORKERS``, twice each), and the faster is kept for the rest: at most 64 MiB
-(6 % of a 1 GiB load) are read the slower way. A read of fewer
-than 256 MiB from such a disk uses one stream. ``HF_RESUMABLE_READ_STREAMS=<n>`` (or ``read_files(workers=n)``)
-fixes the number. Either way the pages of new destinations are faulted in ahead of the reads on one more
-thread. Several streams hash in the reading threads (xxh3 at about 10 GiB/s per core); files read front to
-back are hashed on a thread of their own, so the one thread reading does nothing but read.
+- 4 streams, not 1: 1.33x and 1.64x faster on the VM's virtio disk, cold cache. On tmpfs, where every read is a
+  memory copy competing for the loaded cores, 1 stream was 1.54x and 1.26x faster than 4:
+  ``HF_RESUMABLE_READ_STREAMS=1`` is the setting for such a machine.
+- the prefault thread: 1.19x and 1.11x faster on the disk (the page faults of new memory overlap the disk's
+  work); on tmpfs the load was 1.27x and 1.31x faster without it (the faults then only compete for the cores).
 
-Bytes that are not in the page cache are read with ``O_DIRECT`` (:class:`_Direct`): the disk (or a virtual disk's
-host) writes them into an aligned buffer of the reading thread, and they are copied from there into the
-destination; a buffered read would first allocate and fill a page-cache page for every 4 KiB, then copy it, and on
-this project's VM that allocation, not the disk, was most of a cold load's time (a buffered cold read of 1 GiB took
-0.88-2.6 s, the same read with ``O_DIRECT`` 0.64-0.81 s). Pages already cached (a checkpoint just written, or read
-before) are read buffered, as memory. Filesystems without ``O_DIRECT`` (tmpfs, some FUSE and network ones) are read
-buffered. ``HF_RESUMABLE_DIRECT_READS=0`` never reads direct, ``=1`` reads every byte direct where the filesystem
-allows it, cached or not.
+Deleted, because they did not pay on either storage: ``O_DIRECT`` reads of the bytes ``mincore`` said were not
+cached, with new tensors allocated aligned like their file offsets (without it the disk load was 1.41x and 1.03x
+as fast, using 0.94 s of CPU instead of 0.71 s; on tmpfs nothing is read direct), interleaving all files' chunks
+(0.98x-1.12x as fast without it), one stream hashing on a thread of its own (0.94x-1.03x as fast hashing in the
+reader), and the stream probe, which measured 1 against 4 streams on the first 64 MiB of a disk reporting itself
+rotational (1.10x as fast as a fixed 4 on the disk, range 0.81-1.51: noise; it ran only on such disks).
 
 A file may also come from memory (:attr:`FileRead.data`: bytes a verification already hashed and kept), and a
 file that verification hashed but did not keep is checked to be the very file it hashed before it is read
@@ -46,17 +35,12 @@ file that verification hashed but did not keep is checked to be the very file it
 from __future__ import annotations
 
 import ctypes
-import errno
 import functools
 import hashlib
 import logging
-import math
-import mmap
 import os
-import queue as _queue
 import sys
 import threading
-import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,31 +51,22 @@ import xxhash
 from ..errors import CorruptCheckpointError
 from ..format._safefile import open_regular
 from ..format.safetensors_io import FileRecord, SafetensorsHeader, TensorInfo
+from ._threads import run_in_threads
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FileRead", "Chunk", "StreamChoice", "plan_reads", "interleave", "read_files", "read_streams",
-           "direct_reads", "empty_aligned", "READ_WORKERS", "CHUNK_BYTES", "READ_STREAMS_ENV", "DIRECT_READS_ENV"]
+__all__ = ["FileRead", "Chunk", "plan_reads", "read_files", "read_streams", "READ_WORKERS", "CHUNK_BYTES",
+           "READ_STREAMS_ENV"]
 
-# Threads reading at once on a solid-state (or unknown) disk (all files share them); more than the cores, so the
-# disk queue stays deep while some threads fault in fresh pages or hash.
+# Threads reading at once (all files share them): more than this VM's 2 cores, so the disk queue stays deep while
+# some threads fault in fresh pages or hash.
 READ_WORKERS = 4
 # Largest byte range one thread reads at a time.
 CHUNK_BYTES = 8 * 1024 * 1024
 # New destinations smaller than this in all are faulted in by the readers themselves (no prefault thread).
 PREFAULT_MIN_BYTES = 1024 * 1024
-# A disk that reports itself rotational is measured: this many bytes at READ_WORKERS streams and half as many at
-# one stream, twice each.
-PROBE_BYTES = 32 * 1024 * 1024
-# Reads of fewer bytes from disk are not measured (a rotational disk reads them with one stream).
-PROBE_MIN_BYTES = 8 * PROBE_BYTES
-# Environment variable that sets the number of read streams (an integer >= 1), whatever the disk.
+# Environment variable that sets the number of read streams (an integer >= 1).
 READ_STREAMS_ENV = "HF_RESUMABLE_READ_STREAMS"
-# Environment variable: "0" never reads with O_DIRECT, "1" reads every byte with it (where the filesystem allows),
-# unset or "auto" reads with it the pages that are not in the page cache.
-DIRECT_READS_ENV = "HF_RESUMABLE_DIRECT_READS"
-# O_DIRECT offsets, lengths and buffer addresses are multiples of this (every common disk's logical block divides it).
-DIRECT_ALIGN = 4096
 
 
 @dataclass
@@ -158,14 +133,9 @@ def plan_reads(reads: list[FileRead], *, chunk_bytes: int = CHUNK_BYTES
         header, chunks = read.header, []
 
         def add(offset: int, view: memoryview, *, new: bool = False, address: int = 0) -> None:
-            # Cut at file offsets that are multiples of chunk_bytes: every chunk but a tensor's first and last is
-            # then aligned for O_DIRECT (when chunk_bytes is a multiple of DIRECT_ALIGN).
-            start = 0
-            while start < len(view):
-                end = min(len(view), (offset + start) // chunk_bytes * chunk_bytes + chunk_bytes - offset)
-                chunks.append(Chunk(number, len(chunks), offset + start, view[start:end], new,
+            for start in range(0, len(view), chunk_bytes):
+                chunks.append(Chunk(number, len(chunks), offset + start, view[start : start + chunk_bytes], new,
                                     address and address + start))
-                start = end
 
         if read.expected is not None:
             add(0, memoryview(bytearray(header.data_offset)))
@@ -174,7 +144,7 @@ def plan_reads(reads: list[FileRead], *, chunk_bytes: int = CHUNK_BYTES
             if _in_place(target, info):
                 buffer, new = target, info.name in read.new
             else:
-                buffer, new = empty_aligned(info.shape, info.torch_dtype, header.data_offset + info.start), True
+                buffer, new = torch.empty(info.shape, dtype=info.torch_dtype), True
                 if target is not None:
                     staged.append((buffer, target))
                 else:
@@ -198,7 +168,10 @@ class _FileState:
         self.digest = None if expected is None else (
             xxhash.xxh3_128() if expected.xxh3_128 is not None else hashlib.sha256())
         self.file = None
-        self.direct: _Direct | None = None
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
 
     def completed(self, index: int) -> None:
         """Chunk ``index`` is in; feed every chunk that is now next in line (one feeder at a time)."""
@@ -231,47 +204,14 @@ class _FileState:
         return None if actual == expected.sha256 else f"sha256 is {actual}, the manifest says {expected.sha256}"
 
 
-def interleave(files: list[list[Chunk]]) -> list[Chunk]:
-    """All files' chunks in one queue, each file advancing at the same relative pace.
-
-    A resume reads the model into memory that exists (disk-bound) and the optimizer state into new memory
-    (bound by page faults, i.e. CPU). File after file would leave the CPU idle during the first and the
-    disk waiting during the second; interleaved, both work at once. Within a file chunks stay in order,
-    so its checksum is fed as soon as possible.
-
-    Example:
-
-    ```python
-    >>> a = [Chunk(0, i, i * 10, memoryview(bytes(10))) for i in range(4)]
-    >>> b = [Chunk(1, i, i * 20, memoryview(bytes(20))) for i in range(2)]
-    >>> [(c.file, c.index) for c in interleave([a, b])]
-    [(0, 0), (1, 0), (0, 1), (0, 2), (1, 1), (0, 3)]
-
-    ```
-    """
-    keyed = []
-    for chunks in files:
-        size, done = max(1, sum(len(c.view) for c in chunks)), 0
-        for chunk in chunks:
-            keyed.append((done / size, chunk.file, chunk.index, chunk))
-            done += len(chunk.view)
-    return [item[3] for item in sorted(keyed, key=lambda item: item[:3])]
-
-
 @functools.lru_cache(maxsize=1)
 def _libc() -> ctypes.CDLL | None:
-    """libc through ctypes (which releases the GIL during each call), with the signatures used here; ``None``
-    off Linux."""
+    """libc through ctypes (which releases the GIL during each call), with ``madvise``'s signature; ``None`` off
+    Linux."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.munmap.argtypes, libc.munmap.restype = (ctypes.c_void_p, ctypes.c_size_t), ctypes.c_int
-        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-        libc.mincore.restype = ctypes.c_int
         libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         libc.madvise.restype = ctypes.c_int
     except (OSError, AttributeError):
@@ -335,304 +275,18 @@ def _pread_into(fd: int, chunk: Chunk, path: Path) -> None:
         view, offset = view[n:], offset + n
 
 
-def direct_reads() -> str:
-    """The ``HF_RESUMABLE_DIRECT_READS`` mode: ``"auto"`` (default: pages not in the page cache are read with
-    ``O_DIRECT``), ``"never"`` (``0``) or ``"always"`` (``1``).
-
-    Raises:
-        ValueError: the variable is set to anything else.
-    """
-    value = os.environ.get(DIRECT_READS_ENV, "").strip().lower()
-    modes = {"": "auto", "auto": "auto", "0": "never", "1": "always"}
-    if value not in modes:
-        raise ValueError(f"{DIRECT_READS_ENV}={value!r}: expected 0 (never read with O_DIRECT), 1 (always, where the "
-                         "filesystem allows it) or auto.")
-    return modes[value] if hasattr(os, "O_DIRECT") else "never"
-
-
-def _resident(fd: int, size: int) -> bytes | None:
-    """Which pages of the file behind ``fd`` are in the page cache (``mincore``: one byte per page, bit 0 set when
-    resident); ``None`` if that cannot be asked. Maps the file without touching it, so nothing is read."""
-    libc = _libc()
-    if libc is None or size <= 0:
-        return None
-    address = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
-    if address is None or address == ctypes.c_void_p(-1).value:
-        return None
-    try:
-        pages = -(-size // _PAGE)
-        vector = (ctypes.c_ubyte * pages)()
-        if libc.mincore(address, size, vector) != 0:
-            return None
-        return bytes(vector)
-    finally:
-        libc.munmap(address, size)
-
-
-class _Direct:
-    """A file opened a second time with ``O_DIRECT``, and which of its pages were cached when it was opened.
-
-    :meth:`read` reads a chunk through an aligned buffer of the calling thread, unless all its pages are cached;
-    it returns ``False`` when the chunk should be read buffered (cached, or the filesystem refused ``O_DIRECT``:
-    then this file is read buffered from there on).
-    """
-
-    def __init__(self, path: Path, fd: int, size: int, always: bool) -> None:
-        self.path, self.fd = path, fd
-        self.cached = None if always else _resident(fd, size)
-        self.usable = True
-
-    @classmethod
-    def open(cls, path: Path, buffered_fd: int, mode: str) -> _Direct | None:
-        if mode == "never":
-            return None
-        try:
-            # O_NONBLOCK: never wait on a FIFO put in its place (the identity check below then refuses it).
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-        except OSError as err:  # EINVAL: the filesystem has no O_DIRECT
-            logger.debug("%s: no O_DIRECT (%s); reading it buffered.", path, err)
-            return None
-        opened, verified = os.fstat(fd), os.fstat(buffered_fd)
-        if (opened.st_dev, opened.st_ino) != (verified.st_dev, verified.st_ino):  # replaced: read the one verified
-            os.close(fd)
-            return None
-        return cls(path, fd, verified.st_size, mode == "always")
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-    def wanted(self, offset: int, length: int) -> bool:
-        if not self.usable:
-            return False
-        if self.cached is None:
-            return True
-        first, last = offset // _PAGE, (offset + length - 1) // _PAGE + 1
-        return self.cached.find(b"\0", first, last) != -1 or len(self.cached) < last
-
-    def read(self, chunk: Chunk, bounce: _Bounce) -> bool:
-        """Read ``chunk`` with ``O_DIRECT``: straight into its destination where the destination's address and the
-        file offset are aligned alike (the aligned whole blocks of it), through ``bounce`` otherwise."""
-        length, offset = len(chunk.view), chunk.offset
-        if length == 0 or not self.wanted(offset, length):
-            return False
-        if chunk.address and (chunk.address - offset) % DIRECT_ALIGN == 0:
-            first = -(-offset // DIRECT_ALIGN) * DIRECT_ALIGN
-            last = (offset + length) // DIRECT_ALIGN * DIRECT_ALIGN
-            if last > first:
-                if not self._read(chunk.view[first - offset : last - offset], first, last - first):
-                    return False
-                for begin, end in ((offset, first), (last, offset + length)):
-                    if end > begin and not self._through(bounce, chunk, begin, end):
-                        return False  # pragma: no cover - the filesystem took the aligned read, then refused one
-                return True
-        return self._through(bounce, chunk, offset, offset + length)
-
-    def _through(self, bounce: _Bounce, chunk: Chunk, begin: int, end: int) -> bool:
-        """Bytes ``[begin, end)`` of the file, read aligned into ``bounce`` and copied into ``chunk``."""
-        start = begin // DIRECT_ALIGN * DIRECT_ALIGN
-        need = end - start
-        span = -(-need // DIRECT_ALIGN) * DIRECT_ALIGN
-        buffer = bounce.get(span)
-        if not self._read(buffer[:span], start, need):
-            return False
-        skip, into = begin - start, begin - chunk.offset
-        if chunk.address:
-            ctypes.memmove(chunk.address + into, bounce.address + skip, end - begin)  # releases the GIL
-        else:
-            chunk.view[into : into + end - begin] = buffer[skip : skip + end - begin]
-        return True
-
-    def _read(self, view: memoryview, start: int, need: int) -> bool:
-        """At least ``need`` bytes from ``start`` (aligned) into ``view`` (aligned; whole blocks); ``False``: the
-        filesystem refused ``O_DIRECT`` (nothing read; this file is read buffered from now on)."""
-        got = 0
-        while got < need:
-            try:
-                n = os.preadv(self.fd, [view[got:]], start + got)
-            except OSError as err:
-                if err.errno != errno.EINVAL or got:
-                    raise
-                logger.debug("%s: O_DIRECT read refused (%s); reading it buffered.", self.path, err)
-                self.usable = False
-                return False
-            if n <= 0 or (n % DIRECT_ALIGN and got + n < need):
-                raise _truncated(self.path, start + got + max(n, 0))
-            got += n
-        return True
-
-
-def empty_aligned(shape: tuple[int, ...], dtype: torch.dtype, file_offset: int) -> torch.Tensor:
-    """A new contiguous CPU tensor whose address is aligned like ``file_offset`` (modulo ``DIRECT_ALIGN``), so that
-    ``O_DIRECT`` reads the bytes stored there straight into it, with no copy (a view into a buffer
-    ``DIRECT_ALIGN`` bytes larger). Small tensors, and offsets no tensor of ``dtype`` can be aligned to, get a
-    plain ``torch.empty``.
-
-    Example:
-
-    ```python
-    >>> t = empty_aligned((1024, 1024), torch.float32, file_offset=4096 * 3 + 136)
-    >>> (t.data_ptr() % 4096, t.shape, t.is_contiguous())
-    (136, torch.Size([1024, 1024]), True)
-
-    ```
-    """
-    size = dtype.itemsize
-    nbytes = math.prod(shape) * size
-    if nbytes < 16 * DIRECT_ALIGN:
-        return torch.empty(shape, dtype=dtype)
-    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
-    shift = (file_offset - raw.data_ptr()) % DIRECT_ALIGN
-    if shift % size:
-        return torch.empty(shape, dtype=dtype)
-    return raw[shift : shift + nbytes].view(dtype).view(shape)
-
-
-class _Bounce(threading.local):
-    """One page-aligned buffer per reading thread for ``O_DIRECT`` reads, grown on demand, freed with the load."""
-
-    def __init__(self, size: int = 0) -> None:
-        self.size = size  # allocated at once, so that a thread's first (small) chunk does not decide it
-        self.memory: mmap.mmap | None = None
-        self.view: memoryview | None = None
-        self.address = 0
-
-    def get(self, size: int) -> memoryview:
-        if self.memory is None or len(self.memory) < size:
-            self.release()
-            self.memory = mmap.mmap(-1, max(size, self.size))
-            self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.memory))
-            self.view = memoryview(self.memory)
-        return self.view
-
-    def release(self) -> None:
-        if self.view is not None:
-            self.view.release()
-        self.memory = self.view = None
-
-
-@dataclass(frozen=True)
-class StreamChoice:
-    """How many reads a load keeps in flight, and why (:func:`read_streams`).
-
-    Args:
-        streams (`int`): reads in flight; when ``probe``, the most that is tried.
-        probe (`bool`): measure one stream against ``streams`` on the first bytes and keep the faster.
-        reason (`str`): what decided it, for logs and benchmarks.
-    """
-
-    streams: int
-    probe: bool
-    reason: str
-
-
-def read_streams(paths: Collection[Path]) -> StreamChoice:
-    """How to read ``paths``: ``HF_RESUMABLE_READ_STREAMS`` streams when set; on a disk that reports itself
-    rotational, measured (:func:`read_files`: one stream against ``READ_WORKERS`` on the first bytes); on any other,
-    ``READ_WORKERS`` streams (see the module's docstring).
+def read_streams() -> int:
+    """Reads kept in flight: ``HF_RESUMABLE_READ_STREAMS`` when set, else ``READ_WORKERS``.
 
     Raises:
         ValueError: ``HF_RESUMABLE_READ_STREAMS`` is not an integer >= 1.
     """
     override = os.environ.get(READ_STREAMS_ENV, "").strip()
-    if override:
-        if not override.isdigit() or int(override) < 1:
-            raise ValueError(f"{READ_STREAMS_ENV}={override!r}: expected the number of read streams, an integer >= 1.")
-        return StreamChoice(int(override), False, f"{READ_STREAMS_ENV}={int(override)}")
-    for path in paths:
-        try:
-            device = os.stat(path).st_dev
-        except OSError:
-            continue
-        if _rotational(device):
-            return StreamChoice(READ_WORKERS, True, "a disk that reports itself rotational: measured")
-        return StreamChoice(READ_WORKERS, False, "a solid-state disk, or one that reports nothing")
-    return StreamChoice(READ_WORKERS, False, "no file on disk")
-
-
-@functools.lru_cache(maxsize=64)
-def _rotational(device: int) -> bool | None:
-    """Whether the block device ``device`` (a ``st_dev``) reports itself rotational; ``None``: it has no such flag
-    (tmpfs, network and FUSE filesystems, btrfs subvolumes, non-Linux)."""
-    try:
-        real = Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}").resolve(strict=True)
-    except (OSError, ValueError):
-        return None
-    for block in (real, real.parent):  # a partition's queue is its disk's
-        try:
-            return (block / "queue" / "rotational").read_text().strip() == "1"
-        except OSError:
-            continue
-    return None
-
-
-class _Gate:
-    """Lets at most ``limit`` reads run at once and counts the bytes read from disk, so that a probe can measure a
-    number of streams and change it while the readers run."""
-
-    def __init__(self, limit: int, readers: int) -> None:
-        self.limit, self.readers = limit, readers
-        self.active = self.done = self.exited = 0
-        self.cond = threading.Condition()
-
-    def enter(self) -> None:
-        with self.cond:
-            while self.active >= self.limit:
-                self.cond.wait()
-            self.active += 1
-
-    def leave(self, nbytes: int) -> None:
-        with self.cond:
-            self.active -= 1
-            self.done += nbytes
-            self.cond.notify_all()
-
-    def exit(self) -> None:
-        with self.cond:
-            self.exited += 1
-            self.cond.notify_all()
-
-    def finished(self) -> bool:
-        return self.exited >= self.readers
-
-    def wait(self, predicate: Callable[[], bool]) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: predicate() or self.finished())
-
-    def set_limit(self, limit: int) -> None:
-        with self.cond:
-            self.limit = limit
-            self.cond.notify_all()
-            self.cond.wait_for(lambda: self.active <= limit or self.finished())
-
-
-def _hash_in_order(hashes: _queue.SimpleQueue) -> None:
-    """Feed the checksums of the chunks put on ``hashes`` (``(file state, chunk index)``; ``None`` ends)."""
-    while (item := hashes.get()) is not None:
-        state, index = item
-        state.completed(index)
-
-
-def _probe(gate: _Gate, streams: int) -> int:
-    """Measure one stream against ``streams`` while the readers run, in the order 1, n, n, 1 after one chunk of
-    warm-up (so a steady drift of the disk's speed favours neither), then keep the faster. ``streams`` read
-    ``PROBE_BYTES`` per turn (four chunks in flight at once), one stream half as much: the slower choice costs
-    the least."""
-    gate.wait(lambda: gate.done > 0)
-    rates: dict[int, list[float]] = {1: [], streams: []}
-    for limit in (1, streams, streams, 1):
-        gate.set_limit(limit)
-        start, before = time.perf_counter(), gate.done
-        amount = PROBE_BYTES if limit > 1 else PROBE_BYTES // 2
-        gate.wait(lambda: gate.done - before >= amount)
-        if gate.finished():
-            return streams
-        rates[limit].append((gate.done - before) / max(time.perf_counter() - start, 1e-9))
-    one, many = sum(rates[1]), sum(rates[streams])
-    chosen = 1 if one > many else streams
-    logger.debug("Read streams measured: 1 at %.0f MB/s, %d at %.0f MB/s; reading on with %d.", one / 2e6, streams,
-                 many / 2e6, chosen)
-    gate.set_limit(chosen)
-    return chosen
+    if not override:
+        return READ_WORKERS
+    if not override.isdigit() or int(override) < 1:
+        raise ValueError(f"{READ_STREAMS_ENV}={override!r}: expected the number of read streams, an integer >= 1.")
+    return int(override)
 
 
 def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes: int = CHUNK_BYTES
@@ -641,109 +295,39 @@ def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes
 
     Destinations that are plain contiguous CPU tensors of the stored dtype and shape receive the bytes
     directly (before the file's hash is known); every other destination is copied from a staging buffer
-    after all hashes matched. ``workers``: reads in flight (default :func:`read_streams`); with one, or when the
-    number is measured, the files are read one after the other, each front to back.
+    after all hashes matched. ``workers``: reads in flight (default :func:`read_streams`).
 
     Raises:
         CorruptCheckpointError: a hash mismatch or a short file, naming the file (after every thread stopped), or a
             file that changed since it was verified (``FileRead.check``; before any byte of it is read).
         OSError: if a file cannot be read.
     """
-    choice = (read_streams([read.path for read in reads if read.data is None]) if workers is None
-              else StreamChoice(workers, False, "workers="))
+    streams = read_streams() if workers is None else workers
     files, fresh, staged = plan_reads(reads, chunk_bytes=chunk_bytes)
-    from_disk = sum(len(c.view) for read, chunks in zip(reads, files) if read.data is None for c in chunks)
-    if choice.probe and from_disk < PROBE_MIN_BYTES:
-        choice = StreamChoice(1, False, f"{choice.reason}; too little to measure")
     states = [_FileState(read, chunks) for read, chunks in zip(reads, files)]
-    sequential = choice.probe or choice.streams == 1
-    queue = [chunk for chunks in files for chunk in chunks] if sequential else interleave(files)
-    # One stream of reads keeps the disk busy only if its thread does nothing else: its chunks are hashed on a
-    # thread of their own. Several streams hash in whichever thread completes the next chunk.
-    hashes: _queue.SimpleQueue | None = (_queue.SimpleQueue() if sequential and any(st.digest for st in states)
-                                         else None)
-    readers = max(1, min(choice.streams, len(queue)))
-    gate = _Gate(1 if choice.probe else readers, readers)
-    cursor = iter(range(len(queue)))
-    lock = threading.Lock()
-    errors: list[BaseException] = []
+    queue = [chunk for chunks in files for chunk in chunks]
 
-    def read_one() -> bool:
-        gate.enter()
-        nbytes = 0
-        try:
-            with lock:
-                position = next(cursor, None)
-                if position is None or errors:
-                    return False
-            chunk = queue[position]
-            state = states[chunk.file]
-            if state.read.data is not None:
-                _copy_into(state.read.data, chunk, state.read.path)
-            else:
-                if state.direct is None or not state.direct.read(chunk, bounce):
-                    _pread_into(state.file.fileno(), chunk, state.read.path)
-                nbytes = len(chunk.view)
-            if hashes is not None:
-                hashes.put((state, chunk.index))
-            else:
-                state.completed(chunk.index)
-        except BaseException as err:  # noqa: BLE001 - re-raised by the calling thread
-            with lock:
-                errors.append(err)
-            return False
-        finally:
-            gate.leave(nbytes)
-        return True
-
-    def work() -> None:
-        try:
-            while read_one():
-                pass
-        finally:
-            gate.exit()
+    def read_chunk(chunk: Chunk) -> None:
+        state = states[chunk.file]
+        if state.read.data is not None:
+            _copy_into(state.read.data, chunk, state.read.path)
+        else:
+            _pread_into(state.file.fileno(), chunk, state.read.path)
+        state.completed(chunk.index)
 
     stop = threading.Event()
-    threads: list[threading.Thread] = []
-    direct, bounce = direct_reads(), _Bounce(-(-chunk_bytes // DIRECT_ALIGN) * DIRECT_ALIGN + 2 * DIRECT_ALIGN)
+    prefault = threading.Thread(target=_prefault, args=(queue, stop), name="hf_resumable-prefault", daemon=True)
     try:
-        for state in states:
-            if state.read.data is None:
-                state.file = open_regular(state.read.path, buffering=0)
-                if state.read.check is not None:
-                    state.read.check(os.fstat(state.file.fileno()))
-                state.direct = _Direct.open(state.read.path, state.file.fileno(), direct)
-        if hashes is not None:
-            threads.append(threading.Thread(target=_hash_in_order, args=(hashes,), name="hf_resumable-hash",
-                                            daemon=True))
+        _open_files(states)
         if sum(len(chunk.view) for chunk in queue if chunk.new) >= PREFAULT_MIN_BYTES:
-            threads.append(threading.Thread(target=_prefault, args=(queue, stop), name="hf_resumable-prefault",
-                                            daemon=True))
-        # The calling thread reads too, unless it measures the number of streams.
-        threads += [threading.Thread(target=work, name="hf_resumable-read", daemon=True)
-                    for _ in range(readers if choice.probe else readers - 1)]
-        for thread in threads:
-            thread.start()
-        if choice.probe:
-            _probe(gate, readers)
-            gate.wait(lambda: False)  # until every reader is done
-        else:
-            work()
+            prefault.start()
+        run_in_threads(read_chunk, queue, workers=max(1, streams))
     finally:
         stop.set()
-        if hashes is not None:
-            hashes.put(None)
-        for thread in threads:
-            if thread.ident is not None:
-                thread.join()
+        if prefault.ident is not None:
+            prefault.join()
         for state in states:
-            if state.direct is not None:
-                state.direct.close()
-            if state.file is not None:
-                state.file.close()
-        bounce.release()
-    if errors:
-        raise errors[0]
+            state.close()
     for state in states:
         if (problem := state.problem()) is not None:
             raise CorruptCheckpointError(
@@ -753,3 +337,12 @@ def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes
         for buffer, target in staged:
             target.copy_(buffer)
     return fresh
+
+
+def _open_files(states: list[_FileState]) -> None:
+    """Open every file read from disk, checking it first where it has a check."""
+    for state in states:
+        if state.read.data is None:
+            state.file = open_regular(state.read.path, buffering=0)
+            if state.read.check is not None:
+                state.read.check(os.fstat(state.file.fileno()))
