@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .. import trace
 from ..constants import MANIFEST_FILE
 from ..distributed import (
     all_gather_json,
@@ -257,6 +258,7 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
             discard(tmp)
             raise
         records, local, report = {}, err, None
+    trace.on_save(step)  # hf-resumable check: written, not committed (its "inside a save" kill point)
     # 3. The records meet on every rank as JSON (never pickle). If any rank failed, nothing is committed.
     gathered = all_gather_json({"records": records_to_json(records), "error": _describe(local), "report": report},
                                group=group)

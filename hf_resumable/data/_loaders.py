@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..errors import InexactResumeError
+from .. import trace
 from ..format.rng import derive_seed
 from ._order import ResumableBatchSampler
 from ._position import _TAG_LOADER, DATA_EPOCH, DATA_KIND, DATA_LOADER, DATA_NUM_BATCHES, DATA_STEP, _identity
@@ -32,6 +33,9 @@ class ResumableDataLoader(DataLoader):
                  **kwargs: Any) -> None:
         self._init_kwargs = dict(kwargs)
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
+
+    def __iter__(self) -> Iterator[Any]:
+        return trace.traced_batches(super().__iter__())  # hf-resumable check: each batch's digests
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (permutation and seeds) of the next iteration."""
@@ -165,6 +169,9 @@ def _stream_loader_class() -> type:
             """``StatefulDataLoader`` over a :class:`SeededIterableDataset`, with ``set_epoch``, ``skip``, position."""
 
             _resumed_batches: int | None = None
+
+            def __iter__(self) -> Iterator[Any]:
+                return trace.traced_batches(super().__iter__())  # hf-resumable check: each batch's digests
 
             def set_epoch(self, epoch: int) -> None:
                 self.dataset.set_epoch(epoch)
