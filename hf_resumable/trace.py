@@ -53,6 +53,8 @@ ATTEMPT_ENV = "HF_RESUMABLE_TRACE_ATTEMPT"  # launch number within one run (0: f
 STOP_ENV = "HF_RESUMABLE_TRACE_STOP"  # park the process at this event until it is killed
 WEIGHTS_ENV = "HF_RESUMABLE_TRACE_WEIGHTS"  # "step" (default) or "checkpoint": when to digest parameters
 
+_UNSEEDED_SEED = 0x5EED  # python's and numpy's global generators under a trace (see _start)
+
 # Logged values that measure time, not training: never compared.
 TIMING_METRICS = ("_runtime", "_per_second", "_time")
 
@@ -127,9 +129,9 @@ def digest_optimizer(optimizer: torch.optim.Optimizer, *, tensors: bool) -> dict
     if tensors:
         weights, state = xxhash.xxh3_64(), xxhash.xxh3_64()
         for param in _optimizer_params(optimizer):
-            weights.update(_tensor_digest(param))
+            weights.update(_tensor_digest(param).encode())
             for key in sorted(optimizer.state.get(param, {}), key=str):
-                state.update(f"{key}={_value_digest(optimizer.state[param][key])};")
+                state.update(f"{key}={_value_digest(optimizer.state[param][key])};".encode())
         found.update(weights=weights.hexdigest(), optimizer=state.hexdigest())
     return found
 
@@ -158,7 +160,7 @@ class _Tracer:
         return int(os.environ.get("RANK", "0"))
 
     def write(self, record: dict[str, Any]) -> None:
-        record = {**record, "rank": self.rank(), "attempt": self.attempt}
+        record = {**record, "rank": self.rank(), "attempt": self.attempt, "pid": os.getpid()}
         line = json.dumps(record, sort_keys=True) + "\n"
         with self._lock:
             if self._handle is None:
@@ -192,7 +194,13 @@ def _start() -> _Tracer | None:
     if not directory:
         return None
     tracer = _Tracer(Path(directory))
-    torch.optim.optimizer.register_optimizer_step_post_hook(tracer.after_step)
+    # python's and numpy's global generators start from the OS's entropy (torch's from a fixed seed): fix them, so
+    # that a script that never seeds them (and may never use them) does not differ from itself in every run
+    random.seed(_UNSEEDED_SEED)
+    np.random.seed(_UNSEEDED_SEED)
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(tracer.after_step)
     return tracer
 
 
