@@ -23,8 +23,9 @@ import logging
 import os
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ class CheckReport:
     runs: tuple[RunOutcome, ...]
     comparisons: tuple[Comparison, ...]
     workdir: Path
+    compared: dict[str, int] = field(default_factory=dict)
 
     @property
     def exact(self) -> bool:
@@ -70,15 +72,16 @@ class CheckReport:
         """``EXACT ...`` or ``DIVERGES at optimizer step K ...`` / ``FAILS ...``, with the kill points."""
         lines = []
         for index, (run, comparison) in enumerate(zip(self.runs, self.comparisons), start=1):
-            resumed = ", ".join(map(str, run.resumed_from)) or "nothing (no checkpoint before the kill)"
+            resumed = (f"resumed from step {', '.join(map(str, run.resumed_from))}" if run.resumed_from
+                       else "started over (no checkpoint before the kill)")
             verdict = "fails" if run.failure else "exact" if comparison.exact else "diverges"
-            lines.append(f"  run {index}: {run.kill_point.describe()}; resumed from step {resumed}; "
+            lines.append(f"  run {index}: {run.kill_point.describe()}; {resumed}; "
                          f"{len(run.launches)} launches; {verdict}")
         failing = self._first_failure()
         if failing is None:
+            compared = ", ".join(f"{count} {what}" for what, count in self.compared.items() if count)
             head = (f"EXACT: {len(self.runs)} interrupted run(s) match the uninterrupted one bit for bit ({self.steps} "
-                    f"optimizer steps, {self.ranks} rank(s): every batch, RNG state, loss and logged metric, learning "
-                    "rate, weights and optimizer state).")
+                    f"optimizer steps, {self.ranks} rank(s); per run: {compared}).")
             return "\n".join([head, *lines])
         run, comparison = failing
         index = self.runs.index(run) + 1
@@ -100,7 +103,7 @@ class CheckReport:
         failing = self._first_failure()
         return {
             "result": "EXACT" if failing is None else "FAILS" if failing[1].first is None else "DIVERGES",
-            "command": list(self.command), "steps": self.steps, "ranks": self.ranks, "workdir": str(self.workdir),
+            "command": list(self.command), "steps": self.steps, "compared_per_run": self.compared, "ranks": self.ranks, "workdir": str(self.workdir),
             "runs": [{"kill_point": run.kill_point.to_dict(), "launches": [l.to_dict() for l in run.launches],
                       "resumed_from": run.resumed_from, "failure": run.failure, "exact": c.exact,
                       "compared_records": c.compared, "likely_cause": likely_cause(c) or None,
@@ -110,6 +113,13 @@ class CheckReport:
 
     def write_json(self, path: str | os.PathLike) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _what_is_compared(reference: list[dict[str, Any]]) -> dict[str, int]:
+    kinds = Counter(record["kind"] for record in reference)
+    return {"batches with the RNG state before each": kinds["batch"],
+            "optimizer updates (learning rate, weights, optimizer state)": kinds["update"],
+            "losses": kinds["loss"], "logged metric entries": kinds["log"], "checkpoint loads": kinds["resume"]}
 
 
 def run_check(command: Sequence[str], *, options: CheckOptions | None = None,
@@ -148,7 +158,7 @@ def run_check(command: Sequence[str], *, options: CheckOptions | None = None,
         comparisons.append(compare_traces(reference, run.records))
     report = CheckReport(command=tuple(command), steps=comparisons[0].steps if comparisons else 0,
                          ranks=len({r.get("rank", 0) for r in reference}), runs=tuple(runs),
-                         comparisons=tuple(comparisons), workdir=root)
+                         comparisons=tuple(comparisons), workdir=root, compared=_what_is_compared(reference))
     if report.exact and temporary:
         shutil.rmtree(root, ignore_errors=True)
     return report

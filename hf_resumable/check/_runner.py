@@ -149,7 +149,7 @@ def plan_kill_points(reference: Sequence[Mapping[str, Any]], *, kills: int, seed
     for index in range(kills):
         kind = ("step", "save", "sigterm")[index % 3]
         if kind == "save" and saves:
-            number, step = rng.choice(saves)
+            number, step = rng.choice(saves[1:] or saves)  # a later save: an earlier checkpoint to resume from
             points.append(KillPoint("save", f"save:{number}", step))
             continue
         kind = "sigterm" if kind == "sigterm" else "step"
