@@ -27,7 +27,8 @@ LOOP = REPO / "tests" / "scripts" / "check_loop.py"
 # ------------------------------------------------------------------------------------------------ pure parts
 def _batch(step, micro, *, batch="b", rng="r", attempt=0, rank=0):
     return {"kind": "batch", "step": step, "micro": micro, "rank": rank, "attempt": attempt,
-            "batch": {"x": f"{batch}{step}.{micro}", "y": f"y{step}.{micro}"}, "rng": {"torch": f"{rng}{step}.{micro}"}}
+            "batch": {"x": f"{batch}{step}.{micro}", "y": f"y{step}.{micro}"},
+            "rng": {"torch": f"{rng}{step}.{micro}"}}
 
 
 def _update(step, *, lr=None, weights=None, attempt=0, rank=0):

@@ -10,7 +10,8 @@ Example:
 
 ```python
 >>> from hf_resumable.check import CheckOptions, run_check
->>> report = run_check(["python", "train.py", "--output_dir", "{out}"], options=CheckOptions(kills=3))  # doctest: +SKIP
+>>> command = ["python", "train.py", "--output_dir", "{out}"]
+>>> report = run_check(command, options=CheckOptions(kills=3))  # doctest: +SKIP
 >>> report.exact, report.summary()  # doctest: +SKIP
 (True, 'EXACT: 3 interrupted runs ...')
 ```
@@ -80,8 +81,8 @@ class CheckReport:
         failing = self._first_failure()
         if failing is None:
             compared = ", ".join(f"{count} {what}" for what, count in self.compared.items() if count)
-            head = (f"EXACT: {len(self.runs)} interrupted run(s) match the uninterrupted one bit for bit ({self.steps} "
-                    f"optimizer steps, {self.ranks} rank(s); per run: {compared}).")
+            head = (f"EXACT: {len(self.runs)} interrupted run(s) match the uninterrupted one bit for bit "
+                    f"({self.steps} optimizer steps, {self.ranks} rank(s); per run: {compared}).")
             return "\n".join([head, *lines])
         run, comparison = failing
         index = self.runs.index(run) + 1
@@ -103,8 +104,9 @@ class CheckReport:
         failing = self._first_failure()
         return {
             "result": "EXACT" if failing is None else "FAILS" if failing[1].first is None else "DIVERGES",
-            "command": list(self.command), "steps": self.steps, "compared_per_run": self.compared, "ranks": self.ranks, "workdir": str(self.workdir),
-            "runs": [{"kill_point": run.kill_point.to_dict(), "launches": [l.to_dict() for l in run.launches],
+            "command": list(self.command), "steps": self.steps, "ranks": self.ranks, "workdir": str(self.workdir),
+            "compared_per_run": self.compared,
+            "runs": [{"kill_point": run.kill_point.to_dict(), "launches": [one.to_dict() for one in run.launches],
                       "resumed_from": run.resumed_from, "failure": run.failure, "exact": c.exact,
                       "compared_records": c.compared, "likely_cause": likely_cause(c) or None,
                       "differences": [d.to_dict() for d in c.differences[:50]]}

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from ..errors import InexactResumeError
 from .. import trace
+from ..errors import InexactResumeError
 from ..format.rng import derive_seed
 from ._order import ResumableBatchSampler
 from ._position import _TAG_LOADER, DATA_EPOCH, DATA_KIND, DATA_LOADER, DATA_NUM_BATCHES, DATA_STEP, _identity
