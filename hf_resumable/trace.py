@@ -1,12 +1,13 @@
 """The per-step trace that ``hf-resumable check`` compares: written only when ``HF_RESUMABLE_TRACE`` names a directory.
 
 With the variable unset (the normal case) every hook below returns after one check of a module global, and no
-optimizer hook is installed: training is unchanged. With it set, each process appends JSON lines to
+optimizer or module hook is installed: training is unchanged. With it set, each process appends JSON lines to
 ``<dir>/rank-<rank>.jsonl`` (flushed per line, so a SIGKILL loses nothing already written):
 
 - ``batch``: each batch the library's data loaders yield (the Trainer's, accelerate's and plain loops' loaders),
-  keyed by the optimizer step it belongs to and its micro-batch index: an xxh3 digest of every tensor in it and of
-  every RNG (python, numpy, torch CPU, each initialized CUDA device) at that moment, before the forward pass;
+  keyed by the optimizer step it belongs to and its micro-batch index: an xxh3 digest of every tensor in it;
+- ``forward``: at the start of each training forward pass (a global module forward pre-hook, outermost module
+  calls with grad enabled), the digest of every RNG (python, numpy, torch CPU, each initialized CUDA device);
 - ``update``: after each optimizer step (a global ``torch.optim`` post-step hook): the learning rates used, a digest
   of the other param-group settings, of the parameters and of the optimizer state;
 - ``loss`` (``ResumableAccelerator.backward``) and ``log`` (``ResumableTrainer``'s logged metrics);
@@ -148,6 +149,8 @@ class _Tracer:
         self.completed = 0  # optimizer steps completed (set from the checkpoint on resume)
         self.micro = 0  # batches yielded since the last optimizer step
         self.losses = 0  # losses backpropagated since the last optimizer step
+        self.forwards = 0  # training forward passes since the last optimizer step
+        self.depth = 0  # module calls in progress (a forward pass is a call at depth 0)
         self.saves = 0
         self.logs_seen: int | None = None  # entries of the Trainer's log history already recorded
         self.primary: int | None = None  # id() of the optimizer whose steps are counted
@@ -177,13 +180,22 @@ class _Tracer:
         logger.warning("hf-resumable check: parked at %s, waiting to be killed", event)
         threading.Event().wait()
 
+    def before_forward(self, _module: Any, _args: Any) -> None:
+        if self.depth == 0 and torch.is_grad_enabled():  # a training forward pass (evaluation runs without grad)
+            self.write({"kind": "forward", "step": self.completed + 1, "micro": self.forwards, "rng": digest_rng()})
+            self.forwards += 1
+        self.depth += 1
+
+    def after_forward(self, _module: Any, _args: Any, _output: Any) -> None:
+        self.depth = max(self.depth - 1, 0)
+
     def after_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if self.primary is None:
             self.primary = id(optimizer)
         if id(optimizer) != self.primary:
             return
         self.completed += 1
-        self.micro = self.losses = 0
+        self.micro = self.losses = self.forwards = self.depth = 0
         self.write({"kind": "update", "step": self.completed,
                     **digest_optimizer(optimizer, tensors=self.per_step)})
         self.park_if(f"update:{self.completed}")
@@ -198,9 +210,12 @@ def _start() -> _Tracer | None:
     # that a script that never seeds them (and may never use them) does not differ from itself in every run
     random.seed(_UNSEEDED_SEED)
     np.random.seed(_UNSEEDED_SEED)
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(tracer.after_step)
+    register_module_forward_pre_hook(tracer.before_forward)  # the RNG state right before each forward pass
+    register_module_forward_hook(tracer.after_forward)
     return tracer
 
 
@@ -224,8 +239,7 @@ def _traced(tracer: _Tracer, batches: Iterator[Any]) -> Iterator[Any]:
     for batch in batches:
         step, micro = tracer.completed + 1, tracer.micro
         tracer.micro += 1
-        tracer.write({"kind": "batch", "step": step, "micro": micro, "batch": digest_batch(batch),
-                      "rng": digest_rng()})
+        tracer.write({"kind": "batch", "step": step, "micro": micro, "batch": digest_batch(batch)})
         tracer.park_if(f"batch:{step}:{micro}")
         yield batch
 
@@ -234,7 +248,7 @@ def on_load(step: int | None, optimizer: torch.optim.Optimizer | None) -> None:
     """A checkpoint of ``step`` was loaded: the step counter continues from it."""
     if _TRACER is None:
         return
-    _TRACER.completed, _TRACER.micro, _TRACER.losses = int(step or 0), 0, 0
+    _TRACER.completed, _TRACER.micro, _TRACER.losses, _TRACER.forwards = int(step or 0), 0, 0, 0
     record: dict[str, Any] = {"kind": "resume", "step": _TRACER.completed}
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):  # accelerate's wrapper
         optimizer = optimizer.optimizer

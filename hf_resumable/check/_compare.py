@@ -108,7 +108,7 @@ class Comparison:
 
 def _key(record: Mapping[str, Any], logs: Counter) -> tuple | None:
     kind, rank, step = record["kind"], record.get("rank", 0), record.get("step")
-    if kind in ("batch", "loss"):
+    if kind in ("batch", "forward", "loss"):
         return kind, rank, step, record.get("micro", 0)
     if kind == "update":
         return kind, rank, step
@@ -138,12 +138,11 @@ def _compare_record(record: Mapping[str, Any], ref: Mapping[str, Any]) -> list[t
     kind = record["kind"]
     micro = f"micro-batch {record.get('micro', 0)}"
     if kind == "batch":
-        found = []
-        if names := _differing(record["batch"], ref["batch"]):
-            found.append(("batch", f"{micro}: {', '.join(names)}"))
-        if names := _differing(record["rng"], ref["rng"]):
-            found.append(("rng", f"{micro}: {', '.join(names)} generator"))
-        return found
+        names = _differing(record["batch"], ref["batch"])
+        return [("batch", f"{micro}: {', '.join(names)}")] if names else []
+    if kind == "forward":
+        names = _differing(record["rng"], ref["rng"])
+        return [("rng", f"forward pass {record.get('micro', 0)}: {', '.join(names)} generator")] if names else []
     if kind in ("loss", "log"):
         names = [name for name in _differing(record["metrics"], ref["metrics"])]
         if not names:
