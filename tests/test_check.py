@@ -166,7 +166,8 @@ def _check(tmp_path, *args, kills=1, seed=0):
     report = tmp_path / "report.json"
     command = [sys.executable, "-m", "hf_resumable", "check", "--kills", str(kills), "--seed", str(seed),
                "--timeout", "600", "--json", str(report), "--", *map(str, args)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     data = json.loads(report.read_text()) if report.exists() else None
     return done, data
@@ -237,9 +238,11 @@ def test_a_resumable_accelerator_loop_is_exact(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_two_process_torchrun_loop_is_exact(tmp_path):
+    from distributed_launch import free_port
+
     done, report = _check(tmp_path, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", "0", REPO / "examples" / "custom_loop.py", "--output-dir", "{out}",
-                          "--epochs", "1", kills=1, seed=1)
+                          "--master-addr", "127.0.0.1", "--master-port", free_port(), REPO / "examples" /
+                          "custom_loop.py", "--output-dir", "{out}", "--epochs", "1", kills=1, seed=1)
     assert done.returncode == 0, done.stdout + done.stderr
     assert report["ranks"] == 2 and report["result"] == "EXACT"
     assert report["runs"][0]["launches"][0]["killed_at"] is not None
