@@ -151,15 +151,16 @@ def run_check(command: Sequence[str], *, options: CheckOptions | None = None,
     reference = run_reference(command, root / "reference", timeout=options.timeout)
     # 2. The kill points, then one interrupted run per point.
     points = plan_kill_points(reference, kills=options.kills, seed=options.seed)
+    ranks = len({r.get("rank", 0) for r in reference})
     runs, comparisons = [], []
     for index, point in enumerate(points, start=1):
         logger.info("run %d: %s", index, point.describe())
-        run = run_interrupted(command, root / f"run-{index}", point, options=options)
+        run = run_interrupted(command, root / f"run-{index}", point, options=options, ranks=ranks)
         runs.append(run)
         # 3. The comparison.
         comparisons.append(compare_traces(reference, run.records))
     report = CheckReport(command=tuple(command), steps=comparisons[0].steps if comparisons else 0,
-                         ranks=len({r.get("rank", 0) for r in reference}), runs=tuple(runs),
+                         ranks=ranks, runs=tuple(runs),
                          comparisons=tuple(comparisons), workdir=root, compared=_what_is_compared(reference))
     if report.exact and temporary:
         shutil.rmtree(root, ignore_errors=True)

@@ -306,9 +306,12 @@ def run_reference(command: Sequence[str], directory: Path, *, timeout: float | N
     return records
 
 
-def run_interrupted(command: Sequence[str], directory: Path, point: KillPoint, *, options: CheckOptions
-                    ) -> RunOutcome:
-    """Run the command, kill it at ``point``, rerun it until it exits with 0; its trace (every launch)."""
+def run_interrupted(command: Sequence[str], directory: Path, point: KillPoint, *, options: CheckOptions,
+                    ranks: int = 1) -> RunOutcome:
+    """Run the command, kill it at ``point``, rerun it until it exits with 0; its trace (every launch).
+
+    ``ranks``: processes that write a trace (a SIGTERM goes to each of them).
+    """
     directory.mkdir(parents=True)
     outcome = RunOutcome(point)
     kwargs = dict(out=directory / "out", trace=directory / "trace", log=directory / "output.log",
@@ -316,19 +319,21 @@ def run_interrupted(command: Sequence[str], directory: Path, point: KillPoint, *
     # 1. The launch that is killed: parked at the event for a SIGKILL, signalled when it is seen for a SIGTERM.
     first = _Process(command, attempt=0, stop=None if point.kind == "sigterm" else point.event, **kwargs)
     outcome.launches.append(first.launch)
-    trainers: set[int] = set()
+    trainers: dict[int, int] = {}  # rank -> pid of the process writing its trace
+    seen = [False]
 
     def at_point(record: Mapping[str, Any]) -> bool:
         if "pid" in record:
-            trainers.add(record["pid"])
-        if point.kind == "sigterm":
-            return _matches(record, point.event)
-        return record["kind"] == "stop"
+            trainers[record.get("rank", 0)] = record["pid"]
+        if point.kind != "sigterm":
+            return record["kind"] == "stop"
+        seen[0] = seen[0] or _matches(record, point.event)
+        return seen[0] and len(trainers) >= ranks  # every rank gets the notice, as from a scheduler
 
     if first.wait_for(at_point) is not None:
         first.launch.killed = point.event
         if point.kind == "sigterm":
-            first.terminate_trainers(trainers or {first.proc.pid})
+            first.terminate_trainers(set(trainers.values()))
             first.wait_for(None)
             kill_tree(first.proc.pid)  # anything left of the job (e.g. torchrun's agent after its workers exited)
         else:
