@@ -156,6 +156,7 @@ class _Tracer:
         self.primary: int | None = None  # id() of the optimizer whose steps are counted
         self._handle = None
         self._lock = threading.Lock()
+        self._pid = os.getpid()  # a forked child (a DataLoader worker) writes nothing
 
     def rank(self) -> int:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -163,6 +164,8 @@ class _Tracer:
         return int(os.environ.get("RANK", "0"))
 
     def write(self, record: dict[str, Any]) -> None:
+        if os.getpid() != self._pid:
+            return
         record = {**record, "rank": self.rank(), "attempt": self.attempt, "pid": os.getpid()}
         line = json.dumps(record, sort_keys=True) + "\n"
         with self._lock:
