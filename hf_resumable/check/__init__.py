@@ -119,7 +119,7 @@ class CheckReport:
 
 def _what_is_compared(reference: list[dict[str, Any]]) -> dict[str, int]:
     kinds = Counter(record["kind"] for record in reference)
-    return {"batches with the RNG state before each": kinds["batch"],
+    return {"batches": kinds["batch"], "forward passes (the RNG state before each)": kinds["forward"],
             "optimizer updates (learning rate, weights, optimizer state)": kinds["update"],
             "losses": kinds["loss"], "logged metric entries": kinds["log"], "checkpoint loads": kinds["resume"]}
 

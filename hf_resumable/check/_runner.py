@@ -144,7 +144,9 @@ def plan_kill_points(reference: Sequence[Mapping[str, Any]], *, kills: int, seed
             micro[record["step"]] = max(micro.get(record["step"], 0), record["micro"] + 1)
     saves = [(r["index"], r.get("step")) for r in rank0 if r["kind"] == "save"]
     rng = random.Random(seed)
-    candidates = steps[1:] or steps  # a kill at step 1 has nothing to resume from
+    # a kill before the first checkpoint has nothing to resume from: kill after it when there is one
+    first_save = min((step for _n, step in saves if step is not None), default=None)
+    candidates = [s for s in steps if first_save is not None and s > first_save] or steps[1:] or steps
     points = []
     for index in range(kills):
         kind = ("step", "save", "sigterm")[index % 3]
