@@ -185,14 +185,24 @@ def test_usage_and_launch_errors_exit_with_2(tmp_path, capsys):
 
 
 def test_an_exact_plain_loop_is_exact(tmp_path):
-    done, report = _check(tmp_path, sys.executable, LOOP, "--output-dir", "{out}", kills=2, seed=3)
+    done, report = _check(tmp_path, sys.executable, LOOP, "--output-dir", "{out}", kills=1, seed=3)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("EXACT")
-    assert report["result"] == "EXACT" and [r["kill_point"]["kind"] for r in report["runs"]] == ["step", "save"]
+    assert report["result"] == "EXACT" and [r["kill_point"]["kind"] for r in report["runs"]] == ["step"]
     killed = report["runs"][0]
     assert killed["launches"][0]["killed_at"] == killed["kill_point"]["event"]
     assert killed["launches"][0]["returncode"] == -9 and killed["launches"][-1]["returncode"] == 0
-    assert killed["resumed_from"] and killed["compared_records"] > 30
+    assert 0 < killed["resumed_from"][0] < killed["kill_point"]["step"] and killed["compared_records"] > 30
+    assert report["compared_per_run"]["batches"] == 24 and report["compared_per_run"]["forward passes (the RNG " \
+        "state before each)"] == 24
+
+
+@pytest.mark.extended
+def test_an_exact_plain_loop_is_exact_at_every_kind_of_kill_point(tmp_path):
+    done, report = _check(tmp_path, sys.executable, LOOP, "--output-dir", "{out}", kills=3, seed=5)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [r["kill_point"]["kind"] for r in report["runs"]] == ["step", "save", "sigterm"]
+    assert [r["launches"][0]["returncode"] for r in report["runs"]] == [-9, -9, -15]
 
 
 def test_a_collator_drawing_from_a_module_level_generator_diverges_at_the_first_resumed_step(tmp_path):
