@@ -255,4 +255,6 @@ def test_a_two_process_torchrun_loop_is_exact(tmp_path):
                           "custom_loop.py", "--output-dir", "{out}", "--epochs", "1", kills=1, seed=1)
     assert done.returncode == 0, done.stdout + done.stderr
     assert report["ranks"] == 2 and report["result"] == "EXACT"
-    assert report["runs"][0]["launches"][0]["killed_at"] is not None
+    run = report["runs"][0]
+    assert run["launches"][0]["killed_at"] is not None and run["launches"][0]["returncode"] != 0
+    assert run["resumed_from"] and run["launches"][-1]["returncode"] == 0
