@@ -21,20 +21,23 @@ venv: $(VENV)/.installed
 # Lint, the package's doctests, then the suite in three tiers, fastest first: unit (in-process), process (kills and
 # restarts of one process, servers), distributed (torch.distributed process groups). Every guarantee at least once;
 # further kill/restart variants are marked `extended` and run by `make test-all`. This is what CI runs.
+# Two pytest workers (a file at a time each) keep both cores busy while one test waits on its processes.
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=10
+WORKERS ?= 2
+XDIST := -n $(WORKERS) --dist loadfile
 TIERS := "not slow and not distributed" "slow and not distributed" "distributed"
 
 test: venv
 	$(VENV)/bin/ruff check .
 	$(PYTEST) --doctest-modules hf_resumable
 	@for tier in $(TIERS); do echo "== tests: $$tier (not extended)"; \
-		$(PYTEST) -m "($$tier) and not extended" tests || exit 1; done
+		$(PYTEST) $(XDIST) -m "($$tier) and not extended" tests || exit 1; done
 
 # Everything, including the further kill/restart variants marked `extended` (about twice as long).
 test-all: venv
 	$(VENV)/bin/ruff check .
 	$(PYTEST) --doctest-modules hf_resumable
-	@for tier in $(TIERS); do echo "== tests: $$tier"; $(PYTEST) -m "$$tier" tests || exit 1; done
+	@for tier in $(TIERS); do echo "== tests: $$tier"; $(PYTEST) $(XDIST) -m "$$tier" tests || exit 1; done
 
 # accelerate's own checkpointing tests against ResumableAccelerator (also part of `make test`).
 test-upstream: venv

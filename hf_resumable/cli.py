@@ -10,7 +10,7 @@ Example:
 ```bash
 hf-resumable inspect out/checkpoint-120
 hf-resumable verify --full out/checkpoint-120     # exit 0 if valid, 1 if not
-hf-resumable convert out-stock/checkpoint-500 --output converted/checkpoint-500
+hf-resumable convert out-stock/checkpoint-500 --output converted/checkpoint-500  # Trainer, +DeepSpeed, accel. FSDP
 hf-resumable reshard converted/checkpoint-500 --max-shard-size 200MB
 hf-resumable export out/checkpoint-120 --output merged --merge   # + its frozen base -> a from_pretrained directory
 hf-resumable push out/checkpoint-120 me/run --revision step-120
@@ -86,16 +86,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .conversions.stock import PICKLE_WARNING, TrainerCheckpointFiles, convert_trainer_checkpoint
+    from .conversions.stock import TrainerCheckpointFiles
+    from .conversions.switch import convert_stock_checkpoint, detect_stock_kind, pickle_warning
 
     source = Path(args.path)
     output = Path(args.output) if args.output else source.parent / "hf_resumable" / source.name
-    if TrainerCheckpointFiles.scan(source).has_pickles:
-        print(f"NOTICE: {PICKLE_WARNING}", file=sys.stderr)
-    info = convert_trainer_checkpoint(source, output, optimizer=args.optimizer, max_shard_size=args.max_shard_size,
-                                      overwrite=args.overwrite)
+    kind = detect_stock_kind(source)
+    if kind != "trainer" or TrainerCheckpointFiles.scan(source).has_pickles:
+        print(f"NOTICE: {pickle_warning(kind)}", file=sys.stderr)
+    info = convert_stock_checkpoint(source, output, optimizer=args.optimizer, max_shard_size=args.max_shard_size,
+                                    step=args.step, overwrite=args.overwrite)
     if not args.quiet:
-        print(f"converted {source} -> {info.path} (step {info.step}, {len(info.manifest.files)} files)")
+        ranks = info.manifest.world_size
+        print(f"converted {source} -> {info.path} (step {info.step}, {len(info.manifest.files)} files"
+              f"{f', for {ranks} ranks' if ranks > 1 else ''})")
+        if kind != "trainer":
+            print("NOTICE: the first resume from it is NOT bit-exact (the stock run's data order and random streams "
+                  "are not in its checkpoint); every checkpoint after it resumes bit for bit.", file=sys.stderr)
     return EXIT_OK
 
 
@@ -224,12 +231,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true", help="recompute every sha256 (default: quick check)")
     p.set_defaults(func=cmd_verify)
 
-    p = commands.add_parser("convert", help="convert a stock transformers.Trainer checkpoint (reads pickles!)")
-    p.add_argument("path", help="stock checkpoint directory (config.json, model*.safetensors, optimizer.pt, ...)")
+    p = commands.add_parser("convert", help="convert a stock Trainer, Trainer+DeepSpeed or accelerate FSDP checkpoint "
+                            "(reads pickles!)")
+    p.add_argument("path", help="stock checkpoint directory: a Trainer checkpoint-N (config.json, model*.safetensors, "
+                   "optimizer.pt, ... or DeepSpeed's global_stepN/), or accelerate's FSDP save_state directory "
+                   "(pytorch_model_fsdp_0/, optimizer_0/)")
     p.add_argument("--output", help="new checkpoint directory (default: <parent>/hf_resumable/<name>)")
     p.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "adagrad", "rmsprop"],
                    help="optimizer class of the run (default: inferred from its state)")
     p.add_argument("--max-shard-size", default="2GB", help="shard size of the new checkpoint (default: 2GB)")
+    p.add_argument("--step", type=int, help="optimizer step of an accelerate FSDP checkpoint (default: from the "
+                   "optimizer state)")
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     p.set_defaults(func=cmd_convert)
 

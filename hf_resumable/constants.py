@@ -126,6 +126,19 @@ STOCK_RNG_FILE = "rng_state.pth"
 STOCK_RNG_FILE_GLOB = "rng_state_*.pth"
 # Suffixes of pickle files: never written by hf_resumable, never read outside convert.py.
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl")
+# DeepSpeed's save_checkpoint (the Trainer's checkpoint-<step> with deepspeed=): a text file naming the tag, the
+# tag's directory, the pickled module/engine state of model-parallel rank 0, and each data-parallel rank's pickled
+# ZeRO-1/2 optimizer partition ("bf16_" prefixed under bf16).
+STOCK_DEEPSPEED_LATEST_FILE = "latest"
+STOCK_DEEPSPEED_TAG_RE = re.compile(r"^global_step(\d+)$")
+STOCK_DEEPSPEED_MODEL_FILE = "mp_rank_00_model_states.pt"
+STOCK_DEEPSPEED_OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+# torch.distributed.checkpoint's FileSystemWriter (accelerate's FSDP SHARDED_STATE_DICT save_state): a pickled
+# Metadata (read only by hf_resumable's restricted unpickler), and raw tensor bytes per writer.
+STOCK_DCP_METADATA_FILE = ".metadata"
+STOCK_DCP_DATA_SUFFIX = ".distcp"
+STOCK_ACCELERATE_FSDP_MODEL_DIR_RE = re.compile(r"^pytorch_model_fsdp_(\d+)$")
+STOCK_ACCELERATE_FSDP_OPTIMIZER_DIR_RE = re.compile(r"^optimizer_(\d+)$")
 # accelerate's save_state: ProjectConfiguration(automatic_checkpoint_naming=True) names
 # <project_dir>/checkpoints/checkpoint_<i>, and the files it writes there (pickle, except the model weights).
 AUTOMATIC_CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")

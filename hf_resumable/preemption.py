@@ -1,9 +1,10 @@
 """Graceful preemption: turn SIGTERM into "finish this optimizer step, checkpoint, exit with a known code".
 
 The signal handler only sets a flag (no IO, no locks: a handler can interrupt any Python bytecode,
-including a half-written file). The training loop polls the flag at the end of every optimizer step;
-:class:`~hf_resumable.integrations.trainer.ResumableTrainer` then saves a checkpoint, waits for it to
-commit and exits with :data:`PREEMPTION_EXIT_CODE`.
+including a half-written file). Both front doors run the same protocol at the end of every optimizer step:
+:func:`agree_on_preemption` combines the flag over the ranks (one all-reduce, MAX over int32, so a signal that
+reaches one rank makes every rank save the same step); they then save a checkpoint, wait for it to commit, and
+:func:`exit_after_preemption` exits with :data:`PREEMPTION_EXIT_CODE`.
 
 Send the signal to the training processes themselves (``torchrun`` forwards it to its ranks;
 Kubernetes sends it to PID 1). ``DataLoader`` worker processes should not receive it: a worker that
@@ -30,9 +31,11 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
+import torch
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["PREEMPTION_EXIT_CODE", "PreemptionHandler"]
+__all__ = ["PREEMPTION_EXIT_CODE", "PreemptionHandler", "agree_on_preemption", "exit_after_preemption"]
 
 # Exit status of a process that stopped because of SIGTERM *after* committing a checkpoint:
 # 128 + SIGTERM(15), the status schedulers (SLURM, Kubernetes) expect from a terminated job, so a
@@ -83,3 +86,34 @@ class PreemptionHandler:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.uninstall()
+
+
+def agree_on_preemption(handler: PreemptionHandler | None, *, device: Any, step: int) -> bool:
+    """Whether any rank's ``handler`` received a preemption signal, the same answer on every rank: one all-reduce
+    (MAX over int32, on ``device``: the process group's) under torch.distributed. Collective: every rank calls it at
+    the same optimizer-step boundary ``step``."""
+    requested = handler is not None and handler.requested
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed or torch.distributed.get_world_size() <= 1:
+        return requested
+    flag = torch.tensor([int(requested)], dtype=torch.int32, device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    agreed = bool(flag.item())
+    if agreed and not requested:
+        logger.warning("Rank %d: another rank received a preemption signal; saving step %d on every rank.",
+                       torch.distributed.get_rank(), step)
+    return agreed
+
+
+def exit_after_preemption(handler: PreemptionHandler | None, *, checkpoint: str, step: int, exit: bool) -> None:
+    """Log the committed preemption checkpoint, then exit with :data:`PREEMPTION_EXIT_CODE` when ``exit``.
+
+    Raises:
+        SystemExit: with :data:`PREEMPTION_EXIT_CODE`, when ``exit``.
+    """
+    received = handler.received if handler is not None else None
+    logger.warning("Preempted (%s): checkpoint at step %d committed under %s%s.",
+                   f"signal {received}" if received is not None else "signal received by another rank", step,
+                   checkpoint, f"; exiting with {PREEMPTION_EXIT_CODE}" if exit else "")
+    if exit:
+        raise SystemExit(PREEMPTION_EXIT_CODE)

@@ -153,3 +153,29 @@ def test_a_forked_child_does_not_wait_for_its_parents_save(tmp_path, monkeypatch
     wait_for_pending_saves()
     assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
     assert (tmp_path / "checkpoint-1" / "manifest.json").exists()
+
+
+def test_submit_returns_a_future_of_the_committed_manifest(tmp_path, monkeypatch):
+    """The background save's future: not done while the files are written, then the manifest that was committed;
+    a failed save's future holds its error, and the next wait raises it as AsyncSaveError."""
+    gate = threading.Event()
+    real = _writer.write_safetensors
+    monkeypatch.setattr(_writer, "write_safetensors", lambda *a, **k: (gate.wait(30), real(*a, **k))[1])
+    model = torch.nn.Linear(4, 2)
+    save_checkpoint(tmp_path / "checkpoint-1", model=model, step=1, rng=False, blocking=False)
+    future = api.background_saver().future
+    assert not future.done()
+    gate.set()
+    assert future.result(timeout=60) == read_manifest(tmp_path / "checkpoint-1")
+    wait_for_pending_saves()
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_writer, "write_safetensors", fail)
+    save_checkpoint(tmp_path / "checkpoint-2", model=model, step=2, rng=False, blocking=False)
+    failed = api.background_saver().future
+    assert failed is not future and isinstance(failed.exception(timeout=60), OSError)
+    with pytest.raises(AsyncSaveError, match="checkpoint-2 failed"):
+        wait_for_pending_saves()
+    assert not (tmp_path / "checkpoint-2").exists()

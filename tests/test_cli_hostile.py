@@ -89,6 +89,7 @@ def test_deeply_nested_manifest_is_one_line(tmp_path, command):
     assert "nested deeper" in result.stderr + result.stdout
 
 
+@pytest.mark.slow  # runs the CLI in a new process
 @pytest.mark.parametrize("content", [b"9" * 5000, b"[" * 100_000 + b"]" * 100_000],
                          ids=["5000-digit-integer", "deeply-nested"])
 def test_inspect_of_an_unreadable_training_state_fails_naming_it(tmp_path, content):

@@ -329,3 +329,21 @@ def test_overwrite_never_deletes_files_added_to_a_committed_checkpoint(tmp_path)
     load_checkpoint(target, model=model)
     assert all(bool((p == 1.0).all()) for p in model.parameters())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]
+
+
+def test_one_check_decides_where_a_save_may_go(tmp_path):
+    """save_refusal is the one "may a save go here" answer: save_checkpoint (check_target) and
+    ResumableAccelerator.save_state (explicit output_dir) both ask it."""
+    from hf_resumable.checkpoint._writer import check_target, save_refusal
+
+    assert save_refusal(tmp_path / "missing", overwrite=False) is None
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "overwrite=True" in save_refusal(empty, overwrite=False)
+    assert save_refusal(empty, overwrite=True) is None and check_target(empty, overwrite=True) is not None
+    stock = tmp_path / "stock"
+    stock.mkdir()
+    (stock / "random_states_0.pkl").write_bytes(b"x")
+    assert "stock accelerate (random_states_0.pkl)" in save_refusal(stock, overwrite=True)
+    with pytest.raises(CheckpointExistsError, match="stock accelerate"):
+        check_target(stock, overwrite=True)

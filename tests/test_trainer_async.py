@@ -105,7 +105,7 @@ def test_async_retention_and_best_checkpoint_match_blocking_saves(tmp_path: Path
                                      trainer_class=functools.partial(ResumableTrainer, save_async=save_async))
         with patch.object(trainer, "_evaluate", side_effect=_evaluate_with([0.8, 0.9, 0.7, 0.6, 0.5, 0.4])):
             trainer.train()
-        assert trainer._pending_commit is None
+        assert not trainer._commits.pending
         outcomes.append((_checkpoints(output), Path(trainer.state.best_model_checkpoint).name,
                          trainer.model.a.item(), trainer.model.b.item()))
         assert sorted(p.name for p in output.iterdir() if p.name.startswith(".tmp")) == []
@@ -210,7 +210,7 @@ def test_save_async_defaults_to_background_saves_under_torchrun(tmp_path: Path, 
     monkeypatch.setattr(trainer_module, "saves_async", lambda option: distributed if option is None else option)
     trainer = regression_trainer(tmp_path, callbacks=callbacks,
                                  trainer_class=functools.partial(ResumableTrainer, save_async=save_async))
-    assert trainer.save_async is save_async
+    assert trainer.resume_options.save_async is save_async
     with caplog.at_level("INFO", logger="hf_resumable.integrations.trainer"):
         assert trainer._saves_in_background() is expected
     assert ("_ReadsCheckpoints override on_save" in caplog.text) == (save_async is None and distributed

@@ -86,6 +86,7 @@ def test_a_fresh_run_over_stock_checkpoints_is_refused_before_training(stock_run
     assert snapshot(run) == before
 
 
+@pytest.mark.slow  # its fixture trains a stock run
 def test_resuming_an_older_stock_checkpoint_below_a_newer_one_is_refused(stock_run: Path, tmp_path: Path) -> None:
     """Resuming checkpoint-2 would save checkpoint-3, which the stock Trainer wrote: refused at train start."""
     from test_trainer_features import _trainer

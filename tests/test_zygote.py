@@ -57,6 +57,7 @@ def _probe(tmp_path: Path, *args: str, **env: str) -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow  # starts a zygote
 def test_child_is_forked_and_sees_its_argv_env_and_cwd(tmp_path: Path):
     first = _probe(tmp_path, "a", "--b", RANK="3", HFR_PROBE="x")
     assert first["argv"] == [str(tmp_path / "probe.py"), "a", "--b"]

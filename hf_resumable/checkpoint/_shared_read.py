@@ -30,7 +30,8 @@ from .. import errors
 from ..distributed import all_gather_json, checkpoint_group, is_distributed, rank_and_world_size
 from ._parallel_read import FileRead, _in_place, read_files
 from ._replicas import plan_replica_writers
-from ._writer import BACKGROUND_SAVER, _describe
+from ._writer import _describe
+from .async_save import BACKGROUND_SAVER
 
 logger = logging.getLogger(__name__)
 

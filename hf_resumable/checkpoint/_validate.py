@@ -35,6 +35,7 @@ from ..constants import (
     STATE_KEY_SCHEDULER,
 )
 from ..errors import CheckpointMismatchError, CorruptCheckpointError, FormatVersionError
+from ..format._jsonio import field_error
 
 __all__ = [
     "check_training_state",
@@ -44,6 +45,7 @@ __all__ = [
     "check_like_live",
     "check_hyperparameters",
     "check_step_value",
+    "batches_yielded",
     "is_count",
 ]
 
@@ -51,7 +53,10 @@ __all__ = [
 # hf_resumable.data.DATA_* (a test asserts it), kept here so the checkpoint core imports nothing above it.
 DATA_KIND, DATA_EPOCH, DATA_STEP, DATA_NUM_BATCHES, DATA_LOADER = "kind", "epoch", "step", "num_batches", "loader"
 DATA_LOADERS = "loaders"  # ResumableAccelerator: one record per prepared loader
-_NUM_YIELDED = "_num_yielded"  # torchdata StatefulDataLoader's batch counter inside DATA_LOADER
+# torchdata StatefulDataLoader's private counters inside DATA_LOADER (read by batches_yielded only): batches yielded
+# without workers; with workers, the last snapshot's step and the steps since it.
+_NUM_YIELDED, _SNAPSHOT, _SNAPSHOT_STEP, _STEPS_SINCE = ("_num_yielded", "_snapshot", "_snapshot_step",
+                                                        "_steps_since_snapshot")
 # Counters of torch schedulers and GradScaler that load_state_dict assigns as attributes: ints, never floats.
 _INT_COUNTERS = {"last_epoch": -1, "_step_count": 0, "_growth_tracker": 0, "growth_interval": 1}
 
@@ -59,11 +64,6 @@ _INT_COUNTERS = {"last_epoch": -1, "_step_count": 0, "_growth_tracker": 0, "grow
 def is_count(value: Any, *, minimum: int = 0) -> bool:
     """Whether ``value`` is an ``int`` (not a ``bool``) of at least ``minimum``."""
     return type(value) is int and value >= minimum
-
-
-def _corrupt(source: str, field: str, value: Any, expected: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{source}: {field}: {value!r:.120} is invalid, expected {expected}. The checkpoint "
-                                  "was not written by hf_resumable or was modified; resume from another checkpoint.")
 
 
 def check_training_state(document: Any, *, source: str) -> dict[str, Any]:
@@ -74,19 +74,19 @@ def check_training_state(document: Any, *, source: str) -> dict[str, Any]:
         FormatVersionError: if it was written by a newer hf_resumable.
     """
     if not isinstance(document, dict):
-        raise _corrupt(source, "<root>", type(document).__name__, "a JSON object")
+        raise field_error(source, "<root>", type(document).__name__, "a JSON object")
     version = document.get(STATE_KEY_FORMAT_VERSION, FORMAT_VERSION)
     if not is_count(version, minimum=1):
-        raise _corrupt(source, STATE_KEY_FORMAT_VERSION, version, "a positive int")
+        raise field_error(source, STATE_KEY_FORMAT_VERSION, version, "a positive int")
     if version > FORMAT_VERSION:
         raise FormatVersionError(f"{source}: format_version {version}; this hf_resumable reads up to "
                                  f"{FORMAT_VERSION}. Upgrade hf_resumable to load it.")
     for key in (STATE_KEY_PROGRESS, STATE_KEY_EXTRA):
         if not isinstance(document.get(key) or {}, dict):
-            raise _corrupt(source, key, document[key], "a JSON object")
+            raise field_error(source, key, document[key], "a JSON object")
     for key in (STATE_KEY_SCHEDULER, STATE_KEY_SCALER, STATE_KEY_OPTIMIZER):
         if document.get(key) is not None and not isinstance(document[key], dict):
-            raise _corrupt(source, key, document[key], "a JSON object or null")
+            raise field_error(source, key, document[key], "a JSON object or null")
     if document.get(STATE_KEY_OPTIMIZER) is not None:
         check_optimizer_document(document[STATE_KEY_OPTIMIZER], source=source)
     return document
@@ -100,26 +100,26 @@ def check_optimizer_document(document: Any, *, source: str) -> None:
     """
     where = STATE_KEY_OPTIMIZER
     if not isinstance(document, dict) or not isinstance(document.get("class"), str):
-        raise _corrupt(source, f"{where}/class", document.get("class") if isinstance(document, dict) else document,
+        raise field_error(source, f"{where}/class", document.get("class") if isinstance(document, dict) else document,
                        "an object with the optimizer's class name")
     groups = document.get("param_groups")
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-        raise _corrupt(source, f"{where}/param_groups", groups, "a list of param-group objects")
+        raise field_error(source, f"{where}/param_groups", groups, "a list of param-group objects")
     seen: set[str] = set()
     for i, group in enumerate(groups):
         params = group.get("params")
         if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
-            raise _corrupt(source, f"{where}/param_groups/{i}/params", params, "a list of parameter names")
+            raise field_error(source, f"{where}/param_groups/{i}/params", params, "a list of parameter names")
         duplicated = seen.intersection(params) or (len(set(params)) != len(params))
         if duplicated:
-            raise _corrupt(source, f"{where}/param_groups/{i}/params", params, "each parameter in one group only")
+            raise field_error(source, f"{where}/param_groups/{i}/params", params, "each parameter in one group only")
         seen.update(params)
     scalars = document.get("non_tensor_state", {})
     if not isinstance(scalars, dict) or not all(isinstance(v, dict) for v in scalars.values()):
-        raise _corrupt(source, f"{where}/non_tensor_state", scalars, "an object of per-parameter objects")
+        raise field_error(source, f"{where}/non_tensor_state", scalars, "an object of per-parameter objects")
     unknown = sorted(set(scalars) - seen)
     if unknown:
-        raise _corrupt(source, f"{where}/non_tensor_state", unknown[:5], "names of parameters in param_groups")
+        raise field_error(source, f"{where}/non_tensor_state", unknown[:5], "names of parameters in param_groups")
 
 
 def check_data_position(record: Any, *, source: str) -> None:
@@ -136,14 +136,14 @@ def check_data_position(record: Any, *, source: str) -> None:
             end of its epoch.
     """
     if not isinstance(record, dict):
-        raise _corrupt(source, "<root>", type(record).__name__, "a JSON object")
+        raise field_error(source, "<root>", type(record).__name__, "a JSON object")
     if DATA_LOADERS in record:
         loaders = record[DATA_LOADERS]
         if not isinstance(loaders, list):
-            raise _corrupt(source, DATA_LOADERS, loaders, "a list of loader positions")
+            raise field_error(source, DATA_LOADERS, loaders, "a list of loader positions")
         for i, item in enumerate(loaders):
             if not isinstance(item, dict) or DATA_KIND not in item:
-                raise _corrupt(source, f"{DATA_LOADERS}/{i}", item, "a loader position object")
+                raise field_error(source, f"{DATA_LOADERS}/{i}", item, "a loader position object")
             _check_record(item, source=source, prefix=f"{DATA_LOADERS}/{i}/")
     if DATA_KIND in record:
         _check_record(record, source=source, prefix="")
@@ -155,7 +155,7 @@ def _check_record(record: Mapping[str, Any], *, source: str, prefix: str) -> Non
         return  # not a position our loaders wrote: the caller's own record, checked by its loader
     for key in (DATA_EPOCH, DATA_STEP, DATA_NUM_BATCHES):
         if key in record and not is_count(record[key]):
-            raise _corrupt(source, f"{prefix}{key}", record[key], "a non-negative int")
+            raise field_error(source, f"{prefix}{key}", record[key], "a non-negative int")
     if kind == "map" and DATA_NUM_BATCHES in record and record.get(DATA_STEP, 0) > record[DATA_NUM_BATCHES]:
         raise CorruptCheckpointError(
             f"{source}: {prefix}{DATA_STEP}: {record[DATA_STEP]} is past the end of an epoch of "
@@ -164,9 +164,35 @@ def _check_record(record: Mapping[str, Any], *, source: str, prefix: str) -> Non
     if kind == "stream" and DATA_LOADER in record:
         loader = record[DATA_LOADER]
         if not isinstance(loader, dict):
-            raise _corrupt(source, f"{prefix}{DATA_LOADER}", loader, "the loader's state_dict() object")
-        if _NUM_YIELDED in loader and not is_count(loader[_NUM_YIELDED]):
-            raise _corrupt(source, f"{prefix}{DATA_LOADER}/{_NUM_YIELDED}", loader[_NUM_YIELDED], "a non-negative int")
+            raise field_error(source, f"{prefix}{DATA_LOADER}", loader, "the loader's state_dict() object")
+        batches_yielded(loader, source=source, prefix=f"{prefix}{DATA_LOADER}/")
+
+
+def batches_yielded(state: Mapping[str, Any], *, source: str, prefix: str = "") -> int | None:
+    """The one reader of torchdata ``StatefulDataLoader``'s private counters: the batches it had yielded when
+    ``state`` (its ``state_dict()``) was taken, or ``None`` for a state of another form (another torchdata version).
+
+    Raises:
+        CorruptCheckpointError: a counter that is not a non-negative int (``prefix`` + its key names it).
+
+    Example:
+
+    ```python
+    >>> batches_yielded({"_snapshot": {"_snapshot_step": 4}, "_steps_since_snapshot": 2}, source="data")
+    6
+    ```
+    """
+    if _NUM_YIELDED in state:
+        counts = {_NUM_YIELDED: state[_NUM_YIELDED]}
+    elif isinstance(state.get(_SNAPSHOT), Mapping) and _SNAPSHOT_STEP in state[_SNAPSHOT]:
+        counts = {f"{_SNAPSHOT}/{_SNAPSHOT_STEP}": state[_SNAPSHOT][_SNAPSHOT_STEP],
+                  _STEPS_SINCE: state.get(_STEPS_SINCE, 0)}
+    else:
+        return None
+    for key, value in counts.items():
+        if not is_count(value):
+            raise field_error(source, f"{prefix}{key}", value, "a non-negative int")
+    return sum(counts.values())
 
 
 def check_counters(progress: Mapping[str, Any], paths: Iterable[str], *, source: str) -> None:
@@ -181,7 +207,7 @@ def check_counters(progress: Mapping[str, Any], paths: Iterable[str], *, source:
         for part in path.split("/"):
             value = value.get(part, None) if isinstance(value, Mapping) else None
         if value is not None and not is_count(value):
-            raise _corrupt(source, f"{STATE_KEY_PROGRESS}/{path}", value, "a non-negative int step count")
+            raise field_error(source, f"{STATE_KEY_PROGRESS}/{path}", value, "a non-negative int step count")
 
 
 def check_like_live(stored: Any, live: Any, *, source: str, what: str) -> None:
@@ -263,7 +289,7 @@ def check_step_value(value: Any, *, field: str, source: str) -> None:
     else:
         number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
     if number is None or not math.isfinite(number) or number < 0 or number != int(number):
-        raise _corrupt(source, field, _describe(value) if isinstance(value, torch.Tensor) else value,
+        raise field_error(source, field, _describe(value) if isinstance(value, torch.Tensor) else value,
                        "a non-negative whole number of steps")
 
 

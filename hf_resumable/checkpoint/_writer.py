@@ -12,24 +12,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import stat
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .. import trace
-from ..constants import MANIFEST_FILE
+from ..constants import MANIFEST_FILE, STOCK_ACCELERATE_FILES_RE
 from ..distributed import (
     all_gather_json,
     barrier,
     broadcast_json,
-    checkpoint_group,
     is_distributed,
     rank_and_world_size,
 )
@@ -39,10 +34,9 @@ from ..format.rng import save_rng_state
 from ..format.safetensors_io import FileRecord, write_safetensors
 from ..progress import progress_bar
 from ._fs import DirIdentity, commit_dir, create_temp_dir, discard, write_bytes_durably
-from ._payload import SHARDS_KEY, IndexSpec, Payload, TensorFile
+from ._payload import SHARDS_KEY, IndexSpec, Payload
 from ._pins import release_pin
 from ._replicas import part_of_rank, replica_signature, replicas_split
-from ._staging import copy_into
 from ._threads import run_in_threads
 from .manifest import Manifest, read_manifest, records_from_json, records_to_json
 
@@ -52,43 +46,65 @@ logger = logging.getLogger(__name__)
 WRITE_THREADS = 2
 
 
-def check_target(target: Path, *, overwrite: bool) -> DirIdentity | None:
-    """Whether a save may go to ``target``: the directory it will replace, or ``None`` if ``target`` is free.
+def save_refusal(target: Path, *, overwrite: bool) -> str | None:
+    """The one answer to "may a save go to ``target``?": why not (looks at the disk), or ``None``.
 
-    Only an empty directory or a committed hf_resumable checkpoint is ever replaced (and only with
-    ``overwrite``): hf_resumable never deletes what it did not write.
+    A missing path may always be saved to; an empty directory or a committed hf_resumable checkpoint only with
+    ``overwrite`` (replaced atomically). Never a file, a link, a directory holding files hf_resumable did not write
+    (a stock Trainer's or accelerate's checkpoint), or a committed checkpoint somebody added files to: hf_resumable
+    never deletes what it did not write.
+    """
+    return _refusal(target, overwrite=overwrite)[0]
+
+
+def check_target(target: Path, *, overwrite: bool) -> DirIdentity | None:
+    """:func:`save_refusal` as a check: the directory the save will replace, or ``None`` if ``target`` is free.
 
     Raises:
         CheckpointExistsError: ``target`` exists and may not be replaced (the message says why and what to do).
     """
+    reason, info = _refusal(target, overwrite=overwrite)
+    if reason is not None:
+        raise CheckpointExistsError(reason)
+    return None if info is None else (info.st_dev, info.st_ino)
+
+
+def _refusal(target: Path, *, overwrite: bool) -> tuple[str | None, os.stat_result | None]:
     try:
         info = os.lstat(target)
     except FileNotFoundError:
-        return None
+        return None, None
+    except OSError as error:
+        return f"{target} cannot be inspected ({error}).", None
     if not stat.S_ISDIR(info.st_mode):
         kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "a file"
-        raise CheckpointExistsError(f"{target} exists and is {kind}, not a checkpoint directory; hf_resumable does "
-                                    "not replace it. Remove it, or save under another name.")
+        return (f"{target} exists and is {kind}, not a checkpoint directory; hf_resumable does not replace it. Remove "
+                "it, or save under another name."), info
     manifest = _manifest_or_none(target)
     if not overwrite:
         kind = "a committed checkpoint" if manifest is not None else "a directory"
-        raise CheckpointExistsError(
-            f"{target} already exists and is {kind}; pass overwrite=True to replace it atomically, or save under "
-            "another step."
-        )
-    if manifest is None and _has_entries(target):
-        raise CheckpointExistsError(
-            f"{target} holds files that hf_resumable did not write (no valid {MANIFEST_FILE}), e.g. a checkpoint "
-            "of the stock Trainer or of another tool; hf_resumable never replaces those. Move them away or save "
-            "under another name (a stock Trainer checkpoint can be converted with `hf-resumable convert`)."
-        )
+        return (f"{target} already exists and is {kind}; pass overwrite=True to replace it atomically, or save under "
+                "another step."), info
+    if manifest is None and (entries := sorted(os.listdir(target))):
+        stock = stock_accelerate_files(target)
+        what = (f"a checkpoint of stock accelerate ({', '.join(stock[:4])})" if stock else
+                f"files hf_resumable did not write ({', '.join(entries[:4])}{', ...' if len(entries) > 4 else ''})")
+        return (f"{target} holds {what} and no valid {MANIFEST_FILE}, e.g. a checkpoint of the stock Trainer or of "
+                "another tool; hf_resumable never replaces or mixes into those. Move them away or save under another "
+                "name (a stock Trainer checkpoint can be converted with `hf-resumable convert`)."), info
     if manifest is not None and (added := _unlisted_entries(target, manifest)):
-        raise CheckpointExistsError(
-            f"{target} is a committed checkpoint, but files were added to it that hf_resumable did not write "
-            f"({', '.join(added[:5])}{', ...' if len(added) > 5 else ''}); replacing it would delete them. Move "
-            "them out of the checkpoint, or save under another name."
-        )
-    return (info.st_dev, info.st_ino)
+        return (f"{target} is a committed checkpoint, but files were added to it that hf_resumable did not write "
+                f"({', '.join(added[:5])}{', ...' if len(added) > 5 else ''}); replacing it would delete them. Move "
+                "them out of the checkpoint, or save under another name."), info
+    return None, info
+
+
+def stock_accelerate_files(directory: Path) -> list[str]:
+    """Names in ``directory`` that stock accelerate's ``save_state`` writes (looks at the disk)."""
+    try:
+        return sorted(name for name in os.listdir(directory) if STOCK_ACCELERATE_FILES_RE.match(name))
+    except OSError:
+        return []
 
 
 def _manifest_or_none(directory: Path) -> Manifest | None:
@@ -146,11 +162,6 @@ def committed_directory(target: str | os.PathLike, *, overwrite: bool = False) -
         discard(tmp)
         raise
 
-
-
-def _has_entries(directory: Path) -> bool:
-    with os.scandir(directory) as entries:
-        return next(entries, None) is not None
 
 
 def index_document(spec: IndexSpec, records: Mapping[str, FileRecord]) -> dict[str, Any]:
@@ -340,182 +351,3 @@ def _rebuild(description: dict[str, Any], context: str) -> Exception:
     if description["errno"] is not None:
         return OSError(description["errno"], message)
     return RuntimeError(message)
-
-
-class _SaveJob:
-    """One async save on the saver's thread: step 1, then (once the training thread has staged) steps 2-5."""
-
-    def __init__(self, target: Path, payload: Payload, *, overwrite: bool, group: Any, step, metrics, on_commit,
-                 prepare, finalize, signature: str | None = None) -> None:
-        self.target, self._payload, self._overwrite, self._group = target, payload, overwrite, group
-        self._signature = signature
-        self._step, self._metrics, self._on_commit = step, metrics, on_commit
-        self._prepare, self._finalize = prepare, finalize
-        self.pid = os.getpid()  # a forked child does not own its parent's save (nor the thread writing it)
-        self._started = threading.Event()  # step 1 is over (start_error says how)
-        self._staged = threading.Event()  # the training thread's copy is over (staging_error says how)
-        self.done = threading.Event()
-        self.start: SaveStart | None = None
-        self.start_error: BaseException | None = None
-        self.staging_error: BaseException | None = None
-        self.error: BaseException | None = None  # raised at the next wait
-
-    def run(self) -> None:
-        try:
-            self._run()
-        finally:
-            self.done.set()
-
-    def _run(self) -> None:
-        try:
-            start = self.start = begin_save(self.target, overwrite=self._overwrite, group=self._group,
-                                            signature=self._signature)
-        except BaseException as err:  # noqa: BLE001 - raised on the training thread by started()
-            self.start_error = err
-            return
-        finally:
-            self._started.set()
-        self._staged.wait()
-        prepare, finalize, keep = self._prepare, self._finalize, True
-        if self.staging_error is not None:  # raised on the training thread; every rank must learn it in step 3
-            cause, finalize, keep = self.staging_error, None, False
-
-            def prepare() -> None:
-                raise RuntimeError(f"staging the tensors failed: {type(cause).__name__}: {cause}") from cause
-        try:
-            finish_save(start, self._payload, step=self._step, metrics=self._metrics, prepare=prepare,
-                        finalize=finalize)
-            if self._on_commit is not None:
-                self._on_commit()
-        except BaseException as err:  # noqa: BLE001 - kept and raised at the next call
-            if keep:
-                self.error = err
-
-    def staged(self, error: BaseException | None = None) -> None:
-        """The training thread's copy is over (``error``: it failed)."""
-        self.staging_error = error
-        self._staged.set()
-
-    def started(self) -> SaveStart:
-        """Wait for step 1; raise its error (on every rank: rank 0 told them) if it failed."""
-        self._started.wait()
-        if self.start_error is not None:
-            raise self.start_error
-        return self.start
-
-
-class _Worker:
-    """One daemon thread, started on first use, that runs submitted jobs in order.
-
-    A thread started per save would block the starter until it runs, tens of milliseconds on a loaded machine, on
-    the training loop's time. Daemon: interpreter exit waits for the in-flight save through ``atexit`` (see
-    :mod:`.api`), not for an idle thread; a forked child starts its own.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._jobs: queue.SimpleQueue | None = None
-        self._thread: threading.Thread | None = None
-        self._pid: int | None = None
-
-    def submit(self, job: Callable[[], None]) -> None:
-        if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-            self._jobs, self._pid = queue.SimpleQueue(), os.getpid()
-            self._thread = threading.Thread(target=self._serve, args=(self._jobs,), name=self._name, daemon=True)
-            self._thread.start()
-        self._jobs.put(job)
-
-    @staticmethod
-    def _serve(jobs: queue.SimpleQueue) -> None:
-        while True:
-            jobs.get()()  # a job keeps its own errors
-
-
-class AsyncSaver:
-    """Stage tensors into reusable host buffers, then write them on a background thread.
-
-    Buffers are keyed by (file, tensor name) and reused while shape and dtype match, so the first
-    touch of fresh memory is paid once, not at every save. At most one save is in flight: the next
-    save, any load and interpreter exit wait for it, and its exception is raised there.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
-        self._job: _SaveJob | None = None
-        self._worker = _Worker("hf_resumable-save")
-
-    def stage(self, payload: Payload, also: Sequence[TensorFile] = ()) -> Payload:
-        """Copy every tensor of ``payload`` (and of the files ``also``) into staging buffers, in one parallel copy;
-        the files then hold the buffers (returns ``payload``)."""
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for tensor_file in [*payload.tensor_files, *also]:
-            staged = []
-            for name, tensor in tensor_file.tensors:
-                key = (tensor_file.relpath, name)
-                buffer = self._buffers.get(key)
-                if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                    buffer = torch.empty(tensor.shape, dtype=tensor.dtype,
-                                         pin_memory=torch.cuda.is_available() and tensor.is_cuda)
-                    self._buffers[key] = buffer
-                pairs.append((buffer, tensor))
-                staged.append((name, buffer))
-            tensor_file.tensors = staged
-        copy_into(pairs)
-        return payload
-
-    def submit(self, target: Path, payload: Payload, *, step, metrics, overwrite, on_commit=None,
-               also_stage: Sequence[TensorFile] = (), prepare=None, finalize=None) -> None:
-        """Wait for the previous save, stage ``payload`` (and ``also_stage``) and start writing it in the background.
-
-        Under torch.distributed every rank calls it. Step 1 (rank 0 checks the target and creates the temp dir) runs
-        on the saver's thread while this one copies the tensors, and is over when this returns, so a refused target
-        raises now on every rank; steps 2-5 (``prepare`` and ``finalize`` too, see :func:`finish_save`) follow on
-        that thread. Its collectives use the save's own gloo group (``distributed.checkpoint_group``), never the
-        training loop's. If the copy fails on this rank after step 1, the background part still runs, so that every
-        rank learns of the failure and nothing is committed; the error is raised here.
-        """
-        self.wait()
-        group = checkpoint_group()  # created on first use: a collective of the training thread
-        signature = replica_signature(payload)
-        job = _SaveJob(target, payload, overwrite=overwrite, group=group, step=step, metrics=metrics,
-                       on_commit=on_commit, prepare=prepare, finalize=finalize, signature=signature)
-        self._job = job
-        self._worker.submit(job.run)
-        rank, world_size = rank_and_world_size()
-        try:
-            # Only the files this rank writes: its share of the replicated ones as planned, while step 1 settles
-            # whether the ranks split them (they do unless their payloads differ); then whatever that adds.
-            staged = self._stage_part(part_of_rank(payload, rank, world_size, split=signature is not None), also_stage)
-            start = job.started()  # a refused target raises here (the job is over: it waits for no staging)
-            self._stage_part(part_of_rank(payload, rank, world_size, split=start.split), (), skip=staged)
-        except BaseException as err:
-            job.staged(err)
-            raise
-        job.staged()
-
-    def _stage_part(self, part: Payload, also: Sequence[TensorFile], *, skip: set[str] = frozenset()) -> set[str]:
-        """:meth:`stage` the files of ``part`` not in ``skip``; the relpaths of ``part``'s files."""
-        self.stage(Payload(tensor_files=[f for f in part.tensor_files if f.relpath not in skip]), also)
-        return {f.relpath for f in part.tensor_files}
-
-    @property
-    def in_flight(self) -> bool:
-        job = self._job
-        return job is not None and job.pid == os.getpid() and not job.done.is_set()
-
-    def wait(self) -> None:
-        """Block until the in-flight save (if any) is committed; raise its error if it failed."""
-        from ..errors import AsyncSaveError
-
-        job, self._job = self._job, None
-        if job is None or job.pid != os.getpid():  # nothing in flight, or the parent's save (this is a forked child)
-            return
-        job.done.wait()
-        if job.error is not None:
-            raise AsyncSaveError(f"A background checkpoint save failed: {type(job.error).__name__}: {job.error}"
-                                 ) from job.error
-
-
-# The process's one background saver (``api.background_saver``), defined here so that a load below ``api`` (the shared
-# reads, whose collectives use the save's group) can wait for it.
-BACKGROUND_SAVER = AsyncSaver()

@@ -18,7 +18,8 @@ from ..distributed import is_distributed, rank_and_world_size
 from ..format.rng import RngState
 from ._payload import capture_payload
 from ._reader import LoadedCheckpoint, OpenedCheckpoint, read_on_load
-from ._writer import BACKGROUND_SAVER, AsyncSaver, check_target, save_payload
+from ._writer import check_target, save_payload
+from .async_save import BACKGROUND_SAVER, AsyncSaver
 from .discovery import apply_retention
 from .manifest import Manifest
 from .verify import VerifyReport, verify_checkpoint

@@ -26,7 +26,7 @@ from ..errors import (
     IncompleteCheckpointError,
     UnsafeIndexError,
 )
-from ..format._jsonio import json_bytes, parse_json
+from ..format._jsonio import json_bytes, parse_json, require_field
 from ..format._safefile import member_path, read_regular_file
 from ..format.safetensors_io import FileRecord
 from ..format.sharding import check_relative_name
@@ -124,14 +124,14 @@ class Manifest:
         step, world_size = document.get("step"), document.get("world_size", 1)
         created, metrics = document.get("created", 0.0), document.get("metrics") or {}
         versions = document.get("versions") or {}
-        _require(step is None or (_is_int(step) and step >= 0), source, "step", "null or an integer >= 0", step)
-        _require(_is_int(world_size) and 1 <= world_size <= MAX_WORLD_SIZE, source, "world_size",
-                 f"an integer in 1..{MAX_WORLD_SIZE}", world_size)
-        _require(_is_number(created), source, "created", "a number", created)
-        _require(isinstance(metrics, dict) and all(isinstance(k, str) and _is_number(v) for k, v in metrics.items()),
-                 source, "metrics", "an object of numbers", metrics)
-        _require(isinstance(versions, dict) and all(isinstance(v, str) for v in versions.values()), source,
-                 "versions", "an object of strings", versions)
+        require_field(step is None or (_is_int(step) and step >= 0), source, "step", step, "null or an integer >= 0")
+        require_field(_is_int(world_size) and 1 <= world_size <= MAX_WORLD_SIZE, source, "world_size", world_size,
+                      f"an integer in 1..{MAX_WORLD_SIZE}")
+        require_field(_is_number(created), source, "created", created, "a number")
+        numbers = isinstance(metrics, dict) and all(isinstance(k, str) and _is_number(v) for k, v in metrics.items())
+        require_field(numbers, source, "metrics", metrics, "an object of numbers")
+        require_field(isinstance(versions, dict) and all(isinstance(v, str) for v in versions.values()), source,
+                      "versions", versions, "an object of strings")
         records = {name: _record_from_json(record, source=source, name=name) for name, record in files.items()}
         try:
             return cls(files=records, step=step, world_size=world_size, metrics=dict(metrics),
@@ -192,13 +192,13 @@ def _record_to_json(record: FileRecord) -> dict[str, Any]:
 
 def _record_from_json(document: Any, *, source: str, name: str) -> FileRecord:
     where = f"files[{name[:100]!r}]"
-    _require(isinstance(document, dict), source, where, "an object with size, sha256 (and xxh3_128)", document)
+    require_field(isinstance(document, dict), source, where, document, "an object with size, sha256 (and xxh3_128)")
     size, sha256, fast = document.get("size"), document.get("sha256"), document.get("xxh3_128")
-    _require(_is_int(size) and 0 <= size < 2**63, source, f"{where}.size", "an integer >= 0", size)
-    _require(isinstance(sha256, str) and _SHA256.fullmatch(sha256) is not None, source, f"{where}.sha256",
-             "64 lowercase hex digits", sha256)
-    _require(fast is None or (isinstance(fast, str) and _XXH3.fullmatch(fast) is not None), source,
-             f"{where}.xxh3_128", "32 lowercase hex digits", fast)
+    require_field(_is_int(size) and 0 <= size < 2**63, source, f"{where}.size", size, "an integer >= 0")
+    require_field(isinstance(sha256, str) and _SHA256.fullmatch(sha256) is not None, source, f"{where}.sha256",
+                  sha256, "64 lowercase hex digits")
+    require_field(fast is None or (isinstance(fast, str) and _XXH3.fullmatch(fast) is not None), source,
+                  f"{where}.xxh3_128", fast, "32 lowercase hex digits")
     return FileRecord(size, sha256, fast)
 
 
@@ -210,9 +210,6 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _require(ok: bool, source: str, field_name: str, expected: str, value: Any) -> None:
-    if not ok:
-        raise CorruptCheckpointError(f"{source}: field {field_name!r} must be {expected}, got {value!r:.100}.")
 
 
 def records_to_json(records: Mapping[str, FileRecord]) -> dict[str, Any]:

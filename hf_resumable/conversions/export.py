@@ -45,6 +45,7 @@ from ..constants import (
     DATA_STATE_DIR,
     FROZEN_RECORD_FILE,
     GENERATION_CONFIG_FILE,
+    LAYOUT_FILE,
     MANIFEST_FILE,
     MODEL_INDEX_FILE,
     OPTIMIZER_INDEX_FILE,
@@ -64,8 +65,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["export_model", "ExportError"]
 
 # Checkpoint files that are training state, not part of a model directory.
-_NOT_EXPORTED = (MANIFEST_FILE, TRAINING_STATE_FILE, STATE_TENSORS_FILE, TRAINER_STATE_FILE, FROZEN_RECORD_FILE,
-                 MODEL_INDEX_FILE, TRAINABLE_INDEX_FILE, OPTIMIZER_INDEX_FILE, CONFIG_FILE, GENERATION_CONFIG_FILE,
+_NOT_EXPORTED = (MANIFEST_FILE, LAYOUT_FILE, TRAINING_STATE_FILE, STATE_TENSORS_FILE, TRAINER_STATE_FILE,
+                 FROZEN_RECORD_FILE, MODEL_INDEX_FILE, TRAINABLE_INDEX_FILE, OPTIMIZER_INDEX_FILE, CONFIG_FILE,
+                 GENERATION_CONFIG_FILE,
                  README_FILE)
 _NOT_EXPORTED_DIRS = (RNG_DIR, DATA_STATE_DIR, SHARDED_DIR)
 
@@ -112,11 +114,12 @@ def export_model(
     source, target = Path(checkpoint), Path(output)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise CheckpointExistsError(f"{target} exists and is not an empty directory; export into a new directory.")
-    opened = open_checkpoint(source, verify=verify, allow_inexact_resume=True)
+    # elastic: a per-rank (FSDP2 / ZeRO) checkpoint is read whole here, in one process, whatever its world size
+    opened = open_checkpoint(source, verify=verify, allow_inexact_resume=True, elastic=True)
     # 1. The model, built from the base (or from the checkpoint's own config for a standalone checkpoint).
     model = _build_model(opened, base=base, revision=revision)
     # 2. The checkpoint's state, the frozen base checked against its record first.
-    opened.load_into(model=model, strict=True)
+    _load_weights(opened, model)
     # 3. Write into a fresh sibling directory, then rename it into place.
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".export-{target.name}.", dir=target.parent))
@@ -133,6 +136,24 @@ def export_model(
     logger.info("Exported %s to %s (%s).", source, target,
                 "adapters merged" if merge_adapters else "base + adapter files" if _is_peft(model) else "full model")
     return target
+
+
+def _load_weights(opened: OpenedCheckpoint, model: Any) -> None:
+    """Fill ``model`` (plain, one process) with the checkpoint's weights.
+
+    A per-rank checkpoint (FSDP2 pieces, or DeepSpeed ZeRO-1/2, whose weights rank 0 saved whole) holds
+    ``sharded_layout.json``: each whole tensor is assembled from the rank pieces that cover it
+    (:func:`~hf_resumable.checkpoint._sharded.plan_region_reads` plans which slice of which piece file goes where,
+    then the slices are read), with no process group. Any other checkpoint loads as usual.
+    """
+    if LAYOUT_FILE not in opened.manifest.files:
+        opened.load_into(model=model, strict=True)
+        return
+    from ..checkpoint.sharded import load_sharded_into
+
+    # the export is not a resume: no RNG restored, so a world size other than the saving one is fine
+    load_sharded_into(opened, model=model, restore_rng=False, strict=True)
+    logger.info("Assembled the weights of %s from the pieces of %d rank(s).", opened.path, opened.manifest.world_size)
 
 
 def _is_peft(model: Any) -> bool:
@@ -154,6 +175,23 @@ def _model_class(name: Any, *, where: str) -> type:
     return cls
 
 
+def _auto_model(config: Any, *, where: str) -> Any:
+    """The model transformers' auto classes map ``config.model_type`` to (a causal LM when there is one; the
+    checkpoint's weights then decide, under ``strict=True``, whether it fits). Only transformers' own classes."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    for auto in (AutoModelForCausalLM, AutoModel):
+        try:
+            model = auto.from_config(config)
+        except ValueError:  # no class of that kind for this model type
+            continue
+        logger.warning("%s names no architecture; exporting as %s (transformers' auto class for model_type %r).",
+                       where, type(model).__name__, getattr(config, "model_type", None))
+        return model
+    raise ExportError(f"{where}: names no architecture and transformers has no model class for model_type "
+                      f"{getattr(config, 'model_type', None)!r}.")
+
+
 def _build_model(opened: OpenedCheckpoint, *, base: str | os.PathLike | None, revision: str | None) -> Any:
     from transformers import AutoConfig
 
@@ -163,7 +201,9 @@ def _build_model(opened: OpenedCheckpoint, *, base: str | os.PathLike | None, re
         if not (path / CONFIG_FILE).is_file():
             raise ExportError(f"{path}: no {CONFIG_FILE}; cannot tell which model it holds.")
         config = AutoConfig.from_pretrained(path)
-        architectures = getattr(config, "architectures", None) or [None]
+        architectures = getattr(config, "architectures", None)
+        if not architectures:  # a config saved by config.save_pretrained (not model.save_pretrained) names none
+            return _with_adapters(_auto_model(config, where=str(path / CONFIG_FILE)), opened)
         model = _model_class(architectures[0], where=str(path / CONFIG_FILE))._from_config(config)
         return _with_adapters(model, opened)
     recorded = trainable.record.source

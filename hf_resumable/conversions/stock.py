@@ -62,11 +62,10 @@ from ..errors import (
     CheckpointExistsError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
-    CorruptCheckpointError,
-    UnsafePickleError,
 )
 from ..format.rng import RngState, save_rng_state
 from ..format.sharding import parse_size
+from ._pickle import load_torch_pickle, numpy_globals
 
 logger = logging.getLogger(__name__)
 
@@ -147,34 +146,12 @@ class _StateHolder:
         return self._state
 
 
-def _numpy_safe_globals() -> list[Any]:
-    """What ``weights_only=True`` must also build for the stock RNG files: numpy arrays (the numpy generator state).
-
-    The allow-list of transformers' ``trainer_pt_utils.safe_globals``, with which the Trainer reads these files.
-    """
-    import numpy as np
-
-    core = np._core if hasattr(np, "_core") else np.core  # numpy 2 renamed numpy.core
-    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+_numpy_safe_globals = numpy_globals  # the allow-list checked against transformers' own in tests/test_conversions.py
 
 
 def _load_pickle(path: Path) -> Any:
     """``torch.load(path, weights_only=True)``; a refused or unreadable pickle raises a typed error naming it."""
-    import pickle
-
-    try:
-        # allow-lists numpy's array reconstruction for the RNG files, nothing more
-        with torch.serialization.safe_globals(_numpy_safe_globals()):
-            return torch.load(path, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as err:
-        reason = " ".join(str(err).split())[:300]
-        raise UnsafePickleError(
-            f"{path}: refused by torch.load(weights_only=True), which builds only tensors and plain containers "
-            f"({reason}). hf_resumable never unpickles other objects; convert only checkpoints written by "
-            "transformers' Trainer.") from err
-    except (RuntimeError, EOFError) as err:  # torch's zip reader on a truncated or non-zip file
-        raise CorruptCheckpointError(f"{path}: not a readable torch.save file ({' '.join(str(err).split())[:300]})"
-                                     ) from err
+    return load_torch_pickle(path)
 
 
 def _build_model(directory: Path) -> torch.nn.Module:
@@ -245,6 +222,13 @@ def _rng_state(document: dict[str, Any]) -> RngState:
                     cuda=list(cuda or []))
 
 
+def _rng_bytes(state: RngState) -> bytes:
+    """The bytes of ``rng/rank-<r>.safetensors`` for ``state`` (another rank's RNG, written by this process)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        save_rng_state(Path(tmp) / "rng.safetensors", state, fsync=False)
+        return (Path(tmp) / "rng.safetensors").read_bytes()
+
+
 def _rng_files(files: TrainerCheckpointFiles) -> tuple[RngState | bool, dict[str, bytes]]:
     """RNG of rank 0 (for ``rng=``) and every other rank's RNG file as bytes (for ``extra_files``)."""
     extra: dict[str, bytes] = {}
@@ -254,9 +238,7 @@ def _rng_files(files: TrainerCheckpointFiles) -> tuple[RngState | bool, dict[str
         if rank == 0:
             rank0 = state
             continue
-        with tempfile.TemporaryDirectory() as tmp:
-            save_rng_state(Path(tmp) / "rng.safetensors", state, fsync=False)
-            extra[f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"] = (Path(tmp) / "rng.safetensors").read_bytes()
+        extra[f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"] = _rng_bytes(state)
     if rank0 is False:
         logger.warning("%s has no rng_state.pth; the converted checkpoint has no RNG state and resuming from it "
                        "will need allow_inexact_resume=True.", files.directory)

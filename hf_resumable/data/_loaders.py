@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from .. import trace
+from ..checkpoint._validate import batches_yielded
 from ..errors import InexactResumeError
 from ..format.rng import derive_seed
 from ._order import ResumableBatchSampler
@@ -49,6 +50,41 @@ class ResumableDataLoader(DataLoader):
     def position(self, *, epoch: int, step: int) -> dict[str, Any]:
         """The JSON data-position record for "``step`` batches of ``epoch`` consumed"."""
         return {DATA_KIND: "map", DATA_EPOCH: epoch, DATA_STEP: step, DATA_NUM_BATCHES: len(self.batch_sampler)}
+
+
+class StepPosition:
+    """:class:`~hf_resumable.data._position.LoaderPosition` of a resumable loader (map-style or stream) iterated by a
+    loop that alone knows where it stands: the ``Trainer``, whose optimizer steps (``steps_done()``) of
+    ``batches_per_step`` batches each say which batch comes next (its ``skip_first_batches`` moves a map-style
+    loader's cursor on resume).
+
+    Args:
+        loader: a :class:`ResumableDataLoader` or the loader of :func:`build_stream_dataloader`.
+        steps_done (`Callable[[], int]`): optimizer steps done so far.
+        batches_per_step (`int`): batches per optimizer step (gradient accumulation).
+    """
+
+    def __init__(self, loader: Any, *, steps_done: Callable[[], int], batches_per_step: int) -> None:
+        self.loader, self.steps_done, self.batches_per_step = loader, steps_done, batches_per_step
+        self.kind = "map" if isinstance(loader, ResumableDataLoader) else "stream"
+
+    def position(self) -> dict[str, Any]:
+        steps, per_step = self.steps_done(), self.batches_per_step
+        if self.kind == "stream":
+            return self.loader.position(epoch=0, step=steps * per_step)
+        per_epoch = max(-(-len(self.loader) // per_step), 1)  # optimizer steps per epoch (a short last one counts)
+        epoch, step = divmod(steps, per_epoch)
+        return self.loader.position(epoch=epoch, step=min(step * per_step, len(self.loader)))
+
+    def fits(self, record: Mapping[str, Any]) -> bool:
+        return record.get(DATA_KIND) == self.kind
+
+    def load_position(self, record: Mapping[str, Any], *, restart_epoch: bool = False) -> None:
+        if self.kind == "stream" and not restart_epoch:  # map-style: the loop's own skip moves the cursor
+            self.loader.load_position(record)
+
+    def settings(self) -> dict[str, Any]:
+        return {}  # the Trainer compares its RunConfig instead
 
 
 def _loader_kwargs(seed: int, num_workers: int, *, pin_memory: bool, persistent_workers: bool,
@@ -150,13 +186,11 @@ class _ReplaySkip:
 
 def _batches_yielded(state: Mapping[str, Any]) -> int:
     """Batches a ``StatefulDataLoader`` had yielded when ``state`` was taken (single- or multi-process form)."""
-    if "_num_yielded" in state:
-        return int(state["_num_yielded"])
-    snapshot = state.get("_snapshot") or {}
-    if "_snapshot_step" in snapshot:
-        return int(snapshot["_snapshot_step"]) + int(state.get("_steps_since_snapshot", 0))
-    raise InexactResumeError(f"Unrecognised StatefulDataLoader state (keys {sorted(state)}); this torchdata "
-                             "version is not supported.")
+    count = batches_yielded(state, source="the streaming loader's saved position")
+    if count is None:
+        raise InexactResumeError(f"Unrecognised StatefulDataLoader state (keys {sorted(state)}); this torchdata "
+                                 "version is not supported.")
+    return count
 
 
 def _stream_loader_class() -> type:

@@ -1,10 +1,12 @@
-"""Data-position record keys, the batch key and the position-seeded random context."""
+"""Data-position record keys, the one data-position interface (:class:`LoaderPosition`), the batch key and the
+position-seeded random context."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from torch.utils.data import get_worker_info
 
@@ -30,6 +32,30 @@ DATA_EPOCH = "epoch"  # epoch of the next batch to train on
 DATA_STEP = "step"  # batches of that epoch already consumed (map-style)
 DATA_NUM_BATCHES = "num_batches"  # batches per epoch on this rank (map-style)
 DATA_LOADER = "loader"  # StatefulDataLoader.state_dict() (streaming)
+
+
+@runtime_checkable
+class LoaderPosition(Protocol):
+    """A loader's data position, whatever the loader: captured as a JSON record, restored without fetching.
+
+    Both front doors save and restore their loaders through it: ``ResumableAccelerator`` every prepared loader
+    (``ResumablePreparedLoader``, ``ResumableDataLoaderShard``/``Dispatcher``, ``StatefulLoaderPosition``),
+    ``ResumableTrainer`` its training loader (:class:`~hf_resumable.data._loaders.StepPosition`). Records use the
+    ``DATA_*`` keys; ``checkpoint._validate.check_data_position`` checks them on load (torchdata's counters through
+    its one reader, ``batches_yielded``).
+    """
+
+    def position(self) -> dict[str, Any]:
+        """The JSON record of where the next batch comes from."""
+
+    def fits(self, record: Mapping[str, Any]) -> bool:
+        """Whether ``record`` is a position of a loader like this one (same kind, as many batches per epoch)."""
+
+    def load_position(self, record: Mapping[str, Any], *, restart_epoch: bool = False) -> None:
+        """Continue at ``record`` without fetching anything (``restart_epoch``: keep only its epoch)."""
+
+    def settings(self) -> dict[str, Any]:
+        """What decides this loader's batches (compared with the checkpoint's at resume)."""
 
 
 class BatchKey(NamedTuple):

@@ -1,4 +1,5 @@
-"""The one JSON writer and the one bounded JSON parser for every file hf_resumable writes or reads.
+"""The one JSON writer, the one bounded JSON parser and the one field error for every file hf_resumable writes or
+reads.
 
 Files in a checkpoint may have been crafted. Before ``json.loads`` sees them, the parser bounds what
 could exhaust the stack or the CPU, as safetensors bounds its header: nesting depth (a deep
@@ -6,7 +7,9 @@ could exhaust the stack or the CPU, as safetensors bounds its header: nesting de
 integer length (a 5000-digit literal costs quadratic time and raises ``ValueError``). Every failure
 is a :class:`~hf_resumable.errors.CorruptCheckpointError` naming the source. ``NaN``/``Infinity`` are
 accepted, as Python writes them (a scheduler's ``best`` starts at ``inf``); code that needs an int
-checks its type.
+checks its type. Every check of a parsed field (the manifest, the training state, the state codec, data
+positions) reports a failure with :func:`field_error` / :func:`require_field`: the file, the field, the value
+and what was expected, in one wording.
 
 Example:
 
@@ -30,7 +33,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError
 
-__all__ = ["MAX_JSON_DEPTH", "MAX_INT_DIGITS", "json_bytes", "parse_json"]
+__all__ = ["MAX_JSON_DEPTH", "MAX_INT_DIGITS", "field_error", "json_bytes", "parse_json", "require_field"]
 
 # Deepest nesting accepted (our own files nest at most ~8 levels: state codec markers inside state dicts).
 MAX_JSON_DEPTH = 64
@@ -64,6 +67,27 @@ def parse_json(raw: bytes | str, *, source: str) -> Any:
         raise CorruptCheckpointError(f"{source}: invalid JSON ({err}); the file is corrupt or truncated.") from None
     except RecursionError:  # unreachable after _check_depth; kept so no raw RecursionError can ever escape
         raise CorruptCheckpointError(f"{source}: JSON nested too deeply.") from None
+
+
+def field_error(source: str, field: str, value: Any, expected: str) -> CorruptCheckpointError:
+    """The one error for a field of an untrusted JSON document that fails its check.
+
+    Example:
+
+    ```python
+    >>> str(field_error("manifest.json", "step", -1, "null or an integer >= 0"))[:60]
+    'manifest.json: step: -1 is invalid, expected null or an inte'
+    ```
+    """
+    return CorruptCheckpointError(f"{source}: {field or '<root>'}: {value!r:.120} is invalid, expected {expected}. "
+                                  "The file was not written by hf_resumable or was modified; resume from another "
+                                  "checkpoint.")
+
+
+def require_field(ok: bool, source: str, field: str, value: Any, expected: str) -> None:
+    """Raise :func:`field_error` unless ``ok``."""
+    if not ok:
+        raise field_error(source, field, value, expected)
 
 
 def _parse_int(literal: str, source: str) -> int:

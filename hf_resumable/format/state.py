@@ -1,18 +1,18 @@
-"""What a run was started with, recorded in every checkpoint, and the check that a resume still matches it.
+"""What a run was started with, recorded in every checkpoint.
 
 A bit-exact resume is only possible when the resumed run slices the data exactly as the interrupted one
 did. :class:`RunConfig` records the settings that decide that (gradient accumulation, per-device batch
-size, world size, seeds, the training data set); :func:`check_config_drift` compares the recorded
-settings with the current ones and raises :class:`~hf_resumable.errors.ConfigDriftError` naming
-*every* field that changed, or, when the user opted in, logs a WARNING and lets the run continue.
+size, world size, seeds, the training data set); :meth:`RunConfig.diff` names every field that changed, for the
+integrations' one drift check (``integrations._core.check_drift``).
 
 Example:
 
 ```python
->>> from hf_resumable.format.state import RunConfig, check_config_drift
+>>> from hf_resumable.format.state import RunConfig
 >>> saved = RunConfig(gradient_accumulation_steps=4, per_device_train_batch_size=8, world_size=1, seed=42,
 ...                   data_seed=None, dataset_length=1000, dataset_fingerprint="abc")
->>> check_config_drift(saved, saved, checkpoint="out/checkpoint-10")  # nothing changed: no error
+>>> saved.diff(saved)  # nothing changed
+{}
 >>> saved.diff(RunConfig.from_dict({**saved.to_dict(), "seed": 7}))
 {'seed': (42, 7)}
 ```
@@ -26,11 +26,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigDriftError
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunConfig", "check_config_drift"]
+__all__ = ["RunConfig"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,28 +86,3 @@ class RunConfig:
             if getattr(self, f.name) != getattr(other, f.name)
             and not (f.name in optional and None in (getattr(self, f.name), getattr(other, f.name)))
         }
-
-
-def check_config_drift(saved: RunConfig, current: RunConfig, *, checkpoint: str, allow: bool = False) -> None:
-    """Raise if the run is resumed with settings that change what the next steps train on.
-
-    Args:
-        saved (`RunConfig`): what the checkpoint was written with.
-        current (`RunConfig`): what the resumed run uses.
-        checkpoint (`str`): the checkpoint path (for the message).
-        allow (`bool`, *optional*, defaults to `False`): log a WARNING and continue instead of raising.
-
-    Raises:
-        ConfigDriftError: if any field differs and ``allow`` is false. The message names every changed
-            field with its old and new value.
-    """
-    changed = saved.diff(current)
-    if not changed:
-        return
-    details = ", ".join(f"{name}: {old!r} -> {new!r}" for name, (old, new) in changed.items())
-    message = f"Resuming {checkpoint} with a different configuration ({details})"
-    if not allow:
-        raise ConfigDriftError(
-            f"{message}. The run would not continue exactly. Restore the original settings, or pass "
-            "allow_config_drift=True to ResumableTrainer to continue as well as possible.")
-    logger.warning("%s; continuing because allow_config_drift=True. The run will NOT continue bit for bit.", message)

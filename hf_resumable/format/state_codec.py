@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedStateError
+from ._jsonio import field_error
 
 __all__ = ["encode_state", "decode_state", "check_encoded"]
 
@@ -130,51 +131,47 @@ def _missing(source: str, where: str, name: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{source}: {where or '<root>'}: tensor {name!r} is referenced but not stored.")
 
 
-def _bad(source: str, path: str, value: Any, expected: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{source}: {path or '<root>'}: {value!r:.120} is malformed, expected {expected}. "
-                                  "The file was not written by hf_resumable or was modified; load another checkpoint.")
-
-
 def _decode(value: Any, resolve: Callable[[str, str], Any], source: str, path: str) -> Any:
     if isinstance(value, list):
         return [_decode(v, resolve, source, f"{path}/{i}") for i, v in enumerate(value)]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if not isinstance(value, dict):
-        raise _bad(source, path, value, "a JSON value")
+        raise field_error(source, path, value, "a JSON value")
     markers = _MARKERS.intersection(value)
     if not markers:
         return {k: _decode(v, resolve, source, f"{path}/{k}") for k, v in value.items()}
     if len(value) != 1:  # the encoder escapes dicts holding marker keys as __dict__ pairs
-        raise _bad(source, path, value, f"a single-key {sorted(markers)[0]} marker")
+        raise field_error(source, path, value, f"a single-key {sorted(markers)[0]} marker")
     ((key, inner),) = value.items()
     if key == _TUPLE:
         if not isinstance(inner, list):
-            raise _bad(source, path, value, '{"__tuple__": [items]}')
+            raise field_error(source, path, value, '{"__tuple__": [items]}')
         return tuple(_decode(v, resolve, source, f"{path}/{i}") for i, v in enumerate(inner))
     if key == _DICT:
         return _decode_pairs(value, inner, resolve, source, path)
     if key == _TENSOR:
         if not isinstance(inner, str):
-            raise _bad(source, path, value, '{"__tensor__": "<name>"}')
+            raise field_error(source, path, value, '{"__tensor__": "<name>"}')
         return resolve(inner, path)
     # vars(), not getattr(): a name from the file must never trigger torch's lazy submodule imports.
     dtype = vars(torch).get(inner) if isinstance(inner, str) else None
     if not isinstance(dtype, torch.dtype):
-        raise _bad(source, path, value, 'a torch dtype name such as {"__dtype__": "float32"}')
+        raise field_error(source, path, value, 'a torch dtype name such as {"__dtype__": "float32"}')
     return dtype
 
 
 def _decode_pairs(value: Any, inner: Any, resolve: Callable[[str, str], Any], source: str, path: str) -> dict:
     if not isinstance(inner, list) or not all(isinstance(p, list) and len(p) == 2 for p in inner):
-        raise _bad(source, path, value, '{"__dict__": [[key, value], ...]}')
+        raise field_error(source, path, value, '{"__dict__": [[key, value], ...]}')
     out = {}
     for i, (k, v) in enumerate(inner):
         key = _hashable(_decode(k, resolve, source, f"{path}/key{i}"))
         try:
             hash(key)
         except TypeError:
-            raise _bad(source, f"{path}/key{i}", k, "a hashable key (None, bool, number, str or tuple)") from None
+            raise field_error(source, f"{path}/key{i}", k,
+                              "a hashable key (None, bool, number, str or tuple)") from None
         out[key] = _decode(v, resolve, source, f"{path}/{key}")
     return out
 

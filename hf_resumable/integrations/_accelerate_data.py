@@ -56,6 +56,7 @@ from torch.utils.data import (
 )
 
 from .. import trace
+from ..checkpoint._validate import batches_yielded
 from ..data import DATA_EPOCH, DATA_KIND, DATA_LOADER, DATA_NUM_BATCHES, DATA_STEP, data_rng
 from ..format.rng import derive_seed
 from ..format.state_codec import decode_state, encode_state
@@ -422,7 +423,7 @@ class StatefulLoaderPosition:
         encoded = encode_state(state, tensors, prefix="loader")
         record = {DATA_KIND: KIND_STREAM, DATA_SOURCE: SOURCE_STATEFUL, DATA_EPOCH: int(getattr(self.loader,
                                                                                               "iteration", 0)),
-                  DATA_STEP: int(state.get("_num_yielded", 0) or 0), DATA_LOADER: encoded}
+                  DATA_STEP: batches_yielded(state, source="StatefulDataLoader state") or 0, DATA_LOADER: encoded}
         if tensors:
             logger.warning("The StatefulDataLoader state of %s holds tensors (%s); its position is not saved and a "
                            "resumed run restarts it.", type(self.loader.dataset).__name__, sorted(tensors)[:3])

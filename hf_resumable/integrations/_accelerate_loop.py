@@ -5,7 +5,7 @@ optimizer step with their item count)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from accelerate.data_loader import DataLoaderStateMixin
@@ -13,9 +13,6 @@ from accelerate.state import GradientState
 from accelerate.utils import send_to_device
 
 from ..data import DATA_EPOCH, DATA_KIND, DATA_NUM_BATCHES, DATA_STEP, ResumableDataLoader
-
-if TYPE_CHECKING:
-    from .accelerate import ResumableAccelerator
 
 __all__ = ["AccumulationWindow", "ResumablePreparedLoader"]
 
@@ -110,17 +107,17 @@ class AccumulationWindow:
 
     Iterate it inside ``accelerator.accumulate(model)``: the accelerator synchronises gradients (and lets
     the optimizer step) exactly on the window's last micro-batch, also when the window is shorter than
-    ``gradient_accumulation_steps`` (end of an epoch).
+    ``gradient_accumulation_steps`` (end of an epoch). It reads :attr:`slot` of the window it handed out.
 
     Args:
         batches (`list`): the micro-batches on this rank.
         num_items (`int`, *optional*): items (e.g. label tokens) in the whole window on all ranks.
     """
 
-    def __init__(self, accelerator: "ResumableAccelerator", batches: list[Any], num_items: int | None) -> None:
-        self._accelerator = accelerator
+    def __init__(self, batches: list[Any], num_items: int | None) -> None:
         self.batches = batches
         self.num_items = num_items
+        self.slot: tuple[int, int] | None = None  # (index, length) of the micro-batch being trained on
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -128,7 +125,7 @@ class AccumulationWindow:
     def __iter__(self) -> Iterator[Any]:
         try:
             for index, batch in enumerate(self.batches):
-                self._accelerator._window_slot = (index, len(self.batches))
+                self.slot = (index, len(self.batches))
                 yield batch
         finally:
-            self._accelerator._window_slot = None
+            self.slot = None

@@ -1,6 +1,6 @@
 """Where :class:`~hf_resumable.integrations.accelerate.ResumableAccelerator` saves and what it refuses to touch:
-accelerate's automatic ``checkpoint_<iteration>`` naming, existing target directories, the files
-``save_state`` pre-hooks write, and the typed errors of these decisions.
+accelerate's automatic ``checkpoint_<iteration>`` naming, the files ``save_state`` pre-hooks write, and the typed
+errors of these decisions (whether a target directory may be replaced is ``checkpoint._writer.save_refusal``).
 
 Planning functions are pure; the few that look at the disk say so.
 """
@@ -12,7 +12,6 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..checkpoint import read_manifest
 from ..constants import (
     AUTOMATIC_CHECKPOINT_RE,
     CONFIG_FILE,
@@ -26,7 +25,6 @@ from ..constants import (
     OPTIMIZER_INDEX_FILE,
     RNG_DIR,
     STATE_TENSORS_FILE,
-    STOCK_ACCELERATE_FILES_RE,
     TMP_PREFIX,
     TRAINABLE_FILES_RE,
     TRAINABLE_INDEX_FILE,
@@ -42,8 +40,6 @@ __all__ = [
     "HookFileConflictError",
     "automatic_name",
     "next_iteration",
-    "refusal_reason",
-    "stock_accelerate_files",
     "collect_hook_files",
     "hook_file_conflicts",
 ]
@@ -86,47 +82,6 @@ def next_iteration(current: int, *, loaded: int | None, existing: Iterable[int])
     if loaded is not None:
         candidates.append(loaded + 1)
     return max(candidates)
-
-
-def refusal_reason(target: Path) -> str | None:
-    """Why a save may not go to ``target`` (looks at the disk), or ``None``.
-
-    A missing path, an empty directory and a committed hf_resumable checkpoint may be replaced (atomically);
-    a file, a link, or a directory holding files hf_resumable did not write may not: hf_resumable never deletes
-    what it did not write.
-    """
-    try:
-        info = os.lstat(target)
-    except FileNotFoundError:
-        return None
-    except OSError as error:
-        return f"{target} cannot be inspected ({error})"
-    if not stat.S_ISDIR(info.st_mode):
-        kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "a file"
-        return f"{target} exists and is {kind}, not a directory"
-    try:
-        read_manifest(target)
-        return None
-    except HfResumableError:
-        pass
-    try:
-        entries = sorted(os.listdir(target))
-    except OSError as error:
-        return f"{target} cannot be listed ({error})"
-    if not entries:
-        return None
-    stock = stock_accelerate_files(target)
-    what = (f"a checkpoint of stock accelerate ({', '.join(stock[:4])})" if stock
-            else f"files hf_resumable did not write ({', '.join(entries[:4])}{', ...' if len(entries) > 4 else ''})")
-    return f"{target} holds {what} and no valid {MANIFEST_FILE}; hf_resumable never deletes or mixes into them"
-
-
-def stock_accelerate_files(directory: Path) -> list[str]:
-    """Names in ``directory`` that stock accelerate's ``save_state`` writes (looks at the disk)."""
-    try:
-        return sorted(name for name in os.listdir(directory) if STOCK_ACCELERATE_FILES_RE.match(name))
-    except OSError:
-        return []
 
 
 def collect_hook_files(staging: Path) -> dict[str, bytes]:

@@ -9,7 +9,7 @@ every changed value, old -> new, with the one in effect and how to get the other
 restored optimizer and scheduler (``ResumableTrainer(resume_hyperparameters="arguments")``).
 
 These settings do not change which samples a step trains on (those are checked by
-:func:`hf_resumable.format.state.check_config_drift`), so a change is reported, not refused.
+:func:`hf_resumable.integrations._core.check_drift`), so a change is reported, not refused.
 
 Example:
 

@@ -81,7 +81,6 @@ from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard, DataLoaderStateMixin
 from accelerate.state import GradientState
 from accelerate.utils import DistributedType
-from packaging import version
 
 from .. import trace
 from ..checkpoint import (
@@ -93,24 +92,25 @@ from ..checkpoint import (
     open_checkpoint,
     save_checkpoint,
     verify_checkpoint,
-    wait_for_pending_saves,
 )
 from ..checkpoint._model_files import has_model_weights
+from ..checkpoint._writer import save_refusal, stock_accelerate_files
+from ..checkpoint.api import background_saver
 from ..checkpoint.sharded import load_sharded_into, save_sharded_checkpoint
 from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, MANIFEST_FILE, OPTIMIZER_INDEX_FILE
 from ..data import ResumableDataLoader, build_map_dataloader
+from ..data._position import LoaderPosition
 from ..distributed import all_gather_json, broadcast_json
 from ..errors import (
     CheckpointExistsError,
     ConfigDriftError,
-    HfResumableError,
     IncompleteCheckpointError,
     InexactResumeError,
     UnsupportedEngineError,
 )
 from ..format.rng import restore_rng_state
 from ..locations import is_remote, open_uploader, resolve_resume_path
-from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
+from ..preemption import PreemptionHandler, agree_on_preemption, exit_after_preemption
 from ._accelerate_data import (
     ResumableDataLoaderDispatcher,
     ResumableDataLoaderShard,
@@ -139,10 +139,9 @@ from ._accelerate_paths import (
     collect_hook_files,
     hook_file_conflicts,
     next_iteration,
-    refusal_reason,
-    stock_accelerate_files,
 )
 from ._accelerate_state import StepCounts, StepHook, state_fingerprint
+from ._core import DEFAULT, AfterCommit, ResumeOptions, changed_settings, check_drift, check_upstream, inexact
 from ._deepspeed import (
     EXTRA_DEEPSPEED,
     capture_engine_state,
@@ -169,8 +168,8 @@ __all__ = [
     "check_accelerate_internals",
 ]
 
-# Versions whose internals this module was written against (checked at import time).
-SUPPORTED_ACCELERATE = (version.parse("1.10"), version.parse("2.0"))
+# Versions whose internals this module was written against (checked at import time, see _core.check_upstream).
+TESTED_ACCELERATE = (">=1.10", "<2.0")
 # Private accelerate names this module relies on; a test fails loudly when one disappears.
 _INTERNALS: dict[Any, tuple[str, ...]] = {
     Accelerator: ("_do_sync", "unwrap_model", "reduce", "accumulate", "backward", "prepare_data_loader",
@@ -203,7 +202,6 @@ _NAMING_AUTOMATIC = "automatic"  # ProjectConfiguration(automatic_checkpoint_nam
 _NAMING_EXPLICIT = "explicit"  # save_state(output_dir)
 _NAMING_STEPS = "steps"  # save_state(): checkpoint-<global_step>
 DEFAULT_KEEP_LAST = 2  # checkpoint-<step> checkpoints kept when neither keep_last nor total_limit is given
-_DEFAULT = object()  # "argument not given"
 # data_state key: the positions of the prepared resumable loaders, in preparation order.
 DATA_LOADERS = "loaders"
 
@@ -228,15 +226,7 @@ def check_accelerate_internals(accelerator: Accelerator | None = None) -> list[s
     return missing
 
 
-def _check_version() -> None:
-    installed = version.parse(accelerate.__version__)
-    low, high = SUPPORTED_ACCELERATE
-    if not low <= installed < high:
-        logger.warning("hf_resumable's accelerate integration was written for accelerate >=%s,<%s; found %s. "
-                       "Run tests/test_accelerate_integration.py before trusting resumes.", low, high, installed)
-
-
-_check_version()
+check_upstream("accelerate", accelerate.__version__, TESTED_ACCELERATE, check_accelerate_internals())
 
 
 class ResumableAccelerator(Accelerator):
@@ -268,6 +258,9 @@ class ResumableAccelerator(Accelerator):
             (a PEFT base, a frozen embedding) in every checkpoint too; by default they are recorded, not stored, and
             checked against the model by ``load_state`` (see :func:`hf_resumable.save_checkpoint`).
 
+    These options are validated when the accelerator is built and kept in ``resume_options`` (a frozen
+    ``ResumeOptions``, shared with ``ResumableTrainer``).
+
     Engines: a single process, DDP, FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``, either
     ``state_dict_type``: every rank saves and loads its own DTensor pieces with
     :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`, same ``save_state``/``load_state`` contract)
@@ -290,37 +283,28 @@ class ResumableAccelerator(Accelerator):
     ```
     """
 
-    def __init__(self, *args: Any, checkpoint_dir: str | os.PathLike | None = None, keep_last: Any = _DEFAULT,
+    def __init__(self, *args: Any, checkpoint_dir: str | os.PathLike | None = None, keep_last: Any = DEFAULT,
                  save_async: bool = False, allow_inexact_resume: bool = False, handle_preemption: bool = True,
                  exit_on_preemption: bool = True, push_checkpoints_to: str | None = None,
                  storage_options: dict | None = None, standalone_checkpoints: bool = False, **kwargs: Any) -> None:
-        if keep_last is not _DEFAULT and keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}.")
+        self.resume_options = ResumeOptions(
+            checkpoint_dir=checkpoint_dir, keep_last=keep_last, save_async=bool(save_async),
+            allow_inexact_resume=allow_inexact_resume, handle_preemption=handle_preemption,
+            exit_on_preemption=exit_on_preemption, push_checkpoints_to=push_checkpoints_to,
+            storage_options=storage_options, standalone_checkpoints=standalone_checkpoints)
         # Engines refused before accelerate sets them up (DeepSpeed is imported there), then from its built state.
         check_accelerate_options(inspect.signature(Accelerator.__init__).bind(self, *args, **kwargs).arguments)
         super().__init__(*args, **kwargs)
         check_accelerate_state(self.state)
-        missing = check_accelerate_internals(self)
-        if missing:
-            raise HfResumableError(
-                f"The installed accelerate {accelerate.__version__} lacks {missing}, which ResumableAccelerator "
-                "needs. Install an accelerate version in the supported range "
-                f"(>={SUPPORTED_ACCELERATE[0]},<{SUPPORTED_ACCELERATE[1]}).")
-        self._checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self._keep_last = keep_last
-        self.save_async = save_async
-        self.allow_inexact_resume = allow_inexact_resume
-        self.exit_on_preemption = exit_on_preemption
-        self.standalone_checkpoints = standalone_checkpoints
+        check_upstream("accelerate", accelerate.__version__, TESTED_ACCELERATE, check_accelerate_internals(self))
         self._step_counts = StepCounts()
         self._committed: dict[Path, str] = {}  # checkpoint this accelerator committed -> fingerprint of its state
-        self._retention_due: str | None = None  # naming of a committed save whose retention has not run yet
+        self._commits = AfterCommit()  # follow-ups (upload, retention) of saves not yet known to be committed
         self._warned: dict[str, bool] = {}  # one WARNING per ignored option
-        self._window_slot: tuple[int, int] | None = None
+        self._window: AccumulationWindow | None = None  # the window accumulation_windows() handed out last
         # Loaders whose position is saved, in preparation order (ResumablePreparedLoader, ResumableDataLoaderShard...).
-        self._resumable_loaders: list[Any] = []
+        self._resumable_loaders: list[LoaderPosition] = []
         self._preemption = PreemptionHandler().install() if handle_preemption else None
-        self.storage_options = storage_options
         self._uploader = (open_uploader(push_checkpoints_to, storage_options=storage_options)
                           if push_checkpoints_to is not None and self.is_main_process else None)
 
@@ -402,8 +386,8 @@ class ResumableAccelerator(Accelerator):
         Raises:
             ValueError: if neither ``checkpoint_dir`` nor ``project_dir`` was given.
         """
-        if self._checkpoint_dir is not None:
-            return self._checkpoint_dir
+        if self.resume_options.checkpoint_dir is not None:
+            return self.resume_options.checkpoint_dir
         if self.project_dir is not None:
             return Path(self.project_dir) / "checkpoints"
         raise ValueError("ResumableAccelerator needs checkpoint_dir= (or project_dir=) to save or find checkpoints.")
@@ -564,7 +548,11 @@ class ResumableAccelerator(Accelerator):
             if not batches:
                 return
             num_items = self._count_window_items(batches, count_items) if count_items is not None else None
-            yield AccumulationWindow(self, batches, num_items)
+            self._window = AccumulationWindow(batches, num_items)
+            try:
+                yield self._window
+            finally:
+                self._window = None
 
     def _count_window_items(self, batches: list[Any], count_items: Callable[[Any], int | torch.Tensor]) -> int:
         local = sum(int(count_items(batch)) for batch in batches)
@@ -575,10 +563,11 @@ class ResumableAccelerator(Accelerator):
 
     def _do_sync(self) -> None:
         # Inside an AccumulationWindow the window decides: sync on its last micro-batch, whatever its length.
-        if self._window_slot is None:
+        slot = self._window.slot if self._window is not None else None
+        if slot is None:
             super()._do_sync()
             return
-        index, size = self._window_slot
+        index, size = slot
         self.step = 0 if index == size - 1 else index + 1
         self.gradient_state._set_sync_gradients(index == size - 1)
 
@@ -627,8 +616,8 @@ class ResumableAccelerator(Accelerator):
             if count <= 0:
                 raise ValueError(f"num_items_in_batch must be > 0, got {count} (a window without any item).")
             return loss * (self.num_processes / count)
-        if self._window_slot is not None:
-            return loss / self._window_slot[1]
+        if self._window is not None and self._window.slot is not None:
+            return loss / self._window.slot[1]
         return loss / self.gradient_accumulation_steps
 
     # ---------------------------------------------------------------- save
@@ -711,8 +700,7 @@ class ResumableAccelerator(Accelerator):
                 f"save_state() was called inside an accumulation window (micro-step {self.step} of "
                 f"{self.gradient_accumulation_steps}); checkpoints land on optimizer-step boundaries only. "
                 "Call it after the window's optimizer step.")
-        wait_for_pending_saves()  # save_checkpoint would wait anyway; the previous save may be this very step
-        self._apply_pending_retention()
+        self._commits.settle()  # the previous save has committed (its retention and upload done): it may be this step
         mode, target = self._save_target(output_dir)
         # Only checkpoint-<step> saves can meet a checkpoint of this very state (the other namings always write).
         fingerprint = self._fingerprint(target) if mode == _NAMING_STEPS else None
@@ -727,22 +715,17 @@ class ResumableAccelerator(Accelerator):
         self._check_target(mode, target)
         if target.resolve() in self._pending_uploads():
             self._uploader.wait()  # never replace a checkpoint while it is being uploaded
-        blocking = not self.save_async if blocking is None else blocking
+        blocking = not self.resume_options.save_async if blocking is None else blocking
         save = save_sharded_checkpoint if self._saves_pieces() else save_checkpoint  # FSDP2: every rank its pieces
         save(target, **self._capture(), step=self.global_step, overwrite=mode != _NAMING_AUTOMATIC,
-             keep_last=self._keep() if mode == _NAMING_STEPS and self._uploader is None else None,
-             blocking=blocking, standalone=self.standalone_checkpoints)
+             blocking=blocking, standalone=self.resume_options.standalone_checkpoints)
         if fingerprint is not None:
             self._committed = {target: fingerprint}  # steps only grow: only the newest can be met again
         if mode == _NAMING_AUTOMATIC:
             self.project_configuration.iteration += 1
+        self._commits.attach(None if blocking else background_saver().future, lambda: self._after_commit(mode, target))
         if self._uploader is not None:
-            wait_for_pending_saves()  # only committed checkpoints are uploaded
-            self._uploader.submit(target)
-        if mode != _NAMING_EXPLICIT and (self._uploader is not None or mode == _NAMING_AUTOMATIC):
-            self._retention_due = mode
-            if blocking or self._uploader is not None:
-                self._apply_pending_retention()
+            self._commits.settle()  # uploads start as soon as the save returns (only committed checkpoints upload)
         if self.is_main_process:
             logger.info("Saved state at step %d to %s", self.global_step, target)
         return target
@@ -766,23 +749,20 @@ class ResumableAccelerator(Accelerator):
 
     def _check_target(self, mode: str, target: Path) -> None:
         """Refuse a target on every process alike (the main process looks), before any collective of the save."""
-        if mode == _NAMING_AUTOMATIC:
-            exists = broadcast_json(self.is_main_process and os.path.lexists(target))
-            if exists:
-                raise CheckpointIterationExistsError(
-                    f"Checkpoint directory {target} ({self.save_iteration}) already exists. Set "
-                    "accelerator.project_configuration.iteration to the iteration to continue with, or resume with "
-                    "load_state(), which continues after the newest checkpoint_<i>.")
-            return
-        reason = broadcast_json(refusal_reason(target) if self.is_main_process else None)
+        automatic = mode == _NAMING_AUTOMATIC  # accelerate never replaces a checkpoint_<iteration>
+        reason = broadcast_json(save_refusal(target, overwrite=not automatic) if self.is_main_process else None)
+        if reason is not None and automatic:
+            raise CheckpointIterationExistsError(
+                f"Checkpoint directory {target} ({self.save_iteration}) already exists. Set "
+                "accelerator.project_configuration.iteration to the iteration to continue with, or resume with "
+                "load_state(), which continues after the newest checkpoint_<i>.")
         if reason is not None:
-            raise CheckpointExistsError(f"Not saving to {target}: {reason}. Save to a new or empty directory, or "
-                                        "move those files away first.")
+            raise CheckpointExistsError(reason)
 
     def _keep(self) -> int | None:
         """Checkpoints kept after a commit: ``keep_last`` if given, else ``total_limit``, else the naming's default."""
-        if self._keep_last is not _DEFAULT:
-            return self._keep_last
+        if self.resume_options.keep_last is not DEFAULT:
+            return self.resume_options.keep_last
         if self.project_configuration.total_limit is not None:
             return self.project_configuration.total_limit
         return None if self.project_configuration.automatic_checkpoint_naming else DEFAULT_KEEP_LAST
@@ -791,13 +771,13 @@ class ResumableAccelerator(Accelerator):
         """Local checkpoints whose upload is not confirmed yet (resolved paths)."""
         return {Path(path).resolve() for path in self._uploader.pending()} if self._uploader is not None else set()
 
-    def _apply_pending_retention(self) -> None:
-        """Retention of the last automatic (or uploading) save, once it has committed (never before)."""
-        mode, self._retention_due = self._retention_due, None
+    def _after_commit(self, mode: str, target: Path) -> None:
+        """What follows a commit: the upload, then retention of the automatic namings (never before the commit)."""
+        if self._uploader is not None:
+            self._uploader.submit(target)
         keep = self._keep()
-        if mode is None or keep is None or not self.is_main_process:
+        if mode == _NAMING_EXPLICIT or keep is None or not self.is_main_process:
             return
-        wait_for_pending_saves()
         pattern = AUTOMATIC_CHECKPOINT_RE if mode == _NAMING_AUTOMATIC else CHECKPOINT_DIR_RE
         apply_retention(self.checkpoint_dir, keep_last=keep, pattern=pattern, protect=self._pending_uploads())
 
@@ -982,7 +962,7 @@ class ResumableAccelerator(Accelerator):
 
     def _open_checkpoint(self, path: Path) -> OpenedCheckpoint:
         """The one place the resume path reads a checkpoint: verified and decoded once, no live object touched."""
-        return open_checkpoint(path, allow_inexact_resume=self.allow_inexact_resume,
+        return open_checkpoint(path, allow_inexact_resume=self.resume_options.allow_inexact_resume,
                                counters=(PROGRESS_MICRO_STEP, PROGRESS_ITERATION))
 
     def _layout_of(self, peek: LoadedCheckpoint) -> Layout:
@@ -1043,7 +1023,7 @@ class ResumableAccelerator(Accelerator):
     def _resolve_checkpoint(self, input_dir: str | os.PathLike | None) -> Path | None:
         if is_remote(input_dir):  # hf://user/repo[@rev][/path] or s3://bucket/run[/checkpoint-N]
             return resolve_resume_path(input_dir, cache_dir=self.checkpoint_dir / ".remote-resume",
-                                       storage_options=self.storage_options)
+                                       storage_options=self.resume_options.storage_options)
         if input_dir is not None:
             path = Path(os.path.expanduser(os.fspath(input_dir)))
             # The main process looks; every process raises the same error (none is left waiting in a collective).
@@ -1078,21 +1058,16 @@ class ResumableAccelerator(Accelerator):
         return None
 
     def _has_root(self) -> bool:
-        return self._checkpoint_dir is not None or self.project_dir is not None
+        return self.resume_options.checkpoint_dir is not None or self.project_dir is not None
 
     def _inexact(self, message: str, error: type[InexactResumeError] = InexactResumeError) -> None:
-        if not self.allow_inexact_resume:
-            raise error(f"{message}. Pass allow_inexact_resume=True to ResumableAccelerator to continue anyway.")
-        logger.warning("%s; continuing because allow_inexact_resume=True. The run will NOT continue bit for bit.",
-                       message)
+        inexact(message, allow=self.resume_options.allow_inexact_resume, owner="ResumableAccelerator", error=error)
 
     def _check_drift(self, path: Path, saved_world_size: int, saved: Mapping[str, Any] | None) -> None:
-        current = self._run_settings()
         saved = {**(saved or {}), "world_size": saved_world_size}  # the manifest's count is authoritative
-        changed = {key: (saved[key], current[key]) for key in saved if key in current and saved[key] != current[key]}
-        if changed:
-            details = ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changed.items())
-            self._inexact(f"Resuming {path} with a different configuration ({details})", ConfigDriftError)
+        check_drift(changed_settings(saved, self._run_settings()), checkpoint=str(path),
+                    allow=self.resume_options.allow_inexact_resume, option="allow_inexact_resume",
+                    owner="ResumableAccelerator")
 
     def _restore_loaders(self, path: Path, data_state: Mapping[str, Any] | None) -> None:
         if not self._resumable_loaders:
@@ -1126,7 +1101,7 @@ class ResumableAccelerator(Accelerator):
         if loaded.rng_state is None:
             self._inexact(f"{path} has no RNG state for rank {self.process_index}")
             return
-        restore_rng_state(loaded.rng_state, allow_device_mismatch=self.allow_inexact_resume)
+        restore_rng_state(loaded.rng_state, allow_device_mismatch=self.resume_options.allow_inexact_resume)
 
     # ---------------------------------------------------------------- preemption
 
@@ -1148,18 +1123,11 @@ class ResumableAccelerator(Accelerator):
         Raises:
             SystemExit: with code :data:`~hf_resumable.preemption.PREEMPTION_EXIT_CODE` (143) after the save.
         """
-        requested = self.preemption_requested
-        if self.num_processes > 1:
-            flag = torch.tensor([int(requested)], dtype=torch.int64, device=self.device)
-            requested = bool(self.reduce(flag, reduction="sum").item())
-        if not requested:
+        if not agree_on_preemption(self._preemption, device=self.device, step=self.global_step):
             return False
         path = self.save_state(blocking=True)
-        wait_for_pending_saves()
-        logger.warning("Preempted: checkpoint %s (step %d) committed; exiting with %d.", path, self.global_step,
-                       PREEMPTION_EXIT_CODE)
-        if self.exit_on_preemption:
-            raise SystemExit(PREEMPTION_EXIT_CODE)
+        exit_after_preemption(self._preemption, checkpoint=str(path), step=self.global_step,
+                              exit=self.resume_options.exit_on_preemption)
         return True
 
     def end_training(self) -> None:
@@ -1170,8 +1138,7 @@ class ResumableAccelerator(Accelerator):
         released (``~Reducer`` -> ``~ProcessGroupGloo`` waits on a mutex forever; seen under ``torchrun``
         on 2 CPU processes). The group is released with the model, or at interpreter exit.
         """
-        wait_for_pending_saves()
-        self._apply_pending_retention()
+        self._commits.settle()
         if self._preemption is not None:
             self._preemption.uninstall()
         for tracker in self.trackers:

@@ -68,7 +68,6 @@ from typing import Any
 import torch
 import transformers
 import transformers.trainer as _trainer_module
-from packaging import version
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import ExportableState, TrainerCallback
 
@@ -82,15 +81,13 @@ from ..checkpoint import (
     read_manifest,
     save_checkpoint,
     verify_checkpoint,
-    wait_for_pending_saves,
 )
 from ..checkpoint._reader import read_on_load
 from ..checkpoint.api import background_saver, saves_async
 from ..checkpoint.sharded import load_sharded_checkpoint, load_sharded_into, save_sharded_checkpoint
-from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, OPTIMIZER_INDEX_FILE, TRAINER_STATE_FILE
+from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, LAYOUT_FILE, OPTIMIZER_INDEX_FILE, TRAINER_STATE_FILE
 from ..data import (
     DATA_KIND,
-    ResumableDataLoader,
     build_map_dataloader,
     build_stream_dataloader,
     data_rng,
@@ -98,13 +95,15 @@ from ..data import (
     has_shuffle_buffer,
     sampler_epoch_order,
 )
+from ..data._loaders import StepPosition
 from ..distributed import rank_and_world_size
 from ..errors import AsyncSaveError, HfResumableError, InexactResumeError, UnsupportedStateError
 from ..format.rng import derive_seed, restore_rng_state
-from ..format.state import RunConfig, check_config_drift
+from ..format.state import RunConfig
 from ..format.state_codec import encode_state
 from ..locations import is_remote, open_uploader, resolve_resume_path
-from ..preemption import PREEMPTION_EXIT_CODE, PreemptionHandler
+from ..preemption import PreemptionHandler, agree_on_preemption, exit_after_preemption
+from ._core import AfterCommit, ResumeOptions, check_drift, check_upstream, inexact
 from ._deepspeed import (
     EXTRA_DEEPSPEED,
     capture_engine_state,
@@ -128,7 +127,6 @@ from ._trainer_discovery import (
 )
 from ._trainer_family import DEFAULT_STATE_ATTRIBUTES, RESUMABLE_OPTIONS, encode_attribute, restore_attribute
 from ._trainer_hparams import (
-    RESUME_HYPERPARAMETERS,
     HyperparameterChange,
     apply_new_hyperparameters,
     hyperparameter_changes,
@@ -188,30 +186,27 @@ def check_trainer_internals() -> list[str]:
     if not callable(getattr(_trainer_module, "skip_first_batches", None)):
         problems.append("transformers.trainer.skip_first_batches is missing")
     for name, fragments in _SOURCE_CONTRACT.items():
-        source = inspect.getsource(getattr(Trainer, name))
+        source = inspect.getsource(getattr(Trainer, name)) if callable(getattr(Trainer, name, None)) else ""
         problems += [f"Trainer.{name} no longer contains {fragment!r}" for fragment in fragments
                      if fragment not in source]
-    current = version.parse(transformers.__version__)
-    if not all(current in _specifier(spec) for spec in TESTED_TRANSFORMERS):
-        problems.append(f"transformers {transformers.__version__} is outside the tested range {TESTED_TRANSFORMERS}")
     return problems
 
 
-def _specifier(spec: str) -> Any:
-    from packaging.specifiers import SpecifierSet
-
-    return SpecifierSet(spec)
-
-
-_PROBLEMS = check_trainer_internals()
-if _PROBLEMS:
-    raise ImportError(
-        "hf_resumable.integrations.trainer cannot guarantee exact resume with this transformers version: "
-        + "; ".join(_PROBLEMS) + ". Install a transformers version in " + ", ".join(TESTED_TRANSFORMERS) + ".")
+check_upstream("transformers", transformers.__version__, TESTED_TRANSFORMERS, check_trainer_internals())
 
 
 @contextlib.contextmanager
-def _cursor_skipping() -> Iterator[None]:
+def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.<name>`` is ``value`` for the duration of the block."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _cursor_skipping() -> contextlib.AbstractContextManager[None]:
     """Make the Trainer's ``skip_first_batches`` a cursor move for our loaders (others are unaffected)."""
     original = _trainer_module.skip_first_batches
 
@@ -220,15 +215,10 @@ def _cursor_skipping() -> Iterator[None]:
             return dataloader.skip(num_batches)
         return original(dataloader, num_batches)
 
-    _trainer_module.skip_first_batches = skip_first_batches
-    try:
-        yield
-    finally:
-        _trainer_module.skip_first_batches = original
+    return _patched(_trainer_module, "skip_first_batches", skip_first_batches)
 
 
-@contextlib.contextmanager
-def _own_checkpoints_only(trainer: "ResumableTrainer") -> Iterator[None]:
+def _own_checkpoints_only(trainer: "ResumableTrainer") -> contextlib.AbstractContextManager[None]:
     """Make the Trainer's ``sort_checkpoints`` list only committed hf_resumable checkpoints with no pending upload.
 
     ``Trainer._finalize_training`` deletes every listed checkpoint but the best one when ``save_total_limit=1``;
@@ -241,11 +231,7 @@ def _own_checkpoints_only(trainer: "ResumableTrainer") -> Iterator[None]:
         return [path for path in original(output_dir, *args, **kwargs)
                 if _is_own_checkpoint(Path(path)) and os.path.abspath(path) not in pending]
 
-    _trainer_module.sort_checkpoints = sort_checkpoints
-    try:
-        yield
-    finally:
-        _trainer_module.sort_checkpoints = original
+    return _patched(_trainer_module, "sort_checkpoints", sort_checkpoints)
 
 
 def _step_of(path: Path) -> int:
@@ -308,15 +294,6 @@ class _Resume:
     converted_from: Path | None = None  # the stock transformers.Trainer checkpoint ``path`` was converted from
 
 
-@dataclasses.dataclass(frozen=True)
-class _PendingCommit:
-    """What follows the commit of a checkpoint: for a background save, done once it has committed."""
-
-    checkpoint: Path
-    run_dir: Path
-    conversion: Path | None = None  # the converted copy of a stock checkpoint, dropped once this one committed
-
-
 class ResumableTrainer(Trainer):
     """A ``transformers.Trainer`` whose runs can be killed at any moment and restarted bit for bit.
 
@@ -374,6 +351,9 @@ class ResumableTrainer(Trainer):
             ``on_save`` is called when the save returns, as in ``Trainer``: with ``save_async=True`` the
             checkpoint may still be in flight then (call :meth:`wait_for_pending_saves` to wait for it).
 
+    These options are validated when the trainer is built and kept in ``resume_options`` (a frozen
+    ``ResumeOptions``, shared with ``ResumableAccelerator``).
+
     > [!WARNING]
     > ``train_sampling_strategy="batch_rebalance"`` uses the stock data loader, which does not resume exactly:
     > ``train`` refuses it (and other setups whose checkpoints could not resume exactly) before the first step
@@ -397,56 +377,40 @@ class ResumableTrainer(Trainer):
                  restore_callback_states: bool = True, resume_hyperparameters: str = "checkpoint",
                  standalone_checkpoints: bool = False, save_async: bool | None = None, **kwargs: Any) -> None:
         # Options given to a make_resumable() class were set aside before the subclass's constructor ran.
-        pending = self.__dict__.pop("_hfr_options", {})
-        allow_config_drift = pending.get("allow_config_drift", allow_config_drift)
-        allow_inexact_resume = pending.get("allow_inexact_resume", allow_inexact_resume)
-        exit_on_preemption = pending.get("exit_on_preemption", exit_on_preemption)
-        checkpoint_verify = pending.get("checkpoint_verify", checkpoint_verify)
-        push_checkpoints_to = pending.get("push_checkpoints_to", push_checkpoints_to)
-        storage_options = pending.get("storage_options", storage_options)
-        restore_callback_states = pending.get("restore_callback_states", restore_callback_states)
-        resume_hyperparameters = pending.get("resume_hyperparameters", resume_hyperparameters)
-        self.standalone_checkpoints = bool(pending.get("standalone_checkpoints", standalone_checkpoints))
-        save_async = pending.get("save_async", save_async)
-        self.save_async = None if save_async is None else bool(save_async)  # None: saves_async decides per save
-        if checkpoint_verify not in ("quick", "full"):
-            raise ValueError(f"checkpoint_verify must be 'quick' or 'full', got {checkpoint_verify!r}.")
-        if resume_hyperparameters not in RESUME_HYPERPARAMETERS:
-            raise ValueError(f"resume_hyperparameters must be one of {RESUME_HYPERPARAMETERS}, got "
-                             f"{resume_hyperparameters!r}.")
+        options = dict(allow_config_drift=allow_config_drift, allow_inexact_resume=allow_inexact_resume,
+                       exit_on_preemption=exit_on_preemption, checkpoint_verify=checkpoint_verify,
+                       push_checkpoints_to=push_checkpoints_to, storage_options=storage_options,
+                       restore_callback_states=restore_callback_states, resume_hyperparameters=resume_hyperparameters,
+                       standalone_checkpoints=standalone_checkpoints, save_async=save_async)
+        # save_async=None: saves_async decides per save
+        self.resume_options = ResumeOptions(**{**options, **self.__dict__.pop("_hfr_options", {})})
         super().__init__(*args, **kwargs)
-        self.restore_callback_states = restore_callback_states
-        self.resume_hyperparameters = resume_hyperparameters
         self._hyperparameter_changes: list[HyperparameterChange] = []
-        self.allow_config_drift = allow_config_drift
-        self.allow_inexact_resume = allow_inexact_resume
-        self.exit_on_preemption = exit_on_preemption
-        self.checkpoint_verify = checkpoint_verify
         self.preempted = False
         self.resumed_from: Path | None = None
         self._preemption = PreemptionHandler()
         self._resume: _Resume | None = None
         self._train_loader: Any = None
+        self._train_position: StepPosition | None = None  # the training loader's LoaderPosition
         self._run_config: RunConfig | None = None
         self._last_eval: tuple[int, dict[str, float]] | None = None
         self._loop = _LoopTracker()
         self._rng_restored = False
         self._converted_from: Path | None = None
         self._loader_fallback: str | None = None
-        self.storage_options = storage_options
         self._uploader = None
-        self._pending_commit: _PendingCommit | None = None  # a background save not yet known to be committed
+        self._commits = AfterCommit()  # follow-ups of background saves not yet known to be committed
         self._save_error: AsyncSaveError | None = None  # its failure, raised at the next save or the end of train
-        if push_checkpoints_to is not None and self.args.should_save:
-            self._uploader = open_uploader(push_checkpoints_to, token=self.args.hub_token,
-                                           storage_options=storage_options)
+        if self.resume_options.push_checkpoints_to is not None and self.args.should_save:
+            self._uploader = open_uploader(self.resume_options.push_checkpoints_to, token=self.args.hub_token,
+                                           storage_options=self.resume_options.storage_options)
 
     def _saves_in_background(self) -> bool:
         """``save_async``; by default (``None``) on under torch.distributed, unless a callback overrides ``on_save``:
         it is called when the save returns, as in ``Trainer``, and may read the checkpoint (a tracker uploading it),
         which a blocking save has committed by then."""
-        if self.save_async is not None or not saves_async(None):
-            return saves_async(self.save_async)
+        if self.resume_options.save_async is not None or not saves_async(None):
+            return saves_async(self.resume_options.save_async)
         readers = sorted({type(callback).__name__ for callback in self.callback_handler.callbacks
                           if type(callback).on_save is not TrainerCallback.on_save})
         if readers and not getattr(self, "_hfr_told_blocking", False):
@@ -519,9 +483,11 @@ class ResumableTrainer(Trainer):
         self._loop = _LoopTracker(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
         self._rng_restored = False
         self._loader_fallback = None
-        self._train_loader = None
+        self._train_loader = self._train_position = None
+        # eval_on_start evaluates before the first step of the run, not again at every restart
+        no_eval = contextlib.nullcontext() if self._resume is None else _patched(self.args, "eval_on_start", False)
         try:
-            with self._preemption, _cursor_skipping(), _own_checkpoints_only(self), self._no_eval_on_resume(), \
+            with self._preemption, _cursor_skipping(), _own_checkpoints_only(self), no_eval, \
                     deepspeed_resume_by_us():
                 output = super().train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint),
                                        trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
@@ -532,7 +498,8 @@ class ResumableTrainer(Trainer):
             self._resume = None
         self._settle_saves()
         if self.preempted:
-            self._exit_preempted()
+            exit_after_preemption(self._preemption, checkpoint=str(self.args.output_dir), step=self.state.global_step,
+                                  exit=self.resume_options.exit_on_preemption)
         return output
 
     def _resolve_checkpoint(self, resume_from_checkpoint: str | bool | os.PathLike | None
@@ -558,14 +525,14 @@ class ResumableTrainer(Trainer):
         if is_remote(resume_from_checkpoint):  # hf://user/repo[@rev][/path] or s3://bucket/run[/checkpoint-N]
             cache = Path(output_dir) / ".remote-resume"
             return resolve_resume_path(resume_from_checkpoint, cache_dir=cache, token=self.args.hub_token,
-                                       storage_options=self.storage_options), None
+                                       storage_options=self.resume_options.storage_options), None
         path = Path(resume_from_checkpoint)
         kind = classify_checkpoint_dir(path)
         if kind is CheckpointKind.STOCK:
             return self._convert_stock_checkpoint(path), None
         if kind is not CheckpointKind.OURS:
             raise not_a_checkpoint_error(path, output_dir)
-        report = verify_checkpoint(path, full=self.checkpoint_verify == "full", raise_on_error=True,
+        report = verify_checkpoint(path, full=self.resume_options.checkpoint_verify == "full", raise_on_error=True,
                                    keep=read_on_load(rank_and_world_size()[0]))
         return path, report
 
@@ -609,7 +576,7 @@ class ResumableTrainer(Trainer):
     def _open_checkpoint(self, path: Path, verified: VerifyReport | None = None) -> _Resume:
         # Opened (decoded) once here, with the verification that found it; the weights and optimizer are filled from
         # this same object in _load_optimizer_and_scheduler, so a resume never verifies, reads or hashes a file twice.
-        loaded = open_checkpoint(path, verify=self.checkpoint_verify, verified=verified)
+        loaded = open_checkpoint(path, verify=self.resume_options.checkpoint_verify, verified=verified)
         converted_from, self._converted_from = self._converted_from, None
         if converted_from is not None or loaded.extra.get("converted_from"):
             return _Resume(path=path, loaded=loaded, converted_from=converted_from or path)
@@ -619,36 +586,13 @@ class ResumableTrainer(Trainer):
         if saved is None:
             self._inexact(f"{path} records no run configuration (not written by ResumableTrainer)")
         else:
-            check_config_drift(RunConfig.from_dict(saved), self._current_run_config(), checkpoint=str(path),
-                               allow=self.allow_config_drift)
+            check_drift(RunConfig.from_dict(saved).diff(self._current_run_config()), checkpoint=str(path),
+                        allow=self.resume_options.allow_config_drift, option="allow_config_drift",
+                        owner="ResumableTrainer")
         return _Resume(path=path, loaded=loaded)
 
     def _inexact(self, message: str) -> None:
-        if not self.allow_inexact_resume:
-            raise InexactResumeError(f"{message}; the run would not continue exactly. Resume from another "
-                                     "checkpoint, or pass allow_inexact_resume=True to ResumableTrainer.")
-        logger.warning("%s; continuing because allow_inexact_resume=True (NOT bit-exact).", message)
-
-    def _preemption_agreed(self, args: TrainingArguments) -> bool:
-        """Whether any rank received SIGTERM (one all-reduce per optimizer step under torch.distributed)."""
-        requested = bool(self._preemption.requested)
-        if args.world_size <= 1 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return requested
-        flag = torch.tensor([int(requested)], dtype=torch.int32, device=args.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        agreed = bool(flag.item())
-        if agreed and not requested:
-            logger.warning("Rank %d: another rank received a preemption signal; saving step %d on every rank.",
-                           args.process_index, self.state.global_step)
-        return agreed
-
-    def _exit_preempted(self) -> None:
-        received = self._preemption.received
-        logger.warning("Preempted (%s): checkpoint at step %d committed under %s.",
-                       f"signal {received}" if received is not None else "signal received by another rank",
-                       self.state.global_step, self.args.output_dir)
-        if self.exit_on_preemption:
-            raise SystemExit(PREEMPTION_EXIT_CODE)
+        inexact(message, allow=self.resume_options.allow_inexact_resume, owner="ResumableTrainer")
 
     def _current_run_config(self) -> RunConfig:
         if self._run_config is None:
@@ -717,8 +661,10 @@ class ResumableTrainer(Trainer):
                                           shuffle=strategy != "sequential", world_size=self.args.world_size,
                                           lengths=self._train_lengths() if grouped else None,
                                           group_size=group_size if grouped else None, **options)
-        self._restore_data_position(loader)
         self._train_loader = loader
+        self._train_position = StepPosition(loader, steps_done=lambda: self.state.global_step,
+                                            batches_per_step=self.args.gradient_accumulation_steps)
+        self._restore_data_position(loader)
         return loader
 
     def _train_lengths(self) -> list[int]:
@@ -780,37 +726,28 @@ class ResumableTrainer(Trainer):
             self._inexact(f"{self._resume.path} has no data position for rank {self.args.process_index}")
             return
         if record.get(DATA_KIND) == "stream":
-            if not callable(getattr(loader, "load_position", None)):
+            if not self._train_position.fits(record):
                 self._inexact(f"{self._resume.path} holds a streaming position but the training data is map-style")
                 return
             if has_shuffle_buffer(getattr(loader.dataset, "dataset", None)):  # a buffer data.py could not replace
                 self._inexact("The streaming training set has a shuffle buffer that hf_resumable could not replace "
                               "(see the WARNING above), whose content datasets does not save (the buffer is "
                               "refilled from the resume point)")
-            loader.load_position(record)
+            self._train_position.load_position(record)
 
     def _data_position(self) -> dict[str, Any] | None:
-        loader = self._train_loader
-        if loader is None or not callable(getattr(loader, "position", None)):
+        position = self._train_position
+        # a stream without state_dict(): refused at train start unless allow_inexact_resume
+        if position is None or not getattr(position.loader.dataset, "is_stateful", True):
             return None
-        if not getattr(loader.dataset, "is_stateful", True):  # refused at train start unless allow_inexact_resume
-            return None
-        ga = self.args.gradient_accumulation_steps
-        if isinstance(loader, ResumableDataLoader):
-            per_epoch = max(len(loader) // ga + int(len(loader) % ga > 0), 1)
-            epoch, step = divmod(self.state.global_step, per_epoch)
-            return loader.position(epoch=epoch, step=min(step * ga, len(loader)))
-        return loader.position(epoch=0, step=self.state.global_step * ga)
+        return position.position()
 
     def _load_callback_state(self) -> None:
         """Restore ``ExportableState`` callbacks from the checkpoint (``restore_callback_states``, default on)."""
-        if not self.restore_callback_states or self.args.restore_callback_states_from_checkpoint:
+        if not self.resume_options.restore_callback_states or self.args.restore_callback_states_from_checkpoint:
             return super()._load_callback_state()
-        self.args.restore_callback_states_from_checkpoint = True
-        try:
+        with _patched(self.args, "restore_callback_states_from_checkpoint", True):
             super()._load_callback_state()
-        finally:
-            self.args.restore_callback_states_from_checkpoint = False
 
     # ---- saving ----
 
@@ -850,28 +787,26 @@ class ResumableTrainer(Trainer):
             data_state=self._data_position(), rng=not model_only, metrics=self._metrics_of_this_step(),
             # as Trainer._save: without a processing_class, the collator's tokenizer is saved
             processing_class=self.processing_class or getattr(self.data_collator, "tokenizer", None), overwrite=True,
-            standalone=self.standalone_checkpoints, blocking=blocking)
-        commit = _PendingCommit(checkpoint=output_dir, run_dir=run_dir, conversion=self._conversion_to_drop())
-        if blocking:
-            self._after_commit(commit)
-        else:
-            self._pending_commit = commit
+            standalone=self.resume_options.standalone_checkpoints, blocking=blocking)
+        conversion = self._conversion_to_drop()
+        self._commits.attach(None if blocking else background_saver().future,
+                             lambda: self._after_commit(output_dir, run_dir, conversion))
 
-    def _after_commit(self, commit: _PendingCommit) -> None:
+    def _after_commit(self, checkpoint: Path, run_dir: Path, conversion: Path | None) -> None:
         """What follows a checkpoint's commit: drop a converted stock checkpoint, push, upload, apply retention.
 
         Rank-local (no collective): a background save may be known to have committed at different steps on
         different ranks.
         """
-        self._drop_conversion(commit.conversion)
+        self._drop_conversion(conversion)
         if self.args.push_to_hub:
-            self._push_from_checkpoint(str(commit.checkpoint))
+            self._push_from_checkpoint(str(checkpoint))
         if self._uploader is not None and self.args.should_save:
-            self._uploader.submit(commit.checkpoint)
+            self._uploader.submit(checkpoint)
         if self.args.should_save and self.args.save_total_limit:
             protect = [self.state.best_model_checkpoint] if self.state.best_model_checkpoint else []
             protect += list(self._uploader.pending()) if self._uploader is not None else []
-            apply_retention(commit.run_dir, keep_last=max(1, self.args.save_total_limit), protect=protect)
+            apply_retention(run_dir, keep_last=max(1, self.args.save_total_limit), protect=protect)
 
     def _settle_saves(self, *, poll: bool = False) -> None:
         """Wait for this trainer's background save, then run what follows its commit; raise its failure.
@@ -879,23 +814,10 @@ class ResumableTrainer(Trainer):
         With ``poll``, only a save that has already finished is settled, and a failure is kept to be raised at the
         next save or at the end of ``train`` (where every rank waits: ranks never raise at different steps).
         """
-        pending = self._pending_commit
-        if poll and (pending is None or background_saver().in_flight):
-            return
-        self._pending_commit = None
         try:
-            wait_for_pending_saves()
+            self._commits.settle(poll=poll)
         except AsyncSaveError as err:
-            if pending is None:  # a save this trainer did not start
-                raise
-            self._save_error = AsyncSaveError(
-                f"The background save of {pending.checkpoint} failed ({err.__cause__ or err}); nothing was committed "
-                "there and the previous checkpoint is untouched (still the newest). Fix the cause (e.g. free disk "
-                "space) and restart with train(resume_from_checkpoint=True).")
-            self._save_error.__cause__ = err.__cause__ or err
-            pending = None
-        if pending is not None:
-            self._after_commit(pending)
+            self._save_error = err
         if not poll and self._save_error is not None:
             error, self._save_error = self._save_error, None
             raise error
@@ -976,18 +898,6 @@ class ResumableTrainer(Trainer):
 
     # ---- the training loop ----
 
-    @contextlib.contextmanager
-    def _no_eval_on_resume(self) -> Iterator[None]:
-        """``eval_on_start`` evaluates before the first step of the run, not again at every restart."""
-        if self._resume is None or not self.args.eval_on_start:
-            yield
-            return
-        self.args.eval_on_start = False
-        try:
-            yield
-        finally:
-            self.args.eval_on_start = True
-
     def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
         prepared = super()._prepare_for_training(*args, **kwargs)
         if self.is_deepspeed_enabled:
@@ -1014,7 +924,7 @@ class ResumableTrainer(Trainer):
             self._hyperparameter_changes = hyperparameter_changes(
                 saved, hyperparameter_snapshot(self.args, max_steps=max_steps))
             report_hyperparameter_changes(self._hyperparameter_changes, checkpoint=str(self._resume.path),
-                                          mode=self.resume_hyperparameters)
+                                          mode=self.resume_options.resume_hyperparameters)
         if not self._loop.finished:  # on every rank: a refusal on one rank alone would leave the others waiting
             collisions = colliding_checkpoints(self._get_output_dir(self._loop.trial), after_step=start,
                                                up_to_step=max_steps)
@@ -1054,7 +964,7 @@ class ResumableTrainer(Trainer):
                         "only numbers, strings, lists and dicts from state().") from err
 
     def _refuse_at_start(self, message: str, *, fix: str) -> None:
-        if self.allow_inexact_resume:
+        if self.resume_options.allow_inexact_resume:
             logger.warning("%s; training anyway because allow_inexact_resume=True: a restart will NOT continue "
                            "bit for bit (and needs allow_inexact_resume=True too).", message)
             return
@@ -1073,7 +983,8 @@ class ResumableTrainer(Trainer):
             loop.grad_norm, loop.learning_rate = _as_float(grad_norm), learning_rate
         # SIGTERM: save this step on every rank, then stop. The stop is requested after the save so that the
         # checkpoint records only the run's own decision to stop (a preempted run is not a finished one).
-        preempt = not self.preempted and self._preemption_agreed(self.args)
+        preempt = not self.preempted and agree_on_preemption(self._preemption, device=self.args.device,
+                                                             step=self.state.global_step)
         if preempt:
             self.preempted = True
             self.control.should_save = True
@@ -1155,9 +1066,10 @@ class ResumableTrainer(Trainer):
         model_only = self._resume is not None and self._resume.loaded.extra.get(_EXTRA_MODEL_ONLY)
         if self._resume is not None and self._resume.converted_from is not None:
             # a stock checkpoint saved with save_only_model has no optimizer state: a fresh optimizer, as stock
-            model_only = OPTIMIZER_INDEX_FILE not in self._resume.loaded.manifest.files
+            files = self._resume.loaded.manifest.files  # a converted DeepSpeed checkpoint holds it in pieces
+            model_only = OPTIMIZER_INDEX_FILE not in files and LAYOUT_FILE not in files
         opened = (self._resume.loaded if self._resume is not None and Path(checkpoint) == self._resume.path
-                  else open_checkpoint(checkpoint, verify=self.checkpoint_verify))
+                  else open_checkpoint(checkpoint, verify=self.resume_options.checkpoint_verify))
         model = self.accelerator.unwrap_model(self.model)
         optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO-1/2: this rank's partitions
         objects = dict(optimizer=None if model_only else optimizer,
@@ -1174,7 +1086,8 @@ class ResumableTrainer(Trainer):
         else:
             # a world-size change was already refused (or allowed) by the run-config drift check
             opened.load_into(model=model, **objects, restore_rng=False, allow_inexact_resume=True)
-        if self.resume_hyperparameters == "arguments" and self._hyperparameter_changes and not model_only:
+        changes = self._hyperparameter_changes and not model_only
+        if changes and self.resume_options.resume_hyperparameters == "arguments":
             apply_new_hyperparameters(torch_optimizer(self.optimizer), self.lr_scheduler,
                                       self._hyperparameter_changes, decay_groups=self._decay_groups())
 
@@ -1201,7 +1114,7 @@ class ResumableTrainer(Trainer):
         if state is None:
             self._inexact(f"{checkpoint} has no RNG state for rank {self.args.process_index}")
             return
-        restore_rng_state(state, allow_device_mismatch=self.allow_inexact_resume)
+        restore_rng_state(state, allow_device_mismatch=self.resume_options.allow_inexact_resume)
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
@@ -1211,7 +1124,7 @@ class ResumableTrainer(Trainer):
         model = self.accelerator.unwrap_model(self.model)
         # FSDP2 and ZeRO checkpoints hold per-rank pieces; under ZeRO-1/2 every rank loads the whole weights
         load = load_sharded_checkpoint if holds_dtensors(model) or self.is_deepspeed_enabled else load_checkpoint
-        load(best, model=model, restore_rng=False, verify=self.checkpoint_verify,
+        load(best, model=model, restore_rng=False, verify=self.resume_options.checkpoint_verify,
              allow_inexact_resume=True)  # weights only: no drift
 
 

@@ -253,7 +253,7 @@ class SaveRecorder(TrainerCallback):
         self.in_flight: list[int] = []
 
     def on_save(self, args, state, control, **kwargs):
-        if getattr(self.trainer, "_pending_commit", None) is not None:
+        if getattr(getattr(self.trainer, "_commits", None), "pending", False):  # the stock Trainer has none
             self.in_flight.append(state.global_step)
 
 

@@ -1,0 +1,93 @@
+"""Per-rank piece files and ``sharded_layout.json`` of a converted checkpoint, built in one process.
+
+A stock per-rank checkpoint (DeepSpeed's ZeRO partitions, torch.distributed.checkpoint's chunks) already says which
+rank held which box of which tensor; :func:`add_rank_pieces` writes each rank's boxes into that rank's piece file of
+the sharded format (:mod:`hf_resumable.checkpoint._sharded`) and returns the layout section, exactly as the ranks of
+a live save would (each rank's :func:`piece_report`, united by :func:`section_from_reports`).
+:func:`layout_document` is the layout itself. Pure planning of the boxes happens in the converters; this module only
+assembles :class:`LocalState` objects into files.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..checkpoint._payload import Payload
+from ..checkpoint._sharded import (
+    Box,
+    LocalState,
+    check_storable,
+    piece_file,
+    piece_report,
+    piece_tensor_file,
+    section_from_reports,
+)
+from ..constants import (
+    LAYOUT_KEY_MODEL,
+    LAYOUT_KEY_OPTIMIZER,
+    LAYOUT_KEY_OPTIMIZER_DOC,
+    LAYOUT_KEY_VERSION,
+    LAYOUT_KEY_WORLD_SIZE,
+    LAYOUT_VERSION,
+)
+from ..format._jsonio import json_bytes
+from ..format.safetensors_io import DTYPE_TO_STR
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RankPiece", "add_rank_pieces", "layout_document", "whole_box"]
+
+# (tensor name, this rank's piece, its box in the global tensor, the global shape)
+RankPiece = tuple[str, torch.Tensor, Box, tuple[int, ...]]
+
+
+def whole_box(shape: Sequence[int]) -> Box:
+    """The box of a whole tensor of ``shape``."""
+    return Box((0,) * len(shape), tuple(int(x) for x in shape))
+
+
+def add_rank_pieces(payload: Payload, kind: str, pieces_by_rank: Sequence[Sequence[RankPiece]], *,
+                    tied: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Add every rank's piece file of ``kind`` (``"model"`` or ``"optimizer"``) to ``payload``; return the section.
+
+    Args:
+        payload (`Payload`): the checkpoint's files.
+        kind (`str`): the layout key, ``"model"`` or ``"optimizer"``.
+        pieces_by_rank (`Sequence`): per rank, its ``(name, piece, box, global shape)``.
+        tied (`Mapping[str, str]`, *optional*): model aliases left out (``{alias: kept}``).
+
+    Returns:
+        `dict`: the layout section (tensors, pieces, tied).
+
+    Raises:
+        UnsupportedStateError: a dtype safetensors cannot store.
+    """
+    world_size = len(pieces_by_rank)
+    described: dict[str, dict[str, Any]] = {}
+    reports = []
+    for rank, pieces in enumerate(pieces_by_rank):
+        check_storable({name: tensor for name, tensor, _, _ in pieces})
+        for name, tensor, _, shape in pieces:
+            described.setdefault(name, {"dtype": DTYPE_TO_STR[tensor.dtype], "shape": list(shape)})
+        local = LocalState({name: described[name] for name, *_ in pieces},
+                           [(name, tensor.contiguous(), box) for name, tensor, box, _ in pieces if box.numel],
+                           dict(tied or {}))
+        relpath = piece_file(kind, rank, world_size)
+        tensor_file = piece_tensor_file(relpath, local)
+        if tensor_file is not None:
+            payload.tensor_files.append(tensor_file)
+        reports.append(piece_report(relpath, local))
+    return section_from_reports(described, reports)
+
+
+def layout_document(*, world_size: int, model: Mapping[str, Any] | None, optimizer: Mapping[str, Any] | None,
+                    optimizer_document: Mapping[str, Any] | None) -> bytes:
+    """``sharded_layout.json`` as a save at ``world_size`` writes it (compact JSON)."""
+    layout = {LAYOUT_KEY_VERSION: LAYOUT_VERSION, LAYOUT_KEY_WORLD_SIZE: world_size, LAYOUT_KEY_MODEL: model,
+              LAYOUT_KEY_OPTIMIZER: optimizer, LAYOUT_KEY_OPTIMIZER_DOC: optimizer_document}
+    return json_bytes(layout, indent=None)
+

@@ -1,0 +1,110 @@
+"""Switching in: which stock layout a directory holds, and the one call that converts any of them.
+
+``hf-resumable convert`` calls :func:`convert_stock_checkpoint`, which picks the converter by what the directory
+holds (:func:`detect_stock_kind`, pure over file names):
+
+* ``"accelerate-fsdp"``: accelerate's FSDP sharded ``save_state`` (:mod:`~hf_resumable.conversions.dcp`);
+* ``"deepspeed"``: a Trainer checkpoint with DeepSpeed's ``global_step<N>/``
+  (:mod:`~hf_resumable.conversions.deepspeed`);
+* ``"trainer"``: any other stock Trainer checkpoint (:mod:`~hf_resumable.conversions.stock`).
+
+Example:
+
+```python
+>>> from hf_resumable.conversions.switch import convert_stock_checkpoint
+>>> convert_stock_checkpoint("stock/checkpoint-300", "ours/checkpoint-300")  # doctest: +SKIP
+```
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from ..checkpoint import CheckpointInfo
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["STOCK_KINDS", "detect_stock_kind", "pickle_warning", "convert_stock_checkpoint"]
+
+STOCK_KINDS = ("accelerate-fsdp", "deepspeed", "trainer")
+
+
+def detect_stock_kind(directory: str | os.PathLike) -> str:
+    """``"accelerate-fsdp"``, ``"deepspeed"`` or ``"trainer"``: the layout ``directory`` holds.
+
+    Example:
+
+    ```python
+    >>> detect_stock_kind("out/checkpoint-300")  # doctest: +SKIP
+    'deepspeed'
+    ```
+    """
+    from .dcp import is_accelerate_fsdp_checkpoint
+    from .deepspeed import is_deepspeed_checkpoint
+
+    if is_accelerate_fsdp_checkpoint(directory):
+        return "accelerate-fsdp"
+    if is_deepspeed_checkpoint(directory):
+        return "deepspeed"
+    return "trainer"
+
+
+def pickle_warning(kind: str) -> str:
+    """The WARNING the converter of ``kind`` logs before it reads pickles."""
+    from .dcp import DCP_PICKLE_WARNING
+    from .deepspeed import DEEPSPEED_PICKLE_WARNING
+    from .stock import PICKLE_WARNING
+
+    return {"accelerate-fsdp": DCP_PICKLE_WARNING, "deepspeed": DEEPSPEED_PICKLE_WARNING}.get(kind, PICKLE_WARNING)
+
+
+def convert_stock_checkpoint(
+    source: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    optimizer: str | None = None,
+    max_shard_size: int | str = "2GB",
+    step: int | None = None,
+    overwrite: bool = False,
+) -> CheckpointInfo:
+    """Convert a stock checkpoint of any kind :func:`detect_stock_kind` knows into an hf_resumable checkpoint.
+
+    Args:
+        source (`str` or `os.PathLike`): the stock checkpoint directory.
+        output (`str` or `os.PathLike`): the new checkpoint directory.
+        optimizer (`str`, *optional*): the optimizer class name (default: inferred from its state).
+        max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard size (stock Trainer checkpoints;
+            per-rank checkpoints keep one piece file per rank).
+        step (`int`, *optional*): the optimizer step (accelerate FSDP checkpoints, when the state does not tell it).
+        overwrite (`bool`, *optional*, defaults to `False`): replace an existing ``output`` atomically.
+
+    Returns:
+        [`CheckpointInfo`]
+
+    Raises:
+        As the converter of the kind: :func:`~hf_resumable.conversions.dcp.convert_accelerate_fsdp_checkpoint`,
+        :func:`~hf_resumable.conversions.deepspeed.convert_deepspeed_checkpoint`,
+        :func:`~hf_resumable.conversions.stock.convert_trainer_checkpoint`.
+
+    Example:
+
+    ```python
+    >>> convert_stock_checkpoint("stock/checkpoint_3", "ours/checkpoint-3", step=3)  # doctest: +SKIP
+    ```
+    """
+    kind = detect_stock_kind(source)
+    logger.info("%s holds a stock %s checkpoint.", source, kind)
+    if kind == "accelerate-fsdp":
+        from .dcp import convert_accelerate_fsdp_checkpoint
+
+        return convert_accelerate_fsdp_checkpoint(source, output, step=step, optimizer=optimizer, overwrite=overwrite)
+    if kind == "deepspeed":
+        from .deepspeed import convert_deepspeed_checkpoint
+
+        return convert_deepspeed_checkpoint(source, output, optimizer=optimizer, overwrite=overwrite)
+    from .stock import convert_trainer_checkpoint
+
+    return convert_trainer_checkpoint(Path(source), output, optimizer=optimizer, max_shard_size=max_shard_size,
+                                      overwrite=overwrite)
