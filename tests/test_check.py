@@ -252,7 +252,7 @@ def test_a_two_process_torchrun_loop_is_exact(tmp_path):
 
     done, report = _check(tmp_path, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-addr", "127.0.0.1", "--master-port", free_port(), REPO / "examples" /
-                          "custom_loop.py", "--output-dir", "{out}", "--epochs", "1", kills=1, seed=1)
+                          "custom_loop.py", "--output-dir", "{out}", "--epochs", "2", kills=1, seed=1)
     assert done.returncode == 0, done.stdout + done.stderr
     assert report["ranks"] == 2 and report["result"] == "EXACT"
     run = report["runs"][0]
