@@ -1,4 +1,5 @@
-"""``hf-resumable``: inspect, verify, convert, reshard, export, push and pull checkpoints, and run the resume demo.
+"""``hf-resumable``: inspect, verify, convert, reshard, export, push and pull checkpoints, run the resume demo, and
+check a training command's resume.
 
 Thin by design: each subcommand parses its arguments and calls one library function. User mistakes
 (a missing path, a corrupt checkpoint, a bad size string) print one line to stderr and exit with a
@@ -15,6 +16,7 @@ hf-resumable export out/checkpoint-120 --output merged --merge   # + its frozen 
 hf-resumable push out/checkpoint-120 me/run --revision step-120
 hf-resumable pull hf://me/run@step-120 --local-dir restored
 hf-resumable demo
+hf-resumable check --kills 3 -- python train.py --output_dir {out}   # exit 0: EXACT; 1: DIVERGES at step K
 ```
 """
 
@@ -183,6 +185,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK if report.comparison.ok else EXIT_INVALID
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from .check import CheckOptions, run_check
+    from .errors import CheckLaunchError
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not command:
+        print("hf-resumable check: error: give the command to check after `--`, e.g. "
+              "hf-resumable check -- python train.py --output_dir {out}", file=sys.stderr)
+        return EXIT_USAGE
+    options = CheckOptions(kills=args.kills, seed=args.seed, timeout=args.timeout)
+    try:
+        report = run_check(command, options=options)
+    except CheckLaunchError as err:
+        print(f"hf-resumable check: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        report.write_json(args.json)
+    print(report.summary())
+    return EXIT_OK if report.exact else EXIT_INVALID
+
+
 # ------------------------------------------------------------------------------------------------ parser
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="print only results and errors")
@@ -268,6 +291,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ResumableTrainer ('trainer'), the plain torch loop ('loop'), or the trainer if available")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     p.set_defaults(func=cmd_demo)
+
+    p = commands.add_parser("check", help="run CMD, kill it and rerun it at N points, and compare it bit for bit "
+                                          "with an uninterrupted run; exit 0 if EXACT, 1 if it DIVERGES")
+    p.add_argument("--kills", type=int, default=3, help="interrupted runs (kill points), default: 3")
+    p.add_argument("--seed", type=int, default=0, help="chooses the kill points (default: 0)")
+    p.add_argument("--timeout", type=float, help="seconds one launch may run (default: no limit)")
+    p.add_argument("--json", help="also write the report to this JSON file")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...",
+                   help="the training command; {out} becomes a fresh directory per run")
+    p.set_defaults(func=cmd_check)
 
     for sub in commands.choices.values():
         _add_common(sub)

@@ -35,6 +35,7 @@ __all__ = [
     "FormatVersionError",
     "InexactResumeError",
     "ConfigDriftError",
+    "CheckLaunchError",
     "AsyncSaveError",
     "HubError",
     "HubEntryNotFoundError",
@@ -123,6 +124,11 @@ class InexactResumeError(HfResumableError, RuntimeError):
 
 class ConfigDriftError(InexactResumeError, ValueError):
     """The run is resumed with a configuration that differs from the one that wrote the checkpoint."""
+
+
+class CheckLaunchError(HfResumableError, RuntimeError):
+    """``hf-resumable check``: the checked command could not be run (it failed without a kill, timed out, or wrote
+    no trace); the message ends with its last output."""
 
 
 class AsyncSaveError(HfResumableError, RuntimeError):

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .. import trace
 from ..constants import (
     DATA_STATE_DIR,
     DATA_STATE_FILE_PATTERN,
@@ -453,6 +454,7 @@ class OpenedCheckpoint(LoadedCheckpoint):
         if restore_rng and self.rng_state is not None:
             restore_rng_state(self.rng_state, allow_device_mismatch=True)  # the device count was checked in step 1
         logger.info("Loaded %s (step %s)", self.path, self.step)
+        trace.on_load(self.step, optimizer)  # hf-resumable check: the step counter continues from here
         return self
 
     def _plan_load(self, model, optimizer, scheduler, scaler, *, strict: bool, restore_rng: bool,

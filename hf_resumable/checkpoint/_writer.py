@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import trace
 from ..constants import MANIFEST_FILE, STOCK_ACCELERATE_FILES_RE
 from ..distributed import (
     all_gather_json,
@@ -268,6 +269,7 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
             discard(tmp)
             raise
         records, local, report = {}, err, None
+    trace.on_save(step)  # hf-resumable check: written, not committed (its "inside a save" kill point)
     # 3. The records meet on every rank as JSON (never pickle). If any rank failed, nothing is committed.
     gathered = all_gather_json({"records": records_to_json(records), "error": _describe(local), "report": report},
                                group=group)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from .. import trace
 from ..checkpoint._validate import batches_yielded
 from ..errors import InexactResumeError
 from ..format.rng import derive_seed
@@ -33,6 +34,9 @@ class ResumableDataLoader(DataLoader):
                  **kwargs: Any) -> None:
         self._init_kwargs = dict(kwargs)
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
+
+    def __iter__(self) -> Iterator[Any]:
+        return trace.traced_batches(super().__iter__())  # hf-resumable check: each batch's digests
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (permutation and seeds) of the next iteration."""
@@ -199,6 +203,9 @@ def _stream_loader_class() -> type:
             """``StatefulDataLoader`` over a :class:`SeededIterableDataset`, with ``set_epoch``, ``skip``, position."""
 
             _resumed_batches: int | None = None
+
+            def __iter__(self) -> Iterator[Any]:
+                return trace.traced_batches(super().__iter__())  # hf-resumable check: each batch's digests
 
             def set_epoch(self, epoch: int) -> None:
                 self.dataset.set_epoch(epoch)

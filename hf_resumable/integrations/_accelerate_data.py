@@ -55,6 +55,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
+from .. import trace
 from ..checkpoint._validate import batches_yielded
 from ..data import DATA_EPOCH, DATA_KIND, DATA_LOADER, DATA_NUM_BATCHES, DATA_STEP, data_rng
 from ..format.rng import derive_seed
@@ -260,7 +261,7 @@ class _PositionMixin:
             if len(self) and start >= len(self):  # restored at the very end of a pass: the pass is over
                 self.iteration += 1
                 return
-            for batch in super().__iter__():
+            for batch in trace.traced_batches(super().__iter__()):  # hf-resumable check: each batch's digests
                 self._consumed += 1
                 yield batch
         finally:

@@ -82,6 +82,7 @@ from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard, DataLo
 from accelerate.state import GradientState
 from accelerate.utils import DistributedType
 
+from .. import trace
 from ..checkpoint import (
     LoadedCheckpoint,
     OpenedCheckpoint,
@@ -596,6 +597,7 @@ class ResumableAccelerator(Accelerator):
             NotImplementedError: with ``num_items_in_batch`` under DeepSpeed or Megatron-LM (their engines
                 scale the loss themselves).
         """
+        trace.on_loss(loss)  # hf-resumable check: the loss of this micro-batch
         engine_scaled = self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
         if engine_scaled or "learning_rate" in kwargs:
             if num_items_in_batch is not None:

@@ -71,6 +71,7 @@ import transformers.trainer as _trainer_module
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import ExportableState, TrainerCallback
 
+from .. import trace
 from ..checkpoint import (
     VerifyReport,
     apply_retention,
@@ -990,6 +991,7 @@ class ResumableTrainer(Trainer):
             self.control.should_save = True
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
                                          learning_rate=learning_rate, **kwargs)
+        trace.on_logs(self.state.log_history)  # hf-resumable check: the metrics logged at this step
         if preempt:
             self.control.should_training_stop = True
 

@@ -1,0 +1,308 @@
+"""The per-step trace that ``hf-resumable check`` compares: written only when ``HF_RESUMABLE_TRACE`` names a directory.
+
+With the variable unset (the normal case) every hook below returns after one check of a module global, and no
+optimizer or module hook is installed: training is unchanged. With it set, each process appends JSON lines to
+``<dir>/rank-<rank>.jsonl`` (flushed per line, so a SIGKILL loses nothing already written):
+
+- ``batch``: each batch the library's data loaders yield (the Trainer's, accelerate's and plain loops' loaders),
+  keyed by the optimizer step it belongs to and its micro-batch index: an xxh3 digest of every tensor in it;
+- ``forward``: at the start of each training forward pass (a global module forward pre-hook, outermost module
+  calls with grad enabled), the digest of every RNG (python, numpy, torch CPU, each initialized CUDA device);
+- ``update``: after each optimizer step (a global ``torch.optim`` post-step hook): the learning rates used, a digest
+  of the other param-group settings, of the parameters and of the optimizer state;
+- ``loss`` (``ResumableAccelerator.backward``) and ``log`` (``ResumableTrainer``'s logged metrics);
+- ``save`` (a save's files are written, not yet committed) and ``resume`` (a checkpoint was loaded: its step and the
+  digests of the restored parameters and optimizer state).
+
+``HF_RESUMABLE_TRACE_ATTEMPT`` numbers the launches of one run; ``HF_RESUMABLE_TRACE_STOP`` (``batch:K:M``,
+``update:K`` or ``save:N``) makes the process park itself at that event, after recording it, until it is killed:
+that is how the check kills a run at an exact point without depending on timing.
+``HF_RESUMABLE_TRACE_WEIGHTS=checkpoint`` digests parameters and optimizer state only at saves and resumes (for large
+models), instead of after every step.
+
+Example:
+
+```python
+>>> from hf_resumable import trace
+>>> trace.is_enabled()  # HF_RESUMABLE_TRACE is not set
+False
+```
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TRACE_ENV", "ATTEMPT_ENV", "STOP_ENV", "WEIGHTS_ENV", "is_enabled", "traced_batches", "on_load",
+           "on_save", "on_loss", "on_logs", "read_trace", "trace_file"]
+
+TRACE_ENV = "HF_RESUMABLE_TRACE"  # directory of the trace; unset: tracing is off
+ATTEMPT_ENV = "HF_RESUMABLE_TRACE_ATTEMPT"  # launch number within one run (0: first launch)
+STOP_ENV = "HF_RESUMABLE_TRACE_STOP"  # park the process at this event until it is killed
+WEIGHTS_ENV = "HF_RESUMABLE_TRACE_WEIGHTS"  # "step" (default) or "checkpoint": when to digest parameters
+
+_UNSEEDED_SEED = 0x5EED  # python's and numpy's global generators under a trace (see _start)
+
+# Logged values that measure time, not training: never compared.
+TIMING_METRICS = ("_runtime", "_per_second", "_time")
+
+
+def trace_file(directory: str | os.PathLike, rank: int) -> Path:
+    """The JSON-lines file of ``rank`` in a trace directory."""
+    return Path(directory) / f"rank-{rank:05d}.jsonl"
+
+
+# ------------------------------------------------------------------------------------------------ digests
+def _tensor_digest(tensor: torch.Tensor) -> str:
+    tensor = tensor.detach()
+    if hasattr(tensor, "to_local"):  # a DTensor: this rank's piece
+        tensor = tensor.to_local()
+    tensor = tensor.cpu().contiguous().reshape(-1)
+    digest = xxhash.xxh3_64(f"{tensor.dtype}:{tensor.numel()}".encode())
+    if tensor.numel():
+        digest.update(tensor.view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def _value_digest(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return _tensor_digest(value)
+    if isinstance(value, np.ndarray):
+        return _tensor_digest(torch.from_numpy(np.ascontiguousarray(value)))
+    if isinstance(value, float):
+        return value.hex()
+    return xxhash.xxh3_64(repr(value).encode()).hexdigest()
+
+
+def digest_batch(batch: Any, prefix: str = "") -> dict[str, str]:
+    """``{path: digest}`` of every leaf of a batch (dicts by key, sequences by index)."""
+    if isinstance(batch, Mapping):
+        items = [(f"{prefix}{key}", value) for key, value in batch.items()]
+    elif isinstance(batch, (list, tuple)) and not (batch and all(isinstance(v, (int, float)) for v in batch)):
+        items = [(f"{prefix}{index}", value) for index, value in enumerate(batch)]
+    else:
+        return {prefix or "batch": _value_digest(batch)}
+    found: dict[str, str] = {}
+    for key, value in items:
+        if isinstance(value, (Mapping, list, tuple)):
+            found.update(digest_batch(value, f"{key}."))
+        else:
+            found[key] = _value_digest(value)
+    return found
+
+
+def digest_rng() -> dict[str, str]:
+    """Digests of the global generators: python, numpy, torch CPU and every initialized CUDA device."""
+    version, state, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    found = {"python": xxhash.xxh3_64(repr((version, state, gauss)).encode()).hexdigest(),
+             "numpy": xxhash.xxh3_64(keys.tobytes() + repr((name, pos, has_gauss, cached)).encode()).hexdigest(),
+             "torch": _tensor_digest(torch.get_rng_state())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+            found[f"cuda:{index}"] = _tensor_digest(state)
+    return found
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def digest_optimizer(optimizer: torch.optim.Optimizer, *, tensors: bool) -> dict[str, Any]:
+    """Learning rates (``float.hex``), and digests of the other group settings, the parameters and the state."""
+    found: dict[str, Any] = {"lr": [float(group.get("lr", 0.0)).hex() for group in optimizer.param_groups],
+                             "hyper": _value_digest([sorted((k, repr(v)) for k, v in group.items()
+                                                            if k not in ("params", "lr"))
+                                                     for group in optimizer.param_groups])}
+    if tensors:
+        weights, state = xxhash.xxh3_64(), xxhash.xxh3_64()
+        for param in _optimizer_params(optimizer):
+            weights.update(_tensor_digest(param).encode())
+            for key in sorted(optimizer.state.get(param, {}), key=str):
+                state.update(f"{key}={_value_digest(optimizer.state[param][key])};".encode())
+        found.update(weights=weights.hexdigest(), optimizer=state.hexdigest())
+    return found
+
+
+# ------------------------------------------------------------------------------------------------ the writer
+class _Tracer:
+    """One process's trace: the file, the step counter and the stop point."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.attempt = int(os.environ.get(ATTEMPT_ENV, "0"))
+        self.stop = os.environ.get(STOP_ENV) or None
+        self.per_step = os.environ.get(WEIGHTS_ENV, "step") != "checkpoint"
+        self.completed = 0  # optimizer steps completed (set from the checkpoint on resume)
+        self.micro = 0  # batches yielded since the last optimizer step
+        self.losses = 0  # losses backpropagated since the last optimizer step
+        self.forwards = 0  # training forward passes since the last optimizer step
+        self.depth = 0  # module calls in progress (a forward pass is a call at depth 0)
+        self.saves = 0
+        self.logs_seen: int | None = None  # entries of the Trainer's log history already recorded
+        self.primary: int | None = None  # id() of the optimizer whose steps are counted
+        self._handle = None
+        self._lock = threading.Lock()
+        self._pid = os.getpid()  # a forked child (a DataLoader worker) writes nothing
+
+    def rank(self) -> int:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank()
+        return int(os.environ.get("RANK", "0"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if os.getpid() != self._pid:
+            return
+        record = {**record, "rank": self.rank(), "attempt": self.attempt, "pid": os.getpid()}
+        line = json.dumps(record, sort_keys=True) + "\n"
+        with self._lock:
+            if self._handle is None:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                self._handle = open(trace_file(self.directory, record["rank"]), "a", encoding="utf-8")  # noqa: SIM115
+            self._handle.write(line)
+            self._handle.flush()
+
+    def park_if(self, event: str) -> None:
+        """At the configured stop point: record it, then wait (forever) for the check to kill this process."""
+        if self.stop != event:
+            return
+        self.write({"kind": "stop", "at": event})
+        logger.warning("hf-resumable check: parked at %s, waiting to be killed", event)
+        threading.Event().wait()
+
+    def before_forward(self, _module: Any, _args: Any) -> None:
+        if self.depth == 0 and torch.is_grad_enabled():  # a training forward pass (evaluation runs without grad)
+            self.write({"kind": "forward", "step": self.completed + 1, "micro": self.forwards, "rng": digest_rng()})
+            self.forwards += 1
+        self.depth += 1
+
+    def after_forward(self, _module: Any, _args: Any, _output: Any) -> None:
+        self.depth = max(self.depth - 1, 0)
+
+    def after_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if self.primary is None:
+            self.primary = id(optimizer)
+        if id(optimizer) != self.primary:
+            return
+        self.completed += 1
+        self.micro = self.losses = self.forwards = self.depth = 0
+        self.write({"kind": "update", "step": self.completed,
+                    **digest_optimizer(optimizer, tensors=self.per_step)})
+        self.park_if(f"update:{self.completed}")
+
+
+def _start() -> _Tracer | None:
+    directory = os.environ.get(TRACE_ENV)
+    if not directory:
+        return None
+    tracer = _Tracer(Path(directory))
+    # python's and numpy's global generators start from the OS's entropy (torch's from a fixed seed): fix them, so
+    # that a script that never seeds them (and may never use them) does not differ from itself in every run
+    random.seed(_UNSEEDED_SEED)
+    np.random.seed(_UNSEEDED_SEED)
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(tracer.after_step)
+    register_module_forward_pre_hook(tracer.before_forward)  # the RNG state right before each forward pass
+    register_module_forward_hook(tracer.after_forward)
+    return tracer
+
+
+_TRACER: _Tracer | None = _start()
+
+
+def is_enabled() -> bool:
+    """Whether this process writes a trace (``HF_RESUMABLE_TRACE`` was set when hf_resumable was imported)."""
+    return _TRACER is not None
+
+
+# ------------------------------------------------------------------------------------------------ hooks
+def traced_batches(batches: Iterator[Any]) -> Iterator[Any]:
+    """``batches`` itself when tracing is off; else a generator that records each batch as it is yielded."""
+    if _TRACER is None:
+        return batches
+    return _traced(_TRACER, batches)
+
+
+def _traced(tracer: _Tracer, batches: Iterator[Any]) -> Iterator[Any]:
+    for batch in batches:
+        step, micro = tracer.completed + 1, tracer.micro
+        tracer.micro += 1
+        tracer.write({"kind": "batch", "step": step, "micro": micro, "batch": digest_batch(batch)})
+        tracer.park_if(f"batch:{step}:{micro}")
+        yield batch
+
+
+def on_load(step: int | None, optimizer: torch.optim.Optimizer | None) -> None:
+    """A checkpoint of ``step`` was loaded: the step counter continues from it."""
+    if _TRACER is None:
+        return
+    _TRACER.completed, _TRACER.micro, _TRACER.losses, _TRACER.forwards = int(step or 0), 0, 0, 0
+    record: dict[str, Any] = {"kind": "resume", "step": _TRACER.completed}
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):  # accelerate's wrapper
+        optimizer = optimizer.optimizer
+    if optimizer is not None:
+        _TRACER.primary = id(optimizer)
+        record.update(digest_optimizer(optimizer, tensors=True))
+        record.pop("lr")  # the scheduler has already moved it on to the next step's value
+    _TRACER.write(record)
+
+
+def on_save(step: int | None) -> None:
+    """A save's files are written and not yet committed (the check's "inside a save" kill point)."""
+    if _TRACER is None:
+        return
+    _TRACER.saves += 1
+    _TRACER.write({"kind": "save", "index": _TRACER.saves, "step": step})
+    _TRACER.park_if(f"save:{_TRACER.saves}")
+
+
+def on_loss(loss: torch.Tensor) -> None:
+    """The loss a micro-batch backpropagates (``ResumableAccelerator.backward``)."""
+    if _TRACER is None:
+        return
+    _TRACER.write({"kind": "loss", "step": _TRACER.completed + 1, "micro": _TRACER.losses,
+                   "metrics": {"loss": float(loss.detach().float()).hex()}})
+    _TRACER.losses += 1
+
+
+def on_logs(history: Sequence[Mapping[str, Any]]) -> None:
+    """New entries of a Trainer's ``state.log_history`` (restored entries of earlier steps are skipped)."""
+    if _TRACER is None:
+        return
+    seen = _TRACER.logs_seen
+    if seen is None:  # the first call of this process: what is there came from the checkpoint
+        seen = sum(1 for entry in history if int(entry.get("step", 0)) <= _TRACER.completed - 1)
+    for entry in history[seen:]:
+        metrics = {key: float(value).hex() if isinstance(value, float) else repr(value)
+                   for key, value in entry.items() if key != "step" and not key.endswith(TIMING_METRICS)}
+        _TRACER.write({"kind": "log", "step": int(entry.get("step", 0)), "metrics": metrics})
+    _TRACER.logs_seen = len(history)
+
+
+# ------------------------------------------------------------------------------------------------ reading
+def read_trace(directory: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every record of a trace directory, rank files in rank order, each in the order written.
+
+    A last line cut short by a kill is dropped.
+    """
+    records: list[dict[str, Any]] = []
+    for path in sorted(Path(directory).glob("rank-*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+            if line.endswith("\n"):
+                records.append(json.loads(line))
+    return records

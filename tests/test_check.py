@@ -1,0 +1,260 @@
+"""``hf-resumable check`` (issue #24): the trace, the comparison, the kill points, and the command end to end.
+
+The end-to-end tests run the real CLI on real scripts: each check launches the script uninterrupted, then kills it
+(SIGKILL of the whole process tree at a point the trace reports, or SIGTERM) and reruns it until it finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_resumable import trace
+from hf_resumable.check import CheckOptions, compare_traces
+from hf_resumable.check._compare import likely_cause
+from hf_resumable.check._runner import plan_kill_points
+from hf_resumable.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+LOOP = REPO / "tests" / "scripts" / "check_loop.py"
+
+
+# ------------------------------------------------------------------------------------------------ pure parts
+def _batch(step, micro, *, batch="b", attempt=0, rank=0):
+    return {"kind": "batch", "step": step, "micro": micro, "rank": rank, "attempt": attempt,
+            "batch": {"x": f"{batch}{step}.{micro}", "y": f"y{step}.{micro}"}}
+
+
+def _forward(step, micro, *, rng="r", attempt=0, rank=0):
+    return {"kind": "forward", "step": step, "micro": micro, "rank": rank, "attempt": attempt,
+            "rng": {"torch": f"{rng}{step}.{micro}"}}
+
+
+def _update(step, *, lr=None, weights=None, attempt=0, rank=0):
+    return {"kind": "update", "step": step, "rank": rank, "attempt": attempt, "lr": [lr or f"lr{step}"],
+            "hyper": "h", "weights": weights or f"w{step}", "optimizer": f"o{step}"}
+
+
+def _resume(step, *, attempt=1, weights=None):
+    return {"kind": "resume", "step": step, "rank": 0, "attempt": attempt, "hyper": "h",
+            "weights": weights or f"w{step}", "optimizer": f"o{step}"}
+
+
+def _reference(steps=6):
+    return [r for s in range(1, steps + 1) for r in (_batch(s, 0), _batch(s, 1), _forward(s, 0), _forward(s, 1),
+                                                     _update(s))]
+
+
+def _interrupted(*, killed_after=4, resumed_from=2, change=None, steps=6):
+    """Launch 0 runs steps 1..killed_after, launch 1 resumes from ``resumed_from`` and runs to the end."""
+    first = [r for s in range(1, killed_after + 1) for r in (_batch(s, 0), _batch(s, 1), _forward(s, 0),
+                                                             _forward(s, 1), _update(s))]
+    second = [_resume(resumed_from)]
+    for s in range(resumed_from + 1, steps + 1):
+        second += [_batch(s, 0, attempt=1), _batch(s, 1, attempt=1), _forward(s, 0, attempt=1),
+                   _forward(s, 1, attempt=1), _update(s, attempt=1)]
+    if change is not None:
+        second = [change(r) for r in second]
+    return first + second
+
+
+def test_identical_traces_are_exact():
+    comparison = compare_traces(_reference(), _interrupted())
+    assert comparison.exact and comparison.steps == 6 and comparison.compared > 18
+    assert likely_cause(comparison) == ""
+
+
+def test_a_batch_that_differs_after_the_resume_is_named_with_a_generator_cause():
+    def change(record):
+        if record["kind"] == "batch" and record["step"] >= 3:
+            return {**record, "batch": {**record["batch"], "x": "other"}}
+        return record
+
+    comparison = compare_traces(_reference(), _interrupted(change=change))
+    first = comparison.first
+    assert (first.step, first.category, first.attempt, first.resumed_from) == (3, "batch", 1, 2)
+    assert "micro-batch 0: x" in first.detail
+    assert "generator the library cannot see" in likely_cause(comparison)
+    assert "Check your own script" in likely_cause(comparison)
+
+
+def test_a_learning_rate_that_differs_is_named_before_the_weights():
+    def change(record):
+        if record["kind"] == "update" and record["step"] >= 4:
+            return {**record, "lr": ["0x1p-3"], "weights": "bad", "optimizer": "bad"}
+        return record
+
+    comparison = compare_traces(_reference(), _interrupted(change=change))
+    assert (comparison.first.step, comparison.first.category) == (4, "lr")
+    assert {d.category for d in comparison.at_first_step()} == {"lr", "weights", "optimizer"}
+    assert "scheduler" in likely_cause(comparison)
+
+
+def test_weights_restored_wrongly_are_named_at_the_first_resumed_step():
+    comparison = compare_traces(_reference(), _interrupted(change=lambda r: {**r, "weights": "x"}
+                                                           if r["kind"] == "resume" else r))
+    assert (comparison.first.step, comparison.first.category) == (3, "restored-weights")
+
+
+def test_a_difference_before_any_resume_means_the_script_is_not_deterministic():
+    run = _interrupted()
+    run[2] = {**run[2], "rng": {"torch": "different"}}
+    comparison = compare_traces(_reference(), run)
+    assert (comparison.first.step, comparison.first.category, comparison.first.resumed_from) == (1, "rng", None)
+    assert "not deterministic" in likely_cause(comparison)
+
+
+def test_a_step_the_resumed_run_never_makes_is_missing():
+    run = [r for r in _interrupted() if not (r["kind"] == "update" and r["step"] == 6)]
+    run = [r for r in run if not (r["kind"] in ("batch", "forward") and r["step"] == 6)]
+    comparison = compare_traces(_reference(), run)
+    assert (comparison.first.step, comparison.first.category) == (6, "missing")
+
+
+def test_logged_metrics_are_compared_per_step_and_order():
+    ref = _reference() + [{"kind": "log", "step": 2, "rank": 0, "attempt": 0, "metrics": {"loss": "0x1p-1"}}]
+    run = _interrupted() + [{"kind": "log", "step": 2, "rank": 0, "attempt": 0, "metrics": {"loss": "0x1p-2"}}]
+    comparison = compare_traces(ref, run)
+    assert comparison.first.category == "metric" and "loss 0.5 -> 0.25" in comparison.first.detail
+
+
+def test_kill_points_are_drawn_from_the_reference_by_seed():
+    ref = _reference(8) + [{"kind": "save", "rank": 0, "attempt": 0, "index": 1, "step": 4}]
+    points = plan_kill_points(ref, kills=4, seed=7)
+    assert points == plan_kill_points(ref, kills=4, seed=7)
+    assert [p.kind for p in points] == ["step", "save", "sigterm", "step"]
+    assert points[1].event == "save:1"
+    assert all(p.event.startswith("batch:") and 2 <= p.step <= 8 for p in points if p.kind != "save")
+    assert plan_kill_points(ref, kills=6, seed=1) != plan_kill_points(ref, kills=6, seed=2)
+
+
+def test_options_are_validated():
+    with pytest.raises(ValueError, match="kills"):
+        CheckOptions(kills=0)
+    with pytest.raises(ValueError, match="timeout"):
+        CheckOptions(timeout=-1)
+
+
+# ------------------------------------------------------------------------------------------------ the trace
+def test_without_the_variable_the_hooks_do_nothing():
+    assert not trace.is_enabled()
+    batches = iter([1, 2])
+    assert trace.traced_batches(batches) is batches  # the loader's own iterator, untouched
+    assert trace.on_save(3) is None and trace.on_load(3, None) is None and trace.on_logs([{"step": 1}]) is None
+
+
+def test_digests_name_each_tensor_and_generator():
+    import torch
+
+    batch = {"input_ids": torch.arange(6).view(2, 3), "labels": [torch.ones(2), torch.zeros(2)]}
+    digests = trace.digest_batch(batch)
+    assert set(digests) == {"input_ids", "labels.0", "labels.1"}
+    assert digests == trace.digest_batch({"input_ids": torch.arange(6).view(2, 3),
+                                          "labels": [torch.ones(2), torch.zeros(2)]})
+    assert trace.digest_batch({**batch, "input_ids": torch.arange(6).view(3, 2)})["input_ids"] == \
+        digests["input_ids"]  # the same bytes; a reshaped batch shows in the next step's weights
+    assert set(trace.digest_rng()) >= {"python", "numpy", "torch"}
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+def _check(tmp_path, *args, kills=1, seed=0):
+    report = tmp_path / "report.json"
+    command = [sys.executable, "-m", "hf_resumable", "check", "--kills", str(kills), "--seed", str(seed),
+               "--timeout", "600", "--json", str(report), "--", *map(str, args)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    data = json.loads(report.read_text()) if report.exists() else None
+    return done, data
+
+
+def test_usage_and_launch_errors_exit_with_2(tmp_path, capsys):
+    assert main(["check"]) == 2
+    assert "after `--`" in capsys.readouterr().err
+    failing = [sys.executable, "-c", "import sys; print('the last words'); sys.exit(3)"]
+    assert main(["check", "--kills", "1", "--", *failing]) == 2
+    err = capsys.readouterr().err
+    assert "failed without a kill (exit code 3)" in err and "the last words" in err
+    assert main(["check", "--", sys.executable, "-c", "pass"]) == 2
+    assert "wrote no trace" in capsys.readouterr().err
+
+
+def test_an_exact_plain_loop_is_exact(tmp_path):
+    done, report = _check(tmp_path, sys.executable, LOOP, "--output-dir", "{out}", kills=1, seed=3)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("EXACT")
+    assert report["result"] == "EXACT" and [r["kill_point"]["kind"] for r in report["runs"]] == ["step"]
+    killed = report["runs"][0]
+    assert killed["launches"][0]["killed_at"] == killed["kill_point"]["event"]
+    assert killed["launches"][0]["returncode"] == -9 and killed["launches"][-1]["returncode"] == 0
+    assert 0 < killed["resumed_from"][0] < killed["kill_point"]["step"] and killed["compared_records"] > 30
+    assert report["compared_per_run"]["batches"] == 24 and report["compared_per_run"]["forward passes (the RNG " \
+        "state before each)"] == 24
+
+
+@pytest.mark.extended
+def test_an_exact_plain_loop_is_exact_at_every_kind_of_kill_point(tmp_path):
+    done, report = _check(tmp_path, sys.executable, LOOP, "--output-dir", "{out}", kills=3, seed=5)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [r["kill_point"]["kind"] for r in report["runs"]] == ["step", "save", "sigterm"]
+    assert [r["launches"][0]["returncode"] for r in report["runs"]] == [-9, -9, -15]
+
+
+def test_a_collator_drawing_from_a_module_level_generator_diverges_at_the_first_resumed_step(tmp_path):
+    done, report = _check(tmp_path, sys.executable, LOOP, "--output-dir", "{out}", "--collator",
+                          "global-generator", seed=3)
+    assert done.returncode == 1, done.stdout + done.stderr
+    run = report["runs"][0]
+    first = run["differences"][0]
+    resumed = run["resumed_from"][0]
+    assert report["result"] == "DIVERGES" and first["category"] == "batch" and first["step"] == resumed + 1
+    assert f"DIVERGES at optimizer step {resumed + 1}" in done.stdout
+    assert "the batch (data order or collation randomness)" in done.stdout
+    assert "generator the library cannot see" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_scheduler_that_is_saved_but_not_restored_is_named(tmp_path):
+    done, report = _check(tmp_path, sys.executable, LOOP, "--output-dir", "{out}", "--forget-scheduler", seed=3)
+    assert done.returncode == 1, done.stdout + done.stderr
+    first = report["runs"][0]["differences"][0]
+    assert first["category"] == "lr" and first["step"] == report["runs"][0]["resumed_from"][0] + 2
+    assert "the learning rate" in done.stdout and "scheduler" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_resumable_trainer_script_is_exact(tmp_path):
+    done, report = _check(tmp_path, sys.executable, REPO / "tests" / "trainer_scripts" / "train_tiny.py",
+                          "--output-dir", "{out}", "--ga", "2", "--max-steps", "8", "--save-steps", "3", kills=3)
+    assert done.returncode == 0, done.stdout + done.stderr
+    kinds = {r["kill_point"]["kind"] for r in report["runs"]}
+    assert kinds == {"step", "save", "sigterm"}
+    assert all(r["resumed_from"] or r["kill_point"]["kind"] == "save" for r in report["runs"])
+
+
+@pytest.mark.slow
+def test_a_resumable_accelerator_loop_is_exact(tmp_path):
+    done, report = _check(tmp_path, sys.executable, REPO / "examples" / "custom_loop.py", "--output-dir", "{out}",
+                          "--epochs", "1", kills=2, seed=1)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert report["result"] == "EXACT"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_two_process_torchrun_loop_is_exact(tmp_path):
+    from distributed_launch import free_port
+
+    done, report = _check(tmp_path, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-addr", "127.0.0.1", "--master-port", free_port(), REPO / "examples" /
+                          "custom_loop.py", "--output-dir", "{out}", "--epochs", "2", kills=1, seed=1)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert report["ranks"] == 2 and report["result"] == "EXACT"
+    run = report["runs"][0]
+    assert run["launches"][0]["killed_at"] is not None and run["launches"][0]["returncode"] != 0
+    assert run["resumed_from"] and run["launches"][-1]["returncode"] == 0
