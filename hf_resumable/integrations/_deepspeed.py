@@ -140,7 +140,39 @@ def _init_base_state(base: torch.optim.Optimizer) -> None:
                 flat.grad = None
 
 
-class ZeroOptimizerState:
+class _ZeroState:
+    """What both ZeRO optimizer views share: the base torch optimizer's param groups and state."""
+
+    base: torch.optim.Optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.base.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.base.state
+
+
+def _partition_entries(base: torch.optim.Optimizer, flat: torch.Tensor, group: Any) -> dict[str, Any]:
+    """One flat fp32 partition's checkpoint entries: the master piece and the base optimizer's state over it."""
+    entries = {MASTER_KEY: _flat_piece(flat.detach(), group)}
+    for key, value in base.state.get(flat, {}).items():
+        partitioned = torch.is_tensor(value) and value.shape == flat.shape
+        entries[key] = _flat_piece(value, group) if partitioned else value
+    return entries
+
+
+def _restore_partition(base: torch.optim.Optimizer, flat: torch.Tensor, saved: Mapping[str, Any]) -> None:
+    """Put one flat partition's master piece and optimizer state (:func:`_partition_entries`) back in place."""
+    entries = {key: value.to_local() if hasattr(value, "to_local") else value for key, value in saved.items()}
+    with torch.no_grad():
+        flat.copy_(entries.pop(MASTER_KEY))
+    base.state[flat] = {key: value.to(flat.device) if torch.is_tensor(value) and value.shape == flat.shape
+                        else value for key, value in entries.items()}
+
+
+class ZeroOptimizerState(_ZeroState):
     """A ZeRO-1/2 optimizer as the sharded checkpoint sees it (:class:`~hf_resumable.checkpoint.sharded.
     ShardedOptimizerState`): one pseudo-parameter per param group, whose state is this rank's partitions.
 
@@ -159,14 +191,6 @@ class ZeroOptimizerState:
         stage = 2 if getattr(zero, "partition_gradients", False) else 1
         self.checkpoint_class = f"DeepSpeedZero{stage}/{type(self.base).__qualname__}"
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.base.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.base.state
-
     def _partitions(self) -> Iterator[tuple[str, torch.Tensor, Any]]:
         for index, group in enumerate(self.base.param_groups):
             (flat,) = group["params"]  # ZeRO puts one flat fp32 partition in each group
@@ -178,11 +202,7 @@ class ZeroOptimizerState:
         """``{"state": {group name: {key: piece or value}}, "param_groups": [...]}``, names for parameters."""
         state, groups = {}, []
         for (name, flat, group), param_group in zip(self._partitions(), self.base.param_groups):
-            entries = {MASTER_KEY: _flat_piece(flat.detach(), group)}
-            for key, value in self.base.state.get(flat, {}).items():
-                partitioned = torch.is_tensor(value) and value.shape == flat.shape
-                entries[key] = _flat_piece(value, group) if partitioned else value
-            state[name] = entries
+            state[name] = _partition_entries(self.base, flat, group)
             groups.append({**{k: v for k, v in param_group.items() if k != "params"}, "params": [name]})
         return {"state": state, "param_groups": groups}
 
@@ -195,16 +215,11 @@ class ZeroOptimizerState:
         """Put the master partitions, the base optimizer's state and the hyper-parameters in place."""
         for (name, flat, _), param_group, saved in zip(self._partitions(), self.base.param_groups,
                                                        state["param_groups"]):
-            entries = {key: value.to_local() if hasattr(value, "to_local") else value
-                       for key, value in state["state"][name].items()}
-            with torch.no_grad():
-                flat.copy_(entries.pop(MASTER_KEY))
-            self.base.state[flat] = {key: value.to(flat.device) if torch.is_tensor(value) and
-                                     value.shape == flat.shape else value for key, value in entries.items()}
+            _restore_partition(self.base, flat, state["state"][name])
             param_group.update({k: v for k, v in saved.items() if k != "params"})
 
 
-class Zero3OptimizerState:
+class Zero3OptimizerState(_ZeroState):
     """A ZeRO-3 optimizer as the sharded checkpoint sees it (:class:`~hf_resumable.checkpoint.sharded.
     ShardedOptimizerState`): one pseudo-parameter per sub-group (``zero<dp size>.subgroup<i>``), whose state is this
     rank's partition of the sub-group's flat fp32 master weights (``fp32``) and the base optimizer's state over it.
@@ -227,14 +242,6 @@ class Zero3OptimizerState:
         self.base: torch.optim.Optimizer = zero.optimizer
         self.checkpoint_class = f"DeepSpeedZero3/{type(self.base).__qualname__}"
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.base.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.base.state
-
     def _partitions(self) -> Iterator[tuple[str, torch.Tensor, Any, int]]:
         """``(name, flat fp32 partition, its process group, its param group)`` per sub-group."""
         zero = self.zero
@@ -250,11 +257,7 @@ class Zero3OptimizerState:
         state: dict[str, Any] = {}
         listed: list[list[str]] = [[] for _ in self.base.param_groups]
         for name, flat, group, group_id in self._partitions():
-            entries = {MASTER_KEY: _flat_piece(flat.detach(), group)}
-            for key, value in self.base.state.get(flat, {}).items():
-                partitioned = torch.is_tensor(value) and value.shape == flat.shape
-                entries[key] = _flat_piece(value, group) if partitioned else value
-            state[name] = entries
+            state[name] = _partition_entries(self.base, flat, group)
             listed[group_id].append(name)
         groups = [{**{k: v for k, v in param_group.items() if k != "params"}, "params": names}
                   for param_group, names in zip(self.base.param_groups, listed)]
@@ -281,12 +284,7 @@ class Zero3OptimizerState:
         """Put the master partitions, the base optimizer's state and the hyper-parameters in place (the model's
         partitions are loaded with the model)."""
         for name, flat, _, _ in self._partitions():
-            entries = {key: value.to_local() if hasattr(value, "to_local") else value
-                       for key, value in state["state"][name].items()}
-            with torch.no_grad():
-                flat.copy_(entries.pop(MASTER_KEY))
-            self.base.state[flat] = {key: value.to(flat.device) if torch.is_tensor(value) and
-                                     value.shape == flat.shape else value for key, value in entries.items()}
+            _restore_partition(self.base, flat, state["state"][name])
         for param_group, saved in zip(self.base.param_groups, state["param_groups"]):
             param_group.update({k: v for k, v in saved.items() if k != "params"})
 
