@@ -14,7 +14,7 @@ from torch import nn
 
 from ..hub import parse_hf_url
 from ._load import LoadPlan, _as_weights, _empty, _fill_aliases, _materialize, _read_into, _read_shard, _tie, plan_load
-from ._mapped import map_tensors
+from ._mapped import MappedBlock, ShardMaps
 from ._prefetch import BlockPrefetcher
 from ._residency import ResidencyPlan, plan_residency
 from ._weights import LazyStateDict
@@ -167,6 +167,9 @@ class StreamingModel(contextlib.AbstractContextManager):
         self._pool = _BufferPool()
         self._prefetcher: BlockPrefetcher | None = None
         self._installed: int | None = None
+        self._maps = ShardMaps()
+        self._mapped: dict[int, list[MappedBlock]] = {}  # per streamed block: its views, made on its first read
+        self._copied: dict[int, list[tuple[str, list[str]]]] = {}  # per streamed block: (shard, names) to cast
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, *, config: Any = None,
@@ -221,7 +224,7 @@ class StreamingModel(contextlib.AbstractContextManager):
         # 3. Hooks on the streamed blocks, and the thread that reads them ahead.
         streamed = self.residency.streamed
         if streamed:
-            self._prefetcher = BlockPrefetcher(streamed, lambda i: self._read_block(per_block[i]),
+            self._prefetcher = BlockPrefetcher(streamed, lambda i: self._read_block(i, per_block[i]),
                                                self._pool.put_block, slots=self.residency.slots)
             for index in streamed:
                 block = self.blocks[index]
@@ -241,6 +244,9 @@ class StreamingModel(contextlib.AbstractContextManager):
             self._pool.release(block)
         self._installed = None
         self._pool.clear()
+        self._mapped.clear()
+        self._copied.clear()
+        self._maps.clear()
         self.weights.release()
 
     def _names_by_block(self) -> tuple[list[str], list[list[str]]]:
@@ -274,18 +280,32 @@ class StreamingModel(contextlib.AbstractContextManager):
         for filename, group in self.weights.group_by_file(names).items():
             _read_shard(self.model, self.weights, filename, group, self.plan.sources, self._pool.allocate)
 
-    def _read_block(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """One block's tensors (runs on the prefetch thread; touches no module): mapped from the shard without a
-        copy when stored in the model's dtype, else read into pooled buffers and cast."""
+    def _read_block(self, index: int, names: list[str]) -> dict[str, torch.Tensor]:
+        """One block's tensors (runs on the prefetch thread; touches no module). Tensors stored in the model's dtype
+        are views of their shard's mapping, made once per block (no header parse, no mmap per token); their pages
+        are read in here and dropped from the process when the block has run. Others are read into pooled buffers
+        and cast."""
+        if index not in self._mapped:
+            groups = self.weights.group_by_file(names)
+            self._mapped[index] = [self._maps.view(self.weights.shard_path(f), g, self._targets)
+                                   for f, g in groups.items() if self._is_mappable(g)]
+            self._copied[index] = [(f, g) for f, g in groups.items() if not self._is_mappable(g)]
         block: dict[str, torch.Tensor] = {}
-        for filename, group in self.weights.group_by_file(names).items():
-            if all(self.weights.meta(name).dtype == self._targets[name][1] for name in group):
-                block.update(map_tensors(self.weights.shard_path(filename), group, self._targets))
-                continue
+        for mapped in self._mapped[index]:
+            mapped.populate()
+            block.update(mapped.tensors)
+        for filename, group in self._copied[index]:
             into = {name: self._pool.allocate(*self._targets[name]) for name in group}
             _read_into(self.weights, filename, into)
             block.update(into)
         return block
+
+    def _is_mappable(self, names: list[str]) -> bool:
+        return all(self.weights.meta(name).dtype == self._targets[name][1] for name in names)
+
+    def _evict(self, index: int) -> None:
+        for mapped in self._mapped.get(index, ()):
+            mapped.evict()
 
     def _pre_hook(self, index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple) -> None:
@@ -304,6 +324,8 @@ class StreamingModel(contextlib.AbstractContextManager):
 
     def _release(self, module: nn.Module) -> None:
         self._pool.release(module)
+        if self._installed is not None:
+            self._evict(self._installed)
         self._installed = None
         self._prefetcher.done()
 
