@@ -61,11 +61,13 @@ def _sizes(model: torch.nn.Module) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------------------------------- planning (pure)
-def test_plan_residency_fills_the_budget_after_two_slots() -> None:
+def test_plan_residency_fills_the_budget_after_two_slots_only_when_asked() -> None:
     assert plan_residency(100, [50] * 8) == plan_residency(100, [50] * 8, max_memory=None)
     unbounded = plan_residency(100, [50] * 8)
     assert (unbounded.resident, unbounded.slots, unbounded.budget) == ((), 2, None)
-    plan = plan_residency(100, [50] * 8, max_memory=360)
+    lean = plan_residency(100, [50] * 8, max_memory=360)
+    assert (lean.resident, lean.slots, lean.weight_bytes) == ((), 2, 200)
+    plan = plan_residency(100, [50] * 8, max_memory=360, keep_resident=True)
     assert plan.slots == 2 and len(plan.resident) == 3 and plan.weight_bytes == 350 <= 360
     assert set(plan.resident) | set(plan.streamed) == set(range(8)) and not set(plan.resident) & set(plan.streamed)
     assert plan_residency(100, [50] * 8, max_memory="1KB").streamed == ()  # everything fits: nothing streamed
@@ -128,7 +130,7 @@ def test_streamed_generate_equals_the_full_model(tmp_path: Path, factory) -> Non
     for b in blocks:
         b.register_forward_hook(
             lambda *_: installed.append(sum(not next(x.parameters()).is_meta for x in blocks)), prepend=True)
-    streaming = StreamingModel(meta, folder, max_memory=budget)
+    streaming = StreamingModel(meta, folder, max_memory=budget, keep_resident=True)
     with streaming as streamed:
         plan = streaming.residency
         assert len(plan.resident) == 2 and plan.slots == 2 and plan.weight_bytes <= budget

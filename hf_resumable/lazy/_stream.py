@@ -130,6 +130,8 @@ class StreamingModel(contextlib.AbstractContextManager):
         max_memory (`int` or `str`, *optional*): budget for the weights, in bytes or as ``"1GB"`` (default: no
             budget; every block is streamed).
         prefetch (`bool`, *optional*, defaults to `True`): read the next block while one runs (when it fits).
+        keep_resident (`bool`, *optional*, defaults to `False`): keep as many blocks loaded as the rest of the
+            budget holds (see :func:`plan_residency`; by default a model that does not fit streams every block).
         strict (`bool`, *optional*, defaults to `True`): fail on missing or unexpected keys.
         revision (`str`, *optional*): Hub revision.
         token (`str`, *optional*): Hub token.
@@ -153,7 +155,8 @@ class StreamingModel(contextlib.AbstractContextManager):
 
     def __init__(self, model: nn.Module, path_or_repo_id: str | os.PathLike | LazyStateDict, *,
                  blocks: str | None = None, max_memory: int | str | None = None, prefetch: bool = True,
-                 strict: bool = True, revision: str | None = None, token: str | None = None) -> None:
+                 keep_resident: bool = False, strict: bool = True, revision: str | None = None,
+                 token: str | None = None) -> None:
         self.model = model
         self.weights = _as_weights(path_or_repo_id, revision, token)
         if blocks is None:
@@ -161,6 +164,7 @@ class StreamingModel(contextlib.AbstractContextManager):
         else:
             self.blocks_name, self.blocks = blocks, model.get_submodule(blocks)
         self.max_memory, self.prefetch, self.strict = max_memory, prefetch, strict
+        self.keep_resident = keep_resident
         self.plan: LoadPlan | None = None
         self.residency: ResidencyPlan | None = None
         self._handles: list[Any] = []
@@ -173,8 +177,9 @@ class StreamingModel(contextlib.AbstractContextManager):
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, *, config: Any = None,
-                        max_memory: int | str | None = None, prefetch: bool = True, strict: bool = True,
-                        revision: str | None = None, token: str | None = None) -> StreamingModel:
+                        max_memory: int | str | None = None, prefetch: bool = True, keep_resident: bool = False,
+                        strict: bool = True, revision: str | None = None,
+                        token: str | None = None) -> StreamingModel:
         """A streamed ``AutoModelForCausalLM`` from a model directory, a checkpoint directory, or a Hub repo.
 
         Only headers are read here; the model is built on the meta device from ``config`` (default:
@@ -186,7 +191,7 @@ class StreamingModel(contextlib.AbstractContextManager):
             path_or_repo_id (`str` or `os.PathLike`): a directory holding ``config.json`` and the weights (a
                 ``save_pretrained`` output or a ``checkpoint-N`` directory), or a Hub repo.
             config (`transformers.PretrainedConfig`, *optional*): the model's config (e.g. from ``AutoConfig``).
-            max_memory, prefetch, strict, revision, token: as in :class:`StreamingModel`.
+            max_memory, prefetch, keep_resident, strict, revision, token: as in :class:`StreamingModel`.
 
         Raises:
             CheckpointNotFoundError: if there are no weights at ``path_or_repo_id``.
@@ -202,7 +207,8 @@ class StreamingModel(contextlib.AbstractContextManager):
         location, revision = _resolve(path_or_repo_id, revision)
         weights = LazyStateDict.from_pretrained(location, revision=revision, token=token)
         model = _model_on_meta(location, config, revision, token)
-        return cls(model, weights, max_memory=max_memory, prefetch=prefetch, strict=strict)
+        return cls(model, weights, max_memory=max_memory, prefetch=prefetch, keep_resident=keep_resident,
+                   strict=strict)
 
     def _block_prefix(self, index: int) -> str:
         return f"{self.blocks_name}.{index}."
@@ -217,7 +223,8 @@ class StreamingModel(contextlib.AbstractContextManager):
         sizes = self._nbytes()
         self.residency = plan_residency(sum(sizes[n] for n in outside),
                                         [sum(sizes[n] for n in names) for names in per_block],
-                                        max_memory=self.max_memory, prefetch=self.prefetch)
+                                        max_memory=self.max_memory, prefetch=self.prefetch,
+                                        keep_resident=self.keep_resident)
         self._load(outside + [n for i in self.residency.resident for n in per_block[i]])
         _tie(self.model)
         self._log_plan()
