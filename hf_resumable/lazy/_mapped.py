@@ -24,6 +24,7 @@ __all__ = ["MappedBlock", "ShardMaps"]
 # table (a private mapping we never wrote to: the pages stay in the page cache, RSS no longer counts them).
 _MADV_POPULATE_READ = 22
 _MADV_DONTNEED = 4
+_MADV_WILLNEED = 3  # for a file mapping: start reading the whole range at once (large requests, not page faults)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class MappedBlock:
         """Read the range's pages in now, so using the tensors does not fault (ctypes releases the GIL: the
         read-ahead thread does this while the forward pass computes)."""
         libc = _libc()
+        if libc is not None:
+            libc.madvise(self.start, self.length, _MADV_WILLNEED)
         if libc is not None and libc.madvise(self.start, self.length, _MADV_POPULATE_READ) == 0:
             return
         for tensor in self.tensors.values():  # older kernel: touch one byte per page
