@@ -150,6 +150,44 @@ def test_streaming_from_an_auto_config_without_read_ahead(tmp_path: Path) -> Non
         assert torch.equal(_generate(streamed), _generate(model))
 
 
+def test_each_shard_header_is_parsed_once_however_many_tokens(tmp_path: Path, monkeypatch) -> None:
+    import hf_resumable.lazy._mapped as mapped
+
+    model = _llama(seed=7)
+    folder = _save(model, tmp_path / "m")
+    parsed: list[str] = []
+    real = mapped.read_header
+    monkeypatch.setattr(mapped, "read_header", lambda path: parsed.append(Path(path).name) or real(path))
+    with StreamingModel(on_meta(model), folder) as streamed:
+        assert torch.equal(_generate(streamed), _generate(model))  # NEW tokens: every block streamed NEW times
+    assert parsed and len(parsed) == len(set(parsed))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux")
+def test_a_mapped_block_counts_in_rss_only_between_populate_and_evict(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from hf_resumable.lazy._mapped import ShardMaps
+
+    weight = torch.arange(8 * 2**20, dtype=torch.float32).reshape(2**13, 2**10)  # 32 MiB
+    save_file({"w": weight}, tmp_path / "m.safetensors")
+    maps = ShardMaps()
+    block = maps.view(tmp_path / "m.safetensors", ["w"], {"w": (weight.shape, weight.dtype)})
+    before = _rss()
+    block.populate()
+    populated = _rss()
+    assert populated - before > 0.9 * weight.nbytes
+    block.evict()
+    assert populated - _rss() > 0.9 * weight.nbytes
+    assert torch.equal(block.tensors["w"], weight)  # still valid: faulted back in from the page cache
+    maps.clear()
+
+
 def test_streaming_casts_when_the_model_dtype_differs_from_the_stored_one(tmp_path: Path) -> None:
     model = _llama(seed=8)
     folder = _save(model, tmp_path / "m")
