@@ -108,16 +108,18 @@ class StreamingModel(contextlib.AbstractContextManager):
 
     On enter, every weight outside the blocks (embeddings, final norm, head) is loaded and the key match is checked
     once for the whole model (``strict`` as in :func:`load_lazily`). Then :func:`plan_residency` splits the budget:
-    as many blocks as fit are loaded and kept (resident); the others are streamed. A streamed block gets a forward
-    pre-hook that installs its tensors and a forward hook that puts them back on the meta device, returning their
-    memory to a pool. A background thread reads the next streamed blocks (in forward order, wrapping around to
-    the next decoding step) into pooled buffers while the current block computes, so reading and computing overlap.
-    Outputs equal those of the fully loaded model, and ``generate`` works with the KV cache (the cache holds keys
-    and values, not weights, so streaming does not touch it).
+    a model that fits is loaded whole; otherwise every block is streamed (with ``keep_resident``, as many blocks as
+    the rest of the budget holds are loaded and kept). A streamed block gets a forward pre-hook that installs its
+    tensors and a forward hook that puts them back on the meta device. A background thread reads the next streamed
+    blocks (in forward order, wrapping around to the next decoding step) while the current block computes, so
+    reading and computing overlap. Outputs equal those of the fully loaded model, and ``generate`` works with the KV
+    cache (the cache holds keys and values, not weights, so streaming does not touch it).
 
     Memory: the weights held never exceed ``max_memory``; activations and the KV cache come on top, as with
-    accelerate's ``max_memory``. Reads go through the OS page cache (``pread`` into pooled buffers, the GIL released
-    while reading), so a model that fits in RAM is served from memory after the first pass.
+    accelerate's ``max_memory``. A block stored in the model's dtype is a view of its shard, mapped once: the
+    thread reads its pages in (``madvise``, the GIL released) and they are dropped from the process once it has run,
+    so RSS counts only the blocks in flight. A block that must be cast is read into pooled buffers. Reads go
+    through the OS page cache, so a model that fits in RAM is served from memory after the first pass.
 
     > [!WARNING]
     > The prefetch thread needs a core while the model computes: on a machine with few cores, leave it one
