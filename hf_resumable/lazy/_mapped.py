@@ -52,6 +52,13 @@ class MappedBlock:
         for tensor in self.tensors.values():  # older kernel: touch one byte per page
             tensor.reshape(-1).view(torch.uint8)[:: mmap.PAGESIZE].sum()
 
+    def hint(self) -> None:
+        """Ask the kernel to start reading the range in the background (it returns at once), so the disk keeps
+        busy while the block before this one is populated and runs."""
+        libc = _libc()
+        if libc is not None:
+            libc.madvise(self.start, self.length, _MADV_WILLNEED)
+
     def evict(self) -> None:
         """Unmap the range's pages from this process (they stay in the page cache; the mapping stays valid and
         faults them back in on the next use), so RSS holds only the blocks in flight."""

@@ -233,7 +233,9 @@ class StreamingModel(contextlib.AbstractContextManager):
         # 3. Hooks on the streamed blocks, and the thread that reads them ahead.
         streamed = self.residency.streamed
         if streamed:
-            self._prefetcher = BlockPrefetcher(streamed, lambda i: self._read_block(i, per_block[i]),
+            self._next_streamed = dict(zip(streamed, streamed[1:] + streamed[:1]))
+            self._per_block = per_block
+            self._prefetcher = BlockPrefetcher(streamed, self._read_block,
                                                self._pool.put_block, slots=self.residency.slots)
             for index in streamed:
                 block = self.blocks[index]
@@ -289,25 +291,33 @@ class StreamingModel(contextlib.AbstractContextManager):
         for filename, group in self.weights.group_by_file(names).items():
             _read_shard(self.model, self.weights, filename, group, self.plan.sources, self._pool.allocate)
 
-    def _read_block(self, index: int, names: list[str]) -> dict[str, torch.Tensor]:
+    def _read_block(self, index: int) -> dict[str, torch.Tensor]:
         """One block's tensors (runs on the prefetch thread; touches no module). Tensors stored in the model's dtype
         are views of their shard's mapping, made once per block (no header parse, no mmap per token); their pages
         are read in here and dropped from the process when the block has run. Others are read into pooled buffers
-        and cast."""
-        if index not in self._mapped:
-            groups = self.weights.group_by_file(names)
-            self._mapped[index] = [self._maps.view(self.weights.shard_path(f), g, self._targets)
-                                   for f, g in groups.items() if self._is_mappable(g)]
-            self._copied[index] = [(f, g) for f, g in groups.items() if not self._is_mappable(g)]
+        and cast. The next streamed block's pages are then requested from the disk without waiting for them, so the
+        disk keeps reading while this block runs and the next one is populated."""
         block: dict[str, torch.Tensor] = {}
-        for mapped in self._mapped[index]:
+        for mapped in self._view_block(index):
             mapped.populate()
             block.update(mapped.tensors)
+        for mapped in self._view_block(self._next_streamed[index]):
+            mapped.hint()
         for filename, group in self._copied[index]:
             into = {name: self._pool.allocate(*self._targets[name]) for name in group}
             _read_into(self.weights, filename, into)
             block.update(into)
         return block
+
+    def _view_block(self, index: int) -> list[MappedBlock]:
+        """A block's tensors stored in the model's dtype, as views of their shards (made on first use, no data
+        read); the (shard, names) that must be cast are noted in ``_copied``."""
+        if index not in self._mapped:
+            groups = self.weights.group_by_file(self._per_block[index])
+            self._copied[index] = [(f, g) for f, g in groups.items() if not self._is_mappable(g)]
+            self._mapped[index] = [self._maps.view(self.weights.shard_path(f), g, self._targets)
+                                   for f, g in groups.items() if self._is_mappable(g)]
+        return self._mapped[index]
 
     def _is_mappable(self, names: list[str]) -> bool:
         return all(self.weights.meta(name).dtype == self._targets[name][1] for name in names)
