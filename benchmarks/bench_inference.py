@@ -1,32 +1,37 @@
 """Greedy generation from a model 4x larger than its memory budget: StreamingModel vs accelerate disk offload.
 
-A random Llama-shaped model (~2.5 GB of fp32 weights, safetensors shards) is generated once. Each side then runs in a
-fresh subprocess (so its peak RSS is its own), with the same prompt, the same budget (a quarter of the weights) and
-``max_new_tokens=32`` (greedy, KV cache on):
+A random Llama-shaped model (~2.5 GB of fp32 weights, safetensors shards) is generated once. Each side then runs
+with the same prompt, the same budget (a quarter of the weights) and the same number of new tokens (``--tokens``,
+default 32; ``--cold-tokens`` in the cold regime), greedy with the KV cache:
 
 - ``accelerate``: ``AutoModelForCausalLM.from_pretrained(dir, device_map="auto", max_memory={"cpu": budget},
   offload_folder=...)``. transformers maps disk-offloaded weights to the checkpoint's own safetensors files, and
   accelerate's ``AlignDevicesHook`` loads each offloaded layer synchronously in its forward pre-hook.
-- ``streamed``: ``hf_resumable.lazy.StreamingModel.from_pretrained(dir, max_memory=budget)``: the blocks that fit
-  stay resident, the others are read on a background thread while the previous block computes.
-- ``streamed, 3/4 budget``: the same with ``max_memory`` at three quarters of the budget. accelerate leaves part of
-  its budget unused (it reserves the largest layer and places whole layers), ours fills it with resident blocks;
-  this row shows the speed at a peak RSS no larger than accelerate's.
+- ``streamed``: ``hf_resumable.lazy.StreamingModel.from_pretrained(dir, max_memory=budget)``: every block is
+  streamed, the next one read on a background thread while the current one computes.
+- ``streamed-resident`` (``--with-resident``): the same with ``keep_resident=True`` (the rest of the budget filled
+  with resident blocks), to show what they buy.
 
-Cache: before every process the model's files are dropped from the page cache (``posix_fadvise(DONTNEED)`` on each
-file, which leaves other users' cache alone), so the load and the first token read from disk for both sides. During
-generation both sides read through the page cache (``pread`` for ours, ``mmap`` for accelerate), so later tokens are
-served from memory where it holds the files; the share of the files cached at the end is reported for each side.
+Two regimes (``--regimes warm,cold``), each side in a fresh subprocess (peak RSS is its own), the model's files
+dropped from the page cache (``posix_fadvise(DONTNEED)`` per file, other users' cache untouched) before each:
 
-Reported per side (median of ``--runs`` runs, the two sides alternating within each run): tokens/s (32 new tokens /
-``generate`` wall time, cold first token included), decode tokens/s (tokens 2-32), cold first-token latency (from
-the start of loading to the first new token), peak RSS (``VmHWM``) and RSS after imports. The generated tokens must
-be identical (the script exits non-zero otherwise). Both sides run with ``torch.set_num_threads(--threads)``: on a
-2-core machine one thread computes and the other core is left to the reader (ours) or idle (accelerate).
+- ``warm``: the page cache may hold the files, so after the first token both sides read from memory.
+- ``cold``, the regime of issue #25 (a model larger than memory): each process runs in a cgroup-v1 memory cgroup
+  limited to the budget plus ``--overhead`` (default 640 MB: the imports, activations and the allocator), which
+  counts its anonymous memory and its page cache together. The model (2.5 GB) is twice that limit, so for both
+  sides most weights come from disk on every token. Needs root and a writable ``/sys/fs/cgroup/memory``.
 
-Usage: ``python benchmarks/bench_inference.py [--runs 3] [--threads 1] [--layers 24] [--hidden 1536]``
+Reported per side (median and min-max of ``--runs`` runs, the sides alternating within each run): tokens/s (new
+tokens / ``generate`` wall time, first token included), decode tokens/s (tokens 2..N), cold first-token latency
+(from the start of loading to the first new token), peak RSS (``VmHWM``), RSS after imports, and the share of the
+files in the page cache at the end. The generated tokens must be identical across sides and regimes (the script
+exits non-zero otherwise). Both sides run with ``torch.set_num_threads(--threads)``: on a 2-core machine one thread
+computes and the other core is left to the reader (ours) or idle (accelerate).
 
-The last line is ``streamed vs accelerate disk offload: tokens/s X.XXx, peak RSS X.XXx``.
+Usage: ``python benchmarks/bench_inference.py [--runs 3] [--cold-tokens 16] [--regimes warm,cold] [--with-resident]``
+
+The last line is ``streamed vs accelerate disk offload: tokens/s X.XXx, peak RSS X.XXx``, for the cold regime (the
+one the issue is about) when it ran.
 """
 
 from __future__ import annotations
