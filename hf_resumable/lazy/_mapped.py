@@ -77,8 +77,9 @@ class ShardMaps:
 
     ```python
     >>> maps = ShardMaps()  # doctest: +SKIP
-    >>> block = maps.view("out/model-00001-of-00002.safetensors", ["model.layers.0.mlp.up_proj.weight"], shapes)
-    >>> block.populate(); ...; block.evict()  # doctest: +SKIP
+    >>> block = maps.view("out/model.safetensors", ["model.layers.0.mlp.up_proj.weight"], shapes)  # doctest: +SKIP
+    >>> block.populate()  # pages read in; use block.tensors  # doctest: +SKIP
+    >>> block.evict()  # pages dropped from this process, still in the page cache  # doctest: +SKIP
     ```
     """
 
