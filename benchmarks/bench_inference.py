@@ -1,32 +1,37 @@
 """Greedy generation from a model 4x larger than its memory budget: StreamingModel vs accelerate disk offload.
 
-A random Llama-shaped model (~2.5 GB of fp32 weights, safetensors shards) is generated once. Each side then runs in a
-fresh subprocess (so its peak RSS is its own), with the same prompt, the same budget (a quarter of the weights) and
-``max_new_tokens=32`` (greedy, KV cache on):
+A random Llama-shaped model (~2.5 GB of fp32 weights, safetensors shards) is generated once. Each side then runs
+with the same prompt, the same budget (a quarter of the weights) and the same number of new tokens (``--tokens``,
+default 32; ``--cold-tokens`` in the cold regime), greedy with the KV cache:
 
 - ``accelerate``: ``AutoModelForCausalLM.from_pretrained(dir, device_map="auto", max_memory={"cpu": budget},
   offload_folder=...)``. transformers maps disk-offloaded weights to the checkpoint's own safetensors files, and
   accelerate's ``AlignDevicesHook`` loads each offloaded layer synchronously in its forward pre-hook.
-- ``streamed``: ``hf_resumable.lazy.StreamingModel.from_pretrained(dir, max_memory=budget)``: the blocks that fit
-  stay resident, the others are read on a background thread while the previous block computes.
-- ``streamed, 3/4 budget``: the same with ``max_memory`` at three quarters of the budget. accelerate leaves part of
-  its budget unused (it reserves the largest layer and places whole layers), ours fills it with resident blocks;
-  this row shows the speed at a peak RSS no larger than accelerate's.
+- ``streamed``: ``hf_resumable.lazy.StreamingModel.from_pretrained(dir, max_memory=budget)``: every block is
+  streamed, the next one read on a background thread while the current one computes.
+- ``streamed-resident`` (``--with-resident``): the same with ``keep_resident=True`` (the rest of the budget filled
+  with resident blocks), to show what they buy.
 
-Cache: before every process the model's files are dropped from the page cache (``posix_fadvise(DONTNEED)`` on each
-file, which leaves other users' cache alone), so the load and the first token read from disk for both sides. During
-generation both sides read through the page cache (``pread`` for ours, ``mmap`` for accelerate), so later tokens are
-served from memory where it holds the files; the share of the files cached at the end is reported for each side.
+Two regimes (``--regimes warm,cold``), each side in a fresh subprocess (peak RSS is its own), the model's files
+dropped from the page cache (``posix_fadvise(DONTNEED)`` per file, other users' cache untouched) before each:
 
-Reported per side (median of ``--runs`` runs, the two sides alternating within each run): tokens/s (32 new tokens /
-``generate`` wall time, cold first token included), decode tokens/s (tokens 2-32), cold first-token latency (from
-the start of loading to the first new token), peak RSS (``VmHWM``) and RSS after imports. The generated tokens must
-be identical (the script exits non-zero otherwise). Both sides run with ``torch.set_num_threads(--threads)``: on a
-2-core machine one thread computes and the other core is left to the reader (ours) or idle (accelerate).
+- ``warm``: the page cache may hold the files, so after the first token both sides read from memory.
+- ``cold``, the regime of issue #25 (a model larger than memory): each process runs in a cgroup-v1 memory cgroup
+  limited to the budget plus ``--overhead`` (default 640 MB: the imports, activations and the allocator), which
+  counts its anonymous memory and its page cache together. The model (2.5 GB) is twice that limit, so for both
+  sides most weights come from disk on every token. Needs root and a writable ``/sys/fs/cgroup/memory``.
 
-Usage: ``python benchmarks/bench_inference.py [--runs 3] [--threads 1] [--layers 24] [--hidden 1536]``
+Reported per side (median and min-max of ``--runs`` runs, the sides alternating within each run): tokens/s (new
+tokens / ``generate`` wall time, first token included), decode tokens/s (tokens 2..N), cold first-token latency
+(from the start of loading to the first new token), peak RSS (``VmHWM``), RSS after imports, and the share of the
+files in the page cache at the end. The generated tokens must be identical across sides and regimes (the script
+exits non-zero otherwise). Both sides run with ``torch.set_num_threads(--threads)``: on a 2-core machine one thread
+computes and the other core is left to the reader (ours) or idle (accelerate).
 
-The last line is ``streamed vs accelerate disk offload: tokens/s X.XXx, peak RSS X.XXx``.
+Usage: ``python benchmarks/bench_inference.py [--runs 3] [--cold-tokens 16] [--regimes warm,cold] [--with-resident]``
+
+The last line is ``streamed vs accelerate disk offload: tokens/s X.XXx, peak RSS X.XXx``, for the cold regime (the
+one the issue is about) when it ran.
 """
 
 from __future__ import annotations
@@ -40,7 +45,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hf_resumable.format.sharding import parse_size
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 NEW_TOKENS = 32
 PROMPT = [1, 345, 2001, 77, 4000, 12, 999, 5, 1500, 42, 8000, 7, 311, 64, 5001, 2]
 
@@ -93,7 +101,7 @@ if side == "accelerate":
                                                  offload_folder=offload)
     placement = sorted(set(model.hf_device_map.values()))
 else:
-    streamed = StreamingModel.from_pretrained(folder, max_memory=budget)
+    streamed = StreamingModel.from_pretrained(folder, max_memory=budget, keep_resident=side == "streamed-resident")
     model = streamed.__enter__()
     placement = [f"{len(streamed.residency.resident)} resident", f"{len(streamed.residency.streamed)} streamed"]
 loaded = time.perf_counter()
@@ -142,25 +150,77 @@ def build_model(folder: Path, hidden: int, layers: int) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
-def measure(side: str, folder: Path, budget: int, threads: int, offload: Path) -> dict:
+class MemoryCgroup:
+    """A cgroup-v1 memory cgroup whose limit (anonymous memory and page cache together) is ``limit`` bytes: a
+    process in it sees a machine with that much RAM, so a model larger than it is read from disk on every token."""
+
+    def __init__(self, limit: int) -> None:
+        self.path = CGROUP_ROOT / f"hf_resumable_bench_{os.getpid()}"
+        self.path.mkdir()
+        (self.path / "memory.limit_in_bytes").write_text(str(limit))
+
+    def join(self) -> None:  # runs in the child, before exec
+        (self.path / "tasks").write_text(str(os.getpid()))
+
+    def close(self) -> None:
+        self.path.rmdir()
+
+
+def measure(side: str, folder: Path, budget: int, threads: int, offload: Path, tokens: int,
+            cgroup_limit: int | None) -> dict:
     drop_from_cache(folder)
-    if side == "streamed-3/4":
-        budget = budget * 3 // 4
     command = [sys.executable, "-c", CHILD, side, str(folder), str(budget), str(threads), str(offload),
-               json.dumps(PROMPT), str(NEW_TOKENS)]
-    out = subprocess.run(command, env=_env(), capture_output=True, text=True)
+               json.dumps(PROMPT), str(tokens)]
+    cgroup = MemoryCgroup(cgroup_limit) if cgroup_limit else None
+    try:
+        out = subprocess.run(command, env=_env(), capture_output=True, text=True,
+                             preexec_fn=cgroup.join if cgroup else None)
+    finally:
+        if cgroup:
+            cgroup.close()
     if out.returncode != 0:
-        raise SystemExit(f"{side} failed:\n{out.stderr[-4000:]}")
+        raise SystemExit(f"{side} failed (rc {out.returncode}):\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def summarize(runs: list[dict]) -> dict:
     med = statistics.median
-    return {"tokens_per_s": med(NEW_TOKENS / r["generate_s"] for r in runs),
-            "decode_per_s": med((NEW_TOKENS - 1) / r["decode_s"] for r in runs),
+    return {"tokens_per_s": med(len(r["tokens"]) / r["generate_s"] for r in runs),
+            "decode_per_s": med((len(r["tokens"]) - 1) / r["decode_s"] for r in runs),
             "first_token_s": med(r["first_token_s"] for r in runs), "load_s": med(r["load_s"] for r in runs),
             "peak": med(r["peak"] for r in runs), "baseline": med(r["baseline"] for r in runs),
             "cached": med(r["cached"] for r in runs), "placement": runs[-1]["placement"]}
+
+
+def run_regime(sides: tuple[str, ...], folder: Path, budget: int, args: argparse.Namespace, offload: Path,
+               tokens: int, cgroup_limit: int | None) -> dict[str, list[dict]]:
+    """``--runs`` runs of every side, alternating their order from run to run."""
+    results: dict[str, list[dict]] = {side: [] for side in sides}
+    for run in range(args.runs):
+        for side in sides if run % 2 == 0 else sides[::-1]:
+            results[side].append(measure(side, folder, budget, args.threads, offload, tokens, cgroup_limit))
+    return results
+
+
+def table(regime: str, results: dict[str, list[dict]]) -> list[str]:
+    labels = {"accelerate": "accelerate disk offload", "streamed": "hf_resumable StreamingModel",
+              "streamed-resident": "hf_resumable StreamingModel, keep_resident=True"}
+    rows = []
+    for side, runs in results.items():
+        s = summarize(runs)
+        spread = [len(r["tokens"]) / r["generate_s"] for r in runs]
+        rows.append(f"| {regime} | {labels[side]} | {', '.join(s['placement'])} | {s['tokens_per_s']:.3f} "
+                    f"({min(spread):.3f}-{max(spread):.3f}) | {s['decode_per_s']:.3f} | {s['first_token_s']:.2f} | "
+                    f"{s['load_s']:.2f} | {s['peak'] / 1e6:.0f} | {s['baseline'] / 1e6:.0f} | {s['cached']:.0%} |")
+    return rows
+
+
+def ratios(results: dict[str, list[dict]]) -> tuple[float, float, list[float]]:
+    """tokens/s and peak-RSS ratios (streamed / accelerate) of the medians, and the per-run tokens/s ratios."""
+    acc, ours = summarize(results["accelerate"]), summarize(results["streamed"])
+    per_run = [(len(o["tokens"]) / o["generate_s"]) / (len(a["tokens"]) / a["generate_s"])
+               for a, o in zip(results["accelerate"], results["streamed"])]
+    return ours["tokens_per_s"] / acc["tokens_per_s"], ours["peak"] / acc["peak"], per_run
 
 
 def main() -> None:
@@ -169,37 +229,49 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=1536)
     parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--tokens", type=int, default=NEW_TOKENS, help="new tokens in the warm regime")
+    parser.add_argument("--cold-tokens", type=int, default=NEW_TOKENS, help="new tokens in the cold regime")
+    parser.add_argument("--regimes", default="warm,cold", help="comma-separated: warm, cold")
+    parser.add_argument("--overhead", type=parse_size, default="640MB",
+                        help="cold regime: the memory cgroup's limit is the budget plus this")
+    parser.add_argument("--with-resident", action="store_true", help="also run keep_resident=True")
     args = parser.parse_args()
-    sides = ("accelerate", "streamed", "streamed-3/4")
+    regimes = args.regimes.split(",")
+    sides = ("accelerate", "streamed") + (("streamed-resident",) if args.with_resident else ())
+    if "cold" in regimes and not os.access(CGROUP_ROOT, os.W_OK):
+        raise SystemExit(f"the cold regime needs a writable cgroup-v1 memory hierarchy at {CGROUP_ROOT} (root); "
+                         "pass --regimes warm to skip it.")
+    results: dict[str, dict[str, list[dict]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_inference-") as tmp:
         folder, offload = Path(tmp) / "model", Path(tmp) / "offload"
         folder.mkdir()
         weight_bytes = build_model(folder, args.hidden, args.layers)
         budget = weight_bytes // 4
-        results: dict[str, list[dict]] = {side: [] for side in sides}
-        for run in range(args.runs):
-            for side in sides if run % 2 == 0 else sides[::-1]:
-                results[side].append(measure(side, folder, budget, args.threads, offload))
-    identical = len({tuple(r["tokens"]) for runs in results.values() for r in runs}) == 1
-    acc, ours, small = (summarize(results[side]) for side in sides)
+        limit = budget + args.overhead
+        for regime in regimes:
+            results[regime] = run_regime(sides, folder, budget, args, offload,
+                                         args.cold_tokens if regime == "cold" else args.tokens,
+                                         limit if regime == "cold" else None)
+    identical = len({tuple(r["tokens"][:min(args.tokens, args.cold_tokens)]) for by_side in results.values()
+                     for runs in by_side.values() for r in runs}) == 1
     rows = [f"Model: {weight_bytes / 1e9:.2f} GB of fp32 weights ({args.layers} Llama blocks, hidden {args.hidden}); "
-            f"budget {budget / 1e9:.3f} GB (a quarter); prompt of {len(PROMPT)} tokens, {NEW_TOKENS} new tokens, "
-            f"greedy; torch threads {args.threads}; median of {args.runs} fresh processes per side; the model's "
-            "files dropped from the page cache before each process.", "",
-            "| side | placement | tokens/s | decode tokens/s | cold first token (s) | load (s) | peak RSS (MB) | "
-            "RSS after imports (MB) | files cached at end |", "|---|---|---|---|---|---|---|---|---|"]
-    for label, s in (("accelerate disk offload", acc), ("hf_resumable StreamingModel", ours),
-                     ("hf_resumable StreamingModel, 3/4 of the budget", small)):
-        rows.append(f"| {label} | {', '.join(s['placement'])} | {s['tokens_per_s']:.3f} | {s['decode_per_s']:.3f} | "
-                    f"{s['first_token_s']:.2f} | {s['load_s']:.2f} | {s['peak'] / 1e6:.0f} | "
-                    f"{s['baseline'] / 1e6:.0f} | {s['cached']:.0%} |")
-    rows += ["", f"generated tokens identical: {identical}",
-             f"cold first token: {acc['first_token_s'] / ours['first_token_s']:.2f}x faster streamed; decode "
-             f"tokens/s {ours['decode_per_s'] / acc['decode_per_s']:.2f}x",
-             f"at 3/4 of the budget: tokens/s {small['tokens_per_s'] / acc['tokens_per_s']:.2f}x, peak RSS "
-             f"{small['peak'] / acc['peak']:.2f}x",
-             f"streamed vs accelerate disk offload: tokens/s {ours['tokens_per_s'] / acc['tokens_per_s']:.2f}x, "
-             f"peak RSS {ours['peak'] / acc['peak']:.2f}x"]
+            f"budget {budget / 1e9:.3f} GB (a quarter); prompt of {len(PROMPT)} tokens, greedy; new tokens: warm "
+            f"{args.tokens}, cold {args.cold_tokens}; torch threads {args.threads}; median (min-max) of {args.runs} "
+            "fresh processes per side, sides alternating; the model's files dropped from the page cache before "
+            f"each process. Cold: each process in a memory cgroup limited to {limit / 1e9:.3f} GB (budget + "
+            f"{args.overhead / 1e9:.3f} GB), less than the model: every token reads most weights from disk.", "",
+            "| regime | side | placement | tokens/s (min-max) | decode tokens/s | cold first token (s) | load (s) | "
+            "peak RSS (MB) | RSS after imports (MB) | files cached at end |", "|---" * 10 + "|"]
+    for regime, by_side in results.items():
+        rows += table(regime, by_side)
+    rows += ["", f"generated tokens identical: {identical}"]
+    for regime, by_side in results.items():
+        speed, rss, per_run = ratios(by_side)
+        rows.append(f"{regime}: tokens/s {speed:.2f}x (per run {', '.join(f'{r:.2f}' for r in per_run)}), "
+                    f"peak RSS {rss:.2f}x")
+    final = "cold" if "cold" in results else regimes[-1]
+    speed, rss, _ = ratios(results[final])
+    rows.append(f"streamed vs accelerate disk offload: tokens/s {speed:.2f}x, peak RSS {rss:.2f}x")
     print("\n".join(rows))
     if not identical:
         raise SystemExit(1)

@@ -61,11 +61,13 @@ def _sizes(model: torch.nn.Module) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------------------------------- planning (pure)
-def test_plan_residency_fills_the_budget_after_two_slots() -> None:
+def test_plan_residency_fills_the_budget_after_two_slots_only_when_asked() -> None:
     assert plan_residency(100, [50] * 8) == plan_residency(100, [50] * 8, max_memory=None)
     unbounded = plan_residency(100, [50] * 8)
     assert (unbounded.resident, unbounded.slots, unbounded.budget) == ((), 2, None)
-    plan = plan_residency(100, [50] * 8, max_memory=360)
+    lean = plan_residency(100, [50] * 8, max_memory=360)
+    assert (lean.resident, lean.slots, lean.weight_bytes) == ((), 2, 200)
+    plan = plan_residency(100, [50] * 8, max_memory=360, keep_resident=True)
     assert plan.slots == 2 and len(plan.resident) == 3 and plan.weight_bytes == 350 <= 360
     assert set(plan.resident) | set(plan.streamed) == set(range(8)) and not set(plan.resident) & set(plan.streamed)
     assert plan_residency(100, [50] * 8, max_memory="1KB").streamed == ()  # everything fits: nothing streamed
@@ -128,7 +130,7 @@ def test_streamed_generate_equals_the_full_model(tmp_path: Path, factory) -> Non
     for b in blocks:
         b.register_forward_hook(
             lambda *_: installed.append(sum(not next(x.parameters()).is_meta for x in blocks)), prepend=True)
-    streaming = StreamingModel(meta, folder, max_memory=budget)
+    streaming = StreamingModel(meta, folder, max_memory=budget, keep_resident=True)
     with streaming as streamed:
         plan = streaming.residency
         assert len(plan.resident) == 2 and plan.slots == 2 and plan.weight_bytes <= budget
@@ -146,6 +148,44 @@ def test_streaming_from_an_auto_config_without_read_ahead(tmp_path: Path) -> Non
         assert torch.equal(_generate(streamed), _generate(model))  # everything fits: all resident
     with StreamingModel.from_pretrained(folder, config=config, prefetch=False) as streamed:
         assert torch.equal(_generate(streamed), _generate(model))
+
+
+def test_each_shard_header_is_parsed_once_however_many_tokens(tmp_path: Path, monkeypatch) -> None:
+    import hf_resumable.lazy._mapped as mapped
+
+    model = _llama(seed=7)
+    folder = _save(model, tmp_path / "m")
+    parsed: list[str] = []
+    real = mapped.read_header
+    monkeypatch.setattr(mapped, "read_header", lambda path: parsed.append(Path(path).name) or real(path))
+    with StreamingModel(on_meta(model), folder) as streamed:
+        assert torch.equal(_generate(streamed), _generate(model))  # NEW tokens: every block streamed NEW times
+    assert parsed and len(parsed) == len(set(parsed))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux")
+def test_a_mapped_block_counts_in_rss_only_between_populate_and_evict(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from hf_resumable.lazy._mapped import ShardMaps
+
+    weight = torch.arange(8 * 2**20, dtype=torch.float32).reshape(2**13, 2**10)  # 32 MiB
+    save_file({"w": weight}, tmp_path / "m.safetensors")
+    maps = ShardMaps()
+    block = maps.view(tmp_path / "m.safetensors", ["w"], {"w": (weight.shape, weight.dtype)})
+    before = _rss()
+    block.populate()
+    populated = _rss()
+    assert populated - before > 0.9 * weight.nbytes
+    block.evict()
+    assert populated - _rss() > 0.9 * weight.nbytes
+    assert torch.equal(block.tensors["w"], weight)  # still valid: faulted back in from the page cache
+    maps.clear()
 
 
 def test_streaming_casts_when_the_model_dtype_differs_from_the_stored_one(tmp_path: Path) -> None:

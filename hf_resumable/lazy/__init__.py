@@ -9,8 +9,8 @@ Three tools, all index first (``model.safetensors.index.json`` or a single ``mod
   into the parameter's memory, so at most one shard's worth of pages is in flight beyond the model's own weights.
   Strictness is decided **once**, against all shards, before anything is read.
 - :class:`StreamingModel` / :func:`stream_forward`: run a model that lives on the meta device within a memory budget
-  (``max_memory``): the blocks that fit stay resident (:func:`plan_residency`), the others are read from the shards
-  as they run, the next one on a background thread while the current one computes; ``generate`` works.
+  (``max_memory``): a model that fits is loaded whole, otherwise its blocks are read from the shards as they run
+  (:func:`plan_residency`), the next one on a background thread while the current one computes; ``generate`` works.
 
 Example:
 

@@ -1,87 +1,137 @@
-"""Map tensors of a safetensors shard into memory without copying them, their pages read in on the calling thread."""
+"""Map safetensors shards once and hand out block views of them, whose pages are read in and dropped per use."""
 
 from __future__ import annotations
 
 import logging
 import mmap
 import os
+import threading
 from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ..checkpoint._parallel_read import _libc
 from ..errors import CorruptCheckpointError
-from ..format.safetensors_io import read_header
+from ..format.safetensors_io import SafetensorsHeader, read_header
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["map_tensors"]
+__all__ = ["MappedBlock", "ShardMaps"]
 
-# madvise(2) advice that reads a mapping's pages in and maps them (Linux >= 5.14).
+# madvise(2) advice: read a mapping's pages in and map them (Linux >= 5.14); drop them from this process's page
+# table (a private mapping we never wrote to: the pages stay in the page cache, RSS no longer counts them).
 _MADV_POPULATE_READ = 22
+_MADV_DONTNEED = 4
+_MADV_WILLNEED = 3  # for a file mapping: start reading the whole range at once (large requests, not page faults)
 
 
-def _populate(tensor: torch.Tensor) -> None:
-    """Read the pages behind ``tensor`` in now (ctypes and torch release the GIL, so the caller's thread does it
-    while other threads compute)."""
-    libc = _libc()
-    start = tensor.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
-    length = tensor.data_ptr() + tensor.nbytes - start
-    if libc is not None and libc.madvise(start, length, _MADV_POPULATE_READ) == 0:
-        return
-    flat = tensor.reshape(-1).view(torch.uint8)  # older kernel: touch one byte per page
-    flat[:: mmap.PAGESIZE].sum()
-
-
-def map_tensors(path: str | os.PathLike, names: Collection[str],
-                shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
-    """The tensors ``names`` of the safetensors file ``path``, as views of a private mapping of the bytes holding them.
-
-    Nothing is copied: the tensors are the file's pages in the OS page cache (a private, copy-on-write mapping, so
-    writing to them never changes the file). The range is first announced to the kernel (``POSIX_FADV_WILLNEED``:
-    large read-ahead requests for a cold file), then populated, so using the tensors afterwards does not fault.
-    The mapping lives as long as any of the tensors does, and is unmapped with the last one.
+@dataclass(frozen=True)
+class MappedBlock:
+    """Tensors that are views of one shard's mapping, and the page-aligned address range that holds them.
 
     Args:
-        path (`str` or `os.PathLike`): the shard.
-        names (`Collection[str]`): tensors to map.
-        shapes (`dict[str, tuple[torch.Size, torch.dtype]]`): the shape and dtype each must have.
+        tensors (`dict[str, torch.Tensor]`): contiguous CPU tensors backed by the file.
+        start (`int`): first address of the range (page-aligned).
+        length (`int`): bytes of the range.
+    """
 
-    Returns:
-        `dict[str, torch.Tensor]`: contiguous CPU tensors backed by the file.
+    tensors: dict[str, torch.Tensor]
+    start: int
+    length: int
 
-    Raises:
-        CorruptCheckpointError: if a tensor is missing, has another shape or dtype, or lies past the end of the file.
+    def populate(self) -> None:
+        """Read the range's pages in now, so using the tensors does not fault (ctypes releases the GIL: the
+        read-ahead thread does this while the forward pass computes)."""
+        libc = _libc()
+        if libc is not None:
+            libc.madvise(self.start, self.length, _MADV_WILLNEED)
+        if libc is not None and libc.madvise(self.start, self.length, _MADV_POPULATE_READ) == 0:
+            return
+        for tensor in self.tensors.values():  # older kernel: touch one byte per page
+            tensor.reshape(-1).view(torch.uint8)[:: mmap.PAGESIZE].sum()
+
+    def hint(self) -> None:
+        """Ask the kernel to start reading the range in the background (it returns at once), so the disk keeps
+        busy while the block before this one is populated and runs."""
+        libc = _libc()
+        if libc is not None:
+            libc.madvise(self.start, self.length, _MADV_WILLNEED)
+
+    def evict(self) -> None:
+        """Unmap the range's pages from this process (they stay in the page cache; the mapping stays valid and
+        faults them back in on the next use), so RSS holds only the blocks in flight."""
+        libc = _libc()
+        if libc is not None:
+            libc.madvise(self.start, self.length, _MADV_DONTNEED)
+
+
+class ShardMaps:
+    """One private mapping per shard file, made on first use, with its header parsed once.
+
+    Views handed out by :meth:`view` stay valid until the last of them is dropped (each holds a reference to its
+    mapping). A mapping takes no memory by itself: RSS counts only the pages populated and not yet evicted.
 
     Example:
 
     ```python
-    >>> tensors = map_tensors("out/model.safetensors", ["lm_head.weight"], shapes)  # doctest: +SKIP
+    >>> maps = ShardMaps()  # doctest: +SKIP
+    >>> block = maps.view("out/model.safetensors", ["model.layers.0.mlp.up_proj.weight"], shapes)  # doctest: +SKIP
+    >>> block.populate()  # pages read in; use block.tensors  # doctest: +SKIP
+    >>> block.evict()  # pages dropped from this process, still in the page cache  # doctest: +SKIP
     ```
     """
-    header = read_header(path)
-    infos = []
-    for name in names:
-        info = header.tensors.get(name)
-        if info is None or (info.shape, info.torch_dtype) != (tuple(shapes[name][0]), shapes[name][1]):
-            raise CorruptCheckpointError(f"{path}: tensor {name!r} is missing or has another shape or dtype than "
-                                         "its header promised; the file changed under us. Re-download it.")
-        infos.append(info)
-    begin = header.data_offset + min(info.start for info in infos)
-    end = header.data_offset + max(info.end for info in infos)
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size < end:
-            raise CorruptCheckpointError(f"{path}: the file ends before byte {end}, inside its data; it is truncated. "
-                                         "Re-download or re-save it.")
-        base = begin // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
-        os.posix_fadvise(f.fileno(), base, end - base, os.POSIX_FADV_WILLNEED)
-        mapping = mmap.mmap(f.fileno(), end - base, flags=mmap.MAP_PRIVATE,
-                            prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base)
-    out: dict[str, torch.Tensor] = {}
-    for info in infos:
-        raw = torch.frombuffer(mapping, dtype=torch.uint8, count=info.nbytes,
-                               offset=header.data_offset + info.start - base)
-        out[info.name] = raw.view(info.torch_dtype).view(info.shape)
-    for tensor in out.values():
-        _populate(tensor)
-    return out
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, tuple[mmap.mmap, SafetensorsHeader]] = {}
+        self._lock = threading.Lock()
+
+    def _open(self, path: Path) -> tuple[mmap.mmap, SafetensorsHeader]:
+        with self._lock:
+            if path not in self._maps:
+                header = read_header(path)
+                with open(path, "rb") as f:
+                    if os.fstat(f.fileno()).st_size < header.file_size:
+                        raise CorruptCheckpointError(f"{path}: the file is shorter than its header says; it is "
+                                                     "truncated. Re-download or re-save it.")
+                    # Private and writable so torch.frombuffer accepts it; nothing writes to it.
+                    mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                self._maps[path] = (mapping, header)
+            return self._maps[path]
+
+    def view(self, path: str | os.PathLike, names: Collection[str],
+             shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> MappedBlock:
+        """Views of the tensors ``names`` of the safetensors file ``path`` (no data is read).
+
+        Args:
+            path (`str` or `os.PathLike`): the shard.
+            names (`Collection[str]`): tensors to map.
+            shapes (`dict[str, tuple[torch.Size, torch.dtype]]`): the shape and dtype each must have.
+
+        Returns:
+            [`MappedBlock`].
+
+        Raises:
+            CorruptCheckpointError: if a tensor is missing, has another shape or dtype, or the file is truncated.
+        """
+        mapping, header = self._open(Path(path))
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            info = header.tensors.get(name)
+            if info is None or (info.shape, info.torch_dtype) != (tuple(shapes[name][0]), shapes[name][1]):
+                raise CorruptCheckpointError(f"{path}: tensor {name!r} is missing or has another shape or dtype "
+                                             "than its header promised; the file changed under us. Re-download it.")
+            offset = header.data_offset + info.start
+            raw = torch.frombuffer(mapping, dtype=torch.uint8, count=info.nbytes, offset=offset)
+            out[name] = raw.view(info.torch_dtype).view(info.shape)
+        pointers = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in out.values() if t.nbytes]
+        if not pointers:
+            return MappedBlock(out, 0, 0)
+        start = min(p[0] for p in pointers) // mmap.PAGESIZE * mmap.PAGESIZE
+        return MappedBlock(out, start, max(p[1] for p in pointers) - start)
+
+    def clear(self) -> None:
+        """Forget the mappings (each is unmapped once no view of it is left)."""
+        with self._lock:
+            self._maps.clear()

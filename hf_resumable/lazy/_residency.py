@@ -66,13 +66,17 @@ def _spread(count: int, total: int) -> tuple[int, ...]:
 
 
 def plan_residency(outside_bytes: int, block_bytes: Sequence[int], *, max_memory: int | str | None = None,
-                   prefetch: bool = True) -> ResidencyPlan:
+                   prefetch: bool = True, keep_resident: bool = False) -> ResidencyPlan:
     """Plan which blocks stay resident and how many are read ahead within ``max_memory`` bytes of weights.
 
     The non-block weights (embeddings, final norm, head) are always resident. Then, in this order: one slot for the
-    block that runs; a second slot so the next block is read while it runs (``prefetch``); and as many resident
-    blocks as the rest of the budget holds, spread evenly over the depth of the model. A budget that holds every
-    weight streams nothing.
+    block that runs; a second slot so the next block is read while it runs (``prefetch``); and, with
+    ``keep_resident``, as many resident blocks as the rest of the budget holds, spread evenly over the depth of the
+    model. A budget that holds every weight streams nothing.
+
+    Resident blocks are off by default: measured against accelerate's disk offload (docs/streamed-inference.md),
+    they did not make decoding faster while the page cache holds the files, and they raise peak RSS by their size;
+    when it does not, they save only their share of the reads.
 
     Args:
         outside_bytes (`int`): bytes of the weights outside the blocks.
@@ -80,6 +84,7 @@ def plan_residency(outside_bytes: int, block_bytes: Sequence[int], *, max_memory
         max_memory (`int` or `str`, *optional*): the budget for weights, as bytes or a string like ``"1GB"``
             (``None``: stream every block, with read-ahead when ``prefetch``).
         prefetch (`bool`, *optional*, defaults to `True`): read the next block while one runs, when it fits.
+        keep_resident (`bool`, *optional*, defaults to `False`): fill the rest of the budget with resident blocks.
 
     Returns:
         [`ResidencyPlan`].
@@ -94,7 +99,9 @@ def plan_residency(outside_bytes: int, block_bytes: Sequence[int], *, max_memory
     ```python
     >>> plan = plan_residency(100, [50] * 8, max_memory=300)
     >>> plan.resident, plan.slots, plan.weight_bytes
-    ((2, 6), 2, 300)
+    ((), 2, 200)
+    >>> plan_residency(100, [50] * 8, max_memory=300, keep_resident=True).resident
+    (2, 6)
     >>> plan_residency(100, [50] * 8, max_memory=160).slots
     1
 
@@ -119,7 +126,7 @@ def plan_residency(outside_bytes: int, block_bytes: Sequence[int], *, max_memory
         return ResidencyPlan(blocks, (), 0, outside_bytes + sum(block_bytes), budget)
     slots = wanted_slots if budget >= outside_bytes + wanted_slots * largest else 1
     room = budget - outside_bytes - slots * largest
-    resident = _spread(min(room // largest, len(blocks) - 1), len(blocks))
+    resident = _spread(min(room // largest, len(blocks) - 1), len(blocks)) if keep_resident else ()
     streamed = tuple(i for i in blocks if i not in resident)
     slots = min(slots, len(streamed))
     used = outside_bytes + sum(block_bytes[i] for i in resident) + slots * max(block_bytes[i] for i in streamed)

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..hub import parse_hf_url
 from ._load import LoadPlan, _as_weights, _empty, _fill_aliases, _materialize, _read_into, _read_shard, _tie, plan_load
-from ._mapped import map_tensors
+from ._mapped import MappedBlock, ShardMaps
 from ._prefetch import BlockPrefetcher
 from ._residency import ResidencyPlan, plan_residency
 from ._weights import LazyStateDict
@@ -108,16 +108,18 @@ class StreamingModel(contextlib.AbstractContextManager):
 
     On enter, every weight outside the blocks (embeddings, final norm, head) is loaded and the key match is checked
     once for the whole model (``strict`` as in :func:`load_lazily`). Then :func:`plan_residency` splits the budget:
-    as many blocks as fit are loaded and kept (resident); the others are streamed. A streamed block gets a forward
-    pre-hook that installs its tensors and a forward hook that puts them back on the meta device, returning their
-    memory to a pool. A background thread reads the next streamed blocks (in forward order, wrapping around to
-    the next decoding step) into pooled buffers while the current block computes, so reading and computing overlap.
-    Outputs equal those of the fully loaded model, and ``generate`` works with the KV cache (the cache holds keys
-    and values, not weights, so streaming does not touch it).
+    a model that fits is loaded whole; otherwise every block is streamed (with ``keep_resident``, as many blocks as
+    the rest of the budget holds are loaded and kept). A streamed block gets a forward pre-hook that installs its
+    tensors and a forward hook that puts them back on the meta device. A background thread reads the next streamed
+    blocks (in forward order, wrapping around to the next decoding step) while the current block computes, so
+    reading and computing overlap. Outputs equal those of the fully loaded model, and ``generate`` works with the KV
+    cache (the cache holds keys and values, not weights, so streaming does not touch it).
 
     Memory: the weights held never exceed ``max_memory``; activations and the KV cache come on top, as with
-    accelerate's ``max_memory``. Reads go through the OS page cache (``pread`` into pooled buffers, the GIL released
-    while reading), so a model that fits in RAM is served from memory after the first pass.
+    accelerate's ``max_memory``. A block stored in the model's dtype is a view of its shard, mapped once: the
+    thread reads its pages in (``madvise``, the GIL released) and they are dropped from the process once it has run,
+    so RSS counts only the blocks in flight. A block that must be cast is read into pooled buffers. Reads go
+    through the OS page cache, so a model that fits in RAM is served from memory after the first pass.
 
     > [!WARNING]
     > The prefetch thread needs a core while the model computes: on a machine with few cores, leave it one
@@ -130,6 +132,8 @@ class StreamingModel(contextlib.AbstractContextManager):
         max_memory (`int` or `str`, *optional*): budget for the weights, in bytes or as ``"1GB"`` (default: no
             budget; every block is streamed).
         prefetch (`bool`, *optional*, defaults to `True`): read the next block while one runs (when it fits).
+        keep_resident (`bool`, *optional*, defaults to `False`): keep as many blocks loaded as the rest of the
+            budget holds (see :func:`plan_residency`; by default a model that does not fit streams every block).
         strict (`bool`, *optional*, defaults to `True`): fail on missing or unexpected keys.
         revision (`str`, *optional*): Hub revision.
         token (`str`, *optional*): Hub token.
@@ -153,7 +157,8 @@ class StreamingModel(contextlib.AbstractContextManager):
 
     def __init__(self, model: nn.Module, path_or_repo_id: str | os.PathLike | LazyStateDict, *,
                  blocks: str | None = None, max_memory: int | str | None = None, prefetch: bool = True,
-                 strict: bool = True, revision: str | None = None, token: str | None = None) -> None:
+                 keep_resident: bool = False, strict: bool = True, revision: str | None = None,
+                 token: str | None = None) -> None:
         self.model = model
         self.weights = _as_weights(path_or_repo_id, revision, token)
         if blocks is None:
@@ -161,17 +166,22 @@ class StreamingModel(contextlib.AbstractContextManager):
         else:
             self.blocks_name, self.blocks = blocks, model.get_submodule(blocks)
         self.max_memory, self.prefetch, self.strict = max_memory, prefetch, strict
+        self.keep_resident = keep_resident
         self.plan: LoadPlan | None = None
         self.residency: ResidencyPlan | None = None
         self._handles: list[Any] = []
         self._pool = _BufferPool()
         self._prefetcher: BlockPrefetcher | None = None
         self._installed: int | None = None
+        self._maps = ShardMaps()
+        self._mapped: dict[int, list[MappedBlock]] = {}  # per streamed block: its views, made on its first read
+        self._copied: dict[int, list[tuple[str, list[str]]]] = {}  # per streamed block: (shard, names) to cast
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, *, config: Any = None,
-                        max_memory: int | str | None = None, prefetch: bool = True, strict: bool = True,
-                        revision: str | None = None, token: str | None = None) -> StreamingModel:
+                        max_memory: int | str | None = None, prefetch: bool = True, keep_resident: bool = False,
+                        strict: bool = True, revision: str | None = None,
+                        token: str | None = None) -> StreamingModel:
         """A streamed ``AutoModelForCausalLM`` from a model directory, a checkpoint directory, or a Hub repo.
 
         Only headers are read here; the model is built on the meta device from ``config`` (default:
@@ -183,7 +193,7 @@ class StreamingModel(contextlib.AbstractContextManager):
             path_or_repo_id (`str` or `os.PathLike`): a directory holding ``config.json`` and the weights (a
                 ``save_pretrained`` output or a ``checkpoint-N`` directory), or a Hub repo.
             config (`transformers.PretrainedConfig`, *optional*): the model's config (e.g. from ``AutoConfig``).
-            max_memory, prefetch, strict, revision, token: as in :class:`StreamingModel`.
+            max_memory, prefetch, keep_resident, strict, revision, token: as in :class:`StreamingModel`.
 
         Raises:
             CheckpointNotFoundError: if there are no weights at ``path_or_repo_id``.
@@ -199,7 +209,8 @@ class StreamingModel(contextlib.AbstractContextManager):
         location, revision = _resolve(path_or_repo_id, revision)
         weights = LazyStateDict.from_pretrained(location, revision=revision, token=token)
         model = _model_on_meta(location, config, revision, token)
-        return cls(model, weights, max_memory=max_memory, prefetch=prefetch, strict=strict)
+        return cls(model, weights, max_memory=max_memory, prefetch=prefetch, keep_resident=keep_resident,
+                   strict=strict)
 
     def _block_prefix(self, index: int) -> str:
         return f"{self.blocks_name}.{index}."
@@ -214,14 +225,17 @@ class StreamingModel(contextlib.AbstractContextManager):
         sizes = self._nbytes()
         self.residency = plan_residency(sum(sizes[n] for n in outside),
                                         [sum(sizes[n] for n in names) for names in per_block],
-                                        max_memory=self.max_memory, prefetch=self.prefetch)
+                                        max_memory=self.max_memory, prefetch=self.prefetch,
+                                        keep_resident=self.keep_resident)
         self._load(outside + [n for i in self.residency.resident for n in per_block[i]])
         _tie(self.model)
         self._log_plan()
         # 3. Hooks on the streamed blocks, and the thread that reads them ahead.
         streamed = self.residency.streamed
         if streamed:
-            self._prefetcher = BlockPrefetcher(streamed, lambda i: self._read_block(per_block[i]),
+            self._next_streamed = dict(zip(streamed, streamed[1:] + streamed[:1]))
+            self._per_block = per_block
+            self._prefetcher = BlockPrefetcher(streamed, self._read_block,
                                                self._pool.put_block, slots=self.residency.slots)
             for index in streamed:
                 block = self.blocks[index]
@@ -241,6 +255,9 @@ class StreamingModel(contextlib.AbstractContextManager):
             self._pool.release(block)
         self._installed = None
         self._pool.clear()
+        self._mapped.clear()
+        self._copied.clear()
+        self._maps.clear()
         self.weights.release()
 
     def _names_by_block(self) -> tuple[list[str], list[list[str]]]:
@@ -274,18 +291,40 @@ class StreamingModel(contextlib.AbstractContextManager):
         for filename, group in self.weights.group_by_file(names).items():
             _read_shard(self.model, self.weights, filename, group, self.plan.sources, self._pool.allocate)
 
-    def _read_block(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """One block's tensors (runs on the prefetch thread; touches no module): mapped from the shard without a
-        copy when stored in the model's dtype, else read into pooled buffers and cast."""
+    def _read_block(self, index: int) -> dict[str, torch.Tensor]:
+        """One block's tensors (runs on the prefetch thread; touches no module). Tensors stored in the model's dtype
+        are views of their shard's mapping, made once per block (no header parse, no mmap per token); their pages
+        are read in here and dropped from the process when the block has run. Others are read into pooled buffers
+        and cast. The next streamed block's pages are then requested from the disk without waiting for them, so the
+        disk keeps reading while this block runs and the next one is populated."""
         block: dict[str, torch.Tensor] = {}
-        for filename, group in self.weights.group_by_file(names).items():
-            if all(self.weights.meta(name).dtype == self._targets[name][1] for name in group):
-                block.update(map_tensors(self.weights.shard_path(filename), group, self._targets))
-                continue
+        for mapped in self._view_block(index):
+            mapped.populate()
+            block.update(mapped.tensors)
+        for mapped in self._view_block(self._next_streamed[index]):
+            mapped.hint()
+        for filename, group in self._copied[index]:
             into = {name: self._pool.allocate(*self._targets[name]) for name in group}
             _read_into(self.weights, filename, into)
             block.update(into)
         return block
+
+    def _view_block(self, index: int) -> list[MappedBlock]:
+        """A block's tensors stored in the model's dtype, as views of their shards (made on first use, no data
+        read); the (shard, names) that must be cast are noted in ``_copied``."""
+        if index not in self._mapped:
+            groups = self.weights.group_by_file(self._per_block[index])
+            self._copied[index] = [(f, g) for f, g in groups.items() if not self._is_mappable(g)]
+            self._mapped[index] = [self._maps.view(self.weights.shard_path(f), g, self._targets)
+                                   for f, g in groups.items() if self._is_mappable(g)]
+        return self._mapped[index]
+
+    def _is_mappable(self, names: list[str]) -> bool:
+        return all(self.weights.meta(name).dtype == self._targets[name][1] for name in names)
+
+    def _evict(self, index: int) -> None:
+        for mapped in self._mapped.get(index, ()):
+            mapped.evict()
 
     def _pre_hook(self, index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple) -> None:
@@ -304,6 +343,8 @@ class StreamingModel(contextlib.AbstractContextManager):
 
     def _release(self, module: nn.Module) -> None:
         self._pool.release(module)
+        if self._installed is not None:
+            self._evict(self._installed)
         self._installed = None
         self._prefetcher.done()
 
