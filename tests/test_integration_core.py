@@ -177,3 +177,16 @@ def test_the_trainer_loader_position_is_the_same_interface(tmp_path):
         record = position.position()
         assert (record["epoch"], record["step"], record["num_batches"]) == (epoch, step, 5) and position.fits(record)
     assert not position.fits({"kind": "stream"})
+
+
+def test_a_resumable_accelerator_pickles_with_its_options(tmp_path):
+    """accelerate's users (and its own test suite) pickle a prepared Accelerator; the options' marker survives."""
+    import pickle
+
+    from hf_resumable import ResumableAccelerator
+    from hf_resumable.integrations._core import DEFAULT
+
+    accelerator = ResumableAccelerator(cpu=True, project_dir=str(tmp_path))
+    restored = pickle.loads(pickle.dumps(accelerator))
+    assert restored.resume_options == accelerator.resume_options
+    assert pickle.loads(pickle.dumps(DEFAULT)) is DEFAULT

@@ -36,8 +36,19 @@ logger = logging.getLogger(__name__)
 __all__ = ["DEFAULT", "AfterCommit", "ResumeOptions", "UpstreamInternalsError", "changed_settings", "check_drift",
            "check_upstream", "inexact"]
 
+class _Default:
+    """The "option not given" marker; one instance, which stays itself when the options are pickled or copied
+    (accelerate's users pickle a prepared Accelerator)."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+    def __reduce__(self) -> str:
+        return "DEFAULT"
+
+
 # "option not given" (keep_last falls back to accelerate's ProjectConfiguration.total_limit).
-DEFAULT: Any = type("_Default", (), {"__repr__": lambda self: "DEFAULT"})()
+DEFAULT: Any = _Default()
 
 
 class UpstreamInternalsError(HfResumableError, ImportError):
