@@ -238,6 +238,15 @@ def test_a_resumable_trainer_script_is_exact(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_trl_trainer_made_resumable_is_exact(tmp_path):
+    """TRL's SFTTrainer through make_resumable: the hooks are ResumableTrainer's, inherited."""
+    done, report = _check(tmp_path, sys.executable, REPO / "tests" / "trainer_scripts" / "train_family.py",
+                          "--output-dir", "{out}", "--trainer", "sft", kills=1, seed=2)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert report["result"] == "EXACT" and report["runs"][0]["resumed_from"]
+
+
+@pytest.mark.slow
 def test_a_resumable_accelerator_loop_is_exact(tmp_path):
     done, report = _check(tmp_path, sys.executable, REPO / "examples" / "custom_loop.py", "--output-dir", "{out}",
                           "--epochs", "1", kills=2, seed=1)
