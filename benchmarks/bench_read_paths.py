@@ -30,7 +30,7 @@ every variant alike. ``--warm`` runs a second set with the page cache warm (noth
 before): the ``O_DIRECT`` decision there is ``mincore``'s.
 
 Usage:
-    python benchmarks/bench_read_paths.py --repeats 5 --dir <a directory on the disk> --dir /dev/shm [--warm] [--staging]
+    python benchmarks/bench_read_paths.py --repeats 5 --dir <disk dir> --dir /dev/shm [--warm] [--staging]
 
 ``--staging`` also times the async save's staging copy (``checkpoint._staging.copy_into``) of the AdamW state into
 reused buffers: the C extension's non-temporal copy against ``memmove``, threads against one, and ``torch``'s
