@@ -64,6 +64,7 @@ __all__ = [
     "collect_local_state",
     "find_tied",
     "section_from_reports",
+    "layout_document",
     "flatten_optimizer_state",
     "piece_file",
     "plan_hf_weights",
@@ -361,6 +362,14 @@ def piece_tensor_file(relpath: str, local: LocalState) -> TensorFile | None:
                  for name, _, box in local.pieces}
     metadata = {"format": "pt", PIECES_METADATA_KEY: json.dumps(described, sort_keys=True)}
     return TensorFile(relpath, [(name, tensor) for name, tensor, _ in local.pieces], metadata)
+
+
+def layout_document(*, world_size: int, model: Mapping[str, Any] | None, optimizer: Mapping[str, Any] | None,
+                    optimizer_document: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``sharded_layout.json``'s document at this format's version: the world size it was saved at, the model's and
+    the optimizer's sections (:func:`section_from_reports`) and the optimizer's JSON document."""
+    return {LAYOUT_KEY_VERSION: LAYOUT_VERSION, LAYOUT_KEY_WORLD_SIZE: world_size, LAYOUT_KEY_MODEL: model,
+            LAYOUT_KEY_OPTIMIZER: optimizer, LAYOUT_KEY_OPTIMIZER_DOC: optimizer_document}
 
 
 def section_from_reports(tensors: Mapping[str, Mapping[str, Any]], reports: list[Mapping[str, Any]]

@@ -24,9 +24,6 @@ from ..format.sharding import ShardIndex, check_relative_name
 from ._model import TIED_KEY, match_keys
 from ._sharded import (
     LAYOUT_FILE,
-    LAYOUT_KEY_MODEL,
-    LAYOUT_KEY_OPTIMIZER,
-    LAYOUT_KEY_OPTIMIZER_DOC,
     LAYOUT_KEY_VERSION,
     LAYOUT_KEY_WORLD_SIZE,
     LAYOUT_VERSION,
@@ -35,6 +32,7 @@ from ._sharded import (
     SECTION_TIED,
     TENSOR_VIEW,
     Box,
+    layout_document,
     local_box,
     plan_region_reads,
 )
@@ -124,13 +122,11 @@ def layout_from_regular(indexes: Mapping[str, ShardIndex | None], headers: Mappi
     """
     model = indexes["model"]
     optimizer = indexes.get("optimizer")
-    return {
-        LAYOUT_KEY_VERSION: LAYOUT_VERSION,
-        LAYOUT_KEY_WORLD_SIZE: world_size,
-        LAYOUT_KEY_MODEL: _whole_tensor_section(model, headers, model.metadata.get(TIED_KEY) or {}),
-        LAYOUT_KEY_OPTIMIZER: _whole_tensor_section(optimizer, headers, {}) if optimizer is not None else None,
-        LAYOUT_KEY_OPTIMIZER_DOC: optimizer_document if optimizer is not None else None,
-    }
+    return layout_document(
+        world_size=world_size,
+        model=_whole_tensor_section(model, headers, model.metadata.get(TIED_KEY) or {}),
+        optimizer=_whole_tensor_section(optimizer, headers, {}) if optimizer is not None else None,
+        optimizer_document=optimizer_document if optimizer is not None else None)
 
 
 def check_pieces_stored(section: Section, headers: Mapping[str, Any], *, source: str) -> None:

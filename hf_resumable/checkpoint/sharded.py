@@ -96,9 +96,7 @@ from ._sharded import (
     LAYOUT_KEY_MODEL,
     LAYOUT_KEY_OPTIMIZER,
     LAYOUT_KEY_OPTIMIZER_DOC,
-    LAYOUT_KEY_VERSION,
     LAYOUT_KEY_WORLD_SIZE,
-    LAYOUT_VERSION,
     SHARDED_DIR,
     TENSOR_VIEW,
     LocalState,
@@ -108,6 +106,7 @@ from ._sharded import (
     flatten_optimizer_state,
     full_weights_for,
     hf_weights_section,
+    layout_document,
     local_tensors,
     piece_file,
     piece_report,
@@ -277,9 +276,8 @@ class _Pieces:
 
     def finalize(self, reports: list[Mapping[str, Any]]) -> dict[str, bytes]:
         """``sharded_layout.json`` from every rank's report (pure: the same bytes on every rank)."""
-        layout = {LAYOUT_KEY_VERSION: LAYOUT_VERSION, LAYOUT_KEY_WORLD_SIZE: self.world_size,
-                  LAYOUT_KEY_MODEL: self.layout.get(LAYOUT_KEY_MODEL), LAYOUT_KEY_OPTIMIZER: None,
-                  LAYOUT_KEY_OPTIMIZER_DOC: self.layout.get(LAYOUT_KEY_OPTIMIZER_DOC)}
+        layout = layout_document(world_size=self.world_size, model=self.layout.get(LAYOUT_KEY_MODEL), optimizer=None,
+                                 optimizer_document=self.layout.get(LAYOUT_KEY_OPTIMIZER_DOC))
         for kind in self.states:
             layout[kind] = section_from_reports(self.described[kind], [report[kind] for report in reports])
         # Compact: the layout names every piece of every rank, and the C encoder (no indent) is fast.

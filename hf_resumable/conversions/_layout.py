@@ -26,14 +26,7 @@ from ..checkpoint._sharded import (
     piece_tensor_file,
     section_from_reports,
 )
-from ..constants import (
-    LAYOUT_KEY_MODEL,
-    LAYOUT_KEY_OPTIMIZER,
-    LAYOUT_KEY_OPTIMIZER_DOC,
-    LAYOUT_KEY_VERSION,
-    LAYOUT_KEY_WORLD_SIZE,
-    LAYOUT_VERSION,
-)
+from ..checkpoint._sharded import layout_document as sharded_layout
 from ..format._jsonio import json_bytes
 from ..format.safetensors_io import DTYPE_TO_STR
 
@@ -87,7 +80,6 @@ def add_rank_pieces(payload: Payload, kind: str, pieces_by_rank: Sequence[Sequen
 def layout_document(*, world_size: int, model: Mapping[str, Any] | None, optimizer: Mapping[str, Any] | None,
                     optimizer_document: Mapping[str, Any] | None) -> bytes:
     """``sharded_layout.json`` as a save at ``world_size`` writes it (compact JSON)."""
-    layout = {LAYOUT_KEY_VERSION: LAYOUT_VERSION, LAYOUT_KEY_WORLD_SIZE: world_size, LAYOUT_KEY_MODEL: model,
-              LAYOUT_KEY_OPTIMIZER: optimizer, LAYOUT_KEY_OPTIMIZER_DOC: optimizer_document}
-    return json_bytes(layout, indent=None)
+    return json_bytes(sharded_layout(world_size=world_size, model=model, optimizer=optimizer,
+                                     optimizer_document=optimizer_document), indent=None)
 
