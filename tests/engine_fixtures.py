@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import threading
@@ -139,6 +140,16 @@ def dump_local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, p
             if torch.is_tensor(value):
                 tensors[f"optim/{names[id(param)]}/{key}"] = _local(value)
     save_file(tensors, str(path))
+
+
+TIMING = ("_runtime", "_samples_per_second", "_steps_per_second")  # wall-clock log fields, different every run
+
+
+def write_trainer_result(trainer, output: Path) -> None:
+    """``result-rank{r}.json``: the Trainer's log history without wall-clock fields, and where it resumed from."""
+    history = [{k: v for k, v in entry.items() if not k.endswith(TIMING)} for entry in trainer.state.log_history]
+    result = {"log_history": history, "resumed_from": str(trainer.resumed_from or "")}
+    (output / f"result-rank{RANK}.json").write_text(json.dumps(result, indent=1))
 
 
 def read_local_state(path: Path) -> dict[str, torch.Tensor]:

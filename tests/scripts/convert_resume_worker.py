@@ -34,8 +34,6 @@ from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
 from hf_resumable.integrations.trainer import ResumableTrainer  # noqa: E402
 
-TIMING = ("_runtime", "_samples_per_second", "_steps_per_second")
-
 
 class DumpAfterLoad(TrainerCallback):
     def __init__(self, output: Path) -> None:
@@ -118,9 +116,7 @@ def main() -> int:
     dump.trainer = trainer
     try:
         trainer.train(resume_from_checkpoint=resume)
-        history = [{k: v for k, v in entry.items() if not k.endswith(TIMING)} for entry in trainer.state.log_history]
-        result = {"log_history": history, "resumed_from": str(trainer.resumed_from or "")}
-        (output / f"result-rank{fx.RANK}.json").write_text(json.dumps(result, indent=1))
+        fx.write_trainer_result(trainer, output)
     finally:
         del trainer
         torch.distributed.destroy_process_group()

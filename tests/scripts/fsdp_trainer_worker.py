@@ -10,7 +10,6 @@ parameter pieces and optimizer state) and ``result-rank{r}.json`` (log history w
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -27,8 +26,6 @@ from train_tiny import build_data, build_tokenizer  # noqa: E402
 from transformers import TrainerCallback, TrainingArguments  # noqa: E402
 
 from hf_resumable.integrations.trainer import ResumableTrainer  # noqa: E402
-
-TIMING = ("_runtime", "_samples_per_second", "_steps_per_second")
 
 
 class HoldAfterSave(TrainerCallback):
@@ -68,9 +65,7 @@ def main() -> int:
         fsdp1 = options.engine == "fsdp" and options.version == 1  # FSDP1's state dicts are read from its root
         model = trainer.model if fsdp1 else trainer.accelerator.unwrap_model(trainer.model)
         fx.dump_local_state(model, trainer.optimizer.optimizer, output / f"final-rank{fx.RANK}.safetensors")
-        history = [{k: v for k, v in entry.items() if not k.endswith(TIMING)} for entry in trainer.state.log_history]
-        result = {"log_history": history, "resumed_from": str(trainer.resumed_from or "")}
-        (output / f"result-rank{fx.RANK}.json").write_text(json.dumps(result, indent=1))
+        fx.write_trainer_result(trainer, output)
     finally:
         del trainer
         torch.distributed.destroy_process_group()
