@@ -5,8 +5,15 @@ holds ``ds_tensor``: its partition of the flattened parameter, ``ceil(numel / wo
 padding). That is exactly the piece a ``DTensor`` of global shape ``(numel,)`` sharded on dim 0 over the parameter's
 process group holds (``torch.chunk`` sizes), so a sharded checkpoint stores every rank's partition of every weight
 under the parameter's own name, with the same writer, layout, hashes and verification as FSDP2 pieces, and loads it
-back into the partitions at the same world size. The global shape recorded is the flattened one: the partitions are
-of the flat parameter.
+back into the partitions, at any world size (each rank reads the chunk of the flat parameter it holds). The global
+shape recorded is the flattened one: the partitions are of the flat parameter.
+
+DeepSpeed's optimizer partitions (ZeRO-1/2: a param group's parameters end to end in one flat fp32 tensor, cut in
+equal parts per rank; ZeRO-3: each rank's chunk of every parameter of a sub-group, end to end) are saved as pieces of
+one flat tensor per partition, whose layout depends on the world size. Each records its :class:`PartitionMap`, so
+:func:`reshard_partitions` cuts a rank's partitions at another world size out of every saved rank's pieces
+(:func:`plan_partition_copies` plans the reads, pure; the pieces are read with the sharded reader's ``read_box``),
+and :func:`parameter_tensors` assembles one parameter's whole fp32 master weights (or moments) from them.
 
 Nothing here imports deepspeed: partitioned parameters are recognised by their attributes (``ds_tensor``,
 ``ds_numel``, ``ds_process_group``).

@@ -15,10 +15,12 @@ sub-group's flat fp32 master weights and moments (:class:`Zero3OptimizerState`, 
 ``zero<dp size>.subgroup<i>``). Small parameters ZeRO-3 keeps gathered (``ds_persist``) are gathered again from the
 loaded partitions, as DeepSpeed does after its own loads.
 
-A partition's place in the flat tensor depends on the data-parallel size, which is part of the name: these
-checkpoints resume at the same world size (a changed one is refused as configuration drift by both front doors,
-and, if allowed anyway, fails naming the optimizer keys). ZeRO-Offload (optimizer or parameters on the CPU or NVMe)
-is refused: it is not tested.
+A partition's place in the flat tensor depends on the data-parallel size, which is part of the name; each
+partition also records its map (``partition``: which elements of which parameters every rank holds,
+:class:`~hf_resumable.checkpoint._partitioned.PartitionMap`). A checkpoint opened with ``elastic=True`` therefore
+loads at another world size: the sharded load cuts this rank's partitions again from every saved rank's pieces
+(:func:`~hf_resumable.checkpoint._partitioned.reshard_partitions`). Without it, another world size is refused as
+configuration drift. ZeRO-Offload (optimizer or parameters on the CPU or NVMe) is refused: it is not tested.
 
 Nothing here imports deepspeed: the ZeRO optimizer is recognised by its attributes, so accelerate and the Trainer
 import it as they always do, and only when it is configured.
@@ -47,7 +49,8 @@ __all__ = ["ZeroOptimizerState", "Zero3OptimizerState", "register_step_hook", "c
 
 MASTER_KEY = "fp32"  # the fp32 master-weight partition, next to the base optimizer's own state keys
 # A param group's flat partition, named as a parameter would be. The data-parallel size is part of the name: the
-# partitions' layout depends on it, so a resume at another world size fails naming the keys (never mixes layouts).
+# partitions' layout depends on it, so they are never mixed with another world size's (an elastic load cuts them
+# again from their recorded maps).
 GROUP_NAME = "zero{world_size}.group{index}"
 SUBGROUP_NAME = "zero{world_size}.subgroup{index}"  # ZeRO-3: a sub-group's flat partition, named the same way
 EXTRA_DEEPSPEED = "deepspeed_engine"  # extra-state key: the engine's counters and loss scaler (capture_engine_state)

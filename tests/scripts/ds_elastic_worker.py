@@ -27,10 +27,11 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 
-import engine_fixtures as fx  # noqa: E402
 from hf_resumable.checkpoint import open_checkpoint  # noqa: E402
 from hf_resumable.checkpoint.sharded import load_sharded_into, save_sharded_checkpoint  # noqa: E402
 from hf_resumable.errors import ConfigDriftError  # noqa: E402
+
+import engine_fixtures as fx  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -79,7 +80,7 @@ def build(engine: str, *, seed: int):
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        wrapped = FullyShardedDataParallel(model, use_orig_params=True, sync_module_states=False)
+        wrapped = FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
 
     def step(batch):
@@ -155,7 +156,7 @@ def main() -> int:
     if torch.distributed.get_rank() == 0:
         from safetensors.torch import save_file
 
-        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(options.dump))
+        save_file({k: v.detach().clone() for k, v in tensors.items()}, str(options.dump))  # tied: two copies
         options.dump.with_suffix(".json").write_text(json.dumps(result))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
