@@ -35,7 +35,8 @@ from ._sharded import group_mesh, local_box
 logger = logging.getLogger(__name__)
 
 __all__ = ["is_partitioned", "partitioned_state", "partitioned_views", "load_partitioned_state", "PARTITION_KEY",
-           "PartitionMap", "Segment", "plan_partition_copies", "reshard_partitions", "parameter_tensors"]
+           "PartitionMap", "Segment", "plan_partition_copies", "reshard_partitions", "parameter_tensors",
+           "read_master_weights"]
 
 
 def _is_partitioned_parameter(value: Any) -> bool:
@@ -118,6 +119,8 @@ def load_partitioned_state(model: torch.nn.Module, filled: Mapping[str, Any]) ->
 # ------------------------------------------------------------------ flat optimizer partitions at another world size
 
 PARTITION_KEY = "partition"  # in a flat partition's optimizer state (JSON): its partition map (PartitionMap)
+MASTER_KEY = "fp32"  # in a flat partition's optimizer state: its fp32 master weights
+ENGINE_CLASS_PREFIX = "DeepSpeedZero"  # the optimizer class a ZeRO checkpoint records (DeepSpeedZero<stage>/<torch>)
 MAP_FLAT = "flat"  # ZeRO-1/2: the parameters laid end to end in one flat tensor, cut in equal parts per rank
 MAP_STRIDED = "strided"  # ZeRO-3: each rank's partition is its chunk of every parameter, laid end to end
 
@@ -345,3 +348,30 @@ def parameter_tensors(reader: Any, document: Mapping[str, Any], key: str, *,
             result[fqn] = read_partitioned(reader, maps, key, [Segment(fqn, 0, numel, 0)],
                                            torch.empty(numel, dtype=dtype), source=source)
     return result
+
+
+def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
+    """``{fqn: flattened fp32 master weights}`` of every parameter a DeepSpeed ZeRO checkpoint's optimizer partitions
+    hold, assembled in one process from the pieces of every saving rank (any world size, no process group).
+
+    Args:
+        opened (`OpenedCheckpoint`): from :func:`~hf_resumable.checkpoint.open_checkpoint`.
+
+    Raises:
+        IncompleteCheckpointError: the checkpoint holds no ZeRO optimizer partitions (not a DeepSpeed ZeRO checkpoint,
+            or saved without the optimizer), or they record no partition map.
+    """
+    from ..constants import LAYOUT_FILE, LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC
+    from ._sharded_load import PieceReader, Section, check_pieces_stored, parse_layout
+
+    reader, source = opened._reader, str(opened.path / LAYOUT_FILE)
+    layout = parse_layout(reader.json(LAYOUT_FILE), source=source) if LAYOUT_FILE in opened.manifest.files else {}
+    document = layout.get(LAYOUT_KEY_OPTIMIZER_DOC) or {}
+    if layout.get(LAYOUT_KEY_OPTIMIZER) is None or not str(document.get("class", "")).startswith(ENGINE_CLASS_PREFIX):
+        raise IncompleteCheckpointError(
+            f"{opened.path} holds no DeepSpeed ZeRO optimizer partitions, so no fp32 master weights: only checkpoints "
+            "of ZeRO-1/2/3 runs saved with their optimizer have them. Export the model's weights instead.")
+    section = Section.from_json(layout[LAYOUT_KEY_OPTIMIZER], source=source)
+    check_pieces_stored(section, reader.report.headers, source=source)
+    with PieceReader(reader.path, section, source=source) as pieces:
+        return parameter_tensors(pieces, document, MASTER_KEY, source=source)

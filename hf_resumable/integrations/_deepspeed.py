@@ -36,7 +36,14 @@ from typing import Any
 
 import torch
 
-from ..checkpoint._partitioned import MAP_FLAT, MAP_STRIDED, PARTITION_KEY, PartitionMap
+from ..checkpoint._partitioned import (
+    ENGINE_CLASS_PREFIX,
+    MAP_FLAT,
+    MAP_STRIDED,
+    MASTER_KEY,
+    PARTITION_KEY,
+    PartitionMap,
+)
 from ..checkpoint._sharded import group_mesh
 from ..errors import IncompleteCheckpointError, UnsupportedEngineError
 from ._engines import refuse_engine
@@ -47,7 +54,6 @@ __all__ = ["ZeroOptimizerState", "Zero3OptimizerState", "register_step_hook", "c
            "zero_optimizer", "torch_optimizer", "EXTRA_DEEPSPEED", "saved_engine_state", "capture_engine_state",
            "restore_engine_state", "deepspeed_engine", "deepspeed_resume_by_us"]
 
-MASTER_KEY = "fp32"  # the fp32 master-weight partition, next to the base optimizer's own state keys
 # A param group's flat partition, named as a parameter would be. The data-parallel size is part of the name: the
 # partitions' layout depends on it, so they are never mixed with another world size's (an elastic load cuts them
 # again from their recorded maps).
@@ -197,7 +203,7 @@ class ZeroOptimizerState(_ZeroState):
         self.zero = zero
         self.base: torch.optim.Optimizer = zero.optimizer
         stage = 2 if getattr(zero, "partition_gradients", False) else 1
-        self.checkpoint_class = f"DeepSpeedZero{stage}/{type(self.base).__qualname__}"
+        self.checkpoint_class = f"{ENGINE_CLASS_PREFIX}{stage}/{type(self.base).__qualname__}"
 
     def _partitions(self) -> Iterator[tuple[str, torch.Tensor, Any]]:
         for index, group in enumerate(self.base.param_groups):
@@ -264,7 +270,7 @@ class Zero3OptimizerState(_ZeroState):
             raise _unsupported("DeepSpeed ZeRO-Offload")
         self.zero = zero
         self.base: torch.optim.Optimizer = zero.optimizer
-        self.checkpoint_class = f"DeepSpeedZero3/{type(self.base).__qualname__}"
+        self.checkpoint_class = f"{ENGINE_CLASS_PREFIX}3/{type(self.base).__qualname__}"
 
     def _partitions(self) -> Iterator[tuple[str, torch.Tensor, Any, int]]:
         """``(name, flat fp32 partition, its process group, its param group)`` per sub-group."""

@@ -10,6 +10,7 @@ engine with ``load_sharded_into``, and saves it again into ``--save`` if given. 
 the engine's own consolidated view of the run (whole weights, and per parameter the fp32 master weights, Adam moments
 and step counts), gathered with the engine's own functions (``torch.distributed.checkpoint.state_dict`` full state
 dicts for FSDP, ``deepspeed.utils.safe_get_full_*`` for ZeRO), independent of hf_resumable's reading.
+``--bf16`` (ZeRO-2/3): the model in bf16 over DeepSpeed's fp32 master weights.
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint", required=True, type=Path)
     parser.add_argument("--dump", required=True, type=Path)
     parser.add_argument("--save", type=Path)
+    parser.add_argument("--bf16", action="store_true", help="ZeRO: bf16 weights over fp32 master weights")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--train", action="store_true")
     mode.add_argument("--load", action="store_true")
     return parser.parse_args()
 
 
-def build(engine: str, *, seed: int):
+def build(engine: str, *, seed: int, bf16: bool = False):
     """``(model to checkpoint, optimizer to checkpoint, step function)`` of a tiny GPT-2 under ``engine``."""
     torch.manual_seed(seed)
     model = fx.build_model()
@@ -58,7 +60,7 @@ def build(engine: str, *, seed: int):
 
         from hf_resumable.integrations._deepspeed import checkpoint_optimizer
 
-        config = fx.deepspeed_config(int(engine[-1]), batch_size=2)
+        config = {**fx.deepspeed_config(int(engine[-1]), batch_size=2), "bf16": {"enabled": bf16}}
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         ds, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
@@ -135,7 +137,7 @@ def main() -> int:
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of a CPU op
-    engine, model, optimizer, step = build(options.engine, seed=0 if options.train else 1)
+    engine, model, optimizer, step = build(options.engine, seed=0 if options.train else 1, bf16=options.bf16)
     result = {}
     if options.train:
         for _ in range(2):
