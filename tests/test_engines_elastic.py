@@ -10,6 +10,9 @@
   that. Every leg's whole
   weights, fp32 master weights, Adam moments and step counts, gathered by the engine's own functions
   (``deepspeed.utils.safe_get_full_*``, full state dicts for FSDP), are bitwise the saved run's.
+* Export of the fp32 master weights: a 2-rank ZeRO-3 run in bf16 exports (``export_model(master_weights=True)``, one
+  process) DeepSpeed's own full fp32 master weights bit for bit, and without the option its bf16 weights; a checkpoint
+  without ZeRO partitions is refused.
 """
 
 from __future__ import annotations
@@ -128,3 +131,42 @@ def test_an_engine_checkpoint_resumes_at_another_world_size_when_elastic(tmp_pat
     _assert_same(tmp_path / "saved.safetensors", tmp_path / "at1.safetensors")
     _run(2, engine, "--load", "--checkpoint", str(tmp_path / "at1"), "--dump", str(tmp_path / "back.safetensors"))
     _assert_same(tmp_path / "saved.safetensors", tmp_path / "back.safetensors")
+
+
+# ------------------------------------------------------------------ export of the fp32 master weights
+
+
+def test_master_weights_of_a_checkpoint_without_zero_partitions_are_refused(tmp_path):
+    from hf_resumable import save_checkpoint
+    from hf_resumable.conversions.export import export_model
+
+    from engine_fixtures import build_model
+
+    model = build_model()
+    save_checkpoint(tmp_path / "checkpoint-1", model=model, optimizer=torch.optim.AdamW(model.parameters()), step=1)
+    with pytest.raises(IncompleteCheckpointError, match="no DeepSpeed ZeRO optimizer partitions"):
+        export_model(tmp_path / "checkpoint-1", tmp_path / "out", master_weights=True)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero3_export_writes_the_fp32_master_weights(tmp_path):
+    from safetensors.torch import load_file
+
+    from hf_resumable.conversions.export import export_model
+
+    _run(2, "zero3", "--bf16", "--train", "--checkpoint", str(tmp_path / "at2"), "--dump",
+         str(tmp_path / "saved.safetensors"))
+    saved = read_local_state(tmp_path / "saved.safetensors")
+    export_model(tmp_path / "at2", tmp_path / "masters", master_weights=True)
+    export_model(tmp_path / "at2", tmp_path / "weights")
+    masters = load_file(tmp_path / "masters" / "model.safetensors")
+    weights = load_file(tmp_path / "weights" / "model.safetensors")
+    names = [key.split("/")[1] for key in saved if key.endswith("/fp32")]
+    assert "transformer.wte.weight" in masters and all(name in masters for name in names if name != "lm_head.weight")
+    for name in masters:
+        assert masters[name].dtype == torch.float32 and weights[name].dtype == torch.bfloat16, name
+        assert torch.equal(masters[name], saved[f"optim/{name}/fp32"].view(masters[name].shape)), name
+        assert torch.equal(weights[name], saved[f"model/{name}"]), name
+    assert any(not torch.equal(masters[name], weights[name].float()) for name in masters)

@@ -46,6 +46,7 @@ from ..constants import (
     FROZEN_RECORD_FILE,
     GENERATION_CONFIG_FILE,
     LAYOUT_FILE,
+    LAYOUT_KEY_MODEL,
     MANIFEST_FILE,
     MODEL_INDEX_FILE,
     OPTIMIZER_INDEX_FILE,
@@ -158,6 +159,7 @@ def _load_weights(opened: OpenedCheckpoint, model: Any) -> None:
         return
     from ..checkpoint.sharded import load_sharded_into
 
+    _as_stored(opened, model)
     # the export is not a resume: no RNG restored, so a world size other than the saving one is fine
     load_sharded_into(opened, model=model, restore_rng=False, strict=True)
     logger.info("Assembled the weights of %s from the pieces of %d rank(s).", opened.path, opened.manifest.world_size)
@@ -188,6 +190,24 @@ def _load_master_weights(opened: OpenedCheckpoint, model: Any) -> None:
         for name, flat in masters.items():
             parameters[name].copy_(flat.view(parameters[name].shape))
     logger.info("Exporting the fp32 master weights of %d parameter(s) of %s.", len(masters), opened.path)
+
+
+def _as_stored(opened: OpenedCheckpoint, model: Any) -> None:
+    """Give each floating parameter of ``model`` the dtype a per-rank checkpoint stores it in
+    (``sharded_layout.json``): an engine may train in another dtype than the config says (DeepSpeed's bf16 casts the
+    module), and the export writes the weights as trained."""
+    described = (opened._reader.json(LAYOUT_FILE).get(LAYOUT_KEY_MODEL) or {}).get("tensors") or {}
+    cast = 0
+    for name, parameter in model.named_parameters():
+        entry = described.get(name)
+        dtype = STR_TO_DTYPE.get(entry.get("dtype")) if isinstance(entry, dict) else None
+        if dtype is not None and dtype.is_floating_point and parameter.is_floating_point() and \
+                parameter.dtype != dtype:
+            parameter.data = parameter.data.to(dtype)
+            cast += 1
+    if cast:
+        logger.info("%s stores %d weight(s) in another dtype than the config builds; exported as stored.",
+                    opened.path, cast)
 
 
 def _is_peft(model: Any) -> bool:
