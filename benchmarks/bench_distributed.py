@@ -338,6 +338,15 @@ def _engine_accelerator(engine: str, stage: int):
         transformer_cls_names_to_wrap=["LlamaDecoderLayer"], cpu_ram_efficient_loading=False))
 
 
+def _fsync_tree(path: Path) -> None:
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def engines_worker(engine: str, root: Path, repeats: int, hidden: int, stage: int, out: Path) -> None:
     """One rank of an engine: our saves and loads and accelerate's, in rotating order; seconds of each (the stall
     and the total for a save)."""
@@ -366,8 +375,12 @@ def engines_worker(engine: str, root: Path, repeats: int, hidden: int, stage: in
         save_sharded_checkpoint(path, model=ours_model, optimizer=ours_optimizer, step=0, blocking=blocking)
         return wait_for_pending_saves
 
-    def theirs(path: Path, blocking: bool):
+    def theirs(path: Path, durable: bool):
         accelerator.save_state(str(path))
+        if durable:  # their files fsynced, as our commit fsyncs ours (both ranks' files, each by its writer's node)
+            dist.barrier()
+            if rank == 0:
+                _fsync_tree(path)
         return lambda: None
 
     def ours_load(path: Path, blocking: bool):
@@ -378,7 +391,8 @@ def engines_worker(engine: str, root: Path, repeats: int, hidden: int, stage: in
         accelerator.load_state(str(path))
         return lambda: None
 
-    kinds = {"ours blocking": (ours, True), "ours async": (ours, False), "accelerate save_state": (theirs, True)}
+    kinds = {"ours blocking": (ours, True), "ours async": (ours, False), "accelerate save_state": (theirs, False),
+             "accelerate save_state + fsync": (theirs, True)}
     loads = {"ours load": (ours_load, "ours blocking"),  # each loads the checkpoint its kind saved this round
              "accelerate load_state": (theirs_load, "accelerate save_state")}
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in [*kinds, *loads]}
@@ -426,13 +440,16 @@ def engines_report(results: list[dict], args: argparse.Namespace) -> str:
         def median(name: str, index: int) -> float:
             return statistics.median(entry[index] for entry in times[name])
 
-        stock_save, stock_load = median("accelerate save_state", 1), median("accelerate load_state", 1)
+        stock_save, durable = median("accelerate save_state", 1), median("accelerate save_state + fsync", 1)
         blocking = median("ours blocking", 1)
         for name in times:
-            stock = stock_load if "load" in name else stock_save
-            versus = f"{stock / median(name, 1):.2f}x" if name.startswith("ours") and name != "ours async" else ""
-            if name == "ours async":
-                versus = f"stall {stock / median(name, 0):.1f}x shorter"
+            versus = ""
+            if name == "ours blocking":
+                versus = f"{stock_save / blocking:.2f}x; {durable / blocking:.2f}x vs save_state + fsync"
+            elif name == "ours load":
+                versus = f"{median('accelerate load_state', 1) / median(name, 1):.2f}x"
+            elif name == "ours async":
+                versus = f"stall {stock_save / median(name, 0):.1f}x shorter than save_state"
             mine = f"{median(name, 0) / blocking:.3f}x" if name == "ours async" else ""
             lines.append(f"| {engine} | {name} | {median(name, 0):.3f} | {median(name, 1):.3f} | {versus} | {mine} |")
     return "\n".join(lines)

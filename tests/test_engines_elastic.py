@@ -13,6 +13,8 @@
 * Export of the fp32 master weights: a 2-rank ZeRO-3 run in bf16 exports (``export_model(master_weights=True)``, one
   process) DeepSpeed's own full fp32 master weights bit for bit, and without the option its bf16 weights; a checkpoint
   without ZeRO partitions is refused.
+* FSDP1 with ``use_orig_params=False`` and with ``NO_SHARD``: a fresh engine at the same world size loads weights
+  and optimizer state bit for bit.
 """
 
 from __future__ import annotations
@@ -108,13 +110,14 @@ def _run(nproc: int, engine: str, *args: str) -> None:
     assert done.returncode == 0, done.stdout[-5000:]
 
 
-def _assert_same(saved: Path, loaded: Path) -> None:
+def _assert_same(saved: Path, loaded: Path, *, refused: bool = True) -> None:
     want, got = read_local_state(saved), read_local_state(loaded)
     assert sorted(got) == sorted(want) and any("exp_avg_sq" in name for name in want)
     different = [name for name in want if want[name].shape != got[name].shape or not torch.equal(want[name],
                                                                                                 got[name])]
     assert not different, different[:5]
-    assert json.loads(loaded.with_suffix(".json").read_text()) == {"refused": True}  # without elastic=True
+    # another world size is refused without elastic=True; the same one is not
+    assert json.loads(loaded.with_suffix(".json").read_text()) == {"refused": refused}
 
 
 _EXTENDED = pytest.mark.extended
@@ -131,6 +134,18 @@ def test_an_engine_checkpoint_resumes_at_another_world_size_when_elastic(tmp_pat
     _assert_same(tmp_path / "saved.safetensors", tmp_path / "at1.safetensors")
     _run(2, engine, "--load", "--checkpoint", str(tmp_path / "at1"), "--dump", str(tmp_path / "back.safetensors"))
     _assert_same(tmp_path / "saved.safetensors", tmp_path / "back.safetensors")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("engine", ["fsdp1-flat", "fsdp1-noshard"])
+def test_fsdp1_flat_parameters_and_no_shard_resume_exactly(tmp_path, engine):
+    """FSDP1 with ``use_orig_params=False`` (the optimizer over flat parameters) and with ``NO_SHARD`` (rank 0 writes
+    whole tensors): a fresh engine at the same world size loads weights and optimizer state bit for bit."""
+    _run(2, engine, "--train", "--checkpoint", str(tmp_path / "at2"), "--dump", str(tmp_path / "saved.safetensors"))
+    _run(2, engine, "--load", "--checkpoint", str(tmp_path / "at2"), "--dump", str(tmp_path / "loaded.safetensors"))
+    _assert_same(tmp_path / "saved.safetensors", tmp_path / "loaded.safetensors", refused=False)
 
 
 # ------------------------------------------------------------------ export of the fp32 master weights

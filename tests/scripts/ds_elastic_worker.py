@@ -1,15 +1,19 @@
 """One rank of an engine-level resume at another world size (started by tests/test_engines_elastic.py).
 
-Usage: ``torchrun --nproc-per-node N ds_elastic_worker.py --engine {fsdp2,fsdp1,zero1,zero2,zero3} --checkpoint DIR
+Usage: ``torchrun --nproc-per-node N ds_elastic_worker.py --engine ENGINE --checkpoint DIR
 --dump FILE (--train | --load) [--save DIR]``.
 
+ENGINE: ``fsdp2``, ``fsdp1`` (``use_orig_params=True``, FULL_SHARD), ``fsdp1-flat`` (``use_orig_params=False``),
+``fsdp1-noshard`` (``NO_SHARD``), ``zero1``, ``zero2`` or ``zero3``.
+
 ``--train`` trains a tiny GPT-2 two optimizer steps under the engine (gloo, CPU) and saves ``--checkpoint`` with
-``save_sharded_checkpoint``; ``--load`` builds the engine afresh (its weights differ), checks that a plain open of a
-checkpoint of another world size is refused (``ConfigDriftError``), then opens it with ``elastic=True`` and fills the
-engine with ``load_sharded_into``, and saves it again into ``--save`` if given. Either way rank 0 writes ``--dump``:
-the engine's own consolidated view of the run (whole weights, and per parameter the fp32 master weights, Adam moments
-and step counts), gathered with the engine's own functions (``torch.distributed.checkpoint.state_dict`` full state
-dicts for FSDP, ``deepspeed.utils.safe_get_full_*`` for ZeRO), independent of hf_resumable's reading.
+``save_sharded_checkpoint``; ``--load`` builds the engine afresh (its weights differ), tries a plain open of the
+checkpoint (refused with ``ConfigDriftError`` at another world size; recorded), then opens it with ``elastic=True``
+and fills the engine with ``load_sharded_into``, and saves it again into ``--save`` if given. Either way rank 0
+writes ``--dump``: the engine's own consolidated view of the run (whole weights, and per parameter the fp32 master
+weights, Adam moments and step counts), gathered with the engine's own functions
+(``torch.distributed.checkpoint.state_dict`` full state dicts for FSDP, ``deepspeed.utils.safe_get_full_*`` for
+ZeRO), independent of hf_resumable's reading.
 ``--bf16`` (ZeRO-2/3): the model in bf16 over DeepSpeed's fp32 master weights.
 """
 
@@ -37,7 +41,8 @@ import engine_fixtures as fx  # noqa: E402
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--engine", required=True, choices=("fsdp2", "fsdp1", "zero1", "zero2", "zero3"))
+    parser.add_argument("--engine", required=True, choices=("fsdp2", "fsdp1", "fsdp1-flat", "fsdp1-noshard", "zero1",
+                                                                "zero2", "zero3"))
     parser.add_argument("--checkpoint", required=True, type=Path)
     parser.add_argument("--dump", required=True, type=Path)
     parser.add_argument("--save", type=Path)
@@ -80,9 +85,11 @@ def build(engine: str, *, seed: int, bf16: bool = False):
         fully_shard(model, mesh=mesh)
         wrapped = model
     else:
-        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-        wrapped = FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
+        strategy = ShardingStrategy.NO_SHARD if engine == "fsdp1-noshard" else ShardingStrategy.FULL_SHARD
+        wrapped = FullyShardedDataParallel(model, use_orig_params=engine != "fsdp1-flat", sharding_strategy=strategy,
+                                           device_id=torch.device("cpu"))
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
 
     def step(batch):
