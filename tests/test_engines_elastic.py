@@ -123,10 +123,12 @@ def _assert_same(saved: Path, loaded: Path, *, refused: bool = True) -> None:
 _EXTENDED = pytest.mark.extended
 
 
+_MORE_ENGINES = ("fsdp2", "zero3", "zero1", "fsdp1", "fsdp1-flat")  # make test-all
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["zero2", *(pytest.param(e, marks=_EXTENDED) for e in
-                                               ("fsdp2", "zero3", "zero1", "fsdp1"))])
+@pytest.mark.parametrize("engine", ["zero2", *(pytest.param(e, marks=_EXTENDED) for e in _MORE_ENGINES)])
 def test_an_engine_checkpoint_resumes_at_another_world_size_when_elastic(tmp_path, engine):
     _run(2, engine, "--train", "--checkpoint", str(tmp_path / "at2"), "--dump", str(tmp_path / "saved.safetensors"))
     _run(1, engine, "--load", "--checkpoint", str(tmp_path / "at2"), "--dump", str(tmp_path / "at1.safetensors"),
