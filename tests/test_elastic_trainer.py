@@ -28,20 +28,25 @@ RTOL = 1e-5
 
 
 def launch(output: Path, *, nproc: int, max_steps: int = 4, kill_after: int | None = None,
-           dropout: float = 0.1, expect_kill: bool = False) -> str:
-    """The worker at world size ``nproc`` (torchrun for 2+, plain python for 1); its output."""
+           dropout: float = 0.1, accumulation: int | None = None, expect_kill: bool = False,
+           expect_fail: bool = False, worker: Path = WORKER) -> str:
+    """``worker`` at world size ``nproc`` (torchrun for 2+, plain python for 1); its output."""
     args = [str(output), "--max-steps", str(max_steps), "--dropout", str(dropout)]
+    args += [] if accumulation is None else ["--accumulation", str(accumulation)]
     args += [] if kill_after is None else ["--kill-after", str(kill_after)]
     if nproc == 1:
-        done = subprocess.run([sys.executable, str(WORKER), *args], env=child_env(), cwd=REPO_ROOT,
+        done = subprocess.run([sys.executable, str(worker), *args], env=child_env(), cwd=REPO_ROOT,
                               capture_output=True, text=True, timeout=TIMEOUT)
         out = done.stdout + done.stderr
         killed = done.returncode == -9
     else:
-        done = run_torchrun(WORKER, args, env=child_env(), timeout=TIMEOUT, nproc=nproc)
+        done = run_torchrun(worker, args, env=child_env(), timeout=TIMEOUT, nproc=nproc)
         out = done.stdout
         killed = done.returncode != 0 and "SIGKILL" in out
-    assert killed if expect_kill else done.returncode == 0, out[-5000:]
+    if expect_fail:
+        assert done.returncode not in (0, -9) and not killed, out[-5000:]
+    else:
+        assert killed if expect_kill else done.returncode == 0, out[-5000:]
     return out
 
 
@@ -55,25 +60,33 @@ def samples_per_step(run: Path) -> dict[int, Counter]:
     return steps
 
 
+def logged_losses(run: Path) -> dict[int, float]:
+    """``{step: loss}``: the Trainer's log history, or the accelerate worker's ``losses.jsonl`` (every launch)."""
+    if (run / "losses.jsonl").exists():
+        return {record["step"]: record["loss"] for record in map(json.loads, (run / "losses.jsonl").open())}
+    history = json.loads((run / "result.json").read_text())["log_history"]
+    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
+
+
 def assert_same_run(reference: Path, run: Path, *, steps: int) -> None:
     expected, got = samples_per_step(reference), samples_per_step(run)
     assert sorted(expected) == list(range(1, steps + 1)) and got == expected
-    losses = {entry["step"]: entry["loss"] for entry in json.loads((reference / "result.json").read_text())[
-        "log_history"] if "loss" in entry}
-    resumed = {entry["step"]: entry["loss"] for entry in json.loads((run / "result.json").read_text())[
-        "log_history"] if "loss" in entry}
+    losses, resumed = logged_losses(reference), logged_losses(run)
     assert sorted(resumed) == sorted(losses) == list(range(1, steps + 1))
     for step, loss in losses.items():
         assert resumed[step] == pytest.approx(loss, rel=RTOL), step
     final, ref = load_file(run / "final.safetensors"), load_file(reference / "final.safetensors")
     assert list(final) == list(ref)
-    moved = 0
     for name, tensor in ref.items():
         for part, (a, b) in _with_true_gradient(name, final[name], tensor).items():
             error = float((a - b).norm() / b.norm().clamp_min(1e-12))
             assert error <= RTOL, (part, error)
-        moved += not torch.equal(final[name], tensor)
-    assert moved, "the runs must differ by float rounding somewhere (another summation order), else W never changed"
+
+
+def steps_of_rank(run: Path, rank: int) -> list[int]:
+    """The optimizer steps rank ``rank`` trained in (it did not exist in the 1-process launches)."""
+    path = run / f"samples-rank{rank}.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def _with_true_gradient(name: str, a: torch.Tensor, b: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -97,4 +110,29 @@ def test_two_ranks_then_one_then_two_is_the_uninterrupted_run(tmp_path: Path) ->
     launch(run, nproc=1, kill_after=3, expect_kill=True)  # gradient accumulation 2 -> 4
     launch(run, nproc=2)  # 4 -> 2
     assert json.loads((run / "result.json").read_text())["resumed_from"].endswith("checkpoint-3")
+    assert steps_of_rank(run, 1) == [1, 4]  # the world size really changed
     assert_same_run(reference, run, steps=4)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_before_step_one(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    launch(run, nproc=1, max_steps=1, accumulation=3)  # global batch 2 x 3 x 1 = 6
+    out = launch(run, nproc=2, max_steps=2, accumulation=3, expect_fail=True)
+    assert "ElasticWorldSizeError" in out and "world sizes [1, 3]" in out, out[-5000:]
+    assert not (run / "checkpoint-2").exists()
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_one_rank_then_two_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    reference = tmp_path / "reference"
+    launch(reference, nproc=1, max_steps=3)  # global batch 2 x 2 x 1 = 4
+    run = tmp_path / "run"
+    launch(run, nproc=1, max_steps=3, kill_after=1, expect_kill=True)
+    launch(run, nproc=2, max_steps=3)  # gradient accumulation 2 -> 1
+    assert steps_of_rank(run, 1) == [2, 3]
+    assert json.loads((run / "result.json").read_text())["gradient_accumulation_steps"] == 1
+    assert_same_run(reference, run, steps=3)

@@ -1,7 +1,7 @@
 """``ResumableTrainer(..., elastic=True)`` on a tiny GPT-2, launched with ``torchrun`` (any ``--nproc-per-node``) or
 plain ``python``: the same command line at every world size, as a user would relaunch it.
 
-Usage: ``elastic_trainer_worker.py OUTPUT_DIR [--max-steps N] [--kill-after K] [--dropout P]``.
+Usage: ``elastic_trainer_worker.py OUTPUT_DIR [--max-steps N] [--kill-after K] [--dropout P] [--accumulation A]``.
 
 * The data set has variable-length rows and a per-sample random crop that draws from torch's global generator;
   every ``__getitem__`` records the index it fetched.
@@ -83,11 +83,13 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=4)
     parser.add_argument("--kill-after", type=int)
     parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--accumulation", type=int, default=2)
     options = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     # the script's own settings: 2 ranks x 2 micro-batches of 2 = a global batch of 8; 24 samples = 3 steps/epoch
     args = TrainingArguments(
-        output_dir=str(options.output_dir), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        output_dir=str(options.output_dir), per_device_train_batch_size=2,
+        gradient_accumulation_steps=options.accumulation,
         max_steps=options.max_steps, learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=2,
         logging_steps=1, save_steps=1, save_strategy="steps", seed=5, report_to=[], use_cpu=True,
         dataloader_num_workers=0, disable_tqdm=True, remove_unused_columns=False)
