@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -114,6 +115,46 @@ def test_two_ranks_then_one_then_two_is_the_uninterrupted_run(tmp_path: Path) ->
     assert_same_run(reference, run, steps=4)
 
 
+def _trainer(output: Path, *, elastic: bool) -> Any:
+    from elastic_trainer_worker import CropRows, collate
+    from transformers import TrainingArguments
+
+    from hf_resumable import ResumableTrainer
+
+    from tiny_models import tiny_gpt2
+
+    args = TrainingArguments(output_dir=str(output), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=2, save_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
+                             remove_unused_columns=False)
+    return ResumableTrainer(model=tiny_gpt2(), args=args, train_dataset=CropRows(24), data_collator=collate,
+                            elastic=elastic, save_async=False)
+
+
+@pytest.mark.slow
+def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_in_process(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """One process writes checkpoint-1 (global batch 2 x 2 x 1 = 4); a resume that reports 3 processes (the Trainer's
+    world size patched, so no process group is needed: the plan runs before anything distributed) is refused."""
+    monkeypatch.syspath_prepend(str(WORKER.parent))
+    from transformers import TrainingArguments
+
+    from hf_resumable.errors import ConfigDriftError
+    from hf_resumable.integrations._elastic import ElasticWorldSizeError
+
+    output = tmp_path / "run"
+    trainer = _trainer(output, elastic=True)
+    trainer.args.max_steps = 1
+    trainer.train(resume_from_checkpoint=True)
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 3))
+    with pytest.raises(ElasticWorldSizeError, match=r"world sizes \[1, 2\]"):
+        _trainer(output, elastic=True).train(resume_from_checkpoint=True)
+    with pytest.raises(ConfigDriftError, match="world_size: 1 -> 3") as error:  # without elastic=True: as before
+        _trainer(output, elastic=False).train(resume_from_checkpoint=True)
+    assert not isinstance(error.value, ElasticWorldSizeError)
+    assert not (output / "checkpoint-2").exists()
+
+
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_before_step_one(tmp_path: Path) -> None:
