@@ -947,7 +947,10 @@ class ResumableAccelerator(Accelerator):
             IncompleteCheckpointError: not a committed hf_resumable checkpoint (e.g. written by stock accelerate),
                 or it lacks an object that is prepared now.
             ConfigDriftError: the world size, accumulation steps or data layout differ from the saved run
-                (unless ``allow_inexact_resume``).
+                (unless ``allow_inexact_resume``; with ``elastic=True`` a world size that keeps the global batch is
+                not a drift).
+            ElasticWorldSizeError: ``elastic=True`` and this world size cannot keep the checkpoint's global batch
+                (the message lists the world sizes that can), before anything is loaded.
             InexactResumeError: this process's RNG or data position is missing (unless ``allow_inexact_resume``).
             CorruptCheckpointError / CheckpointMismatchError: see :func:`hf_resumable.checkpoint.open_checkpoint`
                 and ``OpenedCheckpoint.load_into`` (everything is checked before anything is filled).

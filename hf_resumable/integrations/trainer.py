@@ -474,6 +474,8 @@ class ResumableTrainer(Trainer):
                 ``ValueError``, as in ``Trainer``, and a ``CheckpointNotFoundError``).
             CorruptCheckpointError / IncompleteCheckpointError: the given path does not verify.
             ConfigDriftError: the run configuration differs from the checkpoint's.
+            ElasticWorldSizeError: ``elastic=True`` and this world size cannot keep the checkpoint's global batch
+                (a ``ConfigDriftError``; the message lists the world sizes that can), before the first step.
             CheckpointExistsError: the run would save over a ``checkpoint-N`` directory hf_resumable did not write
                 (raised before the first step).
             UnsupportedEngineError: DeepSpeed ZeRO-Offload (``TrainingArguments.deepspeed``), FSDP1 hybrid sharding
