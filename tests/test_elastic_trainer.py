@@ -116,7 +116,7 @@ def test_two_ranks_then_one_then_two_is_the_uninterrupted_run(tmp_path: Path) ->
 
 
 def _trainer(output: Path, *, elastic: bool) -> Any:
-    from elastic_trainer_worker import CropRows, collate
+    from elastic_data import CropRows, collate
     from transformers import TrainingArguments
 
     from hf_resumable import ResumableTrainer

@@ -27,7 +27,7 @@ from transformers import get_linear_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from elastic_trainer_worker import FETCHED, CropRows, collate  # noqa: E402
+from elastic_data import FETCHED, CropRows, collate  # noqa: E402
 
 from hf_resumable import ResumableAccelerator  # noqa: E402
 
