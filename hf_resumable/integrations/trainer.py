@@ -498,6 +498,7 @@ class ResumableTrainer(Trainer):
         self.resumed_from = None if self._resume is None else (self._resume.converted_from or checkpoint)
         self._loop = _LoopTracker(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
         self._rng_restored = False
+        self._micro_of_step = (-1, 0)
         self._loader_fallback = None
         self._train_loader = self._train_position = None
         # eval_on_start evaluates before the first step of the run, not again at every restart
@@ -1159,7 +1160,8 @@ class ResumableTrainer(Trainer):
             files = self._resume.loaded.manifest.files  # a converted DeepSpeed checkpoint holds it in pieces
             model_only = OPTIMIZER_INDEX_FILE not in files and LAYOUT_FILE not in files
         opened = (self._resume.loaded if self._resume is not None and Path(checkpoint) == self._resume.path
-                  else open_checkpoint(checkpoint, verify=self.resume_options.checkpoint_verify))
+                  else open_checkpoint(checkpoint, verify=self.resume_options.checkpoint_verify,
+                                       elastic=self.resume_options.elastic))
         model = checkpoint_model(self.model, self.accelerator.unwrap_model(self.model))  # FSDP1: its root
         optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO: this rank's partitions
         objects = dict(optimizer=None if model_only else optimizer,
