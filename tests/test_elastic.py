@@ -203,3 +203,15 @@ def test_elastic_option_is_validated():
     assert ResumeOptions(elastic=True).elastic is True
     with pytest.raises(ValueError, match="elastic must be True or False"):
         ResumeOptions(elastic="yes")
+
+
+def test_an_elastic_accelerate_resume_ignores_only_what_it_changes_on_purpose():
+    from hf_resumable.integrations._accelerate_elastic import elastic_changes
+
+    loaders = ([{"batch_size": 2, "num_batches": 6}], [{"batch_size": 2, "num_batches": 12}])
+    changed = {"world_size": (2, 1), "gradient_accumulation_steps": (2, 4), "loaders": loaders,
+               "scheduler_steps_per_optimizer_step": (2, 1)}
+    assert elastic_changes(changed, kept=True) == {}
+    assert set(elastic_changes(changed, kept=False)) == {"world_size", "gradient_accumulation_steps"}
+    other = ([{"batch_size": 2, "num_batches": 6}], [{"batch_size": 4, "num_batches": 6}])
+    assert elastic_changes({"loaders": other}, kept=True) == {"loaders": other}  # another per-device batch
