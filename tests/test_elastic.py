@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from hf_resumable.data import ResumableBatchSampler, SeededMapDataset
 from hf_resumable.data.elastic import ElasticSampler, ElasticSeededDataset, SampleKey, sample_seed, split_global_step
 from hf_resumable.errors import ConfigDriftError, CorruptCheckpointError
+from hf_resumable.integrations._accelerate_elastic import elastic_changes
 from hf_resumable.integrations._core import ResumeOptions
 from hf_resumable.integrations._elastic import ElasticWorldSizeError, plan_elastic_resume, working_world_sizes
 
@@ -206,8 +207,6 @@ def test_elastic_option_is_validated():
 
 
 def test_an_elastic_accelerate_resume_ignores_only_what_it_changes_on_purpose():
-    from hf_resumable.integrations._accelerate_elastic import elastic_changes
-
     loaders = ([{"batch_size": 2, "num_batches": 6}], [{"batch_size": 2, "num_batches": 12}])
     changed = {"world_size": (2, 1), "gradient_accumulation_steps": (2, 4), "loaders": loaders,
                "scheduler_steps_per_optimizer_step": (2, 1)}
