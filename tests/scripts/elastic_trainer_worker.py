@@ -1,7 +1,8 @@
 """``ResumableTrainer(..., elastic=True)`` on a tiny GPT-2, launched with ``torchrun`` (any ``--nproc-per-node``) or
 plain ``python``: the same command line at every world size, as a user would relaunch it.
 
-Usage: ``elastic_trainer_worker.py OUTPUT_DIR [--max-steps N] [--kill-after K] [--dropout P] [--accumulation A]``.
+Usage: ``elastic_trainer_worker.py OUTPUT_DIR [--max-steps N] [--kill-after K] [--dropout P] [--accumulation A]
+[--no-elastic]`` (``--no-elastic``: the baseline, ``allow_config_drift=True`` instead of ``elastic=True``).
 
 * The data set has variable-length rows and a per-sample random crop that draws from torch's global generator;
   every ``__getitem__`` records the index it fetched.
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--kill-after", type=int)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--accumulation", type=int, default=2)
+    parser.add_argument("--no-elastic", action="store_true", help="the baseline: elastic=False, allow_config_drift")
     options = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     # the script's own settings: 2 ranks x 2 micro-batches of 2 = a global batch of 8; 24 samples = 3 steps/epoch
@@ -67,7 +69,8 @@ def main() -> None:
         dataloader_num_workers=0, disable_tqdm=True, remove_unused_columns=False)
     model = tiny_gpt2(resid_pdrop=options.dropout, embd_pdrop=options.dropout, attn_pdrop=options.dropout)
     trainer = ResumableTrainer(model=model, args=args, train_dataset=CropRows(24), data_collator=collate,
-                               elastic=True, save_async=False,
+                               elastic=not options.no_elastic, allow_config_drift=options.no_elastic,
+                               save_async=False,
                                callbacks=[Recorder(options.output_dir / f"samples-rank{rank}.jsonl",
                                                    options.kill_after)])
     trainer.train(resume_from_checkpoint=True)
