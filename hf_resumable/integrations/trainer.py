@@ -1238,7 +1238,7 @@ def make_resumable(trainer_class: type, *, state_attributes: tuple[str, ...] | l
     constructor takes the subclass's arguments plus ResumableTrainer's options (``allow_config_drift``,
     ``allow_inexact_resume``, ``exit_on_preemption``, ``checkpoint_verify``, ``push_checkpoints_to``,
     ``storage_options``, ``restore_callback_states``, ``resume_hyperparameters``, ``standalone_checkpoints``,
-    ``save_async``). The same class is returned for the same arguments.
+    ``save_async``, ``elastic``). The same class is returned for the same arguments.
 
     Args:
         trainer_class (`type`): a subclass of ``transformers.Trainer``.
