@@ -633,7 +633,8 @@ class ResumableTrainer(Trainer):
         if plan.gradient_accumulation_steps != self.args.gradient_accumulation_steps:
             self.args.gradient_accumulation_steps = plan.gradient_accumulation_steps
         self._run_config = None  # recorded with the new accumulation
-        logger.info("Elastic resume of %s: %s.", path, plan.describe())
+        if self.args.process_index == 0:  # once per run, not per rank
+            logger.info("Elastic resume of %s: %s.", path, plan.describe())
         return plan
 
     def _inexact(self, message: str) -> None:
