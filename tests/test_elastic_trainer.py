@@ -11,6 +11,7 @@ masks are keyed by the global micro-batch, not by the rank.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from collections import Counter
@@ -131,10 +132,11 @@ def _trainer(output: Path, *, elastic: bool) -> Any:
 
 
 @pytest.mark.slow
-def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_in_process(tmp_path: Path,
-                                                                                   monkeypatch) -> None:
+def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_in_process(tmp_path: Path, monkeypatch,
+                                                                                   caplog) -> None:
     """One process writes checkpoint-1 (global batch 2 x 2 x 1 = 4); a resume that reports 3 processes (the Trainer's
-    world size patched, so no process group is needed: the plan runs before anything distributed) is refused."""
+    world size patched, so no process group is needed: the plan runs before anything distributed) is refused; one
+    that reports 2 gets half the accumulation, logged once."""
     monkeypatch.syspath_prepend(str(WORKER.parent))
     from transformers import TrainingArguments
 
@@ -152,6 +154,12 @@ def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_in_proces
         _trainer(output, elastic=False).train(resume_from_checkpoint=True)
     assert not isinstance(error.value, ElasticWorldSizeError)
     assert not (output / "checkpoint-2").exists()
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))  # divides: accumulation 2 -> 1
+    trainer = _trainer(output, elastic=True)
+    with caplog.at_level(logging.INFO, logger="hf_resumable"):
+        trainer._open_checkpoint(output / "checkpoint-1")
+    assert trainer.args.gradient_accumulation_steps == 1
+    assert "world size 1 -> 2: gradient_accumulation_steps 2 -> 1" in caplog.text
 
 
 @pytest.mark.extended
