@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import zygote
 from distributed_launch import REPO_ROOT, child_env, run_torchrun
 
 WORKER = REPO_ROOT / "tests" / "scripts" / "elastic_trainer_worker.py"
@@ -37,8 +37,8 @@ def launch(output: Path, *, nproc: int, max_steps: int = 4, kill_after: int | No
     args += [] if accumulation is None else ["--accumulation", str(accumulation)]
     args += [] if kill_after is None else ["--kill-after", str(kill_after)]
     if nproc == 1:
-        done = subprocess.run([sys.executable, str(worker), *args], env=child_env(), cwd=REPO_ROOT,
-                              capture_output=True, text=True, timeout=TIMEOUT)
+        done = zygote.run([sys.executable, str(worker), *args], env=child_env(), cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=TIMEOUT)
         out = done.stdout + done.stderr
         killed = done.returncode == -9
     else:
