@@ -210,6 +210,7 @@ class _Tracer:
                 if pending is not None:
                     self.write({"kind": "batch", "source": "DataLoader", "step": step, "micro": self.forwards,
                                 "batch": pending})
+                    self.park_if(f"batch:{step}:{self.forwards}")
                 self.write({"kind": "forward", "step": step, "micro": self.forwards, "rng": digest_rng()})
                 self.forwards += 1
         self.depth += 1
@@ -247,7 +248,10 @@ class _Tracer:
             return
         if self.out:
             line = line.replace(self.out, "{out}")
-        self.write({"kind": "print", "source": source, "step": self.completed + 1, "text": line[:_MAX_LINE]})
+        # a line printed right after an optimizer step (nothing of the next one has run yet) reports that step
+        after_update = self.completed and not (self.forwards or self.micro or self.losses)
+        self.write({"kind": "print", "source": source, "step": self.completed + (0 if after_update else 1),
+                    "text": line[:_MAX_LINE]})
 
 
 class _StdoutTap:

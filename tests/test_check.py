@@ -22,6 +22,7 @@ from hf_resumable.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 LOOP = REPO / "tests" / "scripts" / "check_loop.py"
+PLAIN_LOOP = REPO / "tests" / "scripts" / "check_plain_loop.py"
 
 
 # ------------------------------------------------------------------------------------------------ pure parts
@@ -123,6 +124,45 @@ def test_logged_metrics_are_compared_per_step_and_order():
     assert comparison.first.category == "metric" and "loss 0.5 -> 0.25" in comparison.first.detail
 
 
+def test_a_batch_the_reference_used_at_another_step_is_named_as_the_data_order():
+    def change(record):  # the resumed launch's loader restarted from its beginning
+        if record["kind"] == "batch" and record["attempt"] == 1:
+            return {**record, "batch": _batch(record["step"] - 2, record["micro"])["batch"]}
+        return record
+
+    comparison = compare_traces(_reference(), _interrupted(change=change))
+    first = comparison.first
+    assert (first.step, first.category) == (3, "batch")
+    assert "the reference's batch of step 1, micro-batch 0" in first.detail
+    assert "data position does not resume" in likely_cause(comparison)
+
+
+def test_model_inputs_that_differ_after_an_equal_batch_name_a_transform_in_the_loop():
+    inputs = {"kind": "inputs", "step": 3, "micro": 0, "rank": 0, "inputs": {"arg.0": "i3"}}
+    run = _interrupted() + [{**inputs, "attempt": 1, "inputs": {"arg.0": "other"}}]
+    comparison = compare_traces(_reference() + [{**inputs, "attempt": 0}], run)
+    assert (comparison.first.step, comparison.first.category) == (3, "inputs")
+    assert "a transform in the training loop" in likely_cause(comparison)
+
+
+def _print(step, text, *, attempt=0):
+    return {"kind": "print", "source": "stdout", "step": step, "rank": 0, "attempt": attempt, "text": text}
+
+
+def test_printed_numbers_are_matched_by_template_and_numbers_that_vary_unkilled_are_skipped():
+    ref = _reference() + [_print(4, "step 4 loss 0.25 port 2"), _print(4, "step 4 avg 0.5 (3.5 ms)"),
+                          _print(4, "step 4 grad 7")]
+    run = _interrupted() + [_print(4, "step 4 loss 0.25 port 3"),  # the killed launch: "port" always differs
+                            _print(3, "resumed from step 2", attempt=1),  # only this run prints it: not compared
+                            _print(4, "step 4 loss 0.25 port 9", attempt=1),
+                            _print(4, "step 4 avg 0.5 (9.1 ms)", attempt=1),  # a time: never compared
+                            _print(4, "step 4 grad 8", attempt=1)]
+    comparison = compare_traces(ref, run)
+    assert [(d.step, d.category) for d in comparison.differences] == [(4, "printed")]
+    assert "'step 4 grad 7' in the reference, 'step 4 grad 8' here" in comparison.first.detail
+    assert "running average" in likely_cause(comparison)
+
+
 def test_kill_points_are_drawn_from_the_reference_by_seed():
     ref = _reference(8) + [{"kind": "save", "rank": 0, "attempt": 0, "index": 1, "step": 4}]
     points = plan_kill_points(ref, kills=4, seed=7)
@@ -216,6 +256,32 @@ def test_a_collator_drawing_from_a_module_level_generator_diverges_at_the_first_
     assert f"DIVERGES at optimizer step {resumed + 1}" in done.stdout
     assert "the batch (data order or collation randomness)" in done.stdout
     assert "generator the library cannot see" in done.stdout
+
+
+def test_an_unseeded_transform_in_the_scripts_own_data_loader_is_named(tmp_path):
+    """A plain loop over its own torch DataLoader: the batches it yields are compared, and the first that differs."""
+    done, report = _check(tmp_path, sys.executable, PLAIN_LOOP, "--output-dir", "{out}", "--transform", "unseeded",
+                          seed=3)
+    assert done.returncode == 1, done.stdout + done.stderr
+    run = report["runs"][0]
+    first, resumed = run["differences"][0], run["resumed_from"][0]
+    assert (first["category"], first["step"], first["attempt"]) == ("batch", resumed + 1, 1)
+    assert "of the script's DataLoader: 0, 1" in first["detail"]
+    assert f"DIVERGES at optimizer step {resumed + 1}" in done.stdout and "unseeded transform" in done.stdout
+    assert report["compared_per_run"]["batches"] == 16 and report["compared_per_run"]["model inputs"] == 16
+    assert report["compared_per_run"]["printed or logged lines with numbers"] == 16
+
+
+@pytest.mark.extended
+def test_a_plain_loop_over_its_own_data_loader_is_exact_and_its_printed_running_average_is_named(tmp_path):
+    done, report = _check(tmp_path, sys.executable, PLAIN_LOOP, "--output-dir", "{out}", kills=2, seed=3)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert report["result"] == "EXACT" and all(r["resumed_from"] for r in report["runs"])
+    done, report = _check(tmp_path, sys.executable, PLAIN_LOOP, "--output-dir", "{out}", "--running-average", seed=3)
+    assert done.returncode == 1, done.stdout + done.stderr
+    first = report["runs"][0]["differences"][0]
+    assert first["category"] == "printed" and first["step"] == report["runs"][0]["resumed_from"][0] + 1
+    assert "only a printed or logged number" in done.stdout
 
 
 @pytest.mark.slow
