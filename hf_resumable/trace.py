@@ -166,6 +166,7 @@ class _Tracer:
         self.micro = 0  # batches yielded since the last optimizer step
         self.losses = 0  # losses backpropagated since the last optimizer step
         self.forwards = 0  # training forward passes since the last optimizer step
+        self.trained = False  # a training forward pass has run in this process
         self.depth = 0  # module calls in progress (a forward pass is a call at depth 0)
         self.saves = 0
         self.logs_seen: int | None = None  # entries of the Trainer's log history already recorded
@@ -213,6 +214,7 @@ class _Tracer:
                     self.park_if(f"batch:{step}:{self.forwards}")
                 self.write({"kind": "forward", "step": step, "micro": self.forwards, "rng": digest_rng()})
                 self.forwards += 1
+                self.trained = True
         self.depth += 1
 
     def after_forward(self, _module: Any, args: Any, kwargs: Any, _output: Any) -> None:
@@ -222,6 +224,8 @@ class _Tracer:
             self.write({"kind": "inputs", "step": self.completed + 1, "micro": self.forwards - 1, "inputs": inputs})
 
     def after_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if not self.trained:  # before any training forward pass: an engine initializing its state (DeepSpeed ZeRO
+            return  # steps its optimizer once with zero gradients while it loads a checkpoint), not a training step
         if self.primary is None:
             self.primary = id(optimizer)
         if id(optimizer) != self.primary:
