@@ -333,3 +333,49 @@ def test_a_two_process_torchrun_loop_is_exact(tmp_path):
     run = report["runs"][0]
     assert run["launches"][0]["killed_at"] is not None and run["launches"][0]["returncode"] != 0
     assert run["resumed_from"] and run["launches"][-1]["returncode"] == 0
+
+
+# ------------------------------------------------------------------------------------------------ DeepSpeed, FSDP2
+ENGINE_WORKER = REPO / "tests" / "scripts" / "check_engine_worker.py"
+
+
+def _check_engine(tmp_path, *options, kills=1, seed=1):
+    """``hf-resumable check -- torchrun --nproc-per-node 2 check_engine_worker.py ...`` (2 gloo ranks on CPU)."""
+    from distributed_launch import free_port
+
+    return _check(tmp_path, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                  "127.0.0.1", "--master-port", free_port(), ENGINE_WORKER, "--output-dir", "{out}", *options,
+                  kills=kills, seed=seed)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.extended)])
+def test_a_deepspeed_zero_loop_under_torchrun_is_exact(tmp_path, stage):
+    """ZeRO's optimizer step while it initializes its state on load is not counted as a training step."""
+    done, report = _check_engine(tmp_path, "--engine", "deepspeed", "--zero-stage", str(stage))
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = report["runs"][0]
+    assert report["result"] == "EXACT" and report["ranks"] == 2 and report["steps"] == 5
+    assert run["launches"][0]["killed_at"] is not None and run["resumed_from"]
+    assert report["compared_per_run"]["batches"] == 10 and report["compared_per_run"]["losses"] == 10
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_fsdp2_loop_that_forgets_its_scheduler_diverges_at_the_learning_rate(tmp_path):
+    done, report = _check_engine(tmp_path, "--engine", "fsdp", "--forget-scheduler")
+    assert done.returncode == 1, done.stdout + done.stderr
+    run = report["runs"][0]
+    first, resumed = run["differences"][0], run["resumed_from"][0]
+    assert (first["category"], first["step"]) == ("lr", resumed + 2)  # the first resumed step's lr was restored
+    assert f"DIVERGES at optimizer step {resumed + 2}" in done.stdout and "scheduler" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.extended
+def test_an_fsdp2_loop_under_torchrun_is_exact(tmp_path):
+    done, report = _check_engine(tmp_path, "--engine", "fsdp", seed=2)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert report["result"] == "EXACT" and report["runs"][0]["resumed_from"]
