@@ -25,8 +25,8 @@ optimizer or module hook is installed: training is unchanged. With it set, each 
 ``update:K`` or ``save:N``) makes the process park itself at that event, after recording it, until it is killed:
 that is how the check kills a run at an exact point without depending on timing.
 ``HF_RESUMABLE_TRACE_OUT`` names the run's output directory, written as ``{out}`` in printed lines.
-``HF_RESUMABLE_TRACE_WEIGHTS=checkpoint`` digests parameters and optimizer state only at saves and resumes (for large
-models), instead of after every step.
+``HF_RESUMABLE_TRACE_WEIGHTS=checkpoint`` digests parameters and optimizer state only at resumes and when the
+process exits (``final``; for large models), instead of after every step.
 
 Example:
 
@@ -45,6 +45,7 @@ import os
 import random
 import sys
 import threading
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,7 @@ class _Tracer:
         self.saves = 0
         self.logs_seen: int | None = None  # entries of the Trainer's log history already recorded
         self.primary: int | None = None  # id() of the optimizer whose steps are counted
+        self.primary_ref: weakref.ref | None = None  # that optimizer, for the digests at exit
         self.in_library_loader = 0  # > 0 while a library loader fetches its next batch (recorded by that loader)
         self.pending_batch: dict[str, str] | None = None  # the last batch another DataLoader yielded
         self.pending_loss: float | None = None  # the unscaled loss ResumableAccelerator.backward is given
@@ -227,7 +229,7 @@ class _Tracer:
         if not self.trained:  # before any training forward pass: an engine initializing its state (DeepSpeed ZeRO
             return  # steps its optimizer once with zero gradients while it loads a checkpoint), not a training step
         if self.primary is None:
-            self.primary = id(optimizer)
+            self.primary, self.primary_ref = id(optimizer), weakref.ref(optimizer)
         if id(optimizer) != self.primary:
             return
         self.completed += 1
@@ -235,6 +237,15 @@ class _Tracer:
         self.write({"kind": "update", "step": self.completed,
                     **digest_optimizer(optimizer, tensors=self.per_step)})
         self.park_if(f"update:{self.completed}")
+
+    def at_exit(self) -> None:
+        """Without per-step digests: the weights and optimizer state as the process ends (the final ones)."""
+        optimizer = self.primary_ref() if self.primary_ref is not None else None
+        if self.per_step or optimizer is None:
+            return
+        record = {"kind": "final", "step": self.completed, **digest_optimizer(optimizer, tensors=True)}
+        record.pop("lr")
+        self.write(record)
 
     def on_backward(self, tensors: Any) -> None:
         if not (isinstance(tensors, torch.Tensor) and tensors.numel() == 1):
@@ -336,6 +347,9 @@ def _start() -> _Tracer | None:
     _tap_data_loaders(tracer)
     _tap_backward(tracer)
     _tap_text(tracer)
+    import atexit
+
+    atexit.register(tracer.at_exit)
     return tracer
 
 
@@ -381,7 +395,7 @@ def on_load(step: int | None, optimizer: torch.optim.Optimizer | None) -> None:
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):  # accelerate's wrapper
         optimizer = optimizer.optimizer
     if optimizer is not None:
-        _TRACER.primary = id(optimizer)
+        _TRACER.primary, _TRACER.primary_ref = id(optimizer), weakref.ref(optimizer)
         record.update(digest_optimizer(optimizer, tensors=True))
         record.pop("lr")  # the scheduler has already moved it on to the next step's value
     _TRACER.write(record)

@@ -163,6 +163,20 @@ def test_printed_numbers_are_matched_by_template_and_numbers_that_vary_unkilled_
     assert "running average" in likely_cause(comparison)
 
 
+def test_final_weights_are_compared_when_steps_carry_no_digests():
+    """HF_RESUMABLE_TRACE_WEIGHTS=checkpoint: the digests at exit; a launch that exits early (SIGTERM) is skipped."""
+    def final(step, weights, attempt):
+        return {"kind": "final", "step": step, "rank": 0, "attempt": attempt, "hyper": "h", "weights": weights,
+                "optimizer": "o"}
+
+    ref = _reference() + [final(6, "w", 0)]
+    assert compare_traces(ref, _interrupted() + [final(4, "early", 0), final(6, "w", 1)]).exact
+    comparison = compare_traces(ref, _interrupted() + [final(6, "other", 1)])
+    assert (comparison.first.step, comparison.first.category, comparison.first.detail) == \
+        (6, "weights", "at the end of training")
+    assert compare_traces(ref, _interrupted()).first.category == "missing"
+
+
 def test_kill_points_are_drawn_from_the_reference_by_seed():
     ref = _reference(8) + [{"kind": "save", "rank": 0, "attempt": 0, "index": 1, "step": 4}]
     points = plan_kill_points(ref, kills=4, seed=7)

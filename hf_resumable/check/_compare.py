@@ -120,7 +120,7 @@ def _key(record: Mapping[str, Any], logs: Counter) -> tuple | None:
         return kind, rank, step, record.get("micro", 0), record.get("source", "library")
     if kind in ("forward", "inputs", "loss"):
         return kind, rank, step, record.get("micro", 0)
-    if kind == "update":
+    if kind in ("update", "final"):
         return kind, rank, step
     if kind == "log":
         logs[(rank, step)] += 1
@@ -207,9 +207,10 @@ def _compare_record(record: Mapping[str, Any], ref: Mapping[str, Any],
     if record.get("lr") != ref.get("lr"):
         found.append(("lr", f"{[_readable(v) for v in ref.get('lr') or []]} in the reference, "
                             f"{[_readable(v) for v in record.get('lr') or []]} here"))
+    when = "after the optimizer step" if kind == "update" else "at the end of training"
     for name in ("hyper", "weights", "optimizer"):
         if name in record and name in ref and record[name] != ref[name]:
-            found.append((name, "after the optimizer step" if name != "hyper" else "param_groups (not lr)"))
+            found.append((name, when if name != "hyper" else "param_groups (not lr)"))
     return found
 
 
@@ -282,8 +283,8 @@ def compare_traces(reference: list[Mapping[str, Any]], run: list[Mapping[str, An
             if key is None or (record["kind"] == "print" and key[3] in unstable):
                 continue
             ref = ref_index.get(key)
-            if record["kind"] == "print" and ref is None:  # a line only this launch prints: nothing to compare
-                continue
+            if record["kind"] in ("print", "final") and ref is None:  # a line only this launch prints, the state
+                continue  # of a launch that exits early (SIGTERM): nothing to compare
             compared += 1
             seen.add(key)
             if ref is None:
@@ -292,8 +293,9 @@ def compare_traces(reference: list[Mapping[str, Any]], run: list[Mapping[str, An
             else:
                 add(record, _compare_record(record, ref, positions), record["step"])
     for key, ref in ref_index.items():
-        if key not in seen and ref["kind"] in ("update", "log"):
-            what = "the optimizer step" if ref["kind"] == "update" else f"log entry {key[-1]} of this step"
+        if key not in seen and ref["kind"] in ("update", "log", "final"):
+            what = {"update": "the optimizer step", "final": "the end of training"}.get(
+                ref["kind"], f"log entry {key[-1]} of this step")
             differences.append(Difference(step=key[2], rank=key[1], attempt=-1, category="missing",
                                           detail=f"{what} never ran in any launch"))
     steps = len({r["step"] for r in reference if r["kind"] == "update" and r.get("rank", 0) == 0})
