@@ -45,7 +45,6 @@ import os
 import random
 import sys
 import threading
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -172,7 +171,8 @@ class _Tracer:
         self.saves = 0
         self.logs_seen: int | None = None  # entries of the Trainer's log history already recorded
         self.primary: int | None = None  # id() of the optimizer whose steps are counted
-        self.primary_ref: weakref.ref | None = None  # that optimizer, for the digests at exit
+        # that optimizer, for the digests at exit (held: the script's references are gone by then)
+        self.primary_optimizer: torch.optim.Optimizer | None = None
         self.in_library_loader = 0  # > 0 while a library loader fetches its next batch (recorded by that loader)
         self.pending_batch: dict[str, str] | None = None  # the last batch another DataLoader yielded
         self.pending_loss: float | None = None  # the unscaled loss ResumableAccelerator.backward is given
@@ -229,7 +229,7 @@ class _Tracer:
         if not self.trained:  # before any training forward pass: an engine initializing its state (DeepSpeed ZeRO
             return  # steps its optimizer once with zero gradients while it loads a checkpoint), not a training step
         if self.primary is None:
-            self.primary, self.primary_ref = id(optimizer), weakref.ref(optimizer)
+            self.primary, self.primary_optimizer = id(optimizer), optimizer
         if id(optimizer) != self.primary:
             return
         self.completed += 1
@@ -240,7 +240,7 @@ class _Tracer:
 
     def at_exit(self) -> None:
         """Without per-step digests: the weights and optimizer state as the process ends (the final ones)."""
-        optimizer = self.primary_ref() if self.primary_ref is not None else None
+        optimizer = self.primary_optimizer
         if self.per_step or optimizer is None:
             return
         record = {"kind": "final", "step": self.completed, **digest_optimizer(optimizer, tensors=True)}
@@ -395,7 +395,7 @@ def on_load(step: int | None, optimizer: torch.optim.Optimizer | None) -> None:
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):  # accelerate's wrapper
         optimizer = optimizer.optimizer
     if optimizer is not None:
-        _TRACER.primary, _TRACER.primary_ref = id(optimizer), weakref.ref(optimizer)
+        _TRACER.primary, _TRACER.primary_optimizer = id(optimizer), optimizer
         record.update(digest_optimizer(optimizer, tensors=True))
         record.pop("lr")  # the scheduler has already moved it on to the next step's value
     _TRACER.write(record)
