@@ -215,6 +215,35 @@ def test_digests_name_each_tensor_and_generator():
     assert set(trace.digest_rng()) >= {"python", "numpy", "torch"}
 
 
+def test_the_tracer_records_a_plain_loaders_batch_inputs_loss_and_printed_lines_in_step_order(tmp_path):
+    """The hooks themselves, on a tracer of this test's own (no global hook installed)."""
+    import io
+
+    import torch
+
+    tracer = trace._Tracer(tmp_path)
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.5)
+    tracer.after_step(optimizer, (), {})  # before any training forward pass (an engine's init): not a step
+    tracer.pending_batch = trace.digest_batch({"x": torch.ones(2)})  # the script's DataLoader returned a batch
+    with torch.enable_grad():
+        tracer.before_forward(None, ())
+        tracer.after_forward(None, (torch.ones(2),), {"mask": torch.zeros(1)}, None)
+    with torch.no_grad():  # an evaluation forward pass: nothing recorded
+        tracer.before_forward(None, ())
+        tracer.after_forward(None, (torch.ones(3),), {}, None)
+    tracer.on_backward(torch.tensor(0.5))
+    tracer.after_step(optimizer, (), {})
+    tap = trace._StdoutTap(io.StringIO(), tracer)
+    tap.write("step 1 loss 0.5\nno digits here\nstep 1 ")  # the last line is not complete yet
+    tracer._handle.close()
+    records = trace.read_trace(tmp_path)
+    assert [(r["kind"], r["step"]) for r in records] == [("batch", 1), ("forward", 1), ("inputs", 1), ("loss", 1),
+                                                         ("update", 1), ("print", 1)]
+    assert records[0]["source"] == "DataLoader" and set(records[2]["inputs"]) == {"arg.0", "mask"}
+    assert records[3]["metrics"] == {"loss": (0.5).hex()} and records[5]["text"] == "step 1 loss 0.5"
+
+
 # ------------------------------------------------------------------------------------------------ end to end
 def _check(tmp_path, *args, kills=1, seed=0):
     report = tmp_path / "report.json"
