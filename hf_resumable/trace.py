@@ -16,8 +16,8 @@ optimizer or module hook is installed: training is unchanged. With it set, each 
   of the other param-group settings, of the parameters and of the optimizer state;
 - ``loss``: each scalar that is backpropagated (a global wrap of ``torch.autograd.backward``; under
   ``ResumableAccelerator.backward`` the loss before its scaling for accumulation);
-- ``log`` (``ResumableTrainer``'s logged metrics) and ``print``: each line the process prints to stdout and each
-  record its loggers handle (not hf_resumable's own), when the line holds a number;
+- ``log`` (``ResumableTrainer``'s logged metrics, ``ResumableAccelerator.log``'s values) and ``print``: each line
+  the process prints to stdout and each record its loggers handle (not hf_resumable's own), when it holds a number;
 - ``save`` (a save's files are written, not yet committed) and ``resume`` (a checkpoint was loaded: its step and the
   digests of the restored parameters and optimizer state).
 
@@ -56,7 +56,7 @@ import xxhash
 logger = logging.getLogger(__name__)
 
 __all__ = ["TRACE_ENV", "ATTEMPT_ENV", "STOP_ENV", "WEIGHTS_ENV", "OUT_ENV", "is_enabled", "traced_batches", "on_load",
-           "on_save", "on_loss", "on_logs", "read_trace", "trace_file"]
+           "on_save", "on_loss", "on_logs", "on_metrics", "read_trace", "trace_file"]
 
 TRACE_ENV = "HF_RESUMABLE_TRACE"  # directory of the trace; unset: tracing is off
 ATTEMPT_ENV = "HF_RESUMABLE_TRACE_ATTEMPT"  # launch number within one run (0: first launch)
@@ -425,10 +425,31 @@ def on_logs(history: Sequence[Mapping[str, Any]]) -> None:
     if seen is None:  # the first call of this process: what is there came from the checkpoint
         seen = sum(1 for entry in history if int(entry.get("step", 0)) <= _TRACER.completed - 1)
     for entry in history[seen:]:
-        metrics = {key: float(value).hex() if isinstance(value, float) else repr(value)
-                   for key, value in entry.items() if key != "step" and not key.endswith(TIMING_METRICS)}
-        _TRACER.write({"kind": "log", "step": int(entry.get("step", 0)), "metrics": metrics})
+        _TRACER.write({"kind": "log", "step": int(entry.get("step", 0)), "metrics": _metric_values(entry)})
     _TRACER.logs_seen = len(history)
+
+
+def on_metrics(values: Mapping[str, Any], step: int | None) -> None:
+    """Metrics a script logs (``ResumableAccelerator.log``), at its ``step`` or else at the optimizer steps done."""
+    if _TRACER is None:
+        return
+    _TRACER.write({"kind": "log", "step": _TRACER.completed if step is None else int(step),
+                   "metrics": _metric_values(values)})
+
+
+def _metric_values(values: Mapping[str, Any]) -> dict[str, str]:
+    """Each logged value as compared: a float (or a one-element tensor) as ``float.hex``; timings left out."""
+    found = {}
+    for key, value in values.items():
+        if key == "step" or key.endswith(TIMING_METRICS):
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, float):
+            found[key] = value.hex()
+        else:
+            found[key] = repr(value) if isinstance(value, (int, str, bool, type(None))) else _value_digest(value)
+    return found
 
 
 # ------------------------------------------------------------------------------------------------ reading

@@ -215,7 +215,7 @@ def test_digests_name_each_tensor_and_generator():
     assert set(trace.digest_rng()) >= {"python", "numpy", "torch"}
 
 
-def test_the_tracer_records_a_plain_loaders_batch_inputs_loss_and_printed_lines_in_step_order(tmp_path):
+def test_the_tracer_records_a_plain_loaders_batch_inputs_loss_and_printed_lines_in_step_order(tmp_path, monkeypatch):
     """The hooks themselves, on a tracer of this test's own (no global hook installed)."""
     import io
 
@@ -236,12 +236,15 @@ def test_the_tracer_records_a_plain_loaders_batch_inputs_loss_and_printed_lines_
     tracer.after_step(optimizer, (), {})
     tap = trace._StdoutTap(io.StringIO(), tracer)
     tap.write("step 1 loss 0.5\nno digits here\nstep 1 ")  # the last line is not complete yet
+    monkeypatch.setattr(trace, "_TRACER", tracer)
+    trace.on_metrics({"loss": torch.tensor(0.25), "train_time": 3.0, "tokens": 5}, None)  # ResumableAccelerator.log
     tracer._handle.close()
     records = trace.read_trace(tmp_path)
     assert [(r["kind"], r["step"]) for r in records] == [("batch", 1), ("forward", 1), ("inputs", 1), ("loss", 1),
-                                                         ("update", 1), ("print", 1)]
+                                                         ("update", 1), ("print", 1), ("log", 1)]
     assert records[0]["source"] == "DataLoader" and set(records[2]["inputs"]) == {"arg.0", "mask"}
     assert records[3]["metrics"] == {"loss": (0.5).hex()} and records[5]["text"] == "step 1 loss 0.5"
+    assert records[6]["metrics"] == {"loss": (0.25).hex(), "tokens": "5"}  # a time is never compared
 
 
 # ------------------------------------------------------------------------------------------------ end to end
