@@ -215,6 +215,7 @@ def test_digests_name_each_tensor_and_generator():
     assert set(trace.digest_rng()) >= {"python", "numpy", "torch"}
 
 
+@pytest.mark.slow  # about 3 s: the first optimizer step and RNG digests of the process
 def test_the_tracer_records_a_plain_loaders_batch_inputs_loss_and_printed_lines_in_step_order(tmp_path, monkeypatch):
     """The hooks themselves, on a tracer of this test's own (no global hook installed)."""
     import io
