@@ -1233,6 +1233,11 @@ class ResumableAccelerator(Accelerator):
                               exit=self.resume_options.exit_on_preemption)
         return True
 
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
+        """accelerate's ``log`` (to every tracker, on the main process); ``hf-resumable check`` compares the values."""
+        trace.on_metrics(values, step)  # hf-resumable check: the metrics logged at this step
+        super().log(values, step=step, log_kwargs=log_kwargs or {})
+
     def end_training(self) -> None:
         """Wait for an in-flight asynchronous save, uninstall the SIGTERM handler, finish trackers, meet at a barrier.
 
