@@ -158,7 +158,15 @@ def _torchrun(script: Path, env: dict[str, str]) -> subprocess.Popen:
     command = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), str(script), str(script)]
     return subprocess.Popen(command, env=zygote.torchrun_env(child_env(env)), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _first_record(proc: subprocess.Popen) -> dict:
+    """The worker's JSON line (torchrun's own log lines share the pipe)."""
+    for line in proc.stdout:
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError("the worker printed nothing")
 
 
 @pytest.mark.slow
@@ -169,7 +177,7 @@ def test_torchrun_workers_are_forked_and_die_with_the_killed_tree(tmp_path):
     script.write_text(TORCHRUN_WORKER)
     proc = _torchrun(script, {})
     try:
-        first = json.loads(proc.stdout.readline())
+        first = _first_record(proc)
         assert first["preloaded"] and first["argv"] == [str(script)]
         # what the kill tests do: SIGKILL torchrun's group and every process in its tree
         tree = psutil.Process(proc.pid).children(recursive=True)
@@ -187,13 +195,17 @@ def test_torchrun_workers_are_forked_and_die_with_the_killed_tree(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_torchrun_worker_s_exit_status_reaches_torchrun(tmp_path):
+@pytest.mark.parametrize("status, reported", [("3", "exitcode: 3"), ("-9", "Signal 9 (SIGKILL)")])
+def test_a_torchrun_worker_s_exit_status_reaches_torchrun(tmp_path, status, reported):
     script = tmp_path / "worker.py"
-    script.write_text(TORCHRUN_WORKER)
-    proc = _torchrun(script, {"HFR_EXIT": "3"})  # rank 1 exits with 3: torchrun stops rank 0 and fails the job
+    script.write_text(TORCHRUN_WORKER.replace("sys.exit(int(os.environ.get(\"HFR_EXIT\", \"0\")))",
+                                              "code = int(os.environ.get('HFR_EXIT', '0'))\n    "
+                                              "os.kill(os.getpid(), -code) if code < 0 else sys.exit(code)"))
+    proc = _torchrun(script, {"HFR_EXIT": status})  # rank 1 fails: torchrun stops rank 0 and fails the job
     try:
-        assert json.loads(proc.stdout.readline())["preloaded"]
+        assert _first_record(proc)["preloaded"]
         assert proc.wait(timeout=300) != 0
+        assert reported in proc.stdout.read()
     finally:
         proc.kill()
         proc.wait()

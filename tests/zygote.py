@@ -441,7 +441,8 @@ def as_python(interpreter: str) -> None:
             continue
     returncode = reply["returncode"] if reply else -signal.SIGKILL
     if returncode < 0:  # die of the same signal, as torchrun would have seen the worker die
-        signal.signal(-returncode, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL and SIGSTOP have no handler to reset
+            signal.signal(-returncode, signal.SIG_DFL)
         os.kill(os.getpid(), -returncode)
     os._exit(returncode)
 
