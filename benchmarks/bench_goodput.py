@@ -256,9 +256,9 @@ def _options(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="the preset that finishes within 15 minutes")
     parser.add_argument("--tiny", action="store_true", help="a tiny model: a smoke test of the script")
-    parser.add_argument("--steps", type=int, help="optimizer steps of the job (default 60; --tiny 30)")
-    parser.add_argument("--mtbf", type=float, help="mean seconds between SIGKILLs and SIGTERMs (default 40)")
-    parser.add_argument("--kills", type=int, default=3, help="preemptions per schedule")
+    parser.add_argument("--steps", type=int, help="optimizer steps of the job (default 40; --tiny 30)")
+    parser.add_argument("--mtbf", type=float, help="mean seconds between SIGKILLs and SIGTERMs (default 60)")
+    parser.add_argument("--kills", type=int, help="preemptions per schedule (default 2)")
     parser.add_argument("--notice", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each preempted system (medians)")
@@ -269,9 +269,14 @@ def _options(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", help="working directory (default: a temporary one, removed at the end)")
     options = parser.parse_args(argv)
     options.model = "tiny" if options.tiny else "quick"
-    options.steps = options.steps or (30 if options.tiny else 60)
-    options.mtbf = options.mtbf or (25.0 if options.tiny else 40.0)
+    options.steps = options.steps or (30 if options.tiny else 40)
+    options.mtbf = options.mtbf or 60.0
+    options.kills = options.kills or 2
     return options
+
+
+def _load() -> str:
+    return f"{os.getloadavg()[0]:.1f}"
 
 
 def _ratio(ours: float, stock: float) -> str:
@@ -286,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(options.out or tempfile.mkdtemp(prefix="bench_goodput_"))
     root.mkdir(parents=True, exist_ok=True)
     base = {"model": options.model, "steps": options.steps}
-    started = time.time()
+    started, load = time.time(), _load()
     print(f"# goodput: {options.model} job, {options.steps} steps, {options.kills} preemptions per schedule, "
           f"mean interval {options.mtbf:.0f} s, notice {options.notice:.0f} s, seed {options.seed}", flush=True)
     import_s = _median_import_s()
@@ -340,7 +345,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # 3. The tables.
     uninterrupted = baseline["wall"]
-    print(f"\nMeasured under load (a shared machine; nice -n 10), medians of {options.repeats} run(s); total "
+    print(f"\nMeasured on a shared machine (nice -n 10; load average {load} at the start, {_load()} at the end), "
+          f"medians of {options.repeats} run(s); total "
           f"{(time.time() - started) / 60:.1f} min. Uninterrupted stock run without checkpoints: "
           f"{uninterrupted:.1f} s; `python -c \"import hf_resumable\"`: {import_s:.2f} s.\n")
     print("| schedule | system | goodput | lost per preemption (s) | restart (s) | saves | final weights exact |")
