@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -144,7 +145,7 @@ def _events(path: Path) -> list[dict]:
 def _attempt(spec: dict, *, kill_at: float | None, signal_kind: str, notice: float) -> dict:
     """Start the child once; preempt it ``kill_at`` seconds after its start (SIGKILL, or SIGTERM then SIGKILL after
     ``notice``). Returns the attempt's spawn time, end time, exit code and whether it was preempted."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = _child_env()
     command = ["nice", "-n", "10", sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
     start = time.time()
     stderr = open(Path(spec["log"]).with_suffix(".stderr"), "ab")  # noqa: SIM115
@@ -169,6 +170,15 @@ def _attempt(spec: dict, *, kill_at: float | None, signal_kind: str, notice: flo
         process.wait()
     stderr.close()
     return {"start": start, "end": time.time(), "rc": process.returncode, "preempted": preempted}
+
+
+def _child_env() -> dict[str, str]:
+    """The children's environment: bytecode caches written and used, as for an installed package (a
+    ``PYTHONDONTWRITEBYTECODE`` here would recompile hf_resumable's modules at every restart, and not the
+    site-packages' ones, which pip compiled)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
 
 
 def _drop_newest_checkpoint(out: str) -> str | None:
@@ -204,16 +214,19 @@ def _summarize(name: str, attempts: list[dict], events: list[dict], fixes: list)
     steps = [e for e in events if e["event"] == "step"]
     durations = [b["t"] - a["t"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1]
     step_time = statistics.median(durations) if durations else float("nan")
-    restarts = []  # process start -> end of its first step, minus one step, for attempts that resumed
+    restarts, imports = [], []  # process start -> end of its first step, minus one step, for attempts that resumed
     for attempt in attempts[1:]:
         first = next((e for e in steps if attempt["start"] <= e["t"] <= attempt["end"]), None)
+        imported = next((e for e in events if e["event"] == "imported" and attempt["start"] <= e["t"]), None)
         if first is not None and first["step"] > 1:
             restarts.append(first["t"] - attempt["start"] - step_time)
+            imports.append(imported["t"] - attempt["start"] if imported and imported["t"] <= first["t"] else math.nan)
     done = next((e for e in events if e["event"] == "done"), {})
     return {"name": name, "wall": attempts[-1]["end"] - attempts[0]["start"],
             "preemptions": sum(a["preempted"] for a in attempts), "attempts": len(attempts),
             "saves": sum(e["event"] == "save" for e in events), "step_time": step_time,
-            "restart": statistics.median(restarts) if restarts else float("nan"), "digest": done.get("digest"),
+            "restart": statistics.median(restarts) if restarts else float("nan"),
+            "imports": statistics.median(imports) if imports else float("nan"), "digest": done.get("digest"),
             "partial_checkpoints_removed": [f for f in fixes if f]}
 
 
@@ -242,13 +255,14 @@ def _schedule(seed: int, mtbf: float, kills: int) -> list[float]:
     return [min(2 * mtbf, max(0.5 * mtbf, rng.expovariate(1.0 / mtbf))) for _ in range(kills)]
 
 
-def _median_import_s(repeats: int = 3) -> float:
+def _median_import_s(statement: str, repeats: int = 3) -> float:
+    """Median seconds of ``python -c statement`` (bytecode caches on), after one run that writes them."""
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
         start = time.perf_counter()
-        subprocess.run(["nice", "-n", "10", sys.executable, "-c", "import hf_resumable"], check=True)
+        subprocess.run(["nice", "-n", "10", sys.executable, "-c", statement], check=True, env=_child_env())
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(times[1:])
 
 
 def _options(argv: list[str] | None) -> argparse.Namespace:
@@ -294,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     started, load = time.time(), _load()
     print(f"# goodput: {options.model} job, {options.steps} steps, {options.kills} preemptions per schedule, "
           f"mean interval {options.mtbf:.0f} s, notice {options.notice:.0f} s, seed {options.seed}", flush=True)
-    import_s = _median_import_s()
+    imports = {"hf_resumable": _median_import_s("import hf_resumable"), "torch": _median_import_s("import torch")}
 
     # 1. Uninterrupted references: stock without checkpoints (the goodput baseline and stock's final weights), a
     #    short stock run that measures its save cost, ours with background saves (final weights, inflation, stall).
@@ -348,9 +362,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nMeasured on a shared machine (nice -n 10; load average {load} at the start, {_load()} at the end), "
           f"medians of {options.repeats} run(s); total "
           f"{(time.time() - started) / 60:.1f} min. Uninterrupted stock run without checkpoints: "
-          f"{uninterrupted:.1f} s; `python -c \"import hf_resumable\"`: {import_s:.2f} s.\n")
-    print("| schedule | system | goodput | lost per preemption (s) | restart (s) | saves | final weights exact |")
-    print("|---|---|---|---|---|---|---|")
+          f"{uninterrupted:.1f} s; `python -c \"import hf_resumable\"`: {imports['hf_resumable']:.2f} s "
+          f"(`import torch`: {imports['torch']:.2f} s).\n")
+    print("| schedule | system | goodput | lost per preemption (s) | restart (s) | of which imports (s) | saves | "
+          "final weights exact |")
+    print("|---|---|---|---|---|---|---|---|")
     lost: dict[str, dict[str, float]] = {"SIGKILL": {}, "SIGTERM": {}}
     for kind, named in results.items():
         for name, runs in named.items():
@@ -358,10 +374,11 @@ def main(argv: list[str] | None = None) -> None:
             per = statistics.median((r["wall"] - uninterrupted) / max(1, r["preemptions"]) for r in runs)
             lost[kind][name] = per
             restart = statistics.median(r["restart"] for r in runs)
+            imported = statistics.median(r["imports"] for r in runs)
             exact = "yes" if all(r["exact"] for r in runs) else "no"
             fixes = sum(len(r["partial_checkpoints_removed"]) for r in runs)
             note = f" ({fixes} partial checkpoint(s) deleted by hand)" if fixes else ""
-            print(f"| {kind} | {name} | {uninterrupted / wall:.2f} | {per:.1f} | {restart:.1f} | "
+            print(f"| {kind} | {name} | {uninterrupted / wall:.2f} | {per:.1f} | {restart:.1f} | {imported:.1f} | "
                   f"{statistics.median(r['saves'] for r in runs):.0f} | {exact}{note} |")
     inflation = bg_costs["during_mean"] / bg_costs["clean_mean"]
     print(f"\nBackground save ({calibrate}-step interval, uninterrupted): step-time inflation while written "
@@ -369,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{bg_costs['step']:.3f} s step; stock save {stock_costs['save_cost']:.2f} s.")
     (root / "results.json").write_text(json.dumps({"results": results, "baseline": baseline, "lost": lost,
                                                    "inflation": inflation, "bg": bg_costs, "stock": stock_costs,
-                                                   "import_s": import_s}, indent=1, default=str))
+                                                   "imports": imports}, indent=1, default=str))
     if options.out is None:
         shutil.rmtree(root, ignore_errors=True)
     ratios = {}
