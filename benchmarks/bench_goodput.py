@@ -60,7 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_common import drop_caches  # noqa: E402,F401  (shared helpers; the page cache is left warm here)
 
 MODELS = {  # name -> (hidden, intermediate, layers, heads, vocab, sequence length, batch)
-    "quick": (768, 2048, 4, 12, 16000, 64, 4),
+    "quick": (768, 2048, 4, 12, 16000, 32, 2),
     "tiny": (64, 128, 2, 4, 1000, 32, 4),
 }
 STARTUP_GRACE_S = 600.0  # an attempt that neither ends nor is killed within this is a hang
@@ -270,7 +270,7 @@ def _options(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="the preset that finishes within 15 minutes")
     parser.add_argument("--tiny", action="store_true", help="a tiny model: a smoke test of the script")
-    parser.add_argument("--steps", type=int, help="optimizer steps of the job (default 40; --tiny 30)")
+    parser.add_argument("--steps", type=int, help="optimizer steps of the job (default 30)")
     parser.add_argument("--mtbf", type=float, help="mean seconds between SIGKILLs and SIGTERMs (default 60)")
     parser.add_argument("--kills", type=int, help="preemptions per schedule (default 2)")
     parser.add_argument("--notice", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL")
@@ -283,7 +283,7 @@ def _options(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", help="working directory (default: a temporary one, removed at the end)")
     options = parser.parse_args(argv)
     options.model = "tiny" if options.tiny else "quick"
-    options.steps = options.steps or (30 if options.tiny else 40)
+    options.steps = options.steps or 30
     options.mtbf = options.mtbf or 60.0
     options.kills = options.kills or 2
     return options
