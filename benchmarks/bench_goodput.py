@@ -63,6 +63,7 @@ MODELS = {  # name -> (hidden, intermediate, layers, heads, vocab, sequence leng
     "quick": (768, 2048, 4, 12, 16000, 32, 2),
     "tiny": (64, 128, 2, 4, 1000, 32, 4),
 }
+THREADS = 1  # torch threads per training process (--threads); the same for every system
 STARTUP_GRACE_S = 600.0  # an attempt that neither ends nor is killed within this is a hang
 
 
@@ -176,7 +177,7 @@ def _child_env() -> dict[str, str]:
     """The children's environment: bytecode caches written and used, as for an installed package (a
     ``PYTHONDONTWRITEBYTECODE`` here would recompile hf_resumable's modules at every restart, and not the
     site-packages' ones, which pip compiled)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(THREADS)}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 
@@ -280,6 +281,9 @@ def _options(argv: list[str] | None) -> argparse.Namespace:
                         help="stock save_steps as multiples of its Young/Daly optimum; the best is reported")
     parser.add_argument("--fixed-intervals", type=int, nargs="*", default=[],
                         help="also run background saves every N steps (SIGKILL schedule), against the automatic one")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch (OpenMP) threads per training process, the same for every system (default 1: on "
+                             "a shared 2-core VM, spinning OpenMP threads make a step 10x slower under load)")
     parser.add_argument("--out", help="working directory (default: a temporary one, removed at the end)")
     options = parser.parse_args(argv)
     options.model = "tiny" if options.tiny else "quick"
@@ -298,7 +302,9 @@ def _ratio(ours: float, stock: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    global THREADS
     options = _options(argv)
+    THREADS = options.threads
     if options.child:
         _child(json.loads(options.child))
         return
