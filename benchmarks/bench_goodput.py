@@ -274,7 +274,8 @@ def _options(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="optimizer steps of the job (default 30)")
     parser.add_argument("--mtbf", type=float, help="mean seconds between SIGKILLs and SIGTERMs (default 60)")
     parser.add_argument("--kills", type=int, help="preemptions per schedule (default 2)")
-    parser.add_argument("--notice", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL")
+    parser.add_argument("--notice", type=float, default=30.0,
+                        help="seconds from SIGTERM to SIGKILL (default 30, Kubernetes' default grace period)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each preempted system (medians)")
     parser.add_argument("--stock-intervals", type=float, nargs="+", default=[1.0],
