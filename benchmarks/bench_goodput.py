@@ -299,7 +299,7 @@ def _load() -> str:
 
 
 def _ratio(ours: float, stock: float) -> str:
-    return f"{ours / stock:.2f}" if stock > 0 else "n/a"
+    return f"{ours / stock:.2f}" if stock > 0 and not math.isnan(ours) else "n/a"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -378,7 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     for kind, named in results.items():
         for name, runs in named.items():
             wall = statistics.median(r["wall"] for r in runs)
-            per = statistics.median((r["wall"] - uninterrupted) / max(1, r["preemptions"]) for r in runs)
+            per = statistics.median((r["wall"] - uninterrupted) / r["preemptions"] if r["preemptions"] else math.nan
+                                    for r in runs)
             lost[kind][name] = per
             restart = statistics.median(r["restart"] for r in runs)
             imported = statistics.median(r["imports"] for r in runs)
@@ -398,8 +399,9 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(root, ignore_errors=True)
     ratios = {}
     for kind in ("SIGKILL", "SIGTERM"):
-        ours = min(v for k, v in lost[kind].items() if k.startswith("ours"))
-        stock = min(v for k, v in lost[kind].items() if k.startswith("stock"))
+        ours = min((v for k, v in lost[kind].items() if k.startswith("ours") and not math.isnan(v)), default=math.nan)
+        stock = min((v for k, v in lost[kind].items() if k.startswith("stock") and not math.isnan(v)),
+                    default=math.nan)
         ratios[kind] = _ratio(ours, stock)
     print(f"lost per preemption, ours/stock: SIGKILL {ratios['SIGKILL']}, SIGTERM {ratios['SIGTERM']}")
 
