@@ -285,6 +285,7 @@ def _options(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch (OpenMP) threads per training process, the same for every system (default 1: on "
                              "a shared 2-core VM, spinning OpenMP threads make a step 10x slower under load)")
+    parser.add_argument("--only", choices=["SIGKILL", "SIGTERM"], help="run one schedule only")
     parser.add_argument("--out", help="working directory (default: a temporary one, removed at the end)")
     options = parser.parse_args(argv)
     options.model = "tiny" if options.tiny else "quick"
@@ -354,6 +355,8 @@ def main(argv: list[str] | None = None) -> None:
         systems["SIGTERM"]["stock enable_jit_checkpoint"] = {**base, "system": "stock", "jit": True}
         systems["SIGTERM"]["ours"] = {**base, "system": "background"}
         for kind, named in systems.items():
+            if options.only and kind != options.only:
+                continue
             for name, spec in named.items():
                 slug = f"{kind}-{repeat}-" + "".join(c if c.isalnum() else "_" for c in name)
                 result = run_system(slug, spec, intervals=intervals, signal_kind=kind, notice=options.notice,
@@ -399,6 +402,9 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(root, ignore_errors=True)
     ratios = {}
     for kind in ("SIGKILL", "SIGTERM"):
+        if options.only and kind != options.only:
+            ratios[kind] = "n/a"
+            continue
         ours = min((v for k, v in lost[kind].items() if k.startswith("ours") and not math.isnan(v)), default=math.nan)
         stock = min((v for k, v in lost[kind].items() if k.startswith("stock") and not math.isnan(v)),
                     default=math.nan)
