@@ -31,8 +31,10 @@ The machine may be shared: every process runs under ``nice``; ``--repeats`` runs
 times and reports medians.
 
 Usage:
-    python benchmarks/bench_goodput.py --quick                 # within 15 minutes on a 2-core VM
-    python benchmarks/bench_goodput.py --tiny                  # smoke test: a tiny model, a few minutes
+    python benchmarks/bench_goodput.py --quick                 # the preset: 30 steps, 2 preemptions, 60 s mean
+    python benchmarks/bench_goodput.py --quick --steps 20 --kills 2 --mtbf 40    # 25 min under heavy load
+    python benchmarks/bench_goodput.py --quick --steps 20 --kills 2 --mtbf 25 --only SIGTERM
+    python benchmarks/bench_goodput.py --tiny                  # smoke test: a tiny model
     python benchmarks/bench_goodput.py --steps 200 --mtbf 120 --kills 4 --repeats 3 --stock-intervals 0.5 1 2 \\
         --fixed-intervals 1 10
 
@@ -269,7 +271,7 @@ def _median_import_s(statement: str, repeats: int = 3) -> float:
 def _options(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="the preset that finishes within 15 minutes")
+    parser.add_argument("--quick", action="store_true", help="the preset (the defaults: 30 steps, 2 preemptions)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model: a smoke test of the script")
     parser.add_argument("--steps", type=int, help="optimizer steps of the job (default 30)")
     parser.add_argument("--mtbf", type=float, help="mean seconds between SIGKILLs and SIGTERMs (default 60)")
