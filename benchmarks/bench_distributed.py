@@ -33,7 +33,17 @@ page cache dropped before each load, with the tensor files split across the rank
 reads) and with every rank reading every file (``HF_RESUMABLE_SHARED_READS=0``), alternating: the slower rank's
 time and the bytes both ranks read from storage (``/proc/self/io`` read_bytes) against the checkpoint's size.
 
+With ``--engines``, instead: the front doors' engines at 2 gloo ranks, FSDP2 through accelerate and DeepSpeed ZeRO
+(``--zero-stage``, default 2) through accelerate, on the same Llama-shaped model + AdamW, one process group per engine:
+our blocking ``save_sharded_checkpoint`` (what ``ResumableAccelerator.save_state`` writes under these engines) and the
+stall of ``blocking=False`` (until it returns; the files are then written in the background) against stock
+``Accelerator.save_state`` (torch DCP under FSDP, DeepSpeed's ``save_checkpoint`` under ZeRO), and our load
+(``open_checkpoint`` + ``load_sharded_into``) against stock ``load_state``, in rotating order; medians (slower
+rank). accelerate turns FSDP and DeepSpeed on for accelerator devices only, so on CPU the workers install the same
+test-only shim as the test suite (gloo collectives, the CPU as the device); on GPUs it is not needed.
+
 Usage:
+    python benchmarks/bench_distributed.py --engines [--repeats 5] [--hidden 512] [--zero-stage 2] [--dir DIR]
     python benchmarks/bench_distributed.py [--rounds 3] [--repeats 2] [--dir /path/on/the/disk] [--hidden 512]
     python benchmarks/bench_distributed.py --stall [--repeats 5] [--hidden 512]
     python benchmarks/bench_distributed.py --replicated [--repeats 5] [--dir /dev/shm] [--max-shard-size 2GB]
@@ -296,6 +306,155 @@ def resume_worker(root: Path, repeats: int, hidden: int, max_shard_size: str, ou
     dist.destroy_process_group()
 
 
+def _install_cpu_engines(engine: str) -> None:
+    """accelerate enables FSDP / DeepSpeed for accelerator devices only: on CPU, gloo collectives with the CPU as the
+    device (the test suite's shim, ``tests/engine_fixtures.py``)."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    if torch.cuda.is_available():
+        return
+    os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    if engine == "deepspeed":
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of a CPU op
+    PartialState._prepare_backend = lambda self, cpu=False, sagemaker_dp=False, backend=None: (
+        "gloo", DistributedType.MULTI_GPU)
+
+
+def _engine_accelerator(engine: str, stage: int):
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+    if engine == "deepspeed":
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": stage}, "zero_force_ds_cpu_optimizer": False,
+                  "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+        return Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    return Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(
+        fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"], cpu_ram_efficient_loading=False))
+
+
+def _fsync_tree(path: Path) -> None:
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def engines_worker(engine: str, root: Path, repeats: int, hidden: int, stage: int, out: Path) -> None:
+    """One rank of an engine: our saves and loads and accelerate's, in rotating order; seconds of each (the stall
+    and the total for a save)."""
+    _install_cpu_engines(engine)
+    import torch.distributed as dist
+
+    from hf_resumable import wait_for_pending_saves
+    from hf_resumable.checkpoint import open_checkpoint
+    from hf_resumable.checkpoint.sharded import load_sharded_into, save_sharded_checkpoint
+    from hf_resumable.integrations._deepspeed import checkpoint_optimizer
+    from hf_resumable.integrations._engines import checkpoint_model
+
+    torch.set_num_threads(1)
+    accelerator = _engine_accelerator(engine, stage)
+    model = build(hidden)
+    prepared, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    batch = torch.randint(0, 16000, (1, 16), device=accelerator.device)
+    accelerator.backward(prepared(input_ids=batch, labels=batch).loss)  # one step: AdamW state exists
+    optimizer.step()
+    optimizer.zero_grad()
+    ours_model = checkpoint_model(prepared, accelerator.unwrap_model(prepared))
+    ours_optimizer = checkpoint_optimizer(optimizer)
+    rank = dist.get_rank()
+
+    def ours(path: Path, blocking: bool):
+        save_sharded_checkpoint(path, model=ours_model, optimizer=ours_optimizer, step=0, blocking=blocking)
+        return wait_for_pending_saves
+
+    def theirs(path: Path, durable: bool):
+        accelerator.save_state(str(path))
+        if durable:  # their files fsynced, as our commit fsyncs ours (both ranks' files, each by its writer's node)
+            dist.barrier()
+            if rank == 0:
+                _fsync_tree(path)
+        return lambda: None
+
+    def ours_load(path: Path, blocking: bool):
+        load_sharded_into(open_checkpoint(path), model=ours_model, optimizer=ours_optimizer)
+        return lambda: None
+
+    def theirs_load(path: Path, blocking: bool):
+        accelerator.load_state(str(path))
+        return lambda: None
+
+    kinds = {"ours blocking": (ours, True), "ours async": (ours, False), "accelerate save_state": (theirs, False),
+             "accelerate save_state + fsync": (theirs, True)}
+    loads = {"ours load": (ours_load, "ours blocking"),  # each loads the checkpoint its kind saved this round
+             "accelerate load_state": (theirs_load, "accelerate save_state")}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in [*kinds, *loads]}
+    names = list(kinds)
+    for i in range(repeats + 1):  # the first round warms up (staging buffers, first plans)
+        for name in [*names[i % len(names):], *names[: i % len(names)], *loads]:
+            save, blocking = kinds[name] if name in kinds else loads[name]
+            path = root / f"{(name if name in kinds else blocking).replace(' ', '-')}-{i}"
+            if rank == 0:
+                drop_caches()
+            dist.barrier()
+            start = time.perf_counter()
+            finish = save(path, blocking if name in kinds else True)
+            returned = time.perf_counter() - start
+            finish()
+            total = time.perf_counter() - start
+            dist.barrier()
+            if i:
+                times[name].append((returned, total))
+        dist.barrier()
+        if rank == 0:
+            for path in root.glob(f"*-{i}"):
+                shutil.rmtree(path, ignore_errors=True)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)  # benchmark driver only: the library never pickles
+    if rank == 0:
+        slowest = {name: [[max(per_rank[name][k][j] for per_rank in gathered) for j in (0, 1)]
+                          for k in range(repeats)] for name in times}
+        out.write_text(json.dumps({"times": slowest, "engine": engine, "parameters": sum(
+            p.numel() for p in build(hidden).parameters())}))
+    dist.destroy_process_group()
+
+
+def engines_report(results: list[dict], args: argparse.Namespace) -> str:
+    lines = [f"2 gloo ranks, a Llama-shaped model (hidden {args.hidden}, {results[0]['parameters'] / 1e6:.0f}M "
+             f"parameters) + AdamW through accelerate, under {args.dir or tempfile.gettempdir()}; median of "
+             f"{args.repeats} rounds (slower rank of each), after a warm-up round. Saves: until the call returns, "
+             "and until the checkpoint is committed.", "",
+             "| engine | operation | returns after (s) | done after (s) | vs stock (speed, higher is better) "
+             "| vs our blocking save |", "|---|---|---:|---:|---:|---:|"]
+    for result in results:
+        times = result["times"]
+        engine = "FSDP2 (DCP)" if result["engine"] == "fsdp" else f"DeepSpeed ZeRO-{args.zero_stage}"
+
+        def median(name: str, index: int) -> float:
+            return statistics.median(entry[index] for entry in times[name])
+
+        stock_save, durable = median("accelerate save_state", 1), median("accelerate save_state + fsync", 1)
+        blocking = median("ours blocking", 1)
+        for name in times:
+            versus = ""
+            if name == "ours blocking":
+                versus = f"{stock_save / blocking:.2f}x; {durable / blocking:.2f}x vs save_state + fsync"
+            elif name == "ours load":
+                versus = f"{median('accelerate load_state', 1) / median(name, 1):.2f}x"
+            elif name == "ours async":
+                versus = f"stall {stock_save / median(name, 0):.1f}x shorter than save_state"
+            mine = f"{median(name, 0) / blocking:.3f}x" if name == "ours async" else ""
+            lines.append(f"| {engine} | {name} | {median(name, 0):.3f} | {median(name, 1):.3f} | {versus} | {mine} |")
+    return "\n".join(lines)
+
+
 def resume_report(result: dict, args: argparse.Namespace) -> str:
     times, size = result["times"], result["bytes"]
     seconds = {name: statistics.median(s for s, _ in entries) for name, entries in times.items()}
@@ -368,7 +527,8 @@ def launch(mode: str, world_size: int, root: Path, args: argparse.Namespace) -> 
                "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         argv = [sys.executable, __file__, "--worker", mode, "--dir", str(root), "--repeats", str(args.repeats),
-                "--hidden", str(args.hidden), "--max-shard-size", args.max_shard_size]
+                "--hidden", str(args.hidden), "--max-shard-size", args.max_shard_size,
+                "--zero-stage", str(args.zero_stage)]
         procs.append(subprocess.Popen(argv, env=env))
     if any(p.wait() != 0 for p in procs):
         raise SystemExit(f"{mode}: a worker failed")
@@ -456,11 +616,18 @@ def main() -> None:
                         help="DDP replica: ranks sharing the save vs rank 0 writing it all")
     parser.add_argument("--resume", action="store_true",
                         help="DDP resume: each file read once and exchanged vs every rank reading every file")
+    parser.add_argument("--engines", action="store_true",
+                        help="FSDP2 and DeepSpeed through accelerate: our saves and loads vs save_state / load_state")
+    parser.add_argument("--zero-stage", type=int, default=2, help="DeepSpeed ZeRO stage of --engines")
     parser.add_argument("--max-shard-size", default="2GB", help="shard size of --replicated and --resume saves")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "stall":
         stall_worker(args.dir, args.repeats, args.hidden, args.dir / "stall.json")
+        return
+    if args.worker in ("engine-fsdp", "engine-deepspeed"):
+        engine = args.worker.removeprefix("engine-")
+        engines_worker(engine, args.dir, args.repeats, args.hidden, args.zero_stage, args.dir / f"{args.worker}.json")
         return
     if args.worker == "resume":
         resume_worker(args.dir, args.repeats, args.hidden, args.max_shard_size, args.dir / "resume.json")
@@ -473,7 +640,9 @@ def main() -> None:
         return
     root = Path(tempfile.mkdtemp(prefix="bench-distributed-", dir=args.dir))
     try:
-        if args.stall:
+        if args.engines:
+            print(engines_report([launch(f"engine-{e}", 2, root, args) for e in ("fsdp", "deepspeed")], args))
+        elif args.stall:
             print(stall_report(launch("stall", 2, root, args), args))
         elif args.resume:
             print(resume_report(launch("resume", 2, root, args), args))

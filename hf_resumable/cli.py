@@ -124,7 +124,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     path = _local_checkpoint(args.path, quiet=args.quiet)
     target = export_model(path, args.output, base=args.base, revision=args.revision, merge_adapters=args.merge,
-                          max_shard_size=args.max_shard_size, verify="full" if args.full else "quick")
+                          max_shard_size=args.max_shard_size, verify="full" if args.full else "quick",
+                          master_weights=args.master_weights)
     if not args.quiet:
         print(f"exported {args.path} -> {target}")
     return EXIT_OK
@@ -261,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="shard size of the written weights (default: 5GB)")
     p.add_argument("--full", action="store_true", help="check every byte of the base against the checkpoint's "
                    "record (default: names, dtypes, shapes and sampled bytes)")
+    p.add_argument("--master-weights", action="store_true", help="DeepSpeed ZeRO checkpoints: write the fp32 master "
+                   "weights of the optimizer partitions instead of the training-dtype weights")
     p.set_defaults(func=cmd_export)
 
     p = commands.add_parser("push", help="upload a checkpoint to the Hub with a model card")

@@ -5,20 +5,28 @@ optimizer or module hook is installed: training is unchanged. With it set, each 
 ``<dir>/rank-<rank>.jsonl`` (flushed per line, so a SIGKILL loses nothing already written):
 
 - ``batch``: each batch the library's data loaders yield (the Trainer's, accelerate's and plain loops' loaders),
-  keyed by the optimizer step it belongs to and its micro-batch index: an xxh3 digest of every tensor in it;
+  keyed by the optimizer step it belongs to and its micro-batch index: an xxh3 digest of every tensor in it; and
+  each batch any other ``torch.utils.data.DataLoader`` yields (the script's own loader, ``source: DataLoader``),
+  recorded at the training forward pass that follows it, keyed by that pass;
 - ``forward``: at the start of each training forward pass (a global module forward pre-hook, outermost module
   calls with grad enabled), the digest of every RNG (python, numpy, torch CPU, each initialized CUDA device);
+- ``inputs``: at the end of each training forward pass, the digest of its positional and keyword inputs (the batch
+  as the model received it, after any transform in the script's loop);
 - ``update``: after each optimizer step (a global ``torch.optim`` post-step hook): the learning rates used, a digest
   of the other param-group settings, of the parameters and of the optimizer state;
-- ``loss`` (``ResumableAccelerator.backward``) and ``log`` (``ResumableTrainer``'s logged metrics);
+- ``loss``: each scalar that is backpropagated (a global wrap of ``torch.autograd.backward``; under
+  ``ResumableAccelerator.backward`` the loss before its scaling for accumulation);
+- ``log`` (``ResumableTrainer``'s logged metrics, ``ResumableAccelerator.log``'s values) and ``print``: each line
+  the process prints to stdout and each record its loggers handle (not hf_resumable's own), when it holds a number;
 - ``save`` (a save's files are written, not yet committed) and ``resume`` (a checkpoint was loaded: its step and the
   digests of the restored parameters and optimizer state).
 
 ``HF_RESUMABLE_TRACE_ATTEMPT`` numbers the launches of one run; ``HF_RESUMABLE_TRACE_STOP`` (``batch:K:M``,
 ``update:K`` or ``save:N``) makes the process park itself at that event, after recording it, until it is killed:
 that is how the check kills a run at an exact point without depending on timing.
-``HF_RESUMABLE_TRACE_WEIGHTS=checkpoint`` digests parameters and optimizer state only at saves and resumes (for large
-models), instead of after every step.
+``HF_RESUMABLE_TRACE_OUT`` names the run's output directory, written as ``{out}`` in printed lines.
+``HF_RESUMABLE_TRACE_WEIGHTS=checkpoint`` digests parameters and optimizer state only at resumes and when the
+process exits (``final``; for large models), instead of after every step.
 
 Example:
 
@@ -35,6 +43,7 @@ import json
 import logging
 import os
 import random
+import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -46,15 +55,18 @@ import xxhash
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TRACE_ENV", "ATTEMPT_ENV", "STOP_ENV", "WEIGHTS_ENV", "is_enabled", "traced_batches", "on_load",
-           "on_save", "on_loss", "on_logs", "read_trace", "trace_file"]
+__all__ = ["TRACE_ENV", "ATTEMPT_ENV", "STOP_ENV", "WEIGHTS_ENV", "OUT_ENV", "is_enabled", "traced_batches", "on_load",
+           "on_save", "on_loss", "on_logs", "on_metrics", "read_trace", "trace_file"]
 
 TRACE_ENV = "HF_RESUMABLE_TRACE"  # directory of the trace; unset: tracing is off
 ATTEMPT_ENV = "HF_RESUMABLE_TRACE_ATTEMPT"  # launch number within one run (0: first launch)
 STOP_ENV = "HF_RESUMABLE_TRACE_STOP"  # park the process at this event until it is killed
 WEIGHTS_ENV = "HF_RESUMABLE_TRACE_WEIGHTS"  # "step" (default) or "checkpoint": when to digest parameters
+OUT_ENV = "HF_RESUMABLE_TRACE_OUT"  # the run's {out} directory (printed lines name it "{out}")
 
 _UNSEEDED_SEED = 0x5EED  # python's and numpy's global generators under a trace (see _start)
+_MAX_LINE = 400  # characters of a printed line that are kept
+_OWN_LOGGERS = ("hf_resumable",)  # the library's own log records are about checkpoints, not training: not recorded
 
 # Logged values that measure time, not training: never compared.
 TIMING_METRICS = ("_runtime", "_per_second", "_time")
@@ -84,7 +96,10 @@ def _value_digest(value: Any) -> str:
         return _tensor_digest(torch.from_numpy(np.ascontiguousarray(value)))
     if isinstance(value, float):
         return value.hex()
-    return xxhash.xxh3_64(repr(value).encode()).hexdigest()
+    text = repr(value)
+    if " at 0x" in text:  # an object's address differs in every process: only its type is compared
+        text = type(value).__qualname__
+    return xxhash.xxh3_64(text.encode()).hexdigest()
 
 
 def digest_batch(batch: Any, prefix: str = "") -> dict[str, str]:
@@ -146,14 +161,21 @@ class _Tracer:
         self.attempt = int(os.environ.get(ATTEMPT_ENV, "0"))
         self.stop = os.environ.get(STOP_ENV) or None
         self.per_step = os.environ.get(WEIGHTS_ENV, "step") != "checkpoint"
+        self.out = os.environ.get(OUT_ENV) or None
         self.completed = 0  # optimizer steps completed (set from the checkpoint on resume)
         self.micro = 0  # batches yielded since the last optimizer step
         self.losses = 0  # losses backpropagated since the last optimizer step
         self.forwards = 0  # training forward passes since the last optimizer step
+        self.trained = False  # a training forward pass has run in this process
         self.depth = 0  # module calls in progress (a forward pass is a call at depth 0)
         self.saves = 0
         self.logs_seen: int | None = None  # entries of the Trainer's log history already recorded
         self.primary: int | None = None  # id() of the optimizer whose steps are counted
+        # that optimizer, for the digests at exit (held: the script's references are gone by then)
+        self.primary_optimizer: torch.optim.Optimizer | None = None
+        self.in_library_loader = 0  # > 0 while a library loader fetches its next batch (recorded by that loader)
+        self.pending_batch: dict[str, str] | None = None  # the last batch another DataLoader yielded
+        self.pending_loss: float | None = None  # the unscaled loss ResumableAccelerator.backward is given
         self._handle = None
         self._lock = threading.Lock()
         self._pid = os.getpid()  # a forked child (a DataLoader worker) writes nothing
@@ -184,17 +206,30 @@ class _Tracer:
         threading.Event().wait()
 
     def before_forward(self, _module: Any, _args: Any) -> None:
-        if self.depth == 0 and torch.is_grad_enabled():  # a training forward pass (evaluation runs without grad)
-            self.write({"kind": "forward", "step": self.completed + 1, "micro": self.forwards, "rng": digest_rng()})
-            self.forwards += 1
+        if self.depth == 0:
+            pending, self.pending_batch = self.pending_batch, None  # an evaluation batch is dropped here too
+            if torch.is_grad_enabled():  # a training forward pass (evaluation runs without grad)
+                step = self.completed + 1
+                if pending is not None:
+                    self.write({"kind": "batch", "source": "DataLoader", "step": step, "micro": self.forwards,
+                                "batch": pending})
+                    self.park_if(f"batch:{step}:{self.forwards}")
+                self.write({"kind": "forward", "step": step, "micro": self.forwards, "rng": digest_rng()})
+                self.forwards += 1
+                self.trained = True
         self.depth += 1
 
-    def after_forward(self, _module: Any, _args: Any, _output: Any) -> None:
+    def after_forward(self, _module: Any, args: Any, kwargs: Any, _output: Any) -> None:
         self.depth = max(self.depth - 1, 0)
+        if self.depth == 0 and torch.is_grad_enabled() and self.forwards:
+            inputs = {**digest_batch(list(args), "arg."), **digest_batch(dict(kwargs or {}))}
+            self.write({"kind": "inputs", "step": self.completed + 1, "micro": self.forwards - 1, "inputs": inputs})
 
     def after_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if not self.trained:  # before any training forward pass: an engine initializing its state (DeepSpeed ZeRO
+            return  # steps its optimizer once with zero gradients while it loads a checkpoint), not a training step
         if self.primary is None:
-            self.primary = id(optimizer)
+            self.primary, self.primary_optimizer = id(optimizer), optimizer
         if id(optimizer) != self.primary:
             return
         self.completed += 1
@@ -202,6 +237,96 @@ class _Tracer:
         self.write({"kind": "update", "step": self.completed,
                     **digest_optimizer(optimizer, tensors=self.per_step)})
         self.park_if(f"update:{self.completed}")
+
+    def at_exit(self) -> None:
+        """Without per-step digests: the weights and optimizer state as the process ends (the final ones)."""
+        optimizer = self.primary_optimizer
+        if self.per_step or optimizer is None:
+            return
+        record = {"kind": "final", "step": self.completed, **digest_optimizer(optimizer, tensors=True)}
+        record.pop("lr")
+        self.write(record)
+
+    def on_backward(self, tensors: Any) -> None:
+        if not (isinstance(tensors, torch.Tensor) and tensors.numel() == 1):
+            return
+        value = self.pending_loss if self.pending_loss is not None else float(tensors.detach().float())
+        self.pending_loss = None
+        self.write({"kind": "loss", "step": self.completed + 1, "micro": self.losses,
+                    "metrics": {"loss": value.hex()}})
+        self.losses += 1
+
+    def on_text(self, line: str, source: str) -> None:
+        """A printed line or a log message: recorded when it holds a number (nothing else could be compared)."""
+        line = line.strip()
+        if not line or not any(char.isdigit() for char in line) or os.getpid() != self._pid:
+            return
+        if self.out:
+            line = line.replace(self.out, "{out}")
+        # a line printed right after an optimizer step (nothing of the next one has run yet) reports that step
+        after_update = self.completed and not (self.forwards or self.micro or self.losses)
+        self.write({"kind": "print", "source": source, "step": self.completed + (0 if after_update else 1),
+                    "text": line[:_MAX_LINE]})
+
+
+class _StdoutTap:
+    """``sys.stdout`` that also hands each complete line to the tracer (every attribute is the stream's)."""
+
+    def __init__(self, stream: Any, tracer: _Tracer) -> None:
+        self._stream, self._tracer, self._partial = stream, tracer, ""
+
+    def write(self, text: str) -> int:
+        written = self._stream.write(text)
+        if isinstance(text, str):
+            *lines, self._partial = (self._partial + text).split("\n")
+            for line in lines:
+                self._tracer.on_text(line, "stdout")
+        return written
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _tap_data_loaders(tracer: _Tracer) -> None:
+    """Each batch any DataLoader iterator returns outside a library loader is kept for the next forward pass."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    original = _BaseDataLoaderIter.__next__
+
+    def __next__(self: Any) -> Any:
+        batch = original(self)
+        if tracer.in_library_loader == 0:
+            tracer.pending_batch = digest_batch(batch)
+        return batch
+
+    _BaseDataLoaderIter.__next__ = __next__
+
+
+def _tap_backward(tracer: _Tracer) -> None:
+    """``torch.autograd.backward`` (which ``Tensor.backward`` calls) records the scalar it backpropagates."""
+    original = torch.autograd.backward
+
+    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        tracer.on_backward(tensors)
+        return original(tensors, *args, **kwargs)
+
+    torch.autograd.backward = backward
+
+
+def _tap_text(tracer: _Tracer) -> None:
+    """stdout lines and the log records loggers handle (a record below a logger's level never reaches handle)."""
+    sys.stdout = _StdoutTap(sys.stdout, tracer)
+    original = logging.Logger.handle
+
+    def handle(self: logging.Logger, record: logging.LogRecord) -> Any:
+        if not record.name.startswith(_OWN_LOGGERS):
+            try:
+                tracer.on_text(f"{record.name}: {record.getMessage()}", "logging")
+            except (TypeError, ValueError):  # a malformed message: logging reports it itself
+                pass
+        return original(self, record)
+
+    logging.Logger.handle = handle
 
 
 def _start() -> _Tracer | None:
@@ -218,7 +343,13 @@ def _start() -> _Tracer | None:
 
     register_optimizer_step_post_hook(tracer.after_step)
     register_module_forward_pre_hook(tracer.before_forward)  # the RNG state right before each forward pass
-    register_module_forward_hook(tracer.after_forward)
+    register_module_forward_hook(tracer.after_forward, with_kwargs=True)
+    _tap_data_loaders(tracer)
+    _tap_backward(tracer)
+    _tap_text(tracer)
+    import atexit
+
+    atexit.register(tracer.at_exit)
     return tracer
 
 
@@ -239,7 +370,15 @@ def traced_batches(batches: Iterator[Any]) -> Iterator[Any]:
 
 
 def _traced(tracer: _Tracer, batches: Iterator[Any]) -> Iterator[Any]:
-    for batch in batches:
+    iterator = iter(batches)
+    while True:
+        tracer.in_library_loader += 1  # the DataLoader iterators it draws from are not recorded a second time
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        finally:
+            tracer.in_library_loader -= 1
         step, micro = tracer.completed + 1, tracer.micro
         tracer.micro += 1
         tracer.write({"kind": "batch", "step": step, "micro": micro, "batch": digest_batch(batch)})
@@ -256,7 +395,7 @@ def on_load(step: int | None, optimizer: torch.optim.Optimizer | None) -> None:
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):  # accelerate's wrapper
         optimizer = optimizer.optimizer
     if optimizer is not None:
-        _TRACER.primary = id(optimizer)
+        _TRACER.primary, _TRACER.primary_optimizer = id(optimizer), optimizer
         record.update(digest_optimizer(optimizer, tensors=True))
         record.pop("lr")  # the scheduler has already moved it on to the next step's value
     _TRACER.write(record)
@@ -272,12 +411,10 @@ def on_save(step: int | None) -> None:
 
 
 def on_loss(loss: torch.Tensor) -> None:
-    """The loss a micro-batch backpropagates (``ResumableAccelerator.backward``)."""
+    """The loss ``ResumableAccelerator.backward`` is given, before its scaling: recorded at its backward pass."""
     if _TRACER is None:
         return
-    _TRACER.write({"kind": "loss", "step": _TRACER.completed + 1, "micro": _TRACER.losses,
-                   "metrics": {"loss": float(loss.detach().float()).hex()}})
-    _TRACER.losses += 1
+    _TRACER.pending_loss = float(loss.detach().float())
 
 
 def on_logs(history: Sequence[Mapping[str, Any]]) -> None:
@@ -288,10 +425,31 @@ def on_logs(history: Sequence[Mapping[str, Any]]) -> None:
     if seen is None:  # the first call of this process: what is there came from the checkpoint
         seen = sum(1 for entry in history if int(entry.get("step", 0)) <= _TRACER.completed - 1)
     for entry in history[seen:]:
-        metrics = {key: float(value).hex() if isinstance(value, float) else repr(value)
-                   for key, value in entry.items() if key != "step" and not key.endswith(TIMING_METRICS)}
-        _TRACER.write({"kind": "log", "step": int(entry.get("step", 0)), "metrics": metrics})
+        _TRACER.write({"kind": "log", "step": int(entry.get("step", 0)), "metrics": _metric_values(entry)})
     _TRACER.logs_seen = len(history)
+
+
+def on_metrics(values: Mapping[str, Any], step: int | None) -> None:
+    """Metrics a script logs (``ResumableAccelerator.log``), at its ``step`` or else at the optimizer steps done."""
+    if _TRACER is None:
+        return
+    _TRACER.write({"kind": "log", "step": _TRACER.completed if step is None else int(step),
+                   "metrics": _metric_values(values)})
+
+
+def _metric_values(values: Mapping[str, Any]) -> dict[str, str]:
+    """Each logged value as compared: a float (or a one-element tensor) as ``float.hex``; timings left out."""
+    found = {}
+    for key, value in values.items():
+        if key == "step" or key.endswith(TIMING_METRICS):
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, float):
+            found[key] = value.hex()
+        else:
+            found[key] = repr(value) if isinstance(value, (int, str, bool, type(None))) else _value_digest(value)
+    return found
 
 
 # ------------------------------------------------------------------------------------------------ reading

@@ -22,6 +22,7 @@ from hf_resumable.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 LOOP = REPO / "tests" / "scripts" / "check_loop.py"
+PLAIN_LOOP = REPO / "tests" / "scripts" / "check_plain_loop.py"
 
 
 # ------------------------------------------------------------------------------------------------ pure parts
@@ -123,6 +124,59 @@ def test_logged_metrics_are_compared_per_step_and_order():
     assert comparison.first.category == "metric" and "loss 0.5 -> 0.25" in comparison.first.detail
 
 
+def test_a_batch_the_reference_used_at_another_step_is_named_as_the_data_order():
+    def change(record):  # the resumed launch's loader restarted from its beginning
+        if record["kind"] == "batch" and record["attempt"] == 1:
+            return {**record, "batch": _batch(record["step"] - 2, record["micro"])["batch"]}
+        return record
+
+    comparison = compare_traces(_reference(), _interrupted(change=change))
+    first = comparison.first
+    assert (first.step, first.category) == (3, "batch")
+    assert "the reference's batch of step 1, micro-batch 0" in first.detail
+    assert "data position does not resume" in likely_cause(comparison)
+
+
+def test_model_inputs_that_differ_after_an_equal_batch_name_a_transform_in_the_loop():
+    inputs = {"kind": "inputs", "step": 3, "micro": 0, "rank": 0, "inputs": {"arg.0": "i3"}}
+    run = _interrupted() + [{**inputs, "attempt": 1, "inputs": {"arg.0": "other"}}]
+    comparison = compare_traces(_reference() + [{**inputs, "attempt": 0}], run)
+    assert (comparison.first.step, comparison.first.category) == (3, "inputs")
+    assert "a transform in the training loop" in likely_cause(comparison)
+
+
+def _print(step, text, *, attempt=0):
+    return {"kind": "print", "source": "stdout", "step": step, "rank": 0, "attempt": attempt, "text": text}
+
+
+def test_printed_numbers_are_matched_by_template_and_numbers_that_vary_unkilled_are_skipped():
+    ref = _reference() + [_print(4, "step 4 loss 0.25 port 2"), _print(4, "step 4 avg 0.5 (3.5 ms)"),
+                          _print(4, "step 4 grad 7")]
+    run = _interrupted() + [_print(4, "step 4 loss 0.25 port 3"),  # the killed launch: "port" always differs
+                            _print(3, "resumed from step 2", attempt=1),  # only this run prints it: not compared
+                            _print(4, "step 4 loss 0.25 port 9", attempt=1),
+                            _print(4, "step 4 avg 0.5 (9.1 ms)", attempt=1),  # a time: never compared
+                            _print(4, "step 4 grad 8", attempt=1)]
+    comparison = compare_traces(ref, run)
+    assert [(d.step, d.category) for d in comparison.differences] == [(4, "printed")]
+    assert "'step 4 grad 7' in the reference, 'step 4 grad 8' here" in comparison.first.detail
+    assert "running average" in likely_cause(comparison)
+
+
+def test_final_weights_are_compared_when_steps_carry_no_digests():
+    """HF_RESUMABLE_TRACE_WEIGHTS=checkpoint: the digests at exit; a launch that exits early (SIGTERM) is skipped."""
+    def final(step, weights, attempt):
+        return {"kind": "final", "step": step, "rank": 0, "attempt": attempt, "hyper": "h", "weights": weights,
+                "optimizer": "o"}
+
+    ref = _reference() + [final(6, "w", 0)]
+    assert compare_traces(ref, _interrupted() + [final(4, "early", 0), final(6, "w", 1)]).exact
+    comparison = compare_traces(ref, _interrupted() + [final(6, "other", 1)])
+    assert (comparison.first.step, comparison.first.category, comparison.first.detail) == \
+        (6, "weights", "at the end of training")
+    assert compare_traces(ref, _interrupted()).first.category == "missing"
+
+
 def test_kill_points_are_drawn_from_the_reference_by_seed():
     ref = _reference(8) + [{"kind": "save", "rank": 0, "attempt": 0, "index": 1, "step": 4}]
     points = plan_kill_points(ref, kills=4, seed=7)
@@ -159,6 +213,39 @@ def test_digests_name_each_tensor_and_generator():
     assert trace.digest_batch({**batch, "input_ids": torch.arange(6).view(3, 2)})["input_ids"] == \
         digests["input_ids"]  # the same bytes; a reshaped batch shows in the next step's weights
     assert set(trace.digest_rng()) >= {"python", "numpy", "torch"}
+
+
+@pytest.mark.slow  # about 3 s: the first optimizer step and RNG digests of the process
+def test_the_tracer_records_a_plain_loaders_batch_inputs_loss_and_printed_lines_in_step_order(tmp_path, monkeypatch):
+    """The hooks themselves, on a tracer of this test's own (no global hook installed)."""
+    import io
+
+    import torch
+
+    tracer = trace._Tracer(tmp_path)
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.5)
+    tracer.after_step(optimizer, (), {})  # before any training forward pass (an engine's init): not a step
+    tracer.pending_batch = trace.digest_batch({"x": torch.ones(2)})  # the script's DataLoader returned a batch
+    with torch.enable_grad():
+        tracer.before_forward(None, ())
+        tracer.after_forward(None, (torch.ones(2),), {"mask": torch.zeros(1)}, None)
+    with torch.no_grad():  # an evaluation forward pass: nothing recorded
+        tracer.before_forward(None, ())
+        tracer.after_forward(None, (torch.ones(3),), {}, None)
+    tracer.on_backward(torch.tensor(0.5))
+    tracer.after_step(optimizer, (), {})
+    tap = trace._StdoutTap(io.StringIO(), tracer)
+    tap.write("step 1 loss 0.5\nno digits here\nstep 1 ")  # the last line is not complete yet
+    monkeypatch.setattr(trace, "_TRACER", tracer)
+    trace.on_metrics({"loss": torch.tensor(0.25), "train_time": 3.0, "tokens": 5}, None)  # ResumableAccelerator.log
+    tracer._handle.close()
+    records = trace.read_trace(tmp_path)
+    assert [(r["kind"], r["step"]) for r in records] == [("batch", 1), ("forward", 1), ("inputs", 1), ("loss", 1),
+                                                         ("update", 1), ("print", 1), ("log", 1)]
+    assert records[0]["source"] == "DataLoader" and set(records[2]["inputs"]) == {"arg.0", "mask"}
+    assert records[3]["metrics"] == {"loss": (0.5).hex()} and records[5]["text"] == "step 1 loss 0.5"
+    assert records[6]["metrics"] == {"loss": (0.25).hex(), "tokens": "5"}  # a time is never compared
 
 
 # ------------------------------------------------------------------------------------------------ end to end
@@ -218,6 +305,32 @@ def test_a_collator_drawing_from_a_module_level_generator_diverges_at_the_first_
     assert "generator the library cannot see" in done.stdout
 
 
+def test_an_unseeded_transform_in_the_scripts_own_data_loader_is_named(tmp_path):
+    """A plain loop over its own torch DataLoader: the batches it yields are compared, and the first that differs."""
+    done, report = _check(tmp_path, sys.executable, PLAIN_LOOP, "--output-dir", "{out}", "--transform", "unseeded",
+                          seed=3)
+    assert done.returncode == 1, done.stdout + done.stderr
+    run = report["runs"][0]
+    first, resumed = run["differences"][0], run["resumed_from"][0]
+    assert (first["category"], first["step"], first["attempt"]) == ("batch", resumed + 1, 1)
+    assert "of the script's DataLoader: 0, 1" in first["detail"]
+    assert f"DIVERGES at optimizer step {resumed + 1}" in done.stdout and "unseeded transform" in done.stdout
+    assert report["compared_per_run"]["batches"] == 16 and report["compared_per_run"]["model inputs"] == 16
+    assert report["compared_per_run"]["printed or logged lines with numbers"] == 16
+
+
+@pytest.mark.extended
+def test_a_plain_loop_over_its_own_data_loader_is_exact_and_its_printed_running_average_is_named(tmp_path):
+    done, report = _check(tmp_path, sys.executable, PLAIN_LOOP, "--output-dir", "{out}", kills=2, seed=3)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert report["result"] == "EXACT" and all(r["resumed_from"] for r in report["runs"])
+    done, report = _check(tmp_path, sys.executable, PLAIN_LOOP, "--output-dir", "{out}", "--running-average", seed=3)
+    assert done.returncode == 1, done.stdout + done.stderr
+    first = report["runs"][0]["differences"][0]
+    assert first["category"] == "printed" and first["step"] == report["runs"][0]["resumed_from"][0] + 1
+    assert "only a printed or logged number" in done.stdout
+
+
 @pytest.mark.slow
 def test_a_scheduler_that_is_saved_but_not_restored_is_named(tmp_path):
     done, report = _check(tmp_path, sys.executable, LOOP, "--output-dir", "{out}", "--forget-scheduler", seed=3)
@@ -267,3 +380,49 @@ def test_a_two_process_torchrun_loop_is_exact(tmp_path):
     run = report["runs"][0]
     assert run["launches"][0]["killed_at"] is not None and run["launches"][0]["returncode"] != 0
     assert run["resumed_from"] and run["launches"][-1]["returncode"] == 0
+
+
+# ------------------------------------------------------------------------------------------------ DeepSpeed, FSDP2
+ENGINE_WORKER = REPO / "tests" / "scripts" / "check_engine_worker.py"
+
+
+def _check_engine(tmp_path, *options, kills=1, seed=1):
+    """``hf-resumable check -- torchrun --nproc-per-node 2 check_engine_worker.py ...`` (2 gloo ranks on CPU)."""
+    from distributed_launch import free_port
+
+    return _check(tmp_path, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                  "127.0.0.1", "--master-port", free_port(), ENGINE_WORKER, "--output-dir", "{out}", *options,
+                  kills=kills, seed=seed)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.extended)])
+def test_a_deepspeed_zero_loop_under_torchrun_is_exact(tmp_path, stage):
+    """ZeRO's optimizer step while it initializes its state on load is not counted as a training step."""
+    done, report = _check_engine(tmp_path, "--engine", "deepspeed", "--zero-stage", str(stage))
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = report["runs"][0]
+    assert report["result"] == "EXACT" and report["ranks"] == 2 and report["steps"] == 5
+    assert run["launches"][0]["killed_at"] is not None and run["resumed_from"]
+    assert report["compared_per_run"]["batches"] == 10 and report["compared_per_run"]["losses"] == 10
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_fsdp2_loop_that_forgets_its_scheduler_diverges_at_the_learning_rate(tmp_path):
+    done, report = _check_engine(tmp_path, "--engine", "fsdp", "--forget-scheduler")
+    assert done.returncode == 1, done.stdout + done.stderr
+    run = report["runs"][0]
+    first, resumed = run["differences"][0], run["resumed_from"][0]
+    assert (first["category"], first["step"]) == ("lr", resumed + 2)  # the first resumed step's lr was restored
+    assert f"DIVERGES at optimizer step {resumed + 2}" in done.stdout and "scheduler" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.extended
+def test_an_fsdp2_loop_under_torchrun_is_exact(tmp_path):
+    done, report = _check_engine(tmp_path, "--engine", "fsdp")  # seed 1: killed at step 3, after a committed save
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert report["result"] == "EXACT" and report["runs"][0]["resumed_from"]

@@ -1,4 +1,5 @@
-"""ElasticSampler: a run interrupted at any step and resumed at any world size sees every sample once.
+"""ElasticSampler: a run interrupted at any step and resumed at any world size sees every sample once; the front
+doors' elastic layout (``ResumableBatchSampler(global_batch=...)``) and plan (``plan_elastic_resume``).
 
 Ranks are simulated in one process (the sampler is a pure function of seed, epoch, rank, world size and
 cursor); tests/test_sharded.py runs the same continuation across real 2-rank gloo groups (2 -> 1, 1 -> 2)
@@ -9,13 +10,18 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from hf_resumable.data import ResumableBatchSampler, SeededMapDataset
 from hf_resumable.data.elastic import ElasticSampler, ElasticSeededDataset, SampleKey, sample_seed, split_global_step
 from hf_resumable.errors import ConfigDriftError, CorruptCheckpointError
+from hf_resumable.integrations._accelerate_elastic import elastic_changes
+from hf_resumable.integrations._core import ResumeOptions
+from hf_resumable.integrations._elastic import ElasticWorldSizeError, plan_elastic_resume, working_world_sizes
 
 SEED = 7
 
@@ -140,3 +146,71 @@ def test_per_sample_randomness_is_the_same_at_any_world_size_and_worker_count():
     data = ElasticSeededDataset(Jitter(), seed=SEED)
     assert data[SampleKey(0, 3)].tolist() != data[SampleKey(1, 3)].tolist()  # a new epoch, new draws
     assert sample_seed(SEED, 0, 3) != sample_seed(SEED, 1, 3)
+
+
+# ---- the elastic layout of the front doors (ResumableBatchSampler(global_batch=...), plan_elastic_resume) ----
+
+def optimizer_steps(n: int, *, world_size: int, accumulation: int, batch_size: int = 2) -> list[Counter]:
+    """The samples of every optimizer step of one epoch (all ranks), with the chunk -> batch map checked."""
+    keys = [list(ResumableBatchSampler(n, batch_size, seed=SEED, rank=r, world_size=world_size,
+                                       global_batch=batch_size * accumulation * world_size))
+            for r in range(world_size)]
+    assert len({len(k) for k in keys}) == 1, "ranks must stay in lockstep"
+    per_rank = len(keys[0])
+    return [Counter(i for rank in keys for key in rank[s * accumulation:(s + 1) * accumulation] for i in key.indices)
+            for s in range(per_rank // accumulation)]
+
+
+@pytest.mark.parametrize("n", [24, 29])
+def test_elastic_layout_gives_every_optimizer_step_the_same_samples_at_any_world_size(n):
+    two = optimizer_steps(n, world_size=2, accumulation=2)
+    assert len(two) == n // 8  # the epoch is cut to whole global batches
+    assert optimizer_steps(n, world_size=1, accumulation=4) == two == optimizer_steps(n, world_size=4, accumulation=1)
+
+
+def test_elastic_chunks_are_the_same_batches_at_any_world_size():
+    """Chunk c (a key's ``chunk``) is the same samples, so the same collated batch, whoever trains on it."""
+    def chunks(world_size):
+        return {key.chunk: key.indices for rank in range(world_size)
+                for key in ResumableBatchSampler(24, 2, seed=SEED, rank=rank, world_size=world_size, global_batch=8)}
+
+    assert chunks(1) == chunks(2) == chunks(4) and sorted(chunks(2)) == list(range(12))
+    collate = lambda items: [x + random.random() for x in items]  # noqa: E731  a collator drawing from python random
+    data = SeededMapDataset(list(range(24)), collate, seed=SEED)
+    one = {key.chunk: data[key] for key in ResumableBatchSampler(24, 2, seed=SEED, global_batch=8)}
+    two = {key.chunk: data[key] for rank in (0, 1)
+           for key in ResumableBatchSampler(24, 2, seed=SEED, rank=rank, world_size=2, global_batch=8)}
+    assert one == two
+
+
+def test_elastic_layout_arguments_are_checked():
+    with pytest.raises(ValueError, match="multiple of batch_size"):
+        ResumableBatchSampler(24, 2, seed=SEED, world_size=2, global_batch=6)
+
+
+def test_elastic_plan_keeps_the_global_batch_and_refuses_a_world_size_that_does_not_divide():
+    plan = plan_elastic_resume(saved_world_size=2, saved_accumulation=2, per_device_batch=2, world_size=1)
+    assert (plan.global_batch, plan.gradient_accumulation_steps) == (8, 4)
+    assert "gradient_accumulation_steps 2 -> 4" in plan.describe()
+    assert plan_elastic_resume(saved_world_size=1, saved_accumulation=4, per_device_batch=2,
+                               world_size=2).gradient_accumulation_steps == 2
+    with pytest.raises(ElasticWorldSizeError, match=r"world sizes \[1, 2, 4\]") as error:
+        plan_elastic_resume(saved_world_size=2, saved_accumulation=2, per_device_batch=2, world_size=3)
+    assert isinstance(error.value, ConfigDriftError) and isinstance(error.value, ValueError)
+    assert working_world_sizes(12, 2) == [1, 2, 3, 6]
+
+
+def test_elastic_option_is_validated():
+    assert ResumeOptions(elastic=True).elastic is True
+    with pytest.raises(ValueError, match="elastic must be True or False"):
+        ResumeOptions(elastic="yes")
+
+
+def test_an_elastic_accelerate_resume_ignores_only_what_it_changes_on_purpose():
+    loaders = ([{"batch_size": 2, "num_batches": 6}], [{"batch_size": 2, "num_batches": 12}])
+    changed = {"world_size": (2, 1), "gradient_accumulation_steps": (2, 4), "loaders": loaders,
+               "scheduler_steps_per_optimizer_step": (2, 1)}
+    assert elastic_changes(changed, kept=True) == {}
+    assert set(elastic_changes(changed, kept=False)) == {"world_size", "gradient_accumulation_steps"}
+    other = ([{"batch_size": 2, "num_batches": 6}], [{"batch_size": 4, "num_batches": 6}])
+    assert elastic_changes({"loaders": other}, kept=True) == {"loaders": other}  # another per-device batch

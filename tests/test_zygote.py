@@ -136,3 +136,64 @@ def test_what_it_cannot_run_is_a_plain_subprocess():
         proc = zygote.Popen(args, shell=isinstance(args, str))
         assert type(proc) is subprocess.Popen
         assert proc.wait(timeout=120) == 0
+
+
+TORCHRUN_WORKER = """
+import json, os, sys, time
+preloaded = "transformers" in sys.modules  # a fresh interpreter has imported nothing yet
+marker = sys.argv[1] + ".printed"
+if os.environ["RANK"] == "1":  # exits once rank 0 has printed
+    while not os.path.exists(marker):
+        time.sleep(0.05)
+    sys.exit(int(os.environ.get("HFR_EXIT", "0")))
+print(json.dumps({"pid": os.getpid(), "preloaded": preloaded, "argv": sys.argv[1:]}), flush=True)
+open(marker, "w").close()
+time.sleep(600)
+"""
+
+
+def _torchrun(script: Path, env: dict[str, str]) -> subprocess.Popen:
+    from distributed_launch import child_env, free_port
+
+    command = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), str(script), str(script)]
+    return subprocess.Popen(command, env=zygote.torchrun_env(child_env(env)), stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+
+
+@pytest.mark.slow
+def test_torchrun_workers_are_forked_and_die_with_the_killed_tree(tmp_path):
+    import psutil
+
+    script = tmp_path / "worker.py"
+    script.write_text(TORCHRUN_WORKER)
+    proc = _torchrun(script, {})
+    try:
+        first = json.loads(proc.stdout.readline())
+        assert first["preloaded"] and first["argv"] == [str(script)]
+        # what the kill tests do: SIGKILL torchrun's group and every process in its tree
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        assert first["pid"] not in [child.pid for child in tree]  # a zygote's child, not torchrun's
+        os.killpg(proc.pid, signal.SIGKILL)
+        for child in tree:
+            child.kill()
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 60
+    while psutil.pid_exists(first["pid"]) and psutil.Process(first["pid"]).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the forked worker outlived its client"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_torchrun_worker_s_exit_status_reaches_torchrun(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(TORCHRUN_WORKER)
+    proc = _torchrun(script, {"HFR_EXIT": "3"})  # rank 1 exits with 3: torchrun stops rank 0 and fails the job
+    try:
+        assert json.loads(proc.stdout.readline())["preloaded"]
+        assert proc.wait(timeout=300) != 0
+    finally:
+        proc.kill()
+        proc.wait()

@@ -18,6 +18,13 @@ What a forked child shares with a fresh interpreter, and how the rest is made eq
 - Anything else (interpreter flags such as ``-X``/``-W``, another interpreter, ``preexec_fn``) is started as a
   plain subprocess.
 
+``torchrun``'s workers come from a zygote too, with the command line unchanged: torchrun starts each worker as
+``$PYTHON_EXEC -u script ...``, and :func:`torchrun_env` points ``PYTHON_EXEC`` at a small client (a
+``python -S`` script, tens of milliseconds) that has a zygote fork the worker, forwards every signal torchrun sends
+it and exits as the worker did. The worker dies with its client (it watches the client's pid), so SIGKILLing
+torchrun's process tree, as the kill tests do, kills the workers too. An environment the zygote was not started with,
+or interpreter flags other than ``-u``, make the client ``exec`` the real interpreter instead.
+
 ``HF_RESUMABLE_TEST_ZYGOTE=0`` turns it off (every process is then a plain subprocess).
 
 This module is test infrastructure; nothing in the package uses it.
@@ -48,7 +55,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Read by the child at run time, never at import: they may differ between children of one zygote.
 RUNTIME_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                     "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTEST_CURRENT_TEST")
+                     "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTEST_CURRENT_TEST",
+                     # what torchrun's agent adds for its workers, and its choice of interpreter
+                     "GROUP_WORLD_SIZE", "ROLE_NAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHON_EXEC")
 RUNTIME_PREFIXES = ("HFR_", "HF_RESUMABLE_EXAMPLE_", "HF_RESUMABLE_FUZZ_", "HF_RESUMABLE_TEST_", "TORCHELASTIC_")
 
 # Imported by the zygote before it forks: what the test scripts spend their start-up on.
@@ -182,6 +191,23 @@ def _returncode(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
+def _die_with(pid: int) -> None:
+    """SIGKILL this process as soon as process ``pid`` (the torchrun client that asked for it) has exited."""
+    import select
+
+    try:
+        watched = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+
+    def watch() -> None:
+        select.select([watched], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="zygote-client-watch", daemon=True).start()
+
+
 def _become(request: dict) -> None:
     """Turn this forked process into ``python <argv>`` as the request describes, then run it."""
     stdin, stdout, stderr = request["fds"]
@@ -193,6 +219,8 @@ def _become(request: dict) -> None:
     for number in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(number, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if request.get("watch"):
+        _die_with(request["watch"])
     if request["new_session"]:
         os.setsid()
     else:  # a group of its own, so that signalling it never reaches the zygote or its other children
@@ -323,17 +351,17 @@ _turn = itertools.count()
 _seen: dict[tuple, int] = {}
 
 
-def _zygote_for(env: dict[str, str]) -> _Zygote | None:
+def _zygote_for(env: dict[str, str], *, eager: bool = False) -> _Zygote | None:
     """The zygote for ``env``'s import-time environment, ``None`` if there is none (yet) or it cannot serve.
 
-    A zygote is started the second time an environment is asked for: one that is used once (a test's private
-    ``HF_HOME``) costs a plain process, not a zygote's imports.
+    A zygote is started the second time an environment is asked for (the first time if ``eager``): one that is used
+    once (a test's private ``HF_HOME``) costs a plain process, not a zygote's imports.
     """
     zygote_env = {k: v for k, v in env.items() if not _is_runtime(k)}
     key = _import_environment(env)
     with _lock:
         _seen[key] = _seen.get(key, 0) + 1
-        if _seen[key] < 2:
+        if _seen[key] < 2 and not eager:
             return None
     if "PYTHONHASHSEED" not in env:
         # Fresh interpreters hash strings with a random seed each: alternate between two zygotes with different
@@ -350,6 +378,72 @@ def _zygote_for(env: dict[str, str]) -> _Zygote | None:
             zygote = _zygotes[key] = _Zygote(zygote_env)
         zygote.last_used = time.monotonic()
     return zygote if zygote.usable() else None
+
+
+def _environment_key(env: dict[str, str]) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(_import_environment(env)).encode()).hexdigest()
+
+
+def torchrun_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a ``torchrun`` command whose workers are forked from a zygote (``env`` itself if none serves)."""
+    if not _enabled():
+        return env
+    zygote = _zygote_for(env, eager=True)
+    if zygote is None:
+        return env
+    client = os.path.join(zygote.directory, "python")
+    if not os.path.exists(client):
+        with open(client + ".tmp", "w") as handle:
+            handle.write(f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {str(REPO_ROOT / 'tests')!r})\n"
+                         f"import zygote\nzygote.as_python({sys.executable!r})\n")
+        os.chmod(client + ".tmp", 0o755)
+        os.replace(client + ".tmp", client)
+    return {**env, "PYTHON_EXEC": client, "HF_RESUMABLE_TEST_ZYGOTE_SOCKET": zygote.socket_path,
+            "HF_RESUMABLE_TEST_ZYGOTE_KEY": _environment_key(env)}
+
+
+def as_python(interpreter: str) -> None:
+    """Main of the ``PYTHON_EXEC`` client: run ``python -u script args`` as a zygote's child (see the module doc)."""
+    args = sys.argv[1:]
+    argv = args[1:] if args[:1] == ["-u"] else args
+    socket_path = os.environ.get("HF_RESUMABLE_TEST_ZYGOTE_SOCKET", "")
+    usable = (argv and (argv[0] in ("-m", "-c") or not argv[0].startswith("-")) and socket_path
+              and os.environ.get("HF_RESUMABLE_TEST_ZYGOTE_KEY") == _environment_key(dict(os.environ)))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"} if args[:1] == ["-u"] else dict(os.environ)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        if not usable:
+            raise OSError("not a zygote's command")
+        sock.connect(socket_path)
+        _send(sock, {"argv": argv, "env": env, "cwd": os.getcwd(), "new_session": False, "watch": os.getpid()},
+              [0, 1, 2])
+        reply, _ = _receive(sock)
+        if not reply or "pid" not in reply:
+            raise OSError("the zygote did not fork")
+    except OSError:
+        sock.close()
+        os.execv(interpreter, [interpreter, *args])
+    pid = reply["pid"]
+
+    def forward(number, _frame) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, number)
+
+    for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(number, forward)
+    while True:
+        try:
+            reply, _ = _receive(sock)
+            break
+        except InterruptedError:
+            continue
+    returncode = reply["returncode"] if reply else -signal.SIGKILL
+    if returncode < 0:  # die of the same signal, as torchrun would have seen the worker die
+        signal.signal(-returncode, signal.SIG_DFL)
+        os.kill(os.getpid(), -returncode)
+    os._exit(returncode)
 
 
 def shutdown() -> None:

@@ -121,7 +121,9 @@ def _what_is_compared(reference: list[dict[str, Any]]) -> dict[str, int]:
     kinds = Counter(record["kind"] for record in reference)
     return {"batches": kinds["batch"], "forward passes (the RNG state before each)": kinds["forward"],
             "optimizer updates (learning rate, weights, optimizer state)": kinds["update"],
-            "losses": kinds["loss"], "logged metric entries": kinds["log"], "checkpoint loads": kinds["resume"]}
+            "model inputs": kinds["inputs"], "losses": kinds["loss"], "logged metric entries": kinds["log"],
+            "printed or logged lines with numbers": kinds["print"], "checkpoint loads": kinds["resume"],
+            "final weights and optimizer state": kinds["final"]}
 
 
 def run_check(command: Sequence[str], *, options: CheckOptions | None = None,

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckLaunchError
-from ..trace import ATTEMPT_ENV, STOP_ENV, TRACE_ENV, read_trace
+from ..trace import ATTEMPT_ENV, OUT_ENV, STOP_ENV, TRACE_ENV, read_trace
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ class _Process:
 
     def __init__(self, command: Sequence[str], *, out: Path, trace: Path, attempt: int, stop: str | None,
                  log: Path, timeout: float | None) -> None:
-        env = {**os.environ, TRACE_ENV: str(trace), ATTEMPT_ENV: str(attempt)}
+        env = {**os.environ, TRACE_ENV: str(trace), ATTEMPT_ENV: str(attempt), OUT_ENV: str(out)}
         env.pop(STOP_ENV, None)
         if stop is not None:
             env[STOP_ENV] = stop

@@ -57,6 +57,7 @@ from ..errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
+from ..format._jsonio import require_field
 from ..format.safetensors_io import DTYPE_TO_STR, STR_TO_DTYPE
 from ..format.sharding import ShardIndex
 from ._model import check_model_fits, check_tied, load_state_dict_reason, load_through_state_dict, retie
@@ -289,78 +290,71 @@ class FrozenRecord:
         """
         from ..errors import FormatVersionError
 
-        def bad(why: str) -> CorruptCheckpointError:
-            return CorruptCheckpointError(f"{source}: {why}. Resume from another checkpoint.")
-
-        if not isinstance(document, dict):
-            raise bad("not a JSON object")
+        require_field(isinstance(document, dict), source, "", type(document).__name__, "a JSON object")
         version = document.get(FROZEN_KEY_VERSION)
-        if type(version) is not int:
-            raise bad(f"{FROZEN_KEY_VERSION} is {version!r:.60}, expected an int")
+        require_field(type(version) is int, source, FROZEN_KEY_VERSION, version, "an int")
         if version > PIECES_RECORD_VERSION:
             raise FormatVersionError(f"{source}: frozen record version {version} is newer than this hf_resumable "
                                      f"reads ({PIECES_RECORD_VERSION}); upgrade hf_resumable.")
-        if document.get(FROZEN_KEY_HASH) != "xxh3-128":
-            raise bad(f"{FROZEN_KEY_HASH} is {document.get(FROZEN_KEY_HASH)!r:.60}, expected 'xxh3-128'")
-        if document.get(FROZEN_KEY_SAMPLE) != {"windows": SAMPLE_WINDOWS, "window_bytes": SAMPLE_BYTES}:
-            raise bad(f"{FROZEN_KEY_SAMPLE} is {document.get(FROZEN_KEY_SAMPLE)!r:.80}, expected "
-                      f"{{'windows': {SAMPLE_WINDOWS}, 'window_bytes': {SAMPLE_BYTES}}}")
+        require_field(document.get(FROZEN_KEY_HASH) == "xxh3-128", source, FROZEN_KEY_HASH,
+                      document.get(FROZEN_KEY_HASH), "'xxh3-128'")
+        sample = {"windows": SAMPLE_WINDOWS, "window_bytes": SAMPLE_BYTES}
+        require_field(document.get(FROZEN_KEY_SAMPLE) == sample, source, FROZEN_KEY_SAMPLE,
+                      document.get(FROZEN_KEY_SAMPLE), repr(sample))
         entries = document.get(FROZEN_KEY_TENSORS)
-        if not isinstance(entries, dict) or len(entries) > MAX_FROZEN_TENSORS:
-            raise bad(f"{FROZEN_KEY_TENSORS} must be an object of at most {MAX_FROZEN_TENSORS} tensors")
-        tensors = {name: _tensor_entry(name, entry, bad) for name, entry in entries.items()}
+        require_field(isinstance(entries, dict) and len(entries) <= MAX_FROZEN_TENSORS, source, FROZEN_KEY_TENSORS,
+                      entries, f"an object of at most {MAX_FROZEN_TENSORS} tensors")
+        tensors = {name: _tensor_entry(name, entry, source) for name, entry in entries.items()}
         tied = document.get(FROZEN_KEY_TIED, {})
-        if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
-            raise bad(f"{FROZEN_KEY_TIED} must map each alias to a recorded tensor name")
+        names = isinstance(tied, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items())
+        require_field(names, source, FROZEN_KEY_TIED, tied, "an object mapping each alias to a recorded tensor name")
         wrong = [f"{a} -> {k}" for a, k in tied.items() if a in tensors or k not in tensors]
-        if wrong:
-            raise bad(f"{FROZEN_KEY_TIED} has aliases that are recorded themselves or point at no recorded tensor: "
-                      f"{wrong[:5]}")
+        require_field(not wrong, source, FROZEN_KEY_TIED, wrong[:5],
+                      "aliases that are not recorded themselves and point at a recorded tensor")
         origin = document.get(FROZEN_KEY_SOURCE, {})
-        if not isinstance(origin, dict):
-            raise bad(f"{FROZEN_KEY_SOURCE} must be an object")
+        require_field(isinstance(origin, dict), source, FROZEN_KEY_SOURCE, origin, "an object")
         return cls(tensors=tensors, tied=dict(tied), source=origin)
 
 
-def _tensor_entry(name: Any, entry: Any, bad) -> FrozenTensor:
-    if not isinstance(name, str) or not name or len(name) > 1024:
-        raise bad(f"tensor name {name!r:.80} is not a non-empty string of at most 1024 characters")
-    if not isinstance(entry, dict):
-        raise bad(f"{name}: expected an object with dtype, shape, xxh3_128 and sample_xxh3_128")
+def _tensor_entry(name: Any, entry: Any, source: str) -> FrozenTensor:
+    """One validated entry of ``tensors`` (whole, or tiled by pieces)."""
+    require_field(isinstance(name, str) and bool(name) and len(name) <= 1024, source, FROZEN_KEY_TENSORS, name,
+                  "tensor names that are non-empty strings of at most 1024 characters")
+    where = f"{FROZEN_KEY_TENSORS}.{name}"
+    require_field(isinstance(entry, dict), source, where, entry,
+                  "an object with dtype, shape, xxh3_128 and sample_xxh3_128")
     dtype, shape = entry.get("dtype"), entry.get("shape")
-    if dtype not in STR_TO_DTYPE:
-        raise bad(f"{name}: dtype {dtype!r:.40} is not one hf_resumable knows ({sorted(STR_TO_DTYPE)})")
-    if (not isinstance(shape, list) or len(shape) > 64
-            or not all(type(d) is int and 0 <= d < 2 ** 62 for d in shape)):
-        raise bad(f"{name}: shape {shape!r:.80} is not a list of non-negative ints")
+    require_field(dtype in STR_TO_DTYPE, source, f"{where}.dtype", dtype, f"one of {sorted(STR_TO_DTYPE)}")
+    require_field(isinstance(shape, list) and len(shape) <= 64
+                  and all(type(d) is int and 0 <= d < 2 ** 62 for d in shape),
+                  source, f"{where}.shape", shape, "a list of non-negative ints")
     if "pieces" not in entry:
-        hashes = _hashes(name, entry, bad)
-        return FrozenTensor(dtype, tuple(shape), hashes[0], hashes[1])
+        return FrozenTensor(dtype, tuple(shape), *_hashes(where, entry, source))
     listed = entry["pieces"]
-    if not isinstance(listed, list) or len(listed) > MAX_FROZEN_TENSORS:
-        raise bad(f"{name}: pieces must be a list of boxes with their fingerprints")
+    require_field(isinstance(listed, list) and len(listed) <= MAX_FROZEN_TENSORS, source, f"{where}.pieces",
+                  type(listed).__name__, "a list of boxes with their fingerprints")
     pieces = []
     for piece in listed:
-        if not isinstance(piece, dict):
-            raise bad(f"{name}: a piece must be an object with offset, shape, xxh3_128 and sample_xxh3_128")
+        require_field(isinstance(piece, dict), source, f"{where}.pieces", piece,
+                      "objects with offset, shape, xxh3_128 and sample_xxh3_128")
         offset, box = piece.get("offset"), piece.get("shape")
-        if (not isinstance(offset, list) or not isinstance(box, list) or len(offset) != len(shape)
-                or len(box) != len(shape) or not all(type(d) is int for d in offset + box)
-                or any(o < 0 or n <= 0 or o + n > d for o, n, d in zip(offset, box, shape))):
-            raise bad(f"{name}: piece {piece!r:.120} is not a box inside the tensor's shape {shape}")
-        pieces.append(FrozenPiece(tuple(offset), tuple(box), *_hashes(name, piece, bad)))
-    if sum(math.prod(p.shape) for p in pieces) != math.prod(shape):
-        raise bad(f"{name}: its pieces do not tile the tensor (they hold {sum(math.prod(p.shape) for p in pieces)} "
-                  f"of its {math.prod(shape)} elements)")
+        inside = (isinstance(offset, list) and isinstance(box, list) and len(offset) == len(shape)
+                  and len(box) == len(shape) and all(type(d) is int for d in offset + box)
+                  and not any(o < 0 or n <= 0 or o + n > d for o, n, d in zip(offset, box, shape)))
+        require_field(inside, source, f"{where}.pieces", piece, f"boxes inside the tensor's shape {shape}")
+        pieces.append(FrozenPiece(tuple(offset), tuple(box), *_hashes(where, piece, source)))
+    held = sum(math.prod(p.shape) for p in pieces)
+    require_field(held == math.prod(shape), source, f"{where}.pieces", f"{held} elements",
+                  f"pieces that tile the tensor's {math.prod(shape)} elements")
     whole = [] if len(pieces) != 1 or pieces[0].shape != tuple(shape) else [pieces[0].xxh3_128,
                                                                               pieces[0].sample_xxh3_128]
     return FrozenTensor(dtype, tuple(shape), *(whole or [None, None]), pieces=tuple(pieces))
 
 
-def _hashes(name: str, entry: Mapping[str, Any], bad) -> tuple[str, str]:
+def _hashes(where: str, entry: Mapping[str, Any], source: str) -> tuple[str, str]:
     hashes = (entry.get("xxh3_128"), entry.get("sample_xxh3_128"))
-    if not all(isinstance(h, str) and _HEX128.match(h) for h in hashes):
-        raise bad(f"{name}: xxh3_128 / sample_xxh3_128 must be 32 lowercase hex digits")
+    require_field(all(isinstance(h, str) and _HEX128.match(h) for h in hashes), source,
+                  f"{where}.xxh3_128/sample_xxh3_128", hashes, "32 lowercase hex digits each")
     return hashes
 
 

@@ -5,8 +5,15 @@ holds ``ds_tensor``: its partition of the flattened parameter, ``ceil(numel / wo
 padding). That is exactly the piece a ``DTensor`` of global shape ``(numel,)`` sharded on dim 0 over the parameter's
 process group holds (``torch.chunk`` sizes), so a sharded checkpoint stores every rank's partition of every weight
 under the parameter's own name, with the same writer, layout, hashes and verification as FSDP2 pieces, and loads it
-back into the partitions at the same world size. The global shape recorded is the flattened one: the partitions are
-of the flat parameter.
+back into the partitions, at any world size (each rank reads the chunk of the flat parameter it holds). The global
+shape recorded is the flattened one: the partitions are of the flat parameter.
+
+DeepSpeed's optimizer partitions (ZeRO-1/2: a param group's parameters end to end in one flat fp32 tensor, cut in
+equal parts per rank; ZeRO-3: each rank's chunk of every parameter of a sub-group, end to end) are saved as pieces of
+one flat tensor per partition, whose layout depends on the world size. Each records its :class:`PartitionMap`, so
+:func:`reshard_partitions` cuts a rank's partitions at another world size out of every saved rank's pieces
+(:func:`plan_partition_copies` plans the reads, pure; the pieces are read with the sharded reader's ``read_box``),
+and :func:`parameter_tensors` assembles one parameter's whole fp32 master weights (or moments) from them.
 
 Nothing here imports deepspeed: partitioned parameters are recognised by their attributes (``ds_tensor``,
 ``ds_numel``, ``ds_process_group``).
@@ -16,15 +23,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ._sharded import group_mesh
+from ..constants import OPTIMIZER_STATE_PREFIX
+from ..errors import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
+from ._sharded import group_mesh, local_box
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["is_partitioned", "partitioned_state", "partitioned_views", "load_partitioned_state"]
+__all__ = ["is_partitioned", "partitioned_state", "partitioned_views", "load_partitioned_state", "PARTITION_KEY",
+           "PartitionMap", "Segment", "plan_partition_copies", "reshard_partitions", "parameter_tensors",
+           "read_master_weights"]
 
 
 def _is_partitioned_parameter(value: Any) -> bool:
@@ -102,3 +114,264 @@ def load_partitioned_state(model: torch.nn.Module, filled: Mapping[str, Any]) ->
         held[0].all_gather(held)
         logger.debug("Gathered %d persistent ZeRO-3 parameters again from the loaded partitions.", len(held))
     return rest
+
+
+# ------------------------------------------------------------------ flat optimizer partitions at another world size
+
+PARTITION_KEY = "partition"  # in a flat partition's optimizer state (JSON): its partition map (PartitionMap)
+MASTER_KEY = "fp32"  # in a flat partition's optimizer state: its fp32 master weights
+ENGINE_CLASS_PREFIX = "DeepSpeedZero"  # the optimizer class a ZeRO checkpoint records (DeepSpeedZero<stage>/<torch>)
+MAP_FLAT = "flat"  # ZeRO-1/2: the parameters laid end to end in one flat tensor, cut in equal parts per rank
+MAP_STRIDED = "strided"  # ZeRO-3: each rank's partition is its chunk of every parameter, laid end to end
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``length`` elements of parameter ``fqn`` (flattened), from element ``start``, at ``offset`` in a partition."""
+
+    fqn: str
+    start: int
+    length: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class PartitionMap:
+    """Which elements of which parameters a flat partition holds on each rank (JSON in the checkpoint, pure here).
+
+    Args:
+        kind (`str`): ``"flat"`` (ZeRO-1/2: parameter ``i`` sits at ``offsets[i]`` of one flat tensor, rank ``r``
+            holds ``[r * size, (r + 1) * size)`` of it) or ``"strided"`` (ZeRO-3: rank ``r`` holds elements
+            ``[r * chunks[i], (r + 1) * chunks[i])`` of parameter ``i`` at ``offsets[i]`` of its partition).
+        world_size (`int`): ranks the partition is cut over.
+        size (`int`): elements of one rank's partition (padding included).
+        params (`tuple`): ``(fqn, numel, offset, chunk)`` per parameter, in partition order.
+    """
+
+    kind: str
+    world_size: int
+    size: int
+    params: tuple[tuple[str, int, int, int], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "world_size": self.world_size, "size": self.size,
+                "params": [list(entry) for entry in self.params]}
+
+    @classmethod
+    def from_json(cls, document: Any, *, source: str) -> "PartitionMap":
+        try:
+            params = tuple((str(fqn), int(numel), int(offset), int(chunk))
+                           for fqn, numel, offset, chunk in document["params"])
+            built = cls(str(document["kind"]), int(document["world_size"]), int(document["size"]), params)
+        except (KeyError, TypeError, ValueError) as err:
+            raise CorruptCheckpointError(f"{source}: malformed partition map ({type(err).__name__}: {err}).") from None
+        if built.kind not in (MAP_FLAT, MAP_STRIDED) or built.world_size < 1 or built.size < 0 or any(
+                min(entry[1:]) < 0 for entry in params):
+            raise CorruptCheckpointError(f"{source}: malformed partition map {document!r:.200}.")
+        return built
+
+    def segments(self, rank: int) -> list[Segment]:
+        """The parameter elements rank ``rank``'s partition holds (padding left out); pure.
+
+        Example:
+
+        ```python
+        >>> flat = PartitionMap("flat", 2, 3, (("a", 4, 0, 4), ("b", 1, 4, 1)))
+        >>> [(s.fqn, s.start, s.length, s.offset) for s in flat.segments(1)]
+        [('a', 3, 1, 0), ('b', 0, 1, 1)]
+        >>> strided = PartitionMap("strided", 2, 3, (("a", 4, 0, 2), ("b", 1, 2, 1)))
+        >>> [(s.fqn, s.start, s.length, s.offset) for s in strided.segments(1)]
+        [('a', 2, 2, 0)]
+        ```
+        """
+        found = []
+        for fqn, numel, offset, chunk in self.params:
+            if self.kind == MAP_FLAT:
+                low, high = max(offset, rank * self.size), min(offset + numel, (rank + 1) * self.size)
+                segment = Segment(fqn, low - offset, high - low, low - rank * self.size)
+            else:
+                segment = Segment(fqn, rank * chunk, min(chunk, numel - rank * chunk), offset)
+            if segment.length > 0:
+                found.append(segment)
+        return found
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Copy ``length`` elements from ``position`` of the saved flat tensor ``name`` to ``offset`` of a partition."""
+
+    name: str
+    position: int
+    length: int
+    offset: int
+
+
+def plan_partition_copies(wanted: list[Segment], saved: Mapping[str, PartitionMap], *, source: str) -> list[Copy]:
+    """The reads that fill ``wanted`` (a partition's segments at the new world size) from the saved flat partitions
+    (their maps at the saved world size); pure.
+
+    Raises:
+        CheckpointMismatchError: a parameter the saved partitions do not cover entirely (all of them listed).
+
+    Example:
+
+    ```python
+    >>> saved = {"z2.g0": PartitionMap("flat", 2, 3, (("a", 4, 0, 4), ("b", 1, 4, 1)))}
+    >>> plan_partition_copies([Segment("a", 0, 4, 0), Segment("b", 0, 1, 4)], saved, source="x")
+    [Copy(name='z2.g0', position=0, length=3, offset=0), Copy(name='z2.g0', position=3, length=1, offset=3), \
+Copy(name='z2.g0', position=4, length=1, offset=4)]
+    ```
+    """
+    held: dict[str, list[tuple[str, int, Segment]]] = {}
+    for name, partition_map in saved.items():
+        for rank in range(partition_map.world_size):
+            for segment in partition_map.segments(rank):
+                held.setdefault(segment.fqn, []).append((name, rank * partition_map.size, segment))
+    copies, uncovered = [], []
+    for segment in wanted:
+        covered = 0
+        for name, base, stored in held.get(segment.fqn, ()):
+            low = max(segment.start, stored.start)
+            high = min(segment.start + segment.length, stored.start + stored.length)
+            if high > low:
+                copies.append(Copy(name, base + stored.offset + low - stored.start, high - low,
+                                   segment.offset + low - segment.start))
+                covered += high - low
+        if covered != segment.length:
+            uncovered.append(f"{segment.fqn} [{segment.start}, {segment.start + segment.length})")
+    if uncovered:
+        raise CheckpointMismatchError(
+            f"{source}: the saved optimizer partitions do not hold {len(uncovered)} parameter range(s) this rank "
+            f"needs: {', '.join(uncovered[:10])}. The model or its param groups changed since the save; build them as "
+            "when it was saved.")
+    return copies
+
+
+def read_partitioned(reader: Any, saved: Mapping[str, PartitionMap], key: str, wanted: list[Segment],
+                     out: torch.Tensor, *, source: str) -> torch.Tensor:
+    """Fill ``out`` (a flat partition, or a whole flattened parameter) at ``wanted`` with the saved optimizer tensor
+    ``key`` (``fp32``, ``exp_avg``...) of the flat partitions ``saved``, read from the pieces (``reader``: a
+    :class:`~hf_resumable.checkpoint._sharded_load.PieceReader` over the optimizer section); returns ``out``."""
+    from ._sharded import Box
+
+    for copy in plan_partition_copies(wanted, saved, source=source):
+        piece = reader.read_box(f"{OPTIMIZER_STATE_PREFIX}{copy.name}/{key}", Box((copy.position,), (copy.length,)))
+        with torch.no_grad():
+            out[copy.offset:copy.offset + copy.length].copy_(piece)
+    return out
+
+
+def saved_partition_maps(document: Mapping[str, Any], *, source: str) -> dict[str, PartitionMap]:
+    """``{flat partition name: map}`` recorded in an optimizer document (``non_tensor_state``).
+
+    Raises:
+        IncompleteCheckpointError: a flat partition without a map (saved before hf_resumable recorded them).
+    """
+    maps, missing = {}, []
+    for name, fields in (document.get("non_tensor_state") or {}).items():
+        if isinstance(fields, Mapping) and PARTITION_KEY in fields:
+            maps[name] = PartitionMap.from_json(fields[PARTITION_KEY], source=source)
+        else:
+            missing.append(name)
+    if missing or not maps:
+        raise IncompleteCheckpointError(
+            f"{source}: the optimizer partitions {missing[:5]} record no partition map, so they cannot be cut for "
+            "another world size. Resume at the world size that saved them.")
+    return maps
+
+
+def _rank_of(piece: Any, partition_map: PartitionMap) -> int:
+    """This rank's place in a partition's group: where its piece starts in the global flat tensor."""
+    return local_box(piece).offset[0] // max(partition_map.size, 1)
+
+
+def reshard_partitions(current: Mapping[str, Any], document: Mapping[str, Any], reader: Any, *,
+                       source: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Cut this rank's flat optimizer partitions (``current``, a ``ShardedOptimizerState.sharded_state_dict()`` at
+    the new world size) out of the saved ones (any world size, ``document`` their optimizer document, ``reader`` a
+    ``PieceReader`` over their section): every parameter's elements are read from wherever the saved partitions
+    hold them.
+
+    Returns:
+        `tuple`: the filled tensors, named as :func:`~hf_resumable.checkpoint._sharded.flatten_optimizer_state` names
+        ``current``'s, and ``document`` with the current partitions' names, for the sharded load to rebuild the state
+        from (a partition's non-partitioned state, e.g. Adam's ``step``, is the saved partition's that holds its
+        first parameter; padding keeps the live values).
+
+    Raises:
+        IncompleteCheckpointError: the saved partitions record no partition map.
+        CheckpointMismatchError: the saved partitions do not cover every parameter this rank needs, or the param
+            groups differ.
+    """
+    saved = saved_partition_maps(document, source=source)
+    holder = {entry[0]: name for name, partition_map in saved.items() for entry in partition_map.params}
+    stored = {name: fields for name, fields in document["non_tensor_state"].items()}
+    filled: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for name, fields in current["state"].items():
+        partition_map = PartitionMap.from_json(fields[PARTITION_KEY], source=f"{name} (live)")
+        flat = next(value for value in fields.values() if hasattr(value, "to_local"))
+        wanted = partition_map.segments(_rank_of(flat, partition_map))
+        if not wanted:
+            raise CheckpointMismatchError(f"{source}: the live partition {name!r} holds no parameter.")
+        origin = holder.get(wanted[0].fqn)
+        if origin is None:
+            raise CheckpointMismatchError(f"{source}: no saved optimizer partition holds {wanted[0].fqn!r}.")
+        for key, value in fields.items():
+            if hasattr(value, "to_local"):  # a partition: cut from every saved rank's pieces
+                out = value.to_local().detach().clone()
+                filled[f"{OPTIMIZER_STATE_PREFIX}{name}/{key}"] = read_partitioned(reader, saved, key, wanted, out,
+                                                                                   source=source)
+            elif torch.is_tensor(value):  # e.g. Adam's step, stored whole
+                filled[f"{OPTIMIZER_STATE_PREFIX}{name}/{key}"] = reader.read_full(
+                    f"{OPTIMIZER_STATE_PREFIX}{origin}/{key}")
+        scalars[name] = {**{k: v for k, v in stored[origin].items() if k != PARTITION_KEY},
+                         PARTITION_KEY: fields[PARTITION_KEY]}
+    if len(document["param_groups"]) != len(current["param_groups"]):
+        raise CheckpointMismatchError(f"{source}: {len(document['param_groups'])} param group(s) saved, the optimizer "
+                                      f"has {len(current['param_groups'])}; build it with the same groups.")
+    groups = [{**saved_group, "params": list(group["params"])}
+              for saved_group, group in zip(document["param_groups"], current["param_groups"])]
+    return filled, {**document, "param_groups": groups, "non_tensor_state": scalars}
+
+
+def parameter_tensors(reader: Any, document: Mapping[str, Any], key: str, *,
+                      source: str) -> dict[str, torch.Tensor]:
+    """``{fqn: flattened tensor}`` of the saved optimizer tensor ``key`` of every parameter (``"fp32"``: the fp32
+    master weights), assembled from flat partitions saved at any world size (``reader``: a ``PieceReader`` over the
+    optimizer section, ``document`` its optimizer document)."""
+    maps = saved_partition_maps(document, source=source)
+    result = {}
+    for name, partition_map in maps.items():
+        dtype = reader.section.dtypes[f"{OPTIMIZER_STATE_PREFIX}{name}/{key}"]
+        for fqn, numel, _, _ in partition_map.params:
+            result[fqn] = read_partitioned(reader, maps, key, [Segment(fqn, 0, numel, 0)],
+                                           torch.empty(numel, dtype=dtype), source=source)
+    return result
+
+
+def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
+    """``{fqn: flattened fp32 master weights}`` of every parameter a DeepSpeed ZeRO checkpoint's optimizer partitions
+    hold, assembled in one process from the pieces of every saving rank (any world size, no process group).
+
+    Args:
+        opened (`OpenedCheckpoint`): from :func:`~hf_resumable.checkpoint.open_checkpoint`.
+
+    Raises:
+        IncompleteCheckpointError: the checkpoint holds no ZeRO optimizer partitions (not a DeepSpeed ZeRO checkpoint,
+            or saved without the optimizer), or they record no partition map.
+    """
+    from ..constants import LAYOUT_FILE, LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC
+    from ._sharded_load import PieceReader, Section, check_pieces_stored, parse_layout
+
+    reader, source = opened._reader, str(opened.path / LAYOUT_FILE)
+    layout = parse_layout(reader.json(LAYOUT_FILE), source=source) if LAYOUT_FILE in opened.manifest.files else {}
+    document = layout.get(LAYOUT_KEY_OPTIMIZER_DOC) or {}
+    if layout.get(LAYOUT_KEY_OPTIMIZER) is None or not str(document.get("class", "")).startswith(ENGINE_CLASS_PREFIX):
+        raise IncompleteCheckpointError(
+            f"{opened.path} holds no DeepSpeed ZeRO optimizer partitions, so no fp32 master weights: only checkpoints "
+            "of ZeRO-1/2/3 runs saved with their optimizer have them. Export the model's weights instead.")
+    section = Section.from_json(layout[LAYOUT_KEY_OPTIMIZER], source=source)
+    check_pieces_stored(section, reader.report.headers, source=source)
+    with PieceReader(reader.path, section, source=source) as pieces:
+        return parameter_tensors(pieces, document, MASTER_KEY, source=source)

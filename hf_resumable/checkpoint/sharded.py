@@ -81,7 +81,13 @@ from ._frozen import base_not_stored
 from ._frozen_sharded import check_frozen_sharded, split_frozen_sharded
 from ._model import TIED_KEY
 from ._model_files import single_file_metadata
-from ._partitioned import is_partitioned, load_partitioned_state, partitioned_state, partitioned_views
+from ._partitioned import (
+    is_partitioned,
+    load_partitioned_state,
+    partitioned_state,
+    partitioned_views,
+    reshard_partitions,
+)
 from ._payload import (
     Payload,
     TensorFile,
@@ -540,8 +546,29 @@ def _engine_sharded_templates(optimizer: ShardedOptimizerState, section: Section
     return current
 
 
+def _saved_elsewhere(optimizer: ShardedOptimizerState, document: Mapping[str, Any]) -> bool:
+    """Whether an engine's flat partitions were saved under other names: at another world size (ZeRO's names hold
+    the data-parallel size)."""
+    saved = {name for group in document["param_groups"] for name in group["params"]}
+    return saved != set(optimizer.sharded_state_dict()["state"])
+
+
+def _load_resharded_partitions(reader: _Reader, section: Section, document: Mapping[str, Any],
+                               optimizer: ShardedOptimizerState) -> None:
+    """An engine's flat optimizer partitions saved at another world size: this rank's are cut again from every
+    saved rank's pieces (:func:`~hf_resumable.checkpoint._partitioned.reshard_partitions`), then loaded."""
+    source = str(reader.path)
+    optimizer.init_state()  # the partitions' state must exist to be filled (a no-op once the optimizer stepped)
+    current = optimizer.sharded_state_dict()
+    with PieceReader(reader.path, section, source=source) as pieces:
+        filled, renamed = reshard_partitions(current, document, pieces, source=source)
+    optimizer.load_sharded_state_dict(_rebuild_optimizer_state(filled, renamed, current, source=source))
+    logger.info("Cut %d optimizer partition(s) of this rank from %d saved one(s) (another world size).",
+                len(current["state"]), len(document["non_tensor_state"]))
+
+
 def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer) -> None:
+                    optimizer: torch.optim.Optimizer, *, elastic: bool = False) -> None:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     source = str(reader.path)
@@ -557,6 +584,9 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
         return
     engine_sharded = isinstance(optimizer, ShardedOptimizerState)
     originals: dict[str, Any] = {}  # FSDP1: the ShardedTensors its load reads, filled from the pieces
+    if engine_sharded and elastic and _saved_elsewhere(optimizer, document):
+        _load_resharded_partitions(reader, section, document, optimizer)
+        return
     if engine_sharded:
         current = _engine_sharded_templates(optimizer, section)
     else:
@@ -680,7 +710,7 @@ def load_sharded_into(
     if model is not None:
         _load_model(reader, layout, model, strict=strict, full=full)
     if optimizer is not None:
-        _load_optimizer(reader, layout, model, optimizer)
+        _load_optimizer(reader, layout, model, optimizer, elastic=opened.elastic)
     # 3. Scheduler, scaler; RNG last (load_into's steps 4, 7 and 8).
     opened.load_into(scheduler=scheduler, scaler=scaler, restore_rng=restore_rng)
     logger.info("Loaded sharded %s (step %s, saved by %d rank(s), loaded by %d)", opened.path, opened.step,

@@ -46,6 +46,7 @@ from ..constants import (
     FROZEN_RECORD_FILE,
     GENERATION_CONFIG_FILE,
     LAYOUT_FILE,
+    LAYOUT_KEY_MODEL,
     MANIFEST_FILE,
     MODEL_INDEX_FILE,
     OPTIMIZER_INDEX_FILE,
@@ -86,6 +87,7 @@ def export_model(
     merge_adapters: bool = False,
     max_shard_size: int | str = "5GB",
     verify: str = "quick",
+    master_weights: bool = False,
 ) -> Path:
     """Write the checkpoint's model, frozen base included, as a directory ``from_pretrained`` loads.
 
@@ -100,6 +102,9 @@ def export_model(
         max_shard_size (`int` or `str`, *optional*, defaults to `"5GB"`): shard size of the written weights.
         verify (`str`, *optional*, defaults to `"quick"`): how the checkpoint is verified, and with ``"full"`` the
             base checked byte for byte (see :func:`hf_resumable.checkpoint.open_checkpoint`).
+        master_weights (`bool`, *optional*, defaults to `False`): write the fp32 master weights a DeepSpeed ZeRO-1/2/3
+            checkpoint keeps in its optimizer partitions (assembled from every rank's), in float32, instead of the
+            model's weights in the training dtype (bf16 / fp16 under mixed precision).
 
     Returns:
         `Path`: ``output``.
@@ -109,6 +114,7 @@ def export_model(
             ``merge_adapters`` with a quantized base.
         BaseMismatchError: ``base`` is not the base the checkpoint was trained with.
         CheckpointExistsError: ``output`` exists and is not empty.
+        IncompleteCheckpointError: ``master_weights`` for a checkpoint without ZeRO optimizer partitions.
         IncompleteCheckpointError / CorruptCheckpointError: the checkpoint does not verify.
     """
     source, target = Path(checkpoint), Path(output)
@@ -120,6 +126,8 @@ def export_model(
     model = _build_model(opened, base=base, revision=revision)
     # 2. The checkpoint's state, the frozen base checked against its record first.
     _load_weights(opened, model)
+    if master_weights:
+        _load_master_weights(opened, model)
     # 3. Write into a fresh sibling directory, then rename it into place.
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".export-{target.name}.", dir=target.parent))
@@ -151,9 +159,55 @@ def _load_weights(opened: OpenedCheckpoint, model: Any) -> None:
         return
     from ..checkpoint.sharded import load_sharded_into
 
+    _as_stored(opened, model)
     # the export is not a resume: no RNG restored, so a world size other than the saving one is fine
     load_sharded_into(opened, model=model, restore_rng=False, strict=True)
     logger.info("Assembled the weights of %s from the pieces of %d rank(s).", opened.path, opened.manifest.world_size)
+
+
+def _load_master_weights(opened: OpenedCheckpoint, model: Any) -> None:
+    """Overwrite ``model``'s parameters, in float32, with the ZeRO checkpoint's fp32 master weights (buffers keep the
+    values just loaded; DeepSpeed keeps no master copy of them).
+
+    Raises:
+        ExportError: a trainable parameter of the model has no master weights in the checkpoint, or one that does not
+            fit it.
+    """
+    from ..checkpoint._partitioned import read_master_weights
+
+    masters = read_master_weights(opened)  # raises IncompleteCheckpointError without ZeRO partitions
+    model.float()
+    parameters = dict(model.named_parameters())
+    unknown = sorted(set(masters) - set(parameters))
+    missing = sorted(name for name, p in parameters.items() if p.requires_grad and name not in masters)
+    wrong = sorted(name for name in set(masters) & set(parameters)
+                   if masters[name].numel() != parameters[name].numel())
+    if unknown or missing or wrong:
+        raise ExportError(f"{opened.path}: the fp32 master weights do not fit the model (not in the model: "
+                          f"{unknown[:5]}, without master weights: {missing[:5]}, other sizes: {wrong[:5]}); export "
+                          "the model's weights (without master_weights).")
+    with torch.no_grad():
+        for name, flat in masters.items():
+            parameters[name].copy_(flat.view(parameters[name].shape))
+    logger.info("Exporting the fp32 master weights of %d parameter(s) of %s.", len(masters), opened.path)
+
+
+def _as_stored(opened: OpenedCheckpoint, model: Any) -> None:
+    """Give each floating parameter of ``model`` the dtype a per-rank checkpoint stores it in
+    (``sharded_layout.json``): an engine may train in another dtype than the config says (DeepSpeed's bf16 casts the
+    module), and the export writes the weights as trained."""
+    described = (opened._reader.json(LAYOUT_FILE).get(LAYOUT_KEY_MODEL) or {}).get("tensors") or {}
+    cast = 0
+    for name, parameter in model.named_parameters():
+        entry = described.get(name)
+        dtype = STR_TO_DTYPE.get(entry.get("dtype")) if isinstance(entry, dict) else None
+        if dtype is not None and dtype.is_floating_point and parameter.is_floating_point() and \
+                parameter.dtype != dtype:
+            parameter.data = parameter.data.to(dtype)
+            cast += 1
+    if cast:
+        logger.info("%s stores %d weight(s) in another dtype than the config builds; exported as stored.",
+                    opened.path, cast)
 
 
 def _is_peft(model: Any) -> bool:

@@ -107,7 +107,7 @@ def build_map_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], bat
                          prefetch_factor: int | None = None, multiprocessing_context: Any = None,
                          lengths: Sequence[int] | None = None, group_size: int | None = None,
                          order: Callable[[int], Sequence[int]] | None = None,
-                         num_samples: int | None = None) -> ResumableDataLoader:
+                         num_samples: int | None = None, global_batch: int | None = None) -> ResumableDataLoader:
     """A :class:`ResumableDataLoader` for a map-style data set.
 
     Args:
@@ -115,7 +115,8 @@ def build_map_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], bat
         collate_fn (`Callable`): collator, run in the same seeded context as the fetch.
         batch_size (`int`): per-rank batch size.
         seed (`int`): run seed (permutation, per-batch randomness, worker base seed).
-        shuffle, drop_last, rank, world_size, lengths, group_size, order: see :class:`ResumableBatchSampler`.
+        shuffle, drop_last, rank, world_size, lengths, group_size, order, global_batch: see
+            :class:`ResumableBatchSampler` (``global_batch``: the elastic layout).
         num_samples (`int`, *optional*): indices per epoch of ``order`` (default: ``len(dataset)``).
         num_workers, pin_memory, persistent_workers, prefetch_factor, multiprocessing_context:
             forwarded to ``torch.utils.data.DataLoader``.
@@ -125,7 +126,8 @@ def build_map_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], bat
     """
     count = len(dataset) if num_samples is None else num_samples
     sampler = ResumableBatchSampler(count, batch_size, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank,
-                                    world_size=world_size, lengths=lengths, group_size=group_size, order=order)
+                                    world_size=world_size, lengths=lengths, group_size=group_size, order=order,
+                                    global_batch=global_batch)
     kwargs = _loader_kwargs(seed, num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers,
                             prefetch_factor=prefetch_factor, multiprocessing_context=multiprocessing_context)
     return ResumableDataLoader(SeededMapDataset(dataset, collate_fn, seed=seed), batch_sampler=sampler, **kwargs)

@@ -17,6 +17,7 @@ from ..errors import InexactResumeError
 from ..format.rng import derive_seed, seeded_rng
 from ._generators import GeneratorSlots
 from ._position import _TAG_PERMUTATION, _TAG_SAMPLER, BatchKey
+from .elastic import split_global_step
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,13 @@ class ResumableBatchSampler(Sampler[BatchKey]):
             :func:`sampler_epoch_order`), ``num_samples`` long; replaces the built-in permutation. Under data
             parallelism it is sharded by whole batches (rank ``r`` takes batches ``r``, ``r + world_size``, ...,
             as accelerate's ``BatchSamplerShard`` does), not by sample.
+        global_batch (`int`, *optional*): the elastic layout (``elastic=True`` of both front doors), for a run whose
+            world size may change while its global batch (``global_batch`` samples per optimizer step) is kept.
+            Each epoch's order is cut to whole global batches, split into *chunks* of ``batch_size`` consecutive
+            positions, and rank ``r``'s batch ``j`` is chunk ``j * world_size + r``
+            (:func:`~hf_resumable.data.elastic.split_global_step`). Optimizer step ``k`` then trains on positions
+            ``[k * global_batch, (k + 1) * global_batch)`` and every chunk is the same batch at any world size
+            (keys carry ``chunk``). Must be a multiple of ``batch_size * world_size``; not with ``order``.
 
     Example:
 
@@ -59,7 +67,7 @@ class ResumableBatchSampler(Sampler[BatchKey]):
     def __init__(self, num_samples: int, batch_size: int, *, seed: int, shuffle: bool = True,
                  drop_last: bool = False, rank: int = 0, world_size: int = 1, start_step: int = 0,
                  lengths: Sequence[int] | None = None, group_size: int | None = None,
-                 order: Callable[[int], Sequence[int]] | None = None) -> None:
+                 order: Callable[[int], Sequence[int]] | None = None, global_batch: int | None = None) -> None:
         if num_samples < 0 or batch_size < 1:
             raise ValueError(f"num_samples must be >= 0 and batch_size >= 1, got {num_samples} and {batch_size}.")
         if not 0 <= rank < world_size:
@@ -67,6 +75,11 @@ class ResumableBatchSampler(Sampler[BatchKey]):
         if lengths is not None and (len(lengths) != num_samples or not shuffle):
             raise ValueError(f"lengths must have one entry per sample ({num_samples}, got {len(lengths)}) and "
                              "length grouping needs shuffle=True.")
+        if global_batch is not None and (order is not None or global_batch < 1
+                                         or global_batch % (batch_size * world_size)):
+            raise ValueError(f"global_batch must be a positive multiple of batch_size * world_size "
+                             f"({batch_size} * {world_size}), got {global_batch}, and cannot be combined with order.")
+        self.global_batch = global_batch
         self.lengths = list(lengths) if lengths is not None else None
         self.group_size = group_size or batch_size * world_size
         self.order = order
@@ -80,6 +93,8 @@ class ResumableBatchSampler(Sampler[BatchKey]):
     def _samples_per_rank(self) -> int:
         if not self.num_samples:
             return 0
+        if self.global_batch is not None:  # whole global batches only, the same at any world size
+            return (self.num_samples - self.num_samples % self.global_batch) // self.world_size
         if self.order is not None and self.world_size > 1:  # sharded by whole batches, padded to full rounds
             return math.ceil(self.num_samples / (self.batch_size * self.world_size)) * self.batch_size
         return math.ceil(self.num_samples / self.world_size)
@@ -115,6 +130,8 @@ class ResumableBatchSampler(Sampler[BatchKey]):
                 order = torch.randperm(self.num_samples, generator=generator).tolist()
         else:
             order = list(range(self.num_samples))
+        if self.global_batch is not None:
+            return self._elastic_share(order)
         padded = self._samples_per_rank() * self.world_size
         if order and padded > len(order):
             order += (order * (padded // len(order) + 1))[: padded - len(order)]
@@ -126,11 +143,21 @@ class ResumableBatchSampler(Sampler[BatchKey]):
                     for index in order[start : start + size]]
         return order[self.rank :: self.world_size]
 
+    def _elastic_share(self, order: list[int]) -> list[int]:
+        """This rank's chunks of the global ``order`` (cut to whole global batches), in training order."""
+        size, round_size = self.batch_size, self.batch_size * self.world_size
+        share = []
+        for start in range(0, self._samples_per_rank() * self.world_size, round_size):
+            lo, hi = split_global_step(start, round_size, world_size=self.world_size, batch_size=size, rank=self.rank)
+            share += order[lo:hi]
+        return share
+
     def __iter__(self) -> Iterator[BatchKey]:
         order = self.epoch_indices(self.epoch)
         for step in range(self.start_step, len(self)):
-            chunk = tuple(order[step * self.batch_size : (step + 1) * self.batch_size])
-            yield BatchKey(self.epoch, self.rank, step, chunk)
+            indices = tuple(order[step * self.batch_size : (step + 1) * self.batch_size])
+            chunk = None if self.global_batch is None else step * self.world_size + self.rank
+            yield BatchKey(self.epoch, self.rank, step, indices, chunk)
 
 
 

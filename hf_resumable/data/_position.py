@@ -25,6 +25,7 @@ _TAG_FINGERPRINT = "fingerprint"
 _TAG_SHUFFLE_BUFFER = "shuffle-buffer"
 _TAG_GENERATOR = "private-generator"
 _TAG_SAMPLER = "custom-sampler"
+_TAG_ELASTIC_BATCH = "elastic-batch"
 
 # Keys of the JSON data-position records written into checkpoints (data/rank-0000R.json).
 DATA_KIND = "kind"  # "map" or "stream"
@@ -66,12 +67,16 @@ class BatchKey(NamedTuple):
         rank (`int`): data-parallel rank that trains on it.
         step (`int`): number of the batch within this rank's epoch (0-based).
         indices (`tuple[int, ...]`): dataset indices of its samples, in order.
+        chunk (`int`, *optional*): in the elastic layout, the batch's number in the epoch's *global* order (batch
+            ``chunk`` holds positions ``[chunk * batch_size, (chunk + 1) * batch_size)`` whatever the world size);
+            its randomness is then keyed by ``(epoch, chunk)`` and each sample's by its index, never by the rank.
     """
 
     epoch: int
     rank: int
     step: int
     indices: tuple[int, ...]
+    chunk: int | None = None
 
 
 def data_rng(seed: int) -> contextlib.AbstractContextManager[None]:

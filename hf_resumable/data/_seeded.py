@@ -12,7 +12,8 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from ..errors import InexactResumeError
 from ..format.rng import derive_seed
 from ._generators import GeneratorSlots, _dataset_generator_root
-from ._position import _TAG_MAP_BATCH, _TAG_STREAM_BATCH, BatchKey, data_rng
+from ._position import _TAG_ELASTIC_BATCH, _TAG_MAP_BATCH, _TAG_STREAM_BATCH, BatchKey, data_rng
+from .elastic import sample_seed
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +23,11 @@ class SeededMapDataset(Dataset):
 
     Used with :class:`ResumableBatchSampler` as ``batch_sampler``: the ``DataLoader`` hands each key to
     :meth:`__getitems__`, which runs the user's data set (including a ``datasets`` ``set_transform``)
-    and collator under ``data_rng(derive_seed(seed, epoch, rank, step))``.
+    and collator under ``data_rng(derive_seed(seed, epoch, rank, step))``. A key of the elastic layout (with a
+    ``chunk``, see :class:`ResumableBatchSampler`'s ``global_batch``) is keyed by the layout-free identities instead:
+    each sample is fetched under its own :func:`~hf_resumable.data.elastic.sample_seed` (the idea of
+    :class:`~hf_resumable.data.elastic.ElasticSeededDataset`) and the collator runs under a seed of
+    ``(epoch, chunk)``, so a batch is built identically whichever rank and world size trains on it.
 
     Args:
         dataset (`torch.utils.data.Dataset`): any map-style data set (``datasets.Dataset`` included).
@@ -45,11 +50,26 @@ class SeededMapDataset(Dataset):
         return [self.dataset[index] for index in indices]
 
     def __getitems__(self, key: BatchKey) -> Any:
+        if key.chunk is not None:
+            return self._elastic_batch(key)
         seed = derive_seed(self.seed, _TAG_MAP_BATCH, key.epoch, key.rank, key.step)
         self._dataset_generators.reseed(_dataset_generator_root(self.dataset), seed=seed)
         self._collate_generators.reseed(self.collate_fn, seed=seed)
         with data_rng(seed):
             return self.collate_fn(self._fetch(list(key.indices)))
+
+    def _elastic_batch(self, key: BatchKey) -> Any:
+        """One sample at a time under its own seed, then the collator under the chunk's seed (no rank involved)."""
+        items = []
+        for index in key.indices:
+            seed = sample_seed(self.seed, key.epoch, index)
+            self._dataset_generators.reseed(_dataset_generator_root(self.dataset), seed=seed)
+            with data_rng(seed):
+                items.append(self.dataset[index])
+        seed = derive_seed(self.seed, _TAG_ELASTIC_BATCH, key.epoch, key.chunk)
+        self._collate_generators.reseed(self.collate_fn, seed=seed)
+        with data_rng(seed):
+            return self.collate_fn(items)
 
     __getitem__ = __getitems__
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["ResumableTrainer", "ResumableAccelerator"]
+__all__ = ["ResumableTrainer", "ResumableAccelerator", "ElasticWorldSizeError"]
 
-_LAZY = {"ResumableTrainer": ".trainer", "ResumableAccelerator": ".accelerate"}
+_LAZY = {"ResumableTrainer": ".trainer", "ResumableAccelerator": ".accelerate", "ElasticWorldSizeError": "._elastic"}
 
 
 def __getattr__(name: str) -> Any:

@@ -13,6 +13,7 @@ from accelerate.state import GradientState
 from accelerate.utils import send_to_device
 
 from ..data import DATA_EPOCH, DATA_KIND, DATA_NUM_BATCHES, DATA_STEP, ResumableDataLoader
+from ._elastic import seed_model_rng
 
 __all__ = ["AccumulationWindow", "ResumablePreparedLoader"]
 
@@ -112,11 +113,14 @@ class AccumulationWindow:
     Args:
         batches (`list`): the micro-batches on this rank.
         num_items (`int`, *optional*): items (e.g. label tokens) in the whole window on all ranks.
+        seeds (`list`, *optional*): per micro-batch ``(seed, epoch, chunk)`` (``elastic=True``): torch's generators
+            are seeded from it before the micro-batch is handed out, so dropout does not depend on the rank layout.
     """
 
-    def __init__(self, batches: list[Any], num_items: int | None) -> None:
+    def __init__(self, batches: list[Any], num_items: int | None, *, seeds: list | None = None) -> None:
         self.batches = batches
         self.num_items = num_items
+        self.seeds = seeds
         self.slot: tuple[int, int] | None = None  # (index, length) of the micro-batch being trained on
 
     def __len__(self) -> int:
@@ -126,6 +130,9 @@ class AccumulationWindow:
         try:
             for index, batch in enumerate(self.batches):
                 self.slot = (index, len(self.batches))
+                if self.seeds is not None:
+                    seed, epoch, chunk = self.seeds[index]
+                    seed_model_rng(seed, epoch=epoch, chunk=chunk)
                 yield batch
         finally:
             self.slot = None

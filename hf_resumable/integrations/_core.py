@@ -81,8 +81,11 @@ class ResumeOptions:
     resume_hyperparameters: str = "checkpoint"
     checkpoint_dir: Path | None = None
     keep_last: int | None = DEFAULT
+    elastic: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.elastic, bool):
+            raise ValueError(f"elastic must be True or False, got {self.elastic!r}.")
         for field in ("allow_inexact_resume", "allow_config_drift", "exit_on_preemption", "handle_preemption",
                       "standalone_checkpoints", "restore_callback_states"):
             object.__setattr__(self, field, bool(getattr(self, field)))

@@ -15,10 +15,12 @@ sub-group's flat fp32 master weights and moments (:class:`Zero3OptimizerState`, 
 ``zero<dp size>.subgroup<i>``). Small parameters ZeRO-3 keeps gathered (``ds_persist``) are gathered again from the
 loaded partitions, as DeepSpeed does after its own loads.
 
-A partition's place in the flat tensor depends on the data-parallel size, which is part of the name: these
-checkpoints resume at the same world size (a changed one is refused as configuration drift by both front doors,
-and, if allowed anyway, fails naming the optimizer keys). ZeRO-Offload (optimizer or parameters on the CPU or NVMe)
-is refused: it is not tested.
+A partition's place in the flat tensor depends on the data-parallel size, which is part of the name; each
+partition also records its map (``partition``: which elements of which parameters every rank holds,
+:class:`~hf_resumable.checkpoint._partitioned.PartitionMap`). A checkpoint opened with ``elastic=True`` therefore
+loads at another world size: the sharded load cuts this rank's partitions again from every saved rank's pieces
+(:func:`~hf_resumable.checkpoint._partitioned.reshard_partitions`). Without it, another world size is refused as
+configuration drift. ZeRO-Offload (optimizer or parameters on the CPU or NVMe) is refused: it is not tested.
 
 Nothing here imports deepspeed: the ZeRO optimizer is recognised by its attributes, so accelerate and the Trainer
 import it as they always do, and only when it is configured.
@@ -27,12 +29,21 @@ import it as they always do, and only when it is configured.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
+from ..checkpoint._partitioned import (
+    ENGINE_CLASS_PREFIX,
+    MAP_FLAT,
+    MAP_STRIDED,
+    MASTER_KEY,
+    PARTITION_KEY,
+    PartitionMap,
+)
 from ..checkpoint._sharded import group_mesh
 from ..errors import IncompleteCheckpointError, UnsupportedEngineError
 from ._engines import refuse_engine
@@ -43,9 +54,9 @@ __all__ = ["ZeroOptimizerState", "Zero3OptimizerState", "register_step_hook", "c
            "zero_optimizer", "torch_optimizer", "EXTRA_DEEPSPEED", "saved_engine_state", "capture_engine_state",
            "restore_engine_state", "deepspeed_engine", "deepspeed_resume_by_us"]
 
-MASTER_KEY = "fp32"  # the fp32 master-weight partition, next to the base optimizer's own state keys
 # A param group's flat partition, named as a parameter would be. The data-parallel size is part of the name: the
-# partitions' layout depends on it, so a resume at another world size fails naming the keys (never mixes layouts).
+# partitions' layout depends on it, so they are never mixed with another world size's (an elastic load cuts them
+# again from their recorded maps).
 GROUP_NAME = "zero{world_size}.group{index}"
 SUBGROUP_NAME = "zero{world_size}.subgroup{index}"  # ZeRO-3: a sub-group's flat partition, named the same way
 EXTRA_DEEPSPEED = "deepspeed_engine"  # extra-state key: the engine's counters and loss scaler (capture_engine_state)
@@ -154,9 +165,11 @@ class _ZeroState:
         return self.base.state
 
 
-def _partition_entries(base: torch.optim.Optimizer, flat: torch.Tensor, group: Any) -> dict[str, Any]:
-    """One flat fp32 partition's checkpoint entries: the master piece and the base optimizer's state over it."""
-    entries = {MASTER_KEY: _flat_piece(flat.detach(), group)}
+def _partition_entries(base: torch.optim.Optimizer, flat: torch.Tensor, group: Any,
+                       partition_map: PartitionMap) -> dict[str, Any]:
+    """One flat fp32 partition's checkpoint entries: the master piece, the base optimizer's state over it, and the
+    map of the parameter elements it holds (JSON: what cuts it again for another world size)."""
+    entries = {MASTER_KEY: _flat_piece(flat.detach(), group), PARTITION_KEY: partition_map.to_json()}
     for key, value in base.state.get(flat, {}).items():
         partitioned = torch.is_tensor(value) and value.shape == flat.shape
         entries[key] = _flat_piece(value, group) if partitioned else value
@@ -165,7 +178,8 @@ def _partition_entries(base: torch.optim.Optimizer, flat: torch.Tensor, group: A
 
 def _restore_partition(base: torch.optim.Optimizer, flat: torch.Tensor, saved: Mapping[str, Any]) -> None:
     """Put one flat partition's master piece and optimizer state (:func:`_partition_entries`) back in place."""
-    entries = {key: value.to_local() if hasattr(value, "to_local") else value for key, value in saved.items()}
+    entries = {key: value.to_local() if hasattr(value, "to_local") else value for key, value in saved.items()
+               if key != PARTITION_KEY}
     with torch.no_grad():
         flat.copy_(entries.pop(MASTER_KEY))
     base.state[flat] = {key: value.to(flat.device) if torch.is_tensor(value) and value.shape == flat.shape
@@ -189,7 +203,7 @@ class ZeroOptimizerState(_ZeroState):
         self.zero = zero
         self.base: torch.optim.Optimizer = zero.optimizer
         stage = 2 if getattr(zero, "partition_gradients", False) else 1
-        self.checkpoint_class = f"DeepSpeedZero{stage}/{type(self.base).__qualname__}"
+        self.checkpoint_class = f"{ENGINE_CLASS_PREFIX}{stage}/{type(self.base).__qualname__}"
 
     def _partitions(self) -> Iterator[tuple[str, torch.Tensor, Any]]:
         for index, group in enumerate(self.base.param_groups):
@@ -198,11 +212,22 @@ class ZeroOptimizerState(_ZeroState):
             world_size = torch.distributed.get_world_size(dp_group)
             yield GROUP_NAME.format(world_size=world_size, index=index), flat, dp_group
 
+    def _map(self, index: int, flat: torch.Tensor, world_size: int) -> PartitionMap:
+        """Param group ``index``'s parameters in its flat tensor (in DeepSpeed's order, at DeepSpeed's offsets:
+        parameters may be aligned, and reordered round robin), cut in ``flat.numel()`` elements per rank."""
+        params = self.zero.round_robin_bit16_groups[index]
+        offsets = getattr(self.zero, "round_robin_bit16_offsets", None)
+        offsets = offsets[index] if offsets else list(itertools.accumulate((p.numel() for p in params), initial=0))
+        names = self.zero.param_names
+        return PartitionMap(MAP_FLAT, world_size, flat.numel(),
+                            tuple((names[p], p.numel(), offset, p.numel()) for p, offset in zip(params, offsets)))
+
     def sharded_state_dict(self) -> dict[str, Any]:
         """``{"state": {group name: {key: piece or value}}, "param_groups": [...]}``, names for parameters."""
         state, groups = {}, []
-        for (name, flat, group), param_group in zip(self._partitions(), self.base.param_groups):
-            state[name] = _partition_entries(self.base, flat, group)
+        for index, ((name, flat, group), param_group) in enumerate(zip(self._partitions(), self.base.param_groups)):
+            partition_map = self._map(index, flat, torch.distributed.get_world_size(group))
+            state[name] = _partition_entries(self.base, flat, group, partition_map)
             groups.append({**{k: v for k, v in param_group.items() if k != "params"}, "params": [name]})
         return {"state": state, "param_groups": groups}
 
@@ -217,6 +242,11 @@ class ZeroOptimizerState(_ZeroState):
                                                        state["param_groups"]):
             _restore_partition(self.base, flat, state["state"][name])
             param_group.update({k: v for k, v in saved.items() if k != "params"})
+        if hasattr(self.zero, "_lazy_init_hp_params_optimizer_state"):
+            # DeepSpeed links each parameter's fragments to the optimizer state once (for safe_get_full_* and its
+            # universal checkpoints): link them to the state just loaded
+            self.zero._hp_optimizer_states_linked = False
+            self.zero._lazy_init_hp_params_optimizer_state()
 
 
 class Zero3OptimizerState(_ZeroState):
@@ -240,7 +270,7 @@ class Zero3OptimizerState(_ZeroState):
             raise _unsupported("DeepSpeed ZeRO-Offload")
         self.zero = zero
         self.base: torch.optim.Optimizer = zero.optimizer
-        self.checkpoint_class = f"DeepSpeedZero3/{type(self.base).__qualname__}"
+        self.checkpoint_class = f"{ENGINE_CLASS_PREFIX}3/{type(self.base).__qualname__}"
 
     def _partitions(self) -> Iterator[tuple[str, torch.Tensor, Any, int]]:
         """``(name, flat fp32 partition, its process group, its param group)`` per sub-group."""
@@ -252,12 +282,21 @@ class Zero3OptimizerState(_ZeroState):
             yield (SUBGROUP_NAME.format(world_size=world_size, index=index), flat, group,
                    zero.sub_group_to_group_id[index])
 
+    def _map(self, index: int, flat: torch.Tensor, group: Any) -> PartitionMap:
+        """Sub-group ``index``'s parameters: each rank holds its chunk of each (``ds_tensor``), end to end."""
+        names, offset, params = self.zero.param_names, 0, []
+        for param in self.zero.fp16_groups[index]:
+            chunk = int(param.ds_tensor.ds_numel if hasattr(param.ds_tensor, "ds_numel") else param.ds_tensor.numel())
+            params.append((names[param], int(param.ds_numel), offset, chunk))
+            offset += chunk
+        return PartitionMap(MAP_STRIDED, torch.distributed.get_world_size(group), flat.numel(), tuple(params))
+
     def sharded_state_dict(self) -> dict[str, Any]:
         """``{"state": {sub-group name: {key: piece or value}}, "param_groups": [...]}``, names for parameters."""
         state: dict[str, Any] = {}
         listed: list[list[str]] = [[] for _ in self.base.param_groups]
-        for name, flat, group, group_id in self._partitions():
-            state[name] = _partition_entries(self.base, flat, group)
+        for index, (name, flat, group, group_id) in enumerate(self._partitions()):
+            state[name] = _partition_entries(self.base, flat, group, self._map(index, flat, group))
             listed[group_id].append(name)
         groups = [{**{k: v for k, v in param_group.items() if k != "params"}, "params": names}
                   for param_group, names in zip(self.base.param_groups, listed)]

@@ -118,6 +118,13 @@ from ._accelerate_data import (
     plan_loader,
     rebuild_prepared_loader,
 )
+from ._accelerate_elastic import (
+    KEY_ELASTIC,
+    KEY_SCHEDULER_RATE,
+    KeptRateScheduler,
+    convert_position,
+    elastic_changes,
+)
 from ._accelerate_loop import AccumulationWindow, ResumablePreparedLoader
 from ._accelerate_objects import (
     KIND_MODULE,
@@ -152,6 +159,7 @@ from ._deepspeed import (
     saved_engine_state,
     zero_optimizer,
 )
+from ._elastic import plan_elastic_resume
 from ._engines import check_accelerate_options, check_accelerate_state, checkpoint_model, holds_dtensors
 
 logger = logging.getLogger(__name__)
@@ -257,6 +265,15 @@ class ResumableAccelerator(Accelerator):
         standalone_checkpoints (`bool`, *optional*, defaults to `False`): store the first model's frozen parameters
             (a PEFT base, a frozen embedding) in every checkpoint too; by default they are recorded, not stored, and
             checked against the model by ``load_state`` (see :func:`hf_resumable.save_checkpoint`).
+        elastic (`bool`, *optional*, defaults to `False`): ``load_state`` may continue a run saved by another
+            number of processes: the checkpoint's global batch (per-device batch x ``gradient_accumulation_steps``
+            x world size) is kept by changing ``gradient_accumulation_steps`` (logged once, old -> new; a world size
+            that does not divide it raises ``ElasticWorldSizeError`` listing those that do), loaders from
+            :meth:`prepare_resumable_dataloader` give every optimizer step the same samples at any world size (each
+            epoch cut to whole global batches), batches and the dropout masks of micro-batches handed out by
+            :meth:`accumulation_windows` are keyed by the global micro-batch, not the rank, and prepared schedulers
+            keep the first launch's stepping rate. With ``backward(loss_sum, num_items_in_batch=window.num_items)``
+            losses and weights match the uninterrupted run up to float rounding (see docs/accelerate.md).
 
     These options are validated when the accelerator is built and kept in ``resume_options`` (a frozen
     ``ResumeOptions``, shared with ``ResumableTrainer``).
@@ -287,12 +304,13 @@ class ResumableAccelerator(Accelerator):
     def __init__(self, *args: Any, checkpoint_dir: str | os.PathLike | None = None, keep_last: Any = DEFAULT,
                  save_async: bool = False, allow_inexact_resume: bool = False, handle_preemption: bool = True,
                  exit_on_preemption: bool = True, push_checkpoints_to: str | None = None,
-                 storage_options: dict | None = None, standalone_checkpoints: bool = False, **kwargs: Any) -> None:
+                 storage_options: dict | None = None, standalone_checkpoints: bool = False, elastic: bool = False,
+                 **kwargs: Any) -> None:
         self.resume_options = ResumeOptions(
             checkpoint_dir=checkpoint_dir, keep_last=keep_last, save_async=bool(save_async),
             allow_inexact_resume=allow_inexact_resume, handle_preemption=handle_preemption,
             exit_on_preemption=exit_on_preemption, push_checkpoints_to=push_checkpoints_to,
-            storage_options=storage_options, standalone_checkpoints=standalone_checkpoints)
+            storage_options=storage_options, standalone_checkpoints=standalone_checkpoints, elastic=elastic)
         # Engines refused before accelerate sets them up (DeepSpeed is imported there), then from its built state.
         check_accelerate_options(inspect.signature(Accelerator.__init__).bind(self, *args, **kwargs).arguments)
         super().__init__(*args, **kwargs)
@@ -306,6 +324,7 @@ class ResumableAccelerator(Accelerator):
         # Loaders whose position is saved, in preparation order (ResumablePreparedLoader, ResumableDataLoaderShard...).
         self._resumable_loaders: list[LoaderPosition] = []
         self._preemption = PreemptionHandler().install() if handle_preemption else None
+        self._scheduler_rate = self.num_processes  # elastic: scheduler steps per optimizer step (first launch's)
         self._uploader = (open_uploader(push_checkpoints_to, storage_options=storage_options)
                           if push_checkpoints_to is not None and self.is_main_process else None)
 
@@ -411,11 +430,13 @@ class ResumableAccelerator(Accelerator):
         ...     data, collate_fn=collate, batch_size=8, seed=0)
         ```
         """
+        global_batch = batch_size * self.gradient_accumulation_steps * self.num_processes
         loader = build_map_dataloader(dataset, collate_fn=collate_fn, batch_size=batch_size, seed=seed,
                                       shuffle=shuffle, drop_last=drop_last, rank=self.process_index,
                                       world_size=self.num_processes, num_workers=num_workers,
                                       persistent_workers=persistent_workers,
-                                      multiprocessing_context=multiprocessing_context)
+                                      multiprocessing_context=multiprocessing_context,
+                                      global_batch=global_batch if self.resume_options.elastic else None)
         return self.prepare(loader)
 
     def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None,
@@ -512,6 +533,16 @@ class ResumableAccelerator(Accelerator):
             return dataloader
         return super().skip_first_batches(dataloader, num_batches)
 
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        """accelerate's ``prepare_scheduler``; with ``elastic=True`` the scheduler keeps the first launch's number of
+        steps per optimizer step (:class:`~._accelerate_elastic.KeptRateScheduler`)."""
+        prepared = super().prepare_scheduler(scheduler)
+        if not self.resume_options.elastic:
+            return prepared
+        kept = KeptRateScheduler(prepared, rate=self._scheduler_rate)
+        self._schedulers = [kept if item is prepared else item for item in self._schedulers]
+        return kept
+
     def free_memory(self, *objects: Any) -> Any:
         """accelerate's ``free_memory``; also forgets the prepared loaders' positions."""
         self._resumable_loaders = []
@@ -544,16 +575,29 @@ class ResumableAccelerator(Accelerator):
         ```
         """
         iterator = iter(dataloader)
+        chunk_seeds = self.resume_options.elastic and isinstance(dataloader, ResumablePreparedLoader)
         while True:
-            batches = list(islice(iterator, self.gradient_accumulation_steps))
+            if chunk_seeds:
+                batches, seeds = self._elastic_window(dataloader, iterator)
+            else:
+                batches, seeds = list(islice(iterator, self.gradient_accumulation_steps)), None
             if not batches:
                 return
             num_items = self._count_window_items(batches, count_items) if count_items is not None else None
-            self._window = AccumulationWindow(batches, num_items)
+            self._window = AccumulationWindow(batches, num_items, seeds=seeds)
             try:
                 yield self._window
             finally:
                 self._window = None
+
+    def _elastic_window(self, loader: ResumablePreparedLoader, iterator: Iterator[Any]) -> tuple[list[Any], list]:
+        """A window's batches and, per batch, the ``(seed, epoch, chunk)`` its model randomness is keyed by."""
+        sampler = loader.loader.batch_sampler
+        batches, keys = [], []
+        for batch in islice(iterator, self.gradient_accumulation_steps):
+            batches.append(batch)  # read right after the loader handed it out: its epoch and batch number
+            keys.append((sampler.seed, loader.epoch, (loader.consumed - 1) * self.num_processes + self.process_index))
+        return batches, keys
 
     def _count_window_items(self, batches: list[Any], count_items: Callable[[Any], int | torch.Tensor]) -> int:
         local = sum(int(count_items(batch)) for batch in batches)
@@ -861,8 +905,12 @@ class ResumableAccelerator(Accelerator):
         return state_fingerprint(models=self._models, optimizers=optimizers, small_state=small)
 
     def _run_settings(self) -> dict[str, Any]:
-        return {"world_size": self.num_processes, "gradient_accumulation_steps": self.gradient_accumulation_steps,
-                "loaders": [loader.settings() for loader in self._resumable_loaders]}
+        settings = {"world_size": self.num_processes, "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                    "loaders": [loader.settings() for loader in self._resumable_loaders],
+                    KEY_ELASTIC: self.resume_options.elastic}
+        if self.resume_options.elastic:
+            settings[KEY_SCHEDULER_RATE] = self._scheduler_rate
+        return settings
 
     # ---------------------------------------------------------------- load
 
@@ -899,7 +947,10 @@ class ResumableAccelerator(Accelerator):
             IncompleteCheckpointError: not a committed hf_resumable checkpoint (e.g. written by stock accelerate),
                 or it lacks an object that is prepared now.
             ConfigDriftError: the world size, accumulation steps or data layout differ from the saved run
-                (unless ``allow_inexact_resume``).
+                (unless ``allow_inexact_resume``; with ``elastic=True`` a world size that keeps the global batch is
+                not a drift).
+            ElasticWorldSizeError: ``elastic=True`` and this world size cannot keep the checkpoint's global batch
+                (the message lists the world sizes that can), before anything is loaded.
             InexactResumeError: this process's RNG or data position is missing (unless ``allow_inexact_resume``).
             CorruptCheckpointError / CheckpointMismatchError: see :func:`hf_resumable.checkpoint.open_checkpoint`
                 and ``OpenedCheckpoint.load_into`` (everything is checked before anything is filled).
@@ -913,7 +964,8 @@ class ResumableAccelerator(Accelerator):
             return None
         # 1. Verify and decode once; compare the saved settings with ours before any object is touched.
         opened = self._open_checkpoint(path)
-        self._check_drift(path, opened.manifest.world_size, opened.extra.get(EXTRA_RUN))
+        kept = self._plan_elastic(path, opened) if self.resume_options.elastic else False
+        self._check_drift(path, opened.manifest.world_size, opened.extra.get(EXTRA_RUN), elastic_kept=kept)
         layout = self._layout_of(opened)
         # 2. accelerate's load hooks: a model they remove from the list is not loaded here.
         models = list(self._models)
@@ -937,7 +989,7 @@ class ResumableAccelerator(Accelerator):
             restore_engine_state(engine, [core_optimizer], engine_state)
         # 4. Counters and data positions, 5. registered objects, 6. RNG.
         self._restore_counters(path, loaded)
-        self._restore_loaders(path, loaded.data_state)
+        self._restore_loaders(path, loaded.data_state, loaded.manifest.world_size)
         self._restore_custom_objects(path, loaded.extra.get(EXTRA_CUSTOM_OBJECTS) or [])
         self._restore_rng(path, loaded)  # last: restoring anything else may draw random numbers
         if self.is_main_process:
@@ -964,7 +1016,8 @@ class ResumableAccelerator(Accelerator):
     def _open_checkpoint(self, path: Path) -> OpenedCheckpoint:
         """The one place the resume path reads a checkpoint: verified and decoded once, no live object touched."""
         return open_checkpoint(path, allow_inexact_resume=self.resume_options.allow_inexact_resume,
-                               counters=(PROGRESS_MICRO_STEP, PROGRESS_ITERATION))
+                               counters=(PROGRESS_MICRO_STEP, PROGRESS_ITERATION),
+                               elastic=self.resume_options.elastic)  # FSDP2/ZeRO pieces: resharded
 
     def _layout_of(self, peek: LoadedCheckpoint) -> Layout:
         record = peek.extra.get(EXTRA_LAYOUT)
@@ -1065,16 +1118,59 @@ class ResumableAccelerator(Accelerator):
     def _inexact(self, message: str, error: type[InexactResumeError] = InexactResumeError) -> None:
         inexact(message, allow=self.resume_options.allow_inexact_resume, owner="ResumableAccelerator", error=error)
 
-    def _check_drift(self, path: Path, saved_world_size: int, saved: Mapping[str, Any] | None) -> None:
+    def _plan_elastic(self, path: Path, opened: OpenedCheckpoint) -> bool:
+        """``elastic=True``: keep the first launch's scheduler rate; at another world size, keep the checkpoint's
+        global batch (gradient accumulation and the loaders' epoch cut). Whether the world size changed.
+
+        Raises:
+            ElasticWorldSizeError: the global batch does not divide at this world size.
+            ConfigDriftError: a loader that is not from ``prepare_resumable_dataloader`` (its order is per rank).
+        """
+        saved = opened.extra.get(EXTRA_RUN) or {}
+        saved_world_size = opened.manifest.world_size
+        self._scheduler_rate = int(saved.get(KEY_SCHEDULER_RATE, saved_world_size))
+        for scheduler in self._schedulers:
+            if isinstance(scheduler, KeptRateScheduler):
+                scheduler.rate = self._scheduler_rate
+        if saved_world_size == self.num_processes or not saved.get(KEY_ELASTIC):
+            return False  # same size, or a checkpoint of another layout (the drift check names it)
+        loaders = [loader for loader in self._resumable_loaders if isinstance(loader, ResumablePreparedLoader)]
+        if not loaders or len(loaders) != len(self._resumable_loaders):
+            raise ConfigDriftError(f"{path} was saved by {saved_world_size} process(es), this run has "
+                                   f"{self.num_processes}: elastic=True keeps the sample order only for loaders from "
+                                   "prepare_resumable_dataloader(). Build the training loader with it.")
+        plan = plan_elastic_resume(saved_world_size=saved_world_size,
+                                   saved_accumulation=int(saved["gradient_accumulation_steps"]),
+                                   per_device_batch=loaders[0].batch_size, world_size=self.num_processes,
+                                   checkpoint=str(path))
+        self.gradient_accumulation_steps = plan.gradient_accumulation_steps
+        for loader in loaders:
+            loader.loader.batch_sampler.global_batch = plan.global_batch
+        if self.is_main_process:
+            logger.info("Elastic resume of %s: %s.", path, plan.describe())
+        return True
+
+    def _check_drift(self, path: Path, saved_world_size: int, saved: Mapping[str, Any] | None, *,
+                     elastic_kept: bool = False) -> None:
         saved = {**(saved or {}), "world_size": saved_world_size}  # the manifest's count is authoritative
-        check_drift(changed_settings(saved, self._run_settings()), checkpoint=str(path),
+        saved.setdefault(KEY_ELASTIC, False)
+        changed = changed_settings(saved, self._run_settings())
+        if self.resume_options.elastic:
+            changed = elastic_changes(changed, kept=elastic_kept)
+        check_drift(changed, checkpoint=str(path),
                     allow=self.resume_options.allow_inexact_resume, option="allow_inexact_resume",
                     owner="ResumableAccelerator")
 
-    def _restore_loaders(self, path: Path, data_state: Mapping[str, Any] | None) -> None:
+    def _restore_loaders(self, path: Path, data_state: Mapping[str, Any] | None, saved_world_size: int) -> None:
         if not self._resumable_loaders:
             return
         records = (data_state or {}).get(DATA_LOADERS)
+        if self.resume_options.elastic and saved_world_size != self.num_processes:
+            # the elastic layout's position is global: rank 0's record, converted (a new rank has none of its own)
+            records = broadcast_json(records if self.is_main_process else None)
+            records = [convert_position(record, saved_world_size=saved_world_size, world_size=self.num_processes,
+                                        num_batches=len(loader))
+                       for record, loader in zip(records or [], self._resumable_loaders)] or None
         if records is None or len(records) != len(self._resumable_loaders):
             self._inexact(f"{path} has no position for the {len(self._resumable_loaders)} prepared loader(s) of rank "
                           f"{self.process_index}")
@@ -1100,6 +1196,11 @@ class ResumableAccelerator(Accelerator):
             obj.load_state_dict(state)
 
     def _restore_rng(self, path: Path, loaded: LoadedCheckpoint) -> None:
+        if self.resume_options.elastic and loaded.manifest.world_size != self.num_processes:
+            # accumulation_windows keys the model's randomness per micro-batch; a new rank starts from its seed
+            if loaded.rng_state is not None:
+                restore_rng_state(loaded.rng_state, allow_device_mismatch=True)
+            return
         if loaded.rng_state is None:
             self._inexact(f"{path} has no RNG state for rank {self.process_index}")
             return
@@ -1131,6 +1232,11 @@ class ResumableAccelerator(Accelerator):
         exit_after_preemption(self._preemption, checkpoint=str(path), step=self.global_step,
                               exit=self.resume_options.exit_on_preemption)
         return True
+
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
+        """accelerate's ``log`` (to every tracker, on the main process); ``hf-resumable check`` compares the values."""
+        trace.on_metrics(values, step)  # hf-resumable check: the metrics logged at this step
+        super().log(values, step=step, log_kwargs=log_kwargs or {})
 
     def end_training(self) -> None:
         """Wait for an in-flight asynchronous save, uninstall the SIGTERM handler, finish trackers, meet at a barrier.

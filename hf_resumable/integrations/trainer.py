@@ -114,6 +114,7 @@ from ._deepspeed import (
     saved_engine_state,
     torch_optimizer,
 )
+from ._elastic import ELASTIC_SETTINGS, ElasticPlan, plan_elastic_resume, seed_model_rng
 from ._engines import check_trainer_engine, checkpoint_model, holds_dtensors
 from ._save_interval import AutoSaveInterval, check_save_strategy
 from ._trainer_discovery import (
@@ -171,6 +172,7 @@ _PROGRESS_ATTRIBUTES = "trainer_attributes"  # resumable_state_attributes of a T
 _EXTRA_RUN_CONFIG = "run_config"  # RunConfig.to_dict()
 _EXTRA_MODEL_ONLY = "model_only"  # True when saved with save_only_model (cannot resume exactly)
 _EXTRA_HYPERPARAMETERS = "hyperparameters"  # _trainer_hparams.hyperparameter_snapshot()
+_EXTRA_ELASTIC = "elastic"  # True when written with elastic=True (the elastic sample layout)
 
 
 def check_trainer_internals() -> list[str]:
@@ -351,6 +353,14 @@ class ResumableTrainer(Trainer):
             the previous save has committed, so it is the same as with blocking saves. Callbacks'
             ``on_save`` is called when the save returns, as in ``Trainer``: with ``save_async=True`` the
             checkpoint may still be in flight then (call :meth:`wait_for_pending_saves` to wait for it).
+        elastic (`bool`, *optional*, defaults to `False`): let a restart use another number of processes and
+            continue the same run. The checkpoint's global batch (``per_device_train_batch_size`` x
+            ``gradient_accumulation_steps`` x world size) is kept by recomputing ``gradient_accumulation_steps``
+            (logged once, old -> new; a world size that does not divide it is refused before step 1 with
+            ``ElasticWorldSizeError``, listing those that do); every optimizer step trains on the same samples,
+            each batch built and each dropout mask drawn identically whichever rank trains on it, so losses and
+            weights match the uninterrupted run up to float rounding (see docs/trainer.md). Map-style training data
+            only; every epoch is cut to whole global batches.
         mean_time_between_failures (`float`, *optional*): the expected seconds between preemptions or crashes; the
             trainer then measures its own save cost and step time and saves at the interval that minimises the
             expected lost time (Young/Daly, ``sqrt(2 * save cost * mean_time_between_failures)``, in steps),
@@ -381,14 +391,14 @@ class ResumableTrainer(Trainer):
                  exit_on_preemption: bool = True, checkpoint_verify: str = "quick",
                  push_checkpoints_to: str | None = None, storage_options: dict | None = None,
                  restore_callback_states: bool = True, resume_hyperparameters: str = "checkpoint",
-                 standalone_checkpoints: bool = False, save_async: bool | None = None,
+                 standalone_checkpoints: bool = False, save_async: bool | None = None, elastic: bool = False,
                  mean_time_between_failures: float | None = None, **kwargs: Any) -> None:
         # Options given to a make_resumable() class were set aside before the subclass's constructor ran.
         options = dict(allow_config_drift=allow_config_drift, allow_inexact_resume=allow_inexact_resume,
                        exit_on_preemption=exit_on_preemption, checkpoint_verify=checkpoint_verify,
                        push_checkpoints_to=push_checkpoints_to, storage_options=storage_options,
                        restore_callback_states=restore_callback_states, resume_hyperparameters=resume_hyperparameters,
-                       standalone_checkpoints=standalone_checkpoints, save_async=save_async)
+                       standalone_checkpoints=standalone_checkpoints, save_async=save_async, elastic=elastic)
         # save_async=None: saves_async decides per save
         self.resume_options = ResumeOptions(**{**options, **self.__dict__.pop("_hfr_options", {})})
         super().__init__(*args, **kwargs)
@@ -406,6 +416,7 @@ class ResumableTrainer(Trainer):
         self._last_eval: tuple[int, dict[str, float]] | None = None
         self._loop = _LoopTracker()
         self._rng_restored = False
+        self._micro_of_step = (-1, 0)  # (global_step, micro-batches trained in it): elastic dropout keys
         self._converted_from: Path | None = None
         self._loader_fallback: str | None = None
         self._uploader = None
@@ -471,6 +482,8 @@ class ResumableTrainer(Trainer):
                 ``ValueError``, as in ``Trainer``, and a ``CheckpointNotFoundError``).
             CorruptCheckpointError / IncompleteCheckpointError: the given path does not verify.
             ConfigDriftError: the run configuration differs from the checkpoint's.
+            ElasticWorldSizeError: ``elastic=True`` and this world size cannot keep the checkpoint's global batch
+                (a ``ConfigDriftError``; the message lists the world sizes that can), before the first step.
             CheckpointExistsError: the run would save over a ``checkpoint-N`` directory hf_resumable did not write
                 (raised before the first step).
             UnsupportedEngineError: DeepSpeed ZeRO-Offload (``TrainingArguments.deepspeed``), FSDP1 hybrid sharding
@@ -493,6 +506,7 @@ class ResumableTrainer(Trainer):
         self.resumed_from = None if self._resume is None else (self._resume.converted_from or checkpoint)
         self._loop = _LoopTracker(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
         self._rng_restored = False
+        self._micro_of_step = (-1, 0)
         self._loader_fallback = None
         self._train_loader = self._train_position = None
         # eval_on_start evaluates before the first step of the run, not again at every restart
@@ -587,7 +601,8 @@ class ResumableTrainer(Trainer):
     def _open_checkpoint(self, path: Path, verified: VerifyReport | None = None) -> _Resume:
         # Opened (decoded) once here, with the verification that found it; the weights and optimizer are filled from
         # this same object in _load_optimizer_and_scheduler, so a resume never verifies, reads or hashes a file twice.
-        loaded = open_checkpoint(path, verify=self.resume_options.checkpoint_verify, verified=verified)
+        loaded = open_checkpoint(path, verify=self.resume_options.checkpoint_verify, verified=verified,
+                                 elastic=self.resume_options.elastic)  # FSDP2/ZeRO pieces: resharded
         converted_from, self._converted_from = self._converted_from, None
         if converted_from is not None or loaded.extra.get("converted_from"):
             return _Resume(path=path, loaded=loaded, converted_from=converted_from or path)
@@ -597,10 +612,38 @@ class ResumableTrainer(Trainer):
         if saved is None:
             self._inexact(f"{path} records no run configuration (not written by ResumableTrainer)")
         else:
-            check_drift(RunConfig.from_dict(saved).diff(self._current_run_config()), checkpoint=str(path),
-                        allow=self.resume_options.allow_config_drift, option="allow_config_drift",
-                        owner="ResumableTrainer")
+            saved_config = RunConfig.from_dict(saved)
+            elastic = self._plan_elastic(saved_config, path) if self.resume_options.elastic else None
+            changed = saved_config.diff(self._current_run_config())
+            if elastic is not None:  # the world size changed and the global batch is kept
+                changed = {name: values for name, values in changed.items() if name not in ELASTIC_SETTINGS}
+            layouts = (bool(loaded.extra.get(_EXTRA_ELASTIC)), self.resume_options.elastic)
+            if layouts[0] != layouts[1]:
+                changed["elastic"] = layouts
+            check_drift(changed, checkpoint=str(path), allow=self.resume_options.allow_config_drift,
+                        option="allow_config_drift", owner="ResumableTrainer")
         return _Resume(path=path, loaded=loaded)
+
+    def _plan_elastic(self, saved: RunConfig, path: Path) -> ElasticPlan | None:
+        """``elastic=True`` at another world size: keep the checkpoint's global batch by changing
+        ``gradient_accumulation_steps`` (before the Trainer sizes anything with it); ``None`` at the same size.
+
+        Raises:
+            ElasticWorldSizeError: the global batch does not divide at this world size.
+        """
+        per_device = self.args.per_device_train_batch_size
+        if saved.world_size == self.args.world_size or saved.per_device_train_batch_size != per_device:
+            return None  # a changed per-device batch is reported by the drift check
+        plan = plan_elastic_resume(saved_world_size=saved.world_size,
+                                   saved_accumulation=saved.gradient_accumulation_steps,
+                                   per_device_batch=saved.per_device_train_batch_size,
+                                   world_size=self.args.world_size, checkpoint=str(path))
+        if plan.gradient_accumulation_steps != self.args.gradient_accumulation_steps:
+            self.args.gradient_accumulation_steps = plan.gradient_accumulation_steps
+        self._run_config = None  # recorded with the new accumulation
+        if self.args.process_index == 0:  # once per run, not per rank
+            logger.info("Elastic resume of %s: %s.", path, plan.describe())
+        return plan
 
     def _inexact(self, message: str) -> None:
         inexact(message, allow=self.resume_options.allow_inexact_resume, owner="ResumableTrainer")
@@ -644,6 +687,12 @@ class ResumableTrainer(Trainer):
                                            is_training=is_training, dataloader_key=dataloader_key)
         dataset, collator = self._train_dataset_and_collator(dataset)
         options = self._loader_options(batch_size)
+        if self.resume_options.elastic and (custom_sampler or isinstance(dataset, torch.utils.data.IterableDataset)):
+            self._refuse_at_start(
+                "elastic=True keeps the sample order across world sizes for map-style training data in "
+                f"ResumableTrainer's own order, not for {'a custom sampler' if custom_sampler else 'a stream'}",
+                fix="Use a map-style data set with train_sampling_strategy 'random', 'sequential' or "
+                    "'group_by_length', or elastic=False")
         if isinstance(dataset, torch.utils.data.IterableDataset):
             if strategy == "group_by_length":
                 logger.warning("train_sampling_strategy='group_by_length' is ignored for a streaming data set (it "
@@ -671,7 +720,9 @@ class ResumableTrainer(Trainer):
             loader = build_map_dataloader(dataset, collate_fn=collator, drop_last=self.args.dataloader_drop_last,
                                           shuffle=strategy != "sequential", world_size=self.args.world_size,
                                           lengths=self._train_lengths() if grouped else None,
-                                          group_size=group_size if grouped else None, **options)
+                                          group_size=group_size if grouped else None,
+                                          global_batch=group_size if self.resume_options.elastic else None,
+                                          **options)
         self._train_loader = loader
         self._train_position = StepPosition(loader, steps_done=lambda: self.state.global_step,
                                             batches_per_step=self.args.gradient_accumulation_steps)
@@ -733,6 +784,8 @@ class ResumableTrainer(Trainer):
         record = self._resume.loaded.data_state
         if record is None and self._resume.converted_from is not None:
             return  # a stock checkpoint: the loader starts at the Trainer's (epoch, batch), in hf_resumable's order
+        if self.resume_options.elastic and self._train_position.kind == "map":
+            return  # the elastic layout's position is the global step (the Trainer's skip), at any world size
         if record is None:
             self._inexact(f"{self._resume.path} has no data position for rank {self.args.process_index}")
             return
@@ -793,6 +846,7 @@ class ResumableTrainer(Trainer):
             training_state={_PROGRESS_LOOP: self._loop_state(), _PROGRESS_ATTRIBUTES: self._trainer_attributes()},
             extra={_EXTRA_RUN_CONFIG: self._current_run_config().to_dict(), _EXTRA_MODEL_ONLY: model_only,
                    _EXTRA_HYPERPARAMETERS: hyperparameter_snapshot(self.args, max_steps=self.state.max_steps),
+                   _EXTRA_ELASTIC: self.resume_options.elastic,
                    **({EXTRA_DEEPSPEED: capture_engine_state(engine, [optimizer])} if engine is not None else {})},
             extra_files={TRAINER_STATE_FILE: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True)},
             data_state=self._data_position(), rng=not model_only, metrics=self._metrics_of_this_step(),
@@ -921,6 +975,26 @@ class ResumableTrainer(Trainer):
         self._check_before_training(dataloader, max_steps=values[-1])
         return values
 
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.resume_options.elastic and self._train_loader is not None:
+            # dropout keyed by the chunk this micro-batch trains on, not by the rank: the same at any world size
+            epoch, chunk = self._elastic_chunk()
+            seed_model_rng(self.args.seed, epoch=epoch, chunk=chunk)
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def _elastic_chunk(self) -> tuple[int, int]:
+        """``(epoch, chunk)`` of the micro-batch about to train (elastic layout: every optimizer step of an epoch has
+        ``gradient_accumulation_steps`` micro-batches; rank ``r``'s ``j``-th is chunk ``j * world_size + r``)."""
+        step = self.state.global_step
+        if self._micro_of_step[0] != step:
+            self._micro_of_step = (step, 0)
+        micro = self._micro_of_step[1]
+        self._micro_of_step = (step, micro + 1)
+        per_epoch = self._loop.steps_per_epoch or 1
+        epoch, step_in_epoch = divmod(step, per_epoch)
+        batch = step_in_epoch * self.args.gradient_accumulation_steps + micro
+        return epoch, batch * self.args.world_size + self.args.process_index
+
     def _saves_checkpoints(self) -> bool:
         return str(getattr(self.args.save_strategy, "value", self.args.save_strategy)) != "no"
 
@@ -942,6 +1016,8 @@ class ResumableTrainer(Trainer):
             if collisions:
                 raise collision_error(self._get_output_dir(self._loop.trial), collisions, after_step=start,
                                       up_to_step=max_steps)
+        if self.resume_options.elastic:
+            self._check_elastic_loss()
         if not self._saves_checkpoints():
             return
         if self.args.save_only_model:
@@ -973,6 +1049,19 @@ class ResumableTrainer(Trainer):
                         f"{type(callback).__name__}.state() is not JSON-serializable ({err}); every checkpoint's "
                         "trainer_state.json stores it, so the first save would fail. Nothing was trained. Return "
                         "only numbers, strings, lists and dicts from state().") from err
+
+    def _check_elastic_loss(self) -> None:
+        """``elastic=True`` needs the loss normalised over the whole global batch (tokens of every micro-batch and
+        rank), which ``Trainer`` does with ``average_tokens_across_devices`` and a model or ``compute_loss_func``
+        that takes ``num_items_in_batch``; a per-micro-batch mean would weigh tokens by the rank layout."""
+        if self.args.average_tokens_across_devices and (self.model_accepts_loss_kwargs or self.compute_loss_func):
+            return
+        self._refuse_at_start(
+            "elastic=True: the loss is not normalised over the whole global batch (average_tokens_across_devices="
+            f"{self.args.average_tokens_across_devices}, model takes num_items_in_batch: "
+            f"{bool(self.model_accepts_loss_kwargs)}), so the gradient would depend on how the batch is split "
+            "across processes", fix="Set average_tokens_across_devices=True and use a model that accepts "
+                                    "num_items_in_batch (or pass compute_loss_func)")
 
     def _refuse_at_start(self, message: str, *, fix: str) -> None:
         if self.resume_options.allow_inexact_resume:
@@ -1080,7 +1169,8 @@ class ResumableTrainer(Trainer):
             files = self._resume.loaded.manifest.files  # a converted DeepSpeed checkpoint holds it in pieces
             model_only = OPTIMIZER_INDEX_FILE not in files and LAYOUT_FILE not in files
         opened = (self._resume.loaded if self._resume is not None and Path(checkpoint) == self._resume.path
-                  else open_checkpoint(checkpoint, verify=self.resume_options.checkpoint_verify))
+                  else open_checkpoint(checkpoint, verify=self.resume_options.checkpoint_verify,
+                                       elastic=self.resume_options.elastic))
         model = checkpoint_model(self.model, self.accelerator.unwrap_model(self.model))  # FSDP1: its root
         optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO: this rank's partitions
         objects = dict(optimizer=None if model_only else optimizer,
@@ -1122,6 +1212,12 @@ class ResumableTrainer(Trainer):
         state = self._resume.loaded.rng_state
         if state is None and self._resume.converted_from is not None:
             return
+        if self.resume_options.elastic and self._resume.loaded.manifest.world_size != self.args.world_size:
+            # the model's randomness is keyed per micro-batch (training_step); a rank the checkpoint had keeps its
+            # other streams, a new one starts from its seed
+            if state is not None:
+                restore_rng_state(state, allow_device_mismatch=True)
+            return
         if state is None:
             self._inexact(f"{checkpoint} has no RNG state for rank {self.args.process_index}")
             return
@@ -1151,7 +1247,7 @@ def make_resumable(trainer_class: type, *, state_attributes: tuple[str, ...] | l
     constructor takes the subclass's arguments plus ResumableTrainer's options (``allow_config_drift``,
     ``allow_inexact_resume``, ``exit_on_preemption``, ``checkpoint_verify``, ``push_checkpoints_to``,
     ``storage_options``, ``restore_callback_states``, ``resume_hyperparameters``, ``standalone_checkpoints``,
-    ``save_async``). The same class is returned for the same arguments.
+    ``save_async``, ``elastic``). The same class is returned for the same arguments.
 
     Args:
         trainer_class (`type`): a subclass of ``transformers.Trainer``.

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import hf_resumable  # noqa: F401  (installs the per-attempt rendezvous)
 
 time.sleep(float(sys.argv[1]))
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(sys.argv[2]) if len(sys.argv) > 2 else 30))
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(sys.argv[2]) if len(sys.argv) > 2 else 300))
 total = torch.tensor([dist.get_rank() + 1.0])
 dist.all_reduce(total)
 print(f"sum {total.item()}", flush=True)

@@ -59,7 +59,7 @@ def main() -> int:
     parser.add_argument("--async", dest="blocking", action="store_false")
     parser.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep after every step")
     args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))  # a loaded machine is only slower
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     killing = attempt == 0 and rank == args.kill_rank and args.kill_at > 0

@@ -92,7 +92,7 @@ def resume(root: Path, step: int, rank: int) -> None:
 
 
 def main(mode: str, root: str, step: str) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))  # a loaded machine is only slower
     rank = dist.get_rank()
     if mode == "crash":
         kill_rank_1_inside_save(rank)

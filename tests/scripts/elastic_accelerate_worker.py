@@ -1,0 +1,104 @@
+"""``ResumableAccelerator(..., elastic=True)`` training a tiny GPT-2, launched with ``torchrun`` (any
+``--nproc-per-node``) or plain ``python``: the same command line at every world size.
+
+Usage: ``elastic_accelerate_worker.py OUTPUT_DIR [--max-steps N] [--kill-after K] [--dropout P]``.
+
+The loop is accelerate's token-exact recipe (``accumulation_windows`` + ``backward(loss_sum,
+num_items_in_batch=window.num_items)``) with a linear warmup/decay schedule prepared by accelerate. After each
+optimizer step every rank appends the samples it trained on to ``OUTPUT_DIR/samples-rank<r>.jsonl`` and rank 0 appends
+the step's global token-mean loss and learning rate to ``OUTPUT_DIR/losses.jsonl``; a checkpoint is saved every step.
+``--kill-after K``: every rank SIGKILLs itself right after checkpoint K is saved. At the end rank 0 writes
+``OUTPUT_DIR/final.safetensors`` (the model's parameters) and ``OUTPUT_DIR/result.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from transformers import get_linear_schedule_with_warmup
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from elastic_data import FETCHED, CropRows, collate  # noqa: E402
+
+from hf_resumable import ResumableAccelerator  # noqa: E402
+
+from tiny_models import tiny_gpt2  # noqa: E402
+
+
+def count_tokens(batch: dict) -> torch.Tensor:
+    return (batch["labels"][:, 1:] != -100).sum()
+
+
+def loss_sum(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100,
+                           reduction="sum")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("--max-steps", type=int, default=4)
+    parser.add_argument("--kill-after", type=int)
+    parser.add_argument("--dropout", type=float, default=0.0)
+    options = parser.parse_args()
+    out = options.output_dir
+    # the script's own settings: 2 ranks x 2 micro-batches of 2 = a global batch of 8; 24 samples = 3 steps/epoch
+    accelerator = ResumableAccelerator(gradient_accumulation_steps=2, checkpoint_dir=out / "checkpoints",
+                                       elastic=True, cpu=True)
+    rank = accelerator.process_index
+    out.mkdir(parents=True, exist_ok=True)
+    loader = accelerator.prepare_resumable_dataloader(CropRows(24), collate_fn=collate, batch_size=2, seed=5)
+    model = tiny_gpt2(resid_pdrop=options.dropout, embd_pdrop=options.dropout, attn_pdrop=options.dropout)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    # in scheduler steps, which accelerate takes num_processes of per optimizer step (2 at the first launch)
+    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=4, num_training_steps=16)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    loaded = accelerator.load_state()
+    model.train()
+    while accelerator.global_step < options.max_steps:
+        for window in accelerator.accumulation_windows(loader, count_items=count_tokens):
+            total = torch.zeros((), dtype=torch.float64)
+            for batch in window:
+                with accelerator.accumulate(model):
+                    loss = loss_sum(model, batch)
+                    accelerator.backward(loss, num_items_in_batch=window.num_items)
+                    total += loss.detach().double()
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+            step = accelerator.global_step
+            with (out / f"samples-rank{rank}.jsonl").open("a") as record:
+                record.write(json.dumps({"step": step, "indices": FETCHED}) + "\n")
+            FETCHED.clear()
+            total = float(accelerator.reduce(total, reduction="sum")) / window.num_items
+            if rank == 0:
+                with (out / "losses.jsonl").open("a") as record:
+                    record.write(json.dumps({"step": step, "loss": total, "lr": scheduler.get_last_lr()[0]}) + "\n")
+            accelerator.save_state()
+            if step == options.kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step >= options.max_steps:
+                break
+    accelerator.wait_for_everyone()
+    if rank == 0:
+        unwrapped = accelerator.unwrap_model(model)
+        save_file({name: p.detach().contiguous() for name, p in unwrapped.named_parameters()},
+                  str(out / "final.safetensors"))
+        (out / "result.json").write_text(json.dumps({
+            "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
+            "resumed_from": None if loaded is None else str(loaded.path)}))
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The data of the elastic workers (tests/scripts/elastic_*_worker.py): variable-length rows with a per-sample random
+crop, a padding collator, and the sample indices each process collated (``FETCHED``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tiny_models import VOCAB  # noqa: E402
+
+FETCHED: list[int] = []  # indices collated since the last optimizer step (num_workers=0: this process)
+
+
+class CropRows(torch.utils.data.Dataset):
+    """Rows of 4-16 tokens; each fetch drops a random number (0-2) of leading tokens (torch's global generator)."""
+
+    def __init__(self, count: int) -> None:
+        generator = torch.Generator().manual_seed(11)
+        lengths = torch.randint(4, 17, (count,), generator=generator).tolist()
+        self.rows = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        start = int(torch.randint(0, 3, ()))
+        return {"input_ids": self.rows[index][start:], "index": index}
+
+
+def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Right-pad with 0; padded positions are ignored by the loss (so micro-batches hold different token counts)."""
+    FETCHED.extend(row["index"] for row in rows)
+    width = max(len(row["input_ids"]) for row in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, : len(row["input_ids"])] = torch.tensor(row["input_ids"])
+        mask[i, : len(row["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+

@@ -1,0 +1,187 @@
+"""``ResumableTrainer(..., elastic=True)``: a run SIGKILLed and relaunched on another number of processes is the
+same run as the uninterrupted one.
+
+The same command (tests/scripts/elastic_trainer_worker.py) is launched with ``torchrun --nproc-per-node 2``, killed,
+relaunched with plain ``python`` (1 process: gradient accumulation 2 -> 4), killed, and relaunched with 2 processes
+again. Compared with an uninterrupted 2-process run: the multiset of sample indices of every optimizer step, every
+logged loss (1e-5 relative) and every final weight tensor (1e-5 relative L2) -- with dropout ON, since the dropout
+masks are keyed by the global micro-batch, not by the rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import zygote
+from distributed_launch import REPO_ROOT, child_env, run_torchrun
+
+WORKER = REPO_ROOT / "tests" / "scripts" / "elastic_trainer_worker.py"
+TIMEOUT = 300
+RTOL = 1e-5
+
+
+def launch(output: Path, *, nproc: int, max_steps: int = 4, kill_after: int | None = None,
+           dropout: float = 0.1, accumulation: int | None = None, expect_kill: bool = False,
+           expect_fail: bool = False, worker: Path = WORKER) -> str:
+    """``worker`` at world size ``nproc`` (torchrun for 2+, plain python for 1); its output."""
+    args = [str(output), "--max-steps", str(max_steps), "--dropout", str(dropout)]
+    args += [] if accumulation is None else ["--accumulation", str(accumulation)]
+    args += [] if kill_after is None else ["--kill-after", str(kill_after)]
+    if nproc == 1:
+        done = zygote.run([sys.executable, str(worker), *args], env=child_env(), cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+        out = done.stdout + done.stderr
+        killed = done.returncode == -9
+    else:
+        done = run_torchrun(worker, args, env=child_env(), timeout=TIMEOUT, nproc=nproc)
+        out = done.stdout
+        killed = done.returncode != 0 and "SIGKILL" in out
+    if expect_fail:
+        assert done.returncode not in (0, -9) and not killed, out[-5000:]
+    else:
+        assert killed if expect_kill else done.returncode == 0, out[-5000:]
+    return out
+
+
+def samples_per_step(run: Path) -> dict[int, Counter]:
+    """``{step: Counter(sample indices)}`` over every rank and every launch of ``run``."""
+    steps: dict[int, Counter] = {}
+    for path in run.glob("samples-rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            steps.setdefault(record["step"], Counter()).update(record["indices"])
+    return steps
+
+
+def logged_losses(run: Path) -> dict[int, float]:
+    """``{step: loss}``: the Trainer's log history, or the accelerate worker's ``losses.jsonl`` (every launch)."""
+    if (run / "losses.jsonl").exists():
+        return {record["step"]: record["loss"] for record in map(json.loads, (run / "losses.jsonl").open())}
+    history = json.loads((run / "result.json").read_text())["log_history"]
+    return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
+
+
+def assert_same_run(reference: Path, run: Path, *, steps: int) -> None:
+    expected, got = samples_per_step(reference), samples_per_step(run)
+    assert sorted(expected) == list(range(1, steps + 1)) and got == expected
+    losses, resumed = logged_losses(reference), logged_losses(run)
+    assert sorted(resumed) == sorted(losses) == list(range(1, steps + 1))
+    for step, loss in losses.items():
+        assert resumed[step] == pytest.approx(loss, rel=RTOL), step
+    final, ref = load_file(run / "final.safetensors"), load_file(reference / "final.safetensors")
+    assert list(final) == list(ref)
+    for name, tensor in ref.items():
+        for part, (a, b) in _with_true_gradient(name, final[name], tensor).items():
+            error = float((a - b).norm() / b.norm().clamp_min(1e-12))
+            assert error <= RTOL, (part, error)
+
+
+def steps_of_rank(run: Path, rank: int) -> list[int]:
+    """The optimizer steps rank ``rank`` trained in (it did not exist in the 1-process launches)."""
+    path = run / f"samples-rank{rank}.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _with_true_gradient(name: str, a: torch.Tensor, b: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The parts of a parameter whose true gradient is not exactly zero. GPT-2's fused ``c_attn.bias`` holds the
+    query, key and value biases; the key bias cancels in the softmax (its gradient is 0 up to rounding, which Adam
+    scales up to full-size steps), so it is exempt, as the guarantee says."""
+    if not name.endswith("attn.c_attn.bias"):
+        return {name: (a, b)}
+    query_a, _, value_a = a.chunk(3)
+    query_b, _, value_b = b.chunk(3)
+    return {f"{name}[query]": (query_a, query_b), f"{name}[value]": (value_a, value_b)}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_then_one_then_two_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    reference = tmp_path / "reference"
+    launch(reference, nproc=2)
+    run = tmp_path / "run"
+    launch(run, nproc=2, kill_after=1, expect_kill=True)
+    launch(run, nproc=1, kill_after=3, expect_kill=True)  # gradient accumulation 2 -> 4
+    launch(run, nproc=2)  # 4 -> 2
+    assert json.loads((run / "result.json").read_text())["resumed_from"].endswith("checkpoint-3")
+    assert steps_of_rank(run, 1) == [1, 4]  # the world size really changed
+    assert_same_run(reference, run, steps=4)
+
+
+def _trainer(output: Path, *, elastic: bool) -> Any:
+    from elastic_data import CropRows, collate
+    from transformers import TrainingArguments
+
+    from hf_resumable import ResumableTrainer
+
+    from tiny_models import tiny_gpt2
+
+    args = TrainingArguments(output_dir=str(output), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=2, save_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
+                             remove_unused_columns=False)
+    return ResumableTrainer(model=tiny_gpt2(), args=args, train_dataset=CropRows(24), data_collator=collate,
+                            elastic=elastic, save_async=False)
+
+
+@pytest.mark.slow
+def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_in_process(tmp_path: Path, monkeypatch,
+                                                                                   caplog) -> None:
+    """One process writes checkpoint-1 (global batch 2 x 2 x 1 = 4); a resume that reports 3 processes (the Trainer's
+    world size patched, so no process group is needed: the plan runs before anything distributed) is refused; one
+    that reports 2 gets half the accumulation, logged once."""
+    monkeypatch.syspath_prepend(str(WORKER.parent))
+    from transformers import TrainingArguments
+
+    from hf_resumable.errors import ConfigDriftError
+    from hf_resumable.integrations._elastic import ElasticWorldSizeError
+
+    output = tmp_path / "run"
+    trainer = _trainer(output, elastic=True)
+    trainer.args.max_steps = 1
+    trainer.train(resume_from_checkpoint=True)
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 3))
+    with pytest.raises(ElasticWorldSizeError, match=r"world sizes \[1, 2\]"):
+        _trainer(output, elastic=True).train(resume_from_checkpoint=True)
+    with pytest.raises(ConfigDriftError, match="world_size: 1 -> 3") as error:  # without elastic=True: as before
+        _trainer(output, elastic=False).train(resume_from_checkpoint=True)
+    assert not isinstance(error.value, ElasticWorldSizeError)
+    assert not (output / "checkpoint-2").exists()
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))  # divides: accumulation 2 -> 1
+    trainer = _trainer(output, elastic=True)
+    with caplog.at_level(logging.INFO, logger="hf_resumable"):
+        trainer._open_checkpoint(output / "checkpoint-1")
+    assert trainer.args.gradient_accumulation_steps == 1
+    assert "world size 1 -> 2: gradient_accumulation_steps 2 -> 1" in caplog.text
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_before_step_one(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    launch(run, nproc=1, max_steps=1, accumulation=3)  # global batch 2 x 3 x 1 = 6
+    out = launch(run, nproc=2, max_steps=2, accumulation=3, expect_fail=True)
+    assert "ElasticWorldSizeError" in out and "world sizes [1, 3]" in out, out[-5000:]
+    assert not (run / "checkpoint-2").exists()
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_one_rank_then_two_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    reference = tmp_path / "reference"
+    launch(reference, nproc=1, max_steps=3)  # global batch 2 x 2 x 1 = 4
+    run = tmp_path / "run"
+    launch(run, nproc=1, max_steps=3, kill_after=1, expect_kill=True)
+    launch(run, nproc=2, max_steps=3)  # gradient accumulation 2 -> 1
+    assert steps_of_rank(run, 1) == [2, 3]
+    assert json.loads((run / "result.json").read_text())["gradient_accumulation_steps"] == 1
+    assert_same_run(reference, run, steps=3)
