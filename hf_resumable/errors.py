@@ -44,6 +44,7 @@ __all__ = [
     "StorageError",
     "UploadTimeoutError",
     "MemoryBudgetError",
+    "SaveIntervalError",
 ]
 
 
@@ -169,3 +170,8 @@ class UploadTimeoutError(HfResumableError, TimeoutError):
 class MemoryBudgetError(HfResumableError, ValueError):
     """A memory budget (``max_memory``) is too small to run the model at all; the message names the smallest one
     that works."""
+
+
+class SaveIntervalError(HfResumableError, ValueError):
+    """The automatic save interval (``mean_time_between_failures``) was given an invalid value or a setup it cannot
+    drive; the message says what to pass instead."""

@@ -116,6 +116,7 @@ from ._deepspeed import (
 )
 from ._elastic import ELASTIC_SETTINGS, ElasticPlan, plan_elastic_resume, seed_model_rng
 from ._engines import check_trainer_engine, checkpoint_model, holds_dtensors
+from ._save_interval import AutoSaveInterval, check_save_strategy
 from ._trainer_discovery import (
     CONVERTED_DIR,
     CheckpointKind,
@@ -352,7 +353,6 @@ class ResumableTrainer(Trainer):
             the previous save has committed, so it is the same as with blocking saves. Callbacks'
             ``on_save`` is called when the save returns, as in ``Trainer``: with ``save_async=True`` the
             checkpoint may still be in flight then (call :meth:`wait_for_pending_saves` to wait for it).
-
         elastic (`bool`, *optional*, defaults to `False`): let a restart use another number of processes and
             continue the same run. The checkpoint's global batch (``per_device_train_batch_size`` x
             ``gradient_accumulation_steps`` x world size) is kept by recomputing ``gradient_accumulation_steps``
@@ -361,6 +361,11 @@ class ResumableTrainer(Trainer):
             each batch built and each dropout mask drawn identically whichever rank trains on it, so losses and
             weights match the uninterrupted run up to float rounding (see docs/trainer.md). Map-style training data
             only; every epoch is cut to whole global batches.
+        mean_time_between_failures (`float`, *optional*): the expected seconds between preemptions or crashes; the
+            trainer then measures its own save cost and step time and saves at the interval that minimises the
+            expected lost time (Young/Daly, ``sqrt(2 * save cost * mean_time_between_failures)``, in steps),
+            logging each choice and deciding again when the measurements drift by more than 1.5x; ``save_steps`` is
+            replaced (``save_strategy`` must be ``"steps"``). See ``AutoSaveInterval``.
 
     These options are validated when the trainer is built and kept in ``resume_options`` (a frozen
     ``ResumeOptions``, shared with ``ResumableAccelerator``).
@@ -387,7 +392,7 @@ class ResumableTrainer(Trainer):
                  push_checkpoints_to: str | None = None, storage_options: dict | None = None,
                  restore_callback_states: bool = True, resume_hyperparameters: str = "checkpoint",
                  standalone_checkpoints: bool = False, save_async: bool | None = None, elastic: bool = False,
-                 **kwargs: Any) -> None:
+                 mean_time_between_failures: float | None = None, **kwargs: Any) -> None:
         # Options given to a make_resumable() class were set aside before the subclass's constructor ran.
         options = dict(allow_config_drift=allow_config_drift, allow_inexact_resume=allow_inexact_resume,
                        exit_on_preemption=exit_on_preemption, checkpoint_verify=checkpoint_verify,
@@ -397,6 +402,9 @@ class ResumableTrainer(Trainer):
         # save_async=None: saves_async decides per save
         self.resume_options = ResumeOptions(**{**options, **self.__dict__.pop("_hfr_options", {})})
         super().__init__(*args, **kwargs)
+        if mean_time_between_failures is not None:  # the save interval fits the failure rate (_save_interval.py)
+            check_save_strategy(self.args.save_strategy)
+            self.add_callback(AutoSaveInterval(mean_time_between_failures))
         self._hyperparameter_changes: list[HyperparameterChange] = []
         self.preempted = False
         self.resumed_from: Path | None = None

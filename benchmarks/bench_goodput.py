@@ -1,0 +1,418 @@
+"""Goodput under preemption, end to end: the stock transformers.Trainer against ResumableTrainer, each killed on the
+same seeded schedule and restarted with the same command until its run completes.
+
+The job: a Llama-shaped ``LlamaForCausalLM`` (``transformers.LlamaConfig``, untied embeddings) trained with AdamW on
+a ``datasets.Dataset`` of token ids built in the process, a step of about 0.5-1 s on a 2-core VM and a checkpoint
+(weights + AdamW state) of about 0.64 GB. Every run is its own process, started by this script; a killed run is
+started again with the same command until it has trained ``--steps`` optimizer steps.
+
+Schedules (seeded by ``--seed``; the same intervals for every system): ``--kills`` preemptions, each a drawn time
+after the process started (exponential with mean ``--mtbf`` seconds, clipped to 0.5x-2x of it), then the run is left
+to finish.
+
+* **SIGKILL**: no notice. Stock saves every ``save_steps`` set to its best for the schedule: the Young/Daly optimum
+  ``sqrt(2 C M)`` from its save cost ``C`` measured in a calibration run (``--stock-intervals`` adds multiples of it,
+  the best one is reported). ResumableTrainer picks its own interval (``mean_time_between_failures=M``: it measures
+  its save cost and step time and applies the same rule), blocking and with background saves
+  (``--fixed-intervals`` adds background runs at fixed intervals, to compare with the automatic one).
+* **SIGTERM**: a notice of ``--notice`` seconds, then SIGKILL. Stock runs with ``enable_jit_checkpoint=True`` (its
+  preemption checkpoint: a 3 s timer, then a save on the training thread at the next step boundary) and no periodic
+  saves (its best, given the notice); ResumableTrainer saves the step it is in and exits with 143, no periodic saves.
+
+Per system: goodput (the uninterrupted wall time of the stock Trainer without checkpoints, over the total wall time
+of all attempts), time lost per preemption ((total - uninterrupted) / preemptions: work redone, restarts, and the
+checkpoints' own cost), the restart's fixed cost (process start to the end of the first resumed step, minus one
+step), and whether the final weights equal the uninterrupted run's of the same trainer bit for bit (sha256 of every
+parameter). From an uninterrupted background-save run: the step-time inflation while a background save is written
+(mean step time of the steps that ran while a write was in flight, the staging stall excluded, over the mean of the
+steps without a save) and the stall itself.
+
+The machine may be shared: every process runs under ``nice``; ``--repeats`` runs each preempted system that many
+times and reports medians.
+
+Usage:
+    python benchmarks/bench_goodput.py --quick                 # the preset: 30 steps, 2 preemptions, 60 s mean
+    python benchmarks/bench_goodput.py --quick --steps 20 --kills 2 --mtbf 40    # 25 min under heavy load
+    python benchmarks/bench_goodput.py --quick --steps 20 --kills 2 --mtbf 25 --only SIGTERM
+    python benchmarks/bench_goodput.py --tiny                  # smoke test: a tiny model
+    python benchmarks/bench_goodput.py --steps 200 --mtbf 120 --kills 4 --repeats 3 --stock-intervals 0.5 1 2 \\
+        --fixed-intervals 1 10
+
+The last line printed is ``lost per preemption, ours/stock: SIGKILL <ratio>, SIGTERM <ratio>`` (ours: the better of
+ResumableTrainer's blocking and background runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _bench_common import drop_caches  # noqa: E402,F401  (shared helpers; the page cache is left warm here)
+
+MODELS = {  # name -> (hidden, intermediate, layers, heads, vocab, sequence length, batch)
+    "quick": (768, 2048, 4, 12, 16000, 32, 2),
+    "tiny": (64, 128, 2, 4, 1000, 32, 4),
+}
+THREADS = 1  # torch threads per training process (--threads); the same for every system
+STARTUP_GRACE_S = 600.0  # an attempt that neither ends nor is killed within this is a hang
+
+
+# ----------------------------------------------------------------------------------------------- the training child
+def _child(spec: dict) -> None:
+    """One training process: build the job, resume if there is a checkpoint, train, log every step as JSON lines."""
+    log = open(spec["log"], "a", buffering=1)  # noqa: SIM115  (line-buffered: a SIGKILL loses at most one line)
+
+    def emit(**event) -> None:
+        log.write(json.dumps({"t": time.time(), **event}) + "\n")
+
+    import datasets
+    import numpy as np
+    import torch
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
+
+    if spec["system"] != "stock":
+        from hf_resumable import ResumableTrainer
+        from hf_resumable.checkpoint.api import background_saver
+    emit(event="imported")
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    hidden, inter, layers, heads, vocab, seq, batch = MODELS[spec["model"]]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                                         num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
+                                         max_position_embeddings=seq, tie_word_embeddings=False))
+    rows = np.random.default_rng(0).integers(0, vocab, size=(batch * spec["steps"] + batch, seq))
+    train = datasets.Dataset.from_dict({"input_ids": rows.tolist(), "labels": rows.tolist()}).with_format("torch")
+    interval = spec.get("save_steps")
+    args = TrainingArguments(
+        output_dir=spec["out"], max_steps=spec["steps"], per_device_train_batch_size=batch, learning_rate=1e-4,
+        save_strategy="steps" if (interval or spec.get("mtbf")) else "no", save_steps=interval or 10**9,
+        save_total_limit=2, logging_steps=10**9, report_to=[], disable_tqdm=True, use_cpu=True, seed=0,
+        enable_jit_checkpoint=bool(spec.get("jit")), dataloader_num_workers=0)
+
+    class Probe(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            busy = spec["system"] != "stock" and background_saver().in_flight
+            emit(event="step", step=state.global_step, writing=bool(busy))
+
+        def on_save(self, args, state, control, **kwargs):
+            emit(event="save", step=state.global_step)
+
+    if spec["system"] == "stock":
+        last = transformers.trainer_utils.get_last_checkpoint(spec["out"]) if os.path.isdir(spec["out"]) else None
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=train, callbacks=[Probe()])
+        emit(event="built", resume=last)
+        trainer.train(resume_from_checkpoint=last)
+    else:
+        options = {"mean_time_between_failures": spec["mtbf"]} if spec.get("mtbf") else {}
+        trainer = ResumableTrainer(model=model, args=args, train_dataset=train, callbacks=[Probe()],
+                                   save_async=spec["system"] == "background", **options)
+        emit(event="built", resume=None)
+        trainer.train(resume_from_checkpoint=True)
+    if trainer.state.global_step >= spec["steps"]:
+        import hashlib
+
+        digest = hashlib.sha256()
+        for name, tensor in sorted(model.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        emit(event="done", digest=digest.hexdigest())
+
+
+# ------------------------------------------------------------------------------------------------- the driver side
+def _events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:  # the last line of a killed process
+            pass
+    return events
+
+
+def _attempt(spec: dict, *, kill_at: float | None, signal_kind: str, notice: float) -> dict:
+    """Start the child once; preempt it ``kill_at`` seconds after its start (SIGKILL, or SIGTERM then SIGKILL after
+    ``notice``). Returns the attempt's spawn time, end time, exit code and whether it was preempted."""
+    env = _child_env()
+    command = ["nice", "-n", "10", sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
+    start = time.time()
+    stderr = open(Path(spec["log"]).with_suffix(".stderr"), "ab")  # noqa: SIM115
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+    preempted = False
+    deadline = start + (kill_at if kill_at is not None else STARTUP_GRACE_S * 4)
+    try:
+        process.wait(timeout=max(0.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        if kill_at is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise RuntimeError(f"{spec['name']}: an attempt hung; see {stderr.name}") from None
+        preempted = True
+        if signal_kind == "SIGTERM":
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=notice)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+        else:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    stderr.close()
+    return {"start": start, "end": time.time(), "rc": process.returncode, "preempted": preempted}
+
+
+def _child_env() -> dict[str, str]:
+    """The children's environment: bytecode caches written and used, as for an installed package (a
+    ``PYTHONDONTWRITEBYTECODE`` here would recompile hf_resumable's modules at every restart, and not the
+    site-packages' ones, which pip compiled)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(THREADS)}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def _drop_newest_checkpoint(out: str) -> str | None:
+    """What a stock user does when a restart fails on a partial checkpoint: delete the newest one by hand."""
+    found = sorted((p for p in Path(out).glob("checkpoint-*") if p.is_dir()), key=lambda p: int(p.name.split("-")[1]))
+    if not found:
+        return None
+    shutil.rmtree(found[-1])
+    return found[-1].name
+
+
+def run_system(name: str, spec: dict, *, intervals: list[float], signal_kind: str, notice: float, root: Path) -> dict:
+    """Run ``spec`` to completion under the schedule; every attempt is the same command."""
+    out, log = root / name / "out", root / name / "events.jsonl"
+    shutil.rmtree(root / name, ignore_errors=True)
+    out.mkdir(parents=True)
+    spec = {**spec, "name": name, "out": str(out), "log": str(log)}
+    attempts, fixes, pending = [], [], list(intervals)
+    while True:
+        kill_at = pending.pop(0) if pending else None
+        attempt = _attempt(spec, kill_at=kill_at, signal_kind=signal_kind, notice=notice)
+        attempts.append(attempt)
+        if any(e["event"] == "done" for e in _events(log)):
+            break
+        if not attempt["preempted"] and attempt["rc"] not in (0, 143):  # failed on its own: a partial checkpoint
+            fixes.append(_drop_newest_checkpoint(str(out)))
+            if len(fixes) > 5:
+                raise RuntimeError(f"{name}: keeps failing; see {log.with_suffix('.stderr')}")
+    return _summarize(name, attempts, _events(log), fixes)
+
+
+def _summarize(name: str, attempts: list[dict], events: list[dict], fixes: list) -> dict:
+    steps = [e for e in events if e["event"] == "step"]
+    durations = [b["t"] - a["t"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1]
+    step_time = statistics.median(durations) if durations else float("nan")
+    restarts, imports = [], []  # process start -> end of its first step, minus one step, for attempts that resumed
+    for attempt in attempts[1:]:
+        first = next((e for e in steps if attempt["start"] <= e["t"] <= attempt["end"]), None)
+        imported = next((e for e in events if e["event"] == "imported" and attempt["start"] <= e["t"]), None)
+        if first is not None and first["step"] > 1:
+            restarts.append(first["t"] - attempt["start"] - step_time)
+            imports.append(imported["t"] - attempt["start"] if imported and imported["t"] <= first["t"] else math.nan)
+    done = next((e for e in events if e["event"] == "done"), {})
+    return {"name": name, "wall": attempts[-1]["end"] - attempts[0]["start"],
+            "preemptions": sum(a["preempted"] for a in attempts), "attempts": len(attempts),
+            "saves": sum(e["event"] == "save" for e in events), "step_time": step_time,
+            "restart": statistics.median(restarts) if restarts else float("nan"),
+            "imports": statistics.median(imports) if imports else float("nan"), "digest": done.get("digest"),
+            "partial_checkpoints_removed": [f for f in fixes if f]}
+
+
+def _step_costs(events: list[dict]) -> dict:
+    """From an uninterrupted run with saves: the median step, each save's extra time (the step after a save holds
+    it), and for background saves the steps that ran while the write was in flight."""
+    steps = [e for e in events if e["event"] == "step"]
+    save_steps = {e["step"] for e in events if e["event"] == "save"}
+    clean, stall, during = [], [], []
+    for a, b in zip(steps, steps[1:]):
+        d = b["t"] - a["t"]
+        if a["step"] in save_steps:
+            stall.append(d)
+        elif a["writing"] or b["writing"]:
+            during.append(d)
+        elif a["step"] >= 2:  # the first steps warm up
+            clean.append(d)
+    step = statistics.median(clean) if clean else float("nan")
+    return {"step": step, "clean_mean": statistics.fmean(clean) if clean else float("nan"),
+            "save_cost": statistics.median(stall) - step if stall else float("nan"),
+            "during_mean": statistics.fmean(during) if during else float("nan"), "during_n": len(during)}
+
+
+def _schedule(seed: int, mtbf: float, kills: int) -> list[float]:
+    rng = random.Random(seed)
+    return [min(2 * mtbf, max(0.5 * mtbf, rng.expovariate(1.0 / mtbf))) for _ in range(kills)]
+
+
+def _median_import_s(statement: str, repeats: int = 3) -> float:
+    """Median seconds of ``python -c statement`` (bytecode caches on), after one run that writes them."""
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        subprocess.run(["nice", "-n", "10", sys.executable, "-c", statement], check=True, env=_child_env())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _options(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="the preset (the defaults: 30 steps, 2 preemptions)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model: a smoke test of the script")
+    parser.add_argument("--steps", type=int, help="optimizer steps of the job (default 30)")
+    parser.add_argument("--mtbf", type=float, help="mean seconds between SIGKILLs and SIGTERMs (default 60)")
+    parser.add_argument("--kills", type=int, help="preemptions per schedule (default 2)")
+    parser.add_argument("--notice", type=float, default=30.0,
+                        help="seconds from SIGTERM to SIGKILL (default 30, Kubernetes' default grace period)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each preempted system (medians)")
+    parser.add_argument("--stock-intervals", type=float, nargs="+", default=[1.0],
+                        help="stock save_steps as multiples of its Young/Daly optimum; the best is reported")
+    parser.add_argument("--fixed-intervals", type=int, nargs="*", default=[],
+                        help="also run background saves every N steps (SIGKILL schedule), against the automatic one")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch (OpenMP) threads per training process, the same for every system (default 1: on "
+                             "a shared 2-core VM, spinning OpenMP threads make a step 10x slower under load)")
+    parser.add_argument("--only", choices=["SIGKILL", "SIGTERM"], help="run one schedule only")
+    parser.add_argument("--out", help="working directory (default: a temporary one, removed at the end)")
+    options = parser.parse_args(argv)
+    options.model = "tiny" if options.tiny else "quick"
+    options.steps = options.steps or 30
+    options.mtbf = options.mtbf or 60.0
+    options.kills = options.kills or 2
+    return options
+
+
+def _load() -> str:
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+def _ratio(ours: float, stock: float) -> str:
+    return f"{ours / stock:.2f}" if stock > 0 and not math.isnan(ours) else "n/a"
+
+
+def main(argv: list[str] | None = None) -> None:
+    global THREADS
+    options = _options(argv)
+    THREADS = options.threads
+    if options.child:
+        _child(json.loads(options.child))
+        return
+    root = Path(options.out or tempfile.mkdtemp(prefix="bench_goodput_"))
+    root.mkdir(parents=True, exist_ok=True)
+    base = {"model": options.model, "steps": options.steps}
+    started, load = time.time(), _load()
+    print(f"# goodput: {options.model} job, {options.steps} steps, {options.kills} preemptions per schedule, "
+          f"mean interval {options.mtbf:.0f} s, notice {options.notice:.0f} s, seed {options.seed}", flush=True)
+    imports = {"hf_resumable": _median_import_s("import hf_resumable"), "torch": _median_import_s("import torch")}
+
+    # 1. Uninterrupted references: stock without checkpoints (the goodput baseline and stock's final weights), a
+    #    short stock run that measures its save cost, ours with background saves (final weights, inflation, stall).
+    baseline = run_system("stock-uninterrupted", {**base, "system": "stock"}, intervals=[], signal_kind="SIGKILL",
+                          notice=0, root=root)
+    calibrate = max(4, options.steps // 6)
+    stock_cal = run_system("stock-calibration", {**base, "system": "stock", "steps": 3 * calibrate,
+                                                 "save_steps": calibrate},
+                           intervals=[], signal_kind="SIGKILL", notice=0, root=root)
+    stock_costs = _step_costs(_events(root / "stock-calibration" / "events.jsonl"))
+    ours_ref = run_system("ours-uninterrupted", {**base, "system": "background", "save_steps": calibrate},
+                          intervals=[], signal_kind="SIGKILL", notice=0, root=root)
+    bg_costs = _step_costs(_events(root / "ours-uninterrupted" / "events.jsonl"))
+    del stock_cal
+
+    from hf_resumable.checkpoint._interval import plan_save_interval
+
+    stock_plan = plan_save_interval(save_cost_s=max(stock_costs["save_cost"], 1e-3), step_time_s=stock_costs["step"],
+                                    mean_time_between_failures_s=options.mtbf)
+    print(f"stock save: {stock_costs['save_cost']:.2f} s, step {stock_costs['step']:.3f} s -> Young/Daly "
+          f"save_steps={stock_plan.steps}", flush=True)
+
+    # 2. The schedules, the same intervals for every system.
+    results: dict[str, dict[str, list[dict]]] = {"SIGKILL": {}, "SIGTERM": {}}
+    for repeat in range(options.repeats):
+        intervals = _schedule(options.seed + repeat, options.mtbf, options.kills)
+        systems = {"SIGKILL": {}, "SIGTERM": {}}
+        for multiple in options.stock_intervals:
+            steps = max(1, round(stock_plan.steps * multiple))
+            systems["SIGKILL"][f"stock save_steps={steps}"] = {**base, "system": "stock", "save_steps": steps}
+        systems["SIGKILL"]["ours blocking, auto"] = {**base, "system": "blocking", "mtbf": options.mtbf}
+        systems["SIGKILL"]["ours background, auto"] = {**base, "system": "background", "mtbf": options.mtbf}
+        for steps in options.fixed_intervals:
+            systems["SIGKILL"][f"ours background save_steps={steps}"] = {**base, "system": "background",
+                                                                         "save_steps": steps}
+        systems["SIGTERM"]["stock enable_jit_checkpoint"] = {**base, "system": "stock", "jit": True}
+        systems["SIGTERM"]["ours"] = {**base, "system": "background"}
+        for kind, named in systems.items():
+            if options.only and kind != options.only:
+                continue
+            for name, spec in named.items():
+                slug = f"{kind}-{repeat}-" + "".join(c if c.isalnum() else "_" for c in name)
+                result = run_system(slug, spec, intervals=intervals, signal_kind=kind, notice=options.notice,
+                                    root=root)
+                reference = ours_ref if spec["system"] != "stock" else baseline
+                result["exact"] = result["digest"] is not None and result["digest"] == reference["digest"]
+                results[kind].setdefault(name, []).append(result)
+                print(f"  {kind} {name}: wall {result['wall']:.1f} s, {result['preemptions']} preemptions, "
+                      f"exact {result['exact']}", flush=True)
+
+    # 3. The tables.
+    uninterrupted = baseline["wall"]
+    print(f"\nMeasured on a shared machine (nice -n 10; load average {load} at the start, {_load()} at the end), "
+          f"medians of {options.repeats} run(s); total "
+          f"{(time.time() - started) / 60:.1f} min. Uninterrupted stock run without checkpoints: "
+          f"{uninterrupted:.1f} s; `python -c \"import hf_resumable\"`: {imports['hf_resumable']:.2f} s "
+          f"(`import torch`: {imports['torch']:.2f} s).\n")
+    print("| schedule | system | goodput | lost per preemption (s) | restart (s) | of which imports (s) | saves | "
+          "final weights exact |")
+    print("|---|---|---|---|---|---|---|---|")
+    lost: dict[str, dict[str, float]] = {"SIGKILL": {}, "SIGTERM": {}}
+    for kind, named in results.items():
+        for name, runs in named.items():
+            wall = statistics.median(r["wall"] for r in runs)
+            per = statistics.median((r["wall"] - uninterrupted) / r["preemptions"] if r["preemptions"] else math.nan
+                                    for r in runs)
+            lost[kind][name] = per
+            restart = statistics.median(r["restart"] for r in runs)
+            imported = statistics.median(r["imports"] for r in runs)
+            exact = "yes" if all(r["exact"] for r in runs) else "no"
+            fixes = sum(len(r["partial_checkpoints_removed"]) for r in runs)
+            note = f" ({fixes} partial checkpoint(s) deleted by hand)" if fixes else ""
+            print(f"| {kind} | {name} | {uninterrupted / wall:.2f} | {per:.1f} | {restart:.1f} | {imported:.1f} | "
+                  f"{statistics.median(r['saves'] for r in runs):.0f} | {exact}{note} |")
+    inflation = bg_costs["during_mean"] / bg_costs["clean_mean"]
+    print(f"\nBackground save ({calibrate}-step interval, uninterrupted): step-time inflation while written "
+          f"{inflation:.2f}x ({bg_costs['during_n']} steps), stall {bg_costs['save_cost']:.2f} s over a "
+          f"{bg_costs['step']:.3f} s step; stock save {stock_costs['save_cost']:.2f} s.")
+    (root / "results.json").write_text(json.dumps({"results": results, "baseline": baseline, "lost": lost,
+                                                   "inflation": inflation, "bg": bg_costs, "stock": stock_costs,
+                                                   "imports": imports}, indent=1, default=str))
+    if options.out is None:
+        shutil.rmtree(root, ignore_errors=True)
+    ratios = {}
+    for kind in ("SIGKILL", "SIGTERM"):
+        if options.only and kind != options.only:
+            ratios[kind] = "n/a"
+            continue
+        ours = min((v for k, v in lost[kind].items() if k.startswith("ours") and not math.isnan(v)), default=math.nan)
+        stock = min((v for k, v in lost[kind].items() if k.startswith("stock") and not math.isnan(v)),
+                    default=math.nan)
+        ratios[kind] = _ratio(ours, stock)
+    print(f"lost per preemption, ours/stock: SIGKILL {ratios['SIGKILL']}, SIGTERM {ratios['SIGTERM']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""``AutoSaveInterval``: the Trainer saves at the interval that fits the failure rate (Young/Daly), measured live.
+
+The planning is :func:`hf_resumable.checkpoint._interval.plan_save_interval` (PURE); this callback measures what
+it needs on the training thread, from the times of ``on_step_end``:
+
+* the step time: the median duration of the recent steps that ran without a save;
+* a save's cost to the loop: the extra time of the step that held the save (a blocking save; the staging stall
+  of a background one) plus, while a background save is written, the extra time of every step that ran meanwhile;
+  the number of such steps is the fewest steps between saves (a save waits for the previous one to commit).
+
+Until a save has been measured, the first one is written two steps after training starts (a probe); then every
+``plan.steps`` steps. The interval is decided again when the save cost or the step time drifts by more than 1.5x;
+each decision is logged at INFO. The measurements are kept in checkpoints (an ``ExportableState``), so a resumed run
+plans from them without a new probe.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from typing import Any
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from ..checkpoint._interval import SaveIntervalPlan, has_drifted, plan_save_interval
+from ..checkpoint.api import background_saver
+from ..errors import SaveIntervalError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AutoSaveInterval", "check_save_strategy"]
+
+_PROBE_AFTER_STEPS = 2  # clean steps measured before the probe save
+_WINDOW = 32  # recent step times kept
+_COSTS = 5  # recent save costs kept
+
+
+def check_save_strategy(save_strategy: Any) -> None:
+    """Refuse a ``save_strategy`` that the automatic interval cannot drive (it needs ``"steps"``).
+
+    Raises:
+        SaveIntervalError: ``save_strategy`` is not ``"steps"``.
+    """
+    if str(getattr(save_strategy, "value", save_strategy)) != "steps":
+        raise SaveIntervalError(
+            f"mean_time_between_failures picks when to save, which needs TrainingArguments(save_strategy='steps'), "
+            f"got save_strategy={str(getattr(save_strategy, 'value', save_strategy))!r}. Set save_strategy='steps' "
+            f"(save_steps is then replaced by the measured interval), or drop mean_time_between_failures.")
+
+
+class AutoSaveInterval(TrainerCallback, ExportableState):
+    """Save at the Young/Daly interval for the expected time between failures, from the measured save cost and
+    step time (``ResumableTrainer(mean_time_between_failures=...)`` adds it).
+
+    Args:
+        mean_time_between_failures (`float`): the expected seconds between failures (preemptions, crashes).
+
+    Raises:
+        SaveIntervalError: ``mean_time_between_failures`` is not a positive, finite number of seconds.
+
+    Example:
+
+    ```python
+    >>> from hf_resumable.integrations._save_interval import AutoSaveInterval
+    >>> AutoSaveInterval(3600).plan is None  # decided once a save has been measured
+    True
+    ```
+    """
+
+    def __init__(self, mean_time_between_failures: float) -> None:
+        value = mean_time_between_failures
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise SaveIntervalError(f"mean_time_between_failures must be a positive number of seconds, got {value!r}: "
+                                    f"pass the expected time between preemptions, e.g. 3600.0 for one an hour.")
+        self.mean_time_between_failures = float(value)
+        self.plan: SaveIntervalPlan | None = None
+        self.step_times: list[float] = []  # kept in checkpoints with the costs (lists: JSON)
+        self.save_costs: list[float] = []
+        self.min_steps = 1
+        self._last_end: float | None = None
+        self._last_save: int | None = None
+        self._measuring: list[float] | None = None  # [extra seconds so far, steps the write has taken]
+
+    def state(self) -> dict:
+        return {"args": {"mean_time_between_failures": self.mean_time_between_failures},
+                "attributes": {"step_times": list(self.step_times), "save_costs": list(self.save_costs),
+                               "min_steps": self.min_steps}}
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._last_end, self._last_save, self._measuring = None, state.global_step, None
+        self._replan()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._last_save, self._measuring = state.global_step, [0.0, 0]
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        now, writing = time.perf_counter(), background_saver().in_flight
+        if self._last_end is not None:
+            self._measure(now - self._last_end, writing)
+        self._last_end = now
+        if state.global_step >= state.max_steps:
+            return  # the Trainer's own end-of-training save stays
+        control.should_save = self._wants_save(state.global_step, writing)
+
+    def _measure(self, seconds: float, writing: bool) -> None:
+        if self._measuring is None:
+            self.step_times = (self.step_times + [seconds])[-_WINDOW:]
+            return
+        if self.step_times:
+            self._measuring[0] += seconds - statistics.median(self.step_times)
+        if writing:
+            self._measuring[1] += 1
+            return
+        cost, steps = self._measuring
+        self._measuring = None
+        self.save_costs = (self.save_costs + [max(cost, 1e-3)])[-_COSTS:]
+        self.min_steps = steps + 1
+        self._replan()
+
+    def _wants_save(self, step: int, writing: bool) -> bool:
+        if writing or self._measuring is not None:
+            return False  # a save now would wait for the one being written
+        if self.plan is None:
+            return not self.save_costs and step - (self._last_save or 0) >= _PROBE_AFTER_STEPS
+        if has_drifted(self.plan, save_cost_s=self.plan.save_cost_s, step_time_s=statistics.median(self.step_times)):
+            self._replan()
+        return step - (self._last_save or 0) >= self.plan.steps
+
+    def _replan(self) -> None:
+        if not (self.save_costs and self.step_times):
+            return
+        cost, step = statistics.median(self.save_costs), statistics.median(self.step_times)
+        if self.plan is not None and not has_drifted(self.plan, save_cost_s=cost, step_time_s=step):
+            return
+        self.plan = plan_save_interval(save_cost_s=cost, step_time_s=step, min_steps=self.min_steps,
+                                       mean_time_between_failures_s=self.mean_time_between_failures)
+        logger.info("Saving checkpoints %s.", self.plan.describe())

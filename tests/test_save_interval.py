@@ -1,0 +1,173 @@
+"""The automatic save interval: the PURE Young/Daly planner (checkpoint/_interval.py), the callback's measurements
+on a fake clock (integrations/_save_interval.py), and ``ResumableTrainer(mean_time_between_failures=...)``."""
+
+from __future__ import annotations
+
+import logging
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import TrainingArguments
+
+from hf_resumable import ResumableTrainer
+from hf_resumable.checkpoint._interval import (
+    daly_interval_s,
+    expected_loss_fraction,
+    has_drifted,
+    plan_save_interval,
+)
+from hf_resumable.errors import SaveIntervalError
+from hf_resumable.integrations import _save_interval
+from hf_resumable.integrations._save_interval import AutoSaveInterval
+
+from tiny_models import VOCAB, tiny_gpt2
+
+# ------------------------------------------------------------------------------------------------ the pure planner
+
+
+def test_daly_reduces_to_young_when_saves_are_cheap() -> None:
+    young = math.sqrt(2 * 1.0 * 1e6)
+    assert daly_interval_s(1.0, 1e6) == pytest.approx(young, rel=1e-3)
+    assert daly_interval_s(1.0, 1e6) > young - 1.0  # Daly's correction adds a little, then subtracts C
+
+
+def test_a_save_costlier_than_two_failure_intervals_saves_once_per_interval() -> None:
+    assert daly_interval_s(10.0, 4.0) == 4.0
+
+
+def test_the_plan_minimises_the_expected_loss() -> None:
+    plan = plan_save_interval(save_cost_s=2.0, step_time_s=0.1, mean_time_between_failures_s=900.0)
+    assert plan.steps == round(daly_interval_s(2.0, 900.0) / 0.1)
+    at = lambda seconds: expected_loss_fraction(seconds, save_cost_s=2.0, mean_time_between_failures_s=900.0)  # noqa: E731
+    assert plan.expected_loss_fraction == pytest.approx(at(plan.seconds))
+    assert at(plan.seconds) < at(plan.seconds / 2) and at(plan.seconds) < at(plan.seconds * 2)
+
+
+def test_min_and_max_steps_bound_the_interval() -> None:
+    cheap = dict(save_cost_s=0.01, step_time_s=1.0, mean_time_between_failures_s=10.0)
+    assert plan_save_interval(**cheap).steps == 1
+    assert plan_save_interval(**cheap, min_steps=4).steps == 4  # a background write takes 3 steps
+    assert plan_save_interval(save_cost_s=5.0, step_time_s=0.01, mean_time_between_failures_s=1e5,
+                              max_steps=100).steps == 100
+
+
+@pytest.mark.parametrize("field", ["save_cost_s", "step_time_s", "mean_time_between_failures_s"])
+@pytest.mark.parametrize("value", [0.0, -1.0, math.inf, math.nan])
+def test_times_must_be_positive_and_finite(field: str, value: float) -> None:
+    values = {"save_cost_s": 1.0, "step_time_s": 1.0, "mean_time_between_failures_s": 60.0, field: value}
+    with pytest.raises(ValueError, match=field):
+        plan_save_interval(**values)
+
+
+def test_crossed_step_bounds_are_refused() -> None:
+    with pytest.raises(ValueError, match="min_steps"):
+        plan_save_interval(save_cost_s=1.0, step_time_s=1.0, mean_time_between_failures_s=60.0, min_steps=5,
+                           max_steps=2)
+
+
+def test_drift_is_a_factor_either_way() -> None:
+    plan = plan_save_interval(save_cost_s=1.0, step_time_s=0.5, mean_time_between_failures_s=600.0)
+    assert not has_drifted(plan, save_cost_s=0.7, step_time_s=0.7)
+    assert has_drifted(plan, save_cost_s=0.6, step_time_s=0.5)
+    assert has_drifted(plan, save_cost_s=1.0, step_time_s=0.8)
+
+
+# ---------------------------------------------------------------------------- the callback's measurements (fake clock)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _drive(callback: AutoSaveInterval, monkeypatch: pytest.MonkeyPatch, *, steps: int, step_s: float,
+           stall_s: float, write_steps: int = 0) -> list[int]:
+    """Run ``steps`` optimizer steps of ``step_s`` through the callback; a save stalls the next step by ``stall_s``
+    and stays in flight for ``write_steps`` steps. Returns the steps that saved."""
+    clock, in_flight = _Clock(), [0]
+    monkeypatch.setattr(_save_interval, "time", clock)
+    monkeypatch.setattr(_save_interval, "background_saver", lambda: SimpleNamespace(in_flight=in_flight[0] > 0))
+    state, saved, stall = SimpleNamespace(global_step=0, max_steps=steps), [], 0.0
+    callback.on_train_begin(None, state, SimpleNamespace())
+    for step in range(1, steps + 1):
+        clock.now += step_s + stall
+        state.global_step, stall = step, 0.0
+        in_flight[0] = max(0, in_flight[0] - 1)
+        control = SimpleNamespace(should_save=False)
+        callback.on_step_end(None, state, control)
+        if control.should_save:
+            saved.append(step)
+            callback.on_save(None, state, control)
+            stall, in_flight[0] = stall_s, write_steps
+    return saved
+
+
+def test_a_blocking_save_is_measured_then_planned(monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    callback = AutoSaveInterval(mean_time_between_failures=200.0)
+    with caplog.at_level(logging.INFO, logger=_save_interval.__name__):
+        saved = _drive(callback, monkeypatch, steps=60, step_s=0.5, stall_s=4.0)
+    expected = plan_save_interval(save_cost_s=4.0, step_time_s=0.5, mean_time_between_failures_s=200.0)
+    assert callback.plan == expected and expected.steps > 60  # ~sqrt(2 * 4 * 200) = 40 s: beyond the run
+    assert saved == [2]  # the probe only
+    assert f"every {expected.steps} steps" in caplog.text
+
+
+def test_a_background_write_sets_the_fewest_steps_between_saves(monkeypatch: pytest.MonkeyPatch) -> None:
+    callback = AutoSaveInterval(mean_time_between_failures=1.0)  # failures so often that saving every step is best
+    saved = _drive(callback, monkeypatch, steps=30, step_s=1.0, stall_s=0.2, write_steps=3)
+    assert callback.min_steps == 3 and callback.plan.steps == 3  # 2 step ends saw the write in flight
+    assert callback.plan.save_cost_s == pytest.approx(0.2)
+    assert saved == list(range(2, 31, 3))
+
+
+def test_measurements_survive_in_the_checkpoint_state() -> None:
+    callback = AutoSaveInterval(mean_time_between_failures=60.0)
+    callback.step_times, callback.save_costs, callback.min_steps = [0.5, 0.5], [1.0], 2
+    state = callback.state()
+    restored = AutoSaveInterval(**state["args"])
+    for name, value in state["attributes"].items():  # as Trainer._load_callback_state restores it
+        setattr(restored, name, value)
+    restored.on_train_begin(None, SimpleNamespace(global_step=10), None)
+    assert restored.plan == plan_save_interval(save_cost_s=1.0, step_time_s=0.5, mean_time_between_failures_s=60.0,
+                                               min_steps=2)
+
+
+# ------------------------------------------------------------------------------------------- through ResumableTrainer
+
+
+def _trainer(tmp_path, **options) -> ResumableTrainer:
+    ids = torch.randint(3, VOCAB, (32, 16), generator=torch.Generator().manual_seed(0)).tolist()
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=options.pop("max_steps", 6),
+                             per_device_train_batch_size=2, save_strategy=options.pop("save_strategy", "steps"),
+                             save_steps=1000, report_to=[], disable_tqdm=True, use_cpu=True, logging_steps=1000)
+    return ResumableTrainer(model=tiny_gpt2(), args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids],
+                            **options)
+
+
+def test_the_trainer_saves_at_the_planned_interval(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """Failures every microsecond: every step is worth a checkpoint once the probe save at step 2 has been
+    measured; save_steps=1000 is replaced."""
+    trainer = _trainer(tmp_path, mean_time_between_failures=1e-6)
+    with caplog.at_level(logging.INFO, logger=_save_interval.__name__):
+        trainer.train()
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out").glob("checkpoint-*"))
+    assert saved == [2, 3, 4, 5, 6]
+    callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, AutoSaveInterval))
+    assert callback.plan.steps == 1 and "Saving checkpoints every 1 steps" in caplog.text
+
+
+@pytest.mark.parametrize("value", [0, -5.0, math.inf, "3600", True])
+def test_an_invalid_mean_time_between_failures_is_refused(tmp_path, value) -> None:
+    with pytest.raises(SaveIntervalError, match="mean_time_between_failures must be a positive number"):
+        _trainer(tmp_path, mean_time_between_failures=value)
+
+
+def test_the_automatic_interval_needs_step_saves(tmp_path) -> None:
+    with pytest.raises(SaveIntervalError, match="save_strategy='steps'"):
+        _trainer(tmp_path, mean_time_between_failures=60.0, save_strategy="epoch")
