@@ -171,3 +171,17 @@ def test_an_invalid_mean_time_between_failures_is_refused(tmp_path, value) -> No
 def test_the_automatic_interval_needs_step_saves(tmp_path) -> None:
     with pytest.raises(SaveIntervalError, match="save_strategy='steps'"):
         _trainer(tmp_path, mean_time_between_failures=60.0, save_strategy="epoch")
+
+
+def test_make_resumable_classes_take_the_option_too(tmp_path) -> None:
+    from transformers import Trainer
+
+    from hf_resumable.integrations.trainer import make_resumable
+
+    trainer = _trainer(tmp_path, mean_time_between_failures=60.0)
+    resumable = make_resumable(Trainer)(model=trainer.model, args=trainer.args, train_dataset=trainer.train_dataset,
+                                        mean_time_between_failures=60.0)
+    assert any(isinstance(c, AutoSaveInterval) for c in resumable.callback_handler.callbacks)
+    with pytest.raises(SaveIntervalError, match="mean_time_between_failures must be a positive number"):
+        make_resumable(Trainer)(model=trainer.model, args=trainer.args, train_dataset=trainer.train_dataset,
+                                mean_time_between_failures=-1.0)

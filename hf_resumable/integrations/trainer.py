@@ -400,11 +400,15 @@ class ResumableTrainer(Trainer):
                        restore_callback_states=restore_callback_states, resume_hyperparameters=resume_hyperparameters,
                        standalone_checkpoints=standalone_checkpoints, save_async=save_async, elastic=elastic)
         # save_async=None: saves_async decides per save
-        self.resume_options = ResumeOptions(**{**options, **self.__dict__.pop("_hfr_options", {})})
+        set_aside = self.__dict__.pop("_hfr_options", {})
+        mean_time_between_failures = set_aside.pop("mean_time_between_failures", mean_time_between_failures)
+        self.resume_options = ResumeOptions(**{**options, **set_aside})
+        # the save interval fits the failure rate (_save_interval.py); a bad value is refused before anything is built
+        auto_interval = None if mean_time_between_failures is None else AutoSaveInterval(mean_time_between_failures)
         super().__init__(*args, **kwargs)
-        if mean_time_between_failures is not None:  # the save interval fits the failure rate (_save_interval.py)
+        if auto_interval is not None:
             check_save_strategy(self.args.save_strategy)
-            self.add_callback(AutoSaveInterval(mean_time_between_failures))
+            self.add_callback(auto_interval)
         self._hyperparameter_changes: list[HyperparameterChange] = []
         self.preempted = False
         self.resumed_from: Path | None = None
