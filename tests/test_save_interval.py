@@ -178,10 +178,13 @@ def test_make_resumable_classes_take_the_option_too(tmp_path) -> None:
 
     from hf_resumable.integrations.trainer import make_resumable
 
+    class UsersTrainer(Trainer):  # a Trainer subclass, as TRL's are
+        pass
+
     trainer = _trainer(tmp_path, mean_time_between_failures=60.0)
-    resumable = make_resumable(Trainer)(model=trainer.model, args=trainer.args, train_dataset=trainer.train_dataset,
+    resumable = make_resumable(UsersTrainer)(model=trainer.model, args=trainer.args, train_dataset=trainer.train_dataset,
                                         mean_time_between_failures=60.0)
     assert any(isinstance(c, AutoSaveInterval) for c in resumable.callback_handler.callbacks)
     with pytest.raises(SaveIntervalError, match="mean_time_between_failures must be a positive number"):
-        make_resumable(Trainer)(model=trainer.model, args=trainer.args, train_dataset=trainer.train_dataset,
+        make_resumable(UsersTrainer)(model=trainer.model, args=trainer.args, train_dataset=trainer.train_dataset,
                                 mean_time_between_failures=-1.0)
