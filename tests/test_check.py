@@ -341,16 +341,18 @@ def test_a_scheduler_that_is_saved_but_not_restored_is_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_resumable_trainer_script_is_exact(tmp_path):
+@pytest.mark.parametrize("kills", [1, pytest.param(3, marks=pytest.mark.extended)])  # 3: every kind of kill point
+def test_a_resumable_trainer_script_is_exact(tmp_path, kills):
     done, report = _check(tmp_path, sys.executable, REPO / "tests" / "trainer_scripts" / "train_tiny.py",
-                          "--output-dir", "{out}", "--ga", "2", "--max-steps", "8", "--save-steps", "3", kills=3)
+                          "--output-dir", "{out}", "--ga", "2", "--max-steps", "8", "--save-steps", "3", kills=kills)
     assert done.returncode == 0, done.stdout + done.stderr
     kinds = {r["kill_point"]["kind"] for r in report["runs"]}
-    assert kinds == {"step", "save", "sigterm"}
+    assert kinds == {"step", "save", "sigterm"} if kills == 3 else len(kinds) == 1
     assert all(r["resumed_from"] or r["kill_point"]["kind"] == "save" for r in report["runs"])
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # a further trainer class; make test checks ResumableTrainer itself
 def test_a_trl_trainer_made_resumable_is_exact(tmp_path):
     """TRL's SFTTrainer through make_resumable: the hooks are ResumableTrainer's, inherited."""
     done, report = _check(tmp_path, sys.executable, REPO / "tests" / "trainer_scripts" / "train_family.py",
@@ -362,7 +364,7 @@ def test_a_trl_trainer_made_resumable_is_exact(tmp_path):
 @pytest.mark.slow
 def test_a_resumable_accelerator_loop_is_exact(tmp_path):
     done, report = _check(tmp_path, sys.executable, REPO / "examples" / "custom_loop.py", "--output-dir", "{out}",
-                          "--epochs", "1", kills=2, seed=1)
+                          "--epochs", "1", kills=1, seed=1)
     assert done.returncode == 0, done.stdout + done.stderr
     assert report["result"] == "EXACT"
 
