@@ -177,6 +177,7 @@ class StreamingModel(contextlib.AbstractContextManager):
         self._maps = ShardMaps()
         self._mapped: dict[int, list[MappedBlock]] = {}  # per streamed block: its views, made on its first read
         self._copied: dict[int, list[tuple[str, list[str]]]] = {}  # per streamed block: (shard, names) to cast
+        self._touched: set[int] = set()  # streamed blocks read at least once (their pages touched then)
         self._fixed: set[int] = set()  # streamed blocks whose parameters are views of the shards, installed for good
         self._finished: deque[int] = deque()  # blocks that ran (or were dropped): the thread evicts their pages
 
@@ -261,6 +262,7 @@ class StreamingModel(contextlib.AbstractContextManager):
         self._mapped.clear()
         self._copied.clear()
         self._fixed.clear()
+        self._touched.clear()
         self._finished.clear()
         self._maps.clear()
         self.weights.release()
@@ -307,13 +309,13 @@ class StreamingModel(contextlib.AbstractContextManager):
         are then requested from the disk without waiting for them, so the disk keeps reading while this block runs
         and the next one is populated."""
         self._evict_finished()
-        first = index not in self._mapped
-        block: dict[str, torch.Tensor] = {}
+        first, block = index not in self._touched, {}
         for mapped in self._view_block(index):
             mapped.populate()
             if first:
                 mapped.touch()
             block.update(mapped.tensors)
+        self._touched.add(index)
         for mapped in self._view_block(self._next_streamed[index]):
             mapped.hint()
         for filename, group in self._copied[index]:
