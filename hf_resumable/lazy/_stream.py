@@ -110,17 +110,24 @@ class StreamingModel(contextlib.AbstractContextManager):
     On enter, every weight outside the blocks (embeddings, final norm, head) is loaded and the key match is checked
     once for the whole model (``strict`` as in :func:`load_lazily`). Then :func:`plan_residency` splits the budget:
     a model that fits is loaded whole; otherwise every block is streamed (with ``keep_resident``, as many blocks as
-    the rest of the budget holds are loaded and kept). A streamed block gets a forward pre-hook that installs its
-    tensors and a forward hook that puts them back on the meta device. A background thread reads the next streamed
-    blocks (in forward order, wrapping around to the next decoding step) while the current block computes, so
-    reading and computing overlap. Outputs equal those of the fully loaded model, and ``generate`` works with the KV
-    cache (the cache holds keys and values, not weights, so streaming does not touch it).
+    the rest of the budget holds are loaded and kept). A streamed block gets a forward pre-hook that waits for its
+    pages and a forward hook that hands its slot back. A background thread reads the next streamed blocks (in
+    forward order, wrapping around to the next decoding step) while the current block computes, so reading and
+    computing overlap. Outputs equal those of the fully loaded model, and ``generate`` works with the KV cache (the
+    cache holds keys and values, not weights, so streaming does not touch it).
 
     Memory: the weights held never exceed ``max_memory``; activations and the KV cache come on top, as with
-    accelerate's ``max_memory``. A block stored in the model's dtype is a view of its shard, mapped once: the
-    thread reads its pages in (``madvise``, the GIL released) and they are dropped from the process once it has run,
-    so RSS counts only the blocks in flight. A block that must be cast is read into pooled buffers. Reads go
-    through the OS page cache, so a model that fits in RAM is served from memory after the first pass.
+    accelerate's ``max_memory``. A block stored in the model's dtype is a view of its shard, mapped once, and its
+    parameters are those views, installed on its first run and kept (so nothing is installed per token): the
+    thread reads its pages in (``madvise``, the GIL released) before it runs and drops them from the process after
+    (they stay in the page cache), so RSS counts only the blocks in flight. A block that must be cast is read into
+    pooled buffers, installed before it runs and put back on the meta device after. Reads go through the OS page
+    cache, so a model that fits in RAM is served from memory after the first pass.
+
+    > [!WARNING]
+    > A streamed block's parameters are read-only views of the shard files: an in-place change to one is dropped
+    > the next time its pages are evicted. Anything that reads every parameter outside a forward pass (e.g.
+    > ``model.state_dict()`` summed up) maps those pages into the process until each block runs again.
 
     > [!WARNING]
     > The prefetch thread needs a core while the model computes: on a machine with few cores, leave it one
