@@ -28,7 +28,7 @@ files in the page cache at the end. The generated tokens must be identical acros
 exits non-zero otherwise). Both sides run with ``torch.set_num_threads(--threads)``: on a 2-core machine one thread
 computes and the other core is left to the reader (ours) or idle (accelerate).
 
-Usage: ``python benchmarks/bench_inference.py [--runs 3] [--cold-tokens 16] [--regimes warm,cold] [--with-resident]``
+Usage: ``python benchmarks/bench_inference.py [--runs 3] [--tokens 32] [--cold-tokens 32] [--regimes warm,cold]``
 
 The last line is ``streamed vs accelerate disk offload: tokens/s X.XXx, peak RSS X.XXx``, for the cold regime (the
 one the issue is about) when it ran.
@@ -255,11 +255,14 @@ def main() -> None:
     identical = len({tuple(r["tokens"][:min(args.tokens, args.cold_tokens)]) for by_side in results.values()
                      for runs in by_side.values() for r in runs}) == 1
     rows = [f"Model: {weight_bytes / 1e9:.2f} GB of fp32 weights ({args.layers} Llama blocks, hidden {args.hidden}); "
-            f"budget {budget / 1e9:.3f} GB (a quarter); prompt of {len(PROMPT)} tokens, greedy; new tokens: warm "
-            f"{args.tokens}, cold {args.cold_tokens}; torch threads {args.threads}; median (min-max) of {args.runs} "
-            "fresh processes per side, sides alternating; the model's files dropped from the page cache before "
-            f"each process. Cold: each process in a memory cgroup limited to {limit / 1e9:.3f} GB (budget + "
-            f"{args.overhead / 1e9:.3f} GB), less than the model: every token reads most weights from disk.", "",
+            f"budget {budget / 1e9:.3f} GB (a quarter); prompt of {len(PROMPT)} tokens, greedy; new tokens: "
+            + ", ".join(f"{r} {args.cold_tokens if r == 'cold' else args.tokens}" for r in regimes)
+            + f"; torch threads {args.threads}; median (min-max) of {args.runs} fresh processes per side, sides "
+            "alternating; the model's files dropped from the page cache before each process; machine load average "
+            f"{os.getloadavg()[0]:.1f} at the end."
+            + (f" Cold: each process in a memory cgroup limited to {limit / 1e9:.3f} GB (budget + "
+               f"{args.overhead / 1e9:.3f} GB), less than the model: every token reads most weights from disk."
+               if "cold" in regimes else ""), "",
             "| regime | side | placement | tokens/s (min-max) | decode tokens/s | cold first token (s) | load (s) | "
             "peak RSS (MB) | RSS after imports (MB) | files cached at end |", "|---" * 10 + "|"]
     for regime, by_side in results.items():

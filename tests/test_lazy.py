@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_lazy_streaming import _track_populated
 from torch import nn
 
 from hf_resumable.errors import CheckpointMismatchError, CheckpointNotFoundError, IncompleteCheckpointError
@@ -162,18 +163,17 @@ def test_load_lazily_llama_from_repo_downloads_each_shard_once(hub: FakeHub) -> 
 
 # --------------------------------------------------------------------------------------------------- streaming
 @pytest.mark.parametrize("factory", [tiny_gpt2, tiny_llama])
-def test_stream_forward_equals_full_model(tmp_path: Path, factory) -> None:
+def test_stream_forward_equals_full_model(tmp_path: Path, factory, monkeypatch) -> None:
     model = factory(seed=4)
     folder = _save(model.state_dict(), tmp_path / "m", "20KB")
     meta = on_meta(model)
-    resident: list[int] = []
+    populated = _track_populated(monkeypatch)
     blocks = meta.transformer.h if hasattr(meta, "transformer") else meta.model.layers
-    for block in blocks:
-        block.register_forward_hook(
-            lambda *_: resident.append(sum(not next(b.parameters()).is_meta for b in blocks)), prepend=True)
+    block_bytes = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.modules()
+                      if b.__class__ is blocks[0].__class__)
     out = stream_forward(meta, folder, IDS)
     assert torch.equal(out.logits, _logits(model))
-    assert resident == [1] * len(blocks)  # exactly one block materialized at a time
+    assert len(populated) >= len(blocks) and max(populated) <= 2 * block_bytes  # the running block and the next
     assert all(p.is_meta for p in blocks.parameters())  # released after the pass
 
 

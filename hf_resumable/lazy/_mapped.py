@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
@@ -26,6 +27,9 @@ _MADV_POPULATE_READ = 22
 _MADV_DONTNEED = 4
 _MADV_WILLNEED = 3  # for a file mapping: start reading the whole range at once (large requests, not page faults)
 
+# libc with madvise's signature, looked up once (a lookup per call costs more than the call on a warm page cache).
+_madvise_libc = functools.cache(_libc)
+
 
 @dataclass(frozen=True)
 class MappedBlock:
@@ -44,25 +48,33 @@ class MappedBlock:
     def populate(self) -> None:
         """Read the range's pages in now, so using the tensors does not fault (ctypes releases the GIL: the
         read-ahead thread does this while the forward pass computes)."""
-        libc = _libc()
+        libc = _madvise_libc()
         if libc is not None:
             libc.madvise(self.start, self.length, _MADV_WILLNEED)
         if libc is not None and libc.madvise(self.start, self.length, _MADV_POPULATE_READ) == 0:
             return
-        for tensor in self.tensors.values():  # older kernel: touch one byte per page
-            tensor.reshape(-1).view(torch.uint8)[:: mmap.PAGESIZE].sum()
+        self.touch()  # older kernel: fault every page in by reading it
+
+    def touch(self) -> None:
+        """Read one byte of every page (torch releases the GIL). Populating maps a page without reading it; the
+        first read of a freshly filled page can still be costly (measured ~7 us per 4 KiB page in a VM, where the
+        hypervisor maps guest memory on first access: seconds for a model), and it is paid by whichever thread
+        reads the page first. Touching once on the read-ahead thread keeps that off the forward pass."""
+        for tensor in self.tensors.values():
+            if tensor.nbytes:
+                tensor.reshape(-1).view(torch.uint8)[:: mmap.PAGESIZE].sum()
 
     def hint(self) -> None:
         """Ask the kernel to start reading the range in the background (it returns at once), so the disk keeps
         busy while the block before this one is populated and runs."""
-        libc = _libc()
+        libc = _madvise_libc()
         if libc is not None:
             libc.madvise(self.start, self.length, _MADV_WILLNEED)
 
     def evict(self) -> None:
         """Unmap the range's pages from this process (they stay in the page cache; the mapping stays valid and
         faults them back in on the next use), so RSS holds only the blocks in flight."""
-        libc = _libc()
+        libc = _madvise_libc()
         if libc is not None:
             libc.madvise(self.start, self.length, _MADV_DONTNEED)
 

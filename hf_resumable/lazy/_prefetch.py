@@ -30,13 +30,15 @@ class BlockPrefetcher:
     Args:
         order (`Sequence[int]`): the streamed blocks in forward order.
         read (`Callable[[int], dict[str, torch.Tensor]]`): reads one block (called on the thread).
-        discard (`Callable[[dict[str, torch.Tensor]], None]`): takes back a block read ahead and never used.
+        discard (`Callable[[int, dict[str, torch.Tensor]], None]`): takes back a block (its index and tensors)
+            read ahead and never used.
         slots (`int`): blocks in memory at once (``1``: no read-ahead).
 
     Example:
 
     ```python
-    >>> prefetcher = BlockPrefetcher([0, 1, 2], lambda i: {"w": torch.full((2,), float(i))}, lambda b: None, slots=2)
+    >>> prefetcher = BlockPrefetcher([0, 1, 2], lambda i: {"w": torch.full((2,), float(i))}, lambda i, b: None,
+    ...                              slots=2)
     >>> prefetcher.start()
     >>> prefetcher.take(0)["w"].tolist(), prefetcher.done(), prefetcher.take(1)["w"].tolist()
     ([0.0, 0.0], None, [1.0, 1.0])
@@ -45,8 +47,8 @@ class BlockPrefetcher:
     ```
     """
 
-    def __init__(self, order: Sequence[int], read: Callable[[int], Block], discard: Callable[[Block], None], *,
-                 slots: int) -> None:
+    def __init__(self, order: Sequence[int], read: Callable[[int], Block], discard: Callable[[int, Block], None],
+                 *, slots: int) -> None:
         if slots < 1 or not order:
             raise ValueError(f"BlockPrefetcher needs at least one block and one slot, got {len(order)} and {slots}.")
         self._order = list(order)
@@ -86,7 +88,7 @@ class BlockPrefetcher:
                     self._ready[index] = block
                     self._cond.notify_all()
                     continue
-            self._discard(block)
+            self._discard(index, block)
             self._free.release()
 
     def take(self, index: int) -> Block:
@@ -109,8 +111,8 @@ class BlockPrefetcher:
         """Drop the blocks read ahead and read on from ``position`` (holding the lock)."""
         logger.debug("prefetch restarts at block %d", self._order[position])
         self._epoch += 1
-        for block in self._ready.values():
-            self._discard(block)
+        for index, block in self._ready.items():
+            self._discard(index, block)
             self._free.release()
         self._ready.clear()
         self._next_read = self._next_take = position
@@ -128,6 +130,6 @@ class BlockPrefetcher:
         if self._thread.ident is not None:
             self._thread.join()
         with self._cond:
-            for block in self._ready.values():
-                self._discard(block)
+            for index, block in self._ready.items():
+                self._discard(index, block)
             self._ready.clear()

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import threading
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -109,17 +110,24 @@ class StreamingModel(contextlib.AbstractContextManager):
     On enter, every weight outside the blocks (embeddings, final norm, head) is loaded and the key match is checked
     once for the whole model (``strict`` as in :func:`load_lazily`). Then :func:`plan_residency` splits the budget:
     a model that fits is loaded whole; otherwise every block is streamed (with ``keep_resident``, as many blocks as
-    the rest of the budget holds are loaded and kept). A streamed block gets a forward pre-hook that installs its
-    tensors and a forward hook that puts them back on the meta device. A background thread reads the next streamed
-    blocks (in forward order, wrapping around to the next decoding step) while the current block computes, so
-    reading and computing overlap. Outputs equal those of the fully loaded model, and ``generate`` works with the KV
-    cache (the cache holds keys and values, not weights, so streaming does not touch it).
+    the rest of the budget holds are loaded and kept). A streamed block gets a forward pre-hook that waits for its
+    pages and a forward hook that hands its slot back. A background thread reads the next streamed blocks (in
+    forward order, wrapping around to the next decoding step) while the current block computes, so reading and
+    computing overlap. Outputs equal those of the fully loaded model, and ``generate`` works with the KV cache (the
+    cache holds keys and values, not weights, so streaming does not touch it).
 
     Memory: the weights held never exceed ``max_memory``; activations and the KV cache come on top, as with
-    accelerate's ``max_memory``. A block stored in the model's dtype is a view of its shard, mapped once: the
-    thread reads its pages in (``madvise``, the GIL released) and they are dropped from the process once it has run,
-    so RSS counts only the blocks in flight. A block that must be cast is read into pooled buffers. Reads go
-    through the OS page cache, so a model that fits in RAM is served from memory after the first pass.
+    accelerate's ``max_memory``. A block stored in the model's dtype is a view of its shard, mapped once, and its
+    parameters are those views, installed on its first run and kept (so nothing is installed per token): the
+    thread reads its pages in (``madvise``, the GIL released) before it runs and drops them from the process after
+    (they stay in the page cache), so RSS counts only the blocks in flight. A block that must be cast is read into
+    pooled buffers, installed before it runs and put back on the meta device after. Reads go through the OS page
+    cache, so a model that fits in RAM is served from memory after the first pass.
+
+    > [!WARNING]
+    > A streamed block's parameters are read-only views of the shard files: an in-place change to one is dropped
+    > the next time its pages are evicted. Anything that reads every parameter outside a forward pass (e.g.
+    > ``model.state_dict()`` summed up) maps those pages into the process until each block runs again.
 
     > [!WARNING]
     > The prefetch thread needs a core while the model computes: on a machine with few cores, leave it one
@@ -176,6 +184,9 @@ class StreamingModel(contextlib.AbstractContextManager):
         self._maps = ShardMaps()
         self._mapped: dict[int, list[MappedBlock]] = {}  # per streamed block: its views, made on its first read
         self._copied: dict[int, list[tuple[str, list[str]]]] = {}  # per streamed block: (shard, names) to cast
+        self._touched: set[int] = set()  # streamed blocks read at least once (their pages touched then)
+        self._fixed: set[int] = set()  # streamed blocks whose parameters are views of the shards, installed for good
+        self._finished: deque[int] = deque()  # blocks that ran (or were dropped): the thread evicts their pages
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, *, config: Any = None,
@@ -235,8 +246,8 @@ class StreamingModel(contextlib.AbstractContextManager):
         if streamed:
             self._next_streamed = dict(zip(streamed, streamed[1:] + streamed[:1]))
             self._per_block = per_block
-            self._prefetcher = BlockPrefetcher(streamed, self._read_block,
-                                               self._pool.put_block, slots=self.residency.slots)
+            self._prefetcher = BlockPrefetcher(streamed, self._read_block, self._discard,
+                                               slots=self.residency.slots)
             for index in streamed:
                 block = self.blocks[index]
                 self._handles.append(block.register_forward_pre_hook(self._pre_hook(index)))
@@ -257,6 +268,9 @@ class StreamingModel(contextlib.AbstractContextManager):
         self._pool.clear()
         self._mapped.clear()
         self._copied.clear()
+        self._fixed.clear()
+        self._touched.clear()
+        self._finished.clear()
         self._maps.clear()
         self.weights.release()
 
@@ -292,15 +306,23 @@ class StreamingModel(contextlib.AbstractContextManager):
             _read_shard(self.model, self.weights, filename, group, self.plan.sources, self._pool.allocate)
 
     def _read_block(self, index: int) -> dict[str, torch.Tensor]:
-        """One block's tensors (runs on the prefetch thread; touches no module). Tensors stored in the model's dtype
-        are views of their shard's mapping, made once per block (no header parse, no mmap per token); their pages
-        are read in here and dropped from the process when the block has run. Others are read into pooled buffers
-        and cast. The next streamed block's pages are then requested from the disk without waiting for them, so the
-        disk keeps reading while this block runs and the next one is populated."""
-        block: dict[str, torch.Tensor] = {}
+        """One block's tensors (runs on the prefetch thread; touches no module).
+
+        First the pages of the blocks that have run since the last read are dropped from the process (here, not in
+        the forward pass: ``madvise`` is a syscall the compute thread need not wait for). Tensors stored in the
+        model's dtype are views of their shard's mapping, made once per block (no header parse, no mmap per
+        token); their pages are read in here (and, on the block's first read, touched once, see
+        :meth:`MappedBlock.touch`). Others are read into pooled buffers and cast. The next streamed block's pages
+        are then requested from the disk without waiting for them, so the disk keeps reading while this block runs
+        and the next one is populated."""
+        self._evict_finished()
+        first, block = index not in self._touched, {}
         for mapped in self._view_block(index):
             mapped.populate()
+            if first:
+                mapped.touch()
             block.update(mapped.tensors)
+        self._touched.add(index)
         for mapped in self._view_block(self._next_streamed[index]):
             mapped.hint()
         for filename, group in self._copied[index]:
@@ -322,30 +344,51 @@ class StreamingModel(contextlib.AbstractContextManager):
     def _is_mappable(self, names: list[str]) -> bool:
         return all(self.weights.meta(name).dtype == self._targets[name][1] for name in names)
 
-    def _evict(self, index: int) -> None:
-        for mapped in self._mapped.get(index, ()):
-            mapped.evict()
+    def _is_fixable(self, index: int) -> bool:
+        """Whether block ``index`` can keep its parameters installed between passes: every tensor is a view of a
+        shard (nothing cast into pooled memory) and fills one model key (no alias copied into extra memory), so
+        installed parameters hold no memory of their own; RSS counts only the pages populated and not evicted."""
+        return not self._copied[index] and all(len(self.plan.sources[name]) == 1
+                                               for name in self._per_block[index])
+
+    def _evict_finished(self) -> None:
+        while self._finished:
+            for mapped in self._mapped.get(self._finished.popleft(), ()):
+                mapped.evict()
+
+    def _discard(self, index: int, block: dict[str, torch.Tensor]) -> None:
+        """A block read ahead and never run: its pooled buffers go back, its pages are evicted on the next read."""
+        self._pool.put_block(block)
+        self._finished.append(index)
 
     def _pre_hook(self, index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple) -> None:
             if self._installed is not None:  # the previous pass stopped inside a block (an exception): free it
-                self._release(self.blocks[self._installed])
+                self._finish()
             block = self._prefetcher.take(index)
-            for name, tensor in block.items():
-                _materialize(self.model, self.plan.sources[name][0], lambda *_, t=tensor: t)
-            _fill_aliases(self.model, block, self.plan.sources, self._pool.allocate)
+            if index not in self._fixed:
+                self._install(block)
+                if self._is_fixable(index):
+                    self._fixed.add(index)
             self._installed = index
 
         return hook
 
-    def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self._release(module)
+    def _install(self, block: dict[str, torch.Tensor]) -> None:
+        for name, tensor in block.items():
+            _materialize(self.model, self.plan.sources[name][0], lambda *_, t=tensor: t)
+        _fill_aliases(self.model, block, self.plan.sources, self._pool.allocate)
 
-    def _release(self, module: nn.Module) -> None:
-        self._pool.release(module)
-        if self._installed is not None:
-            self._evict(self._installed)
-        self._installed = None
+    def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._finish()
+
+    def _finish(self) -> None:
+        """The installed block has run: put its pooled memory back (a fixed block keeps its views), have the thread
+        evict its pages, and free its slot."""
+        index, self._installed = self._installed, None
+        if index not in self._fixed:
+            self._pool.release(self.blocks[index])
+        self._finished.append(index)
         self._prefetcher.done()
 
 
