@@ -186,6 +186,12 @@ def test_a_resumable_accelerator_pickles_with_its_options(tmp_path):
     from hf_resumable import ResumableAccelerator
     from hf_resumable.integrations._core import DEFAULT
 
+    from accelerate.state import AcceleratorState, GradientState
+
+    # accelerate's shared states outlive an earlier test's Trainer (its loaders' weak references do not pickle,
+    # with stock accelerate too): start from fresh ones, as accelerate's own pickling test does in its process
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
     accelerator = ResumableAccelerator(cpu=True, project_dir=str(tmp_path))
     restored = pickle.loads(pickle.dumps(accelerator))
     assert restored.resume_options == accelerator.resume_options
