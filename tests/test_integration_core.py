@@ -183,10 +183,10 @@ def test_a_resumable_accelerator_pickles_with_its_options(tmp_path):
     """accelerate's users (and its own test suite) pickle a prepared Accelerator; the options' marker survives."""
     import pickle
 
+    from accelerate.state import AcceleratorState, GradientState
+
     from hf_resumable import ResumableAccelerator
     from hf_resumable.integrations._core import DEFAULT
-
-    from accelerate.state import AcceleratorState, GradientState
 
     # accelerate's shared states outlive an earlier test's Trainer (its loaders' weak references do not pickle,
     # with stock accelerate too): start from fresh ones, as accelerate's own pickling test does in its process

@@ -182,8 +182,8 @@ def test_make_resumable_classes_take_the_option_too(tmp_path) -> None:
         pass
 
     trainer = _trainer(tmp_path, mean_time_between_failures=60.0)
-    resumable = make_resumable(UsersTrainer)(model=trainer.model, args=trainer.args, train_dataset=trainer.train_dataset,
-                                        mean_time_between_failures=60.0)
+    resumable = make_resumable(UsersTrainer)(model=trainer.model, args=trainer.args,
+                                             train_dataset=trainer.train_dataset, mean_time_between_failures=60.0)
     assert any(isinstance(c, AutoSaveInterval) for c in resumable.callback_handler.callbacks)
     with pytest.raises(SaveIntervalError, match="mean_time_between_failures must be a positive number"):
         make_resumable(UsersTrainer)(model=trainer.model, args=trainer.args, train_dataset=trainer.train_dataset,
