@@ -151,6 +151,22 @@ def worker(mode: str, root: Path, repeats: int, hidden: int, out: Path) -> None:
         dist.destroy_process_group()
 
 
+def _timed(save, path: Path, blocking: bool, rank: int) -> tuple[float, float]:
+    """One save (or load) on every rank, caches dropped first: (seconds until it returned, seconds until done)."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        drop_caches()
+    dist.barrier()
+    start = time.perf_counter()
+    finish = save(path, blocking)
+    returned = time.perf_counter() - start
+    finish()
+    total = time.perf_counter() - start
+    dist.barrier()
+    return returned, total
+
+
 def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
     """One FSDP2 rank: every save kind ``repeats`` times in rotating order; per save, the stall and the total."""
     import torch.distributed as dist
@@ -198,17 +214,9 @@ def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
         for name in names[i % len(names):] + names[: i % len(names)]:
             save, blocking = kinds[name]
             path = root / f"{name.replace(' ', '-')}-{i}"
-            if rank == 0:
-                drop_caches()
-            dist.barrier()
-            start = time.perf_counter()
-            finish = save(path, blocking)
-            returned = time.perf_counter() - start
-            finish()
-            total = time.perf_counter() - start
-            dist.barrier()
+            timing = _timed(save, path, blocking, rank)
             if i:
-                times[name].append((returned, total))
+                times[name].append(timing)
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
     gathered = [None] * dist.get_world_size()
@@ -401,17 +409,9 @@ def engines_worker(engine: str, root: Path, repeats: int, hidden: int, stage: in
         for name in [*names[i % len(names):], *names[: i % len(names)], *loads]:
             save, blocking = kinds[name] if name in kinds else loads[name]
             path = root / f"{(name if name in kinds else blocking).replace(' ', '-')}-{i}"
-            if rank == 0:
-                drop_caches()
-            dist.barrier()
-            start = time.perf_counter()
-            finish = save(path, blocking if name in kinds else True)
-            returned = time.perf_counter() - start
-            finish()
-            total = time.perf_counter() - start
-            dist.barrier()
+            timing = _timed(save, path, blocking if name in kinds else True, rank)
             if i:
-                times[name].append((returned, total))
+                times[name].append(timing)
         dist.barrier()
         if rank == 0:
             for path in root.glob(f"*-{i}"):
