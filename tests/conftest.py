@@ -14,8 +14,12 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-# Under pytest-xdist (make test runs two workers on two cores) one intra-op thread each, not two apiece.
-torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
+# One intra-op thread in every test process and every process a test starts (they inherit the variable): the tests
+# train tiny models, where a second thread only adds synchronisation, and the suite runs two pytest workers and their
+# torchrun ranks on two cores, where threads that spin-wait for a core another process holds make a step 10-30x
+# slower. A test that wants more threads sets them itself.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)

@@ -32,6 +32,7 @@ from hf_resumable.conversions.dcp import plan_dcp_pieces
 from hf_resumable.conversions.deepspeed import plan_zero_boxes
 from hf_resumable.errors import CorruptCheckpointError, UnsafePickleError
 
+import zygote
 from distributed_launch import REPO_ROOT, child_env, run_torchrun
 from engine_fixtures import read_local_state
 
@@ -49,8 +50,8 @@ def _job(worker: Path, output: Path, options: list[str]) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hf_resumable", *args], cwd=REPO_ROOT, env=child_env(),
-                          capture_output=True, text=True, timeout=300)
+    return zygote.run([sys.executable, "-m", "hf_resumable", *args], cwd=REPO_ROOT, env=child_env(),
+                      capture_output=True, text=True, timeout=300)
 
 
 def _convert(source: Path, output: Path) -> subprocess.CompletedProcess:

@@ -33,7 +33,9 @@ This module is test infrastructure; nothing in the package uses it.
 from __future__ import annotations
 
 import array
+import atexit
 import contextlib
+import gc
 import io
 import itertools
 import json
@@ -58,7 +60,8 @@ RUNTIME_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GR
                      "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTEST_CURRENT_TEST",
                      # what torchrun's agent adds for its workers, and its choice of interpreter
                      "GROUP_WORLD_SIZE", "ROLE_NAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHON_EXEC")
-RUNTIME_PREFIXES = ("HFR_", "HF_RESUMABLE_EXAMPLE_", "HF_RESUMABLE_FUZZ_", "HF_RESUMABLE_TEST_", "TORCHELASTIC_")
+RUNTIME_PREFIXES = ("HFR_", "HF_RESUMABLE_EXAMPLE_", "HF_RESUMABLE_FUZZ_", "HF_RESUMABLE_TEST_", "TORCHELASTIC_",
+                    "HF_RESUMABLE_TRACE")  # hf-resumable check's trace: started in the child (see _become)
 
 # Imported by the zygote before it forks: what the test scripts spend their start-up on.
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
@@ -244,10 +247,19 @@ def _become(request: dict) -> None:
                                   errors="backslashreplace" if name == "stderr" else "strict")
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
+    # hf_resumable.trace starts its tracer when it is imported with HF_RESUMABLE_TRACE set; the zygote imported it
+    # without, so a child launched by ``hf-resumable check`` starts it now (it taps the new stdout), as its fresh
+    # interpreter would have done at import.
+    trace = sys.modules.get("hf_resumable.trace")
+    if trace is not None and trace._TRACER is None and os.environ.get(trace.TRACE_ENV):
+        trace._TRACER = trace._start()
     argv = request["argv"]
     if argv[0] == "-m":
         import runpy
+        import types
 
+        # runpy runs the module in ``sys.modules["__main__"]``'s namespace: a fresh one, not this file's own
+        sys.modules["__main__"] = types.ModuleType("__main__")
         sys.argv = ["-m", *argv[2:]]
         sys.path[0] = request["cwd"]
         runpy._run_module_as_main(argv[1], alter_argv=True)  # what ``python -m`` itself calls
@@ -290,9 +302,53 @@ def _server_main(socket_path: str) -> None:
     listener.listen(64)
     sys.stdout.write("ready\n")
     sys.stdout.flush()
+    # Objects that exist now are shared with every child: the collector need never visit them (a visit writes to
+    # their pages, which then stop being shared).
+    gc.freeze()
     request = _serve(listener)
     del listener
-    _become(request)
+    try:
+        _become(request)
+        code = 0
+    except SystemExit as exc:
+        code = _exit_status(exc.code)
+    except KeyboardInterrupt:
+        raise  # the interpreter re-raises SIGINT when it exits, as a fresh one would
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    _shut_down(code)
+
+
+def _exit_status(code: object) -> int:
+    """The status ``raise SystemExit(code)`` leaves a fresh interpreter with (a message goes to stderr)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    with contextlib.suppress(Exception):
+        print(code, file=sys.stderr)
+    return 1
+
+
+def _shut_down(code: int) -> None:
+    """Leave as a fresh interpreter does, without tearing down the modules the zygote imported.
+
+    Interpreter shutdown waits for non-daemon threads, runs the atexit handlers and flushes stdio, then clears every
+    module: in a forked child that last part writes to every page the zygote shares with it (seconds of copying),
+    and frees nothing the operating system does not free anyway. So the script's own globals are cleared (their
+    files closed, their finalizers run) and the rest is left to ``os._exit``.
+    """
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    main = sys.modules.get("__main__")
+    if main is not None:
+        main.__dict__.clear()
+    gc.collect()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 # ---------------------------------------------------------------------------------------------------------------
