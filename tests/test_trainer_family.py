@@ -70,7 +70,8 @@ def _reference(root: Path, trainer: str) -> Path:
     pytest.param("dpo", {"kill_after_save": 3}, marks=pytest.mark.extended),
     # sampled completions: generation draws from the restored RNG
     pytest.param("grpo", {"kill_after_save": 3}, marks=pytest.mark.extended),
-    ("seq2seq", {"kill_after_save": 3}),    # after the generate-based evaluation of step 2
+    # after the generate-based evaluation of step 2
+    pytest.param("seq2seq", {"kill_after_save": 3}, marks=pytest.mark.extended),
 ], ids=TRAINERS)
 def test_killed_and_restarted_is_bit_identical(references: Path, tmp_path: Path, trainer: str,
                                                kill: dict[str, int]) -> None:

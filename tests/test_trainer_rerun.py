@@ -53,7 +53,8 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, kills", [("max_steps_mid_epoch", [5]), ("epochs_log_per_epoch", [6, 9])],
+@pytest.mark.parametrize("config, kills", [pytest.param("max_steps_mid_epoch", [5], marks=pytest.mark.extended),
+                                           ("epochs_log_per_epoch", [6, 9])],
                          ids=["max-steps-mid-epoch", "fractional-epochs-epoch-end-logging"])
 def test_restart_after_the_last_checkpoint_trains_nothing_more(references: dict[str, Path], tmp_path: Path,
                                                                config: str, kills: list[int]) -> None:
@@ -71,7 +72,9 @@ def test_restart_after_the_last_checkpoint_trains_nothing_more(references: dict[
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", list(CONFIGS), ids=["max-steps-mid-epoch", "fractional-epochs"])
+@pytest.mark.parametrize("config", ["max_steps_mid_epoch",
+                                    pytest.param("epochs_log_per_epoch", marks=pytest.mark.extended)],
+                         ids=["max-steps-mid-epoch", "fractional-epochs"])
 def test_rerunning_a_finished_run_is_a_no_op(references: dict[str, Path], tmp_path: Path, config: str) -> None:
     import shutil
 

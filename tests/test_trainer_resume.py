@@ -161,7 +161,7 @@ _EXTENDED = pytest.mark.extended  # further cases of a guarantee a make-test cas
         pytest.param("gpt2_ga3_w2", [({"kill_after_save": 4}, KILLED), ({"kill_mid_step": 5}, KILLED)],
                      id="gpt2-epoch-end-then-again-workers", marks=_EXTENDED),
         # mid-epoch, inside an accumulation window (MLM masking in the collator)
-        pytest.param("bert_mlm", [({"kill_mid_step": 3}, KILLED)], id="bert-mlm-mid-window"),
+        pytest.param("bert_mlm", [({"kill_mid_step": 3}, KILLED)], id="bert-mlm-mid-window", marks=_EXTENDED),
         pytest.param("bert_wwm_w2", [({"kill_after_save": 2}, KILLED)], id="bert-wwm-workers", marks=_EXTENDED),
         pytest.param("llama_transform_w2", [({"kill_after_save": 3}, KILLED)], id="llama-transform-workers"),
         pytest.param("gpt2_torch_dataset", [({"kill_mid_step": 4}, KILLED)], id="torch-dataset-mid-step",
@@ -175,7 +175,8 @@ _EXTENDED = pytest.mark.extended  # further cases of a guarantee a make-test cas
                      marks=_EXTENDED),
         pytest.param("bert_mlm_seeded_w2", [({"kill_mid_step": 3}, KILLED)], id="seeded-collator-workers"),
         pytest.param("gpt2_private_rng", [({"kill_after_save": 4}, KILLED)], id="collator-private-generator"),
-        pytest.param("gpt2_group_by_length", [({"kill_after_save": 7}, KILLED)], id="group-by-length-second-epoch"),
+        pytest.param("gpt2_group_by_length", [({"kill_after_save": 7}, KILLED)], id="group-by-length-second-epoch",
+                     marks=_EXTENDED),
         pytest.param("gpt2_user_sampler", [({"kill_mid_step": 8}, KILLED)], id="user-subclass-custom-sampler"),
     ],
 )

@@ -195,6 +195,7 @@ def test_torchrun_workers_are_forked_and_die_with_the_killed_tree(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the kill tests see torchrun report their SIGKILLed workers in make test
 @pytest.mark.parametrize("status, reported", [("3", "exitcode: 3"), ("-9", "Signal 9 (SIGKILL)")])
 def test_a_torchrun_worker_s_exit_status_reaches_torchrun(tmp_path, status, reported):
     script = tmp_path / "worker.py"
