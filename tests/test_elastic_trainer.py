@@ -31,9 +31,9 @@ RTOL = 1e-5
 
 def launch(output: Path, *, nproc: int, max_steps: int = 4, kill_after: int | None = None,
            dropout: float = 0.1, accumulation: int | None = None, expect_kill: bool = False,
-           expect_fail: bool = False, worker: Path = WORKER) -> str:
+           expect_fail: bool = False, worker: Path = WORKER, extra: tuple[str, ...] = ()) -> str:
     """``worker`` at world size ``nproc`` (torchrun for 2+, plain python for 1); its output."""
-    args = [str(output), "--max-steps", str(max_steps), "--dropout", str(dropout)]
+    args = [str(output), "--max-steps", str(max_steps), "--dropout", str(dropout), *extra]
     args += [] if accumulation is None else ["--accumulation", str(accumulation)]
     args += [] if kill_after is None else ["--kill-after", str(kill_after)]
     if nproc == 1:
@@ -185,3 +185,33 @@ def test_one_rank_then_two_is_the_uninterrupted_run(tmp_path: Path) -> None:
     assert steps_of_rank(run, 1) == [2, 3]
     assert json.loads((run / "result.json").read_text())["gradient_accumulation_steps"] == 1
     assert_same_run(reference, run, steps=3)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_stream_resumed_on_two_ranks_after_one_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    """A shuffled ``datasets`` stream with a random ``.map`` crop: step k is stream positions [4k, 4k + 4) at any
+    world size. One process (gradient accumulation 2) is killed after step 1; two processes (accumulation 1) continue
+    from rank 0's position, the new rank included."""
+    reference = tmp_path / "reference"
+    launch(reference, nproc=1, max_steps=3, extra=("--stream",))
+    run = tmp_path / "run"
+    launch(run, nproc=1, max_steps=3, kill_after=1, expect_kill=True, extra=("--stream",))
+    launch(run, nproc=2, max_steps=3, extra=("--stream",))
+    assert steps_of_rank(run, 1) == [2, 3]
+    assert json.loads((run / "result.json").read_text())["gradient_accumulation_steps"] == 1
+    assert_same_run(reference, run, steps=3)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_stream_on_two_ranks_then_one_then_two_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    reference = tmp_path / "reference"
+    launch(reference, nproc=2, extra=("--stream",))
+    run = tmp_path / "run"
+    launch(run, nproc=2, kill_after=1, expect_kill=True, extra=("--stream",))
+    launch(run, nproc=1, kill_after=3, expect_kill=True, extra=("--stream",))  # gradient accumulation 2 -> 4
+    launch(run, nproc=2, extra=("--stream",))  # 4 -> 2
+    assert steps_of_rank(run, 1) == [1, 4]
+    assert_same_run(reference, run, steps=4)

@@ -2,10 +2,11 @@
 plain ``python``: the same command line at every world size, as a user would relaunch it.
 
 Usage: ``elastic_trainer_worker.py OUTPUT_DIR [--max-steps N] [--kill-after K] [--dropout P] [--accumulation A]
-[--no-elastic]`` (``--no-elastic``: the baseline, ``allow_config_drift=True`` instead of ``elastic=True``).
+[--no-elastic] [--stream]`` (``--no-elastic``: the baseline, ``allow_config_drift=True`` instead of ``elastic=True``;
+``--stream``: the rows as a shuffled ``datasets`` stream, 40 of them).
 
 * The data set has variable-length rows and a per-sample random crop that draws from torch's global generator;
-  every ``__getitem__`` records the index it fetched.
+  the collator records the index of every row it collates.
 * After each optimizer step every rank appends ``{"step": k, "indices": [...]}`` (the samples its micro-batches of
   step ``k`` trained on) to ``OUTPUT_DIR/samples-rank<r>.jsonl``.
 * ``--kill-after K``: every rank SIGKILLs itself right after checkpoint-K has committed (blocking saves).
@@ -27,7 +28,7 @@ from transformers import TrainerCallback, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from elastic_data import FETCHED, CropRows, collate  # noqa: E402
+from elastic_data import FETCHED, CropRows, collate, crop_stream  # noqa: E402
 
 from hf_resumable import ResumableTrainer  # noqa: E402
 
@@ -58,6 +59,7 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--no-elastic", action="store_true", help="the baseline: elastic=False, allow_config_drift")
+    parser.add_argument("--stream", action="store_true", help="a datasets stream instead of the map-style rows")
     options = parser.parse_args()
     rank = int(os.environ.get("RANK", "0"))
     # the script's own settings: 2 ranks x 2 micro-batches of 2 = a global batch of 8; 24 samples = 3 steps/epoch
@@ -68,7 +70,8 @@ def main() -> None:
         logging_steps=1, save_steps=1, save_strategy="steps", seed=5, report_to=[], use_cpu=True,
         dataloader_num_workers=0, disable_tqdm=True, remove_unused_columns=False)
     model = tiny_gpt2(resid_pdrop=options.dropout, embd_pdrop=options.dropout, attn_pdrop=options.dropout)
-    trainer = ResumableTrainer(model=model, args=args, train_dataset=CropRows(24), data_collator=collate,
+    data = crop_stream(40) if options.stream else CropRows(24)
+    trainer = ResumableTrainer(model=model, args=args, train_dataset=data, data_collator=collate,
                                elastic=not options.no_elastic, allow_config_drift=options.no_elastic,
                                save_async=False,
                                callbacks=[Recorder(options.output_dir / f"samples-rank{rank}.jsonl",
