@@ -31,12 +31,13 @@ RTOL = 1e-5
 
 def launch(output: Path, *, nproc: int, max_steps: int = 4, kill_after: int | None = None,
            dropout: float = 0.1, accumulation: int | None = None, expect_kill: bool = False,
-           expect_fail: bool = False, worker: Path = WORKER, extra: tuple[str, ...] = ()) -> str:
-    """``worker`` at world size ``nproc`` (torchrun for 2+, plain python for 1); its output."""
+           expect_fail: bool = False, worker: Path = WORKER, extra: tuple[str, ...] = (),
+           torchrun: bool = False) -> str:
+    """``worker`` at world size ``nproc`` (torchrun for 2+ or with ``torchrun``, else plain python); its output."""
     args = [str(output), "--max-steps", str(max_steps), "--dropout", str(dropout), *extra]
     args += [] if accumulation is None else ["--accumulation", str(accumulation)]
     args += [] if kill_after is None else ["--kill-after", str(kill_after)]
-    if nproc == 1:
+    if nproc == 1 and not torchrun:
         done = zygote.run([sys.executable, str(worker), *args], env=child_env(), cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=TIMEOUT)
         out = done.stdout + done.stderr
@@ -213,5 +214,23 @@ def test_a_stream_on_two_ranks_then_one_then_two_is_the_uninterrupted_run(tmp_pa
     launch(run, nproc=2, kill_after=1, expect_kill=True, extra=("--stream",))
     launch(run, nproc=1, kill_after=3, expect_kill=True, extra=("--stream",))  # gradient accumulation 2 -> 4
     launch(run, nproc=2, extra=("--stream",))  # 4 -> 2
+    assert steps_of_rank(run, 1) == [1, 4]
+    assert_same_run(reference, run, steps=4)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp2_on_two_ranks_then_one_then_two_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    """The Trainer with ``fsdp_config={"version": 2}`` (gloo ranks on CPU, every launch through torchrun): the
+    checkpoint's per-rank pieces are resharded for the new world size."""
+    engine = {"extra": ("--engine", "fsdp"), "torchrun": True}
+    reference = tmp_path / "reference"
+    launch(reference, nproc=2, **engine)
+    run = tmp_path / "run"
+    launch(run, nproc=2, kill_after=1, expect_kill=True, **engine)
+    launch(run, nproc=1, kill_after=3, expect_kill=True, **engine)
+    launch(run, nproc=2, **engine)
+    assert json.loads((run / "result.json").read_text())["distributed_type"] == "DistributedType.FSDP"
     assert steps_of_rank(run, 1) == [1, 4]
     assert_same_run(reference, run, steps=4)

@@ -3,7 +3,8 @@ plain ``python``: the same command line at every world size, as a user would rel
 
 Usage: ``elastic_trainer_worker.py OUTPUT_DIR [--max-steps N] [--kill-after K] [--dropout P] [--accumulation A]
 [--no-elastic] [--stream]`` (``--no-elastic``: the baseline, ``allow_config_drift=True`` instead of ``elastic=True``;
-``--stream``: the rows as a shuffled ``datasets`` stream, 40 of them).
+``--stream``: the rows as a shuffled ``datasets`` stream, 40 of them; ``--engine fsdp``: FSDP2 on gloo CPU ranks
+through tests/engine_fixtures.py's shim, launched with torchrun at every world size).
 
 * The data set has variable-length rows and a per-sample random crop that draws from torch's global generator;
   the collator records the index of every row it collates.
@@ -32,6 +33,7 @@ from elastic_data import FETCHED, CropRows, collate, crop_stream  # noqa: E402
 
 from hf_resumable import ResumableTrainer  # noqa: E402
 
+import engine_fixtures as fx  # noqa: E402
 from tiny_models import tiny_gpt2  # noqa: E402
 
 
@@ -60,15 +62,22 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--no-elastic", action="store_true", help="the baseline: elastic=False, allow_config_drift")
     parser.add_argument("--stream", action="store_true", help="a datasets stream instead of the map-style rows")
+    parser.add_argument("--engine", choices=("ddp", "fsdp"), default="ddp")
     options = parser.parse_args()
+    engine = {"use_cpu": True}
+    if options.engine == "fsdp":
+        fx.install_cpu_engines()  # before TrainingArguments builds accelerate's state
+        engine = {"fsdp": True, "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"],
+                                                "state_dict_type": "SHARDED_STATE_DICT",
+                                                "cpu_ram_efficient_loading": False}}
     rank = int(os.environ.get("RANK", "0"))
     # the script's own settings: 2 ranks x 2 micro-batches of 2 = a global batch of 8; 24 samples = 3 steps/epoch
     args = TrainingArguments(
         output_dir=str(options.output_dir), per_device_train_batch_size=2,
         gradient_accumulation_steps=options.accumulation,
         max_steps=options.max_steps, learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=2,
-        logging_steps=1, save_steps=1, save_strategy="steps", seed=5, report_to=[], use_cpu=True,
-        dataloader_num_workers=0, disable_tqdm=True, remove_unused_columns=False)
+        logging_steps=1, save_steps=1, save_strategy="steps", seed=5, report_to=[],
+        dataloader_num_workers=0, disable_tqdm=True, remove_unused_columns=False, **engine)
     model = tiny_gpt2(resid_pdrop=options.dropout, embd_pdrop=options.dropout, attn_pdrop=options.dropout)
     data = crop_stream(40) if options.stream else CropRows(24)
     trainer = ResumableTrainer(model=model, args=args, train_dataset=data, data_collator=collate,
@@ -77,12 +86,15 @@ def main() -> None:
                                callbacks=[Recorder(options.output_dir / f"samples-rank{rank}.jsonl",
                                                    options.kill_after)])
     trainer.train(resume_from_checkpoint=True)
+    # every parameter whole (FSDP2's DTensors gathered: collective, every rank)
+    state = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().contiguous()
+             for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
     if rank == 0:
         (options.output_dir / "result.json").write_text(json.dumps({
             "log_history": trainer.state.log_history,
             "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
+            "distributed_type": str(trainer.accelerator.distributed_type),
             "resumed_from": None if trainer.resumed_from is None else str(trainer.resumed_from)}))
-        state = {name: p.detach().contiguous() for name, p in trainer.model.named_parameters()}
         save_file(state, str(options.output_dir / "final.safetensors"))
 
 
