@@ -55,7 +55,8 @@ def engine_options(engine: str) -> dict:
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
     if engine == "deepspeed":
-        return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=fx.deepspeed_config(2, batch_size=2))}
+        config = {**fx.deepspeed_config(2, batch_size=2), "gradient_accumulation_steps": "auto"}  # the accelerator's
+        return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=config)}
     return {"fsdp_plugin": FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["GPT2Block"],
         state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False, sync_module_states=False)}
