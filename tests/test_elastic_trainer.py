@@ -117,7 +117,7 @@ def test_two_ranks_then_one_then_two_is_the_uninterrupted_run(tmp_path: Path) ->
     assert_same_run(reference, run, steps=4)
 
 
-def _trainer(output: Path, *, elastic: bool) -> Any:
+def _trainer(output: Path, *, elastic: bool, data: Any = None, cls: type | None = None, **options: Any) -> Any:
     from elastic_data import CropRows, collate
     from transformers import TrainingArguments
 
@@ -127,9 +127,10 @@ def _trainer(output: Path, *, elastic: bool) -> Any:
 
     args = TrainingArguments(output_dir=str(output), per_device_train_batch_size=2, gradient_accumulation_steps=2,
                              max_steps=2, save_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
-                             remove_unused_columns=False)
-    return ResumableTrainer(model=tiny_gpt2(), args=args, train_dataset=CropRows(24), data_collator=collate,
-                            elastic=elastic, save_async=False)
+                             remove_unused_columns=False, **options)
+    data = CropRows(24) if data is None else data
+    return (cls or ResumableTrainer)(model=tiny_gpt2(), args=args, train_dataset=data, data_collator=collate,
+                                     elastic=elastic, save_async=False)
 
 
 @pytest.mark.slow
@@ -161,6 +162,27 @@ def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_in_proces
         trainer._open_checkpoint(output / "checkpoint-1")
     assert trainer.args.gradient_accumulation_steps == 1
     assert "world size 1 -> 2: gradient_accumulation_steps 2 -> 1" in caplog.text
+
+
+@pytest.mark.slow
+def test_orders_that_elastic_cannot_keep_are_refused_before_step_one(tmp_path: Path, monkeypatch) -> None:
+    """A subclass's own ``_get_train_sampler`` and a stream read by loader workers (which split its order) are
+    refused at ``train()`` start with a typed error; nothing is trained."""
+    monkeypatch.syspath_prepend(str(WORKER.parent))
+    from elastic_data import crop_stream
+
+    from hf_resumable import ResumableTrainer
+    from hf_resumable.errors import InexactResumeError
+
+    class OwnSampler(ResumableTrainer):
+        def _get_train_sampler(self, dataset=None):
+            return torch.utils.data.SequentialSampler(dataset if dataset is not None else self.train_dataset)
+
+    with pytest.raises(InexactResumeError, match="custom sampler"):
+        _trainer(tmp_path / "sampler", elastic=True, cls=OwnSampler).train()
+    with pytest.raises(InexactResumeError, match="dataloader_num_workers=2"):
+        _trainer(tmp_path / "workers", elastic=True, data=crop_stream(40), dataloader_num_workers=2).train()
+    assert not list(tmp_path.glob("*/checkpoint-*"))
 
 
 @pytest.mark.extended
