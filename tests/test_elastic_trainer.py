@@ -256,3 +256,21 @@ def test_fsdp2_on_two_ranks_then_one_then_two_is_the_uninterrupted_run(tmp_path:
     assert json.loads((run / "result.json").read_text())["distributed_type"] == "DistributedType.FSDP"
     assert steps_of_rank(run, 1) == [1, 4]
     assert_same_run(reference, run, steps=4)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_zero2_on_two_ranks_then_one_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    """The Trainer with a DeepSpeed ZeRO-2 config (gloo ranks on CPU, every launch through torchrun): the optimizer
+    partitions are resharded for one rank, which accumulates 4 micro-batches where two ranks accumulated 2."""
+    engine = {"extra": ("--engine", "deepspeed"), "torchrun": True, "max_steps": 3}
+    reference = tmp_path / "reference"
+    launch(reference, nproc=2, **engine)
+    run = tmp_path / "run"
+    launch(run, nproc=2, kill_after=1, expect_kill=True, **engine)
+    launch(run, nproc=1, **engine)
+    result = json.loads((run / "result.json").read_text())
+    assert result["distributed_type"] == "DistributedType.DEEPSPEED" and result["gradient_accumulation_steps"] == 4
+    assert steps_of_rank(run, 1) == [1]
+    assert_same_run(reference, run, steps=3)

@@ -3,8 +3,8 @@ plain ``python``: the same command line at every world size, as a user would rel
 
 Usage: ``elastic_trainer_worker.py OUTPUT_DIR [--max-steps N] [--kill-after K] [--dropout P] [--accumulation A]
 [--no-elastic] [--stream]`` (``--no-elastic``: the baseline, ``allow_config_drift=True`` instead of ``elastic=True``;
-``--stream``: the rows as a shuffled ``datasets`` stream, 40 of them; ``--engine fsdp``: FSDP2 on gloo CPU ranks
-through tests/engine_fixtures.py's shim, launched with torchrun at every world size).
+``--stream``: the rows as a shuffled ``datasets`` stream, 40 of them; ``--engine fsdp`` / ``deepspeed``: FSDP2 / ZeRO-2
+on gloo CPU ranks through tests/engine_fixtures.py's shim, launched with torchrun at every world size).
 
 * The data set has variable-length rows and a per-sample random crop that draws from torch's global generator;
   the collator records the index of every row it collates.
@@ -62,11 +62,14 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--no-elastic", action="store_true", help="the baseline: elastic=False, allow_config_drift")
     parser.add_argument("--stream", action="store_true", help="a datasets stream instead of the map-style rows")
-    parser.add_argument("--engine", choices=("ddp", "fsdp"), default="ddp")
+    parser.add_argument("--engine", choices=("ddp", "fsdp", "deepspeed"), default="ddp")
     options = parser.parse_args()
     engine = {"use_cpu": True}
-    if options.engine == "fsdp":
+    if options.engine != "ddp":
         fx.install_cpu_engines()  # before TrainingArguments builds accelerate's state
+    if options.engine == "deepspeed":
+        engine = {"deepspeed": fx.deepspeed_config(2)}
+    elif options.engine == "fsdp":
         engine = {"fsdp": True, "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"],
                                                 "state_dict_type": "SHARDED_STATE_DICT",
                                                 "cpu_ram_efficient_loading": False}}
