@@ -360,7 +360,9 @@ class ResumableTrainer(Trainer):
             ``ElasticWorldSizeError``, listing those that do); every optimizer step trains on the same samples,
             each batch built and each dropout mask drawn identically whichever rank trains on it, so losses and
             weights match the uninterrupted run up to float rounding (see docs/trainer.md). Map-style training data
-            only; every epoch is cut to whole global batches.
+            (every epoch cut to whole global batches) or a stream with ``dataloader_num_workers=0`` (read whole by
+            every process, step k being its positions ``[k * G, (k + 1) * G)``); not a custom sampler. DDP, FSDP2
+            and ZeRO (checkpoint pieces resharded).
         mean_time_between_failures (`float`, *optional*): the expected seconds between preemptions or crashes; the
             trainer then measures its own save cost and step time and saves at the interval that minimises the
             expected lost time (Young/Daly, ``sqrt(2 * save cost * mean_time_between_failures)``, in steps),
