@@ -5,7 +5,9 @@ tests/scripts/elastic_accelerate_worker.py (accelerate's token-exact loop, a sch
 checkpoint every step) is launched with ``torchrun --nproc-per-node 2``, killed, relaunched with plain ``python``
 (gradient accumulation 2 -> 4, the scheduler still stepped twice per optimizer step), killed, and relaunched with 2
 processes. Compared with the uninterrupted 2-process run as in tests/test_elastic_trainer.py (samples per optimizer
-step, losses, weights; dropout on), and the learning rate of every step.
+step, losses, weights; dropout on), and the learning rate of every step. The same with accelerate's FSDP2 plugin and
+with DeepSpeed ZeRO-2 (gloo ranks on CPU through tests/engine_fixtures.py; every launch through torchrun): the
+checkpoint's per-rank pieces are resharded for the new world size.
 """
 
 from __future__ import annotations
@@ -38,3 +40,57 @@ def test_two_processes_then_one_then_two_is_the_uninterrupted_run(tmp_path: Path
     assert steps_of_rank(run, 1) == [1, 4]  # the world size really changed
     assert_same_run(reference, run, steps=4)
     assert learning_rates(run) == learning_rates(reference)  # the schedule of the uninterrupted run
+
+
+def launch_engine(output: Path, engine: str, *, nproc: int, max_steps: int, kill_after: int | None = None) -> None:
+    launch(output, nproc=nproc, max_steps=max_steps, kill_after=kill_after, expect_kill=kill_after is not None,
+           worker=WORKER, extra=("--engine", engine), torchrun=True)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp2_on_two_processes_then_one_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    reference = tmp_path / "reference"
+    launch_engine(reference, "fsdp", nproc=2, max_steps=3)
+    run = tmp_path / "run"
+    launch_engine(run, "fsdp", nproc=2, max_steps=3, kill_after=1)
+    launch_engine(run, "fsdp", nproc=1, max_steps=3)  # gradient accumulation 2 -> 4
+    result = json.loads((run / "result.json").read_text())
+    assert result["distributed_type"] == "DistributedType.FSDP" and result["gradient_accumulation_steps"] == 4
+    assert steps_of_rank(run, 1) == [1]
+    assert_same_run(reference, run, steps=3)
+    assert learning_rates(run) == learning_rates(reference)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp2_on_two_processes_then_one_then_two_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    reference = tmp_path / "reference"
+    launch_engine(reference, "fsdp", nproc=2, max_steps=4)
+    run = tmp_path / "run"
+    launch_engine(run, "fsdp", nproc=2, max_steps=4, kill_after=1)
+    launch_engine(run, "fsdp", nproc=1, max_steps=4, kill_after=3)
+    launch_engine(run, "fsdp", nproc=2, max_steps=4)
+    assert json.loads((run / "result.json").read_text())["resumed_from"].endswith("checkpoint-3")
+    assert steps_of_rank(run, 1) == [1, 4]
+    assert_same_run(reference, run, steps=4)
+    assert learning_rates(run) == learning_rates(reference)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_zero2_on_two_processes_then_one_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    """DeepSpeed ZeRO-2: the engine's own gradient accumulation (it divides the loss by it) follows the new one, and
+    the torch scheduler accelerate prepares keeps the first launch's rate."""
+    reference = tmp_path / "reference"
+    launch_engine(reference, "deepspeed", nproc=2, max_steps=3)
+    run = tmp_path / "run"
+    launch_engine(run, "deepspeed", nproc=2, max_steps=3, kill_after=1)
+    launch_engine(run, "deepspeed", nproc=1, max_steps=3)  # gradient accumulation 2 -> 4
+    result = json.loads((run / "result.json").read_text())
+    assert result["distributed_type"] == "DistributedType.DEEPSPEED" and result["gradient_accumulation_steps"] == 4
+    assert steps_of_rank(run, 1) == [1]
+    assert_same_run(reference, run, steps=3)
+    assert learning_rates(run) == learning_rates(reference)

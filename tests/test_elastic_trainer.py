@@ -31,12 +31,13 @@ RTOL = 1e-5
 
 def launch(output: Path, *, nproc: int, max_steps: int = 4, kill_after: int | None = None,
            dropout: float = 0.1, accumulation: int | None = None, expect_kill: bool = False,
-           expect_fail: bool = False, worker: Path = WORKER) -> str:
-    """``worker`` at world size ``nproc`` (torchrun for 2+, plain python for 1); its output."""
-    args = [str(output), "--max-steps", str(max_steps), "--dropout", str(dropout)]
+           expect_fail: bool = False, worker: Path = WORKER, extra: tuple[str, ...] = (),
+           torchrun: bool = False) -> str:
+    """``worker`` at world size ``nproc`` (torchrun for 2+ or with ``torchrun``, else plain python); its output."""
+    args = [str(output), "--max-steps", str(max_steps), "--dropout", str(dropout), *extra]
     args += [] if accumulation is None else ["--accumulation", str(accumulation)]
     args += [] if kill_after is None else ["--kill-after", str(kill_after)]
-    if nproc == 1:
+    if nproc == 1 and not torchrun:
         done = zygote.run([sys.executable, str(worker), *args], env=child_env(), cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=TIMEOUT)
         out = done.stdout + done.stderr
@@ -116,7 +117,7 @@ def test_two_ranks_then_one_then_two_is_the_uninterrupted_run(tmp_path: Path) ->
     assert_same_run(reference, run, steps=4)
 
 
-def _trainer(output: Path, *, elastic: bool) -> Any:
+def _trainer(output: Path, *, elastic: bool, data: Any = None, cls: type | None = None, **options: Any) -> Any:
     from elastic_data import CropRows, collate
     from transformers import TrainingArguments
 
@@ -126,9 +127,10 @@ def _trainer(output: Path, *, elastic: bool) -> Any:
 
     args = TrainingArguments(output_dir=str(output), per_device_train_batch_size=2, gradient_accumulation_steps=2,
                              max_steps=2, save_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
-                             remove_unused_columns=False)
-    return ResumableTrainer(model=tiny_gpt2(), args=args, train_dataset=CropRows(24), data_collator=collate,
-                            elastic=elastic, save_async=False)
+                             remove_unused_columns=False, **options)
+    data = CropRows(24) if data is None else data
+    return (cls or ResumableTrainer)(model=tiny_gpt2(), args=args, train_dataset=data, data_collator=collate,
+                                     elastic=elastic, save_async=False)
 
 
 @pytest.mark.slow
@@ -162,6 +164,27 @@ def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_in_proces
     assert "world size 1 -> 2: gradient_accumulation_steps 2 -> 1" in caplog.text
 
 
+@pytest.mark.slow
+def test_orders_that_elastic_cannot_keep_are_refused_before_step_one(tmp_path: Path, monkeypatch) -> None:
+    """A subclass's own ``_get_train_sampler`` and a stream read by loader workers (which split its order) are
+    refused at ``train()`` start with a typed error; nothing is trained."""
+    monkeypatch.syspath_prepend(str(WORKER.parent))
+    from elastic_data import crop_stream
+
+    from hf_resumable import ResumableTrainer
+    from hf_resumable.errors import InexactResumeError
+
+    class OwnSampler(ResumableTrainer):
+        def _get_train_sampler(self, dataset=None):
+            return torch.utils.data.SequentialSampler(dataset if dataset is not None else self.train_dataset)
+
+    with pytest.raises(InexactResumeError, match="custom sampler"):
+        _trainer(tmp_path / "sampler", elastic=True, cls=OwnSampler).train()
+    with pytest.raises(InexactResumeError, match="dataloader_num_workers=2"):
+        _trainer(tmp_path / "workers", elastic=True, data=crop_stream(40), dataloader_num_workers=2).train()
+    assert not list(tmp_path.glob("*/checkpoint-*"))
+
+
 @pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.distributed
@@ -184,4 +207,70 @@ def test_one_rank_then_two_is_the_uninterrupted_run(tmp_path: Path) -> None:
     launch(run, nproc=2, max_steps=3)  # gradient accumulation 2 -> 1
     assert steps_of_rank(run, 1) == [2, 3]
     assert json.loads((run / "result.json").read_text())["gradient_accumulation_steps"] == 1
+    assert_same_run(reference, run, steps=3)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_stream_resumed_on_two_ranks_after_one_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    """A shuffled ``datasets`` stream with a random ``.map`` crop: step k is stream positions [4k, 4k + 4) at any
+    world size. One process (gradient accumulation 2) is killed after step 1; two processes (accumulation 1) continue
+    from rank 0's position, the new rank included."""
+    reference = tmp_path / "reference"
+    launch(reference, nproc=1, max_steps=3, extra=("--stream",))
+    run = tmp_path / "run"
+    launch(run, nproc=1, max_steps=3, kill_after=1, expect_kill=True, extra=("--stream",))
+    launch(run, nproc=2, max_steps=3, extra=("--stream",))
+    assert steps_of_rank(run, 1) == [2, 3]
+    assert json.loads((run / "result.json").read_text())["gradient_accumulation_steps"] == 1
+    assert_same_run(reference, run, steps=3)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_stream_on_two_ranks_then_one_then_two_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    reference = tmp_path / "reference"
+    launch(reference, nproc=2, extra=("--stream",))
+    run = tmp_path / "run"
+    launch(run, nproc=2, kill_after=1, expect_kill=True, extra=("--stream",))
+    launch(run, nproc=1, kill_after=3, expect_kill=True, extra=("--stream",))  # gradient accumulation 2 -> 4
+    launch(run, nproc=2, extra=("--stream",))  # 4 -> 2
+    assert steps_of_rank(run, 1) == [1, 4]
+    assert_same_run(reference, run, steps=4)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp2_on_two_ranks_then_one_then_two_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    """The Trainer with ``fsdp_config={"version": 2}`` (gloo ranks on CPU, every launch through torchrun): the
+    checkpoint's per-rank pieces are resharded for the new world size."""
+    engine = {"extra": ("--engine", "fsdp"), "torchrun": True}
+    reference = tmp_path / "reference"
+    launch(reference, nproc=2, **engine)
+    run = tmp_path / "run"
+    launch(run, nproc=2, kill_after=1, expect_kill=True, **engine)
+    launch(run, nproc=1, kill_after=3, expect_kill=True, **engine)
+    launch(run, nproc=2, **engine)
+    assert json.loads((run / "result.json").read_text())["distributed_type"] == "DistributedType.FSDP"
+    assert steps_of_rank(run, 1) == [1, 4]
+    assert_same_run(reference, run, steps=4)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_zero2_on_two_ranks_then_one_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    """The Trainer with a DeepSpeed ZeRO-2 config (gloo ranks on CPU, every launch through torchrun): the optimizer
+    partitions are resharded for one rank, which accumulates 4 micro-batches where two ranks accumulated 2."""
+    engine = {"extra": ("--engine", "deepspeed"), "torchrun": True, "max_steps": 3}
+    reference = tmp_path / "reference"
+    launch(reference, nproc=2, **engine)
+    run = tmp_path / "run"
+    launch(run, nproc=2, kill_after=1, expect_kill=True, **engine)
+    launch(run, nproc=1, **engine)
+    result = json.loads((run / "result.json").read_text())
+    assert result["distributed_type"] == "DistributedType.DEEPSPEED" and result["gradient_accumulation_steps"] == 4
+    assert steps_of_rank(run, 1) == [1]
     assert_same_run(reference, run, steps=3)

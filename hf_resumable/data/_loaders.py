@@ -11,15 +11,17 @@ import torch
 from torch.utils.data import DataLoader
 
 from .. import trace
-from ..checkpoint._validate import batches_yielded
+from ..checkpoint._validate import _NUM_YIELDED, batches_yielded
 from ..errors import InexactResumeError
 from ..format.rng import derive_seed
 from ._order import ResumableBatchSampler
 from ._position import _TAG_LOADER, DATA_EPOCH, DATA_KIND, DATA_LOADER, DATA_NUM_BATCHES, DATA_STEP, _identity
-from ._seeded import SeededIterableDataset, SeededMapDataset
+from ._seeded import SeededIterableDataset, SeededMapDataset, elastic_stream_batches
 from ._shuffle_buffer import has_shuffle_buffer, resumable_shuffle_buffer
 
 logger = logging.getLogger(__name__)
+
+_SAMPLER_YIELDED = "_sampler_iter_yielded"  # StatefulDataLoader: items its sampler iterator yielded
 
 
 class ResumableDataLoader(DataLoader):
@@ -136,12 +138,14 @@ def build_map_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], bat
 def build_stream_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], batch_size: int, seed: int,
                             drop_last: bool = False, rank: int = 0, num_workers: int = 0,
                             pin_memory: bool = False, persistent_workers: bool = False,
-                            prefetch_factor: int | None = None,
-                            multiprocessing_context: Any = None) -> Any:
+                            prefetch_factor: int | None = None, multiprocessing_context: Any = None,
+                            world_size: int = 1, global_batch: int | None = None) -> Any:
     """A :class:`ResumableStreamLoader` (``torchdata`` ``StatefulDataLoader``) over a streaming data set.
 
     Args: as :func:`build_map_dataloader`; ``dataset`` is a ``datasets.IterableDataset`` already split for
-    this rank (``datasets.distributed.split_dataset_by_node``) when training data-parallel.
+    this rank (``datasets.distributed.split_dataset_by_node``) when training data-parallel, except in the elastic
+    layout (``global_batch`` and ``world_size``, see :class:`SeededIterableDataset`), where every rank reads the
+    whole stream (``num_workers=0`` only: workers would split the stream's order by worker).
 
     A ``datasets`` shuffle buffer (``ds.shuffle(seed=..., buffer_size=N)``) is replaced by a
     :class:`ResumableShuffleBuffer` of the same size (see :func:`resumable_shuffle_buffer`), whose content
@@ -151,9 +155,15 @@ def build_stream_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], 
 
     Raises:
         ImportError: if ``torchdata`` is not installed.
+        ValueError: the elastic layout with ``num_workers > 0``.
     """
-    wrapper = SeededIterableDataset(_resumable_source(dataset, rank), collate_fn, batch_size=batch_size, seed=seed,
-                                    drop_last=drop_last, rank=rank)
+    if global_batch is not None and num_workers:
+        raise ValueError(f"The elastic layout of a stream reads it in one order on every rank; num_workers="
+                         f"{num_workers} would split it by worker. Use num_workers=0.")
+    # elastic: every rank reads the same stream, so its shuffle buffer is seeded as rank 0's
+    source = _resumable_source(dataset, rank if global_batch is None else 0)
+    wrapper = SeededIterableDataset(source, collate_fn, batch_size=batch_size, seed=seed, drop_last=drop_last,
+                                    rank=rank, world_size=world_size, global_batch=global_batch)
     kwargs = _loader_kwargs(seed, num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers,
                             prefetch_factor=prefetch_factor, multiprocessing_context=multiprocessing_context)
     return _stream_loader_class()(wrapper, batch_size=None, **kwargs)
@@ -168,6 +178,22 @@ def _resumable_source(dataset: Any, rank: int) -> Any:
     except InexactResumeError as error:
         logger.warning("%s Keeping datasets' own shuffle buffer: resuming this stream will NOT be bit-exact.", error)
         return dataset
+
+
+def elastic_loader_state(state: Mapping[str, Any], *, batch_size: int, world_size: int) -> dict[str, Any]:
+    """A single-process ``StatefulDataLoader`` state of an elastic stream (saved at any world size) with its batch
+    counters set for a rank of ``world_size`` (pure): the examples read over all ranks are the position.
+
+    Raises:
+        InexactResumeError: a multi-worker state, or one not on an optimizer-step boundary of ``world_size``.
+    """
+    dataset_state = state.get("dataset_state")
+    if _NUM_YIELDED not in state or not isinstance(dataset_state, Mapping):
+        raise InexactResumeError(f"The streaming position (keys {sorted(state)}) is not that of a single-process "
+                                 "loader of the elastic layout; resume with the settings it was written with.")
+    batches = elastic_stream_batches(dataset_state, batch_size=batch_size, world_size=world_size)
+    return {**state, _NUM_YIELDED: batches, _SAMPLER_YIELDED: batches, "dataset_state": {**dataset_state,
+                                                                                          "step": batches}}
 
 
 _STREAM_LOADER_CLASS: type | None = None
@@ -214,6 +240,9 @@ def _stream_loader_class() -> type:
 
             def load_position(self, record: Mapping[str, Any]) -> None:
                 state = record[DATA_LOADER]
+                if self.dataset.global_batch is not None:  # elastic: the counters of this world size
+                    state = elastic_loader_state(state, batch_size=self.dataset.batch_size,
+                                                 world_size=self.dataset.world_size)
                 self.load_state_dict(state)
                 self._resumed_batches = _batches_yielded(state)
 

@@ -17,6 +17,9 @@ from .elastic import sample_seed
 
 logger = logging.getLogger(__name__)
 
+STREAM_SAMPLES = "samples"  # elastic streams: examples of the pass read by all ranks together (the position)
+_END = object()  # end of a stream
+
 
 class SeededMapDataset(Dataset):
     """Fetch and collate a whole :class:`BatchKey` inside a random context seeded by the batch's position.
@@ -82,6 +85,16 @@ class SeededIterableDataset(IterableDataset):
     :meth:`state_dict` returns the wrapped data set's own ``state_dict()`` plus the batch counter, so
     ``torchdata``'s ``StatefulDataLoader`` can snapshot it per yielded batch and resume without replay.
 
+    With ``global_batch`` (the elastic layout, the stream counterpart of :class:`ResumableBatchSampler`'s) the stream
+    is not split by rank: every rank reads all of it, one global batch (``global_batch`` examples) per optimizer step.
+    Example ``i`` of the pass is pulled under its own :func:`~hf_resumable.data.elastic.sample_seed` (so lazy
+    ``.map`` transforms draw the same numbers for it at any world size), the step's examples are cut into chunks of
+    ``batch_size`` numbered through the pass, chunk ``c`` goes to rank ``c % world_size`` and is collated under a seed
+    of ``(epoch, c)``. Step ``k`` is stream positions ``[k * global_batch, (k + 1) * global_batch)`` whatever the
+    world size, a final global batch the stream cannot fill is dropped, and the position (the data set's state at a
+    global-batch boundary plus the examples read, ``samples``) does not depend on the world size. Each rank reads
+    (and runs the transforms of) every example: ``world_size`` times the single-process reading.
+
     Args:
         dataset: a ``datasets.IterableDataset`` (or any iterable data set with ``state_dict`` /
             ``load_state_dict``).
@@ -90,15 +103,23 @@ class SeededIterableDataset(IterableDataset):
         seed (`int`): run seed.
         drop_last (`bool`, *optional*, defaults to `False`): drop a final incomplete batch.
         rank (`int`, *optional*, defaults to 0): data-parallel rank (part of the seed).
+        world_size (`int`, *optional*, defaults to 1) / global_batch (`int`, *optional*): the elastic layout
+            (``global_batch``: examples per optimizer step over all ranks, a multiple of
+            ``batch_size * world_size``).
     """
 
     def __init__(self, dataset: Any, collate_fn: Callable[[list], Any], *, batch_size: int, seed: int,
-                 drop_last: bool = False, rank: int = 0) -> None:
+                 drop_last: bool = False, rank: int = 0, world_size: int = 1,
+                 global_batch: int | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+        if global_batch is not None and (global_batch < 1 or global_batch % (batch_size * world_size)):
+            raise ValueError(f"global_batch must be a positive multiple of batch_size * world_size "
+                             f"({batch_size} * {world_size}), got {global_batch}.")
         self.dataset, self.collate_fn, self.batch_size, self.seed = dataset, collate_fn, batch_size, seed
-        self.drop_last, self.rank = drop_last, rank
+        self.drop_last, self.rank, self.world_size, self.global_batch = drop_last, rank, world_size, global_batch
         self.epoch, self._step, self._start_step = 0, 0, 0
+        self._samples, self._start_samples = 0, 0  # elastic layout: examples of the pass read (all ranks')
         self._collate_generators = GeneratorSlots(collate_fn)
 
     @property
@@ -118,6 +139,10 @@ class SeededIterableDataset(IterableDataset):
         worker = info.id if info is not None else 0
         iterator = iter(self.dataset)
         self._step, self._start_step = self._start_step, 0
+        self._samples, self._start_samples = self._start_samples, 0
+        if self.global_batch is not None:
+            yield from self._elastic_batches(iterator)
+            return
         while True:
             seed = derive_seed(self.seed, _TAG_STREAM_BATCH, self.epoch, self.rank, worker, self._step)
             self._collate_generators.reseed(self.collate_fn, seed=seed)
@@ -129,16 +154,73 @@ class SeededIterableDataset(IterableDataset):
             self._step += 1
             yield batch
 
+    def _elastic_batches(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        """The elastic layout: read a whole global batch (each example under its sample seed), yield this rank's
+        chunks of it; stop at the first global batch the stream cannot fill."""
+        chunks = self.global_batch // self.batch_size
+        while True:
+            first = self._samples
+            items = []
+            for index in range(first, first + self.global_batch):
+                with data_rng(sample_seed(self.seed, self.epoch, index)):
+                    item = next(iterator, _END)
+                if item is _END:
+                    return
+                items.append(item)
+            self._samples += self.global_batch
+            for offset in range(self.rank, chunks, self.world_size):
+                chunk = first // self.batch_size + offset
+                seed = derive_seed(self.seed, _TAG_ELASTIC_BATCH, self.epoch, chunk)
+                self._collate_generators.reseed(self.collate_fn, seed=seed)
+                with data_rng(seed):
+                    batch = self.collate_fn(items[offset * self.batch_size:(offset + 1) * self.batch_size])
+                self._step += 1
+                yield batch
+
     def state_dict(self) -> dict[str, Any]:
-        """Position after the last batch this copy produced: the data set's state and the batch counter."""
+        """Position after the last batch this copy produced: the data set's state and the batch counter (elastic
+        layout: also the examples read, ``samples``; the data set's state is then that after the current global
+        batch, identical on every rank)."""
         if not self.is_stateful:
             raise InexactResumeError(
                 f"{type(self.dataset).__name__} has no state_dict()/load_state_dict(), so its position cannot be "
                 "saved. Use a datasets.IterableDataset, or implement both methods on your data set.")
-        return {"dataset": self.dataset.state_dict(), "step": self._step, "epoch": self.epoch}
+        state = {"dataset": self.dataset.state_dict(), "step": self._step, "epoch": self.epoch}
+        if self.global_batch is not None:
+            state[STREAM_SAMPLES] = self._samples
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at the position :meth:`state_dict` returned (takes effect at the next ``iter``)."""
+        """Resume at the position :meth:`state_dict` returned (takes effect at the next ``iter``).
+
+        Raises:
+            InexactResumeError: the elastic layout and a position that is not on an optimizer-step boundary of this
+                world size, or one without ``samples`` (not of the elastic layout).
+        """
+        step = int(state["step"])
+        if self.global_batch is not None:
+            step = elastic_stream_batches(state, batch_size=self.batch_size, world_size=self.world_size)
+            self._start_samples = int(state[STREAM_SAMPLES])
         self.dataset.load_state_dict(state["dataset"])
-        self._start_step = int(state["step"])
+        self._start_step = step
         self.set_epoch(int(state["epoch"]))
+
+
+def elastic_stream_batches(state: Mapping[str, Any], *, batch_size: int, world_size: int) -> int:
+    """The batches each of ``world_size`` ranks has trained on at the elastic stream position ``state`` (a
+    :meth:`SeededIterableDataset.state_dict`), pure.
+
+    Raises:
+        InexactResumeError: ``state`` has no ``samples`` (not written in the elastic layout), or they do not split
+            into whole batches of ``world_size`` ranks (not an optimizer-step boundary).
+    """
+    samples = state.get(STREAM_SAMPLES)
+    if not isinstance(samples, int) or samples < 0:
+        raise InexactResumeError(f"The streaming position {dict(state)} does not record the examples read over all "
+                                 "ranks (it was not written with elastic=True); resume with the settings it was "
+                                 "written with.")
+    if samples % (batch_size * world_size):
+        raise InexactResumeError(f"The streaming position ({samples} examples read) is not a whole number of "
+                                 f"batches of {batch_size} on {world_size} rank(s); resume from a checkpoint on an "
+                                 "optimizer-step boundary.")
+    return samples // (batch_size * world_size)

@@ -79,6 +79,7 @@ import accelerate
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard, DataLoaderStateMixin
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.state import GradientState
 from accelerate.utils import DistributedType
 
@@ -353,7 +354,7 @@ class ResumableAccelerator(Accelerator):
             UnsupportedEngineError: under FSDP2 or ZeRO, a second model or optimizer; a DeepSpeed optimizer other than
                 ZeRO's own (before any training step).
         """
-        prepared = super().prepare(*args, device_placement=device_placement)
+        prepared = self._keep_scheduler_rate(super().prepare(*args, device_placement=device_placement))
         self._checkpoint_optimizers()  # refuses DeepSpeed's other optimizers, before any step
         self._attach_step_hooks()
         if self._saves_pieces() and (len(self._models) > 1 or len(self._optimizers) > 1):
@@ -536,12 +537,20 @@ class ResumableAccelerator(Accelerator):
     def prepare_scheduler(self, scheduler: Any) -> Any:
         """accelerate's ``prepare_scheduler``; with ``elastic=True`` the scheduler keeps the first launch's number of
         steps per optimizer step (:class:`~._accelerate_elastic.KeptRateScheduler`)."""
-        prepared = super().prepare_scheduler(scheduler)
+        return self._keep_scheduler_rate(super().prepare_scheduler(scheduler))
+
+    def _keep_scheduler_rate(self, prepared: Any) -> Any:
+        """``prepared`` (one object or a tuple) with, under ``elastic=True``, every scheduler accelerate prepared
+        (``prepare_scheduler``, or ``prepare`` under DeepSpeed with a torch scheduler) made a
+        :class:`~._accelerate_elastic.KeptRateScheduler`."""
         if not self.resume_options.elastic:
             return prepared
-        kept = KeptRateScheduler(prepared, rate=self._scheduler_rate)
-        self._schedulers = [kept if item is prepared else item for item in self._schedulers]
-        return kept
+        kept = {id(item): KeptRateScheduler(item, rate=self._scheduler_rate) for item in self._schedulers
+                if type(item) is AcceleratedScheduler}  # not DeepSpeed's own schedules (its engine steps them)
+        self._schedulers = [kept.get(id(item), item) for item in self._schedulers]
+        if isinstance(prepared, tuple):
+            return tuple(kept.get(id(item), item) for item in prepared)
+        return kept.get(id(prepared), prepared)
 
     def free_memory(self, *objects: Any) -> Any:
         """accelerate's ``free_memory``; also forgets the prepared loaders' positions."""
@@ -636,12 +645,20 @@ class ResumableAccelerator(Accelerator):
           actual length (accelerate divides by ``gradient_accumulation_steps``, also for a short last window).
         * Otherwise it behaves as ``accelerate.Accelerator.backward``.
 
+        Under DeepSpeed, whose engine divides the loss by its gradient accumulation itself, ``num_items_in_batch``
+        scales ``loss`` by ``num_processes * gradient_accumulation_steps / num_items_in_batch`` before the engine's
+        backward, which comes to the same gradient.
+
         Raises:
             ValueError: if ``num_items_in_batch`` is not positive.
-            NotImplementedError: with ``num_items_in_batch`` under DeepSpeed or Megatron-LM (their engines
-                scale the loss themselves).
+            NotImplementedError: with ``num_items_in_batch`` under Megatron-LM (its engine scales the loss itself).
         """
         trace.on_loss(loss)  # hf-resumable check: the loss of this micro-batch
+        if self.distributed_type is DistributedType.DEEPSPEED and num_items_in_batch is not None:
+            engine = self.deepspeed_engine_wrapped.engine
+            super().backward(self._scale_loss(loss, num_items_in_batch) * engine.gradient_accumulation_steps(),
+                             **kwargs)
+            return
         engine_scaled = self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
         if engine_scaled or "learning_rate" in kwargs:
             if num_items_in_batch is not None:
@@ -1144,6 +1161,8 @@ class ResumableAccelerator(Accelerator):
                                    per_device_batch=loaders[0].batch_size, world_size=self.num_processes,
                                    checkpoint=str(path))
         self.gradient_accumulation_steps = plan.gradient_accumulation_steps
+        if getattr(self, "deepspeed_engine_wrapped", None) is not None:  # the engine divides the loss by its own
+            self.deepspeed_engine_wrapped.engine.set_train_batch_size(plan.global_batch)
         for loader in loaders:
             loader.loader.batch_sampler.global_batch = plan.global_batch
         if self.is_main_process:

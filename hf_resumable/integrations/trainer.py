@@ -96,7 +96,7 @@ from ..data import (
     sampler_epoch_order,
 )
 from ..data._loaders import StepPosition
-from ..distributed import rank_and_world_size
+from ..distributed import broadcast_json, rank_and_world_size
 from ..errors import AsyncSaveError, HfResumableError, InexactResumeError, UnsupportedStateError
 from ..format.rng import derive_seed, restore_rng_state
 from ..format.state import RunConfig
@@ -360,7 +360,9 @@ class ResumableTrainer(Trainer):
             ``ElasticWorldSizeError``, listing those that do); every optimizer step trains on the same samples,
             each batch built and each dropout mask drawn identically whichever rank trains on it, so losses and
             weights match the uninterrupted run up to float rounding (see docs/trainer.md). Map-style training data
-            only; every epoch is cut to whole global batches.
+            (every epoch cut to whole global batches) or a stream with ``dataloader_num_workers=0`` (read whole by
+            every process, step k being its positions ``[k * G, (k + 1) * G)``); not a custom sampler. DDP, FSDP2
+            and ZeRO (checkpoint pieces resharded).
         mean_time_between_failures (`float`, *optional*): the expected seconds between preemptions or crashes; the
             trainer then measures its own save cost and step time and saves at the interval that minimises the
             expected lost time (Young/Daly, ``sqrt(2 * save cost * mean_time_between_failures)``, in steps),
@@ -691,18 +693,28 @@ class ResumableTrainer(Trainer):
                                            is_training=is_training, dataloader_key=dataloader_key)
         dataset, collator = self._train_dataset_and_collator(dataset)
         options = self._loader_options(batch_size)
-        if self.resume_options.elastic and (custom_sampler or isinstance(dataset, torch.utils.data.IterableDataset)):
+        streaming = isinstance(dataset, torch.utils.data.IterableDataset)
+        if self.resume_options.elastic and custom_sampler:
             self._refuse_at_start(
-                "elastic=True keeps the sample order across world sizes for map-style training data in "
-                f"ResumableTrainer's own order, not for {'a custom sampler' if custom_sampler else 'a stream'}",
-                fix="Use a map-style data set with train_sampling_strategy 'random', 'sequential' or "
-                    "'group_by_length', or elastic=False")
-        if isinstance(dataset, torch.utils.data.IterableDataset):
+                "elastic=True keeps the sample order across world sizes in ResumableTrainer's own order (map-style "
+                "or streaming), not for a custom sampler",
+                fix="Use train_sampling_strategy 'random', 'sequential' or 'group_by_length' without overriding "
+                    "_get_train_sampler, or elastic=False")
+        global_batch = self._train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
+        elastic_stream = self.resume_options.elastic and streaming and not options["num_workers"]
+        if self.resume_options.elastic and streaming and options["num_workers"]:
+            self._refuse_at_start(
+                f"elastic=True reads a stream in one order on every process; dataloader_num_workers="
+                f"{options['num_workers']} would split it by worker", fix="Set dataloader_num_workers=0")
+        if streaming:
             if strategy == "group_by_length":
                 logger.warning("train_sampling_strategy='group_by_length' is ignored for a streaming data set (it "
                                "has no lengths to group by); examples come in the stream's own order.")
-            loader = build_stream_dataloader(self._split_for_rank(dataset), collate_fn=collator,
-                                             drop_last=self.args.dataloader_drop_last, **options)
+            # elastic: not split by rank, every process reads the whole stream and keeps its chunks of each step
+            loader = build_stream_dataloader(dataset if elastic_stream else self._split_for_rank(dataset),
+                                             collate_fn=collator, drop_last=self.args.dataloader_drop_last,
+                                             world_size=self.args.world_size,
+                                             global_batch=global_batch if elastic_stream else None, **options)
             if not loader.dataset.is_stateful and self._saves_checkpoints():
                 self._refuse_at_start(
                     f"The training set {type(dataset).__name__} is a torch IterableDataset without state_dict() and "
@@ -720,12 +732,11 @@ class ResumableTrainer(Trainer):
                                           order=sampler_epoch_order(sampler, seed=options["seed"]), **options)
         else:
             grouped = strategy == "group_by_length"
-            group_size = self._train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
             loader = build_map_dataloader(dataset, collate_fn=collator, drop_last=self.args.dataloader_drop_last,
                                           shuffle=strategy != "sequential", world_size=self.args.world_size,
                                           lengths=self._train_lengths() if grouped else None,
-                                          group_size=group_size if grouped else None,
-                                          global_batch=group_size if self.resume_options.elastic else None,
+                                          group_size=global_batch if grouped else None,
+                                          global_batch=global_batch if self.resume_options.elastic else None,
                                           **options)
         self._train_loader = loader
         self._train_position = StepPosition(loader, steps_done=lambda: self.state.global_step,
@@ -790,6 +801,11 @@ class ResumableTrainer(Trainer):
             return  # a stock checkpoint: the loader starts at the Trainer's (epoch, batch), in hf_resumable's order
         if self.resume_options.elastic and self._train_position.kind == "map":
             return  # the elastic layout's position is the global step (the Trainer's skip), at any world size
+        if getattr(loader.dataset, "global_batch", None) is not None and (
+                self._resume.loaded.manifest.world_size != self.args.world_size):
+            # an elastic stream's position is global: rank 0's record (a new rank has none of its own), its batch
+            # counters set for this world size when loaded
+            record = broadcast_json(record if self.args.process_index == 0 else None)
         if record is None:
             self._inexact(f"{self._resume.path} has no data position for rank {self.args.process_index}")
             return

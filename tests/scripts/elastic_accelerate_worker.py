@@ -1,7 +1,9 @@
 """``ResumableAccelerator(..., elastic=True)`` training a tiny GPT-2, launched with ``torchrun`` (any
 ``--nproc-per-node``) or plain ``python``: the same command line at every world size.
 
-Usage: ``elastic_accelerate_worker.py OUTPUT_DIR [--max-steps N] [--kill-after K] [--dropout P]``.
+Usage: ``elastic_accelerate_worker.py OUTPUT_DIR [--max-steps N] [--kill-after K] [--dropout P]
+[--engine {ddp,fsdp,deepspeed}]`` (``fsdp``: accelerate's FSDP2 plugin, ``deepspeed``: ZeRO-2, both on gloo CPU ranks
+through tests/engine_fixtures.py's shim, launched with torchrun at every world size).
 
 The loop is accelerate's token-exact recipe (``accumulation_windows`` + ``backward(loss_sum,
 num_items_in_batch=window.num_items)``) with a linear warmup/decay schedule prepared by accelerate. After each
@@ -31,6 +33,7 @@ from elastic_data import FETCHED, CropRows, collate  # noqa: E402
 
 from hf_resumable import ResumableAccelerator  # noqa: E402
 
+import engine_fixtures as fx  # noqa: E402
 from tiny_models import tiny_gpt2  # noqa: E402
 
 
@@ -44,17 +47,39 @@ def loss_sum(model: torch.nn.Module, batch: dict) -> torch.Tensor:
                            reduction="sum")
 
 
+def engine_options(engine: str) -> dict:
+    """The accelerator's keyword arguments of ``engine`` (the CPU shim installed first for FSDP2 and ZeRO-2)."""
+    if engine == "ddp":
+        return {"cpu": True}
+    fx.install_cpu_engines()
+    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+    if engine == "deepspeed":
+        config = {**fx.deepspeed_config(2, batch_size=2), "gradient_accumulation_steps": "auto"}  # the accelerator's
+        return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=config)}
+    return {"fsdp_plugin": FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["GPT2Block"],
+        state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False, sync_module_states=False)}
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (FSDP2's DTensors gathered: collective, every rank calls it)."""
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().contiguous()
+            for name, p in model.named_parameters()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--max-steps", type=int, default=4)
     parser.add_argument("--kill-after", type=int)
     parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--engine", choices=("ddp", "fsdp", "deepspeed"), default="ddp")
     options = parser.parse_args()
     out = options.output_dir
     # the script's own settings: 2 ranks x 2 micro-batches of 2 = a global batch of 8; 24 samples = 3 steps/epoch
     accelerator = ResumableAccelerator(gradient_accumulation_steps=2, checkpoint_dir=out / "checkpoints",
-                                       elastic=True, cpu=True)
+                                       elastic=True, **engine_options(options.engine))
     rank = accelerator.process_index
     out.mkdir(parents=True, exist_ok=True)
     loader = accelerator.prepare_resumable_dataloader(CropRows(24), collate_fn=collate, batch_size=2, seed=5)
@@ -90,12 +115,12 @@ def main() -> None:
             if step >= options.max_steps:
                 break
     accelerator.wait_for_everyone()
+    parameters = full_parameters(accelerator.unwrap_model(model))
     if rank == 0:
-        unwrapped = accelerator.unwrap_model(model)
-        save_file({name: p.detach().contiguous() for name, p in unwrapped.named_parameters()},
-                  str(out / "final.safetensors"))
+        save_file(parameters, str(out / "final.safetensors"))
         (out / "result.json").write_text(json.dumps({
             "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
+            "distributed_type": str(accelerator.distributed_type),
             "resumed_from": None if loaded is None else str(loaded.path)}))
     accelerator.end_training()
 

@@ -1,5 +1,6 @@
 """The data of the elastic workers (tests/scripts/elastic_*_worker.py): variable-length rows with a per-sample random
-crop, a padding collator, and the sample indices each process collated (``FETCHED``)."""
+crop (map-style, or a ``datasets`` stream), a padding collator, and the sample indices each process collated
+(``FETCHED``)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,18 @@ class CropRows(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         start = int(torch.randint(0, 3, ()))
         return {"input_ids": self.rows[index][start:], "index": index}
+
+
+def crop_stream(count: int):
+    """The rows of ``CropRows(count)`` as a ``datasets`` stream (4 shards, a shuffle buffer of 6) whose lazy ``.map``
+    crops each row like ``CropRows.__getitem__`` (torch's global generator)."""
+    import datasets
+
+    rows = CropRows(count).rows
+    stream = datasets.Dataset.from_dict({"ids": rows, "index": list(range(count))}).to_iterable_dataset(num_shards=4)
+    return stream.shuffle(seed=3, buffer_size=6).map(
+        lambda row: {"input_ids": row["ids"][int(torch.randint(0, 3, ())):], "index": row["index"]},
+        remove_columns=["ids"])
 
 
 def collate(rows: list[dict]) -> dict[str, torch.Tensor]:

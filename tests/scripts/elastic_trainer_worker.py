@@ -2,10 +2,12 @@
 plain ``python``: the same command line at every world size, as a user would relaunch it.
 
 Usage: ``elastic_trainer_worker.py OUTPUT_DIR [--max-steps N] [--kill-after K] [--dropout P] [--accumulation A]
-[--no-elastic]`` (``--no-elastic``: the baseline, ``allow_config_drift=True`` instead of ``elastic=True``).
+[--no-elastic] [--stream]`` (``--no-elastic``: the baseline, ``allow_config_drift=True`` instead of ``elastic=True``;
+``--stream``: the rows as a shuffled ``datasets`` stream, 40 of them; ``--engine fsdp`` / ``deepspeed``: FSDP2 / ZeRO-2
+on gloo CPU ranks through tests/engine_fixtures.py's shim, launched with torchrun at every world size).
 
 * The data set has variable-length rows and a per-sample random crop that draws from torch's global generator;
-  every ``__getitem__`` records the index it fetched.
+  the collator records the index of every row it collates.
 * After each optimizer step every rank appends ``{"step": k, "indices": [...]}`` (the samples its micro-batches of
   step ``k`` trained on) to ``OUTPUT_DIR/samples-rank<r>.jsonl``.
 * ``--kill-after K``: every rank SIGKILLs itself right after checkpoint-K has committed (blocking saves).
@@ -27,10 +29,11 @@ from transformers import TrainerCallback, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from elastic_data import FETCHED, CropRows, collate  # noqa: E402
+from elastic_data import FETCHED, CropRows, collate, crop_stream  # noqa: E402
 
 from hf_resumable import ResumableTrainer  # noqa: E402
 
+import engine_fixtures as fx  # noqa: E402
 from tiny_models import tiny_gpt2  # noqa: E402
 
 
@@ -58,28 +61,43 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--no-elastic", action="store_true", help="the baseline: elastic=False, allow_config_drift")
+    parser.add_argument("--stream", action="store_true", help="a datasets stream instead of the map-style rows")
+    parser.add_argument("--engine", choices=("ddp", "fsdp", "deepspeed"), default="ddp")
     options = parser.parse_args()
+    engine = {"use_cpu": True}
+    if options.engine != "ddp":
+        fx.install_cpu_engines()  # before TrainingArguments builds accelerate's state
+    if options.engine == "deepspeed":
+        engine = {"deepspeed": fx.deepspeed_config(2)}
+    elif options.engine == "fsdp":
+        engine = {"fsdp": True, "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"],
+                                                "state_dict_type": "SHARDED_STATE_DICT",
+                                                "cpu_ram_efficient_loading": False}}
     rank = int(os.environ.get("RANK", "0"))
     # the script's own settings: 2 ranks x 2 micro-batches of 2 = a global batch of 8; 24 samples = 3 steps/epoch
     args = TrainingArguments(
         output_dir=str(options.output_dir), per_device_train_batch_size=2,
         gradient_accumulation_steps=options.accumulation,
         max_steps=options.max_steps, learning_rate=3e-3, lr_scheduler_type="linear", warmup_steps=2,
-        logging_steps=1, save_steps=1, save_strategy="steps", seed=5, report_to=[], use_cpu=True,
-        dataloader_num_workers=0, disable_tqdm=True, remove_unused_columns=False)
+        logging_steps=1, save_steps=1, save_strategy="steps", seed=5, report_to=[],
+        dataloader_num_workers=0, disable_tqdm=True, remove_unused_columns=False, **engine)
     model = tiny_gpt2(resid_pdrop=options.dropout, embd_pdrop=options.dropout, attn_pdrop=options.dropout)
-    trainer = ResumableTrainer(model=model, args=args, train_dataset=CropRows(24), data_collator=collate,
+    data = crop_stream(40) if options.stream else CropRows(24)
+    trainer = ResumableTrainer(model=model, args=args, train_dataset=data, data_collator=collate,
                                elastic=not options.no_elastic, allow_config_drift=options.no_elastic,
                                save_async=False,
                                callbacks=[Recorder(options.output_dir / f"samples-rank{rank}.jsonl",
                                                    options.kill_after)])
     trainer.train(resume_from_checkpoint=True)
+    # every parameter whole (FSDP2's DTensors gathered: collective, every rank)
+    state = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().contiguous()
+             for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
     if rank == 0:
         (options.output_dir / "result.json").write_text(json.dumps({
             "log_history": trainer.state.log_history,
             "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
+            "distributed_type": str(trainer.accelerator.distributed_type),
             "resumed_from": None if trainer.resumed_from is None else str(trainer.resumed_from)}))
-        state = {name: p.detach().contiguous() for name, p in trainer.model.named_parameters()}
         save_file(state, str(options.output_dir / "final.safetensors"))
 
 
