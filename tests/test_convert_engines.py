@@ -24,12 +24,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from hf_resumable.checkpoint import read_manifest, verify_checkpoint
+from hf_resumable.checkpoint import open_checkpoint, read_manifest, verify_checkpoint
+from hf_resumable.checkpoint._partitioned import read_master_weights
 from hf_resumable.checkpoint._sharded import Box
 from hf_resumable.conversions._pickle import load_dcp_metadata
 from hf_resumable.conversions.dcp import plan_dcp_pieces
-from hf_resumable.conversions.deepspeed import plan_zero_boxes
+from hf_resumable.conversions.deepspeed import plan_zero_boxes, plan_zero_maps
 from hf_resumable.errors import CorruptCheckpointError, UnsafePickleError
 
 from distributed_launch import REPO_ROOT, child_env, run_torchrun
@@ -77,6 +79,11 @@ def _assert_resumed_as_saved(stock: Path, resumed: Path) -> None:
             assert resumed_info[key] == stock_info[key], key
 
 
+def _maps(layout: dict) -> dict:
+    """Every ZeRO partition's recorded map in a layout's optimizer document."""
+    return {name: fields.get("partition") for name, fields in layout["optimizer_document"]["non_tensor_state"].items()}
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [pytest.param(1, marks=_EXTENDED), 2])
@@ -89,8 +96,17 @@ def test_stock_deepspeed_checkpoint_converts_and_resumes(tmp_path, stage):
     _convert(stock / "checkpoint-3", converted)
     layout = json.loads((converted / "sharded_layout.json").read_text())
     assert layout["optimizer_document"]["class"] == f"DeepSpeedZero{stage}/AdamW"
+    # the partition maps recorded from the stock files assemble every parameter's fp32 master weights (in this fp32
+    # run, the weights themselves), as an elastic resume or `export --master-weights` reads them
+    masters = read_master_weights(open_checkpoint(converted))
+    weights = load_file(converted / "sharded" / "model-rank00000-of-00002.safetensors")
+    assert len(masters) > 10
+    assert not [name for name in masters if not torch.equal(masters[name], weights[name].view(-1))]
     _job(RESUME_WORKER, resumed, [*zero, "--resume", str(converted)])
     _assert_resumed_as_saved(stock, resumed)
+    # ... and are the maps the live engine records
+    live = json.loads((resumed / "checkpoint-5" / "sharded_layout.json").read_text())
+    assert _maps(layout) == _maps(live) and _maps(live)
     stock_history = json.loads((stock / "checkpoint-3" / "trainer_state.json").read_text())["log_history"]
     for rank in RANKS:
         result = json.loads((resumed / f"result-rank{rank}.json").read_text())
@@ -248,3 +264,17 @@ def test_plan_zero_boxes():
                                                              [Box((6,), (6,)), Box((2,), (2,))]]
     with pytest.raises(CorruptCheckpointError, match="same size on every rank"):
         plan_zero_boxes([[6, 2], [5, 2]], source="x")
+
+
+def test_plan_zero_maps():
+    """DeepSpeed's order and paddings, as zero_to_fp32.py reads them back; what does not fit is corrupt."""
+    maps = plan_zero_maps([{"a": [2, 3], "b": [5]}, {"c": [4]}], [[2, 0], [0]], [7, 2], world_size=2, source="x")
+    assert [m.to_json() for m in maps] == [
+        {"kind": "flat", "world_size": 2, "size": 7, "params": [["a", 6, 0, 6], ["b", 5, 8, 5]]},
+        {"kind": "flat", "world_size": 2, "size": 2, "params": [["c", 4, 0, 4]]}]
+    assert [(s.fqn, s.start, s.length, s.offset) for s in maps[0].segments(1)] == [("b", 0, 5, 1)]
+    assert plan_zero_maps([{"a": [3]}], None, [2], world_size=2, source="x")[0].params == (("a", 3, 0, 3),)
+    with pytest.raises(CorruptCheckpointError, match="more than its 2 partitions of 5"):
+        plan_zero_maps([{"a": [2, 3], "b": [5]}], [[2, 0]], [5], world_size=2, source="x")
+    with pytest.raises(CorruptCheckpointError, match="same groups"):
+        plan_zero_maps([{"a": [2]}], [[0], [0]], [1], world_size=2, source="x")
