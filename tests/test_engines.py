@@ -522,3 +522,24 @@ def test_plain_tensors_are_split_across_the_ranks_and_a_disagreement_commits_not
     monkeypatch.setenv(SPLIT_ENV, "0")
     assert plan_plain_owners(state, tied, world_size=2) == {}
     assert plan_plain_owners(state, tied, world_size=1) == {}
+
+
+def test_zero_partition_pieces_are_reused_while_they_view_the_same_bytes(one_rank_group):
+    """A save shows each ZeRO partition as a DTensor piece built once and reused while the partition is updated in
+    place; ``.data`` replaced builds a new one, and a partition the optimizer dropped frees its piece."""
+    import gc
+
+    from hf_resumable.integrations import _deepspeed
+
+    group = torch.distributed.group.WORLD
+    partition = torch.arange(6.0)
+    piece = _deepspeed._flat_piece(partition, group)
+    partition.add_(1)  # an optimizer step: in place
+    assert _deepspeed._flat_piece(partition, group) is piece and torch.equal(piece.to_local(), partition)
+    partition.data = torch.zeros(6)
+    replaced = _deepspeed._flat_piece(partition, group)
+    assert replaced is not piece and torch.equal(replaced.to_local(), torch.zeros(6))
+    entries = len(_deepspeed._PIECES)
+    del partition, piece, replaced
+    gc.collect()
+    assert len(_deepspeed._PIECES) == entries - 1

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -121,10 +122,12 @@ def _unsupported(engine: str) -> UnsupportedEngineError:
                              "run")
 
 
-# (id(partition tensor), id(group)) -> (the tensor, the group, its DTensor piece): the optimizer updates its
-# partitions in place, so the piece built at one save views the same bytes at the next (checked: same storage, shape
-# and dtype; ``.data`` replaced is a miss). Building a DTensor per partition per save ran on the training loop's time.
-_PIECES: dict[tuple[int, int], tuple[torch.Tensor, Any, torch.Tensor]] = {}
+# (id(partition tensor), id(group)) -> (a weak reference to the tensor, the group, its DTensor piece): the optimizer
+# updates its partitions in place, so the piece built at one save views the same bytes at the next (checked: same
+# storage, shape and dtype; ``.data`` replaced is a miss). Building a DTensor per partition per save ran on the
+# training loop's time. An entry goes with its tensor (a load replaces the optimizer's state tensors): the piece views
+# the storage through a tensor of its own, so it would otherwise keep stale moments alive.
+_PIECES: dict[tuple[int, int], tuple[weakref.ref, Any, torch.Tensor]] = {}
 
 
 def _flat_piece(local: torch.Tensor, group: Any) -> torch.Tensor:
@@ -133,16 +136,14 @@ def _flat_piece(local: torch.Tensor, group: Any) -> torch.Tensor:
 
     key = (id(local), id(group))
     hit = _PIECES.get(key)
-    if hit is not None and hit[0] is local and hit[1] is group:
+    if hit is not None and hit[0]() is local and hit[1] is group:
         held = hit[2]._local_tensor
         if held.data_ptr() == local.data_ptr() and held.shape == local.shape and held.dtype == local.dtype:
             return hit[2]
     mesh = group_mesh(group, local.device.type)
     piece = DTensor.from_local(local.detach(), mesh, [Shard(0)], run_check=False,
                                shape=(local.numel() * mesh.size(),), stride=(1,))
-    if len(_PIECES) >= 4096:
-        _PIECES.clear()
-    _PIECES[key] = (local, group, piece)
+    _PIECES[key] = (weakref.ref(local, lambda _: _PIECES.pop(key, None)), group, piece)
     return piece
 
 
