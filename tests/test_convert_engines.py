@@ -135,6 +135,30 @@ def test_stock_accelerate_fsdp_checkpoint_converts_and_resumes(tmp_path):
     assert verify_checkpoint(resumed / "checkpoints" / "checkpoint-8", full=True).ok
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_converted_deepspeed_checkpoint_resumes_at_another_world_size_when_elastic(tmp_path):
+    """The partition maps the conversion records let one rank load what two stock ranks saved: DeepSpeed's own
+    gathered view (whole weights, fp32 master weights, Adam moments, step counts) equals the one after a load at the
+    stock world size."""
+    stock = tmp_path / "stock"
+    _job(STOCK_WORKER, stock, ["--engine", "deepspeed", "--zero-stage", "2", "--max-steps", "5", "--stop-after", "3"])
+    converted = tmp_path / "converted" / "checkpoint-3"
+    _convert(stock / "checkpoint-3", converted)
+    views = {}
+    for nproc in (2, 1):
+        dump = tmp_path / f"at{nproc}.safetensors"
+        done = run_torchrun(SCRIPTS / "ds_elastic_worker.py", ["--engine", "zero2", "--trainer-groups", "--load",
+                                                                "--checkpoint", str(converted), "--dump", str(dump)],
+                            env=child_env(), timeout=420, nproc=nproc)
+        assert done.returncode == 0, done.stdout[-5000:]
+        views[nproc] = load_file(dump)
+        assert json.loads(dump.with_suffix(".json").read_text()) == {"refused": nproc == 1}
+    assert sorted(views[1]) == sorted(views[2]) and any("exp_avg_sq" in name for name in views[2])
+    assert not [name for name in views[2] if not torch.equal(views[1][name], views[2][name])]
+
+
 def _gathered(run: Path, engine: str) -> dict[str, torch.Tensor]:
     """The whole weights from every rank's final pieces (FSDP2 shards dim 0; ZeRO-1/2 ranks hold them whole)."""
     pieces = [read_local_state(run / f"final-rank{rank}.safetensors") for rank in RANKS]
