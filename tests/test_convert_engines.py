@@ -3,7 +3,8 @@
 * A stock ``transformers.Trainer`` + DeepSpeed ZeRO-1/2 checkpoint (``global_stepN/``), made by the real stock tools
   on 2 gloo ranks, is converted by ``hf-resumable convert``; ``ResumableTrainer(deepspeed=same config)`` at 2 ranks
   resumes from it with every rank's weights, fp32 master partitions, Adam moments and step counts bit-identical to the
-  stock run's at the save, the same learning rate and engine counters, and trains on.
+  stock run's at the save, the same learning rate and engine counters, and trains on. The partition maps recorded
+  from the stock files equal the live engine's, and let one rank load the 2-rank conversion with ``elastic=True``.
 * A stock ``accelerate.Accelerator`` FSDP2 ``SHARDED_STATE_DICT`` ``save_state`` (``.distcp`` + ``.metadata``) is
   converted the same way; ``ResumableAccelerator`` with FSDP2 (``allow_inexact_resume=True``: no data position in
   the stock files) resumes with every rank's parameter pieces and optimizer state bit-identical.
