@@ -34,16 +34,16 @@ reads) and with every rank reading every file (``HF_RESUMABLE_SHARED_READS=0``),
 time and the bytes both ranks read from storage (``/proc/self/io`` read_bytes) against the checkpoint's size.
 
 With ``--engines``, instead: the front doors' engines at 2 gloo ranks, FSDP2 through accelerate and DeepSpeed ZeRO
-(``--zero-stage``, default 2) through accelerate, on the same Llama-shaped model + AdamW, one process group per engine:
-our blocking ``save_sharded_checkpoint`` (what ``ResumableAccelerator.save_state`` writes under these engines) and the
-stall of ``blocking=False`` (until it returns; the files are then written in the background) against stock
-``Accelerator.save_state`` (torch DCP under FSDP, DeepSpeed's ``save_checkpoint`` under ZeRO), and our load
+(``--zero-stage``, default 2 and 3) through accelerate, on the same Llama-shaped model + AdamW, one process group per
+engine: our blocking ``save_sharded_checkpoint`` (what ``ResumableAccelerator.save_state`` writes under these
+engines) and the stall of ``blocking=False`` (until it returns; the files are then written in the background) against
+stock ``Accelerator.save_state`` (torch DCP under FSDP, DeepSpeed's ``save_checkpoint`` under ZeRO), and our load
 (``open_checkpoint`` + ``load_sharded_into``) against stock ``load_state``, in rotating order; medians (slower
 rank). accelerate turns FSDP and DeepSpeed on for accelerator devices only, so on CPU the workers install the same
 test-only shim as the test suite (gloo collectives, the CPU as the device); on GPUs it is not needed.
 
 Usage:
-    python benchmarks/bench_distributed.py --engines [--repeats 5] [--hidden 512] [--zero-stage 2] [--dir DIR]
+    python benchmarks/bench_distributed.py --engines [--repeats 5] [--hidden 512] [--zero-stage 2 3] [--dir DIR]
     python benchmarks/bench_distributed.py [--rounds 3] [--repeats 2] [--dir /path/on/the/disk] [--hidden 512]
     python benchmarks/bench_distributed.py --stall [--repeats 5] [--hidden 512]
     python benchmarks/bench_distributed.py --replicated [--repeats 5] [--dir /dev/shm] [--max-shard-size 2GB]
@@ -421,7 +421,7 @@ def engines_worker(engine: str, root: Path, repeats: int, hidden: int, stage: in
     if rank == 0:
         slowest = {name: [[max(per_rank[name][k][j] for per_rank in gathered) for j in (0, 1)]
                           for k in range(repeats)] for name in times}
-        out.write_text(json.dumps({"times": slowest, "engine": engine, "parameters": sum(
+        out.write_text(json.dumps({"times": slowest, "engine": engine, "stage": stage, "parameters": sum(
             p.numel() for p in build(hidden).parameters())}))
     dist.destroy_process_group()
 
@@ -435,7 +435,7 @@ def engines_report(results: list[dict], args: argparse.Namespace) -> str:
              "| vs our blocking save |", "|---|---|---:|---:|---:|---:|"]
     for result in results:
         times = result["times"]
-        engine = "FSDP2 (DCP)" if result["engine"] == "fsdp" else f"DeepSpeed ZeRO-{args.zero_stage}"
+        engine = "FSDP2 (DCP)" if result["engine"] == "fsdp" else f"DeepSpeed ZeRO-{result['stage']}"
 
         def median(name: str, index: int) -> float:
             return statistics.median(entry[index] for entry in times[name])
@@ -528,7 +528,7 @@ def launch(mode: str, world_size: int, root: Path, args: argparse.Namespace) -> 
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         argv = [sys.executable, __file__, "--worker", mode, "--dir", str(root), "--repeats", str(args.repeats),
                 "--hidden", str(args.hidden), "--max-shard-size", args.max_shard_size,
-                "--zero-stage", str(args.zero_stage)]
+                "--zero-stage", *(str(stage) for stage in args.zero_stage)]
         procs.append(subprocess.Popen(argv, env=env))
     if any(p.wait() != 0 for p in procs):
         raise SystemExit(f"{mode}: a worker failed")
@@ -618,16 +618,19 @@ def main() -> None:
                         help="DDP resume: each file read once and exchanged vs every rank reading every file")
     parser.add_argument("--engines", action="store_true",
                         help="FSDP2 and DeepSpeed through accelerate: our saves and loads vs save_state / load_state")
-    parser.add_argument("--zero-stage", type=int, default=2, help="DeepSpeed ZeRO stage of --engines")
+    parser.add_argument("--zero-stage", type=int, nargs="+", default=[2, 3],
+                        help="DeepSpeed ZeRO stages of --engines (each in its own process group)")
     parser.add_argument("--max-shard-size", default="2GB", help="shard size of --replicated and --resume saves")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "stall":
         stall_worker(args.dir, args.repeats, args.hidden, args.dir / "stall.json")
         return
-    if args.worker in ("engine-fsdp", "engine-deepspeed"):
+    if args.worker is not None and args.worker.startswith("engine-"):  # engine-fsdp, engine-zero2, engine-zero3
         engine = args.worker.removeprefix("engine-")
-        engines_worker(engine, args.dir, args.repeats, args.hidden, args.zero_stage, args.dir / f"{args.worker}.json")
+        stage = int(engine.removeprefix("zero")) if engine.startswith("zero") else 0
+        engines_worker("deepspeed" if stage else engine, args.dir, args.repeats, args.hidden, stage,
+                       args.dir / f"{args.worker}.json")
         return
     if args.worker == "resume":
         resume_worker(args.dir, args.repeats, args.hidden, args.max_shard_size, args.dir / "resume.json")
@@ -641,7 +644,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-distributed-", dir=args.dir))
     try:
         if args.engines:
-            print(engines_report([launch(f"engine-{e}", 2, root, args) for e in ("fsdp", "deepspeed")], args))
+            engines = ["fsdp", *(f"zero{stage}" for stage in args.zero_stage)]
+            print(engines_report([launch(f"engine-{e}", 2, root, args) for e in engines], args))
         elif args.stall:
             print(stall_report(launch("stall", 2, root, args), args))
         elif args.resume:

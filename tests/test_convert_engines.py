@@ -3,7 +3,8 @@
 * A stock ``transformers.Trainer`` + DeepSpeed ZeRO-1/2 checkpoint (``global_stepN/``), made by the real stock tools
   on 2 gloo ranks, is converted by ``hf-resumable convert``; ``ResumableTrainer(deepspeed=same config)`` at 2 ranks
   resumes from it with every rank's weights, fp32 master partitions, Adam moments and step counts bit-identical to the
-  stock run's at the save, the same learning rate and engine counters, and trains on.
+  stock run's at the save, the same learning rate and engine counters, and trains on. The partition maps recorded
+  from the stock files equal the live engine's, and let one rank load the 2-rank conversion with ``elastic=True``.
 * A stock ``accelerate.Accelerator`` FSDP2 ``SHARDED_STATE_DICT`` ``save_state`` (``.distcp`` + ``.metadata``) is
   converted the same way; ``ResumableAccelerator`` with FSDP2 (``allow_inexact_resume=True``: no data position in
   the stock files) resumes with every rank's parameter pieces and optimizer state bit-identical.
@@ -24,12 +25,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from hf_resumable.checkpoint import read_manifest, verify_checkpoint
+from hf_resumable.checkpoint import open_checkpoint, read_manifest, verify_checkpoint
+from hf_resumable.checkpoint._partitioned import read_master_weights
 from hf_resumable.checkpoint._sharded import Box
 from hf_resumable.conversions._pickle import load_dcp_metadata
 from hf_resumable.conversions.dcp import plan_dcp_pieces
-from hf_resumable.conversions.deepspeed import plan_zero_boxes
+from hf_resumable.conversions.deepspeed import plan_zero_boxes, plan_zero_maps
 from hf_resumable.errors import CorruptCheckpointError, UnsafePickleError
 
 import zygote
@@ -78,6 +81,11 @@ def _assert_resumed_as_saved(stock: Path, resumed: Path) -> None:
             assert resumed_info[key] == stock_info[key], key
 
 
+def _maps(layout: dict) -> dict:
+    """Every ZeRO partition's recorded map in a layout's optimizer document."""
+    return {name: fields.get("partition") for name, fields in layout["optimizer_document"]["non_tensor_state"].items()}
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [pytest.param(1, marks=_EXTENDED), 2])
@@ -90,8 +98,17 @@ def test_stock_deepspeed_checkpoint_converts_and_resumes(tmp_path, stage):
     _convert(stock / "checkpoint-3", converted)
     layout = json.loads((converted / "sharded_layout.json").read_text())
     assert layout["optimizer_document"]["class"] == f"DeepSpeedZero{stage}/AdamW"
+    # the partition maps recorded from the stock files assemble every parameter's fp32 master weights (in this fp32
+    # run, the weights themselves), as an elastic resume or `export --master-weights` reads them
+    masters = read_master_weights(open_checkpoint(converted))
+    weights = load_file(converted / "sharded" / "model-rank00000-of-00002.safetensors")
+    assert len(masters) > 10
+    assert not [name for name in masters if not torch.equal(masters[name], weights[name].view(-1))]
     _job(RESUME_WORKER, resumed, [*zero, "--resume", str(converted)])
     _assert_resumed_as_saved(stock, resumed)
+    # ... and are the maps the live engine records
+    live = json.loads((resumed / "checkpoint-5" / "sharded_layout.json").read_text())
+    assert _maps(layout) == _maps(live) and _maps(live)
     stock_history = json.loads((stock / "checkpoint-3" / "trainer_state.json").read_text())["log_history"]
     for rank in RANKS:
         result = json.loads((resumed / f"result-rank{rank}.json").read_text())
@@ -118,6 +135,30 @@ def test_stock_accelerate_fsdp_checkpoint_converts_and_resumes(tmp_path):
     for rank in RANKS:
         assert json.loads((resumed / f"result-rank{rank}.json").read_text())["steps"] == [4, 5, 6, 7, 8]
     assert verify_checkpoint(resumed / "checkpoints" / "checkpoint-8", full=True).ok
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_converted_deepspeed_checkpoint_resumes_at_another_world_size_when_elastic(tmp_path):
+    """The partition maps the conversion records let one rank load what two stock ranks saved: DeepSpeed's own
+    gathered view (whole weights, fp32 master weights, Adam moments, step counts) equals the one after a load at the
+    stock world size."""
+    stock = tmp_path / "stock"
+    _job(STOCK_WORKER, stock, ["--engine", "deepspeed", "--zero-stage", "2", "--max-steps", "5", "--stop-after", "3"])
+    converted = tmp_path / "converted" / "checkpoint-3"
+    _convert(stock / "checkpoint-3", converted)
+    views = {}
+    for nproc in (2, 1):
+        dump = tmp_path / f"at{nproc}.safetensors"
+        done = run_torchrun(SCRIPTS / "ds_elastic_worker.py", ["--engine", "zero2", "--trainer-groups", "--load",
+                                                                "--checkpoint", str(converted), "--dump", str(dump)],
+                            env=child_env(), timeout=420, nproc=nproc)
+        assert done.returncode == 0, done.stdout[-5000:]
+        views[nproc] = load_file(dump)
+        assert json.loads(dump.with_suffix(".json").read_text()) == {"refused": nproc == 1}
+    assert sorted(views[1]) == sorted(views[2]) and any("exp_avg_sq" in name for name in views[2])
+    assert not [name for name in views[2] if not torch.equal(views[1][name], views[2][name])]
 
 
 def _gathered(run: Path, engine: str) -> dict[str, torch.Tensor]:
@@ -249,3 +290,17 @@ def test_plan_zero_boxes():
                                                              [Box((6,), (6,)), Box((2,), (2,))]]
     with pytest.raises(CorruptCheckpointError, match="same size on every rank"):
         plan_zero_boxes([[6, 2], [5, 2]], source="x")
+
+
+def test_plan_zero_maps():
+    """DeepSpeed's order and paddings, as zero_to_fp32.py reads them back; what does not fit is corrupt."""
+    maps = plan_zero_maps([{"a": [2, 3], "b": [5]}, {"c": [4]}], [[2, 0], [0]], [7, 2], world_size=2, source="x")
+    assert [m.to_json() for m in maps] == [
+        {"kind": "flat", "world_size": 2, "size": 7, "params": [["a", 6, 0, 6], ["b", 5, 8, 5]]},
+        {"kind": "flat", "world_size": 2, "size": 2, "params": [["c", 4, 0, 4]]}]
+    assert [(s.fqn, s.start, s.length, s.offset) for s in maps[0].segments(1)] == [("b", 0, 5, 1)]
+    assert plan_zero_maps([{"a": [3]}], None, [2], world_size=2, source="x")[0].params == (("a", 3, 0, 3),)
+    with pytest.raises(CorruptCheckpointError, match="more than its 2 partitions of 5"):
+        plan_zero_maps([{"a": [2, 3], "b": [5]}], [[2, 0]], [5], world_size=2, source="x")
+    with pytest.raises(CorruptCheckpointError, match="same groups"):
+        plan_zero_maps([{"a": [2]}], [[0], [0]], [1], world_size=2, source="x")

@@ -317,12 +317,16 @@ def test_deepspeed_killed_after_a_commit_resumes_bit_exact(tmp_path, tmp_path_fa
     for rank in RANKS:
         names = layout["optimizer"]["pieces"][f"sharded/optimizer-rank{rank:05d}-of-00002.safetensors"]
         assert {name.rpartition("/")[2] for name in names} >= {"fp32", "exp_avg", "exp_avg_sq"}, names
-    # ZeRO-1/2: rank 0 writes the whole weights; ZeRO-3: each rank its half of each (flattened) weight
-    pieces = layout["model"]["pieces"].get("sharded/model-rank00001-of-00002.safetensors", {})
-    assert bool(pieces) == (stage == 3)
+    # ZeRO-1/2: the ranks split the whole weights (each writes whole tensors, none twice); ZeRO-3: each rank its half
+    # of each (flattened) weight
+    files = [layout["model"]["pieces"][f"sharded/model-rank{rank:05d}-of-00002.safetensors"] for rank in RANKS]
     if stage == 3:
         numel = layout["model"]["tensors"]["transformer.h.0.attn.c_attn.weight"]["shape"]
-        assert pieces["transformer.h.0.attn.c_attn.weight"] == {"offset": [numel[0] // 2], "shape": [numel[0] // 2]}
+        assert files[1]["transformer.h.0.attn.c_attn.weight"] == {"offset": [numel[0] // 2], "shape": [numel[0] // 2]}
+    else:
+        whole = {name: {"offset": [0] * len(described["shape"]), "shape": described["shape"]}
+                 for name, described in layout["model"]["tensors"].items()}
+        assert all(files) and not set(files[0]) & set(files[1]) and {**files[0], **files[1]} == whole
 
 
 @pytest.mark.distributed
@@ -481,3 +485,61 @@ def test_a_flattened_weight_whose_view_does_not_fit_is_corrupt():
     section["tensors"]["w"]["view"] = [4, 4]
     with pytest.raises(CorruptCheckpointError, match="not the flattened view"):
         Section.from_json(section, source="x")
+
+
+def test_plain_tensors_are_split_across_the_ranks_and_a_disagreement_commits_nothing(monkeypatch):
+    """ZeRO-1/2's whole weights (plain tensors every rank holds): each rank writes whole tensors of a plan all ranks
+    compute alike, balanced by bytes, every tensor once; ranks that disagree are refused before the commit."""
+    from hf_resumable.checkpoint._replicas import SPLIT_ENV
+    from hf_resumable.checkpoint._sharded import (
+        check_coverage,
+        collect_local_state,
+        piece_report,
+        plan_plain_owners,
+        section_from_reports,
+    )
+    from hf_resumable.errors import CheckpointMismatchError
+
+    weight = torch.zeros(6)
+    state = {"big": weight, "alias": weight, "mid": torch.zeros(4), "small": torch.zeros(3)}
+    tied = {"alias": "big"}
+    owners = plan_plain_owners(state, tied, world_size=2)
+    assert owners == {"big": 0, "mid": 1, "small": 1}
+
+    def section(plans: list[dict[str, int]]) -> dict:
+        locals_ = [collect_local_state(state, rank=rank, tied=tied, owners=plan) for rank, plan in enumerate(plans)]
+        reports = [piece_report(f"rank{rank}", local) for rank, local in enumerate(locals_)]
+        return section_from_reports(locals_[0].tensors, reports)
+
+    split = section([owners, owners])
+    assert split["pieces"] == {"rank0": {"big": {"offset": [0], "shape": [6]}},
+                               "rank1": {"mid": {"offset": [0], "shape": [4]}, "small": {"offset": [0], "shape": [3]}}}
+    check_coverage(split, source="layout")
+    with pytest.raises(CheckpointMismatchError, match=r"do not cover them exactly once \(\['mid'\]\)"):
+        check_coverage(section([{**owners, "mid": 0}, owners]), source="layout")  # written twice
+    with pytest.raises(CheckpointMismatchError, match=r"\['small'\]"):
+        check_coverage(section([{**owners, "small": 1}, {**owners, "small": 0}]), source="layout")  # by no rank
+    monkeypatch.setenv(SPLIT_ENV, "0")
+    assert plan_plain_owners(state, tied, world_size=2) == {}
+    assert plan_plain_owners(state, tied, world_size=1) == {}
+
+
+def test_zero_partition_pieces_are_reused_while_they_view_the_same_bytes(one_rank_group):
+    """A save shows each ZeRO partition as a DTensor piece built once and reused while the partition is updated in
+    place; ``.data`` replaced builds a new one, and a partition the optimizer dropped frees its piece."""
+    import gc
+
+    from hf_resumable.integrations import _deepspeed
+
+    group = torch.distributed.group.WORLD
+    partition = torch.arange(6.0)
+    piece = _deepspeed._flat_piece(partition, group)
+    partition.add_(1)  # an optimizer step: in place
+    assert _deepspeed._flat_piece(partition, group) is piece and torch.equal(piece.to_local(), partition)
+    partition.data = torch.zeros(6)
+    replaced = _deepspeed._flat_piece(partition, group)
+    assert replaced is not piece and torch.equal(replaced.to_local(), torch.zeros(6))
+    entries = len(_deepspeed._PIECES)
+    del partition, piece, replaced
+    gc.collect()
+    assert len(_deepspeed._PIECES) == entries - 1

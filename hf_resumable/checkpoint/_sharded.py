@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,8 @@ __all__ = [
     "flatten_optimizer_state",
     "piece_file",
     "plan_hf_weights",
+    "plan_plain_owners",
+    "check_coverage",
     "full_weights_for",
 ]
 
@@ -201,24 +204,50 @@ def local_box(tensor: torch.Tensor) -> Box:
     return _box_of(tuple(tensor.shape), tensor.device_mesh, tuple(tensor.placements))
 
 
-@functools.lru_cache(maxsize=65536)
-def _box_of(shape: tuple[int, ...], mesh: Any, placements: tuple) -> Box:
-    """The local box of a global ``shape`` placed on ``mesh`` (pure in its arguments, so computed once per save
-    layout instead of once per tensor per save)."""
+def _per_mesh(function: Any) -> Any:
+    """Cache ``function(mesh, *rest)`` by the mesh's identity (and ``rest``): pure in its arguments, so computed once
+    per save layout instead of once per tensor per save. Not ``functools.lru_cache``: it compares meshes with
+    ``DeviceMesh.__eq__`` on every hit (engines create equal meshes as distinct objects), which cost more than the
+    computation on the training loop's time. The cache holds the meshes, so their ids are not reused."""
+    cache: dict[tuple, tuple[Any, Any]] = {}
+
+    @functools.wraps(function)
+    def cached(mesh: Any, *rest: Any) -> Any:
+        key = (id(mesh), *rest)
+        hit = cache.get(key)
+        if hit is not None and hit[0] is mesh:
+            return hit[1]
+        if len(cache) >= 65536:
+            cache.clear()
+        value = function(mesh, *rest)
+        cache[key] = (mesh, value)
+        return value
+
+    return cached
+
+
+@_per_mesh
+def _box_on(mesh: Any, shape: tuple[int, ...], placements: tuple) -> Box:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
     return Box(tuple(int(x) for x in offset), tuple(int(x) for x in local_shape))
 
 
-def _writes_piece(tensor: torch.Tensor, rank: int) -> bool:
-    """Exactly one rank writes each distinct piece: for replicated mesh dims, the one at coordinate 0."""
+def _box_of(shape: tuple[int, ...], mesh: Any, placements: tuple) -> Box:
+    """The local box of a global ``shape`` placed on ``mesh`` (cached, :func:`_per_mesh`)."""
+    return _box_on(mesh, shape, placements)
+
+
+def _writes_piece(tensor: torch.Tensor, rank: int, owner: int = 0) -> bool:
+    """Exactly one rank writes each distinct piece: for replicated mesh dims, the one at coordinate 0; a plain
+    (replicated) tensor, rank ``owner`` (:func:`plan_plain_owners`)."""
     if not _is_dtensor(tensor):
-        return rank == 0
+        return rank == owner
     return _writes_placed(tensor.device_mesh, tuple(tensor.placements))
 
 
-@functools.lru_cache(maxsize=4096)
+@_per_mesh
 def _writes_placed(mesh: Any, placements: tuple) -> bool:
     """:func:`_writes_piece` for a DTensor on ``mesh`` with ``placements`` (pure in them: this process's coordinate
     on a mesh does not change)."""
@@ -226,6 +255,31 @@ def _writes_placed(mesh: Any, placements: tuple) -> bool:
     if coordinate is None:
         return False
     return all(c == 0 for c, p in zip(coordinate, placements) if p.is_replicate())
+
+
+def plan_plain_owners(state: Mapping[str, torch.Tensor], tied: Mapping[str, str], *, world_size: int
+                      ) -> dict[str, int]:
+    """Which rank writes each plain (replicated) tensor of ``state``: whole tensors spread over the ranks by bytes
+    (:func:`~hf_resumable.checkpoint._replicas.plan_replica_writers`, pure: every rank holds the same plain tensors,
+    so every rank computes the same plan). Under DeepSpeed ZeRO-1/2 that is the whole model, which rank 0 alone
+    would otherwise stage and write. Empty for one rank, or with ``HF_RESUMABLE_SPLIT_REPLICAS=0`` (rank 0 writes
+    them all). The layout records every piece's file, so nothing reads them differently; :func:`check_coverage`
+    refuses a layout in which the ranks disagreed.
+
+    Example:
+
+    ```python
+    >>> plan_plain_owners({"a": torch.zeros(4), "b": torch.zeros(3), "c": torch.zeros(2)}, {}, world_size=2)
+    {'a': 0, 'b': 1, 'c': 1}
+    ```
+    """
+    from ._replicas import SPLIT_ENV, plan_replica_writers
+
+    if world_size < 2 or os.environ.get(SPLIT_ENV, "1") == "0":
+        return {}
+    sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in state.items()
+             if name not in tied and not _is_dtensor(tensor)}
+    return plan_replica_writers(sizes, world_size)
 
 
 def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -286,19 +340,24 @@ def check_storable(state: Mapping[str, torch.Tensor]) -> None:
 
 
 def pieces_to_stage(state: Mapping[str, torch.Tensor], tied: Mapping[str, str], *, rank: int,
-                    local: Mapping[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
+                    local: Mapping[str, torch.Tensor] | None = None,
+                    owners: Mapping[str, int] | None = None) -> list[tuple[str, torch.Tensor]]:
     """``(name, local piece)`` of every piece :func:`collect_local_state` will write for this rank: what an async
     save copies on the training loop's time (never a byte of a tied alias, an empty piece or a replica another rank
-    writes). ``local``: the :func:`local_tensors` of ``state``, if already taken."""
+    writes). ``local``: the :func:`local_tensors` of ``state``, if already taken; ``owners``: as for
+    :func:`collect_local_state`."""
     local = local if local is not None else local_tensors(state)
+    owners = owners or {}
     return [(name, local[name]) for name, tensor in state.items()
-            if name not in tied and local[name].numel() and _writes_piece(tensor, rank)]
+            if name not in tied and local[name].numel() and _writes_piece(tensor, rank, owners.get(name, 0))]
 
 
 def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: Mapping[str, str],
-                        staged: Mapping[str, torch.Tensor] | None = None) -> LocalState:
+                        staged: Mapping[str, torch.Tensor] | None = None,
+                        owners: Mapping[str, int] | None = None) -> LocalState:
     """This rank's pieces of ``state`` (DTensors and plain tensors, ``tied`` aliases left out) and every
-    tensor's global description.
+    tensor's global description. ``owners``: the rank that writes each plain tensor (:func:`plan_plain_owners`;
+    rank 0 for a name it does not list).
 
     ``staged`` (an async save's copies of the :func:`pieces_to_stage`) replaces the live local pieces: only the
     tensors' metadata (dtype, global shape, mesh, placements) is read from ``state`` then, so this may run on a
@@ -310,6 +369,7 @@ def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: M
     """
     tensors: dict[str, dict[str, Any]] = {}
     pieces: list[tuple[str, torch.Tensor, Box]] = []
+    owners = owners or {}
     for name, tensor in state.items():
         if name in tied:
             continue
@@ -323,7 +383,7 @@ def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: M
                 f"{name!r}: the local tensor has shape {list(local.shape)} but its placement implies "
                 f"{list(box.shape)}; this sharding is not supported by save_sharded_checkpoint."
             )
-        if box.numel and _writes_piece(tensor, rank):
+        if box.numel and _writes_piece(tensor, rank, owners.get(name, 0)):
             if staged is not None:
                 if name not in staged:  # never read a live tensor off the training thread
                     raise RuntimeError(f"{name!r}: its piece was not staged; this is a bug in hf_resumable.")
@@ -393,6 +453,35 @@ def section_from_reports(tensors: Mapping[str, Mapping[str, Any]], reports: list
     return {SECTION_TENSORS: {name: dict(d) for name, d in tensors.items() if name not in tied},
             SECTION_PIECES: {r["file"]: r["pieces"] for r in reports if r["file"] is not None},
             SECTION_TIED: tied}
+
+
+def check_coverage(section: Mapping[str, Any], *, source: str) -> None:
+    """Refuse a layout section in which a tensor's pieces do not add up to it exactly (pure): every element is
+    written by exactly one rank, unless the ranks disagreed on who writes what (plain tensors that were not the
+    same on every rank).
+
+    Raises:
+        CheckpointMismatchError: naming the tensors (the save commits nothing).
+
+    Example:
+
+    ```python
+    >>> check_coverage({"tensors": {"w": {"dtype": "F32", "shape": [2]}},
+    ...                 "pieces": {"a": {"w": {"offset": [0], "shape": [2]}}}}, source="x")
+    ```
+    """
+    covered: dict[str, int] = {}
+    for boxes in section[SECTION_PIECES].values():
+        for name, box in boxes.items():
+            covered[name] = covered.get(name, 0) + math.prod(box["shape"])
+    wrong = [name for name, described in section[SECTION_TENSORS].items()
+             if covered.get(name, 0) != math.prod(described["shape"])]
+    if wrong:
+        raise CheckpointMismatchError(
+            f"{source}: the ranks' pieces of {len(wrong)} tensor(s) do not cover them exactly once ({wrong[:5]}): "
+            "the ranks disagree on who writes what, e.g. plain tensors that differ between ranks. Nothing was "
+            "committed. Make every rank hold the same unsharded tensors, or save with "
+            "HF_RESUMABLE_SPLIT_REPLICAS=0 (rank 0 writes them).")
 
 
 def piece_report(relpath: str, local: LocalState) -> dict[str, Any]:

@@ -4,7 +4,8 @@
 rank writes the pieces of the model weights and optimizer state it holds (``DTensor.to_local()``) into
 its own safetensors files, in parallel, and rank 0 commits the checkpoint with the same protocol
 (temp directory, ``manifest.json`` last with every file's size and sha256, atomic rename). Plain
-(unsharded) models work too: rank 0 writes their tensors.
+(unsharded, replicated) tensors work too: the ranks split them, whole tensors balanced by bytes (DeepSpeed
+ZeRO-1/2's weights; one process writes them all).
 
 ``load_sharded_checkpoint`` loads into any sharding at any world size (2 -> 1, 1 -> 2, ...): each rank
 reads only the slices of the stored pieces that overlap what it holds. ``consolidate_sharded_checkpoint``
@@ -106,6 +107,7 @@ from ._sharded import (
     SHARDED_DIR,
     TENSOR_VIEW,
     LocalState,
+    check_coverage,
     check_storable,
     collect_local_state,
     find_tied,
@@ -119,6 +121,7 @@ from ._sharded import (
     piece_tensor_file,
     pieces_to_stage,
     plan_hf_weights,
+    plan_plain_owners,
     section_from_reports,
 )
 from ._sharded_load import (
@@ -154,12 +157,14 @@ def _device(model: torch.nn.Module) -> torch.device:
     return next(iter(model.parameters()), torch.empty(0)).device
 
 
-def _model_state(model: torch.nn.Module, originals: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+def _model_state(model: torch.nn.Module, originals: dict[str, Any] | None = None, *,
+                 partitioned: bool | None = None) -> dict[str, torch.Tensor]:
     """FQN-keyed weights as this rank holds them (DTensor pieces under FSDP2 and, re-wrapped, FSDP1's sharded state
     dict, whose ``ShardedTensor`` of each name goes into ``originals``; the partitions of the flattened parameters
-    under DeepSpeed ZeRO-3; plain tensors otherwise)."""
+    under DeepSpeed ZeRO-3; plain tensors otherwise). ``partitioned``: :func:`is_partitioned` of ``model``, if
+    known."""
     state = model_state_dict(model)
-    if is_partitioned(model):
+    if is_partitioned(model) if partitioned is None else partitioned:
         return partitioned_state(model, state)
     return as_dtensors(state, device=_device(model), originals=originals)
 
@@ -252,6 +257,8 @@ class _Pieces:
         layout (`dict`): the layout's fixed entries (version, world size, the ``hf_weights`` model section, the
             optimizer document).
         rank, world_size (`int`): this rank and the world size.
+        owners (`dict`): ``kind -> {name: rank}``, the rank that writes each plain (replicated) tensor
+            (:func:`~hf_resumable.checkpoint._sharded.plan_plain_owners`).
     """
 
     states: dict[str, tuple[Mapping[str, torch.Tensor], dict[str, str]]]
@@ -260,6 +267,7 @@ class _Pieces:
     rank: int
     world_size: int
     views: dict[str, list[int]] = field(default_factory=dict)  # ZeRO-3: each weight's own shape (stored flattened)
+    owners: dict[str, dict[str, int]] = field(default_factory=dict)
     described: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def prepare(self, payload: Payload) -> dict[str, Any]:
@@ -268,7 +276,8 @@ class _Pieces:
         for kind, (state, tied) in self.states.items():
             relpath = piece_file(kind, self.rank, self.world_size)
             staged = dict(self.staging[kind].tensors) if kind in self.staging else None
-            local = collect_local_state(state, rank=self.rank, tied=tied, staged=staged)
+            local = collect_local_state(state, rank=self.rank, tied=tied, staged=staged,
+                                        owners=self.owners.get(kind))
             if kind == LAYOUT_KEY_MODEL:
                 for name, view in self.views.items():
                     if name in local.tensors:
@@ -286,6 +295,7 @@ class _Pieces:
                                  optimizer_document=self.layout.get(LAYOUT_KEY_OPTIMIZER_DOC))
         for kind in self.states:
             layout[kind] = section_from_reports(self.described[kind], [report[kind] for report in reports])
+            check_coverage(layout[kind], source=f"{LAYOUT_FILE} ({kind})")
         # Compact: the layout names every piece of every rank, and the C encoder (no indent) is fast.
         return {LAYOUT_FILE: json_bytes(layout, indent=None)}
 
@@ -296,7 +306,8 @@ def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.o
     """What must happen on the training loop's time: the state-dict walks, the checks that raise now, the
     collectives on the default group (the frozen record's gather; ``hf_weights``' gathers) and, with ``stage``,
     the list of the local pieces an async save copies."""
-    weights = _model_state(model)
+    partitioned = is_partitioned(model)
+    weights = _model_state(model, partitioned=partitioned)
     states: dict[str, tuple[Mapping[str, torch.Tensor], dict[str, str]]] = {}
     layout: dict[str, Any] = {}
     local = local_tensors(weights)
@@ -319,13 +330,14 @@ def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.o
                                                                             _class_name(optimizer))
         check_storable(tensors)
         states[LAYOUT_KEY_OPTIMIZER] = (tensors, {})
+    owners = {kind: plan_plain_owners(state, tied, world_size=world_size) for kind, (state, tied) in states.items()}
     staging = {}
     if stage:
         staging = {kind: TensorFile(piece_file(kind, rank, world_size), pieces_to_stage(
-            state, tied, rank=rank, local=local if kind == LAYOUT_KEY_MODEL else None))
+            state, tied, rank=rank, local=local if kind == LAYOUT_KEY_MODEL else None, owners=owners[kind]))
             for kind, (state, tied) in states.items()}
-    views = partitioned_views(model) if is_partitioned(model) else {}
-    return _Pieces(states, staging, layout, rank, world_size, views)
+    views = partitioned_views(model) if partitioned else {}
+    return _Pieces(states, staging, layout, rank, world_size, views, owners=owners)
 
 
 def save_sharded_checkpoint(
@@ -352,12 +364,13 @@ def save_sharded_checkpoint(
 ) -> CheckpointInfo:
     """Save a checkpoint in which every rank writes its own pieces of the model and optimizer, in parallel.
 
-    Works for FSDP2 (``fully_shard``) and other DTensor-sharded models, and for plain models (rank 0
-    writes them). Under torch.distributed it is a collective: every rank calls it. The commit is the
-    same as :func:`~hf_resumable.save_checkpoint`'s: files go into a temporary sibling directory, rank 0
-    writes ``manifest.json`` (every rank's files with size and sha256, hashed while writing) only after
-    every rank reported its files durable, then renames. A rank killed mid-save leaves the previous
-    checkpoint the latest valid one.
+    Works for FSDP2 (``fully_shard``) and other DTensor-sharded models, and for plain (replicated) models, whose
+    whole tensors the ranks split by bytes (``HF_RESUMABLE_SPLIT_REPLICAS=0``: rank 0 writes them).
+    Under torch.distributed it is a collective: every rank calls it. The commit is the same as
+    :func:`~hf_resumable.save_checkpoint`'s: files go into a temporary sibling directory, rank 0 writes
+    ``manifest.json`` (every rank's files with size and sha256, hashed while writing) only after every rank
+    reported its files durable, then renames. A rank killed mid-save leaves the previous checkpoint
+    the latest valid one.
 
     Args:
         directory (`str` or `os.PathLike`): the checkpoint directory, e.g. ``out/checkpoint-120``.

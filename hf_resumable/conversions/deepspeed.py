@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import CheckpointInfo
+from ..checkpoint._partitioned import MAP_FLAT, PARTITION_KEY, PartitionMap
 from ..checkpoint._payload import capture_payload
 from ..checkpoint._sharded import Box, flatten_optimizer_state
 from ..constants import (
@@ -78,14 +80,15 @@ from .stock import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeepSpeedCheckpointFiles", "is_deepspeed_checkpoint", "plan_zero_boxes", "convert_deepspeed_checkpoint",
-           "NOT_BIT_EXACT_WARNING"]
+__all__ = ["DeepSpeedCheckpointFiles", "is_deepspeed_checkpoint", "plan_zero_boxes", "plan_zero_maps",
+           "convert_deepspeed_checkpoint", "NOT_BIT_EXACT_WARNING"]
 
 # The names ResumableTrainer / ResumableAccelerator give DeepSpeed state (integrations/_deepspeed.py, a layer above
 # this one: mirrored here, checked equal in tests/test_convert_engines.py).
 MASTER_KEY = "fp32"  # the fp32 master-weight partition, next to the base optimizer's own state keys
 GROUP_NAME = "zero{world_size}.group{index}"  # a param group's flat partition, named as a parameter would be
 EXTRA_DEEPSPEED = "deepspeed_engine"  # extra-state key: the engine's counters and loss scaler
+PARAM_ALIGNMENT_PADDINGS = "param_alignment_paddings"  # DeepSpeed's key: per group, the padding after each parameter
 DEEPSPEED_PICKLE_WARNING = (
     "Reading the pickle files of a stock DeepSpeed checkpoint (global_step*/*.pt, rng_state*.pth, scheduler.pt) with "
     "torch.load(weights_only=True) (DeepSpeed's loss scaler, stage enum and fragment addresses as inert stand-ins; "
@@ -213,6 +216,56 @@ def plan_zero_boxes(numels: Sequence[Sequence[int]], *, source: str) -> list[lis
     return [[Box((rank * n,), (n,)) for n in sizes] for rank, sizes in enumerate(numels)]
 
 
+def plan_zero_maps(param_shapes: Sequence[Mapping[str, Sequence[int]]], paddings: Sequence[Sequence[int]] | None,
+                   sizes: Sequence[int], *, world_size: int, source: str) -> list[PartitionMap]:
+    """Each param group's partition map (what a live ZeRO-1/2 save records, :class:`~hf_resumable.checkpoint.
+    _partitioned.PartitionMap`) from the stock files; pure.
+
+    DeepSpeed lays a group's parameters end to end in the order its ``param_shapes`` lists them (its round-robin
+    order, the order ``zero_to_fp32.py`` reads them back in), each followed by its alignment padding
+    (``param_alignment_paddings``, recorded by newer DeepSpeed; none before), and cuts the flat tensor in
+    ``sizes[group]`` elements per rank.
+
+    Args:
+        param_shapes (`Sequence[Mapping[str, Sequence[int]]]`): per group, ``{parameter name: shape}`` in order
+            (``mp_rank_00_model_states.pt``'s ``param_shapes``).
+        paddings (`Sequence[Sequence[int]]`, *optional*): per group, the padding after each parameter.
+        sizes (`Sequence[int]`): per group, the elements of one rank's partition.
+        world_size (`int`): the data-parallel size.
+        source (`str`): named in errors.
+
+    Raises:
+        CorruptCheckpointError: group counts that differ, or parameters that do not fit in the partitions.
+
+    Example:
+
+    ```python
+    >>> maps = plan_zero_maps([{"a": [2, 2], "b": [3]}], [[2, 0]], [5], world_size=2, source="x")
+    >>> maps[0].params
+    (('a', 4, 0, 4), ('b', 3, 6, 3))
+    ```
+    """
+    paddings = paddings if paddings is not None else [[0] * len(shapes) for shapes in param_shapes]
+    if not (len(param_shapes) == len(sizes) == len(paddings)) or any(
+            len(group) != len(shapes) for group, shapes in zip(paddings, param_shapes)):
+        raise CorruptCheckpointError(
+            f"{source}: {len(param_shapes)} group(s) of parameter shapes, {len(paddings)} of paddings and "
+            f"{len(sizes)} fp32 partition(s) per rank; a DeepSpeed checkpoint records the same groups in each.")
+    maps = []
+    for index, (shapes, padding, size) in enumerate(zip(param_shapes, paddings, sizes)):
+        params, offset = [], 0
+        for (name, shape), pad in zip(shapes.items(), padding):
+            numel = math.prod(int(x) for x in shape)
+            params.append((str(name), numel, offset, numel))
+            offset += numel + int(pad)
+        if offset - (int(padding[-1]) if padding else 0) > world_size * size:
+            raise CorruptCheckpointError(
+                f"{source}: the parameters of group {index} take {offset} elements, more than its {world_size} "
+                f"partitions of {size} hold.")
+        maps.append(PartitionMap(MAP_FLAT, world_size, int(size), tuple(params)))
+    return maps
+
+
 @dataclass(frozen=True)
 class _ZeroRank:
     """What one rank's optimizer file holds, checked."""
@@ -222,6 +275,7 @@ class _ZeroRank:
     state: Mapping[int, Mapping[str, Any]]
     param_groups: list[Mapping[str, Any]]
     loss_scaler: Any
+    paddings: list[list[int]] | None = None  # per group, the alignment padding after each parameter
 
 
 def _read_zero_rank(path: Path, world_size: int) -> _ZeroRank:
@@ -239,15 +293,30 @@ def _read_zero_rank(path: Path, world_size: int) -> _ZeroRank:
         raise CorruptCheckpointError(f"{path}: partitioned over {counts} ranks, the checkpoint records "
                                      f"dp_world_size {world_size}.")
     base = document.get("base_optimizer_state") or {}
+    paddings = document.get(PARAM_ALIGNMENT_PADDINGS)
     return _ZeroRank(int(stage), list(document["single_partition_of_fp32_groups"]), base.get("state") or {},
-                     list(base.get("param_groups") or []), document.get("loss_scaler"))
+                     list(base.get("param_groups") or []), document.get("loss_scaler"),
+                     [[int(x) for x in group] for group in paddings] if isinstance(paddings, list) else None)
 
 
-def _zero_optimizer_pieces(ranks: list[_ZeroRank], class_name: str, *, source: str
+def _partition_maps(model_states: Mapping[str, Any], ranks: list[_ZeroRank], *, source: str
+                    ) -> list[PartitionMap] | None:
+    """The partition maps of the stock partitions (:func:`plan_zero_maps`), or ``None`` when the model file records
+    no ``param_shapes`` (the converted checkpoint then resumes at its own world size only)."""
+    param_shapes = model_states.get("param_shapes")
+    if not isinstance(param_shapes, list) or not all(isinstance(group, Mapping) for group in param_shapes):
+        logger.warning("%s records no param_shapes: the converted checkpoint records no partition maps, so it resumes "
+                       "at its own world size only.", source)
+        return None
+    return plan_zero_maps(param_shapes, ranks[0].paddings, [flat.numel() for flat in ranks[0].partitions],
+                          world_size=len(ranks), source=source)
+
+
+def _zero_optimizer_pieces(ranks: list[_ZeroRank], class_name: str, maps: list[PartitionMap] | None, *, source: str
                            ) -> tuple[list[list[RankPiece]], dict[str, Any]]:
     """Every rank's optimizer pieces (partitions as boxes of the global flat tensors, other tensors whole from rank
-    0) and the optimizer document, named as :class:`~hf_resumable.integrations._deepspeed.ZeroOptimizerState`
-    names them."""
+    0) and the optimizer document (with each partition's map, if ``maps``), named as
+    :class:`~hf_resumable.integrations._deepspeed.ZeroOptimizerState` names them."""
     world_size = len(ranks)
     boxes = plan_zero_boxes([[p.numel() for p in rank.partitions] for rank in ranks], source=source)
     pieces_by_rank, document = [], None
@@ -256,6 +325,8 @@ def _zero_optimizer_pieces(ranks: list[_ZeroRank], class_name: str, *, source: s
         for index, (flat, box) in enumerate(zip(saved.partitions, rank_boxes)):
             name = GROUP_NAME.format(world_size=world_size, index=index)
             entries = {MASTER_KEY: flat, **saved.state.get(index, {})}
+            if maps is not None:
+                entries[PARTITION_KEY] = maps[index].to_json()
             state[name] = entries
             hyper = saved.param_groups[index] if index < len(saved.param_groups) else {}
             groups.append({**{k: v for k, v in hyper.items() if k != "params"}, "params": [name]})
@@ -380,7 +451,8 @@ def convert_deepspeed_checkpoint(
     payload_model = dict(model_states.get("module") or {})
     tied = {alias: kept for alias, kept in (model_states.get("shared_params") or {}).items() if alias != kept}
     class_name = _optimizer_class(ranks, optimizer)
-    optimizer_pieces, document = _zero_optimizer_pieces(ranks, class_name, source=str(deepspeed.tag))
+    maps = _partition_maps(model_states, ranks, source=str(deepspeed.model_states))
+    optimizer_pieces, document = _zero_optimizer_pieces(ranks, class_name, maps, source=str(deepspeed.tag))
     # 4. The shared state, every rank's RNG.
     rng, rng_files = _rng_files(files)
     progress, extra = _progress(files.trainer_state)

@@ -11,10 +11,10 @@ FSDP2 (``fully_shard``)                 its DTensor pieces of the weights and op
 FSDP1, FULL_SHARD / SHARD_GRAD_OP,      its chunks of FSDP1's sharded state dict (``ShardedTensor`` local shards,
 any ``state_dict_type``                 :mod:`hf_resumable.checkpoint._sharded_tensors`), read from the root wrapper
                                         (:func:`checkpoint_model`) whatever type accelerate uses for its own saves;
-                                        under ``NO_SHARD`` rank 0 the whole tensors (``use_orig_params=False`` and
-                                        ``NO_SHARD`` tested at the engine level only)
-DeepSpeed ZeRO-1/2, no offload          rank 0 the whole weights; every rank its partitions of the fp32 master
-                                        weights and optimizer state (:mod:`._deepspeed`)
+                                        under ``NO_SHARD`` whole tensors, split by bytes
+                                        (``use_orig_params=False`` and ``NO_SHARD`` tested at the engine level only)
+DeepSpeed ZeRO-1/2, no offload          its share of the whole weights (split by bytes); its partitions of the
+                                        fp32 master weights and optimizer state (:mod:`._deepspeed`)
 DeepSpeed ZeRO-3, no offload            every rank its partition of every weight (``ds_tensor``,
                                         :mod:`hf_resumable.checkpoint._partitioned`) and of each sub-group's fp32
                                         master weights and optimizer state

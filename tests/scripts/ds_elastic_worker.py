@@ -14,7 +14,8 @@ writes ``--dump``: the engine's own consolidated view of the run (whole weights,
 weights, Adam moments and step counts), gathered with the engine's own functions
 (``torch.distributed.checkpoint.state_dict`` full state dicts for FSDP, ``deepspeed.utils.safe_get_full_*`` for
 ZeRO), independent of hf_resumable's reading.
-``--bf16`` (ZeRO-2/3): the model in bf16 over DeepSpeed's fp32 master weights.
+``--bf16`` (ZeRO-2/3): the model in bf16 over DeepSpeed's fp32 master weights. ``--trainer-groups`` (ZeRO): the
+Trainer's two param groups, to load a checkpoint converted from a stock Trainer + DeepSpeed run.
 """
 
 from __future__ import annotations
@@ -47,13 +48,27 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dump", required=True, type=Path)
     parser.add_argument("--save", type=Path)
     parser.add_argument("--bf16", action="store_true", help="ZeRO: bf16 weights over fp32 master weights")
+    parser.add_argument("--trainer-groups", action="store_true",
+                        help="ZeRO: the Trainer's two param groups (decay, no decay), as a converted stock run has")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--train", action="store_true")
     mode.add_argument("--load", action="store_true")
     return parser.parse_args()
 
 
-def build(engine: str, *, seed: int, bf16: bool = False):
+def _param_groups(model: torch.nn.Module, trainer_groups: bool) -> list[dict] | object:
+    """The Trainer's param groups (weight decay, then none; transformers' own rule) or all parameters in one."""
+    if not trainer_groups:
+        return model.parameters()
+    from transformers import Trainer
+
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n in decay], "weight_decay": 0.01},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+
+
+def build(engine: str, *, seed: int, bf16: bool = False, trainer_groups: bool = False):
     """``(model to checkpoint, optimizer to checkpoint, step function)`` of a tiny GPT-2 under ``engine``."""
     torch.manual_seed(seed)
     model = fx.build_model()
@@ -66,7 +81,7 @@ def build(engine: str, *, seed: int, bf16: bool = False):
         from hf_resumable.integrations._deepspeed import checkpoint_optimizer
 
         config = {**fx.deepspeed_config(int(engine[-1]), batch_size=2), "bf16": {"enabled": bf16}}
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        optimizer = torch.optim.AdamW(_param_groups(model, trainer_groups), lr=1e-2)
         ds, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
         def step(batch):
@@ -144,7 +159,8 @@ def main() -> int:
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of a CPU op
-    engine, model, optimizer, step = build(options.engine, seed=0 if options.train else 1, bf16=options.bf16)
+    engine, model, optimizer, step = build(options.engine, seed=0 if options.train else 1, bf16=options.bf16,
+                                           trainer_groups=options.trainer_groups)
     result = {}
     if options.train:
         for _ in range(2):
