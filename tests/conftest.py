@@ -20,6 +20,13 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # slower. A test that wants more threads sets them itself.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# Every process a test starts can import the repository (its scripts, hf_resumable from this tree) and writes its
+# output unbuffered. Set once here, so that most test processes share one environment and so one test zygote
+# (tests/zygote.py keeps a preloaded interpreter per environment).
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")])
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -48,8 +48,12 @@ def free_port() -> int:
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The parent's environment with the repository importable, one thread per process and ``extra``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = dict(os.environ)  # tests/conftest.py has put the repository on PYTHONPATH, one thread, unbuffered output
+    path = env.get("PYTHONPATH", "")
+    if str(REPO_ROOT) not in path.split(os.pathsep):
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), path])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(extra or {})
     return env
 
@@ -116,6 +120,10 @@ def run_torchrun(script: str | Path, args: list[str], *, env: dict[str, str], ti
         for child in tree:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
-        out, _ = proc.communicate()
+        try:  # a worker forked by a test zygote dies with its client, a moment later; never wait forever
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.stdout.close()
+            out = "(its output stayed open: a process outside torchrun's tree held it)"
         pytest.fail(f"torchrun did not finish within {timeout} s:\n{out[-5000:]}")
     return subprocess.CompletedProcess(command, proc.returncode, out, "")

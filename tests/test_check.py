@@ -7,7 +7,6 @@ The end-to-end tests run the real CLI on real scripts: each check launches the s
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from hf_resumable.check._runner import plan_kill_points
 from hf_resumable.cli import main
 
 import zygote
+from distributed_launch import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 LOOP = REPO / "tests" / "scripts" / "check_loop.py"
@@ -252,8 +252,7 @@ def test_the_tracer_records_a_plain_loaders_batch_inputs_loss_and_printed_lines_
 # ------------------------------------------------------------------------------------------------ end to end
 def _check(tmp_path, *args, kills=1, seed=0):
     report = tmp_path / "report.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = child_env()
     # The launches come from a test zygote (tests/zygote.py) that has imported torch and transformers once: a script
     # run as ``python script.py`` gets its client as the interpreter, and torchrun's workers get it as PYTHON_EXEC.
     # torchrun itself stays a real child of check, so that check's kill reaches its whole tree.

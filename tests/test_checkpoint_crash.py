@@ -15,6 +15,7 @@ import torch
 
 from hf_resumable.checkpoint import find_latest_checkpoint, load_checkpoint, read_manifest, verify_checkpoint
 
+from distributed_launch import child_env
 from zygote import Popen as spawn
 
 SCRIPT = Path(__file__).parent / "scripts" / "save_loop.py"
@@ -34,7 +35,7 @@ def _read_until(child: subprocess.Popen, prefix: bytes) -> None:
 @pytest.mark.slow
 def test_sigkill_during_saves_never_leaves_an_invalid_latest(tmp_path):
     rng = random.Random(1234)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
+    env = child_env()
     seen_steps = []
     leftovers = 0
     for trial in range(TRIALS):

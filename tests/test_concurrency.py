@@ -102,6 +102,7 @@ def _assert_nothing_lost(root: Path, writer_log: list[dict], reader_logs: list[l
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the stress version: the deterministic widened-window test below runs in make test
 def test_concurrent_readers_and_cleanup_never_lose_a_committed_checkpoint(tmp_path):
     """One writer commits 120 checkpoints with keep_last=1 retention while two readers loop over
     cleanup + find_latest_checkpoint + load_checkpoint."""

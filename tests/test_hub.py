@@ -35,10 +35,10 @@ from hf_resumable.hub import (
 )
 
 import zygote
+from distributed_launch import child_env
 from fakehub import FakeHub, Fault
 from hub_fixtures import _hub_server, hub, hub_env, make_checkpoint_dir, new_repo_id, tiny_gpt2  # noqa: F401
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 INDEX = "model.safetensors.index.json"
 
 
@@ -202,8 +202,8 @@ except Exception as err:
 
 
 def _child(args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    return zygote.run([sys.executable, "-c", _CHILD, *args], env=env, capture_output=True, text=True, timeout=120)
+    return zygote.run([sys.executable, "-c", _CHILD, *args], env=child_env(), capture_output=True, text=True,
+                      timeout=120)
 
 
 @pytest.mark.slow

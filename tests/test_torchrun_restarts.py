@@ -118,7 +118,7 @@ def _losses(out: Path) -> dict[int, list[float]]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("uninterrupted")
-    result = run_torchrun(SCRIPT, [str(out)], env=child_env(), timeout=180)
+    result = run_torchrun(SCRIPT, [str(out)], env=child_env(), timeout=600)
     assert result.returncode == 0, result.stdout[-4000:]
     return out
 
