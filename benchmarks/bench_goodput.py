@@ -115,8 +115,9 @@ def _child(spec: dict) -> None:
             busy = spec["system"] != "stock" and background_saver().in_flight
             emit(event="step", step=state.global_step, writing=bool(busy))
 
-        def on_save(self, args, state, control, **kwargs):
-            emit(event="save", step=state.global_step)
+        def on_save(self, args, state, control, **kwargs):  # the save call returned (background: staged)
+            busy = spec["system"] != "stock" and background_saver().in_flight
+            emit(event="save", step=state.global_step, writing=bool(busy))
 
     if spec["system"] == "stock":
         last = transformers.trainer_utils.get_last_checkpoint(spec["out"]) if os.path.isdir(spec["out"]) else None
@@ -288,23 +289,34 @@ def _summarize(name: str, attempts: list[dict], events: list[dict], fixes: list)
 
 
 def _step_costs(events: list[dict]) -> dict:
-    """From an uninterrupted run with saves: the median step, each save's extra time (the step after a save holds
-    it), and for background saves the steps that ran while the write was in flight."""
-    steps = [e for e in events if e["event"] == "step"]
-    save_steps = {e["step"] for e in events if e["event"] == "save"}
-    clean, stall, during = [], [], []
-    for a, b in zip(steps, steps[1:]):
-        d = b["t"] - a["t"]
-        if a["step"] in save_steps:
-            stall.append(d)
-        elif a["writing"] or b["writing"]:
-            during.append(d)
-        elif a["step"] >= 2:  # the first steps warm up
-            clean.append(d)
+    """From an uninterrupted run with saves: the median step without a save; each save's stall (from the end of the
+    step it follows to the end of the save call: staging, and the wait for the previous write if it is still in
+    flight); for background saves the steps that overlap the write (from the end of the save call or of the
+    previous step while the write is in flight, to the end of the step; the first one is the step right after the
+    save) and the whole cost of a save to the loop (the stall plus the extra time of those steps)."""
+    clean, stalls, during, costs = [], [], [], []
+    previous, in_flight, cost = None, False, None
+    for event in events:
+        if event["event"] == "save" and previous is not None:
+            stalls.append(event["t"] - previous["t"])
+            cost = [event["t"] - previous["t"], []]
+            costs.append(cost)
+            previous, in_flight = event, event.get("writing", False)  # a background write starts now
+        elif event["event"] == "step":
+            if previous is not None and (in_flight or event["writing"]):
+                during.append(event["t"] - previous["t"])
+                if cost is not None:
+                    cost[1].append(during[-1])
+            elif previous is not None and previous["event"] == "step" and previous["step"] >= 2:
+                clean.append(event["t"] - previous["t"])  # (the first steps warm up)
+            previous, in_flight = event, event["writing"]
     step = statistics.median(clean) if clean else float("nan")
-    return {"step": step, "clean_mean": statistics.fmean(clean) if clean else float("nan"),
-            "save_cost": statistics.median(stall) - step if stall else float("nan"),
-            "during_mean": statistics.fmean(during) if during else float("nan"), "during_n": len(during)}
+    mean = statistics.fmean(clean) if clean else float("nan")
+    return {"step": step, "clean_mean": mean,
+            "save_cost": statistics.median(stalls) if stalls else float("nan"),
+            "during_mean": statistics.fmean(during) if during else float("nan"), "during_n": len(during),
+            "per_save": statistics.median(stall + sum(d - mean for d in steps) for stall, steps in costs)
+            if costs else float("nan")}
 
 
 def _schedule(seed: int, mtbf: float, kills: int) -> list[float]:
@@ -474,13 +486,16 @@ def main(argv: list[str] | None = None) -> None:
                   f"{med['restart']:.1f} ({med['imports']:.1f}, {med['build']:.1f}, {med['load']:.1f}) | "
                   f"{exit_s:.1f} | {rest:.1f} | {med['saves']:.0f} | {med['preemptions']:.0f} | {exact}{note} |")
     lowered, normal = _inflation(bg["lowered"]), _inflation(bg["normal"])
-    first = bg["lowered"][0]
-    print(f"\nBackground save ({calibrate}-step interval, uninterrupted, {len(bg['lowered'])} pair(s)): step-time "
-          f"inflation while written {lowered:.2f}x with the writer at lower priority, {normal:.2f}x without "
-          f"({first['during_n']} steps in the first run); stall {first['save_cost']:.2f} s over a "
-          f"{first['step']:.3f} s step; stock save {stock_costs['save_cost']:.2f} s.")
+    per_save = {label: statistics.median(c["per_save"] for c in runs) for label, runs in bg.items()}
+    stall = statistics.median(c["save_cost"] for c in bg["lowered"])
+    print(f"\nBackground save ({calibrate}-step interval, uninterrupted, {len(bg['lowered'])} pair(s), medians): "
+          f"step-time inflation while written {lowered:.2f}x with the writer at lower priority, {normal:.2f}x "
+          f"without; a save's whole cost to the loop {per_save['lowered']:.2f} s and {per_save['normal']:.2f} s; "
+          f"stall {stall:.2f} s over a {bg['lowered'][0]['step']:.3f} s step; stock save "
+          f"{stock_costs['save_cost']:.2f} s.")
     (root / "results.json").write_text(json.dumps({"results": results, "baseline": baseline, "lost": lost,
-                                                   "inflation": {"lowered": lowered, "normal": normal}, "bg": bg,
+                                                   "inflation": {"lowered": lowered, "normal": normal},
+                                                   "per_save": per_save, "bg": bg,
                                                    "stock": stock_costs, "imports": imports, "mtbf": mtbf},
                                                   indent=1, default=str))
     if options.out is None:
