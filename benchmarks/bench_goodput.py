@@ -255,8 +255,9 @@ def _summarize(name: str, attempts: list[dict], events: list[dict], fixes: list)
     """Wall time, and where each preemption's time went: the work redone (from the end of the step the next attempt
     resumed after, to the preemption), the restart (process start to the end of its first step, minus one step:
     imports, building the model and Trainer, loading the checkpoint and the first step's extra cost), the exit (from
-    SIGTERM to the process's end) and the rest (saves, slower steps): ``lost`` = total wall time - (the first
-    attempt's start-up + steps x the median step of this run), divided by the preemptions."""
+    the SIGTERM, or the end of the step saved after it, to the process's end) and the rest (saves, slower steps):
+    ``lost`` = total wall time - (the first attempt's start-up + steps x the median step of this run), divided by
+    the preemptions."""
     steps = [e for e in events if e["event"] == "step"]
     durations = [b["t"] - a["t"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1]
     step_time = statistics.median(durations) if durations else float("nan")
@@ -267,8 +268,9 @@ def _summarize(name: str, attempts: list[dict], events: list[dict], fixes: list)
             continue
         resumed_after = next_steps[0]["step"] - 1
         kept = next((e["t"] for e in mine if e["step"] == resumed_after), mine[0]["t"] - step_time)
-        parts["redone"].append(attempt["killed"] - kept)
-        parts["exit"].append(attempt["end"] - attempt["killed"])
+        # After a SIGTERM the steps up to the one saved are kept: the exit counts from the later of the two.
+        parts["redone"].append(max(0.0, attempt["killed"] - kept))
+        parts["exit"].append(attempt["end"] - max(attempt["killed"], kept))
         marks = {kind: next(iter(_in(events, following, kind)), {}).get("t", math.nan)
                  for kind in ("imported", "built")}
         parts["restart"].append(next_steps[0]["t"] - following["start"] - step_time)
@@ -324,7 +326,7 @@ def _schedule(seed: int, mtbf: float, kills: int) -> list[float]:
     return [min(2 * mtbf, max(0.5 * mtbf, rng.expovariate(1.0 / mtbf))) for _ in range(kills)]
 
 
-def _median_import_s(statement: str, repeats: int = 2) -> float:
+def _median_import_s(statement: str, repeats: int = 1) -> float:
     """Median seconds of ``python -c statement`` (bytecode caches on), after one run that writes them."""
     times = []
     for _ in range(repeats + 1):
@@ -382,7 +384,7 @@ def _uninterrupted(root: Path, base: dict, calibrate: int, pairs: int) -> tuple[
     so that both see the same load. Returns the baseline, ours' reference and the step costs of stock and ours."""
     once = {"intervals": [], "signal_kind": "SIGKILL", "notice": 0, "root": root}
     baseline = run_system("stock-uninterrupted", {**base, "system": "stock"}, **once)
-    run_system("stock-calibration", {**base, "system": "stock", "steps": 3 * calibrate, "save_steps": calibrate},
+    run_system("stock-calibration", {**base, "system": "stock", "steps": 2 * calibrate, "save_steps": calibrate},
                **once)
     stock_costs = _step_costs(_events(root / "stock-calibration" / "events.jsonl"))
     costs: dict[str, list[dict]] = {"lowered": [], "normal": []}
