@@ -7,12 +7,13 @@ a ``datasets.Dataset`` of token ids built in the process, a step of about 0.5-1 
 started again with the same command until it has trained ``--steps`` optimizer steps.
 
 Schedules (seeded by ``--seed``; the same intervals for every system): ``--kills`` preemptions, each a drawn time
-after the process started (exponential with mean ``--mtbf`` seconds, clipped to 0.5x-2x of it), then the run is left
-to finish.
+after the attempt's first training step ended (exponential with mean ``--mtbf`` seconds, clipped to 0.5x-2x of it;
+by default the mean is a fifth of the job's training time, so that every scheduled preemption lands before the job
+is done), then the run is left to finish. A restart's whole cost (imports included) is paid before the next draw.
 
-* **SIGKILL**: no notice. Stock saves every ``save_steps`` set to its best for the schedule: the Young/Daly optimum
-  ``sqrt(2 C M)`` from its save cost ``C`` measured in a calibration run (``--stock-intervals`` adds multiples of it,
-  the best one is reported). ResumableTrainer picks its own interval (``mean_time_between_failures=M``: it measures
+* **SIGKILL**: no notice. Stock saves every ``save_steps`` set to its best for the schedule: the Young/Daly
+  optimum from its save cost ``C`` measured in a calibration run (``--stock-intervals`` adds multiples of it, the
+  best one is reported). ResumableTrainer picks its own interval (``mean_time_between_failures=M``: it measures
   its save cost and step time and applies the same rule), blocking and with background saves
   (``--fixed-intervals`` adds background runs at fixed intervals, to compare with the automatic one).
 * **SIGTERM**: a notice of ``--notice`` seconds, then SIGKILL. Stock runs with ``enable_jit_checkpoint=True`` (its
@@ -20,23 +21,27 @@ to finish.
   saves (its best, given the notice); ResumableTrainer saves the step it is in and exits with 143, no periodic saves.
 
 Per system: goodput (the uninterrupted wall time of the stock Trainer without checkpoints, over the total wall time
-of all attempts), time lost per preemption ((total - uninterrupted) / preemptions: work redone, restarts, and the
-checkpoints' own cost), the restart's fixed cost (process start to the end of the first resumed step, minus one
-step), and whether the final weights equal the uninterrupted run's of the same trainer bit for bit (sha256 of every
-parameter). From an uninterrupted background-save run: the step-time inflation while a background save is written
-(mean step time of the steps that ran while a write was in flight, the staging stall excluded, over the mean of the
-steps without a save) and the stall itself.
+of all attempts); time lost per preemption (the total wall time minus this run's own uninterrupted estimate: the
+first attempt's start-up plus steps x its median step; divided by the preemptions), broken down into the work
+redone (from the end of the step the next attempt resumed after, to the preemption), the restart (process start to
+the end of the first resumed step, minus one step: imports, building model and Trainer, loading the checkpoint and
+the first step's extra), the SIGTERM exit (from the signal, or the step saved after it, to the process's end) and
+the rest (saves, slower steps); and whether the final weights equal the uninterrupted run's of the same trainer bit
+for bit (sha256 of every parameter). From uninterrupted background-save runs, ``--inflation-pairs`` times with the
+writer at its lower CPU priority and without it (``WRITER_NICE_INCREMENT = 0``), alternated: the step-time
+inflation while a background save is written (mean time of the steps that overlap the write, from the end of the
+save call, over the mean step without a save), the stall (from the end of a step to the end of the save call) and a
+save's whole cost to the loop (the stall plus the extra time of the steps that overlap the write).
 
 The machine may be shared: every process runs under ``nice``; ``--repeats`` runs each preempted system that many
 times and reports medians.
 
 Usage:
-    python benchmarks/bench_goodput.py --quick                 # the preset: 30 steps, 2 preemptions, 60 s mean
-    python benchmarks/bench_goodput.py --quick --steps 20 --kills 2 --mtbf 40    # 25 min under heavy load
-    python benchmarks/bench_goodput.py --quick --steps 20 --kills 2 --mtbf 25 --only SIGTERM
+    python benchmarks/bench_goodput.py --quick                 # the preset: 30 steps, 2 preemptions of each kind
+    python benchmarks/bench_goodput.py --quick --only SIGTERM
     python benchmarks/bench_goodput.py --tiny                  # smoke test: a tiny model
-    python benchmarks/bench_goodput.py --steps 200 --mtbf 120 --kills 4 --repeats 3 --stock-intervals 0.5 1 2 \\
-        --fixed-intervals 1 10
+    python benchmarks/bench_goodput.py --steps 200 --mtbf 60 --kills 4 --repeats 3 --stock-intervals 0.5 1 2 \\
+        --fixed-intervals 1 10 --inflation-pairs 3
 
 The last line printed is ``lost per preemption, ours/stock: SIGKILL <ratio>, SIGTERM <ratio>`` (ours: the better of
 ResumableTrainer's blocking and background runs).
