@@ -245,6 +245,8 @@ def run_system(name: str, spec: dict, *, intervals: list[float], signal_kind: st
         attempts.append(attempt)
         if any(e["event"] == "done" for e in _events(log)):
             break
+        if not attempt["preempted"] and kill_at is not None:  # the preemption scheduled for it is still to come
+            pending.insert(0, kill_at)
         if not attempt["preempted"] and attempt["rc"] not in (0, 143):  # failed on its own: a partial checkpoint
             fixes.append(_drop_newest_checkpoint(str(out)))
             if len(fixes) > 5:
