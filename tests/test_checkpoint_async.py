@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import resource
 import signal
-import sys
 import threading
 import time
 
@@ -182,37 +180,3 @@ def test_submit_returns_a_future_of_the_committed_manifest(tmp_path, monkeypatch
         wait_for_pending_saves()
     assert not (tmp_path / "checkpoint-2").exists()
 
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
-def test_the_background_write_runs_below_the_training_priority_until_waited_for(tmp_path, monkeypatch):
-    """The write's threads run WRITER_NICE_INCREMENT nice steps below the training thread (so a step is barely
-    slower while a save is written), and get the normal priority back once the training loop waits for them."""
-    from hf_resumable.checkpoint import async_save
-
-    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    lowered = min(19, base + async_save.WRITER_NICE_INCREMENT)
-    if lowered == base:
-        pytest.skip(f"this process already runs at nice {base}")
-    # Raising a priority again needs root or an RLIMIT_NICE that allows it; without either the writer stays lower.
-    restored = base if os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - base else lowered
-    seen, started = [], threading.Event()
-    real = _writer.write_safetensors
-
-    def observed(path, tensors, **kwargs):
-        tid = threading.get_native_id()
-        seen.append(os.getpriority(os.PRIO_PROCESS, tid))
-        started.set()
-        deadline = time.monotonic() + 30  # until wait() below has restored the priority (an event, polled)
-        while os.getpriority(os.PRIO_PROCESS, tid) != restored and time.monotonic() < deadline:
-            time.sleep(0.01)
-        seen.append(os.getpriority(os.PRIO_PROCESS, tid))
-        return real(path, tensors, **kwargs)
-
-    monkeypatch.setattr(_writer, "write_safetensors", observed)
-    save_checkpoint(tmp_path / "checkpoint-1", model=torch.nn.Linear(4, 2), step=1, rng=False, blocking=False)
-    assert started.wait(30)
-    assert seen[0] == lowered
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the training thread is untouched
-    wait_for_pending_saves()
-    assert seen[-1] == restored
-    assert read_manifest(tmp_path / "checkpoint-1").step == 1

@@ -46,26 +46,30 @@ def run_in_threads(fn, items: list, *, workers: int) -> list:
 
 
 def lower_thread_priority(increment: int) -> tuple[int, int] | None:
-    """Lower the calling thread's CPU priority by ``increment`` nice steps (at most to 19), for itself and every
+    """Run the calling thread ``increment`` nice steps below the process's main thread (at most at 19), and every
     thread it starts from now on (they inherit it). Linux only; a no-op elsewhere or for ``increment <= 0``.
 
+    The base is the main thread's nice value, not the caller's own, so that a thread whose priority could not be
+    raised again (see :func:`restore_thread_priorities`) is not lowered further at every call.
+
     Returns:
-        `tuple[int, int] | None`: ``(before, after)`` nice values, for :func:`restore_thread_priorities`; ``None``
+        `tuple[int, int] | None`: ``(base, lowered)`` nice values, for :func:`restore_thread_priorities`; ``None``
         if nothing changed.
     """
     if not _PER_THREAD_NICE or increment <= 0:
         return None
     tid = threading.get_native_id()
     try:
-        before = os.getpriority(os.PRIO_PROCESS, tid)
-        after = min(19, before + increment)
-        if after == before:
+        base = os.getpriority(os.PRIO_PROCESS, os.getpid())  # the main thread's (on Linux the pid is its tid)
+        lowered = min(19, base + increment)
+        if lowered <= base:
             return None
-        os.setpriority(os.PRIO_PROCESS, tid, after)
-    except OSError as err:  # e.g. a seccomp profile that refuses it: the save runs at the normal priority
+        if os.getpriority(os.PRIO_PROCESS, tid) != lowered:
+            os.setpriority(os.PRIO_PROCESS, tid, lowered)
+    except OSError as err:  # e.g. a seccomp profile that refuses it: the save runs at the priority it has
         logger.debug("Could not lower the priority of thread %d: %s", tid, err)
         return None
-    return before, after
+    return base, lowered
 
 
 def restore_thread_priorities(change: tuple[int, int] | None) -> None:
@@ -77,14 +81,14 @@ def restore_thread_priorities(change: tuple[int, int] | None) -> None:
     """
     if change is None or not _PER_THREAD_NICE:
         return
-    before, after = change
+    base, lowered = change
     try:
         tids = [int(name) for name in os.listdir("/proc/self/task")]
     except OSError:
         return
     for tid in tids:
         try:
-            if os.getpriority(os.PRIO_PROCESS, tid) == after:
-                os.setpriority(os.PRIO_PROCESS, tid, before)
+            if os.getpriority(os.PRIO_PROCESS, tid) == lowered:
+                os.setpriority(os.PRIO_PROCESS, tid, base)
         except OSError:  # the thread ended, or raising a priority is not allowed here
             continue
