@@ -179,4 +179,3 @@ def test_submit_returns_a_future_of_the_committed_manifest(tmp_path, monkeypatch
     with pytest.raises(AsyncSaveError, match="checkpoint-2 failed"):
         wait_for_pending_saves()
     assert not (tmp_path / "checkpoint-2").exists()
-
