@@ -7,12 +7,13 @@ a ``datasets.Dataset`` of token ids built in the process, a step of about 0.5-1 
 started again with the same command until it has trained ``--steps`` optimizer steps.
 
 Schedules (seeded by ``--seed``; the same intervals for every system): ``--kills`` preemptions, each a drawn time
-after the process started (exponential with mean ``--mtbf`` seconds, clipped to 0.5x-2x of it), then the run is left
-to finish.
+after the attempt's first training step ended (exponential with mean ``--mtbf`` seconds, clipped to 0.5x-2x of it;
+by default the mean is a fifth of the job's training time, so that every scheduled preemption lands before the job
+is done), then the run is left to finish. A restart's whole cost (imports included) is paid before the next draw.
 
-* **SIGKILL**: no notice. Stock saves every ``save_steps`` set to its best for the schedule: the Young/Daly optimum
-  ``sqrt(2 C M)`` from its save cost ``C`` measured in a calibration run (``--stock-intervals`` adds multiples of it,
-  the best one is reported). ResumableTrainer picks its own interval (``mean_time_between_failures=M``: it measures
+* **SIGKILL**: no notice. Stock saves every ``save_steps`` set to its best for the schedule: the Young/Daly
+  optimum from its save cost ``C`` measured in a calibration run (``--stock-intervals`` adds multiples of it, the
+  best one is reported). ResumableTrainer picks its own interval (``mean_time_between_failures=M``: it measures
   its save cost and step time and applies the same rule), blocking and with background saves
   (``--fixed-intervals`` adds background runs at fixed intervals, to compare with the automatic one).
 * **SIGTERM**: a notice of ``--notice`` seconds, then SIGKILL. Stock runs with ``enable_jit_checkpoint=True`` (its
@@ -20,23 +21,27 @@ to finish.
   saves (its best, given the notice); ResumableTrainer saves the step it is in and exits with 143, no periodic saves.
 
 Per system: goodput (the uninterrupted wall time of the stock Trainer without checkpoints, over the total wall time
-of all attempts), time lost per preemption ((total - uninterrupted) / preemptions: work redone, restarts, and the
-checkpoints' own cost), the restart's fixed cost (process start to the end of the first resumed step, minus one
-step), and whether the final weights equal the uninterrupted run's of the same trainer bit for bit (sha256 of every
-parameter). From an uninterrupted background-save run: the step-time inflation while a background save is written
-(mean step time of the steps that ran while a write was in flight, the staging stall excluded, over the mean of the
-steps without a save) and the stall itself.
+of all attempts); time lost per preemption (the total wall time minus this run's own uninterrupted estimate: the
+first attempt's start-up plus steps x its median step; divided by the preemptions), broken down into the work
+redone (from the end of the step the next attempt resumed after, to the preemption), the restart (process start to
+the end of the first resumed step, minus one step: imports, building model and Trainer, loading the checkpoint and
+the first step's extra), the SIGTERM exit (from the signal, or the step saved after it, to the process's end) and
+the rest (saves, slower steps); and whether the final weights equal the uninterrupted run's of the same trainer bit
+for bit (sha256 of every parameter). From uninterrupted background-save runs, ``--inflation-pairs`` times with the
+writer at its lower CPU priority and without it (``WRITER_NICE_INCREMENT = 0``), alternated: the step-time
+inflation while a background save is written (mean time of the steps that overlap the write, from the end of the
+save call, over the mean step without a save), the stall (from the end of a step to the end of the save call) and a
+save's whole cost to the loop (the stall plus the extra time of the steps that overlap the write).
 
 The machine may be shared: every process runs under ``nice``; ``--repeats`` runs each preempted system that many
 times and reports medians.
 
 Usage:
-    python benchmarks/bench_goodput.py --quick                 # the preset: 30 steps, 2 preemptions, 60 s mean
-    python benchmarks/bench_goodput.py --quick --steps 20 --kills 2 --mtbf 40    # 25 min under heavy load
-    python benchmarks/bench_goodput.py --quick --steps 20 --kills 2 --mtbf 25 --only SIGTERM
+    python benchmarks/bench_goodput.py --quick                 # the preset: 30 steps, 2 preemptions of each kind
+    python benchmarks/bench_goodput.py --quick --only SIGTERM
     python benchmarks/bench_goodput.py --tiny                  # smoke test: a tiny model
-    python benchmarks/bench_goodput.py --steps 200 --mtbf 120 --kills 4 --repeats 3 --stock-intervals 0.5 1 2 \\
-        --fixed-intervals 1 10
+    python benchmarks/bench_goodput.py --steps 200 --mtbf 60 --kills 4 --repeats 3 --stock-intervals 0.5 1 2 \\
+        --fixed-intervals 1 10 --inflation-pairs 3
 
 The last line printed is ``lost per preemption, ours/stock: SIGKILL <ratio>, SIGTERM <ratio>`` (ours: the better of
 ResumableTrainer's blocking and background runs).
@@ -85,7 +90,11 @@ def _child(spec: dict) -> None:
 
     if spec["system"] != "stock":
         from hf_resumable import ResumableTrainer
+        from hf_resumable.checkpoint import async_save
         from hf_resumable.checkpoint.api import background_saver
+
+        if spec.get("writer_nice") is not None:  # the paired inflation comparison: the writer's priority off or on
+            async_save.WRITER_NICE_INCREMENT = spec["writer_nice"]
     emit(event="imported")
     transformers.logging.set_verbosity_error()
     datasets.disable_progress_bars()
@@ -104,12 +113,16 @@ def _child(spec: dict) -> None:
         enable_jit_checkpoint=bool(spec.get("jit")), dataloader_num_workers=0)
 
     class Probe(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):  # checkpoint loaded (weights, optimizer)
+            emit(event="train_begin", step=state.global_step)
+
         def on_step_end(self, args, state, control, **kwargs):
             busy = spec["system"] != "stock" and background_saver().in_flight
             emit(event="step", step=state.global_step, writing=bool(busy))
 
-        def on_save(self, args, state, control, **kwargs):
-            emit(event="save", step=state.global_step)
+        def on_save(self, args, state, control, **kwargs):  # the save call returned (background: staged)
+            busy = spec["system"] != "stock" and background_saver().in_flight
+            emit(event="save", step=state.global_step, writing=bool(busy))
 
     if spec["system"] == "stock":
         last = transformers.trainer_utils.get_last_checkpoint(spec["out"]) if os.path.isdir(spec["out"]) else None
@@ -145,23 +158,49 @@ def _events(path: Path) -> list[dict]:
     return events
 
 
+def _first_step_time(log: Path, since: float) -> float | None:
+    """When this attempt's first training step ended (the events log), or ``None`` if none has yet."""
+    return next((e["t"] for e in _events(log) if e["event"] == "step" and e["t"] >= since), None)
+
+
+def _wait_to_preempt(process: subprocess.Popen, log: Path, start: float, kill_at: float) -> bool:
+    """Wait until ``kill_at`` seconds after the attempt's first step (``True``: preempt now), or until it exits."""
+    trained = None
+    while time.time() < start + STARTUP_GRACE_S:
+        if trained is None:
+            trained = _first_step_time(log, start)
+        deadline = time.time() + 0.2 if trained is None else trained + kill_at
+        try:
+            process.wait(timeout=max(0.0, deadline - time.time()))
+            return False
+        except subprocess.TimeoutExpired:
+            if trained is not None and time.time() >= trained + kill_at:
+                if not any(e["event"] == "done" and e["t"] >= start for e in _events(log)):
+                    return True
+                process.wait()  # a run that has finished its job is not preempted on its way out
+                return False
+    os.killpg(process.pid, signal.SIGKILL)
+    raise RuntimeError(f"an attempt did not train within {STARTUP_GRACE_S:.0f} s; see {log.with_suffix('.stderr')}")
+
+
 def _attempt(spec: dict, *, kill_at: float | None, signal_kind: str, notice: float) -> dict:
-    """Start the child once; preempt it ``kill_at`` seconds after its start (SIGKILL, or SIGTERM then SIGKILL after
-    ``notice``). Returns the attempt's spawn time, end time, exit code and whether it was preempted."""
+    """Start the child once; preempt it ``kill_at`` seconds after its first training step ended (SIGKILL, or
+    SIGTERM then SIGKILL after ``notice``), so that every scheduled preemption lands while it trains. Returns the
+    attempt's spawn time, end time, kill time, exit code and whether it was preempted."""
     env = _child_env()
     command = ["nice", "-n", "10", sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
     start = time.time()
     stderr = open(Path(spec["log"]).with_suffix(".stderr"), "ab")  # noqa: SIM115
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
-    preempted = False
-    deadline = start + (kill_at if kill_at is not None else STARTUP_GRACE_S * 4)
-    try:
-        process.wait(timeout=max(0.0, deadline - time.time()))
-    except subprocess.TimeoutExpired:
-        if kill_at is None:
+    preempted, killed = False, None
+    if kill_at is None:
+        try:
+            process.wait(timeout=STARTUP_GRACE_S * 4)
+        except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             raise RuntimeError(f"{spec['name']}: an attempt hung; see {stderr.name}") from None
-        preempted = True
+    elif _wait_to_preempt(process, Path(spec["log"]), start, kill_at):
+        preempted, killed = True, time.time()
         if signal_kind == "SIGTERM":
             os.killpg(process.pid, signal.SIGTERM)
             try:
@@ -172,7 +211,7 @@ def _attempt(spec: dict, *, kill_at: float | None, signal_kind: str, notice: flo
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     stderr.close()
-    return {"start": start, "end": time.time(), "rc": process.returncode, "preempted": preempted}
+    return {"start": start, "end": time.time(), "killed": killed, "rc": process.returncode, "preempted": preempted}
 
 
 def _child_env() -> dict[str, str]:
@@ -206,6 +245,8 @@ def run_system(name: str, spec: dict, *, intervals: list[float], signal_kind: st
         attempts.append(attempt)
         if any(e["event"] == "done" for e in _events(log)):
             break
+        if not attempt["preempted"] and kill_at is not None:  # the preemption scheduled for it is still to come
+            pending.insert(0, kill_at)
         if not attempt["preempted"] and attempt["rc"] not in (0, 143):  # failed on its own: a partial checkpoint
             fixes.append(_drop_newest_checkpoint(str(out)))
             if len(fixes) > 5:
@@ -213,44 +254,78 @@ def run_system(name: str, spec: dict, *, intervals: list[float], signal_kind: st
     return _summarize(name, attempts, _events(log), fixes)
 
 
+def _in(events: list[dict], attempt: dict, kind: str) -> list[dict]:
+    return [e for e in events if e["event"] == kind and attempt["start"] <= e["t"] <= attempt["end"]]
+
+
 def _summarize(name: str, attempts: list[dict], events: list[dict], fixes: list) -> dict:
+    """Wall time, and where each preemption's time went: the work redone (from the end of the step the next attempt
+    resumed after, to the preemption), the restart (process start to the end of its first step, minus one step:
+    imports, building the model and Trainer, loading the checkpoint and the first step's extra cost), the exit (from
+    the SIGTERM, or the end of the step saved after it, to the process's end) and the rest (saves, slower steps):
+    ``lost`` = total wall time - (the first attempt's start-up + steps x the median step of this run), divided by
+    the preemptions."""
     steps = [e for e in events if e["event"] == "step"]
     durations = [b["t"] - a["t"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1]
     step_time = statistics.median(durations) if durations else float("nan")
-    restarts, imports = [], []  # process start -> end of its first step, minus one step, for attempts that resumed
-    for attempt in attempts[1:]:
-        first = next((e for e in steps if attempt["start"] <= e["t"] <= attempt["end"]), None)
-        imported = next((e for e in events if e["event"] == "imported" and attempt["start"] <= e["t"]), None)
-        if first is not None and first["step"] > 1:
-            restarts.append(first["t"] - attempt["start"] - step_time)
-            imports.append(imported["t"] - attempt["start"] if imported and imported["t"] <= first["t"] else math.nan)
+    parts: dict[str, list[float]] = {"redone": [], "restart": [], "imports": [], "build": [], "load": [], "exit": []}
+    for attempt, following in zip(attempts, attempts[1:]):
+        mine, next_steps = _in(events, attempt, "step"), _in(events, following, "step")
+        if not attempt["preempted"] or not mine or not next_steps:
+            continue
+        resumed_after = next_steps[0]["step"] - 1
+        kept = next((e["t"] for e in mine if e["step"] == resumed_after), mine[0]["t"] - step_time)
+        # After a SIGTERM the steps up to the one saved are kept: the exit counts from the later of the two.
+        parts["redone"].append(max(0.0, attempt["killed"] - kept))
+        parts["exit"].append(attempt["end"] - max(attempt["killed"], kept))
+        marks = {kind: next(iter(_in(events, following, kind)), {}).get("t", math.nan)
+                 for kind in ("imported", "built")}
+        parts["restart"].append(next_steps[0]["t"] - following["start"] - step_time)
+        parts["imports"].append(marks["imported"] - following["start"])
+        parts["build"].append(marks["built"] - marks["imported"])
+        parts["load"].append(next_steps[0]["t"] - marks["built"] - step_time)
+    first = _in(events, attempts[0], "step")
+    startup = first[0]["t"] - attempts[0]["start"] - step_time if first else math.nan
+    trained = max((e["step"] for e in steps), default=0)
+    wall = attempts[-1]["end"] - attempts[0]["start"]
+    preemptions = sum(a["preempted"] for a in attempts)
+    lost = (wall - startup - trained * step_time) / preemptions if preemptions else math.nan
     done = next((e for e in events if e["event"] == "done"), {})
-    return {"name": name, "wall": attempts[-1]["end"] - attempts[0]["start"],
-            "preemptions": sum(a["preempted"] for a in attempts), "attempts": len(attempts),
-            "saves": sum(e["event"] == "save" for e in events), "step_time": step_time,
-            "restart": statistics.median(restarts) if restarts else float("nan"),
-            "imports": statistics.median(imports) if imports else float("nan"), "digest": done.get("digest"),
-            "partial_checkpoints_removed": [f for f in fixes if f]}
+    return {"name": name, "wall": wall, "preemptions": preemptions, "attempts": len(attempts),
+            "saves": sum(e["event"] == "save" for e in events), "step_time": step_time, "startup": startup,
+            "lost": lost, **{k: statistics.fmean(v) if v else math.nan for k, v in parts.items()},
+            "digest": done.get("digest"), "partial_checkpoints_removed": [f for f in fixes if f]}
 
 
 def _step_costs(events: list[dict]) -> dict:
-    """From an uninterrupted run with saves: the median step, each save's extra time (the step after a save holds
-    it), and for background saves the steps that ran while the write was in flight."""
-    steps = [e for e in events if e["event"] == "step"]
-    save_steps = {e["step"] for e in events if e["event"] == "save"}
-    clean, stall, during = [], [], []
-    for a, b in zip(steps, steps[1:]):
-        d = b["t"] - a["t"]
-        if a["step"] in save_steps:
-            stall.append(d)
-        elif a["writing"] or b["writing"]:
-            during.append(d)
-        elif a["step"] >= 2:  # the first steps warm up
-            clean.append(d)
+    """From an uninterrupted run with saves: the median step without a save; each save's stall (from the end of the
+    step it follows to the end of the save call: staging, and the wait for the previous write if it is still in
+    flight); for background saves the steps that overlap the write (from the end of the save call or of the
+    previous step while the write is in flight, to the end of the step; the first one is the step right after the
+    save) and the whole cost of a save to the loop (the stall plus the extra time of those steps)."""
+    clean, stalls, during, costs = [], [], [], []
+    previous, in_flight, cost = None, False, None
+    for event in events:
+        if event["event"] == "save" and previous is not None:
+            stalls.append(event["t"] - previous["t"])
+            cost = [event["t"] - previous["t"], []]
+            costs.append(cost)
+            previous, in_flight = event, event.get("writing", False)  # a background write starts now
+        elif event["event"] == "step":
+            if previous is not None and (in_flight or event["writing"]):
+                during.append(event["t"] - previous["t"])
+                if cost is not None:
+                    cost[1].append(during[-1])
+            elif previous is not None and previous["event"] == "step" and previous["step"] >= 2:
+                clean.append(event["t"] - previous["t"])  # (the first steps warm up)
+            previous, in_flight = event, event["writing"]
     step = statistics.median(clean) if clean else float("nan")
-    return {"step": step, "clean_mean": statistics.fmean(clean) if clean else float("nan"),
-            "save_cost": statistics.median(stall) - step if stall else float("nan"),
-            "during_mean": statistics.fmean(during) if during else float("nan"), "during_n": len(during)}
+    mean = statistics.fmean(clean) if clean else float("nan")
+    return {"step": step, "clean_mean": mean,
+            "save_cost": statistics.median(stalls) if stalls else float("nan"),
+            "during_mean": statistics.fmean(during) if during else float("nan"), "during_n": len(during),
+            "per_save": statistics.median(stall + sum(d - mean for d in steps) for stall, steps in costs)
+            if costs else float("nan")}
 
 
 def _schedule(seed: int, mtbf: float, kills: int) -> list[float]:
@@ -258,7 +333,7 @@ def _schedule(seed: int, mtbf: float, kills: int) -> list[float]:
     return [min(2 * mtbf, max(0.5 * mtbf, rng.expovariate(1.0 / mtbf))) for _ in range(kills)]
 
 
-def _median_import_s(statement: str, repeats: int = 3) -> float:
+def _median_import_s(statement: str, repeats: int = 1) -> float:
     """Median seconds of ``python -c statement`` (bytecode caches on), after one run that writes them."""
     times = []
     for _ in range(repeats + 1):
@@ -274,12 +349,17 @@ def _options(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="the preset (the defaults: 30 steps, 2 preemptions)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model: a smoke test of the script")
     parser.add_argument("--steps", type=int, help="optimizer steps of the job (default 30)")
-    parser.add_argument("--mtbf", type=float, help="mean seconds between SIGKILLs and SIGTERMs (default 60)")
+    parser.add_argument("--mtbf", type=float,
+                        help="mean seconds from an attempt's first step to its preemption (default: a quarter of the "
+                             "uninterrupted run's training time, so that every preemption lands)")
     parser.add_argument("--kills", type=int, help="preemptions per schedule (default 2)")
     parser.add_argument("--notice", type=float, default=30.0,
                         help="seconds from SIGTERM to SIGKILL (default 30, Kubernetes' default grace period)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each preempted system (medians)")
+    parser.add_argument("--inflation-pairs", type=int, default=1,
+                        help="uninterrupted background-save runs with the writer's lower priority and without it, "
+                             "alternated (default 1 pair): the step-time inflation of each, median")
     parser.add_argument("--stock-intervals", type=float, nargs="+", default=[1.0],
                         help="stock save_steps as multiples of its Young/Daly optimum; the best is reported")
     parser.add_argument("--fixed-intervals", type=int, nargs="*", default=[],
@@ -292,7 +372,6 @@ def _options(argv: list[str] | None) -> argparse.Namespace:
     options = parser.parse_args(argv)
     options.model = "tiny" if options.tiny else "quick"
     options.steps = options.steps or 30
-    options.mtbf = options.mtbf or 60.0
     options.kills = options.kills or 2
     return options
 
@@ -303,6 +382,32 @@ def _load() -> str:
 
 def _ratio(ours: float, stock: float) -> str:
     return f"{ours / stock:.2f}" if stock > 0 and not math.isnan(ours) else "n/a"
+
+
+def _uninterrupted(root: Path, base: dict, calibrate: int, pairs: int) -> tuple[dict, dict, dict, dict]:
+    """The references, uninterrupted: stock without checkpoints (the goodput baseline, stock's final weights), a
+    short stock run that measures its save cost, and ours with background saves every ``calibrate`` steps (final
+    weights; the inflation and stall), ``pairs`` times with the writer's lower priority and without it, alternated
+    so that both see the same load. Returns the baseline, ours' reference and the step costs of stock and ours."""
+    once = {"intervals": [], "signal_kind": "SIGKILL", "notice": 0, "root": root}
+    baseline = run_system("stock-uninterrupted", {**base, "system": "stock"}, **once)
+    run_system("stock-calibration", {**base, "system": "stock", "steps": 2 * calibrate, "save_steps": calibrate},
+               **once)
+    stock_costs = _step_costs(_events(root / "stock-calibration" / "events.jsonl"))
+    costs: dict[str, list[dict]] = {"lowered": [], "normal": []}
+    ours_ref = None
+    for pair in range(max(1, pairs)):
+        for label, nice in (("lowered", None), ("normal", 0)):
+            name = f"ours-uninterrupted-{label}-{pair}"
+            result = run_system(name, {**base, "system": "background", "save_steps": calibrate, "writer_nice": nice},
+                                **once)
+            ours_ref = ours_ref or result
+            costs[label].append(_step_costs(_events(root / name / "events.jsonl")))
+    return baseline, ours_ref, stock_costs, costs
+
+
+def _inflation(costs: list[dict]) -> float:
+    return statistics.median(c["during_mean"] / c["clean_mean"] for c in costs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -317,40 +422,34 @@ def main(argv: list[str] | None = None) -> None:
     base = {"model": options.model, "steps": options.steps}
     started, load = time.time(), _load()
     print(f"# goodput: {options.model} job, {options.steps} steps, {options.kills} preemptions per schedule, "
-          f"mean interval {options.mtbf:.0f} s, notice {options.notice:.0f} s, seed {options.seed}", flush=True)
+          f"notice {options.notice:.0f} s, seed {options.seed}", flush=True)
     imports = {"hf_resumable": _median_import_s("import hf_resumable"), "torch": _median_import_s("import torch")}
 
-    # 1. Uninterrupted references: stock without checkpoints (the goodput baseline and stock's final weights), a
-    #    short stock run that measures its save cost, ours with background saves (final weights, inflation, stall).
-    baseline = run_system("stock-uninterrupted", {**base, "system": "stock"}, intervals=[], signal_kind="SIGKILL",
-                          notice=0, root=root)
+    # 1. Uninterrupted references.
     calibrate = max(4, options.steps // 6)
-    stock_cal = run_system("stock-calibration", {**base, "system": "stock", "steps": 3 * calibrate,
-                                                 "save_steps": calibrate},
-                           intervals=[], signal_kind="SIGKILL", notice=0, root=root)
-    stock_costs = _step_costs(_events(root / "stock-calibration" / "events.jsonl"))
-    ours_ref = run_system("ours-uninterrupted", {**base, "system": "background", "save_steps": calibrate},
-                          intervals=[], signal_kind="SIGKILL", notice=0, root=root)
-    bg_costs = _step_costs(_events(root / "ours-uninterrupted" / "events.jsonl"))
-    del stock_cal
+    baseline, ours_ref, stock_costs, bg = _uninterrupted(root, base, calibrate, options.inflation_pairs)
+    # By default a preemption comes on average after a fifth of the job's training time (at most 2/5 of it), so
+    # that every scheduled preemption lands before the job is done.
+    mtbf = options.mtbf or options.steps * baseline["step_time"] / 5
 
     from hf_resumable.checkpoint._interval import plan_save_interval
 
     stock_plan = plan_save_interval(save_cost_s=max(stock_costs["save_cost"], 1e-3), step_time_s=stock_costs["step"],
-                                    mean_time_between_failures_s=options.mtbf)
-    print(f"stock save: {stock_costs['save_cost']:.2f} s, step {stock_costs['step']:.3f} s -> Young/Daly "
-          f"save_steps={stock_plan.steps}", flush=True)
+                                    mean_time_between_failures_s=mtbf)
+    print(f"preemptions {mtbf:.1f} s after an attempt's first step on average; stock save: "
+          f"{stock_costs['save_cost']:.2f} s, step {stock_costs['step']:.3f} s -> Young/Daly save_steps="
+          f"{stock_plan.steps}", flush=True)
 
     # 2. The schedules, the same intervals for every system.
     results: dict[str, dict[str, list[dict]]] = {"SIGKILL": {}, "SIGTERM": {}}
     for repeat in range(options.repeats):
-        intervals = _schedule(options.seed + repeat, options.mtbf, options.kills)
+        intervals = _schedule(options.seed + repeat, mtbf, options.kills)
         systems = {"SIGKILL": {}, "SIGTERM": {}}
         for multiple in options.stock_intervals:
             steps = max(1, round(stock_plan.steps * multiple))
             systems["SIGKILL"][f"stock save_steps={steps}"] = {**base, "system": "stock", "save_steps": steps}
-        systems["SIGKILL"]["ours blocking, auto"] = {**base, "system": "blocking", "mtbf": options.mtbf}
-        systems["SIGKILL"]["ours background, auto"] = {**base, "system": "background", "mtbf": options.mtbf}
+        systems["SIGKILL"]["ours blocking, auto"] = {**base, "system": "blocking", "mtbf": mtbf}
+        systems["SIGKILL"]["ours background, auto"] = {**base, "system": "background", "mtbf": mtbf}
         for steps in options.fixed_intervals:
             systems["SIGKILL"][f"ours background save_steps={steps}"] = {**base, "system": "background",
                                                                          "save_steps": steps}
@@ -367,39 +466,47 @@ def main(argv: list[str] | None = None) -> None:
                 result["exact"] = result["digest"] is not None and result["digest"] == reference["digest"]
                 results[kind].setdefault(name, []).append(result)
                 print(f"  {kind} {name}: wall {result['wall']:.1f} s, {result['preemptions']} preemptions, "
-                      f"exact {result['exact']}", flush=True)
+                      f"lost {result['lost']:.1f} s each, exact {result['exact']}", flush=True)
 
     # 3. The tables.
     uninterrupted = baseline["wall"]
     print(f"\nMeasured on a shared machine (nice -n 10; load average {load} at the start, {_load()} at the end), "
-          f"medians of {options.repeats} run(s); total "
-          f"{(time.time() - started) / 60:.1f} min. Uninterrupted stock run without checkpoints: "
-          f"{uninterrupted:.1f} s; `python -c \"import hf_resumable\"`: {imports['hf_resumable']:.2f} s "
-          f"(`import torch`: {imports['torch']:.2f} s).\n")
-    print("| schedule | system | goodput | lost per preemption (s) | restart (s) | of which imports (s) | saves | "
-          "final weights exact |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"medians of {options.repeats} run(s); total {(time.time() - started) / 60:.1f} min. Preemptions "
+          f"{mtbf:.1f} s after an attempt's first step on average. Uninterrupted stock run without checkpoints: "
+          f"{uninterrupted:.1f} s (a step {baseline['step_time']:.3f} s, start-up {baseline['startup']:.1f} s); "
+          f"`python -c \"import hf_resumable\"`: {imports['hf_resumable']:.2f} s (`import torch`: "
+          f"{imports['torch']:.2f} s).\n")
+    print("| schedule | system | goodput | lost per preemption (s) | of which: work redone | restart (imports, build, "
+          "load + first step) | SIGTERM to exit | saves, slower steps | saves | preemptions | final weights exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     lost: dict[str, dict[str, float]] = {"SIGKILL": {}, "SIGTERM": {}}
     for kind, named in results.items():
         for name, runs in named.items():
-            wall = statistics.median(r["wall"] for r in runs)
-            per = statistics.median((r["wall"] - uninterrupted) / r["preemptions"] if r["preemptions"] else math.nan
-                                    for r in runs)
-            lost[kind][name] = per
-            restart = statistics.median(r["restart"] for r in runs)
-            imported = statistics.median(r["imports"] for r in runs)
+            med = {key: statistics.median(r[key] for r in runs)
+                   for key in ("wall", "lost", "redone", "restart", "imports", "build", "load", "exit", "saves",
+                               "preemptions")}
+            lost[kind][name] = med["lost"]
+            exit_s = med["exit"] if kind == "SIGTERM" else 0.0
+            rest = med["lost"] - med["redone"] - med["restart"] - exit_s
             exact = "yes" if all(r["exact"] for r in runs) else "no"
             fixes = sum(len(r["partial_checkpoints_removed"]) for r in runs)
             note = f" ({fixes} partial checkpoint(s) deleted by hand)" if fixes else ""
-            print(f"| {kind} | {name} | {uninterrupted / wall:.2f} | {per:.1f} | {restart:.1f} | {imported:.1f} | "
-                  f"{statistics.median(r['saves'] for r in runs):.0f} | {exact}{note} |")
-    inflation = bg_costs["during_mean"] / bg_costs["clean_mean"]
-    print(f"\nBackground save ({calibrate}-step interval, uninterrupted): step-time inflation while written "
-          f"{inflation:.2f}x ({bg_costs['during_n']} steps), stall {bg_costs['save_cost']:.2f} s over a "
-          f"{bg_costs['step']:.3f} s step; stock save {stock_costs['save_cost']:.2f} s.")
+            print(f"| {kind} | {name} | {uninterrupted / med['wall']:.2f} | {med['lost']:.1f} | {med['redone']:.1f} | "
+                  f"{med['restart']:.1f} ({med['imports']:.1f}, {med['build']:.1f}, {med['load']:.1f}) | "
+                  f"{exit_s:.1f} | {rest:.1f} | {med['saves']:.0f} | {med['preemptions']:.0f} | {exact}{note} |")
+    lowered, normal = _inflation(bg["lowered"]), _inflation(bg["normal"])
+    per_save = {label: statistics.median(c["per_save"] for c in runs) for label, runs in bg.items()}
+    stall = statistics.median(c["save_cost"] for c in bg["lowered"])
+    print(f"\nBackground save ({calibrate}-step interval, uninterrupted, {len(bg['lowered'])} pair(s), medians): "
+          f"step-time inflation while written {lowered:.2f}x with the writer at lower priority, {normal:.2f}x "
+          f"without; a save's whole cost to the loop {per_save['lowered']:.2f} s and {per_save['normal']:.2f} s; "
+          f"stall {stall:.2f} s over a {bg['lowered'][0]['step']:.3f} s step; stock save "
+          f"{stock_costs['save_cost']:.2f} s.")
     (root / "results.json").write_text(json.dumps({"results": results, "baseline": baseline, "lost": lost,
-                                                   "inflation": inflation, "bg": bg_costs, "stock": stock_costs,
-                                                   "imports": imports}, indent=1, default=str))
+                                                   "inflation": {"lowered": lowered, "normal": normal},
+                                                   "per_save": per_save, "bg": bg,
+                                                   "stock": stock_costs, "imports": imports, "mtbf": mtbf},
+                                                  indent=1, default=str))
     if options.out is None:
         shutil.rmtree(root, ignore_errors=True)
     ratios = {}

@@ -1,8 +1,17 @@
-"""A tiny fan-out helper on plain threads, shared by the writer, the reader and async staging."""
+"""Plain-thread helpers shared by the writer, the reader and async saves: a fan-out, and per-thread CPU priority."""
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 import threading
+
+logger = logging.getLogger(__name__)
+
+# Linux keeps a nice value per thread (``setpriority(PRIO_PROCESS, tid)``) and a thread inherits its creator's;
+# elsewhere ``PRIO_PROCESS`` would renice the whole process, so priorities are left alone there.
+_PER_THREAD_NICE = sys.platform.startswith("linux") and hasattr(os, "setpriority")
 
 
 def run_in_threads(fn, items: list, *, workers: int) -> list:
@@ -34,3 +43,52 @@ def run_in_threads(fn, items: list, *, workers: int) -> list:
     if errors:
         raise errors[0]
     return results
+
+
+def lower_thread_priority(increment: int) -> tuple[int, int] | None:
+    """Run the calling thread ``increment`` nice steps below the process's main thread (at most at 19), and every
+    thread it starts from now on (they inherit it). Linux only; a no-op elsewhere or for ``increment <= 0``.
+
+    The base is the main thread's nice value, not the caller's own, so that a thread whose priority could not be
+    raised again (see :func:`restore_thread_priorities`) is not lowered further at every call.
+
+    Returns:
+        `tuple[int, int] | None`: ``(base, lowered)`` nice values, for :func:`restore_thread_priorities`; ``None``
+        if nothing changed.
+    """
+    if not _PER_THREAD_NICE or increment <= 0:
+        return None
+    tid = threading.get_native_id()
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, os.getpid())  # the main thread's (on Linux the pid is its tid)
+        lowered = min(19, base + increment)
+        if lowered <= base:
+            return None
+        if os.getpriority(os.PRIO_PROCESS, tid) != lowered:
+            os.setpriority(os.PRIO_PROCESS, tid, lowered)
+    except OSError as err:  # e.g. a seccomp profile that refuses it: the save runs at the priority it has
+        logger.debug("Could not lower the priority of thread %d: %s", tid, err)
+        return None
+    return base, lowered
+
+
+def restore_thread_priorities(change: tuple[int, int] | None) -> None:
+    """Undo :func:`lower_thread_priority` for every thread of this process still at its lowered value (the thread
+    and those it started), e.g. because the training loop now waits for them.
+
+    Raising a priority again needs ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` that allows it; without either, the
+    threads keep the lower priority (they still get every idle core).
+    """
+    if change is None or not _PER_THREAD_NICE:
+        return
+    base, lowered = change
+    try:
+        tids = [int(name) for name in os.listdir("/proc/self/task")]
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) == lowered:
+                os.setpriority(os.PRIO_PROCESS, tid, base)
+        except OSError:  # the thread ended, or raising a priority is not allowed here
+            continue
