@@ -7,7 +7,8 @@ checkpoint every step) is launched with ``torchrun --nproc-per-node 2``, killed,
 processes. Compared with the uninterrupted 2-process run as in tests/test_elastic_trainer.py (samples per optimizer
 step, losses, weights; dropout on), and the learning rate of every step. The same with accelerate's FSDP2 plugin and
 with DeepSpeed ZeRO-2 (gloo ranks on CPU through tests/engine_fixtures.py; every launch through torchrun): the
-checkpoint's per-rank pieces are resharded for the new world size.
+checkpoint's per-rank pieces are resharded for the new world size. And with a shuffled ``datasets`` stream (a random
+``.map`` crop) given to ``prepare_resumable_dataloader``: the Trainer's stream loader, read whole by every rank.
 """
 
 from __future__ import annotations
@@ -92,5 +93,22 @@ def test_zero2_on_two_processes_then_one_is_the_uninterrupted_run(tmp_path: Path
     result = json.loads((run / "result.json").read_text())
     assert result["distributed_type"] == "DistributedType.DEEPSPEED" and result["gradient_accumulation_steps"] == 4
     assert steps_of_rank(run, 1) == [1]
+    assert_same_run(reference, run, steps=3)
+    assert learning_rates(run) == learning_rates(reference)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_stream_on_two_processes_then_one_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    """Step k is stream examples [8k, 8k + 8) at any world size: 2 processes (accumulation 2) are killed after step 1,
+    one process (accumulation 4) continues from rank 0's position (examples read over all ranks)."""
+    reference = tmp_path / "reference"
+    launch(reference, nproc=2, max_steps=3, worker=WORKER, extra=("--stream",))
+    run = tmp_path / "run"
+    launch(run, nproc=2, max_steps=3, kill_after=1, expect_kill=True, worker=WORKER, extra=("--stream",))
+    launch(run, nproc=1, max_steps=3, worker=WORKER, extra=("--stream",))
+    assert json.loads((run / "result.json").read_text())["gradient_accumulation_steps"] == 4
+    assert steps_of_rank(run, 1) == [1]  # the world size really changed
     assert_same_run(reference, run, steps=3)
     assert learning_rates(run) == learning_rates(reference)

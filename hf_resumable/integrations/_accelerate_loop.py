@@ -1,7 +1,6 @@
 """The training-loop side of :class:`~hf_resumable.integrations.accelerate.ResumableAccelerator`: prepared
 resumable loaders, map-style and streaming (device placement, epoch and position), and accumulation
-windows (the micro-batches of one
-optimizer step with their item count)."""
+windows (the micro-batches of one optimizer step with their item count)."""
 
 from __future__ import annotations
 
