@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_elastic_trainer import assert_same_run, launch, steps_of_rank
+from test_elastic_trainer import assert_same_run, launch, logged_losses, steps_of_rank
 
 from distributed_launch import REPO_ROOT
 
@@ -102,11 +102,15 @@ def test_zero2_on_two_processes_then_one_is_the_uninterrupted_run(tmp_path: Path
 @pytest.mark.distributed
 def test_a_stream_on_two_processes_then_one_is_the_uninterrupted_run(tmp_path: Path) -> None:
     """Step k is stream examples [8k, 8k + 8) at any world size: 2 processes (accumulation 2) are killed after step 1,
-    one process (accumulation 4) continues from rank 0's position (examples read over all ranks)."""
+    one process (accumulation 4) continues from rank 0's position (examples read over all ranks). The same stream in
+    a plain ``DataLoader`` (accelerate's per-rank loader) is refused at the new world size before a step is trained."""
     reference = tmp_path / "reference"
     launch(reference, nproc=2, max_steps=3, worker=WORKER, extra=("--stream",))
     run = tmp_path / "run"
     launch(run, nproc=2, max_steps=3, kill_after=1, expect_kill=True, worker=WORKER, extra=("--stream",))
+    refused = launch(run, nproc=1, max_steps=3, expect_fail=True, worker=WORKER, extra=("--stream", "--plain-loader"))
+    assert "ConfigDriftError" in refused and "prepare_resumable_dataloader()" in refused
+    assert sorted(logged_losses(run)) == [1]
     launch(run, nproc=1, max_steps=3, worker=WORKER, extra=("--stream",))
     assert json.loads((run / "result.json").read_text())["gradient_accumulation_steps"] == 4
     assert steps_of_rank(run, 1) == [1]  # the world size really changed
