@@ -485,13 +485,15 @@ class ResumableAccelerator(Accelerator):
           process, plus a saved position (``load_state`` continues mid-epoch without fetching the skipped
           batches), an order derived from ``(seed, epoch)`` and per-batch randomness keyed by position (see
           :mod:`hf_resumable.integrations._accelerate_data`).
-        * A :class:`~hf_resumable.data.ResumableDataLoader` (from :meth:`prepare_resumable_dataloader`) is
+        * A :class:`~hf_resumable.data.ResumableDataLoader` or a loader of
+          :func:`~hf_resumable.data.build_stream_dataloader` (from :meth:`prepare_resumable_dataloader`) is
           wrapped without re-sharding.
         * Any other loader (e.g. over an ``IterableDataset``) gets accelerate's treatment, and a WARNING says
           that its position is not saved.
 
         Raises:
-            ValueError: if a :class:`ResumableDataLoader` was built for another rank or world size.
+            ValueError: if a :class:`ResumableDataLoader` (or a stream loader of the elastic layout) was built for
+                another rank or world size.
         """
         if isinstance(data_loader, ResumableDataLoader) or isinstance(getattr(data_loader, "dataset", None),
                                                                       SeededIterableDataset):
