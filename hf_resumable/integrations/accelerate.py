@@ -1251,7 +1251,7 @@ class ResumableAccelerator(Accelerator):
             fits = loader.fits(record)
             if not fits:
                 self._inexact(f"{path}: the saved position {dict(record)} of loader {index} does not fit it "
-                              f"({len(loader)} batches per epoch on rank {self.process_index}; the data set, batch "
+                              f"({loader.settings()} on rank {self.process_index}; the data set, its kind, batch "
                               "size, drop_last or world size changed); its epoch restarts", ConfigDriftError)
             loader.load_position(record, restart_epoch=not fits)
 
