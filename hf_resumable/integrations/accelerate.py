@@ -531,9 +531,9 @@ class ResumableAccelerator(Accelerator):
         :func:`~hf_resumable.data.build_stream_dataloader` (no re-sharding)."""
         stream = not isinstance(data_loader, ResumableDataLoader)
         layout = data_loader.dataset if stream else data_loader.batch_sampler
-        # a stream outside the elastic layout is split by rank beforehand: only its elastic layout knows the world
-        if (layout.rank, layout.world_size if not stream or layout.global_batch is not None else self.num_processes
-                ) != (self.process_index, self.num_processes):
+        # a stream outside the elastic layout was split by rank beforehand: its world size is not its own
+        world_size = self.num_processes if stream and layout.global_batch is None else layout.world_size
+        if (layout.rank, world_size) != (self.process_index, self.num_processes):
             raise ValueError(
                 f"The {type(data_loader).__name__} was built for rank {layout.rank} of {layout.world_size}, but this "
                 f"process is rank {self.process_index} of {self.num_processes}. Build it with "
