@@ -8,7 +8,8 @@ processes. Compared with the uninterrupted 2-process run as in tests/test_elasti
 step, losses, weights; dropout on), and the learning rate of every step. The same with accelerate's FSDP2 plugin and
 with DeepSpeed ZeRO-2 (gloo ranks on CPU through tests/engine_fixtures.py; every launch through torchrun): the
 checkpoint's per-rank pieces are resharded for the new world size. And with a shuffled ``datasets`` stream (a random
-``.map`` crop) given to ``prepare_resumable_dataloader``: the Trainer's stream loader, read whole by every rank.
+``.map`` crop) given to ``prepare_resumable_dataloader``: the Trainer's stream loader, read whole by every rank (and,
+in process, such a stream resumed mid-pass and into its next pass, with and without ``elastic=True``).
 """
 
 from __future__ import annotations
