@@ -7,7 +7,9 @@ checkpoint every step) is launched with ``torchrun --nproc-per-node 2``, killed,
 processes. Compared with the uninterrupted 2-process run as in tests/test_elastic_trainer.py (samples per optimizer
 step, losses, weights; dropout on), and the learning rate of every step. The same with accelerate's FSDP2 plugin and
 with DeepSpeed ZeRO-2 (gloo ranks on CPU through tests/engine_fixtures.py; every launch through torchrun): the
-checkpoint's per-rank pieces are resharded for the new world size.
+checkpoint's per-rank pieces are resharded for the new world size. And with a shuffled ``datasets`` stream (a random
+``.map`` crop) given to ``prepare_resumable_dataloader``: the Trainer's stream loader, read whole by every rank (and,
+in process, such a stream resumed mid-pass and into its next pass, with and without ``elastic=True``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import json
 from pathlib import Path
 
 import pytest
-from test_elastic_trainer import assert_same_run, launch, steps_of_rank
+import torch
+from test_elastic_trainer import assert_same_run, launch, logged_losses, steps_of_rank
 
 from distributed_launch import REPO_ROOT
 
@@ -94,3 +97,84 @@ def test_zero2_on_two_processes_then_one_is_the_uninterrupted_run(tmp_path: Path
     assert steps_of_rank(run, 1) == [1]
     assert_same_run(reference, run, steps=3)
     assert learning_rates(run) == learning_rates(reference)
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_stream_on_two_processes_then_one_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    """Step k is stream examples [8k, 8k + 8) at any world size: 2 processes (accumulation 2) are killed after step 1,
+    one process (accumulation 4) continues from rank 0's position (examples read over all ranks). The same stream in
+    a plain ``DataLoader`` (accelerate's per-rank loader) is refused at the new world size before a step is trained."""
+    reference = tmp_path / "reference"
+    launch(reference, nproc=2, max_steps=3, worker=WORKER, extra=("--stream",))
+    run = tmp_path / "run"
+    launch(run, nproc=2, max_steps=3, kill_after=1, expect_kill=True, worker=WORKER, extra=("--stream",))
+    refused = launch(run, nproc=1, max_steps=3, expect_fail=True, worker=WORKER, extra=("--stream", "--plain-loader"))
+    assert "ConfigDriftError" in refused and "prepare_resumable_dataloader()" in refused
+    assert sorted(logged_losses(run)) == [1]
+    launch(run, nproc=1, max_steps=3, worker=WORKER, extra=("--stream",))
+    assert json.loads((run / "result.json").read_text())["gradient_accumulation_steps"] == 4
+    assert steps_of_rank(run, 1) == [1]  # the world size really changed
+    assert_same_run(reference, run, steps=3)
+    assert learning_rates(run) == learning_rates(reference)
+
+
+@pytest.fixture
+def _fresh_accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState
+
+    def reset() -> None:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+    reset()
+    yield reset
+    reset()
+
+
+def _stream_run(checkpoints: Path, *, elastic: bool, windows: int, save_at: int | None = None) -> list[list[int]]:
+    """``windows`` accumulation windows (2 micro-batches of 2) over a shuffled, randomly cropped 12-example stream
+    (3 windows per pass) after ``load_state``; the collated indices of each micro-batch."""
+    from elastic_data import crop_stream
+
+    from hf_resumable import ResumableAccelerator
+
+    accelerator = ResumableAccelerator(gradient_accumulation_steps=2, checkpoint_dir=checkpoints, cpu=True,
+                                       elastic=elastic)
+    loader = accelerator.prepare_resumable_dataloader(crop_stream(12), collate_fn=lambda rows: rows, batch_size=2,
+                                                      seed=5)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.load_state()
+    batches: list[list[int]] = []
+    while len(batches) < 2 * windows:
+        for window in accelerator.accumulation_windows(loader):
+            for rows in window:
+                with accelerator.accumulate(model):
+                    batches.append([(row["index"], len(row["input_ids"])) for row in rows])
+                    accelerator.backward(model(torch.ones(1, 1)).sum())
+                    optimizer.step()
+                    optimizer.zero_grad()
+            if accelerator.global_step == save_at:
+                accelerator.save_state()
+            if len(batches) == 2 * windows:
+                break
+    return batches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("elastic", [False, True])
+def test_a_stream_resumes_mid_pass_and_into_the_next_pass(tmp_path: Path, elastic: bool, monkeypatch,
+                                                          _fresh_accelerate_state) -> None:
+    """In process: a ``datasets`` stream from ``prepare_resumable_dataloader`` saved after window 2 of its first pass
+    continues with the uninterrupted run's micro-batches (indices and random crops), through the second pass."""
+    monkeypatch.syspath_prepend(str(WORKER.parent))
+    reference = _stream_run(tmp_path / "reference", elastic=elastic, windows=6)
+    passes = [[index for batch in reference[half:half + 6] for index, _ in batch] for half in (0, 6)]
+    assert sorted(passes[0]) == sorted(passes[1]) == list(range(12)) and passes[0] != passes[1]  # reshuffled
+    head = _stream_run(tmp_path / "run", elastic=elastic, windows=2, save_at=2)
+    _fresh_accelerate_state()
+    tail = _stream_run(tmp_path / "run", elastic=elastic, windows=4)
+    assert head + tail == reference

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from ._fingerprint import dataset_fingerprint
 from ._generators import GeneratorSlots
-from ._loaders import ResumableDataLoader, build_map_dataloader, build_stream_dataloader
+from ._loaders import ResumableDataLoader, build_map_dataloader, build_stream_dataloader, split_stream_for_rank
 from ._order import ResumableBatchSampler, length_grouped_order, sampler_epoch_order
 from ._position import DATA_EPOCH, DATA_KIND, DATA_LOADER, DATA_NUM_BATCHES, DATA_STEP, BatchKey, data_rng
 from ._seeded import SeededIterableDataset, SeededMapDataset
@@ -70,6 +70,7 @@ __all__ = [
     "ResumableDataLoader",
     "build_map_dataloader",
     "build_stream_dataloader",
+    "split_stream_for_rank",
     "dataset_fingerprint",
     "has_shuffle_buffer",
     "ResumableShuffleBuffer",

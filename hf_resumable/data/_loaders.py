@@ -169,6 +169,24 @@ def build_stream_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], 
     return _stream_loader_class()(wrapper, batch_size=None, **kwargs)
 
 
+def split_stream_for_rank(dataset: Any, *, rank: int, world_size: int) -> Any:
+    """This rank's share of a streaming data set for data-parallel training outside the elastic layout (each rank
+    reads its own part, ``datasets.distributed.split_dataset_by_node``); the data set itself with one process.
+
+    Raises:
+        InexactResumeError: several processes and a stream that is not a ``datasets.IterableDataset``.
+    """
+    if world_size <= 1:
+        return dataset
+    from datasets import IterableDataset as HfIterableDataset
+    from datasets.distributed import split_dataset_by_node
+
+    if not isinstance(dataset, HfIterableDataset):
+        raise InexactResumeError("Data-parallel training on a torch IterableDataset needs per-rank splitting; "
+                                 "use a datasets.IterableDataset (split with split_dataset_by_node).")
+    return split_dataset_by_node(dataset, rank=rank, world_size=world_size)
+
+
 def _resumable_source(dataset: Any, rank: int) -> Any:
     """``dataset`` with its ``datasets`` shuffle buffer replaced by a :class:`ResumableShuffleBuffer` when possible."""
     if not has_shuffle_buffer(dataset):
@@ -238,13 +256,16 @@ def _stream_loader_class() -> type:
             def set_epoch(self, epoch: int) -> None:
                 self.dataset.set_epoch(epoch)
 
-            def load_position(self, record: Mapping[str, Any]) -> None:
+            def load_position(self, record: Mapping[str, Any]) -> int:
+                """Continue at ``record``'s loader state (elastic layout: converted for this world size); returns
+                the batches of the pass this rank has already trained on."""
                 state = record[DATA_LOADER]
                 if self.dataset.global_batch is not None:  # elastic: the counters of this world size
                     state = elastic_loader_state(state, batch_size=self.dataset.batch_size,
                                                  world_size=self.dataset.world_size)
                 self.load_state_dict(state)
                 self._resumed_batches = _batches_yielded(state)
+                return self._resumed_batches
 
             def skip(self, num_batches: int) -> Any:
                 if num_batches and self._resumed_batches is None:  # only reached when an inexact resume is allowed

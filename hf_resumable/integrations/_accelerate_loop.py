@@ -1,6 +1,6 @@
 """The training-loop side of :class:`~hf_resumable.integrations.accelerate.ResumableAccelerator`: prepared
-resumable loaders (device placement, epoch and position) and accumulation windows (the micro-batches of one
-optimizer step with their item count)."""
+resumable loaders, map-style and streaming (device placement, epoch and position), and accumulation
+windows (the micro-batches of one optimizer step with their item count)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.state import GradientState
 from accelerate.utils import send_to_device
 
-from ..data import DATA_EPOCH, DATA_KIND, DATA_NUM_BATCHES, DATA_STEP, ResumableDataLoader
+from ..data import DATA_EPOCH, DATA_KIND, DATA_LOADER, DATA_NUM_BATCHES, DATA_STEP, ResumableDataLoader
 from ._elastic import seed_model_rng
 
-__all__ = ["AccumulationWindow", "ResumablePreparedLoader"]
+__all__ = ["AccumulationWindow", "ResumablePreparedLoader", "ResumablePreparedStream"]
 
 
 class ResumablePreparedLoader(DataLoaderStateMixin):
@@ -47,6 +47,15 @@ class ResumablePreparedLoader(DataLoaderStateMixin):
     @property
     def batch_size(self) -> int:
         return self.loader.batch_sampler.batch_size
+
+    @property
+    def seed(self) -> int:
+        """The run seed of the loader's order and per-batch randomness."""
+        return self.loader.batch_sampler.seed
+
+    def set_global_batch(self, global_batch: int) -> None:
+        """Elastic layout: the examples per optimizer step over all ranks (kept from the checkpoint)."""
+        self.loader.batch_sampler.global_batch = global_batch
 
     def __len__(self) -> int:
         return len(self.loader.batch_sampler)
@@ -101,6 +110,93 @@ class ResumablePreparedLoader(DataLoaderStateMixin):
         sampler = self.loader.batch_sampler
         return {"num_samples": sampler.num_samples, "batch_size": sampler.batch_size, "seed": sampler.seed,
                 "shuffle": sampler.shuffle, "drop_last": sampler.drop_last, "num_batches": len(self)}
+
+
+class ResumablePreparedStream(DataLoaderStateMixin):
+    """A prepared resumable stream (the loader of :func:`~hf_resumable.data.build_stream_dataloader`, the one the
+    ``ResumableTrainer`` trains streams with): device placement, epoch and position.
+
+    Iterating it yields the rest of the current pass over the stream (from the restored position on), then advances
+    :attr:`epoch` (the wrapped ``datasets`` stream reshuffles per epoch). The position is the ``StatefulDataLoader``
+    state after the batches handed out; in the elastic layout it counts the examples read over all ranks, so it
+    loads at any world size on an optimizer-step boundary. The number of batches is not known in advance:
+    ``end_of_dataloader`` is set only when the stream is exhausted (accumulation windows sync on their own last
+    micro-batch, see :class:`AccumulationWindow`).
+
+    Args:
+        loader: the stream loader, built for this rank (``rank``/``world_size`` of the accelerator).
+        gradient_state (`GradientState`): the accelerator's gradient state.
+        device (`torch.device`, *optional*): where batches are moved (``None``: left where they are).
+    """
+
+    def __init__(self, loader: Any, *, gradient_state: GradientState, device: torch.device | None) -> None:
+        self.loader = loader
+        self.gradient_state = gradient_state
+        self.device = device
+        self.dataset = loader.dataset  # a SeededIterableDataset
+        self.total_batch_size = self.dataset.batch_size * self.dataset.world_size
+        self.epoch = 0
+        self.consumed = 0  # batches of ``epoch`` already handed out
+        self._positioned = False  # the loader's next pass starts at ``consumed`` (a restored state)
+
+    @property
+    def batch_size(self) -> int:
+        return self.dataset.batch_size
+
+    @property
+    def seed(self) -> int:
+        """The run seed of the per-example and per-batch randomness."""
+        return self.dataset.seed
+
+    def set_global_batch(self, global_batch: int) -> None:
+        """Elastic layout: the examples per optimizer step over all ranks (kept from the checkpoint)."""
+        self.dataset.global_batch = global_batch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select an epoch; selecting the current one keeps the position (so resumed runs may call it)."""
+        if epoch != self.epoch:
+            self.epoch, self.consumed, self._positioned = epoch, 0, False
+
+    def __iter__(self) -> Iterator[Any]:
+        self.loader.set_epoch(self.epoch)
+        if self.consumed and not self._positioned:  # a pass left early: continue where it stopped
+            self.loader.load_state_dict(self.loader.state_dict())
+        self._positioned = False
+        self.begin()
+        try:
+            for batch in self.loader:
+                self.consumed += 1
+                yield batch if self.device is None else send_to_device(batch, self.device)
+        finally:
+            self.end()
+        self.epoch, self.consumed = self.epoch + 1, 0
+
+    def position(self) -> dict[str, Any]:
+        """JSON record of where the next batch comes from (the start of a pass has no loader state)."""
+        if not self.consumed:
+            return {DATA_KIND: "stream", DATA_EPOCH: self.epoch, DATA_STEP: 0}
+        return self.loader.position(epoch=self.epoch, step=self.consumed)
+
+    def fits(self, record: Mapping[str, Any]) -> bool:
+        """Whether ``record`` is a streaming position."""
+        return record.get(DATA_KIND) == "stream"
+
+    def load_position(self, record: Mapping[str, Any], *, restart_epoch: bool = False) -> None:
+        """Continue at ``record`` (from :meth:`position`, saved at any world size in the elastic layout).
+
+        Raises:
+            InexactResumeError: an elastic position that is not on an optimizer-step boundary of this world size.
+        """
+        self.epoch, self.consumed, self._positioned = int(record.get(DATA_EPOCH, 0)), 0, False
+        if restart_epoch or DATA_LOADER not in record:
+            return
+        self.consumed = self.loader.load_position(record)
+        self._positioned = True
+
+    def settings(self) -> dict[str, Any]:
+        """What decides this loader's batches (compared at resume time)."""
+        return {"kind": "stream", "batch_size": self.dataset.batch_size, "seed": self.dataset.seed,
+                "drop_last": self.dataset.drop_last}
 
 
 class AccumulationWindow:

@@ -19,8 +19,9 @@ swallows RNG load failures and leaves mid-epoch resume to the user):
   the checkpoint holds exactly the current state (:mod:`~hf_resumable.integrations._accelerate_state`).
 * ``prepare(DataLoader(...))`` returns accelerate's own loader class, rebuilt so that its position, order and
   per-batch randomness resume exactly (:mod:`~hf_resumable.integrations._accelerate_data`). Training loaders
-  built with :func:`hf_resumable.data.build_map_dataloader` (or
-  :meth:`ResumableAccelerator.prepare_resumable_dataloader`) are prepared without accelerate's re-sharding.
+  built with :func:`hf_resumable.data.build_map_dataloader` or :func:`~hf_resumable.data.build_stream_dataloader`
+  (or :meth:`ResumableAccelerator.prepare_resumable_dataloader`, map-style or streaming) are prepared without
+  accelerate's re-sharding.
   Either way positions are saved per rank and restored without fetching, collating or moving a single
   skipped batch.
 * RNG of every rank is saved and restored after everything else; a missing or mismatched piece raises
@@ -99,7 +100,14 @@ from ..checkpoint._writer import save_refusal, stock_accelerate_files
 from ..checkpoint.api import background_saver
 from ..checkpoint.sharded import load_sharded_into, save_sharded_checkpoint
 from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, MANIFEST_FILE, OPTIMIZER_INDEX_FILE
-from ..data import ResumableDataLoader, build_map_dataloader
+from ..data import (
+    DATA_KIND,
+    ResumableDataLoader,
+    SeededIterableDataset,
+    build_map_dataloader,
+    build_stream_dataloader,
+    split_stream_for_rank,
+)
 from ..data._position import LoaderPosition
 from ..distributed import all_gather_json, broadcast_json
 from ..errors import (
@@ -126,7 +134,7 @@ from ._accelerate_elastic import (
     convert_position,
     elastic_changes,
 )
-from ._accelerate_loop import AccumulationWindow, ResumablePreparedLoader
+from ._accelerate_loop import AccumulationWindow, ResumablePreparedLoader, ResumablePreparedStream
 from ._accelerate_objects import (
     KIND_MODULE,
     SLOT_CORE,
@@ -174,6 +182,7 @@ __all__ = [
     "ResumableDataLoaderDispatcher",
     "ResumableDataLoaderShard",
     "ResumablePreparedLoader",
+    "ResumablePreparedStream",
     "check_accelerate_internals",
 ]
 
@@ -270,8 +279,9 @@ class ResumableAccelerator(Accelerator):
             number of processes: the checkpoint's global batch (per-device batch x ``gradient_accumulation_steps``
             x world size) is kept by changing ``gradient_accumulation_steps`` (logged once, old -> new; a world size
             that does not divide it raises ``ElasticWorldSizeError`` listing those that do), loaders from
-            :meth:`prepare_resumable_dataloader` give every optimizer step the same samples at any world size (each
-            epoch cut to whole global batches), batches and the dropout masks of micro-batches handed out by
+            :meth:`prepare_resumable_dataloader` (map-style or a ``datasets`` stream) give every optimizer step the
+            same samples at any world size (each epoch cut to whole global batches; a stream is read whole by every
+            process, which keeps its chunks of each step), batches and the dropout masks of micro-batches handed out by
             :meth:`accumulation_windows` are keyed by the global micro-batch, not the rank, and prepared schedulers
             keep the first launch's stepping rate. With ``backward(loss_sum, num_items_in_batch=window.num_items)``
             losses and weights match the uninterrupted run up to float rounding (see docs/accelerate.md).
@@ -418,11 +428,24 @@ class ResumableAccelerator(Accelerator):
     def prepare_resumable_dataloader(self, dataset: Any, *, collate_fn: Callable[[list], Any], batch_size: int,
                                      seed: int, shuffle: bool = True, drop_last: bool = False,
                                      num_workers: int = 0, persistent_workers: bool = False,
-                                     multiprocessing_context: Any = None) -> ResumablePreparedLoader:
+                                     multiprocessing_context: Any = None
+                                     ) -> ResumablePreparedLoader | ResumablePreparedStream:
         """Build (with this process's rank and world size) and prepare a resumable training loader.
 
         Randomness in the collator and the data set is seeded by the batch's position (see
         :mod:`hf_resumable.data`), so it is identical with any ``num_workers`` and after a resume.
+
+        A ``torch.utils.data.IterableDataset`` (a ``datasets`` stream, ``load_dataset(..., streaming=True)``) gets
+        the ``ResumableTrainer``'s stream loader (:func:`~hf_resumable.data.build_stream_dataloader`, ``shuffle``
+        is the stream's own): split by rank (``split_dataset_by_node``), or with ``elastic=True`` read whole by
+        every process, step ``k`` being stream examples ``[k * G, (k + 1) * G)`` (``G`` the global batch) at any
+        world size, each example pulled under a seed of its place in the stream (``num_workers=0`` only).
+        Its position is the ``StatefulDataLoader`` state (``torchdata`` needed).
+
+        Raises:
+            ValueError: an elastic stream with ``num_workers > 0``.
+            InexactResumeError: several processes and a stream that is not a ``datasets.IterableDataset``
+                (outside the elastic layout).
 
         Example:
 
@@ -432,6 +455,17 @@ class ResumableAccelerator(Accelerator):
         ```
         """
         global_batch = batch_size * self.gradient_accumulation_steps * self.num_processes
+        elastic = self.resume_options.elastic
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            source = dataset if elastic else split_stream_for_rank(dataset, rank=self.process_index,
+                                                                   world_size=self.num_processes)
+            loader = build_stream_dataloader(source, collate_fn=collate_fn, batch_size=batch_size, seed=seed,
+                                             drop_last=drop_last, rank=self.process_index,
+                                             world_size=self.num_processes, num_workers=num_workers,
+                                             persistent_workers=persistent_workers,
+                                             multiprocessing_context=multiprocessing_context,
+                                             global_batch=global_batch if elastic else None)
+            return self.prepare(loader)
         loader = build_map_dataloader(dataset, collate_fn=collate_fn, batch_size=batch_size, seed=seed,
                                       shuffle=shuffle, drop_last=drop_last, rank=self.process_index,
                                       world_size=self.num_processes, num_workers=num_workers,
@@ -451,15 +485,18 @@ class ResumableAccelerator(Accelerator):
           process, plus a saved position (``load_state`` continues mid-epoch without fetching the skipped
           batches), an order derived from ``(seed, epoch)`` and per-batch randomness keyed by position (see
           :mod:`hf_resumable.integrations._accelerate_data`).
-        * A :class:`~hf_resumable.data.ResumableDataLoader` (from :meth:`prepare_resumable_dataloader`) is
+        * A :class:`~hf_resumable.data.ResumableDataLoader` or a loader of
+          :func:`~hf_resumable.data.build_stream_dataloader` (from :meth:`prepare_resumable_dataloader`) is
           wrapped without re-sharding.
         * Any other loader (e.g. over an ``IterableDataset``) gets accelerate's treatment, and a WARNING says
           that its position is not saved.
 
         Raises:
-            ValueError: if a :class:`ResumableDataLoader` was built for another rank or world size.
+            ValueError: if a :class:`ResumableDataLoader` (or a stream loader of the elastic layout) was built for
+                another rank or world size.
         """
-        if isinstance(data_loader, ResumableDataLoader):
+        if isinstance(data_loader, ResumableDataLoader) or isinstance(getattr(data_loader, "dataset", None),
+                                                                      SeededIterableDataset):
             return self._prepare_resumable_loader(data_loader, device_placement)
         if getattr(data_loader, "_is_accelerate_prepared", False) or any(data_loader is loader
                                                                          for loader in self._resumable_loaders):
@@ -489,16 +526,22 @@ class ResumableAccelerator(Accelerator):
             logger.warning("%s: %s.", type(data_loader).__name__, plan.note)
         return rebuilt
 
-    def _prepare_resumable_loader(self, data_loader: ResumableDataLoader, device_placement: bool | None) -> Any:
-        sampler = data_loader.batch_sampler
-        if (sampler.rank, sampler.world_size) != (self.process_index, self.num_processes):
+    def _prepare_resumable_loader(self, data_loader: Any, device_placement: bool | None) -> Any:
+        """Wrap a loader of :func:`~hf_resumable.data.build_map_dataloader` or
+        :func:`~hf_resumable.data.build_stream_dataloader` (no re-sharding)."""
+        stream = not isinstance(data_loader, ResumableDataLoader)
+        layout = data_loader.dataset if stream else data_loader.batch_sampler
+        # a stream outside the elastic layout was split by rank beforehand: its world size is not its own
+        world_size = self.num_processes if stream and layout.global_batch is None else layout.world_size
+        if (layout.rank, world_size) != (self.process_index, self.num_processes):
             raise ValueError(
-                f"The ResumableDataLoader was built for rank {sampler.rank} of {sampler.world_size}, but this process "
-                f"is rank {self.process_index} of {self.num_processes}. Build it with rank=accelerator.process_index "
-                "and world_size=accelerator.num_processes, or use prepare_resumable_dataloader().")
+                f"The {type(data_loader).__name__} was built for rank {layout.rank} of {layout.world_size}, but this "
+                f"process is rank {self.process_index} of {self.num_processes}. Build it with "
+                "rank=accelerator.process_index and world_size=accelerator.num_processes, or use "
+                "prepare_resumable_dataloader().")
         place = self.device_placement if device_placement is None else device_placement
-        prepared = ResumablePreparedLoader(data_loader, gradient_state=self.gradient_state,
-                                           device=self.device if place else None)
+        wrapper = ResumablePreparedStream if stream else ResumablePreparedLoader
+        prepared = wrapper(data_loader, gradient_state=self.gradient_state, device=self.device if place else None)
         self._resumable_loaders.append(prepared)
         return prepared
 
@@ -515,7 +558,7 @@ class ResumableAccelerator(Accelerator):
             ValueError: ``num_batches`` differs from the position ``load_state`` restored (the script's count
                 and the checkpoint disagree), or the loader is being iterated.
         """
-        if isinstance(dataloader, ResumablePreparedLoader):
+        if isinstance(dataloader, (ResumablePreparedLoader, ResumablePreparedStream)):
             if num_batches != dataloader.consumed:
                 raise ValueError("load_state() already restored this loader's position (epoch "
                                  f"{dataloader.epoch}, batch {dataloader.consumed}); do not skip batches yourself.")
@@ -584,7 +627,8 @@ class ResumableAccelerator(Accelerator):
         ```
         """
         iterator = iter(dataloader)
-        chunk_seeds = self.resume_options.elastic and isinstance(dataloader, ResumablePreparedLoader)
+        chunk_seeds = self.resume_options.elastic and isinstance(dataloader, (ResumablePreparedLoader,
+                                                                              ResumablePreparedStream))
         while True:
             if chunk_seeds:
                 batches, seeds = self._elastic_window(dataloader, iterator)
@@ -599,13 +643,14 @@ class ResumableAccelerator(Accelerator):
             finally:
                 self._window = None
 
-    def _elastic_window(self, loader: ResumablePreparedLoader, iterator: Iterator[Any]) -> tuple[list[Any], list]:
-        """A window's batches and, per batch, the ``(seed, epoch, chunk)`` its model randomness is keyed by."""
-        sampler = loader.loader.batch_sampler
+    def _elastic_window(self, loader: ResumablePreparedLoader | ResumablePreparedStream,
+                        iterator: Iterator[Any]) -> tuple[list[Any], list]:
+        """A window's batches and, per batch, the ``(seed, epoch, chunk)`` its model randomness is keyed by (batch
+        ``n`` of a rank's epoch is chunk ``n * world_size + rank`` in both elastic layouts)."""
         batches, keys = [], []
         for batch in islice(iterator, self.gradient_accumulation_steps):
             batches.append(batch)  # read right after the loader handed it out: its epoch and batch number
-            keys.append((sampler.seed, loader.epoch, (loader.consumed - 1) * self.num_processes + self.process_index))
+            keys.append((loader.seed, loader.epoch, (loader.consumed - 1) * self.num_processes + self.process_index))
         return batches, keys
 
     def _count_window_items(self, batches: list[Any], count_items: Callable[[Any], int | torch.Tensor]) -> int:
@@ -1141,7 +1186,8 @@ class ResumableAccelerator(Accelerator):
 
         Raises:
             ElasticWorldSizeError: the global batch does not divide at this world size.
-            ConfigDriftError: a loader that is not from ``prepare_resumable_dataloader`` (its order is per rank).
+            ConfigDriftError: a loader that is not from ``prepare_resumable_dataloader`` (its order is per rank;
+                a plain ``DataLoader`` over a stream included).
         """
         saved = opened.extra.get(EXTRA_RUN) or {}
         saved_world_size = opened.manifest.world_size
@@ -1151,7 +1197,8 @@ class ResumableAccelerator(Accelerator):
                 scheduler.rate = self._scheduler_rate
         if saved_world_size == self.num_processes or not saved.get(KEY_ELASTIC):
             return False  # same size, or a checkpoint of another layout (the drift check names it)
-        loaders = [loader for loader in self._resumable_loaders if isinstance(loader, ResumablePreparedLoader)]
+        loaders = [loader for loader in self._resumable_loaders
+                   if isinstance(loader, (ResumablePreparedLoader, ResumablePreparedStream))]
         if not loaders or len(loaders) != len(self._resumable_loaders):
             raise ConfigDriftError(f"{path} was saved by {saved_world_size} process(es), this run has "
                                    f"{self.num_processes}: elastic=True keeps the sample order only for loaders from "
@@ -1164,7 +1211,7 @@ class ResumableAccelerator(Accelerator):
         if getattr(self, "deepspeed_engine_wrapped", None) is not None:  # the engine divides the loss by its own
             self.deepspeed_engine_wrapped.engine.set_train_batch_size(plan.global_batch)
         for loader in loaders:
-            loader.loader.batch_sampler.global_batch = plan.global_batch
+            loader.set_global_batch(plan.global_batch)
         if self.is_main_process:
             logger.info("Elastic resume of %s: %s.", path, plan.describe())
         return True
@@ -1187,7 +1234,9 @@ class ResumableAccelerator(Accelerator):
         if self.resume_options.elastic and saved_world_size != self.num_processes:
             # the elastic layout's position is global: rank 0's record, converted (a new rank has none of its own)
             records = broadcast_json(records if self.is_main_process else None)
-            records = [convert_position(record, saved_world_size=saved_world_size, world_size=self.num_processes,
+            # (a stream's record counts the examples read over all ranks: its loader converts it when loaded)
+            records = [record if record.get(DATA_KIND) == "stream" else
+                       convert_position(record, saved_world_size=saved_world_size, world_size=self.num_processes,
                                         num_batches=len(loader))
                        for record, loader in zip(records or [], self._resumable_loaders)] or None
         if records is None or len(records) != len(self._resumable_loaders):
@@ -1202,7 +1251,7 @@ class ResumableAccelerator(Accelerator):
             fits = loader.fits(record)
             if not fits:
                 self._inexact(f"{path}: the saved position {dict(record)} of loader {index} does not fit it "
-                              f"({len(loader)} batches per epoch on rank {self.process_index}; the data set, batch "
+                              f"({loader.settings()} on rank {self.process_index}; the data set, its kind, batch "
                               "size, drop_last or world size changed); its epoch restarts", ConfigDriftError)
             loader.load_position(record, restart_epoch=not fits)
 

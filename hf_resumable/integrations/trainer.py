@@ -94,6 +94,7 @@ from ..data import (
     dataset_fingerprint,
     has_shuffle_buffer,
     sampler_epoch_order,
+    split_stream_for_rank,
 )
 from ..data._loaders import StepPosition
 from ..distributed import broadcast_json, rank_and_world_size
@@ -783,15 +784,7 @@ class ResumableTrainer(Trainer):
                     multiprocessing_context=self.args.dataloader_multiprocessing_context)
 
     def _split_for_rank(self, dataset: Any) -> Any:
-        if self.args.world_size <= 1:
-            return dataset
-        from datasets import IterableDataset as HfIterableDataset
-        from datasets.distributed import split_dataset_by_node
-
-        if not isinstance(dataset, HfIterableDataset):
-            raise InexactResumeError("Data-parallel training on a torch IterableDataset needs per-rank splitting; "
-                                     "use a datasets.IterableDataset (split with split_dataset_by_node).")
-        return split_dataset_by_node(dataset, rank=self.args.process_index, world_size=self.args.world_size)
+        return split_stream_for_rank(dataset, rank=self.args.process_index, world_size=self.args.world_size)
 
     def _restore_data_position(self, loader: Any) -> None:
         if self._resume is None:

@@ -2,8 +2,10 @@
 ``--nproc-per-node``) or plain ``python``: the same command line at every world size.
 
 Usage: ``elastic_accelerate_worker.py OUTPUT_DIR [--max-steps N] [--kill-after K] [--dropout P]
-[--engine {ddp,fsdp,deepspeed}]`` (``fsdp``: accelerate's FSDP2 plugin, ``deepspeed``: ZeRO-2, both on gloo CPU ranks
-through tests/engine_fixtures.py's shim, launched with torchrun at every world size).
+[--engine {ddp,fsdp,deepspeed}] [--stream]`` (``fsdp``: accelerate's FSDP2 plugin, ``deepspeed``: ZeRO-2, both on gloo
+CPU ranks through tests/engine_fixtures.py's shim, launched with torchrun at every world size; ``--stream``: the rows
+as a shuffled ``datasets`` stream with a random ``.map`` crop, given to ``prepare_resumable_dataloader`` as is;
+``--plain-loader``: the data in a plain ``DataLoader`` passed to ``accelerator.prepare`` instead).
 
 The loop is accelerate's token-exact recipe (``accumulation_windows`` + ``backward(loss_sum,
 num_items_in_batch=window.num_items)``) with a linear warmup/decay schedule prepared by accelerate. After each
@@ -29,7 +31,7 @@ from transformers import get_linear_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from elastic_data import FETCHED, CropRows, collate  # noqa: E402
+from elastic_data import FETCHED, CropRows, collate, crop_stream  # noqa: E402
 
 from hf_resumable import ResumableAccelerator  # noqa: E402
 
@@ -75,6 +77,8 @@ def main() -> None:
     parser.add_argument("--kill-after", type=int)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--engine", choices=("ddp", "fsdp", "deepspeed"), default="ddp")
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--plain-loader", action="store_true")
     options = parser.parse_args()
     out = options.output_dir
     # the script's own settings: 2 ranks x 2 micro-batches of 2 = a global batch of 8; 24 samples = 3 steps/epoch
@@ -82,7 +86,11 @@ def main() -> None:
                                        elastic=True, **engine_options(options.engine))
     rank = accelerator.process_index
     out.mkdir(parents=True, exist_ok=True)
-    loader = accelerator.prepare_resumable_dataloader(CropRows(24), collate_fn=collate, batch_size=2, seed=5)
+    data = crop_stream(40) if options.stream else CropRows(24)  # a stream: 5 global batches of 8 per pass
+    if options.plain_loader:
+        loader = accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=2, collate_fn=collate))
+    else:
+        loader = accelerator.prepare_resumable_dataloader(data, collate_fn=collate, batch_size=2, seed=5)
     model = tiny_gpt2(resid_pdrop=options.dropout, embd_pdrop=options.dropout, attn_pdrop=options.dropout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     # in scheduler steps, which accelerate takes num_processes of per optimizer step (2 at the first launch)
