@@ -97,11 +97,12 @@ def launch_ranks(argv: list[str], *, world_size: int, timeout: float,
 
 
 def run_torchrun(script: str | Path, args: list[str], *, env: dict[str, str], timeout: float,
-                 nproc: int = 2, torchrun_args: list[str] = ()) -> subprocess.CompletedProcess:
+                 nproc: int = 2, torchrun_args: list[str] = (), forked: bool = True) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node N script args`` on 127.0.0.1 with a free port, in its own session.
 
     torchrun starts each worker in a session of its own, so on timeout the whole process tree is collected
-    first and then SIGKILLed, and the test fails with the job's output.
+    first and then SIGKILLed, and the test fails with the job's output. ``forked``: the workers come from a test
+    zygote (tests/zygote.py); ``False`` starts each as a fresh interpreter, as torchrun itself would.
     """
     import contextlib
 
@@ -110,7 +111,8 @@ def run_torchrun(script: str | Path, args: list[str], *, env: dict[str, str], ti
 
     command = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(nproc), "--master-addr",
                "127.0.0.1", "--master-port", str(free_port()), *torchrun_args, str(script), *args]
-    proc = subprocess.Popen(command, env=zygote.torchrun_env(env), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(command, env=zygote.torchrun_env(env) if forked else env, cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)

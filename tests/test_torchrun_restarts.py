@@ -118,7 +118,7 @@ def _losses(out: Path) -> dict[int, list[float]]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("uninterrupted")
-    result = run_torchrun(SCRIPT, [str(out)], env=child_env(), timeout=600)
+    result = run_torchrun(SCRIPT, [str(out)], env=child_env(), timeout=600, forked=False)
     assert result.returncode == 0, result.stdout[-4000:]
     return out
 
@@ -137,7 +137,8 @@ def test_torchrun_restarts_the_group_and_the_run_ends_bit_identical(tmp_path, re
     args = [str(tmp_path), "--kill-at", "4" if where == "save" else "5", "--kill-in", where, "--kill-rank", "1"]
     if not blocking:
         args.append("--async")
-    result = run_torchrun(SCRIPT, args, env=child_env(), timeout=240, torchrun_args=["--max-restarts", "2"])
+    result = run_torchrun(SCRIPT, args, env=child_env(), timeout=600, torchrun_args=["--max-restarts", "2"],
+                          forked=False)
     assert result.returncode == 0, result.stdout[-4000:]
     assert "SIGKILL" in result.stdout or "Signals.SIGKILL" in result.stdout or "exitcode: -9" in result.stdout
     _assert_same_run(tmp_path, reference)
