@@ -150,6 +150,15 @@ def build_model(folder: Path, hidden: int, layers: int) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
+def model_bytes(folder: Path, hidden: int, layers: int) -> int:
+    """The weight bytes of the model in ``folder``, writing it first if ``folder`` holds none."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["metadata"]["total_size"]
+    folder.mkdir(parents=True, exist_ok=True)
+    return build_model(folder, hidden, layers)
+
+
 class MemoryCgroup:
     """A cgroup-v1 memory cgroup whose limit (anonymous memory and page cache together) is ``limit`` bytes: a
     process in it sees a machine with that much RAM, so a model larger than it is read from disk on every token."""
@@ -235,6 +244,8 @@ def main() -> None:
     parser.add_argument("--overhead", type=parse_size, default="640MB",
                         help="cold regime: the memory cgroup's limit is the budget plus this")
     parser.add_argument("--with-resident", action="store_true", help="also run keep_resident=True")
+    parser.add_argument("--folder", type=Path, default=None,
+                        help="keep the model in this directory (written there if absent) instead of a temporary one")
     args = parser.parse_args()
     regimes = args.regimes.split(",")
     sides = ("accelerate", "streamed") + (("streamed-resident",) if args.with_resident else ())
@@ -243,9 +254,8 @@ def main() -> None:
                          "pass --regimes warm to skip it.")
     results: dict[str, dict[str, list[dict]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_inference-") as tmp:
-        folder, offload = Path(tmp) / "model", Path(tmp) / "offload"
-        folder.mkdir()
-        weight_bytes = build_model(folder, args.hidden, args.layers)
+        folder, offload = args.folder or Path(tmp) / "model", Path(tmp) / "offload"
+        weight_bytes = model_bytes(folder, args.hidden, args.layers)
         budget = weight_bytes // 4
         limit = budget + args.overhead
         for regime in regimes:

@@ -178,12 +178,16 @@ def test_headers_are_parsed_and_blocks_installed_once_however_many_tokens(tmp_pa
     folder = _save(model, tmp_path / "m")
     parsed: list[str] = []
     installed: list[str] = []
-    read_header, materialize = mapped.read_header, stream._materialize
+    read_through: list[tuple[int, int]] = []
+    read_header, materialize, through = mapped.read_header, stream._materialize, mapped.MappedBlock.read_through
     monkeypatch.setattr(mapped, "read_header", lambda path: parsed.append(Path(path).name) or read_header(path))
     monkeypatch.setattr(stream, "_materialize", lambda m, key, *a: installed.append(key) or materialize(m, key, *a))
+    monkeypatch.setattr(mapped.MappedBlock, "read_through",
+                        lambda self, scratch: read_through.append((self.fd, self.offset)) or through(self, scratch))
     with StreamingModel(on_meta(model), folder) as streamed:
         assert torch.equal(_generate(streamed), _generate(model))  # NEW tokens: every block streamed NEW times
     assert parsed and len(parsed) == len(set(parsed))
+    assert read_through and len(read_through) == len(set(read_through))  # only a block's first read copies it
     block_keys = [k for k in model.state_dict() if k.startswith("model.layers.")]
     assert sorted(installed) == sorted(block_keys)  # views installed on the first pass, kept for the others
 
@@ -203,6 +207,10 @@ def test_a_mapped_block_counts_in_rss_only_between_populate_and_evict(tmp_path: 
     save_file({"w": weight}, tmp_path / "m.safetensors")
     maps = ShardMaps()
     block = maps.view(tmp_path / "m.safetensors", ["w"], {"w": (weight.shape, weight.dtype)})
+    scratch = memoryview(bytearray(block.length))
+    block.read_through(scratch)  # the file range behind the views, read with the kernel's copy
+    skip = block.tensors["w"].data_ptr() - block.start
+    assert bytes(scratch[skip:skip + weight.nbytes]) == weight.numpy().tobytes()
     before = _rss()
     block.populate()
     populated = _rss()

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..hub import parse_hf_url
 from ._load import LoadPlan, _as_weights, _empty, _fill_aliases, _materialize, _read_into, _read_shard, _tie, plan_load
-from ._mapped import MappedBlock, ShardMaps
+from ._mapped import READ_THROUGH_CHUNK, MappedBlock, ShardMaps
 from ._prefetch import BlockPrefetcher
 from ._residency import ResidencyPlan, plan_residency
 from ._weights import LazyStateDict
@@ -184,7 +184,8 @@ class StreamingModel(contextlib.AbstractContextManager):
         self._maps = ShardMaps()
         self._mapped: dict[int, list[MappedBlock]] = {}  # per streamed block: its views, made on its first read
         self._copied: dict[int, list[tuple[str, list[str]]]] = {}  # per streamed block: (shard, names) to cast
-        self._touched: set[int] = set()  # streamed blocks read at least once (their pages touched then)
+        self._touched: set[int] = set()  # streamed blocks read at least once (their pages read through then)
+        self._scratch: memoryview | None = None  # the read-ahead thread's buffer for MappedBlock.read_through
         self._fixed: set[int] = set()  # streamed blocks whose parameters are views of the shards, installed for good
         self._finished: deque[int] = deque()  # blocks that ran (or were dropped): the thread evicts their pages
 
@@ -238,22 +239,30 @@ class StreamingModel(contextlib.AbstractContextManager):
                                         [sum(sizes[n] for n in names) for names in per_block],
                                         max_memory=self.max_memory, prefetch=self.prefetch,
                                         keep_resident=self.keep_resident)
-        self._load(outside + [n for i in self.residency.resident for n in per_block[i]])
+        # 3. Hooks on the streamed blocks, and the thread that reads them ahead, started first: it reads the first
+        #    blocks while the non-block weights (and resident blocks) are loaded here.
+        try:
+            self._start_streaming(per_block)
+            self._load(outside + [n for i in self.residency.resident for n in per_block[i]])
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         _tie(self.model)
         self._log_plan()
-        # 3. Hooks on the streamed blocks, and the thread that reads them ahead.
-        streamed = self.residency.streamed
-        if streamed:
-            self._next_streamed = dict(zip(streamed, streamed[1:] + streamed[:1]))
-            self._per_block = per_block
-            self._prefetcher = BlockPrefetcher(streamed, self._read_block, self._discard,
-                                               slots=self.residency.slots)
-            for index in streamed:
-                block = self.blocks[index]
-                self._handles.append(block.register_forward_pre_hook(self._pre_hook(index)))
-                self._handles.append(block.register_forward_hook(self._post_hook))
-            self._prefetcher.start()
         return self.model
+
+    def _start_streaming(self, per_block: list[list[str]]) -> None:
+        streamed = self.residency.streamed
+        if not streamed:
+            return
+        self._next_streamed = dict(zip(streamed, streamed[1:] + streamed[:1]))
+        self._per_block = per_block
+        self._prefetcher = BlockPrefetcher(streamed, self._read_block, self._discard, slots=self.residency.slots)
+        for index in streamed:
+            block = self.blocks[index]
+            self._handles.append(block.register_forward_pre_hook(self._pre_hook(index)))
+            self._handles.append(block.register_forward_hook(self._post_hook))
+        self._prefetcher.start()
 
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
@@ -270,6 +279,7 @@ class StreamingModel(contextlib.AbstractContextManager):
         self._copied.clear()
         self._fixed.clear()
         self._touched.clear()
+        self._scratch = None
         self._finished.clear()
         self._maps.clear()
         self.weights.release()
@@ -318,9 +328,9 @@ class StreamingModel(contextlib.AbstractContextManager):
         self._evict_finished()
         first, block = index not in self._touched, {}
         for mapped in self._view_block(index):
-            mapped.populate()
             if first:
-                mapped.touch()
+                mapped.read_through(self._scratch_buffer())
+            mapped.populate()
             block.update(mapped.tensors)
         self._touched.add(index)
         for mapped in self._view_block(self._next_streamed[index]):
@@ -330,6 +340,12 @@ class StreamingModel(contextlib.AbstractContextManager):
             _read_into(self.weights, filename, into)
             block.update(into)
         return block
+
+    def _scratch_buffer(self) -> memoryview:
+        """The read-ahead thread's scratch buffer (one, reused; its pages touched once)."""
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(READ_THROUGH_CHUNK))
+        return self._scratch
 
     def _view_block(self, index: int) -> list[MappedBlock]:
         """A block's tensors stored in the model's dtype, as views of their shards (made on first use, no data
