@@ -118,6 +118,34 @@ def test_prefetcher_restarts_when_asked_out_of_order_and_reraises_read_errors() 
     assert (1, 1) in discarded and all(i == w for i, w in discarded)  # handed back with its own index
 
 
+def test_page_cache_warming_reads_the_first_budget_bytes_in_file_order(tmp_path: Path, monkeypatch) -> None:
+    import hf_resumable.lazy._prefetch as prefetch
+
+    paths = []
+    for i, size in enumerate([3000, 5000, 4000]):
+        paths.append(tmp_path / f"f{i}")
+        paths[-1].write_bytes(bytes([i]) * size)
+    seen: list[tuple[bytes, int, int]] = []
+    read_range = prefetch.read_range
+
+    def spy(fd: int, offset: int, length: int, scratch: memoryview) -> None:
+        read_range(fd, offset, length, scratch)
+        seen.append((bytes(scratch[:1]), offset, length))
+
+    monkeypatch.setattr(prefetch, "read_range", spy)
+    warmer = prefetch.PageCacheWarmer(paths, limit=6000)
+    warmer.start()
+    warmer._thread.join()  # let it finish (close() would stop it early)
+    assert seen == [(b"\x00", 0, 3000), (b"\x01", 0, 3000)]  # the first 6000 bytes, in order, nothing more
+    model = _llama(seed=3)
+    folder = _save(model, tmp_path / "m")
+    streaming = StreamingModel.from_pretrained(folder, max_memory="1GB")
+    assert streaming._warmer is not None  # local weights and a budget: warming while the model was built
+    with streaming as streamed:
+        assert torch.equal(_generate(streamed), _generate(model))
+    assert streaming._warmer is None
+
+
 # --------------------------------------------------------------------------------------------------- generate()
 def _track_populated(monkeypatch) -> list[int]:
     """Bytes of streamed tensors populated and not yet evicted, recorded after every populate (populate and evict

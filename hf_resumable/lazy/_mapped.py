@@ -19,7 +19,7 @@ from ..format.safetensors_io import SafetensorsHeader, read_header
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["READ_THROUGH_CHUNK", "MappedBlock", "ShardMaps"]
+__all__ = ["READ_THROUGH_CHUNK", "MappedBlock", "ShardMaps", "read_range"]
 
 # madvise(2) advice: read a mapping's pages in and map them (Linux >= 5.14); drop them from this process's page
 # table (a private mapping we never wrote to: the pages stay in the page cache, RSS no longer counts them).
@@ -31,8 +31,24 @@ _MADV_WILLNEED = 3  # for a file mapping: start reading the whole range at once 
 _madvise_libc = functools.cache(_libc)
 
 
-# Bytes of one read of :meth:`MappedBlock.read_through` (its scratch buffer's size).
+# Bytes of one read of :func:`read_range` (the size of its scratch buffer).
 READ_THROUGH_CHUNK = 16 << 20
+
+
+def read_range(fd: int, offset: int, length: int, scratch: memoryview) -> None:
+    """Read ``length`` bytes of the file ``fd`` from ``offset`` into ``scratch`` (reused, chunk by chunk), only to
+    bring them into the OS page cache through the kernel's own copy; ``os.preadv`` releases the GIL.
+
+    The first access to a page just read from disk can be costly (in a VM, where the hypervisor maps guest memory
+    on first access, it was measured at 5-30 us per 4 KiB page, seconds for a model); through the kernel's copy into
+    an already touched buffer it was never more costly, and faster in most paired trials, than through a mapping.
+    Later accesses through a mapping are cheap."""
+    done = 0
+    while done < length:
+        read = os.preadv(fd, [scratch[: min(len(scratch), length - done)]], offset + done)
+        if read <= 0:
+            return
+        done += read
 
 
 @dataclass(frozen=True)
@@ -64,22 +80,12 @@ class MappedBlock:
         self.touch()  # older kernel: fault every page in by reading it
 
     def read_through(self, scratch: memoryview) -> None:
-        """Read the range from the file into ``scratch`` (reused, chunk by chunk): this brings its pages into the
-        page cache through the kernel's own copy, the cheapest first access to freshly read pages.
-
-        The first access to a page just read from disk can be costly (measured in a VM, where the hypervisor maps
-        guest memory on first access: ~10-30 us per 4 KiB page through a mapping under load, seconds for a model),
-        and through the kernel's copy into an already touched buffer it cost a half to a third of that. Later
-        accesses through the mapping are cheap. ``os.preadv`` releases the GIL."""
+        """Bring the range's pages into the page cache with the kernel's copy (:func:`read_range`) on a block's
+        first read, so that neither :meth:`populate` nor the forward pass is the first to access them."""
         if self.fd < 0:
             self.touch()
             return
-        done = 0
-        while done < self.length:
-            read = os.preadv(self.fd, [scratch[: min(len(scratch), self.length - done)]], self.offset + done)
-            if read <= 0:
-                return
-            done += read
+        read_range(self.fd, self.offset, self.length, scratch)
 
     def touch(self) -> None:
         """Read one byte of every page through the mapping (torch releases the GIL)."""

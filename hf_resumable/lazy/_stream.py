@@ -8,15 +8,17 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..format.sharding import parse_size
 from ..hub import parse_hf_url
 from ._load import LoadPlan, _as_weights, _empty, _fill_aliases, _materialize, _read_into, _read_shard, _tie, plan_load
 from ._mapped import READ_THROUGH_CHUNK, MappedBlock, ShardMaps
-from ._prefetch import BlockPrefetcher
+from ._prefetch import BlockPrefetcher, PageCacheWarmer
 from ._residency import ResidencyPlan, plan_residency
 from ._weights import LazyStateDict
 
@@ -90,6 +92,18 @@ def _resolve(path_or_repo_id: str | os.PathLike, revision: str | None) -> tuple[
         raise ValueError(f"{path_or_repo_id}: streaming reads a model repo's root (hf://namespace/name[@revision]); "
                          "push the checkpoint's model files to the root of a model repo.")
     return url.repo_id, url.revision or revision
+
+
+def _start_warming(location: str | os.PathLike, weights: LazyStateDict,
+                   max_memory: int | str | None) -> PageCacheWarmer | None:
+    """For local weights and a budget: read the first ``max_memory`` bytes of the shards (in file-name order, which
+    is the order ``save_pretrained`` writes the model in) into the page cache while the model is imported and built.
+    Bounded by the budget, so a model larger than memory does not push out of the cache what it just read."""
+    if max_memory is None or not Path(location).exists():
+        return None
+    warmer = PageCacheWarmer([weights.shard_path(f) for f in sorted(weights.filenames)], parse_size(max_memory))
+    warmer.start()
+    return warmer
 
 
 def _model_on_meta(location: str | os.PathLike, config: Any, revision: str | None, token: str | None) -> nn.Module:
@@ -188,6 +202,7 @@ class StreamingModel(contextlib.AbstractContextManager):
         self._scratch: memoryview | None = None  # the read-ahead thread's buffer for MappedBlock.read_through
         self._fixed: set[int] = set()  # streamed blocks whose parameters are views of the shards, installed for good
         self._finished: deque[int] = deque()  # blocks that ran (or were dropped): the thread evicts their pages
+        self._warmer: PageCacheWarmer | None = None  # from_pretrained's page-cache warming, stopped on exit
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, *, config: Any = None,
@@ -196,7 +211,7 @@ class StreamingModel(contextlib.AbstractContextManager):
                         token: str | None = None) -> StreamingModel:
         """A streamed ``AutoModelForCausalLM`` from a model directory, a checkpoint directory, or a Hub repo.
 
-        Only headers are read here; the model is built on the meta device from ``config`` (default:
+        Only headers are parsed here; the model is built on the meta device from ``config`` (default:
         ``AutoConfig.from_pretrained`` of the same location), and weights are read on enter. For a Hub repo
         (``namespace/name`` or ``hf://namespace/name[@revision]``), each shard is downloaded (once, into the Hub
         cache) when a block in it is first read.
@@ -207,9 +222,13 @@ class StreamingModel(contextlib.AbstractContextManager):
             config (`transformers.PretrainedConfig`, *optional*): the model's config (e.g. from ``AutoConfig``).
             max_memory, prefetch, keep_resident, strict, revision, token: as in :class:`StreamingModel`.
 
+        For local weights with a ``max_memory``, a background thread reads the first ``max_memory`` bytes of the
+        shards into the OS page cache while the model is imported and built (no memory of the process's own: the
+        pages belong to the page cache); it stops on exit at the latest.
+
         Raises:
             CheckpointNotFoundError: if there are no weights at ``path_or_repo_id``.
-            ValueError: for an ``hf://`` URL with a path inside the repo.
+            ValueError: for an ``hf://`` URL with a path inside the repo, or a ``max_memory`` that cannot be parsed.
 
         Example:
 
@@ -220,9 +239,17 @@ class StreamingModel(contextlib.AbstractContextManager):
         """
         location, revision = _resolve(path_or_repo_id, revision)
         weights = LazyStateDict.from_pretrained(location, revision=revision, token=token)
-        model = _model_on_meta(location, config, revision, token)
-        return cls(model, weights, max_memory=max_memory, prefetch=prefetch, keep_resident=keep_resident,
-                   strict=strict)
+        warmer = _start_warming(location, weights, max_memory)
+        try:
+            model = _model_on_meta(location, config, revision, token)
+            streaming = cls(model, weights, max_memory=max_memory, prefetch=prefetch, keep_resident=keep_resident,
+                            strict=strict)
+        except BaseException:
+            if warmer is not None:
+                warmer.close()
+            raise
+        streaming._warmer = warmer
+        return streaming
 
     def _block_prefix(self, index: int) -> str:
         return f"{self.blocks_name}.{index}."
@@ -265,6 +292,9 @@ class StreamingModel(contextlib.AbstractContextManager):
         self._prefetcher.start()
 
     def __exit__(self, *exc: object) -> None:
+        if self._warmer is not None:
+            self._warmer.close()
+            self._warmer = None
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -321,11 +351,13 @@ class StreamingModel(contextlib.AbstractContextManager):
         First the pages of the blocks that have run since the last read are dropped from the process (here, not in
         the forward pass: ``madvise`` is a syscall the compute thread need not wait for). Tensors stored in the
         model's dtype are views of their shard's mapping, made once per block (no header parse, no mmap per
-        token); their pages are read in here (and, on the block's first read, touched once, see
-        :meth:`MappedBlock.touch`). Others are read into pooled buffers and cast. The next streamed block's pages
-        are then requested from the disk without waiting for them, so the disk keeps reading while this block runs
-        and the next one is populated."""
+        token). The next streamed block's pages are requested from the disk first, without waiting for them, so the
+        disk reads them while this block is read in and runs. This block's pages are then read in (on its first
+        read through the kernel's copy, see :meth:`MappedBlock.read_through`, then mapped). Others are read into
+        pooled buffers and cast."""
         self._evict_finished()
+        for mapped in self._view_block(self._next_streamed[index]):
+            mapped.hint()
         first, block = index not in self._touched, {}
         for mapped in self._view_block(index):
             if first:
@@ -333,8 +365,6 @@ class StreamingModel(contextlib.AbstractContextManager):
             mapped.populate()
             block.update(mapped.tensors)
         self._touched.add(index)
-        for mapped in self._view_block(self._next_streamed[index]):
-            mapped.hint()
         for filename, group in self._copied[index]:
             into = {name: self._pool.allocate(*self._targets[name]) for name in group}
             _read_into(self.weights, filename, into)
