@@ -87,9 +87,11 @@ def test_streaming_model_raises_the_budget_error_on_enter(tmp_path: Path) -> Non
     model = _llama()
     folder = _save(model, tmp_path / "m")
     outside, block = _sizes(model)
+    streaming = StreamingModel.from_pretrained(folder, max_memory=outside + block - 1)
     with pytest.raises(MemoryBudgetError, match=f"smallest budget that works is {outside + block:,} bytes"):
-        with StreamingModel.from_pretrained(folder, max_memory=outside + block - 1):
+        with streaming:
             pass
+    assert streaming._warmer is None  # the failed enter stopped from_pretrained's page-cache warming
     with StreamingModel.from_pretrained(folder, max_memory=outside + block) as streamed:
         assert torch.equal(_generate(streamed), _generate(model))
 
