@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
         self._metas = metas
         self._fetch = fetch
         self._paths: dict[str, Path] = {}
+        self._fetch_lock = threading.Lock()  # the read-ahead thread and the caller may ask for a shard at once
         self._handles: OrderedDict[str, Any] = OrderedDict()
         self.source = source
         self.aliases = dict(aliases or {})
@@ -137,10 +139,11 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
 
     # Files ---------------------------------------------------------------------------------------------------------
     def shard_path(self, filename: str) -> Path:
-        """Local path of ``filename``, downloading it first for a Hub repo."""
-        if filename not in self._paths:
-            self._paths[filename] = self._fetch(filename)
-        return self._paths[filename]
+        """Local path of ``filename``, downloading it first for a Hub repo (once, also when two threads ask)."""
+        with self._fetch_lock:
+            if filename not in self._paths:
+                self._paths[filename] = self._fetch(filename)
+            return self._paths[filename]
 
     def _handle(self, filename: str) -> Any:
         if filename in self._handles:
