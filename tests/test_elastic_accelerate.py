@@ -52,14 +52,22 @@ def launch_engine(output: Path, engine: str, *, nproc: int, max_steps: int, kill
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_fsdp2_on_two_processes_then_one_is_the_uninterrupted_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine, distributed_type", [
+    ("fsdp", "FSDP"),
+    # DeepSpeed ZeRO-2: the engine's own gradient accumulation (it divides the loss by it) follows the new one, and
+    # the torch scheduler accelerate prepares keeps the first launch's rate
+    pytest.param("deepspeed", "DEEPSPEED", marks=pytest.mark.extended),
+])
+def test_an_engine_on_two_processes_then_one_is_the_uninterrupted_run(tmp_path: Path, engine: str,
+                                                                      distributed_type: str) -> None:
     reference = tmp_path / "reference"
-    launch_engine(reference, "fsdp", nproc=2, max_steps=3)
+    launch_engine(reference, engine, nproc=2, max_steps=3)
     run = tmp_path / "run"
-    launch_engine(run, "fsdp", nproc=2, max_steps=3, kill_after=1)
-    launch_engine(run, "fsdp", nproc=1, max_steps=3)  # gradient accumulation 2 -> 4
+    launch_engine(run, engine, nproc=2, max_steps=3, kill_after=1)
+    launch_engine(run, engine, nproc=1, max_steps=3)  # gradient accumulation 2 -> 4
     result = json.loads((run / "result.json").read_text())
-    assert result["distributed_type"] == "DistributedType.FSDP" and result["gradient_accumulation_steps"] == 4
+    assert result["distributed_type"] == f"DistributedType.{distributed_type}"
+    assert result["gradient_accumulation_steps"] == 4
     assert steps_of_rank(run, 1) == [1]
     assert_same_run(reference, run, steps=3)
     assert learning_rates(run) == learning_rates(reference)
@@ -78,24 +86,6 @@ def test_fsdp2_on_two_processes_then_one_then_two_is_the_uninterrupted_run(tmp_p
     assert json.loads((run / "result.json").read_text())["resumed_from"].endswith("checkpoint-3")
     assert steps_of_rank(run, 1) == [1, 4]
     assert_same_run(reference, run, steps=4)
-    assert learning_rates(run) == learning_rates(reference)
-
-
-@pytest.mark.extended
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_zero2_on_two_processes_then_one_is_the_uninterrupted_run(tmp_path: Path) -> None:
-    """DeepSpeed ZeRO-2: the engine's own gradient accumulation (it divides the loss by it) follows the new one, and
-    the torch scheduler accelerate prepares keeps the first launch's rate."""
-    reference = tmp_path / "reference"
-    launch_engine(reference, "deepspeed", nproc=2, max_steps=3)
-    run = tmp_path / "run"
-    launch_engine(run, "deepspeed", nproc=2, max_steps=3, kill_after=1)
-    launch_engine(run, "deepspeed", nproc=1, max_steps=3)  # gradient accumulation 2 -> 4
-    result = json.loads((run / "result.json").read_text())
-    assert result["distributed_type"] == "DistributedType.DEEPSPEED" and result["gradient_accumulation_steps"] == 4
-    assert steps_of_rank(run, 1) == [1]
-    assert_same_run(reference, run, steps=3)
     assert learning_rates(run) == learning_rates(reference)
 
 
