@@ -57,6 +57,8 @@ def launch_engine(output: Path, engine: str, *, nproc: int, max_steps: int, kill
     # DeepSpeed ZeRO-2: the engine's own gradient accumulation (it divides the loss by it) follows the new one, and
     # the torch scheduler accelerate prepares keeps the first launch's rate
     pytest.param("deepspeed", "DEEPSPEED", marks=pytest.mark.extended),
+    pytest.param("zero1", "DEEPSPEED", marks=pytest.mark.extended),
+    pytest.param("zero3", "DEEPSPEED", marks=pytest.mark.extended),  # parameters partitioned too
 ])
 def test_an_engine_on_two_processes_then_one_is_the_uninterrupted_run(tmp_path: Path, engine: str,
                                                                       distributed_type: str) -> None:

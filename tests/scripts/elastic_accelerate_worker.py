@@ -2,10 +2,11 @@
 ``--nproc-per-node``) or plain ``python``: the same command line at every world size.
 
 Usage: ``elastic_accelerate_worker.py OUTPUT_DIR [--max-steps N] [--kill-after K] [--dropout P]
-[--engine {ddp,fsdp,deepspeed}] [--stream]`` (``fsdp``: accelerate's FSDP2 plugin, ``deepspeed``: ZeRO-2, both on gloo
-CPU ranks through tests/engine_fixtures.py's shim, launched with torchrun at every world size; ``--stream``: the rows
-as a shuffled ``datasets`` stream with a random ``.map`` crop, given to ``prepare_resumable_dataloader`` as is;
-``--plain-loader``: the data in a plain ``DataLoader`` passed to ``accelerator.prepare`` instead).
+[--engine {ddp,fsdp,deepspeed,zero1,zero3}] [--stream]`` (``fsdp``: accelerate's FSDP2 plugin, ``deepspeed``:
+ZeRO-2, ``zero1``/``zero3``: ZeRO-1/3, all on gloo CPU ranks through tests/engine_fixtures.py's shim, launched with
+torchrun at every world size; ``--stream``: the rows as a shuffled ``datasets`` stream with a random ``.map`` crop,
+given to ``prepare_resumable_dataloader`` as is; ``--plain-loader``: the data in a plain ``DataLoader`` passed to
+``accelerator.prepare`` instead).
 
 The loop is accelerate's token-exact recipe (``accumulation_windows`` + ``backward(loss_sum,
 num_items_in_batch=window.num_items)``) with a linear warmup/decay schedule prepared by accelerate. After each
@@ -56,8 +57,9 @@ def engine_options(engine: str) -> dict:
     fx.install_cpu_engines()
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
-    if engine == "deepspeed":
-        config = {**fx.deepspeed_config(2, batch_size=2), "gradient_accumulation_steps": "auto"}  # the accelerator's
+    if engine in ("deepspeed", "zero1", "zero3"):
+        stage = {"zero1": 1, "zero3": 3}.get(engine, 2)  # accumulation: the accelerator's
+        config = {**fx.deepspeed_config(stage, batch_size=2), "gradient_accumulation_steps": "auto"}
         return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=config)}
     return {"fsdp_plugin": FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["GPT2Block"],
@@ -76,7 +78,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=4)
     parser.add_argument("--kill-after", type=int)
     parser.add_argument("--dropout", type=float, default=0.0)
-    parser.add_argument("--engine", choices=("ddp", "fsdp", "deepspeed"), default="ddp")
+    parser.add_argument("--engine", choices=("ddp", "fsdp", "deepspeed", "zero1", "zero3"), default="ddp")
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--plain-loader", action="store_true")
     options = parser.parse_args()
