@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -112,7 +113,9 @@ def test_two_processes_under_torchrun_sigkill_of_one_rank_and_restart_is_bit_exa
     done = torchrun(reference_dir)
     assert done.returncode == 0, done.stdout[-5000:]
     killed = torchrun(run_dir, {"HF_RESUMABLE_EXAMPLE_KILL_AFTER_STEP": "3", "HF_RESUMABLE_EXAMPLE_SIGNAL_RANK": "1"})
-    assert killed.returncode != 0 and "exitcode: -9" in killed.stdout, killed.stdout[-5000:]
+    # torchrun lists every failed rank ("exitcode  : -9" for the killed one); its one-line summary names only the
+    # failure it saw first, which may be the peer that lost its connection
+    assert killed.returncode != 0 and re.search(r"exitcode\s*: -9\b", killed.stdout), killed.stdout[-5000:]
     assert read_manifest(run_dir / "step_2").world_size == 2
     resumed = torchrun(run_dir)  # the same command
     assert resumed.returncode == 0, resumed.stdout[-5000:]
