@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from distributed_launch import shared_env
+
 # Quiet, offline-safe defaults for every test process (subprocesses inherit them).
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -18,15 +20,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # train tiny models, where a second thread only adds synchronisation, and the suite runs two pytest workers and their
 # torchrun ranks on two cores, where threads that spin-wait for a core another process holds make a step 10-30x
 # slower. A test that wants more threads sets them itself.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-# Every process a test starts can import the repository (its scripts, hf_resumable from this tree) and writes its
-# output unbuffered. Set once here, so that most test processes share one environment and so one test zygote
+# Every process a test starts can also import the repository (its scripts, hf_resumable from this tree) and writes
+# its output unbuffered. Set once here, so that most test processes share one environment and so one test zygote
 # (tests/zygote.py keeps a preloaded interpreter per environment).
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-    os.environ["PYTHONPATH"] = os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")])
-os.environ.setdefault("PYTHONUNBUFFERED", "1")
+os.environ.update(shared_env(os.environ))
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ import zygote
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["RankResult", "free_port", "launch_ranks", "child_env", "run_torchrun"]
+__all__ = ["RankResult", "free_port", "launch_ranks", "child_env", "shared_env", "run_torchrun"]
 
 
 @dataclass
@@ -46,16 +46,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The parent's environment with the repository importable, one thread per process and ``extra``."""
-    env = dict(os.environ)  # tests/conftest.py has put the repository on PYTHONPATH, one thread, unbuffered output
+def shared_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` as every test process gets it: the repository importable, one thread, unbuffered output.
+
+    tests/conftest.py applies it to the pytest process's own environment, which every process a test starts inherits.
+    """
+    env = dict(env)
     path = env.get("PYTHONPATH", "")
     if str(REPO_ROOT) not in path.split(os.pathsep):
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), path])
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    env.update(extra or {})
     return env
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The test environment (:func:`shared_env`) with ``extra``."""
+    return {**shared_env(os.environ), **(extra or {})}
 
 
 def launch_ranks(argv: list[str], *, world_size: int, timeout: float,
