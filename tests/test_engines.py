@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -317,13 +318,16 @@ def test_deepspeed_killed_after_a_commit_resumes_bit_exact(tmp_path, tmp_path_fa
     for rank in RANKS:
         names = layout["optimizer"]["pieces"][f"sharded/optimizer-rank{rank:05d}-of-00002.safetensors"]
         assert {name.rpartition("/")[2] for name in names} >= {"fp32", "exp_avg", "exp_avg_sq"}, names
-    # ZeRO-1/2: the ranks split the whole weights (each writes whole tensors, none twice); ZeRO-3: each rank its half
-    # of each (flattened) weight
-    files = [layout["model"]["pieces"][f"sharded/model-rank{rank:05d}-of-00002.safetensors"] for rank in RANKS]
+    # ZeRO-1/2: the ranks split the whole weights (each writes whole tensors, none twice); ZeRO-3: each rank's
+    # partitions equal its fp32 master partitions cast, so the (flattened) weights are described, given by their
+    # masters, and not stored
     if stage == 3:
-        numel = layout["model"]["tensors"]["transformer.h.0.attn.c_attn.weight"]["shape"]
-        assert files[1]["transformer.h.0.attn.c_attn.weight"] == {"offset": [numel[0] // 2], "shape": [numel[0] // 2]}
+        tensors = layout["model"]["tensors"]
+        assert tensors["transformer.h.0.attn.c_attn.weight"]["master"] == "transformer.h.0.attn.c_attn.weight"
+        stored = {name for pieces in layout["model"]["pieces"].values() for name in pieces}
+        assert not stored & {name for name, described in tensors.items() if "master" in described}
     else:
+        files = [layout["model"]["pieces"][f"sharded/model-rank{rank:05d}-of-00002.safetensors"] for rank in RANKS]
         whole = {name: {"offset": [0] * len(described["shape"]), "shape": described["shape"]}
                  for name, described in layout["model"]["tensors"].items()}
         assert all(files) and not set(files[0]) & set(files[1]) and {**files[0], **files[1]} == whole
@@ -440,6 +444,12 @@ def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_ra
             if stage == 3:
                 assert torch.equal(one.ds_tensor, other.ds_tensor)
         assert torch.equal(_master(saving), _master(loading))
+    if stage == 3:  # the partitions equal their masters cast: described, given by the masters, not stored
+        layout = json.loads((tmp_path / "checkpoint-1" / "sharded_layout.json").read_text())
+        assert layout["layout_version"] == 2 and not layout["model"]["pieces"]
+        assert {d["master"] for d in layout["model"]["tensors"].values()} == {"0.weight", "0.bias", "1.weight",
+                                                                              "1.bias"}
+        _partition_differing_from_its_master_is_stored(tmp_path, saving, stage, sub_groups)
     # outside the engine: into a plain model, and consolidated (ZeRO-3's flattened partitions get their shapes back)
     from safetensors.torch import load_file
 
@@ -453,6 +463,27 @@ def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_ra
     exported = load_file(tmp_path / "export" / "model.safetensors")
     for (name, want), got in zip(saving.module.named_parameters(), plain.parameters()):
         assert torch.equal(got, want) and torch.equal(exported[name], want), name
+
+
+def _partition_differing_from_its_master_is_stored(tmp_path: Path, saving: Any, stage: int, sub_groups: bool) -> None:
+    """A partition written outside the optimizer (no longer its master cast) is stored, and loaded as stored."""
+    from hf_resumable import load_sharded_checkpoint, save_sharded_checkpoint
+    from hf_resumable.integrations._deepspeed import checkpoint_optimizer
+
+    weight = saving.module[1].weight
+    with torch.no_grad():
+        weight.ds_tensor.add_(1.0)
+    save_sharded_checkpoint(tmp_path / "differs", model=saving.module,
+                            optimizer=checkpoint_optimizer(saving.optimizer), step=3)
+    layout = json.loads((tmp_path / "differs" / "sharded_layout.json").read_text())
+    assert "1.weight" in layout["model"]["pieces"]["sharded/model-rank00000-of-00001.safetensors"]
+    loading = _zero_engine(stage, sub_groups)
+    load_sharded_checkpoint(tmp_path / "differs", model=loading.module,
+                            optimizer=checkpoint_optimizer(loading.optimizer))
+    assert torch.equal(loading.module[1].weight.ds_tensor, weight.ds_tensor)
+    assert torch.equal(loading.module[0].weight.ds_tensor, saving.module[0].weight.ds_tensor)
+    with torch.no_grad():
+        weight.ds_tensor.sub_(1.0)
 
 
 def test_fsdp1_sharded_tensors_are_stored_as_dtensor_pieces(one_rank_group):

@@ -35,6 +35,7 @@ from ._sharded import group_mesh, local_box
 logger = logging.getLogger(__name__)
 
 __all__ = ["is_partitioned", "partitioned_state", "partitioned_views", "load_partitioned_state", "PARTITION_KEY",
+           "held_partition", "weights_from_masters", "MasterWeights",
            "PartitionMap", "Segment", "plan_partition_copies", "reshard_partitions", "parameter_tensors",
            "read_master_weights"]
 
@@ -48,7 +49,7 @@ def is_partitioned(model: torch.nn.Module | None) -> bool:
     return model is not None and any(_is_partitioned_parameter(p) for p in model.parameters())
 
 
-def _held(parameter: Any) -> torch.Tensor:
+def held_partition(parameter: Any) -> torch.Tensor:
     """The valid part of this rank's partition (padding cut off): what ``torch.chunk`` gives this rank."""
     size = parameter.ds_tensor.numel()
     rank = torch.distributed.get_rank(parameter.ds_process_group)
@@ -58,7 +59,7 @@ def _held(parameter: Any) -> torch.Tensor:
 def _piece(parameter: Any) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Shard
 
-    local = _held(parameter)
+    local = held_partition(parameter)
     mesh = group_mesh(parameter.ds_process_group, local.device.type)
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(int(parameter.ds_numel),),
                               stride=(1,))
@@ -79,6 +80,34 @@ def partitioned_state(model: torch.nn.Module, state: Mapping[str, Any]) -> dict[
             value = pieces[id(parameter)]
         result[name] = value
     return result
+
+
+def weights_from_masters(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any
+                         ) -> tuple[dict[str, str], set[str]]:
+    """Which partitioned weights of ``state`` (:func:`partitioned_state`) a save with ``optimizer`` need not store.
+
+    The optimizer (:class:`~hf_resumable.integrations._deepspeed.Zero3OptimizerState`) saves every parameter's fp32
+    master weights; where this rank's partition of every parameter equals its master partition cast to the
+    parameter's dtype (checked now, bit for bit: ``masters_give_partitions``), the masters determine the partitions,
+    and a load rebuilds them from the masters as DeepSpeed's own loads do.
+
+    Returns:
+        `tuple`: ``{name: its master's name}`` of every weight whose masters the optimizer saves (described with
+        ``"master"`` in the layout on every rank), and the names whose pieces this rank does not write (all of them,
+        or none where a partition differs from its master: it is then stored, and read over the masters on load).
+    """
+    master_names = getattr(optimizer, "master_names", None)
+    if master_names is None:
+        return {}, set()
+    by_parameter = master_names()
+    parameters = dict(model.state_dict(keep_vars=True))
+    masters = {name: by_parameter[id(parameter)] for name in state
+               if _is_partitioned_parameter(parameter := parameters.get(name)) and id(parameter) in by_parameter}
+    omitted = set(masters) if masters and optimizer.masters_give_partitions() else set()
+    if masters and not omitted:
+        logger.warning("A ZeRO-3 parameter partition differs from its fp32 master weights cast (written outside the "
+                       "optimizer?): this rank stores its partitions, which loads then use.")
+    return masters, omitted
 
 
 def partitioned_views(model: torch.nn.Module) -> dict[str, list[int]]:
@@ -105,7 +134,7 @@ def load_partitioned_state(model: torch.nn.Module, filled: Mapping[str, Any]) ->
             continue
         local = value.to_local() if hasattr(value, "to_local") else value
         with torch.no_grad():
-            _held(parameter).copy_(local.view(-1))
+            held_partition(parameter).copy_(local.view(-1))
         if parameter.numel():  # gathered: its full data is refreshed from the partitions below
             gathered[id(parameter)] = parameter
     if gathered:
@@ -375,3 +404,42 @@ def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
     check_pieces_stored(section, reader.report.headers, source=source)
     with PieceReader(reader.path, section, source=source) as pieces:
         return parameter_tensors(pieces, document, MASTER_KEY, source=source)
+
+
+class MasterWeights:
+    """Reads the elements of weights a layout gives by their fp32 master weights (``"master"`` in their description,
+    ZeRO-3): the parameter's elements in the optimizer's flat ``fp32`` partitions, saved at any world size, cast to
+    the weight's dtype. Closed by the :class:`~hf_resumable.checkpoint._sharded_load.PieceReader` it is given to.
+
+    Args:
+        directory (`Path`): the checkpoint.
+        layout (`Mapping`): its parsed ``sharded_layout.json``.
+        headers (`Mapping`): the verified safetensors headers of its files.
+
+    Raises:
+        IncompleteCheckpointError: the layout holds no ZeRO optimizer partitions with maps to read them from.
+    """
+
+    def __init__(self, directory: Any, layout: Mapping[str, Any], headers: Mapping[str, Any], *, source: str) -> None:
+        from ..constants import LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC
+        from ._sharded_load import PieceReader, Section, check_pieces_stored
+
+        if layout.get(LAYOUT_KEY_OPTIMIZER) is None or layout.get(LAYOUT_KEY_OPTIMIZER_DOC) is None:
+            raise IncompleteCheckpointError(f"{source}: weights are given by fp32 master weights, but no optimizer "
+                                            "partitions were saved; the checkpoint is incomplete.")
+        section = Section.from_json(layout[LAYOUT_KEY_OPTIMIZER], source=source)
+        check_pieces_stored(section, headers, source=source)
+        self._maps = saved_partition_maps(layout[LAYOUT_KEY_OPTIMIZER_DOC], source=source)
+        self._reader = PieceReader(directory, section, source=source)
+        self._source = source
+
+    def read(self, fqn: str, box: Any, dtype: torch.dtype) -> torch.Tensor:
+        """Elements ``box`` (of the flattened parameter ``fqn``) of its master weights, cast to ``dtype``."""
+        (start,), (length,) = box.offset, box.shape
+        out = torch.empty(length, dtype=torch.float32)
+        read_partitioned(self._reader, self._maps, MASTER_KEY, [Segment(fqn, start, length, 0)], out,
+                         source=self._source)
+        return out.to(dtype)
+
+    def close(self) -> None:
+        self._reader.__exit__(None, None, None)

@@ -21,7 +21,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +51,11 @@ SECTION_TENSORS = "tensors"  # {name: {"dtype": "F32", "shape": [global shape]}}
 SECTION_PIECES = "pieces"  # {file: {name: {"offset": [...], "shape": [...]}}}
 SECTION_TIED = "tied"  # {dropped alias: kept name} (model only)
 TENSOR_VIEW = "view"  # in a tensor's description: its own shape, when stored flattened (ZeRO-3's partitions)
+# In a (flattened) weight's description: the parameter whose fp32 master weights (the optimizer's flat "fp32"
+# partitions, placed by their partition maps) give, cast to the weight's dtype, every element no piece stores
+# (ZeRO-3: a rank whose partitions equal their masters cast writes none; layout version 2).
+TENSOR_MASTER = "master"
+LAYOUT_VERSION_MASTERS = 2  # the layout version a section with TENSOR_MASTER descriptions needs to be read
 
 __all__ = [
     "LAYOUT_FILE",
@@ -65,6 +70,8 @@ __all__ = [
     "collect_local_state",
     "find_tied",
     "section_from_reports",
+    "stamp_layout_version",
+    "TENSOR_MASTER",
     "layout_document",
     "flatten_optimizer_state",
     "piece_file",
@@ -135,11 +142,13 @@ def _relative(box: Box, origin: Box) -> tuple[slice, ...]:
     return tuple(slice(o - p, o - p + n) for o, p, n in zip(box.offset, origin.offset, box.shape))
 
 
-def plan_region_reads(wanted: Box, pieces: Mapping[str, Box], *, name: str, source: str) -> list[RegionRead]:
+def plan_region_reads(wanted: Box, pieces: Mapping[str, Box], *, name: str, source: str,
+                      partial: bool = False) -> list[RegionRead]:
     """The slice reads that assemble ``wanted`` from stored ``pieces`` (file -> box); pure, no IO.
 
     Pieces of one tensor never overlap (each is written by exactly one rank), so the wanted box is
-    fully covered exactly when the intersections add up to its size.
+    fully covered exactly when the intersections add up to its size. With ``partial`` (a weight whose missing
+    elements its fp32 master weights give, ``TENSOR_MASTER``), the reads of whatever the pieces cover.
 
     Raises:
         CorruptCheckpointError: if the stored pieces do not cover ``wanted``.
@@ -159,7 +168,7 @@ def plan_region_reads(wanted: Box, pieces: Mapping[str, Box], *, name: str, sour
             continue
         reads.append(RegionRead(file, _relative(overlap, piece), _relative(overlap, wanted), overlap == piece))
         covered += overlap.numel
-    if covered != wanted.numel:
+    if covered != wanted.numel and not partial:
         raise CorruptCheckpointError(
             f"{source}: the stored pieces of {name!r} cover {covered} of the {wanted.numel} elements of the box "
             f"at offset {list(wanted.offset)} with shape {list(wanted.shape)}. The layout is corrupt or pieces are "
@@ -341,23 +350,26 @@ def check_storable(state: Mapping[str, torch.Tensor]) -> None:
 
 def pieces_to_stage(state: Mapping[str, torch.Tensor], tied: Mapping[str, str], *, rank: int,
                     local: Mapping[str, torch.Tensor] | None = None,
-                    owners: Mapping[str, int] | None = None) -> list[tuple[str, torch.Tensor]]:
+                    owners: Mapping[str, int] | None = None,
+                    omit: Collection[str] = ()) -> list[tuple[str, torch.Tensor]]:
     """``(name, local piece)`` of every piece :func:`collect_local_state` will write for this rank: what an async
-    save copies on the training loop's time (never a byte of a tied alias, an empty piece or a replica another rank
-    writes). ``local``: the :func:`local_tensors` of ``state``, if already taken; ``owners``: as for
-    :func:`collect_local_state`."""
+    save copies on the training loop's time (never a byte of a tied alias, an empty piece, a replica another rank
+    writes or an ``omit``\ ted piece). ``local``: the :func:`local_tensors` of ``state``, if already taken;
+    ``owners``, ``omit``: as for :func:`collect_local_state`."""
     local = local if local is not None else local_tensors(state)
     owners = owners or {}
     return [(name, local[name]) for name, tensor in state.items()
-            if name not in tied and local[name].numel() and _writes_piece(tensor, rank, owners.get(name, 0))]
+            if name not in tied and name not in omit and local[name].numel()
+            and _writes_piece(tensor, rank, owners.get(name, 0))]
 
 
 def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: Mapping[str, str],
                         staged: Mapping[str, torch.Tensor] | None = None,
-                        owners: Mapping[str, int] | None = None) -> LocalState:
+                        owners: Mapping[str, int] | None = None, omit: Collection[str] = ()) -> LocalState:
     """This rank's pieces of ``state`` (DTensors and plain tensors, ``tied`` aliases left out) and every
     tensor's global description. ``owners``: the rank that writes each plain tensor (:func:`plan_plain_owners`;
-    rank 0 for a name it does not list).
+    rank 0 for a name it does not list). ``omit``: tensors described but whose piece this rank does not write
+    (ZeRO-3 weights its saved master weights give, ``TENSOR_MASTER``).
 
     ``staged`` (an async save's copies of the :func:`pieces_to_stage`) replaces the live local pieces: only the
     tensors' metadata (dtype, global shape, mesh, placements) is read from ``state`` then, so this may run on a
@@ -383,7 +395,7 @@ def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: M
                 f"{name!r}: the local tensor has shape {list(local.shape)} but its placement implies "
                 f"{list(box.shape)}; this sharding is not supported by save_sharded_checkpoint."
             )
-        if box.numel and _writes_piece(tensor, rank, owners.get(name, 0)):
+        if box.numel and name not in omit and _writes_piece(tensor, rank, owners.get(name, 0)):
             if staged is not None:
                 if name not in staged:  # never read a live tensor off the training thread
                     raise RuntimeError(f"{name!r}: its piece was not staged; this is a bug in hf_resumable.")
@@ -432,6 +444,15 @@ def layout_document(*, world_size: int, model: Mapping[str, Any] | None, optimiz
             LAYOUT_KEY_OPTIMIZER: optimizer, LAYOUT_KEY_OPTIMIZER_DOC: optimizer_document}
 
 
+def stamp_layout_version(layout: dict[str, Any]) -> dict[str, Any]:
+    """``layout`` with the lowest version that reads it: :data:`LAYOUT_VERSION_MASTERS` once a model weight is
+    given by its master weights (readers that do not know it refuse the layout instead of reading a gap)."""
+    model = layout.get(LAYOUT_KEY_MODEL) or {}
+    if any(TENSOR_MASTER in described for described in (model.get(SECTION_TENSORS) or {}).values()):
+        layout[LAYOUT_KEY_VERSION] = max(layout[LAYOUT_KEY_VERSION], LAYOUT_VERSION_MASTERS)
+    return layout
+
+
 def section_from_reports(tensors: Mapping[str, Mapping[str, Any]], reports: list[Mapping[str, Any]]
                          ) -> dict[str, Any]:
     """The layout section of one kind of state from every rank's :func:`piece_report`: the ranks' ties united,
@@ -474,8 +495,10 @@ def check_coverage(section: Mapping[str, Any], *, source: str) -> None:
     for boxes in section[SECTION_PIECES].values():
         for name, box in boxes.items():
             covered[name] = covered.get(name, 0) + math.prod(box["shape"])
+    # a weight its master weights give (TENSOR_MASTER) may lack the pieces of the ranks that derived it
     wrong = [name for name, described in section[SECTION_TENSORS].items()
-             if covered.get(name, 0) != math.prod(described["shape"])]
+             if covered.get(name, 0) != math.prod(described["shape"])
+             and not (TENSOR_MASTER in described and covered.get(name, 0) < math.prod(described["shape"]))]
     if wrong:
         raise CheckpointMismatchError(
             f"{source}: the ranks' pieces of {len(wrong)} tensor(s) do not cover them exactly once ({wrong[:5]}): "

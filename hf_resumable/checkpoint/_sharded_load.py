@@ -27,9 +27,11 @@ from ._sharded import (
     LAYOUT_KEY_VERSION,
     LAYOUT_KEY_WORLD_SIZE,
     LAYOUT_VERSION,
+    LAYOUT_VERSION_MASTERS,
     SECTION_PIECES,
     SECTION_TENSORS,
     SECTION_TIED,
+    TENSOR_MASTER,
     TENSOR_VIEW,
     Box,
     layout_document,
@@ -53,6 +55,7 @@ class Section:
     pieces: dict[str, dict[str, Box]]  # tensor name -> {file: box}
     tied: dict[str, str]
     views: dict[str, tuple[int, ...]] = field(default_factory=dict)  # tensor name -> its shape (stored flattened)
+    masters: dict[str, str] = field(default_factory=dict)  # weight -> the parameter whose master weights give it
 
     @classmethod
     def from_json(cls, document: Mapping[str, Any], *, source: str) -> "Section":
@@ -62,6 +65,7 @@ class Section:
             shapes = {n: tuple(int(x) for x in d["shape"]) for n, d in described.items()}
             tied = {str(k): str(v) for k, v in (document.get(SECTION_TIED) or {}).items()}
             views = {n: tuple(int(x) for x in d[TENSOR_VIEW]) for n, d in described.items() if TENSOR_VIEW in d}
+            masters = {n: str(d[TENSOR_MASTER]) for n, d in described.items() if TENSOR_MASTER in d}
             pieces: dict[str, dict[str, Box]] = {n: {} for n in described}
             for file, entries in document[SECTION_PIECES].items():
                 check_relative_name(file, source=source)
@@ -74,7 +78,11 @@ class Section:
             if math.prod(view) != math.prod(shapes[name]) or len(shapes[name]) != 1:
                 raise CorruptCheckpointError(f"{source}: {name!r} is stored with shape {list(shapes[name])}, which "
                                              f"is not the flattened view {list(view)}.")
-        return cls(dtypes, shapes, pieces, tied, views)
+        for name in masters:
+            if len(shapes[name]) != 1:
+                raise CorruptCheckpointError(f"{source}: {name!r} is given by master weights but not stored "
+                                             f"flattened (shape {list(shapes[name])}).")
+        return cls(dtypes, shapes, pieces, tied, views, masters)
 
 
 def parse_layout(document: Any, *, source: str) -> dict[str, Any]:
@@ -86,9 +94,10 @@ def parse_layout(document: Any, *, source: str) -> dict[str, Any]:
     """
     if not isinstance(document, dict) or not isinstance(document.get(LAYOUT_KEY_VERSION), int):
         raise CorruptCheckpointError(f"{source}: not an hf_resumable sharded layout ({LAYOUT_FILE}).")
-    if document[LAYOUT_KEY_VERSION] > LAYOUT_VERSION:
+    newest = max(LAYOUT_VERSION, LAYOUT_VERSION_MASTERS)
+    if document[LAYOUT_KEY_VERSION] > newest:
         raise FormatVersionError(f"{source}: layout version {document[LAYOUT_KEY_VERSION]}; this hf_resumable reads "
-                                 f"up to {LAYOUT_VERSION}. Upgrade hf_resumable to load it.")
+                                 f"up to {newest}. Upgrade hf_resumable to load it.")
     if not isinstance(document.get(LAYOUT_KEY_WORLD_SIZE), int):
         raise CorruptCheckpointError(f"{source}: layout lacks its world size.")
     return document
@@ -157,14 +166,20 @@ class PieceReader:
     """Reads boxes of stored tensors with ``safe_open(...).get_slice``; keeps each file open once.
 
     Use as a context manager so the file handles are closed.
+
+    ``masters`` (a :class:`~hf_resumable.checkpoint._partitioned.MasterWeights`, closed with this reader) gives the
+    elements of a weight described with ``"master"`` that no piece stores: its fp32 master weights, cast.
     """
 
-    def __init__(self, directory: Path, section: Section, *, source: str) -> None:
+    def __init__(self, directory: Path, section: Section, *, source: str, masters: Any = None) -> None:
         self.directory = directory
         self.section = section
         self.source = source
         self._stack = contextlib.ExitStack()
         self._handles: dict[str, Any] = {}
+        self._masters = masters
+        if masters is not None:
+            self._stack.callback(masters.close)
 
     def __enter__(self) -> "PieceReader":
         return self
@@ -182,7 +197,15 @@ class PieceReader:
     def read_box(self, name: str, wanted: Box) -> torch.Tensor:
         """The ``wanted`` box of stored tensor ``name`` as a new CPU tensor."""
         out = torch.empty(wanted.shape, dtype=self.section.dtypes[name])
-        for read in plan_region_reads(wanted, self.section.pieces[name], name=name, source=self.source):
+        master = self.section.masters.get(name)
+        reads = plan_region_reads(wanted, self.section.pieces[name], name=name, source=self.source,
+                                  partial=master is not None)
+        if master is not None and sum(math.prod(s.stop - s.start for s in r.target) for r in reads) < wanted.numel:
+            if self._masters is None:
+                raise CorruptCheckpointError(f"{self.source}: {name!r} is given by the master weights of {master!r}, "
+                                             "which this reader was not given; this is a bug in hf_resumable.")
+            out.copy_(self._masters.read(master, wanted, out.dtype))  # then the pieces any rank stored, over them
+        for read in reads:
             handle = self._handle(read.file)
             chunk = handle.get_tensor(name) if read.whole_piece else handle.get_slice(name)[read.source]
             if out.dim() == 0:

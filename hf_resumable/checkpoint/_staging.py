@@ -18,6 +18,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -218,3 +219,61 @@ def copy_into(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, workers: in
         _CREW.run(job, workers - 1)
     for device in cuda_devices:
         torch.cuda.synchronize(device)
+
+
+class _Differs(Exception):
+    """Raised by the comparing "copier" of :func:`equal_bytes` at the first difference: it ends the job."""
+
+
+def _memcmp() -> Any:
+    libc = ctypes.CDLL(None)  # the C library the interpreter runs on (ctypes releases the GIL around the call)
+    function = libc.memcmp
+    function.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    function.restype = ctypes.c_int
+    return function
+
+
+_MEMCMP = None
+
+
+def equal_bytes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, workers: int | None = None) -> bool:
+    """Whether every ``(a, b)`` pair holds the same bytes. Plain contiguous CPU tensors of one dtype and shape are
+    compared at memory speed by the staging copy's threads (the C library's ``memcmp``, GIL released), stopping at
+    the first difference; any other pair (another device or layout) with ``torch.equal`` on its bytes.
+    """
+    global _MEMCMP
+    fast: list[tuple[int, int, int]] = []
+    for a, b in pairs:
+        a, b = a.detach(), b.detach()
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if _memmove_ok(a, b):
+            if a.numel():
+                fast.append((a.data_ptr(), b.data_ptr(), a.numel() * a.element_size()))
+        elif not torch.equal(_as_bytes(a), _as_bytes(b)):
+            return False
+    if _MEMCMP is None:
+        _MEMCMP = _memcmp()
+    compare = _MEMCMP
+
+    def differ(first: int, second: int, nbytes: int) -> None:
+        if compare(first, second, nbytes):
+            raise _Differs
+
+    workers = staging_threads() if workers is None else workers
+    job = _Job(plan_chunks([n for _, _, n in fast]), fast, differ, workers)
+    try:
+        if sum(n for _, _, n in fast) < PARALLEL_MIN_BYTES or workers == 1:
+            job.work()
+            job.wait()
+        else:
+            _CREW.run(job, workers - 1)
+    except _Differs:
+        return False
+    return True
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s elements as raw bytes (NaNs with the same bits compare equal, -0.0 and 0.0 do not)."""
+    flat = tensor.contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else flat

@@ -83,11 +83,13 @@ from ._frozen_sharded import check_frozen_sharded, split_frozen_sharded
 from ._model import TIED_KEY
 from ._model_files import single_file_metadata
 from ._partitioned import (
+    MasterWeights,
     is_partitioned,
     load_partitioned_state,
     partitioned_state,
     partitioned_views,
     reshard_partitions,
+    weights_from_masters,
 )
 from ._payload import (
     Payload,
@@ -105,6 +107,7 @@ from ._sharded import (
     LAYOUT_KEY_OPTIMIZER_DOC,
     LAYOUT_KEY_WORLD_SIZE,
     SHARDED_DIR,
+    TENSOR_MASTER,
     TENSOR_VIEW,
     LocalState,
     check_coverage,
@@ -123,6 +126,7 @@ from ._sharded import (
     plan_hf_weights,
     plan_plain_owners,
     section_from_reports,
+    stamp_layout_version,
 )
 from ._sharded_load import (
     PieceReader,
@@ -267,6 +271,8 @@ class _Pieces:
     rank: int
     world_size: int
     views: dict[str, list[int]] = field(default_factory=dict)  # ZeRO-3: each weight's own shape (stored flattened)
+    masters: dict[str, str] = field(default_factory=dict)  # ZeRO-3: weight -> the parameter whose masters give it
+    omitted: set[str] = field(default_factory=set)  # ZeRO-3: weights whose pieces this rank does not write
     owners: dict[str, dict[str, int]] = field(default_factory=dict)
     described: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -276,12 +282,14 @@ class _Pieces:
         for kind, (state, tied) in self.states.items():
             relpath = piece_file(kind, self.rank, self.world_size)
             staged = dict(self.staging[kind].tensors) if kind in self.staging else None
+            model = kind == LAYOUT_KEY_MODEL
             local = collect_local_state(state, rank=self.rank, tied=tied, staged=staged,
-                                        owners=self.owners.get(kind))
-            if kind == LAYOUT_KEY_MODEL:
-                for name, view in self.views.items():
-                    if name in local.tensors:
-                        local.tensors[name][TENSOR_VIEW] = view
+                                        owners=self.owners.get(kind), omit=self.omitted if model else ())
+            if model:
+                for key, values in ((TENSOR_VIEW, self.views), (TENSOR_MASTER, self.masters)):
+                    for name, value in values.items():
+                        if name in local.tensors:
+                            local.tensors[name][key] = value
             tensor_file = piece_tensor_file(relpath, local)
             if tensor_file is not None:
                 payload.tensor_files.append(tensor_file)
@@ -297,7 +305,7 @@ class _Pieces:
             layout[kind] = section_from_reports(self.described[kind], [report[kind] for report in reports])
             check_coverage(layout[kind], source=f"{LAYOUT_FILE} ({kind})")
         # Compact: the layout names every piece of every rank, and the C encoder (no indent) is fast.
-        return {LAYOUT_FILE: json_bytes(layout, indent=None)}
+        return {LAYOUT_FILE: json_bytes(stamp_layout_version(layout), indent=None)}
 
 
 def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
@@ -330,14 +338,18 @@ def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.o
                                                                             _class_name(optimizer))
         check_storable(tensors)
         states[LAYOUT_KEY_OPTIMIZER] = (tensors, {})
+    masters, omitted = {}, set()
+    if partitioned and optimizer is not None and LAYOUT_KEY_MODEL in states:  # ZeRO-3: weights the masters give
+        masters, omitted = weights_from_masters(model, states[LAYOUT_KEY_MODEL][0], optimizer)
     owners = {kind: plan_plain_owners(state, tied, world_size=world_size) for kind, (state, tied) in states.items()}
     staging = {}
     if stage:
         staging = {kind: TensorFile(piece_file(kind, rank, world_size), pieces_to_stage(
-            state, tied, rank=rank, local=local if kind == LAYOUT_KEY_MODEL else None, owners=owners[kind]))
+            state, tied, rank=rank, local=local if kind == LAYOUT_KEY_MODEL else None, owners=owners[kind],
+            omit=omitted if kind == LAYOUT_KEY_MODEL else ()))
             for kind, (state, tied) in states.items()}
     views = partitioned_views(model) if partitioned else {}
-    return _Pieces(states, staging, layout, rank, world_size, views, owners=owners)
+    return _Pieces(states, staging, layout, rank, world_size, views, masters, omitted, owners=owners)
 
 
 def save_sharded_checkpoint(
@@ -479,6 +491,14 @@ def _read_layout(reader: _Reader) -> dict[str, Any]:
                                optimizer_document=document)
 
 
+def _piece_reader(reader: _Reader, layout: Mapping[str, Any], section: Section) -> PieceReader:
+    """A reader of ``section``'s pieces, and of the master weights that give its weights described with
+    ``"master"`` (ZeRO-3)."""
+    source = str(reader.path)
+    masters = MasterWeights(reader.path, layout, reader.report.headers, source=source) if section.masters else None
+    return PieceReader(reader.path, section, source=source, masters=masters)
+
+
 def _section(reader: _Reader, layout: Mapping[str, Any], key: str) -> Section:
     """One layout section, checked against the verified headers of the files it names."""
     source = str(reader.path / LAYOUT_FILE)
@@ -498,7 +518,7 @@ def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Modu
     current = {name: tensor for name, tensor in current.items() if name not in frozen}
     section = _section(reader, layout, LAYOUT_KEY_MODEL)
     names = check_fits(current, section, strict=strict, source=source, what="model")
-    with PieceReader(reader.path, section, source=source) as pieces:
+    with _piece_reader(reader, layout, section) as pieces:
         filled = fill_state(current, pieces, names)
     if is_partitioned(model):  # ZeRO-3: the pieces go into the partitions; keys were matched above
         buffers = load_partitioned_state(model, filled)
@@ -750,7 +770,7 @@ def _check_optimizer_document(opened: OpenedCheckpoint, layout: Mapping[str, Any
 def _consolidated_section(reader: _Reader, layout: Mapping[str, Any], key: str
                           ) -> tuple[Section, dict[str, torch.Tensor]]:
     section = _section(reader, layout, key)
-    with PieceReader(reader.path, section, source=str(reader.path)) as pieces:
+    with _piece_reader(reader, layout, section) as pieces:
         # a weight stored flattened (ZeRO-3's partitions) gets its own shape back
         return section, {name: pieces.read_full(name).view(section.views.get(name, section.shapes[name]))
                          for name in section.dtypes}

@@ -44,8 +44,10 @@ from ..checkpoint._partitioned import (
     MASTER_KEY,
     PARTITION_KEY,
     PartitionMap,
+    held_partition,
 )
 from ..checkpoint._sharded import group_mesh
+from ..checkpoint._staging import equal_bytes
 from ..errors import IncompleteCheckpointError, UnsupportedEngineError
 from ._engines import refuse_engine
 
@@ -307,6 +309,34 @@ class Zero3OptimizerState(_ZeroState):
             params.append((names[param], int(param.ds_numel), offset, chunk))
             offset += chunk
         return PartitionMap(MAP_STRIDED, torch.distributed.get_world_size(group), flat.numel(), tuple(params))
+
+    def master_names(self) -> dict[int, str]:
+        """``{id(parameter): its name}`` of every parameter whose fp32 master weights the sub-groups hold."""
+        names = self.zero.param_names
+        return {id(param): names[param] for group in self.zero.fp16_groups for param in group}
+
+    def masters_give_partitions(self) -> bool:
+        """Whether this rank's partition of every parameter (``ds_tensor``) equals its fp32 master partition cast to
+        the parameter's dtype, bit for bit: the masters saved then determine the partitions, which a checkpoint does
+        not store (:func:`~hf_resumable.checkpoint._partitioned.weights_from_masters`).
+
+        DeepSpeed keeps it so (its step copies the masters into the partitions, ``_reassign_or_swap_out_partitioned_
+        parameters``, and so do its loads, which rebuild the partitions from the masters), but a parameter written
+        outside the optimizer (``GatheredParameters(modifier_rank=...)``) breaks it, so it is checked at every save:
+        one pass over both at memory speed (``memcmp`` on the staging threads) when the parameters are fp32, a cast
+        and a compare otherwise."""
+        same_dtype, cast = [], []
+        for index, flat in enumerate(self.zero.fp32_partitioned_groups_flat):
+            offset = 0
+            for param in self.zero.fp16_groups[index]:
+                held = held_partition(param)
+                master = flat.detach().narrow(0, offset, held.numel())
+                (same_dtype if held.dtype == master.dtype else cast).append((held, master))
+                offset += int(param.ds_tensor.ds_numel if hasattr(param.ds_tensor, "ds_numel")
+                              else param.ds_tensor.numel())
+        if not equal_bytes(same_dtype):
+            return False
+        return all(equal_bytes([(held, master.to(held.dtype))]) for held, master in cast)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """``{"state": {sub-group name: {key: piece or value}}, "param_groups": [...]}``, names for parameters."""
