@@ -130,3 +130,46 @@ def test_helpers_are_started_once_and_the_caller_copies_alone_when_none_wakes():
     job.work()
     job.wait()
     assert torch.equal(buffer, source)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_equal_bytes_finds_any_difference_in_any_pair(workers):
+    from hf_resumable.checkpoint._staging import equal_bytes
+
+    big = torch.randn(3 << 20)  # 12 MiB: compared by the helper threads, piece by piece
+    pairs = [(big, big.clone()), (torch.arange(5), torch.arange(5)), (torch.zeros(0), torch.zeros(0))]
+    assert equal_bytes(pairs, workers=workers)
+    for index in (0, (3 << 20) - 1):
+        other = big.clone()
+        other[index] = other[index] + 1
+        assert not equal_bytes([(big, other), *pairs[1:]], workers=workers)
+    nan = torch.tensor([float("nan"), 0.0])
+    assert equal_bytes([(nan, nan.clone())], workers=workers)  # the same bits, though NaN != NaN
+    assert not equal_bytes([(torch.tensor([0.0]), torch.tensor([-0.0]))], workers=workers)
+    assert not equal_bytes([(torch.zeros(2), torch.zeros(2, dtype=torch.float64))], workers=workers)
+    strided = big[:8].view(2, 4).t()  # not contiguous: compared through torch
+    assert equal_bytes([(strided, strided.clone())], workers=workers)
+
+
+def test_written_files_start_their_writeback_and_fall_back_to_flushing_behind(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from hf_resumable.format import safetensors_io
+
+    tensors = [("a", torch.randn(1 << 20)), ("b", torch.arange(10))]
+    calls = []
+
+    def refused(fd, offset, nbytes, flags):
+        calls.append((offset, nbytes, flags))
+        return -1  # as on a file system that does not support it
+
+    for name, function in (("native", safetensors_io._SYNC_FILE_RANGE), ("refused", refused)):
+        if function is None:
+            continue
+        monkeypatch.setattr(safetensors_io, "_SYNC_FILE_RANGE", function)
+        monkeypatch.setattr(safetensors_io, "WRITE_BEHIND", 1 << 20)
+        record = safetensors_io.write_safetensors(tmp_path / f"{name}.safetensors", tensors)
+        loaded = load_file(tmp_path / f"{name}.safetensors")
+        assert record == safetensors_io.hash_file(tmp_path / f"{name}.safetensors")
+        assert all(torch.equal(loaded[key], value) for key, value in tensors)
+    assert len(calls) == 1 and calls[0][0] == 0 and calls[0][2] == 2  # tried once, then flushed behind
