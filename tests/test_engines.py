@@ -318,19 +318,14 @@ def test_deepspeed_killed_after_a_commit_resumes_bit_exact(tmp_path, tmp_path_fa
     for rank in RANKS:
         names = layout["optimizer"]["pieces"][f"sharded/optimizer-rank{rank:05d}-of-00002.safetensors"]
         assert {name.rpartition("/")[2] for name in names} >= {"fp32", "exp_avg", "exp_avg_sq"}, names
-    # ZeRO-1/2: the ranks split the whole weights (each writes whole tensors, none twice); ZeRO-3: each rank's
-    # partitions equal its fp32 master partitions cast, so the (flattened) weights are described, given by their
-    # masters, and not stored
-    if stage == 3:
-        tensors = layout["model"]["tensors"]
-        assert tensors["transformer.h.0.attn.c_attn.weight"]["master"] == "transformer.h.0.attn.c_attn.weight"
-        stored = {name for pieces in layout["model"]["pieces"].values() for name in pieces}
-        assert not stored & {name for name, described in tensors.items() if "master" in described}
-    else:
-        files = [layout["model"]["pieces"][f"sharded/model-rank{rank:05d}-of-00002.safetensors"] for rank in RANKS]
-        whole = {name: {"offset": [0] * len(described["shape"]), "shape": described["shape"]}
-                 for name, described in layout["model"]["tensors"].items()}
-        assert all(files) and not set(files[0]) & set(files[1]) and {**files[0], **files[1]} == whole
+    # the weights equal their fp32 master weights cast (ZeRO-1/2: whole, ZeRO-3: each rank's partitions of the
+    # flattened weights), so they are described, given by their masters, and not stored; the ranks split the rest
+    tensors = layout["model"]["tensors"]
+    assert tensors["transformer.h.0.attn.c_attn.weight"]["master"] == "transformer.h.0.attn.c_attn.weight"
+    assert layout["layout_version"] == 2
+    stored = [name for pieces in layout["model"]["pieces"].values() for name in pieces]
+    assert sorted(stored) == sorted(set(stored)) == sorted(name for name, described in tensors.items()
+                                                            if "master" not in described)
 
 
 @pytest.mark.distributed
@@ -444,12 +439,11 @@ def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_ra
             if stage == 3:
                 assert torch.equal(one.ds_tensor, other.ds_tensor)
         assert torch.equal(_master(saving), _master(loading))
-    if stage == 3:  # the partitions equal their masters cast: described, given by the masters, not stored
-        layout = json.loads((tmp_path / "checkpoint-1" / "sharded_layout.json").read_text())
-        assert layout["layout_version"] == 2 and not layout["model"]["pieces"]
-        assert {d["master"] for d in layout["model"]["tensors"].values()} == {"0.weight", "0.bias", "1.weight",
-                                                                              "1.bias"}
-        _partition_differing_from_its_master_is_stored(tmp_path, saving, stage, sub_groups)
+    # the weights (ZeRO-3: the partitions) equal their masters cast: described, given by the masters, not stored
+    layout = json.loads((tmp_path / "checkpoint-1" / "sharded_layout.json").read_text())
+    assert layout["layout_version"] == 2 and not layout["model"]["pieces"]
+    assert {d["master"] for d in layout["model"]["tensors"].values()} == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    _weight_differing_from_its_master_is_stored(tmp_path, saving, stage, sub_groups)
     # outside the engine: into a plain model, and consolidated (ZeRO-3's flattened partitions get their shapes back)
     from safetensors.torch import load_file
 
@@ -465,14 +459,19 @@ def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_ra
         assert torch.equal(got, want) and torch.equal(exported[name], want), name
 
 
-def _partition_differing_from_its_master_is_stored(tmp_path: Path, saving: Any, stage: int, sub_groups: bool) -> None:
-    """A partition written outside the optimizer (no longer its master cast) is stored, and loaded as stored."""
+def _weight_differing_from_its_master_is_stored(tmp_path: Path, saving: Any, stage: int, sub_groups: bool) -> None:
+    """A weight (ZeRO-3: a partition) written outside the optimizer, no longer its master cast, is stored, and
+    loaded as stored."""
     from hf_resumable import load_sharded_checkpoint, save_sharded_checkpoint
     from hf_resumable.integrations._deepspeed import checkpoint_optimizer
 
-    weight = saving.module[1].weight
+    def held(module: torch.nn.Module) -> torch.Tensor:
+        return module.weight.ds_tensor if stage == 3 else module.weight
+
+    weight = held(saving.module[1])
+    original = weight.detach().clone()
     with torch.no_grad():
-        weight.ds_tensor.add_(1.0)
+        weight.add_(1.0)
     save_sharded_checkpoint(tmp_path / "differs", model=saving.module,
                             optimizer=checkpoint_optimizer(saving.optimizer), step=3)
     layout = json.loads((tmp_path / "differs" / "sharded_layout.json").read_text())
@@ -480,10 +479,10 @@ def _partition_differing_from_its_master_is_stored(tmp_path: Path, saving: Any, 
     loading = _zero_engine(stage, sub_groups)
     load_sharded_checkpoint(tmp_path / "differs", model=loading.module,
                             optimizer=checkpoint_optimizer(loading.optimizer))
-    assert torch.equal(loading.module[1].weight.ds_tensor, weight.ds_tensor)
-    assert torch.equal(loading.module[0].weight.ds_tensor, saving.module[0].weight.ds_tensor)
+    assert torch.equal(held(loading.module[1]), weight)
+    assert torch.equal(held(loading.module[0]), held(saving.module[0]))
     with torch.no_grad():
-        weight.ds_tensor.sub_(1.0)
+        weight.copy_(original)
 
 
 def test_fsdp1_sharded_tensors_are_stored_as_dtensor_pieces(one_rank_group):

@@ -22,6 +22,7 @@ Nothing here imports deepspeed: partitioned parameters are recognised by their a
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -84,17 +85,18 @@ def partitioned_state(model: torch.nn.Module, state: Mapping[str, Any]) -> dict[
 
 def weights_from_masters(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any
                          ) -> tuple[dict[str, str], set[str]]:
-    """Which partitioned weights of ``state`` (:func:`partitioned_state`) a save with ``optimizer`` need not store.
+    """Which weights of ``state`` (ZeRO-3: :func:`partitioned_state`'s pieces; ZeRO-1/2: whole tensors) a save with
+    ``optimizer`` need not store.
 
-    The optimizer (:class:`~hf_resumable.integrations._deepspeed.Zero3OptimizerState`) saves every parameter's fp32
-    master weights; where this rank's partition of every parameter equals its master partition cast to the
-    parameter's dtype (checked now, bit for bit: ``masters_give_partitions``), the masters determine the partitions,
-    and a load rebuilds them from the masters as DeepSpeed's own loads do.
+    The optimizer (:class:`~hf_resumable.integrations._deepspeed.ZeroOptimizerState` or ``Zero3OptimizerState``)
+    saves every parameter's fp32 master weights; where the weights equal their masters cast to their dtype (checked
+    now, bit for bit: ``masters_give_weights``, per rank under ZeRO-3, by every rank under ZeRO-1/2, whose weights
+    are whole), the masters determine them, and a load rebuilds them from the masters as DeepSpeed's own loads do.
 
     Returns:
         `tuple`: ``{name: its master's name}`` of every weight whose masters the optimizer saves (described with
         ``"master"`` in the layout on every rank), and the names whose pieces this rank does not write (all of them,
-        or none where a partition differs from its master: it is then stored, and read over the masters on load).
+        or none where a weight differs from its master: it is then stored, and read over the masters on load).
     """
     master_names = getattr(optimizer, "master_names", None)
     if master_names is None:
@@ -102,11 +104,11 @@ def weights_from_masters(model: torch.nn.Module, state: Mapping[str, Any], optim
     by_parameter = master_names()
     parameters = dict(model.state_dict(keep_vars=True))
     masters = {name: by_parameter[id(parameter)] for name in state
-               if _is_partitioned_parameter(parameter := parameters.get(name)) and id(parameter) in by_parameter}
-    omitted = set(masters) if masters and optimizer.masters_give_partitions() else set()
+               if (parameter := parameters.get(name)) is not None and id(parameter) in by_parameter}
+    omitted = set(masters) if masters and optimizer.masters_give_weights() else set()
     if masters and not omitted:
-        logger.warning("A ZeRO-3 parameter partition differs from its fp32 master weights cast (written outside the "
-                       "optimizer?): this rank stores its partitions, which loads then use.")
+        logger.warning("A ZeRO weight differs from its fp32 master weights cast (written outside the optimizer?): "
+                       "it is stored, and loads read it instead of the masters.")
     return masters, omitted
 
 
@@ -433,13 +435,19 @@ class MasterWeights:
         self._reader = PieceReader(directory, section, source=source)
         self._source = source
 
-    def read(self, fqn: str, box: Any, dtype: torch.dtype) -> torch.Tensor:
-        """Elements ``box`` (of the flattened parameter ``fqn``) of its master weights, cast to ``dtype``."""
-        (start,), (length,) = box.offset, box.shape
-        out = torch.empty(length, dtype=torch.float32)
-        read_partitioned(self._reader, self._maps, MASTER_KEY, [Segment(fqn, start, length, 0)], out,
-                         source=self._source)
-        return out.to(dtype)
+    def read(self, fqn: str, box: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Elements ``box`` of a weight of global ``shape`` (ZeRO-3: flattened) from the master weights of the
+        parameter ``fqn``, cast to ``dtype``."""
+        if len(shape) == 1:  # the wanted elements only
+            (start,), (length,) = box.offset, box.shape
+            out = torch.empty(length, dtype=torch.float32)
+            read_partitioned(self._reader, self._maps, MASTER_KEY, [Segment(fqn, start, length, 0)], out,
+                             source=self._source)
+            return out.to(dtype)
+        numel = math.prod(shape)
+        whole = read_partitioned(self._reader, self._maps, MASTER_KEY, [Segment(fqn, 0, numel, 0)],
+                                 torch.empty(numel, dtype=torch.float32), source=self._source).view(shape)
+        return whole[tuple(slice(o, o + n) for o, n in zip(box.offset, box.shape))].to(dtype)
 
     def close(self) -> None:
         self._reader.__exit__(None, None, None)

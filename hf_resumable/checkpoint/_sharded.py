@@ -51,9 +51,9 @@ SECTION_TENSORS = "tensors"  # {name: {"dtype": "F32", "shape": [global shape]}}
 SECTION_PIECES = "pieces"  # {file: {name: {"offset": [...], "shape": [...]}}}
 SECTION_TIED = "tied"  # {dropped alias: kept name} (model only)
 TENSOR_VIEW = "view"  # in a tensor's description: its own shape, when stored flattened (ZeRO-3's partitions)
-# In a (flattened) weight's description: the parameter whose fp32 master weights (the optimizer's flat "fp32"
-# partitions, placed by their partition maps) give, cast to the weight's dtype, every element no piece stores
-# (ZeRO-3: a rank whose partitions equal their masters cast writes none; layout version 2).
+# In a weight's description: the parameter whose fp32 master weights (the optimizer's flat "fp32" partitions,
+# placed by their partition maps) give, cast to the weight's dtype, every element no piece stores (DeepSpeed ZeRO:
+# weights equal to their masters cast are not written; layout version 2).
 TENSOR_MASTER = "master"
 LAYOUT_VERSION_MASTERS = 2  # the layout version a section with TENSOR_MASTER descriptions needs to be read
 

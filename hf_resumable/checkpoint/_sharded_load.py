@@ -78,10 +78,6 @@ class Section:
             if math.prod(view) != math.prod(shapes[name]) or len(shapes[name]) != 1:
                 raise CorruptCheckpointError(f"{source}: {name!r} is stored with shape {list(shapes[name])}, which "
                                              f"is not the flattened view {list(view)}.")
-        for name in masters:
-            if len(shapes[name]) != 1:
-                raise CorruptCheckpointError(f"{source}: {name!r} is given by master weights but not stored "
-                                             f"flattened (shape {list(shapes[name])}).")
         return cls(dtypes, shapes, pieces, tied, views, masters)
 
 
@@ -204,7 +200,8 @@ class PieceReader:
             if self._masters is None:
                 raise CorruptCheckpointError(f"{self.source}: {name!r} is given by the master weights of {master!r}, "
                                              "which this reader was not given; this is a bug in hf_resumable.")
-            out.copy_(self._masters.read(master, wanted, out.dtype))  # then the pieces any rank stored, over them
+            # then the pieces any rank stored, over them
+            out.copy_(self._masters.read(master, wanted, self.section.shapes[name], out.dtype))
         for read in reads:
             handle = self._handle(read.file)
             chunk = handle.get_tensor(name) if read.whole_piece else handle.get_slice(name)[read.source]

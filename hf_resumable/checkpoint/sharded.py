@@ -339,9 +339,10 @@ def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.o
         check_storable(tensors)
         states[LAYOUT_KEY_OPTIMIZER] = (tensors, {})
     masters, omitted = {}, set()
-    if partitioned and optimizer is not None and LAYOUT_KEY_MODEL in states:  # ZeRO-3: weights the masters give
+    if optimizer is not None and LAYOUT_KEY_MODEL in states:  # ZeRO: weights the saved master weights give
         masters, omitted = weights_from_masters(model, states[LAYOUT_KEY_MODEL][0], optimizer)
-    owners = {kind: plan_plain_owners(state, tied, world_size=world_size) for kind, (state, tied) in states.items()}
+    owners = {kind: plan_plain_owners({name: tensor for name, tensor in state.items() if name not in omitted}, tied,
+                                      world_size=world_size) for kind, (state, tied) in states.items()}
     staging = {}
     if stage:
         staging = {kind: TensorFile(piece_file(kind, rank, world_size), pieces_to_stage(

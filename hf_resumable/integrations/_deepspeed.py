@@ -48,6 +48,7 @@ from ..checkpoint._partitioned import (
 )
 from ..checkpoint._sharded import group_mesh
 from ..checkpoint._staging import equal_bytes
+from ..distributed import all_gather_json
 from ..errors import IncompleteCheckpointError, UnsupportedEngineError
 from ._engines import refuse_engine
 
@@ -205,6 +206,15 @@ def _restore_partition(base: torch.optim.Optimizer, flat: torch.Tensor, saved: M
                         else value for key, value in entries.items()}
 
 
+def _equal_cast(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether every ``(weight elements, master elements)`` pair holds the same bits once the masters are cast to the
+    weight's dtype: one pass over both at memory speed (``memcmp`` on the staging threads) for fp32 weights."""
+    same = [(held, master) for held, master in pairs if held.dtype == master.dtype]
+    if not equal_bytes(same):
+        return False
+    return all(equal_bytes([(held, master.to(held.dtype))]) for held, master in pairs if held.dtype != master.dtype)
+
+
 class ZeroOptimizerState(_ZeroState):
     """A ZeRO-1/2 optimizer as the sharded checkpoint sees it (:class:`~hf_resumable.checkpoint.sharded.
     ShardedOptimizerState`): one pseudo-parameter per param group, whose state is this rank's partitions.
@@ -240,6 +250,27 @@ class ZeroOptimizerState(_ZeroState):
         names = self.zero.param_names
         return PartitionMap(MAP_FLAT, world_size, flat.numel(),
                             tuple((names[p], p.numel(), offset, p.numel()) for p, offset in zip(params, offsets)))
+
+    def master_names(self) -> dict[int, str]:
+        """``{id(parameter): its name}`` of every parameter whose fp32 master weights the param groups hold."""
+        names = self.zero.param_names
+        return {id(param): names[param] for group in self.zero.round_robin_bit16_groups for param in group}
+
+    def masters_give_weights(self) -> bool:
+        """Whether every rank's fp32 master partition, cast to the weights' dtype, equals the elements of the weights
+        it covers, bit for bit: the masters saved then determine the (whole) weights, which a checkpoint does not
+        store (:func:`~hf_resumable.checkpoint._partitioned.weights_from_masters`). DeepSpeed's step keeps it so (it
+        copies the masters into the weights and gathers them), its loads rebuild the weights from the masters; a
+        weight written outside the optimizer breaks it, so it is checked at every save. Each rank checks the
+        elements its partition holds (one pass at memory speed); the answer is every rank's (a collective)."""
+        pairs = []
+        for index, (_, flat, group) in enumerate(self._partitions()):
+            params = {self.zero.param_names[p]: p for p in self.zero.round_robin_bit16_groups[index]}
+            partition_map = self._map(index, flat, torch.distributed.get_world_size(group))
+            for segment in partition_map.segments(torch.distributed.get_rank(group)):
+                weight = params[segment.fqn].detach().reshape(-1).narrow(0, segment.start, segment.length)
+                pairs.append((weight, flat.detach().narrow(0, segment.offset, segment.length)))
+        return all(all_gather_json(_equal_cast(pairs)))
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """``{"state": {group name: {key: piece or value}}, "param_groups": [...]}``, names for parameters."""
@@ -315,28 +346,25 @@ class Zero3OptimizerState(_ZeroState):
         names = self.zero.param_names
         return {id(param): names[param] for group in self.zero.fp16_groups for param in group}
 
-    def masters_give_partitions(self) -> bool:
+    def masters_give_weights(self) -> bool:
         """Whether this rank's partition of every parameter (``ds_tensor``) equals its fp32 master partition cast to
-        the parameter's dtype, bit for bit: the masters saved then determine the partitions, which a checkpoint does
-        not store (:func:`~hf_resumable.checkpoint._partitioned.weights_from_masters`).
+        the parameter's dtype, bit for bit: the masters saved then determine this rank's partitions, which it does
+        not store (:func:`~hf_resumable.checkpoint._partitioned.weights_from_masters`; no collective: another rank's
+        differing partitions are stored, and read over the masters).
 
         DeepSpeed keeps it so (its step copies the masters into the partitions, ``_reassign_or_swap_out_partitioned_
         parameters``, and so do its loads, which rebuild the partitions from the masters), but a parameter written
-        outside the optimizer (``GatheredParameters(modifier_rank=...)``) breaks it, so it is checked at every save:
-        one pass over both at memory speed (``memcmp`` on the staging threads) when the parameters are fp32, a cast
-        and a compare otherwise."""
-        same_dtype, cast = [], []
+        outside the optimizer (``GatheredParameters(modifier_rank=...)``) breaks it, so it is checked at every save,
+        in one pass over both."""
+        pairs = []
         for index, flat in enumerate(self.zero.fp32_partitioned_groups_flat):
             offset = 0
             for param in self.zero.fp16_groups[index]:
                 held = held_partition(param)
-                master = flat.detach().narrow(0, offset, held.numel())
-                (same_dtype if held.dtype == master.dtype else cast).append((held, master))
+                pairs.append((held, flat.detach().narrow(0, offset, held.numel())))
                 offset += int(param.ds_tensor.ds_numel if hasattr(param.ds_tensor, "ds_numel")
                               else param.ds_tensor.numel())
-        if not equal_bytes(same_dtype):
-            return False
-        return all(equal_bytes([(held, master.to(held.dtype))]) for held, master in cast)
+        return _equal_cast(pairs)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """``{"state": {sub-group name: {key: piece or value}}, "param_groups": [...]}``, names for parameters."""
