@@ -468,19 +468,31 @@ def _weight_differing_from_its_master_is_stored(tmp_path: Path, saving: Any, sta
     def held(module: torch.nn.Module) -> torch.Tensor:
         return module.weight.ds_tensor if stage == 3 else module.weight
 
+    from hf_resumable import wait_for_pending_saves
+    from hf_resumable.integrations._deepspeed import _step_gate
+
+    # an async save checks on the saver's thread, the optimizer's next step held until it has (then released)
+    save_sharded_checkpoint(tmp_path / "async", model=saving.module, optimizer=checkpoint_optimizer(saving.optimizer),
+                            step=3, blocking=False)
+    wait_for_pending_saves()
+    assert _step_gate(saving.optimizer.optimizer).is_set()
+    _step(saving)  # through the gate
+    assert not json.loads((tmp_path / "async" / "sharded_layout.json").read_text())["model"]["pieces"]
     weight = held(saving.module[1])
     original = weight.detach().clone()
     with torch.no_grad():
         weight.add_(1.0)
-    save_sharded_checkpoint(tmp_path / "differs", model=saving.module,
-                            optimizer=checkpoint_optimizer(saving.optimizer), step=3)
-    layout = json.loads((tmp_path / "differs" / "sharded_layout.json").read_text())
-    assert "1.weight" in layout["model"]["pieces"]["sharded/model-rank00000-of-00001.safetensors"]
-    loading = _zero_engine(stage, sub_groups)
-    load_sharded_checkpoint(tmp_path / "differs", model=loading.module,
-                            optimizer=checkpoint_optimizer(loading.optimizer))
-    assert torch.equal(held(loading.module[1]), weight)
-    assert torch.equal(held(loading.module[0]), held(saving.module[0]))
+    for blocking in (True, False):
+        path = tmp_path / f"differs-{blocking}"
+        save_sharded_checkpoint(path, model=saving.module, optimizer=checkpoint_optimizer(saving.optimizer), step=3,
+                                blocking=blocking)
+        wait_for_pending_saves()
+        layout = json.loads((path / "sharded_layout.json").read_text())
+        assert "1.weight" in layout["model"]["pieces"]["sharded/model-rank00000-of-00001.safetensors"]
+        loading = _zero_engine(stage, sub_groups)
+        load_sharded_checkpoint(path, model=loading.module, optimizer=checkpoint_optimizer(loading.optimizer))
+        assert torch.equal(held(loading.module[1]), weight)
+        assert torch.equal(held(loading.module[0]), held(saving.module[0]))
     with torch.no_grad():
         weight.copy_(original)
 

@@ -36,7 +36,7 @@ from ._sharded import group_mesh, local_box
 logger = logging.getLogger(__name__)
 
 __all__ = ["is_partitioned", "partitioned_state", "partitioned_views", "load_partitioned_state", "PARTITION_KEY",
-           "held_partition", "weights_from_masters", "MasterWeights",
+           "held_partition", "weights_from_masters", "master_weight_names", "omitted_weights", "MasterWeights",
            "PartitionMap", "Segment", "plan_partition_copies", "reshard_partitions", "parameter_tensors",
            "read_master_weights"]
 
@@ -98,18 +98,32 @@ def weights_from_masters(model: torch.nn.Module, state: Mapping[str, Any], optim
         ``"master"`` in the layout on every rank), and the names whose pieces this rank does not write (all of them,
         or none where a weight differs from its master: it is then stored, and read over the masters on load).
     """
+    masters = master_weight_names(model, state, optimizer)
+    return masters, omitted_weights(masters, optimizer)
+
+
+def master_weight_names(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any) -> dict[str, str]:
+    """``{name: its master's name}`` of every weight of ``state`` whose fp32 master weights ``optimizer`` (a ZeRO
+    optimizer view) saves; empty for any other optimizer."""
     master_names = getattr(optimizer, "master_names", None)
     if master_names is None:
-        return {}, set()
+        return {}
     by_parameter = master_names()
     parameters = dict(model.state_dict(keep_vars=True))
-    masters = {name: by_parameter[id(parameter)] for name in state
-               if (parameter := parameters.get(name)) is not None and id(parameter) in by_parameter}
-    omitted = set(masters) if masters and optimizer.masters_give_weights() else set()
-    if masters and not omitted:
-        logger.warning("A ZeRO weight differs from its fp32 master weights cast (written outside the optimizer?): "
-                       "it is stored, and loads read it instead of the masters.")
-    return masters, omitted
+    return {name: by_parameter[id(parameter)] for name in state
+            if (parameter := parameters.get(name)) is not None and id(parameter) in by_parameter}
+
+
+def omitted_weights(masters: Mapping[str, str], optimizer: Any, *, group: Any = None) -> set[str]:
+    """The weights of ``masters`` this rank does not store: all, if ``optimizer.masters_give_weights`` holds (a
+    collective over ``group`` under ZeRO-1/2), else none."""
+    if not masters:
+        return set()
+    if optimizer.masters_give_weights(group=group):
+        return set(masters)
+    logger.warning("A ZeRO weight differs from its fp32 master weights cast (written outside the optimizer?): it is "
+                   "stored, and loads read it instead of the masters.")
+    return set()
 
 
 def partitioned_views(model: torch.nn.Module) -> dict[str, list[int]]:

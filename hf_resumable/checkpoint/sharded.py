@@ -71,7 +71,7 @@ from ..constants import (
     STATE_KEY_SCHEDULER,
     TRAINING_STATE_FILE,
 )
-from ..distributed import all_gather_json, is_distributed, rank_and_world_size
+from ..distributed import all_gather_json, checkpoint_group, is_distributed, rank_and_world_size
 from ..errors import CheckpointMismatchError, IncompleteCheckpointError
 from ..format._jsonio import json_bytes
 from ..format.rng import RngState
@@ -86,6 +86,8 @@ from ._partitioned import (
     MasterWeights,
     is_partitioned,
     load_partitioned_state,
+    master_weight_names,
+    omitted_weights,
     partitioned_state,
     partitioned_views,
     reshard_partitions,
@@ -263,6 +265,11 @@ class _Pieces:
         rank, world_size (`int`): this rank and the world size.
         owners (`dict`): ``kind -> {name: rank}``, the rank that writes each plain (replicated) tensor
             (:func:`~hf_resumable.checkpoint._sharded.plan_plain_owners`).
+        masters, omitted (DeepSpeed ZeRO): the weights their saved fp32 master weights give, described so in the
+            layout, and those whose pieces this rank does not write
+            (:func:`~hf_resumable.checkpoint._partitioned.weights_from_masters`). An async save decides ``omitted``
+            in :meth:`prepare` (``deferred``: the optimizer view; ``live``: the weights, copied there if they differ;
+            ``release``: opens the optimizer's steps, held until then).
     """
 
     states: dict[str, tuple[Mapping[str, torch.Tensor], dict[str, str]]]
@@ -271,17 +278,32 @@ class _Pieces:
     rank: int
     world_size: int
     views: dict[str, list[int]] = field(default_factory=dict)  # ZeRO-3: each weight's own shape (stored flattened)
-    masters: dict[str, str] = field(default_factory=dict)  # ZeRO-3: weight -> the parameter whose masters give it
-    omitted: set[str] = field(default_factory=set)  # ZeRO-3: weights whose pieces this rank does not write
+    masters: dict[str, str] = field(default_factory=dict)  # ZeRO: weight -> the parameter whose masters give it
+    omitted: set[str] = field(default_factory=set)  # ZeRO: weights whose pieces this rank does not write
+    deferred: Any = None  # ZeRO, async: the optimizer whose masters prepare() checks, its steps held meanwhile
+    live: dict[str, torch.Tensor] = field(default_factory=dict)  # ...and the local weights, copied if they differ
+    release: Any = None  # opens the held steps (idempotent)
     owners: dict[str, dict[str, int]] = field(default_factory=dict)
     described: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def _check_deferred(self) -> dict[str, torch.Tensor]:
+        """An async save's check of the weights against their masters, on the saver's thread while the optimizer's
+        steps wait: the weights not given by the masters are copied now (live until the steps resume)."""
+        try:
+            self.omitted = omitted_weights(self.masters, self.deferred, group=checkpoint_group())
+            return {name: tensor.clone() for name, tensor in self.live.items() if name not in self.omitted}
+        finally:
+            self.release()
 
     def prepare(self, payload: Payload) -> dict[str, Any]:
         """Add this rank's piece files to ``payload``; return its report (JSON: files, boxes, aliases)."""
         reports = {}
+        late = self._check_deferred() if self.deferred is not None else {}
         for kind, (state, tied) in self.states.items():
             relpath = piece_file(kind, self.rank, self.world_size)
             staged = dict(self.staging[kind].tensors) if kind in self.staging else None
+            if staged is not None and kind == LAYOUT_KEY_MODEL:
+                staged.update(late)
             model = kind == LAYOUT_KEY_MODEL
             local = collect_local_state(state, rank=self.rank, tied=tied, staged=staged,
                                         owners=self.owners.get(kind), omit=self.omitted if model else ())
@@ -338,9 +360,17 @@ def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.o
                                                                             _class_name(optimizer))
         check_storable(tensors)
         states[LAYOUT_KEY_OPTIMIZER] = (tensors, {})
-    masters, omitted = {}, set()
+    masters, omitted, deferred = {}, set(), {}
     if optimizer is not None and LAYOUT_KEY_MODEL in states:  # ZeRO: weights the saved master weights give
-        masters, omitted = weights_from_masters(model, states[LAYOUT_KEY_MODEL][0], optimizer)
+        if stage and hasattr(optimizer, "hold_steps"):
+            # checked on the saver's thread (not staged; copied there if they differ), the next step held meanwhile
+            masters = master_weight_names(model, states[LAYOUT_KEY_MODEL][0], optimizer)
+            if masters:
+                omitted = set(masters)
+                deferred = {"deferred": optimizer, "live": {name: local[name] for name in masters},
+                            "release": optimizer.hold_steps()}
+        else:
+            masters, omitted = weights_from_masters(model, states[LAYOUT_KEY_MODEL][0], optimizer)
     owners = {kind: plan_plain_owners({name: tensor for name, tensor in state.items() if name not in omitted}, tied,
                                       world_size=world_size) for kind, (state, tied) in states.items()}
     staging = {}
@@ -350,7 +380,7 @@ def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.o
             omit=omitted if kind == LAYOUT_KEY_MODEL else ()))
             for kind, (state, tied) in states.items()}
     views = partitioned_views(model) if partitioned else {}
-    return _Pieces(states, staging, layout, rank, world_size, views, masters, omitted, owners=owners)
+    return _Pieces(states, staging, layout, rank, world_size, views, masters, omitted, owners=owners, **deferred)
 
 
 def save_sharded_checkpoint(
@@ -464,9 +494,16 @@ def save_sharded_checkpoint(
             apply_retention(target.parent, keep_last=keep_last)
 
     if not blocking:
-        background_saver().submit(target, payload, step=step, metrics=dict(metrics or {}), overwrite=overwrite,
-                                  on_commit=retention, also_stage=list(pieces.staging.values()), prepare=prepare,
-                                  finalize=pieces.finalize)
+        try:
+            future = background_saver().submit(
+                target, payload, step=step, metrics=dict(metrics or {}), overwrite=overwrite, on_commit=retention,
+                also_stage=list(pieces.staging.values()), prepare=prepare, finalize=pieces.finalize)
+        except BaseException:
+            if pieces.release is not None:
+                pieces.release()
+            raise
+        if pieces.release is not None:  # whatever happens to the save, the optimizer's steps go on
+            future.add_done_callback(lambda _: pieces.release())
         return CheckpointInfo(path=target, step=step)
     manifest = save_payload(target, payload, step=step, metrics=dict(metrics or {}), overwrite=overwrite,
                             prepare=prepare, finalize=pieces.finalize)

@@ -31,8 +31,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -171,10 +172,37 @@ def _init_base_state(base: torch.optim.Optimizer) -> None:
                 flat.grad = None
 
 
+# base torch optimizer -> the gate its steps pass (set: open); see _ZeroState.hold_steps
+_STEP_GATES: weakref.WeakKeyDictionary[Any, threading.Event] = weakref.WeakKeyDictionary()
+
+
+def _step_gate(base: torch.optim.Optimizer) -> threading.Event:
+    """The gate ``base``'s steps wait at (a step pre-hook registered once: a hook removed while the training thread
+    runs the hooks would break its iteration over them)."""
+    gate = _STEP_GATES.get(base)
+    if gate is None:
+        gate = _STEP_GATES[base] = threading.Event()
+        gate.set()
+
+        def wait(*args: Any) -> None:  # a pre-hook returns None (or new arguments)
+            gate.wait()
+
+        base.register_step_pre_hook(wait)
+    return gate
+
+
 class _ZeroState:
     """What both ZeRO optimizer views share: the base torch optimizer's param groups and state."""
 
     base: torch.optim.Optimizer
+
+    def hold_steps(self) -> Callable[[], None]:
+        """Make the optimizer's next step wait (before it changes the master weights or the weights) until the
+        returned function is called (idempotent): an async save checks on its own thread whether the weights equal
+        their masters (:meth:`masters_give_weights`), and a step normally comes long after."""
+        gate = _step_gate(self.base)
+        gate.clear()
+        return gate.set
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -256,21 +284,22 @@ class ZeroOptimizerState(_ZeroState):
         names = self.zero.param_names
         return {id(param): names[param] for group in self.zero.round_robin_bit16_groups for param in group}
 
-    def masters_give_weights(self) -> bool:
+    def masters_give_weights(self, *, group: Any = None) -> bool:
         """Whether every rank's fp32 master partition, cast to the weights' dtype, equals the elements of the weights
         it covers, bit for bit: the masters saved then determine the (whole) weights, which a checkpoint does not
         store (:func:`~hf_resumable.checkpoint._partitioned.weights_from_masters`). DeepSpeed's step keeps it so (it
         copies the masters into the weights and gathers them), its loads rebuild the weights from the masters; a
         weight written outside the optimizer breaks it, so it is checked at every save. Each rank checks the
-        elements its partition holds (one pass at memory speed); the answer is every rank's (a collective)."""
+        elements its partition holds (one pass at memory speed); the answer is every rank's (a collective over
+        ``group``)."""
         pairs = []
-        for index, (_, flat, group) in enumerate(self._partitions()):
+        for index, (_, flat, dp_group) in enumerate(self._partitions()):
             params = {self.zero.param_names[p]: p for p in self.zero.round_robin_bit16_groups[index]}
-            partition_map = self._map(index, flat, torch.distributed.get_world_size(group))
-            for segment in partition_map.segments(torch.distributed.get_rank(group)):
+            partition_map = self._map(index, flat, torch.distributed.get_world_size(dp_group))
+            for segment in partition_map.segments(torch.distributed.get_rank(dp_group)):
                 weight = params[segment.fqn].detach().reshape(-1).narrow(0, segment.start, segment.length)
                 pairs.append((weight, flat.detach().narrow(0, segment.offset, segment.length)))
-        return all(all_gather_json(_equal_cast(pairs)))
+        return all(all_gather_json(_equal_cast(pairs), group=group))
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """``{"state": {group name: {key: piece or value}}, "param_groups": [...]}``, names for parameters."""
@@ -346,7 +375,7 @@ class Zero3OptimizerState(_ZeroState):
         names = self.zero.param_names
         return {id(param): names[param] for group in self.zero.fp16_groups for param in group}
 
-    def masters_give_weights(self) -> bool:
+    def masters_give_weights(self, *, group: Any = None) -> bool:
         """Whether this rank's partition of every parameter (``ds_tensor``) equals its fp32 master partition cast to
         the parameter's dtype, bit for bit: the masters saved then determine this rank's partitions, which it does
         not store (:func:`~hf_resumable.checkpoint._partitioned.weights_from_masters`; no collective: another rank's
@@ -355,7 +384,7 @@ class Zero3OptimizerState(_ZeroState):
         DeepSpeed keeps it so (its step copies the masters into the partitions, ``_reassign_or_swap_out_partitioned_
         parameters``, and so do its loads, which rebuild the partitions from the masters), but a parameter written
         outside the optimizer (``GatheredParameters(modifier_rank=...)``) breaks it, so it is checked at every save,
-        in one pass over both."""
+        in one pass over both. ``group``: unused (no collective)."""
         pairs = []
         for index, flat in enumerate(self.zero.fp32_partitioned_groups_flat):
             offset = 0
