@@ -12,6 +12,8 @@
 * DeepSpeed ZeRO-1/2 (2 gloo ranks on DeepSpeed's CPU accelerator, a torch AdamW): the same, through both front
   doors; every rank's partitions of the fp32 master weights and of the Adam moments are compared bit for bit. In one
   process, a ZeRO-2 engine's partitions round-trip through save_sharded_checkpoint / load_sharded_checkpoint.
+* ZeRO weights equal to their fp32 master weights cast are recorded as given by them, not stored, and loaded from
+  them; a weight that differs (written outside the optimizer) is stored, blocking or async.
 """
 
 from __future__ import annotations
