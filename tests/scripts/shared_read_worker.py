@@ -1,7 +1,7 @@
 """One rank of a 2-rank gloo group resuming a DDP replica (see tests/test_shared_read.py).
 
-Usage: ``shared_read_worker.py MODE ROOT`` with the torchrun environment set; ``HF_RESUMABLE_SHARED_READS=0`` makes
-every rank read every file.
+Usage: ``shared_read_worker.py MODE ROOT`` with the torchrun environment set; ``HF_RESUMABLE_SHARED_READS`` chooses the
+reads (``always``: split and exchanged; ``1``: the default; ``0``: every rank reads every file).
 
 * ``save``: save the same model and optimizer (files above the quick-hash limit) as ``ROOT/checkpoint-1``.
 * ``load``: drop the checkpoint's pages from the page cache, load it into a fresh model and optimizer, and record
