@@ -559,7 +559,7 @@ def resume_report(result: dict, args: argparse.Namespace) -> str:
     lines = [f"2 gloo ranks resuming a DDP replica (hidden {args.hidden}) + AdamW, load_checkpoint, max_shard_size="
              f"{args.max_shard_size}: {size / 1e6:.0f} MB ({result['files']} safetensors files) under "
              f"{args.dir or tempfile.gettempdir()}; page cache dropped before each load; median of {args.repeats} "
-             "alternating loads each (slower rank), after a warm-up round.", "",
+             "loads each in rotating order (slower rank), after a warm-up round.", "",
              "| reads | median s | min-max s | bytes read by both ranks / checkpoint size (median, min-max) |",
              "|---|---:|---:|---:|"]
     for name, entries in times.items():

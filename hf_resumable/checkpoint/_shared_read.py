@@ -12,12 +12,11 @@ It applies when every rank's reads agree (:func:`read_signature`: the files' siz
 kind) and the ranks do not all read through one page cache (:func:`page_cache_identity`: one kernel, one
 filesystem). Ranks on one machine each read every file instead: the kernel then reads each page from storage once
 for all of them (the ranks read the same files at the same time), and a copy out of the page cache costs less than
-one through gloo (2 ranks on one 2-core VM: the exchange took 1.40x the time of per-rank reads, both reading 1.00x
-the checkpoint from storage; docs/benchmarks.md). ``HF_RESUMABLE_SHARED_READS=always`` exchanges on one machine too,
-``0`` never (every rank reads every file, as before). Under
-torch.distributed ``OpenedCheckpoint.load_into`` of a model or an optimizer is therefore collective: every rank calls
-it (as a DDP resume does); a rank that fails before its reads tells the others (:func:`announce_failure`), so
-none waits for it.
+one through gloo (2 ranks on one 2-core VM: the exchange took 1.33-1.40x the time of per-rank reads, both reading
+1.00x the checkpoint from storage; docs/benchmarks.md). ``HF_RESUMABLE_SHARED_READS=always`` exchanges on one
+machine too, ``0`` never (every rank reads every file, as before). Under torch.distributed
+``OpenedCheckpoint.load_into`` of a model or an optimizer is therefore collective: every rank calls it (as a DDP
+resume does); a rank that fails before its reads tells the others (:func:`announce_failure`), so none waits for it.
 """
 
 from __future__ import annotations
