@@ -54,9 +54,12 @@ def test_a_two_rank_resume_reads_the_checkpoint_once_and_loads_it_bitwise(saved)
     total = sum(r["read_bytes"] for r in shared)
     assert total <= 1.1 * size, (total, size, shared)
     assert all(r["read_bytes"] > 0.25 * size for r in shared), shared  # both ranks read their share
-    default = _run("load", saved, shared="1")  # one machine: every rank reads every file through one page cache
+    assert all(r["exchanged"] for r in shared) and not any(r["exchanged"] for r in each), (shared, each)
+    # One machine, not said by the launcher: the ranks find they share a page cache, and each reads every file.
+    default = _run("load-unhinted", saved, shared="1")
     assert all(result.get("same") for result in default), default
     assert sum(r["read_bytes"] for r in default) <= 1.1 * size, (size, default)
+    assert not any(r["exchanged"] for r in default), default
     # Without sharing, both ranks read every file; on one machine they share the page cache, so storage still
     # serves each byte about once (buffered reads), but every byte was read from it.
     assert before >= 0.9 * size, (before, size, each)
@@ -94,3 +97,22 @@ def test_ranks_exchange_only_where_they_do_not_share_a_page_cache(tmp_path):
     assert one_page_cache([here, here])
     assert not one_page_cache([here, "another-kernel:1:2"])
     assert not one_page_cache([here, None]) and not one_page_cache([])
+
+
+def test_a_launcher_that_puts_every_rank_on_this_machine_means_per_rank_reads(monkeypatch):
+    import hf_resumable.checkpoint._shared_read as shared_read
+
+    monkeypatch.setattr(shared_read, "is_distributed", lambda: True)
+    monkeypatch.setattr(shared_read, "rank_and_world_size", lambda: (0, 4))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.delenv("HF_RESUMABLE_SHARED_READS", raising=False)
+    assert not shared_read.shares_reads()  # torchrun on one machine: no collective, every rank reads every file
+    monkeypatch.setenv("HF_RESUMABLE_SHARED_READS", "always")
+    assert shared_read.shares_reads()
+    monkeypatch.setenv("HF_RESUMABLE_SHARED_READS", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two machines
+    assert shared_read.shares_reads()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # not said: read_shared finds out
+    assert shared_read.shares_reads()
+    monkeypatch.setenv("HF_RESUMABLE_SHARED_READS", "0")
+    assert not shared_read.shares_reads()

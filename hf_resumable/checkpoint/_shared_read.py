@@ -9,14 +9,15 @@ raises the same ``CorruptCheckpointError`` on every rank (the failing rank still
 rank waits; the model's parameters may then hold part of it, as after a mismatch in a single-process load).
 
 It applies when every rank's reads agree (:func:`read_signature`: the files' sizes and every tensor's destination
-kind) and the ranks do not all read through one page cache (:func:`page_cache_identity`: one kernel, one
-filesystem). Ranks on one machine each read every file instead: the kernel then reads each page from storage once
-for all of them (the ranks read the same files at the same time), and a copy out of the page cache costs less than
-one through gloo (2 ranks on one 2-core VM: the exchange took 1.33-1.40x the time of per-rank reads, both reading
-1.00x the checkpoint from storage; docs/benchmarks.md). ``HF_RESUMABLE_SHARED_READS=always`` exchanges on one
-machine too, ``0`` never (every rank reads every file, as before). Under torch.distributed
-``OpenedCheckpoint.load_into`` of a model or an optimizer is therefore collective: every rank calls it (as a DDP
-resume does); a rank that fails before its reads tells the others (:func:`announce_failure`), so none waits for it.
+kind) and the ranks do not all read through one page cache. Ranks on one machine each read every file instead (known
+without a collective where torchrun's ``LOCAL_WORLD_SIZE`` is the world size, else from :func:`page_cache_identity`:
+one kernel, one filesystem): the kernel reads each page from storage once for all of them (they read the same files
+at the same time), and a copy out of the page cache costs less than one through gloo (2 ranks on one 2-core VM: the
+exchange took 1.33-1.87x the time of per-rank reads in four runs, both reading 1.00x the checkpoint from storage;
+docs/benchmarks.md). ``HF_RESUMABLE_SHARED_READS=always`` exchanges on one machine too, ``0`` never (every rank
+reads every file, as before). Where the reads may be shared, ``OpenedCheckpoint.load_into`` of a model or an
+optimizer under torch.distributed is collective: every rank calls it (as a DDP resume does); a rank that fails
+before its reads tells the others (:func:`announce_failure`), so none waits for it.
 """
 
 from __future__ import annotations
@@ -47,11 +48,22 @@ __all__ = ["shares_reads", "read_signature", "read_shared", "announce_failure", 
 # split and exchange the files even where they share one page cache; unset or "1": they exchange across machines only.
 SHARED_READS_ENV = "HF_RESUMABLE_SHARED_READS"
 EXCHANGE_ALWAYS = "always"
+# Set by torchrun (and launchers built on it): the ranks on this machine.
+LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
 
 
 def shares_reads() -> bool:
-    """Whether a load under torch.distributed agrees with the other ranks on splitting its reads (collective)."""
-    return is_distributed() and os.environ.get(SHARED_READS_ENV, "1") != "0"
+    """Whether a load under torch.distributed agrees with the other ranks on sharing its reads (then collective).
+
+    Not with ``HF_RESUMABLE_SHARED_READS=0``, nor where the launcher says that every rank runs on this machine
+    (torchrun's ``LOCAL_WORLD_SIZE`` is the world size): every rank then reads every file through the one page cache,
+    with no collective. Elsewhere :func:`read_shared` finds out whether the ranks share a page cache.
+    """
+    mode = os.environ.get(SHARED_READS_ENV, "1")
+    if not is_distributed() or mode == "0":
+        return False
+    _, world_size = rank_and_world_size()
+    return mode == EXCHANGE_ALWAYS or os.environ.get(LOCAL_WORLD_SIZE_ENV) != str(world_size)
 
 
 def page_cache_identity(path: str | os.PathLike) -> str | None:
