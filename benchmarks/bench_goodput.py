@@ -24,20 +24,28 @@ Per system: goodput (the uninterrupted wall time of the stock Trainer without ch
 of all attempts); time lost per preemption (the total wall time minus this run's own uninterrupted estimate: the
 first attempt's start-up plus steps x its median step; divided by the preemptions), broken down into the work
 redone (from the end of the step the next attempt resumed after, to the preemption), the restart (process start to
-the end of the first resumed step, minus one step: imports, building model and Trainer, loading the checkpoint and
-the first step's extra), the SIGTERM exit (from the signal, or the step saved after it, to the process's end) and
-the rest (saves, slower steps); and whether the final weights equal the uninterrupted run's of the same trainer bit
-for bit (sha256 of every parameter). From uninterrupted background-save runs, ``--inflation-pairs`` times with the
-writer at its lower CPU priority and without it (``WRITER_NICE_INCREMENT = 0``), alternated: the step-time
-inflation while a background save is written (mean time of the steps that overlap the write, from the end of the
-save call, over the mean step without a save), the stall (from the end of a step to the end of the save call) and a
-save's whole cost to the loop (the stall plus the extra time of the steps that overlap the write).
+the end of the first resumed step, minus one step), split into the interpreter's start, the imports (torch,
+transformers, datasets; and hf_resumable for ours), building the model, dataset and Trainer, loading the checkpoint
+(up to ``on_train_begin``) and the first step's extra (the data position restored, warm-up), the saves' cost to the
+loop (each save's stall plus the extra time of the steps that overlap a background write), the SIGTERM exit (from
+the signal, or the step saved after it, to the process's end) and the rest (slower steps, drift); and whether the
+final weights equal the uninterrupted run's of the same trainer bit for bit (sha256 of every parameter). With
+preemptions far apart the work redone and the saves dominate, and ours/stock tends to ``sqrt(C_ours / C_stock)``
+(the Young/Daly loss per failure is about ``sqrt(2 C M)``); with preemptions close together the restart, the same
+fixed cost for both trainers, dominates and the ratio tends to 1. A last summary line sets the two apart.
+
+From an uninterrupted background-save run: the step-time inflation while a background save is written (mean time
+of the steps that overlap the write, from the end of the save call, over the mean step without a save), the stall
+(from the end of a step to the end of the save call) and a save's whole cost to the loop (the stall plus the extra
+time of the steps that overlap the write); ``--inflation-pairs N`` runs N pairs instead, with the writer at its lower
+CPU priority and without it (``WRITER_NICE_INCREMENT = 0``), alternated (an ablation, not a target).
 
 The machine may be shared: every process runs under ``nice``; ``--repeats`` runs each preempted system that many
 times and reports medians.
 
 Usage:
     python benchmarks/bench_goodput.py --quick                 # the preset: 30 steps, 2 preemptions of each kind
+    python benchmarks/bench_goodput.py --quick --inflation-pairs 2  # and the writer-priority ablation
     python benchmarks/bench_goodput.py --quick --only SIGTERM
     python benchmarks/bench_goodput.py --tiny                  # smoke test: a tiny model
     python benchmarks/bench_goodput.py --steps 200 --mtbf 60 --kills 4 --repeats 3 --stock-intervals 0.5 1 2 \\
@@ -271,10 +279,13 @@ def _summarize(name: str, attempts: list[dict], events: list[dict], fixes: list)
     step_time = statistics.median(durations) if durations else float("nan")
     parts: dict[str, list[float]] = {"redone": [], "restart": [], "interpreter": [], "imports": [], "build": [],
                                      "load": [], "first_step": [], "exit": []}
-    for attempt, following in zip(attempts, attempts[1:]):
-        mine, next_steps = _in(events, attempt, "step"), _in(events, following, "step")
-        if not attempt["preempted"] or not mine or not next_steps:
+    for index, attempt in enumerate(attempts):
+        # the next attempt that trained (a stock restart that failed on a partial checkpoint is part of the restart)
+        following = next((a for a in attempts[index + 1:] if _in(events, a, "step")), None)
+        mine = _in(events, attempt, "step")
+        if not attempt["preempted"] or not mine or following is None:
             continue
+        next_steps, restarted = _in(events, following, "step"), attempts[index + 1]["start"]
         resumed_after = next_steps[0]["step"] - 1
         kept = next((e["t"] for e in mine if e["step"] == resumed_after), mine[0]["t"] - step_time)
         # After a SIGTERM the steps up to the one saved are kept: the exit counts from the later of the two.
@@ -282,7 +293,7 @@ def _summarize(name: str, attempts: list[dict], events: list[dict], fixes: list)
         parts["exit"].append(attempt["end"] - max(attempt["killed"], kept))
         marks = {kind: next(iter(_in(events, following, kind)), {}).get("t", math.nan)
                  for kind in ("started", "imported", "built", "train_begin")}
-        parts["restart"].append(next_steps[0]["t"] - following["start"] - step_time)
+        parts["restart"].append(next_steps[0]["t"] - restarted - step_time)
         parts["interpreter"].append(marks["started"] - following["start"])
         parts["imports"].append(marks["imported"] - marks["started"])
         parts["build"].append(marks["built"] - marks["imported"])
