@@ -172,8 +172,9 @@ def _first_step_time(log: Path, since: float) -> float | None:
     return next((e["t"] for e in _events(log) if e["event"] == "step" and e["t"] >= since), None)
 
 
-def _wait_to_preempt(process: subprocess.Popen, log: Path, start: float, kill_at: float) -> bool:
-    """Wait until ``kill_at`` seconds after the attempt's first step (``True``: preempt now), or until it exits."""
+def _wait_to_preempt(process: subprocess.Popen, log: Path, start: float, kill_at: float, steps: int) -> bool:
+    """Wait until ``kill_at`` seconds after the attempt's first step (``True``: preempt now), or until it exits.
+    An attempt that has trained its last step is not preempted: what is left is this script's own digest."""
     trained = None
     while time.time() < start + STARTUP_GRACE_S:
         if trained is None:
@@ -184,7 +185,8 @@ def _wait_to_preempt(process: subprocess.Popen, log: Path, start: float, kill_at
             return False
         except subprocess.TimeoutExpired:
             if trained is not None and time.time() >= trained + kill_at:
-                if not any(e["event"] == "done" and e["t"] >= start for e in _events(log)):
+                if not any(e["t"] >= start and (e["event"] == "done" or e.get("step", 0) >= steps)
+                           for e in _events(log) if e["event"] in ("done", "step")):
                     return True
                 process.wait()  # a run that has finished its job is not preempted on its way out
                 return False
@@ -208,7 +210,7 @@ def _attempt(spec: dict, *, kill_at: float | None, signal_kind: str, notice: flo
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             raise RuntimeError(f"{spec['name']}: an attempt hung; see {stderr.name}") from None
-    elif _wait_to_preempt(process, Path(spec["log"]), start, kill_at):
+    elif _wait_to_preempt(process, Path(spec["log"]), start, kill_at, spec["steps"]):
         preempted, killed = True, time.time()
         if signal_kind == "SIGTERM":
             os.killpg(process.pid, signal.SIGTERM)
@@ -306,7 +308,10 @@ def _summarize(name: str, attempts: list[dict], events: list[dict], fixes: list)
     preemptions = sum(a["preempted"] for a in attempts)
     lost = (wall - startup - trained * step_time) / preemptions if preemptions else math.nan
     done = next((e for e in events if e["event"] == "done"), {})
-    parts["save_cost"] = [_step_costs(events)["all_saves"] / preemptions] if preemptions else []
+    # a save after the SIGTERM (the preemption checkpoint) is part of the exit, not of the saves' cost to the loop
+    periodic = [e for e in events if e["event"] != "save" or not any(
+        a["killed"] is not None and a["killed"] <= e["t"] <= a["end"] for a in attempts)]
+    parts["save_cost"] = [_step_costs(periodic)["all_saves"] / preemptions] if preemptions else []
     return {"name": name, "wall": wall, "preemptions": preemptions, "attempts": len(attempts),
             "saves": sum(e["event"] == "save" for e in events), "step_time": step_time, "startup": startup,
             "lost": lost, **{k: statistics.fmean(v) if v else math.nan for k, v in parts.items()},
