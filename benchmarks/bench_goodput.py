@@ -22,8 +22,9 @@ is done), then the run is left to finish. A restart's whole cost (imports includ
 
 Per system: goodput (the uninterrupted wall time of the stock Trainer without checkpoints, over the total wall time
 of all attempts); time lost per preemption (the total wall time minus this run's own uninterrupted estimate: the
-first attempt's start-up plus steps x its median step; divided by the preemptions), broken down into the work
-redone (from the end of the step the next attempt resumed after, to the preemption), the restart (process start to
+first attempt's start-up plus steps x its median step without a save, neither holding one nor overlapping a
+background write; divided by the preemptions), broken down into the work redone (from the end of the step the next
+attempt resumed after, to the preemption), the restart (process start to
 the end of the first resumed step, minus one step), split into the interpreter's start, the imports (torch,
 transformers, datasets; and hf_resumable for ours), building the model, dataset and Trainer, loading the checkpoint
 (up to ``on_train_begin``) and the first step's extra (the data position restored, warm-up), the saves' cost to the
@@ -269,16 +270,32 @@ def _in(events: list[dict], attempt: dict, kind: str) -> list[dict]:
     return [e for e in events if e["event"] == kind and attempt["start"] <= e["t"] <= attempt["end"]]
 
 
+def _clean_step_time(events: list[dict]) -> float:
+    """The median step without a save: neither holding a save nor overlapping a background write (a run that saves
+    often would otherwise count its saves' slowdown as its own speed, and hide it from the time lost)."""
+    durations, previous, saved = [], None, False
+    for event in events:
+        if event["event"] == "started":
+            previous, saved = None, False
+        elif event["event"] == "save":
+            saved = True
+        elif event["event"] == "step":
+            if (previous is not None and event["step"] == previous["step"] + 1 and not saved
+                    and not previous["writing"] and not event["writing"]):
+                durations.append(event["t"] - previous["t"])
+            previous, saved = event, False
+    return statistics.median(durations) if durations else float("nan")
+
+
 def _summarize(name: str, attempts: list[dict], events: list[dict], fixes: list) -> dict:
     """Wall time, and where each preemption's time went: the work redone (from the end of the step the next attempt
     resumed after, to the preemption), the restart (process start to the end of its first step, minus one step:
     imports, building the model and Trainer, loading the checkpoint and the first step's extra cost), the exit (from
     the SIGTERM, or the end of the step saved after it, to the process's end) and the rest (saves, slower steps):
-    ``lost`` = total wall time - (the first attempt's start-up + steps x the median step of this run), divided by
-    the preemptions."""
+    ``lost`` = total wall time - (the first attempt's start-up + steps x the median step of this run without a
+    save), divided by the preemptions."""
     steps = [e for e in events if e["event"] == "step"]
-    durations = [b["t"] - a["t"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1]
-    step_time = statistics.median(durations) if durations else float("nan")
+    step_time = _clean_step_time(events)
     parts: dict[str, list[float]] = {"redone": [], "restart": [], "interpreter": [], "imports": [], "build": [],
                                      "load": [], "first_step": [], "exit": []}
     for index, attempt in enumerate(attempts):
