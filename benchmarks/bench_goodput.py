@@ -328,14 +328,14 @@ def _summarize(name: str, attempts: list[dict], events: list[dict], fixes: list)
     # a save after the SIGTERM (the preemption checkpoint) is part of the exit, not of the saves' cost to the loop
     periodic = [e for e in events if e["event"] != "save" or not any(
         a["killed"] is not None and a["killed"] <= e["t"] <= a["end"] for a in attempts)]
-    parts["save_cost"] = [_step_costs(periodic)["all_saves"] / preemptions] if preemptions else []
+    parts["save_cost"] = [_step_costs(periodic, step_time)["all_saves"] / preemptions] if preemptions else []
     return {"name": name, "wall": wall, "preemptions": preemptions, "attempts": len(attempts),
             "saves": sum(e["event"] == "save" for e in events), "step_time": step_time, "startup": startup,
             "lost": lost, **{k: statistics.fmean(v) if v else math.nan for k, v in parts.items()},
             "digest": done.get("digest"), "partial_checkpoints_removed": [f for f in fixes if f]}
 
 
-def _step_costs(events: list[dict]) -> dict:
+def _step_costs(events: list[dict], reference: float = math.nan) -> dict:
     """From an uninterrupted run with saves: the median step without a save; each save's stall (from the end of the
     step it follows to the end of the save call: staging, and the wait for the previous write if it is still in
     flight); for background saves the steps that overlap the write (from the end of the save call or of the
@@ -359,8 +359,9 @@ def _step_costs(events: list[dict]) -> dict:
             elif previous is not None and previous["event"] == "step" and previous["step"] >= 2:
                 clean.append(event["t"] - previous["t"])  # (the first steps warm up)
             previous, in_flight = event, event["writing"]
-    step = statistics.median(clean) if clean else float("nan")
-    mean = statistics.fmean(clean) if clean else float("nan")
+    # (a run whose every step after the warm-up overlaps a write has no clean step of its own: ``reference``)
+    step = statistics.median(clean) if clean else reference
+    mean = statistics.fmean(clean) if clean else reference
     return {"step": step, "clean_mean": mean,
             "save_cost": statistics.median(stalls) if stalls else float("nan"),
             "during_mean": statistics.fmean(during) if during else float("nan"), "during_n": len(during),
