@@ -26,12 +26,18 @@ slower rank of each save counts); each stall is compared with the blocking save 
 With ``--replicated``, instead: ``save_checkpoint`` of a DDP replica (every rank holds the same Llama-shaped model
 and AdamW state) by 2 gloo ranks, blocking, with the replicated model and optimizer files split across the ranks
 (today's plan) and with rank 0 writing all of them (the single-writer plan, ``HF_RESUMABLE_SPLIT_REPLICAS=0``),
-alternating in one process group; the slower rank of each save counts, medians of ``--repeats`` each.
+alternating in one process group; the slower rank of each save counts, medians of ``--repeats`` each. Each save is
+also broken down per rank into its phases (capture, the commit protocol's steps, the tensor files' writes, the waits
+in its collectives) with the process's CPU seconds, and the same rounds time a raw baseline of the same bytes (the
+least work a save does per byte: write, sha256, xxh3-128, fsync) by rank 0 alone on 1 and 2 threads and by both ranks
+each writing half: how much splitting the writers can gain on this machine at all.
 
 With ``--resume``, instead: ``load_checkpoint`` of that DDP replica's checkpoint by 2 gloo ranks into fresh objects,
-page cache dropped before each load, with the tensor files split across the ranks and exchanged over gloo (today's
-reads) and with every rank reading every file (``HF_RESUMABLE_SHARED_READS=0``), alternating: the slower rank's
-time and the bytes both ranks read from storage (``/proc/self/io`` read_bytes) against the checkpoint's size.
+page cache dropped before each load, by default (ranks on one machine each read every file through the shared page
+cache), with the tensor files split across the ranks and exchanged over gloo (``HF_RESUMABLE_SHARED_READS=always``,
+what ranks on different machines do) and with every rank reading every file (``HF_RESUMABLE_SHARED_READS=0``), in
+rotating order: the slower rank's time and the bytes both ranks read from storage (``/proc/self/io`` read_bytes)
+against the checkpoint's size.
 
 With ``--engines``, instead: the front doors' engines at 2 gloo ranks, FSDP2 through accelerate and DeepSpeed ZeRO
 (``--zero-stage``, default 2 and 3) through accelerate, on the same Llama-shaped model + AdamW, one process group per
@@ -55,6 +61,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -228,8 +235,74 @@ def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
     dist.destroy_process_group()
 
 
+# Phases of a DDP replica save, timed on every rank (``--replicated``): (module, function, label); the wrappers add the
+# seconds of every call (writes on helper threads overlap, so their sum may exceed the save's wall time).
+SAVE_PHASES = [("api", "capture_payload", "capture"), ("_writer", "begin_save", "step 1 (begin_save)"),
+               ("_writer", "write_safetensors", "tensor files (sum per file)"),
+               ("_writer", "write_payload", "step 2: write own files"),
+               ("_writer", "all_gather_json", "all_gather (waits for the slower rank)"),
+               ("_writer", "index_document", "indexes (rank 0)"), ("_writer", "commit_dir", "commit: fsync + rename"),
+               ("_writer", "broadcast_json", "step 5 broadcast")]
+
+
+def time_phases(phases: dict[str, float]) -> None:
+    """Wrap the library functions of :data:`SAVE_PHASES` to add their seconds into ``phases`` (benchmark only)."""
+    import importlib
+
+    lock = threading.Lock()
+    for module_name, function, label in SAVE_PHASES:
+        module = importlib.import_module(f"hf_resumable.checkpoint.{module_name}")
+        original = getattr(module, function)
+
+        def timed(*args, _original=original, _label=label, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                with lock:
+                    phases[_label] = phases.get(_label, 0.0) + time.perf_counter() - start
+
+        setattr(module, function, timed)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process, every thread (user + system)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def raw_hashed_writes(root: Path, nbytes: int, streams: int) -> None:
+    """The least work a save does per byte, on ``streams`` threads (each its own file and 1/streams of ``nbytes``):
+    write, sha256 and xxh3-128 of every 16 MiB chunk, then fsync."""
+    import hashlib
+
+    import xxhash
+
+    chunk = memoryview(os.urandom(16 << 20))
+
+    def write(path: Path, size: int) -> None:
+        sha, fast = hashlib.sha256(), xxhash.xxh3_128()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for offset in range(0, size, len(chunk)):
+            piece = chunk[: min(len(chunk), size - offset)]
+            os.write(fd, piece)
+            sha.update(piece)
+            fast.update(piece)
+        os.fsync(fd)
+        os.close(fd)
+        path.unlink()
+
+    threads = [threading.Thread(target=write, args=(root / f"raw-{os.getpid()}-{i}", nbytes // streams))
+               for i in range(streams)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def replicated_worker(root: Path, repeats: int, hidden: int, max_shard_size: str, out: Path) -> None:
-    """One rank of a DDP replica: blocking saves, split and single-writer alternating; every save's seconds."""
+    """One rank of a DDP replica: blocking saves, split and single-writer alternating, and the raw baseline of the
+    same bytes (rank 0 alone on 1 and 2 threads, both ranks each half on 1); every save's seconds, per phase."""
     import torch.distributed as dist
 
     from hf_resumable import save_checkpoint
@@ -240,8 +313,15 @@ def replicated_worker(root: Path, repeats: int, hidden: int, max_shard_size: str
     rank = dist.get_rank()
     model = build(hidden)  # seeded: the same weights and optimizer state on every rank
     optimizer = prime_optimizer(model)
+    tensor_bytes = sum(t.numel() * t.element_size() for t in [*model.state_dict().values(), *(
+        v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))])
+    phases: dict[str, float] = {}
+    time_phases(phases)
     plans = {"split": "1", "single writer": "0"}
-    times: dict[str, list[float]] = {name: [] for name in plans}
+    raw = {"raw, rank 0 alone, 1 thread": (1, [0]), "raw, rank 0 alone, 2 threads": (2, [0]),
+           "raw, 2 ranks, each half on 1 thread": (1, [0, 1])}
+    times: dict[str, list[float]] = {name: [] for name in [*plans, *raw]}
+    profile: dict[str, list[dict[str, float]]] = {name: [] for name in plans}
     for i in range(repeats + 1):  # the first round warms up
         for name in (list(plans) if i % 2 else list(plans)[::-1]):
             os.environ[SPLIT_ENV] = plans[name]
@@ -249,21 +329,37 @@ def replicated_worker(root: Path, repeats: int, hidden: int, max_shard_size: str
             if rank == 0:
                 drop_caches()
             dist.barrier()
-            start = time.perf_counter()
+            phases.clear()
+            cpu, start = _cpu_seconds(), time.perf_counter()
             save_checkpoint(path, model=model, optimizer=optimizer, step=0, max_shard_size=max_shard_size)
             seconds = time.perf_counter() - start
             dist.barrier()
             if i:
                 times[name].append(seconds)
+                profile[name].append({**phases, "CPU seconds, all threads": _cpu_seconds() - cpu, "save": seconds})
             if rank == 0:
                 size = dir_bytes(path)
                 files = sum(1 for p in path.rglob("*.safetensors"))
                 shutil.rmtree(path, ignore_errors=True)
+        for name, (streams, ranks) in raw.items():
+            if rank == 0:
+                drop_caches()
+            dist.barrier()
+            start = time.perf_counter()
+            if rank in ranks:
+                raw_hashed_writes(root, tensor_bytes // len(ranks), streams)
+            seconds = time.perf_counter() - start
+            dist.barrier()
+            if i:
+                times[name].append(seconds if rank in ranks else 0.0)
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, times)  # benchmark driver only: the library never pickles
+    # benchmark driver only: the library never pickles
+    dist.all_gather_object(gathered, {"times": times, "profile": profile})
     if rank == 0:
-        slowest = {name: [max(per_rank[name][k] for per_rank in gathered) for k in range(repeats)] for name in plans}
-        out.write_text(json.dumps({"times": slowest, "bytes": size, "files": files}))
+        slowest = {name: [max(r["times"][name][k] for r in gathered) for k in range(repeats)] for name in times}
+        per_rank = {name: [r["profile"][name] for r in gathered] for name in plans}
+        out.write_text(json.dumps({"times": slowest, "bytes": size, "files": files, "raw_bytes": tensor_bytes,
+                                   "profile": per_rank}))
     dist.destroy_process_group()
 
 
@@ -288,10 +384,12 @@ def resume_worker(root: Path, repeats: int, hidden: int, max_shard_size: str, ou
     optimizer = prime_optimizer(model)
     path = root / "checkpoint-0"
     save_checkpoint(path, model=model, optimizer=optimizer, step=0, max_shard_size=max_shard_size)
-    plans = {"shared reads": "1", "every rank reads all": "0"}
+    plans = {"default (one machine: per-rank reads)": "1", "split and exchanged over gloo": "always",
+             "every rank reads all": "0"}
     times: dict[str, list[tuple[float, int]]] = {name: [] for name in plans}
+    names = list(plans)
     for i in range(repeats + 1):  # the first round warms up
-        for name in (list(plans) if i % 2 else list(plans)[::-1]):
+        for name in names[i % len(names):] + names[: i % len(names)]:
             os.environ[SHARED_READS_ENV] = plans[name]
             fresh = build(hidden)
             fresh_optimizer = prime_optimizer(fresh)
@@ -461,7 +559,7 @@ def resume_report(result: dict, args: argparse.Namespace) -> str:
     lines = [f"2 gloo ranks resuming a DDP replica (hidden {args.hidden}) + AdamW, load_checkpoint, max_shard_size="
              f"{args.max_shard_size}: {size / 1e6:.0f} MB ({result['files']} safetensors files) under "
              f"{args.dir or tempfile.gettempdir()}; page cache dropped before each load; median of {args.repeats} "
-             "alternating loads each (slower rank), after a warm-up round.", "",
+             "loads each in rotating order (slower rank), after a warm-up round.", "",
              "| reads | median s | min-max s | bytes read by both ranks / checkpoint size (median, min-max) |",
              "|---|---:|---:|---:|"]
     for name, entries in times.items():
@@ -469,23 +567,36 @@ def resume_report(result: dict, args: argparse.Namespace) -> str:
         lines.append(f"| {name} | {seconds[name]:.3f} | {min(s for s, _ in entries):.3f}-"
                      f"{max(s for s, _ in entries):.3f} | {statistics.median(ratios):.2f}x "
                      f"({min(ratios):.2f}-{max(ratios):.2f}) |")
-    lines += ["", f"shared / every rank reads all: {seconds['shared reads'] / seconds['every rank reads all']:.2f}x "
-              "the time (lower is better)"]
+    lines += ["", *(f"{name} / every rank reads all: {seconds[name] / seconds['every rank reads all']:.2f}x the time "
+                    "(lower is better)" for name in times if name != "every rank reads all")]
     return "\n".join(lines)
 
 
 def replicated_report(result: dict, args: argparse.Namespace) -> str:
-    times = result["times"]
+    times, profile = result["times"], result["profile"]
     split, single = (statistics.median(times[name]) for name in ("split", "single writer"))
-    return "\n".join([
+    one, two = (statistics.median(times[f"raw, rank 0 alone, {n}"]) for n in ("1 thread", "2 threads"))
+    both = statistics.median(times["raw, 2 ranks, each half on 1 thread"])
+    lines = [
         f"2 gloo ranks, DDP replica of a Llama-shaped model (hidden {args.hidden}) + AdamW, save_checkpoint(blocking, "
         f"max_shard_size={args.max_shard_size}): {result['bytes'] / 1e6:.0f} MB in {result['files']} safetensors "
         f"files, under {args.dir or tempfile.gettempdir()}; median of {args.repeats} alternating saves each (slower "
-        "rank), after a warm-up round.", "",
+        f"rank), after a warm-up round. Raw: {result['raw_bytes'] / 1e6:.0f} MB (the tensors' bytes) written, "
+        "sha256'd and xxh3'd in 16 MiB chunks, fsynced, in the same rounds.", "",
         "| plan | median s | min-max s | MB/s |", "|---|---:|---:|---:|",
         *(f"| {name} | {statistics.median(t):.3f} | {min(t):.3f}-{max(t):.3f} | "
           f"{result['bytes'] / statistics.median(t) / 1e6:.0f} |" for name, t in times.items()),
-        "", f"split / single writer: {split / single:.2f}x the time (lower is better)"])
+        "", "Per rank, median seconds of each phase (CPU seconds: every thread of the process):", "",
+        "| phase | " + " | ".join(f"{plan}, rank {r}" for plan in profile for r in range(len(profile[plan]))) + " |",
+        "|---|" + "---:|" * sum(len(ranks) for ranks in profile.values())]
+    columns = [runs for ranks in profile.values() for runs in ranks]  # per plan and rank: one dict per save
+    for label in dict.fromkeys(label for runs in columns for run in runs for label in run):
+        cells = [statistics.median(run.get(label, 0.0) for run in runs) for runs in columns]
+        lines.append(f"| {label} | " + " | ".join(f"{cell:.3f}" for cell in cells) + " |")
+    lines += ["", f"raw, 2 ranks / rank 0 alone on 2 threads: {both / two:.2f}x; on 1 thread: {both / one:.2f}x "
+              "(the split's ceiling on this machine)",
+              f"split / single writer: {split / single:.2f}x the time (lower is better)"]
+    return "\n".join(lines)
 
 
 def stall_report(result: dict, args: argparse.Namespace) -> str:

@@ -16,10 +16,13 @@ from hf_resumable.checkpoint import _threads, _writer, read_manifest, save_check
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 
 
-def test_the_background_write_runs_below_the_training_priority_until_waited_for(tmp_path, monkeypatch):
+@pytest.mark.parametrize("how", ["wait", "expedite"])
+def test_the_background_write_runs_below_the_training_priority_until_waited_for(tmp_path, monkeypatch, how):
     """The write's threads run WRITER_NICE_INCREMENT nice steps below the training thread (so a step is barely
-    slower while a save is written), and get the normal priority back once the training loop waits for them."""
+    slower while a save is written), and get the normal priority back once the training loop waits for them, or
+    without waiting once it says the write is late (``expedite``: the next save is due)."""
     from hf_resumable.checkpoint import async_save
+    from hf_resumable.checkpoint.api import background_saver
 
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     lowered = min(19, base + async_save.WRITER_NICE_INCREMENT)
@@ -45,8 +48,15 @@ def test_the_background_write_runs_below_the_training_priority_until_waited_for(
     assert started.wait(30)
     assert seen[0] == lowered
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the training thread is untouched
+    if how == "expedite":
+        assert background_saver().expedite()  # in flight: the writer is held until its priority is restored
+        deadline = time.monotonic() + 30
+        while len(seen) < 2 and time.monotonic() < deadline:  # restored without waiting (the event, polled)
+            time.sleep(0.01)
+        assert seen[-1] == restored
     wait_for_pending_saves()
     assert seen[-1] == restored
+    assert not background_saver().expedite()  # nothing in flight
     assert read_manifest(tmp_path / "checkpoint-1").step == 1
 
 

@@ -86,13 +86,21 @@ class _Clock:
 
 
 def _drive(callback: AutoSaveInterval, monkeypatch: pytest.MonkeyPatch, *, steps: int, step_s: float,
-           stall_s: float, write_steps: int = 0) -> list[int]:
+           stall_s: float, write_steps: int = 0, expedited: list[int] | None = None) -> list[int]:
     """Run ``steps`` optimizer steps of ``step_s`` through the callback; a save stalls the next step by ``stall_s``
-    and stays in flight for ``write_steps`` steps. Returns the steps that saved."""
+    and stays in flight for ``write_steps`` steps (``expedited`` collects the steps at which the callback gave the
+    write in flight the loop's priority back). Returns the steps that saved."""
     clock, in_flight = _Clock(), [0]
-    monkeypatch.setattr(_save_interval, "time", clock)
-    monkeypatch.setattr(_save_interval, "background_saver", lambda: SimpleNamespace(in_flight=in_flight[0] > 0))
     state, saved, stall = SimpleNamespace(global_step=0, max_steps=steps), [], 0.0
+    expedited = [] if expedited is None else expedited
+
+    def expedite() -> bool:
+        expedited.append(state.global_step)
+        return in_flight[0] > 0
+
+    monkeypatch.setattr(_save_interval, "time", clock)
+    monkeypatch.setattr(_save_interval, "background_saver",
+                        lambda: SimpleNamespace(in_flight=in_flight[0] > 0, expedite=expedite))
     callback.on_train_begin(None, state, SimpleNamespace())
     for step in range(1, steps + 1):
         clock.now += step_s + stall
@@ -118,24 +126,33 @@ def test_a_blocking_save_is_measured_then_planned(monkeypatch: pytest.MonkeyPatc
     assert f"every {expected.steps} steps" in caplog.text
 
 
-def test_a_background_write_sets_the_fewest_steps_between_saves(monkeypatch: pytest.MonkeyPatch) -> None:
-    callback = AutoSaveInterval(mean_time_between_failures=1.0)  # failures so often that saving every step is best
-    saved = _drive(callback, monkeypatch, steps=30, step_s=1.0, stall_s=0.2, write_steps=3)
-    assert callback.min_steps == 3 and callback.plan.steps == 3  # 2 step ends saw the write in flight
-    assert callback.plan.save_cost_s == pytest.approx(0.2)
-    assert saved == list(range(2, 31, 3))
+def test_a_write_still_in_flight_when_the_next_save_is_due_is_expedited(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Failures so often that saving every step is best, and writes that take 3 steps: the interval stays the
+    planned one (the write's duration is not planned on), each write is expedited once, at the first step end the
+    next save is due, and the next save follows its commit."""
+    callback, expedited = AutoSaveInterval(mean_time_between_failures=1.0), []
+    saved = _drive(callback, monkeypatch, steps=30, step_s=1.0, stall_s=0.2, write_steps=3, expedited=expedited)
+    assert callback.plan.steps == 1 and callback.plan.save_cost_s == pytest.approx(0.2)
+    assert saved == list(range(2, 31, 3))  # every save waits for the previous commit
+    assert expedited == [s + 1 for s in saved[:-1]]  # the probe too: its cost so far already made it due
+
+
+def test_a_write_is_not_expedited_before_the_next_save_is_due(monkeypatch: pytest.MonkeyPatch) -> None:
+    callback, expedited = AutoSaveInterval(mean_time_between_failures=600.0), []
+    saved = _drive(callback, monkeypatch, steps=80, step_s=0.5, stall_s=0.5, write_steps=5, expedited=expedited)
+    assert callback.plan.steps > 5 and expedited == []
+    assert saved == list(range(2, 81, callback.plan.steps))
 
 
 def test_measurements_survive_in_the_checkpoint_state() -> None:
     callback = AutoSaveInterval(mean_time_between_failures=60.0)
-    callback.step_times, callback.save_costs, callback.min_steps = [0.5, 0.5], [1.0], 2
+    callback.step_times, callback.save_costs = [0.5, 0.5], [1.0]
     state = callback.state()
     restored = AutoSaveInterval(**state["args"])
     for name, value in state["attributes"].items():  # as Trainer._load_callback_state restores it
         setattr(restored, name, value)
     restored.on_train_begin(None, SimpleNamespace(global_step=10), None)
-    assert restored.plan == plan_save_interval(save_cost_s=1.0, step_time_s=0.5, mean_time_between_failures_s=60.0,
-                                               min_steps=2)
+    assert restored.plan == plan_save_interval(save_cost_s=1.0, step_time_s=0.5, mean_time_between_failures_s=60.0)
 
 
 # ------------------------------------------------------------------------------------------- through ResumableTrainer

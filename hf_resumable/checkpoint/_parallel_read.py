@@ -2,7 +2,7 @@
 
 A resume reads a model into memory that exists and an optimizer state twice its size into new memory. Every file is
 cut into chunks of at most ``CHUNK_BYTES`` (:func:`plan_reads`, pure: which byte range of which file lands in which
-tensor), and ``READ_WORKERS`` threads (``HF_RESUMABLE_READ_STREAMS=<n>`` or ``read_files(workers=n)`` changes it)
+tensor), and :func:`read_streams` threads (``HF_RESUMABLE_READ_STREAMS=<n>`` or ``read_files(workers=n)`` changes it)
 take the chunks in file order and ``pread`` each straight into the destination tensor's bytes. Whichever thread
 completes a file's next chunk feeds that file's checksum, so every byte is hashed in order while the reads go on.
 ``pread``, ``xxh3`` and ``sha256`` release the GIL. One more thread faults in the pages of new destinations ahead of
@@ -14,9 +14,12 @@ GiB (model into existing memory, new AdamW state, every hash checked), one mecha
 rotating order, as the median of the per-round time ratios of two runs (n=5, n=7) on this project's 2-core VM
 while other jobs kept its load average at 7-10 (docs/benchmarks.md has the tables):
 
-- 4 streams, not 1: 1.33x and 1.64x faster on the VM's virtio disk, cold cache. On tmpfs, where every read is a
-  memory copy competing for the loaded cores, 1 stream was 1.54x and 1.26x faster than 4:
-  ``HF_RESUMABLE_READ_STREAMS=1`` is the setting for such a machine.
+- streams: one per two cores this process may run on, at most ``READ_WORKERS`` (4). Each stream copies and hashes
+  at memory speed, so a stream needs a core. On this 2-core VM (one stream), quiet, 1 stream against 4 was 1.44x
+  and 2.07x as fast in two sessions (``bench_checkpoint.py``), and a 4-thread raw read ran at 0.64x of one stream;
+  4 streams won only while other jobs loaded the cores (1.33x and 1.64x on the disk, load 7-10), where more
+  threads just take a larger share of a busy machine. On tmpfs 1 stream was 1.54x and 1.26x as fast even then.
+  ``HF_RESUMABLE_READ_STREAMS=<n>`` overrides the choice.
 - the prefault thread: 1.19x and 1.11x faster on the disk (the page faults of new memory overlap the disk's
   work); on tmpfs the load was 1.27x and 1.31x faster without it (the faults then only compete for the cores).
 
@@ -56,10 +59,9 @@ from ._threads import run_in_threads
 logger = logging.getLogger(__name__)
 
 __all__ = ["FileRead", "Chunk", "plan_reads", "read_files", "read_streams", "READ_WORKERS", "CHUNK_BYTES",
-           "READ_STREAMS_ENV"]
+           "READ_STREAMS_ENV", "default_read_streams"]
 
-# Threads reading at once (all files share them): more than this VM's 2 cores, so the disk queue stays deep while
-# some threads fault in fresh pages or hash.
+# Most threads reading at once (all files share them); the default is one per two usable cores, up to this.
 READ_WORKERS = 4
 # Largest byte range one thread reads at a time.
 CHUNK_BYTES = 8 * 1024 * 1024
@@ -276,17 +278,34 @@ def _pread_into(fd: int, chunk: Chunk, path: Path) -> None:
 
 
 def read_streams() -> int:
-    """Reads kept in flight: ``HF_RESUMABLE_READ_STREAMS`` when set, else ``READ_WORKERS``.
+    """Reads kept in flight: ``HF_RESUMABLE_READ_STREAMS`` when set, else :func:`default_read_streams`.
 
     Raises:
         ValueError: ``HF_RESUMABLE_READ_STREAMS`` is not an integer >= 1.
     """
     override = os.environ.get(READ_STREAMS_ENV, "").strip()
     if not override:
-        return READ_WORKERS
+        return default_read_streams(_usable_cores())
     if not override.isdigit() or int(override) < 1:
         raise ValueError(f"{READ_STREAMS_ENV}={override!r}: expected the number of read streams, an integer >= 1.")
     return int(override)
+
+
+def default_read_streams(cores: int) -> int:
+    """Read streams for a process that may run on ``cores`` cores: one per two, at least 1, at most ``READ_WORKERS``.
+
+    Example:
+        >>> [default_read_streams(n) for n in (1, 2, 3, 4, 8, 64)]
+        [1, 1, 1, 2, 4, 4]
+    """
+    return max(1, min(READ_WORKERS, cores // 2))
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes: int = CHUNK_BYTES

@@ -7,7 +7,8 @@ one). The commit protocol itself is :mod:`._writer`'s.
 
 The write runs at a lower CPU priority than the training loop (:data:`WRITER_NICE_INCREMENT`, Linux): its hashing
 and page-cache copies take the cores the training threads leave idle instead of slowing every step, and get the
-normal priority back as soon as the training loop waits for them.
+normal priority back as soon as the training loop waits for them, or when the caller says the write is late
+(:meth:`AsyncSaver.expedite`: the next save is due).
 """
 
 from __future__ import annotations
@@ -57,10 +58,13 @@ class _SaveJob:
         self.staging_error: BaseException | None = None
         self.error: BaseException | None = None  # raised at the next wait
         self.priority: tuple[int, int] | None = None  # the writer's lowered nice value (lower_thread_priority)
+        self.expedited = False  # AsyncSaver.expedite: the write runs at the training loop's priority
 
     def run(self) -> None:
         manifest = None
         self.priority = lower_thread_priority(WRITER_NICE_INCREMENT)
+        if self.expedited:  # expedited before it started: set after the priority, so that either order restores
+            restore_thread_priorities(self.priority)
         try:
             manifest = self._run()
         finally:
@@ -220,6 +224,24 @@ class AsyncSaver:
     def in_flight(self) -> bool:
         job = self._job
         return job is not None and job.pid == os.getpid() and not job.future.done()
+
+    def expedite(self) -> bool:
+        """Give the in-flight write the training loop's CPU priority back, without waiting for it: a caller whose
+        next save is due while this one is still being written (under CPU contention the lowered writer can take
+        many steps to commit, and until it has, a preemption loses everything since the previous checkpoint).
+
+        Raising a priority again needs ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` that allows it; without either, the
+        write keeps its lower priority (see :func:`._threads.restore_thread_priorities`).
+
+        Returns:
+            `bool`: whether a write of this process was in flight (and so was given its priority back).
+        """
+        job = self._job
+        if job is None or job.pid != os.getpid() or job.future.done():
+            return False
+        job.expedited = True
+        restore_thread_priorities(job.priority)
+        return True
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed; raise its error if it failed.

@@ -5,13 +5,19 @@ it needs on the training thread, from the times of ``on_step_end``:
 
 * the step time: the median duration of the recent steps that ran without a save;
 * a save's cost to the loop: the extra time of the step that held the save (a blocking save; the staging stall
-  of a background one) plus, while a background save is written, the extra time of every step that ran meanwhile;
-  the number of such steps is the fewest steps between saves (a save waits for the previous one to commit).
+  of a background one) plus, while a background save is written, the extra time of every step that ran meanwhile.
 
 Until a save has been measured, the first one is written two steps after training starts (a probe); then every
 ``plan.steps`` steps. The interval is decided again when the save cost or the step time drifts by more than 1.5x;
 each decision is logged at INFO. The measurements are kept in checkpoints (an ``ExportableState``), so a resumed run
 plans from them without a new probe.
+
+A background save is written at a lower CPU priority than the training loop, so under CPU contention it can take
+many steps to commit, and until it has, a failure loses everything since the previous checkpoint. When the next save
+is due while one is still being written (for the probe, before any plan: when the interval planned from what it has
+cost so far has passed), its writer gets the loop's priority back (``AsyncSaver.expedite``) and the next save
+follows its commit: the write's duration bounds the interval from below without being planned on, since a write
+that would be expedited anyway says nothing about the interval.
 """
 
 from __future__ import annotations
@@ -79,22 +85,21 @@ class AutoSaveInterval(TrainerCallback, ExportableState):
         self.plan: SaveIntervalPlan | None = None
         self.step_times: list[float] = []  # kept in checkpoints with the costs (lists: JSON)
         self.save_costs: list[float] = []
-        self.min_steps = 1
         self._last_end: float | None = None
         self._last_save: int | None = None
-        self._measuring: list[float] | None = None  # [extra seconds so far, steps the write has taken]
+        self._measuring: float | None = None  # extra seconds the save being measured has cost so far
+        self._expedited = False  # the write in flight was given the loop's priority back
 
     def state(self) -> dict:
         return {"args": {"mean_time_between_failures": self.mean_time_between_failures},
-                "attributes": {"step_times": list(self.step_times), "save_costs": list(self.save_costs),
-                               "min_steps": self.min_steps}}
+                "attributes": {"step_times": list(self.step_times), "save_costs": list(self.save_costs)}}
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._last_end, self._last_save, self._measuring = None, state.global_step, None
         self._replan()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._last_save, self._measuring = state.global_step, [0.0, 0]
+        self._last_save, self._measuring, self._expedited = state.global_step, 0.0, False
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         now, writing = time.perf_counter(), background_saver().in_flight
@@ -110,24 +115,38 @@ class AutoSaveInterval(TrainerCallback, ExportableState):
             self.step_times = (self.step_times + [seconds])[-_WINDOW:]
             return
         if self.step_times:
-            self._measuring[0] += seconds - statistics.median(self.step_times)
+            self._measuring += seconds - statistics.median(self.step_times)
         if writing:
-            self._measuring[1] += 1
             return
-        cost, steps = self._measuring
-        self._measuring = None
+        cost, self._measuring = self._measuring, None
         self.save_costs = (self.save_costs + [max(cost, 1e-3)])[-_COSTS:]
-        self.min_steps = steps + 1
         self._replan()
 
     def _wants_save(self, step: int, writing: bool) -> bool:
         if writing or self._measuring is not None:
+            if writing and not self._expedited and self._is_due(step):
+                # the next save is due and waits for this one: it is late, at the loop's priority from now on
+                self._expedited = background_saver().expedite()
+                logger.debug("The save of step %s is still being written at step %s, when the next one is due: "
+                             "its writer runs at the training loop's priority from now on.", self._last_save, step)
             return False  # a save now would wait for the one being written
         if self.plan is None:
             return not self.save_costs and step - (self._last_save or 0) >= _PROBE_AFTER_STEPS
         if has_drifted(self.plan, save_cost_s=self.plan.save_cost_s, step_time_s=statistics.median(self.step_times)):
             self._replan()
-        return step - (self._last_save or 0) >= self.plan.steps
+        return self._is_due(step)
+
+    def _is_due(self, step: int) -> bool:
+        """Whether the planned interval has passed since the last save; before the first plan (a probe being
+        written), the interval planned from what the probe has cost the loop so far."""
+        plan = self.plan
+        if plan is None:
+            if not self.step_times:
+                return False
+            plan = plan_save_interval(save_cost_s=max(self._measuring or 0.0, 1e-3),
+                                      step_time_s=statistics.median(self.step_times),
+                                      mean_time_between_failures_s=self.mean_time_between_failures)
+        return step - (self._last_save or 0) >= plan.steps
 
     def _replan(self) -> None:
         if not (self.save_costs and self.step_times):
@@ -135,6 +154,6 @@ class AutoSaveInterval(TrainerCallback, ExportableState):
         cost, step = statistics.median(self.save_costs), statistics.median(self.step_times)
         if self.plan is not None and not has_drifted(self.plan, save_cost_s=cost, step_time_s=step):
             return
-        self.plan = plan_save_interval(save_cost_s=cost, step_time_s=step, min_steps=self.min_steps,
+        self.plan = plan_save_interval(save_cost_s=cost, step_time_s=step,
                                        mean_time_between_failures_s=self.mean_time_between_failures)
         logger.info("Saving checkpoints %s.", self.plan.describe())

@@ -1,12 +1,14 @@
 """One rank of a 2-rank gloo group resuming a DDP replica (see tests/test_shared_read.py).
 
-Usage: ``shared_read_worker.py MODE ROOT`` with the torchrun environment set; ``HF_RESUMABLE_SHARED_READS=0`` makes
-every rank read every file.
+Usage: ``shared_read_worker.py MODE ROOT`` with the torchrun environment set; ``HF_RESUMABLE_SHARED_READS`` chooses the
+reads (``always``: split and exchanged; ``1``: the default; ``0``: every rank reads every file).
 
 * ``save``: save the same model and optimizer (files above the quick-hash limit) as ``ROOT/checkpoint-1``.
 * ``load``: drop the checkpoint's pages from the page cache, load it into a fresh model and optimizer, and record
-  the bytes this rank read from storage (``/proc/self/io`` read_bytes), whether the state is bitwise the saved one,
-  or the error it raised (``result-rank{R}.json``).
+  the bytes this rank read from storage (``/proc/self/io`` read_bytes), whether the ranks exchanged the files over
+  gloo, whether the state is bitwise the saved one, or the error it raised (``result-rank{R}.json``).
+* ``load-unhinted``: as ``load``, without torchrun's ``LOCAL_WORLD_SIZE`` (a launcher that does not say which ranks
+  share this machine: the ranks find out from the checkpoint's page cache identity).
 """
 
 from __future__ import annotations
@@ -59,10 +61,28 @@ def same_state(model, optimizer, reference_model, reference_optimizer) -> bool:
     return same
 
 
+def count_exchanges() -> list:
+    """Record every exchange over gloo that a shared load starts (one entry each)."""
+    import hf_resumable.checkpoint._shared_read as shared_read
+
+    started: list = []
+    original = shared_read._Exchange
+
+    class Counted(original):
+        def __init__(self, *args, **kwargs) -> None:
+            started.append(True)
+            super().__init__(*args, **kwargs)
+
+    shared_read._Exchange = Counted
+    return started
+
+
 def main(mode: str, root: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))  # a loaded machine is only slower
     rank = dist.get_rank()
     checkpoint = Path(root) / "checkpoint-1"
+    if mode == "load-unhinted":
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
     if mode == "save":
         model, optimizer = build(0)
         save_checkpoint(checkpoint, model=model, optimizer=optimizer, step=1, max_shard_size="5MB", rng=False)
@@ -71,6 +91,7 @@ def main(mode: str, root: str) -> None:
         if rank == 0:
             drop_from_page_cache(checkpoint)
         dist.barrier()
+        exchanges = count_exchanges()
         before = read_bytes()
         result: dict = {}
         try:
@@ -80,6 +101,7 @@ def main(mode: str, root: str) -> None:
         except Exception as err:  # noqa: BLE001 - recorded for the test
             result["error"] = type(err).__name__
         result["read_bytes"] = read_bytes() - before
+        result["exchanged"] = bool(exchanges)
         (Path(root) / f"result-rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
