@@ -44,24 +44,32 @@ def _size(checkpoint: Path) -> int:
 
 def test_a_two_rank_resume_reads_the_checkpoint_once_and_loads_it_bitwise(saved):
     size = _size(saved / "checkpoint-1")
-    each = _run("load", saved, shared="0")  # every rank reads every file: the reads this replaces
-    assert all(result.get("same") for result in each), each
-    before = sum(r["read_bytes"] for r in each)
-    if before < 0.5 * size:
-        pytest.skip(f"{saved} is not on a block device (tmpfs?): read_bytes counts no reads there")
-    shared = _run("load", saved)
+    shared = _run("load", saved)  # forced: the ranks split the files and exchange them (ranks on two machines)
     assert all(result.get("same") for result in shared), shared
     total = sum(r["read_bytes"] for r in shared)
+    if total < 0.5 * size:
+        pytest.skip(f"{saved} is not on a block device (tmpfs?): read_bytes counts no reads there")
     assert total <= 1.1 * size, (total, size, shared)
     assert all(r["read_bytes"] > 0.25 * size for r in shared), shared  # both ranks read their share
-    assert all(r["exchanged"] for r in shared) and not any(r["exchanged"] for r in each), (shared, each)
+    assert all(r["exchanged"] for r in shared), shared
     # One machine, not said by the launcher: the ranks find they share a page cache, and each reads every file.
     default = _run("load-unhinted", saved, shared="1")
     assert all(result.get("same") for result in default), default
     assert sum(r["read_bytes"] for r in default) <= 1.1 * size, (size, default)
     assert not any(r["exchanged"] for r in default), default
-    # Without sharing, both ranks read every file; on one machine they share the page cache, so storage still
-    # serves each byte about once (buffered reads), but every byte was read from it.
+
+
+@pytest.mark.extended
+def test_without_shared_reads_every_rank_reads_every_file(saved):
+    size = _size(saved / "checkpoint-1")
+    each = _run("load", saved, shared="0")  # every rank reads every file: the reads the default replaces
+    assert all(result.get("same") for result in each), each
+    assert not any(r["exchanged"] for r in each), each
+    before = sum(r["read_bytes"] for r in each)
+    if before < 0.5 * size:
+        pytest.skip(f"{saved} is not on a block device (tmpfs?): read_bytes counts no reads there")
+    # On one machine the ranks share the page cache, so storage serves each byte about once (buffered reads),
+    # but every byte was read from it.
     assert before >= 0.9 * size, (before, size, each)
 
 
