@@ -24,6 +24,33 @@ def test_trainer_internals_we_rely_on_are_unchanged() -> None:
     assert check_trainer_internals() == []
 
 
+def test_either_way_of_skipping_on_resume_is_accepted_and_neither_is_refused(monkeypatch) -> None:
+    """transformers < 5.25 calls ``skip_first_batches`` in ``_run_epoch``; 5.25 calls ``get_resumed_dataloader``,
+    whose default calls it. Whichever is installed, the other form must be accepted too, and a third refused."""
+    import inspect
+
+    from transformers import Trainer
+
+    from hf_resumable.integrations import trainer as integration
+
+    real = inspect.getsource
+    run_epoch = real(Trainer._run_epoch)
+    forms = ("skip_first_batches(train_dataloader, steps_trained_in_current_epoch)",
+             "self.get_resumed_dataloader(train_dataloader, steps_trained_in_current_epoch)")
+    installed = next(form for form in forms if form in run_epoch)
+    for form, expected in ((forms[0], []), (forms[1], []), ("my_skip(train_dataloader)", ["_run_epoch"])):
+        source = run_epoch.replace(installed, form)
+        monkeypatch.setattr(integration.inspect, "getsource",
+                            lambda obj, source=source: source if obj is Trainer._run_epoch else real(obj))
+        problems = integration.check_trainer_internals()
+        assert [p.split()[0].removeprefix("Trainer.") for p in problems] == expected, problems
+    if hasattr(Trainer, "get_resumed_dataloader"):  # its body must still reach skip_first_batches
+        monkeypatch.setattr(integration.inspect, "getsource",
+                            lambda obj: "return other(dataloader)" if obj is Trainer.get_resumed_dataloader
+                            else real(obj))
+        assert any("get_resumed_dataloader" in p for p in integration.check_trainer_internals())
+
+
 def _trainer(output_dir: Path, *, ga: int = 1, batch: int = 4, seed: int = 42, samples: int = 24, max_steps: int = 2,
              dropout_model: str = "gpt2", **kwargs) -> ResumableTrainer:
     tokenizer = train_tiny.build_tokenizer()
