@@ -71,6 +71,9 @@ PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.checkpoint"
            "psutil", "hf_resumable", "hf_resumable.cli", "hf_resumable.integrations.trainer",
            "hf_resumable.integrations.accelerate", "hf_resumable.hub")
 
+# Set in a forked child: the pid of the client that asked for it, i.e. the process its launcher (torchrun) started.
+# The child's own parent is the zygote; a script that must signal its launcher finds it as this pid's parent.
+CLIENT_PID_ENV = "HFR_ZYGOTE_CLIENT_PID"
 _HEADER = struct.Struct("!I")
 _MAX_ZYGOTES = 10
 
@@ -237,6 +240,8 @@ def _become(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    if request.get("watch"):  # the process its launcher started (torchrun's worker pid)
+        os.environ[CLIENT_PID_ENV] = str(request["watch"])
     # A fresh interpreter's stdio: new objects on fds 0-2, unbuffered when the child asked for it.
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
