@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..constants import REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
 from ..errors import CheckpointExistsError
+from ..format._libc import libc_function
 from ..format.safetensors_io import FileRecord, record_of
 from ._owner import DELETING_MARK, member_name
 from ._pins import live_pins
@@ -71,14 +72,7 @@ def fsync_tree(path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------- atomic renames
 def _load_renameat2():
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        function = libc.renameat2
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return function
+    return libc_function("renameat2", (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint))
 
 
 _renameat2_function = _load_renameat2()

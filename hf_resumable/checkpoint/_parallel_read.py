@@ -52,6 +52,7 @@ import torch
 import xxhash
 
 from ..errors import CorruptCheckpointError
+from ..format._libc import libc_function
 from ..format._safefile import open_regular
 from ..format.safetensors_io import FileRecord, SafetensorsHeader, TensorInfo
 from ._threads import run_in_threads
@@ -207,27 +208,14 @@ class _FileState:
 
 
 @functools.lru_cache(maxsize=1)
-def _libc() -> ctypes.CDLL | None:
-    """libc through ctypes (which releases the GIL during each call), with ``madvise``'s signature; ``None`` off
-    Linux."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        libc.madvise.restype = ctypes.c_int
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
 @functools.lru_cache(maxsize=1)
 def _madvise() -> Callable[[int, int], int] | None:
     """``madvise(address, length, MADV_POPULATE_WRITE)`` through libc (Linux >= 5.14), or ``None``."""
-    libc = _libc()
-    if libc is None:
+    madvise = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)) \
+        if sys.platform.startswith("linux") else None
+    if madvise is None:
         return None
-    return lambda address, length: libc.madvise(address, length, _MADV_POPULATE_WRITE)
+    return lambda address, length: madvise(address, length, _MADV_POPULATE_WRITE)
 
 
 _MADV_POPULATE_WRITE = 23

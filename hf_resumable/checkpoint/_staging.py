@@ -18,9 +18,10 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from ..format._libc import libc_function
 
 try:
     from .._fastcopy import copy as _nt_copy
@@ -225,23 +226,11 @@ class _Differs(Exception):
     """Raised by the comparing "copier" of :func:`equal_bytes` at the first difference: it ends the job."""
 
 
-def _memcmp() -> Any:
-    libc = ctypes.CDLL(None)  # the C library the interpreter runs on (ctypes releases the GIL around the call)
-    function = libc.memcmp
-    function.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-    function.restype = ctypes.c_int
-    return function
-
-
-_MEMCMP = None
-
-
 def equal_bytes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, workers: int | None = None) -> bool:
     """Whether every ``(a, b)`` pair holds the same bytes. Plain contiguous CPU tensors of one dtype and shape are
     compared at memory speed by the staging copy's threads (the C library's ``memcmp``, GIL released), stopping at
     the first difference; any other pair (another device or layout) with ``torch.equal`` on its bytes.
     """
-    global _MEMCMP
     fast: list[tuple[int, int, int]] = []
     for a, b in pairs:
         a, b = a.detach(), b.detach()
@@ -252,9 +241,9 @@ def equal_bytes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, workers: 
                 fast.append((a.data_ptr(), b.data_ptr(), a.numel() * a.element_size()))
         elif not torch.equal(_as_bytes(a), _as_bytes(b)):
             return False
-    if _MEMCMP is None:
-        _MEMCMP = _memcmp()
-    compare = _MEMCMP
+    compare = libc_function("memcmp", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t))
+    if compare is None:  # no C library here: compare the rest with torch too
+        return all(torch.equal(_as_bytes(a.detach()), _as_bytes(b.detach())) for a, b in pairs)
 
     def differ(first: int, second: int, nbytes: int) -> None:
         if compare(first, second, nbytes):

@@ -31,7 +31,6 @@ import sys
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import xxhash
@@ -39,6 +38,7 @@ import xxhash
 from ..constants import MAX_HEADER_SIZE, SAFETENSORS_METADATA
 from ..errors import CorruptCheckpointError
 from ._jsonio import parse_json
+from ._libc import libc_function
 from ._safefile import open_regular
 
 logger = logging.getLogger(__name__)
@@ -355,18 +355,9 @@ class _WriteBehind:
             raise self.error
 
 
-def _sync_file_range() -> Any:
-    """Linux's ``sync_file_range`` through the C library (the ``os`` module lacks it), or ``None`` elsewhere."""
-    try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    function.restype = ctypes.c_int
-    return function
-
-
-_SYNC_FILE_RANGE = _sync_file_range() if sys.platform.startswith("linux") else None
+# Linux's ``sync_file_range`` (the ``os`` module lacks it), or ``None`` elsewhere.
+_SYNC_FILE_RANGE = libc_function("sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)) \
+    if sys.platform.startswith("linux") else None
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait for it
 
 
