@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import functools
+import ctypes
 import logging
 import mmap
 import os
+import sys
 import threading
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint._parallel_read import _libc
 from ..errors import CorruptCheckpointError
+from ..format._libc import libc_function
 from ..format.safetensors_io import SafetensorsHeader, read_header
 
 logger = logging.getLogger(__name__)
@@ -27,8 +28,9 @@ _MADV_POPULATE_READ = 22
 _MADV_DONTNEED = 4
 _MADV_WILLNEED = 3  # for a file mapping: start reading the whole range at once (large requests, not page faults)
 
-# libc with madvise's signature, looked up once (a lookup per call costs more than the call on a warm page cache).
-_madvise_libc = functools.cache(_libc)
+# madvise, looked up once (a lookup per call costs more than the call on a warm page cache); None off Linux.
+_MADVISE = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)) \
+    if sys.platform.startswith("linux") else None
 
 
 # Bytes of one read of :func:`read_range` (the size of its scratch buffer).
@@ -72,10 +74,10 @@ class MappedBlock:
     def populate(self) -> None:
         """Read the range's pages in now, so using the tensors does not fault (ctypes releases the GIL: the
         read-ahead thread does this while the forward pass computes)."""
-        libc = _madvise_libc()
-        if libc is not None:
-            libc.madvise(self.start, self.length, _MADV_WILLNEED)
-        if libc is not None and libc.madvise(self.start, self.length, _MADV_POPULATE_READ) == 0:
+        madvise = _MADVISE
+        if madvise is not None:
+            madvise(self.start, self.length, _MADV_WILLNEED)
+        if madvise is not None and madvise(self.start, self.length, _MADV_POPULATE_READ) == 0:
             return
         self.touch()  # older kernel: fault every page in by reading it
 
@@ -96,16 +98,16 @@ class MappedBlock:
     def hint(self) -> None:
         """Ask the kernel to start reading the range in the background (it returns at once), so the disk keeps
         busy while the block before this one is populated and runs."""
-        libc = _madvise_libc()
-        if libc is not None:
-            libc.madvise(self.start, self.length, _MADV_WILLNEED)
+        madvise = _MADVISE
+        if madvise is not None:
+            madvise(self.start, self.length, _MADV_WILLNEED)
 
     def evict(self) -> None:
         """Unmap the range's pages from this process (they stay in the page cache; the mapping stays valid and
         faults them back in on the next use), so RSS holds only the blocks in flight."""
-        libc = _madvise_libc()
-        if libc is not None:
-            libc.madvise(self.start, self.length, _MADV_DONTNEED)
+        madvise = _MADVISE
+        if madvise is not None:
+            madvise(self.start, self.length, _MADV_DONTNEED)
 
 
 class ShardMaps:
