@@ -104,6 +104,9 @@ def test_sigkill_and_restart_with_the_same_command_is_bit_exact(tmp_path, refere
 
 
 @pytest.mark.distributed
+# `make test` covers the example script killed and restarted in one process (above) and a torchrun rank SIGKILLed
+# under ResumableAccelerator (test_async_integrations, test_engines); the two together are a `make test-all` variant.
+@pytest.mark.extended
 def test_two_processes_under_torchrun_sigkill_of_one_rank_and_restart_is_bit_exact(tmp_path_factory):
     reference_dir, run_dir = tmp_path_factory.mktemp("reference2"), tmp_path_factory.mktemp("run2")
 

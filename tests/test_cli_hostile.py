@@ -18,6 +18,18 @@ import zygote
 pytestmark = pytest.mark.timeout(120)
 
 
+def _cli_in_process(*args: str, capsys) -> subprocess.CompletedProcess:
+    """``hf-resumable ARGS`` through the CLI's own entry point, in this process: the same code as the console script
+    without an interpreter's start (the entry point itself is tested in test_cli.py); an uncaught exception, which a
+    real run would print as a traceback, fails the test here."""
+    from hf_resumable.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["hf-resumable", *args], code, out, err)
+
+
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return zygote.run([sys.executable, "-m", "hf_resumable", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=60)
@@ -43,15 +55,14 @@ class _Evil:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.mark.slow
-def test_convert_of_a_pickle_bomb_is_one_line_and_never_executes(tmp_path):
+def test_convert_of_a_pickle_bomb_is_one_line_and_never_executes(tmp_path, capsys):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     stock = tmp_path / "stock" / "checkpoint-4"
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=32, n_positions=16)).save_pretrained(stock)
     marker = tmp_path / "pwned"
     (stock / "optimizer.pt").write_bytes(pickle.dumps(_Evil(marker)))
-    result = _cli("convert", str(stock), "--output", str(tmp_path / "out"), cwd=tmp_path)
+    result = _cli_in_process("convert", str(stock), "--output", str(tmp_path / "out"), capsys=capsys)
     _assert_one_error_line(result, "convert")
     assert "optimizer.pt" in result.stderr and "weights_only=True" in result.stderr
     assert not marker.exists(), "the pickle's payload ran"
@@ -79,20 +90,18 @@ def test_convert_raises_typed_errors_for_refused_and_broken_pickles(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("command", ["verify", "inspect"])
-def test_deeply_nested_manifest_is_one_line(tmp_path, command):
+def test_deeply_nested_manifest_is_one_line(tmp_path, command, capsys):
     ckpt = _checkpoint(tmp_path / "checkpoint-1")
     (ckpt / "manifest.json").write_bytes(b"[" * 200_000 + b"]" * 200_000)
-    result = _cli(command, str(ckpt), cwd=tmp_path)
+    result = _cli_in_process(command, str(ckpt), capsys=capsys)
     assert result.returncode != 0 and "Traceback" not in result.stderr + result.stdout
     assert "nested deeper" in result.stderr + result.stdout
 
 
-@pytest.mark.slow  # runs the CLI in a new process
 @pytest.mark.parametrize("content", [b"9" * 5000, b"[" * 100_000 + b"]" * 100_000],
                          ids=["5000-digit-integer", "deeply-nested"])
-def test_inspect_of_an_unreadable_training_state_fails_naming_it(tmp_path, content):
+def test_inspect_of_an_unreadable_training_state_fails_naming_it(tmp_path, content, capsys):
     """The state file replaced and the manifest resealed (so its hash matches): inspect used to exit 0."""
     from hf_resumable.format.safetensors_io import hash_file
 
@@ -101,7 +110,7 @@ def test_inspect_of_an_unreadable_training_state_fails_naming_it(tmp_path, conte
     manifest = read_manifest(ckpt)
     files = {name: hash_file(ckpt / name) for name in manifest.files}
     (ckpt / "manifest.json").write_bytes(Manifest(files=files, step=manifest.step).to_json())
-    result = _cli("inspect", str(ckpt), cwd=tmp_path)
+    result = _cli_in_process("inspect", str(ckpt), capsys=capsys)
     assert result.returncode != 0 and "Traceback" not in result.stderr + result.stdout
     problems = [line for line in (result.stdout + result.stderr).splitlines() if "training_state.json" in line]
     assert len(problems) == 1, result.stdout + result.stderr
@@ -120,13 +129,12 @@ def test_fifo_manifest_does_not_hang_the_cli(tmp_path, command):
     assert "FIFO" in result.stderr + result.stdout
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("target", ["missing", "file"])
-def test_verify_of_a_path_that_is_not_a_checkpoint_is_one_line(tmp_path, target):
+def test_verify_of_a_path_that_is_not_a_checkpoint_is_one_line(tmp_path, target, capsys):
     path = tmp_path / "x"
     if target == "file":
         path.write_text("hello")
-    _assert_one_error_line(_cli("verify", str(path), cwd=tmp_path), "verify")
+    _assert_one_error_line(_cli_in_process("verify", str(path), capsys=capsys), "verify")
 
 
 @pytest.mark.slow

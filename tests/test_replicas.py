@@ -88,6 +88,9 @@ def test_two_ranks_share_the_replicated_files_and_write_the_same_bytes(tmp_path,
 
 
 @pytest.mark.distributed
+# A failure on one rank commits nothing on any rank: test_distributed_async checks it in `make test`; this variant,
+# with the replicated files split between the ranks, runs in `make test-all`.
+@pytest.mark.extended
 def test_a_failed_write_of_a_replicated_file_commits_nothing(tmp_path):
     tmp_path = tmp_path / "fail"
     _save("fail", tmp_path, split=True)
