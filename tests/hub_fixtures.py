@@ -119,18 +119,15 @@ def on_meta(model):
 
 def make_checkpoint_dir(directory: Path, files: dict[str, bytes], *, bad_hash_for: str | None = None) -> Path:
     """A committed-looking checkpoint directory: ``files`` (and a ``training_state.json``, which every checkpoint
-    has, if they hold none) plus a ``manifest.json`` with size and sha256 of each."""
-    import hashlib
-
+    has, if they hold none) plus a ``manifest.json`` with the record (size and xxh3-128) of each."""
     from hf_resumable.checkpoint.manifest import Manifest
-    from hf_resumable.format.safetensors_io import FileRecord
+    from hf_resumable.format.safetensors_io import FileRecord, record_of
 
     directory.mkdir(parents=True, exist_ok=True)
     records = {}
     for name, data in {"training_state.json": b"{}", **files}.items():
         (directory / name).parent.mkdir(parents=True, exist_ok=True)
         (directory / name).write_bytes(data)
-        digest = hashlib.sha256(data).hexdigest() if name != bad_hash_for else "0" * 64
-        records[name] = FileRecord(len(data), digest)
+        records[name] = record_of(data) if name != bad_hash_for else FileRecord(len(data), xxh3_128="0" * 32)
     (directory / "manifest.json").write_bytes(Manifest(files=records).to_json())
     return directory

@@ -65,7 +65,7 @@ def test_card_training_state_and_shard_table(checkpoint: Path) -> None:
     tensor_files = [name for name in manifest.files if name.endswith(".safetensors")]
     assert len(tensor_files) > 3
     for name in tensor_files:
-        assert f"| `{name}` |" in text and f"`{manifest.files[name].sha256}`" in text
+        assert f"| `{name}` |" in text and f"`xxh3-128:{manifest.files[name].xxh3_128}`" in text
     assert 'load_lazily(model, "me/run", revision="step-30")' in text
     assert 'pull_checkpoint("hf://me/run@step-30/checkpoint-30")' in text
     assert "resume_from_checkpoint=" in text
