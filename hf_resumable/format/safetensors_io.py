@@ -57,6 +57,7 @@ __all__ = [
     "write_safetensors",
     "read_safetensors",
     "hash_file",
+    "check_file",
     "record_of",
     "RecordChecker",
 ]
@@ -661,9 +662,19 @@ def hash_file(path: str | os.PathLike, *, xxh3_128: bool = True, sha256: bool = 
     ``hash_file(path, **expected.hashes())`` computes what a check against ``expected`` needs; a sha256 wanted for
     its own sake (a Hub LFS oid) is ``hash_file(path, xxh3_128=False, sha256=True).sha256``.
     """
-    digests = _Digests(xxh3_128=xxh3_128, sha256=sha256, threaded=False)
-    view = memoryview(bytearray(CHUNK_SIZE))
+    return _feed_file(path, _Digests(xxh3_128=xxh3_128, sha256=sha256, threaded=False)).record()
+
+
+def check_file(path: str | os.PathLike, expected: FileRecord, *, recorded_by: str = "the manifest") -> str | None:
+    """Why the file at ``path`` disagrees with ``expected`` (its size, or the hash a :class:`RecordChecker` checks),
+    or ``None``. ``recorded_by`` names where ``expected`` comes from, in the message."""
+    checker = _feed_file(path, RecordChecker(expected, threaded=False))
+    return expected.mismatch(checker.record(), recorded_by=recorded_by)
+
+
+def _feed_file(path: str | os.PathLike, digests: _Digests) -> _Digests:
+    view = memoryview(bytearray(CHUNK_SIZE))  # reused: the digests must hash inline
     with open_regular(path, buffering=0) as f:
         while n := f.readinto(view):
             digests.feed(view[:n])
-    return digests.record()
+    return digests

@@ -43,7 +43,7 @@ from ..errors import (
 )
 from ..format._jsonio import parse_json
 from ..format._safefile import read_regular_file
-from ..format.safetensors_io import FileRecord, hash_file
+from ..format.safetensors_io import FileRecord, check_file, hash_file
 from ..format.sharding import ShardIndex, check_relative_name, parse_index
 
 logger = logging.getLogger(__name__)
@@ -359,12 +359,7 @@ def _remove_download(path: Path) -> None:
 
 
 def _verify_file(path: Path, expected: FileRecord, *, source: str, recorded_by: str) -> None:
-    actual_size = path.stat().st_size
-    if actual_size != expected.size:
-        problem = f"size is {actual_size} bytes, {recorded_by} says {expected.size}"
-    else:
-        problem = expected.mismatch(hash_file(path, **expected.hashes()), recorded_by=recorded_by)
-    if problem is not None:
+    if (problem := check_file(path, expected, recorded_by=recorded_by)) is not None:
         _remove_download(path)
         raise CorruptCheckpointError(
             f"{source}: downloaded {problem}. The bad copy at {path} was removed; retry the download, and if it "

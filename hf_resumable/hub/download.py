@@ -19,7 +19,7 @@ from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
 from ..errors import CorruptCheckpointError, HubError
-from ..format.safetensors_io import FileRecord, hash_file
+from ..format.safetensors_io import FileRecord, check_file
 from ..format.sharding import check_relative_name
 from ._common import _DOWNLOAD_CHUNK, _SHA256_RE, PART_SUFFIX, SIDECAR_SUFFIX, _sha256_of, hub_errors
 
@@ -105,7 +105,7 @@ def _is_up_to_date(target: Path, remote: _RemoteFile, expected_sha256: str | Non
     if not target.is_file() or (remote.size is not None and target.stat().st_size != remote.size):
         return False
     if expected is not None:
-        return expected.mismatch(hash_file(target, **expected.hashes())) is None
+        return check_file(target, expected) is None
     if expected_sha256 is not None or (remote.etag and _SHA256_RE.match(remote.etag)):
         return _sha256_of(target) == (expected_sha256 or remote.etag)
     return bool(remote.etag) and _git_blob_sha1(target) == remote.etag
@@ -115,7 +115,7 @@ def _download_problem(part: Path, expected_sha256: str | None, expected: FileRec
     """Why the downloaded ``part`` is not the wanted file: checked against the record ``expected`` (a manifest's: its
     xxh3-128, or sha256 where it has no other) when given, else against ``expected_sha256`` (or the LFS oid)."""
     if expected is not None:
-        return expected.mismatch(hash_file(part, **expected.hashes()), recorded_by="the manifest")
+        return check_file(part, expected)
     if expected_sha256 is not None and (actual := _sha256_of(part)) != expected_sha256:
         return f"sha256 {actual} but expected {expected_sha256}"
     return None
