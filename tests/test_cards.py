@@ -89,6 +89,27 @@ def test_card_without_recorded_progress_uses_dashes(tmp_path: Path, caplog) -> N
     assert "pipeline_tag" not in _parse_without_warnings(str(card), tmp_path, caplog)
 
 
+def test_card_and_inspect_of_a_checkpoint_whose_manifest_has_sha256_only(checkpoint: Path, capsys) -> None:
+    import hashlib
+    import json
+
+    from hf_resumable.checkpoint.manifest import Manifest
+    from hf_resumable.cli import main
+    from hf_resumable.format.safetensors_io import FileRecord
+
+    manifest = read_manifest(checkpoint)
+    files = {rel: FileRecord(r.size, sha256=hashlib.sha256((checkpoint / rel).read_bytes()).hexdigest())
+             for rel, r in manifest.files.items()}
+    (checkpoint / "manifest.json").write_bytes(Manifest(files=files, step=30, format_version=1).to_json())
+    text = render_checkpoint_card(checkpoint, repo_id="me/run").text
+    for name, record in files.items():
+        if name.endswith(".safetensors"):
+            assert f"| `{name}` |" in text and f"`sha256:{record.sha256}`" in text
+    assert main(["inspect", "--json", "--full", str(checkpoint)]) == 0
+    shards = json.loads(capsys.readouterr().out)["shards"]
+    assert shards and all(s["xxh3_128"] is None and s["sha256"] == files[s["file"]].sha256 for s in shards)
+
+
 def test_custom_template(checkpoint: Path, tmp_path: Path) -> None:
     template = tmp_path / "template.md"
     template.write_text("---\n{{ card_data }}\n---\n\nstep {{ step }} of {{ repo_id }}\n")
