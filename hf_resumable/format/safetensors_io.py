@@ -526,9 +526,9 @@ def write_safetensors(
     """Write ``tensors`` to a new safetensors file at ``path`` and return its size and xxh3-128.
 
     The file is created exclusively (an existing file is an error, never overwritten). The checksum is
-    computed in the writing thread on the very bytes being written: xxh3-128 runs at about 10 GiB/s, and on the
-    2-core VM (load 5) a helper thread for it made a 384 MiB write 1.20x slower on the disk (1.17x on tmpfs). Against
-    the earlier sha256 thread plus xxh3, the write takes 0.74x the time on the disk and 0.47x on tmpfs.
+    computed in the writing thread on the very bytes being written: xxh3-128 runs at about 10 GiB/s, and a helper
+    thread for it took 0.98x-1.20x the time of a 384 MiB write on the 2-core VM's disk (idle / load 5), 0.85x-1.17x on
+    tmpfs (``benchmarks/bench_write_checksum.py``): no gain on the disk, a loss under load.
 
     Raises:
         FileExistsError: if ``path`` exists.
