@@ -29,7 +29,7 @@ and AdamW state) by 2 gloo ranks, blocking, with the replicated model and optimi
 alternating in one process group; the slower rank of each save counts, medians of ``--repeats`` each. Each save is
 also broken down per rank into its phases (capture, the commit protocol's steps, the tensor files' writes, the waits
 in its collectives) with the process's CPU seconds, and the same rounds time a raw baseline of the same bytes (the
-least work a save does per byte: write, sha256, xxh3-128, fsync) by rank 0 alone on 1 and 2 threads and by both ranks
+least work a save does per byte: write, xxh3-128, fsync) by rank 0 alone on 1 and 2 threads and by both ranks
 each writing half: how much splitting the writers can gain on this machine at all.
 
 With ``--resume``, instead: ``load_checkpoint`` of that DDP replica's checkpoint by 2 gloo ranks into fresh objects,
@@ -273,20 +273,17 @@ def _cpu_seconds() -> float:
 
 def raw_hashed_writes(root: Path, nbytes: int, streams: int) -> None:
     """The least work a save does per byte, on ``streams`` threads (each its own file and 1/streams of ``nbytes``):
-    write, sha256 and xxh3-128 of every 16 MiB chunk, then fsync."""
-    import hashlib
-
+    write and xxh3-128 of every 16 MiB chunk, then fsync (records carry no sha256 since format version 2)."""
     import xxhash
 
     chunk = memoryview(os.urandom(16 << 20))
 
     def write(path: Path, size: int) -> None:
-        sha, fast = hashlib.sha256(), xxhash.xxh3_128()
+        fast = xxhash.xxh3_128()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         for offset in range(0, size, len(chunk)):
             piece = chunk[: min(len(chunk), size - offset)]
             os.write(fd, piece)
-            sha.update(piece)
             fast.update(piece)
         os.fsync(fd)
         os.close(fd)
@@ -582,7 +579,7 @@ def replicated_report(result: dict, args: argparse.Namespace) -> str:
         f"max_shard_size={args.max_shard_size}): {result['bytes'] / 1e6:.0f} MB in {result['files']} safetensors "
         f"files, under {args.dir or tempfile.gettempdir()}; median of {args.repeats} alternating saves each (slower "
         f"rank), after a warm-up round. Raw: {result['raw_bytes'] / 1e6:.0f} MB (the tensors' bytes) written, "
-        "sha256'd and xxh3'd in 16 MiB chunks, fsynced, in the same rounds.", "",
+        "xxh3'd in 16 MiB chunks, fsynced, in the same rounds.", "",
         "| plan | median s | min-max s | MB/s |", "|---|---:|---:|---:|",
         *(f"| {name} | {statistics.median(t):.3f} | {min(t):.3f}-{max(t):.3f} | "
           f"{result['bytes'] / statistics.median(t) / 1e6:.0f} |" for name, t in times.items()),

@@ -224,12 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("inspect", help="summarize a checkpoint (step, batch, shards, verification)")
     p.add_argument("path", help="checkpoint directory or hf://namespace/name[@revision][/sub/dir]")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--full", action="store_true", help="verify every sha256 (reads every byte)")
+    p.add_argument("--full", action="store_true", help="verify every hash (reads every byte)")
     p.set_defaults(func=cmd_inspect)
 
     p = commands.add_parser("verify", help="check a checkpoint; exit 0 if valid, 1 if not")
     p.add_argument("path", help="checkpoint directory")
-    p.add_argument("--full", action="store_true", help="recompute every sha256 (default: quick check)")
+    p.add_argument("--full", action="store_true", help="recompute every hash: xxh3-128, and sha256 "
+                   "where an older manifest has one (default: quick check)")
     p.set_defaults(func=cmd_verify)
 
     p = commands.add_parser("convert", help="convert a stock Trainer, Trainer+DeepSpeed or accelerate FSDP checkpoint "

@@ -11,7 +11,9 @@ from __future__ import annotations
 import re
 
 # Version of the on-disk layout. Bump on any incompatible change; readers refuse newer versions.
-FORMAT_VERSION = 1
+# 2: manifest file records (and index shard records) hold size and xxh3_128, no sha256 (version 1 readers required
+#    one); version 1 checkpoints still load and verify (docs/format.md).
+FORMAT_VERSION = 2
 # Value of the "format" field of the manifest: tells our checkpoints apart from anything else.
 FORMAT_NAME = "hf_resumable"
 
@@ -21,7 +23,8 @@ MODEL_FILE_PATTERN = "model{suffix}.safetensors"
 # Un-sharded weights file (transformers and huggingface_hub write it when everything fits in one shard; so does
 # save_checkpoint, with TIED_KEY as a JSON string in its header metadata instead of in an index).
 SINGLE_MODEL_FILE = "model.safetensors"
-# Index metadata key: {shard file: {"size": int, "sha256": str}} (transformers ignores unknown metadata keys).
+# Index metadata key: {shard file: {"size": int, "xxh3_128": str}} ({"size", "sha256"} before format version 2;
+# transformers ignores unknown metadata keys).
 SHARDS_KEY = "hf_resumable_shards"
 # Index metadata key recording tied / shared tensors that were stored once: {dropped: kept}.
 TIED_KEY = "hf_resumable_tied"

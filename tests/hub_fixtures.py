@@ -117,20 +117,24 @@ def on_meta(model):
         return type(model)(model.config).eval()
 
 
-def make_checkpoint_dir(directory: Path, files: dict[str, bytes], *, bad_hash_for: str | None = None) -> Path:
+def make_checkpoint_dir(directory: Path, files: dict[str, bytes], *, bad_hash_for: str | None = None,
+                        sha256_only: bool = False) -> Path:
     """A committed-looking checkpoint directory: ``files`` (and a ``training_state.json``, which every checkpoint
-    has, if they hold none) plus a ``manifest.json`` with size and sha256 of each."""
+    has, if they hold none) plus a ``manifest.json`` with the record (size and xxh3-128) of each; with
+    ``sha256_only``, a manifest of format version 1 as the oldest writers made it (size and sha256)."""
     import hashlib
 
     from hf_resumable.checkpoint.manifest import Manifest
-    from hf_resumable.format.safetensors_io import FileRecord
+    from hf_resumable.format.safetensors_io import FileRecord, record_of
 
     directory.mkdir(parents=True, exist_ok=True)
     records = {}
     for name, data in {"training_state.json": b"{}", **files}.items():
         (directory / name).parent.mkdir(parents=True, exist_ok=True)
         (directory / name).write_bytes(data)
-        digest = hashlib.sha256(data).hexdigest() if name != bad_hash_for else "0" * 64
-        records[name] = FileRecord(len(data), digest)
-    (directory / "manifest.json").write_bytes(Manifest(files=records).to_json())
+        records[name] = record_of(data) if name != bad_hash_for else FileRecord(len(data), xxh3_128="0" * 32)
+        if sha256_only:
+            records[name] = FileRecord(len(data), sha256=hashlib.sha256(data).hexdigest())
+    manifest = Manifest(files=records, format_version=1) if sha256_only else Manifest(files=records)
+    (directory / "manifest.json").write_bytes(manifest.to_json())
     return directory

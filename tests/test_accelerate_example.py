@@ -47,11 +47,11 @@ def sha256(path: Path) -> str:
 
 
 def final_state(output: Path, last_step: int) -> tuple[dict[str, str], dict[str, list[dict]]]:
-    """sha256 of the final weights and of every file of the last checkpoint (optimizer, scheduler, RNG, ...), and
-    the loader positions of each rank (parsed)."""
+    """sha256 of the final weights and xxh3-128 of every file of the last checkpoint (optimizer, scheduler, RNG,
+    ...), and the loader positions of each rank (parsed)."""
     checkpoint = output / f"step_{last_step}"
     assert verify_checkpoint(checkpoint, full=True).ok
-    files = {name: record.sha256 for name, record in read_manifest(checkpoint).files.items()
+    files = {name: record.xxh3_128 for name, record in read_manifest(checkpoint).files.items()
              if not name.startswith("data/")}
     positions = {path.name: json.loads(path.read_text())["loaders"] for path in (checkpoint / "data").iterdir()}
     return {"final_model": sha256(output / "final_model" / "model.safetensors"), **files}, positions

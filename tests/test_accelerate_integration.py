@@ -255,7 +255,7 @@ def final_files(output: Path, final_step: int = FINAL_STEP) -> dict[str, str]:
     """sha256 of every file of the final checkpoint: weights, optimizer, scheduler, RNG, data position..."""
     path = output / "checkpoints" / f"checkpoint-{final_step}"
     assert verify_checkpoint(path, full=True).ok
-    return {name: record.sha256 for name, record in read_manifest(path).files.items()}
+    return {name: record.xxh3_128 for name, record in read_manifest(path).files.items()}
 
 
 def assert_same_run(resumed: Path, reference: Path, final_step: int = FINAL_STEP) -> None:

@@ -65,7 +65,7 @@ def test_card_training_state_and_shard_table(checkpoint: Path) -> None:
     tensor_files = [name for name in manifest.files if name.endswith(".safetensors")]
     assert len(tensor_files) > 3
     for name in tensor_files:
-        assert f"| `{name}` |" in text and f"`{manifest.files[name].sha256}`" in text
+        assert f"| `{name}` |" in text and f"`xxh3-128:{manifest.files[name].xxh3_128}`" in text
     assert 'load_lazily(model, "me/run", revision="step-30")' in text
     assert 'pull_checkpoint("hf://me/run@step-30/checkpoint-30")' in text
     assert "resume_from_checkpoint=" in text
@@ -87,6 +87,27 @@ def test_card_without_recorded_progress_uses_dashes(tmp_path: Path, caplog) -> N
     card = render_checkpoint_card(tmp_path / "weights", repo_id="me/weights", pipeline_tag=None)
     assert "| Effective batch size | - |" in card.text and "| Optimizer | - |" in card.text
     assert "pipeline_tag" not in _parse_without_warnings(str(card), tmp_path, caplog)
+
+
+def test_card_and_inspect_of_a_checkpoint_whose_manifest_has_sha256_only(checkpoint: Path, capsys) -> None:
+    import hashlib
+    import json
+
+    from hf_resumable.checkpoint.manifest import Manifest
+    from hf_resumable.cli import main
+    from hf_resumable.format.safetensors_io import FileRecord
+
+    manifest = read_manifest(checkpoint)
+    files = {rel: FileRecord(r.size, sha256=hashlib.sha256((checkpoint / rel).read_bytes()).hexdigest())
+             for rel, r in manifest.files.items()}
+    (checkpoint / "manifest.json").write_bytes(Manifest(files=files, step=30, format_version=1).to_json())
+    text = render_checkpoint_card(checkpoint, repo_id="me/run").text
+    for name, record in files.items():
+        if name.endswith(".safetensors"):
+            assert f"| `{name}` |" in text and f"`sha256:{record.sha256}`" in text
+    assert main(["inspect", "--json", "--full", str(checkpoint)]) == 0
+    shards = json.loads(capsys.readouterr().out)["shards"]
+    assert shards and all(s["xxh3_128"] is None and s["sha256"] == files[s["file"]].sha256 for s in shards)
 
 
 def test_custom_template(checkpoint: Path, tmp_path: Path) -> None:

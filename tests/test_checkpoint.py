@@ -155,7 +155,7 @@ def test_safetensors_library_reads_every_file(tmp_path):
 
 
 def test_manifest_lists_every_file_with_hashes(tmp_path):
-    import hashlib
+    import xxhash
 
     model, optimizer, _ = _setup("gpt2", 0)
     save_checkpoint(tmp_path / "c", model=model, optimizer=optimizer, step=7, metrics={"loss": 1.5})
@@ -164,7 +164,8 @@ def test_manifest_lists_every_file_with_hashes(tmp_path):
     assert set(manifest.files) == on_disk - {MANIFEST_FILE}
     for rel, record in manifest.files.items():
         data = (tmp_path / "c" / rel).read_bytes()
-        assert record.size == len(data) and record.sha256 == hashlib.sha256(data).hexdigest()
+        assert record.size == len(data) and record.xxh3_128 == xxhash.xxh3_128(data).hexdigest()
+        assert record.sha256 is None  # format version 2: no sha256 on the save path
     assert manifest.step == 7 and manifest.metrics == {"loss": 1.5} and manifest.world_size == 1
     assert "torch" in manifest.versions
 

@@ -103,40 +103,125 @@ def test_flip_in_a_large_shard_needs_full_verification_and_is_caught_on_load(tmp
         load_checkpoint(tmp_path / "checkpoint-2", model=module, restore_rng=False)
 
 
-def test_records_hold_both_hashes_of_the_bytes_on_disk_and_old_records_are_checked_by_sha256(tmp_path):
-    import dataclasses
-    import hashlib
+def _flip(path, offset=-100):
+    with open(path, "r+b") as f:
+        f.seek(offset, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(offset, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x80]))
 
+
+def test_new_records_hold_size_and_xxh3_of_the_bytes_on_disk_and_no_sha256(tmp_path):
     import xxhash
 
-    from hf_resumable.checkpoint import read_manifest
-    from hf_resumable.checkpoint.manifest import Manifest
+    from hf_resumable.constants import FORMAT_VERSION, MODEL_INDEX_FILE, SHARDS_KEY
 
+    model = tiny_gpt2()
+    save_checkpoint(tmp_path / "checkpoint-2", model=model, step=2, max_shard_size="16KB")
+    directory = tmp_path / "checkpoint-2"
+    document = json.loads((directory / "manifest.json").read_text())
+    assert document["format_version"] == FORMAT_VERSION == 2
+    for relpath, record in document["files"].items():
+        data = (directory / relpath).read_bytes()
+        assert record == {"size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}, relpath
+    shards = json.loads((directory / MODEL_INDEX_FILE).read_text())["metadata"][SHARDS_KEY]
+    assert len(shards) >= 2 and shards == {name: document["files"][name] for name in shards}
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_flipped_byte_in_a_new_checkpoint_is_caught_by_verify_and_load(tmp_path, size):
+    # small: below QUICK_HASH_LIMIT, hashed by quick verification too; large: only full verification and the load
+    # read every byte.
+    weights = {"w": torch.randn(16, 16) if size == "small" else torch.randn(1536, 1024)}
+    save_checkpoint(tmp_path / "checkpoint-2", model=weights, step=2, rng=False)
+    directory = tmp_path / "checkpoint-2"
+    assert verify_checkpoint(directory, full=True).ok
+    _flip(_find(directory, "model.safetensors"), offset=-3)
+    quick, full = verify_checkpoint(directory, full=False), verify_checkpoint(directory, full=True)
+    assert not full.ok and "xxh3-128 is" in full.summary() and "model.safetensors" in full.summary()
+    assert quick.ok == (size == "large"), quick.summary()
+    module = torch.nn.Module()
+    module.register_buffer("w", torch.zeros_like(weights["w"]))
+    with pytest.raises(CorruptCheckpointError, match="xxh3-128 is"):
+        load_checkpoint(directory, model=module, restore_rng=False)
+
+
+def _as_version_1_with_sha256_only(directory):
+    """Rewrite ``directory``'s manifest as the oldest writers did: format version 1, records of size and sha256."""
+    import hashlib
+
+    from hf_resumable.checkpoint.manifest import Manifest
+    from hf_resumable.format.safetensors_io import FileRecord
+
+    manifest = read_manifest(directory)
+    files = {rel: FileRecord(r.size, sha256=hashlib.sha256((directory / rel).read_bytes()).hexdigest())
+             for rel, r in manifest.files.items()}
+    old = Manifest(files=files, step=manifest.step, format_version=1)
+    (directory / "manifest.json").write_bytes(old.to_json())
+    assert "xxh3_128" not in (directory / "manifest.json").read_text()
+
+
+def test_a_version_1_manifest_with_sha256_only_loads_verifies_full_and_catches_a_flip_by_sha256(tmp_path):
     big = {"w": torch.randn(1536, 1024)}
     save_checkpoint(tmp_path / "checkpoint-2", model=big, step=2, rng=False)
     directory = tmp_path / "checkpoint-2"
-    manifest = read_manifest(directory)
-    for relpath, record in manifest.files.items():
-        data = (directory / relpath).read_bytes()
-        assert record.size == len(data)
-        assert record.sha256 == hashlib.sha256(data).hexdigest()
-        assert record.xxh3_128 == xxhash.xxh3_128(data).hexdigest()
-    # A manifest from before the fast checksum (sha256 only) still loads, and a flipped byte is caught by sha256.
-    old = Manifest(files={k: dataclasses.replace(v, xxh3_128=None) for k, v in manifest.files.items()}, step=2)
-    (directory / "manifest.json").write_bytes(old.to_json())
-    assert "xxh3_128" not in (directory / "manifest.json").read_text()
+    _as_version_1_with_sha256_only(directory)
+    assert read_manifest(directory).format_version == 1
+    assert verify_checkpoint(directory, full=True).ok
     module = torch.nn.Module()
     module.register_buffer("w", torch.zeros(1536, 1024))
     load_checkpoint(directory, model=module, restore_rng=False)
     assert torch.equal(module.w, big["w"])
-    shard = _find(directory, "model.safetensors")
-    with open(shard, "r+b") as f:
-        f.seek(-100, os.SEEK_END)
-        byte = f.read(1)
-        f.seek(-100, os.SEEK_END)
-        f.write(bytes([byte[0] ^ 0x80]))
+    _flip(_find(directory, "model.safetensors"))
+    report = verify_checkpoint(directory, full=True)
+    assert not report.ok and "sha256 is" in report.summary()
     with pytest.raises(CorruptCheckpointError, match="sha256 is"):
         load_checkpoint(directory, model=module, restore_rng=False)
+
+
+def test_full_verification_checks_both_hashes_of_a_record_that_has_both(tmp_path):
+    import dataclasses
+
+    from hf_resumable.checkpoint.manifest import Manifest
+
+    save_checkpoint(tmp_path / "checkpoint-2", model={"w": torch.randn(1536, 1024)}, step=2, rng=False)
+    directory = tmp_path / "checkpoint-2"
+    manifest = read_manifest(directory)
+    # A record whose xxh3-128 matches the bytes but whose sha256 does not: only full verification reads the sha256.
+    files = {rel: dataclasses.replace(r, sha256="0" * 64) for rel, r in manifest.files.items()}
+    (directory / "manifest.json").write_bytes(Manifest(files=files, step=2, format_version=1).to_json())
+    assert verify_checkpoint(directory, full=False).ok
+    report = verify_checkpoint(directory, full=True)
+    assert not report.ok and "sha256 is" in report.summary()
+
+
+@pytest.mark.parametrize("record", [{"size": 3}, {"size": 3, "sha256": None, "xxh3_128": None}])
+def test_a_manifest_record_with_neither_hash_is_a_typed_error_naming_file_and_field(tmp_path, record):
+    from hf_resumable.checkpoint.manifest import _checksum
+
+    save_checkpoint(tmp_path / "checkpoint-2", model={"w": torch.zeros(2)}, step=2, rng=False)
+    directory = tmp_path / "checkpoint-2"
+    document = json.loads((directory / "manifest.json").read_text())
+    document["files"]["config.json"] = record
+    document.pop("checksum")
+    document["checksum"] = _checksum(document)  # resealed: only the record itself is wrong
+    (directory / "manifest.json").write_text(json.dumps(document))
+    with pytest.raises(CorruptCheckpointError, match=r"files\['config.json'\]\.xxh3_128") as raised:
+        read_manifest(directory)
+    assert "sha256" in str(raised.value) and str(directory) in str(raised.value)
+    assert not verify_checkpoint(directory, full=True).ok
+    assert find_latest_checkpoint(tmp_path) is None
+
+
+def test_a_version_1_reader_refuses_a_new_manifest_with_its_typed_error(tmp_path, monkeypatch):
+    """Readers of version 1 required a sha256 in every record: a new manifest says version 2, which they refuse by
+    its version (before reading any record) with FormatVersionError, rather than call the checkpoint corrupt."""
+    from hf_resumable.checkpoint import manifest as manifest_module
+
+    save_checkpoint(tmp_path / "checkpoint-2", model={"w": torch.zeros(2)}, step=2, rng=False)
+    monkeypatch.setattr(manifest_module, "FORMAT_VERSION", 1)  # the version 1 reader's bound
+    with pytest.raises(FormatVersionError, match="version 2; this hf_resumable .* reads versions 1..1. Upgrade"):
+        read_manifest(tmp_path / "checkpoint-2")
 
 
 def test_directory_without_manifest_is_never_a_checkpoint(tmp_path):

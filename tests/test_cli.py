@@ -62,7 +62,7 @@ def test_verify_valid_and_corrupt(checkpoint: Path, capsys) -> None:
         f.truncate(1000)
     code, out, err = _run(capsys, "verify", "--full", str(checkpoint))
     assert code == 1
-    assert "model-00002-of-00004.safetensors: sha256 mismatch" in err
+    assert "model-00002-of-00004.safetensors: xxh3-128 is" in err
     assert "optimizer-00003-of-00008.safetensors: size is 1000 bytes" in err
 
 

@@ -43,10 +43,10 @@ PLANNED = ("sharded_layout.json", "frozen_base.json")  # built from every rank's
 
 
 def _tensor_records(checkpoint: Path) -> dict:
-    """sha256 of every tensor file (model, optimizer, pieces) and of a sharded save's layout and frozen record,
+    """xxh3-128 of every tensor file (model, optimizer, pieces) and of a sharded save's layout and frozen record,
     which must not depend on blocking or not."""
     files = read_manifest(checkpoint).files
-    return {name: record.sha256 for name, record in files.items()
+    return {name: record.xxh3_128 for name, record in files.items()
             if (name.endswith(".safetensors") and not name.startswith("rng/")) or name in PLANNED}
 
 

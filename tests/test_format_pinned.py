@@ -1,6 +1,7 @@
 """The on-disk format is pinned: a committed checkpoint written by hf_resumable 0.1.0 (format version 1) loads
 bit-exactly with today's code, and every safetensors file we write is read bit-identically by the
-``safetensors`` library itself.
+``safetensors`` library itself. The same checkpoint under a manifest of the oldest form (format version 1, records of
+size and sha256 only: ``fixtures/golden-v1-manifest-sha256-only.json``) verifies and loads too, checked by sha256.
 
 If ``test_golden_v1_checkpoint_loads_bit_exactly`` fails, a change broke existing users' checkpoints: fix the
 reader (or add a migration), never the fixture (tests/fixtures/make_golden_checkpoint.py refuses to rewrite it).
@@ -19,9 +20,11 @@ from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_resumable.checkpoint import load_checkpoint, read_manifest, save_checkpoint, verify_checkpoint
+from hf_resumable.errors import CorruptCheckpointError
 from hf_resumable.format.safetensors_io import read_safetensors
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden-v1"
+SHA256_ONLY_MANIFEST = Path(__file__).parent / "fixtures" / "golden-v1-manifest-sha256-only.json"
 
 
 def _digest(tensor: torch.Tensor) -> str:
@@ -70,6 +73,27 @@ def test_golden_v1_checkpoint_loads_bit_exactly(golden):
     assert json.loads(json.dumps(loaded.extra)) == expected["extra"]
     assert loaded.data_state == expected["data_state"]
     assert torch.rand(3).tolist() == expected["rng_probe"]  # the stored RNG state was restored
+
+
+def test_golden_v1_with_a_sha256_only_manifest_verifies_loads_and_catches_a_flip_by_sha256(golden):
+    shutil.copyfile(SHA256_ONLY_MANIFEST, golden / "manifest.json")
+    manifest = read_manifest(golden)
+    assert manifest.format_version == 1
+    assert all(r.sha256 is not None and r.xxh3_128 is None for r in manifest.files.values())
+    assert verify_checkpoint(golden, full=True).ok
+    expected = json.loads((GOLDEN / "expected.json").read_text())
+    model, optimizer, scheduler = _fresh(golden)
+    load_checkpoint(golden, model=model, optimizer=optimizer, scheduler=scheduler)
+    assert {n: _digest(t) for n, t in model.state_dict().items()} == expected["model"]
+    shard = golden / "optimizer-00001-of-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x10
+    shard.write_bytes(bytes(data))
+    report = verify_checkpoint(golden, full=True)
+    assert not report.ok and "optimizer-00001-of-00001.safetensors: sha256 is" in report.summary()
+    model, optimizer, scheduler = _fresh(golden)
+    with pytest.raises(CorruptCheckpointError, match="sha256 is"):
+        load_checkpoint(golden, model=model, optimizer=optimizer, scheduler=scheduler, verify="quick")
 
 
 def test_golden_v1_weights_load_with_transformers_from_pretrained(golden):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from huggingface_hub import HfApi, hf_hub_download
 from transformers import AutoModelForCausalLM
 
@@ -71,7 +71,7 @@ def test_push_sharded_layout_aliases_and_hashes(hub: FakeHub, pushed_gpt2: tuple
     for shard in shards:
         data = hub.read_file(repo_id, shard)
         assert index["metadata"][SHARD_RECORDS_KEY][shard] == {"size": len(data),
-                                                                "sha256": hashlib.sha256(data).hexdigest()}
+                                                                "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
 
 
 def test_transformers_from_pretrained_on_pushed_repo(hub: FakeHub, pushed_gpt2: tuple) -> None:
@@ -166,14 +166,34 @@ def _upload_index(repo_id: str, document: dict) -> None:
     HfApi().upload_file(path_or_fileobj=json.dumps(document).encode(), path_in_repo=INDEX, repo_id=repo_id)
 
 
+def test_an_index_of_format_version_1_with_sha256_records_still_downloads_checked_by_sha256(
+        hub: FakeHub, pushed_gpt2: tuple, tmp_path: Path) -> None:
+    import hashlib
+
+    repo_id, _ = pushed_gpt2
+    old = _index(repo_id, hub)
+    for shard in old["metadata"][SHARD_RECORDS_KEY]:
+        data = hub.read_file(repo_id, shard)
+        old["metadata"][SHARD_RECORDS_KEY][shard] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    _upload_index(repo_id, old)
+    assert sorted(p.name for p in download_shards(repo_id, local_dir=tmp_path / "ok").glob("*.safetensors")) == \
+        sorted(old["metadata"][SHARD_RECORDS_KEY])
+    shard = sorted(old["metadata"][SHARD_RECORDS_KEY])[0]
+    old["metadata"][SHARD_RECORDS_KEY][shard]["sha256"] = "f" * 64
+    _upload_index(repo_id, old)
+    with pytest.raises(CorruptCheckpointError, match="sha256 is"):
+        download_shards(repo_id, local_dir=tmp_path / "bad")
+    assert not (tmp_path / "bad" / shard).exists()
+
+
 def test_download_shards_rejects_bad_repos(hub: FakeHub, pushed_gpt2: tuple, tmp_path: Path) -> None:
     repo_id, _ = pushed_gpt2
     good = _index(repo_id, hub)
     shard = sorted(good["metadata"][SHARD_RECORDS_KEY])[0]
     tampered = json.loads(json.dumps(good))
-    tampered["metadata"][SHARD_RECORDS_KEY][shard]["sha256"] = "f" * 64
+    tampered["metadata"][SHARD_RECORDS_KEY][shard]["xxh3_128"] = "f" * 32
     _upload_index(repo_id, tampered)
-    with pytest.raises(CorruptCheckpointError, match="sha256 is"):
+    with pytest.raises(CorruptCheckpointError, match="xxh3-128 is"):
         download_shards(repo_id, local_dir=tmp_path / "bad")
     assert not (tmp_path / "bad" / shard).exists()  # nothing partial looks complete
 
@@ -287,15 +307,28 @@ def test_push_and_pull_checkpoint_on_branch_and_tag(hub: FakeHub, tmp_path: Path
     assert hub.requests("GET", "/resolve/") == []  # regular (git sha1) and LFS (sha256) files both up to date
 
 
+def test_a_checkpoint_with_a_sha256_only_manifest_is_pushed_pulled_and_checked_by_sha256(hub: FakeHub,
+                                                                                         tmp_path: Path) -> None:
+    files = {"weights.bin": os.urandom(50_000), "training_state.json": b'{"step": 7}'}
+    local = make_checkpoint_dir(tmp_path / "checkpoint-7", files, sha256_only=True)
+    repo_id = new_repo_id("old")
+    push_checkpoint(local, repo_id)
+    pulled = pull_checkpoint(f"hf://{repo_id}/checkpoint-7", local_dir=tmp_path / "pulled")
+    assert (pulled / "weights.bin").read_bytes() == files["weights.bin"]
+    HfApi().upload_file(path_or_fileobj=os.urandom(50_000), path_in_repo="checkpoint-7/weights.bin", repo_id=repo_id)
+    with pytest.raises(CorruptCheckpointError, match="weights.bin: downloaded sha256 is"):
+        pull_checkpoint(f"hf://{repo_id}/checkpoint-7", local_dir=tmp_path / "p")
+
+
 def test_pull_checkpoint_rejects_bad_checkpoints(hub: FakeHub, tmp_path: Path) -> None:
     repo_id = new_repo_id("bad")
     bad = make_checkpoint_dir(tmp_path / "bad" / "checkpoint-5", {"a.bin": b"abc"}, bad_hash_for="a.bin")
-    with pytest.raises(CorruptCheckpointError, match="a.bin: sha256 mismatch"):
+    with pytest.raises(CorruptCheckpointError, match="a.bin: xxh3-128 is"):
         push_checkpoint(bad, repo_id)  # a corrupt local checkpoint is never published
     good = make_checkpoint_dir(tmp_path / "checkpoint-5", {"a.bin": b"abc", "b.json": b"{}"})
     push_checkpoint(good, repo_id)
     HfApi().upload_file(path_or_fileobj=b"xyz", path_in_repo="checkpoint-5/a.bin", repo_id=repo_id)  # tampered
-    with pytest.raises(CorruptCheckpointError, match="a.bin: downloaded sha256"):  # caught while downloading
+    with pytest.raises(CorruptCheckpointError, match="a.bin: downloaded xxh3-128 is"):  # caught while downloading
         pull_checkpoint(f"hf://{repo_id}/checkpoint-5", local_dir=tmp_path / "p")
     assert not (tmp_path / "p/checkpoint-5/a.bin").exists()
     HfApi().upload_file(path_or_fileobj=b"x", path_in_repo="half/a.bin", repo_id=repo_id)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from hf_resumable.checkpoint._parallel_read import FileRead, plan_reads, read_files
 from hf_resumable.errors import CorruptCheckpointError
-from hf_resumable.format.safetensors_io import FileRecord, hash_file, read_header, write_safetensors
+from hf_resumable.format.safetensors_io import hash_file, read_header, write_safetensors
 
 TENSORS = {
     "a": torch.randn(300, 7),
@@ -83,7 +83,8 @@ def test_a_flipped_byte_anywhere_is_found_and_staged_destinations_stay_untouched
 
 
 def test_records_without_xxh3_are_checked_by_sha256(files):
-    old = [FileRecord(r.size, r.sha256, None) for r in map(hash_file, files)]
+    old = [hash_file(p, xxh3_128=False, sha256=True) for p in files]
+    assert all(r.xxh3_128 is None and r.sha256 is not None for r in old)
     reads = [FileRead(p, read_header(p), r) for p, r in zip(files, old)]
     assert len(read_files(reads, chunk_bytes=512)) == len(TENSORS) * 3
     _flip(files[2], 10)

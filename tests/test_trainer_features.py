@@ -256,8 +256,10 @@ def test_a_resume_opens_and_verifies_the_checkpoint_once(trained_dir: Path, tmp_
     monkeypatch.setattr(OpenedCheckpoint, "open",
                         classmethod(lambda cls, *a, **k: opened.append(a[0]) or open_(cls, *a, **k)))
     record_of, read_files, real_open = verify_module.record_of, reader.read_files, os.open
-    monkeypatch.setattr(verify_module, "record_of", lambda data: hashed.append(len(data)) or record_of(data))
-    monkeypatch.setattr(reader, "record_of", lambda data: hashed_on_read.append(len(data)) or record_of(data))
+    monkeypatch.setattr(verify_module, "record_of",
+                        lambda data, **kw: hashed.append(len(data)) or record_of(data, **kw))
+    monkeypatch.setattr(reader, "record_of",
+                        lambda data, **kw: hashed_on_read.append(len(data)) or record_of(data, **kw))
     monkeypatch.setattr(reader, "read_files", lambda reads, **kw: hashed_on_read.extend(
         r.path.name for r in reads if r.expected is not None) or read_files(reads, **kw))
     base, resuming = os.path.realpath(checkpoint) + os.sep, [True]

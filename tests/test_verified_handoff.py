@@ -70,10 +70,12 @@ def _record_hashes(monkeypatch) -> tuple[list[int], list[str]]:
     """Hashes computed by verification (bytes hashed, per file) and files hash-checked while a load read them."""
     verified, on_read = [], []
     record_of, read_files = verify_module.record_of, reader_module.read_files
-    monkeypatch.setattr(verify_module, "record_of", lambda data: verified.append(len(data)) or record_of(data))
+    monkeypatch.setattr(verify_module, "record_of",
+                        lambda data, **kw: verified.append(len(data)) or record_of(data, **kw))
     monkeypatch.setattr(reader_module, "read_files", lambda reads, **kw: on_read.extend(
         str(r.path) for r in reads if r.expected is not None) or read_files(reads, **kw))
-    monkeypatch.setattr(reader_module, "record_of", lambda data: on_read.append(len(data)) or record_of(data))
+    monkeypatch.setattr(reader_module, "record_of",
+                        lambda data, **kw: on_read.append(len(data)) or record_of(data, **kw))
     return verified, on_read
 
 

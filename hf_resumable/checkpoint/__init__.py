@@ -3,7 +3,7 @@
 Layout of ``checkpoint-<step>/``::
 
     model.safetensors                   one shard: as save_pretrained writes it (tied record in its header)
-    model.safetensors.index.json        or, for more: HF-compatible (from_pretrained works), + per-shard sha256
+    model.safetensors.index.json        or, for more: HF-compatible (from_pretrained works), + per-shard xxh3-128
     model-00001-of-0000N.safetensors
     config.json, generation_config.json, tokenizer files
     optimizer.safetensors.index.json    optimizer tensors keyed by parameter name
@@ -11,7 +11,7 @@ Layout of ``checkpoint-<step>/``::
     training_state.json                 progress cursor, scheduler, scaler, param groups, extra
     rng/rank-00000.safetensors          RNG states as byte tensors
     data/rank-00000.json                data-loader position (integrations)
-    manifest.json                       written last: every file, size, sha256, versions
+    manifest.json                       written last: every file, size, xxh3-128, versions
 """
 
 from ._fs import write_bytes_durably as write_file_durably

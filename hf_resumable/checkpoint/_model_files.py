@@ -4,7 +4,7 @@ A model that fits in one shard is stored as ``save_pretrained`` stores it: a sin
 index, so scripts and tools that open ``<checkpoint>/model.safetensors`` work. Its header ``__metadata__`` holds
 ``{"format": "pt"}`` (what transformers checks) and the tied-weight record as a JSON string under
 ``hf_resumable_tied``. A larger model keeps the HF index layout (``model.safetensors.index.json`` naming
-``model-0000k-of-0000N.safetensors``, the tied record and each shard's size and sha256 in its metadata).
+``model-0000k-of-0000N.safetensors``, the tied record and each shard's size and xxh3-128 in its metadata).
 Checkpoints of earlier versions (the index even for one shard) read as before.
 
 :func:`model_index` is the one answer to "which tensors are the model, in which file": a real index, or one

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import sys
@@ -49,12 +48,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import xxhash
 
 from ..errors import CorruptCheckpointError
 from ..format._libc import libc_function
 from ..format._safefile import open_regular
-from ..format.safetensors_io import FileRecord, SafetensorsHeader, TensorInfo
+from ..format.safetensors_io import FileRecord, RecordChecker, SafetensorsHeader, TensorInfo
 from ._threads import run_in_threads
 
 logger = logging.getLogger(__name__)
@@ -167,9 +165,8 @@ class _FileState:
         self.next = 0
         self.hashing = False
         self.lock = threading.Lock()
-        expected = read.expected
-        self.digest = None if expected is None else (
-            xxhash.xxh3_128() if expected.xxh3_128 is not None else hashlib.sha256())
+        # Fed by whichever reader thread completes the next chunk in line: hashed inline, in that thread.
+        self.digest = None if read.expected is None else RecordChecker(read.expected, threaded=False)
         self.file = None
 
     def close(self) -> None:
@@ -192,19 +189,14 @@ class _FileState:
                     return
                 chunk = self.chunks[self.next]
                 self.next += 1
-            self.digest.update(chunk.view)
+            self.digest.feed(chunk.view)
 
     def problem(self) -> str | None:
         if self.digest is None:
             return None
-        expected = self.read.expected
         if self.next != len(self.chunks):
             return "not every byte was checked"
-        actual = self.digest.hexdigest()
-        if expected.xxh3_128 is not None:
-            return None if actual == expected.xxh3_128 else (
-                f"xxh3-128 is {actual}, the manifest says {expected.xxh3_128}")
-        return None if actual == expected.sha256 else f"sha256 is {actual}, the manifest says {expected.sha256}"
+        return self.digest.problem()
 
 
 @functools.lru_cache(maxsize=1)

@@ -160,7 +160,8 @@ class _Reader:
             return data
         self.report.check_unchanged(relpath)
         raw = read_regular_file(member_path(self.path, relpath), limit=limit)
-        if self.hash_on_read and (problem := self.manifest.files[relpath].mismatch(record_of(raw))):
+        record = self.manifest.files[relpath]
+        if self.hash_on_read and (problem := record.mismatch(record_of(raw, **record.hashes()))):
             raise CorruptCheckpointError(f"{self.path / relpath}: {problem} (modified or corrupted after the save).")
         return raw
 

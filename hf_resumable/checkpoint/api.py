@@ -118,7 +118,7 @@ def save_checkpoint(
     """Save a crash-safe, sharded, pickle-free training checkpoint to ``directory``.
 
     Files are written into a temporary sibling directory, fsynced, and renamed into place after
-    ``manifest.json`` (every file with its size and sha256, computed while writing) is written last.
+    ``manifest.json`` (every file with its size and xxh3-128, computed while writing) is written last.
     A save killed at any moment leaves the previous checkpoint intact and no directory that looks
     committed. Model weights are laid out as ``save_pretrained`` lays them out: one ``model.safetensors`` when they
     fit in ``max_shard_size``, else ``model.safetensors.index.json`` and ``model-0000k-of-0000N.safetensors``

@@ -1,8 +1,11 @@
-"""The manifest: the last file written, listing every other file with its size, sha256 and xxh3-128.
+"""The manifest: the last file written, listing every other file with its size and xxh3-128.
 
 A directory is a committed checkpoint if and only if it holds a manifest that parses, has our
 format name and a version we can read, lists at least ``training_state.json`` (every save writes it, so an
 emptied manifest is refused), and whose files are all present with the listed sizes.
+
+File records of format version 2 hold ``size`` and ``xxh3_128``; those of version 1 also (or only) hold a
+``sha256``, and still load and verify by it. A record with neither hash is refused (docs/format.md).
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import functools
 import json
 import os
 import platform
-import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,8 +38,6 @@ __all__ = ["Manifest", "read_manifest", "is_committed", "library_versions"]
 
 # Largest world size a manifest may claim (bounds per-rank loops over a crafted value).
 MAX_WORLD_SIZE = 1 << 20
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-_XXH3 = re.compile(r"[0-9a-f]{32}")
 
 
 def library_versions() -> dict[str, str]:
@@ -65,7 +65,7 @@ class Manifest:
     """Parsed ``manifest.json``.
 
     Args:
-        files (`dict[str, FileRecord]`): relative path -> size, sha256 and xxh3-128.
+        files (`dict[str, FileRecord]`): relative path -> size and xxh3-128 (and sha256, in older manifests).
         step (`int`, *optional*): the global step the checkpoint was taken at.
         world_size (`int`): number of ranks that wrote it.
         metrics (`dict[str, float]`): metrics recorded at save time (keep-best retention).
@@ -192,22 +192,11 @@ def is_committed(directory: str | os.PathLike) -> bool:
 
 
 def _record_to_json(record: FileRecord) -> dict[str, Any]:
-    document: dict[str, Any] = {"size": record.size, "sha256": record.sha256}
-    if record.xxh3_128 is not None:
-        document["xxh3_128"] = record.xxh3_128
-    return document
+    return record.to_json()
 
 
 def _record_from_json(document: Any, *, source: str, name: str) -> FileRecord:
-    where = f"files[{name[:100]!r}]"
-    require_field(isinstance(document, dict), source, where, document, "an object with size, sha256 (and xxh3_128)")
-    size, sha256, fast = document.get("size"), document.get("sha256"), document.get("xxh3_128")
-    require_field(_is_int(size) and 0 <= size < 2**63, source, f"{where}.size", size, "an integer >= 0")
-    require_field(isinstance(sha256, str) and _SHA256.fullmatch(sha256) is not None, source, f"{where}.sha256",
-                  sha256, "64 lowercase hex digits")
-    require_field(fast is None or (isinstance(fast, str) and _XXH3.fullmatch(fast) is not None), source,
-                  f"{where}.xxh3_128", fast, "32 lowercase hex digits")
-    return FileRecord(size, sha256, fast)
+    return FileRecord.from_json(document, source=source, where=f"files[{name[:100]!r}]")
 
 
 def _is_int(value: Any) -> bool:
@@ -216,8 +205,6 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 
 
 def records_to_json(records: Mapping[str, FileRecord]) -> dict[str, Any]:

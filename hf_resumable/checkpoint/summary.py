@@ -76,7 +76,7 @@ class ShardSummary:
         file (`str`): path relative to the checkpoint.
         kind (`str`): ``"model"``, ``"optimizer"``, ``"rng"`` or ``"other"``.
         size (`int`): bytes on disk (as listed in the manifest).
-        sha256 (`str`): hex digest from the manifest.
+        sha256 (`str`, *optional*): hex sha256 from the manifest (only in manifests written before format version 2).
         dtypes (`dict[str, int]`): safetensors dtype -> number of tensors (empty if the header is unreadable).
         num_tensors (`int`): tensors in the file.
         num_elements (`int`): elements over all tensors.
@@ -85,10 +85,16 @@ class ShardSummary:
     file: str
     kind: str
     size: int
-    sha256: str
+    sha256: str | None
     dtypes: dict[str, int] = field(default_factory=dict)
     num_tensors: int = 0
     num_elements: int = 0
+    xxh3_128: str | None = None
+
+    @property
+    def checksum(self) -> str:
+        """The file's recorded hash as ``"xxh3-128:<hex>"``, or ``"sha256:<hex>"`` for an older record without one."""
+        return f"xxh3-128:{self.xxh3_128}" if self.xxh3_128 is not None else f"sha256:{self.sha256}"
 
 
 @dataclass
@@ -317,7 +323,7 @@ def _fill_shards(summary: CheckpointSummary, report: Any) -> None:
                 count *= dim
             elements += count
         shard = ShardSummary(relpath, _shard_kind(relpath), record.size, record.sha256, dtypes,
-                             len(header.tensors) if header is not None else 0, elements)
+                             len(header.tensors) if header is not None else 0, elements, record.xxh3_128)
         summary.shards.append(shard)
         if shard.kind == "model":
             model_elements += elements
@@ -361,7 +367,7 @@ def summarize_checkpoint(directory: str | os.PathLike, *, full: bool = False) ->
 
     Args:
         directory (`str` or `os.PathLike`): a checkpoint directory (``checkpoint-N``).
-        full (`bool`, *optional*, defaults to `False`): verify every sha256 (reads every byte) instead of
+        full (`bool`, *optional*, defaults to `False`): verify every hash (reads every byte) instead of
             the quick check (sizes, headers, small files' hashes, index consistency).
 
     Returns:

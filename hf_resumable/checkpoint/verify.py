@@ -1,4 +1,4 @@
-"""Verify a checkpoint: quick (manifest, sizes, headers, training state, index consistency) or full (+ sha256).
+"""Verify a checkpoint: quick (manifest, sizes, headers, training state, index consistency) or full (+ every hash).
 
 A report records the identity (device, inode, size, mtime, ctime) of every file it checked, and can keep the exact
 bytes of the small files it hashed (``keep=``). ``open_checkpoint(verified=report)`` then reads those files from
@@ -9,15 +9,12 @@ per file and resume), and refuses any file whose identity has changed since, bef
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import xxhash
 
 from ..constants import (
     LAYOUT_FILE,
@@ -32,7 +29,14 @@ from ..constants import (
 from ..errors import CorruptCheckpointError, HfResumableError, IncompleteCheckpointError
 from ..format._jsonio import parse_json
 from ..format._safefile import file_kind, member_path, open_regular, read_regular_file
-from ..format.safetensors_io import FileRecord, SafetensorsHeader, header_from_bytes, read_header, record_of
+from ..format.safetensors_io import (
+    FileRecord,
+    RecordChecker,
+    SafetensorsHeader,
+    header_from_bytes,
+    read_header,
+    record_of,
+)
 from ..format.sharding import parse_index
 from ._model_files import model_weights_file, single_file_index
 from ._validate import check_training_state
@@ -175,8 +179,9 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, raise_
     every file up to ``QUICK_HASH_LIMIT`` (4 MiB), parses ``training_state.json`` (bounded) and checks its
     structure, and checks that each index refers only to listed shards holding the tensors it names (and that a
     single ``model.safetensors``'s tied record parses).
-    Full mode recomputes every sha256. Each small file is read once: its header is parsed and its hash computed
-    from the same bytes.
+    Full mode reads every byte and checks every hash a record holds: the xxh3-128, plus the sha256 of records written
+    before format version 2 (quick mode checks small files by their xxh3-128, or by the sha256 where it is the only
+    hash). Each small file is read once: its header is parsed and its hash computed from the same bytes.
 
     Args:
         directory (`str` or `os.PathLike`): the checkpoint directory.
@@ -251,14 +256,14 @@ def _check_file(directory: Path, relpath: str, record: FileRecord, report: Verif
         data, identity = _read_whole(path)
         if relpath.endswith(".safetensors"):
             report.headers[relpath] = header_from_bytes(path, data)
-        actual = record_of(data)
+        actual = record_of(data, **record.hashes(every_hash=report.full))
     else:
         if relpath.endswith(".safetensors"):
             report.headers[relpath] = read_header(path)
         if not report.full:  # hash-checked while a load reads it; refused before that if it is another file by then
             report.identities[relpath] = FileIdentity.of(info)
             return
-        actual, identity = _hash_file(path)
+        actual, identity = _hash_file(path, record)
     problem = record.mismatch(actual)
     if problem is not None:
         report.add(relpath, f"{problem} (the file was modified or corrupted after the save)")
@@ -277,17 +282,15 @@ def _read_whole(path: Path) -> tuple[bytes, FileIdentity]:
         return data, FileIdentity.of(os.fstat(f.fileno()))
 
 
-def _hash_file(path: Path) -> tuple[FileRecord, FileIdentity]:
-    """Size, sha256 and xxh3-128 of a large file, and its identity right after it was read."""
-    digest, fast, size = hashlib.sha256(), xxhash.xxh3_128(), 0
+def _hash_file(path: Path, expected: FileRecord) -> tuple[FileRecord, FileIdentity]:
+    """The record of a large file with every hash ``expected`` holds, and its identity right after it was read."""
+    checker = RecordChecker(expected, every_hash=True, threaded=False)  # one buffer, reused: hashed inline
     view = memoryview(bytearray(_HASH_CHUNK))
     with open_regular(path, buffering=0) as f:
         while n := f.readinto(view):
-            digest.update(view[:n])
-            fast.update(view[:n])
-            size += n
+            checker.feed(view[:n])
         identity = FileIdentity.of(os.fstat(f.fileno()))
-    return FileRecord(size=size, sha256=digest.hexdigest(), xxh3_128=fast.hexdigest()), identity
+    return checker.record(), identity
 
 
 def _read_json(directory: Path, relpath: str, report: VerifyReport) -> object:

@@ -1,16 +1,18 @@
-"""Reading and writing single safetensors files, with the hash computed while the bytes move.
+"""Reading and writing single safetensors files, with the checksum computed while the bytes move.
 
 The files are standard safetensors (8-byte little-endian header length, JSON header, data), readable
 by ``safetensors.safe_open`` and ``transformers``. We write them ourselves rather than through
 ``safetensors.torch.save_file`` for two reasons:
 
-1. the sha256 (pipelined on a helper thread, since ``hashlib`` and ``write`` both release the GIL)
-   and a fast xxh3-128 checksum are computed on the bytes as they are written, so the manifest
-   never needs a read-back pass;
+1. the xxh3-128 checksum is computed on the bytes as they are written (about 10 GiB/s per core), so the
+   manifest never needs a read-back pass;
 2. loads can ``readinto`` the destination parameter's own memory, one copy from the page cache,
-   with the xxh3-128 checksum checked on the fly (about 10 GiB/s per core, against 1.3 GiB/s for
-   sha256: hash-checked loads stay disk-bound). The sha256 is the content address (Hub LFS oid,
-   full verification); both detect accidental corruption equally well, and neither is a signature.
+   with the checksum checked on the fly: hash-checked loads stay disk-bound.
+
+A :class:`FileRecord` holds a file's size and its xxh3-128; records written before format version 2 also (or
+only) hold a sha256, which is checked where it is the only hash, and by full verification. New records carry no
+sha256: at 1.3 GiB/s per core it was the largest CPU cost of a save, and it protects no better (see
+docs/format.md). :class:`RecordChecker` is the one place bytes are checked against a record.
 
 Headers are validated before any data is trusted: a header that claims more bytes than the file
 holds, overlapping or gapped offsets, unknown dtypes, or a pickle payload are all rejected with
@@ -26,6 +28,7 @@ import logging
 import math
 import os
 import queue
+import re
 import struct
 import sys
 import threading
@@ -37,7 +40,7 @@ import xxhash
 
 from ..constants import MAX_HEADER_SIZE, SAFETENSORS_METADATA
 from ..errors import CorruptCheckpointError
-from ._jsonio import parse_json
+from ._jsonio import parse_json, require_field
 from ._libc import libc_function
 from ._safefile import open_regular
 
@@ -54,8 +57,13 @@ __all__ = [
     "write_safetensors",
     "read_safetensors",
     "hash_file",
+    "check_file",
+    "record_of",
+    "RecordChecker",
 ]
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_XXH3 = re.compile(r"[0-9a-f]{32}")
 # Most dimensions a stored tensor may have (torch allows 64).
 MAX_TENSOR_DIMS = 64
 CHUNK_SIZE = 16 * 1024 * 1024
@@ -114,24 +122,78 @@ class SafetensorsHeader:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """Size, sha256 and xxh3-128 of a file as it was written (the manifest's entry).
+    """Size and checksum(s) of a file as it was written (the manifest's entry).
 
-    ``xxh3_128`` is ``None`` in manifests written before it was recorded; such files are checked by sha256.
+    Args:
+        size (`int`): bytes.
+        sha256 (`str`, *optional*): hex sha256; only in records written before format version 2 (which always
+            had one), and what such records are checked by when they have no ``xxh3_128``.
+        xxh3_128 (`str`, *optional*): hex xxh3-128; every record written since it was introduced has one.
+
+    Raises:
+        ValueError: if the record has neither hash.
     """
 
     size: int
-    sha256: str
+    sha256: str | None = None
     xxh3_128: str | None = None
 
-    def mismatch(self, actual: "FileRecord") -> str | None:
-        """Why ``actual`` (a record of the same file computed now) disagrees with this one, or ``None``."""
+    def __post_init__(self) -> None:
+        if self.sha256 is None and self.xxh3_128 is None:
+            raise ValueError("a file record needs an xxh3_128 or a sha256 (it has neither)")
+
+    def hashes(self, *, every_hash: bool = False) -> dict[str, bool]:
+        """Which hashes a check against this record computes, as keyword arguments of :func:`record_of` /
+        :func:`hash_file`: the xxh3-128 when the record has one, else its sha256; with ``every_hash`` (full
+        verification) each hash it has."""
+        fast = self.xxh3_128 is not None
+        return {"xxh3_128": fast, "sha256": self.sha256 is not None and (every_hash or not fast)}
+
+    def mismatch(self, actual: "FileRecord", *, recorded_by: str = "the manifest") -> str | None:
+        """Why ``actual`` (a record of the same file computed now) disagrees with this one, or ``None``.
+
+        Every hash both records hold is compared; records with no hash in common disagree (nothing was checked).
+        ``recorded_by`` names where this record comes from, in the message.
+        """
         if actual.size != self.size:
-            return f"size is {actual.size} bytes, the manifest says {self.size}"
-        if actual.sha256 != self.sha256:
-            return f"sha256 mismatch: {actual.sha256} != {self.sha256}"
-        if self.xxh3_128 is not None and actual.xxh3_128 is not None and actual.xxh3_128 != self.xxh3_128:
-            return f"xxh3-128 mismatch: {actual.xxh3_128} != {self.xxh3_128}"
-        return None
+            return f"size is {actual.size} bytes, {recorded_by} says {self.size}"
+        compared = False
+        for name, label in (("xxh3_128", "xxh3-128"), ("sha256", "sha256")):
+            ours, theirs = getattr(self, name), getattr(actual, name)
+            if ours is None or theirs is None:
+                continue
+            if ours != theirs:
+                return f"{label} is {theirs}, {recorded_by} says {ours}"
+            compared = True
+        return None if compared else f"no hash in common with the record of {recorded_by} was computed"
+
+    def to_json(self) -> dict[str, int | str]:
+        """``{"size", "xxh3_128"}`` (plus ``"sha256"`` for a record carried over from an older manifest)."""
+        document: dict[str, int | str] = {"size": self.size}
+        for name in ("xxh3_128", "sha256"):
+            if getattr(self, name) is not None:
+                document[name] = getattr(self, name)
+        return document
+
+    @classmethod
+    def from_json(cls, document: object, *, source: str, where: str) -> "FileRecord":
+        """Parse an untrusted record (of a manifest, or of an index's ``hf_resumable_shards``).
+
+        Raises:
+            CorruptCheckpointError: naming ``source`` and the field (``where`` + ``.size`` / ``.xxh3_128`` /
+                ``.sha256``) that is malformed, or that the record has neither hash.
+        """
+        require_field(isinstance(document, dict), source, where, document, "an object with size and xxh3_128")
+        size, sha256, fast = document.get("size"), document.get("sha256"), document.get("xxh3_128")
+        require_field(_is_index(size), source, f"{where}.size", size, "an integer >= 0")
+        require_field(sha256 is None or (isinstance(sha256, str) and _SHA256.fullmatch(sha256) is not None), source,
+                      f"{where}.sha256", sha256, "64 lowercase hex digits")
+        require_field(fast is None or (isinstance(fast, str) and _XXH3.fullmatch(fast) is not None), source,
+                      f"{where}.xxh3_128", fast, "32 lowercase hex digits")
+        require_field(fast is not None or sha256 is not None, source, f"{where}.xxh3_128", fast,
+                      "32 lowercase hex digits (a file record needs its xxh3_128, or a sha256 in one written before "
+                      "format version 2)")
+        return cls(size, sha256, fast)
 
 
 def fast_checksum() -> "xxhash.xxh3_128":
@@ -139,10 +201,12 @@ def fast_checksum() -> "xxhash.xxh3_128":
     return xxhash.xxh3_128()
 
 
-def record_of(data: bytes | memoryview) -> FileRecord:
-    """The record of an in-memory file."""
-    return FileRecord(size=len(data), sha256=hashlib.sha256(data).hexdigest(),
-                      xxh3_128=xxhash.xxh3_128(data).hexdigest())
+def record_of(data: bytes | memoryview, *, xxh3_128: bool = True, sha256: bool = False) -> FileRecord:
+    """The record of an in-memory file: its size and xxh3-128 (what new records hold), or the hashes asked for
+    (``record_of(data, **expected.hashes())`` to check ``data`` against ``expected``)."""
+    checker = _Digests(xxh3_128=xxh3_128, sha256=sha256, threaded=False)
+    checker.feed(data)
+    return checker.record()
 
 
 def _corrupt(path: str, why: str) -> CorruptCheckpointError:
@@ -275,16 +339,15 @@ def build_header(
     return struct.pack("<Q", len(raw)) + raw
 
 
-class _Pipeline:
-    """sha256 (and optionally xxh3-128) of chunks on a helper thread, in order, while the caller does IO on them.
+class _Sha256Thread:
+    """sha256 of chunks on a helper thread, in order, while the caller does IO on (or xxh3s) them.
 
-    A plain thread and queue rather than an executor: saves may run while the interpreter shuts
+    A plain thread and queue rather than an executor: checks may run while the interpreter shuts
     down (atexit waits for an async save), when executors refuse new work.
     """
 
-    def __init__(self, *, with_fast: bool = False) -> None:
+    def __init__(self) -> None:
         self.digest = hashlib.sha256()
-        self.fast = fast_checksum() if with_fast else None
         self.queue: queue.Queue = queue.Queue(maxsize=8)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="hf_resumable-hash", daemon=True)
@@ -294,12 +357,10 @@ class _Pipeline:
         while (chunk := self.queue.get()) is not None:
             try:
                 self.digest.update(chunk)
-                if self.fast is not None:
-                    self.fast.update(chunk)
             except BaseException as err:  # noqa: BLE001 - surfaced by hexdigest()
                 self.error = err
 
-    def feed(self, chunk: memoryview) -> None:
+    def update(self, chunk: memoryview) -> None:
         self.queue.put(chunk)
 
     def close(self) -> None:
@@ -312,6 +373,64 @@ class _Pipeline:
         if self.error is not None:
             raise self.error
         return self.digest.hexdigest()
+
+
+class _Digests:
+    """The xxh3-128 (inline) and/or sha256 (inline, or on a helper thread with ``threaded``) of bytes fed in
+    order, and their size."""
+
+    def __init__(self, *, xxh3_128: bool, sha256: bool, threaded: bool) -> None:
+        if not (xxh3_128 or sha256):
+            raise ValueError("compute at least one hash")
+        self.size = 0
+        self.fast = fast_checksum() if xxh3_128 else None
+        self.slow = None if not sha256 else _Sha256Thread() if threaded else hashlib.sha256()
+
+    def feed(self, chunk: bytes | memoryview) -> None:
+        self.size += len(chunk)
+        if self.slow is not None:
+            self.slow.update(chunk)
+        if self.fast is not None:
+            self.fast.update(chunk)
+
+    def close(self) -> None:
+        """Stop the helper thread, if any (idempotent; :meth:`record` needs no close first)."""
+        if isinstance(self.slow, _Sha256Thread):
+            self.slow.close()
+
+    def record(self) -> FileRecord:
+        return FileRecord(size=self.size, sha256=None if self.slow is None else self.slow.hexdigest(),
+                          xxh3_128=None if self.fast is None else self.fast.hexdigest())
+
+
+class RecordChecker(_Digests):
+    """Checks a file's bytes against its record while they stream past: the record's xxh3-128 inline when it has
+    one (cheap enough to keep loads disk-bound), else its sha256 on a helper thread; with ``every_hash`` (full
+    verification) each hash the record has.
+
+    With ``threaded`` (the default) a sha256 runs on a helper thread, which reads each chunk after :meth:`feed`
+    returns: the caller must not reuse a chunk's memory (a load reads into each destination tensor once). Call
+    :meth:`close` when giving up early.
+
+    Example:
+
+    ```python
+    >>> expected = record_of(b"abc")
+    >>> checker = RecordChecker(expected)
+    >>> checker.feed(b"ab"); checker.feed(b"c")
+    >>> checker.problem() is None
+    True
+
+    ```
+    """
+
+    def __init__(self, expected: FileRecord, *, every_hash: bool = False, threaded: bool = True) -> None:
+        super().__init__(**expected.hashes(every_hash=every_hash), threaded=threaded)
+        self.expected = expected
+
+    def problem(self) -> str | None:
+        """Why the bytes fed disagree with the record (size or hash), or ``None``."""
+        return self.expected.mismatch(self.record())
 
 
 class _WriteBehind:
@@ -404,10 +523,12 @@ def write_safetensors(
     metadata: Mapping[str, str] | None = None,
     fsync: bool = True,
 ) -> FileRecord:
-    """Write ``tensors`` to a new safetensors file at ``path`` and return its size and sha256.
+    """Write ``tensors`` to a new safetensors file at ``path`` and return its size and xxh3-128.
 
-    The file is created exclusively (an existing file is an error, never overwritten). The hash is
-    computed on a helper thread on the very bytes being written.
+    The file is created exclusively (an existing file is an error, never overwritten). The checksum is
+    computed in the writing thread on the very bytes being written: xxh3-128 runs at about 10 GiB/s, and a helper
+    thread for it took 0.98x-1.20x the time of a 384 MiB write on the 2-core VM's disk (idle / load 5), 0.85x-1.17x on
+    tmpfs (``benchmarks/bench_write_checksum.py``): no gain on the disk, a loss under load.
 
     Raises:
         FileExistsError: if ``path`` exists.
@@ -416,18 +537,15 @@ def write_safetensors(
     path = os.fspath(path)
     ordered = layout_tensors([(name, _cpu_contiguous(t)) for name, t in tensors])
     header = build_header(ordered, metadata)
-    pipeline = _Pipeline(with_fast=True)
-    size = 0
+    digests = _Digests(xxh3_128=True, sha256=False, threaded=False)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     flusher = _flusher(fd) if fsync else None
     try:
         for chunk in _chunks([memoryview(header)] + [_as_bytes(t) for _, t in ordered]):
-            pipeline.feed(chunk)
             _write_all(fd, chunk)
-            size += len(chunk)
+            digests.feed(chunk)
             if flusher is not None:
                 flusher.written(len(chunk))
-        digest = pipeline.hexdigest()
         if flusher is not None:
             flusher.finish()
             os.fsync(fd)
@@ -435,11 +553,10 @@ def write_safetensors(
         if flusher is not None:
             flusher.finish(raise_error=False)
         os.close(fd)
-        pipeline.close()
         _unlink_quietly(path)
         raise
     os.close(fd)
-    return FileRecord(size=size, sha256=digest, xxh3_128=pipeline.fast.hexdigest())
+    return digests.record()
 
 
 def _chunks(views: Iterable[memoryview]) -> Iterable[memoryview]:
@@ -463,36 +580,6 @@ def _can_read_into(target: torch.Tensor | None, info: TensorInfo) -> bool:
         and tuple(target.shape) == info.shape
         and target.is_contiguous()
     )
-
-
-class _Checker:
-    """Checks a file's bytes against its record while they are read: xxh3-128 inline when the record has one
-    (cheap enough to keep loads disk-bound), else sha256 on a helper thread."""
-
-    def __init__(self, expected: FileRecord) -> None:
-        self.expected = expected
-        self.fast = fast_checksum() if expected.xxh3_128 is not None else None
-        self.pipeline = _Pipeline() if self.fast is None else None
-
-    def feed(self, chunk: memoryview) -> None:
-        if self.fast is not None:
-            self.fast.update(chunk)
-        else:
-            self.pipeline.feed(chunk)
-
-    def close(self) -> None:
-        if self.pipeline is not None:
-            self.pipeline.close()
-
-    def problem(self) -> str | None:
-        if self.fast is not None:
-            actual = self.fast.hexdigest()
-            return None if actual == self.expected.xxh3_128 else (
-                f"xxh3-128 is {actual}, the manifest says {self.expected.xxh3_128}")
-        actual = self.pipeline.hexdigest()
-        if actual == self.expected.sha256:
-            return None
-        return f"sha256 is {actual}, the manifest says {self.expected.sha256}"
 
 
 def read_safetensors(
@@ -527,7 +614,7 @@ def read_safetensors(
     missing = wanted - set(header.tensors)
     if missing:
         raise _corrupt(path, f"missing tensors {sorted(missing)[:10]}")
-    pipeline = _Checker(expected) if expected is not None else None
+    pipeline = RecordChecker(expected) if expected is not None else None
     out: dict[str, torch.Tensor] = {}
     into = into or {}
     try:
@@ -557,7 +644,7 @@ def read_safetensors(
     return out
 
 
-def _read_exact(f, view: memoryview, path: str, info: TensorInfo, pipeline: _Checker | None) -> None:
+def _read_exact(f, view: memoryview, path: str, info: TensorInfo, pipeline: RecordChecker | None) -> None:
     for chunk in _chunks([view]):
         got = 0
         while got < len(chunk):
@@ -569,16 +656,25 @@ def _read_exact(f, view: memoryview, path: str, info: TensorInfo, pipeline: _Che
             pipeline.feed(chunk)
 
 
-def hash_file(path: str | os.PathLike) -> FileRecord:
-    """Size, sha256 and xxh3-128 of a file, read in chunks (used by full verification)."""
-    digest = hashlib.sha256()
-    fast = fast_checksum()
-    size = 0
-    buffer = bytearray(CHUNK_SIZE)
-    view = memoryview(buffer)
+def hash_file(path: str | os.PathLike, *, xxh3_128: bool = True, sha256: bool = False) -> FileRecord:
+    """Size and xxh3-128 of a file (what new records hold), or the hashes asked for, read in chunks.
+
+    ``hash_file(path, **expected.hashes())`` computes what a check against ``expected`` needs; a sha256 wanted for
+    its own sake (a Hub LFS oid) is ``hash_file(path, xxh3_128=False, sha256=True).sha256``.
+    """
+    return _feed_file(path, _Digests(xxh3_128=xxh3_128, sha256=sha256, threaded=False)).record()
+
+
+def check_file(path: str | os.PathLike, expected: FileRecord, *, recorded_by: str = "the manifest") -> str | None:
+    """Why the file at ``path`` disagrees with ``expected`` (its size, or the hash a :class:`RecordChecker` checks),
+    or ``None``. ``recorded_by`` names where ``expected`` comes from, in the message."""
+    checker = _feed_file(path, RecordChecker(expected, threaded=False))
+    return expected.mismatch(checker.record(), recorded_by=recorded_by)
+
+
+def _feed_file(path: str | os.PathLike, digests: _Digests) -> _Digests:
+    view = memoryview(bytearray(CHUNK_SIZE))  # reused: the digests must hash inline
     with open_regular(path, buffering=0) as f:
         while n := f.readinto(view):
-            digest.update(view[:n])
-            fast.update(view[:n])
-            size += n
-    return FileRecord(size=size, sha256=digest.hexdigest(), xxh3_128=fast.hexdigest())
+            digests.feed(view[:n])
+    return digests

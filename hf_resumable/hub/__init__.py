@@ -5,8 +5,8 @@ and the shards), with one exception: :func:`resumable_download`, which issues ra
 ``huggingface_hub`` 2.x deletes partial downloads when a process dies, so a multi-GB file would restart from zero.
 
 Downloads are index first: the ``model.safetensors.index.json`` names the shards, so only the shards holding the
-tensors asked for are fetched, and each is checked against the sha256 that :func:`push_sharded` recorded in the index
-metadata (``metadata["hf_resumable_shards"]``).
+tensors asked for are fetched, and each is checked against the record (size and xxh3-128) that :func:`push_sharded`
+wrote in the index metadata (``metadata["hf_resumable_shards"]``).
 
 Example:
 

@@ -8,7 +8,7 @@ import logging
 import os
 import re
 import urllib.parse
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +43,7 @@ from ..errors import (
 )
 from ..format._jsonio import parse_json
 from ..format._safefile import read_regular_file
-from ..format.safetensors_io import hash_file
+from ..format.safetensors_io import FileRecord, check_file, hash_file
 from ..format.sharding import ShardIndex, check_relative_name, parse_index
 
 logger = logging.getLogger(__name__)
@@ -220,8 +220,9 @@ class HubSnapshot:
     def label(self) -> str:
         return f"{self.repo_id}@{self.commit[:12]}"
 
-    def fetch(self, filename: str, *, expected: Mapping[str, Any] | None = None) -> Path:
-        """Download ``filename`` (cached) and return its local path, verified against ``expected`` size/sha256.
+    def fetch(self, filename: str, *, expected: FileRecord | None = None) -> Path:
+        """Download ``filename`` (cached) and return its local path, verified against the record ``expected`` (its
+        size and xxh3-128, or sha256 for an index written before format version 2).
 
         Raises:
             HubEntryNotFoundError: if the commit has no such file (also an ``IncompleteCheckpointError``).
@@ -232,7 +233,8 @@ class HubSnapshot:
             path = Path(hf_hub_download(self.repo_id, filename, revision=self.commit, token=self.token,
                                         local_dir=self.local_dir, repo_type=self.repo_type))
         if expected is not None:
-            _verify_file(path, expected, source=f"{self.label}/{filename}")
+            _verify_file(path, expected, source=f"{self.label}/{filename}",
+                         recorded_by=f"its {SHARD_RECORDS_KEY} record")
         return path
 
     def fetch_index(self) -> tuple[ShardIndex | None, Path]:
@@ -291,8 +293,9 @@ class HubSnapshot:
             return dict(zip(index.filenames, pool.map(header, index.filenames)))
 
 
-def shard_record(index: ShardIndex, filename: str, *, source: str | None = None) -> dict[str, Any] | None:
-    """The ``{"size", "sha256"}`` that :func:`push_sharded` recorded for ``filename``, if any.
+def shard_record(index: ShardIndex, filename: str, *, source: str | None = None) -> FileRecord | None:
+    """The record (size and xxh3-128; size and sha256 in indexes written before format version 2) that
+    :func:`push_sharded` or a checkpoint save wrote for ``filename``, if any.
 
     Raises:
         HubFormatError: if the ``hf_resumable_shards`` metadata is present but malformed (never guessed around).
@@ -301,7 +304,7 @@ def shard_record(index: ShardIndex, filename: str, *, source: str | None = None)
 
     ```python
     >>> shard_record(index, "model-00001-of-00002.safetensors")  # doctest: +SKIP
-    {'size': 20480, 'sha256': '9f86d0...'}
+    FileRecord(size=20480, sha256=None, xxh3_128='9f86d0...')
 
     ```
     """
@@ -315,13 +318,11 @@ def shard_record(index: ShardIndex, filename: str, *, source: str | None = None)
     record = records.get(filename)
     if record is None:
         return None
-    size, sha256 = (record.get("size"), record.get("sha256")) if isinstance(record, dict) else (None, None)
-    if not (isinstance(size, int) and not isinstance(size, bool) and size >= 0
-            and isinstance(sha256, str) and _SHA256_RE.match(sha256)):
-        raise HubFormatError(f"{source}: the {SHARD_RECORDS_KEY} record of {filename!r} is malformed "
-                             f"({record!r:.200}); expected {{\"size\": int, \"sha256\": 64 hex digits}}. "
-                             "Re-push the model.")
-    return {"size": size, "sha256": sha256}
+    try:
+        return FileRecord.from_json(record, source=source, where=f"{SHARD_RECORDS_KEY}[{filename[:100]!r}]")
+    except CorruptCheckpointError as err:
+        raise HubFormatError(f"the {SHARD_RECORDS_KEY} record of {filename!r} is malformed: {err} Re-push the "
+                             "model.") from None
 
 
 def read_index_file(path: Path, *, source: str) -> ShardIndex:
@@ -343,7 +344,8 @@ def read_index_file(path: Path, *, source: str) -> ShardIndex:
 
 
 def _sha256_of(path: Path) -> str:
-    return hash_file(path).sha256
+    """The sha256 of a downloaded file, computed here on demand: what the Hub knows an LFS file by (its oid)."""
+    return hash_file(path, xxh3_128=False, sha256=True).sha256
 
 
 def _remove_download(path: Path) -> None:
@@ -356,15 +358,8 @@ def _remove_download(path: Path) -> None:
             pass
 
 
-def _verify_file(path: Path, expected: Mapping[str, Any], *, source: str) -> None:
-    size, sha256 = expected.get("size"), expected.get("sha256")
-    actual_size = path.stat().st_size
-    problem = None
-    if size is not None and actual_size != int(size):
-        problem = f"size is {actual_size} bytes, expected {size}"
-    elif sha256 is not None and (actual := _sha256_of(path)) != sha256:
-        problem = f"sha256 is {actual}, expected {sha256}"
-    if problem is not None:
+def _verify_file(path: Path, expected: FileRecord, *, source: str, recorded_by: str) -> None:
+    if (problem := check_file(path, expected, recorded_by=recorded_by)) is not None:
         _remove_download(path)
         raise CorruptCheckpointError(
             f"{source}: downloaded {problem}. The bad copy at {path} was removed; retry the download, and if it "

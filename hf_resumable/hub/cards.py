@@ -2,7 +2,7 @@
 
 The card carries YAML metadata the Hub parses without warnings (``library_name: transformers``,
 ``tags: [hf_resumable, ...]``), the training state (step, epoch, effective batch size, resumes), a
-table of every shard with its size and sha256, and how to load the weights lazily or resume the run.
+table of every shard with its size and checksum, and how to load the weights lazily or resume the run.
 
 Example:
 
@@ -49,7 +49,7 @@ def _dash(value: Any) -> str:
 def _shard_rows(summary: CheckpointSummary) -> list[dict[str, Any]]:
     return [
         {"file": s.file, "kind": s.kind, "size": format_size(s.size), "num_tensors": s.num_tensors,
-         "dtypes": ", ".join(f"{d} x{n}" for d, n in sorted(s.dtypes.items())) or "-", "sha256": s.sha256}
+         "dtypes": ", ".join(f"{d} x{n}" for d, n in sorted(s.dtypes.items())) or "-", "checksum": s.checksum}
         for s in summary.shards
     ]
 

@@ -9,7 +9,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from huggingface_hub import HfApi, constants
 from huggingface_hub.errors import EntryNotFoundError
@@ -18,6 +17,7 @@ from ..checkpoint.manifest import read_manifest
 from ..checkpoint.verify import verify_checkpoint
 from ..constants import CHECKPOINT_DIR_RE, MANIFEST_FILE
 from ..errors import IncompleteCheckpointError
+from ..format.safetensors_io import FileRecord
 from ..progress import progress_bar
 from ._common import HfUrl, HubSnapshot, parse_hf_url
 from .download import resumable_download
@@ -27,10 +27,9 @@ logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------------- checkpoints
-def _manifest_files(manifest_path: Path) -> dict[str, dict[str, Any]]:
-    """``{relpath: {"size", "sha256"}}`` of a manifest, validated by the checkpoint module's parser."""
-    manifest = read_manifest(manifest_path.parent)
-    return {rel: {"size": record.size, "sha256": record.sha256} for rel, record in manifest.files.items()}
+def _manifest_files(manifest_path: Path) -> dict[str, FileRecord]:
+    """``{relpath: record}`` of a manifest, validated by the checkpoint module's parser."""
+    return read_manifest(manifest_path.parent).files
 
 
 def _verify_against_manifest(directory: str | os.PathLike, *, check_hashes: bool = True) -> None:
@@ -39,7 +38,7 @@ def _verify_against_manifest(directory: str | os.PathLike, *, check_hashes: bool
 
     Raises:
         IncompleteCheckpointError: if the manifest or a listed file is missing.
-        CorruptCheckpointError: on a size or sha256 mismatch.
+        CorruptCheckpointError: on a size or hash mismatch.
     """
     directory = Path(directory)
     report = verify_checkpoint(directory, full=check_hashes)
@@ -110,9 +109,9 @@ def pull_checkpoint(
     manifest = _manifest_files(get(f"{prefix}{MANIFEST_FILE}"))
     with progress_bar(total=sum(remote.values()), desc=f"pulling {url.path_in_repo or url.repo_id}") as bar:
         for name, size in remote.items():
-            record = manifest.get(name[len(prefix):], {})
-            if name != f"{prefix}{MANIFEST_FILE}":
-                get(name, expected_size=record.get("size", size), expected_sha256=record.get("sha256"))
+            record = manifest.get(name[len(prefix):])
+            if name != f"{prefix}{MANIFEST_FILE}":  # a listed file is checked against its record as it lands
+                get(name, expected_size=size if record is None else record.size, expected=record)
             bar.update(size)
     checkpoint_dir = root / url.path_in_repo if url.path_in_repo else root
     _verify_against_manifest(checkpoint_dir)

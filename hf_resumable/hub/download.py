@@ -19,6 +19,7 @@ from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
 from ..errors import CorruptCheckpointError, HubError
+from ..format.safetensors_io import FileRecord, check_file
 from ..format.sharding import check_relative_name
 from ._common import _DOWNLOAD_CHUNK, _SHA256_RE, PART_SUFFIX, SIDECAR_SUFFIX, _sha256_of, hub_errors
 
@@ -97,24 +98,37 @@ def _git_blob_sha1(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _is_up_to_date(target: Path, remote: _RemoteFile, expected_sha256: str | None) -> bool:
-    """Whether ``target`` already holds the remote file (by sha256, or the git blob id of a regular file)."""
+def _is_up_to_date(target: Path, remote: _RemoteFile, expected_sha256: str | None,
+                   expected: FileRecord | None) -> bool:
+    """Whether ``target`` already holds the remote file (by the record ``expected``, by sha256, or by the git blob id
+    of a regular file)."""
     if not target.is_file() or (remote.size is not None and target.stat().st_size != remote.size):
         return False
+    if expected is not None:
+        return check_file(target, expected) is None
     if expected_sha256 is not None or (remote.etag and _SHA256_RE.match(remote.etag)):
         return _sha256_of(target) == (expected_sha256 or remote.etag)
     return bool(remote.etag) and _git_blob_sha1(target) == remote.etag
 
 
-def _finish_download(part: Path, target: Path, expected_sha256: str | None, source: str) -> None:
-    if expected_sha256 is not None:
-        actual = _sha256_of(part)
-        if actual != expected_sha256:
-            part.unlink()
-            raise CorruptCheckpointError(
-                f"{source}: downloaded sha256 {actual} but expected {expected_sha256}; the partial file was removed."
-                " Retry; if it persists, the remote file is corrupt: re-push it."
-            )
+def _download_problem(part: Path, expected_sha256: str | None, expected: FileRecord | None) -> str | None:
+    """Why the downloaded ``part`` is not the wanted file: checked against the record ``expected`` (a manifest's: its
+    xxh3-128, or sha256 where it has no other) when given, else against ``expected_sha256`` (or the LFS oid)."""
+    if expected is not None:
+        return check_file(part, expected)
+    if expected_sha256 is not None and (actual := _sha256_of(part)) != expected_sha256:
+        return f"sha256 {actual} but expected {expected_sha256}"
+    return None
+
+
+def _finish_download(part: Path, target: Path, expected_sha256: str | None, expected: FileRecord | None,
+                     source: str) -> None:
+    if (problem := _download_problem(part, expected_sha256, expected)) is not None:
+        part.unlink()
+        raise CorruptCheckpointError(
+            f"{source}: downloaded {problem}; the partial file was removed. Retry; if it persists, the remote file is"
+            " corrupt: re-push it."
+        )
     os.replace(part, target)
 
 
@@ -126,6 +140,7 @@ def resumable_download(
     local_dir: str | os.PathLike,
     expected_sha256: str | None = None,
     expected_size: int | None = None,
+    expected: FileRecord | None = None,
     token: str | None = None,
     repo_type: str = "model",
     max_retries: int = 3,
@@ -134,8 +149,8 @@ def resumable_download(
 
     Bytes go to ``<local_dir>/<filename>.part``, with a sidecar ``.part.json`` recording the commit, ETag and size
     they belong to. A later call (in any process) continues with ``Range: bytes=<part size>-`` when the sidecar still
-    matches the remote file, checks the sha256 (``expected_sha256``, else the ETag of an LFS file, which is its
-    sha256), then renames the file into place atomically.
+    matches the remote file, checks the file against the record ``expected`` (else against ``expected_sha256``, else
+    against the ETag of an LFS file, which is its sha256), then renames the file into place atomically.
 
     > [!WARNING]
     > Two processes must not download the same file into the same ``local_dir`` at the same time: they would append
@@ -146,8 +161,11 @@ def resumable_download(
         filename (`str`): path inside the repo.
         revision (`str`, *optional*): branch, tag or commit sha; pass a commit to pin the version.
         local_dir (`str` or `os.PathLike`): destination root; the file lands at ``local_dir/filename``.
-        expected_sha256 (`str`, *optional*): required content hash.
+        expected_sha256 (`str`, *optional*): required sha256.
         expected_size (`int`, *optional*): required size in bytes.
+        expected ([`~hf_resumable.format.safetensors_io.FileRecord`], *optional*): the file's record in a
+            checkpoint manifest; it is checked by its xxh3-128 (or its sha256 where it has no other), and the
+            sha256 of the LFS oid is then not computed.
         token (`str`, *optional*): Hub token.
         repo_type (`str`, *optional*, defaults to `"model"`): the repo type.
         max_retries (`int`, *optional*, defaults to `3`): in-call retries after a dropped connection.
@@ -177,7 +195,7 @@ def resumable_download(
         remote = _remote_file(repo_id, filename, revision, token, repo_type)
     if expected_size is not None and remote.size is not None and remote.size != expected_size:
         raise CorruptCheckpointError(f"{source}: the Hub reports {remote.size} bytes, expected {expected_size}.")
-    if _is_up_to_date(target, remote, expected_sha256):
+    if _is_up_to_date(target, remote, expected_sha256, expected):
         return target
     part, sidecar = target.with_name(target.name + PART_SUFFIX), target.with_name(target.name + SIDECAR_SUFFIX)
     size = _prepare_part(part, sidecar, remote)
@@ -196,7 +214,7 @@ def resumable_download(
         part.unlink()
         raise CorruptCheckpointError(f"{source}: got {size} bytes, the Hub announced {remote.size}; retry.")
     lfs_sha = remote.etag if remote.etag and _SHA256_RE.match(remote.etag) else None
-    _finish_download(part, target, expected_sha256 or lfs_sha, source)
+    _finish_download(part, target, expected_sha256 or lfs_sha, expected, source)
     sidecar.unlink(missing_ok=True)
     return target
 

@@ -33,7 +33,7 @@ def write_sharded_model(state_dict: Mapping[str, torch.Tensor], directory: str |
 
     Shared tensors are stored once (first name in ``state_dict`` order) and recorded in the index metadata as
     ``{dropped_name: kept_name}``, like ``huggingface_hub.save_torch_state_dict``. The metadata also records each
-    shard's size and sha256 under ``"hf_resumable_shards"``.
+    shard's size and xxh3-128 under ``"hf_resumable_shards"``.
 
     Returns:
         `dict`: the index document that was written.
@@ -209,7 +209,7 @@ def download_shards(
 ) -> Path:
     """Download the index, then only the shards that hold the requested tensors (default: all of them).
 
-    Each shard is verified against the size and sha256 recorded by :func:`push_sharded` when the index has them.
+    Each shard is verified against the size and xxh3-128 (sha256 in older indexes) recorded by :func:`push_sharded`.
 
     Args:
         repo_id (`str`): the model repo.

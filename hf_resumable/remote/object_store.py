@@ -37,6 +37,7 @@ from ..errors import (
     HfResumableError,
     StorageError,
 )
+from ..format.safetensors_io import FileRecord, RecordChecker
 from ..progress import progress_bar
 from .uploader import BackgroundUploader
 
@@ -246,7 +247,8 @@ def download_checkpoint(
 
     Raises:
         IncompleteCheckpointError: if the remote checkpoint is not committed.
-        CorruptCheckpointError: if a downloaded file's size or sha256 differs from the manifest.
+        CorruptCheckpointError: if a downloaded file's size or hash (xxh3-128, or the sha256 of an older manifest's
+            record) differs from the manifest.
     """
     from ..checkpoint import committed_directory, verify_checkpoint, write_file_durably
     from ..format.sharding import check_relative_name
@@ -271,21 +273,21 @@ def download_checkpoint(
     return target
 
 
-def _fetch(fs, remote_path: str, local_path: Path, record) -> None:
+def _fetch(fs, remote_path: str, local_path: Path, record: FileRecord) -> None:
     local_path.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    size = 0
-    with fs.open(remote_path, "rb", block_size=_CHUNK) as src, open(local_path, "wb") as dst:
-        while chunk := src.read(_CHUNK):
-            digest.update(chunk)
-            dst.write(chunk)
-            size += len(chunk)
-        dst.flush()
-        os.fsync(dst.fileno())
-    if size != record.size or digest.hexdigest() != record.sha256:
+    checker = RecordChecker(record)  # each chunk is a new bytes object: a sha256 may run on the helper thread
+    try:
+        with fs.open(remote_path, "rb", block_size=_CHUNK) as src, open(local_path, "wb") as dst:
+            while chunk := src.read(_CHUNK):
+                checker.feed(chunk)
+                dst.write(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+    finally:
+        checker.close()
+    if (problem := checker.problem()) is not None:
         local_path.unlink(missing_ok=True)
-        raise CorruptCheckpointError(f"{remote_path}: downloaded {size} bytes with sha256 {digest.hexdigest()}, the "
-                                     f"manifest says {record.size} bytes, {record.sha256}.")
+        raise CorruptCheckpointError(f"{remote_path}: downloaded {problem}.")
 
 
 def apply_remote_retention(remote_root: str, *, keep_last: int, protect: Iterable[str] = (),
