@@ -204,7 +204,8 @@ def save_checkpoint(
                             greater_is_better=greater_is_better)
 
     if not blocking:
-        _ASYNC.submit(target, payload, step=step, metrics=metrics, overwrite=overwrite, on_commit=retention)
+        _ASYNC.submit(target, payload, step=step, metrics=metrics, overwrite=overwrite, on_commit=retention,
+                      optimizer=optimizer)
         return CheckpointInfo(path=target, step=step)
     manifest = save_payload(target, payload, step=step, metrics=metrics, overwrite=overwrite)
     retention()
