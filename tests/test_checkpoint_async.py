@@ -198,9 +198,9 @@ def test_the_next_step_waits_for_the_background_copy_and_the_checkpoint_holds_th
     """The save returns before the parameters and moments are copied; the forward and backward of the next step run
     meanwhile (changing the buffers), and its optimizer step waits at the gate until the copy is over. The checkpoint
     is the state at the save, byte for byte as a blocking save writes it."""
-    from hf_resumable.checkpoint._step_gate import step_gate
-
     from staging_probe import copy_after_next_step
+
+    from hf_resumable.checkpoint._step_gate import step_gate
 
     model = _bn_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -477,10 +477,10 @@ def _weight_differing_from_its_master_is_stored(tmp_path: Path, saving: Any, sta
     def held(module: torch.nn.Module) -> torch.Tensor:
         return module.weight.ds_tensor if stage == 3 else module.weight
 
+    from staging_probe import copy_after_next_step
+
     from hf_resumable import wait_for_pending_saves
     from hf_resumable.checkpoint._step_gate import step_gate
-
-    from staging_probe import copy_after_next_step
 
     # an async save copies the masters and moments, and checks the weights against the masters, on other threads;
     # the engine's next step (its base optimizer's) waits for both: the checkpoint holds the state at the save
@@ -495,7 +495,8 @@ def _weight_differing_from_its_master_is_stored(tmp_path: Path, saving: Any, sta
     assert stepping.is_set() and step_gate(base).is_open and not torch.equal(_master(saving), master)
     assert not json.loads((tmp_path / "async" / "sharded_layout.json").read_text())["model"]["pieces"]
     loading = _zero_engine(stage, sub_groups)
-    load_sharded_checkpoint(tmp_path / "async", model=loading.module, optimizer=checkpoint_optimizer(loading.optimizer))
+    load_sharded_checkpoint(tmp_path / "async", model=loading.module,
+                            optimizer=checkpoint_optimizer(loading.optimizer))
     assert torch.equal(_master(loading), master) and torch.equal(_moments(loading), moments)
     weight = held(saving.module[1])
     original = weight.detach().clone()
