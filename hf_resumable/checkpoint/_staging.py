@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..format._bytes import tensor_bytes
 from ..format._libc import libc_function
 
 try:
@@ -342,11 +343,11 @@ def equal_bytes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, workers: 
         if _memmove_ok(a, b):
             if a.numel():
                 fast.append((a.data_ptr(), b.data_ptr(), a.numel() * a.element_size()))
-        elif not torch.equal(_as_bytes(a), _as_bytes(b)):
+        elif not torch.equal(tensor_bytes(a), tensor_bytes(b)):
             return False
     compare = libc_function("memcmp", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t))
     if compare is None:  # no C library here: compare the rest with torch too
-        return all(torch.equal(_as_bytes(a.detach()), _as_bytes(b.detach())) for a, b in pairs)
+        return all(torch.equal(tensor_bytes(a.detach()), tensor_bytes(b.detach())) for a, b in pairs)
 
     def differ(first: int, second: int, nbytes: int) -> None:
         if compare(first, second, nbytes):
@@ -364,8 +365,3 @@ def equal_bytes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, workers: 
         return False
     return True
 
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s elements as raw bytes (NaNs with the same bits compare equal, -0.0 and 0.0 do not)."""
-    flat = tensor.contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else flat

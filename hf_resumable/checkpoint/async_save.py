@@ -85,7 +85,6 @@ class _SaveJob:
         self._prepare, self._finalize = prepare, finalize
         self.pid = os.getpid()  # a forked child does not own its parent's save (nor the thread writing it)
         self.staging = _Staging()
-        self._staged = threading.Event()  # the copy is over (the optimizer's step no longer waits for this save)
         self.future: Future[Manifest] = Future()
         self.start: SaveStart | None = None
         self.error: BaseException | None = None  # raised at the next wait
@@ -113,10 +112,10 @@ class _SaveJob:
                                             signature=self._signature)
         except BaseException as err:  # noqa: BLE001 - raised at the next wait (on every rank: rank 0 told them)
             self.error = err
-            self._finish_staging(split=None)
+            self.staging.finish(split=None)
             return None
         prepare, finalize = self._prepare, self._finalize
-        cause = self._finish_staging(split=start.split)
+        cause = self.staging.finish(split=start.split)
         if cause is not None:  # every rank must learn it in step 3: nothing is committed
 
             def prepare() -> None:
@@ -132,16 +131,6 @@ class _SaveJob:
         except BaseException as err:  # noqa: BLE001 - kept and raised at the next call
             self.error = cause or err
             return None
-
-    def _finish_staging(self, *, split: bool | None) -> BaseException | None:
-        try:
-            return self.staging.finish(split=split)
-        finally:
-            self._staged.set()
-
-    def wait_staged(self) -> None:
-        """Return once the tensors are copied (the writing may go on)."""
-        self._staged.wait()
 
 
 class _Worker:
@@ -259,14 +248,6 @@ class AsyncSaver:
             self._job, self._last = job, job.future
             self._worker.submit(job.run)
         return job.future
-
-    def wait_staged(self) -> None:
-        """Block until the in-flight save (if any) has copied its tensors: from then on nothing it reads changes
-        with the training objects (its write may go on). What an optimizer's step does not hold for (a parameter
-        written in place outside the optimizer, a load) must come after this."""
-        job = self._job
-        if job is not None and job.pid == os.getpid():
-            job.wait_staged()
 
     @property
     def future(self) -> Future[Manifest] | None:
