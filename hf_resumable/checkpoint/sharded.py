@@ -443,7 +443,9 @@ def save_sharded_checkpoint(
             Without it, call :func:`consolidate_sharded_checkpoint` to get an HF export.
         max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard size of the ``hf_weights`` files.
         blocking (`bool`, *optional*, defaults to `True`): with `False`, every rank copies its pieces into
-            reusable host buffers and returns; the files are written in the background and rank 0 commits once
+            reusable host buffers (those of ``optimizer``'s parameters and state while the next forward and
+            backward run: its next step waits for that copy, as in :func:`~hf_resumable.save_checkpoint`) and
+            returns; the files are written in the background and rank 0 commits once
             every rank's files are durable (over a gloo group of its own, never the training loop's). The next
             save, any load, ``wait_for_pending_saves`` and interpreter exit wait for it and raise its error.
         standalone (`bool`, *optional*, defaults to `False`): store frozen parameters (``requires_grad=False``: a
