@@ -158,8 +158,19 @@ def worker(mode: str, root: Path, repeats: int, hidden: int, out: Path) -> None:
         dist.destroy_process_group()
 
 
-def _timed(save, path: Path, blocking: bool, rank: int) -> tuple[float, float]:
-    """One save (or load) on every rank, caches dropped first: (seconds until it returned, seconds until done)."""
+def gate_waited() -> float:
+    """Seconds optimizer steps have waited so far for background copies (the library's step gates)."""
+    try:
+        from hf_resumable.checkpoint._step_gate import _GATES
+    except ImportError:  # a library without the step gate: the save call itself copies every tensor
+        return 0.0
+    return sum(gate.waited for gate in list(_GATES.values()))
+
+
+def _timed(save, path: Path, blocking: bool, rank: int, step=None) -> tuple[float, float, float, float]:
+    """One save (or load) on every rank, caches dropped first: (seconds until it returned, seconds until done, the
+    seconds of ``step()`` (the next training step, run right after the call returned), and of its wait at the step
+    gate)."""
     import torch.distributed as dist
 
     if rank == 0:
@@ -168,10 +179,16 @@ def _timed(save, path: Path, blocking: bool, rank: int) -> tuple[float, float]:
     start = time.perf_counter()
     finish = save(path, blocking)
     returned = time.perf_counter() - start
+    stepped = waited = 0.0
+    if step is not None:
+        waited = gate_waited()
+        stepped = time.perf_counter()
+        step()
+        stepped, waited = time.perf_counter() - stepped, gate_waited() - waited
     finish()
     total = time.perf_counter() - start
     dist.barrier()
-    return returned, total
+    return returned, total, stepped, waited
 
 
 def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
@@ -212,16 +229,32 @@ def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
         future = dcp.async_save(state, checkpoint_id=str(path))
         return lambda: future.result()
 
+    def no_save(path: Path, blocking: bool):
+        return lambda: None
+
+    batch = torch.randint(0, 16000, (1, 16), generator=torch.Generator().manual_seed(rank))
+
+    def step(on: torch.nn.Module, with_optimizer: torch.optim.Optimizer):
+        def run() -> None:  # the next training step, which a background save's copy overlaps (and may hold)
+            on(input_ids=batch, labels=batch).loss.backward()
+            with_optimizer.step()
+            with_optimizer.zero_grad()
+        return run
+
+    sharded_step, replica_step = step(model, optimizer), step(replica, replica_optimizer)
     kinds = {"ours blocking": (ours, True), "ours async": (ours, False), "DCP save": (theirs, True),
              "DCP async_save": (theirs, False), "ours blocking, DDP": (ours_ddp, True),
-             "ours async, DDP": (ours_ddp, False)}
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in kinds}
+             "ours async, DDP": (ours_ddp, False), "training step, no save": (no_save, True),
+             "training step, no save, DDP": (no_save, True)}
+    steps = {"ours async": sharded_step, "DCP async_save": sharded_step, "training step, no save": sharded_step,
+             "ours async, DDP": replica_step, "training step, no save, DDP": replica_step}
+    times: dict[str, list[tuple[float, ...]]] = {name: [] for name in kinds}
     names = list(kinds)
     for i in range(repeats + 1):  # the first round warms up (staging buffers, DCP's first plan)
         for name in names[i % len(names):] + names[: i % len(names)]:
             save, blocking = kinds[name]
             path = root / f"{name.replace(' ', '-')}-{i}"
-            timing = _timed(save, path, blocking, rank)
+            timing = _timed(save, path, blocking, rank, step=steps.get(name))
             if i:
                 times[name].append(timing)
             if rank == 0:
@@ -229,7 +262,8 @@ def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, times)  # benchmark driver only: the library never pickles
     if rank == 0:
-        slowest = {name: [max(per_rank[name][k] for per_rank in gathered) for k in range(repeats)] for name in names}
+        slowest = {name: [[max(per_rank[name][k][j] for per_rank in gathered) for j in range(4)]
+                          for k in range(repeats)] for name in names}
         out.write_text(json.dumps({"times": slowest, "bytes_per_rank": sum(
             t.numel() * t.element_size() for t in list(model.state_dict().values()))}))
     dist.destroy_process_group()
@@ -474,6 +508,11 @@ def engines_worker(engine: str, root: Path, repeats: int, hidden: int, stage: in
     ours_optimizer = checkpoint_optimizer(optimizer)
     rank = dist.get_rank()
 
+    def step() -> None:  # the next training step, which a background save's copy overlaps (and may hold)
+        accelerator.backward(prepared(input_ids=batch, labels=batch).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
     def ours(path: Path, blocking: bool):
         save_sharded_checkpoint(path, model=ours_model, optimizer=ours_optimizer, step=0, blocking=blocking)
         return wait_for_pending_saves
@@ -494,17 +533,22 @@ def engines_worker(engine: str, root: Path, repeats: int, hidden: int, stage: in
         accelerator.load_state(str(path))
         return lambda: None
 
+    def no_save(path: Path, blocking: bool):
+        return lambda: None
+
     kinds = {"ours blocking": (ours, True), "ours async": (ours, False), "accelerate save_state": (theirs, False),
-             "accelerate save_state + fsync": (theirs, True)}
+             "accelerate save_state + fsync": (theirs, True), "training step, no save": (no_save, True)}
     loads = {"ours load": (ours_load, "ours blocking"),  # each loads the checkpoint its kind saved this round
              "accelerate load_state": (theirs_load, "accelerate save_state")}
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in [*kinds, *loads]}
+    times: dict[str, list[tuple[float, ...]]] = {name: [] for name in [*kinds, *loads]}
     names = list(kinds)
+    stepped = ("ours async", "training step, no save")  # the loop runs its next step after these
     for i in range(repeats + 1):  # the first round warms up (staging buffers, first plans)
         for name in [*names[i % len(names):], *names[: i % len(names)], *loads]:
             save, blocking = kinds[name] if name in kinds else loads[name]
             path = root / f"{(name if name in kinds else blocking).replace(' ', '-')}-{i}"
-            timing = _timed(save, path, blocking if name in kinds else True, rank)
+            timing = _timed(save, path, blocking if name in kinds else True, rank,
+                            step=step if name in stepped else None)
             if i:
                 times[name].append(timing)
         dist.barrier()
@@ -514,7 +558,7 @@ def engines_worker(engine: str, root: Path, repeats: int, hidden: int, stage: in
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, times)  # benchmark driver only: the library never pickles
     if rank == 0:
-        slowest = {name: [[max(per_rank[name][k][j] for per_rank in gathered) for j in (0, 1)]
+        slowest = {name: [[max(per_rank[name][k][j] for per_rank in gathered) for j in range(4)]
                           for k in range(repeats)] for name in times}
         out.write_text(json.dumps({"times": slowest, "engine": engine, "stage": stage, "parameters": sum(
             p.numel() for p in build(hidden).parameters())}))
@@ -525,7 +569,9 @@ def engines_report(results: list[dict], args: argparse.Namespace) -> str:
     lines = [f"2 gloo ranks, a Llama-shaped model (hidden {args.hidden}, {results[0]['parameters'] / 1e6:.0f}M "
              f"parameters) + AdamW through accelerate, under {args.dir or tempfile.gettempdir()}; median of "
              f"{args.repeats} rounds (slower rank of each), after a warm-up round. Saves: until the call returns, "
-             "and until the checkpoint is committed.", "",
+             "and until the checkpoint is committed. Our async save's stall is the call plus the wait of the next "
+             "optimizer step at the step gate (the loop runs that step: forward, backward, step); that step's time "
+             "is compared with a step with no save in flight.", "",
              "| engine | operation | returns after (s) | done after (s) | vs stock (speed, higher is better) "
              "| vs our blocking save |", "|---|---|---:|---:|---:|---:|"]
     for result in results:
@@ -538,15 +584,21 @@ def engines_report(results: list[dict], args: argparse.Namespace) -> str:
         stock_save, durable = median("accelerate save_state", 1), median("accelerate save_state + fsync", 1)
         blocking = median("ours blocking", 1)
         for name in times:
-            versus = ""
+            if name == "training step, no save":
+                continue
+            versus, mine, returned = "", "", f"{median(name, 0):.3f}"
             if name == "ours blocking":
                 versus = f"{stock_save / blocking:.2f}x; {durable / blocking:.2f}x vs save_state + fsync"
             elif name == "ours load":
                 versus = f"{median('accelerate load_state', 1) / median(name, 1):.2f}x"
             elif name == "ours async":
-                versus = f"stall {stock_save / median(name, 0):.1f}x shorter than save_state"
-            mine = f"{median(name, 0) / blocking:.3f}x" if name == "ours async" else ""
-            lines.append(f"| {engine} | {name} | {median(name, 0):.3f} | {median(name, 1):.3f} | {versus} | {mine} |")
+                stall = statistics.median(entry[0] + entry[3] for entry in times[name])
+                returned = f"{median(name, 0):.3f} + gate {median(name, 3):.3f}"
+                versus = f"stall {stock_save / stall:.1f}x shorter than save_state"
+                normal, overlapped = median("training step, no save", 2), median(name, 2)
+                mine = (f"stall {stall / blocking:.3f}x; next step {overlapped:.3f} s = {overlapped / normal:.2f}x a "
+                        f"step with no save ({normal:.3f} s)")
+            lines.append(f"| {engine} | {name} | {returned} | {median(name, 1):.3f} | {versus} | {mine} |")
     return "\n".join(lines)
 
 
@@ -602,20 +654,30 @@ def stall_report(result: dict, args: argparse.Namespace) -> str:
     def median(name: str, index: int) -> float:
         return statistics.median(entry[index] for entry in times[name])
 
-    blocking, dcp_stall = median("ours blocking", 1), median("DCP async_save", 0)
+    def stall(name: str) -> float:  # the call, plus the next step's wait at the step gate (0 where none ran)
+        return statistics.median(entry[0] + entry[3] for entry in times[name])
+
+    blocking, dcp_stall = median("ours blocking", 1), stall("DCP async_save")
     lines = [f"2 gloo ranks, FSDP2 Llama-shaped model (hidden {args.hidden}) + AdamW (and a DDP replica of it); "
-             f"median of {args.repeats} interleaved saves each (slower rank), after a warm-up round.", "",
-             "| save | call returns after (s) | slowest return (s) | done after (s) | stall vs our blocking save "
-             "| vs DCP async_save stall |",
-             "|---|---:|---:|---:|---:|---:|"]
+             f"median of {args.repeats} interleaved saves each (slower rank), after a warm-up round. A background "
+             "save's stall is its call plus the wait of the next optimizer step at the step gate (the loop runs that "
+             "step); that step's time is compared with a step with no save in flight.", "",
+             "| save | stall (s): call + gate wait | slowest return (s) | done after (s) | stall vs our blocking save "
+             "| vs DCP async_save stall | next step vs a step with no save |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for name in times:
-        stall, total, slowest = median(name, 0), median(name, 1), max(entry[0] for entry in times[name])
-        base = median("ours blocking, DDP", 1) if name.endswith("DDP") else blocking
-        versus = "" if name.endswith("DDP") else f"{stall / dcp_stall:.2f}x"
-        lines.append(f"| {name} | {stall:.3f} | {slowest:.3f} | {total:.3f} | {stall / base:.3f}x | {versus} |")
+        if name.startswith("training step"):
+            continue
+        total, slowest = median(name, 1), max(entry[0] for entry in times[name])
+        ddp = name.endswith("DDP")
+        base = median("ours blocking, DDP", 1) if ddp else blocking
+        versus = "" if ddp else f"{stall(name) / dcp_stall:.2f}x"
+        normal = median("training step, no save, DDP" if ddp else "training step, no save", 2)
+        inflation = f"{median(name, 2) / normal:.2f}x" if median(name, 2) else ""
+        lines.append(f"| {name} | {median(name, 0):.3f} + {median(name, 3):.3f} | {slowest:.3f} | {total:.3f} | "
+                     f"{stall(name) / base:.3f}x | {versus} | {inflation} |")
     lines += ["", f"ours blocking vs DCP save: {median('DCP save', 1) / blocking:.2f}x the speed (higher is better)"]
     return "\n".join(lines)
-
 
 # --- driver ----------------------------------------------------------------------------------------
 

@@ -179,3 +179,94 @@ def test_submit_returns_a_future_of_the_committed_manifest(tmp_path, monkeypatch
     with pytest.raises(AsyncSaveError, match="checkpoint-2 failed"):
         wait_for_pending_saves()
     assert not (tmp_path / "checkpoint-2").exists()
+
+
+def _bn_model() -> torch.nn.Module:
+    """Parameters the optimizer steps, and buffers (BatchNorm's running statistics) that every forward changes."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+    model(inputs).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_the_next_step_waits_for_the_background_copy_and_the_checkpoint_holds_the_saved_step(tmp_path):
+    """The save returns before the parameters and moments are copied; the forward and backward of the next step run
+    meanwhile (changing the buffers), and its optimizer step waits at the gate until the copy is over. The checkpoint
+    is the state at the save, byte for byte as a blocking save writes it."""
+    from staging_probe import copy_after_next_step
+
+    from hf_resumable.checkpoint._step_gate import step_gate
+
+    model = _bn_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train_step(model, optimizer, seed=1)
+    save_checkpoint(tmp_path / "blocking" / "checkpoint-1", model=model, optimizer=optimizer, step=1, rng=False)
+    with copy_after_next_step(optimizer) as stepping:
+        save_checkpoint(tmp_path / "async" / "checkpoint-1", model=model, optimizer=optimizer, step=1, rng=False,
+                        blocking=False)
+        gate = step_gate(optimizer)
+        blocked = gate.blocked
+        assert not gate.is_open and not stepping.is_set()  # nothing copied yet: the step is held
+        _train_step(model, optimizer, seed=2)  # its forward changes the buffers; its step waits for the copy
+    assert stepping.is_set() and gate.blocked == blocked + 1 and gate.is_open
+    wait_for_pending_saves()
+    assert _files(tmp_path / "blocking" / "checkpoint-1") == _files(tmp_path / "async" / "checkpoint-1")
+    fresh = _bn_model()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_checkpoint(tmp_path / "async" / "checkpoint-1", model=fresh, optimizer=fresh_optimizer, restore_rng=False)
+    _train_step(fresh, fresh_optimizer, seed=2)  # the resumed run takes the same step as the saving run
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+
+
+def test_async_saves_every_step_resume_bit_exact(tmp_path):
+    """A plain loop saving in the background after every step (each save's copy overlapping the next step):
+    resumed from any of them, the run ends with the uninterrupted run's weights and moments."""
+    model = _bn_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(1, 6):
+        _train_step(model, optimizer, seed=step)
+        save_checkpoint(tmp_path / f"checkpoint-{step}", model=model, optimizer=optimizer, step=step, rng=False,
+                        blocking=False)
+    wait_for_pending_saves()
+    for resume_at in (1, 3):
+        fresh = _bn_model()
+        fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        load_checkpoint(tmp_path / f"checkpoint-{resume_at}", model=fresh, optimizer=fresh_optimizer,
+                        restore_rng=False)
+        for step in range(resume_at + 1, 6):
+            _train_step(fresh, fresh_optimizer, seed=step)
+        for key, value in model.state_dict().items():
+            assert torch.equal(fresh.state_dict()[key], value), (resume_at, key)
+        for mine, theirs in zip(model.parameters(), fresh.parameters()):
+            mine, theirs = optimizer.state[mine], fresh_optimizer.state[theirs]
+            assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), resume_at
+
+
+def test_a_save_without_an_optimizer_to_hold_copies_everything_before_it_returns(tmp_path):
+    """No torch optimizer (a model-only save): nothing can hold the writes, so the call copies every tensor; a
+    parameter written in place right after it does not reach the checkpoint."""
+    gate = threading.Event()
+    model = _bn_model()
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    real = _writer.write_safetensors
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_writer, "write_safetensors", lambda *a, **k: (gate.wait(30), real(*a, **k))[1])
+        save_checkpoint(tmp_path / "checkpoint-1", model=model, step=1, rng=False, blocking=False)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(1.0)
+        gate.set()
+        wait_for_pending_saves()
+    fresh = _bn_model()
+    with torch.no_grad():
+        for parameter in fresh.parameters():
+            parameter.zero_()
+    load_checkpoint(tmp_path / "checkpoint-1", model=fresh, restore_rng=False)
+    for key, value in snapshot.items():
+        assert torch.equal(fresh.state_dict()[key], value), key

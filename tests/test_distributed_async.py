@@ -2,7 +2,9 @@
 default group) while their checkpoints are written and committed over a group of their own.
 
 * async saves commit exactly the bytes a blocking save commits, for DDP-style and FSDP2 (``fully_shard``) models
-  (with and without frozen parameters; the layout and the frozen record included), and training is not disturbed
+  (with and without frozen parameters; the layout and the frozen record included), also when the copy of the
+  parameters and optimizer state starts only after the next step has begun (that step waits for it), and training
+  is not disturbed
   (same losses and final weights); every sharded checkpoint reloads to torch's own full state dicts at its save,
   also after the optimizer gained a param group between two saves;
 * a failure on one rank (ENOSPC) leaves no committed checkpoint, the previous one valid, and every rank raises
@@ -61,6 +63,8 @@ def test_async_saves_commit_the_same_bytes_as_blocking_saves_while_training_goes
         background = json.loads((tmp_path / "async" / f"result-rank{rank}.json").read_text())
         assert background["losses"] == blocking["losses"] and background["digest"] == blocking["digest"]
         assert background["error"] is None
+        # the steps after the saves at 2 and 4 began before the copies, and waited for them (staging_probe.py)
+        assert background["blocked"] == 2
         # Sharded: each checkpoint, loaded into a fresh model and optimizer (the optimizer gained a param group
         # between the first and the second save), equals torch's own full state dicts at the save.
         expected = {"2": True, "4": True, "6": True} if kind else {}

@@ -401,6 +401,13 @@ def _master(engine: torch.nn.Module) -> torch.Tensor:
                                                                              None)))
 
 
+def _moments(engine: torch.nn.Module) -> torch.Tensor:
+    """The base optimizer's Adam moments over the engine's flat partitions, concatenated."""
+    zero = engine.optimizer
+    flats = getattr(zero, "fp32_partitioned_groups_flat", getattr(zero, "single_partition_of_fp32_groups", None))
+    return torch.cat([zero.optimizer.state[flat][key] for flat in flats for key in ("exp_avg", "exp_avg_sq")])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, sub_groups", [(2, False), (3, False), (3, True)], ids=["2", "3", "3-subgroups"])
 def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_rank_group, stage, sub_groups):
@@ -470,16 +477,27 @@ def _weight_differing_from_its_master_is_stored(tmp_path: Path, saving: Any, sta
     def held(module: torch.nn.Module) -> torch.Tensor:
         return module.weight.ds_tensor if stage == 3 else module.weight
 
-    from hf_resumable import wait_for_pending_saves
-    from hf_resumable.integrations._deepspeed import _step_gate
+    from staging_probe import copy_after_next_step
 
-    # an async save checks on the saver's thread, the optimizer's next step held until it has (then released)
-    save_sharded_checkpoint(tmp_path / "async", model=saving.module, optimizer=checkpoint_optimizer(saving.optimizer),
-                            step=3, blocking=False)
+    from hf_resumable import wait_for_pending_saves
+    from hf_resumable.checkpoint._step_gate import step_gate
+
+    # an async save copies the masters and moments, and checks the weights against the masters, on other threads;
+    # the engine's next step (its base optimizer's) waits for both: the checkpoint holds the state at the save
+    base = saving.optimizer.optimizer
+    master, moments = _master(saving).clone(), _moments(saving).clone()
+    with copy_after_next_step(base) as stepping:
+        save_sharded_checkpoint(tmp_path / "async", model=saving.module,
+                                optimizer=checkpoint_optimizer(saving.optimizer), step=3, blocking=False)
+        assert not step_gate(base).is_open
+        _step(saving)  # through the gate, once the copy is over
     wait_for_pending_saves()
-    assert _step_gate(saving.optimizer.optimizer).is_set()
-    _step(saving)  # through the gate
+    assert stepping.is_set() and step_gate(base).is_open and not torch.equal(_master(saving), master)
     assert not json.loads((tmp_path / "async" / "sharded_layout.json").read_text())["model"]["pieces"]
+    loading = _zero_engine(stage, sub_groups)
+    load_sharded_checkpoint(tmp_path / "async", model=loading.module,
+                            optimizer=checkpoint_optimizer(loading.optimizer))
+    assert torch.equal(_master(loading), master) and torch.equal(_moments(loading), moments)
     weight = held(saving.module[1])
     original = weight.detach().clone()
     with torch.no_grad():

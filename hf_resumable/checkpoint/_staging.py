@@ -16,11 +16,13 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from ..format._bytes import tensor_bytes
 from ..format._libc import libc_function
 
 try:
@@ -87,16 +89,38 @@ def plan_chunks(sizes: Sequence[int], *, chunk: int = CHUNK_BYTES, align: int = 
 
 
 class _Job:
-    """One staging copy: its pieces, claimed one at a time by up to ``workers`` threads (the caller among them)."""
+    """One staging copy: its pieces, claimed one at a time by up to ``workers`` threads (the caller among them), and
+    ``tasks`` (copies that are not plain bytes, e.g. ``copy_``), each claimed by one thread before any piece."""
 
-    def __init__(self, pieces: list[Piece], addresses: list[tuple[int, int, int]], copier, workers: int) -> None:
+    def __init__(self, pieces: list[Piece], addresses: list[tuple[int, int, int]], copier, workers: int,
+                 tasks: Sequence[Callable[[], None]] = ()) -> None:
         self._pieces, self._addresses, self._copier = pieces, addresses, copier
+        self._tasks = list(tasks)
         self._lock = threading.Lock()
         self._next = 0
         self._active = 0
         self._slots = workers
         self._errors: list[BaseException] = []
         self._done = threading.Event()
+        if not pieces and not self._tasks:
+            self._done.set()
+
+    @property
+    def wants_workers(self) -> bool:
+        """Whether a thread calling :meth:`work` now would find a slot and something to claim."""
+        with self._lock:
+            return bool(self._slots) and not self._errors and (self._next < len(self._pieces) or bool(self._tasks))
+
+    def _claim(self) -> Callable[[], None] | Piece | None:
+        with self._lock:
+            if self._errors:
+                return None
+            if self._tasks:
+                return self._tasks.pop()
+            if self._next >= len(self._pieces):
+                return None
+            self._next += 1
+            return self._pieces[self._next - 1]
 
     def work(self) -> None:
         """Copy pieces until none is left (a no-op once every slot is taken or the job is over)."""
@@ -106,15 +130,13 @@ class _Job:
             self._slots -= 1
             self._active += 1
         try:
-            while True:
-                with self._lock:
-                    if self._next >= len(self._pieces) or self._errors:
-                        return
-                    piece = self._pieces[self._next]
-                    self._next += 1
-                dst, src, _ = self._addresses[piece.index]
-                try:  # both copiers release the GIL for the duration of the call: pieces copy in parallel
-                    self._copier(dst + piece.offset, src + piece.offset, piece.length)
+            while (claimed := self._claim()) is not None:
+                try:  # both copiers (and torch's copy_) release the GIL for the call: pieces copy in parallel
+                    if isinstance(claimed, Piece):
+                        dst, src, _ = self._addresses[claimed.index]
+                        self._copier(dst + claimed.offset, src + claimed.offset, claimed.length)
+                    else:
+                        claimed()
                 except BaseException as err:  # noqa: BLE001 - raised by wait() on the caller's thread
                     with self._lock:
                         self._errors.append(err)
@@ -136,42 +158,55 @@ class _Crew:
 
     Starting a thread blocks the starter until the new thread runs, which on a loaded machine takes tens of
     milliseconds, all of it on the training loop's time; a waiting helper is woken instead, and the caller copies
-    meanwhile (a helper that is slow to wake finds nothing left to claim).
+    meanwhile (a helper that is slow to wake finds nothing left to claim). Several jobs may be open at once (a
+    background copy and a comparison); each helper takes the oldest that wants a thread.
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._job: _Job | None = None
-        self._generation = 0
+        self._jobs: list[_Job] = []
         self._threads: list[threading.Thread] = []
         self._pid = os.getpid()
 
-    def run(self, job: _Job, helpers: int) -> None:
-        """Copy ``job`` on the calling thread and up to ``helpers`` helper threads; return when it is done."""
+    def post(self, job: _Job, helpers: int) -> None:
+        """Hand ``job`` to ``helpers`` helper threads (started on first use, by the calling thread: they inherit its
+        CPU priority) and return at once."""
         with self._cond:
             if self._pid != os.getpid():  # a forked child: the helpers stayed in the parent
-                self._threads, self._pid = [], os.getpid()
+                self._threads, self._jobs, self._pid = [], [], os.getpid()
             while len(self._threads) < helpers:
                 thread = threading.Thread(target=self._serve, name="hf_resumable-stage", daemon=True)
                 thread.start()
                 self._threads.append(thread)
-            self._job, self._generation = job, self._generation + 1
+            self._jobs.append(job)
             self._cond.notify_all()
+
+    def run(self, job: _Job, helpers: int) -> None:
+        """Copy ``job`` on the calling thread and up to ``helpers`` helper threads; return when it is done."""
+        self.post(job, helpers)
         try:
             job.work()
             job.wait()
         finally:
-            with self._cond:
-                self._job = None
+            self.retire(job)
+
+    def retire(self, job: _Job) -> None:
+        with self._cond:
+            if job in self._jobs:
+                self._jobs.remove(job)
+
+    def _next_job(self) -> _Job | None:
+        return next((job for job in self._jobs if job.wants_workers), None)
 
     def _serve(self) -> None:
-        seen = 0
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._generation != seen)
-                seen, job = self._generation, self._job
+                self._cond.wait_for(lambda: self._next_job() is not None)
+                job = self._next_job()
             if job is not None:
                 job.work()
+                if not job.wants_workers:
+                    self.retire(job)
 
 
 _CREW = _Crew()
@@ -222,6 +257,75 @@ def copy_into(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, workers: in
         torch.cuda.synchronize(device)
 
 
+class BackgroundCopy:
+    """A staging copy running on the helper threads (:func:`start_copy`): :meth:`join` takes part and returns once
+    every byte landed (raising the copy's error); :meth:`assist` takes part without waiting (a no-op once every piece
+    is claimed). Both may be called from any thread, any number of times."""
+
+    def __init__(self, job: _Job, events: list[Any]) -> None:
+        self._job, self._events = job, events
+
+    def assist(self) -> None:
+        self._job.work()
+
+    def join(self) -> None:
+        try:
+            self._job.work()
+            self._job.wait()
+        finally:
+            _CREW.retire(self._job)
+        for event in self._events:  # CUDA sources: the copies enqueued on a side stream
+            event.synchronize()
+
+
+def start_copy(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, workers: int | None = None,
+               copier=None) -> BackgroundCopy:
+    """Start copying every ``src`` into its ``dst`` on the helper threads and return at once (the helpers are
+    woken, never started here after the first use). The caller must not change a source until
+    :meth:`BackgroundCopy.join` returned (an async save holds the optimizer's next step, see :mod:`._step_gate`).
+
+    CUDA sources are copied on a side stream that first waits for the current one (enqueued here, which does not
+    wait for the device), into pinned buffers; ``join`` waits for them.
+    """
+    copier = copier or copy_bytes
+    fast: list[tuple[int, int, int]] = []
+    tasks: list[Callable[[], None]] = []
+    events: list[Any] = []
+    for dst, src in pairs:
+        src = src.detach()
+        if _memmove_ok(dst, src):
+            nbytes = src.numel() * src.element_size()
+            if nbytes:
+                fast.append((dst.data_ptr(), src.data_ptr(), nbytes))
+        elif src.is_cuda:
+            events.append(_copy_on_side_stream(dst, src))
+        else:
+            tasks.append(lambda dst=dst, src=src: dst.copy_(src))
+    workers = staging_threads() if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    job = _Job(plan_chunks([n for _, _, n in fast]), fast, copier, workers, tasks)
+    _CREW.post(job, workers)
+    return BackgroundCopy(job, events)
+
+
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+
+
+def _copy_on_side_stream(dst: torch.Tensor, src: torch.Tensor) -> Any:
+    """Enqueue ``dst.copy_(src)`` on the device's staging stream after the work already queued; its event."""
+    stream = _SIDE_STREAMS.get(src.device)
+    if stream is None:
+        stream = _SIDE_STREAMS[src.device] = torch.cuda.Stream(src.device)
+    stream.wait_stream(torch.cuda.current_stream(src.device))
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=dst.is_pinned())
+        src.record_stream(stream)  # the caching allocator keeps its memory until the copy ran
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
 class _Differs(Exception):
     """Raised by the comparing "copier" of :func:`equal_bytes` at the first difference: it ends the job."""
 
@@ -239,11 +343,11 @@ def equal_bytes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, workers: 
         if _memmove_ok(a, b):
             if a.numel():
                 fast.append((a.data_ptr(), b.data_ptr(), a.numel() * a.element_size()))
-        elif not torch.equal(_as_bytes(a), _as_bytes(b)):
+        elif not torch.equal(tensor_bytes(a), tensor_bytes(b)):
             return False
     compare = libc_function("memcmp", (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t))
     if compare is None:  # no C library here: compare the rest with torch too
-        return all(torch.equal(_as_bytes(a.detach()), _as_bytes(b.detach())) for a, b in pairs)
+        return all(torch.equal(tensor_bytes(a.detach()), tensor_bytes(b.detach())) for a, b in pairs)
 
     def differ(first: int, second: int, nbytes: int) -> None:
         if compare(first, second, nbytes):
@@ -261,8 +365,3 @@ def equal_bytes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, workers: 
         return False
     return True
 
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s elements as raw bytes (NaNs with the same bits compare equal, -0.0 and 0.0 do not)."""
-    flat = tensor.contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else flat

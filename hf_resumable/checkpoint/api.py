@@ -155,11 +155,14 @@ def save_checkpoint(
         metrics (`Mapping[str, float]`, *optional*): recorded in the manifest, for ``best_metric`` retention.
         max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard size limit.
         blocking (`bool`, *optional*, defaults to `True`): with `False`, tensors are staged into
-            reusable host buffers and written by a background thread; the call returns after staging. Under
-            torch.distributed too: every rank stages and returns, writes its files in the background, and
-            rank 0 commits once every rank's files are durable (over a gloo group of its own, so the training
-            loop's collectives are never interleaved). The next save, any load, ``wait_for_pending_saves``
-            and interpreter exit wait for it and raise its error.
+            reusable host buffers and written by a background thread. The call returns once buffers and other
+            state that may change before the next optimizer step are copied; ``optimizer``'s parameters and state
+            are copied meanwhile, and its next step waits until they are (code that writes them in place outside
+            the optimizer before that step must call ``wait_for_pending_saves`` first). Under torch.distributed
+            too: every rank stages and returns, writes its files in the background, and rank 0 commits once every
+            rank's files are durable (over a gloo group of its own, so the training loop's collectives are never
+            interleaved). The next save, any load, ``wait_for_pending_saves`` and interpreter exit wait for it and
+            raise its error.
         overwrite (`bool`, *optional*, defaults to `False`): replace an existing checkpoint atomically.
         processing_class (*optional*): a tokenizer/processor whose ``save_pretrained`` files are included.
         keep_last (`int`, *optional*): after the commit, apply :func:`apply_retention` to the parent.
@@ -204,7 +207,8 @@ def save_checkpoint(
                             greater_is_better=greater_is_better)
 
     if not blocking:
-        _ASYNC.submit(target, payload, step=step, metrics=metrics, overwrite=overwrite, on_commit=retention)
+        _ASYNC.submit(target, payload, step=step, metrics=metrics, overwrite=overwrite, on_commit=retention,
+                      optimizer=optimizer)
         return CheckpointInfo(path=target, step=step)
     manifest = save_payload(target, payload, step=step, metrics=metrics, overwrite=overwrite)
     retention()

@@ -1,5 +1,10 @@
 """Background saves: stage the tensors into reusable host buffers, write and commit on a thread, return a future.
 
+The call returns once it has copied what may change before the next optimizer step (buffers, which a forward
+updates, and any tensor the state-dict walks did not take from the optimizer); the parameters and optimizer state
+are copied by helper threads meanwhile, and the optimizer's next step waits until they are (:mod:`._step_gate`):
+forward and backward overlap the copy.
+
 :meth:`AsyncSaver.submit` returns a :class:`concurrent.futures.Future` of the committed manifest, to which the
 integrations attach what follows a commit (``integrations._core.AfterCommit``). At most one save is in flight: the
 next save, any load and interpreter exit wait for it (:meth:`AsyncSaver.wait` raises ``AsyncSaveError`` for a failed
@@ -27,7 +32,8 @@ from ..distributed import checkpoint_group, rank_and_world_size
 from ..errors import AsyncSaveError
 from ._payload import Payload, TensorFile
 from ._replicas import part_of_rank, replica_signature
-from ._staging import copy_into
+from ._staging import BackgroundCopy, copy_into, start_copy
+from ._step_gate import gated_optimizer, split_by_storage, step_gate, step_storages
 from ._threads import lower_thread_priority, restore_thread_priorities
 from ._writer import SaveStart, begin_save, finish_save
 from .manifest import Manifest
@@ -40,8 +46,36 @@ __all__ = ["AsyncSaver", "BACKGROUND_SAVER", "WRITER_NICE_INCREMENT"]
 WRITER_NICE_INCREMENT = 10
 
 
+class _Staging:
+    """One save's staging copy after its call returned: the helpers' copy of the tensors the held optimizer step writes
+    (``background``), and the rest of the replicated files (``rest``: rank 0 writes them all should step 1 find the
+    ranks' replicas differ), copied by the saver's thread after step 1. ``release`` opens the optimizer's step."""
+
+    def __init__(self, background: BackgroundCopy | None = None,
+                 rest: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+                 release: Callable[[], None] | None = None, failed: BaseException | None = None) -> None:
+        self.background, self.rest, self.release, self.failed = background, list(rest), release, failed
+
+    def finish(self, *, split: bool | None) -> BaseException | None:
+        """Complete the copy (``split``: step 1's answer; ``None``: step 1 failed, nothing more is needed); open the
+        held step whatever happens. Returns the copy's error."""
+        try:
+            if self.failed is not None:
+                return self.failed
+            if self.background is not None:
+                self.background.join()
+            if split is False and self.rest:
+                copy_into(self.rest)
+        except BaseException as err:  # noqa: BLE001 - fails the save on every rank (step 3)
+            return err
+        finally:
+            if self.release is not None:
+                self.release()
+        return None
+
+
 class _SaveJob:
-    """One async save on the saver's thread: step 1, then (once the training thread has staged) steps 2-5."""
+    """One async save on the saver's thread: step 1 while the tensors are copied, then steps 2-5."""
 
     def __init__(self, target: Path, payload: Payload, *, overwrite: bool, group: Any, step, metrics, on_commit,
                  prepare, finalize, signature: str | None = None) -> None:
@@ -50,13 +84,11 @@ class _SaveJob:
         self._step, self._metrics, self._on_commit = step, metrics, on_commit
         self._prepare, self._finalize = prepare, finalize
         self.pid = os.getpid()  # a forked child does not own its parent's save (nor the thread writing it)
-        self._started = threading.Event()  # step 1 is over (start_error says how)
-        self._staged = threading.Event()  # the training thread's copy is over (staging_error says how)
+        self.staging = _Staging()
         self.future: Future[Manifest] = Future()
         self.start: SaveStart | None = None
-        self.start_error: BaseException | None = None
-        self.staging_error: BaseException | None = None
         self.error: BaseException | None = None  # raised at the next wait
+        self.raised: BaseException | None = None  # already raised by the call (a failed copy): not raised again
         self.priority: tuple[int, int] | None = None  # the writer's lowered nice value (lower_thread_priority)
         self.expedited = False  # AsyncSaver.expedite: the write runs at the training loop's priority
 
@@ -69,9 +101,8 @@ class _SaveJob:
             manifest = self._run()
         finally:
             restore_thread_priorities(self.priority)
-            failure = self.start_error or self.staging_error or self.error
-            if failure is not None:
-                self.future.set_exception(failure)
+            if self.error is not None:
+                self.future.set_exception(self.error)
             else:
                 self.future.set_result(manifest)
 
@@ -79,18 +110,18 @@ class _SaveJob:
         try:
             start = self.start = begin_save(self.target, overwrite=self._overwrite, group=self._group,
                                             signature=self._signature)
-        except BaseException as err:  # noqa: BLE001 - raised on the training thread by started()
-            self.start_error = err
+        except BaseException as err:  # noqa: BLE001 - raised at the next wait (on every rank: rank 0 told them)
+            self.error = err
+            self.staging.finish(split=None)
             return None
-        finally:
-            self._started.set()
-        self._staged.wait()
-        prepare, finalize, keep = self._prepare, self._finalize, True
-        if self.staging_error is not None:  # raised on the training thread; every rank must learn it in step 3
-            cause, finalize, keep = self.staging_error, None, False
+        prepare, finalize = self._prepare, self._finalize
+        cause = self.staging.finish(split=start.split)
+        if cause is not None:  # every rank must learn it in step 3: nothing is committed
 
             def prepare() -> None:
                 raise RuntimeError(f"staging the tensors failed: {type(cause).__name__}: {cause}") from cause
+
+            finalize = None
         try:
             manifest = finish_save(start, self._payload, step=self._step, metrics=self._metrics, prepare=prepare,
                                    finalize=finalize)
@@ -98,21 +129,8 @@ class _SaveJob:
                 self._on_commit()
             return manifest
         except BaseException as err:  # noqa: BLE001 - kept and raised at the next call
-            if keep:
-                self.error = err
+            self.error = cause or err
             return None
-
-    def staged(self, error: BaseException | None = None) -> None:
-        """The training thread's copy is over (``error``: it failed)."""
-        self.staging_error = error
-        self._staged.set()
-
-    def started(self) -> SaveStart:
-        """Wait for step 1; raise its error (on every rank: rank 0 told them) if it failed."""
-        self._started.wait()
-        if self.start_error is not None:
-            raise self.start_error
-        return self.start
 
 
 class _Worker:
@@ -156,11 +174,10 @@ class AsyncSaver:
         self._last: Future[Manifest] | None = None
         self._worker = _Worker("hf_resumable-save")
 
-    def stage(self, payload: Payload, also: Sequence[TensorFile] = ()) -> Payload:
-        """Copy every tensor of ``payload`` (and of the files ``also``) into staging buffers, in one parallel copy;
-        the files then hold the buffers (returns ``payload``)."""
+    def _buffer_pairs(self, files: Sequence[TensorFile]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(buffer, tensor)`` of every tensor of ``files``, whose tensors become the buffers (not copied yet)."""
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for tensor_file in [*payload.tensor_files, *also]:
+        for tensor_file in files:
             staged = []
             for name, tensor in tensor_file.tensors:
                 key = (tensor_file.relpath, name)
@@ -172,20 +189,28 @@ class AsyncSaver:
                 pairs.append((buffer, tensor))
                 staged.append((name, buffer))
             tensor_file.tensors = staged
-        copy_into(pairs)
+        return pairs
+
+    def stage(self, payload: Payload, also: Sequence[TensorFile] = ()) -> Payload:
+        """Copy every tensor of ``payload`` (and of the files ``also``) into staging buffers, in one parallel copy;
+        the files then hold the buffers (returns ``payload``)."""
+        copy_into(self._buffer_pairs([*payload.tensor_files, *also]))
         return payload
 
     def submit(self, target: Path, payload: Payload, *, step, metrics, overwrite, on_commit=None,
-               also_stage: Sequence[TensorFile] = (), prepare=None, finalize=None) -> Future[Manifest]:
+               also_stage: Sequence[TensorFile] = (), prepare=None, finalize=None, optimizer: Any = None
+               ) -> Future[Manifest]:
         """Wait for the previous save, stage ``payload`` (and ``also_stage``) and start writing it in the background.
 
-        Under torch.distributed every rank calls it. Step 1 (rank 0 checks the target and creates the temp dir) runs
-        on the saver's thread while this one copies the tensors, and is over when this returns, so a refused target
-        raises now on every rank; steps 2-5 (``prepare`` and ``finalize`` too, see
-        :func:`~hf_resumable.checkpoint._writer.finish_save`) follow on that thread, then ``on_commit``. Its
-        collectives use the save's own gloo group (``distributed.checkpoint_group``), never the training loop's.
-        If the copy fails on this rank after step 1, the background part still runs, so that every rank learns of
-        the failure and nothing is committed; the error is raised here.
+        Under torch.distributed every rank calls it. Before it returns it copies what may change before the next
+        optimizer step: every tensor that is not a parameter or state of ``optimizer`` (the torch optimizer, or an
+        engine's checkpoint view, :func:`._step_gate.gated_optimizer`); helper threads copy the rest meanwhile, and
+        that optimizer's next step waits until they are done (without an optimizer that can be held, everything is
+        copied now). Step 1 (rank 0 checks the target and creates the temp dir) runs on the saver's thread; steps 2-5
+        (``prepare`` and ``finalize`` too, see :func:`~hf_resumable.checkpoint._writer.finish_save`) follow once the
+        copy is over, then ``on_commit``. Its collectives use the save's own gloo group
+        (``distributed.checkpoint_group``), never the training loop's. A failure anywhere (a refused target, a
+        copy, a write, on any rank) commits nothing and is raised at the next wait on every rank.
 
         Returns:
             `concurrent.futures.Future`: done once the save has committed (its result is the manifest) or failed.
@@ -195,25 +220,34 @@ class AsyncSaver:
         signature = replica_signature(payload)
         job = _SaveJob(target, payload, overwrite=overwrite, group=group, step=step, metrics=metrics,
                        on_commit=on_commit, prepare=prepare, finalize=finalize, signature=signature)
-        self._job, self._last = job, job.future
-        self._worker.submit(job.run)
+        # 1. The files this rank writes: its share of the replicated ones as planned, while step 1 settles whether
+        #    the ranks split them (they do unless their payloads differ); unsplit, rank 0 writes the rest too.
         rank, world_size = rank_and_world_size()
+        planned = part_of_rank(payload, rank, world_size, split=signature is not None).tensor_files
+        names = {f.relpath for f in planned}
+        rest = [f for f in part_of_rank(payload, rank, world_size, split=False).tensor_files
+                if f.relpath not in names]
+        pairs, rest_pairs = self._buffer_pairs([*planned, *also_stage]), self._buffer_pairs(rest)
+        # 2. Copy now what the next forward may change (buffers) or the optimizer's step does not hold; start the
+        #    helpers on what only that step writes, and hold it until they are done.
+        held = gated_optimizer(optimizer)
+        storages = step_storages(optimizer) if held is not None else set()
+        now, later = split_by_storage(pairs, storages)
+        rest_now, rest_later = split_by_storage(rest_pairs, storages)
         try:
-            # Only the files this rank writes: its share of the replicated ones as planned, while step 1 settles
-            # whether the ranks split them (they do unless their payloads differ); then whatever that adds.
-            staged = self._stage_part(part_of_rank(payload, rank, world_size, split=signature is not None), also_stage)
-            start = job.started()  # a refused target raises here (the job is over: it waits for no staging)
-            self._stage_part(part_of_rank(payload, rank, world_size, split=start.split), (), skip=staged)
+            copy_into([*now, *rest_now])
+            if later or rest_later:
+                background = start_copy(later) if later else None
+                release = step_gate(held).hold(assist=None if background is None else background.assist)
+                job.staging = _Staging(background, rest_later, release)
         except BaseException as err:
-            job.staged(err)
+            # raised here; the background part still runs, so that every rank learns of it and nothing commits
+            job.staging, job.raised = _Staging(failed=err), err
             raise
-        job.staged()
+        finally:
+            self._job, self._last = job, job.future
+            self._worker.submit(job.run)
         return job.future
-
-    def _stage_part(self, part: Payload, also: Sequence[TensorFile], *, skip: set[str] = frozenset()) -> set[str]:
-        """:meth:`stage` the files of ``part`` not in ``skip``; the relpaths of ``part``'s files."""
-        self.stage(Payload(tensor_files=[f for f in part.tensor_files if f.relpath not in skip]), also)
-        return {f.relpath for f in part.tensor_files}
 
     @property
     def future(self) -> Future[Manifest] | None:
@@ -255,7 +289,7 @@ class AsyncSaver:
         if not job.future.done():  # the training loop waits for the write now: it runs at the normal priority again
             restore_thread_priorities(job.priority)
         error = job.future.exception()  # waits
-        if error is not None and error is job.error:
+        if error is not None and error is not job.raised:
             raise AsyncSaveError(
                 f"The background save of {job.target} failed ({type(error).__name__}: {error}); nothing was "
                 "committed there and the previous checkpoint is untouched (still the newest). Fix the cause (e.g. "

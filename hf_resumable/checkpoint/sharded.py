@@ -140,6 +140,7 @@ from ._sharded_load import (
     parse_layout,
 )
 from ._sharded_tensors import as_dtensors, into_sharded_tensors, optimizer_as_dtensors, optimizer_into_sharded_tensors
+from ._step_gate import gated_optimizer, step_gate
 from ._validate import check_optimizer_document
 from ._writer import check_target, save_payload
 from .api import CheckpointInfo, background_saver, open_checkpoint, wait_for_pending_saves
@@ -362,13 +363,14 @@ def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.o
         states[LAYOUT_KEY_OPTIMIZER] = (tensors, {})
     masters, omitted, deferred = {}, set(), {}
     if optimizer is not None and LAYOUT_KEY_MODEL in states:  # ZeRO: weights the saved master weights give
-        if stage and hasattr(optimizer, "hold_steps"):
+        held = gated_optimizer(optimizer) if stage else None
+        if held is not None:
             # checked on the saver's thread (not staged; copied there if they differ), the next step held meanwhile
             masters = master_weight_names(model, states[LAYOUT_KEY_MODEL][0], optimizer)
             if masters:
                 omitted = set(masters)
                 deferred = {"deferred": optimizer, "live": {name: local[name] for name in masters},
-                            "release": optimizer.hold_steps()}
+                            "release": step_gate(held).hold()}
         else:
             masters, omitted = weights_from_masters(model, states[LAYOUT_KEY_MODEL][0], optimizer)
     owners = {kind: plan_plain_owners({name: tensor for name, tensor in state.items() if name not in omitted}, tied,
@@ -441,7 +443,9 @@ def save_sharded_checkpoint(
             Without it, call :func:`consolidate_sharded_checkpoint` to get an HF export.
         max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard size of the ``hf_weights`` files.
         blocking (`bool`, *optional*, defaults to `True`): with `False`, every rank copies its pieces into
-            reusable host buffers and returns; the files are written in the background and rank 0 commits once
+            reusable host buffers (those of ``optimizer``'s parameters and state while the next forward and
+            backward run: its next step waits for that copy, as in :func:`~hf_resumable.save_checkpoint`) and
+            returns; the files are written in the background and rank 0 commits once
             every rank's files are durable (over a gloo group of its own, never the training loop's). The next
             save, any load, ``wait_for_pending_saves`` and interpreter exit wait for it and raise its error.
         standalone (`bool`, *optional*, defaults to `False`): store frozen parameters (``requires_grad=False``: a
@@ -497,7 +501,8 @@ def save_sharded_checkpoint(
         try:
             future = background_saver().submit(
                 target, payload, step=step, metrics=dict(metrics or {}), overwrite=overwrite, on_commit=retention,
-                also_stage=list(pieces.staging.values()), prepare=prepare, finalize=pieces.finalize)
+                also_stage=list(pieces.staging.values()), prepare=prepare, finalize=pieces.finalize,
+                optimizer=optimizer)
         except BaseException:
             if pieces.release is not None:
                 pieces.release()

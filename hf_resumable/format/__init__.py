@@ -5,5 +5,6 @@
 - :mod:`~hf_resumable.format.state_codec`: optimizer/scheduler/extra state as JSON + tensors (no pickle).
 - :mod:`~hf_resumable.format.rng`: RNG capture/restore and position-derived seeds.
 - :mod:`~hf_resumable.format.state`: the run configuration recorded in a checkpoint, and drift checks.
-- ``_jsonio`` (the one JSON writer and bounded parser) and ``_safefile`` (regular-file reads that refuse links).
+- ``_jsonio`` (the one JSON writer and bounded parser), ``_safefile`` (regular-file reads that refuse links) and
+  ``_bytes`` (a tensor's bytes as flat ``uint8``).
 """

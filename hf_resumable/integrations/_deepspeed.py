@@ -31,9 +31,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -172,37 +171,31 @@ def _init_base_state(base: torch.optim.Optimizer) -> None:
                 flat.grad = None
 
 
-# base torch optimizer -> the gate its steps pass (set: open); see _ZeroState.hold_steps
-_STEP_GATES: weakref.WeakKeyDictionary[Any, threading.Event] = weakref.WeakKeyDictionary()
-
-
-def _step_gate(base: torch.optim.Optimizer) -> threading.Event:
-    """The gate ``base``'s steps wait at (a step pre-hook registered once: a hook removed while the training thread
-    runs the hooks would break its iteration over them)."""
-    gate = _STEP_GATES.get(base)
-    if gate is None:
-        gate = _STEP_GATES[base] = threading.Event()
-        gate.set()
-
-        def wait(*args: Any) -> None:  # a pre-hook returns None (or new arguments)
-            gate.wait()
-
-        base.register_step_pre_hook(wait)
-    return gate
-
-
 class _ZeroState:
-    """What both ZeRO optimizer views share: the base torch optimizer's param groups and state."""
+    """What both ZeRO optimizer views share: the base torch optimizer's param groups and state, and what its steps
+    write (a background save holds the base optimizer's next step until those are copied, :mod:`hf_resumable.
+    checkpoint._step_gate`; the engine writes the weights from the masters only after that step)."""
 
     base: torch.optim.Optimizer
 
-    def hold_steps(self) -> Callable[[], None]:
-        """Make the optimizer's next step wait (before it changes the master weights or the weights) until the
-        returned function is called (idempotent): an async save checks on its own thread whether the weights equal
-        their masters (:meth:`masters_give_weights`), and a step normally comes long after."""
-        gate = _step_gate(self.base)
-        gate.clear()
-        return gate.set
+    @property
+    def gated_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer whose step a background save holds."""
+        return self.base
+
+    def step_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor an engine step writes: the flat fp32 master partitions, the base optimizer's state over them,
+        and the model's weights (ZeRO-3: this rank's partitions of them)."""
+        yield from self._masters()
+        for state in self.base.state.values():
+            yield from (value for value in state.values() if torch.is_tensor(value))
+        yield from self._weights()
+
+    def _masters(self) -> Iterator[torch.Tensor]:
+        raise NotImplementedError
+
+    def _weights(self) -> Iterator[torch.Tensor]:
+        raise NotImplementedError
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -283,6 +276,12 @@ class ZeroOptimizerState(_ZeroState):
         """``{id(parameter): its name}`` of every parameter whose fp32 master weights the param groups hold."""
         names = self.zero.param_names
         return {id(param): names[param] for group in self.zero.round_robin_bit16_groups for param in group}
+
+    def _masters(self) -> Iterator[torch.Tensor]:
+        return (flat for _, flat, _ in self._partitions())
+
+    def _weights(self) -> Iterator[torch.Tensor]:
+        return (param for group in self.zero.round_robin_bit16_groups for param in group)
 
     def masters_give_weights(self, *, group: Any = None) -> bool:
         """Whether every rank's fp32 master partition, cast to the weights' dtype, equals the elements of the weights
@@ -380,6 +379,12 @@ class Zero3OptimizerState(_ZeroState):
         """``{id(parameter): its name}`` of every parameter whose fp32 master weights the sub-groups hold."""
         names = self.zero.param_names
         return {id(param): names[param] for group in self.zero.fp16_groups for param in group}
+
+    def _masters(self) -> Iterator[torch.Tensor]:
+        return iter(self.zero.fp32_partitioned_groups_flat)
+
+    def _weights(self) -> Iterator[torch.Tensor]:
+        return (param.ds_tensor for group in self.zero.fp16_groups for param in group)
 
     def masters_give_weights(self, *, group: Any = None) -> bool:
         """Whether this rank's partition of every parameter (``ds_tensor``) equals its fp32 master partition cast to

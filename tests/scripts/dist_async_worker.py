@@ -7,7 +7,9 @@ every backward, so training collectives run while background saves are in flight
 and 6 with ``save_checkpoint`` (or ``save_sharded_checkpoint`` on an FSDP2 model).
 
 * ``blocking`` / ``async``: saves with ``blocking=True`` / ``blocking=False``; writes ``result-rank{R}.json``
-  (losses, final weight digest, the stall of each save call).
+  (losses, final weight digest, the stall of each save call). The background copies of the saves at steps 2 and 4
+  start only once the next optimizer step has begun (``tests/staging_probe.py``), which must wait for them
+  (``blocked``: the steps that did).
 * ``sharded-blocking`` / ``sharded-async``: the same on an FSDP2 (``fully_shard``) model, whose optimizer gets the
   last layer as a new param group after the first save (the structure changes between two saves). Every checkpoint
   is loaded into a fresh model and optimizer at the end and compared with torch's own full state dicts taken at the
@@ -37,7 +39,11 @@ import torch
 import torch.distributed as dist
 
 from hf_resumable.checkpoint import _writer, save_checkpoint, wait_for_pending_saves
+from hf_resumable.checkpoint._step_gate import step_gate
 from hf_resumable.errors import AsyncSaveError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from staging_probe import copy_after_next_step  # noqa: E402
 
 
 def build(sharded: bool, *, frozen: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -143,6 +149,7 @@ def main() -> int:
     model, optimizer = build(sharded, frozen=frozen)
     losses, stalls, error, saved = [], [], None, {}
     generator = torch.Generator().manual_seed(100 + rank)
+    probe = None
     for step in range(1, 7):
         inputs = torch.randn(8, 16, generator=generator)
         loss = model(inputs).pow(2).mean()
@@ -152,11 +159,17 @@ def main() -> int:
                 dist.all_reduce(parameter.grad)  # the training loop's collectives, on the default group
                 parameter.grad /= world
         optimizer.step()
+        if probe is not None:
+            probe.__exit__(None, None, None)
+            probe = None
         optimizer.zero_grad()
         losses.append(loss.item())
         if sharded and step == 3:
             regroup(model, optimizer)
         if step % 2 == 0:
+            if not blocking and not failing and step < 6:  # the next step begins before the copy
+                probe = copy_after_next_step(optimizer)
+                probe.__enter__()
             started = time.perf_counter()
             try:
                 if sharded:
@@ -190,7 +203,8 @@ def main() -> int:
         reloaded[step] = full_digest(fresh, fresh_optimizer) == expected
     name = "error" if failing else "result"
     (root / f"{name}-rank{rank}.json").write_text(json.dumps(
-        {"losses": losses, "digest": digest(model), "stalls": stalls, "error": error, "reloaded": reloaded}))
+        {"losses": losses, "digest": digest(model), "stalls": stalls, "error": error, "reloaded": reloaded,
+         "blocked": None if blocking else step_gate(optimizer).blocked}))
     dist.barrier()
     dist.destroy_process_group()
     return 0
