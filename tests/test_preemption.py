@@ -245,3 +245,72 @@ def test_trainer_process_whose_notice_runs_out_saves_a_later_step_exits_143_and_
     grid._run(run, options + ["--preemption-notice", "2"])  # the same command
     assert grid._resumed_from(run).endswith("checkpoint-5")
     grid.assert_identical(notice_reference, run)
+
+
+@pytest.mark.distributed
+def test_two_ranks_one_signalled_train_on_then_stop_at_the_same_step_and_resume_exactly(tmp_path):
+    """torchrun, 2 ranks: rank 1 alone gets SIGTERM at the start of step 4, and a 2 s notice that steps of 2.5 s
+    from then on make certain to run out: both ranks checkpoint step 4 (in the background, the default under
+    torchrun), train step 5, agree that no other step fits, save step 5 and exit 143 (rank 0 timing the notice
+    from the boundary where it learnt of it)."""
+    import test_trainer_distributed as two
+
+    reference = two.torchrun(tmp_path / "reference")
+    assert reference.returncode == 0, reference.stdout[-5000:]
+    run, grid = tmp_path / "run", _trainer_runs()
+    options = ["--output-dir", str(run), *two.OPTIONS, "--preemption-notice", "2"]
+    signals = grid._env(sigterm_at=3, signal_rank=1, slow_after_sigterm=2.5)
+    preempted = two.run_torchrun(two.SCRIPT, options, env=signals, timeout=180)
+    assert f"exitcode: {PREEMPTION_EXIT_CODE}" in preempted.stdout, preempted.stdout[-5000:]
+    exits = [json.loads((run / f"exit-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert exits == [{"code": PREEMPTION_EXIT_CODE, "global_step": 5}] * 2
+    assert "another rank received a preemption signal; saving step 4 on every rank and training on" in preempted.stdout
+    resumed = two.run_torchrun(two.SCRIPT, options, env=grid._env(), timeout=180)  # the same command
+    assert resumed.returncode == 0, resumed.stdout[-5000:]
+    two._assert_every_rank_identical(tmp_path / "reference", run, "checkpoint-5")
+
+
+# ------------------------------------------------------------------------- ResumableAccelerator, real processes
+
+
+@pytest.fixture(scope="module")
+def accelerate_reference(tmp_path_factory) -> Path:
+    from test_accelerate_integration import run_example
+
+    output = tmp_path_factory.mktemp("accelerate-reference")
+    done = run_example(output, num_workers=0)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return output
+
+
+@pytest.mark.slow
+def test_accelerate_loop_that_ends_within_the_notice_exits_0_with_the_uninterrupted_run(accelerate_reference,
+                                                                                       tmp_path):
+    from test_accelerate_integration import assert_same_run, run_example
+
+    done = run_example(tmp_path, num_workers=0, extra=("--preemption-notice", "3600"),
+                       env={"HF_RESUMABLE_EXAMPLE_TERM_AFTER_STEP": "5"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"Saved {tmp_path / 'checkpoints' / 'checkpoint-5'} (" in done.stderr  # committed: the notice checkpoint
+    assert "training loop ended (step 8) within the 3600 s notice" in done.stderr and "Preempted" not in done.stderr
+    assert_same_run(tmp_path, accelerate_reference)
+
+
+@pytest.mark.slow
+def test_accelerate_notice_that_runs_out_saves_a_later_step_exits_143_and_resumes_exactly(accelerate_reference,
+                                                                                         tmp_path):
+    """A notice shorter than any step: checkpoint-5 in the background when the signal is seen after step 5, step 6
+    trained, then no room for another: checkpoint-6, exit 143."""
+    from test_accelerate_integration import assert_same_run, read_losses, run_example
+
+    options = ("--save-async", "--preemption-notice", "0.001")
+    interrupted = run_example(tmp_path, num_workers=0, extra=options,
+                              env={"HF_RESUMABLE_EXAMPLE_TERM_AFTER_STEP": "5"})
+    assert interrupted.returncode == PREEMPTION_EXIT_CODE, interrupted.stderr[-3000:]
+    assert f"Saved {tmp_path / 'checkpoints' / 'checkpoint-5'} (" in interrupted.stderr
+    assert "Preempted (signal 15): checkpoint at step 6 committed" in interrupted.stderr
+    assert max(step for step, _ in read_losses(tmp_path)) == 6
+    resumed = run_example(tmp_path, num_workers=0, extra=options)  # the same command
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Resumed from {tmp_path / 'checkpoints' / 'checkpoint-6'}" in resumed.stderr
+    assert_same_run(tmp_path, accelerate_reference)

@@ -354,6 +354,7 @@ class ResumableAccelerator(Accelerator):
         self._preemption = PreemptionHandler().install() if handle_preemption else None
         self._preemption_protocol = PreemptionProtocol(self._preemption, notice=preemption_notice)
         self._notice_checkpoint: Path | None = None  # the checkpoint saved when the preemption notice began
+        self._stopped_by_preemption = False  # checkpoint_if_preempted saved and stopped (or exited)
         self._scheduler_rate = self.num_processes  # elastic: scheduler steps per optimizer step (first launch's)
         self._uploader = (open_uploader(push_checkpoints_to, storage_options=storage_options)
                           if push_checkpoints_to is not None and self.is_main_process else None)
@@ -1329,6 +1330,7 @@ class ResumableAccelerator(Accelerator):
         else:  # the notice checkpoint is this step's
             self._commits.settle()
             path = self._notice_checkpoint
+        self._stopped_by_preemption = True
         exit_after_preemption(self._preemption, checkpoint=str(path), step=self.global_step,
                               exit=self.resume_options.exit_on_preemption)
         return True
@@ -1347,6 +1349,10 @@ class ResumableAccelerator(Accelerator):
         on 2 CPU processes). The group is released with the model, or at interpreter exit.
         """
         self._commits.settle()
+        protocol = self._preemption_protocol
+        if protocol.signalled and protocol.notice is not None and not self._stopped_by_preemption:
+            logger.warning("Preemption signal received, but the training loop ended (step %d) within the %.0f s "
+                           "notice.", self.global_step, protocol.notice)
         if self._preemption is not None:
             self._preemption.uninstall()
         for tracker in self.trackers:
