@@ -15,7 +15,8 @@ each later boundary it keeps training only while, in the time left before the no
 
     time left >= NOTICE_SAFETY_FACTOR x (step + final save) + max(NOTICE_MARGIN_S, NOTICE_MARGIN_SHARE x notice)
 
-(:func:`fits_another_step`; 1.5x, and 1 s or a tenth of the notice for the exit), where *step* is the longer of the
+(:func:`fits_another_step`; 1.5x, and 1 s or a tenth of the notice as slack for the estimates: once the final save has
+committed a SIGKILL loses nothing, so the interpreter's exit need not fit), where *step* is the longer of the
 last step and the median of the recent ones, and *final save* is how long the notice checkpoint took from the save
 call to its commit (while it is still being written, three times the time it has taken so far: it is assumed half
 done, and the final save writes as much again). Otherwise every rank saves the step it is in and exits; a job that
@@ -70,7 +71,7 @@ PREEMPTION_EXIT_CODE = 143
 
 # The notice rule (see the module docstring): the time left must hold this many times a step plus the final save...
 NOTICE_SAFETY_FACTOR = 1.5
-# ...plus this margin for the exit (the interpreter's teardown, a scheduler's clock): the larger of these two.
+# ...plus this margin (slack for the estimates and the ranks' agreement): the larger of these two.
 NOTICE_MARGIN_S = 1.0
 NOTICE_MARGIN_SHARE = 0.1
 _STEP_WINDOW = 16  # recent step durations kept for the step-time estimate
@@ -142,7 +143,7 @@ def check_notice(notice: Any) -> float | None:
 
 
 def fits_another_step(*, time_left_s: float, step_s: float, save_s: float, notice_s: float) -> bool:
-    """The notice rule, PURE: whether another step, a final save and the exit fit in ``time_left_s``.
+    """The notice rule, PURE: whether another step and a final save fit in ``time_left_s``, with a margin.
 
     ``time_left_s >= NOTICE_SAFETY_FACTOR * (step_s + save_s) + max(NOTICE_MARGIN_S, NOTICE_MARGIN_SHARE *
     notice_s)``.
