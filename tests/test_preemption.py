@@ -195,6 +195,28 @@ def test_trainer_in_process_rides_out_a_long_notice(tmp_path: Path):
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-5"]
 
 
+@pytest.mark.parametrize("save_async", [False, True], ids=["blocking", "background"])
+def test_trainer_in_process_with_a_notice_shorter_than_a_step_saves_one_step_later(tmp_path: Path, save_async):
+    """SIGTERM during step 2 of 5, a 1 ms notice: checkpoint-2 (the notice checkpoint), step 3, then checkpoint-3 and
+    the stop (``exit_on_preemption=False``: ``train`` returns)."""
+    from transformers import TrainerCallback
+
+    from test_trainer_features import _trainer
+
+    class SendSigterm(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer = _trainer(tmp_path, max_steps=5, preemption_notice=0.001, exit_on_preemption=False,
+                       save_async=save_async, callbacks=[SendSigterm()])
+    trainer.args.save_steps = 100
+    output = trainer.train()
+    assert trainer.preempted and output.global_step == 3
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    assert all((tmp_path / name / "manifest.json").is_file() for name in ("checkpoint-2", "checkpoint-3"))
+
+
 # ------------------------------------------------------------------------------ real processes, real SIGTERM
 
 
