@@ -18,7 +18,9 @@ is done), then the run is left to finish. A restart's whole cost (imports includ
   (``--fixed-intervals`` adds background runs at fixed intervals, to compare with the automatic one).
 * **SIGTERM**: a notice of ``--notice`` seconds, then SIGKILL. Stock runs with ``enable_jit_checkpoint=True`` (its
   preemption checkpoint: a 3 s timer, then a save on the training thread at the next step boundary) and no periodic
-  saves (its best, given the notice); ResumableTrainer saves the step it is in and exits with 143, no periodic saves.
+  saves (its best, given the notice); ResumableTrainer is told the notice (``preemption_notice=N``, as stock knows it
+  through its timer): it checkpoints the step it is in (in the background), trains on while another step and a final
+  save fit in the time left, then saves and exits with 143, or finishes the job if it ends first; no periodic saves.
 
 Per system: goodput (the uninterrupted wall time of the stock Trainer without checkpoints, over the total wall time
 of all attempts); time lost per preemption (the total wall time minus this run's own uninterrupted estimate: the
@@ -141,6 +143,8 @@ def _child(spec: dict) -> None:
         trainer.train(resume_from_checkpoint=last)
     else:
         options = {"mean_time_between_failures": spec["mtbf"]} if spec.get("mtbf") else {}
+        if spec.get("notice"):
+            options["preemption_notice"] = spec["notice"]
         trainer = ResumableTrainer(model=model, args=args, train_dataset=train, callbacks=[Probe()],
                                    save_async=spec["system"] == "background", **options)
         emit(event="built", resume=None)
@@ -499,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
             systems["SIGKILL"][f"ours background save_steps={steps}"] = {**base, "system": "background",
                                                                          "save_steps": steps}
         systems["SIGTERM"]["stock enable_jit_checkpoint"] = {**base, "system": "stock", "jit": True}
-        systems["SIGTERM"]["ours"] = {**base, "system": "background"}
+        systems["SIGTERM"]["ours"] = {**base, "system": "background", "notice": options.notice}
         for kind, named in systems.items():
             if options.only and kind != options.only:
                 continue

@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--save-async", action="store_true")
+    parser.add_argument("--preemption-notice", type=float, default=None,
+                        help="seconds from SIGTERM to SIGKILL: train on within them (ResumableAccelerator option)")
     return parser.parse_args(argv)
 
 
@@ -130,7 +132,8 @@ def train(args: argparse.Namespace) -> ResumableAccelerator:
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     accelerator = ResumableAccelerator(gradient_accumulation_steps=args.ga, checkpoint_dir=output / "checkpoints",
-                                       keep_last=2, save_async=args.save_async, cpu=True)
+                                       keep_last=2, save_async=args.save_async,
+                                       preemption_notice=args.preemption_notice, cpu=True)
     model = build_model(args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     loader = accelerator.prepare_resumable_dataloader(make_dataset(args.num_samples, args.seed), collate_fn=collate,

@@ -23,7 +23,13 @@ from hf_resumable.integrations._core import (
     check_upstream,
     inexact,
 )
-from hf_resumable.preemption import PREEMPTION_EXIT_CODE, PreemptionHandler, agree_on_preemption, exit_after_preemption
+from hf_resumable.preemption import (
+    PREEMPTION_EXIT_CODE,
+    PreemptionAction,
+    PreemptionHandler,
+    PreemptionProtocol,
+    exit_after_preemption,
+)
 
 
 @pytest.mark.parametrize(("field", "value", "match"), [("checkpoint_verify", "fast", "checkpoint_verify"),
@@ -113,11 +119,13 @@ def test_follow_ups_run_after_the_commit_and_never_for_a_failed_save(monkeypatch
 
 def test_preemption_agreement_in_one_process_is_the_local_flag():
     handler = PreemptionHandler()
+    protocol = PreemptionProtocol(handler)  # no notice: the signal's step is saved, then the process exits
+    cpu = torch.device("cpu")
     with handler:
-        assert agree_on_preemption(handler, device=torch.device("cpu"), step=3) is False
+        assert protocol.at_step_boundary(device=cpu, step=3) is PreemptionAction.TRAIN
         os.kill(os.getpid(), signal.SIGTERM)
-        assert agree_on_preemption(handler, device=torch.device("cpu"), step=3) is True
-    assert agree_on_preemption(None, device=torch.device("cpu"), step=3) is False
+        assert protocol.at_step_boundary(device=cpu, step=3) is PreemptionAction.SAVE_AND_EXIT
+    assert PreemptionProtocol(None).at_step_boundary(device=cpu, step=3) is PreemptionAction.TRAIN
     with pytest.raises(SystemExit) as exited:
         exit_after_preemption(handler, checkpoint="out", step=3, exit=True)
     assert exited.value.code == PREEMPTION_EXIT_CODE

@@ -3,7 +3,8 @@
 every changed setting, old -> new, in one ``ConfigDriftError`` or one WARNING), the follow-ups of a commit
 (:class:`AfterCommit`, attached to the save's future) and the upstream-version policy (:func:`check_upstream`: a
 WARNING outside the tested range, :class:`UpstreamInternalsError` only for a missing internal). The preemption
-protocol is :func:`hf_resumable.preemption.agree_on_preemption`.
+protocol is :class:`hf_resumable.preemption.PreemptionProtocol`; :func:`notice_save_in_flight` hands it the notice
+checkpoint's background write.
 
 Example:
 
@@ -28,13 +29,15 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from ..checkpoint import wait_for_pending_saves
+from ..checkpoint.api import background_saver
 from ..errors import ConfigDriftError, HfResumableError, InexactResumeError
+from ..preemption import check_notice
 from ._trainer_hparams import RESUME_HYPERPARAMETERS
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT", "AfterCommit", "ResumeOptions", "UpstreamInternalsError", "changed_settings", "check_drift",
-           "check_upstream", "inexact"]
+           "check_upstream", "inexact", "notice_save_in_flight"]
 
 class _Default:
     """The "option not given" marker; one instance, which stays itself when the options are pickled or copied
@@ -82,6 +85,8 @@ class ResumeOptions:
     checkpoint_dir: Path | None = None
     keep_last: int | None = DEFAULT
     elastic: bool = False
+    # seconds from SIGTERM to SIGKILL (None: save the signal's step and exit at once); see hf_resumable.preemption
+    preemption_notice: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.elastic, bool):
@@ -100,6 +105,7 @@ class ResumeOptions:
                              f"{self.resume_hyperparameters!r}.")
         if self.keep_last is not DEFAULT and self.keep_last is not None and not self.keep_last >= 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {self.keep_last}.")
+        object.__setattr__(self, "preemption_notice", check_notice(self.preemption_notice))
 
 
 def inexact(message: str, *, allow: bool, owner: str, error: type[InexactResumeError] = InexactResumeError) -> None:
@@ -187,3 +193,13 @@ class AfterCommit:
         wait_for_pending_saves()
         for _, follow_up in pending:
             follow_up()
+
+
+def notice_save_in_flight() -> Future | None:
+    """The future of the notice checkpoint's background write, given the training loop's CPU priority from now on
+    (it is the one checkpoint that must commit before SIGKILL); ``None`` when the save was blocking or is done."""
+    saver = background_saver()
+    if not saver.in_flight:
+        return None
+    saver.expedite()
+    return saver.future

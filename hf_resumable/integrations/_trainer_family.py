@@ -41,7 +41,8 @@ DEFAULT_STATE_ATTRIBUTES = ("_metrics", "_total_train_tokens", "_step")
 # ResumableTrainer's own constructor options (set aside before a subclass's constructor runs).
 RESUMABLE_OPTIONS = ("allow_config_drift", "allow_inexact_resume", "exit_on_preemption", "checkpoint_verify",
                      "push_checkpoints_to", "storage_options", "restore_callback_states", "resume_hyperparameters",
-                     "standalone_checkpoints", "save_async", "elastic", "mean_time_between_failures")
+                     "standalone_checkpoints", "save_async", "elastic", "mean_time_between_failures",
+                     "preemption_notice")
 
 
 def encode_attribute(value: Any) -> Any:

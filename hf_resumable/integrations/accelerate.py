@@ -29,7 +29,8 @@ swallows RNG load failures and leaves mid-epoch resume to the user):
 * Resuming with another world size, accumulation setting or data layout raises
   :class:`~hf_resumable.errors.ConfigDriftError` unless ``allow_inexact_resume=True``.
 * SIGTERM only sets a flag; :meth:`ResumableAccelerator.checkpoint_if_preempted` (called once per
-  optimizer step) saves and exits with :data:`~hf_resumable.preemption.PREEMPTION_EXIT_CODE`.
+  optimizer step) saves and exits with :data:`~hf_resumable.preemption.PREEMPTION_EXIT_CODE` (with
+  ``preemption_notice``: saves, trains on while the notice leaves time, then saves and exits).
 * Token-exact gradient accumulation: :meth:`ResumableAccelerator.accumulation_windows` prefetches each
   window and counts its items across micro-batches *and* ranks; ``backward(loss_sum,
   num_items_in_batch=window.num_items)`` then makes the accumulated gradient the full-batch token mean,
@@ -119,7 +120,7 @@ from ..errors import (
 )
 from ..format.rng import restore_rng_state
 from ..locations import is_remote, open_uploader, resolve_resume_path
-from ..preemption import PreemptionHandler, agree_on_preemption, exit_after_preemption
+from ..preemption import PreemptionAction, PreemptionHandler, PreemptionProtocol, exit_after_preemption
 from ._accelerate_data import (
     ResumableDataLoaderDispatcher,
     ResumableDataLoaderShard,
@@ -157,7 +158,16 @@ from ._accelerate_paths import (
     next_iteration,
 )
 from ._accelerate_state import StepCounts, StepHook, state_fingerprint
-from ._core import DEFAULT, AfterCommit, ResumeOptions, changed_settings, check_drift, check_upstream, inexact
+from ._core import (
+    DEFAULT,
+    AfterCommit,
+    ResumeOptions,
+    changed_settings,
+    check_drift,
+    check_upstream,
+    inexact,
+    notice_save_in_flight,
+)
 from ._deepspeed import (
     EXTRA_DEEPSPEED,
     capture_engine_state,
@@ -268,6 +278,12 @@ class ResumableAccelerator(Accelerator):
         handle_preemption (`bool`, *optional*, defaults to `True`): install the SIGTERM flag handler.
         exit_on_preemption (`bool`, *optional*, defaults to `True`): :meth:`checkpoint_if_preempted` raises
             ``SystemExit(PREEMPTION_EXIT_CODE)`` after saving; with `False` it returns `True` instead.
+        preemption_notice (`float`, *optional*): the seconds from SIGTERM to SIGKILL that the scheduler gives
+            (Kubernetes' ``terminationGracePeriodSeconds``, SLURM's ``--signal=TERM@<seconds>``). With it,
+            :meth:`checkpoint_if_preempted` saves the step the signal lands in (in the background with
+            ``save_async``) and returns `False` while another step and a final save fit in the time left (see
+            :mod:`hf_resumable.preemption`); then it saves and exits as without a notice. A loop that ends first ends
+            normally. Without it (the default) the signal's step is saved and the process exits at once.
         push_checkpoints_to (`str`, *optional*): upload each committed checkpoint in the background (queued,
             never skipped, retried) to the Hub (``"user/repo"``, ``"hf://user/repo[@branch][/path]"``) or an
             fsspec store (``"s3://bucket/run"``); retention never deletes a checkpoint whose upload is pending.
@@ -316,12 +332,13 @@ class ResumableAccelerator(Accelerator):
                  save_async: bool = False, allow_inexact_resume: bool = False, handle_preemption: bool = True,
                  exit_on_preemption: bool = True, push_checkpoints_to: str | None = None,
                  storage_options: dict | None = None, standalone_checkpoints: bool = False, elastic: bool = False,
-                 **kwargs: Any) -> None:
+                 preemption_notice: float | None = None, **kwargs: Any) -> None:
         self.resume_options = ResumeOptions(
             checkpoint_dir=checkpoint_dir, keep_last=keep_last, save_async=bool(save_async),
             allow_inexact_resume=allow_inexact_resume, handle_preemption=handle_preemption,
             exit_on_preemption=exit_on_preemption, push_checkpoints_to=push_checkpoints_to,
-            storage_options=storage_options, standalone_checkpoints=standalone_checkpoints, elastic=elastic)
+            storage_options=storage_options, standalone_checkpoints=standalone_checkpoints, elastic=elastic,
+            preemption_notice=preemption_notice)
         # Engines refused before accelerate sets them up (DeepSpeed is imported there), then from its built state.
         check_accelerate_options(inspect.signature(Accelerator.__init__).bind(self, *args, **kwargs).arguments)
         super().__init__(*args, **kwargs)
@@ -335,6 +352,9 @@ class ResumableAccelerator(Accelerator):
         # Loaders whose position is saved, in preparation order (ResumablePreparedLoader, ResumableDataLoaderShard...).
         self._resumable_loaders: list[LoaderPosition] = []
         self._preemption = PreemptionHandler().install() if handle_preemption else None
+        self._preemption_protocol = PreemptionProtocol(self._preemption, notice=preemption_notice)
+        self._notice_checkpoint: Path | None = None  # the checkpoint saved when the preemption notice began
+        self._stopped_by_preemption = False  # checkpoint_if_preempted saved and stopped (or exited)
         self._scheduler_rate = self.num_processes  # elastic: scheduler steps per optimizer step (first launch's)
         self._uploader = (open_uploader(push_checkpoints_to, storage_options=storage_options)
                           if push_checkpoints_to is not None and self.is_main_process else None)
@@ -1286,17 +1306,31 @@ class ResumableAccelerator(Accelerator):
 
         Call it on every process once per optimizer step, after the step (the flag is combined across
         processes with one all-reduce, so all ranks save the same step). With ``exit_on_preemption=False``
-        it returns `True` after saving instead of raising ``SystemExit``.
+        it returns `True` after saving instead of raising ``SystemExit``. With ``preemption_notice`` the first call
+        after the signal saves (in the background with ``save_async``) and returns `False`, and so do the later
+        ones while another step and a final save fit in the notice; then it saves and exits.
 
         Returns:
-            `bool`: `False` when no preemption was requested.
+            `bool`: `False` when no preemption was requested, or when training goes on within the notice.
 
         Raises:
             SystemExit: with code :data:`~hf_resumable.preemption.PREEMPTION_EXIT_CODE` (143) after the save.
         """
-        if not agree_on_preemption(self._preemption, device=self.device, step=self.global_step):
+        protocol = self._preemption_protocol
+        action = protocol.at_step_boundary(device=self.device, step=self.global_step)
+        if action is PreemptionAction.TRAIN:
             return False
-        path = self.save_state(blocking=True)
+        if action is PreemptionAction.SAVE_AND_TRAIN:
+            started = protocol.clock()
+            self._notice_checkpoint = self.save_state()
+            protocol.notice_saved(started=started, future=notice_save_in_flight())
+            return False
+        if action.saves:
+            path = self.save_state(blocking=True)
+        else:  # the notice checkpoint is this step's
+            self._commits.settle()
+            path = self._notice_checkpoint
+        self._stopped_by_preemption = True
         exit_after_preemption(self._preemption, checkpoint=str(path), step=self.global_step,
                               exit=self.resume_options.exit_on_preemption)
         return True
@@ -1315,6 +1349,10 @@ class ResumableAccelerator(Accelerator):
         on 2 CPU processes). The group is released with the model, or at interpreter exit.
         """
         self._commits.settle()
+        protocol = self._preemption_protocol
+        if protocol.signalled and protocol.notice is not None and not self._stopped_by_preemption:
+            logger.warning("Preemption signal received, but the training loop ended (step %d) within the %.0f s "
+                           "notice.", self.global_step, protocol.notice)
         if self._preemption is not None:
             self._preemption.uninstall()
         for tracker in self.trackers:

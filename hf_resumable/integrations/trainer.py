@@ -42,8 +42,10 @@ changes, and why:
 * **Drift**: the run configuration is recorded in every checkpoint; resuming with another one raises
   :class:`~hf_resumable.errors.ConfigDriftError` unless ``allow_config_drift=True``.
 * **Preemption**: SIGTERM finishes the current optimizer step, saves, and exits with
-  :data:`~hf_resumable.preemption.PREEMPTION_EXIT_CODE`. Under ``torch.distributed`` the flag is
-  all-reduced (MAX) at every optimizer-step boundary, so a signal that reaches one rank makes every rank
+  :data:`~hf_resumable.preemption.PREEMPTION_EXIT_CODE`; with ``preemption_notice`` it saves that step, trains on
+  while another step and a final save fit in the notice, then saves and exits (or ends normally at ``max_steps``).
+  Under ``torch.distributed`` the ranks' proposals are all-reduced (MAX) at every optimizer-step boundary
+  (:class:`~hf_resumable.preemption.PreemptionProtocol`), so a signal that reaches one rank makes every rank
   save the same step (checkpoints are collective: each rank writes its RNG and data position).
 * **Subclasses** (:func:`make_resumable`, :mod:`._trainer_family`): ``ResumableTrainer`` goes under TRL's and
   the user's ``Trainer`` subclasses in the method order, so their own overrides stay in effect.
@@ -103,8 +105,8 @@ from ..format.rng import derive_seed, restore_rng_state
 from ..format.state import RunConfig
 from ..format.state_codec import encode_state
 from ..locations import is_remote, open_uploader, resolve_resume_path
-from ..preemption import PreemptionHandler, agree_on_preemption, exit_after_preemption
-from ._core import AfterCommit, ResumeOptions, check_drift, check_upstream, inexact
+from ..preemption import PreemptionAction, PreemptionHandler, PreemptionProtocol, exit_after_preemption
+from ._core import AfterCommit, ResumeOptions, check_drift, check_upstream, inexact, notice_save_in_flight
 from ._deepspeed import (
     EXTRA_DEEPSPEED,
     capture_engine_state,
@@ -324,6 +326,13 @@ class ResumableTrainer(Trainer):
         exit_on_preemption (`bool`, *optional*, defaults to `True`): after a SIGTERM-triggered
             checkpoint has committed, exit the process with ``PREEMPTION_EXIT_CODE`` (143). With
             `False`, ``train`` returns and ``trainer.preempted`` is `True`.
+        preemption_notice (`float`, *optional*): the seconds from SIGTERM to SIGKILL that the scheduler gives
+            (Kubernetes' ``terminationGracePeriodSeconds``, SLURM's ``--signal=TERM@<seconds>``). With it, SIGTERM
+            commits a checkpoint of the step it lands in (in the background with ``save_async``) and training goes
+            on while another step and a final save fit in the time left (measured step and save times, with a safety
+            margin; see :mod:`hf_resumable.preemption`); then the step is saved and the process exits as without a
+            notice. A run that reaches ``max_steps`` inside the notice ends normally. Without it (the default) the
+            signal's step is saved and the process exits at once.
         checkpoint_verify (`str`, *optional*, defaults to `"quick"`): verification when loading
             (``"quick"`` or ``"full"``).
         push_checkpoints_to (`str`, *optional*): after each checkpoint commits, upload it in the background
@@ -402,13 +411,15 @@ class ResumableTrainer(Trainer):
                  push_checkpoints_to: str | None = None, storage_options: dict | None = None,
                  restore_callback_states: bool = True, resume_hyperparameters: str = "checkpoint",
                  standalone_checkpoints: bool = False, save_async: bool | None = None, elastic: bool = False,
-                 mean_time_between_failures: float | None = None, **kwargs: Any) -> None:
+                 mean_time_between_failures: float | None = None, preemption_notice: float | None = None,
+                 **kwargs: Any) -> None:
         # Options given to a make_resumable() class were set aside before the subclass's constructor ran.
         options = dict(allow_config_drift=allow_config_drift, allow_inexact_resume=allow_inexact_resume,
                        exit_on_preemption=exit_on_preemption, checkpoint_verify=checkpoint_verify,
                        push_checkpoints_to=push_checkpoints_to, storage_options=storage_options,
                        restore_callback_states=restore_callback_states, resume_hyperparameters=resume_hyperparameters,
-                       standalone_checkpoints=standalone_checkpoints, save_async=save_async, elastic=elastic)
+                       standalone_checkpoints=standalone_checkpoints, save_async=save_async, elastic=elastic,
+                       preemption_notice=preemption_notice)
         # save_async=None: saves_async decides per save
         set_aside = self.__dict__.pop("_hfr_options", {})
         mean_time_between_failures = set_aside.pop("mean_time_between_failures", mean_time_between_failures)
@@ -423,6 +434,7 @@ class ResumableTrainer(Trainer):
         self.preempted = False
         self.resumed_from: Path | None = None
         self._preemption = PreemptionHandler()
+        self._preemption_protocol = PreemptionProtocol(self._preemption, notice=self.resume_options.preemption_notice)
         self._resume: _Resume | None = None
         self._train_loader: Any = None
         self._train_position: StepPosition | None = None  # the training loader's LoaderPosition
@@ -513,7 +525,7 @@ class ResumableTrainer(Trainer):
         check_trainer_engine(self.args, self.accelerator.state, fsdp_xla=fsdp_xla)
         self._settle_saves()  # discovery below sees only committed checkpoints
         self.preempted = False
-        self._preemption.requested = False
+        self._preemption_protocol.reset()
         self._run_config = None
         checkpoint, verified = self._resolve_checkpoint(resume_from_checkpoint)
         self._resume = self._open_checkpoint(checkpoint, verified) if checkpoint is not None else None
@@ -536,6 +548,9 @@ class ResumableTrainer(Trainer):
         finally:
             self._resume = None
         self._settle_saves()
+        if self._preemption_protocol.signalled and not self.preempted:
+            logger.warning("Preemption signal received, but the run reached its end (step %d) within the %.0f s "
+                           "notice: it ended normally.", self.state.global_step, self._preemption_protocol.notice)
         if self.preempted:
             exit_after_preemption(self._preemption, checkpoint=str(self.args.output_dir), step=self.state.global_step,
                                   exit=self.resume_options.exit_on_preemption)
@@ -838,8 +853,9 @@ class ResumableTrainer(Trainer):
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         """Write ``checkpoint-<global_step>`` in the hf_resumable format (atomic, hashed, no pickle).
 
-        With ``save_async`` the checkpoint is staged and written in the background (the SIGTERM save excepted: the
-        process exits right after it); what follows its commit (retention, uploads) runs once it has committed.
+        With ``save_async`` the checkpoint is staged and written in the background (the save before a preemption
+        exit excepted: the process exits right after it); what follows its commit (retention, uploads) runs once it
+        has committed.
         Everything the checkpoint holds is captured here, at this step.
         """
         self._settle_saves()  # the previous background save has committed (or its failure is raised here)
@@ -1101,18 +1117,31 @@ class ResumableTrainer(Trainer):
         loop.last_call_step = self.state.global_step
         if not loop.in_epoch_end:
             loop.grad_norm, loop.learning_rate = _as_float(grad_norm), learning_rate
-        # SIGTERM: save this step on every rank, then stop. The stop is requested after the save so that the
-        # checkpoint records only the run's own decision to stop (a preempted run is not a finished one).
-        preempt = not self.preempted and agree_on_preemption(self._preemption, device=self.args.device,
-                                                             step=self.state.global_step)
-        if preempt:
-            self.preempted = True
-            self.control.should_save = True
+        # SIGTERM: save this step on every rank, then stop (or, within a notice, train on). The stop is requested
+        # after the save so that the checkpoint records only the run's own decision to stop (a preempted run is not
+        # a finished one).
+        action, started = self._preemption_action(), self._preemption_protocol.clock()
+        self.preempted = action.exits
+        self.control.should_save = self.control.should_save or action.saves
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
                                          learning_rate=learning_rate, **kwargs)
         trace.on_logs(self.state.log_history)  # hf-resumable check: the metrics logged at this step
-        if preempt:
+        if action is PreemptionAction.SAVE_AND_TRAIN:
+            self._preemption_protocol.notice_saved(started=started, future=notice_save_in_flight())
+        if action.exits:
             self.control.should_training_stop = True
+
+    def _preemption_action(self) -> PreemptionAction:
+        """The preemption protocol at this step boundary (every rank, every call: it is collective). A run that
+        reaches ``max_steps`` inside a notice ends as any run does (without a notice it saves and exits with 143, as
+        at any other step)."""
+        if self.preempted:
+            return PreemptionAction.EXIT
+        protocol = self._preemption_protocol
+        action = protocol.at_step_boundary(device=self.args.device, step=self.state.global_step)
+        if action.exits and protocol.notice is not None and self.state.global_step >= self.state.max_steps:
+            return PreemptionAction.TRAIN
+        return action
 
     def _evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         metrics = super()._evaluate(*args, **kwargs)
@@ -1267,7 +1296,8 @@ def make_resumable(trainer_class: type, *, state_attributes: tuple[str, ...] | l
     constructor takes the subclass's arguments plus ResumableTrainer's options (``allow_config_drift``,
     ``allow_inexact_resume``, ``exit_on_preemption``, ``checkpoint_verify``, ``push_checkpoints_to``,
     ``storage_options``, ``restore_callback_states``, ``resume_hyperparameters``, ``standalone_checkpoints``,
-    ``save_async``, ``elastic``). The same class is returned for the same arguments.
+    ``save_async``, ``elastic``, ``mean_time_between_failures``, ``preemption_notice``). The same class is returned
+    for the same arguments.
 
     Args:
         trainer_class (`type`): a subclass of ``transformers.Trainer``.

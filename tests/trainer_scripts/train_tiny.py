@@ -8,6 +8,8 @@ where the process kills itself:
     HFR_KILL_MID_STEP=k     SIGKILL inside optimizer step k+1 (after its first micro-batch backward,
                             or before its forward when gradient_accumulation_steps == 1)
     HFR_SIGTERM_AT=k        SIGTERM to itself at the start of optimizer step k+1
+    HFR_SLOW_AFTER_SIGTERM=s  every optimizer step from k+1 on (after HFR_SIGTERM_AT=k) takes s seconds more
+                            (a sleep at its start): a step time that makes a preemption notice's decision certain
     HFR_SIGNAL_RANK=r       under torchrun: only rank r sends itself the signals above (default: every rank)
     HFR_KILL_JOB_AFTER_SAVE=k   under torchrun: rank 0 SIGKILLs the whole job (the torchrun agent and every
                             worker) right after checkpoint-k has committed
@@ -30,6 +32,7 @@ import os
 import random
 import signal
 import sys
+import time
 from pathlib import Path
 
 import datasets
@@ -197,6 +200,7 @@ class Interrupter(TrainerCallback):
         self.after_save = _env_int("HFR_KILL_AFTER_SAVE")
         self.mid_step = _env_int("HFR_KILL_MID_STEP")
         self.sigterm_at = _env_int("HFR_SIGTERM_AT")
+        self.slow_after_sigterm = float(os.environ.get("HFR_SLOW_AFTER_SIGTERM") or 0)
         self.kill_job_after_save = _env_int("HFR_KILL_JOB_AFTER_SAVE")
         signal_rank = _env_int("HFR_SIGNAL_RANK")
         if signal_rank is not None and signal_rank != RANK:
@@ -211,6 +215,8 @@ class Interrupter(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step == self.sigterm_at:
             os.kill(os.getpid(), signal.SIGTERM)
+        if self.sigterm_at is not None and state.global_step >= self.sigterm_at and self.slow_after_sigterm:
+            time.sleep(self.slow_after_sigterm)
         if self.ga == 1 and state.global_step == self.mid_step:
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -339,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-inexact-resume", action="store_true")
     p.add_argument("--no-resume", action="store_true")
     p.add_argument("--save-async", action="store_true", help="ResumableTrainer(save_async=True)")
+    p.add_argument("--preemption-notice", type=float, default=None, help="ResumableTrainer(preemption_notice=...)")
     a = p.parse_args(argv)
 
     from hf_resumable.integrations.trainer import ResumableTrainer
@@ -388,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = ResumableTrainer(allow_config_drift=a.allow_config_drift,
                                    allow_inexact_resume=a.allow_inexact_resume,
                                    restore_callback_states=not a.no_restore_callbacks, save_async=a.save_async,
-                                   **kwargs)
+                                   preemption_notice=a.preemption_notice, **kwargs)
     recorder.trainer = trainer
     try:
         output = trainer.train(resume_from_checkpoint=not a.no_resume)
