@@ -57,6 +57,7 @@ from ..errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
+from ..format._bytes import tensor_bytes
 from ..format._jsonio import require_field
 from ..format.safetensors_io import DTYPE_TO_STR, STR_TO_DTYPE
 from ..format.sharding import ShardIndex
@@ -86,12 +87,6 @@ PIECES_RECORD_VERSION = 2
 
 
 # ------------------------------------------------------------------------------------------------ fingerprints
-def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a flat uint8 tensor on its device (a view when it is contiguous)."""
-    flat = tensor.detach().reshape(-1)
-    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
-
-
 def _update(digest: "xxhash.xxh3_128", data: torch.Tensor) -> None:
     """Feed a flat uint8 tensor into ``digest`` (device tensors through bounded host copies)."""
     if data.numel() == 0:
@@ -105,7 +100,7 @@ def _update(digest: "xxhash.xxh3_128", data: torch.Tensor) -> None:
 
 def _full_hash(tensor: torch.Tensor) -> str:
     digest = xxhash.xxh3_128()
-    _update(digest, _byte_view(tensor))
+    _update(digest, tensor_bytes(tensor))
     return digest.hexdigest()
 
 
@@ -116,7 +111,7 @@ def _sample_starts(total: int) -> list[int]:
 
 
 def _sample_hash(tensor: torch.Tensor) -> str:
-    data = _byte_view(tensor)
+    data = tensor_bytes(tensor)
     total = data.numel()
     if total <= SAMPLE_WINDOWS * SAMPLE_BYTES:
         return _full_hash(tensor)
@@ -159,7 +154,7 @@ def fingerprint(tensor: torch.Tensor, *, full: bool) -> _Fingerprint:
             _CACHE.clear()
         entry = _CACHE[key] = _Fingerprint(sample=sample)
     if full and entry.full is None:
-        entry.full = sample if _byte_view(tensor).numel() <= SAMPLE_WINDOWS * SAMPLE_BYTES else _full_hash(tensor)
+        entry.full = sample if tensor_bytes(tensor).numel() <= SAMPLE_WINDOWS * SAMPLE_BYTES else _full_hash(tensor)
     return entry
 
 

@@ -3,7 +3,7 @@
 ``save_sharded_checkpoint`` is the parallel counterpart of :func:`~hf_resumable.save_checkpoint`: each
 rank writes the pieces of the model weights and optimizer state it holds (``DTensor.to_local()``) into
 its own safetensors files, in parallel, and rank 0 commits the checkpoint with the same protocol
-(temp directory, ``manifest.json`` last with every file's size and sha256, atomic rename). Plain
+(temp directory, ``manifest.json`` last with every file's size and xxh3-128, atomic rename). Plain
 (unsharded, replicated) tensors work too: the ranks split them, whole tensors balanced by bytes (DeepSpeed
 ZeRO-1/2's weights; one process writes them all).
 
@@ -413,7 +413,7 @@ def save_sharded_checkpoint(
     whole tensors the ranks split by bytes (``HF_RESUMABLE_SPLIT_REPLICAS=0``: rank 0 writes them).
     Under torch.distributed it is a collective: every rank calls it. The commit is the same as
     :func:`~hf_resumable.save_checkpoint`'s: files go into a temporary sibling directory, rank 0 writes
-    ``manifest.json`` (every rank's files with size and sha256, hashed while writing) only after every rank
+    ``manifest.json`` (every rank's files with size and xxh3-128, hashed while writing) only after every rank
     reported its files durable, then renames. A rank killed mid-save leaves the previous checkpoint
     the latest valid one.
 
