@@ -26,11 +26,15 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=10
 WORKERS ?= 2
 XDIST := -n $(WORKERS) --dist loadfile
 TIERS := "not slow and not distributed" "slow and not distributed" "distributed"
+# `make test` runs the unit tier first (a broken build fails in about two minutes), then the process and distributed
+# tiers in one pytest session: one start of the workers and one collection instead of two, and no idle worker
+# between them.
+TEST_TIERS := "not slow and not distributed" "slow or distributed"
 
 test: venv
 	$(VENV)/bin/ruff check .
 	$(PYTEST) --doctest-modules hf_resumable
-	@for tier in $(TIERS); do echo "== tests: $$tier (not extended)"; \
+	@for tier in $(TEST_TIERS); do echo "== tests: $$tier (not extended)"; \
 		$(PYTEST) $(XDIST) -m "($$tier) and not extended" tests || exit 1; done
 
 # Everything, including the further kill/restart variants marked `extended` (about twice as long).

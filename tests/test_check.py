@@ -378,6 +378,8 @@ def test_a_resumable_accelerator_loop_is_exact(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+# `check` under torchrun stays in make test (the ZeRO-2 loop and the FSDP2 divergence below); the DDP loop is extended.
+@pytest.mark.extended
 def test_a_two_process_torchrun_loop_is_exact(tmp_path):
     from distributed_launch import free_port
 

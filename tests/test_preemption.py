@@ -251,7 +251,9 @@ def test_trainer_process_that_finishes_within_the_notice_exits_0_with_the_uninte
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("save_async", [False, True], ids=["blocking", "background"])
+# the blocking notice save is also run in process (test_trainer_in_process_with_a_notice_shorter_than_a_step_...)
+@pytest.mark.parametrize("save_async", [pytest.param(False, marks=pytest.mark.extended), True],
+                         ids=["blocking", "background"])
 def test_trainer_process_whose_notice_runs_out_saves_a_later_step_exits_143_and_resumes_exactly(
         notice_reference, tmp_path, save_async):
     grid = _trainer_runs()
@@ -270,6 +272,9 @@ def test_trainer_process_whose_notice_runs_out_saves_a_later_step_exits_143_and_
 
 
 @pytest.mark.distributed
+# make test checks the ranks' agreement on the notice in process (test_told_by_another_rank_...)
+# and the two-rank SIGTERM protocol without a notice (test_trainer_distributed); this torchrun run is in make test-all.
+@pytest.mark.extended
 def test_two_ranks_one_signalled_train_on_then_stop_at_the_same_step_and_resume_exactly(tmp_path):
     """torchrun, 2 ranks: rank 1 alone gets SIGTERM at the start of step 4, and a 2 s notice that steps of 2.5 s
     from then on make certain to run out: both ranks checkpoint step 4 (in the background, the default under
