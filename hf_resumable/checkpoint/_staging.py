@@ -223,6 +223,29 @@ def _memmove_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
     )
 
 
+def _raw_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                other: Callable[[torch.Tensor, torch.Tensor], None]) -> list[tuple[int, int, int]]:
+    """``(dst address, src address, bytes)`` of every pair a raw byte copy may serve; ``other(dst, src)`` is called
+    for the rest (CUDA sources, other dtypes or layouts)."""
+    fast: list[tuple[int, int, int]] = []
+    for dst, src in pairs:
+        src = src.detach()
+        if _memmove_ok(dst, src):
+            nbytes = src.numel() * src.element_size()
+            if nbytes:
+                fast.append((dst.data_ptr(), src.data_ptr(), nbytes))
+        else:
+            other(dst, src)
+    return fast
+
+
+def _workers(workers: int | None) -> int:
+    workers = staging_threads() if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    return workers
+
+
 def copy_into(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, workers: int | None = None,
               copier=None) -> None:
     """Copy every ``src`` into its ``dst`` (``(dst, src)`` pairs), bit for bit, and return when all bytes landed.
@@ -230,23 +253,18 @@ def copy_into(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, workers: in
     ``copier(dst_address, src_address, nbytes)`` copies raw bytes (default :data:`copy_bytes`).
     """
     copier = copier or copy_bytes
-    fast: list[tuple[int, int, int]] = []  # (dst address, src address, bytes)
     cuda_devices: set[torch.device] = set()
-    for dst, src in pairs:
-        src = src.detach()
-        if _memmove_ok(dst, src):
-            nbytes = src.numel() * src.element_size()
-            if nbytes:
-                fast.append((dst.data_ptr(), src.data_ptr(), nbytes))
-        elif src.is_cuda:
+
+    def copy_now(dst: torch.Tensor, src: torch.Tensor) -> None:
+        if src.is_cuda:
             dst.copy_(src, non_blocking=dst.is_pinned())
             cuda_devices.add(src.device)
         else:
             dst.copy_(src)
+
+    fast = _raw_copies(pairs, copy_now)
     total = sum(n for _, _, n in fast)
-    workers = staging_threads() if workers is None else workers
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
+    workers = _workers(workers)
     job = _Job(plan_chunks([n for _, _, n in fast]), fast, copier, workers)
     if total < PARALLEL_MIN_BYTES or workers == 1:
         job.work()  # one thread: waking helpers would cost more than it saves
@@ -288,22 +306,17 @@ def start_copy(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, workers: i
     wait for the device), into pinned buffers; ``join`` waits for them.
     """
     copier = copier or copy_bytes
-    fast: list[tuple[int, int, int]] = []
     tasks: list[Callable[[], None]] = []
     events: list[Any] = []
-    for dst, src in pairs:
-        src = src.detach()
-        if _memmove_ok(dst, src):
-            nbytes = src.numel() * src.element_size()
-            if nbytes:
-                fast.append((dst.data_ptr(), src.data_ptr(), nbytes))
-        elif src.is_cuda:
+
+    def copy_later(dst: torch.Tensor, src: torch.Tensor) -> None:
+        if src.is_cuda:
             events.append(_copy_on_side_stream(dst, src))
         else:
-            tasks.append(lambda dst=dst, src=src: dst.copy_(src))
-    workers = staging_threads() if workers is None else workers
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
+            tasks.append(lambda: dst.copy_(src))
+
+    fast = _raw_copies(pairs, copy_later)
+    workers = _workers(workers)
     job = _Job(plan_chunks([n for _, _, n in fast]), fast, copier, workers, tasks)
     _CREW.post(job, workers)
     return BackgroundCopy(job, events)
