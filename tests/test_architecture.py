@@ -223,3 +223,25 @@ def test_the_integrations_do_import_the_loops():
     # Guards the scan: the two modules that wrap the loops import them, so a scan that found nothing there is broken.
     assert _loop_imports(MODULES["integrations.trainer"].read_text(encoding="utf-8"))
     assert _loop_imports(MODULES["integrations.accelerate"].read_text(encoding="utf-8"))
+
+
+def test_the_package_reads_no_environment_variable_at_import():
+    """The zygote serves any ``HF_RESUMABLE_*`` value from one import (``RUNTIME_PREFIXES``): that holds only while no
+    module of the package reads the environment outside a function."""
+    package = PACKAGE
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        module_level = [node for node in tree.body if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                             ast.ClassDef))]
+        classes = [node for node in tree.body if isinstance(node, ast.ClassDef)]
+        module_level += [n for c in classes for n in c.body
+                         if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for statement in module_level:
+            for node in ast.walk(statement):
+                if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb"):
+                    found.append(f"{path.relative_to(package)}:{node.lineno}")
+    import zygote
+
+    assert zygote._is_runtime("HF_RESUMABLE_SPLIT_REPLICAS") and not zygote._is_runtime("HF_ENDPOINT")
+    assert found == [], f"read at import time: {found}"

@@ -67,8 +67,10 @@ def test_python_blocks_are_found():
 
 @pytest.fixture(scope="module")
 def readme_env(_hub_server, tmp_path_factory) -> dict[str, str]:
-    """One environment for every block (so one zygote serves them all): the fake Hub and a private HF_HOME."""
-    return child_env(hub_environ(_hub_server.endpoint, tmp_path_factory.mktemp("hf_home")))
+    """One environment for every block (so one zygote serves them all): the fake Hub and a private HF_HOME. A fixed
+    hash seed, or the zygotes would alternate between two seeds and every block would pay a zygote's imports."""
+    return child_env({**hub_environ(_hub_server.endpoint, tmp_path_factory.mktemp("hf_home")),
+                      "PYTHONHASHSEED": "0"})
 
 
 @pytest.mark.slow

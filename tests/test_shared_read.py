@@ -55,7 +55,9 @@ def test_a_two_rank_resume_reads_the_checkpoint_once_and_loads_it_bitwise(saved)
     # One machine, not said by the launcher: the ranks find they share a page cache, and each reads every file.
     default = _run("load-unhinted", saved, shared="1")
     assert all(result.get("same") for result in default), default
-    assert sum(r["read_bytes"] for r in default) <= 1.1 * size, (size, default)
+    # The kernel reads a page once for both ranks while it stays cached; other jobs' memory pressure can evict a page
+    # between the two ranks' reads (seen once at 1.13x on a loaded machine). Reading every file each would be 2x.
+    assert sum(r["read_bytes"] for r in default) <= 1.25 * size, (size, default)
     assert not any(r["exchanged"] for r in default), default
 
 

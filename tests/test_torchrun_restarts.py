@@ -180,6 +180,8 @@ def _kill_tree(process: subprocess.Popen) -> None:
             pass
 
 
+# The multi-node variant of the group restart above (which stays in `make test`): `make test-all`.
+@pytest.mark.extended
 def test_two_agents_as_two_nodes_one_sigkilled_and_started_again(tmp_path, reference):
     """The agent that does not host the rendezvous store is SIGKILLed (with its worker) after the first checkpoint;
     starting it again re-forms the group, which resumes from that checkpoint and ends bit-identical."""

@@ -59,9 +59,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RUNTIME_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                      "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTEST_CURRENT_TEST",
                      # what torchrun's agent adds for its workers, and its choice of interpreter
-                     "GROUP_WORLD_SIZE", "ROLE_NAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHON_EXEC")
-RUNTIME_PREFIXES = ("HFR_", "HF_RESUMABLE_EXAMPLE_", "HF_RESUMABLE_FUZZ_", "HF_RESUMABLE_TEST_", "TORCHELASTIC_",
-                    "HF_RESUMABLE_TRACE")  # hf-resumable check's trace: started in the child (see _become)
+                     "GROUP_WORLD_SIZE", "ROLE_NAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHON_EXEC",
+                     "MPLBACKEND")  # matplotlib is not among the imports (PRELOAD)
+# Every ``HF_RESUMABLE_*`` switch of the package is read at run time (none at import; hf_resumable.trace's tracer,
+# started at import, is started in the child: see _become), and so are the tests' own switches.
+RUNTIME_PREFIXES = ("HFR_", "HF_RESUMABLE_", "TORCHELASTIC_")
 
 # Imported by the zygote before it forks: what the test scripts spend their start-up on.
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
@@ -412,6 +414,20 @@ _turn = itertools.count()
 _seen: dict[tuple, int] = {}
 
 
+def _log_choice(env: dict[str, str], choice: str) -> None:
+    """With ``HF_RESUMABLE_TEST_ZYGOTE_LOG`` set (a file): append which test asked, what was chosen (a plain process,
+    a zygote started or reused) and the import-time variables that differ from this process's own environment,
+    the usual reason for a plain process or a zygote of its own."""
+    log = os.environ.get("HF_RESUMABLE_TEST_ZYGOTE_LOG")
+    if not log:
+        return
+    differing = sorted(k for k in set(env) | set(os.environ)
+                       if not _is_runtime(k) and env.get(k) != os.environ.get(k))
+    with open(log, "a") as handle:
+        handle.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "choice": choice,
+                                 "differing": differing}) + "\n")
+
+
 def _zygote_for(env: dict[str, str], *, eager: bool = False) -> _Zygote | None:
     """The zygote for ``env``'s import-time environment, ``None`` if there is none (yet) or it cannot serve.
 
@@ -423,6 +439,7 @@ def _zygote_for(env: dict[str, str], *, eager: bool = False) -> _Zygote | None:
     with _lock:
         _seen[key] = _seen.get(key, 0) + 1
         if _seen[key] < 2 and not eager:
+            _log_choice(env, "plain")
             return None
     if "PYTHONHASHSEED" not in env:
         # Fresh interpreters hash strings with a random seed each: alternate between two zygotes with different
@@ -432,6 +449,7 @@ def _zygote_for(env: dict[str, str], *, eager: bool = False) -> _Zygote | None:
         zygote_env["PYTHONHASHSEED"] = str(1 + slot + 2 * (os.getpid() % 1000))
     with _lock:
         zygote = _zygotes.get(key)
+        _log_choice(env, "started" if zygote is None else "reused")
         if zygote is None:
             if len(_zygotes) >= _MAX_ZYGOTES:
                 oldest = min(_zygotes, key=lambda k: _zygotes[k].last_used)
