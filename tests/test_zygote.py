@@ -35,10 +35,12 @@ print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "rank": os.environ.get("
 
 @pytest.fixture(autouse=True, scope="module")
 def _warm():
-    """A zygote starts the second time an environment is asked for (the first is a plain subprocess)."""
-    for env in (dict(os.environ), {**os.environ, "PYTHONHASHSEED": "0"}):
-        for _ in range(3):
-            zygote.run([sys.executable, "-c", "pass"], env=env, check=True, timeout=300)
+    """The zygotes these tests fork from, started up front (``eager``: no plain subprocess first): this process's
+    environment takes two (the hash seeds alternate), a pinned hash seed one."""
+    envs = (dict(os.environ), dict(os.environ), {**os.environ, "PYTHONHASHSEED": "0"})
+    # Started together (they import at the same time), from this thread: a zygote dies with the thread that started it.
+    started = [zygote._zygote_for(env, eager=True, wait=False) for env in envs]
+    assert all(z is not None and z.usable() for z in started)
 
 
 @pytest.mark.slow

@@ -428,11 +428,13 @@ def _log_choice(env: dict[str, str], choice: str) -> None:
                                  "differing": differing}) + "\n")
 
 
-def _zygote_for(env: dict[str, str], *, eager: bool = False) -> _Zygote | None:
+def _zygote_for(env: dict[str, str], *, eager: bool = False, wait: bool = True) -> _Zygote | None:
     """The zygote for ``env``'s import-time environment, ``None`` if there is none (yet) or it cannot serve.
 
     A zygote is started the second time an environment is asked for (the first time if ``eager``): one that is used
-    once (a test's private ``HF_HOME``) costs a plain process, not a zygote's imports.
+    once (a test's private ``HF_HOME``) costs a plain process, not a zygote's imports. ``wait=False`` returns the
+    zygote while it may still be importing (:meth:`_Zygote.usable` waits). A zygote dies with the thread that
+    started it (``PR_SET_PDEATHSIG``): start them from a thread that lives as long as they should.
     """
     zygote_env = {k: v for k, v in env.items() if not _is_runtime(k)}
     key = _import_environment(env)
@@ -456,6 +458,8 @@ def _zygote_for(env: dict[str, str], *, eager: bool = False) -> _Zygote | None:
                 _zygotes.pop(oldest).close()
             zygote = _zygotes[key] = _Zygote(zygote_env)
         zygote.last_used = time.monotonic()
+    if not wait:  # started (or starting): the caller waits with usable()
+        return zygote
     return zygote if zygote.usable() else None
 
 
