@@ -218,6 +218,37 @@ def test_own_pins_do_not_block_own_retention(tmp_path):
     assert not [p for p in root.iterdir() if p.name.startswith(PIN_PREFIX)]
 
 
+def test_background_retention_renames_at_once_and_deletes_on_a_helper_thread(tmp_path, monkeypatch):
+    """``apply_retention(background=True)`` (the Trainer's after a commit): the old checkpoint is no longer found when
+    the call returns, its files go on a helper thread (held here until released), and ``wait_for_pending_saves``
+    waits for them."""
+    import threading
+
+    from hf_resumable.checkpoint import _fs
+
+    root = tmp_path / "run"
+    for step in (1, 2):
+        save_checkpoint(root / f"checkpoint-{step}", model=_model(float(step)), step=step, rng=False)
+    _pins.release_held_pins()
+    release, deleting = threading.Event(), []
+    original = _fs.shutil.rmtree
+
+    def held_rmtree(path, *args, **kwargs):
+        deleting.append(threading.current_thread().name)
+        release.wait(60)
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(_fs.shutil, "rmtree", held_rmtree)
+    assert apply_retention(root, keep_last=1, background=True) == [root / "checkpoint-1"]
+    assert [s for s, _ in list_checkpoints(root)] == [2]
+    trash = [p for p in root.iterdir() if p.name.startswith(TRASH_PREFIX)]
+    assert len(trash) == 1 and parse_member_name(trash[0].name).owner == current_owner()  # ours, marked deleting
+    release.set()
+    wait_for_pending_saves()
+    assert deleting == ["hf_resumable-trash"]
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-2"]
+
+
 def _dead_owner_name(prefix: str, target: str, *, mark: str = "") -> str:
     probe = zygote.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = current_owner().__class__(current_owner().host, int(probe.stdout), 1)

@@ -13,12 +13,15 @@ Three rules make concurrent writers, readers and cleaners safe (docs/architectur
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import errno
 import logging
 import os
+import queue
 import shutil
 import stat
+import threading
 from pathlib import Path
 
 from ..constants import REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
@@ -27,6 +30,7 @@ from ..format._libc import libc_function
 from ..format.safetensors_io import FileRecord, record_of
 from ._owner import DELETING_MARK, member_name
 from ._pins import live_pins
+from ._threads import lower_thread_priority
 
 logger = logging.getLogger(__name__)
 
@@ -200,13 +204,58 @@ def claim(entry: Path, target_name: str) -> Path | None:
     return mine
 
 
-def remove_dir(path: Path) -> bool:
+class _TrashRemover:
+    """Deletes trash directories this process claimed, one at a time on a daemon thread (started on first use).
+
+    Deleting a checkpoint of 0.64 GB took 0.38-0.42 s of wall time (0.02 s of CPU) on an ext4 disk mounted with
+    ``discard``: time a training loop need not wait for. The trash carries this process's name and a deleting mark,
+    so nothing can find it as a checkpoint or rename it back; if the process dies first, the next cleaner of the
+    directory deletes it (``discovery.cleanup_stale``). Interpreter exit waits for the queue (``atexit``).
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Path] = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, trash: Path) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="hf_resumable-trash", daemon=True)
+                self._thread.start()
+            self._queue.put(trash)
+
+    def _run(self) -> None:
+        lower_thread_priority(10)
+        while True:
+            trash = self._queue.get()
+            try:
+                shutil.rmtree(trash, ignore_errors=True)
+            finally:
+                self._queue.task_done()
+
+    def wait(self) -> None:
+        """Block until every submitted trash directory is deleted."""
+        self._queue.join()
+
+
+_REMOVER = _TrashRemover()
+atexit.register(_REMOVER.wait)
+
+
+def wait_for_removals() -> None:
+    """Block until every checkpoint this process removed with ``background=True`` is deleted from disk."""
+    _REMOVER.wait()
+
+
+def remove_dir(path: Path, *, background: bool = False) -> bool:
     """Remove a committed checkpoint directory unless a live reader pinned it; ``True`` if removed.
 
     1. Announce the removal (an owned ``.removing-`` file): readers that pin from now on wait for it.
     2. If a reader in another process has pinned it, withdraw and keep it; it was never moved.
     3. Rename it to a trash name this process owns (from now on nobody finds it as a checkpoint), make that
-       durable, delete the trash, and withdraw the announcement.
+       durable, delete the trash (``background``: on a helper thread, see :func:`wait_for_removals`), and withdraw
+       the announcement.
     """
     announcement = path.parent / member_name(REMOVING_PREFIX, path.name)
     os.close(os.open(announcement, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
@@ -218,7 +267,10 @@ def remove_dir(path: Path) -> bool:
         if trash is None:
             return False
         fsync_dir(path.parent)
-        shutil.rmtree(trash, ignore_errors=True)
+        if background:
+            _REMOVER.submit(trash)
+        else:
+            shutil.rmtree(trash, ignore_errors=True)
         return True
     finally:
         os.unlink(announcement)

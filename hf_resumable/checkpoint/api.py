@@ -16,6 +16,7 @@ from .._urls import is_remote
 from ..constants import DEFAULT_MAX_SHARD_SIZE, MANIFEST_FILE
 from ..distributed import is_distributed, rank_and_world_size
 from ..format.rng import RngState
+from ._fs import wait_for_removals
 from ._payload import capture_payload
 from ._reader import LoadedCheckpoint, OpenedCheckpoint, read_on_load
 from ._writer import check_target, save_payload
@@ -84,12 +85,16 @@ def saves_async(save_async: bool | None) -> bool:
 
 
 def wait_for_pending_saves() -> None:
-    """Block until the in-flight async save has committed.
+    """Block until the in-flight async save has committed, and the checkpoints retention removed in the background
+    are deleted from disk.
 
     Raises:
         AsyncSaveError: if that save failed (the previous checkpoint is untouched).
     """
-    _ASYNC.wait()
+    try:
+        _ASYNC.wait()
+    finally:
+        wait_for_removals()
 
 
 def save_checkpoint(

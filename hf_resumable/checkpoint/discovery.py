@@ -207,6 +207,7 @@ def apply_retention(
     greater_is_better: bool = False,
     protect: Iterable[str | os.PathLike] = (),
     pattern: re.Pattern[str] = CHECKPOINT_DIR_RE,
+    background: bool = False,
 ) -> list[Path]:
     """Delete old committed checkpoints, keeping the newest ``keep_last``, the best one and ``protect``.
 
@@ -224,6 +225,9 @@ def apply_retention(
         protect (`Iterable[str | os.PathLike]`, *optional*): paths never to delete (e.g. uploads in flight).
         pattern (`re.Pattern`, *optional*): directory-name regex (first group: the step), defaults to
             ``checkpoint-<N>``.
+        background (`bool`, *optional*, defaults to `False`): return once each removed checkpoint is renamed out of
+            the way (no longer found as a checkpoint) and delete its files on a helper thread;
+            ``wait_for_pending_saves()`` and interpreter exit wait for the deletions.
 
     Returns:
         `list[Path]`: the deleted checkpoints.
@@ -253,7 +257,7 @@ def apply_retention(
     for _, path, _ in committed:
         if path in keep or path.resolve() in keep:
             continue
-        if remove_dir(path):
+        if remove_dir(path, background=background):
             deleted.append(path)
             logger.info("Retention removed %s", path)
     return deleted

@@ -906,6 +906,7 @@ class ResumableAccelerator(Accelerator):
         if mode == _NAMING_EXPLICIT or keep is None or not self.is_main_process:
             return
         pattern = AUTOMATIC_CHECKPOINT_RE if mode == _NAMING_AUTOMATIC else CHECKPOINT_DIR_RE
+        # In the foreground, as accelerate's own total_limit: upstream's tests count the entries of the directory.
         apply_retention(self.checkpoint_dir, keep_last=keep, pattern=pattern, protect=self._pending_uploads())
 
     def _weights(self) -> list[Any]:

@@ -907,7 +907,8 @@ class ResumableTrainer(Trainer):
         if self.args.should_save and self.args.save_total_limit:
             protect = [self.state.best_model_checkpoint] if self.state.best_model_checkpoint else []
             protect += list(self._uploader.pending()) if self._uploader is not None else []
-            apply_retention(run_dir, keep_last=max(1, self.args.save_total_limit), protect=protect)
+            apply_retention(run_dir, keep_last=max(1, self.args.save_total_limit), protect=protect,
+                            background=True)
 
     def _settle_saves(self, *, poll: bool = False) -> None:
         """Wait for this trainer's background save, then run what follows its commit; raise its failure.
