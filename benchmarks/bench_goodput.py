@@ -40,8 +40,13 @@ fixed cost for both trainers, dominates and the ratio tends to 1. A last summary
 From an uninterrupted background-save run: the step-time inflation while a background save is written (mean time
 of the steps that overlap the write, from the end of the save call, over the mean step without a save), the stall
 (from the end of a step to the end of the save call) and a save's whole cost to the loop (the stall plus the extra
-time of the steps that overlap the write); ``--inflation-pairs N`` runs N pairs instead, with the writer at its lower
-CPU priority and without it (``WRITER_NICE_INCREMENT = 0``), alternated (an ablation, not a target).
+time of the steps that overlap the write), the time from the save call to the commit (the write's own duration, which
+a lower priority lengthens: under SIGKILL a checkpoint counts only once committed), and where the training thread's
+time per step went, without a write and while one is written: its own CPU (memory bandwidth shared with the copy,
+hashing and page-cache copies), waiting for a core (schedstat's run-queue time) and the optimizer step waiting at the
+step gate for the staging copy. ``--inflation-pairs N`` runs N pairs instead, with the save's background threads at
+their lower CPU priority and without it (``WRITER_NICE_INCREMENT = 0``), alternated (an ablation, not a target);
+``--inflation-only`` runs only these (no stock run, no preemption): the fast loop for work on the background save.
 
 The machine may be shared: every process runs under ``nice``; ``--repeats`` runs each preempted system that many
 times and reports medians.
@@ -49,6 +54,7 @@ times and reports medians.
 Usage:
     python benchmarks/bench_goodput.py --quick                 # the preset: 30 steps, 2 preemptions of each kind
     python benchmarks/bench_goodput.py --quick --inflation-pairs 2  # and the writer-priority ablation
+    python benchmarks/bench_goodput.py --quick --inflation-only --inflation-pairs 3  # that ablation alone (~5 min)
     python benchmarks/bench_goodput.py --quick --only SIGTERM
     python benchmarks/bench_goodput.py --tiny                  # smoke test: a tiny model
     python benchmarks/bench_goodput.py --steps 200 --mtbf 60 --kills 4 --repeats 3 --stock-intervals 0.5 1 2 \\
