@@ -24,7 +24,6 @@ import torch
 
 from ..format._bytes import tensor_bytes
 from ..format._libc import libc_function
-from ._threads import background_priority, restore_thread_priorities
 
 try:
     from .._fastcopy import copy as _nt_copy
@@ -94,12 +93,10 @@ class _Job:
     ``tasks`` (copies that are not plain bytes, e.g. ``copy_``), each claimed by one thread before any piece."""
 
     def __init__(self, pieces: list[Piece], addresses: list[tuple[int, int, int]], copier, workers: int,
-                 tasks: Sequence[Callable[[], None]] = (), nice: int = 0) -> None:
+                 tasks: Sequence[Callable[[], None]] = ()) -> None:
         self._pieces, self._addresses, self._copier = pieces, addresses, copier
-        self.nice = nice  # nice steps below the main thread at which the helpers copy (background_priority)
         self._tasks = list(tasks)
         self._lock = threading.Lock()
-        self._lowered: dict[int, tuple[int, int]] = {}  # the threads working at a lowered priority (for expedite)
         self._next = 0
         self._active = 0
         self._slots = workers
@@ -125,17 +122,13 @@ class _Job:
             self._next += 1
             return self._pieces[self._next - 1]
 
-    def work(self, lowered: tuple[int, int] | None = None) -> None:
-        """Copy pieces until none is left (a no-op once every slot is taken or the job is over). ``lowered``: the
-        calling thread's lowered priority (``lower_thread_priority``), which :meth:`expedite` may restore."""
-        tid = threading.get_native_id()
+    def work(self) -> None:
+        """Copy pieces until none is left (a no-op once every slot is taken or the job is over)."""
         with self._lock:
             if not self._slots or self._done.is_set():
                 return
             self._slots -= 1
             self._active += 1
-            if lowered is not None:
-                self._lowered[tid] = lowered
         try:
             while (claimed := self._claim()) is not None:
                 try:  # both copiers (and torch's copy_) release the GIL for the call: pieces copy in parallel
@@ -149,17 +142,9 @@ class _Job:
                         self._errors.append(err)
         finally:
             with self._lock:
-                self._lowered.pop(tid, None)
                 self._active -= 1
                 if not self._active:
                     self._done.set()
-
-    def expedite(self) -> None:
-        """Give the threads still copying at a lowered priority the normal one back (the caller waits for them)."""
-        with self._lock:
-            lowered = list(self._lowered.items())
-        for tid, change in lowered:
-            restore_thread_priorities(change, tids=[tid])
 
     def wait(self) -> None:
         """Return once every claimed piece is copied (the caller's own :meth:`work` has claimed the rest)."""
@@ -219,8 +204,7 @@ class _Crew:
                 self._cond.wait_for(lambda: self._next_job() is not None)
                 job = self._next_job()
             if job is not None:
-                with background_priority(job.nice) as lowered:  # a background copy's (start_copy's nice)
-                    job.work(lowered)
+                job.work()
                 if not job.wants_workers:
                     self.retire(job)
 
@@ -294,15 +278,13 @@ def copy_into(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, workers: in
 class BackgroundCopy:
     """A staging copy running on the helper threads (:func:`start_copy`): :meth:`join` takes part and returns once
     every byte landed (raising the copy's error); :meth:`assist` takes part without waiting (a no-op once every piece
-    is claimed) and gives the helpers still copying the caller's priority back (a caller that waits for them next).
-    Both may be called from any thread, any number of times."""
+    is claimed). Both may be called from any thread, any number of times."""
 
     def __init__(self, job: _Job, events: list[Any]) -> None:
         self._job, self._events = job, events
 
     def assist(self) -> None:
         self._job.work()
-        self._job.expedite()
 
     def join(self) -> None:
         try:
@@ -315,12 +297,10 @@ class BackgroundCopy:
 
 
 def start_copy(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, workers: int | None = None,
-               copier=None, nice: int = 0) -> BackgroundCopy:
+               copier=None) -> BackgroundCopy:
     """Start copying every ``src`` into its ``dst`` on the helper threads and return at once (the helpers are
     woken, never started here after the first use). The caller must not change a source until
     :meth:`BackgroundCopy.join` returned (an async save holds the optimizer's next step, see :mod:`._step_gate`).
-    The helpers copy ``nice`` steps below the main thread's CPU priority (Linux; :func:`._threads.background_priority`)
-    until :meth:`BackgroundCopy.assist` gives them the normal one back.
 
     CUDA sources are copied on a side stream that first waits for the current one (enqueued here, which does not
     wait for the device), into pinned buffers; ``join`` waits for them.
@@ -337,7 +317,7 @@ def start_copy(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, workers: i
 
     fast = _raw_copies(pairs, copy_later)
     workers = _workers(workers)
-    job = _Job(plan_chunks([n for _, _, n in fast]), fast, copier, workers, tasks, nice)
+    job = _Job(plan_chunks([n for _, _, n in fast]), fast, copier, workers, tasks)
     _CREW.post(job, workers)
     return BackgroundCopy(job, events)
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
 import threading
-from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +72,9 @@ def lower_thread_priority(increment: int) -> tuple[int, int] | None:
     return base, lowered
 
 
-def restore_thread_priorities(change: tuple[int, int] | None, *, tids: list[int] | None = None) -> None:
+def restore_thread_priorities(change: tuple[int, int] | None) -> None:
     """Undo :func:`lower_thread_priority` for every thread of this process still at its lowered value (the thread
-    and those it started), e.g. because the training loop now waits for them; or for the threads ``tids`` alone
-    (native ids).
+    and those it started), e.g. because the training loop now waits for them.
 
     Raising a priority again needs ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` that allows it; without either, the
     threads keep the lower priority (they still get every idle core).
@@ -86,7 +83,7 @@ def restore_thread_priorities(change: tuple[int, int] | None, *, tids: list[int]
         return
     base, lowered = change
     try:
-        tids = [int(name) for name in os.listdir("/proc/self/task")] if tids is None else tids
+        tids = [int(name) for name in os.listdir("/proc/self/task")]
     except OSError:
         return
     for tid in tids:
@@ -95,17 +92,5 @@ def restore_thread_priorities(change: tuple[int, int] | None, *, tids: list[int]
                 os.setpriority(os.PRIO_PROCESS, tid, base)
         except ProcessLookupError:  # the thread ended
             continue
-        except OSError as err:  # raising a priority is not allowed here: it keeps the lower one
+        except OSError as err:  # raising a priority is not allowed here: the thread keeps the lower one
             logger.debug("Could not restore the priority of thread %d: %s", tid, err)
-
-
-@contextlib.contextmanager
-def background_priority(increment: int) -> Iterator[tuple[int, int] | None]:
-    """Run the block on the calling thread ``increment`` nice steps below the main thread
-    (:func:`lower_thread_priority`), then give the calling thread alone its priority back, unless something
-    (:func:`restore_thread_priorities`) already did. Yields what :func:`lower_thread_priority` returned."""
-    change = lower_thread_priority(increment)
-    try:
-        yield change
-    finally:
-        restore_thread_priorities(change, tids=[threading.get_native_id()])

@@ -10,11 +10,10 @@ integrations attach what follows a commit (``integrations._core.AfterCommit``). 
 next save, any load and interpreter exit wait for it (:meth:`AsyncSaver.wait` raises ``AsyncSaveError`` for a failed
 one). The commit protocol itself is :mod:`._writer`'s.
 
-The background work runs at a lower CPU priority than the training loop (:data:`WRITER_NICE_INCREMENT`, Linux): the
-helpers' copy after the call returned, the hashing and the page-cache copies of the write take the cores the training
-threads leave idle instead of slowing every step, and get the normal priority back as soon as the training loop waits
-for them (the optimizer's step for the copy; the next save, a load or exit for the write), or when the caller says the
-write is late (:meth:`AsyncSaver.expedite`: the next save is due).
+The write runs at a lower CPU priority than the training loop (:data:`WRITER_NICE_INCREMENT`, Linux): its hashing
+and page-cache copies take the cores the training threads leave idle instead of slowing every step, and get the
+normal priority back as soon as the training loop waits for them, or when the caller says the write is late
+(:meth:`AsyncSaver.expedite`: the next save is due).
 """
 
 from __future__ import annotations
@@ -41,10 +40,9 @@ from .manifest import Manifest
 
 __all__ = ["AsyncSaver", "BACKGROUND_SAVER", "WRITER_NICE_INCREMENT"]
 
-# Nice steps by which a background save's threads (the write, and the staging helpers' copy after the call returned)
-# run below the training thread (Linux, per thread; 0 turns it off). At +10 the CPU scheduler gives the training
-# thread about 7-9x their share of a core they both want, so a step is barely slower while a save is copied and
-# written, and they still get every idle core.
+# Nice steps by which a background write runs below the training thread (Linux, per thread; 0 turns it off). At
+# +10 the CPU scheduler gives the training thread about 7-9x the writer's share of a core they both want, so a step
+# is barely slower while a save is written, and the writer still gets every idle core.
 WRITER_NICE_INCREMENT = 10
 
 
@@ -57,19 +55,6 @@ class _Staging:
                  rest: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
                  release: Callable[[], None] | None = None, failed: BaseException | None = None) -> None:
         self.background, self.rest, self.release, self.failed = background, list(rest), release, failed
-
-    def step_waits(self) -> None:
-        """The held optimizer step found the copy unfinished: copy what is left on its thread, give the lowered
-        helpers its priority, and open the gate once every byte landed (unless the saver's thread has ``rest`` to
-        copy yet), rather than wait for the lowered saver's thread to wake and open it."""
-        self.background.assist()
-        if self.rest or self.release is None:
-            return
-        try:
-            self.background.join()
-        except BaseException:  # noqa: BLE001 - the saver's thread raises it, and opens the gate
-            return
-        self.release()
 
     def finish(self, *, split: bool | None) -> BaseException | None:
         """Complete the copy (``split``: step 1's answer; ``None``: step 1 failed, nothing more is needed); open the
@@ -252,10 +237,9 @@ class AsyncSaver:
         try:
             copy_into([*now, *rest_now])
             if later or rest_later:
-                background = start_copy(later, nice=WRITER_NICE_INCREMENT) if later else None
-                staging = _Staging(background, rest_later)
-                staging.release = step_gate(held).hold(assist=None if background is None else staging.step_waits)
-                job.staging = staging
+                background = start_copy(later) if later else None
+                release = step_gate(held).hold(assist=None if background is None else background.assist)
+                job.staging = _Staging(background, rest_later, release)
         except BaseException as err:
             # raised here; the background part still runs, so that every rank learns of it and nothing commits
             job.staging, job.raised = _Staging(failed=err), err
