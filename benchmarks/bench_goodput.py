@@ -117,6 +117,18 @@ def _child(spec: dict) -> None:
 
         if spec.get("writer_nice") is not None:  # the paired inflation comparison: the writer's priority off or on
             async_save.WRITER_NICE_INCREMENT = spec["writer_nice"]
+        from hf_resumable.integrations import trainer as resumable_trainer
+
+        retention = resumable_trainer.apply_retention
+
+        def timed_retention(*args, **kwargs):  # after a commit, on the training thread: part of a save's cost
+            began = time.time()
+            try:
+                return retention(*args, **kwargs)
+            finally:
+                emit(event="retention", seconds=time.time() - began)
+
+        resumable_trainer.apply_retention = timed_retention
     emit(event="imported")
     transformers.logging.set_verbosity_error()
     datasets.disable_progress_bars()
@@ -312,7 +324,7 @@ def _clean_step_time(events: list[dict]) -> float:
     for event in events:
         if event["event"] == "started":
             previous, saved = None, False
-        elif event["event"] == "save":
+        elif event["event"] in ("save", "retention"):  # (a step that deleted an old checkpoint is not clean)
             saved = True
         elif event["event"] == "step":
             if (previous is not None and event["step"] == previous["step"] + 1 and not saved
@@ -375,11 +387,19 @@ def _step_costs(events: list[dict], reference: float = math.nan) -> dict:
     step it follows to the end of the save call: staging, and the wait for the previous write if it is still in
     flight); for background saves the steps that overlap the write (from the end of the save call or of the
     previous step while the write is in flight, to the end of the step; the first one is the step right after the
-    save) and the whole cost of a save to the loop (the stall plus the extra time of those steps)."""
-    clean, stalls, during, costs = [], [], [], []
+    save) and the whole cost of a save to the loop (the stall plus the extra time of those steps, plus ours' deletion
+    of the oldest checkpoint once it has committed, ``retention``, which runs on the training thread after a later
+    step: taken out of that step, and out of the stall when a save follows; stock's rotation is inside its stall)."""
+    clean, stalls, during, costs, retentions = [], [], [], [], []
     parts: dict[str, dict[str, list[float]]] = {"clean": {}, "during": {}}  # per step: cpu, queued, gate
-    previous, in_flight, cost, last_step = None, False, None, None
+    previous, in_flight, cost, last_step, retained = None, False, None, None, 0.0
     for event in events:
+        if event["event"] == "retention":
+            retained += event["seconds"]
+            retentions.append(event["seconds"])
+            if cost is not None:
+                cost[2] += event["seconds"]
+            continue
         if event["event"] == "step":
             if last_step is not None and event["step"] == last_step["step"] + 1:
                 kind = "during" if (in_flight or event["writing"]) else "clean" if last_step["step"] >= 2 else None
@@ -388,20 +408,20 @@ def _step_costs(events: list[dict], reference: float = math.nan) -> dict:
                         parts[kind].setdefault(key, []).append(event[key] - last_step[key])
             last_step = event
         if event["event"] == "started":  # a new attempt: nothing carries over from the killed one
-            previous, in_flight, cost, last_step = None, False, None, None
+            previous, in_flight, cost, last_step, retained = None, False, None, None, 0.0
         elif event["event"] == "save" and previous is not None:
-            stalls.append(event["t"] - previous["t"])
-            cost = [event["t"] - previous["t"], []]
+            stalls.append(event["t"] - previous["t"] - retained)
+            cost = [stalls[-1], [], 0.0]
             costs.append(cost)
-            previous, in_flight = event, event.get("writing", False)  # a background write starts now
+            previous, in_flight, retained = event, event.get("writing", False), 0.0  # a background write starts now
         elif event["event"] == "step":
             if previous is not None and (in_flight or event["writing"]):
-                during.append(event["t"] - previous["t"])
+                during.append(event["t"] - previous["t"] - retained)
                 if cost is not None:
                     cost[1].append(during[-1])
             elif previous is not None and previous["event"] == "step" and previous["step"] >= 2:
-                clean.append(event["t"] - previous["t"])  # (the first steps warm up)
-            previous, in_flight = event, event["writing"]
+                clean.append(event["t"] - previous["t"] - retained)  # (the first steps warm up)
+            previous, in_flight, retained = event, event["writing"], 0.0
     # (a run whose every step after the warm-up overlaps a write has no clean step of its own: ``reference``)
     step = statistics.median(clean) if clean else reference
     called = {e["step"]: e["t"] for e in events if e["event"] == "save" and e.get("writing")}
@@ -410,9 +430,10 @@ def _step_costs(events: list[dict], reference: float = math.nan) -> dict:
     return {"step": step, "clean_mean": mean,
             "save_cost": statistics.median(stalls) if stalls else float("nan"),
             "during_mean": statistics.fmean(during) if during else float("nan"), "during_n": len(during),
-            "per_save": statistics.median(stall + sum(d - mean for d in steps) for stall, steps in costs)
-            if costs else float("nan"),
-            "all_saves": sum(stall + sum(d - mean for d in steps) for stall, steps in costs),
+            "per_save": statistics.median(stall + sum(d - mean for d in steps) + kept
+                                          for stall, steps, kept in costs) if costs else float("nan"),
+            "all_saves": sum(stall + sum(d - mean for d in steps) + kept for stall, steps, kept in costs),
+            "retention": statistics.median(retentions) if retentions else 0.0,
             "write": statistics.median(writes) if writes else float("nan"),
             "split": {kind: {key: statistics.fmean(v) for key, v in split.items()} for kind, split in parts.items()}}
 
@@ -523,11 +544,14 @@ def _print_inflation(bg: dict[str, list[dict]], calibrate: int, stock_save: floa
                 for label, runs in bg.items()}
     stall = statistics.median(c["save_cost"] for c in bg["lowered"])
     write = {label: statistics.median(c["write"] for c in runs) if runs else math.nan for label, runs in bg.items()}
+    retention = statistics.median(c["retention"] for c in bg["lowered"])
     print(f"\nBackground save ({calibrate}-step interval, uninterrupted, {len(bg['lowered'])} pair(s), medians): "
           f"step-time inflation while written {lowered:.2f}x with the writer at lower priority, {normal:.2f}x "
           f"without; a save's whole cost to the loop {per_save['lowered']:.2f} s and {per_save['normal']:.2f} s; "
           f"stall {stall:.2f} s over a {bg['lowered'][0]['step']:.3f} s step; from the save call to the commit "
-          f"{write['lowered']:.2f} s and {write['normal']:.2f} s; stock save {stock_save:.2f} s.", flush=True)
+          f"{write['lowered']:.2f} s and {write['normal']:.2f} s; deleting the oldest checkpoint after a commit (on "
+          f"the training thread, counted in the save's cost) {retention:.2f} s; stock save {stock_save:.2f} s.",
+          flush=True)
     for label, runs in bg.items():
         split = {kind: {key: statistics.median(r["split"][kind].get(key, math.nan) for r in runs)
                         for key in ("cpu", "queued", "gate")} for kind in ("clean", "during")} if runs else None
