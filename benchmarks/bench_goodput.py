@@ -40,8 +40,13 @@ fixed cost for both trainers, dominates and the ratio tends to 1. A last summary
 From an uninterrupted background-save run: the step-time inflation while a background save is written (mean time
 of the steps that overlap the write, from the end of the save call, over the mean step without a save), the stall
 (from the end of a step to the end of the save call) and a save's whole cost to the loop (the stall plus the extra
-time of the steps that overlap the write); ``--inflation-pairs N`` runs N pairs instead, with the writer at its lower
-CPU priority and without it (``WRITER_NICE_INCREMENT = 0``), alternated (an ablation, not a target).
+time of the steps that overlap the write), the time from the save call to the commit (the write's own duration, which
+a lower priority lengthens: under SIGKILL a checkpoint counts only once committed), and where the training thread's
+time per step went, without a write and while one is written: its own CPU (memory bandwidth shared with the copy,
+hashing and page-cache copies), waiting for a core (schedstat's run-queue time) and the optimizer step waiting at the
+step gate for the staging copy. ``--inflation-pairs N`` runs N pairs instead, with the save's background threads at
+their lower CPU priority and without it (``WRITER_NICE_INCREMENT = 0``), alternated (an ablation, not a target);
+``--inflation-only`` runs only these (no stock run, no preemption): the fast loop for work on the background save.
 
 The machine may be shared: every process runs under ``nice``; ``--repeats`` runs each preempted system that many
 times and reports medians.
@@ -49,6 +54,7 @@ times and reports medians.
 Usage:
     python benchmarks/bench_goodput.py --quick                 # the preset: 30 steps, 2 preemptions of each kind
     python benchmarks/bench_goodput.py --quick --inflation-pairs 2  # and the writer-priority ablation
+    python benchmarks/bench_goodput.py --quick --inflation-only --inflation-pairs 3  # that ablation alone (~5 min)
     python benchmarks/bench_goodput.py --quick --only SIGTERM
     python benchmarks/bench_goodput.py --tiny                  # smoke test: a tiny model
     python benchmarks/bench_goodput.py --steps 200 --mtbf 60 --kills 4 --repeats 3 --stock-intervals 0.5 1 2 \\
@@ -71,6 +77,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -89,9 +96,12 @@ STARTUP_GRACE_S = 600.0  # an attempt that neither ends nor is killed within thi
 def _child(spec: dict) -> None:
     """One training process: build the job, resume if there is a checkpoint, train, log every step as JSON lines."""
     log = open(spec["log"], "a", buffering=1)  # noqa: SIM115  (line-buffered: a SIGKILL loses at most one line)
+    lock = threading.Lock()  # the writer's thread emits the commits
 
     def emit(**event) -> None:
-        log.write(json.dumps({"t": time.time(), **event}) + "\n")
+        line = json.dumps({"t": time.time(), **event}) + "\n"
+        with lock:
+            log.write(line)
 
     emit(event="started")  # the interpreter is up (and this script's own standard-library imports)
     import datasets
@@ -107,6 +117,18 @@ def _child(spec: dict) -> None:
 
         if spec.get("writer_nice") is not None:  # the paired inflation comparison: the writer's priority off or on
             async_save.WRITER_NICE_INCREMENT = spec["writer_nice"]
+        from hf_resumable.integrations import trainer as resumable_trainer
+
+        retention = resumable_trainer.apply_retention
+
+        def timed_retention(*args, **kwargs):  # after a commit, on the training thread: part of a save's cost
+            began = time.time()
+            try:
+                return retention(*args, **kwargs)
+            finally:
+                emit(event="retention", seconds=time.time() - began)
+
+        resumable_trainer.apply_retention = timed_retention
     emit(event="imported")
     transformers.logging.set_verbosity_error()
     datasets.disable_progress_bars()
@@ -130,11 +152,14 @@ def _child(spec: dict) -> None:
 
         def on_step_end(self, args, state, control, **kwargs):
             busy = spec["system"] != "stock" and background_saver().in_flight
-            emit(event="step", step=state.global_step, writing=bool(busy))
+            emit(event="step", step=state.global_step, writing=bool(busy), **_thread_times())
 
         def on_save(self, args, state, control, **kwargs):  # the save call returned (background: staged)
             busy = spec["system"] != "stock" and background_saver().in_flight
             emit(event="save", step=state.global_step, writing=bool(busy))
+            if busy:  # when the write commits (emitted from the writer's thread)
+                step = state.global_step
+                background_saver().future.add_done_callback(lambda _: emit(event="committed", step=step))
 
     if spec["system"] == "stock":
         last = transformers.trainer_utils.get_last_checkpoint(spec["out"]) if os.path.isdir(spec["out"]) else None
@@ -157,6 +182,24 @@ def _child(spec: dict) -> None:
             digest.update(name.encode())
             digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
         emit(event="done", digest=digest.hexdigest())
+
+
+def _thread_times() -> dict:
+    """The calling thread's CPU time and its time waiting for a core (Linux's schedstat), and the time optimizer
+    steps waited for a background save's copy (``StepGate.waited``), each cumulative in seconds; ``{}`` where
+    unavailable. Called on the training thread at every step's end: a step's difference splits its time into its
+    own CPU, the run queue, the gate and the rest."""
+    times = {}
+    try:
+        with open("/proc/thread-self/schedstat") as stat:
+            run_ns, wait_ns = (int(v) for v in stat.read().split()[:2])
+        times = {"cpu": run_ns / 1e9, "queued": wait_ns / 1e9}
+    except (OSError, ValueError):
+        pass
+    gates = sys.modules.get("hf_resumable.checkpoint._step_gate")
+    if gates is not None:
+        times["gate"] = sum(gate.waited for gate in list(gates._GATES.values()))
+    return times
 
 
 # ------------------------------------------------------------------------------------------------- the driver side
@@ -281,7 +324,7 @@ def _clean_step_time(events: list[dict]) -> float:
     for event in events:
         if event["event"] == "started":
             previous, saved = None, False
-        elif event["event"] == "save":
+        elif event["event"] in ("save", "retention"):  # (a step that deleted an old checkpoint is not clean)
             saved = True
         elif event["event"] == "step":
             if (previous is not None and event["step"] == previous["step"] + 1 and not saved
@@ -344,34 +387,55 @@ def _step_costs(events: list[dict], reference: float = math.nan) -> dict:
     step it follows to the end of the save call: staging, and the wait for the previous write if it is still in
     flight); for background saves the steps that overlap the write (from the end of the save call or of the
     previous step while the write is in flight, to the end of the step; the first one is the step right after the
-    save) and the whole cost of a save to the loop (the stall plus the extra time of those steps)."""
-    clean, stalls, during, costs = [], [], [], []
-    previous, in_flight, cost = None, False, None
+    save) and the whole cost of a save to the loop (the stall plus the extra time of those steps, plus ours' deletion
+    of the oldest checkpoint once it has committed, ``retention``, which runs on the training thread after a later
+    step: taken out of that step, and out of the stall when a save follows; stock's rotation is inside its stall)."""
+    clean, stalls, during, costs, retentions = [], [], [], [], []
+    parts: dict[str, dict[str, list[float]]] = {"clean": {}, "during": {}}  # per step: cpu, queued, gate
+    previous, in_flight, cost, last_step, retained = None, False, None, None, 0.0
     for event in events:
+        if event["event"] == "retention":
+            retained += event["seconds"]
+            retentions.append(event["seconds"])
+            if cost is not None:
+                cost[2] += event["seconds"]
+            continue
+        if event["event"] == "step":
+            if last_step is not None and event["step"] == last_step["step"] + 1:
+                kind = "during" if (in_flight or event["writing"]) else "clean" if last_step["step"] >= 2 else None
+                for key in ("cpu", "queued", "gate") if kind else ():
+                    if key in event and key in last_step:
+                        parts[kind].setdefault(key, []).append(event[key] - last_step[key])
+            last_step = event
         if event["event"] == "started":  # a new attempt: nothing carries over from the killed one
-            previous, in_flight, cost = None, False, None
+            previous, in_flight, cost, last_step, retained = None, False, None, None, 0.0
         elif event["event"] == "save" and previous is not None:
-            stalls.append(event["t"] - previous["t"])
-            cost = [event["t"] - previous["t"], []]
+            stalls.append(event["t"] - previous["t"] - retained)
+            cost = [stalls[-1], [], 0.0]
             costs.append(cost)
-            previous, in_flight = event, event.get("writing", False)  # a background write starts now
+            previous, in_flight, retained = event, event.get("writing", False), 0.0  # a background write starts now
         elif event["event"] == "step":
             if previous is not None and (in_flight or event["writing"]):
-                during.append(event["t"] - previous["t"])
+                during.append(event["t"] - previous["t"] - retained)
                 if cost is not None:
                     cost[1].append(during[-1])
             elif previous is not None and previous["event"] == "step" and previous["step"] >= 2:
-                clean.append(event["t"] - previous["t"])  # (the first steps warm up)
-            previous, in_flight = event, event["writing"]
+                clean.append(event["t"] - previous["t"] - retained)  # (the first steps warm up)
+            previous, in_flight, retained = event, event["writing"], 0.0
     # (a run whose every step after the warm-up overlaps a write has no clean step of its own: ``reference``)
     step = statistics.median(clean) if clean else reference
+    called = {e["step"]: e["t"] for e in events if e["event"] == "save" and e.get("writing")}
+    writes = [e["t"] - called[e["step"]] for e in events if e["event"] == "committed" and e["step"] in called]
     mean = statistics.fmean(clean) if clean else reference
     return {"step": step, "clean_mean": mean,
             "save_cost": statistics.median(stalls) if stalls else float("nan"),
             "during_mean": statistics.fmean(during) if during else float("nan"), "during_n": len(during),
-            "per_save": statistics.median(stall + sum(d - mean for d in steps) for stall, steps in costs)
-            if costs else float("nan"),
-            "all_saves": sum(stall + sum(d - mean for d in steps) for stall, steps in costs)}
+            "per_save": statistics.median(stall + sum(d - mean for d in steps) + kept
+                                          for stall, steps, kept in costs) if costs else float("nan"),
+            "all_saves": sum(stall + sum(d - mean for d in steps) + kept for stall, steps, kept in costs),
+            "retention": statistics.median(retentions) if retentions else 0.0,
+            "write": statistics.median(writes) if writes else float("nan"),
+            "split": {kind: {key: statistics.fmean(v) for key, v in split.items()} for kind, split in parts.items()}}
 
 
 def _schedule(seed: int, mtbf: float, kills: int) -> list[float]:
@@ -397,6 +461,9 @@ def _options(argv: list[str] | None) -> argparse.Namespace:
                         help="uninterrupted background-save runs with the writer's lower priority and without it, "
                              "alternated: the step-time inflation of each, median (default 0: one run, the default "
                              "priority only; the comparison is an ablation, not a target)")
+    parser.add_argument("--inflation-only", action="store_true",
+                        help="only the uninterrupted background-save run(s) (with --inflation-pairs, the ablation): "
+                             "the step-time inflation, stall and write time, no stock run and no preemption")
     parser.add_argument("--stock-intervals", type=float, nargs="+", default=[1.0],
                         help="stock save_steps as multiples of its Young/Daly optimum; the best is reported")
     parser.add_argument("--fixed-intervals", type=int, nargs="*", default=[],
@@ -444,6 +511,15 @@ def _uninterrupted(root: Path, base: dict, calibrate: int, pairs: int) -> tuple[
     run_system("stock-calibration", {**base, "system": "stock", "steps": 2 * calibrate, "save_steps": calibrate},
                **once)
     stock_costs = _step_costs(_events(root / "stock-calibration" / "events.jsonl"))
+    ours_ref, costs = _background_runs(root, base, calibrate, pairs)
+    return baseline, ours_ref, stock_costs, costs
+
+
+def _background_runs(root: Path, base: dict, calibrate: int, pairs: int) -> tuple[dict, dict]:
+    """Ours uninterrupted with background saves every ``calibrate`` steps (``pairs`` times with the writer's lower
+    priority and without it, alternated; once with the lower priority for ``pairs=0``): the first run, and the step
+    costs of each kind."""
+    once = {"intervals": [], "signal_kind": "SIGKILL", "notice": 0, "root": root}
     costs: dict[str, list[dict]] = {"lowered": [], "normal": []}
     ours_ref = None
     for pair in range(max(1, pairs)):
@@ -453,11 +529,38 @@ def _uninterrupted(root: Path, base: dict, calibrate: int, pairs: int) -> tuple[
                                 **once)
             ours_ref = ours_ref or result
             costs[label].append(_step_costs(_events(root / name / "events.jsonl")))
-    return baseline, ours_ref, stock_costs, costs
+    return ours_ref, costs
 
 
 def _inflation(costs: list[dict]) -> float:
     return statistics.median(c["during_mean"] / c["clean_mean"] for c in costs) if costs else math.nan
+
+
+def _print_inflation(bg: dict[str, list[dict]], calibrate: int, stock_save: float) -> tuple[float, float, dict]:
+    """Print the background-save line; returns the inflation with the lower priority and without, and the per-save
+    costs."""
+    lowered, normal = _inflation(bg["lowered"]), _inflation(bg["normal"])
+    per_save = {label: statistics.median(c["per_save"] for c in runs) if runs else math.nan
+                for label, runs in bg.items()}
+    stall = statistics.median(c["save_cost"] for c in bg["lowered"])
+    write = {label: statistics.median(c["write"] for c in runs) if runs else math.nan for label, runs in bg.items()}
+    retention = statistics.median(c["retention"] for c in bg["lowered"])
+    print(f"\nBackground save ({calibrate}-step interval, uninterrupted, {len(bg['lowered'])} pair(s), medians): "
+          f"step-time inflation while written {lowered:.2f}x with the writer at lower priority, {normal:.2f}x "
+          f"without; a save's whole cost to the loop {per_save['lowered']:.2f} s and {per_save['normal']:.2f} s; "
+          f"stall {stall:.2f} s over a {bg['lowered'][0]['step']:.3f} s step; from the save call to the commit "
+          f"{write['lowered']:.2f} s and {write['normal']:.2f} s; deleting the oldest checkpoint after a commit (on "
+          f"the training thread, counted in the save's cost) {retention:.2f} s; stock save {stock_save:.2f} s.",
+          flush=True)
+    for label, runs in bg.items():
+        split = {kind: {key: statistics.median(r["split"][kind].get(key, math.nan) for r in runs)
+                        for key in ("cpu", "queued", "gate")} for kind in ("clean", "during")} if runs else None
+        if split:
+            print(f"  {label}: the training thread per step without a write / while one is written (the first step "
+                  f"after the call includes its staging): its CPU {split['clean']['cpu']:.3f} / "
+                  f"{split['during']['cpu']:.3f} s, waiting for a core {split['clean']['queued']:.3f} / "
+                  f"{split['during']['queued']:.3f} s, at the step gate {split['during']['gate']:.3f} s", flush=True)
+    return lowered, normal, per_save
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -476,6 +579,13 @@ def main(argv: list[str] | None = None) -> None:
 
     # 1. Uninterrupted references.
     calibrate = max(4, options.steps // 6)
+    if options.inflation_only:
+        _, bg = _background_runs(root, base, calibrate, options.inflation_pairs)
+        _print_inflation(bg, calibrate, math.nan)
+        print(f"load average {load} at the start, {_load()} at the end; {(time.time() - started) / 60:.1f} min")
+        if options.out is None:
+            shutil.rmtree(root, ignore_errors=True)
+        return
     baseline, ours_ref, stock_costs, bg = _uninterrupted(root, base, calibrate, options.inflation_pairs)
     # By default a preemption comes on average after a fifth of the job's training time (at most 2/5 of it), so
     # that every scheduled preemption lands before the job is done.
@@ -545,15 +655,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{med['restart']:.1f} | {med['interpreter']:.1f}, {med['imports']:.1f}, {med['build']:.1f}, "
                   f"{med['load']:.1f}, {med['first_step']:.1f} | {med['save_cost']:.1f} | {exit_s:.1f} | "
                   f"{other:.1f} | {med['saves']:.0f} | {med['preemptions']:.0f} | {exact}{note} |")
-    lowered, normal = _inflation(bg["lowered"]), _inflation(bg["normal"])
-    per_save = {label: statistics.median(c["per_save"] for c in runs) if runs else math.nan
-                for label, runs in bg.items()}
-    stall = statistics.median(c["save_cost"] for c in bg["lowered"])
-    print(f"\nBackground save ({calibrate}-step interval, uninterrupted, {len(bg['lowered'])} pair(s), medians): "
-          f"step-time inflation while written {lowered:.2f}x with the writer at lower priority, {normal:.2f}x "
-          f"without; a save's whole cost to the loop {per_save['lowered']:.2f} s and {per_save['normal']:.2f} s; "
-          f"stall {stall:.2f} s over a {bg['lowered'][0]['step']:.3f} s step; stock save "
-          f"{stock_costs['save_cost']:.2f} s.")
+    lowered, normal, per_save = _print_inflation(bg, calibrate, stock_costs["save_cost"])
     (root / "results.json").write_text(json.dumps({"results": results, "baseline": baseline, "lost": lost,
                                                    "inflation": {"lowered": lowered, "normal": normal},
                                                    "per_save": per_save, "bg": bg,

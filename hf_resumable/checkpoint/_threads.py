@@ -90,5 +90,7 @@ def restore_thread_priorities(change: tuple[int, int] | None) -> None:
         try:
             if os.getpriority(os.PRIO_PROCESS, tid) == lowered:
                 os.setpriority(os.PRIO_PROCESS, tid, base)
-        except OSError:  # the thread ended, or raising a priority is not allowed here
+        except ProcessLookupError:  # the thread ended
             continue
+        except OSError as err:  # raising a priority is not allowed here: the thread keeps the lower one
+            logger.debug("Could not restore the priority of thread %d: %s", tid, err)

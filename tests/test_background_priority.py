@@ -1,0 +1,125 @@
+"""The helper that runs a background save's threads below the training thread (``_threads.lower_thread_priority`` and
+``restore_thread_priorities``, Linux: nice is per thread): the threads a lowered thread starts inherit its priority
+and get the normal one back with it, and a priority that cannot be set never fails a save: it is logged at debug."""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import sys
+import threading
+
+import pytest
+import torch
+
+from hf_resumable.checkpoint import _threads, read_manifest, save_checkpoint, wait_for_pending_saves
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+
+INCREMENT = 5
+
+
+def _nice(tid: int | None = None) -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id() if tid is None else tid)
+
+
+def _base_and_lowered() -> tuple[int, int]:
+    base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    lowered = min(19, base + INCREMENT)
+    if lowered == base:
+        pytest.skip(f"this process already runs at nice {base}")
+    return base, lowered
+
+
+def _can_raise_again(base: int) -> bool:
+    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - base
+
+
+def test_threads_a_lowered_thread_starts_inherit_its_priority_and_get_the_normal_one_back_with_it():
+    """The writer lowers itself; its I/O and hash threads, started after, run at its priority; restoring gives every
+    one of them the main thread's, and leaves the threads that were never lowered alone."""
+    base, lowered = _base_and_lowered()
+    if not _can_raise_again(base):
+        pytest.skip("raising a priority again needs root or RLIMIT_NICE")
+    started, restored, seen = threading.Event(), threading.Event(), {}
+
+    def child() -> None:
+        seen["child"] = threading.get_native_id()
+        seen["child_nice"] = _nice()
+        started.set()
+        assert restored.wait(30)
+
+    def writer() -> None:
+        change = _threads.lower_thread_priority(INCREMENT)
+        seen["change"], seen["writer_nice"] = change, _nice()
+        helper = threading.Thread(target=child)
+        helper.start()
+        assert started.wait(30)
+        _threads.restore_thread_priorities(change)
+        seen["after"], seen["child_after"] = _nice(), _nice(seen["child"])
+        restored.set()
+        helper.join()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    thread.join()
+    assert seen["change"] == (base, lowered)
+    assert (seen["writer_nice"], seen["child_nice"]) == (lowered, lowered)
+    assert (seen["after"], seen["child_after"]) == (base, base)
+    assert _nice() == base  # the calling (training) thread was never touched
+
+
+def test_a_priority_that_cannot_be_lowered_is_logged_and_the_background_save_commits(tmp_path, monkeypatch, caplog):
+    _base_and_lowered()
+
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "setpriority", refuse)
+    caplog.set_level(logging.DEBUG, logger=_threads.__name__)
+    save_checkpoint(tmp_path / "checkpoint-1", model=torch.nn.Linear(4, 2), step=1, rng=False, blocking=False)
+    wait_for_pending_saves()
+    assert read_manifest(tmp_path / "checkpoint-1").step == 1
+    assert "Could not lower the priority of thread" in caplog.text
+
+
+def test_a_priority_that_cannot_be_restored_is_logged_and_the_thread_keeps_the_lower_one(monkeypatch, caplog):
+    base, lowered = _base_and_lowered()
+    caplog.set_level(logging.DEBUG, logger=_threads.__name__)
+    lowered_once, done, seen = threading.Event(), threading.Event(), {}
+
+    def background() -> None:
+        seen["change"] = _threads.lower_thread_priority(INCREMENT)
+        seen["tid"] = threading.get_native_id()
+        lowered_once.set()
+        assert done.wait(30)
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    assert lowered_once.wait(30)
+    real = os.setpriority
+
+    def refuse_raising(which, who, value):  # what an unprivileged process meets without RLIMIT_NICE
+        if value < os.getpriority(which, who):
+            raise PermissionError(13, "Permission denied")
+        real(which, who, value)
+
+    monkeypatch.setattr(os, "setpriority", refuse_raising)
+    _threads.restore_thread_priorities(seen["change"])
+    assert _nice(seen["tid"]) == lowered
+    assert f"Could not restore the priority of thread {seen['tid']}" in caplog.text
+    assert _nice() == base
+    done.set()
+    thread.join()
+
+
+def test_elsewhere_or_with_no_increment_nothing_changes(monkeypatch):
+    base, _ = _base_and_lowered()
+    assert _threads.lower_thread_priority(0) is None
+    monkeypatch.setattr(_threads, "_PER_THREAD_NICE", False)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append((_threads.lower_thread_priority(INCREMENT), _nice())))
+    thread.start()
+    thread.join()
+    assert seen == [(None, base)]
