@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,7 +37,7 @@ from ._sharded import group_mesh, local_box
 logger = logging.getLogger(__name__)
 
 __all__ = ["is_partitioned", "partitioned_state", "partitioned_views", "load_partitioned_state", "PARTITION_KEY",
-           "held_partition", "weights_from_masters", "master_weight_names", "omitted_weights", "MasterWeights",
+           "held_partition", "partition_piece", "weights_from_masters", "master_weight_names", "omitted_weights", "MasterWeights",
            "PartitionMap", "Segment", "plan_partition_copies", "reshard_partitions", "parameter_tensors",
            "read_master_weights"]
 
@@ -50,20 +51,71 @@ def is_partitioned(model: torch.nn.Module | None) -> bool:
     return model is not None and any(_is_partitioned_parameter(p) for p in model.parameters())
 
 
+def _valid_part(partition: torch.Tensor, numel: int, rank: int) -> torch.Tensor:
+    """The elements of rank ``rank``'s flat ``partition`` below ``numel`` in the global flat tensor (the rest pads)."""
+    size = partition.numel()
+    return partition.detach().view(-1).narrow(0, 0, max(0, min(size, numel - rank * size)))
+
+
 def held_partition(parameter: Any) -> torch.Tensor:
     """The valid part of this rank's partition (padding cut off): what ``torch.chunk`` gives this rank."""
-    size = parameter.ds_tensor.numel()
-    rank = torch.distributed.get_rank(parameter.ds_process_group)
-    return parameter.ds_tensor.detach().view(-1).narrow(0, 0, max(0, min(size, parameter.ds_numel - rank * size)))
+    return _valid_part(parameter.ds_tensor, parameter.ds_numel,
+                       torch.distributed.get_rank(parameter.ds_process_group))
+
+
+class _CachedPiece(NamedTuple):
+    partition: weakref.ref  # the partition the piece was built for (the entry goes with it)
+    group: Any
+    numel: int
+    seen: tuple[int, torch.Size, torch.dtype, torch.device]  # its storage pointer, shape, dtype, device then
+    piece: torch.Tensor
+
+
+# (id(partition), id(group)) -> the piece built for it. The engines update their partitions in place (the optimizer
+# steps the flat fp32 partitions and its moments; ZeRO-3 copies the masters into every ``ds_tensor``), so the piece
+# built at one save views the same bytes at the next: building a DTensor per partition per save ran on the training
+# loop's time. An entry dies with its partition (a load replaces the optimizer's state tensors): the piece views the
+# storage through a tensor of its own, so it would otherwise keep the old bytes alive.
+_PIECES: dict[tuple[int, int], _CachedPiece] = {}
+
+
+def _seen(partition: torch.Tensor) -> tuple[int, torch.Size, torch.dtype, torch.device]:
+    return partition.data_ptr(), partition.shape, partition.dtype, partition.device
+
+
+def partition_piece(partition: torch.Tensor, group: Any, *, numel: int | None = None) -> torch.Tensor:
+    """This rank's flat ``partition`` over ``group`` as its piece of the global flat tensor: a DTensor of shape
+    ``(numel,)`` (default: every rank's partition end to end) sharded on dim 0, whose local tensor is the
+    partition's first ``numel - rank * partition.numel()`` elements (ZeRO-3 pads the last rank's), no copy and no
+    communication.
+
+    Cached per (partition, group): the same piece is returned while the partition is the same tensor over the same
+    storage, shape, dtype and device (updated in place); a partition whose ``.data`` was replaced gets a new one.
+
+    Args:
+        partition (`torch.Tensor`): the flat partition (ZeRO-1/2: a param group's fp32 master partition or a moment
+            over it; ZeRO-3: a parameter's ``ds_tensor``, the stable owner of the part it holds).
+        group (`ProcessGroup`): the group the tensor is partitioned over.
+        numel (`int`, *optional*): elements of the global flat tensor (ZeRO-3: the parameter's ``ds_numel``).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    key = (id(partition), id(group))
+    hit = _PIECES.get(key)
+    if (hit is not None and hit.partition() is partition and hit.group is group
+            and (numel is None or hit.numel == numel) and hit.seen == _seen(partition)):
+        return hit.piece
+    mesh = group_mesh(group, partition.device.type)
+    total = partition.numel() * mesh.size() if numel is None else int(numel)
+    local = _valid_part(partition, total, torch.distributed.get_rank(group))
+    piece = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(total,), stride=(1,))
+    _PIECES[key] = _CachedPiece(weakref.ref(partition, lambda _: _PIECES.pop(key, None)), group, total,
+                                _seen(partition), piece)
+    return piece
 
 
 def _piece(parameter: Any) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor, Shard
-
-    local = held_partition(parameter)
-    mesh = group_mesh(parameter.ds_process_group, local.device.type)
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(int(parameter.ds_numel),),
-                              stride=(1,))
+    return partition_piece(parameter.ds_tensor, parameter.ds_process_group, numel=int(parameter.ds_numel))
 
 
 def partitioned_state(model: torch.nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
