@@ -6,7 +6,9 @@ padding). That is exactly the piece a ``DTensor`` of global shape ``(numel,)`` s
 process group holds (``torch.chunk`` sizes), so a sharded checkpoint stores every rank's partition of every weight
 under the parameter's own name, with the same writer, layout, hashes and verification as FSDP2 pieces, and loads it
 back into the partitions, at any world size (each rank reads the chunk of the flat parameter it holds). The global
-shape recorded is the flattened one: the partitions are of the flat parameter.
+shape recorded is the flattened one: the partitions are of the flat parameter. Every partition, a parameter's or an
+optimizer's (below), becomes its piece through :func:`partition_piece`, which builds it once and reuses it at every
+save while the engine updates the partition in place.
 
 DeepSpeed's optimizer partitions (ZeRO-1/2: a param group's parameters end to end in one flat fp32 tensor, cut in
 equal parts per rank; ZeRO-3: each rank's chunk of every parameter of a sub-group, end to end) are saved as pieces of
@@ -37,9 +39,9 @@ from ._sharded import group_mesh, local_box
 logger = logging.getLogger(__name__)
 
 __all__ = ["is_partitioned", "partitioned_state", "partitioned_views", "load_partitioned_state", "PARTITION_KEY",
-           "held_partition", "partition_piece", "weights_from_masters", "master_weight_names", "omitted_weights", "MasterWeights",
-           "PartitionMap", "Segment", "plan_partition_copies", "reshard_partitions", "parameter_tensors",
-           "read_master_weights"]
+           "held_partition", "partition_piece", "weights_from_masters", "master_weight_names", "omitted_weights",
+           "MasterWeights", "PartitionMap", "Segment", "plan_partition_copies", "reshard_partitions",
+           "parameter_tensors", "read_master_weights"]
 
 
 def _is_partitioned_parameter(value: Any) -> bool:
