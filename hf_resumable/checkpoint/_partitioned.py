@@ -39,9 +39,9 @@ from ._sharded import group_mesh, local_box
 logger = logging.getLogger(__name__)
 
 __all__ = ["is_partitioned", "partitioned_state", "partitioned_views", "load_partitioned_state", "PARTITION_KEY",
-           "held_partition", "partition_piece", "weights_from_masters", "master_weight_names", "omitted_weights",
-           "MasterWeights", "PartitionMap", "Segment", "plan_partition_copies", "reshard_partitions",
-           "parameter_tensors", "read_master_weights"]
+           "held_partition", "partition_piece", "state_parameters", "weights_from_masters", "master_weight_names",
+           "omitted_weights", "MasterWeights", "PartitionMap", "Segment", "plan_partition_copies",
+           "reshard_partitions", "parameter_tensors", "read_master_weights"]
 
 
 def _is_partitioned_parameter(value: Any) -> bool:
@@ -120,11 +120,19 @@ def _piece(parameter: Any) -> torch.Tensor:
     return partition_piece(parameter.ds_tensor, parameter.ds_process_group, numel=int(parameter.ds_numel))
 
 
-def partitioned_state(model: torch.nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
+def state_parameters(model: torch.nn.Module) -> dict[str, Any]:
+    """``{state-dict name: parameter or buffer}`` (``state_dict(keep_vars=True)``, tied names included): a walk of
+    the module tree, which a save makes once and gives to every function here that takes ``parameters``."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+def partitioned_state(model: torch.nn.Module, state: Mapping[str, Any], *,
+                      parameters: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``state`` (FQN-keyed, as ``get_model_state_dict`` gives it) with every partitioned parameter replaced by its
     piece: a DTensor of the flattened parameter over its process group, whose local tensor is the partition itself
-    (tied names get the same piece, so the writer stores it once)."""
-    parameters = dict(model.state_dict(keep_vars=True))
+    (tied names get the same piece, so the writer stores it once). ``parameters``: :func:`state_parameters` of
+    ``model``, if the caller has it."""
+    parameters = state_parameters(model) if parameters is None else parameters
     pieces: dict[int, torch.Tensor] = {}
     result = {}
     for name, value in state.items():
@@ -137,8 +145,8 @@ def partitioned_state(model: torch.nn.Module, state: Mapping[str, Any]) -> dict[
     return result
 
 
-def weights_from_masters(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any
-                         ) -> tuple[dict[str, str], set[str]]:
+def weights_from_masters(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any, *,
+                         parameters: Mapping[str, Any] | None = None) -> tuple[dict[str, str], set[str]]:
     """Which weights of ``state`` (ZeRO-3: :func:`partitioned_state`'s pieces; ZeRO-1/2: whole tensors) a save with
     ``optimizer`` need not store.
 
@@ -152,18 +160,20 @@ def weights_from_masters(model: torch.nn.Module, state: Mapping[str, Any], optim
         ``"master"`` in the layout on every rank), and the names whose pieces this rank does not write (all of them,
         or none where a weight differs from its master: it is then stored, and read over the masters on load).
     """
-    masters = master_weight_names(model, state, optimizer)
+    masters = master_weight_names(model, state, optimizer, parameters=parameters)
     return masters, omitted_weights(masters, optimizer)
 
 
-def master_weight_names(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any) -> dict[str, str]:
+def master_weight_names(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any, *,
+                        parameters: Mapping[str, Any] | None = None) -> dict[str, str]:
     """``{name: its master's name}`` of every weight of ``state`` whose fp32 master weights ``optimizer`` (a ZeRO
-    optimizer view) saves; empty for any other optimizer."""
+    optimizer view) saves; empty for any other optimizer. ``parameters``: :func:`state_parameters` of ``model``, if
+    the caller has it."""
     master_names = getattr(optimizer, "master_names", None)
     if master_names is None:
         return {}
     by_parameter = master_names()
-    parameters = dict(model.state_dict(keep_vars=True))
+    parameters = state_parameters(model) if parameters is None else parameters
     return {name: by_parameter[id(parameter)] for name in state
             if (parameter := parameters.get(name)) is not None and id(parameter) in by_parameter}
 
@@ -180,11 +190,12 @@ def omitted_weights(masters: Mapping[str, str], optimizer: Any, *, group: Any = 
     return set()
 
 
-def partitioned_views(model: torch.nn.Module) -> dict[str, list[int]]:
+def partitioned_views(model: torch.nn.Module, *, parameters: Mapping[str, Any] | None = None) -> dict[str, list[int]]:
     """``{name: shape}`` of every partitioned parameter (tied names included): the layout records it next to the
     flattened global shape (``"view"``), so a consolidation, or a load into a model that is not partitioned, gives
-    each weight its own shape back."""
-    return {name: [int(x) for x in parameter.ds_shape] for name, parameter in model.state_dict(keep_vars=True).items()
+    each weight its own shape back. ``parameters``: :func:`state_parameters` of ``model``, if the caller has it."""
+    parameters = state_parameters(model) if parameters is None else parameters
+    return {name: [int(x) for x in parameter.ds_shape] for name, parameter in parameters.items()
             if _is_partitioned_parameter(parameter) and hasattr(parameter, "ds_shape")}
 
 
@@ -195,7 +206,7 @@ def load_partitioned_state(model: torch.nn.Module, filled: Mapping[str, Any]) ->
     Parameters ZeRO-3 keeps gathered (``ds_persist``, or gathered at the time) are released and gathered again from
     the loaded partitions, as DeepSpeed does after loading its own checkpoints: a collective over their group.
     """
-    parameters = dict(model.state_dict(keep_vars=True))
+    parameters = state_parameters(model)
     rest, gathered = {}, {}
     for name, value in filled.items():
         parameter = parameters.get(name)
