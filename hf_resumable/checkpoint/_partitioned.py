@@ -100,13 +100,13 @@ def partition_piece(partition: torch.Tensor, group: Any, *, numel: int | None = 
         group (`ProcessGroup`): the group the tensor is partitioned over.
         numel (`int`, *optional*): elements of the global flat tensor (ZeRO-3: the parameter's ``ds_numel``).
     """
-    from torch.distributed.tensor import DTensor, Shard
-
     key = (id(partition), id(group))
     hit = _PIECES.get(key)
     if (hit is not None and hit.partition() is partition and hit.group is group
             and (numel is None or hit.numel == numel) and hit.seen == _seen(partition)):
         return hit.piece
+    from torch.distributed.tensor import DTensor, Shard
+
     mesh = group_mesh(group, partition.device.type)
     total = partition.numel() * mesh.size() if numel is None else int(numel)
     local = _valid_part(partition, total, torch.distributed.get_rank(group))
