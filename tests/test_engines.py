@@ -586,22 +586,52 @@ def test_plain_tensors_are_split_across_the_ranks_and_a_disagreement_commits_not
     assert plan_plain_owners(state, tied, world_size=1) == {}
 
 
-def test_zero_partition_pieces_are_reused_while_they_view_the_same_bytes(one_rank_group):
-    """A save shows each ZeRO partition as a DTensor piece built once and reused while the partition is updated in
-    place; ``.data`` replaced builds a new one, and a partition the optimizer dropped frees its piece."""
+@pytest.mark.slow
+def test_zero3_saves_reuse_the_partitions_pieces_until_a_load_replaces_them(tmp_path, monkeypatch, one_rank_group):
+    """A ZeRO-3 engine's saves build each partition's DTensor piece once (every ``ds_tensor``, every sub-group's
+    master weights and moments) and reuse it while the engine steps in place; a load copies into the parameters' and
+    masters' partitions (their pieces kept) and replaces the moments (theirs rebuilt, the old ones let go)."""
+    for name, value in {"DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)  # what torchrun sets, which DeepSpeed reads
+    ops = pytest.importorskip("deepspeed.ops")
+    monkeypatch.setitem(ops.__compatible_ops__, "deepspeed_shm_comm", False)  # no JIT build of a CPU op
+    from deepspeed.utils import groups
+    from torch.distributed.tensor import DTensor
+
+    monkeypatch.setattr(groups, "_WORLD_GROUP", None)  # DeepSpeed caches the world group of a previous test
     import gc
 
-    from hf_resumable.integrations import _deepspeed
+    from hf_resumable import load_sharded_checkpoint, save_sharded_checkpoint, wait_for_pending_saves
+    from hf_resumable.checkpoint import _partitioned
+    from hf_resumable.integrations._deepspeed import checkpoint_optimizer
 
-    group = torch.distributed.group.WORLD
-    partition = torch.arange(6.0)
-    piece = _deepspeed._flat_piece(partition, group)
-    partition.add_(1)  # an optimizer step: in place
-    assert _deepspeed._flat_piece(partition, group) is piece and torch.equal(piece.to_local(), partition)
-    partition.data = torch.zeros(6)
-    replaced = _deepspeed._flat_piece(partition, group)
-    assert replaced is not piece and torch.equal(replaced.to_local(), torch.zeros(6))
-    entries = len(_deepspeed._PIECES)
-    del partition, piece, replaced
+    built, from_local = [], DTensor.from_local
+    monkeypatch.setattr(DTensor, "from_local", staticmethod(lambda *a, **k: built.append(1) or from_local(*a, **k)))
+    engine = _zero_engine(3, sub_groups=True)
+    sub_groups = len(engine.optimizer.fp32_partitioned_groups_flat)
+    parameters = list(engine.module.parameters())
+
+    def save(step: int, *, blocking: bool) -> int:
+        """DTensors built by one save."""
+        before = len(built)
+        save_sharded_checkpoint(tmp_path / f"checkpoint-{step}", model=engine.module,
+                                optimizer=checkpoint_optimizer(engine.optimizer), step=step, blocking=blocking)
+        wait_for_pending_saves()
+        return len(built) - before
+
+    _step(engine)  # the moments exist
+    assert save(0, blocking=True) == len(parameters) + 3 * sub_groups  # weights; fp32 masters, exp_avg, exp_avg_sq
+    _step(engine)
+    assert save(1, blocking=False) == 0 and save(2, blocking=True) == 0
+    entries = len(_partitioned._PIECES)
+    load_sharded_checkpoint(tmp_path / "checkpoint-1", model=engine.module,
+                            optimizer=checkpoint_optimizer(engine.optimizer))
+    assert save(3, blocking=True) == 2 * sub_groups  # the loaded moments are new tensors
     gc.collect()
-    assert len(_deepspeed._PIECES) == entries - 1
+    assert len(_partitioned._PIECES) == entries  # the replaced moments' pieces went with them
+    before = len(built)
+    pieces = _partitioned.partitioned_state(engine.module, dict(engine.module.named_parameters()))
+    assert len(built) == before
+    for parameter, piece in zip(parameters, pieces.values()):  # they view the loaded partitions
+        assert piece.to_local().data_ptr() == parameter.ds_tensor.data_ptr()
+        assert torch.equal(piece.to_local(), parameter.ds_tensor.view(-1)[:parameter.ds_numel])

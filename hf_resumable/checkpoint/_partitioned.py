@@ -6,7 +6,9 @@ padding). That is exactly the piece a ``DTensor`` of global shape ``(numel,)`` s
 process group holds (``torch.chunk`` sizes), so a sharded checkpoint stores every rank's partition of every weight
 under the parameter's own name, with the same writer, layout, hashes and verification as FSDP2 pieces, and loads it
 back into the partitions, at any world size (each rank reads the chunk of the flat parameter it holds). The global
-shape recorded is the flattened one: the partitions are of the flat parameter.
+shape recorded is the flattened one: the partitions are of the flat parameter. Every partition, a parameter's or an
+optimizer's (below), becomes its piece through :func:`partition_piece`, which builds it once and reuses it at every
+save while the engine updates the partition in place.
 
 DeepSpeed's optimizer partitions (ZeRO-1/2: a param group's parameters end to end in one flat fp32 tensor, cut in
 equal parts per rank; ZeRO-3: each rank's chunk of every parameter of a sub-group, end to end) are saved as pieces of
@@ -23,9 +25,10 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,9 +39,9 @@ from ._sharded import group_mesh, local_box
 logger = logging.getLogger(__name__)
 
 __all__ = ["is_partitioned", "partitioned_state", "partitioned_views", "load_partitioned_state", "PARTITION_KEY",
-           "held_partition", "weights_from_masters", "master_weight_names", "omitted_weights", "MasterWeights",
-           "PartitionMap", "Segment", "plan_partition_copies", "reshard_partitions", "parameter_tensors",
-           "read_master_weights"]
+           "held_partition", "partition_piece", "state_parameters", "weights_from_masters", "master_weight_names",
+           "omitted_weights", "MasterWeights", "PartitionMap", "Segment", "plan_partition_copies",
+           "reshard_partitions", "parameter_tensors", "read_master_weights"]
 
 
 def _is_partitioned_parameter(value: Any) -> bool:
@@ -50,27 +53,86 @@ def is_partitioned(model: torch.nn.Module | None) -> bool:
     return model is not None and any(_is_partitioned_parameter(p) for p in model.parameters())
 
 
+def _valid_part(partition: torch.Tensor, numel: int, rank: int) -> torch.Tensor:
+    """The elements of rank ``rank``'s flat ``partition`` below ``numel`` in the global flat tensor (the rest pads)."""
+    size = partition.numel()
+    return partition.detach().view(-1).narrow(0, 0, max(0, min(size, numel - rank * size)))
+
+
 def held_partition(parameter: Any) -> torch.Tensor:
     """The valid part of this rank's partition (padding cut off): what ``torch.chunk`` gives this rank."""
-    size = parameter.ds_tensor.numel()
-    rank = torch.distributed.get_rank(parameter.ds_process_group)
-    return parameter.ds_tensor.detach().view(-1).narrow(0, 0, max(0, min(size, parameter.ds_numel - rank * size)))
+    return _valid_part(parameter.ds_tensor, parameter.ds_numel,
+                       torch.distributed.get_rank(parameter.ds_process_group))
+
+
+class _CachedPiece(NamedTuple):
+    partition: weakref.ref  # the partition the piece was built for (the entry goes with it)
+    group: Any
+    numel: int
+    seen: tuple[int, torch.Size, torch.dtype, torch.device]  # its storage pointer, shape, dtype, device then
+    piece: torch.Tensor
+
+
+# (id(partition), id(group)) -> the piece built for it. The engines update their partitions in place (the optimizer
+# steps the flat fp32 partitions and its moments; ZeRO-3 copies the masters into every ``ds_tensor``), so the piece
+# built at one save views the same bytes at the next: building a DTensor per partition per save ran on the training
+# loop's time. An entry dies with its partition (a load replaces the optimizer's state tensors): the piece views the
+# storage through a tensor of its own, so it would otherwise keep the old bytes alive.
+_PIECES: dict[tuple[int, int], _CachedPiece] = {}
+
+
+def _seen(partition: torch.Tensor) -> tuple[int, torch.Size, torch.dtype, torch.device]:
+    return partition.data_ptr(), partition.shape, partition.dtype, partition.device
+
+
+def partition_piece(partition: torch.Tensor, group: Any, *, numel: int | None = None) -> torch.Tensor:
+    """This rank's flat ``partition`` over ``group`` as its piece of the global flat tensor: a DTensor of shape
+    ``(numel,)`` (default: every rank's partition end to end) sharded on dim 0, whose local tensor is the
+    partition's first ``numel - rank * partition.numel()`` elements (ZeRO-3 pads the last rank's), no copy and no
+    communication.
+
+    Cached per (partition, group): the same piece is returned while the partition is the same tensor over the same
+    storage, shape, dtype and device (updated in place); a partition whose ``.data`` was replaced gets a new one.
+
+    Args:
+        partition (`torch.Tensor`): the flat partition (ZeRO-1/2: a param group's fp32 master partition or a moment
+            over it; ZeRO-3: a parameter's ``ds_tensor``, the stable owner of the part it holds).
+        group (`ProcessGroup`): the group the tensor is partitioned over.
+        numel (`int`, *optional*): elements of the global flat tensor (ZeRO-3: the parameter's ``ds_numel``).
+    """
+    key = (id(partition), id(group))
+    hit = _PIECES.get(key)
+    if (hit is not None and hit.partition() is partition and hit.group is group
+            and (numel is None or hit.numel == numel) and hit.seen == _seen(partition)):
+        return hit.piece
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = group_mesh(group, partition.device.type)
+    total = partition.numel() * mesh.size() if numel is None else int(numel)
+    local = _valid_part(partition, total, torch.distributed.get_rank(group))
+    piece = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(total,), stride=(1,))
+    _PIECES[key] = _CachedPiece(weakref.ref(partition, lambda _: _PIECES.pop(key, None)), group, total,
+                                _seen(partition), piece)
+    return piece
 
 
 def _piece(parameter: Any) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor, Shard
-
-    local = held_partition(parameter)
-    mesh = group_mesh(parameter.ds_process_group, local.device.type)
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(int(parameter.ds_numel),),
-                              stride=(1,))
+    return partition_piece(parameter.ds_tensor, parameter.ds_process_group, numel=int(parameter.ds_numel))
 
 
-def partitioned_state(model: torch.nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
+def state_parameters(model: torch.nn.Module) -> dict[str, Any]:
+    """``{state-dict name: parameter or buffer}`` (``state_dict(keep_vars=True)``, tied names included): a walk of
+    the module tree, which a save makes once and gives to every function here that takes ``parameters``."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+def partitioned_state(model: torch.nn.Module, state: Mapping[str, Any], *,
+                      parameters: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``state`` (FQN-keyed, as ``get_model_state_dict`` gives it) with every partitioned parameter replaced by its
     piece: a DTensor of the flattened parameter over its process group, whose local tensor is the partition itself
-    (tied names get the same piece, so the writer stores it once)."""
-    parameters = dict(model.state_dict(keep_vars=True))
+    (tied names get the same piece, so the writer stores it once). ``parameters``: :func:`state_parameters` of
+    ``model``, if the caller has it."""
+    parameters = state_parameters(model) if parameters is None else parameters
     pieces: dict[int, torch.Tensor] = {}
     result = {}
     for name, value in state.items():
@@ -83,8 +145,8 @@ def partitioned_state(model: torch.nn.Module, state: Mapping[str, Any]) -> dict[
     return result
 
 
-def weights_from_masters(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any
-                         ) -> tuple[dict[str, str], set[str]]:
+def weights_from_masters(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any, *,
+                         parameters: Mapping[str, Any] | None = None) -> tuple[dict[str, str], set[str]]:
     """Which weights of ``state`` (ZeRO-3: :func:`partitioned_state`'s pieces; ZeRO-1/2: whole tensors) a save with
     ``optimizer`` need not store.
 
@@ -98,18 +160,20 @@ def weights_from_masters(model: torch.nn.Module, state: Mapping[str, Any], optim
         ``"master"`` in the layout on every rank), and the names whose pieces this rank does not write (all of them,
         or none where a weight differs from its master: it is then stored, and read over the masters on load).
     """
-    masters = master_weight_names(model, state, optimizer)
+    masters = master_weight_names(model, state, optimizer, parameters=parameters)
     return masters, omitted_weights(masters, optimizer)
 
 
-def master_weight_names(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any) -> dict[str, str]:
+def master_weight_names(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any, *,
+                        parameters: Mapping[str, Any] | None = None) -> dict[str, str]:
     """``{name: its master's name}`` of every weight of ``state`` whose fp32 master weights ``optimizer`` (a ZeRO
-    optimizer view) saves; empty for any other optimizer."""
+    optimizer view) saves; empty for any other optimizer. ``parameters``: :func:`state_parameters` of ``model``, if
+    the caller has it."""
     master_names = getattr(optimizer, "master_names", None)
     if master_names is None:
         return {}
     by_parameter = master_names()
-    parameters = dict(model.state_dict(keep_vars=True))
+    parameters = state_parameters(model) if parameters is None else parameters
     return {name: by_parameter[id(parameter)] for name in state
             if (parameter := parameters.get(name)) is not None and id(parameter) in by_parameter}
 
@@ -126,11 +190,12 @@ def omitted_weights(masters: Mapping[str, str], optimizer: Any, *, group: Any = 
     return set()
 
 
-def partitioned_views(model: torch.nn.Module) -> dict[str, list[int]]:
+def partitioned_views(model: torch.nn.Module, *, parameters: Mapping[str, Any] | None = None) -> dict[str, list[int]]:
     """``{name: shape}`` of every partitioned parameter (tied names included): the layout records it next to the
     flattened global shape (``"view"``), so a consolidation, or a load into a model that is not partitioned, gives
-    each weight its own shape back."""
-    return {name: [int(x) for x in parameter.ds_shape] for name, parameter in model.state_dict(keep_vars=True).items()
+    each weight its own shape back. ``parameters``: :func:`state_parameters` of ``model``, if the caller has it."""
+    parameters = state_parameters(model) if parameters is None else parameters
+    return {name: [int(x) for x in parameter.ds_shape] for name, parameter in parameters.items()
             if _is_partitioned_parameter(parameter) and hasattr(parameter, "ds_shape")}
 
 
@@ -141,7 +206,7 @@ def load_partitioned_state(model: torch.nn.Module, filled: Mapping[str, Any]) ->
     Parameters ZeRO-3 keeps gathered (``ds_persist``, or gathered at the time) are released and gathered again from
     the loaded partitions, as DeepSpeed does after loading its own checkpoints: a collective over their group.
     """
-    parameters = dict(model.state_dict(keep_vars=True))
+    parameters = state_parameters(model)
     rest, gathered = {}, {}
     for name, value in filled.items():
         parameter = parameters.get(name)

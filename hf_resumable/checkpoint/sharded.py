@@ -91,6 +91,7 @@ from ._partitioned import (
     partitioned_state,
     partitioned_views,
     reshard_partitions,
+    state_parameters,
     weights_from_masters,
 )
 from ._payload import (
@@ -165,14 +166,15 @@ def _device(model: torch.nn.Module) -> torch.device:
 
 
 def _model_state(model: torch.nn.Module, originals: dict[str, Any] | None = None, *,
-                 partitioned: bool | None = None) -> dict[str, torch.Tensor]:
+                 partitioned: bool | None = None, parameters: Mapping[str, Any] | None = None
+                 ) -> dict[str, torch.Tensor]:
     """FQN-keyed weights as this rank holds them (DTensor pieces under FSDP2 and, re-wrapped, FSDP1's sharded state
     dict, whose ``ShardedTensor`` of each name goes into ``originals``; the partitions of the flattened parameters
     under DeepSpeed ZeRO-3; plain tensors otherwise). ``partitioned``: :func:`is_partitioned` of ``model``, if
     known."""
     state = model_state_dict(model)
     if is_partitioned(model) if partitioned is None else partitioned:
-        return partitioned_state(model, state)
+        return partitioned_state(model, state, parameters=parameters)
     return as_dtensors(state, device=_device(model), originals=originals)
 
 
@@ -338,7 +340,8 @@ def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.o
     collectives on the default group (the frozen record's gather; ``hf_weights``' gathers) and, with ``stage``,
     the list of the local pieces an async save copies."""
     partitioned = is_partitioned(model)
-    weights = _model_state(model, partitioned=partitioned)
+    parameters = state_parameters(model) if partitioned else None  # ZeRO-3: one walk, shared by the steps below
+    weights = _model_state(model, partitioned=partitioned, parameters=parameters)
     states: dict[str, tuple[Mapping[str, torch.Tensor], dict[str, str]]] = {}
     layout: dict[str, Any] = {}
     local = local_tensors(weights)
@@ -366,13 +369,14 @@ def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.o
         held = gated_optimizer(optimizer) if stage else None
         if held is not None:
             # checked on the saver's thread (not staged; copied there if they differ), the next step held meanwhile
-            masters = master_weight_names(model, states[LAYOUT_KEY_MODEL][0], optimizer)
+            masters = master_weight_names(model, states[LAYOUT_KEY_MODEL][0], optimizer, parameters=parameters)
             if masters:
                 omitted = set(masters)
                 deferred = {"deferred": optimizer, "live": {name: local[name] for name in masters},
                             "release": step_gate(held).hold()}
         else:
-            masters, omitted = weights_from_masters(model, states[LAYOUT_KEY_MODEL][0], optimizer)
+            masters, omitted = weights_from_masters(model, states[LAYOUT_KEY_MODEL][0], optimizer,
+                                                    parameters=parameters)
     owners = {kind: plan_plain_owners({name: tensor for name, tensor in state.items() if name not in omitted}, tied,
                                       world_size=world_size) for kind, (state, tied) in states.items()}
     staging = {}
@@ -381,7 +385,7 @@ def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.o
             state, tied, rank=rank, local=local if kind == LAYOUT_KEY_MODEL else None, owners=owners[kind],
             omit=omitted if kind == LAYOUT_KEY_MODEL else ()))
             for kind, (state, tied) in states.items()}
-    views = partitioned_views(model) if partitioned else {}
+    views = partitioned_views(model, parameters=parameters) if partitioned else {}
     return _Pieces(states, staging, layout, rank, world_size, views, masters, omitted, owners=owners, **deferred)
 
 

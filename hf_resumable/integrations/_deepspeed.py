@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -45,8 +44,8 @@ from ..checkpoint._partitioned import (
     PARTITION_KEY,
     PartitionMap,
     held_partition,
+    partition_piece,
 )
-from ..checkpoint._sharded import group_mesh
 from ..checkpoint._staging import equal_bytes
 from ..distributed import all_gather_json
 from ..errors import IncompleteCheckpointError, UnsupportedEngineError
@@ -125,31 +124,6 @@ def _unsupported(engine: str) -> UnsupportedEngineError:
                              "run")
 
 
-# (id(partition tensor), id(group)) -> (a weak reference to the tensor, the group, its DTensor piece): the optimizer
-# updates its partitions in place, so the piece built at one save views the same bytes at the next (checked: same
-# storage, shape and dtype; ``.data`` replaced is a miss). Building a DTensor per partition per save ran on the
-# training loop's time. An entry goes with its tensor (a load replaces the optimizer's state tensors): the piece views
-# the storage through a tensor of its own, so it would otherwise keep stale moments alive.
-_PIECES: dict[tuple[int, int], tuple[weakref.ref, Any, torch.Tensor]] = {}
-
-
-def _flat_piece(local: torch.Tensor, group: Any) -> torch.Tensor:
-    """``local`` (this rank's partition) as a piece of the group's global flat tensor (no communication)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    key = (id(local), id(group))
-    hit = _PIECES.get(key)
-    if hit is not None and hit[0]() is local and hit[1] is group:
-        held = hit[2]._local_tensor
-        if held.data_ptr() == local.data_ptr() and held.shape == local.shape and held.dtype == local.dtype:
-            return hit[2]
-    mesh = group_mesh(group, local.device.type)
-    piece = DTensor.from_local(local.detach(), mesh, [Shard(0)], run_check=False,
-                               shape=(local.numel() * mesh.size(),), stride=(1,))
-    _PIECES[key] = (weakref.ref(local, lambda _: _PIECES.pop(key, None)), group, piece)
-    return piece
-
-
 def _init_base_state(base: torch.optim.Optimizer) -> None:
     """Create ``base``'s state over the flat partitions its groups list (zero gradients, learning rate 0) so a load
     has templates to fill, as ``torch.distributed.checkpoint`` does for FSDP2; the load overwrites all of it (the
@@ -210,10 +184,10 @@ def _partition_entries(base: torch.optim.Optimizer, flat: torch.Tensor, group: A
                        partition_map: PartitionMap) -> dict[str, Any]:
     """One flat fp32 partition's checkpoint entries: the master piece, the base optimizer's state over it, and the
     map of the parameter elements it holds (JSON: what cuts it again for another world size)."""
-    entries = {MASTER_KEY: _flat_piece(flat, group), PARTITION_KEY: partition_map.to_json()}
+    entries = {MASTER_KEY: partition_piece(flat, group), PARTITION_KEY: partition_map.to_json()}
     for key, value in base.state.get(flat, {}).items():
         partitioned = torch.is_tensor(value) and value.shape == flat.shape
-        entries[key] = _flat_piece(value, group) if partitioned else value
+        entries[key] = partition_piece(value, group) if partitioned else value
     return entries
 
 
