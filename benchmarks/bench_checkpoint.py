@@ -343,7 +343,7 @@ def report(results: dict[str, list[float]], paired: dict[str, list[float]], nbyt
            can_drop: bool, streams: str) -> None:
     med = {k: statistics.median(v) for k, v in results.items()}
     pair = {k: f"{statistics.median(v):.2f}x raw read (paired; {min(v):.2f}..{max(v):.2f})" for k, v in paired.items()}
-    gbps = {k: nbytes / v / 1e9 for k, v in med.items()}
+    gbps = {k: nbytes / v / 1e9 if v > 0 else float('inf') for k, v in med.items()}  # the gate wait may be 0
     from hf_resumable.checkpoint._staging import COPY_KIND
 
     print(f"\nCheckpoint of {nbytes / 2**30:.2f} GiB (model + AdamW), median of {repeats} runs, "
