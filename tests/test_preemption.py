@@ -33,6 +33,8 @@ from hf_resumable.preemption import (
     fits_another_step,
 )
 
+from test_accelerate_integration import reference_run as accelerate_reference  # noqa: F401 - one reference run
+
 CPU = torch.device("cpu")
 TRAIN, SAVE_AND_TRAIN, SAVE_AND_EXIT, EXIT = (PreemptionAction.TRAIN, PreemptionAction.SAVE_AND_TRAIN,
                                               PreemptionAction.SAVE_AND_EXIT, PreemptionAction.EXIT)
@@ -298,16 +300,6 @@ def test_two_ranks_one_signalled_train_on_then_stop_at_the_same_step_and_resume_
 
 
 # ------------------------------------------------------------------------- ResumableAccelerator, real processes
-
-
-@pytest.fixture(scope="module")
-def accelerate_reference(tmp_path_factory) -> Path:
-    from test_accelerate_integration import run_example
-
-    output = tmp_path_factory.mktemp("accelerate-reference")
-    done = run_example(output, num_workers=0)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return output
 
 
 @pytest.mark.slow
