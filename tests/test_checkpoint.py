@@ -10,7 +10,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hf_resumable.checkpoint import load_checkpoint, read_manifest, save_checkpoint, verify_checkpoint
+from hf_resumable.checkpoint import (
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+    verify_checkpoint,
+    wait_for_pending_saves,
+)
 from hf_resumable.constants import MANIFEST_FILE, MODEL_INDEX_FILE
 from hf_resumable.errors import (
     BaseMismatchError,
@@ -159,6 +165,7 @@ def test_manifest_lists_every_file_with_hashes(tmp_path):
 
     model, optimizer, _ = _setup("gpt2", 0)
     save_checkpoint(tmp_path / "c", model=model, optimizer=optimizer, step=7, metrics={"loss": 1.5})
+    wait_for_pending_saves()  # the deferred fsyncs: until they are done, the durability marker is there too
     manifest = read_manifest(tmp_path / "c")
     on_disk = {p.relative_to(tmp_path / "c").as_posix() for p in (tmp_path / "c").rglob("*") if p.is_file()}
     assert set(manifest.files) == on_disk - {MANIFEST_FILE}

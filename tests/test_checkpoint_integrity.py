@@ -19,6 +19,7 @@ from hf_resumable.checkpoint import (
     read_manifest,
     save_checkpoint,
     verify_checkpoint,
+    wait_for_pending_saves,
 )
 from hf_resumable.errors import (
     CorruptCheckpointError,
@@ -39,6 +40,7 @@ def _save_two(root):
     train_steps(model, optimizer, steps=1)
     save_checkpoint(root / "checkpoint-2", model=model, optimizer=optimizer, step=2, max_shard_size="16KB",
                     data_state={"epoch": 0, "position": 4})
+    wait_for_pending_saves()  # the deferred fsyncs done: the directories hold their final files
     return model, optimizer
 
 
@@ -424,6 +426,7 @@ def test_retention_after_commit_through_save(tmp_path):
     model = tiny_gpt2()
     for step in range(1, 5):
         save_checkpoint(tmp_path / f"checkpoint-{step}", model=model, step=step, keep_last=2, rng=False)
+    wait_for_pending_saves()  # retention follows the deferred fsyncs of each save
     assert [s for s, _ in list_checkpoints(tmp_path)] == [3, 4]
 
 

@@ -213,6 +213,7 @@ def test_own_pins_do_not_block_own_retention(tmp_path):
     save_checkpoint(root / "checkpoint-1", model=_model(1.0), step=1, rng=False)
     assert find_latest_checkpoint(root) == root / "checkpoint-1"  # pinned for this process
     save_checkpoint(root / "checkpoint-2", model=_model(2.0), step=2, rng=False, keep_last=1)
+    wait_for_pending_saves()  # retention follows the deferred fsyncs
     assert [s for s, _ in list_checkpoints(root)] == [2]
     _pins.release_held_pins()
     assert not [p for p in root.iterdir() if p.name.startswith(PIN_PREFIX)]
@@ -306,7 +307,8 @@ def test_owned_names_exist_from_the_first_instant(tmp_path, monkeypatch):
         original(path)
 
     monkeypatch.setattr(_fs, "fsync_tree", spy)
-    save_checkpoint(tmp_path / "checkpoint-1", model=_model(1.0), step=1, rng=False)
+    # the fsyncs before the rename (a deferred save's follow it: the temp dir is gone by then)
+    save_checkpoint(tmp_path / "checkpoint-1", model=_model(1.0), step=1, rng=False, durability="immediate")
     owned = parse_member_name(seen[0])
     assert owned is not None and owned.prefix == TMP_PREFIX and owned.owner == current_owner()
 

@@ -100,7 +100,7 @@ def _drive(callback: AutoSaveInterval, monkeypatch: pytest.MonkeyPatch, *, steps
 
     monkeypatch.setattr(_save_interval, "time", clock)
     monkeypatch.setattr(_save_interval, "background_saver",
-                        lambda: SimpleNamespace(in_flight=in_flight[0] > 0, expedite=expedite))
+                        lambda: SimpleNamespace(writing=in_flight[0] > 0, expedite=expedite))
     callback.on_train_begin(None, state, SimpleNamespace())
     for step in range(1, steps + 1):
         clock.now += step_s + stall

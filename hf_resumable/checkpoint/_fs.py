@@ -51,15 +51,17 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def write_bytes_durably(path: Path, data: bytes) -> FileRecord:
-    """Create ``path`` exclusively, write ``data``, fsync; return its record (size and hashes)."""
+def write_bytes_durably(path: Path, data: bytes, *, fsync: bool = True) -> FileRecord:
+    """Create ``path`` exclusively, write ``data``, fsync (unless ``fsync=False``: a deferred save's, see
+    ``_durability.py``); return its record (size and hashes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-        os.fsync(fd)
+        if fsync:
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         path.unlink(missing_ok=True)
@@ -130,8 +132,11 @@ def create_temp_dir(target: Path) -> Path:
     return tmp
 
 
-def commit_dir(tmp: Path, target: Path, *, replaces: DirIdentity | None) -> None:
+def commit_dir(tmp: Path, target: Path, *, replaces: DirIdentity | None, sync: bool = True) -> None:
     """Move the finished ``tmp`` to ``target`` atomically.
+
+    With ``sync=False`` (a deferred save, see ``_durability.py``; never with ``replaces``) nothing is fsynced: the
+    directories are fsynced once the files are.
 
     ``replaces`` is the directory the caller checked and may replace (see ``_writer.check_target``), or
     ``None`` if ``target`` must not exist.
@@ -140,7 +145,8 @@ def commit_dir(tmp: Path, target: Path, *, replaces: DirIdentity | None) -> None
         CheckpointExistsError: ``target`` appeared, or was replaced by somebody else, since the save started.
     """
     # 1. Make every entry of the temp dir durable before its name changes.
-    fsync_tree(tmp)
+    if sync:
+        fsync_tree(tmp)
     # 2. Rename into place: no-replace for a new target, compare-and-swap for an overwrite.
     old = None if replaces is None else _swap_in(tmp, target, replaces)
     if replaces is None:
@@ -154,7 +160,8 @@ def commit_dir(tmp: Path, target: Path, *, replaces: DirIdentity | None) -> None
                 "committed (the other one was). Save under another name, or pass overwrite=True."
             ) from None
     # 3. Make the rename durable, then delete what was replaced.
-    fsync_dir(target.parent)
+    if sync:
+        fsync_dir(target.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

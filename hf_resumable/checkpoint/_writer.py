@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import trace
-from ..constants import MANIFEST_FILE, STOCK_ACCELERATE_FILES_RE
+from ..constants import MANIFEST_FILE, STOCK_ACCELERATE_FILES_RE, SYNC_PENDING_FILE
 from ..distributed import (
     all_gather_json,
     barrier,
@@ -33,6 +33,7 @@ from ..format._jsonio import json_bytes
 from ..format.rng import save_rng_state
 from ..format.safetensors_io import FileRecord, write_safetensors
 from ..progress import progress_bar
+from ._durability import boot_id, mark_pending
 from ._fs import DirIdentity, commit_dir, create_temp_dir, discard, write_bytes_durably
 from ._payload import SHARDS_KEY, IndexSpec, Payload
 from ._pins import release_pin
@@ -116,7 +117,7 @@ def _manifest_or_none(directory: Path) -> Manifest | None:
 
 def _unlisted_entries(directory: Path, manifest: Manifest) -> list[str]:
     """Files (and empty directories) under ``directory`` that ``manifest`` does not list: somebody else's."""
-    listed = set(manifest.files) | {MANIFEST_FILE}
+    listed = set(manifest.files) | {MANIFEST_FILE, SYNC_PENDING_FILE}
     parents = {str(Path(name).parent) for name in listed}
     extra = []
     for root, dirs, files in os.walk(directory):
@@ -171,8 +172,8 @@ def index_document(spec: IndexSpec, records: Mapping[str, FileRecord]) -> dict[s
     return {"metadata": {**spec.metadata, SHARDS_KEY: shards}, "weight_map": spec.weight_map}
 
 
-def write_payload(tmp: Path, payload: Payload) -> dict[str, FileRecord]:
-    """Write every file of ``payload`` under ``tmp``; return their records."""
+def write_payload(tmp: Path, payload: Payload, *, fsync: bool = True) -> dict[str, FileRecord]:
+    """Write every file of ``payload`` under ``tmp`` (each fsynced, unless ``fsync=False``); return their records."""
     records: dict[str, FileRecord] = {}
     total = sum(t.numel() * t.element_size() for f in payload.tensor_files for _, t in f.tensors)
     with progress_bar(total=total, desc=f"saving {tmp.name}") as bar:
@@ -180,7 +181,7 @@ def write_payload(tmp: Path, payload: Payload) -> dict[str, FileRecord]:
         def write(tensor_file) -> tuple[str, FileRecord]:
             path = tmp / tensor_file.relpath
             path.parent.mkdir(parents=True, exist_ok=True)
-            record = write_safetensors(path, tensor_file.tensors, metadata=tensor_file.metadata)
+            record = write_safetensors(path, tensor_file.tensors, metadata=tensor_file.metadata, fsync=fsync)
             bar.update(record.size)
             return tensor_file.relpath, record
 
@@ -188,13 +189,14 @@ def write_payload(tmp: Path, payload: Payload) -> dict[str, FileRecord]:
         # while the disk is kept busy.
         records.update(run_in_threads(write, payload.tensor_files, workers=WRITE_THREADS))
     for spec in payload.indexes:
-        records[spec.relpath] = write_bytes_durably(tmp / spec.relpath, json_bytes(index_document(spec, records)))
+        records[spec.relpath] = write_bytes_durably(tmp / spec.relpath, json_bytes(index_document(spec, records)),
+                                                    fsync=fsync)
     for relpath, data in payload.blobs.items():
-        records[relpath] = write_bytes_durably(tmp / relpath, data)
+        records[relpath] = write_bytes_durably(tmp / relpath, data, fsync=fsync)
     if payload.rng is not None and payload.rng_relpath is not None:
         path = tmp / payload.rng_relpath
         path.parent.mkdir(parents=True, exist_ok=True)
-        records[payload.rng_relpath] = save_rng_state(path, payload.rng)
+        records[payload.rng_relpath] = save_rng_state(path, payload.rng, fsync=fsync)
     return records
 
 
@@ -207,6 +209,8 @@ class SaveStart:
     replaces: DirIdentity | None
     group: Any = None
     split: bool = False  # every rank holds the same replicated files: each writes its share (``_replicas.py``)
+    # a new target, and every rank has a boot id: the fsyncs may follow the commit (``_durability.py``)
+    deferrable: bool = False
 
 
 def begin_save(target: Path, *, overwrite: bool, group: Any = None, signature: str | None = None) -> SaveStart:
@@ -232,19 +236,22 @@ def begin_save(target: Path, *, overwrite: bool, group: Any = None, signature: s
                 raise
             failure = err
     gathered = all_gather_json({"tmp": None if tmp is None else tmp.name, "error": _describe(failure),
-                                "signature": signature}, group=group)
+                                "signature": signature, "fresh": replaces is None,
+                                "boot": boot_id() is not None}, group=group)
     started = gathered[0]
     if started["error"] is not None:
         if failure is not None:
             raise failure
         raise _rebuild(started["error"], f"rank 0 could not start the save of {target}")
     split = replicas_split([entry["signature"] for entry in gathered])
-    return SaveStart(target, target.parent / started["tmp"], replaces, group, split)
+    deferrable = started["fresh"] and all(entry["boot"] for entry in gathered)
+    return SaveStart(target, target.parent / started["tmp"], replaces, group, split, deferrable)
 
 
 def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics: dict[str, float] | None,
                 prepare: Callable[[], Any] | None = None,
-                finalize: Callable[[list[Any]], Mapping[str, bytes]] | None = None) -> Manifest:
+                finalize: Callable[[list[Any]], Mapping[str, bytes]] | None = None,
+                sync_later: Callable[[Path, list[str]], None] | None = None) -> Manifest:
     """Steps 2-5 of the commit protocol for a save that :func:`begin_save` started (collective over its group).
 
     ``prepare()``, if given, runs first in step 2 (it may add files to ``payload``); its JSON result travels with
@@ -252,17 +259,24 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
     gets every rank's ``prepare`` result in rank order and returns more small files (``{relpath: bytes}``, e.g. a
     layout of every rank's files); rank 0 calls it and writes them once every rank's files are durable, before the
     manifest, and every rank learns their records in step 5.
+
+    ``sync_later(target, written)``, if given, makes the save deferred where it may be (``start.deferrable``: a new
+    target): no file is fsynced before the commit, rank 0 writes the marker of ``_durability.py`` before the rename,
+    and every rank hands the files it wrote (relative paths) to ``sync_later`` once the commit is known; it fsyncs
+    them later (``_durability.make_durable``). Otherwise every file is fsynced before the commit.
     """
     began = time.perf_counter()
     distributed = is_distributed()
     rank, world_size = rank_and_world_size()
     target, tmp, group = start.target, start.tmp, start.group
+    deferred = sync_later is not None and start.deferrable
     # 2. Every rank writes its own files there (and its share of the replicated ones): created exclusively, hashed
-    #    while written, fsynced.
+    #    while written, fsynced (a deferred save's: later).
     report = None
     try:
         report = prepare() if prepare is not None else None
-        records, local = write_payload(tmp, part_of_rank(payload, rank, world_size, split=start.split)), None
+        part = part_of_rank(payload, rank, world_size, split=start.split)
+        records, local = write_payload(tmp, part, fsync=not deferred), None
     except Exception as err:
         if not distributed:
             discard(tmp)
@@ -291,14 +305,17 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
             if start.split:  # the indexes of shards that several ranks wrote
                 for spec in payload.indexes:
                     late[spec.relpath] = write_bytes_durably(tmp / spec.relpath,
-                                                             json_bytes(index_document(spec, files)))
+                                                             json_bytes(index_document(spec, files)),
+                                                             fsync=not deferred)
             if finalize is not None:
                 for relpath, data in finalize([entry["report"] for entry in gathered]).items():
-                    late[relpath] = write_bytes_durably(tmp / relpath, data)
+                    late[relpath] = write_bytes_durably(tmp / relpath, data, fsync=not deferred)
             manifest = Manifest(files={**files, **late}, step=step, world_size=world_size,
                                 metrics=dict(metrics or {}))
-            write_bytes_durably(tmp / MANIFEST_FILE, manifest.to_json())
-            commit_dir(tmp, target, replaces=start.replaces)
+            write_bytes_durably(tmp / MANIFEST_FILE, manifest.to_json(), fsync=not deferred)
+            if deferred:  # durable before the rename: whatever of the checkpoint reaches the disk, the marker does
+                mark_pending(tmp)
+            commit_dir(tmp, target, replaces=start.replaces, sync=not deferred)
         except BaseException as err:
             discard(tmp)
             if not distributed or not isinstance(err, Exception):
@@ -316,22 +333,27 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
     files = manifest.files
     if rank == 0:
         total = sum(r.size for r in files.values())
-        logger.info("Saved %s (%d files, %.1f MB) in %.2f s", target, len(files), total / 1e6,
-                    time.perf_counter() - began)
+        logger.info("Saved %s (%d files, %.1f MB) in %.2f s%s", target, len(files), total / 1e6,
+                    time.perf_counter() - began, " (fsyncs deferred)" if deferred else "")
+    if deferred:
+        written = list(records) + ([*late, MANIFEST_FILE] if rank == 0 else [])
+        sync_later(target, written)
     return manifest
 
 
 def save_payload(target: Path, payload: Payload, *, step: int | None, metrics: dict[str, float] | None,
                  overwrite: bool, prepare: Callable[[], Any] | None = None,
-                 finalize: Callable[[list[Any]], Mapping[str, bytes]] | None = None) -> Manifest:
+                 finalize: Callable[[list[Any]], Mapping[str, bytes]] | None = None,
+                 sync_later: Callable[[Path, list[str]], None] | None = None) -> Manifest:
     """Write and commit ``payload`` at ``target`` (collective under torch.distributed), blocking.
 
-    The steps are those of docs/architecture.md, "Commit protocol" (``prepare`` and ``finalize``: see
-    :func:`finish_save`). Errors keep their type (an ``OSError`` keeps its errno) on the rank where they happened;
+    The steps are those of docs/architecture.md, "Commit protocol" (``prepare``, ``finalize`` and ``sync_later``:
+    see :func:`finish_save`). Errors keep their type (an ``OSError`` keeps its errno) on the rank where they happened;
     the other ranks raise the same kind.
     """
     start = begin_save(target, overwrite=overwrite, signature=replica_signature(payload))
-    return finish_save(start, payload, step=step, metrics=metrics, prepare=prepare, finalize=finalize)
+    return finish_save(start, payload, step=step, metrics=metrics, prepare=prepare, finalize=finalize,
+                       sync_later=sync_later)
 
 
 def _describe(err: BaseException | None) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ from .._urls import is_remote
 from ..constants import DEFAULT_MAX_SHARD_SIZE, MANIFEST_FILE
 from ..distributed import is_distributed, rank_and_world_size
 from ..format.rng import RngState
+from ._durability import check_durability
 from ._fs import wait_for_removals
 from ._payload import capture_payload
 from ._reader import LoadedCheckpoint, OpenedCheckpoint, read_on_load
@@ -119,14 +120,16 @@ def save_checkpoint(
     best_metric: str | None = None,
     greater_is_better: bool = False,
     standalone: bool = False,
+    durability: str = "deferred",
 ) -> CheckpointInfo:
     """Save a crash-safe, sharded, pickle-free training checkpoint to ``directory``.
 
-    Files are written into a temporary sibling directory, fsynced, and renamed into place after
-    ``manifest.json`` (every file with its size and xxh3-128, computed while writing) is written last.
-    A save killed at any moment leaves the previous checkpoint intact and no directory that looks
-    committed. Model weights are laid out as ``save_pretrained`` lays them out: one ``model.safetensors`` when they
-    fit in ``max_shard_size``, else ``model.safetensors.index.json`` and ``model-0000k-of-0000N.safetensors``
+    Files are written into a temporary sibling directory and renamed into place after ``manifest.json`` (every file
+    with its size and xxh3-128, computed while writing) is written last. A save killed at any moment leaves the
+    previous checkpoint intact and no directory that looks committed. A blocking save returns once its files are
+    committed; by default (``durability="deferred"``) they are fsynced right after, on the saver's thread (see
+    ``durability``). Model weights are laid out as ``save_pretrained`` lays them out: one ``model.safetensors``
+    when they fit in ``max_shard_size``, else ``model.safetensors.index.json`` and ``model-0000k-of-0000N.safetensors``
     (``from_pretrained(directory)`` works either way); tied weights are stored once.
 
     Under torch.distributed every rank calls it (collective). Every rank passes the same model and optimizer (DDP
@@ -174,6 +177,13 @@ def save_checkpoint(
         best_metric (`str`, *optional*) / greater_is_better (`bool`): keep-best retention.
         standalone (`bool`, *optional*, defaults to `False`): store frozen parameters too, so the checkpoint needs
             no base to load (and ``from_pretrained(directory)`` loads the whole model).
+        durability (`str`, *optional*, defaults to `"deferred"`): when a blocking save's files are fsynced.
+            ``"deferred"``: the call commits the checkpoint once its files are written (as stock savers, which
+            never fsync) and fsyncs them on the saver's thread; the next save, any load, ``wait_for_pending_saves``
+            and interpreter exit wait for that. A process killed meanwhile loses nothing (the kernel holds the
+            bytes); after a machine crash, a reader hashes every byte of a checkpoint whose fsyncs had not
+            finished, and retention never deletes the newest checkpoint whose fsyncs have. ``"immediate"``: every
+            file is fsynced before the commit. An overwrite is always immediate.
 
     Returns:
         `CheckpointInfo`
@@ -181,7 +191,7 @@ def save_checkpoint(
     Raises:
         CheckpointExistsError: if ``directory`` exists and ``overwrite`` is False.
         UnsupportedStateError: if some state cannot be stored without pickle.
-        AsyncSaveError: if the previous background save failed.
+        AsyncSaveError: if the previous background save (or a deferred save's fsyncs) failed.
         OSError: if writing fails (e.g. ENOSPC); the previous checkpoint is untouched.
 
     Example:
@@ -194,6 +204,7 @@ def save_checkpoint(
     ```
     """
     target = Path(directory)
+    check_durability(durability)
     _ASYNC.wait()
     rank, _world = rank_and_world_size()
     if not is_distributed():  # fail before capturing anything (under torch.distributed step 1 tells every rank)
@@ -215,9 +226,26 @@ def save_checkpoint(
         _ASYNC.submit(target, payload, step=step, metrics=metrics, overwrite=overwrite, on_commit=retention,
                       optimizer=optimizer)
         return CheckpointInfo(path=target, step=step)
-    manifest = save_payload(target, payload, step=step, metrics=metrics, overwrite=overwrite)
-    retention()
+    manifest = save_blocking(target, payload, step=step, metrics=metrics, overwrite=overwrite, durability=durability,
+                             after=retention)
     return CheckpointInfo(path=target, step=step, manifest=manifest)
+
+
+def save_blocking(target: Path, payload: Any, *, step: int | None, metrics: dict[str, float], overwrite: bool,
+                  durability: str, after: Any, prepare: Any = None, finalize: Any = None) -> Manifest:
+    """A blocking save's commit (:func:`~._writer.save_payload`), then ``after()`` (retention): at once when every
+    file was fsynced before the commit, else once the saver's thread has fsynced them (``durability="deferred"``,
+    see ``_durability.py``), so retention never counts a checkpoint that is not durable yet."""
+    deferred = []
+
+    def sync_later(committed: Path, written: list[str]) -> None:
+        deferred.append(_ASYNC.sync_later(committed, written, on_durable=after))
+
+    manifest = save_payload(target, payload, step=step, metrics=metrics, overwrite=overwrite, prepare=prepare,
+                            finalize=finalize, sync_later=sync_later if durability == "deferred" else None)
+    if not deferred:
+        after()
+    return manifest
 
 
 def open_checkpoint(

@@ -30,6 +30,7 @@ import torch
 
 from ..distributed import checkpoint_group, rank_and_world_size
 from ..errors import AsyncSaveError
+from ._durability import make_durable
 from ._payload import Payload, TensorFile
 from ._replicas import part_of_rank, replica_signature
 from ._staging import BackgroundCopy, copy_into, start_copy
@@ -92,6 +93,12 @@ class _SaveJob:
         self.priority: tuple[int, int] | None = None  # the writer's lowered nice value (lower_thread_priority)
         self.expedited = False  # AsyncSaver.expedite: the write runs at the training loop's priority
 
+    def failure(self, error: BaseException) -> AsyncSaveError:
+        return AsyncSaveError(
+            f"The background save of {self.target} failed ({type(error).__name__}: {error}); nothing was "
+            "committed there and the previous checkpoint is untouched (still the newest). Fix the cause (e.g. "
+            "free disk space) and save again, or resume from the previous checkpoint.")
+
     def run(self) -> None:
         manifest = None
         self.priority = lower_thread_priority(WRITER_NICE_INCREMENT)
@@ -133,6 +140,41 @@ class _SaveJob:
             return None
 
 
+class _SyncJob:
+    """The fsyncs of a blocking save with deferred durability, on the saver's thread after its commit
+    (:func:`._durability.make_durable`; ``on_durable`` follows, e.g. retention)."""
+
+    def __init__(self, target: Path, written: list[str], *, group: Any,
+                 on_durable: Callable[[], None] | None) -> None:
+        self.target, self._written, self._group, self._on_durable = target, written, group, on_durable
+        self.pid = os.getpid()
+        self.future: Future[Manifest] = Future()
+        self.raised: BaseException | None = None
+        self.priority: tuple[int, int] | None = None
+        self.expedited = False
+
+    def run(self) -> None:
+        self.priority = lower_thread_priority(WRITER_NICE_INCREMENT)
+        if self.expedited:
+            restore_thread_priorities(self.priority)
+        try:
+            make_durable(self.target, self._written, group=self._group)
+            if self._on_durable is not None:
+                self._on_durable()
+        except BaseException as err:  # noqa: BLE001 - raised at the next wait
+            self.future.set_exception(err)
+        else:
+            self.future.set_result(None)
+        finally:
+            restore_thread_priorities(self.priority)
+
+    def failure(self, error: BaseException) -> AsyncSaveError:
+        return AsyncSaveError(
+            f"{self.target} was committed, but making its files durable failed ({type(error).__name__}: {error}). It "
+            "is not counted as durable: retention keeps the checkpoint before it, and after a machine crash a reader "
+            "verifies every byte of it. Fix the cause (the disk, free space) and save again.")
+
+
 class _Worker:
     """One daemon thread, started on first use, that runs submitted jobs in order.
 
@@ -154,6 +196,10 @@ class _Worker:
             self._thread.start()
         self._jobs.put(job)
 
+    def is_current(self) -> bool:
+        """Whether the caller runs on this worker's thread."""
+        return self._thread is threading.current_thread()
+
     @staticmethod
     def _serve(jobs: queue.SimpleQueue) -> None:
         while True:
@@ -170,7 +216,7 @@ class AsyncSaver:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
-        self._job: _SaveJob | None = None
+        self._job: _SaveJob | _SyncJob | None = None
         self._last: Future[Manifest] | None = None
         self._worker = _Worker("hf_resumable-save")
 
@@ -256,8 +302,15 @@ class AsyncSaver:
 
     @property
     def in_flight(self) -> bool:
+        """Whether a job of this process is not done yet: a background save, or a blocking save's deferred fsyncs."""
         job = self._job
         return job is not None and job.pid == os.getpid() and not job.future.done()
+
+    @property
+    def writing(self) -> bool:
+        """Whether a background save of this process has not committed yet (a deferred save's fsyncs do not count:
+        its checkpoint is committed)."""
+        return isinstance(self._job, _SaveJob) and self.in_flight
 
     def expedite(self) -> bool:
         """Give the in-flight write the training loop's CPU priority back, without waiting for it: a caller whose
@@ -277,6 +330,28 @@ class AsyncSaver:
         restore_thread_priorities(job.priority)
         return True
 
+    def sync_later(self, target: Path, written: list[str], *, on_durable: Callable[[], None] | None = None
+                   ) -> Future[None]:
+        """Fsync the files ``written`` (relative to the committed ``target``) of a blocking save with deferred
+        durability on the saver's thread, then ``on_durable``; collective (every rank of the save calls it, on the
+        training thread). The next save, any load, :meth:`wait` and interpreter exit wait for it, as for a save.
+
+        Returns:
+            `concurrent.futures.Future`: done once every rank's files are durable (or failed).
+        """
+        self.wait()
+        job = _SyncJob(target, written, group=checkpoint_group(), on_durable=on_durable)
+        self._job, self._last = job, job.future
+        self._worker.submit(job.run)
+        return job.future
+
+    def wait_until_durable(self) -> None:
+        """Wait for the fsyncs of a blocking save with deferred durability still running (not for a background save
+        in flight), unless called from the saver's own thread (retention after a commit or after the fsyncs)."""
+        job = self._job
+        if isinstance(job, _SyncJob) and job.pid == os.getpid() and not self._worker.is_current():
+            self.wait()
+
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed; raise its error if it failed.
 
@@ -290,10 +365,7 @@ class AsyncSaver:
             restore_thread_priorities(job.priority)
         error = job.future.exception()  # waits
         if error is not None and error is not job.raised:
-            raise AsyncSaveError(
-                f"The background save of {job.target} failed ({type(error).__name__}: {error}); nothing was "
-                "committed there and the previous checkpoint is untouched (still the newest). Fix the cause (e.g. "
-                "free disk space) and save again, or resume from the previous checkpoint.") from error
+            raise job.failure(error) from error
 
 
 # The process's one background saver (``api.background_saver``); loads below ``api`` (the shared reads, whose

@@ -17,6 +17,7 @@ from ..distributed import rank_and_world_size
 from ..errors import HfResumableError
 from ..format._jsonio import parse_json
 from ..format._safefile import read_regular_file
+from ._durability import is_durable
 from ._fs import claim, remove_dir, rename_noreplace
 from ._owner import OwnerTag, current_owner, owner_is_alive, parse_member_name
 from ._pins import hold_pin, pin, unpin
@@ -212,7 +213,8 @@ def apply_retention(
     """Delete old committed checkpoints, keeping the newest ``keep_last``, the best one and ``protect``.
 
     Call it only after the newest checkpoint has committed (the save functions do). It never deletes
-    the newest valid checkpoint, never touches directories without a valid manifest (they were written
+    the newest valid checkpoint whose files are known to be durable (a deferred save's are once its fsyncs are
+    done), never touches directories without a valid manifest (they were written
     by another tool, or by the user), orders by step (not mtime or string), removes by renaming first
     so a half-deleted directory never looks like a checkpoint, and keeps a checkpoint that a live
     reader in another process has pinned (see :func:`find_latest_checkpoint`).
@@ -237,6 +239,9 @@ def apply_retention(
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (the newest valid checkpoint is always kept), got {keep_last}.")
+    from .async_save import BACKGROUND_SAVER  # below this module in the import order
+
+    BACKGROUND_SAVER.wait_until_durable()  # this process's newest checkpoint counts once its fsyncs are done
     committed = []
     for step, path in list_checkpoints(root, pattern=pattern):
         try:
@@ -244,7 +249,10 @@ def apply_retention(
         except HfResumableError:
             continue
     keep = {path for _, path, _ in committed[-keep_last:]}
-    newest_valid = next((p for _, p, _ in reversed(committed) if verify_checkpoint(p, full=False).ok), None)
+    # the newest valid checkpoint whose files are known to be on the disk: a deferred save's is not until its fsyncs
+    # are done (_durability.py), and a crash before that may tear it
+    newest_valid = next((p for _, p, _ in reversed(committed)
+                         if is_durable(p) and verify_checkpoint(p, full=False).ok), None)
     if newest_valid is not None:
         keep.add(newest_valid)
     if best_metric is not None:

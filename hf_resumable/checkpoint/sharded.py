@@ -77,6 +77,7 @@ from ..format._jsonio import json_bytes
 from ..format.rng import RngState
 from ..format.sharding import build_index
 from ..format.state_codec import decode_state
+from ._durability import check_durability
 from ._fqn_state import model_state_dict, optimizer_state_dict
 from ._frozen import base_not_stored
 from ._frozen_sharded import check_frozen_sharded, split_frozen_sharded
@@ -144,7 +145,7 @@ from ._sharded_tensors import as_dtensors, into_sharded_tensors, optimizer_as_dt
 from ._step_gate import gated_optimizer, step_gate
 from ._validate import check_optimizer_document
 from ._writer import check_target, save_payload
-from .api import CheckpointInfo, background_saver, open_checkpoint, wait_for_pending_saves
+from .api import CheckpointInfo, background_saver, open_checkpoint, save_blocking, wait_for_pending_saves
 from .discovery import apply_retention
 from .manifest import Manifest
 from .verify import verify_checkpoint
@@ -410,6 +411,7 @@ def save_sharded_checkpoint(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     blocking: bool = True,
     standalone: bool = False,
+    durability: str = "deferred",
 ) -> CheckpointInfo:
     """Save a checkpoint in which every rank writes its own pieces of the model and optimizer, in parallel.
 
@@ -456,6 +458,9 @@ def save_sharded_checkpoint(
             PEFT base, a frozen embedding) too. By default they are recorded, not stored: ``frozen_base.json`` holds
             their names, dtypes, shapes and each saving rank's piece fingerprints, checked on load. ``hf_weights``
             checkpoints always store every weight.
+        durability (`str`, *optional*, defaults to `"deferred"`): when a blocking save's files are fsynced: after the
+            commit, on the saver's thread (``"deferred"``), or before it (``"immediate"``); as in
+            :func:`~hf_resumable.save_checkpoint`.
 
     Returns:
         `CheckpointInfo`: path, step and the committed manifest (``manifest=None`` while a non-blocking save is
@@ -474,6 +479,7 @@ def save_sharded_checkpoint(
     ```
     """
     target = Path(directory)
+    check_durability(durability)
     wait_for_pending_saves()
     rank, world_size = rank_and_world_size()
     if not is_distributed():  # fail before capturing anything (under torch.distributed step 1 tells every rank)
@@ -514,9 +520,8 @@ def save_sharded_checkpoint(
         if pieces.release is not None:  # whatever happens to the save, the optimizer's steps go on
             future.add_done_callback(lambda _: pieces.release())
         return CheckpointInfo(path=target, step=step)
-    manifest = save_payload(target, payload, step=step, metrics=dict(metrics or {}), overwrite=overwrite,
-                            prepare=prepare, finalize=pieces.finalize)
-    retention()
+    manifest = save_blocking(target, payload, step=step, metrics=dict(metrics or {}), overwrite=overwrite,
+                             durability=durability, after=retention, prepare=prepare, finalize=pieces.finalize)
     return CheckpointInfo(path=target, step=step, manifest=manifest)
 
 

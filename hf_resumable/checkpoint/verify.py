@@ -38,6 +38,7 @@ from ..format.safetensors_io import (
     record_of,
 )
 from ..format.sharding import parse_index
+from ._durability import needs_every_byte
 from ._model_files import model_weights_file, single_file_index
 from ._validate import check_training_state
 from .manifest import Manifest, read_manifest
@@ -178,7 +179,9 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, raise_
     the listed size, parses every safetensors header (catching truncation and bogus offsets), hashes
     every file up to ``QUICK_HASH_LIMIT`` (4 MiB), parses ``training_state.json`` (bounded) and checks its
     structure, and checks that each index refers only to listed shards holding the tensors it names (and that a
-    single ``model.safetensors``'s tied record parses).
+    single ``model.safetensors``'s tied record parses). A checkpoint committed before its files were fsynced
+    (durability ``"deferred"``) whose fsyncs never finished, written on another boot or machine, is always verified
+    fully: a crash may have torn it.
     Full mode reads every byte and checks every hash a record holds: the xxh3-128, plus the sha256 of records written
     before format version 2 (quick mode checks small files by their xxh3-128, or by the sha256 where it is the only
     hash). Each small file is read once: its header is parsed and its hash computed from the same bytes.
@@ -206,6 +209,10 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, raise_
     ```
     """
     directory = Path(directory)
+    if not full and needs_every_byte(directory):
+        logger.info("%s was committed before its files were fsynced, on another boot or machine than this one: a "
+                    "crash may have torn it, so every byte is verified.", directory)
+        full = True
     report = VerifyReport(path=str(directory), full=full)
     try:
         report.manifest = read_manifest(directory)

@@ -199,7 +199,7 @@ def notice_save_in_flight() -> Future | None:
     """The future of the notice checkpoint's background write, given the training loop's CPU priority from now on
     (it is the one checkpoint that must commit before SIGKILL); ``None`` when the save was blocking or is done."""
     saver = background_saver()
-    if not saver.in_flight:
+    if not saver.writing:
         return None
     saver.expedite()
     return saver.future

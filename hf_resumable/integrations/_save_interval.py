@@ -102,7 +102,7 @@ class AutoSaveInterval(TrainerCallback, ExportableState):
         self._last_save, self._measuring, self._expedited = state.global_step, 0.0, False
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        now, writing = time.perf_counter(), background_saver().in_flight
+        now, writing = time.perf_counter(), background_saver().writing
         if self._last_end is not None:
             self._measure(now - self._last_end, writing)
         self._last_end = now

@@ -844,8 +844,11 @@ class ResumableAccelerator(Accelerator):
             self._uploader.wait()  # never replace a checkpoint while it is being uploaded
         blocking = not self.resume_options.save_async if blocking is None else blocking
         save = save_sharded_checkpoint if self._saves_pieces() else save_checkpoint  # FSDP2: every rank its pieces
+        # Retention runs right after save_state, as accelerate's total_limit does (upstream's tests count the
+        # entries): it may then delete the previous checkpoint, so this one's files are fsynced before its commit.
+        durability = "immediate" if self._retains(mode) else "deferred"
         save(target, **self._capture(), step=self.global_step, overwrite=mode != _NAMING_AUTOMATIC,
-             blocking=blocking, standalone=self.resume_options.standalone_checkpoints)
+             blocking=blocking, standalone=self.resume_options.standalone_checkpoints, durability=durability)
         if fingerprint is not None:
             self._committed = {target: fingerprint}  # steps only grow: only the newest can be met again
         if mode == _NAMING_AUTOMATIC:
@@ -894,6 +897,10 @@ class ResumableAccelerator(Accelerator):
             return self.project_configuration.total_limit
         return None if self.project_configuration.automatic_checkpoint_naming else DEFAULT_KEEP_LAST
 
+    def _retains(self, mode: str) -> bool:
+        """Whether a save of this naming ``mode`` is followed by retention."""
+        return mode != _NAMING_EXPLICIT and self._keep() is not None
+
     def _pending_uploads(self) -> set[Path]:
         """Local checkpoints whose upload is not confirmed yet (resolved paths)."""
         return {Path(path).resolve() for path in self._uploader.pending()} if self._uploader is not None else set()
@@ -903,7 +910,7 @@ class ResumableAccelerator(Accelerator):
         if self._uploader is not None:
             self._uploader.submit(target)
         keep = self._keep()
-        if mode == _NAMING_EXPLICIT or keep is None or not self.is_main_process:
+        if not self._retains(mode) or not self.is_main_process:
             return
         pattern = AUTOMATIC_CHECKPOINT_RE if mode == _NAMING_AUTOMATIC else CHECKPOINT_DIR_RE
         # In the foreground, as accelerate's own total_limit: upstream's tests count the entries of the directory.

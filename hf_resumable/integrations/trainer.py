@@ -890,7 +890,8 @@ class ResumableTrainer(Trainer):
             processing_class=self.processing_class or getattr(self.data_collator, "tokenizer", None), overwrite=True,
             standalone=self.resume_options.standalone_checkpoints, blocking=blocking)
         conversion = self._conversion_to_drop()
-        self._commits.attach(None if blocking else background_saver().future,
+        saver = background_saver()  # a blocking save's fsyncs may still run there (durability "deferred")
+        self._commits.attach(saver.future if not blocking or saver.in_flight else None,
                              lambda: self._after_commit(output_dir, run_dir, conversion))
 
     def _after_commit(self, checkpoint: Path, run_dir: Path, conversion: Path | None) -> None:

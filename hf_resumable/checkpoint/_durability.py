@@ -1,0 +1,178 @@
+"""Deferred durability: a blocking save commits once its files are in the page cache; the fsyncs follow.
+
+Stock savers (``torch.save`` under DeepSpeed's ``save_checkpoint``, accelerate's ``save_state``) never fsync. Ours
+did, before the commit, so a blocking save waited for the disk. With durability ``"deferred"`` (the blocking
+saves' default) it waits only for the page cache:
+
+1. Every rank writes its files without fsync. Before the rename, rank 0 writes :data:`SYNC_PENDING_FILE` (the
+   writer's boot id) into the temp dir, fsynced with the directory, so that whatever of the checkpoint reaches the
+   disk, the marker is there too.
+2. The rename commits the checkpoint, as before; the call returns.
+3. On the saver thread (:mod:`.async_save`), every rank fsyncs the files it wrote; once all have, rank 0 fsyncs the
+   directories, removes the marker and fsyncs the checkpoint directory and its parent (:func:`make_durable`).
+
+What each failure then costs (docs/architecture.md, "Deferred durability"):
+
+- **The process dies** (SIGKILL, OOM, preemption of the job) at any moment after the rename: the kernel still has
+  every byte, readers on this machine see them, and the kernel writes them back by itself. Nothing is lost; a
+  save that fsynced first would have lost this checkpoint.
+- **The machine dies** (power, kernel crash) before step 3 ends: the marker names another boot than the reader's,
+  so :func:`needs_every_byte` makes quick verification hash every byte; a torn checkpoint is skipped and the
+  previous one is used. Retention never deletes the newest checkpoint without a marker (:func:`is_durable`), so
+  that one is always there.
+- **An fsync fails** (EIO, ENOSPC on a filesystem that reports it late): the marker stays, so the checkpoint
+  never counts as durable, and the error is raised at the next save or wait.
+
+Overwrites (a checkpoint replaced in place) and systems without a boot id fsync before the commit, as before.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ..constants import SYNC_PENDING_FILE
+from ..distributed import all_gather_json, broadcast_json, rank_and_world_size
+from ..format._jsonio import json_bytes, parse_json
+from ._fs import fsync_dir, fsync_tree, write_bytes_durably
+
+logger = logging.getLogger(__name__)
+
+DURABILITY_MODES = ("deferred", "immediate")
+_BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+_MAX_MARKER_BYTES = 4096
+
+
+@functools.cache
+def boot_id() -> str | None:
+    """This machine's boot id (Linux), or ``None`` where there is none: deferral is then off."""
+    try:
+        with open(_BOOT_ID_FILE, encoding="ascii") as f:
+            value = f.read(64).strip()
+    except OSError:
+        return None
+    return value or None
+
+
+def check_durability(durability: str) -> str:
+    """``durability`` if it is one of :data:`DURABILITY_MODES`.
+
+    Raises:
+        ValueError: naming the accepted values.
+    """
+    if durability not in DURABILITY_MODES:
+        raise ValueError(f"durability must be one of {', '.join(map(repr, DURABILITY_MODES))}, got {durability!r}: "
+                         "'deferred' commits once the files are written and fsyncs them on the saver's thread, "
+                         "'immediate' fsyncs every file before the commit.")
+    return durability
+
+
+def mark_pending(tmp: Path) -> None:
+    """Write the marker (this boot's id) into the temp dir ``tmp`` and make it durable with the directory entry."""
+    write_bytes_durably(tmp / SYNC_PENDING_FILE, json_bytes({"boot_id": boot_id()}))
+    fsync_dir(tmp)
+
+
+def pending_boot(directory: str | os.PathLike) -> str | None:
+    """The boot id of a checkpoint whose durability is not confirmed yet: ``None`` if it is durable (no marker),
+    ``""`` if the marker cannot be read (then no boot is trusted)."""
+    path = Path(directory) / SYNC_PENDING_FILE
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_MARKER_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return ""
+    try:
+        document = parse_json(raw[:_MAX_MARKER_BYTES], source=str(path))
+    except Exception:  # noqa: BLE001 - a torn or crafted marker: trust no boot
+        return ""
+    value = document.get("boot_id") if isinstance(document, dict) else None
+    return value if isinstance(value, str) else ""
+
+
+def is_durable(directory: str | os.PathLike) -> bool:
+    """Whether every file of the committed ``directory`` is known to be on the disk (no marker)."""
+    return pending_boot(directory) is None
+
+
+def needs_every_byte(directory: str | os.PathLike) -> bool:
+    """Whether a reader must hash every byte of ``directory`` before trusting it: its durability was never confirmed
+    and it was written before this machine's last boot (or on another machine), so a crash may have torn it."""
+    pending = pending_boot(directory)
+    return pending is not None and (not pending or pending != boot_id())
+
+
+def make_durable(target: Path, written: Iterable[str], *, group: Any = None) -> None:
+    """Step 3 of a deferred save (collective over ``group``): fsync the files this rank wrote; once every rank has,
+    rank 0 fsyncs the directories, removes the marker and fsyncs ``target`` and its parent.
+
+    Files that are gone or are no longer regular files (somebody removed or replaced the checkpoint meanwhile) are
+    skipped with a WARNING: there is nothing of ours left to make durable, and the marker (if the directory is still
+    there) stays, so the checkpoint never counts as durable.
+
+    Raises:
+        OSError: this rank's fsync failed (its errno kept); RuntimeError: another rank's did. The marker stays.
+    """
+    error, changed = None, []
+    try:
+        for relpath in written:
+            if not _fsync_file(target / relpath):
+                changed.append(relpath)
+    except OSError as err:
+        error = err
+    gathered = all_gather_json({"error": None if error is None else f"{type(error).__name__}: {error}",
+                                "changed": changed}, group=group)
+    if error is not None:
+        raise error
+    failed = [entry["error"] for entry in gathered if entry["error"] is not None]
+    if failed:
+        raise RuntimeError(f"making {target} durable failed on another rank: {failed[0]}")
+    changed = [relpath for entry in gathered for relpath in entry["changed"]]
+    outcome = None
+    if changed:
+        logger.warning("%s changed before its files were fsynced (%s removed or replaced); it is left as it is and "
+                       "does not count as durable.", target, ", ".join(changed[:3]))
+    elif rank_and_world_size()[0] == 0:
+        try:
+            fsync_tree(target)
+            os.unlink(target / SYNC_PENDING_FILE)
+            fsync_dir(target)
+            fsync_dir(target.parent)
+        except FileNotFoundError:
+            logger.warning("%s was removed before its files were fsynced.", target)
+        except OSError as err:
+            error, outcome = err, f"{type(err).__name__}: {err}"
+    outcome = broadcast_json(outcome, group=group)  # every rank raises alike
+    if error is not None:
+        raise error
+    if outcome is not None:
+        raise RuntimeError(f"making {target} durable failed on rank 0: {outcome}")
+    logger.debug("%s is durable", target)
+
+
+def _fsync_file(path: Path) -> bool:
+    """fsync the regular file ``path``; ``False`` if it is gone or is something else now (never blocks on a FIFO,
+    never follows a link)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # a symbolic link now
+            return False
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        os.fsync(fd)
+        return True
+    finally:
+        os.close(fd)
