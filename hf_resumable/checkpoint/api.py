@@ -86,11 +86,12 @@ def saves_async(save_async: bool | None) -> bool:
 
 
 def wait_for_pending_saves() -> None:
-    """Block until the in-flight async save has committed, and the checkpoints retention removed in the background
-    are deleted from disk.
+    """Block until the in-flight async save has committed (or a blocking save's deferred fsyncs are done), and the
+    checkpoints retention removed in the background are deleted from disk.
 
     Raises:
-        AsyncSaveError: if that save failed (the previous checkpoint is untouched).
+        AsyncSaveError: if that save failed (the previous checkpoint is untouched), or the fsyncs did (the checkpoint
+            is committed but never counts as durable).
     """
     try:
         _ASYNC.wait()

@@ -90,10 +90,10 @@ def main() -> int:
 
         original_rng = _writer.save_rng_state
 
-        def rng_then_die(path, state):
+        def rng_then_die(path, state, **kwargs):
             if f"checkpoint-{args.kill_at}" in str(path):
                 die()
-            return original_rng(path, state)
+            return original_rng(path, state, **kwargs)
 
         _writer.write_safetensors = write_then_die
         _writer.save_rng_state = rng_then_die

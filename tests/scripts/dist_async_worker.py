@@ -110,13 +110,13 @@ def sabotage(mode: str, rank: int) -> None:
     """
     original = _writer.save_rng_state
 
-    def write(path, state):
+    def write(path, state, **kwargs):
         if rank == 1 and ".tmp-checkpoint-4" in str(path):
             if mode == "kill":
                 Path(path).write_bytes(b"partial")
                 os.kill(os.getpid(), signal.SIGKILL)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        return original(path, state)
+        return original(path, state, **kwargs)
 
     _writer.save_rng_state = write
 
@@ -125,10 +125,10 @@ def sabotage_layout(rank: int) -> None:
     """Make rank 0's write of the step-4 save's layout fail (ENOSPC), after every rank's files are durable."""
     original = _writer.write_bytes_durably
 
-    def write(path, data):
+    def write(path, data, **kwargs):
         if rank == 0 and Path(path).name == "sharded_layout.json" and ".tmp-checkpoint-4" in str(path):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        return original(path, data)
+        return original(path, data, **kwargs)
 
     _writer.write_bytes_durably = write
 

@@ -262,7 +262,12 @@ class SaveRecorder(TrainerCallback):
         self.in_flight: list[int] = []
 
     def on_save(self, args, state, control, **kwargs):
-        if getattr(getattr(self.trainer, "_commits", None), "pending", False):  # the stock Trainer has none
+        from hf_resumable.checkpoint.api import background_saver
+        from hf_resumable.checkpoint.async_save import _SaveJob
+
+        # the stock Trainer has no _commits; a blocking save's follow-ups wait for its deferred fsyncs, not a write
+        if getattr(getattr(self.trainer, "_commits", None), "pending", False) and isinstance(
+                background_saver()._job, _SaveJob):
             self.in_flight.append(state.global_step)
 
 
