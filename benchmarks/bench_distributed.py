@@ -8,7 +8,8 @@ For a Llama-shaped model + AdamW state (about 350 MB by default), measured in th
 - the same with ``hf_weights=True`` (weights all-gathered and written whole as 50 MB HF shards, round robin),
 - ``save_checkpoint`` (the regular single-writer format) by 1 process, for reference.
 
-Each save is timed from a barrier to its return (manifest committed, every file fsynced). The writers
+Each save is timed from a barrier to its return (manifest committed, every file fsynced: these modes save with
+``durability="immediate"``, as the raw writes and DCP they are compared with fsync). The writers
 run in ``--rounds`` interleaved rounds (the load of a shared machine drifts), each doing a warm-up save
 and ``--repeats`` timed ones; medians are reported. Page caches are dropped before every write when the
 process may write ``/proc/sys/vm/drop_caches``. Ranks are plain subprocesses with the ``torchrun``
@@ -147,11 +148,11 @@ def worker(mode: str, root: Path, repeats: int, hidden: int, out: Path) -> None:
     optimizer = prime_optimizer(model)
     if mode == "regular-1":
         def writer(path: Path) -> None:
-            save_checkpoint(path, model=model, optimizer=optimizer, step=0)
+            save_checkpoint(path, model=model, optimizer=optimizer, step=0, durability="immediate")
     else:
         def writer(path: Path) -> None:
             save_sharded_checkpoint(path, model=model, optimizer=optimizer, step=0, hf_weights=mode == "sharded-hf-2",
-                                    max_shard_size="50MB")
+                                    max_shard_size="50MB", durability="immediate")
     seconds, size = time_saves(writer, root, repeats + 1, rank=rank)
     seconds = seconds[1:]  # the first save pays one-time costs (first touch of buffers, imports)
     if rank == 0:
@@ -215,11 +216,13 @@ def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
     replica_optimizer = prime_optimizer(replica)
 
     def ours(path: Path, blocking: bool):
-        save_sharded_checkpoint(path, model=model, optimizer=optimizer, step=0, blocking=blocking)
+        save_sharded_checkpoint(path, model=model, optimizer=optimizer, step=0, blocking=blocking,
+                                durability="immediate")
         return wait_for_pending_saves
 
     def ours_ddp(path: Path, blocking: bool):
-        save_checkpoint(path, model=replica, optimizer=replica_optimizer, step=0, blocking=blocking)
+        save_checkpoint(path, model=replica, optimizer=replica_optimizer, step=0, blocking=blocking,
+                        durability="immediate")
         return wait_for_pending_saves
 
     def theirs(path: Path, blocking: bool):
@@ -364,7 +367,8 @@ def replicated_worker(root: Path, repeats: int, hidden: int, max_shard_size: str
             dist.barrier()
             phases.clear()
             cpu, start = _cpu_seconds(), time.perf_counter()
-            save_checkpoint(path, model=model, optimizer=optimizer, step=0, max_shard_size=max_shard_size)
+            save_checkpoint(path, model=model, optimizer=optimizer, step=0, max_shard_size=max_shard_size,
+                            durability="immediate")
             seconds = time.perf_counter() - start
             dist.barrier()
             if i:
