@@ -4,9 +4,9 @@ Stock savers (``torch.save`` under DeepSpeed's ``save_checkpoint``, accelerate's
 did, before the commit, so a blocking save waited for the disk. With durability ``"deferred"`` (the blocking
 saves' default) it waits only for the page cache:
 
-1. When it creates the temp dir (step 1 of the commit, while the disk is idle), rank 0 writes
-   :data:`SYNC_PENDING_FILE` (the writer's boot id) into it, fsynced with the directory, so that whatever of the
-   checkpoint reaches the disk, the marker is there too. Every rank writes its files without fsync.
+1. Every rank writes its files without fsync. Before the rename, rank 0 writes :data:`SYNC_PENDING_FILE` (the
+   writer's boot id) into the temp dir, fsynced with the directory, so that whatever of the checkpoint reaches the
+   disk, the marker is there too.
 2. The rename commits the checkpoint, as before; the call returns.
 3. On the saver thread (:mod:`.async_save`), every rank fsyncs the files it wrote; once all have, rank 0 fsyncs the
    directories, removes the marker and fsyncs the checkpoint directory and its parent (:func:`make_durable`).

@@ -213,8 +213,7 @@ class SaveStart:
     deferrable: bool = False
 
 
-def begin_save(target: Path, *, overwrite: bool, group: Any = None, signature: str | None = None,
-               mark: bool = False) -> SaveStart:
+def begin_save(target: Path, *, overwrite: bool, group: Any = None, signature: str | None = None) -> SaveStart:
     """Step 1 of the commit protocol (collective over ``group`` under torch.distributed).
 
     Rank 0 checks the target (only an empty dir or our own checkpoint may be replaced) and creates the temp
@@ -222,9 +221,7 @@ def begin_save(target: Path, *, overwrite: bool, group: Any = None, signature: s
     learns its name, or rank 0's error (raised on every rank, with its type). Every rank first releases its
     reader pin on the target's parent (``find_latest_checkpoint``'s), so that none is left if the save fails.
     The same exchange carries every rank's ``signature`` (``_replicas.replica_signature`` of its payload): the
-    replicated files are split across the ranks only if all are the same. With ``mark`` (a save that may defer its
-    fsyncs), rank 0 writes the marker of ``_durability.py`` into a new target's temp dir now, while the disk is
-    idle: its fsync, and the directory's, would otherwise wait behind the writeback of the files just written.
+    replicated files are split across the ranks only if all are the same.
     """
     distributed = is_distributed()
     rank, _ = rank_and_world_size()
@@ -234,8 +231,6 @@ def begin_save(target: Path, *, overwrite: bool, group: Any = None, signature: s
         try:
             replaces = check_target(target, overwrite=overwrite)
             tmp = create_temp_dir(target)
-            if mark and replaces is None and boot_id() is not None:
-                mark_pending(tmp)
         except Exception as err:
             if not distributed:
                 raise
@@ -266,10 +261,9 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
     manifest, and every rank learns their records in step 5.
 
     ``sync_later(target, written)``, if given, makes the save deferred where it may be (``start.deferrable``: a new
-    target): no file is fsynced before the commit, the marker of ``_durability.py`` is durable before the rename
-    (written in step 1, see :func:`begin_save`), and every rank hands the files it wrote (relative paths) to
-    ``sync_later`` once the commit is known; it fsyncs them later (``_durability.make_durable``). Otherwise every file
-    is fsynced before the commit.
+    target): no file is fsynced before the commit, rank 0 writes the marker of ``_durability.py`` before the rename,
+    and every rank hands the files it wrote (relative paths) to ``sync_later`` once the commit is known; it fsyncs
+    them later (``_durability.make_durable``). Otherwise every file is fsynced before the commit.
     """
     began = time.perf_counter()
     distributed = is_distributed()
@@ -318,11 +312,9 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
                     late[relpath] = write_bytes_durably(tmp / relpath, data, fsync=not deferred)
             manifest = Manifest(files={**files, **late}, step=step, world_size=world_size,
                                 metrics=dict(metrics or {}))
-            if not deferred:  # a marker step 1 wrote for nothing (another rank has no boot id): gone before the fsyncs
-                (tmp / SYNC_PENDING_FILE).unlink(missing_ok=True)
-            elif not (tmp / SYNC_PENDING_FILE).exists():  # step 1 ran without mark=True: durable before the rename
-                mark_pending(tmp)
             write_bytes_durably(tmp / MANIFEST_FILE, manifest.to_json(), fsync=not deferred)
+            if deferred:  # durable before the rename: whatever of the checkpoint reaches the disk, the marker does
+                mark_pending(tmp)
             commit_dir(tmp, target, replaces=start.replaces, sync=not deferred)
         except BaseException as err:
             discard(tmp)
@@ -359,7 +351,7 @@ def save_payload(target: Path, payload: Payload, *, step: int | None, metrics: d
     see :func:`finish_save`). Errors keep their type (an ``OSError`` keeps its errno) on the rank where they happened;
     the other ranks raise the same kind.
     """
-    start = begin_save(target, overwrite=overwrite, signature=replica_signature(payload), mark=sync_later is not None)
+    start = begin_save(target, overwrite=overwrite, signature=replica_signature(payload))
     return finish_save(start, payload, step=step, metrics=metrics, prepare=prepare, finalize=finalize,
                        sync_later=sync_later)
 
