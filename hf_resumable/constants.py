@@ -89,9 +89,11 @@ LAYOUT_KEY_OPTIMIZER = "optimizer"  # section for optimizer tensors, or null
 LAYOUT_KEY_OPTIMIZER_DOC = "optimizer_document"  # {"class", "param_groups", "non_tensor_state"} or null
 # Written last; its presence (and validity) is what makes a directory a committed checkpoint.
 MANIFEST_FILE = "manifest.json"
-# Inside a checkpoint committed before its files reached the disk (durability "deferred"): the writer's boot id. It is
-# removed once every file is fsynced; a reader on another boot verifies every byte while it is there.
-SYNC_PENDING_FILE = ".sync-pending"
+# Inside a checkpoint committed before its files reached the disk (durability "deferred"): the writer's boot id, and
+# whether every file has been fsynced since ({"boot_id": ..., "durable": false, then true, replaced atomically, never
+# removed, so that a copy of the directory made meanwhile never finds it gone). A reader on another boot verifies every
+# byte of a checkpoint whose record says not durable.
+DURABILITY_FILE = ".durability"
 
 # Directory naming. "checkpoint-<step>" keeps transformers' get_last_checkpoint regex working.
 CHECKPOINT_PREFIX = "checkpoint-"

@@ -17,7 +17,7 @@ from hf_resumable.checkpoint import (
     verify_checkpoint,
     wait_for_pending_saves,
 )
-from hf_resumable.constants import MANIFEST_FILE, MODEL_INDEX_FILE
+from hf_resumable.constants import DURABILITY_FILE, MANIFEST_FILE, MODEL_INDEX_FILE
 from hf_resumable.errors import (
     BaseMismatchError,
     CheckpointExistsError,
@@ -168,7 +168,7 @@ def test_manifest_lists_every_file_with_hashes(tmp_path):
     wait_for_pending_saves()  # the deferred fsyncs: until they are done, the durability marker is there too
     manifest = read_manifest(tmp_path / "c")
     on_disk = {p.relative_to(tmp_path / "c").as_posix() for p in (tmp_path / "c").rglob("*") if p.is_file()}
-    assert set(manifest.files) == on_disk - {MANIFEST_FILE}
+    assert set(manifest.files) == on_disk - {MANIFEST_FILE, DURABILITY_FILE}  # the durability record: not listed
     for rel, record in manifest.files.items():
         data = (tmp_path / "c" / rel).read_bytes()
         assert record.size == len(data) and record.xxh3_128 == xxhash.xxh3_128(data).hexdigest()

@@ -25,7 +25,7 @@ from hf_resumable.checkpoint import (
     verify_checkpoint,
     wait_for_pending_saves,
 )
-from hf_resumable.constants import SYNC_PENDING_FILE
+from hf_resumable.constants import DURABILITY_FILE
 from hf_resumable.errors import AsyncSaveError
 
 
@@ -81,10 +81,11 @@ def test_a_blocking_save_commits_before_its_fsyncs_which_follow_on_the_saver_thr
     files = len(verify_checkpoint(target).manifest.files)
     assert fsyncs.count == 2  # the marker and its directory entry, before the rename; no data file
     release.set()
-    assert json.loads((target / SYNC_PENDING_FILE).read_text()) == {"boot_id": _durability.boot_id()}
+    assert json.loads((target / DURABILITY_FILE).read_text()) == {"boot_id": _durability.boot_id(), "durable": False}
     assert not _durability.is_durable(target) and not _durability.needs_every_byte(target)
     wait_for_pending_saves()
-    assert not (target / SYNC_PENDING_FILE).exists() and _durability.is_durable(target)
+    assert json.loads((target / DURABILITY_FILE).read_text())["durable"] is True and _durability.is_durable(target)
+    assert not [p for p in tmp_path.iterdir() if p.name != "checkpoint-1"]  # the staged record was renamed in
     assert fsyncs.count == 2 and fsyncs.saver >= files + 1  # every file (manifest included), then the directories
 
 
@@ -93,7 +94,7 @@ def test_immediate_durability_fsyncs_every_file_before_the_commit(tmp_path, monk
     target = tmp_path / "checkpoint-1"
     save_checkpoint(target, model=_model(1.0), step=1, durability="immediate")
     assert fsyncs.total >= len(verify_checkpoint(target).manifest.files) + 1 and fsyncs.saver == 0
-    assert not (target / SYNC_PENDING_FILE).exists()
+    assert not (target / DURABILITY_FILE).exists()
 
 
 def test_an_overwrite_is_always_immediate(tmp_path):
@@ -101,7 +102,24 @@ def test_an_overwrite_is_always_immediate(tmp_path):
     save_checkpoint(target, model=_model(1.0), step=1)
     wait_for_pending_saves()
     save_checkpoint(target, model=_model(2.0), step=1, overwrite=True)  # the old one is gone at the rename
-    assert not (target / SYNC_PENDING_FILE).exists()
+    assert not (target / DURABILITY_FILE).exists()
+
+
+def test_a_copy_made_while_the_fsyncs_run_finds_every_file(tmp_path, monkeypatch):
+    """The record is replaced, never removed: shutil.copytree of a checkpoint right after the call (a user's backup)
+    never lists a file that is gone when it copies it."""
+    import shutil
+
+    release = _hold_fsyncs(monkeypatch)
+    target = tmp_path / "checkpoint-1"
+    save_checkpoint(target, model=_model(1.0), step=1)
+    names = sorted(os.listdir(target))
+    release.set()
+    for attempt in range(20):  # races the fsyncs and the record's replacement
+        shutil.copytree(target, tmp_path / f"copy-{attempt}")
+    wait_for_pending_saves()
+    assert sorted(os.listdir(target)) == names and _durability.is_durable(target)
+    assert verify_checkpoint(tmp_path / "copy-19", full=True).ok
 
 
 def test_an_unknown_durability_is_refused_before_anything_is_written(tmp_path):
@@ -120,7 +138,7 @@ def _torn(directory: Path) -> None:
 
 def _pending(directory: Path, boot: str) -> None:
     """A checkpoint whose fsyncs never finished, written on boot ``boot``."""
-    (directory / SYNC_PENDING_FILE).write_text(json.dumps({"boot_id": boot}))
+    (directory / DURABILITY_FILE).write_text(json.dumps({"boot_id": boot, "durable": False}))
 
 
 def test_after_a_machine_crash_an_unconfirmed_checkpoint_is_verified_byte_for_byte(tmp_path, monkeypatch):
@@ -137,7 +155,7 @@ def test_after_a_machine_crash_an_unconfirmed_checkpoint_is_verified_byte_for_by
     _pending(newest, "another-boot")
     assert verify_checkpoint(newest, full=False).full
     assert find_latest_checkpoint(tmp_path) == tmp_path / "checkpoint-1"
-    (newest / SYNC_PENDING_FILE).write_bytes(b"\x00" * 7)  # a torn marker trusts no boot
+    (newest / DURABILITY_FILE).write_bytes(b"\x00" * 7)  # a torn marker trusts no boot
     assert _durability.needs_every_byte(newest)
     assert find_latest_checkpoint(tmp_path) == tmp_path / "checkpoint-1"
 
@@ -149,7 +167,8 @@ def test_retention_never_deletes_the_newest_durable_checkpoint(tmp_path):
     _pending(tmp_path / "checkpoint-2", _durability.boot_id())  # another process's, still being fsynced
     assert apply_retention(tmp_path, keep_last=1) == []
     assert [s for s, _ in list_checkpoints(tmp_path)] == [1, 2]
-    (tmp_path / "checkpoint-2" / SYNC_PENDING_FILE).unlink()  # its fsyncs are done
+    _pending(tmp_path / "checkpoint-2", _durability.boot_id())
+    (tmp_path / "checkpoint-2" / DURABILITY_FILE).write_text(json.dumps({"durable": True}))  # its fsyncs are done
     assert apply_retention(tmp_path, keep_last=1) == [tmp_path / "checkpoint-1"]
 
 
@@ -205,7 +224,7 @@ def test_a_process_killed_right_after_a_deferred_save_loses_nothing(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
     assert result.returncode == -signal.SIGKILL, result.stderr.decode()[-2000:]
     target = tmp_path / "checkpoint-7"
-    assert (target / SYNC_PENDING_FILE).exists()
+    assert (target / DURABILITY_FILE).exists()
     assert find_latest_checkpoint(tmp_path) == target
     assert verify_checkpoint(target, full=True).ok
     fresh = torch.nn.Linear(256, 256)

@@ -4,24 +4,25 @@ Stock savers (``torch.save`` under DeepSpeed's ``save_checkpoint``, accelerate's
 did, before the commit, so a blocking save waited for the disk. With durability ``"deferred"`` (the blocking
 saves' default) it waits only for the page cache:
 
-1. Every rank writes its files without fsync. Before the rename, rank 0 writes :data:`SYNC_PENDING_FILE` (the
+1. Every rank writes its files without fsync. Before the rename, rank 0 writes :data:`DURABILITY_FILE` (the
    writer's boot id) into the temp dir, fsynced with the directory, so that whatever of the checkpoint reaches the
-   disk, the marker is there too.
+   disk, the record is there too.
 2. The rename commits the checkpoint, as before; the call returns.
 3. On the saver thread (:mod:`.async_save`), every rank fsyncs the files it wrote; once all have, rank 0 fsyncs the
-   directories, removes the marker and fsyncs the checkpoint directory and its parent (:func:`make_durable`).
+   directories, replaces the record with one that says durable (atomically, never removed: a copy of the directory
+   made meanwhile never finds it gone) and fsyncs the checkpoint directory and its parent (:func:`make_durable`).
 
 What each failure then costs (docs/architecture.md, "Deferred durability"):
 
 - **The process dies** (SIGKILL, OOM, preemption of the job) at any moment after the rename: the kernel still has
   every byte, readers on this machine see them, and the kernel writes them back by itself. Nothing is lost; a
   save that fsynced first would have lost this checkpoint.
-- **The machine dies** (power, kernel crash) before step 3 ends: the marker names another boot than the reader's,
-  so :func:`needs_every_byte` makes quick verification hash every byte; a torn checkpoint is skipped and the
-  previous one is used. Retention never deletes the newest checkpoint without a marker (:func:`is_durable`), so
+- **The machine dies** (power, kernel crash) before step 3 ends: the record names another boot than the reader's
+  and says not durable, so :func:`needs_every_byte` makes quick verification hash every byte; a torn checkpoint is
+  skipped and the previous one is used. Retention never deletes the newest durable checkpoint (:func:`is_durable`), so
   that one is always there.
-- **An fsync fails** (EIO, ENOSPC on a filesystem that reports it late): the marker stays, so the checkpoint
-  never counts as durable, and the error is raised at the next save or wait.
+- **An fsync fails** (EIO, ENOSPC on a filesystem that reports it late): the record keeps saying not durable, so
+  the checkpoint never counts as durable, and the error is raised at the next save or wait.
 
 Overwrites (a checkpoint replaced in place) and systems without a boot id fsync before the commit, as before.
 """
@@ -37,10 +38,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..constants import SYNC_PENDING_FILE
+from ..constants import DURABILITY_FILE, TMP_PREFIX
 from ..distributed import all_gather_json, broadcast_json, rank_and_world_size
 from ..format._jsonio import json_bytes, parse_json
 from ._fs import fsync_dir, fsync_tree, write_bytes_durably
+from ._owner import member_name
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +76,15 @@ def check_durability(durability: str) -> str:
 
 
 def mark_pending(tmp: Path) -> None:
-    """Write the marker (this boot's id) into the temp dir ``tmp`` and make it durable with the directory entry."""
-    write_bytes_durably(tmp / SYNC_PENDING_FILE, json_bytes({"boot_id": boot_id()}))
+    """Write the record (this boot's id, not durable) into the temp dir ``tmp``; fsync it and the directory entry."""
+    write_bytes_durably(tmp / DURABILITY_FILE, json_bytes({"boot_id": boot_id(), "durable": False}))
     fsync_dir(tmp)
 
 
 def pending_boot(directory: str | os.PathLike) -> str | None:
-    """The boot id of a checkpoint whose durability is not confirmed yet: ``None`` if it is durable (no marker),
-    ``""`` if the marker cannot be read (then no boot is trusted)."""
-    path = Path(directory) / SYNC_PENDING_FILE
+    """The boot id of a checkpoint whose durability is not confirmed yet: ``None`` if it is durable (no record: an
+    immediate save's, or one that says durable), ``""`` if the record cannot be read (then no boot is trusted)."""
+    path = Path(directory) / DURABILITY_FILE
     try:
         with open(path, "rb") as f:
             raw = f.read(_MAX_MARKER_BYTES + 1)
@@ -92,14 +94,18 @@ def pending_boot(directory: str | os.PathLike) -> str | None:
         return ""
     try:
         document = parse_json(raw[:_MAX_MARKER_BYTES], source=str(path))
-    except Exception:  # noqa: BLE001 - a torn or crafted marker: trust no boot
+    except Exception:  # noqa: BLE001 - a torn or crafted record: trust no boot
         return ""
-    value = document.get("boot_id") if isinstance(document, dict) else None
+    if not isinstance(document, dict):
+        return ""
+    if document.get("durable") is True:
+        return None
+    value = document.get("boot_id")
     return value if isinstance(value, str) else ""
 
 
 def is_durable(directory: str | os.PathLike) -> bool:
-    """Whether every file of the committed ``directory`` is known to be on the disk (no marker)."""
+    """Whether every file of the committed ``directory`` is known to be on the disk."""
     return pending_boot(directory) is None
 
 
@@ -112,14 +118,15 @@ def needs_every_byte(directory: str | os.PathLike) -> bool:
 
 def make_durable(target: Path, written: Iterable[str], *, group: Any = None) -> None:
     """Step 3 of a deferred save (collective over ``group``): fsync the files this rank wrote; once every rank has,
-    rank 0 fsyncs the directories, removes the marker and fsyncs ``target`` and its parent.
+    rank 0 fsyncs the directories, records ``target`` durable and fsyncs it and its parent.
 
     Files that are gone or are no longer regular files (somebody removed or replaced the checkpoint meanwhile) are
-    skipped with a WARNING: there is nothing of ours left to make durable, and the marker (if the directory is still
-    there) stays, so the checkpoint never counts as durable.
+    skipped with a WARNING: there is nothing of ours left to make durable, and the record (if the directory is still
+    there) keeps saying not durable, so the checkpoint never counts as durable.
 
     Raises:
-        OSError: this rank's fsync failed (its errno kept); RuntimeError: another rank's did. The marker stays.
+        OSError: this rank's fsync failed (its errno kept); RuntimeError: another rank's did. The record still says
+        not durable.
     """
     error, changed = None, []
     try:
@@ -143,8 +150,7 @@ def make_durable(target: Path, written: Iterable[str], *, group: Any = None) -> 
     elif rank_and_world_size()[0] == 0:
         try:
             fsync_tree(target)
-            os.unlink(target / SYNC_PENDING_FILE)
-            fsync_dir(target)
+            _record_durable(target)
             fsync_dir(target.parent)
         except FileNotFoundError:
             logger.warning("%s was removed before its files were fsynced.", target)
@@ -156,6 +162,23 @@ def make_durable(target: Path, written: Iterable[str], *, group: Any = None) -> 
     if outcome is not None:
         raise RuntimeError(f"making {target} durable failed on rank 0: {outcome}")
     logger.debug("%s is durable", target)
+
+
+def _record_durable(target: Path) -> None:
+    """Replace ``target``'s record with one that says durable, atomically: written under an owned name beside
+    ``target`` (never a transient name inside it, which a concurrent copy could list and then miss), fsynced, renamed
+    over the record, the directory fsynced. The record is never removed, so a copy of the checkpoint made meanwhile
+    never finds it gone."""
+    if not (target / DURABILITY_FILE).exists():
+        raise FileNotFoundError(errno.ENOENT, "no durability record", str(target / DURABILITY_FILE))
+    staged = target.parent / member_name(TMP_PREFIX, f"{target.name}{DURABILITY_FILE}")
+    write_bytes_durably(staged, json_bytes({"boot_id": boot_id(), "durable": True}))
+    try:
+        os.replace(staged, target / DURABILITY_FILE)
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
+    fsync_dir(target)
 
 
 def _fsync_file(path: Path) -> bool:

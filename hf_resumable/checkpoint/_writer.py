@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import trace
-from ..constants import MANIFEST_FILE, STOCK_ACCELERATE_FILES_RE, SYNC_PENDING_FILE
+from ..constants import DURABILITY_FILE, MANIFEST_FILE, STOCK_ACCELERATE_FILES_RE
 from ..distributed import (
     all_gather_json,
     barrier,
@@ -117,7 +117,7 @@ def _manifest_or_none(directory: Path) -> Manifest | None:
 
 def _unlisted_entries(directory: Path, manifest: Manifest) -> list[str]:
     """Files (and empty directories) under ``directory`` that ``manifest`` does not list: somebody else's."""
-    listed = set(manifest.files) | {MANIFEST_FILE, SYNC_PENDING_FILE}
+    listed = set(manifest.files) | {MANIFEST_FILE, DURABILITY_FILE}
     parents = {str(Path(name).parent) for name in listed}
     extra = []
     for root, dirs, files in os.walk(directory):
@@ -261,7 +261,7 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
     manifest, and every rank learns their records in step 5.
 
     ``sync_later(target, written)``, if given, makes the save deferred where it may be (``start.deferrable``: a new
-    target): no file is fsynced before the commit, rank 0 writes the marker of ``_durability.py`` before the rename,
+    target): no file is fsynced before the commit, rank 0 writes the record of ``_durability.py`` before the rename,
     and every rank hands the files it wrote (relative paths) to ``sync_later`` once the commit is known; it fsyncs
     them later (``_durability.make_durable``). Otherwise every file is fsynced before the commit.
     """
@@ -313,7 +313,7 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
             manifest = Manifest(files={**files, **late}, step=step, world_size=world_size,
                                 metrics=dict(metrics or {}))
             write_bytes_durably(tmp / MANIFEST_FILE, manifest.to_json(), fsync=not deferred)
-            if deferred:  # durable before the rename: whatever of the checkpoint reaches the disk, the marker does
+            if deferred:  # durable before the rename: whatever of the checkpoint reaches the disk, the record does
                 mark_pending(tmp)
             commit_dir(tmp, target, replaces=start.replaces, sync=not deferred)
         except BaseException as err:

@@ -88,7 +88,10 @@ def cleanup_stale_temp_dirs(root: str | os.PathLike) -> list[Path]:
 def _delete_claimed(claimed: Path | None, removed: list[Path], entry: Path) -> None:
     if claimed is None:
         return  # another cleaner took it
-    shutil.rmtree(claimed, ignore_errors=True)
+    if claimed.is_dir() and not claimed.is_symlink():
+        shutil.rmtree(claimed, ignore_errors=True)
+    else:  # a file: a deferred save's durability record staged beside its checkpoint (_durability.py)
+        claimed.unlink(missing_ok=True)
     removed.append(entry)
     logger.info("Removed %s, left by a process that is gone", entry)
 
