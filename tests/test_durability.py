@@ -233,3 +233,17 @@ def test_a_process_killed_right_after_a_deferred_save_loses_nothing(tmp_path):
 
     expected = load_file(tmp_path / "expected.safetensors")
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in expected.items())
+
+
+@pytest.mark.timeout(120)
+def test_a_fifo_planted_as_the_record_never_blocks_a_reader(tmp_path):
+    """A hostile `.durability` (a FIFO) is an unreadable record: no boot is trusted, nothing blocks."""
+    save_checkpoint(tmp_path / "checkpoint-1", model=_model(1.0), step=1)
+    wait_for_pending_saves()
+    record = tmp_path / "checkpoint-1" / DURABILITY_FILE
+    record.unlink()
+    os.mkfifo(record)
+    checkpoint = tmp_path / "checkpoint-1"
+    assert _durability.needs_every_byte(checkpoint) and not _durability.is_durable(checkpoint)
+    assert verify_checkpoint(tmp_path / "checkpoint-1", full=False).full
+    assert find_latest_checkpoint(tmp_path) == tmp_path / "checkpoint-1"  # every byte verified, and sound

@@ -33,14 +33,15 @@ import errno
 import functools
 import logging
 import os
-import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from ..constants import DURABILITY_FILE, TMP_PREFIX
 from ..distributed import all_gather_json, broadcast_json, rank_and_world_size
+from ..errors import CorruptCheckpointError, HfResumableError
 from ..format._jsonio import json_bytes, parse_json
+from ..format._safefile import open_regular, read_regular_file
 from ._fs import fsync_dir, fsync_tree, write_bytes_durably
 from ._owner import member_name
 
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 DURABILITY_MODES = ("deferred", "immediate")
 _BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
-_MAX_MARKER_BYTES = 4096
+_MAX_RECORD_BYTES = 4096
 
 
 @functools.cache
@@ -86,14 +87,13 @@ def pending_boot(directory: str | os.PathLike) -> str | None:
     immediate save's, or one that says durable), ``""`` if the record cannot be read (then no boot is trusted)."""
     path = Path(directory) / DURABILITY_FILE
     try:
-        with open(path, "rb") as f:
-            raw = f.read(_MAX_MARKER_BYTES + 1)
+        raw = read_regular_file(path, limit=_MAX_RECORD_BYTES)  # never blocks on a FIFO planted there
     except FileNotFoundError:
         return None
-    except OSError:
+    except (OSError, HfResumableError):
         return ""
     try:
-        document = parse_json(raw[:_MAX_MARKER_BYTES], source=str(path))
+        document = parse_json(raw, source=str(path))
     except Exception:  # noqa: BLE001 - a torn or crafted record: trust no boot
         return ""
     if not isinstance(document, dict):
@@ -182,20 +182,10 @@ def _record_durable(target: Path) -> None:
 
 
 def _fsync_file(path: Path) -> bool:
-    """fsync the regular file ``path``; ``False`` if it is gone or is something else now (never blocks on a FIFO,
-    never follows a link)."""
+    """fsync the regular file ``path``; ``False`` if it is gone or is something else now (never blocks on a FIFO)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except (FileNotFoundError, NotADirectoryError):
+        with open_regular(path, buffering=0) as f:
+            os.fsync(f.fileno())
+    except (FileNotFoundError, NotADirectoryError, CorruptCheckpointError):
         return False
-    except OSError as err:
-        if err.errno == errno.ELOOP:  # a symbolic link now
-            return False
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        os.fsync(fd)
-        return True
-    finally:
-        os.close(fd)
+    return True
