@@ -18,10 +18,11 @@ normal priority back as soon as the training loop waits for them, or when the ca
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,19 @@ class _Staging:
         return None
 
 
+@contextlib.contextmanager
+def _at_writer_priority(job: "_SaveJob | _SyncJob") -> Iterator[None]:
+    """Run a job of the saver's thread at :data:`WRITER_NICE_INCREMENT` below the training loop, unless it was
+    expedited (:meth:`AsyncSaver.expedite`); the thread's priority is restored afterwards."""
+    job.priority = lower_thread_priority(WRITER_NICE_INCREMENT)
+    if job.expedited:  # expedited before it started: set after the priority, so that either order restores
+        restore_thread_priorities(job.priority)
+    try:
+        yield
+    finally:
+        restore_thread_priorities(job.priority)
+
+
 class _SaveJob:
     """One async save on the saver's thread: step 1 while the tensors are copied, then steps 2-5."""
 
@@ -101,13 +115,10 @@ class _SaveJob:
 
     def run(self) -> None:
         manifest = None
-        self.priority = lower_thread_priority(WRITER_NICE_INCREMENT)
-        if self.expedited:  # expedited before it started: set after the priority, so that either order restores
-            restore_thread_priorities(self.priority)
         try:
-            manifest = self._run()
+            with _at_writer_priority(self):
+                manifest = self._run()
         finally:
-            restore_thread_priorities(self.priority)
             if self.error is not None:
                 self.future.set_exception(self.error)
             else:
@@ -154,19 +165,15 @@ class _SyncJob:
         self.expedited = False
 
     def run(self) -> None:
-        self.priority = lower_thread_priority(WRITER_NICE_INCREMENT)
-        if self.expedited:
-            restore_thread_priorities(self.priority)
         try:
-            make_durable(self.target, self._written, group=self._group)
-            if self._on_durable is not None:
-                self._on_durable()
+            with _at_writer_priority(self):
+                make_durable(self.target, self._written, group=self._group)
+                if self._on_durable is not None:
+                    self._on_durable()
         except BaseException as err:  # noqa: BLE001 - raised at the next wait
             self.future.set_exception(err)
         else:
             self.future.set_result(None)
-        finally:
-            restore_thread_priorities(self.priority)
 
     def failure(self, error: BaseException) -> AsyncSaveError:
         return AsyncSaveError(
