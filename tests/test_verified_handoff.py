@@ -123,7 +123,8 @@ def test_discovery_hands_its_verification_to_the_open_and_each_file_is_read_and_
     opened.load_into(model=fresh, optimizer=fresh_optimizer, scheduler=fresh_scheduler)
     opened.restore_rng()
     assert verifications == []  # the open did not verify again
-    assert Counter(opens) == Counter(sorted(files) + ["manifest.json"])  # every file opened once, by discovery
+    # every file opened once, by discovery; so is the durability record (its fsyncs are done: quick verification)
+    assert Counter(opens) == Counter(sorted(files) + ["manifest.json", ".durability"])
     assert len(verified_hashes) == len(files) and read_hashes == []  # hashed once each (all are small here)
     assert report.contents == {}  # released by the load that used them
     assert (random.random(), np.random.rand()) == draws[:2] and torch.equal(torch.rand(2), draws[2])
@@ -138,7 +139,7 @@ def test_a_plain_load_reads_each_small_file_once_too(saved, monkeypatch):
     files = sorted(read_manifest(path).files)
     opens = _record_opens(monkeypatch, path)
     load_checkpoint(path, model=fresh, optimizer=fresh_optimizer)
-    assert Counter(opens) == Counter(files + ["manifest.json"])
+    assert Counter(opens) == Counter(files + ["manifest.json", ".durability"])  # the record: read once
     assert_same_state(model.state_dict(), fresh.state_dict())
     assert_same_optimizer(optimizer, fresh_optimizer)
 
