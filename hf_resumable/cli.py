@@ -1,5 +1,5 @@
-"""``hf-resumable``: inspect, verify, convert, reshard, export, push and pull checkpoints, run the resume demo, and
-check a training command's resume.
+"""``hf-resumable``: inspect, verify, convert, reshard, export, push and pull checkpoints, run the resume demo,
+check a training command's resume, and run one with restarts.
 
 Thin by design: each subcommand parses its arguments and calls one library function. User mistakes
 (a missing path, a corrupt checkpoint, a bad size string) print one line to stderr and exit with a
@@ -17,6 +17,7 @@ hf-resumable push out/checkpoint-120 me/run --revision step-120
 hf-resumable pull hf://me/run@step-120 --local-dir restored
 hf-resumable demo
 hf-resumable check --kills 3 -- python train.py --output_dir {out}   # exit 0: EXACT; 1: DIVERGES at step K
+hf-resumable run --max-restarts 10 -- python train.py --output_dir out  # restarts a dead run, imports done ahead
 ```
 """
 
@@ -207,6 +208,18 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_OK if report.exact else EXIT_INVALID
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from .restart import RestartOptions, run_with_restarts
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not command:
+        print("hf-resumable run: error: give the command to run after `--`, e.g. "
+              "hf-resumable run -- python train.py --output_dir out", file=sys.stderr)
+        return EXIT_USAGE
+    options = RestartOptions(max_restarts=args.max_restarts, warm=not args.cold, preimport=tuple(args.preimport))
+    return run_with_restarts(command, options)
+
+
 # ------------------------------------------------------------------------------------------------ parser
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="print only results and errors")
@@ -305,6 +318,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...",
                    help="the training command; {out} becomes a fresh directory per run")
     p.set_defaults(func=cmd_check)
+
+    p = commands.add_parser("run", help="run CMD and start it again when its process dies, from a standby "
+                                        "interpreter whose imports are done")
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts after a failure (default: 3)")
+    p.add_argument("--cold", action="store_true", help="no standby interpreter: each restart starts a new one")
+    p.add_argument("--preimport", nargs="+", default=[], metavar="MODULE",
+                   help="modules for the standby to import beside the script's leading imports, e.g. "
+                        "transformers.trainer")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the training command")
+    p.set_defaults(func=cmd_run)
 
     for sub in commands.choices.values():
         _add_common(sub)
