@@ -88,6 +88,7 @@ MODELS = {  # name -> (hidden, intermediate, layers, heads, vocab, sequence leng
     "quick": (768, 2048, 4, 12, 16000, 32, 2),
     "tiny": (64, 128, 2, 4, 1000, 32, 4),
 }
+SUPERVISED = "ours background, auto, under hf-resumable run"
 THREADS = 1  # torch threads per training process (--threads); the same for every system
 STARTUP_GRACE_S = 600.0  # an attempt that neither ends nor is killed within this is a hang
 
@@ -103,7 +104,7 @@ def _child(spec: dict) -> None:
         with lock:
             log.write(line)
 
-    emit(event="started")  # the interpreter is up (and this script's own standard-library imports)
+    emit(event="started", pid=os.getpid())  # the interpreter is up (and this script's own standard-library imports)
     import datasets
     import numpy as np
     import torch
@@ -271,6 +272,66 @@ def _attempt(spec: dict, *, kill_at: float | None, signal_kind: str, notice: flo
         process.wait()
     stderr.close()
     return {"start": start, "end": time.time(), "killed": killed, "rc": process.returncode, "preempted": preempted}
+
+
+# What `hf-resumable run --preimport` has the standby import for the supervised system: the child's imports are made
+# inside `_child` (this script is also the driver), so they are not leading imports the standby would find itself.
+PREIMPORT = ("datasets", "numpy", "torch", "transformers", "transformers.trainer",
+             "transformers.models.llama.modeling_llama", "hf_resumable.integrations.trainer")
+
+
+def run_supervised(name: str, spec: dict, *, intervals: list[float], root: Path) -> dict:
+    """Run ``spec`` under ``hf-resumable run`` (warm restarts from a standby interpreter) to completion, SIGKILLing
+    the training process (not the supervisor: the machine survives, the process dies) on the schedule; each worker
+    life is an attempt, which starts when the previous one was killed."""
+    out, log = root / name / "out", root / name / "events.jsonl"
+    shutil.rmtree(root / name, ignore_errors=True)
+    out.mkdir(parents=True)
+    spec = {**spec, "name": name, "out": str(out), "log": str(log)}
+    command = ["nice", "-n", "10", sys.executable, "-m", "hf_resumable", "run", "--max-restarts",
+               str(len(intervals) + 3), "--preimport", *PREIMPORT, "--", sys.executable, os.path.abspath(__file__),
+               "--child", json.dumps(spec)]
+    stderr = open(log.with_suffix(".stderr"), "ab")  # noqa: SIM115
+    start = time.time()
+    process = subprocess.Popen(command, env=_child_env(), stdout=subprocess.DEVNULL, stderr=stderr,
+                               start_new_session=True)
+    attempts = []
+    try:
+        for kill_at in intervals:
+            pid = _preempt_worker(process, log, start, kill_at, spec["steps"])
+            if pid is None:
+                break
+            os.kill(pid, signal.SIGKILL)
+            killed = time.time()
+            attempts.append({"start": start, "end": killed, "killed": killed, "rc": -9, "preempted": True})
+            start = killed
+        process.wait(timeout=STARTUP_GRACE_S * 4)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        stderr.close()
+    attempts.append({"start": start, "end": time.time(), "killed": None, "rc": process.returncode,
+                     "preempted": False})
+    return _summarize(name, attempts, _events(log), [])
+
+
+def _preempt_worker(supervisor: subprocess.Popen, log: Path, start: float, kill_at: float, steps: int) -> int | None:
+    """The pid of the training process to kill ``kill_at`` seconds after its first step (this attempt's), or
+    ``None`` if the run ends first."""
+    deadline = start + STARTUP_GRACE_S
+    while time.time() < deadline:
+        if supervisor.poll() is not None:
+            return None
+        events = [e for e in _events(log) if e["t"] >= start]
+        if any(e["event"] == "done" or (e["event"] == "step" and e["step"] >= steps) for e in events):
+            return None
+        begun = next((e for e in events if e["event"] == "started"), None)
+        trained = next((e["t"] for e in events if e["event"] == "step"), None)
+        if begun is not None and trained is not None and time.time() >= trained + kill_at:
+            return begun["pid"]
+        time.sleep(0.02)
+    raise RuntimeError(f"an attempt did not train within {STARTUP_GRACE_S:.0f} s; see {log.with_suffix('.stderr')}")
 
 
 def _child_env() -> dict[str, str]:
@@ -472,6 +533,9 @@ def _options(argv: list[str] | None) -> argparse.Namespace:
                         help="torch (OpenMP) threads per training process, the same for every system (default 1: on "
                              "a shared 2-core VM, spinning OpenMP threads make a step 10x slower under load)")
     parser.add_argument("--only", choices=["SIGKILL", "SIGTERM"], help="run one schedule only")
+    parser.add_argument("--no-supervised", action="store_true",
+                        help=f"skip the SIGKILL system '{SUPERVISED}' (the training process killed, restarted warm "
+                             f"by the supervisor)")
     parser.add_argument("--out", help="working directory (default: a temporary one, removed at the end)")
     options = parser.parse_args(argv)
     options.model = "tiny" if options.tiny else "quick"
@@ -609,6 +673,8 @@ def main(argv: list[str] | None = None) -> None:
             systems["SIGKILL"][f"stock save_steps={steps}"] = {**base, "system": "stock", "save_steps": steps}
         systems["SIGKILL"]["ours blocking, auto"] = {**base, "system": "blocking", "mtbf": mtbf}
         systems["SIGKILL"]["ours background, auto"] = {**base, "system": "background", "mtbf": mtbf}
+        if not options.no_supervised:
+            systems["SIGKILL"][SUPERVISED] = {**base, "system": "background", "mtbf": mtbf, "supervised": True}
         for steps in options.fixed_intervals:
             systems["SIGKILL"][f"ours background save_steps={steps}"] = {**base, "system": "background",
                                                                          "save_steps": steps}
@@ -619,8 +685,11 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             for name, spec in named.items():
                 slug = f"{kind}-{repeat}-" + "".join(c if c.isalnum() else "_" for c in name)
-                result = run_system(slug, spec, intervals=intervals, signal_kind=kind, notice=options.notice,
-                                    root=root)
+                if spec.get("supervised"):
+                    result = run_supervised(slug, spec, intervals=intervals, root=root)
+                else:
+                    result = run_system(slug, spec, intervals=intervals, signal_kind=kind, notice=options.notice,
+                                        root=root)
                 reference = ours_ref if spec["system"] != "stock" else baseline
                 result["exact"] = result["digest"] is not None and result["digest"] == reference["digest"]
                 results[kind].setdefault(name, []).append(result)
@@ -663,6 +732,13 @@ def main(argv: list[str] | None = None) -> None:
                                                   indent=1, default=str))
     if options.out is None:
         shutil.rmtree(root, ignore_errors=True)
+    job_level = {k: v for k, v in lost["SIGKILL"].items() if k != SUPERVISED and not math.isnan(v)}
+    if SUPERVISED in lost["SIGKILL"] and job_level:
+        ours_job = min((v for k, v in job_level.items() if k.startswith("ours")), default=math.nan)
+        stock_job = min((v for k, v in job_level.items() if k.startswith("stock")), default=math.nan)
+        print(f"lost per preemption, ours/stock, SIGKILL of the whole job (the next attempt a new interpreter, as "
+              f"after a machine's loss): {_ratio(ours_job, stock_job)}; of the training process only (ours "
+              f"restarted by `hf-resumable run`): {_ratio(lost['SIGKILL'][SUPERVISED], stock_job)}")
     ratios = {}
     for kind in ("SIGKILL", "SIGTERM"):
         if options.only and kind != options.only:
