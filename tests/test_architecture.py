@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("hub, lazy, conversions", ["hub", "lazy", "conversions"]),
     ("locations", ["locations"]),
     ("integrations", ["integrations"]),
-    ("entry points", ["cli", "check", "demo", "__main__", ""]),
+    ("entry points", ["cli", "check", "demo", "restart", "__main__", ""]),
 ]
 
 
