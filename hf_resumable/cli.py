@@ -187,14 +187,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK if report.comparison.ok else EXIT_INVALID
 
 
+def _command_after_dashes(args: argparse.Namespace, example: str) -> list[str] | None:
+    """The command given after ``--`` (``None``, with the usage printed, when there is none)."""
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not command:
+        print(f"hf-resumable {args.command}: error: give the command to {args.command} after `--`, e.g. "
+              f"hf-resumable {args.command} -- {example}", file=sys.stderr)
+        return None
+    return command
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from .check import CheckOptions, run_check
     from .errors import CheckLaunchError
 
-    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    if not command:
-        print("hf-resumable check: error: give the command to check after `--`, e.g. "
-              "hf-resumable check -- python train.py --output_dir {out}", file=sys.stderr)
+    command = _command_after_dashes(args, "python train.py --output_dir {out}")
+    if command is None:
         return EXIT_USAGE
     options = CheckOptions(kills=args.kills, seed=args.seed, timeout=args.timeout)
     try:
@@ -211,10 +219,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from .restart import RestartOptions, run_with_restarts
 
-    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    if not command:
-        print("hf-resumable run: error: give the command to run after `--`, e.g. "
-              "hf-resumable run -- python train.py --output_dir out", file=sys.stderr)
+    command = _command_after_dashes(args, "python train.py --output_dir out")
+    if command is None:
         return EXIT_USAGE
     options = RestartOptions(max_restarts=args.max_restarts, warm=not args.cold, preimport=tuple(args.preimport))
     return run_with_restarts(command, options)
