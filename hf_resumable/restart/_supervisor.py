@@ -212,6 +212,8 @@ def run_with_restarts(command: Sequence[str], options: RestartOptions | None = N
                 how = f"a new interpreter ({why or 'the standby had exited'})"
             logger.warning("attempt %d ended (%s): restart %d of %d in %.2f s, %s", restarts, _describe(returncode),
                            restarts, options.max_restarts, time.monotonic() - began, how)
+            if stopped and worker.poll() is None:  # a signal that came while the attempt was being started
+                worker.send_signal(stopped[-1])
     finally:
         if standby is not None:
             standby.discard()
