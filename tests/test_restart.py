@@ -103,20 +103,24 @@ def _children(pid: int) -> list[int]:
     return [int(child) for child in children]
 
 
-# A package outside the script's directory (as an installed one is) that records who imported it, and when.
+# A package outside the script's directory (as an installed one is) that records who imported it, and when; with
+# MARKER_THREAD set it starts a Python thread, which makes forking unsafe.
 _MARKER = '''\
-import json, os, time
+import json, os, threading, time
 with open(os.environ["MARKER_LOG"], "a") as f:
     f.write(json.dumps({"module": __name__, "pid": os.getpid(), "t": time.time()}) + "\\n")
 time.sleep(float(os.environ.get("MARKER_SLEEP", "0")))
+if os.environ.get("MARKER_THREAD") and __name__ == "sitepkg":
+    threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
 '''
 
-# The script: leading imports (the marker package, a local module), then a record of how it was run; its first
-# attempt SIGKILLs itself.
+# The script: leading imports (the marker package, a local module), then a record of how it was run; its first two
+# attempts SIGKILL themselves.
 _SCRIPT = '''\
-"""A job that dies once."""
+"""A job that dies twice."""
 import json
 import os
+import random
 import signal
 import sys
 import time
@@ -130,13 +134,13 @@ import latepkg
 
 with open(os.environ["RUN_LOG"], "a") as f:
     f.write(json.dumps({
-        "pid": os.getpid(), "t": time.time(), "argv": sys.argv, "file": __file__, "name": __name__,
-        "path0": sys.path[0], "cwd": os.getcwd(), "restarts": os.environ.get("HF_RESUMABLE_RESTARTS"),
-        "warm": os.environ.get("HF_RESUMABLE_WARM"), "spec": repr(globals().get("__spec__")),
-        "sigint": repr(signal.getsignal(signal.SIGINT)), "user_env": os.environ.get("USER_SETTING"),
+        "pid": os.getpid(), "ppid": os.getppid(), "t": time.time(), "argv": sys.argv, "file": __file__,
+        "name": __name__, "doc": __doc__, "path0": sys.path[0], "cwd": os.getcwd(),
+        "restarts": os.environ.get("HF_RESUMABLE_RESTARTS"), "warm": os.environ.get("HF_RESUMABLE_WARM"),
+        "spec": repr(globals().get("__spec__")), "sigint": repr(signal.getsignal(signal.SIGINT)),
+        "user_env": os.environ.get("USER_SETTING"), "random": random.random(),
     }) + "\\n")
-if not os.path.exists("died"):
-    open("died", "w").close()
+if os.environ["HF_RESUMABLE_RESTARTS"] in ("0", "1"):
     os.kill(os.getpid(), signal.SIGKILL)
 '''
 
@@ -162,28 +166,48 @@ def job(tmp_path: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_warm_restart_runs_the_script_as_python_would(tmp_path: Path, job: dict) -> None:
-    process = _supervise(tmp_path, [sys.executable, "scripts/job.py", "--flag", "x y"], env=job["env"],
+@pytest.mark.parametrize("forkable", [True, False], ids=["forked-by-the-standby", "standby-runs-it"])
+def test_warm_restart_runs_the_script_as_python_would(tmp_path: Path, job: dict, forkable: bool) -> None:
+    env = job["env"] if forkable else {**job["env"], "MARKER_THREAD": "1"}
+    process = _supervise(tmp_path, [sys.executable, "scripts/job.py", "--flag", "x y"], env=env,
                          cwd=tmp_path / "project")
     log = (tmp_path / "run.log").read_text()
     assert process.returncode == 0, log
-    cold, warm = _records(tmp_path / "runs.jsonl")
-    assert "restart 1 of 3" in log and "warm: the standby interpreter runs it" in log
-    assert (cold["restarts"], cold["warm"], warm["restarts"], warm["warm"]) == ("0", None, "1", "1")
-    assert cold["pid"] != warm["pid"]
-    same = ("argv", "file", "name", "path0", "cwd", "spec", "sigint", "user_env")
-    assert {k: warm[k] for k in same} == {k: cold[k] for k in same}
+    cold, *warm = _records(tmp_path / "runs.jsonl")
+    assert len(warm) == 2 and "restart 2 of 3" in log
+    how = "warm: forked by the standby interpreter" if forkable else "warm: the standby interpreter runs it"
+    assert log.count(how) == 2, log
+    assert [(r["restarts"], r["warm"]) for r in (cold, *warm)] == [("0", None), ("1", "1"), ("2", "1")]
+    assert len({r["pid"] for r in (cold, *warm)}) == 3
+    assert len({r["random"] for r in (cold, *warm)}) == 3  # each attempt's generators seeded anew
+    same = ("ppid", "argv", "file", "name", "doc", "path0", "cwd", "spec", "sigint", "user_env")
+    for attempt in warm:
+        assert {k: attempt[k] for k in same} == {k: cold[k] for k in same}
     assert cold["argv"] == ["scripts/job.py", "--flag", "x y"] and cold["name"] == "__main__"
     assert cold["file"] == str(job["script"]) and cold["path0"] == str(job["script"].parent)
+    assert cold["ppid"] == process.pid and cold["doc"] == "A job that dies twice."
 
     imports = _records(tmp_path / "imports.jsonl")
-    by_pid = {(r["module"], r["pid"]): r["t"] for r in imports}
-    # The installed package was imported by the warm attempt's process before the cold attempt died ...
-    assert by_pid[("sitepkg", warm["pid"])] < cold["t"]
-    assert by_pid[("venvpkg", warm["pid"])] < cold["t"]
-    # ... the user's own module and the import after other code only once the attempt ran.
-    assert by_pid[("localmod", warm["pid"])] > cold["t"]
-    assert by_pid[("latepkg", warm["pid"])] > cold["t"]
+
+    def imported(pid: int) -> dict[str, float]:
+        return {r["module"]: r["t"] for r in imports if r["pid"] == pid}
+
+    # The installed packages are imported by a standby before the attempt before it died; the user's own module and
+    # the import after other code only by the attempt.
+    if forkable:  # one standby imported them once; every warm attempt is a fork of it
+        standbys = {r["pid"] for r in imports if r["module"] == "sitepkg"} - {r["pid"] for r in (cold, *warm)}
+        assert len(standbys) == 1
+        ahead = imported(standbys.pop())
+        assert set(ahead) == {"sitepkg", "venvpkg"} and max(ahead.values()) < cold["t"]
+        for attempt in warm:
+            assert set(imported(attempt["pid"])) == {"localmod", "latepkg"}
+    else:  # each warm attempt is a standby that ran it itself
+        previous = cold
+        for attempt in warm:
+            mine = imported(attempt["pid"])
+            assert set(mine) == {"sitepkg", "venvpkg", "localmod", "latepkg"}
+            assert mine["sitepkg"] < previous["t"] < mine["localmod"]
+            previous = attempt
 
 
 @pytest.mark.slow
@@ -288,6 +312,45 @@ def test_trainer_run_restarted_warm_is_bit_identical(tmp_path: Path) -> None:
     text = (tmp_path / "supervised.log").read_text(errors="replace")
     assert process.returncode == 0, text[-3000:]
     assert "attempt 1 ended (killed by SIGKILL): restart 1 of 1" in text
-    assert "warm: the standby interpreter runs it" in text
+    assert "warm: forked by the standby interpreter" in text
     assert json.loads((resumed / "result.json").read_text()).get("resumed_from", "").endswith("checkpoint-3")
     assert_identical(reference, resumed)
+
+
+@pytest.mark.slow
+def test_orphans_of_an_attempt_are_reaped(tmp_path: Path) -> None:
+    """An attempt's child that outlives it becomes the supervisor's (a child subreaper): it is reaped, not left a
+    zombie, and does not hold up the restart."""
+    (tmp_path / "job.py").write_text(textwrap.dedent('''\
+        import os, signal, subprocess, sys
+        if os.environ["HF_RESUMABLE_RESTARTS"] == "0":
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+            open("orphan", "w").write(str(child.pid))
+            os.kill(os.getpid(), signal.SIGKILL)
+        import time
+        time.sleep(2.5)  # the orphan exits meanwhile
+        open("zombies", "w").write(" ".join(
+            p for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{p}/stat")
+            and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[:2] == ["Z", str(os.getppid())]))
+        '''))
+    process = _supervise(tmp_path, [sys.executable, "job.py"])
+    assert process.returncode == 0, (tmp_path / "run.log").read_text()
+    assert (tmp_path / "orphan").read_text().isdigit()
+    assert (tmp_path / "zombies").read_text() == ""
+
+
+def test_a_standby_refuses_to_fork_beside_a_python_thread() -> None:
+    import importlib.util
+    import threading
+
+    spec = importlib.util.spec_from_file_location("_hfr_standby", REPO / "hf_resumable" / "restart" / "_standby.py")
+    standby = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(standby)
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert "Python thread" in standby._fork_refusal()
+    finally:
+        stop.set()
+        thread.join()

@@ -1,7 +1,7 @@
-"""A standby interpreter: it runs a script's leading imports ahead of time, then waits to become the next attempt.
+"""A standby interpreter: it runs a script's leading imports ahead of time, then starts the next attempts.
 
-Run by the supervisor as a file (``python [options] _standby.py GO_FD PLAN_JSON``), never imported: it uses the
-standard library only, so that nothing but the planned imports is loaded before the run starts (not even
+Run by the supervisor as a file (``python [options] _standby.py CONTROL_FD PLAN_JSON``), never imported: it uses
+the standard library only, so that nothing but the planned imports is loaded before the run starts (not even
 ``hf_resumable``), and so that any interpreter can run it. Started with the command's own interpreter, options,
 working directory and environment, it is the fresh process the command would start, with its first import
 statements already executed:
@@ -10,11 +10,18 @@ statements already executed:
    directory for ``-m``), then each planned import statement is executed in a throwaway namespace, except those that
    load the user's own modules (under the script's or the working directory, outside any ``site-packages``: they may
    change before the run starts). One that fails is skipped: the run executes it again and fails as it would have.
-2. It blocks on ``GO_FD``, ignoring SIGINT (a Ctrl-C at the terminal is for the running attempt). End of file (the
-   supervisor is gone, or the standby is not needed) exits quietly.
-3. On ``go N``: ``HF_RESUMABLE_RESTARTS=N`` and ``HF_RESUMABLE_WARM=1`` are set, ``sys.argv`` becomes the command's,
-   and the script runs as ``__main__`` the way the interpreter runs one (a module through :mod:`runpy`). Its exit
-   status is the process's.
+2. It reads requests on the ``CONTROL_FD`` socket, ignoring SIGINT (a Ctrl-C at the terminal is for the running
+   attempt). End of file (the supervisor is gone, or the standby is not needed) exits quietly.
+3. ``fork N``: it forks the attempt and stays, ready for the next failure, so that no restart imports anything
+   again. It answers ``pid P``, or ``refused WHY`` where a fork is not safe: an import started a Python thread, or
+   loaded a GPU driver (a forked child cannot use a driver its parent initialised). The attempt's parent exits at
+   once, so the supervisor (a child subreaper) becomes its parent.
+4. ``go N``: it becomes the attempt itself (after a refused fork).
+
+An attempt has ``HF_RESUMABLE_RESTARTS=N`` and ``HF_RESUMABLE_WARM=1`` set, ``sys.argv`` as the command's, SIGINT
+as a new interpreter has it, numpy's global generator seeded anew (``random`` re-seeds itself after a fork), and runs
+the script as ``__main__`` the way the interpreter runs one (a module through :mod:`runpy`). Its exit status is the
+process's.
 """
 
 import json
@@ -22,6 +29,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 
 
 def _is_local(places, local_dirs, installed_dirs):
@@ -70,18 +78,66 @@ def _imports(statements, local_dirs):
             pass
 
 
-def main():
-    go_fd, plan = int(sys.argv[1]), json.loads(sys.argv[2])
-    # A Ctrl-C at the terminal reaches the whole process group: it is for the running attempt, not for the standby.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sys.path[0] = plan["path0"]
-    prefixes = [os.path.join(os.path.realpath(p), "") for p in {plan["path0"], os.getcwd()}]
-    _imports(plan["imports"], prefixes)
-    with os.fdopen(go_fd, "rb") as go:
-        line = go.readline().decode("ascii", "replace").split()
-    if len(line) != 2 or line[0] != "go":
-        os._exit(0)  # the supervisor closed the pipe: this standby is not needed
-    os.environ["HF_RESUMABLE_RESTARTS"] = line[1]
+def _fork_refusal():
+    """Why this process must not fork an attempt (``None``: it may). A fork copies only the calling thread: a Python
+    thread started by an import would be missing in the attempt, with any lock it held, and a GPU driver initialised
+    by an import cannot be used in a forked child. Native pools that libraries start when loaded (OpenBLAS,
+    jemalloc's background thread) prepare for a fork themselves (``pthread_atfork``), as DataLoader's forked workers
+    rely on."""
+    import threading
+
+    if threading.active_count() > 1:
+        return f"an import started {threading.active_count() - 1} Python thread(s)"
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            maps = f.read()
+    except OSError as err:
+        return f"cannot inspect the process ({err})"
+    for library in ("libcuda.so", "libhsa-runtime", "libze_loader", "libnvidia-ml"):
+        if library in maps:
+            return f"an import loaded the GPU driver {library}"
+    return None
+
+
+def _fork_attempt(restarts, plan, channel):
+    """Start an attempt as a fork of this process, detached (its parent exits at once, so that the supervisor, a
+    child subreaper, becomes its parent and waits for it). Returns its pid in this process; in the attempt it runs
+    the script and leaves like an interpreter does (its exit status, atexit handlers, a traceback)."""
+    read_pid, write_pid = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        middle = os.getpid()
+        attempt = os.fork()
+        if attempt != 0:
+            os.write(write_pid, str(attempt).encode())
+            os._exit(0)
+        os.close(read_pid)
+        os.close(write_pid)
+        for stream in channel:
+            stream.close()
+        while os.getppid() == middle:  # until the supervisor is the parent, as it is of a new interpreter
+            time.sleep(0.0005)
+        _reseed()
+        _run(restarts, plan)
+        sys.exit(0)
+    os.close(write_pid)
+    with os.fdopen(read_pid, "rb") as f:
+        pid = int(f.read() or b"0")
+    os.waitpid(middle, 0)
+    return pid
+
+
+def _reseed():
+    """A forked attempt would share this process's global random generators; a new interpreter seeds them from the
+    OS (``random`` re-seeds itself after a fork; numpy's legacy global generator does not)."""
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+
+
+def _run(restarts, plan):
+    """Become the attempt: the environment, ``sys.argv``, SIGINT as a new interpreter has it, then the script."""
+    os.environ["HF_RESUMABLE_RESTARTS"] = str(restarts)
     os.environ["HF_RESUMABLE_WARM"] = "1"
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # as a new interpreter has it (unless an import set one)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -90,6 +146,39 @@ def main():
         runpy.run_module(plan["target"], run_name="__main__", alter_sys=True)
     else:
         _run_script(plan["target"])
+
+
+def main():
+    import socket
+
+    control_fd, plan = int(sys.argv[1]), json.loads(sys.argv[2])
+    # A Ctrl-C at the terminal reaches the whole process group: it is for the running attempt, not for the standby.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.path[0] = plan["path0"]
+    prefixes = [os.path.join(os.path.realpath(p), "") for p in {plan["path0"], os.getcwd()}]
+    _imports(plan["imports"], prefixes)
+    control = socket.socket(fileno=control_fd)
+    requests = control.makefile("rb")
+    for line in requests:
+        words = line.decode("ascii", "replace").split()
+        if len(words) != 2 or not words[1].isdigit():
+            break
+        verb, restarts = words[0], int(words[1])
+        if verb == "fork":
+            refusal = _fork_refusal() if plan["fork"] else "forking is off"
+            if refusal is None:
+                pid = _fork_attempt(restarts, plan, (requests, control))
+                control.sendall((f"pid {pid}\n" if pid else "refused the fork failed\n").encode())
+            else:
+                control.sendall(f"refused {refusal}\n".encode())
+            continue
+        if verb == "go":
+            requests.close()
+            control.close()
+            _run(restarts, plan)
+            return
+        break
+    os._exit(0)  # the supervisor closed the socket: this standby is not needed
 
 
 def _run_script(target):

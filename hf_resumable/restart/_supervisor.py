@@ -15,11 +15,15 @@ follows; the exit status is the attempt's (``128 + N`` for a signal ``N``). An a
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +40,7 @@ WARM_ENV = "HF_RESUMABLE_WARM"  # "1" in an attempt that a standby ran
 _STANDBY_FILE = Path(__file__).with_name("_standby.py")
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _STANDBY_EXIT_S = 5.0  # how long a standby that is not needed gets to exit on its own
+_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,32 +75,109 @@ class RestartOptions:
                                  f"{name!r}")
 
 
-class _Standby:
-    """A standby interpreter and the pipe that tells it to run."""
+class _Processes:
+    """The processes this supervisor waits for: its children, and (as a child subreaper) the attempts a standby
+    forks, whose parent exits at once. Every exit is reaped here, so that none is left a zombie."""
 
-    def __init__(self, plan: WarmStart, imports: list[tuple[str, list[str]]], env: dict[str, str]) -> None:
+    def __init__(self) -> None:
+        self.exited: dict[int, int] = {}  # pid -> exit code (negative: killed by that signal)
+        self._popens: dict[int, subprocess.Popen] = {}
+
+    def start(self, args: list[str], **kwargs) -> int:
+        process = subprocess.Popen(args, **kwargs)
+        self._popens[process.pid] = process
+        return process.pid
+
+    def _reaped(self, pid: int, status: int) -> None:
+        code = os.waitstatus_to_exitcode(status)
+        self.exited[pid] = code
+        if pid in self._popens:  # (so that subprocess does not wait for it again)
+            self._popens.pop(pid).returncode = code
+
+    def wait(self, pid: int) -> int:
+        """Wait until ``pid`` exits (reaping any other process that exits meanwhile); its exit code."""
+        while pid not in self.exited:
+            try:
+                reaped, status = os.waitpid(-1, 0)
+            except ChildProcessError:  # not ours, or already reaped elsewhere
+                self.exited.setdefault(pid, 0)
+                break
+            self._reaped(reaped, status)
+        return self.exited[pid]
+
+    def alive(self, pid: int) -> bool:
+        if pid in self.exited:
+            return False
+        try:
+            reaped, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        if reaped:
+            self._reaped(reaped, status)
+            return False
+        return True
+
+    def signal(self, pid: int, signum: int) -> None:
+        """Send ``signum`` unless ``pid`` has been reaped. Never reaps: it runs in the signal handler, which may
+        interrupt :meth:`wait`, whose ``waitpid`` would then wait on for a process already gone."""
+        if pid not in self.exited:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+
+def _become_subreaper() -> bool:
+    """Make this process the parent of orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``), so that it can wait
+    for the attempts a standby forks. ``False`` where that is not available."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+class _Standby:
+    """A standby interpreter and the socket that asks it for attempts."""
+
+    def __init__(self, plan: WarmStart, imports: list[tuple[str, list[str]]], env: dict[str, str],
+                 processes: _Processes, *, fork: bool) -> None:
         path0 = os.getcwd() if plan.is_module else os.path.dirname(os.path.realpath(plan.target))
         document = json.dumps({"path0": path0, "imports": imports, "argv": plan.argv(), "target": plan.target,
-                               "module": plan.is_module})
-        read_end, self._go = os.pipe()
+                               "module": plan.is_module, "fork": fork})
+        self._socket, theirs = socket.socketpair()
+        self._replies = self._socket.makefile("rb")
+        self._processes = processes
         try:
-            self.process = subprocess.Popen(
-                [plan.interpreter, *plan.options, str(_STANDBY_FILE), str(read_end), document],
-                env=env, pass_fds=(read_end,))
+            self.pid = processes.start([plan.interpreter, *plan.options, str(_STANDBY_FILE), str(theirs.fileno()),
+                                        document], env=env, pass_fds=(theirs.fileno(),))
         except BaseException:
-            os.close(self._go)
+            self._close()
             raise
         finally:
-            os.close(read_end)
+            theirs.close()
 
-    def go(self, restarts: int) -> subprocess.Popen | None:
-        """Make the standby the next attempt; ``None`` if it has died (the caller starts a new interpreter)."""
+    def fork(self, restarts: int) -> tuple[int | None, str]:
+        """Have the standby fork the next attempt and stay ready: (its pid, "") or (``None``, why not)."""
         try:
-            if self.process.poll() is not None:
+            self._socket.sendall(f"fork {restarts}\n".encode())
+            reply = self._replies.readline().decode("ascii", "replace").split(maxsplit=1)
+        except OSError as err:
+            return None, f"the standby is unreachable ({err})"
+        if len(reply) == 2 and reply[0] == "pid" and reply[1].strip().isdigit():
+            return int(reply[1]), ""
+        if len(reply) == 2 and reply[0] == "refused":
+            return None, reply[1].strip()
+        return None, "the standby had exited"
+
+    def go(self, restarts: int) -> int | None:
+        """Make the standby itself the next attempt: its pid, or ``None`` if it has died."""
+        try:
+            if not self._processes.alive(self.pid):
                 return None
-            os.write(self._go, f"go {restarts}\n".encode())
-            return self.process
-        except BrokenPipeError:
+            self._socket.sendall(f"go {restarts}\n".encode())
+            return self.pid
+        except OSError:
             return None
         finally:
             self._close()
@@ -103,16 +185,16 @@ class _Standby:
     def discard(self) -> None:
         """Tell the standby it is not needed (it exits on its own), and make sure it has."""
         self._close()
-        try:
-            self.process.wait(timeout=_STANDBY_EXIT_S)
-        except subprocess.TimeoutExpired:  # still importing: it reads the pipe only after its imports
-            self.process.kill()
-            self.process.wait()
+        deadline = time.monotonic() + _STANDBY_EXIT_S
+        while self._processes.alive(self.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self._processes.alive(self.pid):  # still importing: it reads the socket only after its imports
+            self._processes.signal(self.pid, signal.SIGKILL)
+            self._processes.wait(self.pid)
 
     def _close(self) -> None:
-        if self._go >= 0:
-            os.close(self._go)
-            self._go = -1
+        self._replies.close()
+        self._socket.close()
 
 
 def _planned_imports(plan: WarmStart, preimport: Sequence[str]) -> list[tuple[str, list[str]]]:
@@ -174,27 +256,29 @@ def run_with_restarts(command: Sequence[str], options: RestartOptions | None = N
     imports = _planned_imports(plan, options.preimport) if plan else []
     if options.warm and plan is None:
         logger.warning("restarts start a new interpreter: %s", why)
+    fork = plan is not None and _become_subreaper()
+    processes = _Processes()
     stopped: list[int] = []
-    worker: subprocess.Popen | None = None
+    worker: int | None = None
 
     def forward(signum, frame):  # noqa: ARG001
         stopped.append(signum)
         if signum == signal.SIGINT and _terminal_signals_group():
             return  # the terminal sent this Ctrl-C to the attempt too: a second one would interrupt its handling
-        if worker is not None and worker.poll() is None:
-            worker.send_signal(signum)
+        if worker is not None:
+            processes.signal(worker, signum)
 
     previous = {signum: signal.signal(signum, forward) for signum in _FORWARDED}
     standby: _Standby | None = None
     restarts = 0
+    env = {**os.environ, RESTARTS_ENV: "0"}
+    env.pop(WARM_ENV, None)
     try:
-        env = {**os.environ, RESTARTS_ENV: "0"}
-        env.pop(WARM_ENV, None)
-        worker = subprocess.Popen(command, env=env)
+        worker = processes.start(command, env=env)
         while True:
             if plan is not None and standby is None and restarts < options.max_restarts and not stopped:
-                standby = _Standby(plan, imports, {**env, RESTARTS_ENV: "0"})
-            returncode = worker.wait()
+                standby = _Standby(plan, imports, env, processes, fork=fork)
+            returncode = processes.wait(worker)
             if returncode == 0 or stopped or restarts >= options.max_restarts:
                 if returncode != 0 and not stopped:
                     logger.warning("the run failed (%s) after %d restart(s), the most allowed (--max-restarts)",
@@ -202,23 +286,35 @@ def run_with_restarts(command: Sequence[str], options: RestartOptions | None = N
                 return _exit_status(returncode)
             restarts += 1
             began = time.monotonic()
-            warm = standby.go(restarts) if standby is not None else None
-            standby = None
-            if warm is not None:
-                worker = warm
-                how = "warm: the standby interpreter runs it, its imports done"
-            else:
-                worker = subprocess.Popen(command, env={**env, RESTARTS_ENV: str(restarts)})
-                how = f"a new interpreter ({why or 'the standby had exited'})"
+            worker, how = _next_attempt(standby, restarts, command, env, processes, why)
+            if standby is not None and (worker == standby.pid or not processes.alive(standby.pid)):
+                standby = None  # it became the attempt, or died: a new one starts at the top of the loop
             logger.warning("attempt %d ended (%s): restart %d of %d in %.2f s, %s", restarts, _describe(returncode),
                            restarts, options.max_restarts, time.monotonic() - began, how)
-            if stopped and worker.poll() is None:  # a signal that came while the attempt was being started
-                worker.send_signal(stopped[-1])
+            if stopped:  # a signal that came while the attempt was being started
+                processes.signal(worker, stopped[-1])
     finally:
         if standby is not None:
             standby.discard()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        if worker is not None and worker.poll() is None:  # this process is being torn down (an exception)
-            worker.kill()
-            worker.wait()
+        if worker is not None and processes.alive(worker):  # this process is being torn down (an exception)
+            processes.signal(worker, signal.SIGKILL)
+            processes.wait(worker)
+
+
+def _next_attempt(standby: _Standby | None, restarts: int, command: list[str], env: dict[str, str],
+                  processes: _Processes, why: str) -> tuple[int, str]:
+    """Start attempt ``restarts + 1``: forked by the standby, else the standby itself, else a new interpreter."""
+    if standby is not None:
+        pid, refused = standby.fork(restarts)
+        if pid is not None:
+            return pid, "warm: forked by the standby interpreter, its imports done"
+        if refused != "forking is off":
+            logger.info("the standby did not fork (%s): it becomes the attempt itself", refused)
+        pid = standby.go(restarts)
+        if pid is not None:
+            return pid, "warm: the standby interpreter runs it, its imports done"
+        why = "the standby had exited"
+    pid = processes.start(command, env={**env, RESTARTS_ENV: str(restarts)})
+    return pid, f"a new interpreter ({why})"
