@@ -125,14 +125,14 @@ class _Processes:
                 os.kill(pid, signum)
 
 
-def _become_subreaper() -> bool:
+def _become_subreaper(on: bool = True) -> bool:
     """Make this process the parent of orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``), so that it can wait
-    for the attempts a standby forks. ``False`` where that is not available."""
+    for the attempts a standby forks (``on=False``: no longer). ``False`` where that is not available."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 
@@ -240,6 +240,9 @@ def run_with_restarts(command: Sequence[str], options: RestartOptions | None = N
     in each new attempt, as after any restart by the same command. Each attempt has ``HF_RESUMABLE_RESTARTS`` set
     to the restarts before it.
 
+    It is meant to be a process's main function, as in ``hf-resumable run``: while it runs it handles SIGTERM,
+    SIGINT and SIGHUP, is a child subreaper (Linux), and reaps every child of this process that exits.
+
     Example:
 
     ```python
@@ -298,6 +301,8 @@ def run_with_restarts(command: Sequence[str], options: RestartOptions | None = N
             standby.discard()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        if fork:
+            _become_subreaper(False)
         if worker is not None and processes.alive(worker):  # this process is being torn down (an exception)
             processes.signal(worker, signal.SIGKILL)
             processes.wait(worker)
