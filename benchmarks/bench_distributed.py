@@ -73,6 +73,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -170,6 +171,27 @@ def gate_waited() -> float:
     return sum(gate.waited for gate in list(_GATES.values()))
 
 
+# The kinds of the --stall and --engines rounds that write nothing (the training steps without a save in flight).
+NO_SAVE = ("training step, no save", "training step, no save, DDP")
+
+
+def round_order(names: list[str], round_: int, *, then: Iterable[str] = ()) -> list[str]:
+    """Round ``round_``'s order of the timed kinds ``names``: the saves rotated by the round (the machine's load
+    drifts), then ``then`` (the loads of the saves), then the kinds that write nothing (:data:`NO_SAVE`), never right
+    before a save.
+
+    A save that follows a kind writing nothing starts from page cache freed (by the cache drop before that kind) a
+    second or more earlier. A VM that hands free memory back to its host (free page reporting: the 2-core Firecracker
+    VM these figures come from, ``/sys/module/page_reporting``) has often given it back by then, and every page of
+    the save's page-cache writes is then refaulted by the host: the same 2 x 174 MB write took 0.06-0.08 s after the
+    drop of a just-written checkpoint and 0.25-0.65 s where the VM had reported freed memory to the host in between.
+    In a plain rotation the kinds keep their neighbours: our blocking save followed the step without a save in every
+    round, and under ZeRO-3 (whose step is the longest, about 1.1 s) often lost the page cache's warm pages."""
+    saves = [name for name in names if name not in NO_SAVE]
+    shift = round_ % len(saves)
+    return [*saves[shift:], *saves[:shift], *then, *(name for name in names if name in NO_SAVE)]
+
+
 def _timed(save, path: Path, blocking: bool, rank: int, step=None) -> tuple[float, float, float, float]:
     """One save (or load) on every rank, caches dropped first: (seconds until it returned, seconds until done, the
     seconds of ``step()`` (the next training step, run right after the call returned), and of its wait at the step
@@ -256,7 +278,7 @@ def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
     times: dict[str, list[tuple[float, ...]]] = {name: [] for name in kinds}
     names = list(kinds)
     for i in range(repeats + 1):  # the first round warms up (staging buffers, DCP's first plan)
-        for name in names[i % len(names):] + names[: i % len(names)]:
+        for name in round_order(names, i):
             save, blocking = kinds[name]
             path = root / f"{name.replace(' ', '-')}-{i}"
             timing = _timed(save, path, blocking, rank, step=steps.get(name))
@@ -555,7 +577,7 @@ def engines_worker(engine: str, root: Path, repeats: int, hidden: int, stage: in
     names = list(kinds)
     stepped = ("ours async", "training step, no save")  # the loop runs its next step after these
     for i in range(repeats + 1):  # the first round warms up (staging buffers, first plans)
-        for name in [*names[i % len(names):], *names[: i % len(names)], *loads]:
+        for name in round_order(names, i, then=loads):  # the step without a save last, after the loads
             save, blocking = kinds[name] if name in kinds else loads[name]
             path = root / f"{(name if name in kinds else blocking).replace(' ', '-')}-{i}"
             timing = _timed(save, path, blocking if name in kinds else True, rank,
