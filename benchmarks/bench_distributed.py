@@ -181,8 +181,8 @@ def round_order(names: list[str], round_: int, *, then: Iterable[str] = ()) -> l
     before a save.
 
     A save that follows a kind writing nothing starts from page cache freed (by the cache drop before that kind) a
-    second or more earlier. A VM that hands free memory back to its host (free page reporting: the 2-core Firecracker
-    VM these figures come from, ``/sys/module/page_reporting``) has often given it back by then, and every page of
+    second or more earlier. A VM that hands free memory back to its host (free page reporting: the 2-core VM
+    these figures come from, ``/sys/module/page_reporting``) has often given it back by then, and every page of
     the save's page-cache writes is then refaulted by the host: the same 2 x 174 MB write took 0.06-0.08 s after the
     drop of a just-written checkpoint and 0.25-0.65 s where the VM had reported freed memory to the host in between.
     In a plain rotation the kinds keep their neighbours: our blocking save followed the step without a save in every
