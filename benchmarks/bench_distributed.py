@@ -247,13 +247,17 @@ def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
                         durability="immediate")
         return wait_for_pending_saves
 
+    # DCP's own gloo group, as its docs advise for async_save (ours uses its own as well): on the default group the
+    # background save's collectives interleave with the next step's FSDP all-gathers, a collective mismatch in gloo.
+    dcp_group = dist.new_group(backend="gloo")
+
     def theirs(path: Path, blocking: bool):
         model_state, optimizer_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optimizer_state}
         if blocking:
-            dcp.save(state, checkpoint_id=str(path))
+            dcp.save(state, checkpoint_id=str(path), process_group=dcp_group)
             return lambda: None
-        future = dcp.async_save(state, checkpoint_id=str(path))
+        future = dcp.async_save(state, checkpoint_id=str(path), process_group=dcp_group)
         return lambda: future.result()
 
     def no_save(path: Path, blocking: bool):
