@@ -1,5 +1,5 @@
 """Restarts that skip the imports: ``hf-resumable run -- python train.py ...`` starts the command again when its
-process dies, from a standby interpreter that has already run the script's import statements.
+process dies, forked from a standby interpreter that has already run the script's import statements.
 
 Example:
 

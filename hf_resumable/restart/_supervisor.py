@@ -3,8 +3,8 @@
 The restart is what a preemption costs beside the work redone, and most of a restart is imports (torch and
 transformers take 6-9 s on a small VM). So while an attempt trains, a **standby interpreter** (started with the
 command's interpreter, options, directory and environment) has already executed the script's leading import
-statements and waits. When the attempt's process dies, the standby becomes the next attempt: it runs the script as
-``__main__`` with the same ``sys.argv``, and a new standby starts for the next failure. The run's own code (the
+statements and waits. When the attempt's process dies, the standby forks the next attempt and stays ready for the
+next failure (where a fork is unsafe it runs the attempt itself, and a new standby starts). The run's own code (the
 model, the data, the checkpoint loaded by ``ResumableTrainer``) starts fresh in each attempt, exactly as in a new
 process: only import statements ran ahead. See :mod:`._standby` for what the standby does, and
 :func:`~hf_resumable.restart._plan.plan_warm_start` for which commands qualify (others restart cold).
