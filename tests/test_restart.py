@@ -129,6 +129,9 @@ import sitepkg
 import localmod
 import venvpkg
 
+import numpy
+import torch
+
 os.environ["SET_BY_SCRIPT"] = "1"
 import latepkg
 
@@ -139,6 +142,7 @@ with open(os.environ["RUN_LOG"], "a") as f:
         "restarts": os.environ.get("HF_RESUMABLE_RESTARTS"), "warm": os.environ.get("HF_RESUMABLE_WARM"),
         "spec": repr(globals().get("__spec__")), "sigint": repr(signal.getsignal(signal.SIGINT)),
         "user_env": os.environ.get("USER_SETTING"), "random": random.random(),
+        "numpy": numpy.random.random(), "torch": torch.rand(1).item(),
     }) + "\\n")
 if os.environ["HF_RESUMABLE_RESTARTS"] in ("0", "1"):
     os.kill(os.getpid(), signal.SIGKILL)
@@ -179,7 +183,8 @@ def test_warm_restart_runs_the_script_as_python_would(tmp_path: Path, job: dict,
     assert log.count(how) == 2, log
     assert [(r["restarts"], r["warm"]) for r in (cold, *warm)] == [("0", None), ("1", "1"), ("2", "1")]
     assert len({r["pid"] for r in (cold, *warm)}) == 3
-    assert len({r["random"] for r in (cold, *warm)}) == 3  # each attempt's generators seeded anew
+    for generator in ("random", "numpy", "torch"):  # each attempt's global generators seeded anew, as in a new process
+        assert len({r[generator] for r in (cold, *warm)}) == 3, generator
     same = ("ppid", "argv", "file", "name", "doc", "path0", "cwd", "spec", "sigint", "user_env")
     for attempt in warm:
         assert {k: attempt[k] for k in same} == {k: cold[k] for k in same}

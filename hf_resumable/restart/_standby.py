@@ -19,9 +19,9 @@ statements already executed:
 4. ``go N``: it becomes the attempt itself (after a refused fork).
 
 An attempt has ``HF_RESUMABLE_RESTARTS=N`` and ``HF_RESUMABLE_WARM=1`` set, ``sys.argv`` as the command's, SIGINT
-as a new interpreter has it, numpy's global generator seeded anew (``random`` re-seeds itself after a fork), and runs
-the script as ``__main__`` the way the interpreter runs one (a module through :mod:`runpy`). Its exit status is the
-process's.
+as a new interpreter has it, torch's and numpy's global generators seeded anew (``random`` re-seeds itself after a
+fork), and runs the script as ``__main__`` the way the interpreter runs one (a module through :mod:`runpy`). Its exit
+status is the process's.
 """
 
 import json
@@ -129,7 +129,10 @@ def _fork_attempt(restarts, plan, channel):
 
 def _reseed():
     """A forked attempt would share this process's global random generators; a new interpreter seeds them from the
-    OS (``random`` re-seeds itself after a fork; numpy's legacy global generator does not)."""
+    OS (``random`` re-seeds itself after a fork; torch's default generator and numpy's legacy global one do not)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
         numpy_random.seed()
