@@ -47,8 +47,8 @@ def plan_warm_start(command: list[str]) -> tuple[WarmStart | None, str]:
     """Whether ``command`` can be restarted from a standby interpreter, and if not, why (one phrase).
 
     Only a command that starts a Python interpreter on a script or a module qualifies: a launcher such as
-    ``torchrun`` or ``accelerate launch`` starts its workers itself, ``python -c`` has no file to rerun, and ``-I`` /
-    ``-S`` interpreters cannot import the standby's own module.
+    ``torchrun`` or ``accelerate launch`` starts its workers itself, ``python -c`` has no file to rerun, and the
+    options that change ``sys.path`` or the environment's reach (``-I``, ``-S``) are not ones the standby repeats.
 
     Example:
 

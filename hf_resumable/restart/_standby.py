@@ -140,8 +140,8 @@ def _reseed():
 
 def _run(restarts, plan):
     """Become the attempt: the environment, ``sys.argv``, SIGINT as a new interpreter has it, then the script."""
-    os.environ["HF_RESUMABLE_RESTARTS"] = str(restarts)
-    os.environ["HF_RESUMABLE_WARM"] = "1"
+    os.environ[plan["restarts_env"]] = str(restarts)  # (names given by the supervisor: this file imports nothing)
+    os.environ[plan["warm_env"]] = "1"
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # as a new interpreter has it (unless an import set one)
         signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = list(plan["argv"])

@@ -144,7 +144,8 @@ class _Standby:
                  processes: _Processes, *, fork: bool) -> None:
         path0 = os.getcwd() if plan.is_module else os.path.dirname(os.path.realpath(plan.target))
         document = json.dumps({"path0": path0, "imports": imports, "argv": plan.argv(), "target": plan.target,
-                               "module": plan.is_module, "fork": fork})
+                               "module": plan.is_module, "fork": fork, "restarts_env": RESTARTS_ENV,
+                               "warm_env": WARM_ENV})
         self._socket, theirs = socket.socketpair()
         self._replies = self._socket.makefile("rb")
         self._processes = processes
