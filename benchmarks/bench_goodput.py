@@ -221,6 +221,21 @@ def _first_step_time(log: Path, since: float) -> float | None:
     return next((e["t"] for e in _events(log) if e["event"] == "step" and e["t"] >= since), None)
 
 
+def _job_done(events: list[dict], start: float, steps: int) -> bool:
+    """Whether the attempt that started at ``start`` has trained its last step (it is then not preempted: what is
+    left is this script's own digest)."""
+    return any(e["t"] >= start and (e["event"] == "done" or (e["event"] == "step" and e["step"] >= steps))
+               for e in events)
+
+
+def _run_dir(root: Path, name: str, spec: dict) -> tuple[dict, Path, Path]:
+    """A fresh directory for system ``name``: the spec with its paths, its output directory and its events log."""
+    out, log = root / name / "out", root / name / "events.jsonl"
+    shutil.rmtree(root / name, ignore_errors=True)
+    out.mkdir(parents=True)
+    return {**spec, "name": name, "out": str(out), "log": str(log)}, out, log
+
+
 def _wait_to_preempt(process: subprocess.Popen, log: Path, start: float, kill_at: float, steps: int) -> bool:
     """Wait until ``kill_at`` seconds after the attempt's first step (``True``: preempt now), or until it exits.
     An attempt that has trained its last step is not preempted: what is left is this script's own digest."""
@@ -234,8 +249,7 @@ def _wait_to_preempt(process: subprocess.Popen, log: Path, start: float, kill_at
             return False
         except subprocess.TimeoutExpired:
             if trained is not None and time.time() >= trained + kill_at:
-                if not any(e["t"] >= start and (e["event"] == "done" or e.get("step", 0) >= steps)
-                           for e in _events(log) if e["event"] in ("done", "step")):
+                if not _job_done(_events(log), start, steps):
                     return True
                 process.wait()  # a run that has finished its job is not preempted on its way out
                 return False
@@ -284,10 +298,7 @@ def run_supervised(name: str, spec: dict, *, intervals: list[float], root: Path)
     """Run ``spec`` under ``hf-resumable run`` (warm restarts from a standby interpreter) to completion, SIGKILLing
     the training process (not the supervisor: the machine survives, the process dies) on the schedule; each worker
     life is an attempt, which starts when the previous one was killed."""
-    out, log = root / name / "out", root / name / "events.jsonl"
-    shutil.rmtree(root / name, ignore_errors=True)
-    out.mkdir(parents=True)
-    spec = {**spec, "name": name, "out": str(out), "log": str(log)}
+    spec, _, log = _run_dir(root, name, spec)
     command = ["nice", "-n", "10", sys.executable, "-m", "hf_resumable", "run", "--max-restarts",
                str(len(intervals) + 3), "--preimport", *PREIMPORT, "--", sys.executable, os.path.abspath(__file__),
                "--child", json.dumps(spec)]
@@ -324,7 +335,7 @@ def _preempt_worker(supervisor: subprocess.Popen, log: Path, start: float, kill_
         if supervisor.poll() is not None:
             return None
         events = [e for e in _events(log) if e["t"] >= start]
-        if any(e["event"] == "done" or (e["event"] == "step" and e["step"] >= steps) for e in events):
+        if _job_done(events, start, steps):
             return None
         begun = next((e for e in events if e["event"] == "started"), None)
         trained = next((e["t"] for e in events if e["event"] == "step"), None)
@@ -354,10 +365,7 @@ def _drop_newest_checkpoint(out: str) -> str | None:
 
 def run_system(name: str, spec: dict, *, intervals: list[float], signal_kind: str, notice: float, root: Path) -> dict:
     """Run ``spec`` to completion under the schedule; every attempt is the same command."""
-    out, log = root / name / "out", root / name / "events.jsonl"
-    shutil.rmtree(root / name, ignore_errors=True)
-    out.mkdir(parents=True)
-    spec = {**spec, "name": name, "out": str(out), "log": str(log)}
+    spec, out, log = _run_dir(root, name, spec)
     attempts, fixes, pending = [], [], list(intervals)
     while True:
         kill_at = pending.pop(0) if pending else None
