@@ -17,13 +17,13 @@ import ctypes
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..format._bytes import tensor_bytes
 from ..format._libc import libc_function
+from ._threads import defer_to_running_threads
 
 try:
     from .._fastcopy import copy as _nt_copy
@@ -58,9 +58,9 @@ def staging_threads() -> int:
     return max(1, min(8, cpus))
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Copy ``length`` bytes at byte ``offset`` of tensor pair ``index``."""
+class Piece(NamedTuple):
+    """Copy ``length`` bytes at byte ``offset`` of tensor pair ``index`` (a tuple: an async save plans hundreds per
+    call, on the training loop's time)."""
 
     index: int
     offset: int
@@ -199,6 +199,7 @@ class _Crew:
         return next((job for job in self._jobs if job.wants_workers), None)
 
     def _serve(self) -> None:
+        defer_to_running_threads()  # woken as an async save's call returns: never preempt the training thread then
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._next_job() is not None)
@@ -213,11 +214,14 @@ _CREW = _Crew()
 
 
 def _memmove_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``dst`` and ``src`` are the same bytes in the same order: plain contiguous CPU tensors of one dtype and
+    shape (checked per tensor at every async save, on the training loop's time: the cheapest tests first)."""
     return (
-        src.device.type == "cpu" and dst.device.type == "cpu"
+        src.is_cpu and dst.is_cpu
+        and src.dtype == dst.dtype
         and src.layout == torch.strided and dst.layout == torch.strided
-        and src.dtype == dst.dtype and src.shape == dst.shape
         and src.is_contiguous() and dst.is_contiguous()
+        and src.shape == dst.shape
         and not src.is_conj() and not src.is_neg()
         and not src.is_quantized
     )
@@ -226,16 +230,15 @@ def _memmove_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
 def _raw_copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
                 other: Callable[[torch.Tensor, torch.Tensor], None]) -> list[tuple[int, int, int]]:
     """``(dst address, src address, bytes)`` of every pair a raw byte copy may serve; ``other(dst, src)`` is called
-    for the rest (CUDA sources, other dtypes or layouts)."""
+    for the rest (CUDA sources, other dtypes or layouts), with ``src`` detached (no autograd record of the copy)."""
     fast: list[tuple[int, int, int]] = []
     for dst, src in pairs:
-        src = src.detach()
         if _memmove_ok(dst, src):
-            nbytes = src.numel() * src.element_size()
+            nbytes = src.nbytes
             if nbytes:
                 fast.append((dst.data_ptr(), src.data_ptr(), nbytes))
         else:
-            other(dst, src)
+            other(dst, src.detach())
     return fast
 
 

@@ -24,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepGate", "gated_optimizer", "step_gate", "step_storages", "storage_key"]
+__all__ = ["StepGate", "gated_optimizer", "step_gate", "step_storages", "memory_key"]
 
 
 class StepGate:
@@ -122,13 +122,15 @@ def step_gate(optimizer: torch.optim.Optimizer) -> StepGate:
     return gate
 
 
-def storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
-    """The identity of the memory ``tensor`` views (a DTensor: its local piece's), or ``None`` without one."""
+def memory_key(tensor: torch.Tensor) -> tuple[torch.device, int] | None:
+    """The identity of the memory ``tensor`` views, whatever part of it and however (a DTensor: its local piece's),
+    or ``None`` without one. Coarser than :func:`._model.storage_key`, which tells tied views of one memory apart."""
     tensor = getattr(tensor, "_local_tensor", tensor)
-    if tensor.device.type == "meta" or not tensor.numel():
+    device = tensor.device
+    if device.type == "meta" or not tensor.numel():
         return None
     try:
-        return str(tensor.device), tensor.untyped_storage().data_ptr()
+        return device, tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
         return None
 
@@ -144,17 +146,17 @@ def _optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
         yield from (value for value in state.values() if torch.is_tensor(value))
 
 
-def step_storages(optimizer: Any) -> set[tuple[str, int]]:
+def step_storages(optimizer: Any) -> set[tuple[torch.device, int]]:
     """The memory ``optimizer``'s step writes and nothing else between two steps writes: its parameters and its
     state (an engine's checkpoint view names its own, ``step_tensors()``). A tensor viewing other memory (a buffer,
     a scheduler's tensor learning rate, a copy a state-dict walk made) is copied when the save is called."""
-    return {key for key in map(storage_key, _optimizer_tensors(optimizer)) if key is not None}
+    return {key for key in map(memory_key, _optimizer_tensors(optimizer)) if key is not None}
 
 
-def split_by_storage(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], storages: set[tuple[str, int]]
+def split_by_storage(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], storages: set[tuple[torch.device, int]]
                      ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
     """``(dst, src)`` pairs split into those to copy now and those whose source only the held step writes."""
     now, later = [], []
     for pair in pairs:
-        (later if storages and storage_key(pair[1]) in storages else now).append(pair)
+        (later if storages and memory_key(pair[1]) in storages else now).append(pair)
     return now, later

@@ -1,4 +1,5 @@
-"""Plain-thread helpers shared by the writer, the reader and async saves: a fan-out, and per-thread CPU priority."""
+"""Plain-thread helpers shared by the writer, the reader and async saves: a fan-out, and per-thread CPU priority and
+scheduling policy."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ logger = logging.getLogger(__name__)
 # Linux keeps a nice value per thread (``setpriority(PRIO_PROCESS, tid)``) and a thread inherits its creator's;
 # elsewhere ``PRIO_PROCESS`` would renice the whole process, so priorities are left alone there.
 _PER_THREAD_NICE = sys.platform.startswith("linux") and hasattr(os, "setpriority")
+# Linux's scheduling policy is per thread as well (``sched_setscheduler(0, ...)`` sets the calling thread's).
+_PER_THREAD_POLICY = sys.platform.startswith("linux") and hasattr(os, "SCHED_BATCH")
 
 
 def run_in_threads(fn, items: list, *, workers: int) -> list:
@@ -94,3 +97,28 @@ def restore_thread_priorities(change: tuple[int, int] | None) -> None:
             continue
         except OSError as err:  # raising a priority is not allowed here: the thread keeps the lower one
             logger.debug("Could not restore the priority of thread %d: %s", tid, err)
+
+
+def defer_to_running_threads() -> bool:
+    """Put the calling thread under Linux's ``SCHED_BATCH`` policy: it keeps its CPU share (its nice value still
+    decides that), but its wake-ups no longer preempt the thread that is running. Inherited by the threads it starts.
+
+    For the threads an async save wakes as its call returns (the staging helpers, the saver's thread): woken at the
+    normal policy on a busy machine, they preempt the training thread in the last microseconds of the call, which then
+    waits a whole scheduling slice to return. Measured with 2 FSDP2 ranks on 2 cores: the call's median 10.6-11.4 ms
+    at the normal policy, 5.9-6.2 ms under ``SCHED_BATCH``, with the same next step and no wait at the step gate.
+    Moving between the normal and the batch policy needs no privilege; a refusal (a seccomp profile) is logged at
+    debug and changes nothing. A no-op elsewhere than Linux.
+
+    Returns:
+        `bool`: whether the calling thread now runs under ``SCHED_BATCH``.
+    """
+    if not _PER_THREAD_POLICY:
+        return False
+    try:
+        if os.sched_getscheduler(0) != os.SCHED_BATCH:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except OSError as err:
+        logger.debug("Could not set SCHED_BATCH for thread %d: %s", threading.get_native_id(), err)
+        return False
+    return True

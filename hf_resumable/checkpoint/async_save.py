@@ -36,7 +36,7 @@ from ._payload import Payload, TensorFile
 from ._replicas import part_of_rank, replica_signature
 from ._staging import BackgroundCopy, copy_into, start_copy
 from ._step_gate import gated_optimizer, split_by_storage, step_gate, step_storages
-from ._threads import lower_thread_priority, restore_thread_priorities
+from ._threads import defer_to_running_threads, lower_thread_priority, restore_thread_priorities
 from ._writer import SaveStart, begin_save, finish_save
 from .manifest import Manifest
 
@@ -209,6 +209,7 @@ class _Worker:
 
     @staticmethod
     def _serve(jobs: queue.SimpleQueue) -> None:
+        defer_to_running_threads()  # woken as the save's call returns: never preempt the training thread then
         while True:
             jobs.get()()  # a job keeps its own errors
 

@@ -167,13 +167,13 @@ def _device(model: torch.nn.Module) -> torch.device:
 
 
 def _model_state(model: torch.nn.Module, originals: dict[str, Any] | None = None, *,
-                 partitioned: bool | None = None, parameters: Mapping[str, Any] | None = None
-                 ) -> dict[str, torch.Tensor]:
+                 partitioned: bool | None = None, parameters: Mapping[str, Any] | None = None,
+                 keep_vars: bool = False) -> dict[str, torch.Tensor]:
     """FQN-keyed weights as this rank holds them (DTensor pieces under FSDP2 and, re-wrapped, FSDP1's sharded state
     dict, whose ``ShardedTensor`` of each name goes into ``originals``; the partitions of the flattened parameters
     under DeepSpeed ZeRO-3; plain tensors otherwise). ``partitioned``: :func:`is_partitioned` of ``model``, if
-    known."""
-    state = model_state_dict(model)
+    known; ``keep_vars``: as :func:`._fqn_state.model_state_dict`'s (saves only: they read the bytes)."""
+    state = model_state_dict(model, keep_vars=keep_vars)
     if is_partitioned(model) if partitioned is None else partitioned:
         return partitioned_state(model, state, parameters=parameters)
     return as_dtensors(state, device=_device(model), originals=originals)
@@ -342,7 +342,7 @@ def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.o
     the list of the local pieces an async save copies."""
     partitioned = is_partitioned(model)
     parameters = state_parameters(model) if partitioned else None  # ZeRO-3: one walk, shared by the steps below
-    weights = _model_state(model, partitioned=partitioned, parameters=parameters)
+    weights = _model_state(model, partitioned=partitioned, parameters=parameters, keep_vars=True)
     states: dict[str, tuple[Mapping[str, torch.Tensor], dict[str, str]]] = {}
     layout: dict[str, Any] = {}
     local = local_tensors(weights)
