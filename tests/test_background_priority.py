@@ -123,3 +123,45 @@ def test_elsewhere_or_with_no_increment_nothing_changes(monkeypatch):
     thread.start()
     thread.join()
     assert seen == [(None, base)]
+
+
+def _policies() -> dict[str, set[int]]:
+    """Scheduling policy of every live Python thread of this process, by thread name."""
+    policies: dict[str, set[int]] = {}
+    for thread in threading.enumerate():
+        try:
+            policies.setdefault(thread.name, set()).add(os.sched_getscheduler(thread.native_id))
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+    return policies
+
+
+def test_the_threads_an_async_save_wakes_never_preempt_the_training_thread(tmp_path):
+    """The staging helpers and the saver's thread run under SCHED_BATCH (same CPU share, no wake-up preemption of
+    the running training thread); the training thread keeps the normal policy."""
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048))  # 32 MB: helpers copy
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 2048)).sum().backward()
+    optimizer.step()
+    save_checkpoint(tmp_path / "checkpoint-1", model=model, optimizer=optimizer, step=1, rng=False, blocking=False)
+    wait_for_pending_saves()
+    policies = _policies()
+    assert policies.get("hf_resumable-stage") == {os.SCHED_BATCH}, policies
+    assert policies.get("hf_resumable-save") == {os.SCHED_BATCH}, policies
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    assert read_manifest(tmp_path / "checkpoint-1").step == 1
+
+
+def test_a_policy_that_cannot_be_set_is_logged_and_changes_nothing(monkeypatch, caplog):
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    caplog.set_level(logging.DEBUG, logger=_threads.__name__)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append((_threads.defer_to_running_threads(),
+                                                          os.sched_getscheduler(0))))
+    thread.start()
+    thread.join()
+    assert seen == [(False, os.SCHED_OTHER)]
+    assert "Could not set SCHED_BATCH for thread" in caplog.text

@@ -74,6 +74,20 @@ def test_a_plain_model_is_answered_like_torch_and_its_walk_is_learned_once(torch
     assert torch_calls["optimizer"] == 1
 
 
+def test_keep_vars_gives_the_live_parameters_on_the_fast_path_and_is_learned_like_the_detached_answer(torch_calls):
+    """Saves ask for ``keep_vars``: the parameters themselves (no detach per entry), proven against torch's detached
+    answer once, as the default call is."""
+    model = _model()
+    first = model_state_dict(model, keep_vars=True)  # learned: torch's answer, detached
+    _same_model_state(first, get_model_state_dict(model))
+    again = model_state_dict(model, keep_vars=True)
+    assert torch_calls["model"] == 1
+    assert list(again) == list(first)
+    assert all(again[name] is param for name, param in model.named_parameters())
+    assert not any(entry.requires_grad for entry in model_state_dict(model).values())  # the default: detached
+    assert torch_calls["model"] == 1
+
+
 def test_a_wrapper_that_renames_keys_is_never_cached():
     model = _model()
     compiled = torch.compile(model)  # state_dict() says "_orig_mod.0.weight", torch's FQN is "0.weight"
