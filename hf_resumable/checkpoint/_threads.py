@@ -105,8 +105,9 @@ def defer_to_running_threads() -> bool:
 
     For the threads an async save wakes as its call returns (the staging helpers, the saver's thread): woken at the
     normal policy on a busy machine, they preempt the training thread in the last microseconds of the call, which then
-    waits a whole scheduling slice to return. Measured with 2 FSDP2 ranks on 2 cores: the call's median 10.6-11.4 ms
-    at the normal policy, 5.9-6.2 ms under ``SCHED_BATCH``, with the same next step and no wait at the step gate.
+    waits a whole scheduling slice to return. Measured with 2 FSDP2 ranks on 2 cores (the slower rank's call, median
+    of 38 saves, 4 runs each, alternated): 10.4-13.6 ms at the normal policy, 6.4-8.7 ms under ``SCHED_BATCH``, with
+    the same next step and no wait at the step gate.
     Moving between the normal and the batch policy needs no privilege; a refusal (a seccomp profile) is logged at
     debug and changes nothing. A no-op elsewhere than Linux.
 
