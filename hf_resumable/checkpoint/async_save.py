@@ -13,7 +13,9 @@ one). The commit protocol itself is :mod:`._writer`'s.
 The write runs at a lower CPU priority than the training loop (:data:`WRITER_NICE_INCREMENT`, Linux): its hashing
 and page-cache copies take the cores the training threads leave idle instead of slowing every step, and get the
 normal priority back as soon as the training loop waits for them, or when the caller says the write is late
-(:meth:`AsyncSaver.expedite`: the next save is due).
+(:meth:`AsyncSaver.expedite`: the next save is due). The saver's thread and the staging helpers run under
+``SCHED_BATCH`` (:func:`._threads.defer_to_running_threads`): woken as the call returns, they do not preempt the
+training thread before it has returned.
 """
 
 from __future__ import annotations
