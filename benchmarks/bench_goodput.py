@@ -644,6 +644,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     root = Path(options.out or tempfile.mkdtemp(prefix="bench_goodput_"))
     root.mkdir(parents=True, exist_ok=True)
+    try:
+        _measure(options, root)
+    finally:  # a failed run too: a --quick run leaves up to 20 GB of checkpoints there
+        if options.out is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _measure(options: argparse.Namespace, root: Path) -> None:
+    """The references, the schedules and the tables, in ``root``."""
     base = {"model": options.model, "steps": options.steps}
     started, load = time.time(), _load()
     print(f"# goodput: {options.model} job, {options.steps} steps, {options.kills} preemptions per schedule, "
@@ -655,8 +664,6 @@ def main(argv: list[str] | None = None) -> None:
         _, bg = _background_runs(root, base, calibrate, options.inflation_pairs)
         _print_inflation(bg, calibrate, math.nan)
         print(f"load average {load} at the start, {_load()} at the end; {(time.time() - started) / 60:.1f} min")
-        if options.out is None:
-            shutil.rmtree(root, ignore_errors=True)
         return
     baseline, ours_ref, stock_costs, bg = _uninterrupted(root, base, calibrate, options.inflation_pairs)
     # By default a preemption comes on average after a fifth of the job's training time (at most 2/5 of it), so
@@ -738,8 +745,6 @@ def main(argv: list[str] | None = None) -> None:
                                                    "per_save": per_save, "bg": bg,
                                                    "stock": stock_costs, "split": split, "mtbf": mtbf},
                                                   indent=1, default=str))
-    if options.out is None:
-        shutil.rmtree(root, ignore_errors=True)
     job_level = {k: v for k, v in lost["SIGKILL"].items() if k != SUPERVISED and not math.isnan(v)}
     if SUPERVISED in lost["SIGKILL"] and job_level:
         ours_job = min((v for k, v in job_level.items() if k.startswith("ours")), default=math.nan)
