@@ -334,6 +334,7 @@ class _Pieces:
         return {LAYOUT_FILE: json_bytes(stamp_layout_version(layout), indent=None)}
 
 
+@torch.no_grad()  # the weights come with keep_vars (live parameters): the gathers of hf_weights record no graph
 def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
                     rank: int, world_size: int, hf_weights: bool, max_shard_size: int | str, standalone: bool,
                     stage: bool) -> _Pieces:
