@@ -64,7 +64,7 @@ def test_threads_a_lowered_thread_starts_inherit_its_priority_and_get_the_normal
     thread = threading.Thread(target=writer)
     thread.start()
     thread.join()
-    assert seen["change"] == (base, lowered)
+    assert seen["change"] == (base, lowered, None)  # nice values had room: the policy is left alone
     assert (seen["writer_nice"], seen["child_nice"]) == (lowered, lowered)
     assert (seen["after"], seen["child_after"]) == (base, base)
     assert _nice() == base  # the calling (training) thread was never touched
@@ -170,3 +170,114 @@ def test_a_policy_that_cannot_be_set_is_logged_and_changes_nothing(monkeypatch, 
     thread.join()
     assert seen == [(False, os.SCHED_OTHER)]
     assert "Could not set SCHED_BATCH for thread" in caplog.text
+
+
+def _policy(tid: int | None = None) -> int:
+    return os.sched_getscheduler(threading.get_native_id() if tid is None else tid)
+
+
+def test_where_nice_values_end_too_soon_the_thread_also_runs_under_sched_idle_and_gets_its_policy_back():
+    """Where nice values leave a background thread less than half the increment below the training thread (a job
+    started with ``nice -n 15`` or more), the thread (and those it starts) also moves to SCHED_IDLE, and gets its own
+    policy and nice value back."""
+    base = _nice()
+    if not _can_raise_again(base):
+        pytest.skip("raising a priority again needs root or RLIMIT_NICE")
+    increment = 2 * (19 - base) + 1  # nice values give it less than half
+    started, restored, seen = threading.Event(), threading.Event(), {}
+
+    def child() -> None:
+        seen["child"] = threading.get_native_id()
+        seen["child_lowered"] = (_nice(), _policy())
+        started.set()
+        assert restored.wait(30)
+
+    def writer() -> None:
+        _threads.defer_to_running_threads()  # as the saver's thread does first
+        change = _threads.lower_thread_priority(increment)
+        seen["change"], seen["lowered"] = change, (_nice(), _policy())
+        helper = threading.Thread(target=child)
+        helper.start()
+        assert started.wait(30)
+        _threads.restore_thread_priorities(change)
+        seen["after"], seen["child_after"] = (_nice(), _policy()), (_nice(seen["child"]), _policy(seen["child"]))
+        restored.set()
+        helper.join()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    thread.join()
+    assert seen["change"] == (base, 19, os.SCHED_BATCH)
+    assert seen["lowered"] == seen["child_lowered"] == (19, os.SCHED_IDLE)
+    assert seen["after"] == seen["child_after"] == (base, os.SCHED_BATCH)
+    assert (_nice(), _policy()) == (base, os.SCHED_OTHER)  # the training thread was never touched
+
+
+_AT_NICE = """
+import os, sys, threading
+sys.path[:0] = sys.argv[2:]
+from hf_resumable.checkpoint import _threads
+os.setpriority(os.PRIO_PROCESS, os.getpid(), int(sys.argv[1]))  # the job was started with nice -n N
+seen = {}
+def writer():
+    change = _threads.lower_thread_priority(10)
+    seen["lowered"] = (os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), os.sched_getscheduler(0))
+    _threads.restore_thread_priorities(change)
+    seen["after"] = (os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), os.sched_getscheduler(0))
+    seen["change"] = change
+thread = threading.Thread(target=writer)
+thread.start()
+thread.join()
+print(seen["change"], seen["lowered"], seen["after"], os.sched_getscheduler(0))
+"""
+
+
+@pytest.mark.parametrize("nice", [10, 19])
+def test_in_a_niced_job_the_writer_still_runs_below_the_training_thread(nice):
+    """At nice 19 nice values leave no room: SCHED_IDLE alone keeps the writer below the training thread (which keeps
+    its policy). At nice 10 the writer's 19 is most of the increment, and the policy is left alone."""
+    import subprocess
+
+    if not _can_raise_again(nice):
+        pytest.skip("raising a priority again needs root or RLIMIT_NICE")
+    paths = [p for p in sys.path if p]
+    out = subprocess.run([sys.executable, "-c", _AT_NICE, str(nice), *paths], capture_output=True, text=True,
+                         check=True, timeout=120).stdout.strip()
+    other, idle = os.SCHED_OTHER, os.SCHED_IDLE
+    expected = {19: f"Lowering(base=19, lowered=19, policy={other}) (19, {idle}) (19, {other}) {other}",
+                10: f"Lowering(base=10, lowered=19, policy=None) (19, {other}) (10, {other}) {other}"}
+    assert out == expected[nice], out
+
+
+def test_a_policy_that_cannot_be_left_again_is_logged_and_the_thread_stays_idle(monkeypatch, caplog):
+    """Without the privilege to leave SCHED_IDLE (an unprivileged process, RLIMIT_NICE 0), the thread keeps it; a
+    later lowering does not record SCHED_IDLE as the policy to go back to."""
+    base = _nice()
+    caplog.set_level(logging.DEBUG, logger=_threads.__name__)
+    lowered_once, done, seen = threading.Event(), threading.Event(), {}
+
+    def background() -> None:
+        seen["change"] = _threads.lower_thread_priority(2 * (19 - base) + 1)
+        seen["tid"] = threading.get_native_id()
+        lowered_once.set()
+        assert done.wait(30)
+        seen["again"] = _threads.lower_thread_priority(2 * (19 - base) + 1)
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    assert lowered_once.wait(30)
+    real = os.sched_setscheduler
+
+    def refuse_leaving_idle(tid, policy, param):  # what an unprivileged thread meets
+        if os.sched_getscheduler(tid) == os.SCHED_IDLE and policy != os.SCHED_IDLE:
+            raise PermissionError(1, "Operation not permitted")
+        real(tid, policy, param)
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse_leaving_idle)
+    _threads.restore_thread_priorities(seen["change"])
+    assert _policy(seen["tid"]) == os.SCHED_IDLE
+    assert f"Could not restore the priority of thread {seen['tid']}" in caplog.text
+    done.set()
+    thread.join()
+    assert seen["change"].policy == os.SCHED_OTHER
+    assert seen["again"] == (base, 19, None)

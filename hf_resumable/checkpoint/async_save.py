@@ -10,8 +10,9 @@ integrations attach what follows a commit (``integrations._core.AfterCommit``). 
 next save, any load and interpreter exit wait for it (:meth:`AsyncSaver.wait` raises ``AsyncSaveError`` for a failed
 one). The commit protocol itself is :mod:`._writer`'s.
 
-The write runs at a lower CPU priority than the training loop (:data:`WRITER_NICE_INCREMENT`, Linux): its hashing
-and page-cache copies take the cores the training threads leave idle instead of slowing every step, and get the
+The write runs at a lower CPU priority than the training loop (:data:`WRITER_NICE_INCREMENT`, Linux; under
+``SCHED_IDLE`` as well where nice values end too soon, e.g. a job started with ``nice``): its hashing and page-cache
+copies take the cores the training threads leave idle instead of slowing every step, and get the
 normal priority back as soon as the training loop waits for them, or when the caller says the write is late
 (:meth:`AsyncSaver.expedite`: the next save is due). The saver's thread and the staging helpers run under
 ``SCHED_BATCH`` (:func:`._threads.defer_to_running_threads`): woken as the call returns, they do not preempt the
@@ -38,7 +39,7 @@ from ._payload import Payload, TensorFile
 from ._replicas import part_of_rank, replica_signature
 from ._staging import BackgroundCopy, copy_into, start_copy
 from ._step_gate import gated_optimizer, split_by_storage, step_gate, step_storages
-from ._threads import defer_to_running_threads, lower_thread_priority, restore_thread_priorities
+from ._threads import Lowering, defer_to_running_threads, lower_thread_priority, restore_thread_priorities
 from ._writer import SaveStart, begin_save, finish_save
 from .manifest import Manifest
 
@@ -106,7 +107,7 @@ class _SaveJob:
         self.start: SaveStart | None = None
         self.error: BaseException | None = None  # raised at the next wait
         self.raised: BaseException | None = None  # already raised by the call (a failed copy): not raised again
-        self.priority: tuple[int, int] | None = None  # the writer's lowered nice value (lower_thread_priority)
+        self.priority: Lowering | None = None  # the writer's lowered priority (lower_thread_priority)
         self.expedited = False  # AsyncSaver.expedite: the write runs at the training loop's priority
 
     def failure(self, error: BaseException) -> AsyncSaveError:
@@ -163,7 +164,7 @@ class _SyncJob:
         self.pid = os.getpid()
         self.future: Future[Manifest] = Future()
         self.raised: BaseException | None = None
-        self.priority: tuple[int, int] | None = None
+        self.priority: Lowering | None = None
         self.expedited = False
 
     def run(self) -> None:
