@@ -250,6 +250,43 @@ def test_background_retention_renames_at_once_and_deletes_on_a_helper_thread(tmp
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint-2"]
 
 
+def test_a_save_right_after_a_background_retention_writes_once_the_deletion_is_done(tmp_path, monkeypatch):
+    """The Trainer saves again right after retention started deleting the oldest checkpoint: the background save's
+    call and the settle before it return without waiting for the deletion; its files are written only once the
+    deletion is done (the disk holds the kept checkpoints and this one at most), then it commits."""
+    import threading
+
+    from hf_resumable.checkpoint import _fs
+    from hf_resumable.checkpoint.api import background_saver
+    from hf_resumable.integrations._core import AfterCommit
+
+    root = tmp_path / "run"
+    for step in (1, 2):
+        save_checkpoint(root / f"checkpoint-{step}", model=_model(float(step)), step=step, rng=False)
+    _pins.release_held_pins()
+    release = threading.Event()
+    original = _fs.shutil.rmtree
+
+    def held_rmtree(path, *args, **kwargs):
+        release.wait(60)
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(_fs.shutil, "rmtree", held_rmtree)
+    commits = AfterCommit()
+    commits.attach(None, lambda: apply_retention(root, keep_last=1, background=True))  # a blocking save's follow-up
+    commits.settle(removals=False)  # what the next save does first: returns with the deletion held
+    save_checkpoint(root / "checkpoint-3", model=_model(3.0), step=3, rng=False, blocking=False)
+    saver = background_saver()
+    time.sleep(0.5)
+    assert not saver.future.done()  # the write waits for the deletion...
+    assert not [p for p in root.iterdir() if p.name.startswith(TMP_PREFIX) and any(p.iterdir())]  # ...and writes none
+    assert any(p.name.startswith(TRASH_PREFIX) for p in root.iterdir())
+    release.set()
+    commits.settle()
+    assert [s for s, _ in list_checkpoints(root)] == [2, 3]
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-2", "checkpoint-3"]
+
+
 def _dead_owner_name(prefix: str, target: str, *, mark: str = "") -> str:
     probe = zygote.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = current_owner().__class__(current_owner().host, int(probe.stdout), 1)

@@ -481,7 +481,7 @@ def save_sharded_checkpoint(
     """
     target = Path(directory)
     check_durability(durability)
-    wait_for_pending_saves()
+    background_saver().wait()  # (the removals retention started: write_payload waits for them)
     rank, world_size = rank_and_world_size()
     if not is_distributed():  # fail before capturing anything (under torch.distributed step 1 tells every rank)
         check_target(target, overwrite=overwrite)

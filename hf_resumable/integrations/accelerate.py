@@ -827,7 +827,8 @@ class ResumableAccelerator(Accelerator):
                 f"save_state() was called inside an accumulation window (micro-step {self.step} of "
                 f"{self.gradient_accumulation_steps}); checkpoints land on optimizer-step boundaries only. "
                 "Call it after the window's optimizer step.")
-        self._commits.settle()  # the previous save has committed (its retention and upload done): it may be this step
+        # the previous save has committed (its retention and upload done): it may be this step
+        self._commits.settle(removals=False)
         mode, target = self._save_target(output_dir)
         # Only checkpoint-<step> saves can meet a checkpoint of this very state (the other namings always write).
         fingerprint = self._fingerprint(target) if mode == _NAMING_STEPS else None

@@ -858,7 +858,8 @@ class ResumableTrainer(Trainer):
         has committed.
         Everything the checkpoint holds is captured here, at this step.
         """
-        self._settle_saves()  # the previous background save has committed (or its failure is raised here)
+        # the previous background save has committed (or its failure is raised here)
+        self._settle_saves(removals=False)
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         run_dir = Path(self._get_output_dir(trial=trial))
@@ -911,14 +912,15 @@ class ResumableTrainer(Trainer):
             apply_retention(run_dir, keep_last=max(1, self.args.save_total_limit), protect=protect,
                             background=True)
 
-    def _settle_saves(self, *, poll: bool = False) -> None:
+    def _settle_saves(self, *, poll: bool = False, removals: bool = True) -> None:
         """Wait for this trainer's background save, then run what follows its commit; raise its failure.
 
         With ``poll``, only a save that has already finished is settled, and a failure is kept to be raised at the
-        next save or at the end of ``train`` (where every rank waits: ranks never raise at different steps).
+        next save or at the end of ``train`` (where every rank waits: ranks never raise at different steps). With
+        ``removals=False`` (before a save) the old checkpoints retention removed may still be being deleted.
         """
         try:
-            self._commits.settle(poll=poll)
+            self._commits.settle(poll=poll, removals=removals)
         except AsyncSaveError as err:
             self._save_error = err
         if not poll and self._save_error is not None:
