@@ -11,26 +11,52 @@ Example:
 
 from __future__ import annotations
 
-from ._version import __version__
-from .checkpoint import apply_retention, save_checkpoint, verify_checkpoint, wait_for_pending_saves
-from .checkpoint.sharded import consolidate_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
-from .data.elastic import ElasticSampler
-from .locations import find_latest_checkpoint, load_checkpoint, open_checkpoint  # any location: local, hf://, s3://
-from .preemption import PREEMPTION_EXIT_CODE
+from typing import TYPE_CHECKING
 
-# Integrations import transformers / accelerate; load them on first use so `import hf_resumable` stays light.
+from ._version import __version__
+
+# Every public name is loaded on first use, so that `import hf_resumable` (and the `hf-resumable` command line, whose
+# supervisor for `hf-resumable run` needs neither torch nor transformers) stays light: torch alone is 1.5-2 s of a
+# restart's start-up.
 _LAZY = {
+    "apply_retention": "hf_resumable.checkpoint",
+    "save_checkpoint": "hf_resumable.checkpoint",
+    "verify_checkpoint": "hf_resumable.checkpoint",
+    "wait_for_pending_saves": "hf_resumable.checkpoint",
+    "consolidate_sharded_checkpoint": "hf_resumable.checkpoint.sharded",
+    "load_sharded_checkpoint": "hf_resumable.checkpoint.sharded",
+    "save_sharded_checkpoint": "hf_resumable.checkpoint.sharded",
+    "ElasticSampler": "hf_resumable.data.elastic",
+    "find_latest_checkpoint": "hf_resumable.locations",  # any location: local, hf://, s3://
+    "load_checkpoint": "hf_resumable.locations",
+    "open_checkpoint": "hf_resumable.locations",
+    "PREEMPTION_EXIT_CODE": "hf_resumable.preemption",
     "ResumableTrainer": "hf_resumable.integrations.trainer",
     "ResumableAccelerator": "hf_resumable.integrations.accelerate",
 }
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from .checkpoint import apply_retention, save_checkpoint, verify_checkpoint, wait_for_pending_saves
+    from .checkpoint.sharded import consolidate_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
+    from .data.elastic import ElasticSampler
+    from .integrations.accelerate import ResumableAccelerator
+    from .integrations.trainer import ResumableTrainer
+    from .locations import find_latest_checkpoint, load_checkpoint, open_checkpoint
+    from .preemption import PREEMPTION_EXIT_CODE
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # the next lookup is a plain attribute
+        return value
     raise AttributeError(f"module 'hf_resumable' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 __all__ = [
