@@ -30,7 +30,6 @@ from ..format._libc import libc_function
 from ..format.safetensors_io import FileRecord, record_of
 from ._owner import DELETING_MARK, member_name
 from ._pins import live_pins
-from ._threads import lower_thread_priority
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +232,8 @@ class _TrashRemover:
             self._queue.put(trash)
 
     def _run(self) -> None:
-        lower_thread_priority(10)
+        # At the training loop's priority, not lowered as a background write is: a deletion's CPU is about 0.02 s,
+        # and the next save's write waits for it (``_writer.write_payload``), which a starved deleter would delay.
         while True:
             trash = self._queue.get()
             try:
