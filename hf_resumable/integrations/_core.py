@@ -184,9 +184,9 @@ class AfterCommit:
     def settle(self, *, poll: bool = False, removals: bool = True) -> None:
         """Wait for the save in flight, then run the follow-ups (with ``poll``: only once every attached save is done).
 
-        With ``removals=False`` (before the next save) the checkpoints that retention removed in the background may
-        still be being deleted: the next save's write waits for them itself, off the training thread for a
-        background save (:func:`~hf_resumable.checkpoint._writer.write_payload`).
+        With ``removals=False`` (before the next save), or with ``poll`` (which never blocks), the checkpoints that
+        retention removed in the background may still be being deleted: the next save's write waits for them itself,
+        off the training thread for a background save (:func:`~hf_resumable.checkpoint._writer.write_payload`).
 
         Raises:
             AsyncSaveError: the background save failed; its follow-ups are dropped (nothing was committed).
@@ -194,7 +194,7 @@ class AfterCommit:
         if poll and (not self._pending or any(not future.done() for future, _ in self._pending)):
             return
         pending, self._pending = self._pending, []
-        if removals:
+        if removals and not poll:
             wait_for_pending_saves()
         else:
             background_saver().wait()
