@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -93,8 +94,11 @@ def test_upstream_policy_warns_outside_the_tested_range_and_raises_for_missing_i
 
 
 def test_follow_ups_run_after_the_commit_and_never_for_a_failed_save(monkeypatch):
+    """A poll never blocks: once the save is done it runs the follow-ups without waiting for retention's deletions,
+    as the settle before a save (``removals=False``) does; a plain settle waits for everything."""
     waited = []
-    monkeypatch.setattr(_core, "wait_for_pending_saves", lambda: waited.append(True))
+    monkeypatch.setattr(_core, "wait_for_pending_saves", lambda: waited.append("save and deletions"))
+    monkeypatch.setattr(_core, "background_saver", lambda: SimpleNamespace(wait=lambda: waited.append("save")))
     ran = []
     commits = AfterCommit()
     commits.attach(None, lambda: ran.append("blocking"))  # committed already: runs now
@@ -105,7 +109,10 @@ def test_follow_ups_run_after_the_commit_and_never_for_a_failed_save(monkeypatch
     assert ran == ["blocking"] and waited == [] and commits.pending
     future.set_result(None)
     commits.settle(poll=True)
-    assert ran == ["blocking", "background"] and waited == [True]
+    assert ran == ["blocking", "background"] and waited == ["save"]
+    commits.settle(removals=False)
+    commits.settle()
+    assert waited == ["save", "save", "save and deletions"]
 
     def failed() -> None:
         raise AsyncSaveError("disk full")
