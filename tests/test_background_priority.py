@@ -215,7 +215,6 @@ def test_where_nice_values_end_too_soon_the_thread_also_runs_under_sched_idle_an
 
 _AT_NICE = """
 import os, sys, threading
-sys.path[:0] = sys.argv[2:]
 from hf_resumable.checkpoint import _threads
 os.setpriority(os.PRIO_PROCESS, os.getpid(), int(sys.argv[1]))  # the job was started with nice -n N
 seen = {}
@@ -240,9 +239,8 @@ def test_in_a_niced_job_the_writer_still_runs_below_the_training_thread(nice):
 
     if not _can_raise_again(nice):
         pytest.skip("raising a priority again needs root or RLIMIT_NICE")
-    paths = [p for p in sys.path if p]
-    out = subprocess.run([sys.executable, "-c", _AT_NICE, str(nice), *paths], capture_output=True, text=True,
-                         check=True, timeout=120).stdout.strip()
+    out = subprocess.run([sys.executable, "-c", _AT_NICE, str(nice)], capture_output=True, text=True, check=True,
+                         timeout=120).stdout.strip()  # (the repository is on PYTHONPATH: tests/conftest.py)
     other, idle = os.SCHED_OTHER, os.SCHED_IDLE
     expected = {19: f"Lowering(base=19, lowered=19, policy={other}) (19, {idle}) (19, {other}) {other}",
                 10: f"Lowering(base=10, lowered=19, policy=None) (19, {other}) (10, {other}) {other}"}

@@ -87,9 +87,8 @@ def test_the_supervisor_starts_the_first_attempt_without_importing_torch() -> No
              "try:\n    runpy.run_module('hf_resumable', run_name='__main__')\nexcept SystemExit:\n    pass\n"
              "import hf_resumable.restart\n"
              "print(sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True,
-                         timeout=120).stdout
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         timeout=120).stdout  # (the repository is on PYTHONPATH: tests/conftest.py)
     assert out.strip().splitlines()[-1] == "[]", out
 
 
