@@ -90,6 +90,7 @@ def test_a_failure_on_one_rank_commits_nothing_and_every_rank_raises_at_its_next
     assert all(e is not None and e["type"] == "AsyncSaveError" and e["step"] == 6 for e in errors), errors
     assert errors[1]["cause"] == "OSError" and errors[1]["errno"] == errno.ENOSPC  # the failing rank's own error
     assert "ENOSPC" in errors[0]["message"] or "No space left" in errors[0]["message"]
+    assert all("Fix the cause (the disk" in e["message"] for e in errors), errors  # storage's error, storage's fix
     assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-")] == []
 
 
@@ -113,3 +114,6 @@ def test_a_rank_killed_inside_its_background_write_leaves_the_previous_checkpoin
     assert not (root / "checkpoint-4").exists()
     assert find_latest_checkpoint(root) == root / "checkpoint-2"
     assert verify_checkpoint(root / "checkpoint-2", full=True).ok
+    # The survivor's training loop fails in its next collective; its save's error, raised at exit, says what to do
+    # about a dead peer (not "free disk space").
+    assert "If another rank died or lost its connection" in results[0].stderr, results[0].describe()

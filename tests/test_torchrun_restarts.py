@@ -168,6 +168,36 @@ def _wait_until_listening(process: subprocess.Popen, port: int, timeout: float =
         time.sleep(0.05)
 
 
+def _report(out: Path, *agents: subprocess.Popen) -> str:
+    """What a failed or stuck two-agent run shows: each agent's log tail, the processes still alive under each agent
+    (state and command line) and the last steps logged."""
+    lines = []
+    for log in sorted(out.glob("agent*.log")):
+        lines += [f"----- {log.name} (last 3000 characters)", log.read_text(errors="replace")[-3000:]]
+    for agent in agents:
+        try:
+            tree = [psutil.Process(agent.pid)] + psutil.Process(agent.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            tree = []
+        lines.append(f"----- agent {agent.pid}: exit code {agent.poll()}")
+        for proc in tree:
+            try:
+                lines.append(f"  {proc.pid} {proc.status()} {' '.join(proc.cmdline())[:200]}")
+            except psutil.NoSuchProcess:
+                pass
+    losses = out / "losses.jsonl"
+    lines += ["----- losses.jsonl (last lines)", *(losses.read_text().splitlines()[-4:] if losses.exists() else [])]
+    return "\n".join(lines)
+
+
+def _exit_code(agent: subprocess.Popen, timeout: float, out: Path, agents: tuple[subprocess.Popen, ...]) -> int:
+    """The agent's exit code; an agent still running after ``timeout`` seconds fails the test with the report."""
+    try:
+        return agent.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"agent {agent.pid} still running after {timeout:.0f} s\n{_report(out, *agents)}")
+
+
 def _kill_tree(process: subprocess.Popen) -> None:
     try:
         children = psutil.Process(process.pid).children(recursive=True)
@@ -199,8 +229,8 @@ def test_two_agents_as_two_nodes_one_sigkilled_and_started_again(tmp_path, refer
         other.wait()
         time.sleep(5.0)  # let the rendezvous notice that the agent is gone
         other = _agent(1, port, tmp_path, tmp_path / "agent1-again.log")
-        assert host.wait(timeout=240) == 0, (tmp_path / "agent0.log").read_text()[-4000:]
-        assert other.wait(timeout=60) == 0, (tmp_path / "agent1-again.log").read_text()[-4000:]
+        assert _exit_code(host, 240, tmp_path, (host, other)) == 0, _report(tmp_path, host, other)
+        assert _exit_code(other, 60, tmp_path, (host, other)) == 0, _report(tmp_path, host, other)
     finally:
         for process in (host, other):
             _kill_tree(process)

@@ -113,8 +113,7 @@ class _SaveJob:
     def failure(self, error: BaseException) -> AsyncSaveError:
         return AsyncSaveError(
             f"The background save of {self.target} failed ({type(error).__name__}: {error}); nothing was "
-            "committed there and the previous checkpoint is untouched (still the newest). Fix the cause (e.g. "
-            "free disk space) and save again, or resume from the previous checkpoint.")
+            f"committed there and the previous checkpoint is untouched (still the newest). {_fix(error)}")
 
     def run(self) -> None:
         manifest = None
@@ -182,7 +181,18 @@ class _SyncJob:
         return AsyncSaveError(
             f"{self.target} was committed, but making its files durable failed ({type(error).__name__}: {error}). It "
             "is not counted as durable: retention keeps the checkpoint before it, and after a machine crash a reader "
-            "verifies every byte of it. Fix the cause (the disk, free space) and save again.")
+            f"verifies every byte of it. {_fix(error)}")
+
+
+def _fix(error: BaseException) -> str:
+    """What to do about a background job's ``error``: storage's (an ``OSError``) or, in a distributed job, most often
+    a collective with a rank that died or lost its connection (the gloo or NCCL error says which peer)."""
+    if isinstance(error, OSError):
+        return "Fix the cause (the disk, free space, permissions) and save again."
+    if rank_and_world_size()[1] > 1:
+        return ("If another rank died or lost its connection (a collective's error names the peer), restart the job: "
+                "it resumes from the newest valid checkpoint. Otherwise fix the cause and save again.")
+    return "Fix the cause and save again, or resume from the previous checkpoint."
 
 
 class _Worker:
