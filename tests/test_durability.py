@@ -182,8 +182,8 @@ def test_a_failed_fsync_is_raised_at_the_next_wait_and_the_checkpoint_never_coun
     monkeypatch.setattr(_durability, "_fsync_file", failing)
     model = _model(2.0)
     save_checkpoint(tmp_path / "checkpoint-2", model=model, step=2)
-    committed_not_durable = r"checkpoint-2 was committed, but making its files durable failed.*Fix the cause \(the disk"
-    with pytest.raises(AsyncSaveError, match=committed_not_durable):
+    not_durable = r"checkpoint-2 was committed, but making its files durable failed.*Fix the cause \(the disk"
+    with pytest.raises(AsyncSaveError, match=not_durable):
         wait_for_pending_saves()
     newest = tmp_path / "checkpoint-2"
     assert not _durability.is_durable(newest)
