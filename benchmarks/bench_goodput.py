@@ -25,7 +25,8 @@ is done), then the run is left to finish. A restart's whole cost (imports includ
 Per system: goodput (the uninterrupted wall time of the stock Trainer without checkpoints, over the total wall time
 of all attempts); time lost per preemption (the total wall time minus this run's own uninterrupted estimate: the
 first attempt's start-up plus steps x its median step without a save, neither holding one nor overlapping a
-background write; divided by the preemptions), broken down into the work redone (from the end of the step the next
+background write, plus the last attempt's end after its last line, the interpreter's teardown; divided by the
+preemptions), broken down into the work redone (from the end of the step the next
 attempt resumed after, to the preemption), the restart (process start to
 the end of the first resumed step, minus one step), split into the interpreter's start, the imports (torch,
 transformers, datasets; and hf_resumable for ours), building the model, dataset and Trainer, loading the checkpoint
@@ -409,7 +410,7 @@ def _summarize(name: str, attempts: list[dict], events: list[dict], fixes: list)
     imports, building the model and Trainer, loading the checkpoint and the first step's extra cost), the exit (from
     the SIGTERM, or the end of the step saved after it, to the process's end) and the rest (saves, slower steps):
     ``lost`` = total wall time - (the first attempt's start-up + steps x the median step of this run without a
-    save), divided by the preemptions."""
+    save + the job's end after its last line, which an uninterrupted run pays too), divided by the preemptions."""
     steps = [e for e in events if e["event"] == "step"]
     step_time = _clean_step_time(events)
     parts: dict[str, list[float]] = {"redone": [], "restart": [], "interpreter": [], "imports": [], "build": [],
@@ -439,14 +440,19 @@ def _summarize(name: str, attempts: list[dict], events: list[dict], fixes: list)
     trained = max((e["step"] for e in steps), default=0)
     wall = attempts[-1]["end"] - attempts[0]["start"]
     preemptions = sum(a["preempted"] for a in attempts)
-    lost = (wall - startup - trained * step_time) / preemptions if preemptions else math.nan
     done = next((e for e in events if e["event"] == "done"), {})
+    # The job's end after its last line (the interpreter's teardown, 1.3-1.7 s for a transformers process): an
+    # uninterrupted run pays it too, so it is not time lost to a preemption.
+    last = attempts[-1]
+    teardown = last["end"] - done["t"] if done and last["start"] <= done["t"] <= last["end"] else 0.0
+    lost = (wall - startup - trained * step_time - teardown) / preemptions if preemptions else math.nan
     # a save after the SIGTERM (the preemption checkpoint) is part of the exit, not of the saves' cost to the loop
     periodic = [e for e in events if e["event"] != "save" or not any(
         a["killed"] is not None and a["killed"] <= e["t"] <= a["end"] for a in attempts)]
     parts["save_cost"] = [_step_costs(periodic, step_time)["all_saves"] / preemptions] if preemptions else []
     return {"name": name, "wall": wall, "preemptions": preemptions, "attempts": len(attempts),
             "saves": sum(e["event"] == "save" for e in events), "step_time": step_time, "startup": startup,
+            "teardown": teardown,
             "lost": lost, **{k: statistics.fmean(v) if v else math.nan for k, v in parts.items()},
             "digest": done.get("digest"), "partial_checkpoints_removed": [f for f in fixes if f]}
 
