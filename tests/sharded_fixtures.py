@@ -82,10 +82,14 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tupl
 
 def write_reference(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                     is_main: bool) -> None:
+    """Rank 0 (``is_main``) writes the full state as the reference; under torch.distributed every rank returns only
+    once it is written (another rank's ``compare_to_reference`` may come next, before any collective)."""
     tensors, groups = full_state(model, optimizer)
     if is_main:
         write_safetensors(directory / REFERENCE_FILE, sorted(tensors.items()), fsync=False)
         (directory / REFERENCE_GROUPS_FILE).write_text(json.dumps(groups, default=list))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
 
 
 def compare_to_reference(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
