@@ -97,8 +97,7 @@ def _supervise(tmp_path: Path, command: list[str], *flags: str, env: dict[str, s
                wait: bool = True, cwd: Path | None = None):
     """``hf-resumable run FLAGS -- COMMAND`` in ``cwd`` (default ``tmp_path``); its output goes to tmp_path/run.log."""
     log = open(tmp_path / "run.log", "ab")  # noqa: SIM115
-    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                **(env or {})}
+    full_env = {**os.environ, **(env or {})}  # the repository is on PYTHONPATH (tests/conftest.py)
     process = subprocess.Popen([sys.executable, "-m", "hf_resumable", "run", *flags, "--", *command],
                                cwd=cwd or tmp_path, env=full_env, stdout=log, stderr=subprocess.STDOUT)
     if wait:
@@ -318,8 +317,7 @@ def test_trainer_run_restarted_warm_is_bit_identical(tmp_path: Path) -> None:
     reference = tmp_path / "reference"
     _run(reference, options)
     resumed = tmp_path / "resumed"
-    env = {k: v for k, v in _env(kill_after_save=3).items()}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = dict(_env(kill_after_save=3))
     log = open(tmp_path / "supervised.log", "ab")  # noqa: SIM115
     # --max-restarts 1: no second standby after the restart (it would import torch for nothing here)
     process = subprocess.run([sys.executable, "-m", "hf_resumable", "run", "--max-restarts", "1", "--",
