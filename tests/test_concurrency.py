@@ -119,7 +119,12 @@ def test_widened_commit_window_cannot_be_cleaned_up_under_the_writer(tmp_path):
     so cleanup deleted the temp dir of a live writer (committed checkpoints came out empty)."""
     root, (writer_log, *reader_logs) = _run_writer_and_readers(tmp_path, saves=12, keep_last=2, commit_delay=0.15)
     _assert_nothing_lost(root, writer_log, reader_logs)
-    assert [s for s, _ in list_checkpoints(root)] == [11, 12]
+    remaining = [s for s, _ in list_checkpoints(root)]
+    assert remaining[-2:] == [11, 12], remaining
+    # Retention keeps an older one only while a reader holds it (a reader stalled by the machine's load can still hold
+    # its pin of checkpoint-10 when the writer's last retention runs); every one a reader held, it loaded.
+    loaded = {int(r["got"].rsplit("-", 1)[1]) for log in reader_logs for r in log if "got" in r}
+    assert set(remaining[:-2]) <= loaded, (remaining, sorted(loaded))
 
 
 @pytest.mark.slow
