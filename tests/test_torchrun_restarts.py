@@ -176,7 +176,8 @@ def _report(out: Path, *agents: subprocess.Popen) -> str:
         lines += [f"----- {log.name} (last 3000 characters)", log.read_text(errors="replace")[-3000:]]
     for agent in agents:
         try:
-            tree = [psutil.Process(agent.pid)] + psutil.Process(agent.pid).children(recursive=True)
+            root = psutil.Process(agent.pid)
+            tree = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
             tree = []
         lines.append(f"----- agent {agent.pid}: exit code {agent.poll()}")

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..distributed import checkpoint_group, rank_and_world_size
+from ..distributed import checkpoint_group, is_distributed, rank_and_world_size
 from ..errors import AsyncSaveError
 from ._durability import make_durable
 from ._payload import Payload, TensorFile
@@ -189,7 +189,7 @@ def _fix(error: BaseException) -> str:
     a collective with a rank that died or lost its connection (the gloo or NCCL error says which peer)."""
     if isinstance(error, OSError):
         return "Fix the cause (the disk, free space, permissions) and save again."
-    if rank_and_world_size()[1] > 1:
+    if is_distributed():
         return ("If another rank died or lost its connection (a collective's error names the peer), restart the job: "
                 "it resumes from the newest valid checkpoint. Otherwise fix the cause and save again.")
     return "Fix the cause and save again, or resume from the previous checkpoint."
