@@ -130,3 +130,56 @@ def test_safetensors_library_reads_our_files_bit_identically(golden, tmp_path, s
             assert _digest(theirs[name]) == _digest(ours[name]), (path, name)
         with safe_open(path, framework="pt") as handle:
             assert handle.metadata() is not None and set(handle.keys()) == set(theirs)
+
+
+GOLDEN_V2 = Path(__file__).parent / "fixtures" / "golden"
+
+
+@pytest.fixture(params=["regular", "pieces"])
+def golden_v2(request, tmp_path: Path) -> tuple[str, Path]:
+    copy = tmp_path / request.param / "checkpoint-3"
+    shutil.copytree(GOLDEN_V2 / request.param / "checkpoint-3", copy)
+    return request.param, copy
+
+
+def test_golden_v2_checkpoints_of_both_layouts_verify_and_load_bit_exactly(golden_v2):
+    """Format version 2 (file records without chunk hashes), in the regular and in the per-rank piece layout
+    (tests/fixtures/golden/make_golden.py): they verify, and load into fresh objects bit-exactly."""
+    from hf_resumable.checkpoint.sharded import load_sharded_checkpoint
+
+    layout, directory = golden_v2
+    assert read_manifest(directory).format_version == 2
+    assert verify_checkpoint(directory, full=True).ok
+    expected = json.loads((GOLDEN_V2 / "expected.json").read_text())
+    model, optimizer, scheduler = _fresh(directory)
+    load = load_checkpoint if layout == "regular" else load_sharded_checkpoint
+    loaded = load(directory, model=model, optimizer=optimizer, scheduler=scheduler)
+    assert loaded.step == expected["step"]
+    assert {n: _digest(t) for n, t in model.state_dict().items()} == expected["model"]
+    names = {id(p): n for n, p in model.named_parameters()}
+    optimizer_state = {f"{names[id(p)]}/{key}": _digest(value) if isinstance(value, torch.Tensor) else value
+                       for p, state in optimizer.state.items() for key, value in sorted(state.items())}
+    assert optimizer_state == expected["optimizer"]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    assert json.loads(json.dumps(groups)) == expected["param_groups"]
+    assert json.loads(json.dumps(scheduler.state_dict())) == expected["scheduler"]
+    assert loaded.training_state == expected["training_state"]
+    assert json.loads(json.dumps(loaded.extra)) == expected["extra"]
+    assert loaded.data_state == expected["data_state"]
+    assert torch.rand(3).tolist() == expected["rng_probe"]
+
+
+def test_golden_v2_piece_checkpoint_refuses_a_flipped_byte_in_its_data(golden_v2):
+    """A version 2 record has no chunk hashes: a piece read hashes the whole file before using any of it."""
+    from hf_resumable.checkpoint.sharded import load_sharded_checkpoint
+
+    layout, directory = golden_v2
+    relpath = "optimizer-00001-of-00001.safetensors" if layout == "regular" else \
+        "sharded/optimizer-rank00000-of-00001.safetensors"
+    data = bytearray((directory / relpath).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (directory / relpath).write_bytes(bytes(data))
+    model, optimizer, scheduler = _fresh(directory)
+    load = load_checkpoint if layout == "regular" else load_sharded_checkpoint
+    with pytest.raises(CorruptCheckpointError, match=relpath.replace("/", ".")):
+        load(directory, model=model, optimizer=optimizer, scheduler=scheduler, verify="none")
