@@ -13,7 +13,9 @@ import re
 # Version of the on-disk layout. Bump on any incompatible change; readers refuse newer versions.
 # 2: manifest file records (and index shard records) hold size and xxh3_128, no sha256 (version 1 readers required
 #    one); version 1 checkpoints still load and verify (docs/format.md).
-FORMAT_VERSION = 2
+# 3: a safetensors file's manifest record also holds the xxh3-64 of every 1 MiB chunk, so that a slice read checks
+#    the chunks it covers (format/chunks.py); versions 1 and 2 still load and verify.
+FORMAT_VERSION = 3
 # Value of the "format" field of the manifest: tells our checkpoints apart from anything else.
 FORMAT_NAME = "hf_resumable"
 

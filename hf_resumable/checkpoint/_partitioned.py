@@ -483,7 +483,7 @@ def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
             "of ZeRO-1/2/3 runs saved with their optimizer have them. Export the model's weights instead.")
     section = Section.from_json(layout[LAYOUT_KEY_OPTIMIZER], source=source)
     check_pieces_stored(section, reader.report.headers, source=source)
-    with PieceReader(reader.path, section, source=source) as pieces:
+    with PieceReader(reader, section, source=source) as pieces:
         return parameter_tensors(pieces, document, MASTER_KEY, source=source)
 
 
@@ -493,7 +493,7 @@ class MasterWeights:
     the weight's dtype. Closed by the :class:`~hf_resumable.checkpoint._sharded_load.PieceReader` it is given to.
 
     Args:
-        directory (`Path`): the checkpoint.
+        reader: the opened checkpoint's reader (``OpenedCheckpoint._reader``), whose files are read verified.
         layout (`Mapping`): its parsed ``sharded_layout.json``.
         headers (`Mapping`): the verified safetensors headers of its files.
 
@@ -501,7 +501,7 @@ class MasterWeights:
         IncompleteCheckpointError: the layout holds no ZeRO optimizer partitions with maps to read them from.
     """
 
-    def __init__(self, directory: Any, layout: Mapping[str, Any], headers: Mapping[str, Any], *, source: str) -> None:
+    def __init__(self, reader: Any, layout: Mapping[str, Any], headers: Mapping[str, Any], *, source: str) -> None:
         from ..constants import LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC
         from ._sharded_load import PieceReader, Section, check_pieces_stored
 
@@ -511,7 +511,7 @@ class MasterWeights:
         section = Section.from_json(layout[LAYOUT_KEY_OPTIMIZER], source=source)
         check_pieces_stored(section, headers, source=source)
         self._maps = saved_partition_maps(layout[LAYOUT_KEY_OPTIMIZER_DOC], source=source)
-        self._reader = PieceReader(directory, section, source=source)
+        self._reader = PieceReader(reader, section, source=source)
         self._source = source
 
     def read(self, fqn: str, box: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -48,6 +48,7 @@ from ..errors import (
 )
 from ..format._jsonio import parse_json
 from ..format._safefile import member_path, open_regular, read_regular_file
+from ..format.chunks import VerifiedFile
 from ..format.rng import RngState, decode_rng_state, restore_rng_state
 from ..format.safetensors_io import FileRecord, record_of
 from ..format.sharding import ShardIndex, parse_index
@@ -148,6 +149,20 @@ class _Reader:
         if relpath in self.report.identities:
             check = lambda now: self.report.check_unchanged(relpath, now)  # noqa: E731
         return FileRead(path, header, self.expected(relpath), into or {}, new, check=check)
+
+    def verified_file(self, relpath: str) -> VerifiedFile:
+        """The safetensors file ``relpath`` opened for slice reads, every byte a read uses checked against its manifest
+        record (the chunks it covers; a record without chunk hashes: the whole file once, unless a full verification
+        hashed it), refused if it is no longer the file verification checked. Nothing is checked with
+        ``verify="none"``. Close it (or use it as a context manager)."""
+        if relpath not in self.report.headers:
+            raise CorruptCheckpointError(f"{self.path / relpath}: not a safetensors file of this checkpoint's manifest.")
+        record = self.manifest.files[relpath] if self.hash_on_read or self.report.full else None
+        check = None
+        if relpath in self.report.identities:
+            check = lambda now: self.report.check_unchanged(relpath, now)  # noqa: E731
+        return VerifiedFile(member_path(self.path, relpath), self.report.headers[relpath], record,
+                            hashed=self.report.full, check=check)
 
     def raw(self, relpath: str, *, limit: int = MAX_JSON_SIZE) -> bytes:
         """The bytes of a small file of the checkpoint: those its verification hashed and kept, else read (a regular

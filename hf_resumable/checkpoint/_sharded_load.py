@@ -2,8 +2,8 @@
 
 For every tensor the loading rank needs, the wanted box is this rank's DTensor piece (or the whole
 tensor for a plain model); :func:`~hf_resumable.checkpoint._sharded.plan_region_reads` says which
-slices of which stored pieces make it up, and ``safetensors.safe_open(...).get_slice`` reads only
-those bytes.
+slices of which stored pieces make it up, and :class:`~hf_resumable.format.chunks.VerifiedFile` reads those bytes
+(extended to the hashed chunks they cover) and checks them against the manifest.
 """
 
 from __future__ import annotations
@@ -159,16 +159,23 @@ def check_pieces_stored(section: Section, headers: Mapping[str, Any], *, source:
 
 
 class PieceReader:
-    """Reads boxes of stored tensors with ``safe_open(...).get_slice``; keeps each file open once.
+    """Reads boxes of stored tensors, each slice read with every byte it uses checked (the chunks it covers,
+    :class:`~hf_resumable.format.chunks.VerifiedFile`); keeps each file open once.
 
     Use as a context manager so the file handles are closed.
 
-    ``masters`` (a :class:`~hf_resumable.checkpoint._partitioned.MasterWeights`, closed with this reader) gives the
-    elements of a weight described with ``"master"`` that no piece stores: its fp32 master weights, cast.
+    Args:
+        reader: the opened checkpoint's reader (``OpenedCheckpoint._reader``): its ``path`` and its
+            ``verified_file(relpath)``, which opens a file with its manifest record and the verification's checks.
+        section (`Section`): the layout section read.
+        source (`str`): named in errors.
+        masters (`MasterWeights`, *optional*): gives the elements of a weight described with ``"master"`` that no
+            piece stores: its fp32 master weights, cast; closed with this reader.
     """
 
-    def __init__(self, directory: Path, section: Section, *, source: str, masters: Any = None) -> None:
-        self.directory = directory
+    def __init__(self, reader: Any, section: Section, *, source: str, masters: Any = None) -> None:
+        self.reader = reader
+        self.directory = reader.path
         self.section = section
         self.source = source
         self._stack = contextlib.ExitStack()
@@ -184,10 +191,8 @@ class PieceReader:
         self._stack.close()
 
     def _handle(self, file: str) -> Any:
-        from safetensors import safe_open
-
         if file not in self._handles:
-            self._handles[file] = self._stack.enter_context(safe_open(str(self.directory / file), framework="pt"))
+            self._handles[file] = self._stack.enter_context(self.reader.verified_file(file))
         return self._handles[file]
 
     def read_box(self, name: str, wanted: Box) -> torch.Tensor:
@@ -203,8 +208,7 @@ class PieceReader:
             # then the pieces any rank stored, over them
             out.copy_(self._masters.read(master, wanted, self.section.shapes[name], out.dtype))
         for read in reads:
-            handle = self._handle(read.file)
-            chunk = handle.get_tensor(name) if read.whole_piece else handle.get_slice(name)[read.source]
+            chunk = self._handle(read.file).read_slice(name, None if read.whole_piece else read.source)
             if out.dim() == 0:
                 out.copy_(chunk.reshape(()))
             else:

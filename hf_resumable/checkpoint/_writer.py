@@ -167,8 +167,9 @@ def committed_directory(target: str | os.PathLike, *, overwrite: bool = False) -
 
 def index_document(spec: IndexSpec, records: Mapping[str, FileRecord]) -> dict[str, Any]:
     """The index file of ``spec`` once its shards are written (pure): its weight map and metadata, plus each
-    shard's record (size and xxh3-128) under ``SHARDS_KEY`` (what Hub downloads check a shard against)."""
-    shards = records_to_json({name: records[name] for name in dict.fromkeys(spec.weight_map.values())})
+    shard's record (size and xxh3-128, without the manifest's chunk hashes) under ``SHARDS_KEY`` (what Hub downloads
+    check a shard against: a whole file)."""
+    shards = records_to_json({name: records[name].whole() for name in dict.fromkeys(spec.weight_map.values())})
     return {"metadata": {**spec.metadata, SHARDS_KEY: shards}, "weight_map": spec.weight_map}
 
 

@@ -548,8 +548,8 @@ def _piece_reader(reader: _Reader, layout: Mapping[str, Any], section: Section) 
     """A reader of ``section``'s pieces, and of the master weights that give its weights described with
     ``"master"`` (ZeRO-3)."""
     source = str(reader.path)
-    masters = MasterWeights(reader.path, layout, reader.report.headers, source=source) if section.masters else None
-    return PieceReader(reader.path, section, source=source, masters=masters)
+    masters = MasterWeights(reader, layout, reader.report.headers, source=source) if section.masters else None
+    return PieceReader(reader, section, source=source, masters=masters)
 
 
 def _section(reader: _Reader, layout: Mapping[str, Any], key: str) -> Section:
@@ -646,7 +646,7 @@ def _load_resharded_partitions(reader: _Reader, section: Section, document: Mapp
     source = str(reader.path)
     optimizer.init_state()  # the partitions' state must exist to be filled (a no-op once the optimizer stepped)
     current = optimizer.sharded_state_dict()
-    with PieceReader(reader.path, section, source=source) as pieces:
+    with PieceReader(reader, section, source=source) as pieces:
         filled, renamed = reshard_partitions(current, document, pieces, source=source)
     optimizer.load_sharded_state_dict(_rebuild_optimizer_state(filled, renamed, current, source=source))
     logger.info("Cut %d optimizer partition(s) of this rank from %d saved one(s) (another world size).",
@@ -680,7 +680,7 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
         current = optimizer_as_dtensors(current, device=_device(model), originals=originals)
     current_tensors, _ = flatten_optimizer_state(current, _class_name(optimizer))
     names = check_fits(current_tensors, section, strict=True, source=source, what="optimizer")
-    with PieceReader(reader.path, section, source=source) as pieces:
+    with PieceReader(reader, section, source=source) as pieces:
         filled = fill_state(current_tensors, pieces, names)
     state = _rebuild_optimizer_state(filled, document, current, source=source)
     if engine_sharded:
@@ -717,9 +717,10 @@ def load_sharded_checkpoint(
         scheduler, scaler (*optional*): objects to fill.
         restore_rng (`bool`, *optional*, defaults to `True`): restore this rank's RNG state.
         strict (`bool`, *optional*, defaults to `True`): missing/unexpected model keys are errors.
-        verify (`str`, *optional*, defaults to `"quick"`): ``"quick"`` (manifest, sizes, headers, hashes of
-            files up to 4 MiB), ``"full"`` (every hash first) or ``"none"``. Piece files are read by slices,
-            so files above 4 MiB are hash-checked only with ``"full"``.
+        verify (`str`, *optional*, defaults to `"quick"`): ``"quick"`` (manifest, sizes, headers and the hashes of
+            small files first; then every byte a read uses is checked against the manifest as it is read: the
+            hashed chunks a slice read covers, at any world size), ``"full"`` (every file's hash first, then as
+            ``"quick"``) or ``"none"`` (no hash checked while reading).
         allow_inexact_resume (`bool`, *optional*, defaults to `False`): continue with a WARNING when the
             world size changed or this rank's RNG state is missing, instead of raising.
 

@@ -43,6 +43,7 @@ from ..errors import CorruptCheckpointError
 from ._jsonio import parse_json, require_field
 from ._libc import libc_function
 from ._safefile import open_regular
+from .chunks import CHUNK_DIGEST_CHARS, CHUNK_HASH_SIZE, ChunkHasher
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ __all__ = [
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _XXH3 = re.compile(r"[0-9a-f]{32}")
+_CHUNK_DIGESTS = re.compile(r"[0-9a-f]*")
 # Most dimensions a stored tensor may have (torch allows 64).
 MAX_TENSOR_DIMS = 64
 CHUNK_SIZE = 16 * 1024 * 1024
@@ -129,18 +131,36 @@ class FileRecord:
         sha256 (`str`, *optional*): hex sha256; only in records written before format version 2 (which always
             had one), and what such records are checked by when they have no ``xxh3_128``.
         xxh3_128 (`str`, *optional*): hex xxh3-128; every record written since it was introduced has one.
+        chunk_size (`int`, *optional*): bytes per hashed chunk (format version 3, safetensors files).
+        chunks (`str`, *optional*): the xxh3-64 of every ``chunk_size``-byte chunk of the file, 16 hex digits each,
+            concatenated in file order (:mod:`~hf_resumable.format.chunks`); given with ``chunk_size``.
 
     Raises:
-        ValueError: if the record has neither hash.
+        ValueError: if the record has neither hash, or chunk hashes that do not cover the file.
     """
 
     size: int
     sha256: str | None = None
     xxh3_128: str | None = None
+    chunk_size: int | None = None
+    chunks: str | None = None
 
     def __post_init__(self) -> None:
         if self.sha256 is None and self.xxh3_128 is None:
             raise ValueError("a file record needs an xxh3_128 or a sha256 (it has neither)")
+        if (self.chunk_size is None) != (self.chunks is None):
+            raise ValueError("a file record's chunk_size and chunk hashes come together")
+        if self.chunks is not None and len(self.chunks) != CHUNK_DIGEST_CHARS * -(-self.size // self.chunk_size):
+            raise ValueError(f"{len(self.chunks) // CHUNK_DIGEST_CHARS} chunk hash(es) do not cover {self.size} bytes "
+                             f"in chunks of {self.chunk_size}")
+
+    def chunk_digest(self, index: int) -> str:
+        """The recorded xxh3-64 (hex) of chunk ``index``."""
+        return self.chunks[index * CHUNK_DIGEST_CHARS : (index + 1) * CHUNK_DIGEST_CHARS]
+
+    def whole(self) -> "FileRecord":
+        """This record without its chunk hashes (what an index's ``hf_resumable_shards`` holds)."""
+        return FileRecord(self.size, self.sha256, self.xxh3_128)
 
     def hashes(self, *, every_hash: bool = False) -> dict[str, bool]:
         """Which hashes a check against this record computes, as keyword arguments of :func:`record_of` /
@@ -168,11 +188,14 @@ class FileRecord:
         return None if compared else f"no hash in common with the record of {recorded_by} was computed"
 
     def to_json(self) -> dict[str, int | str]:
-        """``{"size", "xxh3_128"}`` (plus ``"sha256"`` for a record carried over from an older manifest)."""
+        """``{"size", "xxh3_128"}`` (plus ``"chunk_size"`` and ``"chunk_xxh3_64"`` for a safetensors file, and
+        ``"sha256"`` for a record carried over from an older manifest)."""
         document: dict[str, int | str] = {"size": self.size}
         for name in ("xxh3_128", "sha256"):
             if getattr(self, name) is not None:
                 document[name] = getattr(self, name)
+        if self.chunks is not None:
+            document["chunk_size"], document["chunk_xxh3_64"] = self.chunk_size, self.chunks
         return document
 
     @classmethod
@@ -193,7 +216,15 @@ class FileRecord:
         require_field(fast is not None or sha256 is not None, source, f"{where}.xxh3_128", fast,
                       "32 lowercase hex digits (a file record needs its xxh3_128, or a sha256 in one written before "
                       "format version 2)")
-        return cls(size, sha256, fast)
+        chunk_size, chunks = document.get("chunk_size"), document.get("chunk_xxh3_64")
+        require_field(chunk_size is None or (_is_index(chunk_size) and chunk_size > 0), source, f"{where}.chunk_size",
+                      chunk_size, "an integer >= 1")
+        count = None if not isinstance(chunk_size, int) else -(-size // chunk_size)
+        require_field((chunks is None and chunk_size is None) or (
+            isinstance(chunks, str) and count is not None and len(chunks) == CHUNK_DIGEST_CHARS * count
+            and _CHUNK_DIGESTS.fullmatch(chunks) is not None), source, f"{where}.chunk_xxh3_64", chunks,
+            f"{CHUNK_DIGEST_CHARS} lowercase hex digits per chunk_size bytes of the file, with chunk_size")
+        return cls(size, sha256, fast, chunk_size, chunks)
 
 
 def fast_checksum() -> "xxhash.xxh3_128":
@@ -379,19 +410,28 @@ class _Digests:
     """The xxh3-128 (inline) and/or sha256 (inline, or on a helper thread with ``threaded``) of bytes fed in
     order, and their size."""
 
-    def __init__(self, *, xxh3_128: bool, sha256: bool, threaded: bool) -> None:
+    def __init__(self, *, xxh3_128: bool, sha256: bool, threaded: bool, chunk_size: int | None = None) -> None:
         if not (xxh3_128 or sha256):
             raise ValueError("compute at least one hash")
         self.size = 0
         self.fast = fast_checksum() if xxh3_128 else None
         self.slow = None if not sha256 else _Sha256Thread() if threaded else hashlib.sha256()
+        self.chunked = ChunkHasher(chunk_size) if chunk_size is not None else None
 
     def feed(self, chunk: bytes | memoryview) -> None:
         self.size += len(chunk)
         if self.slow is not None:
             self.slow.update(chunk)
-        if self.fast is not None:
-            self.fast.update(chunk)
+        if self.chunked is None:
+            if self.fast is not None:
+                self.fast.update(chunk)
+            return
+        view = memoryview(chunk).cast("B")
+        while len(view):  # both hashes over one hashed chunk at a time, while it is in the CPU's cache
+            piece, view = view[: self.chunked.boundary()], view[self.chunked.boundary() :]
+            if self.fast is not None:
+                self.fast.update(piece)
+            self.chunked.feed(piece)
 
     def close(self) -> None:
         """Stop the helper thread, if any (idempotent; :meth:`record` needs no close first)."""
@@ -399,8 +439,11 @@ class _Digests:
             self.slow.close()
 
     def record(self) -> FileRecord:
+        chunked = self.chunked
         return FileRecord(size=self.size, sha256=None if self.slow is None else self.slow.hexdigest(),
-                          xxh3_128=None if self.fast is None else self.fast.hexdigest())
+                          xxh3_128=None if self.fast is None else self.fast.hexdigest(),
+                          chunk_size=None if chunked is None else chunked.chunk_size,
+                          chunks=None if chunked is None else chunked.hexdigests())
 
 
 class RecordChecker(_Digests):
@@ -523,7 +566,7 @@ def write_safetensors(
     metadata: Mapping[str, str] | None = None,
     fsync: bool = True,
 ) -> FileRecord:
-    """Write ``tensors`` to a new safetensors file at ``path`` and return its size and xxh3-128.
+    """Write ``tensors`` to a new safetensors file at ``path`` and return its size, xxh3-128 and chunk hashes.
 
     The file is created exclusively (an existing file is an error, never overwritten). The checksum is
     computed in the writing thread on the very bytes being written: xxh3-128 runs at about 10 GiB/s, and a helper
@@ -537,7 +580,7 @@ def write_safetensors(
     path = os.fspath(path)
     ordered = layout_tensors([(name, _cpu_contiguous(t)) for name, t in tensors])
     header = build_header(ordered, metadata)
-    digests = _Digests(xxh3_128=True, sha256=False, threaded=False)
+    digests = _Digests(xxh3_128=True, sha256=False, threaded=False, chunk_size=CHUNK_HASH_SIZE)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     flusher = _flusher(fd) if fsync else None
     try:

@@ -1,0 +1,215 @@
+"""Chunk hashes: every byte a load uses is checked against a hash recorded at save time, read once.
+
+A file record of format version 3 holds, besides the whole file's size and xxh3-128, the xxh3-64 of every
+``chunk_size``-byte chunk of the file (the last one may be shorter), computed by the writer from the very bytes it
+writes (:class:`ChunkHasher`, fed by the same loop that feeds the whole-file hash: no second pass). A reader that
+needs only part of a file (a slice of a stored piece, at another world size) reads the byte range it uses, extended
+to the chunk boundaries it covers, and checks those chunks (:class:`VerifiedFile`); a file read whole is still checked
+by its whole-file hash while it is read. A record without chunk hashes (format versions 1 and 2) is checked by
+hashing the whole file once, before the first byte of it is used.
+
+Why ``CHUNK_HASH_SIZE`` is 1 MiB: a slice read reads at most one chunk before and one after the bytes it uses (a few
+MiB per piece against tensors of tens or hundreds of MiB), and the manifest holds 16 hex digits per chunk, 16 KiB per
+GiB of checkpoint: a 1 TiB checkpoint's manifest stays near 16 MiB, far under ``MAX_JSON_SIZE``. Index files
+(``hf_resumable_shards``) keep whole-file records only: a Hub download checks a whole file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import xxhash
+
+from ..errors import CorruptCheckpointError
+from ._safefile import open_regular
+
+if TYPE_CHECKING:
+    from .safetensors_io import FileRecord, SafetensorsHeader
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CHUNK_HASH_SIZE", "CHUNK_DIGEST_CHARS", "ChunkHasher", "chunk_span", "VerifiedFile"]
+
+# Bytes per hashed chunk of the files a writer records (see the module docstring for the choice).
+CHUNK_HASH_SIZE = 1024 * 1024
+# Hex digits of one chunk's xxh3-64 in a record's ``chunk_xxh3_64`` string.
+CHUNK_DIGEST_CHARS = 16
+# Bytes read at a time when a record without chunk hashes makes a reader hash a whole file first.
+_WHOLE_FILE_READ = 16 * 1024 * 1024
+
+
+class ChunkHasher:
+    """The xxh3-64 of every ``chunk_size``-byte chunk of bytes fed in order (the last chunk may be shorter).
+
+    Example:
+
+    ```python
+    >>> hasher = ChunkHasher(4)
+    >>> hasher.feed(b"abcdef"); hasher.feed(b"gh"); hasher.feed(b"i")
+    >>> digests = hasher.hexdigests()
+    >>> len(digests) == 3 * CHUNK_DIGEST_CHARS
+    True
+
+    ```
+    """
+
+    def __init__(self, chunk_size: int = CHUNK_HASH_SIZE) -> None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.chunk_size = chunk_size
+        self._state = xxhash.xxh3_64()
+        self._filled = 0
+        self._digests: list[str] = []
+
+    def boundary(self) -> int:
+        """Bytes left before the current chunk is complete (feed at most this much for cache-friendly hashing)."""
+        return self.chunk_size - self._filled
+
+    def feed(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
+        while len(view):
+            take = min(len(view), self.boundary())
+            self._state.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == self.chunk_size:
+                self._digests.append(self._state.hexdigest())
+                self._state.reset()
+                self._filled = 0
+
+    def hexdigests(self) -> str:
+        """Every chunk's digest, 16 hex digits each, concatenated in file order (a partial last chunk included)."""
+        tail = [self._state.hexdigest()] if self._filled else []
+        return "".join(self._digests + tail)
+
+
+def chunk_span(start: int, end: int, *, chunk_size: int, size: int) -> tuple[int, int]:
+    """The byte range ``[start, end)`` of a ``size``-byte file extended to the boundaries of the chunks it covers.
+
+    Example:
+        >>> chunk_span(5, 9, chunk_size=4, size=10)
+        (4, 10)
+    """
+    if not 0 <= start <= end <= size:
+        raise ValueError(f"byte range [{start}, {end}) is outside a file of {size} bytes")
+    if start == end:
+        return start, end
+    return start // chunk_size * chunk_size, min(size, -(-end // chunk_size) * chunk_size)
+
+
+class VerifiedFile:
+    """An open safetensors file whose tensors, and slices of them, are read with every byte used checked.
+
+    With a record that has chunk hashes, each read covers whole chunks and checks each of them as it is read.
+    With a record without (format versions 1 and 2), the whole file is hashed once, before the first byte of it is
+    used, unless ``hashed`` says a verification already did (then ``check`` keeps it to that very file). Without a
+    record (``verify="none"``), nothing is checked.
+
+    Args:
+        path (`str`): the file.
+        header (`SafetensorsHeader`): its verified header.
+        record (`FileRecord`, *optional*): its manifest record.
+        hashed (`bool`, *optional*, defaults to `False`): a full verification hashed this file whole.
+        check (`Callable[[os.stat_result], None]`, *optional*): called with the descriptor's ``fstat`` before a
+            byte is read (it must still be the file a verification checked).
+
+    Raises:
+        CorruptCheckpointError: from the reads, naming the file and the byte range whose chunk disagrees.
+    """
+
+    def __init__(self, path: str | os.PathLike, header: "SafetensorsHeader", record: "FileRecord | None", *,
+                 hashed: bool = False, check: Callable[[os.stat_result], None] | None = None) -> None:
+        self.path = os.fspath(path)
+        self.header = header
+        self.record = record
+        self._file = open_regular(self.path, buffering=0)
+        try:
+            if check is not None:
+                check(os.fstat(self._file.fileno()))
+        except BaseException:
+            self._file.close()
+            raise
+        self._whole_checked = record is None or hashed or record.chunks is not None
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "VerifiedFile":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def read_slice(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """Elements ``index`` (one ``slice`` per dimension, steps of 1; ``None``: all) of stored tensor ``name``,
+        as a tensor backed by the bytes read (strided when the slice is not contiguous in the file)."""
+        info = self.header.tensors[name]
+        shape = info.shape
+        index = index if index is not None else tuple(slice(0, n) for n in shape)
+        starts = [s.start for s in index]
+        sizes = [s.stop - s.start for s in index]
+        strides = [1] * len(shape)
+        for axis in range(len(shape) - 2, -1, -1):
+            strides[axis] = strides[axis + 1] * shape[axis + 1]
+        if any(n <= 0 for n in sizes):
+            return torch.empty(sizes, dtype=info.torch_dtype)
+        itemsize = torch.empty((), dtype=info.torch_dtype).element_size()
+        first = sum(a * s for a, s in zip(starts, strides))
+        last = sum((a + n - 1) * s for a, n, s in zip(starts, sizes, strides))
+        offset = self.header.data_offset + info.start
+        data = self.read_range(offset + first * itemsize, offset + (last + 1) * itemsize)
+        flat = torch.frombuffer(data, dtype=info.torch_dtype) if len(data) else torch.empty(0, dtype=info.torch_dtype)
+        return flat.as_strided(sizes, strides)
+
+    def read_range(self, start: int, end: int) -> bytearray | memoryview:
+        """Bytes ``[start, end)`` of the file, every one of them checked (see the class docstring)."""
+        if not self._whole_checked:
+            self._check_whole()
+        record = self.record
+        if record is None or record.chunks is None:
+            return self._pread(start, end)
+        low, high = chunk_span(start, end, chunk_size=record.chunk_size, size=record.size)
+        data = self._pread(low, high)
+        view = memoryview(data)
+        for chunk in range(low // record.chunk_size, -(-high // record.chunk_size)):
+            begin = chunk * record.chunk_size - low
+            piece = view[begin : begin + record.chunk_size]
+            if xxhash.xxh3_64_hexdigest(piece) != record.chunk_digest(chunk):
+                raise self._corrupt(f"bytes {low + begin}..{low + begin + len(piece)} (chunk {chunk}) do not match "
+                                    "their xxh3-64 in the manifest")
+        return view[start - low : end - low]
+
+    def _pread(self, start: int, end: int) -> bytearray:
+        data = bytearray(end - start)
+        view, offset = memoryview(data), start
+        while view:
+            n = os.preadv(self._file.fileno(), [view], offset)
+            if n <= 0:
+                raise self._corrupt(f"the file ends at byte {offset}, inside its data (truncated)")
+            view, offset = view[n:], offset + n
+        return data
+
+    def _check_whole(self) -> None:
+        """A record without chunk hashes: hash the whole file, from this descriptor, before using a byte of it."""
+        from .safetensors_io import RecordChecker
+
+        logger.debug("%s: its record has no chunk hashes (format version < 3); hashing it whole before reading "
+                     "slices of it.", self.path)
+        checker = RecordChecker(self.record, threaded=False)
+        buffer = memoryview(bytearray(_WHOLE_FILE_READ))
+        offset = 0
+        while n := os.preadv(self._file.fileno(), [buffer], offset):
+            checker.feed(buffer[:n])
+            offset += n
+        if (problem := checker.problem()) is not None:
+            raise self._corrupt(problem)
+        self._whole_checked = True
+
+    def _corrupt(self, why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self.path}: {why}. The file is corrupt or was modified after the save; nothing was loaded from it. "
+            "Load an earlier checkpoint (find_latest_checkpoint skips this one) or re-create it.")
