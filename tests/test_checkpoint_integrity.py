@@ -122,12 +122,18 @@ def test_new_records_hold_size_and_xxh3_of_the_bytes_on_disk_and_no_sha256(tmp_p
     save_checkpoint(tmp_path / "checkpoint-2", model=model, step=2, max_shard_size="16KB")
     directory = tmp_path / "checkpoint-2"
     document = json.loads((directory / "manifest.json").read_text())
-    assert document["format_version"] == FORMAT_VERSION == 2
+    assert document["format_version"] == FORMAT_VERSION == 3
     for relpath, record in document["files"].items():
         data = (directory / relpath).read_bytes()
-        assert record == {"size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}, relpath
+        chunks = {}
+        if relpath.endswith(".safetensors"):  # format version 3: every 1 MiB chunk's xxh3-64
+            size = record["chunk_size"]
+            chunks = {"chunk_size": size, "chunk_xxh3_64": "".join(
+                xxhash.xxh3_64(data[i : i + size]).hexdigest() for i in range(0, len(data), size))}
+        assert record == {"size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest(), **chunks}, relpath
     shards = json.loads((directory / MODEL_INDEX_FILE).read_text())["metadata"][SHARDS_KEY]
-    assert len(shards) >= 2 and shards == {name: document["files"][name] for name in shards}
+    assert len(shards) >= 2 and shards == {name: {k: document["files"][name][k] for k in ("size", "xxh3_128")}
+                                           for name in shards}  # whole-file records: no chunk hashes in an index
 
 
 @pytest.mark.parametrize("size", ["small", "large"])

@@ -156,7 +156,7 @@ class _Reader:
         hashed it), refused if it is no longer the file verification checked. Nothing is checked with
         ``verify="none"``. Close it (or use it as a context manager)."""
         if relpath not in self.report.headers:
-            raise CorruptCheckpointError(f"{self.path / relpath}: not a safetensors file of this checkpoint's manifest.")
+            raise CorruptCheckpointError(f"{self.path / relpath}: not a safetensors file this checkpoint lists.")
         record = self.manifest.files[relpath] if self.hash_on_read or self.report.full else None
         check = None
         if relpath in self.report.identities:
