@@ -35,6 +35,7 @@ Prints a markdown table of medians and the ratios the targets are stated in.
 Usage:
     python benchmarks/bench_checkpoint.py --repeats 7 [--dir /path/on/the/disk/to/test] [--throttle-read-mibps 400]
     python benchmarks/bench_checkpoint.py --stall --repeats 5   # only the blocking save and the async stall rows
+    python benchmarks/bench_checkpoint.py --repeats 3 --layout pieces   # the per-rank piece layout, read by slices
 
 ``--throttle-read-mibps`` caps the disk's read speed (a cgroup v1 blkio throttle, root only) so that it is
 steady: a VM's virtual disk is partly served from its host's cache and drifts by 2x within a minute; against a
@@ -62,6 +63,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_resumable.checkpoint import load_checkpoint, save_checkpoint, wait_for_pending_saves
 from hf_resumable.checkpoint._parallel_read import READ_STREAMS_ENV, READ_WORKERS, read_streams
+from hf_resumable.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint
+from hf_resumable.constants import LAYOUT_FILE
 
 
 def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -182,7 +185,7 @@ def _fresh_load_child(directory: str) -> None:
     raw_before = raw_read(Path(directory), buffer)
     drop_caches()
     start = time.perf_counter()
-    load_checkpoint(directory, model=model, optimizer=optimizer, scheduler=schedule(optimizer))
+    load_of(Path(directory))(directory, model=model, optimizer=optimizer, scheduler=schedule(optimizer))
     elapsed = time.perf_counter() - start
     assert optimizer.state, "the optimizer state was not loaded"
     drop_caches()
@@ -193,6 +196,12 @@ def _fresh_load_child(directory: str) -> None:
     raw_direct = raw_read(Path(directory), direct=True)
     print(json.dumps({"load_s": elapsed, "raw_before": raw_before, "raw_after": raw_after, "raw_new": raw_new,
                       "raw_direct": raw_direct, "probe": probe.messages}))
+
+
+def load_of(directory: Path):
+    """The load of the checkpoint's layout: the piece reader for a ``--layout pieces`` checkpoint (every slice read
+    checked by the hashed chunks it covers), else ``load_checkpoint`` (every file hashed while it is read)."""
+    return load_sharded_checkpoint if (directory / LAYOUT_FILE).exists() else load_checkpoint
 
 
 class _ProbeLog(logging.Handler):
@@ -213,8 +222,12 @@ def main() -> None:
     parser.add_argument("--throttle-read-mibps", type=int, default=None,
                         help="cap reads from the disk at this many MiB/s (a disk of steady speed; cgroup v1, root)")
     parser.add_argument("--stall", action="store_true", help="only the blocking save and the async stall rows")
+    parser.add_argument("--layout", choices=("regular", "pieces"), default="regular",
+                        help="save_checkpoint, or save_sharded_checkpoint from one process (loaded by the piece "
+                             "reader, slice by slice)")
     parser.add_argument("--fresh-load", default=None, help=argparse.SUPPRESS)  # the child of fresh_process_load
     args = parser.parse_args()
+    save = save_sharded_checkpoint if args.layout == "pieces" else save_checkpoint
     if args.fresh_load is not None:
         _fresh_load_child(args.fresh_load)
         return
@@ -252,15 +265,14 @@ def main() -> None:
         (root / "raw.bin").unlink()
         drop_caches()
         start = time.perf_counter()
-        save_checkpoint(root / f"checkpoint-{rep}", model=model, optimizer=optimizer, scheduler=schedule(optimizer),
-                        step=rep)
+        save(root / f"checkpoint-{rep}", model=model, optimizer=optimizer, scheduler=schedule(optimizer), step=rep)
         results["save_returns"].append(time.perf_counter() - start)  # committed; its fsyncs follow (deferred)
         wait_for_pending_saves()  # durable, as the raw write it is compared with
         results["save"].append(time.perf_counter() - start)
         drop_caches()
         results["step"].append(train_step(model, optimizer, batch))  # no save in flight
         start, waited = time.perf_counter(), gate_waited()
-        save_checkpoint(root / f"async-{rep}", model=model, optimizer=optimizer, step=rep, blocking=False)
+        save(root / f"async-{rep}", model=model, optimizer=optimizer, step=rep, blocking=False)
         results["async_call"].append(time.perf_counter() - start)
         results["step_overlapped"].append(train_step(model, optimizer, batch))  # its optimizer step may wait
         results["async_gate"].append(gate_waited() - waited)
@@ -295,8 +307,8 @@ def main() -> None:
         before = raw_read(root / f"checkpoint-{rep}", read_buffer)
         drop_caches()
         start = time.perf_counter()
-        load_checkpoint(root / f"checkpoint-{rep}", model=fresh_model, optimizer=fresh_optimizer,
-                        scheduler=schedule(fresh_optimizer))
+        load_of(root / f"checkpoint-{rep}")(root / f"checkpoint-{rep}", model=fresh_model, optimizer=fresh_optimizer,
+                                            scheduler=schedule(fresh_optimizer))
         results["load"].append(time.perf_counter() - start)
         drop_caches()
         paired["load"].append(min(before, raw_read(root / f"checkpoint-{rep}", read_buffer)) / results["load"][-1])

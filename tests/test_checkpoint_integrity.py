@@ -221,14 +221,16 @@ def test_a_manifest_record_with_neither_hash_is_a_typed_error_naming_file_and_fi
     assert find_latest_checkpoint(tmp_path) is None
 
 
-def test_a_version_1_reader_refuses_a_new_manifest_with_its_typed_error(tmp_path, monkeypatch):
-    """Readers of version 1 required a sha256 in every record: a new manifest says version 2, which they refuse by
-    its version (before reading any record) with FormatVersionError, rather than call the checkpoint corrupt."""
+@pytest.mark.parametrize("old", [1, 2])
+def test_an_older_reader_refuses_a_new_manifest_with_its_typed_error(tmp_path, monkeypatch, old):
+    """Readers of version 1 required a sha256 in every record, and readers of version 2 read pieces without checking
+    their chunk hashes: a new manifest says version 3, which they refuse by its version (before reading any record)
+    with FormatVersionError, rather than call the checkpoint corrupt or load it unchecked."""
     from hf_resumable.checkpoint import manifest as manifest_module
 
     save_checkpoint(tmp_path / "checkpoint-2", model={"w": torch.zeros(2)}, step=2, rng=False)
-    monkeypatch.setattr(manifest_module, "FORMAT_VERSION", 1)  # the version 1 reader's bound
-    with pytest.raises(FormatVersionError, match="version 2; this hf_resumable .* reads versions 1..1. Upgrade"):
+    monkeypatch.setattr(manifest_module, "FORMAT_VERSION", old)  # the older reader's bound
+    with pytest.raises(FormatVersionError, match=f"version 3; this hf_resumable .* reads versions 1..{old}. Upgrade"):
         read_manifest(tmp_path / "checkpoint-2")
 
 
