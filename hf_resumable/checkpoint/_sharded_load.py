@@ -206,12 +206,8 @@ class PieceReader:
                                              "which this reader was not given; this is a bug in hf_resumable.")
             # then the pieces any rank stored, over them
             out.copy_(self._masters.read(master, wanted, self.section.shapes[name], out.dtype))
-        for read in reads:
-            chunk = self._handle(read.file).read_slice(name, None if read.whole_piece else read.source)
-            if out.dim() == 0:
-                out.copy_(chunk.reshape(()))
-            else:
-                out[read.target] = chunk
+        for read in reads:  # straight into out's memory where the region is contiguous in both
+            self._handle(read.file).read_slice_into(name, read.source, out[read.target] if out.dim() else out)
         return out
 
     def read_full(self, name: str) -> torch.Tensor:

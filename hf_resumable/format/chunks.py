@@ -17,6 +17,7 @@ GiB of checkpoint: a 1 TiB checkpoint's manifest stays near 16 MiB, far under ``
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -101,6 +102,11 @@ def chunk_span(start: int, end: int, *, chunk_size: int, size: int) -> tuple[int
     return start // chunk_size * chunk_size, min(size, -(-end // chunk_size) * chunk_size)
 
 
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable, without a copy."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
 class VerifiedFile:
     """An open safetensors file whose tensors, and slices of them, are read with every byte used checked.
 
@@ -145,53 +151,70 @@ class VerifiedFile:
         self.close()
 
     def read_slice(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """Elements ``index`` (one ``slice`` per dimension, steps of 1; ``None``: all) of stored tensor ``name``,
-        as a tensor backed by the bytes read (strided when the slice is not contiguous in the file)."""
+        """Elements ``index`` (one ``slice`` per dimension, steps of 1; ``None``: all) of stored tensor ``name``, as
+        a new tensor."""
         info = self.header.tensors[name]
-        shape = info.shape
-        index = index if index is not None else tuple(slice(0, n) for n in shape)
-        starts = [s.start for s in index]
-        sizes = [s.stop - s.start for s in index]
-        strides = [1] * len(shape)
-        for axis in range(len(shape) - 2, -1, -1):
-            strides[axis] = strides[axis + 1] * shape[axis + 1]
-        if any(n <= 0 for n in sizes):
-            return torch.empty(sizes, dtype=info.torch_dtype)
-        itemsize = torch.empty((), dtype=info.torch_dtype).element_size()
-        first = sum(a * s for a, s in zip(starts, strides))
-        last = sum((a + n - 1) * s for a, n, s in zip(starts, sizes, strides))
-        offset = self.header.data_offset + info.start
-        data = self.read_range(offset + first * itemsize, offset + (last + 1) * itemsize)
-        flat = torch.frombuffer(data, dtype=info.torch_dtype) if len(data) else torch.empty(0, dtype=info.torch_dtype)
-        return flat.as_strided(sizes, strides)
+        index = index if index is not None else tuple(slice(0, n) for n in info.shape)
+        out = torch.empty([s.stop - s.start for s in index], dtype=info.torch_dtype)
+        self.read_slice_into(name, index, out)
+        return out
 
-    def read_range(self, start: int, end: int) -> bytearray | memoryview:
-        """Bytes ``[start, end)`` of the file, every one of them checked (see the class docstring)."""
+    def read_slice_into(self, name: str, index: tuple[slice, ...], into: torch.Tensor) -> None:
+        """Fill ``into`` (a CPU tensor of the slice's shape and the stored dtype) with elements ``index`` of stored
+        tensor ``name``: the bytes land in ``into`` itself where both are contiguous, else they are read into a
+        buffer and copied."""
+        info = self.header.tensors[name]
+        sizes = [s.stop - s.start for s in index]
+        if list(into.shape) != sizes or into.dtype != info.torch_dtype:
+            raise ValueError(f"{self.path}: {name!r}{list(index)} is {sizes} {info.torch_dtype}, not "
+                             f"{list(into.shape)} {into.dtype}")
+        if math.prod(sizes) == 0:
+            return
+        strides = [math.prod(info.shape[axis + 1 :]) for axis in range(len(info.shape))]
+        first = sum(s.start * stride for s, stride in zip(index, strides))
+        last = sum((s.stop - 1) * stride for s, stride in zip(index, strides))
+        itemsize = into.element_size()
+        start = self.header.data_offset + info.start + first * itemsize
+        end = self.header.data_offset + info.start + (last + 1) * itemsize
+        if last + 1 - first == math.prod(sizes) and into.is_contiguous() and into.device.type == "cpu":
+            self.read_range_into(start, end, _byte_view(into))
+            return
+        buffer = torch.empty(end - start, dtype=torch.uint8)
+        self.read_range_into(start, end, _byte_view(buffer))
+        with torch.no_grad():
+            into.copy_(buffer.view(info.torch_dtype).as_strided(sizes, strides))
+
+    def read_range_into(self, start: int, end: int, view: memoryview) -> None:
+        """Read bytes ``[start, end)`` of the file into ``view``, every one of them checked (see the class
+        docstring): the parts of the first and last chunk outside the range are read into small buffers of their
+        own, and each chunk is hashed over its parts."""
         if not self._whole_checked:
             self._check_whole()
         record = self.record
         if record is None or record.chunks is None:
-            return self._pread(start, end)
+            self._pread(start, view)
+            return
         low, high = chunk_span(start, end, chunk_size=record.chunk_size, size=record.size)
-        data = self._pread(low, high)
-        view = memoryview(data)
+        parts = [(low, memoryview(bytearray(start - low))), (start, view), (end, memoryview(bytearray(high - end)))]
+        for offset, part in parts:
+            self._pread(offset, part)
         for chunk in range(low // record.chunk_size, -(-high // record.chunk_size)):
-            begin = chunk * record.chunk_size - low
-            piece = view[begin : begin + record.chunk_size]
-            if xxhash.xxh3_64_hexdigest(piece) != record.chunk_digest(chunk):
-                raise self._corrupt(f"bytes {low + begin}..{low + begin + len(piece)} (chunk {chunk}) do not match "
-                                    "their xxh3-64 in the manifest")
-        return view[start - low : end - low]
+            begin, stop = chunk * record.chunk_size, min(high, (chunk + 1) * record.chunk_size)
+            digest = xxhash.xxh3_64()
+            for offset, part in parts:
+                lo, hi = max(begin, offset), min(stop, offset + len(part))
+                if lo < hi:
+                    digest.update(part[lo - offset : hi - offset])
+            if digest.hexdigest() != record.chunk_digest(chunk):
+                raise self._corrupt(f"bytes {begin}..{stop} (chunk {chunk}) do not match their xxh3-64 in the "
+                                    "manifest")
 
-    def _pread(self, start: int, end: int) -> bytearray:
-        data = bytearray(end - start)
-        view, offset = memoryview(data), start
+    def _pread(self, offset: int, view: memoryview) -> None:
         while view:
             n = os.preadv(self._file.fileno(), [view], offset)
             if n <= 0:
                 raise self._corrupt(f"the file ends at byte {offset}, inside its data (truncated)")
             view, offset = view[n:], offset + n
-        return data
 
     def _check_whole(self) -> None:
         """A record without chunk hashes: hash the whole file, from this descriptor, before using a byte of it."""
