@@ -161,8 +161,17 @@ class VerifiedFile:
 
     def read_slice_into(self, name: str, index: tuple[slice, ...], into: torch.Tensor) -> None:
         """Fill ``into`` (a CPU tensor of the slice's shape and the stored dtype) with elements ``index`` of stored
-        tensor ``name``: the bytes land in ``into`` itself where both are contiguous, else they are read into a
-        buffer and copied."""
+        tensor ``name``: the bytes land in ``into`` itself where both are contiguous (and are hashed there, so the
+        bytes checked are the bytes used), else they are read into a buffer and copied.
+
+        > [!WARNING]
+        > When a chunk does not match, ``into`` may already hold bytes of it: pass memory nothing else uses yet (the
+        > piece reader reads into the new tensor it returns).
+
+        Raises:
+            CorruptCheckpointError: a chunk the slice covers does not match its hash, or the file is truncated.
+            ValueError: ``into`` is not of the slice's shape and the stored dtype.
+        """
         info = self.header.tensors[name]
         sizes = [s.stop - s.start for s in index]
         if list(into.shape) != sizes or into.dtype != info.torch_dtype:
