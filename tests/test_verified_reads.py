@@ -1,4 +1,5 @@
-"""Every byte a load uses is verified, by default, in every layout and at any world size (format/chunks.py).
+"""Every byte a load uses is verified, by default, in every layout and at any world size (format/chunks.py,
+format/slice_reader.py).
 
 * Chunk hashes: the writer records the xxh3-64 of every 1 MiB chunk of a safetensors file; the records round-trip
   through the manifest, malformed ones are refused naming the field; :class:`VerifiedFile` reads any slice of a
@@ -25,8 +26,9 @@ from hf_resumable.checkpoint import Manifest, load_checkpoint, read_manifest, sa
 from hf_resumable.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint
 from hf_resumable.constants import MANIFEST_FILE
 from hf_resumable.errors import CorruptCheckpointError
-from hf_resumable.format.chunks import CHUNK_DIGEST_CHARS, CHUNK_HASH_SIZE, ChunkHasher, VerifiedFile, chunk_span
+from hf_resumable.format.chunks import CHUNK_DIGEST_CHARS, CHUNK_HASH_SIZE, ChunkHasher, chunk_span
 from hf_resumable.format.safetensors_io import FileRecord, read_header, write_safetensors
+from hf_resumable.format.slice_reader import VerifiedFile
 
 from distributed_launch import launch_ranks
 from tiny_models import tiny_gpt2

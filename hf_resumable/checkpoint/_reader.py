@@ -48,10 +48,10 @@ from ..errors import (
 )
 from ..format._jsonio import parse_json
 from ..format._safefile import member_path, open_regular, read_regular_file
-from ..format.chunks import VerifiedFile
 from ..format.rng import RngState, decode_rng_state, restore_rng_state
 from ..format.safetensors_io import FileRecord, record_of
 from ..format.sharding import ShardIndex, parse_index
+from ..format.slice_reader import VerifiedFile
 from ..format.state_codec import decode_state
 from ._frozen import TrainablePart, forget_fingerprints
 from ._model import TIED_KEY, check_model_fits, check_tied, load_state_dict_reason, load_through_state_dict, retie

@@ -2,7 +2,7 @@
 
 For every tensor the loading rank needs, the wanted box is this rank's DTensor piece (or the whole
 tensor for a plain model); :func:`~hf_resumable.checkpoint._sharded.plan_region_reads` says which
-slices of which stored pieces make it up, and :class:`~hf_resumable.format.chunks.VerifiedFile` reads those bytes
+slices of which stored pieces make it up, and :class:`~hf_resumable.format.slice_reader.VerifiedFile` reads those bytes
 (extended to the hashed chunks they cover) and checks them against the manifest.
 """
 
@@ -159,7 +159,7 @@ def check_pieces_stored(section: Section, headers: Mapping[str, Any], *, source:
 
 class PieceReader:
     """Reads boxes of stored tensors, each slice read with every byte it uses checked (the chunks it covers,
-    :class:`~hf_resumable.format.chunks.VerifiedFile`); keeps each file open once.
+    :class:`~hf_resumable.format.slice_reader.VerifiedFile`); keeps each file open once.
 
     Use as a context manager so the file handles are closed.
 
