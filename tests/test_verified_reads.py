@@ -7,8 +7,9 @@ format/slice_reader.py).
   version 2) makes it hash the whole file first.
 * Fault injection: one byte flipped at the start, the middle and the end of the tensor data of every safetensors
   file a load reads, in a regular checkpoint (``save_checkpoint``), a piece checkpoint written by one process
-  (``save_sharded_checkpoint``), FSDP2 pieces of 2 gloo ranks reloaded at world size 1 and 2, and a DeepSpeed ZeRO-3
-  engine's partitions: each load raises ``CorruptCheckpointError`` naming that file, with the default ``verify``.
+  (``save_sharded_checkpoint``), FSDP2 pieces of 2 gloo ranks reloaded at world size 1 and 2 (the middle byte; the
+  first and last in an ``extended`` variant), and a DeepSpeed ZeRO-3 engine's partitions: each load raises
+  ``CorruptCheckpointError`` naming that file, with the default ``verify``.
   The piece files exceed the quick verification's whole-file limit (4 MiB), so their flips are caught by the reads.
 """
 
@@ -55,12 +56,13 @@ def flip_offset(path: Path, position: str) -> int:
     return {"start": start, "middle": (start + end) // 2, "end": end - 1}[position]
 
 
-def corrupted_copies(checkpoint: Path, root: Path) -> dict[str, tuple[str, int]]:
+def corrupted_copies(checkpoint: Path, root: Path, positions: tuple[str, ...] = POSITIONS
+                     ) -> dict[str, tuple[str, int]]:
     """One copy of ``checkpoint`` per safetensors file and position, with that byte flipped (the other files hard
     links); ``{copy name: (flipped file, offset)}``."""
     cases = {}
     for relpath in sorted(f for f in read_manifest(checkpoint).files if f.endswith(".safetensors")):
-        for position in POSITIONS:
+        for position in positions:
             name = f"{relpath.replace('/', '_')}-{position}"
             copy = root / name
             shutil.copytree(checkpoint, copy, copy_function=os.link)
@@ -206,14 +208,16 @@ def test_version_2_records_hash_a_large_piece_file_whole_before_reading_slices_o
 
 
 @pytest.mark.distributed
-def test_fsdp2_pieces_of_two_ranks_refuse_every_flip_at_world_size_1_and_2(tmp_path):
+@pytest.mark.parametrize("positions", [("middle",), pytest.param(("start", "end"), marks=pytest.mark.extended)],
+                         ids=["middle", "start-end"])
+def test_fsdp2_pieces_of_two_ranks_refuse_every_flip_at_world_size_1_and_2(tmp_path, positions):
     results = launch_ranks([WORKER, "save", str(tmp_path)], world_size=2, timeout=180.0)
     assert all(r.returncode == 0 for r in results), "\n".join(r.describe() for r in results)
     checkpoint = tmp_path / "checkpoint-1"
     files = read_manifest(checkpoint).files
     assert all(files[f"sharded/{kind}-rank0000{r}-of-00002.safetensors"].size > 4 * 1024 * 1024
                for kind in ("model", "optimizer") for r in range(2))
-    cases = corrupted_copies(checkpoint, tmp_path)
+    cases = corrupted_copies(checkpoint, tmp_path, positions)
 
     def load(directory: Path) -> None:  # world size 1: every piece of every rank is read
         model = tiny_gpt2(seed=1, **BIG)
