@@ -252,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "where an older manifest has one (default: quick check)")
     p.set_defaults(func=cmd_verify)
 
-    p = commands.add_parser("convert", help="convert a stock Trainer, Trainer+DeepSpeed, accelerate FSDP or transformers "
-                            "distributed checkpoint (reads pickles!)")
+    p = commands.add_parser("convert", help="convert a stock Trainer, Trainer+DeepSpeed, accelerate FSDP or "
+                            "transformers distributed checkpoint (reads pickles!)")
     p.add_argument("path", help="stock checkpoint directory: a Trainer checkpoint-N (config.json, model*.safetensors, "
                    "optimizer.pt, ... or DeepSpeed's global_stepN/), accelerate's FSDP save_state directory "
                    "(pytorch_model_fsdp_0/, optimizer_0/), or save_pretrained(distributed_checkpoint=True)'s "

@@ -6,8 +6,9 @@
   ``.distcp``), is converted by ``hf-resumable convert``: every weight and optimizer tensor equals the stock run's
   consolidated state bit for bit, loaded in one process and consolidated; the param groups come back with their
   hyper-parameters. The same checkpoint consolidated loads with ``from_pretrained(..., distributed_config=...)`` at
-  tensor parallel, and the per-rank one with ``load_sharded_checkpoint`` into the tensor-parallel model
-  (FSDP2 through ``DistributedConfig(fsdp_size=2)``: the extended tier).
+  tensor parallel, the per-rank one with ``load_sharded_checkpoint`` into the tensor-parallel model, and a per-rank
+  checkpoint saved there with ``hf_weights=True`` with ``from_pretrained(..., distributed_config=...)`` (FSDP2
+  through ``DistributedConfig(fsdp_size=2)``: the extended tier).
 * Corrupt, truncated and hostile inputs raise typed errors naming the file; an existing output is never touched.
   Those sources are written in one process by the same torch writers (a world size of 1).
 """
@@ -109,12 +110,14 @@ def test_transformers_distributed_checkpoint_converts_bit_for_bit(tmp_path, layo
     assert not _unequal(expected_weights, load_file(tmp_path / "loaded-regular.safetensors"))
     assert not _unequal(expected_weights, load_file(tmp_path / "loaded-pieces-model.safetensors"))
     assert not _unequal(expected_optimizer, load_file(tmp_path / "loaded-pieces-optimizer.safetensors"))
+    assert not _unequal(expected_weights, load_file(tmp_path / "loaded-hf-weights.safetensors"))
 
 
 # ------------------------------------------------------------------ one-process sources: hostile and corrupt inputs
 
 
-def _write_source(directory: Path, model: torch.nn.Module | None = None, *, optimizer_model: torch.nn.Module | None = None,
+def _write_source(directory: Path, model: torch.nn.Module | None = None, *,
+                  optimizer_model: torch.nn.Module | None = None,
                   optimizer_dir: Path | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A ``save_pretrained(distributed_checkpoint=True)``-shaped directory written by torch's own writers in one
     process (the rank-local files of a world size of 1) and, beside it, a ``save_optimizer_distributed`` directory
