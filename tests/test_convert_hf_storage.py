@@ -151,6 +151,7 @@ def test_a_one_process_source_converts_and_loads(tmp_path):
     assert [g["weight_decay"] for g in loaded.param_groups] == [0.1, 0.0]
 
 
+@pytest.mark.slow
 def test_the_optimizer_directory_can_be_named(tmp_path):
     source, elsewhere = tmp_path / "saved", tmp_path / "opt-state"
     _write_source(source, optimizer_dir=elsewhere)
@@ -170,12 +171,15 @@ def test_an_existing_output_is_never_overwritten(tmp_path):
     _write_source(source)
     output.mkdir()
     (output / "notes.txt").write_text("mine")
-    for extra in ([], ["--overwrite"]):  # not a checkpoint of ours: refused even with --overwrite
-        done = _cli("convert", str(source), "--output", str(output), *extra)
-        assert done.returncode != 0 and str(output) in done.stderr, done.stderr[-3000:]
+    for overwrite in (False, True):  # not a checkpoint of ours: refused even with overwrite
+        with pytest.raises(CheckpointExistsError, match=str(output)):
+            convert_stock_checkpoint(source, output, overwrite=overwrite)
     assert sorted(p.name for p in output.iterdir()) == ["notes.txt"] and (output / "notes.txt").read_text() == "mine"
+    # one of ours is replaced only when asked to
+    ours = convert_transformers_distributed_checkpoint(source, tmp_path / "ours").manifest
     with pytest.raises(CheckpointExistsError):
-        convert_transformers_distributed_checkpoint(source, output)
+        convert_transformers_distributed_checkpoint(source, tmp_path / "ours")
+    assert read_manifest(tmp_path / "ours") == ours
 
 
 def test_a_truncated_piece_file_is_refused_naming_it(tmp_path):
@@ -248,6 +252,7 @@ class _RunsCommand:
         return os.system, (self.command,)
 
 
+@pytest.mark.slow
 def test_an_optimizer_metadata_naming_os_system_is_refused(tmp_path):
     source, marker = tmp_path / "saved", tmp_path / "pwned"
     _write_source(source)
