@@ -11,6 +11,7 @@ Example:
 hf-resumable inspect out/checkpoint-120
 hf-resumable verify --full out/checkpoint-120     # exit 0 if valid, 1 if not
 hf-resumable convert out-stock/checkpoint-500 --output converted/checkpoint-500  # Trainer, +DeepSpeed, accel. FSDP
+hf-resumable convert tp-run/saved --output converted/checkpoint-300  # save_pretrained(distributed_checkpoint=True)
 hf-resumable reshard converted/checkpoint-500 --max-shard-size 200MB
 hf-resumable export out/checkpoint-120 --output merged --merge   # + its frozen base -> a from_pretrained directory
 hf-resumable push out/checkpoint-120 me/run --revision step-120

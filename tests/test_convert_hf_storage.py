@@ -137,12 +137,16 @@ def _write_source(directory: Path, model: torch.nn.Module | None = None, *,
     return model, optimizer
 
 
-def test_a_one_process_source_converts_and_loads(tmp_path):
+@pytest.mark.parametrize("beside", [False, True], ids=["optimizer-subdirectory", "optimizer-beside-the-weights"])
+def test_a_one_process_source_converts_and_loads(tmp_path, beside):
     source, converted = tmp_path / "saved", tmp_path / "converted"
-    model, optimizer = _write_source(source)
+    model, optimizer = _write_source(source, optimizer_dir=source if beside else None)
     assert sorted(p.name for p in source.glob("*.safetensors")) == [SHARD]
+    assert (source / ".metadata").is_file() == beside
     info = convert_stock_checkpoint(source, converted)
     assert (info.step, info.manifest.world_size) == (2, 1)
+    assert sorted(p.name for p in converted.iterdir() if p.is_file()) == [
+        "config.json", "manifest.json", "sharded_layout.json", "training_state.json"]  # no DCP file carried over
     fresh = tiny_llama(seed=1)
     loaded = torch.optim.AdamW(decay_groups(fresh), lr=1.0)
     load_sharded_checkpoint(converted, model=fresh, optimizer=loaded, restore_rng=False, allow_inexact_resume=True)

@@ -49,9 +49,6 @@ from ..checkpoint import CheckpointInfo
 from ..checkpoint._payload import capture_payload
 from ..checkpoint._sharded import Box, flatten_optimizer_state
 from ..constants import (
-    LAYOUT_FILE,
-    LAYOUT_KEY_MODEL,
-    LAYOUT_KEY_OPTIMIZER,
     OPTIMIZER_STATE_PREFIX,
     RNG_DIR,
     RNG_FILE_PATTERN,
@@ -63,7 +60,7 @@ from ..constants import (
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError
 from ..format.rng import RngState
 from ._commit import commit_for_ranks
-from ._layout import RankPiece, add_rank_pieces, layout_document
+from ._layout import RankPiece, add_layout
 from ._pickle import load_dcp_metadata, load_torch_pickle
 from .deepspeed import NOT_BIT_EXACT_WARNING
 from .stock import OPTIMIZERS, _infer_optimizer, _rng_bytes, _StateHolder
@@ -441,11 +438,7 @@ def convert_accelerate_fsdp_checkpoint(
     payload = capture_payload(model=None, optimizer=None, scheduler=scheduler, scaler=None, training_state=progress,
                               extra=extra, extra_files=extra_files, data_state=None, rng=rngs[0],
                               max_shard_size="2GB", processing_class=None, rank=0, is_main=True)
-    model_section = add_rank_pieces(payload, LAYOUT_KEY_MODEL, model)
-    optimizer_section = (add_rank_pieces(payload, LAYOUT_KEY_OPTIMIZER, payload_optimizer)
-                         if payload_optimizer is not None else None)
-    payload.blobs[LAYOUT_FILE] = layout_document(world_size=world_size, model=model_section,
-                                                 optimizer=optimizer_section, optimizer_document=document)
+    add_layout(payload, model, payload_optimizer, optimizer_document=document)
     manifest = commit_for_ranks(Path(output), payload, step=step, world_size=world_size, overwrite=overwrite)
     logger.warning(NOT_BIT_EXACT_WARNING + " Resume it with ResumableAccelerator(allow_inexact_resume=True).",
                    files.directory, "accelerate.Accelerator with FSDP", step)

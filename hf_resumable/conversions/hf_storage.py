@@ -52,9 +52,6 @@ from ..checkpoint._optimizer import PARAM_SHAPED_STATE
 from ..checkpoint._payload import capture_payload
 from ..checkpoint._sharded import Box, intersect_boxes
 from ..constants import (
-    LAYOUT_FILE,
-    LAYOUT_KEY_MODEL,
-    LAYOUT_KEY_OPTIMIZER,
     MANIFEST_FILE,
     OPTIMIZER_STATE_PREFIX,
     PICKLE_SUFFIXES,
@@ -68,7 +65,7 @@ from ..constants import (
 from ..errors import CheckpointExistsError, CheckpointMismatchError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.safetensors_io import SafetensorsHeader, read_header, read_safetensors
 from ._commit import commit_for_ranks
-from ._layout import RankPiece, add_rank_pieces, layout_document
+from ._layout import RankPiece, add_layout
 from ._pickle import load_dcp_metadata
 from .dcp import _optimizer_steps, plan_dcp_pieces, read_dcp_optimizer
 from .deepspeed import NOT_BIT_EXACT_WARNING
@@ -387,11 +384,7 @@ def convert_transformers_distributed_checkpoint(
                               training_state={"global_step": step}, extra={"converted_from": CONVERTED_FROM},
                               extra_files={p.name: p.read_bytes() for p in files.copied}, data_state=None, rng=False,
                               max_shard_size="2GB", processing_class=None, rank=0, is_main=True)
-    model_section = add_rank_pieces(payload, LAYOUT_KEY_MODEL, model)
-    optimizer_section = (add_rank_pieces(payload, LAYOUT_KEY_OPTIMIZER, optimizer_pieces)
-                         if optimizer_pieces is not None else None)
-    payload.blobs[LAYOUT_FILE] = layout_document(world_size=world_size, model=model_section,
-                                                 optimizer=optimizer_section, optimizer_document=document)
+    add_layout(payload, model, optimizer_pieces, optimizer_document=document)
     manifest = commit_for_ranks(Path(output), payload, step=step, world_size=world_size, overwrite=overwrite)
     logger.warning(NOT_BIT_EXACT_WARNING + " Load it with allow_inexact_resume=True.", files.directory,
                    "transformers' save_pretrained(distributed_checkpoint=True)", step)
