@@ -186,6 +186,18 @@ def test_an_existing_output_is_never_overwritten(tmp_path):
     assert read_manifest(tmp_path / "ours") == ours
 
 
+def test_weights_and_state_files_beside_the_pieces_are_not_carried_over(tmp_path):
+    source = tmp_path / "saved"
+    model, _ = _write_source(source)
+    (source / "training_state.json").write_text('{"format_version": 1, "progress": {"global_step": 999}}')
+    save_file({"lm_head.weight": torch.zeros(2)}, source / "model.safetensors")
+    (source / "tokenizer_config.json").write_text("{}")
+    info = convert_transformers_distributed_checkpoint(source, tmp_path / "out")
+    assert not (info.path / "model.safetensors").exists()
+    assert (info.path / "tokenizer_config.json").read_text() == "{}"
+    assert json.loads((info.path / "training_state.json").read_text())["progress"] == {"global_step": 2}
+
+
 def test_a_truncated_piece_file_is_refused_naming_it(tmp_path):
     source = tmp_path / "saved"
     _write_source(source)

@@ -52,15 +52,19 @@ from ..checkpoint._optimizer import PARAM_SHAPED_STATE
 from ..checkpoint._payload import capture_payload
 from ..checkpoint._sharded import Box, intersect_boxes
 from ..constants import (
+    FROZEN_RECORD_FILE,
+    LAYOUT_FILE,
     MANIFEST_FILE,
     OPTIMIZER_STATE_PREFIX,
     PICKLE_SUFFIXES,
+    STATE_TENSORS_FILE,
     STOCK_DCP_DATA_SUFFIX,
     STOCK_DCP_HF_OFFSETS_KEY,
     STOCK_DCP_HF_OPTIMIZER_DIR,
     STOCK_DCP_HF_SHARD_RE,
     STOCK_DCP_HF_SHARDING_INFO_KEY,
     STOCK_DCP_METADATA_FILE,
+    TRAINING_STATE_FILE,
 )
 from ..errors import CheckpointExistsError, CheckpointMismatchError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.safetensors_io import SafetensorsHeader, read_header, read_safetensors
@@ -80,6 +84,9 @@ HF_STORAGE_PICKLE_WARNING = (
     "its optimizer's .metadata pickle with a restricted unpickler (DCP's metadata classes only) and its records with "
     "torch.load(weights_only=True). Only convert checkpoints you trust.")
 CONVERTED_FROM = "transformers distributed checkpoint"
+# Files of the source never copied: the checkpoint writes its own (a stale or hostile copy would shadow them).
+_WRITTEN_HERE = frozenset({TRAINING_STATE_FILE, STATE_TENSORS_FILE, LAYOUT_FILE, FROZEN_RECORD_FILE})
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")  # whole weights beside the pieces: never copied
 
 
 @dataclass(frozen=True)
@@ -107,8 +114,8 @@ class TransformersDcpFiles:
         directory (`Path`): the model directory.
         shards (`dict[int, list[Path]]`): rank -> its safetensors files.
         optimizer (`Path`, *optional*): the optimizer's DCP directory.
-        copied (`list[Path]`): the other files, carried over as they are (``config.json``, ``generation_config.json``,
-            tokenizer files).
+        copied (`list[Path]`): the other plain files, carried over as they are (``config.json``,
+            ``generation_config.json``, tokenizer files); never weights or files the checkpoint writes itself.
     """
 
     directory: Path
@@ -137,9 +144,18 @@ class TransformersDcpFiles:
                                           "save_pretrained(..., distributed_checkpoint=True) directory.")
         optimizer = _find_optimizer(directory, optimizer_dir)
         consumed = {p for paths in shards.values() for p in paths}
-        copied = [p for p in sorted(directory.iterdir()) if p.is_file() and not p.is_symlink() and p not in consumed
-                  and not p.name.startswith(".") and not p.name.endswith((*PICKLE_SUFFIXES, STOCK_DCP_DATA_SUFFIX))]
-        return cls(directory, shards, optimizer, copied)
+        plain = [p for p in sorted(directory.iterdir()) if p.is_file() and not p.is_symlink() and p not in consumed
+                 and not p.name.startswith(".") and not p.name.endswith((*PICKLE_SUFFIXES, STOCK_DCP_DATA_SUFFIX))]
+        left = [p.name for p in plain if _is_ours(p.name)]
+        if left:
+            logger.warning("%s: not carried over: %s (weights or state files the converted checkpoint writes itself).",
+                           directory, ", ".join(left))
+        return cls(directory, shards, optimizer, [p for p in plain if not _is_ours(p.name)])
+
+
+def _is_ours(name: str) -> bool:
+    """Whether ``name`` is a file the converted checkpoint writes itself, or whole weights beside the pieces."""
+    return name in _WRITTEN_HERE or name.endswith(_WEIGHT_SUFFIXES)
 
 
 def _find_optimizer(directory: Path, optimizer_dir: Path | None) -> Path | None:
