@@ -253,6 +253,16 @@ def test_piece_offsets_are_checked(tmp_path, offsets, match):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_fifo_in_place_of_an_optimizer_record_is_refused_not_waited_on(tmp_path):
+    source = tmp_path / "saved"
+    _write_source(source)
+    record = source / "optimizer" / "__0_0.distcp"
+    record.unlink()
+    os.mkfifo(record)
+    with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp.*not a regular file"):
+        convert_transformers_distributed_checkpoint(source, tmp_path / "out")
+
+
 def test_an_optimizer_of_another_model_is_refused(tmp_path):
     source = tmp_path / "saved"
     _write_source(source, optimizer_model=tiny_gpt2())

@@ -58,6 +58,7 @@ from ..constants import (
     STOCK_DCP_METADATA_FILE,
 )
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError
+from ..format._safefile import open_regular
 from ..format.rng import RngState
 from ._commit import commit_for_ranks
 from ._layout import RankPiece, add_layout
@@ -151,7 +152,7 @@ def _chunk(key: str, chunk: Any, info: Any, *, source: str) -> DcpChunk:
 
 def _read_record(directory: Path, file: str, offset: int, length: int) -> Any:
     path = directory / file
-    with path.open("rb") as handle:
+    with open_regular(path) as handle:  # a FIFO or device in place of a record is refused, never waited on
         handle.seek(offset)
         data = handle.read(length)
     if len(data) != length:
