@@ -122,19 +122,27 @@ def _write_source(directory: Path, model: torch.nn.Module | None = None, *,
     """A ``save_pretrained(distributed_checkpoint=True)``-shaped directory written by torch's own writers in one
     process (the rank-local files of a world size of 1) and, beside it, a ``save_optimizer_distributed`` directory
     (the optimizer of ``optimizer_model``, default the model's own)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
     model = model if model is not None else tiny_llama()
     trained = optimizer_model if optimizer_model is not None else model
     optimizer = torch.optim.AdamW(decay_groups(trained), lr=1e-2)
     train_steps(trained, optimizer, steps=2)
+    _write_dcp(directory, model, optimizer, trained=trained, optimizer_dir=optimizer_dir)
+    return model, optimizer
+
+
+def _write_dcp(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+               trained: torch.nn.Module | None = None, optimizer_dir: Path | None = None) -> None:
+    """``model``'s config and weights as ``save_pretrained(distributed_checkpoint=True)`` writes them, and the
+    optimizer (of ``trained``, default ``model``) as ``save_optimizer_distributed`` does."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
     model.config.save_pretrained(directory)
     dcp.save(dict(model.state_dict()), storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True))
-    flat = get_optimizer_state_dict(trained, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    flat = get_optimizer_state_dict(trained if trained is not None else model, optimizer,
+                                    options=StateDictOptions(flatten_optimizer_state_dict=True))
     dcp.save({"optimizer": flat}, checkpoint_id=str(optimizer_dir or directory / "optimizer"))
-    return model, optimizer
 
 
 @pytest.mark.parametrize("beside", [False, True], ids=["optimizer-subdirectory", "optimizer-beside-the-weights"])
@@ -289,6 +297,22 @@ def test_an_optimizer_metadata_naming_os_system_is_refused(tmp_path):
     done = _cli("convert", str(source), "--output", str(tmp_path / "out"))
     assert done.returncode != 0 and str(metadata) in done.stderr, done.stderr[-3000:]
     assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_a_flattened_optimizer_of_a_model_whose_names_start_with_digits(tmp_path):
+    """``nn.Sequential`` parameters are named ``0.weight``: the flattened keys ``optimizer.param_groups.0.weight.lr``
+    must not be taken for groups listed by index."""
+    source = tmp_path / "saved"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    model.config = tiny_llama().config  # what save_pretrained would have written beside the weights
+    optimizer = torch.optim.AdamW(decay_groups(model), lr=1e-2)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    _write_dcp(source, model, optimizer)
+    info = convert_transformers_distributed_checkpoint(source, tmp_path / "out")
+    groups = json.loads((info.path / "sharded_layout.json").read_text())["optimizer_document"]["param_groups"]
+    assert [(g["weight_decay"], g["params"]) for g in groups] == [(0.1, ["0.weight"]),
+                                                                   (0.0, ["0.bias", "1.weight", "1.bias"])]
 
 
 def test_plan_flat_param_groups():

@@ -76,6 +76,7 @@ DCP_PICKLE_WARNING = (
     "classes only), its tensor records, scheduler.bin and random_states_*.pkl with torch.load(weights_only=True). "
     "Only convert checkpoints you trust.")
 _DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)" + re.escape(STOCK_DCP_DATA_SUFFIX) + "$")
+_GROUP_PARAMS_RE = re.compile(r"^\d+\.params$")  # optimizer.param_groups.<i>.params: groups listed by index
 _RANDOM_STATES_RE = re.compile(r"^random_states_(\d+)\.pkl$")
 _SCHEDULER_FILE = "scheduler.bin"
 MODEL_PREFIX = "model."  # accelerate saves {"model": state_dict}
@@ -281,23 +282,26 @@ def read_dcp_optimizer(directory: Path, world_size: int, optimizer: str | None, 
     groups: dict[int, dict[str, Any]] = {}
     per_param: dict[str, dict[str, Any]] = {}
     state: dict[str, dict[str, Any]] = {}
+    # groups listing their parameters (``<i>.params``), or flattened: each parameter's hyper-parameters
+    indexed = any(_GROUP_PARAMS_RE.match(key[len(OPTIMIZER_GROUPS_KEY):]) for key in byte_keys
+                  if key.startswith(OPTIMIZER_GROUPS_KEY))
     for key, info in byte_keys.items():
         value = _read_record(directory, info.relative_path, info.offset, info.length)
         if key.startswith(OPTIMIZER_GROUPS_KEY):
             rest = key[len(OPTIMIZER_GROUPS_KEY):]
-            index, _, name = rest.partition(".")
-            if index.isdigit():
-                groups.setdefault(int(index), {})[name] = value
-            else:  # flattened: the hyper-parameters of one parameter
+            if not indexed:  # <fqn>.<key>: FQNs hold dots, hyper-parameter names do not
                 fqn, _, name = rest.rpartition(".")
                 per_param.setdefault(fqn, {})[name] = value
+                continue
+            index, _, name = rest.partition(".")
+            if not index.isdigit():
+                raise CorruptCheckpointError(f"{path}: unexpected key {key!r} among param groups listed by index.")
+            groups.setdefault(int(index), {})[name] = value
         elif key.startswith(OPTIMIZER_STATE_KEY):
             fqn, name = _split_state_key(key)
             state.setdefault(fqn, {})[name] = value
         else:
             raise CorruptCheckpointError(f"{path}: unexpected key {key!r}.")
-    if groups and per_param:
-        raise CorruptCheckpointError(f"{path}: param groups both by index and by parameter name.")
     for key, (dtype, shape) in tensors.items():
         fqn, name = _split_state_key(key)
         state.setdefault(fqn, {})[name] = torch.empty(0, dtype=dtype)  # a placeholder: only its name is used
