@@ -169,6 +169,9 @@ def train(args: argparse.Namespace) -> ResumableAccelerator:
     steps_per_epoch = -(-len(loader) // args.ga)
     scheduler = get_linear_schedule_with_warmup(optimizer, 2, steps_per_epoch * args.epochs)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if torch.distributed.is_initialized():
+        logger.info("torch.distributed backend %s, %d process(es)", torch.distributed.get_backend(),
+                    accelerator.num_processes)
     accelerator.load_state()  # newest valid checkpoint, or nothing on a fresh start
     losses = output / "losses.jsonl"
 

@@ -42,12 +42,13 @@ def tiny_bert(seed: int = 0, **overrides) -> BertForMaskedLM:
 FACTORIES = {"gpt2": tiny_gpt2, "llama": tiny_llama, "bert": tiny_bert}
 
 
-def train_steps(model: torch.nn.Module, optimizer, scheduler=None, *, steps: int = 3, seed: int = 0) -> None:
-    """A few real optimizer steps so the optimizer has state."""
+def train_steps(model: torch.nn.Module, optimizer, scheduler=None, *, steps: int = 3, seed: int = 0,
+                device: str | torch.device = "cpu") -> None:
+    """A few real optimizer steps so the optimizer has state (batches drawn on the CPU, moved to ``device``)."""
     generator = torch.Generator().manual_seed(seed)
     model.train()
     for _ in range(steps):
-        ids = torch.randint(3, VOCAB, (2, 16), generator=generator)
+        ids = torch.randint(3, VOCAB, (2, 16), generator=generator).to(device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()

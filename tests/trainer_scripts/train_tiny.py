@@ -356,6 +356,7 @@ def dump_results(trainer, output_dir: Path, train_output, saves_in_flight: list[
               "saves_in_flight_at_on_save": list(saves_in_flight),
               "scaler_steps": list(scaler_steps),
               "scaler": trainer.accelerator.scaler.state_dict() if trainer.accelerator.scaler is not None else None,
+              "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
               "train_output": {"global_step": train_output.global_step, "training_loss": train_output.training_loss,
                                "metrics": metrics}}
     (output_dir / f"result{suffix}.json").write_text(json.dumps(result, indent=1))
