@@ -34,6 +34,12 @@ Usage: ``python benchmarks/bench_inference.py [--runs 3] [--tokens 32] [--cold-t
 
 The last line is ``streamed vs accelerate disk offload: tokens/s X.XXx, peak RSS X.XXx``, for the cold regime (the
 one the issue is about) when it ran.
+
+Each side's fraction of the read bound is reported too, in every regime: the weight bytes it reads per token (the
+streamed blocks; accelerate's layers offloaded to disk) times its tokens/s, over this storage's cold-read rate
+(one stream, the model's files dropped from the page cache first). The ratio of the two sides depends on the
+machine's disk; the fraction of the bound does not. ``--json PATH`` also writes every figure as JSON
+(benchmarks/gpu_check.py reads it).
 """
 
 from __future__ import annotations
@@ -102,10 +108,15 @@ if side == "accelerate":
     model = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", max_memory={"cpu": budget},
                                                  offload_folder=offload)
     placement = sorted(set(model.hf_device_map.values()))
+    offloaded = [model.get_submodule(name) if name else model for name, where in model.hf_device_map.items()
+                 if where == "disk"]
+    per_token = sum(p.numel() * p.element_size() for module in offloaded for p in module.parameters())
 else:
     streamed = StreamingModel.from_pretrained(folder, max_memory=budget, keep_resident=side == "streamed-resident")
     model = streamed.__enter__()
     placement = [f"{len(streamed.residency.resident)} resident", f"{len(streamed.residency.streamed)} streamed"]
+    per_token = sum(p.numel() * p.element_size() for i in streamed.residency.streamed
+                    for p in streamed.blocks[i].parameters())
 loaded = time.perf_counter()
 clock = Clock()
 with torch.no_grad():
@@ -124,7 +135,8 @@ for name in os.listdir(folder):
     os.close(fd)
 print(json.dumps({"tokens": out[0, len(prompt):].tolist(), "load_s": loaded - start, "generate_s": done - loaded,
                   "first_token_s": clock.times[0] - start, "decode_s": clock.times[-1] - clock.times[0],
-                  "peak": peak, "baseline": baseline, "cached": min(1.0, cached / total), "placement": placement}))
+                  "peak": peak, "baseline": baseline, "cached": min(1.0, cached / total), "placement": placement,
+                  "bytes_per_token": per_token}))
 """
 
 
@@ -201,7 +213,22 @@ def summarize(runs: list[dict]) -> dict:
             "decode_per_s": med((len(r["tokens"]) - 1) / r["decode_s"] for r in runs),
             "first_token_s": med(r["first_token_s"] for r in runs), "load_s": med(r["load_s"] for r in runs),
             "peak": med(r["peak"] for r in runs), "baseline": med(r["baseline"] for r in runs),
-            "cached": med(r["cached"] for r in runs), "placement": runs[-1]["placement"]}
+            "cached": med(r["cached"] for r in runs), "placement": runs[-1]["placement"],
+            "bytes_per_token": med(r["bytes_per_token"] for r in runs)}
+
+
+def cold_read_rate(folder: Path) -> float:
+    """Bytes per second of one stream reading the model's files from storage (dropped from the page cache first)."""
+    from _bench_common import raw_read
+
+    drop_from_cache(folder)
+    seconds = raw_read(folder, bytearray(16 << 20))
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / seconds
+
+
+def read_bound_fraction(summary: dict, read_rate: float) -> float:
+    """The share of the storage's cold-read rate a side's weight reads use: bytes per token x tokens/s / rate."""
+    return summary["bytes_per_token"] * summary["tokens_per_s"] / read_rate
 
 
 def run_regime(sides: tuple[str, ...], folder: Path, budget: int, args: argparse.Namespace, offload: Path,
@@ -252,6 +279,7 @@ def main() -> None:
     parser.add_argument("--with-resident", action="store_true", help="also run keep_resident=True")
     parser.add_argument("--folder", type=Path, default=None,
                         help="keep the model in this directory (written there if absent) instead of a temporary one")
+    parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
     args = parser.parse_args()
     regimes = args.regimes.split(",")
     sides = ("accelerate", "streamed") + (("streamed-resident",) if args.with_resident else ())
@@ -262,6 +290,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_inference-") as tmp:
         folder, offload = args.folder or Path(tmp) / "model", Path(tmp) / "offload"
         weight_bytes = model_bytes(folder, args.hidden, args.layers)
+        read_rate = cold_read_rate(folder)
         budget = weight_bytes // 4
         limit = budget + args.overhead
         for regime in regimes:
@@ -289,6 +318,19 @@ def main() -> None:
         speed, rss, per_run, end_to_end = ratios(by_side)
         rows.append(f"{regime}: tokens/s {speed:.2f}x (per run {', '.join(f'{r:.2f}' for r in per_run)}), "
                     f"end-to-end tokens/s {end_to_end:.2f}x, peak RSS {rss:.2f}x")
+    rows += ["", f"Fraction of the read bound (bytes read per token x tokens/s over the cold-read rate of this "
+             f"storage, {read_rate / 1e6:.0f} MB/s, one stream):"]
+    for regime, by_side in results.items():
+        rows.append(f"{regime}: " + ", ".join(
+            f"{side} {read_bound_fraction(summarize(runs), read_rate):.2f} "
+            f"({summarize(runs)['bytes_per_token'] / 1e6:.0f} MB per token)" for side, runs in by_side.items()))
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "weight_bytes": weight_bytes, "budget": budget, "cold_read_bytes_per_s": read_rate,
+            "identical": identical, "regimes": {regime: {side: {**summarize(runs), "read_bound_fraction":
+                                                               read_bound_fraction(summarize(runs), read_rate)}
+                                                         for side, runs in by_side.items()}
+                                                for regime, by_side in results.items()}}, indent=1))
     final = "cold" if "cold" in results else regimes[-1]
     speed, rss, _, _ = ratios(results[final])
     rows.append(f"streamed vs accelerate disk offload: tokens/s {speed:.2f}x, peak RSS {rss:.2f}x")
