@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The GPU check in one go (benchmarks/gpu_check.py says what it runs): the CUDA test tier, then the GPU benchmarks,
+# each time-boxed, every figure appended to <out>/gpu_check.jsonl.
+#
+#   benchmarks/gpu_check.sh --out DIR       # on the GPU machine (default: $OUT)
+#   benchmarks/gpu_check.sh --dry-run --out DIR   # the same flow on the CPU, tiny sizes
+#
+# PYTHON picks the interpreter (default: the repository's .venv, else python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-.venv/bin/python}"
+[ -x "$PYTHON" ] || PYTHON=python3
+exec "$PYTHON" benchmarks/gpu_check.py "$@"
