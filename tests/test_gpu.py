@@ -13,6 +13,7 @@
   blocking save's, and the training stream waits far less than the write takes (CUDA events).
 * A world of one process under ``torchrun --nproc-per-node 1`` on NCCL, through both front doors (DDP and FSDP2),
   killed after a commit and rerun, bit for bit.
+* Generation streamed onto the GPU (``StreamingModel(device="cuda")``) equals the full model's on the GPU.
 
 Every body also runs on the CPU with ``HFR_GPU_TESTS_DEVICE=cpu`` (the same scripts with ``--device cpu``, gloo for
 NCCL): a dry run of the harness, so that the GPU window is not spent on a typo. There, what only a GPU has (a
@@ -52,6 +53,7 @@ from test_engines import (
     _resume_accelerate_bit_exact,
     _resume_trainer_bit_exact,
 )
+from test_lazy_streaming import _gpt2, _llama, assert_streams_onto
 from test_trainer_resume import KILLED, SCRIPT, _run, _start, _wait, assert_identical
 from tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, train_steps
 
@@ -359,3 +361,11 @@ def test_fsdp2_on_one_nccl_process_resumes_bit_exact(tmp_path, tmp_path_factory,
         reference = _reference(tmp_path_factory, TRAINER_WORKER, tuple(options), nproc=1)
         _resume_trainer_bit_exact(tmp_path / "run", reference, options, nproc=1)
         assert json.loads((tmp_path / "run" / "result-rank0.json").read_text())["backend"] == BACKEND
+
+
+# ------------------------------------------------------------------ streamed generation onto the device
+
+
+@pytest.mark.parametrize("factory", [_llama, _gpt2])
+def test_generation_streamed_onto_the_device_equals_the_full_model(tmp_path, factory):
+    assert_streams_onto(DEVICE, tmp_path, factory)
