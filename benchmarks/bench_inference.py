@@ -40,6 +40,11 @@ streamed blocks; accelerate's layers offloaded to disk) times its tokens/s, over
 (one stream, the model's files dropped from the page cache first). The ratio of the two sides depends on the
 machine's disk; the fraction of the bound does not. ``--json PATH`` also writes every figure as JSON
 (benchmarks/gpu_check.py reads it).
+
+``--device cuda`` generates on the GPU: the budget is GPU memory, ``StreamingModel(device="cuda")`` copies each
+streamed block onto the GPU before it runs, accelerate offloads what does not fit to disk (``max_memory={0: budget,
+"cpu": 0}``). Each side's fraction of the host-to-device bound (bytes per token x tokens/s over this GPU's copy rate
+from pageable memory, measured here) is reported too.
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ from _bench_common import resident_pages as _resident
 from hf_resumable.lazy import StreamingModel
 
 side, folder, budget, threads, offload = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-prompt = json.loads(sys.argv[6])
+prompt, device = json.loads(sys.argv[6]), sys.argv[8]
 torch.set_num_threads(threads)
 baseline = psutil.Process().memory_info().rss
 
@@ -105,14 +110,17 @@ class Clock(StoppingCriteria):
 
 start = time.perf_counter()
 if side == "accelerate":
-    model = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", max_memory={"cpu": budget},
+    # on a GPU the budget is the GPU's and the rest is offloaded to disk, as on the CPU (no RAM tier in between)
+    memory = {"cpu": budget} if device == "cpu" else {0: budget, "cpu": 0}
+    model = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", max_memory=memory,
                                                  offload_folder=offload)
-    placement = sorted(set(model.hf_device_map.values()))
+    placement = sorted(map(str, set(model.hf_device_map.values())))
     offloaded = [model.get_submodule(name) if name else model for name, where in model.hf_device_map.items()
-                 if where == "disk"]
+                 if where in ("disk", "cpu") and (where == "disk" or device != "cpu")]
     per_token = sum(p.numel() * p.element_size() for module in offloaded for p in module.parameters())
 else:
-    streamed = StreamingModel.from_pretrained(folder, max_memory=budget, keep_resident=side == "streamed-resident")
+    streamed = StreamingModel.from_pretrained(folder, max_memory=budget, keep_resident=side == "streamed-resident",
+                                              device=None if device == "cpu" else device)
     model = streamed.__enter__()
     placement = [f"{len(streamed.residency.resident)} resident", f"{len(streamed.residency.streamed)} streamed"]
     per_token = sum(p.numel() * p.element_size() for i in streamed.residency.streamed
@@ -120,7 +128,8 @@ else:
 loaded = time.perf_counter()
 clock = Clock()
 with torch.no_grad():
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=int(sys.argv[7]), min_new_tokens=int(sys.argv[7]),
+    out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=int(sys.argv[7]),
+                         min_new_tokens=int(sys.argv[7]),
                          do_sample=False, stopping_criteria=StoppingCriteriaList([clock]))
 done = time.perf_counter()
 with open("/proc/self/status") as status:
@@ -133,7 +142,7 @@ for name in os.listdir(folder):
     cached += sum(b & 1 for b in pages) * 4096
     total += size
     os.close(fd)
-print(json.dumps({"tokens": out[0, len(prompt):].tolist(), "load_s": loaded - start, "generate_s": done - loaded,
+print(json.dumps({"tokens": out[0, len(prompt):].cpu().tolist(), "load_s": loaded - start, "generate_s": done - loaded,
                   "first_token_s": clock.times[0] - start, "decode_s": clock.times[-1] - clock.times[0],
                   "peak": peak, "baseline": baseline, "cached": min(1.0, cached / total), "placement": placement,
                   "bytes_per_token": per_token}))
@@ -190,10 +199,10 @@ class MemoryCgroup:
 
 
 def measure(side: str, folder: Path, budget: int, threads: int, offload: Path, tokens: int,
-            cgroup_limit: int | None) -> dict:
+            cgroup_limit: int | None, device: str = "cpu") -> dict:
     drop_from_cache(folder)
     command = [sys.executable, "-c", CHILD, side, str(folder), str(budget), str(threads), str(offload),
-               json.dumps(PROMPT), str(tokens)]
+               json.dumps(PROMPT), str(tokens), device]
     cgroup = MemoryCgroup(cgroup_limit) if cgroup_limit else None
     try:
         out = subprocess.run(command, env=_env(), capture_output=True, text=True,
@@ -226,6 +235,22 @@ def cold_read_rate(folder: Path) -> float:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / seconds
 
 
+def host_to_device_rate(device: str, nbytes: int = 256 << 20) -> float:
+    """Bytes per second of a copy from pageable host memory onto ``device`` (the best of 3, CUDA events)."""
+    import torch
+
+    host, target = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(host)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    return nbytes / best
+
+
 def read_bound_fraction(summary: dict, read_rate: float) -> float:
     """The share of the storage's cold-read rate a side's weight reads use: bytes per token x tokens/s / rate."""
     return summary["bytes_per_token"] * summary["tokens_per_s"] / read_rate
@@ -237,7 +262,8 @@ def run_regime(sides: tuple[str, ...], folder: Path, budget: int, args: argparse
     results: dict[str, list[dict]] = {side: [] for side in sides}
     for run in range(args.runs):
         for side in sides if run % 2 == 0 else sides[::-1]:
-            results[side].append(measure(side, folder, budget, args.threads, offload, tokens, cgroup_limit))
+            results[side].append(measure(side, folder, budget, args.threads, offload, tokens, cgroup_limit,
+                                         args.device))
     return results
 
 
@@ -280,6 +306,9 @@ def main() -> None:
     parser.add_argument("--folder", type=Path, default=None,
                         help="keep the model in this directory (written there if absent) instead of a temporary one")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
+    parser.add_argument("--device", default="cpu",
+                        help="where both sides generate (cuda: the budget is GPU memory, streamed blocks and "
+                             "accelerate's offloaded layers are copied onto the GPU per token)")
     args = parser.parse_args()
     regimes = args.regimes.split(",")
     sides = ("accelerate", "streamed") + (("streamed-resident",) if args.with_resident else ())
@@ -291,6 +320,7 @@ def main() -> None:
         folder, offload = args.folder or Path(tmp) / "model", Path(tmp) / "offload"
         weight_bytes = model_bytes(folder, args.hidden, args.layers)
         read_rate = cold_read_rate(folder)
+        h2d_rate = host_to_device_rate(args.device) if args.device != "cpu" else None
         budget = weight_bytes // 4
         limit = budget + args.overhead
         for regime in regimes:
@@ -324,11 +354,20 @@ def main() -> None:
         rows.append(f"{regime}: " + ", ".join(
             f"{side} {read_bound_fraction(summarize(runs), read_rate):.2f} "
             f"({summarize(runs)['bytes_per_token'] / 1e6:.0f} MB per token)" for side, runs in by_side.items()))
+    if h2d_rate is not None:
+        rows.append(f"Fraction of the host-to-device bound ({h2d_rate / 1e9:.1f} GB/s from pageable memory, "
+                    f"{args.device}): " + "; ".join(
+                        f"{regime}: " + ", ".join(f"{side} {read_bound_fraction(summarize(runs), h2d_rate):.2f}"
+                                                  for side, runs in by_side.items())
+                        for regime, by_side in results.items()))
     if args.json is not None:
         args.json.write_text(json.dumps({
             "weight_bytes": weight_bytes, "budget": budget, "cold_read_bytes_per_s": read_rate,
+            "device": args.device, "h2d_bytes_per_s": h2d_rate,
             "identical": identical, "regimes": {regime: {side: {**summarize(runs), "read_bound_fraction":
-                                                               read_bound_fraction(summarize(runs), read_rate)}
+                                                               read_bound_fraction(summarize(runs), read_rate),
+                                                               "h2d_bound_fraction": read_bound_fraction(
+                                                                   summarize(runs), h2d_rate) if h2d_rate else None}
                                                          for side, runs in by_side.items()}
                                                 for regime, by_side in results.items()}}, indent=1))
     final = "cold" if "cold" in results else regimes[-1]
