@@ -274,15 +274,6 @@ class ScalerRecorder(TrainerCallback):
                                "skipped": bool(self.trainer.accelerator.optimizer_step_was_skipped)})
 
 
-def use_deterministic_settings() -> None:
-    """The settings docs/limits.md names for bit-exact GPU runs (``CUBLAS_WORKSPACE_CONFIG`` is the caller's)."""
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-
-
 def install_grad_scaler(trainer, init_scale: float) -> None:
     """A GradScaler starting at ``init_scale`` (a huge one overflows at once), backing off fast (a step skipped on
     overflow divides the scale by 256) and growing after 3 good steps, so that skips and growth both happen within
@@ -404,7 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     datasets.disable_progress_bars()
     tokenizer = build_tokenizer()
-    if a.deterministic:
+    if a.deterministic:  # the settings docs/limits.md names, kept in one place: the reference loop's
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+        from custom_loop import use_deterministic_settings
+
         use_deterministic_settings()
     model = build_model(a.model, **({"attn_implementation": "eager"} if a.deterministic else {}))
     if a.lora:
