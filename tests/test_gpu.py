@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -334,7 +335,7 @@ def test_trainer_under_torchrun_on_one_nccl_process_resumes_bit_exact(tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-5000:]
     assert_identical(tmp_path / "reference", tmp_path / "run")
     result = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert result["backend"] == BACKEND and result["resumed_from"].endswith("checkpoint-3")
+    assert BACKEND in result["backend"] and result["resumed_from"].endswith("checkpoint-3")  # e.g. "cuda:nccl,..."
 
 
 def test_accelerator_under_torchrun_on_one_nccl_process_resumes_bit_exact(tmp_path):
@@ -343,7 +344,7 @@ def test_accelerator_under_torchrun_on_one_nccl_process_resumes_bit_exact(tmp_pa
 
     reference = _torchrun(EXAMPLE, args(tmp_path / "reference"))
     assert reference.returncode == 0, reference.stdout[-5000:]
-    assert f"torch.distributed backend {BACKEND}, 1 process(es)" in reference.stdout
+    assert re.search(rf"torch.distributed backend \S*{BACKEND}\S*, 1 process\(es\)", reference.stdout)
     killed = _torchrun(EXAMPLE, args(tmp_path / "run"), {"HF_RESUMABLE_EXAMPLE_KILL_AFTER_STEP": "5"})
     assert killed.returncode != 0 and max(step for step, _ in read_losses(tmp_path / "run")) == 5
     resumed = _torchrun(EXAMPLE, args(tmp_path / "run"))
@@ -360,7 +361,7 @@ def test_fsdp2_on_one_nccl_process_resumes_bit_exact(tmp_path, tmp_path_factory,
     else:
         reference = _reference(tmp_path_factory, TRAINER_WORKER, tuple(options), nproc=1)
         _resume_trainer_bit_exact(tmp_path / "run", reference, options, nproc=1)
-        assert json.loads((tmp_path / "run" / "result-rank0.json").read_text())["backend"] == BACKEND
+        assert BACKEND in json.loads((tmp_path / "run" / "result-rank0.json").read_text())["backend"]
 
 
 # ------------------------------------------------------------------ streamed generation onto the device
