@@ -47,11 +47,11 @@ test-all: venv
 # `make test` collects them and moves on). Plain interpreters (no test zygote: CUDA must not be set up before a
 # fork) and cuBLAS's deterministic workspace. The whole GPU check, benchmarks included: benchmarks/gpu_check.sh.
 test-gpu: venv
-	HF_RESUMABLE_TEST_ZYGOTE=0 CUBLAS_WORKSPACE_CONFIG=:4096:8 $(PYTEST) -m gpu tests
+	HF_RESUMABLE_TEST_ZYGOTE=0 CUBLAS_WORKSPACE_CONFIG=:4096:8 $(PYTEST) -m gpu tests/test_gpu.py
 
 # The same test bodies on the CPU (--device cpu, gloo for NCCL): a dry run of the GPU tier's harness.
 test-gpu-on-cpu: venv
-	HFR_GPU_TESTS_DEVICE=cpu $(PYTEST) -m gpu tests
+	HFR_GPU_TESTS_DEVICE=cpu $(PYTEST) -m gpu tests/test_gpu.py
 
 # accelerate's own checkpointing tests against ResumableAccelerator (also part of `make test`).
 test-upstream: venv

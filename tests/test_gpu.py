@@ -335,7 +335,9 @@ def test_trainer_under_torchrun_on_one_nccl_process_resumes_bit_exact(tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-5000:]
     assert_identical(tmp_path / "reference", tmp_path / "run")
     result = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert BACKEND in result["backend"] and result["resumed_from"].endswith("checkpoint-3")  # e.g. "cuda:nccl,..."
+    assert BACKEND in result["backend"], result["backend"]  # also named with its device, e.g. "cuda:nccl,cpu:gloo"
+    # under torchrun the Trainer saves in the background: killed in on_save of step 3, checkpoint-3 may be in flight
+    assert re.search(r"checkpoint-[23]$", result["resumed_from"]), result["resumed_from"]
 
 
 def test_accelerator_under_torchrun_on_one_nccl_process_resumes_bit_exact(tmp_path):
