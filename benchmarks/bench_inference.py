@@ -105,7 +105,7 @@ class Clock(StoppingCriteria):
 
     def __call__(self, input_ids, scores, **kwargs):
         self.times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 start = time.perf_counter()

@@ -16,7 +16,8 @@ one pass of at most ``--budget`` seconds (default 480), one step after the other
    of the read bound: bytes read per token x tokens/s over the storage's measured cold-read rate, and over the
    host-to-device copy rate.
 5. ``step_overhead``: benchmarks/bench_resume.py ``--only lockstep``: the per-step CPU time of ResumableTrainer and
-   ResumableAccelerator against the stock ones (target <= 1 %).
+   ResumableAccelerator against the stock ones (target <= 1 %), on the machine's CPUs (what the library adds to a
+   step is host work; the 16 cores keep the two sides from sharing one).
 6. ``split_replicas``: benchmarks/bench_distributed.py ``--replicated`` on tmpfs: 2 ranks saving a DDP replica
    with its files split between them vs rank 0 writing all (target <= 0.6x).
 7. ``background_save_inflation``: benchmarks/bench_goodput.py ``--inflation-only``: the step-time inflation while
