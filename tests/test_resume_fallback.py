@@ -1,0 +1,192 @@
+"""A corrupt newest checkpoint costs one interval, never a crash loop (issue 42, item 3).
+
+A checkpoint whose large files fail their hashes only while a resume reads them (quick verification hashes the
+small files; the large ones are checked as they are read into the model and optimizer) is moved aside as
+``corrupt-<name>``, and the resume loads the one before it instead: through ``ResumableAccelerator.load_state()``
+and ``ResumableTrainer.train(resume_from_checkpoint=True)``, in fresh processes, every logged loss and the final
+weights and optimizer state equal an uninterrupted run bit for bit. Under 2 gloo ranks whose node-local copies
+differ (only rank 1's is corrupt), both ranks fall back to the same checkpoint. An explicit path still raises; a run
+directory whose committed checkpoints all fail is a ``CorruptCheckpointError`` listing each, never a fresh start.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from safetensors.torch import load_file
+
+from hf_resumable.checkpoint import find_latest_checkpoint, save_checkpoint, verify_checkpoint
+from hf_resumable.checkpoint.discovery import set_aside_checkpoint
+from hf_resumable.errors import CorruptCheckpointError
+from hf_resumable.integrations.accelerate import ResumableAccelerator
+
+import zygote
+from distributed_launch import REPO_ROOT, child_env, launch_ranks
+
+WORKER = Path(__file__).parent / "scripts" / "fallback_accelerate_worker.py"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def flip_tensor_byte(checkpoint: Path) -> Path:
+    """Flip one byte in the middle of the tensor data of the checkpoint's largest file; return that file."""
+    largest = max((p for p in checkpoint.rglob("*.safetensors")), key=lambda p: p.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    start = 8 + struct.unpack("<Q", data[:8])[0]
+    data[(start + len(data)) // 2] ^= 0x40
+    largest.write_bytes(bytes(data))
+    return largest
+
+
+def run_worker(root: Path, out: Path, *extra: str) -> None:
+    done = zygote.run([sys.executable, str(WORKER), "--root", str(root), "--out", str(out), *extra],
+                      env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def losses(out: Path, rank: int = 0) -> list[tuple[int, str]]:
+    return [(row["step"], row["loss"])
+            for row in map(json.loads, (out / f"losses-rank{rank}.jsonl").read_text().splitlines())]
+
+
+def assert_same_run(got: Path, reference: Path, rank: int = 0) -> None:
+    want = dict(losses(reference, rank))
+    # every logged loss, the steps trained again after the fallback included, equals the uninterrupted run's
+    assert {step for step, _ in losses(got, rank)} == set(want)
+    for step, loss in losses(got, rank):
+        assert loss == want[step], (rank, step)
+    ref, final = load_file(str(reference / f"final-rank{rank}.safetensors")), load_file(
+        str(got / f"final-rank{rank}.safetensors"))
+    assert sorted(final) == sorted(ref) and any(k.startswith("optim/") for k in ref)
+    assert [k for k in ref if not torch.equal(ref[k], final[k])] == []
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reference")
+    run_worker(out / "checkpoints", out)
+    return out
+
+
+@pytest.mark.slow
+def test_load_state_falls_back_past_a_corrupt_newest_checkpoint(tmp_path, reference):
+    root, out = tmp_path / "checkpoints", tmp_path / "out"
+    run_worker(root, out, "--stop-after", "5")  # checkpoint-2 and checkpoint-4 committed, step 5 trained
+    corrupt = flip_tensor_byte(root / "checkpoint-4")
+    assert corrupt.stat().st_size > 4 * 1024 * 1024  # not hashed by quick verification: found by the load
+    assert find_latest_checkpoint(root) == root / "checkpoint-4"
+    flipped = corrupt.read_bytes()
+
+    done = run_worker(root, out)  # the same command
+    assert json.loads((out / "resumed-rank0.json").read_text()) == str(root / "checkpoint-2")
+    warning = next(line for line in done.stderr.splitlines() if "failed its hashes while it was loaded" in line)
+    assert "WARNING" in warning and corrupt.name in warning and str(root / "checkpoint-2") in warning
+    assert_same_run(out, reference)
+    # kept for inspection, out of discovery's way (the resumed run saves up to step 4: checkpoint-4 is new)
+    kept = root / "corrupt-checkpoint-4"
+    assert (kept / corrupt.relative_to(root / "checkpoint-4")).read_bytes() == flipped
+    assert not verify_checkpoint(kept, full=True).ok
+    assert find_latest_checkpoint(root) == root / "checkpoint-2"
+
+
+@pytest.mark.distributed
+def test_two_ranks_agree_when_only_one_rank_finds_the_corruption(tmp_path, tmp_path_factory):
+    reference = tmp_path / "reference"
+    for result in launch_ranks([str(WORKER), "--root", str(reference / "checkpoints"), "--out", str(reference)],
+                               world_size=2, timeout=300):
+        assert result.returncode == 0, result.describe()
+    first = tmp_path / "first"
+    for result in launch_ranks([str(WORKER), "--root", str(first / "checkpoints"), "--out", str(first),
+                                "--stop-after", "5"], world_size=2, timeout=300):
+        assert result.returncode == 0, result.describe()
+    # node-local copies: rank 1's copy of checkpoint-4 has a flipped byte, rank 0's is intact
+    nodes = tmp_path / "nodes"
+    for rank in (0, 1):
+        shutil.copytree(first / "checkpoints", nodes / f"rank{rank}")
+    flip_tensor_byte(nodes / "rank1" / "checkpoint-4")
+    resumed = tmp_path / "resumed"
+    shutil.copytree(first, resumed, ignore=shutil.ignore_patterns("checkpoints"))
+    results = launch_ranks([str(WORKER), "--root", str(nodes / "rank{rank}"), "--out", str(resumed)], world_size=2,
+                           timeout=300)
+    for result in results:
+        assert result.returncode == 0, result.describe()
+    for rank in (0, 1):
+        assert json.loads((resumed / f"resumed-rank{rank}.json").read_text()) == str(
+            nodes / f"rank{rank}" / "checkpoint-2")
+        assert_same_run(resumed, reference, rank)
+        assert (nodes / f"rank{rank}" / "corrupt-checkpoint-4").is_dir()  # each node's copy set aside
+
+
+# ---------------------------------------------------------------- in process: explicit paths, nothing usable
+
+
+def _build(root: Path):
+    accelerator = ResumableAccelerator(cpu=True, checkpoint_dir=root, handle_preemption=False, keep_last=None)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1100, 1000)  # 4.4 MB of weights: above the quick-verification hash limit
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return accelerator, model, optimizer
+
+
+def _step(accelerator, model, optimizer) -> None:
+    accelerator.backward(model(torch.ones(2, 1100)).pow(2).mean())
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_an_explicit_path_still_raises_and_is_left_where_it_is(tmp_path):
+    accelerator, model, optimizer = _build(tmp_path)
+    _step(accelerator, model, optimizer)
+    accelerator.save_state()
+    corrupt = flip_tensor_byte(tmp_path / "checkpoint-1")
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    resumed, *_ = _build(tmp_path)
+    with pytest.raises(CorruptCheckpointError, match=corrupt.name):
+        resumed.load_state(tmp_path / "checkpoint-1")
+    assert (tmp_path / "checkpoint-1").is_dir() and not (tmp_path / "corrupt-checkpoint-1").exists()
+
+
+def test_no_checkpoint_that_loads_is_an_error_listing_each_never_a_fresh_start(tmp_path):
+    accelerator, model, optimizer = _build(tmp_path)
+    for _ in range(2):
+        _step(accelerator, model, optimizer)
+        accelerator.save_state()
+    flip_tensor_byte(tmp_path / "checkpoint-2")  # found while it is loaded
+    small = tmp_path / "checkpoint-1" / "training_state.json"  # found by quick verification
+    small.write_text(small.read_text().replace("{", "{ ", 1))
+    (tmp_path / "checkpoint-3").mkdir()  # an interrupted save: no manifest, not a checkpoint
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    resumed, *_ = _build(tmp_path)
+    with pytest.raises(CorruptCheckpointError, match="no checkpoint under") as raised:
+        resumed.load_state()
+    message = str(raised.value)
+    assert "checkpoint-2" in message and "corrupt-checkpoint-2" in message and "checkpoint-1" in message
+    assert "training_state.json" in message and "checkpoint-3" not in message and "explicit path" in message
+    assert resumed.global_step == 0
+
+
+def test_set_aside_never_replaces_and_numbers_the_next_one(tmp_path):
+    for _ in range(2):
+        save_checkpoint(tmp_path / "checkpoint-5", model=torch.nn.Linear(2, 2), step=5)
+        assert set_aside_checkpoint(tmp_path / "checkpoint-5").name in ("corrupt-checkpoint-5",
+                                                                         "corrupt-checkpoint-5.2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt-checkpoint-5", "corrupt-checkpoint-5.2"]
+    assert find_latest_checkpoint(tmp_path) is None
