@@ -29,8 +29,11 @@ from hf_resumable.integrations.accelerate import ResumableAccelerator
 
 import zygote
 from distributed_launch import REPO_ROOT, child_env, launch_ranks
+from test_trainer_resume import KILLED, _resumed_from, _run, assert_identical
 
 WORKER = Path(__file__).parent / "scripts" / "fallback_accelerate_worker.py"
+# tests/trainer_scripts/train_tiny.py: a GPT-2 whose weights and AdamW state are files above the quick-hash limit
+TRAINER_OPTIONS = ["--model", "gpt2", "--width", "256", "--data", "lm", "--max-steps", "6", "--save-steps", "2"]
 
 
 @pytest.fixture(autouse=True)
@@ -101,11 +104,29 @@ def test_load_state_falls_back_past_a_corrupt_newest_checkpoint(tmp_path, refere
     kept = root / "corrupt-checkpoint-4"
     assert (kept / corrupt.relative_to(root / "checkpoint-4")).read_bytes() == flipped
     assert not verify_checkpoint(kept, full=True).ok
-    assert find_latest_checkpoint(root) == root / "checkpoint-2"
+    assert verify_checkpoint(root / "checkpoint-4", full=True).ok  # written again by the resumed run, beside it
+
+
+@pytest.mark.slow
+def test_trainer_falls_back_past_a_corrupt_newest_checkpoint(tmp_path):
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    _run(reference, TRAINER_OPTIONS)
+    _run(run, TRAINER_OPTIONS, expected=KILLED, kill_after_save=4)  # SIGKILLed once checkpoint-4 committed
+    corrupt = flip_tensor_byte(run / "checkpoint-4")
+    assert corrupt.stat().st_size > 4 * 1024 * 1024  # found by the load, not by quick verification
+    flipped = corrupt.read_bytes()
+
+    _run(run, TRAINER_OPTIONS)  # the same command
+    assert _resumed_from(run) == str(run / "checkpoint-2")
+    log = (tmp_path / "run.log").read_text()
+    assert "failed its hashes while it was loaded" in log and corrupt.name in log
+    assert_identical(reference, run)  # every logged loss and lr, the final weights and optimizer state
+    assert (run / "corrupt-checkpoint-4" / corrupt.name).read_bytes() == flipped
+    assert verify_checkpoint(run / "checkpoint-4", full=True).ok  # saved again by the resumed run
 
 
 @pytest.mark.distributed
-def test_two_ranks_agree_when_only_one_rank_finds_the_corruption(tmp_path, tmp_path_factory):
+def test_two_ranks_agree_when_only_one_rank_finds_the_corruption(tmp_path):
     reference = tmp_path / "reference"
     for result in launch_ranks([str(WORKER), "--root", str(reference / "checkpoints"), "--out", str(reference)],
                                world_size=2, timeout=300):
@@ -125,6 +146,7 @@ def test_two_ranks_agree_when_only_one_rank_finds_the_corruption(tmp_path, tmp_p
                            timeout=300)
     for result in results:
         assert result.returncode == 0, result.describe()
+        assert "failed while it was loaded on rank 1" in results[0].stderr  # rank 0's own copy loaded fine
     for rank in (0, 1):
         assert json.loads((resumed / f"resumed-rank{rank}.json").read_text()) == str(
             nodes / f"rank{rank}" / "checkpoint-2")

@@ -76,8 +76,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 def build_model(kind: str, **config_options) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "gpt2":
-        config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.1,
-                            embd_pdrop=0.1, attn_pdrop=0.1, pad_token_id=0, **config_options)
+        config = GPT2Config(n_layer=2, n_embd=config_options.pop("n_embd", 32), n_head=2, vocab_size=VOCAB,
+                            n_positions=64, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, pad_token_id=0,
+                            **config_options)
         return GPT2LMHeadModel(config)
     if kind == "llama":
         config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -357,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--output-dir", required=True)
     p.add_argument("--model", default="gpt2", choices=["gpt2", "llama", "bert"])
+    p.add_argument("--width", type=int, default=None, help="gpt2's n_embd (256: files above the quick-hash limit)")
     p.add_argument("--data", default="lm")
     p.add_argument("--samples", type=int, default=44)
     p.add_argument("--batch", type=int, default=4)
@@ -400,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         from custom_loop import use_deterministic_settings
 
         use_deterministic_settings()
-    model = build_model(a.model, **({"attn_implementation": "eager"} if a.deterministic else {}))
+    options = {"attn_implementation": "eager"} if a.deterministic else {}
+    model = build_model(a.model, **options, **({"n_embd": a.width} if a.width is not None else {}))
     if a.lora:
         from peft import LoraConfig, get_peft_model
 
