@@ -21,6 +21,13 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file
+from test_engines import (
+    ACCELERATE_WORKER,
+    HOLD_STEP,
+    _assert_same_pieces,
+    _kill_after_commit,
+    accelerate_reference,  # noqa: F401 - its uninterrupted FSDP2 run, a module fixture
+)
 
 from hf_resumable.checkpoint import find_latest_checkpoint, save_checkpoint, verify_checkpoint
 from hf_resumable.checkpoint.discovery import set_aside_checkpoint
@@ -28,8 +35,8 @@ from hf_resumable.errors import CorruptCheckpointError
 from hf_resumable.integrations.accelerate import ResumableAccelerator
 
 import zygote
-from distributed_launch import REPO_ROOT, child_env, launch_ranks
-from test_trainer_resume import KILLED, _resumed_from, _run, assert_identical
+from distributed_launch import REPO_ROOT, child_env, launch_ranks, run_torchrun
+from test_trainer_resume import KILLED, SCRIPT, _env, _resumed_from, _run, assert_identical
 
 WORKER = Path(__file__).parent / "scripts" / "fallback_accelerate_worker.py"
 # tests/trainer_scripts/train_tiny.py: a GPT-2 whose weights and AdamW state are files above the quick-hash limit
@@ -47,12 +54,15 @@ def _fresh_accelerate_state():
 
 def flip_tensor_byte(checkpoint: Path) -> Path:
     """Flip one byte in the middle of the tensor data of the checkpoint's largest file; return that file."""
-    largest = max((p for p in checkpoint.rglob("*.safetensors")), key=lambda p: p.stat().st_size)
-    data = bytearray(largest.read_bytes())
+    return flip_tensor_byte_of(max((p for p in checkpoint.rglob("*.safetensors")), key=lambda p: p.stat().st_size))
+
+
+def flip_tensor_byte_of(path: Path) -> Path:
+    data = bytearray(path.read_bytes())
     start = 8 + struct.unpack("<Q", data[:8])[0]
     data[(start + len(data)) // 2] ^= 0x40
-    largest.write_bytes(bytes(data))
-    return largest
+    path.write_bytes(bytes(data))
+    return path
 
 
 def run_worker(root: Path, out: Path, *extra: str) -> None:
@@ -142,16 +152,63 @@ def test_two_ranks_agree_when_only_one_rank_finds_the_corruption(tmp_path):
     flip_tensor_byte(nodes / "rank1" / "checkpoint-4")
     resumed = tmp_path / "resumed"
     shutil.copytree(first, resumed, ignore=shutil.ignore_patterns("checkpoints"))
-    results = launch_ranks([str(WORKER), "--root", str(nodes / "rank{rank}"), "--out", str(resumed)], world_size=2,
-                           timeout=300)
+    # no saves after the resume: the ranks' directories differ here, while real node-local copies share one path
+    results = launch_ranks([str(WORKER), "--root", str(nodes / "rank{rank}"), "--out", str(resumed),
+                            "--save-until", "0"], world_size=2, timeout=300)
     for result in results:
         assert result.returncode == 0, result.describe()
-        assert "failed while it was loaded on rank 1" in results[0].stderr  # rank 0's own copy loaded fine
+        assert "while it was loaded (rank 1: CorruptCheckpointError" in results[0].stderr  # rank 0's loaded fine
     for rank in (0, 1):
         assert json.loads((resumed / f"resumed-rank{rank}.json").read_text()) == str(
             nodes / f"rank{rank}" / "checkpoint-2")
         assert_same_run(resumed, reference, rank)
         assert (nodes / f"rank{rank}" / "corrupt-checkpoint-4").is_dir()  # each node's copy set aside
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+def test_trainer_under_ddp_falls_back_when_one_rank_reads_the_corrupt_file(tmp_path):
+    """torchrun, 2 ranks: each rank reads its share of the files (HF_RESUMABLE_SHARED_READS=always), so one rank
+    finds the flipped byte; both train again from checkpoint-2 (DDP wrapped anew), bit-identical on every rank."""
+    env = {**_env(), "HF_RESUMABLE_SHARED_READS": "always"}
+
+    def torchrun(output: Path, **kill: int):
+        return run_torchrun(SCRIPT, ["--output-dir", str(output), *TRAINER_OPTIONS],
+                            env={**env, **_env(**kill)}, timeout=300)
+
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    assert torchrun(reference).returncode == 0
+    assert torchrun(run, kill_job_after_save=4).returncode == KILLED
+    flip_tensor_byte(run / "checkpoint-4")
+    done = torchrun(run)
+    assert done.returncode == 0, done.stdout[-5000:]
+    assert "failed its hashes while it was loaded" in done.stdout
+    for suffix in ("", "-rank1"):
+        assert_identical(reference, run, suffix=suffix)
+        assert json.loads((run / f"result{suffix}.json").read_text())["resumed_from"] == str(run / "checkpoint-2")
+    assert (run / "corrupt-checkpoint-4").is_dir()
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+def test_fsdp2_pieces_fall_back_when_one_rank_piece_file_is_corrupt(tmp_path, accelerate_reference):
+    """The per-rank piece layout (FSDP2, 2 ranks): one byte of rank 1's piece file flipped (a small file, which
+    quick verification hashes on every rank); both ranks skip that checkpoint, set it aside and resume from the
+    one before, bit-identical to the uninterrupted run."""
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / f"checkpoint-{HOLD_STEP}"
+    _kill_after_commit(ACCELERATE_WORKER, run, [], checkpoint)
+    pieces = [path for path in checkpoint.rglob("*.safetensors") if "rank-00001" in path.as_posix()]
+    assert pieces, sorted(p.name for p in checkpoint.rglob("*"))
+    corrupt = flip_tensor_byte_of(max(pieces, key=lambda path: path.stat().st_size))
+    resumed = run_torchrun(ACCELERATE_WORKER, ["--output-dir", str(run)], env=child_env(), timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-5000:]
+    assert corrupt.name in resumed.stdout and "kept for inspection" in resumed.stdout
+    for rank in (0, 1):
+        want = dict(losses(accelerate_reference, rank))
+        assert {step: loss for step, loss in losses(run, rank)} == want  # steps trained again: the same losses
+    _assert_same_pieces(run, accelerate_reference)
+    assert (run / "checkpoints" / f"corrupt-checkpoint-{HOLD_STEP}").is_dir()
 
 
 # ---------------------------------------------------------------- in process: explicit paths, nothing usable
@@ -212,3 +269,23 @@ def test_set_aside_never_replaces_and_numbers_the_next_one(tmp_path):
                                                                          "corrupt-checkpoint-5.2")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt-checkpoint-5", "corrupt-checkpoint-5.2"]
     assert find_latest_checkpoint(tmp_path) is None
+
+
+def test_a_newer_checkpoint_that_fails_verification_is_set_aside_not_replaced_later(tmp_path, caplog):
+    accelerator, model, optimizer = _build(tmp_path)
+    for _ in range(2):
+        _step(accelerator, model, optimizer)
+        accelerator.save_state()
+    small = tmp_path / "checkpoint-2" / "training_state.json"  # hashed by quick verification
+    small.write_text(small.read_text().replace("{", "{ ", 1))
+    flipped = small.read_bytes()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    resumed, model2, optimizer2 = _build(tmp_path)
+    with caplog.at_level("WARNING"):
+        assert resumed.load_state().path == tmp_path / "checkpoint-1"
+    assert "kept for inspection as" in caplog.text and "corrupt-checkpoint-2" in caplog.text
+    _step(resumed, model2, optimizer2)
+    assert resumed.save_state() == tmp_path / "checkpoint-2"  # a new checkpoint-2, beside the kept one
+    assert (tmp_path / "corrupt-checkpoint-2" / "training_state.json").read_bytes() == flipped
+    assert verify_checkpoint(tmp_path / "checkpoint-2", full=True).ok

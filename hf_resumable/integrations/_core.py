@@ -280,8 +280,8 @@ def agreed_load(path: str | os.PathLike) -> Iterator[None]:
     failed = [(rank, reason) for rank, reason in enumerate(reasons) if reason is not None]
     if failed:
         rank, reason = failed[0]
-        where = "" if len(reasons) == 1 else f" on rank {rank}"
-        raise ResumeLoadFailed(f"{path} failed while it was loaded{where}: {reason}", path=os.fspath(path),
+        reason = reason if len(reasons) == 1 else f"rank {rank}: {reason}"
+        raise ResumeLoadFailed(f"{path} failed while it was loaded ({reason})", path=os.fspath(path),
                                reason=reason) from failure
 
 
@@ -308,9 +308,10 @@ def resume_newest(root: str | os.PathLike, load: Callable[[VerifyReport], T], *,
     Collective. ``load`` resumes from a verification report and raises :class:`ResumeLoadFailed` (from
     :func:`agreed_load`) when the checkpoint failed its hashes while it was read, on any rank; it must leave no
     trace of that attempt once it has loaded another checkpoint (the front doors fill every object again). Each
-    failed checkpoint is moved aside (:func:`~hf_resumable.checkpoint.discovery.set_aside_checkpoint`: kept for
-    inspection, never picked again, never replaced by a later save of its step) with a WARNING naming it, the
-    corrupt file and the checkpoint used instead. An explicit path never goes through here: it raises.
+    checkpoint that failed, while it was loaded or already in discovery's verification (a committed one newer than
+    ``first``), is moved aside (:func:`~hf_resumable.checkpoint.discovery.set_aside_checkpoint`: kept for inspection,
+    never picked again, never replaced by a later save of its step) with a WARNING naming it, the corrupt file and
+    the checkpoint used instead. An explicit path never goes through here: it raises.
 
     Returns:
         what ``load`` returned, or `None` when there is no checkpoint at all (a fresh start).
@@ -322,13 +323,15 @@ def resume_newest(root: str | os.PathLike, load: Callable[[VerifyReport], T], *,
     """
     failed: list[FailedResume] = []
     report = first
+    if report is not None:
+        _set_aside_unverified(root, pattern=pattern, instead=report.path)
     while report is not None:
         if failed:
             gc.collect()  # the failed attempt's wrappers (a DDP reducer's hooks) go before the next makes its own
         try:
             return load(report)
         except ResumeLoadFailed as err:
-            failure = FailedResume(report.path, err.reason, _set_aside(Path(report.path)))
+            failure = FailedResume(report.path, err.reason, _set_aside([Path(report.path)])[0])
             failed.append(failure)
             report = find_agreed_checkpoint(root, pattern=pattern, below=_step_of(failure.path, pattern))
             instead = "nothing (no older checkpoint verifies)" if report is None else report.path
@@ -375,19 +378,35 @@ def no_checkpoint_resumes(root: str | os.PathLike, tried: Sequence[FailedResume]
         "these directories out of the run directory to start the run from scratch.")
 
 
-def _set_aside(path: Path) -> str | None:
-    """Move a checkpoint that failed while it was loaded aside, once per copy: the lowest rank that holds each
-    distinct directory moves it (ranks that share a file system share one; node-local copies are each moved)."""
+def _set_aside_unverified(root: str | os.PathLike, *, pattern: re.Pattern[str], instead: str) -> None:
+    """Committed checkpoints newer than ``instead`` failed discovery's verification on some rank (each skipped with
+    a WARNING naming its files): move them aside too, or the run's save of their step would replace them."""
+    step = _step_of(instead, pattern)
+    newer = [path for number, path in list_checkpoints(root, pattern=pattern)
+             if number > step and (path / MANIFEST_FILE).exists()]
+    for path, moved in zip(newer, _set_aside(newer)):
+        if moved is not None:
+            logger.warning("%s does not verify (see the WARNING above); it is kept for inspection as %s. Resuming "
+                           "from %s instead: the steps since then are trained again.", path, moved, instead)
+
+
+def _set_aside(paths: Sequence[Path]) -> list[str | None]:
+    """Move checkpoints aside, once per copy: the lowest rank that holds each distinct directory moves it (ranks that
+    share a file system share one; node-local copies are each moved). Collective; where each one went (``None``:
+    it could not be moved, and stays under its name; this run does not pick it again)."""
     rank = rank_and_world_size()[0]
-    copies = all_gather_json(os.path.realpath(path))
-    moved = None
-    if copies.index(copies[rank]) == rank:
+    held = all_gather_json([os.path.realpath(path) for path in paths])
+    lower = {real for copies in held[:rank] for real in copies}
+    moved: dict[str, str] = {}
+    for path, real in zip(paths, held[rank]):
+        if real in lower:
+            continue
         try:
-            moved = str(set_aside_checkpoint(path))
+            moved[real] = str(set_aside_checkpoint(path))
         except OSError as err:
-            logger.warning("%s could not be moved aside (%s); it stays under its name, and this run does not pick it "
-                           "again.", path, err)
-    return next((where for where in all_gather_json(moved) if where is not None), None)
+            logger.warning("%s could not be moved aside (%s); it stays under its name.", path, err)
+    everywhere = {real: where for each in all_gather_json(moved) for real, where in each.items()}
+    return [everywhere.get(real) for real in held[rank]]
 
 
 def _step_of(path: str | os.PathLike, pattern: re.Pattern[str]) -> int:
