@@ -395,6 +395,7 @@ def _set_aside(paths: Sequence[Path]) -> list[str | None]:
     share a file system share one; node-local copies are each moved). Collective; where each one went (``None``:
     it could not be moved, and stays under its name; this run does not pick it again)."""
     rank = rank_and_world_size()[0]
+    wait_for_pending_saves()  # this process's own deferred fsyncs of a checkpoint finish before it moves
     held = all_gather_json([os.path.realpath(path) for path in paths])
     lower = {real for copies in held[:rank] for real in copies}
     moved: dict[str, str] = {}
