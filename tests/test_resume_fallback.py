@@ -97,6 +97,7 @@ def reference(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the supervisor test below resumes the same way, in make test
 def test_load_state_falls_back_past_a_corrupt_newest_checkpoint(tmp_path, reference):
     root, out = tmp_path / "checkpoints", tmp_path / "out"
     run_worker(root, out, "--stop-after", "5")  # checkpoint-2 and checkpoint-4 committed, step 5 trained
@@ -133,6 +134,26 @@ def test_trainer_falls_back_past_a_corrupt_newest_checkpoint(tmp_path):
     assert_identical(reference, run)  # every logged loss and lr, the final weights and optimizer state
     assert (run / "corrupt-checkpoint-4" / corrupt.name).read_bytes() == flipped
     assert verify_checkpoint(run / "checkpoint-4", full=True).ok  # saved again by the resumed run
+
+
+@pytest.mark.slow
+def test_a_run_under_the_restart_supervisor_costs_one_interval_not_a_crash_loop(tmp_path, reference):
+    """``hf-resumable run``: the first attempt dies (SIGKILL) right after a disk fault corrupted its newest
+    checkpoint; the one restart falls back to the checkpoint before it and finishes, bit-identical."""
+    root, out = tmp_path / "checkpoints", tmp_path / "out"
+    done = zygote.run([sys.executable, "-m", "hf_resumable", "run", "--max-restarts", "3", "--", sys.executable,
+                       str(WORKER), "--root", str(root), "--out", str(out)],
+                      env=child_env({"HFR_CORRUPT_AND_DIE_AFTER": "5"}), cwd=tmp_path, capture_output=True,
+                      text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    attempts = [json.loads(line) for line in (out / "attempts.jsonl").read_text().splitlines()]
+    assert attempts == [{"restarts": "0", "resumed": None}, {"restarts": "1", "resumed": str(root / "checkpoint-2")}]
+    warning = next(line for line in done.stderr.splitlines() if "failed its hashes while it was loaded" in line)
+    assert warning.startswith("WARNING:") and "optimizer-00001-of-00001.safetensors" in warning
+    assert f"Resuming from {root / 'checkpoint-2'} instead" in warning
+    assert_same_run(out, reference)  # every logged loss (steps 3-5 twice), the final weights and optimizer state
+    kept = root / "corrupt-checkpoint-4"  # kept whole for inspection; the restart saved a new checkpoint-4
+    assert not verify_checkpoint(kept, full=True).ok and verify_checkpoint(root / "checkpoint-4", full=True).ok
 
 
 @pytest.mark.distributed

@@ -8,7 +8,10 @@ float) to ``OUT/losses-rank<r>.jsonl``, writes where it resumed from to ``OUT/re
 end, its weights and optimizer state to ``OUT/final-rank<r>.safetensors``.
 
 ``--root`` may hold ``{rank}``: each rank then has its own checkpoint directory, as ranks on separate machines
-with node-local copies of one checkpoint.
+with node-local copies of one checkpoint. With ``HFR_CORRUPT_AND_DIE_AFTER=k`` the first attempt under
+``hf-resumable run`` (``HF_RESUMABLE_RESTARTS=0``) flips a byte in the tensor data of the newest checkpoint's largest
+file after step k (a disk fault) and SIGKILLs itself; every attempt appends ``{"restarts", "resumed"}`` to
+``OUT/attempts.jsonl``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import argparse
 import json
 import logging
 import os
+import signal
+import struct
 import sys
 from pathlib import Path
 
@@ -45,6 +50,16 @@ def collate(rows: list[list[int]]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long)
 
 
+def flip_newest(root: Path) -> None:
+    """One flipped byte in the middle of the tensor data of the newest checkpoint's largest file."""
+    newest = max(root.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+    largest = max(newest.rglob("*.safetensors"), key=lambda path: path.stat().st_size)
+    data = bytearray(largest.read_bytes())
+    start = 8 + struct.unpack("<Q", data[:8])[0]
+    data[(start + len(data)) // 2] ^= 0x40
+    largest.write_bytes(bytes(data))
+
+
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s:%(name)s:%(message)s")
@@ -63,6 +78,10 @@ def main(argv: list[str]) -> None:
     model, optimizer = accelerator.prepare(model, optimizer)
     loaded = accelerator.load_state()
     (out / f"resumed-rank{rank}.json").write_text(json.dumps(None if loaded is None else str(loaded.path)))
+    with open(out / "attempts.jsonl", "a") as attempts:
+        attempts.write(json.dumps({"restarts": os.environ.get("HF_RESUMABLE_RESTARTS"),
+                                   "resumed": None if loaded is None else str(loaded.path)}) + "\n")
+    die_after = os.environ.get("HFR_CORRUPT_AND_DIE_AFTER")
     windows = accelerator.accumulation_windows(loader)
     with open(out / f"losses-rank{rank}.jsonl", "a") as log:
         while accelerator.global_step < args.steps:
@@ -80,6 +99,10 @@ def main(argv: list[str]) -> None:
             if step == args.stop_after:
                 wait_for_pending_saves()
                 return
+            if die_after is not None and step == int(die_after) and os.environ.get("HF_RESUMABLE_RESTARTS") == "0":
+                wait_for_pending_saves()
+                flip_newest(Path(args.root))
+                os.kill(os.getpid(), signal.SIGKILL)
     unwrapped = accelerator.unwrap_model(model)
     tensors = {f"model/{k}": v.detach().clone().contiguous() for k, v in unwrapped.state_dict().items()
                if k != "lm_head.weight"}  # tied to the embedding
