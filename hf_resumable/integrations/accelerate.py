@@ -1018,8 +1018,10 @@ class ResumableAccelerator(Accelerator):
         process's RNG.
 
         Without ``input_dir``: the newest valid ``checkpoint_<i>`` (automatic naming) or ``checkpoint-<step>``
-        under :attr:`checkpoint_dir`; partial or corrupt ones are skipped with a WARNING. ``input_dir`` may also
-        be ``hf://user/repo[@rev][/path]`` or an fsspec URL (downloaded and hash-checked first).
+        under :attr:`checkpoint_dir`; partial or corrupt ones are skipped with a WARNING. One that fails its
+        hashes while it is loaded, on any process, is moved aside (``corrupt-<name>``, kept) and the one before it
+        loaded into the same objects, on every process alike. ``input_dir`` may also be
+        ``hf://user/repo[@rev][/path]`` or an fsspec URL (downloaded and hash-checked first).
 
         After a resume with automatic naming, ``ProjectConfiguration.iteration`` continues after the loaded and
         every existing ``checkpoint_<i>``, so the next save never collides (accelerate leaves that to the user).
@@ -1047,7 +1049,9 @@ class ResumableAccelerator(Accelerator):
                 (the message lists the world sizes that can), before anything is loaded.
             InexactResumeError: this process's RNG or data position is missing (unless ``allow_inexact_resume``).
             CorruptCheckpointError / CheckpointMismatchError: see :func:`hf_resumable.checkpoint.open_checkpoint`
-                and ``OpenedCheckpoint.load_into`` (everything is checked before anything is filled).
+                and ``OpenedCheckpoint.load_into`` (everything is checked before anything is filled); a corrupt
+                ``input_dir`` raises on every process. Without ``input_dir``: committed checkpoints exist but none
+                verifies and loads (``CorruptCheckpointError`` listing each one and why).
             TypeError: an unsupported ``map_location`` or option.
         """
         strict = self._load_options(load_kwargs, load_model_func_kwargs)

@@ -509,15 +509,20 @@ class ResumableTrainer(Trainer):
             resume_from_checkpoint (`str`, `bool` or `os.PathLike`, *optional*): ``True`` or ``"auto"``:
                 the newest checkpoint under ``output_dir`` that verifies (partial/corrupt ones are
                 skipped with a WARNING) or a newer stock ``transformers.Trainer`` checkpoint (converted, not
-                bit-exact), or a fresh start when there is none. A path: that checkpoint (it must verify; a stock
-                Trainer checkpoint is converted). ``"hf://user/repo[@rev][/path]"`` or ``"s3://bucket/run"``: that
-                remote checkpoint, or the newest committed one under a run root, downloaded resumably
-                and hash-checked first. ``None``/``False``: a fresh start.
+                bit-exact), or a fresh start when there is none. One that fails its hashes while it is loaded, on
+                any rank, is moved aside (``corrupt-checkpoint-N``, kept) and the one before it used instead,
+                as a clean resume from it would be (docs/checkpoints.md). A path: that checkpoint (it must verify;
+                a stock Trainer checkpoint is converted). ``"hf://user/repo[@rev][/path]"`` or
+                ``"s3://bucket/run"``: that remote checkpoint, or the newest committed one under a run root,
+                downloaded resumably and hash-checked first. ``None``/``False``: a fresh start.
 
         Raises:
             ResumeCheckpointNotFoundError: the given path does not exist or is not a checkpoint (also a
                 ``ValueError``, as in ``Trainer``, and a ``CheckpointNotFoundError``).
-            CorruptCheckpointError / IncompleteCheckpointError: the given path does not verify.
+            CorruptCheckpointError / IncompleteCheckpointError: the given path does not verify; or, with ``True``,
+                committed checkpoints exist but none verifies and loads (the message lists each one and why), or
+                one failed its hashes while FSDP/DeepSpeed held the model (set aside: the next start resumes from
+                the one before).
             ConfigDriftError: the run configuration differs from the checkpoint's.
             ElasticWorldSizeError: ``elastic=True`` and this world size cannot keep the checkpoint's global batch
                 (a ``ConfigDriftError``; the message lists the world sizes that can), before the first step.
