@@ -356,6 +356,8 @@ def refuse_fresh_start(root: str | os.PathLike, *, pattern: re.Pattern[str], own
     checkpoint that does not verify, or that failed while it was loaded, is not: starting over would train from
     step 0 and later replace it.
 
+    Collective: every rank raises if any rank found such a checkpoint (node-local copies may differ).
+
     Raises:
         CorruptCheckpointError: ``failed`` is not empty, or a committed checkpoint under ``root`` does not verify.
     """
@@ -364,6 +366,8 @@ def refuse_fresh_start(root: str | os.PathLike, *, pattern: re.Pattern[str], own
         if (path / MANIFEST_FILE).exists() and str(path) not in {f.path for f in failed}:
             report = verify_checkpoint(path, full=False)
             tried.append(FailedResume(str(path), "; ".join(f"{f}: {why}" for f, why in report.problems)))
+    everywhere = all_gather_json([dataclasses.astuple(failure) for failure in tried])
+    tried = list(dict.fromkeys(FailedResume(*failure) for each in everywhere for failure in each))
     if tried:
         raise no_checkpoint_resumes(root, tried, owner=owner)
 
@@ -382,8 +386,9 @@ def _set_aside_unverified(root: str | os.PathLike, *, pattern: re.Pattern[str], 
     """Committed checkpoints newer than ``instead`` failed discovery's verification on some rank (each skipped with
     a WARNING naming its files): move them aside too, or the run's save of their step would replace them."""
     step = _step_of(instead, pattern)
+    # verified again here: one committed since discovery looked (this process's own background save) is kept
     newer = [path for number, path in list_checkpoints(root, pattern=pattern)
-             if number > step and (path / MANIFEST_FILE).exists()]
+             if number > step and (path / MANIFEST_FILE).exists() and not verify_checkpoint(path, full=False).ok]
     for path, moved in zip(newer, _set_aside(newer)):
         if moved is not None:
             logger.warning("%s does not verify (see the WARNING above); it is kept for inspection as %s. Resuming "
