@@ -2,11 +2,18 @@
 
 A checkpoint whose large files fail their hashes only while a resume reads them (quick verification hashes the
 small files; the large ones are checked as they are read into the model and optimizer) is moved aside as
-``corrupt-<name>``, and the resume loads the one before it instead: through ``ResumableAccelerator.load_state()``
-and ``ResumableTrainer.train(resume_from_checkpoint=True)``, in fresh processes, every logged loss and the final
-weights and optimizer state equal an uninterrupted run bit for bit. Under 2 gloo ranks whose node-local copies
-differ (only rank 1's is corrupt), both ranks fall back to the same checkpoint. An explicit path still raises; a run
-directory whose committed checkpoints all fail is a ``CorruptCheckpointError`` listing each, never a fresh start.
+``corrupt-<name>`` (kept, never picked again), and the resume loads the one before it instead. In fresh processes,
+every logged loss and the final weights and optimizer state equal an uninterrupted run bit for bit:
+
+* ``ResumableTrainer.train(resume_from_checkpoint=True)``, one process, and under DDP with split reads (extended);
+* ``ResumableAccelerator.load_state()`` under ``hf-resumable run``, whose first attempt dies right after a disk fault
+  (one restart, not a crash loop), and directly (extended);
+* 2 gloo ranks whose node-local copies differ (only rank 1's is corrupt): both fall back to the same checkpoint;
+* the FSDP2 piece layout, one rank's (small) piece file corrupt (extended).
+
+An explicit path still raises and moves nothing; a run directory whose committed checkpoints all fail is a
+``CorruptCheckpointError`` listing each, never a fresh start; a newer checkpoint that failed verification is kept
+beside the new save of its step.
 """
 
 from __future__ import annotations
@@ -36,20 +43,12 @@ from hf_resumable.integrations.accelerate import ResumableAccelerator
 
 import zygote
 from distributed_launch import REPO_ROOT, child_env, launch_ranks, run_torchrun
+from test_accelerate_integration import _fresh_accelerate_state  # noqa: F401 - autouse: a fresh accelerate state
 from test_trainer_resume import KILLED, SCRIPT, _env, _resumed_from, _run, assert_identical
 
 WORKER = Path(__file__).parent / "scripts" / "fallback_accelerate_worker.py"
 # tests/trainer_scripts/train_tiny.py: a GPT-2 whose weights and AdamW state are files above the quick-hash limit
 TRAINER_OPTIONS = ["--model", "gpt2", "--width", "256", "--data", "lm", "--max-steps", "6", "--save-steps", "2"]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def flip_tensor_byte(checkpoint: Path) -> Path:
