@@ -51,7 +51,7 @@ from ._trainer_hparams import RESUME_HYPERPARAMETERS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT", "AfterCommit", "FailedResume", "ResumeLoadFailed", "ResumeOptions", "UpstreamInternalsError",
+__all__ = ["DEFAULT", "AfterCommit", "FailedResume", "ResumeLoadError", "ResumeOptions", "UpstreamInternalsError",
            "agreed_load", "changed_settings", "check_drift", "check_upstream", "find_agreed_checkpoint", "inexact",
            "no_checkpoint_resumes", "notice_save_in_flight", "refuse_fresh_start", "resume_newest"]
 
@@ -233,7 +233,7 @@ def notice_save_in_flight() -> Future | None:
 # ---- the resume fallback: a corrupt newest checkpoint costs one interval, never a crash loop ----
 
 
-class ResumeLoadFailed(CorruptCheckpointError):
+class ResumeLoadError(CorruptCheckpointError):
     """A resume's load failed its hashes on at least one rank; raised on every rank alike (see :func:`agreed_load`).
 
     Args:
@@ -268,7 +268,7 @@ def agreed_load(path: str | os.PathLike) -> Iterator[None]:
     next collective. Every rank reports after its load, so either all go on or all raise.
 
     Raises:
-        ResumeLoadFailed: on every rank, when the load raised `CorruptCheckpointError` on any (chained from it on
+        ResumeLoadError: on every rank, when the load raised `CorruptCheckpointError` on any (chained from it on
             that rank). Any other error propagates as it is.
     """
     failure: CorruptCheckpointError | None = None
@@ -281,7 +281,7 @@ def agreed_load(path: str | os.PathLike) -> Iterator[None]:
     if failed:
         rank, reason = failed[0]
         reason = reason if len(reasons) == 1 else f"rank {rank}: {reason}"
-        raise ResumeLoadFailed(f"{path} failed while it was loaded ({reason})", path=os.fspath(path),
+        raise ResumeLoadError(f"{path} failed while it was loaded ({reason})", path=os.fspath(path),
                                reason=reason) from failure
 
 
@@ -305,7 +305,7 @@ def resume_newest(root: str | os.PathLike, load: Callable[[VerifyReport], T], *,
                   owner: str, first: VerifyReport | None) -> T | None:
     """Load ``first`` (the checkpoint discovery chose), falling back to older ones while a load fails its hashes.
 
-    Collective. ``load`` resumes from a verification report and raises :class:`ResumeLoadFailed` (from
+    Collective. ``load`` resumes from a verification report and raises :class:`ResumeLoadError` (from
     :func:`agreed_load`) when the checkpoint failed its hashes while it was read, on any rank; it must leave no
     trace of that attempt once it has loaded another checkpoint (the front doors fill every object again). Each
     checkpoint that failed, while it was loaded or already in discovery's verification (a committed one newer than
@@ -330,7 +330,7 @@ def resume_newest(root: str | os.PathLike, load: Callable[[VerifyReport], T], *,
             gc.collect()  # the failed attempt's wrappers (a DDP reducer's hooks) go before the next makes its own
         try:
             return load(report)
-        except ResumeLoadFailed as err:
+        except ResumeLoadError as err:
             failure = FailedResume(report.path, err.reason, _set_aside([Path(report.path)])[0])
             failed.append(failure)
             report = find_agreed_checkpoint(root, pattern=pattern, below=_step_of(failure.path, pattern))

@@ -1068,7 +1068,7 @@ class ResumableAccelerator(Accelerator):
         return self._load_from(self._resolve_checkpoint(input_dir), strict)
 
     def _load_from(self, path: Path, strict: bool, verified: VerifyReport | None = None) -> LoadedCheckpoint:
-        """``load_state`` of one checkpoint; a failed hash on any process raises ``ResumeLoadFailed`` on all."""
+        """``load_state`` of one checkpoint; a failed hash on any process raises ``ResumeLoadError`` on all."""
         with agreed_load(path):
             return self._fill_from(path, strict, verified)
 

@@ -107,7 +107,7 @@ from ..locations import is_remote, open_uploader, resolve_resume_path
 from ..preemption import PreemptionAction, PreemptionHandler, PreemptionProtocol, exit_after_preemption
 from ._core import (
     AfterCommit,
-    ResumeLoadFailed,
+    ResumeLoadError,
     ResumeOptions,
     agreed_load,
     check_drift,
@@ -570,7 +570,7 @@ class ResumableTrainer(Trainer):
                     deepspeed_resume_by_us():
                 output = super().train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint),
                                        trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
-        except ResumeLoadFailed as failed:
+        except ResumeLoadError as failed:
             self._undo_failed_resume(failed)
             raise
         except BaseException:
@@ -587,7 +587,7 @@ class ResumableTrainer(Trainer):
                                   exit=self.resume_options.exit_on_preemption)
         return output
 
-    def _undo_failed_resume(self, failed: ResumeLoadFailed) -> None:
+    def _undo_failed_resume(self, failed: ResumeLoadError) -> None:
         """Put back what ``train`` changed before the failed load (nothing was trained or saved): the optimizer and
         scheduler it was given (``None``: created again), the unwrapped model, NEFTune's hook. Every object the load
         wrote into is filled again by the next checkpoint's load. FSDP and DeepSpeed wrap the model in place, so
@@ -1275,7 +1275,7 @@ class ResumableTrainer(Trainer):
         engine_state = None
         if engine is not None and not model_only:  # checked before anything is loaded
             engine_state = saved_engine_state(opened.extra, where=checkpoint)
-        with agreed_load(checkpoint):  # a failed hash on any rank: ResumeLoadFailed on all (train's fallback)
+        with agreed_load(checkpoint):  # a failed hash on any rank: ResumeLoadError on all (train's fallback)
             if holds_dtensors(model) or engine is not None:  # FSDP2 / ZeRO: every rank reads its pieces' slices
                 load_sharded_into(opened, model=model, **objects, restore_rng=False)
                 if engine_state is not None:
