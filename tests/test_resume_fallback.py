@@ -155,21 +155,31 @@ def test_a_run_under_the_restart_supervisor_costs_one_interval_not_a_crash_loop(
     assert not verify_checkpoint(kept, full=True).ok and verify_checkpoint(root / "checkpoint-4", full=True).ok
 
 
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> tuple[Path, Path]:
+    """An uninterrupted 2-rank run, and one stopped after step 5 (checkpoint-2 and checkpoint-4 committed)."""
+    reference, first = tmp_path_factory.mktemp("reference2"), tmp_path_factory.mktemp("first2")
+    for out, extra in ((reference, []), (first, ["--stop-after", "5"])):
+        for result in launch_ranks([str(WORKER), "--root", str(out / "checkpoints"), "--out", str(out), *extra],
+                                   world_size=2, timeout=300):
+            assert result.returncode == 0, result.describe()
+    return reference, first
+
+
 @pytest.mark.distributed
-def test_two_ranks_agree_when_only_one_rank_finds_the_corruption(tmp_path):
-    reference = tmp_path / "reference"
-    for result in launch_ranks([str(WORKER), "--root", str(reference / "checkpoints"), "--out", str(reference)],
-                               world_size=2, timeout=300):
-        assert result.returncode == 0, result.describe()
-    first = tmp_path / "first"
-    for result in launch_ranks([str(WORKER), "--root", str(first / "checkpoints"), "--out", str(first),
-                                "--stop-after", "5"], world_size=2, timeout=300):
-        assert result.returncode == 0, result.describe()
-    # node-local copies: rank 1's copy of checkpoint-4 has a flipped byte, rank 0's is intact
+@pytest.mark.parametrize("found_by", ["load", "verification"])
+def test_two_ranks_agree_when_only_one_rank_finds_the_corruption(tmp_path, two_rank_runs, found_by):
+    """Node-local copies: rank 1's copy of checkpoint-4 has a flipped byte, rank 0's is intact. In a large file
+    only rank 1's load finds it; in a small one only rank 1's verification does. Both ranks resume from
+    checkpoint-2."""
+    reference, first = two_rank_runs
     nodes = tmp_path / "nodes"
     for rank in (0, 1):
         shutil.copytree(first / "checkpoints", nodes / f"rank{rank}")
-    flip_tensor_byte(nodes / "rank1" / "checkpoint-4")
+    if found_by == "load":
+        flip_tensor_byte(nodes / "rank1" / "checkpoint-4")
+    else:
+        flip_tensor_byte_of(nodes / "rank1" / "checkpoint-4" / "rng" / "rank-00001.safetensors")
     resumed = tmp_path / "resumed"
     shutil.copytree(first, resumed, ignore=shutil.ignore_patterns("checkpoints"))
     # no saves after the resume: the ranks' directories differ here, while real node-local copies share one path
@@ -177,12 +187,17 @@ def test_two_ranks_agree_when_only_one_rank_finds_the_corruption(tmp_path):
                             "--save-until", "0"], world_size=2, timeout=300)
     for result in results:
         assert result.returncode == 0, result.describe()
-        assert "while it was loaded (rank 1: CorruptCheckpointError" in results[0].stderr  # rank 0's loaded fine
     for rank in (0, 1):
         assert json.loads((resumed / f"resumed-rank{rank}.json").read_text()) == str(
             nodes / f"rank{rank}" / "checkpoint-2")
         assert_same_run(resumed, reference, rank)
-        assert (nodes / f"rank{rank}" / "corrupt-checkpoint-4").is_dir()  # each node's copy set aside
+    assert (nodes / "rank1" / "corrupt-checkpoint-4").is_dir()
+    if found_by == "load":  # rank 0's own copy loaded fine; the checkpoint failed for the job: both copies set aside
+        assert "while it was loaded (rank 1: CorruptCheckpointError" in results[0].stderr
+        assert (nodes / "rank0" / "corrupt-checkpoint-4").is_dir()
+    else:  # rank 0's copy verifies: it stays; rank 1 skipped its own
+        assert "Skipping" in results[1].stderr and "rank-00001.safetensors" in results[1].stderr
+        assert verify_checkpoint(nodes / "rank0" / "checkpoint-4", full=True).ok
 
 
 @pytest.mark.distributed

@@ -387,12 +387,14 @@ def _set_aside_unverified(root: str | os.PathLike, *, pattern: re.Pattern[str], 
     a WARNING naming its files): move them aside too, or the run's save of their step would replace them."""
     step = _step_of(instead, pattern)
     # verified again here: one committed since discovery looked (this process's own background save) is kept
-    newer = [path for number, path in list_checkpoints(root, pattern=pattern)
-             if number > step and (path / MANIFEST_FILE).exists() and not verify_checkpoint(path, full=False).ok]
-    for path, moved in zip(newer, _set_aside(newer)):
+    newer = {path: verify_checkpoint(path, full=False) for number, path in list_checkpoints(root, pattern=pattern)
+             if number > step and (path / MANIFEST_FILE).exists()}
+    failed = {path: "; ".join(f"{file}: {why}" for file, why in report.problems)
+              for path, report in newer.items() if not report.ok}
+    for (path, reason), moved in zip(failed.items(), _set_aside(list(failed))):
         if moved is not None:
-            logger.warning("%s does not verify (see the WARNING above); it is kept for inspection as %s. Resuming "
-                           "from %s instead: the steps since then are trained again.", path, moved, instead)
+            logger.warning("%s does not verify (%s); it is kept for inspection as %s. Resuming from %s instead: the "
+                           "steps since then are trained again.", path, reason, moved, instead)
 
 
 def _set_aside(paths: Sequence[Path]) -> list[str | None]:
