@@ -28,13 +28,6 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file
-from test_engines import (
-    ACCELERATE_WORKER,
-    HOLD_STEP,
-    _assert_same_pieces,
-    _kill_after_commit,
-    accelerate_reference,  # noqa: F401 - its uninterrupted FSDP2 run, a module fixture
-)
 
 from hf_resumable.checkpoint import find_latest_checkpoint, save_checkpoint, verify_checkpoint
 from hf_resumable.checkpoint.discovery import set_aside_checkpoint
@@ -44,6 +37,13 @@ from hf_resumable.integrations.accelerate import ResumableAccelerator
 import zygote
 from distributed_launch import REPO_ROOT, child_env, launch_ranks, run_torchrun
 from test_accelerate_integration import _fresh_accelerate_state  # noqa: F401 - autouse: a fresh accelerate state
+from test_engines import (
+    ACCELERATE_WORKER,
+    HOLD_STEP,
+    _assert_same_pieces,
+    _kill_after_commit,
+    accelerate_reference,  # noqa: F401 - its uninterrupted FSDP2 run, a module fixture
+)
 from test_trainer_resume import KILLED, SCRIPT, _env, _resumed_from, _run, assert_identical
 
 WORKER = Path(__file__).parent / "scripts" / "fallback_accelerate_worker.py"
