@@ -324,3 +324,26 @@ def test_a_newer_checkpoint_that_fails_verification_is_set_aside_not_replaced_la
     assert resumed.save_state() == tmp_path / "checkpoint-2"  # a new checkpoint-2, beside the kept one
     assert (tmp_path / "corrupt-checkpoint-2" / "training_state.json").read_bytes() == flipped
     assert verify_checkpoint(tmp_path / "checkpoint-2", full=True).ok
+
+
+def test_trainer_explicit_path_still_raises_and_is_left_where_it_is(tmp_path):
+    from transformers import TrainingArguments
+
+    from hf_resumable.integrations.trainer import ResumableTrainer
+
+    from tiny_models import tiny_gpt2
+
+    rows = [{"input_ids": list(range(3, 19)), "labels": list(range(3, 19))}] * 8
+
+    def trainer(max_steps: int) -> ResumableTrainer:
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=max_steps, save_steps=1,
+                                 per_device_train_batch_size=2, report_to=[], disable_tqdm=True)
+        return ResumableTrainer(model=tiny_gpt2(n_embd=256), args=args, train_dataset=rows)
+
+    trainer(1).train()
+    corrupt = flip_tensor_byte(tmp_path / "checkpoint-1")
+    assert corrupt.stat().st_size > 4 * 1024 * 1024  # found by the load, not by verification
+    with pytest.raises(CorruptCheckpointError, match=corrupt.name):
+        trainer(2).train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert (tmp_path / "checkpoint-1").is_dir() and not list(tmp_path.glob("corrupt-*"))
+    assert not (tmp_path / "checkpoint-2").exists()
