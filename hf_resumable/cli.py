@@ -11,6 +11,7 @@ Example:
 hf-resumable inspect out/checkpoint-120
 hf-resumable verify --full out/checkpoint-120     # exit 0 if valid, 1 if not
 hf-resumable convert out-stock/checkpoint-500 --output converted/checkpoint-500  # Trainer, +DeepSpeed, accel. FSDP
+hf-resumable convert tp-run/saved --output converted/checkpoint-300  # save_pretrained(distributed_checkpoint=True)
 hf-resumable reshard converted/checkpoint-500 --max-shard-size 200MB
 hf-resumable export out/checkpoint-120 --output merged --merge   # + its frozen base -> a from_pretrained directory
 hf-resumable push out/checkpoint-120 me/run --revision step-120
@@ -96,7 +97,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if kind != "trainer" or TrainerCheckpointFiles.scan(source).has_pickles:
         print(f"NOTICE: {pickle_warning(kind)}", file=sys.stderr)
     info = convert_stock_checkpoint(source, output, optimizer=args.optimizer, max_shard_size=args.max_shard_size,
-                                    step=args.step, overwrite=args.overwrite)
+                                    step=args.step, optimizer_dir=args.optimizer_dir, overwrite=args.overwrite)
     if not args.quiet:
         ranks = info.manifest.world_size
         print(f"converted {source} -> {info.path} (step {info.step}, {len(info.manifest.files)} files"
@@ -252,17 +253,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "where an older manifest has one (default: quick check)")
     p.set_defaults(func=cmd_verify)
 
-    p = commands.add_parser("convert", help="convert a stock Trainer, Trainer+DeepSpeed or accelerate FSDP checkpoint "
-                            "(reads pickles!)")
+    p = commands.add_parser("convert", help="convert a stock Trainer, Trainer+DeepSpeed, accelerate FSDP or "
+                            "transformers distributed checkpoint (reads pickles!)")
     p.add_argument("path", help="stock checkpoint directory: a Trainer checkpoint-N (config.json, model*.safetensors, "
-                   "optimizer.pt, ... or DeepSpeed's global_stepN/), or accelerate's FSDP save_state directory "
-                   "(pytorch_model_fsdp_0/, optimizer_0/)")
+                   "optimizer.pt, ... or DeepSpeed's global_stepN/), accelerate's FSDP save_state directory "
+                   "(pytorch_model_fsdp_0/, optimizer_0/), or save_pretrained(distributed_checkpoint=True)'s "
+                   "(shard-*-model-*.safetensors)")
     p.add_argument("--output", help="new checkpoint directory (default: <parent>/hf_resumable/<name>)")
     p.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "adagrad", "rmsprop"],
                    help="optimizer class of the run (default: inferred from its state)")
     p.add_argument("--max-shard-size", default="2GB", help="shard size of the new checkpoint (default: 2GB)")
-    p.add_argument("--step", type=int, help="optimizer step of an accelerate FSDP checkpoint (default: from the "
-                   "optimizer state)")
+    p.add_argument("--step", type=int, help="optimizer step of an accelerate FSDP or transformers distributed "
+                   "checkpoint (default: from the optimizer state)")
+    p.add_argument("--optimizer-dir", help="the directory save_optimizer_distributed wrote, for a transformers "
+                   "distributed checkpoint (default: PATH itself or PATH/optimizer, if either holds a .metadata)")
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     p.set_defaults(func=cmd_convert)
 

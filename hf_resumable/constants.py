@@ -149,6 +149,13 @@ STOCK_DCP_METADATA_FILE = ".metadata"
 STOCK_DCP_DATA_SUFFIX = ".distcp"
 STOCK_ACCELERATE_FSDP_MODEL_DIR_RE = re.compile(r"^pytorch_model_fsdp_(\d+)$")
 STOCK_ACCELERATE_FSDP_OPTIMIZER_DIR_RE = re.compile(r"^optimizer_(\d+)$")
+# transformers' save_pretrained(distributed_checkpoint=True): torch's HuggingFaceStorageWriter(save_distributed=True)
+# writes one safetensors file per writing rank (shard-<rank + 1>-model-<k>-of-<n>), each tensor's box offset in the
+# header metadata under DCP_SHARDING_INFO; save_optimizer_distributed writes a FileSystemWriter directory beside it.
+STOCK_DCP_HF_SHARD_RE = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
+STOCK_DCP_HF_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
+STOCK_DCP_HF_OFFSETS_KEY = "saved_offsets"
+STOCK_DCP_HF_OPTIMIZER_DIR = "optimizer"  # where the optimizer's DCP directory is looked for, besides the model's
 # accelerate's save_state: ProjectConfiguration(automatic_checkpoint_naming=True) names
 # <project_dir>/checkpoints/checkpoint_<i>, and the files it writes there (pickle, except the model weights).
 AUTOMATIC_CHECKPOINT_RE = re.compile(r"^checkpoint_(\d+)$")

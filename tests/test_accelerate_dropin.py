@@ -276,6 +276,7 @@ def test_automatic_resume_skips_a_corrupt_newest_checkpoint_and_never_collides(t
         saved[step] = weights_of(accelerator, model)
     shard = next((tmp_path / "checkpoints" / "checkpoint_2").glob("model*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-4])  # a disk fault after the commit
+    shard_size = shard.stat().st_size
 
     reset_accelerate()
     resumed, model2, optimizer2 = build_project(tmp_path)
@@ -283,9 +284,11 @@ def test_automatic_resume_skips_a_corrupt_newest_checkpoint_and_never_collides(t
         loaded = resumed.load_state()
     assert loaded.path.name == "checkpoint_1" and "checkpoint_2" in caplog.text
     assert same_weights(weights_of(resumed, model2), saved[1]) and resumed.global_step == 2
-    assert resumed.project_configuration.iteration == 3  # after every existing checkpoint_<i>, the corrupt one too
+    # the corrupt one is set aside (corrupt-checkpoint_2, kept): the iterations go on as after a clean resume
+    assert resumed.project_configuration.iteration == 2
     plain_step(resumed, model2, optimizer2, 9)
-    assert resumed.save_state().name == "checkpoint_3"
+    assert resumed.save_state().name == "checkpoint_2"
+    assert (tmp_path / "checkpoints" / "corrupt-checkpoint_2" / shard.name).stat().st_size == shard_size
 
 
 def test_an_existing_automatic_checkpoint_is_refused_like_accelerate_does(tmp_path):

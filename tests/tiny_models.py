@@ -42,12 +42,21 @@ def tiny_bert(seed: int = 0, **overrides) -> BertForMaskedLM:
 FACTORIES = {"gpt2": tiny_gpt2, "llama": tiny_llama, "bert": tiny_bert}
 
 
-def train_steps(model: torch.nn.Module, optimizer, scheduler=None, *, steps: int = 3, seed: int = 0) -> None:
-    """A few real optimizer steps so the optimizer has state."""
+def decay_groups(model: torch.nn.Module) -> list[dict]:
+    """Two param groups whose hyper-parameters differ, as the Trainer builds them: matrices with weight decay, vectors
+    (norms, biases) without."""
+    named = list(model.named_parameters())
+    return [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def train_steps(model: torch.nn.Module, optimizer, scheduler=None, *, steps: int = 3, seed: int = 0,
+                device: str | torch.device = "cpu") -> None:
+    """A few real optimizer steps so the optimizer has state (batches drawn on the CPU, moved to ``device``)."""
     generator = torch.Generator().manual_seed(seed)
     model.train()
     for _ in range(steps):
-        ids = torch.randint(3, VOCAB, (2, 16), generator=generator)
+        ids = torch.randint(3, VOCAB, (2, 16), generator=generator).to(device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()

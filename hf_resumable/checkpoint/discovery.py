@@ -28,7 +28,11 @@ from .verify import VerifyReport, verify_checkpoint
 logger = logging.getLogger(__name__)
 
 __all__ = ["list_checkpoints", "find_latest_checkpoint", "find_latest_verified", "cleanup_stale_temp_dirs",
-           "apply_retention"]
+           "apply_retention", "set_aside_checkpoint", "SET_ASIDE_PREFIX"]
+
+# Where a checkpoint that failed its hashes during a resume is moved (``corrupt-checkpoint-8``): out of discovery's,
+# retention's and the Trainer's ``checkpoint-*`` patterns, kept for inspection, never deleted by hf_resumable.
+SET_ASIDE_PREFIX = "corrupt-"
 
 
 def list_checkpoints(root: str | os.PathLike, *,
@@ -153,7 +157,7 @@ def find_latest_checkpoint(
 
 def find_latest_verified(
     root: str | os.PathLike, *, cleanup: bool = True, full: bool = False,
-    pattern: re.Pattern[str] = CHECKPOINT_DIR_RE,
+    pattern: re.Pattern[str] = CHECKPOINT_DIR_RE, below: int | None = None,
 ) -> VerifyReport | None:
     """:func:`find_latest_checkpoint`, returning the verification of the checkpoint it found (or None).
 
@@ -162,6 +166,8 @@ def find_latest_verified(
     ``open_checkpoint(report.path, verified=report)`` neither verifies the checkpoint again nor reads or hashes
     those files a second time: a resume reads each small file once, cold, and hashes it once. Any file that
     changes after this call is refused by that open (or hash-checked while it is read, for the large files).
+    ``below`` (a step) looks only at older checkpoints: the resume fallback's next candidate after a checkpoint
+    that failed while it was loaded.
 
     Example:
 
@@ -179,7 +185,9 @@ def find_latest_verified(
         cleanup_stale_temp_dirs(root)
     key = os.path.abspath(root)  # the key of this process's pin on root (see _pins.release_pin)
     keep = read_on_load(rank_and_world_size()[0])
-    for _step, path in reversed(list_checkpoints(root, pattern=pattern)):
+    for step, path in reversed(list_checkpoints(root, pattern=pattern)):
+        if below is not None and step >= below:
+            continue
         pin_path = pin(path)
         if pin_path is None:
             continue  # removed by retention meanwhile
@@ -191,6 +199,31 @@ def find_latest_verified(
         logger.warning("Skipping %s: %s", path, problems[:500])
     hold_pin(key, None)
     return None
+
+
+def set_aside_checkpoint(path: str | os.PathLike) -> Path:
+    """Move a checkpoint that failed its hashes out of the way: ``checkpoint-8`` -> ``corrupt-checkpoint-8`` beside it
+    (``corrupt-checkpoint-8.2``... when taken), never replacing anything.
+
+    The directory is kept whole for inspection and never deleted by hf_resumable; its new name matches none of the
+    checkpoint patterns, so discovery (this process's and a restarted one's) never picks it again and a later save
+    of the same step neither collides with it nor replaces it.
+
+    Returns:
+        `Path`: where it is now.
+
+    Raises:
+        OSError: it could not be renamed (a read-only file system, say).
+    """
+    path = Path(path)
+    for attempt in range(1, 1000):
+        target = path.with_name(f"{SET_ASIDE_PREFIX}{path.name}" + ("" if attempt == 1 else f".{attempt}"))
+        try:
+            rename_noreplace(path, target)
+        except FileExistsError:
+            continue
+        return target
+    raise FileExistsError(f"{path}: no free {SET_ASIDE_PREFIX}{path.name}.<n> name to move it to.")
 
 
 def _verify(path: Path, *, full: bool, keep: Callable[[str], bool]) -> tuple[VerifyReport | None, str]:

@@ -27,12 +27,13 @@ from ..checkpoint._sharded import (
     section_from_reports,
 )
 from ..checkpoint._sharded import layout_document as sharded_layout
+from ..constants import LAYOUT_FILE, LAYOUT_KEY_MODEL, LAYOUT_KEY_OPTIMIZER
 from ..format._jsonio import json_bytes
 from ..format.safetensors_io import DTYPE_TO_STR
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RankPiece", "add_rank_pieces", "layout_document", "whole_box"]
+__all__ = ["RankPiece", "add_layout", "add_rank_pieces", "layout_document", "whole_box"]
 
 # (tensor name, this rank's piece, its box in the global tensor, the global shape)
 RankPiece = tuple[str, torch.Tensor, Box, tuple[int, ...]]
@@ -82,4 +83,26 @@ def layout_document(*, world_size: int, model: Mapping[str, Any] | None, optimiz
     """``sharded_layout.json`` as a save at ``world_size`` writes it (compact JSON)."""
     return json_bytes(sharded_layout(world_size=world_size, model=model, optimizer=optimizer,
                                      optimizer_document=optimizer_document), indent=None)
+
+
+def add_layout(payload: Payload, model: Sequence[Sequence[RankPiece]],
+               optimizer: Sequence[Sequence[RankPiece]] | None, *, optimizer_document: Mapping[str, Any] | None,
+               tied: Mapping[str, str] | None = None) -> None:
+    """Add every rank's piece files of the model and of the optimizer (if any), and ``sharded_layout.json`` for
+    ``len(model)`` ranks, to ``payload``.
+
+    Args:
+        payload (`Payload`): the checkpoint's files.
+        model (`Sequence`): per rank, its pieces of the weights (:func:`add_rank_pieces`).
+        optimizer (`Sequence`, *optional*): per rank, its pieces of the optimizer state.
+        optimizer_document (`Mapping`, *optional*): the optimizer's JSON document.
+        tied (`Mapping[str, str]`, *optional*): model aliases left out (``{alias: kept}``).
+
+    Raises:
+        UnsupportedStateError: a dtype safetensors cannot store.
+    """
+    model_section = add_rank_pieces(payload, LAYOUT_KEY_MODEL, model, tied=tied)
+    optimizer_section = add_rank_pieces(payload, LAYOUT_KEY_OPTIMIZER, optimizer) if optimizer is not None else None
+    payload.blobs[LAYOUT_FILE] = layout_document(world_size=len(model), model=model_section,
+                                                 optimizer=optimizer_section, optimizer_document=optimizer_document)
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError, UnsafePickleError
+from ..format._safefile import read_regular_file
 
 logger = logging.getLogger(__name__)
 
@@ -203,10 +204,7 @@ def load_dcp_metadata(path: str | os.PathLike) -> Any:
         CorruptCheckpointError: the file is not a readable pickle of a ``Metadata``, or is too large.
     """
     path = Path(path)
-    data = path.read_bytes()
-    if len(data) > MAX_DCP_METADATA_BYTES:
-        raise CorruptCheckpointError(f"{path}: {len(data)} bytes, more than any DCP .metadata "
-                                     f"({MAX_DCP_METADATA_BYTES}); refusing to read it.")
+    data = read_regular_file(path, limit=MAX_DCP_METADATA_BYTES)  # never waits on a FIFO; bounded
     allowed = _dcp_allowed()
     try:
         metadata = _DcpUnpickler(io.BytesIO(data), allowed).load()

@@ -38,7 +38,7 @@ import io
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,9 +49,6 @@ from ..checkpoint import CheckpointInfo
 from ..checkpoint._payload import capture_payload
 from ..checkpoint._sharded import Box, flatten_optimizer_state
 from ..constants import (
-    LAYOUT_FILE,
-    LAYOUT_KEY_MODEL,
-    LAYOUT_KEY_OPTIMIZER,
     OPTIMIZER_STATE_PREFIX,
     RNG_DIR,
     RNG_FILE_PATTERN,
@@ -61,23 +58,25 @@ from ..constants import (
     STOCK_DCP_METADATA_FILE,
 )
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedStateError
+from ..format._safefile import open_regular
 from ..format.rng import RngState
 from ._commit import commit_for_ranks
-from ._layout import RankPiece, add_rank_pieces, layout_document
+from ._layout import RankPiece, add_layout
 from ._pickle import load_dcp_metadata, load_torch_pickle
 from .deepspeed import NOT_BIT_EXACT_WARNING
 from .stock import OPTIMIZERS, _infer_optimizer, _rng_bytes, _StateHolder
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DcpChunk", "AccelerateFsdpFiles", "plan_dcp_pieces", "is_accelerate_fsdp_checkpoint",
-           "convert_accelerate_fsdp_checkpoint"]
+__all__ = ["DcpChunk", "AccelerateFsdpFiles", "plan_dcp_pieces", "plan_flat_param_groups", "read_dcp_optimizer",
+           "is_accelerate_fsdp_checkpoint", "convert_accelerate_fsdp_checkpoint"]
 
 DCP_PICKLE_WARNING = (
     "Reading a stock accelerate FSDP checkpoint: its .metadata pickles with a restricted unpickler (DCP's metadata "
     "classes only), its tensor records, scheduler.bin and random_states_*.pkl with torch.load(weights_only=True). "
     "Only convert checkpoints you trust.")
 _DATA_FILE_RE = re.compile(r"^__(\d+)_(\d+)" + re.escape(STOCK_DCP_DATA_SUFFIX) + "$")
+_GROUP_PARAMS_RE = re.compile(r"^\d+\.params$")  # optimizer.param_groups.<i>.params: groups listed by index
 _RANDOM_STATES_RE = re.compile(r"^random_states_(\d+)\.pkl$")
 _SCHEDULER_FILE = "scheduler.bin"
 MODEL_PREFIX = "model."  # accelerate saves {"model": state_dict}
@@ -154,7 +153,7 @@ def _chunk(key: str, chunk: Any, info: Any, *, source: str) -> DcpChunk:
 
 def _read_record(directory: Path, file: str, offset: int, length: int) -> Any:
     path = directory / file
-    with path.open("rb") as handle:
+    with open_regular(path) as handle:  # a FIFO or device in place of a record is refused, never waited on
         handle.seek(offset)
         data = handle.read(length)
     if len(data) != length:
@@ -254,17 +253,49 @@ def _split_state_key(key: str) -> tuple[str, str]:
     return fqn, name
 
 
-def _optimizer_pieces(files: AccelerateFsdpFiles, world_size: int, optimizer: str | None
-                      ) -> tuple[list[list[RankPiece]], dict[str, Any], str]:
-    path = files.optimizer / STOCK_DCP_METADATA_FILE
-    tensors, chunks, byte_keys = plan_dcp_pieces(load_dcp_metadata(path), source=str(path))
+def read_dcp_optimizer(directory: Path, world_size: int, optimizer: str | None, *, metadata: Any = None
+                       ) -> tuple[list[list[RankPiece]], dict[str, Any], str]:
+    """Every rank's pieces of a DCP optimizer directory, its JSON document and the optimizer class name.
+
+    Reads what accelerate's FSDP ``save_state`` writes (``optimizer.param_groups.<i>.<key>``, groups listing their
+    parameters) and what transformers' ``save_optimizer_distributed`` writes (``flatten_optimizer_state_dict``:
+    ``optimizer.param_groups.<fqn>.<key>`` per parameter, regrouped by :func:`plan_flat_param_groups`).
+
+    Args:
+        directory (`Path`): the directory holding ``.metadata`` and the ``__<rank>_<i>.distcp`` files.
+        world_size (`int`): the ranks of the checkpoint (every chunk's writer must be one of them).
+        optimizer (`str`, *optional*): one of ``OPTIMIZERS`` (default: inferred from the state).
+        metadata (*optional*): the ``.metadata`` already read with :func:`load_dcp_metadata`.
+
+    Returns:
+        `tuple`: per rank its ``(state/<fqn>/<key>, piece, box, global shape)``, the optimizer document, the class.
+
+    Raises:
+        UnsafePickleError, CorruptCheckpointError, UnsupportedStateError: as :func:`load_dcp_metadata` and
+            :func:`plan_dcp_pieces`; a record that is not what the metadata says; keys of neither form.
+        ValueError: an unknown ``optimizer``.
+    """
+    path = directory / STOCK_DCP_METADATA_FILE
+    metadata = metadata if metadata is not None else load_dcp_metadata(path)
+    tensors, chunks, byte_keys = plan_dcp_pieces(metadata, source=str(path))
     # 1. Param groups and non-tensor state (torch.save'd objects), then the state's shape for the document.
     groups: dict[int, dict[str, Any]] = {}
+    per_param: dict[str, dict[str, Any]] = {}
     state: dict[str, dict[str, Any]] = {}
+    # groups listing their parameters (``<i>.params``), or flattened: each parameter's hyper-parameters
+    indexed = any(_GROUP_PARAMS_RE.match(key[len(OPTIMIZER_GROUPS_KEY):]) for key in byte_keys
+                  if key.startswith(OPTIMIZER_GROUPS_KEY))
     for key, info in byte_keys.items():
-        value = _read_record(files.optimizer, info.relative_path, info.offset, info.length)
+        value = _read_record(directory, info.relative_path, info.offset, info.length)
         if key.startswith(OPTIMIZER_GROUPS_KEY):
-            index, _, name = key[len(OPTIMIZER_GROUPS_KEY):].partition(".")
+            rest = key[len(OPTIMIZER_GROUPS_KEY):]
+            if not indexed:  # <fqn>.<key>: FQNs hold dots, hyper-parameter names do not
+                fqn, _, name = rest.rpartition(".")
+                per_param.setdefault(fqn, {})[name] = value
+                continue
+            index, _, name = rest.partition(".")
+            if not index.isdigit():
+                raise CorruptCheckpointError(f"{path}: unexpected key {key!r} among param groups listed by index.")
             groups.setdefault(int(index), {})[name] = value
         elif key.startswith(OPTIMIZER_STATE_KEY):
             fqn, name = _split_state_key(key)
@@ -274,7 +305,8 @@ def _optimizer_pieces(files: AccelerateFsdpFiles, world_size: int, optimizer: st
     for key, (dtype, shape) in tensors.items():
         fqn, name = _split_state_key(key)
         state.setdefault(fqn, {})[name] = torch.empty(0, dtype=dtype)  # a placeholder: only its name is used
-    param_groups = [groups[i] for i in sorted(groups)]
+    param_groups = ([groups[i] for i in sorted(groups)] if groups
+                    else plan_flat_param_groups(per_param, order=_key_order(metadata)))
     class_name = OPTIMIZERS[_optimizer_name(state, param_groups, optimizer)].__qualname__
     _, document = flatten_optimizer_state({"state": state, "param_groups": param_groups}, class_name)
     # 2. Every chunk as its rank's piece, named as a live FSDP2 save names it.
@@ -283,8 +315,42 @@ def _optimizer_pieces(files: AccelerateFsdpFiles, world_size: int, optimizer: st
         dtype, shape = tensors[chunk.key]
         fqn, name = _split_state_key(chunk.key)
         pieces[_rank(chunk, world_size, path)].append((f"{OPTIMIZER_STATE_PREFIX}{fqn}/{name}",
-                                                       _read_chunk(files.optimizer, chunk, dtype), chunk.box, shape))
+                                                       _read_chunk(directory, chunk, dtype), chunk.box, shape))
     return pieces, document, class_name
+
+
+def _key_order(metadata: Any) -> list[str]:
+    """The DCP keys in the order the saving rank flattened its state dict (``planner_data``), then the rest."""
+    planner = getattr(metadata, "planner_data", None)
+    ordered = list(planner) if isinstance(planner, Mapping) else []
+    return list(dict.fromkeys([*ordered, *metadata.state_dict_metadata]))
+
+
+def plan_flat_param_groups(per_param: Mapping[str, Mapping[str, Any]], *, order: Sequence[str]
+                           ) -> list[dict[str, Any]]:
+    """Param groups from per-parameter hyper-parameters (a ``flatten_optimizer_state_dict`` save): parameters with
+    equal hyper-parameters share a group; groups and their parameters come in the order their keys first appear in
+    ``order`` (the flattened DCP keys), then by name. Pure.
+
+    Two groups of the original optimizer with equal hyper-parameters become one group.
+
+    Example:
+
+    ```python
+    >>> plan_flat_param_groups({"b": {"lr": 1.0}, "a": {"lr": 1.0}, "n": {"lr": 0.5}},
+    ...                        order=["optimizer.param_groups.b.lr", "optimizer.param_groups.n.lr"])
+    [{'lr': 1.0, 'params': ['b', 'a']}, {'lr': 0.5, 'params': ['n']}]
+    ```
+    """
+    first: dict[str, int] = {}
+    for position, key in enumerate(order):
+        if key.startswith(OPTIMIZER_GROUPS_KEY):
+            first.setdefault(key[len(OPTIMIZER_GROUPS_KEY):].rpartition(".")[0], position)
+    groups: dict[str, dict[str, Any]] = {}
+    for fqn in sorted(per_param, key=lambda name: (first.get(name, len(order)), name)):
+        hyper = dict(per_param[fqn])
+        groups.setdefault(repr(sorted(hyper.items())), {**hyper, "params": []})["params"].append(fqn)
+    return list(groups.values())
 
 
 def _optimizer_name(state: Mapping[str, Any], groups: list[dict[str, Any]], optimizer: str | None) -> str:
@@ -360,7 +426,7 @@ def convert_accelerate_fsdp_checkpoint(
                                       f"{sorted(files.random_states)}; expected one per rank 0..N-1.")
     # 2. Pieces and layout.
     model = _model_pieces(files, world_size)
-    payload_optimizer, document, class_name = (_optimizer_pieces(files, world_size, optimizer)
+    payload_optimizer, document, class_name = (read_dcp_optimizer(files.optimizer, world_size, optimizer)
                                                if files.optimizer is not None else (None, None, None))
     step = step if step is not None else _optimizer_steps(payload_optimizer or [])
     if step is None:
@@ -377,11 +443,7 @@ def convert_accelerate_fsdp_checkpoint(
     payload = capture_payload(model=None, optimizer=None, scheduler=scheduler, scaler=None, training_state=progress,
                               extra=extra, extra_files=extra_files, data_state=None, rng=rngs[0],
                               max_shard_size="2GB", processing_class=None, rank=0, is_main=True)
-    model_section = add_rank_pieces(payload, LAYOUT_KEY_MODEL, model)
-    optimizer_section = (add_rank_pieces(payload, LAYOUT_KEY_OPTIMIZER, payload_optimizer)
-                         if payload_optimizer is not None else None)
-    payload.blobs[LAYOUT_FILE] = layout_document(world_size=world_size, model=model_section,
-                                                 optimizer=optimizer_section, optimizer_document=document)
+    add_layout(payload, model, payload_optimizer, optimizer_document=document)
     manifest = commit_for_ranks(Path(output), payload, step=step, world_size=world_size, overwrite=overwrite)
     logger.warning(NOT_BIT_EXACT_WARNING + " Resume it with ResumableAccelerator(allow_inexact_resume=True).",
                    files.directory, "accelerate.Accelerator with FSDP", step)

@@ -55,9 +55,6 @@ from ..checkpoint._sharded import Box, flatten_optimizer_state
 from ..constants import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,
-    LAYOUT_FILE,
-    LAYOUT_KEY_MODEL,
-    LAYOUT_KEY_OPTIMIZER,
     OPTIMIZER_STATE_PREFIX,
     STOCK_DEEPSPEED_LATEST_FILE,
     STOCK_DEEPSPEED_MODEL_FILE,
@@ -66,7 +63,7 @@ from ..constants import (
 )
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedEngineError
 from ._commit import commit_for_ranks
-from ._layout import RankPiece, add_rank_pieces, layout_document, whole_box
+from ._layout import RankPiece, add_layout, whole_box
 from ._pickle import DEEPSPEED_GLOBALS, load_torch_pickle
 from .stock import (
     OPTIMIZERS,
@@ -463,11 +460,8 @@ def convert_deepspeed_checkpoint(
                               scaler=None, training_state=progress, extra=extra,
                               extra_files={**_copied_files(files), **rng_files}, data_state=None, rng=rng,
                               max_shard_size="2GB", processing_class=None, rank=0, is_main=True)
-    model_section = add_rank_pieces(payload, LAYOUT_KEY_MODEL, _model_pieces(payload_model, tied, world_size),
-                                    tied=tied)
-    optimizer_section = add_rank_pieces(payload, LAYOUT_KEY_OPTIMIZER, optimizer_pieces)
-    payload.blobs[LAYOUT_FILE] = layout_document(world_size=world_size, model=model_section,
-                                                 optimizer=optimizer_section, optimizer_document=document)
+    add_layout(payload, _model_pieces(payload_model, tied, world_size), optimizer_pieces,
+               optimizer_document=document, tied=tied)
     # 5. Commit for world_size ranks.
     manifest = commit_for_ranks(Path(output), payload, step=step, world_size=world_size, overwrite=overwrite)
     logger.warning(NOT_BIT_EXACT_WARNING, files.directory, "transformers.Trainer with DeepSpeed", step)

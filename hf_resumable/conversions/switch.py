@@ -4,6 +4,8 @@
 holds (:func:`detect_stock_kind`, pure over file names):
 
 * ``"accelerate-fsdp"``: accelerate's FSDP sharded ``save_state`` (:mod:`~hf_resumable.conversions.dcp`);
+* ``"transformers-dcp"``: transformers' ``save_pretrained(distributed_checkpoint=True)`` per-rank safetensors, with
+  the optimizer ``save_optimizer_distributed`` wrote (:mod:`~hf_resumable.conversions.hf_storage`);
 * ``"deepspeed"``: a Trainer checkpoint with DeepSpeed's ``global_step<N>/``
   (:mod:`~hf_resumable.conversions.deepspeed`);
 * ``"trainer"``: any other stock Trainer checkpoint (:mod:`~hf_resumable.conversions.stock`).
@@ -28,11 +30,12 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["STOCK_KINDS", "detect_stock_kind", "pickle_warning", "convert_stock_checkpoint"]
 
-STOCK_KINDS = ("accelerate-fsdp", "deepspeed", "trainer")
+STOCK_KINDS = ("accelerate-fsdp", "transformers-dcp", "deepspeed", "trainer")
 
 
 def detect_stock_kind(directory: str | os.PathLike) -> str:
-    """``"accelerate-fsdp"``, ``"deepspeed"`` or ``"trainer"``: the layout ``directory`` holds.
+    """``"accelerate-fsdp"``, ``"transformers-dcp"``, ``"deepspeed"`` or ``"trainer"``: the layout ``directory``
+    holds.
 
     Example:
 
@@ -43,9 +46,12 @@ def detect_stock_kind(directory: str | os.PathLike) -> str:
     """
     from .dcp import is_accelerate_fsdp_checkpoint
     from .deepspeed import is_deepspeed_checkpoint
+    from .hf_storage import is_transformers_distributed_checkpoint
 
     if is_accelerate_fsdp_checkpoint(directory):
         return "accelerate-fsdp"
+    if is_transformers_distributed_checkpoint(directory):
+        return "transformers-dcp"
     if is_deepspeed_checkpoint(directory):
         return "deepspeed"
     return "trainer"
@@ -55,9 +61,11 @@ def pickle_warning(kind: str) -> str:
     """The WARNING the converter of ``kind`` logs before it reads pickles."""
     from .dcp import DCP_PICKLE_WARNING
     from .deepspeed import DEEPSPEED_PICKLE_WARNING
+    from .hf_storage import HF_STORAGE_PICKLE_WARNING
     from .stock import PICKLE_WARNING
 
-    return {"accelerate-fsdp": DCP_PICKLE_WARNING, "deepspeed": DEEPSPEED_PICKLE_WARNING}.get(kind, PICKLE_WARNING)
+    return {"accelerate-fsdp": DCP_PICKLE_WARNING, "deepspeed": DEEPSPEED_PICKLE_WARNING,
+            "transformers-dcp": HF_STORAGE_PICKLE_WARNING}.get(kind, PICKLE_WARNING)
 
 
 def convert_stock_checkpoint(
@@ -67,6 +75,7 @@ def convert_stock_checkpoint(
     optimizer: str | None = None,
     max_shard_size: int | str = "2GB",
     step: int | None = None,
+    optimizer_dir: str | os.PathLike | None = None,
     overwrite: bool = False,
 ) -> CheckpointInfo:
     """Convert a stock checkpoint of any kind :func:`detect_stock_kind` knows into an hf_resumable checkpoint.
@@ -77,7 +86,10 @@ def convert_stock_checkpoint(
         optimizer (`str`, *optional*): the optimizer class name (default: inferred from its state).
         max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard size (stock Trainer checkpoints;
             per-rank checkpoints keep one piece file per rank).
-        step (`int`, *optional*): the optimizer step (accelerate FSDP checkpoints, when the state does not tell it).
+        step (`int`, *optional*): the optimizer step (accelerate FSDP and transformers distributed checkpoints, when
+            the state does not tell it).
+        optimizer_dir (`str` or `os.PathLike`, *optional*): the optimizer directory of a transformers distributed
+            checkpoint (``save_optimizer_distributed``'s); by default looked for beside the model's files.
         overwrite (`bool`, *optional*, defaults to `False`): replace an existing ``output`` atomically.
 
     Returns:
@@ -85,6 +97,7 @@ def convert_stock_checkpoint(
 
     Raises:
         As the converter of the kind: :func:`~hf_resumable.conversions.dcp.convert_accelerate_fsdp_checkpoint`,
+        :func:`~hf_resumable.conversions.hf_storage.convert_transformers_distributed_checkpoint`,
         :func:`~hf_resumable.conversions.deepspeed.convert_deepspeed_checkpoint`,
         :func:`~hf_resumable.conversions.stock.convert_trainer_checkpoint`.
 
@@ -100,6 +113,11 @@ def convert_stock_checkpoint(
         from .dcp import convert_accelerate_fsdp_checkpoint
 
         return convert_accelerate_fsdp_checkpoint(source, output, step=step, optimizer=optimizer, overwrite=overwrite)
+    if kind == "transformers-dcp":
+        from .hf_storage import convert_transformers_distributed_checkpoint
+
+        return convert_transformers_distributed_checkpoint(source, output, optimizer_dir=optimizer_dir, step=step,
+                                                           optimizer=optimizer, overwrite=overwrite)
     if kind == "deepspeed":
         from .deepspeed import convert_deepspeed_checkpoint
 

@@ -89,8 +89,8 @@ from .. import trace
 from ..checkpoint import (
     LoadedCheckpoint,
     OpenedCheckpoint,
+    VerifyReport,
     apply_retention,
-    find_latest_checkpoint,
     list_checkpoints,
     open_checkpoint,
     save_checkpoint,
@@ -162,11 +162,14 @@ from ._core import (
     DEFAULT,
     AfterCommit,
     ResumeOptions,
+    agreed_load,
     changed_settings,
     check_drift,
     check_upstream,
+    find_agreed_checkpoint,
     inexact,
     notice_save_in_flight,
+    resume_newest,
 )
 from ._deepspeed import (
     EXTRA_DEEPSPEED,
@@ -1015,8 +1018,10 @@ class ResumableAccelerator(Accelerator):
         process's RNG.
 
         Without ``input_dir``: the newest valid ``checkpoint_<i>`` (automatic naming) or ``checkpoint-<step>``
-        under :attr:`checkpoint_dir`; partial or corrupt ones are skipped with a WARNING. ``input_dir`` may also
-        be ``hf://user/repo[@rev][/path]`` or an fsspec URL (downloaded and hash-checked first).
+        under :attr:`checkpoint_dir`; partial or corrupt ones are skipped with a WARNING. One that fails its
+        hashes while it is loaded, on any process, is moved aside (``corrupt-<name>``, kept) and the one before it
+        loaded into the same objects, on every process alike. ``input_dir`` may also be
+        ``hf://user/repo[@rev][/path]`` or an fsspec URL (downloaded and hash-checked first).
 
         After a resume with automatic naming, ``ProjectConfiguration.iteration`` continues after the loaded and
         every existing ``checkpoint_<i>``, so the next save never collides (accelerate leaves that to the user).
@@ -1044,17 +1049,32 @@ class ResumableAccelerator(Accelerator):
                 (the message lists the world sizes that can), before anything is loaded.
             InexactResumeError: this process's RNG or data position is missing (unless ``allow_inexact_resume``).
             CorruptCheckpointError / CheckpointMismatchError: see :func:`hf_resumable.checkpoint.open_checkpoint`
-                and ``OpenedCheckpoint.load_into`` (everything is checked before anything is filled).
+                and ``OpenedCheckpoint.load_into`` (everything is checked before anything is filled); a corrupt
+                ``input_dir`` raises on every process. Without ``input_dir``: committed checkpoints exist but none
+                verifies and loads (``CorruptCheckpointError`` listing each one and why).
             TypeError: an unsupported ``map_location`` or option.
         """
         strict = self._load_options(load_kwargs, load_model_func_kwargs)
-        path = self._resolve_checkpoint(input_dir)
-        if path is None:
-            if self.is_main_process:
+        if input_dir is None:  # the newest that verifies; one that fails while it is loaded: the one before it
+            pattern = (AUTOMATIC_CHECKPOINT_RE if self.project_configuration.automatic_checkpoint_naming
+                       else CHECKPOINT_DIR_RE)
+            first = find_agreed_checkpoint(self.checkpoint_dir, pattern=pattern)
+            loaded = resume_newest(self.checkpoint_dir, lambda report: self._load_from(Path(report.path), strict,
+                                                                                      verified=report),
+                                   pattern=pattern, owner="ResumableAccelerator", first=first)
+            if loaded is None and self.is_main_process:
                 logger.info("No valid checkpoint under %s; starting from scratch.", self.checkpoint_dir)
-            return None
+            return loaded
+        return self._load_from(self._resolve_checkpoint(input_dir), strict)
+
+    def _load_from(self, path: Path, strict: bool, verified: VerifyReport | None = None) -> LoadedCheckpoint:
+        """``load_state`` of one checkpoint; a failed hash on any process raises ``ResumeLoadError`` on all."""
+        with agreed_load(path):
+            return self._fill_from(path, strict, verified)
+
+    def _fill_from(self, path: Path, strict: bool, verified: VerifyReport | None) -> LoadedCheckpoint:
         # 1. Verify and decode once; compare the saved settings with ours before any object is touched.
-        opened = self._open_checkpoint(path)
+        opened = self._open_checkpoint(path, verified)
         kept = self._plan_elastic(path, opened) if self.resume_options.elastic else False
         self._check_drift(path, opened.manifest.world_size, opened.extra.get(EXTRA_RUN), elastic_kept=kept)
         layout = self._layout_of(opened)
@@ -1104,9 +1124,9 @@ class ResumableAccelerator(Accelerator):
                            "so they are ignored.", sorted(load_kwargs))
         return strict
 
-    def _open_checkpoint(self, path: Path) -> OpenedCheckpoint:
+    def _open_checkpoint(self, path: Path, verified: VerifyReport | None = None) -> OpenedCheckpoint:
         """The one place the resume path reads a checkpoint: verified and decoded once, no live object touched."""
-        return open_checkpoint(path, allow_inexact_resume=self.resume_options.allow_inexact_resume,
+        return open_checkpoint(path, verified=verified, allow_inexact_resume=self.resume_options.allow_inexact_resume,
                                counters=(PROGRESS_MICRO_STEP, PROGRESS_ITERATION),
                                elastic=self.resume_options.elastic)  # FSDP2/ZeRO pieces: resharded
 
@@ -1166,24 +1186,18 @@ class ResumableAccelerator(Accelerator):
             self.project_configuration.iteration = next_iteration(self.save_iteration, loaded=loaded_iteration,
                                                                   existing=existing)
 
-    def _resolve_checkpoint(self, input_dir: str | os.PathLike | None) -> Path | None:
+    def _resolve_checkpoint(self, input_dir: str | os.PathLike) -> Path:
+        """The checkpoint an explicit ``load_state(input_dir)`` loads (without one: :func:`resume_newest`)."""
         if is_remote(input_dir):  # hf://user/repo[@rev][/path] or s3://bucket/run[/checkpoint-N]
             return resolve_resume_path(input_dir, cache_dir=self.checkpoint_dir / ".remote-resume",
                                        storage_options=self.resume_options.storage_options)
-        if input_dir is not None:
-            path = Path(os.path.expanduser(os.fspath(input_dir)))
-            # The main process looks; every process raises the same error (none is left waiting in a collective).
-            problem = broadcast_json(self._describe_missing(path) if self.is_main_process else None)
-            if problem is not None:
-                kind, message = problem
-                raise (CheckpointPathNotFoundError if kind == "missing" else IncompleteCheckpointError)(message)
-            return path
-        pattern = (AUTOMATIC_CHECKPOINT_RE if self.project_configuration.automatic_checkpoint_naming
-                   else CHECKPOINT_DIR_RE)
-        # One process looks (and cleans up stale temp dirs); all use its answer.
-        found = find_latest_checkpoint(self.checkpoint_dir, pattern=pattern) if self.is_main_process else None
-        found = broadcast_json(str(found) if found is not None else None)
-        return Path(found) if found is not None else None
+        path = Path(os.path.expanduser(os.fspath(input_dir)))
+        # The main process looks; every process raises the same error (none is left waiting in a collective).
+        problem = broadcast_json(self._describe_missing(path) if self.is_main_process else None)
+        if problem is not None:
+            kind, message = problem
+            raise (CheckpointPathNotFoundError if kind == "missing" else IncompleteCheckpointError)(message)
+        return path
 
     def _describe_missing(self, path: Path) -> tuple[str, str] | None:
         """``(kind, message)`` if ``path`` cannot be loaded (looks at the disk), else ``None``; kind is ``"missing"``

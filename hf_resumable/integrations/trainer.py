@@ -77,7 +77,6 @@ from .. import trace
 from ..checkpoint import (
     VerifyReport,
     apply_retention,
-    find_latest_verified,
     load_checkpoint,
     open_checkpoint,
     read_manifest,
@@ -106,7 +105,19 @@ from ..format.state import RunConfig
 from ..format.state_codec import encode_state
 from ..locations import is_remote, open_uploader, resolve_resume_path
 from ..preemption import PreemptionAction, PreemptionHandler, PreemptionProtocol, exit_after_preemption
-from ._core import AfterCommit, ResumeOptions, check_drift, check_upstream, inexact, notice_save_in_flight
+from ._core import (
+    AfterCommit,
+    ResumeLoadError,
+    ResumeOptions,
+    agreed_load,
+    check_drift,
+    check_upstream,
+    find_agreed_checkpoint,
+    inexact,
+    notice_save_in_flight,
+    refuse_fresh_start,
+    resume_newest,
+)
 from ._deepspeed import (
     EXTRA_DEEPSPEED,
     capture_engine_state,
@@ -498,15 +509,20 @@ class ResumableTrainer(Trainer):
             resume_from_checkpoint (`str`, `bool` or `os.PathLike`, *optional*): ``True`` or ``"auto"``:
                 the newest checkpoint under ``output_dir`` that verifies (partial/corrupt ones are
                 skipped with a WARNING) or a newer stock ``transformers.Trainer`` checkpoint (converted, not
-                bit-exact), or a fresh start when there is none. A path: that checkpoint (it must verify; a stock
-                Trainer checkpoint is converted). ``"hf://user/repo[@rev][/path]"`` or ``"s3://bucket/run"``: that
-                remote checkpoint, or the newest committed one under a run root, downloaded resumably
-                and hash-checked first. ``None``/``False``: a fresh start.
+                bit-exact), or a fresh start when there is none. One that fails its hashes while it is loaded, on
+                any rank, is moved aside (``corrupt-checkpoint-N``, kept) and the one before it used instead,
+                as a clean resume from it would be (docs/checkpoints.md). A path: that checkpoint (it must verify;
+                a stock Trainer checkpoint is converted). ``"hf://user/repo[@rev][/path]"`` or
+                ``"s3://bucket/run"``: that remote checkpoint, or the newest committed one under a run root,
+                downloaded resumably and hash-checked first. ``None``/``False``: a fresh start.
 
         Raises:
             ResumeCheckpointNotFoundError: the given path does not exist or is not a checkpoint (also a
                 ``ValueError``, as in ``Trainer``, and a ``CheckpointNotFoundError``).
-            CorruptCheckpointError / IncompleteCheckpointError: the given path does not verify.
+            CorruptCheckpointError / IncompleteCheckpointError: the given path does not verify; or, with ``True``,
+                committed checkpoints exist but none verifies and loads (the message lists each one and why), or
+                one failed its hashes while FSDP/DeepSpeed held the model (set aside: the next start resumes from
+                the one before).
             ConfigDriftError: the run configuration differs from the checkpoint's.
             ElasticWorldSizeError: ``elastic=True`` and this world size cannot keep the checkpoint's global batch
                 (a ``ConfigDriftError``; the message lists the world sizes that can), before the first step.
@@ -528,6 +544,18 @@ class ResumableTrainer(Trainer):
         self._preemption_protocol.reset()
         self._run_config = None
         checkpoint, verified = self._resolve_checkpoint(resume_from_checkpoint)
+        if verified is not None and (resume_from_checkpoint is True or resume_from_checkpoint == "auto"):
+            # a discovered checkpoint that fails its hashes while it is loaded: the one before it (train() again)
+            return resume_newest(self.args.output_dir, lambda report: self._train_from(
+                Path(report.path), report, trial, ignore_keys_for_eval, **kwargs), pattern=CHECKPOINT_DIR_RE,
+                owner="ResumableTrainer", first=verified)
+        return self._train_from(checkpoint, verified, trial, ignore_keys_for_eval, **kwargs)
+
+    def _train_from(self, checkpoint: Path | None, verified: VerifyReport | None, trial: Any,
+                    ignore_keys_for_eval: list[str] | None, **kwargs: Any) -> Any:
+        """``train`` from ``checkpoint`` (or from scratch); a failed hash while it is loaded leaves this trainer as
+        ``train`` found it, so that the fallback's next ``train`` is a clean resume of the checkpoint before."""
+        self._before_train = (self.optimizer, self.lr_scheduler, self._created_lr_scheduler, self.model_wrapped)
         self._resume = self._open_checkpoint(checkpoint, verified) if checkpoint is not None else None
         self.resumed_from = None if self._resume is None else (self._resume.converted_from or checkpoint)
         self._loop = _LoopTracker(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
@@ -542,6 +570,9 @@ class ResumableTrainer(Trainer):
                     deepspeed_resume_by_us():
                 output = super().train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint),
                                        trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        except ResumeLoadError as failed:
+            self._undo_failed_resume(failed)
+            raise
         except BaseException:
             self._settle_saves_after_error()
             raise
@@ -556,6 +587,16 @@ class ResumableTrainer(Trainer):
                                   exit=self.resume_options.exit_on_preemption)
         return output
 
+    def _undo_failed_resume(self, failed: ResumeLoadError) -> None:
+        """Put back what ``train`` changed before the failed load (nothing was trained or saved): the optimizer and
+        scheduler it was given (``None``: created again), the unwrapped model, NEFTune's hook. Every object the load
+        wrote into is filled again by the next checkpoint's load. FSDP and DeepSpeed wrap the model in place, so
+        there ``failed.retry`` is false: the run stops, and its next start resumes from the checkpoint before."""
+        self.optimizer, self.lr_scheduler, self._created_lr_scheduler, self.model_wrapped = self._before_train
+        if self.neftune_noise_alpha is not None and getattr(self, "neftune_hook_handle", None) is not None:
+            self.neftune_hook_handle.remove()  # train() adds it again
+        failed.retry = not (self.is_fsdp_enabled or self.is_deepspeed_enabled)
+
     def _resolve_checkpoint(self, resume_from_checkpoint: str | bool | os.PathLike | None
                             ) -> tuple[Path | None, VerifyReport | None]:
         """The checkpoint to resume from, and the verification that chose it (handed to the open, so that a resume
@@ -564,7 +605,7 @@ class ResumableTrainer(Trainer):
             return None, None
         output_dir = self.args.output_dir
         if resume_from_checkpoint is True or resume_from_checkpoint == "auto":
-            report = find_latest_verified(output_dir)
+            report = find_agreed_checkpoint(output_dir, pattern=CHECKPOINT_DIR_RE)
             latest = None if report is None else Path(report.path)
             stock = newest_stock_checkpoint(output_dir)
             if stock is not None and (latest is None or stock.step > _step_of(latest)):
@@ -572,6 +613,7 @@ class ResumableTrainer(Trainer):
                             output_dir, stock.path)
                 return self._convert_stock_checkpoint(stock.path), None
             if latest is None:
+                refuse_fresh_start(output_dir, pattern=CHECKPOINT_DIR_RE, owner="ResumableTrainer")
                 logger.info("No valid checkpoint under %s: starting a fresh run.", output_dir)
             else:
                 logger.info("Resuming from %s (newest checkpoint that verifies).", latest)
@@ -1233,13 +1275,14 @@ class ResumableTrainer(Trainer):
         engine_state = None
         if engine is not None and not model_only:  # checked before anything is loaded
             engine_state = saved_engine_state(opened.extra, where=checkpoint)
-        if holds_dtensors(model) or engine is not None:  # FSDP2 / ZeRO: every rank reads its pieces' slices
-            load_sharded_into(opened, model=model, **objects, restore_rng=False)
-            if engine_state is not None:
-                restore_engine_state(engine, [optimizer], engine_state)
-        else:
-            # a world-size change was already refused (or allowed) by the run-config drift check
-            opened.load_into(model=model, **objects, restore_rng=False, allow_inexact_resume=True)
+        with agreed_load(checkpoint):  # a failed hash on any rank: ResumeLoadError on all (train's fallback)
+            if holds_dtensors(model) or engine is not None:  # FSDP2 / ZeRO: every rank reads its pieces' slices
+                load_sharded_into(opened, model=model, **objects, restore_rng=False)
+                if engine_state is not None:
+                    restore_engine_state(engine, [optimizer], engine_state)
+            else:
+                # a world-size change was already refused (or allowed) by the run-config drift check
+                opened.load_into(model=model, **objects, restore_rng=False, allow_inexact_resume=True)
         changes = self._hyperparameter_changes and not model_only
         if changes and self.resume_options.resume_hyperparameters == "arguments":
             apply_new_hyperparameters(torch_optimizer(self.optimizer), self.lr_scheduler,
