@@ -24,6 +24,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "IncompleteCheckpointError",
     "CorruptCheckpointError",
+    "CorruptOnAnotherRankError",
     "UnsafeIndexError",
     "UnsafePickleError",
     "CheckpointMismatchError",
@@ -65,6 +66,15 @@ class IncompleteCheckpointError(HfResumableError, FileNotFoundError):
 
 class CorruptCheckpointError(HfResumableError, ValueError):
     """A checkpoint file exists but its bytes are wrong: truncated, bad header, or hash mismatch."""
+
+
+class CorruptOnAnotherRankError(CorruptCheckpointError):
+    """Another rank found a corrupt file while it read its part of a distributed load; this rank applied nothing
+    either. ``rank`` is the rank that found it; the message names its file."""
+
+    def __init__(self, message: str, *, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 class UnsafeIndexError(CorruptCheckpointError):

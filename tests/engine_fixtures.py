@@ -71,6 +71,7 @@ def parse_worker_args() -> argparse.Namespace:
     parser.add_argument("--zero-stage", type=int, default=2, help="DeepSpeed ZeRO stage")
     parser.add_argument("--state-dict-type", default="SHARDED_STATE_DICT")
     parser.add_argument("--max-steps", type=int, default=5)
+    parser.add_argument("--width", type=int, default=32, help="n_embd of the GPT-2 (build_model)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the real engines on the GPU with NCCL (no install_cpu_engines)")
     return parser.parse_args()
@@ -83,11 +84,12 @@ def deepspeed_config(stage: int, *, batch_size: int | str = "auto") -> dict:
             "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
 
 
-def build_model() -> torch.nn.Module:
+def build_model(width: int = 32) -> torch.nn.Module:
+    """A 2-layer GPT-2 of ``n_embd=width`` (wider: piece files above the quick-verification hash limit)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, bos_token_id=1,
+    config = GPT2Config(n_layer=2, n_embd=width, n_head=2, vocab_size=VOCAB, n_positions=64, bos_token_id=1,
                         eos_token_id=2, pad_token_id=0, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
     return GPT2LMHeadModel(config)
 

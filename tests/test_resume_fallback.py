@@ -42,6 +42,7 @@ from test_engines import (
     HOLD_STEP,
     _assert_same_pieces,
     _kill_after_commit,
+    _reference,
     accelerate_reference,  # noqa: F401 - its uninterrupted FSDP2 run, a module fixture
 )
 from test_trainer_resume import KILLED, SCRIPT, _env, _resumed_from, _run, assert_identical
@@ -60,6 +61,17 @@ def flip_tensor_byte_of(path: Path) -> Path:
     data = bytearray(path.read_bytes())
     start = 8 + struct.unpack("<Q", data[:8])[0]
     data[(start + len(data)) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    return path
+
+
+def flip_byte_of_tensor(path: Path, suffix: str) -> Path:
+    """Flip the middle byte of the data of the tensor whose name ends with ``suffix`` in safetensors file ``path``."""
+    data = bytearray(path.read_bytes())
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + length])
+    (begin, end), = [entry["data_offsets"] for name, entry in header.items() if name.endswith(suffix)]
+    data[8 + length + (begin + end) // 2] ^= 0x40
     path.write_bytes(bytes(data))
     return path
 
@@ -347,3 +359,47 @@ def test_trainer_explicit_path_still_raises_and_is_left_where_it_is(tmp_path):
         trainer(2).train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     assert (tmp_path / "checkpoint-1").is_dir() and not list(tmp_path.glob("corrupt-*"))
     assert not (tmp_path / "checkpoint-2").exists()
+
+
+WIDE = ["--width", "320"]  # piece files above the quick-verification hash limit: hash-checked only as they are read
+ZERO3 = ["--engine", "deepspeed", "--zero-stage", "3"]
+
+
+def _large_piece_of_rank_1(checkpoint: Path, prefix: str) -> Path:
+    """Rank 1's piece file named ``prefix...`` (read by rank 1 alone at the same world size), above 4 MiB."""
+    pieces = [path for path in checkpoint.rglob(f"{prefix}-rank00001-of-*.safetensors")]
+    assert len(pieces) == 1, sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*"))
+    assert pieces[0].stat().st_size > 4 << 20, (pieces[0], pieces[0].stat().st_size)
+    return pieces[0]
+
+
+def _falls_back_past_a_large_corrupt_piece(tmp_path: Path, tmp_path_factory, options: list[str],
+                                           prefix: str, tensor: str) -> None:
+    """Kill the job after checkpoint-3, flip a byte of rank 1's large piece file (found mid-load by rank 1 only),
+    resume with a timeout: both ranks fall back to checkpoint-2, bit-identical to the uninterrupted run."""
+    reference = _reference(tmp_path_factory, ACCELERATE_WORKER, tuple(options))
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / f"checkpoint-{HOLD_STEP}"
+    _kill_after_commit(ACCELERATE_WORKER, run, options, checkpoint)
+    corrupt = flip_byte_of_tensor(_large_piece_of_rank_1(checkpoint, prefix), tensor)
+    assert verify_checkpoint(checkpoint, full=False).ok  # quick verification does not hash it: only the load finds it
+    resumed = run_torchrun(ACCELERATE_WORKER, ["--output-dir", str(run), *options], env=child_env(), timeout=240)
+    assert resumed.returncode == 0, resumed.stdout[-5000:]
+    assert "failed its hashes while it was loaded (rank 1: CorruptCheckpointError" in resumed.stdout
+    assert corrupt.name in resumed.stdout
+    for rank in (0, 1):
+        assert {step: loss for step, loss in losses(run, rank)} == dict(losses(reference, rank))
+    _assert_same_pieces(run, reference)
+    assert (run / "checkpoints" / f"corrupt-checkpoint-{HOLD_STEP}").is_dir()
+
+
+@pytest.mark.distributed
+def test_fsdp2_falls_back_when_one_rank_finds_a_large_piece_corrupt_mid_load(tmp_path, tmp_path_factory):
+    _falls_back_past_a_large_corrupt_piece(tmp_path, tmp_path_factory, WIDE, "model", "h.0.attn.c_attn.weight")
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+def test_zero3_falls_back_when_one_rank_finds_a_large_piece_corrupt_mid_load(tmp_path, tmp_path_factory):
+    # ZeRO-3's weights are recorded as its fp32 master weights: the one large file per rank is its optimizer's
+    _falls_back_past_a_large_corrupt_piece(tmp_path, tmp_path_factory, [*ZERO3, *WIDE], "optimizer", "/fp32")

@@ -135,6 +135,7 @@ from ._sharded import (
 from ._sharded_load import (
     PieceReader,
     Section,
+    agreed_reads,
     check_fits,
     check_pieces_stored,
     fill_state,
@@ -571,7 +572,7 @@ def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Modu
     current = {name: tensor for name, tensor in current.items() if name not in frozen}
     section = _section(reader, layout, LAYOUT_KEY_MODEL)
     names = check_fits(current, section, strict=strict, source=source, what="model")
-    with _piece_reader(reader, layout, section) as pieces:
+    with agreed_reads(source), _piece_reader(reader, layout, section) as pieces:  # every rank's reads, then apply
         filled = fill_state(current, pieces, names)
     if is_partitioned(model):  # ZeRO-3: the pieces go into the partitions; keys were matched above
         buffers = load_partitioned_state(model, filled)
@@ -646,7 +647,7 @@ def _load_resharded_partitions(reader: _Reader, section: Section, document: Mapp
     source = str(reader.path)
     optimizer.init_state()  # the partitions' state must exist to be filled (a no-op once the optimizer stepped)
     current = optimizer.sharded_state_dict()
-    with PieceReader(reader, section, source=source) as pieces:
+    with agreed_reads(source), PieceReader(reader, section, source=source) as pieces:
         filled, renamed = reshard_partitions(current, document, pieces, source=source)
     optimizer.load_sharded_state_dict(_rebuild_optimizer_state(filled, renamed, current, source=source))
     logger.info("Cut %d optimizer partition(s) of this rank from %d saved one(s) (another world size).",
@@ -680,7 +681,7 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
         current = optimizer_as_dtensors(current, device=_device(model), originals=originals)
     current_tensors, _ = flatten_optimizer_state(current, _class_name(optimizer))
     names = check_fits(current_tensors, section, strict=True, source=source, what="optimizer")
-    with PieceReader(reader, section, source=source) as pieces:
+    with agreed_reads(source), PieceReader(reader, section, source=source) as pieces:  # before the apply's collectives
         filled = fill_state(current_tensors, pieces, names)
     state = _rebuild_optimizer_state(filled, document, current, source=source)
     if engine_sharded:

@@ -45,7 +45,13 @@ from ..checkpoint.api import background_saver
 from ..checkpoint.discovery import set_aside_checkpoint
 from ..constants import MANIFEST_FILE
 from ..distributed import all_gather_json, rank_and_world_size
-from ..errors import ConfigDriftError, CorruptCheckpointError, HfResumableError, InexactResumeError
+from ..errors import (
+    ConfigDriftError,
+    CorruptCheckpointError,
+    CorruptOnAnotherRankError,
+    HfResumableError,
+    InexactResumeError,
+)
 from ..preemption import check_notice
 from ._trainer_hparams import RESUME_HYPERPARAMETERS
 
@@ -276,7 +282,10 @@ def agreed_load(path: str | os.PathLike) -> Iterator[None]:
         yield
     except CorruptCheckpointError as err:
         failure = err
-    reasons = all_gather_json(None if failure is None else f"{type(failure).__name__}: {failure}")
+    # a rank told by the engine's load that another rank found the corruption (every rank raises there, before
+    # anything is applied) reports nothing: the finder's own report names the file
+    told = failure is None or isinstance(failure, CorruptOnAnotherRankError)
+    reasons = all_gather_json(None if told else f"{type(failure).__name__}: {failure}")
     failed = [(rank, reason) for rank, reason in enumerate(reasons) if reason is not None]
     if failed:
         rank, reason = failed[0]

@@ -58,7 +58,7 @@ def main() -> int:
     output.mkdir(parents=True, exist_ok=True)
     accelerator = ResumableAccelerator(**engine_plugin(options), checkpoint_dir=output / "checkpoints",
                                        save_async=True, handle_preemption=False)
-    model = fx.build_model()
+    model = fx.build_model(options.width)
     fsdp1 = options.engine == "fsdp" and options.version == 1
     if fsdp1:  # FSDP1 replaces the parameters: the model is prepared before the optimizer is built over them
         model = accelerator.prepare(model)
