@@ -361,6 +361,7 @@ def test_trainer_explicit_path_still_raises_and_is_left_where_it_is(tmp_path):
     assert not (tmp_path / "checkpoint-2").exists()
 
 
+RESUME_TIMEOUT = 240  # a hang shows as a failure, with the job's output
 WIDE = ["--width", "320"]  # piece files above the quick-verification hash limit: hash-checked only as they are read
 ZERO3 = ["--engine", "deepspeed", "--zero-stage", "3"]
 
@@ -383,7 +384,8 @@ def _falls_back_past_a_large_corrupt_piece(tmp_path: Path, tmp_path_factory, opt
     _kill_after_commit(ACCELERATE_WORKER, run, options, checkpoint)
     corrupt = flip_byte_of_tensor(_large_piece_of_rank_1(checkpoint, prefix), tensor)
     assert verify_checkpoint(checkpoint, full=False).ok  # quick verification does not hash it: only the load finds it
-    resumed = run_torchrun(ACCELERATE_WORKER, ["--output-dir", str(run), *options], env=child_env(), timeout=240)
+    resumed = run_torchrun(ACCELERATE_WORKER, ["--output-dir", str(run), *options], env=child_env(),
+                           timeout=RESUME_TIMEOUT)
     assert resumed.returncode == 0, resumed.stdout[-5000:]
     assert "failed its hashes while it was loaded (rank 1: CorruptCheckpointError" in resumed.stdout
     assert corrupt.name in resumed.stdout
@@ -403,3 +405,10 @@ def test_fsdp2_falls_back_when_one_rank_finds_a_large_piece_corrupt_mid_load(tmp
 def test_zero3_falls_back_when_one_rank_finds_a_large_piece_corrupt_mid_load(tmp_path, tmp_path_factory):
     # ZeRO-3's weights are recorded as its fp32 master weights: the one large file per rank is its optimizer's
     _falls_back_past_a_large_corrupt_piece(tmp_path, tmp_path_factory, [*ZERO3, *WIDE], "optimizer", "/fp32")
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+def test_fsdp1_falls_back_when_one_rank_finds_a_large_piece_corrupt_mid_load(tmp_path, tmp_path_factory):
+    _falls_back_past_a_large_corrupt_piece(tmp_path, tmp_path_factory, ["--version", "1", *WIDE], "model",
+                                           "h.0.attn.c_attn.weight")
