@@ -709,7 +709,8 @@ def load_sharded_checkpoint(
     tensors for a plain model), so 2 -> 1, 1 -> 2 or 4 -> 3 all give weights and optimizer tensors equal
     to the consolidated originals. A regular checkpoint (:func:`~hf_resumable.save_checkpoint`, or the
     output of :func:`consolidate_sharded_checkpoint`) loads the same way, each tensor being one whole
-    piece. Under torch.distributed every rank calls it. The RNG is restored last.
+    piece. Under torch.distributed every rank calls it (collective): each rank reads its pieces into new tensors,
+    the ranks agree that every read succeeded, and only then are the live objects filled. The RNG is restored last.
 
     Args:
         directory (`str` or `os.PathLike`): a committed sharded (or regular) checkpoint.
@@ -731,7 +732,9 @@ def load_sharded_checkpoint(
 
     Raises:
         IncompleteCheckpointError: no manifest, no weights, or a requested part was not saved.
-        CorruptCheckpointError: corrupt files, hash mismatches, or pieces that do not cover a tensor.
+        CorruptCheckpointError: corrupt files, hash mismatches, or pieces that do not cover a tensor. Under
+            torch.distributed a rank whose own reads failed raises it after the others learned of it (before anything
+            is applied); they raise `CorruptOnAnotherRankError`, naming that rank and its file.
         CheckpointMismatchError: the model/optimizer does not fit (all offending keys listed).
         InexactResumeError: the world size changed (or an RNG state is missing) and ``allow_inexact_resume`` is
             False and ``restore_rng`` is True.
