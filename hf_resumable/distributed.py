@@ -14,6 +14,7 @@ turns it off.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import json
@@ -27,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .errors import CorruptCheckpointError, CorruptOnAnotherRankError
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -35,6 +38,7 @@ __all__ = [
     "barrier",
     "all_gather_json",
     "broadcast_json",
+    "agreed_reads",
     "checkpoint_group",
     "init_process_group",
     "install_attempt_scoped_rendezvous",
@@ -87,6 +91,52 @@ def broadcast_json(value: Any, *, src: int = 0, group: dist.ProcessGroup | None 
     if not is_distributed():
         return value
     return all_gather_json(value if dist.get_rank() == src else None, group=group)[src]
+
+
+@contextlib.contextmanager
+def agreed_reads(source: str) -> Iterator[None]:
+    """Run reads inside; on leaving, every rank learns whether any rank's reads failed their hashes.
+
+    Collective (every rank enters it at the same point, on the default group). A rank finds a flipped byte only in
+    the files it reads itself, in the middle of a load; it must not leave while the others go on into their next
+    collectives (an engine's gathers while it applies a load, the training loop's), where they would wait for it
+    or meet its next collective instead. So a load reads into new tensors inside this, and changes live objects only
+    after it. An error that is already agreed (`CorruptOnAnotherRankError`, from an agreement nested inside) is
+    passed on as it is.
+
+    Args:
+        source (`str`): what was read (a checkpoint), named in the error.
+
+    Raises:
+        CorruptCheckpointError: on every rank when one raised it inside: the first such rank's own error there,
+            `CorruptOnAnotherRankError` naming that rank and its report (type, message, file) on the others.
+
+    Example:
+
+    ```python
+    >>> with agreed_reads("out/checkpoint-8"):  # doctest: +SKIP
+    ...     filled = read_my_pieces()
+    >>> apply(filled)  # every rank's reads succeeded  # doctest: +SKIP
+    ```
+    """
+    found: CorruptCheckpointError | None = None
+    try:
+        yield
+    except CorruptCheckpointError as err:
+        found = err
+    told = found is None or isinstance(found, CorruptOnAnotherRankError)  # the finder reports it
+    reports = all_gather_json(None if told else f"{type(found).__name__}: {found}")
+    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    if not failed:
+        if found is not None:  # agreed inside already
+            raise found
+        return
+    rank, report = failed[0]
+    if found is not None and (isinstance(found, CorruptOnAnotherRankError) or rank == rank_and_world_size()[0]):
+        raise found
+    raise CorruptOnAnotherRankError(f"{source}: rank {rank} found a corrupt file while it read its part ({report}); "
+                                    "nothing was loaded on any rank. Load an earlier checkpoint.",
+                                    rank=rank, report=report) from found
 
 
 _side: dict[int, dist.ProcessGroup] = {}

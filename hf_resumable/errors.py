@@ -70,11 +70,12 @@ class CorruptCheckpointError(HfResumableError, ValueError):
 
 class CorruptOnAnotherRankError(CorruptCheckpointError):
     """Another rank found a corrupt file while it read its part of a distributed load; this rank applied nothing
-    either. ``rank`` is the rank that found it; the message names its file."""
+    either. ``rank`` is the rank that found it, ``report`` its error (type and message, naming the file)."""
 
-    def __init__(self, message: str, *, rank: int) -> None:
+    def __init__(self, message: str, *, rank: int, report: str) -> None:
         super().__init__(message)
         self.rank = rank
+        self.report = report
 
 
 class UnsafeIndexError(CorruptCheckpointError):

@@ -11,14 +11,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..distributed import all_gather_json
-from ..errors import CorruptCheckpointError, CorruptOnAnotherRankError, FormatVersionError
+from ..errors import CorruptCheckpointError, FormatVersionError
 from ..format.safetensors_io import STR_TO_DTYPE
 from ..format.sharding import ShardIndex, check_relative_name
 from ._model import TIED_KEY, match_keys
@@ -42,7 +41,7 @@ from ._sharded import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["Section", "parse_layout", "layout_from_regular", "check_pieces_stored", "PieceReader", "check_fits",
-           "fill_state", "agreed_reads"]
+           "fill_state"]
 
 
 @dataclass(frozen=True)
@@ -215,39 +214,6 @@ class PieceReader:
         """The whole stored tensor ``name``."""
         shape = self.section.shapes[name]
         return self.read_box(name, Box((0,) * len(shape), shape))
-
-
-@contextlib.contextmanager
-def agreed_reads(source: str) -> Iterator[None]:
-    """Read this rank's pieces inside; on leaving, every rank learns whether any rank's reads failed their hashes.
-
-    Collective (under torch.distributed every rank enters it at the same point of the load). A rank finds a flipped
-    byte only in the files it reads itself, in the middle of the load; it must not leave while the others go on
-    into the collectives of the apply phase (ZeRO-3's gathers, torch's optimizer state dicts), where they would wait
-    for it, or meet its next collective instead. So the reads fill new tensors first, then the ranks agree here
-    (one small gather), and only then is anything live changed.
-
-    Args:
-        source (`str`): the checkpoint, named in the error.
-
-    Raises:
-        CorruptCheckpointError: on the rank whose read failed, its own error.
-        CorruptOnAnotherRankError: on every other rank, naming the rank and the corrupt file it found.
-    """
-    found: CorruptCheckpointError | None = None
-    try:
-        yield
-    except CorruptCheckpointError as err:
-        found = err
-    reports = all_gather_json(None if found is None else f"{type(found).__name__}: {found}")
-    if found is not None:
-        raise found
-    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
-    if failed:
-        rank, report = failed[0]
-        raise CorruptOnAnotherRankError(f"{source}: rank {rank} found a corrupt file while it read its pieces "
-                                        f"({report}); nothing was loaded on any rank. Load an earlier checkpoint.",
-                                        rank=rank)
 
 
 def _wrap_like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

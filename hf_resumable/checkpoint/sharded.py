@@ -71,7 +71,7 @@ from ..constants import (
     STATE_KEY_SCHEDULER,
     TRAINING_STATE_FILE,
 )
-from ..distributed import all_gather_json, checkpoint_group, is_distributed, rank_and_world_size
+from ..distributed import agreed_reads, all_gather_json, checkpoint_group, is_distributed, rank_and_world_size
 from ..errors import CheckpointMismatchError, IncompleteCheckpointError
 from ..format._jsonio import json_bytes
 from ..format.rng import RngState
@@ -135,7 +135,6 @@ from ._sharded import (
 from ._sharded_load import (
     PieceReader,
     Section,
-    agreed_reads,
     check_fits,
     check_pieces_stored,
     fill_state,

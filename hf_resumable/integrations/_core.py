@@ -44,7 +44,7 @@ from ..checkpoint import (
 from ..checkpoint.api import background_saver
 from ..checkpoint.discovery import set_aside_checkpoint
 from ..constants import MANIFEST_FILE
-from ..distributed import all_gather_json, rank_and_world_size
+from ..distributed import agreed_reads, all_gather_json, rank_and_world_size
 from ..errors import (
     ConfigDriftError,
     CorruptCheckpointError,
@@ -277,21 +277,19 @@ def agreed_load(path: str | os.PathLike) -> Iterator[None]:
         ResumeLoadError: on every rank, when the load raised `CorruptCheckpointError` on any (chained from it on
             that rank). Any other error propagates as it is.
     """
-    failure: CorruptCheckpointError | None = None
+    world_size = rank_and_world_size()[1]
     try:
-        yield
+        with agreed_reads(os.fspath(path)):
+            yield
+    except CorruptOnAnotherRankError as err:
+        rank, reason, failure = err.rank, err.report, err
     except CorruptCheckpointError as err:
-        failure = err
-    # a rank told by the engine's load that another rank found the corruption (every rank raises there, before
-    # anything is applied) reports nothing: the finder's own report names the file
-    told = failure is None or isinstance(failure, CorruptOnAnotherRankError)
-    reasons = all_gather_json(None if told else f"{type(failure).__name__}: {failure}")
-    failed = [(rank, reason) for rank, reason in enumerate(reasons) if reason is not None]
-    if failed:
-        rank, reason = failed[0]
-        reason = reason if len(reasons) == 1 else f"rank {rank}: {reason}"
-        raise ResumeLoadError(f"{path} failed while it was loaded ({reason})", path=os.fspath(path),
-                               reason=reason) from failure
+        rank, reason, failure = rank_and_world_size()[0], f"{type(err).__name__}: {err}", err
+    else:
+        return
+    reason = reason if world_size == 1 else f"rank {rank}: {reason}"
+    raise ResumeLoadError(f"{path} failed while it was loaded ({reason})", path=os.fspath(path),
+                          reason=reason) from failure
 
 
 def find_agreed_checkpoint(root: str | os.PathLike, *, pattern: re.Pattern[str],
