@@ -13,13 +13,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,8 +26,7 @@ from hf_resumable.errors import ConfigDriftError, UnsupportedEngineError
 from hf_resumable.integrations._core import UpstreamInternalsError
 from hf_resumable.integrations._parallelism import ParallelLayout, accelerate_tp_ready, check_runnable
 
-import zygote
-from distributed_launch import REPO_ROOT, child_env, free_port, run_torchrun
+from distributed_launch import child_env, kill_torchrun_after, run_torchrun
 from engine_fixtures import read_local_state
 from tiny_models import tiny_llama
 
@@ -103,36 +98,14 @@ def _run(output: Path, options: list[str], nproc: int) -> subprocess.CompletedPr
     return run_torchrun(WORKER, ["--output-dir", str(output), *options], env=child_env(), timeout=500, nproc=nproc)
 
 
-def _kill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL the torchrun agent's process group and every worker (each in its own session)."""
-    import psutil
-
-    tree = psutil.Process(proc.pid).children(recursive=True)
-    os.killpg(proc.pid, signal.SIGKILL)
-    for child in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
-    proc.wait()
-
-
 def _kill_after_commit(output: Path, options: list[str], nproc: int) -> Path:
     """Run the job held after checkpoint ``HOLD_STEP``; once it has committed, SIGKILL every process."""
     checkpoint = output / "checkpoints" / f"checkpoint-{HOLD_STEP}"
-    command = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(nproc), "--master-addr",
-               "127.0.0.1", "--master-port", str(free_port()), str(WORKER), "--output-dir", str(output), *options]
-    log = output.parent / f"{output.name}-held.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=zygote.torchrun_env(child_env({"HFR_HOLD_AFTER_SAVE": str(HOLD_STEP)})))
-        try:
-            deadline = time.monotonic() + 500
-            while not (checkpoint / "manifest.json").exists():  # renamed into place: committed
-                assert proc.poll() is None, log.read_text()[-5000:]
-                assert time.monotonic() < deadline, log.read_text()[-5000:]
-                time.sleep(0.05)
-        finally:
-            _kill_job(proc)
-    assert proc.returncode == -signal.SIGKILL
+    returncode = kill_torchrun_after(WORKER, ["--output-dir", str(output), *options], nproc=nproc, timeout=500,
+                                     marker=checkpoint / "manifest.json",  # renamed into place: committed
+                                     log=output.parent / f"{output.name}-held.log",
+                                     env=child_env({"HFR_HOLD_AFTER_SAVE": str(HOLD_STEP)}))
+    assert returncode == -signal.SIGKILL
     assert verify_checkpoint(checkpoint, full=True).ok and read_manifest(checkpoint).world_size == nproc
     assert not list(output.glob("final-rank*")), "the job ran to its end before it was killed"
     return checkpoint
