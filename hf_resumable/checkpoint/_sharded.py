@@ -234,9 +234,12 @@ def _per_mesh(function: Any) -> Any:
     return cached
 
 
+_view_of = _per_mesh(describe_mesh)  # once per mesh, not once per tensor
+
+
 @_per_mesh
 def _plan_on(mesh: Any, shape: tuple[int, ...], placements: tuple, name: str) -> PiecePlan:
-    view = describe_mesh(mesh)
+    view = _view_of(mesh)
     if view is None:  # not in the mesh: holds nothing of it
         return PiecePlan((0,) * len(shape), (0,) * len(shape), 0, False)
     return plan_piece(shape, placements, view, name=name)
