@@ -189,3 +189,11 @@ def test_dp_replicate_x_dp_shard_x_tp_on_8_ranks(tmp_path, model_dir):
     batches = _batches(logs, range(8))
     assert all(batches[2 * g] == batches[2 * g + 1] for g in range(4))  # each tp pair: the same batches
     assert len({tuple(batches[2 * g]) for g in range(4)}) == 4  # four data-parallel ranks: different ones
+
+
+@pytest.mark.distributed
+def test_context_parallel_is_refused_in_prepare_on_the_cpu(tmp_path, model_dir):
+    done = _run(tmp_path / "run", _options(model_dir, {"cp": 2}), 2)
+    assert done.returncode != 0 and "UnsupportedEngineError" in done.stdout, done.stdout[-5000:]
+    assert "ParallelismConfig cp=2: context parallel (cp_size=2)" in done.stdout
+    assert not (tmp_path / "run" / "losses-rank0.jsonl").exists()  # refused before step 1
