@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: venv test test-all test-upstream demo bench clean
+.PHONY: venv test test-all test-gpu test-gpu-on-cpu test-upstream demo bench clean
 
 $(VENV)/.installed: setup.cfg setup.py pyproject.toml hf_resumable/_fastcopy.c
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,16 @@ test-all: venv
 	$(VENV)/bin/ruff check .
 	$(PYTEST) --doctest-modules hf_resumable
 	@for tier in $(TIERS); do echo "== tests: $$tier"; $(PYTEST) $(XDIST) -m "$$tier" tests || exit 1; done
+
+# The CUDA tier (tests marked `gpu`, tests/test_gpu.py): without a CUDA device every test skips, saying why (so
+# `make test` collects them and moves on). Plain interpreters (no test zygote: CUDA must not be set up before a
+# fork) and cuBLAS's deterministic workspace. The whole GPU check, benchmarks included: benchmarks/gpu_check.sh.
+test-gpu: venv
+	HF_RESUMABLE_TEST_ZYGOTE=0 CUBLAS_WORKSPACE_CONFIG=:4096:8 $(PYTEST) -m gpu tests/test_gpu.py
+
+# The same test bodies on the CPU (--device cpu, gloo for NCCL): a dry run of the GPU tier's harness.
+test-gpu-on-cpu: venv
+	HFR_GPU_TESTS_DEVICE=cpu $(PYTEST) -m gpu tests/test_gpu.py
 
 # accelerate's own checkpointing tests against ResumableAccelerator (also part of `make test`).
 test-upstream: venv

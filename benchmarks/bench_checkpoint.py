@@ -35,6 +35,11 @@ Prints a markdown table of medians and the ratios the targets are stated in.
 Usage:
     python benchmarks/bench_checkpoint.py --repeats 7 [--dir /path/on/the/disk/to/test] [--throttle-read-mibps 400]
     python benchmarks/bench_checkpoint.py --stall --repeats 5   # only the blocking save and the async stall rows
+    python benchmarks/bench_checkpoint.py --device cuda --repeats 3   # saves from a model on the GPU
+
+``--device cuda`` trains and saves a model on the GPU (a save copies every tensor to the host: the async save into
+pinned buffers on a side stream); the fresh-process resume loads on the CPU, as a restarted job reads before it
+moves anything. ``--hidden`` and ``--layers`` size the model (benchmarks/gpu_check.py's dry run makes it tiny).
 
 ``--throttle-read-mibps`` caps the disk's read speed (a cgroup v1 blkio throttle, root only) so that it is
 steady: a VM's virtual disk is partly served from its host's cache and drifts by 2x within a minute; against a
@@ -64,11 +69,17 @@ from hf_resumable.checkpoint import load_checkpoint, save_checkpoint, wait_for_p
 from hf_resumable.checkpoint._parallel_read import READ_STREAMS_ENV, READ_WORKERS, read_streams
 
 
-def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def model_config(hidden: int = 1024, layers: int = 4) -> LlamaConfig:
+    """The Llama shape measured (the defaults: about 1 GiB with its AdamW state)."""
+    return LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+                       num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
+                       vocab_size=16000, tie_word_embeddings=False)
+
+
+def build(seed: int = 0, *, hidden: int = 1024, layers: int = 4,
+          device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
-                         num_key_value_heads=16, vocab_size=16000, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(model_config(hidden, layers)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
@@ -83,6 +94,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     model(input_ids=batch, labels=batch).loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if batch.is_cuda:  # the step is over when the device has run it
+        torch.cuda.synchronize(batch.device)
     return time.perf_counter() - start
 
 
@@ -150,7 +163,7 @@ def raw_read_parallel(directory: Path, workers: int = 4) -> float:
     return time.perf_counter() - start
 
 
-def fresh_process_load(directory: Path, settings: dict[str, str]) -> dict[str, float]:
+def fresh_process_load(directory: Path, settings: dict[str, str], shape: list[str]) -> dict[str, float]:
     """``load_checkpoint`` timed inside a new process that first builds the model and an AdamW without state
     (with the reader's environment ``settings``; none: the defaults for this disk), between two raw cold reads of
     the same files in the same process (the paired baseline), and raw reads into new memory and with ``O_DIRECT``
@@ -160,7 +173,7 @@ def fresh_process_load(directory: Path, settings: dict[str, str]) -> dict[str, f
     env.pop(READ_STREAMS_ENV, None)
     env.update(settings)
     streams = settings.get(READ_STREAMS_ENV)
-    out = subprocess.run([sys.executable, __file__, "--fresh-load", str(directory)], check=True,
+    out = subprocess.run([sys.executable, __file__, "--fresh-load", str(directory), *shape], check=True,
                          capture_output=True, text=True, env=env).stdout
     result = json.loads(out.strip().splitlines()[-1])
     for message in result.pop("probe"):
@@ -168,11 +181,9 @@ def fresh_process_load(directory: Path, settings: dict[str, str]) -> dict[str, f
     return result
 
 
-def _fresh_load_child(directory: str) -> None:
+def _fresh_load_child(directory: str, hidden: int, layers: int) -> None:
     torch.manual_seed(1)
-    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
-                         num_key_value_heads=16, vocab_size=16000, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(model_config(hidden, layers))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     probe = _ProbeLog()
     logging.getLogger("hf_resumable.checkpoint._parallel_read").addHandler(probe)
@@ -213,16 +224,20 @@ def main() -> None:
     parser.add_argument("--throttle-read-mibps", type=int, default=None,
                         help="cap reads from the disk at this many MiB/s (a disk of steady speed; cgroup v1, root)")
     parser.add_argument("--stall", action="store_true", help="only the blocking save and the async stall rows")
+    parser.add_argument("--device", default="cpu", help="where the model trains and is saved from (cpu, cuda)")
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the Llama-shaped model")
+    parser.add_argument("--layers", type=int, default=4, help="blocks of the Llama-shaped model")
     parser.add_argument("--fresh-load", default=None, help=argparse.SUPPRESS)  # the child of fresh_process_load
     args = parser.parse_args()
     if args.fresh_load is not None:
-        _fresh_load_child(args.fresh_load)
+        _fresh_load_child(args.fresh_load, args.hidden, args.layers)
         return
+    shape = {"hidden": args.hidden, "layers": args.layers}
     root = Path(tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir))
     throttled = throttle_reads(str(root), args.throttle_read_mibps) if args.throttle_read_mibps else None
     load_before = os.getloadavg()[0]
-    model, optimizer = build()
-    fresh_model, fresh_optimizer = build(seed=1)
+    model, optimizer = build(**shape, device=args.device)
+    fresh_model, fresh_optimizer = build(seed=1, **shape, device=args.device)
     can_drop = drop_caches()
     results: dict[str, list[float]] = {k: [] for k in ("raw_write", "save", "save_returns", "async_call",
                                                        "async_gate", "async_stall", "step", "step_overlapped",
@@ -244,7 +259,7 @@ def main() -> None:
     shutil.rmtree(root / "warm")
     payload = memoryview(os.urandom(nbytes))
     read_buffer = bytearray(16 << 20)
-    batch = torch.randint(0, 16000, (1, 32), generator=torch.Generator().manual_seed(0))
+    batch = torch.randint(0, 16000, (1, 32), generator=torch.Generator().manual_seed(0)).to(args.device)
     train_step(model, optimizer, batch)  # warm-up (first allocation of the gradients)
     for rep in range(args.repeats):
         drop_caches()
@@ -283,7 +298,8 @@ def main() -> None:
         turn = rep % len(fixed)
         order = list(fixed)[turn:] + list(fixed)[:turn]  # each variant first, second, ... in turn
         for key in order:
-            run = fresh_process_load(root / f"checkpoint-{rep}", fixed[key])
+            run = fresh_process_load(root / f"checkpoint-{rep}", fixed[key],
+                                     ["--hidden", str(args.hidden), "--layers", str(args.layers)])
             baseline = min(run["raw_before"], run["raw_after"])
             results[key].append(run["load_s"])
             paired[key].append(baseline / run["load_s"])
@@ -312,6 +328,8 @@ def main() -> None:
         print(f"\nreads throttled to {args.throttle_read_mibps} MiB/s (blkio rule {throttled}; writes not throttled)")
     print(f"\nload average (1 min) of the machine: {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the "
           f"end ({os.cpu_count()} cores)")
+    if args.device != "cpu":
+        print(f"model trained and saved from {args.device} ({torch.cuda.get_device_name(args.device)})")
 
 
 def _stall_rows(med: dict[str, float]) -> list[tuple[str, str, str, str]]:

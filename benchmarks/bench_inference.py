@@ -34,6 +34,17 @@ Usage: ``python benchmarks/bench_inference.py [--runs 3] [--tokens 32] [--cold-t
 
 The last line is ``streamed vs accelerate disk offload: tokens/s X.XXx, peak RSS X.XXx``, for the cold regime (the
 one the issue is about) when it ran.
+
+Each side's fraction of the read bound is reported too, in every regime: the weight bytes it reads per token (the
+streamed blocks; accelerate's layers offloaded to disk) times its tokens/s, over this storage's cold-read rate
+(one stream, the model's files dropped from the page cache first). The ratio of the two sides depends on the
+machine's disk; the fraction of the bound does not. ``--json PATH`` also writes every figure as JSON
+(benchmarks/gpu_check.py reads it).
+
+``--device cuda`` generates on the GPU: the budget is GPU memory, ``StreamingModel(device="cuda")`` copies each
+streamed block onto the GPU before it runs, accelerate offloads what does not fit to disk (``max_memory={0: budget,
+"cpu": 0}``). Each side's fraction of the host-to-device bound (bytes per token x tokens/s over this GPU's copy rate
+from pageable memory, measured here) is reported too.
 """
 
 from __future__ import annotations
@@ -83,7 +94,7 @@ from _bench_common import resident_pages as _resident
 from hf_resumable.lazy import StreamingModel
 
 side, folder, budget, threads, offload = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-prompt = json.loads(sys.argv[6])
+prompt, device = json.loads(sys.argv[6]), sys.argv[8]
 torch.set_num_threads(threads)
 baseline = psutil.Process().memory_info().rss
 
@@ -94,22 +105,31 @@ class Clock(StoppingCriteria):
 
     def __call__(self, input_ids, scores, **kwargs):
         self.times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 start = time.perf_counter()
 if side == "accelerate":
-    model = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", max_memory={"cpu": budget},
+    # on a GPU the budget is the GPU's and the rest is offloaded to disk, as on the CPU (no RAM tier in between)
+    memory = {"cpu": budget} if device == "cpu" else {0: budget, "cpu": 0}
+    model = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", max_memory=memory,
                                                  offload_folder=offload)
-    placement = sorted(set(model.hf_device_map.values()))
+    placement = sorted(map(str, set(model.hf_device_map.values())))
+    offloaded = [model.get_submodule(name) if name else model for name, where in model.hf_device_map.items()
+                 if where in ("disk", "cpu") and (where == "disk" or device != "cpu")]
+    per_token = sum(p.numel() * p.element_size() for module in offloaded for p in module.parameters())
 else:
-    streamed = StreamingModel.from_pretrained(folder, max_memory=budget, keep_resident=side == "streamed-resident")
+    streamed = StreamingModel.from_pretrained(folder, max_memory=budget, keep_resident=side == "streamed-resident",
+                                              device=None if device == "cpu" else device)
     model = streamed.__enter__()
     placement = [f"{len(streamed.residency.resident)} resident", f"{len(streamed.residency.streamed)} streamed"]
+    per_token = sum(p.numel() * p.element_size() for i in streamed.residency.streamed
+                    for p in streamed.blocks[i].parameters())
 loaded = time.perf_counter()
 clock = Clock()
 with torch.no_grad():
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=int(sys.argv[7]), min_new_tokens=int(sys.argv[7]),
+    out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=int(sys.argv[7]),
+                         min_new_tokens=int(sys.argv[7]),
                          do_sample=False, stopping_criteria=StoppingCriteriaList([clock]))
 done = time.perf_counter()
 with open("/proc/self/status") as status:
@@ -122,9 +142,10 @@ for name in os.listdir(folder):
     cached += sum(b & 1 for b in pages) * 4096
     total += size
     os.close(fd)
-print(json.dumps({"tokens": out[0, len(prompt):].tolist(), "load_s": loaded - start, "generate_s": done - loaded,
+print(json.dumps({"tokens": out[0, len(prompt):].cpu().tolist(), "load_s": loaded - start, "generate_s": done - loaded,
                   "first_token_s": clock.times[0] - start, "decode_s": clock.times[-1] - clock.times[0],
-                  "peak": peak, "baseline": baseline, "cached": min(1.0, cached / total), "placement": placement}))
+                  "peak": peak, "baseline": baseline, "cached": min(1.0, cached / total), "placement": placement,
+                  "bytes_per_token": per_token}))
 """
 
 
@@ -178,10 +199,10 @@ class MemoryCgroup:
 
 
 def measure(side: str, folder: Path, budget: int, threads: int, offload: Path, tokens: int,
-            cgroup_limit: int | None) -> dict:
+            cgroup_limit: int | None, device: str = "cpu") -> dict:
     drop_from_cache(folder)
     command = [sys.executable, "-c", CHILD, side, str(folder), str(budget), str(threads), str(offload),
-               json.dumps(PROMPT), str(tokens)]
+               json.dumps(PROMPT), str(tokens), device]
     cgroup = MemoryCgroup(cgroup_limit) if cgroup_limit else None
     try:
         out = subprocess.run(command, env=_env(), capture_output=True, text=True,
@@ -201,7 +222,38 @@ def summarize(runs: list[dict]) -> dict:
             "decode_per_s": med((len(r["tokens"]) - 1) / r["decode_s"] for r in runs),
             "first_token_s": med(r["first_token_s"] for r in runs), "load_s": med(r["load_s"] for r in runs),
             "peak": med(r["peak"] for r in runs), "baseline": med(r["baseline"] for r in runs),
-            "cached": med(r["cached"] for r in runs), "placement": runs[-1]["placement"]}
+            "cached": med(r["cached"] for r in runs), "placement": runs[-1]["placement"],
+            "bytes_per_token": med(r["bytes_per_token"] for r in runs)}
+
+
+def cold_read_rate(folder: Path) -> float:
+    """Bytes per second of one stream reading the model's files from storage (dropped from the page cache first)."""
+    from _bench_common import raw_read
+
+    drop_from_cache(folder)
+    seconds = raw_read(folder, bytearray(16 << 20))
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / seconds
+
+
+def host_to_device_rate(device: str, nbytes: int = 256 << 20) -> float:
+    """Bytes per second of a copy from pageable host memory onto ``device`` (the best of 3, CUDA events)."""
+    import torch
+
+    host, target = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(host)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    return nbytes / best
+
+
+def read_bound_fraction(summary: dict, read_rate: float) -> float:
+    """The share of the storage's cold-read rate a side's weight reads use: bytes per token x tokens/s / rate."""
+    return summary["bytes_per_token"] * summary["tokens_per_s"] / read_rate
 
 
 def run_regime(sides: tuple[str, ...], folder: Path, budget: int, args: argparse.Namespace, offload: Path,
@@ -210,7 +262,8 @@ def run_regime(sides: tuple[str, ...], folder: Path, budget: int, args: argparse
     results: dict[str, list[dict]] = {side: [] for side in sides}
     for run in range(args.runs):
         for side in sides if run % 2 == 0 else sides[::-1]:
-            results[side].append(measure(side, folder, budget, args.threads, offload, tokens, cgroup_limit))
+            results[side].append(measure(side, folder, budget, args.threads, offload, tokens, cgroup_limit,
+                                         args.device))
     return results
 
 
@@ -252,6 +305,10 @@ def main() -> None:
     parser.add_argument("--with-resident", action="store_true", help="also run keep_resident=True")
     parser.add_argument("--folder", type=Path, default=None,
                         help="keep the model in this directory (written there if absent) instead of a temporary one")
+    parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
+    parser.add_argument("--device", default="cpu",
+                        help="where both sides generate (cuda: the budget is GPU memory, streamed blocks and "
+                             "accelerate's offloaded layers are copied onto the GPU per token)")
     args = parser.parse_args()
     regimes = args.regimes.split(",")
     sides = ("accelerate", "streamed") + (("streamed-resident",) if args.with_resident else ())
@@ -262,6 +319,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_inference-") as tmp:
         folder, offload = args.folder or Path(tmp) / "model", Path(tmp) / "offload"
         weight_bytes = model_bytes(folder, args.hidden, args.layers)
+        read_rate = cold_read_rate(folder)
+        h2d_rate = host_to_device_rate(args.device) if args.device != "cpu" else None
         budget = weight_bytes // 4
         limit = budget + args.overhead
         for regime in regimes:
@@ -289,6 +348,28 @@ def main() -> None:
         speed, rss, per_run, end_to_end = ratios(by_side)
         rows.append(f"{regime}: tokens/s {speed:.2f}x (per run {', '.join(f'{r:.2f}' for r in per_run)}), "
                     f"end-to-end tokens/s {end_to_end:.2f}x, peak RSS {rss:.2f}x")
+    rows += ["", f"Fraction of the read bound (bytes read per token x tokens/s over the cold-read rate of this "
+             f"storage, {read_rate / 1e6:.0f} MB/s, one stream):"]
+    for regime, by_side in results.items():
+        rows.append(f"{regime}: " + ", ".join(
+            f"{side} {read_bound_fraction(summarize(runs), read_rate):.2f} "
+            f"({summarize(runs)['bytes_per_token'] / 1e6:.0f} MB per token)" for side, runs in by_side.items()))
+    if h2d_rate is not None:
+        rows.append(f"Fraction of the host-to-device bound ({h2d_rate / 1e9:.1f} GB/s from pageable memory, "
+                    f"{args.device}): " + "; ".join(
+                        f"{regime}: " + ", ".join(f"{side} {read_bound_fraction(summarize(runs), h2d_rate):.2f}"
+                                                  for side, runs in by_side.items())
+                        for regime, by_side in results.items()))
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "weight_bytes": weight_bytes, "budget": budget, "cold_read_bytes_per_s": read_rate,
+            "device": args.device, "h2d_bytes_per_s": h2d_rate,
+            "identical": identical, "regimes": {regime: {side: {**summarize(runs), "read_bound_fraction":
+                                                               read_bound_fraction(summarize(runs), read_rate),
+                                                               "h2d_bound_fraction": read_bound_fraction(
+                                                                   summarize(runs), h2d_rate) if h2d_rate else None}
+                                                         for side, runs in by_side.items()}
+                                                for regime, by_side in results.items()}}, indent=1))
     final = "cold" if "cold" in results else regimes[-1]
     speed, rss, _, _ = ratios(results[final])
     rows.append(f"streamed vs accelerate disk offload: tokens/s {speed:.2f}x, peak RSS {rss:.2f}x")

@@ -15,6 +15,12 @@ Usage:
 (``accelerate launch --cpu`` always starts a single process; ``--multi_gpu`` goes through torchrun, and the
 script's ``ResumableAccelerator(cpu=True)`` then trains on CPU with gloo.)
 
+On a GPU: ``--device cuda`` (NCCL under torchrun), ``--mixed-precision fp16`` or ``bf16``, and ``--deterministic``
+for the settings under which a GPU run is bit for bit repeatable (docs/limits.md; set
+``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in the environment too). ``--init-scale`` is the fp16 GradScaler's initial scale:
+a huge one makes the first steps overflow, which the scaler skips (each line of ``losses.jsonl`` says whether its
+step was skipped).
+
 Per-step losses are appended to ``<output-dir>/losses.jsonl`` (``float.hex`` of the window's token-mean
 loss over all processes). Test hooks: ``HF_RESUMABLE_EXAMPLE_KILL_AFTER_STEP=k`` makes the process SIGKILL
 itself right after step ``k``, ``HF_RESUMABLE_EXAMPLE_TERM_AFTER_STEP=k`` sends it SIGTERM there;
@@ -35,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate.utils import set_seed
+from accelerate.utils import GradScalerKwargs, set_seed
 from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
 
 from hf_resumable.checkpoint import wait_for_pending_saves
@@ -62,6 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-async", action="store_true")
     parser.add_argument("--preemption-notice", type=float, default=None,
                         help="seconds from SIGTERM to SIGKILL: train on within them (ResumableAccelerator option)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--mixed-precision", choices=("no", "fp16", "bf16"), default="no")
+    parser.add_argument("--init-scale", type=float, default=2.0 ** 16, help="the fp16 GradScaler's initial scale")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms(True), cuDNN deterministic, no TF32, eager attention")
     return parser.parse_args(argv)
 
 
@@ -105,11 +116,21 @@ def loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
                                              reduction="sum")
 
 
-def build_model(seed: int) -> GPT2LMHeadModel:
+def build_model(seed: int, *, attn_implementation: str | None = None) -> GPT2LMHeadModel:
     set_seed(seed)
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, bos_token_id=1,
-                        eos_token_id=2, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+                        eos_token_id=2, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
+                        attn_implementation=attn_implementation)
     return GPT2LMHeadModel(config)
+
+
+def use_deterministic_settings() -> None:
+    """What a bit-exact GPU run needs besides ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (docs/limits.md)."""
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 def maybe_signal(step: int, rank: int, signum: signal.Signals) -> None:
@@ -123,18 +144,24 @@ def maybe_signal(step: int, rank: int, signum: signal.Signals) -> None:
         os.kill(os.getpid(), signum)
 
 
-def log_step(path: Path, step: int, epoch: int, loss: float) -> None:
+def log_step(path: Path, step: int, epoch: int, loss: float, skipped: bool = False) -> None:
     with path.open("a") as handle:
-        handle.write(json.dumps({"step": step, "epoch": epoch, "loss": loss.hex()}) + "\n")
+        handle.write(json.dumps({"step": step, "epoch": epoch, "loss": loss.hex(), "skipped": skipped}) + "\n")
 
 
 def train(args: argparse.Namespace) -> ResumableAccelerator:
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
+    if args.deterministic:
+        use_deterministic_settings()
+    # A huge initial scale overflows at once; a fast backoff and growth after 3 good steps show skips and growth in a
+    # few steps (accelerate passes these to torch.amp.GradScaler; they do nothing without fp16).
+    scaling = GradScalerKwargs(init_scale=args.init_scale, backoff_factor=2.0 ** -8, growth_interval=3)
     accelerator = ResumableAccelerator(gradient_accumulation_steps=args.ga, checkpoint_dir=output / "checkpoints",
                                        keep_last=2, save_async=args.save_async,
-                                       preemption_notice=args.preemption_notice, cpu=True)
-    model = build_model(args.seed)
+                                       preemption_notice=args.preemption_notice, cpu=args.device == "cpu",
+                                       mixed_precision=args.mixed_precision, kwargs_handlers=[scaling])
+    model = build_model(args.seed, attn_implementation="eager" if args.deterministic else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     loader = accelerator.prepare_resumable_dataloader(make_dataset(args.num_samples, args.seed), collate_fn=collate,
                                                       batch_size=args.batch_size, seed=args.seed,
@@ -142,13 +169,16 @@ def train(args: argparse.Namespace) -> ResumableAccelerator:
     steps_per_epoch = -(-len(loader) // args.ga)
     scheduler = get_linear_schedule_with_warmup(optimizer, 2, steps_per_epoch * args.epochs)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if torch.distributed.is_initialized():
+        logger.info("torch.distributed backend %s, %d process(es)", torch.distributed.get_backend(),
+                    accelerator.num_processes)
     accelerator.load_state()  # newest valid checkpoint, or nothing on a fresh start
     losses = output / "losses.jsonl"
 
     for epoch in range(loader.epoch, args.epochs):
         model.train()
         for window in accelerator.accumulation_windows(loader, count_items=count_tokens):
-            total = torch.zeros((), dtype=torch.float64)
+            total = torch.zeros((), dtype=torch.float64, device=accelerator.device)
             for batch in window:
                 with accelerator.accumulate(model):
                     loss = loss_sum(model, batch)
@@ -159,7 +189,7 @@ def train(args: argparse.Namespace) -> ResumableAccelerator:
                     optimizer.zero_grad()
             step_loss = float(accelerator.reduce(total, reduction="sum")) / window.num_items
             if accelerator.is_main_process:
-                log_step(losses, accelerator.global_step, epoch, step_loss)
+                log_step(losses, accelerator.global_step, epoch, step_loss, accelerator.optimizer_step_was_skipped)
             if accelerator.global_step % args.save_every == 0:
                 accelerator.save_state()
             maybe_signal(accelerator.global_step, accelerator.process_index, signal.SIGTERM)

@@ -1,5 +1,7 @@
 """TEST-ONLY helpers of the FSDP / DeepSpeed engine tests (tests/test_engines.py and its worker scripts).
 
+* :func:`requested_device`: the worker's ``--device`` (``cpu``, the default, or ``cuda``: the real engines on a GPU
+  with NCCL, tests/test_gpu.py), read before anything builds accelerate's state.
 * :func:`install_cpu_engines`: accelerate turns FSDP (and DeepSpeed) on only for accelerator devices; with ``cpu=True``
   it silently trains DDP. Called by a worker script before it builds an ``Accelerator`` or ``TrainingArguments``, it
   makes accelerate see GPUs whose collective backend is gloo and whose device is the CPU
@@ -27,11 +29,18 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["install_cpu_engines", "parse_worker_args", "deepspeed_config", "build_model", "hold_after_save",
-           "dump_local_state", "read_local_state", "RANK", "VOCAB"]
+__all__ = ["requested_device", "install_cpu_engines", "parse_worker_args", "deepspeed_config", "build_model",
+           "hold_after_save", "dump_local_state", "read_local_state", "RANK", "VOCAB"]
 
 RANK = int(os.environ.get("RANK", "0"))
 VOCAB = 64
+
+
+def requested_device(argv: list[str] | None = None) -> str:
+    """The ``--device`` of the worker's command line (``cpu`` without one)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    return parser.parse_known_args(sys.argv[1:] if argv is None else argv)[0].device
 
 
 def install_cpu_engines() -> None:
@@ -62,6 +71,8 @@ def parse_worker_args() -> argparse.Namespace:
     parser.add_argument("--zero-stage", type=int, default=2, help="DeepSpeed ZeRO stage")
     parser.add_argument("--state-dict-type", default="SHARDED_STATE_DICT")
     parser.add_argument("--max-steps", type=int, default=5)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the real engines on the GPU with NCCL (no install_cpu_engines)")
     return parser.parse_args()
 
 
@@ -91,7 +102,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.detach().clone().contiguous()
+    return local.detach().to("cpu", copy=True).contiguous()
 
 
 def _shard(value: torch.Tensor) -> torch.Tensor:
@@ -148,7 +159,8 @@ TIMING = ("_runtime", "_samples_per_second", "_steps_per_second")  # wall-clock 
 def write_trainer_result(trainer, output: Path) -> None:
     """``result-rank{r}.json``: the Trainer's log history without wall-clock fields, and where it resumed from."""
     history = [{k: v for k, v in entry.items() if not k.endswith(TIMING)} for entry in trainer.state.log_history]
-    result = {"log_history": history, "resumed_from": str(trainer.resumed_from or "")}
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    result = {"log_history": history, "resumed_from": str(trainer.resumed_from or ""), "backend": backend}
     (output / f"result-rank{RANK}.json").write_text(json.dumps(result, indent=1))
 
 

@@ -169,24 +169,25 @@ def test_trainer_deepspeed_is_refused_when_train_starts(tmp_path, zero, engine):
 # ------------------------------------------------------------------ torchrun jobs
 
 
-def _run_job(worker: Path, output: Path, options: list[str]) -> subprocess.CompletedProcess:
-    return run_torchrun(worker, ["--output-dir", str(output), *options], env=child_env(), timeout=300)
+def _run_job(worker: Path, output: Path, options: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
+    return run_torchrun(worker, ["--output-dir", str(output), *options], env=child_env(), timeout=300, nproc=nproc)
 
 
-def _kill_after_commit(worker: Path, output: Path, options: list[str], checkpoint: Path) -> None:
-    """Run the job held after checkpoint ``HOLD_STEP``; once that checkpoint has committed, SIGKILL the job."""
-    returncode = kill_torchrun_after(worker, ["--output-dir", str(output), *options],
+def _kill_after_commit(worker: Path, output: Path, options: list[str], checkpoint: Path, nproc: int = 2) -> None:
+    """Run the job (``nproc`` ranks) held after checkpoint ``HOLD_STEP``; once that checkpoint has committed, SIGKILL
+    the job."""
+    returncode = kill_torchrun_after(worker, ["--output-dir", str(output), *options], nproc=nproc,
                                      marker=checkpoint / "manifest.json",  # renamed into place: committed
                                      log=output.parent / f"{output.name}-held.log",
                                      env=child_env({"HFR_HOLD_AFTER_SAVE": str(HOLD_STEP)}))
     assert returncode == -signal.SIGKILL
     assert verify_checkpoint(checkpoint, full=True).ok
-    assert read_manifest(checkpoint).world_size == 2
+    assert read_manifest(checkpoint).world_size == nproc
     assert not list(output.glob("final-rank*")), "the job ran to its end before it was killed"
 
 
-def _assert_same_pieces(run: Path, reference: Path) -> None:
-    for rank in RANKS:
+def _assert_same_pieces(run: Path, reference: Path, nproc: int = 2) -> None:
+    for rank in range(nproc):
         want, got = (read_local_state(path / f"final-rank{rank}.safetensors") for path in (reference, run))
         assert sorted(got) == sorted(want) and any(name.startswith("optim/") for name in want)
         different = [name for name in want if not torch.equal(want[name], got[name])]
@@ -197,10 +198,11 @@ def _losses(path: Path) -> dict[int, str]:
     return {row["step"]: row["loss"] for row in map(json.loads, path.read_text().splitlines())}
 
 
-def _reference(tmp_path_factory: pytest.TempPathFactory, worker: Path, options: tuple[str, ...] = ()) -> Path:
+def _reference(tmp_path_factory: pytest.TempPathFactory, worker: Path, options: tuple[str, ...] = (),
+               nproc: int = 2) -> Path:
     """The uninterrupted run (accelerate's default SHARDED_STATE_DICT; FULL_STATE_DICT runs must equal it too)."""
     output = tmp_path_factory.mktemp(worker.stem) / "reference"
-    done = _run_job(worker, output, list(options))
+    done = _run_job(worker, output, list(options), nproc)
     assert done.returncode == 0, done.stdout[-5000:]
     return output
 
@@ -215,35 +217,35 @@ def trainer_reference(tmp_path_factory) -> Path:
     return _reference(tmp_path_factory, TRAINER_WORKER)
 
 
-def _resume_accelerate_bit_exact(run: Path, reference: Path, options: list[str]) -> None:
+def _resume_accelerate_bit_exact(run: Path, reference: Path, options: list[str], nproc: int = 2) -> None:
     """Kill the accelerate job after checkpoint-3 committed, rerun it, and compare it with ``reference``."""
     checkpoint = run / "checkpoints" / f"checkpoint-{HOLD_STEP}"
-    _kill_after_commit(ACCELERATE_WORKER, run, options, checkpoint)
+    _kill_after_commit(ACCELERATE_WORKER, run, options, checkpoint, nproc)
     assert (checkpoint / "sharded_layout.json").is_file()  # every rank's pieces, not a gathered copy
-    resumed = _run_job(ACCELERATE_WORKER, run, options)  # the same command
+    resumed = _run_job(ACCELERATE_WORKER, run, options, nproc)  # the same command
     assert resumed.returncode == 0, resumed.stdout[-5000:]
-    for rank in RANKS:
+    for rank in range(nproc):
         want = _losses(reference / f"losses-rank{rank}.jsonl")
         lines = (run / f"losses-rank{rank}.jsonl").read_text().splitlines()
         # steps 1-3 before the kill, 4-5 after the resume from checkpoint-3: nothing repeated or skipped
         assert [json.loads(line)["step"] for line in lines] == list(range(1, 6))
         assert _losses(run / f"losses-rank{rank}.jsonl") == want
-    _assert_same_pieces(run, reference)
+    _assert_same_pieces(run, reference, nproc)
 
 
-def _resume_trainer_bit_exact(run: Path, reference: Path, options: list[str]) -> None:
+def _resume_trainer_bit_exact(run: Path, reference: Path, options: list[str], nproc: int = 2) -> None:
     """Kill the Trainer job after checkpoint-3 committed, rerun it, and compare it with ``reference``."""
     checkpoint = run / f"checkpoint-{HOLD_STEP}"
-    _kill_after_commit(TRAINER_WORKER, run, options, checkpoint)
+    _kill_after_commit(TRAINER_WORKER, run, options, checkpoint, nproc)
     assert (checkpoint / "sharded_layout.json").is_file() and (checkpoint / "trainer_state.json").is_file()
-    resumed = _run_job(TRAINER_WORKER, run, options)  # the same command
+    resumed = _run_job(TRAINER_WORKER, run, options, nproc)  # the same command
     assert resumed.returncode == 0, resumed.stdout[-5000:]
-    for rank in RANKS:
+    for rank in range(nproc):
         want = json.loads((reference / f"result-rank{rank}.json").read_text())
         got = json.loads((run / f"result-rank{rank}.json").read_text())
         assert got["resumed_from"].endswith(f"checkpoint-{HOLD_STEP}")
         assert got["log_history"] == want["log_history"]  # every logged loss, grad norm and learning rate
-    _assert_same_pieces(run, reference)
+    _assert_same_pieces(run, reference, nproc)
 
 
 @pytest.mark.distributed

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_lazy_streaming import _track_populated
 from torch import nn
 
 from hf_resumable.errors import CheckpointMismatchError, CheckpointNotFoundError, IncompleteCheckpointError
@@ -15,6 +14,7 @@ from hf_resumable.lazy import LazyStateDict, StreamingModel, load_lazily, plan_l
 
 from fakehub import FakeHub
 from hub_fixtures import _hub_server, hub, hub_env, new_repo_id, on_meta, tiny_gpt2, tiny_llama  # noqa: F401
+from test_lazy_streaming import _track_populated
 
 IDS = torch.tensor([[5, 17, 3, 99, 42, 7, 1]])
 

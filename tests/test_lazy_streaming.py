@@ -26,10 +26,10 @@ IDS = torch.tensor([[5, 17, 3, 99, 42, 7, 1]])
 NEW = 6
 
 
-def _generate(model: torch.nn.Module) -> torch.Tensor:
-    ids = IDS % model.config.vocab_size
+def _generate(model: torch.nn.Module, device: str | torch.device = "cpu") -> torch.Tensor:
+    ids = (IDS % model.config.vocab_size).to(device)
     with torch.no_grad():
-        return model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        return model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False).cpu()
 
 
 def _llama(seed: int = 0) -> torch.nn.Module:
@@ -188,6 +188,31 @@ def test_streamed_generate_equals_the_full_model(tmp_path: Path, factory, monkey
     # streamed blocks in memory at once: never more than the two slots (the one running and the one read ahead)
     assert len(populated) >= NEW * len(plan.streamed) and block <= max(populated) <= plan.slots * block
     assert all(p.is_meta for p in _blocks(meta).parameters())  # everything released on exit
+
+
+@pytest.mark.parametrize("factory", [_llama, _gpt2])
+def test_streaming_onto_a_device_copies_each_block_there_and_frees_it(tmp_path: Path, factory) -> None:
+    """``device=``: blocks are copied onto it before they run and freed after (here the host itself, which takes the
+    same copy path; tests/test_gpu.py streams onto a GPU)."""
+    assert_streams_onto("cpu", tmp_path, factory)
+
+
+def assert_streams_onto(device: str, tmp_path: Path, factory) -> None:
+    """Greedy generation of a model streamed onto ``device`` (one block resident, five streamed) equals the full
+    model's there, and each streamed block's copy is freed after it runs."""
+    model = factory(seed=5).to(device)
+    folder = _save(model.cpu(), tmp_path / "m")
+    outside, block = _sizes(model)
+    meta = on_meta(model)
+    streaming = StreamingModel(meta, folder, max_memory=outside + 3 * block, keep_resident=True, device=device)
+    with streaming as streamed:
+        assert len(streaming.residency.resident) == 1 and len(streaming.residency.streamed) == 5
+        assert all(p.device.type == device for p in streamed.parameters() if not p.is_meta)
+        assert torch.equal(_generate(streamed, device), _generate(model.to(device), device))
+        assert not streaming._fixed  # a copy is freed after each run, never kept installed
+        # between passes only the resident block holds weights; every streamed block is back on the meta device
+        assert all(p.is_meta for i in streaming.residency.streamed for p in _blocks(meta)[i].parameters())
+    assert all(p.is_meta for p in _blocks(meta).parameters())
 
 
 def test_streaming_from_an_auto_config_without_read_ahead(tmp_path: Path) -> None:

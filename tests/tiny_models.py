@@ -50,12 +50,13 @@ def decay_groups(model: torch.nn.Module) -> list[dict]:
             {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def train_steps(model: torch.nn.Module, optimizer, scheduler=None, *, steps: int = 3, seed: int = 0) -> None:
-    """A few real optimizer steps so the optimizer has state."""
+def train_steps(model: torch.nn.Module, optimizer, scheduler=None, *, steps: int = 3, seed: int = 0,
+                device: str | torch.device = "cpu") -> None:
+    """A few real optimizer steps so the optimizer has state (batches drawn on the CPU, moved to ``device``)."""
     generator = torch.Generator().manual_seed(seed)
     model.train()
     for _ in range(steps):
-        ids = torch.randint(3, VOCAB, (2, 16), generator=generator)
+        ids = torch.randint(3, VOCAB, (2, 16), generator=generator).to(device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()

@@ -48,7 +48,7 @@ from ..errors import (
 )
 from ..format._jsonio import parse_json
 from ..format._safefile import member_path, open_regular, read_regular_file
-from ..format.rng import RngState, decode_rng_state, restore_rng_state
+from ..format.rng import RngState, cuda_device_mismatch, decode_rng_state, restore_rng_state, visible_cuda_devices
 from ..format.safetensors_io import FileRecord, record_of
 from ..format.sharding import ShardIndex, parse_index
 from ..format.state_codec import decode_state
@@ -362,10 +362,10 @@ class OpenedCheckpoint(LoadedCheckpoint):
                           f"({RNG_DIR}/{RNG_FILE_PATTERN.format(rank=self.rank)}); the run will not continue exactly",
                           "Pass allow_inexact_resume=True to continue anyway.", InexactResumeError, allow)
             return
-        devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if devices != len(self.rng_state.cuda):
-            self._inexact(f"{self.path}: RNG state was saved with {len(self.rng_state.cuda)} CUDA device(s) but "
-                          f"{devices} are visible now", "Pass allow_inexact_resume=True to continue anyway.",
+        problem = cuda_device_mismatch(len(self.rng_state.cuda), visible_cuda_devices())
+        if problem is not None:
+            self._inexact(f"{self.path}: {problem}", "Make the same CUDA devices visible (CUDA_VISIBLE_DEVICES) as "
+                          "when it was saved, or pass allow_inexact_resume=True to continue anyway.",
                           InexactResumeError, allow)
 
     def restore_rng(self, *, allow_inexact_resume: bool | None = None) -> None:

@@ -42,8 +42,9 @@ from .safetensors_io import FileRecord, read_header, read_safetensors, write_saf
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RngState", "capture_rng_state", "restore_rng_state", "check_rng_state", "save_rng_state", "load_rng_state",
-           "decode_rng_state", "derive_seed", "seeded_rng"]
+__all__ = ["RngState", "capture_rng_state", "restore_rng_state", "check_rng_state", "check_cuda_device_count",
+           "cuda_device_mismatch", "visible_cuda_devices", "save_rng_state", "load_rng_state", "decode_rng_state",
+           "derive_seed", "seeded_rng"]
 
 _KEY_TORCH = "torch_cpu"
 _KEY_NUMPY = "numpy_keys"
@@ -94,22 +95,72 @@ def capture_rng_state() -> RngState:
     return RngState(random.getstate(), np.random.get_state(), torch.get_rng_state().clone(), cuda)
 
 
+def visible_cuda_devices() -> int:
+    """The number of CUDA devices this process sees (0 without CUDA): the generators :func:`capture_rng_state`
+    captures and :func:`restore_rng_state` restores."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cuda_device_mismatch(saved: int, visible: int) -> str | None:
+    """Why an RNG state of ``saved`` CUDA generators cannot be restored exactly where ``visible`` devices are seen,
+    or `None` when the counts match (a pure check: it reads no device).
+
+    Each CUDA device has its own generator, saved in device order; with another count, dropout and any other
+    draw on a device would not continue the saved streams.
+
+    Example:
+
+    ```python
+    >>> cuda_device_mismatch(2, 2) is None
+    True
+    >>> cuda_device_mismatch(1, 0)
+    'RNG state was saved with 1 CUDA device(s) but 0 are visible now'
+    ```
+    """
+    if saved == visible:
+        return None
+    return f"RNG state was saved with {saved} CUDA device(s) but {visible} are visible now"
+
+
+def check_cuda_device_count(state: RngState, *, visible: int | None = None, source: str = "<rng state>") -> None:
+    """Refuse to restore ``state`` where another number of CUDA devices is visible, before anything is changed.
+
+    Args:
+        state (`RngState`): the state to restore.
+        visible (`int`, *optional*): the devices seen now (default: :func:`visible_cuda_devices`).
+        source (`str`, *optional*): where ``state`` comes from (a path), named in the message.
+
+    Raises:
+        InexactResumeError: if ``state`` holds another number of CUDA generators than ``visible``.
+    """
+    visible = visible_cuda_devices() if visible is None else visible
+    problem = cuda_device_mismatch(len(state.cuda), visible)
+    if problem is not None:
+        raise InexactResumeError(
+            f"{source}: {problem}, so the run would not continue exactly. Make the same devices visible "
+            "(CUDA_VISIBLE_DEVICES) as when the checkpoint was saved, or pass allow_inexact_resume=True to continue "
+            "anyway.")
+
+
 def restore_rng_state(state: RngState, *, allow_device_mismatch: bool = False) -> None:
     """Put every generator back to ``state``.
 
+    The CUDA device count is checked first: a refused state changes no generator.
+
     Raises:
         InexactResumeError: if the number of CUDA devices differs from the saved one (the run would
-            not continue exactly), unless ``allow_device_mismatch=True``, which logs a WARNING.
+            not continue exactly), unless ``allow_device_mismatch=True``, which restores the CPU generators and
+            logs a WARNING.
     """
+    devices = visible_cuda_devices()
+    if not allow_device_mismatch:
+        check_cuda_device_count(state, visible=devices)
     random.setstate(state.python)
     np.random.set_state(state.numpy)
     torch.set_rng_state(state.torch_cpu)
-    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if devices != len(state.cuda):
-        message = f"RNG state was saved with {len(state.cuda)} CUDA device(s) but {devices} are visible now"
-        if not allow_device_mismatch:
-            raise InexactResumeError(message + "; pass allow_inexact_resume=True to continue anyway.")
-        logger.warning("%s; CUDA generators are not restored, the run will not continue exactly.", message)
+    problem = cuda_device_mismatch(len(state.cuda), devices)
+    if problem is not None:
+        logger.warning("%s; CUDA generators are not restored, the run will not continue exactly.", problem)
         return
     if devices:
         torch.cuda.set_rng_state_all(state.cuda)

@@ -59,9 +59,10 @@ class _BufferPool:
         return tensor
 
     def put(self, tensor: torch.Tensor) -> None:
-        """Keep ``tensor`` for reuse if it was allocated here; drop it otherwise (a mapping is unmapped with it)."""
+        """Keep ``tensor`` for reuse if it was allocated here; drop it otherwise (a mapping is unmapped with it, a
+        device copy freed)."""
         with self._lock:
-            if tensor.data_ptr() in self._owned:
+            if tensor.is_cpu and tensor.data_ptr() in self._owned:
                 self.free.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
 
     def put_block(self, block: dict[str, torch.Tensor]) -> None:
@@ -81,6 +82,16 @@ class _BufferPool:
         with self._lock:
             self.free.clear()
             self._owned.clear()
+
+
+def _normalize_device(device: str | torch.device | None) -> torch.device | None:
+    """``device`` as a ``torch.device`` with an index (``"cuda"`` is the current CUDA device), or `None`."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _resolve(path_or_repo_id: str | os.PathLike, revision: str | None) -> tuple[str | os.PathLike, str | None]:
@@ -154,6 +165,10 @@ class StreamingModel(contextlib.AbstractContextManager):
         max_memory (`int` or `str`, *optional*): budget for the weights, in bytes or as ``"1GB"`` (default: no
             budget; every block is streamed).
         prefetch (`bool`, *optional*, defaults to `True`): read the next block while one runs (when it fits).
+        device (`str` or `torch.device`, *optional*): where the model computes, e.g. ``"cuda"``. The weights
+            outside the blocks and the resident blocks move there once; a streamed block is copied there from the
+            host just before it runs and freed after, so the device holds at most the weights ``max_memory``
+            allows. Default: the host, where a streamed block's parameters are views of the shards (no copy).
         keep_resident (`bool`, *optional*, defaults to `False`): keep as many blocks loaded as the rest of the
             budget holds (see :func:`plan_residency`; by default a model that does not fit streams every block).
         strict (`bool`, *optional*, defaults to `True`): fail on missing or unexpected keys.
@@ -180,7 +195,7 @@ class StreamingModel(contextlib.AbstractContextManager):
     def __init__(self, model: nn.Module, path_or_repo_id: str | os.PathLike | LazyStateDict, *,
                  blocks: str | None = None, max_memory: int | str | None = None, prefetch: bool = True,
                  keep_resident: bool = False, strict: bool = True, revision: str | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, device: str | torch.device | None = None) -> None:
         self.model = model
         self.weights = _as_weights(path_or_repo_id, revision, token)
         if blocks is None:
@@ -189,6 +204,7 @@ class StreamingModel(contextlib.AbstractContextManager):
             self.blocks_name, self.blocks = blocks, model.get_submodule(blocks)
         self.max_memory, self.prefetch, self.strict = max_memory, prefetch, strict
         self.keep_resident = keep_resident
+        self.device = _normalize_device(device)
         self.plan: LoadPlan | None = None
         self.residency: ResidencyPlan | None = None
         self._handles: list[Any] = []
@@ -207,8 +223,8 @@ class StreamingModel(contextlib.AbstractContextManager):
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, *, config: Any = None,
                         max_memory: int | str | None = None, prefetch: bool = True, keep_resident: bool = False,
-                        strict: bool = True, revision: str | None = None,
-                        token: str | None = None) -> StreamingModel:
+                        strict: bool = True, revision: str | None = None, token: str | None = None,
+                        device: str | torch.device | None = None) -> StreamingModel:
         """A streamed ``AutoModelForCausalLM`` from a model directory, a checkpoint directory, or a Hub repo.
 
         Only headers are parsed here; the model is built on the meta device from ``config`` (default:
@@ -220,7 +236,7 @@ class StreamingModel(contextlib.AbstractContextManager):
             path_or_repo_id (`str` or `os.PathLike`): a directory holding ``config.json`` and the weights (a
                 ``save_pretrained`` output or a ``checkpoint-N`` directory), or a Hub repo.
             config (`transformers.PretrainedConfig`, *optional*): the model's config (e.g. from ``AutoConfig``).
-            max_memory, prefetch, keep_resident, strict, revision, token: as in :class:`StreamingModel`.
+            max_memory, prefetch, keep_resident, strict, revision, token, device: as in :class:`StreamingModel`.
 
         For local weights with a ``max_memory``, a background thread reads the first ``max_memory`` bytes of the
         shards into the OS page cache while the model is imported and built (no memory of the process's own: the
@@ -243,7 +259,7 @@ class StreamingModel(contextlib.AbstractContextManager):
         try:
             model = _model_on_meta(location, config, revision, token)
             streaming = cls(model, weights, max_memory=max_memory, prefetch=prefetch, keep_resident=keep_resident,
-                            strict=strict)
+                            strict=strict, device=device)
         except BaseException:
             if warmer is not None:
                 warmer.close()
@@ -277,6 +293,8 @@ class StreamingModel(contextlib.AbstractContextManager):
         #    blocks while the non-block weights (and resident blocks) are loaded here.
         self._start_streaming(per_block)
         self._load(outside + [n for i in self.residency.resident for n in per_block[i]])
+        if self.device is not None:
+            self._move_to_device()
         _tie(self.model)
         self._log_plan()
         return self.model
@@ -420,16 +438,40 @@ class StreamingModel(contextlib.AbstractContextManager):
             block = self._prefetcher.take(index)
             if index not in self._fixed:
                 self._install(block)
-                if self._is_fixable(index):
+                if self.device is None and self._is_fixable(index):  # a device copy is freed after every run
                     self._fixed.add(index)
             self._installed = index
 
         return hook
 
     def _install(self, block: dict[str, torch.Tensor]) -> None:
+        if self.device is not None:  # copies on the device; the host buffers go back to the pool at once
+            for name, tensor in block.items():  # copy=True: on the host too, the pooled buffer goes back
+                _materialize(self.model, self.plan.sources[name][0],
+                             lambda *_, t=tensor: t.to(self.device, copy=True))
+            _fill_aliases(self.model, block, self.plan.sources, self._allocate_on_device)
+            self._pool.put_block(block)
+            return
         for name, tensor in block.items():
             _materialize(self.model, self.plan.sources[name][0], lambda *_, t=tensor: t)
         _fill_aliases(self.model, block, self.plan.sources, self._pool.allocate)
+
+    def _allocate_on_device(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _move_to_device(self) -> None:
+        """The weights loaded once (outside the blocks, resident blocks) and the real buffers go to the device.
+        Parameters are swapped in place, so tied ones stay tied; their host memory goes back to the pool."""
+        with torch.no_grad():
+            for param in self.model.parameters():  # each shared parameter once
+                if not param.is_meta and param.device != self.device:
+                    moved = nn.Parameter(param.data.to(self.device), requires_grad=param.requires_grad)
+                    torch.utils.swap_tensors(param, moved)
+                    self._pool.put(moved.data)  # after the swap: the host tensor
+            for module in self.model.modules():
+                for attr, buffer in list(module._buffers.items()):
+                    if buffer is not None and not buffer.is_meta and buffer.device != self.device:
+                        module._buffers[attr] = buffer.to(self.device)
 
     def _post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._finish()

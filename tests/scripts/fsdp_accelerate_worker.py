@@ -20,7 +20,8 @@ sys.path.insert(0, str(TESTS))
 
 import engine_fixtures as fx  # noqa: E402
 
-fx.install_cpu_engines()  # before the accelerator builds its state
+if fx.requested_device() == "cpu":
+    fx.install_cpu_engines()  # before the accelerator builds its state
 
 import torch  # noqa: E402
 from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin  # noqa: E402

@@ -18,7 +18,8 @@ sys.path[:0] = [str(TESTS), str(TESTS / "trainer_scripts")]
 
 import engine_fixtures as fx  # noqa: E402
 
-fx.install_cpu_engines()  # before TrainingArguments builds accelerate's state
+if fx.requested_device() == "cpu":
+    fx.install_cpu_engines()  # before TrainingArguments builds accelerate's state
 
 import torch  # noqa: E402
 import transformers  # noqa: E402

@@ -16,6 +16,12 @@ where the process kills itself:
     HFR_FAIL_SAVE=k         writing checkpoint-k's tensor files fails with OSError(ENOSPC) (a full disk), after
                             part of the first file is written
 
+``--device cuda`` trains on the GPU (tests/test_gpu.py; ``cpu``, the default, is the same flow on the CPU), with
+``--precision fp16`` (a GradScaler whose initial scale is ``--init-scale``: a huge one makes the first steps
+overflow, and the scaler skips them) or ``bf16``; ``--deterministic`` sets the deterministic settings of
+docs/limits.md (``torch.use_deterministic_algorithms(True)``, cuDNN deterministic, no TF32, eager attention; the
+caller sets ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` before CUDA starts).
+
 With ``--save-async`` a save returns before its checkpoint has committed: on_save of step k then only means that
 checkpoint-(k-1) has committed (the save of step k waited for it), checkpoint-k may still be in flight.
 
@@ -67,21 +73,21 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
                                    sep_token="[SEP]", mask_token="[MASK]")
 
 
-def build_model(kind: str) -> torch.nn.Module:
+def build_model(kind: str, **config_options) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "gpt2":
         config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.1,
-                            embd_pdrop=0.1, attn_pdrop=0.1, pad_token_id=0)
+                            embd_pdrop=0.1, attn_pdrop=0.1, pad_token_id=0, **config_options)
         return GPT2LMHeadModel(config)
     if kind == "llama":
         config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                              num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=64,
-                             attention_dropout=0.1, pad_token_id=0)
+                             attention_dropout=0.1, pad_token_id=0, **config_options)
         return LlamaForCausalLM(config)
     if kind == "bert":
         config = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                             vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout_prob=0.1,
-                            attention_probs_dropout_prob=0.1, pad_token_id=0)
+                            attention_probs_dropout_prob=0.1, pad_token_id=0, **config_options)
         return BertForMaskedLM(config)
     raise ValueError(kind)
 
@@ -254,6 +260,29 @@ def kill_torchrun_job() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+class ScalerRecorder(TrainerCallback):
+    """Records, at each optimizer step's end, the GradScaler's scale and whether the step was skipped (an overflow)."""
+
+    def __init__(self) -> None:
+        self.trainer = None
+        self.steps: list[dict] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        scaler = self.trainer.accelerator.scaler
+        if scaler is not None:
+            self.steps.append({"step": state.global_step, "scale": scaler.get_scale(),
+                               "skipped": bool(self.trainer.accelerator.optimizer_step_was_skipped)})
+
+
+def install_grad_scaler(trainer, init_scale: float) -> None:
+    """A GradScaler starting at ``init_scale`` (a huge one overflows at once), backing off fast (a step skipped on
+    overflow divides the scale by 256) and growing after 3 good steps, so that skips and growth both happen within
+    a few steps. Set before ``train()`` prepares the optimizer, which takes the accelerator's scaler then."""
+    if trainer.accelerator.scaler is not None:
+        trainer.accelerator.scaler = torch.amp.GradScaler(trainer.accelerator.device.type, init_scale=init_scale,
+                                                          backoff_factor=2.0 ** -8, growth_interval=3)
+
+
 class SaveRecorder(TrainerCallback):
     """Records, at each on_save, whether the checkpoint of that step was still being written in the background."""
 
@@ -295,15 +324,16 @@ def _env_int(name: str) -> int | None:
     return int(value) if value else None
 
 
-def dump_results(trainer, output_dir: Path, train_output, saves_in_flight: list[int] = ()) -> None:
+def dump_results(trainer, output_dir: Path, train_output, saves_in_flight: list[int] = (),
+                 scaler_steps: list[dict] = ()) -> None:
     model = trainer.accelerator.unwrap_model(trainer.model)
-    tensors = {f"model/{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    tensors = {f"model/{k}": v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
     names = {id(p): n for n, p in model.named_parameters()}
     for group in trainer.optimizer.param_groups:
         for p in group["params"]:
             for key, value in trainer.optimizer.state.get(p, {}).items():
                 if torch.is_tensor(value):
-                    tensors[f"optim/{names[id(p)]}/{key}"] = value.detach().clone().contiguous()
+                    tensors[f"optim/{names[id(p)]}/{key}"] = value.detach().to("cpu", copy=True).contiguous()
     suffix = f"-rank{RANK}" if RANK else ""
     save_file(tensors, str(output_dir / f"final{suffix}.safetensors"))
     # Wall-clock fields are the only non-deterministic ones; they are removed by name.
@@ -315,6 +345,9 @@ def dump_results(trainer, output_dir: Path, train_output, saves_in_flight: list[
               "lr": trainer.lr_scheduler.get_last_lr(),
               "resumed_from": str(resumed_from) if resumed_from else None,
               "saves_in_flight_at_on_save": list(saves_in_flight),
+              "scaler_steps": list(scaler_steps),
+              "scaler": trainer.accelerator.scaler.state_dict() if trainer.accelerator.scaler is not None else None,
+              "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
               "train_output": {"global_step": train_output.global_step, "training_loss": train_output.training_loss,
                                "metrics": metrics}}
     (output_dir / f"result{suffix}.json").write_text(json.dumps(result, indent=1))
@@ -351,6 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-resume", action="store_true")
     p.add_argument("--save-async", action="store_true", help="ResumableTrainer(save_async=True)")
     p.add_argument("--preemption-notice", type=float, default=None, help="ResumableTrainer(preemption_notice=...)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--precision", default="no", choices=["no", "fp16", "bf16"], help="TrainingArguments(fp16/bf16)")
+    p.add_argument("--init-scale", type=float, default=2.0 ** 16, help="the fp16 GradScaler's initial scale")
+    p.add_argument("--deterministic", action="store_true", help="deterministic algorithms and eager attention")
     a = p.parse_args(argv)
 
     from hf_resumable.integrations.trainer import ResumableTrainer
@@ -358,7 +395,12 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     datasets.disable_progress_bars()
     tokenizer = build_tokenizer()
-    model = build_model(a.model)
+    if a.deterministic:  # the settings docs/limits.md names, kept in one place: the reference loop's
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+        from custom_loop import use_deterministic_settings
+
+        use_deterministic_settings()
+    model = build_model(a.model, **({"attn_implementation": "eager"} if a.deterministic else {}))
     if a.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -375,13 +417,14 @@ def main(argv: list[str] | None = None) -> int:
         lr_scheduler_type="linear", warmup_steps=2, weight_decay=0.01, logging_steps=a.logging_steps,
         logging_strategy=a.logging_strategy, train_sampling_strategy=a.sampling,
         save_strategy="steps", save_steps=a.save_steps, save_total_limit=a.save_total_limit,
-        dataloader_num_workers=a.workers, seed=a.seed, report_to=[], disable_tqdm=True, use_cpu=True,
+        dataloader_num_workers=a.workers, seed=a.seed, report_to=[], disable_tqdm=True, use_cpu=a.device == "cpu",
+        fp16=a.precision == "fp16", bf16=a.precision == "bf16",
         remove_unused_columns=a.data != "wwm",  # the whole-word-masking collator needs offset_mapping
         **evaluation)
     if _env_int("HFR_FAIL_SAVE") is not None:
         fail_saves_of(_env_int("HFR_FAIL_SAVE"))
-    recorder = SaveRecorder()
-    callbacks = [Interrupter(a.ga), recorder]
+    recorder, scaler_recorder = SaveRecorder(), ScalerRecorder()
+    callbacks = [Interrupter(a.ga), recorder, scaler_recorder]
     if a.early_stopping is not None:
         callbacks.append(transformers.EarlyStoppingCallback(early_stopping_patience=a.early_stopping,
                                                             early_stopping_threshold=1.0))
@@ -401,10 +444,12 @@ def main(argv: list[str] | None = None) -> int:
                                    allow_inexact_resume=a.allow_inexact_resume,
                                    restore_callback_states=not a.no_restore_callbacks, save_async=a.save_async,
                                    preemption_notice=a.preemption_notice, **kwargs)
-    recorder.trainer = trainer
+    recorder.trainer = scaler_recorder.trainer = trainer
+    if a.precision == "fp16":
+        install_grad_scaler(trainer, a.init_scale)
     try:
         output = trainer.train(resume_from_checkpoint=not a.no_resume)
-        dump_results(trainer, Path(a.output_dir), output, recorder.in_flight)
+        dump_results(trainer, Path(a.output_dir), output, recorder.in_flight, scaler_recorder.steps)
     except SystemExit as exit_:  # preemption: record which step this rank saved before leaving
         record = {"code": exit_.code, "global_step": trainer.state.global_step}
         (Path(a.output_dir) / f"exit-rank{RANK}.json").write_text(json.dumps(record))
@@ -415,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
             # the DDP-wrapped model still holds it can deadlock when the model is released: release it first.
             import gc
 
-            del trainer, kwargs, model, recorder
+            del trainer, kwargs, model, recorder, scaler_recorder
             gc.collect()
             torch.distributed.destroy_process_group()
     return 0
