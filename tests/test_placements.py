@@ -43,6 +43,8 @@ def written_elements(plans, shape) -> torch.Tensor:
 LAYOUTS = [
     # (global shape, placements, mesh shape, copies of the mesh)
     ((8, 6), (_StridedShard(0, split_factor=2), Shard(0)), (2, 2), 1),  # FSDP2 over a colwise TP weight
+    ((10, 3), (_StridedShard(0, split_factor=2), Shard(0)), (2, 2), 1),  # the same, rows split unevenly (3 + 2)
+    ((4, 6), (Replicate(), _StridedShard(1, split_factor=2), Shard(1)), (2, 2, 2), 1),  # HSDP x TP, rowwise
     ((6, 8), (Shard(0), Shard(1)), (2, 2), 1),
     ((4, 7), (Shard(1), Shard(1)), (2, 2), 1),  # two mesh dims split one tensor dim, unevenly
     ((7, 4), (Shard(0), Replicate()), (2, 2), 1),  # split over dp_shard, replicated over tp
@@ -94,7 +96,7 @@ def test_partial_placements_are_refused_naming_the_tensor():
 
 def test_strided_pieces_that_are_not_boxes_are_refused():
     # Shard(0) then _StridedShard(0, 2): rank (0, 0) holds rows {0, 2} of 8, not a box
-    with pytest.raises(UnsupportedStateError, match="'w'.*not one contiguous box"):
+    with pytest.raises(UnsupportedStateError, match="'w'.*dimension 0 .*not one contiguous range"):
         check_tiling((8,), (Shard(0), _StridedShard(0, split_factor=2)), (2, 2), name="w")
     with pytest.raises(UnsupportedStateError):
         plan_piece((8,), (Shard(0), _StridedShard(0, split_factor=2)), MeshView((2, 2), (1, 1)), name="w")

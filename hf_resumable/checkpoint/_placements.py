@@ -17,8 +17,8 @@ tensor), so every rank computes every other rank's answer and the ranks agree wi
   over the ranks instead of landing on rank 0.
 
 ``_StridedShard`` pieces are boxes only where the strided split leaves each rank a contiguous range (FSDP2 over a
-tensor-parallel weight whose size both split evenly); :func:`check_tiling` proves it for a layout by enumerating every
-mesh coordinate (the boxes must be disjoint and cover the tensor) and refuses the others.
+tensor-parallel weight whose size both split evenly); :func:`check_tiling` proves it for a layout, one tensor
+dimension at a time (the ranges must follow each other and cover it), and refuses the others.
 
 :func:`describe_mesh` is the one place that reads a ``DeviceMesh`` (its shape, this rank's coordinate, and which copy
 of it this rank is in).
@@ -101,11 +101,12 @@ def _box(shape: tuple[int, ...], placements: tuple, mesh_shape: tuple[int, ...],
 @functools.lru_cache(maxsize=1024)
 def check_tiling(shape: tuple[int, ...], placements: tuple, mesh_shape: tuple[int, ...], *, name: str = "tensor"
                  ) -> None:
-    """Refuse a layout whose pieces are not boxes that tile the tensor (pure): over every coordinate of the mesh, the
-    distinct non-empty boxes must be disjoint and cover every element once.
+    """Refuse a layout whose pieces are not boxes that tile the tensor (pure).
 
-    Only a ``_StridedShard`` split can fail it (each rank's elements are then every ``split_factor``-th chunk, which
-    is a box only when the chunks it gets are adjacent).
+    A piece's range along a tensor dimension depends only on the mesh dimensions that shard that tensor dimension, so
+    each tensor dimension is checked alone: over the coordinates of those mesh dimensions, the distinct non-empty
+    ranges must follow each other from 0 to the dimension's size. Only a ``_StridedShard`` split can fail it (each
+    rank's elements are then every ``split_factor``-th chunk, which is a range only when its chunks are adjacent).
 
     Raises:
         UnsupportedStateError: naming the tensor and its placements.
@@ -124,18 +125,27 @@ def check_tiling(shape: tuple[int, ...], placements: tuple, mesh_shape: tuple[in
     """
     if not any(type(p).__name__ == "_StridedShard" for p in placements):
         return  # Shard and Replicate split each dimension into consecutive chunks: always a tiling
-    boxes = {_box(shape, placements, mesh_shape, c) for c in itertools.product(*(range(n) for n in mesh_shape))}
-    boxes = sorted(b for b in boxes if math.prod(b[1]))
-    disjoint = all(_disjoint(a, b) for a, b in itertools.combinations(boxes, 2))
-    if not disjoint or sum(math.prod(b[1]) for b in boxes) != math.prod(shape):
-        raise UnsupportedStateError(
-            f"{name!r}: with placements {placements} on a mesh of shape {list(mesh_shape)}, a rank's elements of the "
-            f"global shape {list(shape)} are not one contiguous box, which a piece file cannot describe. Save it "
-            "with sizes the strided sharding splits evenly, or redistribute() it to Shard/Replicate placements.")
-
-
-def _disjoint(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
-    return any(x + m <= y or y + n <= x for x, m, y, n in zip(a[0], a[1], b[0], b[1]))
+    for dim, size in enumerate(shape):
+        splitting = [i for i, p in enumerate(placements) if getattr(p, "dim", None) == dim and not p.is_replicate()]
+        ranges = set()
+        for chosen in itertools.product(*(range(mesh_shape[i]) for i in splitting)):
+            coordinate = [0] * len(mesh_shape)
+            for i, c in zip(splitting, chosen):
+                coordinate[i] = c
+            offset, local = _box(shape, placements, mesh_shape, tuple(coordinate))
+            if local[dim]:
+                ranges.add((offset[dim], local[dim]))
+        end = 0
+        for start, length in sorted(ranges):
+            if start != end:
+                break
+            end = start + length
+        if end != size or sum(length for _, length in ranges) != size:
+            raise UnsupportedStateError(
+                f"{name!r}: with placements {placements} on a mesh of shape {list(mesh_shape)}, a rank's elements of "
+                f"dimension {dim} of the global shape {list(shape)} are not one contiguous range, which a piece file "
+                "cannot describe. Save it with sizes the strided sharding splits evenly, or redistribute() it to "
+                "Shard/Replicate placements.")
 
 
 def plan_piece(shape: Sequence[int], placements: Sequence[Any], mesh: MeshView, *, name: str) -> PiecePlan:
