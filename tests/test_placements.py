@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hf_resumable.checkpoint._placements import MeshView, check_tiling, plan_piece
+from hf_resumable.checkpoint._placements import MeshView, check_copies_agree, check_tiling, plan_piece
 from hf_resumable.checkpoint._sharded import check_coverage
 from hf_resumable.errors import CheckpointMismatchError, HfResumableError, UnsupportedStateError
 
@@ -111,6 +111,15 @@ def test_mesh_views_are_validated():
         plan_piece((4,), (Shard(0),), MeshView((2, 2), (0, 0)), name="w")
 
 
+def test_copies_of_a_piece_must_agree():
+    def report(sample):
+        return {"copies": {"norm": {"offset": [3], "sample": sample}, "bias": {"offset": [0], "sample": "b"}}}
+
+    check_copies_agree([report("a"), report("a"), {"file": None}], source="x")  # a rank holding no copies
+    with pytest.raises(CheckpointMismatchError, match=r"x: the copies of 1 tensor\(s\).*\['norm'\].*gradients"):
+        check_copies_agree([report("a"), report("c")], source="x")
+
+
 def test_coverage_refuses_one_piece_written_twice():
     """Two ranks that both write the same half (and nobody the other half) add up to the right element count: the
     check still refuses it."""
@@ -129,7 +138,12 @@ def _launch(args: list[str], world_size: int) -> None:
 def test_dp_shard_x_tp_dtensors_save_load_and_reshard_4_2_1(tmp_path):
     _launch(["save", str(tmp_path)], 4)
     for rank in range(4):  # the same layout: every rank's pieces, weights and AdamW moments, bit for bit
-        assert json.loads((tmp_path / f"result-rank{rank}.json").read_text()) == {"problems": []}
+        result = json.loads((tmp_path / f"result-rank{rank}.json").read_text())
+        assert result["problems"] == []
+        # copies of a sub-mesh that differ: no copy is chosen silently, the save is refused on every rank
+        assert "the copies of 1 tensor(s) held by several ranks differ (['norm'])" in result["diverged"]
+        assert result["diverged"].startswith("CheckpointMismatchError" if rank == 0 else "RuntimeError")
+    assert not (tmp_path / "diverged-0" / "manifest.json").exists()
     layout = json.loads((tmp_path / "checkpoint-2" / "sharded_layout.json").read_text())
     files = {Path(f).name: set(pieces) for f, pieces in layout["model"]["pieces"].items()}
     writers_of = {name: [f for f, names in files.items() if name in names] for name in ("norm", "tpnorm", "bias")}

@@ -31,15 +31,18 @@ import itertools
 import logging
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import UnsupportedStateError
+from ..errors import CheckpointMismatchError, UnsupportedStateError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MeshView", "PiecePlan", "plan_piece", "check_tiling", "describe_mesh"]
+__all__ = ["MeshView", "PiecePlan", "plan_piece", "check_tiling", "check_copies_agree", "describe_mesh",
+           "REPORT_COPIES"]
+
+REPORT_COPIES = "copies"  # in a rank's layout report: {name: {"offset", "sample"}} of pieces held in mesh copies
 
 
 @dataclass(frozen=True)
@@ -74,12 +77,15 @@ class PiecePlan:
         offset (`tuple[int, ...]`), shape (`tuple[int, ...]`): the box of the global tensor.
         holders (`int`): how many ranks of the job hold this same box.
         writes (`bool`): whether this rank is the one of them that writes it.
+        copies (`int`, *optional*, defaults to 1): how many copies of the mesh hold it (more than 1: nothing in the
+            placements says the copies are equal, so a save compares them).
     """
 
     offset: tuple[int, ...]
     shape: tuple[int, ...]
     holders: int
     writes: bool
+    copies: int = 1
 
 
 def _refuse_partial(placements: Sequence[Any], name: str) -> None:
@@ -98,7 +104,6 @@ def _box(shape: tuple[int, ...], placements: tuple, mesh_shape: tuple[int, ...],
     return tuple(int(x) for x in offset), tuple(int(x) for x in local_shape)
 
 
-@functools.lru_cache(maxsize=1024)
 def check_tiling(shape: tuple[int, ...], placements: tuple, mesh_shape: tuple[int, ...], *, name: str = "tensor"
                  ) -> None:
     """Refuse a layout whose pieces are not boxes that tile the tensor (pure).
@@ -117,14 +122,18 @@ def check_tiling(shape: tuple[int, ...], placements: tuple, mesh_shape: tuple[in
     >>> from torch.distributed.tensor import Shard
     >>> from torch.distributed.tensor.placement_types import _StridedShard
     >>> check_tiling((8,), (_StridedShard(0, split_factor=2), Shard(0)), (2, 2))  # FSDP2 over TP: boxes
-    >>> check_tiling((8,), (Shard(0), _StridedShard(0, split_factor=2)), (2, 2), name="w")
+    >>> check_tiling((8,), (Shard(0), _StridedShard(0, split_factor=2)), (2, 2), name="w")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     hf_resumable.errors.UnsupportedStateError: 'w': with placements ...
     ```
     """
-    if not any(type(p).__name__ == "_StridedShard" for p in placements):
-        return  # Shard and Replicate split each dimension into consecutive chunks: always a tiling
+    if any(type(p).__name__ == "_StridedShard" for p in placements):  # Shard and Replicate always tile
+        _check_strided_tiling(tuple(shape), tuple(placements), tuple(mesh_shape), name)
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_strided_tiling(shape: tuple[int, ...], placements: tuple, mesh_shape: tuple[int, ...], name: str) -> None:
     for dim, size in enumerate(shape):
         splitting = [i for i, p in enumerate(placements) if getattr(p, "dim", None) == dim and not p.is_replicate()]
         ranges = set()
@@ -179,7 +188,7 @@ def plan_piece(shape: Sequence[int], placements: Sequence[Any], mesh: MeshView, 
     ...  for d in range(2) for t in range(2)]
     [False, True, True, False]
     >>> plan_piece((4, 6), (Shard(1), Replicate()), MeshView((3, 2), (2, 1)), name="w")
-    PiecePlan(offset=(0, 4), shape=(4, 2), holders=2, writes=False)
+    PiecePlan(offset=(0, 4), shape=(4, 2), holders=2, writes=False, copies=1)
     ```
     """
     shape, placements = tuple(int(x) for x in shape), tuple(placements)
@@ -195,7 +204,7 @@ def plan_piece(shape: Sequence[int], placements: Sequence[Any], mesh: MeshView, 
                      [mesh.copies, *(mesh.shape[i] for i in replicated)])
     box_index = _linear([mesh.coordinate[i] for i in sharded], [mesh.shape[i] for i in sharded])
     writer = (zlib.crc32(name.encode()) + box_index) % holders
-    return PiecePlan(offset, local_shape, holders, number == writer)
+    return PiecePlan(offset, local_shape, holders, number == writer, mesh.copies)
 
 
 def _linear(coordinate: Sequence[int], sizes: Sequence[int]) -> int:
@@ -231,3 +240,34 @@ def describe_mesh(mesh: Any) -> MeshView | None:
         if rows:
             copies, copy = int(every.shape[0]), rows[0]
     return MeshView(shape, tuple(int(c) for c in coordinate), copies, copy)
+
+
+def check_copies_agree(reports: list[Mapping[str, Any]], *, source: str) -> None:
+    """Refuse a save in which the copies of one piece differ (pure): data-parallel replicas whose gradients were
+    never averaged, say, of which a checkpoint could keep only one.
+
+    Raises:
+        CheckpointMismatchError: naming the tensors (the save commits nothing).
+
+    Example:
+
+    ```python
+    >>> check_copies_agree([{"copies": {"w": {"offset": [0], "sample": "a"}}},  # doctest: +ELLIPSIS
+    ...                     {"copies": {"w": {"offset": [0], "sample": "b"}}}], source="x")
+    Traceback (most recent call last):
+    ...
+    hf_resumable.errors.CheckpointMismatchError: x: the copies of 1 tensor(s) held by several ranks differ (['w'])...
+    ```
+    """
+    seen: dict[tuple[str, tuple[int, ...]], str] = {}
+    wrong = set()
+    for report in reports:
+        for name, entry in (report.get(REPORT_COPIES) or {}).items():
+            if seen.setdefault((name, tuple(entry["offset"])), entry["sample"]) != entry["sample"]:
+                wrong.add(name)
+    if wrong:
+        raise CheckpointMismatchError(
+            f"{source}: the copies of {len(wrong)} tensor(s) held by several ranks differ ({sorted(wrong)[:5]}), so "
+            "no one of them is the model. Nothing was committed. The ranks that hold them (the same DTensor piece "
+            "on copies of a sub-mesh, e.g. the tensor-parallel groups of different data-parallel ranks) must stay "
+            "in sync: average their gradients (FSDP2 or DDP over the data-parallel dimensions).")

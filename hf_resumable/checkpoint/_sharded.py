@@ -44,7 +44,7 @@ from ..format.safetensors_io import DTYPE_TO_STR
 from ..format.sharding import ShardPlan
 from ._model import find_aliases
 from ._payload import TensorFile
-from ._placements import PiecePlan, describe_mesh, plan_piece
+from ._placements import REPORT_COPIES, PiecePlan, describe_mesh, plan_piece
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ __all__ = [
     "plan_hf_weights",
     "plan_plain_owners",
     "check_coverage",
+    "copy_fingerprints",
     "full_weights_for",
 ]
 
@@ -507,13 +508,32 @@ def check_coverage(section: Mapping[str, Any], *, source: str) -> None:
             "HF_RESUMABLE_SPLIT_REPLICAS=0 (rank 0 writes them).")
 
 
-def piece_report(relpath: str, local: LocalState) -> dict[str, Any]:
-    """This rank's contribution to the layout (JSON): its piece file, the boxes in it, and the aliases it left
-    out."""
-    if not local.pieces:
-        return {"file": None, "pieces": {}, "tied": dict(local.tied)}
-    return {"file": relpath, "pieces": {name: box.to_json() for name, _, box in local.pieces},
-            "tied": dict(local.tied)}
+def piece_report(relpath: str, local: LocalState, copies: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """This rank's contribution to the layout (JSON): its piece file, the boxes in it, the aliases it left out, and
+    the fingerprints of the pieces it holds in several copies of a mesh (:func:`copy_fingerprints`)."""
+    report = {"file": None, "pieces": {}, "tied": dict(local.tied), REPORT_COPIES: dict(copies or {})}
+    if local.pieces:
+        report.update(file=relpath, pieces={name: box.to_json() for name, _, box in local.pieces})
+    return report
+
+
+def copy_fingerprints(state: Mapping[str, torch.Tensor], tied: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """``{name: {"offset": [...], "sample": fingerprint}}`` of every DTensor piece this rank holds in several copies
+    of a sub-mesh (an RMSNorm weight sharded over ``dp_shard`` and replicated over ``tp``): one copy writes it, so a
+    save checks that the copies agree (:func:`check_copies_agree`). Sampled xxh3-128 fingerprints
+    (:func:`~hf_resumable.checkpoint._frozen.fingerprint`), taken on the training loop's time, when the state is
+    the one saved."""
+    from ._frozen import fingerprint
+
+    prints = {}
+    for name, tensor in state.items():
+        if name in tied or not _is_dtensor(tensor):
+            continue
+        plan = _placed(tensor, name)
+        if plan.copies > 1 and math.prod(plan.shape):
+            prints[name] = {"offset": list(plan.offset),
+                            "sample": fingerprint(_local_tensor(tensor).contiguous(), full=False).sample}
+    return prints
 
 
 def plan_hf_weights(sizes: Mapping[str, int], *, world_size: int, max_shard_size: int | str

@@ -18,7 +18,8 @@ Modes:
 
 * ``save`` (4 ranks, 2x2): two AdamW steps, ``save_sharded_checkpoint`` to ROOT/checkpoint-2, rank 0 writes the full
   tensors (``reference.safetensors``), each rank its pieces as held (``pieces-rank{r}.safetensors``); then a fresh
-  model at the same layout loads it, and each rank checks its pieces bit for bit (``result-rank{r}.json``).
+  model at the same layout loads it, and each rank checks its pieces bit for bit (``result-rank{r}.json``); a model
+  whose ``norm`` differs between its tp copies is then refused at save (``diverged`` in the same file).
 * ``load`` (any world size): the same parameters sharded ``Shard(0)`` on a 1-D mesh (or plain, on one process),
   loaded from ROOT/SOURCE and compared, gathered whole, with the reference (``load-{world}-rank{r}.json``); with
   RESAVE, saved again at this layout to ROOT/RESAVE.
@@ -109,8 +110,24 @@ def save(root: Path, rank: int) -> None:
     save_sharded_checkpoint(root / "checkpoint-2", model=model, optimizer=optimizer, step=STEPS)
     fresh, fresh_optimizer = build(layout, seed=7)
     load_sharded_checkpoint(root / "checkpoint-2", model=fresh, optimizer=fresh_optimizer)
-    result = {"problems": differences(state(fresh, fresh_optimizer, local), pieces)}
+    result = {"problems": differences(state(fresh, fresh_optimizer, local), pieces), "diverged": diverged(root, mesh)}
     (root / f"result-rank{rank}.json").write_text(json.dumps(result))
+
+
+def diverged(root: Path, mesh) -> str | None:
+    """Save a model whose ``norm`` (on the dp_shard sub-mesh) differs between its two tp copies: the error each rank
+    raised, as ``type: message`` (``None`` if the save went through). Rank 0 finds it; the others learn of it from
+    rank 0's failed commit."""
+    layout = layout_2d(mesh)
+    model, optimizer = build(layout, seed=0)
+    if mesh["tp"].get_local_rank() == 1:
+        with torch.no_grad():
+            model.norm.to_local().add_(1.0)
+    try:
+        save_sharded_checkpoint(root / "diverged-0", model=model, optimizer=optimizer, step=0)
+    except Exception as err:  # noqa: BLE001 - recorded, the test names what it expects on each rank
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def load(root: Path, rank: int, world_size: int, source: str, resave: str | None) -> None:
