@@ -183,6 +183,7 @@ from ._deepspeed import (
 )
 from ._elastic import plan_elastic_resume
 from ._engines import check_accelerate_options, check_accelerate_state, checkpoint_model, holds_dtensors
+from ._parallelism import KEY_PARALLELISM, accelerate_tp_ready, check_runnable, layout_of
 
 logger = logging.getLogger(__name__)
 
@@ -385,8 +386,13 @@ class ResumableAccelerator(Accelerator):
 
         Raises:
             UnsupportedEngineError: under FSDP2 or ZeRO, a second model or optimizer; a DeepSpeed optimizer other than
-                ZeRO's own (before any training step).
+                ZeRO's own; a ``ParallelismConfig`` layout that cannot train as it says
+                (:func:`~hf_resumable.integrations._parallelism.check_runnable`), before any training step.
+            UpstreamInternalsError: FSDP2 with tensor parallel where accelerate's preparation of it cannot run.
         """
+        layout = layout_of(self.parallelism_config)
+        check_runnable(layout, device_type=self.device.type, fsdp2=self.is_fsdp2,
+                       tp_ready=layout is None or layout.tp == 1 or accelerate_tp_ready())
         prepared = self._keep_scheduler_rate(super().prepare(*args, device_placement=device_placement))
         self._checkpoint_optimizers()  # refuses DeepSpeed's other optimizers, before any step
         self._attach_step_hooks()
@@ -477,25 +483,34 @@ class ResumableAccelerator(Accelerator):
         ...     data, collate_fn=collate, batch_size=8, seed=0)
         ```
         """
-        global_batch = batch_size * self.gradient_accumulation_steps * self.num_processes
+        rank, world_size = self._data_rank()
+        global_batch = batch_size * self.gradient_accumulation_steps * world_size
         elastic = self.resume_options.elastic
         if isinstance(dataset, torch.utils.data.IterableDataset):
-            source = dataset if elastic else split_stream_for_rank(dataset, rank=self.process_index,
-                                                                   world_size=self.num_processes)
+            source = dataset if elastic else split_stream_for_rank(dataset, rank=rank, world_size=world_size)
             loader = build_stream_dataloader(source, collate_fn=collate_fn, batch_size=batch_size, seed=seed,
-                                             drop_last=drop_last, rank=self.process_index,
-                                             world_size=self.num_processes, num_workers=num_workers,
+                                             drop_last=drop_last, rank=rank,
+                                             world_size=world_size, num_workers=num_workers,
                                              persistent_workers=persistent_workers,
                                              multiprocessing_context=multiprocessing_context,
                                              global_batch=global_batch if elastic else None)
             return self.prepare(loader)
         loader = build_map_dataloader(dataset, collate_fn=collate_fn, batch_size=batch_size, seed=seed,
-                                      shuffle=shuffle, drop_last=drop_last, rank=self.process_index,
-                                      world_size=self.num_processes, num_workers=num_workers,
+                                      shuffle=shuffle, drop_last=drop_last, rank=rank,
+                                      world_size=world_size, num_workers=num_workers,
                                       persistent_workers=persistent_workers,
                                       multiprocessing_context=multiprocessing_context,
                                       global_batch=global_batch if self.resume_options.elastic else None)
         return self.prepare(loader)
+
+    def _data_rank(self) -> tuple[int, int]:
+        """This process's data-parallel rank and the number of them: the process index and count, or, under a
+        ``ParallelismConfig``, the coordinate over its data dimensions (the ranks of one tensor/context-parallel
+        group read the same batches, :class:`~hf_resumable.integrations._parallelism.ParallelLayout`)."""
+        layout = layout_of(self.parallelism_config)
+        if layout is None or layout.world_size != self.num_processes:
+            return self.process_index, self.num_processes
+        return layout.data_rank(self.process_index), layout.data_world
 
     def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None,
                             slice_fn_for_dispatch: Any = None) -> Any:
@@ -530,8 +545,9 @@ class ResumableAccelerator(Accelerator):
         seed = broadcast_json(int(torch.empty((), dtype=torch.int64).random_().item())) if plan.resumable else None
         prepared = super().prepare_data_loader(data_loader, device_placement=device_placement,
                                                slice_fn_for_dispatch=slice_fn_for_dispatch)
-        rebuilt = (rebuild_prepared_loader(prepared, seed=seed, process_index=self.process_index,
-                                           num_processes=self.num_processes) if plan.resumable else prepared)
+        rank, world_size = self._data_rank()
+        rebuilt = (rebuild_prepared_loader(prepared, seed=seed, process_index=rank,
+                                           num_processes=world_size) if plan.resumable else prepared)
         if rebuilt is prepared and getattr(prepared, "use_stateful_dataloader", False):
             logger.warning("%s is prepared by accelerate only (%s); its torchdata StatefulDataLoader state is saved "
                            "and restored as stock accelerate does, so it resumes mid-epoch, but randomness inside "
@@ -555,12 +571,13 @@ class ResumableAccelerator(Accelerator):
         stream = not isinstance(data_loader, ResumableDataLoader)
         layout = data_loader.dataset if stream else data_loader.batch_sampler
         # a stream outside the elastic layout was split by rank beforehand: its world size is not its own
-        world_size = self.num_processes if stream and layout.global_batch is None else layout.world_size
-        if (layout.rank, world_size) != (self.process_index, self.num_processes):
+        rank, ranks = self._data_rank()
+        world_size = ranks if stream and layout.global_batch is None else layout.world_size
+        if (layout.rank, world_size) != (rank, ranks):
             raise ValueError(
                 f"The {type(data_loader).__name__} was built for rank {layout.rank} of {layout.world_size}, but this "
-                f"process is rank {self.process_index} of {self.num_processes}. Build it with "
-                "rank=accelerator.process_index and world_size=accelerator.num_processes, or use "
+                f"process is data-parallel rank {rank} of {ranks}. Build it with the data-parallel rank and world "
+                "size (accelerator.process_index and accelerator.num_processes without a ParallelismConfig), or use "
                 "prepare_resumable_dataloader().")
         place = self.device_placement if device_placement is None else device_placement
         wrapper = ResumablePreparedStream if stream else ResumablePreparedLoader
@@ -1002,6 +1019,9 @@ class ResumableAccelerator(Accelerator):
         settings = {"world_size": self.num_processes, "gradient_accumulation_steps": self.gradient_accumulation_steps,
                     "loaders": [loader.settings() for loader in self._resumable_loaders],
                     KEY_ELASTIC: self.resume_options.elastic}
+        layout = layout_of(self.parallelism_config)
+        if layout is not None:  # another N-D layout on resume is drift, named by both layouts
+            settings[KEY_PARALLELISM] = layout.describe()
         if self.resume_options.elastic:
             settings[KEY_SCHEDULER_RATE] = self._scheduler_rate
         return settings
