@@ -1,21 +1,30 @@
 """The training-loop side of :class:`~hf_resumable.integrations.accelerate.ResumableAccelerator`: prepared
-resumable loaders, map-style and streaming (device placement, epoch and position), and accumulation
-windows (the micro-batches of one optimizer step with their item count)."""
+resumable loaders, map-style and streaming (device placement, epoch and position), accumulation
+windows (the micro-batches of one optimizer step with their item count), and the watch over a resumed loop that
+skips again what its loaders already skipped (:class:`ResumedLoaders`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import logging
+import math
+import os
+import sys
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import accelerate
 import torch
 from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.state import GradientState
 from accelerate.utils import send_to_device
 
 from ..data import DATA_EPOCH, DATA_KIND, DATA_LOADER, DATA_NUM_BATCHES, DATA_STEP, ResumableDataLoader
+from ..errors import DoubleSkipError
 from ._elastic import seed_model_rng
 
-__all__ = ["AccumulationWindow", "ResumablePreparedLoader", "ResumablePreparedStream"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["AccumulationWindow", "ResumablePreparedLoader", "ResumablePreparedStream", "ResumedLoaders"]
 
 
 class ResumablePreparedLoader(DataLoaderStateMixin):
@@ -232,3 +241,118 @@ class AccumulationWindow:
                 yield batch
         finally:
             self.slot = None
+
+
+# Code of these packages is never "the script's line" a message points at.
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+                      for module in (sys.modules[__package__.rpartition(".")[0]], accelerate, torch))
+
+
+def _drawn_since(position: Mapping[str, Any], epoch: int, batch: int) -> float:
+    """Batches drawn since the loader was at ``batch`` of ``epoch``, given its ``position()`` record now (``inf``:
+    more than that epoch held). A finished pass is recorded as the next epoch's batch 0; where the epoch's length is
+    not known (a stream), that record counts as nothing drawn beyond the epoch (the next draw tells)."""
+    now_epoch, now_batch = int(position.get(DATA_EPOCH, 0)), int(position.get(DATA_STEP, 0))
+    if now_epoch == epoch:
+        return now_batch - batch
+    if now_epoch == epoch + 1 and DATA_NUM_BATCHES in position:
+        return int(position[DATA_NUM_BATCHES]) - batch + now_batch
+    return 0 if (now_epoch, now_batch) == (epoch + 1, 0) else math.inf
+
+
+def script_location() -> str:
+    """``file:line`` of the innermost caller outside hf_resumable, accelerate and torch (the training script)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame = frame.f_back
+    return "<unknown>" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+class ResumedLoaders:
+    """Where ``load_state`` put each prepared loader, to catch a script that skips again what its loader skipped.
+
+    A script written for stock accelerate (whose loaders restart at their first batch after ``load_state``) skips the
+    trained batches itself; here the loader already continues at its saved batch, so each such skip loses data:
+
+    1. **By hand**, ``for step, batch in enumerate(loader): if step < resume_step: continue``: batches of a loader
+       restored mid-epoch are drawn and thrown away. At the first backward after the resume, more than one
+       accumulation window (``gradient_accumulation_steps`` batches, what ``accumulation_windows`` draws before its
+       first backward) drawn from such a loader raises :class:`~hf_resumable.errors.DoubleSkipError`, before any
+       optimizer step (what was drawn cannot be put back).
+    2. **``skip_first_batches(loader, n)`` in every epoch** after a resume (accelerate's examples call it once, in
+       the epoch the run resumed in: that call is what the loader already did, and keeps working). In a later epoch
+       the call means the resume skip again, whose batches were not in that epoch: :meth:`is_repeated_skip` says so,
+       and the accelerator skips nothing there and logs a WARNING naming the call.
+
+    Only loaders restored in the middle of an epoch are watched (an evaluation loader, saved after its pass, is at
+    batch 0). Loops that never call ``accelerator.backward`` (``loss.backward()`` directly) are not watched.
+
+    Example:
+
+    ```python
+    >>> watch = ResumedLoaders()
+    >>> watch.is_repeated_skip(object(), 4)  # nothing was restored
+    False
+
+    ```
+    """
+
+    def __init__(self) -> None:
+        self._restored: list[tuple[Any, int, int]] = []  # (loader, epoch, batch) restored mid-epoch by load_state
+        self._armed = False  # the first backward after the resume has not happened yet
+        self._warned: set[int] = set()
+
+    def record(self, loaders: Iterable[Any]) -> None:
+        """Remember where ``load_state`` just put ``loaders`` (each has ``position()``)."""
+        self._restored = []
+        for loader in loaders:
+            position = loader.position()
+            if int(position.get(DATA_STEP, 0)) > 0:
+                self._restored.append((loader, int(position.get(DATA_EPOCH, 0)), int(position[DATA_STEP])))
+        self._armed = bool(self._restored)
+
+    def forget(self) -> None:
+        """Stop watching (the loaders were freed)."""
+        self._restored, self._armed = [], False
+
+    def is_repeated_skip(self, loader: Any, num_batches: int) -> bool:
+        """Whether ``skip_first_batches(loader, num_batches)`` repeats the resume skip in an epoch after the resumed
+        one (the loader is between passes)."""
+        for restored, epoch, batch in self._restored:
+            if restored is loader and num_batches == batch:
+                return int(loader.position().get(DATA_EPOCH, 0)) > epoch
+        return False
+
+    def warn_repeated_skip(self, loader: Any, num_batches: int) -> None:
+        """The WARNING for a call :meth:`is_repeated_skip` found (once per loader)."""
+        if id(loader) in self._warned:
+            return
+        self._warned.add(id(loader))
+        epoch = next(e for restored, e, _ in self._restored if restored is loader)
+        logger.warning(
+            "skip_first_batches(loader, %d) at %s repeats the resume skip in a later epoch: load_state() restored "
+            "this loader at batch %d of epoch %d and it continued there, so this epoch has nothing to skip; the call "
+            "skips nothing (here and in later epochs). Call skip_first_batches only in the epoch the run resumed in "
+            "(`if epoch == starting_epoch`), or not at all.", num_batches, script_location(), num_batches, epoch)
+
+    def check_first_backward(self, window: int) -> None:
+        """At the first backward after the resume: refuse if a restored loader had more than ``window`` batches
+        drawn since.
+
+        Raises:
+            DoubleSkipError: the script threw away batches that the loader had already skipped.
+        """
+        if not self._armed:
+            return
+        self._armed = False
+        for loader, epoch, batch in self._restored:
+            drawn = _drawn_since(loader.position(), epoch, batch)
+            if drawn > window:
+                raise DoubleSkipError(
+                    f"load_state() restored the training loader at batch {batch} of epoch {epoch}, and it continues "
+                    f"there by itself; but {'the rest of that epoch' if drawn == math.inf else f'{drawn} batches'} "
+                    f"were drawn from it before the first backward (a loop that trains what it draws takes at most "
+                    f"{window}, one accumulation window). The script skips the trained batches again, as scripts "
+                    "written for stock accelerate do (`if resume_step and step < resume_step: continue`), and they "
+                    f"would never be trained. Remove that skip from the loop around {script_location()}; nothing was "
+                    "trained yet.")

@@ -135,7 +135,7 @@ from ._accelerate_elastic import (
     convert_position,
     elastic_changes,
 )
-from ._accelerate_loop import AccumulationWindow, ResumablePreparedLoader, ResumablePreparedStream
+from ._accelerate_loop import AccumulationWindow, ResumablePreparedLoader, ResumablePreparedStream, ResumedLoaders
 from ._accelerate_objects import (
     KIND_MODULE,
     SLOT_CORE,
@@ -351,6 +351,7 @@ class ResumableAccelerator(Accelerator):
         self._window: AccumulationWindow | None = None  # the window accumulation_windows() handed out last
         # Loaders whose position is saved, in preparation order (ResumablePreparedLoader, ResumableDataLoaderShard...).
         self._resumable_loaders: list[LoaderPosition] = []
+        self._resume_watch = ResumedLoaders()  # catches a script that skips again what load_state's loaders skipped
         self._preemption = PreemptionHandler().install() if handle_preemption else None
         self._preemption_protocol = PreemptionProtocol(self._preemption, notice=preemption_notice)
         self._notice_checkpoint: Path | None = None  # the checkpoint saved when the preemption notice began
@@ -572,12 +573,18 @@ class ResumableAccelerator(Accelerator):
         it at batch ``n`` of its epoch, ``skip_first_batches(loader, n)`` (what accelerate's checkpointing
         examples compute from the checkpoint name) continues there, never skipping twice; on a loader without
         a restored position the next pass starts at ``num_batches`` (as accelerate's skipping loader does,
-        without fetching the skipped batches), and later passes are whole epochs.
+        without fetching the skipped batches), and later passes are whole epochs. The same call again in a later
+        epoch of a resumed run (scripts that skip in every epoch after a resume) skips nothing there, with a WARNING:
+        the batches it names were skipped in the epoch the run resumed in (see
+        :class:`~hf_resumable.integrations._accelerate_loop.ResumedLoaders`).
 
         Raises:
             ValueError: ``num_batches`` differs from the position ``load_state`` restored (the script's count
                 and the checkpoint disagree), or the loader is being iterated.
         """
+        if self._resume_watch.is_repeated_skip(dataloader, num_batches):
+            self._resume_watch.warn_repeated_skip(dataloader, num_batches)
+            return dataloader
         if isinstance(dataloader, (ResumablePreparedLoader, ResumablePreparedStream)):
             if num_batches != dataloader.consumed:
                 raise ValueError("load_state() already restored this loader's position (epoch "
@@ -618,6 +625,7 @@ class ResumableAccelerator(Accelerator):
     def free_memory(self, *objects: Any) -> Any:
         """accelerate's ``free_memory``; also forgets the prepared loaders' positions."""
         self._resumable_loaders = []
+        self._resume_watch.forget()
         return super().free_memory(*objects)
 
     # ---------------------------------------------------------------- gradient accumulation
@@ -714,10 +722,16 @@ class ResumableAccelerator(Accelerator):
         scales ``loss`` by ``num_processes * gradient_accumulation_steps / num_items_in_batch`` before the engine's
         backward, which comes to the same gradient.
 
+        The first backward after ``load_state`` checks that the loop trains what it draws from the restored loaders
+        (:class:`~hf_resumable.integrations._accelerate_loop.ResumedLoaders`).
+
         Raises:
             ValueError: if ``num_items_in_batch`` is not positive.
             NotImplementedError: with ``num_items_in_batch`` under Megatron-LM (its engine scales the loss itself).
+            DoubleSkipError: at the first backward after a resume, more than one accumulation window of batches was
+                drawn from a loader that ``load_state`` restored mid-epoch: the script skips them again by hand.
         """
+        self._resume_watch.check_first_backward(self.gradient_accumulation_steps)
         trace.on_loss(loss)  # hf-resumable check: the loss of this micro-batch
         if self.distributed_type is DistributedType.DEEPSPEED and num_items_in_batch is not None:
             engine = self.deepspeed_engine_wrapped.engine
@@ -1283,6 +1297,7 @@ class ResumableAccelerator(Accelerator):
                               f"({loader.settings()} on rank {self.process_index}; the data set, its kind, batch "
                               "size, drop_last or world size changed); its epoch restarts", ConfigDriftError)
             loader.load_position(record, restart_epoch=not fits)
+        self._resume_watch.record(self._resumable_loaders)
 
     def _restore_custom_objects(self, path: Path, states: list[Any]) -> None:
         if len(states) != len(self._custom_objects):
