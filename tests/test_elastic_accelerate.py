@@ -158,15 +158,17 @@ def _stream_run(checkpoints: Path, *, elastic: bool, windows: int, save_at: int 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("elastic", [False, True])
-def test_a_stream_resumes_mid_pass_and_into_the_next_pass(tmp_path: Path, elastic: bool, monkeypatch,
+@pytest.mark.parametrize("save_at", [2, 3])  # 3: the end of the pass (which the stream learns only at its next read)
+def test_a_stream_resumes_mid_pass_and_into_the_next_pass(tmp_path: Path, elastic: bool, save_at: int, monkeypatch,
                                                           _fresh_accelerate_state) -> None:
-    """In process: a ``datasets`` stream from ``prepare_resumable_dataloader`` saved after window 2 of its first pass
-    continues with the uninterrupted run's micro-batches (indices and random crops), through the second pass."""
+    """In process: a ``datasets`` stream from ``prepare_resumable_dataloader`` saved after window ``save_at`` of its
+    first pass continues with the uninterrupted run's micro-batches (indices and random crops), through the second
+    pass."""
     monkeypatch.syspath_prepend(str(WORKER.parent))
     reference = _stream_run(tmp_path / "reference", elastic=elastic, windows=6)
     passes = [[index for batch in reference[half:half + 6] for index, _ in batch] for half in (0, 6)]
     assert sorted(passes[0]) == sorted(passes[1]) == list(range(12)) and passes[0] != passes[1]  # reshuffled
-    head = _stream_run(tmp_path / "run", elastic=elastic, windows=2, save_at=2)
+    head = _stream_run(tmp_path / "run", elastic=elastic, windows=save_at, save_at=save_at)
     _fresh_accelerate_state()
-    tail = _stream_run(tmp_path / "run", elastic=elastic, windows=4)
+    tail = _stream_run(tmp_path / "run", elastic=elastic, windows=6 - save_at)
     assert head + tail == reference

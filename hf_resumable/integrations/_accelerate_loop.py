@@ -250,14 +250,14 @@ _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep
 
 def _drawn_since(position: Mapping[str, Any], epoch: int, batch: int) -> float:
     """Batches drawn since the loader was at ``batch`` of ``epoch``, given its ``position()`` record now (``inf``:
-    more than that epoch held). A finished pass is recorded as the next epoch's batch 0; where the epoch's length is
-    not known (a stream), that record counts as nothing drawn beyond the epoch (the next draw tells)."""
+    more than an epoch). Where the epoch's length is not known (a stream, whose restored position may be the very end
+    of its pass), the batches of the next epoch alone count: a lower bound, so a loop is never refused wrongly."""
     now_epoch, now_batch = int(position.get(DATA_EPOCH, 0)), int(position.get(DATA_STEP, 0))
     if now_epoch == epoch:
         return now_batch - batch
-    if now_epoch == epoch + 1 and DATA_NUM_BATCHES in position:
-        return int(position[DATA_NUM_BATCHES]) - batch + now_batch
-    return 0 if (now_epoch, now_batch) == (epoch + 1, 0) else math.inf
+    if now_epoch != epoch + 1:
+        return math.inf
+    return int(position[DATA_NUM_BATCHES]) - batch + now_batch if DATA_NUM_BATCHES in position else now_batch
 
 
 def script_location() -> str:
