@@ -220,16 +220,35 @@ class AccumulationWindow:
         num_items (`int`, *optional*): items (e.g. label tokens) in the whole window on all ranks.
         seeds (`list`, *optional*): per micro-batch ``(seed, epoch, chunk)`` (``elastic=True``): torch's generators
             are seeded from it before the micro-batch is handed out, so dropout does not depend on the rank layout.
+        weights (`list`, *optional*): per micro-batch ``(samples, step_samples)`` (``elastic=True``, map-style): its
+            samples that train (0: a padding batch) and the optimizer step's over all ranks, which the accelerator
+            scales its loss by (the epoch's last step is shorter than the global batch).
     """
 
-    def __init__(self, batches: list[Any], num_items: int | None, *, seeds: list | None = None) -> None:
+    def __init__(self, batches: list[Any], num_items: int | None, *, seeds: list | None = None,
+                 weights: list[tuple[int, int]] | None = None) -> None:
         self.batches = batches
         self.num_items = num_items
         self.seeds = seeds
+        self.weights = weights
         self.slot: tuple[int, int] | None = None  # (index, length) of the micro-batch being trained on
 
     def __len__(self) -> int:
         return len(self.batches)
+
+    @property
+    def is_padding(self) -> bool:
+        """Whether the micro-batch being trained on is a padding batch (``elastic=True``: this rank has no samples in
+        the epoch's last, shorter step and trains on stand-ins so that it joins the step's collectives). ``backward``
+        scales its loss to zero and ``num_items`` leaves it out; leave it out of logged losses too."""
+        weight = self.weight()
+        return weight is not None and weight[0] == 0
+
+    def weight(self) -> tuple[int, int] | None:
+        """``(samples, step_samples)`` of the micro-batch being trained on (``None``: not the elastic layout)."""
+        if self.weights is None or self.slot is None:
+            return None
+        return self.weights[self.slot[0]]
 
     def __iter__(self) -> Iterator[Any]:
         try:

@@ -659,27 +659,33 @@ class ResumableAccelerator(Accelerator):
                                                                               ResumablePreparedStream))
         while True:
             if chunk_seeds:
-                batches, seeds = self._elastic_window(dataloader, iterator)
+                batches, seeds, weights = self._elastic_window(dataloader, iterator)
             else:
-                batches, seeds = list(islice(iterator, self.gradient_accumulation_steps)), None
+                batches, seeds, weights = list(islice(iterator, self.gradient_accumulation_steps)), None, None
             if not batches:
                 return
-            num_items = self._count_window_items(batches, count_items) if count_items is not None else None
-            self._window = AccumulationWindow(batches, num_items, seeds=seeds)
+            counted = batches if weights is None else [b for b, (samples, _) in zip(batches, weights) if samples]
+            num_items = self._count_window_items(counted, count_items) if count_items is not None else None
+            self._window = AccumulationWindow(batches, num_items, seeds=seeds, weights=weights)
             try:
                 yield self._window
             finally:
                 self._window = None
 
     def _elastic_window(self, loader: ResumablePreparedLoader | ResumablePreparedStream,
-                        iterator: Iterator[Any]) -> tuple[list[Any], list]:
+                        iterator: Iterator[Any]) -> tuple[list[Any], list, list | None]:
         """A window's batches and, per batch, the ``(seed, epoch, chunk)`` its model randomness is keyed by (batch
-        ``n`` of a rank's epoch is chunk ``n * world_size + rank`` in both elastic layouts)."""
-        batches, keys = [], []
+        ``n`` of a rank's epoch is chunk ``n * world_size + rank`` in both elastic layouts) and its ``(samples,
+        step_samples)`` (the epoch's last step is shorter, a padding batch weighs 0)."""
+        batches, keys, weights = [], [], []
         for batch in islice(iterator, self.gradient_accumulation_steps):
             batches.append(batch)  # read right after the loader handed it out: its epoch and batch number
             keys.append((loader.seed, loader.epoch, (loader.consumed - 1) * self.num_processes + self.process_index))
-        return batches, keys
+            if isinstance(loader, ResumablePreparedLoader):
+                weights.append(loader.loader.batch_sampler.elastic_weight(loader.consumed - 1))
+            else:  # a stream knows the last step's length once it has read it
+                weights.append(loader.dataset.last_weight)
+        return batches, keys, weights
 
     def _count_window_items(self, batches: list[Any], count_items: Callable[[Any], int | torch.Tensor]) -> int:
         local = sum(int(count_items(batch)) for batch in batches)
@@ -752,11 +758,16 @@ class ResumableAccelerator(Accelerator):
             loss.backward(**kwargs)
 
     def _scale_loss(self, loss: torch.Tensor, num_items_in_batch: int | torch.Tensor | None) -> torch.Tensor:
+        weight = self._window.weight() if self._window is not None else None  # elastic: (samples, step_samples)
         if num_items_in_batch is not None:
             count = int(num_items_in_batch)
             if count <= 0:
                 raise ValueError(f"num_items_in_batch must be > 0, got {count} (a window without any item).")
-            return loss * (self.num_processes / count)
+            return loss * (self.num_processes / count if weight is None or weight[0] else 0.0)
+        samples, step_samples = weight or (0, 0)
+        if weight is not None and samples * self.num_processes * len(self._window) != step_samples:
+            # a shorter last step of an epoch: the batch's share of the step's samples (the process mean is taken)
+            return loss * (self.num_processes * samples / step_samples)
         if self._window is not None and self._window.slot is not None:
             return loss / self._window.slot[1]
         return loss / self.gradient_accumulation_steps

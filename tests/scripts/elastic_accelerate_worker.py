@@ -76,6 +76,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--max-steps", type=int, default=4)
+    parser.add_argument("--num-samples", type=int, help="rows (default 24 map-style, 40 in a stream); not a multiple "
+                        "of the global batch: every epoch ends with a shorter optimizer step")
     parser.add_argument("--kill-after", type=int)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--engine", choices=("ddp", "fsdp", "deepspeed", "zero1", "zero3"), default="ddp")
@@ -88,7 +90,8 @@ def main() -> None:
                                        elastic=True, **engine_options(options.engine))
     rank = accelerator.process_index
     out.mkdir(parents=True, exist_ok=True)
-    data = crop_stream(40) if options.stream else CropRows(24)  # a stream: 5 global batches of 8 per pass
+    # a stream: 5 global batches of 8 per pass
+    data = crop_stream(options.num_samples or 40) if options.stream else CropRows(options.num_samples or 24)
     if options.plain_loader:
         loader = accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=2, collate_fn=collate))
     else:
@@ -107,7 +110,8 @@ def main() -> None:
                 with accelerator.accumulate(model):
                     loss = loss_sum(model, batch)
                     accelerator.backward(loss, num_items_in_batch=window.num_items)
-                    total += loss.detach().double()
+                    if not window.is_padding:  # a stand-in of the epoch's last step: trained with weight zero
+                        total += loss.detach().double()
                     optimizer.step()
                     scheduler.step()
                     optimizer.zero_grad()
