@@ -68,6 +68,30 @@ def test_one_process_then_two_is_the_uninterrupted_run(tmp_path: Path) -> None:
     assert learning_rates(run) == learning_rates(reference)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_loop_iterating_the_loader_trains_what_the_windows_train(tmp_path: Path) -> None:
+    """A loop that iterates the prepared loader itself (``for batch in loader:`` inside ``accelerator.accumulate``,
+    ``backward`` of each micro-batch's mean loss) trains what ``accumulation_windows`` trains: 26 samples, so every
+    epoch ends with a step of 2 samples, where at 2 processes rank 1's batch pads (its loss must weigh zero, not train
+    the step's first samples twice) and rank 0's weighs the whole step; the step is taken after that one micro-batch
+    (the loader's end). Equal to the window loop at 2 processes (1e-6), and killed after step 1 and continued by one
+    process within the elastic tolerance, every sample of the epoch trained once."""
+    options = ("--num-samples", "26", "--mean-loss")
+    windows = tmp_path / "windows"
+    launch(windows, nproc=2, max_steps=5, worker=WORKER, extra=options)
+    direct = tmp_path / "direct"
+    launch(direct, nproc=2, max_steps=5, worker=WORKER, extra=(*options, "--direct"))
+    assert_same_run(windows, direct, steps=5, rtol=1e-6)
+    run = tmp_path / "run"
+    launch(run, nproc=2, max_steps=5, kill_after=1, expect_kill=True, worker=WORKER, extra=(*options, "--direct"))
+    launch(run, nproc=1, max_steps=5, worker=WORKER, extra=(*options, "--direct"))  # accumulation 2 -> 4
+    assert steps_of_rank(run, 1) == [1]
+    assert_same_run(direct, run, steps=5)
+    assert samples_per_epoch(run, 4)[0] == Counter(range(26))
+    assert learning_rates(run) == learning_rates(direct)
+
+
 def launch_engine(output: Path, engine: str, *, nproc: int, max_steps: int, kill_after: int | None = None,
                   num_samples: int = 24) -> None:
     launch(output, nproc=nproc, max_steps=max_steps, kill_after=kill_after, expect_kill=kill_after is not None,
@@ -211,3 +235,65 @@ def test_a_stream_resumes_mid_pass_and_into_the_next_pass(tmp_path: Path, elasti
     _fresh_accelerate_state()
     tail = _stream_run(tmp_path / "run", elastic=elastic, windows=2 * per_pass - save_at, count=count)
     assert head + tail == reference
+
+
+def _linear_run(data: object, *, direct: bool, accumulation: int, epochs: int = 2
+                ) -> tuple[torch.Tensor, list[list[float]]]:
+    """``elastic=True``, one process, micro-batches of 2, an SGD-trained ``Linear(1, 1)`` on a mean loss, ``epochs``
+    epochs through ``accumulation_windows`` or iterating the loader itself inside ``accumulate``: the final weights and
+    each optimizer step's samples (padding batches left out)."""
+    from hf_resumable import ResumableAccelerator
+
+    accelerator = ResumableAccelerator(gradient_accumulation_steps=accumulation, cpu=True, handle_preemption=False,
+                                       elastic=True)
+    loader = accelerator.prepare_resumable_dataloader(
+        data, collate_fn=lambda rows: torch.tensor([row["x"] if isinstance(row, dict) else row for row in rows]),
+        batch_size=2, seed=3)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    steps: list[list[float]] = [[]]
+
+    def train(batch: torch.Tensor, padding: bool) -> None:
+        with accelerator.accumulate(model):
+            accelerator.backward(((model(batch[:, None]) - 2 * batch[:, None]) ** 2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        steps[-1] += [] if padding else batch.tolist()
+        if accelerator.sync_gradients:
+            steps.append([])
+
+    for _ in range(epochs):
+        if direct:
+            for batch in loader:
+                train(batch, loader.is_padding)
+        else:
+            for window in accelerator.accumulation_windows(loader):
+                for batch in window:
+                    train(batch, window.is_padding)
+    assert not steps.pop() and accelerator.global_step == len(steps)
+    return accelerator.unwrap_model(model).weight.detach().clone(), steps
+
+
+# map-style: 14 samples, a global batch of 4; the epoch's last step is one micro-batch of 2 (the step is taken after
+# it, at the loader's end; its mean loss weighs the whole step, not half of it). A stream: 16 samples, a global batch
+# of 6; the last step is two micro-batches of 2 and a padding one (the step's first, trained again unless it weighs 0).
+@pytest.mark.parametrize(("stream", "count", "accumulation", "steps_per_epoch"), [(False, 14, 2, 4), (True, 16, 3, 3)])
+def test_iterating_an_elastic_loader_itself_trains_what_the_windows_train(
+        stream: bool, count: int, accumulation: int, steps_per_epoch: int, _fresh_accelerate_state) -> None:
+    """A loop over an elastic loader itself (no ``accumulation_windows``) takes the windows' steps, on the same
+    samples, to the same weights: every sample of an epoch once, the shorter last step weighed as the windows weigh
+    it."""
+    import datasets
+
+    values = [float(i) / 4 for i in range(count)]
+    data = datasets.Dataset.from_dict({"x": values}).to_iterable_dataset() if stream else values
+    windows, window_steps = _linear_run(data, direct=False, accumulation=accumulation)
+    _fresh_accelerate_state()
+    direct, direct_steps = _linear_run(data, direct=True, accumulation=accumulation)
+    assert direct_steps == window_steps and len(window_steps) == 2 * steps_per_epoch
+    for epoch in (window_steps[:steps_per_epoch], window_steps[steps_per_epoch:]):
+        assert sorted(value for step in epoch for value in step) == values
+        assert len(epoch[-1]) == count % (2 * accumulation)  # the last, shorter step
+    assert torch.allclose(direct, windows, rtol=1e-6, atol=0), (direct, windows)

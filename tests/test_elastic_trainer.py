@@ -81,19 +81,19 @@ def logged_losses(run: Path) -> dict[int, float]:
     return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
 
 
-def assert_same_run(reference: Path, run: Path, *, steps: int) -> None:
+def assert_same_run(reference: Path, run: Path, *, steps: int, rtol: float = RTOL) -> None:
     expected, got = samples_per_step(reference), samples_per_step(run)
     assert sorted(expected) == list(range(1, steps + 1)) and got == expected
     losses, resumed = logged_losses(reference), logged_losses(run)
     assert sorted(resumed) == sorted(losses) == list(range(1, steps + 1))
     for step, loss in losses.items():
-        assert resumed[step] == pytest.approx(loss, rel=RTOL), step
+        assert resumed[step] == pytest.approx(loss, rel=rtol), step
     final, ref = load_file(run / "final.safetensors"), load_file(reference / "final.safetensors")
     assert list(final) == list(ref)
     for name, tensor in ref.items():
         for part, (a, b) in _with_true_gradient(name, final[name], tensor).items():
             error = float((a - b).norm() / b.norm().clamp_min(1e-12))
-            assert error <= RTOL, (part, error)
+            assert error <= rtol, (part, error)
 
 
 def steps_of_rank(run: Path, rank: int) -> list[int]:
