@@ -135,7 +135,14 @@ from ._accelerate_elastic import (
     convert_position,
     elastic_changes,
 )
-from ._accelerate_loop import AccumulationWindow, ResumablePreparedLoader, ResumablePreparedStream
+from ._accelerate_loop import (
+    AccumulationWindow,
+    ElasticBatch,
+    HandOuts,
+    ResumablePreparedLoader,
+    ResumablePreparedStream,
+    ResumedLoaders,
+)
 from ._accelerate_objects import (
     KIND_MODULE,
     SLOT_CORE,
@@ -300,11 +307,13 @@ class ResumableAccelerator(Accelerator):
             x world size) is kept by changing ``gradient_accumulation_steps`` (logged once, old -> new; a world size
             that does not divide it raises ``ElasticWorldSizeError`` listing those that do), loaders from
             :meth:`prepare_resumable_dataloader` (map-style or a ``datasets`` stream) give every optimizer step the
-            same samples at any world size (each epoch cut to whole global batches; a stream is read whole by every
-            process, which keeps its chunks of each step), batches and the dropout masks of micro-batches handed out by
-            :meth:`accumulation_windows` are keyed by the global micro-batch, not the rank, and prepared schedulers
-            keep the first launch's stepping rate. With ``backward(loss_sum, num_items_in_batch=window.num_items)``
-            losses and weights match the uninterrupted run up to float rounding (see docs/accelerate.md).
+            same samples at any world size (the epoch's last, shorter step too, a rank without samples in it
+            training a padding micro-batch of weight zero; a stream is read whole by every process, which keeps its
+            chunks of each step), batches and the dropout masks of micro-batches are keyed by the global
+            micro-batch, not the rank (through :meth:`accumulation_windows` or a loop over the loader itself), and
+            prepared schedulers keep the first launch's stepping rate. With ``backward(loss_sum,
+            num_items_in_batch=window.num_items)`` (or a mean loss per micro-batch) losses and weights match the
+            uninterrupted run up to float rounding (see docs/accelerate.md).
 
     These options are validated when the accelerator is built and kept in ``resume_options`` (a frozen
     ``ResumeOptions``, shared with ``ResumableTrainer``).
@@ -353,8 +362,10 @@ class ResumableAccelerator(Accelerator):
         self._commits = AfterCommit()  # follow-ups (upload, retention) of saves not yet known to be committed
         self._warned: dict[str, bool] = {}  # one WARNING per ignored option
         self._window: AccumulationWindow | None = None  # the window accumulation_windows() handed out last
+        self._hand_outs = HandOuts()  # elastic: the batch a prepared loader handed out last (backward's weight)
         # Loaders whose position is saved, in preparation order (ResumablePreparedLoader, ResumableDataLoaderShard...).
         self._resumable_loaders: list[LoaderPosition] = []
+        self._resume_watch = ResumedLoaders()  # catches a script that skips again what load_state's loaders skipped
         self._preemption = PreemptionHandler().install() if handle_preemption else None
         self._preemption_protocol = PreemptionProtocol(self._preemption, notice=preemption_notice)
         self._notice_checkpoint: Path | None = None  # the checkpoint saved when the preemption notice began
@@ -581,7 +592,9 @@ class ResumableAccelerator(Accelerator):
                 "prepare_resumable_dataloader().")
         place = self.device_placement if device_placement is None else device_placement
         wrapper = ResumablePreparedStream if stream else ResumablePreparedLoader
-        prepared = wrapper(data_loader, gradient_state=self.gradient_state, device=self.device if place else None)
+        elastic = self.resume_options.elastic and layout.global_batch is not None
+        prepared = wrapper(data_loader, gradient_state=self.gradient_state, device=self.device if place else None,
+                           hand_outs=self._hand_outs if elastic else None)
         self._resumable_loaders.append(prepared)
         return prepared
 
@@ -592,12 +605,18 @@ class ResumableAccelerator(Accelerator):
         it at batch ``n`` of its epoch, ``skip_first_batches(loader, n)`` (what accelerate's checkpointing
         examples compute from the checkpoint name) continues there, never skipping twice; on a loader without
         a restored position the next pass starts at ``num_batches`` (as accelerate's skipping loader does,
-        without fetching the skipped batches), and later passes are whole epochs.
+        without fetching the skipped batches), and later passes are whole epochs. The same call again in a later
+        epoch of a resumed run (scripts that skip in every epoch after a resume) skips nothing there, with a WARNING:
+        the batches it names were skipped in the epoch the run resumed in (see
+        :class:`~hf_resumable.integrations._accelerate_loop.ResumedLoaders`).
 
         Raises:
             ValueError: ``num_batches`` differs from the position ``load_state`` restored (the script's count
                 and the checkpoint disagree), or the loader is being iterated.
         """
+        if self._resume_watch.is_repeated_skip(dataloader, num_batches):
+            self._resume_watch.warn_repeated_skip(dataloader, num_batches)
+            return dataloader
         if isinstance(dataloader, (ResumablePreparedLoader, ResumablePreparedStream)):
             if num_batches != dataloader.consumed:
                 raise ValueError("load_state() already restored this loader's position (epoch "
@@ -638,6 +657,7 @@ class ResumableAccelerator(Accelerator):
     def free_memory(self, *objects: Any) -> Any:
         """accelerate's ``free_memory``; also forgets the prepared loaders' positions."""
         self._resumable_loaders = []
+        self._resume_watch.forget()
         return super().free_memory(*objects)
 
     # ---------------------------------------------------------------- gradient accumulation
@@ -667,31 +687,30 @@ class ResumableAccelerator(Accelerator):
         ```
         """
         iterator = iter(dataloader)
-        chunk_seeds = self.resume_options.elastic and isinstance(dataloader, (ResumablePreparedLoader,
-                                                                              ResumablePreparedStream))
+        elastic = getattr(dataloader, "hand_outs", None) is not None  # a prepared loader of the elastic layout
         while True:
-            if chunk_seeds:
-                batches, seeds = self._elastic_window(dataloader, iterator)
+            if elastic:
+                batches, handed = self._elastic_window(dataloader, iterator)
             else:
-                batches, seeds = list(islice(iterator, self.gradient_accumulation_steps)), None
+                batches, handed = list(islice(iterator, self.gradient_accumulation_steps)), None
             if not batches:
                 return
-            num_items = self._count_window_items(batches, count_items) if count_items is not None else None
-            self._window = AccumulationWindow(batches, num_items, seeds=seeds)
+            counted = batches if handed is None else [b for b, h in zip(batches, handed) if not h.is_padding]
+            num_items = self._count_window_items(counted, count_items) if count_items is not None else None
+            self._window = AccumulationWindow(batches, num_items, elastic=handed)
             try:
                 yield self._window
             finally:
                 self._window = None
 
     def _elastic_window(self, loader: ResumablePreparedLoader | ResumablePreparedStream,
-                        iterator: Iterator[Any]) -> tuple[list[Any], list]:
-        """A window's batches and, per batch, the ``(seed, epoch, chunk)`` its model randomness is keyed by (batch
-        ``n`` of a rank's epoch is chunk ``n * world_size + rank`` in both elastic layouts)."""
-        batches, keys = [], []
+                        iterator: Iterator[Any]) -> tuple[list[Any], list[ElasticBatch]]:
+        """A window's batches and, per batch, how the loader handed it out (its model randomness key and weight)."""
+        batches, handed = [], []
         for batch in islice(iterator, self.gradient_accumulation_steps):
-            batches.append(batch)  # read right after the loader handed it out: its epoch and batch number
-            keys.append((loader.seed, loader.epoch, (loader.consumed - 1) * self.num_processes + self.process_index))
-        return batches, keys
+            batches.append(batch)
+            handed.append(loader.last_batch)  # read right after the loader handed it out
+        return batches, handed
 
     def _count_window_items(self, batches: list[Any], count_items: Callable[[Any], int | torch.Tensor]) -> int:
         local = sum(int(count_items(batch)) for batch in batches)
@@ -728,16 +747,28 @@ class ResumableAccelerator(Accelerator):
           the accumulated, process-averaged gradient is the gradient of the full window's mean.
         * Without it, inside an :class:`AccumulationWindow`, the mean loss is divided by the window's
           actual length (accelerate divides by ``gradient_accumulation_steps``, also for a short last window).
+        * ``elastic=True``, a micro-batch of a loader from :meth:`prepare_resumable_dataloader`: a padding
+          micro-batch's loss is scaled to zero and, in the epoch's last, shorter step, a mean loss weighs the
+          micro-batch's share of the step's samples. The micro-batch is the window's current one inside an
+          :class:`AccumulationWindow`; otherwise (a loop that iterates the loader itself) the batch an elastic
+          loader handed out last: of several elastic loaders, the one that handed out a batch most recently, while
+          its pass is under way.
         * Otherwise it behaves as ``accelerate.Accelerator.backward``.
 
         Under DeepSpeed, whose engine divides the loss by its gradient accumulation itself, ``num_items_in_batch``
         scales ``loss`` by ``num_processes * gradient_accumulation_steps / num_items_in_batch`` before the engine's
         backward, which comes to the same gradient.
 
+        The first backward after ``load_state`` checks that the loop trains what it draws from the restored loaders
+        (:class:`~hf_resumable.integrations._accelerate_loop.ResumedLoaders`).
+
         Raises:
             ValueError: if ``num_items_in_batch`` is not positive.
             NotImplementedError: with ``num_items_in_batch`` under Megatron-LM (its engine scales the loss itself).
+            DoubleSkipError: at the first backward after a resume, more than one accumulation window of batches was
+                drawn from a loader that ``load_state`` restored mid-epoch: the script skips them again by hand.
         """
+        self._resume_watch.check_first_backward(self.gradient_accumulation_steps)
         trace.on_loss(loss)  # hf-resumable check: the loss of this micro-batch
         if self.distributed_type is DistributedType.DEEPSPEED and num_items_in_batch is not None:
             engine = self.deepspeed_engine_wrapped.engine
@@ -758,14 +789,25 @@ class ResumableAccelerator(Accelerator):
             loss.backward(**kwargs)
 
     def _scale_loss(self, loss: torch.Tensor, num_items_in_batch: int | torch.Tensor | None) -> torch.Tensor:
+        batch, micro_batches = self._trained_micro_batch()
         if num_items_in_batch is not None:
             count = int(num_items_in_batch)
             if count <= 0:
                 raise ValueError(f"num_items_in_batch must be > 0, got {count} (a window without any item).")
-            return loss * (self.num_processes / count)
-        if self._window is not None and self._window.slot is not None:
-            return loss / self._window.slot[1]
-        return loss / self.gradient_accumulation_steps
+            return loss * (0.0 if batch is not None and batch.is_padding else self.num_processes / count)
+        scale = None if batch is None else batch.loss_scale(num_processes=self.num_processes,
+                                                            micro_batches=micro_batches)
+        return loss / micro_batches if scale is None else loss * scale
+
+    def _trained_micro_batch(self) -> tuple[ElasticBatch | None, int]:
+        """The elastic batch being trained on (``None``: not the elastic layout) and the micro-batches per rank of
+        its step: the active window's, else the batch an elastic loader handed out last (a loop iterating the loader
+        itself) in a step of ``gradient_accumulation_steps`` (its last micro-batch syncs: see
+        :class:`ResumablePreparedLoader`)."""
+        if self._window is not None:
+            slot = self._window.slot
+            return self._window.current(), self.gradient_accumulation_steps if slot is None else slot[1]
+        return self._hand_outs.batch, self.gradient_accumulation_steps
 
     # ---------------------------------------------------------------- save
 
@@ -1119,7 +1161,7 @@ class ResumableAccelerator(Accelerator):
         if engine is not None:
             restore_engine_state(engine, [core_optimizer], engine_state)
         # 4. Counters and data positions, 5. registered objects, 6. RNG.
-        self._restore_counters(path, loaded)
+        self._restore_counters(path, loaded, elastic_kept=kept)
         self._restore_loaders(path, loaded.data_state, loaded.manifest.world_size)
         self._restore_custom_objects(path, loaded.extra.get(EXTRA_CUSTOM_OBJECTS) or [])
         self._restore_rng(path, loaded)  # last: restoring anything else may draw random numbers
@@ -1191,10 +1233,13 @@ class ResumableAccelerator(Accelerator):
         for scheduler, state in zip(self._schedulers[1:], extra.get(EXTRA_SCHEDULERS) or []):
             scheduler.load_state_dict(state)
 
-    def _restore_counters(self, path: Path, loaded: LoadedCheckpoint) -> None:
+    def _restore_counters(self, path: Path, loaded: LoadedCheckpoint, *, elastic_kept: bool = False) -> None:
         progress = loaded.training_state
         self.global_step = int(progress.get(PROGRESS_GLOBAL_STEP, loaded.step or 0))
-        self.step = int(progress.get(PROGRESS_MICRO_STEP, 0))
+        # A checkpoint is on an optimizer-step boundary: accelerate's micro-step count (it syncs where the count is a
+        # multiple of the accumulation) is a multiple of the saved accumulation, not of the one an elastic resume
+        # changed it to, so it starts over there (a loop iterating the loader in accumulate() steps on time).
+        self.step = 0 if elastic_kept else int(progress.get(PROGRESS_MICRO_STEP, 0))
         self._set_optimizer_step_counts(progress.get(PROGRESS_OPTIMIZER_STEPS)
                                         or [self.global_step] * len(self._optimizers))
         if self.project_configuration.automatic_checkpoint_naming:
@@ -1317,6 +1362,7 @@ class ResumableAccelerator(Accelerator):
                               f"({loader.settings()} on rank {self.process_index}; the data set, its kind, batch "
                               "size, drop_last or world size changed); its epoch restarts", ConfigDriftError)
             loader.load_position(record, restart_epoch=not fits)
+        self._resume_watch.record(self._resumable_loaders)
 
     def _restore_custom_objects(self, path: Path, states: list[Any]) -> None:
         if len(states) != len(self._custom_objects):
