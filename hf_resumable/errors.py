@@ -36,6 +36,7 @@ __all__ = [
     "FormatVersionError",
     "InexactResumeError",
     "ConfigDriftError",
+    "DoubleSkipError",
     "CheckLaunchError",
     "AsyncSaveError",
     "HubError",
@@ -136,6 +137,16 @@ class InexactResumeError(HfResumableError, RuntimeError):
 
 class ConfigDriftError(InexactResumeError, ValueError):
     """The run is resumed with a configuration that differs from the one that wrote the checkpoint."""
+
+
+class DoubleSkipError(InexactResumeError):
+    """The training script skips batches that the resumed loader has already skipped.
+
+    ``load_state`` puts a prepared loader back at its saved batch; a script written for stock accelerate (which
+    restarts loaders at their first batch) then skips the trained batches again, by hand (``if step < resume_step:
+    continue``) and those batches would never be trained. Raised at the first backward after the resume, before any
+    optimizer step; the message names the loop to change. Also an ``InexactResumeError`` and a ``RuntimeError``.
+    """
 
 
 class CheckLaunchError(HfResumableError, RuntimeError):

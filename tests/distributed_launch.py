@@ -21,7 +21,7 @@ import zygote
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["RankResult", "free_port", "launch_ranks", "child_env", "shared_env", "run_torchrun"]
+__all__ = ["RankResult", "free_port", "launch_ranks", "child_env", "shared_env", "run_torchrun", "kill_torchrun_after"]
 
 
 @dataclass
@@ -136,3 +136,34 @@ def run_torchrun(script: str | Path, args: list[str], *, env: dict[str, str], ti
             out = "(its output stayed open: a process outside torchrun's tree held it)"
         pytest.fail(f"torchrun did not finish within {timeout} s:\n{out[-5000:]}")
     return subprocess.CompletedProcess(command, proc.returncode, out, "")
+
+
+def kill_torchrun_after(script: str | Path, args: list[str], *, marker: Path, env: dict[str, str], log: Path,
+                        nproc: int = 2, timeout: float = 300) -> int:
+    """``torchrun --nproc-per-node N script args`` (forked workers, as :func:`run_torchrun`), SIGKILLed as a whole once
+    ``marker`` exists (e.g. a checkpoint's manifest, renamed into place when it commits); returns its exit status.
+    Its output goes to ``log``; the test fails, with that output, if the job ends or ``timeout`` passes first."""
+    import contextlib
+
+    import psutil
+    import pytest
+
+    command = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(nproc), "--master-addr",
+               "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=zygote.torchrun_env(env))
+        try:
+            deadline = time.monotonic() + timeout
+            while not marker.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"{marker} did not appear while the job ran:\n{log.read_text()[-5000:]}")
+                time.sleep(0.05)
+        finally:  # SIGKILL the agent's process group and every worker (torchrun starts each in its own session)
+            tree = psutil.Process(proc.pid).children(recursive=True)
+            os.killpg(proc.pid, signal.SIGKILL)
+            for child in tree:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+            proc.wait()
+    return proc.returncode

@@ -119,6 +119,30 @@ def test_mean_loss_in_short_last_window_is_divided_by_its_real_length():
     assert accelerator.global_step == 2 and loader.epoch == 1
 
 
+def test_elastic_short_last_step_weighs_each_micro_batch_by_its_samples():
+    """elastic=True, 14 samples, micro-batches of 4, global batch 8: the epoch's last step holds 6 samples in
+    micro-batches of 4 and 2; with a mean loss each weighs its share (4/6, 2/6), so the step's gradient is the mean
+    over its 6 samples (not a mean of the two means)."""
+    accelerator = ResumableAccelerator(gradient_accumulation_steps=2, cpu=True, handle_preemption=False, elastic=True)
+    data = [float(i) for i in range(14)]
+    loader = accelerator.prepare_resumable_dataloader(data, collate_fn=torch.tensor, batch_size=4, seed=0,
+                                                      shuffle=False)
+    model = accelerator.prepare(torch.nn.Linear(1, 1, bias=False))
+    windows, grads = [], []
+    for window in accelerator.accumulation_windows(loader):  # no optimizer: the weight stays, gradients per window
+        windows.append([batch.tolist() for batch in window])
+        for batch in window:
+            with accelerator.accumulate(model):
+                accelerator.backward((model(batch[:, None]) ** 2).mean())
+        grads.append(model.weight.grad.clone())
+        model.zero_grad()
+    assert windows == [[data[0:4], data[4:8]], [data[8:12], data[12:14]]]  # every sample, the last 6 too
+    reference = torch.nn.Linear(1, 1, bias=False)
+    reference.load_state_dict(accelerator.unwrap_model(model).state_dict())
+    (reference(torch.tensor(data[8:14])[:, None]) ** 2).mean().backward()
+    assert torch.allclose(grads[1], reference.weight.grad, rtol=1e-6, atol=0)
+
+
 class Counter:
     """A registered custom object (accelerate's ``register_for_checkpointing``)."""
 

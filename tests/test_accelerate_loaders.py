@@ -7,6 +7,7 @@ the next epoch and every random draw are the ones the uninterrupted run saw, and
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
@@ -19,6 +20,7 @@ from accelerate.utils import DataLoaderConfiguration
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from hf_resumable.errors import DoubleSkipError, InexactResumeError
 from hf_resumable.integrations.accelerate import ResumableAccelerator
 
 
@@ -179,6 +181,114 @@ def test_skip_first_batches_after_load_state_continues_once(tmp_path):
     fresh, _, _, loader3 = build(tmp_path / "fresh", seed=0)
     assert as_lists(list(fresh.skip_first_batches(loader3, 2))) == as_lists(epoch0[2:])  # no restored position
     assert as_lists(list(loader3)) == as_lists(epoch1)  # later passes are whole epochs
+
+
+# ------------------------------------------------------------------------- a script's own skip on top of ours
+# Scripts written for stock accelerate skip what was trained themselves after load_state; the loader here already
+# continues at its saved batch. Through a plain DataLoader (accelerate's prepared classes) and a resumable loader.
+KINDS = [pytest.param("plain", 1, id="plain-DataLoader"), pytest.param("resumable", 2, id="prepare_resumable-ga2")]
+
+
+def build_kind(tmp_path, kind: str, ga: int):
+    accelerator = ResumableAccelerator(cpu=True, checkpoint_dir=tmp_path, handle_preemption=False,
+                                       gradient_accumulation_steps=ga)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    if kind == "plain":
+        loader = accelerator.prepare(make_loader())
+    else:
+        loader = accelerator.prepare_resumable_dataloader(NoisyDataset(), collate_fn=noisy_collate, batch_size=4,
+                                                          seed=0)
+    return accelerator, model, optimizer, loader
+
+
+def train_micro_batch(accelerator, model, optimizer, batch) -> None:
+    with accelerator.accumulate(model):
+        accelerator.backward(model(batch["x"][:, None]).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def indices(batches: list[dict]) -> list[list[int]]:
+    return [b["index"].tolist() for b in batches]
+
+
+def epochs_of_a_run(tmp_path, kind: str, ga: int, *, epochs: int, save_after: int | None = None) -> list[list[dict]]:
+    """Train ``epochs`` epochs; with ``save_after``, save after that many batches of epoch 0 and stop there."""
+    accelerator, model, optimizer, loader = build_kind(tmp_path, kind, ga)
+    seen = []
+    for _epoch in range(epochs):
+        seen.append([])
+        with contextlib.closing(iter(loader)) as batches:  # closed before accelerate's state is reset
+            for batch in batches:
+                train_micro_batch(accelerator, model, optimizer, batch)
+                seen[-1].append(batch)
+                if len(seen[-1]) == save_after:
+                    accelerator.save_state()
+                    break
+        if len(seen[-1]) == save_after:
+            break
+    reset_accelerate()
+    return seen
+
+
+@pytest.mark.parametrize("resume_step", [2, 4])  # 4: the skip throws away the rest of epoch 0 (of 6 batches)
+@pytest.mark.parametrize(("kind", "ga"), KINDS)
+def test_a_script_that_skips_the_restored_batches_by_hand_is_refused_before_any_step(tmp_path, kind, ga,
+                                                                                      resume_step):
+    """transgenic #59 and scripts older than skip_first_batches: ``if step < resume_step: continue``."""
+    reference = epochs_of_a_run(tmp_path / "reference", kind, ga, epochs=1)
+    epochs_of_a_run(tmp_path / "run", kind, ga, epochs=1, save_after=resume_step)
+    resumed, model, optimizer, loader = build_kind(tmp_path / "run", kind, ga)
+    resumed.load_state()
+    loaded = {k: v.clone() for k, v in resumed.unwrap_model(model).state_dict().items()}
+    # 2 (resume_step 2), or the last 2 of epoch 0 and 1 of epoch 1 (resume_step 4), thrown away, then 1 trained
+    with pytest.raises(DoubleSkipError, match=f"restored the training loader at batch {resume_step} of epoch 0.*"
+                                              "but 3 batches were drawn") as refused:
+        for epoch in range(2):
+            with contextlib.closing(iter(loader)) as batches:  # closed before accelerate's state is reset
+                for step, batch in enumerate(batches):
+                    if epoch == 0 and resume_step and step < resume_step:
+                        continue
+                    train_micro_batch(resumed, model, optimizer, batch)
+    assert isinstance(refused.value, RuntimeError) and isinstance(refused.value, InexactResumeError)
+    assert f"{__file__}:" in str(refused.value) and "Remove that skip" in str(refused.value)
+    assert resumed.global_step == resume_step // ga  # no optimizer step was taken, no weight moved
+    for key, value in resumed.unwrap_model(model).state_dict().items():
+        assert torch.equal(value, loaded[key]), key
+    reset_accelerate()
+
+    # the loop without its own skip trains the rest of the epoch, the whole first window drawn before a backward
+    resumed, model, optimizer, loader = build_kind(tmp_path / "run", kind, ga)
+    resumed.load_state()
+    rest = []
+    for window in resumed.accumulation_windows(loader):
+        for batch in window:
+            train_micro_batch(resumed, model, optimizer, batch)
+            rest.append(batch)
+    assert indices(rest) == indices(reference[0][resume_step:])
+
+
+@pytest.mark.parametrize(("kind", "ga"), KINDS)
+def test_skip_first_batches_in_every_epoch_after_a_resume_skips_once(tmp_path, kind, ga, caplog):
+    """Megatron-Bridge #4565, open-instruct: ``skip_first_batches(loader, resume_step)`` in every epoch after a
+    resume. The first call (accelerate's own idiom) is what the loader already did; the later ones skip nothing."""
+    reference = epochs_of_a_run(tmp_path / "reference", kind, ga, epochs=3)
+    epochs_of_a_run(tmp_path / "run", kind, ga, epochs=1, save_after=4)
+    resumed, model, optimizer, loader = build_kind(tmp_path / "run", kind, ga)
+    resumed.load_state()
+    resume_step, trained = 4, []
+    with caplog.at_level("WARNING"):
+        for _epoch in range(0, 3):
+            active = resumed.skip_first_batches(loader, resume_step) if resume_step else loader
+            trained.append([])
+            for batch in active:
+                train_micro_batch(resumed, model, optimizer, batch)
+                trained[-1].append(batch)
+    assert [indices(epoch) for epoch in trained] == [indices(reference[0][4:]), *map(indices, reference[1:])]
+    warnings = [r.getMessage() for r in caplog.records if "repeats the resume skip" in r.getMessage()]
+    assert len(warnings) == 1 and f"{__file__}:" in warnings[0], warnings
 
 
 class Stream(IterableDataset):

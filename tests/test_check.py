@@ -23,6 +23,7 @@ from distributed_launch import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 LOOP = REPO / "tests" / "scripts" / "check_loop.py"
+SKIP_LOOP = REPO / "tests" / "scripts" / "check_accelerate_skip.py"
 PLAIN_LOOP = REPO / "tests" / "scripts" / "check_plain_loop.py"
 
 
@@ -374,6 +375,21 @@ def test_a_resumable_accelerator_loop_is_exact(tmp_path):
                           "--epochs", "1", kills=1, seed=1)
     assert done.returncode == 0, done.stdout + done.stderr
     assert report["result"] == "EXACT"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("skip", ["once", "every-epoch", "by-hand"])
+def test_a_stock_accelerate_resume_skip_is_judged(tmp_path, skip):
+    """A stock accelerate loop's own resume skip on top of the restored position: accelerate's idiom (once) and the
+    same call in every epoch are exact (the later calls skip nothing); a skip by hand is refused and named."""
+    done, report = _check(tmp_path, sys.executable, SKIP_LOOP, "--output-dir", "{out}", "--skip", skip, kills=1,
+                          seed=1)
+    assert report["runs"][0]["resumed_from"] == [3]  # in epoch 0 of 2 (8 steps each), so a later epoch follows
+    if skip != "by-hand":
+        assert done.returncode == 0 and report["result"] == "EXACT", done.stdout + done.stderr
+        return
+    assert report["result"] != "EXACT" and "DoubleSkipError" in report["runs"][0]["failure"]
+    assert "then it did not finish: hf_resumable.errors.DoubleSkipError" in done.stdout, done.stdout
 
 
 @pytest.mark.slow

@@ -405,35 +405,75 @@ def test_a_background_save_that_fails_on_a_full_disk_leaves_no_pin(tmp_path, mon
         assert all(bool((p == 1.0).all()) for p in model.parameters())
 
 
-def test_a_sigkilled_retention_run_leaves_nothing_a_later_cleanup_keeps(tmp_path):
-    """A process finds (pins) the newest checkpoint and applies retention in a loop; it is SIGKILLed. Until its
-    parent reaps it, it is a zombie: ``kill(pid, 0)`` succeeds and ``/proc`` still shows its start time, so its pin
-    (and any announcement or trash it left) looked owned by a live process, and no later cleanup removed them."""
-    root = tmp_path / "run"
-    for step in (1, 2, 3):
-        save_checkpoint(root / f"checkpoint-{step}", model=_model(float(step)), step=step, rng=False)
-    ready = tmp_path / "ready"
+def _retention_run_stopped_midway(root: Path, midway: Path) -> int:
+    """Fork a process that finds (pins) the newest checkpoint and applies retention; from its fifth deletion on,
+    each deletion waits a second (``shutil.rmtree`` slowed in that process only), and ``midway`` appears."""
     pid = os.fork()
-    if pid == 0:  # the retention run (only file operations: safe in a forked child)
-        try:
-            find_latest_checkpoint(root, cleanup=False)
-            ready.touch()
-            while True:
-                apply_retention(root, keep_last=1)
-        finally:
-            os._exit(1)
+    if pid != 0:
+        return pid
+    try:  # the retention run (only file operations: safe in a forked child)
+        from hf_resumable.checkpoint import _fs
+
+        real_rmtree, calls = _fs.shutil.rmtree, []
+
+        def slow_rmtree(path, *args, **kwargs):
+            calls.append(path)
+            if len(calls) >= 5:
+                midway.touch()
+                time.sleep(1.0)
+            real_rmtree(path, *args, **kwargs)
+
+        _fs.shutil.rmtree = slow_rmtree
+        find_latest_checkpoint(root, cleanup=False)
+        apply_retention(root, keep_last=2)
+    finally:
+        os._exit(1)
+
+
+def _is_zombie(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b") ", 1)[1].startswith(b"Z")
+
+
+def test_a_sigkilled_retention_run_leaves_nothing_a_later_cleanup_keeps(tmp_path):
+    """A process finds (pins) the newest of 30 checkpoints and applies retention; it is SIGKILLed mid-way. The
+    cleanup that follows at once removes its pin while another process's live pin stays. Right after the kill, the
+    process may still be running with the SIGKILL pending (on a loaded machine, for a while), then it is a zombie
+    until reaped (``kill(pid, 0)`` succeeds, ``/proc`` shows its start time): in both states its pin used to look
+    like a live reader's, and the next cleanup kept it."""
+    root, midway, ready = tmp_path / "run", tmp_path / "midway", tmp_path / "ready"
+    for step in range(1, 31):
+        save_checkpoint(root / f"checkpoint-{step}", model=_model(float(step)), step=step, rng=False)
+    wait_for_pending_saves()
+    _pins.release_held_pins()
+    holder = _pin_holder(root / "checkpoint-3", ready)  # a live reader of an old checkpoint
     try:
         deadline = time.monotonic() + 60
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        time.sleep(0.2)  # a few retention passes
-        os.kill(pid, signal.SIGKILL)
-        while not Path(f"/proc/{pid}/stat").read_bytes().split(b") ")[1].startswith(b"Z"):
-            time.sleep(0.01)  # dead, not reaped: a zombie
-        assert [name for name in _owned_entries(root) if name.startswith(PIN_PREFIX)]  # its pin
-        cleanup_stale_temp_dirs(root)  # a later run
-        assert _owned_entries(root) == []
+        live_pin = Path(ready.read_text())
+        pid = _retention_run_stopped_midway(root, midway)
+        try:
+            deadline = time.monotonic() + 120
+            while not midway.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(pid, signal.SIGKILL)
+            left = [p.name for _, p in list_checkpoints(root)]
+            assert 4 < len(left) < 30, left  # killed mid-way: some removed, more than it keeps still there
+            assert [n for n in _owned_entries(root) if n.startswith(PIN_PREFIX) and str(pid) in n.split(".")]
+            cleanup_stale_temp_dirs(root)  # the next run, at once
+            pins = [n for n in _owned_entries(root) if n.startswith(PIN_PREFIX)]
+            assert pins == [live_pin.name], pins  # the killed process's pin is gone, the live reader's stays
+            while not _is_zombie(pid):
+                time.sleep(0.01)
+            cleanup_stale_temp_dirs(root)  # its announcement too, once it is dead
+            assert _owned_entries(root) == [live_pin.name]
+        finally:
+            os.waitpid(pid, 0)
+        assert [p.name for p in apply_retention(root, keep_last=2)] == [n for n in left[:-2] if n != "checkpoint-3"]
+        assert [p.name for _, p in list_checkpoints(root)] == ["checkpoint-3", "checkpoint-29", "checkpoint-30"]
     finally:
-        os.waitpid(pid, 0)
-    assert [p.name for _, p in list_checkpoints(root)] == ["checkpoint-3"]
-    assert verify_checkpoint(root / "checkpoint-3", full=True).ok
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    cleanup_stale_temp_dirs(root)
+    assert _owned_entries(root) == []
+    assert verify_checkpoint(root / "checkpoint-30", full=True).ok

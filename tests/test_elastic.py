@@ -150,22 +150,46 @@ def test_per_sample_randomness_is_the_same_at_any_world_size_and_worker_count():
 
 # ---- the elastic layout of the front doors (ResumableBatchSampler(global_batch=...), plan_elastic_resume) ----
 
-def optimizer_steps(n: int, *, world_size: int, accumulation: int, batch_size: int = 2) -> list[Counter]:
-    """The samples of every optimizer step of one epoch (all ranks), with the chunk -> batch map checked."""
-    keys = [list(ResumableBatchSampler(n, batch_size, seed=SEED, rank=r, world_size=world_size,
-                                       global_batch=batch_size * accumulation * world_size))
-            for r in range(world_size)]
+def optimizer_steps(n: int, *, world_size: int, accumulation: int, batch_size: int = 2,
+                    drop_last: bool = False) -> list[Counter]:
+    """The samples of every optimizer step of one epoch (all ranks; padding batches left out), with each batch's
+    ``elastic_weight`` checked against its samples."""
+    samplers = [ResumableBatchSampler(n, batch_size, seed=SEED, rank=r, world_size=world_size, drop_last=drop_last,
+                                      global_batch=batch_size * accumulation * world_size) for r in range(world_size)]
+    keys = [list(sampler) for sampler in samplers]
     assert len({len(k) for k in keys}) == 1, "ranks must stay in lockstep"
-    per_rank = len(keys[0])
-    return [Counter(i for rank in keys for key in rank[s * accumulation:(s + 1) * accumulation] for i in key.indices)
-            for s in range(per_rank // accumulation)]
+    steps = []
+    for s in range(-(-len(keys[0]) // accumulation)):
+        window = [(sampler, key) for sampler, rank in zip(samplers, keys)
+                  for key in rank[s * accumulation:(s + 1) * accumulation]]
+        steps.append(Counter(i for _, key in window if not key.padding for i in key.indices))
+        for sampler, key in window:
+            samples, step_samples = sampler.elastic_weight(key.step)
+            assert (samples, step_samples) == (0 if key.padding else len(key.indices), sum(steps[-1].values()))
+    return steps
 
 
-@pytest.mark.parametrize("n", [24, 29])
+@pytest.mark.parametrize("n", [24, 29, 68])
 def test_elastic_layout_gives_every_optimizer_step_the_same_samples_at_any_world_size(n):
     two = optimizer_steps(n, world_size=2, accumulation=2)
-    assert len(two) == n // 8  # the epoch is cut to whole global batches
+    assert len(two) == -(-n // 8) and sum(two, Counter()) == Counter(range(n))  # every sample once, the tail too
     assert optimizer_steps(n, world_size=1, accumulation=4) == two == optimizer_steps(n, world_size=4, accumulation=1)
+    assert optimizer_steps(n, world_size=8, accumulation=1, batch_size=1) == two  # ranks without a sample: padding
+    dropped = optimizer_steps(n, world_size=2, accumulation=2, drop_last=True)
+    assert dropped == two[:n // 8] == optimizer_steps(n, world_size=4, accumulation=1, drop_last=True)
+
+
+@pytest.mark.parametrize("n", [24, 29, 68])
+def test_elastic_layout_trains_the_samples_and_optimizer_steps_of_the_layout_without_it(n):
+    """68 samples, global batch 8: 9 optimizer steps per epoch (the last of 4 samples), as without elastic=True."""
+    for world_size, accumulation in ((1, 4), (2, 2)):
+        plain = [ResumableBatchSampler(n, 2, seed=SEED, rank=r, world_size=world_size) for r in range(world_size)]
+        steps = optimizer_steps(n, world_size=world_size, accumulation=accumulation)
+        assert len(steps) == -(-len(plain[0]) // accumulation)  # what accumulation_windows/Trainer make of it
+        assert sum(map(sum, (s.values() for s in steps))) == n
+        if world_size == 1:  # one rank: the very batches (and so steps) of the layout without elastic=True
+            assert [key.indices for key in plain[0]] == [key.indices for key in
+                                                         ResumableBatchSampler(n, 2, seed=SEED, global_batch=8)]
 
 
 def test_elastic_chunks_are_the_same_batches_at_any_world_size():

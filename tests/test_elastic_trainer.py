@@ -54,13 +54,23 @@ def launch(output: Path, *, nproc: int, max_steps: int = 4, kill_after: int | No
 
 
 def samples_per_step(run: Path) -> dict[int, Counter]:
-    """``{step: Counter(sample indices)}`` over every rank and every launch of ``run``."""
-    steps: dict[int, Counter] = {}
+    """``{step: Counter(sample indices)}`` over every rank and every launch of ``run``. A padding batch (a rank without
+    a sample in an epoch's last, shorter step trains on the step's first samples with weight zero) is collated like
+    any, so a sample collated on two ranks of one step is counted once: each step's samples are a set."""
+    steps: dict[int, set] = {}
     for path in run.glob("samples-rank*.jsonl"):
         for line in path.read_text().splitlines():
             record = json.loads(line)
-            steps.setdefault(record["step"], Counter()).update(record["indices"])
-    return steps
+            steps.setdefault(record["step"], set()).update(record["indices"])
+    return {step: Counter(indices) for step, indices in steps.items()}
+
+
+def samples_per_epoch(run: Path, steps_per_epoch: int) -> list[Counter]:
+    """The samples every epoch trained on (each step's once, see :func:`samples_per_step`)."""
+    epochs: dict[int, Counter] = {}
+    for step, samples in samples_per_step(run).items():
+        epochs.setdefault((step - 1) // steps_per_epoch, Counter()).update(samples)
+    return [epochs[epoch] for epoch in sorted(epochs)]
 
 
 def logged_losses(run: Path) -> dict[int, float]:
@@ -71,19 +81,19 @@ def logged_losses(run: Path) -> dict[int, float]:
     return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
 
 
-def assert_same_run(reference: Path, run: Path, *, steps: int) -> None:
+def assert_same_run(reference: Path, run: Path, *, steps: int, rtol: float = RTOL) -> None:
     expected, got = samples_per_step(reference), samples_per_step(run)
     assert sorted(expected) == list(range(1, steps + 1)) and got == expected
     losses, resumed = logged_losses(reference), logged_losses(run)
     assert sorted(resumed) == sorted(losses) == list(range(1, steps + 1))
     for step, loss in losses.items():
-        assert resumed[step] == pytest.approx(loss, rel=RTOL), step
+        assert resumed[step] == pytest.approx(loss, rel=rtol), step
     final, ref = load_file(run / "final.safetensors"), load_file(reference / "final.safetensors")
     assert list(final) == list(ref)
     for name, tensor in ref.items():
         for part, (a, b) in _with_true_gradient(name, final[name], tensor).items():
             error = float((a - b).norm() / b.norm().clamp_min(1e-12))
-            assert error <= RTOL, (part, error)
+            assert error <= rtol, (part, error)
 
 
 def steps_of_rank(run: Path, rank: int) -> list[int]:
@@ -106,15 +116,19 @@ def _with_true_gradient(name: str, a: torch.Tensor, b: torch.Tensor) -> dict[str
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_then_one_then_two_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    """26 samples, a global batch of 8: every epoch ends with a step of 2 samples (rank 1 pads at 2 processes), trained
+    here by one process (accumulation 4: one micro-batch) and by two in the reference."""
+    tail = ("--num-samples", "26")
     reference = tmp_path / "reference"
-    launch(reference, nproc=2)
+    launch(reference, nproc=2, max_steps=5, extra=tail)
     run = tmp_path / "run"
-    launch(run, nproc=2, kill_after=1, expect_kill=True)
-    launch(run, nproc=1, kill_after=3, expect_kill=True)  # gradient accumulation 2 -> 4
-    launch(run, nproc=2)  # 4 -> 2
-    assert json.loads((run / "result.json").read_text())["resumed_from"].endswith("checkpoint-3")
-    assert steps_of_rank(run, 1) == [1, 4]  # the world size really changed
-    assert_same_run(reference, run, steps=4)
+    launch(run, nproc=2, max_steps=5, kill_after=1, expect_kill=True, extra=tail)
+    launch(run, nproc=1, max_steps=5, kill_after=4, expect_kill=True, extra=tail)  # gradient accumulation 2 -> 4
+    launch(run, nproc=2, max_steps=5, extra=tail)  # 4 -> 2
+    assert json.loads((run / "result.json").read_text())["resumed_from"].endswith("checkpoint-4")
+    assert steps_of_rank(run, 1) == [1, 5]  # the world size really changed
+    assert_same_run(reference, run, steps=5)
+    assert samples_per_epoch(run, 4)[0] == Counter(range(26))  # every sample of the epoch once, the last 2 too
 
 
 def _trainer(output: Path, *, elastic: bool, data: Any = None, cls: type | None = None, **options: Any) -> Any:
@@ -125,12 +139,13 @@ def _trainer(output: Path, *, elastic: bool, data: Any = None, cls: type | None 
 
     from tiny_models import tiny_gpt2
 
+    trainer_options = {k: options.pop(k) for k in ("allow_config_drift",) if k in options}
     args = TrainingArguments(output_dir=str(output), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                             max_steps=2, save_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
-                             remove_unused_columns=False, **options)
+                             max_steps=options.pop("max_steps", 2), save_steps=1, report_to=[], use_cpu=True,
+                             disable_tqdm=True, remove_unused_columns=False, **options)
     data = CropRows(24) if data is None else data
     return (cls or ResumableTrainer)(model=tiny_gpt2(), args=args, train_dataset=data, data_collator=collate,
-                                     elastic=elastic, save_async=False)
+                                     elastic=elastic, save_async=False, **trainer_options)
 
 
 @pytest.mark.slow
@@ -162,6 +177,40 @@ def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_in_proces
         trainer._open_checkpoint(output / "checkpoint-1")
     assert trainer.args.gradient_accumulation_steps == 1
     assert "world size 1 -> 2: gradient_accumulation_steps 2 -> 1" in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_elastic_epoch_trains_the_samples_and_steps_of_one_without_elastic(tmp_path: Path, monkeypatch,
+                                                                              stream: bool) -> None:
+    """26 samples, global batch 4: 7 optimizer steps an epoch, the last of 2 samples, with and without
+    ``elastic=True``; every sample trains once. A stream of 26 (one pass) too, except that without ``elastic=True``
+    the Trainer's loop, which learns where a stream ends only when it reads past it, trains the last 2 with the next
+    pass's first 4 in step 7."""
+    monkeypatch.syspath_prepend(str(WORKER.parent))
+    from elastic_data import FETCHED, CropRows, crop_stream
+    from transformers import TrainerCallback
+
+    class Steps(TrainerCallback):
+        def __init__(self) -> None:
+            self.samples: list[list[int]] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.samples.append(sorted(set(FETCHED)))
+            FETCHED.clear()
+
+    runs = {}
+    for elastic in (False, True):
+        FETCHED.clear()
+        trainer = _trainer(tmp_path / f"elastic-{elastic}", elastic=elastic, data=crop_stream(26) if stream else
+                           CropRows(26), max_steps=7, save_strategy="no", allow_config_drift=True)
+        steps = Steps()
+        trainer.add_callback(steps)
+        trainer.train()
+        runs[elastic] = steps.samples
+    assert [len(step) for step in runs[True]] == [4] * 6 + [2]
+    assert [len(step) for step in runs[False]] == [4] * 6 + [6 if stream else 2]
+    assert sorted(i for step in runs[True] for i in step) == list(range(26))
 
 
 @pytest.mark.slow
@@ -200,14 +249,17 @@ def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_before_st
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_one_rank_then_two_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    """10 samples, a global batch of 4: step 3 (2 samples) ends the epoch; at 2 processes rank 1 pads it."""
+    tail = ("--num-samples", "10")
     reference = tmp_path / "reference"
-    launch(reference, nproc=1, max_steps=3)  # global batch 2 x 2 x 1 = 4
+    launch(reference, nproc=1, max_steps=3, extra=tail)  # global batch 2 x 2 x 1 = 4
     run = tmp_path / "run"
-    launch(run, nproc=1, max_steps=3, kill_after=1, expect_kill=True)
-    launch(run, nproc=2, max_steps=3)  # gradient accumulation 2 -> 1
+    launch(run, nproc=1, max_steps=3, kill_after=1, expect_kill=True, extra=tail)
+    launch(run, nproc=2, max_steps=3, extra=tail)  # gradient accumulation 2 -> 1
     assert steps_of_rank(run, 1) == [2, 3]
     assert json.loads((run / "result.json").read_text())["gradient_accumulation_steps"] == 1
     assert_same_run(reference, run, steps=3)
+    assert samples_per_epoch(run, 3) == [Counter(range(10))]
 
 
 @pytest.mark.slow
@@ -215,29 +267,35 @@ def test_one_rank_then_two_is_the_uninterrupted_run(tmp_path: Path) -> None:
 def test_a_stream_resumed_on_two_ranks_after_one_is_the_uninterrupted_run(tmp_path: Path) -> None:
     """A shuffled ``datasets`` stream with a random ``.map`` crop: step k is stream positions [4k, 4k + 4) at any
     world size. One process (gradient accumulation 2) is killed after step 1; two processes (accumulation 1) continue
-    from rank 0's position, the new rank included."""
+    from rank 0's position, the new rank included. A pass is 10 examples: step 3 trains its last 2 (rank 1 pads)."""
+    stream = ("--stream", "--num-samples", "10")
     reference = tmp_path / "reference"
-    launch(reference, nproc=1, max_steps=3, extra=("--stream",))
+    launch(reference, nproc=1, max_steps=3, extra=stream)
     run = tmp_path / "run"
-    launch(run, nproc=1, max_steps=3, kill_after=1, expect_kill=True, extra=("--stream",))
-    launch(run, nproc=2, max_steps=3, extra=("--stream",))
+    launch(run, nproc=1, max_steps=3, kill_after=1, expect_kill=True, extra=stream)
+    launch(run, nproc=2, max_steps=3, extra=stream)
     assert steps_of_rank(run, 1) == [2, 3]
     assert json.loads((run / "result.json").read_text())["gradient_accumulation_steps"] == 1
     assert_same_run(reference, run, steps=3)
+    assert samples_per_epoch(run, 3) == [Counter(range(10))]
 
 
 @pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_stream_on_two_ranks_then_one_then_two_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    """A pass is 20 examples: step 3 trains its last 4 (one process: 2 micro-batches and 2 padding ones), step 4 the
+    next pass's first 8."""
+    stream = ("--stream", "--num-samples", "20")
     reference = tmp_path / "reference"
-    launch(reference, nproc=2, extra=("--stream",))
+    launch(reference, nproc=2, extra=stream)
     run = tmp_path / "run"
-    launch(run, nproc=2, kill_after=1, expect_kill=True, extra=("--stream",))
-    launch(run, nproc=1, kill_after=3, expect_kill=True, extra=("--stream",))  # gradient accumulation 2 -> 4
-    launch(run, nproc=2, extra=("--stream",))  # 4 -> 2
+    launch(run, nproc=2, kill_after=1, expect_kill=True, extra=stream)
+    launch(run, nproc=1, kill_after=3, expect_kill=True, extra=stream)  # gradient accumulation 2 -> 4
+    launch(run, nproc=2, extra=stream)  # 4 -> 2
     assert steps_of_rank(run, 1) == [1, 4]
     assert_same_run(reference, run, steps=4)
+    assert samples_per_epoch(run, 3)[0] == Counter(range(20))
 
 
 @pytest.mark.extended
@@ -264,7 +322,8 @@ def test_fsdp2_on_two_ranks_then_one_then_two_is_the_uninterrupted_run(tmp_path:
 def test_zero2_on_two_ranks_then_one_is_the_uninterrupted_run(tmp_path: Path) -> None:
     """The Trainer with a DeepSpeed ZeRO-2 config (gloo ranks on CPU, every launch through torchrun): the optimizer
     partitions are resharded for one rank, which accumulates 4 micro-batches where two ranks accumulated 2."""
-    engine = {"extra": ("--engine", "deepspeed"), "torchrun": True, "max_steps": 3}
+    # 26 samples: step 4 ends the epoch with 2 (at 2 ranks rank 1 trains a padding micro-batch, labels ignored)
+    engine = {"extra": ("--engine", "deepspeed", "--num-samples", "26"), "torchrun": True, "max_steps": 4}
     reference = tmp_path / "reference"
     launch(reference, nproc=2, **engine)
     run = tmp_path / "run"
@@ -273,4 +332,5 @@ def test_zero2_on_two_ranks_then_one_is_the_uninterrupted_run(tmp_path: Path) ->
     result = json.loads((run / "result.json").read_text())
     assert result["distributed_type"] == "DistributedType.DEEPSPEED" and result["gradient_accumulation_steps"] == 4
     assert steps_of_rank(run, 1) == [1]
-    assert_same_run(reference, run, steps=3)
+    assert_same_run(reference, run, steps=4)
+    assert samples_per_epoch(run, 4) == [Counter(range(26))]

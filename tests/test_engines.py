@@ -18,13 +18,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -40,8 +36,7 @@ from hf_resumable.integrations._engines import check_accelerate_state
 from hf_resumable.integrations.accelerate import ResumableAccelerator
 from hf_resumable.integrations.trainer import ResumableTrainer
 
-import zygote
-from distributed_launch import REPO_ROOT, child_env, free_port, run_torchrun
+from distributed_launch import child_env, kill_torchrun_after, run_torchrun
 from engine_fixtures import build_model, read_local_state
 from test_accelerate_integration import _fresh_accelerate_state  # noqa: F401 - autouse: a fresh accelerate state
 
@@ -174,44 +169,18 @@ def test_trainer_deepspeed_is_refused_when_train_starts(tmp_path, zero, engine):
 # ------------------------------------------------------------------ torchrun jobs
 
 
-def _command(worker: Path, output: Path, options: list[str], port: int, nproc: int = 2) -> list[str]:
-    return [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(nproc), "--master-addr",
-            "127.0.0.1", "--master-port", str(port), str(worker), "--output-dir", str(output), *options]
-
-
 def _run_job(worker: Path, output: Path, options: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
     return run_torchrun(worker, ["--output-dir", str(output), *options], env=child_env(), timeout=300, nproc=nproc)
-
-
-def _kill_job(proc: subprocess.Popen) -> None:
-    """SIGKILL the torchrun agent's process group and every worker (torchrun starts each in its own session)."""
-    import psutil
-
-    tree = psutil.Process(proc.pid).children(recursive=True)
-    os.killpg(proc.pid, signal.SIGKILL)
-    for child in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
-    proc.wait()
 
 
 def _kill_after_commit(worker: Path, output: Path, options: list[str], checkpoint: Path, nproc: int = 2) -> None:
     """Run the job (``nproc`` ranks) held after checkpoint ``HOLD_STEP``; once that checkpoint has committed, SIGKILL
     the job."""
-    log = output.parent / f"{output.name}-held.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(_command(worker, output, options, free_port(), nproc), cwd=REPO_ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                env=zygote.torchrun_env(child_env({"HFR_HOLD_AFTER_SAVE": str(HOLD_STEP)})))
-        try:
-            deadline = time.monotonic() + 300
-            while not (checkpoint / "manifest.json").exists():  # the manifest is renamed into place: committed
-                assert proc.poll() is None, log.read_text()[-5000:]
-                assert time.monotonic() < deadline, log.read_text()[-5000:]
-                time.sleep(0.05)
-        finally:
-            _kill_job(proc)
-    assert proc.returncode == -signal.SIGKILL
+    returncode = kill_torchrun_after(worker, ["--output-dir", str(output), *options], nproc=nproc,
+                                     marker=checkpoint / "manifest.json",  # renamed into place: committed
+                                     log=output.parent / f"{output.name}-held.log",
+                                     env=child_env({"HFR_HOLD_AFTER_SAVE": str(HOLD_STEP)}))
+    assert returncode == -signal.SIGKILL
     assert verify_checkpoint(checkpoint, full=True).ok
     assert read_manifest(checkpoint).world_size == nproc
     assert not list(output.glob("final-rank*")), "the job ran to its end before it was killed"

@@ -97,6 +97,8 @@ class CheckReport:
         if also:
             head.append(f"  also different at that step: {', '.join(also)}")
         head.append(f"  likely cause: {likely_cause(comparison)}")
+        if run.failure:  # what stopped it (e.g. an error the resumed launch raised) says more than any guess
+            head.append(f"  then it did not finish: {_last_line(run.failure)}")
         head.append(f"  {len(comparison.differences)} difference(s) in all; outputs and traces: {self.workdir}")
         return "\n".join([*head, *lines])
 
@@ -115,6 +117,11 @@ class CheckReport:
 
     def write_json(self, path: str | os.PathLike) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def _last_line(text: str, *, limit: int = 600) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1][:limit] if lines else text[:limit]
 
 
 def _what_is_compared(reference: list[dict[str, Any]]) -> dict[str, int]:

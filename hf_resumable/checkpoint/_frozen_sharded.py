@@ -73,8 +73,8 @@ def split_frozen_sharded(model: torch.nn.Module, state: Mapping[str, torch.Tenso
         if tensor.dtype not in DTYPE_TO_STR:
             raise CheckpointMismatchError(f"Frozen tensor {name!r} has dtype {tensor.dtype}, which the checkpoint "
                                           "format cannot describe; save with standalone=True.")
-        box = local_box(tensor)
-        if box.numel and _writes_piece(tensor, rank):
+        box = local_box(tensor, name=name)
+        if box.numel and _writes_piece(name, tensor, rank):
             mine[name] = (box, _local_tensor(tensor))
     prints = _fingerprints({name: local for name, (_, local) in mine.items()}, full=True)
     report = {name: FrozenPiece(box.offset, box.shape, prints[name].full, prints[name].sample).to_json()

@@ -11,7 +11,10 @@ reader holds one) carries its owner in its name::
 entry exists without an owner, and a rename to a name owned by somebody else is a transfer of
 ownership. An entry is *stale* only if its owner is provably dead: same host, and no process with
 that pid and that start time exists (a zombie, exited but not yet reaped by its parent, is dead). Anything
-else (a live owner, another host, a name we cannot parse) is never touched.
+else (a live owner, another host, a name we cannot parse) is never touched. Between the two, a process with a
+``SIGKILL`` pending (killed, not yet scheduled to die: on a loaded machine this lasts a while) runs no more
+code of its own; :func:`owner_can_act` says so, for the names whose owner must act to use them (a pin: a
+reader that will never read).
 
 Example:
 
@@ -39,12 +42,15 @@ import socket
 import uuid
 from dataclasses import dataclass
 
-__all__ = ["OwnerTag", "OwnedName", "current_owner", "member_name", "parse_member_name", "owner_is_alive"]
+__all__ = ["OwnerTag", "OwnedName", "current_owner", "member_name", "parse_member_name", "owner_is_alive",
+           "owner_can_act"]
 
 _NAME_RE = re.compile(
     r"^(?P<prefix>\.(?:tmp|trash|pin|removing)-)(?P<target>.+)\.(?P<host>[0-9a-f]{8})\.(?P<pid>\d{1,10})\.(?P<start>\d{1,20})"
     r"\.(?P<nonce>[0-9a-f]{8})(?P<mark>\.d)?$"
 )
+# Bit of SIGKILL in the pending-signal masks of /proc/<pid>/status (bit n-1 for signal n).
+_SIGKILL_BIT = 1 << 8
 # Mark appended to a trash name once its owner has decided to delete it (readers stop waiting for it).
 DELETING_MARK = ".d"
 
@@ -139,3 +145,33 @@ def owner_is_alive(owner: OwnerTag) -> bool:
         return False
     # A recorded start time that differs means the pid was reused by a new process.
     return not (owner.start and start and start != owner.start)
+
+
+def owner_can_act(owner: OwnerTag) -> bool:
+    """Whether ``owner`` may still run code of its own: alive (:func:`owner_is_alive`) and not being killed.
+
+    A process sent ``SIGKILL`` stays in the process table, running or sleeping, until the kernel gets to it (on a
+    loaded machine that lasts; a cleanup started right after the kill sees it), but it never returns to its own
+    code: a system call it is inside completes, nothing after it runs. Its pin guards a read that will never
+    happen.
+    """
+    if not owner_is_alive(owner):
+        return False
+    return owner.host != current_owner().host or not _sigkill_pending(owner.pid)
+
+
+def _sigkill_pending(pid: int) -> bool:
+    """Whether ``SIGKILL`` is pending for ``pid`` (process-wide or for its main thread; Linux ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        if line.startswith((b"ShdPnd:", b"SigPnd:")):
+            try:
+                if int(line.split(b":", 1)[1], 16) & _SIGKILL_BIT:
+                    return True
+            except ValueError:
+                return False
+    return False

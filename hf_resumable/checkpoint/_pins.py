@@ -18,7 +18,8 @@ If the pin exists before the remover's step 2, the checkpoint is never touched; 
 announcement is still there when the reader looks (step 2), so the reader waits until the removal is
 done and sees the checkpoint gone (``find_latest_checkpoint`` then takes the next one). A reader
 therefore never holds a path that retention deletes, and never sees a pinned checkpoint flicker
-away. Flags of dead processes are ignored and cleaned up; a pin older than ``PIN_TTL`` stops
+away. Flags of dead processes are ignored and cleaned up, and so is the pin of a process being killed (a
+``SIGKILL`` pending: it will never read); a pin older than ``PIN_TTL`` stops
 protecting (a reader that sleeps for an hour does not block retention forever). Where the directory
 is read-only nothing can be deleted anyway, and no pin is made.
 """
@@ -33,7 +34,7 @@ import time
 from pathlib import Path
 
 from ..constants import MANIFEST_FILE, PIN_PREFIX, PIN_TTL, REMOVING_PREFIX
-from ._owner import current_owner, member_name, owner_is_alive, parse_member_name
+from ._owner import current_owner, member_name, owner_can_act, owner_is_alive, parse_member_name
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,8 @@ def release_held_pins() -> None:
 
 
 def live_pins(parent: Path, name: str, *, ignore_own: bool) -> list[Path]:
-    """Pins on ``parent/name`` that still protect it (live owner, younger than ``PIN_TTL``)."""
+    """Pins on ``parent/name`` that still protect it (younger than ``PIN_TTL``, of an owner that can still read: not
+    dead, not being killed)."""
     me = current_owner()
     found = []
     for entry in _entries(parent, f"{PIN_PREFIX}{name}."):
@@ -119,7 +121,7 @@ def live_pins(parent: Path, name: str, *, ignore_own: bool) -> list[Path]:
             age = time.time() - entry.lstat().st_mtime
         except FileNotFoundError:
             continue
-        if age < PIN_TTL and owner_is_alive(owned.owner):
+        if age < PIN_TTL and owner_can_act(owned.owner):
             found.append(entry)
     return found
 

@@ -44,6 +44,7 @@ from ..format.safetensors_io import DTYPE_TO_STR
 from ..format.sharding import ShardPlan
 from ._model import find_aliases
 from ._payload import TensorFile
+from ._placements import REPORT_COPIES, PiecePlan, describe_mesh, plan_piece
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ __all__ = [
     "plan_hf_weights",
     "plan_plain_owners",
     "check_coverage",
+    "copy_fingerprints",
     "full_weights_for",
 ]
 
@@ -197,20 +199,18 @@ def group_mesh(group: Any, device_type: str) -> Any:
     return DeviceMesh.from_group(group, device_type)
 
 
-def local_box(tensor: torch.Tensor) -> Box:
-    """The box of the global tensor this rank holds: a DTensor's local piece, or all of a plain tensor.
+def local_box(tensor: torch.Tensor, *, name: str = "tensor") -> Box:
+    """The box of the global tensor this rank holds: a DTensor's local piece (on any mesh, with any placements:
+    :func:`~hf_resumable.checkpoint._placements.plan_piece`), or all of a plain tensor.
 
     Raises:
-        UnsupportedStateError: for a DTensor with a ``Partial`` placement (pending reduction).
+        UnsupportedStateError: for a DTensor with a ``Partial`` placement (pending reduction), or whose pieces are
+            not boxes (a ``_StridedShard`` that does not split evenly).
     """
     if not _is_dtensor(tensor):
         return Box((0,) * tensor.dim(), tuple(tensor.shape))
-    if any(p.is_partial() for p in tensor.placements):
-        raise UnsupportedStateError(
-            f"A DTensor with placements {tensor.placements} holds a pending reduction (Partial); call "
-            "redistribute() to Shard or Replicate before saving."
-        )
-    return _box_of(tuple(tensor.shape), tensor.device_mesh, tuple(tensor.placements))
+    plan = _placed(tensor, name)
+    return Box(plan.offset, plan.shape)
 
 
 def _per_mesh(function: Any) -> Any:
@@ -235,35 +235,29 @@ def _per_mesh(function: Any) -> Any:
     return cached
 
 
+_view_of = _per_mesh(describe_mesh)  # once per mesh, not once per tensor
+
+
 @_per_mesh
-def _box_on(mesh: Any, shape: tuple[int, ...], placements: tuple) -> Box:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
-    return Box(tuple(int(x) for x in offset), tuple(int(x) for x in local_shape))
-
-
-def _box_of(shape: tuple[int, ...], mesh: Any, placements: tuple) -> Box:
-    """The local box of a global ``shape`` placed on ``mesh`` (cached, :func:`_per_mesh`)."""
-    return _box_on(mesh, shape, placements)
+def _plan_on(mesh: Any, shape: tuple[int, ...], placements: tuple, name: str) -> PiecePlan:
+    view = _view_of(mesh)
+    if view is None:  # not in the mesh: holds nothing of it
+        return PiecePlan((0,) * len(shape), (0,) * len(shape), 0, False)
+    return plan_piece(shape, placements, view, name=name)
 
 
-def _writes_piece(tensor: torch.Tensor, rank: int, owner: int = 0) -> bool:
-    """Exactly one rank writes each distinct piece: for replicated mesh dims, the one at coordinate 0; a plain
-    (replicated) tensor, rank ``owner`` (:func:`plan_plain_owners`)."""
+def _placed(tensor: torch.Tensor, name: str) -> PiecePlan:
+    """:func:`~hf_resumable.checkpoint._placements.plan_piece` of a DTensor (cached per mesh, :func:`_per_mesh`)."""
+    return _plan_on(tensor.device_mesh, tuple(tensor.shape), tuple(tensor.placements), name)
+
+
+def _writes_piece(name: str, tensor: torch.Tensor, rank: int, owner: int = 0) -> bool:
+    """Exactly one rank writes each distinct piece: of a DTensor, the holder of its box that
+    :func:`~hf_resumable.checkpoint._placements.plan_piece` elects; a plain (replicated) tensor, rank ``owner``
+    (:func:`plan_plain_owners`)."""
     if not _is_dtensor(tensor):
         return rank == owner
-    return _writes_placed(tensor.device_mesh, tuple(tensor.placements))
-
-
-@_per_mesh
-def _writes_placed(mesh: Any, placements: tuple) -> bool:
-    """:func:`_writes_piece` for a DTensor on ``mesh`` with ``placements`` (pure in them: this process's coordinate
-    on a mesh does not change)."""
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:
-        return False
-    return all(c == 0 for c, p in zip(coordinate, placements) if p.is_replicate())
+    return _placed(tensor, name).writes
 
 
 def plan_plain_owners(state: Mapping[str, torch.Tensor], tied: Mapping[str, str], *, world_size: int
@@ -344,8 +338,8 @@ def check_storable(state: Mapping[str, torch.Tensor]) -> None:
     for name, tensor in state.items():
         if tensor.dtype not in DTYPE_TO_STR:
             raise UnsupportedStateError(f"{name!r}: dtype {tensor.dtype} cannot be stored in safetensors.")
-        if _is_dtensor(tensor) and any(p.is_partial() for p in tensor.placements):
-            local_box(tensor)  # raises, naming the placements
+        if _is_dtensor(tensor):
+            local_box(tensor, name=name)  # raises for Partial placements and pieces that are not boxes
 
 
 def pieces_to_stage(state: Mapping[str, torch.Tensor], tied: Mapping[str, str], *, rank: int,
@@ -360,7 +354,7 @@ def pieces_to_stage(state: Mapping[str, torch.Tensor], tied: Mapping[str, str], 
     owners = owners or {}
     return [(name, local[name]) for name, tensor in state.items()
             if name not in tied and name not in omit and local[name].numel()
-            and _writes_piece(tensor, rank, owners.get(name, 0))]
+            and _writes_piece(name, tensor, rank, owners.get(name, 0))]
 
 
 def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: Mapping[str, str],
@@ -388,14 +382,14 @@ def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: M
         if tensor.dtype not in DTYPE_TO_STR:
             raise UnsupportedStateError(f"{name!r}: dtype {tensor.dtype} cannot be stored in safetensors.")
         tensors[name] = {"dtype": DTYPE_TO_STR[tensor.dtype], "shape": list(tensor.shape)}
-        box = local_box(tensor)
+        box = local_box(tensor, name=name)
         local = _local_tensor(tensor)  # with ``staged``, only its shape is read
         if tuple(local.shape) != box.shape:
             raise CheckpointMismatchError(
                 f"{name!r}: the local tensor has shape {list(local.shape)} but its placement implies "
                 f"{list(box.shape)}; this sharding is not supported by save_sharded_checkpoint."
             )
-        if box.numel and name not in omit and _writes_piece(tensor, rank, owners.get(name, 0)):
+        if box.numel and name not in omit and _writes_piece(name, tensor, rank, owners.get(name, 0)):
             if staged is not None:
                 if name not in staged:  # never read a live tensor off the training thread
                     raise RuntimeError(f"{name!r}: its piece was not staged; this is a bug in hf_resumable.")
@@ -478,8 +472,8 @@ def section_from_reports(tensors: Mapping[str, Mapping[str, Any]], reports: list
 
 def check_coverage(section: Mapping[str, Any], *, source: str) -> None:
     """Refuse a layout section in which a tensor's pieces do not add up to it exactly (pure): every element is
-    written by exactly one rank, unless the ranks disagreed on who writes what (plain tensors that were not the
-    same on every rank).
+    written by exactly one rank, and no piece twice, unless the ranks disagreed on who writes what (plain tensors
+    that were not the same on every rank, or a DTensor mesh whose copies the ranks count differently).
 
     Raises:
         CheckpointMismatchError: naming the tensors (the save commits nothing).
@@ -492,13 +486,20 @@ def check_coverage(section: Mapping[str, Any], *, source: str) -> None:
     ```
     """
     covered: dict[str, int] = {}
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+    repeated: set[str] = set()
     for boxes in section[SECTION_PIECES].values():
         for name, box in boxes.items():
             covered[name] = covered.get(name, 0) + math.prod(box["shape"])
+            key = (name, tuple(box["offset"]))
+            if key in seen:  # two writers of one piece
+                repeated.add(name)
+            seen.add(key)
     # a weight its master weights give (TENSOR_MASTER) may lack the pieces of the ranks that derived it
     wrong = [name for name, described in section[SECTION_TENSORS].items()
              if covered.get(name, 0) != math.prod(described["shape"])
              and not (TENSOR_MASTER in described and covered.get(name, 0) < math.prod(described["shape"]))]
+    wrong += sorted(repeated - set(wrong))
     if wrong:
         raise CheckpointMismatchError(
             f"{source}: the ranks' pieces of {len(wrong)} tensor(s) do not cover them exactly once ({wrong[:5]}): "
@@ -507,13 +508,32 @@ def check_coverage(section: Mapping[str, Any], *, source: str) -> None:
             "HF_RESUMABLE_SPLIT_REPLICAS=0 (rank 0 writes them).")
 
 
-def piece_report(relpath: str, local: LocalState) -> dict[str, Any]:
-    """This rank's contribution to the layout (JSON): its piece file, the boxes in it, and the aliases it left
-    out."""
-    if not local.pieces:
-        return {"file": None, "pieces": {}, "tied": dict(local.tied)}
-    return {"file": relpath, "pieces": {name: box.to_json() for name, _, box in local.pieces},
-            "tied": dict(local.tied)}
+def piece_report(relpath: str, local: LocalState, copies: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """This rank's contribution to the layout (JSON): its piece file, the boxes in it, the aliases it left out, and
+    the fingerprints of the pieces it holds in several copies of a mesh (:func:`copy_fingerprints`)."""
+    report = {"file": None, "pieces": {}, "tied": dict(local.tied), REPORT_COPIES: dict(copies or {})}
+    if local.pieces:
+        report.update(file=relpath, pieces={name: box.to_json() for name, _, box in local.pieces})
+    return report
+
+
+def copy_fingerprints(state: Mapping[str, torch.Tensor], tied: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """``{name: {"offset": [...], "sample": fingerprint}}`` of every DTensor piece this rank holds in several copies
+    of a sub-mesh (an RMSNorm weight sharded over ``dp_shard`` and replicated over ``tp``): one copy writes it, so a
+    save checks that the copies agree (:func:`check_copies_agree`). Sampled xxh3-128 fingerprints
+    (:func:`~hf_resumable.checkpoint._frozen.fingerprint`), taken on the training loop's time, when the state is
+    the one saved."""
+    from ._frozen import fingerprint
+
+    prints = {}
+    for name, tensor in state.items():
+        if name in tied or not _is_dtensor(tensor):
+            continue
+        plan = _placed(tensor, name)
+        if plan.copies > 1 and math.prod(plan.shape):
+            prints[name] = {"offset": list(plan.offset),
+                            "sample": fingerprint(_local_tensor(tensor).contiguous(), full=False).sample}
+    return prints
 
 
 def plan_hf_weights(sizes: Mapping[str, int], *, world_size: int, max_shard_size: int | str

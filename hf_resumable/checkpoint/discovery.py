@@ -19,7 +19,7 @@ from ..format._jsonio import parse_json
 from ..format._safefile import read_regular_file
 from ._durability import is_durable
 from ._fs import claim, remove_dir, rename_noreplace
-from ._owner import OwnerTag, current_owner, owner_is_alive, parse_member_name
+from ._owner import OwnerTag, current_owner, owner_can_act, owner_is_alive, parse_member_name
 from ._pins import hold_pin, pin, unpin
 from ._reader import read_on_load
 from .manifest import is_committed, read_manifest
@@ -56,7 +56,8 @@ def list_checkpoints(root: str | os.PathLike, *,
 def cleanup_stale_temp_dirs(root: str | os.PathLike) -> list[Path]:
     """Remove what saves, removals and readers of dead processes left next to the checkpoints.
 
-    Only owned names (see ``_owner.py``) whose owner is provably dead are touched: a live writer's temp
+    Only owned names (see ``_owner.py``) whose owner is provably dead, or being killed (``SIGKILL`` pending, for
+    pins, temp and trash directories), are touched: a live writer's temp
     dir, another host's, or any name hf_resumable did not create is never removed. Each stale entry is
     first renamed to a name this process owns, then deleted, so two cleaners never delete the same
     thing and nothing can be renamed into place while it is being deleted. An overwrite interrupted
@@ -78,7 +79,7 @@ def cleanup_stale_temp_dirs(root: str | os.PathLike) -> list[Path]:
             if _is_legacy_stale_temp(entry):
                 _delete_claimed(claim(entry, entry.name), removed, entry)
             continue
-        if owner_is_alive(owned.owner):
+        if _owner_holds(owned.prefix, owned.owner):
             continue
         if owned.prefix in (PIN_PREFIX, REMOVING_PREFIX):
             unpin(entry)
@@ -87,6 +88,17 @@ def cleanup_stale_temp_dirs(root: str | os.PathLike) -> list[Path]:
         else:
             _delete_claimed(claim(entry, owned.target), removed, entry)
     return removed
+
+
+def _owner_holds(prefix: str, owner: OwnerTag) -> bool:
+    """Whether an entry of ``owner`` must be left alone.
+
+    A process being killed (``SIGKILL`` pending) runs nothing of its own any more: its pin guards no read, and its
+    temp or trash directory is taken by a rename, which the one system call it may still be inside either precedes
+    (ours then finds nothing) or follows (its own fails). Its removal announcement is kept until it is dead: a reader
+    that stopped waiting for it could pin a checkpoint that a rename already under way moves away.
+    """
+    return owner_is_alive(owner) if prefix == REMOVING_PREFIX else owner_can_act(owner)
 
 
 def _delete_claimed(claimed: Path | None, removed: list[Path], entry: Path) -> None:

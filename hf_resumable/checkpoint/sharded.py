@@ -103,6 +103,7 @@ from ._payload import (
     capture_payload,
     capture_pretrained,
 )
+from ._placements import check_copies_agree
 from ._reader import LoadedCheckpoint, OpenedCheckpoint, _Reader
 from ._sharded import (
     LAYOUT_FILE,
@@ -117,6 +118,7 @@ from ._sharded import (
     check_coverage,
     check_storable,
     collect_local_state,
+    copy_fingerprints,
     find_tied,
     flatten_optimizer_state,
     full_weights_for,
@@ -289,6 +291,7 @@ class _Pieces:
     release: Any = None  # opens the held steps (idempotent)
     owners: dict[str, dict[str, int]] = field(default_factory=dict)
     described: dict[str, dict[str, Any]] = field(default_factory=dict)
+    copies: dict[str, dict[str, Any]] = field(default_factory=dict)  # kind -> copy_fingerprints of its state
 
     def _check_deferred(self) -> dict[str, torch.Tensor]:
         """An async save's check of the weights against their masters, on the saver's thread while the optimizer's
@@ -320,7 +323,7 @@ class _Pieces:
             if tensor_file is not None:
                 payload.tensor_files.append(tensor_file)
             self.described[kind] = local.tensors
-            reports[kind] = piece_report(relpath, local)
+            reports[kind] = piece_report(relpath, local, self.copies.get(kind))
         return reports
 
     def finalize(self, reports: list[Mapping[str, Any]]) -> dict[str, bytes]:
@@ -328,6 +331,7 @@ class _Pieces:
         layout = layout_document(world_size=self.world_size, model=self.layout.get(LAYOUT_KEY_MODEL), optimizer=None,
                                  optimizer_document=self.layout.get(LAYOUT_KEY_OPTIMIZER_DOC))
         for kind in self.states:
+            check_copies_agree([report[kind] for report in reports], source=f"{LAYOUT_FILE} ({kind})")
             layout[kind] = section_from_reports(self.described[kind], [report[kind] for report in reports])
             check_coverage(layout[kind], source=f"{LAYOUT_FILE} ({kind})")
         # Compact: the layout names every piece of every rank, and the C encoder (no indent) is fast.
@@ -388,7 +392,9 @@ def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.o
             omit=omitted if kind == LAYOUT_KEY_MODEL else ()))
             for kind, (state, tied) in states.items()}
     views = partitioned_views(model, parameters=parameters) if partitioned else {}
-    return _Pieces(states, staging, layout, rank, world_size, views, masters, omitted, owners=owners, **deferred)
+    copies = {kind: copy_fingerprints(state, tied) for kind, (state, tied) in states.items()}
+    return _Pieces(states, staging, layout, rank, world_size, views, masters, omitted, owners=owners, copies=copies,
+                   **deferred)
 
 
 def save_sharded_checkpoint(

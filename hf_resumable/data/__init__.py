@@ -58,7 +58,7 @@ from ._generators import GeneratorSlots
 from ._loaders import ResumableDataLoader, build_map_dataloader, build_stream_dataloader, split_stream_for_rank
 from ._order import ResumableBatchSampler, length_grouped_order, sampler_epoch_order
 from ._position import DATA_EPOCH, DATA_KIND, DATA_LOADER, DATA_NUM_BATCHES, DATA_STEP, BatchKey, data_rng
-from ._seeded import SeededIterableDataset, SeededMapDataset
+from ._seeded import SeededIterableDataset, SeededMapDataset, ignore_labels
 from ._shuffle_buffer import ResumableShuffleBuffer, has_shuffle_buffer, resumable_shuffle_buffer
 
 __all__ = [
@@ -67,6 +67,7 @@ __all__ = [
     "ResumableBatchSampler",
     "SeededMapDataset",
     "SeededIterableDataset",
+    "ignore_labels",
     "ResumableDataLoader",
     "build_map_dataloader",
     "build_stream_dataloader",

@@ -109,7 +109,8 @@ def build_map_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], bat
                          prefetch_factor: int | None = None, multiprocessing_context: Any = None,
                          lengths: Sequence[int] | None = None, group_size: int | None = None,
                          order: Callable[[int], Sequence[int]] | None = None,
-                         num_samples: int | None = None, global_batch: int | None = None) -> ResumableDataLoader:
+                         num_samples: int | None = None, global_batch: int | None = None,
+                         padding_fn: Callable[[Any], Any] | None = None) -> ResumableDataLoader:
     """A :class:`ResumableDataLoader` for a map-style data set.
 
     Args:
@@ -120,6 +121,8 @@ def build_map_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], bat
         shuffle, drop_last, rank, world_size, lengths, group_size, order, global_batch: see
             :class:`ResumableBatchSampler` (``global_batch``: the elastic layout).
         num_samples (`int`, *optional*): indices per epoch of ``order`` (default: ``len(dataset)``).
+        padding_fn (`Callable`, *optional*): the elastic layout's padding batches go through it once collated (see
+            :class:`SeededMapDataset`).
         num_workers, pin_memory, persistent_workers, prefetch_factor, multiprocessing_context:
             forwarded to ``torch.utils.data.DataLoader``.
 
@@ -132,20 +135,23 @@ def build_map_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], bat
                                     global_batch=global_batch)
     kwargs = _loader_kwargs(seed, num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers,
                             prefetch_factor=prefetch_factor, multiprocessing_context=multiprocessing_context)
-    return ResumableDataLoader(SeededMapDataset(dataset, collate_fn, seed=seed), batch_sampler=sampler, **kwargs)
+    return ResumableDataLoader(SeededMapDataset(dataset, collate_fn, seed=seed, padding_fn=padding_fn),
+                               batch_sampler=sampler, **kwargs)
 
 
 def build_stream_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], batch_size: int, seed: int,
                             drop_last: bool = False, rank: int = 0, num_workers: int = 0,
                             pin_memory: bool = False, persistent_workers: bool = False,
                             prefetch_factor: int | None = None, multiprocessing_context: Any = None,
-                            world_size: int = 1, global_batch: int | None = None) -> Any:
+                            world_size: int = 1, global_batch: int | None = None,
+                            padding_fn: Callable[[Any], Any] | None = None) -> Any:
     """A :class:`ResumableStreamLoader` (``torchdata`` ``StatefulDataLoader``) over a streaming data set.
 
     Args: as :func:`build_map_dataloader`; ``dataset`` is a ``datasets.IterableDataset`` already split for
     this rank (``datasets.distributed.split_dataset_by_node``) when training data-parallel, except in the elastic
     layout (``global_batch`` and ``world_size``, see :class:`SeededIterableDataset`), where every rank reads the
-    whole stream (``num_workers=0`` only: workers would split the stream's order by worker).
+    whole stream (``num_workers=0`` only: workers would split the stream's order by worker), the pass's last, shorter
+    global batch included (``padding_fn``: what a padding batch goes through).
 
     A ``datasets`` shuffle buffer (``ds.shuffle(seed=..., buffer_size=N)``) is replaced by a
     :class:`ResumableShuffleBuffer` of the same size (see :func:`resumable_shuffle_buffer`), whose content
@@ -163,7 +169,8 @@ def build_stream_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], 
     # elastic: every rank reads the same stream, so its shuffle buffer is seeded as rank 0's
     source = _resumable_source(dataset, rank if global_batch is None else 0)
     wrapper = SeededIterableDataset(source, collate_fn, batch_size=batch_size, seed=seed, drop_last=drop_last,
-                                    rank=rank, world_size=world_size, global_batch=global_batch)
+                                    rank=rank, world_size=world_size, global_batch=global_batch,
+                                    padding_fn=padding_fn)
     kwargs = _loader_kwargs(seed, num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers,
                             prefetch_factor=prefetch_factor, multiprocessing_context=multiprocessing_context)
     return _stream_loader_class()(wrapper, batch_size=None, **kwargs)
@@ -198,7 +205,8 @@ def _resumable_source(dataset: Any, rank: int) -> Any:
         return dataset
 
 
-def elastic_loader_state(state: Mapping[str, Any], *, batch_size: int, world_size: int) -> dict[str, Any]:
+def elastic_loader_state(state: Mapping[str, Any], *, batch_size: int, world_size: int,
+                         global_batch: int | None = None) -> dict[str, Any]:
     """A single-process ``StatefulDataLoader`` state of an elastic stream (saved at any world size) with its batch
     counters set for a rank of ``world_size`` (pure): the examples read over all ranks are the position.
 
@@ -209,7 +217,8 @@ def elastic_loader_state(state: Mapping[str, Any], *, batch_size: int, world_siz
     if _NUM_YIELDED not in state or not isinstance(dataset_state, Mapping):
         raise InexactResumeError(f"The streaming position (keys {sorted(state)}) is not that of a single-process "
                                  "loader of the elastic layout; resume with the settings it was written with.")
-    batches = elastic_stream_batches(dataset_state, batch_size=batch_size, world_size=world_size)
+    batches = elastic_stream_batches(dataset_state, batch_size=batch_size, world_size=world_size,
+                                     global_batch=global_batch)
     return {**state, _NUM_YIELDED: batches, _SAMPLER_YIELDED: batches, "dataset_state": {**dataset_state,
                                                                                           "step": batches}}
 
@@ -262,7 +271,8 @@ def _stream_loader_class() -> type:
                 state = record[DATA_LOADER]
                 if self.dataset.global_batch is not None:  # elastic: the counters of this world size
                     state = elastic_loader_state(state, batch_size=self.dataset.batch_size,
-                                                 world_size=self.dataset.world_size)
+                                                 world_size=self.dataset.world_size,
+                                                 global_batch=self.dataset.global_batch)
                 self.load_state_dict(state)
                 self._resumed_batches = _batches_yielded(state)
                 return self._resumed_batches

@@ -47,11 +47,14 @@ class ResumableBatchSampler(Sampler[BatchKey]):
             as accelerate's ``BatchSamplerShard`` does), not by sample.
         global_batch (`int`, *optional*): the elastic layout (``elastic=True`` of both front doors), for a run whose
             world size may change while its global batch (``global_batch`` samples per optimizer step) is kept.
-            Each epoch's order is cut to whole global batches, split into *chunks* of ``batch_size`` consecutive
-            positions, and rank ``r``'s batch ``j`` is chunk ``j * world_size + r``
-            (:func:`~hf_resumable.data.elastic.split_global_step`). Optimizer step ``k`` then trains on positions
-            ``[k * global_batch, (k + 1) * global_batch)`` and every chunk is the same batch at any world size
-            (keys carry ``chunk``). Must be a multiple of ``batch_size * world_size``; not with ``order``.
+            Each epoch's order is split into *chunks* of ``batch_size`` consecutive positions, and rank ``r``'s
+            batch ``j`` is chunk ``j * world_size + r`` (:func:`~hf_resumable.data.elastic.split_global_step`).
+            Optimizer step ``k`` then trains on positions ``[k * global_batch, (k + 1) * global_batch)`` and every
+            chunk is the same batch at any world size (keys carry ``chunk``). The epoch's last, shorter step (unless
+            ``drop_last``) trains too: its last chunk may be short, and a rank without a chunk in it gets a
+            ``padding`` key (the step's first chunk, to be trained with weight zero; see :meth:`elastic_weight`),
+            so every rank has the same number of batches. Must be a multiple of ``batch_size * world_size``; not
+            with ``order``.
 
     Example:
 
@@ -93,13 +96,13 @@ class ResumableBatchSampler(Sampler[BatchKey]):
     def _samples_per_rank(self) -> int:
         if not self.num_samples:
             return 0
-        if self.global_batch is not None:  # whole global batches only, the same at any world size
-            return (self.num_samples - self.num_samples % self.global_batch) // self.world_size
         if self.order is not None and self.world_size > 1:  # sharded by whole batches, padded to full rounds
             return math.ceil(self.num_samples / (self.batch_size * self.world_size)) * self.batch_size
         return math.ceil(self.num_samples / self.world_size)
 
     def __len__(self) -> int:
+        if self.global_batch is not None:
+            return self._elastic_len()
         per_rank = self._samples_per_rank()
         return per_rank // self.batch_size if self.drop_last else math.ceil(per_rank / self.batch_size)
 
@@ -116,7 +119,7 @@ class ResumableBatchSampler(Sampler[BatchKey]):
         return clone
 
     def epoch_indices(self, epoch: int) -> list[int]:
-        """This rank's sample order for ``epoch``."""
+        """This rank's sample order for ``epoch`` (the elastic layout: the global order, cut by :meth:`__iter__`)."""
         if self.order is not None:
             order = [int(index) for index in self.order(epoch)]
             if len(order) != self.num_samples:
@@ -130,8 +133,8 @@ class ResumableBatchSampler(Sampler[BatchKey]):
                 order = torch.randperm(self.num_samples, generator=generator).tolist()
         else:
             order = list(range(self.num_samples))
-        if self.global_batch is not None:
-            return self._elastic_share(order)
+        if self.global_batch is not None:  # the global order: this rank's batches are cut from it by position
+            return order
         padded = self._samples_per_rank() * self.world_size
         if order and padded > len(order):
             order += (order * (padded // len(order) + 1))[: padded - len(order)]
@@ -143,21 +146,62 @@ class ResumableBatchSampler(Sampler[BatchKey]):
                     for index in order[start : start + size]]
         return order[self.rank :: self.world_size]
 
-    def _elastic_share(self, order: list[int]) -> list[int]:
-        """This rank's chunks of the global ``order`` (cut to whole global batches), in training order."""
-        size, round_size = self.batch_size, self.batch_size * self.world_size
-        share = []
-        for start in range(0, self._samples_per_rank() * self.world_size, round_size):
-            lo, hi = split_global_step(start, round_size, world_size=self.world_size, batch_size=size, rank=self.rank)
-            share += order[lo:hi]
-        return share
+    # ------------------------------------------------------------------ the elastic layout (global_batch)
+    def _elastic_end(self) -> int:
+        """Positions of an epoch's global order that train: all, or whole global batches with ``drop_last``."""
+        return self.num_samples - self.num_samples % self.global_batch if self.drop_last else self.num_samples
+
+    def _elastic_len(self) -> int:
+        full, tail = divmod(self._elastic_end(), self.global_batch)
+        tail_chunks = -(-tail // self.batch_size)
+        return full * self._batches_per_step() + -(-tail_chunks // self.world_size)
+
+    def _batches_per_step(self) -> int:
+        return self.global_batch // (self.batch_size * self.world_size)
+
+    def _elastic_span(self, step: int) -> tuple[int, int]:
+        """Positions ``[lo, hi)`` of the global order in this rank's batch ``step`` (``lo == hi``: padding)."""
+        end = self._elastic_end()
+        lo, hi = split_global_step((step * self.world_size) * self.batch_size, self.batch_size * self.world_size,
+                                   world_size=self.world_size, batch_size=self.batch_size, rank=self.rank)
+        return min(lo, end), min(hi, end)
+
+    def elastic_weight(self, step: int) -> tuple[int, int]:
+        """Elastic layout: ``(samples, step_samples)`` of this rank's batch ``step``: how many of its samples train
+        (0 for a padding batch) and how many the optimizer step it belongs to trains over all ranks (``global_batch``,
+        or fewer in the epoch's last step). A batch's loss, as a mean over its samples, weighs ``samples /
+        step_samples`` in the step's mean (pure).
+
+        Example:
+
+        ```python
+        >>> sampler = ResumableBatchSampler(10, 2, seed=0, rank=1, world_size=2, global_batch=8)
+        >>> [sampler.elastic_weight(step) for step in range(len(sampler))]
+        [(2, 8), (2, 8), (0, 2)]
+        ```
+        """
+        lo, hi = self._elastic_span(step)
+        first = (step // self._batches_per_step()) * self.global_batch
+        return hi - lo, min(self.global_batch, self._elastic_end() - first)
+
+    def _elastic_keys(self, order: list[int]) -> Iterator[BatchKey]:
+        for step in range(self.start_step, len(self)):
+            lo, hi = self._elastic_span(step)
+            padding = lo == hi
+            if padding:  # the step's first chunk stands in (weight zero): the rank joins the step's collectives
+                lo = (step // self._batches_per_step()) * self.global_batch
+                hi = min(lo + self.batch_size, self._elastic_end())
+            yield BatchKey(self.epoch, self.rank, step, tuple(order[lo:hi]), step * self.world_size + self.rank,
+                           padding)
 
     def __iter__(self) -> Iterator[BatchKey]:
         order = self.epoch_indices(self.epoch)
+        if self.global_batch is not None:
+            yield from self._elastic_keys(order)
+            return
         for step in range(self.start_step, len(self)):
             indices = tuple(order[step * self.batch_size : (step + 1) * self.batch_size])
-            chunk = None if self.global_batch is None else step * self.world_size + self.rank
-            yield BatchKey(self.epoch, self.rank, step, indices, chunk)
+            yield BatchKey(self.epoch, self.rank, step, indices)
 
 
 

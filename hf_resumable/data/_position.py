@@ -70,6 +70,9 @@ class BatchKey(NamedTuple):
         chunk (`int`, *optional*): in the elastic layout, the batch's number in the epoch's *global* order (batch
             ``chunk`` holds positions ``[chunk * batch_size, (chunk + 1) * batch_size)`` whatever the world size);
             its randomness is then keyed by ``(epoch, chunk)`` and each sample's by its index, never by the rank.
+        padding (`bool`, *optional*, defaults to `False`): in the elastic layout, a stand-in for a chunk past the
+            epoch's end: a rank without a chunk in the epoch's last, shorter optimizer step trains on the step's
+            first chunk with weight zero, so that it still takes part in the step's collectives.
     """
 
     epoch: int
@@ -77,6 +80,7 @@ class BatchKey(NamedTuple):
     step: int
     indices: tuple[int, ...]
     chunk: int | None = None
+    padding: bool = False
 
 
 def data_rng(seed: int) -> contextlib.AbstractContextManager[None]:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import Any
 
+import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from ..errors import InexactResumeError
@@ -36,10 +37,13 @@ class SeededMapDataset(Dataset):
         dataset (`torch.utils.data.Dataset`): any map-style data set (``datasets.Dataset`` included).
         collate_fn (`Callable`): the collator, e.g. ``DataCollatorForLanguageModeling``.
         seed (`int`): run seed.
+        padding_fn (`Callable`, *optional*): the elastic layout: applied to a padding batch once collated (see
+            :class:`BatchKey`), e.g. :func:`ignore_labels`, so that a loss normalised by its items counts none of it.
     """
 
-    def __init__(self, dataset: Any, collate_fn: Callable[[list], Any], *, seed: int) -> None:
-        self.dataset, self.collate_fn, self.seed = dataset, collate_fn, seed
+    def __init__(self, dataset: Any, collate_fn: Callable[[list], Any], *, seed: int,
+                 padding_fn: Callable[[Any], Any] | None = None) -> None:
+        self.dataset, self.collate_fn, self.seed, self.padding_fn = dataset, collate_fn, seed, padding_fn
         self._collate_generators = GeneratorSlots(collate_fn)
         self._dataset_generators = GeneratorSlots(_dataset_generator_root(dataset))
 
@@ -72,7 +76,8 @@ class SeededMapDataset(Dataset):
         seed = derive_seed(self.seed, _TAG_ELASTIC_BATCH, key.epoch, key.chunk)
         self._collate_generators.reseed(self.collate_fn, seed=seed)
         with data_rng(seed):
-            return self.collate_fn(items)
+            batch = self.collate_fn(items)
+        return self.padding_fn(batch) if key.padding and self.padding_fn is not None else batch
 
     __getitem__ = __getitems__
 
@@ -105,12 +110,14 @@ class SeededIterableDataset(IterableDataset):
         rank (`int`, *optional*, defaults to 0): data-parallel rank (part of the seed).
         world_size (`int`, *optional*, defaults to 1) / global_batch (`int`, *optional*): the elastic layout
             (``global_batch``: examples per optimizer step over all ranks, a multiple of
-            ``batch_size * world_size``).
+            ``batch_size * world_size``). The pass's last, shorter global batch trains too (unless ``drop_last``),
+            with padding batches for ranks without a chunk in it.
+        padding_fn (`Callable`, *optional*): the elastic layout: applied to a padding batch once collated.
     """
 
     def __init__(self, dataset: Any, collate_fn: Callable[[list], Any], *, batch_size: int, seed: int,
                  drop_last: bool = False, rank: int = 0, world_size: int = 1,
-                 global_batch: int | None = None) -> None:
+                 global_batch: int | None = None, padding_fn: Callable[[Any], Any] | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
         if global_batch is not None and (global_batch < 1 or global_batch % (batch_size * world_size)):
@@ -120,6 +127,9 @@ class SeededIterableDataset(IterableDataset):
         self.drop_last, self.rank, self.world_size, self.global_batch = drop_last, rank, world_size, global_batch
         self.epoch, self._step, self._start_step = 0, 0, 0
         self._samples, self._start_samples = 0, 0  # elastic layout: examples of the pass read (all ranks')
+        self.padding_fn = padding_fn
+        # elastic layout: (samples, step_samples) of the batch yielded last (see ResumableBatchSampler.elastic_weight)
+        self.last_weight: tuple[int, int] | None = None
         self._collate_generators = GeneratorSlots(collate_fn)
 
     @property
@@ -156,26 +166,38 @@ class SeededIterableDataset(IterableDataset):
 
     def _elastic_batches(self, iterator: Iterator[Any]) -> Iterator[Any]:
         """The elastic layout: read a whole global batch (each example under its sample seed), yield this rank's
-        chunks of it; stop at the first global batch the stream cannot fill."""
-        chunks = self.global_batch // self.batch_size
+        chunks of it. The global batch the stream ends in (unless ``drop_last``) is trained too, as a whole step: each
+        rank's batches past its samples are padding batches (the step's first chunk, weighing zero, see
+        :attr:`last_weight`), so that a loop that learns where the pass ends only when it ends (the ``Trainer``'s
+        accumulation on a stream) still steps at the end of the window."""
         while True:
-            first = self._samples
-            items = []
+            first, items = self._samples, []
             for index in range(first, first + self.global_batch):
                 with data_rng(sample_seed(self.seed, self.epoch, index)):
                     item = next(iterator, _END)
                 if item is _END:
-                    return
+                    break
                 items.append(item)
-            self._samples += self.global_batch
-            for offset in range(self.rank, chunks, self.world_size):
-                chunk = first // self.batch_size + offset
-                seed = derive_seed(self.seed, _TAG_ELASTIC_BATCH, self.epoch, chunk)
-                self._collate_generators.reseed(self.collate_fn, seed=seed)
-                with data_rng(seed):
-                    batch = self.collate_fn(items[offset * self.batch_size:(offset + 1) * self.batch_size])
-                self._step += 1
-                yield batch
+            if not items or (self.drop_last and len(items) < self.global_batch):
+                return
+            self._samples += len(items)
+            chunks = -(-len(items) // self.batch_size)
+            for offset in range(self.rank, self.global_batch // self.batch_size, self.world_size):
+                yield self._elastic_chunk(items, first // self.batch_size, offset, padding=offset >= chunks)
+            if len(items) < self.global_batch:
+                return
+
+    def _elastic_chunk(self, items: list, first_chunk: int, offset: int, *, padding: bool) -> Any:
+        """Collate chunk ``first_chunk + offset`` of a global batch's ``items`` under the chunk's seed (a padding
+        batch: the first chunk's items, through ``padding_fn``)."""
+        part = items[:self.batch_size] if padding else items[offset * self.batch_size:(offset + 1) * self.batch_size]
+        seed = derive_seed(self.seed, _TAG_ELASTIC_BATCH, self.epoch, first_chunk + offset)
+        self._collate_generators.reseed(self.collate_fn, seed=seed)
+        with data_rng(seed):
+            batch = self.collate_fn(part)
+        self._step += 1
+        self.last_weight = (0 if padding else len(part), len(items))
+        return self.padding_fn(batch) if padding and self.padding_fn is not None else batch
 
     def state_dict(self) -> dict[str, Any]:
         """Position after the last batch this copy produced: the data set's state and the batch counter (elastic
@@ -199,16 +221,49 @@ class SeededIterableDataset(IterableDataset):
         """
         step = int(state["step"])
         if self.global_batch is not None:
-            step = elastic_stream_batches(state, batch_size=self.batch_size, world_size=self.world_size)
+            step = elastic_stream_batches(state, batch_size=self.batch_size, world_size=self.world_size,
+                                          global_batch=self.global_batch)
             self._start_samples = int(state[STREAM_SAMPLES])
         self.dataset.load_state_dict(state["dataset"])
         self._start_step = step
         self.set_epoch(int(state["epoch"]))
 
 
-def elastic_stream_batches(state: Mapping[str, Any], *, batch_size: int, world_size: int) -> int:
+def ignore_labels(batch: Any, *, names: Sequence[str] = ("labels",), ignore_index: int = -100) -> Any:
+    """``batch`` (a mapping) with its label tensors ``names`` set to ``ignore_index``: a padding batch of the elastic
+    layout that a loss normalised by its items (``num_items_in_batch``) weighs zero (pure: a new mapping).
+
+    Raises:
+        KeyError: a batch without one of ``names`` (its loss could not be made to count nothing).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> ignore_labels({"input_ids": torch.tensor([[5, 6]]), "labels": torch.tensor([[5, 6]])})["labels"]
+    tensor([[-100, -100]])
+    ```
+    """
+    missing = [name for name in names if name not in batch]
+    if missing:
+        raise KeyError(f"The padding batch of the elastic layout has no {missing} (keys {sorted(batch)}), so its "
+                       "loss cannot be made to count nothing. Give the collator's batches labels, or set label_names.")
+    return {**batch, **{name: torch.full_like(batch[name], ignore_index) for name in names}}
+
+
+def elastic_stream_batches(state: Mapping[str, Any], *, batch_size: int, world_size: int,
+                           global_batch: int | None = None) -> int:
     """The batches each of ``world_size`` ranks has trained on at the elastic stream position ``state`` (a
-    :meth:`SeededIterableDataset.state_dict`), pure.
+    :meth:`SeededIterableDataset.state_dict`), pure. With ``global_batch``, a position after the pass's last, shorter
+    global batch (``samples`` not a whole number of global batches: the stream ended there) counts that step as a
+    whole one (its padding batches included).
+
+    Example:
+
+    ```python
+    >>> elastic_stream_batches({"samples": 20}, batch_size=2, world_size=2, global_batch=8)  # 2 steps + 4 samples
+    6
+    ```
 
     Raises:
         InexactResumeError: ``state`` has no ``samples`` (not written in the elastic layout), or they do not split
@@ -219,6 +274,8 @@ def elastic_stream_batches(state: Mapping[str, Any], *, batch_size: int, world_s
         raise InexactResumeError(f"The streaming position {dict(state)} does not record the examples read over all "
                                  "ranks (it was not written with elastic=True); resume with the settings it was "
                                  "written with.")
+    if global_batch is not None and samples % global_batch:  # after the stream's last, shorter step
+        return -(-samples // global_batch) * (global_batch // (batch_size * world_size))
     if samples % (batch_size * world_size):
         raise InexactResumeError(f"The streaming position ({samples} examples read) is not a whole number of "
                                  f"batches of {batch_size} on {world_size} rank(s); resume from a checkpoint on an "

@@ -1,21 +1,91 @@
 """The training-loop side of :class:`~hf_resumable.integrations.accelerate.ResumableAccelerator`: prepared
-resumable loaders, map-style and streaming (device placement, epoch and position), and accumulation
-windows (the micro-batches of one optimizer step with their item count)."""
+resumable loaders, map-style and streaming (device placement, epoch and position; in the elastic layout each batch
+handed out as an :class:`ElasticBatch`), accumulation windows (the micro-batches of one optimizer step with their item
+count), and the watch over a resumed loop that skips again what its loaders already skipped (:class:`ResumedLoaders`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import dataclasses
+import logging
+import math
+import os
+import sys
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import accelerate
 import torch
 from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.state import GradientState
 from accelerate.utils import send_to_device
 
 from ..data import DATA_EPOCH, DATA_KIND, DATA_LOADER, DATA_NUM_BATCHES, DATA_STEP, ResumableDataLoader
+from ..errors import DoubleSkipError
 from ._elastic import seed_model_rng
 
-__all__ = ["AccumulationWindow", "ResumablePreparedLoader", "ResumablePreparedStream"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["AccumulationWindow", "ElasticBatch", "HandOuts", "ResumablePreparedLoader", "ResumablePreparedStream",
+           "ResumedLoaders"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticBatch:
+    """A micro-batch of the elastic layout (``elastic=True``) as its prepared loader handed it out.
+
+    Args:
+        seed (`int`) / epoch (`int`) / chunk (`int`): what its model randomness is keyed by (batch ``n`` of a rank's
+            epoch is chunk ``n * world_size + rank`` in both elastic layouts, see
+            :func:`~hf_resumable.integrations._elastic.seed_model_rng`).
+        samples (`int`): its samples that train (0: a padding batch, a stand-in that lets this rank join the
+            collectives of the epoch's last, shorter step).
+        step_samples (`int`): the samples its optimizer step trains over all ranks (the global batch, or fewer in the
+            epoch's last step).
+    """
+
+    seed: int
+    epoch: int
+    chunk: int
+    samples: int
+    step_samples: int
+
+    @property
+    def is_padding(self) -> bool:
+        """Whether it is a padding batch (trained with weight zero)."""
+        return self.samples == 0
+
+    def seed_model(self) -> None:
+        """Seed torch's generators for training on it (dropout independent of the rank layout)."""
+        seed_model_rng(self.seed, epoch=self.epoch, chunk=self.chunk)
+
+    def loss_scale(self, *, num_processes: int, micro_batches: int) -> float | None:
+        """The factor of its mean loss in a step of ``micro_batches`` micro-batches per rank: its share of the step's
+        samples (the process mean is taken), or ``None`` where that is ``1 / micro_batches`` (a whole step: the
+        loss is divided as without ``elastic=True``). Pure.
+
+        Example:
+
+        ```python
+        >>> whole = ElasticBatch(seed=0, epoch=0, chunk=0, samples=2, step_samples=8)  # 2 ranks x 2 x 2 samples
+        >>> last = ElasticBatch(seed=0, epoch=0, chunk=4, samples=2, step_samples=2)  # the last step's only samples
+        >>> padding = ElasticBatch(seed=0, epoch=0, chunk=5, samples=0, step_samples=2)  # the other rank's stand-in
+        >>> [batch.loss_scale(num_processes=2, micro_batches=2) for batch in (whole, last, padding)]
+        [None, 2.0, 0.0]
+        ```
+        """
+        if self.samples * num_processes * micro_batches == self.step_samples:
+            return None
+        return num_processes * self.samples / self.step_samples
+
+
+class HandOuts:
+    """The elastic batch an accelerator's prepared loaders handed out most recently (``None``: none, or its loader's
+    pass has ended): what ``backward`` weighs a loss by outside an :class:`AccumulationWindow`. Shared by the
+    loaders of one accelerator; each sets it as it hands a batch out and clears its own when its pass ends."""
+
+    def __init__(self) -> None:
+        self.batch: ElasticBatch | None = None
 
 
 class ResumablePreparedLoader(DataLoaderStateMixin):
@@ -25,16 +95,19 @@ class ResumablePreparedLoader(DataLoaderStateMixin):
     :attr:`epoch`. Iterate epochs as ``for epoch in range(loader.epoch, num_epochs): for batch in loader:``
     so a resumed run continues in the epoch it was interrupted in. ``end_of_dataloader`` is set on the
     last batch of the epoch without prefetching (the batch count is known), as accelerate's gradient
-    synchronisation expects.
+    synchronisation expects (so a loop that iterates it inside ``accelerator.accumulate`` steps after the epoch's
+    last micro-batch, also when the epoch's last step has fewer than ``gradient_accumulation_steps``).
 
     Args:
         loader (`ResumableDataLoader`): built for this rank (``rank``/``world_size`` of the accelerator).
         gradient_state (`GradientState`): the accelerator's gradient state.
         device (`torch.device`, *optional*): where batches are moved (``None``: left where they are).
+        hand_outs (`HandOuts`, *optional*): the elastic layout (``elastic=True``): each batch handed out is recorded
+            there as an :class:`ElasticBatch` (also :attr:`last_batch`), after seeding torch's generators for it.
     """
 
     def __init__(self, loader: ResumableDataLoader, *, gradient_state: GradientState,
-                 device: torch.device | None) -> None:
+                 device: torch.device | None, hand_outs: HandOuts | None = None) -> None:
         self.loader = loader
         self.gradient_state = gradient_state
         self.device = device
@@ -43,6 +116,8 @@ class ResumablePreparedLoader(DataLoaderStateMixin):
         self.total_batch_size = loader.batch_sampler.batch_size * loader.batch_sampler.world_size
         self.epoch = loader.batch_sampler.epoch
         self.consumed = 0  # batches of ``epoch`` already handed out
+        self.hand_outs = hand_outs
+        self.last_batch: ElasticBatch | None = None  # elastic layout: the batch handed out last
 
     @property
     def batch_size(self) -> int:
@@ -76,11 +151,21 @@ class ResumablePreparedLoader(DataLoaderStateMixin):
             for batch in source:
                 self.consumed += 1
                 self.end_of_dataloader = self.consumed == len(self)
+                if self.hand_outs is not None:
+                    samples, step_samples = self.loader.batch_sampler.elastic_weight(self.consumed - 1)
+                    _hand_out(self, samples, step_samples)
                 yield batch if self.device is None else send_to_device(batch, self.device)
         finally:
             self.end()
+            _end_hand_outs(self)
         if self.consumed >= len(self):
             self._next_epoch()
+
+    @property
+    def is_padding(self) -> bool:
+        """Whether the batch handed out last is a padding batch of the elastic layout (this rank has no samples in
+        the epoch's last, shorter step; ``backward`` scales its loss to zero): leave it out of logged losses."""
+        return self.last_batch is not None and self.last_batch.is_padding
 
     def _next_epoch(self) -> None:
         self.epoch, self.consumed = self.epoch + 1, 0
@@ -127,9 +212,13 @@ class ResumablePreparedStream(DataLoaderStateMixin):
         loader: the stream loader, built for this rank (``rank``/``world_size`` of the accelerator).
         gradient_state (`GradientState`): the accelerator's gradient state.
         device (`torch.device`, *optional*): where batches are moved (``None``: left where they are).
+        hand_outs (`HandOuts`, *optional*): the elastic layout, as for :class:`ResumablePreparedLoader`. The pass's
+            last global batch is padded to whole windows of ``gradient_accumulation_steps`` micro-batches per rank,
+            so a loop that iterates it inside ``accelerator.accumulate`` steps after its last micro-batch.
     """
 
-    def __init__(self, loader: Any, *, gradient_state: GradientState, device: torch.device | None) -> None:
+    def __init__(self, loader: Any, *, gradient_state: GradientState, device: torch.device | None,
+                 hand_outs: HandOuts | None = None) -> None:
         self.loader = loader
         self.gradient_state = gradient_state
         self.device = device
@@ -138,6 +227,8 @@ class ResumablePreparedStream(DataLoaderStateMixin):
         self.epoch = 0
         self.consumed = 0  # batches of ``epoch`` already handed out
         self._positioned = False  # the loader's next pass starts at ``consumed`` (a restored state)
+        self.hand_outs = hand_outs
+        self.last_batch: ElasticBatch | None = None  # elastic layout: the batch handed out last
 
     @property
     def batch_size(self) -> int:
@@ -166,10 +257,19 @@ class ResumablePreparedStream(DataLoaderStateMixin):
         try:
             for batch in self.loader:
                 self.consumed += 1
+                if self.hand_outs is not None:  # the stream knows the last step's length once it has read it
+                    _hand_out(self, *self.dataset.last_weight)
                 yield batch if self.device is None else send_to_device(batch, self.device)
         finally:
             self.end()
+            _end_hand_outs(self)
         self.epoch, self.consumed = self.epoch + 1, 0
+
+    @property
+    def is_padding(self) -> bool:
+        """Whether the batch handed out last is a padding batch of the elastic layout (see
+        :attr:`ResumablePreparedLoader.is_padding`)."""
+        return self.last_batch is not None and self.last_batch.is_padding
 
     def position(self) -> dict[str, Any]:
         """JSON record of where the next batch comes from (the start of a pass has no loader state)."""
@@ -199,6 +299,22 @@ class ResumablePreparedStream(DataLoaderStateMixin):
                 "drop_last": self.dataset.drop_last}
 
 
+def _hand_out(loader: ResumablePreparedLoader | ResumablePreparedStream, samples: int, step_samples: int) -> None:
+    """Record the elastic batch ``loader`` is handing out (its ``consumed``-th of the epoch) and seed torch's
+    generators for it, so a loop that trains it at once draws the dropout masks an accumulation window would."""
+    layout = loader.dataset if isinstance(loader, ResumablePreparedStream) else loader.loader.batch_sampler
+    chunk = (loader.consumed - 1) * layout.world_size + layout.rank
+    loader.last_batch = ElasticBatch(loader.seed, loader.epoch, chunk, samples, step_samples)
+    loader.hand_outs.batch = loader.last_batch
+    loader.last_batch.seed_model()
+
+
+def _end_hand_outs(loader: ResumablePreparedLoader | ResumablePreparedStream) -> None:
+    """``loader``'s pass ended (or was left): a later ``backward`` is not weighed by its last batch."""
+    if loader.hand_outs is not None and loader.hand_outs.batch is loader.last_batch:
+        loader.hand_outs.batch = None
+
+
 class AccumulationWindow:
     """The micro-batches of one optimizer step, with their item count summed over micro-batches and ranks.
 
@@ -209,26 +325,157 @@ class AccumulationWindow:
     Args:
         batches (`list`): the micro-batches on this rank.
         num_items (`int`, *optional*): items (e.g. label tokens) in the whole window on all ranks.
-        seeds (`list`, *optional*): per micro-batch ``(seed, epoch, chunk)`` (``elastic=True``): torch's generators
-            are seeded from it before the micro-batch is handed out, so dropout does not depend on the rank layout.
+        elastic (`list[ElasticBatch]`, *optional*): per micro-batch, how its loader handed it out (``elastic=True``):
+            torch's generators are seeded from it before the micro-batch is handed out, so dropout does not depend
+            on the rank layout, and the accelerator scales its loss by its weight (0: a padding batch; the epoch's
+            last step is shorter than the global batch).
     """
 
-    def __init__(self, batches: list[Any], num_items: int | None, *, seeds: list | None = None) -> None:
+    def __init__(self, batches: list[Any], num_items: int | None, *,
+                 elastic: list[ElasticBatch] | None = None) -> None:
         self.batches = batches
         self.num_items = num_items
-        self.seeds = seeds
+        self.elastic = elastic
         self.slot: tuple[int, int] | None = None  # (index, length) of the micro-batch being trained on
 
     def __len__(self) -> int:
         return len(self.batches)
 
+    @property
+    def is_padding(self) -> bool:
+        """Whether the micro-batch being trained on is a padding batch (``elastic=True``: this rank has no samples in
+        the epoch's last, shorter step and trains on stand-ins so that it joins the step's collectives). ``backward``
+        scales its loss to zero and ``num_items`` leaves it out; leave it out of logged losses too."""
+        batch = self.current()
+        return batch is not None and batch.is_padding
+
+    def current(self) -> ElasticBatch | None:
+        """The elastic batch being trained on (``None``: not the elastic layout, or not inside the window)."""
+        if self.elastic is None or self.slot is None:
+            return None
+        return self.elastic[self.slot[0]]
+
     def __iter__(self) -> Iterator[Any]:
         try:
             for index, batch in enumerate(self.batches):
                 self.slot = (index, len(self.batches))
-                if self.seeds is not None:
-                    seed, epoch, chunk = self.seeds[index]
-                    seed_model_rng(seed, epoch=epoch, chunk=chunk)
+                if self.elastic is not None:
+                    self.elastic[index].seed_model()
                 yield batch
         finally:
             self.slot = None
+
+
+# Code of these packages is never "the script's line" a message points at.
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+                      for module in (sys.modules[__package__.rpartition(".")[0]], accelerate, torch))
+
+
+def _drawn_since(position: Mapping[str, Any], epoch: int, batch: int) -> float:
+    """Batches drawn since the loader was at ``batch`` of ``epoch``, given its ``position()`` record now (``inf``:
+    more than an epoch). Where the epoch's length is not known (a stream, whose restored position may be the very end
+    of its pass), the batches of the next epoch alone count: a lower bound, so a loop is never refused wrongly."""
+    now_epoch, now_batch = int(position.get(DATA_EPOCH, 0)), int(position.get(DATA_STEP, 0))
+    if now_epoch == epoch:
+        return now_batch - batch
+    if now_epoch != epoch + 1:
+        return math.inf
+    return int(position[DATA_NUM_BATCHES]) - batch + now_batch if DATA_NUM_BATCHES in position else now_batch
+
+
+def script_location() -> str:
+    """``file:line`` of the innermost caller outside hf_resumable, accelerate and torch (the training script)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame = frame.f_back
+    return "<unknown>" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+class ResumedLoaders:
+    """Where ``load_state`` put each prepared loader, to catch a script that skips again what its loader skipped.
+
+    A script written for stock accelerate (whose loaders restart at their first batch after ``load_state``) skips the
+    trained batches itself; here the loader already continues at its saved batch, so each such skip loses data:
+
+    1. **By hand**, ``for step, batch in enumerate(loader): if step < resume_step: continue``: batches of a loader
+       restored mid-epoch are drawn and thrown away. At the first backward after the resume, more than one
+       accumulation window (``gradient_accumulation_steps`` batches, what ``accumulation_windows`` draws before its
+       first backward) drawn from such a loader raises :class:`~hf_resumable.errors.DoubleSkipError`, before any
+       optimizer step (what was drawn cannot be put back).
+    2. **``skip_first_batches(loader, n)`` in every epoch** after a resume (accelerate's examples call it once, in
+       the epoch the run resumed in: that call is what the loader already did, and keeps working). In a later epoch
+       the call means the resume skip again, whose batches were not in that epoch: :meth:`is_repeated_skip` says so,
+       and the accelerator skips nothing there and logs a WARNING naming the call.
+
+    Only loaders restored in the middle of an epoch are watched (an evaluation loader, saved after its pass, is at
+    batch 0). Loops that never call ``accelerator.backward`` (``loss.backward()`` directly) are not watched.
+
+    Example:
+
+    ```python
+    >>> watch = ResumedLoaders()
+    >>> watch.is_repeated_skip(object(), 4)  # nothing was restored
+    False
+
+    ```
+    """
+
+    def __init__(self) -> None:
+        self._restored: list[tuple[Any, int, int]] = []  # (loader, epoch, batch) restored mid-epoch by load_state
+        self._armed = False  # the first backward after the resume has not happened yet
+        self._warned: set[int] = set()
+
+    def record(self, loaders: Iterable[Any]) -> None:
+        """Remember where ``load_state`` just put ``loaders`` (each has ``position()``)."""
+        self._restored = []
+        for loader in loaders:
+            position = loader.position()
+            if int(position.get(DATA_STEP, 0)) > 0:
+                self._restored.append((loader, int(position.get(DATA_EPOCH, 0)), int(position[DATA_STEP])))
+        self._armed = bool(self._restored)
+
+    def forget(self) -> None:
+        """Stop watching (the loaders were freed)."""
+        self._restored, self._armed = [], False
+
+    def is_repeated_skip(self, loader: Any, num_batches: int) -> bool:
+        """Whether ``skip_first_batches(loader, num_batches)`` repeats the resume skip in an epoch after the resumed
+        one (the loader is between passes)."""
+        for restored, epoch, batch in self._restored:
+            if restored is loader and num_batches == batch:
+                return int(loader.position().get(DATA_EPOCH, 0)) > epoch
+        return False
+
+    def warn_repeated_skip(self, loader: Any, num_batches: int) -> None:
+        """The WARNING for a call :meth:`is_repeated_skip` found (once per loader)."""
+        if id(loader) in self._warned:
+            return
+        self._warned.add(id(loader))
+        epoch = next(e for restored, e, _ in self._restored if restored is loader)
+        logger.warning(
+            "skip_first_batches(loader, %d) at %s repeats the resume skip in a later epoch: load_state() restored "
+            "this loader at batch %d of epoch %d and it continued there, so this epoch has nothing to skip; the call "
+            "skips nothing (here and in later epochs). Call skip_first_batches only in the epoch the run resumed in "
+            "(`if epoch == starting_epoch`), or not at all.", num_batches, script_location(), num_batches, epoch)
+
+    def check_first_backward(self, window: int) -> None:
+        """At the first backward after the resume: refuse if a restored loader had more than ``window`` batches
+        drawn since.
+
+        Raises:
+            DoubleSkipError: the script threw away batches that the loader had already skipped.
+        """
+        if not self._armed:
+            return
+        self._armed = False
+        for loader, epoch, batch in self._restored:
+            drawn = _drawn_since(loader.position(), epoch, batch)
+            if drawn > window:
+                raise DoubleSkipError(
+                    f"load_state() restored the training loader at batch {batch} of epoch {epoch}, and it continues "
+                    f"there by itself; but {'the rest of that epoch' if drawn == math.inf else f'{drawn} batches'} "
+                    f"were drawn from it before the first backward (a loop that trains what it draws takes at most "
+                    f"{window}, one accumulation window). The script skips the trained batches again, as scripts "
+                    "written for stock accelerate do (`if resume_step and step < resume_step: continue`), and they "
+                    f"would never be trained. Remove that skip from the loop around {script_location()}; nothing was "
+                    "trained yet.")

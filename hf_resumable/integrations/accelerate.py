@@ -135,7 +135,14 @@ from ._accelerate_elastic import (
     convert_position,
     elastic_changes,
 )
-from ._accelerate_loop import AccumulationWindow, ResumablePreparedLoader, ResumablePreparedStream
+from ._accelerate_loop import (
+    AccumulationWindow,
+    ElasticBatch,
+    HandOuts,
+    ResumablePreparedLoader,
+    ResumablePreparedStream,
+    ResumedLoaders,
+)
 from ._accelerate_objects import (
     KIND_MODULE,
     SLOT_CORE,
@@ -183,6 +190,7 @@ from ._deepspeed import (
 )
 from ._elastic import plan_elastic_resume
 from ._engines import check_accelerate_options, check_accelerate_state, checkpoint_model, holds_dtensors
+from ._parallelism import KEY_PARALLELISM, accelerate_tp_ready, check_runnable, layout_of
 
 logger = logging.getLogger(__name__)
 
@@ -299,11 +307,13 @@ class ResumableAccelerator(Accelerator):
             x world size) is kept by changing ``gradient_accumulation_steps`` (logged once, old -> new; a world size
             that does not divide it raises ``ElasticWorldSizeError`` listing those that do), loaders from
             :meth:`prepare_resumable_dataloader` (map-style or a ``datasets`` stream) give every optimizer step the
-            same samples at any world size (each epoch cut to whole global batches; a stream is read whole by every
-            process, which keeps its chunks of each step), batches and the dropout masks of micro-batches handed out by
-            :meth:`accumulation_windows` are keyed by the global micro-batch, not the rank, and prepared schedulers
-            keep the first launch's stepping rate. With ``backward(loss_sum, num_items_in_batch=window.num_items)``
-            losses and weights match the uninterrupted run up to float rounding (see docs/accelerate.md).
+            same samples at any world size (the epoch's last, shorter step too, a rank without samples in it
+            training a padding micro-batch of weight zero; a stream is read whole by every process, which keeps its
+            chunks of each step), batches and the dropout masks of micro-batches are keyed by the global
+            micro-batch, not the rank (through :meth:`accumulation_windows` or a loop over the loader itself), and
+            prepared schedulers keep the first launch's stepping rate. With ``backward(loss_sum,
+            num_items_in_batch=window.num_items)`` (or a mean loss per micro-batch) losses and weights match the
+            uninterrupted run up to float rounding (see docs/accelerate.md).
 
     These options are validated when the accelerator is built and kept in ``resume_options`` (a frozen
     ``ResumeOptions``, shared with ``ResumableTrainer``).
@@ -352,8 +362,10 @@ class ResumableAccelerator(Accelerator):
         self._commits = AfterCommit()  # follow-ups (upload, retention) of saves not yet known to be committed
         self._warned: dict[str, bool] = {}  # one WARNING per ignored option
         self._window: AccumulationWindow | None = None  # the window accumulation_windows() handed out last
+        self._hand_outs = HandOuts()  # elastic: the batch a prepared loader handed out last (backward's weight)
         # Loaders whose position is saved, in preparation order (ResumablePreparedLoader, ResumableDataLoaderShard...).
         self._resumable_loaders: list[LoaderPosition] = []
+        self._resume_watch = ResumedLoaders()  # catches a script that skips again what load_state's loaders skipped
         self._preemption = PreemptionHandler().install() if handle_preemption else None
         self._preemption_protocol = PreemptionProtocol(self._preemption, notice=preemption_notice)
         self._notice_checkpoint: Path | None = None  # the checkpoint saved when the preemption notice began
@@ -385,8 +397,13 @@ class ResumableAccelerator(Accelerator):
 
         Raises:
             UnsupportedEngineError: under FSDP2 or ZeRO, a second model or optimizer; a DeepSpeed optimizer other than
-                ZeRO's own (before any training step).
+                ZeRO's own; a ``ParallelismConfig`` layout that cannot train as it says
+                (:func:`~hf_resumable.integrations._parallelism.check_runnable`), before any training step.
+            UpstreamInternalsError: FSDP2 with tensor parallel where accelerate's preparation of it cannot run.
         """
+        layout = layout_of(self.parallelism_config)
+        check_runnable(layout, device_type=self.device.type, fsdp2=self.is_fsdp2,
+                       tp_ready=layout is None or layout.tp == 1 or accelerate_tp_ready())
         prepared = self._keep_scheduler_rate(super().prepare(*args, device_placement=device_placement))
         self._checkpoint_optimizers()  # refuses DeepSpeed's other optimizers, before any step
         self._attach_step_hooks()
@@ -477,25 +494,34 @@ class ResumableAccelerator(Accelerator):
         ...     data, collate_fn=collate, batch_size=8, seed=0)
         ```
         """
-        global_batch = batch_size * self.gradient_accumulation_steps * self.num_processes
+        rank, world_size = self._data_rank()
+        global_batch = batch_size * self.gradient_accumulation_steps * world_size
         elastic = self.resume_options.elastic
         if isinstance(dataset, torch.utils.data.IterableDataset):
-            source = dataset if elastic else split_stream_for_rank(dataset, rank=self.process_index,
-                                                                   world_size=self.num_processes)
+            source = dataset if elastic else split_stream_for_rank(dataset, rank=rank, world_size=world_size)
             loader = build_stream_dataloader(source, collate_fn=collate_fn, batch_size=batch_size, seed=seed,
-                                             drop_last=drop_last, rank=self.process_index,
-                                             world_size=self.num_processes, num_workers=num_workers,
+                                             drop_last=drop_last, rank=rank,
+                                             world_size=world_size, num_workers=num_workers,
                                              persistent_workers=persistent_workers,
                                              multiprocessing_context=multiprocessing_context,
                                              global_batch=global_batch if elastic else None)
             return self.prepare(loader)
         loader = build_map_dataloader(dataset, collate_fn=collate_fn, batch_size=batch_size, seed=seed,
-                                      shuffle=shuffle, drop_last=drop_last, rank=self.process_index,
-                                      world_size=self.num_processes, num_workers=num_workers,
+                                      shuffle=shuffle, drop_last=drop_last, rank=rank,
+                                      world_size=world_size, num_workers=num_workers,
                                       persistent_workers=persistent_workers,
                                       multiprocessing_context=multiprocessing_context,
                                       global_batch=global_batch if self.resume_options.elastic else None)
         return self.prepare(loader)
+
+    def _data_rank(self) -> tuple[int, int]:
+        """This process's data-parallel rank and the number of them: the process index and count, or, under a
+        ``ParallelismConfig``, the coordinate over its data dimensions (the ranks of one tensor/context-parallel
+        group read the same batches, :class:`~hf_resumable.integrations._parallelism.ParallelLayout`)."""
+        layout = layout_of(self.parallelism_config)
+        if layout is None or layout.world_size != self.num_processes:
+            return self.process_index, self.num_processes
+        return layout.data_rank(self.process_index), layout.data_world
 
     def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None,
                             slice_fn_for_dispatch: Any = None) -> Any:
@@ -530,8 +556,9 @@ class ResumableAccelerator(Accelerator):
         seed = broadcast_json(int(torch.empty((), dtype=torch.int64).random_().item())) if plan.resumable else None
         prepared = super().prepare_data_loader(data_loader, device_placement=device_placement,
                                                slice_fn_for_dispatch=slice_fn_for_dispatch)
-        rebuilt = (rebuild_prepared_loader(prepared, seed=seed, process_index=self.process_index,
-                                           num_processes=self.num_processes) if plan.resumable else prepared)
+        rank, world_size = self._data_rank()
+        rebuilt = (rebuild_prepared_loader(prepared, seed=seed, process_index=rank,
+                                           num_processes=world_size) if plan.resumable else prepared)
         if rebuilt is prepared and getattr(prepared, "use_stateful_dataloader", False):
             logger.warning("%s is prepared by accelerate only (%s); its torchdata StatefulDataLoader state is saved "
                            "and restored as stock accelerate does, so it resumes mid-epoch, but randomness inside "
@@ -555,16 +582,19 @@ class ResumableAccelerator(Accelerator):
         stream = not isinstance(data_loader, ResumableDataLoader)
         layout = data_loader.dataset if stream else data_loader.batch_sampler
         # a stream outside the elastic layout was split by rank beforehand: its world size is not its own
-        world_size = self.num_processes if stream and layout.global_batch is None else layout.world_size
-        if (layout.rank, world_size) != (self.process_index, self.num_processes):
+        rank, ranks = self._data_rank()
+        world_size = ranks if stream and layout.global_batch is None else layout.world_size
+        if (layout.rank, world_size) != (rank, ranks):
             raise ValueError(
                 f"The {type(data_loader).__name__} was built for rank {layout.rank} of {layout.world_size}, but this "
-                f"process is rank {self.process_index} of {self.num_processes}. Build it with "
-                "rank=accelerator.process_index and world_size=accelerator.num_processes, or use "
+                f"process is data-parallel rank {rank} of {ranks}. Build it with the data-parallel rank and world "
+                "size (accelerator.process_index and accelerator.num_processes without a ParallelismConfig), or use "
                 "prepare_resumable_dataloader().")
         place = self.device_placement if device_placement is None else device_placement
         wrapper = ResumablePreparedStream if stream else ResumablePreparedLoader
-        prepared = wrapper(data_loader, gradient_state=self.gradient_state, device=self.device if place else None)
+        elastic = self.resume_options.elastic and layout.global_batch is not None
+        prepared = wrapper(data_loader, gradient_state=self.gradient_state, device=self.device if place else None,
+                           hand_outs=self._hand_outs if elastic else None)
         self._resumable_loaders.append(prepared)
         return prepared
 
@@ -575,12 +605,18 @@ class ResumableAccelerator(Accelerator):
         it at batch ``n`` of its epoch, ``skip_first_batches(loader, n)`` (what accelerate's checkpointing
         examples compute from the checkpoint name) continues there, never skipping twice; on a loader without
         a restored position the next pass starts at ``num_batches`` (as accelerate's skipping loader does,
-        without fetching the skipped batches), and later passes are whole epochs.
+        without fetching the skipped batches), and later passes are whole epochs. The same call again in a later
+        epoch of a resumed run (scripts that skip in every epoch after a resume) skips nothing there, with a WARNING:
+        the batches it names were skipped in the epoch the run resumed in (see
+        :class:`~hf_resumable.integrations._accelerate_loop.ResumedLoaders`).
 
         Raises:
             ValueError: ``num_batches`` differs from the position ``load_state`` restored (the script's count
                 and the checkpoint disagree), or the loader is being iterated.
         """
+        if self._resume_watch.is_repeated_skip(dataloader, num_batches):
+            self._resume_watch.warn_repeated_skip(dataloader, num_batches)
+            return dataloader
         if isinstance(dataloader, (ResumablePreparedLoader, ResumablePreparedStream)):
             if num_batches != dataloader.consumed:
                 raise ValueError("load_state() already restored this loader's position (epoch "
@@ -621,6 +657,7 @@ class ResumableAccelerator(Accelerator):
     def free_memory(self, *objects: Any) -> Any:
         """accelerate's ``free_memory``; also forgets the prepared loaders' positions."""
         self._resumable_loaders = []
+        self._resume_watch.forget()
         return super().free_memory(*objects)
 
     # ---------------------------------------------------------------- gradient accumulation
@@ -650,31 +687,30 @@ class ResumableAccelerator(Accelerator):
         ```
         """
         iterator = iter(dataloader)
-        chunk_seeds = self.resume_options.elastic and isinstance(dataloader, (ResumablePreparedLoader,
-                                                                              ResumablePreparedStream))
+        elastic = getattr(dataloader, "hand_outs", None) is not None  # a prepared loader of the elastic layout
         while True:
-            if chunk_seeds:
-                batches, seeds = self._elastic_window(dataloader, iterator)
+            if elastic:
+                batches, handed = self._elastic_window(dataloader, iterator)
             else:
-                batches, seeds = list(islice(iterator, self.gradient_accumulation_steps)), None
+                batches, handed = list(islice(iterator, self.gradient_accumulation_steps)), None
             if not batches:
                 return
-            num_items = self._count_window_items(batches, count_items) if count_items is not None else None
-            self._window = AccumulationWindow(batches, num_items, seeds=seeds)
+            counted = batches if handed is None else [b for b, h in zip(batches, handed) if not h.is_padding]
+            num_items = self._count_window_items(counted, count_items) if count_items is not None else None
+            self._window = AccumulationWindow(batches, num_items, elastic=handed)
             try:
                 yield self._window
             finally:
                 self._window = None
 
     def _elastic_window(self, loader: ResumablePreparedLoader | ResumablePreparedStream,
-                        iterator: Iterator[Any]) -> tuple[list[Any], list]:
-        """A window's batches and, per batch, the ``(seed, epoch, chunk)`` its model randomness is keyed by (batch
-        ``n`` of a rank's epoch is chunk ``n * world_size + rank`` in both elastic layouts)."""
-        batches, keys = [], []
+                        iterator: Iterator[Any]) -> tuple[list[Any], list[ElasticBatch]]:
+        """A window's batches and, per batch, how the loader handed it out (its model randomness key and weight)."""
+        batches, handed = [], []
         for batch in islice(iterator, self.gradient_accumulation_steps):
-            batches.append(batch)  # read right after the loader handed it out: its epoch and batch number
-            keys.append((loader.seed, loader.epoch, (loader.consumed - 1) * self.num_processes + self.process_index))
-        return batches, keys
+            batches.append(batch)
+            handed.append(loader.last_batch)  # read right after the loader handed it out
+        return batches, handed
 
     def _count_window_items(self, batches: list[Any], count_items: Callable[[Any], int | torch.Tensor]) -> int:
         local = sum(int(count_items(batch)) for batch in batches)
@@ -711,16 +747,28 @@ class ResumableAccelerator(Accelerator):
           the accumulated, process-averaged gradient is the gradient of the full window's mean.
         * Without it, inside an :class:`AccumulationWindow`, the mean loss is divided by the window's
           actual length (accelerate divides by ``gradient_accumulation_steps``, also for a short last window).
+        * ``elastic=True``, a micro-batch of a loader from :meth:`prepare_resumable_dataloader`: a padding
+          micro-batch's loss is scaled to zero and, in the epoch's last, shorter step, a mean loss weighs the
+          micro-batch's share of the step's samples. The micro-batch is the window's current one inside an
+          :class:`AccumulationWindow`; otherwise (a loop that iterates the loader itself) the batch an elastic
+          loader handed out last: of several elastic loaders, the one that handed out a batch most recently, while
+          its pass is under way.
         * Otherwise it behaves as ``accelerate.Accelerator.backward``.
 
         Under DeepSpeed, whose engine divides the loss by its gradient accumulation itself, ``num_items_in_batch``
         scales ``loss`` by ``num_processes * gradient_accumulation_steps / num_items_in_batch`` before the engine's
         backward, which comes to the same gradient.
 
+        The first backward after ``load_state`` checks that the loop trains what it draws from the restored loaders
+        (:class:`~hf_resumable.integrations._accelerate_loop.ResumedLoaders`).
+
         Raises:
             ValueError: if ``num_items_in_batch`` is not positive.
             NotImplementedError: with ``num_items_in_batch`` under Megatron-LM (its engine scales the loss itself).
+            DoubleSkipError: at the first backward after a resume, more than one accumulation window of batches was
+                drawn from a loader that ``load_state`` restored mid-epoch: the script skips them again by hand.
         """
+        self._resume_watch.check_first_backward(self.gradient_accumulation_steps)
         trace.on_loss(loss)  # hf-resumable check: the loss of this micro-batch
         if self.distributed_type is DistributedType.DEEPSPEED and num_items_in_batch is not None:
             engine = self.deepspeed_engine_wrapped.engine
@@ -741,14 +789,25 @@ class ResumableAccelerator(Accelerator):
             loss.backward(**kwargs)
 
     def _scale_loss(self, loss: torch.Tensor, num_items_in_batch: int | torch.Tensor | None) -> torch.Tensor:
+        batch, micro_batches = self._trained_micro_batch()
         if num_items_in_batch is not None:
             count = int(num_items_in_batch)
             if count <= 0:
                 raise ValueError(f"num_items_in_batch must be > 0, got {count} (a window without any item).")
-            return loss * (self.num_processes / count)
-        if self._window is not None and self._window.slot is not None:
-            return loss / self._window.slot[1]
-        return loss / self.gradient_accumulation_steps
+            return loss * (0.0 if batch is not None and batch.is_padding else self.num_processes / count)
+        scale = None if batch is None else batch.loss_scale(num_processes=self.num_processes,
+                                                            micro_batches=micro_batches)
+        return loss / micro_batches if scale is None else loss * scale
+
+    def _trained_micro_batch(self) -> tuple[ElasticBatch | None, int]:
+        """The elastic batch being trained on (``None``: not the elastic layout) and the micro-batches per rank of
+        its step: the active window's, else the batch an elastic loader handed out last (a loop iterating the loader
+        itself) in a step of ``gradient_accumulation_steps`` (its last micro-batch syncs: see
+        :class:`ResumablePreparedLoader`)."""
+        if self._window is not None:
+            slot = self._window.slot
+            return self._window.current(), self.gradient_accumulation_steps if slot is None else slot[1]
+        return self._hand_outs.batch, self.gradient_accumulation_steps
 
     # ---------------------------------------------------------------- save
 
@@ -1002,6 +1061,9 @@ class ResumableAccelerator(Accelerator):
         settings = {"world_size": self.num_processes, "gradient_accumulation_steps": self.gradient_accumulation_steps,
                     "loaders": [loader.settings() for loader in self._resumable_loaders],
                     KEY_ELASTIC: self.resume_options.elastic}
+        layout = layout_of(self.parallelism_config)
+        if layout is not None:  # another N-D layout on resume is drift, named by both layouts
+            settings[KEY_PARALLELISM] = layout.describe()
         if self.resume_options.elastic:
             settings[KEY_SCHEDULER_RATE] = self._scheduler_rate
         return settings
@@ -1099,7 +1161,7 @@ class ResumableAccelerator(Accelerator):
         if engine is not None:
             restore_engine_state(engine, [core_optimizer], engine_state)
         # 4. Counters and data positions, 5. registered objects, 6. RNG.
-        self._restore_counters(path, loaded)
+        self._restore_counters(path, loaded, elastic_kept=kept)
         self._restore_loaders(path, loaded.data_state, loaded.manifest.world_size)
         self._restore_custom_objects(path, loaded.extra.get(EXTRA_CUSTOM_OBJECTS) or [])
         self._restore_rng(path, loaded)  # last: restoring anything else may draw random numbers
@@ -1171,10 +1233,13 @@ class ResumableAccelerator(Accelerator):
         for scheduler, state in zip(self._schedulers[1:], extra.get(EXTRA_SCHEDULERS) or []):
             scheduler.load_state_dict(state)
 
-    def _restore_counters(self, path: Path, loaded: LoadedCheckpoint) -> None:
+    def _restore_counters(self, path: Path, loaded: LoadedCheckpoint, *, elastic_kept: bool = False) -> None:
         progress = loaded.training_state
         self.global_step = int(progress.get(PROGRESS_GLOBAL_STEP, loaded.step or 0))
-        self.step = int(progress.get(PROGRESS_MICRO_STEP, 0))
+        # A checkpoint is on an optimizer-step boundary: accelerate's micro-step count (it syncs where the count is a
+        # multiple of the accumulation) is a multiple of the saved accumulation, not of the one an elastic resume
+        # changed it to, so it starts over there (a loop iterating the loader in accumulate() steps on time).
+        self.step = 0 if elastic_kept else int(progress.get(PROGRESS_MICRO_STEP, 0))
         self._set_optimizer_step_counts(progress.get(PROGRESS_OPTIMIZER_STEPS)
                                         or [self.global_step] * len(self._optimizers))
         if self.project_configuration.automatic_checkpoint_naming:
@@ -1297,6 +1362,7 @@ class ResumableAccelerator(Accelerator):
                               f"({loader.settings()} on rank {self.process_index}; the data set, its kind, batch "
                               "size, drop_last or world size changed); its epoch restarts", ConfigDriftError)
             loader.load_position(record, restart_epoch=not fits)
+        self._resume_watch.record(self._resumable_loaders)
 
     def _restore_custom_objects(self, path: Path, states: list[Any]) -> None:
         if len(states) != len(self._custom_objects):

@@ -58,12 +58,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,7 @@ from ..data import (
     data_rng,
     dataset_fingerprint,
     has_shuffle_buffer,
+    ignore_labels,
     sampler_epoch_order,
     split_stream_for_rank,
 )
@@ -779,7 +781,8 @@ class ResumableTrainer(Trainer):
             loader = build_stream_dataloader(dataset if elastic_stream else self._split_for_rank(dataset),
                                              collate_fn=collator, drop_last=self.args.dataloader_drop_last,
                                              world_size=self.args.world_size,
-                                             global_batch=global_batch if elastic_stream else None, **options)
+                                             global_batch=global_batch if elastic_stream else None,
+                                             padding_fn=self._elastic_padding() if elastic_stream else None, **options)
             if not loader.dataset.is_stateful and self._saves_checkpoints():
                 self._refuse_at_start(
                     f"The training set {type(dataset).__name__} is a torch IterableDataset without state_dict() and "
@@ -802,12 +805,18 @@ class ResumableTrainer(Trainer):
                                           lengths=self._train_lengths() if grouped else None,
                                           group_size=global_batch if grouped else None,
                                           global_batch=global_batch if self.resume_options.elastic else None,
+                                          padding_fn=self._elastic_padding() if self.resume_options.elastic else None,
                                           **options)
         self._train_loader = loader
         self._train_position = StepPosition(loader, steps_done=lambda: self.state.global_step,
                                             batches_per_step=self.args.gradient_accumulation_steps)
         self._restore_data_position(loader)
         return loader
+
+    def _elastic_padding(self) -> Callable[[Any], Any]:
+        """What makes a padding batch of the elastic layout count nothing: its labels ignored, so the loss normalised
+        by ``num_items_in_batch`` (which ``elastic=True`` requires) takes nothing from it."""
+        return functools.partial(ignore_labels, names=tuple(self.label_names or ("labels",)))
 
     def _train_lengths(self) -> list[int]:
         """Per-sample lengths for ``group_by_length``: ``length_column_name`` if present, else the length of the

@@ -1,15 +1,17 @@
 """``ResumableAccelerator(..., elastic=True)`` training a tiny GPT-2, launched with ``torchrun`` (any
 ``--nproc-per-node``) or plain ``python``: the same command line at every world size.
 
-Usage: ``elastic_accelerate_worker.py OUTPUT_DIR [--max-steps N] [--kill-after K] [--dropout P]
-[--engine {ddp,fsdp,deepspeed,zero1,zero3}] [--stream]`` (``fsdp``: accelerate's FSDP2 plugin, ``deepspeed``:
-ZeRO-2, ``zero1``/``zero3``: ZeRO-1/3, all on gloo CPU ranks through tests/engine_fixtures.py's shim, launched with
-torchrun at every world size; ``--stream``: the rows as a shuffled ``datasets`` stream with a random ``.map`` crop,
-given to ``prepare_resumable_dataloader`` as is; ``--plain-loader``: the data in a plain ``DataLoader`` passed to
-``accelerator.prepare`` instead).
+Usage: ``elastic_accelerate_worker.py OUTPUT_DIR [--max-steps N] [--kill-after K] [--dropout P] [--engine
+{ddp,fsdp,deepspeed,zero1,zero3}] [--stream] [--mean-loss] [--direct]`` (``fsdp``: accelerate's FSDP2 plugin,
+``deepspeed``: ZeRO-2, ``zero1``/``zero3``: ZeRO-1/3, all on gloo CPU ranks through tests/engine_fixtures.py's shim,
+launched with torchrun at every world size; ``--stream``: the rows as a shuffled ``datasets`` stream with a random
+``.map`` crop, given to ``prepare_resumable_dataloader`` as is; ``--plain-loader``: the data in a plain ``DataLoader``
+passed to ``accelerator.prepare`` instead).
 
 The loop is accelerate's token-exact recipe (``accumulation_windows`` + ``backward(loss_sum,
-num_items_in_batch=window.num_items)``) with a linear warmup/decay schedule prepared by accelerate. After each
+num_items_in_batch=window.num_items)``) with a linear warmup/decay schedule prepared by accelerate; ``--mean-loss``:
+``backward`` of each micro-batch's token-mean loss instead; ``--direct``: that loss in a loop that iterates the loader
+itself inside ``accelerator.accumulate`` (no windows, no padding flag but the loader's ``is_padding``). After each
 optimizer step every rank appends the samples it trained on to ``OUTPUT_DIR/samples-rank<r>.jsonl`` and rank 0 appends
 the step's global token-mean loss and learning rate to ``OUTPUT_DIR/losses.jsonl``; a checkpoint is saved every step.
 ``--kill-after K``: every rank SIGKILLs itself right after checkpoint K is saved. At the end rank 0 writes
@@ -66,6 +68,54 @@ def engine_options(engine: str) -> dict:
         state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False, sync_module_states=False)}
 
 
+class StepEnd:
+    """What the worker records of each optimizer step: the samples each rank trained, the step's global token-mean
+    loss over its micro-batches that are not padding, a checkpoint, and the SIGKILL of ``--kill-after``."""
+
+    def __init__(self, accelerator: ResumableAccelerator, scheduler: object, options: argparse.Namespace) -> None:
+        self.accelerator, self.scheduler, self.options = accelerator, scheduler, options
+        self.loss_sum = torch.zeros((), dtype=torch.float64)
+        self.tokens = torch.zeros((), dtype=torch.float64)
+
+    def add(self, loss_sum: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.loss_sum += loss_sum.detach().double()
+        self.tokens += tokens.double()
+
+    def end(self) -> bool:
+        """Record the step just taken; whether the run is done."""
+        accelerator, out = self.accelerator, self.options.output_dir
+        step, rank = accelerator.global_step, accelerator.process_index
+        with (out / f"samples-rank{rank}.jsonl").open("a") as record:
+            record.write(json.dumps({"step": step, "indices": FETCHED}) + "\n")
+        FETCHED.clear()
+        total = float(accelerator.reduce(self.loss_sum, reduction="sum") / accelerator.reduce(self.tokens, "sum"))
+        self.loss_sum.zero_()
+        self.tokens.zero_()
+        if rank == 0:
+            with (out / "losses.jsonl").open("a") as record:
+                record.write(json.dumps({"step": step, "loss": total, "lr": self.scheduler.get_last_lr()[0]}) + "\n")
+        accelerator.save_state()
+        if step == self.options.kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return step >= self.options.max_steps
+
+
+def train(accelerator: ResumableAccelerator, model: torch.nn.Module, optimizer: object, scheduler: object,
+          batch: dict, step: StepEnd, *, mean: bool, padding: bool, num_items: int | None = None) -> None:
+    """One micro-batch: its token-sum loss with the window's item count, or (``mean``) its token-mean loss."""
+    with accelerator.accumulate(model):
+        loss, tokens = loss_sum(model, batch), count_tokens(batch)
+        if mean:
+            accelerator.backward(loss / tokens)
+        else:
+            accelerator.backward(loss, num_items_in_batch=num_items)
+        if not padding:  # a stand-in of the epoch's last step: trained with weight zero
+            step.add(loss, tokens)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+
 def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter whole (FSDP2's DTensors gathered: collective, every rank calls it)."""
     return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().contiguous()
@@ -76,11 +126,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--max-steps", type=int, default=4)
+    parser.add_argument("--num-samples", type=int, help="rows (default 24 map-style, 40 in a stream); not a multiple "
+                        "of the global batch: every epoch ends with a shorter optimizer step")
     parser.add_argument("--kill-after", type=int)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--engine", choices=("ddp", "fsdp", "deepspeed", "zero1", "zero3"), default="ddp")
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--plain-loader", action="store_true")
+    parser.add_argument("--mean-loss", action="store_true")
+    parser.add_argument("--direct", action="store_true")
     options = parser.parse_args()
     out = options.output_dir
     # the script's own settings: 2 ranks x 2 micro-batches of 2 = a global batch of 8; 24 samples = 3 steps/epoch
@@ -88,7 +142,8 @@ def main() -> None:
                                        elastic=True, **engine_options(options.engine))
     rank = accelerator.process_index
     out.mkdir(parents=True, exist_ok=True)
-    data = crop_stream(40) if options.stream else CropRows(24)  # a stream: 5 global batches of 8 per pass
+    # a stream: 5 global batches of 8 per pass
+    data = crop_stream(options.num_samples or 40) if options.stream else CropRows(options.num_samples or 24)
     if options.plain_loader:
         loader = accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=2, collate_fn=collate))
     else:
@@ -100,29 +155,19 @@ def main() -> None:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     loaded = accelerator.load_state()
     model.train()
+    step = StepEnd(accelerator, scheduler, options)
     while accelerator.global_step < options.max_steps:
+        if options.direct:  # the loader iterated as is: its elastic batches weigh themselves in backward
+            for batch in loader:
+                train(accelerator, model, optimizer, scheduler, batch, step, mean=True, padding=loader.is_padding)
+                if accelerator.sync_gradients and step.end():
+                    break
+            continue
         for window in accelerator.accumulation_windows(loader, count_items=count_tokens):
-            total = torch.zeros((), dtype=torch.float64)
             for batch in window:
-                with accelerator.accumulate(model):
-                    loss = loss_sum(model, batch)
-                    accelerator.backward(loss, num_items_in_batch=window.num_items)
-                    total += loss.detach().double()
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad()
-            step = accelerator.global_step
-            with (out / f"samples-rank{rank}.jsonl").open("a") as record:
-                record.write(json.dumps({"step": step, "indices": FETCHED}) + "\n")
-            FETCHED.clear()
-            total = float(accelerator.reduce(total, reduction="sum")) / window.num_items
-            if rank == 0:
-                with (out / "losses.jsonl").open("a") as record:
-                    record.write(json.dumps({"step": step, "loss": total, "lr": scheduler.get_last_lr()[0]}) + "\n")
-            accelerator.save_state()
-            if step == options.kill_after:
-                os.kill(os.getpid(), signal.SIGKILL)
-            if step >= options.max_steps:
+                train(accelerator, model, optimizer, scheduler, batch, step, mean=options.mean_loss,
+                      padding=window.is_padding, num_items=window.num_items)
+            if step.end():
                 break
     accelerator.wait_for_everyone()
     parameters = full_parameters(accelerator.unwrap_model(model))

@@ -57,6 +57,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--max-steps", type=int, default=4)
+    parser.add_argument("--num-samples", type=int, help="rows (default 24 map-style, 40 in a stream); not a multiple "
+                        "of the global batch: every epoch ends with a shorter optimizer step")
     parser.add_argument("--kill-after", type=int)
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--accumulation", type=int, default=2)
@@ -82,7 +84,7 @@ def main() -> None:
         logging_steps=1, save_steps=1, save_strategy="steps", seed=5, report_to=[],
         dataloader_num_workers=0, disable_tqdm=True, remove_unused_columns=False, **engine)
     model = tiny_gpt2(resid_pdrop=options.dropout, embd_pdrop=options.dropout, attn_pdrop=options.dropout)
-    data = crop_stream(40) if options.stream else CropRows(24)
+    data = crop_stream(options.num_samples or 40) if options.stream else CropRows(options.num_samples or 24)
     trainer = ResumableTrainer(model=model, args=args, train_dataset=data, data_collator=collate,
                                elastic=not options.no_elastic, allow_config_drift=options.no_elastic,
                                save_async=False,

@@ -1,0 +1,160 @@
+"""accelerate's N-D layouts (``ParallelismConfig``) as the resumable front door needs them: which data-parallel rank a
+process is (the ranks of one tensor/context-parallel group read the same batches), the layout a checkpoint records
+(a resume at another one is configuration drift), and the layouts refused before step 1 on this device.
+
+Everything here is pure: sizes and indices in, answers out. accelerate builds its mesh as
+``("dp_replicate", "dp_shard", "cp", "sp", "tp")`` (the dimensions of size 1 left out) over ranks in row-major order,
+so the data-parallel dimensions come first and a process's data rank is its rank divided by the size of the others.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import UnsupportedEngineError
+from ._core import UpstreamInternalsError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KEY_PARALLELISM", "ParallelLayout", "layout_of", "accelerate_tp_ready", "check_runnable"]
+
+KEY_PARALLELISM = "parallelism"  # in a run's recorded settings: ParallelLayout.describe() of its ParallelismConfig
+
+# accelerate's canonical mesh order (``ParallelismConfig._get_mesh``): data-parallel dimensions first
+_ORDER = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
+_DATA = ("dp_replicate", "dp_shard")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """The sizes of an N-D layout (1 for a dimension not used).
+
+    Args:
+        dp_replicate (`int`), dp_shard (`int`): data parallel, replicated (DDP, HSDP replicas) and sharded (FSDP2).
+        cp (`int`), sp (`int`), tp (`int`): context, sequence and tensor parallel; the ranks of one such group read
+            the same batches.
+
+    Example:
+
+    ```python
+    >>> layout = ParallelLayout(dp_shard=2, tp=2)
+    >>> layout.describe(), layout.data_rank(1), layout.data_rank(2), layout.data_world
+    ('dp_shard=2 x tp=2', 0, 1, 2)
+    ```
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    sp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in _ORDER:
+            if getattr(self, name) < 1:
+                raise ValueError(f"ParallelLayout.{name} must be >= 1, got {getattr(self, name)}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.data_world * self.group_size
+
+    @property
+    def data_world(self) -> int:
+        """How many data-parallel ranks read different batches."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def group_size(self) -> int:
+        """How many processes read the same batches (one tensor/context/sequence-parallel group)."""
+        return self.cp * self.sp * self.tp
+
+    def data_rank(self, process_index: int) -> int:
+        """The data-parallel rank of process ``process_index`` (its coordinate over the data dimensions)."""
+        if not 0 <= process_index < self.world_size:
+            raise ValueError(f"process {process_index} is not in the {self.describe()} layout of "
+                             f"{self.world_size} processes.")
+        return process_index // self.group_size
+
+    def describe(self) -> str:
+        """The layout as ``dp_shard=2 x tp=2`` (the dimensions larger than 1; ``dp_replicate=1`` when none is)."""
+        used = [f"{name}={getattr(self, name)}" for name in _ORDER if getattr(self, name) > 1]
+        return " x ".join(used) or "dp_replicate=1"
+
+
+def layout_of(config: Any) -> ParallelLayout | None:
+    """The :class:`ParallelLayout` of an accelerate ``ParallelismConfig`` (``None`` without one)."""
+    if config is None:
+        return None
+    return ParallelLayout(**{name: int(getattr(config, f"{name}_size", 1) or 1) for name in _ORDER})
+
+
+def accelerate_tp_ready() -> bool:
+    """Whether accelerate's FSDP2 + tensor-parallel preparation can run with the installed transformers: accelerate
+    1.16 makes the parameters tensor parallel left plain ``Replicate`` DTensors through transformers'
+    ``ReplicateParallel``, which transformers 5 no longer has."""
+    try:
+        from transformers.integrations.tensor_parallel import ReplicateParallel  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_runnable(layout: ParallelLayout | None, *, device_type: str, fsdp2: bool, tp_ready: bool = True) -> None:
+    """Refuse, before step 1, a layout that cannot train as it says (pure).
+
+    * Context parallel (torch's ring attention behind ``accelerator.maybe_context_parallel``) and DeepSpeed's sequence
+      parallel (Ulysses) run on accelerator devices only; on the CPU they are refused. On a GPU the same code path
+      takes them: the ranks of one ``cp``/``sp`` group read the same batches (:meth:`ParallelLayout.data_rank`), and
+      their DTensor pieces are saved as any other placement.
+    * Data parallel beside tensor (or context) parallel without FSDP2: accelerate then wraps the model in nothing
+      (no DDP under tensor parallel), so no gradient is averaged over the data-parallel ranks and their replicas
+      drift apart; a checkpoint, which stores one copy of each replicated piece, could not hold them.
+    * FSDP2 with tensor parallel where accelerate's preparation cannot run (``tp_ready``,
+      :func:`accelerate_tp_ready`).
+
+    Args:
+        layout (`ParallelLayout`, *optional*): the run's layout (``None``: no ``ParallelismConfig``, nothing to check).
+        device_type (`str`): the accelerator's device type.
+        fsdp2 (`bool`): whether accelerate shards with FSDP2.
+        tp_ready (`bool`, *optional*, defaults to `True`): :func:`accelerate_tp_ready`.
+
+    Raises:
+        UnsupportedEngineError: ``cp`` or ``sp`` larger than 1 on the CPU; data and tensor parallel without FSDP2.
+        UpstreamInternalsError: FSDP2 with tensor parallel when ``tp_ready`` is false (also an ``ImportError``).
+
+    Example:
+
+    ```python
+    >>> check_runnable(ParallelLayout(dp_shard=2, tp=2), device_type="cpu", fsdp2=True)
+    >>> check_runnable(ParallelLayout(dp_shard=2, cp=2), device_type="cpu", fsdp2=True)
+    Traceback (most recent call last):
+    ...
+    hf_resumable.errors.UnsupportedEngineError: ParallelismConfig dp_shard=2 x cp=2: context parallel ...
+    ```
+    """
+    if layout is None:
+        return
+    for name, what in (("cp", "context parallel"), ("sp", "sequence parallel")):
+        if getattr(layout, name) > 1 and device_type == "cpu":
+            raise UnsupportedEngineError(
+                f"ParallelismConfig {layout.describe()}: {what} ({name}_size={getattr(layout, name)}) runs on GPUs "
+                f"only (torch's ring attention / DeepSpeed's Ulysses); on the CPU ResumableAccelerator refuses it "
+                f"before step 1. Run it on GPUs, or set {name}_size=1 (dp_shard and tp train on the CPU).")
+    if layout.data_world > 1 and layout.group_size > 1 and not fsdp2:
+        raise UnsupportedEngineError(
+            f"ParallelismConfig {layout.describe()} without an FSDP2 plugin: accelerate averages no gradient over the "
+            f"{layout.data_world} data-parallel ranks under tensor/context parallel, so their replicas would drift "
+            "apart and no checkpoint could hold them. Nothing was trained. Pass "
+            "fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, ...) with dp_shard_size > 1.")
+    if fsdp2 and layout.tp > 1 and not tp_ready:
+        import accelerate
+        import transformers
+
+        raise UpstreamInternalsError(
+            f"ParallelismConfig {layout.describe()}: accelerate {accelerate.__version__} prepares FSDP2 with tensor "
+            "parallel through transformers' ReplicateParallel, which transformers "
+            f"{transformers.__version__} does not have, so prepare() cannot run (stock accelerate fails there too). "
+            "Nothing was trained. Install an accelerate release that matches this transformers, or train tensor "
+            "parallel alone (tp_size) or FSDP2 alone (dp_replicate_size x dp_shard_size).")

@@ -1,0 +1,101 @@
+"""One rank of a ``ResumableAccelerator`` loop over an accelerate ``ParallelismConfig`` layout (gloo ranks on CPU,
+torchrun), shaped like accelerate's ``examples/torch_native_parallelism/nd_parallel.py``; started by
+tests/test_accelerate_nd.py.
+
+Usage: ``torchrun --nproc-per-node N nd_accelerate_worker.py --output-dir DIR --model-dir SEED [--dp-replicate R]
+[--dp-shard S] [--tp T] [--cp C] [--max-steps K]``.
+
+The model is a tiny Llama read with ``from_pretrained`` (tensor parallel: ``tp_plan="auto"`` on the accelerator's
+mesh), FSDP2 over ``dp_shard`` when it is larger than 1. The same command trains uninterrupted, is held after a save
+(``HFR_HOLD_AFTER_SAVE=k``, then SIGKILLed by the test) and resumes (``load_state()``). Each rank appends
+``{"step", "loss", "batch"}`` (the loss as ``float.hex``, a digest of the batch's input ids) to
+``losses-rank{r}.jsonl`` and writes ``final-rank{r}.safetensors`` (its parameter pieces and optimizer state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(TESTS))
+
+import engine_fixtures as fx  # noqa: E402
+
+fx.install_cpu_engines()  # before the accelerator builds its state
+
+import torch  # noqa: E402
+from accelerate.parallelism_config import ParallelismConfig  # noqa: E402
+from accelerate.utils import FullyShardedDataParallelPlugin  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
+
+from hf_resumable.integrations.accelerate import ResumableAccelerator  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output-dir", required=True, type=Path)
+    parser.add_argument("--model-dir", required=True, type=Path)
+    for name in ("dp-replicate", "dp-shard", "tp", "cp"):
+        parser.add_argument(f"--{name}", type=int, default=1)
+    parser.add_argument("--max-steps", type=int, default=4)
+    return parser.parse_args()
+
+
+def make_rows(count: int = 48, length: int = 12) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    return [torch.randint(3, fx.VOCAB, (length,), generator=generator) for _ in range(count)]
+
+
+def collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    ids = torch.stack(rows)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def main() -> int:
+    options = parse_args()
+    output = options.output_dir
+    output.mkdir(parents=True, exist_ok=True)
+    config = ParallelismConfig(dp_replicate_size=options.dp_replicate, dp_shard_size=options.dp_shard,
+                               tp_size=options.tp, cp_size=options.cp)
+    fsdp = None
+    if config.dp_shard_enabled or config.cp_enabled:
+        fsdp = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"], state_dict_type="SHARDED_STATE_DICT",
+            cpu_ram_efficient_loading=False, sync_module_states=False)
+    accelerator = ResumableAccelerator(parallelism_config=config, fsdp_plugin=fsdp,
+                                       checkpoint_dir=output / "checkpoints", handle_preemption=False)
+    tp = {"tp_plan": "auto", "device_mesh": accelerator.torch_device_mesh} if options.tp > 1 else {}
+    model = LlamaForCausalLM.from_pretrained(options.model_dir, **tp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    loader = accelerator.prepare_resumable_dataloader(make_rows(), collate_fn=collate, batch_size=2, seed=0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.load_state()
+    with (output / f"losses-rank{fx.RANK}.jsonl").open("a") as log:
+        for batch in loader:  # one epoch holds more steps than max_steps
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            digest = hashlib.sha256(batch["input_ids"].numpy().tobytes()).hexdigest()[:16]
+            log.write(json.dumps({"step": accelerator.global_step, "loss": loss.item().hex(), "batch": digest})
+                      + "\n")
+            log.flush()
+            accelerator.save_state()
+            fx.hold_after_save(accelerator.global_step)
+            if accelerator.global_step >= options.max_steps:
+                break
+    accelerator.end_training()
+    final = output / f"final-rank{fx.RANK}.safetensors"
+    fx.dump_local_state(accelerator.unwrap_model(model), optimizer.optimizer, final)
+    del model, optimizer, accelerator
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

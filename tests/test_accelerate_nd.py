@@ -1,0 +1,199 @@
+"""ResumableAccelerator over accelerate's N-D layouts (``ParallelismConfig``), issue 43 item 2.
+
+* The pure rules (integrations/_parallelism.py): a process's data-parallel rank, the layout's name, and the layouts
+  refused before step 1 (context/sequence parallel on the CPU; data beside tensor parallel without FSDP2; FSDP2 with
+  tensor parallel where accelerate's preparation of it cannot run).
+* Real torchrun jobs of tests/scripts/nd_accelerate_worker.py (gloo CPU ranks, the test-only shim of
+  tests/engine_fixtures.py): SIGKILLed after a committed checkpoint and rerun with the same command, every logged
+  loss, weight piece and optimizer tensor equals the uninterrupted run's; the ranks of one tensor-parallel group read
+  the same batches, different data-parallel ranks different ones. tp (2 ranks) and HSDP (4 ranks) run in make test,
+  the 8-rank dp_replicate x dp_shard x tp in the extended tier. A different layout on resume is refused before step 1,
+  naming both.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_resumable.checkpoint import read_manifest, verify_checkpoint
+from hf_resumable.errors import ConfigDriftError, UnsupportedEngineError
+from hf_resumable.integrations._core import UpstreamInternalsError
+from hf_resumable.integrations._parallelism import ParallelLayout, accelerate_tp_ready, check_runnable
+
+from distributed_launch import child_env, kill_torchrun_after, run_torchrun
+from engine_fixtures import read_local_state
+from tiny_models import tiny_llama
+
+WORKER = Path(__file__).parent / "scripts" / "nd_accelerate_worker.py"
+HOLD_STEP = 2  # the job is held after checkpoint-2 committed, then SIGKILLed
+MAX_STEPS = 4
+
+
+# ------------------------------------------------------------------ pure rules
+
+
+def test_data_rank_groups_the_ranks_of_one_tensor_parallel_group():
+    layout = ParallelLayout(dp_replicate=2, dp_shard=2, tp=2)
+    assert [layout.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert (layout.data_world, layout.group_size, layout.world_size) == (4, 2, 8)
+    assert layout.describe() == "dp_replicate=2 x dp_shard=2 x tp=2"
+    assert [ParallelLayout(dp_shard=2, cp=2).data_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert ParallelLayout().describe() == "dp_replicate=1"
+    with pytest.raises(ValueError, match="process 4 is not in the tp=2"):
+        ParallelLayout(tp=2).data_rank(4)
+    with pytest.raises(ValueError, match="tp must be >= 1"):
+        ParallelLayout(tp=0)
+
+
+@pytest.mark.parametrize("name", ["cp", "sp"])
+def test_context_and_sequence_parallel_are_refused_on_the_cpu_naming_the_layout(name):
+    layout = ParallelLayout(dp_shard=2, **{name: 2})
+    with pytest.raises(UnsupportedEngineError, match=rf"ParallelismConfig dp_shard=2 x {name}=2: .*{name}_size=2") \
+            as caught:
+        check_runnable(layout, device_type="cpu", fsdp2=True)
+    assert isinstance(caught.value, NotImplementedError)
+    check_runnable(layout, device_type="cuda", fsdp2=True)  # the GPU path takes it
+
+
+def test_data_beside_tensor_parallel_without_fsdp2_is_refused():
+    for layout in (ParallelLayout(dp_shard=2, tp=2), ParallelLayout(dp_replicate=2, tp=2)):
+        with pytest.raises(UnsupportedEngineError, match="without an FSDP2 plugin.*drift apart"):
+            check_runnable(layout, device_type="cpu", fsdp2=False)
+    check_runnable(ParallelLayout(tp=2), device_type="cpu", fsdp2=False)  # tensor parallel alone
+    check_runnable(ParallelLayout(dp_replicate=2, dp_shard=2), device_type="cpu", fsdp2=True)  # HSDP
+    check_runnable(None, device_type="cpu", fsdp2=False)  # no ParallelismConfig
+
+
+def test_fsdp2_with_tensor_parallel_is_refused_where_accelerate_cannot_prepare_it():
+    layout = ParallelLayout(dp_shard=2, tp=2)
+    with pytest.raises(UpstreamInternalsError, match=r"dp_shard=2 x tp=2: accelerate .*ReplicateParallel") as caught:
+        check_runnable(layout, device_type="cpu", fsdp2=True, tp_ready=False)
+    assert isinstance(caught.value, ImportError)
+    check_runnable(layout, device_type="cpu", fsdp2=True, tp_ready=True)
+
+
+# ------------------------------------------------------------------ torchrun jobs
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny Llama whose heads split over 2 tensor-parallel ranks."""
+    path = tmp_path_factory.mktemp("nd") / "seed"
+    tiny_llama(seed=0, num_key_value_heads=2).save_pretrained(path)
+    return path
+
+
+def _options(model_dir: Path, layout: dict[str, int]) -> list[str]:
+    return ["--model-dir", str(model_dir), "--max-steps", str(MAX_STEPS),
+            *[arg for name, size in layout.items() for arg in (f"--{name.replace('_', '-')}", str(size))]]
+
+
+def _run(output: Path, options: list[str], nproc: int) -> subprocess.CompletedProcess:
+    return run_torchrun(WORKER, ["--output-dir", str(output), *options], env=child_env(), timeout=500, nproc=nproc)
+
+
+def _kill_after_commit(output: Path, options: list[str], nproc: int) -> Path:
+    """Run the job held after checkpoint ``HOLD_STEP``; once it has committed, SIGKILL every process."""
+    checkpoint = output / "checkpoints" / f"checkpoint-{HOLD_STEP}"
+    returncode = kill_torchrun_after(WORKER, ["--output-dir", str(output), *options], nproc=nproc, timeout=500,
+                                     marker=checkpoint / "manifest.json",  # renamed into place: committed
+                                     log=output.parent / f"{output.name}-held.log",
+                                     env=child_env({"HFR_HOLD_AFTER_SAVE": str(HOLD_STEP)}))
+    assert returncode == -signal.SIGKILL
+    assert verify_checkpoint(checkpoint, full=True).ok and read_manifest(checkpoint).world_size == nproc
+    assert not list(output.glob("final-rank*")), "the job ran to its end before it was killed"
+    return checkpoint
+
+
+def _log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _assert_resumes_bit_exact(tmp_path: Path, model_dir: Path, layout: dict[str, int]) -> list[list[dict]]:
+    """The uninterrupted run, then a run killed after checkpoint-2 and rerun: the same losses, batches, weight
+    pieces and optimizer tensors on every rank. Returns the reference's per-rank logs."""
+    nproc = ParallelLayout(**{name: size for name, size in layout.items()}).world_size
+    options = _options(model_dir, layout)
+    reference = _run(tmp_path / "reference", options, nproc)
+    assert reference.returncode == 0, reference.stdout[-5000:]
+    checkpoint = _kill_after_commit(tmp_path / "run", options, nproc)
+    assert (checkpoint / "sharded_layout.json").is_file()  # every rank's pieces, nothing gathered
+    resumed = _run(tmp_path / "run", options, nproc)  # the same command
+    assert resumed.returncode == 0, resumed.stdout[-5000:]
+    logs = []
+    for rank in range(nproc):
+        want = _log(tmp_path / "reference" / f"losses-rank{rank}.jsonl")
+        got = _log(tmp_path / "run" / f"losses-rank{rank}.jsonl")
+        # steps 1-2 before the kill, 3-4 after the resume from checkpoint-2: nothing repeated or skipped
+        assert [row["step"] for row in got] == list(range(1, MAX_STEPS + 1))
+        assert got == want, rank
+        final, expected = (read_local_state(path / f"final-rank{rank}.safetensors")
+                           for path in (tmp_path / "run", tmp_path / "reference"))
+        assert sorted(final) == sorted(expected) and any(name.startswith("optim/") for name in expected)
+        assert not [name for name in expected if not torch.equal(final[name], expected[name])], rank
+        logs.append(want)
+    return logs
+
+
+def _batches(logs: list[list[dict]], ranks: range) -> list[list[str]]:
+    return [[row["batch"] for row in logs[rank]] for rank in ranks]
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_killed_after_a_commit_resumes_bit_exact(tmp_path, model_dir):
+    logs = _assert_resumes_bit_exact(tmp_path, model_dir, {"tp": 2})
+    first, second = _batches(logs, range(2))
+    assert first == second  # one tensor-parallel group: the same batches
+
+
+@pytest.mark.distributed
+def test_hsdp_killed_after_a_commit_resumes_bit_exact(tmp_path, model_dir):
+    logs = _assert_resumes_bit_exact(tmp_path, model_dir, {"dp_replicate": 2, "dp_shard": 2})
+    batches = _batches(logs, range(4))
+    assert len({tuple(b) for b in batches}) == 4  # four data-parallel ranks: four different streams
+    layout = json.loads((tmp_path / "run" / "checkpoints" / "checkpoint-4" / "sharded_layout.json").read_text())
+    assert all(layout["model"]["pieces"].values())  # each replica pair's pieces written by both ranks, spread
+
+
+@pytest.mark.distributed
+def test_another_layout_on_resume_is_refused_naming_both(tmp_path, model_dir):
+    options = _options(model_dir, {"tp": 2})
+    _kill_after_commit(tmp_path / "run", options, 2)
+    other = run_torchrun(WORKER, ["--output-dir", str(tmp_path / "run"), *_options(model_dir, {"dp_shard": 2})],
+                         env=child_env(), timeout=500, nproc=2)
+    assert other.returncode != 0
+    assert ConfigDriftError.__name__ in other.stdout
+    assert "parallelism: 'tp=2' -> 'dp_shard=2'" in other.stdout, other.stdout[-5000:]
+    log = _log(tmp_path / "run" / "losses-rank0.jsonl")
+    assert [row["step"] for row in log] == [1, 2]  # refused before any step of the second run
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+def test_dp_replicate_x_dp_shard_x_tp_on_8_ranks(tmp_path, model_dir):
+    layout = {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
+    if not accelerate_tp_ready():
+        # accelerate cannot prepare FSDP2 with tensor parallel beside this transformers: refused before step 1
+        done = _run(tmp_path / "run", _options(model_dir, layout), 8)
+        assert done.returncode != 0 and "UpstreamInternalsError" in done.stdout, done.stdout[-5000:]
+        assert "dp_replicate=2 x dp_shard=2 x tp=2" in done.stdout
+        assert not (tmp_path / "run" / "losses-rank0.jsonl").exists()
+        return
+    logs = _assert_resumes_bit_exact(tmp_path, model_dir, layout)
+    batches = _batches(logs, range(8))
+    assert all(batches[2 * g] == batches[2 * g + 1] for g in range(4))  # each tp pair: the same batches
+    assert len({tuple(batches[2 * g]) for g in range(4)}) == 4  # four data-parallel ranks: different ones
+
+
+@pytest.mark.distributed
+def test_context_parallel_is_refused_in_prepare_on_the_cpu(tmp_path, model_dir):
+    done = _run(tmp_path / "run", _options(model_dir, {"cp": 2}), 2)
+    assert done.returncode != 0 and "UnsupportedEngineError" in done.stdout, done.stdout[-5000:]
+    assert "ParallelismConfig cp=2: context parallel (cp_size=2)" in done.stdout
+    assert not (tmp_path / "run" / "losses-rank0.jsonl").exists()  # refused before step 1
