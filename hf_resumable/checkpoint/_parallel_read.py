@@ -330,8 +330,9 @@ def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes
     for state in states:
         if (problem := state.problem()) is not None:
             raise CorruptCheckpointError(
-                f"{state.read.path}: {problem}. The file is corrupt or was modified after the save; load an earlier "
-                "checkpoint (find_latest_checkpoint skips this one) or re-create it.")
+                f"{state.read.path}: {problem}. The file is corrupt or was modified after the save. A resume "
+                "without a path (resume_from_checkpoint=True, load_state()) falls back to the checkpoint before it; "
+                "otherwise load an earlier checkpoint or re-create it.")
     with torch.no_grad():
         for buffer, target in staged:
             target.copy_(buffer)

@@ -242,8 +242,9 @@ def record_of(data: bytes | memoryview, *, xxh3_128: bool = True, sha256: bool =
 
 def _corrupt(path: str, why: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(
-        f"{path}: {why}. The file is truncated, corrupt or not a safetensors file; "
-        "load an earlier checkpoint (find_latest_checkpoint skips this one) or re-create it."
+        f"{path}: {why}. The file is truncated, corrupt or not a safetensors file. A resume without a path "
+        "(resume_from_checkpoint=True, load_state()) falls back to the checkpoint before it; otherwise load an "
+        "earlier checkpoint or re-create it."
     )
 
 

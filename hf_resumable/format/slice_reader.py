@@ -170,4 +170,5 @@ class VerifiedFile:
     def _corrupt(self, why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
             f"{self.path}: {why}. The file is corrupt or was modified after the save; nothing was loaded from it. "
-            "Load an earlier checkpoint (find_latest_checkpoint skips this one) or re-create it.")
+            "A resume without a path (resume_from_checkpoint=True, load_state()) falls back to the checkpoint before "
+            "it; otherwise load an earlier checkpoint or re-create it.")
