@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import importlib
 import json
 import logging
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import CorruptCheckpointError, CorruptOnAnotherRankError
+from .errors import CorruptCheckpointError, CorruptOnAnotherRankError, ReadFailedOnAnotherRankError
 
 logger = logging.getLogger(__name__)
 
@@ -95,21 +96,28 @@ def broadcast_json(value: Any, *, src: int = 0, group: dist.ProcessGroup | None 
 
 @contextlib.contextmanager
 def agreed_reads(source: str) -> Iterator[None]:
-    """Run reads inside; on leaving, every rank learns whether any rank's reads failed their hashes.
+    """Run reads inside; on leaving, every rank learns whether any rank's reads failed, and how.
 
-    Collective (every rank enters it at the same point, on the default group). A rank finds a flipped byte only in
-    the files it reads itself, in the middle of a load; it must not leave while the others go on into their next
-    collectives (an engine's gathers while it applies a load, the training loop's), where they would wait for it
-    or meet its next collective instead. So a load reads into new tensors inside this, and changes live objects only
-    after it. An error that is already agreed (`CorruptOnAnotherRankError`, from an agreement nested inside) is
-    passed on as it is.
+    Collective (every rank enters it at the same point, on the default group). A rank finds a flipped byte, or
+    meets an unreadable file, only in the files it reads itself, in the middle of a load; it must not leave while
+    the others go on into their next collectives (an engine's gathers while it applies a load, the training
+    loop's), where they would wait for it or meet its next collective instead. So a load reads into new tensors
+    inside this, and changes live objects only after it. Every rank leaves it together when any rank raised an
+    `Exception` inside (``KeyboardInterrupt`` and ``SystemExit`` are not caught). An error that is already agreed
+    (`CorruptOnAnotherRankError` or `ReadFailedOnAnotherRankError`, from an agreement nested inside) is passed on
+    as it is.
 
     Args:
         source (`str`): what was read (a checkpoint), named in the error.
 
     Raises:
-        CorruptCheckpointError: on every rank when one raised it inside: the first such rank's own error there,
-            `CorruptOnAnotherRankError` naming that rank and its report (type, message, file) on the others.
+        CorruptCheckpointError: on every rank when every rank that failed raised it inside: the first such rank's
+            own error there, `CorruptOnAnotherRankError` naming that rank and its report (type, message, file) on
+            the others.
+        ReadFailedOnAnotherRankError: on the ranks that did not fail, or failed only by corruption, when a rank
+            raised any other error inside (an `OSError`, a `MemoryError`, a `CheckpointMismatchError`); it names
+            the first such rank and its error. That rank, and each other rank that raised such an error, raises
+            its own error unchanged. A resume does not fall back to an earlier checkpoint for these.
 
     Example:
 
@@ -119,24 +127,38 @@ def agreed_reads(source: str) -> Iterator[None]:
     >>> apply(filled)  # every rank's reads succeeded  # doctest: +SKIP
     ```
     """
-    found: CorruptCheckpointError | None = None
+    found: Exception | None = None
     try:
         yield
-    except CorruptCheckpointError as err:
+    except Exception as err:  # noqa: BLE001 - every rank must learn of any failure; re-raised below
         found = err
-    told = found is None or isinstance(found, CorruptOnAnotherRankError)  # the finder reports it
-    reports = all_gather_json(None if told else f"{type(found).__name__}: {found}")
-    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    told = found is None or isinstance(found, (CorruptOnAnotherRankError, ReadFailedOnAnotherRankError))
+    reports = all_gather_json(None if told else [isinstance(found, CorruptCheckpointError), _describe(found)])
+    failed = [(rank, corrupt, report) for rank, each in enumerate(reports) if each is not None
+              for corrupt, report in [each]]
     if not failed:
         if found is not None:  # agreed inside already
             raise found
         return
-    rank, report = failed[0]
-    if found is not None and (isinstance(found, CorruptOnAnotherRankError) or rank == rank_and_world_size()[0]):
+    # any failure other than corruption stops every rank: only a corrupt checkpoint is worth trying an earlier one
+    rank, corrupt, report = next((each for each in failed if not each[1]), failed[0])
+    if found is not None and not isinstance(found, CorruptCheckpointError):
+        raise found  # this rank's own error (a builtin type stays one), or one agreed inside
+    if corrupt and found is not None and (told or rank == rank_and_world_size()[0]):
         raise found
-    raise CorruptOnAnotherRankError(f"{source}: rank {rank} found a corrupt file while it read its part ({report}); "
-                                    "nothing was loaded on any rank. Load an earlier checkpoint.",
-                                    rank=rank, report=report) from found
+    if corrupt:
+        raise CorruptOnAnotherRankError(f"{source}: rank {rank} found a corrupt file while it read its part "
+                                        f"({report}); nothing was loaded on any rank. Load an earlier checkpoint.",
+                                        rank=rank, report=report) from found
+    raise ReadFailedOnAnotherRankError(f"{source}: rank {rank} could not read its part ({report}), so every rank "
+                                       f"stopped here. Fix what rank {rank} reported (its log holds the traceback) "
+                                       "and start again.", rank=rank, report=report) from found
+
+
+def _describe(err: Exception) -> str:
+    """``err`` as one line for the other ranks: its type, its errno's name for an ``OSError``, its message."""
+    code = errno.errorcode.get(err.errno) if isinstance(err, OSError) and err.errno is not None else None
+    return f"{type(err).__name__}{f' ({code})' if code else ''}: {err}"
 
 
 _side: dict[int, dist.ProcessGroup] = {}

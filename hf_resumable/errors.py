@@ -25,6 +25,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "CorruptCheckpointError",
     "CorruptOnAnotherRankError",
+    "ReadFailedOnAnotherRankError",
     "UnsafeIndexError",
     "UnsafePickleError",
     "CheckpointMismatchError",
@@ -72,6 +73,18 @@ class CorruptCheckpointError(HfResumableError, ValueError):
 class CorruptOnAnotherRankError(CorruptCheckpointError):
     """Another rank found a corrupt file while it read its part of a distributed load; this rank applied nothing
     either. ``rank`` is the rank that found it, ``report`` its error (type and message, naming the file)."""
+
+    def __init__(self, message: str, *, rank: int, report: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.report = report
+
+
+class ReadFailedOnAnotherRankError(HfResumableError, RuntimeError):
+    """Another rank's reads of its part of a distributed load raised an error other than corruption (an ``OSError``
+    of its node's disk, a ``MemoryError``, a layout mismatch only its pieces show); this rank stopped there too.
+    ``rank`` is that rank, ``report`` its error (type and message). Not a `CorruptCheckpointError`: a resume does
+    not fall back to an earlier checkpoint for it."""
 
     def __init__(self, message: str, *, rank: int, report: str) -> None:
         super().__init__(message)

@@ -415,3 +415,60 @@ def test_fsdp1_falls_back_when_one_rank_finds_a_large_piece_corrupt_mid_load(tmp
     rank 1's report and gloo aborted the job."""
     _falls_back_past_a_large_corrupt_piece(tmp_path, tmp_path_factory, ["--version", "1", *WIDE], "model",
                                            "h.0.attn.c_attn.weight")
+
+
+AGREED_READS_WORKER = Path(__file__).parent / "scripts" / "agreed_reads_worker.py"
+
+
+def _agreed_reads_ranks(tmp_path: Path, mode: str, *extra: str) -> list[dict]:
+    """Run tests/scripts/agreed_reads_worker.py MODE on 2 gloo ranks; what each rank raised, and when it left."""
+    results = launch_ranks([str(AGREED_READS_WORKER), mode, str(tmp_path), *extra], world_size=2, timeout=120)
+    for result in results:  # a rank left waiting would be killed at the timeout (the group's own is longer)
+        assert result.returncode == 0 and not result.killed_by_timeout, result.describe()
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.distributed
+def test_a_rank_whose_read_fails_with_eio_stops_every_rank_none_waits(tmp_path):
+    """Rank 1 meets an EIO inside agreed_reads, rank 0 nothing: both leave together, rank 1 with its own OSError,
+    rank 0 with ReadFailedOnAnotherRankError naming rank 1 and EIO (no corruption: nothing to fall back for)."""
+    zero, one = _agreed_reads_ranks(tmp_path, "eio")
+    assert one["raised"]["type"] == "OSError" and "Input/output error" in one["raised"]["message"]
+    raised = zero["raised"]
+    assert raised["type"] == "ReadFailedOnAnotherRankError" and raised["rank"] == 1
+    assert "RuntimeError" in raised["mro"] and "CorruptCheckpointError" not in raised["mro"]
+    assert all(word in raised["message"] for word in ("out/checkpoint-8", "rank 1", "OSError (EIO)",
+                                                      "Input/output error", "model-00002-of-00002.safetensors"))
+    assert zero["after"] == one["after"] == [0, 1]  # their next collective still pairs
+
+
+@pytest.mark.distributed
+def test_a_corrupt_read_on_one_rank_still_raises_corruption_on_every_rank(tmp_path):
+    zero, one = _agreed_reads_ranks(tmp_path, "corrupt")
+    assert one["raised"]["type"] == "CorruptCheckpointError"
+    assert zero["raised"]["type"] == "CorruptOnAnotherRankError" and zero["raised"]["rank"] == 1
+    assert "sha256 mismatch" in zero["raised"]["message"] and zero["after"] == one["after"] == [0, 1]
+
+
+@pytest.mark.distributed
+def test_corruption_on_one_rank_and_eio_on_another_stops_both_neither_falls_back(tmp_path):
+    zero, one = _agreed_reads_ranks(tmp_path, "mixed")
+    assert one["raised"]["type"] == "OSError"
+    assert zero["raised"]["type"] == "ReadFailedOnAnotherRankError" and zero["raised"]["rank"] == 1
+    assert "CorruptCheckpointError" not in zero["raised"]["mro"]
+
+
+@pytest.mark.distributed
+def test_resume_does_not_fall_back_on_any_rank_when_one_rank_load_fails_with_eio(tmp_path):
+    """resume_newest's load (agreed_load) meets EIO on rank 1 only: every rank raises, no rank falls back to the
+    older checkpoint, and no checkpoint is set aside."""
+    model = torch.nn.Linear(4, 2)
+    for step in (4, 8):
+        save_checkpoint(tmp_path / "root" / "rank0" / f"checkpoint-{step}", model=model, step=step)
+    shutil.copytree(tmp_path / "root" / "rank0", tmp_path / "root" / "rank1")
+    zero, one = _agreed_reads_ranks(tmp_path, "resume", str(tmp_path / "root"))
+    assert one["raised"]["type"] == "OSError"
+    assert zero["raised"]["type"] == "ReadFailedOnAnotherRankError" and "checkpoint-8" in zero["raised"]["message"]
+    for rank in (0, 1):
+        assert sorted(p.name for p in (tmp_path / "root" / f"rank{rank}").iterdir()) == ["checkpoint-4",
+                                                                                         "checkpoint-8"]

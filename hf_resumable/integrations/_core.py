@@ -275,7 +275,10 @@ def agreed_load(path: str | os.PathLike) -> Iterator[None]:
 
     Raises:
         ResumeLoadError: on every rank, when the load raised `CorruptCheckpointError` on any (chained from it on
-            that rank). Any other error propagates as it is.
+            that rank) and no other error on any.
+        ReadFailedOnAnotherRankError: on the other ranks, when a rank's load raised any other error (which
+            propagates as it is on that rank): every rank stops, none falls back (see
+            :func:`~hf_resumable.distributed.agreed_reads`).
     """
     world_size = rank_and_world_size()[1]
     try:
