@@ -30,7 +30,8 @@ from hf_resumable.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from hf_resumable.checkpoint._sharded import Box, intersect_boxes, plan_region_reads
+from hf_resumable.checkpoint._sharded import plan_region_reads
+from hf_resumable.checkpoint._types import Box, intersect_boxes
 from hf_resumable.checkpoint.sharded import (
     consolidate_sharded_checkpoint,
     load_sharded_checkpoint,

@@ -31,7 +31,8 @@ from ._frozen import (
     frozen_names,
     raise_base_problems,
 )
-from ._sharded import Box, _is_dtensor, _local_tensor, _writes_piece, intersect_boxes, local_box
+from ._sharded import _is_dtensor, _local_tensor, _writes_piece, local_box
+from ._types import Box, intersect_boxes
 
 logger = logging.getLogger(__name__)
 

@@ -362,7 +362,7 @@ def read_partitioned(reader: Any, saved: Mapping[str, PartitionMap], key: str, w
     """Fill ``out`` (a flat partition, or a whole flattened parameter) at ``wanted`` with the saved optimizer tensor
     ``key`` (``fp32``, ``exp_avg``...) of the flat partitions ``saved``, read from the pieces (``reader``: a
     :class:`~hf_resumable.checkpoint._sharded_load.PieceReader` over the optimizer section); returns ``out``."""
-    from ._sharded import Box
+    from ._types import Box
 
     for copy in plan_partition_copies(wanted, saved, source=source):
         piece = reader.read_box(f"{OPTIMIZER_STATE_PREFIX}{copy.name}/{key}", Box((copy.position,), (copy.length,)))

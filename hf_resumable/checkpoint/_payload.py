@@ -1,4 +1,5 @@
-"""Capture: turn live training objects into a :class:`Payload` of files to write (no IO yet).
+"""Capture: turn live training objects into a :class:`~hf_resumable.checkpoint._types.Payload` of files to write
+(no IO yet).
 
 Splitting capture from writing is what makes async saves possible: the payload's tensors can be
 copied into staging buffers, and the writer never looks at the live objects again.
@@ -10,7 +11,6 @@ import json
 import logging
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,40 +54,9 @@ from ._frozen import base_provenance, build_record, frozen_names
 from ._model import TIED_KEY, dedupe_tied, find_aliases, model_state, storage_key
 from ._model_files import plan_model_files, single_file_metadata
 from ._optimizer import optimizer_to_tensors, parameter_names
+from ._types import IndexSpec, Payload, TensorFile
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TensorFile:
-    """One safetensors file to write."""
-
-    relpath: str
-    tensors: list[tuple[str, torch.Tensor]]
-    metadata: dict[str, str] | None = None
-
-
-@dataclass
-class IndexSpec:
-    """An index file to write after its shards, with their hashes in the metadata."""
-
-    relpath: str
-    weight_map: dict[str, str]
-    metadata: dict[str, Any]
-
-
-@dataclass
-class Payload:
-    """Everything one rank writes for one checkpoint."""
-
-    tensor_files: list[TensorFile] = field(default_factory=list)
-    blobs: dict[str, bytes] = field(default_factory=dict)
-    indexes: list[IndexSpec] = field(default_factory=list)
-    rng: RngState | None = None
-    rng_relpath: str | None = None
-    # Tensor files every rank holds the same bytes of (a DDP replica's model and optimizer): split across the ranks
-    # that hold them (see ``_replicas.py``).
-    replicated: set[str] = field(default_factory=set)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import replace
 
-from ._payload import Payload, TensorFile
+from ._types import Payload, TensorFile
 
 __all__ = ["plan_replica_writers", "replica_signature", "replicas_split", "part_of_rank", "writer_plan"]
 

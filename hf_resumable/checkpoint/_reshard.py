@@ -3,7 +3,7 @@
 The model weights come out as any save writes them: one ``model.safetensors`` if they fit in one shard of the
 new size, else the HF index and its shards (so resharding also moves a checkpoint between the two layouts).
 
-Builds a checkpoint :class:`~hf_resumable.checkpoint._payload.Payload` from the files on disk (sharded
+Builds a checkpoint :class:`~hf_resumable.checkpoint._types.Payload` from the files on disk (sharded
 tensors re-planned, every other file carried as bytes) and commits it with the same writer
 ``save_checkpoint`` uses: temp directory, manifest last, atomic rename.
 """
@@ -21,7 +21,8 @@ from ..format.safetensors_io import read_header, read_safetensors
 from ..format.sharding import ShardIndex, parse_index
 from ._model import TIED_KEY, check_tied
 from ._model_files import model_index, model_weights_file
-from ._payload import SHARDS_KEY, Payload, add_model_weights, add_sharded
+from ._payload import SHARDS_KEY, add_model_weights, add_sharded
+from ._types import Payload
 from ._writer import save_payload
 from .manifest import Manifest
 

@@ -10,8 +10,9 @@ intersecting slices.
 Nothing here pickles: the layout travels between ranks as JSON (:func:`hf_resumable.distributed.all_gather_json`)
 and is written as JSON; tensors are written as safetensors.
 
-The pure helpers (:func:`intersect_boxes`, :func:`plan_region_reads`) work on integer tuples only, so
-they are tested without tensors.
+The pure helpers (:func:`plan_region_reads`, over the boxes of
+:func:`~hf_resumable.checkpoint._types.intersect_boxes`) work on integer tuples only, so they are tested without
+tensors.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ from ..errors import CheckpointMismatchError, CorruptCheckpointError, Unsupporte
 from ..format.safetensors_io import DTYPE_TO_STR
 from ..format.sharding import ShardPlan
 from ._model import find_aliases
-from ._payload import TensorFile
 from ._placements import REPORT_COPIES, PiecePlan, describe_mesh, plan_piece
+from ._types import Box, TensorFile, intersect_boxes
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +61,7 @@ LAYOUT_VERSION_MASTERS = 2  # the layout version a section with TENSOR_MASTER de
 
 __all__ = [
     "LAYOUT_FILE",
-    "Box",
     "LocalState",
-    "intersect_boxes",
     "plan_region_reads",
     "local_box",
     "group_mesh",
@@ -82,52 +81,6 @@ __all__ = [
     "copy_fingerprints",
     "full_weights_for",
 ]
-
-
-@dataclass(frozen=True)
-class Box:
-    """A box of a global tensor: ``offset`` and ``shape`` per dimension (both empty for a 0-d tensor)."""
-
-    offset: tuple[int, ...]
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def to_json(self) -> dict[str, list[int]]:
-        return {"offset": list(self.offset), "shape": list(self.shape)}
-
-    @classmethod
-    def from_json(cls, document: Mapping[str, Any], *, source: str) -> "Box":
-        try:
-            offset, shape = tuple(int(x) for x in document["offset"]), tuple(int(x) for x in document["shape"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise CorruptCheckpointError(f"{source}: malformed piece entry {document!r} ({err}).") from None
-        if len(offset) != len(shape) or any(x < 0 for x in offset + shape):
-            raise CorruptCheckpointError(f"{source}: malformed piece entry {document!r}.")
-        return cls(offset, shape)
-
-
-def intersect_boxes(a: Box, b: Box) -> Box | None:
-    """The box both ``a`` and ``b`` cover, or ``None`` if they do not overlap.
-
-    Example:
-
-    ```python
-    >>> intersect_boxes(Box((0, 0), (4, 3)), Box((2, 0), (4, 3)))
-    Box(offset=(2, 0), shape=(2, 3))
-    >>> intersect_boxes(Box((0,), (2,)), Box((2,), (2,))) is None
-    True
-    ```
-    """
-    if len(a.offset) != len(b.offset):
-        raise ValueError(f"Boxes of different rank: {a} and {b}.")
-    lows = [max(x, y) for x, y in zip(a.offset, b.offset)]
-    highs = [min(x + m, y + n) for x, m, y, n in zip(a.offset, a.shape, b.offset, b.shape)]
-    if any(hi <= lo for lo, hi in zip(lows, highs)):
-        return None
-    return Box(tuple(lows), tuple(hi - lo for lo, hi in zip(lows, highs)))
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,11 @@ from ._sharded import (
     SECTION_TIED,
     TENSOR_MASTER,
     TENSOR_VIEW,
-    Box,
     layout_document,
     local_box,
     plan_region_reads,
 )
+from ._types import Box
 
 logger = logging.getLogger(__name__)
 

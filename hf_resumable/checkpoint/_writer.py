@@ -35,10 +35,11 @@ from ..format.safetensors_io import FileRecord, write_safetensors
 from ..progress import progress_bar
 from ._durability import boot_id, mark_pending
 from ._fs import DirIdentity, commit_dir, create_temp_dir, discard, wait_for_removals, write_bytes_durably
-from ._payload import SHARDS_KEY, IndexSpec, Payload
+from ._payload import SHARDS_KEY
 from ._pins import release_pin
 from ._replicas import part_of_rank, replica_signature, replicas_split
 from ._threads import run_in_threads
+from ._types import IndexSpec, Payload
 from .manifest import Manifest, read_manifest, records_from_json, records_to_json
 
 logger = logging.getLogger(__name__)

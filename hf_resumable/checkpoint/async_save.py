@@ -35,11 +35,11 @@ import torch
 from ..distributed import checkpoint_group, is_distributed, rank_and_world_size
 from ..errors import AsyncSaveError
 from ._durability import make_durable
-from ._payload import Payload, TensorFile
 from ._replicas import part_of_rank, replica_signature
 from ._staging import BackgroundCopy, copy_into, start_copy
 from ._step_gate import gated_optimizer, split_by_storage, step_gate, step_storages
 from ._threads import Lowering, defer_to_running_threads, lower_thread_priority, restore_thread_priorities
+from ._types import Payload, TensorFile
 from ._writer import SaveStart, begin_save, finish_save
 from .manifest import Manifest
 

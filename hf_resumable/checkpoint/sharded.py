@@ -96,8 +96,6 @@ from ._partitioned import (
     weights_from_masters,
 )
 from ._payload import (
-    Payload,
-    TensorFile,
     add_model_weights,
     add_sharded,
     capture_payload,
@@ -145,6 +143,7 @@ from ._sharded_load import (
 )
 from ._sharded_tensors import as_dtensors, into_sharded_tensors, optimizer_as_dtensors, optimizer_into_sharded_tensors
 from ._step_gate import gated_optimizer, step_gate
+from ._types import Payload, TensorFile
 from ._validate import check_optimizer_document
 from ._writer import check_target, save_payload
 from .api import CheckpointInfo, background_saver, open_checkpoint, save_blocking, wait_for_pending_saves

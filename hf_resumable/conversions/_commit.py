@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from ..checkpoint._fs import commit_dir, discard, write_bytes_durably
-from ..checkpoint._payload import Payload
+from ..checkpoint._types import Payload
 from ..checkpoint._writer import begin_save, write_payload
 from ..checkpoint.manifest import Manifest
 from ..constants import MANIFEST_FILE

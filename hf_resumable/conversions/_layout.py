@@ -16,9 +16,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint._payload import Payload
 from ..checkpoint._sharded import (
-    Box,
     LocalState,
     check_storable,
     piece_file,
@@ -27,6 +25,7 @@ from ..checkpoint._sharded import (
     section_from_reports,
 )
 from ..checkpoint._sharded import layout_document as sharded_layout
+from ..checkpoint._types import Box, Payload
 from ..constants import LAYOUT_FILE, LAYOUT_KEY_MODEL, LAYOUT_KEY_OPTIMIZER
 from ..format._jsonio import json_bytes
 from ..format.safetensors_io import DTYPE_TO_STR

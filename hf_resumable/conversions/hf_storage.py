@@ -50,7 +50,7 @@ from typing import Any
 from ..checkpoint import CheckpointInfo
 from ..checkpoint._optimizer import PARAM_SHAPED_STATE
 from ..checkpoint._payload import capture_payload
-from ..checkpoint._sharded import Box, intersect_boxes
+from ..checkpoint._types import Box, intersect_boxes
 from ..constants import (
     FROZEN_RECORD_FILE,
     LAYOUT_FILE,

@@ -47,7 +47,8 @@ def write_sharded_model(state_dict: Mapping[str, torch.Tensor], directory: str |
     ```
     """
     from ..checkpoint._model import dedupe_tied  # same aliasing rule as training checkpoints
-    from ..checkpoint._payload import Payload, add_sharded  # same shard planning as training checkpoints
+    from ..checkpoint._payload import add_sharded  # same shard planning as training checkpoints
+    from ..checkpoint._types import Payload
     from ..checkpoint._writer import index_document
     from ..format.safetensors_io import write_safetensors
 
