@@ -523,12 +523,12 @@ def test_a_flattened_weight_whose_view_does_not_fit_is_corrupt():
 def test_plain_tensors_are_split_across_the_ranks_and_a_disagreement_commits_nothing(monkeypatch):
     """ZeRO-1/2's whole weights (plain tensors every rank holds): each rank writes whole tensors of a plan all ranks
     compute alike, balanced by bytes, every tensor once; ranks that disagree are refused before the commit."""
-    from hf_resumable.checkpoint._replicas import SPLIT_ENV
+    from hf_resumable.checkpoint._replicas import SPLIT_ENV, plan_replica_writers, split_replicas
     from hf_resumable.checkpoint._sharded import (
         check_coverage,
         collect_local_state,
         piece_report,
-        plan_plain_owners,
+        plain_sizes,
         section_from_reports,
     )
     from hf_resumable.errors import CheckpointMismatchError
@@ -536,7 +536,8 @@ def test_plain_tensors_are_split_across_the_ranks_and_a_disagreement_commits_not
     weight = torch.zeros(6)
     state = {"big": weight, "alias": weight, "mid": torch.zeros(4), "small": torch.zeros(3)}
     tied = {"alias": "big"}
-    owners = plan_plain_owners(state, tied, world_size=2)
+    assert plain_sizes(state, tied) == {"big": 24, "mid": 16, "small": 12}
+    owners = plan_replica_writers(plain_sizes(state, tied), 2, split=split_replicas())
     assert owners == {"big": 0, "mid": 1, "small": 1}
 
     def section(plans: list[dict[str, int]]) -> dict:
@@ -553,8 +554,8 @@ def test_plain_tensors_are_split_across_the_ranks_and_a_disagreement_commits_not
     with pytest.raises(CheckpointMismatchError, match=r"\['small'\]"):
         check_coverage(section([{**owners, "small": 1}, {**owners, "small": 0}]), source="layout")  # by no rank
     monkeypatch.setenv(SPLIT_ENV, "0")
-    assert plan_plain_owners(state, tied, world_size=2) == {}
-    assert plan_plain_owners(state, tied, world_size=1) == {}
+    assert not split_replicas()
+    assert plan_replica_writers(plain_sizes(state, tied), 2, split=split_replicas()) == {}
 
 
 @pytest.mark.slow

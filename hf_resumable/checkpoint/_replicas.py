@@ -6,6 +6,9 @@ rank computes the same plan from its own payload without a collective. Whether t
 is settled in step 1 of the commit protocol, which already meets every rank: each sends
 :func:`replica_signature` (file names, tensor names, dtypes and shapes); only if all agree is the save split, else
 rank 0 writes every replicated file, as before. ``HF_RESUMABLE_SPLIT_REPLICAS=0`` keeps rank 0 the only writer.
+
+The same plan splits the whole tensors that every rank holds alike in a sharded save (DeepSpeed ZeRO-1/2's weights:
+``checkpoint.sharded`` passes their sizes) and the files of a shared read (:mod:`._shared_read`).
 """
 
 from __future__ import annotations
@@ -18,15 +21,28 @@ from dataclasses import replace
 
 from ._types import Payload, TensorFile
 
-__all__ = ["plan_replica_writers", "replica_signature", "replicas_split", "part_of_rank", "writer_plan"]
+__all__ = ["plan_replica_writers", "replica_signature", "replicas_split", "part_of_rank", "split_replicas"]
 
 # "0": rank 0 writes every replicated byte (the single-writer plan, e.g. as a benchmark's baseline).
 SPLIT_ENV = "HF_RESUMABLE_SPLIT_REPLICAS"
 
 
-def plan_replica_writers(sizes: Mapping[str, int], world_size: int) -> dict[str, int]:
-    """Which rank writes each replicated file (pure): the largest file first, each to the rank with the fewest
-    bytes so far (ties: the lower rank; equal sizes: by name), so every rank computes the same plan.
+def plan_replica_writers(sizes: Mapping[str, int], world_size: int, *, split: bool = True) -> dict[str, int]:
+    """Which rank writes each item that every rank holds alike (a whole file or a whole tensor), balanced by bytes
+    (pure): the largest item first, each to the rank with the fewest bytes so far (ties: the lower rank; equal sizes:
+    by name), so every rank computes the same plan. An item the plan leaves out is rank 0's.
+
+    Args:
+        sizes (`Mapping[str, int]`): each item's size in bytes.
+        world_size (`int`): the number of ranks.
+        split (`bool`, *optional*, defaults to `True`): `False` plans nothing (rank 0 writes every item: one rank,
+            ranks that disagree, or ``HF_RESUMABLE_SPLIT_REPLICAS=0``, see :func:`split_replicas`).
+
+    Returns:
+        `dict[str, int]`: the writing rank of each item.
+
+    Raises:
+        `ValueError`: ``world_size`` is below 1.
 
     Example:
 
@@ -34,10 +50,14 @@ def plan_replica_writers(sizes: Mapping[str, int], world_size: int) -> dict[str,
     >>> plan_replica_writers({"model.safetensors": 4, "optimizer-00001-of-00002.safetensors": 5,
     ...                       "optimizer-00002-of-00002.safetensors": 3}, 2)
     {'optimizer-00001-of-00002.safetensors': 0, 'model.safetensors': 1, 'optimizer-00002-of-00002.safetensors': 1}
+    >>> plan_replica_writers({"model.safetensors": 4}, 2, split=False)
+    {}
     ```
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    if not split:
+        return {}
     loads = [0] * world_size
     writers: dict[str, int] = {}
     for relpath in sorted(sizes, key=lambda name: (-sizes[name], name)):
@@ -47,21 +67,20 @@ def plan_replica_writers(sizes: Mapping[str, int], world_size: int) -> dict[str,
     return writers
 
 
+def split_replicas() -> bool:
+    """Whether this process may split what the ranks hold alike (``HF_RESUMABLE_SPLIT_REPLICAS`` is not ``0``)."""
+    return os.environ.get(SPLIT_ENV, "1") != "0"
+
+
 def _file_bytes(tensor_file: TensorFile) -> int:
     return sum(t.numel() * t.element_size() for _, t in tensor_file.tensors)
-
-
-def writer_plan(payload: Payload, world_size: int) -> dict[str, int]:
-    """:func:`plan_replica_writers` over ``payload``'s replicated files."""
-    return plan_replica_writers({f.relpath: _file_bytes(f) for f in payload.tensor_files
-                                 if f.relpath in payload.replicated}, world_size)
 
 
 def replica_signature(payload: Payload) -> str | None:
     """What must be the same on every rank for the replicated files to be split: their names, metadata and
     tensors' names, dtypes and shapes (a digest), or ``None`` where this rank does not take part (no replicated
     files, or ``HF_RESUMABLE_SPLIT_REPLICAS=0``)."""
-    if not payload.replicated or os.environ.get(SPLIT_ENV, "1") == "0":
+    if not payload.replicated or not split_replicas():
         return None
     described = [[f.relpath, f.metadata, [[name, str(t.dtype), list(t.shape)] for name, t in f.tensors]]
                  for f in payload.tensor_files if f.relpath in payload.replicated]
@@ -74,16 +93,14 @@ def replicas_split(signatures: list[str | None]) -> bool:
 
 
 def part_of_rank(payload: Payload, rank: int, world_size: int, *, split: bool) -> Payload:
-    """The part of ``payload`` this rank writes: its own files, plus the replicated files the plan gives it
-    (``split``) or, unsplit, all of them on rank 0 and none elsewhere. A split payload's indexes are left out:
-    they need every rank's shard records, so rank 0 writes them after the gather."""
+    """The part of ``payload`` this rank writes: its own files, plus the replicated files that
+    :func:`plan_replica_writers` gives it (``split``) or, unsplit, all of them on rank 0 and none elsewhere. Only an
+    unsplit rank 0 keeps the indexes: they need every rank's shard records, so after a split rank 0 writes them after
+    the gather."""
     if not payload.replicated:
         return payload
-    if split:
-        writers = writer_plan(payload, world_size)
-        keep = [f for f in payload.tensor_files if writers.get(f.relpath, rank) == rank]
-        return replace(payload, tensor_files=keep, indexes=[])
-    if rank == 0:
-        return payload
-    return replace(payload, tensor_files=[f for f in payload.tensor_files if f.relpath not in payload.replicated],
-                   indexes=[])
+    writers = plan_replica_writers({f.relpath: _file_bytes(f) for f in payload.tensor_files
+                                    if f.relpath in payload.replicated}, world_size, split=split)
+    keep = [f for f in payload.tensor_files
+            if f.relpath not in payload.replicated or writers.get(f.relpath, 0) == rank]
+    return replace(payload, tensor_files=keep, indexes=payload.indexes if rank == 0 and not split else [])

@@ -21,7 +21,6 @@ import functools
 import json
 import logging
 import math
-import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -76,7 +75,7 @@ __all__ = [
     "flatten_optimizer_state",
     "piece_file",
     "plan_hf_weights",
-    "plan_plain_owners",
+    "plain_sizes",
     "check_coverage",
     "copy_fingerprints",
     "full_weights_for",
@@ -207,35 +206,28 @@ def _placed(tensor: torch.Tensor, name: str) -> PiecePlan:
 def _writes_piece(name: str, tensor: torch.Tensor, rank: int, owner: int = 0) -> bool:
     """Exactly one rank writes each distinct piece: of a DTensor, the holder of its box that
     :func:`~hf_resumable.checkpoint._placements.plan_piece` elects; a plain (replicated) tensor, rank ``owner``
-    (:func:`plan_plain_owners`)."""
+    (:func:`~hf_resumable.checkpoint._replicas.plan_replica_writers` of :func:`plain_sizes`)."""
     if not _is_dtensor(tensor):
         return rank == owner
     return _placed(tensor, name).writes
 
 
-def plan_plain_owners(state: Mapping[str, torch.Tensor], tied: Mapping[str, str], *, world_size: int
-                      ) -> dict[str, int]:
-    """Which rank writes each plain (replicated) tensor of ``state``: whole tensors spread over the ranks by bytes
-    (:func:`~hf_resumable.checkpoint._replicas.plan_replica_writers`, pure: every rank holds the same plain tensors,
-    so every rank computes the same plan). Under DeepSpeed ZeRO-1/2 that is the whole model, which rank 0 alone
-    would otherwise stage and write. Empty for one rank, or with ``HF_RESUMABLE_SPLIT_REPLICAS=0`` (rank 0 writes
-    them all). The layout records every piece's file, so nothing reads them differently; :func:`check_coverage`
-    refuses a layout in which the ranks disagreed.
+def plain_sizes(state: Mapping[str, torch.Tensor], tied: Mapping[str, str]) -> dict[str, int]:
+    """The size in bytes of each plain (replicated, not DTensor) tensor of ``state`` that is kept (not a tied alias):
+    what :func:`~hf_resumable.checkpoint._replicas.plan_replica_writers` splits over the ranks (every rank holds the
+    same plain tensors, so every rank computes the same plan). Under DeepSpeed ZeRO-1/2 that is the whole model,
+    which rank 0 alone would otherwise stage and write. The layout records every piece's file, so nothing reads
+    them differently; :func:`check_coverage` refuses a layout in which the ranks disagreed.
 
     Example:
 
     ```python
-    >>> plan_plain_owners({"a": torch.zeros(4), "b": torch.zeros(3), "c": torch.zeros(2)}, {}, world_size=2)
-    {'a': 0, 'b': 1, 'c': 1}
+    >>> plain_sizes({"a": torch.zeros(4), "b": torch.zeros(3, dtype=torch.float16), "c": torch.zeros(2)}, {"c": "a"})
+    {'a': 16, 'b': 6}
     ```
     """
-    from ._replicas import SPLIT_ENV, plan_replica_writers
-
-    if world_size < 2 or os.environ.get(SPLIT_ENV, "1") == "0":
-        return {}
-    sizes = {name: tensor.numel() * tensor.element_size() for name, tensor in state.items()
-             if name not in tied and not _is_dtensor(tensor)}
-    return plan_replica_writers(sizes, world_size)
+    return {name: tensor.numel() * tensor.element_size() for name, tensor in state.items()
+            if name not in tied and not _is_dtensor(tensor)}
 
 
 def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -314,9 +306,10 @@ def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: M
                         staged: Mapping[str, torch.Tensor] | None = None,
                         owners: Mapping[str, int] | None = None, omit: Collection[str] = ()) -> LocalState:
     """This rank's pieces of ``state`` (DTensors and plain tensors, ``tied`` aliases left out) and every
-    tensor's global description. ``owners``: the rank that writes each plain tensor (:func:`plan_plain_owners`;
-    rank 0 for a name it does not list). ``omit``: tensors described but whose piece this rank does not write
-    (ZeRO-3 weights its saved master weights give, ``TENSOR_MASTER``).
+    tensor's global description. ``owners``: the rank that writes each plain tensor
+    (:func:`~hf_resumable.checkpoint._replicas.plan_replica_writers`; rank 0 for a name it does not list).
+    ``omit``: tensors described but whose piece this rank does not write (ZeRO-3 weights its saved master
+    weights give, ``TENSOR_MASTER``).
 
     ``staged`` (an async save's copies of the :func:`pieces_to_stage`) replaces the live local pieces: only the
     tensors' metadata (dtype, global shape, mesh, placements) is read from ``state`` then, so this may run on a

@@ -103,6 +103,7 @@ from ._payload import (
 )
 from ._placements import check_copies_agree
 from ._reader import LoadedCheckpoint, OpenedCheckpoint, _Reader
+from ._replicas import plan_replica_writers, split_replicas
 from ._sharded import (
     LAYOUT_FILE,
     LAYOUT_KEY_MODEL,
@@ -127,8 +128,8 @@ from ._sharded import (
     piece_report,
     piece_tensor_file,
     pieces_to_stage,
+    plain_sizes,
     plan_hf_weights,
-    plan_plain_owners,
     section_from_reports,
     stamp_layout_version,
 )
@@ -269,7 +270,7 @@ class _Pieces:
             optimizer document).
         rank, world_size (`int`): this rank and the world size.
         owners (`dict`): ``kind -> {name: rank}``, the rank that writes each plain (replicated) tensor
-            (:func:`~hf_resumable.checkpoint._sharded.plan_plain_owners`).
+            (:func:`~hf_resumable.checkpoint._replicas.plan_replica_writers`).
         masters, omitted (DeepSpeed ZeRO): the weights their saved fp32 master weights give, described so in the
             layout, and those whose pieces this rank does not write
             (:func:`~hf_resumable.checkpoint._partitioned.weights_from_masters`). An async save decides ``omitted``
@@ -382,8 +383,10 @@ def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.o
         else:
             masters, omitted = weights_from_masters(model, states[LAYOUT_KEY_MODEL][0], optimizer,
                                                     parameters=parameters)
-    owners = {kind: plan_plain_owners({name: tensor for name, tensor in state.items() if name not in omitted}, tied,
-                                      world_size=world_size) for kind, (state, tied) in states.items()}
+    owners = {kind: plan_replica_writers(plain_sizes({name: tensor for name, tensor in state.items()
+                                                      if name not in omitted}, tied),
+                                         world_size, split=world_size > 1 and split_replicas())
+              for kind, (state, tied) in states.items()}
     staging = {}
     if stage:
         staging = {kind: TensorFile(piece_file(kind, rank, world_size), pieces_to_stage(
