@@ -493,7 +493,7 @@ def test_fsdp1_sharded_tensors_are_stored_as_dtensor_pieces(one_rank_group):
     piece is copied back into the ShardedTensor FSDP1's load reads."""
     from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
 
-    from hf_resumable.checkpoint._sharded import local_box
+    from hf_resumable.checkpoint._dtensor import local_box
     from hf_resumable.checkpoint._sharded_tensors import as_dtensors, into_sharded_tensors
 
     local = torch.arange(12.0).reshape(4, 3)

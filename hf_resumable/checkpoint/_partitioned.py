@@ -34,7 +34,7 @@ import torch
 
 from ..constants import OPTIMIZER_STATE_PREFIX
 from ..errors import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
-from ._sharded import group_mesh, local_box
+from ._dtensor import group_mesh, local_box
 
 logger = logging.getLogger(__name__)
 

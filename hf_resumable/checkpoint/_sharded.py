@@ -17,7 +17,6 @@ tensors.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -42,8 +41,10 @@ from ..constants import (  # noqa: F401 - re-exported for the sharded modules
 from ..errors import CheckpointMismatchError, CorruptCheckpointError, UnsupportedStateError
 from ..format.safetensors_io import DTYPE_TO_STR
 from ..format.sharding import ShardPlan
+from ._dtensor import is_dtensor, local_box, local_tensor, piece_plan, writes_piece
+from ._frozen import fingerprint
 from ._model import find_aliases
-from ._placements import REPORT_COPIES, PiecePlan, describe_mesh, plan_piece
+from ._placements import REPORT_COPIES
 from ._types import Box, TensorFile, intersect_boxes
 
 logger = logging.getLogger(__name__)
@@ -62,8 +63,6 @@ __all__ = [
     "LAYOUT_FILE",
     "LocalState",
     "plan_region_reads",
-    "local_box",
-    "group_mesh",
     "check_storable",
     "pieces_to_stage",
     "collect_local_state",
@@ -131,87 +130,6 @@ def plan_region_reads(wanted: Box, pieces: Mapping[str, Box], *, name: str, sour
     return reads
 
 
-@functools.cache
-def _dtensor_class() -> type:
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
-
-
-def _is_dtensor(value: Any) -> bool:
-    return isinstance(value, _dtensor_class())
-
-
-@functools.lru_cache(maxsize=16)
-def group_mesh(group: Any, device_type: str) -> Any:
-    """A 1-D ``DeviceMesh`` over a process group (cached: engines that shard over their own groups, DeepSpeed ZeRO and
-    FSDP1, show their pieces as DTensors on it, without communication)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh.from_group(group, device_type)
-
-
-def local_box(tensor: torch.Tensor, *, name: str = "tensor") -> Box:
-    """The box of the global tensor this rank holds: a DTensor's local piece (on any mesh, with any placements:
-    :func:`~hf_resumable.checkpoint._placements.plan_piece`), or all of a plain tensor.
-
-    Raises:
-        UnsupportedStateError: for a DTensor with a ``Partial`` placement (pending reduction), or whose pieces are
-            not boxes (a ``_StridedShard`` that does not split evenly).
-    """
-    if not _is_dtensor(tensor):
-        return Box((0,) * tensor.dim(), tuple(tensor.shape))
-    plan = _placed(tensor, name)
-    return Box(plan.offset, plan.shape)
-
-
-def _per_mesh(function: Any) -> Any:
-    """Cache ``function(mesh, *rest)`` by the mesh's identity (and ``rest``): pure in its arguments, so computed once
-    per save layout instead of once per tensor per save. Not ``functools.lru_cache``: it compares meshes with
-    ``DeviceMesh.__eq__`` on every hit (engines create equal meshes as distinct objects), which cost more than the
-    computation on the training loop's time. The cache holds the meshes, so their ids are not reused."""
-    cache: dict[tuple, tuple[Any, Any]] = {}
-
-    @functools.wraps(function)
-    def cached(mesh: Any, *rest: Any) -> Any:
-        key = (id(mesh), *rest)
-        hit = cache.get(key)
-        if hit is not None and hit[0] is mesh:
-            return hit[1]
-        if len(cache) >= 65536:
-            cache.clear()
-        value = function(mesh, *rest)
-        cache[key] = (mesh, value)
-        return value
-
-    return cached
-
-
-_view_of = _per_mesh(describe_mesh)  # once per mesh, not once per tensor
-
-
-@_per_mesh
-def _plan_on(mesh: Any, shape: tuple[int, ...], placements: tuple, name: str) -> PiecePlan:
-    view = _view_of(mesh)
-    if view is None:  # not in the mesh: holds nothing of it
-        return PiecePlan((0,) * len(shape), (0,) * len(shape), 0, False)
-    return plan_piece(shape, placements, view, name=name)
-
-
-def _placed(tensor: torch.Tensor, name: str) -> PiecePlan:
-    """:func:`~hf_resumable.checkpoint._placements.plan_piece` of a DTensor (cached per mesh, :func:`_per_mesh`)."""
-    return _plan_on(tensor.device_mesh, tuple(tensor.shape), tuple(tensor.placements), name)
-
-
-def _writes_piece(name: str, tensor: torch.Tensor, rank: int, owner: int = 0) -> bool:
-    """Exactly one rank writes each distinct piece: of a DTensor, the holder of its box that
-    :func:`~hf_resumable.checkpoint._placements.plan_piece` elects; a plain (replicated) tensor, rank ``owner``
-    (:func:`~hf_resumable.checkpoint._replicas.plan_replica_writers` of :func:`plain_sizes`)."""
-    if not _is_dtensor(tensor):
-        return rank == owner
-    return _placed(tensor, name).writes
-
-
 def plain_sizes(state: Mapping[str, torch.Tensor], tied: Mapping[str, str]) -> dict[str, int]:
     """The size in bytes of each plain (replicated, not DTensor) tensor of ``state`` that is kept (not a tied alias):
     what :func:`~hf_resumable.checkpoint._replicas.plan_replica_writers` splits over the ranks (every rank holds the
@@ -227,16 +145,7 @@ def plain_sizes(state: Mapping[str, torch.Tensor], tied: Mapping[str, str]) -> d
     ```
     """
     return {name: tensor.numel() * tensor.element_size() for name, tensor in state.items()
-            if name not in tied and not _is_dtensor(tensor)}
-
-
-def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    if not _is_dtensor(tensor):
-        return tensor.detach()
-    # The local shard itself (what to_local() returns, without its autograd Function: this runs for every
-    # tensor at every save, on the training loop's time).
-    local = getattr(tensor, "_local_tensor", None)
-    return (local if isinstance(local, torch.Tensor) else tensor.to_local()).detach()
+            if name not in tied and not is_dtensor(tensor)}
 
 
 @dataclass
@@ -256,7 +165,7 @@ class LocalState:
 
 def local_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every entry's local piece (detached), taken once for :func:`find_tied` and :func:`pieces_to_stage`."""
-    return {name: _local_tensor(tensor) for name, tensor in state.items()}
+    return {name: local_tensor(tensor) for name, tensor in state.items()}
 
 
 def find_tied(state: Mapping[str, torch.Tensor], *, local: Mapping[str, torch.Tensor] | None = None
@@ -270,7 +179,7 @@ def find_tied(state: Mapping[str, torch.Tensor], *, local: Mapping[str, torch.Te
     of ``state``, if already taken.
     """
     if local is None:
-        return find_aliases(state, local=_local_tensor)
+        return find_aliases(state, local=local_tensor)
     return find_aliases({name: local[name] for name in state})
 
 
@@ -283,7 +192,7 @@ def check_storable(state: Mapping[str, torch.Tensor]) -> None:
     for name, tensor in state.items():
         if tensor.dtype not in DTYPE_TO_STR:
             raise UnsupportedStateError(f"{name!r}: dtype {tensor.dtype} cannot be stored in safetensors.")
-        if _is_dtensor(tensor):
+        if is_dtensor(tensor):
             local_box(tensor, name=name)  # raises for Partial placements and pieces that are not boxes
 
 
@@ -299,7 +208,7 @@ def pieces_to_stage(state: Mapping[str, torch.Tensor], tied: Mapping[str, str], 
     owners = owners or {}
     return [(name, local[name]) for name, tensor in state.items()
             if name not in tied and name not in omit and local[name].numel()
-            and _writes_piece(name, tensor, rank, owners.get(name, 0))]
+            and writes_piece(name, tensor, rank, owners.get(name, 0))]
 
 
 def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: Mapping[str, str],
@@ -329,13 +238,13 @@ def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: M
             raise UnsupportedStateError(f"{name!r}: dtype {tensor.dtype} cannot be stored in safetensors.")
         tensors[name] = {"dtype": DTYPE_TO_STR[tensor.dtype], "shape": list(tensor.shape)}
         box = local_box(tensor, name=name)
-        local = _local_tensor(tensor)  # with ``staged``, only its shape is read
+        local = local_tensor(tensor)  # with ``staged``, only its shape is read
         if tuple(local.shape) != box.shape:
             raise CheckpointMismatchError(
                 f"{name!r}: the local tensor has shape {list(local.shape)} but its placement implies "
                 f"{list(box.shape)}; this sharding is not supported by save_sharded_checkpoint."
             )
-        if box.numel and name not in omit and _writes_piece(name, tensor, rank, owners.get(name, 0)):
+        if box.numel and name not in omit and writes_piece(name, tensor, rank, owners.get(name, 0)):
             if staged is not None:
                 if name not in staged:  # never read a live tensor off the training thread
                     raise RuntimeError(f"{name!r}: its piece was not staged; this is a bug in hf_resumable.")
@@ -469,16 +378,14 @@ def copy_fingerprints(state: Mapping[str, torch.Tensor], tied: Mapping[str, str]
     save checks that the copies agree (:func:`check_copies_agree`). Sampled xxh3-128 fingerprints
     (:func:`~hf_resumable.checkpoint._frozen.fingerprint`), taken on the training loop's time, when the state is
     the one saved."""
-    from ._frozen import fingerprint
-
     prints = {}
     for name, tensor in state.items():
-        if name in tied or not _is_dtensor(tensor):
+        if name in tied or not is_dtensor(tensor):
             continue
-        plan = _placed(tensor, name)
+        plan = piece_plan(tensor, name)
         if plan.copies > 1 and math.prod(plan.shape):
             prints[name] = {"offset": list(plan.offset),
-                            "sample": fingerprint(_local_tensor(tensor).contiguous(), full=False).sample}
+                            "sample": fingerprint(local_tensor(tensor).contiguous(), full=False).sample}
     return prints
 
 
@@ -513,7 +420,7 @@ def full_weights_for(state: Mapping[str, torch.Tensor], files: Mapping[str, str]
     for name, tensor in state.items():
         if name not in files:
             continue
-        full = tensor.full_tensor() if _is_dtensor(tensor) else tensor
+        full = tensor.full_tensor() if is_dtensor(tensor) else tensor
         if owner[files[name]] == rank:
             mine.setdefault(files[name], []).append((name, full.detach()))
     return mine

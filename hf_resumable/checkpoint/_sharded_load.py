@@ -20,6 +20,7 @@ import torch
 from ..errors import CorruptCheckpointError, FormatVersionError
 from ..format.safetensors_io import STR_TO_DTYPE
 from ..format.sharding import ShardIndex, check_relative_name
+from ._dtensor import local_box
 from ._model import TIED_KEY, match_keys
 from ._sharded import (
     LAYOUT_FILE,
@@ -33,7 +34,6 @@ from ._sharded import (
     TENSOR_MASTER,
     TENSOR_VIEW,
     layout_document,
-    local_box,
     plan_region_reads,
 )
 from ._types import Box

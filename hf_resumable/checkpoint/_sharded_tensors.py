@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedStateError
-from ._sharded import group_mesh, local_box
+from ._dtensor import group_mesh, local_box
 
 logger = logging.getLogger(__name__)
 

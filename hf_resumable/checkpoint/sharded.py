@@ -79,8 +79,7 @@ from ..format.sharding import build_index
 from ..format.state_codec import decode_state
 from ._durability import check_durability
 from ._fqn_state import model_state_dict, optimizer_state_dict
-from ._frozen import base_not_stored
-from ._frozen_sharded import check_frozen_sharded, split_frozen_sharded
+from ._frozen import base_not_stored, check_frozen_sharded, split_frozen_sharded
 from ._model import TIED_KEY
 from ._model_files import single_file_metadata
 from ._partitioned import (
