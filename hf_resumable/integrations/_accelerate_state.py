@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checkpoint._dtensor import is_dtensor
 from ..format.rng import capture_rng_state
 
 __all__ = ["StepCounts", "StepHook", "state_fingerprint"]
@@ -57,12 +58,6 @@ class StepHook:
         self.counts.global_step = max(self.counts.global_step, self.count)
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
 class _Digest:
     """Feeds values into one blake2b digest in a canonical, type-tagged form."""
 
@@ -74,7 +69,7 @@ class _Digest:
         self._hash.update(len(data).to_bytes(8, "little") + data)
 
     def tensor(self, tensor: torch.Tensor) -> None:
-        if _is_dtensor(tensor):  # FSDP2: this rank's piece (every rank digests its own; the save compares them all)
+        if is_dtensor(tensor):  # FSDP2: this rank's piece (every rank digests its own; the save compares them all)
             self.text(f"P{tensor.placements}")
             tensor = tensor.to_local()
         self.text(f"T{tuple(tensor.shape)}{tensor.dtype}{tensor.device}")
