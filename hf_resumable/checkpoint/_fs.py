@@ -213,8 +213,8 @@ def claim(entry: Path, target_name: str) -> Path | None:
 class _TrashRemover:
     """Deletes trash directories this process claimed, one at a time on a daemon thread (started on first use).
 
-    Deleting a checkpoint of 0.64 GB took 0.38-0.42 s of wall time (0.02 s of CPU) on an ext4 disk mounted with
-    ``discard``: time a training loop need not wait for. The trash carries this process's name and a deleting mark,
+    Deleting a checkpoint is mostly waiting on the filesystem (on a disk mounted with ``discard`` above all), not
+    CPU: time a training loop need not wait for. The trash carries this process's name and a deleting mark,
     so nothing can find it as a checkpoint or rename it back; if the process dies first, the next cleaner of the
     directory deletes it (``discovery.cleanup_stale``). Interpreter exit waits for the queue (``atexit``).
     """
@@ -232,7 +232,7 @@ class _TrashRemover:
             self._queue.put(trash)
 
     def _run(self) -> None:
-        # At the training loop's priority, not lowered as a background write is: a deletion's CPU is about 0.02 s,
+        # At the training loop's priority, not lowered as a background write is: a deletion needs little CPU,
         # and the next save's write waits for it (``_writer.write_payload``), which a starved deleter would delay.
         while True:
             trash = self._queue.get()

@@ -9,26 +9,18 @@ completes a file's next chunk feeds that file's checksum, so every byte is hashe
 the readers (``madvise(MADV_POPULATE_WRITE)``). Tensors that cannot receive bytes in place (another device, dtype or
 layout) are read into CPU staging buffers and copied into their destination only after EVERY file's hash matched.
 
-What each mechanism is worth was measured with ``benchmarks/bench_read_paths.py``: a fresh-process resume of 0.94
-GiB (model into existing memory, new AdamW state, every hash checked), one mechanism on vs off, rounds run in
-rotating order, as the median of the per-round time ratios of two runs (n=5, n=7) on this project's 2-core VM
-while other jobs kept its load average at 7-10 (docs/benchmarks.md has the tables):
+Why each mechanism is kept (the measurements, with ``benchmarks/bench_read_paths.py``, are in docs/benchmarks.md):
 
-- streams: one per two cores this process may run on, at most ``READ_WORKERS`` (4). Each stream copies and hashes
-  at memory speed, so a stream needs a core. On this 2-core VM (one stream), quiet, 1 stream against 4 was 1.44x
-  and 2.07x as fast in two sessions (``bench_checkpoint.py``), and a 4-thread raw read ran at 0.64x of one stream;
-  4 streams won only while other jobs loaded the cores (1.33x and 1.64x on the disk, load 7-10), where more
-  threads just take a larger share of a busy machine. On tmpfs 1 stream was 1.54x and 1.26x as fast even then.
+- streams: one per two cores this process may run on, at most ``READ_WORKERS``. Each stream copies and hashes at
+  memory speed, so a stream needs a core; more streams than that only take a larger share of a busy machine.
   ``HF_RESUMABLE_READ_STREAMS=<n>`` overrides the choice.
-- the prefault thread: 1.19x and 1.11x faster on the disk (the page faults of new memory overlap the disk's
-  work); on tmpfs the load was 1.27x and 1.31x faster without it (the faults then only compete for the cores).
+- the prefault thread: the page faults of new memory overlap the disk's work. On tmpfs there is no disk work to
+  overlap, and the faults only compete for the cores.
 
 Deleted, because they did not pay on either storage: ``O_DIRECT`` reads of the bytes ``mincore`` said were not
-cached, with new tensors allocated aligned like their file offsets (without it the disk load was 1.41x and 1.03x
-as fast, using 0.94 s of CPU instead of 0.71 s; on tmpfs nothing is read direct), interleaving all files' chunks
-(0.98x-1.12x as fast without it), one stream hashing on a thread of its own (0.94x-1.03x as fast hashing in the
-reader), and the stream probe, which measured 1 against 4 streams on the first 64 MiB of a disk reporting itself
-rotational (1.10x as fast as a fixed 4 on the disk, range 0.81-1.51: noise; it ran only on such disks).
+cached (with new tensors allocated aligned like their file offsets), interleaving all files' chunks, one stream
+hashing on a thread of its own, and a stream probe that timed 1 against 4 streams on the first 64 MiB of a disk
+reporting itself rotational (its answers were noise).
 
 A file may also come from memory (:attr:`FileRead.data`: bytes a verification already hashed and kept), and a
 file that verification hashed but did not keep is checked to be the very file it hashed before it is read
@@ -217,7 +209,7 @@ _PAGE = 4096
 def _prefault(queue: list[Chunk], stop: threading.Event) -> None:
     """Fault in the pages of new destinations, in reading order, ahead of the readers.
 
-    The first touch of new memory is a page fault per 4 KiB page (a costly one in a VM); inside ``pread``
+    The first touch of new memory is a page fault per 4 KiB page (costly where a hypervisor maps guest memory on first access); inside ``pread``
     it would come after the data arrived, here it overlaps the disk's work. Pages a reader reaches first
     simply fault there. Stops quietly if the kernel does not support ``MADV_POPULATE_WRITE``.
     """

@@ -5,9 +5,8 @@ split into 4 MiB pieces (a pure plan, :func:`plan_chunks`) that the calling thre
 waiting between saves: starting a thread on a loaded machine can take tens of milliseconds) claim one at a time,
 and each piece is copied with the GIL released by ``hf_resumable._fastcopy`` (non-temporal stores: a staging
 buffer is read back only much later, so caching it is pure cost), or by the C library's ``memmove`` where the
-extension was not built. Measured on a 2-core AMD EPYC VM (shared, loaded) for 175 MB in 17.5 MB tensors on one
-thread: ``memmove`` 48-91 ms, the non-temporal copy 38-66 ms (an earlier version that interleaved four pages per
-step: 160-250 ms). Anything that is not a plain contiguous CPU tensor of the same dtype and shape goes through
+extension was not built. The non-temporal copy streams one region at a time: interleaving several pages per step
+was much slower (docs/benchmarks.md). Anything that is not a plain contiguous CPU tensor of the same dtype and shape goes through
 ``copy_``; CUDA sources are copied ``non_blocking`` into pinned buffers and synchronized once.
 """
 

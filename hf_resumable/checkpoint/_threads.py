@@ -64,11 +64,10 @@ def lower_thread_priority(increment: int) -> Lowering | None:
     The base is the main thread's nice value, not the caller's own, so that a thread whose priority could not be
     raised again (see :func:`restore_thread_priorities`) is not lowered further at every call. Nice values stop at
     19: where that leaves less than half of ``increment`` below the base (a job started with ``nice -n 15`` or more),
-    the thread also moves to Linux's ``SCHED_IDLE`` policy, which runs below every nice value. Measured in
-    ``bench_goodput.py --inflation-only`` (docs/benchmarks.md) with the training process at nice 19, where the nice
-    value alone changes nothing: steps 1.18-1.34x slower while a save was written (the training thread waiting
-    0.07-0.10 s per step for a core), 1.02x with ``SCHED_IDLE``. Not sooner: at nice 10, where the writer gets 19,
-    ``SCHED_IDLE`` made later saves wait for a write it had slowed.
+    the thread also moves to Linux's ``SCHED_IDLE`` policy, which runs below every nice value: with the training
+    process already at nice 19, a nice value alone cannot put the writer below it, and training steps would wait for
+    a core while a save is written (docs/benchmarks.md, ``bench_goodput.py --inflation-only``). Not sooner: where
+    nice values still separate the two, ``SCHED_IDLE`` starves the writer so much that later saves wait for it.
 
     Returns:
         `Lowering | None`: what changed, for :func:`restore_thread_priorities`; ``None`` if nothing did.
@@ -139,9 +138,8 @@ def defer_to_running_threads() -> bool:
 
     For the threads an async save wakes as its call returns (the staging helpers, the saver's thread): woken at the
     normal policy on a busy machine, they preempt the training thread in the last microseconds of the call, which then
-    waits a whole scheduling slice to return. Measured with 2 FSDP2 ranks on 2 cores (the slower rank's call, median
-    of 38 saves, 4 runs each, alternated): 10.4-13.6 ms at the normal policy, 6.4-8.7 ms under ``SCHED_BATCH``, with
-    the same next step and no wait at the step gate.
+    waits a whole scheduling slice to return. Under ``SCHED_BATCH`` they no longer preempt it, so the call returns
+    sooner, with the same next step (docs/benchmarks.md).
     Moving between the normal and the batch policy needs no privilege; a refusal (a seccomp profile) is logged at
     debug and changes nothing. A no-op elsewhere than Linux.
 

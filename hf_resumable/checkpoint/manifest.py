@@ -47,8 +47,8 @@ def library_versions() -> dict[str, str]:
 
 @functools.cache
 def _installed_versions() -> dict[str, str]:
-    """:func:`library_versions`, looked up once per process: each lookup parses a package's metadata, about 45 ms
-    per save on a loaded 2-core VM, on every rank."""
+    """:func:`library_versions`, looked up once per process: each lookup parses a package's metadata, which
+    would otherwise cost every save on every rank."""
     from importlib.metadata import PackageNotFoundError, version
 
     versions = {"hf_resumable": __version__, "python": platform.python_version()}
