@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 from ._version import __version__
 
 # Every public name is loaded on first use, so that `import hf_resumable` (and the `hf-resumable` command line, whose
-# supervisor for `hf-resumable run` needs neither torch nor transformers) stays light: torch alone is 1.5-2 s of a
-# restart's start-up.
+# supervisor for `hf-resumable run` needs neither torch nor transformers) stays light: importing torch is a large
+# part of a restart's start-up.
 _LAZY = {
     "apply_retention": "hf_resumable.checkpoint",
     "save_checkpoint": "hf_resumable.checkpoint",

@@ -8,8 +8,8 @@
  * large L3 (many VMs, large-cache servers) is bigger than any tensor, so tensor-sized copies never
  * get them. This copies in one sequential stream of 16-byte streaming stores (SSE2, present on every
  * x86-64 CPU), 64 bytes (one cache line) per step, then fences. An earlier version interleaved four
- * pages per step; on an AMD EPYC (Zen 3) KVM guest that ran 3-4x slower than this and 2x slower than
- * memmove, while the sequential stream beats memmove by about 30 %. Elsewhere it is a plain memcpy.
+ * pages per step and ran slower than memmove; the sequential stream beats memmove
+ * (docs/benchmarks.md). Elsewhere it is a plain memcpy.
  *
  * Python API: copy(dst_address, src_address, nbytes) -> None, with the GIL released. The caller
  * guarantees both ranges are valid, writable (dst) and do not overlap.

@@ -179,8 +179,8 @@ def write_payload(tmp: Path, payload: Payload, *, fsync: bool = True) -> dict[st
 
     The checkpoints this process's retention removed in the background are deleted first, so that the disk never
     holds more than the kept checkpoints and this one (what the stock Trainer's rotation leaves). For a background
-    save that wait is on the saver's thread: a save called right after a retention does not pay it (0.17-0.39 s per
-    save of 0.64 GB under ``bench_goodput.py``'s SIGKILL schedule, saving every 2 steps, before).
+    save that wait is on the saver's thread: a save called right after a retention does not pay it on the training
+    thread (docs/benchmarks.md).
     """
     wait_for_removals()
     records: dict[str, FileRecord] = {}

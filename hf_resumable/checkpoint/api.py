@@ -69,8 +69,8 @@ def background_saver() -> AsyncSaver:
 
 def saves_async(save_async: bool | None) -> bool:
     """An integration's ``save_async`` option (``ResumableTrainer``'s): ``None`` (its default) is on under
-    torch.distributed (torchrun with 2+ processes: every rank stages and returns, about 0.08x the stall of a blocking
-    save at 2 ranks in ``benchmarks/bench_distributed.py --stall``) and off in a single process; ``True``/``False``
+    torch.distributed (torchrun with 2+ processes: every rank stages and returns, a small part of the stall of a
+    blocking save, docs/benchmarks.md) and off in a single process; ``True``/``False``
     decide.
 
     Example:

@@ -46,8 +46,8 @@ from .manifest import Manifest
 __all__ = ["AsyncSaver", "BACKGROUND_SAVER", "WRITER_NICE_INCREMENT"]
 
 # Nice steps by which a background write runs below the training thread (Linux, per thread; 0 turns it off). At
-# +10 the CPU scheduler gives the training thread about 7-9x the writer's share of a core they both want, so a step
-# is barely slower while a save is written, and the writer still gets every idle core.
+# +10 the CPU scheduler gives the training thread most of a core they both want, so a step is barely slower while a
+# save is written, and the writer still gets every idle core.
 WRITER_NICE_INCREMENT = 10
 
 

@@ -3,7 +3,7 @@ for one data operation and put back afterwards, at a cost that fits inside every
 
 :func:`~hf_resumable.data.data_rng` wraps every batch the training process fetches, so what it costs is paid on
 every optimizer step. numpy's ``get_state``/``set_state`` copy the 624-word Mersenne Twister key one element at a
-time (about 50 and 70 microseconds), which made them the largest per-step cost of the resumable loaders. Here the
+time, which made them the largest per-step cost of the resumable loaders. Here the
 key and position are copied as the bit generator's C struct instead (``MT19937.ctypes.state_address``, two
 ``memmove``\\ s of 2,500 bytes). The one part of numpy's state outside that struct, legacy ``RandomState``'s cached
 second Gaussian (``has_gauss``/``gauss``), is read by drawing one standard normal: the draw leaves the struct
@@ -175,7 +175,7 @@ class SeededStreams:
             self._saved = (random.getstate(), _NUMPY.capture(), torch.default_generator.get_state())
         random.seed(self.seed)
         np.random.seed(self.seed)
-        # Only the CPU generator: torch.manual_seed also walks every accelerator (~100x slower), and data code
+        # Only the CPU generator: torch.manual_seed also walks every accelerator (far slower), and data code
         # runs on the CPU.
         torch.default_generator.manual_seed(self.seed)
 

@@ -308,7 +308,7 @@ def seeded_rng(seed: int, *, restore: bool = True) -> Iterator[None]:
     saved = (random.getstate(), np.random.get_state(), torch.default_generator.get_state()) if restore else None
     random.seed(seed)
     np.random.seed(seed)
-    # Only the CPU generator: torch.manual_seed also walks every accelerator (~100x slower), and data code
+    # Only the CPU generator: torch.manual_seed also walks every accelerator (far slower), and data code
     # runs on the CPU.
     torch.default_generator.manual_seed(seed)
     try:

@@ -4,14 +4,14 @@ The files are standard safetensors (8-byte little-endian header length, JSON hea
 by ``safetensors.safe_open`` and ``transformers``. We write them ourselves rather than through
 ``safetensors.torch.save_file`` for two reasons:
 
-1. the xxh3-128 checksum is computed on the bytes as they are written (about 10 GiB/s per core), so the
+1. the xxh3-128 checksum is computed on the bytes as they are written (xxh3 hashes faster than storage writes), so the
    manifest never needs a read-back pass;
 2. loads can ``readinto`` the destination parameter's own memory, one copy from the page cache,
    with the checksum checked on the fly: hash-checked loads stay disk-bound.
 
 A :class:`FileRecord` holds a file's size and its xxh3-128; records written before format version 2 also (or
 only) hold a sha256, which is checked where it is the only hash, and by full verification. New records carry no
-sha256: at 1.3 GiB/s per core it was the largest CPU cost of a save, and it protects no better (see
+sha256: it was the largest CPU cost of a save, and it protects no better (see
 docs/format.md). :class:`RecordChecker` is the one place bytes are checked against a record.
 
 Headers are validated before any data is trusted: a header that claims more bytes than the file
@@ -528,8 +528,7 @@ class _StartWriteback:
     """Start the writeback of every chunk as soon as it is written (``sync_file_range(SYNC_FILE_RANGE_WRITE)``,
     which queues the pages and returns), so the disk works while the next chunks are written and hashed and the
     final ``fsync`` waits only for the tail; :class:`_WriteBehind` (an ``fdatasync`` on a helper thread every
-    ``WRITE_BEHIND`` bytes) where the call is missing. Measured on the 2-core VM for a 174 MB file: write + fsync
-    225 ms, with the writeback started per 16 MiB chunk 144 ms (the page-cache write alone: 87 ms)."""
+    ``WRITE_BEHIND`` bytes) where the call is missing (docs/benchmarks.md)."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -570,9 +569,8 @@ def write_safetensors(
     """Write ``tensors`` to a new safetensors file at ``path`` and return its size, xxh3-128 and chunk hashes.
 
     The file is created exclusively (an existing file is an error, never overwritten). The checksum is
-    computed in the writing thread on the very bytes being written: xxh3-128 runs at about 10 GiB/s, and a helper
-    thread for it took 0.98x-1.20x the time of a 384 MiB write on the 2-core VM's disk (idle / load 5), 0.85x-1.17x on
-    tmpfs (``benchmarks/bench_write_checksum.py``): no gain on the disk, a loss under load.
+    computed in the writing thread on the very bytes being written: xxh3-128 is cheap next to the write, and a
+    helper thread for it gained nothing on a disk and lost under CPU load (docs/benchmarks.md).
 
     Raises:
         FileExistsError: if ``path`` exists.

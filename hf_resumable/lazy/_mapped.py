@@ -42,7 +42,7 @@ def read_range(fd: int, offset: int, length: int, scratch: memoryview) -> None:
     bring them into the OS page cache through the kernel's own copy; ``os.preadv`` releases the GIL.
 
     The first access to a page just read from disk can be costly (in a VM, where the hypervisor maps guest memory
-    on first access, it was measured at 5-30 us per 4 KiB page, seconds for a model); through the kernel's copy into
+    on first access, every 4 KiB page pays for it); through the kernel's copy into
     an already touched buffer it was never more costly, and faster in most paired trials, than through a mapping.
     Later accesses through a mapping are cheap."""
     done = 0

@@ -1,7 +1,7 @@
 """``hf-resumable run``: run a training command, and when its process dies, start it again at once.
 
 The restart is what a preemption costs beside the work redone, and most of a restart is imports (torch and
-transformers take 6-9 s on a small VM). So while an attempt trains, a **standby interpreter** (started with the
+transformers are slow to import). So while an attempt trains, a **standby interpreter** (started with the
 command's interpreter, options, directory and environment) has already executed the script's leading import
 statements and waits. When the attempt's process dies, the standby forks the next attempt and stays ready for the
 next failure (where a fork is unsafe it runs the attempt itself, and a new standby starts). The run's own code (the
