@@ -2,8 +2,9 @@
 
 ``get_model_state_dict`` / ``get_optimizer_state_dict`` (torch.distributed.checkpoint.state_dict) key the state by
 parameter FQN whatever wraps the model (FSDP, DDP, ``torch.compile``, activation checkpointing). Most of their cost is
-the name translation: every parameter's path is walked (``_get_fqns``) at every call, on the training loop's time. The translation depends only on the module tree and the
-optimizer's parameter list, so it is learned once and reused while both are provably the same:
+the name translation: every parameter's path is walked (``_get_fqns``) at every call, on the training loop's time.
+The translation depends only on the module tree and the optimizer's parameter list, so it is learned once and reused
+while both are provably the same:
 
 * the model: ``model.state_dict()`` (what torch's function reads too), reused as is when torch's answer for this
   very tree was the same keys over the same tensors (no wrapper renames anything: FSDP2, plain modules);

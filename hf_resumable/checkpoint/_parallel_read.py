@@ -209,9 +209,9 @@ _PAGE = 4096
 def _prefault(queue: list[Chunk], stop: threading.Event) -> None:
     """Fault in the pages of new destinations, in reading order, ahead of the readers.
 
-    The first touch of new memory is a page fault per 4 KiB page (costly where a hypervisor maps guest memory on first access); inside ``pread``
-    it would come after the data arrived, here it overlaps the disk's work. Pages a reader reaches first
-    simply fault there. Stops quietly if the kernel does not support ``MADV_POPULATE_WRITE``.
+    The first touch of new memory is a page fault per 4 KiB page (costly where a hypervisor maps guest memory on
+    first access); inside ``pread`` it would come after the data arrived, here it overlaps the disk's work. Pages a
+    reader reaches first simply fault there. Stops quietly if the kernel does not support ``MADV_POPULATE_WRITE``.
     """
     populate = _madvise()
     if populate is None:

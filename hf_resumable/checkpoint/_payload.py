@@ -296,7 +296,7 @@ _CONFIG_FILES: dict[int, tuple[str, dict[str, bytes]]] = {}
 
 
 def _config_key(config: Any) -> str | None:
-    """The config's whole JSON (``use_diff=False``: no default config is built to diff against, which is the costly part)."""
+    """The config's whole JSON (``use_diff=False``: no default config is built to diff against, the costly part)."""
     to_json = getattr(config, "to_json_string", None)
     if not callable(to_json):
         return None

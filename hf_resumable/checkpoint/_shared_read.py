@@ -12,8 +12,9 @@ It applies when every rank's reads agree (:func:`read_signature`: the files' siz
 kind) and the ranks do not all read through one page cache. Ranks on one machine each read every file instead (known
 without a collective where torchrun's ``LOCAL_WORLD_SIZE`` is the world size, else from :func:`page_cache_identity`:
 one kernel, one filesystem): the kernel reads each page from storage once for all of them (they read the same files
-at the same time), and a copy out of the page cache costs less than one through gloo (docs/benchmarks.md). ``HF_RESUMABLE_SHARED_READS=always`` exchanges on one machine too, ``0`` never (every rank
-reads every file, as before). Where the reads may be shared, ``OpenedCheckpoint.load_into`` of a model or an
+at the same time), and a copy out of the page cache costs less than one through gloo (docs/benchmarks.md).
+``HF_RESUMABLE_SHARED_READS=always`` exchanges on one machine too, ``0`` never (every rank reads every file, as
+before). Where the reads may be shared, ``OpenedCheckpoint.load_into`` of a model or an
 optimizer under torch.distributed is collective: every rank calls it (as a DDP resume does); a rank that fails
 before its reads tells the others (:func:`announce_failure`), so none waits for it.
 """

@@ -6,8 +6,8 @@ waiting between saves: starting a thread on a loaded machine can take tens of mi
 and each piece is copied with the GIL released by ``hf_resumable._fastcopy`` (non-temporal stores: a staging
 buffer is read back only much later, so caching it is pure cost), or by the C library's ``memmove`` where the
 extension was not built. The non-temporal copy streams one region at a time: interleaving several pages per step
-was much slower (docs/benchmarks.md). Anything that is not a plain contiguous CPU tensor of the same dtype and shape goes through
-``copy_``; CUDA sources are copied ``non_blocking`` into pinned buffers and synchronized once.
+was much slower (docs/benchmarks.md). Anything that is not a plain contiguous CPU tensor of the same dtype and
+shape goes through ``copy_``; CUDA sources are copied ``non_blocking`` into pinned buffers and synchronized once.
 """
 
 from __future__ import annotations
