@@ -169,14 +169,11 @@ from ._core import (
     DEFAULT,
     AfterCommit,
     ResumeOptions,
-    agreed_load,
     changed_settings,
     check_drift,
     check_upstream,
-    find_agreed_checkpoint,
     inexact,
     notice_save_in_flight,
-    resume_newest,
 )
 from ._deepspeed import (
     EXTRA_DEEPSPEED,
@@ -190,6 +187,7 @@ from ._deepspeed import (
 )
 from ._elastic import plan_elastic_resume
 from ._engines import check_accelerate_options, check_accelerate_state, checkpoint_model, holds_dtensors
+from ._fallback import agreed_load, find_agreed_checkpoint, resume_newest
 from ._parallelism import KEY_PARALLELISM, accelerate_tp_ready, check_runnable, layout_of
 
 logger = logging.getLogger(__name__)

@@ -107,19 +107,7 @@ from ..format.state import RunConfig
 from ..format.state_codec import encode_state
 from ..locations import is_remote, open_uploader, resolve_resume_path
 from ..preemption import PreemptionAction, PreemptionHandler, PreemptionProtocol, exit_after_preemption
-from ._core import (
-    AfterCommit,
-    ResumeLoadError,
-    ResumeOptions,
-    agreed_load,
-    check_drift,
-    check_upstream,
-    find_agreed_checkpoint,
-    inexact,
-    notice_save_in_flight,
-    refuse_fresh_start,
-    resume_newest,
-)
+from ._core import AfterCommit, ResumeOptions, check_drift, check_upstream, inexact, notice_save_in_flight
 from ._deepspeed import (
     EXTRA_DEEPSPEED,
     capture_engine_state,
@@ -132,6 +120,7 @@ from ._deepspeed import (
 )
 from ._elastic import ELASTIC_SETTINGS, ElasticPlan, plan_elastic_resume, seed_model_rng
 from ._engines import check_trainer_engine, checkpoint_model, holds_dtensors
+from ._fallback import ResumeLoadError, agreed_load, find_agreed_checkpoint, refuse_fresh_start, resume_newest
 from ._save_interval import AutoSaveInterval, check_save_strategy
 from ._trainer_discovery import (
     CONVERTED_DIR,

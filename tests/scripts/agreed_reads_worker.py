@@ -27,7 +27,7 @@ from hf_resumable.checkpoint import find_latest_verified
 from hf_resumable.constants import CHECKPOINT_DIR_RE
 from hf_resumable.distributed import agreed_reads, all_gather_json
 from hf_resumable.errors import CorruptCheckpointError
-from hf_resumable.integrations._core import agreed_load, resume_newest
+from hf_resumable.integrations._fallback import agreed_load, resume_newest
 
 SOURCE = "out/checkpoint-8"
 
