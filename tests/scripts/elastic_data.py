@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tiny_models import VOCAB  # noqa: E402
+from helpers.tiny_models import VOCAB  # noqa: E402
 
 FETCHED: list[int] = []  # indices collated since the last optimizer step (num_workers=0: this process)
 
