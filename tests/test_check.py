@@ -254,9 +254,9 @@ def test_the_tracer_records_a_plain_loaders_batch_inputs_loss_and_printed_lines_
 def _check(tmp_path, *args, kills=1, seed=0):
     report = tmp_path / "report.json"
     env = child_env()
-    # The launches come from a test zygote (tests/helpers/zygote.py) that has imported torch and transformers once: a script
-    # run as ``python script.py`` gets its client as the interpreter, and torchrun's workers get it as PYTHON_EXEC.
-    # torchrun itself stays a real child of check, so that check's kill reaches its whole tree.
+    # The launches come from a test zygote (tests/helpers/zygote.py) that has imported torch and transformers once: a
+    # script run as ``python script.py`` gets its client as the interpreter, and torchrun's workers get it as
+    # PYTHON_EXEC. torchrun itself stays a real child of check, so that check's kill reaches its whole tree.
     env = zygote.torchrun_env(env)
     args = [str(a) for a in args]
     if args[:3] != [sys.executable, "-m", "torch.distributed.run"] and args[0] == sys.executable:

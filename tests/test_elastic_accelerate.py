@@ -183,9 +183,9 @@ def _stream_run(checkpoints: Path, *, elastic: bool, windows: int, save_at: int 
                 count: int = 12) -> list[list[tuple[int, int]]]:
     """``windows`` accumulation windows (2 micro-batches of 2; a pass of 14 examples ends with a window of one) over a
     shuffled, randomly cropped ``count``-example stream after ``load_state``; each micro-batch's examples."""
-    from elastic_data import crop_stream
-
     from hf_resumable import ResumableAccelerator
+
+    from helpers.elastic_data import crop_stream
 
     accelerator = ResumableAccelerator(gradient_accumulation_steps=2, checkpoint_dir=checkpoints, cpu=True,
                                        elastic=elastic)

@@ -47,11 +47,11 @@ def test_two_ranks_then_one_then_two_is_the_uninterrupted_run(tmp_path: Path) ->
 
 
 def _trainer(output: Path, *, elastic: bool, data: Any = None, cls: type | None = None, **options: Any) -> Any:
-    from elastic_data import CropRows, collate
     from transformers import TrainingArguments
 
     from hf_resumable import ResumableTrainer
 
+    from helpers.elastic_data import CropRows, collate
     from helpers.tiny_models import tiny_gpt2
 
     trainer_options = {k: options.pop(k) for k in ("allow_config_drift",) if k in options}
@@ -103,8 +103,9 @@ def test_an_elastic_epoch_trains_the_samples_and_steps_of_one_without_elastic(tm
     the Trainer's loop, which learns where a stream ends only when it reads past it, trains the last 2 with the next
     pass's first 4 in step 7."""
     monkeypatch.syspath_prepend(str(WORKER.parent))
-    from elastic_data import FETCHED, CropRows, crop_stream
     from transformers import TrainerCallback
+
+    from helpers.elastic_data import FETCHED, CropRows, crop_stream
 
     class Steps(TrainerCallback):
         def __init__(self) -> None:
@@ -133,10 +134,10 @@ def test_orders_that_elastic_cannot_keep_are_refused_before_step_one(tmp_path: P
     """A subclass's own ``_get_train_sampler`` and a stream read by loader workers (which split its order) are
     refused at ``train()`` start with a typed error; nothing is trained."""
     monkeypatch.syspath_prepend(str(WORKER.parent))
-    from elastic_data import crop_stream
-
     from hf_resumable import ResumableTrainer
     from hf_resumable.errors import InexactResumeError
+
+    from helpers.elastic_data import crop_stream
 
     class OwnSampler(ResumableTrainer):
         def _get_train_sampler(self, dataset=None):

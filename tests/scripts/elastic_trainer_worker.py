@@ -29,11 +29,10 @@ from transformers import TrainerCallback, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from elastic_data import FETCHED, CropRows, collate, crop_stream  # noqa: E402
-
 from hf_resumable import ResumableTrainer  # noqa: E402
 
 from helpers import engine_fixtures as fx  # noqa: E402
+from helpers.elastic_data import FETCHED, CropRows, collate, crop_stream  # noqa: E402
 from helpers.tiny_models import tiny_gpt2  # noqa: E402
 
 
