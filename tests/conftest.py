@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.distributed_launch import shared_env
+# The helpers' own asserts (assert_identical, assert_same_run, ...) report their operands as a test module's do.
+pytest.register_assert_rewrite("helpers")
+
+from helpers.distributed_launch import shared_env  # noqa: E402
 
 # Quiet, offline-safe defaults for every test process (subprocesses inherit them).
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
