@@ -139,10 +139,10 @@ def snapshot(output_dir: Path) -> dict[str, tuple[int, int, str]]:
     return entries
 
 
+# ------------------------------------------------------------------ the same script as a 2-process torchrun job
+
 # 44 samples, batch 4 per rank, 2 ranks: 6 batches per rank and epoch; GPT-2 with dropout, GA 1.
 OPTIONS = ["--model", "gpt2", "--data", "lm", "--max-steps", "6"]
-
-
 RANK_SUFFIXES = ("", "-rank1")
 
 
