@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed_launch import launch_ranks
+from helpers.distributed_launch import launch_ranks
 
 pytestmark = pytest.mark.distributed
 
