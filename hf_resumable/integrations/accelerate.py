@@ -71,7 +71,6 @@ import contextlib
 import inspect
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from itertools import islice
 from pathlib import Path
@@ -148,10 +147,8 @@ from ._accelerate_objects import (
     SLOT_CORE,
     SLOT_EXTRA,
     Layout,
-    encode_optimizer,
     load_optimizer,
     parameter_keys,
-    plan_layout,
     require_slots,
 )
 from ._accelerate_paths import (
@@ -160,11 +157,26 @@ from ._accelerate_paths import (
     CheckpointPathNotFoundError,
     HookFileConflictError,
     automatic_name,
-    collect_hook_files,
-    hook_file_conflicts,
     next_iteration,
 )
-from ._accelerate_state import StepCounts, StepHook, state_fingerprint
+from ._accelerate_state import (
+    DATA_LOADERS,
+    EXTRA_CUSTOM_OBJECTS,
+    EXTRA_LAYOUT,
+    EXTRA_MODELS,
+    EXTRA_OPTIMIZERS,
+    EXTRA_RUN,
+    EXTRA_SCHEDULERS,
+    PROGRESS_GLOBAL_STEP,
+    PROGRESS_ITERATION,
+    PROGRESS_MICRO_STEP,
+    PROGRESS_OPTIMIZER_STEPS,
+    StepCounts,
+    StepHook,
+    accelerator_fingerprint,
+    capture_state,
+    run_settings,
+)
 from ._core import (
     DEFAULT,
     AfterCommit,
@@ -176,8 +188,6 @@ from ._core import (
     notice_save_in_flight,
 )
 from ._deepspeed import (
-    EXTRA_DEEPSPEED,
-    capture_engine_state,
     checkpoint_optimizer,
     deepspeed_engine,
     register_step_hook,
@@ -188,7 +198,7 @@ from ._deepspeed import (
 from ._elastic import plan_elastic_resume
 from ._engines import check_accelerate_options, check_accelerate_state, checkpoint_model, holds_dtensors
 from ._fallback import agreed_load, find_agreed_checkpoint, resume_newest
-from ._parallelism import KEY_PARALLELISM, accelerate_tp_ready, check_runnable, layout_of
+from ._parallelism import accelerate_tp_ready, check_runnable, layout_of
 
 logger = logging.getLogger(__name__)
 
@@ -222,25 +232,11 @@ _INSTANCE_INTERNALS = ("_models", "_optimizers", "_schedulers", "_custom_objects
                        "scaler", "step", "project_configuration", "_save_model_state_pre_hook",
                        "_load_model_state_pre_hook")
 
-# training_state keys (the progress cursor).
-PROGRESS_GLOBAL_STEP = "global_step"  # completed optimizer steps (accumulation windows)
-PROGRESS_MICRO_STEP = "accelerate_micro_step"  # Accelerator.step, accelerate's own micro-step counter
-PROGRESS_OPTIMIZER_STEPS = "optimizer_steps"  # real steps of each prepared optimizer, in preparation order
-PROGRESS_ITERATION = "project_iteration"  # ProjectConfiguration.iteration of an automatic checkpoint_<iteration>
-# extra keys.
-EXTRA_RUN = "accelerate_run"  # the settings a bit-exact resume depends on (see _run_settings)
-EXTRA_LAYOUT = "accelerate_layout"  # where each model/optimizer/scheduler went (Layout.to_json)
-EXTRA_CUSTOM_OBJECTS = "custom_objects"  # state_dict() of objects passed to register_for_checkpointing
-EXTRA_MODELS = "models"  # weights of saved models 1, 2, ... (model 0 is the checkpoint's model)
-EXTRA_OPTIMIZERS = "optimizers"  # per optimizer: its name-keyed state, or None when it is the checkpoint's own
-EXTRA_SCHEDULERS = "schedulers"  # state_dict() of schedulers 1, 2, ... (scheduler 0 is the checkpoint's own)
 # Where save_state() writes (see ResumableAccelerator.save_state).
 _NAMING_AUTOMATIC = "automatic"  # ProjectConfiguration(automatic_checkpoint_naming=True): checkpoint_<iteration>
 _NAMING_EXPLICIT = "explicit"  # save_state(output_dir)
 _NAMING_STEPS = "steps"  # save_state(): checkpoint-<global_step>
 DEFAULT_KEEP_LAST = 2  # checkpoint-<step> checkpoints kept when neither keep_last nor total_limit is given
-# data_state key: the positions of the prepared resumable loaders, in preparation order.
-DATA_LOADERS = "loaders"
 
 
 def check_accelerate_internals(accelerator: Accelerator | None = None) -> list[str]:
@@ -891,7 +887,7 @@ class ResumableAccelerator(Accelerator):
         self._commits.settle(removals=False)
         mode, target = self._save_target(output_dir)
         # Only checkpoint-<step> saves can meet a checkpoint of this very state (the other namings always write).
-        fingerprint = self._fingerprint(target) if mode == _NAMING_STEPS else None
+        fingerprint = accelerator_fingerprint(self, target) if mode == _NAMING_STEPS else None
         # every rank's own state unchanged (its pieces, its RNG), and the checkpoint intact
         unchanged = all(all_gather_json(fingerprint is not None and self._committed.get(target) == fingerprint))
         on_disk = self.is_main_process and unchanged and verify_checkpoint(target, full=False).ok
@@ -908,7 +904,7 @@ class ResumableAccelerator(Accelerator):
         # Retention runs right after save_state, as accelerate's total_limit does (upstream's tests count the
         # entries): it may then delete the previous checkpoint, so this one's files are fsynced before its commit.
         durability = "immediate" if self._retains(mode) else "deferred"
-        save(target, **self._capture(), step=self.global_step, overwrite=mode != _NAMING_AUTOMATIC,
+        save(target, **capture_state(self), step=self.global_step, overwrite=mode != _NAMING_AUTOMATIC,
              blocking=blocking, standalone=self.resume_options.standalone_checkpoints, durability=durability)
         if fingerprint is not None:
             self._committed = {target: fingerprint}  # steps only grow: only the newest can be met again
@@ -976,95 +972,6 @@ class ResumableAccelerator(Accelerator):
         pattern = AUTOMATIC_CHECKPOINT_RE if mode == _NAMING_AUTOMATIC else CHECKPOINT_DIR_RE
         # In the foreground, as accelerate's own total_limit: upstream's tests count the entries of the directory.
         apply_retention(self.checkpoint_dir, keep_last=keep, pattern=pattern, protect=self._pending_uploads())
-
-    def _weights(self) -> list[Any]:
-        """accelerate's ``weights`` list for the save hooks: each prepared model's state dict (not unwrapped)."""
-        return [self.get_state_dict(model, unwrap=False) for model in self._models]
-
-    def _capture(self) -> dict[str, Any]:
-        """Everything :func:`save_checkpoint` takes, after running the ``save_state`` pre-hooks."""
-        originals = self._weights() if self._save_model_state_pre_hook else [None] * len(self._models)
-        weights = list(originals)
-        hook_files = self._run_save_hooks(weights)
-        unwrapped = [checkpoint_model(model, self.unwrap_model(model)) for model in self._models]  # FSDP1: its root
-        optimizers = self._checkpoint_optimizers()
-        if not self._save_model_state_pre_hook:
-            weights = originals = list(unwrapped)  # no hook could have changed them
-        layout = plan_layout(weights=weights, originals=originals, models=unwrapped, optimizers=optimizers,
-                             schedulers=len(self._schedulers), custom_objects=len(self._custom_objects),
-                             hook_files=list(hook_files), hooks_registered=bool(self._save_model_state_pre_hook))
-        model_slot = bool(layout.models)
-        conflicts = hook_file_conflicts(hook_files, model_slot=model_slot,
-                                        optimizer_slot=SLOT_CORE in layout.optimizers)
-        if conflicts:
-            raise HookFileConflictError(f"save_state pre-hook(s) wrote {conflicts}, which the hf_resumable checkpoint "
-                                        "writes itself; write them under another name or in a subdirectory.")
-
-        def slot_state(index: int) -> Any:
-            if layout.models[index] == KIND_MODULE:  # model ``index``'s own weights, unchanged by the hooks
-                return unwrapped[index] if index == 0 else unwrapped[index].state_dict()
-            return weights[index]  # a state dict a hook put there, saved (and loaded) as accelerate would
-
-        engine = self._deepspeed_engine()
-        extra = {EXTRA_RUN: self._run_settings(), EXTRA_LAYOUT: layout.to_json(),
-                 **({EXTRA_DEEPSPEED: capture_engine_state(engine, optimizers[:1])} if engine is not None else {}),
-                 EXTRA_CUSTOM_OBJECTS: [obj.state_dict() for obj in self._custom_objects],
-                 EXTRA_MODELS: [slot_state(i) for i in range(1, len(layout.models))],
-                 EXTRA_OPTIMIZERS: [None if slot == SLOT_CORE else
-                                    encode_optimizer(opt, parameter_keys(unwrapped, opt))
-                                    for slot, opt in zip(layout.optimizers, optimizers)],
-                 EXTRA_SCHEDULERS: [scheduler.state_dict() for scheduler in self._schedulers[1:]]}
-        return {
-            "model": slot_state(0) if model_slot else None,
-            "optimizer": optimizers[0] if layout.optimizers[:1] == [SLOT_CORE] else None,
-            "scheduler": getattr(self._schedulers[0], "scheduler", self._schedulers[0]) if self._schedulers else None,
-            "scaler": self.scaler,
-            "training_state": {PROGRESS_GLOBAL_STEP: self.global_step, PROGRESS_MICRO_STEP: self.step,
-                               PROGRESS_OPTIMIZER_STEPS: self._optimizer_step_counts(),
-                               **({PROGRESS_ITERATION: self.save_iteration}
-                                  if self.project_configuration.automatic_checkpoint_naming else {})},
-            "extra": extra,
-            "extra_files": hook_files,
-            "data_state": {DATA_LOADERS: [loader.position() for loader in self._resumable_loaders]},
-        }
-
-    def _run_save_hooks(self, weights: list[Any]) -> dict[str, bytes]:
-        """Run the ``save_state`` pre-hooks with a staging directory; return the files they wrote (main process)."""
-        if not self._save_model_state_pre_hook:
-            return {}
-        with tempfile.TemporaryDirectory(prefix="hf_resumable-save-hooks-") as staging:
-            for hook in self._save_model_state_pre_hook.values():
-                hook(self._models, weights, staging)
-            files = collect_hook_files(Path(staging))
-        if files and not self.is_main_process:
-            logger.warning("save_state pre-hooks wrote %s on process %d; only the main process's files are saved.",
-                           sorted(files)[:5], self.process_index)
-        return files if self.is_main_process else {}
-
-    def _fingerprint(self, target: Path) -> str:
-        """Digest of everything :meth:`save_state` writes (see :func:`state_fingerprint`)."""
-        small = {"target": str(target), "global_step": self.global_step, "micro_step": self.step,
-                 "optimizer_steps": self._optimizer_step_counts(),
-                 "schedulers": [scheduler.state_dict() for scheduler in self._schedulers],
-                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                 "custom_objects": [obj.state_dict() for obj in self._custom_objects],
-                 "loaders": [loader.position() for loader in self._resumable_loaders],
-                 "hooks": [id(hook) for hook in self._save_model_state_pre_hook.values()]}
-        engine = self._deepspeed_engine()
-        small["engine"] = capture_engine_state(engine, []) if engine is not None else None
-        optimizers = self._checkpoint_optimizers()
-        return state_fingerprint(models=self._models, optimizers=optimizers, small_state=small)
-
-    def _run_settings(self) -> dict[str, Any]:
-        settings = {"world_size": self.num_processes, "gradient_accumulation_steps": self.gradient_accumulation_steps,
-                    "loaders": [loader.settings() for loader in self._resumable_loaders],
-                    KEY_ELASTIC: self.resume_options.elastic}
-        layout = layout_of(self.parallelism_config)
-        if layout is not None:  # another N-D layout on resume is drift, named by both layouts
-            settings[KEY_PARALLELISM] = layout.describe()
-        if self.resume_options.elastic:
-            settings[KEY_SCHEDULER_RATE] = self._scheduler_rate
-        return settings
 
     # ---------------------------------------------------------------- load
 
@@ -1326,7 +1233,7 @@ class ResumableAccelerator(Accelerator):
                      elastic_kept: bool = False) -> None:
         saved = {**(saved or {}), "world_size": saved_world_size}  # the manifest's count is authoritative
         saved.setdefault(KEY_ELASTIC, False)
-        changed = changed_settings(saved, self._run_settings())
+        changed = changed_settings(saved, run_settings(self))
         if self.resume_options.elastic:
             changed = elastic_changes(changed, kept=elastic_kept)
         check_drift(changed, checkpoint=str(path),
