@@ -23,17 +23,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from accelerate.scheduler import AcceleratedScheduler
 
 from ..data import DATA_NUM_BATCHES, DATA_STEP
-from ..errors import InexactResumeError
-from ._elastic import ELASTIC_SETTINGS
+from ..errors import ConfigDriftError, InexactResumeError
+from ._accelerate_loop import ResumablePreparedLoader, ResumablePreparedStream
+from ._elastic import ELASTIC_SETTINGS, plan_elastic_resume
+
+if TYPE_CHECKING:
+    from .accelerate import ResumableAccelerator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KEY_ELASTIC", "KEY_SCHEDULER_RATE", "KeptRateScheduler", "convert_position", "elastic_changes"]
+__all__ = ["KEY_ELASTIC", "KEY_SCHEDULER_RATE", "KeptRateScheduler", "convert_position", "elastic_changes",
+           "plan_elastic_load"]
 
 # Keys of the run settings (``EXTRA_RUN``) an elastic run records.
 KEY_ELASTIC = "elastic"  # bool: written with elastic=True (the elastic sample layout)
@@ -95,3 +101,45 @@ def convert_position(record: Mapping[str, Any], *, saved_world_size: int, world_
         raise InexactResumeError(f"The saved data position ({chunks} batches of the epoch) is not a multiple of the "
                                  f"world size {world_size}; resume from a checkpoint on an optimizer-step boundary.")
     return {**record, DATA_STEP: chunks // world_size, DATA_NUM_BATCHES: num_batches}
+
+
+def plan_elastic_load(accelerator: ResumableAccelerator, path: Path, saved: Mapping[str, Any],
+                      saved_world_size: int) -> bool:
+    """``elastic=True``: keep the first launch's scheduler rate; at another world size, keep the checkpoint's
+    global batch (gradient accumulation and the loaders' epoch cut). Whether the world size changed.
+
+    Args:
+        accelerator (`ResumableAccelerator`): the accelerator ``load_state`` fills.
+        path (`Path`): the checkpoint, named in messages.
+        saved (`Mapping`): the checkpoint's run settings (``EXTRA_RUN``).
+        saved_world_size (`int`): the checkpoint's world size (its manifest's).
+
+    Raises:
+        ElasticWorldSizeError: the global batch does not divide at this world size.
+        ConfigDriftError: a loader that is not from ``prepare_resumable_dataloader`` (its order is per rank;
+            a plain ``DataLoader`` over a stream included).
+    """
+    accelerator._scheduler_rate = int(saved.get(KEY_SCHEDULER_RATE, saved_world_size))
+    for scheduler in accelerator._schedulers:
+        if isinstance(scheduler, KeptRateScheduler):
+            scheduler.rate = accelerator._scheduler_rate
+    if saved_world_size == accelerator.num_processes or not saved.get(KEY_ELASTIC):
+        return False  # same size, or a checkpoint of another layout (the drift check names it)
+    loaders = [loader for loader in accelerator._resumable_loaders
+               if isinstance(loader, (ResumablePreparedLoader, ResumablePreparedStream))]
+    if not loaders or len(loaders) != len(accelerator._resumable_loaders):
+        raise ConfigDriftError(f"{path} was saved by {saved_world_size} process(es), this run has "
+                               f"{accelerator.num_processes}: elastic=True keeps the sample order only for loaders "
+                               "from prepare_resumable_dataloader(). Build the training loader with it.")
+    plan = plan_elastic_resume(saved_world_size=saved_world_size,
+                               saved_accumulation=int(saved["gradient_accumulation_steps"]),
+                               per_device_batch=loaders[0].batch_size, world_size=accelerator.num_processes,
+                               checkpoint=str(path))
+    accelerator.gradient_accumulation_steps = plan.gradient_accumulation_steps
+    if getattr(accelerator, "deepspeed_engine_wrapped", None) is not None:  # the engine divides the loss by its own
+        accelerator.deepspeed_engine_wrapped.engine.set_train_batch_size(plan.global_batch)
+    for loader in loaders:
+        loader.set_global_batch(plan.global_batch)
+    if accelerator.is_main_process:
+        logger.info("Elastic resume of %s: %s.", path, plan.describe())
+    return True

@@ -87,21 +87,16 @@ from accelerate.utils import DistributedType
 from .. import trace
 from ..checkpoint import (
     LoadedCheckpoint,
-    OpenedCheckpoint,
     VerifyReport,
     apply_retention,
-    list_checkpoints,
-    open_checkpoint,
     save_checkpoint,
     verify_checkpoint,
 )
-from ..checkpoint._model_files import has_model_weights
-from ..checkpoint._writer import save_refusal, stock_accelerate_files
+from ..checkpoint._writer import save_refusal
 from ..checkpoint.api import background_saver
-from ..checkpoint.sharded import load_sharded_into, save_sharded_checkpoint
-from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, MANIFEST_FILE, OPTIMIZER_INDEX_FILE
+from ..checkpoint.sharded import save_sharded_checkpoint
+from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX
 from ..data import (
-    DATA_KIND,
     ResumableDataLoader,
     SeededIterableDataset,
     build_map_dataloader,
@@ -112,13 +107,10 @@ from ..data._position import LoaderPosition
 from ..distributed import all_gather_json, broadcast_json
 from ..errors import (
     CheckpointExistsError,
-    ConfigDriftError,
-    IncompleteCheckpointError,
     InexactResumeError,
     UnsupportedEngineError,
 )
-from ..format.rng import restore_rng_state
-from ..locations import is_remote, open_uploader, resolve_resume_path
+from ..locations import open_uploader
 from ..preemption import PreemptionAction, PreemptionHandler, PreemptionProtocol, exit_after_preemption
 from ._accelerate_data import (
     ResumableDataLoaderDispatcher,
@@ -128,11 +120,7 @@ from ._accelerate_data import (
     rebuild_prepared_loader,
 )
 from ._accelerate_elastic import (
-    KEY_ELASTIC,
-    KEY_SCHEDULER_RATE,
     KeptRateScheduler,
-    convert_position,
-    elastic_changes,
 )
 from ._accelerate_loop import (
     AccumulationWindow,
@@ -142,47 +130,25 @@ from ._accelerate_loop import (
     ResumablePreparedStream,
     ResumedLoaders,
 )
-from ._accelerate_objects import (
-    KIND_MODULE,
-    SLOT_CORE,
-    SLOT_EXTRA,
-    Layout,
-    load_optimizer,
-    parameter_keys,
-    require_slots,
-)
 from ._accelerate_paths import (
     AUTOMATIC_CHECKPOINT_RE,
     CheckpointIterationExistsError,
     CheckpointPathNotFoundError,
     HookFileConflictError,
     automatic_name,
-    next_iteration,
 )
+from ._accelerate_restore import parse_load_options, resolve_checkpoint, restore_state
 from ._accelerate_state import (
-    DATA_LOADERS,
-    EXTRA_CUSTOM_OBJECTS,
-    EXTRA_LAYOUT,
-    EXTRA_MODELS,
-    EXTRA_OPTIMIZERS,
-    EXTRA_RUN,
-    EXTRA_SCHEDULERS,
-    PROGRESS_GLOBAL_STEP,
-    PROGRESS_ITERATION,
-    PROGRESS_MICRO_STEP,
-    PROGRESS_OPTIMIZER_STEPS,
+    DATA_LOADERS,  # noqa: F401 - the data_state key, named here too
     StepCounts,
     StepHook,
     accelerator_fingerprint,
     capture_state,
-    run_settings,
 )
 from ._core import (
     DEFAULT,
     AfterCommit,
     ResumeOptions,
-    changed_settings,
-    check_drift,
     check_upstream,
     inexact,
     notice_save_in_flight,
@@ -191,12 +157,9 @@ from ._deepspeed import (
     checkpoint_optimizer,
     deepspeed_engine,
     register_step_hook,
-    restore_engine_state,
-    saved_engine_state,
     zero_optimizer,
 )
-from ._elastic import plan_elastic_resume
-from ._engines import check_accelerate_options, check_accelerate_state, checkpoint_model, holds_dtensors
+from ._engines import check_accelerate_options, check_accelerate_state, holds_dtensors
 from ._fallback import agreed_load, find_agreed_checkpoint, resume_newest
 from ._parallelism import accelerate_tp_ready, check_runnable, layout_of
 
@@ -1021,7 +984,7 @@ class ResumableAccelerator(Accelerator):
                 verifies and loads (``CorruptCheckpointError`` listing each one and why).
             TypeError: an unsupported ``map_location`` or option.
         """
-        strict = self._load_options(load_kwargs, load_model_func_kwargs)
+        strict = parse_load_options(self, load_kwargs, load_model_func_kwargs)
         if input_dir is None:  # the newest that verifies; one that fails while it is loaded: the one before it
             pattern = (AUTOMATIC_CHECKPOINT_RE if self.project_configuration.automatic_checkpoint_naming
                        else CHECKPOINT_DIR_RE)
@@ -1032,261 +995,15 @@ class ResumableAccelerator(Accelerator):
             if loaded is None and self.is_main_process:
                 logger.info("No valid checkpoint under %s; starting from scratch.", self.checkpoint_dir)
             return loaded
-        return self._load_from(self._resolve_checkpoint(input_dir), strict)
+        return self._load_from(resolve_checkpoint(self, input_dir), strict)
 
     def _load_from(self, path: Path, strict: bool, verified: VerifyReport | None = None) -> LoadedCheckpoint:
         """``load_state`` of one checkpoint; a failed hash on any process raises ``ResumeLoadError`` on all."""
         with agreed_load(path):
-            return self._fill_from(path, strict, verified)
-
-    def _fill_from(self, path: Path, strict: bool, verified: VerifyReport | None) -> LoadedCheckpoint:
-        # 1. Verify and decode once; compare the saved settings with ours before any object is touched.
-        opened = self._open_checkpoint(path, verified)
-        kept = self._plan_elastic(path, opened) if self.resume_options.elastic else False
-        self._check_drift(path, opened.manifest.world_size, opened.extra.get(EXTRA_RUN), elastic_kept=kept)
-        layout = self._layout_of(opened)
-        # 2. accelerate's load hooks: a model they remove from the list is not loaded here.
-        models = list(self._models)
-        for hook in self._load_model_state_pre_hook.values():
-            hook(models, str(path))
-        require_slots(layout, models_to_fill=len(models), optimizers=len(self._optimizers),
-                      schedulers=len(self._schedulers), where=str(path))
-        engine = self._deepspeed_engine()
-        engine_state = saved_engine_state(opened.extra, where=path) if engine is not None else None
-        # 3. Fill the objects (RNG excluded: it goes last).
-        core_model, core_optimizer = self._core_load_targets(layout, models)
-        scheduler = getattr(self._schedulers[0], "scheduler", self._schedulers[0]) if self._schedulers else None
-        if self._saves_pieces():  # FSDP2: every rank reads the slices of the pieces it holds
-            loaded = load_sharded_into(opened, model=core_model, optimizer=core_optimizer, scheduler=scheduler,
-                                       scaler=self.scaler, restore_rng=False, strict=strict)
-        else:
-            loaded = opened.load_into(model=core_model, optimizer=core_optimizer, scheduler=scheduler,
-                                      scaler=self.scaler, strict=strict)
-        self._restore_extra_objects(path, layout, loaded.extra, models, strict=strict)
-        if engine is not None:
-            restore_engine_state(engine, [core_optimizer], engine_state)
-        # 4. Counters and data positions, 5. registered objects, 6. RNG.
-        self._restore_counters(path, loaded, elastic_kept=kept)
-        self._restore_loaders(path, loaded.data_state, loaded.manifest.world_size)
-        self._restore_custom_objects(path, loaded.extra.get(EXTRA_CUSTOM_OBJECTS) or [])
-        self._restore_rng(path, loaded)  # last: restoring anything else may draw random numbers
-        if self.is_main_process:
-            logger.info("Resumed from %s at step %d", path, self.global_step)
-        return loaded
-
-    def _load_options(self, load_kwargs: dict | None, options: dict[str, Any]) -> bool:
-        options = dict(options)
-        map_location = options.pop("map_location", None)
-        if map_location not in (None, "cpu", "on_device"):
-            raise TypeError("Unsupported optimizer map location passed, please choose one of `None`, `'cpu'`, or "
-                            f"`'on_device'` (got {map_location!r}).")
-        strict = bool(options.pop("strict", True))
-        options.pop("device", None)  # safetensors' load_model option: tensors go where the parameters are
-        if options:
-            raise TypeError(f"load_state() got unsupported options {sorted(options)}; ResumableAccelerator accepts "
-                            "strict= and map_location= (and load_kwargs, ignored).")
-        if load_kwargs and not self._warned.get("load_kwargs"):
-            self._warned["load_kwargs"] = True
-            logger.warning("load_state(load_kwargs=%s): these are torch.load options; hf_resumable never unpickles, "
-                           "so they are ignored.", sorted(load_kwargs))
-        return strict
-
-    def _open_checkpoint(self, path: Path, verified: VerifyReport | None = None) -> OpenedCheckpoint:
-        """The one place the resume path reads a checkpoint: verified and decoded once, no live object touched."""
-        return open_checkpoint(path, verified=verified, allow_inexact_resume=self.resume_options.allow_inexact_resume,
-                               counters=(PROGRESS_MICRO_STEP, PROGRESS_ITERATION),
-                               elastic=self.resume_options.elastic)  # FSDP2/ZeRO pieces: resharded
-
-    def _layout_of(self, peek: LoadedCheckpoint) -> Layout:
-        record = peek.extra.get(EXTRA_LAYOUT)
-        if record is not None:
-            return Layout.from_json(record)
-        files = peek.manifest.files
-        return Layout.legacy(has_model=has_model_weights(files), has_optimizer=OPTIMIZER_INDEX_FILE in files,
-                             has_scheduler=bool(self._schedulers),
-                             custom_objects=len(peek.extra.get(EXTRA_CUSTOM_OBJECTS) or []))
-
-    def _core_load_targets(self, layout: Layout, models: list[Any]) -> tuple[Any, Any]:
-        """What the checkpoint's own model and optimizer slots are loaded into."""
-        model = None
-        if layout.models and models:
-            model = checkpoint_model(models[0], self.unwrap_model(models[0])) if layout.models[0] == KIND_MODULE \
-                else models[0]
-        optimizer = None
-        if layout.optimizers[:1] == [SLOT_CORE] and self._optimizers:
-            optimizer = self._checkpoint_optimizers()[0]
-            if model is None:
-                # The optimizer's state is keyed by model 0's parameter names, so model 0 is loaded with it.
-                logger.warning("A load_state pre-hook removed model 0, but optimizer 0's saved state is keyed by its "
-                               "parameter names: model 0's weights are loaded from the checkpoint as well.")
-                model = checkpoint_model(self._models[0], self.unwrap_model(self._models[0]))
-        return model, optimizer
-
-    def _restore_extra_objects(self, path: Path, layout: Layout, extra: Mapping[str, Any], models: list[Any], *,
-                               strict: bool) -> None:
-        saved_models = extra.get(EXTRA_MODELS) or []
-        for index, model in enumerate(models[1:], start=1):
-            target = self.unwrap_model(model) if layout.models[index] == KIND_MODULE else model
-            target.load_state_dict(saved_models[index - 1], strict=strict)
-        unwrapped = [self.unwrap_model(model) for model in self._models]
-        saved_optimizers = extra.get(EXTRA_OPTIMIZERS) or []
-        for index, (slot, optimizer) in enumerate(zip(layout.optimizers, self._optimizers)):
-            if slot == SLOT_EXTRA:
-                inner = getattr(optimizer, "optimizer", optimizer)
-                load_optimizer(inner, parameter_keys(unwrapped, inner), saved_optimizers[index],
-                               where=f"{path} (optimizer {index})")
-        for scheduler, state in zip(self._schedulers[1:], extra.get(EXTRA_SCHEDULERS) or []):
-            scheduler.load_state_dict(state)
-
-    def _restore_counters(self, path: Path, loaded: LoadedCheckpoint, *, elastic_kept: bool = False) -> None:
-        progress = loaded.training_state
-        self.global_step = int(progress.get(PROGRESS_GLOBAL_STEP, loaded.step or 0))
-        # A checkpoint is on an optimizer-step boundary: accelerate's micro-step count (it syncs where the count is a
-        # multiple of the accumulation) is a multiple of the saved accumulation, not of the one an elastic resume
-        # changed it to, so it starts over there (a loop iterating the loader in accumulate() steps on time).
-        self.step = 0 if elastic_kept else int(progress.get(PROGRESS_MICRO_STEP, 0))
-        self._set_optimizer_step_counts(progress.get(PROGRESS_OPTIMIZER_STEPS)
-                                        or [self.global_step] * len(self._optimizers))
-        if self.project_configuration.automatic_checkpoint_naming:
-            saved = progress.get(PROGRESS_ITERATION)
-            match = AUTOMATIC_CHECKPOINT_RE.match(path.name)
-            loaded_iteration = saved if saved is not None else (int(match.group(1)) if match else None)
-            existing = broadcast_json([number for number, _ in list_checkpoints(
-                self.checkpoint_dir, pattern=AUTOMATIC_CHECKPOINT_RE)] if self.is_main_process else None)
-            self.project_configuration.iteration = next_iteration(self.save_iteration, loaded=loaded_iteration,
-                                                                  existing=existing)
-
-    def _resolve_checkpoint(self, input_dir: str | os.PathLike) -> Path:
-        """The checkpoint an explicit ``load_state(input_dir)`` loads (without one: :func:`resume_newest`)."""
-        if is_remote(input_dir):  # hf://user/repo[@rev][/path] or s3://bucket/run[/checkpoint-N]
-            return resolve_resume_path(input_dir, cache_dir=self.checkpoint_dir / ".remote-resume",
-                                       storage_options=self.resume_options.storage_options)
-        path = Path(os.path.expanduser(os.fspath(input_dir)))
-        # The main process looks; every process raises the same error (none is left waiting in a collective).
-        problem = broadcast_json(self._describe_missing(path) if self.is_main_process else None)
-        if problem is not None:
-            kind, message = problem
-            raise (CheckpointPathNotFoundError if kind == "missing" else IncompleteCheckpointError)(message)
-        return path
-
-    def _describe_missing(self, path: Path) -> tuple[str, str] | None:
-        """``(kind, message)`` if ``path`` cannot be loaded (looks at the disk), else ``None``; kind is ``"missing"``
-        or ``"foreign"`` (a stock accelerate checkpoint is named as such)."""
-        if not path.exists():
-            root = self.checkpoint_dir if self._has_root() else "it"
-            return "missing", (f"{path} does not exist. Check the path, or call load_state() without an argument to "
-                               f"resume from the newest valid checkpoint under {root}.")
-        if not path.is_dir():
-            return "missing", f"{path} is a file, not a checkpoint directory."
-        stock = stock_accelerate_files(path)
-        if stock and not (path / MANIFEST_FILE).exists():
-            return "foreign", (
-                f"{path} was written by stock accelerate ({', '.join(stock[:4])}): its optimizer, scheduler, RNG and "
-                "registered-object states are pickle files, which hf_resumable never loads (unpickling runs code). "
-                "Resume it once with accelerate's own Accelerator and save it with ResumableAccelerator, or start "
-                "from its model weights.")
-        return None
-
-    def _has_root(self) -> bool:
-        return self.resume_options.checkpoint_dir is not None or self.project_dir is not None
+            return restore_state(self, path, strict, verified)
 
     def _inexact(self, message: str, error: type[InexactResumeError] = InexactResumeError) -> None:
         inexact(message, allow=self.resume_options.allow_inexact_resume, owner="ResumableAccelerator", error=error)
-
-    def _plan_elastic(self, path: Path, opened: OpenedCheckpoint) -> bool:
-        """``elastic=True``: keep the first launch's scheduler rate; at another world size, keep the checkpoint's
-        global batch (gradient accumulation and the loaders' epoch cut). Whether the world size changed.
-
-        Raises:
-            ElasticWorldSizeError: the global batch does not divide at this world size.
-            ConfigDriftError: a loader that is not from ``prepare_resumable_dataloader`` (its order is per rank;
-                a plain ``DataLoader`` over a stream included).
-        """
-        saved = opened.extra.get(EXTRA_RUN) or {}
-        saved_world_size = opened.manifest.world_size
-        self._scheduler_rate = int(saved.get(KEY_SCHEDULER_RATE, saved_world_size))
-        for scheduler in self._schedulers:
-            if isinstance(scheduler, KeptRateScheduler):
-                scheduler.rate = self._scheduler_rate
-        if saved_world_size == self.num_processes or not saved.get(KEY_ELASTIC):
-            return False  # same size, or a checkpoint of another layout (the drift check names it)
-        loaders = [loader for loader in self._resumable_loaders
-                   if isinstance(loader, (ResumablePreparedLoader, ResumablePreparedStream))]
-        if not loaders or len(loaders) != len(self._resumable_loaders):
-            raise ConfigDriftError(f"{path} was saved by {saved_world_size} process(es), this run has "
-                                   f"{self.num_processes}: elastic=True keeps the sample order only for loaders from "
-                                   "prepare_resumable_dataloader(). Build the training loader with it.")
-        plan = plan_elastic_resume(saved_world_size=saved_world_size,
-                                   saved_accumulation=int(saved["gradient_accumulation_steps"]),
-                                   per_device_batch=loaders[0].batch_size, world_size=self.num_processes,
-                                   checkpoint=str(path))
-        self.gradient_accumulation_steps = plan.gradient_accumulation_steps
-        if getattr(self, "deepspeed_engine_wrapped", None) is not None:  # the engine divides the loss by its own
-            self.deepspeed_engine_wrapped.engine.set_train_batch_size(plan.global_batch)
-        for loader in loaders:
-            loader.set_global_batch(plan.global_batch)
-        if self.is_main_process:
-            logger.info("Elastic resume of %s: %s.", path, plan.describe())
-        return True
-
-    def _check_drift(self, path: Path, saved_world_size: int, saved: Mapping[str, Any] | None, *,
-                     elastic_kept: bool = False) -> None:
-        saved = {**(saved or {}), "world_size": saved_world_size}  # the manifest's count is authoritative
-        saved.setdefault(KEY_ELASTIC, False)
-        changed = changed_settings(saved, run_settings(self))
-        if self.resume_options.elastic:
-            changed = elastic_changes(changed, kept=elastic_kept)
-        check_drift(changed, checkpoint=str(path),
-                    allow=self.resume_options.allow_inexact_resume, option="allow_inexact_resume",
-                    owner="ResumableAccelerator")
-
-    def _restore_loaders(self, path: Path, data_state: Mapping[str, Any] | None, saved_world_size: int) -> None:
-        if not self._resumable_loaders:
-            return
-        records = (data_state or {}).get(DATA_LOADERS)
-        if self.resume_options.elastic and saved_world_size != self.num_processes:
-            # the elastic layout's position is global: rank 0's record, converted (a new rank has none of its own)
-            records = broadcast_json(records if self.is_main_process else None)
-            # (a stream's record counts the examples read over all ranks: its loader converts it when loaded)
-            records = [record if record.get(DATA_KIND) == "stream" else
-                       convert_position(record, saved_world_size=saved_world_size, world_size=self.num_processes,
-                                        num_batches=len(loader))
-                       for record, loader in zip(records or [], self._resumable_loaders)] or None
-        if records is None or len(records) != len(self._resumable_loaders):
-            self._inexact(f"{path} has no position for the {len(self._resumable_loaders)} prepared loader(s) of rank "
-                          f"{self.process_index}")
-            return
-        for index, (loader, record) in enumerate(zip(self._resumable_loaders, records)):
-            if record.get("saved") is False:
-                self._inexact(f"{path} has no position for loader {index} of rank {self.process_index} (it could not "
-                              "be saved; see the WARNING of that save)")
-                continue
-            fits = loader.fits(record)
-            if not fits:
-                self._inexact(f"{path}: the saved position {dict(record)} of loader {index} does not fit it "
-                              f"({loader.settings()} on rank {self.process_index}; the data set, its kind, batch "
-                              "size, drop_last or world size changed); its epoch restarts", ConfigDriftError)
-            loader.load_position(record, restart_epoch=not fits)
-        self._resume_watch.record(self._resumable_loaders)
-
-    def _restore_custom_objects(self, path: Path, states: list[Any]) -> None:
-        if len(states) != len(self._custom_objects):
-            self._inexact(f"{path} holds {len(states)} registered custom object(s), {len(self._custom_objects)} are "
-                          "registered now")
-            return
-        for obj, state in zip(self._custom_objects, states):
-            obj.load_state_dict(state)
-
-    def _restore_rng(self, path: Path, loaded: LoadedCheckpoint) -> None:
-        if self.resume_options.elastic and loaded.manifest.world_size != self.num_processes:
-            # accumulation_windows keys the model's randomness per micro-batch; a new rank starts from its seed
-            if loaded.rng_state is not None:
-                restore_rng_state(loaded.rng_state, allow_device_mismatch=True)
-            return
-        if loaded.rng_state is None:
-            self._inexact(f"{path} has no RNG state for rank {self.process_index}")
-            return
-        restore_rng_state(loaded.rng_state, allow_device_mismatch=self.resume_options.allow_inexact_resume)
 
     # ---------------------------------------------------------------- preemption
 
