@@ -25,12 +25,11 @@ from ..checkpoint._model_files import has_model_weights
 from ..checkpoint._writer import stock_accelerate_files
 from ..checkpoint.sharded import load_sharded_into
 from ..constants import MANIFEST_FILE, OPTIMIZER_INDEX_FILE
-from ..data import DATA_KIND
 from ..distributed import broadcast_json
 from ..errors import ConfigDriftError, IncompleteCheckpointError
 from ..format.rng import restore_rng_state
 from ..locations import is_remote, resolve_resume_path
-from ._accelerate_elastic import KEY_ELASTIC, convert_position, elastic_changes, plan_elastic_load
+from ._accelerate_elastic import KEY_ELASTIC
 from ._accelerate_objects import (
     KIND_MODULE,
     SLOT_CORE,
@@ -88,8 +87,8 @@ def restore_state(accelerator: ResumableAccelerator, path: Path, strict: bool,
     """
     # 1. Verify and decode once; compare the saved settings with ours before any object is touched.
     opened = open_for_resume(accelerator, path, verified)
-    kept = plan_elastic_load(accelerator, path, opened.extra.get(EXTRA_RUN) or {},
-                             opened.manifest.world_size) if accelerator.resume_options.elastic else False
+    kept = accelerator._world_size_mode.plan_load(accelerator, path, opened.extra.get(EXTRA_RUN) or {},
+                                                  opened.manifest.world_size)
     check_run_drift(accelerator, path, opened.manifest.world_size, opened.extra.get(EXTRA_RUN), elastic_kept=kept)
     layout = layout_of_checkpoint(accelerator, opened)
     # 2. accelerate's load hooks: a model they remove from the list is not loaded here.
@@ -171,8 +170,7 @@ def check_run_drift(accelerator: ResumableAccelerator, path: Path, saved_world_s
     saved = {**(saved or {}), "world_size": saved_world_size}  # the manifest's count is authoritative
     saved.setdefault(KEY_ELASTIC, False)
     changed = changed_settings(saved, run_settings(accelerator))
-    if accelerator.resume_options.elastic:
-        changed = elastic_changes(changed, kept=elastic_kept)
+    changed = accelerator._world_size_mode.drift(changed, kept=elastic_kept)
     check_drift(changed, checkpoint=str(path),
                 allow=accelerator.resume_options.allow_inexact_resume, option="allow_inexact_resume",
                 owner="ResumableAccelerator")
@@ -239,14 +237,7 @@ def restore_loaders(accelerator: ResumableAccelerator, path: Path, data_state: M
     if not accelerator._resumable_loaders:
         return
     records = (data_state or {}).get(DATA_LOADERS)
-    if accelerator.resume_options.elastic and saved_world_size != accelerator.num_processes:
-        # the elastic layout's position is global: rank 0's record, converted (a new rank has none of its own)
-        records = broadcast_json(records if accelerator.is_main_process else None)
-        # (a stream's record counts the examples read over all ranks: its loader converts it when loaded)
-        records = [record if record.get(DATA_KIND) == "stream" else
-                   convert_position(record, saved_world_size=saved_world_size, world_size=accelerator.num_processes,
-                                    num_batches=len(loader))
-                   for record, loader in zip(records or [], accelerator._resumable_loaders)] or None
+    records = accelerator._world_size_mode.loader_records(accelerator, records, saved_world_size)
     if records is None or len(records) != len(accelerator._resumable_loaders):
         accelerator._inexact(f"{path} has no position for the {len(accelerator._resumable_loaders)} prepared "
                              f"loader(s) of rank "
@@ -278,7 +269,7 @@ def restore_custom_objects(accelerator: ResumableAccelerator, path: Path, states
 
 
 def restore_rng(accelerator: ResumableAccelerator, path: Path, loaded: LoadedCheckpoint) -> None:
-    if accelerator.resume_options.elastic and loaded.manifest.world_size != accelerator.num_processes:
+    if accelerator._world_size_mode.resumes_across(loaded.manifest.world_size, accelerator.num_processes):
         # accumulation_windows keys the model's randomness per micro-batch; a new rank starts from its seed
         if loaded.rng_state is not None:
             restore_rng_state(loaded.rng_state, allow_device_mismatch=True)

@@ -32,7 +32,7 @@ import torch
 
 from ..checkpoint._dtensor import is_dtensor
 from ..format.rng import capture_rng_state
-from ._accelerate_elastic import KEY_ELASTIC, KEY_SCHEDULER_RATE
+from ._accelerate_elastic import KEY_ELASTIC
 from ._accelerate_objects import KIND_MODULE, SLOT_CORE, encode_optimizer, parameter_keys, plan_layout
 from ._accelerate_paths import HookFileConflictError, collect_hook_files, hook_file_conflicts
 from ._deepspeed import EXTRA_DEEPSPEED, capture_engine_state
@@ -291,10 +291,9 @@ def run_settings(accelerator: ResumableAccelerator) -> dict[str, Any]:
     settings = {"world_size": accelerator.num_processes,
                 "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
                 "loaders": [loader.settings() for loader in accelerator._resumable_loaders],
-                KEY_ELASTIC: accelerator.resume_options.elastic}
+                KEY_ELASTIC: accelerator._world_size_mode.enabled}
     layout = layout_of(accelerator.parallelism_config)
     if layout is not None:  # another N-D layout on resume is drift, named by both layouts
         settings[KEY_PARALLELISM] = layout.describe()
-    if accelerator.resume_options.elastic:
-        settings[KEY_SCHEDULER_RATE] = accelerator._scheduler_rate
+    settings.update(accelerator._world_size_mode.recorded_settings())  # elastic: the scheduler rate
     return settings

@@ -72,7 +72,6 @@ import inspect
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +79,6 @@ import accelerate
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard, DataLoaderStateMixin
-from accelerate.scheduler import AcceleratedScheduler
 from accelerate.state import GradientState
 from accelerate.utils import DistributedType
 
@@ -101,7 +99,6 @@ from ..data import (
     SeededIterableDataset,
     build_map_dataloader,
     build_stream_dataloader,
-    split_stream_for_rank,
 )
 from ..data._position import LoaderPosition
 from ..distributed import all_gather_json, broadcast_json
@@ -119,13 +116,9 @@ from ._accelerate_data import (
     plan_loader,
     rebuild_prepared_loader,
 )
-from ._accelerate_elastic import (
-    KeptRateScheduler,
-)
+from ._accelerate_elastic import world_size_mode
 from ._accelerate_loop import (
     AccumulationWindow,
-    ElasticBatch,
-    HandOuts,
     ResumablePreparedLoader,
     ResumablePreparedStream,
     ResumedLoaders,
@@ -319,7 +312,6 @@ class ResumableAccelerator(Accelerator):
         self._commits = AfterCommit()  # follow-ups (upload, retention) of saves not yet known to be committed
         self._warned: dict[str, bool] = {}  # one WARNING per ignored option
         self._window: AccumulationWindow | None = None  # the window accumulation_windows() handed out last
-        self._hand_outs = HandOuts()  # elastic: the batch a prepared loader handed out last (backward's weight)
         # Loaders whose position is saved, in preparation order (ResumablePreparedLoader, ResumableDataLoaderShard...).
         self._resumable_loaders: list[LoaderPosition] = []
         self._resume_watch = ResumedLoaders()  # catches a script that skips again what load_state's loaders skipped
@@ -327,7 +319,8 @@ class ResumableAccelerator(Accelerator):
         self._preemption_protocol = PreemptionProtocol(self._preemption, notice=preemption_notice)
         self._notice_checkpoint: Path | None = None  # the checkpoint saved when the preemption notice began
         self._stopped_by_preemption = False  # checkpoint_if_preempted saved and stopped (or exited)
-        self._scheduler_rate = self.num_processes  # elastic: scheduler steps per optimizer step (first launch's)
+        # elastic or not, chosen once: every step that differs asks it
+        self._world_size_mode = world_size_mode(self.resume_options.elastic, num_processes=self.num_processes)
         self._uploader = (open_uploader(push_checkpoints_to, storage_options=storage_options)
                           if push_checkpoints_to is not None and self.is_main_process else None)
 
@@ -361,7 +354,8 @@ class ResumableAccelerator(Accelerator):
         layout = layout_of(self.parallelism_config)
         check_runnable(layout, device_type=self.device.type, fsdp2=self.is_fsdp2,
                        tp_ready=layout is None or layout.tp == 1 or accelerate_tp_ready())
-        prepared = self._keep_scheduler_rate(super().prepare(*args, device_placement=device_placement))
+        prepared = super().prepare(*args, device_placement=device_placement)
+        prepared = self._world_size_mode.keep_scheduler_rate(self, prepared)
         self._checkpoint_optimizers()  # refuses DeepSpeed's other optimizers, before any step
         self._attach_step_hooks()
         if self._saves_pieces() and (len(self._models) > 1 or len(self._optimizers) > 1):
@@ -452,23 +446,23 @@ class ResumableAccelerator(Accelerator):
         ```
         """
         rank, world_size = self._data_rank()
-        global_batch = batch_size * self.gradient_accumulation_steps * world_size
-        elastic = self.resume_options.elastic
+        mode = self._world_size_mode
+        global_batch = mode.global_batch(batch_size * self.gradient_accumulation_steps * world_size)
         if isinstance(dataset, torch.utils.data.IterableDataset):
-            source = dataset if elastic else split_stream_for_rank(dataset, rank=rank, world_size=world_size)
+            source = mode.stream_source(dataset, rank=rank, world_size=world_size)
             loader = build_stream_dataloader(source, collate_fn=collate_fn, batch_size=batch_size, seed=seed,
                                              drop_last=drop_last, rank=rank,
                                              world_size=world_size, num_workers=num_workers,
                                              persistent_workers=persistent_workers,
                                              multiprocessing_context=multiprocessing_context,
-                                             global_batch=global_batch if elastic else None)
+                                             global_batch=global_batch)
             return self.prepare(loader)
         loader = build_map_dataloader(dataset, collate_fn=collate_fn, batch_size=batch_size, seed=seed,
                                       shuffle=shuffle, drop_last=drop_last, rank=rank,
                                       world_size=world_size, num_workers=num_workers,
                                       persistent_workers=persistent_workers,
                                       multiprocessing_context=multiprocessing_context,
-                                      global_batch=global_batch if self.resume_options.elastic else None)
+                                      global_batch=global_batch)
         return self.prepare(loader)
 
     def _data_rank(self) -> tuple[int, int]:
@@ -549,9 +543,8 @@ class ResumableAccelerator(Accelerator):
                 "prepare_resumable_dataloader().")
         place = self.device_placement if device_placement is None else device_placement
         wrapper = ResumablePreparedStream if stream else ResumablePreparedLoader
-        elastic = self.resume_options.elastic and layout.global_batch is not None
         prepared = wrapper(data_loader, gradient_state=self.gradient_state, device=self.device if place else None,
-                           hand_outs=self._hand_outs if elastic else None)
+                           hand_outs=self._world_size_mode.hand_outs_for(layout))
         self._resumable_loaders.append(prepared)
         return prepared
 
@@ -596,20 +589,7 @@ class ResumableAccelerator(Accelerator):
     def prepare_scheduler(self, scheduler: Any) -> Any:
         """accelerate's ``prepare_scheduler``; with ``elastic=True`` the scheduler keeps the first launch's number of
         steps per optimizer step (:class:`~._accelerate_elastic.KeptRateScheduler`)."""
-        return self._keep_scheduler_rate(super().prepare_scheduler(scheduler))
-
-    def _keep_scheduler_rate(self, prepared: Any) -> Any:
-        """``prepared`` (one object or a tuple) with, under ``elastic=True``, every scheduler accelerate prepared
-        (``prepare_scheduler``, or ``prepare`` under DeepSpeed with a torch scheduler) made a
-        :class:`~._accelerate_elastic.KeptRateScheduler`."""
-        if not self.resume_options.elastic:
-            return prepared
-        kept = {id(item): KeptRateScheduler(item, rate=self._scheduler_rate) for item in self._schedulers
-                if type(item) is AcceleratedScheduler}  # not DeepSpeed's own schedules (its engine steps them)
-        self._schedulers = [kept.get(id(item), item) for item in self._schedulers]
-        if isinstance(prepared, tuple):
-            return tuple(kept.get(id(item), item) for item in prepared)
-        return kept.get(id(prepared), prepared)
+        return self._world_size_mode.keep_scheduler_rate(self, super().prepare_scheduler(scheduler))
 
     def free_memory(self, *objects: Any) -> Any:
         """accelerate's ``free_memory``; also forgets the prepared loaders' positions."""
@@ -644,12 +624,8 @@ class ResumableAccelerator(Accelerator):
         ```
         """
         iterator = iter(dataloader)
-        elastic = getattr(dataloader, "hand_outs", None) is not None  # a prepared loader of the elastic layout
         while True:
-            if elastic:
-                batches, handed = self._elastic_window(dataloader, iterator)
-            else:
-                batches, handed = list(islice(iterator, self.gradient_accumulation_steps)), None
+            batches, handed = self._world_size_mode.window(dataloader, iterator, self.gradient_accumulation_steps)
             if not batches:
                 return
             counted = batches if handed is None else [b for b, h in zip(batches, handed) if not h.is_padding]
@@ -659,15 +635,6 @@ class ResumableAccelerator(Accelerator):
                 yield self._window
             finally:
                 self._window = None
-
-    def _elastic_window(self, loader: ResumablePreparedLoader | ResumablePreparedStream,
-                        iterator: Iterator[Any]) -> tuple[list[Any], list[ElasticBatch]]:
-        """A window's batches and, per batch, how the loader handed it out (its model randomness key and weight)."""
-        batches, handed = [], []
-        for batch in islice(iterator, self.gradient_accumulation_steps):
-            batches.append(batch)
-            handed.append(loader.last_batch)  # read right after the loader handed it out
-        return batches, handed
 
     def _count_window_items(self, batches: list[Any], count_items: Callable[[Any], int | torch.Tensor]) -> int:
         local = sum(int(count_items(batch)) for batch in batches)
@@ -746,7 +713,8 @@ class ResumableAccelerator(Accelerator):
             loss.backward(**kwargs)
 
     def _scale_loss(self, loss: torch.Tensor, num_items_in_batch: int | torch.Tensor | None) -> torch.Tensor:
-        batch, micro_batches = self._trained_micro_batch()
+        batch, micro_batches = self._world_size_mode.trained_micro_batch(self._window,
+                                                                         self.gradient_accumulation_steps)
         if num_items_in_batch is not None:
             count = int(num_items_in_batch)
             if count <= 0:
@@ -755,16 +723,6 @@ class ResumableAccelerator(Accelerator):
         scale = None if batch is None else batch.loss_scale(num_processes=self.num_processes,
                                                             micro_batches=micro_batches)
         return loss / micro_batches if scale is None else loss * scale
-
-    def _trained_micro_batch(self) -> tuple[ElasticBatch | None, int]:
-        """The elastic batch being trained on (``None``: not the elastic layout) and the micro-batches per rank of
-        its step: the active window's, else the batch an elastic loader handed out last (a loop iterating the loader
-        itself) in a step of ``gradient_accumulation_steps`` (its last micro-batch syncs: see
-        :class:`ResumablePreparedLoader`)."""
-        if self._window is not None:
-            slot = self._window.slot
-            return self._window.current(), self.gradient_accumulation_steps if slot is None else slot[1]
-        return self._hand_outs.batch, self.gradient_accumulation_steps
 
     # ---------------------------------------------------------------- save
 
