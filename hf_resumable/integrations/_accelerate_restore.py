@@ -53,6 +53,7 @@ from ._accelerate_state import (
     PROGRESS_MICRO_STEP,
     PROGRESS_OPTIMIZER_STEPS,
     run_settings,
+    set_optimizer_step_counts,
 )
 from ._core import changed_settings, check_drift
 from ._deepspeed import restore_engine_state, saved_engine_state
@@ -219,8 +220,8 @@ def restore_counters(accelerator: ResumableAccelerator, path: Path, loaded: Load
     # multiple of the accumulation) is a multiple of the saved accumulation, not of the one an elastic resume
     # changed it to, so it starts over there (a loop iterating the loader in accumulate() steps on time).
     accelerator.step = 0 if elastic_kept else int(progress.get(PROGRESS_MICRO_STEP, 0))
-    accelerator._set_optimizer_step_counts(progress.get(PROGRESS_OPTIMIZER_STEPS)
-                                    or [accelerator.global_step] * len(accelerator._optimizers))
+    set_optimizer_step_counts(accelerator, progress.get(PROGRESS_OPTIMIZER_STEPS)
+                              or [accelerator.global_step] * len(accelerator._optimizers))
     if accelerator.project_configuration.automatic_checkpoint_naming:
         saved = progress.get(PROGRESS_ITERATION)
         match = AUTOMATIC_CHECKPOINT_RE.match(path.name)

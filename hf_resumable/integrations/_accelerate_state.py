@@ -35,7 +35,7 @@ from ..format.rng import capture_rng_state
 from ._accelerate_elastic import KEY_ELASTIC
 from ._accelerate_objects import KIND_MODULE, SLOT_CORE, encode_optimizer, parameter_keys, plan_layout
 from ._accelerate_paths import HookFileConflictError, collect_hook_files, hook_file_conflicts
-from ._deepspeed import EXTRA_DEEPSPEED, capture_engine_state
+from ._deepspeed import EXTRA_DEEPSPEED, capture_engine_state, register_step_hook
 from ._engines import checkpoint_model
 from ._parallelism import KEY_PARALLELISM, layout_of
 
@@ -46,8 +46,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DATA_LOADERS", "EXTRA_CUSTOM_OBJECTS", "EXTRA_LAYOUT", "EXTRA_MODELS", "EXTRA_OPTIMIZERS", "EXTRA_RUN",
            "EXTRA_SCHEDULERS", "PROGRESS_GLOBAL_STEP", "PROGRESS_ITERATION", "PROGRESS_MICRO_STEP",
-           "PROGRESS_OPTIMIZER_STEPS", "StepCounts", "StepHook", "accelerator_fingerprint", "capture_state",
-           "model_weights", "run_save_hooks", "run_settings", "state_fingerprint"]
+           "PROGRESS_OPTIMIZER_STEPS", "StepCounts", "StepHook", "accelerator_fingerprint", "attach_step_hooks",
+           "capture_state", "model_weights", "optimizer_step_counts", "run_save_hooks", "run_settings",
+           "set_optimizer_step_counts", "state_fingerprint", "warn_save_options"]
 
 # training_state keys (the progress cursor).
 PROGRESS_GLOBAL_STEP = "global_step"  # completed optimizer steps (accumulation windows)
@@ -93,6 +94,29 @@ class StepHook:
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.count += 1
         self.counts.global_step = max(self.counts.global_step, self.count)
+
+
+def attach_step_hooks(accelerator: ResumableAccelerator) -> None:
+    """A :class:`StepHook` on every prepared optimizer that has none yet."""
+    for optimizer in accelerator._optimizers:
+        if getattr(optimizer, "_hf_resumable_step_hook", None) is None:
+            hook = StepHook(accelerator._step_counts)
+            register_step_hook(optimizer, hook)  # under ZeRO: the one over its partitions, once per step
+            optimizer._hf_resumable_step_hook = hook
+
+
+def optimizer_step_counts(accelerator: ResumableAccelerator) -> list[int]:
+    """The real steps of each prepared optimizer, in preparation order."""
+    attach_step_hooks(accelerator)
+    return [optimizer._hf_resumable_step_hook.count for optimizer in accelerator._optimizers]
+
+
+def set_optimizer_step_counts(accelerator: ResumableAccelerator, counts: list[int]) -> None:
+    """Restore the real steps of each prepared optimizer (a resume)."""
+    attach_step_hooks(accelerator)
+    for optimizer, count in zip(accelerator._optimizers, counts):
+        optimizer._hf_resumable_step_hook.count = int(count)
+
 
 
 class _Digest:
@@ -248,7 +272,7 @@ def capture_state(accelerator: ResumableAccelerator) -> dict[str, Any]:
                       if accelerator._schedulers else None),
         "scaler": accelerator.scaler,
         "training_state": {PROGRESS_GLOBAL_STEP: accelerator.global_step, PROGRESS_MICRO_STEP: accelerator.step,
-                           PROGRESS_OPTIMIZER_STEPS: accelerator._optimizer_step_counts(),
+                           PROGRESS_OPTIMIZER_STEPS: optimizer_step_counts(accelerator),
                            **({PROGRESS_ITERATION: accelerator.save_iteration}
                               if accelerator.project_configuration.automatic_checkpoint_naming else {})},
         "extra": extra,
@@ -274,7 +298,7 @@ def run_save_hooks(accelerator: ResumableAccelerator, weights: list[Any]) -> dic
 def accelerator_fingerprint(accelerator: ResumableAccelerator, target: Path) -> str:
     """Digest of everything ``save_state`` writes to ``target`` (see :func:`state_fingerprint`)."""
     small = {"target": str(target), "global_step": accelerator.global_step, "micro_step": accelerator.step,
-             "optimizer_steps": accelerator._optimizer_step_counts(),
+             "optimizer_steps": optimizer_step_counts(accelerator),
              "schedulers": [scheduler.state_dict() for scheduler in accelerator._schedulers],
              "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
              "custom_objects": [obj.state_dict() for obj in accelerator._custom_objects],
@@ -297,3 +321,16 @@ def run_settings(accelerator: ResumableAccelerator) -> dict[str, Any]:
         settings[KEY_PARALLELISM] = layout.describe()
     settings.update(accelerator._world_size_mode.recorded_settings())  # elastic: the scheduler rate
     return settings
+
+
+def warn_save_options(accelerator: ResumableAccelerator, safe_serialization: bool,
+                      options: Mapping[str, Any]) -> None:
+    """One WARNING per accelerate ``save_state`` option that changes nothing here (pickle, DeepSpeed's own save)."""
+    if not safe_serialization and not accelerator._warned.get("safe_serialization"):
+        accelerator._warned["safe_serialization"] = True
+        logger.warning("save_state(safe_serialization=False) asks for pickle files; hf_resumable never writes "
+                       "pickle, so the checkpoint is written as safetensors and JSON anyway.")
+    if options and not accelerator._warned.get("save_options"):
+        accelerator._warned["save_options"] = True
+        logger.warning("save_state(%s): these options configure DeepSpeed's own save_checkpoint, which "
+                       "ResumableAccelerator does not use; ignored.", ", ".join(sorted(options)))

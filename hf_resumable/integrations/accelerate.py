@@ -71,7 +71,7 @@ import contextlib
 import inspect
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,14 +86,12 @@ from .. import trace
 from ..checkpoint import (
     LoadedCheckpoint,
     VerifyReport,
-    apply_retention,
     save_checkpoint,
     verify_checkpoint,
 )
-from ..checkpoint._writer import save_refusal
 from ..checkpoint.api import background_saver
 from ..checkpoint.sharded import save_sharded_checkpoint
-from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX
+from ..constants import CHECKPOINT_DIR_RE
 from ..data import (
     ResumableDataLoader,
     SeededIterableDataset,
@@ -103,7 +101,6 @@ from ..data import (
 from ..data._position import LoaderPosition
 from ..distributed import all_gather_json, broadcast_json
 from ..errors import (
-    CheckpointExistsError,
     InexactResumeError,
     UnsupportedEngineError,
 )
@@ -125,18 +122,26 @@ from ._accelerate_loop import (
 )
 from ._accelerate_paths import (
     AUTOMATIC_CHECKPOINT_RE,
+    NAMING_AUTOMATIC,
+    NAMING_STEPS,
     CheckpointIterationExistsError,
     CheckpointPathNotFoundError,
     HookFileConflictError,
-    automatic_name,
+    after_commit,
+    check_target,
+    keep_count,
+    pending_uploads,
+    retains,
+    save_target,
 )
 from ._accelerate_restore import parse_load_options, resolve_checkpoint, restore_state
 from ._accelerate_state import (
     DATA_LOADERS,  # noqa: F401 - the data_state key, named here too
     StepCounts,
-    StepHook,
     accelerator_fingerprint,
+    attach_step_hooks,
     capture_state,
+    warn_save_options,
 )
 from ._core import (
     DEFAULT,
@@ -149,7 +154,6 @@ from ._core import (
 from ._deepspeed import (
     checkpoint_optimizer,
     deepspeed_engine,
-    register_step_hook,
     zero_optimizer,
 )
 from ._engines import check_accelerate_options, check_accelerate_state, holds_dtensors
@@ -188,11 +192,6 @@ _INSTANCE_INTERNALS = ("_models", "_optimizers", "_schedulers", "_custom_objects
                        "scaler", "step", "project_configuration", "_save_model_state_pre_hook",
                        "_load_model_state_pre_hook")
 
-# Where save_state() writes (see ResumableAccelerator.save_state).
-_NAMING_AUTOMATIC = "automatic"  # ProjectConfiguration(automatic_checkpoint_naming=True): checkpoint_<iteration>
-_NAMING_EXPLICIT = "explicit"  # save_state(output_dir)
-_NAMING_STEPS = "steps"  # save_state(): checkpoint-<global_step>
-DEFAULT_KEEP_LAST = 2  # checkpoint-<step> checkpoints kept when neither keep_last nor total_limit is given
 
 
 def check_accelerate_internals(accelerator: Accelerator | None = None) -> list[str]:
@@ -327,7 +326,7 @@ class ResumableAccelerator(Accelerator):
     @property
     def keep_last(self) -> int | None:
         """Committed checkpoints kept after each automatic save (``None``: all); see the class arguments."""
-        return self._keep()
+        return keep_count(self)
 
     @property
     def global_step(self) -> int:
@@ -357,7 +356,7 @@ class ResumableAccelerator(Accelerator):
         prepared = super().prepare(*args, device_placement=device_placement)
         prepared = self._world_size_mode.keep_scheduler_rate(self, prepared)
         self._checkpoint_optimizers()  # refuses DeepSpeed's other optimizers, before any step
-        self._attach_step_hooks()
+        attach_step_hooks(self)
         if self._saves_pieces() and (len(self._models) > 1 or len(self._optimizers) > 1):
             raise UnsupportedEngineError(
                 f"ResumableAccelerator checkpoints one FSDP2 or ZeRO model and its optimizer; {len(self._models)} "
@@ -377,22 +376,6 @@ class ResumableAccelerator(Accelerator):
 
     def _deepspeed_engine(self) -> Any:
         return deepspeed_engine(self._models[0]) if self._models else None
-
-    def _attach_step_hooks(self) -> None:
-        for optimizer in self._optimizers:
-            if getattr(optimizer, "_hf_resumable_step_hook", None) is None:
-                hook = StepHook(self._step_counts)
-                register_step_hook(optimizer, hook)  # under ZeRO: the one over its partitions, once per step
-                optimizer._hf_resumable_step_hook = hook
-
-    def _optimizer_step_counts(self) -> list[int]:
-        self._attach_step_hooks()
-        return [optimizer._hf_resumable_step_hook.count for optimizer in self._optimizers]
-
-    def _set_optimizer_step_counts(self, counts: list[int]) -> None:
-        self._attach_step_hooks()
-        for optimizer, count in zip(self._optimizers, counts):
-            optimizer._hf_resumable_step_hook.count = int(count)
 
     def wait_for_uploads(self, timeout: float | None = None) -> None:
         """Block until every checkpoint queued for ``push_checkpoints_to`` is confirmed; raise the first failure."""
@@ -798,7 +781,7 @@ class ResumableAccelerator(Accelerator):
         PosixPath('out/checkpoint-120')
         ```
         """
-        self._warn_save_options(safe_serialization, save_model_func_kwargs)
+        warn_save_options(self, safe_serialization, save_model_func_kwargs)
         if not self.sync_gradients:
             raise InexactResumeError(
                 f"save_state() was called inside an accumulation window (micro-step {self.step} of "
@@ -806,9 +789,9 @@ class ResumableAccelerator(Accelerator):
                 "Call it after the window's optimizer step.")
         # the previous save has committed (its retention and upload done): it may be this step
         self._commits.settle(removals=False)
-        mode, target = self._save_target(output_dir)
+        mode, target = save_target(self, output_dir)
         # Only checkpoint-<step> saves can meet a checkpoint of this very state (the other namings always write).
-        fingerprint = accelerator_fingerprint(self, target) if mode == _NAMING_STEPS else None
+        fingerprint = accelerator_fingerprint(self, target) if mode == NAMING_STEPS else None
         # every rank's own state unchanged (its pieces, its RNG), and the checkpoint intact
         unchanged = all(all_gather_json(fingerprint is not None and self._committed.get(target) == fingerprint))
         on_disk = self.is_main_process and unchanged and verify_checkpoint(target, full=False).ok
@@ -817,82 +800,26 @@ class ResumableAccelerator(Accelerator):
                 logger.info("%s already holds exactly the current state (step %d); not writing it again.", target,
                             self.global_step)
             return target
-        self._check_target(mode, target)
-        if target.resolve() in self._pending_uploads():
+        check_target(self, mode, target)
+        if target.resolve() in pending_uploads(self):
             self._uploader.wait()  # never replace a checkpoint while it is being uploaded
         blocking = not self.resume_options.save_async if blocking is None else blocking
         save = save_sharded_checkpoint if self._saves_pieces() else save_checkpoint  # FSDP2: every rank its pieces
         # Retention runs right after save_state, as accelerate's total_limit does (upstream's tests count the
         # entries): it may then delete the previous checkpoint, so this one's files are fsynced before its commit.
-        durability = "immediate" if self._retains(mode) else "deferred"
-        save(target, **capture_state(self), step=self.global_step, overwrite=mode != _NAMING_AUTOMATIC,
+        durability = "immediate" if retains(self, mode) else "deferred"
+        save(target, **capture_state(self), step=self.global_step, overwrite=mode != NAMING_AUTOMATIC,
              blocking=blocking, standalone=self.resume_options.standalone_checkpoints, durability=durability)
         if fingerprint is not None:
             self._committed = {target: fingerprint}  # steps only grow: only the newest can be met again
-        if mode == _NAMING_AUTOMATIC:
+        if mode == NAMING_AUTOMATIC:
             self.project_configuration.iteration += 1
-        self._commits.attach(None if blocking else background_saver().future, lambda: self._after_commit(mode, target))
+        self._commits.attach(None if blocking else background_saver().future, lambda: after_commit(self, mode, target))
         if self._uploader is not None:
             self._commits.settle()  # uploads start as soon as the save returns (only committed checkpoints upload)
         if self.is_main_process:
             logger.info("Saved state at step %d to %s", self.global_step, target)
         return target
-
-    def _warn_save_options(self, safe_serialization: bool, options: Mapping[str, Any]) -> None:
-        if not safe_serialization and not self._warned.get("safe_serialization"):
-            self._warned["safe_serialization"] = True
-            logger.warning("save_state(safe_serialization=False) asks for pickle files; hf_resumable never writes "
-                           "pickle, so the checkpoint is written as safetensors and JSON anyway.")
-        if options and not self._warned.get("save_options"):
-            self._warned["save_options"] = True
-            logger.warning("save_state(%s): these options configure DeepSpeed's own save_checkpoint, which "
-                           "ResumableAccelerator does not use; ignored.", ", ".join(sorted(options)))
-
-    def _save_target(self, output_dir: str | os.PathLike | None) -> tuple[str, Path]:
-        if self.project_configuration.automatic_checkpoint_naming:
-            return _NAMING_AUTOMATIC, self.checkpoint_dir / automatic_name(self.save_iteration)
-        if output_dir is not None:
-            return _NAMING_EXPLICIT, Path(output_dir)
-        return _NAMING_STEPS, self.checkpoint_dir / f"{CHECKPOINT_PREFIX}{self.global_step}"
-
-    def _check_target(self, mode: str, target: Path) -> None:
-        """Refuse a target on every process alike (the main process looks), before any collective of the save."""
-        automatic = mode == _NAMING_AUTOMATIC  # accelerate never replaces a checkpoint_<iteration>
-        reason = broadcast_json(save_refusal(target, overwrite=not automatic) if self.is_main_process else None)
-        if reason is not None and automatic:
-            raise CheckpointIterationExistsError(
-                f"Checkpoint directory {target} ({self.save_iteration}) already exists. Set "
-                "accelerator.project_configuration.iteration to the iteration to continue with, or resume with "
-                "load_state(), which continues after the newest checkpoint_<i>.")
-        if reason is not None:
-            raise CheckpointExistsError(reason)
-
-    def _keep(self) -> int | None:
-        """Checkpoints kept after a commit: ``keep_last`` if given, else ``total_limit``, else the naming's default."""
-        if self.resume_options.keep_last is not DEFAULT:
-            return self.resume_options.keep_last
-        if self.project_configuration.total_limit is not None:
-            return self.project_configuration.total_limit
-        return None if self.project_configuration.automatic_checkpoint_naming else DEFAULT_KEEP_LAST
-
-    def _retains(self, mode: str) -> bool:
-        """Whether a save of this naming ``mode`` is followed by retention."""
-        return mode != _NAMING_EXPLICIT and self._keep() is not None
-
-    def _pending_uploads(self) -> set[Path]:
-        """Local checkpoints whose upload is not confirmed yet (resolved paths)."""
-        return {Path(path).resolve() for path in self._uploader.pending()} if self._uploader is not None else set()
-
-    def _after_commit(self, mode: str, target: Path) -> None:
-        """What follows a commit: the upload, then retention of the automatic namings (never before the commit)."""
-        if self._uploader is not None:
-            self._uploader.submit(target)
-        keep = self._keep()
-        if not self._retains(mode) or not self.is_main_process:
-            return
-        pattern = AUTOMATIC_CHECKPOINT_RE if mode == _NAMING_AUTOMATIC else CHECKPOINT_DIR_RE
-        # In the foreground, as accelerate's own total_limit: upstream's tests count the entries of the directory.
-        apply_retention(self.checkpoint_dir, keep_last=keep, pattern=pattern, protect=self._pending_uploads())
 
     # ---------------------------------------------------------------- load
 
