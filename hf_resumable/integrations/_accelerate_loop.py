@@ -2,6 +2,7 @@
 resumable loaders, map-style and streaming (device placement, epoch and position; in the elastic layout each batch
 handed out as an :class:`ElasticBatch`), accumulation windows (the micro-batches of one optimizer step with their item
 count), and the watch over a resumed loop that skips again what its loaders already skipped (:class:`ResumedLoaders`).
+:func:`prepare_resumable_loader` is the accelerator's ``prepare`` of a loader built by :mod:`hf_resumable.data`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import accelerate
 import torch
@@ -24,10 +25,13 @@ from ..data import DATA_EPOCH, DATA_KIND, DATA_LOADER, DATA_NUM_BATCHES, DATA_ST
 from ..errors import DoubleSkipError
 from ._elastic import seed_model_rng
 
+if TYPE_CHECKING:
+    from .accelerate import ResumableAccelerator
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["AccumulationWindow", "ElasticBatch", "HandOuts", "ResumablePreparedLoader", "ResumablePreparedStream",
-           "ResumedLoaders"]
+           "ResumedLoaders", "prepare_resumable_loader"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,6 +317,36 @@ def _end_hand_outs(loader: ResumablePreparedLoader | ResumablePreparedStream) ->
     """``loader``'s pass ended (or was left): a later ``backward`` is not weighed by its last batch."""
     if loader.hand_outs is not None and loader.hand_outs.batch is loader.last_batch:
         loader.hand_outs.batch = None
+
+
+def prepare_resumable_loader(accelerator: ResumableAccelerator, data_loader: Any,
+                             device_placement: bool | None) -> Any:
+    """Wrap a loader of :func:`~hf_resumable.data.build_map_dataloader` or
+    :func:`~hf_resumable.data.build_stream_dataloader` (no re-sharding) and register it with the accelerator's saved
+    loaders.
+
+    Raises:
+        ValueError: the loader was built for another data-parallel rank or world size.
+    """
+    stream = not isinstance(data_loader, ResumableDataLoader)
+    layout = data_loader.dataset if stream else data_loader.batch_sampler
+    # a stream outside the elastic layout was split by rank beforehand: its world size is not its own
+    rank, ranks = accelerator._data_rank()
+    world_size = ranks if stream and layout.global_batch is None else layout.world_size
+    if (layout.rank, world_size) != (rank, ranks):
+        raise ValueError(
+            f"The {type(data_loader).__name__} was built for rank {layout.rank} of {layout.world_size}, but this "
+            f"process is data-parallel rank {rank} of {ranks}. Build it with the data-parallel rank and world "
+            "size (accelerator.process_index and accelerator.num_processes without a ParallelismConfig), or use "
+            "prepare_resumable_dataloader().")
+    place = accelerator.device_placement if device_placement is None else device_placement
+    wrapper = ResumablePreparedStream if stream else ResumablePreparedLoader
+    prepared = wrapper(data_loader, gradient_state=accelerator.gradient_state,
+                       device=accelerator.device if place else None,
+                       hand_outs=accelerator._world_size_mode.hand_outs_for(layout))
+    accelerator._resumable_loaders.append(prepared)
+    return prepared
+
 
 
 class AccumulationWindow:

@@ -68,6 +68,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -109,9 +110,8 @@ from ..preemption import PreemptionAction, PreemptionHandler, PreemptionProtocol
 from ._accelerate_data import (
     ResumableDataLoaderDispatcher,
     ResumableDataLoaderShard,
-    StatefulLoaderPosition,
-    plan_loader,
-    rebuild_prepared_loader,
+    prepare_positioned_loader,
+    skip_restored_batches,
 )
 from ._accelerate_elastic import world_size_mode
 from ._accelerate_loop import (
@@ -119,6 +119,7 @@ from ._accelerate_loop import (
     ResumablePreparedLoader,
     ResumablePreparedStream,
     ResumedLoaders,
+    prepare_resumable_loader,
 )
 from ._accelerate_paths import (
     AUTOMATIC_CHECKPOINT_RE,
@@ -480,56 +481,13 @@ class ResumableAccelerator(Accelerator):
         """
         if isinstance(data_loader, ResumableDataLoader) or isinstance(getattr(data_loader, "dataset", None),
                                                                       SeededIterableDataset):
-            return self._prepare_resumable_loader(data_loader, device_placement)
+            return prepare_resumable_loader(self, data_loader, device_placement)
+        prepare = functools.partial(super().prepare_data_loader, device_placement=device_placement,
+                                    slice_fn_for_dispatch=slice_fn_for_dispatch)
         if getattr(data_loader, "_is_accelerate_prepared", False) or any(data_loader is loader
                                                                          for loader in self._resumable_loaders):
-            return super().prepare_data_loader(data_loader, device_placement=device_placement,
-                                               slice_fn_for_dispatch=slice_fn_for_dispatch)
-        plan = plan_loader(data_loader)
-        # Drawn on every process (the same generator stream as without hf_resumable), process 0's value is used.
-        seed = broadcast_json(int(torch.empty((), dtype=torch.int64).random_().item())) if plan.resumable else None
-        prepared = super().prepare_data_loader(data_loader, device_placement=device_placement,
-                                               slice_fn_for_dispatch=slice_fn_for_dispatch)
-        rank, world_size = self._data_rank()
-        rebuilt = (rebuild_prepared_loader(prepared, seed=seed, process_index=rank,
-                                           num_processes=world_size) if plan.resumable else prepared)
-        if rebuilt is prepared and getattr(prepared, "use_stateful_dataloader", False):
-            logger.warning("%s is prepared by accelerate only (%s); its torchdata StatefulDataLoader state is saved "
-                           "and restored as stock accelerate does, so it resumes mid-epoch, but randomness inside "
-                           "its pipeline is not keyed by position.", type(data_loader).__name__, plan.note)
-            self._resumable_loaders.append(StatefulLoaderPosition(prepared))
-            return prepared
-        if rebuilt is prepared:
-            logger.warning("%s is prepared by accelerate only: its position is not saved and a resumed run restarts "
-                           "it from its beginning (%s).", type(data_loader).__name__,
-                           plan.note or f"accelerate returned a {type(prepared).__name__}")
-            return prepared
-        self._dataloaders = [rebuilt if loader is prepared else loader for loader in self._dataloaders]
-        self._resumable_loaders.append(rebuilt)
-        if plan.note is not None:
-            logger.warning("%s: %s.", type(data_loader).__name__, plan.note)
-        return rebuilt
-
-    def _prepare_resumable_loader(self, data_loader: Any, device_placement: bool | None) -> Any:
-        """Wrap a loader of :func:`~hf_resumable.data.build_map_dataloader` or
-        :func:`~hf_resumable.data.build_stream_dataloader` (no re-sharding)."""
-        stream = not isinstance(data_loader, ResumableDataLoader)
-        layout = data_loader.dataset if stream else data_loader.batch_sampler
-        # a stream outside the elastic layout was split by rank beforehand: its world size is not its own
-        rank, ranks = self._data_rank()
-        world_size = ranks if stream and layout.global_batch is None else layout.world_size
-        if (layout.rank, world_size) != (rank, ranks):
-            raise ValueError(
-                f"The {type(data_loader).__name__} was built for rank {layout.rank} of {layout.world_size}, but this "
-                f"process is data-parallel rank {rank} of {ranks}. Build it with the data-parallel rank and world "
-                "size (accelerator.process_index and accelerator.num_processes without a ParallelismConfig), or use "
-                "prepare_resumable_dataloader().")
-        place = self.device_placement if device_placement is None else device_placement
-        wrapper = ResumablePreparedStream if stream else ResumablePreparedLoader
-        prepared = wrapper(data_loader, gradient_state=self.gradient_state, device=self.device if place else None,
-                           hand_outs=self._world_size_mode.hand_outs_for(layout))
-        self._resumable_loaders.append(prepared)
-        return prepared
+            return prepare(data_loader)
+        return prepare_positioned_loader(self, data_loader, prepare)
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """accelerate's ``skip_first_batches``, aware of positions restored by ``load_state``.
@@ -547,27 +505,7 @@ class ResumableAccelerator(Accelerator):
             ValueError: ``num_batches`` differs from the position ``load_state`` restored (the script's count
                 and the checkpoint disagree), or the loader is being iterated.
         """
-        if self._resume_watch.is_repeated_skip(dataloader, num_batches):
-            self._resume_watch.warn_repeated_skip(dataloader, num_batches)
-            return dataloader
-        if isinstance(dataloader, (ResumablePreparedLoader, ResumablePreparedStream)):
-            if num_batches != dataloader.consumed:
-                raise ValueError("load_state() already restored this loader's position (epoch "
-                                 f"{dataloader.epoch}, batch {dataloader.consumed}); do not skip batches yourself.")
-            return dataloader
-        if isinstance(dataloader, (ResumableDataLoaderShard, ResumableDataLoaderDispatcher)):
-            if dataloader.is_iterating:
-                raise ValueError("skip_first_batches() was called on a loader that is being iterated.")
-            restored = dataloader.restored_batches
-            if restored and num_batches != restored:
-                raise ValueError(f"load_state() restored this loader at batch {restored} of epoch "
-                                 f"{dataloader.iteration}, but skip_first_batches() was asked to skip {num_batches}: "
-                                 "the script's step count and the checkpoint disagree. Skip exactly the restored "
-                                 "number (or do not skip: the loader already continues there).")
-            if not restored:
-                dataloader.skip(num_batches)
-            return dataloader
-        return super().skip_first_batches(dataloader, num_batches)
+        return skip_restored_batches(self, dataloader, num_batches, fallback=super().skip_first_batches)
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
         """accelerate's ``prepare_scheduler``; with ``elastic=True`` the scheduler keeps the first launch's number of
