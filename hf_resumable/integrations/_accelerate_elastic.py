@@ -32,6 +32,7 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from accelerate.scheduler import AcceleratedScheduler
 
 from ..data import DATA_KIND, DATA_NUM_BATCHES, DATA_STEP, split_stream_for_rank
@@ -192,6 +193,24 @@ class FixedWorldSize:
         its step (the active window's length, else ``accumulation``)."""
         slot = window.slot if window is not None else None
         return None, accumulation if slot is None else slot[1]
+
+    def scale_loss(self, loss: torch.Tensor, num_items_in_batch: int | torch.Tensor | None, *,
+                   window: AccumulationWindow | None, accumulation: int, num_processes: int) -> torch.Tensor:
+        """``backward``'s loss scaling: by ``num_processes / num_items_in_batch`` (a summed loss), else by the
+        micro-batches of the step; the micro-batch being trained on (:meth:`trained_micro_batch`) may weigh it.
+
+        Raises:
+            ValueError: ``num_items_in_batch`` is not positive.
+        """
+        batch, micro_batches = self.trained_micro_batch(window, accumulation)
+        if num_items_in_batch is not None:
+            count = int(num_items_in_batch)
+            if count <= 0:
+                raise ValueError(f"num_items_in_batch must be > 0, got {count} (a window without any item).")
+            return loss * (0.0 if batch is not None and batch.is_padding else num_processes / count)
+        scale = None if batch is None else batch.loss_scale(num_processes=num_processes,
+                                                            micro_batches=micro_batches)
+        return loss / micro_batches if scale is None else loss * scale
 
     def recorded_settings(self) -> dict[str, Any]:
         """Run settings this mode adds to the ones every checkpoint records."""

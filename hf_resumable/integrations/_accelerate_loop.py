@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import accelerate
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["AccumulationWindow", "ElasticBatch", "HandOuts", "ResumablePreparedLoader", "ResumablePreparedStream",
-           "ResumedLoaders", "prepare_resumable_loader"]
+           "ResumedLoaders", "accumulation_windows", "count_window_items", "prepare_resumable_loader"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,6 +398,36 @@ class AccumulationWindow:
                 yield batch
         finally:
             self.slot = None
+
+
+def accumulation_windows(accelerator: ResumableAccelerator, dataloader: Any,
+                         count_items: Callable[[Any], int | torch.Tensor] | None) -> Iterator[AccumulationWindow]:
+    """The loader's batches grouped into :class:`AccumulationWindow`\\ s, each handed to the accelerator while it is
+    iterated (see ``ResumableAccelerator.accumulation_windows``)."""
+    iterator = iter(dataloader)
+    while True:
+        batches, handed = accelerator._world_size_mode.window(dataloader, iterator,
+                                                              accelerator.gradient_accumulation_steps)
+        if not batches:
+            return
+        counted = batches if handed is None else [b for b, h in zip(batches, handed) if not h.is_padding]
+        num_items = count_window_items(accelerator, counted, count_items) if count_items is not None else None
+        accelerator._window = AccumulationWindow(batches, num_items, elastic=handed)
+        try:
+            yield accelerator._window
+        finally:
+            accelerator._window = None
+
+
+def count_window_items(accelerator: ResumableAccelerator, batches: list[Any],
+                       count_items: Callable[[Any], int | torch.Tensor]) -> int:
+    """The items of a window's ``batches`` on this rank, summed over all processes (one all-reduce)."""
+    local = sum(int(count_items(batch)) for batch in batches)
+    if accelerator.num_processes == 1:
+        return local
+    total = accelerator.reduce(torch.tensor([local], dtype=torch.int64, device=accelerator.device), reduction="sum")
+    return int(total.item())
+
 
 
 # Code of these packages is never "the script's line" a message points at.

@@ -24,7 +24,7 @@ from ..checkpoint import LoadedCheckpoint, OpenedCheckpoint, VerifyReport, list_
 from ..checkpoint._model_files import has_model_weights
 from ..checkpoint._writer import stock_accelerate_files
 from ..checkpoint.sharded import load_sharded_into
-from ..constants import MANIFEST_FILE, OPTIMIZER_INDEX_FILE
+from ..constants import CHECKPOINT_DIR_RE, MANIFEST_FILE, OPTIMIZER_INDEX_FILE
 from ..distributed import broadcast_json
 from ..errors import ConfigDriftError, IncompleteCheckpointError
 from ..format.rng import restore_rng_state
@@ -58,15 +58,38 @@ from ._accelerate_state import (
 from ._core import changed_settings, check_drift
 from ._deepspeed import restore_engine_state, saved_engine_state
 from ._engines import checkpoint_model
+from ._fallback import agreed_load, find_agreed_checkpoint, resume_newest
 
 if TYPE_CHECKING:
     from .accelerate import ResumableAccelerator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_run_drift", "core_load_targets", "describe_missing", "layout_of_checkpoint", "open_for_resume",
-           "parse_load_options", "resolve_checkpoint", "restore_counters", "restore_custom_objects",
-           "restore_extra_objects", "restore_loaders", "restore_rng", "restore_state"]
+__all__ = ["check_run_drift", "core_load_targets", "describe_missing", "layout_of_checkpoint", "load_agreed",
+           "load_newest", "open_for_resume", "parse_load_options", "resolve_checkpoint", "restore_counters",
+           "restore_custom_objects", "restore_extra_objects", "restore_loaders", "restore_rng", "restore_state"]
+
+
+def load_newest(accelerator: ResumableAccelerator, strict: bool) -> LoadedCheckpoint | None:
+    """``load_state()`` without a path: the newest checkpoint that verifies (automatic ``checkpoint_<i>`` or
+    ``checkpoint-<step>``); one that fails its hashes while it is loaded, on any process, is set aside and the one
+    before it loaded (:func:`~hf_resumable.integrations._fallback.resume_newest`). ``None``: no valid checkpoint."""
+    pattern = (AUTOMATIC_CHECKPOINT_RE if accelerator.project_configuration.automatic_checkpoint_naming
+               else CHECKPOINT_DIR_RE)
+    first = find_agreed_checkpoint(accelerator.checkpoint_dir, pattern=pattern)
+    loaded = resume_newest(accelerator.checkpoint_dir, lambda report: load_agreed(accelerator, Path(report.path),
+                                                                                 strict, verified=report),
+                           pattern=pattern, owner="ResumableAccelerator", first=first)
+    if loaded is None and accelerator.is_main_process:
+        logger.info("No valid checkpoint under %s; starting from scratch.", accelerator.checkpoint_dir)
+    return loaded
+
+
+def load_agreed(accelerator: ResumableAccelerator, path: Path, strict: bool,
+                verified: VerifyReport | None = None) -> LoadedCheckpoint:
+    """``load_state`` of one checkpoint; a failed hash on any process raises ``ResumeLoadError`` on all."""
+    with agreed_load(path):
+        return restore_state(accelerator, path, strict, verified)
 
 
 def restore_state(accelerator: ResumableAccelerator, path: Path, strict: bool,

@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..checkpoint import verify_checkpoint
 from ..checkpoint._dtensor import is_dtensor
+from ..distributed import all_gather_json, broadcast_json
 from ..format.rng import capture_rng_state
 from ._accelerate_elastic import KEY_ELASTIC
 from ._accelerate_objects import KIND_MODULE, SLOT_CORE, encode_optimizer, parameter_keys, plan_layout
@@ -47,8 +49,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["DATA_LOADERS", "EXTRA_CUSTOM_OBJECTS", "EXTRA_LAYOUT", "EXTRA_MODELS", "EXTRA_OPTIMIZERS", "EXTRA_RUN",
            "EXTRA_SCHEDULERS", "PROGRESS_GLOBAL_STEP", "PROGRESS_ITERATION", "PROGRESS_MICRO_STEP",
            "PROGRESS_OPTIMIZER_STEPS", "StepCounts", "StepHook", "accelerator_fingerprint", "attach_step_hooks",
-           "capture_state", "model_weights", "optimizer_step_counts", "run_save_hooks", "run_settings",
-           "set_optimizer_step_counts", "state_fingerprint", "warn_save_options"]
+           "capture_state", "holds_current_state", "model_weights", "optimizer_step_counts", "run_save_hooks",
+           "run_settings", "set_optimizer_step_counts", "state_fingerprint", "warn_save_options"]
 
 # training_state keys (the progress cursor).
 PROGRESS_GLOBAL_STEP = "global_step"  # completed optimizer steps (accumulation windows)
@@ -334,3 +336,17 @@ def warn_save_options(accelerator: ResumableAccelerator, safe_serialization: boo
         accelerator._warned["save_options"] = True
         logger.warning("save_state(%s): these options configure DeepSpeed's own save_checkpoint, which "
                        "ResumableAccelerator does not use; ignored.", ", ".join(sorted(options)))
+
+
+def holds_current_state(accelerator: ResumableAccelerator, target: Path, fingerprint: str | None) -> bool:
+    """Whether ``target`` provably holds the current state already, on every process (collective): the checkpoint
+    this accelerator committed there has ``fingerprint`` on every rank and still verifies."""
+    # every rank's own state unchanged (its pieces, its RNG), and the checkpoint intact
+    unchanged = all(all_gather_json(fingerprint is not None and accelerator._committed.get(target) == fingerprint))
+    on_disk = accelerator.is_main_process and unchanged and verify_checkpoint(target, full=False).ok
+    if broadcast_json(on_disk):
+        if accelerator.is_main_process:
+            logger.info("%s already holds exactly the current state (step %d); not writing it again.", target,
+                        accelerator.global_step)
+        return True
+    return False

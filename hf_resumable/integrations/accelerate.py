@@ -86,13 +86,10 @@ from accelerate.utils import DistributedType
 from .. import trace
 from ..checkpoint import (
     LoadedCheckpoint,
-    VerifyReport,
     save_checkpoint,
-    verify_checkpoint,
 )
 from ..checkpoint.api import background_saver
 from ..checkpoint.sharded import save_sharded_checkpoint
-from ..constants import CHECKPOINT_DIR_RE
 from ..data import (
     ResumableDataLoader,
     SeededIterableDataset,
@@ -100,7 +97,6 @@ from ..data import (
     build_stream_dataloader,
 )
 from ..data._position import LoaderPosition
-from ..distributed import all_gather_json, broadcast_json
 from ..errors import (
     InexactResumeError,
     UnsupportedEngineError,
@@ -119,10 +115,10 @@ from ._accelerate_loop import (
     ResumablePreparedLoader,
     ResumablePreparedStream,
     ResumedLoaders,
+    accumulation_windows,
     prepare_resumable_loader,
 )
 from ._accelerate_paths import (
-    AUTOMATIC_CHECKPOINT_RE,
     NAMING_AUTOMATIC,
     NAMING_STEPS,
     CheckpointIterationExistsError,
@@ -135,13 +131,14 @@ from ._accelerate_paths import (
     retains,
     save_target,
 )
-from ._accelerate_restore import parse_load_options, resolve_checkpoint, restore_state
+from ._accelerate_restore import load_agreed, load_newest, parse_load_options, resolve_checkpoint
 from ._accelerate_state import (
     DATA_LOADERS,  # noqa: F401 - the data_state key, named here too
     StepCounts,
     accelerator_fingerprint,
     attach_step_hooks,
     capture_state,
+    holds_current_state,
     warn_save_options,
 )
 from ._core import (
@@ -158,7 +155,6 @@ from ._deepspeed import (
     zero_optimizer,
 )
 from ._engines import check_accelerate_options, check_accelerate_state, holds_dtensors
-from ._fallback import agreed_load, find_agreed_checkpoint, resume_newest
 from ._parallelism import accelerate_tp_ready, check_runnable, layout_of
 
 logger = logging.getLogger(__name__)
@@ -544,25 +540,7 @@ class ResumableAccelerator(Accelerator):
         ...             optimizer.zero_grad()
         ```
         """
-        iterator = iter(dataloader)
-        while True:
-            batches, handed = self._world_size_mode.window(dataloader, iterator, self.gradient_accumulation_steps)
-            if not batches:
-                return
-            counted = batches if handed is None else [b for b, h in zip(batches, handed) if not h.is_padding]
-            num_items = self._count_window_items(counted, count_items) if count_items is not None else None
-            self._window = AccumulationWindow(batches, num_items, elastic=handed)
-            try:
-                yield self._window
-            finally:
-                self._window = None
-
-    def _count_window_items(self, batches: list[Any], count_items: Callable[[Any], int | torch.Tensor]) -> int:
-        local = sum(int(count_items(batch)) for batch in batches)
-        if self.num_processes == 1:
-            return local
-        total = self.reduce(torch.tensor([local], dtype=torch.int64, device=self.device), reduction="sum")
-        return int(total.item())
+        yield from accumulation_windows(self, dataloader, count_items)
 
     def _do_sync(self) -> None:
         # Inside an AccumulationWindow the window decides: sync on its last micro-batch, whatever its length.
@@ -634,16 +612,9 @@ class ResumableAccelerator(Accelerator):
             loss.backward(**kwargs)
 
     def _scale_loss(self, loss: torch.Tensor, num_items_in_batch: int | torch.Tensor | None) -> torch.Tensor:
-        batch, micro_batches = self._world_size_mode.trained_micro_batch(self._window,
-                                                                         self.gradient_accumulation_steps)
-        if num_items_in_batch is not None:
-            count = int(num_items_in_batch)
-            if count <= 0:
-                raise ValueError(f"num_items_in_batch must be > 0, got {count} (a window without any item).")
-            return loss * (0.0 if batch is not None and batch.is_padding else self.num_processes / count)
-        scale = None if batch is None else batch.loss_scale(num_processes=self.num_processes,
-                                                            micro_batches=micro_batches)
-        return loss / micro_batches if scale is None else loss * scale
+        return self._world_size_mode.scale_loss(loss, num_items_in_batch, window=self._window,
+                                                accumulation=self.gradient_accumulation_steps,
+                                                num_processes=self.num_processes)
 
     # ---------------------------------------------------------------- save
 
@@ -730,13 +701,7 @@ class ResumableAccelerator(Accelerator):
         mode, target = save_target(self, output_dir)
         # Only checkpoint-<step> saves can meet a checkpoint of this very state (the other namings always write).
         fingerprint = accelerator_fingerprint(self, target) if mode == NAMING_STEPS else None
-        # every rank's own state unchanged (its pieces, its RNG), and the checkpoint intact
-        unchanged = all(all_gather_json(fingerprint is not None and self._committed.get(target) == fingerprint))
-        on_disk = self.is_main_process and unchanged and verify_checkpoint(target, full=False).ok
-        if broadcast_json(on_disk):
-            if self.is_main_process:
-                logger.info("%s already holds exactly the current state (step %d); not writing it again.", target,
-                            self.global_step)
+        if holds_current_state(self, target, fingerprint):
             return target
         check_target(self, mode, target)
         if target.resolve() in pending_uploads(self):
@@ -809,21 +774,8 @@ class ResumableAccelerator(Accelerator):
         """
         strict = parse_load_options(self, load_kwargs, load_model_func_kwargs)
         if input_dir is None:  # the newest that verifies; one that fails while it is loaded: the one before it
-            pattern = (AUTOMATIC_CHECKPOINT_RE if self.project_configuration.automatic_checkpoint_naming
-                       else CHECKPOINT_DIR_RE)
-            first = find_agreed_checkpoint(self.checkpoint_dir, pattern=pattern)
-            loaded = resume_newest(self.checkpoint_dir, lambda report: self._load_from(Path(report.path), strict,
-                                                                                      verified=report),
-                                   pattern=pattern, owner="ResumableAccelerator", first=first)
-            if loaded is None and self.is_main_process:
-                logger.info("No valid checkpoint under %s; starting from scratch.", self.checkpoint_dir)
-            return loaded
-        return self._load_from(resolve_checkpoint(self, input_dir), strict)
-
-    def _load_from(self, path: Path, strict: bool, verified: VerifyReport | None = None) -> LoadedCheckpoint:
-        """``load_state`` of one checkpoint; a failed hash on any process raises ``ResumeLoadError`` on all."""
-        with agreed_load(path):
-            return restore_state(self, path, strict, verified)
+            return load_newest(self, strict)
+        return load_agreed(self, resolve_checkpoint(self, input_dir), strict)
 
     def _inexact(self, message: str, error: type[InexactResumeError] = InexactResumeError) -> None:
         inexact(message, allow=self.resume_options.allow_inexact_resume, owner="ResumableAccelerator", error=error)
