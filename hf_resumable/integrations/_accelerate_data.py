@@ -441,6 +441,14 @@ def skip_restored_batches(accelerator: ResumableAccelerator, dataloader: Any, nu
     """``skip_first_batches`` of a loader prepared by the accelerator (positioned, never skipping twice); any other
     loader goes to ``fallback`` (accelerate's own).
 
+    The loader itself is returned, positioned: after ``load_state`` restored it at batch ``n`` of its epoch,
+    ``skip_first_batches(loader, n)`` (what accelerate's checkpointing examples compute from the checkpoint name)
+    continues there, never skipping twice; on a loader without a restored position the next pass starts at
+    ``num_batches`` (as accelerate's skipping loader does, without fetching the skipped batches), and later passes
+    are whole epochs. The same call again in a later epoch of a resumed run (scripts that skip in every epoch after a
+    resume) skips nothing there, with a WARNING: the batches it names were skipped in the epoch the run resumed in
+    (see :class:`~hf_resumable.integrations._accelerate_loop.ResumedLoaders`).
+
     Raises:
         ValueError: ``num_batches`` differs from the position ``load_state`` restored, or the loader is being iterated.
     """

@@ -282,7 +282,8 @@ class ElasticWorldSize(FixedWorldSize):
     def trained_micro_batch(self, window: AccumulationWindow | None,
                             accumulation: int) -> tuple[ElasticBatch | None, int]:
         """The active window's batch, else the batch an elastic loader handed out last (a loop iterating the loader
-        itself) in a step of ``accumulation`` (its last micro-batch syncs: see :class:`ResumablePreparedLoader`)."""
+        itself: of several elastic loaders, the one that handed out a batch most recently, while its pass is under
+        way) in a step of ``accumulation`` (its last micro-batch syncs: see :class:`ResumablePreparedLoader`)."""
         if window is not None:
             slot = window.slot
             return window.current(), accumulation if slot is None else slot[1]

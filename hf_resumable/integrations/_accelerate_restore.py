@@ -26,7 +26,7 @@ from ..checkpoint._writer import stock_accelerate_files
 from ..checkpoint.sharded import load_sharded_into
 from ..constants import CHECKPOINT_DIR_RE, MANIFEST_FILE, OPTIMIZER_INDEX_FILE
 from ..distributed import broadcast_json
-from ..errors import ConfigDriftError, IncompleteCheckpointError
+from ..errors import ConfigDriftError, IncompleteCheckpointError, InexactResumeError
 from ..format.rng import restore_rng_state
 from ..locations import is_remote, resolve_resume_path
 from ._accelerate_elastic import KEY_ELASTIC
@@ -55,7 +55,7 @@ from ._accelerate_state import (
     run_settings,
     set_optimizer_step_counts,
 )
-from ._core import changed_settings, check_drift
+from ._core import changed_settings, check_drift, inexact
 from ._deepspeed import restore_engine_state, saved_engine_state
 from ._engines import checkpoint_model
 from ._fallback import agreed_load, find_agreed_checkpoint, resume_newest
@@ -263,30 +263,29 @@ def restore_loaders(accelerator: ResumableAccelerator, path: Path, data_state: M
     records = (data_state or {}).get(DATA_LOADERS)
     records = accelerator._world_size_mode.loader_records(accelerator, records, saved_world_size)
     if records is None or len(records) != len(accelerator._resumable_loaders):
-        accelerator._inexact(f"{path} has no position for the {len(accelerator._resumable_loaders)} prepared "
-                             f"loader(s) of rank "
-                      f"{accelerator.process_index}")
+        inexact_resume(accelerator, f"{path} has no position for the {len(accelerator._resumable_loaders)} "
+                                    f"prepared loader(s) of rank {accelerator.process_index}")
         return
     for index, (loader, record) in enumerate(zip(accelerator._resumable_loaders, records)):
         if record.get("saved") is False:
-            accelerator._inexact(f"{path} has no position for loader {index} of rank {accelerator.process_index} "
-                                 "(it could not "
-                          "be saved; see the WARNING of that save)")
+            inexact_resume(accelerator, f"{path} has no position for loader {index} of rank "
+                                        f"{accelerator.process_index} (it could not be saved; see the WARNING of "
+                                        "that save)")
             continue
         fits = loader.fits(record)
         if not fits:
-            accelerator._inexact(f"{path}: the saved position {dict(record)} of loader {index} does not fit it "
-                          f"({loader.settings()} on rank {accelerator.process_index}; the data set, its kind, batch "
-                          "size, drop_last or world size changed); its epoch restarts", ConfigDriftError)
+            inexact_resume(accelerator, f"{path}: the saved position {dict(record)} of loader {index} does not fit "
+                                        f"it ({loader.settings()} on rank {accelerator.process_index}; the data set, "
+                                        "its kind, batch size, drop_last or world size changed); its epoch restarts",
+                           ConfigDriftError)
         loader.load_position(record, restart_epoch=not fits)
     accelerator._resume_watch.record(accelerator._resumable_loaders)
 
 
 def restore_custom_objects(accelerator: ResumableAccelerator, path: Path, states: list[Any]) -> None:
     if len(states) != len(accelerator._custom_objects):
-        accelerator._inexact(f"{path} holds {len(states)} registered custom object(s), "
-                             f"{len(accelerator._custom_objects)} are "
-                      "registered now")
+        inexact_resume(accelerator, f"{path} holds {len(states)} registered custom object(s), "
+                                    f"{len(accelerator._custom_objects)} are registered now")
         return
     for obj, state in zip(accelerator._custom_objects, states):
         obj.load_state_dict(state)
@@ -299,7 +298,7 @@ def restore_rng(accelerator: ResumableAccelerator, path: Path, loaded: LoadedChe
             restore_rng_state(loaded.rng_state, allow_device_mismatch=True)
         return
     if loaded.rng_state is None:
-        accelerator._inexact(f"{path} has no RNG state for rank {accelerator.process_index}")
+        inexact_resume(accelerator, f"{path} has no RNG state for rank {accelerator.process_index}")
         return
     restore_rng_state(loaded.rng_state, allow_device_mismatch=accelerator.resume_options.allow_inexact_resume)
 
@@ -339,3 +338,9 @@ def describe_missing(accelerator: ResumableAccelerator, path: Path) -> tuple[str
 
 def _has_root(accelerator: ResumableAccelerator) -> bool:
     return accelerator.resume_options.checkpoint_dir is not None or accelerator.project_dir is not None
+
+
+def inexact_resume(accelerator: ResumableAccelerator, message: str,
+                   error: type[InexactResumeError] = InexactResumeError) -> None:
+    """A piece of the exact resume is missing: raise ``error``, or WARN under ``allow_inexact_resume``."""
+    inexact(message, allow=accelerator.resume_options.allow_inexact_resume, owner="ResumableAccelerator", error=error)

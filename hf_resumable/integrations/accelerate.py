@@ -146,7 +146,6 @@ from ._core import (
     AfterCommit,
     ResumeOptions,
     check_upstream,
-    inexact,
     notice_save_in_flight,
 )
 from ._deepspeed import (
@@ -236,11 +235,9 @@ class ResumableAccelerator(Accelerator):
         exit_on_preemption (`bool`, *optional*, defaults to `True`): :meth:`checkpoint_if_preempted` raises
             ``SystemExit(PREEMPTION_EXIT_CODE)`` after saving; with `False` it returns `True` instead.
         preemption_notice (`float`, *optional*): the seconds from SIGTERM to SIGKILL that the scheduler gives
-            (Kubernetes' ``terminationGracePeriodSeconds``, SLURM's ``--signal=TERM@<seconds>``). With it,
-            :meth:`checkpoint_if_preempted` saves the step the signal lands in (in the background with
-            ``save_async``) and returns `False` while another step and a final save fit in the time left (see
-            :mod:`hf_resumable.preemption`); then it saves and exits as without a notice. A loop that ends first ends
-            normally. Without it (the default) the signal's step is saved and the process exits at once.
+            (Kubernetes' ``terminationGracePeriodSeconds``, SLURM's ``--signal=TERM@<seconds>``): training goes on
+            while another step and a final save fit (see :meth:`checkpoint_if_preempted` and
+            :mod:`hf_resumable.preemption`). Without it the signal's step is saved and the process exits at once.
         push_checkpoints_to (`str`, *optional*): upload each committed checkpoint in the background (queued,
             never skipped, retried) to the Hub (``"user/repo"``, ``"hf://user/repo[@branch][/path]"``) or an
             fsspec store (``"s3://bucket/run"``); retention never deletes a checkpoint whose upload is pending.
@@ -250,32 +247,23 @@ class ResumableAccelerator(Accelerator):
             checked against the model by ``load_state`` (see :func:`hf_resumable.save_checkpoint`).
         elastic (`bool`, *optional*, defaults to `False`): ``load_state`` may continue a run saved by another
             number of processes: the checkpoint's global batch (per-device batch x ``gradient_accumulation_steps``
-            x world size) is kept by changing ``gradient_accumulation_steps`` (logged once, old -> new; a world size
-            that does not divide it raises ``ElasticWorldSizeError`` listing those that do), loaders from
-            :meth:`prepare_resumable_dataloader` (map-style or a ``datasets`` stream) give every optimizer step the
-            same samples at any world size (the epoch's last, shorter step too, a rank without samples in it
-            training a padding micro-batch of weight zero; a stream is read whole by every process, which keeps its
-            chunks of each step), batches and the dropout masks of micro-batches are keyed by the global
-            micro-batch, not the rank (through :meth:`accumulation_windows` or a loop over the loader itself), and
-            prepared schedulers keep the first launch's stepping rate. With ``backward(loss_sum,
-            num_items_in_batch=window.num_items)`` (or a mean loss per micro-batch) losses and weights match the
-            uninterrupted run up to float rounding (see docs/accelerate.md).
+            x world size) is kept by changing ``gradient_accumulation_steps`` (a world size that does not divide it
+            raises ``ElasticWorldSizeError`` listing those that do); loaders from
+            :meth:`prepare_resumable_dataloader` give every optimizer step the same samples, dropout masks are keyed
+            by the global micro-batch and prepared schedulers keep the first launch's rate, so losses and weights
+            match the uninterrupted run up to float rounding (docs/accelerate.md, "Another number of processes";
+            :mod:`~hf_resumable.integrations._accelerate_elastic`).
 
     These options are validated when the accelerator is built and kept in ``resume_options`` (a frozen
     ``ResumeOptions``, shared with ``ResumableTrainer``).
 
-    Engines: a single process, DDP, FSDP2 and FSDP1 (``FullyShardedDataParallelPlugin``, either
-    ``state_dict_type``: every rank saves and loads its own pieces with
-    :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`, same ``save_state``/``load_state`` contract)
-    and DeepSpeed ZeRO-1/2/3 without offload (every rank saves and loads its ZeRO partitions the same way, at the
-    same world size).
+    Engines: a single process, DDP, FSDP2, FSDP1 and DeepSpeed ZeRO-1/2/3 without offload (see the module's
+    description).
 
     Raises:
         UnsupportedEngineError: when built for DeepSpeed ZeRO-Offload (deepspeed is not imported for the
             refusal), Megatron-LM or FSDP1 hybrid sharding, whose state these checkpoints would not hold (see
-            :mod:`._engines`);
-            ``prepare`` of another DeepSpeed optimizer (``BF16_Optimizer``), or, under FSDP2 or ZeRO, of a second
-            model or optimizer. All before any training step.
+            :mod:`._engines`), before any training step (``prepare`` refuses more: see there).
 
     Example:
 
@@ -427,23 +415,14 @@ class ResumableAccelerator(Accelerator):
         """
         rank, world_size = self._data_rank()
         mode = self._world_size_mode
-        global_batch = mode.global_batch(batch_size * self.gradient_accumulation_steps * world_size)
+        options = dict(collate_fn=collate_fn, batch_size=batch_size, seed=seed, drop_last=drop_last, rank=rank,
+                       world_size=world_size, num_workers=num_workers, persistent_workers=persistent_workers,
+                       multiprocessing_context=multiprocessing_context,
+                       global_batch=mode.global_batch(batch_size * self.gradient_accumulation_steps * world_size))
         if isinstance(dataset, torch.utils.data.IterableDataset):
             source = mode.stream_source(dataset, rank=rank, world_size=world_size)
-            loader = build_stream_dataloader(source, collate_fn=collate_fn, batch_size=batch_size, seed=seed,
-                                             drop_last=drop_last, rank=rank,
-                                             world_size=world_size, num_workers=num_workers,
-                                             persistent_workers=persistent_workers,
-                                             multiprocessing_context=multiprocessing_context,
-                                             global_batch=global_batch)
-            return self.prepare(loader)
-        loader = build_map_dataloader(dataset, collate_fn=collate_fn, batch_size=batch_size, seed=seed,
-                                      shuffle=shuffle, drop_last=drop_last, rank=rank,
-                                      world_size=world_size, num_workers=num_workers,
-                                      persistent_workers=persistent_workers,
-                                      multiprocessing_context=multiprocessing_context,
-                                      global_batch=global_batch)
-        return self.prepare(loader)
+            return self.prepare(build_stream_dataloader(source, **options))
+        return self.prepare(build_map_dataloader(dataset, shuffle=shuffle, **options))
 
     def _data_rank(self) -> tuple[int, int]:
         """This process's data-parallel rank and the number of them: the process index and count, or, under a
@@ -486,16 +465,9 @@ class ResumableAccelerator(Accelerator):
         return prepare_positioned_loader(self, data_loader, prepare)
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
-        """accelerate's ``skip_first_batches``, aware of positions restored by ``load_state``.
-
-        For a loader prepared here, the loader itself is returned, positioned: after ``load_state`` restored
-        it at batch ``n`` of its epoch, ``skip_first_batches(loader, n)`` (what accelerate's checkpointing
-        examples compute from the checkpoint name) continues there, never skipping twice; on a loader without
-        a restored position the next pass starts at ``num_batches`` (as accelerate's skipping loader does,
-        without fetching the skipped batches), and later passes are whole epochs. The same call again in a later
-        epoch of a resumed run (scripts that skip in every epoch after a resume) skips nothing there, with a WARNING:
-        the batches it names were skipped in the epoch the run resumed in (see
-        :class:`~hf_resumable.integrations._accelerate_loop.ResumedLoaders`).
+        """accelerate's ``skip_first_batches``, aware of positions restored by ``load_state``: for a loader prepared
+        here, the loader itself is returned, positioned, and never skips twice (the rules:
+        :func:`~hf_resumable.integrations._accelerate_data.skip_restored_batches`).
 
         Raises:
             ValueError: ``num_batches`` differs from the position ``load_state`` restored (the script's count
@@ -572,10 +544,8 @@ class ResumableAccelerator(Accelerator):
           actual length (accelerate divides by ``gradient_accumulation_steps``, also for a short last window).
         * ``elastic=True``, a micro-batch of a loader from :meth:`prepare_resumable_dataloader`: a padding
           micro-batch's loss is scaled to zero and, in the epoch's last, shorter step, a mean loss weighs the
-          micro-batch's share of the step's samples. The micro-batch is the window's current one inside an
-          :class:`AccumulationWindow`; otherwise (a loop that iterates the loader itself) the batch an elastic
-          loader handed out last: of several elastic loaders, the one that handed out a batch most recently, while
-          its pass is under way.
+          micro-batch's share of the step's samples (which micro-batch:
+          :meth:`~hf_resumable.integrations._accelerate_elastic.ElasticWorldSize.trained_micro_batch`).
         * Otherwise it behaves as ``accelerate.Accelerator.backward``.
 
         Under DeepSpeed, whose engine divides the loss by its gradient accumulation itself, ``num_items_in_batch``
@@ -776,9 +746,6 @@ class ResumableAccelerator(Accelerator):
         if input_dir is None:  # the newest that verifies; one that fails while it is loaded: the one before it
             return load_newest(self, strict)
         return load_agreed(self, resolve_checkpoint(self, input_dir), strict)
-
-    def _inexact(self, message: str, error: type[InexactResumeError] = InexactResumeError) -> None:
-        inexact(message, allow=self.resume_options.allow_inexact_resume, owner="ResumableAccelerator", error=error)
 
     # ---------------------------------------------------------------- preemption
 
