@@ -1,0 +1,224 @@
+"""ResumableTrainer over a model transformers sharded at load time: tensor parallel, alone or beside FSDP2/HSDP
+(issue 43 item 1).
+
+* The pure rules (integrations/_trainer_parallel.py): the layout read from the model's ``DistributedConfig``, a
+  process's data-parallel rank, the layouts refused before step 1, and the lifting of stock's construction-time
+  refusal for the length of the constructor only.
+* Real torchrun jobs of tests/scripts/tp_trainer_worker.py (gloo CPU ranks, the test-only shim of
+  tests/engine_fixtures.py): SIGKILLed after a committed checkpoint, or inside a save (held right before its commit),
+  and rerun with the same command, every logged loss, weight piece and optimizer tensor equals the uninterrupted
+  run's; the ranks of one tensor-parallel group train on the same batches, different data-parallel ranks on
+  different ones. ``DistributedConfig(tp_size=2)`` and ``tp_plan="auto"`` with a ``ParallelismConfig`` on 2 ranks,
+  ``tp_size=2`` beside ``fsdp_size=2`` or ``dp_replicate_size=2`` on 4. Another layout on resume is refused before
+  step 1, naming both.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import TrainingArguments
+from transformers.distributed import DistributedConfig
+
+from hf_resumable.checkpoint import read_manifest, verify_checkpoint
+from hf_resumable.errors import ConfigDriftError, UnsupportedEngineError
+from hf_resumable.integrations._parallelism import ParallelLayout
+from hf_resumable.integrations._trainer_parallel import (
+    admitting_sharded_model,
+    check_trainer_layout,
+    data_parallel_rank,
+    trainer_layout,
+)
+
+from distributed_launch import child_env, kill_torchrun_after, run_torchrun
+from engine_fixtures import read_local_state
+from tiny_models import tiny_llama
+
+WORKER = Path(__file__).parent / "scripts" / "tp_trainer_worker.py"
+HOLD_STEP = 2  # the job is held after checkpoint-2 committed (or inside its save), then SIGKILLed
+MAX_STEPS = 4
+
+
+# ------------------------------------------------------------------ pure rules
+
+
+def _sharded(**sizes: int) -> SimpleNamespace:
+    """What the Trainer reads of a model ``from_pretrained(distributed_config=...)`` sharded (its config's
+    ``DistributedConfig`` and transformers' flag), without the process group that real sharding needs."""
+    config = DistributedConfig(**sizes)
+    return SimpleNamespace(is_distributed_loading_by_transformers=True,
+                           config=SimpleNamespace(distributed_config=config))
+
+
+def test_layout_of_a_model_sharded_at_load_time_and_its_data_ranks():
+    layout = trainer_layout(_sharded(tp_size=2, dp_replicate_size=2), None)
+    assert layout == ParallelLayout(dp_replicate=2, tp=2)
+    assert [data_parallel_rank(layout, process_index=r, world_size=4) for r in range(4)] == [(0, 2), (0, 2),
+                                                                                            (1, 2), (1, 2)]
+    layout = trainer_layout(_sharded(tp_size=2, fsdp_size=2), None)
+    assert layout.describe() == "dp_shard=2 x tp=2"
+    assert data_parallel_rank(None, process_index=3, world_size=4) == (3, 4)  # no layout: every process a data rank
+    plain = torch.nn.Linear(2, 2)
+    assert trainer_layout(plain, None) is None
+
+
+def test_pipeline_and_expert_parallel_are_refused_before_step_1():
+    with pytest.raises(UnsupportedEngineError, match=r"DistributedConfig\(pp_size=2\): pipeline parallel") as caught:
+        check_trainer_layout(_sharded(tp_size=1, pp_size=2), None)
+    assert isinstance(caught.value, NotImplementedError)
+    with pytest.raises(UnsupportedEngineError, match=r"ep_size=2\): expert parallel"):
+        check_trainer_layout(_sharded(tp_size=2, ep_size=2), None)
+    check_trainer_layout(_sharded(tp_size=2, fsdp_size=2), None)
+    check_trainer_layout(torch.nn.Linear(2, 2), None)  # not sharded at load time: nothing to check
+
+
+def test_a_parallelism_config_that_disagrees_with_the_model_is_refused():
+    from accelerate import ParallelismConfig
+
+    model = _sharded(tp_size=2)
+    check_trainer_layout(model, ParallelismConfig(tp_size=2))
+    with pytest.raises(UnsupportedEngineError, match=r"parallelism_config \(dp_shard=2 x tp=2\) disagrees .*tp=2\)"):
+        check_trainer_layout(model, ParallelismConfig(tp_size=2, dp_shard_size=2))
+    with pytest.raises(UnsupportedEngineError, match="context and sequence parallel"):
+        check_trainer_layout(model, ParallelismConfig(tp_size=2, cp_size=2))
+
+
+def test_stock_refusal_is_lifted_for_the_constructor_only(tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[])
+    with admitting_sharded_model(_sharded(tp_size=2), args):
+        assert args.save_only_model  # what Trainer.__init__'s refusal reads
+    assert not args.save_only_model
+    with pytest.raises(RuntimeError), admitting_sharded_model(_sharded(tp_size=2), args):
+        raise RuntimeError("the constructor failed")
+    assert not args.save_only_model  # restored on an error too
+    with admitting_sharded_model(torch.nn.Linear(2, 2), args):
+        assert not args.save_only_model  # a model not sharded at load time: stock's rules unchanged
+
+
+# ------------------------------------------------------------------ torchrun jobs
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny Llama (attention dropout on) whose heads split over 2 tensor-parallel ranks, in train_tiny's vocab."""
+    path = tmp_path_factory.mktemp("tp") / "seed"
+    tiny_llama(seed=0, num_key_value_heads=2, vocab_size=64, attention_dropout=0.1).save_pretrained(path)
+    return path
+
+
+def _options(model_dir: Path, *extra: str) -> list[str]:
+    return ["--model-dir", str(model_dir), "--max-steps", str(MAX_STEPS), *extra]
+
+
+def _run(output: Path, options: list[str], nproc: int, **env: str) -> subprocess.CompletedProcess:
+    return run_torchrun(WORKER, ["--output-dir", str(output), *options], env=child_env(env), timeout=500,
+                        nproc=nproc)
+
+
+def _kill(output: Path, options: list[str], nproc: int, *, inside_save: bool) -> None:
+    """Run the job held after checkpoint ``HOLD_STEP`` committed (or inside its save, right before the commit);
+    then SIGKILL every process."""
+    committed = output / f"checkpoint-{HOLD_STEP}" / "manifest.json"  # renamed into place: committed
+    marker = output / "held-in-save" if inside_save else committed
+    variable = "HFR_HOLD_IN_SAVE" if inside_save else "HFR_HOLD_AFTER_SAVE"
+    returncode = kill_torchrun_after(WORKER, ["--output-dir", str(output), *options], nproc=nproc, timeout=500,
+                                     marker=marker, log=output.parent / f"{output.name}-held.log",
+                                     env=child_env({variable: str(HOLD_STEP)}))
+    assert returncode == -signal.SIGKILL
+    assert not list(output.glob("final-rank*")), "the job ran to its end before it was killed"
+    if inside_save:  # every rank's files written, never committed: the resume starts from the checkpoint before
+        assert not committed.exists() and list(output.glob(f".tmp-checkpoint-{HOLD_STEP}*"))
+        assert verify_checkpoint(output / f"checkpoint-{HOLD_STEP - 1}", full=True).ok
+    else:
+        assert verify_checkpoint(committed.parent, full=True).ok
+        assert read_manifest(committed.parent).world_size == nproc
+        assert (committed.parent / "sharded_layout.json").is_file()  # every rank's pieces, nothing gathered
+
+
+def _batches(output: Path, rank: int) -> dict[int, list[str]]:
+    """The batches rank ``rank`` trained on, by step (a step trained again after the resume counts once)."""
+    rows: dict[int, list[str]] = {}
+    for line in (output / f"batches-rank{rank}.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows.setdefault(row["step"], []).append(row["batch"])
+    return rows
+
+
+def _history(output: Path, rank: int) -> list[dict]:
+    return json.loads((output / f"result-rank{rank}.json").read_text())["log_history"]
+
+
+def _assert_resumes_bit_exact(tmp_path: Path, model_dir: Path, extra: list[str], nproc: int, *,
+                              inside_save: bool = False) -> list[dict[int, list[str]]]:
+    """The uninterrupted run, then one killed at checkpoint 2 and rerun: the same losses, weight pieces and
+    optimizer tensors on every rank. Returns the reference's batches per rank."""
+    options = _options(model_dir, *extra)
+    reference = _run(tmp_path / "reference", options, nproc)
+    assert reference.returncode == 0, reference.stdout[-5000:]
+    _kill(tmp_path / "run", options, nproc, inside_save=inside_save)
+    resumed = _run(tmp_path / "run", options, nproc)  # the same command
+    assert resumed.returncode == 0, resumed.stdout[-5000:]
+    batches = []
+    for rank in range(nproc):
+        want, got = _history(tmp_path / "reference", rank), _history(tmp_path / "run", rank)
+        assert [row["step"] for row in want if "loss" in row] == list(range(1, MAX_STEPS + 1))
+        assert got == want, rank  # every logged loss, grad norm and learning rate, as exact floats
+        final, expected = (read_local_state(path / f"final-rank{rank}.safetensors")
+                           for path in (tmp_path / "run", tmp_path / "reference"))
+        assert sorted(final) == sorted(expected) and any(name.startswith("optim/") for name in expected)
+        assert not [name for name in expected if not torch.equal(final[name], expected[name])], rank
+        reference_batches = _batches(tmp_path / "reference", rank)
+        run_batches = _batches(tmp_path / "run", rank)
+        assert {step: rows[-1:] for step, rows in run_batches.items()} == {
+            step: rows[-1:] for step, rows in reference_batches.items()}
+        batches.append(reference_batches)
+    return batches
+
+
+@pytest.mark.distributed
+def test_distributed_config_tp2_killed_after_a_commit_resumes_bit_exact(tmp_path, model_dir):
+    batches = _assert_resumes_bit_exact(tmp_path, model_dir, ["--tp", "2"], 2)
+    assert batches[0] == batches[1]  # one tensor-parallel group: the same batches
+    layout = json.loads((tmp_path / "run" / "checkpoint-4" / "sharded_layout.json").read_text())
+    assert layout["model"]["pieces"]  # the DTensor pieces of both ranks, through the piece engine
+
+
+@pytest.mark.distributed
+def test_distributed_config_tp2_killed_inside_a_save_resumes_bit_exact(tmp_path, model_dir):
+    _assert_resumes_bit_exact(tmp_path, model_dir, ["--tp", "2"], 2, inside_save=True)
+
+
+@pytest.mark.distributed
+def test_tp_plan_auto_with_a_parallelism_config_resumes_bit_exact(tmp_path, model_dir):
+    batches = _assert_resumes_bit_exact(tmp_path, model_dir, ["--tp", "2", "--load", "tp_plan"], 2)
+    assert batches[0] == batches[1]
+
+
+@pytest.mark.distributed
+def test_tp2_beside_fsdp2_on_4_ranks_resumes_bit_exact(tmp_path, model_dir):
+    batches = _assert_resumes_bit_exact(tmp_path, model_dir, ["--tp", "2", "--fsdp", "2"], 4)
+    assert batches[0] == batches[1] and batches[2] == batches[3]  # each tensor-parallel pair: the same batches
+    assert batches[0] != batches[2]  # two data-parallel ranks: different ones
+
+
+@pytest.mark.distributed
+def test_tp2_beside_dp_replicate2_on_4_ranks_resumes_bit_exact(tmp_path, model_dir):
+    batches = _assert_resumes_bit_exact(tmp_path, model_dir, ["--tp", "2", "--dp-replicate", "2"], 4)
+    assert batches[0] == batches[1] and batches[2] == batches[3]
+    assert batches[0] != batches[2]
+
+
+@pytest.mark.distributed
+def test_another_layout_on_resume_is_refused_naming_both(tmp_path, model_dir):
+    _kill(tmp_path / "run", _options(model_dir, "--tp", "2"), 2, inside_save=False)
+    other = _run(tmp_path / "run", _options(model_dir, "--tp", "1", "--fsdp", "2"), 2)
+    assert other.returncode != 0
+    assert ConfigDriftError.__name__ in other.stdout
+    assert "parallelism: 'tp=2' -> 'dp_shard=2'" in other.stdout, other.stdout[-5000:]
+    assert max(_batches(tmp_path / "run", 0)) == HOLD_STEP  # refused before any step of the second run
