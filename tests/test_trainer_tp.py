@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,8 +37,9 @@ from hf_resumable.integrations._trainer_parallel import (
     trainer_layout,
 )
 
-from distributed_launch import child_env, kill_torchrun_after, run_torchrun
+from distributed_launch import child_env, free_port, kill_torchrun_after, run_torchrun
 from engine_fixtures import read_local_state
+from test_check import _check
 from tiny_models import tiny_llama
 
 WORKER = Path(__file__).parent / "scripts" / "tp_trainer_worker.py"
@@ -222,3 +224,104 @@ def test_another_layout_on_resume_is_refused_naming_both(tmp_path, model_dir):
     assert ConfigDriftError.__name__ in other.stdout
     assert "parallelism: 'tp=2' -> 'dp_shard=2'" in other.stdout, other.stdout[-5000:]
     assert max(_batches(tmp_path / "run", 0)) == HOLD_STEP  # refused before any step of the second run
+
+
+# ------------------------------------------------------------------ another layout with elastic=True
+
+RTOL = 1e-5
+
+
+def _whole(output: Path) -> dict[str, torch.Tensor]:
+    return read_local_state(output / "final-whole.safetensors")
+
+
+def _step_batches(output: Path, ranks: int) -> dict[int, list[str]]:
+    """Every step's micro-batches over all data-parallel ranks (the ranks of a tensor-parallel group count once; a
+    step trained again after a resume counts once), sorted."""
+    steps: dict[int, set[str]] = {}
+    for rank in range(ranks):
+        path = output / f"batches-rank{rank}.jsonl"
+        if path.exists():
+            for line in path.read_text().splitlines():
+                row = json.loads(line)
+                steps.setdefault(row["step"], set()).add(row["batch"])
+    return {step: sorted(batches) for step, batches in steps.items()}
+
+
+def _elastic_kill(output: Path, options: list[str], nproc: int, step: int) -> None:
+    committed = output / f"checkpoint-{step}" / "manifest.json"
+    returncode = kill_torchrun_after(WORKER, ["--output-dir", str(output), *options], nproc=nproc, timeout=500,
+                                     marker=committed, log=output.parent / f"{output.name}-{step}.log",
+                                     env=child_env({"HFR_HOLD_AFTER_SAVE": str(step)}))
+    assert returncode == -signal.SIGKILL
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_elastic_tp2_x_fsdp2_then_tp2_then_tp2_x_fsdp2_is_the_uninterrupted_run(tmp_path, model_dir):
+    """tp2 x fsdp2 on 4 ranks (accumulation 1), killed after step 1; tp2 on 2 ranks (one data-parallel rank:
+    accumulation 2, the global batch of 4 samples kept), killed after step 3; tp2 x fsdp2 on 4 ranks to the end.
+    Every step trains the same micro-batches as the uninterrupted 4-rank run; losses, weights and optimizer moments
+    within 1e-5."""
+    wide = _options(model_dir, "--tp", "2", "--fsdp", "2", "--elastic")
+    narrow = _options(model_dir, "--tp", "2", "--elastic")
+    reference = _run(tmp_path / "reference", wide, 4)
+    assert reference.returncode == 0, reference.stdout[-5000:]
+    run = tmp_path / "run"
+    _elastic_kill(run, wide, 4, step=1)
+    _elastic_kill(run, narrow, 2, step=3)
+    done = _run(run, wide, 4)
+    assert done.returncode == 0, done.stdout[-5000:]
+    assert [json.loads(line)["step"] for line in (run / "batches-rank2.jsonl").read_text().splitlines()] == [1, 4]
+    assert _step_batches(run, 4) == _step_batches(tmp_path / "reference", 4)
+    want = {row["step"]: row["loss"] for row in _history(tmp_path / "reference", 0) if "loss" in row}
+    got = {row["step"]: row["loss"] for row in _history(run, 0) if "loss" in row}
+    assert sorted(got) == sorted(want) == list(range(1, MAX_STEPS + 1))
+    assert all(got[step] == pytest.approx(want[step], rel=RTOL) for step in want), (got, want)
+    final, expected = _whole(run), _whole(tmp_path / "reference")
+    assert sorted(final) == sorted(expected) and any(name.startswith("optim/") for name in expected)
+    for name, tensor in expected.items():
+        error = float((final[name] - tensor).norm() / tensor.norm().clamp_min(1e-12))
+        assert error <= RTOL, (name, error)
+
+
+@pytest.mark.distributed
+def test_another_layout_without_elastic_stays_drift(tmp_path, model_dir):
+    _kill(tmp_path / "run", _options(model_dir, "--tp", "2", "--fsdp", "2"), 4, inside_save=False)
+    other = _run(tmp_path / "run", _options(model_dir, "--tp", "2"), 2)
+    assert other.returncode != 0 and ConfigDriftError.__name__ in other.stdout, other.stdout[-5000:]
+    assert "parallelism: 'dp_shard=2 x tp=2' -> 'tp=2'" in other.stdout
+
+
+# ------------------------------------------------------------------ hf-resumable check under tensor parallel
+
+
+def _check_tp(tmp_path: Path, model_dir: Path, *options: str):
+    """``hf-resumable check -- torchrun --nproc-per-node 2 tp_trainer_worker.py ... --tp 2`` (killed once, seed 1:
+    at step 3, resumed from checkpoint-2)."""
+    return _check(tmp_path, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                  "127.0.0.1", "--master-port", free_port(), WORKER, "--output-dir", "{out}", "--model-dir",
+                  model_dir, "--tp", "2", "--max-steps", "5", *options, kills=1, seed=1)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_check_judges_a_tensor_parallel_trainer_run_exact(tmp_path, model_dir):
+    done, report = _check_tp(tmp_path, model_dir)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert report["result"] == "EXACT" and report["ranks"] == 2 and report["steps"] == 5
+    run = report["runs"][0]
+    assert run["launches"][0]["killed_at"] is not None and run["resumed_from"]
+    assert report["compared_per_run"]["batches"] == 10 and report["compared_per_run"]["losses"] == 10
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_check_names_the_step_and_state_of_a_broken_tensor_parallel_run(tmp_path, model_dir):
+    done, report = _check_tp(tmp_path, model_dir, "--forget-rng")
+    assert done.returncode == 1, done.stdout + done.stderr
+    run = report["runs"][0]
+    first, resumed = run["differences"][0], run["resumed_from"][0]
+    assert (first["category"], first["step"]) == ("rng", resumed + 1)  # the first resumed step's forward pass
+    assert {row["rank"] for row in run["differences"] if row["step"] == resumed + 1} == {0, 1}
+    assert f"DIVERGES at optimizer step {resumed + 1}" in done.stdout and "RNG" in done.stdout

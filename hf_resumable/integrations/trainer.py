@@ -722,10 +722,20 @@ class ResumableTrainer(Trainer):
 
     def _layout_change(self, extra: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
         """``{"parallelism": (saved, current)}`` when the checkpoint was written at another tensor/N-D layout
-        (configuration drift, named by both), else nothing."""
+        (configuration drift, named by both), else nothing; with ``elastic=True`` another layout is taken (logged).
+        """
         current = self._layout()
         saved, now = extra.get(_EXTRA_PARALLELISM), None if current is None else current.describe()
-        return {} if saved == now else {KEY_PARALLELISM: (saved, now)}
+        if saved == now:
+            return {}
+        if not self.resume_options.elastic:
+            return {KEY_PARALLELISM: (saved, now)}
+        # elastic: the pieces are resharded for this layout as they are read (open_checkpoint(elastic=True)), and
+        # the global batch is kept by the data-parallel world (_plan_elastic)
+        if self.args.process_index == 0:
+            logger.info("Elastic resume at another layout: %s -> %s.", saved or "data parallel only",
+                        now or "data parallel only")
+        return {}
 
     def _inexact(self, message: str) -> None:
         inexact(message, allow=self.resume_options.allow_inexact_resume, owner="ResumableTrainer")

@@ -10,7 +10,8 @@ accelerate's ``nd_parallel_trainer.py``). The same command trains uninterrupted,
 (``HFR_HOLD_AFTER_SAVE=k``, or inside the save of step k with ``HFR_HOLD_IN_SAVE=k``; then SIGKILLed by the
 test) and resumes (``resume_from_checkpoint=True``). Every rank
 appends ``{"step", "batch"}`` (a digest of the step's input ids) to ``batches-rank{r}.jsonl``, and at the end writes
-``final-rank{r}.safetensors`` (its parameter pieces and optimizer state) and ``result-rank{r}.json`` (log history).
+``final-rank{r}.safetensors`` (its parameter pieces and optimizer state), ``result-rank{r}.json`` (log history) and,
+from rank 0, ``final-whole.safetensors`` (every parameter and optimizer moment whole).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=4)
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--elastic", action="store_true")
+    parser.add_argument("--forget-rng", action="store_true", help="broken on purpose: a resume leaves the RNG as the "
+                        "new process seeded it (for hf-resumable check)")
     return parser.parse_args()
 
 
@@ -86,6 +89,13 @@ class RecordBatches(ResumableTrainer):
         return super().training_step(model, inputs, *args, **kwargs)
 
 
+class ForgetsRng(RecordBatches):
+    """Broken on purpose (``--forget-rng``): the RNG saved in the checkpoint is never restored."""
+
+    def _load_rng_state(self, checkpoint):
+        return None
+
+
 def load_model(options: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
     if options.load == "tp_plan":
         from accelerate import ParallelismConfig
@@ -97,6 +107,26 @@ def load_model(options: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
         return model, {"parallelism_config": config}
     config = DistributedConfig(tp_size=options.tp, fsdp_size=options.fsdp, dp_replicate_size=options.dp_replicate)
     return LlamaForCausalLM.from_pretrained(options.model_dir, distributed_config=config), {}
+
+
+def dump_whole_state(trainer: ResumableTrainer, path: Path) -> None:
+    """Every parameter and optimizer moment whole, whatever the layout (DTensors gathered: collective); rank 0
+    writes them to ``path``, for comparisons across layouts (``--elastic``)."""
+    from safetensors.torch import save_file
+
+    def whole(tensor: torch.Tensor) -> torch.Tensor:
+        return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().contiguous().clone()
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    optimizer = trainer.optimizer.optimizer
+    tensors = {}
+    for name, param in model.named_parameters():
+        tensors[f"model/{name}"] = whole(param)
+        for key, value in optimizer.state.get(param, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                tensors[f"optim/{name}/{key}"] = whole(value)
+    if fx.RANK == 0:
+        save_file(tensors, str(path))
 
 
 def main() -> int:
@@ -113,13 +143,15 @@ def main() -> int:
         max_steps=options.max_steps, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=2,
         weight_decay=0.01, logging_steps=1, save_strategy="steps", save_steps=1, save_total_limit=2, seed=42,
         report_to=[], disable_tqdm=True, **parallel)
-    trainer = RecordBatches(model=model, args=args, train_dataset=train, data_collator=collator,
+    trainer_class = ForgetsRng if options.forget_rng else RecordBatches
+    trainer = trainer_class(model=model, args=args, train_dataset=train, data_collator=collator,
                             processing_class=tokenizer, callbacks=[HoldAfterSave()], elastic=options.elastic)
     try:
         trainer.train(resume_from_checkpoint=True)
         fx.dump_local_state(trainer.accelerator.unwrap_model(trainer.model), trainer.optimizer.optimizer,
                             output / f"final-rank{fx.RANK}.safetensors")
         fx.write_trainer_result(trainer, output)
+        dump_whole_state(trainer, output / "final-whole.safetensors")
     finally:
         del trainer
         torch.distributed.destroy_process_group()
