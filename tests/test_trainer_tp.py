@@ -31,9 +31,9 @@ from hf_resumable.checkpoint import read_manifest, verify_checkpoint
 from hf_resumable.errors import ConfigDriftError, UnsupportedEngineError
 from hf_resumable.integrations._parallelism import ParallelLayout
 from hf_resumable.integrations._trainer_parallel import (
-    admitting_sharded_model,
     check_trainer_layout,
     data_parallel_rank,
+    sharded_model_construction,
     trainer_layout,
 )
 
@@ -80,27 +80,38 @@ def test_pipeline_and_expert_parallel_are_refused_before_step_1():
     check_trainer_layout(torch.nn.Linear(2, 2), None)  # not sharded at load time: nothing to check
 
 
-def test_a_parallelism_config_that_disagrees_with_the_model_is_refused():
+def test_context_parallel_beside_a_model_sharded_at_load_time_is_refused():
     from accelerate import ParallelismConfig
 
     model = _sharded(tp_size=2)
     check_trainer_layout(model, ParallelismConfig(tp_size=2))
-    with pytest.raises(UnsupportedEngineError, match=r"parallelism_config \(dp_shard=2 x tp=2\) disagrees .*tp=2\)"):
-        check_trainer_layout(model, ParallelismConfig(tp_size=2, dp_shard_size=2))
-    with pytest.raises(UnsupportedEngineError, match="context and sequence parallel"):
+    with pytest.raises(UnsupportedEngineError, match=r"cp=2 x tp=2 beside a model sharded at load time \(tp=2\)"):
         check_trainer_layout(model, ParallelismConfig(tp_size=2, cp_size=2))
 
 
 def test_stock_refusal_is_lifted_for_the_constructor_only(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[])
-    with admitting_sharded_model(_sharded(tp_size=2), args):
+    with sharded_model_construction(_sharded(tp_size=2), args):
         assert args.save_only_model  # what Trainer.__init__'s refusal reads
     assert not args.save_only_model
-    with pytest.raises(RuntimeError), admitting_sharded_model(_sharded(tp_size=2), args):
+    with pytest.raises(RuntimeError), sharded_model_construction(_sharded(tp_size=2), args):
         raise RuntimeError("the constructor failed")
     assert not args.save_only_model  # restored on an error too
-    with admitting_sharded_model(torch.nn.Linear(2, 2), args):
+    with sharded_model_construction(torch.nn.Linear(2, 2), args):
         assert not args.save_only_model  # a model not sharded at load time: stock's rules unchanged
+
+
+def test_a_parallelism_config_the_constructor_would_replace_is_refused(tmp_path):
+    from accelerate import ParallelismConfig
+
+    args = SimpleNamespace(save_only_model=False, parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))
+    with pytest.raises(UnsupportedEngineError, match=r"asks for dp_shard=2 x tp=2, but the model was loaded as "
+                                                     r"tp=4 .*DistributedConfig\(tp_size=2, fsdp_size=2"):
+        with sharded_model_construction(_sharded(tp_size=4), args):
+            args.parallelism_config.tp_size, args.parallelism_config.dp_shard_size = 4, 1  # what the Trainer does
+    args.parallelism_config = ParallelismConfig(dp_shard_size=2, tp_size=2)
+    with sharded_model_construction(_sharded(tp_size=2, fsdp_size=2), args):
+        pass  # the same layout
 
 
 # ------------------------------------------------------------------ torchrun jobs
@@ -203,6 +214,18 @@ def test_tp_plan_auto_with_a_parallelism_config_resumes_bit_exact(tmp_path, mode
 
 
 @pytest.mark.distributed
+def test_nd_parallel_trainer_shape_on_4_ranks_is_refused_before_step_1(tmp_path, model_dir):
+    """accelerate's nd_parallel_trainer.py: ``ParallelismConfig(dp_shard_size=2, tp_size=2)`` and ``tp_plan="auto"``
+    with its mesh. transformers 5 ignores the mesh and splits tensor parallel 4 ways (stock then fails in the first
+    forward pass: the heads do not split 4 ways); refused in the constructor, naming both layouts and the fix."""
+    done = _run(tmp_path / "run", _options(model_dir, "--tp", "2", "--fsdp", "2", "--load", "tp_plan"), 4)
+    assert done.returncode != 0 and UnsupportedEngineError.__name__ in done.stdout, done.stdout[-5000:]
+    assert "asks for dp_shard=2 x tp=2, but the model was loaded as tp=4" in done.stdout
+    assert "DistributedConfig(tp_size=2, fsdp_size=2, dp_replicate_size=1)" in done.stdout
+    assert not (tmp_path / "run" / "batches-rank0.jsonl").exists()  # refused before step 1
+
+
+@pytest.mark.distributed
 def test_tp2_beside_fsdp2_on_4_ranks_resumes_bit_exact(tmp_path, model_dir):
     batches = _assert_resumes_bit_exact(tmp_path, model_dir, ["--tp", "2", "--fsdp", "2"], 4)
     assert batches[0] == batches[1] and batches[2] == batches[3]  # each tensor-parallel pair: the same batches
@@ -273,16 +296,40 @@ def test_elastic_tp2_x_fsdp2_then_tp2_then_tp2_x_fsdp2_is_the_uninterrupted_run(
     done = _run(run, wide, 4)
     assert done.returncode == 0, done.stdout[-5000:]
     assert [json.loads(line)["step"] for line in (run / "batches-rank2.jsonl").read_text().splitlines()] == [1, 4]
-    assert _step_batches(run, 4) == _step_batches(tmp_path / "reference", 4)
-    want = {row["step"]: row["loss"] for row in _history(tmp_path / "reference", 0) if "loss" in row}
+    _assert_same_elastic_run(tmp_path / "reference", run)
+
+
+def _assert_same_elastic_run(reference: Path, run: Path) -> None:
+    """Every step's micro-batches as in ``reference``; logged losses, whole weights and optimizer moments within
+    ``RTOL`` (relative; L2 for tensors)."""
+    assert _step_batches(run, 4) == _step_batches(reference, 4)
+    want = {row["step"]: row["loss"] for row in _history(reference, 0) if "loss" in row}
     got = {row["step"]: row["loss"] for row in _history(run, 0) if "loss" in row}
     assert sorted(got) == sorted(want) == list(range(1, MAX_STEPS + 1))
     assert all(got[step] == pytest.approx(want[step], rel=RTOL) for step in want), (got, want)
-    final, expected = _whole(run), _whole(tmp_path / "reference")
+    final, expected = _whole(run), _whole(reference)
     assert sorted(final) == sorted(expected) and any(name.startswith("optim/") for name in expected)
     for name, tensor in expected.items():
         error = float((final[name] - tensor).norm() / tensor.norm().clamp_min(1e-12))
         assert error <= RTOL, (name, error)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_elastic_tp2_x_fsdp2_then_fsdp2_then_tp2_reshards_the_tensor_parallel_pieces(tmp_path, model_dir):
+    """The tensor-parallel size changes too: tp2 x fsdp2 on 4 ranks (accumulation 1), killed after step 1; FSDP2
+    alone on 2 ranks (tp 1: every weight resharded from 2-D pieces to FSDP's), killed after step 2; tp2 on 2 ranks
+    (one data-parallel rank, accumulation 2) to the end. The same run as the uninterrupted 4-rank one within 1e-5."""
+    wide = _options(model_dir, "--tp", "2", "--fsdp", "2", "--elastic")
+    reference = _run(tmp_path / "reference", wide, 4)
+    assert reference.returncode == 0, reference.stdout[-5000:]
+    run = tmp_path / "run"
+    _elastic_kill(run, wide, 4, step=1)
+    _elastic_kill(run, _options(model_dir, "--tp", "1", "--fsdp", "2", "--elastic"), 2, step=2)
+    done = _run(run, _options(model_dir, "--tp", "2", "--elastic"), 2)
+    assert done.returncode == 0, done.stdout[-5000:]
+    _assert_same_elastic_run(tmp_path / "reference", run)
+    assert [json.loads(line)["step"] for line in (run / "batches-rank2.jsonl").read_text().splitlines()] == [1]
 
 
 @pytest.mark.distributed

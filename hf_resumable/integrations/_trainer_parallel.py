@@ -7,14 +7,15 @@ What the Trainer needs, and nothing else:
 * **Admission.** transformers 5.25's ``Trainer.__init__`` refuses such a model unless ``save_only_model=True`` or
   ``save_strategy="no"`` ("Resuming is not supported for models sharded at load time"), because its own checkpoints
   cannot hold the optimizer state. ResumableTrainer's can (every rank saves its DTensor pieces of the weights and of
-  the optimizer state through the piece engine), so :func:`admitting_sharded_model` lifts that one refusal while the
-  constructor runs; ``save_only_model`` is what the user passed everywhere else.
+  the optimizer state through the piece engine), so :func:`sharded_model_construction` lifts that one refusal while
+  the constructor runs; ``save_only_model`` is what the user passed everywhere else. A ``ParallelismConfig`` asking
+  for another layout than the model was loaded with is refused there (the constructor would silently train the
+  model's).
 * **Layout.** :func:`trainer_layout`: the run's :class:`~._parallelism.ParallelLayout`, read from the model's
   ``DistributedConfig`` or from the arguments' ``ParallelismConfig``. The ranks of one tensor-parallel group read
   the same batches, different data-parallel ranks different ones (:meth:`~._parallelism.ParallelLayout.data_rank`).
 * **Refusals before step 1.** :func:`check_trainer_layout`: pipeline and expert parallel (whose pieces and token
-  routing the Trainer integration does not resume), and a ``ParallelismConfig`` that disagrees with the model's own
-  ``DistributedConfig``.
+  routing the Trainer integration does not resume), context and sequence parallel beside such a model.
 
 Everything here is pure but the context manager, which sets one attribute for the length of the block.
 """
@@ -31,7 +32,7 @@ from ._parallelism import ParallelLayout, layout_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["is_sharded_at_load", "admitting_sharded_model", "trainer_layout", "data_parallel_rank",
+__all__ = ["is_sharded_at_load", "sharded_model_construction", "trainer_layout", "data_parallel_rank",
            "check_trainer_layout"]
 
 
@@ -42,27 +43,51 @@ def is_sharded_at_load(model: Any) -> bool:
 
 
 @contextlib.contextmanager
-def admitting_sharded_model(model: Any, args: Any) -> Iterator[None]:
-    """Lift ``Trainer.__init__``'s refusal of a model sharded at load time for the length of the block.
+def sharded_model_construction(model: Any, args: Any) -> Iterator[None]:
+    """Around ``Trainer.__init__`` for a model sharded at load time: lift its refusal of such a model, then refuse
+    a ``ParallelismConfig`` that the constructor would silently replace by the model's layout.
 
-    transformers refuses it when checkpoints would hold the optimizer state (``save_only_model=False``), since its
-    own ``_save_checkpoint`` cannot write DTensor optimizer state; ResumableTrainer writes it, so the refusal does not
-    apply. ``args.save_only_model`` reads ``True`` inside the block only (the sole check that reads it there is that
-    refusal, and ``load_best_model_at_end`` beside FSDP/DeepSpeed, which such a model does not use), and its own value
-    again afterwards.
+    * transformers refuses the model when checkpoints would hold the optimizer state (``save_only_model=False``),
+      since its own ``_save_checkpoint`` cannot write DTensor optimizer state; ResumableTrainer writes it, so the
+      refusal does not apply. ``args.save_only_model`` reads ``True`` inside the block only (the sole checks that read
+      it there are that refusal, and ``load_best_model_at_end`` beside FSDP/DeepSpeed, which such a model does not
+      use), and its own value again afterwards.
+    * The constructor overwrites ``args.parallelism_config``'s ``tp_size`` and ``dp_shard_size`` with the model's.
+      They differ when the model was loaded at another layout than the ``ParallelismConfig`` says: transformers 5
+      ignores the ``device_mesh`` given beside ``tp_plan="auto"`` and splits tensor parallel over every process
+      (``DistributedConfig(tp_plan=...)`` derives ``tp_size`` from ``WORLD_SIZE``), so the ``dp_shard_size=2,
+      tp_size=2`` of accelerate's ``nd_parallel_trainer.py`` on 4 processes trains as ``tp=4`` (or fails in the
+      first forward pass when the heads do not split 4 ways). That is refused here, before step 1.
 
     Args:
         model (`torch.nn.Module`, *optional*): the model given to the Trainer (``None``: ``model_init``).
         args (`TrainingArguments`, *optional*): the Trainer's arguments (``None``: the Trainer builds defaults).
+
+    Raises:
+        UnsupportedEngineError: ``args.parallelism_config`` asks for another tensor- or data-parallel size than the
+            model was loaded with (after the constructor, which is not undone).
     """
-    if args is None or not is_sharded_at_load(model) or args.save_only_model:
+    if args is None or not is_sharded_at_load(model):
         yield
         return
+    requested = layout_of(getattr(args, "parallelism_config", None))
+    lifted = not args.save_only_model
     args.save_only_model = True
     try:
         yield
     finally:
-        args.save_only_model = False
+        if lifted:
+            args.save_only_model = False
+    loaded = _model_layout(model)
+    if requested is not None and (requested.tp, requested.data_world) != (loaded.tp, loaded.data_world):
+        raise UnsupportedEngineError(
+            f"TrainingArguments.parallelism_config asks for {requested.describe()}, but the model was loaded as "
+            f"{loaded.describe()} (its DistributedConfig); the Trainer would train that layout instead (a model "
+            "loaded with tp_plan='auto': transformers ignores its device_mesh and splits tensor parallel over every "
+            "process). Nothing was trained. Load the model with from_pretrained(..., "
+            f"distributed_config=DistributedConfig(tp_size={requested.tp}, fsdp_size={requested.dp_shard}, "
+            f"dp_replicate_size={requested.dp_replicate})) "
+            "and pass no parallelism_config (the Trainer builds it from the model).")
 
 
 def _model_layout(model: Any) -> ParallelLayout | None:
@@ -97,8 +122,7 @@ def check_trainer_layout(model: Any, parallelism_config: Any) -> None:
 
     Raises:
         UnsupportedEngineError: pipeline (``pp_size``) or expert (``ep_size``) parallel; context or sequence
-            parallel beside a model sharded at load time; a ``ParallelismConfig`` whose ``tp``/``dp`` sizes differ
-            from the model's ``DistributedConfig``.
+            parallel beside a model sharded at load time.
 
     Example:
 
@@ -116,20 +140,12 @@ def check_trainer_layout(model: Any, parallelism_config: Any) -> None:
                 "stages or expert shards are not recorded in its checkpoints). Nothing was trained. Load the model "
                 "with tp_size / fsdp_size / dp_replicate_size only, or train with the stock Trainer and "
                 "save_only_model=True.")
-    model_layout, accelerator_layout = _model_layout(model), layout_of(parallelism_config)
-    if accelerator_layout is None:
-        return
-    if accelerator_layout.group_size != accelerator_layout.tp:
+    accelerator_layout = layout_of(parallelism_config)
+    if accelerator_layout is not None and accelerator_layout.group_size != accelerator_layout.tp:
         raise UnsupportedEngineError(
             f"ParallelismConfig {accelerator_layout.describe()} beside a model sharded at load time "
-            f"({model_layout.describe()}): context and sequence parallel are not applied to such a model by the "
-            "Trainer. Nothing was trained. Set cp_size=1 and sp_size=1.")
-    if (accelerator_layout.tp, accelerator_layout.data_world) != (model_layout.tp, model_layout.data_world):
-        raise UnsupportedEngineError(
-            f"TrainingArguments.parallelism_config ({accelerator_layout.describe()}) disagrees with the model's "
-            f"DistributedConfig ({model_layout.describe()}): the ranks would read batches for one layout and train "
-            "another. Nothing was trained. Pass no parallelism_config (the Trainer builds it from the model), or "
-            "the same sizes.")
+            f"({_model_layout(model).describe()}): context and sequence parallel are not applied to such a model by "
+            "the Trainer. Nothing was trained. Set cp_size=1 and sp_size=1.")
 
 
 def data_parallel_rank(layout: ParallelLayout | None, *, process_index: int, world_size: int) -> tuple[int, int]:

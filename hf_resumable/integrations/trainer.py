@@ -141,7 +141,7 @@ from ._trainer_hparams import (
     hyperparameter_snapshot,
     report_hyperparameter_changes,
 )
-from ._trainer_parallel import admitting_sharded_model, check_trainer_layout, data_parallel_rank, trainer_layout
+from ._trainer_parallel import check_trainer_layout, data_parallel_rank, sharded_model_construction, trainer_layout
 
 logger = logging.getLogger(__name__)
 
@@ -432,8 +432,9 @@ class ResumableTrainer(Trainer):
         # the save interval fits the failure rate (_save_interval.py); a bad value is refused before anything is built
         auto_interval = None if mean_time_between_failures is None else AutoSaveInterval(mean_time_between_failures)
         given = inspect.signature(Trainer.__init__).bind_partial(self, *args, **kwargs).arguments
-        # a model sharded at load time (tensor parallel): stock's refusal of its checkpoints does not apply to ours
-        with admitting_sharded_model(given.get("model"), given.get("args")):
+        # a model sharded at load time (tensor parallel): stock's refusal of its checkpoints does not apply to ours;
+        # a ParallelismConfig the constructor would replace by the model's layout is refused
+        with sharded_model_construction(given.get("model"), given.get("args")):
             super().__init__(*args, **kwargs)
         if auto_interval is not None:
             check_save_strategy(self.args.save_strategy)

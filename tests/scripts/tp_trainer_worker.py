@@ -102,8 +102,9 @@ def load_model(options: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
 
         config = ParallelismConfig(tp_size=options.tp, dp_shard_size=options.fsdp,
                                    dp_replicate_size=options.dp_replicate)
-        mesh = config.build_device_mesh("cpu")
-        model = LlamaForCausalLM.from_pretrained(options.model_dir, tp_plan="auto", device_mesh=mesh["tp"])
+        # as accelerate's example does: the whole mesh of the ParallelismConfig
+        model = LlamaForCausalLM.from_pretrained(options.model_dir, tp_plan="auto",
+                                                 device_mesh=config.build_device_mesh("cpu"))
         return model, {"parallelism_config": config}
     config = DistributedConfig(tp_size=options.tp, fsdp_size=options.fsdp, dp_replicate_size=options.dp_replicate)
     return LlamaForCausalLM.from_pretrained(options.model_dir, distributed_config=config), {}
