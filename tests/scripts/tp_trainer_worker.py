@@ -50,6 +50,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=4)
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--elastic", action="store_true")
+    parser.add_argument("--no-dropout", action="store_true", help="attention_dropout=0 (the saved model has 0.1)")
     parser.add_argument("--forget-rng", action="store_true", help="broken on purpose: a resume leaves the RNG as the "
                         "new process seeded it (for hf-resumable check)")
     return parser.parse_args()
@@ -97,6 +98,7 @@ class ForgetsRng(RecordBatches):
 
 
 def load_model(options: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
+    overrides = {"attention_dropout": 0.0} if options.no_dropout else {}
     if options.load == "tp_plan":
         from accelerate import ParallelismConfig
 
@@ -104,10 +106,10 @@ def load_model(options: argparse.Namespace) -> tuple[torch.nn.Module, dict]:
                                    dp_replicate_size=options.dp_replicate)
         # as accelerate's example does: the whole mesh of the ParallelismConfig
         model = LlamaForCausalLM.from_pretrained(options.model_dir, tp_plan="auto",
-                                                 device_mesh=config.build_device_mesh("cpu"))
+                                                 device_mesh=config.build_device_mesh("cpu"), **overrides)
         return model, {"parallelism_config": config}
     config = DistributedConfig(tp_size=options.tp, fsdp_size=options.fsdp, dp_replicate_size=options.dp_replicate)
-    return LlamaForCausalLM.from_pretrained(options.model_dir, distributed_config=config), {}
+    return LlamaForCausalLM.from_pretrained(options.model_dir, distributed_config=config, **overrides), {}
 
 
 def dump_whole_state(trainer: ResumableTrainer, path: Path) -> None:
