@@ -528,8 +528,9 @@ class ResumableTrainer(Trainer):
                 (raised before the first step).
             UnsupportedEngineError: DeepSpeed ZeRO-Offload (``TrainingArguments.deepspeed``), FSDP1 hybrid sharding
                 or XLA FSDP, refused before anything is read or trained; DeepSpeed's other optimizers
-                (``BF16_Optimizer``) once built, before the first step. FSDP1/2 and ZeRO-1/2/3 are supported: every
-                rank saves its pieces.
+                (``BF16_Optimizer``) once built, before the first step; pipeline or expert parallel, or context
+                parallel, beside a model sharded at load time (:mod:`._trainer_parallel`). FSDP1/2, ZeRO-1/2/3 and
+                tensor parallel (``DistributedConfig``) are supported: every rank saves its pieces.
             InexactResumeError / UnsupportedStateError: before the first step, for a setup whose checkpoints could
                 not be resumed exactly or not be written (see docs/trainer.md).
             SystemExit: with ``PREEMPTION_EXIT_CODE`` after a SIGTERM, when ``exit_on_preemption``.
