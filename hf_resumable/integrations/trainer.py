@@ -728,7 +728,7 @@ class ResumableTrainer(Trainer):
         """
         current = self._layout()
         saved, now = extra.get(_EXTRA_PARALLELISM), None if current is None else current.describe()
-        if saved == now:
+        if saved == now or _EXTRA_PARALLELISM not in extra:  # a checkpoint from before layouts were recorded
             return {}
         if not self.resume_options.elastic:
             return {KEY_PARALLELISM: (saved, now)}
