@@ -149,6 +149,13 @@ def main() -> int:
     trainer_class = ForgetsRng if options.forget_rng else RecordBatches
     trainer = trainer_class(model=model, args=args, train_dataset=train, data_collator=collator,
                             processing_class=tokenizer, callbacks=[HoldAfterSave()], elastic=options.elastic)
+    train_and_record(trainer, output)
+    return 0
+
+
+def train_and_record(trainer: ResumableTrainer, output: Path) -> None:
+    """Train (resuming from the newest checkpoint), then write this rank's pieces, its log history and the whole
+    state; the process group is destroyed either way."""
     try:
         trainer.train(resume_from_checkpoint=True)
         fx.dump_local_state(trainer.accelerator.unwrap_model(trainer.model), trainer.optimizer.optimizer,
@@ -156,9 +163,7 @@ def main() -> int:
         fx.write_trainer_result(trainer, output)
         dump_whole_state(trainer, output / "final-whole.safetensors")
     finally:
-        del trainer
         torch.distributed.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
