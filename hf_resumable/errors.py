@@ -133,10 +133,11 @@ class UnsupportedStateError(HfResumableError, TypeError):
 class UnsupportedEngineError(HfResumableError, NotImplementedError):
     """The run uses a distributed engine whose state hf_resumable cannot checkpoint and resume exactly.
 
-    Raised when ``ResumableAccelerator`` is built or ``ResumableTrainer.train`` starts, before any training step
-    (DeepSpeed ZeRO-Offload, FSDP1 hybrid sharding, Megatron-LM, XLA FSDP): never at the first save, after training up
-    to it. The message names the engine and what to use instead (ZeRO-1/2/3 without offload, FSDP2, FSDP1 with
-    FULL_SHARD, or the stock ``Trainer``/``Accelerator`` for that run). Also a ``NotImplementedError``.
+    Raised when ``ResumableAccelerator`` is built or prepares, or ``ResumableTrainer`` is built or ``train`` starts,
+    before any training step (DeepSpeed ZeRO-Offload, FSDP1 hybrid sharding, Megatron-LM, XLA FSDP, parallel layouts
+    that cannot train as they say): never at the first save, after training up to it. The message names the engine
+    and what to use instead (ZeRO-1/2/3 without offload, FSDP2, FSDP1 with FULL_SHARD, or the stock
+    ``Trainer``/``Accelerator`` for that run). Also a ``NotImplementedError``.
     """
 
 

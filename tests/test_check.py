@@ -6,7 +6,6 @@ The end-to-end tests run the real CLI on real scripts: each check launches the s
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -18,8 +17,7 @@ from hf_resumable.check._compare import likely_cause
 from hf_resumable.check._runner import plan_kill_points
 from hf_resumable.cli import main
 
-from helpers import zygote
-from helpers.distributed_launch import child_env
+from helpers.check_runs import _check
 
 REPO = Path(__file__).resolve().parent.parent
 LOOP = REPO / "tests" / "scripts" / "check_loop.py"
@@ -251,23 +249,6 @@ def test_the_tracer_records_a_plain_loaders_batch_inputs_loss_and_printed_lines_
 
 
 # ------------------------------------------------------------------------------------------------ end to end
-def _check(tmp_path, *args, kills=1, seed=0):
-    report = tmp_path / "report.json"
-    env = child_env()
-    # The launches come from a test zygote (tests/helpers/zygote.py) that has imported torch and transformers once: a
-    # script run as ``python script.py`` gets its client as the interpreter, and torchrun's workers get it as
-    # PYTHON_EXEC. torchrun itself stays a real child of check, so that check's kill reaches its whole tree.
-    env = zygote.torchrun_env(env)
-    args = [str(a) for a in args]
-    if args[:3] != [sys.executable, "-m", "torch.distributed.run"] and args[0] == sys.executable:
-        args[0] = env.get("PYTHON_EXEC", sys.executable)
-    command = [sys.executable, "-m", "hf_resumable", "check", "--kills", str(kills), "--seed", str(seed),
-               "--timeout", "600", "--json", str(report), "--", *args]
-    done = zygote.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    data = json.loads(report.read_text()) if report.exists() else None
-    return done, data
-
-
 def test_usage_and_launch_errors_exit_with_2(tmp_path, capsys):
     assert main(["check"]) == 2
     assert "after `--`" in capsys.readouterr().err

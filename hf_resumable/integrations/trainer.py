@@ -121,6 +121,7 @@ from ._deepspeed import (
 from ._elastic import ELASTIC_SETTINGS, ElasticPlan, plan_elastic_resume, seed_model_rng
 from ._engines import check_trainer_engine, checkpoint_model, holds_dtensors
 from ._fallback import ResumeLoadError, agreed_load, find_agreed_checkpoint, refuse_fresh_start, resume_newest
+from ._parallelism import KEY_PARALLELISM, ParallelLayout
 from ._save_interval import AutoSaveInterval, check_save_strategy
 from ._trainer_discovery import (
     CONVERTED_DIR,
@@ -140,6 +141,7 @@ from ._trainer_hparams import (
     hyperparameter_snapshot,
     report_hyperparameter_changes,
 )
+from ._trainer_parallel import check_trainer_layout, data_parallel_rank, sharded_model_construction, trainer_layout
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +183,7 @@ _EXTRA_RUN_CONFIG = "run_config"  # RunConfig.to_dict()
 _EXTRA_MODEL_ONLY = "model_only"  # True when saved with save_only_model (cannot resume exactly)
 _EXTRA_HYPERPARAMETERS = "hyperparameters"  # _trainer_hparams.hyperparameter_snapshot()
 _EXTRA_ELASTIC = "elastic"  # True when written with elastic=True (the elastic sample layout)
+_EXTRA_PARALLELISM = KEY_PARALLELISM  # ParallelLayout.describe() of a tensor/N-D parallel run (None without one)
 
 
 def check_trainer_internals() -> list[str]:
@@ -428,7 +431,11 @@ class ResumableTrainer(Trainer):
         self.resume_options = ResumeOptions(**{**options, **set_aside})
         # the save interval fits the failure rate (_save_interval.py); a bad value is refused before anything is built
         auto_interval = None if mean_time_between_failures is None else AutoSaveInterval(mean_time_between_failures)
-        super().__init__(*args, **kwargs)
+        given = inspect.signature(Trainer.__init__).bind_partial(self, *args, **kwargs).arguments
+        # a model sharded at load time (tensor parallel): stock's refusal of its checkpoints does not apply to ours;
+        # a ParallelismConfig the constructor would replace by the model's layout is refused
+        with sharded_model_construction(given.get("model"), given.get("args")):
+            super().__init__(*args, **kwargs)
         if auto_interval is not None:
             check_save_strategy(self.args.save_strategy)
             self.add_callback(auto_interval)
@@ -521,8 +528,9 @@ class ResumableTrainer(Trainer):
                 (raised before the first step).
             UnsupportedEngineError: DeepSpeed ZeRO-Offload (``TrainingArguments.deepspeed``), FSDP1 hybrid sharding
                 or XLA FSDP, refused before anything is read or trained; DeepSpeed's other optimizers
-                (``BF16_Optimizer``) once built, before the first step. FSDP1/2 and ZeRO-1/2/3 are supported: every
-                rank saves its pieces.
+                (``BF16_Optimizer``) once built, before the first step; pipeline or expert parallel, or context
+                parallel, beside a model sharded at load time (:mod:`._trainer_parallel`). FSDP1/2, ZeRO-1/2/3 and
+                tensor parallel (``DistributedConfig``) are supported: every rank saves its pieces.
             InexactResumeError / UnsupportedStateError: before the first step, for a setup whose checkpoints could
                 not be resumed exactly or not be written (see docs/trainer.md).
             SystemExit: with ``PREEMPTION_EXIT_CODE`` after a SIGTERM, when ``exit_on_preemption``.
@@ -682,6 +690,7 @@ class ResumableTrainer(Trainer):
             layouts = (bool(loaded.extra.get(_EXTRA_ELASTIC)), self.resume_options.elastic)
             if layouts[0] != layouts[1]:
                 changed["elastic"] = layouts
+            changed.update(self._layout_change(loaded.extra))
             check_drift(changed, checkpoint=str(path), allow=self.resume_options.allow_config_drift,
                         option="allow_config_drift", owner="ResumableTrainer")
         return _Resume(path=path, loaded=loaded)
@@ -694,18 +703,41 @@ class ResumableTrainer(Trainer):
             ElasticWorldSizeError: the global batch does not divide at this world size.
         """
         per_device = self.args.per_device_train_batch_size
-        if saved.world_size == self.args.world_size or saved.per_device_train_batch_size != per_device:
+        _, world_size = self._data_parallel()
+        if saved.world_size == world_size or saved.per_device_train_batch_size != per_device:
             return None  # a changed per-device batch is reported by the drift check
         plan = plan_elastic_resume(saved_world_size=saved.world_size,
                                    saved_accumulation=saved.gradient_accumulation_steps,
                                    per_device_batch=saved.per_device_train_batch_size,
-                                   world_size=self.args.world_size, checkpoint=str(path))
+                                   world_size=world_size, checkpoint=str(path))
         if plan.gradient_accumulation_steps != self.args.gradient_accumulation_steps:
             self.args.gradient_accumulation_steps = plan.gradient_accumulation_steps
         self._run_config = None  # recorded with the new accumulation
         if self.args.process_index == 0:  # once per run, not per rank
             logger.info("Elastic resume of %s: %s.", path, plan.describe())
         return plan
+
+    def _layout(self) -> ParallelLayout | None:
+        """The run's tensor/N-D parallel layout (:mod:`._trainer_parallel`); ``None`` without one."""
+        return trainer_layout(self.accelerator.unwrap_model(self.model),
+                              getattr(self.accelerator, "parallelism_config", None))
+
+    def _layout_change(self, extra: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """``{"parallelism": (saved, current)}`` when the checkpoint was written at another tensor/N-D layout
+        (configuration drift, named by both), else nothing; with ``elastic=True`` another layout is taken (logged).
+        """
+        current = self._layout()
+        saved, now = extra.get(_EXTRA_PARALLELISM), None if current is None else current.describe()
+        if saved == now or _EXTRA_PARALLELISM not in extra:  # a checkpoint from before layouts were recorded
+            return {}
+        if not self.resume_options.elastic:
+            return {KEY_PARALLELISM: (saved, now)}
+        # elastic: the pieces are resharded for this layout as they are read (open_checkpoint(elastic=True)), and
+        # the global batch is kept by the data-parallel world (_plan_elastic)
+        if self.args.process_index == 0:
+            logger.info("Elastic resume at another layout: %s -> %s.", saved or "data parallel only",
+                        now or "data parallel only")
+        return {}
 
     def _inexact(self, message: str) -> None:
         inexact(message, allow=self.resume_options.allow_inexact_resume, owner="ResumableTrainer")
@@ -717,7 +749,7 @@ class ResumableTrainer(Trainer):
             self._run_config = RunConfig(
                 gradient_accumulation_steps=self.args.gradient_accumulation_steps,
                 per_device_train_batch_size=self.args.per_device_train_batch_size,
-                world_size=self.args.world_size, seed=self.args.seed, data_seed=self.args.data_seed,
+                world_size=self._data_parallel()[1], seed=self.args.seed, data_seed=self.args.data_seed,
                 dataset_length=length, dataset_fingerprint=fingerprint,
                 train_sampling_strategy=str(self.args.train_sampling_strategy),
                 dataloader_drop_last=bool(self.args.dataloader_drop_last))
@@ -756,7 +788,8 @@ class ResumableTrainer(Trainer):
                 "or streaming), not for a custom sampler",
                 fix="Use train_sampling_strategy 'random', 'sequential' or 'group_by_length' without overriding "
                     "_get_train_sampler, or elastic=False")
-        global_batch = self._train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
+        _, world_size = self._data_parallel()  # the ranks of one tensor-parallel group read the same batches
+        global_batch = self._train_batch_size * self.args.gradient_accumulation_steps * world_size
         elastic_stream = self.resume_options.elastic and streaming and not options["num_workers"]
         if self.resume_options.elastic and streaming and options["num_workers"]:
             self._refuse_at_start(
@@ -769,7 +802,7 @@ class ResumableTrainer(Trainer):
             # elastic: not split by rank, every process reads the whole stream and keeps its chunks of each step
             loader = build_stream_dataloader(dataset if elastic_stream else self._split_for_rank(dataset),
                                              collate_fn=collator, drop_last=self.args.dataloader_drop_last,
-                                             world_size=self.args.world_size,
+                                             world_size=world_size,
                                              global_batch=global_batch if elastic_stream else None,
                                              padding_fn=self._elastic_padding() if elastic_stream else None, **options)
             if not loader.dataset.is_stateful and self._saves_checkpoints():
@@ -785,12 +818,12 @@ class ResumableTrainer(Trainer):
             if sampler is None:
                 sampler = range(len(dataset))  # what DataLoader does without a sampler
             loader = build_map_dataloader(dataset, collate_fn=collator, drop_last=self.args.dataloader_drop_last,
-                                          world_size=self.args.world_size, num_samples=len(sampler),
+                                          world_size=world_size, num_samples=len(sampler),
                                           order=sampler_epoch_order(sampler, seed=options["seed"]), **options)
         else:
             grouped = strategy == "group_by_length"
             loader = build_map_dataloader(dataset, collate_fn=collator, drop_last=self.args.dataloader_drop_last,
-                                          shuffle=strategy != "sequential", world_size=self.args.world_size,
+                                          shuffle=strategy != "sequential", world_size=world_size,
                                           lengths=self._train_lengths() if grouped else None,
                                           group_size=global_batch if grouped else None,
                                           global_batch=global_batch if self.resume_options.elastic else None,
@@ -838,7 +871,7 @@ class ResumableTrainer(Trainer):
 
     def _loader_options(self, batch_size: int) -> dict[str, Any]:
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        return dict(batch_size=batch_size, seed=seed, rank=self.args.process_index,
+        return dict(batch_size=batch_size, seed=seed, rank=self._data_parallel()[0],
                     num_workers=self.args.dataloader_num_workers,
                     pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
                     persistent_workers=self.args.dataloader_persistent_workers,
@@ -846,7 +879,14 @@ class ResumableTrainer(Trainer):
                     multiprocessing_context=self.args.dataloader_multiprocessing_context)
 
     def _split_for_rank(self, dataset: Any) -> Any:
-        return split_stream_for_rank(dataset, rank=self.args.process_index, world_size=self.args.world_size)
+        rank, world_size = self._data_parallel()
+        return split_stream_for_rank(dataset, rank=rank, world_size=world_size)
+
+    def _data_parallel(self) -> tuple[int, int]:
+        """This process's data-parallel rank and their number: the process index and count, or, under tensor/N-D
+        parallel, the coordinate over the data dimensions (:mod:`._trainer_parallel`)."""
+        return data_parallel_rank(self._layout(), process_index=self.args.process_index,
+                                  world_size=self.args.world_size)
 
     def _restore_data_position(self, loader: Any) -> None:
         if self._resume is None:
@@ -924,6 +964,7 @@ class ResumableTrainer(Trainer):
             extra={_EXTRA_RUN_CONFIG: self._current_run_config().to_dict(), _EXTRA_MODEL_ONLY: model_only,
                    _EXTRA_HYPERPARAMETERS: hyperparameter_snapshot(self.args, max_steps=self.state.max_steps),
                    _EXTRA_ELASTIC: self.resume_options.elastic,
+                   _EXTRA_PARALLELISM: None if self._layout() is None else self._layout().describe(),
                    **({EXTRA_DEEPSPEED: capture_engine_state(engine, [optimizer])} if engine is not None else {})},
             extra_files={TRAINER_STATE_FILE: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True)},
             data_state=self._data_position(), rng=not model_only, metrics=self._metrics_of_this_step(),
@@ -1073,7 +1114,8 @@ class ResumableTrainer(Trainer):
         per_epoch = self._loop.steps_per_epoch or 1
         epoch, step_in_epoch = divmod(step, per_epoch)
         batch = step_in_epoch * self.args.gradient_accumulation_steps + micro
-        return epoch, batch * self.args.world_size + self.args.process_index
+        rank, world_size = self._data_parallel()
+        return epoch, batch * world_size + rank
 
     def _saves_checkpoints(self) -> bool:
         return str(getattr(self.args.save_strategy, "value", self.args.save_strategy)) != "no"
@@ -1098,6 +1140,8 @@ class ResumableTrainer(Trainer):
                                       up_to_step=max_steps)
         if self.resume_options.elastic:
             self._check_elastic_loss()
+        check_trainer_layout(self.accelerator.unwrap_model(self.model),
+                             getattr(self.accelerator, "parallelism_config", None))
         if not self._saves_checkpoints():
             return
         if self.args.save_only_model:
