@@ -136,12 +136,12 @@ def test_new_destinations_are_marked_and_prefaulted(files):
 
 
 def test_the_number_of_streams_is_the_override_or_the_default(files, monkeypatch):
-    from hf_resumable.checkpoint import _parallel_read
-    from hf_resumable.checkpoint._parallel_read import READ_STREAMS_ENV, read_streams
+    from hf_resumable import _tuning
+    from hf_resumable._tuning import READ_STREAMS_ENV, read_streams
 
     monkeypatch.delenv(READ_STREAMS_ENV, raising=False)
     for cores, streams in ((1, 1), (2, 1), (5, 2), (8, 4), (96, 4)):  # one per two usable cores, 1 to 4
-        monkeypatch.setattr(_parallel_read, "_usable_cores", lambda cores=cores: cores)
+        monkeypatch.setattr(_tuning, "_usable_cores", lambda cores=cores: cores)
         assert read_streams() == streams
     monkeypatch.setenv(READ_STREAMS_ENV, " 3 ")
     assert read_streams() == 3

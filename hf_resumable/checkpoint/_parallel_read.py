@@ -2,18 +2,17 @@
 
 A resume reads a model into memory that exists and an optimizer state twice its size into new memory. Every file is
 cut into chunks of at most ``CHUNK_BYTES`` (:func:`plan_reads`, pure: which byte range of which file lands in which
-tensor), and :func:`read_streams` threads (``HF_RESUMABLE_READ_STREAMS=<n>`` or ``read_files(workers=n)`` changes it)
-take the chunks in file order and ``pread`` each straight into the destination tensor's bytes. Whichever thread
-completes a file's next chunk feeds that file's checksum, so every byte is hashed in order while the reads go on.
-``pread``, ``xxh3`` and ``sha256`` release the GIL. One more thread faults in the pages of new destinations ahead of
-the readers (``madvise(MADV_POPULATE_WRITE)``). Tensors that cannot receive bytes in place (another device, dtype or
-layout) are read into CPU staging buffers and copied into their destination only after EVERY file's hash matched.
+tensor), and :func:`hf_resumable._tuning.read_streams` threads (``HF_RESUMABLE_READ_STREAMS=<n>`` or
+``read_files(workers=n)`` changes it) take the chunks in file order and ``pread`` each straight into the destination
+tensor's bytes. Whichever thread completes a file's next chunk feeds that file's checksum, so every byte is hashed in
+order while the reads go on. ``pread``, ``xxh3`` and ``sha256`` release the GIL. One more thread faults in the pages
+of new destinations ahead of the readers (``madvise(MADV_POPULATE_WRITE)``; ``HF_RESUMABLE_PREFAULT=0`` turns it
+off). Tensors that cannot receive bytes in place (another device, dtype or layout) are read into CPU staging buffers
+and copied into their destination only after EVERY file's hash matched.
 
 Why each mechanism is kept (the measurements, with ``benchmarks/bench_read_paths.py``, are in docs/benchmarks.md):
 
-- streams: one per two cores this process may run on, at most ``READ_WORKERS``. Each stream copies and hashes at
-  memory speed, so a stream needs a core; more streams than that only take a larger share of a busy machine.
-  ``HF_RESUMABLE_READ_STREAMS=<n>`` overrides the choice.
+- streams: one per two cores this process may run on (:func:`hf_resumable._tuning.default_read_streams`).
 - the prefault thread: the page faults of new memory overlap the disk's work. On tmpfs there is no disk work to
   overlap, and the faults only compete for the cores.
 
@@ -41,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from .._tuning import read_streams, tuning_options
 from ..errors import CorruptCheckpointError
 from ..format._libc import libc_function
 from ..format._safefile import open_regular
@@ -49,17 +49,12 @@ from ._threads import run_in_threads
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FileRead", "Chunk", "plan_reads", "read_files", "read_streams", "READ_WORKERS", "CHUNK_BYTES",
-           "READ_STREAMS_ENV", "default_read_streams"]
+__all__ = ["FileRead", "Chunk", "plan_reads", "read_files", "CHUNK_BYTES"]
 
-# Most threads reading at once (all files share them); the default is one per two usable cores, up to this.
-READ_WORKERS = 4
 # Largest byte range one thread reads at a time.
 CHUNK_BYTES = 8 * 1024 * 1024
 # New destinations smaller than this in all are faulted in by the readers themselves (no prefault thread).
 PREFAULT_MIN_BYTES = 1024 * 1024
-# Environment variable that sets the number of read streams (an integer >= 1).
-READ_STREAMS_ENV = "HF_RESUMABLE_READ_STREAMS"
 
 
 @dataclass
@@ -249,37 +244,6 @@ def _pread_into(fd: int, chunk: Chunk, path: Path) -> None:
         view, offset = view[n:], offset + n
 
 
-def read_streams() -> int:
-    """Reads kept in flight: ``HF_RESUMABLE_READ_STREAMS`` when set, else :func:`default_read_streams`.
-
-    Raises:
-        ValueError: ``HF_RESUMABLE_READ_STREAMS`` is not an integer >= 1.
-    """
-    override = os.environ.get(READ_STREAMS_ENV, "").strip()
-    if not override:
-        return default_read_streams(_usable_cores())
-    if not override.isdigit() or int(override) < 1:
-        raise ValueError(f"{READ_STREAMS_ENV}={override!r}: expected the number of read streams, an integer >= 1.")
-    return int(override)
-
-
-def default_read_streams(cores: int) -> int:
-    """Read streams for a process that may run on ``cores`` cores: one per two, at least 1, at most ``READ_WORKERS``.
-
-    Example:
-        >>> [default_read_streams(n) for n in (1, 2, 3, 4, 8, 64)]
-        [1, 1, 1, 2, 4, 4]
-    """
-    return max(1, min(READ_WORKERS, cores // 2))
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
-
-
 def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes: int = CHUNK_BYTES
                ) -> dict[str, torch.Tensor]:
     """Read every tensor of every file; fill destinations; return the tensors that had none.
@@ -310,7 +274,7 @@ def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes
     prefault = threading.Thread(target=_prefault, args=(queue, stop), name="hf_resumable-prefault", daemon=True)
     try:
         _open_files(states)
-        if sum(len(chunk.view) for chunk in queue if chunk.new) >= PREFAULT_MIN_BYTES:
+        if tuning_options().prefault and sum(len(chunk.view) for chunk in queue if chunk.new) >= PREFAULT_MIN_BYTES:
             prefault.start()
         run_in_threads(read_chunk, queue, workers=max(1, streams))
     finally:
