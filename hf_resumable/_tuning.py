@@ -8,7 +8,6 @@ and when to change them, docs/benchmarks.md ("Tuning switches") has the measurem
 | switch | default | what it does |
 |---|---|---|
 | ``HF_RESUMABLE_READ_STREAMS`` | one per two usable cores, 1-4 | ``pread`` streams of a load |
-| ``HF_RESUMABLE_PREFAULT`` | ``1`` | a thread faults in a load's new memory ahead of the reads |
 | ``HF_RESUMABLE_WRITER_PRIORITY`` | ``1`` | a background save writes below the training thread's CPU priority |
 | ``HF_RESUMABLE_BACKGROUND_DELETES`` | ``1`` | retention deletes the files of a removed checkpoint on a thread |
 | ``HF_RESUMABLE_SPLIT_REPLICAS`` | ``1`` | DDP ranks split the writing of the files they hold alike |
@@ -16,11 +15,8 @@ and when to change them, docs/benchmarks.md ("Tuning switches") has the measurem
 Example:
 
 ```python
->>> import os
->>> os.environ["HF_RESUMABLE_READ_STREAMS"] = "2"
->>> tuning_options().read_streams
-2
->>> del os.environ["HF_RESUMABLE_READ_STREAMS"]
+>>> TuningOptions(read_streams=2, writer_priority=False).background_deletes
+True
 ```
 """
 
@@ -37,11 +33,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["TuningOptions", "tuning_options", "read_streams", "default_read_streams", "READ_WORKERS",
            "WRITER_NICE_INCREMENT", "Lowering", "lower_thread_priority", "restore_thread_priorities",
-           "defer_to_running_threads", "READ_STREAMS_ENV", "PREFAULT_ENV", "WRITER_PRIORITY_ENV",
+           "defer_to_running_threads", "READ_STREAMS_ENV", "WRITER_PRIORITY_ENV",
            "BACKGROUND_DELETES_ENV", "SPLIT_REPLICAS_ENV"]
 
 READ_STREAMS_ENV = "HF_RESUMABLE_READ_STREAMS"
-PREFAULT_ENV = "HF_RESUMABLE_PREFAULT"
 WRITER_PRIORITY_ENV = "HF_RESUMABLE_WRITER_PRIORITY"
 BACKGROUND_DELETES_ENV = "HF_RESUMABLE_BACKGROUND_DELETES"
 SPLIT_REPLICAS_ENV = "HF_RESUMABLE_SPLIT_REPLICAS"
@@ -58,14 +53,12 @@ class TuningOptions:
 
     Args:
         read_streams (`int | None`): ``HF_RESUMABLE_READ_STREAMS``; ``None``: :func:`default_read_streams`.
-        prefault (`bool`): ``HF_RESUMABLE_PREFAULT``.
         writer_priority (`bool`): ``HF_RESUMABLE_WRITER_PRIORITY``.
         background_deletes (`bool`): ``HF_RESUMABLE_BACKGROUND_DELETES``.
         split_replicas (`bool`): ``HF_RESUMABLE_SPLIT_REPLICAS``.
     """
 
     read_streams: int | None = None
-    prefault: bool = True
     writer_priority: bool = True
     background_deletes: bool = True
     split_replicas: bool = True
@@ -100,9 +93,8 @@ def tuning_options() -> TuningOptions:
     Raises:
         ValueError: a switch holds a value it does not take (the message names the variable).
     """
-    return TuningOptions(read_streams=_count(READ_STREAMS_ENV), prefault=_flag(PREFAULT_ENV),
-                         writer_priority=_flag(WRITER_PRIORITY_ENV), background_deletes=_flag(BACKGROUND_DELETES_ENV),
-                         split_replicas=_flag(SPLIT_REPLICAS_ENV))
+    return TuningOptions(read_streams=_count(READ_STREAMS_ENV), writer_priority=_flag(WRITER_PRIORITY_ENV),
+                         background_deletes=_flag(BACKGROUND_DELETES_ENV), split_replicas=_flag(SPLIT_REPLICAS_ENV))
 
 
 # ------------------------------------------------------------------------------------------------ read streams

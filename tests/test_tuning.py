@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pe
 INCREMENT = 5
 
 
-@pytest.mark.parametrize("name", [_tuning.PREFAULT_ENV, _tuning.WRITER_PRIORITY_ENV, _tuning.BACKGROUND_DELETES_ENV,
+@pytest.mark.parametrize("name", [_tuning.WRITER_PRIORITY_ENV, _tuning.BACKGROUND_DELETES_ENV,
                                   _tuning.SPLIT_REPLICAS_ENV, _tuning.READ_STREAMS_ENV])
 def test_a_switch_refuses_a_value_it_does_not_take_naming_the_variable(monkeypatch, name):
     monkeypatch.setenv(name, "sometimes")
@@ -32,13 +32,13 @@ def test_a_switch_refuses_a_value_it_does_not_take_naming_the_variable(monkeypat
 
 
 def test_the_switches_default_to_on_and_read_the_environment_at_the_call(monkeypatch):
-    for name in (_tuning.PREFAULT_ENV, _tuning.WRITER_PRIORITY_ENV, _tuning.BACKGROUND_DELETES_ENV,
-                 _tuning.SPLIT_REPLICAS_ENV, _tuning.READ_STREAMS_ENV):
+    for name in (_tuning.WRITER_PRIORITY_ENV, _tuning.BACKGROUND_DELETES_ENV, _tuning.SPLIT_REPLICAS_ENV,
+                 _tuning.READ_STREAMS_ENV):
         monkeypatch.delenv(name, raising=False)
     assert _tuning.tuning_options() == _tuning.TuningOptions()
-    monkeypatch.setenv(_tuning.PREFAULT_ENV, "0")
+    monkeypatch.setenv(_tuning.BACKGROUND_DELETES_ENV, "0")
     monkeypatch.setenv(_tuning.READ_STREAMS_ENV, "3")
-    assert _tuning.tuning_options() == _tuning.TuningOptions(prefault=False, read_streams=3)
+    assert _tuning.tuning_options() == _tuning.TuningOptions(background_deletes=False, read_streams=3)
     with pytest.raises(ValueError, match=_tuning.READ_STREAMS_ENV):
         _tuning.TuningOptions(read_streams=0)
 

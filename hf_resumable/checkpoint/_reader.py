@@ -143,11 +143,11 @@ class _Reader:
         path, header = member_path(self.path, relpath), self.report.headers[relpath]
         data = self.report.verified_bytes(relpath)
         if data is not None:
-            return FileRead(path, header, None, into or {}, new, data=data)
+            return FileRead(path, header, None, into or {}, data=data)
         check = None
         if relpath in self.report.identities:
             check = lambda now: self.report.check_unchanged(relpath, now)  # noqa: E731
-        return FileRead(path, header, self.expected(relpath), into or {}, new, check=check)
+        return FileRead(path, header, self.expected(relpath), into or {}, check=check)
 
     def verified_file(self, relpath: str) -> VerifiedFile:
         """The safetensors file ``relpath`` opened for slice reads, every byte a read uses checked against its manifest
