@@ -26,6 +26,7 @@ __all__ = ["MappedBlock", "ShardMaps"]
 # table (a private mapping we never wrote to: the pages stay in the page cache, RSS no longer counts them).
 _MADV_POPULATE_READ = 22
 _MADV_DONTNEED = 4
+_MADV_WILLNEED = 3  # for a file mapping: start reading the whole range at once (large requests, not page faults)
 
 # madvise, looked up once (a lookup per call costs more than the call on a warm page cache); None off Linux.
 _MADVISE = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)) \
@@ -50,6 +51,8 @@ class MappedBlock:
         """Read the range's pages in now, so using the tensors does not fault (ctypes releases the GIL: the
         read-ahead thread does this while the forward pass computes)."""
         madvise = _MADVISE
+        if madvise is not None:
+            madvise(self.start, self.length, _MADV_WILLNEED)
         if madvise is not None and madvise(self.start, self.length, _MADV_POPULATE_READ) == 0:
             return
         self.touch()  # older kernel: fault every page in by reading it
@@ -59,6 +62,13 @@ class MappedBlock:
         for tensor in self.tensors.values():
             if tensor.nbytes:
                 tensor.reshape(-1).view(torch.uint8)[:: mmap.PAGESIZE].sum()
+
+    def hint(self) -> None:
+        """Ask the kernel to start reading the range in the background (it returns at once), so the disk keeps
+        busy while the block before this one is populated and runs."""
+        madvise = _MADVISE
+        if madvise is not None:
+            madvise(self.start, self.length, _MADV_WILLNEED)
 
     def evict(self) -> None:
         """Unmap the range's pages from this process (they stay in the page cache; the mapping stays valid and

@@ -275,6 +275,7 @@ class StreamingModel(contextlib.AbstractContextManager):
         streamed = self.residency.streamed
         if not streamed:
             return
+        self._next_streamed = dict(zip(streamed, streamed[1:] + streamed[:1]))
         self._per_block = per_block
         self._prefetcher = BlockPrefetcher(streamed, self._read_block, self._discard, slots=self.residency.slots)
         for index in streamed:
@@ -338,12 +339,18 @@ class StreamingModel(contextlib.AbstractContextManager):
         First the pages of the blocks that have run since the last read are dropped from the process (here, not in
         the forward pass: ``madvise`` is a syscall the compute thread need not wait for). Tensors stored in the
         model's dtype are views of their shard's mapping, made once per block (no header parse, no mmap per
-        token); their pages are read in here. Others are read into pooled buffers and cast."""
+        token); their pages are read in here. Others are read into pooled buffers and cast. The next streamed
+        block's pages are then requested from the disk without waiting for them, so the disk keeps reading while this
+        block runs and the next one is populated."""
         self._evict_finished()
         block = {}
         for mapped in self._view_block(index):
             mapped.populate()
             block.update(mapped.tensors)
+        # After this block, not before: asked first, the next block's read competed with this one's in the
+        # larger-than-memory regime (docs/streamed-inference.md).
+        for mapped in self._view_block(self._next_streamed[index]):
+            mapped.hint()
         for filename, group in self._copied[index]:
             into = {name: self._pool.allocate(*self._targets[name]) for name in group}
             _read_into(self.weights, filename, into)
