@@ -420,7 +420,7 @@ def replicated_worker(root: Path, repeats: int, hidden: int, max_shard_size: str
 
 def _install_cpu_engines(engine: str) -> None:
     """accelerate enables FSDP / DeepSpeed for accelerator devices only: on CPU, gloo collectives with the CPU as the
-    device (the test suite's shim, ``tests/engine_fixtures.py``)."""
+    device (the test suite's shim, ``tests/helpers/engine_fixtures.py``)."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 

@@ -14,7 +14,8 @@ weights are resident in all of them.
 
 The overhead of a variant is ``peak RSS - RSS after imports (modeling code included) - model weight bytes``
 and is reported as a ratio to the
-largest shard (target for ``load_lazily``: <= 1.25). Then a fake Hub (tests/fakehub.py) serves the model and the bytes
+largest shard (target for ``load_lazily``: <= 1.25). Then a fake Hub (tests/helpers/fakehub.py) serves the model
+and the bytes
 sent for a one-layer ``download_shards`` are compared to a full ``snapshot_download``.
 
 Usage: ``python benchmarks/bench_lazy.py [--runs 5] [--hidden 768] [--layers 8]``
@@ -133,8 +134,8 @@ def download_table(folder: Path, layer: int) -> list[str]:
     from huggingface_hub import close_session, constants, snapshot_download
     from huggingface_hub.utils import disable_progress_bars
 
-    from fakehub import FakeHub
-    from hub_fixtures import hub_constants, hub_environ
+    from helpers.fakehub import FakeHub
+    from helpers.hub_fixtures import hub_constants, hub_environ
 
     disable_progress_bars()
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hf_resumable.checkpoint import save_checkpoint  # noqa: E402
 from hf_resumable.remote import upload_checkpoint  # noqa: E402
 
-from s3_fixtures import SeaweedServer, storage_options  # noqa: E402
+from helpers.s3_fixtures import SeaweedServer, storage_options  # noqa: E402
 
 
 def build_checkpoint(directory: Path) -> int:

@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from distributed_launch import shared_env
+# The helpers' own asserts (assert_identical, assert_same_run, ...) report their operands as a test module's do.
+pytest.register_assert_rewrite("helpers")
+
+from helpers.distributed_launch import shared_env  # noqa: E402
 
 # Quiet, offline-safe defaults for every test process (subprocesses inherit them).
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -22,7 +25,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # slower. A test that wants more threads sets them itself.
 # Every process a test starts can also import the repository (its scripts, hf_resumable from this tree) and writes
 # its output unbuffered. Set once here, so that most test processes share one environment and so one test zygote
-# (tests/zygote.py keeps a preloaded interpreter per environment).
+# (tests/helpers/zygote.py keeps a preloaded interpreter per environment).
 os.environ.update(shared_env(os.environ))
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
@@ -39,7 +42,7 @@ def _restore_global_state():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Stop the zygotes that forked this session's test processes (tests/zygote.py)."""
-    import zygote
+    """Stop the zygotes that forked this session's test processes (tests/helpers/zygote.py)."""
+    from helpers import zygote
 
     zygote.shutdown()

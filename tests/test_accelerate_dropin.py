@@ -24,15 +24,7 @@ from hf_resumable.integrations.accelerate import (
     ResumableAccelerator,
 )
 
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    """accelerate keeps process-wide singletons; every test starts from a clean one."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+from helpers.accelerate_runs import _fresh_accelerate_state  # noqa: F401 - autouse: a fresh accelerate state
 
 
 def reset_accelerate() -> None:

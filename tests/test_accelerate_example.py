@@ -19,8 +19,8 @@ import pytest
 
 from hf_resumable.checkpoint import read_manifest, verify_checkpoint
 
-import zygote
-from distributed_launch import REPO_ROOT, child_env, run_torchrun
+from helpers import zygote
+from helpers.distributed_launch import REPO_ROOT, child_env, run_torchrun
 
 EXAMPLE = REPO_ROOT / "examples" / "accelerate_checkpointing.py"
 STEPS = 16  # 2 epochs x 64 samples / batch 8 (1 process); 8 with 2 processes

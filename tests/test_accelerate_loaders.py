@@ -23,14 +23,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from hf_resumable.errors import DoubleSkipError, InexactResumeError
 from hf_resumable.integrations.accelerate import ResumableAccelerator
 
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+from helpers.accelerate_runs import _fresh_accelerate_state  # noqa: F401 - autouse: a fresh accelerate state
 
 
 def reset_accelerate() -> None:

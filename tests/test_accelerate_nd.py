@@ -4,11 +4,11 @@
   refused before step 1 (context/sequence parallel on the CPU; data beside tensor parallel without FSDP2; FSDP2 with
   tensor parallel where accelerate's preparation of it cannot run).
 * Real torchrun jobs of tests/scripts/nd_accelerate_worker.py (gloo CPU ranks, the test-only shim of
-  tests/engine_fixtures.py): SIGKILLed after a committed checkpoint and rerun with the same command, every logged
-  loss, weight piece and optimizer tensor equals the uninterrupted run's; the ranks of one tensor-parallel group read
-  the same batches, different data-parallel ranks different ones. tp (2 ranks) and HSDP (4 ranks) run in make test,
-  the 8-rank dp_replicate x dp_shard x tp in the extended tier. A different layout on resume is refused before step 1,
-  naming both.
+  tests/helpers/engine_fixtures.py): SIGKILLed after a committed checkpoint and rerun with the same command, every
+  logged loss, weight piece and optimizer tensor equals the uninterrupted run's; the ranks of one tensor-parallel group
+  read the same batches, different data-parallel ranks different ones. tp (2 ranks) and HSDP (4 ranks) run in make
+  test, the 8-rank dp_replicate x dp_shard x tp in the extended tier. A different layout on resume is refused before
+  step 1, naming both.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from hf_resumable.errors import ConfigDriftError, UnsupportedEngineError
 from hf_resumable.integrations._core import UpstreamInternalsError
 from hf_resumable.integrations._parallelism import ParallelLayout, accelerate_tp_ready, check_runnable
 
-from distributed_launch import child_env, kill_torchrun_after, run_torchrun
-from engine_fixtures import read_local_state
-from tiny_models import tiny_llama
+from helpers.distributed_launch import child_env, kill_torchrun_after, run_torchrun
+from helpers.engine_fixtures import read_local_state
+from helpers.tiny_models import tiny_llama
 
 WORKER = Path(__file__).parent / "scripts" / "nd_accelerate_worker.py"
 HOLD_STEP = 2  # the job is held after checkpoint-2 committed, then SIGKILLed

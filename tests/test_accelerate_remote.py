@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from accelerate.state import AcceleratorState, GradientState
 
-from hub_fixtures import _hub_server, hub, hub_env, new_repo_id  # noqa: F401 - fixtures
-from test_accelerate_integration import _build_small, _train_windows
+from helpers.accelerate_runs import _build_small, _train_windows
+from helpers.hub_fixtures import _hub_server, hub, hub_env, new_repo_id  # noqa: F401 - fixtures
 
 
 def test_push_while_training_and_resume_from_the_hub_bit_exact(hub, tmp_path):

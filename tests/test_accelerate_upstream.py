@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import zygote
+from helpers import zygote
 
 RUNNER = Path(__file__).parent / "upstream" / "run_accelerate_upstream.py"
 

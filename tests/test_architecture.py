@@ -262,7 +262,182 @@ def test_the_package_reads_no_environment_variable_at_import():
             for node in ast.walk(statement):
                 if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb"):
                     found.append(f"{path.relative_to(package)}:{node.lineno}")
-    import zygote
+    from helpers import zygote
 
     assert zygote._is_runtime("HF_RESUMABLE_SPLIT_REPLICAS") and not zygote._is_runtime("HF_ENDPOINT")
     assert found == [], f"read at import time: {found}"
+
+
+# Nothing outside checkpoint/ imports its private modules (a ``_``-prefixed module or package under it): the package's
+# front (``hf_resumable.checkpoint`` and its public modules) is the way in. Today's offenders are listed here; the list
+# must only shrink (an entry that no longer imports is an error too, so the list stays a true picture of what remains).
+_PRIVATE_CHECKPOINT_IMPORTS_LEFT = frozenset({
+    "conversions._commit -> checkpoint._fs",
+    "conversions._commit -> checkpoint._types",
+    "conversions._commit -> checkpoint._writer",
+    "conversions._layout -> checkpoint._sharded",
+    "conversions._layout -> checkpoint._types",
+    "conversions.dcp -> checkpoint._payload",
+    "conversions.dcp -> checkpoint._sharded",
+    "conversions.dcp -> checkpoint._types",
+    "conversions.deepspeed -> checkpoint._partitioned",
+    "conversions.deepspeed -> checkpoint._payload",
+    "conversions.deepspeed -> checkpoint._sharded",
+    "conversions.deepspeed -> checkpoint._types",
+    "conversions.export -> checkpoint._partitioned",
+    "conversions.export -> checkpoint._reader",
+    "conversions.hf_storage -> checkpoint._optimizer",
+    "conversions.hf_storage -> checkpoint._payload",
+    "conversions.hf_storage -> checkpoint._types",
+    "conversions.stock -> checkpoint._reshard",
+    "data._loaders -> checkpoint._validate",
+    "hub.models -> checkpoint._frozen",
+    "hub.models -> checkpoint._model",
+    "hub.models -> checkpoint._payload",
+    "hub.models -> checkpoint._types",
+    "hub.models -> checkpoint._writer",
+    "integrations._accelerate_data -> checkpoint._validate",
+    "integrations._accelerate_state -> checkpoint._dtensor",
+    "integrations._deepspeed -> checkpoint._partitioned",
+    "integrations._deepspeed -> checkpoint._staging",
+    "integrations._save_interval -> checkpoint._interval",
+    "integrations.accelerate -> checkpoint._model_files",
+    "integrations.accelerate -> checkpoint._writer",
+    "integrations.trainer -> checkpoint._reader",
+    "lazy._load -> checkpoint._model",
+    "lazy._weights -> checkpoint._frozen",
+})
+
+
+def _is_private_to(module: str, package: str) -> bool:
+    """``module`` lies inside ``package`` under a ``_``-prefixed name (``checkpoint._types``, ``checkpoint.x._y``)."""
+    inner = module.split(".")[len(package.split(".")):]
+    return _within(module, package) and any(part.startswith("_") for part in inner)
+
+
+def test_nothing_outside_checkpoint_imports_its_private_modules():
+    found = {f"{a} -> {b}" for a in MODULES if not _within(a, "checkpoint") for b in _imports(a, ancestors=True)
+             if _is_private_to(b, "checkpoint")}
+    new = sorted(found - _PRIVATE_CHECKPOINT_IMPORTS_LEFT)
+    gone = sorted(_PRIVATE_CHECKPOINT_IMPORTS_LEFT - found)
+    assert not new, ("modules outside hf_resumable/checkpoint/ import its private modules; import the name from "
+                     "hf_resumable.checkpoint (or a public module of it) instead:\n" + "\n".join(new))
+    assert not gone, ("these imports are gone: remove them from _PRIVATE_CHECKPOINT_IMPORTS_LEFT in "
+                      "tests/test_architecture.py (the list only shrinks):\n" + "\n".join(gone))
+
+
+def test_the_private_module_test_knows_a_private_module():
+    # Guards the check above: these are private to checkpoint/ (or not), whatever modules exist today.
+    assert _is_private_to("checkpoint._types", "checkpoint") and _is_private_to("checkpoint.commit._fs", "checkpoint")
+    assert not _is_private_to("checkpoint.api", "checkpoint") and not _is_private_to("checkpoint", "checkpoint")
+    assert not _is_private_to("conversions._commit", "checkpoint")
+
+
+# The test suite follows the same rooms: every helper that more than one test module (or a test's worker script)
+# uses lives in tests/helpers/; tests/ itself holds conftest.py and the test modules, and no file of the suite (nor of
+# benchmarks/) imports a test module. A test module imported by another runs its module-level code and registers its
+# fixtures twice, and ties two files' bodies together.
+TESTS = PACKAGE.parent / "tests"
+HELPERS = TESTS / "helpers"
+BENCHMARKS = PACKAGE.parent / "benchmarks"
+
+
+def _suite_files() -> list[Path]:
+    """Every Python file of tests/ (helpers, scripts, fixtures included) and benchmarks/."""
+    return sorted(list(TESTS.rglob("*.py")) + list(BENCHMARKS.rglob("*.py")))
+
+
+def _imported_names(source: str) -> list[tuple[int, str]]:
+    """``(line, module)`` for every module ``source`` imports or starts: ``import``/``from`` statements at any depth
+    (inside functions too), ``importlib.import_module``/``__import__`` of a literal name, and ``-m NAME`` in a
+    literal command line."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if func in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                found.append((node.lineno, node.args[0].value))
+        elif isinstance(node, (ast.List, ast.Tuple)):
+            values = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+            found += [(node.lineno, name) for flag, name in zip(values, values[1:])
+                      if flag == "-m" and isinstance(name, str)]
+    return found
+
+
+def _test_module_imports(source: str) -> list[str]:
+    """Where ``source`` imports a test module (``test_*``, whatever its dotted path)."""
+    return [f"line {line}: {name}" for line, name in _imported_names(source)
+            if any(part.startswith("test_") for part in name.split("."))]
+
+
+def test_no_file_of_the_suite_imports_a_test_module():
+    offenders = [f"{path.relative_to(PACKAGE.parent)} {where}" for path in _suite_files()
+                 for where in _test_module_imports(path.read_text(encoding="utf-8"))]
+    assert not offenders, ("a test module is imported; move what is shared into the tests/helpers/ module named for "
+                           "its job and import it from there:\n" + "\n".join(offenders))
+
+
+@pytest.mark.parametrize("source", [
+    "import test_trainer_resume",
+    "from test_trainer_resume import KILLED, _run",
+    "def test_x():\n    import test_trainer_resume as grid\n    grid._run()",
+    "class A:\n    def f(self):\n        from test_engines import _reference",
+    "import importlib\nimportlib.import_module('test_engines')",
+    "command = [sys.executable, '-m', 'test_engines']",
+])
+def test_the_test_module_import_scan_finds(source):
+    assert _test_module_imports(source)
+
+
+@pytest.mark.parametrize("source", [
+    "from helpers.trainer_runs import KILLED, assert_identical",
+    "from helpers import zygote",
+    "import pytest\nfrom transformers.testing_utils import require_torch",
+    "command = [sys.executable, '-m', 'hf_resumable', 'test_run']",
+])
+def test_the_test_module_import_scan_allows(source):
+    assert not _test_module_imports(source)
+
+
+def _is_script(path: Path) -> bool:
+    """A file run as a process: it has an ``if __name__ == "__main__":`` block."""
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        test = node.test if isinstance(node, ast.If) else None
+        if (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+                and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)):
+            return True
+    return False
+
+
+def test_shared_helpers_live_in_tests_helpers():
+    top = sorted(p.name for p in TESTS.glob("*.py") if p.name != "conftest.py" and not p.name.startswith("test_"))
+    assert not top, f"tests/ holds conftest.py and test modules only; move these into tests/helpers/: {top}"
+    assert (HELPERS / "__init__.py").is_file()
+    # A module of tests/ outside helpers/ that another file imports must be a script run as a process (its building
+    # blocks may be reused, as train_tiny.py's are); a module that only defines things is a helper.
+    by_name: dict[str, list[Path]] = {}
+    for path in TESTS.rglob("*.py"):
+        if HELPERS not in path.parents and not path.name.startswith("test_") and path.name != "conftest.py":
+            by_name.setdefault(path.stem, []).append(path)
+    offenders = []
+    for path in _suite_files():
+        for line, name in _imported_names(path.read_text(encoding="utf-8")):
+            for target in by_name.get(name.split(".")[0], []):
+                if target != path and not _is_script(target):
+                    offenders.append(f"{path.relative_to(PACKAGE.parent)} line {line} imports "
+                                     f"{target.relative_to(PACKAGE.parent)}, which is not a script")
+    assert not offenders, "move these helpers into tests/helpers/:\n" + "\n".join(offenders)
+
+
+def test_the_helper_scan_sees_the_suite():
+    # Guards the scans: the suite has helpers, scripts that import them, and test modules that import scripts.
+    assert {"zygote", "distributed_launch", "tiny_models", "trainer_runs"} <= {p.stem for p in HELPERS.glob("*.py")}
+    worker = TESTS / "scripts" / "fsdp_trainer_worker.py"
+    assert _is_script(worker) and not _is_script(HELPERS / "tiny_models.py")
+    assert any(name.startswith("helpers") for _, name in _imported_names(worker.read_text(encoding="utf-8")))
+    assert any(name == "train_tiny" for path in TESTS.glob("test_*.py")
+               for _, name in _imported_names(path.read_text(encoding="utf-8")))

@@ -9,13 +9,9 @@ import pytest
 
 from hf_resumable.checkpoint import find_latest_checkpoint, read_manifest
 
-from test_accelerate_integration import (  # noqa: F401 - the fixture is used by name
-    EXAMPLE,
-    assert_same_run,
-    child_env,
-    launch_torchrun,
-    two_process_reference,
-)
+from helpers.accelerate_runs import EXAMPLE, assert_same_run, two_process_reference  # noqa: F401 - the fixture is used by name
+from helpers.distributed_launch import child_env
+from helpers.distributed_launch import run_torchrun as launch_torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

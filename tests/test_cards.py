@@ -15,7 +15,7 @@ from hf_resumable.checkpoint import read_manifest
 from hf_resumable.checkpoint.summary import summarize_checkpoint
 from hf_resumable.hub.cards import DEFAULT_TAGS, card_metadata, render_checkpoint_card, render_model_card
 
-from tiny_models import tiny_gpt2, train_steps
+from helpers.tiny_models import tiny_gpt2, train_steps
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,8 +18,8 @@ from hf_resumable.check._compare import likely_cause
 from hf_resumable.check._runner import plan_kill_points
 from hf_resumable.cli import main
 
-import zygote
-from distributed_launch import child_env
+from helpers import zygote
+from helpers.distributed_launch import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 LOOP = REPO / "tests" / "scripts" / "check_loop.py"
@@ -254,9 +254,9 @@ def test_the_tracer_records_a_plain_loaders_batch_inputs_loss_and_printed_lines_
 def _check(tmp_path, *args, kills=1, seed=0):
     report = tmp_path / "report.json"
     env = child_env()
-    # The launches come from a test zygote (tests/zygote.py) that has imported torch and transformers once: a script
-    # run as ``python script.py`` gets its client as the interpreter, and torchrun's workers get it as PYTHON_EXEC.
-    # torchrun itself stays a real child of check, so that check's kill reaches its whole tree.
+    # The launches come from a test zygote (tests/helpers/zygote.py) that has imported torch and transformers once: a
+    # script run as ``python script.py`` gets its client as the interpreter, and torchrun's workers get it as
+    # PYTHON_EXEC. torchrun itself stays a real child of check, so that check's kill reaches its whole tree.
     env = zygote.torchrun_env(env)
     args = [str(a) for a in args]
     if args[:3] != [sys.executable, "-m", "torch.distributed.run"] and args[0] == sys.executable:
@@ -397,7 +397,7 @@ def test_a_stock_accelerate_resume_skip_is_judged(tmp_path, skip):
 # `check` under torchrun stays in make test (the ZeRO-2 loop and the FSDP2 divergence below); the DDP loop is extended.
 @pytest.mark.extended
 def test_a_two_process_torchrun_loop_is_exact(tmp_path):
-    from distributed_launch import free_port
+    from helpers.distributed_launch import free_port
 
     done, report = _check(tmp_path, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-addr", "127.0.0.1", "--master-port", free_port(), REPO / "examples" /
@@ -415,7 +415,7 @@ ENGINE_WORKER = REPO / "tests" / "scripts" / "check_engine_worker.py"
 
 def _check_engine(tmp_path, *options, kills=1, seed=1):
     """``hf-resumable check -- torchrun --nproc-per-node 2 check_engine_worker.py ...`` (2 gloo ranks on CPU)."""
-    from distributed_launch import free_port
+    from helpers.distributed_launch import free_port
 
     return _check(tmp_path, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
                   "127.0.0.1", "--master-port", free_port(), ENGINE_WORKER, "--output-dir", "{out}", *options,

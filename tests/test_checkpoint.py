@@ -28,7 +28,7 @@ from hf_resumable.errors import (
 )
 from hf_resumable.format.safetensors_io import read_header
 
-from tiny_models import FACTORIES, assert_same_optimizer, assert_same_state, tiny_gpt2, tiny_llama, train_steps
+from helpers.tiny_models import FACTORIES, assert_same_optimizer, assert_same_state, tiny_gpt2, tiny_llama, train_steps
 
 
 def _setup(kind: str, seed: int, optimizer_cls=torch.optim.AdamW, **opt_kwargs):

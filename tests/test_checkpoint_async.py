@@ -22,8 +22,8 @@ from hf_resumable.checkpoint import (
 )
 from hf_resumable.errors import AsyncSaveError
 
-import zygote
-from tiny_models import tiny_gpt2, train_steps
+from helpers import zygote
+from helpers.tiny_models import tiny_gpt2, train_steps
 
 
 def _files(directory):
@@ -200,9 +200,9 @@ def test_the_next_step_waits_for_the_background_copy_and_the_checkpoint_holds_th
     """The save returns before the parameters and moments are copied; the forward and backward of the next step run
     meanwhile (changing the buffers), and its optimizer step waits at the gate until the copy is over. The checkpoint
     is the state at the save, byte for byte as a blocking save writes it."""
-    from staging_probe import copy_after_next_step
-
     from hf_resumable.checkpoint._step_gate import step_gate
+
+    from helpers.staging_probe import copy_after_next_step
 
     model = _bn_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -16,8 +16,8 @@ import torch
 from hf_resumable.checkpoint import find_latest_checkpoint, load_checkpoint, read_manifest, verify_checkpoint
 from hf_resumable.checkpoint._durability import is_durable
 
-from distributed_launch import child_env
-from zygote import Popen as spawn
+from helpers.distributed_launch import child_env
+from helpers.zygote import Popen as spawn
 
 SCRIPT = Path(__file__).parent / "scripts" / "save_loop.py"
 sys.path.insert(0, str(SCRIPT.parent))

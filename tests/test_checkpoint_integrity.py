@@ -29,7 +29,7 @@ from hf_resumable.errors import (
 )
 from hf_resumable.format.safetensors_io import read_header
 
-from tiny_models import assert_same_state, tiny_gpt2, train_steps
+from helpers.tiny_models import assert_same_state, tiny_gpt2, train_steps
 
 
 def _save_two(root):

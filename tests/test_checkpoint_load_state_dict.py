@@ -20,7 +20,7 @@ from hf_resumable.checkpoint import load_checkpoint, save_checkpoint
 from hf_resumable.checkpoint._model import load_state_dict_reason
 from hf_resumable.errors import CheckpointMismatchError
 
-from tiny_models import VOCAB, assert_same_state, tiny_gpt2, tiny_llama, train_steps
+from helpers.tiny_models import VOCAB, assert_same_state, tiny_gpt2, tiny_llama, train_steps
 
 
 def _stock(model: torch.nn.Module, path) -> torch.nn.Module:

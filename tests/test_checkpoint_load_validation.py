@@ -29,7 +29,7 @@ from hf_resumable.errors import (
 from hf_resumable.format.rng import RngState, capture_rng_state, save_rng_state
 from hf_resumable.format.safetensors_io import hash_file, read_header, read_safetensors, write_safetensors
 
-from tiny_models import tiny_gpt2, train_steps
+from helpers.tiny_models import tiny_gpt2, train_steps
 
 RNG_FILE = "rng/rank-00000.safetensors"
 DATA_FILE = "data/rank-00000.json"

@@ -15,9 +15,9 @@ from hf_resumable import load_checkpoint, save_checkpoint, verify_checkpoint
 from hf_resumable.cli import main
 from hf_resumable.demo import RunRecord, compare_runs, format_comparison, load_run
 
-import zygote
-from hub_fixtures import _hub_server, hub, hub_env, new_repo_id  # noqa: F401
-from tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, train_steps
+from helpers import zygote
+from helpers.hub_fixtures import _hub_server, hub, hub_env, new_repo_id  # noqa: F401
+from helpers.tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, train_steps
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

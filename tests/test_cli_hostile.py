@@ -13,7 +13,7 @@ import torch
 
 from hf_resumable.checkpoint import Manifest, read_manifest, save_checkpoint
 
-import zygote
+from helpers import zygote
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -37,7 +37,7 @@ from hf_resumable.checkpoint._owner import current_owner, member_name, parse_mem
 from hf_resumable.constants import PIN_PREFIX, REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
 from hf_resumable.errors import AsyncSaveError, CheckpointExistsError
 
-import zygote
+from helpers import zygote
 
 SCRIPT = Path(__file__).parent / "scripts" / "concurrent_checkpoints.py"
 

@@ -16,7 +16,7 @@ from transformers.trainer_pt_utils import safe_globals
 
 from hf_resumable.conversions.stock import _decay_parameter_names, _numpy_safe_globals
 
-from tiny_models import tiny_bert, tiny_gpt2, tiny_llama
+from helpers.tiny_models import tiny_bert, tiny_gpt2, tiny_llama
 
 
 class _Block(nn.Module):

@@ -35,9 +35,9 @@ from hf_resumable.conversions.dcp import plan_dcp_pieces
 from hf_resumable.conversions.deepspeed import plan_zero_boxes, plan_zero_maps
 from hf_resumable.errors import CorruptCheckpointError, UnsafePickleError
 
-import zygote
-from distributed_launch import REPO_ROOT, child_env, run_torchrun
-from engine_fixtures import read_local_state
+from helpers import zygote
+from helpers.distributed_launch import REPO_ROOT, child_env, run_torchrun
+from helpers.engine_fixtures import read_local_state
 
 SCRIPTS = Path(__file__).parent / "scripts"
 STOCK_WORKER = SCRIPTS / "convert_stock_worker.py"

@@ -38,9 +38,9 @@ from hf_resumable.errors import (
     UnsafePickleError,
 )
 
-import zygote
-from distributed_launch import REPO_ROOT, child_env, run_torchrun
-from tiny_models import decay_groups, tiny_gpt2, tiny_llama, train_steps
+from helpers import zygote
+from helpers.distributed_launch import REPO_ROOT, child_env, run_torchrun
+from helpers.tiny_models import decay_groups, tiny_gpt2, tiny_llama, train_steps
 
 WORKER = Path(__file__).parent / "scripts" / "dcp_hf_worker.py"
 SHARD = "shard-00001-model-00001-of-00001.safetensors"

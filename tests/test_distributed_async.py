@@ -24,7 +24,7 @@ import pytest
 
 from hf_resumable.checkpoint import find_latest_checkpoint, list_checkpoints, read_manifest, verify_checkpoint
 
-from distributed_launch import launch_ranks
+from helpers.distributed_launch import launch_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -6,7 +6,7 @@ checkpoint every step) is launched with ``torchrun --nproc-per-node 2``, killed,
 (gradient accumulation 2 -> 4, the scheduler still stepped twice per optimizer step), killed, and relaunched with 2
 processes. Compared with the uninterrupted 2-process run as in tests/test_elastic_trainer.py (samples per optimizer
 step, losses, weights; dropout on), and the learning rate of every step. The same with accelerate's FSDP2 plugin and
-with DeepSpeed ZeRO-2 (gloo ranks on CPU through tests/engine_fixtures.py; every launch through torchrun): the
+with DeepSpeed ZeRO-2 (gloo ranks on CPU through tests/helpers/engine_fixtures.py; every launch through torchrun): the
 checkpoint's per-rank pieces are resharded for the new world size. And with a shuffled ``datasets`` stream (a random
 ``.map`` crop) given to ``prepare_resumable_dataloader``: the Trainer's stream loader, read whole by every rank (and,
 in process, such a stream resumed mid-pass and into its next pass, with and without ``elastic=True``).
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_elastic_trainer import assert_same_run, launch, logged_losses, samples_per_epoch, steps_of_rank
 
-from distributed_launch import REPO_ROOT
+from helpers.distributed_launch import REPO_ROOT
+from helpers.elastic_runs import assert_same_run, launch, logged_losses, samples_per_epoch, steps_of_rank
 
 WORKER = REPO_ROOT / "tests" / "scripts" / "elastic_accelerate_worker.py"
 
@@ -183,9 +183,9 @@ def _stream_run(checkpoints: Path, *, elastic: bool, windows: int, save_at: int 
                 count: int = 12) -> list[list[tuple[int, int]]]:
     """``windows`` accumulation windows (2 micro-batches of 2; a pass of 14 examples ends with a window of one) over a
     shuffled, randomly cropped ``count``-example stream after ``load_state``; each micro-batch's examples."""
-    from elastic_data import crop_stream
-
     from hf_resumable import ResumableAccelerator
+
+    from helpers.elastic_data import crop_stream
 
     accelerator = ResumableAccelerator(gradient_accumulation_steps=2, checkpoint_dir=checkpoints, cpu=True,
                                        elastic=elastic)

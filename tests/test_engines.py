@@ -19,8 +19,6 @@
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,20 +28,23 @@ import torch
 from accelerate.utils import DeepSpeedPlugin, DistributedType, MegatronLMPlugin
 from transformers import TrainerCallback, TrainingArguments
 
-from hf_resumable.checkpoint import read_manifest, verify_checkpoint
 from hf_resumable.errors import UnsupportedEngineError
 from hf_resumable.integrations._engines import check_accelerate_state
 from hf_resumable.integrations.accelerate import ResumableAccelerator
 from hf_resumable.integrations.trainer import ResumableTrainer
 
-from distributed_launch import child_env, kill_torchrun_after, run_torchrun
-from engine_fixtures import build_model, read_local_state
-from test_accelerate_integration import _fresh_accelerate_state  # noqa: F401 - autouse: a fresh accelerate state
+from helpers.accelerate_runs import _fresh_accelerate_state  # noqa: F401 - autouse: a fresh accelerate state
+from helpers.engine_fixtures import build_model
+from helpers.engine_runs import (
+    ACCELERATE_WORKER,
+    TRAINER_WORKER,
+    _reference,
+    _resume_accelerate_bit_exact,
+    _resume_trainer_bit_exact,
+    accelerate_reference,  # noqa: F401 - a module fixture
+    trainer_reference,  # noqa: F401 - a module fixture
+)
 
-SCRIPTS = Path(__file__).parent / "scripts"
-ACCELERATE_WORKER = SCRIPTS / "fsdp_accelerate_worker.py"
-TRAINER_WORKER = SCRIPTS / "fsdp_trainer_worker.py"
-HOLD_STEP = 3  # the job is held after checkpoint-3 committed, then SIGKILLed
 RANKS = (0, 1)
 _EXTENDED = pytest.mark.extended  # a further variant of a guarantee make test proves once (make test-all)
 
@@ -167,85 +168,6 @@ def test_trainer_deepspeed_is_refused_when_train_starts(tmp_path, zero, engine):
 
 
 # ------------------------------------------------------------------ torchrun jobs
-
-
-def _run_job(worker: Path, output: Path, options: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
-    return run_torchrun(worker, ["--output-dir", str(output), *options], env=child_env(), timeout=300, nproc=nproc)
-
-
-def _kill_after_commit(worker: Path, output: Path, options: list[str], checkpoint: Path, nproc: int = 2) -> None:
-    """Run the job (``nproc`` ranks) held after checkpoint ``HOLD_STEP``; once that checkpoint has committed, SIGKILL
-    the job."""
-    returncode = kill_torchrun_after(worker, ["--output-dir", str(output), *options], nproc=nproc,
-                                     marker=checkpoint / "manifest.json",  # renamed into place: committed
-                                     log=output.parent / f"{output.name}-held.log",
-                                     env=child_env({"HFR_HOLD_AFTER_SAVE": str(HOLD_STEP)}))
-    assert returncode == -signal.SIGKILL
-    assert verify_checkpoint(checkpoint, full=True).ok
-    assert read_manifest(checkpoint).world_size == nproc
-    assert not list(output.glob("final-rank*")), "the job ran to its end before it was killed"
-
-
-def _assert_same_pieces(run: Path, reference: Path, nproc: int = 2) -> None:
-    for rank in range(nproc):
-        want, got = (read_local_state(path / f"final-rank{rank}.safetensors") for path in (reference, run))
-        assert sorted(got) == sorted(want) and any(name.startswith("optim/") for name in want)
-        different = [name for name in want if not torch.equal(want[name], got[name])]
-        assert not different, (rank, different[:5])
-
-
-def _losses(path: Path) -> dict[int, str]:
-    return {row["step"]: row["loss"] for row in map(json.loads, path.read_text().splitlines())}
-
-
-def _reference(tmp_path_factory: pytest.TempPathFactory, worker: Path, options: tuple[str, ...] = (),
-               nproc: int = 2) -> Path:
-    """The uninterrupted run (accelerate's default SHARDED_STATE_DICT; FULL_STATE_DICT runs must equal it too)."""
-    output = tmp_path_factory.mktemp(worker.stem) / "reference"
-    done = _run_job(worker, output, list(options), nproc)
-    assert done.returncode == 0, done.stdout[-5000:]
-    return output
-
-
-@pytest.fixture(scope="module")
-def accelerate_reference(tmp_path_factory) -> Path:
-    return _reference(tmp_path_factory, ACCELERATE_WORKER)
-
-
-@pytest.fixture(scope="module")
-def trainer_reference(tmp_path_factory) -> Path:
-    return _reference(tmp_path_factory, TRAINER_WORKER)
-
-
-def _resume_accelerate_bit_exact(run: Path, reference: Path, options: list[str], nproc: int = 2) -> None:
-    """Kill the accelerate job after checkpoint-3 committed, rerun it, and compare it with ``reference``."""
-    checkpoint = run / "checkpoints" / f"checkpoint-{HOLD_STEP}"
-    _kill_after_commit(ACCELERATE_WORKER, run, options, checkpoint, nproc)
-    assert (checkpoint / "sharded_layout.json").is_file()  # every rank's pieces, not a gathered copy
-    resumed = _run_job(ACCELERATE_WORKER, run, options, nproc)  # the same command
-    assert resumed.returncode == 0, resumed.stdout[-5000:]
-    for rank in range(nproc):
-        want = _losses(reference / f"losses-rank{rank}.jsonl")
-        lines = (run / f"losses-rank{rank}.jsonl").read_text().splitlines()
-        # steps 1-3 before the kill, 4-5 after the resume from checkpoint-3: nothing repeated or skipped
-        assert [json.loads(line)["step"] for line in lines] == list(range(1, 6))
-        assert _losses(run / f"losses-rank{rank}.jsonl") == want
-    _assert_same_pieces(run, reference, nproc)
-
-
-def _resume_trainer_bit_exact(run: Path, reference: Path, options: list[str], nproc: int = 2) -> None:
-    """Kill the Trainer job after checkpoint-3 committed, rerun it, and compare it with ``reference``."""
-    checkpoint = run / f"checkpoint-{HOLD_STEP}"
-    _kill_after_commit(TRAINER_WORKER, run, options, checkpoint, nproc)
-    assert (checkpoint / "sharded_layout.json").is_file() and (checkpoint / "trainer_state.json").is_file()
-    resumed = _run_job(TRAINER_WORKER, run, options, nproc)  # the same command
-    assert resumed.returncode == 0, resumed.stdout[-5000:]
-    for rank in range(nproc):
-        want = json.loads((reference / f"result-rank{rank}.json").read_text())
-        got = json.loads((run / f"result-rank{rank}.json").read_text())
-        assert got["resumed_from"].endswith(f"checkpoint-{HOLD_STEP}")
-        assert got["log_history"] == want["log_history"]  # every logged loss, grad norm and learning rate
-    _assert_same_pieces(run, reference, nproc)
 
 
 @pytest.mark.distributed
@@ -448,10 +370,10 @@ def _weight_differing_from_its_master_is_stored(tmp_path: Path, saving: Any, sta
     def held(module: torch.nn.Module) -> torch.Tensor:
         return module.weight.ds_tensor if stage == 3 else module.weight
 
-    from staging_probe import copy_after_next_step
-
     from hf_resumable import wait_for_pending_saves
     from hf_resumable.checkpoint._step_gate import step_gate
+
+    from helpers.staging_probe import copy_after_next_step
 
     # an async save copies the masters and moments, and checks the weights against the masters, on other threads;
     # the engine's next step (its base optimizer's) waits for both: the checkpoint holds the state at the save

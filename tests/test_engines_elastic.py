@@ -36,8 +36,8 @@ from hf_resumable.checkpoint._partitioned import (
 )
 from hf_resumable.errors import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
 
-from distributed_launch import child_env, run_torchrun
-from engine_fixtures import read_local_state
+from helpers.distributed_launch import child_env, run_torchrun
+from helpers.engine_fixtures import read_local_state
 
 WORKER = Path(__file__).parent / "scripts" / "ds_elastic_worker.py"
 
@@ -157,7 +157,7 @@ def test_master_weights_of_a_checkpoint_without_zero_partitions_are_refused(tmp_
     from hf_resumable import save_checkpoint
     from hf_resumable.conversions.export import export_model
 
-    from engine_fixtures import build_model
+    from helpers.engine_fixtures import build_model
 
     model = build_model()
     save_checkpoint(tmp_path / "checkpoint-1", model=model, optimizer=torch.optim.AdamW(model.parameters()), step=1)

@@ -1,4 +1,4 @@
-"""Contract tests: the real huggingface_hub client against the local fake Hub (tests/fakehub.py)."""
+"""Contract tests: the real huggingface_hub client against the local fake Hub (tests/helpers/fakehub.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from huggingface_hub import CommitOperationAdd, HfApi, HfFileSystem, hf_hub_download, snapshot_download
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
-from fakehub import FakeHub, Fault
-from hub_fixtures import _hub_server, hub, hub_env, new_repo_id  # noqa: F401
+from helpers.fakehub import FakeHub, Fault
+from helpers.hub_fixtures import _hub_server, hub, hub_env, new_repo_id  # noqa: F401
 
 
 def _files(tmp_path: Path, files: dict[str, bytes]) -> Path:

@@ -33,9 +33,9 @@ from hf_resumable.errors import (
     FormatVersionError,
 )
 
-from hub_fixtures import _hub_server, hub, hub_env, new_repo_id  # noqa: F401 - fixtures
-from tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, tiny_llama, train_steps
-from zygote import run as run_process
+from helpers.hub_fixtures import _hub_server, hub, hub_env, new_repo_id  # noqa: F401 - fixtures
+from helpers.tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, tiny_llama, train_steps
+from helpers.zygote import run as run_process
 
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402

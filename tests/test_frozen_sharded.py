@@ -28,8 +28,8 @@ from hf_resumable.checkpoint.sharded import (
 from hf_resumable.errors import BaseMismatchError, BaseNotStoredError
 from hf_resumable.format.safetensors_io import read_safetensors
 
-import sharded_fixtures as fx
-from distributed_launch import launch_ranks
+from helpers import sharded_fixtures as fx
+from helpers.distributed_launch import launch_ranks
 
 WORKER = str(Path(__file__).parent / "scripts" / "frozen_sharded_worker.py")
 EMBEDDING = "model.embed_tokens.weight"

@@ -45,18 +45,18 @@ from hf_resumable.format.rng import (
     visible_cuda_devices,
 )
 
-from distributed_launch import child_env, run_torchrun
-from test_accelerate_integration import EXAMPLE, assert_same_run, read_losses, run_example
-from test_engines import (
+from helpers.accelerate_runs import EXAMPLE, assert_same_run, read_losses, run_example
+from helpers.distributed_launch import child_env, run_torchrun
+from helpers.engine_runs import (
     ACCELERATE_WORKER,
     TRAINER_WORKER,
     _reference,
     _resume_accelerate_bit_exact,
     _resume_trainer_bit_exact,
 )
-from test_lazy_streaming import _gpt2, _llama, assert_streams_onto
-from test_trainer_resume import KILLED, SCRIPT, _run, _start, _wait, assert_identical
-from tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, train_steps
+from helpers.streaming_models import _gpt2, _llama, assert_streams_onto
+from helpers.tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, train_steps
+from helpers.trainer_runs import KILLED, SCRIPT, _run, _start, _wait, assert_identical
 
 DEVICE_ENV = "HFR_GPU_TESTS_DEVICE"
 DEVICE = os.environ.get(DEVICE_ENV, "cuda")

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from distributed_launch import REPO_ROOT, child_env
+from helpers.distributed_launch import REPO_ROOT, child_env
 
 SCRIPT = REPO_ROOT / "benchmarks" / "gpu_check.sh"
 

@@ -34,10 +34,10 @@ from hf_resumable.hub import (
     resumable_download,
 )
 
-import zygote
-from distributed_launch import child_env
-from fakehub import FakeHub, Fault
-from hub_fixtures import _hub_server, hub, hub_env, make_checkpoint_dir, new_repo_id, tiny_gpt2  # noqa: F401
+from helpers import zygote
+from helpers.distributed_launch import child_env
+from helpers.fakehub import FakeHub, Fault
+from helpers.hub_fixtures import _hub_server, hub, hub_env, make_checkpoint_dir, new_repo_id, tiny_gpt2  # noqa: F401
 
 INDEX = "model.safetensors.index.json"
 

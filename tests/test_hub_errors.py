@@ -27,8 +27,8 @@ from hf_resumable.errors import (
 from hf_resumable.hub import push_sharded
 from hf_resumable.lazy import LazyStateDict, load_lazily
 
-from fakehub import FakeHub, Fault
-from hub_fixtures import _hub_server, hub, hub_env, new_repo_id, tiny_llama  # noqa: F401
+from helpers.fakehub import FakeHub, Fault
+from helpers.hub_fixtures import _hub_server, hub, hub_env, new_repo_id, tiny_llama  # noqa: F401
 
 INDEX = "model.safetensors.index.json"
 

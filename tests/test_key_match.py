@@ -13,8 +13,8 @@ from hf_resumable.checkpoint._model import find_aliases, match_keys
 from hf_resumable.errors import CheckpointMismatchError
 from hf_resumable.lazy import load_lazily
 
-from hub_fixtures import on_meta
-from tiny_models import tiny_gpt2
+from helpers.hub_fixtures import on_meta
+from helpers.tiny_models import tiny_gpt2
 
 PATHS = {
     "regular": lambda path, model, strict: load_checkpoint(path, model=model, strict=strict, restore_rng=False),

@@ -12,9 +12,9 @@ from hf_resumable.errors import CheckpointMismatchError, CheckpointNotFoundError
 from hf_resumable.hub import push_sharded, write_sharded_model
 from hf_resumable.lazy import LazyStateDict, StreamingModel, load_lazily, plan_load, stream_forward
 
-from fakehub import FakeHub
-from hub_fixtures import _hub_server, hub, hub_env, new_repo_id, on_meta, tiny_gpt2, tiny_llama  # noqa: F401
-from test_lazy_streaming import _track_populated
+from helpers.fakehub import FakeHub
+from helpers.hub_fixtures import _hub_server, hub, hub_env, new_repo_id, on_meta, tiny_gpt2, tiny_llama  # noqa: F401
+from helpers.streaming_models import _track_populated
 
 IDS = torch.tensor([[5, 17, 3, 99, 42, 7, 1]])
 

@@ -11,53 +11,27 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DataCollatorForLanguageModeling, TrainingArguments
 
 from hf_resumable.errors import MemoryBudgetError
-from hf_resumable.hub import push_sharded, write_sharded_model
+from hf_resumable.hub import push_sharded
 from hf_resumable.lazy import LazyStateDict, StreamingModel, plan_residency
 from hf_resumable.lazy._prefetch import BlockPrefetcher
 
-import tiny_models
-from fakehub import FakeHub
-from hub_fixtures import _hub_server, hub, hub_env, new_repo_id, on_meta, tiny_gpt2  # noqa: F401
+from helpers.fakehub import FakeHub
+from helpers.hub_fixtures import _hub_server, hub, hub_env, new_repo_id, on_meta, tiny_gpt2  # noqa: F401
+from helpers.streaming_models import (
+    IDS,
+    NEW,
+    _blocks,
+    _generate,
+    _gpt2,
+    _llama,
+    _save,
+    _sizes,
+    _track_populated,
+    assert_streams_onto,
+)
 
 sys.path.insert(0, str(Path(__file__).parent / "trainer_scripts"))
 import train_tiny  # noqa: E402
-
-IDS = torch.tensor([[5, 17, 3, 99, 42, 7, 1]])
-NEW = 6
-
-
-def _generate(model: torch.nn.Module, device: str | torch.device = "cpu") -> torch.Tensor:
-    ids = (IDS % model.config.vocab_size).to(device)
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False).cpu()
-
-
-def _llama(seed: int = 0) -> torch.nn.Module:
-    """A tiny Llama with 6 blocks (so a budget can keep some resident and stream the rest)."""
-    return tiny_models.tiny_llama(seed, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=6).eval()
-
-
-def _gpt2(seed: int = 0) -> torch.nn.Module:
-    """A tiny GPT-2 (lm_head tied to the input embedding) with 6 blocks."""
-    return tiny_models.tiny_gpt2(seed, n_layer=6).eval()
-
-
-def _blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
-    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
-
-
-def _save(model: torch.nn.Module, directory: Path) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(directory)
-    write_sharded_model(model.state_dict(), directory, max_shard_size="20KB")
-    return directory
-
-
-def _sizes(model: torch.nn.Module) -> tuple[int, int]:
-    """(bytes outside the blocks, bytes of one block)."""
-    block = sum(p.numel() * p.element_size() for p in _blocks(model)[0].parameters())
-    total = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
-    return total - block * len(_blocks(model)), block
 
 
 # --------------------------------------------------------------------------------------------------- planning (pure)
@@ -120,30 +94,6 @@ def test_prefetcher_restarts_when_asked_out_of_order_and_reraises_read_errors() 
     assert (1, 1) in discarded and all(i == w for i, w in discarded)  # handed back with its own index
 
 
-# --------------------------------------------------------------------------------------------------- generate()
-def _track_populated(monkeypatch) -> list[int]:
-    """Bytes of streamed tensors populated and not yet evicted, recorded after every populate (populate and evict
-    both run on the read-ahead thread, so the record is exact)."""
-    from hf_resumable.lazy._mapped import MappedBlock
-
-    live: dict[int, int] = {}
-    peaks: list[int] = []
-    populate, evict = MappedBlock.populate, MappedBlock.evict
-
-    def tracked_populate(self: MappedBlock) -> None:
-        populate(self)
-        live[id(self)] = sum(t.nbytes for t in self.tensors.values())
-        peaks.append(sum(live.values()))
-
-    def tracked_evict(self: MappedBlock) -> None:
-        live.pop(id(self), None)
-        evict(self)
-
-    monkeypatch.setattr(MappedBlock, "populate", tracked_populate)
-    monkeypatch.setattr(MappedBlock, "evict", tracked_evict)
-    return peaks
-
-
 @pytest.mark.parametrize("factory", [_llama, _gpt2])
 def test_streamed_generate_equals_the_full_model(tmp_path: Path, factory, monkeypatch) -> None:
     model = factory(seed=4)
@@ -167,24 +117,6 @@ def test_streaming_onto_a_device_copies_each_block_there_and_frees_it(tmp_path: 
     """``device=``: blocks are copied onto it before they run and freed after (here the host itself, which takes the
     same copy path; tests/test_gpu.py streams onto a GPU)."""
     assert_streams_onto("cpu", tmp_path, factory)
-
-
-def assert_streams_onto(device: str, tmp_path: Path, factory) -> None:
-    """Greedy generation of a model streamed onto ``device`` (one block resident, five streamed) equals the full
-    model's there, and each streamed block's copy is freed after it runs."""
-    model = factory(seed=5).to(device)
-    folder = _save(model.cpu(), tmp_path / "m")
-    outside, block = _sizes(model)
-    meta = on_meta(model)
-    streaming = StreamingModel(meta, folder, max_memory=outside + 3 * block, keep_resident=True, device=device)
-    with streaming as streamed:
-        assert len(streaming.residency.resident) == 1 and len(streaming.residency.streamed) == 5
-        assert all(p.device.type == device for p in streamed.parameters() if not p.is_meta)
-        assert torch.equal(_generate(streamed, device), _generate(model.to(device), device))
-        assert not streaming._fixed  # a copy is freed after each run, never kept installed
-        # between passes only the resident block holds weights; every streamed block is back on the meta device
-        assert all(p.is_meta for i in streaming.residency.streamed for p in _blocks(meta)[i].parameters())
-    assert all(p.is_meta for p in _blocks(meta).parameters())
 
 
 def test_streaming_from_an_auto_config_without_read_ahead(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import hf_resumable.checkpoint as core
 from hf_resumable import find_latest_checkpoint, load_checkpoint, open_checkpoint, save_checkpoint
 from hf_resumable.remote import upload_checkpoint
 
-from s3_fixtures import bucket, seaweed, storage_options  # noqa: F401 - fixtures
+from helpers.s3_fixtures import bucket, seaweed, storage_options  # noqa: F401 - fixtures
 
 OPTIONS = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}
 

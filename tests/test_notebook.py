@@ -9,7 +9,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from hub_fixtures import _hub_server, hub, hub_env, new_repo_id  # noqa: F401 - fixtures
+from helpers.hub_fixtures import _hub_server, hub, hub_env, new_repo_id  # noqa: F401 - fixtures
 
 NOTEBOOK = Path(__file__).parents[1] / "notebooks" / "resume_finetune_colab.ipynb"
 

@@ -25,7 +25,7 @@ from hf_resumable.checkpoint.manifest import Manifest
 from hf_resumable.errors import ConfigDriftError, IncompleteCheckpointError, InexactResumeError
 from hf_resumable.format.rng import capture_rng_state
 
-from tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, train_steps
+from helpers.tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, train_steps
 
 
 def _setup(seed):

@@ -25,8 +25,8 @@ from hf_resumable.checkpoint import read_manifest, verify_checkpoint
 from hf_resumable.constants import FROZEN_RECORD_FILE, MODEL_INDEX_FILE, TRAINABLE_INDEX_FILE
 from hf_resumable.format.safetensors_io import STR_TO_DTYPE
 
-from test_trainer_resume import KILLED, _env, _resumed_from, assert_identical
-from zygote import Popen as spawn
+from helpers.trainer_runs import KILLED, _env, _resumed_from, assert_identical
+from helpers.zygote import Popen as spawn
 
 SCRIPTS = Path(__file__).parent / "trainer_scripts"
 sys.path.insert(0, str(SCRIPTS))

@@ -20,7 +20,7 @@ from hf_resumable.checkpoint._placements import MeshView, check_copies_agree, ch
 from hf_resumable.checkpoint._sharded import check_coverage
 from hf_resumable.errors import CheckpointMismatchError, HfResumableError, UnsupportedStateError
 
-from distributed_launch import launch_ranks
+from helpers.distributed_launch import launch_ranks
 
 WORKER = Path(__file__).parent / "scripts" / "placements_worker.py"
 

@@ -33,7 +33,7 @@ from hf_resumable.preemption import (
     fits_another_step,
 )
 
-from test_accelerate_integration import reference_run as accelerate_reference  # noqa: F401 - one reference run
+from helpers.accelerate_runs import reference_run as accelerate_reference  # noqa: F401 - one reference run
 
 CPU = torch.device("cpu")
 TRAIN, SAVE_AND_TRAIN, SAVE_AND_EXIT, EXIT = (PreemptionAction.TRAIN, PreemptionAction.SAVE_AND_TRAIN,
@@ -183,7 +183,7 @@ def test_trainer_in_process_rides_out_a_long_notice(tmp_path: Path):
     """SIGTERM at step 2 of 5 with an hour's notice: the notice checkpoint, then the run ends normally."""
     from transformers import TrainerCallback
 
-    from test_trainer_features import _trainer
+    from helpers.trainers import _trainer
 
     class SendSigterm(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -203,7 +203,7 @@ def test_trainer_in_process_with_a_notice_shorter_than_a_step_saves_one_step_lat
     the stop (``exit_on_preemption=False``: ``train`` returns)."""
     from transformers import TrainerCallback
 
-    from test_trainer_features import _trainer
+    from helpers.trainers import _trainer
 
     class SendSigterm(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -223,7 +223,7 @@ def test_trainer_in_process_with_a_notice_shorter_than_a_step_saves_one_step_lat
 
 
 def _trainer_runs():
-    import test_trainer_resume as grid
+    from helpers import trainer_runs as grid
 
     return grid
 
@@ -282,7 +282,7 @@ def test_two_ranks_one_signalled_train_on_then_stop_at_the_same_step_and_resume_
     from then on make certain to run out: both ranks checkpoint step 4 (in the background, the default under
     torchrun), train step 5, agree that no other step fits, save step 5 and exit 143 (rank 0 timing the notice
     from the boundary where it learnt of it)."""
-    import test_trainer_distributed as two
+    from helpers import trainer_runs as two
 
     reference = two.torchrun(tmp_path / "reference")
     assert reference.returncode == 0, reference.stdout[-5000:]
@@ -305,7 +305,7 @@ def test_two_ranks_one_signalled_train_on_then_stop_at_the_same_step_and_resume_
 @pytest.mark.slow
 def test_accelerate_loop_that_ends_within_the_notice_exits_0_with_the_uninterrupted_run(accelerate_reference,
                                                                                        tmp_path):
-    from test_accelerate_integration import assert_same_run, run_example
+    from helpers.accelerate_runs import assert_same_run, run_example
 
     done = run_example(tmp_path, num_workers=0, extra=("--preemption-notice", "3600"),
                        env={"HF_RESUMABLE_EXAMPLE_TERM_AFTER_STEP": "5"})
@@ -320,7 +320,7 @@ def test_accelerate_notice_that_runs_out_saves_a_later_step_exits_143_and_resume
                                                                                          tmp_path):
     """A notice shorter than any step: checkpoint-5 in the background when the signal is seen after step 5, step 6
     trained, then no room for another: checkpoint-6, exit 143."""
-    from test_accelerate_integration import assert_same_run, read_losses, run_example
+    from helpers.accelerate_runs import assert_same_run, read_losses, run_example
 
     options = ("--save-async", "--preemption-notice", "0.001")
     interrupted = run_example(tmp_path, num_workers=0, extra=options,

@@ -1,8 +1,9 @@
 """Every ```python block of README.md runs as written.
 
-Each block runs in a fresh process (forked by tests/zygote.py) in an empty directory, with huggingface_hub pointed at
-the local fake Hub (tests/fakehub.py) through ``HF_ENDPOINT``, so the Hub quickstart pushes and pulls without the
-network. ```bash blocks are not run. A failure names the block by its line in README.md and its first line.
+Each block runs in a fresh process (forked by tests/helpers/zygote.py) in an empty directory, with huggingface_hub
+pointed at the local fake Hub (tests/helpers/fakehub.py) through ``HF_ENDPOINT``, so the Hub quickstart pushes and
+pulls without the network. ```bash blocks are not run. A failure names the block by its line in README.md and its first
+line.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-import zygote
-from distributed_launch import REPO_ROOT, child_env
-from hub_fixtures import _hub_server, hub_environ  # noqa: F401 - fixture
+from helpers import zygote
+from helpers.distributed_launch import REPO_ROOT, child_env
+from helpers.hub_fixtures import _hub_server, hub_environ  # noqa: F401 - fixture
 
 README = REPO_ROOT / "README.md"
 _FENCE = re.compile(r"^```(\S*)\s*$")

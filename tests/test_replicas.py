@@ -18,7 +18,7 @@ from hf_resumable.checkpoint import read_manifest
 from hf_resumable.checkpoint._replicas import plan_replica_writers, replicas_split
 from hf_resumable.checkpoint.manifest import Manifest
 
-from distributed_launch import launch_ranks
+from helpers.distributed_launch import launch_ranks
 
 WORKER = str(Path(__file__).parent / "scripts" / "replica_worker.py")
 

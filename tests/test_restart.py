@@ -311,7 +311,7 @@ def test_cli_refuses_bad_arguments_in_one_line(capsys: pytest.CaptureFixture[str
 def test_trainer_run_restarted_warm_is_bit_identical(tmp_path: Path) -> None:
     """A ResumableTrainer script (DataLoader workers, a random transform, GA 2) SIGKILLed right after
     checkpoint-3 and restarted by ``hf-resumable run`` from the standby ends bit-identical to an uninterrupted run."""
-    from test_trainer_resume import CONFIGS, SCRIPT, _env, _run, assert_identical
+    from helpers.trainer_runs import CONFIGS, SCRIPT, _env, _run, assert_identical
 
     options = CONFIGS["llama_transform_w2"]
     reference = tmp_path / "reference"

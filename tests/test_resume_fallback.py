@@ -36,10 +36,10 @@ from hf_resumable.checkpoint.discovery import set_aside_checkpoint
 from hf_resumable.errors import CorruptCheckpointError
 from hf_resumable.integrations.accelerate import ResumableAccelerator
 
-import zygote
-from distributed_launch import REPO_ROOT, child_env, launch_ranks, run_torchrun
-from test_accelerate_integration import _fresh_accelerate_state  # noqa: F401 - autouse: a fresh accelerate state
-from test_engines import (
+from helpers import zygote
+from helpers.accelerate_runs import _fresh_accelerate_state  # noqa: F401 - autouse: a fresh accelerate state
+from helpers.distributed_launch import REPO_ROOT, child_env, launch_ranks, run_torchrun
+from helpers.engine_runs import (
     ACCELERATE_WORKER,
     HOLD_STEP,
     _assert_same_pieces,
@@ -47,7 +47,7 @@ from test_engines import (
     _reference,
     accelerate_reference,  # noqa: F401 - its uninterrupted FSDP2 run, a module fixture
 )
-from test_trainer_resume import KILLED, SCRIPT, _env, _resumed_from, _run, assert_identical
+from helpers.trainer_runs import KILLED, SCRIPT, _env, _resumed_from, _run, assert_identical
 
 WORKER = Path(__file__).parent / "scripts" / "fallback_accelerate_worker.py"
 # tests/trainer_scripts/train_tiny.py: a GPT-2 whose weights and AdamW state are files above the quick-hash limit
@@ -345,7 +345,7 @@ def test_trainer_explicit_path_still_raises_and_is_left_where_it_is(tmp_path):
 
     from hf_resumable.integrations.trainer import ResumableTrainer
 
-    from tiny_models import tiny_gpt2
+    from helpers.tiny_models import tiny_gpt2
 
     rows = [{"input_ids": list(range(3, 19)), "labels": list(range(3, 19))}] * 8
 

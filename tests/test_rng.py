@@ -26,7 +26,7 @@ from hf_resumable.format.rng import (
     visible_cuda_devices,
 )
 
-from tiny_models import tiny_gpt2, train_steps
+from helpers.tiny_models import tiny_gpt2, train_steps
 
 
 def _with_cuda_generators(count: int) -> RngState:

@@ -22,7 +22,7 @@ from hf_resumable.errors import SaveIntervalError
 from hf_resumable.integrations import _save_interval
 from hf_resumable.integrations._save_interval import AutoSaveInterval
 
-from tiny_models import VOCAB, tiny_gpt2
+from helpers.tiny_models import VOCAB, tiny_gpt2
 
 # ------------------------------------------------------------------------------------------------ the pure planner
 

@@ -46,8 +46,8 @@ from hf_resumable.errors import (
 )
 from hf_resumable.format.safetensors_io import hash_file
 
-import sharded_fixtures as fx
-from distributed_launch import launch_ranks
+from helpers import sharded_fixtures as fx
+from helpers.distributed_launch import launch_ranks
 
 WORKER = str(Path(__file__).parent / "scripts" / "sharded_worker.py")
 WORLD_SIZE = 2

@@ -35,7 +35,7 @@ from hf_resumable.conversions.stock import reshard_checkpoint
 from hf_resumable.errors import CorruptCheckpointError, IncompleteCheckpointError
 from hf_resumable.format.safetensors_io import hash_file, read_safetensors, write_safetensors
 
-from tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, tiny_llama, train_steps
+from helpers.tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, tiny_llama, train_steps
 
 sys.path.insert(0, str(Path(__file__).parent / "trainer_scripts"))
 import train_tiny  # noqa: E402

@@ -17,8 +17,8 @@ from hf_resumable.remote import (
     upload_checkpoint,
 )
 
-from s3_fixtures import CuttableProxy, bucket, seaweed, storage_options  # noqa: F401 - fixtures
-from tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, train_steps
+from helpers.s3_fixtures import CuttableProxy, bucket, seaweed, storage_options  # noqa: F401 - fixtures
+from helpers.tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, train_steps
 
 
 def _trained(tmp_path, steps=(1,), big=False):

@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from hf_resumable import distributed as hfr_dist
 
-import zygote
-from distributed_launch import REPO_ROOT, child_env, free_port, run_torchrun
+from helpers import zygote
+from helpers.distributed_launch import REPO_ROOT, child_env, free_port, run_torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -31,11 +31,20 @@ from hf_resumable.constants import TRAINER_STATE_FILE
 from hf_resumable.integrations.trainer import ResumableTrainer
 from hf_resumable.preemption import PREEMPTION_EXIT_CODE
 
-from distributed_launch import run_torchrun
-from test_trainer_distributed import OPTIONS as TORCHRUN_OPTIONS
-from test_trainer_distributed import RANK_SUFFIXES, _assert_every_rank_identical, reference  # noqa: F401
-from test_trainer_resume import SCRIPT, _env, _run, _start, _wait, assert_identical
-from test_trainer_upstream import _checkpoints, _evaluate_with, regression_trainer
+from helpers.distributed_launch import run_torchrun
+from helpers.trainer_runs import OPTIONS as TORCHRUN_OPTIONS
+from helpers.trainer_runs import (  # noqa: F401
+    RANK_SUFFIXES,
+    SCRIPT,
+    _assert_every_rank_identical,
+    _env,
+    _run,
+    _start,
+    _wait,
+    assert_identical,
+    reference,
+)
+from helpers.trainers import _checkpoints, _evaluate_with, regression_trainer
 
 # 44 samples, batch 4, GA 1: evaluation every save (every 2 steps), load_best_model_at_end, save_total_limit=2
 # (retention keeps the newest two and the best one).

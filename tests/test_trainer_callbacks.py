@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from test_trainer_resume import KILLED, _load, _resumed_from, _run, assert_identical
+from helpers.trainer_runs import KILLED, _load, _resumed_from, _run, assert_identical
 
 # Evaluate and save every 2 steps; patience 3 with threshold 1.0: the evaluations at steps 4, 6, 8 do not count as
 # improvements, so the run stops at step 8 of 22 (2 epochs of 11 steps).

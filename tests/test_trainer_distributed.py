@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,37 +19,16 @@ import pytest
 from hf_resumable.checkpoint import find_latest_checkpoint, read_manifest
 from hf_resumable.preemption import PREEMPTION_EXIT_CODE
 
-from distributed_launch import run_torchrun
-from test_trainer_resume import SCRIPT, _env, _resumed_from, _run, assert_identical
+from helpers.trainer_runs import (
+    OPTIONS,
+    _assert_every_rank_identical,
+    _resumed_from,
+    _run,
+    reference,  # noqa: F401 - a module fixture
+    torchrun,
+)
 
 pytestmark = pytest.mark.distributed
-
-# 44 samples, batch 4 per rank, 2 ranks: 6 batches per rank and epoch; GPT-2 with dropout, GA 1.
-OPTIONS = ["--model", "gpt2", "--data", "lm", "--max-steps", "6"]
-RANK_SUFFIXES = ("", "-rank1")
-
-
-def torchrun(output_dir: Path, *, timeout: float = 180, **kill: int) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node 2 train_tiny.py`` (the same command every time; ``kill`` sets HFR_* variables).
-
-    The job runs in its own session; if it outlives ``timeout`` the whole tree is SIGKILLed and the test fails.
-    """
-    return run_torchrun(SCRIPT, ["--output-dir", str(output_dir), *OPTIONS], env=_env(**kill), timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    output = tmp_path_factory.mktemp("reference2") / "run"
-    done = torchrun(output)
-    assert done.returncode == 0, done.stdout[-5000:]
-    return output
-
-
-def _assert_every_rank_identical(reference: Path, run: Path, resumed_from: str) -> None:
-    for suffix in RANK_SUFFIXES:
-        assert_identical(reference, run, suffix=suffix)
-        result = json.loads((run / f"result{suffix}.json").read_text())
-        assert result["resumed_from"].endswith(resumed_from)
 
 
 def _assert_per_rank_state(checkpoint: Path) -> None:

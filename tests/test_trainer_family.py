@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-import zygote
-from test_trainer_resume import KILLED, _env, _load, _resumed_from, assert_identical
+from helpers import zygote
+from helpers.trainer_runs import KILLED, _env, _load, _resumed_from, assert_identical
 
 pytest.importorskip("trl", reason="trl is a test dependency (setup.cfg [test])")
 

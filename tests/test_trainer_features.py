@@ -15,6 +15,8 @@ from transformers import DataCollatorForLanguageModeling, TrainerCallback, Train
 from hf_resumable.errors import CheckpointNotFoundError, ConfigDriftError
 from hf_resumable.integrations.trainer import ResumableTrainer, check_trainer_internals
 
+from helpers.trainers import _trainer
+
 sys.path.insert(0, str(Path(__file__).parent / "trainer_scripts"))
 import train_tiny  # noqa: E402  (tiny models, tokenizer and data shared with the subprocess grid)
 
@@ -49,17 +51,6 @@ def test_either_way_of_skipping_on_resume_is_accepted_and_neither_is_refused(mon
                             lambda obj: "return other(dataloader)" if obj is Trainer.get_resumed_dataloader
                             else real(obj))
         assert any("get_resumed_dataloader" in p for p in integration.check_trainer_internals())
-
-
-def _trainer(output_dir: Path, *, ga: int = 1, batch: int = 4, seed: int = 42, samples: int = 24, max_steps: int = 2,
-             dropout_model: str = "gpt2", **kwargs) -> ResumableTrainer:
-    tokenizer = train_tiny.build_tokenizer()
-    args = TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=batch,
-                             gradient_accumulation_steps=ga, max_steps=max_steps, save_steps=2, logging_steps=1,
-                             seed=seed, report_to=[], disable_tqdm=True, use_cpu=True, learning_rate=1e-3)
-    data = datasets.Dataset.from_dict({"input_ids": train_tiny.token_rows(samples)})
-    return ResumableTrainer(model=train_tiny.build_model(dropout_model), args=args, train_dataset=data,
-                            data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,11 @@ Each run is a separate process (tests/trainer_scripts/train_tiny.py), killed wit
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
 
-from test_trainer_resume import KILLED, _load, _resumed_from, _run, assert_identical
+from helpers.trainer_runs import KILLED, _load, _resumed_from, _run, assert_identical, snapshot
 
 # 44 samples, batch 4: 11 batches per epoch.
 CONFIGS = {
@@ -27,21 +26,6 @@ CONFIGS = {
     "epochs_log_per_epoch": ["--model", "gpt2", "--data", "lm", "--ga", "2", "--epochs", "1.5",
                              "--logging-strategy", "epoch"],
 }
-_SCRIPT_OUTPUTS = ("result.json", "final.safetensors")
-
-
-def snapshot(output_dir: Path) -> dict[str, tuple[int, int, str]]:
-    """Every entry under ``output_dir`` (hidden ones included) but the script's own result files:
-    relative path -> (size, mtime_ns, sha256)."""
-    entries = {}
-    for path in sorted(output_dir.rglob("*")):
-        rel = path.relative_to(output_dir).as_posix()
-        if rel in _SCRIPT_OUTPUTS:
-            continue
-        stat = path.stat()
-        digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "dir"
-        entries[rel] = (stat.st_size if path.is_file() else 0, stat.st_mtime_ns, digest)
-    return entries
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,7 @@ import pytest
 
 from hf_resumable.checkpoint import read_manifest
 
-from test_trainer_rerun import snapshot
-from test_trainer_resume import KILLED, _load, _resumed_from, _run, assert_identical
+from helpers.trainer_runs import KILLED, _load, _resumed_from, _run, assert_identical, snapshot
 
 OPTIONS = ["--model", "gpt2", "--data", "lm", "--max-steps", "6", "--save-total-limit", "2"]
 STOCK_STEPS = 3
@@ -89,7 +88,7 @@ def test_a_fresh_run_over_stock_checkpoints_is_refused_before_training(stock_run
 @pytest.mark.slow  # its fixture trains a stock run
 def test_resuming_an_older_stock_checkpoint_below_a_newer_one_is_refused(stock_run: Path, tmp_path: Path) -> None:
     """Resuming checkpoint-2 would save checkpoint-3, which the stock Trainer wrote: refused at train start."""
-    from test_trainer_features import _trainer
+    from helpers.trainers import _trainer
 
     run = tmp_path / "run"
     shutil.copytree(stock_run, run)
@@ -107,7 +106,7 @@ def test_end_of_training_deletion_spares_foreign_checkpoints(tmp_path: Path) -> 
     a stock one included; ResumableTrainer deletes only its own."""
     from unittest.mock import patch
 
-    from test_trainer_upstream import _evaluate_with, regression_trainer
+    from helpers.trainers import _evaluate_with, regression_trainer
 
     stock = tmp_path / "checkpoint-99"  # beyond this run's steps: no collision, so the run is not refused
     stock.mkdir()

@@ -16,14 +16,9 @@ import os
 from pathlib import Path
 from unittest.mock import patch
 
-import numpy as np
 import pytest
-import torch
-from torch import nn
 from transformers import (
     EarlyStoppingCallback,
-    PretrainedConfig,
-    PreTrainedModel,
     Trainer,
     TrainerCallback,
     TrainerState,
@@ -36,66 +31,15 @@ from hf_resumable.checkpoint import load_checkpoint, read_manifest
 from hf_resumable.errors import CheckpointNotFoundError, ConfigDriftError
 from hf_resumable.integrations.trainer import ResumableTrainer
 
-
-class RegressionConfig(PretrainedConfig):
-    model_type = "hfr-test-regression"
-
-    def __init__(self, a: float = 0.0, b: float = 0.0, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.a, self.b = a, b
-
-
-def _regression(a: torch.Tensor, b: torch.Tensor, input_x: torch.Tensor, labels: torch.Tensor | None) -> dict:
-    y = input_x * a + b
-    return {"logits": y} if labels is None else {"loss": nn.functional.mse_loss(y, labels), "logits": y}
-
-
-class RegressionPreTrainedModel(PreTrainedModel):
-    config_class = RegressionConfig
-    base_model_prefix = "regression"
-
-    def __init__(self, config: RegressionConfig) -> None:
-        super().__init__(config)
-        self.a = nn.Parameter(torch.tensor(float(config.a)))
-        self.b = nn.Parameter(torch.tensor(float(config.b)))
-        self.post_init()
-
-    def forward(self, input_x, labels=None):
-        return _regression(self.a, self.b, input_x, labels)
-
-
-class RegressionModel(nn.Module):
-    """Not a PreTrainedModel."""
-
-    def __init__(self, a: float = 0.0, b: float = 0.0) -> None:
-        super().__init__()
-        self.a = nn.Parameter(torch.tensor(float(a)))
-        self.b = nn.Parameter(torch.tensor(float(b)))
-
-    def forward(self, input_x, labels=None):
-        return _regression(self.a, self.b, input_x, labels)
-
-
-class RegressionDataset(torch.utils.data.Dataset):
-    def __init__(self, length: int = 64, a: float = 2.0, b: float = 3.0, seed: int = 42) -> None:
-        rng = np.random.default_rng(seed)
-        self.x = rng.normal(size=(length,)).astype(np.float32)
-        self.y = (a * self.x + b + rng.normal(scale=0.1, size=(length,))).astype(np.float32)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, index: int) -> dict:
-        return {"input_x": self.x[index], "labels": self.y[index]}
-
-
-def regression_trainer(output_dir: Path, *, train_len: int = 64, pretrained: bool = True, callbacks=(),
-                       trainer_class: type = ResumableTrainer, **arguments) -> Trainer:
-    arguments.setdefault("report_to", [])
-    args = TrainingArguments(str(output_dir), use_cpu=True, disable_tqdm=True, **arguments)
-    model = RegressionPreTrainedModel(RegressionConfig()) if pretrained else RegressionModel()
-    return trainer_class(model=model, args=args, train_dataset=RegressionDataset(train_len),
-                         eval_dataset=RegressionDataset(16, seed=5), callbacks=list(callbacks))
+from helpers.trainers import (
+    RegressionConfig,
+    RegressionDataset,
+    RegressionModel,
+    RegressionPreTrainedModel,
+    _checkpoints,
+    _evaluate_with,
+    regression_trainer,
+)
 
 
 def _params(trainer: Trainer) -> tuple[float, float]:
@@ -246,9 +190,6 @@ def test_resume_batch_order(tmp_path: Path) -> None:
 
 # ---- checkpoints, rotation, best model (TrainerCheckpointRotationTest, TrainerBestModelTest) ----
 
-def _checkpoints(output_dir: Path) -> list[int]:
-    return sorted(int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*"))
-
 
 def test_save_checkpoints_and_trainer_state(tmp_path: Path) -> None:
     trainer = regression_trainer(tmp_path, save_steps=5, logging_steps=5)
@@ -274,16 +215,6 @@ def test_checkpoint_rotation(tmp_path: Path) -> None:
     kept = _checkpoints(tmp_path / "best")
     best_step = int(Path(best.state.best_model_checkpoint).name.split("-")[1])
     assert best_step in kept and best.state.global_step in kept and len(kept) <= 3
-
-
-def _evaluate_with(values: list[float]):
-    """A stand-in for Trainer._evaluate returning ``values`` in turn, then the last one (the mock skips
-    ``on_evaluate``, so the stock loop evaluates once more at the epoch end, as it does here with ``Trainer``)."""
-    calls = iter(values)
-
-    def evaluate(*args, **kwargs) -> dict[str, float]:
-        return {"eval_accuracy": next(calls, values[-1])}
-    return evaluate
 
 
 def test_save_total_limit_1_keeps_only_the_best_checkpoint(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from hf_resumable.checkpoint._pins import live_pins
 from hf_resumable.errors import CorruptCheckpointError, IncompleteCheckpointError
 from hf_resumable.format.rng import capture_rng_state
 
-from tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, train_steps
+from helpers.tiny_models import assert_same_optimizer, assert_same_state, tiny_gpt2, train_steps
 
 
 def _setup(seed):

@@ -31,8 +31,8 @@ from hf_resumable.format.chunks import CHUNK_DIGEST_CHARS, CHUNK_HASH_SIZE, Chun
 from hf_resumable.format.safetensors_io import FileRecord, read_header, write_safetensors
 from hf_resumable.format.slice_reader import VerifiedFile
 
-from distributed_launch import launch_ranks
-from tiny_models import tiny_gpt2
+from helpers.distributed_launch import launch_ranks
+from helpers.tiny_models import tiny_gpt2
 
 # Files above 4 MiB (the quick verification hashes smaller files whole), spanning several chunks.
 BIG = dict(n_layer=1, n_embd=128, vocab_size=20000)

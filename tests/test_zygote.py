@@ -1,4 +1,4 @@
-"""The test zygote (tests/zygote.py) behaves like a fresh ``python`` process where the suite relies on it.
+"""The test zygote (tests/helpers/zygote.py) behaves like a fresh ``python`` process where the suite relies on it.
 
 Every kill/restart test starts its processes through it, so what they prove holds only if a forked child is
 indistinguishable from ``subprocess.Popen([sys.executable, ...])`` in what they observe: its own pid that SIGKILL
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-import zygote
+from helpers import zygote
 
 pytestmark = pytest.mark.skipif(not zygote._enabled(), reason="HF_RESUMABLE_TEST_ZYGOTE=0 turns the zygote off")
 
@@ -155,7 +155,7 @@ time.sleep(600)
 
 
 def _torchrun(script: Path, env: dict[str, str]) -> subprocess.Popen:
-    from distributed_launch import child_env, free_port
+    from helpers.distributed_launch import child_env, free_port
 
     command = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), str(script), str(script)]

@@ -23,7 +23,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(TESTS), str(TESTS / "trainer_scripts")]
 
-import engine_fixtures as fx  # noqa: E402
+from helpers import engine_fixtures as fx  # noqa: E402
 
 fx.install_cpu_engines()  # before TrainingArguments builds accelerate's state
 

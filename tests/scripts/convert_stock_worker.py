@@ -24,7 +24,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(TESTS), str(TESTS / "trainer_scripts"), str(TESTS / "scripts")]
 
-import engine_fixtures as fx  # noqa: E402
+from helpers import engine_fixtures as fx  # noqa: E402
 
 fx.install_cpu_engines()  # before TrainingArguments / Accelerator build accelerate's state
 

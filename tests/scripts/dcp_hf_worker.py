@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 from transformers.distributed import DistributedConfig  # noqa: E402
 
-from tiny_models import VOCAB, decay_groups, tiny_llama  # noqa: E402
+from helpers.tiny_models import VOCAB, decay_groups, tiny_llama  # noqa: E402
 
 LAYOUTS = {"tp": {"tp_size": 2}, "fsdp": {"fsdp_size": 2}}
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)

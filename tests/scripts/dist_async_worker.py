@@ -8,7 +8,7 @@ and 6 with ``save_checkpoint`` (or ``save_sharded_checkpoint`` on an FSDP2 model
 
 * ``blocking`` / ``async``: saves with ``blocking=True`` / ``blocking=False``; writes ``result-rank{R}.json``
   (losses, final weight digest, the stall of each save call). The background copies of the saves at steps 2 and 4
-  start only once the next optimizer step has begun (``tests/staging_probe.py``), which must wait for them
+  start only once the next optimizer step has begun (``tests/helpers/staging_probe.py``), which must wait for them
   (``blocked``: the steps that did).
 * ``sharded-blocking`` / ``sharded-async``: the same on an FSDP2 (``fully_shard``) model, whose optimizer gets the
   last layer as a new param group after the first save (the structure changes between two saves). Every checkpoint
@@ -43,7 +43,7 @@ from hf_resumable.checkpoint._step_gate import step_gate
 from hf_resumable.errors import AsyncSaveError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from staging_probe import copy_after_next_step  # noqa: E402
+from helpers.staging_probe import copy_after_next_step  # noqa: E402
 
 
 def build(sharded: bool, *, frozen: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

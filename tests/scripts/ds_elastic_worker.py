@@ -37,7 +37,7 @@ from hf_resumable.checkpoint import open_checkpoint  # noqa: E402
 from hf_resumable.checkpoint.sharded import load_sharded_into, save_sharded_checkpoint  # noqa: E402
 from hf_resumable.errors import ConfigDriftError  # noqa: E402
 
-import engine_fixtures as fx  # noqa: E402
+from helpers import engine_fixtures as fx  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

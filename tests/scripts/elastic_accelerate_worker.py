@@ -3,10 +3,10 @@
 
 Usage: ``elastic_accelerate_worker.py OUTPUT_DIR [--max-steps N] [--kill-after K] [--dropout P] [--engine
 {ddp,fsdp,deepspeed,zero1,zero3}] [--stream] [--mean-loss] [--direct]`` (``fsdp``: accelerate's FSDP2 plugin,
-``deepspeed``: ZeRO-2, ``zero1``/``zero3``: ZeRO-1/3, all on gloo CPU ranks through tests/engine_fixtures.py's shim,
-launched with torchrun at every world size; ``--stream``: the rows as a shuffled ``datasets`` stream with a random
-``.map`` crop, given to ``prepare_resumable_dataloader`` as is; ``--plain-loader``: the data in a plain ``DataLoader``
-passed to ``accelerator.prepare`` instead).
+``deepspeed``: ZeRO-2, ``zero1``/``zero3``: ZeRO-1/3, all on gloo CPU ranks through tests/helpers/engine_fixtures.py's
+shim, launched with torchrun at every world size; ``--stream``: the rows as a shuffled ``datasets`` stream with a
+random ``.map`` crop, given to ``prepare_resumable_dataloader`` as is; ``--plain-loader``: the data in a plain
+``DataLoader`` passed to ``accelerator.prepare`` instead).
 
 The loop is accelerate's token-exact recipe (``accumulation_windows`` + ``backward(loss_sum,
 num_items_in_batch=window.num_items)``) with a linear warmup/decay schedule prepared by accelerate; ``--mean-loss``:
@@ -34,12 +34,11 @@ from transformers import get_linear_schedule_with_warmup
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from elastic_data import FETCHED, CropRows, collate, crop_stream  # noqa: E402
-
 from hf_resumable import ResumableAccelerator  # noqa: E402
 
-import engine_fixtures as fx  # noqa: E402
-from tiny_models import tiny_gpt2  # noqa: E402
+from helpers import engine_fixtures as fx  # noqa: E402
+from helpers.elastic_data import FETCHED, CropRows, collate, crop_stream  # noqa: E402
+from helpers.tiny_models import tiny_gpt2  # noqa: E402
 
 
 def count_tokens(batch: dict) -> torch.Tensor:

@@ -4,7 +4,7 @@ plain ``python``: the same command line at every world size, as a user would rel
 Usage: ``elastic_trainer_worker.py OUTPUT_DIR [--max-steps N] [--kill-after K] [--dropout P] [--accumulation A]
 [--no-elastic] [--stream]`` (``--no-elastic``: the baseline, ``allow_config_drift=True`` instead of ``elastic=True``;
 ``--stream``: the rows as a shuffled ``datasets`` stream, 40 of them; ``--engine fsdp`` / ``deepspeed``: FSDP2 / ZeRO-2
-on gloo CPU ranks through tests/engine_fixtures.py's shim, launched with torchrun at every world size).
+on gloo CPU ranks through tests/helpers/engine_fixtures.py's shim, launched with torchrun at every world size).
 
 * The data set has variable-length rows and a per-sample random crop that draws from torch's global generator;
   the collator records the index of every row it collates.
@@ -29,12 +29,11 @@ from transformers import TrainerCallback, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from elastic_data import FETCHED, CropRows, collate, crop_stream  # noqa: E402
-
 from hf_resumable import ResumableTrainer  # noqa: E402
 
-import engine_fixtures as fx  # noqa: E402
-from tiny_models import tiny_gpt2  # noqa: E402
+from helpers import engine_fixtures as fx  # noqa: E402
+from helpers.elastic_data import FETCHED, CropRows, collate, crop_stream  # noqa: E402
+from helpers.tiny_models import tiny_gpt2  # noqa: E402
 
 
 class Recorder(TrainerCallback):

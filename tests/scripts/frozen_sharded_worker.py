@@ -31,7 +31,7 @@ from hf_resumable.data.elastic import ElasticSampler  # noqa: E402
 from hf_resumable.errors import BaseMismatchError  # noqa: E402
 from hf_resumable.format.safetensors_io import read_safetensors, write_safetensors  # noqa: E402
 
-import sharded_fixtures as fx  # noqa: E402
+from helpers import sharded_fixtures as fx  # noqa: E402
 
 AFTER = "after-3.safetensors"
 

@@ -23,7 +23,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TESTS))
 
-import engine_fixtures as fx  # noqa: E402
+from helpers import engine_fixtures as fx  # noqa: E402
 
 fx.install_cpu_engines()  # before the accelerator builds its state
 

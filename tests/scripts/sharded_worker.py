@@ -34,7 +34,7 @@ from hf_resumable.checkpoint.sharded import load_sharded_checkpoint, save_sharde
 from hf_resumable.data.elastic import ElasticSampler  # noqa: E402
 from hf_resumable.format.rng import restore_rng_state  # noqa: E402
 
-import sharded_fixtures as fx  # noqa: E402
+from helpers import sharded_fixtures as fx  # noqa: E402
 
 
 def shard(model: torch.nn.Module) -> None:

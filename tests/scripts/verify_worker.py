@@ -24,7 +24,7 @@ from torch.distributed.tensor import init_device_mesh  # noqa: E402
 from hf_resumable.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint  # noqa: E402
 from hf_resumable.errors import CorruptCheckpointError  # noqa: E402
 
-from tiny_models import tiny_gpt2  # noqa: E402
+from helpers.tiny_models import tiny_gpt2  # noqa: E402
 
 # Piece files above the quick verification's whole-file limit (4 MiB), each spanning several 1 MiB chunks.
 MODEL = dict(n_layer=1, n_embd=128, vocab_size=20000)

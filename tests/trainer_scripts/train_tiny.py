@@ -249,7 +249,7 @@ def kill_torchrun_job() -> None:
     import psutil
 
     # Forked from the test zygote, this process's parent is the zygote, and torchrun's child is the client that
-    # asked for it (tests/zygote.py sets HFR_ZYGOTE_CLIENT_PID); its workers die with their clients.
+    # asked for it (tests/helpers/zygote.py sets HFR_ZYGOTE_CLIENT_PID); its workers die with their clients.
     client = os.environ.get("HFR_ZYGOTE_CLIENT_PID")
     agent = (psutil.Process(int(client)) if client else psutil.Process()).parent()
     victims = [agent] + [p for p in agent.children(recursive=True) if p.pid != os.getpid()]

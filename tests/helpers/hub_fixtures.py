@@ -1,6 +1,6 @@
 """Pytest fixtures that start the local fake Hub and point the real ``huggingface_hub`` client at it.
 
-Import the fixtures into a test module (``from hub_fixtures import hub, hub_env  # noqa: F401``). The server is
+Import the fixtures into a test module (``from helpers.hub_fixtures import hub, hub_env  # noqa: F401``). The server is
 started once per importing module and stopped at its end; every test gets a fresh cache directory, an empty request
 log and no faults.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-import tiny_models
-from fakehub import FakeHub
+from helpers import tiny_models
+from helpers.fakehub import FakeHub
 
 __all__ = ["hub", "hub_env", "hub_constants", "hub_environ", "new_repo_id", "make_checkpoint_dir", "on_meta",
            "tiny_gpt2", "tiny_llama"]

@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import zygote
+from helpers import zygote
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 __all__ = ["RankResult", "free_port", "launch_ranks", "child_env", "shared_env", "run_torchrun", "kill_torchrun_after"]
 
@@ -109,7 +109,7 @@ def run_torchrun(script: str | Path, args: list[str], *, env: dict[str, str], ti
 
     torchrun starts each worker in a session of its own, so on timeout the whole process tree is collected
     first and then SIGKILLed, and the test fails with the job's output. ``forked``: the workers come from a test
-    zygote (tests/zygote.py); ``False`` starts each as a fresh interpreter, as torchrun itself would.
+    zygote (tests/helpers/zygote.py); ``False`` starts each as a fresh interpreter, as torchrun itself would.
     """
     import contextlib
 

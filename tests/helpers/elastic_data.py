@@ -4,13 +4,9 @@ crop (map-style, or a ``datasets`` stream), a padding collator, and the sample i
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tiny_models import VOCAB  # noqa: E402
+from helpers.tiny_models import VOCAB
 
 FETCHED: list[int] = []  # indices collated since the last optimizer step (num_workers=0: this process)
 

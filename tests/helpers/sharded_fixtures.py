@@ -16,7 +16,7 @@ from hf_resumable.data.elastic import ElasticSampler
 from hf_resumable.format.rng import derive_seed
 from hf_resumable.format.safetensors_io import read_safetensors, write_safetensors
 
-from tiny_models import tiny_gpt2, tiny_llama
+from helpers.tiny_models import tiny_gpt2, tiny_llama
 
 SEED = 1234
 DATASET_LEN = 22  # 2 ranks x batch 2 -> 4 per global step; the last step of an epoch is short (2 samples)

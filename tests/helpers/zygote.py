@@ -53,7 +53,7 @@ from pathlib import Path
 
 __all__ = ["Popen", "run", "shutdown", "RUNTIME_VARIABLES"]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Read by the child at run time, never at import: they may differ between children of one zygote.
 RUNTIME_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -93,7 +93,7 @@ def _import_environment(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The server (runs as ``python tests/zygote.py <socket>``)
+# The server (runs as ``python tests/helpers/zygote.py <socket>``)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -480,7 +480,7 @@ def torchrun_env(env: dict[str, str]) -> dict[str, str]:
     if not os.path.exists(client):
         with open(client + ".tmp", "w") as handle:
             handle.write(f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {str(REPO_ROOT / 'tests')!r})\n"
-                         f"import zygote\nzygote.as_python({sys.executable!r})\n")
+                         f"from helpers import zygote\nzygote.as_python({sys.executable!r})\n")
         os.chmod(client + ".tmp", 0o755)
         os.replace(client + ".tmp", client)
     return {**env, "PYTHON_EXEC": client, "HF_RESUMABLE_TEST_ZYGOTE_SOCKET": zygote.socket_path,
