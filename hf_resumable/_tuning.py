@@ -78,6 +78,15 @@ def _flag(name: str) -> bool:
     raise ValueError(f"{name}={value!r}: expected 1 (on, the default) or 0 (off).")
 
 
+def _on(name: str) -> bool:
+    """:func:`_flag` for the background threads, which must not fail: a value it refuses counts as on (the default);
+    the caller's thread refused it already (an async save calls :func:`tuning_options` before it starts)."""
+    try:
+        return _flag(name)
+    except ValueError:
+        return True
+
+
 def _count(name: str) -> int | None:
     value = os.environ.get(name, "").strip()
     if not value:
@@ -157,7 +166,7 @@ def lower_thread_priority(increment: int = WRITER_NICE_INCREMENT) -> Lowering | 
     Returns:
         `Lowering | None`: what changed, for :func:`restore_thread_priorities`; ``None`` if nothing did.
     """
-    if not _PER_THREAD_NICE or increment <= 0 or not _flag(WRITER_PRIORITY_ENV):
+    if not _PER_THREAD_NICE or increment <= 0 or not _on(WRITER_PRIORITY_ENV):
         return None
     tid = threading.get_native_id()
     try:
@@ -232,7 +241,7 @@ def defer_to_running_threads() -> bool:
     """
     if not _PER_THREAD_POLICY:
         return False
-    wanted = os.SCHED_BATCH if _flag(WRITER_PRIORITY_ENV) else os.SCHED_OTHER
+    wanted = os.SCHED_BATCH if _on(WRITER_PRIORITY_ENV) else os.SCHED_OTHER
     try:
         policy = os.sched_getscheduler(0)
         if policy != wanted and policy in (os.SCHED_BATCH, os.SCHED_OTHER):

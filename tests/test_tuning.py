@@ -62,6 +62,18 @@ def test_with_the_writer_priority_switch_off_a_background_write_runs_at_the_trai
     assert read_manifest(tmp_path / "checkpoint-1").step == 1
 
 
+def test_a_background_save_refuses_a_bad_switch_before_it_starts(tmp_path, monkeypatch):
+    monkeypatch.setenv(_tuning.WRITER_PRIORITY_ENV, "sometimes")
+    with pytest.raises(ValueError, match=_tuning.WRITER_PRIORITY_ENV):
+        save_checkpoint(tmp_path / "checkpoint-1", model=torch.nn.Linear(4, 2), step=1, rng=False, blocking=False)
+    wait_for_pending_saves()
+    assert not (tmp_path / "checkpoint-1").exists()
+    monkeypatch.delenv(_tuning.WRITER_PRIORITY_ENV)
+    save_checkpoint(tmp_path / "checkpoint-1", model=torch.nn.Linear(4, 2), step=1, rng=False, blocking=False)
+    wait_for_pending_saves()  # the saver's thread serves the next save
+    assert read_manifest(tmp_path / "checkpoint-1").step == 1
+
+
 def test_with_background_deletes_off_retention_deletes_before_it_returns(tmp_path, monkeypatch):
     from hf_resumable.checkpoint import apply_retention, list_checkpoints
 

@@ -35,6 +35,7 @@ from .._tuning import (
     defer_to_running_threads,
     lower_thread_priority,
     restore_thread_priorities,
+    tuning_options,
 )
 from ..distributed import checkpoint_group, is_distributed, rank_and_world_size
 from ..errors import AsyncSaveError
@@ -292,7 +293,11 @@ class AsyncSaver:
 
         Returns:
             `concurrent.futures.Future`: done once the save has committed (its result is the manifest) or failed.
+
+        Raises:
+            ValueError: a switch of docs/performance.md holds a value it does not take (nothing was started).
         """
+        tuning_options()  # a switch with a value it does not take is refused here, before anything starts
         self.wait()
         group = checkpoint_group()  # created on first use: a collective of the training thread
         signature = replica_signature(payload)
@@ -371,6 +376,7 @@ class AsyncSaver:
         Returns:
             `concurrent.futures.Future`: done once every rank's files are durable (or failed).
         """
+        tuning_options()  # refused here, not on the saver's thread
         self.wait()
         job = _SyncJob(target, written, group=checkpoint_group(), on_durable=on_durable)
         self._job, self._last = job, job.future
