@@ -24,7 +24,8 @@ same in every run) and saved with the position, so a resumed run continues with 
 
 A loader that cannot be rebuilt this way (an ``IterableDataset``, ``batch_size=None``, a ``BatchSampler``
 passed as ``sampler=``) is prepared by accelerate alone; :func:`plan_loader` says why, and the accelerator
-says so in a WARNING at ``prepare`` time.
+says so in a WARNING at ``prepare`` time (:func:`prepare_positioned_loader`, the accelerator's side of this;
+:func:`skip_restored_batches` is its ``skip_first_batches``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 from accelerate.data_loader import (
@@ -58,8 +59,13 @@ from torch.utils.data import (
 from .. import trace
 from ..checkpoint._validate import batches_yielded
 from ..data import DATA_EPOCH, DATA_KIND, DATA_LOADER, DATA_NUM_BATCHES, DATA_STEP, data_rng
+from ..distributed import broadcast_json
 from ..format.rng import derive_seed
 from ..format.state_codec import decode_state, encode_state
+from ._accelerate_loop import ResumablePreparedLoader, ResumablePreparedStream
+
+if TYPE_CHECKING:
+    from .accelerate import ResumableAccelerator
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +75,9 @@ __all__ = [
     "ResumableDataLoaderShard",
     "StatefulLoaderPosition",
     "plan_loader",
+    "prepare_positioned_loader",
     "rebuild_prepared_loader",
+    "skip_restored_batches",
     "SOURCE_ACCELERATE",
     "SOURCE_STATEFUL",
 ]
@@ -396,6 +404,76 @@ def rebuild_prepared_loader(prepared: Any, *, seed: int, process_index: int, num
     loader.iteration = prepared.iteration
     loader._init_position(keyed, seed=seed, base_per_batch=per_batch, generator=generator)
     return loader
+
+
+def prepare_positioned_loader(accelerator: ResumableAccelerator, data_loader: Any,
+                              prepare: Callable[[Any], Any]) -> Any:
+    """accelerate's preparation of a plain ``DataLoader`` (``prepare``), rebuilt with a saved position where its
+    sampler allows (:func:`plan_loader`) and registered with the accelerator's saved loaders; otherwise accelerate's
+    loader with a WARNING saying what of it resumes."""
+    plan = plan_loader(data_loader)
+    # Drawn on every process (the same generator stream as without hf_resumable), process 0's value is used.
+    seed = broadcast_json(int(torch.empty((), dtype=torch.int64).random_().item())) if plan.resumable else None
+    prepared = prepare(data_loader)
+    rank, world_size = accelerator._data_rank()
+    rebuilt = (rebuild_prepared_loader(prepared, seed=seed, process_index=rank,
+                                       num_processes=world_size) if plan.resumable else prepared)
+    if rebuilt is prepared and getattr(prepared, "use_stateful_dataloader", False):
+        logger.warning("%s is prepared by accelerate only (%s); its torchdata StatefulDataLoader state is saved "
+                       "and restored as stock accelerate does, so it resumes mid-epoch, but randomness inside "
+                       "its pipeline is not keyed by position.", type(data_loader).__name__, plan.note)
+        accelerator._resumable_loaders.append(StatefulLoaderPosition(prepared))
+        return prepared
+    if rebuilt is prepared:
+        logger.warning("%s is prepared by accelerate only: its position is not saved and a resumed run restarts "
+                       "it from its beginning (%s).", type(data_loader).__name__,
+                       plan.note or f"accelerate returned a {type(prepared).__name__}")
+        return prepared
+    accelerator._dataloaders = [rebuilt if loader is prepared else loader for loader in accelerator._dataloaders]
+    accelerator._resumable_loaders.append(rebuilt)
+    if plan.note is not None:
+        logger.warning("%s: %s.", type(data_loader).__name__, plan.note)
+    return rebuilt
+
+
+def skip_restored_batches(accelerator: ResumableAccelerator, dataloader: Any, num_batches: int, *,
+                          fallback: Callable[[Any, int], Any]) -> Any:
+    """``skip_first_batches`` of a loader prepared by the accelerator (positioned, never skipping twice); any other
+    loader goes to ``fallback`` (accelerate's own).
+
+    The loader itself is returned, positioned: after ``load_state`` restored it at batch ``n`` of its epoch,
+    ``skip_first_batches(loader, n)`` (what accelerate's checkpointing examples compute from the checkpoint name)
+    continues there, never skipping twice; on a loader without a restored position the next pass starts at
+    ``num_batches`` (as accelerate's skipping loader does, without fetching the skipped batches), and later passes
+    are whole epochs. The same call again in a later epoch of a resumed run (scripts that skip in every epoch after a
+    resume) skips nothing there, with a WARNING: the batches it names were skipped in the epoch the run resumed in
+    (see :class:`~hf_resumable.integrations._accelerate_loop.ResumedLoaders`).
+
+    Raises:
+        ValueError: ``num_batches`` differs from the position ``load_state`` restored, or the loader is being iterated.
+    """
+    if accelerator._resume_watch.is_repeated_skip(dataloader, num_batches):
+        accelerator._resume_watch.warn_repeated_skip(dataloader, num_batches)
+        return dataloader
+    if isinstance(dataloader, (ResumablePreparedLoader, ResumablePreparedStream)):
+        if num_batches != dataloader.consumed:
+            raise ValueError("load_state() already restored this loader's position (epoch "
+                             f"{dataloader.epoch}, batch {dataloader.consumed}); do not skip batches yourself.")
+        return dataloader
+    if isinstance(dataloader, (ResumableDataLoaderShard, ResumableDataLoaderDispatcher)):
+        if dataloader.is_iterating:
+            raise ValueError("skip_first_batches() was called on a loader that is being iterated.")
+        restored = dataloader.restored_batches
+        if restored and num_batches != restored:
+            raise ValueError(f"load_state() restored this loader at batch {restored} of epoch "
+                             f"{dataloader.iteration}, but skip_first_batches() was asked to skip {num_batches}: "
+                             "the script's step count and the checkpoint disagree. Skip exactly the restored "
+                             "number (or do not skip: the loader already continues there).")
+        if not restored:
+            dataloader.skip(num_batches)
+        return dataloader
+    return fallback(dataloader, num_batches)
+
 
 
 class StatefulLoaderPosition:

@@ -9,6 +9,11 @@
   gradient accumulation, batches per epoch) once the global batch is kept (:func:`elastic_changes`).
 * **Position.** A loader's position is the number of its rank's batches consumed in the epoch; in the elastic layout
   that is ``chunks / world_size``, so it converts exactly at an optimizer-step boundary (:func:`convert_position`).
+* **One mode, chosen once.** The accelerator picks :func:`world_size_mode` when it is built: a
+  :class:`FixedWorldSize` (``elastic=False``) or an :class:`ElasticWorldSize`. Every step that differs between the two
+  (the global batch a loader is built for, the accumulation window, the micro-batch a loss is weighed by, the
+  scheduler rate, the recorded settings, the plan on load, the drift compared, loader positions and RNG at another
+  world size) is a method of that object, so the accelerator asks it instead of reading ``elastic``.
 
 Example:
 
@@ -22,18 +27,33 @@ Example:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from itertools import islice
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import torch
 from accelerate.scheduler import AcceleratedScheduler
 
-from ..data import DATA_NUM_BATCHES, DATA_STEP
-from ..errors import InexactResumeError
-from ._elastic import ELASTIC_SETTINGS
+from ..data import DATA_KIND, DATA_NUM_BATCHES, DATA_STEP, split_stream_for_rank
+from ..distributed import broadcast_json
+from ..errors import ConfigDriftError, InexactResumeError
+from ._accelerate_loop import (
+    AccumulationWindow,
+    ElasticBatch,
+    HandOuts,
+    ResumablePreparedLoader,
+    ResumablePreparedStream,
+)
+from ._elastic import ELASTIC_SETTINGS, plan_elastic_resume
+
+if TYPE_CHECKING:
+    from .accelerate import ResumableAccelerator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KEY_ELASTIC", "KEY_SCHEDULER_RATE", "KeptRateScheduler", "convert_position", "elastic_changes"]
+__all__ = ["KEY_ELASTIC", "KEY_SCHEDULER_RATE", "ElasticWorldSize", "FixedWorldSize", "KeptRateScheduler",
+           "convert_position", "elastic_changes", "plan_elastic_load", "world_size_mode"]
 
 # Keys of the run settings (``EXTRA_RUN``) an elastic run records.
 KEY_ELASTIC = "elastic"  # bool: written with elastic=True (the elastic sample layout)
@@ -95,3 +115,216 @@ def convert_position(record: Mapping[str, Any], *, saved_world_size: int, world_
         raise InexactResumeError(f"The saved data position ({chunks} batches of the epoch) is not a multiple of the "
                                  f"world size {world_size}; resume from a checkpoint on an optimizer-step boundary.")
     return {**record, DATA_STEP: chunks // world_size, DATA_NUM_BATCHES: num_batches}
+
+
+def plan_elastic_load(accelerator: ResumableAccelerator, path: Path, saved: Mapping[str, Any],
+                      saved_world_size: int) -> bool:
+    """``elastic=True``: keep the first launch's scheduler rate; at another world size, keep the checkpoint's
+    global batch (gradient accumulation and the loaders' epoch cut). Whether the world size changed.
+
+    Args:
+        accelerator (`ResumableAccelerator`): the accelerator ``load_state`` fills.
+        path (`Path`): the checkpoint, named in messages.
+        saved (`Mapping`): the checkpoint's run settings (``EXTRA_RUN``).
+        saved_world_size (`int`): the checkpoint's world size (its manifest's).
+
+    Raises:
+        ElasticWorldSizeError: the global batch does not divide at this world size.
+        ConfigDriftError: a loader that is not from ``prepare_resumable_dataloader`` (its order is per rank;
+            a plain ``DataLoader`` over a stream included).
+    """
+    mode = accelerator._world_size_mode
+    mode.scheduler_rate = int(saved.get(KEY_SCHEDULER_RATE, saved_world_size))
+    for scheduler in accelerator._schedulers:
+        if isinstance(scheduler, KeptRateScheduler):
+            scheduler.rate = mode.scheduler_rate
+    if saved_world_size == accelerator.num_processes or not saved.get(KEY_ELASTIC):
+        return False  # same size, or a checkpoint of another layout (the drift check names it)
+    loaders = [loader for loader in accelerator._resumable_loaders
+               if isinstance(loader, (ResumablePreparedLoader, ResumablePreparedStream))]
+    if not loaders or len(loaders) != len(accelerator._resumable_loaders):
+        raise ConfigDriftError(f"{path} was saved by {saved_world_size} process(es), this run has "
+                               f"{accelerator.num_processes}: elastic=True keeps the sample order only for loaders "
+                               "from prepare_resumable_dataloader(). Build the training loader with it.")
+    plan = plan_elastic_resume(saved_world_size=saved_world_size,
+                               saved_accumulation=int(saved["gradient_accumulation_steps"]),
+                               per_device_batch=loaders[0].batch_size, world_size=accelerator.num_processes,
+                               checkpoint=str(path))
+    accelerator.gradient_accumulation_steps = plan.gradient_accumulation_steps
+    if getattr(accelerator, "deepspeed_engine_wrapped", None) is not None:  # the engine divides the loss by its own
+        accelerator.deepspeed_engine_wrapped.engine.set_train_batch_size(plan.global_batch)
+    for loader in loaders:
+        loader.set_global_batch(plan.global_batch)
+    if accelerator.is_main_process:
+        logger.info("Elastic resume of %s: %s.", path, plan.describe())
+    return True
+
+
+class FixedWorldSize:
+    """``elastic=False``: a resume continues at the checkpoint's world size (another one is drift, refused unless
+    ``allow_inexact_resume``). Each method is one step of the accelerator that an :class:`ElasticWorldSize` does
+    differently; here it is the plain accelerate behaviour."""
+
+    enabled = False  # recorded in the run settings (KEY_ELASTIC)
+
+    def global_batch(self, global_batch: int) -> int | None:
+        """The global batch a loader of ``prepare_resumable_dataloader`` is built for (``None``: per rank)."""
+        return None
+
+    def stream_source(self, dataset: Any, *, rank: int, world_size: int) -> Any:
+        """What a stream loader of this rank reads: its split of ``dataset``."""
+        return split_stream_for_rank(dataset, rank=rank, world_size=world_size)
+
+    def hand_outs_for(self, layout: Any) -> HandOuts | None:
+        """Where a prepared loader over ``layout`` (batch sampler or stream) records the batch it handed out last."""
+        return None
+
+    def keep_scheduler_rate(self, accelerator: ResumableAccelerator, prepared: Any) -> Any:
+        """``prepared`` (what ``prepare``/``prepare_scheduler`` returned), its schedulers kept at their rate."""
+        return prepared
+
+    def window(self, loader: Any, iterator: Iterator[Any], size: int) -> tuple[list[Any], list[ElasticBatch] | None]:
+        """The next accumulation window's batches (up to ``size``) and, per batch, how the loader handed it out."""
+        return list(islice(iterator, size)), None
+
+    def trained_micro_batch(self, window: AccumulationWindow | None,
+                            accumulation: int) -> tuple[ElasticBatch | None, int]:
+        """The elastic batch being trained on (``None``: not the elastic layout) and the micro-batches per rank of
+        its step (the active window's length, else ``accumulation``)."""
+        slot = window.slot if window is not None else None
+        return None, accumulation if slot is None else slot[1]
+
+    def scale_loss(self, loss: torch.Tensor, num_items_in_batch: int | torch.Tensor | None, *,
+                   window: AccumulationWindow | None, accumulation: int, num_processes: int) -> torch.Tensor:
+        """``backward``'s loss scaling: by ``num_processes / num_items_in_batch`` (a summed loss), else by the
+        micro-batches of the step; the micro-batch being trained on (:meth:`trained_micro_batch`) may weigh it.
+
+        Raises:
+            ValueError: ``num_items_in_batch`` is not positive.
+        """
+        batch, micro_batches = self.trained_micro_batch(window, accumulation)
+        if num_items_in_batch is not None:
+            count = int(num_items_in_batch)
+            if count <= 0:
+                raise ValueError(f"num_items_in_batch must be > 0, got {count} (a window without any item).")
+            return loss * (0.0 if batch is not None and batch.is_padding else num_processes / count)
+        scale = None if batch is None else batch.loss_scale(num_processes=num_processes,
+                                                            micro_batches=micro_batches)
+        return loss / micro_batches if scale is None else loss * scale
+
+    def recorded_settings(self) -> dict[str, Any]:
+        """Run settings this mode adds to the ones every checkpoint records."""
+        return {}
+
+    def plan_load(self, accelerator: ResumableAccelerator, path: Path, saved: Mapping[str, Any],
+                  saved_world_size: int) -> bool:
+        """Adapt the accelerator to the checkpoint before anything is loaded; whether the world size changed."""
+        return False
+
+    def drift(self, changed: Mapping[str, tuple[Any, Any]], *, kept: bool) -> dict[str, tuple[Any, Any]]:
+        """The changed run settings that count as drift."""
+        return dict(changed)
+
+    def resumes_across(self, saved_world_size: int, world_size: int) -> bool:
+        """Whether a checkpoint of ``saved_world_size`` continues at ``world_size`` with converted positions and
+        rank-independent randomness (never, here: another world size is drift)."""
+        return False
+
+    def loader_records(self, accelerator: ResumableAccelerator, records: list[Any] | None,
+                       saved_world_size: int) -> list[Any] | None:
+        """This rank's saved loader positions, as its loaders load them."""
+        return records
+
+
+class ElasticWorldSize(FixedWorldSize):
+    """``elastic=True``: a resume at another world size keeps the checkpoint's global batch, sample order, model
+    randomness and learning-rate schedule (see the module's description).
+
+    Args:
+        scheduler_rate (`int`): scheduler steps per optimizer step, the first launch's (its number of processes
+            until a checkpoint says otherwise).
+    """
+
+    enabled = True
+
+    def __init__(self, *, scheduler_rate: int) -> None:
+        self.scheduler_rate = scheduler_rate
+        self.hand_outs = HandOuts()  # the batch a prepared loader handed out last (backward's weight)
+
+    def global_batch(self, global_batch: int) -> int | None:
+        return global_batch
+
+    def stream_source(self, dataset: Any, *, rank: int, world_size: int) -> Any:
+        return dataset  # read whole by every process; step k is the same examples at any world size
+
+    def hand_outs_for(self, layout: Any) -> HandOuts | None:
+        return self.hand_outs if layout.global_batch is not None else None
+
+    def keep_scheduler_rate(self, accelerator: ResumableAccelerator, prepared: Any) -> Any:
+        """``prepared`` (one object or a tuple) with every scheduler accelerate prepared (``prepare_scheduler``, or
+        ``prepare`` under DeepSpeed with a torch scheduler) made a :class:`KeptRateScheduler`."""
+        kept = {id(item): KeptRateScheduler(item, rate=self.scheduler_rate) for item in accelerator._schedulers
+                if type(item) is AcceleratedScheduler}  # not DeepSpeed's own schedules (its engine steps them)
+        accelerator._schedulers = [kept.get(id(item), item) for item in accelerator._schedulers]
+        if isinstance(prepared, tuple):
+            return tuple(kept.get(id(item), item) for item in prepared)
+        return kept.get(id(prepared), prepared)
+
+    def window(self, loader: Any, iterator: Iterator[Any], size: int) -> tuple[list[Any], list[ElasticBatch] | None]:
+        if getattr(loader, "hand_outs", None) is None:  # not a prepared loader of the elastic layout
+            return super().window(loader, iterator, size)
+        batches, handed = [], []
+        for batch in islice(iterator, size):
+            batches.append(batch)
+            handed.append(loader.last_batch)  # read right after the loader handed it out
+        return batches, handed
+
+    def trained_micro_batch(self, window: AccumulationWindow | None,
+                            accumulation: int) -> tuple[ElasticBatch | None, int]:
+        """The active window's batch, else the batch an elastic loader handed out last (a loop iterating the loader
+        itself: of several elastic loaders, the one that handed out a batch most recently, while its pass is under
+        way) in a step of ``accumulation`` (its last micro-batch syncs: see :class:`ResumablePreparedLoader`)."""
+        if window is not None:
+            slot = window.slot
+            return window.current(), accumulation if slot is None else slot[1]
+        return self.hand_outs.batch, accumulation
+
+    def recorded_settings(self) -> dict[str, Any]:
+        return {KEY_SCHEDULER_RATE: self.scheduler_rate}
+
+    def plan_load(self, accelerator: ResumableAccelerator, path: Path, saved: Mapping[str, Any],
+                  saved_world_size: int) -> bool:
+        return plan_elastic_load(accelerator, path, saved, saved_world_size)
+
+    def drift(self, changed: Mapping[str, tuple[Any, Any]], *, kept: bool) -> dict[str, tuple[Any, Any]]:
+        return elastic_changes(changed, kept=kept)
+
+    def resumes_across(self, saved_world_size: int, world_size: int) -> bool:
+        return saved_world_size != world_size
+
+    def loader_records(self, accelerator: ResumableAccelerator, records: list[Any] | None,
+                       saved_world_size: int) -> list[Any] | None:
+        if not self.resumes_across(saved_world_size, accelerator.num_processes):
+            return records
+        # the elastic layout's position is global: rank 0's record, converted (a new rank has none of its own)
+        records = broadcast_json(records if accelerator.is_main_process else None)
+        # (a stream's record counts the examples read over all ranks: its loader converts it when loaded)
+        return [record if record.get(DATA_KIND) == "stream" else
+                convert_position(record, saved_world_size=saved_world_size, world_size=accelerator.num_processes,
+                                 num_batches=len(loader))
+                for record, loader in zip(records or [], accelerator._resumable_loaders)] or None
+
+
+def world_size_mode(elastic: bool, *, num_processes: int) -> FixedWorldSize:
+    """The accelerator's mode for ``elastic`` (chosen once, when it is built).
+
+    Example:
+
+    ```python
+    >>> world_size_mode(True, num_processes=2).recorded_settings()
+    {'scheduler_steps_per_optimizer_step': 2}
+    >>> world_size_mode(False, num_processes=2).enabled
+    False
+    ```
+    """
+    return ElasticWorldSize(scheduler_rate=num_processes) if elastic else FixedWorldSize()

@@ -2,6 +2,7 @@
 resumable loaders, map-style and streaming (device placement, epoch and position; in the elastic layout each batch
 handed out as an :class:`ElasticBatch`), accumulation windows (the micro-batches of one optimizer step with their item
 count), and the watch over a resumed loop that skips again what its loaders already skipped (:class:`ResumedLoaders`).
+:func:`prepare_resumable_loader` is the accelerator's ``prepare`` of a loader built by :mod:`hf_resumable.data`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import accelerate
 import torch
@@ -24,10 +25,13 @@ from ..data import DATA_EPOCH, DATA_KIND, DATA_LOADER, DATA_NUM_BATCHES, DATA_ST
 from ..errors import DoubleSkipError
 from ._elastic import seed_model_rng
 
+if TYPE_CHECKING:
+    from .accelerate import ResumableAccelerator
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["AccumulationWindow", "ElasticBatch", "HandOuts", "ResumablePreparedLoader", "ResumablePreparedStream",
-           "ResumedLoaders"]
+           "ResumedLoaders", "accumulation_windows", "count_window_items", "prepare_resumable_loader"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +319,36 @@ def _end_hand_outs(loader: ResumablePreparedLoader | ResumablePreparedStream) ->
         loader.hand_outs.batch = None
 
 
+def prepare_resumable_loader(accelerator: ResumableAccelerator, data_loader: Any,
+                             device_placement: bool | None) -> Any:
+    """Wrap a loader of :func:`~hf_resumable.data.build_map_dataloader` or
+    :func:`~hf_resumable.data.build_stream_dataloader` (no re-sharding) and register it with the accelerator's saved
+    loaders.
+
+    Raises:
+        ValueError: the loader was built for another data-parallel rank or world size.
+    """
+    stream = not isinstance(data_loader, ResumableDataLoader)
+    layout = data_loader.dataset if stream else data_loader.batch_sampler
+    # a stream outside the elastic layout was split by rank beforehand: its world size is not its own
+    rank, ranks = accelerator._data_rank()
+    world_size = ranks if stream and layout.global_batch is None else layout.world_size
+    if (layout.rank, world_size) != (rank, ranks):
+        raise ValueError(
+            f"The {type(data_loader).__name__} was built for rank {layout.rank} of {layout.world_size}, but this "
+            f"process is data-parallel rank {rank} of {ranks}. Build it with the data-parallel rank and world "
+            "size (accelerator.process_index and accelerator.num_processes without a ParallelismConfig), or use "
+            "prepare_resumable_dataloader().")
+    place = accelerator.device_placement if device_placement is None else device_placement
+    wrapper = ResumablePreparedStream if stream else ResumablePreparedLoader
+    prepared = wrapper(data_loader, gradient_state=accelerator.gradient_state,
+                       device=accelerator.device if place else None,
+                       hand_outs=accelerator._world_size_mode.hand_outs_for(layout))
+    accelerator._resumable_loaders.append(prepared)
+    return prepared
+
+
+
 class AccumulationWindow:
     """The micro-batches of one optimizer step, with their item count summed over micro-batches and ranks.
 
@@ -364,6 +398,36 @@ class AccumulationWindow:
                 yield batch
         finally:
             self.slot = None
+
+
+def accumulation_windows(accelerator: ResumableAccelerator, dataloader: Any,
+                         count_items: Callable[[Any], int | torch.Tensor] | None) -> Iterator[AccumulationWindow]:
+    """The loader's batches grouped into :class:`AccumulationWindow`\\ s, each handed to the accelerator while it is
+    iterated (see ``ResumableAccelerator.accumulation_windows``)."""
+    iterator = iter(dataloader)
+    while True:
+        batches, handed = accelerator._world_size_mode.window(dataloader, iterator,
+                                                              accelerator.gradient_accumulation_steps)
+        if not batches:
+            return
+        counted = batches if handed is None else [b for b, h in zip(batches, handed) if not h.is_padding]
+        num_items = count_window_items(accelerator, counted, count_items) if count_items is not None else None
+        accelerator._window = AccumulationWindow(batches, num_items, elastic=handed)
+        try:
+            yield accelerator._window
+        finally:
+            accelerator._window = None
+
+
+def count_window_items(accelerator: ResumableAccelerator, batches: list[Any],
+                       count_items: Callable[[Any], int | torch.Tensor]) -> int:
+    """The items of a window's ``batches`` on this rank, summed over all processes (one all-reduce)."""
+    local = sum(int(count_items(batch)) for batch in batches)
+    if accelerator.num_processes == 1:
+        return local
+    total = accelerator.reduce(torch.tensor([local], dtype=torch.int64, device=accelerator.device), reduction="sum")
+    return int(total.item())
+
 
 
 # Code of these packages is never "the script's line" a message points at.

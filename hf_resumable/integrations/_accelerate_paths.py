@@ -1,6 +1,8 @@
 """Where :class:`~hf_resumable.integrations.accelerate.ResumableAccelerator` saves and what it refuses to touch:
 accelerate's automatic ``checkpoint_<iteration>`` naming, the files ``save_state`` pre-hooks write, and the typed
 errors of these decisions (whether a target directory may be replaced is ``checkpoint._writer.save_refusal``).
+``save_state``'s target (:func:`save_target`, :func:`check_target`) and what follows its commit (:func:`after_commit`:
+the upload, then retention) are functions of the accelerator.
 
 Planning functions are pure; the few that look at the disk say so.
 """
@@ -11,9 +13,14 @@ import os
 import stat
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from ..checkpoint import apply_retention
+from ..checkpoint._writer import save_refusal
 from ..constants import (
     AUTOMATIC_CHECKPOINT_RE,
+    CHECKPOINT_DIR_RE,
+    CHECKPOINT_PREFIX,
     CONFIG_FILE,
     DATA_STATE_DIR,
     FROZEN_RECORD_FILE,
@@ -31,7 +38,12 @@ from ..constants import (
     TRAINING_STATE_FILE,
     TRASH_PREFIX,
 )
+from ..distributed import broadcast_json
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, HfResumableError
+from ._core import DEFAULT
+
+if TYPE_CHECKING:
+    from .accelerate import ResumableAccelerator
 
 __all__ = [
     "AUTOMATIC_CHECKPOINT_RE",
@@ -42,7 +54,23 @@ __all__ = [
     "next_iteration",
     "collect_hook_files",
     "hook_file_conflicts",
+    "DEFAULT_KEEP_LAST",
+    "NAMING_AUTOMATIC",
+    "NAMING_EXPLICIT",
+    "NAMING_STEPS",
+    "after_commit",
+    "check_target",
+    "keep_count",
+    "pending_uploads",
+    "retains",
+    "save_target",
 ]
+
+# Where save_state() writes (see ResumableAccelerator.save_state).
+NAMING_AUTOMATIC = "automatic"  # ProjectConfiguration(automatic_checkpoint_naming=True): checkpoint_<iteration>
+NAMING_EXPLICIT = "explicit"  # save_state(output_dir)
+NAMING_STEPS = "steps"  # save_state(): checkpoint-<global_step>
+DEFAULT_KEEP_LAST = 2  # checkpoint-<step> checkpoints kept when neither keep_last nor total_limit is given
 
 
 class CheckpointPathNotFoundError(CheckpointNotFoundError, ValueError):
@@ -123,3 +151,58 @@ def hook_file_conflicts(relpaths: Iterable[str], *, model_slot: bool, optimizer_
         if reserved:
             conflicts.append(relpath)
     return conflicts
+
+
+def save_target(accelerator: ResumableAccelerator, output_dir: str | os.PathLike | None) -> tuple[str, Path]:
+    """``(naming, directory)`` of a ``save_state(output_dir)``: accelerate's automatic ``checkpoint_<iteration>``,
+    ``output_dir``, or ``checkpoint-<global_step>`` under ``checkpoint_dir``."""
+    if accelerator.project_configuration.automatic_checkpoint_naming:
+        return NAMING_AUTOMATIC, accelerator.checkpoint_dir / automatic_name(accelerator.save_iteration)
+    if output_dir is not None:
+        return NAMING_EXPLICIT, Path(output_dir)
+    return NAMING_STEPS, accelerator.checkpoint_dir / f"{CHECKPOINT_PREFIX}{accelerator.global_step}"
+
+
+def check_target(accelerator: ResumableAccelerator, mode: str, target: Path) -> None:
+    """Refuse a target on every process alike (the main process looks), before any collective of the save."""
+    automatic = mode == NAMING_AUTOMATIC  # accelerate never replaces a checkpoint_<iteration>
+    reason = broadcast_json(save_refusal(target, overwrite=not automatic) if accelerator.is_main_process else None)
+    if reason is not None and automatic:
+        raise CheckpointIterationExistsError(
+            f"Checkpoint directory {target} ({accelerator.save_iteration}) already exists. Set "
+            "accelerator.project_configuration.iteration to the iteration to continue with, or resume with "
+            "load_state(), which continues after the newest checkpoint_<i>.")
+    if reason is not None:
+        raise CheckpointExistsError(reason)
+
+
+def keep_count(accelerator: ResumableAccelerator) -> int | None:
+    """Checkpoints kept after a commit: ``keep_last`` if given, else ``total_limit``, else the naming's default."""
+    if accelerator.resume_options.keep_last is not DEFAULT:
+        return accelerator.resume_options.keep_last
+    if accelerator.project_configuration.total_limit is not None:
+        return accelerator.project_configuration.total_limit
+    return None if accelerator.project_configuration.automatic_checkpoint_naming else DEFAULT_KEEP_LAST
+
+
+def retains(accelerator: ResumableAccelerator, mode: str) -> bool:
+    """Whether a save of this naming ``mode`` is followed by retention."""
+    return mode != NAMING_EXPLICIT and keep_count(accelerator) is not None
+
+
+def pending_uploads(accelerator: ResumableAccelerator) -> set[Path]:
+    """Local checkpoints whose upload is not confirmed yet (resolved paths)."""
+    uploader = accelerator._uploader
+    return {Path(path).resolve() for path in uploader.pending()} if uploader is not None else set()
+
+
+def after_commit(accelerator: ResumableAccelerator, mode: str, target: Path) -> None:
+    """What follows a commit: the upload, then retention of the automatic namings (never before the commit)."""
+    if accelerator._uploader is not None:
+        accelerator._uploader.submit(target)
+    keep = keep_count(accelerator)
+    if not retains(accelerator, mode) or not accelerator.is_main_process:
+        return
+    pattern = AUTOMATIC_CHECKPOINT_RE if mode == NAMING_AUTOMATIC else CHECKPOINT_DIR_RE
+    # In the foreground, as accelerate's own total_limit: upstream's tests count the entries of the directory.
+    apply_retention(accelerator.checkpoint_dir, keep_last=keep, pattern=pattern, protect=pending_uploads(accelerator))

@@ -68,12 +68,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
-import tempfile
-from collections.abc import Callable, Iterator, Mapping
-from itertools import islice
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,114 +80,81 @@ import accelerate
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard, DataLoaderStateMixin
-from accelerate.scheduler import AcceleratedScheduler
 from accelerate.state import GradientState
 from accelerate.utils import DistributedType
 
 from .. import trace
 from ..checkpoint import (
     LoadedCheckpoint,
-    OpenedCheckpoint,
-    VerifyReport,
-    apply_retention,
-    list_checkpoints,
-    open_checkpoint,
     save_checkpoint,
-    verify_checkpoint,
 )
-from ..checkpoint._model_files import has_model_weights
-from ..checkpoint._writer import save_refusal, stock_accelerate_files
 from ..checkpoint.api import background_saver
-from ..checkpoint.sharded import load_sharded_into, save_sharded_checkpoint
-from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, MANIFEST_FILE, OPTIMIZER_INDEX_FILE
+from ..checkpoint.sharded import save_sharded_checkpoint
 from ..data import (
-    DATA_KIND,
     ResumableDataLoader,
     SeededIterableDataset,
     build_map_dataloader,
     build_stream_dataloader,
-    split_stream_for_rank,
 )
 from ..data._position import LoaderPosition
-from ..distributed import all_gather_json, broadcast_json
 from ..errors import (
-    CheckpointExistsError,
-    ConfigDriftError,
-    IncompleteCheckpointError,
     InexactResumeError,
     UnsupportedEngineError,
 )
-from ..format.rng import restore_rng_state
-from ..locations import is_remote, open_uploader, resolve_resume_path
+from ..locations import open_uploader
 from ..preemption import PreemptionAction, PreemptionHandler, PreemptionProtocol, exit_after_preemption
 from ._accelerate_data import (
     ResumableDataLoaderDispatcher,
     ResumableDataLoaderShard,
-    StatefulLoaderPosition,
-    plan_loader,
-    rebuild_prepared_loader,
+    prepare_positioned_loader,
+    skip_restored_batches,
 )
-from ._accelerate_elastic import (
-    KEY_ELASTIC,
-    KEY_SCHEDULER_RATE,
-    KeptRateScheduler,
-    convert_position,
-    elastic_changes,
-)
+from ._accelerate_elastic import world_size_mode
 from ._accelerate_loop import (
     AccumulationWindow,
-    ElasticBatch,
-    HandOuts,
     ResumablePreparedLoader,
     ResumablePreparedStream,
     ResumedLoaders,
-)
-from ._accelerate_objects import (
-    KIND_MODULE,
-    SLOT_CORE,
-    SLOT_EXTRA,
-    Layout,
-    encode_optimizer,
-    load_optimizer,
-    parameter_keys,
-    plan_layout,
-    require_slots,
+    accumulation_windows,
+    prepare_resumable_loader,
 )
 from ._accelerate_paths import (
-    AUTOMATIC_CHECKPOINT_RE,
+    NAMING_AUTOMATIC,
+    NAMING_STEPS,
     CheckpointIterationExistsError,
     CheckpointPathNotFoundError,
     HookFileConflictError,
-    automatic_name,
-    collect_hook_files,
-    hook_file_conflicts,
-    next_iteration,
+    after_commit,
+    check_target,
+    keep_count,
+    pending_uploads,
+    retains,
+    save_target,
 )
-from ._accelerate_state import StepCounts, StepHook, state_fingerprint
+from ._accelerate_restore import load_agreed, load_newest, parse_load_options, resolve_checkpoint
+from ._accelerate_state import (
+    DATA_LOADERS,  # noqa: F401 - the data_state key, named here too
+    StepCounts,
+    accelerator_fingerprint,
+    attach_step_hooks,
+    capture_state,
+    holds_current_state,
+    warn_save_options,
+)
 from ._core import (
     DEFAULT,
     AfterCommit,
     ResumeOptions,
-    changed_settings,
-    check_drift,
     check_upstream,
-    inexact,
     notice_save_in_flight,
 )
 from ._deepspeed import (
-    EXTRA_DEEPSPEED,
-    capture_engine_state,
     checkpoint_optimizer,
     deepspeed_engine,
-    register_step_hook,
-    restore_engine_state,
-    saved_engine_state,
     zero_optimizer,
 )
-from ._elastic import plan_elastic_resume
-from ._engines import check_accelerate_options, check_accelerate_state, checkpoint_model, holds_dtensors
-from ._fallback import agreed_load, find_agreed_checkpoint, resume_newest
-from ._parallelism import KEY_PARALLELISM, accelerate_tp_ready, check_runnable, layout_of
+from ._engines import check_accelerate_options, check_accelerate_state, holds_dtensors
+from ._parallelism import accelerate_tp_ready, check_runnable, layout_of
 
 logger = logging.getLogger(__name__)
 
@@ -222,25 +188,6 @@ _INSTANCE_INTERNALS = ("_models", "_optimizers", "_schedulers", "_custom_objects
                        "scaler", "step", "project_configuration", "_save_model_state_pre_hook",
                        "_load_model_state_pre_hook")
 
-# training_state keys (the progress cursor).
-PROGRESS_GLOBAL_STEP = "global_step"  # completed optimizer steps (accumulation windows)
-PROGRESS_MICRO_STEP = "accelerate_micro_step"  # Accelerator.step, accelerate's own micro-step counter
-PROGRESS_OPTIMIZER_STEPS = "optimizer_steps"  # real steps of each prepared optimizer, in preparation order
-PROGRESS_ITERATION = "project_iteration"  # ProjectConfiguration.iteration of an automatic checkpoint_<iteration>
-# extra keys.
-EXTRA_RUN = "accelerate_run"  # the settings a bit-exact resume depends on (see _run_settings)
-EXTRA_LAYOUT = "accelerate_layout"  # where each model/optimizer/scheduler went (Layout.to_json)
-EXTRA_CUSTOM_OBJECTS = "custom_objects"  # state_dict() of objects passed to register_for_checkpointing
-EXTRA_MODELS = "models"  # weights of saved models 1, 2, ... (model 0 is the checkpoint's model)
-EXTRA_OPTIMIZERS = "optimizers"  # per optimizer: its name-keyed state, or None when it is the checkpoint's own
-EXTRA_SCHEDULERS = "schedulers"  # state_dict() of schedulers 1, 2, ... (scheduler 0 is the checkpoint's own)
-# Where save_state() writes (see ResumableAccelerator.save_state).
-_NAMING_AUTOMATIC = "automatic"  # ProjectConfiguration(automatic_checkpoint_naming=True): checkpoint_<iteration>
-_NAMING_EXPLICIT = "explicit"  # save_state(output_dir)
-_NAMING_STEPS = "steps"  # save_state(): checkpoint-<global_step>
-DEFAULT_KEEP_LAST = 2  # checkpoint-<step> checkpoints kept when neither keep_last nor total_limit is given
-# data_state key: the positions of the prepared resumable loaders, in preparation order.
-DATA_LOADERS = "loaders"
 
 
 def check_accelerate_internals(accelerator: Accelerator | None = None) -> list[str]:
@@ -288,11 +235,9 @@ class ResumableAccelerator(Accelerator):
         exit_on_preemption (`bool`, *optional*, defaults to `True`): :meth:`checkpoint_if_preempted` raises
             ``SystemExit(PREEMPTION_EXIT_CODE)`` after saving; with `False` it returns `True` instead.
         preemption_notice (`float`, *optional*): the seconds from SIGTERM to SIGKILL that the scheduler gives
-            (Kubernetes' ``terminationGracePeriodSeconds``, SLURM's ``--signal=TERM@<seconds>``). With it,
-            :meth:`checkpoint_if_preempted` saves the step the signal lands in (in the background with
-            ``save_async``) and returns `False` while another step and a final save fit in the time left (see
-            :mod:`hf_resumable.preemption`); then it saves and exits as without a notice. A loop that ends first ends
-            normally. Without it (the default) the signal's step is saved and the process exits at once.
+            (Kubernetes' ``terminationGracePeriodSeconds``, SLURM's ``--signal=TERM@<seconds>``): training goes on
+            while another step and a final save fit (see :meth:`checkpoint_if_preempted` and
+            :mod:`hf_resumable.preemption`). Without it the signal's step is saved and the process exits at once.
         push_checkpoints_to (`str`, *optional*): upload each committed checkpoint in the background (queued,
             never skipped, retried) to the Hub (``"user/repo"``, ``"hf://user/repo[@branch][/path]"``) or an
             fsspec store (``"s3://bucket/run"``); retention never deletes a checkpoint whose upload is pending.
@@ -302,32 +247,23 @@ class ResumableAccelerator(Accelerator):
             checked against the model by ``load_state`` (see :func:`hf_resumable.save_checkpoint`).
         elastic (`bool`, *optional*, defaults to `False`): ``load_state`` may continue a run saved by another
             number of processes: the checkpoint's global batch (per-device batch x ``gradient_accumulation_steps``
-            x world size) is kept by changing ``gradient_accumulation_steps`` (logged once, old -> new; a world size
-            that does not divide it raises ``ElasticWorldSizeError`` listing those that do), loaders from
-            :meth:`prepare_resumable_dataloader` (map-style or a ``datasets`` stream) give every optimizer step the
-            same samples at any world size (the epoch's last, shorter step too, a rank without samples in it
-            training a padding micro-batch of weight zero; a stream is read whole by every process, which keeps its
-            chunks of each step), batches and the dropout masks of micro-batches are keyed by the global
-            micro-batch, not the rank (through :meth:`accumulation_windows` or a loop over the loader itself), and
-            prepared schedulers keep the first launch's stepping rate. With ``backward(loss_sum,
-            num_items_in_batch=window.num_items)`` (or a mean loss per micro-batch) losses and weights match the
-            uninterrupted run up to float rounding (see docs/accelerate.md).
+            x world size) is kept by changing ``gradient_accumulation_steps`` (a world size that does not divide it
+            raises ``ElasticWorldSizeError`` listing those that do); loaders from
+            :meth:`prepare_resumable_dataloader` give every optimizer step the same samples, dropout masks are keyed
+            by the global micro-batch and prepared schedulers keep the first launch's rate, so losses and weights
+            match the uninterrupted run up to float rounding (docs/accelerate.md, "Another number of processes";
+            :mod:`~hf_resumable.integrations._accelerate_elastic`).
 
     These options are validated when the accelerator is built and kept in ``resume_options`` (a frozen
     ``ResumeOptions``, shared with ``ResumableTrainer``).
 
-    Engines: a single process, DDP, FSDP2 and FSDP1 (``FullyShardedDataParallelPlugin``, either
-    ``state_dict_type``: every rank saves and loads its own pieces with
-    :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`, same ``save_state``/``load_state`` contract)
-    and DeepSpeed ZeRO-1/2/3 without offload (every rank saves and loads its ZeRO partitions the same way, at the
-    same world size).
+    Engines: a single process, DDP, FSDP2, FSDP1 and DeepSpeed ZeRO-1/2/3 without offload (see the module's
+    description).
 
     Raises:
         UnsupportedEngineError: when built for DeepSpeed ZeRO-Offload (deepspeed is not imported for the
             refusal), Megatron-LM or FSDP1 hybrid sharding, whose state these checkpoints would not hold (see
-            :mod:`._engines`);
-            ``prepare`` of another DeepSpeed optimizer (``BF16_Optimizer``), or, under FSDP2 or ZeRO, of a second
-            model or optimizer. All before any training step.
+            :mod:`._engines`), before any training step (``prepare`` refuses more: see there).
 
     Example:
 
@@ -360,7 +296,6 @@ class ResumableAccelerator(Accelerator):
         self._commits = AfterCommit()  # follow-ups (upload, retention) of saves not yet known to be committed
         self._warned: dict[str, bool] = {}  # one WARNING per ignored option
         self._window: AccumulationWindow | None = None  # the window accumulation_windows() handed out last
-        self._hand_outs = HandOuts()  # elastic: the batch a prepared loader handed out last (backward's weight)
         # Loaders whose position is saved, in preparation order (ResumablePreparedLoader, ResumableDataLoaderShard...).
         self._resumable_loaders: list[LoaderPosition] = []
         self._resume_watch = ResumedLoaders()  # catches a script that skips again what load_state's loaders skipped
@@ -368,14 +303,15 @@ class ResumableAccelerator(Accelerator):
         self._preemption_protocol = PreemptionProtocol(self._preemption, notice=preemption_notice)
         self._notice_checkpoint: Path | None = None  # the checkpoint saved when the preemption notice began
         self._stopped_by_preemption = False  # checkpoint_if_preempted saved and stopped (or exited)
-        self._scheduler_rate = self.num_processes  # elastic: scheduler steps per optimizer step (first launch's)
+        # elastic or not, chosen once: every step that differs asks it
+        self._world_size_mode = world_size_mode(self.resume_options.elastic, num_processes=self.num_processes)
         self._uploader = (open_uploader(push_checkpoints_to, storage_options=storage_options)
                           if push_checkpoints_to is not None and self.is_main_process else None)
 
     @property
     def keep_last(self) -> int | None:
         """Committed checkpoints kept after each automatic save (``None``: all); see the class arguments."""
-        return self._keep()
+        return keep_count(self)
 
     @property
     def global_step(self) -> int:
@@ -402,9 +338,10 @@ class ResumableAccelerator(Accelerator):
         layout = layout_of(self.parallelism_config)
         check_runnable(layout, device_type=self.device.type, fsdp2=self.is_fsdp2,
                        tp_ready=layout is None or layout.tp == 1 or accelerate_tp_ready())
-        prepared = self._keep_scheduler_rate(super().prepare(*args, device_placement=device_placement))
+        prepared = super().prepare(*args, device_placement=device_placement)
+        prepared = self._world_size_mode.keep_scheduler_rate(self, prepared)
         self._checkpoint_optimizers()  # refuses DeepSpeed's other optimizers, before any step
-        self._attach_step_hooks()
+        attach_step_hooks(self)
         if self._saves_pieces() and (len(self._models) > 1 or len(self._optimizers) > 1):
             raise UnsupportedEngineError(
                 f"ResumableAccelerator checkpoints one FSDP2 or ZeRO model and its optimizer; {len(self._models)} "
@@ -424,22 +361,6 @@ class ResumableAccelerator(Accelerator):
 
     def _deepspeed_engine(self) -> Any:
         return deepspeed_engine(self._models[0]) if self._models else None
-
-    def _attach_step_hooks(self) -> None:
-        for optimizer in self._optimizers:
-            if getattr(optimizer, "_hf_resumable_step_hook", None) is None:
-                hook = StepHook(self._step_counts)
-                register_step_hook(optimizer, hook)  # under ZeRO: the one over its partitions, once per step
-                optimizer._hf_resumable_step_hook = hook
-
-    def _optimizer_step_counts(self) -> list[int]:
-        self._attach_step_hooks()
-        return [optimizer._hf_resumable_step_hook.count for optimizer in self._optimizers]
-
-    def _set_optimizer_step_counts(self, counts: list[int]) -> None:
-        self._attach_step_hooks()
-        for optimizer, count in zip(self._optimizers, counts):
-            optimizer._hf_resumable_step_hook.count = int(count)
 
     def wait_for_uploads(self, timeout: float | None = None) -> None:
         """Block until every checkpoint queued for ``push_checkpoints_to`` is confirmed; raise the first failure."""
@@ -493,24 +414,15 @@ class ResumableAccelerator(Accelerator):
         ```
         """
         rank, world_size = self._data_rank()
-        global_batch = batch_size * self.gradient_accumulation_steps * world_size
-        elastic = self.resume_options.elastic
+        mode = self._world_size_mode
+        options = dict(collate_fn=collate_fn, batch_size=batch_size, seed=seed, drop_last=drop_last, rank=rank,
+                       world_size=world_size, num_workers=num_workers, persistent_workers=persistent_workers,
+                       multiprocessing_context=multiprocessing_context,
+                       global_batch=mode.global_batch(batch_size * self.gradient_accumulation_steps * world_size))
         if isinstance(dataset, torch.utils.data.IterableDataset):
-            source = dataset if elastic else split_stream_for_rank(dataset, rank=rank, world_size=world_size)
-            loader = build_stream_dataloader(source, collate_fn=collate_fn, batch_size=batch_size, seed=seed,
-                                             drop_last=drop_last, rank=rank,
-                                             world_size=world_size, num_workers=num_workers,
-                                             persistent_workers=persistent_workers,
-                                             multiprocessing_context=multiprocessing_context,
-                                             global_batch=global_batch if elastic else None)
-            return self.prepare(loader)
-        loader = build_map_dataloader(dataset, collate_fn=collate_fn, batch_size=batch_size, seed=seed,
-                                      shuffle=shuffle, drop_last=drop_last, rank=rank,
-                                      world_size=world_size, num_workers=num_workers,
-                                      persistent_workers=persistent_workers,
-                                      multiprocessing_context=multiprocessing_context,
-                                      global_batch=global_batch if self.resume_options.elastic else None)
-        return self.prepare(loader)
+            source = mode.stream_source(dataset, rank=rank, world_size=world_size)
+            return self.prepare(build_stream_dataloader(source, **options))
+        return self.prepare(build_map_dataloader(dataset, shuffle=shuffle, **options))
 
     def _data_rank(self) -> tuple[int, int]:
         """This process's data-parallel rank and the number of them: the process index and count, or, under a
@@ -544,113 +456,29 @@ class ResumableAccelerator(Accelerator):
         """
         if isinstance(data_loader, ResumableDataLoader) or isinstance(getattr(data_loader, "dataset", None),
                                                                       SeededIterableDataset):
-            return self._prepare_resumable_loader(data_loader, device_placement)
+            return prepare_resumable_loader(self, data_loader, device_placement)
+        prepare = functools.partial(super().prepare_data_loader, device_placement=device_placement,
+                                    slice_fn_for_dispatch=slice_fn_for_dispatch)
         if getattr(data_loader, "_is_accelerate_prepared", False) or any(data_loader is loader
                                                                          for loader in self._resumable_loaders):
-            return super().prepare_data_loader(data_loader, device_placement=device_placement,
-                                               slice_fn_for_dispatch=slice_fn_for_dispatch)
-        plan = plan_loader(data_loader)
-        # Drawn on every process (the same generator stream as without hf_resumable), process 0's value is used.
-        seed = broadcast_json(int(torch.empty((), dtype=torch.int64).random_().item())) if plan.resumable else None
-        prepared = super().prepare_data_loader(data_loader, device_placement=device_placement,
-                                               slice_fn_for_dispatch=slice_fn_for_dispatch)
-        rank, world_size = self._data_rank()
-        rebuilt = (rebuild_prepared_loader(prepared, seed=seed, process_index=rank,
-                                           num_processes=world_size) if plan.resumable else prepared)
-        if rebuilt is prepared and getattr(prepared, "use_stateful_dataloader", False):
-            logger.warning("%s is prepared by accelerate only (%s); its torchdata StatefulDataLoader state is saved "
-                           "and restored as stock accelerate does, so it resumes mid-epoch, but randomness inside "
-                           "its pipeline is not keyed by position.", type(data_loader).__name__, plan.note)
-            self._resumable_loaders.append(StatefulLoaderPosition(prepared))
-            return prepared
-        if rebuilt is prepared:
-            logger.warning("%s is prepared by accelerate only: its position is not saved and a resumed run restarts "
-                           "it from its beginning (%s).", type(data_loader).__name__,
-                           plan.note or f"accelerate returned a {type(prepared).__name__}")
-            return prepared
-        self._dataloaders = [rebuilt if loader is prepared else loader for loader in self._dataloaders]
-        self._resumable_loaders.append(rebuilt)
-        if plan.note is not None:
-            logger.warning("%s: %s.", type(data_loader).__name__, plan.note)
-        return rebuilt
-
-    def _prepare_resumable_loader(self, data_loader: Any, device_placement: bool | None) -> Any:
-        """Wrap a loader of :func:`~hf_resumable.data.build_map_dataloader` or
-        :func:`~hf_resumable.data.build_stream_dataloader` (no re-sharding)."""
-        stream = not isinstance(data_loader, ResumableDataLoader)
-        layout = data_loader.dataset if stream else data_loader.batch_sampler
-        # a stream outside the elastic layout was split by rank beforehand: its world size is not its own
-        rank, ranks = self._data_rank()
-        world_size = ranks if stream and layout.global_batch is None else layout.world_size
-        if (layout.rank, world_size) != (rank, ranks):
-            raise ValueError(
-                f"The {type(data_loader).__name__} was built for rank {layout.rank} of {layout.world_size}, but this "
-                f"process is data-parallel rank {rank} of {ranks}. Build it with the data-parallel rank and world "
-                "size (accelerator.process_index and accelerator.num_processes without a ParallelismConfig), or use "
-                "prepare_resumable_dataloader().")
-        place = self.device_placement if device_placement is None else device_placement
-        wrapper = ResumablePreparedStream if stream else ResumablePreparedLoader
-        elastic = self.resume_options.elastic and layout.global_batch is not None
-        prepared = wrapper(data_loader, gradient_state=self.gradient_state, device=self.device if place else None,
-                           hand_outs=self._hand_outs if elastic else None)
-        self._resumable_loaders.append(prepared)
-        return prepared
+            return prepare(data_loader)
+        return prepare_positioned_loader(self, data_loader, prepare)
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
-        """accelerate's ``skip_first_batches``, aware of positions restored by ``load_state``.
-
-        For a loader prepared here, the loader itself is returned, positioned: after ``load_state`` restored
-        it at batch ``n`` of its epoch, ``skip_first_batches(loader, n)`` (what accelerate's checkpointing
-        examples compute from the checkpoint name) continues there, never skipping twice; on a loader without
-        a restored position the next pass starts at ``num_batches`` (as accelerate's skipping loader does,
-        without fetching the skipped batches), and later passes are whole epochs. The same call again in a later
-        epoch of a resumed run (scripts that skip in every epoch after a resume) skips nothing there, with a WARNING:
-        the batches it names were skipped in the epoch the run resumed in (see
-        :class:`~hf_resumable.integrations._accelerate_loop.ResumedLoaders`).
+        """accelerate's ``skip_first_batches``, aware of positions restored by ``load_state``: for a loader prepared
+        here, the loader itself is returned, positioned, and never skips twice (the rules:
+        :func:`~hf_resumable.integrations._accelerate_data.skip_restored_batches`).
 
         Raises:
             ValueError: ``num_batches`` differs from the position ``load_state`` restored (the script's count
                 and the checkpoint disagree), or the loader is being iterated.
         """
-        if self._resume_watch.is_repeated_skip(dataloader, num_batches):
-            self._resume_watch.warn_repeated_skip(dataloader, num_batches)
-            return dataloader
-        if isinstance(dataloader, (ResumablePreparedLoader, ResumablePreparedStream)):
-            if num_batches != dataloader.consumed:
-                raise ValueError("load_state() already restored this loader's position (epoch "
-                                 f"{dataloader.epoch}, batch {dataloader.consumed}); do not skip batches yourself.")
-            return dataloader
-        if isinstance(dataloader, (ResumableDataLoaderShard, ResumableDataLoaderDispatcher)):
-            if dataloader.is_iterating:
-                raise ValueError("skip_first_batches() was called on a loader that is being iterated.")
-            restored = dataloader.restored_batches
-            if restored and num_batches != restored:
-                raise ValueError(f"load_state() restored this loader at batch {restored} of epoch "
-                                 f"{dataloader.iteration}, but skip_first_batches() was asked to skip {num_batches}: "
-                                 "the script's step count and the checkpoint disagree. Skip exactly the restored "
-                                 "number (or do not skip: the loader already continues there).")
-            if not restored:
-                dataloader.skip(num_batches)
-            return dataloader
-        return super().skip_first_batches(dataloader, num_batches)
+        return skip_restored_batches(self, dataloader, num_batches, fallback=super().skip_first_batches)
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
         """accelerate's ``prepare_scheduler``; with ``elastic=True`` the scheduler keeps the first launch's number of
         steps per optimizer step (:class:`~._accelerate_elastic.KeptRateScheduler`)."""
-        return self._keep_scheduler_rate(super().prepare_scheduler(scheduler))
-
-    def _keep_scheduler_rate(self, prepared: Any) -> Any:
-        """``prepared`` (one object or a tuple) with, under ``elastic=True``, every scheduler accelerate prepared
-        (``prepare_scheduler``, or ``prepare`` under DeepSpeed with a torch scheduler) made a
-        :class:`~._accelerate_elastic.KeptRateScheduler`."""
-        if not self.resume_options.elastic:
-            return prepared
-        kept = {id(item): KeptRateScheduler(item, rate=self._scheduler_rate) for item in self._schedulers
-                if type(item) is AcceleratedScheduler}  # not DeepSpeed's own schedules (its engine steps them)
-        self._schedulers = [kept.get(id(item), item) for item in self._schedulers]
-        if isinstance(prepared, tuple):
-            return tuple(kept.get(id(item), item) for item in prepared)
-        return kept.get(id(prepared), prepared)
+        return self._world_size_mode.keep_scheduler_rate(self, super().prepare_scheduler(scheduler))
 
     def free_memory(self, *objects: Any) -> Any:
         """accelerate's ``free_memory``; also forgets the prepared loaders' positions."""
@@ -684,38 +512,7 @@ class ResumableAccelerator(Accelerator):
         ...             optimizer.zero_grad()
         ```
         """
-        iterator = iter(dataloader)
-        elastic = getattr(dataloader, "hand_outs", None) is not None  # a prepared loader of the elastic layout
-        while True:
-            if elastic:
-                batches, handed = self._elastic_window(dataloader, iterator)
-            else:
-                batches, handed = list(islice(iterator, self.gradient_accumulation_steps)), None
-            if not batches:
-                return
-            counted = batches if handed is None else [b for b, h in zip(batches, handed) if not h.is_padding]
-            num_items = self._count_window_items(counted, count_items) if count_items is not None else None
-            self._window = AccumulationWindow(batches, num_items, elastic=handed)
-            try:
-                yield self._window
-            finally:
-                self._window = None
-
-    def _elastic_window(self, loader: ResumablePreparedLoader | ResumablePreparedStream,
-                        iterator: Iterator[Any]) -> tuple[list[Any], list[ElasticBatch]]:
-        """A window's batches and, per batch, how the loader handed it out (its model randomness key and weight)."""
-        batches, handed = [], []
-        for batch in islice(iterator, self.gradient_accumulation_steps):
-            batches.append(batch)
-            handed.append(loader.last_batch)  # read right after the loader handed it out
-        return batches, handed
-
-    def _count_window_items(self, batches: list[Any], count_items: Callable[[Any], int | torch.Tensor]) -> int:
-        local = sum(int(count_items(batch)) for batch in batches)
-        if self.num_processes == 1:
-            return local
-        total = self.reduce(torch.tensor([local], dtype=torch.int64, device=self.device), reduction="sum")
-        return int(total.item())
+        yield from accumulation_windows(self, dataloader, count_items)
 
     def _do_sync(self) -> None:
         # Inside an AccumulationWindow the window decides: sync on its last micro-batch, whatever its length.
@@ -747,10 +544,8 @@ class ResumableAccelerator(Accelerator):
           actual length (accelerate divides by ``gradient_accumulation_steps``, also for a short last window).
         * ``elastic=True``, a micro-batch of a loader from :meth:`prepare_resumable_dataloader`: a padding
           micro-batch's loss is scaled to zero and, in the epoch's last, shorter step, a mean loss weighs the
-          micro-batch's share of the step's samples. The micro-batch is the window's current one inside an
-          :class:`AccumulationWindow`; otherwise (a loop that iterates the loader itself) the batch an elastic
-          loader handed out last: of several elastic loaders, the one that handed out a batch most recently, while
-          its pass is under way.
+          micro-batch's share of the step's samples (which micro-batch:
+          :meth:`~hf_resumable.integrations._accelerate_elastic.ElasticWorldSize.trained_micro_batch`).
         * Otherwise it behaves as ``accelerate.Accelerator.backward``.
 
         Under DeepSpeed, whose engine divides the loss by its gradient accumulation itself, ``num_items_in_batch``
@@ -787,25 +582,9 @@ class ResumableAccelerator(Accelerator):
             loss.backward(**kwargs)
 
     def _scale_loss(self, loss: torch.Tensor, num_items_in_batch: int | torch.Tensor | None) -> torch.Tensor:
-        batch, micro_batches = self._trained_micro_batch()
-        if num_items_in_batch is not None:
-            count = int(num_items_in_batch)
-            if count <= 0:
-                raise ValueError(f"num_items_in_batch must be > 0, got {count} (a window without any item).")
-            return loss * (0.0 if batch is not None and batch.is_padding else self.num_processes / count)
-        scale = None if batch is None else batch.loss_scale(num_processes=self.num_processes,
-                                                            micro_batches=micro_batches)
-        return loss / micro_batches if scale is None else loss * scale
-
-    def _trained_micro_batch(self) -> tuple[ElasticBatch | None, int]:
-        """The elastic batch being trained on (``None``: not the elastic layout) and the micro-batches per rank of
-        its step: the active window's, else the batch an elastic loader handed out last (a loop iterating the loader
-        itself) in a step of ``gradient_accumulation_steps`` (its last micro-batch syncs: see
-        :class:`ResumablePreparedLoader`)."""
-        if self._window is not None:
-            slot = self._window.slot
-            return self._window.current(), self.gradient_accumulation_steps if slot is None else slot[1]
-        return self._hand_outs.batch, self.gradient_accumulation_steps
+        return self._world_size_mode.scale_loss(loss, num_items_in_batch, window=self._window,
+                                                accumulation=self.gradient_accumulation_steps,
+                                                num_processes=self.num_processes)
 
     # ---------------------------------------------------------------- save
 
@@ -881,7 +660,7 @@ class ResumableAccelerator(Accelerator):
         PosixPath('out/checkpoint-120')
         ```
         """
-        self._warn_save_options(safe_serialization, save_model_func_kwargs)
+        warn_save_options(self, safe_serialization, save_model_func_kwargs)
         if not self.sync_gradients:
             raise InexactResumeError(
                 f"save_state() was called inside an accumulation window (micro-step {self.step} of "
@@ -889,182 +668,31 @@ class ResumableAccelerator(Accelerator):
                 "Call it after the window's optimizer step.")
         # the previous save has committed (its retention and upload done): it may be this step
         self._commits.settle(removals=False)
-        mode, target = self._save_target(output_dir)
+        mode, target = save_target(self, output_dir)
         # Only checkpoint-<step> saves can meet a checkpoint of this very state (the other namings always write).
-        fingerprint = self._fingerprint(target) if mode == _NAMING_STEPS else None
-        # every rank's own state unchanged (its pieces, its RNG), and the checkpoint intact
-        unchanged = all(all_gather_json(fingerprint is not None and self._committed.get(target) == fingerprint))
-        on_disk = self.is_main_process and unchanged and verify_checkpoint(target, full=False).ok
-        if broadcast_json(on_disk):
-            if self.is_main_process:
-                logger.info("%s already holds exactly the current state (step %d); not writing it again.", target,
-                            self.global_step)
+        fingerprint = accelerator_fingerprint(self, target) if mode == NAMING_STEPS else None
+        if holds_current_state(self, target, fingerprint):
             return target
-        self._check_target(mode, target)
-        if target.resolve() in self._pending_uploads():
+        check_target(self, mode, target)
+        if target.resolve() in pending_uploads(self):
             self._uploader.wait()  # never replace a checkpoint while it is being uploaded
         blocking = not self.resume_options.save_async if blocking is None else blocking
         save = save_sharded_checkpoint if self._saves_pieces() else save_checkpoint  # FSDP2: every rank its pieces
         # Retention runs right after save_state, as accelerate's total_limit does (upstream's tests count the
         # entries): it may then delete the previous checkpoint, so this one's files are fsynced before its commit.
-        durability = "immediate" if self._retains(mode) else "deferred"
-        save(target, **self._capture(), step=self.global_step, overwrite=mode != _NAMING_AUTOMATIC,
+        durability = "immediate" if retains(self, mode) else "deferred"
+        save(target, **capture_state(self), step=self.global_step, overwrite=mode != NAMING_AUTOMATIC,
              blocking=blocking, standalone=self.resume_options.standalone_checkpoints, durability=durability)
         if fingerprint is not None:
             self._committed = {target: fingerprint}  # steps only grow: only the newest can be met again
-        if mode == _NAMING_AUTOMATIC:
+        if mode == NAMING_AUTOMATIC:
             self.project_configuration.iteration += 1
-        self._commits.attach(None if blocking else background_saver().future, lambda: self._after_commit(mode, target))
+        self._commits.attach(None if blocking else background_saver().future, lambda: after_commit(self, mode, target))
         if self._uploader is not None:
             self._commits.settle()  # uploads start as soon as the save returns (only committed checkpoints upload)
         if self.is_main_process:
             logger.info("Saved state at step %d to %s", self.global_step, target)
         return target
-
-    def _warn_save_options(self, safe_serialization: bool, options: Mapping[str, Any]) -> None:
-        if not safe_serialization and not self._warned.get("safe_serialization"):
-            self._warned["safe_serialization"] = True
-            logger.warning("save_state(safe_serialization=False) asks for pickle files; hf_resumable never writes "
-                           "pickle, so the checkpoint is written as safetensors and JSON anyway.")
-        if options and not self._warned.get("save_options"):
-            self._warned["save_options"] = True
-            logger.warning("save_state(%s): these options configure DeepSpeed's own save_checkpoint, which "
-                           "ResumableAccelerator does not use; ignored.", ", ".join(sorted(options)))
-
-    def _save_target(self, output_dir: str | os.PathLike | None) -> tuple[str, Path]:
-        if self.project_configuration.automatic_checkpoint_naming:
-            return _NAMING_AUTOMATIC, self.checkpoint_dir / automatic_name(self.save_iteration)
-        if output_dir is not None:
-            return _NAMING_EXPLICIT, Path(output_dir)
-        return _NAMING_STEPS, self.checkpoint_dir / f"{CHECKPOINT_PREFIX}{self.global_step}"
-
-    def _check_target(self, mode: str, target: Path) -> None:
-        """Refuse a target on every process alike (the main process looks), before any collective of the save."""
-        automatic = mode == _NAMING_AUTOMATIC  # accelerate never replaces a checkpoint_<iteration>
-        reason = broadcast_json(save_refusal(target, overwrite=not automatic) if self.is_main_process else None)
-        if reason is not None and automatic:
-            raise CheckpointIterationExistsError(
-                f"Checkpoint directory {target} ({self.save_iteration}) already exists. Set "
-                "accelerator.project_configuration.iteration to the iteration to continue with, or resume with "
-                "load_state(), which continues after the newest checkpoint_<i>.")
-        if reason is not None:
-            raise CheckpointExistsError(reason)
-
-    def _keep(self) -> int | None:
-        """Checkpoints kept after a commit: ``keep_last`` if given, else ``total_limit``, else the naming's default."""
-        if self.resume_options.keep_last is not DEFAULT:
-            return self.resume_options.keep_last
-        if self.project_configuration.total_limit is not None:
-            return self.project_configuration.total_limit
-        return None if self.project_configuration.automatic_checkpoint_naming else DEFAULT_KEEP_LAST
-
-    def _retains(self, mode: str) -> bool:
-        """Whether a save of this naming ``mode`` is followed by retention."""
-        return mode != _NAMING_EXPLICIT and self._keep() is not None
-
-    def _pending_uploads(self) -> set[Path]:
-        """Local checkpoints whose upload is not confirmed yet (resolved paths)."""
-        return {Path(path).resolve() for path in self._uploader.pending()} if self._uploader is not None else set()
-
-    def _after_commit(self, mode: str, target: Path) -> None:
-        """What follows a commit: the upload, then retention of the automatic namings (never before the commit)."""
-        if self._uploader is not None:
-            self._uploader.submit(target)
-        keep = self._keep()
-        if not self._retains(mode) or not self.is_main_process:
-            return
-        pattern = AUTOMATIC_CHECKPOINT_RE if mode == _NAMING_AUTOMATIC else CHECKPOINT_DIR_RE
-        # In the foreground, as accelerate's own total_limit: upstream's tests count the entries of the directory.
-        apply_retention(self.checkpoint_dir, keep_last=keep, pattern=pattern, protect=self._pending_uploads())
-
-    def _weights(self) -> list[Any]:
-        """accelerate's ``weights`` list for the save hooks: each prepared model's state dict (not unwrapped)."""
-        return [self.get_state_dict(model, unwrap=False) for model in self._models]
-
-    def _capture(self) -> dict[str, Any]:
-        """Everything :func:`save_checkpoint` takes, after running the ``save_state`` pre-hooks."""
-        originals = self._weights() if self._save_model_state_pre_hook else [None] * len(self._models)
-        weights = list(originals)
-        hook_files = self._run_save_hooks(weights)
-        unwrapped = [checkpoint_model(model, self.unwrap_model(model)) for model in self._models]  # FSDP1: its root
-        optimizers = self._checkpoint_optimizers()
-        if not self._save_model_state_pre_hook:
-            weights = originals = list(unwrapped)  # no hook could have changed them
-        layout = plan_layout(weights=weights, originals=originals, models=unwrapped, optimizers=optimizers,
-                             schedulers=len(self._schedulers), custom_objects=len(self._custom_objects),
-                             hook_files=list(hook_files), hooks_registered=bool(self._save_model_state_pre_hook))
-        model_slot = bool(layout.models)
-        conflicts = hook_file_conflicts(hook_files, model_slot=model_slot,
-                                        optimizer_slot=SLOT_CORE in layout.optimizers)
-        if conflicts:
-            raise HookFileConflictError(f"save_state pre-hook(s) wrote {conflicts}, which the hf_resumable checkpoint "
-                                        "writes itself; write them under another name or in a subdirectory.")
-
-        def slot_state(index: int) -> Any:
-            if layout.models[index] == KIND_MODULE:  # model ``index``'s own weights, unchanged by the hooks
-                return unwrapped[index] if index == 0 else unwrapped[index].state_dict()
-            return weights[index]  # a state dict a hook put there, saved (and loaded) as accelerate would
-
-        engine = self._deepspeed_engine()
-        extra = {EXTRA_RUN: self._run_settings(), EXTRA_LAYOUT: layout.to_json(),
-                 **({EXTRA_DEEPSPEED: capture_engine_state(engine, optimizers[:1])} if engine is not None else {}),
-                 EXTRA_CUSTOM_OBJECTS: [obj.state_dict() for obj in self._custom_objects],
-                 EXTRA_MODELS: [slot_state(i) for i in range(1, len(layout.models))],
-                 EXTRA_OPTIMIZERS: [None if slot == SLOT_CORE else
-                                    encode_optimizer(opt, parameter_keys(unwrapped, opt))
-                                    for slot, opt in zip(layout.optimizers, optimizers)],
-                 EXTRA_SCHEDULERS: [scheduler.state_dict() for scheduler in self._schedulers[1:]]}
-        return {
-            "model": slot_state(0) if model_slot else None,
-            "optimizer": optimizers[0] if layout.optimizers[:1] == [SLOT_CORE] else None,
-            "scheduler": getattr(self._schedulers[0], "scheduler", self._schedulers[0]) if self._schedulers else None,
-            "scaler": self.scaler,
-            "training_state": {PROGRESS_GLOBAL_STEP: self.global_step, PROGRESS_MICRO_STEP: self.step,
-                               PROGRESS_OPTIMIZER_STEPS: self._optimizer_step_counts(),
-                               **({PROGRESS_ITERATION: self.save_iteration}
-                                  if self.project_configuration.automatic_checkpoint_naming else {})},
-            "extra": extra,
-            "extra_files": hook_files,
-            "data_state": {DATA_LOADERS: [loader.position() for loader in self._resumable_loaders]},
-        }
-
-    def _run_save_hooks(self, weights: list[Any]) -> dict[str, bytes]:
-        """Run the ``save_state`` pre-hooks with a staging directory; return the files they wrote (main process)."""
-        if not self._save_model_state_pre_hook:
-            return {}
-        with tempfile.TemporaryDirectory(prefix="hf_resumable-save-hooks-") as staging:
-            for hook in self._save_model_state_pre_hook.values():
-                hook(self._models, weights, staging)
-            files = collect_hook_files(Path(staging))
-        if files and not self.is_main_process:
-            logger.warning("save_state pre-hooks wrote %s on process %d; only the main process's files are saved.",
-                           sorted(files)[:5], self.process_index)
-        return files if self.is_main_process else {}
-
-    def _fingerprint(self, target: Path) -> str:
-        """Digest of everything :meth:`save_state` writes (see :func:`state_fingerprint`)."""
-        small = {"target": str(target), "global_step": self.global_step, "micro_step": self.step,
-                 "optimizer_steps": self._optimizer_step_counts(),
-                 "schedulers": [scheduler.state_dict() for scheduler in self._schedulers],
-                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                 "custom_objects": [obj.state_dict() for obj in self._custom_objects],
-                 "loaders": [loader.position() for loader in self._resumable_loaders],
-                 "hooks": [id(hook) for hook in self._save_model_state_pre_hook.values()]}
-        engine = self._deepspeed_engine()
-        small["engine"] = capture_engine_state(engine, []) if engine is not None else None
-        optimizers = self._checkpoint_optimizers()
-        return state_fingerprint(models=self._models, optimizers=optimizers, small_state=small)
-
-    def _run_settings(self) -> dict[str, Any]:
-        settings = {"world_size": self.num_processes, "gradient_accumulation_steps": self.gradient_accumulation_steps,
-                    "loaders": [loader.settings() for loader in self._resumable_loaders],
-                    KEY_ELASTIC: self.resume_options.elastic}
-        layout = layout_of(self.parallelism_config)
-        if layout is not None:  # another N-D layout on resume is drift, named by both layouts
-            settings[KEY_PARALLELISM] = layout.describe()
-        if self.resume_options.elastic:
-            settings[KEY_SCHEDULER_RATE] = self._scheduler_rate
-        return settings
 
     # ---------------------------------------------------------------- load
 
@@ -1114,272 +742,10 @@ class ResumableAccelerator(Accelerator):
                 verifies and loads (``CorruptCheckpointError`` listing each one and why).
             TypeError: an unsupported ``map_location`` or option.
         """
-        strict = self._load_options(load_kwargs, load_model_func_kwargs)
+        strict = parse_load_options(self, load_kwargs, load_model_func_kwargs)
         if input_dir is None:  # the newest that verifies; one that fails while it is loaded: the one before it
-            pattern = (AUTOMATIC_CHECKPOINT_RE if self.project_configuration.automatic_checkpoint_naming
-                       else CHECKPOINT_DIR_RE)
-            first = find_agreed_checkpoint(self.checkpoint_dir, pattern=pattern)
-            loaded = resume_newest(self.checkpoint_dir, lambda report: self._load_from(Path(report.path), strict,
-                                                                                      verified=report),
-                                   pattern=pattern, owner="ResumableAccelerator", first=first)
-            if loaded is None and self.is_main_process:
-                logger.info("No valid checkpoint under %s; starting from scratch.", self.checkpoint_dir)
-            return loaded
-        return self._load_from(self._resolve_checkpoint(input_dir), strict)
-
-    def _load_from(self, path: Path, strict: bool, verified: VerifyReport | None = None) -> LoadedCheckpoint:
-        """``load_state`` of one checkpoint; a failed hash on any process raises ``ResumeLoadError`` on all."""
-        with agreed_load(path):
-            return self._fill_from(path, strict, verified)
-
-    def _fill_from(self, path: Path, strict: bool, verified: VerifyReport | None) -> LoadedCheckpoint:
-        # 1. Verify and decode once; compare the saved settings with ours before any object is touched.
-        opened = self._open_checkpoint(path, verified)
-        kept = self._plan_elastic(path, opened) if self.resume_options.elastic else False
-        self._check_drift(path, opened.manifest.world_size, opened.extra.get(EXTRA_RUN), elastic_kept=kept)
-        layout = self._layout_of(opened)
-        # 2. accelerate's load hooks: a model they remove from the list is not loaded here.
-        models = list(self._models)
-        for hook in self._load_model_state_pre_hook.values():
-            hook(models, str(path))
-        require_slots(layout, models_to_fill=len(models), optimizers=len(self._optimizers),
-                      schedulers=len(self._schedulers), where=str(path))
-        engine = self._deepspeed_engine()
-        engine_state = saved_engine_state(opened.extra, where=path) if engine is not None else None
-        # 3. Fill the objects (RNG excluded: it goes last).
-        core_model, core_optimizer = self._core_load_targets(layout, models)
-        scheduler = getattr(self._schedulers[0], "scheduler", self._schedulers[0]) if self._schedulers else None
-        if self._saves_pieces():  # FSDP2: every rank reads the slices of the pieces it holds
-            loaded = load_sharded_into(opened, model=core_model, optimizer=core_optimizer, scheduler=scheduler,
-                                       scaler=self.scaler, restore_rng=False, strict=strict)
-        else:
-            loaded = opened.load_into(model=core_model, optimizer=core_optimizer, scheduler=scheduler,
-                                      scaler=self.scaler, strict=strict)
-        self._restore_extra_objects(path, layout, loaded.extra, models, strict=strict)
-        if engine is not None:
-            restore_engine_state(engine, [core_optimizer], engine_state)
-        # 4. Counters and data positions, 5. registered objects, 6. RNG.
-        self._restore_counters(path, loaded, elastic_kept=kept)
-        self._restore_loaders(path, loaded.data_state, loaded.manifest.world_size)
-        self._restore_custom_objects(path, loaded.extra.get(EXTRA_CUSTOM_OBJECTS) or [])
-        self._restore_rng(path, loaded)  # last: restoring anything else may draw random numbers
-        if self.is_main_process:
-            logger.info("Resumed from %s at step %d", path, self.global_step)
-        return loaded
-
-    def _load_options(self, load_kwargs: dict | None, options: dict[str, Any]) -> bool:
-        options = dict(options)
-        map_location = options.pop("map_location", None)
-        if map_location not in (None, "cpu", "on_device"):
-            raise TypeError("Unsupported optimizer map location passed, please choose one of `None`, `'cpu'`, or "
-                            f"`'on_device'` (got {map_location!r}).")
-        strict = bool(options.pop("strict", True))
-        options.pop("device", None)  # safetensors' load_model option: tensors go where the parameters are
-        if options:
-            raise TypeError(f"load_state() got unsupported options {sorted(options)}; ResumableAccelerator accepts "
-                            "strict= and map_location= (and load_kwargs, ignored).")
-        if load_kwargs and not self._warned.get("load_kwargs"):
-            self._warned["load_kwargs"] = True
-            logger.warning("load_state(load_kwargs=%s): these are torch.load options; hf_resumable never unpickles, "
-                           "so they are ignored.", sorted(load_kwargs))
-        return strict
-
-    def _open_checkpoint(self, path: Path, verified: VerifyReport | None = None) -> OpenedCheckpoint:
-        """The one place the resume path reads a checkpoint: verified and decoded once, no live object touched."""
-        return open_checkpoint(path, verified=verified, allow_inexact_resume=self.resume_options.allow_inexact_resume,
-                               counters=(PROGRESS_MICRO_STEP, PROGRESS_ITERATION),
-                               elastic=self.resume_options.elastic)  # FSDP2/ZeRO pieces: resharded
-
-    def _layout_of(self, peek: LoadedCheckpoint) -> Layout:
-        record = peek.extra.get(EXTRA_LAYOUT)
-        if record is not None:
-            return Layout.from_json(record)
-        files = peek.manifest.files
-        return Layout.legacy(has_model=has_model_weights(files), has_optimizer=OPTIMIZER_INDEX_FILE in files,
-                             has_scheduler=bool(self._schedulers),
-                             custom_objects=len(peek.extra.get(EXTRA_CUSTOM_OBJECTS) or []))
-
-    def _core_load_targets(self, layout: Layout, models: list[Any]) -> tuple[Any, Any]:
-        """What the checkpoint's own model and optimizer slots are loaded into."""
-        model = None
-        if layout.models and models:
-            model = checkpoint_model(models[0], self.unwrap_model(models[0])) if layout.models[0] == KIND_MODULE \
-                else models[0]
-        optimizer = None
-        if layout.optimizers[:1] == [SLOT_CORE] and self._optimizers:
-            optimizer = self._checkpoint_optimizers()[0]
-            if model is None:
-                # The optimizer's state is keyed by model 0's parameter names, so model 0 is loaded with it.
-                logger.warning("A load_state pre-hook removed model 0, but optimizer 0's saved state is keyed by its "
-                               "parameter names: model 0's weights are loaded from the checkpoint as well.")
-                model = checkpoint_model(self._models[0], self.unwrap_model(self._models[0]))
-        return model, optimizer
-
-    def _restore_extra_objects(self, path: Path, layout: Layout, extra: Mapping[str, Any], models: list[Any], *,
-                               strict: bool) -> None:
-        saved_models = extra.get(EXTRA_MODELS) or []
-        for index, model in enumerate(models[1:], start=1):
-            target = self.unwrap_model(model) if layout.models[index] == KIND_MODULE else model
-            target.load_state_dict(saved_models[index - 1], strict=strict)
-        unwrapped = [self.unwrap_model(model) for model in self._models]
-        saved_optimizers = extra.get(EXTRA_OPTIMIZERS) or []
-        for index, (slot, optimizer) in enumerate(zip(layout.optimizers, self._optimizers)):
-            if slot == SLOT_EXTRA:
-                inner = getattr(optimizer, "optimizer", optimizer)
-                load_optimizer(inner, parameter_keys(unwrapped, inner), saved_optimizers[index],
-                               where=f"{path} (optimizer {index})")
-        for scheduler, state in zip(self._schedulers[1:], extra.get(EXTRA_SCHEDULERS) or []):
-            scheduler.load_state_dict(state)
-
-    def _restore_counters(self, path: Path, loaded: LoadedCheckpoint, *, elastic_kept: bool = False) -> None:
-        progress = loaded.training_state
-        self.global_step = int(progress.get(PROGRESS_GLOBAL_STEP, loaded.step or 0))
-        # A checkpoint is on an optimizer-step boundary: accelerate's micro-step count (it syncs where the count is a
-        # multiple of the accumulation) is a multiple of the saved accumulation, not of the one an elastic resume
-        # changed it to, so it starts over there (a loop iterating the loader in accumulate() steps on time).
-        self.step = 0 if elastic_kept else int(progress.get(PROGRESS_MICRO_STEP, 0))
-        self._set_optimizer_step_counts(progress.get(PROGRESS_OPTIMIZER_STEPS)
-                                        or [self.global_step] * len(self._optimizers))
-        if self.project_configuration.automatic_checkpoint_naming:
-            saved = progress.get(PROGRESS_ITERATION)
-            match = AUTOMATIC_CHECKPOINT_RE.match(path.name)
-            loaded_iteration = saved if saved is not None else (int(match.group(1)) if match else None)
-            existing = broadcast_json([number for number, _ in list_checkpoints(
-                self.checkpoint_dir, pattern=AUTOMATIC_CHECKPOINT_RE)] if self.is_main_process else None)
-            self.project_configuration.iteration = next_iteration(self.save_iteration, loaded=loaded_iteration,
-                                                                  existing=existing)
-
-    def _resolve_checkpoint(self, input_dir: str | os.PathLike) -> Path:
-        """The checkpoint an explicit ``load_state(input_dir)`` loads (without one: :func:`resume_newest`)."""
-        if is_remote(input_dir):  # hf://user/repo[@rev][/path] or s3://bucket/run[/checkpoint-N]
-            return resolve_resume_path(input_dir, cache_dir=self.checkpoint_dir / ".remote-resume",
-                                       storage_options=self.resume_options.storage_options)
-        path = Path(os.path.expanduser(os.fspath(input_dir)))
-        # The main process looks; every process raises the same error (none is left waiting in a collective).
-        problem = broadcast_json(self._describe_missing(path) if self.is_main_process else None)
-        if problem is not None:
-            kind, message = problem
-            raise (CheckpointPathNotFoundError if kind == "missing" else IncompleteCheckpointError)(message)
-        return path
-
-    def _describe_missing(self, path: Path) -> tuple[str, str] | None:
-        """``(kind, message)`` if ``path`` cannot be loaded (looks at the disk), else ``None``; kind is ``"missing"``
-        or ``"foreign"`` (a stock accelerate checkpoint is named as such)."""
-        if not path.exists():
-            root = self.checkpoint_dir if self._has_root() else "it"
-            return "missing", (f"{path} does not exist. Check the path, or call load_state() without an argument to "
-                               f"resume from the newest valid checkpoint under {root}.")
-        if not path.is_dir():
-            return "missing", f"{path} is a file, not a checkpoint directory."
-        stock = stock_accelerate_files(path)
-        if stock and not (path / MANIFEST_FILE).exists():
-            return "foreign", (
-                f"{path} was written by stock accelerate ({', '.join(stock[:4])}): its optimizer, scheduler, RNG and "
-                "registered-object states are pickle files, which hf_resumable never loads (unpickling runs code). "
-                "Resume it once with accelerate's own Accelerator and save it with ResumableAccelerator, or start "
-                "from its model weights.")
-        return None
-
-    def _has_root(self) -> bool:
-        return self.resume_options.checkpoint_dir is not None or self.project_dir is not None
-
-    def _inexact(self, message: str, error: type[InexactResumeError] = InexactResumeError) -> None:
-        inexact(message, allow=self.resume_options.allow_inexact_resume, owner="ResumableAccelerator", error=error)
-
-    def _plan_elastic(self, path: Path, opened: OpenedCheckpoint) -> bool:
-        """``elastic=True``: keep the first launch's scheduler rate; at another world size, keep the checkpoint's
-        global batch (gradient accumulation and the loaders' epoch cut). Whether the world size changed.
-
-        Raises:
-            ElasticWorldSizeError: the global batch does not divide at this world size.
-            ConfigDriftError: a loader that is not from ``prepare_resumable_dataloader`` (its order is per rank;
-                a plain ``DataLoader`` over a stream included).
-        """
-        saved = opened.extra.get(EXTRA_RUN) or {}
-        saved_world_size = opened.manifest.world_size
-        self._scheduler_rate = int(saved.get(KEY_SCHEDULER_RATE, saved_world_size))
-        for scheduler in self._schedulers:
-            if isinstance(scheduler, KeptRateScheduler):
-                scheduler.rate = self._scheduler_rate
-        if saved_world_size == self.num_processes or not saved.get(KEY_ELASTIC):
-            return False  # same size, or a checkpoint of another layout (the drift check names it)
-        loaders = [loader for loader in self._resumable_loaders
-                   if isinstance(loader, (ResumablePreparedLoader, ResumablePreparedStream))]
-        if not loaders or len(loaders) != len(self._resumable_loaders):
-            raise ConfigDriftError(f"{path} was saved by {saved_world_size} process(es), this run has "
-                                   f"{self.num_processes}: elastic=True keeps the sample order only for loaders from "
-                                   "prepare_resumable_dataloader(). Build the training loader with it.")
-        plan = plan_elastic_resume(saved_world_size=saved_world_size,
-                                   saved_accumulation=int(saved["gradient_accumulation_steps"]),
-                                   per_device_batch=loaders[0].batch_size, world_size=self.num_processes,
-                                   checkpoint=str(path))
-        self.gradient_accumulation_steps = plan.gradient_accumulation_steps
-        if getattr(self, "deepspeed_engine_wrapped", None) is not None:  # the engine divides the loss by its own
-            self.deepspeed_engine_wrapped.engine.set_train_batch_size(plan.global_batch)
-        for loader in loaders:
-            loader.set_global_batch(plan.global_batch)
-        if self.is_main_process:
-            logger.info("Elastic resume of %s: %s.", path, plan.describe())
-        return True
-
-    def _check_drift(self, path: Path, saved_world_size: int, saved: Mapping[str, Any] | None, *,
-                     elastic_kept: bool = False) -> None:
-        saved = {**(saved or {}), "world_size": saved_world_size}  # the manifest's count is authoritative
-        saved.setdefault(KEY_ELASTIC, False)
-        changed = changed_settings(saved, self._run_settings())
-        if self.resume_options.elastic:
-            changed = elastic_changes(changed, kept=elastic_kept)
-        check_drift(changed, checkpoint=str(path),
-                    allow=self.resume_options.allow_inexact_resume, option="allow_inexact_resume",
-                    owner="ResumableAccelerator")
-
-    def _restore_loaders(self, path: Path, data_state: Mapping[str, Any] | None, saved_world_size: int) -> None:
-        if not self._resumable_loaders:
-            return
-        records = (data_state or {}).get(DATA_LOADERS)
-        if self.resume_options.elastic and saved_world_size != self.num_processes:
-            # the elastic layout's position is global: rank 0's record, converted (a new rank has none of its own)
-            records = broadcast_json(records if self.is_main_process else None)
-            # (a stream's record counts the examples read over all ranks: its loader converts it when loaded)
-            records = [record if record.get(DATA_KIND) == "stream" else
-                       convert_position(record, saved_world_size=saved_world_size, world_size=self.num_processes,
-                                        num_batches=len(loader))
-                       for record, loader in zip(records or [], self._resumable_loaders)] or None
-        if records is None or len(records) != len(self._resumable_loaders):
-            self._inexact(f"{path} has no position for the {len(self._resumable_loaders)} prepared loader(s) of rank "
-                          f"{self.process_index}")
-            return
-        for index, (loader, record) in enumerate(zip(self._resumable_loaders, records)):
-            if record.get("saved") is False:
-                self._inexact(f"{path} has no position for loader {index} of rank {self.process_index} (it could not "
-                              "be saved; see the WARNING of that save)")
-                continue
-            fits = loader.fits(record)
-            if not fits:
-                self._inexact(f"{path}: the saved position {dict(record)} of loader {index} does not fit it "
-                              f"({loader.settings()} on rank {self.process_index}; the data set, its kind, batch "
-                              "size, drop_last or world size changed); its epoch restarts", ConfigDriftError)
-            loader.load_position(record, restart_epoch=not fits)
-        self._resume_watch.record(self._resumable_loaders)
-
-    def _restore_custom_objects(self, path: Path, states: list[Any]) -> None:
-        if len(states) != len(self._custom_objects):
-            self._inexact(f"{path} holds {len(states)} registered custom object(s), {len(self._custom_objects)} are "
-                          "registered now")
-            return
-        for obj, state in zip(self._custom_objects, states):
-            obj.load_state_dict(state)
-
-    def _restore_rng(self, path: Path, loaded: LoadedCheckpoint) -> None:
-        if self.resume_options.elastic and loaded.manifest.world_size != self.num_processes:
-            # accumulation_windows keys the model's randomness per micro-batch; a new rank starts from its seed
-            if loaded.rng_state is not None:
-                restore_rng_state(loaded.rng_state, allow_device_mismatch=True)
-            return
-        if loaded.rng_state is None:
-            self._inexact(f"{path} has no RNG state for rank {self.process_index}")
-            return
-        restore_rng_state(loaded.rng_state, allow_device_mismatch=self.resume_options.allow_inexact_resume)
+            return load_newest(self, strict)
+        return load_agreed(self, resolve_checkpoint(self, input_dir), strict)
 
     # ---------------------------------------------------------------- preemption
 
