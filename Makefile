@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 
 .PHONY: venv test test-all test-gpu test-gpu-on-cpu test-upstream demo bench clean
 
-$(VENV)/.installed: setup.cfg setup.py pyproject.toml hf_resumable/_fastcopy.c
+$(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build.

@@ -66,8 +66,8 @@ import torch
 from _bench_common import drop_caches, raw_read, throttle_reads
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from hf_resumable._tuning import READ_STREAMS_ENV, READ_WORKERS, read_streams
 from hf_resumable.checkpoint import load_checkpoint, save_checkpoint, wait_for_pending_saves
-from hf_resumable.checkpoint._parallel_read import READ_STREAMS_ENV, READ_WORKERS, read_streams
 from hf_resumable.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint
 from hf_resumable.constants import LAYOUT_FILE
 
@@ -362,10 +362,9 @@ def _stall_rows(med: dict[str, float]) -> list[tuple[str, str, str, str]]:
 
 def stall_report(results: dict[str, list[float]], nbytes: int, repeats: int, can_drop: bool) -> None:
     med = {k: statistics.median(v) for k, v in results.items() if v}
-    from hf_resumable.checkpoint._staging import COPY_KIND
 
     print(f"\nCheckpoint of {nbytes / 2**30:.2f} GiB (model + AdamW), median of {repeats} runs, "
-          f"page cache dropped: {can_drop}, staging copy: {COPY_KIND}\n")
+          f"page cache dropped: {can_drop}\n")
     print("| operation | median s | ratio | target |")
     print("|---|---|---|---|")
     for label, key, ratio, target in [("hf_resumable blocking save, until durable", "save", "1.00x", ""),
@@ -381,10 +380,9 @@ def report(results: dict[str, list[float]], paired: dict[str, list[float]], nbyt
     med = {k: statistics.median(v) for k, v in results.items()}
     pair = {k: f"{statistics.median(v):.2f}x raw read (paired; {min(v):.2f}..{max(v):.2f})" for k, v in paired.items()}
     gbps = {k: nbytes / v / 1e9 if v > 0 else float('inf') for k, v in med.items()}  # the gate wait may be 0
-    from hf_resumable.checkpoint._staging import COPY_KIND
 
     print(f"\nCheckpoint of {nbytes / 2**30:.2f} GiB (model + AdamW), median of {repeats} runs, "
-          f"page cache dropped: {can_drop}, staging copy: {COPY_KIND}\n")
+          f"page cache dropped: {can_drop}\n")
     print("| operation | median s | GB/s | ratio | target |")
     print("|---|---|---|---|---|")
     rows = [

@@ -33,13 +33,6 @@ in its collectives) with the process's CPU seconds, and the same rounds time a r
 least work a save does per byte: write, xxh3-128, fsync) by rank 0 alone on 1 and 2 threads and by both ranks
 each writing half: how much splitting the writers can gain on this machine at all.
 
-With ``--resume``, instead: ``load_checkpoint`` of that DDP replica's checkpoint by 2 gloo ranks into fresh objects,
-page cache dropped before each load, by default (ranks on one machine each read every file through the shared page
-cache), with the tensor files split across the ranks and exchanged over gloo (``HF_RESUMABLE_SHARED_READS=always``,
-what ranks on different machines do) and with every rank reading every file (``HF_RESUMABLE_SHARED_READS=0``), in
-rotating order: the slower rank's time and the bytes both ranks read from storage (``/proc/self/io`` read_bytes)
-against the checkpoint's size.
-
 With ``--engines``, instead: the front doors' engines at 2 gloo ranks, FSDP2 through accelerate and DeepSpeed ZeRO
 (``--zero-stage``, default 2 and 3) through accelerate, on the same Llama-shaped model + AdamW, one process group per
 engine: our blocking ``save_sharded_checkpoint`` (what ``ResumableAccelerator.save_state`` writes under these
@@ -56,7 +49,6 @@ Usage:
     python benchmarks/bench_distributed.py [--rounds 3] [--repeats 2] [--dir /path/on/the/disk] [--hidden 512]
     python benchmarks/bench_distributed.py --stall [--repeats 5] [--hidden 512]
     python benchmarks/bench_distributed.py --replicated [--repeats 5] [--dir /dev/shm] [--max-shard-size 2GB]
-    python benchmarks/bench_distributed.py --resume [--repeats 5] [--dir /path/on/the/disk] [--max-shard-size 2GB]
 """
 
 from __future__ import annotations
@@ -426,55 +418,6 @@ def replicated_worker(root: Path, repeats: int, hidden: int, max_shard_size: str
     dist.destroy_process_group()
 
 
-def _read_bytes() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    return 0
-
-
-def resume_worker(root: Path, repeats: int, hidden: int, max_shard_size: str, out: Path) -> None:
-    """One rank of a DDP resume: loads with shared and per-rank reads alternating; seconds and bytes read."""
-    import torch.distributed as dist
-
-    from hf_resumable import load_checkpoint, save_checkpoint
-    from hf_resumable.checkpoint._shared_read import SHARED_READS_ENV
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    model = build(hidden)
-    optimizer = prime_optimizer(model)
-    path = root / "checkpoint-0"
-    save_checkpoint(path, model=model, optimizer=optimizer, step=0, max_shard_size=max_shard_size)
-    plans = {"default (one machine: per-rank reads)": "1", "split and exchanged over gloo": "always",
-             "every rank reads all": "0"}
-    times: dict[str, list[tuple[float, int]]] = {name: [] for name in plans}
-    names = list(plans)
-    for i in range(repeats + 1):  # the first round warms up
-        for name in names[i % len(names):] + names[: i % len(names)]:
-            os.environ[SHARED_READS_ENV] = plans[name]
-            fresh = build(hidden)
-            fresh_optimizer = prime_optimizer(fresh)
-            if rank == 0:
-                drop_caches()
-            dist.barrier()
-            before, start = _read_bytes(), time.perf_counter()
-            load_checkpoint(path, model=fresh, optimizer=fresh_optimizer, restore_rng=False)
-            seconds, nbytes = time.perf_counter() - start, _read_bytes() - before
-            dist.barrier()
-            if i:
-                times[name].append((seconds, nbytes))
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, times)  # benchmark driver only: the library never pickles
-    if rank == 0:
-        merged = {name: [(max(r[name][k][0] for r in gathered), sum(r[name][k][1] for r in gathered))
-                         for k in range(repeats)] for name in plans}
-        out.write_text(json.dumps({"times": merged, "bytes": dir_bytes(path),
-                                   "files": sum(1 for _ in path.rglob("*.safetensors"))}))
-    dist.destroy_process_group()
-
-
 def _install_cpu_engines(engine: str) -> None:
     """accelerate enables FSDP / DeepSpeed for accelerator devices only: on CPU, gloo collectives with the CPU as the
     device (the test suite's shim, ``tests/helpers/engine_fixtures.py``)."""
@@ -645,25 +588,6 @@ def engines_report(results: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def resume_report(result: dict, args: argparse.Namespace) -> str:
-    times, size = result["times"], result["bytes"]
-    seconds = {name: statistics.median(s for s, _ in entries) for name, entries in times.items()}
-    lines = [f"2 gloo ranks resuming a DDP replica (hidden {args.hidden}) + AdamW, load_checkpoint, max_shard_size="
-             f"{args.max_shard_size}: {size / 1e6:.0f} MB ({result['files']} safetensors files) under "
-             f"{args.dir or tempfile.gettempdir()}; page cache dropped before each load; median of {args.repeats} "
-             "loads each in rotating order (slower rank), after a warm-up round.", "",
-             "| reads | median s | min-max s | bytes read by both ranks / checkpoint size (median, min-max) |",
-             "|---|---:|---:|---:|"]
-    for name, entries in times.items():
-        ratios = [nbytes / size for _, nbytes in entries]
-        lines.append(f"| {name} | {seconds[name]:.3f} | {min(s for s, _ in entries):.3f}-"
-                     f"{max(s for s, _ in entries):.3f} | {statistics.median(ratios):.2f}x "
-                     f"({min(ratios):.2f}-{max(ratios):.2f}) |")
-    lines += ["", *(f"{name} / every rank reads all: {seconds[name] / seconds['every rank reads all']:.2f}x the time "
-                    "(lower is better)" for name in times if name != "every rank reads all")]
-    return "\n".join(lines)
-
-
 def replicated_report(result: dict, args: argparse.Namespace) -> str:
     times, profile = result["times"], result["profile"]
     split, single = (statistics.median(times[name]) for name in ("split", "single writer"))
@@ -827,13 +751,11 @@ def main() -> None:
     parser.add_argument("--stall", action="store_true", help="compare save stalls with torch DCP instead")
     parser.add_argument("--replicated", action="store_true",
                         help="DDP replica: ranks sharing the save vs rank 0 writing it all")
-    parser.add_argument("--resume", action="store_true",
-                        help="DDP resume: each file read once and exchanged vs every rank reading every file")
     parser.add_argument("--engines", action="store_true",
                         help="FSDP2 and DeepSpeed through accelerate: our saves and loads vs save_state / load_state")
     parser.add_argument("--zero-stage", type=int, nargs="+", default=[2, 3],
                         help="DeepSpeed ZeRO stages of --engines (each in its own process group)")
-    parser.add_argument("--max-shard-size", default="2GB", help="shard size of --replicated and --resume saves")
+    parser.add_argument("--max-shard-size", default="2GB", help="shard size of --replicated saves")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "stall":
@@ -844,9 +766,6 @@ def main() -> None:
         stage = int(engine.removeprefix("zero")) if engine.startswith("zero") else 0
         engines_worker("deepspeed" if stage else engine, args.dir, args.repeats, args.hidden, stage,
                        args.dir / f"{args.worker}.json")
-        return
-    if args.worker == "resume":
-        resume_worker(args.dir, args.repeats, args.hidden, args.max_shard_size, args.dir / "resume.json")
         return
     if args.worker == "replicated":
         replicated_worker(args.dir, args.repeats, args.hidden, args.max_shard_size, args.dir / "replicated.json")
@@ -861,8 +780,6 @@ def main() -> None:
             print(engines_report([launch(f"engine-{e}", 2, root, args) for e in engines], args))
         elif args.stall:
             print(stall_report(launch("stall", 2, root, args), args))
-        elif args.resume:
-            print(resume_report(launch("resume", 2, root, args), args))
         elif args.replicated:
             print(replicated_report(launch("replicated", 2, root, args), args))
         else:

@@ -46,7 +46,7 @@ a lower priority lengthens: under SIGKILL a checkpoint counts only once committe
 time per step went, without a write and while one is written: its own CPU (memory bandwidth shared with the copy,
 hashing and page-cache copies), waiting for a core (schedstat's run-queue time) and the optimizer step waiting at the
 step gate for the staging copy. ``--inflation-pairs N`` runs N pairs instead, with the save's background threads at
-their lower CPU priority and without it (``WRITER_NICE_INCREMENT = 0``), alternated (an ablation, not a target);
+their lower CPU priority and without it (``HF_RESUMABLE_WRITER_PRIORITY=0``), alternated (an ablation, not a target);
 ``--inflation-only`` runs only these (no stock run, no preemption): the fast loop for work on the background save.
 
 The machine may be shared: every process runs under ``nice``; ``--repeats`` runs each preempted system that many
@@ -114,11 +114,11 @@ def _child(spec: dict) -> None:
 
     if spec["system"] != "stock":
         from hf_resumable import ResumableTrainer
-        from hf_resumable.checkpoint import async_save
+        from hf_resumable._tuning import WRITER_PRIORITY_ENV
         from hf_resumable.checkpoint.api import background_saver
 
         if spec.get("writer_nice") is not None:  # the paired inflation comparison: the writer's priority off or on
-            async_save.WRITER_NICE_INCREMENT = spec["writer_nice"]
+            os.environ[WRITER_PRIORITY_ENV] = "0" if spec["writer_nice"] == 0 else "1"
         from hf_resumable.integrations import trainer as resumable_trainer
 
         retention = resumable_trainer.apply_retention

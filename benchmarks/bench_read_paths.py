@@ -33,14 +33,12 @@ Usage:
     python benchmarks/bench_read_paths.py --repeats 5 --dir <disk dir> --dir /dev/shm [--warm] [--staging]
 
 ``--staging`` also times the async save's staging copy (``checkpoint._staging.copy_into``) of the AdamW state into
-reused buffers: the C extension's non-temporal copy against ``memmove``, threads against one, and ``torch``'s
-``copy_`` per tensor as the baseline.
+reused buffers, with ``torch``'s ``copy_`` per tensor as the baseline.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import shutil
@@ -327,12 +325,9 @@ def staging(repeats: int) -> None:
     buffers = [torch.empty_like(s) for s in sources]
     pairs = list(zip(buffers, sources))
     nbytes = sum(s.nbytes for s in sources)
-    threads = _staging.staging_threads()
     kinds: dict[str, Callable[[], None]] = {
         "torch copy_ per tensor (baseline)": lambda: [d.copy_(s) for d, s in pairs],
-        f"copy_into, {_staging.COPY_KIND}, {threads} threads": lambda: _staging.copy_into(pairs),
-        "copy_into, memmove, same threads": lambda: _staging.copy_into(pairs, copier=ctypes.memmove),
-        f"copy_into, {_staging.COPY_KIND}, 1 thread": lambda: _staging.copy_into(pairs, workers=1),
+        "copy_into (memmove, one thread)": lambda: _staging.copy_into(pairs),
     }
     for fn in kinds.values():  # warm-up: every buffer touched, threads started
         fn()

@@ -51,15 +51,11 @@ def _write_threaded(path: str, tensors: list[tuple[str, torch.Tensor]], *, fsync
     ordered = st.layout_tensors(tensors)
     hasher = _Thread(sha256=sha256)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    flusher = st._flusher(fd) if fsync else None
     for chunk in st._chunks([memoryview(st.build_header(ordered))] + [st._as_bytes(t) for _, t in ordered]):
         hasher.queue.put(chunk)
         st._write_all(fd, chunk)
-        if flusher is not None:
-            flusher.written(len(chunk))
     hasher.finish()
-    if flusher is not None:
-        flusher.finish()
+    if fsync:
         os.fsync(fd)
     os.close(fd)
 

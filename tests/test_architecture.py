@@ -17,8 +17,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hf_resumable"
 
 # Lowest first. A module belongs to the first layer with a prefix that names it or one of its packages.
 LAYERS: list[tuple[str, list[str]]] = [
-    ("format", ["_version", "errors", "constants", "_urls", "progress", "preemption", "distributed", "trace",
-                "format"]),
+    ("format", ["_version", "errors", "constants", "_tuning", "_urls", "progress", "preemption", "distributed",
+                "trace", "format"]),
     ("checkpoint", ["checkpoint"]),
     ("data, remote", ["data", "remote"]),
     ("hub, lazy, conversions", ["hub", "lazy", "conversions"]),

@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from hf_resumable.checkpoint import _threads, _writer, read_manifest, save_checkpoint, wait_for_pending_saves
+from hf_resumable import _tuning
+from hf_resumable.checkpoint import _writer, read_manifest, save_checkpoint, wait_for_pending_saves
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 
@@ -21,11 +22,10 @@ def test_the_background_write_runs_below_the_training_priority_until_waited_for(
     """The write's threads run WRITER_NICE_INCREMENT nice steps below the training thread (so a step is barely
     slower while a save is written), and get the normal priority back once the training loop waits for them, or
     without waiting once it says the write is late (``expedite``: the next save is due)."""
-    from hf_resumable.checkpoint import async_save
     from hf_resumable.checkpoint.api import background_saver
 
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    lowered = min(19, base + async_save.WRITER_NICE_INCREMENT)
+    lowered = min(19, base + _tuning.WRITER_NICE_INCREMENT)
     if lowered == base:
         pytest.skip(f"this process already runs at nice {base}")
     # Raising a priority again needs root or an RLIMIT_NICE that allows it; without either the writer stays lower.
@@ -68,11 +68,11 @@ def test_a_thread_is_lowered_relative_to_the_main_thread_once_however_often_aske
 
     def lower_twice() -> None:
         for _ in range(2):
-            _threads.lower_thread_priority(5)
+            _tuning.lower_thread_priority(5)
             seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
 
     thread = threading.Thread(target=lower_twice)
     thread.start()
     thread.join()
     assert seen == [min(19, base + 5)] * 2
-    assert _threads.lower_thread_priority(0) is None
+    assert _tuning.lower_thread_priority(0) is None

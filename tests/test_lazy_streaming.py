@@ -65,7 +65,7 @@ def test_streaming_model_raises_the_budget_error_on_enter(tmp_path: Path) -> Non
     with pytest.raises(MemoryBudgetError, match=f"smallest budget that works is {outside + block:,} bytes"):
         with streaming:
             pass
-    assert streaming._warmer is None  # the failed enter stopped from_pretrained's page-cache warming
+    assert streaming._prefetcher is None  # the failed enter stopped the threads it started
     with StreamingModel.from_pretrained(folder, max_memory=outside + block) as streamed:
         assert torch.equal(_generate(streamed), _generate(model))
 
@@ -92,34 +92,6 @@ def test_prefetcher_restarts_when_asked_out_of_order_and_reraises_read_errors() 
     prefetcher.close()
     assert read[:2] == [0, 1] and 2 in read
     assert (1, 1) in discarded and all(i == w for i, w in discarded)  # handed back with its own index
-
-
-def test_page_cache_warming_reads_the_first_budget_bytes_in_file_order(tmp_path: Path, monkeypatch) -> None:
-    import hf_resumable.lazy._prefetch as prefetch
-
-    paths = []
-    for i, size in enumerate([3000, 5000, 4000]):
-        paths.append(tmp_path / f"f{i}")
-        paths[-1].write_bytes(bytes([i]) * size)
-    seen: list[tuple[bytes, int, int]] = []
-    read_range = prefetch.read_range
-
-    def spy(fd: int, offset: int, length: int, scratch: memoryview) -> None:
-        read_range(fd, offset, length, scratch)
-        seen.append((bytes(scratch[:1]), offset, length))
-
-    monkeypatch.setattr(prefetch, "read_range", spy)
-    warmer = prefetch.PageCacheWarmer(paths, limit=6000)
-    warmer.start()
-    warmer._thread.join()  # let it finish (close() would stop it early)
-    assert seen == [(b"\x00", 0, 3000), (b"\x01", 0, 3000)]  # the first 6000 bytes, in order, nothing more
-    model = _llama(seed=3)
-    folder = _save(model, tmp_path / "m")
-    streaming = StreamingModel.from_pretrained(folder, max_memory="1GB")
-    assert streaming._warmer is not None  # local weights and a budget: warming while the model was built
-    with streaming as streamed:
-        assert torch.equal(_generate(streamed), _generate(model))
-    assert streaming._warmer is None
 
 
 @pytest.mark.parametrize("factory", [_llama, _gpt2])
@@ -165,16 +137,12 @@ def test_headers_are_parsed_and_blocks_installed_once_however_many_tokens(tmp_pa
     folder = _save(model, tmp_path / "m")
     parsed: list[str] = []
     installed: list[str] = []
-    read_through: list[tuple[int, int]] = []
-    read_header, materialize, through = mapped.read_header, stream._materialize, mapped.MappedBlock.read_through
+    read_header, materialize = mapped.read_header, stream._materialize
     monkeypatch.setattr(mapped, "read_header", lambda path: parsed.append(Path(path).name) or read_header(path))
     monkeypatch.setattr(stream, "_materialize", lambda m, key, *a: installed.append(key) or materialize(m, key, *a))
-    monkeypatch.setattr(mapped.MappedBlock, "read_through",
-                        lambda self, scratch: read_through.append((self.fd, self.offset)) or through(self, scratch))
     with StreamingModel(on_meta(model), folder) as streamed:
         assert torch.equal(_generate(streamed), _generate(model))  # NEW tokens: every block streamed NEW times
     assert parsed and len(parsed) == len(set(parsed))
-    assert read_through and len(read_through) == len(set(read_through))  # only a block's first read copies it
     block_keys = [k for k in model.state_dict() if k.startswith("model.layers.")]
     assert sorted(installed) == sorted(block_keys)  # views installed on the first pass, kept for the others
 
@@ -194,10 +162,6 @@ def test_a_mapped_block_counts_in_rss_only_between_populate_and_evict(tmp_path: 
     save_file({"w": weight}, tmp_path / "m.safetensors")
     maps = ShardMaps()
     block = maps.view(tmp_path / "m.safetensors", ["w"], {"w": (weight.shape, weight.dtype)})
-    scratch = memoryview(bytearray(block.length))
-    block.read_through(scratch)  # the file range behind the views, read with the kernel's copy
-    skip = block.tensors["w"].data_ptr() - block.start
-    assert bytes(scratch[skip:skip + weight.nbytes]) == weight.numpy().tobytes()
     before = _rss()
     block.populate()
     populated = _rss()

@@ -111,37 +111,21 @@ def test_the_plan_covers_every_byte_once(files):
     assert len(fresh) == len(TENSORS) * 3 and not staged
 
 
-def test_new_destinations_are_marked_and_prefaulted(files):
-    import sys
 
-    from hf_resumable.checkpoint import _parallel_read
-
+def test_reads_fill_fresh_and_existing_destinations_in_place(files):
     expected = load_file(files[0])
     new_target, old_target = torch.empty(300, 7), torch.zeros(1001, dtype=torch.int64)
-    reads = [FileRead(files[0], read_header(files[0]), hash_file(files[0]), {"a0": new_target, "ints0": old_target},
-                      new={"a0"})]
-    chunks, fresh, _ = plan_reads(reads, chunk_bytes=1024)
-    assert {c.new for c in chunks[0] if c.address == new_target.data_ptr()} == {True}
-    assert {c.new for c in chunks[0] if c.address == old_target.data_ptr()} == {False}
-    assert all(c.new for c in chunks[0] for t in fresh.values() if t.numel() and c.address == t.data_ptr())
-    if sys.platform.startswith("linux"):
-        populate = _parallel_read._madvise()
-        assert populate is not None
-        page = 4096
-        buffer = torch.empty(4 * page + page, dtype=torch.uint8)
-        start = -(-buffer.data_ptr() // page) * page
-        assert populate(start, 4 * page) == 0
+    reads = [FileRead(files[0], read_header(files[0]), hash_file(files[0]), {"a0": new_target, "ints0": old_target})]
     read_files(reads, chunk_bytes=1024, workers=3)
     assert torch.equal(new_target, expected["a0"]) and torch.equal(old_target, expected["ints0"])
 
-
 def test_the_number_of_streams_is_the_override_or_the_default(files, monkeypatch):
-    from hf_resumable.checkpoint import _parallel_read
-    from hf_resumable.checkpoint._parallel_read import READ_STREAMS_ENV, read_streams
+    from hf_resumable import _tuning
+    from hf_resumable._tuning import READ_STREAMS_ENV, read_streams
 
     monkeypatch.delenv(READ_STREAMS_ENV, raising=False)
     for cores, streams in ((1, 1), (2, 1), (5, 2), (8, 4), (96, 4)):  # one per two usable cores, 1 to 4
-        monkeypatch.setattr(_parallel_read, "_usable_cores", lambda cores=cores: cores)
+        monkeypatch.setattr(_tuning, "_usable_cores", lambda cores=cores: cores)
         assert read_streams() == streams
     monkeypatch.setenv(READ_STREAMS_ENV, " 3 ")
     assert read_streams() == 3

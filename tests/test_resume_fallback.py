@@ -217,9 +217,9 @@ def test_two_ranks_agree_when_only_one_rank_finds_the_corruption(tmp_path, two_r
 @pytest.mark.distributed
 @pytest.mark.extended
 def test_trainer_under_ddp_falls_back_when_one_rank_reads_the_corrupt_file(tmp_path):
-    """torchrun, 2 ranks: each rank reads its share of the files (HF_RESUMABLE_SHARED_READS=always), so one rank
-    finds the flipped byte; both train again from checkpoint-2 (DDP wrapped anew), bit-identical on every rank."""
-    env = {**_env(), "HF_RESUMABLE_SHARED_READS": "always"}
+    """torchrun, 2 ranks: a flipped byte in the newest checkpoint, which every rank reads; both train again from
+    checkpoint-2 (DDP wrapped anew), bit-identical on every rank."""
+    env = _env()
 
     def torchrun(output: Path, **kill: int):
         return run_torchrun(SCRIPT, ["--output-dir", str(output), *TRAINER_OPTIONS],

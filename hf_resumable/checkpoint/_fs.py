@@ -24,6 +24,7 @@ import stat
 import threading
 from pathlib import Path
 
+from .._tuning import tuning_options
 from ..constants import REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
 from ..errors import CheckpointExistsError
 from ..format._libc import libc_function
@@ -261,8 +262,8 @@ def remove_dir(path: Path, *, background: bool = False) -> bool:
     1. Announce the removal (an owned ``.removing-`` file): readers that pin from now on wait for it.
     2. If a reader in another process has pinned it, withdraw and keep it; it was never moved.
     3. Rename it to a trash name this process owns (from now on nobody finds it as a checkpoint), make that
-       durable, delete the trash (``background``: on a helper thread, see :func:`wait_for_removals`), and withdraw
-       the announcement.
+       durable, delete the trash (``background``: on a helper thread, see :func:`wait_for_removals`, unless
+       ``HF_RESUMABLE_BACKGROUND_DELETES=0``), and withdraw the announcement.
     """
     announcement = path.parent / member_name(REMOVING_PREFIX, path.name)
     os.close(os.open(announcement, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
@@ -274,7 +275,7 @@ def remove_dir(path: Path, *, background: bool = False) -> bool:
         if trash is None:
             return False
         fsync_dir(path.parent)
-        if background:
+        if background and tuning_options().background_deletes:
             _REMOVER.submit(trash)
         else:
             shutil.rmtree(trash, ignore_errors=True)

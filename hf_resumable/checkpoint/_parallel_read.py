@@ -2,25 +2,16 @@
 
 A resume reads a model into memory that exists and an optimizer state twice its size into new memory. Every file is
 cut into chunks of at most ``CHUNK_BYTES`` (:func:`plan_reads`, pure: which byte range of which file lands in which
-tensor), and :func:`read_streams` threads (``HF_RESUMABLE_READ_STREAMS=<n>`` or ``read_files(workers=n)`` changes it)
-take the chunks in file order and ``pread`` each straight into the destination tensor's bytes. Whichever thread
-completes a file's next chunk feeds that file's checksum, so every byte is hashed in order while the reads go on.
-``pread``, ``xxh3`` and ``sha256`` release the GIL. One more thread faults in the pages of new destinations ahead of
-the readers (``madvise(MADV_POPULATE_WRITE)``). Tensors that cannot receive bytes in place (another device, dtype or
-layout) are read into CPU staging buffers and copied into their destination only after EVERY file's hash matched.
+tensor), and :func:`hf_resumable._tuning.read_streams` threads (``HF_RESUMABLE_READ_STREAMS=<n>`` or
+``read_files(workers=n)`` changes it; one per two usable cores by default) take the chunks in file order and
+``pread`` each straight into the destination tensor's bytes. Whichever thread completes a file's next chunk feeds
+that file's checksum, so every byte is hashed in order while the reads go on. ``pread``, ``xxh3`` and ``sha256``
+release the GIL. Tensors that cannot receive bytes in place (another device, dtype or layout) are read into CPU
+staging buffers and copied into their destination only after EVERY file's hash matched.
 
-Why each mechanism is kept (the measurements, with ``benchmarks/bench_read_paths.py``, are in docs/benchmarks.md):
-
-- streams: one per two cores this process may run on, at most ``READ_WORKERS``. Each stream copies and hashes at
-  memory speed, so a stream needs a core; more streams than that only take a larger share of a busy machine.
-  ``HF_RESUMABLE_READ_STREAMS=<n>`` overrides the choice.
-- the prefault thread: the page faults of new memory overlap the disk's work. On tmpfs there is no disk work to
-  overlap, and the faults only compete for the cores.
-
-Deleted, because they did not pay on either storage: ``O_DIRECT`` reads of the bytes ``mincore`` said were not
-cached (with new tensors allocated aligned like their file offsets), interleaving all files' chunks, one stream
-hashing on a thread of its own, and a stream probe that timed 1 against 4 streams on the first 64 MiB of a disk
-reporting itself rotational (its answers were noise).
+Deleted, because they did not pay on either storage (``benchmarks/bench_read_paths.py``, docs/benchmarks.md): a
+thread faulting in the pages of new destinations ahead of the readers, ``O_DIRECT`` reads of the bytes ``mincore``
+said were not cached, interleaving all files' chunks, one stream hashing on a thread of its own, and a stream probe.
 
 A file may also come from memory (:attr:`FileRead.data`: bytes a verification already hashed and kept), and a
 file that verification hashed but did not keep is checked to be the very file it hashed before it is read
@@ -29,44 +20,33 @@ file that verification hashed but did not keep is checked to be the very file it
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 import os
-import sys
 import threading
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .._tuning import read_streams
 from ..errors import CorruptCheckpointError
-from ..format._libc import libc_function
 from ..format._safefile import open_regular
 from ..format.safetensors_io import FileRecord, RecordChecker, SafetensorsHeader, TensorInfo
 from ._threads import run_in_threads
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FileRead", "Chunk", "plan_reads", "read_files", "read_streams", "READ_WORKERS", "CHUNK_BYTES",
-           "READ_STREAMS_ENV", "default_read_streams"]
+__all__ = ["FileRead", "Chunk", "plan_reads", "read_files", "CHUNK_BYTES"]
 
-# Most threads reading at once (all files share them); the default is one per two usable cores, up to this.
-READ_WORKERS = 4
 # Largest byte range one thread reads at a time.
 CHUNK_BYTES = 8 * 1024 * 1024
-# New destinations smaller than this in all are faulted in by the readers themselves (no prefault thread).
-PREFAULT_MIN_BYTES = 1024 * 1024
-# Environment variable that sets the number of read streams (an integer >= 1).
-READ_STREAMS_ENV = "HF_RESUMABLE_READ_STREAMS"
 
 
 @dataclass
 class FileRead:
     """One file to read: its verified header, the record to check it against (``None``: no check), the
-    destination tensors by name (any subset; the rest are returned as new tensors), and which of those
-    destinations are newly allocated (``new``: their pages are faulted in ahead of the reads).
+    destination tensors by name (any subset; the rest are returned as new tensors).
 
     ``data``: the whole file, already hashed by a verification (its bytes are copied from there; nothing is read
     from disk or hashed again). ``check``: called with the ``fstat`` of the descriptor before a byte is read (a
@@ -77,7 +57,6 @@ class FileRead:
     header: SafetensorsHeader
     expected: FileRecord | None = None
     into: Mapping[str, torch.Tensor] = field(default_factory=dict)
-    new: Collection[str] = ()
     data: bytes | None = None
     check: Callable[[os.stat_result], None] | None = None
 
@@ -95,8 +74,6 @@ class Chunk:
     index: int
     offset: int
     view: memoryview
-    new: bool = False
-    address: int = 0
 
 
 def _in_place(target: torch.Tensor | None, info: TensorInfo) -> bool:
@@ -125,24 +102,23 @@ def plan_reads(reads: list[FileRead], *, chunk_bytes: int = CHUNK_BYTES
     for number, read in enumerate(reads):
         header, chunks = read.header, []
 
-        def add(offset: int, view: memoryview, *, new: bool = False, address: int = 0) -> None:
+        def add(offset: int, view: memoryview) -> None:
             for start in range(0, len(view), chunk_bytes):
-                chunks.append(Chunk(number, len(chunks), offset + start, view[start : start + chunk_bytes], new,
-                                    address and address + start))
+                chunks.append(Chunk(number, len(chunks), offset + start, view[start : start + chunk_bytes]))
 
         if read.expected is not None:
             add(0, memoryview(bytearray(header.data_offset)))
         for info in sorted(header.tensors.values(), key=lambda t: t.start):
             target = read.into.get(info.name)
             if _in_place(target, info):
-                buffer, new = target, info.name in read.new
+                buffer = target
             else:
-                buffer, new = torch.empty(info.shape, dtype=info.torch_dtype), True
+                buffer = torch.empty(info.shape, dtype=info.torch_dtype)
                 if target is not None:
                     staged.append((buffer, target))
                 else:
                     fresh[info.name] = buffer
-            add(header.data_offset + info.start, _byte_view(buffer), new=new, address=buffer.data_ptr())
+            add(header.data_offset + info.start, _byte_view(buffer))
         files.append(chunks)
     return files, fresh, staged
 
@@ -191,43 +167,6 @@ class _FileState:
         return self.digest.problem()
 
 
-@functools.lru_cache(maxsize=1)
-@functools.lru_cache(maxsize=1)
-def _madvise() -> Callable[[int, int], int] | None:
-    """``madvise(address, length, MADV_POPULATE_WRITE)`` through libc (Linux >= 5.14), or ``None``."""
-    madvise = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)) \
-        if sys.platform.startswith("linux") else None
-    if madvise is None:
-        return None
-    return lambda address, length: madvise(address, length, _MADV_POPULATE_WRITE)
-
-
-_MADV_POPULATE_WRITE = 23
-_PAGE = 4096
-
-
-def _prefault(queue: list[Chunk], stop: threading.Event) -> None:
-    """Fault in the pages of new destinations, in reading order, ahead of the readers.
-
-    The first touch of new memory is a page fault per 4 KiB page (costly where a hypervisor maps guest memory on
-    first access); inside ``pread`` it would come after the data arrived, here it overlaps the disk's work. Pages a
-    reader reaches first simply fault there. Stops quietly if the kernel does not support ``MADV_POPULATE_WRITE``.
-    """
-    populate = _madvise()
-    if populate is None:
-        return
-    for chunk in queue:
-        if stop.is_set():
-            return
-        if not chunk.new:
-            continue
-        start = -(-chunk.address // _PAGE) * _PAGE
-        end = (chunk.address + len(chunk.view)) // _PAGE * _PAGE
-        if end > start and populate(start, end - start) != 0:
-            logger.debug("madvise(MADV_POPULATE_WRITE) failed (errno %d); no prefaulting.", ctypes.get_errno())
-            return
-
-
 def _copy_into(data: bytes, chunk: Chunk, path: Path) -> None:
     part = data[chunk.offset : chunk.offset + len(chunk.view)]
     if len(part) != len(chunk.view):
@@ -247,37 +186,6 @@ def _pread_into(fd: int, chunk: Chunk, path: Path) -> None:
         if n <= 0:
             raise _truncated(path, offset)
         view, offset = view[n:], offset + n
-
-
-def read_streams() -> int:
-    """Reads kept in flight: ``HF_RESUMABLE_READ_STREAMS`` when set, else :func:`default_read_streams`.
-
-    Raises:
-        ValueError: ``HF_RESUMABLE_READ_STREAMS`` is not an integer >= 1.
-    """
-    override = os.environ.get(READ_STREAMS_ENV, "").strip()
-    if not override:
-        return default_read_streams(_usable_cores())
-    if not override.isdigit() or int(override) < 1:
-        raise ValueError(f"{READ_STREAMS_ENV}={override!r}: expected the number of read streams, an integer >= 1.")
-    return int(override)
-
-
-def default_read_streams(cores: int) -> int:
-    """Read streams for a process that may run on ``cores`` cores: one per two, at least 1, at most ``READ_WORKERS``.
-
-    Example:
-        >>> [default_read_streams(n) for n in (1, 2, 3, 4, 8, 64)]
-        [1, 1, 1, 2, 4, 4]
-    """
-    return max(1, min(READ_WORKERS, cores // 2))
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
 
 
 def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes: int = CHUNK_BYTES
@@ -306,17 +214,10 @@ def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes
             _pread_into(state.file.fileno(), chunk, state.read.path)
         state.completed(chunk.index)
 
-    stop = threading.Event()
-    prefault = threading.Thread(target=_prefault, args=(queue, stop), name="hf_resumable-prefault", daemon=True)
     try:
         _open_files(states)
-        if sum(len(chunk.view) for chunk in queue if chunk.new) >= PREFAULT_MIN_BYTES:
-            prefault.start()
         run_in_threads(read_chunk, queue, workers=max(1, streams))
     finally:
-        stop.set()
-        if prefault.ident is not None:
-            prefault.join()
         for state in states:
             state.close()
     for state in states:

@@ -59,7 +59,6 @@ from ._model_files import model_index
 from ._optimizer import OptimizerLoadPlan, apply_optimizer_state, parameter_names, plan_optimizer_load
 from ._parallel_read import FileRead, read_files
 from ._payload import STATE_TENSORS_FILE
-from ._shared_read import announce_failure, read_shared, shares_reads
 from ._validate import check_counters, check_data_position, check_like_live, check_step_value, check_training_state
 from .manifest import Manifest
 from .verify import VerifyReport
@@ -144,11 +143,11 @@ class _Reader:
         path, header = member_path(self.path, relpath), self.report.headers[relpath]
         data = self.report.verified_bytes(relpath)
         if data is not None:
-            return FileRead(path, header, None, into or {}, new, data=data)
+            return FileRead(path, header, None, into or {}, data=data)
         check = None
         if relpath in self.report.identities:
             check = lambda now: self.report.check_unchanged(relpath, now)  # noqa: E731
-        return FileRead(path, header, self.expected(relpath), into or {}, new, check=check)
+        return FileRead(path, header, self.expected(relpath), into or {}, check=check)
 
     def verified_file(self, relpath: str) -> VerifiedFile:
         """The safetensors file ``relpath`` opened for slice reads, every byte a read uses checked against its manifest
@@ -251,17 +250,16 @@ class _Reader:
             out[name] = torch.frombuffer(bytearray(raw), dtype=info.torch_dtype).reshape(info.shape)
         return out
 
-    def read(self, jobs: list[tuple[ShardIndex, Mapping[str, torch.Tensor], Collection[str]]], *,
-             shared: bool = False) -> dict[str, torch.Tensor]:
+    def read(self, jobs: list[tuple[ShardIndex, Mapping[str, torch.Tensor], Collection[str]]]
+             ) -> dict[str, torch.Tensor]:
         """Read every file of every ``(index, destinations, names of new destinations)``, into the destinations
         where a tensor has one; return the rest.
 
         All files at once, several threads per file (:mod:`._parallel_read`); each file's hash is checked on
-        the fly, in byte order, and a mismatch raises :class:`CorruptCheckpointError` naming the file. ``shared``
-        (collective): the files are split across the ranks, which exchange what they read (:mod:`._shared_read`).
+        the fly, in byte order, and a mismatch raises :class:`CorruptCheckpointError` naming the file.
         """
         reads = [self.file_read(filename, into, new) for index, into, new in jobs for filename in index.filenames]
-        return read_shared(reads, source=str(self.path)) if shared else read_files(reads)
+        return read_files(reads)
 
 
 @dataclass(eq=False)
@@ -410,9 +408,6 @@ class OpenedCheckpoint(LoadedCheckpoint):
     ) -> "OpenedCheckpoint":
         """Fill the given objects; every check runs before the first byte is written into any of them.
 
-        Under torch.distributed, with a model or an optimizer, it is collective: every rank calls it (a DDP resume),
-        and each tensor file is read from storage by one rank and exchanged (see :mod:`._shared_read`).
-
         Args:
             model, optimizer, scheduler, scaler (*optional*): objects to fill (``None`` skips a part).
             strict (`bool`, *optional*, defaults to `True`): missing/unexpected model keys are errors.
@@ -434,17 +429,9 @@ class OpenedCheckpoint(LoadedCheckpoint):
             ConfigDriftError / InexactResumeError: see :meth:`check_exact`.
         """
         source = str(self.path)
-        # Under torch.distributed the reads of a model or optimizer are shared by the ranks (collective): a rank that
-        # fails before them tells the others, which would wait for it otherwise.
-        shared = (model is not None or optimizer is not None) and shares_reads()
-        try:
-            model_plan, optimizer_plan, objects = self._plan_load(
-                model, optimizer, scheduler, scaler, strict=strict, restore_rng=restore_rng,
-                allow_inexact_resume=allow_inexact_resume)
-        except BaseException as err:
-            if shared:
-                announce_failure(err)
-            raise
+        model_plan, optimizer_plan, objects = self._plan_load(
+            model, optimizer, scheduler, scaler, strict=strict, restore_rng=restore_rng,
+            allow_inexact_resume=allow_inexact_resume)
         # 6. Read every tensor, hash-checked: weights in place (or into new buffers for load_state_dict),
         #    optimizer state into its final tensors. All files at once, so the disk stays busy while new
         #    optimizer state is faulted in.
@@ -454,7 +441,7 @@ class OpenedCheckpoint(LoadedCheckpoint):
         if optimizer_plan is not None:
             jobs.append((self._optimizer_index, optimizer_plan.targets, optimizer_plan.new))
         try:
-            leftovers = self._reader.read(jobs, shared=shared) if jobs else {}
+            leftovers = self._reader.read(jobs) if jobs else {}
         finally:
             self._reader.release()  # the verified bytes kept for this load are used (or will be read again, checked)
         # 7. Apply: model (retie aliases, or its own load_state_dict), optimizer (its load_state_dict, with tensors

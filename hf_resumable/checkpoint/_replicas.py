@@ -8,23 +8,23 @@ is settled in step 1 of the commit protocol, which already meets every rank: eac
 rank 0 writes every replicated file, as before. ``HF_RESUMABLE_SPLIT_REPLICAS=0`` keeps rank 0 the only writer.
 
 The same plan splits the whole tensors that every rank holds alike in a sharded save (DeepSpeed ZeRO-1/2's weights:
-``checkpoint.sharded`` passes their sizes) and the files of a shared read (:mod:`._shared_read`).
+``checkpoint.sharded`` passes their sizes).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import replace
 
+from .._tuning import SPLIT_REPLICAS_ENV, tuning_options
 from ._types import Payload, TensorFile
 
 __all__ = ["plan_replica_writers", "replica_signature", "replicas_split", "part_of_rank", "split_replicas"]
 
 # "0": rank 0 writes every replicated byte (the single-writer plan, e.g. as a benchmark's baseline).
-SPLIT_ENV = "HF_RESUMABLE_SPLIT_REPLICAS"
+SPLIT_ENV = SPLIT_REPLICAS_ENV
 
 
 def plan_replica_writers(sizes: Mapping[str, int], world_size: int, *, split: bool = True) -> dict[str, int]:
@@ -69,7 +69,7 @@ def plan_replica_writers(sizes: Mapping[str, int], world_size: int, *, split: bo
 
 def split_replicas() -> bool:
     """Whether this process may split what the ranks hold alike (``HF_RESUMABLE_SPLIT_REPLICAS`` is not ``0``)."""
-    return os.environ.get(SPLIT_ENV, "1") != "0"
+    return tuning_options().split_replicas
 
 
 def _file_bytes(tensor_file: TensorFile) -> int:

@@ -361,10 +361,7 @@ def load_checkpoint(
     """Load a checkpoint written by :func:`save_checkpoint` into freshly built objects, bit for bit.
 
     :func:`open_checkpoint` followed by :meth:`OpenedCheckpoint.load_into`. Under torch.distributed a load of a
-    model or optimizer is collective (every rank calls it, as a DDP resume does) and each byte is read from storage
-    once: ranks on one machine each read every file through the shared page cache; across machines the tensor files
-    are split across the ranks, each reads and hash-checks its share and the ranks exchange the tensors
-    (``HF_RESUMABLE_SHARED_READS=0``: every rank reads every file). Everything is checked before
+    model or optimizer reads every file on every rank. Everything is checked before
     anything is written into an object: the checkpoint verifies (``verify="quick"``: manifest, sizes,
     headers, index consistency; ``verify="full"``: every hash first), its state decodes and is consistent
     (types, counters, data position, RNG), and it fits the objects (keys, shapes and dtypes across all

@@ -2,21 +2,18 @@
 
 The call returns once it has copied what may change before the next optimizer step (buffers, which a forward
 updates, and any tensor the state-dict walks did not take from the optimizer); the parameters and optimizer state
-are copied by helper threads meanwhile, and the optimizer's next step waits until they are (:mod:`._step_gate`):
-forward and backward overlap the copy.
+are copied by the saver's thread meanwhile (the training thread helps once its next optimizer step is due), and that
+step waits until they are (:mod:`._step_gate`): forward and backward overlap the copy.
 
 :meth:`AsyncSaver.submit` returns a :class:`concurrent.futures.Future` of the committed manifest, to which the
 integrations attach what follows a commit (``integrations._core.AfterCommit``). At most one save is in flight: the
 next save, any load and interpreter exit wait for it (:meth:`AsyncSaver.wait` raises ``AsyncSaveError`` for a failed
 one). The commit protocol itself is :mod:`._writer`'s.
 
-The write runs at a lower CPU priority than the training loop (:data:`WRITER_NICE_INCREMENT`, Linux; under
-``SCHED_IDLE`` as well where nice values end too soon, e.g. a job started with ``nice``): its hashing and page-cache
-copies take the cores the training threads leave idle instead of slowing every step, and get the
-normal priority back as soon as the training loop waits for them, or when the caller says the write is late
-(:meth:`AsyncSaver.expedite`: the next save is due). The saver's thread and the staging helpers run under
-``SCHED_BATCH`` (:func:`._threads.defer_to_running_threads`): woken as the call returns, they do not preempt the
-training thread before it has returned.
+The write runs at a lower CPU priority than the training loop (:func:`hf_resumable._tuning.lower_thread_priority`,
+``HF_RESUMABLE_WRITER_PRIORITY``, docs/performance.md): its hashing and page-cache copies take the cores the
+training threads leave idle instead of slowing every step, and get the normal priority back as soon as the training
+loop waits for them, or when the caller says the write is late (:meth:`AsyncSaver.expedite`: the next save is due).
 """
 
 from __future__ import annotations
@@ -32,34 +29,48 @@ from typing import Any
 
 import torch
 
+from .._tuning import (
+    WRITER_NICE_INCREMENT,
+    Lowering,
+    defer_to_running_threads,
+    lower_thread_priority,
+    restore_thread_priorities,
+    tuning_options,
+)
 from ..distributed import checkpoint_group, is_distributed, rank_and_world_size
 from ..errors import AsyncSaveError
 from ._durability import make_durable
 from ._replicas import part_of_rank, replica_signature
 from ._staging import BackgroundCopy, copy_into, start_copy
 from ._step_gate import gated_optimizer, split_by_storage, step_gate, step_storages
-from ._threads import Lowering, defer_to_running_threads, lower_thread_priority, restore_thread_priorities
 from ._types import Payload, TensorFile
 from ._writer import SaveStart, begin_save, finish_save
 from .manifest import Manifest
 
-__all__ = ["AsyncSaver", "BACKGROUND_SAVER", "WRITER_NICE_INCREMENT"]
-
-# Nice steps by which a background write runs below the training thread (Linux, per thread; 0 turns it off). At
-# +10 the CPU scheduler gives the training thread most of a core they both want, so a step is barely slower while a
-# save is written, and the writer still gets every idle core.
-WRITER_NICE_INCREMENT = 10
+__all__ = ["AsyncSaver", "BACKGROUND_SAVER"]
 
 
 class _Staging:
-    """One save's staging copy after its call returned: the helpers' copy of the tensors the held optimizer step writes
-    (``background``), and the rest of the replicated files (``rest``: rank 0 writes them all should step 1 find the
-    ranks' replicas differ), copied by the saver's thread after step 1. ``release`` opens the optimizer's step."""
+    """One save's staging copy after its call returned: the copy of the tensors the held optimizer step writes
+    (``background``: the saver's thread copies them first, the training thread helps at the held step), and the rest
+    of the replicated files (``rest``: rank 0 writes them all should step 1 find the ranks' replicas differ), copied
+    by the saver's thread after step 1. ``release`` opens the optimizer's step."""
 
     def __init__(self, background: BackgroundCopy | None = None,
                  rest: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
                  release: Callable[[], None] | None = None, failed: BaseException | None = None) -> None:
         self.background, self.rest, self.release, self.failed = background, list(rest), release, failed
+
+    def copy_background(self) -> None:
+        """Copy ``background`` now (the saver's thread, before its priority is lowered: the held step waits for it);
+        an error is kept for :meth:`finish`."""
+        background, self.background = self.background, None
+        if background is None or self.failed is not None:
+            return
+        try:
+            background.join()
+        except BaseException as err:  # noqa: BLE001 - fails the save on every rank (step 3)
+            self.failed = err
 
     def finish(self, *, split: bool | None) -> BaseException | None:
         """Complete the copy (``split``: step 1's answer; ``None``: step 1 failed, nothing more is needed); open the
@@ -118,6 +129,7 @@ class _SaveJob:
     def run(self) -> None:
         manifest = None
         try:
+            self.staging.copy_background()
             with _at_writer_priority(self):
                 manifest = self._run()
         finally:
@@ -222,8 +234,8 @@ class _Worker:
 
     @staticmethod
     def _serve(jobs: queue.SimpleQueue) -> None:
-        defer_to_running_threads()  # woken as the save's call returns: never preempt the training thread then
         while True:
+            defer_to_running_threads()  # woken as the save's call returns: never preempt the training thread then
             jobs.get()()  # a job keeps its own errors
 
 
@@ -271,8 +283,8 @@ class AsyncSaver:
 
         Under torch.distributed every rank calls it. Before it returns it copies what may change before the next
         optimizer step: every tensor that is not a parameter or state of ``optimizer`` (the torch optimizer, or an
-        engine's checkpoint view, :func:`._step_gate.gated_optimizer`); helper threads copy the rest meanwhile, and
-        that optimizer's next step waits until they are done (without an optimizer that can be held, everything is
+        engine's checkpoint view, :func:`._step_gate.gated_optimizer`); the saver's thread copies the rest meanwhile,
+        and that optimizer's next step waits until they are done (without an optimizer that can be held, everything is
         copied now). Step 1 (rank 0 checks the target and creates the temp dir) runs on the saver's thread; steps 2-5
         (``prepare`` and ``finalize`` too, see :func:`~hf_resumable.checkpoint._writer.finish_save`) follow once the
         copy is over, then ``on_commit``. Its collectives use the save's own gloo group
@@ -281,7 +293,11 @@ class AsyncSaver:
 
         Returns:
             `concurrent.futures.Future`: done once the save has committed (its result is the manifest) or failed.
+
+        Raises:
+            ValueError: a switch of docs/performance.md holds a value it does not take (nothing was started).
         """
+        tuning_options()  # a switch with a value it does not take is refused here, before anything starts
         self.wait()
         group = checkpoint_group()  # created on first use: a collective of the training thread
         signature = replica_signature(payload)
@@ -296,7 +312,7 @@ class AsyncSaver:
                 if f.relpath not in names]
         pairs, rest_pairs = self._buffer_pairs([*planned, *also_stage]), self._buffer_pairs(rest)
         # 2. Copy now what the next forward may change (buffers) or the optimizer's step does not hold; start the
-        #    helpers on what only that step writes, and hold it until they are done.
+        #    copy of what only that step writes (the saver's thread runs it), and hold the step until it is done.
         held = gated_optimizer(optimizer)
         storages = step_storages(optimizer) if held is not None else set()
         now, later = split_by_storage(pairs, storages)
@@ -339,7 +355,7 @@ class AsyncSaver:
         many steps to commit, and until it has, a preemption loses everything since the previous checkpoint).
 
         Raising a priority again needs ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` that allows it; without either, the
-        write keeps its lower priority (see :func:`._threads.restore_thread_priorities`).
+        write keeps its lower priority (see :func:`hf_resumable._tuning.restore_thread_priorities`).
 
         Returns:
             `bool`: whether a write of this process was in flight (and so was given its priority back).
@@ -360,6 +376,7 @@ class AsyncSaver:
         Returns:
             `concurrent.futures.Future`: done once every rank's files are durable (or failed).
         """
+        tuning_options()  # refused here, not on the saver's thread
         self.wait()
         job = _SyncJob(target, written, group=checkpoint_group(), on_durable=on_durable)
         self._job, self._last = job, job.future

@@ -78,7 +78,6 @@ from ..format.rng import RngState
 from ..format.sharding import build_index
 from ..format.state_codec import decode_state
 from ._durability import check_durability
-from ._fqn_state import model_state_dict, optimizer_state_dict
 from ._frozen import base_not_stored, check_frozen_sharded, split_frozen_sharded
 from ._model import TIED_KEY
 from ._model_files import single_file_metadata
@@ -173,8 +172,10 @@ def _model_state(model: torch.nn.Module, originals: dict[str, Any] | None = None
     """FQN-keyed weights as this rank holds them (DTensor pieces under FSDP2 and, re-wrapped, FSDP1's sharded state
     dict, whose ``ShardedTensor`` of each name goes into ``originals``; the partitions of the flattened parameters
     under DeepSpeed ZeRO-3; plain tensors otherwise). ``partitioned``: :func:`is_partitioned` of ``model``, if
-    known; ``keep_vars``: as :func:`._fqn_state.model_state_dict`'s (saves only: they read the bytes)."""
-    state = model_state_dict(model, keep_vars=keep_vars)
+    known; ``keep_vars``: unused (torch's ``get_model_state_dict`` returns detached entries)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(model, options=_options())
     if is_partitioned(model) if partitioned is None else partitioned:
         return partitioned_state(model, state, parameters=parameters)
     return as_dtensors(state, device=_device(model), originals=originals)
@@ -227,8 +228,10 @@ def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     """
     if isinstance(optimizer, ShardedOptimizerState):
         return optimizer.sharded_state_dict()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     fresh = not optimizer.state
-    state = optimizer_state_dict(model, optimizer)
+    state = get_optimizer_state_dict(model, optimizer, options=_options())
     if fresh and optimizer.state:
         optimizer.state.clear()
         state = {"state": {}, "param_groups": state["param_groups"]}

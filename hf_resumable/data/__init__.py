@@ -32,7 +32,7 @@ Exact resume needs two things from the data pipeline:
 
 The pieces are framework-agnostic (no ``transformers`` import); :mod:`hf_resumable.integrations.trainer`
 assembles them for the ``Trainer``. Modules: ``_position`` (record keys, batch key, the seeded random context),
-``_global_rng`` (the global generators saved and put back around each batch, cheaply), ``_order`` (sample
+``_order`` (sample
 orders), ``_generators`` (private generators), ``_seeded`` (seeded data sets), ``_loaders`` (the loaders and
 their builders), ``_shuffle_buffer``, ``_fingerprint``, and ``elastic`` (global-sample-space
 sampling that survives a world-size change).

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from torch.utils.data import get_worker_info
 
-from ._global_rng import SeededStreams
+from ..format.rng import seeded_rng
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +86,10 @@ class BatchKey(NamedTuple):
 def data_rng(seed: int) -> contextlib.AbstractContextManager[None]:
     """Seed python ``random``, numpy's global generator and torch's CPU generator for a data operation.
 
-    :func:`hf_resumable.format.rng.seeded_rng` (the same numbers inside), except that in a ``DataLoader`` worker
-    the generators are only reseeded (nothing else in a worker draws from them); in the main process they are
-    saved first and restored on exit, so the stream dropout draws from is untouched. It runs for every batch,
-    so saving and restoring is made cheap (:class:`~hf_resumable.data._global_rng.SeededStreams`). Transforms
-    that draw from CUDA generators are not covered.
+    :func:`hf_resumable.format.rng.seeded_rng`, except that in a ``DataLoader`` worker the generators are only
+    reseeded (nothing else in a worker draws from them); in the main process they are saved first and restored on
+    exit, so the stream dropout draws from is untouched. Transforms that draw from CUDA generators are not
+    covered.
 
     Example:
 
@@ -104,7 +103,7 @@ def data_rng(seed: int) -> contextlib.AbstractContextManager[None]:
     True
     ```
     """
-    return SeededStreams(seed, restore=get_worker_info() is None)
+    return seeded_rng(seed, restore=get_worker_info() is None)
 
 
 def _identity(batch: Any) -> Any:

@@ -1,5 +1,5 @@
 """C library functions the ``os`` module lacks, looked up once through ``ctypes`` (which releases the GIL around
-each call): the one place the package loads them (renameat2, madvise, sync_file_range, memcmp).
+each call): the one place the package loads them (renameat2, madvise, memcmp).
 
 Example:
 

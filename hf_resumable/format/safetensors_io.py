@@ -21,7 +21,6 @@ holds, overlapping or gapped offsets, unknown dtypes, or a pickle payload are al
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import logging
@@ -30,7 +29,6 @@ import os
 import queue
 import re
 import struct
-import sys
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,7 +39,6 @@ import xxhash
 from ..constants import MAX_HEADER_SIZE, SAFETENSORS_METADATA
 from ..errors import CorruptCheckpointError
 from ._jsonio import parse_json, require_field
-from ._libc import libc_function
 from ._safefile import open_regular
 from .chunks import CHUNK_DIGEST_CHARS, CHUNK_HASH_SIZE, ChunkHasher
 
@@ -69,8 +66,6 @@ _CHUNK_DIGESTS = re.compile(r"[0-9a-f]*")
 # Most dimensions a stored tensor may have (torch allows 64).
 MAX_TENSOR_DIMS = 64
 CHUNK_SIZE = 16 * 1024 * 1024
-# With fsync=True, flush every this many bytes so disk writes overlap hashing (see write_safetensors).
-WRITE_BEHIND = 64 * 1024 * 1024
 
 DTYPE_TO_STR: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -477,86 +472,10 @@ class RecordChecker(_Digests):
         return self.expected.mismatch(self.record())
 
 
-class _WriteBehind:
-    """Flush a file's dirty pages on a helper thread while the caller keeps writing.
-
-    Without it every byte reaches the disk only at the final fsync, after all the hashing; a flush
-    in the writing thread itself would leave the disk idle while each next batch is written. One
-    flush is in flight at a time; its error is raised by :meth:`finish`.
-    """
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.thread: threading.Thread | None = None
-        self.error: OSError | None = None
-        self.unsynced = 0
-
-    def written(self, nbytes: int) -> None:
-        """``nbytes`` more were written: start a flush once ``WRITE_BEHIND`` bytes are waiting for one."""
-        self.unsynced += nbytes
-        if self.unsynced >= WRITE_BEHIND and self.kick():
-            self.unsynced = 0
-
-    def kick(self) -> bool:
-        """Start a flush unless one is running; ``True`` if one was started."""
-        if self.thread is not None and self.thread.is_alive():
-            return False
-        self.thread = threading.Thread(target=self._flush, name="hf_resumable-flush", daemon=True)
-        self.thread.start()
-        return True
-
-    def _flush(self) -> None:
-        try:
-            os.fdatasync(self.fd)
-        except OSError as err:
-            self.error = err
-
-    def finish(self, *, raise_error: bool = True) -> None:
-        if self.thread is not None:
-            self.thread.join()
-        if raise_error and self.error is not None:
-            raise self.error
-
-
-# Linux's ``sync_file_range`` (the ``os`` module lacks it), or ``None`` elsewhere.
-_SYNC_FILE_RANGE = libc_function("sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)) \
-    if sys.platform.startswith("linux") else None
-_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait for it
-
-
-class _StartWriteback:
-    """Start the writeback of every chunk as soon as it is written (``sync_file_range(SYNC_FILE_RANGE_WRITE)``,
-    which queues the pages and returns), so the disk works while the next chunks are written and hashed and the
-    final ``fsync`` waits only for the tail; :class:`_WriteBehind` (an ``fdatasync`` on a helper thread every
-    ``WRITE_BEHIND`` bytes) where the call is missing (docs/benchmarks.md)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.offset = 0
-        self.fallback: _WriteBehind | None = None
-
-    def written(self, nbytes: int) -> None:
-        """``nbytes`` more were written after the previous ones: start their writeback."""
-        start, self.offset = self.offset, self.offset + nbytes
-        if self.fallback is None and _SYNC_FILE_RANGE(self.fd, start, nbytes, _SYNC_FILE_RANGE_WRITE) == 0:
-            return
-        if self.fallback is None:  # e.g. a file system that refuses it: flush behind instead
-            self.fallback = _WriteBehind(self.fd)
-        self.fallback.written(nbytes)
-
-    def finish(self, *, raise_error: bool = True) -> None:
-        if self.fallback is not None:
-            self.fallback.finish(raise_error=raise_error)
-
-
 def _write_all(fd: int, chunk: memoryview) -> None:
     while chunk:
         written = os.write(fd, chunk)
         chunk = chunk[written:]
-
-
-def _flusher(fd: int) -> "_StartWriteback | _WriteBehind":
-    return _StartWriteback(fd) if _SYNC_FILE_RANGE is not None else _WriteBehind(fd)
 
 
 def write_safetensors(
@@ -581,19 +500,13 @@ def write_safetensors(
     header = build_header(ordered, metadata)
     digests = _Digests(xxh3_128=True, sha256=False, threaded=False, chunk_size=CHUNK_HASH_SIZE)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    flusher = _flusher(fd) if fsync else None
     try:
         for chunk in _chunks([memoryview(header)] + [_as_bytes(t) for _, t in ordered]):
             _write_all(fd, chunk)
             digests.feed(chunk)
-            if flusher is not None:
-                flusher.written(len(chunk))
-        if flusher is not None:
-            flusher.finish()
+        if fsync:
             os.fsync(fd)
     except BaseException:
-        if flusher is not None:
-            flusher.finish(raise_error=False)
         os.close(fd)
         _unlink_quietly(path)
         raise

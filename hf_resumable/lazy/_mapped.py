@@ -20,7 +20,7 @@ from ..format.safetensors_io import SafetensorsHeader, read_header
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["READ_THROUGH_CHUNK", "MappedBlock", "ShardMaps", "read_range"]
+__all__ = ["MappedBlock", "ShardMaps"]
 
 # madvise(2) advice: read a mapping's pages in and map them (Linux >= 5.14); drop them from this process's page
 # table (a private mapping we never wrote to: the pages stay in the page cache, RSS no longer counts them).
@@ -33,26 +33,6 @@ _MADVISE = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_
     if sys.platform.startswith("linux") else None
 
 
-# Bytes of one read of :func:`read_range` (the size of its scratch buffer).
-READ_THROUGH_CHUNK = 16 << 20
-
-
-def read_range(fd: int, offset: int, length: int, scratch: memoryview) -> None:
-    """Read ``length`` bytes of the file ``fd`` from ``offset`` into ``scratch`` (reused, chunk by chunk), only to
-    bring them into the OS page cache through the kernel's own copy; ``os.preadv`` releases the GIL.
-
-    The first access to a page just read from disk can be costly (in a VM, where the hypervisor maps guest memory
-    on first access, every 4 KiB page pays for it); through the kernel's copy into
-    an already touched buffer it was never more costly, and faster in most paired trials, than through a mapping.
-    Later accesses through a mapping are cheap."""
-    done = 0
-    while done < length:
-        read = os.preadv(fd, [scratch[: min(len(scratch), length - done)]], offset + done)
-        if read <= 0:
-            return
-        done += read
-
-
 @dataclass(frozen=True)
 class MappedBlock:
     """Tensors that are views of one shard's mapping, and the page-aligned range of the file that holds them.
@@ -61,15 +41,11 @@ class MappedBlock:
         tensors (`dict[str, torch.Tensor]`): contiguous CPU tensors backed by the file.
         start (`int`): first address of the range (page-aligned).
         length (`int`): bytes of the range.
-        fd (`int`, *optional*, defaults to `-1`): a file descriptor of the shard, open for reading.
-        offset (`int`, *optional*, defaults to `0`): the file offset the range starts at.
     """
 
     tensors: dict[str, torch.Tensor]
     start: int
     length: int
-    fd: int = -1
-    offset: int = 0
 
     def populate(self) -> None:
         """Read the range's pages in now, so using the tensors does not fault (ctypes releases the GIL: the
@@ -80,14 +56,6 @@ class MappedBlock:
         if madvise is not None and madvise(self.start, self.length, _MADV_POPULATE_READ) == 0:
             return
         self.touch()  # older kernel: fault every page in by reading it
-
-    def read_through(self, scratch: memoryview) -> None:
-        """Bring the range's pages into the page cache with the kernel's copy (:func:`read_range`) on a block's
-        first read, so that neither :meth:`populate` nor the forward pass is the first to access them."""
-        if self.fd < 0:
-            self.touch()
-            return
-        read_range(self.fd, self.offset, self.length, scratch)
 
     def touch(self) -> None:
         """Read one byte of every page through the mapping (torch releases the GIL)."""
@@ -127,10 +95,10 @@ class ShardMaps:
     """
 
     def __init__(self) -> None:
-        self._maps: dict[Path, tuple[mmap.mmap, SafetensorsHeader, int]] = {}
+        self._maps: dict[Path, tuple[mmap.mmap, SafetensorsHeader]] = {}
         self._lock = threading.Lock()
 
-    def _open(self, path: Path) -> tuple[mmap.mmap, SafetensorsHeader, int]:
+    def _open(self, path: Path) -> tuple[mmap.mmap, SafetensorsHeader]:
         with self._lock:
             if path not in self._maps:
                 header = read_header(path)
@@ -141,10 +109,9 @@ class ShardMaps:
                                                      "truncated. Re-download or re-save it.")
                     # Private and writable so torch.frombuffer accepts it; nothing writes to it.
                     mapping = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                except BaseException:
-                    os.close(fd)
-                    raise
-                self._maps[path] = (mapping, header, fd)  # fd kept for MappedBlock.read_through
+                finally:
+                    os.close(fd)  # the mapping keeps the file
+                self._maps[path] = (mapping, header)
             return self._maps[path]
 
     def view(self, path: str | os.PathLike, names: Collection[str],
@@ -162,7 +129,7 @@ class ShardMaps:
         Raises:
             CorruptCheckpointError: if a tensor is missing, has another shape or dtype, or the file is truncated.
         """
-        mapping, header, fd = self._open(Path(path))
+        mapping, header = self._open(Path(path))
         out: dict[str, torch.Tensor] = {}
         for name in names:
             info = header.tensors.get(name)
@@ -176,12 +143,9 @@ class ShardMaps:
         if not pointers:
             return MappedBlock(out, 0, 0)
         start = min(p[0] for p in pointers) // mmap.PAGESIZE * mmap.PAGESIZE
-        base = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
-        return MappedBlock(out, start, max(p[1] for p in pointers) - start, fd, start - base)
+        return MappedBlock(out, start, max(p[1] for p in pointers) - start)
 
     def clear(self) -> None:
-        """Forget the mappings (each is unmapped once no view of it is left) and close the files."""
+        """Forget the mappings (each is unmapped once no view of it is left)."""
         with self._lock:
-            for _, _, fd in self._maps.values():
-                os.close(fd)
             self._maps.clear()

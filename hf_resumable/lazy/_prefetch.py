@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
-from ._mapped import READ_THROUGH_CHUNK, read_range
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["BlockPrefetcher", "PageCacheWarmer"]
+__all__ = ["BlockPrefetcher"]
 
 Block = dict[str, torch.Tensor]
 
@@ -137,64 +133,3 @@ class BlockPrefetcher:
             for index, block in self._ready.items():
                 self._discard(index, block)
             self._ready.clear()
-
-
-class PageCacheWarmer:
-    """A thread that reads the first ``limit`` bytes of ``paths`` (in order) into the OS page cache while the caller
-    does something else, e.g. imports and builds the model.
-
-    It reads with :func:`read_range` into one reused buffer: the pages belong to the page cache, so the process's
-    own memory (RSS) does not grow. Warming is an optimisation only: an ``OSError`` stops it (logged at DEBUG), and
-    the read path that needs the file raises it for real.
-
-    Args:
-        paths (`Sequence[pathlib.Path]`): files, in the order they will be read.
-        limit (`int`): bytes to read at most, over all files.
-
-    Example:
-
-    ```python
-    >>> warmer = PageCacheWarmer([Path("out/model-00001-of-00002.safetensors")], limit=2**30)  # doctest: +SKIP
-    >>> warmer.start()  # doctest: +SKIP
-    >>> warmer.close()  # stop early and wait for the thread  # doctest: +SKIP
-    ```
-    """
-
-    def __init__(self, paths: Sequence[Path], limit: int) -> None:
-        self._paths, self._limit = list(paths), limit
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hf_resumable-warm", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        scratch, left = memoryview(bytearray(READ_THROUGH_CHUNK)), self._limit
-        for path in self._paths:
-            if left <= 0 or self._stop.is_set():
-                return
-            try:
-                left -= self._warm(path, left, scratch)
-            except OSError as err:
-                logger.debug("page-cache warming stopped at %s: %s", path, err)
-                return
-
-    def _warm(self, path: Path, left: int, scratch: memoryview) -> int:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            length = min(left, os.fstat(fd).st_size)
-            if hasattr(os, "posix_fadvise"):  # one large read-ahead request for the range, not page-sized ones
-                os.posix_fadvise(fd, 0, length, os.POSIX_FADV_WILLNEED)
-            for offset in range(0, length, len(scratch)):
-                if self._stop.is_set():
-                    break
-                read_range(fd, offset, min(len(scratch), length - offset), scratch)
-            return length
-        finally:
-            os.close(fd)
-
-    def close(self) -> None:
-        """Stop reading and wait for the thread."""
-        self._stop.set()
-        if self._thread.ident is not None:
-            self._thread.join()

@@ -8,17 +8,15 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..format.sharding import parse_size
 from ..hub import parse_hf_url
 from ._load import LoadPlan, _as_weights, _empty, _fill_aliases, _materialize, _read_into, _read_shard, _tie, plan_load
-from ._mapped import READ_THROUGH_CHUNK, MappedBlock, ShardMaps
-from ._prefetch import BlockPrefetcher, PageCacheWarmer
+from ._mapped import MappedBlock, ShardMaps
+from ._prefetch import BlockPrefetcher
 from ._residency import ResidencyPlan, plan_residency
 from ._weights import LazyStateDict
 
@@ -103,18 +101,6 @@ def _resolve(path_or_repo_id: str | os.PathLike, revision: str | None) -> tuple[
         raise ValueError(f"{path_or_repo_id}: streaming reads a model repo's root (hf://namespace/name[@revision]); "
                          "push the checkpoint's model files to the root of a model repo.")
     return url.repo_id, url.revision or revision
-
-
-def _start_warming(location: str | os.PathLike, weights: LazyStateDict,
-                   max_memory: int | str | None) -> PageCacheWarmer | None:
-    """For local weights and a budget: read the first ``max_memory`` bytes of the shards (in file-name order, which
-    is the order ``save_pretrained`` writes the model in) into the page cache while the model is imported and built.
-    Bounded by the budget, so a model larger than memory does not push out of the cache what it just read."""
-    if max_memory is None or not Path(location).exists():
-        return None
-    warmer = PageCacheWarmer([weights.shard_path(f) for f in sorted(weights.filenames)], parse_size(max_memory))
-    warmer.start()
-    return warmer
 
 
 def _model_on_meta(location: str | os.PathLike, config: Any, revision: str | None, token: str | None) -> nn.Module:
@@ -214,11 +200,8 @@ class StreamingModel(contextlib.AbstractContextManager):
         self._maps = ShardMaps()
         self._mapped: dict[int, list[MappedBlock]] = {}  # per streamed block: its views, made on its first read
         self._copied: dict[int, list[tuple[str, list[str]]]] = {}  # per streamed block: (shard, names) to cast
-        self._touched: set[int] = set()  # streamed blocks read at least once (their pages read through then)
-        self._scratch: memoryview | None = None  # the read-ahead thread's buffer for MappedBlock.read_through
         self._fixed: set[int] = set()  # streamed blocks whose parameters are views of the shards, installed for good
         self._finished: deque[int] = deque()  # blocks that ran (or were dropped): the thread evicts their pages
-        self._warmer: PageCacheWarmer | None = None  # from_pretrained's page-cache warming, stopped on exit
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | os.PathLike, *, config: Any = None,
@@ -238,10 +221,6 @@ class StreamingModel(contextlib.AbstractContextManager):
             config (`transformers.PretrainedConfig`, *optional*): the model's config (e.g. from ``AutoConfig``).
             max_memory, prefetch, keep_resident, strict, revision, token, device: as in :class:`StreamingModel`.
 
-        For local weights with a ``max_memory``, a background thread reads the first ``max_memory`` bytes of the
-        shards into the OS page cache while the model is imported and built (no memory of the process's own: the
-        pages belong to the page cache); it stops on exit at the latest.
-
         Raises:
             CheckpointNotFoundError: if there are no weights at ``path_or_repo_id``.
             ValueError: for an ``hf://`` URL with a path inside the repo, or a ``max_memory`` that cannot be parsed.
@@ -255,17 +234,9 @@ class StreamingModel(contextlib.AbstractContextManager):
         """
         location, revision = _resolve(path_or_repo_id, revision)
         weights = LazyStateDict.from_pretrained(location, revision=revision, token=token)
-        warmer = _start_warming(location, weights, max_memory)
-        try:
-            model = _model_on_meta(location, config, revision, token)
-            streaming = cls(model, weights, max_memory=max_memory, prefetch=prefetch, keep_resident=keep_resident,
-                            strict=strict, device=device)
-        except BaseException:
-            if warmer is not None:
-                warmer.close()
-            raise
-        streaming._warmer = warmer
-        return streaming
+        model = _model_on_meta(location, config, revision, token)
+        return cls(model, weights, max_memory=max_memory, prefetch=prefetch, keep_resident=keep_resident,
+                   strict=strict, device=device)
 
     def _block_prefix(self, index: int) -> str:
         return f"{self.blocks_name}.{index}."
@@ -314,9 +285,6 @@ class StreamingModel(contextlib.AbstractContextManager):
         self._prefetcher.start()
 
     def __exit__(self, *exc: object) -> None:
-        if self._warmer is not None:
-            self._warmer.close()
-            self._warmer = None
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -330,8 +298,6 @@ class StreamingModel(contextlib.AbstractContextManager):
         self._mapped.clear()
         self._copied.clear()
         self._fixed.clear()
-        self._touched.clear()
-        self._scratch = None
         self._finished.clear()
         self._maps.clear()
         self.weights.release()
@@ -373,20 +339,16 @@ class StreamingModel(contextlib.AbstractContextManager):
         First the pages of the blocks that have run since the last read are dropped from the process (here, not in
         the forward pass: ``madvise`` is a syscall the compute thread need not wait for). Tensors stored in the
         model's dtype are views of their shard's mapping, made once per block (no header parse, no mmap per
-        token); their pages are read in here (on the block's first read through the kernel's copy, see
-        :meth:`MappedBlock.read_through`, then mapped). Others are read into pooled buffers and cast. The next
-        streamed block's pages are then requested from the disk without waiting for them, so the disk keeps reading
-        while this block runs and the next one is populated."""
+        token); their pages are read in here. Others are read into pooled buffers and cast. The next streamed
+        block's pages are then requested from the disk without waiting for them, so the disk keeps reading while this
+        block runs and the next one is populated."""
         self._evict_finished()
-        first, block = index not in self._touched, {}
+        block = {}
         for mapped in self._view_block(index):
-            if first:
-                mapped.read_through(self._scratch_buffer())
             mapped.populate()
             block.update(mapped.tensors)
-        self._touched.add(index)
         # After this block, not before: asked first, the next block's read competed with this one's in the
-        # larger-than-memory regime (paired runs: 0.47-0.50 against 0.65-0.70 tokens/s).
+        # larger-than-memory regime (docs/streamed-inference.md).
         for mapped in self._view_block(self._next_streamed[index]):
             mapped.hint()
         for filename, group in self._copied[index]:
@@ -394,12 +356,6 @@ class StreamingModel(contextlib.AbstractContextManager):
             _read_into(self.weights, filename, into)
             block.update(into)
         return block
-
-    def _scratch_buffer(self) -> memoryview:
-        """The read-ahead thread's scratch buffer (one, reused; its pages touched once)."""
-        if self._scratch is None:
-            self._scratch = memoryview(bytearray(READ_THROUGH_CHUNK))
-        return self._scratch
 
     def _view_block(self, index: int) -> list[MappedBlock]:
         """A block's tensors stored in the model's dtype, as views of their shards (made on first use, no data

@@ -1,6 +1,8 @@
-"""The helper that runs a background save's threads below the training thread (``_threads.lower_thread_priority`` and
-``restore_thread_priorities``, Linux: nice is per thread): the threads a lowered thread starts inherit its priority
-and get the normal one back with it, and a priority that cannot be set never fails a save: it is logged at debug."""
+"""The tuning switches (``hf_resumable/_tuning.py``): each ``HF_RESUMABLE_*`` switch is validated and turns its
+mechanism off; and the helper that runs a background save's threads below the training thread
+(``lower_thread_priority`` and ``restore_thread_priorities``, Linux: nice is per thread): the threads a lowered thread
+starts inherit its priority and get the normal one back with it, and a priority that cannot be set never fails a
+save: it is logged at debug."""
 
 from __future__ import annotations
 
@@ -13,11 +15,75 @@ import threading
 import pytest
 import torch
 
-from hf_resumable.checkpoint import _threads, read_manifest, save_checkpoint, wait_for_pending_saves
+from hf_resumable import _tuning
+from hf_resumable.checkpoint import read_manifest, save_checkpoint, wait_for_pending_saves
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 
 INCREMENT = 5
+
+
+@pytest.mark.parametrize("name", [_tuning.WRITER_PRIORITY_ENV, _tuning.BACKGROUND_DELETES_ENV,
+                                  _tuning.SPLIT_REPLICAS_ENV, _tuning.READ_STREAMS_ENV])
+def test_a_switch_refuses_a_value_it_does_not_take_naming_the_variable(monkeypatch, name):
+    monkeypatch.setenv(name, "sometimes")
+    with pytest.raises(ValueError, match=name):
+        _tuning.tuning_options()
+
+
+def test_the_switches_default_to_on_and_read_the_environment_at_the_call(monkeypatch):
+    for name in (_tuning.WRITER_PRIORITY_ENV, _tuning.BACKGROUND_DELETES_ENV, _tuning.SPLIT_REPLICAS_ENV,
+                 _tuning.READ_STREAMS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert _tuning.tuning_options() == _tuning.TuningOptions()
+    monkeypatch.setenv(_tuning.BACKGROUND_DELETES_ENV, "0")
+    monkeypatch.setenv(_tuning.READ_STREAMS_ENV, "3")
+    assert _tuning.tuning_options() == _tuning.TuningOptions(background_deletes=False, read_streams=3)
+    with pytest.raises(ValueError, match=_tuning.READ_STREAMS_ENV):
+        _tuning.TuningOptions(read_streams=0)
+
+
+def test_with_the_writer_priority_switch_off_a_background_write_runs_at_the_training_priority(tmp_path, monkeypatch):
+    from hf_resumable.checkpoint import _writer
+
+    base = _nice()
+    monkeypatch.setenv(_tuning.WRITER_PRIORITY_ENV, "0")
+    seen = []
+    real = _writer.write_safetensors
+
+    def observed(path, tensors, **kwargs):
+        seen.append((_nice(), os.sched_getscheduler(0)))
+        return real(path, tensors, **kwargs)
+
+    monkeypatch.setattr(_writer, "write_safetensors", observed)
+    save_checkpoint(tmp_path / "checkpoint-1", model=torch.nn.Linear(4, 2), step=1, rng=False, blocking=False)
+    wait_for_pending_saves()
+    assert seen and set(seen) == {(base, os.SCHED_OTHER)}
+    assert read_manifest(tmp_path / "checkpoint-1").step == 1
+
+
+def test_a_background_save_refuses_a_bad_switch_before_it_starts(tmp_path, monkeypatch):
+    monkeypatch.setenv(_tuning.WRITER_PRIORITY_ENV, "sometimes")
+    with pytest.raises(ValueError, match=_tuning.WRITER_PRIORITY_ENV):
+        save_checkpoint(tmp_path / "checkpoint-1", model=torch.nn.Linear(4, 2), step=1, rng=False, blocking=False)
+    wait_for_pending_saves()
+    assert not (tmp_path / "checkpoint-1").exists()
+    monkeypatch.delenv(_tuning.WRITER_PRIORITY_ENV)
+    save_checkpoint(tmp_path / "checkpoint-1", model=torch.nn.Linear(4, 2), step=1, rng=False, blocking=False)
+    wait_for_pending_saves()  # the saver's thread serves the next save
+    assert read_manifest(tmp_path / "checkpoint-1").step == 1
+
+
+def test_with_background_deletes_off_retention_deletes_before_it_returns(tmp_path, monkeypatch):
+    from hf_resumable.checkpoint import apply_retention, list_checkpoints
+
+    monkeypatch.setenv(_tuning.BACKGROUND_DELETES_ENV, "0")
+    for step in (1, 2):
+        save_checkpoint(tmp_path / f"checkpoint-{step}", model=torch.nn.Linear(4, 2), step=step, rng=False)
+    removed = apply_retention(tmp_path, keep_last=1, background=True)
+    assert removed == [tmp_path / "checkpoint-1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]  # no trash left for a thread to delete
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2]
 
 
 def _nice(tid: int | None = None) -> int:
@@ -51,12 +117,12 @@ def test_threads_a_lowered_thread_starts_inherit_its_priority_and_get_the_normal
         assert restored.wait(30)
 
     def writer() -> None:
-        change = _threads.lower_thread_priority(INCREMENT)
+        change = _tuning.lower_thread_priority(INCREMENT)
         seen["change"], seen["writer_nice"] = change, _nice()
         helper = threading.Thread(target=child)
         helper.start()
         assert started.wait(30)
-        _threads.restore_thread_priorities(change)
+        _tuning.restore_thread_priorities(change)
         seen["after"], seen["child_after"] = _nice(), _nice(seen["child"])
         restored.set()
         helper.join()
@@ -77,7 +143,7 @@ def test_a_priority_that_cannot_be_lowered_is_logged_and_the_background_save_com
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(os, "setpriority", refuse)
-    caplog.set_level(logging.DEBUG, logger=_threads.__name__)
+    caplog.set_level(logging.DEBUG, logger=_tuning.__name__)
     save_checkpoint(tmp_path / "checkpoint-1", model=torch.nn.Linear(4, 2), step=1, rng=False, blocking=False)
     wait_for_pending_saves()
     assert read_manifest(tmp_path / "checkpoint-1").step == 1
@@ -86,11 +152,11 @@ def test_a_priority_that_cannot_be_lowered_is_logged_and_the_background_save_com
 
 def test_a_priority_that_cannot_be_restored_is_logged_and_the_thread_keeps_the_lower_one(monkeypatch, caplog):
     base, lowered = _base_and_lowered()
-    caplog.set_level(logging.DEBUG, logger=_threads.__name__)
+    caplog.set_level(logging.DEBUG, logger=_tuning.__name__)
     lowered_once, done, seen = threading.Event(), threading.Event(), {}
 
     def background() -> None:
-        seen["change"] = _threads.lower_thread_priority(INCREMENT)
+        seen["change"] = _tuning.lower_thread_priority(INCREMENT)
         seen["tid"] = threading.get_native_id()
         lowered_once.set()
         assert done.wait(30)
@@ -106,7 +172,7 @@ def test_a_priority_that_cannot_be_restored_is_logged_and_the_thread_keeps_the_l
         real(which, who, value)
 
     monkeypatch.setattr(os, "setpriority", refuse_raising)
-    _threads.restore_thread_priorities(seen["change"])
+    _tuning.restore_thread_priorities(seen["change"])
     assert _nice(seen["tid"]) == lowered
     assert f"Could not restore the priority of thread {seen['tid']}" in caplog.text
     assert _nice() == base
@@ -116,10 +182,10 @@ def test_a_priority_that_cannot_be_restored_is_logged_and_the_thread_keeps_the_l
 
 def test_elsewhere_or_with_no_increment_nothing_changes(monkeypatch):
     base, _ = _base_and_lowered()
-    assert _threads.lower_thread_priority(0) is None
-    monkeypatch.setattr(_threads, "_PER_THREAD_NICE", False)
+    assert _tuning.lower_thread_priority(0) is None
+    monkeypatch.setattr(_tuning, "_PER_THREAD_NICE", False)
     seen = []
-    thread = threading.Thread(target=lambda: seen.append((_threads.lower_thread_priority(INCREMENT), _nice())))
+    thread = threading.Thread(target=lambda: seen.append((_tuning.lower_thread_priority(INCREMENT), _nice())))
     thread.start()
     thread.join()
     assert seen == [(None, base)]
@@ -137,21 +203,20 @@ def _policies() -> dict[str, set[int]]:
 
 
 def test_the_threads_an_async_save_wakes_never_preempt_the_training_thread(tmp_path):
-    """The staging helpers and the saver's thread run under SCHED_BATCH (same CPU share, no wake-up preemption of
-    the running training thread); the training thread keeps the normal policy."""
-    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048))  # 32 MB: helpers copy
+    """The saver's thread runs under SCHED_BATCH (same CPU share, no wake-up preemption of the running training
+    thread); the training thread keeps the normal policy."""
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048))
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 2048)).sum().backward()
     optimizer.step()
     probe: list[bool] = []  # whether this machine lets a thread take SCHED_BATCH (a seccomp profile may refuse)
-    thread = threading.Thread(target=lambda: probe.append(_threads.defer_to_running_threads()))
+    thread = threading.Thread(target=lambda: probe.append(_tuning.defer_to_running_threads()))
     thread.start()
     thread.join()
     expected = os.SCHED_BATCH if probe[0] else os.SCHED_OTHER  # refused: nothing changes, and the save still commits
     save_checkpoint(tmp_path / "checkpoint-1", model=model, optimizer=optimizer, step=1, rng=False, blocking=False)
     wait_for_pending_saves()
     policies = _policies()
-    assert policies.get("hf_resumable-stage") == {expected}, policies
     assert policies.get("hf_resumable-save") == {expected}, policies
     assert os.sched_getscheduler(0) == os.SCHED_OTHER
     assert read_manifest(tmp_path / "checkpoint-1").step == 1
@@ -162,14 +227,14 @@ def test_a_policy_that_cannot_be_set_is_logged_and_changes_nothing(monkeypatch, 
         raise PermissionError(1, "Operation not permitted")
 
     monkeypatch.setattr(os, "sched_setscheduler", refuse)
-    caplog.set_level(logging.DEBUG, logger=_threads.__name__)
+    caplog.set_level(logging.DEBUG, logger=_tuning.__name__)
     seen = []
-    thread = threading.Thread(target=lambda: seen.append((_threads.defer_to_running_threads(),
+    thread = threading.Thread(target=lambda: seen.append((_tuning.defer_to_running_threads(),
                                                           os.sched_getscheduler(0))))
     thread.start()
     thread.join()
     assert seen == [(False, os.SCHED_OTHER)]
-    assert "Could not set SCHED_BATCH for thread" in caplog.text
+    assert "Could not set the scheduling policy of thread" in caplog.text
 
 
 def _policy(tid: int | None = None) -> int:
@@ -193,13 +258,13 @@ def test_where_nice_values_end_too_soon_the_thread_also_runs_under_sched_idle_an
         assert restored.wait(30)
 
     def writer() -> None:
-        _threads.defer_to_running_threads()  # as the saver's thread does first
-        change = _threads.lower_thread_priority(increment)
+        _tuning.defer_to_running_threads()  # as the saver's thread does first
+        change = _tuning.lower_thread_priority(increment)
         seen["change"], seen["lowered"] = change, (_nice(), _policy())
         helper = threading.Thread(target=child)
         helper.start()
         assert started.wait(30)
-        _threads.restore_thread_priorities(change)
+        _tuning.restore_thread_priorities(change)
         seen["after"], seen["child_after"] = (_nice(), _policy()), (_nice(seen["child"]), _policy(seen["child"]))
         restored.set()
         helper.join()
@@ -215,13 +280,13 @@ def test_where_nice_values_end_too_soon_the_thread_also_runs_under_sched_idle_an
 
 _AT_NICE = """
 import os, sys, threading
-from hf_resumable.checkpoint import _threads
+from hf_resumable import _tuning
 os.setpriority(os.PRIO_PROCESS, os.getpid(), int(sys.argv[1]))  # the job was started with nice -n N
 seen = {}
 def writer():
-    change = _threads.lower_thread_priority(10)
+    change = _tuning.lower_thread_priority(10)
     seen["lowered"] = (os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), os.sched_getscheduler(0))
-    _threads.restore_thread_priorities(change)
+    _tuning.restore_thread_priorities(change)
     seen["after"] = (os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), os.sched_getscheduler(0))
     seen["change"] = change
 thread = threading.Thread(target=writer)
@@ -251,15 +316,15 @@ def test_a_policy_that_cannot_be_left_again_is_logged_and_the_thread_stays_idle(
     """Without the privilege to leave SCHED_IDLE (an unprivileged process, RLIMIT_NICE 0), the thread keeps it; a
     later lowering does not record SCHED_IDLE as the policy to go back to."""
     base = _nice()
-    caplog.set_level(logging.DEBUG, logger=_threads.__name__)
+    caplog.set_level(logging.DEBUG, logger=_tuning.__name__)
     lowered_once, done, seen = threading.Event(), threading.Event(), {}
 
     def background() -> None:
-        seen["change"] = _threads.lower_thread_priority(2 * (19 - base) + 1)
+        seen["change"] = _tuning.lower_thread_priority(2 * (19 - base) + 1)
         seen["tid"] = threading.get_native_id()
         lowered_once.set()
         assert done.wait(30)
-        seen["again"] = _threads.lower_thread_priority(2 * (19 - base) + 1)
+        seen["again"] = _tuning.lower_thread_priority(2 * (19 - base) + 1)
 
     thread = threading.Thread(target=background)
     thread.start()
@@ -272,7 +337,7 @@ def test_a_policy_that_cannot_be_left_again_is_logged_and_the_thread_stays_idle(
         real(tid, policy, param)
 
     monkeypatch.setattr(os, "sched_setscheduler", refuse_leaving_idle)
-    _threads.restore_thread_priorities(seen["change"])
+    _tuning.restore_thread_priorities(seen["change"])
     assert _policy(seen["tid"]) == os.SCHED_IDLE
     assert f"Could not restore the priority of thread {seen['tid']}" in caplog.text
     done.set()
