@@ -284,14 +284,17 @@ ELASTIC_STEPS = 6
 ELASTIC_RTOL = 1e-5
 
 
-def _elastic_options(model_dir: Path, layout: dict[str, int], max_steps: int) -> list[str]:
-    # per-device batch 2, accumulation 4 at the first launch: a global batch of 8 over its data-parallel ranks
-    return [*_options(model_dir, layout), "--elastic", "--accumulation", "4", "--max-steps", str(max_steps)]
+def _elastic_options(model_dir: Path, layout: dict[str, int], max_steps: int, accumulation: int = 4) -> list[str]:
+    # per-device batch 2 x ``accumulation`` x the first launch's data-parallel ranks: a global batch of 8 (6 steps
+    # in the epoch of 48 rows); a resume keeps it whatever the command line says
+    return [*_options(model_dir, layout), "--elastic", "--accumulation", str(accumulation),
+            "--max-steps", str(max_steps)]
 
 
-def _elastic_run(output: Path, model_dir: Path, layout: dict[str, int], max_steps: int) -> None:
+def _elastic_run(output: Path, model_dir: Path, layout: dict[str, int], max_steps: int,
+                 accumulation: int = 4) -> None:
     nproc = ParallelLayout(**layout).world_size
-    done = _run(output, _elastic_options(model_dir, layout, max_steps), nproc)
+    done = _run(output, _elastic_options(model_dir, layout, max_steps, accumulation), nproc)
     assert done.returncode == 0, done.stdout[-5000:]
 
 
@@ -352,10 +355,11 @@ def test_elastic_pieces_into_a_run_of_whole_tensors_are_refused_in_load_state(tm
 @pytest.mark.parametrize("first, second", [({"dp_shard": 2}, {"tp": 2}), ({"dp_replicate": 2, "dp_shard": 2},
                                                                             {"dp_shard": 2})])
 def test_elastic_layout_change_variants(tmp_path, model_dir, first, second):
-    _elastic_run(tmp_path / "reference", model_dir, first, 4)
+    accumulation = 4 // ParallelLayout(**first).data_world  # the global batch of 8
+    _elastic_run(tmp_path / "reference", model_dir, first, 4, accumulation)
     run = tmp_path / "run"
-    _kill_after_commit(run, _elastic_options(model_dir, first, 4), ParallelLayout(**first).world_size)
-    _elastic_run(run, model_dir, second, 4)
+    _kill_after_commit(run, _elastic_options(model_dir, first, 4, accumulation), ParallelLayout(**first).world_size)
+    _elastic_run(run, model_dir, second, 4, accumulation)
     want, got = _steps(tmp_path / "reference"), _steps(run)
     assert sorted(want) == sorted(got) == [1, 2, 3, 4]
     for step in want:
