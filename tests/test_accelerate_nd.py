@@ -9,6 +9,11 @@
   read the same batches, different data-parallel ranks different ones. tp (2 ranks) and HSDP (4 ranks) run in make
   test, the 8-rank dp_replicate x dp_shard x tp in the extended tier. A different layout on resume is refused before
   step 1, naming both.
+* ``elastic=True`` (issue 43 item 4): the elastic mode counts data-parallel ranks, not processes (the pure rules of
+  integrations/_accelerate_elastic.py), and a run moved between the layouts accelerate trains on gloo CPU ranks
+  (tp2 on 2 ranks -> HSDP dp_replicate2 x dp_shard2 on 4 -> tp2, SIGKILLed after a commit) continues within 1e-5 of
+  the uninterrupted run (losses, learning rates, weight pieces, Adam moments) with the same samples in every step.
+  Per-rank pieces into a run of whole tensors are refused in load_state, naming both layouts.
 """
 
 from __future__ import annotations
@@ -23,8 +28,22 @@ import torch
 
 from hf_resumable.checkpoint import read_manifest, verify_checkpoint
 from hf_resumable.errors import ConfigDriftError, UnsupportedEngineError
+from hf_resumable.integrations._accelerate_elastic import (
+    DataWorld,
+    check_reshardable,
+    elastic_changes,
+    saved_data_world,
+    world_size_mode,
+)
+from hf_resumable.integrations._accelerate_loop import ElasticBatch
 from hf_resumable.integrations._core import UpstreamInternalsError
-from hf_resumable.integrations._parallelism import ParallelLayout, accelerate_tp_ready, check_runnable
+from hf_resumable.integrations._parallelism import (
+    ParallelLayout,
+    accelerate_tp_ready,
+    check_runnable,
+    data_parallel_rank,
+    parse_layout,
+)
 
 from helpers.distributed_launch import child_env, kill_torchrun_after, run_torchrun
 from helpers.engine_fixtures import read_local_state
@@ -76,6 +95,66 @@ def test_fsdp2_with_tensor_parallel_is_refused_where_accelerate_cannot_prepare_i
         check_runnable(layout, device_type="cpu", fsdp2=True, tp_ready=False)
     assert isinstance(caught.value, ImportError)
     check_runnable(layout, device_type="cpu", fsdp2=True, tp_ready=True)
+
+
+def test_a_recorded_layout_reads_back_with_its_data_parallel_ranks():
+    for layout in (ParallelLayout(tp=2), ParallelLayout(dp_replicate=2, dp_shard=2),
+                   ParallelLayout(dp_replicate=2, dp_shard=2, tp=2), ParallelLayout()):
+        assert parse_layout(layout.describe()) == layout
+    for text in ("tp=2 x tp=2", "pp=2", "tp=two", ""):
+        with pytest.raises(ValueError, match="is not a recorded ParallelismConfig layout"):
+            parse_layout(text)
+    assert data_parallel_rank(ParallelLayout(dp_replicate=2, tp=2), process_index=3, world_size=4) == (1, 2)
+    assert data_parallel_rank(ParallelLayout(tp=2), process_index=1, world_size=4) == (1, 4)  # another world
+    assert data_parallel_rank(None, process_index=1, world_size=2) == (1, 2)
+    # a checkpoint's data-parallel ranks: from the layout it recorded, else its processes
+    assert saved_data_world({"parallelism": "dp_replicate=2 x tp=2"}, 4) == DataWorld(
+        processes=4, data_ranks=2, layout="dp_replicate=2 x tp=2")
+    assert saved_data_world({"parallelism": "tp=2"}, 2).data_ranks == 1
+    assert saved_data_world({}, 3) == DataWorld(processes=3, data_ranks=3)
+
+
+def test_the_elastic_mode_counts_data_parallel_ranks_not_processes():
+    # tp=2 on 2 processes: one data-parallel rank, so accelerate's scheduler is stepped once per optimizer step
+    mode = world_size_mode(True, data_ranks=1)
+    assert mode.recorded_settings() == {"scheduler_steps_per_optimizer_step": 1}
+    # a whole micro-batch of a step of 4 (global batch 8 = 1 data rank x 4 x 2) weighs 1/4, on every process
+    batch = ElasticBatch(seed=0, epoch=0, chunk=0, samples=2, step_samples=8)
+
+    class Window:  # an accumulation window at its first of ``size`` micro-batches
+        def __init__(self, size: int) -> None:
+            self.slot = (0, size)
+
+        def current(self) -> ElasticBatch:
+            return batch
+
+    loss = torch.tensor(2.0)
+    assert mode.scale_loss(loss, None, window=Window(4), accumulation=4, num_processes=2).item() == 0.5
+    # HSDP on 4 processes: 4 data-parallel ranks, a micro-batch of 2 in a global batch of 8 is the whole step
+    assert world_size_mode(True, data_ranks=4).scale_loss(loss, None, window=Window(1), accumulation=1,
+                                                          num_processes=4).item() == 2.0
+    # a summed loss: its item count is summed over every process, so the factor keeps them
+    assert mode.scale_loss(loss, 8, window=Window(4), accumulation=4, num_processes=2).item() == 0.5
+    assert mode.resumes_across() is False  # nothing loaded yet
+
+
+def test_elastic_drops_the_layout_from_drift_only_where_the_run_moves():
+    changed = {"parallelism": ("tp=2", "dp_replicate=2 x dp_shard=2"), "world_size": (2, 4),
+               "gradient_accumulation_steps": (4, 1)}
+    assert elastic_changes(changed, kept=True) == {}
+    assert elastic_changes(changed, kept=False) == changed
+
+
+def test_per_rank_pieces_into_whole_tensors_are_refused_naming_both_layouts():
+    tp2 = DataWorld(processes=2, data_ranks=1, layout="tp=2")
+    one = DataWorld(processes=1, data_ranks=1, layout="dp_replicate=1")
+    with pytest.raises(UnsupportedEngineError, match=r"ckpt holds per-rank pieces \(saved at ParallelismConfig "
+                       r"tp=2, 2 process\(es\), 1 data-parallel rank\(s\)\), and this run \(ParallelismConfig "
+                       r"dp_replicate=1, 1 process\(es\).*fsdp_version=2"):
+        check_reshardable(tp2, one, saved_pieces=True, pieces=False, checkpoint="ckpt")
+    check_reshardable(tp2, DataWorld(processes=4, data_ranks=4, layout="dp_replicate=2 x dp_shard=2"),
+                      saved_pieces=True, pieces=True)  # pieces into pieces: resharded
+    check_reshardable(one, tp2, saved_pieces=False, pieces=True)  # whole tensors are read into pieces
 
 
 # ------------------------------------------------------------------ torchrun jobs
@@ -197,3 +276,92 @@ def test_context_parallel_is_refused_in_prepare_on_the_cpu(tmp_path, model_dir):
     assert done.returncode != 0 and "UnsupportedEngineError" in done.stdout, done.stdout[-5000:]
     assert "ParallelismConfig cp=2: context parallel (cp_size=2)" in done.stdout
     assert not (tmp_path / "run" / "losses-rank0.jsonl").exists()  # refused before step 1
+
+
+# ------------------------------------------------------------------ elastic=True: another layout on resume
+
+ELASTIC_STEPS = 6
+ELASTIC_RTOL = 1e-5
+
+
+def _elastic_options(model_dir: Path, layout: dict[str, int], max_steps: int, accumulation: int = 4) -> list[str]:
+    # per-device batch 2 x ``accumulation`` x the first launch's data-parallel ranks: a global batch of 8 (6 steps
+    # in the epoch of 48 rows); a resume keeps it whatever the command line says
+    return [*_options(model_dir, layout), "--elastic", "--accumulation", str(accumulation),
+            "--max-steps", str(max_steps)]
+
+
+def _elastic_run(output: Path, model_dir: Path, layout: dict[str, int], max_steps: int,
+                 accumulation: int = 4) -> None:
+    nproc = ParallelLayout(**layout).world_size
+    done = _run(output, _elastic_options(model_dir, layout, max_steps, accumulation), nproc)
+    assert done.returncode == 0, done.stdout[-5000:]
+
+
+def _steps(output: Path) -> dict[int, tuple[float, float, list[str]]]:
+    """``{step: (loss, lr, samples)}`` of a run (its launches together), the samples over every rank that trained
+    the step (a tp group's once each), the loss and learning rate as rank 0 logged them."""
+    steps: dict[int, tuple[float, float, list[str]]] = {}
+    for log in sorted(output.glob("losses-rank*.jsonl"), key=lambda path: int(path.stem.removeprefix("losses-rank"))):
+        for row in _log(log):
+            loss, lr, batches = steps.get(row["step"], (row["loss"], row["lr"], []))
+            steps[row["step"]] = (loss, lr, sorted({*batches, *row["batches"]}))
+    return steps
+
+
+def _assert_within(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want) and any(name.startswith("optim/") for name in want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=ELASTIC_RTOL, atol=ELASTIC_RTOL * 1e-2, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_elastic_tp_then_hsdp_then_tp_is_the_uninterrupted_run(tmp_path, model_dir):
+    tp, hsdp = {"tp": 2}, {"dp_replicate": 2, "dp_shard": 2}
+    _elastic_run(tmp_path / "reference", model_dir, tp, ELASTIC_STEPS)
+    run = tmp_path / "run"
+    checkpoint = _kill_after_commit(run, _elastic_options(model_dir, tp, ELASTIC_STEPS), 2)
+    assert (checkpoint / "sharded_layout.json").is_file()
+    _elastic_run(run, model_dir, hsdp, 4)  # 4 data-parallel ranks: accumulation 4 -> 1, the global batch kept
+    assert read_manifest(run / "checkpoints" / "checkpoint-4").world_size == 4
+    _elastic_run(run, model_dir, tp, ELASTIC_STEPS)  # back to 1 data-parallel rank: accumulation 1 -> 4
+    want, got = _steps(tmp_path / "reference"), _steps(run)  # ranks 2 and 3 of run trained steps 3-4 only
+    assert sorted(want) == sorted(got) == list(range(1, ELASTIC_STEPS + 1))
+    for step in want:
+        loss, lr, samples = got[step]
+        assert len(want[step][2]) == 4 and samples == want[step][2], step  # the same 4 micro-batches of 2
+        assert lr == pytest.approx(want[step][1], rel=1e-12), step  # the schedule stepped once per step
+        assert loss == pytest.approx(want[step][0], rel=ELASTIC_RTOL), step
+    assert [len(_log(run / f"losses-rank{rank}.jsonl")) for rank in range(4)] == [6, 6, 2, 2]
+    for rank in range(2):  # the same tp2 layout at the end: piece by piece
+        _assert_within(read_local_state(run / f"final-rank{rank}.safetensors"),
+                       read_local_state(tmp_path / "reference" / f"final-rank{rank}.safetensors"))
+
+
+@pytest.mark.distributed
+def test_elastic_pieces_into_a_run_of_whole_tensors_are_refused_in_load_state(tmp_path, model_dir):
+    run = tmp_path / "run"
+    _kill_after_commit(run, _elastic_options(model_dir, {"tp": 2}, 4), 2)
+    done = _run(run, _elastic_options(model_dir, {}, 4), 1)  # one process, no tensor parallel: whole tensors
+    assert done.returncode != 0 and "UnsupportedEngineError" in done.stdout, done.stdout[-5000:]
+    assert "holds per-rank pieces (saved at ParallelismConfig tp=2, 2 process(es)" in done.stdout
+    assert [row["step"] for row in _log(run / "losses-rank0.jsonl")] == [1, 2]  # refused before any step
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.extended
+@pytest.mark.parametrize("first, second", [({"dp_shard": 2}, {"tp": 2}), ({"dp_replicate": 2, "dp_shard": 2},
+                                                                            {"dp_shard": 2})])
+def test_elastic_layout_change_variants(tmp_path, model_dir, first, second):
+    accumulation = 4 // ParallelLayout(**first).data_world  # the global batch of 8
+    _elastic_run(tmp_path / "reference", model_dir, first, 4, accumulation)
+    run = tmp_path / "run"
+    _kill_after_commit(run, _elastic_options(model_dir, first, 4, accumulation), ParallelLayout(**first).world_size)
+    _elastic_run(run, model_dir, second, 4, accumulation)
+    want, got = _steps(tmp_path / "reference"), _steps(run)
+    assert sorted(want) == sorted(got) == [1, 2, 3, 4]
+    for step in want:
+        assert got[step][2] == want[step][2], step
+        assert got[step][0] == pytest.approx(want[step][0], rel=ELASTIC_RTOL), step

@@ -1,14 +1,24 @@
 """``ResumableAccelerator(..., elastic=True)``: what a restart at another world size changes on the accelerate side
 (the rule itself, :func:`~hf_resumable.integrations._elastic.plan_elastic_resume`, is shared with the Trainer).
 
+* **Data-parallel ranks, not processes.** Under a ``ParallelismConfig`` the ranks of one tensor/context-parallel
+  group train the same batches, so everything below counts data-parallel ranks
+  (:func:`~hf_resumable.integrations._parallelism.data_parallel_rank`): the global batch, the scheduler rate, a
+  micro-batch's share of the loss, loader positions and the per-sample model randomness. A checkpoint's data-parallel
+  size is read from the layout it recorded (:func:`saved_data_world`); a resume at another layout (another
+  ``ParallelismConfig``, another number of processes, or both) is resharded by the piece engine and converted here.
 * **Schedule.** accelerate steps a prepared scheduler ``num_processes`` times per optimizer step (its batches grow
   with the number of processes). A run resumed on another number of processes would step it at another rate and
   leave the uninterrupted run's schedule; :class:`KeptRateScheduler` steps it at the rate of the run's first
-  launch, recorded in every checkpoint (``scheduler_steps_per_optimizer_step``).
+  launch (its number of data-parallel ranks), recorded in every checkpoint (``scheduler_steps_per_optimizer_step``).
 * **Settings.** The run settings compared at resume drop what an elastic resume changes on purpose (world size,
   gradient accumulation, batches per epoch) once the global batch is kept (:func:`elastic_changes`).
 * **Position.** A loader's position is the number of its rank's batches consumed in the epoch; in the elastic layout
-  that is ``chunks / world_size``, so it converts exactly at an optimizer-step boundary (:func:`convert_position`).
+  that is ``chunks / world_size`` (data-parallel ranks), so it converts exactly at an optimizer-step boundary
+  (:func:`convert_position`).
+* **Refused.** A layout change the piece engine cannot carry, a checkpoint of per-rank pieces (FSDP2, tensor parallel)
+  into a run that holds whole tensors, is refused by ``load_state`` before anything is loaded
+  (:func:`check_reshardable`).
 * **One mode, chosen once.** The accelerator picks :func:`world_size_mode` when it is built: a
   :class:`FixedWorldSize` (``elastic=False``) or an :class:`ElasticWorldSize`. Every step that differs between the two
   (the global batch a loader is built for, the accumulation window, the micro-batch a loss is weighed by, the
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +48,7 @@ from accelerate.scheduler import AcceleratedScheduler
 
 from ..data import DATA_KIND, DATA_NUM_BATCHES, DATA_STEP, split_stream_for_rank
 from ..distributed import broadcast_json
-from ..errors import ConfigDriftError, InexactResumeError
+from ..errors import ConfigDriftError, InexactResumeError, UnsupportedEngineError
 from ._accelerate_loop import (
     AccumulationWindow,
     ElasticBatch,
@@ -46,14 +57,16 @@ from ._accelerate_loop import (
     ResumablePreparedStream,
 )
 from ._elastic import ELASTIC_SETTINGS, plan_elastic_resume
+from ._parallelism import KEY_PARALLELISM, layout_of, parse_layout
 
 if TYPE_CHECKING:
     from .accelerate import ResumableAccelerator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KEY_ELASTIC", "KEY_SCHEDULER_RATE", "ElasticWorldSize", "FixedWorldSize", "KeptRateScheduler",
-           "convert_position", "elastic_changes", "plan_elastic_load", "world_size_mode"]
+__all__ = ["KEY_ELASTIC", "KEY_SCHEDULER_RATE", "DataWorld", "ElasticWorldSize", "FixedWorldSize",
+           "KeptRateScheduler", "check_reshardable", "convert_position", "current_data_world", "elastic_changes",
+           "plan_elastic_load", "saved_data_world", "world_size_mode"]
 
 # Keys of the run settings (``EXTRA_RUN``) an elastic run records.
 KEY_ELASTIC = "elastic"  # bool: written with elastic=True (the elastic sample layout)
@@ -87,11 +100,85 @@ class KeptRateScheduler(AcceleratedScheduler):
                 self.scheduler.step(*args, **kwargs)
 
 
+@dataclass(frozen=True)
+class DataWorld:
+    """Where a run's batches go.
+
+    Args:
+        processes (`int`): its number of processes.
+        data_ranks (`int`): its data-parallel ranks (``processes`` without a ``ParallelismConfig``).
+        layout (`str`, *optional*): its ``ParallelismConfig`` (:meth:`ParallelLayout.describe`), ``None`` without.
+    """
+
+    processes: int
+    data_ranks: int
+    layout: str | None = None
+
+
+def saved_data_world(saved: Mapping[str, Any], saved_world_size: int) -> DataWorld:
+    """The :class:`DataWorld` of a checkpoint, from its run settings (``EXTRA_RUN``) and its manifest's world size
+    (pure). Its data-parallel ranks follow from the layout it recorded (``parallelism``), if it recorded one.
+
+    Example:
+
+    ```python
+    >>> saved_data_world({"parallelism": "dp_replicate=2 x tp=2"}, 4)
+    DataWorld(processes=4, data_ranks=2, layout='dp_replicate=2 x tp=2')
+    ```
+    """
+    text = saved.get(KEY_PARALLELISM)
+    if text is None:
+        return DataWorld(processes=saved_world_size, data_ranks=saved_world_size)
+    layout = parse_layout(text)
+    data_ranks = layout.data_world if layout.world_size == saved_world_size else saved_world_size
+    return DataWorld(processes=saved_world_size, data_ranks=data_ranks, layout=text)
+
+
+def current_data_world(accelerator: ResumableAccelerator) -> DataWorld:
+    """The :class:`DataWorld` of the accelerator's run."""
+    layout = layout_of(accelerator.parallelism_config)
+    return DataWorld(processes=accelerator.num_processes, data_ranks=accelerator._data_rank()[1],
+                     layout=None if layout is None else layout.describe())
+
+
+def check_reshardable(saved: DataWorld, now: DataWorld, *, saved_pieces: bool, pieces: bool,
+                      checkpoint: str = "the checkpoint") -> None:
+    """Refuse a layout change the piece engine cannot carry (pure): a checkpoint of per-rank pieces (FSDP2, tensor
+    parallel: its ``sharded_layout.json``) read into a run whose model holds whole tensors (one process or DDP
+    without a ``ParallelismConfig``).
+
+    Raises:
+        UnsupportedEngineError: pieces into whole tensors (names both layouts and the fix).
+
+    Example:
+
+    ```python
+    >>> tp2, one = DataWorld(processes=2, data_ranks=1, layout="tp=2"), DataWorld(processes=1, data_ranks=1)
+    >>> check_reshardable(tp2, one, saved_pieces=True, pieces=False)
+    Traceback (most recent call last):
+    ...
+    hf_resumable.errors.UnsupportedEngineError: the checkpoint holds per-rank pieces ...
+    ```
+    """
+    if saved_pieces and not pieces:
+        raise UnsupportedEngineError(
+            f"{checkpoint} holds per-rank pieces (saved at {_describe(saved)}), and this run ({_describe(now)}) "
+            "holds whole tensors: elastic=True reshards pieces only into pieces, so nothing was loaded or trained. "
+            "Resume with a ParallelismConfig (tp_size, dp_shard_size) or an FSDP2 plugin (fsdp_version=2), "
+            "at any number of processes.")
+
+
+def _describe(world: DataWorld) -> str:
+    where = f"{world.processes} process(es), {world.data_ranks} data-parallel rank(s)"
+    return f"ParallelismConfig {world.layout}, {where}" if world.layout else where
+
+
 def elastic_changes(changed: Mapping[str, tuple[Any, Any]], *, kept: bool) -> dict[str, tuple[Any, Any]]:
     """``changed`` (``{name: (saved, now)}``) less what an elastic resume changes on purpose: the scheduler rate
-    (the saved one is kept), the loaders' batches per epoch, and, when the global batch is ``kept``, the world size
-    and gradient accumulation (pure)."""
-    drop = {KEY_SCHEDULER_RATE, *(ELASTIC_SETTINGS if kept else ())}
+    (the saved one is kept), the loaders' batches per epoch, and, when the checkpoint is resumed at another layout
+    (``kept``: its global batch kept), the world size, the ``ParallelismConfig`` layout and gradient accumulation
+    (pure)."""
+    drop = {KEY_SCHEDULER_RATE, *((*ELASTIC_SETTINGS, KEY_PARALLELISM) if kept else ())}
     out = {name: values for name, values in changed.items() if name not in drop}
     if "loaders" in out:
         saved, now = ([{k: v for k, v in loader.items() if k not in _LOADER_DERIVED} for loader in side or []]
@@ -118,45 +205,54 @@ def convert_position(record: Mapping[str, Any], *, saved_world_size: int, world_
 
 
 def plan_elastic_load(accelerator: ResumableAccelerator, path: Path, saved: Mapping[str, Any],
-                      saved_world_size: int) -> bool:
-    """``elastic=True``: keep the first launch's scheduler rate; at another world size, keep the checkpoint's
-    global batch (gradient accumulation and the loaders' epoch cut). Whether the world size changed.
+                      saved_world_size: int, *, saved_pieces: bool) -> bool:
+    """``elastic=True``: keep the first launch's scheduler rate; at another layout (another number of processes or
+    of data-parallel ranks, or another ``ParallelismConfig``), keep the checkpoint's global batch (gradient
+    accumulation over the data-parallel ranks, and the loaders' epoch cut). Whether the layout changed.
 
     Args:
         accelerator (`ResumableAccelerator`): the accelerator ``load_state`` fills.
         path (`Path`): the checkpoint, named in messages.
         saved (`Mapping`): the checkpoint's run settings (``EXTRA_RUN``).
         saved_world_size (`int`): the checkpoint's world size (its manifest's).
+        saved_pieces (`bool`): whether the checkpoint holds per-rank pieces (``sharded_layout.json``).
 
     Raises:
-        ElasticWorldSizeError: the global batch does not divide at this world size.
+        ElasticWorldSizeError: the global batch does not divide over this run's data-parallel ranks.
         ConfigDriftError: a loader that is not from ``prepare_resumable_dataloader`` (its order is per rank;
             a plain ``DataLoader`` over a stream included).
+        UnsupportedEngineError: per-rank pieces into a run of whole tensors (:func:`check_reshardable`).
     """
     mode = accelerator._world_size_mode
     mode.scheduler_rate = int(saved.get(KEY_SCHEDULER_RATE, saved_world_size))
     for scheduler in accelerator._schedulers:
         if isinstance(scheduler, KeptRateScheduler):
             scheduler.rate = mode.scheduler_rate
-    if saved_world_size == accelerator.num_processes or not saved.get(KEY_ELASTIC):
-        return False  # same size, or a checkpoint of another layout (the drift check names it)
+    before, now = saved_data_world(saved, saved_world_size), current_data_world(accelerator)
+    mode.resumed_from = None
+    if before == now or not saved.get(KEY_ELASTIC):
+        return False  # same layout, or a checkpoint of another sample layout (the drift check names it)
+    check_reshardable(before, now, saved_pieces=saved_pieces, pieces=accelerator._saves_pieces(),
+                      checkpoint=str(path))
     loaders = [loader for loader in accelerator._resumable_loaders
                if isinstance(loader, (ResumablePreparedLoader, ResumablePreparedStream))]
     if not loaders or len(loaders) != len(accelerator._resumable_loaders):
-        raise ConfigDriftError(f"{path} was saved by {saved_world_size} process(es), this run has "
-                               f"{accelerator.num_processes}: elastic=True keeps the sample order only for loaders "
-                               "from prepare_resumable_dataloader(). Build the training loader with it.")
-    plan = plan_elastic_resume(saved_world_size=saved_world_size,
+        raise ConfigDriftError(f"{path} was saved at {_describe(before)}, this run has {_describe(now)}: "
+                               "elastic=True keeps the sample order only for loaders from "
+                               "prepare_resumable_dataloader(). Build the training loader with it.")
+    plan = plan_elastic_resume(saved_world_size=before.data_ranks,
                                saved_accumulation=int(saved["gradient_accumulation_steps"]),
-                               per_device_batch=loaders[0].batch_size, world_size=accelerator.num_processes,
+                               per_device_batch=loaders[0].batch_size, world_size=now.data_ranks,
                                checkpoint=str(path))
     accelerator.gradient_accumulation_steps = plan.gradient_accumulation_steps
     if getattr(accelerator, "deepspeed_engine_wrapped", None) is not None:  # the engine divides the loss by its own
         accelerator.deepspeed_engine_wrapped.engine.set_train_batch_size(plan.global_batch)
     for loader in loaders:
         loader.set_global_batch(plan.global_batch)
+    mode.resumed_from = before
     if accelerator.is_main_process:
-        logger.info("Elastic resume of %s: %s.", path, plan.describe())
+        logger.info("Elastic resume of %s: %s -> %s; %s (in data-parallel ranks).", path, _describe(before),
+                    _describe(now), plan.describe())
     return True
 
 
@@ -217,21 +313,20 @@ class FixedWorldSize:
         return {}
 
     def plan_load(self, accelerator: ResumableAccelerator, path: Path, saved: Mapping[str, Any],
-                  saved_world_size: int) -> bool:
-        """Adapt the accelerator to the checkpoint before anything is loaded; whether the world size changed."""
+                  saved_world_size: int, *, saved_pieces: bool) -> bool:
+        """Adapt the accelerator to the checkpoint before anything is loaded; whether its layout changed."""
         return False
 
     def drift(self, changed: Mapping[str, tuple[Any, Any]], *, kept: bool) -> dict[str, tuple[Any, Any]]:
         """The changed run settings that count as drift."""
         return dict(changed)
 
-    def resumes_across(self, saved_world_size: int, world_size: int) -> bool:
-        """Whether a checkpoint of ``saved_world_size`` continues at ``world_size`` with converted positions and
-        rank-independent randomness (never, here: another world size is drift)."""
+    def resumes_across(self) -> bool:
+        """Whether the checkpoint being loaded (:meth:`plan_load`) continues at another layout with converted
+        positions and rank-independent randomness (never, here: another layout is drift)."""
         return False
 
-    def loader_records(self, accelerator: ResumableAccelerator, records: list[Any] | None,
-                       saved_world_size: int) -> list[Any] | None:
+    def loader_records(self, accelerator: ResumableAccelerator, records: list[Any] | None) -> list[Any] | None:
         """This rank's saved loader positions, as its loaders load them."""
         return records
 
@@ -241,15 +336,27 @@ class ElasticWorldSize(FixedWorldSize):
     randomness and learning-rate schedule (see the module's description).
 
     Args:
-        scheduler_rate (`int`): scheduler steps per optimizer step, the first launch's (its number of processes
-            until a checkpoint says otherwise).
+        scheduler_rate (`int`): scheduler steps per optimizer step, the first launch's (its number of data-parallel
+            ranks until a checkpoint says otherwise).
+        data_ranks (`int`): the run's data-parallel ranks (a micro-batch's share of the global batch).
     """
 
     enabled = True
 
-    def __init__(self, *, scheduler_rate: int) -> None:
+    def __init__(self, *, scheduler_rate: int, data_ranks: int) -> None:
         self.scheduler_rate = scheduler_rate
+        self.data_ranks = data_ranks
         self.hand_outs = HandOuts()  # the batch a prepared loader handed out last (backward's weight)
+        self.resumed_from: DataWorld | None = None  # the checkpoint's layout, when load_state resumes another
+
+    def scale_loss(self, loss: torch.Tensor, num_items_in_batch: int | torch.Tensor | None, *,
+                   window: AccumulationWindow | None, accumulation: int, num_processes: int) -> torch.Tensor:
+        # A micro-batch's share of the global batch counts data-parallel ranks (the ranks of one tensor-parallel
+        # group train the same batch, and no gradient is averaged over them); a summed loss's item count is summed
+        # over every process, so it keeps num_processes.
+        ranks = num_processes if num_items_in_batch is not None else self.data_ranks
+        return super().scale_loss(loss, num_items_in_batch, window=window, accumulation=accumulation,
+                                  num_processes=ranks)
 
     def global_batch(self, global_batch: int) -> int | None:
         return global_batch
@@ -293,38 +400,38 @@ class ElasticWorldSize(FixedWorldSize):
         return {KEY_SCHEDULER_RATE: self.scheduler_rate}
 
     def plan_load(self, accelerator: ResumableAccelerator, path: Path, saved: Mapping[str, Any],
-                  saved_world_size: int) -> bool:
-        return plan_elastic_load(accelerator, path, saved, saved_world_size)
+                  saved_world_size: int, *, saved_pieces: bool) -> bool:
+        return plan_elastic_load(accelerator, path, saved, saved_world_size, saved_pieces=saved_pieces)
 
     def drift(self, changed: Mapping[str, tuple[Any, Any]], *, kept: bool) -> dict[str, tuple[Any, Any]]:
         return elastic_changes(changed, kept=kept)
 
-    def resumes_across(self, saved_world_size: int, world_size: int) -> bool:
-        return saved_world_size != world_size
+    def resumes_across(self) -> bool:
+        return self.resumed_from is not None
 
-    def loader_records(self, accelerator: ResumableAccelerator, records: list[Any] | None,
-                       saved_world_size: int) -> list[Any] | None:
-        if not self.resumes_across(saved_world_size, accelerator.num_processes):
+    def loader_records(self, accelerator: ResumableAccelerator, records: list[Any] | None) -> list[Any] | None:
+        if self.resumed_from is None:
             return records
         # the elastic layout's position is global: rank 0's record, converted (a new rank has none of its own)
         records = broadcast_json(records if accelerator.is_main_process else None)
         # (a stream's record counts the examples read over all ranks: its loader converts it when loaded)
         return [record if record.get(DATA_KIND) == "stream" else
-                convert_position(record, saved_world_size=saved_world_size, world_size=accelerator.num_processes,
-                                 num_batches=len(loader))
+                convert_position(record, saved_world_size=self.resumed_from.data_ranks,
+                                 world_size=accelerator._data_rank()[1], num_batches=len(loader))
                 for record, loader in zip(records or [], accelerator._resumable_loaders)] or None
 
 
-def world_size_mode(elastic: bool, *, num_processes: int) -> FixedWorldSize:
-    """The accelerator's mode for ``elastic`` (chosen once, when it is built).
+def world_size_mode(elastic: bool, *, data_ranks: int) -> FixedWorldSize:
+    """The accelerator's mode for ``elastic`` (chosen once, when it is built), for a run of ``data_ranks``
+    data-parallel ranks (its processes without a ``ParallelismConfig``).
 
     Example:
 
     ```python
-    >>> world_size_mode(True, num_processes=2).recorded_settings()
+    >>> world_size_mode(True, data_ranks=2).recorded_settings()
     {'scheduler_steps_per_optimizer_step': 2}
-    >>> world_size_mode(False, num_processes=2).enabled
+    >>> world_size_mode(False, data_ranks=2).enabled
     False
     ```
     """
-    return ElasticWorldSize(scheduler_rate=num_processes) if elastic else FixedWorldSize()
+    return ElasticWorldSize(scheduler_rate=data_ranks, data_ranks=data_ranks) if elastic else FixedWorldSize()

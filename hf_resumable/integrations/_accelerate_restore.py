@@ -24,7 +24,7 @@ from ..checkpoint import LoadedCheckpoint, OpenedCheckpoint, VerifyReport, list_
 from ..checkpoint._model_files import has_model_weights
 from ..checkpoint._writer import stock_accelerate_files
 from ..checkpoint.sharded import load_sharded_into
-from ..constants import CHECKPOINT_DIR_RE, MANIFEST_FILE, OPTIMIZER_INDEX_FILE
+from ..constants import CHECKPOINT_DIR_RE, LAYOUT_FILE, MANIFEST_FILE, OPTIMIZER_INDEX_FILE
 from ..distributed import broadcast_json
 from ..errors import ConfigDriftError, IncompleteCheckpointError, InexactResumeError
 from ..format.rng import restore_rng_state
@@ -112,7 +112,8 @@ def restore_state(accelerator: ResumableAccelerator, path: Path, strict: bool,
     # 1. Verify and decode once; compare the saved settings with ours before any object is touched.
     opened = open_for_resume(accelerator, path, verified)
     kept = accelerator._world_size_mode.plan_load(accelerator, path, opened.extra.get(EXTRA_RUN) or {},
-                                                  opened.manifest.world_size)
+                                                  opened.manifest.world_size,
+                                                  saved_pieces=LAYOUT_FILE in opened.manifest.files)
     check_run_drift(accelerator, path, opened.manifest.world_size, opened.extra.get(EXTRA_RUN), elastic_kept=kept)
     layout = layout_of_checkpoint(accelerator, opened)
     # 2. accelerate's load hooks: a model they remove from the list is not loaded here.
@@ -138,7 +139,7 @@ def restore_state(accelerator: ResumableAccelerator, path: Path, strict: bool,
         restore_engine_state(engine, [core_optimizer], engine_state)
     # 4. Counters and data positions, 5. registered objects, 6. RNG.
     restore_counters(accelerator, path, loaded, elastic_kept=kept)
-    restore_loaders(accelerator, path, loaded.data_state, loaded.manifest.world_size)
+    restore_loaders(accelerator, path, loaded.data_state)
     restore_custom_objects(accelerator, path, loaded.extra.get(EXTRA_CUSTOM_OBJECTS) or [])
     restore_rng(accelerator, path, loaded)  # last: restoring anything else may draw random numbers
     if accelerator.is_main_process:
@@ -256,12 +257,11 @@ def restore_counters(accelerator: ResumableAccelerator, path: Path, loaded: Load
                                                               existing=existing)
 
 
-def restore_loaders(accelerator: ResumableAccelerator, path: Path, data_state: Mapping[str, Any] | None,
-                    saved_world_size: int) -> None:
+def restore_loaders(accelerator: ResumableAccelerator, path: Path, data_state: Mapping[str, Any] | None) -> None:
     if not accelerator._resumable_loaders:
         return
     records = (data_state or {}).get(DATA_LOADERS)
-    records = accelerator._world_size_mode.loader_records(accelerator, records, saved_world_size)
+    records = accelerator._world_size_mode.loader_records(accelerator, records)
     if records is None or len(records) != len(accelerator._resumable_loaders):
         inexact_resume(accelerator, f"{path} has no position for the {len(accelerator._resumable_loaders)} "
                                     f"prepared loader(s) of rank {accelerator.process_index}")
@@ -292,7 +292,7 @@ def restore_custom_objects(accelerator: ResumableAccelerator, path: Path, states
 
 
 def restore_rng(accelerator: ResumableAccelerator, path: Path, loaded: LoadedCheckpoint) -> None:
-    if accelerator._world_size_mode.resumes_across(loaded.manifest.world_size, accelerator.num_processes):
+    if accelerator._world_size_mode.resumes_across():
         # accumulation_windows keys the model's randomness per micro-batch; a new rank starts from its seed
         if loaded.rng_state is not None:
             restore_rng_state(loaded.rng_state, allow_device_mismatch=True)

@@ -18,7 +18,8 @@ from ._core import UpstreamInternalsError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KEY_PARALLELISM", "ParallelLayout", "layout_of", "accelerate_tp_ready", "check_runnable"]
+__all__ = ["KEY_PARALLELISM", "ParallelLayout", "layout_of", "parse_layout", "data_parallel_rank",
+           "accelerate_tp_ready", "check_runnable"]
 
 KEY_PARALLELISM = "parallelism"  # in a run's recorded settings: ParallelLayout.describe() of its ParallelismConfig
 
@@ -88,6 +89,53 @@ def layout_of(config: Any) -> ParallelLayout | None:
     if config is None:
         return None
     return ParallelLayout(**{name: int(getattr(config, f"{name}_size", 1) or 1) for name in _ORDER})
+
+
+def parse_layout(text: str) -> ParallelLayout:
+    """The layout :meth:`ParallelLayout.describe` wrote (pure): how a resume reads the layout a checkpoint recorded.
+
+    Raises:
+        ValueError: ``text`` is not a ``describe()`` of a layout (names the part that is not).
+
+    Example:
+
+    ```python
+    >>> parse_layout("dp_replicate=2 x tp=2").data_world
+    2
+    ```
+    """
+    sizes: dict[str, int] = {}
+    for part in text.split(" x "):
+        name, _, size = part.partition("=")
+        if name not in _ORDER or not size.isdigit() or name in sizes:
+            raise ValueError(f"{text!r} is not a recorded ParallelismConfig layout ({part!r}: expected one of "
+                             f"{', '.join(_ORDER)} as name=size, each once).")
+        sizes[name] = int(size)
+    return ParallelLayout(**sizes)
+
+
+def data_parallel_rank(layout: ParallelLayout | None, *, process_index: int, world_size: int) -> tuple[int, int]:
+    """A process's data-parallel rank and the number of data-parallel ranks under ``layout`` (pure): the rule both
+    front doors shard their batches, global batch and loader positions by.
+
+    Args:
+        layout (`ParallelLayout`, *optional*): the run's layout (``None``: every process is a data rank).
+        process_index (`int`), world_size (`int`): the process's index and the number of processes.
+
+    Returns:
+        `tuple[int, int]`: ``(process_index, world_size)`` without a layout (or with one of another world size),
+        else ``(layout.data_rank(process_index), layout.data_world)``.
+
+    Example:
+
+    ```python
+    >>> data_parallel_rank(ParallelLayout(dp_replicate=2, tp=2), process_index=3, world_size=4)
+    (1, 2)
+    ```
+    """
+    if layout is None or layout.world_size != world_size:
+        return process_index, world_size
+    return layout.data_rank(process_index), layout.data_world
 
 
 def accelerate_tp_ready() -> bool:

@@ -154,7 +154,7 @@ from ._deepspeed import (
     zero_optimizer,
 )
 from ._engines import check_accelerate_options, check_accelerate_state, holds_dtensors
-from ._parallelism import accelerate_tp_ready, check_runnable, layout_of
+from ._parallelism import accelerate_tp_ready, check_runnable, data_parallel_rank, layout_of
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ class ResumableAccelerator(Accelerator):
         self._notice_checkpoint: Path | None = None  # the checkpoint saved when the preemption notice began
         self._stopped_by_preemption = False  # checkpoint_if_preempted saved and stopped (or exited)
         # elastic or not, chosen once: every step that differs asks it
-        self._world_size_mode = world_size_mode(self.resume_options.elastic, num_processes=self.num_processes)
+        self._world_size_mode = world_size_mode(self.resume_options.elastic, data_ranks=self._data_rank()[1])
         self._uploader = (open_uploader(push_checkpoints_to, storage_options=storage_options)
                           if push_checkpoints_to is not None and self.is_main_process else None)
 
@@ -428,10 +428,8 @@ class ResumableAccelerator(Accelerator):
         """This process's data-parallel rank and the number of them: the process index and count, or, under a
         ``ParallelismConfig``, the coordinate over its data dimensions (the ranks of one tensor/context-parallel
         group read the same batches, :class:`~hf_resumable.integrations._parallelism.ParallelLayout`)."""
-        layout = layout_of(self.parallelism_config)
-        if layout is None or layout.world_size != self.num_processes:
-            return self.process_index, self.num_processes
-        return layout.data_rank(self.process_index), layout.data_world
+        return data_parallel_rank(layout_of(self.parallelism_config), process_index=self.process_index,
+                                  world_size=self.num_processes)
 
     def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None,
                             slice_fn_for_dispatch: Any = None) -> Any:

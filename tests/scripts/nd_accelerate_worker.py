@@ -3,13 +3,19 @@ torchrun), shaped like accelerate's ``examples/torch_native_parallelism/nd_paral
 tests/test_accelerate_nd.py.
 
 Usage: ``torchrun --nproc-per-node N nd_accelerate_worker.py --output-dir DIR --model-dir SEED [--dp-replicate R]
-[--dp-shard S] [--tp T] [--cp C] [--max-steps K]``.
+[--dp-shard S] [--tp T] [--cp C] [--max-steps K] [--elastic --accumulation A]``.
 
 The model is a tiny Llama read with ``from_pretrained`` (tensor parallel: ``tp_plan="auto"`` on the accelerator's
 mesh), FSDP2 over ``dp_shard`` when it is larger than 1. The same command trains uninterrupted, is held after a save
 (``HFR_HOLD_AFTER_SAVE=k``, then SIGKILLed by the test) and resumes (``load_state()``). Each rank appends
 ``{"step", "loss", "batch"}`` (the loss as ``float.hex``, a digest of the batch's input ids) to
 ``losses-rank{r}.jsonl`` and writes ``final-rank{r}.safetensors`` (its parameter pieces and optimizer state).
+
+``--elastic``: ``ResumableAccelerator(elastic=True, gradient_accumulation_steps=A)`` with a prepared learning-rate
+schedule, the loader iterated inside ``accelerator.accumulate`` (accumulate's recipe: each micro-batch's mean loss);
+after each optimizer step every rank appends ``{"step", "loss", "lr", "batches"}`` (the step's mean loss over the
+global batch, the digests of the micro-batches this rank trained) and saves. The same command line resumes at any
+layout: only the sizes change.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ def parse_args() -> argparse.Namespace:
     for name in ("dp-replicate", "dp-shard", "tp", "cp"):
         parser.add_argument(f"--{name}", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=4)
+    parser.add_argument("--elastic", action="store_true")
+    parser.add_argument("--accumulation", type=int, default=1)
     return parser.parse_args()
 
 
@@ -67,12 +75,15 @@ def main() -> int:
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=["LlamaDecoderLayer"], state_dict_type="SHARDED_STATE_DICT",
             cpu_ram_efficient_loading=False, sync_module_states=False)
-    accelerator = ResumableAccelerator(parallelism_config=config, fsdp_plugin=fsdp,
+    accelerator = ResumableAccelerator(parallelism_config=config, fsdp_plugin=fsdp, elastic=options.elastic,
+                                       gradient_accumulation_steps=options.accumulation,
                                        checkpoint_dir=output / "checkpoints", handle_preemption=False)
     tp = {"tp_plan": "auto", "device_mesh": accelerator.torch_device_mesh} if options.tp > 1 else {}
     model = LlamaForCausalLM.from_pretrained(options.model_dir, **tp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     loader = accelerator.prepare_resumable_dataloader(make_rows(), collate_fn=collate, batch_size=2, seed=0)
+    if options.elastic:
+        return train_elastic(accelerator, model, optimizer, loader, options)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.load_state()
     with (output / f"losses-rank{fx.RANK}.jsonl").open("a") as log:
@@ -89,12 +100,48 @@ def main() -> int:
             fx.hold_after_save(accelerator.global_step)
             if accelerator.global_step >= options.max_steps:
                 break
+    return finish(accelerator, model, optimizer, output)
+
+
+def finish(accelerator: ResumableAccelerator, model: torch.nn.Module, optimizer: object, output: Path) -> int:
     accelerator.end_training()
     final = output / f"final-rank{fx.RANK}.safetensors"
     fx.dump_local_state(accelerator.unwrap_model(model), optimizer.optimizer, final)
     del model, optimizer, accelerator
     torch.distributed.destroy_process_group()
     return 0
+
+
+def train_elastic(accelerator: ResumableAccelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  loader: object, options: argparse.Namespace) -> int:
+    """``--elastic``: accumulate's loop over the loader, one log line per optimizer step and rank."""
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.25 * step))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    accelerator.load_state()
+    losses, batches = [], []
+    with (options.output_dir / f"losses-rank{fx.RANK}.jsonl").open("a") as log:
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+            batches.append(hashlib.sha256(batch["input_ids"].numpy().tobytes()).hexdigest()[:16])
+            if not accelerator.sync_gradients:
+                continue
+            mean = float(accelerator.reduce(torch.tensor(sum(losses) / len(losses), dtype=torch.float64),
+                                            reduction="mean"))
+            log.write(json.dumps({"step": accelerator.global_step, "loss": mean, "lr": scheduler.get_last_lr()[0],
+                                  "batches": batches}) + "\n")
+            log.flush()
+            losses, batches = [], []
+            accelerator.save_state()
+            fx.hold_after_save(accelerator.global_step)
+            if accelerator.global_step >= options.max_steps:
+                break
+    return finish(accelerator, model, optimizer, options.output_dir)
 
 
 if __name__ == "__main__":
