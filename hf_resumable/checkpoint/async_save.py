@@ -236,7 +236,9 @@ class _Worker:
     def _serve(jobs: queue.SimpleQueue) -> None:
         while True:
             defer_to_running_threads()  # woken as the save's call returns: never preempt the training thread then
-            jobs.get()()  # a job keeps its own errors
+            job = jobs.get()
+            defer_to_running_threads()  # HF_RESUMABLE_WRITER_PRIORITY may have changed while the thread waited
+            job()  # a job keeps its own errors
 
 
 class AsyncSaver:
