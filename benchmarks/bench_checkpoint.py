@@ -50,6 +50,7 @@ disk of known speed, the ratios say whether a load keeps the disk busy.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -68,8 +69,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_resumable.checkpoint import load_checkpoint, save_checkpoint, wait_for_pending_saves
 from hf_resumable.checkpoint._parallel_read import READ_STREAMS_ENV, READ_WORKERS, read_streams
-from hf_resumable.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint
-from hf_resumable.constants import LAYOUT_FILE
 
 
 def model_config(hidden: int = 1024, layers: int = 4) -> LlamaConfig:
@@ -212,7 +211,7 @@ def _fresh_load_child(directory: str, hidden: int, layers: int) -> None:
 def load_of(directory: Path):
     """The load of the checkpoint's layout: the piece reader for a ``--layout pieces`` checkpoint (every slice read
     checked by the hashed chunks it covers), else ``load_checkpoint`` (every file hashed while it is read)."""
-    return load_sharded_checkpoint if (directory / LAYOUT_FILE).exists() else load_checkpoint
+    return load_checkpoint
 
 
 class _ProbeLog(logging.Handler):
@@ -234,14 +233,14 @@ def main() -> None:
                         help="cap reads from the disk at this many MiB/s (a disk of steady speed; cgroup v1, root)")
     parser.add_argument("--stall", action="store_true", help="only the blocking save and the async stall rows")
     parser.add_argument("--layout", choices=("regular", "pieces"), default="regular",
-                        help="save_checkpoint, or save_sharded_checkpoint from one process (loaded by the piece "
+                        help="save_checkpoint's HF layout, or its per-rank pieces from one process (read by the piece "
                              "reader, slice by slice)")
     parser.add_argument("--device", default="cpu", help="where the model trains and is saved from (cpu, cuda)")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the Llama-shaped model")
     parser.add_argument("--layers", type=int, default=4, help="blocks of the Llama-shaped model")
     parser.add_argument("--fresh-load", default=None, help=argparse.SUPPRESS)  # the child of fresh_process_load
     args = parser.parse_args()
-    save = save_sharded_checkpoint if args.layout == "pieces" else save_checkpoint
+    save = functools.partial(save_checkpoint, layout="pieces" if args.layout == "pieces" else "auto")
     if args.fresh_load is not None:
         _fresh_load_child(args.fresh_load, args.hidden, args.layers)
         return

@@ -11,7 +11,7 @@
   with accelerate's SHARDED and FULL state-dict types (hf_resumable writes per-rank pieces for both).
 * DeepSpeed ZeRO-1/2 (2 gloo ranks on DeepSpeed's CPU accelerator, a torch AdamW): the same, through both front
   doors; every rank's partitions of the fp32 master weights and of the Adam moments are compared bit for bit. In one
-  process, a ZeRO-2 engine's partitions round-trip through save_sharded_checkpoint / load_sharded_checkpoint.
+  process, a ZeRO-2 engine's partitions round-trip through save_checkpoint / load_checkpoint.
 * ZeRO weights equal to their fp32 master weights cast are recorded as given by them, not stored, and loaded from
   them; a weight that differs (written outside the optimizer) is stored, blocking or async.
 """
@@ -337,7 +337,7 @@ def test_whole_tensor_save_of_an_fsdp2_model_names_the_sharded_save(tmp_path, on
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-    with pytest.raises(UnsupportedStateError, match="DTensor parameters.*save_sharded_checkpoint"):
+    with pytest.raises(UnsupportedStateError, match="DTensor parameters.*save_checkpoint"):
         save_checkpoint(tmp_path / "checkpoint-1", model=model)
     assert not (tmp_path / "checkpoint-1").exists()
 
@@ -382,7 +382,7 @@ def _moments(engine: torch.nn.Module) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, sub_groups", [(2, False), (3, False), (3, True)], ids=["2", "3", "3-subgroups"])
 def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_rank_group, stage, sub_groups):
-    """save_sharded_checkpoint / load_sharded_checkpoint of a ZeRO-2/3 engine's partitions, before the first step
+    """save_checkpoint / load_checkpoint of a ZeRO-2/3 engine's partitions, before the first step
     (master weights only) and after one; the reloaded engine steps exactly as the saving one. ZeRO-3 steps its
     torch optimizer once per sub-group: the step hook still counts engine steps."""
     for name, value in {"DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
@@ -392,7 +392,7 @@ def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_ra
     from deepspeed.utils import groups
 
     monkeypatch.setattr(groups, "_WORLD_GROUP", None)  # DeepSpeed caches the world group of a previous test
-    from hf_resumable import load_sharded_checkpoint, save_sharded_checkpoint
+    from hf_resumable.checkpoint import load_checkpoint, save_checkpoint
     from hf_resumable.integrations._deepspeed import checkpoint_optimizer, register_step_hook
 
     saving = _zero_engine(stage, sub_groups)
@@ -401,13 +401,13 @@ def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_ra
     steps = []
     register_step_hook(saving.optimizer, lambda *args: steps.append(1))
     for step in (0, 1):
-        save_sharded_checkpoint(tmp_path / f"checkpoint-{step}", model=saving.module,
-                                optimizer=checkpoint_optimizer(saving.optimizer), step=step)
+        save_checkpoint(tmp_path / f"checkpoint-{step}", model=saving.module,
+                        optimizer=checkpoint_optimizer(saving.optimizer), step=step, layout="pieces")
         loading = _zero_engine(stage, sub_groups)
         if step:  # the fresh engine's master weights differ from the saved ones until the load
             assert not torch.equal(_master(saving), _master(loading))
-        load_sharded_checkpoint(tmp_path / f"checkpoint-{step}", model=loading.module,
-                                optimizer=checkpoint_optimizer(loading.optimizer))
+        load_checkpoint(tmp_path / f"checkpoint-{step}", model=loading.module,
+                        optimizer=checkpoint_optimizer(loading.optimizer))
         _step(saving)
         _step(loading)
         for engine in (saving, loading):
@@ -427,13 +427,13 @@ def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_ra
     # outside the engine: into a plain model, and consolidated (ZeRO-3's flattened partitions get their shapes back)
     from safetensors.torch import load_file
 
-    from hf_resumable import consolidate_sharded_checkpoint
+    from hf_resumable.checkpoint import consolidate_checkpoint
 
-    save_sharded_checkpoint(tmp_path / "checkpoint-2", model=saving.module,
-                            optimizer=checkpoint_optimizer(saving.optimizer), step=2)
+    save_checkpoint(tmp_path / "checkpoint-2", model=saving.module,
+                    optimizer=checkpoint_optimizer(saving.optimizer), step=2, layout="pieces")
     plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
-    load_sharded_checkpoint(tmp_path / "checkpoint-2", model=plain, restore_rng=False)
-    consolidate_sharded_checkpoint(tmp_path / "checkpoint-2", tmp_path / "export")
+    load_checkpoint(tmp_path / "checkpoint-2", model=plain, restore_rng=False)
+    consolidate_checkpoint(tmp_path / "checkpoint-2", tmp_path / "export")
     exported = load_file(tmp_path / "export" / "model.safetensors")
     for (name, want), got in zip(saving.module.named_parameters(), plain.parameters()):
         assert torch.equal(got, want) and torch.equal(exported[name], want), name
@@ -442,7 +442,7 @@ def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_ra
 def _weight_differing_from_its_master_is_stored(tmp_path: Path, saving: Any, stage: int, sub_groups: bool) -> None:
     """A weight (ZeRO-3: a partition) written outside the optimizer, no longer its master cast, is stored, and
     loaded as stored."""
-    from hf_resumable import load_sharded_checkpoint, save_sharded_checkpoint
+    from hf_resumable.checkpoint import load_checkpoint, save_checkpoint
     from hf_resumable.integrations._deepspeed import checkpoint_optimizer
 
     def held(module: torch.nn.Module) -> torch.Tensor:
@@ -458,16 +458,16 @@ def _weight_differing_from_its_master_is_stored(tmp_path: Path, saving: Any, sta
     base = saving.optimizer.optimizer
     master, moments = _master(saving).clone(), _moments(saving).clone()
     with copy_after_next_step(base) as stepping:
-        save_sharded_checkpoint(tmp_path / "async", model=saving.module,
-                                optimizer=checkpoint_optimizer(saving.optimizer), step=3, blocking=False)
+        save_checkpoint(tmp_path / "async", model=saving.module, optimizer=checkpoint_optimizer(saving.optimizer),
+                        step=3, blocking=False, layout="pieces")
         assert not step_gate(base).is_open
         _step(saving)  # through the gate, once the copy is over
     wait_for_pending_saves()
     assert stepping.is_set() and step_gate(base).is_open and not torch.equal(_master(saving), master)
     assert not json.loads((tmp_path / "async" / "sharded_layout.json").read_text())["model"]["pieces"]
     loading = _zero_engine(stage, sub_groups)
-    load_sharded_checkpoint(tmp_path / "async", model=loading.module,
-                            optimizer=checkpoint_optimizer(loading.optimizer))
+    load_checkpoint(tmp_path / "async", model=loading.module,
+                    optimizer=checkpoint_optimizer(loading.optimizer))
     assert torch.equal(_master(loading), master) and torch.equal(_moments(loading), moments)
     weight = held(saving.module[1])
     original = weight.detach().clone()
@@ -475,13 +475,13 @@ def _weight_differing_from_its_master_is_stored(tmp_path: Path, saving: Any, sta
         weight.add_(1.0)
     for blocking in (True, False):
         path = tmp_path / f"differs-{blocking}"
-        save_sharded_checkpoint(path, model=saving.module, optimizer=checkpoint_optimizer(saving.optimizer), step=3,
-                                blocking=blocking)
+        save_checkpoint(path, model=saving.module, optimizer=checkpoint_optimizer(saving.optimizer), step=3,
+                        blocking=blocking, layout="pieces")
         wait_for_pending_saves()
         layout = json.loads((path / "sharded_layout.json").read_text())
         assert "1.weight" in layout["model"]["pieces"]["sharded/model-rank00000-of-00001.safetensors"]
         loading = _zero_engine(stage, sub_groups)
-        load_sharded_checkpoint(path, model=loading.module, optimizer=checkpoint_optimizer(loading.optimizer))
+        load_checkpoint(path, model=loading.module, optimizer=checkpoint_optimizer(loading.optimizer))
         assert torch.equal(held(loading.module[1]), weight)
         assert torch.equal(held(loading.module[0]), held(saving.module[0]))
     with torch.no_grad():
@@ -573,8 +573,8 @@ def test_zero3_saves_reuse_the_partitions_pieces_until_a_load_replaces_them(tmp_
     monkeypatch.setattr(groups, "_WORLD_GROUP", None)  # DeepSpeed caches the world group of a previous test
     import gc
 
-    from hf_resumable import load_sharded_checkpoint, save_sharded_checkpoint, wait_for_pending_saves
-    from hf_resumable.checkpoint import _partitioned
+    from hf_resumable import wait_for_pending_saves
+    from hf_resumable.checkpoint import _partitioned, load_checkpoint, save_checkpoint
     from hf_resumable.integrations._deepspeed import checkpoint_optimizer
 
     built, from_local = [], DTensor.from_local
@@ -586,8 +586,8 @@ def test_zero3_saves_reuse_the_partitions_pieces_until_a_load_replaces_them(tmp_
     def save(step: int, *, blocking: bool) -> int:
         """DTensors built by one save."""
         before = len(built)
-        save_sharded_checkpoint(tmp_path / f"checkpoint-{step}", model=engine.module,
-                                optimizer=checkpoint_optimizer(engine.optimizer), step=step, blocking=blocking)
+        save_checkpoint(tmp_path / f"checkpoint-{step}", model=engine.module, layout="pieces",
+                        optimizer=checkpoint_optimizer(engine.optimizer), step=step, blocking=blocking)
         wait_for_pending_saves()
         return len(built) - before
 
@@ -596,8 +596,8 @@ def test_zero3_saves_reuse_the_partitions_pieces_until_a_load_replaces_them(tmp_
     _step(engine)
     assert save(1, blocking=False) == 0 and save(2, blocking=True) == 0
     entries = len(_partitioned._PIECES)
-    load_sharded_checkpoint(tmp_path / "checkpoint-1", model=engine.module,
-                            optimizer=checkpoint_optimizer(engine.optimizer))
+    load_checkpoint(tmp_path / "checkpoint-1", model=engine.module,
+                    optimizer=checkpoint_optimizer(engine.optimizer))
     assert save(3, blocking=True) == 2 * sub_groups  # the loaded moments are new tensors
     gc.collect()
     assert len(_partitioned._PIECES) == entries  # the replaced moments' pieces went with them

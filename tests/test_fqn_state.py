@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 
 from hf_resumable.checkpoint import _fqn_state
 from hf_resumable.checkpoint._fqn_state import model_state_dict, optimizer_state_dict
-from hf_resumable.checkpoint.sharded import _optimizer_state
+from hf_resumable.checkpoint._pieces import _optimizer_state
 
 
 def _model() -> torch.nn.Module:

@@ -99,7 +99,6 @@ from ..checkpoint import (
 from ..checkpoint._model_files import has_model_weights
 from ..checkpoint._writer import save_refusal, stock_accelerate_files
 from ..checkpoint.api import background_saver
-from ..checkpoint.sharded import load_sharded_into, save_sharded_checkpoint
 from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, MANIFEST_FILE, OPTIMIZER_INDEX_FILE
 from ..data import (
     DATA_KIND,
@@ -318,7 +317,7 @@ class ResumableAccelerator(Accelerator):
 
     Engines: a single process, DDP, FSDP2 and FSDP1 (``FullyShardedDataParallelPlugin``, either
     ``state_dict_type``: every rank saves and loads its own pieces with
-    :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`, same ``save_state``/``load_state`` contract)
+    :func:`~hf_resumable.checkpoint.save_checkpoint`, same ``save_state``/``load_state`` contract)
     and DeepSpeed ZeRO-1/2/3 without offload (every rank saves and loads its ZeRO partitions the same way, at the
     same world size).
 
@@ -904,11 +903,10 @@ class ResumableAccelerator(Accelerator):
         if target.resolve() in self._pending_uploads():
             self._uploader.wait()  # never replace a checkpoint while it is being uploaded
         blocking = not self.resume_options.save_async if blocking is None else blocking
-        save = save_sharded_checkpoint if self._saves_pieces() else save_checkpoint  # FSDP2: every rank its pieces
         # Retention runs right after save_state, as accelerate's total_limit does (upstream's tests count the
         # entries): it may then delete the previous checkpoint, so this one's files are fsynced before its commit.
         durability = "immediate" if self._retains(mode) else "deferred"
-        save(target, **self._capture(), step=self.global_step, overwrite=mode != _NAMING_AUTOMATIC,
+        save_checkpoint(target, **self._capture(), step=self.global_step, overwrite=mode != _NAMING_AUTOMATIC,
              blocking=blocking, standalone=self.resume_options.standalone_checkpoints, durability=durability)
         if fingerprint is not None:
             self._committed = {target: fingerprint}  # steps only grow: only the newest can be met again
@@ -1149,12 +1147,9 @@ class ResumableAccelerator(Accelerator):
         # 3. Fill the objects (RNG excluded: it goes last).
         core_model, core_optimizer = self._core_load_targets(layout, models)
         scheduler = getattr(self._schedulers[0], "scheduler", self._schedulers[0]) if self._schedulers else None
-        if self._saves_pieces():  # FSDP2: every rank reads the slices of the pieces it holds
-            loaded = load_sharded_into(opened, model=core_model, optimizer=core_optimizer, scheduler=scheduler,
-                                       scaler=self.scaler, restore_rng=False, strict=strict)
-        else:
-            loaded = opened.load_into(model=core_model, optimizer=core_optimizer, scheduler=scheduler,
-                                      scaler=self.scaler, strict=strict)
+        # FSDP2 / ZeRO: every rank reads the slices of the pieces it holds
+        loaded = opened.load_into(model=core_model, optimizer=core_optimizer, scheduler=scheduler, scaler=self.scaler,
+                                  strict=strict)
         self._restore_extra_objects(path, layout, loaded.extra, models, strict=strict)
         if engine is not None:
             restore_engine_state(engine, [core_optimizer], engine_state)
@@ -1188,7 +1183,7 @@ class ResumableAccelerator(Accelerator):
         """The one place the resume path reads a checkpoint: verified and decoded once, no live object touched."""
         return open_checkpoint(path, verified=verified, allow_inexact_resume=self.resume_options.allow_inexact_resume,
                                counters=(PROGRESS_MICRO_STEP, PROGRESS_ITERATION),
-                               elastic=self.resume_options.elastic)  # FSDP2/ZeRO pieces: resharded
+                               reshard=self.resume_options.elastic)
 
     def _layout_of(self, peek: LoadedCheckpoint) -> Layout:
         record = peek.extra.get(EXTRA_LAYOUT)
