@@ -328,18 +328,32 @@ def one_rank_group():
     torch.distributed.destroy_process_group()
 
 
-def test_whole_tensor_save_of_an_fsdp2_model_names_the_sharded_save(tmp_path, one_rank_group):
+def test_save_checkpoint_of_an_fsdp2_model_writes_its_pieces(tmp_path, one_rank_group):
+    """The one save picks the piece layout for an FSDP2 model (no twin to choose); a state dict of its DTensors holds
+    no record of their pieces and is refused, naming the fix."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import init_device_mesh
 
-    from hf_resumable import save_checkpoint
+    from hf_resumable import load_checkpoint, save_checkpoint
+    from hf_resumable.constants import LAYOUT_FILE
     from hf_resumable.errors import UnsupportedStateError
 
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-    with pytest.raises(UnsupportedStateError, match="DTensor parameters.*save_checkpoint"):
-        save_checkpoint(tmp_path / "checkpoint-1", model=model)
-    assert not (tmp_path / "checkpoint-1").exists()
+    def build(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        return model
+
+    model = build(0)
+    with pytest.raises(UnsupportedStateError, match="DTensor parameters.*Pass the module itself"):
+        save_checkpoint(tmp_path / "state-dict", model=model.state_dict())
+    assert not (tmp_path / "state-dict").exists()
+    save_checkpoint(tmp_path / "checkpoint-1", model=model)
+    assert (tmp_path / "checkpoint-1" / LAYOUT_FILE).is_file()
+    other = build(1)
+    load_checkpoint(tmp_path / "checkpoint-1", model=other, restore_rng=False)
+    for (name, saved), (_, loaded) in zip(model.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(saved.full_tensor(), loaded.full_tensor()), name
 
 
 def _zero_engine(stage: int, sub_groups: bool = False) -> torch.nn.Module:

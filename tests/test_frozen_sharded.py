@@ -124,5 +124,5 @@ def test_piece_records_are_validated():
             _frozen.FrozenRecord.from_json(bad, source="r")
     # The regular load path never takes a piece record for a whole-tensor one.
     live = {"w": torch.zeros(5, 2)}
-    with pytest.raises(BaseMismatchError, match="load_checkpoint"):
+    with pytest.raises(BaseMismatchError, match="recorded piece by piece"):
         _frozen.check_frozen_base(record, live, full=False, strict=True, source="r")

@@ -48,14 +48,14 @@ from ..constants import (
     STATE_KEY_SCHEDULER,
     TRAINING_STATE_FILE,
 )
-from ..distributed import agreed_reads, all_gather_json, checkpoint_group
+from ..distributed import agreed_reads, all_gather_json, checkpoint_group, is_distributed
 from ..errors import CheckpointMismatchError, IncompleteCheckpointError
 from ..format._jsonio import json_bytes
 from ..format.sharding import build_index
 from ..format.state_codec import decode_state
 from ._dtensor import is_dtensor
 from ._fqn_state import model_state_dict, optimizer_state_dict
-from ._frozen import base_not_stored, check_frozen_sharded, split_frozen_sharded
+from ._frozen import base_not_stored, check_frozen_sharded, forget_fingerprints, split_frozen_sharded
 from ._model import TIED_KEY
 from ._model_files import single_file_metadata
 from ._partitioned import (
@@ -464,12 +464,22 @@ def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Modu
     current = {name: tensor for name, tensor in current.items() if name not in frozen}
     section = _section(reader, layout, LAYOUT_KEY_MODEL)
     names = check_fits(current, section, strict=strict, source=source, what="model")
+    partitioned = is_partitioned(model)
+    # One process, plain tensors: read straight into the live weights, as a whole-tensor load does (under
+    # torch.distributed every rank reads into new tensors first, so that no rank applies what another failed to read).
+    in_place = not is_distributed() and not originals and not partitioned
     with agreed_reads(source), _piece_reader(reader, layout, section) as pieces:  # every rank's reads, then apply
-        filled = fill_state(current, pieces, names)
-    if is_partitioned(model):  # ZeRO-3: the pieces go into the partitions; keys were matched above
+        filled = fill_state(current, pieces, names, in_place=in_place)
+    if partitioned:  # ZeRO-3: the pieces go into the partitions; keys were matched above
         buffers = load_partitioned_state(model, filled)
         if buffers:
             model.load_state_dict(buffers, strict=False)  # strict=False: the parameters are loaded already
+        return
+    if in_place:
+        forget_fingerprints(current.values())  # written without a version bump: cached fingerprints are stale
+        filled = {name: tensor for name, tensor in filled.items() if tensor is not current[name]}
+        if filled:  # another dtype, a view: through the model's own load (keys were matched above)
+            set_model_state_dict(model, filled, options=_options(strict=False))
         return
     filled = into_sharded_tensors(filled, originals)
     set_model_state_dict(model, filled, options=_options(strict=strict and not frozen))
@@ -566,9 +576,12 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
     if engine_sharded and reshard and _saved_elsewhere(optimizer, document):
         _load_resharded_partitions(reader, section, document, optimizer)
         return
+    direct = None if engine_sharded else _state_templates(model, optimizer, section, document)
     if engine_sharded:
         current = _engine_sharded_templates(optimizer, section)
-    else:
+    elif direct is not None:
+        current = direct
+    else:  # FSDP1's flat parameters, or state shaped unlike its parameter: torch's templates
         current = get_optimizer_state_dict(model, optimizer, options=_options())  # initializes an empty optimizer
         current = optimizer_as_dtensors(current, device=_device(model), originals=originals)
     current_tensors, _ = flatten_optimizer_state(current, _class_name(optimizer))
@@ -578,9 +591,60 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
     state = _rebuild_optimizer_state(filled, document, current, source=source)
     if engine_sharded:
         optimizer.load_sharded_state_dict(state)
+    elif direct is not None:
+        _load_by_position(optimizer, state)
     else:
         state = optimizer_into_sharded_tensors(state, originals)
         set_optimizer_state_dict(model, optimizer, state, options=_options())
+
+
+def _state_templates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, section: Section,
+                     document: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The optimizer's FQN-keyed state as the checkpoint describes it, built from the live parameters without
+    running the optimizer: each stored state tensor shaped (and, for a DTensor parameter, placed) like its parameter,
+    a scalar as a scalar. ``None`` where that does not describe it (FSDP1's flat parameters, a parameter the model
+    does not name, state shaped unlike its parameter, other parameter groups): torch's ``get_optimizer_state_dict``
+    then creates the state with a zero-gradient step of the optimizer, whose cost is a whole step."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
+        return None
+    fqn_of: dict[int, str] = {}
+    for name, value in model_state_dict(model, keep_vars=True).items():
+        fqn_of.setdefault(id(value), name)  # a tied parameter: its first name, as torch's named_parameters gives
+    groups, parameters = [], {}
+    for group, saved in zip(optimizer.param_groups, document["param_groups"]):
+        names = [fqn_of.get(id(parameter)) for parameter in group["params"]]
+        if None in names or set(names) != set(saved["params"]):
+            return None
+        parameters.update(zip(names, group["params"]))
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, dtype in section.dtypes.items():
+        if not key.startswith(OPTIMIZER_STATE_PREFIX):
+            continue
+        fqn, _, field = key[len(OPTIMIZER_STATE_PREFIX):].rpartition("/")
+        parameter, shape = parameters.get(fqn), section.shapes[key]
+        if parameter is None:
+            return None
+        if tuple(shape) == tuple(parameter.shape):
+            template = torch.empty_like(parameter, dtype=dtype, requires_grad=False)  # untouched memory
+        elif not shape:
+            template = torch.empty((), dtype=dtype)  # a step count; load_state_dict moves it where it belongs
+        else:
+            return None
+        state.setdefault(fqn, {})[field] = template
+    return {"state": state, "param_groups": groups}
+
+
+def _load_by_position(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Install FQN-keyed optimizer state through the optimizer's own ``load_state_dict`` (its parameters by position,
+    as it lists them; the tensors already final, so it keeps them)."""
+    position = {fqn: i for i, fqn in enumerate(fqn for group in state["param_groups"] for fqn in group["params"])}
+    optimizer.load_state_dict({
+        "state": {position[fqn]: fields for fqn, fields in state["state"].items()},
+        "param_groups": [{**group, "params": [position[fqn] for fqn in group["params"]]}
+                         for group in state["param_groups"]]})
 
 
 def load_pieces_into(

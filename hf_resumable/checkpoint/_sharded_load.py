@@ -194,9 +194,10 @@ class PieceReader:
             self._handles[file] = self._stack.enter_context(self.reader.verified_file(file))
         return self._handles[file]
 
-    def read_box(self, name: str, wanted: Box) -> torch.Tensor:
-        """The ``wanted`` box of stored tensor ``name`` as a new CPU tensor."""
-        out = torch.empty(wanted.shape, dtype=self.section.dtypes[name])
+    def read_box(self, name: str, wanted: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``wanted`` box of stored tensor ``name`` as a new CPU tensor (or into ``out``, a contiguous CPU tensor
+        of its shape and stored dtype)."""
+        out = torch.empty(wanted.shape, dtype=self.section.dtypes[name]) if out is None else out
         master = self.section.masters.get(name)
         reads = plan_region_reads(wanted, self.section.pieces[name], name=name, source=self.source,
                                   partial=master is not None)
@@ -251,10 +252,13 @@ def _shape_for(template: torch.Tensor | None, section: Section, name: str) -> tu
     return section.shapes[name]
 
 
-def fill_state(current: Mapping[str, torch.Tensor], reader: PieceReader, names: list[str]) -> dict[str, torch.Tensor]:
+def fill_state(current: Mapping[str, torch.Tensor], reader: PieceReader, names: list[str], *,
+               in_place: bool = False) -> dict[str, torch.Tensor]:
     """New tensors shaped and sharded like ``current[name]`` for each of ``names``, read from the pieces (a
-    tensor stored flattened, into a whole template of its own shape: read whole and viewed)."""
+    tensor stored flattened, into a whole template of its own shape: read whole and viewed). With ``in_place``, a
+    template that is a whole contiguous CPU tensor of the stored dtype is read into itself (and returned as is)."""
     filled: dict[str, torch.Tensor] = {}
+    written: set[int] = set()  # tied names share their memory: read once
     for name in names:
         template = current[name]
         stored = reader.section.tied.get(name, name)
@@ -262,6 +266,17 @@ def fill_state(current: Mapping[str, torch.Tensor], reader: PieceReader, names: 
         if shape != reader.section.shapes[stored]:
             filled[name] = reader.read_full(stored).view(shape)
             continue
+        if in_place and _fills_itself(template, reader.section.dtypes[stored]):
+            if template.data_ptr() not in written or not template.numel():
+                reader.read_box(stored, local_box(template), out=template)
+                written.add(template.data_ptr())
+            filled[name] = template
+            continue
         local = reader.read_box(stored, local_box(template))
         filled[name] = _wrap_like(template, local)
     return filled
+
+
+def _fills_itself(template: torch.Tensor, dtype: torch.dtype) -> bool:
+    return (not hasattr(template, "to_local") and template.device.type == "cpu" and template.dtype == dtype
+            and template.is_contiguous())

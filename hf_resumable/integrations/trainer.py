@@ -663,7 +663,7 @@ class ResumableTrainer(Trainer):
         # Opened (decoded) once here, with the verification that found it; the weights and optimizer are filled from
         # this same object in _load_optimizer_and_scheduler, so a resume never verifies, reads or hashes a file twice.
         loaded = open_checkpoint(path, verify=self.resume_options.checkpoint_verify, verified=verified,
-                                 elastic=self.resume_options.elastic)  # FSDP2/ZeRO pieces: resharded
+                                 reshard=self.resume_options.elastic)
         converted_from, self._converted_from = self._converted_from, None
         if converted_from is not None or loaded.extra.get("converted_from"):
             return _Resume(path=path, loaded=loaded, converted_from=converted_from or path)

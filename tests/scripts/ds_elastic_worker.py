@@ -8,10 +8,10 @@ ENGINE: ``fsdp2``, ``fsdp1`` (``use_orig_params=True``, FULL_SHARD), ``fsdp1-fla
 
 ``--train`` trains a tiny GPT-2 two optimizer steps under the engine (gloo, CPU) and saves ``--checkpoint`` with
 ``save_checkpoint``; ``--load`` builds the engine afresh (its weights differ), tries a plain open of the
-checkpoint (refused with ``ConfigDriftError`` at another world size; recorded), then opens it with ``elastic=True``
-and fills the engine with ``OpenedCheckpoint.load_into``, and saves it again into ``--save`` if given. Either way rank 0
-writes ``--dump``: the engine's own consolidated view of the run (whole weights, and per parameter the fp32 master
-weights, Adam moments and step counts), gathered with the engine's own functions
+checkpoint (refused with ``ConfigDriftError`` at another world size; recorded), then opens it with ``reshard=True``
+and fills the engine with ``OpenedCheckpoint.load_into``, and saves it again into ``--save`` if given. Either way
+rank 0 writes ``--dump``: the engine's own consolidated view of the run (whole weights, and per parameter the fp32
+master weights, Adam moments and step counts), gathered with the engine's own functions
 (``torch.distributed.checkpoint.state_dict`` full state dicts for FSDP, ``deepspeed.utils.safe_get_full_*`` for
 ZeRO), independent of hf_resumable's reading.
 ``--bf16`` (ZeRO-2/3): the model in bf16 over DeepSpeed's fp32 master weights. ``--trainer-groups`` (ZeRO): the
