@@ -465,9 +465,10 @@ def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Modu
     section = _section(reader, layout, LAYOUT_KEY_MODEL)
     names = check_fits(current, section, strict=strict, source=source, what="model")
     partitioned = is_partitioned(model)
-    # One process, plain tensors: read straight into the live weights, as a whole-tensor load does (under
-    # torch.distributed every rank reads into new tensors first, so that no rank applies what another failed to read).
-    in_place = not is_distributed() and not originals and not partitioned
+    # One process, a plain model (whose state dict views its weights): read straight into the live weights, as a
+    # whole-tensor load does (under torch.distributed every rank reads into new tensors first, so that no rank applies
+    # what another failed to read; an engine's state dict may be a copy).
+    in_place = not is_distributed() and not engine_pieces(model)
     with agreed_reads(source), _piece_reader(reader, layout, section) as pieces:  # every rank's reads, then apply
         filled = fill_state(current, pieces, names, in_place=in_place)
     if partitioned:  # ZeRO-3: the pieces go into the partitions; keys were matched above
