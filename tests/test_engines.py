@@ -523,7 +523,7 @@ def test_fsdp1_sharded_tensors_are_stored_as_dtensor_pieces(one_rank_group):
 
 
 def test_a_flattened_weight_whose_view_does_not_fit_is_corrupt():
-    from hf_resumable.checkpoint._sharded_load import Section
+    from hf_resumable.checkpoint._piece_reader import Section
     from hf_resumable.errors import CorruptCheckpointError
 
     section = {"tensors": {"w": {"dtype": "F32", "shape": [12], "view": [4, 3]}},
@@ -537,14 +537,14 @@ def test_a_flattened_weight_whose_view_does_not_fit_is_corrupt():
 def test_plain_tensors_are_split_across_the_ranks_and_a_disagreement_commits_nothing(monkeypatch):
     """ZeRO-1/2's whole weights (plain tensors every rank holds): each rank writes whole tensors of a plan all ranks
     compute alike, balanced by bytes, every tensor once; ranks that disagree are refused before the commit."""
-    from hf_resumable.checkpoint._replicas import SPLIT_ENV, plan_replica_writers, split_replicas
-    from hf_resumable.checkpoint._sharded import (
+    from hf_resumable.checkpoint._piece_layout import (
         check_coverage,
         collect_local_state,
         piece_report,
         plain_sizes,
         section_from_reports,
     )
+    from hf_resumable.checkpoint._replicas import SPLIT_ENV, plan_replica_writers, split_replicas
     from hf_resumable.errors import CheckpointMismatchError
 
     weight = torch.zeros(6)

@@ -74,9 +74,7 @@ from ._payload import (
     add_model_weights,
     add_sharded,
 )
-from ._placements import check_copies_agree
-from ._replicas import plan_replica_writers, split_replicas
-from ._sharded import (
+from ._piece_layout import (
     LAYOUT_FILE,
     LAYOUT_KEY_MODEL,
     LAYOUT_KEY_OPTIMIZER,
@@ -105,7 +103,7 @@ from ._sharded import (
     section_from_reports,
     stamp_layout_version,
 )
-from ._sharded_load import (
+from ._piece_reader import (
     PieceReader,
     Section,
     check_fits,
@@ -114,6 +112,8 @@ from ._sharded_load import (
     layout_from_regular,
     parse_layout,
 )
+from ._placements import check_copies_agree
+from ._replicas import plan_replica_writers, split_replicas
 from ._sharded_tensors import as_dtensors, into_sharded_tensors, optimizer_as_dtensors, optimizer_into_sharded_tensors
 from ._step_gate import gated_optimizer, step_gate
 from ._types import Payload, TensorFile
@@ -275,7 +275,7 @@ def _add_hf_weights(payload: Payload, weights: Mapping[str, torch.Tensor], local
 
 @dataclass
 class _Pieces:
-    """This rank's share of a sharded save, captured on the training loop's time, planned inside the commit.
+    """This rank's share of a save in pieces, captured on the training loop's time, planned inside the commit.
 
     :func:`capture_pieces` takes the state dicts (and, for an async save, the list of local pieces to copy);
     :meth:`prepare` (step 2 of the commit protocol, on the background thread of an async save) describes them and
@@ -420,7 +420,7 @@ def capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.op
 
 
 def _read_layout(reader: _Reader) -> dict[str, Any]:
-    """The sharded layout, or the one implied by a regular checkpoint's indexes (whole tensors, one writer)."""
+    """The piece layout, or the one implied by a regular checkpoint's indexes (whole tensors, one writer)."""
     if LAYOUT_FILE in reader.manifest.files:
         return parse_layout(reader.json(LAYOUT_FILE), source=str(reader.path / LAYOUT_FILE))
     model = reader.model_index()
@@ -525,7 +525,7 @@ def _load_param_groups_only(model: torch.nn.Module, optimizer: torch.optim.Optim
         group.update({k: v for k, v in saved.items() if k != "params"})
 
 
-def _engine_sharded_templates(optimizer: ShardedOptimizerState, section: Section) -> dict[str, Any]:
+def _own_pieces_templates(optimizer: ShardedOptimizerState, section: Section) -> dict[str, Any]:
     """The live state to fill, created first (``init_state``) only if the checkpoint holds state it lacks: a
     checkpoint saved before the first step holds the master weights alone."""
     current = optimizer.sharded_state_dict()
@@ -572,14 +572,14 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
     if not document["non_tensor_state"] and not any(n.startswith(OPTIMIZER_STATE_PREFIX) for n in section.dtypes):
         _load_param_groups_only(model, optimizer, document, source=source)
         return
-    engine_sharded = isinstance(optimizer, ShardedOptimizerState)
+    own_pieces = isinstance(optimizer, ShardedOptimizerState)
     originals: dict[str, Any] = {}  # FSDP1: the ShardedTensors its load reads, filled from the pieces
-    if engine_sharded and reshard and _saved_elsewhere(optimizer, document):
+    if own_pieces and reshard and _saved_elsewhere(optimizer, document):
         _load_resharded_partitions(reader, section, document, optimizer)
         return
-    direct = None if engine_sharded else _state_templates(model, optimizer, section, document)
-    if engine_sharded:
-        current = _engine_sharded_templates(optimizer, section)
+    direct = None if own_pieces else _state_templates(model, optimizer, section, document)
+    if own_pieces:
+        current = _own_pieces_templates(optimizer, section)
     elif direct is not None:
         current = direct
     else:  # FSDP1's flat parameters, or state shaped unlike its parameter: torch's templates
@@ -590,7 +590,7 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
     with agreed_reads(source), PieceReader(reader, section, source=source) as pieces:  # before the apply's collectives
         filled = fill_state(current_tensors, pieces, names)
     state = _rebuild_optimizer_state(filled, document, current, source=source)
-    if engine_sharded:
+    if own_pieces:
         optimizer.load_sharded_state_dict(state)
     elif direct is not None:
         _load_by_position(optimizer, state)

@@ -151,7 +151,7 @@ def _load_weights(opened: OpenedCheckpoint, model: Any) -> None:
 
     A per-rank checkpoint (FSDP2 pieces, or DeepSpeed ZeRO-1/2, whose weights rank 0 saved whole) holds
     ``sharded_layout.json``: each whole tensor is assembled from the rank pieces that cover it
-    (:func:`~hf_resumable.checkpoint._sharded.plan_region_reads` plans which slice of which piece file goes where,
+    (:func:`~hf_resumable.checkpoint._piece_layout.plan_region_reads` plans which slice of which piece file goes where,
     then the slices are read), with no process group. Any other checkpoint loads as usual.
     """
     if LAYOUT_FILE not in opened.manifest.files:

@@ -1,7 +1,7 @@
-"""Read the pieces of a sharded checkpoint into whatever sharding the loading rank has (any world size).
+"""Read the pieces of a checkpoint into whatever sharding the loading rank has (any world size).
 
 For every tensor the loading rank needs, the wanted box is this rank's DTensor piece (or the whole
-tensor for a plain model); :func:`~hf_resumable.checkpoint._sharded.plan_region_reads` says which
+tensor for a plain model); :func:`~hf_resumable.checkpoint._piece_layout.plan_region_reads` says which
 slices of which stored pieces make it up, and :class:`~hf_resumable.format.slice_reader.VerifiedFile` reads those bytes
 (extended to the hashed chunks they cover) and checks them against the manifest.
 """
@@ -22,7 +22,7 @@ from ..format.safetensors_io import STR_TO_DTYPE
 from ..format.sharding import ShardIndex, check_relative_name
 from ._dtensor import local_box
 from ._model import TIED_KEY, match_keys
-from ._sharded import (
+from ._piece_layout import (
     LAYOUT_FILE,
     LAYOUT_KEY_VERSION,
     LAYOUT_KEY_WORLD_SIZE,
@@ -88,7 +88,7 @@ def parse_layout(document: Any, *, source: str) -> dict[str, Any]:
         CorruptCheckpointError: if it is not a layout document.
     """
     if not isinstance(document, dict) or not isinstance(document.get(LAYOUT_KEY_VERSION), int):
-        raise CorruptCheckpointError(f"{source}: not an hf_resumable sharded layout ({LAYOUT_FILE}).")
+        raise CorruptCheckpointError(f"{source}: not an hf_resumable piece layout ({LAYOUT_FILE}).")
     newest = max(LAYOUT_VERSION, LAYOUT_VERSION_MASTERS)
     if document[LAYOUT_KEY_VERSION] > newest:
         raise FormatVersionError(f"{source}: layout version {document[LAYOUT_KEY_VERSION]}; this hf_resumable reads "
@@ -115,10 +115,10 @@ def _whole_tensor_section(index: ShardIndex, headers: Mapping[str, Any], tied: M
 
 def layout_from_regular(indexes: Mapping[str, ShardIndex | None], headers: Mapping[str, Any], *, world_size: int,
                         optimizer_document: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The layout of a regular (single-writer) checkpoint, so it loads into any sharding like a sharded one.
+    """The layout of a regular (single-writer) checkpoint, so it loads into any sharding like a checkpoint of pieces.
 
-    Its optimizer tensors (``state/<name>/<key>``) and optimizer document already use the sharded
-    checkpoint's names and shape; only the pieces (whole tensors) are implied by the indexes.
+    Its optimizer tensors (``state/<name>/<key>``) and optimizer document already use the piece layout's
+    names and shape; only the pieces (whole tensors) are implied by the indexes.
 
     Args:
         indexes: ``{"model": ShardIndex, "optimizer": ShardIndex or None}``.

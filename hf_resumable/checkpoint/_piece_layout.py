@@ -1,4 +1,5 @@
-"""Per-rank pieces of DTensor-sharded (FSDP2) state: what each rank writes, and where every piece sits.
+"""Per-rank pieces of an engine's state (FSDP2 / DTensor, FSDP1, ZeRO, or whole tensors split across the ranks):
+what each rank writes, and where every piece sits.
 
 Under FSDP2 (or any DTensor sharding) every rank holds a *piece* of each tensor: a box of the global
 tensor given by an ``offset`` and a ``shape``. A save writes each rank's pieces into its own
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..constants import (  # noqa: F401 - re-exported for the sharded modules
+from ..constants import (  # noqa: F401 - re-exported for the piece modules
     LAYOUT_FILE,
     LAYOUT_KEY_MODEL,
     LAYOUT_KEY_OPTIMIZER,
