@@ -22,6 +22,7 @@ from ..format.safetensors_io import STR_TO_DTYPE
 from ..format.sharding import ShardIndex, check_relative_name
 from ._dtensor import local_box
 from ._model import TIED_KEY, match_keys
+from ._parallel_read import read_files
 from ._piece_layout import (
     LAYOUT_FILE,
     LAYOUT_KEY_VERSION,
@@ -194,6 +195,32 @@ class PieceReader:
             self._handles[file] = self._stack.enter_context(self.reader.verified_file(file))
         return self._handles[file]
 
+    def read_whole_files(self, wanted: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """Read whole the files of which every tensor is in ``wanted`` as one whole piece (a checkpoint of whole
+        tensors, or a rank's file read at the world size it was written at) as the files of a regular checkpoint are
+        read: streamed, each file's hash checked in byte order while it is read (:func:`._parallel_read.read_files`).
+
+        Args:
+            wanted (`Mapping`): stored tensor name -> where to read it (a tensor of its shape) or ``None`` (new).
+
+        Returns:
+            `dict[str, torch.Tensor]`: what was read, by name (the given tensors, or new ones); the rest is left to
+            :meth:`read_box`.
+        """
+        whole = {name for name in wanted if name not in self.section.masters
+                 and _is_whole(self.section, name)}
+        reads = []
+        for file in sorted({next(iter(self.section.pieces[name])) for name in whole}):
+            header = self.reader.report.headers.get(file)
+            if header is None or not set(header.tensors) <= whole:
+                continue
+            into = {name: wanted[name] for name in header.tensors if wanted[name] is not None}
+            reads.append((list(header.tensors), self.reader.file_read(file, into)))
+        if not reads:
+            return {}
+        new = read_files([read for _, read in reads])
+        return {name: new[name] if name in new else wanted[name] for names, _ in reads for name in names}
+
     def read_box(self, name: str, wanted: Box, out: torch.Tensor | None = None) -> torch.Tensor:
         """The ``wanted`` box of stored tensor ``name`` as a new CPU tensor (or into ``out``, a contiguous CPU tensor
         of its shape and stored dtype)."""
@@ -256,12 +283,25 @@ def fill_state(current: Mapping[str, torch.Tensor], reader: PieceReader, names: 
                in_place: bool = False) -> dict[str, torch.Tensor]:
     """New tensors shaped and sharded like ``current[name]`` for each of ``names``, read from the pieces (a
     tensor stored flattened, into a whole template of its own shape: read whole and viewed). With ``in_place``, a
-    template that is a whole contiguous CPU tensor of the stored dtype is read into itself (and returned as is)."""
+    template that is a whole contiguous CPU tensor of the stored dtype is read into itself (and returned as is).
+    Files wanted whole are read whole (:meth:`PieceReader.read_whole_files`), the rest slice by slice."""
     filled: dict[str, torch.Tensor] = {}
+    section = reader.section
+    wanted: dict[str, torch.Tensor | None] = {}
+    for name in names:
+        template, stored = current[name], section.tied.get(name, name)
+        box = local_box(template)
+        if tuple(box.shape) == section.shapes[stored] and not any(box.offset):
+            itself = in_place and _fills_itself(template, section.dtypes[stored])
+            wanted.setdefault(stored, template if itself else None)
+    whole = reader.read_whole_files(wanted)
     written: set[int] = set()  # tied names share their memory: read once
     for name in names:
         template = current[name]
-        stored = reader.section.tied.get(name, name)
+        stored = section.tied.get(name, name)
+        if stored in whole:
+            filled[name] = whole[stored] if whole[stored] is template else _wrap_like(template, whole[stored])
+            continue
         shape = _shape_for(template, reader.section, stored)
         if shape != reader.section.shapes[stored]:
             filled[name] = reader.read_full(stored).view(shape)
@@ -275,6 +315,15 @@ def fill_state(current: Mapping[str, torch.Tensor], reader: PieceReader, names: 
         local = reader.read_box(stored, local_box(template))
         filled[name] = _wrap_like(template, local)
     return filled
+
+
+def _is_whole(section: Section, name: str) -> bool:
+    """Whether stored tensor ``name`` is one piece: the whole tensor, in one file."""
+    pieces = section.pieces.get(name) or {}
+    if len(pieces) != 1:
+        return False
+    box = next(iter(pieces.values()))
+    return not any(box.offset) and tuple(box.shape) == section.shapes[name]
 
 
 def _fills_itself(template: torch.Tensor, dtype: torch.dtype) -> bool:
