@@ -56,7 +56,7 @@ from ..format.state_codec import decode_state
 from ._dtensor import is_dtensor
 from ._fqn_state import model_state_dict, optimizer_state_dict
 from ._frozen import base_not_stored, check_frozen_sharded, forget_fingerprints, split_frozen_sharded
-from ._model import TIED_KEY
+from ._model import TIED_KEY, load_state_dict_reason
 from ._model_files import single_file_metadata
 from ._partitioned import (
     MasterWeights,
@@ -465,10 +465,11 @@ def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Modu
     section = _section(reader, layout, LAYOUT_KEY_MODEL)
     names = check_fits(current, section, strict=strict, source=source, what="model")
     partitioned = is_partitioned(model)
-    # One process, a plain model (whose state dict views its weights): read straight into the live weights, as a
-    # whole-tensor load does (under torch.distributed every rank reads into new tensors first, so that no rank applies
-    # what another failed to read; an engine's state dict may be a copy).
-    in_place = not is_distributed() and not engine_pieces(model)
+    # One process, a plain model whose state dict is its weights and that runs nothing of its own on load: read
+    # straight into the live weights, as a whole-tensor load does (under torch.distributed every rank reads into new
+    # tensors first, so that no rank applies what another failed to read; an engine's state dict may be a copy).
+    in_place = (not is_distributed() and not engine_pieces(model)
+                and load_state_dict_reason(model, model.state_dict(keep_vars=True)) is None)
     with agreed_reads(source), _piece_reader(reader, layout, section) as pieces:  # every rank's reads, then apply
         filled = fill_state(current, pieces, names, in_place=in_place)
     if partitioned:  # ZeRO-3: the pieces go into the partitions; keys were matched above
