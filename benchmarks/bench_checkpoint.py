@@ -35,7 +35,7 @@ Prints a markdown table of medians and the ratios the targets are stated in.
 Usage:
     python benchmarks/bench_checkpoint.py --repeats 7 [--dir /path/on/the/disk/to/test] [--throttle-read-mibps 400]
     python benchmarks/bench_checkpoint.py --stall --repeats 5   # only the blocking save and the async stall rows
-    python benchmarks/bench_checkpoint.py --repeats 3 --layout pieces   # the per-rank piece layout, read by slices
+    python benchmarks/bench_checkpoint.py --repeats 3 --layout pieces   # the per-rank piece layout (one process)
     python benchmarks/bench_checkpoint.py --device cuda --repeats 3   # saves from a model on the GPU
 
 ``--device cuda`` trains and saves a model on the GPU (a save copies every tensor to the host: the async save into
@@ -195,7 +195,7 @@ def _fresh_load_child(directory: str, hidden: int, layers: int) -> None:
     raw_before = raw_read(Path(directory), buffer)
     drop_caches()
     start = time.perf_counter()
-    load_of(Path(directory))(directory, model=model, optimizer=optimizer, scheduler=schedule(optimizer))
+    load_checkpoint(directory, model=model, optimizer=optimizer, scheduler=schedule(optimizer))
     elapsed = time.perf_counter() - start
     assert optimizer.state, "the optimizer state was not loaded"
     drop_caches()
@@ -206,12 +206,6 @@ def _fresh_load_child(directory: str, hidden: int, layers: int) -> None:
     raw_direct = raw_read(Path(directory), direct=True)
     print(json.dumps({"load_s": elapsed, "raw_before": raw_before, "raw_after": raw_after, "raw_new": raw_new,
                       "raw_direct": raw_direct, "probe": probe.messages}))
-
-
-def load_of(directory: Path):
-    """The load of the checkpoint's layout: the piece reader for a ``--layout pieces`` checkpoint (every slice read
-    checked by the hashed chunks it covers), else ``load_checkpoint`` (every file hashed while it is read)."""
-    return load_checkpoint
 
 
 class _ProbeLog(logging.Handler):
@@ -233,8 +227,8 @@ def main() -> None:
                         help="cap reads from the disk at this many MiB/s (a disk of steady speed; cgroup v1, root)")
     parser.add_argument("--stall", action="store_true", help="only the blocking save and the async stall rows")
     parser.add_argument("--layout", choices=("regular", "pieces"), default="regular",
-                        help="save_checkpoint's HF layout, or its per-rank pieces from one process (read by the piece "
-                             "reader, slice by slice)")
+                        help="save_checkpoint's HF layout, or its per-rank pieces from one process (layout='pieces', "
+                             "read by the piece reader)")
     parser.add_argument("--device", default="cpu", help="where the model trains and is saved from (cpu, cuda)")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the Llama-shaped model")
     parser.add_argument("--layers", type=int, default=4, help="blocks of the Llama-shaped model")
@@ -322,8 +316,8 @@ def main() -> None:
         before = raw_read(root / f"checkpoint-{rep}", read_buffer)
         drop_caches()
         start = time.perf_counter()
-        load_of(root / f"checkpoint-{rep}")(root / f"checkpoint-{rep}", model=fresh_model, optimizer=fresh_optimizer,
-                                            scheduler=schedule(fresh_optimizer))
+        load_checkpoint(root / f"checkpoint-{rep}", model=fresh_model, optimizer=fresh_optimizer,
+                        scheduler=schedule(fresh_optimizer))
         results["load"].append(time.perf_counter() - start)
         drop_caches()
         paired["load"].append(min(before, raw_read(root / f"checkpoint-{rep}", read_buffer)) / results["load"][-1])
