@@ -6,7 +6,7 @@ saving run (full weights and full optimizer tensors):
 
 * 2 ranks -> 2 fresh ranks (same world size, RNG restored; the next step equals the uninterrupted run's)
   and 2 ranks -> 1 process (plain model):
-  weights, optimizer tensors and param groups equal; ``hf_weights=True`` checkpoints and the consolidated
+  weights, optimizer tensors and param groups equal; ``layout="hf"`` checkpoints and the consolidated
   export loads with ``from_pretrained`` and with ``load_checkpoint``; the elastic data position continues
   with exactly the unseen samples; a rank SIGKILLed inside a later save leaves that checkpoint the latest;
 * 1 process (plain model) -> 2 FSDP2 ranks (Llama, unevenly sharded embedding): the same, from a sharded

@@ -489,10 +489,8 @@ def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Modu
 
 def _param_groups(saved: list[Mapping[str, Any]], current: list[Mapping[str, Any]], tensors: Mapping[str, Any],
                   *, source: str) -> list[dict[str, Any]]:
-    """Saved hyper-parameters, with each group's parameters listed as the current optimizer lists them."""
-    if len(saved) != len(current):
-        raise CheckpointMismatchError(f"{source}: {len(saved)} param group(s) saved, the optimizer has "
-                                      f"{len(current)}; build the optimizer with the same groups.")
+    """Saved hyper-parameters, with each group's parameters listed as the current optimizer lists them (as many
+    groups: :func:`_check_optimizer_document`)."""
     groups = []
     for i, (group, now) in enumerate(zip(saved, current)):
         if set(group["params"]) != set(now["params"]):
@@ -563,12 +561,7 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     source = str(reader.path)
-    document = layout.get(LAYOUT_KEY_OPTIMIZER_DOC)
-    if document is None or layout.get(LAYOUT_KEY_OPTIMIZER) is None:
-        raise IncompleteCheckpointError(f"{source}: no optimizer state was saved; load without optimizer=.")
-    if document.get("class") != _class_name(optimizer):
-        raise CheckpointMismatchError(f"{source}: optimizer was {document.get('class')}, now "
-                                      f"{_class_name(optimizer)}; build the same optimizer class to resume.")
+    document = layout[LAYOUT_KEY_OPTIMIZER_DOC]  # present and of this class (_check_optimizer_document)
     section = _section(reader, layout, LAYOUT_KEY_OPTIMIZER)
     if not document["non_tensor_state"] and not any(n.startswith(OPTIMIZER_STATE_PREFIX) for n in section.dtypes):
         _load_param_groups_only(model, optimizer, document, source=source)
