@@ -120,6 +120,11 @@ def test_plain_model_round_trip_and_typed_errors(plain_checkpoint):
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(CheckpointMismatchError, match="optimizer was AdamW"):
         load_checkpoint(path, model=model, optimizer=sgd)
+    parameters = list(model.parameters())
+    split = torch.optim.AdamW([{"params": parameters[:1]}, {"params": parameters[1:]}], lr=0.1)
+    with pytest.raises(CheckpointMismatchError, match="1 param group"):
+        load_checkpoint(path, model=model, optimizer=split)
+    assert not split.state  # refused before anything was read
 
 
 def resign(path: Path, relpath: str) -> None:
