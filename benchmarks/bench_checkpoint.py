@@ -35,7 +35,7 @@ Prints a markdown table of medians and the ratios the targets are stated in.
 Usage:
     python benchmarks/bench_checkpoint.py --repeats 7 [--dir /path/on/the/disk/to/test] [--throttle-read-mibps 400]
     python benchmarks/bench_checkpoint.py --stall --repeats 5   # only the blocking save and the async stall rows
-    python benchmarks/bench_checkpoint.py --repeats 3 --layout pieces   # the per-rank piece layout, read by slices
+    python benchmarks/bench_checkpoint.py --repeats 3 --layout pieces   # the per-rank piece layout (one process)
     python benchmarks/bench_checkpoint.py --device cuda --repeats 3   # saves from a model on the GPU
 
 ``--device cuda`` trains and saves a model on the GPU (a save copies every tensor to the host: the async save into
@@ -50,6 +50,7 @@ disk of known speed, the ratios say whether a load keeps the disk busy.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -68,8 +69,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_resumable._tuning import READ_STREAMS_ENV, READ_WORKERS, read_streams
 from hf_resumable.checkpoint import load_checkpoint, save_checkpoint, wait_for_pending_saves
-from hf_resumable.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint
-from hf_resumable.constants import LAYOUT_FILE
 
 
 def model_config(hidden: int = 1024, layers: int = 4) -> LlamaConfig:
@@ -196,7 +195,7 @@ def _fresh_load_child(directory: str, hidden: int, layers: int) -> None:
     raw_before = raw_read(Path(directory), buffer)
     drop_caches()
     start = time.perf_counter()
-    load_of(Path(directory))(directory, model=model, optimizer=optimizer, scheduler=schedule(optimizer))
+    load_checkpoint(directory, model=model, optimizer=optimizer, scheduler=schedule(optimizer))
     elapsed = time.perf_counter() - start
     assert optimizer.state, "the optimizer state was not loaded"
     drop_caches()
@@ -207,12 +206,6 @@ def _fresh_load_child(directory: str, hidden: int, layers: int) -> None:
     raw_direct = raw_read(Path(directory), direct=True)
     print(json.dumps({"load_s": elapsed, "raw_before": raw_before, "raw_after": raw_after, "raw_new": raw_new,
                       "raw_direct": raw_direct, "probe": probe.messages}))
-
-
-def load_of(directory: Path):
-    """The load of the checkpoint's layout: the piece reader for a ``--layout pieces`` checkpoint (every slice read
-    checked by the hashed chunks it covers), else ``load_checkpoint`` (every file hashed while it is read)."""
-    return load_sharded_checkpoint if (directory / LAYOUT_FILE).exists() else load_checkpoint
 
 
 class _ProbeLog(logging.Handler):
@@ -234,14 +227,14 @@ def main() -> None:
                         help="cap reads from the disk at this many MiB/s (a disk of steady speed; cgroup v1, root)")
     parser.add_argument("--stall", action="store_true", help="only the blocking save and the async stall rows")
     parser.add_argument("--layout", choices=("regular", "pieces"), default="regular",
-                        help="save_checkpoint, or save_sharded_checkpoint from one process (loaded by the piece "
-                             "reader, slice by slice)")
+                        help="save_checkpoint's HF layout, or its per-rank pieces from one process (layout='pieces', "
+                             "read by the piece reader)")
     parser.add_argument("--device", default="cpu", help="where the model trains and is saved from (cpu, cuda)")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the Llama-shaped model")
     parser.add_argument("--layers", type=int, default=4, help="blocks of the Llama-shaped model")
     parser.add_argument("--fresh-load", default=None, help=argparse.SUPPRESS)  # the child of fresh_process_load
     args = parser.parse_args()
-    save = save_sharded_checkpoint if args.layout == "pieces" else save_checkpoint
+    save = functools.partial(save_checkpoint, layout="pieces" if args.layout == "pieces" else "auto")
     if args.fresh_load is not None:
         _fresh_load_child(args.fresh_load, args.hidden, args.layers)
         return
@@ -323,8 +316,8 @@ def main() -> None:
         before = raw_read(root / f"checkpoint-{rep}", read_buffer)
         drop_caches()
         start = time.perf_counter()
-        load_of(root / f"checkpoint-{rep}")(root / f"checkpoint-{rep}", model=fresh_model, optimizer=fresh_optimizer,
-                                            scheduler=schedule(fresh_optimizer))
+        load_checkpoint(root / f"checkpoint-{rep}", model=fresh_model, optimizer=fresh_optimizer,
+                        scheduler=schedule(fresh_optimizer))
         results["load"].append(time.perf_counter() - start)
         drop_caches()
         paired["load"].append(min(before, raw_read(root / f"checkpoint-{rep}", read_buffer)) / results["load"][-1])

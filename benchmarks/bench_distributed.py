@@ -3,9 +3,9 @@
 For a Llama-shaped model + AdamW state (about 350 MB by default), measured in the same run on the same disk:
 
 - raw write+fsync of the same byte count, one stream and two parallel streams (the disk's limits),
-- ``save_sharded_checkpoint`` by 1 process holding a plain model (rank 0 writes every byte),
-- ``save_sharded_checkpoint`` by 2 gloo ranks under FSDP2 ``fully_shard`` (each rank writes its half),
-- the same with ``hf_weights=True`` (weights all-gathered and written whole as 50 MB HF shards, round robin),
+- ``save_checkpoint`` by 1 process holding a plain model (rank 0 writes every byte),
+- ``save_checkpoint`` by 2 gloo ranks under FSDP2 ``fully_shard`` (each rank writes its half),
+- the same with ``layout="hf"`` (weights all-gathered and written whole as 50 MB HF shards, round robin),
 - ``save_checkpoint`` (the regular single-writer format) by 1 process, for reference.
 
 Each save is timed from a barrier to its return (manifest committed, every file fsynced: these modes save with
@@ -17,7 +17,7 @@ environment on 127.0.0.1. Prints a markdown table with bandwidths and ratios. (U
 object store is measured elsewhere.)
 
 With ``--stall``, instead: the cost of a checkpoint to the training loop at 2 gloo ranks on the same FSDP2
-model + AdamW state, in one process group and interleaved rounds: our blocking ``save_sharded_checkpoint``,
+model + AdamW state, in one process group and interleaved rounds: our blocking ``save_checkpoint``,
 our ``blocking=False`` stall (until the call returns; the files are then written in the background), torch's
 DCP ``dcp.save`` and DCP ``dcp.async_save``'s stall (until it returns its future), each also timed to
 completion; and, on a DDP replica of the same model in the same processes, ``save_checkpoint`` blocking and
@@ -35,12 +35,12 @@ each writing half: how much splitting the writers can gain on this machine at al
 
 With ``--engines``, instead: the front doors' engines at 2 gloo ranks, FSDP2 through accelerate and DeepSpeed ZeRO
 (``--zero-stage``, default 2 and 3) through accelerate, on the same Llama-shaped model + AdamW, one process group per
-engine: our blocking ``save_sharded_checkpoint`` (what ``ResumableAccelerator.save_state`` writes under these
+engine: our blocking ``save_checkpoint`` (what ``ResumableAccelerator.save_state`` writes under these
 engines; by default it returns once committed and fsyncs on the saver's thread, timed until it returns and until its
 fsyncs are done; and with ``durability="immediate"``, every file fsynced before the commit) and the stall of
 ``blocking=False`` (until it returns; the files are then written in the background) against
 stock ``Accelerator.save_state`` (torch DCP under FSDP, DeepSpeed's ``save_checkpoint`` under ZeRO), and our load
-(``open_checkpoint`` + ``load_sharded_into``) against stock ``load_state``, in rotating order; medians (slower
+(``open_checkpoint`` + ``OpenedCheckpoint.load_into``) against stock ``load_state``, in rotating order; medians (slower
 rank). accelerate turns FSDP and DeepSpeed on for accelerator devices only, so on CPU the workers install the same
 test-only shim as the test suite (gloo collectives, the CPU as the device); on GPUs it is not needed.
 
@@ -125,7 +125,6 @@ def worker(mode: str, root: Path, repeats: int, hidden: int, out: Path) -> None:
     import torch.distributed as dist
 
     from hf_resumable import save_checkpoint
-    from hf_resumable.checkpoint.sharded import save_sharded_checkpoint
 
     torch.set_num_threads(1)
     rank = 0
@@ -144,8 +143,9 @@ def worker(mode: str, root: Path, repeats: int, hidden: int, out: Path) -> None:
             save_checkpoint(path, model=model, optimizer=optimizer, step=0, durability="immediate")
     else:
         def writer(path: Path) -> None:
-            save_sharded_checkpoint(path, model=model, optimizer=optimizer, step=0, hf_weights=mode == "sharded-hf-2",
-                                    max_shard_size="50MB", durability="immediate")
+            save_checkpoint(path, model=model, optimizer=optimizer, step=0,
+                            layout="hf" if mode == "sharded-hf-2" else "pieces", max_shard_size="50MB",
+                            durability="immediate")
     seconds, size = time_saves(writer, root, repeats + 1, rank=rank)
     seconds = seconds[1:]  # the first save pays one-time costs (first touch of buffers, imports)
     if rank == 0:
@@ -216,7 +216,6 @@ def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from hf_resumable import save_checkpoint, wait_for_pending_saves
-    from hf_resumable.checkpoint.sharded import save_sharded_checkpoint
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -230,8 +229,8 @@ def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
     replica_optimizer = prime_optimizer(replica)
 
     def ours(path: Path, blocking: bool):
-        save_sharded_checkpoint(path, model=model, optimizer=optimizer, step=0, blocking=blocking,
-                                durability="immediate")
+        save_checkpoint(path, model=model, optimizer=optimizer, step=0, blocking=blocking,
+                        durability="immediate", layout="pieces")
         return wait_for_pending_saves
 
     def ours_ddp(path: Path, blocking: bool):
@@ -466,8 +465,7 @@ def engines_worker(engine: str, root: Path, repeats: int, hidden: int, stage: in
     import torch.distributed as dist
 
     from hf_resumable import wait_for_pending_saves
-    from hf_resumable.checkpoint import open_checkpoint
-    from hf_resumable.checkpoint.sharded import load_sharded_into, save_sharded_checkpoint
+    from hf_resumable.checkpoint import open_checkpoint, save_checkpoint
     from hf_resumable.integrations._deepspeed import checkpoint_optimizer
     from hf_resumable.integrations._engines import checkpoint_model
 
@@ -489,8 +487,8 @@ def engines_worker(engine: str, root: Path, repeats: int, hidden: int, stage: in
         optimizer.zero_grad()
 
     def ours(path: Path, blocking: bool, durability: str = "deferred"):
-        save_sharded_checkpoint(path, model=ours_model, optimizer=ours_optimizer, step=0, blocking=blocking,
-                                durability=durability)
+        save_checkpoint(path, model=ours_model, optimizer=ours_optimizer, step=0, blocking=blocking,
+                        durability=durability, layout="pieces")
         return wait_for_pending_saves  # a background save's commit, or a blocking save's deferred fsyncs
 
     def ours_immediate(path: Path, blocking: bool):
@@ -505,7 +503,7 @@ def engines_worker(engine: str, root: Path, repeats: int, hidden: int, stage: in
         return lambda: None
 
     def ours_load(path: Path, blocking: bool):
-        load_sharded_into(open_checkpoint(path), model=ours_model, optimizer=ours_optimizer)
+        open_checkpoint(path).load_into(model=ours_model, optimizer=ours_optimizer, restore_rng=True)
         return lambda: None
 
     def theirs_load(path: Path, blocking: bool):
@@ -703,9 +701,9 @@ def report(rows: dict[str, tuple[list[float], int]], args: argparse.Namespace) -
         seconds, size = rows[name]
         return size / statistics.median(seconds) / 1e6
 
-    base = bandwidth("save_sharded_checkpoint, 1 rank writes everything")
+    base = bandwidth("save_checkpoint, 1 rank writes everything")
     raw = bandwidth("raw write+fsync, 1 stream")
-    size = rows["save_sharded_checkpoint, 2 ranks (FSDP2)"][1]
+    size = rows["save_checkpoint, 2 ranks (FSDP2)"][1]
     lines = [f"Median of {args.rounds * args.repeats} timed writes each ({args.rounds} interleaved rounds x "
              f"{args.repeats}, after a warm-up save); checkpoint of {size / 1e6:.0f} MB (Llama-shaped weights + "
              "AdamW state).", "",
@@ -719,9 +717,9 @@ def report(rows: dict[str, tuple[list[float], int]], args: argparse.Namespace) -
 
 
 CONFIGS = {  # row name -> (worker mode, world size)
-    "save_sharded_checkpoint, 2 ranks (FSDP2)": ("sharded-2", 2),
-    "save_sharded_checkpoint(hf_weights=True), 2 ranks (FSDP2)": ("sharded-hf-2", 2),
-    "save_sharded_checkpoint, 1 rank writes everything": ("sharded-1", 1),
+    "save_checkpoint, 2 ranks (FSDP2)": ("sharded-2", 2),
+    "save_checkpoint(layout=\"hf\"), 2 ranks (FSDP2)": ("sharded-hf-2", 2),
+    "save_checkpoint, 1 rank writes everything": ("sharded-1", 1),
     "save_checkpoint (regular format), 1 process": ("regular-1", 1),
 }
 RAW = {"raw write+fsync, 1 stream": 1, "raw write+fsync, 2 parallel streams": 2}
@@ -736,7 +734,7 @@ def measure(root: Path, args: argparse.Namespace) -> dict[str, tuple[list[float]
             mode, world_size = CONFIGS[name]
             result = launch(mode, world_size, root, args)
             rows[name] = (rows[name][0] + result["seconds"], result["bytes"])
-        size = rows["save_sharded_checkpoint, 1 rank writes everything"][1]
+        size = rows["save_checkpoint, 1 rank writes everything"][1]
         for name, streams in RAW.items():
             rows[name] = (rows[name][0] + raw_writes(root, size, streams, args.repeats), size)
     return rows

@@ -23,9 +23,6 @@ _LAZY = {
     "save_checkpoint": "hf_resumable.checkpoint",
     "verify_checkpoint": "hf_resumable.checkpoint",
     "wait_for_pending_saves": "hf_resumable.checkpoint",
-    "consolidate_sharded_checkpoint": "hf_resumable.checkpoint.sharded",
-    "load_sharded_checkpoint": "hf_resumable.checkpoint.sharded",
-    "save_sharded_checkpoint": "hf_resumable.checkpoint.sharded",
     "ElasticSampler": "hf_resumable.data.elastic",
     "find_latest_checkpoint": "hf_resumable.locations",  # any location: local, hf://, s3://
     "load_checkpoint": "hf_resumable.locations",
@@ -37,7 +34,6 @@ _LAZY = {
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from .checkpoint import apply_retention, save_checkpoint, verify_checkpoint, wait_for_pending_saves
-    from .checkpoint.sharded import consolidate_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
     from .data.elastic import ElasticSampler
     from .integrations.accelerate import ResumableAccelerator
     from .integrations.trainer import ResumableTrainer
@@ -66,13 +62,10 @@ __all__ = [
     "ResumableAccelerator",
     "ResumableTrainer",
     "apply_retention",
-    "consolidate_sharded_checkpoint",
     "find_latest_checkpoint",
     "load_checkpoint",
-    "load_sharded_checkpoint",
     "open_checkpoint",
     "save_checkpoint",
-    "save_sharded_checkpoint",
     "verify_checkpoint",
     "wait_for_pending_saves",
 ]

@@ -133,6 +133,22 @@ def test_load_state_dict_pre_and_post_hooks_run(tmp_path):
     assert_same_state(_stock(build(), path).state_dict(), ours.state_dict())
 
 
+def test_a_piece_checkpoint_goes_through_the_models_own_load_too(tmp_path):
+    """The piece reader reads a plain model's weights in place only when nothing of the model's own runs on load:
+    with a load_state_dict hook it goes through the model's load_state_dict, as a whole-tensor load does."""
+    model = tiny_gpt2()
+    save_checkpoint(tmp_path / "pieces", model=model, rng=False, layout="pieces")
+    calls = []
+    fresh = tiny_gpt2(seed=3)
+    fresh.register_load_state_dict_post_hook(lambda module, keys: calls.append("post"))
+    load_checkpoint(tmp_path / "pieces", model=fresh, restore_rng=False)
+    assert calls == ["post"]
+    assert_same_state(model.state_dict(), fresh.state_dict())
+    plain = tiny_gpt2(seed=3)  # and in place without one: the same weights
+    load_checkpoint(tmp_path / "pieces", model=plain, restore_rng=False)
+    assert_same_state(model.state_dict(), plain.state_dict())
+
+
 def test_state_dict_hooks_that_return_copies_take_the_load_state_dict_path(tmp_path):
     def build(seed):
         model = tiny_gpt2(seed=seed)

@@ -6,8 +6,8 @@
   ``.distcp``), is converted by ``hf-resumable convert``: every weight and optimizer tensor equals the stock run's
   consolidated state bit for bit, loaded in one process and consolidated; the param groups come back with their
   hyper-parameters. The same checkpoint consolidated loads with ``from_pretrained(..., distributed_config=...)`` at
-  tensor parallel, the per-rank one with ``load_sharded_checkpoint`` into the tensor-parallel model, and a per-rank
-  checkpoint saved there with ``hf_weights=True`` with ``from_pretrained(..., distributed_config=...)`` (FSDP2
+  tensor parallel, the per-rank one with ``load_checkpoint`` into the tensor-parallel model, and a per-rank
+  checkpoint saved there with ``layout="hf"`` with ``from_pretrained(..., distributed_config=...)`` (FSDP2
   through ``DistributedConfig(fsdp_size=2)``: the extended tier).
 * Corrupt, truncated and hostile inputs raise typed errors naming the file; an existing output is never touched.
   Those sources are written in one process by the same torch writers (a world size of 1).
@@ -26,8 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_resumable.checkpoint import read_manifest, verify_checkpoint
-from hf_resumable.checkpoint.sharded import consolidate_sharded_checkpoint, load_sharded_checkpoint
+from hf_resumable.checkpoint import consolidate_checkpoint, load_checkpoint, read_manifest, verify_checkpoint
 from hf_resumable.conversions.dcp import plan_flat_param_groups
 from hf_resumable.conversions.hf_storage import convert_transformers_distributed_checkpoint
 from hf_resumable.conversions.switch import convert_stock_checkpoint, detect_stock_kind
@@ -90,8 +89,8 @@ def test_transformers_distributed_checkpoint_converts_bit_for_bit(tmp_path, layo
     # 2. Loaded in one process into a plain model and optimizer: the stock run's consolidated state, bit for bit.
     model = LlamaForCausalLM.from_pretrained(tmp_path / "seed")
     optimizer = torch.optim.AdamW(decay_groups(model), lr=1.0)
-    load_sharded_checkpoint(converted, model=model, optimizer=optimizer, restore_rng=False,
-                            allow_inexact_resume=True)
+    load_checkpoint(converted, model=model, optimizer=optimizer, restore_rng=False,
+                    allow_inexact_resume=True)
     expected_weights = load_file(tmp_path / "expected-model.safetensors")
     expected_optimizer = load_file(tmp_path / "expected-optimizer.safetensors")
     assert not _unequal(expected_weights, model.state_dict())
@@ -101,9 +100,9 @@ def test_transformers_distributed_checkpoint_converts_bit_for_bit(tmp_path, layo
         assert {k: v for k, v in got.items() if k != "params"} == {**{k: v for k, v in want.items() if k != "params"},
                                                                    "betas": tuple(want["betas"])}
     # 3. Consolidated: the weights as save_pretrained lays them out; from_pretrained at tensor parallel loads them,
-    #    and load_sharded_checkpoint loads the per-rank checkpoint into the tensor-parallel model.
+    #    and load_checkpoint loads the per-rank checkpoint into the tensor-parallel model.
     regular = tmp_path / "regular"
-    consolidate_sharded_checkpoint(converted, regular)
+    consolidate_checkpoint(converted, regular)
     assert not _unequal(expected_weights, load_file(regular / "model.safetensors"))
     _job("load", "--output-dir", str(tmp_path), "--layout", layout, "--regular", str(regular),
          "--pieces", str(converted))
@@ -157,7 +156,7 @@ def test_a_one_process_source_converts_and_loads(tmp_path, beside):
         "config.json", "manifest.json", "sharded_layout.json", "training_state.json"]  # no DCP file carried over
     fresh = tiny_llama(seed=1)
     loaded = torch.optim.AdamW(decay_groups(fresh), lr=1.0)
-    load_sharded_checkpoint(converted, model=fresh, optimizer=loaded, restore_rng=False, allow_inexact_resume=True)
+    load_checkpoint(converted, model=fresh, optimizer=loaded, restore_rng=False, allow_inexact_resume=True)
     assert not _unequal(model.state_dict(), fresh.state_dict())
     assert not _unequal(_optimizer_tensors(model, optimizer), _optimizer_tensors(fresh, loaded))
     assert [g["weight_decay"] for g in loaded.param_groups] == [0.1, 0.0]
@@ -252,7 +251,7 @@ def test_piece_offsets_are_checked(tmp_path, offsets, match):
         info = convert_transformers_distributed_checkpoint(source, tmp_path / "out")
         assert info.manifest.world_size == 2
         regular = tmp_path / "regular"
-        consolidate_sharded_checkpoint(info.path, regular)
+        consolidate_checkpoint(info.path, regular)
         assert not _unequal(model.state_dict(), load_file(regular / "model.safetensors"))
         return
     with pytest.raises(CorruptCheckpointError, match=match) as caught:

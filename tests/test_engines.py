@@ -11,7 +11,7 @@
   with accelerate's SHARDED and FULL state-dict types (hf_resumable writes per-rank pieces for both).
 * DeepSpeed ZeRO-1/2 (2 gloo ranks on DeepSpeed's CPU accelerator, a torch AdamW): the same, through both front
   doors; every rank's partitions of the fp32 master weights and of the Adam moments are compared bit for bit. In one
-  process, a ZeRO-2 engine's partitions round-trip through save_sharded_checkpoint / load_sharded_checkpoint.
+  process, a ZeRO-2 engine's partitions round-trip through save_checkpoint / load_checkpoint.
 * ZeRO weights equal to their fp32 master weights cast are recorded as given by them, not stored, and loaded from
   them; a weight that differs (written outside the optimizer) is stored, blocking or async.
 """
@@ -250,18 +250,32 @@ def one_rank_group():
     torch.distributed.destroy_process_group()
 
 
-def test_whole_tensor_save_of_an_fsdp2_model_names_the_sharded_save(tmp_path, one_rank_group):
+def test_save_checkpoint_of_an_fsdp2_model_writes_its_pieces(tmp_path, one_rank_group):
+    """The one save picks the piece layout for an FSDP2 model (no twin to choose); a state dict of its DTensors holds
+    no record of their pieces and is refused, naming the fix."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import init_device_mesh
 
-    from hf_resumable import save_checkpoint
+    from hf_resumable import load_checkpoint, save_checkpoint
+    from hf_resumable.constants import LAYOUT_FILE
     from hf_resumable.errors import UnsupportedStateError
 
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-    with pytest.raises(UnsupportedStateError, match="DTensor parameters.*save_sharded_checkpoint"):
-        save_checkpoint(tmp_path / "checkpoint-1", model=model)
-    assert not (tmp_path / "checkpoint-1").exists()
+    def build(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        return model
+
+    model = build(0)
+    with pytest.raises(UnsupportedStateError, match="DTensor parameters.*Pass the module itself"):
+        save_checkpoint(tmp_path / "state-dict", model=model.state_dict())
+    assert not (tmp_path / "state-dict").exists()
+    save_checkpoint(tmp_path / "checkpoint-1", model=model)
+    assert (tmp_path / "checkpoint-1" / LAYOUT_FILE).is_file()
+    other = build(1)
+    load_checkpoint(tmp_path / "checkpoint-1", model=other, restore_rng=False)
+    for (name, saved), (_, loaded) in zip(model.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(saved.full_tensor(), loaded.full_tensor()), name
 
 
 def _zero_engine(stage: int, sub_groups: bool = False) -> torch.nn.Module:
@@ -304,7 +318,7 @@ def _moments(engine: torch.nn.Module) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, sub_groups", [(2, False), (3, False), (3, True)], ids=["2", "3", "3-subgroups"])
 def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_rank_group, stage, sub_groups):
-    """save_sharded_checkpoint / load_sharded_checkpoint of a ZeRO-2/3 engine's partitions, before the first step
+    """save_checkpoint / load_checkpoint of a ZeRO-2/3 engine's partitions, before the first step
     (master weights only) and after one; the reloaded engine steps exactly as the saving one. ZeRO-3 steps its
     torch optimizer once per sub-group: the step hook still counts engine steps."""
     for name, value in {"DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
@@ -314,7 +328,7 @@ def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_ra
     from deepspeed.utils import groups
 
     monkeypatch.setattr(groups, "_WORLD_GROUP", None)  # DeepSpeed caches the world group of a previous test
-    from hf_resumable import load_sharded_checkpoint, save_sharded_checkpoint
+    from hf_resumable.checkpoint import load_checkpoint, save_checkpoint
     from hf_resumable.integrations._deepspeed import checkpoint_optimizer, register_step_hook
 
     saving = _zero_engine(stage, sub_groups)
@@ -323,13 +337,13 @@ def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_ra
     steps = []
     register_step_hook(saving.optimizer, lambda *args: steps.append(1))
     for step in (0, 1):
-        save_sharded_checkpoint(tmp_path / f"checkpoint-{step}", model=saving.module,
-                                optimizer=checkpoint_optimizer(saving.optimizer), step=step)
+        save_checkpoint(tmp_path / f"checkpoint-{step}", model=saving.module,
+                        optimizer=checkpoint_optimizer(saving.optimizer), step=step, layout="pieces")
         loading = _zero_engine(stage, sub_groups)
         if step:  # the fresh engine's master weights differ from the saved ones until the load
             assert not torch.equal(_master(saving), _master(loading))
-        load_sharded_checkpoint(tmp_path / f"checkpoint-{step}", model=loading.module,
-                                optimizer=checkpoint_optimizer(loading.optimizer))
+        load_checkpoint(tmp_path / f"checkpoint-{step}", model=loading.module,
+                        optimizer=checkpoint_optimizer(loading.optimizer))
         _step(saving)
         _step(loading)
         for engine in (saving, loading):
@@ -349,13 +363,13 @@ def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_ra
     # outside the engine: into a plain model, and consolidated (ZeRO-3's flattened partitions get their shapes back)
     from safetensors.torch import load_file
 
-    from hf_resumable import consolidate_sharded_checkpoint
+    from hf_resumable.checkpoint import consolidate_checkpoint
 
-    save_sharded_checkpoint(tmp_path / "checkpoint-2", model=saving.module,
-                            optimizer=checkpoint_optimizer(saving.optimizer), step=2)
+    save_checkpoint(tmp_path / "checkpoint-2", model=saving.module,
+                    optimizer=checkpoint_optimizer(saving.optimizer), step=2, layout="pieces")
     plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
-    load_sharded_checkpoint(tmp_path / "checkpoint-2", model=plain, restore_rng=False)
-    consolidate_sharded_checkpoint(tmp_path / "checkpoint-2", tmp_path / "export")
+    load_checkpoint(tmp_path / "checkpoint-2", model=plain, restore_rng=False)
+    consolidate_checkpoint(tmp_path / "checkpoint-2", tmp_path / "export")
     exported = load_file(tmp_path / "export" / "model.safetensors")
     for (name, want), got in zip(saving.module.named_parameters(), plain.parameters()):
         assert torch.equal(got, want) and torch.equal(exported[name], want), name
@@ -364,7 +378,7 @@ def test_zero_partitions_round_trip_in_one_process(tmp_path, monkeypatch, one_ra
 def _weight_differing_from_its_master_is_stored(tmp_path: Path, saving: Any, stage: int, sub_groups: bool) -> None:
     """A weight (ZeRO-3: a partition) written outside the optimizer, no longer its master cast, is stored, and
     loaded as stored."""
-    from hf_resumable import load_sharded_checkpoint, save_sharded_checkpoint
+    from hf_resumable.checkpoint import load_checkpoint, save_checkpoint
     from hf_resumable.integrations._deepspeed import checkpoint_optimizer
 
     def held(module: torch.nn.Module) -> torch.Tensor:
@@ -380,16 +394,16 @@ def _weight_differing_from_its_master_is_stored(tmp_path: Path, saving: Any, sta
     base = saving.optimizer.optimizer
     master, moments = _master(saving).clone(), _moments(saving).clone()
     with copy_after_next_step(base) as stepping:
-        save_sharded_checkpoint(tmp_path / "async", model=saving.module,
-                                optimizer=checkpoint_optimizer(saving.optimizer), step=3, blocking=False)
+        save_checkpoint(tmp_path / "async", model=saving.module, optimizer=checkpoint_optimizer(saving.optimizer),
+                        step=3, blocking=False, layout="pieces")
         assert not step_gate(base).is_open
         _step(saving)  # through the gate, once the copy is over
     wait_for_pending_saves()
     assert stepping.is_set() and step_gate(base).is_open and not torch.equal(_master(saving), master)
     assert not json.loads((tmp_path / "async" / "sharded_layout.json").read_text())["model"]["pieces"]
     loading = _zero_engine(stage, sub_groups)
-    load_sharded_checkpoint(tmp_path / "async", model=loading.module,
-                            optimizer=checkpoint_optimizer(loading.optimizer))
+    load_checkpoint(tmp_path / "async", model=loading.module,
+                    optimizer=checkpoint_optimizer(loading.optimizer))
     assert torch.equal(_master(loading), master) and torch.equal(_moments(loading), moments)
     weight = held(saving.module[1])
     original = weight.detach().clone()
@@ -397,13 +411,13 @@ def _weight_differing_from_its_master_is_stored(tmp_path: Path, saving: Any, sta
         weight.add_(1.0)
     for blocking in (True, False):
         path = tmp_path / f"differs-{blocking}"
-        save_sharded_checkpoint(path, model=saving.module, optimizer=checkpoint_optimizer(saving.optimizer), step=3,
-                                blocking=blocking)
+        save_checkpoint(path, model=saving.module, optimizer=checkpoint_optimizer(saving.optimizer), step=3,
+                        blocking=blocking, layout="pieces")
         wait_for_pending_saves()
         layout = json.loads((path / "sharded_layout.json").read_text())
         assert "1.weight" in layout["model"]["pieces"]["sharded/model-rank00000-of-00001.safetensors"]
         loading = _zero_engine(stage, sub_groups)
-        load_sharded_checkpoint(path, model=loading.module, optimizer=checkpoint_optimizer(loading.optimizer))
+        load_checkpoint(path, model=loading.module, optimizer=checkpoint_optimizer(loading.optimizer))
         assert torch.equal(held(loading.module[1]), weight)
         assert torch.equal(held(loading.module[0]), held(saving.module[0]))
     with torch.no_grad():
@@ -431,7 +445,7 @@ def test_fsdp1_sharded_tensors_are_stored_as_dtensor_pieces(one_rank_group):
 
 
 def test_a_flattened_weight_whose_view_does_not_fit_is_corrupt():
-    from hf_resumable.checkpoint._sharded_load import Section
+    from hf_resumable.checkpoint._piece_reader import Section
     from hf_resumable.errors import CorruptCheckpointError
 
     section = {"tensors": {"w": {"dtype": "F32", "shape": [12], "view": [4, 3]}},
@@ -445,14 +459,14 @@ def test_a_flattened_weight_whose_view_does_not_fit_is_corrupt():
 def test_plain_tensors_are_split_across_the_ranks_and_a_disagreement_commits_nothing(monkeypatch):
     """ZeRO-1/2's whole weights (plain tensors every rank holds): each rank writes whole tensors of a plan all ranks
     compute alike, balanced by bytes, every tensor once; ranks that disagree are refused before the commit."""
-    from hf_resumable.checkpoint._replicas import SPLIT_ENV, plan_replica_writers, split_replicas
-    from hf_resumable.checkpoint._sharded import (
+    from hf_resumable.checkpoint._piece_layout import (
         check_coverage,
         collect_local_state,
         piece_report,
         plain_sizes,
         section_from_reports,
     )
+    from hf_resumable.checkpoint._replicas import SPLIT_ENV, plan_replica_writers, split_replicas
     from hf_resumable.errors import CheckpointMismatchError
 
     weight = torch.zeros(6)
@@ -495,8 +509,8 @@ def test_zero3_saves_reuse_the_partitions_pieces_until_a_load_replaces_them(tmp_
     monkeypatch.setattr(groups, "_WORLD_GROUP", None)  # DeepSpeed caches the world group of a previous test
     import gc
 
-    from hf_resumable import load_sharded_checkpoint, save_sharded_checkpoint, wait_for_pending_saves
-    from hf_resumable.checkpoint import _partitioned
+    from hf_resumable import wait_for_pending_saves
+    from hf_resumable.checkpoint import _partitioned, load_checkpoint, save_checkpoint
     from hf_resumable.integrations._deepspeed import checkpoint_optimizer
 
     built, from_local = [], DTensor.from_local
@@ -508,8 +522,8 @@ def test_zero3_saves_reuse_the_partitions_pieces_until_a_load_replaces_them(tmp_
     def save(step: int, *, blocking: bool) -> int:
         """DTensors built by one save."""
         before = len(built)
-        save_sharded_checkpoint(tmp_path / f"checkpoint-{step}", model=engine.module,
-                                optimizer=checkpoint_optimizer(engine.optimizer), step=step, blocking=blocking)
+        save_checkpoint(tmp_path / f"checkpoint-{step}", model=engine.module, layout="pieces",
+                        optimizer=checkpoint_optimizer(engine.optimizer), step=step, blocking=blocking)
         wait_for_pending_saves()
         return len(built) - before
 
@@ -518,8 +532,8 @@ def test_zero3_saves_reuse_the_partitions_pieces_until_a_load_replaces_them(tmp_
     _step(engine)
     assert save(1, blocking=False) == 0 and save(2, blocking=True) == 0
     entries = len(_partitioned._PIECES)
-    load_sharded_checkpoint(tmp_path / "checkpoint-1", model=engine.module,
-                            optimizer=checkpoint_optimizer(engine.optimizer))
+    load_checkpoint(tmp_path / "checkpoint-1", model=engine.module,
+                    optimizer=checkpoint_optimizer(engine.optimizer))
     assert save(3, blocking=True) == 2 * sub_groups  # the loaded moments are new tensors
     gc.collect()
     assert len(_partitioned._PIECES) == entries  # the replaced moments' pieces went with them

@@ -4,9 +4,9 @@
   ZeRO-3 ``strided``) says which parameter elements each rank holds; :func:`plan_partition_copies` cuts the partitions
   of one world size out of those of another, for any sizes (checked against a direct cut, integers only).
 * Engines (gloo ranks on CPU, ``tests/scripts/ds_elastic_worker.py``): a run trained 2 steps at 2 ranks is saved with
-  ``save_sharded_checkpoint``; a fresh engine (other weights) at 1 rank is refused the checkpoint without
-  ``elastic`` (``ConfigDriftError``) and loads it with ``elastic=True`` (``open_checkpoint`` then
-  ``load_sharded_into``, what the integrations call), then saves it at 1 rank; a fresh engine at 2 ranks loads
+  ``save_checkpoint``; a fresh engine (other weights) at 1 rank is refused the checkpoint without
+  ``elastic`` (``ConfigDriftError``) and loads it with ``reshard=True`` (``open_checkpoint`` then
+  ``OpenedCheckpoint.load_into``, what the integrations call), then saves it at 1 rank; a fresh engine at 2 ranks loads
   that. Every leg's whole
   weights, fp32 master weights, Adam moments and step counts, gathered by the engine's own functions
   (``deepspeed.utils.safe_get_full_*``, full state dicts for FSDP), are bitwise the saved run's.

@@ -150,14 +150,14 @@ def golden_v2(request, tmp_path: Path) -> tuple[str, Path]:
 def test_golden_v2_checkpoints_of_both_layouts_verify_and_load_bit_exactly(golden_v2):
     """Format version 2 (file records without chunk hashes), in the regular and in the per-rank piece layout
     (tests/fixtures/golden/make_golden.py): they verify, and load into fresh objects bit-exactly."""
-    from hf_resumable.checkpoint.sharded import load_sharded_checkpoint
+    from hf_resumable.checkpoint import load_checkpoint
 
     layout, directory = golden_v2
     assert read_manifest(directory).format_version == 2
     assert verify_checkpoint(directory, full=True).ok
     expected = json.loads((GOLDEN_V2 / "expected.json").read_text())
     model, optimizer, scheduler = _fresh(directory)
-    load = load_checkpoint if layout == "regular" else load_sharded_checkpoint
+    load = load_checkpoint
     loaded = load(directory, model=model, optimizer=optimizer, scheduler=scheduler)
     _assert_loaded_bit_exactly(expected, loaded, model, optimizer, scheduler)
 
@@ -165,7 +165,7 @@ def test_golden_v2_checkpoints_of_both_layouts_verify_and_load_bit_exactly(golde
 def test_golden_v2_piece_checkpoint_refuses_a_flipped_byte_in_its_data(golden_v2):
     """A flipped byte in the data of a version 2 checkpoint of either layout is refused, naming the file (its small
     files are hashed whole by the quick verification; test_verified_reads.py covers a large file of version 2)."""
-    from hf_resumable.checkpoint.sharded import load_sharded_checkpoint
+    from hf_resumable.checkpoint import load_checkpoint
 
     layout, directory = golden_v2
     relpath = "optimizer-00001-of-00001.safetensors" if layout == "regular" else \
@@ -174,6 +174,6 @@ def test_golden_v2_piece_checkpoint_refuses_a_flipped_byte_in_its_data(golden_v2
     data[len(data) // 2] ^= 0x01
     (directory / relpath).write_bytes(bytes(data))
     model, optimizer, scheduler = _fresh(directory)
-    load = load_checkpoint if layout == "regular" else load_sharded_checkpoint
+    load = load_checkpoint
     with pytest.raises(CorruptCheckpointError, match=relpath.replace("/", ".")):
         load(directory, model=model, optimizer=optimizer, scheduler=scheduler)

@@ -1,7 +1,7 @@
 """Sharded (FSDP2) checkpoints of a model with frozen parameters: the frozen ones are identity, not state.
 
 A real 2-rank gloo FSDP2 run of a tiny Llama whose embedding is frozen (127 rows: the ranks hold 64 + 63)
-saves with ``save_sharded_checkpoint``: the embedding is not in any piece file, ``frozen_base.json`` records
+saves with ``save_checkpoint``: the embedding is not in any piece file, ``frozen_base.json`` records
 each rank's piece (dtype, shape, xxh3-128 whole and sampled); ``standalone=True`` stores it as before. Then:
 
 * 2 -> 1 process (plain model): loads bit-exact against the consolidated reference; another embedding raises
@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_resumable.checkpoint import read_manifest, verify_checkpoint
-from hf_resumable.checkpoint.sharded import (
-    consolidate_sharded_checkpoint,
-    load_sharded_checkpoint,
-    save_sharded_checkpoint,
+from hf_resumable.checkpoint import (
+    consolidate_checkpoint,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+    verify_checkpoint,
 )
 from hf_resumable.errors import BaseMismatchError, BaseNotStoredError
 from hf_resumable.format.safetensors_io import read_safetensors
@@ -81,18 +82,18 @@ def test_fsdp2_frozen_embedding_is_recorded_not_stored_and_resumes_exactly(tmp_p
 
     # 2 -> 1 (plain model): bit-exact against the consolidated reference, the base checked first.
     model, optimizer = build_plain()
-    load_sharded_checkpoint(path, model=model, optimizer=optimizer, allow_inexact_resume=True, verify="full")
+    load_checkpoint(path, model=model, optimizer=optimizer, allow_inexact_resume=True, verify="full")
     assert fx.compare_to_reference(tmp_path, model, optimizer) == []
     other, other_optimizer = build_plain(embedding_delta=1.0, seed=8)
     before = {k: v.clone() for k, v in other.state_dict().items()}
     with pytest.raises(BaseMismatchError, match=r"model.embed_tokens.weight: the bytes of its box at \[0, 0\]"):
-        load_sharded_checkpoint(path, model=other, optimizer=other_optimizer, allow_inexact_resume=True)
+        load_checkpoint(path, model=other, optimizer=other_optimizer, allow_inexact_resume=True)
     assert all(torch.equal(before[k], v) for k, v in other.state_dict().items()), "a refused load wrote"
-    with pytest.raises(BaseNotStoredError, match="load_sharded_checkpoint"):
-        consolidate_sharded_checkpoint(path, tmp_path / "export")
+    with pytest.raises(BaseNotStoredError, match="load_checkpoint"):
+        consolidate_checkpoint(path, tmp_path / "export")
     assert not (tmp_path / "export").exists()
     # One process saves the loaded state: one whole piece, which 2 ranks hold only in halves.
-    save_sharded_checkpoint(tmp_path / "plain-2", model=model, optimizer=optimizer, step=2)
+    save_checkpoint(tmp_path / "plain-2", model=model, optimizer=optimizer, step=2, layout="pieces")
     assert EMBEDDING not in stored_names(tmp_path / "plain-2")
 
     # 2 -> 2 fresh ranks: resume exactly; 1 -> 2 exactly; another base refused on both ranks.
@@ -123,5 +124,5 @@ def test_piece_records_are_validated():
             _frozen.FrozenRecord.from_json(bad, source="r")
     # The regular load path never takes a piece record for a whole-tensor one.
     live = {"w": torch.zeros(5, 2)}
-    with pytest.raises(BaseMismatchError, match="load_sharded_checkpoint"):
+    with pytest.raises(BaseMismatchError, match="recorded piece by piece"):
         _frozen.check_frozen_base(record, live, full=False, strict=True, source="r")

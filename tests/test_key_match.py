@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_resumable import load_checkpoint, load_sharded_checkpoint, save_checkpoint
+from hf_resumable.checkpoint import load_checkpoint, save_checkpoint
 from hf_resumable.checkpoint._model import find_aliases, match_keys
 from hf_resumable.errors import CheckpointMismatchError
 from hf_resumable.lazy import load_lazily
@@ -18,8 +18,8 @@ from helpers.tiny_models import tiny_gpt2
 
 PATHS = {
     "regular": lambda path, model, strict: load_checkpoint(path, model=model, strict=strict, restore_rng=False),
-    "sharded": lambda path, model, strict: load_sharded_checkpoint(path, model=model, strict=strict,
-                                                                   restore_rng=False),
+    "sharded": lambda path, model, strict: load_checkpoint(path, model=model, strict=strict,
+                                                           restore_rng=False),
     "lazy": lambda path, model, strict: load_lazily(model, path, strict=strict),
 }
 

@@ -136,10 +136,10 @@ def test_world_size_policy_lives_in_the_object(saved):
     assert_same_state(model.state_dict(), fresh.state_dict())
     with pytest.raises(ConfigDriftError):
         opened.restore_rng()
-    elastic = open_checkpoint(path, elastic=True)  # resharded weights carry over; RNG streams do not
-    elastic.load_into(model=fresh)
+    resharded = open_checkpoint(path, reshard=True)  # resharded weights carry over; RNG streams do not
+    resharded.load_into(model=fresh)
     with pytest.raises(InexactResumeError, match="per-rank RNG streams"):
-        elastic.restore_rng()
+        resharded.restore_rng()
 
 
 def test_missing_parts_are_named(saved):

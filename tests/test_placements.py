@@ -16,8 +16,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hf_resumable.checkpoint._piece_layout import check_coverage
 from hf_resumable.checkpoint._placements import MeshView, check_copies_agree, check_tiling, plan_piece
-from hf_resumable.checkpoint._sharded import check_coverage
 from hf_resumable.errors import CheckpointMismatchError, HfResumableError, UnsupportedStateError
 
 from helpers.distributed_launch import launch_ranks

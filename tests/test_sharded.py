@@ -6,7 +6,7 @@ saving run (full weights and full optimizer tensors):
 
 * 2 ranks -> 2 fresh ranks (same world size, RNG restored; the next step equals the uninterrupted run's)
   and 2 ranks -> 1 process (plain model):
-  weights, optimizer tensors and param groups equal; ``hf_weights=True`` checkpoints and the consolidated
+  weights, optimizer tensors and param groups equal; ``layout="hf"`` checkpoints and the consolidated
   export loads with ``from_pretrained`` and with ``load_checkpoint``; the elastic data position continues
   with exactly the unseen samples; a rank SIGKILLed inside a later save leaves that checkpoint the latest;
 * 1 process (plain model) -> 2 FSDP2 ranks (Llama, unevenly sharded embedding): the same, from a sharded
@@ -24,19 +24,15 @@ import torch
 
 from hf_resumable.checkpoint import (
     Manifest,
+    consolidate_checkpoint,
     find_latest_checkpoint,
     load_checkpoint,
     read_manifest,
     save_checkpoint,
     verify_checkpoint,
 )
-from hf_resumable.checkpoint._sharded import plan_region_reads
+from hf_resumable.checkpoint._piece_layout import plan_region_reads
 from hf_resumable.checkpoint._types import Box, intersect_boxes
-from hf_resumable.checkpoint.sharded import (
-    consolidate_sharded_checkpoint,
-    load_sharded_checkpoint,
-    save_sharded_checkpoint,
-)
 from hf_resumable.data.elastic import ElasticSampler
 from hf_resumable.errors import (
     CheckpointMismatchError,
@@ -96,8 +92,8 @@ def plain_checkpoint(tmp_path) -> Path:
     model, optimizer = fx.build("llama")
     data = sampler()
     seen = fx.train(model, optimizer, data, steps=2)
-    save_sharded_checkpoint(tmp_path / "checkpoint-2", model=model, optimizer=optimizer, step=2,
-                            training_state={"sampler": data.state_dict()})
+    save_checkpoint(tmp_path / "checkpoint-2", model=model, optimizer=optimizer, step=2,
+                    training_state={"sampler": data.state_dict()}, layout="pieces")
     save_checkpoint(tmp_path / "regular-2", model=model, optimizer=optimizer, step=2,
                     training_state={"sampler": data.state_dict()})
     fx.write_reference(tmp_path, model, optimizer, is_main=True)
@@ -109,21 +105,26 @@ def test_plain_model_round_trip_and_typed_errors(plain_checkpoint):
     path = plain_checkpoint / "checkpoint-2"
     assert verify_checkpoint(path, full=True).ok
     model, optimizer = fx.build("llama", seed=5)
-    load_sharded_checkpoint(path, model=model, optimizer=optimizer)
+    load_checkpoint(path, model=model, optimizer=optimizer)
     assert fx.compare_to_reference(plain_checkpoint, model, optimizer) == []
 
     model, optimizer = fx.build("llama", seed=6)
-    load_sharded_checkpoint(plain_checkpoint / "regular-2", model=model, optimizer=optimizer)
+    load_checkpoint(plain_checkpoint / "regular-2", model=model, optimizer=optimizer)
     assert fx.compare_to_reference(plain_checkpoint, model, optimizer) == []
     with pytest.raises(IncompleteCheckpointError, match="already a regular checkpoint"):
-        consolidate_sharded_checkpoint(plain_checkpoint / "regular-2", plain_checkpoint / "export")
+        consolidate_checkpoint(plain_checkpoint / "regular-2", plain_checkpoint / "export")
 
     wrong, wrong_optimizer = fx.build("gpt2")
     with pytest.raises(CheckpointMismatchError, match="missing from the checkpoint"):
-        load_sharded_checkpoint(path, model=wrong, optimizer=wrong_optimizer)
+        load_checkpoint(path, model=wrong, optimizer=wrong_optimizer)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(CheckpointMismatchError, match="optimizer was AdamW"):
-        load_sharded_checkpoint(path, model=model, optimizer=sgd)
+        load_checkpoint(path, model=model, optimizer=sgd)
+    parameters = list(model.parameters())
+    split = torch.optim.AdamW([{"params": parameters[:1]}, {"params": parameters[1:]}], lr=0.1)
+    with pytest.raises(CheckpointMismatchError, match="1 param group"):
+        load_checkpoint(path, model=model, optimizer=split)
+    assert not split.state  # refused before anything was read
 
 
 def resign(path: Path, relpath: str) -> None:
@@ -142,19 +143,19 @@ def test_missing_or_misdescribed_pieces_raise_typed_errors(plain_checkpoint):
     resign(path, "sharded_layout.json")
     model, optimizer = fx.build("llama", seed=5)
     with pytest.raises(CorruptCheckpointError, match="'model.norm.weight' is not stored as"):
-        load_sharded_checkpoint(path, model=model, optimizer=optimizer)
+        load_checkpoint(path, model=model, optimizer=optimizer)
     (path / "sharded/optimizer-rank00000-of-00001.safetensors").unlink()
     with pytest.raises(IncompleteCheckpointError, match="missing"):
-        load_sharded_checkpoint(path, model=model, optimizer=optimizer)
+        load_checkpoint(path, model=model, optimizer=optimizer)
 
 
 def test_optimizer_that_never_stepped_is_saved_and_loaded_without_side_effects(tmp_path):
     model, optimizer = fx.build("gpt2")
-    save_sharded_checkpoint(tmp_path / "checkpoint-0", model=model, optimizer=optimizer, step=0)
+    save_checkpoint(tmp_path / "checkpoint-0", model=model, optimizer=optimizer, step=0, layout="pieces")
     assert not optimizer.state, "saving must not initialize the optimizer (AdamW's step count would shift)"
     fresh, fresh_optimizer = fx.build("gpt2", seed=3)
     fresh_optimizer.param_groups[0]["lr"] = 0.5
-    load_sharded_checkpoint(tmp_path / "checkpoint-0", model=fresh, optimizer=fresh_optimizer)
+    load_checkpoint(tmp_path / "checkpoint-0", model=fresh, optimizer=fresh_optimizer)
     assert not fresh_optimizer.state and fresh_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, fresh.state_dict()[name]), name
@@ -180,8 +181,8 @@ def test_fsdp2_two_ranks_save_load_on_one_process_and_consolidate(tmp_path):
     # A world-size change is never silent.
     model, optimizer = fx.build("gpt2", seed=5)
     with pytest.raises(InexactResumeError, match="saved by 2 rank"):
-        load_sharded_checkpoint(path, model=model, optimizer=optimizer)
-    loaded = load_sharded_checkpoint(path, model=model, optimizer=optimizer, allow_inexact_resume=True)
+        load_checkpoint(path, model=model, optimizer=optimizer)
+    loaded = load_checkpoint(path, model=model, optimizer=optimizer, allow_inexact_resume=True)
     assert fx.compare_to_reference(tmp_path, model, optimizer) == []
 
     # Elastic data: 2 steps on 2 ranks, then the rest of the epoch on 1 rank.
@@ -191,7 +192,7 @@ def test_fsdp2_two_ranks_save_load_on_one_process_and_consolidate(tmp_path):
     assert_every_sample_once(*seen, [i for batch in rest for i in batch])
 
     # Consolidated export: HF sharded safetensors for from_pretrained, and a regular checkpoint.
-    consolidate_sharded_checkpoint(path, tmp_path / "export", max_shard_size=40_000)
+    consolidate_checkpoint(path, tmp_path / "export", max_shard_size=40_000)
     index = json.loads((tmp_path / "export" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) >= 2 and "lm_head.weight" not in index["weight_map"]
     hf_model = GPT2LMHeadModel.from_pretrained(tmp_path / "export")
@@ -202,7 +203,7 @@ def test_fsdp2_two_ranks_save_load_on_one_process_and_consolidate(tmp_path):
     load_checkpoint(tmp_path / "export", model=model, optimizer=optimizer, allow_inexact_resume=True)
     assert fx.compare_to_reference(tmp_path, model, optimizer) == []
 
-    # hf_weights=True: the checkpoint directory itself is an HF sharded model, and still reshards on load.
+    # layout="hf": the checkpoint directory itself is an HF sharded model, and still reshards on load.
     hf_dir = tmp_path / "hf-2"
     assert not any(f.startswith("sharded/model-") for f in read_manifest(hf_dir).files)
     index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
@@ -210,7 +211,7 @@ def test_fsdp2_two_ranks_save_load_on_one_process_and_consolidate(tmp_path):
     for name, tensor in GPT2LMHeadModel.from_pretrained(hf_dir).state_dict().items():
         assert torch.equal(tensor, reference[f"model/{name}"]), name
     model, optimizer = fx.build("gpt2", seed=7)
-    load_sharded_checkpoint(hf_dir, model=model, optimizer=optimizer, allow_inexact_resume=True)
+    load_checkpoint(hf_dir, model=model, optimizer=optimizer, allow_inexact_resume=True)
     assert fx.compare_to_reference(tmp_path, model, optimizer) == []
     # Weights that fit in one shard: one model.safetensors (written by rank 0), no index.
     single = tmp_path / "hf-single-2"

@@ -22,13 +22,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
-from hf_resumable.checkpoint import load_checkpoint, open_checkpoint, read_manifest, save_checkpoint, verify_checkpoint
-from hf_resumable.checkpoint.manifest import Manifest
-from hf_resumable.checkpoint.sharded import (
-    consolidate_sharded_checkpoint,
-    load_sharded_checkpoint,
-    save_sharded_checkpoint,
+from hf_resumable.checkpoint import (
+    consolidate_checkpoint,
+    load_checkpoint,
+    open_checkpoint,
+    read_manifest,
+    save_checkpoint,
+    verify_checkpoint,
 )
+from hf_resumable.checkpoint.manifest import Manifest
 from hf_resumable.checkpoint.summary import summarize_checkpoint
 from hf_resumable.constants import MODEL_INDEX_FILE, SINGLE_MODEL_FILE
 from hf_resumable.conversions.stock import reshard_checkpoint
@@ -253,24 +255,24 @@ def test_reshard_moves_between_the_two_layouts_keeping_every_byte(tmp_path):
 
 def test_sharded_checkpoints_write_the_same_layout(tmp_path):
     model, optimizer = _trained()
-    # hf_weights=True in one process: the weights whole, as one model.safetensors.
-    save_sharded_checkpoint(tmp_path / "hf", model=model, optimizer=optimizer, step=2, hf_weights=True)
+    # layout="hf" in one process: the weights whole, as one model.safetensors.
+    save_checkpoint(tmp_path / "hf", model=model, optimizer=optimizer, step=2, layout="hf")
     assert _weight_files(tmp_path / "hf") == [SINGLE_MODEL_FILE]
     assert verify_checkpoint(tmp_path / "hf", full=True).ok
     assert set(load_file(tmp_path / "hf" / SINGLE_MODEL_FILE)) == set(model.state_dict()) - {"lm_head.weight"}
     assert_same_state(model.state_dict(), AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict())
     fresh = tiny_gpt2(seed=8)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
-    load_sharded_checkpoint(tmp_path / "hf", model=fresh, optimizer=fresh_optimizer)
+    load_checkpoint(tmp_path / "hf", model=fresh, optimizer=fresh_optimizer)
     assert_same_state(model.state_dict(), fresh.state_dict())
     # A regular single-file checkpoint loads through the resharding path too.
     save_checkpoint(tmp_path / "regular", model=model, optimizer=optimizer, step=2)
     fresh = tiny_gpt2(seed=6)
-    load_sharded_checkpoint(tmp_path / "regular", model=fresh)
+    load_checkpoint(tmp_path / "regular", model=fresh)
     assert_same_state(model.state_dict(), fresh.state_dict())
     # Consolidating per-rank pieces gives a regular checkpoint in the save_pretrained layout.
-    save_sharded_checkpoint(tmp_path / "pieces", model=model, optimizer=optimizer, step=2)
-    consolidate_sharded_checkpoint(tmp_path / "pieces", tmp_path / "export")
+    save_checkpoint(tmp_path / "pieces", model=model, optimizer=optimizer, step=2, layout="pieces")
+    consolidate_checkpoint(tmp_path / "pieces", tmp_path / "export")
     assert _weight_files(tmp_path / "export") == [SINGLE_MODEL_FILE]
     _assert_loads_into_a_fresh_gpt2(tmp_path / "export", model, optimizer, seed=7)
 

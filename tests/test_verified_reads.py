@@ -7,7 +7,7 @@ format/slice_reader.py).
   version 2) makes it hash the whole file first.
 * Fault injection: one byte flipped at the start, the middle and the end of the tensor data of every safetensors
   file a load reads, in a regular checkpoint (``save_checkpoint``), a piece checkpoint written by one process
-  (``save_sharded_checkpoint``), FSDP2 pieces of 2 gloo ranks reloaded at world size 1 and 2 (the middle byte; the
+  (``save_checkpoint``), FSDP2 pieces of 2 gloo ranks reloaded at world size 1 and 2 (the middle byte; the
   first and last in an ``extended`` variant), and a DeepSpeed ZeRO-3 engine's partitions: each load raises
   ``CorruptCheckpointError`` naming that file, with the default ``verify``.
   The piece files exceed the quick verification's whole-file limit (4 MiB), so their flips are caught by the reads.
@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from hf_resumable.checkpoint import Manifest, load_checkpoint, read_manifest, save_checkpoint
-from hf_resumable.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint
 from hf_resumable.constants import MANIFEST_FILE
 from hf_resumable.errors import CorruptCheckpointError
 from hf_resumable.format.chunks import CHUNK_DIGEST_CHARS, CHUNK_HASH_SIZE, ChunkHasher, chunk_span
@@ -152,7 +151,7 @@ def saved(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("verified")
     model, optimizer = trained()
     save_checkpoint(root / "regular" / "checkpoint-1", model=model, optimizer=optimizer, step=1)
-    save_sharded_checkpoint(root / "pieces" / "checkpoint-1", model=model, optimizer=optimizer, step=1)
+    save_checkpoint(root / "pieces" / "checkpoint-1", model=model, optimizer=optimizer, step=1, layout="pieces")
     return root
 
 
@@ -166,8 +165,7 @@ def test_a_flipped_byte_anywhere_in_the_data_of_any_file_is_refused_naming_it(sa
     def load(directory: Path) -> None:
         model, optimizer = tiny_gpt2(seed=1, **BIG), None
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        (load_checkpoint if layout == "regular" else load_sharded_checkpoint)(directory, model=model,
-                                                                              optimizer=optimizer)
+        load_checkpoint(directory, model=model, optimizer=optimizer)
 
     load(checkpoint)  # the intact checkpoint loads
     assert_refused(load, cases, tmp_path)
@@ -179,7 +177,7 @@ def test_a_regular_checkpoint_read_as_pieces_refuses_flips_too(saved, tmp_path):
 
     def load(directory: Path) -> None:
         model = tiny_gpt2(seed=1, **BIG)
-        load_sharded_checkpoint(directory, model=model, optimizer=torch.optim.AdamW(model.parameters()))
+        load_checkpoint(directory, model=model, optimizer=torch.optim.AdamW(model.parameters()))
 
     assert_refused(load, cases, tmp_path)
 
@@ -194,14 +192,14 @@ def test_version_2_records_hash_a_large_piece_file_whole_before_reading_slices_o
                    format_version=2)
     (checkpoint / MANIFEST_FILE).write_bytes(old.to_json())
     model = tiny_gpt2(seed=1, **BIG)
-    load_sharded_checkpoint(checkpoint, model=model, optimizer=torch.optim.AdamW(model.parameters()))
+    load_checkpoint(checkpoint, model=model, optimizer=torch.optim.AdamW(model.parameters()))
     relpath = "sharded/optimizer-rank00000-of-00001.safetensors"
     assert old.files[relpath].size > 4 * 1024 * 1024
     data = bytearray((checkpoint / relpath).read_bytes())
     data[flip_offset(checkpoint / relpath, "end")] ^= 1
     (checkpoint / relpath).write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError, match=f"{relpath}: xxh3-128 is"):
-        load_sharded_checkpoint(checkpoint, model=model, optimizer=torch.optim.AdamW(model.parameters()))
+        load_checkpoint(checkpoint, model=model, optimizer=torch.optim.AdamW(model.parameters()))
 
 
 # --- fault injection, engines -----------------------------------------------------------------------
@@ -221,8 +219,8 @@ def test_fsdp2_pieces_of_two_ranks_refuse_every_flip_at_world_size_1_and_2(tmp_p
 
     def load(directory: Path) -> None:  # world size 1: every piece of every rank is read
         model = tiny_gpt2(seed=1, **BIG)
-        load_sharded_checkpoint(directory, model=model, optimizer=torch.optim.AdamW(model.parameters()),
-                                allow_inexact_resume=True)
+        load_checkpoint(directory, model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                        allow_inexact_resume=True)
 
     load(checkpoint)
     assert_refused(load, {k: v for k, v in cases.items() if "rng_" not in k}, tmp_path)  # rank 0's RNG only
@@ -264,15 +262,15 @@ def test_deepspeed_zero3_partitions_refuse_every_flip(tmp_path, monkeypatch):
         saving.backward(saving(torch.ones(2, 1024)).square().sum())
         saving.step()
         checkpoint = tmp_path / "checkpoint-1"
-        save_sharded_checkpoint(checkpoint, model=saving.module, optimizer=checkpoint_optimizer(saving.optimizer),
-                                step=1)
+        save_checkpoint(checkpoint, model=saving.module, optimizer=checkpoint_optimizer(saving.optimizer),
+                        step=1, layout="pieces")
         assert read_manifest(checkpoint).files["sharded/optimizer-rank00000-of-00001.safetensors"].size > 8 * 2**20
         cases = corrupted_copies(checkpoint, tmp_path)
 
         def load(directory: Path) -> None:
             loading = engine()
-            load_sharded_checkpoint(directory, model=loading.module,
-                                    optimizer=checkpoint_optimizer(loading.optimizer))
+            load_checkpoint(directory, model=loading.module,
+                            optimizer=checkpoint_optimizer(loading.optimizer))
 
         load(checkpoint)
         assert_refused(load, cases, tmp_path)

@@ -1,4 +1,5 @@
-"""The hf_resumable checkpoint format: sharded safetensors, no pickle, hashed, atomically committed.
+"""The hf_resumable checkpoint engine: safetensors, no pickle, hashed, atomically committed; one save and one load for
+every layout (a plain model's HF files, or per-rank pieces: FSDP, ZeRO, DTensor; see ``_pieces.py``).
 
 Layout of ``checkpoint-<step>/``::
 
@@ -15,9 +16,17 @@ Layout of ``checkpoint-<step>/``::
 """
 
 from ._fs import write_bytes_durably as write_file_durably
+from ._pieces import ShardedOptimizerState
 from ._reader import LoadedCheckpoint, OpenedCheckpoint
 from ._writer import committed_directory
-from .api import CheckpointInfo, load_checkpoint, open_checkpoint, save_checkpoint, wait_for_pending_saves
+from .api import (
+    CheckpointInfo,
+    consolidate_checkpoint,
+    load_checkpoint,
+    open_checkpoint,
+    save_checkpoint,
+    wait_for_pending_saves,
+)
 from .discovery import (
     apply_retention,
     cleanup_stale_temp_dirs,
@@ -33,10 +42,12 @@ __all__ = [
     "LoadedCheckpoint",
     "Manifest",
     "OpenedCheckpoint",
+    "ShardedOptimizerState",
     "VerifyReport",
     "apply_retention",
     "cleanup_stale_temp_dirs",
     "committed_directory",
+    "consolidate_checkpoint",
     "find_latest_checkpoint",
     "find_latest_verified",
     "list_checkpoints",

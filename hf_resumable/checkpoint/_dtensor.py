@@ -4,7 +4,7 @@ this rank holds (:func:`local_box`), its local tensor, and whether this rank is 
 
 Pure reads of a DTensor's mesh and placements (planned by :func:`~hf_resumable.checkpoint._placements.plan_piece`,
 cached per mesh), no collectives and no IO. Both the frozen record (:mod:`._frozen`) and the sharded engine
-(:mod:`._sharded`, which imports :mod:`._frozen`'s fingerprints) build on them, so neither imports the other's
+(:mod:`._piece_layout`, which imports :mod:`._frozen`'s fingerprints) build on them, so neither imports the other's
 pieces.
 """
 

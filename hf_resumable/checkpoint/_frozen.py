@@ -487,8 +487,8 @@ def check_frozen_base(record: FrozenRecord, targets: Mapping[str, torch.Tensor],
         if live.device.type == "meta":
             problems.append(f"{name}: the model's tensor is on the meta device (nothing to compare)")
         elif entry.xxh3_128 is None:
-            problems.append(f"{name}: recorded piece by piece (a sharded checkpoint); load it with "
-                            "load_sharded_checkpoint")
+            problems.append(f"{name}: recorded piece by piece (a checkpoint of per-rank pieces, whose "
+                            "load checks each piece)")
         elif DTYPE_TO_STR.get(live.dtype) != entry.dtype or tuple(live.shape) != entry.shape:
             problems.append(f"{name}: the checkpoint's base has {entry.dtype} {list(entry.shape)}, the model has "
                             f"{DTYPE_TO_STR.get(live.dtype, live.dtype)} {list(live.shape)}")
@@ -636,7 +636,7 @@ def base_not_stored(directory: Any, *, wanted: str) -> BaseNotStoredError | None
     except (OSError, ValueError):
         base = "unknown (unreadable record)"
     if (Path(directory) / LAYOUT_FILE).is_file():
-        how = "Load it with load_sharded_checkpoint into a model built from that base"
+        how = "Load it with load_checkpoint into a model built from that base (at any world size)"
     else:
         how = (f"Load it with load_checkpoint into a model built from that base, or write a full model directory "
                f"with `hf-resumable export {directory} --output DIR` (add --merge to merge PEFT adapters)")

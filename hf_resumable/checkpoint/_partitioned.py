@@ -361,7 +361,7 @@ def read_partitioned(reader: Any, saved: Mapping[str, PartitionMap], key: str, w
                      out: torch.Tensor, *, source: str) -> torch.Tensor:
     """Fill ``out`` (a flat partition, or a whole flattened parameter) at ``wanted`` with the saved optimizer tensor
     ``key`` (``fp32``, ``exp_avg``...) of the flat partitions ``saved``, read from the pieces (``reader``: a
-    :class:`~hf_resumable.checkpoint._sharded_load.PieceReader` over the optimizer section); returns ``out``."""
+    :class:`~hf_resumable.checkpoint._piece_reader.PieceReader` over the optimizer section); returns ``out``."""
     from ._types import Box
 
     for copy in plan_partition_copies(wanted, saved, source=source):
@@ -403,7 +403,7 @@ def reshard_partitions(current: Mapping[str, Any], document: Mapping[str, Any], 
     hold them.
 
     Returns:
-        `tuple`: the filled tensors, named as :func:`~hf_resumable.checkpoint._sharded.flatten_optimizer_state` names
+        `tuple`: the filled tensors, named as :func:`._piece_layout.flatten_optimizer_state` names
         ``current``'s, and ``document`` with the current partitions' names, for the sharded load to rebuild the state
         from (a partition's non-partitioned state, e.g. Adam's ``step``, is the saved partition's that holds its
         first parameter; padding keeps the live values).
@@ -472,7 +472,7 @@ def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
             or saved without the optimizer), or they record no partition map.
     """
     from ..constants import LAYOUT_FILE, LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC
-    from ._sharded_load import PieceReader, Section, check_pieces_stored, parse_layout
+    from ._piece_reader import PieceReader, Section, check_pieces_stored, parse_layout
 
     reader, source = opened._reader, str(opened.path / LAYOUT_FILE)
     layout = parse_layout(reader.json(LAYOUT_FILE), source=source) if LAYOUT_FILE in opened.manifest.files else {}
@@ -490,7 +490,7 @@ def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
 class MasterWeights:
     """Reads the elements of weights a layout gives by their fp32 master weights (``"master"`` in their description,
     ZeRO-3): the parameter's elements in the optimizer's flat ``fp32`` partitions, saved at any world size, cast to
-    the weight's dtype. Closed by the :class:`~hf_resumable.checkpoint._sharded_load.PieceReader` it is given to.
+    the weight's dtype. Closed by the :class:`~hf_resumable.checkpoint._piece_reader.PieceReader` it is given to.
 
     Args:
         reader: the opened checkpoint's reader (``OpenedCheckpoint._reader``), whose files are read verified.
@@ -503,7 +503,7 @@ class MasterWeights:
 
     def __init__(self, reader: Any, layout: Mapping[str, Any], headers: Mapping[str, Any], *, source: str) -> None:
         from ..constants import LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC
-        from ._sharded_load import PieceReader, Section, check_pieces_stored
+        from ._piece_reader import PieceReader, Section, check_pieces_stored
 
         if layout.get(LAYOUT_KEY_OPTIMIZER) is None or layout.get(LAYOUT_KEY_OPTIMIZER_DOC) is None:
             raise IncompleteCheckpointError(f"{source}: weights are given by fp32 master weights, but no optimizer "

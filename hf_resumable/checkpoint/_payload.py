@@ -200,9 +200,9 @@ def _refuse_dtensors(state: Mapping[str, torch.Tensor]) -> None:
     if sharded:
         raise UnsupportedStateError(
             f"The model holds DTensor parameters ({', '.join(sharded[:3])}{', ...' if len(sharded) > 3 else ''}: "
-            "FSDP2 or tensor parallel), of which each rank holds only its pieces; save_checkpoint writes whole "
-            "tensors. Save it with hf_resumable.save_sharded_checkpoint (every rank writes its pieces) and load it "
-            "with load_sharded_checkpoint.")
+            "FSDP2 or tensor parallel), of which each rank holds only its pieces; a state dict holds no "
+            "record of them. Pass the module itself as model=: save_checkpoint then has every rank write its "
+            "pieces, and load_checkpoint reads them at any world size.")
 
 
 def capture_model(payload: Payload, model: torch.nn.Module | Mapping[str, torch.Tensor], *,

@@ -59,6 +59,7 @@ from ._model_files import model_index
 from ._optimizer import OptimizerLoadPlan, apply_optimizer_state, parameter_names, plan_optimizer_load
 from ._parallel_read import FileRead, read_files
 from ._payload import STATE_TENSORS_FILE
+from ._pieces import load_pieces_into, reads_pieces
 from ._validate import check_counters, check_data_position, check_like_live, check_step_value, check_training_state
 from .manifest import Manifest
 from .verify import VerifyReport
@@ -269,14 +270,15 @@ class OpenedCheckpoint(LoadedCheckpoint):
     Args (besides :class:`LoadedCheckpoint`'s):
         rank (`int`) / world_size (`int`): the process that opened it.
         allow_inexact_resume (`bool`): the default of :meth:`load_into` and :meth:`restore_rng`.
-        elastic (`bool`): weights and optimizer are resharded on load (``load_sharded_checkpoint``), so a
-            world-size change only affects the per-rank RNG streams.
+        reshard (`bool`): weights and optimizer are cut to this world size on load (the caller keeps its data
+            position across world sizes, or the checkpoint holds pieces), so a world-size change only affects the
+            per-rank RNG streams.
     """
 
     rank: int = 0
     world_size: int = 1
     allow_inexact_resume: bool = False
-    elastic: bool = False
+    reshard: bool = False
     _reader: _Reader | None = field(default=None, repr=False)
     _document: dict[str, Any] = field(default_factory=dict, repr=False)
     _state_tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
@@ -290,7 +292,7 @@ class OpenedCheckpoint(LoadedCheckpoint):
 
     @classmethod
     def open(cls, path: Path, report: VerifyReport, *, verify: str, rank: int, world_size: int,
-             allow_inexact_resume: bool, counters: Iterable[str] = (), elastic: bool = False) -> "OpenedCheckpoint":
+             allow_inexact_resume: bool, counters: Iterable[str] = (), reshard: bool = False) -> "OpenedCheckpoint":
         """Decode and check everything that does not depend on a live object: steps 2-5 of opening (step 1,
         verification, is :func:`~hf_resumable.checkpoint.open_checkpoint`'s; ``report`` verified ``path``)."""
         reader = _Reader(path, report, hash_on_read=verify == "quick")
@@ -308,7 +310,7 @@ class OpenedCheckpoint(LoadedCheckpoint):
         decode = lambda key: decode_state(document.get(key) or {}, tensors, source=state_source, path=key)  # noqa: E731
         opened = cls(path=path, manifest=manifest, training_state=decode(STATE_KEY_PROGRESS),
                      extra=decode(STATE_KEY_EXTRA), rank=rank, world_size=world_size,
-                     allow_inexact_resume=allow_inexact_resume, elastic=elastic, _reader=reader, _document=document,
+                     allow_inexact_resume=allow_inexact_resume, reshard=reshard, _reader=reader, _document=document,
                      _state_tensors=tensors)
         for key in (STATE_KEY_SCHEDULER, STATE_KEY_SCALER):
             if document.get(key) is not None:
@@ -345,29 +347,29 @@ class OpenedCheckpoint(LoadedCheckpoint):
         """The world-size / RNG inexactness policy, applied before anything is loaded.
 
         A regular checkpoint holds per-rank data positions and RNG streams, so loading weights to resume
-        (or the RNG) at another world size is refused; an elastic (resharded) load only refuses the RNG.
+        (or the RNG) at another world size is refused; a resharded load only refuses the RNG.
 
         Raises:
             ConfigDriftError: another world size (regular checkpoints), unless ``allow_inexact_resume``.
-            InexactResumeError: another world size (elastic, with ``rng``), this rank's RNG state missing,
+            InexactResumeError: another world size (resharded, with ``rng``), this rank's RNG state missing,
                 or another number of CUDA devices, unless ``allow_inexact_resume``.
         """
         allow = self.allow_inexact_resume if allow_inexact_resume is None else allow_inexact_resume
         saved, now = self.manifest.world_size, self.world_size
-        if saved != now and not self.elastic and (weights or rng):
+        if saved != now and not self.reshard and (weights or rng):
             self._inexact(f"{self.path} was written by {saved} process(es) and is loaded by {now}: per-rank RNG and "
                           "data positions do not carry over, so the run would not continue exactly",
-                          "Resume with the same world size, reshard with hf_resumable.load_sharded_checkpoint, or "
+                          "Resume with the same world size, save with layout='pieces' to reshard on load, or "
                           "pass allow_inexact_resume=True.", ConfigDriftError, allow)
         if not rng:
             return
-        if saved != now and self.elastic:
+        if saved != now and self.reshard:
             self._inexact(f"{self.path} was saved by {saved} rank(s) and is loaded by {now}: weights, optimizer state "
                           "and an ElasticSampler position carry over exactly, but per-rank RNG streams (dropout) do "
                           "not", "Pass allow_inexact_resume=True (or restore_rng=False) to continue.",
                           InexactResumeError, allow)
         if self.rng_state is None:
-            if self.elastic and saved != now:
+            if self.reshard and saved != now:
                 logger.warning("%s has no RNG state for rank %d; the run will not continue exactly.", self.path,
                                self.rank)
                 return
@@ -408,6 +410,10 @@ class OpenedCheckpoint(LoadedCheckpoint):
     ) -> "OpenedCheckpoint":
         """Fill the given objects; every check runs before the first byte is written into any of them.
 
+        Any layout into any model: a checkpoint of per-rank pieces, or a live model or optimizer an engine splits
+        (FSDP1/2, DTensor, ZeRO), is read by :func:`~._pieces.load_pieces_into` (each rank reads the slices it holds,
+        at any world size); whole tensors into whole tensors below.
+
         Args:
             model, optimizer, scheduler, scaler (*optional*): objects to fill (``None`` skips a part).
             strict (`bool`, *optional*, defaults to `True`): missing/unexpected model keys are errors.
@@ -428,6 +434,9 @@ class OpenedCheckpoint(LoadedCheckpoint):
                 checks every hash before anything is read into an object.
             ConfigDriftError / InexactResumeError: see :meth:`check_exact`.
         """
+        if reads_pieces(self.manifest.files, model, optimizer):
+            return load_pieces_into(self, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                                    strict=strict, restore_rng=restore_rng, allow_inexact_resume=allow_inexact_resume)
         source = str(self.path)
         model_plan, optimizer_plan, objects = self._plan_load(
             model, optimizer, scheduler, scaler, strict=strict, restore_rng=restore_rng,

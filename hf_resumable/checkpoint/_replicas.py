@@ -8,7 +8,7 @@ is settled in step 1 of the commit protocol, which already meets every rank: eac
 rank 0 writes every replicated file, as before. ``HF_RESUMABLE_SPLIT_REPLICAS=0`` keeps rank 0 the only writer.
 
 The same plan splits the whole tensors that every rank holds alike in a sharded save (DeepSpeed ZeRO-1/2's weights:
-``checkpoint.sharded`` passes their sizes).
+``checkpoint._pieces`` passes their sizes).
 """
 
 from __future__ import annotations

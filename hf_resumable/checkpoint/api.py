@@ -13,13 +13,14 @@ from typing import Any
 import torch
 
 from .._urls import is_remote
-from ..constants import DEFAULT_MAX_SHARD_SIZE, MANIFEST_FILE
+from ..constants import DEFAULT_MAX_SHARD_SIZE, LAYOUT_FILE, MANIFEST_FILE
 from ..distributed import is_distributed, rank_and_world_size
 from ..format.rng import RngState
 from ._durability import check_durability
 from ._fs import wait_for_removals
-from ._payload import capture_payload
-from ._reader import LoadedCheckpoint, OpenedCheckpoint, read_on_load
+from ._payload import capture_payload, capture_pretrained
+from ._pieces import capture_pieces, consolidate_pieces, saves_pieces
+from ._reader import LoadedCheckpoint, OpenedCheckpoint, _Reader, read_on_load
 from ._writer import check_target, save_payload
 from .async_save import BACKGROUND_SAVER, AsyncSaver
 from .discovery import apply_retention
@@ -28,7 +29,8 @@ from .verify import VerifyReport, verify_checkpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointInfo", "save_checkpoint", "load_checkpoint", "open_checkpoint", "wait_for_pending_saves"]
+__all__ = ["CheckpointInfo", "consolidate_checkpoint", "load_checkpoint", "open_checkpoint", "save_checkpoint",
+           "wait_for_pending_saves"]
 
 _ASYNC = BACKGROUND_SAVER
 atexit.register(lambda: _ASYNC.wait())
@@ -122,8 +124,10 @@ def save_checkpoint(
     greater_is_better: bool = False,
     standalone: bool = False,
     durability: str = "deferred",
+    layout: str = "auto",
 ) -> CheckpointInfo:
-    """Save a crash-safe, sharded, pickle-free training checkpoint to ``directory``.
+    """Save a crash-safe, pickle-free training checkpoint of a plain, DDP, FSDP1/FSDP2, DeepSpeed ZeRO or DTensor
+    model to ``directory``.
 
     Files are written into a temporary sibling directory and renamed into place after ``manifest.json`` (every file
     with its size and xxh3-128, computed while writing) is written last. A save killed at any moment leaves the
@@ -136,6 +140,11 @@ def save_checkpoint(
     Under torch.distributed every rank calls it (collective). Every rank passes the same model and optimizer (DDP
     replicas): their files are split across the ranks, each writing whole files of its share (rank 0 writes them
     all if the ranks' files differ in names, shapes or dtypes); the checkpoint is the same bytes as one writer's.
+    When an engine splits the model or optimizer across ranks (FSDP2 / DTensor parameters, FSDP1, DeepSpeed ZeRO
+    partitions or a :class:`~hf_resumable.checkpoint._pieces.ShardedOptimizerState`), every rank writes the pieces it
+    holds into its own files, in parallel, and ``sharded_layout.json`` records every tensor's pieces
+    (``layout="pieces"`` does so for plain tensors too: the ranks split them, whole tensors balanced by bytes). Such a
+    checkpoint loads at any world size into any of these layouts (:func:`load_checkpoint`).
 
     Frozen parameters are identity, not state: when ``model`` has parameters with ``requires_grad=False`` (a
     PEFT/LoRA base, a frozen embedding, a quantized base), only its trainable part is stored
@@ -162,7 +171,7 @@ def save_checkpoint(
         rng (`bool` or `RngState`, *optional*, defaults to `True`): capture this rank's RNG now, or
             store the given state.
         metrics (`Mapping[str, float]`, *optional*): recorded in the manifest, for ``best_metric`` retention.
-        max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard size limit.
+        max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): size limit of each HF weight file.
         blocking (`bool`, *optional*, defaults to `True`): with `False`, tensors are staged into
             reusable host buffers and written by a background thread. The call returns once buffers and other
             state that may change before the next optimizer step are copied; ``optimizer``'s parameters and state
@@ -185,13 +194,19 @@ def save_checkpoint(
             bytes); after a machine crash, a reader hashes every byte of a checkpoint whose fsyncs had not
             finished, and retention never deletes the newest checkpoint whose fsyncs have. ``"immediate"``: every
             file is fsynced before the commit. An overwrite is always immediate.
+        layout (`str`, *optional*, defaults to `"auto"`): how tensors are stored. ``"auto"``: per-rank pieces when an
+            engine splits the model or optimizer, else the HF layout. ``"pieces"``: per-rank pieces, also for plain
+            tensors. ``"hf"``: the weights whole, as ``save_pretrained`` lays them out, so ``from_pretrained`` loads
+            the directory; an engine's pieces are gathered (``DTensor.full_tensor()``, one model's worth of
+            communication per rank) and written round robin by the ranks, its optimizer state staying in pieces.
 
     Returns:
         `CheckpointInfo`
 
     Raises:
         CheckpointExistsError: if ``directory`` exists and ``overwrite`` is False.
-        UnsupportedStateError: if some state cannot be stored without pickle.
+        UnsupportedStateError: if some state cannot be stored without pickle (or is a ``Partial`` DTensor).
+        ValueError: an unknown ``layout``, or ``layout="pieces"`` for a state dict.
         AsyncSaveError: if the previous background save (or a deferred save's fsyncs) failed.
         OSError: if writing fails (e.g. ENOSPC); the previous checkpoint is untouched.
 
@@ -206,16 +221,27 @@ def save_checkpoint(
     """
     target = Path(directory)
     check_durability(durability)
-    _ASYNC.wait()
-    rank, _world = rank_and_world_size()
+    pieces_layout = saves_pieces(model, optimizer, layout)
+    _ASYNC.wait()  # (the removals retention started: write_payload waits for them)
+    rank, world_size = rank_and_world_size()
     if not is_distributed():  # fail before capturing anything (under torch.distributed step 1 tells every rank)
         check_target(target, overwrite=overwrite)
+    # 1. Everything but the engine's pieces: whole tensors (a plain or DDP model: every rank holds them; the ranks
+    #    share their writing), the scheduler, scaler, progress and per-rank state.
+    whole = not pieces_layout
     payload = capture_payload(
-        model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, training_state=training_state,
-        extra=extra, extra_files=extra_files, data_state=data_state, rng=rng, max_shard_size=max_shard_size,
-        processing_class=processing_class, rank=rank, is_main=rank == 0, standalone=standalone,
-        replicas=is_distributed(),  # DDP: every rank holds the model and optimizer; the ranks share their writing
-    )
+        model=model if whole else None, optimizer=optimizer if whole else None, scheduler=scheduler, scaler=scaler,
+        training_state=training_state, extra=extra, extra_files=extra_files, data_state=data_state, rng=rng,
+        max_shard_size=max_shard_size, processing_class=processing_class if whole else None, rank=rank,
+        is_main=rank == 0, standalone=standalone, replicas=is_distributed())
+    # 2. The pieces this rank holds (and its HF weight files, gathered now, for layout="hf"); rank 0 adds the files
+    #    from_pretrained needs besides the weights.
+    pieces = None
+    if pieces_layout:
+        pieces = capture_pieces(payload, model, optimizer, rank=rank, world_size=world_size, hf_weights=layout == "hf",
+                                max_shard_size=max_shard_size, standalone=standalone, stage=not blocking)
+        if rank == 0:
+            capture_pretrained(payload, model, processing_class)
     metrics = dict(metrics or {})
 
     def retention() -> None:
@@ -223,12 +249,25 @@ def save_checkpoint(
             apply_retention(target.parent, keep_last=keep_last, best_metric=best_metric,
                             greater_is_better=greater_is_better)
 
+    # 3. Commit: every rank writes its files (describing its pieces first); once every rank's files are durable,
+    #    rank 0 writes the piece layout built from every rank's report, then the manifest (in the background if not
+    #    blocking: only the copy of the state is on the training loop's time).
+    hooks = {} if pieces is None else {"prepare": lambda: pieces.prepare(payload), "finalize": pieces.finalize}
     if not blocking:
-        _ASYNC.submit(target, payload, step=step, metrics=metrics, overwrite=overwrite, on_commit=retention,
-                      optimizer=optimizer)
+        release = pieces.release if pieces is not None else None
+        try:
+            future = _ASYNC.submit(target, payload, step=step, metrics=metrics, overwrite=overwrite,
+                                   on_commit=retention, optimizer=optimizer,
+                                   also_stage=list(pieces.staging.values()) if pieces is not None else (), **hooks)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        if release is not None:  # ZeRO: whatever happens to the save, the optimizer's held steps go on
+            future.add_done_callback(lambda _: release())
         return CheckpointInfo(path=target, step=step)
     manifest = save_blocking(target, payload, step=step, metrics=metrics, overwrite=overwrite, durability=durability,
-                             after=retention)
+                             after=retention, **hooks)
     return CheckpointInfo(path=target, step=step, manifest=manifest)
 
 
@@ -255,7 +294,7 @@ def open_checkpoint(
     verify: str = "quick",
     allow_inexact_resume: bool = False,
     counters: Iterable[str] = (),
-    elastic: bool = False,
+    reshard: bool | None = False,
     verified: VerifyReport | None = None,
 ) -> OpenedCheckpoint:
     """Verify a local checkpoint once and decode everything in it that does not depend on a live object.
@@ -276,8 +315,9 @@ def open_checkpoint(
             size, a missing RNG state, another CUDA device count) instead of raising.
         counters (`Iterable[str]`, *optional*): more progress-cursor keys (``"outer/inner"`` for nested ones)
             that must be non-negative ints when present (``global_step`` always is).
-        elastic (`bool`, *optional*, defaults to `False`): the caller reshards weights and optimizer itself
-            (``load_sharded_checkpoint``); a world-size change then only affects per-rank RNG streams.
+        reshard (`bool`, *optional*, defaults to `False`): weights and optimizer are cut to this world size and the
+            caller keeps its data position across world sizes (an elastic run); a world-size change then only
+            affects per-rank RNG streams. ``None``: when the checkpoint holds per-rank pieces.
         verified (`VerifyReport`, *optional*): the verification of this directory that just ran, e.g. the one
             :func:`~hf_resumable.checkpoint.find_latest_verified` returns: it is not repeated. The small files it
             hashed and kept are used from memory (each byte used is a byte that was hashed; none is read twice);
@@ -322,8 +362,10 @@ def open_checkpoint(
     else:
         report = verify_checkpoint(path, full=verify == "full", raise_on_error=True, keep=read_on_load(rank))
     # 2-5. Decode and check what does not depend on a live object (OpenedCheckpoint.open).
+    if reshard is None:
+        reshard = LAYOUT_FILE in report.manifest.files
     return OpenedCheckpoint.open(path, report, verify=verify, rank=rank, world_size=world_size,
-                                 allow_inexact_resume=allow_inexact_resume, counters=counters, elastic=elastic)
+                                 allow_inexact_resume=allow_inexact_resume, counters=counters, reshard=reshard)
 
 
 def _reusable(report: VerifyReport, path: Path, *, verify: str) -> bool:
@@ -358,7 +400,8 @@ def load_checkpoint(
     verify: str = "quick",
     allow_inexact_resume: bool = False,
 ) -> LoadedCheckpoint:
-    """Load a checkpoint written by :func:`save_checkpoint` into freshly built objects, bit for bit.
+    """Load a checkpoint written by :func:`save_checkpoint` into freshly built objects, bit for bit: any layout into
+    a plain, DDP, FSDP1/FSDP2, DeepSpeed ZeRO or DTensor model and its optimizer.
 
     :func:`open_checkpoint` followed by :meth:`OpenedCheckpoint.load_into`. Under torch.distributed a load of a
     model or optimizer reads every file on every rank. Everything is checked before
@@ -368,6 +411,11 @@ def load_checkpoint(
     shards, optimizer groups and state shapes, scheduler/scaler keys). Every missing, unexpected or
     mismatched key is reported at once. Large files are hash-checked while they are read. The RNG is
     restored last.
+
+    A checkpoint of per-rank pieces (or a model an engine splits) loads at any world size, into any sharding
+    (2 -> 1, 1 -> 2, 4 -> 3 give the tensors of the consolidated originals): each rank reads only the slices of the
+    stored pieces that overlap what it holds, every byte used checked against the hashes of the chunks it falls in.
+    A world-size change then only affects per-rank RNG streams (an ``InexactResumeError`` with ``restore_rng``).
 
     Args:
         directory (`str` or `os.PathLike`): a committed checkpoint directory.
@@ -399,6 +447,52 @@ def load_checkpoint(
         raise ValueError(f"verify must be 'quick', 'full' or 'none', got {verify!r}.")
     require_local(directory, "load_checkpoint")
     _ASYNC.wait()
-    opened = open_checkpoint(directory, verify=verify, allow_inexact_resume=allow_inexact_resume)
+    opened = open_checkpoint(directory, verify=verify, allow_inexact_resume=allow_inexact_resume, reshard=None)
     return opened.load_into(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, strict=strict,
                             restore_rng=restore_rng)
+
+
+def consolidate_checkpoint(
+    directory: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    include_optimizer: bool = True,
+    overwrite: bool = False,
+) -> Manifest:
+    """Turn a checkpoint of per-rank pieces into a regular one: HF safetensors weights that ``from_pretrained`` loads.
+
+    The output holds ``model.safetensors`` (or, above ``max_shard_size``, ``model.safetensors.index.json`` with
+    ``model-0000k-of-0000N.safetensors``; tied weights stored once, as transformers expects), ``config.json``, and,
+    with ``include_optimizer``, the optimizer state in the regular layout, so :func:`load_checkpoint` resumes from it
+    too. It is committed like any checkpoint (manifest last, atomic rename). Run it in one process (outside
+    torch.distributed, or it becomes a collective); it holds one kind of state (weights, then optimizer) in memory at
+    a time. Every hash is checked first: consolidation is the moment a corrupted piece would spread.
+
+    Args:
+        directory (`str` or `os.PathLike`): a committed checkpoint of pieces (written at any world size).
+        output_dir (`str` or `os.PathLike`): where to write the regular checkpoint.
+        max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): size limit of each output weight file.
+        include_optimizer (`bool`, *optional*, defaults to `True`): also consolidate the optimizer state.
+        overwrite (`bool`, *optional*, defaults to `False`): replace ``output_dir`` atomically.
+
+    Returns:
+        `Manifest`: the manifest of the output.
+
+    Raises:
+        IncompleteCheckpointError / CorruptCheckpointError: ``directory`` is not a valid checkpoint of pieces.
+        CheckpointExistsError: if ``output_dir`` exists and ``overwrite`` is False.
+
+    Example:
+
+    ```python
+    >>> consolidate_checkpoint("out/checkpoint-10", "export/model")  # doctest: +SKIP
+    >>> AutoModelForCausalLM.from_pretrained("export/model")  # doctest: +SKIP
+    ```
+    """
+    require_local(directory, "consolidate_checkpoint")
+    _ASYNC.wait()
+    path = Path(directory)
+    reader = _Reader(path, verify_checkpoint(path, full=True, raise_on_error=True), hash_on_read=True)
+    return consolidate_pieces(reader, output_dir, max_shard_size=max_shard_size, include_optimizer=include_optimizer,
+                              overwrite=overwrite)

@@ -351,7 +351,7 @@ def _check_indexes(directory: Path, report: VerifyReport) -> None:
 
 def _check_layout(directory: Path, report: VerifyReport) -> None:
     """Sharded (per-rank) checkpoints: every piece the layout describes is stored as described."""
-    from ._sharded_load import Section, check_pieces_stored, parse_layout
+    from ._piece_reader import Section, check_pieces_stored, parse_layout
 
     if LAYOUT_FILE not in report.manifest.files:
         return

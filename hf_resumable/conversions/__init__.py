@@ -9,7 +9,7 @@
 - :mod:`~hf_resumable.conversions.dcp`: accelerate's FSDP ``SHARDED_STATE_DICT`` ``save_state`` (DCP ``.distcp`` +
   ``.metadata``) into a per-rank checkpoint ``ResumableAccelerator`` with FSDP2 resumes.
 - :mod:`~hf_resumable.conversions.hf_storage`: transformers' ``save_pretrained(distributed_checkpoint=True)``
-  (per-rank safetensors) and ``save_optimizer_distributed`` into a per-rank checkpoint ``load_sharded_checkpoint``
+  (per-rank safetensors) and ``save_optimizer_distributed`` into a per-rank checkpoint ``load_checkpoint``
   loads at any layout.
 - :mod:`~hf_resumable.conversions.export`: an hf_resumable checkpoint (regular, per-rank FSDP2 / ZeRO, or with a
   recorded frozen base) into a ``from_pretrained`` model directory, PEFT adapters merged or side by side.

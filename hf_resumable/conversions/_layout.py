@@ -2,7 +2,7 @@
 
 A stock per-rank checkpoint (DeepSpeed's ZeRO partitions, torch.distributed.checkpoint's chunks) already says which
 rank held which box of which tensor; :func:`add_rank_pieces` writes each rank's boxes into that rank's piece file of
-the sharded format (:mod:`hf_resumable.checkpoint._sharded`) and returns the layout section, exactly as the ranks of
+the piece format (:mod:`hf_resumable.checkpoint._piece_layout`) and returns the layout section, exactly as the ranks of
 a live save would (each rank's :func:`piece_report`, united by :func:`section_from_reports`).
 :func:`layout_document` is the layout itself. Pure planning of the boxes happens in the converters; this module only
 assembles :class:`LocalState` objects into files.
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint._sharded import (
+from ..checkpoint._piece_layout import (
     LocalState,
     check_storable,
     piece_file,
@@ -24,7 +24,7 @@ from ..checkpoint._sharded import (
     piece_tensor_file,
     section_from_reports,
 )
-from ..checkpoint._sharded import layout_document as sharded_layout
+from ..checkpoint._piece_layout import layout_document as sharded_layout
 from ..checkpoint._types import Box, Payload
 from ..constants import LAYOUT_FILE, LAYOUT_KEY_MODEL, LAYOUT_KEY_OPTIMIZER
 from ..format._jsonio import json_bytes

@@ -51,7 +51,7 @@ import torch
 from ..checkpoint import CheckpointInfo
 from ..checkpoint._partitioned import MAP_FLAT, PARTITION_KEY, PartitionMap
 from ..checkpoint._payload import capture_payload
-from ..checkpoint._sharded import flatten_optimizer_state
+from ..checkpoint._piece_layout import flatten_optimizer_state
 from ..checkpoint._types import Box
 from ..constants import (
     CONFIG_FILE,

@@ -121,7 +121,7 @@ def export_model(
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise CheckpointExistsError(f"{target} exists and is not an empty directory; export into a new directory.")
     # elastic: a per-rank (FSDP2 / ZeRO) checkpoint is read whole here, in one process, whatever its world size
-    opened = open_checkpoint(source, verify=verify, allow_inexact_resume=True, elastic=True)
+    opened = open_checkpoint(source, verify=verify, allow_inexact_resume=True, reshard=True)
     # 1. The model, built from the base (or from the checkpoint's own config for a standalone checkpoint).
     model = _build_model(opened, base=base, revision=revision)
     # 2. The checkpoint's state, the frozen base checked against its record first.
@@ -151,17 +151,15 @@ def _load_weights(opened: OpenedCheckpoint, model: Any) -> None:
 
     A per-rank checkpoint (FSDP2 pieces, or DeepSpeed ZeRO-1/2, whose weights rank 0 saved whole) holds
     ``sharded_layout.json``: each whole tensor is assembled from the rank pieces that cover it
-    (:func:`~hf_resumable.checkpoint._sharded.plan_region_reads` plans which slice of which piece file goes where,
+    (:func:`~hf_resumable.checkpoint._piece_layout.plan_region_reads` plans which slice of which piece file goes where,
     then the slices are read), with no process group. Any other checkpoint loads as usual.
     """
     if LAYOUT_FILE not in opened.manifest.files:
         opened.load_into(model=model, strict=True)
         return
-    from ..checkpoint.sharded import load_sharded_into
-
     _as_stored(opened, model)
     # the export is not a resume: no RNG restored, so a world size other than the saving one is fine
-    load_sharded_into(opened, model=model, restore_rng=False, strict=True)
+    opened.load_into(model=model, restore_rng=False, strict=True)
     logger.info("Assembled the weights of %s from the pieces of %d rank(s).", opened.path, opened.manifest.world_size)
 
 

@@ -18,10 +18,10 @@ for in the model's directory itself, in its ``optimizer/`` subdirectory, or wher
 
 :func:`convert_transformers_distributed_checkpoint` plans every rank's boxes from the headers
 (:func:`plan_hf_storage_pieces`, pure: offsets checked, the global shapes derived, the boxes checked to tile each
-tensor exactly once), reads each file with hf_resumable's validating safetensors reader, and commits the per-rank
-checkpoint ``save_sharded_checkpoint`` writes (``sharded_layout.json``, one piece file per rank, optimizer state keyed
-by parameter name, everything hashed in the manifest), so it loads at any world size and sharding
-(``load_sharded_checkpoint``) and consolidates or exports to a ``from_pretrained`` directory.
+tensor exactly once), reads each file with hf_resumable's validating safetensors reader, and commits the
+checkpoint of per-rank pieces that ``save_checkpoint`` writes (``sharded_layout.json``, one piece file per rank,
+optimizer state keyed by parameter name, everything hashed in the manifest), so it loads at any world size and sharding
+(``load_checkpoint``) and consolidates or exports to a ``from_pretrained`` directory.
 
 > [!WARNING]
 > These directories record neither the step, the scheduler, the RNG nor the data position: the step is taken from

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.sharded import ShardedOptimizerState
+from ..checkpoint import ShardedOptimizerState
 from ..errors import CheckpointMismatchError, IncompleteCheckpointError
 
 __all__ = [

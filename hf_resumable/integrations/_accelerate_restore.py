@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from ..checkpoint import LoadedCheckpoint, OpenedCheckpoint, VerifyReport, list_checkpoints, open_checkpoint
 from ..checkpoint._model_files import has_model_weights
 from ..checkpoint._writer import stock_accelerate_files
-from ..checkpoint.sharded import load_sharded_into
 from ..constants import CHECKPOINT_DIR_RE, LAYOUT_FILE, MANIFEST_FILE, OPTIMIZER_INDEX_FILE
 from ..distributed import broadcast_json
 from ..errors import ConfigDriftError, IncompleteCheckpointError, InexactResumeError
@@ -128,12 +127,9 @@ def restore_state(accelerator: ResumableAccelerator, path: Path, strict: bool,
     core_model, core_optimizer = core_load_targets(accelerator, layout, models)
     scheduler = (getattr(accelerator._schedulers[0], "scheduler", accelerator._schedulers[0])
                  if accelerator._schedulers else None)
-    if accelerator._saves_pieces():  # FSDP2: every rank reads the slices of the pieces it holds
-        loaded = load_sharded_into(opened, model=core_model, optimizer=core_optimizer, scheduler=scheduler,
-                                   scaler=accelerator.scaler, restore_rng=False, strict=strict)
-    else:
-        loaded = opened.load_into(model=core_model, optimizer=core_optimizer, scheduler=scheduler,
-                                  scaler=accelerator.scaler, strict=strict)
+    # FSDP2 / ZeRO: every rank reads the slices of the pieces it holds
+    loaded = opened.load_into(model=core_model, optimizer=core_optimizer, scheduler=scheduler,
+                              scaler=accelerator.scaler, strict=strict)
     restore_extra_objects(accelerator, path, layout, loaded.extra, models, strict=strict)
     if engine is not None:
         restore_engine_state(engine, [core_optimizer], engine_state)
@@ -176,7 +172,7 @@ def open_for_resume(accelerator: ResumableAccelerator, path: Path,
     return open_checkpoint(path, verified=verified,
                            allow_inexact_resume=accelerator.resume_options.allow_inexact_resume,
                            counters=(PROGRESS_MICRO_STEP, PROGRESS_ITERATION),
-                           elastic=accelerator.resume_options.elastic)  # FSDP2/ZeRO pieces: resharded
+                           reshard=accelerator.resume_options.elastic)  # FSDP2/ZeRO pieces: resharded
 
 
 def layout_of_checkpoint(accelerator: ResumableAccelerator, peek: LoadedCheckpoint) -> Layout:

@@ -4,7 +4,7 @@ Under ZeRO-1/2 every rank holds the whole (bit16 or fp32) model, and its own par
 flattened fp32 master weights, over which the torch optimizer steps: its Adam moments are partitions too. A
 checkpoint stores them as pieces of one global flat tensor per param group (:class:`ZeroOptimizerState` shows each
 partition as a ``DTensor`` sharded on dim 0 over the data-parallel group), so the sharded writer and reader
-(:mod:`hf_resumable.checkpoint.sharded`) handle them as they handle FSDP2 pieces, under the pseudo-parameter
+(:mod:`hf_resumable.checkpoint._pieces`) handle them as they handle FSDP2 pieces, under the pseudo-parameter
 ``zero<dp size>.group<i>`` with the keys ``fp32`` (the master partition) and the base optimizer's own
 (``exp_avg``, ``exp_avg_sq``, ``step``). The model's weights are saved whole, split between the ranks by bytes
 (every rank holds them), and the engine's counters and loss scaler as JSON (:func:`capture_engine_state`).
@@ -211,7 +211,7 @@ def _equal_cast(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
 
 
 class ZeroOptimizerState(_ZeroState):
-    """A ZeRO-1/2 optimizer as the sharded checkpoint sees it (:class:`~hf_resumable.checkpoint.sharded.
+    """A ZeRO-1/2 optimizer as the sharded checkpoint sees it (:class:`~hf_resumable.checkpoint.
     ShardedOptimizerState`): one pseudo-parameter per param group, whose state is this rank's partitions.
 
     Args:
@@ -308,7 +308,7 @@ class ZeroOptimizerState(_ZeroState):
 
 
 class Zero3OptimizerState(_ZeroState):
-    """A ZeRO-3 optimizer as the sharded checkpoint sees it (:class:`~hf_resumable.checkpoint.sharded.
+    """A ZeRO-3 optimizer as the sharded checkpoint sees it (:class:`~hf_resumable.checkpoint.
     ShardedOptimizerState`): one pseudo-parameter per sub-group (``zero<dp size>.subgroup<i>``), whose state is this
     rank's partition of the sub-group's flat fp32 master weights (``fp32``) and the base optimizer's state over it.
 

@@ -1,6 +1,6 @@
 """Which distributed engines ``ResumableAccelerator`` and ``ResumableTrainer`` checkpoint, decided before step 1.
 
-Supported (every rank saves and loads its own pieces, :mod:`hf_resumable.checkpoint.sharded`; the same world size
+Supported (every rank saves and loads its own pieces, :mod:`hf_resumable.checkpoint._pieces`; the same world size
 resumes bit-exactly):
 
 ======================================  ========================================================================
@@ -203,9 +203,9 @@ def check_trainer_engine(args: Any, state: Any, *, fsdp_xla: bool = False) -> No
 
 
 def holds_dtensors(model: torch.nn.Module | None) -> bool:
-    """Whether ``model``'s checkpoint is written as per-rank pieces (``save_sharded_checkpoint``) instead of whole
-    tensors: its parameters are DTensors (FSDP2 ``fully_shard``, tensor parallel), or it is (or holds) FSDP1
-    wrappers, whose sharded state dict is stored as pieces."""
+    """Whether ``model``'s checkpoint is written as per-rank pieces instead of whole tensors: its parameters are
+    DTensors (FSDP2 ``fully_shard``, tensor parallel), or it is (or holds) FSDP1 wrappers, whose state dict is kept as
+    pieces."""
     if model is None:
         return False
     from torch.distributed.tensor import DTensor

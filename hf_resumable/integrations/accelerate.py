@@ -89,7 +89,6 @@ from ..checkpoint import (
     save_checkpoint,
 )
 from ..checkpoint.api import background_saver
-from ..checkpoint.sharded import save_sharded_checkpoint
 from ..data import (
     ResumableDataLoader,
     SeededIterableDataset,
@@ -675,11 +674,10 @@ class ResumableAccelerator(Accelerator):
         if target.resolve() in pending_uploads(self):
             self._uploader.wait()  # never replace a checkpoint while it is being uploaded
         blocking = not self.resume_options.save_async if blocking is None else blocking
-        save = save_sharded_checkpoint if self._saves_pieces() else save_checkpoint  # FSDP2: every rank its pieces
         # Retention runs right after save_state, as accelerate's total_limit does (upstream's tests count the
         # entries): it may then delete the previous checkpoint, so this one's files are fsynced before its commit.
         durability = "immediate" if retains(self, mode) else "deferred"
-        save(target, **capture_state(self), step=self.global_step, overwrite=mode != NAMING_AUTOMATIC,
+        save_checkpoint(target, **capture_state(self), step=self.global_step, overwrite=mode != NAMING_AUTOMATIC,
              blocking=blocking, standalone=self.resume_options.standalone_checkpoints, durability=durability)
         if fingerprint is not None:
             self._committed = {target: fingerprint}  # steps only grow: only the newest can be met again

@@ -32,7 +32,7 @@ changes, and why:
   ``transformers.Trainer`` checkpoint (converted on the fly, not bit-exact), and starts fresh when there is none.
   Directories hf_resumable did not write are never overwritten or deleted.
 * **Engines** (:mod:`._engines`): DDP, FSDP2 and FSDP1 (``fsdp=``/``fsdp_config``, either ``state_dict_type``:
-  every rank saves and loads its own pieces, :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`)
+  every rank saves and loads its own pieces, :func:`~hf_resumable.checkpoint.save_checkpoint`)
   and DeepSpeed ZeRO-1/2/3 (``deepspeed=``: every rank saves and loads its ZeRO partitions,
   :mod:`._deepspeed`; DeepSpeed's own ``global_step*`` checkpoints are neither written nor read); ZeRO-Offload,
   FSDP1 hybrid sharding and XLA FSDP are refused when ``train()`` starts.
@@ -86,7 +86,6 @@ from ..checkpoint import (
 )
 from ..checkpoint._reader import read_on_load
 from ..checkpoint.api import background_saver, saves_async
-from ..checkpoint.sharded import load_sharded_checkpoint, load_sharded_into, save_sharded_checkpoint
 from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, LAYOUT_FILE, OPTIMIZER_INDEX_FILE, TRAINER_STATE_FILE
 from ..data import (
     DATA_KIND,
@@ -119,7 +118,7 @@ from ._deepspeed import (
     torch_optimizer,
 )
 from ._elastic import ELASTIC_SETTINGS, ElasticPlan, plan_elastic_resume, seed_model_rng
-from ._engines import check_trainer_engine, checkpoint_model, holds_dtensors
+from ._engines import check_trainer_engine, checkpoint_model
 from ._fallback import ResumeLoadError, agreed_load, find_agreed_checkpoint, refuse_fresh_start, resume_newest
 from ._parallelism import KEY_PARALLELISM, ParallelLayout
 from ._save_interval import AutoSaveInterval, check_save_strategy
@@ -672,7 +671,7 @@ class ResumableTrainer(Trainer):
         # Opened (decoded) once here, with the verification that found it; the weights and optimizer are filled from
         # this same object in _load_optimizer_and_scheduler, so a resume never verifies, reads or hashes a file twice.
         loaded = open_checkpoint(path, verify=self.resume_options.checkpoint_verify, verified=verified,
-                                 elastic=self.resume_options.elastic)  # FSDP2/ZeRO pieces: resharded
+                                 reshard=self.resume_options.elastic)
         converted_from, self._converted_from = self._converted_from, None
         if converted_from is not None or loaded.extra.get("converted_from"):
             return _Resume(path=path, loaded=loaded, converted_from=converted_from or path)
@@ -952,9 +951,7 @@ class ResumableTrainer(Trainer):
         unwrapped = checkpoint_model(self.model, self.accelerator.unwrap_model(self.model))  # FSDP1: its root
         optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO: this rank's partitions
         engine = deepspeed_engine(self.model_wrapped)
-        sharded = holds_dtensors(unwrapped) or engine is not None
-        save = save_sharded_checkpoint if sharded else save_checkpoint  # FSDP2 / ZeRO: per-rank pieces
-        save(
+        save_checkpoint(  # FSDP1/2 / ZeRO: every rank writes its pieces
             output_dir, model=unwrapped,
             optimizer=None if model_only else optimizer,
             scheduler=None if model_only else self.lr_scheduler,
@@ -1307,7 +1304,7 @@ class ResumableTrainer(Trainer):
             model_only = OPTIMIZER_INDEX_FILE not in files and LAYOUT_FILE not in files
         opened = (self._resume.loaded if self._resume is not None and Path(checkpoint) == self._resume.path
                   else open_checkpoint(checkpoint, verify=self.resume_options.checkpoint_verify,
-                                       elastic=self.resume_options.elastic))
+                                       reshard=self.resume_options.elastic))
         model = checkpoint_model(self.model, self.accelerator.unwrap_model(self.model))  # FSDP1: its root
         optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO: this rank's partitions
         objects = dict(optimizer=None if model_only else optimizer,
@@ -1318,13 +1315,11 @@ class ResumableTrainer(Trainer):
         if engine is not None and not model_only:  # checked before anything is loaded
             engine_state = saved_engine_state(opened.extra, where=checkpoint)
         with agreed_load(checkpoint):  # a failed hash on any rank: ResumeLoadError on all (train's fallback)
-            if holds_dtensors(model) or engine is not None:  # FSDP2 / ZeRO: every rank reads its pieces' slices
-                load_sharded_into(opened, model=model, **objects, restore_rng=False)
-                if engine_state is not None:
-                    restore_engine_state(engine, [optimizer], engine_state)
-            else:
-                # a world-size change was already refused (or allowed) by the run-config drift check
-                opened.load_into(model=model, **objects, restore_rng=False, allow_inexact_resume=True)
+            # FSDP2 / ZeRO: every rank reads its pieces' slices; a world-size change was already refused (or
+            # allowed) by the run-config drift check
+            opened.load_into(model=model, **objects, restore_rng=False, allow_inexact_resume=True)
+            if engine_state is not None:
+                restore_engine_state(engine, [optimizer], engine_state)
         changes = self._hyperparameter_changes and not model_only
         if changes and self.resume_options.resume_hyperparameters == "arguments":
             apply_new_hyperparameters(torch_optimizer(self.optimizer), self.lr_scheduler,
@@ -1368,8 +1363,7 @@ class ResumableTrainer(Trainer):
         logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
         model = checkpoint_model(self.model, self.accelerator.unwrap_model(self.model))  # FSDP1: its root
         # FSDP2 and ZeRO checkpoints hold per-rank pieces; under ZeRO-1/2 every rank loads the whole weights
-        load = load_sharded_checkpoint if holds_dtensors(model) or self.is_deepspeed_enabled else load_checkpoint
-        load(best, model=model, restore_rng=False, verify=self.resume_options.checkpoint_verify,
+        load_checkpoint(best, model=model, restore_rng=False, verify=self.resume_options.checkpoint_verify,
              allow_inexact_resume=True)  # weights only: no drift
 
 

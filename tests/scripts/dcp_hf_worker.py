@@ -12,8 +12,8 @@ Usage:
   .safetensors`` (``state/<fqn>/<key>``) and ``expected-optimizer.json`` (the param groups).
 * ``... dcp_hf_worker.py load --output-dir DIR --layout tp --regular CKPT --pieces CKPT``:
   ``from_pretrained(regular, distributed_config=...)`` on a regular hf_resumable checkpoint, and
-  ``load_sharded_checkpoint(pieces, model=, optimizer=)`` of a per-rank checkpoint into a model loaded at that layout
-  (its weights zeroed first), which then saves it with ``save_sharded_checkpoint(..., hf_weights=True)`` and loads that
+  ``load_checkpoint(pieces, model=, optimizer=)`` of a per-rank checkpoint into a model loaded at that layout
+  (its weights zeroed first), which then saves it with ``save_checkpoint(..., layout="hf")`` and loads that
   with ``from_pretrained(..., distributed_config=...)``; rank 0 writes what each holds, consolidated:
   ``loaded-regular.safetensors``, ``loaded-pieces-model.safetensors``, ``loaded-pieces-optimizer.safetensors``,
   ``loaded-hf-weights.safetensors``.
@@ -89,7 +89,7 @@ def save(args: argparse.Namespace, rank: int) -> None:
 
 
 def load(args: argparse.Namespace, rank: int) -> None:
-    from hf_resumable.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint
+    from hf_resumable.checkpoint import load_checkpoint, save_checkpoint
 
     config = DistributedConfig(**LAYOUTS[args.layout])
     regular = LlamaForCausalLM.from_pretrained(args.regular, distributed_config=config)
@@ -99,13 +99,13 @@ def load(args: argparse.Namespace, rank: int) -> None:
         for parameter in model.parameters():
             parameter.zero_()
     optimizer = build_optimizer(model)
-    load_sharded_checkpoint(args.pieces, model=model, optimizer=optimizer, restore_rng=False,
-                            allow_inexact_resume=True)
+    load_checkpoint(args.pieces, model=model, optimizer=optimizer, restore_rng=False,
+                    allow_inexact_resume=True)
     weights = get_model_state_dict(model, options=FULL)
     tensors, _ = full_optimizer(model, optimizer)
-    # a per-rank checkpoint saved at this layout with hf_weights=True: from_pretrained reads its directory as is
+    # a per-rank checkpoint saved at this layout with layout="hf": from_pretrained reads its directory as is
     with_weights = args.output_dir / "hf-weights"
-    save_sharded_checkpoint(with_weights, model=model, optimizer=optimizer, step=3, hf_weights=True)
+    save_checkpoint(with_weights, model=model, optimizer=optimizer, step=3, layout="hf")
     reloaded = LlamaForCausalLM.from_pretrained(with_weights, distributed_config=config)
     reloaded_weights = get_model_state_dict(reloaded, options=FULL)
     if rank == 0:

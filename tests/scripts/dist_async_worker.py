@@ -4,7 +4,7 @@ Usage: ``dist_async_worker.py MODE ROOT`` with the torchrun environment set.
 
 Every mode trains the same data-parallel loop for 6 steps (gradients all-reduced on the default group after
 every backward, so training collectives run while background saves are in flight) and saves at steps 2, 4
-and 6 with ``save_checkpoint`` (or ``save_sharded_checkpoint`` on an FSDP2 model).
+and 6 with ``save_checkpoint`` (``layout="pieces"`` on an FSDP2 model).
 
 * ``blocking`` / ``async``: saves with ``blocking=True`` / ``blocking=False``; writes ``result-rank{R}.json``
   (losses, final weight digest, the stall of each save call). The background copies of the saves at steps 2 and 4
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hf_resumable.checkpoint import _writer, save_checkpoint, wait_for_pending_saves
+from hf_resumable.checkpoint import _writer, load_checkpoint, save_checkpoint, wait_for_pending_saves
 from hf_resumable.checkpoint._step_gate import step_gate
 from hf_resumable.errors import AsyncSaveError
 
@@ -173,10 +173,8 @@ def main() -> int:
             started = time.perf_counter()
             try:
                 if sharded:
-                    from hf_resumable.checkpoint.sharded import save_sharded_checkpoint
-
-                    save_sharded_checkpoint(root / f"checkpoint-{step}", model=model, optimizer=optimizer, step=step,
-                                            blocking=blocking)
+                    save_checkpoint(root / f"checkpoint-{step}", model=model, optimizer=optimizer, step=step,
+                                    blocking=blocking, layout="pieces")
                 else:
                     save_checkpoint(root / f"checkpoint-{step}", model=model, optimizer=optimizer, step=step,
                                     blocking=blocking)
@@ -194,12 +192,10 @@ def main() -> int:
                           "errno": getattr(err.__cause__, "errno", None), "message": str(err)}
     reloaded = {}
     for step, expected in {} if failing else saved.items():  # every checkpoint, into a fresh model and optimizer
-        from hf_resumable.checkpoint.sharded import load_sharded_checkpoint
-
         fresh, fresh_optimizer = build(True, frozen=frozen)
         if step > 3:
             regroup(fresh, fresh_optimizer)
-        load_sharded_checkpoint(root / f"checkpoint-{step}", model=fresh, optimizer=fresh_optimizer)
+        load_checkpoint(root / f"checkpoint-{step}", model=fresh, optimizer=fresh_optimizer)
         reloaded[step] = full_digest(fresh, fresh_optimizer) == expected
     name = "error" if failing else "result"
     (root / f"{name}-rank{rank}.json").write_text(json.dumps(

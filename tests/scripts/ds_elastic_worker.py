@@ -7,11 +7,11 @@ ENGINE: ``fsdp2``, ``fsdp1`` (``use_orig_params=True``, FULL_SHARD), ``fsdp1-fla
 ``fsdp1-noshard`` (``NO_SHARD``), ``zero1``, ``zero2`` or ``zero3``.
 
 ``--train`` trains a tiny GPT-2 two optimizer steps under the engine (gloo, CPU) and saves ``--checkpoint`` with
-``save_sharded_checkpoint``; ``--load`` builds the engine afresh (its weights differ), tries a plain open of the
-checkpoint (refused with ``ConfigDriftError`` at another world size; recorded), then opens it with ``elastic=True``
-and fills the engine with ``load_sharded_into``, and saves it again into ``--save`` if given. Either way rank 0
-writes ``--dump``: the engine's own consolidated view of the run (whole weights, and per parameter the fp32 master
-weights, Adam moments and step counts), gathered with the engine's own functions
+``save_checkpoint``; ``--load`` builds the engine afresh (its weights differ), tries a plain open of the
+checkpoint (refused with ``ConfigDriftError`` at another world size; recorded), then opens it with ``reshard=True``
+and fills the engine with ``OpenedCheckpoint.load_into``, and saves it again into ``--save`` if given. Either way
+rank 0 writes ``--dump``: the engine's own consolidated view of the run (whole weights, and per parameter the fp32
+master weights, Adam moments and step counts), gathered with the engine's own functions
 (``torch.distributed.checkpoint.state_dict`` full state dicts for FSDP, ``deepspeed.utils.safe_get_full_*`` for
 ZeRO), independent of hf_resumable's reading.
 ``--bf16`` (ZeRO-2/3): the model in bf16 over DeepSpeed's fp32 master weights. ``--trainer-groups`` (ZeRO): the
@@ -33,8 +33,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 
-from hf_resumable.checkpoint import open_checkpoint  # noqa: E402
-from hf_resumable.checkpoint.sharded import load_sharded_into, save_sharded_checkpoint  # noqa: E402
+from hf_resumable.checkpoint import open_checkpoint, save_checkpoint  # noqa: E402
 from hf_resumable.errors import ConfigDriftError  # noqa: E402
 
 from helpers import engine_fixtures as fx  # noqa: E402
@@ -165,18 +164,18 @@ def main() -> int:
     if options.train:
         for _ in range(2):
             step(batch())
-        save_sharded_checkpoint(options.checkpoint, model=model, optimizer=optimizer, step=2)
+        save_checkpoint(options.checkpoint, model=model, optimizer=optimizer, step=2, layout="pieces")
     else:
         try:  # without elastic=True, another world size stays refused (before anything is loaded)
-            load_sharded_into(open_checkpoint(options.checkpoint), model=model, optimizer=optimizer,
+            open_checkpoint(options.checkpoint).load_into(model=model, optimizer=optimizer,
                               restore_rng=False)
             result["refused"] = False
         except ConfigDriftError:
             result["refused"] = True
-        opened = open_checkpoint(options.checkpoint, elastic=True)
-        load_sharded_into(opened, model=model, optimizer=optimizer, restore_rng=False)
+        opened = open_checkpoint(options.checkpoint, reshard=True)
+        opened.load_into(model=model, optimizer=optimizer, restore_rng=False)
         if options.save is not None:
-            save_sharded_checkpoint(options.save, model=model, optimizer=optimizer, step=2)
+            save_checkpoint(options.save, model=model, optimizer=optimizer, step=2, layout="pieces")
     tensors = dump_zero(engine) if options.engine.startswith("zero") else dump_fsdp(model, optimizer)
     if torch.distributed.get_rank() == 0:
         from safetensors.torch import save_file

@@ -4,7 +4,7 @@ tests/test_frozen_sharded.py.
 Usage: ``python frozen_sharded_worker.py MODE ROOT`` with the torchrun environment set.
 
 * ``save``: the tiny Llama (odd vocabulary: the frozen embedding splits 64 + 63 rows) with
-  ``embed_tokens`` frozen, FSDP2, AdamW; 2 steps, ``save_sharded_checkpoint`` to ROOT/checkpoint-2 (the
+  ``embed_tokens`` frozen, FSDP2, AdamW; 2 steps, ``save_checkpoint`` to ROOT/checkpoint-2 (the
   embedding recorded, not stored) and ROOT/standalone-2 (``standalone=True``); rank 0 writes the
   consolidated reference; then one more step of this uninterrupted run (ROOT/after-3.safetensors).
 * ``resume``: fresh processes build the same base, overwrite every trainable weight, load ROOT/checkpoint-2,
@@ -26,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import init_device_mesh  # noqa: E402
 
-from hf_resumable.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint  # noqa: E402
+from hf_resumable.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from hf_resumable.data.elastic import ElasticSampler  # noqa: E402
 from hf_resumable.errors import BaseMismatchError  # noqa: E402
 from hf_resumable.format.safetensors_io import read_safetensors, write_safetensors  # noqa: E402
@@ -69,10 +69,10 @@ def save(root: Path, rank: int, world_size: int) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     data = sampler(rank, world_size)
     fx.train(model, optimizer, data, steps=2)
-    save_sharded_checkpoint(root / "checkpoint-2", model=model, optimizer=optimizer, step=2,
-                                   training_state={"sampler": data.state_dict()})
-    save_sharded_checkpoint(root / "standalone-2", model=model, optimizer=optimizer, step=2, standalone=True,
-                            training_state={"sampler": data.state_dict()}, rng=False)
+    save_checkpoint(root / "checkpoint-2", model=model, optimizer=optimizer, step=2,
+                                   training_state={"sampler": data.state_dict()}, layout="pieces")
+    save_checkpoint(root / "standalone-2", model=model, optimizer=optimizer, step=2, standalone=True,
+                    training_state={"sampler": data.state_dict()}, rng=False, layout="pieces")
     fx.write_reference(root, model, optimizer, is_main=rank == 0)
     fx.train(model, optimizer, data, steps=1)  # nothing drew random numbers since the save: its RNG is current
     after, _ = fx.full_state(model, optimizer)
@@ -85,7 +85,7 @@ def resume(root: Path, rank: int, world_size: int) -> None:
     model, _ = build(trainable_seed=99)
     shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
-    loaded = load_sharded_checkpoint(root / "checkpoint-2", model=model, optimizer=optimizer)
+    loaded = load_checkpoint(root / "checkpoint-2", model=model, optimizer=optimizer)
     result["problems"] = fx.compare_to_reference(root, model, optimizer)
     data = sampler(rank, world_size)
     data.load_state_dict(loaded.training_state["sampler"])
@@ -97,14 +97,14 @@ def resume(root: Path, rank: int, world_size: int) -> None:
     plain, _ = build(trainable_seed=98)
     shard(plain)
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=0.5)
-    load_sharded_checkpoint(root / "plain-2", model=plain, optimizer=plain_optimizer, allow_inexact_resume=True,
-                            verify="full")
+    load_checkpoint(root / "plain-2", model=plain, optimizer=plain_optimizer, allow_inexact_resume=True,
+                    verify="full")
     result["plain_problems"] = fx.compare_to_reference(root, plain, plain_optimizer)
 
     other, _ = build(trainable_seed=97, embedding_delta=1.0)
     shard(other)
     try:
-        load_sharded_checkpoint(root / "checkpoint-2", model=other)
+        load_checkpoint(root / "checkpoint-2", model=other)
         result["mismatch"] = None
     except BaseMismatchError as err:
         result["mismatch"] = str(err)

@@ -16,7 +16,7 @@ The model's parameters are DTensors of every placement the N-D layouts produce (
 
 Modes:
 
-* ``save`` (4 ranks, 2x2): two AdamW steps, ``save_sharded_checkpoint`` to ROOT/checkpoint-2, rank 0 writes the full
+* ``save`` (4 ranks, 2x2): two AdamW steps, ``save_checkpoint`` to ROOT/checkpoint-2, rank 0 writes the full
   tensors (``reference.safetensors``), each rank its pieces as held (``pieces-rank{r}.safetensors``); then a fresh
   model at the same layout loads it, and each rank checks its pieces bit for bit (``result-rank{r}.json``); a model
   whose ``norm`` differs between its tp copies is then refused at save (``diverged`` in the same file).
@@ -39,7 +39,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
-from hf_resumable.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint  # noqa: E402
+from hf_resumable.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from hf_resumable.format.safetensors_io import read_safetensors, write_safetensors  # noqa: E402
 
 SHAPES = {"col": (8, 6), "row": (6, 8), "cols": (4, 7), "emb": (7, 4), "bias": (5,), "norm": (6,), "tpnorm": (6,)}
@@ -107,9 +107,9 @@ def save(root: Path, rank: int) -> None:
         write_safetensors(root / "reference.safetensors", sorted(reference.items()))
     pieces = state(model, optimizer, local)
     write_safetensors(root / f"pieces-rank{rank}.safetensors", sorted(pieces.items()))
-    save_sharded_checkpoint(root / "checkpoint-2", model=model, optimizer=optimizer, step=STEPS)
+    save_checkpoint(root / "checkpoint-2", model=model, optimizer=optimizer, step=STEPS, layout="pieces")
     fresh, fresh_optimizer = build(layout, seed=7)
-    load_sharded_checkpoint(root / "checkpoint-2", model=fresh, optimizer=fresh_optimizer)
+    load_checkpoint(root / "checkpoint-2", model=fresh, optimizer=fresh_optimizer)
     result = {"problems": differences(state(fresh, fresh_optimizer, local), pieces), "diverged": diverged(root, mesh)}
     (root / f"result-rank{rank}.json").write_text(json.dumps(result))
 
@@ -124,7 +124,7 @@ def diverged(root: Path, mesh) -> str | None:
         with torch.no_grad():
             model.norm.to_local().add_(1.0)
     try:
-        save_sharded_checkpoint(root / "diverged-0", model=model, optimizer=optimizer, step=0)
+        save_checkpoint(root / "diverged-0", model=model, optimizer=optimizer, step=0, layout="pieces")
     except Exception as err:  # noqa: BLE001 - recorded, the test names what it expects on each rank
         return f"{type(err).__name__}: {err}"
     return None
@@ -138,11 +138,11 @@ def load(root: Path, rank: int, world_size: int, source: str, resave: str | None
     model, optimizer = build(layout, seed=7)
     train(model, optimizer, layout)  # optimizer state to load into (other values)
     # per-rank RNG streams do not carry over to another world size; the tensors do, exactly
-    load_sharded_checkpoint(root / source, model=model, optimizer=optimizer, restore_rng=False)
+    load_checkpoint(root / source, model=model, optimizer=optimizer, restore_rng=False)
     reference = dict(read_safetensors(root / "reference.safetensors"))
     result = {"problems": differences(state(model, optimizer, whole), reference)}
     if resave:
-        save_sharded_checkpoint(root / resave, model=model, optimizer=optimizer, step=STEPS)
+        save_checkpoint(root / resave, model=model, optimizer=optimizer, step=STEPS, layout="pieces")
     (root / f"load-{world_size}-rank{rank}.json").write_text(json.dumps(result))
 
 

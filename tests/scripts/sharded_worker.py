@@ -2,14 +2,14 @@
 
 Usage: ``python sharded_worker.py MODE ROOT MODEL [STEP]`` with the torchrun environment set.
 
-* ``save``: FSDP2 model + AdamW, 2 training steps on ElasticSampler batches, ``save_sharded_checkpoint``
-  to ROOT/checkpoint-2 with the sampler position (and to ROOT/hf-2 with ``hf_weights=True``); rank 0
+* ``save``: FSDP2 model + AdamW, 2 training steps on ElasticSampler batches, ``save_checkpoint``
+  to ROOT/checkpoint-2 with the sampler position (and to ROOT/hf-2 with ``layout="hf"``); rank 0
   writes the consolidated reference and each
   rank the indices it trained on (``seen-rank{r}.json``); then loads it back into a fresh FSDP2 model at
   the same world size, compares, and trains one more step on both the resumed and the uninterrupted
   model (``result-same-world.json``).
 * ``crash``: as ``save`` to ROOT/checkpoint-STEP, but rank 1 SIGKILLs itself while writing its model pieces.
-* ``load``: fresh FSDP2 model (other weights) + AdamW, ``load_sharded_checkpoint`` of ROOT/checkpoint-2
+* ``load``: fresh FSDP2 model (other weights) + AdamW, ``load_checkpoint`` of ROOT/checkpoint-2
   (saved at another world size) and of ROOT/regular-2 (a regular checkpoint), compare the consolidated
   state with ROOT's reference (``result.json`` from rank 0), then iterate the rest of the epoch
   (``rest-rank{r}.json``).
@@ -30,7 +30,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import init_device_mesh  # noqa: E402
 
-from hf_resumable.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint  # noqa: E402
+from hf_resumable.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from hf_resumable.data.elastic import ElasticSampler  # noqa: E402
 from hf_resumable.format.rng import restore_rng_state  # noqa: E402
 
@@ -69,7 +69,7 @@ def crash(root: Path, kind: str, rank: int, world_size: int, step: int) -> None:
     model, _ = fx.build(kind)
     shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    save_sharded_checkpoint(root / f"checkpoint-{step}", model=model, optimizer=optimizer, step=step)
+    save_checkpoint(root / f"checkpoint-{step}", model=model, optimizer=optimizer, step=step, layout="pieces")
 
 
 def save(root: Path, kind: str, rank: int, world_size: int, step: int) -> None:
@@ -78,20 +78,20 @@ def save(root: Path, kind: str, rank: int, world_size: int, step: int) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     data = sampler(rank, world_size)
     seen = fx.train(model, optimizer, data, steps=2)
-    save_sharded_checkpoint(root / f"checkpoint-{step}", model=model, optimizer=optimizer, step=step,
-                            training_state={"sampler": data.state_dict()})
+    save_checkpoint(root / f"checkpoint-{step}", model=model, optimizer=optimizer, step=step,
+                    training_state={"sampler": data.state_dict()}, layout="pieces")
     # The same state with whole HF weight shards (several files, so both ranks write some).
-    save_sharded_checkpoint(root / f"hf-{step}", model=model, optimizer=optimizer, step=step, hf_weights=True,
-                            max_shard_size=40_000)
+    save_checkpoint(root / f"hf-{step}", model=model, optimizer=optimizer, step=step, layout="hf",
+                    max_shard_size=40_000)
     # ... and in one file (model.safetensors, as save_pretrained), which rank 0 alone writes.
-    save_sharded_checkpoint(root / f"hf-single-{step}", model=model, step=step, hf_weights=True)
+    save_checkpoint(root / f"hf-single-{step}", model=model, step=step, layout="hf")
     fx.write_reference(root, model, optimizer, is_main=rank == 0)
     (root / f"seen-rank{rank}.json").write_text(json.dumps(seen))
     # Same world size: exact resume, RNG included (no allow_inexact_resume needed) ...
     fresh, _ = fx.build(kind, seed=99)
     shard(fresh)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.5)
-    loaded = load_sharded_checkpoint(root / f"checkpoint-{step}", model=fresh, optimizer=fresh_optimizer)
+    loaded = load_checkpoint(root / f"checkpoint-{step}", model=fresh, optimizer=fresh_optimizer)
     problems = fx.compare_to_reference(root, fresh, fresh_optimizer)
     # ... and one more step (dropout on) of the resumed run equals that step of the uninterrupted run, bitwise.
     resumed = sampler(rank, world_size)
@@ -110,15 +110,15 @@ def load(root: Path, kind: str, rank: int, world_size: int, step: int) -> None:
     model, _ = fx.build(kind, seed=99)
     shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.0)
-    loaded = load_sharded_checkpoint(root / f"checkpoint-{step}", model=model, optimizer=optimizer,
-                                     allow_inexact_resume=True)
+    loaded = load_checkpoint(root / f"checkpoint-{step}", model=model, optimizer=optimizer,
+                             allow_inexact_resume=True)
     problems = fx.compare_to_reference(root, model, optimizer)
     # A regular single-writer checkpoint reshards the same way (each tensor one whole piece).
     regular, _ = fx.build(kind, seed=98)
     shard(regular)
     regular_optimizer = torch.optim.AdamW(regular.parameters(), lr=0.5)
-    load_sharded_checkpoint(root / f"regular-{step}", model=regular, optimizer=regular_optimizer,
-                            allow_inexact_resume=True)
+    load_checkpoint(root / f"regular-{step}", model=regular, optimizer=regular_optimizer,
+                    allow_inexact_resume=True)
     regular_problems = fx.compare_to_reference(root, regular, regular_optimizer)
     if rank == 0:
         (root / "result.json").write_text(json.dumps({"problems": problems, "regular_problems": regular_problems,

@@ -3,9 +3,9 @@
 Usage: ``python verify_worker.py MODE ROOT`` with the torchrun environment set.
 
 * ``save``: an FSDP2 GPT-2 whose piece files span several hashed chunks, one AdamW step, then
-  ``save_sharded_checkpoint`` to ROOT/checkpoint-1.
+  ``save_checkpoint`` to ROOT/checkpoint-1.
 * ``load``: for every corrupted copy listed in ROOT/cases.json, a fresh FSDP2 model and AdamW and
-  ``load_sharded_checkpoint`` of it; each rank writes what every load did to ROOT/outcomes-rank{r}.json.
+  ``load_checkpoint`` of it; each rank writes what every load did to ROOT/outcomes-rank{r}.json.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import init_device_mesh  # noqa: E402
 
-from hf_resumable.checkpoint.sharded import load_sharded_checkpoint, save_sharded_checkpoint  # noqa: E402
+from hf_resumable.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from hf_resumable.errors import CorruptCheckpointError  # noqa: E402
 
 from helpers.tiny_models import tiny_gpt2  # noqa: E402
@@ -48,13 +48,13 @@ def main() -> None:
         ids = torch.arange(16).reshape(2, 8) + 2 * rank
         model(ids, labels=ids).loss.backward()
         optimizer.step()
-        save_sharded_checkpoint(root / "checkpoint-1", model=model, optimizer=optimizer, step=1)
+        save_checkpoint(root / "checkpoint-1", model=model, optimizer=optimizer, step=1, layout="pieces")
     else:
         outcomes = {}
         for case in json.loads((root / "cases.json").read_text()):
             model, optimizer = build()
             try:
-                load_sharded_checkpoint(root / case, model=model, optimizer=optimizer)
+                load_checkpoint(root / case, model=model, optimizer=optimizer)
                 outcomes[case] = {"error": None}
             except CorruptCheckpointError as err:
                 outcomes[case] = {"error": "CorruptCheckpointError", "message": str(err)}

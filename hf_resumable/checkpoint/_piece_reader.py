@@ -1,7 +1,7 @@
-"""Read the pieces of a sharded checkpoint into whatever sharding the loading rank has (any world size).
+"""Read the pieces of a checkpoint into whatever sharding the loading rank has (any world size).
 
 For every tensor the loading rank needs, the wanted box is this rank's DTensor piece (or the whole
-tensor for a plain model); :func:`~hf_resumable.checkpoint._sharded.plan_region_reads` says which
+tensor for a plain model); :func:`~hf_resumable.checkpoint._piece_layout.plan_region_reads` says which
 slices of which stored pieces make it up, and :class:`~hf_resumable.format.slice_reader.VerifiedFile` reads those bytes
 (extended to the hashed chunks they cover) and checks them against the manifest.
 """
@@ -22,7 +22,8 @@ from ..format.safetensors_io import STR_TO_DTYPE
 from ..format.sharding import ShardIndex, check_relative_name
 from ._dtensor import local_box
 from ._model import TIED_KEY, match_keys
-from ._sharded import (
+from ._parallel_read import read_files
+from ._piece_layout import (
     LAYOUT_FILE,
     LAYOUT_KEY_VERSION,
     LAYOUT_KEY_WORLD_SIZE,
@@ -88,7 +89,7 @@ def parse_layout(document: Any, *, source: str) -> dict[str, Any]:
         CorruptCheckpointError: if it is not a layout document.
     """
     if not isinstance(document, dict) or not isinstance(document.get(LAYOUT_KEY_VERSION), int):
-        raise CorruptCheckpointError(f"{source}: not an hf_resumable sharded layout ({LAYOUT_FILE}).")
+        raise CorruptCheckpointError(f"{source}: not an hf_resumable piece layout ({LAYOUT_FILE}).")
     newest = max(LAYOUT_VERSION, LAYOUT_VERSION_MASTERS)
     if document[LAYOUT_KEY_VERSION] > newest:
         raise FormatVersionError(f"{source}: layout version {document[LAYOUT_KEY_VERSION]}; this hf_resumable reads "
@@ -115,10 +116,10 @@ def _whole_tensor_section(index: ShardIndex, headers: Mapping[str, Any], tied: M
 
 def layout_from_regular(indexes: Mapping[str, ShardIndex | None], headers: Mapping[str, Any], *, world_size: int,
                         optimizer_document: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The layout of a regular (single-writer) checkpoint, so it loads into any sharding like a sharded one.
+    """The layout of a regular (single-writer) checkpoint, so it loads into any sharding like a checkpoint of pieces.
 
-    Its optimizer tensors (``state/<name>/<key>``) and optimizer document already use the sharded
-    checkpoint's names and shape; only the pieces (whole tensors) are implied by the indexes.
+    Its optimizer tensors (``state/<name>/<key>``) and optimizer document already use the piece layout's
+    names and shape; only the pieces (whole tensors) are implied by the indexes.
 
     Args:
         indexes: ``{"model": ShardIndex, "optimizer": ShardIndex or None}``.
@@ -194,9 +195,36 @@ class PieceReader:
             self._handles[file] = self._stack.enter_context(self.reader.verified_file(file))
         return self._handles[file]
 
-    def read_box(self, name: str, wanted: Box) -> torch.Tensor:
-        """The ``wanted`` box of stored tensor ``name`` as a new CPU tensor."""
-        out = torch.empty(wanted.shape, dtype=self.section.dtypes[name])
+    def read_whole_files(self, wanted: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """Read whole the files of which every tensor is in ``wanted`` as one whole piece (a checkpoint of whole
+        tensors, or a rank's file read at the world size it was written at) as the files of a regular checkpoint are
+        read: streamed, each file's hash checked in byte order while it is read (:func:`._parallel_read.read_files`).
+
+        Args:
+            wanted (`Mapping`): stored tensor name -> where to read it (a tensor of its shape) or ``None`` (new).
+
+        Returns:
+            `dict[str, torch.Tensor]`: what was read, by name (the given tensors, or new ones); the rest is left to
+            :meth:`read_box`.
+        """
+        whole = {name for name in wanted if name not in self.section.masters
+                 and _is_whole(self.section, name)}
+        reads = []
+        for file in sorted({next(iter(self.section.pieces[name])) for name in whole}):
+            header = self.reader.report.headers.get(file)
+            if header is None or not set(header.tensors) <= whole:
+                continue
+            into = {name: wanted[name] for name in header.tensors if wanted[name] is not None}
+            reads.append((list(header.tensors), self.reader.file_read(file, into)))
+        if not reads:
+            return {}
+        new = read_files([read for _, read in reads])
+        return {name: new[name] if name in new else wanted[name] for names, _ in reads for name in names}
+
+    def read_box(self, name: str, wanted: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``wanted`` box of stored tensor ``name`` as a new CPU tensor (or into ``out``, a contiguous CPU tensor
+        of its shape and stored dtype)."""
+        out = torch.empty(wanted.shape, dtype=self.section.dtypes[name]) if out is None else out
         master = self.section.masters.get(name)
         reads = plan_region_reads(wanted, self.section.pieces[name], name=name, source=self.source,
                                   partial=master is not None)
@@ -251,17 +279,53 @@ def _shape_for(template: torch.Tensor | None, section: Section, name: str) -> tu
     return section.shapes[name]
 
 
-def fill_state(current: Mapping[str, torch.Tensor], reader: PieceReader, names: list[str]) -> dict[str, torch.Tensor]:
+def fill_state(current: Mapping[str, torch.Tensor], reader: PieceReader, names: list[str], *,
+               in_place: bool = False) -> dict[str, torch.Tensor]:
     """New tensors shaped and sharded like ``current[name]`` for each of ``names``, read from the pieces (a
-    tensor stored flattened, into a whole template of its own shape: read whole and viewed)."""
+    tensor stored flattened, into a whole template of its own shape: read whole and viewed). With ``in_place``, a
+    template that is a whole contiguous CPU tensor of the stored dtype is read into itself (and returned as is).
+    Files wanted whole are read whole (:meth:`PieceReader.read_whole_files`), the rest slice by slice."""
     filled: dict[str, torch.Tensor] = {}
+    section = reader.section
+    wanted: dict[str, torch.Tensor | None] = {}
+    for name in names:
+        template, stored = current[name], section.tied.get(name, name)
+        box = local_box(template)
+        if tuple(box.shape) == section.shapes[stored] and not any(box.offset):
+            itself = in_place and _fills_itself(template, section.dtypes[stored])
+            wanted.setdefault(stored, template if itself else None)
+    whole = reader.read_whole_files(wanted)
+    written: set[int] = set()  # tied names share their memory: read once
     for name in names:
         template = current[name]
-        stored = reader.section.tied.get(name, name)
+        stored = section.tied.get(name, name)
+        if stored in whole:
+            filled[name] = whole[stored] if whole[stored] is template else _wrap_like(template, whole[stored])
+            continue
         shape = _shape_for(template, reader.section, stored)
         if shape != reader.section.shapes[stored]:
             filled[name] = reader.read_full(stored).view(shape)
             continue
+        if in_place and _fills_itself(template, reader.section.dtypes[stored]):
+            if template.data_ptr() not in written or not template.numel():
+                reader.read_box(stored, local_box(template), out=template)
+                written.add(template.data_ptr())
+            filled[name] = template
+            continue
         local = reader.read_box(stored, local_box(template))
         filled[name] = _wrap_like(template, local)
     return filled
+
+
+def _is_whole(section: Section, name: str) -> bool:
+    """Whether stored tensor ``name`` is one piece: the whole tensor, in one file."""
+    pieces = section.pieces.get(name) or {}
+    if len(pieces) != 1:
+        return False
+    box = next(iter(pieces.values()))
+    return not any(box.offset) and tuple(box.shape) == section.shapes[name]
+
+
+def _fills_itself(template: torch.Tensor, dtype: torch.dtype) -> bool:
+    return (not hasattr(template, "to_local") and template.device.type == "cpu" and template.dtype == dtype
+            and template.is_contiguous())

@@ -1,4 +1,5 @@
-"""Per-rank pieces of DTensor-sharded (FSDP2) state: what each rank writes, and where every piece sits.
+"""Per-rank pieces of an engine's state (FSDP2 / DTensor, FSDP1, ZeRO, or whole tensors split across the ranks):
+what each rank writes, and where every piece sits.
 
 Under FSDP2 (or any DTensor sharding) every rank holds a *piece* of each tensor: a box of the global
 tensor given by an ``offset`` and a ``shape``. A save writes each rank's pieces into its own
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..constants import (  # noqa: F401 - re-exported for the sharded modules
+from ..constants import (  # noqa: F401 - re-exported for the piece modules
     LAYOUT_FILE,
     LAYOUT_KEY_MODEL,
     LAYOUT_KEY_OPTIMIZER,
@@ -242,7 +243,7 @@ def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: M
         if tuple(local.shape) != box.shape:
             raise CheckpointMismatchError(
                 f"{name!r}: the local tensor has shape {list(local.shape)} but its placement implies "
-                f"{list(box.shape)}; this sharding is not supported by save_sharded_checkpoint."
+                f"{list(box.shape)}; this sharding cannot be saved as pieces."
             )
         if box.numel and name not in omit and writes_piece(name, tensor, rank, owners.get(name, 0)):
             if staged is not None:
@@ -259,8 +260,8 @@ def flatten_optimizer_state(optimizer_state: Mapping[str, Any], optimizer_class:
 
     Tensors (DTensors included) are named ``state/<param fqn>/<key>``, exactly as in
     ``optimizer.safetensors`` of a regular checkpoint, and the document has the same shape as a
-    regular checkpoint's ``training_state.json["optimizer"]``, so :func:`consolidate_sharded_checkpoint`
-    turns one into the other by assembling tensors only.
+    regular checkpoint's ``training_state.json["optimizer"]``, so
+    :func:`~hf_resumable.checkpoint.consolidate_checkpoint` turns one into the other by assembling tensors only.
 
     Raises:
         UnsupportedStateError: if a value cannot be stored without pickle.

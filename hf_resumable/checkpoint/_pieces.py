@@ -1,50 +1,28 @@
-"""Sharded checkpoints for FSDP2 / DTensor models: every rank writes its own pieces, any world size loads them.
+"""Pieces: the part of :func:`~hf_resumable.checkpoint.save_checkpoint` and of
+:meth:`~hf_resumable.checkpoint.OpenedCheckpoint.load_into` that stores and reads tensors as per-rank pieces.
 
-``save_sharded_checkpoint`` is the parallel counterpart of :func:`~hf_resumable.save_checkpoint`: each
-rank writes the pieces of the model weights and optimizer state it holds (``DTensor.to_local()``) into
-its own safetensors files, in parallel, and rank 0 commits the checkpoint with the same protocol
-(temp directory, ``manifest.json`` last with every file's size and xxh3-128, atomic rename). Plain
-(unsharded, replicated) tensors work too: the ranks split them, whole tensors balanced by bytes (DeepSpeed
-ZeRO-1/2's weights; one process writes them all).
+A checkpoint is a set of tensors, each stored as one or more pieces (a box of the global tensor). A whole tensor is
+one piece: a regular checkpoint (``model.safetensors`` or HF shards + index) is read here as such. A rank's pieces are
+what its engine holds: FSDP2 / DTensor local tensors, FSDP1's ``ShardedTensor`` shards re-wrapped, DeepSpeed ZeRO's
+flat partitions (:mod:`._partitioned`, :class:`ShardedOptimizerState`), or, for plain replicated tensors, whole
+tensors split across the ranks by bytes (:func:`~._replicas.plan_replica_writers`). :func:`saves_pieces` is the one
+rule that picks this layout; a load reads pieces at any world size, each rank only the slices it needs, every byte
+checked against the manifest's chunk hashes (:mod:`hf_resumable.format.chunks`).
 
-``load_sharded_checkpoint`` loads into any sharding at any world size (2 -> 1, 1 -> 2, ...): each rank
-reads only the slices of the stored pieces that overlap what it holds. ``consolidate_sharded_checkpoint``
-turns a sharded checkpoint into a regular one, whose weights are laid out as ``save_pretrained`` lays them out
-(one ``model.safetensors``, or ``model.safetensors.index.json`` and its shards) so ``from_pretrained`` loads them.
-
-Layout of a sharded ``checkpoint-<step>/``::
+Layout of a piece ``checkpoint-<step>/``::
 
     sharded/model-rank00000-of-00002.safetensors      rank 0's pieces of the weights (boxes in the header)
     sharded/optimizer-rank00000-of-00002.safetensors  rank 0's pieces of the optimizer state
-    sharded/...-rank00001-of-00002.safetensors        rank 1's
     sharded_layout.json                               every tensor's dtype, global shape, and piece boxes
-    model.safetensors                                 with hf_weights=True only: whole weights instead of
-    (or model.safetensors.index.json,                 model pieces (one file when they fit in one shard),
-     model-0000k-of-0000N.safetensors)                written round robin by the ranks
-    frozen_base.json                                  frozen parameters (requires_grad=False), recorded instead of
-                                                      stored: each rank's piece fingerprinted (not with
-                                                      standalone=True or hf_weights=True)
-    config.json, generation_config.json               as save_pretrained writes them
-    training_state.json, rng/, data/                  as in a regular checkpoint
+    model.safetensors (or index + HF shards)          with layout="hf" only: whole weights instead of model pieces
+    frozen_base.json                                  frozen parameters, recorded instead of stored
+    config.json, training_state.json, rng/, data/     as in every checkpoint
     manifest.json                                     written last
 
-Nothing is pickled: torch.distributed.checkpoint's ``FileSystemWriter`` writes a pickled ``.metadata``,
-and its ``HuggingFaceStorageWriter`` exchanges plans with pickling collectives and stores non-tensor
-optimizer state with ``torch.save``, so neither is used; coordination here is JSON over
-:mod:`hf_resumable.distributed`.
+(The directory and the layout file keep their format-v2 names, so checkpoints already written read unchanged.)
 
-Example:
-
-```python
->>> from torch.distributed.fsdp import fully_shard
->>> from hf_resumable.checkpoint.sharded import save_sharded_checkpoint, load_sharded_checkpoint
->>> for block in model.model.layers:  # doctest: +SKIP
-...     fully_shard(block)
->>> fully_shard(model)  # doctest: +SKIP
->>> save_sharded_checkpoint("out/checkpoint-100", model=model, optimizer=optimizer, step=100)  # doctest: +SKIP
->>> # later, on any number of ranks (or in a single process, into a plain model):
->>> load_sharded_checkpoint("out/checkpoint-100", model=model, optimizer=optimizer)  # doctest: +SKIP
-```
+Nothing is pickled: torch.distributed.checkpoint's writers pickle their metadata or exchange plans with pickling
+collectives, so neither is used; coordination here is JSON over :mod:`hf_resumable.distributed`.
 """
 
 from __future__ import annotations
@@ -54,12 +32,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from ..constants import (
-    DEFAULT_MAX_SHARD_SIZE,
     FROZEN_RECORD_FILE,
     MODEL_INDEX_FILE,
     OPTIMIZER_FILE_PATTERN,
@@ -71,15 +48,14 @@ from ..constants import (
     STATE_KEY_SCHEDULER,
     TRAINING_STATE_FILE,
 )
-from ..distributed import agreed_reads, all_gather_json, checkpoint_group, is_distributed, rank_and_world_size
+from ..distributed import agreed_reads, all_gather_json, checkpoint_group, is_distributed
 from ..errors import CheckpointMismatchError, IncompleteCheckpointError
 from ..format._jsonio import json_bytes
-from ..format.rng import RngState
 from ..format.sharding import build_index
 from ..format.state_codec import decode_state
-from ._durability import check_durability
-from ._frozen import base_not_stored, check_frozen_sharded, split_frozen_sharded
-from ._model import TIED_KEY
+from ._dtensor import is_dtensor
+from ._frozen import base_not_stored, check_frozen_sharded, forget_fingerprints, split_frozen_sharded
+from ._model import TIED_KEY, load_state_dict_reason
 from ._model_files import single_file_metadata
 from ._partitioned import (
     MasterWeights,
@@ -96,13 +72,8 @@ from ._partitioned import (
 from ._payload import (
     add_model_weights,
     add_sharded,
-    capture_payload,
-    capture_pretrained,
 )
-from ._placements import check_copies_agree
-from ._reader import LoadedCheckpoint, OpenedCheckpoint, _Reader
-from ._replicas import plan_replica_writers, split_replicas
-from ._sharded import (
+from ._piece_layout import (
     LAYOUT_FILE,
     LAYOUT_KEY_MODEL,
     LAYOUT_KEY_OPTIMIZER,
@@ -131,7 +102,7 @@ from ._sharded import (
     section_from_reports,
     stamp_layout_version,
 )
-from ._sharded_load import (
+from ._piece_reader import (
     PieceReader,
     Section,
     check_fits,
@@ -140,20 +111,24 @@ from ._sharded_load import (
     layout_from_regular,
     parse_layout,
 )
+from ._placements import check_copies_agree
+from ._replicas import plan_replica_writers, split_replicas
 from ._sharded_tensors import as_dtensors, into_sharded_tensors, optimizer_as_dtensors, optimizer_into_sharded_tensors
 from ._step_gate import gated_optimizer, step_gate
 from ._types import Payload, TensorFile
 from ._validate import check_optimizer_document
-from ._writer import check_target, save_payload
-from .api import CheckpointInfo, background_saver, open_checkpoint, save_blocking, wait_for_pending_saves
-from .discovery import apply_retention
+from ._writer import save_payload
 from .manifest import Manifest
-from .verify import verify_checkpoint
+
+if TYPE_CHECKING:  # the reader fills objects through this module (load_pieces_into)
+    from ._reader import OpenedCheckpoint, _Reader
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["save_sharded_checkpoint", "load_sharded_checkpoint", "load_sharded_into", "consolidate_sharded_checkpoint",
-           "ShardedOptimizerState"]
+LAYOUTS = ("auto", "hf", "pieces")  # save_checkpoint(layout=...): see saves_pieces
+
+__all__ = ["ShardedOptimizerState", "capture_pieces", "consolidate_pieces", "load_pieces_into", "reads_pieces",
+           "saves_pieces"]
 
 
 def _options(**kwargs: Any) -> Any:
@@ -198,7 +173,7 @@ class ShardedOptimizerState(Protocol):
     >>> zero = checkpoint_optimizer(engine.optimizer)  # a ZeRO-1/2 engine's optimizer  # doctest: +SKIP
     >>> isinstance(zero, ShardedOptimizerState)  # doctest: +SKIP
     True
-    >>> save_sharded_checkpoint("out/checkpoint-10", model=engine.module, optimizer=zero, step=10)  # doctest: +SKIP
+    >>> save_checkpoint("out/checkpoint-10", model=engine.module, optimizer=zero, step=10)  # doctest: +SKIP
     ```
     """
 
@@ -218,6 +193,52 @@ def _class_name(optimizer: Any) -> str:
     if isinstance(optimizer, ShardedOptimizerState):
         return optimizer.checkpoint_class
     return type(optimizer).__qualname__
+
+
+def engine_pieces(model: Any, optimizer: Any = None) -> bool:
+    """Whether an engine splits ``model`` or ``optimizer`` across ranks: DTensor parameters (FSDP2, tensor
+    parallel), FSDP1 wrappers, DeepSpeed ZeRO-3 partitions, or an optimizer that holds its own pieces
+    (:class:`ShardedOptimizerState`, ZeRO-1/2)."""
+    if isinstance(optimizer, ShardedOptimizerState):
+        return True
+    if not isinstance(model, torch.nn.Module):
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return (is_partitioned(model) or any(is_dtensor(p) for p in model.parameters())
+            or any(isinstance(module, FullyShardedDataParallel) for module in model.modules()))
+
+
+def saves_pieces(model: Any, optimizer: Any, layout: str) -> bool:
+    """The one rule for a save's layout: per-rank pieces when ``layout="pieces"`` or an engine splits the model or
+    optimizer (:func:`engine_pieces`; with ``layout="hf"`` its weights are then gathered into HF files and only the
+    optimizer stays in pieces), else whole tensors in the HF layout.
+
+    Raises:
+        ValueError: ``layout`` is not one of ``"auto"``, ``"hf"``, ``"pieces"``, or ``"pieces"`` for a state dict.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> saves_pieces(torch.nn.Linear(2, 2), None, "auto"), saves_pieces(torch.nn.Linear(2, 2), None, "pieces")
+    (False, True)
+    ```
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}.")
+    if layout == "pieces" and not isinstance(model, torch.nn.Module):
+        raise ValueError("layout='pieces' needs model= to be a torch.nn.Module (a state dict is stored whole, in the "
+                         "HF layout); pass the module, or layout='auto'.")
+    return layout == "pieces" or engine_pieces(model, optimizer)
+
+
+def reads_pieces(manifest_files: Any, model: Any, optimizer: Any) -> bool:
+    """The one rule for a load's path: the piece reader when the checkpoint holds pieces or an engine splits the live
+    model or optimizer (each rank then reads the slices it holds), else whole tensors into whole tensors."""
+    if model is None and optimizer is None:
+        return False
+    return LAYOUT_FILE in manifest_files or engine_pieces(model, optimizer)
 
 
 def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -257,9 +278,9 @@ def _add_hf_weights(payload: Payload, weights: Mapping[str, torch.Tensor], local
 
 @dataclass
 class _Pieces:
-    """This rank's share of a sharded save, captured on the training loop's time, planned inside the commit.
+    """This rank's share of a save in pieces, captured on the training loop's time, planned inside the commit.
 
-    :func:`_capture_pieces` takes the state dicts (and, for an async save, the list of local pieces to copy);
+    :func:`capture_pieces` takes the state dicts (and, for an async save, the list of local pieces to copy);
     :meth:`prepare` (step 2 of the commit protocol, on the background thread of an async save) describes them and
     adds this rank's piece files; :meth:`finalize` builds ``sharded_layout.json`` from every rank's report, the
     same bytes on every rank, which rank 0 writes once every rank's files are durable.
@@ -341,7 +362,7 @@ class _Pieces:
 
 
 @torch.no_grad()  # the weights come with keep_vars (live parameters): the gathers of hf_weights record no graph
-def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
+def capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
                     rank: int, world_size: int, hf_weights: bool, max_shard_size: int | str, standalone: bool,
                     stage: bool) -> _Pieces:
     """What must happen on the training loop's time: the state-dict walks, the checks that raise now, the
@@ -401,143 +422,8 @@ def _capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.o
                    **deferred)
 
 
-def save_sharded_checkpoint(
-    directory: str | os.PathLike,
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    step: int | None = None,
-    training_state: Mapping[str, Any] | None = None,
-    extra: Mapping[str, Any] | None = None,
-    extra_files: Mapping[str, bytes | str] | None = None,
-    data_state: Mapping[str, Any] | None = None,
-    rng: bool | RngState = True,
-    metrics: Mapping[str, float] | None = None,
-    overwrite: bool = False,
-    processing_class: Any = None,
-    keep_last: int | None = None,
-    hf_weights: bool = False,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    blocking: bool = True,
-    standalone: bool = False,
-    durability: str = "deferred",
-) -> CheckpointInfo:
-    """Save a checkpoint in which every rank writes its own pieces of the model and optimizer, in parallel.
-
-    Works for FSDP2 (``fully_shard``) and other DTensor-sharded models, and for plain (replicated) models, whose
-    whole tensors the ranks split by bytes (``HF_RESUMABLE_SPLIT_REPLICAS=0``: rank 0 writes them).
-    Under torch.distributed it is a collective: every rank calls it. The commit is the same as
-    :func:`~hf_resumable.save_checkpoint`'s: files go into a temporary sibling directory, rank 0 writes
-    ``manifest.json`` (every rank's files with size and xxh3-128, hashed while writing) only after every rank
-    reported its files durable, then renames. A rank killed mid-save leaves the previous checkpoint
-    the latest valid one.
-
-    Args:
-        directory (`str` or `os.PathLike`): the checkpoint directory, e.g. ``out/checkpoint-120``.
-        model (`torch.nn.Module`): the model (FSDP2-wrapped or not); its ``config`` is saved by rank 0.
-        optimizer (`torch.optim.Optimizer`, *optional*): saved keyed by parameter FQN, sharded like the weights.
-        scheduler, scaler (*optional*): saved by rank 0 as JSON, as in ``save_checkpoint``.
-        step (`int`, *optional*): the global step, recorded in the manifest.
-        training_state (`Mapping`, *optional*): the (global) progress cursor, e.g. ``{"sampler":
-            ElasticSampler.state_dict()}``; saved by rank 0.
-        extra (`Mapping`, *optional*): more global state (JSON-able values and tensors); saved by rank 0.
-        extra_files (`Mapping[str, bytes | str]`, *optional*): more files (relative name -> content), e.g. the
-            Trainer's ``trainer_state.json``; written by rank 0, as in ``save_checkpoint``.
-        data_state (`Mapping`, *optional*): this rank's data position (per rank, not elastic).
-        rng (`bool` or `RngState`, *optional*, defaults to `True`): capture this rank's RNG now.
-        metrics (`Mapping[str, float]`, *optional*): recorded in the manifest.
-        overwrite (`bool`, *optional*, defaults to `False`): replace an existing checkpoint atomically.
-        processing_class (*optional*): a tokenizer/processor whose ``save_pretrained`` files are included.
-        keep_last (`int`, *optional*): after the commit, rank 0 applies ``apply_retention`` to the parent.
-        hf_weights (`bool`, *optional*, defaults to `False`): store the weights whole, as ``save_pretrained``
-            does (one ``model.safetensors`` when they fit in ``max_shard_size``, else
-            ``model.safetensors.index.json`` + ``model-0000k-of-0000N.safetensors``), so ``from_pretrained``
-            loads the checkpoint directory itself. The files are spread round robin over the ranks, which
-            write them in parallel; each weight is all-gathered (``DTensor.full_tensor()``) to its writer,
-            which costs one model's worth of communication per rank. Optimizer state stays in per-rank pieces.
-            Without it, call :func:`consolidate_sharded_checkpoint` to get an HF export.
-        max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard size of the ``hf_weights`` files.
-        blocking (`bool`, *optional*, defaults to `True`): with `False`, every rank copies its pieces into
-            reusable host buffers (those of ``optimizer``'s parameters and state while the next forward and
-            backward run: its next step waits for that copy, as in :func:`~hf_resumable.save_checkpoint`) and
-            returns; the files are written in the background and rank 0 commits once
-            every rank's files are durable (over a gloo group of its own, never the training loop's). The next
-            save, any load, ``wait_for_pending_saves`` and interpreter exit wait for it and raise its error.
-        standalone (`bool`, *optional*, defaults to `False`): store frozen parameters (``requires_grad=False``: a
-            PEFT base, a frozen embedding) too. By default they are recorded, not stored: ``frozen_base.json`` holds
-            their names, dtypes, shapes and each saving rank's piece fingerprints, checked on load. ``hf_weights``
-            checkpoints always store every weight.
-        durability (`str`, *optional*, defaults to `"deferred"`): when a blocking save's files are fsynced: after the
-            commit, on the saver's thread (``"deferred"``), or before it (``"immediate"``); as in
-            :func:`~hf_resumable.save_checkpoint`.
-
-    Returns:
-        `CheckpointInfo`: path, step and the committed manifest (``manifest=None`` while a non-blocking save is
-        in flight).
-
-    Raises:
-        CheckpointExistsError: if ``directory`` exists and ``overwrite`` is False.
-        UnsupportedStateError: for state that cannot be stored without pickle (or a ``Partial`` DTensor).
-        OSError: if any rank fails to write; the previous checkpoint is untouched.
-
-    Example:
-
-    ```python
-    >>> save_sharded_checkpoint("out/checkpoint-10", model=model, optimizer=optimizer, step=10,
-    ...                         training_state={"sampler": sampler.state_dict()})  # doctest: +SKIP
-    ```
-    """
-    target = Path(directory)
-    check_durability(durability)
-    background_saver().wait()  # (the removals retention started: write_payload waits for them)
-    rank, world_size = rank_and_world_size()
-    if not is_distributed():  # fail before capturing anything (under torch.distributed step 1 tells every rank)
-        check_target(target, overwrite=overwrite)
-    # 1. Global and per-rank non-tensor state, exactly as a regular checkpoint stores it.
-    payload = capture_payload(
-        model=None, optimizer=None, scheduler=scheduler, scaler=scaler, training_state=training_state, extra=extra,
-        extra_files=extra_files, data_state=data_state, rng=rng, max_shard_size=DEFAULT_MAX_SHARD_SIZE,
-        processing_class=None, rank=rank, is_main=rank == 0,
-    )
-    # 2. References to this rank's pieces (and its HF weight shards, gathered now); rank 0 adds the files
-    #    from_pretrained needs besides the weights.
-    pieces = _capture_pieces(payload, model, optimizer, rank=rank, world_size=world_size, hf_weights=hf_weights,
-                             max_shard_size=max_shard_size, standalone=standalone, stage=not blocking)
-    if rank == 0:
-        capture_pretrained(payload, model, processing_class)
-
-    # 3. Commit: every rank describes and writes its piece files; once every rank's files are durable, rank 0
-    #    writes the layout built from every rank's report, then the manifest (in the background if not blocking:
-    #    an async save copies the pieces first, and only that copy is on the training loop's time).
-    def prepare() -> dict[str, Any]:
-        return pieces.prepare(payload)
-
-    def retention() -> None:
-        if keep_last is not None and rank == 0:
-            apply_retention(target.parent, keep_last=keep_last)
-
-    if not blocking:
-        try:
-            future = background_saver().submit(
-                target, payload, step=step, metrics=dict(metrics or {}), overwrite=overwrite, on_commit=retention,
-                also_stage=list(pieces.staging.values()), prepare=prepare, finalize=pieces.finalize,
-                optimizer=optimizer)
-        except BaseException:
-            if pieces.release is not None:
-                pieces.release()
-            raise
-        if pieces.release is not None:  # whatever happens to the save, the optimizer's steps go on
-            future.add_done_callback(lambda _: pieces.release())
-        return CheckpointInfo(path=target, step=step)
-    manifest = save_blocking(target, payload, step=step, metrics=dict(metrics or {}), overwrite=overwrite,
-                             durability=durability, after=retention, prepare=prepare, finalize=pieces.finalize)
-    return CheckpointInfo(path=target, step=step, manifest=manifest)
-
-
 def _read_layout(reader: _Reader) -> dict[str, Any]:
-    """The sharded layout, or the one implied by a regular checkpoint's indexes (whole tensors, one writer)."""
+    """The piece layout, or the one implied by a regular checkpoint's indexes (whole tensors, one writer)."""
     if LAYOUT_FILE in reader.manifest.files:
         return parse_layout(reader.json(LAYOUT_FILE), source=str(reader.path / LAYOUT_FILE))
     model = reader.model_index()
@@ -581,12 +467,24 @@ def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Modu
     current = {name: tensor for name, tensor in current.items() if name not in frozen}
     section = _section(reader, layout, LAYOUT_KEY_MODEL)
     names = check_fits(current, section, strict=strict, source=source, what="model")
+    partitioned = is_partitioned(model)
+    # One process, a plain model whose state dict is its weights and that runs nothing of its own on load: read
+    # straight into the live weights, as a whole-tensor load does (under torch.distributed every rank reads into new
+    # tensors first, so that no rank applies what another failed to read; an engine's state dict may be a copy).
+    in_place = (not is_distributed() and not engine_pieces(model)
+                and load_state_dict_reason(model, model.state_dict(keep_vars=True)) is None)
     with agreed_reads(source), _piece_reader(reader, layout, section) as pieces:  # every rank's reads, then apply
-        filled = fill_state(current, pieces, names)
-    if is_partitioned(model):  # ZeRO-3: the pieces go into the partitions; keys were matched above
+        filled = fill_state(current, pieces, names, in_place=in_place)
+    if partitioned:  # ZeRO-3: the pieces go into the partitions; keys were matched above
         buffers = load_partitioned_state(model, filled)
         if buffers:
             model.load_state_dict(buffers, strict=False)  # strict=False: the parameters are loaded already
+        return
+    if in_place:
+        forget_fingerprints(current.values())  # written without a version bump: cached fingerprints are stale
+        filled = {name: tensor for name, tensor in filled.items() if tensor is not current[name]}
+        if filled:  # another dtype, a view: through the model's own load (keys were matched above)
+            set_model_state_dict(model, filled, options=_options(strict=False))
         return
     filled = into_sharded_tensors(filled, originals)
     set_model_state_dict(model, filled, options=_options(strict=strict and not frozen))
@@ -594,10 +492,8 @@ def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Modu
 
 def _param_groups(saved: list[Mapping[str, Any]], current: list[Mapping[str, Any]], tensors: Mapping[str, Any],
                   *, source: str) -> list[dict[str, Any]]:
-    """Saved hyper-parameters, with each group's parameters listed as the current optimizer lists them."""
-    if len(saved) != len(current):
-        raise CheckpointMismatchError(f"{source}: {len(saved)} param group(s) saved, the optimizer has "
-                                      f"{len(current)}; build the optimizer with the same groups.")
+    """Saved hyper-parameters, with each group's parameters listed as the current optimizer lists them (as many
+    groups: :func:`_check_optimizer_document`)."""
     groups = []
     for i, (group, now) in enumerate(zip(saved, current)):
         if set(group["params"]) != set(now["params"]):
@@ -631,7 +527,7 @@ def _load_param_groups_only(model: torch.nn.Module, optimizer: torch.optim.Optim
         group.update({k: v for k, v in saved.items() if k != "params"})
 
 
-def _engine_sharded_templates(optimizer: ShardedOptimizerState, section: Section) -> dict[str, Any]:
+def _own_pieces_templates(optimizer: ShardedOptimizerState, section: Section) -> dict[str, Any]:
     """The live state to fill, created first (``init_state``) only if the checkpoint holds state it lacks: a
     checkpoint saved before the first step holds the master weights alone."""
     current = optimizer.sharded_state_dict()
@@ -664,28 +560,26 @@ def _load_resharded_partitions(reader: _Reader, section: Section, document: Mapp
 
 
 def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, *, elastic: bool = False) -> None:
+                    optimizer: torch.optim.Optimizer, *, reshard: bool = False) -> None:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     source = str(reader.path)
-    document = layout.get(LAYOUT_KEY_OPTIMIZER_DOC)
-    if document is None or layout.get(LAYOUT_KEY_OPTIMIZER) is None:
-        raise IncompleteCheckpointError(f"{source}: no optimizer state was saved; load without optimizer=.")
-    if document.get("class") != _class_name(optimizer):
-        raise CheckpointMismatchError(f"{source}: optimizer was {document.get('class')}, now "
-                                      f"{_class_name(optimizer)}; build the same optimizer class to resume.")
+    document = layout[LAYOUT_KEY_OPTIMIZER_DOC]  # present and of this class (_check_optimizer_document)
     section = _section(reader, layout, LAYOUT_KEY_OPTIMIZER)
     if not document["non_tensor_state"] and not any(n.startswith(OPTIMIZER_STATE_PREFIX) for n in section.dtypes):
         _load_param_groups_only(model, optimizer, document, source=source)
         return
-    engine_sharded = isinstance(optimizer, ShardedOptimizerState)
+    own_pieces = isinstance(optimizer, ShardedOptimizerState)
     originals: dict[str, Any] = {}  # FSDP1: the ShardedTensors its load reads, filled from the pieces
-    if engine_sharded and elastic and _saved_elsewhere(optimizer, document):
+    if own_pieces and reshard and _saved_elsewhere(optimizer, document):
         _load_resharded_partitions(reader, section, document, optimizer)
         return
-    if engine_sharded:
-        current = _engine_sharded_templates(optimizer, section)
-    else:
+    direct = None if own_pieces else _state_templates(model, optimizer, section, document)
+    if own_pieces:
+        current = _own_pieces_templates(optimizer, section)
+    elif direct is not None:
+        current = direct
+    else:  # FSDP1's flat parameters, or state shaped unlike its parameter: torch's templates
         current = get_optimizer_state_dict(model, optimizer, options=_options())  # initializes an empty optimizer
         current = optimizer_as_dtensors(current, device=_device(model), originals=originals)
     current_tensors, _ = flatten_optimizer_state(current, _class_name(optimizer))
@@ -693,113 +587,102 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
     with agreed_reads(source), PieceReader(reader, section, source=source) as pieces:  # before the apply's collectives
         filled = fill_state(current_tensors, pieces, names)
     state = _rebuild_optimizer_state(filled, document, current, source=source)
-    if engine_sharded:
+    if own_pieces:
         optimizer.load_sharded_state_dict(state)
+    elif direct is not None:
+        _load_by_position(optimizer, state)
     else:
         state = optimizer_into_sharded_tensors(state, originals)
         set_optimizer_state_dict(model, optimizer, state, options=_options())
 
 
-def load_sharded_checkpoint(
-    directory: str | os.PathLike,
-    *,
-    model: torch.nn.Module | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    restore_rng: bool = True,
-    strict: bool = True,
-    verify: str = "quick",
-    allow_inexact_resume: bool = False,
-) -> LoadedCheckpoint:
-    """Load a checkpoint written by :func:`save_sharded_checkpoint` at any world size, into any sharding.
+def _state_templates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, section: Section,
+                     document: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The optimizer's FQN-keyed state as the checkpoint describes it, built from the live parameters without
+    running the optimizer: each stored state tensor shaped (and, for a DTensor parameter, placed) like its parameter,
+    a scalar as a scalar. ``None`` where that does not describe it (FSDP1's flat parameters, a parameter the model
+    does not name, state shaped unlike its parameter, other parameter groups): torch's ``get_optimizer_state_dict``
+    then creates the state with a zero-gradient step of the optimizer, whose cost is a whole step."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
-    Each rank reads only the slices of the stored pieces that overlap the pieces it holds (the whole
-    tensors for a plain model), so 2 -> 1, 1 -> 2 or 4 -> 3 all give weights and optimizer tensors equal
-    to the consolidated originals. A regular checkpoint (:func:`~hf_resumable.save_checkpoint`, or the
-    output of :func:`consolidate_sharded_checkpoint`) loads the same way, each tensor being one whole
-    piece. Under torch.distributed every rank calls it (collective): each rank reads its pieces into new tensors,
-    the ranks agree that every read succeeded, and only then are the live objects filled. The RNG is restored last.
-
-    Args:
-        directory (`str` or `os.PathLike`): a committed sharded (or regular) checkpoint.
-        model (`torch.nn.Module`, *optional*): filled in place (FSDP2-wrapped or plain).
-        optimizer (`torch.optim.Optimizer`, *optional*): filled in place, matched by parameter FQN; needs ``model``.
-        scheduler, scaler (*optional*): objects to fill.
-        restore_rng (`bool`, *optional*, defaults to `True`): restore this rank's RNG state.
-        strict (`bool`, *optional*, defaults to `True`): missing/unexpected model keys are errors.
-        verify (`str`, *optional*, defaults to `"quick"`): ``"quick"`` (manifest, sizes, headers and the hashes of
-            small files first; then every byte a read uses is checked against the manifest as it is read: the
-            hashed chunks a slice read covers, at any world size), ``"full"`` (every file's hash first, then as
-            ``"quick"``) or ``"none"`` (no hash checked while reading).
-        allow_inexact_resume (`bool`, *optional*, defaults to `False`): continue with a WARNING when the
-            world size changed or this rank's RNG state is missing, instead of raising.
-
-    Returns:
-        `LoadedCheckpoint`: training state (e.g. the ``ElasticSampler`` position), extra state, data position
-        and RNG state.
-
-    Raises:
-        IncompleteCheckpointError: no manifest, no weights, or a requested part was not saved.
-        CorruptCheckpointError: corrupt files, hash mismatches, or pieces that do not cover a tensor. Under
-            torch.distributed a rank whose own reads failed raises it after the others learned of it (before anything
-            is applied); they raise `CorruptOnAnotherRankError`, naming that rank and its file.
-        CheckpointMismatchError: the model/optimizer does not fit (all offending keys listed).
-        InexactResumeError: the world size changed (or an RNG state is missing) and ``allow_inexact_resume`` is
-            False and ``restore_rng`` is True.
-
-    Example:
-
-    ```python
-    >>> loaded = load_sharded_checkpoint("out/checkpoint-10", model=model, optimizer=optimizer,
-    ...                                  allow_inexact_resume=True)  # doctest: +SKIP
-    >>> sampler.load_state_dict(loaded.training_state["sampler"])  # doctest: +SKIP
-    ```
-    """
-    if verify not in ("quick", "full", "none"):
-        raise ValueError(f"verify must be 'quick', 'full' or 'none', got {verify!r}.")
-    if optimizer is not None and model is None:
-        raise ValueError("load_sharded_checkpoint needs model= to match optimizer state by parameter name.")
-    wait_for_pending_saves()
-    # 1. Open: open_checkpoint's steps 1-5 (verify once; decode and check the training state, data position, RNG).
-    opened = open_checkpoint(directory, verify=verify, allow_inexact_resume=allow_inexact_resume, elastic=True)
-    return load_sharded_into(opened, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                             restore_rng=restore_rng, strict=strict, full=verify == "full")
+    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
+        return None
+    fqn_of: dict[int, str] = {}
+    # The model's own names: a wrapper that renames (DDP's ``module.``, compile) matches no saved name, and torch's
+    # path below takes over.
+    for name, value in model.named_parameters(remove_duplicate=False):
+        fqn_of.setdefault(id(value), name)  # a tied parameter: its first name, as torch's named_parameters gives
+    groups, parameters = [], {}
+    for group, saved in zip(optimizer.param_groups, document["param_groups"]):
+        names = [fqn_of.get(id(parameter)) for parameter in group["params"]]
+        if None in names or set(names) != set(saved["params"]):
+            return None
+        parameters.update(zip(names, group["params"]))
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, dtype in section.dtypes.items():
+        if not key.startswith(OPTIMIZER_STATE_PREFIX):
+            continue
+        fqn, _, field = key[len(OPTIMIZER_STATE_PREFIX):].rpartition("/")
+        parameter, shape = parameters.get(fqn), section.shapes[key]
+        if parameter is None:
+            return None
+        if tuple(shape) == tuple(parameter.shape):
+            template = torch.empty_like(parameter, dtype=dtype, requires_grad=False)  # untouched memory
+        elif not shape:
+            template = torch.empty((), dtype=dtype)  # a step count; load_state_dict moves it where it belongs
+        else:
+            return None
+        state.setdefault(fqn, {})[field] = template
+    return {"state": state, "param_groups": groups}
 
 
-def load_sharded_into(
+def _load_by_position(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Install FQN-keyed optimizer state through the optimizer's own ``load_state_dict`` (its parameters by position,
+    as it lists them; the tensors already final, so it keeps them)."""
+    position = {fqn: i for i, fqn in enumerate(fqn for group in state["param_groups"] for fqn in group["params"])}
+    optimizer.load_state_dict({
+        "state": {position[fqn]: fields for fqn, fields in state["state"].items()},
+        "param_groups": [{**group, "params": [position[fqn] for fqn in group["params"]]}
+                         for group in state["param_groups"]]})
+
+
+def load_pieces_into(
     opened: OpenedCheckpoint,
     *,
     model: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
     scaler: Any = None,
-    restore_rng: bool = True,
+    restore_rng: bool = False,
     strict: bool = True,
-    full: bool = False,
+    allow_inexact_resume: bool | None = None,
 ) -> OpenedCheckpoint:
-    """Fill live objects from an opened sharded (or regular) checkpoint: :func:`load_sharded_checkpoint` after
-    its open, for callers that opened the checkpoint themselves (the integrations check their own settings first).
+    """:meth:`~hf_resumable.checkpoint.OpenedCheckpoint.load_into` where :func:`reads_pieces`: each rank reads the
+    slices of the stored pieces that overlap what it holds (the whole tensors for a plain model), at any world size.
+
+    Under torch.distributed every rank calls it (collective): each rank reads its pieces into new tensors, the ranks
+    agree that every read succeeded, and only then are the live objects filled. The RNG is restored last.
 
     Args:
         opened (`OpenedCheckpoint`): from :func:`~hf_resumable.checkpoint.open_checkpoint`.
-        model, optimizer, scheduler, scaler, restore_rng, strict: as in :func:`load_sharded_checkpoint`.
-        full (`bool`, *optional*, defaults to `False`): the open verified every hash (frozen pieces are then
-            checked by their whole fingerprint).
+        model, optimizer, scheduler, scaler, restore_rng, strict, allow_inexact_resume: as in ``load_into``.
 
     Returns:
         `OpenedCheckpoint`: ``opened``, its objects filled.
 
     Raises:
-        As :func:`load_sharded_checkpoint`, after the open.
+        ValueError: ``optimizer`` without ``model`` (optimizer state is matched by parameter name).
+        As ``load_into``; a rank whose reads failed raises `CorruptCheckpointError` after the others learned of it
+        (before anything is applied), and they raise `CorruptOnAnotherRankError`.
     """
     if optimizer is not None and model is None:
-        raise ValueError("load_sharded_into needs model= to match optimizer state by parameter name.")
+        raise ValueError(f"{opened.path}: loading optimizer state needs model= to match it by parameter name.")
     # 1. Read the layout; refuse a silent inexact resume and optimizer/scheduler/scaler state of another kind,
     #    before touching anything.
     reader = opened._reader
     layout = _read_layout(reader)
-    opened.check_exact(weights=model is not None, rng=restore_rng)
+    opened.check_exact(weights=model is not None, rng=restore_rng, allow_inexact_resume=allow_inexact_resume)
     if optimizer is not None:
         _check_optimizer_document(opened, layout, optimizer)
     for name, obj, key in (("scheduler", scheduler, STATE_KEY_SCHEDULER), ("scaler", scaler, STATE_KEY_SCALER)):
@@ -808,12 +691,13 @@ def load_sharded_into(
     # 2. Weights (keys matched by the one key matcher, then the pieces read), then optimizer state, matched
     #    against the loaded parameters (FSDP2 builds optimizer state from them).
     if model is not None:
-        _load_model(reader, layout, model, strict=strict, full=full)
+        _load_model(reader, layout, model, strict=strict, full=reader.report.full)
     if optimizer is not None:
-        _load_optimizer(reader, layout, model, optimizer, elastic=opened.elastic)
+        _load_optimizer(reader, layout, model, optimizer, reshard=opened.reshard)
     # 3. Scheduler, scaler; RNG last (load_into's steps 4, 7 and 8).
-    opened.load_into(scheduler=scheduler, scaler=scaler, restore_rng=restore_rng)
-    logger.info("Loaded sharded %s (step %s, saved by %d rank(s), loaded by %d)", opened.path, opened.step,
+    opened.load_into(scheduler=scheduler, scaler=scaler, restore_rng=restore_rng,
+                     allow_inexact_resume=allow_inexact_resume)
+    logger.info("Loaded the pieces of %s (step %s, saved by %d rank(s), loaded by %d)", opened.path, opened.step,
                 layout[LAYOUT_KEY_WORLD_SIZE], opened.world_size)
     return opened
 
@@ -843,48 +727,11 @@ def _consolidated_section(reader: _Reader, layout: Mapping[str, Any], key: str
                          for name in section.dtypes}
 
 
-def consolidate_sharded_checkpoint(
-    directory: str | os.PathLike,
-    output_dir: str | os.PathLike,
-    *,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    include_optimizer: bool = True,
-    overwrite: bool = False,
-) -> Manifest:
-    """Turn a sharded checkpoint into a regular one: HF safetensors weights that ``from_pretrained`` loads.
-
-    The output holds ``model.safetensors`` (or, above ``max_shard_size``, ``model.safetensors.index.json`` with
-    ``model-0000k-of-0000N.safetensors``; tied weights stored once, as transformers expects), ``config.json``,
-    and, with ``include_optimizer``, ``optimizer.safetensors.index.json`` plus ``training_state.json`` in the
-    regular format, so
-    :func:`~hf_resumable.load_checkpoint` resumes from it too. It is committed like any checkpoint
-    (manifest last, atomic rename). Run it in one process (outside torch.distributed, or it becomes a
-    collective); it holds one kind of state (weights, then optimizer) in memory at a time.
-
-    Args:
-        directory (`str` or `os.PathLike`): a committed sharded checkpoint (written at any world size).
-        output_dir (`str` or `os.PathLike`): where to write the regular checkpoint.
-        max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): shard size of the output.
-        include_optimizer (`bool`, *optional*, defaults to `True`): also consolidate the optimizer state.
-        overwrite (`bool`, *optional*, defaults to `False`): replace ``output_dir`` atomically.
-
-    Returns:
-        `Manifest`: the manifest of the output.
-
-    Raises:
-        IncompleteCheckpointError / CorruptCheckpointError: if ``directory`` is not a valid sharded checkpoint.
-        CheckpointExistsError: if ``output_dir`` exists and ``overwrite`` is False.
-
-    Example:
-
-    ```python
-    >>> consolidate_sharded_checkpoint("out/checkpoint-10", "export/model")  # doctest: +SKIP
-    >>> AutoModelForCausalLM.from_pretrained("export/model")  # doctest: +SKIP
-    ```
-    """
-    # 1. Verify every hash: consolidation is the moment a silently corrupted piece would spread.
-    path = Path(directory)
-    reader = _Reader(path, verify_checkpoint(path, full=True, raise_on_error=True), hash_on_read=True)
+def consolidate_pieces(reader: _Reader, output_dir: str | os.PathLike, *, max_shard_size: int | str,
+                       include_optimizer: bool, overwrite: bool) -> Manifest:
+    """:func:`~hf_resumable.checkpoint.consolidate_checkpoint` of the checkpoint ``reader`` reads (fully verified):
+    its pieces assembled into whole tensors, written in the regular layout."""
+    path = reader.path
     if LAYOUT_FILE not in reader.manifest.files:
         raise IncompleteCheckpointError(f"{path} has no {LAYOUT_FILE}: it is already a regular checkpoint "
                                         "(from_pretrained and load_checkpoint read it as is).")
