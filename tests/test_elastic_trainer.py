@@ -74,6 +74,7 @@ def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_in_proces
 
     from hf_resumable.errors import ConfigDriftError
     from hf_resumable.integrations._elastic import ElasticWorldSizeError
+    from hf_resumable.integrations._trainer_restore import open_for_resume
 
     output = tmp_path / "run"
     trainer = _trainer(output, elastic=True)
@@ -89,7 +90,7 @@ def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_in_proces
     monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))  # divides: accumulation 2 -> 1
     trainer = _trainer(output, elastic=True)
     with caplog.at_level(logging.INFO, logger="hf_resumable"):
-        trainer._open_checkpoint(output / "checkpoint-1")
+        open_for_resume(trainer, output / "checkpoint-1")
     assert trainer.args.gradient_accumulation_steps == 1
     assert "world size 1 -> 2: gradient_accumulation_steps 2 -> 1" in caplog.text
 
