@@ -46,35 +46,26 @@ def build_train_dataloader(trainer: ResumableTrainer, dataset: Any, batch_size: 
     custom_sampler = (sampler_fn is not None and not isinstance(dataset, torch.utils.data.IterableDataset)
                       and type(trainer)._get_train_sampler is not Trainer._get_train_sampler)
     if strategy not in ("random", "sequential", "group_by_length") and not custom_sampler:
-        trainer._loader_fallback = (f"train_sampling_strategy={strategy!r} is not supported by ResumableTrainer, so "
-                                 "the training data comes from the stock loader")
+        trainer._loader_fallback = (f"train_sampling_strategy={strategy!r} is not supported by ResumableTrainer, "
+                                    "so the training data comes from the stock loader")
         return stock()
     dataset, collator = train_dataset_and_collator(trainer, dataset)
     options = loader_options(trainer, batch_size)
     streaming = isinstance(dataset, torch.utils.data.IterableDataset)
-    if trainer.resume_options.elastic and custom_sampler:
-        trainer._refuse_at_start(
-            "elastic=True keeps the sample order across world sizes in ResumableTrainer's own order (map-style "
-            "or streaming), not for a custom sampler",
-            fix="Use train_sampling_strategy 'random', 'sequential' or 'group_by_length' without overriding "
-                "_get_train_sampler, or elastic=False")
+    # the elastic layout (every process reads the whole order and keeps its chunks of each step), or per rank
+    elastic = trainer._world_size_mode.elastic_layout(trainer, custom_sampler=custom_sampler, streaming=streaming,
+                                                      num_workers=options["num_workers"])
     _, world_size = trainer._data_parallel()  # the ranks of one tensor-parallel group read the same batches
     global_batch = trainer._train_batch_size * trainer.args.gradient_accumulation_steps * world_size
-    elastic_stream = trainer.resume_options.elastic and streaming and not options["num_workers"]
-    if trainer.resume_options.elastic and streaming and options["num_workers"]:
-        trainer._refuse_at_start(
-            f"elastic=True reads a stream in one order on every process; dataloader_num_workers="
-            f"{options['num_workers']} would split it by worker", fix="Set dataloader_num_workers=0")
     if streaming:
         if strategy == "group_by_length":
             logger.warning("train_sampling_strategy='group_by_length' is ignored for a streaming data set (it "
                            "has no lengths to group by); examples come in the stream's own order.")
-        # elastic: not split by rank, every process reads the whole stream and keeps its chunks of each step
-        loader = build_stream_dataloader(dataset if elastic_stream else split_for_rank(trainer, dataset),
+        loader = build_stream_dataloader(dataset if elastic else split_for_rank(trainer, dataset),
                                          collate_fn=collator, drop_last=trainer.args.dataloader_drop_last,
                                          world_size=world_size,
-                                         global_batch=global_batch if elastic_stream else None,
-                                         padding_fn=elastic_padding(trainer) if elastic_stream else None, **options)
+                                         global_batch=global_batch if elastic else None,
+                                         padding_fn=elastic_padding(trainer) if elastic else None, **options)
         if not loader.dataset.is_stateful and trainer._saves_checkpoints():
             trainer._refuse_at_start(
                 f"The training set {type(dataset).__name__} is a torch IterableDataset without state_dict() and "
@@ -96,15 +87,14 @@ def build_train_dataloader(trainer: ResumableTrainer, dataset: Any, batch_size: 
                                       shuffle=strategy != "sequential", world_size=world_size,
                                       lengths=train_lengths(trainer) if grouped else None,
                                       group_size=global_batch if grouped else None,
-                                      global_batch=global_batch if trainer.resume_options.elastic else None,
-                                      padding_fn=elastic_padding(trainer) if trainer.resume_options.elastic else None,
-                                      **options)
+                                      global_batch=global_batch if elastic else None,
+                                      padding_fn=elastic_padding(trainer) if elastic else None, **options)
     trainer._train_loader = loader
     trainer._train_position = StepPosition(loader, steps_done=lambda: trainer.state.global_step,
-                                        batches_per_step=trainer.args.gradient_accumulation_steps)
+                                           batches_per_step=trainer.args.gradient_accumulation_steps)
     restore_data_position(trainer, loader)
     return loader
-    
+
 
 def train_lengths(trainer: ResumableTrainer) -> list[int]:
     """Per-sample lengths for ``group_by_length``: ``length_column_name`` if present, else the length of the
@@ -158,7 +148,7 @@ def restore_data_position(trainer: ResumableTrainer, loader: Any) -> None:
     record = trainer._resume.loaded.data_state
     if record is None and trainer._resume.converted_from is not None:
         return  # a stock checkpoint: the loader starts at the Trainer's (epoch, batch), in hf_resumable's order
-    if trainer.resume_options.elastic and trainer._train_position.kind == "map":
+    if trainer._world_size_mode.positions_by_step(trainer._train_position.kind):
         return  # the elastic layout's position is the global step (the Trainer's skip), at any world size
     if getattr(loader.dataset, "global_batch", None) is not None and (
             trainer._resume.loaded.manifest.world_size != trainer.args.world_size):

@@ -34,10 +34,8 @@ from ._deepspeed import (
     saved_engine_state,
     torch_optimizer,
 )
-from ._elastic import ELASTIC_SETTINGS
 from ._engines import checkpoint_model, holds_dtensors
 from ._fallback import agreed_load, find_agreed_checkpoint, refuse_fresh_start
-from ._parallelism import KEY_PARALLELISM
 from ._trainer_discovery import (
     CONVERTED_DIR,
     CheckpointKind,
@@ -45,7 +43,6 @@ from ._trainer_discovery import (
     newest_stock_checkpoint,
     not_a_checkpoint_error,
 )
-from ._trainer_elastic import plan_elastic_load
 from ._trainer_family import restore_attribute
 from ._trainer_hparams import apply_new_hyperparameters
 from ._trainer_state import (
@@ -176,11 +173,10 @@ def open_for_resume(trainer: ResumableTrainer, path: Path, verified: VerifyRepor
         trainer._inexact(f"{path} records no run configuration (not written by ResumableTrainer)")
     else:
         saved_config = RunConfig.from_dict(saved)
-        elastic = plan_elastic_load(trainer, saved_config, path) if trainer.resume_options.elastic else None
-        changed = saved_config.diff(current_run_config(trainer))
-        if elastic is not None:  # the world size changed and the global batch is kept
-            changed = {name: values for name, values in changed.items() if name not in ELASTIC_SETTINGS}
-        layouts = (bool(loaded.extra.get(EXTRA_ELASTIC)), trainer.resume_options.elastic)
+        mode = trainer._world_size_mode
+        plan = mode.plan_load(trainer, saved_config, path)
+        changed = mode.drift(saved_config.diff(current_run_config(trainer)), plan)
+        layouts = (bool(loaded.extra.get(EXTRA_ELASTIC)), mode.enabled)
         if layouts[0] != layouts[1]:
             changed["elastic"] = layouts
         changed.update(layout_change(trainer, loaded.extra))
@@ -191,20 +187,14 @@ def open_for_resume(trainer: ResumableTrainer, path: Path, verified: VerifyRepor
 
 def layout_change(trainer: ResumableTrainer, extra: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
     """``{"parallelism": (saved, current)}`` when the checkpoint was written at another tensor/N-D layout
-    (configuration drift, named by both), else nothing; with ``elastic=True`` another layout is taken (logged).
+    (configuration drift, named by both), else nothing; with ``elastic=True`` another layout is taken (logged by
+    the world-size mode).
     """
     current = trainer._layout()
     saved, now = extra.get(EXTRA_PARALLELISM), None if current is None else current.describe()
     if saved == now or EXTRA_PARALLELISM not in extra:  # a checkpoint from before layouts were recorded
         return {}
-    if not trainer.resume_options.elastic:
-        return {KEY_PARALLELISM: (saved, now)}
-    # elastic: the pieces are resharded for this layout as they are read (open_checkpoint(elastic=True)), and
-    # the global batch is kept by the data-parallel world (_plan_elastic)
-    if trainer.args.process_index == 0:
-        logger.info("Elastic resume at another layout: %s -> %s.", saved or "data parallel only",
-                    now or "data parallel only")
-    return {}
+    return trainer._world_size_mode.layout_change(trainer, saved, now)
 
 
 def restore_trainer_attributes(trainer: ResumableTrainer) -> None:
@@ -323,7 +313,7 @@ def restore_rng(trainer: ResumableTrainer, checkpoint: str | None) -> None:
     state = trainer._resume.loaded.rng_state
     if state is None and trainer._resume.converted_from is not None:
         return
-    if trainer.resume_options.elastic and trainer._resume.loaded.manifest.world_size != trainer.args.world_size:
+    if trainer._world_size_mode.resumes_across(trainer._resume.loaded.manifest.world_size, trainer.args.world_size):
         # the model's randomness is keyed per micro-batch (training_step); a rank the checkpoint had keeps its
         # other streams, a new one starts from its seed
         if state is not None:

@@ -88,7 +88,7 @@ def save_trainer_checkpoint(trainer: ResumableTrainer, model: torch.nn.Module, t
         training_state={PROGRESS_LOOP: loop_state(trainer), PROGRESS_ATTRIBUTES: trainer_attributes(trainer)},
         extra={EXTRA_RUN_CONFIG: current_run_config(trainer).to_dict(), EXTRA_MODEL_ONLY: model_only,
                EXTRA_HYPERPARAMETERS: hyperparameter_snapshot(trainer.args, max_steps=trainer.state.max_steps),
-               EXTRA_ELASTIC: trainer.resume_options.elastic,
+               EXTRA_ELASTIC: trainer._world_size_mode.enabled,
                EXTRA_PARALLELISM: None if trainer._layout() is None else trainer._layout().describe(),
                **({EXTRA_DEEPSPEED: capture_engine_state(engine, [optimizer])} if engine is not None else {})},
         extra_files={TRAINER_STATE_FILE: json.dumps(dataclasses.asdict(trainer.state), indent=2, sort_keys=True)},

@@ -90,7 +90,6 @@ from ._deepspeed import (
     checkpoint_optimizer,
     deepspeed_resume_by_us,
 )
-from ._elastic import seed_model_rng
 from ._engines import check_trainer_engine
 from ._fallback import ResumeLoadError, resume_newest
 from ._parallelism import ParallelLayout
@@ -101,7 +100,7 @@ from ._trainer_discovery import (
     colliding_checkpoints,
     collision_error,
 )
-from ._trainer_elastic import check_elastic_loss, elastic_chunk
+from ._trainer_elastic import trainer_world_size_mode
 from ._trainer_family import DEFAULT_STATE_ATTRIBUTES, RESUMABLE_OPTIONS
 from ._trainer_hparams import (
     HyperparameterChange,
@@ -373,6 +372,7 @@ class ResumableTrainer(Trainer):
         set_aside = self.__dict__.pop("_hfr_options", {})
         mean_time_between_failures = set_aside.pop("mean_time_between_failures", mean_time_between_failures)
         self.resume_options = ResumeOptions(**{**options, **set_aside})
+        self._world_size_mode = trainer_world_size_mode(self.resume_options.elastic)  # chosen once
         # the save interval fits the failure rate (_save_interval.py); a bad value is refused before anything is built
         auto_interval = None if mean_time_between_failures is None else AutoSaveInterval(mean_time_between_failures)
         given = inspect.signature(Trainer.__init__).bind_partial(self, *args, **kwargs).arguments
@@ -395,7 +395,6 @@ class ResumableTrainer(Trainer):
         self._last_eval: tuple[int, dict[str, float]] | None = None
         self._loop = _LoopTracker()
         self._rng_restored = False
-        self._micro_of_step = (-1, 0)  # (global_step, micro-batches trained in it): elastic dropout keys
         self._converted_from: Path | None = None
         self._loader_fallback: str | None = None
         self._uploader = None
@@ -503,7 +502,7 @@ class ResumableTrainer(Trainer):
         self.resumed_from = None if self._resume is None else (self._resume.converted_from or checkpoint)
         self._loop = _LoopTracker(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
         self._rng_restored = False
-        self._micro_of_step = (-1, 0)
+        self._world_size_mode.start()
         self._loader_fallback = None
         self._train_loader = self._train_position = None
         # eval_on_start evaluates before the first step of the run, not again at every restart
@@ -623,10 +622,7 @@ class ResumableTrainer(Trainer):
         return values
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.resume_options.elastic and self._train_loader is not None:
-            # dropout keyed by the chunk this micro-batch trains on, not by the rank: the same at any world size
-            epoch, chunk = elastic_chunk(self)
-            seed_model_rng(self.args.seed, epoch=epoch, chunk=chunk)
+        self._world_size_mode.seed_micro_batch(self)  # elastic: dropout keyed by the chunk, not by the rank
         return super().training_step(model, inputs, *args, **kwargs)
 
     def _saves_checkpoints(self) -> bool:
@@ -650,8 +646,7 @@ class ResumableTrainer(Trainer):
             if collisions:
                 raise collision_error(self._get_output_dir(self._loop.trial), collisions, after_step=start,
                                       up_to_step=max_steps)
-        if self.resume_options.elastic:
-            check_elastic_loss(self)
+        self._world_size_mode.check_before_training(self)
         check_trainer_layout(self.accelerator.unwrap_model(self.model),
                              getattr(self.accelerator, "parallelism_config", None))
         if not self._saves_checkpoints():
