@@ -1,57 +1,29 @@
-"""``ResumableTrainer``: a drop-in ``transformers.Trainer`` whose restarts continue bit for bit.
+"""``ResumableTrainer``: a drop-in ``transformers.Trainer`` whose restarts continue bit for bit (docs/trainer.md).
 
-This is the only module that touches ``Trainer`` internals (its helpers live in ``_trainer_*.py``). What it
-changes, and why:
+This is the only module that touches ``Trainer`` internals; the class is a thin front door whose overrides call the
+functions of the ``_trainer_*.py`` modules, which take the trainer as an argument. What it changes, and where:
 
-* **Data** (``_get_dataloader`` for training loaders, so also a subclass's own ``get_train_dataloader``): the
-  training loader is built from :mod:`hf_resumable.data`: the sample order is a pure function of
-  ``(seed, epoch)`` (random, sequential, ``group_by_length``, or a subclass's ``_get_train_sampler`` replayed
-  per epoch), every batch is fetched, transformed and collated under a seed derived from its position (private
-  generators of the collator and data set included), and the loader has its own ``torch.Generator``.
-  Streaming data sets go through ``torchdata``'s ``StatefulDataLoader`` and resume from their
-  ``state_dict``; a ``.shuffle(buffer_size=...)`` buffer is replaced by
-  :class:`~hf_resumable.data.ResumableShuffleBuffer`, saved with its content (sample order differs from
-  ``datasets``' own buffer with the same seed). The main-process RNG is therefore consumed only by the model.
-* **Skipping** (``transformers.trainer.skip_first_batches``, patched for the duration of ``train``):
-  for our loaders, skipping is a cursor move: nothing before the resume point is fetched.
-* **Checkpoints** (``_save_checkpoint``, ``_load_*``): written and read with
-  :func:`hf_resumable.checkpoint.save_checkpoint` / ``load_checkpoint`` (sharded safetensors, no pickle,
-  atomic, hashed); with ``save_async`` (by default under torchrun) staged and written in the background while
-  training goes on (retention and uploads act on a checkpoint only once it has committed). The RNG captured after
-  the optimizer step is restored by the Trainer's own ``_load_rng_state`` call, i.e. right before the first resumed
-  forward pass.
-  The logging accumulators (``_tr_loss``, ...), where the step stands in the loop (stopped by a callback,
-  end-of-epoch work done), and a subclass's own counters (``resumable_state_attributes``: TRL's ``_metrics``,
-  ``_total_train_tokens``...) are saved too, so every logged value matches the uninterrupted run.
-* **The loop** (``_run_epoch``, ``_finalize_training``, ``_maybe_log_save_evaluate``): before the first resumed
-  step, the end-of-epoch logging/evaluation/saving that followed the checkpoint in the uninterrupted run is done,
-  and a checkpoint that ends the run (``max_steps``, or a callback's stop) trains and writes nothing more.
-  ``ExportableState`` callbacks are restored by default (``_load_callback_state``).
-* **Discovery** (:mod:`._trainer_discovery`): ``train(resume_from_checkpoint=True)`` (or ``"auto"``) resumes
-  from the newest checkpoint that verifies, skipping partial or corrupt ones, or from a newer stock
-  ``transformers.Trainer`` checkpoint (converted on the fly, not bit-exact), and starts fresh when there is none.
-  Directories hf_resumable did not write are never overwritten or deleted.
-* **Engines** (:mod:`._engines`): DDP, FSDP2 and FSDP1 (``fsdp=``/``fsdp_config``, either ``state_dict_type``:
-  every rank saves and loads its own pieces, :func:`~hf_resumable.checkpoint.sharded.save_sharded_checkpoint`)
-  and DeepSpeed ZeRO-1/2/3 (``deepspeed=``: every rank saves and loads its ZeRO partitions,
-  :mod:`._deepspeed`; DeepSpeed's own ``global_step*`` checkpoints are neither written nor read); ZeRO-Offload,
-  FSDP1 hybrid sharding and XLA FSDP are refused when ``train()`` starts.
-* **Checks before the first step** (``set_initial_training_values``): a setup whose checkpoints would fail or
-  not resume exactly is refused with the fix; changed optimization hyperparameters are reported
-  (:mod:`._trainer_hparams`).
-* **Drift**: the run configuration is recorded in every checkpoint; resuming with another one raises
-  :class:`~hf_resumable.errors.ConfigDriftError` unless ``allow_config_drift=True``.
-* **Preemption**: SIGTERM finishes the current optimizer step, saves, and exits with
-  :data:`~hf_resumable.preemption.PREEMPTION_EXIT_CODE`; with ``preemption_notice`` it saves that step, trains on
-  while another step and a final save fit in the notice, then saves and exits (or ends normally at ``max_steps``).
-  Under ``torch.distributed`` the ranks' proposals are all-reduced (MAX) at every optimizer-step boundary
-  (:class:`~hf_resumable.preemption.PreemptionProtocol`), so a signal that reaches one rank makes every rank
-  save the same step (checkpoints are collective: each rank writes its RNG and data position).
-* **Subclasses** (:func:`make_resumable`, :mod:`._trainer_family`): ``ResumableTrainer`` goes under TRL's and
-  the user's ``Trainer`` subclasses in the method order, so their own overrides stay in effect.
+* **Data** (``_get_dataloader`` for training loaders, :mod:`._trainer_data`): the training loader is built from
+  :mod:`hf_resumable.data` (the sample order a pure function of ``(seed, epoch)``, every batch built under a seed
+  derived from its position, streams resumed from their ``state_dict``), so the main-process RNG is consumed only by
+  the model; ``transformers.trainer.skip_first_batches`` is patched during ``train`` into a cursor move.
+* **Checkpoints** (``_save_checkpoint``, ``_load_*``; :mod:`._trainer_state`, :mod:`._trainer_restore`): written and
+  read with :mod:`hf_resumable.checkpoint` (no pickle, atomic, hashed), in the background with ``save_async``; the
+  logging accumulators, where the step stands in the loop and a subclass's ``resumable_state_attributes`` are saved
+  too. The RNG is restored by the Trainer's own ``_load_rng_state`` call, right before the first resumed forward.
+* **The loop** (``_run_epoch``, ``_finalize_training``, ``_maybe_log_save_evaluate``): before the first resumed step
+  the end-of-epoch work that followed the checkpoint is done, and a checkpoint that ends the run trains nothing more.
+* **Discovery** (:mod:`._trainer_discovery`), **engines** (:mod:`._engines`, :mod:`._deepspeed`), **tensor parallel**
+  (:mod:`._trainer_parallel`), **elastic** (:mod:`._trainer_elastic`, one mode chosen when the trainer is built).
+* **Checks before the first step** (``set_initial_training_values``): a setup whose checkpoints would fail or not
+  resume exactly is refused with the fix; changed hyperparameters are reported (:mod:`._trainer_hparams`).
+* **Preemption**: SIGTERM saves the step on every rank (:class:`~hf_resumable.preemption.PreemptionProtocol`) and
+  exits with :data:`~hf_resumable.preemption.PREEMPTION_EXIT_CODE`, or trains on within a ``preemption_notice``.
+* **Subclasses** (:func:`make_resumable`, :mod:`._trainer_family`): ``ResumableTrainer`` goes under TRL's and the
+  user's ``Trainer`` subclasses in the method order, so their own overrides stay in effect.
 
-Checkpoints land on optimizer-step boundaries (after the optimizer step, the scheduler step, logging
-and evaluation of that step), exactly where ``Trainer`` saves.
+Checkpoints land on optimizer-step boundaries (after the optimizer step, the scheduler step, logging and evaluation
+of that step), exactly where ``Trainer`` saves.
 """
 
 from __future__ import annotations
@@ -74,9 +46,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import ExportableState, TrainerCallback
 
 from .. import trace
-from ..checkpoint import (
-    VerifyReport,
-)
+from ..checkpoint import VerifyReport
 from ..checkpoint.api import saves_async
 from ..constants import CHECKPOINT_DIR_RE
 from ..data._loaders import StepPosition
@@ -86,20 +56,13 @@ from ..format.state_codec import encode_state
 from ..locations import open_uploader
 from ..preemption import PreemptionAction, PreemptionHandler, PreemptionProtocol, exit_after_preemption
 from ._core import AfterCommit, ResumeOptions, check_upstream, inexact, notice_save_in_flight
-from ._deepspeed import (
-    checkpoint_optimizer,
-    deepspeed_resume_by_us,
-)
+from ._deepspeed import checkpoint_optimizer, deepspeed_resume_by_us
 from ._engines import check_trainer_engine
 from ._fallback import ResumeLoadError, resume_newest
 from ._parallelism import ParallelLayout
 from ._save_interval import AutoSaveInterval, check_save_strategy
 from ._trainer_data import build_train_dataloader
-from ._trainer_discovery import (
-    ResumeCheckpointNotFoundError,
-    colliding_checkpoints,
-    collision_error,
-)
+from ._trainer_discovery import ResumeCheckpointNotFoundError, colliding_checkpoints, collision_error
 from ._trainer_elastic import trainer_world_size_mode
 from ._trainer_family import DEFAULT_STATE_ATTRIBUTES, RESUMABLE_OPTIONS
 from ._trainer_hparams import (
@@ -274,13 +237,9 @@ class ResumableTrainer(Trainer):
         exit_on_preemption (`bool`, *optional*, defaults to `True`): after a SIGTERM-triggered
             checkpoint has committed, exit the process with ``PREEMPTION_EXIT_CODE`` (143). With
             `False`, ``train`` returns and ``trainer.preempted`` is `True`.
-        preemption_notice (`float`, *optional*): the seconds from SIGTERM to SIGKILL that the scheduler gives
-            (Kubernetes' ``terminationGracePeriodSeconds``, SLURM's ``--signal=TERM@<seconds>``). With it, SIGTERM
-            commits a checkpoint of the step it lands in (in the background with ``save_async``) and training goes
-            on while another step and a final save fit in the time left (measured step and save times, with a safety
-            margin; see :mod:`hf_resumable.preemption`); then the step is saved and the process exits as without a
-            notice. A run that reaches ``max_steps`` inside the notice ends normally. Without it (the default) the
-            signal's step is saved and the process exits at once.
+        preemption_notice (`float`, *optional*): the seconds from SIGTERM to SIGKILL that the scheduler gives; with
+            it, SIGTERM saves the step it lands in and training goes on while another step and a final save fit
+            (docs/trainer.md, "The preemption notice"). Without it the signal's step is saved and the process exits.
         checkpoint_verify (`str`, *optional*, defaults to `"quick"`): verification when loading
             (``"quick"`` or ``"full"``).
         push_checkpoints_to (`str`, *optional*): after each checkpoint commits, upload it in the background
@@ -303,36 +262,20 @@ class ResumableTrainer(Trainer):
             frozen embedding) in every checkpoint too. By default they are recorded, not stored (names, dtypes,
             shapes, fingerprints, where the base came from) and checked against the model on resume; see
             :func:`hf_resumable.save_checkpoint`.
-        save_async (`bool`, *optional*): write checkpoints in the background; by default on under torch.distributed
-            (torchrun with 2+ processes) unless a callback overrides ``on_save`` (which may read the checkpoint), off
-            in a single process; ``False`` turns it off, ``True`` on. A save copies
-            the tensors into reusable host buffers (one more copy of model and optimizer state in memory), captures
-            everything else of that step (``trainer_state.json``, RNG, data position, logging accumulators) and
-            returns; training goes on while the files are written, hashed and committed. Under torch.distributed
-            every rank writes its files in the background and rank 0 commits once every rank's are durable. The
-            next save, a load, the end of ``train`` (also a preempted one: the SIGTERM save is written before the
-            exit) and interpreter exit wait for it; a failed background save raises
-            :class:`~hf_resumable.errors.AsyncSaveError` at the next save or at the end of ``train``, and the
-            previous checkpoint stays the newest. ``save_total_limit`` retention, ``push_checkpoints_to`` uploads
-            and ``push_to_hub`` only ever act on committed checkpoints; ``best_model_checkpoint`` is decided once
-            the previous save has committed, so it is the same as with blocking saves. Callbacks'
-            ``on_save`` is called when the save returns, as in ``Trainer``: with ``save_async=True`` the
-            checkpoint may still be in flight then (call :meth:`wait_for_pending_saves` to wait for it).
+        save_async (`bool`, *optional*): write checkpoints in the background (staged into reusable host buffers);
+            by default on under torch.distributed unless a callback overrides ``on_save``, off in a single process.
+            A failed background save raises :class:`~hf_resumable.errors.AsyncSaveError` at the next save or at the
+            end of ``train``; retention, uploads and ``push_to_hub`` act only on committed checkpoints; ``on_save``
+            runs when the save returns (:meth:`wait_for_pending_saves` waits for the commit). See docs/trainer.md,
+            "Background saves".
         elastic (`bool`, *optional*, defaults to `False`): let a restart use another number of processes and
-            continue the same run. The checkpoint's global batch (``per_device_train_batch_size`` x
-            ``gradient_accumulation_steps`` x world size) is kept by recomputing ``gradient_accumulation_steps``
-            (logged once, old -> new; a world size that does not divide it is refused before step 1 with
-            ``ElasticWorldSizeError``, listing those that do); every optimizer step trains on the same samples,
-            each batch built and each dropout mask drawn identically whichever rank trains on it, so losses and
-            weights match the uninterrupted run up to float rounding (see docs/trainer.md). Map-style training data
-            (every epoch cut to whole global batches) or a stream with ``dataloader_num_workers=0`` (read whole by
-            every process, step k being its positions ``[k * G, (k + 1) * G)``); not a custom sampler. DDP, FSDP2
-            and ZeRO (checkpoint pieces resharded).
+            continue the same run: the checkpoint's global batch is kept by recomputing
+            ``gradient_accumulation_steps`` (a world size that does not divide it is refused before step 1 with
+            ``ElasticWorldSizeError``), and losses and weights match the uninterrupted run up to float rounding.
+            What it needs and refuses: docs/trainer.md, "Elastic".
         mean_time_between_failures (`float`, *optional*): the expected seconds between preemptions or crashes; the
-            trainer then measures its own save cost and step time and saves at the interval that minimises the
-            expected lost time (Young/Daly, ``sqrt(2 * save cost * mean_time_between_failures)``, in steps),
-            logging each choice and deciding again when the measurements drift by more than 1.5x; ``save_steps`` is
-            replaced (``save_strategy`` must be ``"steps"``). See ``AutoSaveInterval``.
+            trainer then saves at the interval that minimises the expected lost time, measured as it trains
+            (``AutoSaveInterval``; ``save_strategy`` must be ``"steps"``).
 
     These options are validated when the trainer is built and kept in ``resume_options`` (a frozen
     ``ResumeOptions``, shared with ``ResumableAccelerator``).
