@@ -304,7 +304,7 @@ _PRIVATE_CHECKPOINT_IMPORTS_LEFT = frozenset({
     "integrations._deepspeed -> checkpoint._partitioned",
     "integrations._deepspeed -> checkpoint._staging",
     "integrations._save_interval -> checkpoint._interval",
-    "integrations.trainer -> checkpoint._reader",
+    "integrations._trainer_restore -> checkpoint._reader",
     "lazy._load -> checkpoint._model",
     "lazy._weights -> checkpoint._frozen",
 })

@@ -74,6 +74,7 @@ def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_in_proces
 
     from hf_resumable.errors import ConfigDriftError
     from hf_resumable.integrations._elastic import ElasticWorldSizeError
+    from hf_resumable.integrations._trainer_restore import open_for_resume
 
     output = tmp_path / "run"
     trainer = _trainer(output, elastic=True)
@@ -89,7 +90,7 @@ def test_a_world_size_that_does_not_divide_the_global_batch_is_refused_in_proces
     monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))  # divides: accumulation 2 -> 1
     trainer = _trainer(output, elastic=True)
     with caplog.at_level(logging.INFO, logger="hf_resumable"):
-        trainer._open_checkpoint(output / "checkpoint-1")
+        open_for_resume(trainer, output / "checkpoint-1")
     assert trainer.args.gradient_accumulation_steps == 1
     assert "world size 1 -> 2: gradient_accumulation_steps 2 -> 1" in caplog.text
 
@@ -250,3 +251,23 @@ def test_zero2_on_two_ranks_then_one_is_the_uninterrupted_run(tmp_path: Path) ->
     assert steps_of_rank(run, 1) == [1]
     assert_same_run(reference, run, steps=4)
     assert samples_per_epoch(run, 4) == [Counter(range(26))]
+
+
+def test_the_trainer_world_size_mode_differs_only_in_the_steps_elastic_changes() -> None:
+    """The mode chosen once per trainer: the fixed one keeps every change as drift and positions per rank; the elastic
+    one drops the world size and accumulation it planned, positions map-style loaders by step, and resumes across
+    world sizes."""
+    from hf_resumable.integrations._elastic import plan_elastic_resume
+    from hf_resumable.integrations._trainer_elastic import ElasticTrainerWorldSize, trainer_world_size_mode
+
+    fixed, elastic = trainer_world_size_mode(False), trainer_world_size_mode(True)
+    assert isinstance(elastic, ElasticTrainerWorldSize) and (fixed.enabled, elastic.enabled) == (False, True)
+    plan = plan_elastic_resume(saved_world_size=2, saved_accumulation=2, per_device_batch=4, world_size=1)
+    changed = {"world_size": (2, 1), "gradient_accumulation_steps": (2, 4), "seed": (1, 2)}
+    assert fixed.drift(dict(changed), plan) == changed
+    assert elastic.drift(dict(changed), None) == changed  # same world size: nothing planned, nothing dropped
+    assert elastic.drift(dict(changed), plan) == {"seed": (1, 2)}
+    assert [mode.resumes_across(2, 1) for mode in (fixed, elastic)] == [False, True]
+    assert not elastic.resumes_across(2, 2)
+    assert [mode.positions_by_step(kind) for mode in (fixed, elastic) for kind in ("map", "stream")] == [
+        False, False, True, False]

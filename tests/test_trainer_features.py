@@ -234,7 +234,7 @@ def test_a_resume_opens_and_verifies_the_checkpoint_once(trained_dir: Path, tmp_
     import hf_resumable.checkpoint.api as api
     import hf_resumable.checkpoint.discovery as discovery
     import hf_resumable.checkpoint.verify as verify_module
-    import hf_resumable.integrations.trainer as trainer_module
+    import hf_resumable.integrations._trainer_restore as trainer_restore
     from hf_resumable.checkpoint import OpenedCheckpoint, read_manifest
 
     output_dir = _copy(trained_dir, tmp_path)
@@ -242,7 +242,7 @@ def test_a_resume_opens_and_verifies_the_checkpoint_once(trained_dir: Path, tmp_
     files = sorted(read_manifest(checkpoint).files)
     verified, opened, opens, hashed, hashed_on_read = [], [], [], [], []
     verify, open_ = verify_module.verify_checkpoint, OpenedCheckpoint.open.__func__
-    for module in (api, discovery, trainer_module):
+    for module in (api, discovery, trainer_restore):
         monkeypatch.setattr(module, "verify_checkpoint", lambda *a, **k: verified.append(a[0]) or verify(*a, **k))
     monkeypatch.setattr(OpenedCheckpoint, "open",
                         classmethod(lambda cls, *a, **k: opened.append(a[0]) or open_(cls, *a, **k)))

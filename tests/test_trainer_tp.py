@@ -29,10 +29,9 @@ from transformers.distributed import DistributedConfig
 
 from hf_resumable.checkpoint import read_manifest, verify_checkpoint
 from hf_resumable.errors import ConfigDriftError, UnsupportedEngineError
-from hf_resumable.integrations._parallelism import ParallelLayout
+from hf_resumable.integrations._parallelism import ParallelLayout, data_parallel_rank
 from hf_resumable.integrations._trainer_parallel import (
     check_trainer_layout,
-    data_parallel_rank,
     sharded_model_construction,
     trainer_layout,
 )

@@ -32,8 +32,7 @@ from ._parallelism import ParallelLayout, layout_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["is_sharded_at_load", "sharded_model_construction", "trainer_layout", "data_parallel_rank",
-           "check_trainer_layout"]
+__all__ = ["is_sharded_at_load", "sharded_model_construction", "trainer_layout", "check_trainer_layout"]
 
 
 def is_sharded_at_load(model: Any) -> bool:
@@ -146,26 +145,3 @@ def check_trainer_layout(model: Any, parallelism_config: Any) -> None:
             f"ParallelismConfig {accelerator_layout.describe()} beside a model sharded at load time "
             f"({_model_layout(model).describe()}): context and sequence parallel are not applied to such a model by "
             "the Trainer. Nothing was trained. Set cp_size=1 and sp_size=1.")
-
-
-def data_parallel_rank(layout: ParallelLayout | None, *, process_index: int, world_size: int) -> tuple[int, int]:
-    """A process's data-parallel rank and the number of them under ``layout`` (pure).
-
-    Args:
-        layout (`ParallelLayout`, *optional*): :func:`trainer_layout` (``None``: every process is a data rank).
-        process_index (`int`), world_size (`int`): the process's index and the number of processes.
-
-    Returns:
-        `tuple[int, int]`: ``(process_index, world_size)`` without a layout (or one of another world size), else the
-        coordinate over the data dimensions and their size.
-
-    Example:
-
-    ```python
-    >>> data_parallel_rank(ParallelLayout(dp_replicate=2, tp=2), process_index=3, world_size=4)
-    (1, 2)
-    ```
-    """
-    if layout is None or layout.world_size != world_size:
-        return process_index, world_size
-    return layout.data_rank(process_index), layout.data_world

@@ -1,57 +1,29 @@
-"""``ResumableTrainer``: a drop-in ``transformers.Trainer`` whose restarts continue bit for bit.
+"""``ResumableTrainer``: a drop-in ``transformers.Trainer`` whose restarts continue bit for bit (docs/trainer.md).
 
-This is the only module that touches ``Trainer`` internals (its helpers live in ``_trainer_*.py``). What it
-changes, and why:
+This is the only module that touches ``Trainer`` internals; the class is a thin front door whose overrides call the
+functions of the ``_trainer_*.py`` modules, which take the trainer as an argument. What it changes, and where:
 
-* **Data** (``_get_dataloader`` for training loaders, so also a subclass's own ``get_train_dataloader``): the
-  training loader is built from :mod:`hf_resumable.data`: the sample order is a pure function of
-  ``(seed, epoch)`` (random, sequential, ``group_by_length``, or a subclass's ``_get_train_sampler`` replayed
-  per epoch), every batch is fetched, transformed and collated under a seed derived from its position (private
-  generators of the collator and data set included), and the loader has its own ``torch.Generator``.
-  Streaming data sets go through ``torchdata``'s ``StatefulDataLoader`` and resume from their
-  ``state_dict``; a ``.shuffle(buffer_size=...)`` buffer is replaced by
-  :class:`~hf_resumable.data.ResumableShuffleBuffer`, saved with its content (sample order differs from
-  ``datasets``' own buffer with the same seed). The main-process RNG is therefore consumed only by the model.
-* **Skipping** (``transformers.trainer.skip_first_batches``, patched for the duration of ``train``):
-  for our loaders, skipping is a cursor move: nothing before the resume point is fetched.
-* **Checkpoints** (``_save_checkpoint``, ``_load_*``): written and read with
-  :func:`hf_resumable.checkpoint.save_checkpoint` / ``load_checkpoint`` (sharded safetensors, no pickle,
-  atomic, hashed); with ``save_async`` (by default under torchrun) staged and written in the background while
-  training goes on (retention and uploads act on a checkpoint only once it has committed). The RNG captured after
-  the optimizer step is restored by the Trainer's own ``_load_rng_state`` call, i.e. right before the first resumed
-  forward pass.
-  The logging accumulators (``_tr_loss``, ...), where the step stands in the loop (stopped by a callback,
-  end-of-epoch work done), and a subclass's own counters (``resumable_state_attributes``: TRL's ``_metrics``,
-  ``_total_train_tokens``...) are saved too, so every logged value matches the uninterrupted run.
-* **The loop** (``_run_epoch``, ``_finalize_training``, ``_maybe_log_save_evaluate``): before the first resumed
-  step, the end-of-epoch logging/evaluation/saving that followed the checkpoint in the uninterrupted run is done,
-  and a checkpoint that ends the run (``max_steps``, or a callback's stop) trains and writes nothing more.
-  ``ExportableState`` callbacks are restored by default (``_load_callback_state``).
-* **Discovery** (:mod:`._trainer_discovery`): ``train(resume_from_checkpoint=True)`` (or ``"auto"``) resumes
-  from the newest checkpoint that verifies, skipping partial or corrupt ones, or from a newer stock
-  ``transformers.Trainer`` checkpoint (converted on the fly, not bit-exact), and starts fresh when there is none.
-  Directories hf_resumable did not write are never overwritten or deleted.
-* **Engines** (:mod:`._engines`): DDP, FSDP2 and FSDP1 (``fsdp=``/``fsdp_config``, either ``state_dict_type``:
-  every rank saves and loads its own pieces, :func:`~hf_resumable.checkpoint.save_checkpoint`)
-  and DeepSpeed ZeRO-1/2/3 (``deepspeed=``: every rank saves and loads its ZeRO partitions,
-  :mod:`._deepspeed`; DeepSpeed's own ``global_step*`` checkpoints are neither written nor read); ZeRO-Offload,
-  FSDP1 hybrid sharding and XLA FSDP are refused when ``train()`` starts.
-* **Checks before the first step** (``set_initial_training_values``): a setup whose checkpoints would fail or
-  not resume exactly is refused with the fix; changed optimization hyperparameters are reported
-  (:mod:`._trainer_hparams`).
-* **Drift**: the run configuration is recorded in every checkpoint; resuming with another one raises
-  :class:`~hf_resumable.errors.ConfigDriftError` unless ``allow_config_drift=True``.
-* **Preemption**: SIGTERM finishes the current optimizer step, saves, and exits with
-  :data:`~hf_resumable.preemption.PREEMPTION_EXIT_CODE`; with ``preemption_notice`` it saves that step, trains on
-  while another step and a final save fit in the notice, then saves and exits (or ends normally at ``max_steps``).
-  Under ``torch.distributed`` the ranks' proposals are all-reduced (MAX) at every optimizer-step boundary
-  (:class:`~hf_resumable.preemption.PreemptionProtocol`), so a signal that reaches one rank makes every rank
-  save the same step (checkpoints are collective: each rank writes its RNG and data position).
-* **Subclasses** (:func:`make_resumable`, :mod:`._trainer_family`): ``ResumableTrainer`` goes under TRL's and
-  the user's ``Trainer`` subclasses in the method order, so their own overrides stay in effect.
+* **Data** (``_get_dataloader`` for training loaders, :mod:`._trainer_data`): the training loader is built from
+  :mod:`hf_resumable.data` (the sample order a pure function of ``(seed, epoch)``, every batch built under a seed
+  derived from its position, streams resumed from their ``state_dict``), so the main-process RNG is consumed only by
+  the model; ``transformers.trainer.skip_first_batches`` is patched during ``train`` into a cursor move.
+* **Checkpoints** (``_save_checkpoint``, ``_load_*``; :mod:`._trainer_state`, :mod:`._trainer_restore`): written and
+  read with :mod:`hf_resumable.checkpoint` (no pickle, atomic, hashed), in the background with ``save_async``; the
+  logging accumulators, where the step stands in the loop and a subclass's ``resumable_state_attributes`` are saved
+  too. The RNG is restored by the Trainer's own ``_load_rng_state`` call, right before the first resumed forward.
+* **The loop** (``_run_epoch``, ``_finalize_training``, ``_maybe_log_save_evaluate``): before the first resumed step
+  the end-of-epoch work that followed the checkpoint is done, and a checkpoint that ends the run trains nothing more.
+* **Discovery** (:mod:`._trainer_discovery`), **engines** (:mod:`._engines`, :mod:`._deepspeed`), **tensor parallel**
+  (:mod:`._trainer_parallel`), **elastic** (:mod:`._trainer_elastic`, one mode chosen when the trainer is built).
+* **Checks before the first step** (``set_initial_training_values``): a setup whose checkpoints would fail or not
+  resume exactly is refused with the fix; changed hyperparameters are reported (:mod:`._trainer_hparams`).
+* **Preemption**: SIGTERM saves the step on every rank (:class:`~hf_resumable.preemption.PreemptionProtocol`) and
+  exits with :data:`~hf_resumable.preemption.PREEMPTION_EXIT_CODE`, or trains on within a ``preemption_notice``.
+* **Subclasses** (:func:`make_resumable`, :mod:`._trainer_family`): ``ResumableTrainer`` goes under TRL's and the
+  user's ``Trainer`` subclasses in the method order, so their own overrides stay in effect.
 
-Checkpoints land on optimizer-step boundaries (after the optimizer step, the scheduler step, logging
-and evaluation of that step), exactly where ``Trainer`` saves.
+Checkpoints land on optimizer-step boundaries (after the optimizer step, the scheduler step, logging and evaluation
+of that step), exactly where ``Trainer`` saves.
 """
 
 from __future__ import annotations
@@ -63,8 +35,7 @@ import inspect
 import json
 import logging
 import os
-import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,72 +46,49 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import ExportableState, TrainerCallback
 
 from .. import trace
-from ..checkpoint import (
-    VerifyReport,
-    apply_retention,
-    load_checkpoint,
-    open_checkpoint,
-    read_manifest,
-    save_checkpoint,
-    verify_checkpoint,
-)
-from ..checkpoint._reader import read_on_load
-from ..checkpoint.api import background_saver, saves_async
-from ..constants import CHECKPOINT_DIR_RE, CHECKPOINT_PREFIX, LAYOUT_FILE, OPTIMIZER_INDEX_FILE, TRAINER_STATE_FILE
-from ..data import (
-    DATA_KIND,
-    build_map_dataloader,
-    build_stream_dataloader,
-    data_rng,
-    dataset_fingerprint,
-    has_shuffle_buffer,
-    ignore_labels,
-    sampler_epoch_order,
-    split_stream_for_rank,
-)
+from ..checkpoint import VerifyReport
+from ..checkpoint.api import saves_async
+from ..constants import CHECKPOINT_DIR_RE
 from ..data._loaders import StepPosition
-from ..distributed import broadcast_json, rank_and_world_size
-from ..errors import AsyncSaveError, HfResumableError, InexactResumeError, UnsupportedStateError
-from ..format.rng import derive_seed, restore_rng_state
+from ..errors import AsyncSaveError, InexactResumeError, UnsupportedStateError
 from ..format.state import RunConfig
 from ..format.state_codec import encode_state
-from ..locations import is_remote, open_uploader, resolve_resume_path
+from ..locations import open_uploader
 from ..preemption import PreemptionAction, PreemptionHandler, PreemptionProtocol, exit_after_preemption
-from ._core import AfterCommit, ResumeOptions, check_drift, check_upstream, inexact, notice_save_in_flight
-from ._deepspeed import (
-    EXTRA_DEEPSPEED,
-    capture_engine_state,
-    checkpoint_optimizer,
-    deepspeed_engine,
-    deepspeed_resume_by_us,
-    restore_engine_state,
-    saved_engine_state,
-    torch_optimizer,
-)
-from ._elastic import ELASTIC_SETTINGS, ElasticPlan, plan_elastic_resume, seed_model_rng
-from ._engines import check_trainer_engine, checkpoint_model
-from ._fallback import ResumeLoadError, agreed_load, find_agreed_checkpoint, refuse_fresh_start, resume_newest
-from ._parallelism import KEY_PARALLELISM, ParallelLayout
+from ._core import AfterCommit, ResumeOptions, check_upstream, inexact, notice_save_in_flight
+from ._deepspeed import checkpoint_optimizer, deepspeed_resume_by_us
+from ._engines import check_trainer_engine
+from ._fallback import ResumeLoadError, resume_newest
+from ._parallelism import ParallelLayout, data_parallel_rank
 from ._save_interval import AutoSaveInterval, check_save_strategy
-from ._trainer_discovery import (
-    CONVERTED_DIR,
-    CheckpointKind,
-    ResumeCheckpointNotFoundError,
-    classify_checkpoint_dir,
-    colliding_checkpoints,
-    collision_error,
-    newest_stock_checkpoint,
-    not_a_checkpoint_error,
-)
-from ._trainer_family import DEFAULT_STATE_ATTRIBUTES, RESUMABLE_OPTIONS, encode_attribute, restore_attribute
+from ._trainer_data import build_train_dataloader
+from ._trainer_discovery import ResumeCheckpointNotFoundError, colliding_checkpoints, collision_error
+from ._trainer_elastic import trainer_world_size_mode
+from ._trainer_family import DEFAULT_STATE_ATTRIBUTES, RESUMABLE_OPTIONS
 from ._trainer_hparams import (
     HyperparameterChange,
-    apply_new_hyperparameters,
     hyperparameter_changes,
     hyperparameter_snapshot,
     report_hyperparameter_changes,
 )
-from ._trainer_parallel import check_trainer_layout, data_parallel_rank, sharded_model_construction, trainer_layout
+from ._trainer_parallel import check_trainer_layout, sharded_model_construction, trainer_layout
+from ._trainer_restore import (
+    Resume,
+    is_own_checkpoint,
+    load_best_model,
+    load_weights_and_optimizer,
+    open_for_resume,
+    resolve_checkpoint,
+    restore_rng,
+    resume_prologue,
+)
+from ._trainer_state import (
+    EXTRA_HYPERPARAMETERS,
+    PROGRESS_ATTRIBUTES,
+    PROGRESS_LOOP,
+    save_trainer_checkpoint,
+    trainer_attributes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -175,14 +123,6 @@ _SOURCE_CONTRACT: dict[str, tuple[str | tuple[str, ...], ...]] = {
     "train": ("self._load_from_checkpoint(resume_from_checkpoint)", "TRAINER_STATE_NAME"),
     "get_resumed_dataloader": ("skip_first_batches(dataloader, num_batches)",),  # where it exists (>= 5.25)
 }
-# Keys of the progress record saved in training_state.json["progress"].
-_PROGRESS_LOOP = "trainer_loop"  # accumulators of the logging loop (exact floats)
-_PROGRESS_ATTRIBUTES = "trainer_attributes"  # resumable_state_attributes of a Trainer subclass (TRL counters)
-_EXTRA_RUN_CONFIG = "run_config"  # RunConfig.to_dict()
-_EXTRA_MODEL_ONLY = "model_only"  # True when saved with save_only_model (cannot resume exactly)
-_EXTRA_HYPERPARAMETERS = "hyperparameters"  # _trainer_hparams.hyperparameter_snapshot()
-_EXTRA_ELASTIC = "elastic"  # True when written with elastic=True (the elastic sample layout)
-_EXTRA_PARALLELISM = KEY_PARALLELISM  # ParallelLayout.describe() of a tensor/N-D parallel run (None without one)
 
 
 def check_trainer_internals() -> list[str]:
@@ -246,33 +186,9 @@ def _own_checkpoints_only(trainer: "ResumableTrainer") -> contextlib.AbstractCon
     def sort_checkpoints(output_dir: str, *args: Any, **kwargs: Any) -> list[str]:
         pending = {os.path.abspath(p) for p in trainer._uploader.pending()} if trainer._uploader is not None else set()
         return [path for path in original(output_dir, *args, **kwargs)
-                if _is_own_checkpoint(Path(path)) and os.path.abspath(path) not in pending]
+                if is_own_checkpoint(Path(path)) and os.path.abspath(path) not in pending]
 
     return _patched(_trainer_module, "sort_checkpoints", sort_checkpoints)
-
-
-def _step_of(path: Path) -> int:
-    match = CHECKPOINT_DIR_RE.match(Path(path).name)
-    return int(match.group(1)) if match else -1
-
-
-def _is_conversion_of(target: Path, stock: Path) -> bool:
-    """Whether ``target`` is a committed conversion of ``stock`` made after ``stock`` last changed."""
-    try:
-        manifest = read_manifest(target)
-        newest_source = max(p.stat().st_mtime for p in stock.iterdir() if p.is_file())
-    except (HfResumableError, OSError, ValueError):
-        return False
-    return manifest.step == _step_of(stock) and manifest.created >= newest_source and not verify_checkpoint(
-        target, full=False).problems
-
-
-def _is_own_checkpoint(path: Path) -> bool:
-    try:
-        read_manifest(path)
-    except (HfResumableError, OSError):
-        return False
-    return True
 
 
 @dataclasses.dataclass
@@ -282,7 +198,7 @@ class _LoopTracker:
     ``Trainer._run_epoch`` calls ``_maybe_log_save_evaluate`` once after every optimizer step and once more
     after ``on_epoch_end`` (same ``global_step``). A checkpoint written by the step-end call of the last step of
     an epoch (or of the run) therefore precedes that epoch's end-of-epoch logging, evaluation and saving; the
-    resumed run performs it first (see ``ResumableTrainer._resume_prologue``).
+    resumed run performs it first (see :func:`._trainer_restore.resume_prologue`).
     """
 
     trial: Any = None
@@ -300,15 +216,6 @@ def _as_float(value: Any) -> float | None:
     if value is None:
         return None
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
-
-
-@dataclasses.dataclass
-class _Resume:
-    """What train() read from the checkpoint it resumes from, before the Trainer loads the weights."""
-
-    path: Path
-    loaded: Any  # LoadedCheckpoint (training state, extra, data state, RNG state)
-    converted_from: Path | None = None  # the stock transformers.Trainer checkpoint ``path`` was converted from
 
 
 class ResumableTrainer(Trainer):
@@ -330,13 +237,9 @@ class ResumableTrainer(Trainer):
         exit_on_preemption (`bool`, *optional*, defaults to `True`): after a SIGTERM-triggered
             checkpoint has committed, exit the process with ``PREEMPTION_EXIT_CODE`` (143). With
             `False`, ``train`` returns and ``trainer.preempted`` is `True`.
-        preemption_notice (`float`, *optional*): the seconds from SIGTERM to SIGKILL that the scheduler gives
-            (Kubernetes' ``terminationGracePeriodSeconds``, SLURM's ``--signal=TERM@<seconds>``). With it, SIGTERM
-            commits a checkpoint of the step it lands in (in the background with ``save_async``) and training goes
-            on while another step and a final save fit in the time left (measured step and save times, with a safety
-            margin; see :mod:`hf_resumable.preemption`); then the step is saved and the process exits as without a
-            notice. A run that reaches ``max_steps`` inside the notice ends normally. Without it (the default) the
-            signal's step is saved and the process exits at once.
+        preemption_notice (`float`, *optional*): the seconds from SIGTERM to SIGKILL that the scheduler gives; with
+            it, SIGTERM saves the step it lands in and training goes on while another step and a final save fit
+            (docs/trainer.md, "The preemption notice"). Without it the signal's step is saved and the process exits.
         checkpoint_verify (`str`, *optional*, defaults to `"quick"`): verification when loading
             (``"quick"`` or ``"full"``).
         push_checkpoints_to (`str`, *optional*): after each checkpoint commits, upload it in the background
@@ -359,36 +262,20 @@ class ResumableTrainer(Trainer):
             frozen embedding) in every checkpoint too. By default they are recorded, not stored (names, dtypes,
             shapes, fingerprints, where the base came from) and checked against the model on resume; see
             :func:`hf_resumable.save_checkpoint`.
-        save_async (`bool`, *optional*): write checkpoints in the background; by default on under torch.distributed
-            (torchrun with 2+ processes) unless a callback overrides ``on_save`` (which may read the checkpoint), off
-            in a single process; ``False`` turns it off, ``True`` on. A save copies
-            the tensors into reusable host buffers (one more copy of model and optimizer state in memory), captures
-            everything else of that step (``trainer_state.json``, RNG, data position, logging accumulators) and
-            returns; training goes on while the files are written, hashed and committed. Under torch.distributed
-            every rank writes its files in the background and rank 0 commits once every rank's are durable. The
-            next save, a load, the end of ``train`` (also a preempted one: the SIGTERM save is written before the
-            exit) and interpreter exit wait for it; a failed background save raises
-            :class:`~hf_resumable.errors.AsyncSaveError` at the next save or at the end of ``train``, and the
-            previous checkpoint stays the newest. ``save_total_limit`` retention, ``push_checkpoints_to`` uploads
-            and ``push_to_hub`` only ever act on committed checkpoints; ``best_model_checkpoint`` is decided once
-            the previous save has committed, so it is the same as with blocking saves. Callbacks'
-            ``on_save`` is called when the save returns, as in ``Trainer``: with ``save_async=True`` the
-            checkpoint may still be in flight then (call :meth:`wait_for_pending_saves` to wait for it).
+        save_async (`bool`, *optional*): write checkpoints in the background (staged into reusable host buffers);
+            by default on under torch.distributed unless a callback overrides ``on_save``, off in a single process.
+            A failed background save raises :class:`~hf_resumable.errors.AsyncSaveError` at the next save or at the
+            end of ``train``; retention, uploads and ``push_to_hub`` act only on committed checkpoints; ``on_save``
+            runs when the save returns (:meth:`wait_for_pending_saves` waits for the commit). See docs/trainer.md,
+            "Background saves".
         elastic (`bool`, *optional*, defaults to `False`): let a restart use another number of processes and
-            continue the same run. The checkpoint's global batch (``per_device_train_batch_size`` x
-            ``gradient_accumulation_steps`` x world size) is kept by recomputing ``gradient_accumulation_steps``
-            (logged once, old -> new; a world size that does not divide it is refused before step 1 with
-            ``ElasticWorldSizeError``, listing those that do); every optimizer step trains on the same samples,
-            each batch built and each dropout mask drawn identically whichever rank trains on it, so losses and
-            weights match the uninterrupted run up to float rounding (see docs/trainer.md). Map-style training data
-            (every epoch cut to whole global batches) or a stream with ``dataloader_num_workers=0`` (read whole by
-            every process, step k being its positions ``[k * G, (k + 1) * G)``); not a custom sampler. DDP, FSDP2
-            and ZeRO (checkpoint pieces resharded).
+            continue the same run: the checkpoint's global batch is kept by recomputing
+            ``gradient_accumulation_steps`` (a world size that does not divide it is refused before step 1 with
+            ``ElasticWorldSizeError``), and losses and weights match the uninterrupted run up to float rounding.
+            What it needs and refuses: docs/trainer.md, "Elastic".
         mean_time_between_failures (`float`, *optional*): the expected seconds between preemptions or crashes; the
-            trainer then measures its own save cost and step time and saves at the interval that minimises the
-            expected lost time (Young/Daly, ``sqrt(2 * save cost * mean_time_between_failures)``, in steps),
-            logging each choice and deciding again when the measurements drift by more than 1.5x; ``save_steps`` is
-            replaced (``save_strategy`` must be ``"steps"``). See ``AutoSaveInterval``.
+            trainer then saves at the interval that minimises the expected lost time, measured as it trains
+            (``AutoSaveInterval``; ``save_strategy`` must be ``"steps"``).
 
     These options are validated when the trainer is built and kept in ``resume_options`` (a frozen
     ``ResumeOptions``, shared with ``ResumableAccelerator``).
@@ -428,6 +315,7 @@ class ResumableTrainer(Trainer):
         set_aside = self.__dict__.pop("_hfr_options", {})
         mean_time_between_failures = set_aside.pop("mean_time_between_failures", mean_time_between_failures)
         self.resume_options = ResumeOptions(**{**options, **set_aside})
+        self._world_size_mode = trainer_world_size_mode(self.resume_options.elastic)  # chosen once
         # the save interval fits the failure rate (_save_interval.py); a bad value is refused before anything is built
         auto_interval = None if mean_time_between_failures is None else AutoSaveInterval(mean_time_between_failures)
         given = inspect.signature(Trainer.__init__).bind_partial(self, *args, **kwargs).arguments
@@ -443,14 +331,13 @@ class ResumableTrainer(Trainer):
         self.resumed_from: Path | None = None
         self._preemption = PreemptionHandler()
         self._preemption_protocol = PreemptionProtocol(self._preemption, notice=self.resume_options.preemption_notice)
-        self._resume: _Resume | None = None
+        self._resume: Resume | None = None
         self._train_loader: Any = None
         self._train_position: StepPosition | None = None  # the training loader's LoaderPosition
         self._run_config: RunConfig | None = None
         self._last_eval: tuple[int, dict[str, float]] | None = None
         self._loop = _LoopTracker()
         self._rng_restored = False
-        self._micro_of_step = (-1, 0)  # (global_step, micro-batches trained in it): elastic dropout keys
         self._converted_from: Path | None = None
         self._loader_fallback: str | None = None
         self._uploader = None
@@ -541,7 +428,7 @@ class ResumableTrainer(Trainer):
         self.preempted = False
         self._preemption_protocol.reset()
         self._run_config = None
-        checkpoint, verified = self._resolve_checkpoint(resume_from_checkpoint)
+        checkpoint, verified = resolve_checkpoint(self, resume_from_checkpoint)
         if verified is not None and (resume_from_checkpoint is True or resume_from_checkpoint == "auto"):
             # a discovered checkpoint that fails its hashes while it is loaded: the one before it (train() again)
             return resume_newest(self.args.output_dir, lambda report: self._train_from(
@@ -554,11 +441,11 @@ class ResumableTrainer(Trainer):
         """``train`` from ``checkpoint`` (or from scratch); a failed hash while it is loaded leaves this trainer as
         ``train`` found it, so that the fallback's next ``train`` is a clean resume of the checkpoint before."""
         self._before_train = (self.optimizer, self.lr_scheduler, self._created_lr_scheduler, self.model_wrapped)
-        self._resume = self._open_checkpoint(checkpoint, verified) if checkpoint is not None else None
+        self._resume = open_for_resume(self, checkpoint, verified) if checkpoint is not None else None
         self.resumed_from = None if self._resume is None else (self._resume.converted_from or checkpoint)
         self._loop = _LoopTracker(trial=trial, ignore_keys_for_eval=ignore_keys_for_eval)
         self._rng_restored = False
-        self._micro_of_step = (-1, 0)
+        self._world_size_mode.start()
         self._loader_fallback = None
         self._train_loader = self._train_position = None
         # eval_on_start evaluates before the first step of the run, not again at every restart
@@ -595,164 +482,13 @@ class ResumableTrainer(Trainer):
             self.neftune_hook_handle.remove()  # train() adds it again
         failed.retry = not (self.is_fsdp_enabled or self.is_deepspeed_enabled)
 
-    def _resolve_checkpoint(self, resume_from_checkpoint: str | bool | os.PathLike | None
-                            ) -> tuple[Path | None, VerifyReport | None]:
-        """The checkpoint to resume from, and the verification that chose it (handed to the open, so that a resume
-        verifies the checkpoint and reads its small files once)."""
-        if resume_from_checkpoint in (None, False):
-            return None, None
-        output_dir = self.args.output_dir
-        if resume_from_checkpoint is True or resume_from_checkpoint == "auto":
-            report = find_agreed_checkpoint(output_dir, pattern=CHECKPOINT_DIR_RE)
-            latest = None if report is None else Path(report.path)
-            stock = newest_stock_checkpoint(output_dir)
-            if stock is not None and (latest is None or stock.step > _step_of(latest)):
-                logger.info("The newest checkpoint under %s is %s, written by the stock transformers.Trainer.",
-                            output_dir, stock.path)
-                return self._convert_stock_checkpoint(stock.path), None
-            if latest is None:
-                refuse_fresh_start(output_dir, pattern=CHECKPOINT_DIR_RE, owner="ResumableTrainer")
-                logger.info("No valid checkpoint under %s: starting a fresh run.", output_dir)
-            else:
-                logger.info("Resuming from %s (newest checkpoint that verifies).", latest)
-            return latest, report
-        if is_remote(resume_from_checkpoint):  # hf://user/repo[@rev][/path] or s3://bucket/run[/checkpoint-N]
-            cache = Path(output_dir) / ".remote-resume"
-            return resolve_resume_path(resume_from_checkpoint, cache_dir=cache, token=self.args.hub_token,
-                                       storage_options=self.resume_options.storage_options), None
-        path = Path(resume_from_checkpoint)
-        kind = classify_checkpoint_dir(path)
-        if kind is CheckpointKind.STOCK:
-            return self._convert_stock_checkpoint(path), None
-        if kind is not CheckpointKind.OURS:
-            raise not_a_checkpoint_error(path, output_dir)
-        report = verify_checkpoint(path, full=self.resume_options.checkpoint_verify == "full", raise_on_error=True,
-                                   keep=read_on_load(rank_and_world_size()[0]))
-        return path, report
-
-    def _convert_stock_checkpoint(self, stock: Path) -> Path:
-        """Convert a stock ``transformers.Trainer`` checkpoint under ``output_dir/.hf-resumable-converted``.
-
-        The stock files are only read (pickles with ``torch.load(weights_only=True)``, after the converter's
-        WARNING); the stock directory is never changed or deleted. The weights are read by the stock
-        ``Trainer._load_from_checkpoint`` into this trainer's model (any model class, PEFT adapters included).
-        """
-        from ..conversions.stock import convert_trainer_checkpoint
-
-        target = Path(self.args.output_dir) / CONVERTED_DIR / stock.name
-        logger.warning("Resuming from %s, a checkpoint of the stock transformers.Trainer, converted to %s. This "
-                       "resume is NOT bit-exact: the stock checkpoint has no data position, logging accumulators "
-                       "or run configuration, and hf_resumable's sample order differs from the stock sampler's. "
-                       "Every checkpoint this run writes resumes bit for bit.", stock, target)
-        # one process per filesystem converts (save_on_each_node: node-local output_dirs), the others wait for it
-        with self.args.main_process_first(local=self.args.save_on_each_node, desc="converting a stock checkpoint"):
-            if not _is_conversion_of(target, stock):
-                Trainer._load_from_checkpoint(self, str(stock))
-                convert_trainer_checkpoint(stock, target, model=self.accelerator.unwrap_model(self.model),
-                                           overwrite=target.exists())
-        self._converted_from = stock
-        return target
-
-    def _conversion_to_drop(self) -> Path | None:
-        """The converted copy of a stock checkpoint this run resumed from (removed once a checkpoint committed)."""
-        resume = self._resume
-        if resume is None or resume.converted_from is None or not self.args.should_save:
-            return None
-        return resume.path if resume.path.parent == Path(self.args.output_dir) / CONVERTED_DIR else None
-
-    @staticmethod
-    def _drop_conversion(path: Path | None) -> None:
-        if path is not None and path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                path.parent.rmdir()  # only when empty
-
-    def _open_checkpoint(self, path: Path, verified: VerifyReport | None = None) -> _Resume:
-        # Opened (decoded) once here, with the verification that found it; the weights and optimizer are filled from
-        # this same object in _load_optimizer_and_scheduler, so a resume never verifies, reads or hashes a file twice.
-        loaded = open_checkpoint(path, verify=self.resume_options.checkpoint_verify, verified=verified,
-                                 reshard=self.resume_options.elastic)
-        converted_from, self._converted_from = self._converted_from, None
-        if converted_from is not None or loaded.extra.get("converted_from"):
-            return _Resume(path=path, loaded=loaded, converted_from=converted_from or path)
-        if loaded.extra.get(_EXTRA_MODEL_ONLY):
-            self._inexact(f"{path} was saved with save_only_model=True (no optimizer, scheduler or RNG state)")
-        saved = loaded.extra.get(_EXTRA_RUN_CONFIG)
-        if saved is None:
-            self._inexact(f"{path} records no run configuration (not written by ResumableTrainer)")
-        else:
-            saved_config = RunConfig.from_dict(saved)
-            elastic = self._plan_elastic(saved_config, path) if self.resume_options.elastic else None
-            changed = saved_config.diff(self._current_run_config())
-            if elastic is not None:  # the world size changed and the global batch is kept
-                changed = {name: values for name, values in changed.items() if name not in ELASTIC_SETTINGS}
-            layouts = (bool(loaded.extra.get(_EXTRA_ELASTIC)), self.resume_options.elastic)
-            if layouts[0] != layouts[1]:
-                changed["elastic"] = layouts
-            changed.update(self._layout_change(loaded.extra))
-            check_drift(changed, checkpoint=str(path), allow=self.resume_options.allow_config_drift,
-                        option="allow_config_drift", owner="ResumableTrainer")
-        return _Resume(path=path, loaded=loaded)
-
-    def _plan_elastic(self, saved: RunConfig, path: Path) -> ElasticPlan | None:
-        """``elastic=True`` at another world size: keep the checkpoint's global batch by changing
-        ``gradient_accumulation_steps`` (before the Trainer sizes anything with it); ``None`` at the same size.
-
-        Raises:
-            ElasticWorldSizeError: the global batch does not divide at this world size.
-        """
-        per_device = self.args.per_device_train_batch_size
-        _, world_size = self._data_parallel()
-        if saved.world_size == world_size or saved.per_device_train_batch_size != per_device:
-            return None  # a changed per-device batch is reported by the drift check
-        plan = plan_elastic_resume(saved_world_size=saved.world_size,
-                                   saved_accumulation=saved.gradient_accumulation_steps,
-                                   per_device_batch=saved.per_device_train_batch_size,
-                                   world_size=world_size, checkpoint=str(path))
-        if plan.gradient_accumulation_steps != self.args.gradient_accumulation_steps:
-            self.args.gradient_accumulation_steps = plan.gradient_accumulation_steps
-        self._run_config = None  # recorded with the new accumulation
-        if self.args.process_index == 0:  # once per run, not per rank
-            logger.info("Elastic resume of %s: %s.", path, plan.describe())
-        return plan
-
     def _layout(self) -> ParallelLayout | None:
         """The run's tensor/N-D parallel layout (:mod:`._trainer_parallel`); ``None`` without one."""
         return trainer_layout(self.accelerator.unwrap_model(self.model),
                               getattr(self.accelerator, "parallelism_config", None))
 
-    def _layout_change(self, extra: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
-        """``{"parallelism": (saved, current)}`` when the checkpoint was written at another tensor/N-D layout
-        (configuration drift, named by both), else nothing; with ``elastic=True`` another layout is taken (logged).
-        """
-        current = self._layout()
-        saved, now = extra.get(_EXTRA_PARALLELISM), None if current is None else current.describe()
-        if saved == now or _EXTRA_PARALLELISM not in extra:  # a checkpoint from before layouts were recorded
-            return {}
-        if not self.resume_options.elastic:
-            return {KEY_PARALLELISM: (saved, now)}
-        # elastic: the pieces are resharded for this layout as they are read (open_checkpoint(elastic=True)), and
-        # the global batch is kept by the data-parallel world (_plan_elastic)
-        if self.args.process_index == 0:
-            logger.info("Elastic resume at another layout: %s -> %s.", saved or "data parallel only",
-                        now or "data parallel only")
-        return {}
-
     def _inexact(self, message: str) -> None:
         inexact(message, allow=self.resume_options.allow_inexact_resume, owner="ResumableTrainer")
-
-    def _current_run_config(self) -> RunConfig:
-        if self._run_config is None:
-            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-            length, fingerprint = dataset_fingerprint(self.train_dataset, seed=seed)
-            self._run_config = RunConfig(
-                gradient_accumulation_steps=self.args.gradient_accumulation_steps,
-                per_device_train_batch_size=self.args.per_device_train_batch_size,
-                world_size=self._data_parallel()[1], seed=self.args.seed, data_seed=self.args.data_seed,
-                dataset_length=length, dataset_fingerprint=fingerprint,
-                train_sampling_strategy=str(self.args.train_sampling_strategy),
-                dataloader_drop_last=bool(self.args.dataloader_drop_last))
-        return self._run_config
 
     # ---- data ----
 
@@ -765,160 +501,19 @@ class ResumableTrainer(Trainer):
 
     def _get_dataloader(self, dataset: Any, description: str, batch_size: int, sampler_fn: Any = None,
                         is_training: bool = False, dataloader_key: str | None = None) -> Any:
-        """Training loaders (also those a subclass's own ``get_train_dataloader`` asks for, e.g. TRL's GRPO) are
-        hf_resumable loaders; evaluation loaders are the stock ones."""
+        """Training loaders are hf_resumable loaders (:func:`._trainer_data.build_train_dataloader`); evaluation
+        loaders are the stock ones."""
+        stock = functools.partial(super()._get_dataloader, dataset, description, batch_size, sampler_fn=sampler_fn,
+                                  is_training=is_training, dataloader_key=dataloader_key)
         if not is_training:
-            return super()._get_dataloader(dataset, description, batch_size, sampler_fn=sampler_fn,
-                                           is_training=is_training, dataloader_key=dataloader_key)
-        strategy = self.args.train_sampling_strategy
-        custom_sampler = (sampler_fn is not None and not isinstance(dataset, torch.utils.data.IterableDataset)
-                          and type(self)._get_train_sampler is not Trainer._get_train_sampler)
-        if strategy not in ("random", "sequential", "group_by_length") and not custom_sampler:
-            self._loader_fallback = (f"train_sampling_strategy={strategy!r} is not supported by ResumableTrainer, so "
-                                     "the training data comes from the stock loader")
-            return super()._get_dataloader(dataset, description, batch_size, sampler_fn=sampler_fn,
-                                           is_training=is_training, dataloader_key=dataloader_key)
-        dataset, collator = self._train_dataset_and_collator(dataset)
-        options = self._loader_options(batch_size)
-        streaming = isinstance(dataset, torch.utils.data.IterableDataset)
-        if self.resume_options.elastic and custom_sampler:
-            self._refuse_at_start(
-                "elastic=True keeps the sample order across world sizes in ResumableTrainer's own order (map-style "
-                "or streaming), not for a custom sampler",
-                fix="Use train_sampling_strategy 'random', 'sequential' or 'group_by_length' without overriding "
-                    "_get_train_sampler, or elastic=False")
-        _, world_size = self._data_parallel()  # the ranks of one tensor-parallel group read the same batches
-        global_batch = self._train_batch_size * self.args.gradient_accumulation_steps * world_size
-        elastic_stream = self.resume_options.elastic and streaming and not options["num_workers"]
-        if self.resume_options.elastic and streaming and options["num_workers"]:
-            self._refuse_at_start(
-                f"elastic=True reads a stream in one order on every process; dataloader_num_workers="
-                f"{options['num_workers']} would split it by worker", fix="Set dataloader_num_workers=0")
-        if streaming:
-            if strategy == "group_by_length":
-                logger.warning("train_sampling_strategy='group_by_length' is ignored for a streaming data set (it "
-                               "has no lengths to group by); examples come in the stream's own order.")
-            # elastic: not split by rank, every process reads the whole stream and keeps its chunks of each step
-            loader = build_stream_dataloader(dataset if elastic_stream else self._split_for_rank(dataset),
-                                             collate_fn=collator, drop_last=self.args.dataloader_drop_last,
-                                             world_size=world_size,
-                                             global_batch=global_batch if elastic_stream else None,
-                                             padding_fn=self._elastic_padding() if elastic_stream else None, **options)
-            if not loader.dataset.is_stateful and self._saves_checkpoints():
-                self._refuse_at_start(
-                    f"The training set {type(dataset).__name__} is a torch IterableDataset without state_dict() and "
-                    "load_state_dict(), so no checkpoint can record where the stream stands",
-                    fix="Use a datasets.IterableDataset (e.g. Dataset.to_iterable_dataset()) or a map-style data set, "
-                        "or implement state_dict()/load_state_dict() on your data set")
-        elif custom_sampler:
-            # a subclass's _get_train_sampler (TRL's RepeatSampler, a weighted sampler...): replayed per epoch under a
-            # seed derived from (seed, epoch), batched and resumed by cursor
-            sampler = sampler_fn(dataset)
-            if sampler is None:
-                sampler = range(len(dataset))  # what DataLoader does without a sampler
-            loader = build_map_dataloader(dataset, collate_fn=collator, drop_last=self.args.dataloader_drop_last,
-                                          world_size=world_size, num_samples=len(sampler),
-                                          order=sampler_epoch_order(sampler, seed=options["seed"]), **options)
-        else:
-            grouped = strategy == "group_by_length"
-            loader = build_map_dataloader(dataset, collate_fn=collator, drop_last=self.args.dataloader_drop_last,
-                                          shuffle=strategy != "sequential", world_size=world_size,
-                                          lengths=self._train_lengths() if grouped else None,
-                                          group_size=global_batch if grouped else None,
-                                          global_batch=global_batch if self.resume_options.elastic else None,
-                                          padding_fn=self._elastic_padding() if self.resume_options.elastic else None,
-                                          **options)
-        self._train_loader = loader
-        self._train_position = StepPosition(loader, steps_done=lambda: self.state.global_step,
-                                            batches_per_step=self.args.gradient_accumulation_steps)
-        self._restore_data_position(loader)
-        return loader
-
-    def _elastic_padding(self) -> Callable[[Any], Any]:
-        """What makes a padding batch of the elastic layout count nothing: its labels ignored, so the loss normalised
-        by ``num_items_in_batch`` (which ``elastic=True`` requires) takes nothing from it."""
-        return functools.partial(ignore_labels, names=tuple(self.label_names or ("labels",)))
-
-    def _train_lengths(self) -> list[int]:
-        """Per-sample lengths for ``group_by_length``: ``length_column_name`` if present, else the length of the
-        first model input (read under a fixed seed, so random transforms neither vary nor touch the global RNG)."""
-        import datasets
-
-        dataset, column = self.train_dataset, self.args.length_column_name
-        if isinstance(dataset, datasets.Dataset) and column in dataset.column_names:
-            return [int(length) for length in dataset[column]]
-        names = getattr(self.processing_class, "model_input_names", None) or ["input_ids"]
-        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        with data_rng(derive_seed(seed, "group-by-length")):
-            first = dataset[0] if len(dataset) else {}
-            if not isinstance(first, Mapping) or names[0] not in first:
-                raise ValueError(f"train_sampling_strategy='group_by_length' needs a {column!r} column or samples "
-                                 f"that are dicts with an {names[0]!r} key to read lengths from.")
-            return [len(dataset[index][names[0]]) for index in range(len(dataset))]
-
-    def _train_dataset_and_collator(self, dataset: Any) -> tuple[Any, Any]:
-        collator = self.data_collator
-        try:
-            import datasets
-        except ImportError:  # pragma: no cover - datasets is a dependency
-            datasets = None
-        if datasets is not None and isinstance(dataset, datasets.Dataset):
-            dataset = self._remove_unused_columns(dataset, description="Training")
-        else:
-            collator = self._get_collator_with_removed_columns(collator, description="Training")
-        return dataset, collator
-
-    def _loader_options(self, batch_size: int) -> dict[str, Any]:
-        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        return dict(batch_size=batch_size, seed=seed, rank=self._data_parallel()[0],
-                    num_workers=self.args.dataloader_num_workers,
-                    pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
-                    persistent_workers=self.args.dataloader_persistent_workers,
-                    prefetch_factor=self.args.dataloader_prefetch_factor,
-                    multiprocessing_context=self.args.dataloader_multiprocessing_context)
-
-    def _split_for_rank(self, dataset: Any) -> Any:
-        rank, world_size = self._data_parallel()
-        return split_stream_for_rank(dataset, rank=rank, world_size=world_size)
+            return stock()
+        return build_train_dataloader(self, dataset, batch_size, sampler_fn, stock)
 
     def _data_parallel(self) -> tuple[int, int]:
         """This process's data-parallel rank and their number: the process index and count, or, under tensor/N-D
         parallel, the coordinate over the data dimensions (:mod:`._trainer_parallel`)."""
         return data_parallel_rank(self._layout(), process_index=self.args.process_index,
                                   world_size=self.args.world_size)
-
-    def _restore_data_position(self, loader: Any) -> None:
-        if self._resume is None:
-            return
-        record = self._resume.loaded.data_state
-        if record is None and self._resume.converted_from is not None:
-            return  # a stock checkpoint: the loader starts at the Trainer's (epoch, batch), in hf_resumable's order
-        if self.resume_options.elastic and self._train_position.kind == "map":
-            return  # the elastic layout's position is the global step (the Trainer's skip), at any world size
-        if getattr(loader.dataset, "global_batch", None) is not None and (
-                self._resume.loaded.manifest.world_size != self.args.world_size):
-            # an elastic stream's position is global: rank 0's record (a new rank has none of its own), its batch
-            # counters set for this world size when loaded
-            record = broadcast_json(record if self.args.process_index == 0 else None)
-        if record is None:
-            self._inexact(f"{self._resume.path} has no data position for rank {self.args.process_index}")
-            return
-        if record.get(DATA_KIND) == "stream":
-            if not self._train_position.fits(record):
-                self._inexact(f"{self._resume.path} holds a streaming position but the training data is map-style")
-                return
-            if has_shuffle_buffer(getattr(loader.dataset, "dataset", None)):  # a buffer data.py could not replace
-                self._inexact("The streaming training set has a shuffle buffer that hf_resumable could not replace "
-                              "(see the WARNING above), whose content datasets does not save (the buffer is "
-                              "refilled from the resume point)")
-            self._train_position.load_position(record)
-
-    def _data_position(self) -> dict[str, Any] | None:
-        position = self._train_position
-        # a stream without state_dict(): refused at train start unless allow_inexact_resume
-        if position is None or not getattr(position.loader.dataset, "is_stateful", True):
-            return None
-        return position.position()
 
     def _load_callback_state(self) -> None:
         """Restore ``ExportableState`` callbacks from the checkpoint (``restore_callback_states``, default on)."""
@@ -930,65 +525,8 @@ class ResumableTrainer(Trainer):
     # ---- saving ----
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        """Write ``checkpoint-<global_step>`` in the hf_resumable format (atomic, hashed, no pickle).
-
-        With ``save_async`` the checkpoint is staged and written in the background (the save before a preemption
-        exit excepted: the process exits right after it); what follows its commit (retention, uploads) runs once it
-        has committed.
-        Everything the checkpoint holds is captured here, at this step.
-        """
-        # the previous background save has committed (or its failure is raised here)
-        self._settle_saves(removals=False)
-        if self.hp_search_backend is None and trial is None:
-            self.store_flos()
-        run_dir = Path(self._get_output_dir(trial=trial))
-        output_dir = run_dir / f"{CHECKPOINT_PREFIX}{self.state.global_step}"
-        self._update_best_checkpoint(run_dir)
-        self._export_callback_states()
-        model_only = self.args.save_only_model
-        # The SIGTERM save is blocking: the process exits right after it.
-        blocking = not self._saves_in_background() or self.preempted
-        unwrapped = checkpoint_model(self.model, self.accelerator.unwrap_model(self.model))  # FSDP1: its root
-        optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO: this rank's partitions
-        engine = deepspeed_engine(self.model_wrapped)
-        save_checkpoint(  # FSDP1/2 / ZeRO: every rank writes its pieces
-            output_dir, model=unwrapped,
-            optimizer=None if model_only else optimizer,
-            scheduler=None if model_only else self.lr_scheduler,
-            scaler=None if model_only else self.accelerator.scaler,
-            step=self.state.global_step,
-            training_state={_PROGRESS_LOOP: self._loop_state(), _PROGRESS_ATTRIBUTES: self._trainer_attributes()},
-            extra={_EXTRA_RUN_CONFIG: self._current_run_config().to_dict(), _EXTRA_MODEL_ONLY: model_only,
-                   _EXTRA_HYPERPARAMETERS: hyperparameter_snapshot(self.args, max_steps=self.state.max_steps),
-                   _EXTRA_ELASTIC: self.resume_options.elastic,
-                   _EXTRA_PARALLELISM: None if self._layout() is None else self._layout().describe(),
-                   **({EXTRA_DEEPSPEED: capture_engine_state(engine, [optimizer])} if engine is not None else {})},
-            extra_files={TRAINER_STATE_FILE: json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True)},
-            data_state=self._data_position(), rng=not model_only, metrics=self._metrics_of_this_step(),
-            # as Trainer._save: without a processing_class, the collator's tokenizer is saved
-            processing_class=self.processing_class or getattr(self.data_collator, "tokenizer", None), overwrite=True,
-            standalone=self.resume_options.standalone_checkpoints, blocking=blocking)
-        conversion = self._conversion_to_drop()
-        saver = background_saver()  # a blocking save's fsyncs may still run there (durability "deferred")
-        self._commits.attach(saver.future if not blocking or saver.in_flight else None,
-                             lambda: self._after_commit(output_dir, run_dir, conversion))
-
-    def _after_commit(self, checkpoint: Path, run_dir: Path, conversion: Path | None) -> None:
-        """What follows a checkpoint's commit: drop a converted stock checkpoint, push, upload, apply retention.
-
-        Rank-local (no collective): a background save may be known to have committed at different steps on
-        different ranks.
-        """
-        self._drop_conversion(conversion)
-        if self.args.push_to_hub:
-            self._push_from_checkpoint(str(checkpoint))
-        if self._uploader is not None and self.args.should_save:
-            self._uploader.submit(checkpoint)
-        if self.args.should_save and self.args.save_total_limit:
-            protect = [self.state.best_model_checkpoint] if self.state.best_model_checkpoint else []
-            protect += list(self._uploader.pending()) if self._uploader is not None else []
-            apply_retention(run_dir, keep_last=max(1, self.args.save_total_limit), protect=protect,
-                            background=True)
+        """Write ``checkpoint-<global_step>`` (:func:`._trainer_state.save_trainer_checkpoint`)."""
+        save_trainer_checkpoint(self, model, trial)
 
     def _settle_saves(self, *, poll: bool = False, removals: bool = True) -> None:
         """Wait for this trainer's background save, then run what follows its commit; raise its failure.
@@ -1012,73 +550,6 @@ class ResumableTrainer(Trainer):
         except AsyncSaveError as err:
             logger.error("%s (raised instead: the error that stopped training)", err)
 
-    def _update_best_checkpoint(self, run_dir: Path) -> None:
-        # Same rule as Trainer._save_checkpoint: the best step's directory becomes best_model_checkpoint.
-        if self.args.save_strategy in ("steps", "epoch", "best") and self.state.best_global_step:
-            if self.args.parallel_mode == transformers.training_args.ParallelMode.DISTRIBUTED:
-                torch.distributed.barrier()
-            best = run_dir / f"{CHECKPOINT_PREFIX}{self.state.best_global_step}"
-            if best.exists() or self.state.best_global_step == self.state.global_step:
-                self.state.best_model_checkpoint = str(best)
-
-    def _export_callback_states(self) -> None:
-        # Same as Trainer._save_checkpoint: ExportableState callbacks and TrainerControl into the state.
-        for callback in self.callback_handler.callbacks + [self.control]:
-            if isinstance(callback, ExportableState):
-                name = callback.__class__.__name__
-                if isinstance(self.state.stateful_callbacks.get(name), list):
-                    self.state.stateful_callbacks[name].append(callback.state())
-                else:
-                    self.state.stateful_callbacks[name] = callback.state()
-
-    def _metrics_of_this_step(self) -> dict[str, float]:
-        if self._last_eval is None or self._last_eval[0] != self.state.global_step:
-            return {}
-        return {k: float(v) for k, v in self._last_eval[1].items() if isinstance(v, (int, float))}
-
-    def _loop_state(self) -> dict[str, Any]:
-        """The logging loop's accumulators, so the next logged loss averages the same steps as without a restart,
-        and where the step stands in the loop (stopped, end-of-epoch bookkeeping done) so a restart neither
-        repeats nor skips any of it."""
-        loop = self._loop
-        return {"tr_loss": float(self._tr_loss.item()), "total_loss_scalar": float(self._total_loss_scalar),
-                "globalstep_last_logged": int(self._globalstep_last_logged),
-                "initial_global_step": int(self._initial_global_step),
-                # stopped before max_steps by a callback (EarlyStoppingCallback...); reaching max_steps is not
-                # recorded as a stop, so a restart with a larger max_steps continues
-                "stopped": bool(self.control.should_training_stop) and self.state.global_step < self.state.max_steps,
-                "epoch_end_done": loop.in_epoch_end,
-                # train/eval mode after this step's evaluation (TRL's log() picks its metrics by it)
-                "model_training": bool(self.model.training),
-                "grad_norm": loop.grad_norm, "learning_rate": loop.learning_rate}
-
-    def _trainer_attributes(self) -> dict[str, Any]:
-        return {name: encode_attribute(getattr(self, name)) for name in self.resumable_state_attributes
-                if hasattr(self, name)}
-
-    def _restore_trainer_attributes(self) -> None:
-        saved = self._resume.loaded.training_state.get(_PROGRESS_ATTRIBUTES) or {}
-        for name, value in saved.items():
-            if name in self.resumable_state_attributes:
-                setattr(self, name, restore_attribute(getattr(self, name, None), value))
-        missing = [name for name in self.resumable_state_attributes if hasattr(self, name) and name not in saved]
-        if missing and self._resume.converted_from is None:
-            self._inexact(f"{self._resume.path} does not hold the trainer attributes {missing} of "
-                          f"{type(self).__name__}")
-
-    def _restore_loop_state(self) -> dict[str, Any] | None:
-        loop = self._resume.loaded.training_state.get(_PROGRESS_LOOP)
-        if loop is None and self._resume.converted_from is not None:
-            return None  # a stock checkpoint: the accumulators start from zero, as in a stock resume
-        if loop is None:
-            self._inexact(f"{self._resume.path} has no logging-loop state")
-            return None
-        self._tr_loss = torch.tensor(loop["tr_loss"], dtype=self._tr_loss.dtype, device=self._tr_loss.device)
-        self._total_loss_scalar = loop["total_loss_scalar"]
-        self._globalstep_last_logged = loop["globalstep_last_logged"]
-        self._initial_global_step = loop["initial_global_step"]
-        return loop
-
     # ---- the training loop ----
 
     def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
@@ -1094,25 +565,8 @@ class ResumableTrainer(Trainer):
         return values
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.resume_options.elastic and self._train_loader is not None:
-            # dropout keyed by the chunk this micro-batch trains on, not by the rank: the same at any world size
-            epoch, chunk = self._elastic_chunk()
-            seed_model_rng(self.args.seed, epoch=epoch, chunk=chunk)
+        self._world_size_mode.seed_micro_batch(self)  # elastic: dropout keyed by the chunk, not by the rank
         return super().training_step(model, inputs, *args, **kwargs)
-
-    def _elastic_chunk(self) -> tuple[int, int]:
-        """``(epoch, chunk)`` of the micro-batch about to train (elastic layout: every optimizer step of an epoch has
-        ``gradient_accumulation_steps`` micro-batches; rank ``r``'s ``j``-th is chunk ``j * world_size + r``)."""
-        step = self.state.global_step
-        if self._micro_of_step[0] != step:
-            self._micro_of_step = (step, 0)
-        micro = self._micro_of_step[1]
-        self._micro_of_step = (step, micro + 1)
-        per_epoch = self._loop.steps_per_epoch or 1
-        epoch, step_in_epoch = divmod(step, per_epoch)
-        batch = step_in_epoch * self.args.gradient_accumulation_steps + micro
-        rank, world_size = self._data_parallel()
-        return epoch, batch * world_size + rank
 
     def _saves_checkpoints(self) -> bool:
         return str(getattr(self.args.save_strategy, "value", self.args.save_strategy)) != "no"
@@ -1120,10 +574,10 @@ class ResumableTrainer(Trainer):
     def _check_before_training(self, dataloader: Any, *, max_steps: int) -> None:
         """Refuse, before the first step, a run whose checkpoints would fail or could not be resumed exactly."""
         start = (self._resume.loaded.step or 0) if self._resume is not None else 0
-        record = self._resume.loaded.training_state.get(_PROGRESS_LOOP) if self._resume is not None else None
+        record = self._resume.loaded.training_state.get(PROGRESS_LOOP) if self._resume is not None else None
         self._loop.finished = self._resume is not None and (start >= max_steps or bool((record or {}).get("stopped")))
         self._hyperparameter_changes = []
-        saved = self._resume.loaded.extra.get(_EXTRA_HYPERPARAMETERS) if self._resume is not None else None
+        saved = self._resume.loaded.extra.get(EXTRA_HYPERPARAMETERS) if self._resume is not None else None
         if saved is not None:
             self._hyperparameter_changes = hyperparameter_changes(
                 saved, hyperparameter_snapshot(self.args, max_steps=max_steps))
@@ -1135,8 +589,7 @@ class ResumableTrainer(Trainer):
             if collisions:
                 raise collision_error(self._get_output_dir(self._loop.trial), collisions, after_step=start,
                                       up_to_step=max_steps)
-        if self.resume_options.elastic:
-            self._check_elastic_loss()
+        self._world_size_mode.check_before_training(self)
         check_trainer_layout(self.accelerator.unwrap_model(self.model),
                              getattr(self.accelerator, "parallelism_config", None))
         if not self._saves_checkpoints():
@@ -1154,7 +607,7 @@ class ResumableTrainer(Trainer):
                 fix="Use train_sampling_strategy='random', 'sequential' or 'group_by_length' and the inherited "
                     "get_train_dataloader")
         try:
-            encode_state(self._trainer_attributes(), {}, prefix=_PROGRESS_ATTRIBUTES)
+            encode_state(trainer_attributes(self), {}, prefix=PROGRESS_ATTRIBUTES)
         except UnsupportedStateError as err:
             raise UnsupportedStateError(
                 f"{err} Every checkpoint stores the trainer attributes {self.resumable_state_attributes}, so the "
@@ -1170,19 +623,6 @@ class ResumableTrainer(Trainer):
                         f"{type(callback).__name__}.state() is not JSON-serializable ({err}); every checkpoint's "
                         "trainer_state.json stores it, so the first save would fail. Nothing was trained. Return "
                         "only numbers, strings, lists and dicts from state().") from err
-
-    def _check_elastic_loss(self) -> None:
-        """``elastic=True`` needs the loss normalised over the whole global batch (tokens of every micro-batch and
-        rank), which ``Trainer`` does with ``average_tokens_across_devices`` and a model or ``compute_loss_func``
-        that takes ``num_items_in_batch``; a per-micro-batch mean would weigh tokens by the rank layout."""
-        if self.args.average_tokens_across_devices and (self.model_accepts_loss_kwargs or self.compute_loss_func):
-            return
-        self._refuse_at_start(
-            "elastic=True: the loss is not normalised over the whole global batch (average_tokens_across_devices="
-            f"{self.args.average_tokens_across_devices}, model takes num_items_in_batch: "
-            f"{bool(self.model_accepts_loss_kwargs)}), so the gradient would depend on how the batch is split "
-            "across processes", fix="Set average_tokens_across_devices=True and use a model that accepts "
-                                    "num_items_in_batch (or pass compute_loss_func)")
 
     def _refuse_at_start(self, message: str, *, fix: str) -> None:
         if self.resume_options.allow_inexact_resume:
@@ -1235,57 +675,18 @@ class ResumableTrainer(Trainer):
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
         bound = inspect.signature(Trainer._run_epoch).bind(self, *args, **kwargs).arguments
-        self._resume_prologue(model=bound["model"], start_time=bound["start_time"])
+        resume_prologue(self, model=bound["model"], start_time=bound["start_time"])
         if self._loop.finished:  # the checkpoint is the end of the run: train nothing, save nothing
             self.control.should_training_stop = True
             return None
         return super()._run_epoch(*args, **kwargs)
 
     def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
-        self._resume_prologue(model=self.model_wrapped, start_time=start_time)
+        resume_prologue(self, model=self.model_wrapped, start_time=start_time)
         # the last checkpoint commits (or its failure is raised) before the best model is loaded and
         # save_total_limit=1 deletes checkpoints
         self._settle_saves()
         return super()._finalize_training(trial, num_train_samples, start_time)
-
-    def _resume_prologue(self, *, model: torch.nn.Module, start_time: float) -> None:
-        """Once per ``train``, before the first resumed step (or the end of training when nothing is left).
-
-        Restores the logging accumulators; finishes the end-of-epoch work (``on_epoch_end``, epoch-strategy
-        logging, evaluation and saving) that the uninterrupted run did right after the checkpoint's step; and
-        recognises a checkpoint that ends the run (``max_steps`` reached, or the run asked to stop, e.g. by
-        ``EarlyStoppingCallback``), so that re-running a finished run trains nothing and writes nothing.
-        """
-        loop = self._loop
-        if loop.prologue_done:
-            return
-        loop.prologue_done = True
-        if self._resume is None:
-            return
-        self._restore_trainer_attributes()
-        record = self._restore_loop_state()
-        if record is None:
-            return
-        if "model_training" in record:
-            self.model.train(record["model_training"])
-        step = self.state.global_step
-        loop.finished = step >= self.state.max_steps or bool(record.get("stopped"))
-        per_epoch = loop.steps_per_epoch or self.state.max_steps
-        if step > 0 and (step % per_epoch == 0 or loop.finished) and not record.get("epoch_end_done", True):
-            self._load_rng_state(str(self._resume.path))  # the RNG the epoch-end evaluation drew from
-            self._rng_restored = True
-            self.control.should_log = self.control.should_evaluate = self.control.should_save = False
-            self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
-            loop.last_call_step = step
-            self._maybe_log_save_evaluate(self._tr_loss, record.get("grad_norm"), model, loop.trial,
-                                          (step - 1) // per_epoch, loop.ignore_keys_for_eval, start_time,
-                                          learning_rate=record.get("learning_rate"))
-        if loop.finished:
-            logger.info("%s is the end of this run (step %d of %d%s): nothing left to train.", self._resume.path,
-                        step, self.state.max_steps, ", stopped by a callback" if record.get("stopped") else "")
-            if not self._rng_restored:
-                self._load_rng_state(str(self._resume.path))
-                self._rng_restored = True
 
     # ---- loading ----
 
@@ -1295,76 +696,19 @@ class ResumableTrainer(Trainer):
         logger.debug("Deferring weight loading of %s until the optimizer exists.", resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None:
-            return
-        model_only = self._resume is not None and self._resume.loaded.extra.get(_EXTRA_MODEL_ONLY)
-        if self._resume is not None and self._resume.converted_from is not None:
-            # a stock checkpoint saved with save_only_model has no optimizer state: a fresh optimizer, as stock
-            files = self._resume.loaded.manifest.files  # a converted DeepSpeed checkpoint holds it in pieces
-            model_only = OPTIMIZER_INDEX_FILE not in files and LAYOUT_FILE not in files
-        opened = (self._resume.loaded if self._resume is not None and Path(checkpoint) == self._resume.path
-                  else open_checkpoint(checkpoint, verify=self.resume_options.checkpoint_verify,
-                                       reshard=self.resume_options.elastic))
-        model = checkpoint_model(self.model, self.accelerator.unwrap_model(self.model))  # FSDP1: its root
-        optimizer = checkpoint_optimizer(self.optimizer)  # ZeRO: this rank's partitions
-        objects = dict(optimizer=None if model_only else optimizer,
-                       scheduler=None if model_only else self.lr_scheduler,
-                       scaler=None if model_only else self.accelerator.scaler)
-        engine = deepspeed_engine(self.model_wrapped)
-        engine_state = None
-        if engine is not None and not model_only:  # checked before anything is loaded
-            engine_state = saved_engine_state(opened.extra, where=checkpoint)
-        with agreed_load(checkpoint):  # a failed hash on any rank: ResumeLoadError on all (train's fallback)
-            # FSDP2 / ZeRO: every rank reads its pieces' slices; a world-size change was already refused (or
-            # allowed) by the run-config drift check
-            opened.load_into(model=model, **objects, restore_rng=False, allow_inexact_resume=True)
-            if engine_state is not None:
-                restore_engine_state(engine, [optimizer], engine_state)
-        changes = self._hyperparameter_changes and not model_only
-        if changes and self.resume_options.resume_hyperparameters == "arguments":
-            apply_new_hyperparameters(torch_optimizer(self.optimizer), self.lr_scheduler,
-                                      self._hyperparameter_changes, decay_groups=self._decay_groups())
-
-    def _decay_groups(self) -> list[bool]:
-        """Per optimizer param group: whether it holds only parameters ``Trainer`` applies weight decay to."""
-        model = self.accelerator.unwrap_model(self.model)
-        names = {id(p): n for n, p in model.named_parameters()}
-        decay = set(self.get_decay_parameter_names(model))
-        return [bool(group["params"]) and all(names.get(id(p)) in decay for p in group["params"])
-                for group in self.optimizer.param_groups]
+        load_weights_and_optimizer(self, checkpoint)
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         # Loaded with the optimizer.
         return None
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
-        """Restore the RNG captured after the checkpoint's optimizer step; the Trainer calls this right
-        before the first resumed forward pass (our data loading never touches the global RNG)."""
-        if checkpoint is None or self._resume is None or self._rng_restored:
-            return
-        state = self._resume.loaded.rng_state
-        if state is None and self._resume.converted_from is not None:
-            return
-        if self.resume_options.elastic and self._resume.loaded.manifest.world_size != self.args.world_size:
-            # the model's randomness is keyed per micro-batch (training_step); a rank the checkpoint had keeps its
-            # other streams, a new one starts from its seed
-            if state is not None:
-                restore_rng_state(state, allow_device_mismatch=True)
-            return
-        if state is None:
-            self._inexact(f"{checkpoint} has no RNG state for rank {self.args.process_index}")
-            return
-        restore_rng_state(state, allow_device_mismatch=self.resume_options.allow_inexact_resume)
+        """Restore the RNG captured after the checkpoint's optimizer step (:func:`._trainer_restore.restore_rng`)."""
+        restore_rng(self, checkpoint)
 
     def _load_best_model(self) -> None:
-        best = self.state.best_model_checkpoint
-        if not _is_own_checkpoint(Path(best)):  # a stock Trainer checkpoint (a run resumed from stock ones)
-            return super()._load_best_model()
-        logger.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
-        model = checkpoint_model(self.model, self.accelerator.unwrap_model(self.model))  # FSDP1: its root
-        # FSDP2 and ZeRO checkpoints hold per-rank pieces; under ZeRO-1/2 every rank loads the whole weights
-        load_checkpoint(best, model=model, restore_rng=False, verify=self.resume_options.checkpoint_verify,
-             allow_inexact_resume=True)  # weights only: no drift
+        if not load_best_model(self):  # a stock Trainer checkpoint (a run resumed from stock ones)
+            super()._load_best_model()
 
 
 _RESUMABLE_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
