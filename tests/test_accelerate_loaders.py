@@ -8,7 +8,10 @@ the next epoch and every random draw are the ones the uninterrupted run saw, and
 from __future__ import annotations
 
 import contextlib
+import json
 import random
+import signal
+import sys
 
 import numpy as np
 import pytest
@@ -23,7 +26,15 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from hf_resumable.errors import DoubleSkipError, InexactResumeError
 from hf_resumable.integrations.accelerate import ResumableAccelerator
 
-from helpers.accelerate_runs import _fresh_accelerate_state  # noqa: F401 - autouse: a fresh accelerate state
+from helpers import zygote
+from helpers.accelerate_runs import (
+    _fresh_accelerate_state,  # noqa: F401 - autouse: a fresh accelerate state
+    stream_accelerator,
+    stream_accumulate_run,
+)
+from helpers.distributed_launch import REPO_ROOT, child_env
+
+STREAM_WORKER = REPO_ROOT / "tests" / "scripts" / "stream_accumulate_worker.py"
 
 
 def reset_accelerate() -> None:
@@ -334,63 +345,29 @@ def test_a_stateful_iterable_loader_resumes_mid_epoch_as_with_stock_accelerate(t
     assert [b.tolist() for b in loader2] == batches[2:]
 
 
-# A stream of 10 examples in micro-batches of 2 with gradient accumulation 2: windows of 2, 2 and 1 per pass, so the
-# pass's last step is taken only if the loader marks its last batch (accelerate's end_of_dataloader).
-STREAM_VALUES = [float(i) / 4 for i in range(10)]
 
-
-def linear_stream_run(accelerator, *, epochs: int = 2, save_after: int | None = None):
-    """A direct ``for batch in loader`` loop inside ``accumulate`` over the stream (a resumed run continues in the
-    loader's epoch): per batch ``(end_of_dataloader, sync_gradients)``, and the final weights. With ``save_after``,
-    save after that many batches of the run and stop."""
-    import datasets
-
-    stream = datasets.Dataset.from_dict({"x": STREAM_VALUES}).to_iterable_dataset()
-    collate = lambda rows: torch.tensor([row["x"] for row in rows])  # noqa: E731
-    if isinstance(accelerator, ResumableAccelerator):
-        loader = accelerator.prepare_resumable_dataloader(stream, collate_fn=collate, batch_size=2, seed=0)
-    else:
-        loader = accelerator.prepare(DataLoader(stream, batch_size=2, collate_fn=collate))
-    torch.manual_seed(0)
-    model = torch.nn.Linear(1, 1)
-    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
-    first = 0
-    if isinstance(accelerator, ResumableAccelerator) and accelerator.load_state() is not None:
-        first = loader.epoch
-    marks = []
-    for _epoch in range(first, epochs):
-        with contextlib.closing(iter(loader)) as batches:  # closed before accelerate's state is reset
-            for batch in batches:
-                with accelerator.accumulate(model):
-                    accelerator.backward(((model(batch[:, None]) - 2 * batch[:, None]) ** 2).mean())
-                    optimizer.step()
-                    optimizer.zero_grad()
-                marks.append((accelerator.gradient_state.end_of_dataloader, accelerator.sync_gradients))
-                if len(marks) == save_after:
-                    accelerator.save_state()
-                    break
-        if len(marks) == save_after:
-            break
-    weight = accelerator.unwrap_model(model).weight.detach().clone()
-    reset_accelerate()
-    return marks, weight
-
-
-@pytest.mark.parametrize("save_after", [4, 5, 7])  # before the pass's last (read-ahead) batch, at its end, pass 2
-def test_a_stream_marks_its_last_batch_as_stock_accelerate_and_resumes_exactly(tmp_path, save_after):
+def test_a_stream_marks_its_last_batch_as_stock_accelerate(tmp_path):
     """A prepared stream reads one batch ahead, as accelerate's ``DataLoaderShard`` does: a direct loop inside
-    ``accumulate`` takes the optimizer steps of stock accelerate (the pass's shorter last step too) to its weights;
-    saved and resumed anywhere (the batch read ahead is not in the position), it continues bit for bit."""
-    stock_marks, stock_weight = linear_stream_run(Accelerator(cpu=True, gradient_accumulation_steps=2))
+    ``accumulate`` marks the pass's last batch (``end_of_dataloader``) and takes the optimizer steps of stock
+    accelerate, the pass's shorter last step too, to its weights."""
+    stock_marks, stock_weight = stream_accumulate_run(Accelerator(cpu=True, gradient_accumulation_steps=2))
     assert [sync for _, sync in stock_marks] == [False, True, False, True, True] * 2  # the 5th: a step of one
     assert [end for end, _ in stock_marks] == [False] * 4 + [True] + [False] * 4 + [True]
-
-    def ours(directory):
-        return ResumableAccelerator(cpu=True, checkpoint_dir=directory, handle_preemption=False,
-                                    gradient_accumulation_steps=2)
-
-    marks, weight = linear_stream_run(ours(tmp_path / "whole"))
+    marks, weight = stream_accumulate_run(stream_accelerator(tmp_path))
     assert marks == stock_marks and torch.equal(weight, stock_weight)
-    head, _ = linear_stream_run(ours(tmp_path / "run"), save_after=save_after)
-    tail, resumed_weight = linear_stream_run(ours(tmp_path / "run"))
-    assert head + tail == stock_marks and torch.equal(resumed_weight, stock_weight)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("save_after", [4, 5, 7])  # before the pass's last (read-ahead) batch, at its end, pass 2
+def test_a_stream_killed_after_a_save_resumes_as_stock_accelerate_trains(tmp_path, save_after):
+    """The same loop SIGKILLed right after ``save_state`` and run again continues bit for bit: the batch read ahead
+    is not in the saved position."""
+    stock_marks, stock_weight = stream_accumulate_run(Accelerator(cpu=True, gradient_accumulation_steps=2))
+    reset_accelerate()
+    checkpoints, marks_file = tmp_path / "checkpoints", tmp_path / "marks.json"
+    command = [sys.executable, str(STREAM_WORKER), str(checkpoints), str(save_after), str(marks_file)]
+    killed = zygote.run(command, env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    head = [tuple(mark) for mark in json.loads(marks_file.read_text())]
+    tail, weight = stream_accumulate_run(stream_accelerator(checkpoints))
+    assert head + tail == stock_marks and torch.equal(weight, stock_weight)
