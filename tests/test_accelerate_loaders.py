@@ -8,7 +8,10 @@ the next epoch and every random draw are the ones the uninterrupted run saw, and
 from __future__ import annotations
 
 import contextlib
+import json
 import random
+import signal
+import sys
 
 import numpy as np
 import pytest
@@ -23,7 +26,15 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from hf_resumable.errors import DoubleSkipError, InexactResumeError
 from hf_resumable.integrations.accelerate import ResumableAccelerator
 
-from helpers.accelerate_runs import _fresh_accelerate_state  # noqa: F401 - autouse: a fresh accelerate state
+from helpers import zygote
+from helpers.accelerate_runs import (
+    _fresh_accelerate_state,  # noqa: F401 - autouse: a fresh accelerate state
+    stream_accelerator,
+    stream_accumulate_run,
+)
+from helpers.distributed_launch import REPO_ROOT, child_env
+
+STREAM_WORKER = REPO_ROOT / "tests" / "scripts" / "stream_accumulate_worker.py"
 
 
 def reset_accelerate() -> None:
@@ -332,3 +343,31 @@ def test_a_stateful_iterable_loader_resumes_mid_epoch_as_with_stock_accelerate(t
     loader2 = resumed.prepare(DataLoader(StatefulStream(), batch_size=2))
     resumed.load_state()
     assert [b.tolist() for b in loader2] == batches[2:]
+
+
+
+def test_a_stream_marks_its_last_batch_as_stock_accelerate(tmp_path):
+    """A prepared stream reads one batch ahead, as accelerate's ``DataLoaderShard`` does: a direct loop inside
+    ``accumulate`` marks the pass's last batch (``end_of_dataloader``) and takes the optimizer steps of stock
+    accelerate, the pass's shorter last step too, to its weights."""
+    stock_marks, stock_weight = stream_accumulate_run(Accelerator(cpu=True, gradient_accumulation_steps=2))
+    assert [sync for _, sync in stock_marks] == [False, True, False, True, True] * 2  # the 5th: a step of one
+    assert [end for end, _ in stock_marks] == [False] * 4 + [True] + [False] * 4 + [True]
+    marks, weight = stream_accumulate_run(stream_accelerator(tmp_path))
+    assert marks == stock_marks and torch.equal(weight, stock_weight)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("save_after", [4, 5, 7])  # before the pass's last (read-ahead) batch, at its end, pass 2
+def test_a_stream_killed_after_a_save_resumes_as_stock_accelerate_trains(tmp_path, save_after):
+    """The same loop SIGKILLed right after ``save_state`` and run again continues bit for bit: the batch read ahead
+    is not in the saved position."""
+    stock_marks, stock_weight = stream_accumulate_run(Accelerator(cpu=True, gradient_accumulation_steps=2))
+    reset_accelerate()
+    checkpoints, marks_file = tmp_path / "checkpoints", tmp_path / "marks.json"
+    command = [sys.executable, str(STREAM_WORKER), str(checkpoints), str(save_after), str(marks_file)]
+    killed = zygote.run(command, env=child_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    head = [tuple(mark) for mark in json.loads(marks_file.read_text())]
+    tail, weight = stream_accumulate_run(stream_accelerator(checkpoints))
+    assert head + tail == stock_marks and torch.equal(weight, stock_weight)

@@ -272,6 +272,28 @@ def test_shuffle_buffer_state_holds_tensors_exactly() -> None:
     assert len(got) == 20 and all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, reference))
 
 
+def test_shuffle_buffer_state_after_any_example_resumes_exactly() -> None:
+    """The state taken after any example (the buffer filling, replacing, draining; and again in a restored run) holds
+    the buffer's content in step with it: each resume continues the uninterrupted order."""
+    def make() -> ResumableShuffleBuffer:
+        ds = datasets.Dataset.from_dict({"x": list(range(12))}).to_iterable_dataset(num_shards=2)
+        return resumable_shuffle_buffer(ds.shuffle(seed=0, buffer_size=5))
+
+    reference = [e["x"] for e in make()]
+    assert sorted(reference) == list(range(12)) and reference != sorted(reference)
+    for cut in range(1, 12):
+        buffer = make()
+        iterator = iter(buffer)
+        head = [next(iterator)["x"] for _ in range(cut)]
+        restored = make()
+        restored.load_state_dict(json.loads(json.dumps(buffer.state_dict())))
+        iterator = iter(restored)
+        middle = [next(iterator)["x"] for _ in range((12 - cut) // 2)]
+        again = make()
+        again.load_state_dict(json.loads(json.dumps(restored.state_dict())))
+        assert head + middle + [e["x"] for e in again] == reference, cut
+
+
 def test_shuffle_buffer_that_cannot_be_replaced_is_kept_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     ds = datasets.Dataset.from_dict({"x": list(range(8))}).to_iterable_dataset(num_shards=2)
     mixed = datasets.interleave_datasets([ds.shuffle(seed=0, buffer_size=4), ds])

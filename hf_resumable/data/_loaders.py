@@ -289,9 +289,11 @@ def _stream_loader_class() -> type:
                         "its step. Resume from another checkpoint.")
                 return self
 
-            def position(self, *, epoch: int, step: int) -> dict[str, Any]:
+            def position(self, *, epoch: int, step: int, state: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                """The position record after ``step`` batches of ``epoch``: ``state`` (a ``state_dict()`` taken
+                then, by a reader that has read further since), else the loader's state now."""
                 return {DATA_KIND: "stream", DATA_EPOCH: epoch, DATA_STEP: step,
-                        DATA_LOADER: self.state_dict()}
+                        DATA_LOADER: self.state_dict() if state is None else state}
 
         _STREAM_LOADER_CLASS = ResumableStreamLoader
     return _STREAM_LOADER_CLASS

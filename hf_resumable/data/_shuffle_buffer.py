@@ -123,6 +123,7 @@ class ResumableShuffleBuffer(IterableDataset):
         self.source, self.buffer_size, self.seed, self.rank = source, buffer_size, seed, rank
         self.epoch = 0
         self._buffer: list[Any] = []
+        self._encoded: list[Any] = []  # _buffer's examples as state_dict() stores them, encoded as they come in
         self._rng: np.random.Generator | None = None
         self._pending: dict[str, Any] | None = None
 
@@ -141,24 +142,30 @@ class ResumableShuffleBuffer(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         pending, self._pending = self._pending, None
         if pending is not None and int(pending["epoch"]) == self.epoch:
-            buffer = [_decode_example(example) for example in pending["buffer"]]
+            encoded = list(pending["buffer"])
+            buffer = [_decode_example(example) for example in encoded]
             rng = np.random.Generator(np.random.PCG64())
             rng.bit_generator.state = _rng_state_from_json(pending["rng"])
         else:
-            buffer, rng = [], self._fresh_rng()
-        self._buffer, self._rng = buffer, rng
+            buffer, encoded, rng = [], [], self._fresh_rng()
+        self._buffer, self._encoded, self._rng = buffer, encoded, rng
         # Invariant at every yield: source position, buffer content and generator state describe the rest
-        # of the stream exactly (the yielded example is out of the buffer, the one replacing it is in).
+        # of the stream exactly (the yielded example is out of the buffer, the one replacing it is in). Each
+        # example is encoded once, as it comes in (before anything downstream can change it), so that taking the
+        # state (a prepared stream does it for every batch) copies the encoded list only.
         for example in self.source:
             if len(buffer) < self.buffer_size:
                 buffer.append(example)
+                encoded.append(_encode_example(example))
                 continue
             slot = int(rng.integers(self.buffer_size))
-            out, buffer[slot] = buffer[slot], example
+            out, buffer[slot], encoded[slot] = buffer[slot], example, _encode_example(example)
             yield out
         while buffer:
             slot = int(rng.integers(len(buffer)))
             buffer[slot], buffer[-1] = buffer[-1], buffer[slot]
+            encoded[slot], encoded[-1] = encoded[-1], encoded[slot]
+            encoded.pop()
             yield buffer.pop()
 
     def state_dict(self) -> dict[str, Any]:
@@ -166,7 +173,7 @@ class ResumableShuffleBuffer(IterableDataset):
         if self._pending is not None:  # restored but not iterated yet: the restored state is still current
             return copy.deepcopy(self._pending)
         rng = self._rng if self._rng is not None else self._fresh_rng()
-        return {"source": self.source.state_dict(), "buffer": [_encode_example(e) for e in self._buffer],
+        return {"source": self.source.state_dict(), "buffer": list(self._encoded),
                 "rng": _rng_state_to_json(rng.bit_generator.state), "epoch": self.epoch}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -208,9 +208,11 @@ class ResumablePreparedStream(DataLoaderStateMixin):
     Iterating it yields the rest of the current pass over the stream (from the restored position on), then advances
     :attr:`epoch` (the wrapped ``datasets`` stream reshuffles per epoch). The position is the ``StatefulDataLoader``
     state after the batches handed out; in the elastic layout it counts the examples read over all ranks, so it
-    loads at any world size on an optimizer-step boundary. The number of batches is not known in advance:
-    ``end_of_dataloader`` is set only when the stream is exhausted (accumulation windows sync on their own last
-    micro-batch, see :class:`AccumulationWindow`).
+    loads at any world size on an optimizer-step boundary. The number of batches is not known in advance, so the
+    loader reads one batch ahead, as accelerate's ``DataLoaderShard`` does, and sets ``end_of_dataloader`` on the
+    pass's last batch (a loop that iterates it inside ``accelerator.accumulate`` steps after the pass's last
+    micro-batch, as with stock accelerate); the batch read ahead is not part of the position (the state is taken
+    before it is read).
 
     Args:
         loader: the stream loader, built for this rank (``rank``/``world_size`` of the accelerator).
@@ -231,6 +233,7 @@ class ResumablePreparedStream(DataLoaderStateMixin):
         self.epoch = 0
         self.consumed = 0  # batches of ``epoch`` already handed out
         self._positioned = False  # the loader's next pass starts at ``consumed`` (a restored state)
+        self._state: dict[str, Any] | None = None  # loader state after the ``consumed`` batches of this pass
         self.hand_outs = hand_outs
         self.last_batch: ElasticBatch | None = None  # elastic layout: the batch handed out last
 
@@ -250,24 +253,24 @@ class ResumablePreparedStream(DataLoaderStateMixin):
     def set_epoch(self, epoch: int) -> None:
         """Select an epoch; selecting the current one keeps the position (so resumed runs may call it)."""
         if epoch != self.epoch:
-            self.epoch, self.consumed, self._positioned = epoch, 0, False
+            self.epoch, self.consumed, self._positioned, self._state = epoch, 0, False, None
 
     def __iter__(self) -> Iterator[Any]:
         self.loader.set_epoch(self.epoch)
-        if self.consumed and not self._positioned:  # a pass left early: continue where it stopped
-            self.loader.load_state_dict(self.loader.state_dict())
+        if self.consumed and not self._positioned:  # a pass left early: continue after its last batch handed out
+            self.loader.load_state_dict(self.loader.state_dict() if self._state is None else self._state)
         self._positioned = False
         self.begin()
         try:
-            for batch in self.loader:
-                self.consumed += 1
+            for batch, state, weight, last in _read_one_ahead(self.loader, self.dataset):
+                self.consumed, self._state, self.end_of_dataloader = self.consumed + 1, state, last
                 if self.hand_outs is not None:  # the stream knows the last step's length once it has read it
-                    _hand_out(self, *self.dataset.last_weight)
+                    _hand_out(self, *weight)
                 yield batch if self.device is None else send_to_device(batch, self.device)
         finally:
             self.end()
             _end_hand_outs(self)
-        self.epoch, self.consumed = self.epoch + 1, 0
+        self.epoch, self.consumed, self._state = self.epoch + 1, 0, None
 
     @property
     def is_padding(self) -> bool:
@@ -279,7 +282,8 @@ class ResumablePreparedStream(DataLoaderStateMixin):
         """JSON record of where the next batch comes from (the start of a pass has no loader state)."""
         if not self.consumed:
             return {DATA_KIND: "stream", DATA_EPOCH: self.epoch, DATA_STEP: 0}
-        return self.loader.position(epoch=self.epoch, step=self.consumed)
+        # no state taken (restored and not iterated since): the loader's own state is the restored one
+        return self.loader.position(epoch=self.epoch, step=self.consumed, state=self._state)
 
     def fits(self, record: Mapping[str, Any]) -> bool:
         """Whether ``record`` is a streaming position."""
@@ -292,6 +296,7 @@ class ResumablePreparedStream(DataLoaderStateMixin):
             InexactResumeError: an elastic position that is not on an optimizer-step boundary of this world size.
         """
         self.epoch, self.consumed, self._positioned = int(record.get(DATA_EPOCH, 0)), 0, False
+        self._state = None
         if restart_epoch or DATA_LOADER not in record:
             return
         self.consumed = self.loader.load_position(record)
@@ -301,6 +306,28 @@ class ResumablePreparedStream(DataLoaderStateMixin):
         """What decides this loader's batches (compared at resume time)."""
         return {"kind": "stream", "batch_size": self.dataset.batch_size, "seed": self.dataset.seed,
                 "drop_last": self.dataset.drop_last}
+
+
+def _read_one_ahead(loader: Any, stream: Any) -> Iterator[tuple[Any, dict[str, Any] | None, Any, bool]]:
+    """``loader``'s batches, each with the loader state and ``stream``'s elastic weight right after it was read, and
+    whether it is the pass's last batch: the next batch is read before one is handed out (as accelerate's
+    ``DataLoaderShard`` does to set ``end_of_dataloader``), so its state is taken before that read."""
+    iterator = iter(loader)
+    try:
+        batch = next(iterator, _END)
+        while batch is not _END:
+            # a stream without state_dict() has no position (refused when one is asked for, as before)
+            state, weight = loader.state_dict() if stream.is_stateful else None, stream.last_weight
+            ahead = next(iterator, _END)
+            yield batch, state, weight, ahead is _END
+            batch = ahead
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()
+
+
+_END = object()
 
 
 def _hand_out(loader: ResumablePreparedLoader | ResumablePreparedStream, samples: int, step_samples: int) -> None:

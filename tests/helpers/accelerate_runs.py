@@ -122,3 +122,54 @@ def two_process_reference(tmp_path_factory) -> Path:
     for result in launch_example(output):
         assert result.returncode == 0, result.describe()
     return output
+
+
+# A stream of 10 examples in micro-batches of 2 with gradient accumulation 2: windows of 2, 2 and 1 per pass, so the
+# pass's last step is taken only if the loader marks its last batch (accelerate's end_of_dataloader).
+STREAM_VALUES = [float(i) / 4 for i in range(10)]
+
+
+def stream_accelerator(checkpoints: Path) -> ResumableAccelerator:
+    """The ``ResumableAccelerator`` of :func:`stream_accumulate_run` (one process, CPU, accumulation 2)."""
+    return ResumableAccelerator(cpu=True, checkpoint_dir=checkpoints, handle_preemption=False,
+                                gradient_accumulation_steps=2)
+
+
+def stream_accumulate_run(accelerator, *, epochs: int = 2, save_after: int | None = None
+                          ) -> tuple[list[tuple[bool, bool]], torch.Tensor]:
+    """Two passes of a direct ``for batch in loader`` loop inside ``accumulate`` over a ``datasets`` stream (stock
+    ``accelerator.prepare(DataLoader(...))``, or ``prepare_resumable_dataloader`` continuing after ``load_state`` in
+    the loader's epoch): per batch ``(end_of_dataloader, sync_gradients)``, and the final weights. With
+    ``save_after``: ``save_state`` after that many batches of the run, then stop. accelerate's state is reset."""
+    import datasets
+    from torch.utils.data import DataLoader
+
+    stream = datasets.Dataset.from_dict({"x": STREAM_VALUES}).to_iterable_dataset()
+    collate = lambda rows: torch.tensor([row["x"] for row in rows])  # noqa: E731
+    if isinstance(accelerator, ResumableAccelerator):
+        loader = accelerator.prepare_resumable_dataloader(stream, collate_fn=collate, batch_size=2, seed=0)
+    else:
+        loader = accelerator.prepare(DataLoader(stream, batch_size=2, collate_fn=collate))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    first = 0
+    if isinstance(accelerator, ResumableAccelerator) and accelerator.load_state() is not None:
+        first = loader.epoch
+    marks = []
+    for _epoch in range(first, epochs):
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(((model(batch[:, None]) - 2 * batch[:, None]) ** 2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+            marks.append((accelerator.gradient_state.end_of_dataloader, accelerator.sync_gradients))
+            if len(marks) == save_after:
+                accelerator.save_state()
+                break
+        if len(marks) == save_after:
+            break
+    weight = accelerator.unwrap_model(model).weight.detach().clone()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return marks, weight
