@@ -8,9 +8,10 @@ Usage: ``torchrun --nproc-per-node N nd_accelerate_worker.py --output-dir DIR --
 ``--replicate-shim``: installs the test-only ``ReplicateParallel`` (tests/helpers/replicate_parallel.py) that
 accelerate's FSDP2 + tensor-parallel preparation imports from transformers, for ``dp_shard x tp`` layouts.
 
-The model is a tiny Llama read with ``from_pretrained`` (tensor parallel: ``tp_plan="auto"`` on the accelerator's
-mesh), FSDP2 over ``dp_shard`` when it is larger than 1. The same command trains uninterrupted, is held after a save
-(``HFR_HOLD_AFTER_SAVE=k``, then SIGKILLed by the test) and resumes (``load_state()``). Each rank appends
+The model is a tiny Llama read with ``from_pretrained`` (tensor parallel: :func:`load_model`), FSDP2 over
+``dp_shard`` when it is larger than 1. The same command trains uninterrupted, is held after a save
+(``HFR_HOLD_AFTER_SAVE=k``, or inside the save of step k with ``HFR_HOLD_IN_SAVE=k``; then SIGKILLed by the
+test) and resumes (``load_state()``). Each rank appends
 ``{"step", "loss", "batch"}`` (the loss as ``float.hex``, a digest of the batch's input ids) to
 ``losses-rank{r}.jsonl`` and writes ``final-rank{r}.safetensors`` (its parameter pieces and optimizer state).
 
@@ -102,6 +103,7 @@ def main() -> int:
     options = parse_args()
     output = options.output_dir
     output.mkdir(parents=True, exist_ok=True)
+    fx.hold_inside_save()
     config = ParallelismConfig(dp_replicate_size=options.dp_replicate, dp_shard_size=options.dp_shard,
                                tp_size=options.tp, cp_size=options.cp)
     fsdp = None
