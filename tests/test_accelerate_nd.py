@@ -98,6 +98,19 @@ def test_fsdp2_with_tensor_parallel_is_refused_where_accelerate_cannot_prepare_i
     with pytest.raises(UpstreamInternalsError, match=r"dp_shard=2 x tp=2: accelerate .*ReplicateParallel") as caught:
         check_runnable(layout, device_type="cpu", fsdp2=True, tp_ready=False)
     assert isinstance(caught.value, ImportError)
+    import accelerate
+    import transformers
+
+    message = str(caught.value)
+    # the two clashing releases, and both ways out
+    assert f"accelerate {accelerate.__version__} " in message
+    assert f"transformers {transformers.__version__} " in message
+    assert "pin a transformers release that still has ReplicateParallel" in message
+    assert "ResumableTrainer and a model loaded with DistributedConfig(tp_size=2, fsdp_size=2)" in message
+    with pytest.raises(UpstreamInternalsError, match=r"DistributedConfig\(tp_size=2, fsdp_size=2, "
+                       r"dp_replicate_size=2\)"):
+        check_runnable(ParallelLayout(dp_replicate=2, dp_shard=2, tp=2), device_type="cpu", fsdp2=True,
+                       tp_ready=False)
     check_runnable(layout, device_type="cpu", fsdp2=True, tp_ready=True)
 
 
@@ -398,7 +411,8 @@ def test_elastic_pieces_into_a_run_of_whole_tensors_are_refused_in_load_state(tm
 @pytest.mark.extended
 @pytest.mark.parametrize("first, second", [({"dp_shard": 2}, {"tp": 2}), ({"dp_replicate": 2, "dp_shard": 2},
                                                                             {"dp_shard": 2}),
-                                           ({"dp_shard": 2, "tp": 2}, {"tp": 2})])
+                                           ({"dp_shard": 2, "tp": 2}, {"tp": 2})],
+                         ids=["dp_shard2-to-tp2", "hsdp-to-dp_shard2", "dp_shard2xtp2-to-tp2"])
 def test_elastic_layout_change_variants(tmp_path, model_dir, first, second):
     accumulation = 4 // ParallelLayout(**first).data_world  # the global batch of 8
     _elastic_run(tmp_path / "reference", model_dir, first, 4, accumulation)
