@@ -7,13 +7,17 @@
   tests/helpers/engine_fixtures.py): SIGKILLed after a committed checkpoint and rerun with the same command, every
   logged loss, weight piece and optimizer tensor equals the uninterrupted run's; the ranks of one tensor-parallel group
   read the same batches, different data-parallel ranks different ones. tp (2 ranks) and HSDP (4 ranks) run in make
-  test, the 8-rank dp_replicate x dp_shard x tp in the extended tier. A different layout on resume is refused before
+  test, dp_shard x tp (4 ranks, killed after a commit and inside a save) in make test's slow tier, the 8-rank
+  dp_replicate x dp_shard x tp in the extended tier. FSDP2 beside tensor parallel runs with the test-only
+  ``ReplicateParallel`` of tests/helpers/replicate_parallel.py (accelerate 1.16 imports it from transformers, which
+  5.x no longer has); without it the layout is refused before step 1. A different layout on resume is refused before
   step 1, naming both.
 * ``elastic=True`` (issue 43 item 4): the elastic mode counts data-parallel ranks, not processes (the pure rules of
   integrations/_accelerate_elastic.py), and a run moved between the layouts accelerate trains on gloo CPU ranks
   (tp2 on 2 ranks -> HSDP dp_replicate2 x dp_shard2 on 4 -> tp2, SIGKILLed after a commit) continues within 1e-5 of
   the uninterrupted run (losses, learning rates, weight pieces, Adam moments) with the same samples in every step.
-  Per-rank pieces into a run of whole tensors are refused in load_state, naming both layouts.
+  Per-rank pieces into a run of whole tensors are refused in load_state, naming both layouts. The extended tier adds
+  dp_shard2 -> tp2, HSDP -> dp_shard2 and dp_shard2 x tp2 (4 ranks) -> tp2 (2 ranks).
 """
 
 from __future__ import annotations
@@ -94,6 +98,19 @@ def test_fsdp2_with_tensor_parallel_is_refused_where_accelerate_cannot_prepare_i
     with pytest.raises(UpstreamInternalsError, match=r"dp_shard=2 x tp=2: accelerate .*ReplicateParallel") as caught:
         check_runnable(layout, device_type="cpu", fsdp2=True, tp_ready=False)
     assert isinstance(caught.value, ImportError)
+    import accelerate
+    import transformers
+
+    message = str(caught.value)
+    # the two clashing releases, and both ways out
+    assert f"accelerate {accelerate.__version__} " in message
+    assert f"transformers {transformers.__version__} " in message
+    assert "pin a transformers release that still has ReplicateParallel" in message
+    assert "ResumableTrainer and a model loaded with DistributedConfig(tp_size=2, fsdp_size=2)" in message
+    with pytest.raises(UpstreamInternalsError, match=r"DistributedConfig\(tp_size=2, fsdp_size=2, "
+                       r"dp_replicate_size=2\)"):
+        check_runnable(ParallelLayout(dp_replicate=2, dp_shard=2, tp=2), device_type="cpu", fsdp2=True,
+                       tp_ready=False)
     check_runnable(layout, device_type="cpu", fsdp2=True, tp_ready=True)
 
 
@@ -169,7 +186,10 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def _options(model_dir: Path, layout: dict[str, int]) -> list[str]:
-    return ["--model-dir", str(model_dir), "--max-steps", str(MAX_STEPS),
+    """The worker's options for ``layout``; FSDP2 beside tensor parallel also installs the test-only
+    ``ReplicateParallel`` (tests/helpers/replicate_parallel.py) that accelerate's preparation imports."""
+    shim = ["--replicate-shim"] if layout.get("tp", 1) > 1 and layout.get("dp_shard", 1) > 1 else []
+    return ["--model-dir", str(model_dir), "--max-steps", str(MAX_STEPS), *shim,
             *[arg for name, size in layout.items() for arg in (f"--{name.replace('_', '-')}", str(size))]]
 
 
@@ -177,16 +197,22 @@ def _run(output: Path, options: list[str], nproc: int) -> subprocess.CompletedPr
     return run_torchrun(WORKER, ["--output-dir", str(output), *options], env=child_env(), timeout=500, nproc=nproc)
 
 
-def _kill_after_commit(output: Path, options: list[str], nproc: int) -> Path:
-    """Run the job held after checkpoint ``HOLD_STEP``; once it has committed, SIGKILL every process."""
+def _kill_after_commit(output: Path, options: list[str], nproc: int, *, inside_save: bool = False) -> Path:
+    """Run the job held after checkpoint ``HOLD_STEP`` committed (or inside its save, right before the commit); then
+    SIGKILL every process. Returns the checkpoint the resume starts from."""
     checkpoint = output / "checkpoints" / f"checkpoint-{HOLD_STEP}"
+    committed = checkpoint / "manifest.json"  # renamed into place: committed
+    variable = "HFR_HOLD_IN_SAVE" if inside_save else "HFR_HOLD_AFTER_SAVE"
     returncode = kill_torchrun_after(WORKER, ["--output-dir", str(output), *options], nproc=nproc, timeout=500,
-                                     marker=checkpoint / "manifest.json",  # renamed into place: committed
+                                     marker=output / "checkpoints" / "held-in-save" if inside_save else committed,
                                      log=output.parent / f"{output.name}-held.log",
-                                     env=child_env({"HFR_HOLD_AFTER_SAVE": str(HOLD_STEP)}))
+                                     env=child_env({variable: str(HOLD_STEP)}))
     assert returncode == -signal.SIGKILL
-    assert verify_checkpoint(checkpoint, full=True).ok and read_manifest(checkpoint).world_size == nproc
     assert not list(output.glob("final-rank*")), "the job ran to its end before it was killed"
+    if inside_save:  # every rank's files written, never committed: the resume starts from the checkpoint before
+        assert not committed.exists() and list((output / "checkpoints").glob(f".tmp-checkpoint-{HOLD_STEP}*"))
+        checkpoint = checkpoint.with_name(f"checkpoint-{HOLD_STEP - 1}")
+    assert verify_checkpoint(checkpoint, full=True).ok and read_manifest(checkpoint).world_size == nproc
     return checkpoint
 
 
@@ -194,14 +220,15 @@ def _log(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _assert_resumes_bit_exact(tmp_path: Path, model_dir: Path, layout: dict[str, int]) -> list[list[dict]]:
-    """The uninterrupted run, then a run killed after checkpoint-2 and rerun: the same losses, batches, weight
-    pieces and optimizer tensors on every rank. Returns the reference's per-rank logs."""
+def _assert_resumes_bit_exact(tmp_path: Path, model_dir: Path, layout: dict[str, int], *,
+                              inside_save: bool = False) -> list[list[dict]]:
+    """The uninterrupted run, then a run killed after checkpoint-2 (or inside its save) and rerun: the same losses,
+    batches, weight pieces and optimizer tensors on every rank. Returns the reference's per-rank logs."""
     nproc = ParallelLayout(**{name: size for name, size in layout.items()}).world_size
     options = _options(model_dir, layout)
     reference = _run(tmp_path / "reference", options, nproc)
     assert reference.returncode == 0, reference.stdout[-5000:]
-    checkpoint = _kill_after_commit(tmp_path / "run", options, nproc)
+    checkpoint = _kill_after_commit(tmp_path / "run", options, nproc, inside_save=inside_save)
     assert (checkpoint / "sharded_layout.json").is_file()  # every rank's pieces, nothing gathered
     resumed = _run(tmp_path / "run", options, nproc)  # the same command
     assert resumed.returncode == 0, resumed.stdout[-5000:]
@@ -209,8 +236,12 @@ def _assert_resumes_bit_exact(tmp_path: Path, model_dir: Path, layout: dict[str,
     for rank in range(nproc):
         want = _log(tmp_path / "reference" / f"losses-rank{rank}.jsonl")
         got = _log(tmp_path / "run" / f"losses-rank{rank}.jsonl")
-        # steps 1-2 before the kill, 3-4 after the resume from checkpoint-2: nothing repeated or skipped
-        assert [row["step"] for row in got] == list(range(1, MAX_STEPS + 1))
+        # steps 1-2 before the kill, 3-4 after the resume from checkpoint-2: nothing repeated or skipped (killed
+        # inside the save of step 2: step 2 trained again from checkpoint-1, the same loss on the same batch)
+        assert [row["step"] for row in got] == [1, 2, *([2] if inside_save else []), *range(3, MAX_STEPS + 1)]
+        if inside_save:
+            assert got[1] == got[2], rank
+            del got[1]
         assert got == want, rank
         final, expected = (read_local_state(path / f"final-rank{rank}.safetensors")
                            for path in (tmp_path / "run", tmp_path / "reference"))
@@ -240,6 +271,39 @@ def test_hsdp_killed_after_a_commit_resumes_bit_exact(tmp_path, model_dir):
     assert all(layout["model"]["pieces"].values())  # each replica pair's pieces written by both ranks, spread
 
 
+def _assert_each_box_written_once(checkpoint: Path, nproc: int) -> None:
+    """Every piece of the model is in one rank's file only (a box replicated over ``tp`` has one writer), and every
+    rank wrote some: the writers of replicated boxes are spread."""
+    pieces = json.loads((checkpoint / "sharded_layout.json").read_text())["model"]["pieces"]
+    boxes = [(name, tuple(box["offset"])) for by_name in pieces.values() for name, box in by_name.items()]
+    assert len(boxes) == len(set(boxes))
+    assert len(pieces) == nproc and all(pieces.values())
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("inside_save", [False, True], ids=["after-commit", "inside-save"])
+def test_dp_shard_x_tp_with_the_shim_resumes_bit_exact(tmp_path, model_dir, inside_save):
+    logs = _assert_resumes_bit_exact(tmp_path, model_dir, {"dp_shard": 2, "tp": 2}, inside_save=inside_save)
+    batches = _batches(logs, range(4))
+    assert batches[0] == batches[1] and batches[2] == batches[3]  # each tp pair: the same batches
+    assert batches[0] != batches[2]  # two data-parallel ranks: different ones
+    _assert_each_box_written_once(tmp_path / "run" / "checkpoints" / "checkpoint-4", 4)
+
+
+@pytest.mark.distributed
+def test_dp_shard_x_tp_without_the_shim_is_refused_before_step_1(tmp_path, model_dir):
+    options = [option for option in _options(model_dir, {"dp_shard": 2, "tp": 2}) if option != "--replicate-shim"]
+    done = _run(tmp_path / "run", options, 4)
+    if accelerate_tp_ready():  # a stack where accelerate and transformers match: it trains as with the shim
+        assert done.returncode == 0, done.stdout[-5000:]
+        assert len(_log(tmp_path / "run" / "losses-rank0.jsonl")) == MAX_STEPS
+        return
+    assert done.returncode != 0 and "UpstreamInternalsError" in done.stdout, done.stdout[-5000:]
+    assert "ParallelismConfig dp_shard=2 x tp=2: accelerate " in done.stdout
+    assert not (tmp_path / "run" / "losses-rank0.jsonl").exists()  # refused before step 1
+
+
 @pytest.mark.distributed
 def test_another_layout_on_resume_is_refused_naming_both(tmp_path, model_dir):
     options = _options(model_dir, {"tp": 2})
@@ -256,18 +320,11 @@ def test_another_layout_on_resume_is_refused_naming_both(tmp_path, model_dir):
 @pytest.mark.distributed
 @pytest.mark.extended
 def test_dp_replicate_x_dp_shard_x_tp_on_8_ranks(tmp_path, model_dir):
-    layout = {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
-    if not accelerate_tp_ready():
-        # accelerate cannot prepare FSDP2 with tensor parallel beside this transformers: refused before step 1
-        done = _run(tmp_path / "run", _options(model_dir, layout), 8)
-        assert done.returncode != 0 and "UpstreamInternalsError" in done.stdout, done.stdout[-5000:]
-        assert "dp_replicate=2 x dp_shard=2 x tp=2" in done.stdout
-        assert not (tmp_path / "run" / "losses-rank0.jsonl").exists()
-        return
-    logs = _assert_resumes_bit_exact(tmp_path, model_dir, layout)
+    logs = _assert_resumes_bit_exact(tmp_path, model_dir, {"dp_replicate": 2, "dp_shard": 2, "tp": 2})
     batches = _batches(logs, range(8))
     assert all(batches[2 * g] == batches[2 * g + 1] for g in range(4))  # each tp pair: the same batches
     assert len({tuple(batches[2 * g]) for g in range(4)}) == 4  # four data-parallel ranks: different ones
+    _assert_each_box_written_once(tmp_path / "run" / "checkpoints" / "checkpoint-4", 8)
 
 
 @pytest.mark.distributed
@@ -353,7 +410,9 @@ def test_elastic_pieces_into_a_run_of_whole_tensors_are_refused_in_load_state(tm
 @pytest.mark.distributed
 @pytest.mark.extended
 @pytest.mark.parametrize("first, second", [({"dp_shard": 2}, {"tp": 2}), ({"dp_replicate": 2, "dp_shard": 2},
-                                                                            {"dp_shard": 2})])
+                                                                            {"dp_shard": 2}),
+                                           ({"dp_shard": 2, "tp": 2}, {"tp": 2})],
+                         ids=["dp_shard2-to-tp2", "hsdp-to-dp_shard2", "dp_shard2xtp2-to-tp2"])
 def test_elastic_layout_change_variants(tmp_path, model_dir, first, second):
     accumulation = 4 // ParallelLayout(**first).data_world  # the global batch of 8
     _elastic_run(tmp_path / "reference", model_dir, first, 4, accumulation)

@@ -200,9 +200,14 @@ def check_runnable(layout: ParallelLayout | None, *, device_type: str, fsdp2: bo
         import accelerate
         import transformers
 
+        sizes = {"tp_size": layout.tp, "fsdp_size": layout.dp_shard, "dp_replicate_size": layout.dp_replicate}
+        distributed = ", ".join(f"{name}={size}" for name, size in sizes.items() if size > 1)
         raise UpstreamInternalsError(
-            f"ParallelismConfig {layout.describe()}: accelerate {accelerate.__version__} prepares FSDP2 with tensor "
-            "parallel through transformers' ReplicateParallel, which transformers "
-            f"{transformers.__version__} does not have, so prepare() cannot run (stock accelerate fails there too). "
-            "Nothing was trained. Install an accelerate release that matches this transformers, or train tensor "
-            "parallel alone (tp_size) or FSDP2 alone (dp_replicate_size x dp_shard_size).")
+            f"ParallelismConfig {layout.describe()}: accelerate {accelerate.__version__} prepares FSDP2 beside tensor "
+            "parallel with transformers.integrations.tensor_parallel.ReplicateParallel, which transformers "
+            f"{transformers.__version__} does not have, so prepare() cannot run (stock accelerate stops there with "
+            "an ImportError). Nothing was trained. To fix it: pin a transformers release that still has "
+            "ReplicateParallel beside this accelerate (or an accelerate that no longer imports it), or train this "
+            f"layout with ResumableTrainer and a model loaded with DistributedConfig({distributed}), which resumes "
+            "it; tensor parallel alone (tp_size) and FSDP2 alone (dp_replicate_size x dp_shard_size) also run "
+            "through ResumableAccelerator.")

@@ -14,6 +14,7 @@
 * :func:`build_model`: a tiny GPT-2 (2 layers, ``n_embd`` 32, dropout on).
 * :func:`hold_after_save`: ``HFR_HOLD_AFTER_SAVE=k`` makes every rank stop for good once it has saved step ``k``
   (a background save still commits); the test polls for the committed checkpoint and SIGKILLs the job.
+  :func:`hold_inside_save`: ``HFR_HOLD_IN_SAVE=k`` stops the save of checkpoint ``k`` right before its commit.
 * :func:`dump_local_state` / :func:`read_local_state`: every rank's parameter pieces and optimizer state, as it holds
   them (``DTensor.to_local()``), for bitwise comparisons.
 """
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["requested_device", "install_cpu_engines", "parse_worker_args", "deepspeed_config", "build_model",
-           "hold_after_save", "dump_local_state", "read_local_state", "RANK", "VOCAB"]
+           "hold_after_save", "hold_inside_save", "dump_local_state", "read_local_state", "RANK", "VOCAB"]
 
 RANK = int(os.environ.get("RANK", "0"))
 VOCAB = 64
@@ -98,6 +99,23 @@ def hold_after_save(step: int) -> None:
     """Stop this rank for good if ``HFR_HOLD_AFTER_SAVE`` is ``step`` (the test kills the job)."""
     if os.environ.get("HFR_HOLD_AFTER_SAVE") == str(step):
         threading.Event().wait()
+
+
+def hold_inside_save() -> None:
+    """``HFR_HOLD_IN_SAVE=k``: the save of checkpoint-k stops for good right before it commits (every rank's files
+    written, rank 0 about to rename the directory into place), after writing ``held-in-save`` next to it; the test
+    SIGKILLs the job then: a kill inside a save. Call it once, before training."""
+    from hf_resumable.checkpoint import _writer
+
+    step, commit = os.environ.get("HFR_HOLD_IN_SAVE"), _writer.commit_dir
+
+    def held_commit(tmp, target, **kwargs):
+        if step is not None and Path(target).name == f"checkpoint-{step}":
+            (Path(target).parent / "held-in-save").write_text(str(tmp))
+            threading.Event().wait()
+        return commit(tmp, target, **kwargs)
+
+    _writer.commit_dir = held_commit
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

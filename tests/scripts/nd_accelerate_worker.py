@@ -3,11 +3,15 @@ torchrun), shaped like accelerate's ``examples/torch_native_parallelism/nd_paral
 tests/test_accelerate_nd.py.
 
 Usage: ``torchrun --nproc-per-node N nd_accelerate_worker.py --output-dir DIR --model-dir SEED [--dp-replicate R]
-[--dp-shard S] [--tp T] [--cp C] [--max-steps K] [--elastic --accumulation A]``.
+[--dp-shard S] [--tp T] [--cp C] [--max-steps K] [--elastic --accumulation A] [--replicate-shim]``.
 
-The model is a tiny Llama read with ``from_pretrained`` (tensor parallel: ``tp_plan="auto"`` on the accelerator's
-mesh), FSDP2 over ``dp_shard`` when it is larger than 1. The same command trains uninterrupted, is held after a save
-(``HFR_HOLD_AFTER_SAVE=k``, then SIGKILLed by the test) and resumes (``load_state()``). Each rank appends
+``--replicate-shim``: installs the test-only ``ReplicateParallel`` (tests/helpers/replicate_parallel.py) that
+accelerate's FSDP2 + tensor-parallel preparation imports from transformers, for ``dp_shard x tp`` layouts.
+
+The model is a tiny Llama read with ``from_pretrained`` (tensor parallel: :func:`load_model`), FSDP2 over
+``dp_shard`` when it is larger than 1. The same command trains uninterrupted, is held after a save
+(``HFR_HOLD_AFTER_SAVE=k``, or inside the save of step k with ``HFR_HOLD_IN_SAVE=k``; then SIGKILLed by the
+test) and resumes (``load_state()``). Each rank appends
 ``{"step", "loss", "batch"}`` (the loss as ``float.hex``, a digest of the batch's input ids) to
 ``losses-rank{r}.jsonl`` and writes ``final-rank{r}.safetensors`` (its parameter pieces and optimizer state).
 
@@ -32,6 +36,10 @@ sys.path.insert(0, str(TESTS))
 from helpers import engine_fixtures as fx  # noqa: E402
 
 fx.install_cpu_engines()  # before the accelerator builds its state
+if "--replicate-shim" in sys.argv:  # before accelerate prepares FSDP2 with tensor parallel
+    from helpers.replicate_parallel import install_replicate_parallel
+
+    install_replicate_parallel()
 
 import torch  # noqa: E402
 from accelerate.parallelism_config import ParallelismConfig  # noqa: E402
@@ -50,6 +58,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=4)
     parser.add_argument("--elastic", action="store_true")
     parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--replicate-shim", action="store_true",
+                        help="the test-only ReplicateParallel of tests/helpers/replicate_parallel.py")
     return parser.parse_args()
 
 
@@ -63,10 +73,37 @@ def collate(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def load_model(accelerator: ResumableAccelerator, options: argparse.Namespace) -> torch.nn.Module:
+    """The tiny Llama, tensor parallel over the accelerator's ``tp`` mesh when ``--tp`` is larger than 1.
+
+    Tensor parallel alone: transformers' ``tp_plan="auto"``. Beside data parallel, transformers 5 cannot split over
+    a sub-mesh (``from_pretrained`` ignores ``device_mesh`` and builds a mesh of every process), so the worker splits
+    the loaded model itself with torch's ``parallelize_module`` on ``accelerator.torch_device_mesh["tp"]``: the
+    attention and MLP projections column- then row-wise, as transformers 4's plan did; the embeddings, norms and
+    head stay plain parameters, which accelerate's FSDP2 preparation makes ``Replicate()`` DTensors.
+    """
+    if options.tp == 1:
+        return LlamaForCausalLM.from_pretrained(options.model_dir)
+    mesh = accelerator.torch_device_mesh
+    if options.dp_shard * options.dp_replicate == 1:
+        return LlamaForCausalLM.from_pretrained(options.model_dir, tp_plan="auto", device_mesh=mesh)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = LlamaForCausalLM.from_pretrained(options.model_dir)
+    plan = {}
+    for index in range(model.config.num_hidden_layers):
+        prefix = f"model.layers.{index}"
+        plan.update({f"{prefix}.self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")})
+        plan.update({f"{prefix}.mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")})
+        plan.update({f"{prefix}.self_attn.o_proj": RowwiseParallel(), f"{prefix}.mlp.down_proj": RowwiseParallel()})
+    return parallelize_module(model, mesh["tp"], plan)
+
+
 def main() -> int:
     options = parse_args()
     output = options.output_dir
     output.mkdir(parents=True, exist_ok=True)
+    fx.hold_inside_save()
     config = ParallelismConfig(dp_replicate_size=options.dp_replicate, dp_shard_size=options.dp_shard,
                                tp_size=options.tp, cp_size=options.cp)
     fsdp = None
@@ -78,8 +115,7 @@ def main() -> int:
     accelerator = ResumableAccelerator(parallelism_config=config, fsdp_plugin=fsdp, elastic=options.elastic,
                                        gradient_accumulation_steps=options.accumulation,
                                        checkpoint_dir=output / "checkpoints", handle_preemption=False)
-    tp = {"tp_plan": "auto", "device_mesh": accelerator.torch_device_mesh} if options.tp > 1 else {}
-    model = LlamaForCausalLM.from_pretrained(options.model_dir, **tp)
+    model = load_model(accelerator, options)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     loader = accelerator.prepare_resumable_dataloader(make_rows(), collate_fn=collate, batch_size=2, seed=0)
     if options.elastic:

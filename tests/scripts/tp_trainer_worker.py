@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -54,25 +53,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--forget-rng", action="store_true", help="broken on purpose: a resume leaves the RNG as the "
                         "new process seeded it (for hf-resumable check)")
     return parser.parse_args()
-
-
-def hold_inside_save() -> None:
-    """``HFR_HOLD_IN_SAVE=k``: the save of checkpoint-k stops for good right before it commits (every rank's files
-    written, rank 0 about to rename the directory into place), after writing ``held-in-save`` next to it; the test
-    SIGKILLs the job then: a kill inside a save."""
-    import threading
-
-    from hf_resumable.checkpoint import _writer
-
-    step, commit = os.environ.get("HFR_HOLD_IN_SAVE"), _writer.commit_dir
-
-    def held_commit(tmp, target, **kwargs):
-        if step is not None and Path(target).name == f"checkpoint-{step}":
-            (Path(target).parent / "held-in-save").write_text(str(tmp))
-            threading.Event().wait()
-        return commit(tmp, target, **kwargs)
-
-    _writer.commit_dir = held_commit
 
 
 class HoldAfterSave(TrainerCallback):
@@ -134,7 +114,7 @@ def dump_whole_state(trainer: ResumableTrainer, path: Path) -> None:
 
 def main() -> int:
     options = parse_args()
-    hold_inside_save()
+    fx.hold_inside_save()
     transformers.logging.set_verbosity_error()
     output = options.output_dir
     output.mkdir(parents=True, exist_ok=True)
