@@ -119,7 +119,7 @@ def _child(spec: dict) -> None:
 
         if spec.get("writer_nice") is not None:  # the paired inflation comparison: the writer's priority off or on
             os.environ[WRITER_PRIORITY_ENV] = "0" if spec["writer_nice"] == 0 else "1"
-        from hf_resumable.integrations import trainer as resumable_trainer
+        from hf_resumable.integrations import _trainer_state as resumable_trainer  # where the Trainer retains
 
         retention = resumable_trainer.apply_retention
 
@@ -379,7 +379,8 @@ def run_system(name: str, spec: dict, *, intervals: list[float], signal_kind: st
         if not attempt["preempted"] and attempt["rc"] not in (0, 143):  # failed on its own: a partial checkpoint
             fixes.append(_drop_newest_checkpoint(str(out)))
             if len(fixes) > 5:
-                raise RuntimeError(f"{name}: keeps failing; see {log.with_suffix('.stderr')}")
+                raise RuntimeError(f"{name}: keeps failing; see {log.with_suffix('.stderr')}:\n"
+                                   + log.with_suffix(".stderr").read_text()[-3000:])
     return _summarize(name, attempts, _events(log), fixes)
 
 
