@@ -21,7 +21,7 @@ from hf_resumable.checkpoint import (
     read_manifest,
     save_checkpoint,
 )
-from hf_resumable.checkpoint.manifest import Manifest
+from hf_resumable.checkpoint.commit.manifest import Manifest
 from hf_resumable.errors import ConfigDriftError, IncompleteCheckpointError, InexactResumeError
 from hf_resumable.format.rng import capture_rng_state
 

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import torch
 
-from ..constants import OPTIMIZER_FILE_PATTERN, OPTIMIZER_INDEX_FILE, SINGLE_MODEL_FILE
-from ..format.safetensors_io import read_header, read_safetensors
-from ..format.sharding import ShardIndex, parse_index
-from ._model import TIED_KEY, check_tied
-from ._model_files import model_index, model_weights_file
+from ...constants import OPTIMIZER_FILE_PATTERN, OPTIMIZER_INDEX_FILE, SINGLE_MODEL_FILE
+from ...format.safetensors_io import read_header, read_safetensors
+from ...format.sharding import ShardIndex, parse_index
+from .._model import TIED_KEY, check_tied
+from .._model_files import model_index, model_weights_file
+from .._types import Payload
+from ..commit._writer import save_payload
+from ..commit.manifest import Manifest
 from ._payload import SHARDS_KEY, add_model_weights, add_sharded
-from ._types import Payload
-from ._writer import save_payload
-from .manifest import Manifest
 
 
 def _read_sharded(directory: Path, index: ShardIndex) -> dict[str, torch.Tensor]:
