@@ -51,8 +51,9 @@ from pathlib import Path
 
 from _bench_common import drop_caches, raw_read, resident_pages
 
-from hf_resumable.checkpoint import _optimizer, load_checkpoint, save_checkpoint
+from hf_resumable.checkpoint import load_checkpoint, save_checkpoint
 from hf_resumable.checkpoint.commit import _parallel_read
+from hf_resumable.checkpoint.state import _optimizer
 
 READ_WORKERS = getattr(_parallel_read, "READ_WORKERS", 4)
 

@@ -39,7 +39,7 @@ from ..constants import (
 from ..errors import HfResumableError
 from ..format._jsonio import parse_json
 from ..format._safefile import read_regular_file
-from ._model_files import has_model_weights
+from .state._model_files import has_model_weights
 from .verify import verify_checkpoint
 
 logger = logging.getLogger(__name__)

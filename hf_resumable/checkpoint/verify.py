@@ -38,10 +38,10 @@ from ..format.safetensors_io import (
     record_of,
 )
 from ..format.sharding import parse_index
-from ._model_files import model_weights_file, single_file_index
-from ._validate import check_training_state
 from .commit._durability import needs_every_byte
 from .commit.manifest import Manifest, read_manifest
+from .state._model_files import model_weights_file, single_file_index
+from .state._validate import check_training_state
 
 logger = logging.getLogger(__name__)
 

@@ -46,10 +46,10 @@ def write_sharded_model(state_dict: Mapping[str, torch.Tensor], directory: str |
     ['model-00001-of-00001.safetensors']
     ```
     """
-    from ..checkpoint._model import dedupe_tied  # same aliasing rule as training checkpoints
     from ..checkpoint._types import Payload
     from ..checkpoint.commit._writer import index_document
     from ..checkpoint.pieces._payload import add_sharded  # same shard planning as training checkpoints
+    from ..checkpoint.state._model import dedupe_tied  # same aliasing rule as training checkpoints
     from ..format.safetensors_io import write_safetensors
 
     directory = Path(directory)

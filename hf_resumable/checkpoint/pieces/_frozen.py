@@ -62,9 +62,9 @@ from ...format._bytes import tensor_bytes
 from ...format._jsonio import json_bytes, require_field
 from ...format.safetensors_io import DTYPE_TO_STR, STR_TO_DTYPE
 from ...format.sharding import ShardIndex
-from .._model import check_model_fits, check_tied, load_state_dict_reason, load_through_state_dict, retie
 from .._types import Box, intersect_boxes
 from ..commit._threads import run_in_threads
+from ..state._model import check_model_fits, check_tied, load_state_dict_reason, load_through_state_dict, retie
 from ._dtensor import is_dtensor, local_box, local_tensor, writes_piece
 
 logger = logging.getLogger(__name__)

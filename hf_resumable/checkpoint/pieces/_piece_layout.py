@@ -42,8 +42,8 @@ from ...constants import (  # noqa: F401 - re-exported for the piece modules
 from ...errors import CheckpointMismatchError, CorruptCheckpointError, UnsupportedStateError
 from ...format.safetensors_io import DTYPE_TO_STR
 from ...format.sharding import ShardPlan
-from .._model import find_aliases
 from .._types import Box, TensorFile, intersect_boxes
+from ..state._model import find_aliases
 from ._dtensor import is_dtensor, local_box, local_tensor, piece_plan, writes_piece
 from ._frozen import fingerprint
 from ._placements import REPORT_COPIES
@@ -174,7 +174,7 @@ def find_tied(state: Mapping[str, torch.Tensor], *, local: Mapping[str, torch.Te
               ) -> dict[str, str]:
     """``{alias: first name}`` for names whose tensors share memory (tied weights, e.g. GPT-2's ``lm_head``).
 
-    :func:`~hf_resumable.checkpoint._model.find_aliases` on the local pieces: ``state_dict()`` detaches every
+    :func:`~hf_resumable.checkpoint.state._model.find_aliases` on the local pieces: ``state_dict()`` detaches every
     entry, so tied names hold distinct objects over one storage, which the local piece's storage tells apart. A
     rank whose piece is empty cannot see a tie, but it writes nothing for it either: every rank drops the aliases it
     sees, and the layout unites every rank's (:func:`section_from_reports`). ``local``: the :func:`local_tensors`
@@ -267,7 +267,7 @@ def flatten_optimizer_state(optimizer_state: Mapping[str, Any], optimizer_class:
     Raises:
         UnsupportedStateError: if a value cannot be stored without pickle.
     """
-    from .._optimizer import encode_named_optimizer_state
+    from ..state._optimizer import encode_named_optimizer_state
 
     return encode_named_optimizer_state(optimizer_state["state"], optimizer_state["param_groups"], optimizer_class)
 
@@ -404,7 +404,7 @@ def plan_hf_weights(sizes: Mapping[str, int], *, world_size: int, max_shard_size
     {'model-00001-of-00002.safetensors': 0, 'model-00002-of-00002.safetensors': 1}
     ```
     """
-    from .._model_files import plan_model_files
+    from ..state._model_files import plan_model_files
 
     plan = plan_model_files(sizes, max_shard_size=max_shard_size)
     return plan, {filename: i % world_size for i, filename in enumerate(plan.filenames)}

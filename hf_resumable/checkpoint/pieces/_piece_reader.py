@@ -20,9 +20,9 @@ import torch
 from ...errors import CorruptCheckpointError, FormatVersionError
 from ...format.safetensors_io import STR_TO_DTYPE
 from ...format.sharding import ShardIndex, check_relative_name
-from .._model import TIED_KEY, match_keys
 from .._types import Box
 from ..commit._parallel_read import read_files
+from ..state._model import TIED_KEY, match_keys
 from ._dtensor import local_box
 from ._piece_layout import (
     LAYOUT_FILE,
@@ -256,7 +256,8 @@ def _wrap_like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 def check_fits(current: Mapping[str, torch.Tensor], section: Section, *, strict: bool, source: str,
                what: str) -> list[str]:
-    """Names of ``current`` to fill (in its order), matched by :func:`~hf_resumable.checkpoint._model.match_keys`;
+    """Names of ``current`` to fill (in its order), matched by
+    :func:`~hf_resumable.checkpoint.state._model.match_keys`;
     every missing, unexpected or mismatched key is reported at once.
 
     Raises:

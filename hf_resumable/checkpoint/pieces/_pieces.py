@@ -53,14 +53,14 @@ from ...errors import CheckpointMismatchError, IncompleteCheckpointError
 from ...format._jsonio import json_bytes
 from ...format.sharding import build_index
 from ...format.state_codec import decode_state
-from .._model import TIED_KEY, load_state_dict_reason
-from .._model_files import single_file_metadata
 from .._types import Payload, TensorFile
-from .._validate import check_optimizer_document
 from ..background._step_gate import gated_optimizer, step_gate
 from ..commit._replicas import plan_replica_writers, split_replicas
 from ..commit._writer import save_payload
 from ..commit.manifest import Manifest
+from ..state._model import TIED_KEY, load_state_dict_reason
+from ..state._model_files import single_file_metadata
+from ..state._validate import check_optimizer_document
 from ._dtensor import is_dtensor
 from ._frozen import base_not_stored, check_frozen_sharded, forget_fingerprints, split_frozen_sharded
 from ._partitioned import (

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from ..constants import TIED_KEY  # noqa: F401 - also imported from here
-from ..errors import CheckpointMismatchError, CorruptCheckpointError
+from ...constants import TIED_KEY  # noqa: F401 - also imported from here
+from ...errors import CheckpointMismatchError, CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
 
