@@ -29,8 +29,8 @@ from .verify import VerifyReport, verify_checkpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointInfo", "consolidate_checkpoint", "load_checkpoint", "open_checkpoint", "save_checkpoint",
-           "wait_for_pending_saves"]
+__all__ = ["CheckpointInfo", "consolidate_checkpoint", "load_checkpoint", "open_checkpoint", "read_on_load",
+           "save_checkpoint", "wait_for_pending_saves"]
 
 _ASYNC = BACKGROUND_SAVER
 atexit.register(lambda: _ASYNC.wait())

@@ -12,9 +12,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..checkpoint._types import Payload
-from ..checkpoint.commit._fs import commit_dir, discard, write_bytes_durably
-from ..checkpoint.commit._writer import begin_save, write_payload
+from ..checkpoint.commit import Payload, begin_save, commit_dir, discard, write_bytes_durably, write_payload
 from ..checkpoint.commit.manifest import Manifest
 from ..constants import MANIFEST_FILE
 from ..distributed import is_distributed

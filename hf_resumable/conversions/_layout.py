@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from ..checkpoint._types import Box, Payload
-from ..checkpoint.pieces._piece_layout import (
+from ..checkpoint.commit import Payload
+from ..checkpoint.pieces import (
+    Box,
     LocalState,
     check_storable,
     piece_file,
@@ -25,7 +26,7 @@ from ..checkpoint.pieces._piece_layout import (
     piece_tensor_file,
     section_from_reports,
 )
-from ..checkpoint.pieces._piece_layout import layout_document as sharded_layout
+from ..checkpoint.pieces import layout_document as sharded_layout
 from ..constants import LAYOUT_FILE, LAYOUT_KEY_MODEL, LAYOUT_KEY_OPTIMIZER
 from ..format._jsonio import json_bytes
 from ..format.safetensors_io import DTYPE_TO_STR

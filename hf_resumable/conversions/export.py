@@ -36,8 +36,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import open_checkpoint
-from ..checkpoint._reader import OpenedCheckpoint
+from ..checkpoint import OpenedCheckpoint, open_checkpoint
 from ..constants import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
@@ -171,7 +170,7 @@ def _load_master_weights(opened: OpenedCheckpoint, model: Any) -> None:
         ExportError: a trainable parameter of the model has no master weights in the checkpoint, or one that does not
             fit it.
     """
-    from ..checkpoint.pieces._partitioned import read_master_weights
+    from ..checkpoint.pieces import read_master_weights
 
     masters = read_master_weights(opened)  # raises IncompleteCheckpointError without ZeRO partitions
     model.float()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..checkpoint import apply_retention
-from ..checkpoint.commit._writer import save_refusal
+from ..checkpoint.commit import save_refusal
 from ..constants import (
     AUTOMATIC_CHECKPOINT_RE,
     CHECKPOINT_DIR_RE,

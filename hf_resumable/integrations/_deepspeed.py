@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.background._staging import equal_bytes
-from ..checkpoint.pieces._partitioned import (
+from ..checkpoint.background import equal_bytes
+from ..checkpoint.pieces import (
     ENGINE_CLASS_PREFIX,
     MAP_FLAT,
     MAP_STRIDED,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..checkpoint.state._model import KeyMatch, Mismatch, find_aliases, match_keys, mismatch_message
+from ..checkpoint.state import KeyMatch, Mismatch, find_aliases, match_keys, mismatch_message
 from ..errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,
