@@ -1,5 +1,5 @@
 """The hf_resumable checkpoint engine: safetensors, no pickle, hashed, atomically committed; one save and one load for
-every layout (a plain model's HF files, or per-rank pieces: FSDP, ZeRO, DTensor; see ``_pieces.py``).
+every layout (a plain model's HF files, or per-rank pieces: FSDP, ZeRO, DTensor; see ``pieces/_pieces.py``).
 
 Layout of ``checkpoint-<step>/``::
 
