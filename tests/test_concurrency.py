@@ -180,7 +180,7 @@ def test_racing_overwrites_replace_only_what_they_checked(tmp_path):
 
 
 def _pin_holder(path: Path, ready: Path) -> subprocess.Popen:
-    code = (f"import sys, time, pathlib\nfrom hf_resumable.checkpoint import _pins\n"
+    code = (f"import sys, time, pathlib\nfrom hf_resumable.checkpoint.commit import _pins\n"
             f"p = _pins.pin(pathlib.Path({str(path)!r}))\nassert p is not None\n"
             f"pathlib.Path({str(ready)!r}).write_text(str(p))\ntime.sleep(600)\n")
     return zygote.Popen([sys.executable, "-c", code])

@@ -215,7 +215,8 @@ def test_a_process_killed_right_after_a_deferred_save_loses_nothing(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, torch
         from safetensors.torch import save_file
-        from hf_resumable.checkpoint import async_save, save_checkpoint
+        from hf_resumable.checkpoint import save_checkpoint
+        from hf_resumable.checkpoint.background import async_save
         async_save.make_durable = lambda *args, **kwargs: signal.pause()  # the fsyncs never run
         torch.manual_seed(0)
         model = torch.nn.Linear(256, 256)
