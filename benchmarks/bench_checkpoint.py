@@ -104,7 +104,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
 def gate_waited() -> float:
     """Seconds optimizer steps have waited so far for background copies (the library's step gates)."""
     try:
-        from hf_resumable.checkpoint._step_gate import _GATES
+        from hf_resumable.checkpoint.background._step_gate import _GATES
     except ImportError:  # a library without the step gate: the save call itself copies every tensor
         return 0.0
     return sum(gate.waited for gate in list(_GATES.values()))
@@ -188,8 +188,8 @@ def _fresh_load_child(directory: str, hidden: int, layers: int) -> None:
     model = LlamaForCausalLM(model_config(hidden, layers))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     probe = _ProbeLog()
-    logging.getLogger("hf_resumable.checkpoint._parallel_read").addHandler(probe)
-    logging.getLogger("hf_resumable.checkpoint._parallel_read").setLevel(logging.DEBUG)
+    logging.getLogger("hf_resumable.checkpoint.commit._parallel_read").addHandler(probe)
+    logging.getLogger("hf_resumable.checkpoint.commit._parallel_read").setLevel(logging.DEBUG)
     buffer = bytearray(16 << 20)
     drop_caches()
     raw_before = raw_read(Path(directory), buffer)

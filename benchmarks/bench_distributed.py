@@ -157,7 +157,7 @@ def worker(mode: str, root: Path, repeats: int, hidden: int, out: Path) -> None:
 def gate_waited() -> float:
     """Seconds optimizer steps have waited so far for background copies (the library's step gates)."""
     try:
-        from hf_resumable.checkpoint._step_gate import _GATES
+        from hf_resumable.checkpoint.background._step_gate import _GATES
     except ImportError:  # a library without the step gate: the save call itself copies every tensor
         return 0.0
     return sum(gate.waited for gate in list(_GATES.values()))
@@ -359,7 +359,7 @@ def replicated_worker(root: Path, repeats: int, hidden: int, max_shard_size: str
     import torch.distributed as dist
 
     from hf_resumable import save_checkpoint
-    from hf_resumable.checkpoint._replicas import SPLIT_ENV
+    from hf_resumable.checkpoint.commit._replicas import SPLIT_ENV
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -198,7 +198,7 @@ def _thread_times() -> dict:
         times = {"cpu": run_ns / 1e9, "queued": wait_ns / 1e9}
     except (OSError, ValueError):
         pass
-    gates = sys.modules.get("hf_resumable.checkpoint._step_gate")
+    gates = sys.modules.get("hf_resumable.checkpoint.background._step_gate")
     if gates is not None:
         times["gate"] = sum(gate.waited for gate in list(gates._GATES.values()))
     return times
@@ -677,7 +677,7 @@ def _measure(options: argparse.Namespace, root: Path) -> None:
     # that every scheduled preemption lands before the job is done.
     mtbf = options.mtbf or options.steps * baseline["step_time"] / 5
 
-    from hf_resumable.checkpoint._interval import plan_save_interval
+    from hf_resumable.integrations._interval import plan_save_interval
 
     stock_plan = plan_save_interval(save_cost_s=max(stock_costs["save_cost"], 1e-3), step_time_s=stock_costs["step"],
                                     mean_time_between_failures_s=mtbf)

@@ -46,7 +46,8 @@ import transformers
 from _bench_common import drop_caches
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
-from hf_resumable.checkpoint import _frozen, wait_for_pending_saves
+from hf_resumable.checkpoint import wait_for_pending_saves
+from hf_resumable.checkpoint.pieces import _frozen
 from hf_resumable.constants import FROZEN_RECORD_FILE
 from hf_resumable.integrations.trainer import ResumableTrainer
 

@@ -32,8 +32,8 @@ before): the ``O_DIRECT`` decision there is ``mincore``'s.
 Usage:
     python benchmarks/bench_read_paths.py --repeats 5 --dir <disk dir> --dir /dev/shm [--warm] [--staging]
 
-``--staging`` also times the async save's staging copy (``checkpoint._staging.copy_into``) of the AdamW state into
-reused buffers, with ``torch``'s ``copy_`` per tensor as the baseline.
+``--staging`` also times the async save's staging copy (``checkpoint.background._staging.copy_into``) of the AdamW
+state into reused buffers, with ``torch``'s ``copy_`` per tensor as the baseline.
 """
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ from pathlib import Path
 
 from _bench_common import drop_caches, raw_read, resident_pages
 
-from hf_resumable.checkpoint import _optimizer, _parallel_read, load_checkpoint, save_checkpoint
+from hf_resumable.checkpoint import load_checkpoint, save_checkpoint
+from hf_resumable.checkpoint.commit import _parallel_read
+from hf_resumable.checkpoint.state import _optimizer
 
 READ_WORKERS = getattr(_parallel_read, "READ_WORKERS", 4)
 
@@ -318,7 +320,7 @@ def staging(repeats: int) -> None:
     """The async save's staging copy of AdamW-state-sized tensors into reused buffers."""
     import torch
 
-    from hf_resumable.checkpoint import _staging
+    from hf_resumable.checkpoint.background import _staging
 
     model, _ = build(0)
     sources = [p.detach().clone() for p in model.parameters()] * 2  # exp_avg and exp_avg_sq sized

@@ -100,14 +100,14 @@ DURABILITY_FILE = ".durability"
 # Directory naming. "checkpoint-<step>" keeps transformers' get_last_checkpoint regex working.
 CHECKPOINT_PREFIX = "checkpoint-"
 CHECKPOINT_DIR_RE = re.compile(r"^checkpoint-(\d+)$")
-# Owned sibling names (the owner's host hash, pid and start time are part of the name; see checkpoint/_owner.py):
-# a checkpoint being written, renamed into place on commit;
+# Owned sibling names (the owner's host hash, pid and start time are part of the name; see
+# checkpoint/commit/_owner.py): a checkpoint being written, renamed into place on commit;
 TMP_PREFIX = ".tmp-"
 # a checkpoint being removed (renamed away first, so a half-deleted directory never looks like a checkpoint);
 TRASH_PREFIX = ".trash-"
 # a reader's pin on a checkpoint (an empty file): retention does not remove a pinned checkpoint;
 PIN_PREFIX = ".pin-"
-# a remover's announcement that it is about to remove a checkpoint (an empty file; see checkpoint/_pins.py).
+# a remover's announcement that it is about to remove a checkpoint (an empty file; see checkpoint/commit/_pins.py).
 REMOVING_PREFIX = ".removing-"
 # Seconds after which a pin no longer protects a checkpoint, even if its reader is still alive.
 PIN_TTL = 600.0

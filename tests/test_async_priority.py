@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hf_resumable import _tuning
-from hf_resumable.checkpoint import _writer, read_manifest, save_checkpoint, wait_for_pending_saves
+from hf_resumable.checkpoint import read_manifest, save_checkpoint, wait_for_pending_saves
+from hf_resumable.checkpoint.commit import _writer
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 

@@ -93,7 +93,7 @@ def test_card_and_inspect_of_a_checkpoint_whose_manifest_has_sha256_only(checkpo
     import hashlib
     import json
 
-    from hf_resumable.checkpoint.manifest import Manifest
+    from hf_resumable.checkpoint.commit.manifest import Manifest
     from hf_resumable.cli import main
     from hf_resumable.format.safetensors_io import FileRecord
 

@@ -311,7 +311,7 @@ def test_a_fresh_optimizer_gets_its_state_allocated_once_and_read_straight_into(
     """Issue 17: a restarted job's optimizer has no state; the load allocates each state tensor once, in its final
     dtype, device and layout, reads the bytes into it, and ``Optimizer.load_state_dict`` installs that very tensor
     (no second copy)."""
-    from hf_resumable.checkpoint import _optimizer
+    from hf_resumable.checkpoint.state import _optimizer
 
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from hf_resumable.checkpoint import (
-    _writer,
     api,
     find_latest_checkpoint,
     list_checkpoints,
@@ -20,6 +19,7 @@ from hf_resumable.checkpoint import (
     save_checkpoint,
     wait_for_pending_saves,
 )
+from hf_resumable.checkpoint.commit import _writer
 from hf_resumable.errors import AsyncSaveError
 
 from helpers import zygote
@@ -200,7 +200,7 @@ def test_the_next_step_waits_for_the_background_copy_and_the_checkpoint_holds_th
     """The save returns before the parameters and moments are copied; the forward and backward of the next step run
     meanwhile (changing the buffers), and its optimizer step waits at the gate until the copy is over. The checkpoint
     is the state at the save, byte for byte as a blocking save writes it."""
-    from hf_resumable.checkpoint._step_gate import step_gate
+    from hf_resumable.checkpoint.background._step_gate import step_gate
 
     from helpers.staging_probe import copy_after_next_step
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_resumable.checkpoint import find_latest_checkpoint, load_checkpoint, read_manifest, verify_checkpoint
-from hf_resumable.checkpoint._durability import is_durable
+from hf_resumable.checkpoint.commit._durability import is_durable
 
 from helpers.distributed_launch import child_env
 from helpers.zygote import Popen as spawn

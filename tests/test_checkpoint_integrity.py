@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from hf_resumable.checkpoint import (
-    _writer,
     apply_retention,
     find_latest_checkpoint,
     list_checkpoints,
@@ -21,6 +20,7 @@ from hf_resumable.checkpoint import (
     verify_checkpoint,
     wait_for_pending_saves,
 )
+from hf_resumable.checkpoint.commit import _writer
 from hf_resumable.errors import (
     CorruptCheckpointError,
     FormatVersionError,
@@ -158,7 +158,7 @@ def _as_version_1_with_sha256_only(directory):
     """Rewrite ``directory``'s manifest as the oldest writers did: format version 1, records of size and sha256."""
     import hashlib
 
-    from hf_resumable.checkpoint.manifest import Manifest
+    from hf_resumable.checkpoint.commit.manifest import Manifest
     from hf_resumable.format.safetensors_io import FileRecord
 
     manifest = read_manifest(directory)
@@ -190,7 +190,7 @@ def test_a_version_1_manifest_with_sha256_only_loads_verifies_full_and_catches_a
 def test_full_verification_checks_both_hashes_of_a_record_that_has_both(tmp_path):
     import dataclasses
 
-    from hf_resumable.checkpoint.manifest import Manifest
+    from hf_resumable.checkpoint.commit.manifest import Manifest
 
     save_checkpoint(tmp_path / "checkpoint-2", model={"w": torch.randn(1536, 1024)}, step=2, rng=False)
     directory = tmp_path / "checkpoint-2"
@@ -205,7 +205,7 @@ def test_full_verification_checks_both_hashes_of_a_record_that_has_both(tmp_path
 
 @pytest.mark.parametrize("record", [{"size": 3}, {"size": 3, "sha256": None, "xxh3_128": None}])
 def test_a_manifest_record_with_neither_hash_is_a_typed_error_naming_file_and_field(tmp_path, record):
-    from hf_resumable.checkpoint.manifest import _checksum
+    from hf_resumable.checkpoint.commit.manifest import _checksum
 
     save_checkpoint(tmp_path / "checkpoint-2", model={"w": torch.zeros(2)}, step=2, rng=False)
     directory = tmp_path / "checkpoint-2"
@@ -226,7 +226,7 @@ def test_an_older_reader_refuses_a_new_manifest_with_its_typed_error(tmp_path, m
     """Readers of version 1 required a sha256 in every record, and readers of version 2 read pieces without checking
     their chunk hashes: a new manifest says version 3, which they refuse by its version (before reading any record)
     with FormatVersionError, rather than call the checkpoint corrupt or load it unchecked."""
-    from hf_resumable.checkpoint import manifest as manifest_module
+    from hf_resumable.checkpoint.commit import manifest as manifest_module
 
     save_checkpoint(tmp_path / "checkpoint-2", model={"w": torch.zeros(2)}, step=2, rng=False)
     monkeypatch.setattr(manifest_module, "FORMAT_VERSION", old)  # the older reader's bound
@@ -254,7 +254,7 @@ def test_missing_shard_is_reported_by_name(tmp_path):
 
 def _rewrite_manifest(directory, mutate):
     """An attacker who also rewrites the manifest consistently."""
-    from hf_resumable.checkpoint.manifest import Manifest
+    from hf_resumable.checkpoint.commit.manifest import Manifest
     from hf_resumable.format.safetensors_io import hash_file
 
     manifest = read_manifest(directory)
@@ -331,7 +331,7 @@ def test_manifest_listing_a_path_outside_is_rejected(tmp_path):
     directory = tmp_path / "checkpoint-2"
     document = json.loads((directory / "manifest.json").read_text())
     document["files"]["../../etc/passwd"] = {"size": 1, "sha256": "0" * 64}
-    from hf_resumable.checkpoint.manifest import _checksum
+    from hf_resumable.checkpoint.commit.manifest import _checksum
 
     document.pop("checksum")
     document["checksum"] = _checksum(document)
@@ -343,7 +343,7 @@ def test_manifest_listing_a_path_outside_is_rejected(tmp_path):
 def test_foreign_or_future_manifest(tmp_path):
     _save_two(tmp_path)
     directory = tmp_path / "checkpoint-2"
-    from hf_resumable.checkpoint.manifest import _checksum
+    from hf_resumable.checkpoint.commit.manifest import _checksum
 
     document = json.loads((directory / "manifest.json").read_text())
     document.pop("checksum")

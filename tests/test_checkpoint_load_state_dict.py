@@ -17,7 +17,7 @@ from transformers import GPT2LMHeadModel
 from transformers.trainer_utils import load_sharded_checkpoint
 
 from hf_resumable.checkpoint import load_checkpoint, save_checkpoint
-from hf_resumable.checkpoint._model import load_state_dict_reason
+from hf_resumable.checkpoint.state._model import load_state_dict_reason
 from hf_resumable.errors import CheckpointMismatchError
 
 from helpers.tiny_models import VOCAB, assert_same_state, tiny_gpt2, tiny_llama, train_steps

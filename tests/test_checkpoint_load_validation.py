@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hf_resumable.checkpoint import load_checkpoint, open_checkpoint, read_manifest, save_checkpoint
-from hf_resumable.checkpoint.manifest import Manifest
+from hf_resumable.checkpoint.commit.manifest import Manifest
 from hf_resumable.constants import MODEL_INDEX_FILE, OPTIMIZER_INDEX_FILE, TRAINING_STATE_FILE
 from hf_resumable.errors import (
     CheckpointMismatchError,

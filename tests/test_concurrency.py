@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from hf_resumable.checkpoint import (
-    _pins,
     apply_retention,
     cleanup_stale_temp_dirs,
     find_latest_checkpoint,
@@ -33,7 +32,8 @@ from hf_resumable.checkpoint import (
     verify_checkpoint,
     wait_for_pending_saves,
 )
-from hf_resumable.checkpoint._owner import current_owner, member_name, parse_member_name
+from hf_resumable.checkpoint.commit import _pins
+from hf_resumable.checkpoint.commit._owner import current_owner, member_name, parse_member_name
 from hf_resumable.constants import PIN_PREFIX, REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
 from hf_resumable.errors import AsyncSaveError, CheckpointExistsError
 
@@ -164,7 +164,7 @@ def test_two_writers_of_one_name_exactly_one_commits(tmp_path, existing):
 
 def test_racing_overwrites_replace_only_what_they_checked(tmp_path):
     """overwrite=True is a compare-and-swap: if the target changed since the save checked it, it is refused."""
-    from hf_resumable.checkpoint._fs import commit_dir, create_temp_dir, dir_identity
+    from hf_resumable.checkpoint.commit._fs import commit_dir, create_temp_dir, dir_identity
 
     target = tmp_path / "checkpoint-1"
     save_checkpoint(target, model=_model(1.0), step=1, rng=False)
@@ -180,7 +180,7 @@ def test_racing_overwrites_replace_only_what_they_checked(tmp_path):
 
 
 def _pin_holder(path: Path, ready: Path) -> subprocess.Popen:
-    code = (f"import sys, time, pathlib\nfrom hf_resumable.checkpoint import _pins\n"
+    code = (f"import sys, time, pathlib\nfrom hf_resumable.checkpoint.commit import _pins\n"
             f"p = _pins.pin(pathlib.Path({str(path)!r}))\nassert p is not None\n"
             f"pathlib.Path({str(ready)!r}).write_text(str(p))\ntime.sleep(600)\n")
     return zygote.Popen([sys.executable, "-c", code])
@@ -230,7 +230,7 @@ def test_background_retention_renames_at_once_and_deletes_on_a_helper_thread(tmp
     waits for them."""
     import threading
 
-    from hf_resumable.checkpoint import _fs
+    from hf_resumable.checkpoint.commit import _fs
 
     root = tmp_path / "run"
     for step in (1, 2):
@@ -261,8 +261,8 @@ def test_a_save_right_after_a_background_retention_writes_once_the_deletion_is_d
     deletion is done (the disk holds the kept checkpoints and this one at most), then it commits."""
     import threading
 
-    from hf_resumable.checkpoint import _fs
     from hf_resumable.checkpoint.api import background_saver
+    from hf_resumable.checkpoint.commit import _fs
     from hf_resumable.integrations._core import AfterCommit
 
     root = tmp_path / "run"
@@ -338,7 +338,7 @@ def test_cleanup_puts_back_a_checkpoint_whose_overwrite_was_interrupted(tmp_path
 
 def test_owned_names_exist_from_the_first_instant(tmp_path, monkeypatch):
     """The temp dir's owner is in its name: there is no moment at which cleanup could take it for stale."""
-    from hf_resumable.checkpoint import _fs
+    from hf_resumable.checkpoint.commit import _fs
 
     seen: list[str] = []
     original = _fs.fsync_tree
@@ -412,7 +412,7 @@ def _retention_run_stopped_midway(root: Path, midway: Path) -> int:
     if pid != 0:
         return pid
     try:  # the retention run (only file operations: safe in a forked child)
-        from hf_resumable.checkpoint import _fs
+        from hf_resumable.checkpoint.commit import _fs
 
         real_rmtree, calls = _fs.shutil.rmtree, []
 

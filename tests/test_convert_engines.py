@@ -28,8 +28,8 @@ import torch
 from safetensors.torch import load_file
 
 from hf_resumable.checkpoint import open_checkpoint, read_manifest, verify_checkpoint
-from hf_resumable.checkpoint._partitioned import read_master_weights
 from hf_resumable.checkpoint._types import Box
+from hf_resumable.checkpoint.pieces._partitioned import read_master_weights
 from hf_resumable.conversions._pickle import load_dcp_metadata
 from hf_resumable.conversions.dcp import plan_dcp_pieces
 from hf_resumable.conversions.deepspeed import plan_zero_boxes, plan_zero_maps

@@ -1,4 +1,5 @@
-"""Deferred durability (checkpoint/_durability.py): a blocking save commits before its fsyncs, which follow on the
+"""Deferred durability (checkpoint/commit/_durability.py): a blocking save commits before its fsyncs, which follow on
+the
 saver's thread; what a crash of the process or of the machine costs then."""
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import pytest
 import torch
 
 from hf_resumable.checkpoint import (
-    _durability,
     apply_retention,
     find_latest_checkpoint,
     list_checkpoints,
@@ -25,6 +25,7 @@ from hf_resumable.checkpoint import (
     verify_checkpoint,
     wait_for_pending_saves,
 )
+from hf_resumable.checkpoint.commit import _durability
 from hf_resumable.constants import DURABILITY_FILE
 from hf_resumable.errors import AsyncSaveError
 
@@ -61,7 +62,7 @@ def _hold_fsyncs(monkeypatch: pytest.MonkeyPatch):
     """Hold the saver thread's fsyncs of deferred saves until the returned event is set."""
     import threading
 
-    from hf_resumable.checkpoint import async_save
+    from hf_resumable.checkpoint.background import async_save
 
     release, real = threading.Event(), async_save.make_durable
 
@@ -214,7 +215,8 @@ def test_a_process_killed_right_after_a_deferred_save_loses_nothing(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal, torch
         from safetensors.torch import save_file
-        from hf_resumable.checkpoint import async_save, save_checkpoint
+        from hf_resumable.checkpoint import save_checkpoint
+        from hf_resumable.checkpoint.background import async_save
         async_save.make_durable = lambda *args, **kwargs: signal.pause()  # the fsyncs never run
         torch.manual_seed(0)
         model = torch.nn.Linear(256, 256)

@@ -385,7 +385,7 @@ def _weight_differing_from_its_master_is_stored(tmp_path: Path, saving: Any, sta
         return module.weight.ds_tensor if stage == 3 else module.weight
 
     from hf_resumable import wait_for_pending_saves
-    from hf_resumable.checkpoint._step_gate import step_gate
+    from hf_resumable.checkpoint.background._step_gate import step_gate
 
     from helpers.staging_probe import copy_after_next_step
 
@@ -429,8 +429,8 @@ def test_fsdp1_sharded_tensors_are_stored_as_dtensor_pieces(one_rank_group):
     piece is copied back into the ShardedTensor FSDP1's load reads."""
     from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
 
-    from hf_resumable.checkpoint._dtensor import local_box
-    from hf_resumable.checkpoint._sharded_tensors import as_dtensors, into_sharded_tensors
+    from hf_resumable.checkpoint.pieces._dtensor import local_box
+    from hf_resumable.checkpoint.pieces._sharded_tensors import as_dtensors, into_sharded_tensors
 
     local = torch.arange(12.0).reshape(4, 3)
     sharded = init_from_local_shards([Shard(local, ShardMetadata([0, 0], [4, 3], "rank:0/cpu"))], [4, 3])
@@ -445,7 +445,7 @@ def test_fsdp1_sharded_tensors_are_stored_as_dtensor_pieces(one_rank_group):
 
 
 def test_a_flattened_weight_whose_view_does_not_fit_is_corrupt():
-    from hf_resumable.checkpoint._piece_reader import Section
+    from hf_resumable.checkpoint.pieces._piece_reader import Section
     from hf_resumable.errors import CorruptCheckpointError
 
     section = {"tensors": {"w": {"dtype": "F32", "shape": [12], "view": [4, 3]}},
@@ -459,14 +459,14 @@ def test_a_flattened_weight_whose_view_does_not_fit_is_corrupt():
 def test_plain_tensors_are_split_across_the_ranks_and_a_disagreement_commits_nothing(monkeypatch):
     """ZeRO-1/2's whole weights (plain tensors every rank holds): each rank writes whole tensors of a plan all ranks
     compute alike, balanced by bytes, every tensor once; ranks that disagree are refused before the commit."""
-    from hf_resumable.checkpoint._piece_layout import (
+    from hf_resumable.checkpoint.commit._replicas import SPLIT_ENV, plan_replica_writers, split_replicas
+    from hf_resumable.checkpoint.pieces._piece_layout import (
         check_coverage,
         collect_local_state,
         piece_report,
         plain_sizes,
         section_from_reports,
     )
-    from hf_resumable.checkpoint._replicas import SPLIT_ENV, plan_replica_writers, split_replicas
     from hf_resumable.errors import CheckpointMismatchError
 
     weight = torch.zeros(6)
@@ -510,7 +510,8 @@ def test_zero3_saves_reuse_the_partitions_pieces_until_a_load_replaces_them(tmp_
     import gc
 
     from hf_resumable import wait_for_pending_saves
-    from hf_resumable.checkpoint import _partitioned, load_checkpoint, save_checkpoint
+    from hf_resumable.checkpoint import load_checkpoint, save_checkpoint
+    from hf_resumable.checkpoint.pieces import _partitioned
     from hf_resumable.integrations._deepspeed import checkpoint_optimizer
 
     built, from_local = [], DTensor.from_local

@@ -1,6 +1,7 @@
 """FSDP and DeepSpeed ZeRO checkpoints resume at another world size when opened with ``elastic=True``.
 
-* Pure: a flat partition's map (:class:`~hf_resumable.checkpoint._partitioned.PartitionMap`, ZeRO-1/2 ``flat`` and
+* Pure: a flat partition's map (:class:`~hf_resumable.checkpoint.pieces._partitioned.PartitionMap`, ZeRO-1/2 ``flat``
+and
   ZeRO-3 ``strided``) says which parameter elements each rank holds; :func:`plan_partition_copies` cuts the partitions
   of one world size out of those of another, for any sizes (checked against a direct cut, integers only).
 * Engines (gloo ranks on CPU, ``tests/scripts/ds_elastic_worker.py``): a run trained 2 steps at 2 ranks is saved with
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_resumable.checkpoint._partitioned import (
+from hf_resumable.checkpoint.pieces._partitioned import (
     MAP_FLAT,
     MAP_STRIDED,
     PartitionMap,

@@ -16,14 +16,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from hf_resumable.checkpoint import (
-    _frozen,
-    load_checkpoint,
-    open_checkpoint,
-    read_manifest,
-    save_checkpoint,
-    verify_checkpoint,
-)
+from hf_resumable.checkpoint import load_checkpoint, open_checkpoint, read_manifest, save_checkpoint, verify_checkpoint
+from hf_resumable.checkpoint.pieces import _frozen
 from hf_resumable.constants import FROZEN_RECORD_FILE, MODEL_INDEX_FILE, TRAINABLE_INDEX_FILE
 from hf_resumable.errors import (
     BaseMismatchError,

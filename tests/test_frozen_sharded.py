@@ -105,7 +105,7 @@ def test_fsdp2_frozen_embedding_is_recorded_not_stored_and_resumes_exactly(tmp_p
 
 
 def test_piece_records_are_validated():
-    from hf_resumable.checkpoint import _frozen
+    from hf_resumable.checkpoint.pieces import _frozen
     from hf_resumable.errors import CorruptCheckpointError
 
     hashes = {"xxh3_128": "0" * 32, "sample_xxh3_128": "1" * 32}

@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_resumable.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
-from hf_resumable.checkpoint.manifest import _checksum
+from hf_resumable.checkpoint.commit.manifest import _checksum
 from hf_resumable.cli import main as cli_main
 from hf_resumable.errors import HfResumableError
 from hf_resumable.lazy import LazyStateDict

@@ -33,8 +33,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_resumable.checkpoint import _staging, load_checkpoint, read_manifest, save_checkpoint, wait_for_pending_saves
+from hf_resumable.checkpoint import load_checkpoint, read_manifest, save_checkpoint, wait_for_pending_saves
 from hf_resumable.checkpoint.api import background_saver
+from hf_resumable.checkpoint.background import _staging
 from hf_resumable.errors import InexactResumeError
 from hf_resumable.format.rng import (
     RngState,

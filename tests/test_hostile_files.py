@@ -21,7 +21,7 @@ import torch
 import xxhash
 
 from hf_resumable.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
-from hf_resumable.checkpoint.manifest import _checksum
+from hf_resumable.checkpoint.commit.manifest import _checksum
 from hf_resumable.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
@@ -334,7 +334,7 @@ def test_overwrite_never_deletes_files_added_to_a_committed_checkpoint(tmp_path)
 def test_one_check_decides_where_a_save_may_go(tmp_path):
     """save_refusal is the one "may a save go here" answer: save_checkpoint (check_target) and
     ResumableAccelerator.save_state (explicit output_dir) both ask it."""
-    from hf_resumable.checkpoint._writer import check_target, save_refusal
+    from hf_resumable.checkpoint.commit._writer import check_target, save_refusal
 
     assert save_refusal(tmp_path / "missing", overwrite=False) is None
     empty = tmp_path / "empty"

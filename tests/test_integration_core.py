@@ -162,9 +162,10 @@ def test_every_accelerate_loader_kind_has_the_one_position_interface(tmp_path):
 
 
 def test_one_reader_of_torchdata_counters():
-    """checkpoint._validate.batches_yielded reads both forms of StatefulDataLoader state; the loaders and the load
+    """checkpoint.state._validate.batches_yielded reads both forms of StatefulDataLoader state; the loaders and the
+    load
     validation use it (a corrupt counter is refused, an unknown form is None)."""
-    from hf_resumable.checkpoint._validate import batches_yielded, check_data_position
+    from hf_resumable.checkpoint.state._validate import batches_yielded, check_data_position
     from hf_resumable.errors import CorruptCheckpointError
 
     assert batches_yielded({"_num_yielded": 3}, source="s") == 3

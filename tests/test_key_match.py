@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_resumable.checkpoint import load_checkpoint, save_checkpoint
-from hf_resumable.checkpoint._model import find_aliases, match_keys
+from hf_resumable.checkpoint.state._model import find_aliases, match_keys
 from hf_resumable.errors import CheckpointMismatchError
 from hf_resumable.lazy import load_lazily
 

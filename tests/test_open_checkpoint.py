@@ -15,13 +15,13 @@ from hf_resumable import data
 from hf_resumable.checkpoint import (
     LoadedCheckpoint,
     OpenedCheckpoint,
-    _validate,
     load_checkpoint,
     open_checkpoint,
     read_manifest,
     save_checkpoint,
 )
-from hf_resumable.checkpoint.manifest import Manifest
+from hf_resumable.checkpoint.commit.manifest import Manifest
+from hf_resumable.checkpoint.state import _validate
 from hf_resumable.errors import ConfigDriftError, IncompleteCheckpointError, InexactResumeError
 from hf_resumable.format.rng import capture_rng_state
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_resumable.checkpoint._parallel_read import FileRead, plan_reads, read_files
+from hf_resumable.checkpoint.commit._parallel_read import FileRead, plan_reads, read_files
 from hf_resumable.errors import CorruptCheckpointError
 from hf_resumable.format.safetensors_io import hash_file, read_header, write_safetensors
 
@@ -139,7 +139,7 @@ def test_the_number_of_streams_is_the_override_or_the_default(files, monkeypatch
 
 @pytest.mark.parametrize("workers", [1, 3])
 def test_every_chunk_is_read_once_in_file_order_by_one_stream(files, monkeypatch, workers):
-    from hf_resumable.checkpoint import _parallel_read
+    from hf_resumable.checkpoint.commit import _parallel_read
 
     seen, pread = [], _parallel_read._pread_into
     monkeypatch.setattr(_parallel_read, "_pread_into", lambda fd, chunk, path: seen.append((path, chunk.offset))

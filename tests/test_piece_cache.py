@@ -1,5 +1,5 @@
-"""A rank's flat partition as a DTensor piece (:func:`~hf_resumable.checkpoint._partitioned.partition_piece`), built
-once and reused by every save while the partition is updated in place.
+"""A rank's flat partition as a DTensor piece (:func:`~hf_resumable.checkpoint.pieces._partitioned.partition_piece`),
+built once and reused by every save while the partition is updated in place.
 
 * ZeRO-1/2 (a flat fp32 partition or a moment over it): the piece of one save is the next one's; a partition whose
   ``.data`` was replaced gets a new piece over its new bytes; a partition that dies takes its entry with it.
@@ -16,8 +16,8 @@ import gc
 import pytest
 import torch
 
-from hf_resumable.checkpoint import _partitioned
-from hf_resumable.checkpoint._partitioned import load_partitioned_state, partition_piece, partitioned_state
+from hf_resumable.checkpoint.pieces import _partitioned
+from hf_resumable.checkpoint.pieces._partitioned import load_partitioned_state, partition_piece, partitioned_state
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Pieces of any DTensor placement (checkpoint/_placements.py): the pure box-and-writer plan, checked over every
+"""Pieces of any DTensor placement (checkpoint/pieces/_placements.py): the pure box-and-writer plan, checked over every
 coordinate of fake meshes, and a real 2x2 (dp_shard x tp) job on 4 gloo ranks saved, loaded at the same layout and
 resharded 4 -> 2 -> 1 bit for bit (tests/scripts/placements_worker.py).
 """
@@ -16,8 +16,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hf_resumable.checkpoint._piece_layout import check_coverage
-from hf_resumable.checkpoint._placements import MeshView, check_copies_agree, check_tiling, plan_piece
+from hf_resumable.checkpoint.pieces._piece_layout import check_coverage
+from hf_resumable.checkpoint.pieces._placements import MeshView, check_copies_agree, check_tiling, plan_piece
 from hf_resumable.errors import CheckpointMismatchError, HfResumableError, UnsupportedStateError
 
 from helpers.distributed_launch import launch_ranks

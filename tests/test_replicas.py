@@ -1,5 +1,5 @@
-"""Replicas share the save (``checkpoint/_replicas.py``): under DDP each rank writes a disjoint part of the model's
-and optimizer's files, and the checkpoint is byte-identical to the one rank 0 alone writes.
+"""Replicas share the save (``checkpoint/commit/_replicas.py``): under DDP each rank writes a disjoint part of the
+model's and optimizer's files, and the checkpoint is byte-identical to the one rank 0 alone writes.
 
 * the pure plan (sizes and world size in, one rank per file out);
 * 2 gloo ranks, blocking and async: every file, and the manifest (but its commit time), the same bytes as the
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from hf_resumable.checkpoint import read_manifest
-from hf_resumable.checkpoint._replicas import plan_replica_writers, replicas_split
-from hf_resumable.checkpoint.manifest import Manifest
+from hf_resumable.checkpoint.commit._replicas import plan_replica_writers, replicas_split
+from hf_resumable.checkpoint.commit.manifest import Manifest
 
 from helpers.distributed_launch import launch_ranks
 

@@ -1,4 +1,4 @@
-"""The automatic save interval: the PURE Young/Daly planner (checkpoint/_interval.py), the callback's measurements
+"""The automatic save interval: the PURE Young/Daly planner (integrations/_interval.py), the callback's measurements
 on a fake clock (integrations/_save_interval.py), and ``ResumableTrainer(mean_time_between_failures=...)``."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import torch
 from transformers import TrainingArguments
 
 from hf_resumable import ResumableTrainer
-from hf_resumable.checkpoint._interval import (
+from hf_resumable.errors import SaveIntervalError
+from hf_resumable.integrations import _save_interval
+from hf_resumable.integrations._interval import (
     daly_interval_s,
     expected_loss_fraction,
     has_drifted,
     plan_save_interval,
 )
-from hf_resumable.errors import SaveIntervalError
-from hf_resumable.integrations import _save_interval
 from hf_resumable.integrations._save_interval import AutoSaveInterval
 
 from helpers.tiny_models import VOCAB, tiny_gpt2

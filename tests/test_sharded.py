@@ -31,8 +31,8 @@ from hf_resumable.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from hf_resumable.checkpoint._piece_layout import plan_region_reads
 from hf_resumable.checkpoint._types import Box, intersect_boxes
+from hf_resumable.checkpoint.pieces._piece_layout import plan_region_reads
 from hf_resumable.data.elastic import ElasticSampler
 from hf_resumable.errors import (
     CheckpointMismatchError,

@@ -30,7 +30,7 @@ from hf_resumable.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from hf_resumable.checkpoint.manifest import Manifest
+from hf_resumable.checkpoint.commit.manifest import Manifest
 from hf_resumable.checkpoint.summary import summarize_checkpoint
 from hf_resumable.constants import MODEL_INDEX_FILE, SINGLE_MODEL_FILE
 from hf_resumable.conversions.stock import reshard_checkpoint

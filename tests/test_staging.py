@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from hf_resumable.checkpoint._staging import copy_into, equal_bytes, start_copy
+from hf_resumable.checkpoint.background._staging import copy_into, equal_bytes, start_copy
 
 
 def _bits(t: torch.Tensor) -> bytes:

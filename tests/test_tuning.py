@@ -44,7 +44,7 @@ def test_the_switches_default_to_on_and_read_the_environment_at_the_call(monkeyp
 
 
 def test_with_the_writer_priority_switch_off_a_background_write_runs_at_the_training_priority(tmp_path, monkeypatch):
-    from hf_resumable.checkpoint import _writer
+    from hf_resumable.checkpoint.commit import _writer
 
     base = _nice()
     monkeypatch.setenv(_tuning.WRITER_PRIORITY_ENV, "0")

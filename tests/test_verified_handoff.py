@@ -26,7 +26,7 @@ from hf_resumable.checkpoint import (
     verify_checkpoint,
     wait_for_pending_saves,
 )
-from hf_resumable.checkpoint._pins import live_pins
+from hf_resumable.checkpoint.commit._pins import live_pins
 from hf_resumable.errors import CorruptCheckpointError, IncompleteCheckpointError
 from hf_resumable.format.rng import capture_rng_state
 

@@ -1,5 +1,5 @@
 """The hf_resumable checkpoint engine: safetensors, no pickle, hashed, atomically committed; one save and one load for
-every layout (a plain model's HF files, or per-rank pieces: FSDP, ZeRO, DTensor; see ``_pieces.py``).
+every layout (a plain model's HF files, or per-rank pieces: FSDP, ZeRO, DTensor; see ``pieces/_pieces.py``).
 
 Layout of ``checkpoint-<step>/``::
 
@@ -15,10 +15,7 @@ Layout of ``checkpoint-<step>/``::
     manifest.json                       written last: every file, size, xxh3-128, versions
 """
 
-from ._fs import write_bytes_durably as write_file_durably
-from ._pieces import ShardedOptimizerState
 from ._reader import LoadedCheckpoint, OpenedCheckpoint
-from ._writer import committed_directory
 from .api import (
     CheckpointInfo,
     consolidate_checkpoint,
@@ -27,6 +24,9 @@ from .api import (
     save_checkpoint,
     wait_for_pending_saves,
 )
+from .commit._fs import write_bytes_durably as write_file_durably
+from .commit._writer import committed_directory
+from .commit.manifest import Manifest, read_manifest
 from .discovery import (
     apply_retention,
     cleanup_stale_temp_dirs,
@@ -34,7 +34,7 @@ from .discovery import (
     find_latest_verified,
     list_checkpoints,
 )
-from .manifest import Manifest, read_manifest
+from .pieces._pieces import ShardedOptimizerState
 from .verify import VerifyReport, verify_checkpoint
 
 __all__ = [

@@ -53,15 +53,28 @@ from ..format.safetensors_io import FileRecord, record_of
 from ..format.sharding import ShardIndex, parse_index
 from ..format.slice_reader import VerifiedFile
 from ..format.state_codec import decode_state
-from ._frozen import TrainablePart, forget_fingerprints
-from ._model import TIED_KEY, check_model_fits, check_tied, load_state_dict_reason, load_through_state_dict, retie
-from ._model_files import model_index
-from ._optimizer import OptimizerLoadPlan, apply_optimizer_state, parameter_names, plan_optimizer_load
-from ._parallel_read import FileRead, read_files
-from ._payload import STATE_TENSORS_FILE
-from ._pieces import load_pieces_into, reads_pieces
-from ._validate import check_counters, check_data_position, check_like_live, check_step_value, check_training_state
-from .manifest import Manifest
+from .commit._parallel_read import FileRead, read_files
+from .commit.manifest import Manifest
+from .pieces._frozen import TrainablePart, forget_fingerprints
+from .pieces._payload import STATE_TENSORS_FILE
+from .pieces._pieces import load_pieces_into, reads_pieces
+from .state._model import (
+    TIED_KEY,
+    check_model_fits,
+    check_tied,
+    load_state_dict_reason,
+    load_through_state_dict,
+    retie,
+)
+from .state._model_files import model_index
+from .state._optimizer import OptimizerLoadPlan, apply_optimizer_state, parameter_names, plan_optimizer_load
+from .state._validate import (
+    check_counters,
+    check_data_position,
+    check_like_live,
+    check_step_value,
+    check_training_state,
+)
 from .verify import VerifyReport
 
 logger = logging.getLogger(__name__)

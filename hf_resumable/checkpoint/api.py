@@ -16,21 +16,21 @@ from .._urls import is_remote
 from ..constants import DEFAULT_MAX_SHARD_SIZE, LAYOUT_FILE, MANIFEST_FILE
 from ..distributed import is_distributed, rank_and_world_size
 from ..format.rng import RngState
-from ._durability import check_durability
-from ._fs import wait_for_removals
-from ._payload import capture_payload, capture_pretrained
-from ._pieces import capture_pieces, consolidate_pieces, saves_pieces
 from ._reader import LoadedCheckpoint, OpenedCheckpoint, _Reader, read_on_load
-from ._writer import check_target, save_payload
-from .async_save import BACKGROUND_SAVER, AsyncSaver
+from .background.async_save import BACKGROUND_SAVER, AsyncSaver
+from .commit._durability import check_durability
+from .commit._fs import wait_for_removals
+from .commit._writer import check_target, save_payload
+from .commit.manifest import Manifest
 from .discovery import apply_retention
-from .manifest import Manifest
+from .pieces._payload import capture_payload, capture_pretrained
+from .pieces._pieces import capture_pieces, consolidate_pieces, saves_pieces
 from .verify import VerifyReport, verify_checkpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointInfo", "consolidate_checkpoint", "load_checkpoint", "open_checkpoint", "save_checkpoint",
-           "wait_for_pending_saves"]
+__all__ = ["CheckpointInfo", "consolidate_checkpoint", "load_checkpoint", "open_checkpoint", "read_on_load",
+           "save_checkpoint", "wait_for_pending_saves"]
 
 _ASYNC = BACKGROUND_SAVER
 atexit.register(lambda: _ASYNC.wait())
@@ -141,8 +141,8 @@ def save_checkpoint(
     replicas): their files are split across the ranks, each writing whole files of its share (rank 0 writes them
     all if the ranks' files differ in names, shapes or dtypes); the checkpoint is the same bytes as one writer's.
     When an engine splits the model or optimizer across ranks (FSDP2 / DTensor parameters, FSDP1, DeepSpeed ZeRO
-    partitions or a :class:`~hf_resumable.checkpoint._pieces.ShardedOptimizerState`), every rank writes the pieces it
-    holds into its own files, in parallel, and ``sharded_layout.json`` records every tensor's pieces
+    partitions or a :class:`~hf_resumable.checkpoint.pieces._pieces.ShardedOptimizerState`), every rank writes the
+    pieces it holds into its own files, in parallel, and ``sharded_layout.json`` records every tensor's pieces
     (``layout="pieces"`` does so for plain tensors too: the ranks split them, whole tensors balanced by bytes). Such a
     checkpoint loads at any world size into any of these layouts (:func:`load_checkpoint`).
 

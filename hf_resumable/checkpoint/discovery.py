@@ -17,12 +17,12 @@ from ..distributed import rank_and_world_size
 from ..errors import HfResumableError
 from ..format._jsonio import parse_json
 from ..format._safefile import read_regular_file
-from ._durability import is_durable
-from ._fs import claim, remove_dir, rename_noreplace
-from ._owner import OwnerTag, current_owner, owner_can_act, owner_is_alive, parse_member_name
-from ._pins import hold_pin, pin, unpin
 from ._reader import read_on_load
-from .manifest import is_committed, read_manifest
+from .commit._durability import is_durable
+from .commit._fs import claim, remove_dir, rename_noreplace
+from .commit._owner import OwnerTag, current_owner, owner_can_act, owner_is_alive, parse_member_name
+from .commit._pins import hold_pin, pin, unpin
+from .commit.manifest import is_committed, read_manifest
 from .verify import VerifyReport, verify_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -287,7 +287,7 @@ def apply_retention(
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (the newest valid checkpoint is always kept), got {keep_last}.")
-    from .async_save import BACKGROUND_SAVER  # below this module in the import order
+    from .background.async_save import BACKGROUND_SAVER  # below this module in the import order
 
     BACKGROUND_SAVER.wait_until_durable()  # this process's newest checkpoint counts once its fsyncs are done
     committed = []

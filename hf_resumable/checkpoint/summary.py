@@ -39,7 +39,7 @@ from ..constants import (
 from ..errors import HfResumableError
 from ..format._jsonio import parse_json
 from ..format._safefile import read_regular_file
-from ._model_files import has_model_weights
+from .state._model_files import has_model_weights
 from .verify import verify_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -335,7 +335,7 @@ def _fill_shards(summary: CheckpointSummary, report: Any) -> None:
 
 def _fill_frozen(summary: CheckpointSummary, report: Any) -> None:
     """A checkpoint that references its base: trainable elements from its index, the frozen base from its record."""
-    from ._frozen import FrozenRecord
+    from .pieces._frozen import FrozenRecord
 
     index = _read_json(Path(report.path) / TRAINABLE_INDEX_FILE)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None

@@ -38,10 +38,10 @@ from ..format.safetensors_io import (
     record_of,
 )
 from ..format.sharding import parse_index
-from ._durability import needs_every_byte
-from ._model_files import model_weights_file, single_file_index
-from ._validate import check_training_state
-from .manifest import Manifest, read_manifest
+from .commit._durability import needs_every_byte
+from .commit.manifest import Manifest, read_manifest
+from .state._model_files import model_weights_file, single_file_index
+from .state._validate import check_training_state
 
 logger = logging.getLogger(__name__)
 
@@ -351,7 +351,7 @@ def _check_indexes(directory: Path, report: VerifyReport) -> None:
 
 def _check_layout(directory: Path, report: VerifyReport) -> None:
     """Sharded (per-rank) checkpoints: every piece the layout describes is stored as described."""
-    from ._piece_reader import Section, check_pieces_stored, parse_layout
+    from .pieces._piece_reader import Section, check_pieces_stored, parse_layout
 
     if LAYOUT_FILE not in report.manifest.files:
         return

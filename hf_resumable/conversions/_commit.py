@@ -3,7 +3,8 @@
 A conversion builds every rank's files itself (each rank's piece files, its RNG state) in one :class:`Payload`, so
 the checkpoint is written by one process but recorded as written by ``world_size`` ranks: the manifest's
 ``world_size`` is what a resume at the same world size checks. The commit protocol is the writer's
-(:mod:`hf_resumable.checkpoint._writer`): a temp sibling directory, every file fsynced, the manifest last, the rename.
+(:mod:`hf_resumable.checkpoint.commit._writer`): a temp sibling directory, every file fsynced, the manifest last, the
+rename.
 """
 
 from __future__ import annotations
@@ -11,10 +12,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..checkpoint._fs import commit_dir, discard, write_bytes_durably
-from ..checkpoint._types import Payload
-from ..checkpoint._writer import begin_save, write_payload
-from ..checkpoint.manifest import Manifest
+from ..checkpoint.commit import Payload, begin_save, commit_dir, discard, write_bytes_durably, write_payload
+from ..checkpoint.commit.manifest import Manifest
 from ..constants import MANIFEST_FILE
 from ..distributed import is_distributed
 

@@ -2,8 +2,8 @@
 
 A stock per-rank checkpoint (DeepSpeed's ZeRO partitions, torch.distributed.checkpoint's chunks) already says which
 rank held which box of which tensor; :func:`add_rank_pieces` writes each rank's boxes into that rank's piece file of
-the piece format (:mod:`hf_resumable.checkpoint._piece_layout`) and returns the layout section, exactly as the ranks of
-a live save would (each rank's :func:`piece_report`, united by :func:`section_from_reports`).
+the piece format (:mod:`hf_resumable.checkpoint.pieces._piece_layout`) and returns the layout section, exactly as the
+ranks of a live save would (each rank's :func:`piece_report`, united by :func:`section_from_reports`).
 :func:`layout_document` is the layout itself. Pure planning of the boxes happens in the converters; this module only
 assembles :class:`LocalState` objects into files.
 """
@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
-from ..checkpoint._piece_layout import (
+from ..checkpoint.commit import Payload
+from ..checkpoint.pieces import (
+    Box,
     LocalState,
     check_storable,
     piece_file,
@@ -24,8 +26,7 @@ from ..checkpoint._piece_layout import (
     piece_tensor_file,
     section_from_reports,
 )
-from ..checkpoint._piece_layout import layout_document as sharded_layout
-from ..checkpoint._types import Box, Payload
+from ..checkpoint.pieces import layout_document as sharded_layout
 from ..constants import LAYOUT_FILE, LAYOUT_KEY_MODEL, LAYOUT_KEY_OPTIMIZER
 from ..format._jsonio import json_bytes
 from ..format.safetensors_io import DTYPE_TO_STR

@@ -46,9 +46,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import CheckpointInfo
-from ..checkpoint._payload import capture_payload
-from ..checkpoint._piece_layout import flatten_optimizer_state
-from ..checkpoint._types import Box
+from ..checkpoint.pieces import Box, capture_payload, flatten_optimizer_state
 from ..constants import (
     OPTIMIZER_STATE_PREFIX,
     RNG_DIR,

@@ -49,10 +49,7 @@ from typing import Any
 import torch
 
 from ..checkpoint import CheckpointInfo
-from ..checkpoint._partitioned import MAP_FLAT, PARTITION_KEY, PartitionMap
-from ..checkpoint._payload import capture_payload
-from ..checkpoint._piece_layout import flatten_optimizer_state
-from ..checkpoint._types import Box
+from ..checkpoint.pieces import MAP_FLAT, PARTITION_KEY, Box, PartitionMap, capture_payload, flatten_optimizer_state
 from ..constants import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,

@@ -36,8 +36,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import open_checkpoint
-from ..checkpoint._reader import OpenedCheckpoint
+from ..checkpoint import OpenedCheckpoint, open_checkpoint
 from ..constants import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
@@ -151,8 +150,8 @@ def _load_weights(opened: OpenedCheckpoint, model: Any) -> None:
 
     A per-rank checkpoint (FSDP2 pieces, or DeepSpeed ZeRO-1/2, whose weights rank 0 saved whole) holds
     ``sharded_layout.json``: each whole tensor is assembled from the rank pieces that cover it
-    (:func:`~hf_resumable.checkpoint._piece_layout.plan_region_reads` plans which slice of which piece file goes where,
-    then the slices are read), with no process group. Any other checkpoint loads as usual.
+    (:func:`~hf_resumable.checkpoint.pieces._piece_layout.plan_region_reads` plans which slice of which piece file
+    goes where, then the slices are read), with no process group. Any other checkpoint loads as usual.
     """
     if LAYOUT_FILE not in opened.manifest.files:
         opened.load_into(model=model, strict=True)
@@ -171,7 +170,7 @@ def _load_master_weights(opened: OpenedCheckpoint, model: Any) -> None:
         ExportError: a trainable parameter of the model has no master weights in the checkpoint, or one that does not
             fit it.
     """
-    from ..checkpoint._partitioned import read_master_weights
+    from ..checkpoint.pieces import read_master_weights
 
     masters = read_master_weights(opened)  # raises IncompleteCheckpointError without ZeRO partitions
     model.float()

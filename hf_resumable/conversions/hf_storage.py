@@ -48,9 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import CheckpointInfo
-from ..checkpoint._optimizer import PARAM_SHAPED_STATE
-from ..checkpoint._payload import capture_payload
-from ..checkpoint._types import Box, intersect_boxes
+from ..checkpoint.pieces import Box, capture_payload, intersect_boxes
+from ..checkpoint.state import PARAM_SHAPED_STATE
 from ..constants import (
     FROZEN_RECORD_FILE,
     LAYOUT_FILE,

@@ -354,7 +354,7 @@ def reshard_checkpoint(
     PosixPath('out/checkpoint-100')
     ```
     """
-    from ..checkpoint._reshard import rewrite_shards
+    from ..checkpoint.pieces import rewrite_shards
 
     source = Path(directory)
     parse_size(max_shard_size)

@@ -11,7 +11,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from .. import trace
-from ..checkpoint._validate import _NUM_YIELDED, batches_yielded
+from ..checkpoint.state import NUM_YIELDED as _NUM_YIELDED
+from ..checkpoint.state import batches_yielded
 from ..errors import InexactResumeError
 from ..format.rng import derive_seed
 from ._order import ResumableBatchSampler

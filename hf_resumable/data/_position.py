@@ -42,8 +42,8 @@ class LoaderPosition(Protocol):
     Both front doors save and restore their loaders through it: ``ResumableAccelerator`` every prepared loader
     (``ResumablePreparedLoader``, ``ResumableDataLoaderShard``/``Dispatcher``, ``StatefulLoaderPosition``),
     ``ResumableTrainer`` its training loader (:class:`~hf_resumable.data._loaders.StepPosition`). Records use the
-    ``DATA_*`` keys; ``checkpoint._validate.check_data_position`` checks them on load (torchdata's counters through
-    its one reader, ``batches_yielded``).
+    ``DATA_*`` keys; ``checkpoint.state._validate.check_data_position`` checks them on load (torchdata's counters
+    through its one reader, ``batches_yielded``).
     """
 
     def position(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from huggingface_hub import HfApi, constants
 from huggingface_hub.errors import EntryNotFoundError
 
-from ..checkpoint.manifest import read_manifest
+from ..checkpoint.commit.manifest import read_manifest
 from ..checkpoint.verify import verify_checkpoint
 from ..constants import CHECKPOINT_DIR_RE, MANIFEST_FILE
 from ..errors import IncompleteCheckpointError

@@ -46,10 +46,9 @@ def write_sharded_model(state_dict: Mapping[str, torch.Tensor], directory: str |
     ['model-00001-of-00001.safetensors']
     ```
     """
-    from ..checkpoint._model import dedupe_tied  # same aliasing rule as training checkpoints
-    from ..checkpoint._payload import add_sharded  # same shard planning as training checkpoints
-    from ..checkpoint._types import Payload
-    from ..checkpoint._writer import index_document
+    from ..checkpoint.commit import Payload, index_document
+    from ..checkpoint.pieces import add_sharded
+    from ..checkpoint.state import dedupe_tied
     from ..format.safetensors_io import write_safetensors
 
     directory = Path(directory)
@@ -94,7 +93,7 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 def _check_model_dir(directory: Path) -> None:
     if not (directory / MODEL_INDEX_FILE).is_file() and not (directory / SINGLE_MODEL_FILE).is_file():
-        from ..checkpoint._frozen import base_not_stored
+        from ..checkpoint.pieces import base_not_stored
 
         wanted = ("push_sharded uploads a whole model (push the checkpoint itself with push_checkpoint, or "
                   "`hf-resumable push DIR REPO --path-in-repo NAME`)")

@@ -57,7 +57,7 @@ from torch.utils.data import (
 )
 
 from .. import trace
-from ..checkpoint._validate import batches_yielded
+from ..checkpoint.state import batches_yielded
 from ..data import DATA_EPOCH, DATA_KIND, DATA_LOADER, DATA_NUM_BATCHES, DATA_STEP, data_rng
 from ..distributed import broadcast_json
 from ..format.rng import derive_seed

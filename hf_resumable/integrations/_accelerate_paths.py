@@ -1,6 +1,6 @@
 """Where :class:`~hf_resumable.integrations.accelerate.ResumableAccelerator` saves and what it refuses to touch:
 accelerate's automatic ``checkpoint_<iteration>`` naming, the files ``save_state`` pre-hooks write, and the typed
-errors of these decisions (whether a target directory may be replaced is ``checkpoint._writer.save_refusal``).
+errors of these decisions (whether a target directory may be replaced is ``checkpoint.commit._writer.save_refusal``).
 ``save_state``'s target (:func:`save_target`, :func:`check_target`) and what follows its commit (:func:`after_commit`:
 the upload, then retention) are functions of the accelerator.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..checkpoint import apply_retention
-from ..checkpoint._writer import save_refusal
+from ..checkpoint.commit import save_refusal
 from ..constants import (
     AUTOMATIC_CHECKPOINT_RE,
     CHECKPOINT_DIR_RE,

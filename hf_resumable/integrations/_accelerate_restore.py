@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..checkpoint import LoadedCheckpoint, OpenedCheckpoint, VerifyReport, list_checkpoints, open_checkpoint
-from ..checkpoint._model_files import has_model_weights
-from ..checkpoint._writer import stock_accelerate_files
+from ..checkpoint.commit import stock_accelerate_files
+from ..checkpoint.state import has_model_weights
 from ..constants import CHECKPOINT_DIR_RE, LAYOUT_FILE, MANIFEST_FILE, OPTIMIZER_INDEX_FILE
 from ..distributed import broadcast_json
 from ..errors import ConfigDriftError, IncompleteCheckpointError, InexactResumeError

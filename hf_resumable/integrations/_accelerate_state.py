@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..checkpoint import verify_checkpoint
-from ..checkpoint._dtensor import is_dtensor
+from ..checkpoint.pieces import is_dtensor
 from ..distributed import all_gather_json, broadcast_json
 from ..format.rng import capture_rng_state
 from ._accelerate_elastic import KEY_ELASTIC

@@ -186,7 +186,7 @@ class AfterCommit:
 
         With ``removals=False`` (before the next save), or with ``poll`` (which never blocks), the checkpoints that
         retention removed in the background may still be being deleted: the next save's write waits for them itself,
-        off the training thread for a background save (:func:`~hf_resumable.checkpoint._writer.write_payload`).
+        off the training thread for a background save (:func:`~hf_resumable.checkpoint.commit._writer.write_payload`).
 
         Raises:
             AsyncSaveError: the background save failed; its follow-ups are dropped (nothing was committed).

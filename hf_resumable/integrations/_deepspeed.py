@@ -4,22 +4,23 @@ Under ZeRO-1/2 every rank holds the whole (bit16 or fp32) model, and its own par
 flattened fp32 master weights, over which the torch optimizer steps: its Adam moments are partitions too. A
 checkpoint stores them as pieces of one global flat tensor per param group (:class:`ZeroOptimizerState` shows each
 partition as a ``DTensor`` sharded on dim 0 over the data-parallel group), so the sharded writer and reader
-(:mod:`hf_resumable.checkpoint._pieces`) handle them as they handle FSDP2 pieces, under the pseudo-parameter
+(:mod:`hf_resumable.checkpoint.pieces._pieces`) handle them as they handle FSDP2 pieces, under the pseudo-parameter
 ``zero<dp size>.group<i>`` with the keys ``fp32`` (the master partition) and the base optimizer's own
 (``exp_avg``, ``exp_avg_sq``, ``step``). The model's weights are saved whole, split between the ranks by bytes
 (every rank holds them), and the engine's counters and loss scaler as JSON (:func:`capture_engine_state`).
 
 Under ZeRO-3 the parameters are partitioned too: every rank writes its partition of every weight (``ds_tensor``,
-as a piece of the flattened weight, :mod:`hf_resumable.checkpoint._partitioned`), and its partition of each
+as a piece of the flattened weight, :mod:`hf_resumable.checkpoint.pieces._partitioned`), and its partition of each
 sub-group's flat fp32 master weights and moments (:class:`Zero3OptimizerState`, pseudo-parameters
 ``zero<dp size>.subgroup<i>``). Small parameters ZeRO-3 keeps gathered (``ds_persist``) are gathered again from the
 loaded partitions, as DeepSpeed does after its own loads.
 
 A partition's place in the flat tensor depends on the data-parallel size, which is part of the name; each
 partition also records its map (``partition``: which elements of which parameters every rank holds,
-:class:`~hf_resumable.checkpoint._partitioned.PartitionMap`). A checkpoint opened with ``elastic=True`` therefore
+:class:`~hf_resumable.checkpoint.pieces._partitioned.PartitionMap`). A checkpoint opened with ``elastic=True``
+therefore
 loads at another world size: the sharded load cuts this rank's partitions again from every saved rank's pieces
-(:func:`~hf_resumable.checkpoint._partitioned.reshard_partitions`). Without it, another world size is refused as
+(:func:`~hf_resumable.checkpoint.pieces._partitioned.reshard_partitions`). Without it, another world size is refused as
 configuration drift. ZeRO-Offload (optimizer or parameters on the CPU or NVMe) is refused: it is not tested.
 
 Nothing here imports deepspeed: the ZeRO optimizer is recognised by its attributes, so accelerate and the Trainer
@@ -36,7 +37,8 @@ from typing import Any
 
 import torch
 
-from ..checkpoint._partitioned import (
+from ..checkpoint.background import equal_bytes
+from ..checkpoint.pieces import (
     ENGINE_CLASS_PREFIX,
     MAP_FLAT,
     MAP_STRIDED,
@@ -46,7 +48,6 @@ from ..checkpoint._partitioned import (
     held_partition,
     partition_piece,
 )
-from ..checkpoint._staging import equal_bytes
 from ..distributed import all_gather_json
 from ..errors import IncompleteCheckpointError, UnsupportedEngineError
 from ._engines import refuse_engine
@@ -148,7 +149,7 @@ def _init_base_state(base: torch.optim.Optimizer) -> None:
 class _ZeroState:
     """What both ZeRO optimizer views share: the base torch optimizer's param groups and state, and what its steps
     write (a background save holds the base optimizer's next step until those are copied, :mod:`hf_resumable.
-    checkpoint._step_gate`; the engine writes the weights from the masters only after that step)."""
+    checkpoint.background._step_gate`; the engine writes the weights from the masters only after that step)."""
 
     base: torch.optim.Optimizer
 
@@ -260,8 +261,8 @@ class ZeroOptimizerState(_ZeroState):
     def masters_give_weights(self, *, group: Any = None) -> bool:
         """Whether every rank's fp32 master partition, cast to the weights' dtype, equals the elements of the weights
         it covers, bit for bit: the masters saved then determine the (whole) weights, which a checkpoint does not
-        store (:func:`~hf_resumable.checkpoint._partitioned.weights_from_masters`). DeepSpeed's step keeps it so (it
-        copies the masters into the weights and gathers them), its loads rebuild the weights from the masters; a
+        store (:func:`~hf_resumable.checkpoint.pieces._partitioned.weights_from_masters`). DeepSpeed's step keeps it
+        so (it copies the masters into the weights and gathers them), its loads rebuild the weights from the masters; a
         weight written outside the optimizer breaks it, so it is checked at every save. Each rank checks the
         elements its partition holds (one pass at memory speed); the answer is every rank's (a collective over
         ``group``)."""
@@ -314,7 +315,7 @@ class Zero3OptimizerState(_ZeroState):
 
     ZeRO-3 lists a sub-group's flat partition in its param group only while it steps it; the param groups saved
     list, per param group, the sub-groups that belong to it. The model's own partitions (``ds_tensor``) are saved
-    with the model (:mod:`hf_resumable.checkpoint._partitioned`).
+    with the model (:mod:`hf_resumable.checkpoint.pieces._partitioned`).
 
     Args:
         zero (`DeepSpeedZeroOptimizer_Stage3`): the engine's optimizer.
@@ -363,8 +364,8 @@ class Zero3OptimizerState(_ZeroState):
     def masters_give_weights(self, *, group: Any = None) -> bool:
         """Whether this rank's partition of every parameter (``ds_tensor``) equals its fp32 master partition cast to
         the parameter's dtype, bit for bit: the masters saved then determine this rank's partitions, which it does
-        not store (:func:`~hf_resumable.checkpoint._partitioned.weights_from_masters`; no collective: another rank's
-        differing partitions are stored, and read over the masters).
+        not store (:func:`~hf_resumable.checkpoint.pieces._partitioned.weights_from_masters`; no collective: another
+        rank's differing partitions are stored, and read over the masters).
 
         DeepSpeed keeps it so (its step copies the masters into the partitions, ``_reassign_or_swap_out_partitioned_
         parameters``, and so do its loads, which rebuild the partitions from the masters), but a parameter written

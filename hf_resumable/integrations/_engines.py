@@ -1,7 +1,7 @@
 """Which distributed engines ``ResumableAccelerator`` and ``ResumableTrainer`` checkpoint, decided before step 1.
 
-Supported (every rank saves and loads its own pieces, :mod:`hf_resumable.checkpoint._pieces`; the same world size
-resumes bit-exactly):
+Supported (every rank saves and loads its own pieces, :mod:`hf_resumable.checkpoint.pieces._pieces`; the same world
+size resumes bit-exactly):
 
 ======================================  ========================================================================
 Engine                                  What each rank writes
@@ -9,15 +9,15 @@ Engine                                  What each rank writes
 a single process, DDP                   rank 0 the whole state, every rank its RNG and data position
 FSDP2 (``fully_shard``)                 its DTensor pieces of the weights and optimizer state
 FSDP1, FULL_SHARD / SHARD_GRAD_OP,      its chunks of FSDP1's sharded state dict (``ShardedTensor`` local shards,
-any ``state_dict_type``                 :mod:`hf_resumable.checkpoint._sharded_tensors`), read from the root wrapper
-                                        (:func:`checkpoint_model`) whatever type accelerate uses for its own saves;
-                                        under ``NO_SHARD`` whole tensors, split by bytes
+any ``state_dict_type``                 :mod:`hf_resumable.checkpoint.pieces._sharded_tensors`), read from the root
+                                        wrapper (:func:`checkpoint_model`) whatever type accelerate uses for its own
+                                        saves; under ``NO_SHARD`` whole tensors, split by bytes
                                         (``use_orig_params=False`` and ``NO_SHARD`` tested at the engine level only)
 DeepSpeed ZeRO-1/2, no offload          its share of the whole weights (split by bytes); its partitions of the
                                         fp32 master weights and optimizer state (:mod:`._deepspeed`)
 DeepSpeed ZeRO-3, no offload            every rank its partition of every weight (``ds_tensor``,
-                                        :mod:`hf_resumable.checkpoint._partitioned`) and of each sub-group's fp32
-                                        master weights and optimizer state
+                                        :mod:`hf_resumable.checkpoint.pieces._partitioned`) and of each sub-group's
+                                        fp32 master weights and optimizer state
 ======================================  ========================================================================
 
 Refused, with :class:`UnsupportedEngineError`, when the accelerator is built or ``train()`` starts, never at the

@@ -1,6 +1,6 @@
 """``AutoSaveInterval``: the Trainer saves at the interval that fits the failure rate (Young/Daly), measured live.
 
-The planning is :func:`hf_resumable.checkpoint._interval.plan_save_interval` (PURE); this callback measures what
+The planning is :func:`hf_resumable.integrations._interval.plan_save_interval` (PURE); this callback measures what
 it needs on the training thread, from the times of ``on_step_end``:
 
 * the step time: the median duration of the recent steps that ran without a save;
@@ -31,9 +31,9 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from ..checkpoint._interval import SaveIntervalPlan, has_drifted, plan_save_interval
 from ..checkpoint.api import background_saver
 from ..errors import SaveIntervalError
+from ._interval import SaveIntervalPlan, has_drifted, plan_save_interval
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import torch
 from transformers import Trainer
 
 from ..checkpoint import VerifyReport, load_checkpoint, open_checkpoint, read_manifest, verify_checkpoint
-from ..checkpoint._reader import read_on_load
+from ..checkpoint.api import read_on_load
 from ..constants import CHECKPOINT_DIR_RE, LAYOUT_FILE, OPTIMIZER_INDEX_FILE
 from ..distributed import rank_and_world_size
 from ..errors import HfResumableError

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..checkpoint._model import KeyMatch, Mismatch, find_aliases, match_keys, mismatch_message
+from ..checkpoint.state import KeyMatch, Mismatch, find_aliases, match_keys, mismatch_message
 from ..errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,
@@ -40,7 +40,7 @@ class LoadPlan:
     match: KeyMatch | None = field(default=None, repr=False, compare=False)
 
     def describe(self, source: str, *, strict: bool = True) -> str:
-        """The one "does not fit" message (:func:`hf_resumable.checkpoint._model.mismatch_message`)."""
+        """The one "does not fit" message (:func:`hf_resumable.checkpoint.state._model.mismatch_message`)."""
         match = self.match or KeyMatch(self.sources, self.missing, self.unexpected,
                                        [Mismatch(line.partition(": ")[0], reason=line.partition(": ")[2])
                                         for line in self.mismatched])
@@ -55,10 +55,11 @@ def _model_tensors(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor
 def plan_load(model: nn.Module, weights: LazyStateDict, *, keys: list[str] | None = None) -> LoadPlan:
     """Match model keys to stored tensors using headers only: sources, missing, unexpected and shape mismatches.
 
-    The same matcher as a checkpoint load (:func:`hf_resumable.checkpoint._model.match_keys`), on shapes only:
+    The same matcher as a checkpoint load (:func:`hf_resumable.checkpoint.state._model.match_keys`), on shapes only:
     a stored dtype is cast into the model's, as ``from_pretrained`` does. A model key counts as filled when it is
     stored, when the index records it as an alias of a stored tensor, or when the model ties it to a stored key
-    (:func:`hf_resumable.checkpoint._model.find_aliases`: one parameter under two names, e.g. on the meta device).
+    (:func:`hf_resumable.checkpoint.state._model.find_aliases`: one parameter under two names, e.g. on the meta
+    device).
 
     Example:
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..checkpoint._frozen import base_not_stored
+from ..checkpoint.pieces import base_not_stored
 from ..constants import MODEL_INDEX_FILE, TIED_KEY
 from ..errors import (
     CheckpointNotFoundError,

@@ -104,7 +104,7 @@ def read_remote_manifest(remote_dir: str, *, storage_options: Mapping[str, Any] 
         IncompleteCheckpointError: if there is no manifest (an upload that never committed).
         CorruptCheckpointError: if it is unreadable.
     """
-    from ..checkpoint.manifest import Manifest
+    from ..checkpoint.commit.manifest import Manifest
     from ..errors import IncompleteCheckpointError
 
     if fs is None:

@@ -105,7 +105,7 @@ def hold_inside_save() -> None:
     """``HFR_HOLD_IN_SAVE=k``: the save of checkpoint-k stops for good right before it commits (every rank's files
     written, rank 0 about to rename the directory into place), after writing ``held-in-save`` next to it; the test
     SIGKILLs the job then: a kill inside a save. Call it once, before training."""
-    from hf_resumable.checkpoint import _writer
+    from hf_resumable.checkpoint.commit import _writer
 
     step, commit = os.environ.get("HFR_HOLD_IN_SAVE"), _writer.commit_dir
 

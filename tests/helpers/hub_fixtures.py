@@ -124,7 +124,7 @@ def make_checkpoint_dir(directory: Path, files: dict[str, bytes], *, bad_hash_fo
     ``sha256_only``, a manifest of format version 1 as the oldest writers made it (size and sha256)."""
     import hashlib
 
-    from hf_resumable.checkpoint.manifest import Manifest
+    from hf_resumable.checkpoint.commit.manifest import Manifest
     from hf_resumable.format.safetensors_io import FileRecord, record_of
 
     directory.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from hf_resumable.checkpoint import _staging, async_save
+from hf_resumable.checkpoint.background import _staging, async_save
 
 
 @contextlib.contextmanager

@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 
 from hf_resumable.checkpoint import (
-    _fs,
     apply_retention,
     cleanup_stale_temp_dirs,
     find_latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
+from hf_resumable.checkpoint.commit import _fs
 
 
 def model_with(value: float) -> torch.nn.Module:

@@ -28,13 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hf_resumable.checkpoint import (
-    _writer,
-    find_latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    wait_for_pending_saves,
-)
+from hf_resumable.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint, wait_for_pending_saves
+from hf_resumable.checkpoint.commit import _writer
 from hf_resumable.data.elastic import ElasticSampler
 
 STEPS, SAVE_EVERY, DATASET, BATCH = 8, 2, 48, 4

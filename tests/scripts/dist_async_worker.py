@@ -38,8 +38,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hf_resumable.checkpoint import _writer, load_checkpoint, save_checkpoint, wait_for_pending_saves
-from hf_resumable.checkpoint._step_gate import step_gate
+from hf_resumable.checkpoint import load_checkpoint, save_checkpoint, wait_for_pending_saves
+from hf_resumable.checkpoint.background._step_gate import step_gate
+from hf_resumable.checkpoint.commit import _writer
 from hf_resumable.errors import AsyncSaveError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

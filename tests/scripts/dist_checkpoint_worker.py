@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import hf_resumable.checkpoint._writer as writer
+import hf_resumable.checkpoint.commit._writer as writer
 from hf_resumable.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 
 

@@ -51,7 +51,7 @@ def sampler(rank: int, world_size: int) -> ElasticSampler:
 
 def kill_inside_piece_write(rank: int) -> None:
     """Make rank 1 die by SIGKILL in the middle of writing its model pieces (other ranks carry on)."""
-    from hf_resumable.checkpoint import _writer
+    from hf_resumable.checkpoint.commit import _writer
 
     original = _writer.write_safetensors
 

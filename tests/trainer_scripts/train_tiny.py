@@ -293,7 +293,7 @@ class SaveRecorder(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         from hf_resumable.checkpoint.api import background_saver
-        from hf_resumable.checkpoint.async_save import _SaveJob
+        from hf_resumable.checkpoint.background.async_save import _SaveJob
 
         # the stock Trainer has no _commits; a blocking save's follow-ups wait for its deferred fsyncs, not a write
         if getattr(getattr(self.trainer, "_commits", None), "pending", False) and isinstance(
@@ -305,7 +305,7 @@ def fail_saves_of(step: int) -> None:
     """Make the tensor files of checkpoint-``step`` fail to write as on a full disk (ENOSPC, after 1 KiB)."""
     import errno
 
-    from hf_resumable.checkpoint import _writer
+    from hf_resumable.checkpoint.commit import _writer
 
     original = _writer.write_safetensors
     marker = f".tmp-checkpoint-{step}."

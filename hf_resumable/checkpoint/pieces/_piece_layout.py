@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..constants import (  # noqa: F401 - re-exported for the piece modules
+from ...constants import (  # noqa: F401 - re-exported for the piece modules
     LAYOUT_FILE,
     LAYOUT_KEY_MODEL,
     LAYOUT_KEY_OPTIMIZER,
@@ -39,14 +39,14 @@ from ..constants import (  # noqa: F401 - re-exported for the piece modules
     PIECES_METADATA_KEY,
     SHARDED_DIR,
 )
-from ..errors import CheckpointMismatchError, CorruptCheckpointError, UnsupportedStateError
-from ..format.safetensors_io import DTYPE_TO_STR
-from ..format.sharding import ShardPlan
+from ...errors import CheckpointMismatchError, CorruptCheckpointError, UnsupportedStateError
+from ...format.safetensors_io import DTYPE_TO_STR
+from ...format.sharding import ShardPlan
+from .._types import Box, TensorFile, intersect_boxes
+from ..state._model import find_aliases
 from ._dtensor import is_dtensor, local_box, local_tensor, piece_plan, writes_piece
 from ._frozen import fingerprint
-from ._model import find_aliases
 from ._placements import REPORT_COPIES
-from ._types import Box, TensorFile, intersect_boxes
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,8 @@ def plan_region_reads(wanted: Box, pieces: Mapping[str, Box], *, name: str, sour
 
 def plain_sizes(state: Mapping[str, torch.Tensor], tied: Mapping[str, str]) -> dict[str, int]:
     """The size in bytes of each plain (replicated, not DTensor) tensor of ``state`` that is kept (not a tied alias):
-    what :func:`~hf_resumable.checkpoint._replicas.plan_replica_writers` splits over the ranks (every rank holds the
+    what :func:`~hf_resumable.checkpoint.commit._replicas.plan_replica_writers` splits over the ranks (every rank
+    holds the
     same plain tensors, so every rank computes the same plan). Under DeepSpeed ZeRO-1/2 that is the whole model,
     which rank 0 alone would otherwise stage and write. The layout records every piece's file, so nothing reads
     them differently; :func:`check_coverage` refuses a layout in which the ranks disagreed.
@@ -173,7 +174,7 @@ def find_tied(state: Mapping[str, torch.Tensor], *, local: Mapping[str, torch.Te
               ) -> dict[str, str]:
     """``{alias: first name}`` for names whose tensors share memory (tied weights, e.g. GPT-2's ``lm_head``).
 
-    :func:`~hf_resumable.checkpoint._model.find_aliases` on the local pieces: ``state_dict()`` detaches every
+    :func:`~hf_resumable.checkpoint.state._model.find_aliases` on the local pieces: ``state_dict()`` detaches every
     entry, so tied names hold distinct objects over one storage, which the local piece's storage tells apart. A
     rank whose piece is empty cannot see a tie, but it writes nothing for it either: every rank drops the aliases it
     sees, and the layout unites every rank's (:func:`section_from_reports`). ``local``: the :func:`local_tensors`
@@ -217,7 +218,7 @@ def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: M
                         owners: Mapping[str, int] | None = None, omit: Collection[str] = ()) -> LocalState:
     """This rank's pieces of ``state`` (DTensors and plain tensors, ``tied`` aliases left out) and every
     tensor's global description. ``owners``: the rank that writes each plain tensor
-    (:func:`~hf_resumable.checkpoint._replicas.plan_replica_writers`; rank 0 for a name it does not list).
+    (:func:`~hf_resumable.checkpoint.commit._replicas.plan_replica_writers`; rank 0 for a name it does not list).
     ``omit``: tensors described but whose piece this rank does not write (ZeRO-3 weights its saved master
     weights give, ``TENSOR_MASTER``).
 
@@ -266,7 +267,7 @@ def flatten_optimizer_state(optimizer_state: Mapping[str, Any], optimizer_class:
     Raises:
         UnsupportedStateError: if a value cannot be stored without pickle.
     """
-    from ._optimizer import encode_named_optimizer_state
+    from ..state._optimizer import encode_named_optimizer_state
 
     return encode_named_optimizer_state(optimizer_state["state"], optimizer_state["param_groups"], optimizer_class)
 
@@ -377,7 +378,7 @@ def copy_fingerprints(state: Mapping[str, torch.Tensor], tied: Mapping[str, str]
     """``{name: {"offset": [...], "sample": fingerprint}}`` of every DTensor piece this rank holds in several copies
     of a sub-mesh (an RMSNorm weight sharded over ``dp_shard`` and replicated over ``tp``): one copy writes it, so a
     save checks that the copies agree (:func:`check_copies_agree`). Sampled xxh3-128 fingerprints
-    (:func:`~hf_resumable.checkpoint._frozen.fingerprint`), taken on the training loop's time, when the state is
+    (:func:`~hf_resumable.checkpoint.pieces._frozen.fingerprint`), taken on the training loop's time, when the state is
     the one saved."""
     prints = {}
     for name, tensor in state.items():
@@ -403,7 +404,7 @@ def plan_hf_weights(sizes: Mapping[str, int], *, world_size: int, max_shard_size
     {'model-00001-of-00002.safetensors': 0, 'model-00002-of-00002.safetensors': 1}
     ```
     """
-    from ._model_files import plan_model_files
+    from ..state._model_files import plan_model_files
 
     plan = plan_model_files(sizes, max_shard_size=max_shard_size)
     return plan, {filename: i % world_size for i, filename in enumerate(plan.filenames)}

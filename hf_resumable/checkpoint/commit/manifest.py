@@ -20,19 +20,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._version import __version__
-from ..constants import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, MAX_JSON_SIZE, TRAINING_STATE_FILE
-from ..errors import (
+from ..._version import __version__
+from ...constants import FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, MAX_JSON_SIZE, TRAINING_STATE_FILE
+from ...errors import (
     CorruptCheckpointError,
     FormatVersionError,
     HfResumableError,
     IncompleteCheckpointError,
     UnsafeIndexError,
 )
-from ..format._jsonio import json_bytes, parse_json, require_field
-from ..format._safefile import member_path, read_regular_file
-from ..format.safetensors_io import FileRecord
-from ..format.sharding import check_relative_name
+from ...format._jsonio import json_bytes, parse_json, require_field
+from ...format._safefile import member_path, read_regular_file
+from ...format.safetensors_io import FileRecord
+from ...format.sharding import check_relative_name
 
 __all__ = ["Manifest", "read_manifest", "is_committed", "library_versions"]
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .._tuning import (
+from ..._tuning import (
     WRITER_NICE_INCREMENT,
     Lowering,
     defer_to_running_threads,
@@ -37,15 +37,15 @@ from .._tuning import (
     restore_thread_priorities,
     tuning_options,
 )
-from ..distributed import checkpoint_group, is_distributed, rank_and_world_size
-from ..errors import AsyncSaveError
-from ._durability import make_durable
-from ._replicas import part_of_rank, replica_signature
+from ...distributed import checkpoint_group, is_distributed, rank_and_world_size
+from ...errors import AsyncSaveError
+from .._types import Payload, TensorFile
+from ..commit._durability import make_durable
+from ..commit._replicas import part_of_rank, replica_signature
+from ..commit._writer import SaveStart, begin_save, finish_save
+from ..commit.manifest import Manifest
 from ._staging import BackgroundCopy, copy_into, start_copy
 from ._step_gate import gated_optimizer, split_by_storage, step_gate, step_storages
-from ._types import Payload, TensorFile
-from ._writer import SaveStart, begin_save, finish_save
-from .manifest import Manifest
 
 __all__ = ["AsyncSaver", "BACKGROUND_SAVER"]
 
@@ -288,8 +288,8 @@ class AsyncSaver:
         engine's checkpoint view, :func:`._step_gate.gated_optimizer`); the saver's thread copies the rest meanwhile,
         and that optimizer's next step waits until they are done (without an optimizer that can be held, everything is
         copied now). Step 1 (rank 0 checks the target and creates the temp dir) runs on the saver's thread; steps 2-5
-        (``prepare`` and ``finalize`` too, see :func:`~hf_resumable.checkpoint._writer.finish_save`) follow once the
-        copy is over, then ``on_commit``. Its collectives use the save's own gloo group
+        (``prepare`` and ``finalize`` too, see :func:`~hf_resumable.checkpoint.commit._writer.finish_save`) follow
+        once the copy is over, then ``on_commit``. Its collectives use the save's own gloo group
         (``distributed.checkpoint_group``), never the training loop's. A failure anywhere (a refused target, a
         copy, a write, on any rank) commits nothing and is raised at the next wait on every rank.
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import xxhash
 
-from ..constants import (
+from ...constants import (
     FROZEN_KEY_HASH,
     FROZEN_KEY_SAMPLE,
     FROZEN_KEY_SOURCE,
@@ -50,22 +50,22 @@ from ..constants import (
     TIED_KEY,
     TRAINABLE_INDEX_FILE,
 )
-from ..distributed import all_gather_json
-from ..errors import (
+from ...distributed import all_gather_json
+from ...errors import (
     BaseMismatchError,
     BaseNotStoredError,
     CheckpointMismatchError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from ..format._bytes import tensor_bytes
-from ..format._jsonio import json_bytes, require_field
-from ..format.safetensors_io import DTYPE_TO_STR, STR_TO_DTYPE
-from ..format.sharding import ShardIndex
+from ...format._bytes import tensor_bytes
+from ...format._jsonio import json_bytes, require_field
+from ...format.safetensors_io import DTYPE_TO_STR, STR_TO_DTYPE
+from ...format.sharding import ShardIndex
+from .._types import Box, intersect_boxes
+from ..commit._threads import run_in_threads
+from ..state._model import check_model_fits, check_tied, load_state_dict_reason, load_through_state_dict, retie
 from ._dtensor import is_dtensor, local_box, local_tensor, writes_piece
-from ._model import check_model_fits, check_tied, load_state_dict_reason, load_through_state_dict, retie
-from ._threads import run_in_threads
-from ._types import Box, intersect_boxes
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ class FrozenRecord:
             FormatVersionError: a newer record version.
             CorruptCheckpointError: anything malformed (named).
         """
-        from ..errors import FormatVersionError
+        from ...errors import FormatVersionError
 
         require_field(isinstance(document, dict), source, "", type(document).__name__, "a JSON object")
         version = document.get(FROZEN_KEY_VERSION)
@@ -623,9 +623,9 @@ def base_not_stored(directory: Any, *, wanted: str) -> BaseNotStoredError | None
     """
     from pathlib import Path
 
-    from ..constants import LAYOUT_FILE, MAX_JSON_SIZE
-    from ..format._jsonio import parse_json
-    from ..format._safefile import read_regular_file
+    from ...constants import LAYOUT_FILE, MAX_JSON_SIZE
+    from ...format._jsonio import parse_json
+    from ...format._safefile import read_regular_file
 
     record = Path(directory) / FROZEN_RECORD_FILE
     if not record.is_file():

@@ -1,7 +1,7 @@
 """Read the pieces of a checkpoint into whatever sharding the loading rank has (any world size).
 
 For every tensor the loading rank needs, the wanted box is this rank's DTensor piece (or the whole
-tensor for a plain model); :func:`~hf_resumable.checkpoint._piece_layout.plan_region_reads` says which
+tensor for a plain model); :func:`~hf_resumable.checkpoint.pieces._piece_layout.plan_region_reads` says which
 slices of which stored pieces make it up, and :class:`~hf_resumable.format.slice_reader.VerifiedFile` reads those bytes
 (extended to the hashed chunks they cover) and checks them against the manifest.
 """
@@ -17,12 +17,13 @@ from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpointError, FormatVersionError
-from ..format.safetensors_io import STR_TO_DTYPE
-from ..format.sharding import ShardIndex, check_relative_name
+from ...errors import CorruptCheckpointError, FormatVersionError
+from ...format.safetensors_io import STR_TO_DTYPE
+from ...format.sharding import ShardIndex, check_relative_name
+from .._types import Box
+from ..commit._parallel_read import read_files
+from ..state._model import TIED_KEY, match_keys
 from ._dtensor import local_box
-from ._model import TIED_KEY, match_keys
-from ._parallel_read import read_files
 from ._piece_layout import (
     LAYOUT_FILE,
     LAYOUT_KEY_VERSION,
@@ -37,7 +38,6 @@ from ._piece_layout import (
     layout_document,
     plan_region_reads,
 )
-from ._types import Box
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,8 @@ def _wrap_like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 def check_fits(current: Mapping[str, torch.Tensor], section: Section, *, strict: bool, source: str,
                what: str) -> list[str]:
-    """Names of ``current`` to fill (in its order), matched by :func:`~hf_resumable.checkpoint._model.match_keys`;
+    """Names of ``current`` to fill (in its order), matched by
+    :func:`~hf_resumable.checkpoint.state._model.match_keys`;
     every missing, unexpected or mismatched key is reported at once.
 
     Raises:

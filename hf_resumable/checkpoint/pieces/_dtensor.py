@@ -2,7 +2,8 @@
 this rank holds (:func:`local_box`), its local tensor, and whether this rank is the one that writes that box
 (:func:`writes_piece`).
 
-Pure reads of a DTensor's mesh and placements (planned by :func:`~hf_resumable.checkpoint._placements.plan_piece`,
+Pure reads of a DTensor's mesh and placements (planned by
+:func:`~hf_resumable.checkpoint.pieces._placements.plan_piece`,
 cached per mesh), no collectives and no IO. Both the frozen record (:mod:`._frozen`) and the sharded engine
 (:mod:`._piece_layout`, which imports :mod:`._frozen`'s fingerprints) build on them, so neither imports the other's
 pieces.
@@ -15,8 +16,8 @@ from typing import Any
 
 import torch
 
+from .._types import Box
 from ._placements import PiecePlan, describe_mesh, plan_piece
-from ._types import Box
 
 __all__ = ["is_dtensor", "group_mesh", "local_box", "piece_plan", "writes_piece", "local_tensor"]
 
@@ -44,7 +45,7 @@ def group_mesh(group: Any, device_type: str) -> Any:
 
 def local_box(tensor: torch.Tensor, *, name: str = "tensor") -> Box:
     """The box of the global tensor this rank holds: a DTensor's local piece (on any mesh, with any placements:
-    :func:`~hf_resumable.checkpoint._placements.plan_piece`), or all of a plain tensor.
+    :func:`~hf_resumable.checkpoint.pieces._placements.plan_piece`), or all of a plain tensor.
 
     Raises:
         UnsupportedStateError: for a DTensor with a ``Partial`` placement (pending reduction), or whose pieces are
@@ -90,14 +91,15 @@ def _plan_on(mesh: Any, shape: tuple[int, ...], placements: tuple, name: str) ->
 
 
 def piece_plan(tensor: torch.Tensor, name: str) -> PiecePlan:
-    """:func:`~hf_resumable.checkpoint._placements.plan_piece` of a DTensor (cached per mesh, :func:`_per_mesh`)."""
+    """:func:`~hf_resumable.checkpoint.pieces._placements.plan_piece` of a DTensor (cached per mesh,
+    :func:`_per_mesh`)."""
     return _plan_on(tensor.device_mesh, tuple(tensor.shape), tuple(tensor.placements), name)
 
 
 def writes_piece(name: str, tensor: torch.Tensor, rank: int, owner: int = 0) -> bool:
     """Exactly one rank writes each distinct piece: of a DTensor, the holder of its box that
-    :func:`~hf_resumable.checkpoint._placements.plan_piece` elects; a plain (replicated) tensor, rank ``owner``
-    (:func:`~hf_resumable.checkpoint._replicas.plan_replica_writers`)."""
+    :func:`~hf_resumable.checkpoint.pieces._placements.plan_piece` elects; a plain (replicated) tensor, rank ``owner``
+    (:func:`~hf_resumable.checkpoint.commit._replicas.plan_replica_writers`)."""
     if not is_dtensor(tensor):
         return rank == owner
     return piece_plan(tensor, name).writes

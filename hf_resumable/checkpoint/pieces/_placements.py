@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointMismatchError, UnsupportedStateError
+from ...errors import CheckpointMismatchError, UnsupportedStateError
 
 logger = logging.getLogger(__name__)
 

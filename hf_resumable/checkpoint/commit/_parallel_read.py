@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from .._tuning import read_streams
-from ..errors import CorruptCheckpointError
-from ..format._safefile import open_regular
-from ..format.safetensors_io import FileRecord, RecordChecker, SafetensorsHeader, TensorInfo
+from ..._tuning import read_streams
+from ...errors import CorruptCheckpointError
+from ...format._safefile import open_regular
+from ...format.safetensors_io import FileRecord, RecordChecker, SafetensorsHeader, TensorInfo
 from ._threads import run_in_threads
 
 logger = logging.getLogger(__name__)

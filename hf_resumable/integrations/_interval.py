@@ -14,7 +14,7 @@ took (``min_steps``).
 Example:
 
 ```python
->>> from hf_resumable.checkpoint._interval import plan_save_interval
+>>> from hf_resumable.integrations._interval import plan_save_interval
 >>> plan = plan_save_interval(save_cost_s=2.0, step_time_s=0.5, mean_time_between_failures_s=3600.0)
 >>> plan.steps, round(plan.seconds)
 (237, 118)

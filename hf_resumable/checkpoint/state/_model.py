@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from ..constants import TIED_KEY  # noqa: F401 - also imported from here
-from ..errors import CheckpointMismatchError, CorruptCheckpointError
+from ...constants import TIED_KEY  # noqa: F401 - also imported from here
+from ...errors import CheckpointMismatchError, CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ def match_keys(
     """The one answer to "does this checkpoint fit": match expected names to stored tensors by dtype and shape.
 
     Used by the regular load (:func:`check_model_fits`), the sharded load
-    (:func:`hf_resumable.checkpoint._piece_reader.check_fits`) and lazy loading
+    (:func:`hf_resumable.checkpoint.pieces._piece_reader.check_fits`) and lazy loading
     (:func:`hf_resumable.lazy.plan_load`). Pure: only names, dtypes and shapes.
 
     An expected name is filled by the stored tensor of the same name, or by the one the checkpoint's ``tied``

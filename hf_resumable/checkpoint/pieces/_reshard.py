@@ -16,15 +16,15 @@ from pathlib import Path
 
 import torch
 
-from ..constants import OPTIMIZER_FILE_PATTERN, OPTIMIZER_INDEX_FILE, SINGLE_MODEL_FILE
-from ..format.safetensors_io import read_header, read_safetensors
-from ..format.sharding import ShardIndex, parse_index
-from ._model import TIED_KEY, check_tied
-from ._model_files import model_index, model_weights_file
+from ...constants import OPTIMIZER_FILE_PATTERN, OPTIMIZER_INDEX_FILE, SINGLE_MODEL_FILE
+from ...format.safetensors_io import read_header, read_safetensors
+from ...format.sharding import ShardIndex, parse_index
+from .._types import Payload
+from ..commit._writer import save_payload
+from ..commit.manifest import Manifest
+from ..state._model import TIED_KEY, check_tied
+from ..state._model_files import model_index, model_weights_file
 from ._payload import SHARDS_KEY, add_model_weights, add_sharded
-from ._types import Payload
-from ._writer import save_payload
-from .manifest import Manifest
 
 
 def _read_sharded(directory: Path, index: ShardIndex) -> dict[str, torch.Tensor]:
@@ -49,7 +49,7 @@ def _read_index(source: Path, relpath: str) -> ShardIndex:
 
 
 def rewrite_shards(source: Path, target: Path, manifest: Manifest, *, max_shard_size: int | str) -> Manifest:
-    """Re-shard the model weights (either layout, see :mod:`.checkpoint._model_files`: one ``model.safetensors``
+    """Re-shard the model weights (either layout, see :mod:`.checkpoint.state._model_files`: one ``model.safetensors``
     when they fit in one shard, else the HF index) and the optimizer tensors from ``source`` into ``target``."""
     payload = Payload()
     consumed: set[str] = set()

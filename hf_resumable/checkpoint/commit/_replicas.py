@@ -8,7 +8,7 @@ is settled in step 1 of the commit protocol, which already meets every rank: eac
 rank 0 writes every replicated file, as before. ``HF_RESUMABLE_SPLIT_REPLICAS=0`` keeps rank 0 the only writer.
 
 The same plan splits the whole tensors that every rank holds alike in a sharded save (DeepSpeed ZeRO-1/2's weights:
-``checkpoint._pieces`` passes their sizes).
+``checkpoint.pieces._pieces`` passes their sizes).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import replace
 
-from .._tuning import SPLIT_REPLICAS_ENV, tuning_options
-from ._types import Payload, TensorFile
+from ..._tuning import SPLIT_REPLICAS_ENV, tuning_options
+from .._types import Payload, TensorFile
 
 __all__ = ["plan_replica_writers", "replica_signature", "replicas_split", "part_of_rank", "split_replicas"]
 

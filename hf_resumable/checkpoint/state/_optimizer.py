@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from ..constants import OPTIMIZER_GROUP_PREFIX, OPTIMIZER_STATE_PREFIX
-from ..errors import CheckpointMismatchError
-from ..format.state_codec import decode_state, encode_state
+from ...constants import OPTIMIZER_GROUP_PREFIX, OPTIMIZER_STATE_PREFIX
+from ...errors import CheckpointMismatchError
+from ...format.state_codec import decode_state, encode_state
 from ._validate import check_hyperparameters, check_step_value
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ def check_optimizer_matches(optimizer: torch.optim.Optimizer, names: list[str], 
                             source: str) -> None:
     """Refuse a saved optimizer state that cannot fit ``optimizer`` (checked before any tensor is read).
 
-    ``document`` has passed :func:`~hf_resumable.checkpoint._validate.check_optimizer_document`.
+    ``document`` has passed :func:`~hf_resumable.checkpoint.state._validate.check_optimizer_document`.
 
     Raises:
         CheckpointMismatchError: if the optimizer class, group structure or parameter names differ.

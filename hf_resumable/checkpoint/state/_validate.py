@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..constants import (
+from ...constants import (
     FORMAT_VERSION,
     STATE_KEY_EXTRA,
     STATE_KEY_FORMAT_VERSION,
@@ -34,8 +34,8 @@ from ..constants import (
     STATE_KEY_SCALER,
     STATE_KEY_SCHEDULER,
 )
-from ..errors import CheckpointMismatchError, CorruptCheckpointError, FormatVersionError
-from ..format._jsonio import field_error
+from ...errors import CheckpointMismatchError, CorruptCheckpointError, FormatVersionError
+from ...format._jsonio import field_error
 
 __all__ = [
     "check_training_state",

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..constants import (  # noqa: F401 - SHARDS_KEY and STATE_TENSORS_FILE are also imported from here
+from ...constants import (  # noqa: F401 - SHARDS_KEY and STATE_TENSORS_FILE are also imported from here
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
     CONFIG_FILE,
@@ -45,16 +45,16 @@ from ..constants import (  # noqa: F401 - SHARDS_KEY and STATE_TENSORS_FILE are 
     TRAINABLE_INDEX_FILE,
     TRAINING_STATE_FILE,
 )
-from ..errors import CheckpointExistsError, UnsupportedStateError
-from ..format._jsonio import json_bytes
-from ..format.rng import RngState, capture_rng_state
-from ..format.sharding import build_index, check_relative_name, plan_shards
-from ..format.state_codec import encode_state
+from ...errors import CheckpointExistsError, UnsupportedStateError
+from ...format._jsonio import json_bytes
+from ...format.rng import RngState, capture_rng_state
+from ...format.sharding import build_index, check_relative_name, plan_shards
+from ...format.state_codec import encode_state
+from .._types import IndexSpec, Payload, TensorFile
+from ..state._model import TIED_KEY, dedupe_tied, find_aliases, model_state, storage_key
+from ..state._model_files import plan_model_files, single_file_metadata
+from ..state._optimizer import optimizer_to_tensors, parameter_names
 from ._frozen import base_provenance, build_record, frozen_names
-from ._model import TIED_KEY, dedupe_tied, find_aliases, model_state, storage_key
-from ._model_files import plan_model_files, single_file_metadata
-from ._optimizer import optimizer_to_tensors, parameter_names
-from ._types import IndexSpec, Payload, TensorFile
 
 logger = logging.getLogger(__name__)
 

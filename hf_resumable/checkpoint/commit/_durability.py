@@ -37,11 +37,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..constants import DURABILITY_FILE, TMP_PREFIX
-from ..distributed import all_gather_json, broadcast_json, rank_and_world_size
-from ..errors import CorruptCheckpointError, HfResumableError
-from ..format._jsonio import json_bytes, parse_json
-from ..format._safefile import open_regular, read_regular_file
+from ...constants import DURABILITY_FILE, TMP_PREFIX
+from ...distributed import all_gather_json, broadcast_json, rank_and_world_size
+from ...errors import CorruptCheckpointError, HfResumableError
+from ...format._jsonio import json_bytes, parse_json
+from ...format._safefile import open_regular, read_regular_file
 from ._fs import fsync_dir, fsync_tree, write_bytes_durably
 from ._owner import member_name
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from ..constants import (
+from ...constants import (
     FROZEN_RECORD_FILE,
     MODEL_INDEX_FILE,
     OPTIMIZER_FILE_PATTERN,
@@ -48,15 +48,21 @@ from ..constants import (
     STATE_KEY_SCHEDULER,
     TRAINING_STATE_FILE,
 )
-from ..distributed import agreed_reads, all_gather_json, checkpoint_group, is_distributed
-from ..errors import CheckpointMismatchError, IncompleteCheckpointError
-from ..format._jsonio import json_bytes
-from ..format.sharding import build_index
-from ..format.state_codec import decode_state
+from ...distributed import agreed_reads, all_gather_json, checkpoint_group, is_distributed
+from ...errors import CheckpointMismatchError, IncompleteCheckpointError
+from ...format._jsonio import json_bytes
+from ...format.sharding import build_index
+from ...format.state_codec import decode_state
+from .._types import Payload, TensorFile
+from ..background._step_gate import gated_optimizer, step_gate
+from ..commit._replicas import plan_replica_writers, split_replicas
+from ..commit._writer import save_payload
+from ..commit.manifest import Manifest
+from ..state._model import TIED_KEY, load_state_dict_reason
+from ..state._model_files import single_file_metadata
+from ..state._validate import check_optimizer_document
 from ._dtensor import is_dtensor
 from ._frozen import base_not_stored, check_frozen_sharded, forget_fingerprints, split_frozen_sharded
-from ._model import TIED_KEY, load_state_dict_reason
-from ._model_files import single_file_metadata
 from ._partitioned import (
     MasterWeights,
     is_partitioned,
@@ -112,16 +118,10 @@ from ._piece_reader import (
     parse_layout,
 )
 from ._placements import check_copies_agree
-from ._replicas import plan_replica_writers, split_replicas
 from ._sharded_tensors import as_dtensors, into_sharded_tensors, optimizer_as_dtensors, optimizer_into_sharded_tensors
-from ._step_gate import gated_optimizer, step_gate
-from ._types import Payload, TensorFile
-from ._validate import check_optimizer_document
-from ._writer import save_payload
-from .manifest import Manifest
 
 if TYPE_CHECKING:  # the reader fills objects through this module (load_pieces_into)
-    from ._reader import OpenedCheckpoint, _Reader
+    from .._reader import OpenedCheckpoint, _Reader
 
 logger = logging.getLogger(__name__)
 
@@ -293,10 +293,11 @@ class _Pieces:
             optimizer document).
         rank, world_size (`int`): this rank and the world size.
         owners (`dict`): ``kind -> {name: rank}``, the rank that writes each plain (replicated) tensor
-            (:func:`~hf_resumable.checkpoint._replicas.plan_replica_writers`).
+            (:func:`~hf_resumable.checkpoint.commit._replicas.plan_replica_writers`).
         masters, omitted (DeepSpeed ZeRO): the weights their saved fp32 master weights give, described so in the
             layout, and those whose pieces this rank does not write
-            (:func:`~hf_resumable.checkpoint._partitioned.weights_from_masters`). An async save decides ``omitted``
+            (:func:`~hf_resumable.checkpoint.pieces._partitioned.weights_from_masters`). An async save decides
+            ``omitted``
             in :meth:`prepare` (``deferred``: the optimizer view; ``live``: the weights, copied there if they differ;
             ``release``: opens the optimizer's steps, held until then).
     """
@@ -548,7 +549,7 @@ def _saved_elsewhere(optimizer: ShardedOptimizerState, document: Mapping[str, An
 def _load_resharded_partitions(reader: _Reader, section: Section, document: Mapping[str, Any],
                                optimizer: ShardedOptimizerState) -> None:
     """An engine's flat optimizer partitions saved at another world size: this rank's are cut again from every
-    saved rank's pieces (:func:`~hf_resumable.checkpoint._partitioned.reshard_partitions`), then loaded."""
+    saved rank's pieces (:func:`~hf_resumable.checkpoint.pieces._partitioned.reshard_partitions`), then loaded."""
     source = str(reader.path)
     optimizer.init_state()  # the partitions' state must exist to be filled (a no-op once the optimizer stepped)
     current = optimizer.sharded_state_dict()

@@ -24,11 +24,11 @@ import stat
 import threading
 from pathlib import Path
 
-from .._tuning import tuning_options
-from ..constants import REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
-from ..errors import CheckpointExistsError
-from ..format._libc import libc_function
-from ..format.safetensors_io import FileRecord, record_of
+from ..._tuning import tuning_options
+from ...constants import REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
+from ...errors import CheckpointExistsError
+from ...format._libc import libc_function
+from ...format.safetensors_io import FileRecord, record_of
 from ._owner import DELETING_MARK, member_name
 from ._pins import live_pins
 

@@ -29,11 +29,11 @@ import json
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from ..constants import MODEL_FILE_PATTERN, MODEL_INDEX_FILE, SINGLE_MODEL_FILE, TIED_KEY, TRAINABLE_INDEX_FILE
-from ..errors import CorruptCheckpointError
-from ..format._jsonio import parse_json
-from ..format.safetensors_io import SafetensorsHeader
-from ..format.sharding import ShardIndex, ShardPlan, plan_shards
+from ...constants import MODEL_FILE_PATTERN, MODEL_INDEX_FILE, SINGLE_MODEL_FILE, TIED_KEY, TRAINABLE_INDEX_FILE
+from ...errors import CorruptCheckpointError
+from ...format._jsonio import parse_json
+from ...format.safetensors_io import SafetensorsHeader
+from ...format.sharding import ShardIndex, ShardPlan, plan_shards
 
 __all__ = [
     "plan_model_files",

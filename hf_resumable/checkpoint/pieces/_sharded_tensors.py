@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedStateError
+from ...errors import UnsupportedStateError
 from ._dtensor import group_mesh, local_box
 
 logger = logging.getLogger(__name__)

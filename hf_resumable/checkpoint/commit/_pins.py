@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..constants import MANIFEST_FILE, PIN_PREFIX, PIN_TTL, REMOVING_PREFIX
+from ...constants import MANIFEST_FILE, PIN_PREFIX, PIN_TTL, REMOVING_PREFIX
 from ._owner import current_owner, member_name, owner_can_act, owner_is_alive, parse_member_name
 
 logger = logging.getLogger(__name__)

@@ -19,27 +19,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import trace
-from ..constants import DURABILITY_FILE, MANIFEST_FILE, STOCK_ACCELERATE_FILES_RE
-from ..distributed import (
+from ... import trace
+from ...constants import DURABILITY_FILE, MANIFEST_FILE, SHARDS_KEY, STOCK_ACCELERATE_FILES_RE
+from ...distributed import (
     all_gather_json,
     barrier,
     broadcast_json,
     is_distributed,
     rank_and_world_size,
 )
-from ..errors import CheckpointExistsError, HfResumableError
-from ..format._jsonio import json_bytes
-from ..format.rng import save_rng_state
-from ..format.safetensors_io import FileRecord, write_safetensors
-from ..progress import progress_bar
+from ...errors import CheckpointExistsError, HfResumableError
+from ...format._jsonio import json_bytes
+from ...format.rng import save_rng_state
+from ...format.safetensors_io import FileRecord, write_safetensors
+from ...progress import progress_bar
+from .._types import IndexSpec, Payload
 from ._durability import boot_id, mark_pending
 from ._fs import DirIdentity, commit_dir, create_temp_dir, discard, wait_for_removals, write_bytes_durably
-from ._payload import SHARDS_KEY
 from ._pins import release_pin
 from ._replicas import part_of_rank, replica_signature, replicas_split
 from ._threads import run_in_threads
-from ._types import IndexSpec, Payload
 from .manifest import Manifest, read_manifest, records_from_json, records_to_json
 
 logger = logging.getLogger(__name__)

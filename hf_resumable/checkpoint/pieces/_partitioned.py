@@ -32,8 +32,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..constants import OPTIMIZER_STATE_PREFIX
-from ..errors import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
+from ...constants import OPTIMIZER_STATE_PREFIX
+from ...errors import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
 from ._dtensor import group_mesh, local_box
 
 logger = logging.getLogger(__name__)
@@ -361,8 +361,8 @@ def read_partitioned(reader: Any, saved: Mapping[str, PartitionMap], key: str, w
                      out: torch.Tensor, *, source: str) -> torch.Tensor:
     """Fill ``out`` (a flat partition, or a whole flattened parameter) at ``wanted`` with the saved optimizer tensor
     ``key`` (``fp32``, ``exp_avg``...) of the flat partitions ``saved``, read from the pieces (``reader``: a
-    :class:`~hf_resumable.checkpoint._piece_reader.PieceReader` over the optimizer section); returns ``out``."""
-    from ._types import Box
+    :class:`~hf_resumable.checkpoint.pieces._piece_reader.PieceReader` over the optimizer section); returns ``out``."""
+    from .._types import Box
 
     for copy in plan_partition_copies(wanted, saved, source=source):
         piece = reader.read_box(f"{OPTIMIZER_STATE_PREFIX}{copy.name}/{key}", Box((copy.position,), (copy.length,)))
@@ -471,7 +471,7 @@ def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
         IncompleteCheckpointError: the checkpoint holds no ZeRO optimizer partitions (not a DeepSpeed ZeRO checkpoint,
             or saved without the optimizer), or they record no partition map.
     """
-    from ..constants import LAYOUT_FILE, LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC
+    from ...constants import LAYOUT_FILE, LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC
     from ._piece_reader import PieceReader, Section, check_pieces_stored, parse_layout
 
     reader, source = opened._reader, str(opened.path / LAYOUT_FILE)
@@ -490,7 +490,8 @@ def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
 class MasterWeights:
     """Reads the elements of weights a layout gives by their fp32 master weights (``"master"`` in their description,
     ZeRO-3): the parameter's elements in the optimizer's flat ``fp32`` partitions, saved at any world size, cast to
-    the weight's dtype. Closed by the :class:`~hf_resumable.checkpoint._piece_reader.PieceReader` it is given to.
+    the weight's dtype. Closed by the :class:`~hf_resumable.checkpoint.pieces._piece_reader.PieceReader` it is given
+    to.
 
     Args:
         reader: the opened checkpoint's reader (``OpenedCheckpoint._reader``), whose files are read verified.
@@ -502,7 +503,7 @@ class MasterWeights:
     """
 
     def __init__(self, reader: Any, layout: Mapping[str, Any], headers: Mapping[str, Any], *, source: str) -> None:
-        from ..constants import LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC
+        from ...constants import LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC
         from ._piece_reader import PieceReader, Section, check_pieces_stored
 
         if layout.get(LAYOUT_KEY_OPTIMIZER) is None or layout.get(LAYOUT_KEY_OPTIMIZER_DOC) is None:

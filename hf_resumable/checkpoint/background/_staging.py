@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..format._bytes import tensor_bytes
-from ..format._libc import libc_function
+from ...format._bytes import tensor_bytes
+from ...format._libc import libc_function
 
 # The byte copier of the staging copy: ``copy_bytes(dst_address, src_address, nbytes)``.
 copy_bytes = ctypes.memmove
