@@ -293,12 +293,13 @@ def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
 
 # Phases of a DDP replica save, timed on every rank (``--replicated``): (module, function, label); the wrappers add the
 # seconds of every call (writes on helper threads overlap, so their sum may exceed the save's wall time).
-SAVE_PHASES = [("api", "capture_payload", "capture"), ("_writer", "begin_save", "step 1 (begin_save)"),
-               ("_writer", "write_safetensors", "tensor files (sum per file)"),
-               ("_writer", "write_payload", "step 2: write own files"),
-               ("_writer", "all_gather_json", "all_gather (waits for the slower rank)"),
-               ("_writer", "index_document", "indexes (rank 0)"), ("_writer", "commit_dir", "commit: fsync + rename"),
-               ("_writer", "broadcast_json", "step 5 broadcast")]
+SAVE_PHASES = [("api", "capture_payload", "capture"), ("commit._writer", "begin_save", "step 1 (begin_save)"),
+               ("commit._writer", "write_safetensors", "tensor files (sum per file)"),
+               ("commit._writer", "write_payload", "step 2: write own files"),
+               ("commit._writer", "all_gather_json", "all_gather (waits for the slower rank)"),
+               ("commit._writer", "index_document", "indexes (rank 0)"),
+               ("commit._writer", "commit_dir", "commit: fsync + rename"),
+               ("commit._writer", "broadcast_json", "step 5 broadcast")]
 
 
 def time_phases(phases: dict[str, float]) -> None:

@@ -146,31 +146,38 @@ def _child(options: argparse.Namespace) -> None:
     trainer.train(resume_from_checkpoint=True if options.mode == "resume" else None)
 
 
-# The trainers' methods that find, verify and read a checkpoint (those a class does not have are skipped).
-_LOAD_METHODS = ("_resolve_checkpoint", "_open_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
-                 "_load_scaler", "_load_rng_state")
+# The trainers' methods that find, verify and read a checkpoint (those a class does not have are skipped), and the
+# functions ResumableTrainer calls for it from its module (finding and verifying, opening once).
+_LOAD_METHODS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state")
+_LOAD_FUNCTIONS = ("resolve_checkpoint", "open_for_resume")
 
 
 def _time_checkpoint_methods(cls: type, report: Path) -> None:
     """Wrap the checkpoint methods of ``cls``: their total time (and each one's) is written to ``report`` after
     each call."""
-    total = {"load_s": 0.0}
-    for name in _LOAD_METHODS:
-        method = getattr(cls, name, None)
-        if method is None:
-            continue
+    import sys
 
-        def timed(self, *args, _method=method, _name=name, **kwargs):
+    from hf_resumable.integrations.trainer import ResumableTrainer
+
+    total = {"load_s": 0.0}
+    targets = [(cls, name) for name in _LOAD_METHODS if getattr(cls, name, None) is not None]
+    if issubclass(cls, ResumableTrainer):  # a missing function fails here, not silently as a faster load
+        module = sys.modules[ResumableTrainer.__module__]
+        targets += [(module, name) for name in _LOAD_FUNCTIONS if getattr(module, name)]
+    for owner, name in targets:
+        function = getattr(owner, name)
+
+        def timed(*args, _function=function, _name=name, **kwargs):
             start = time.perf_counter()
             try:
-                return _method(self, *args, **kwargs)
+                return _function(*args, **kwargs)
             finally:
                 elapsed = time.perf_counter() - start
                 total["load_s"] += elapsed
                 total[_name] = total.get(_name, 0.0) + elapsed
                 report.write_text(json.dumps(total))
 
-        setattr(cls, name, timed)
+        setattr(owner, name, timed)
 
 
 def _steady(options: argparse.Namespace, probe_class: type) -> None:
