@@ -26,7 +26,6 @@ from ..checkpoint.state import has_model_weights
 from ..constants import CHECKPOINT_DIR_RE, LAYOUT_FILE, MANIFEST_FILE, OPTIMIZER_INDEX_FILE
 from ..distributed import broadcast_json
 from ..errors import ConfigDriftError, IncompleteCheckpointError, InexactResumeError
-from ..format.rng import restore_rng_state
 from ..locations import is_remote, resolve_resume_path
 from ._accelerate_elastic import KEY_ELASTIC
 from ._accelerate_objects import (
@@ -54,7 +53,7 @@ from ._accelerate_state import (
     run_settings,
     set_optimizer_step_counts,
 )
-from ._core import changed_settings, check_drift, inexact
+from ._core import changed_settings, check_drift, inexact, restore_resumed_rng
 from ._deepspeed import restore_engine_state, saved_engine_state
 from ._engines import checkpoint_model
 from ._fallback import agreed_load, find_agreed_checkpoint, resume_newest
@@ -288,15 +287,10 @@ def restore_custom_objects(accelerator: ResumableAccelerator, path: Path, states
 
 
 def restore_rng(accelerator: ResumableAccelerator, path: Path, loaded: LoadedCheckpoint) -> None:
-    if accelerator._world_size_mode.resumes_across():
-        # accumulation_windows keys the model's randomness per micro-batch; a new rank starts from its seed
-        if loaded.rng_state is not None:
-            restore_rng_state(loaded.rng_state, allow_device_mismatch=True)
-        return
-    if loaded.rng_state is None:
-        inexact_resume(accelerator, f"{path} has no RNG state for rank {accelerator.process_index}")
-        return
-    restore_rng_state(loaded.rng_state, allow_device_mismatch=accelerator.resume_options.allow_inexact_resume)
+    restore_resumed_rng(
+        loaded.rng_state, across_world_sizes=accelerator._world_size_mode.resumes_across(),
+        allow_inexact_resume=accelerator.resume_options.allow_inexact_resume,
+        missing=lambda: inexact_resume(accelerator, f"{path} has no RNG state for rank {accelerator.process_index}"))
 
 
 def resolve_checkpoint(accelerator: ResumableAccelerator, input_dir: str | os.PathLike) -> Path:

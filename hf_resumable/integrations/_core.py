@@ -31,6 +31,7 @@ from packaging.version import Version
 from ..checkpoint import wait_for_pending_saves
 from ..checkpoint.api import background_saver
 from ..errors import ConfigDriftError, HfResumableError, InexactResumeError
+from ..format.rng import RngState, restore_rng_state
 from ..preemption import check_notice
 from ._trainer_hparams import RESUME_HYPERPARAMETERS
 
@@ -106,6 +107,30 @@ class ResumeOptions:
         if self.keep_last is not DEFAULT and self.keep_last is not None and not self.keep_last >= 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {self.keep_last}.")
         object.__setattr__(self, "preemption_notice", check_notice(self.preemption_notice))
+
+
+def restore_resumed_rng(state: RngState | None, *, across_world_sizes: bool, allow_inexact_resume: bool,
+                        missing: Callable[[], None]) -> None:
+    """Restore a resumed rank's RNG, the one rule of both front doors.
+
+    At another world size (``elastic=True``) the model's randomness is keyed per micro-batch, so a rank the
+    checkpoint had keeps its other streams and a new rank (no state) starts from its seed. At the same world size a
+    rank without state calls ``missing`` (an inexact resume: raised or warned by the caller's :func:`inexact`).
+
+    Args:
+        state (`RngState`, *optional*): this rank's saved RNG state.
+        across_world_sizes (`bool`): the resume changes the world size under the elastic mode.
+        allow_inexact_resume (`bool`): also allows restoring onto another device count.
+        missing (`Callable[[], None]`): called when the state is missing at the same world size.
+    """
+    if across_world_sizes:
+        if state is not None:
+            restore_rng_state(state, allow_device_mismatch=True)
+        return
+    if state is None:
+        missing()
+        return
+    restore_rng_state(state, allow_device_mismatch=allow_inexact_resume)
 
 
 def inexact(message: str, *, allow: bool, owner: str, error: type[InexactResumeError] = InexactResumeError) -> None:

@@ -22,10 +22,9 @@ from ..checkpoint.api import read_on_load
 from ..constants import CHECKPOINT_DIR_RE, LAYOUT_FILE, OPTIMIZER_INDEX_FILE
 from ..distributed import rank_and_world_size
 from ..errors import HfResumableError
-from ..format.rng import restore_rng_state
 from ..format.state import RunConfig
 from ..locations import is_remote, resolve_resume_path
-from ._core import check_drift
+from ._core import check_drift, restore_resumed_rng
 from ._deepspeed import (
     checkpoint_optimizer,
     deepspeed_engine,
@@ -310,16 +309,11 @@ def restore_rng(trainer: ResumableTrainer, checkpoint: str | None) -> None:
     state = trainer._resume.loaded.rng_state
     if state is None and trainer._resume.converted_from is not None:
         return
-    if trainer._world_size_mode.resumes_across(trainer._resume.loaded.manifest.world_size, trainer.args.world_size):
-        # the model's randomness is keyed per micro-batch (training_step); a rank the checkpoint had keeps its
-        # other streams, a new one starts from its seed
-        if state is not None:
-            restore_rng_state(state, allow_device_mismatch=True)
-        return
-    if state is None:
-        trainer._inexact(f"{checkpoint} has no RNG state for rank {trainer.args.process_index}")
-        return
-    restore_rng_state(state, allow_device_mismatch=trainer.resume_options.allow_inexact_resume)
+    restore_resumed_rng(
+        state, allow_inexact_resume=trainer.resume_options.allow_inexact_resume,
+        across_world_sizes=trainer._world_size_mode.resumes_across(trainer._resume.loaded.manifest.world_size,
+                                                                   trainer.args.world_size),
+        missing=lambda: trainer._inexact(f"{checkpoint} has no RNG state for rank {trainer.args.process_index}"))
 
 
 def load_best_model(trainer: ResumableTrainer) -> bool:
