@@ -38,6 +38,7 @@ __all__ = [
     "rank_and_world_size",
     "barrier",
     "all_gather_json",
+    "settle",
     "broadcast_json",
     "agreed_reads",
     "checkpoint_group",
@@ -64,11 +65,35 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
         dist.barrier(group=group)
 
 
+# How long a collective's caller waits for gloo's worker threads to let go of its tensors (see `settle`).
+_SETTLE_SECONDS = 10.0
+
+
 def _device(group: dist.ProcessGroup | None) -> torch.device:
     backend = dist.get_backend(group)
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def settle(*tensors: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Return once the gloo backend holds none of ``tensors``, the tensors of a collective that has completed.
+
+    A gloo work keeps its tensors until its worker thread destroys it, a moment after ``wait()`` has returned, and
+    releasing a tensor that has a Python object takes the GIL there. When the interpreter is already shutting down
+    (the collective was among the process's last), that thread is ended inside a C++ destructor and a run that
+    succeeded aborts at exit: "terminate called without an active exception", SIGABRT (torch 2.13; see
+    pytorch/pytorch#179291). The collectives in this library call this, so a process may exit right after them.
+    Other backends return at once; so does a torch without ``Tensor._use_count``.
+    """
+    if dist.get_backend(group) != "gloo" or not all(hasattr(t, "_use_count") for t in tensors):
+        return
+    deadline = time.monotonic() + _SETTLE_SECONDS
+    while any(t._use_count() > 1 for t in tensors):
+        if time.monotonic() > deadline:
+            logger.debug("gloo still holds a collective's tensors after %.0f s; going on.", _SETTLE_SECONDS)
+            return
+        time.sleep(0.0005)
 
 
 def all_gather_json(value: Any, *, group: dist.ProcessGroup | None = None) -> list[Any]:
@@ -78,12 +103,14 @@ def all_gather_json(value: Any, *, group: dist.ProcessGroup | None = None) -> li
     device = _device(group)
     payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=device), group=group)
+    count = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    dist.all_gather(sizes, count, group=group)
     longest = int(max(s.item() for s in sizes))
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
     gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
     dist.all_gather(gathered, padded, group=group)
+    settle(count, padded, *sizes, *gathered, group=group)
     return [json.loads(bytes(g[: int(s.item())].cpu().tolist()).decode()) for g, s in zip(gathered, sizes)]
 
 

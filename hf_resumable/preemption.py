@@ -57,6 +57,8 @@ from typing import Any
 
 import torch
 
+from .distributed import settle
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["NOTICE_MARGIN_S", "NOTICE_MARGIN_SHARE", "NOTICE_SAFETY_FACTOR", "PREEMPTION_EXIT_CODE",
@@ -312,6 +314,7 @@ def _all_reduce_max(value: int, device: Any) -> int:
         return value
     flag = torch.tensor([value], dtype=torch.int32, device=device)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    settle(flag)  # the agreement may be a process's last collective before it exits
     return int(flag.item())
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from hf_resumable import distributed as hfr_dist
 
 from helpers import zygote
-from helpers.distributed_launch import REPO_ROOT, child_env, free_port, run_torchrun
+from helpers.distributed_launch import REPO_ROOT, child_env, free_port, launch_ranks, run_torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -236,3 +236,20 @@ def test_two_agents_as_two_nodes_one_sigkilled_and_started_again(tmp_path, refer
         for process in (host, other):
             _kill_tree(process)
     _assert_same_run(tmp_path, reference)
+
+
+SETTLE = Path(__file__).parent / "scripts" / "settle_worker.py"
+
+
+def test_a_settled_collective_leaves_gloo_holding_none_of_its_tensors(tmp_path):
+    """gloo destroys a completed work on its worker thread a moment after ``wait()`` returned; a process that exits
+    in that moment aborts (SIGABRT, "terminate called without an active exception": the reference run of the test
+    above did, 1 run in about 15). ``settle`` waits for that release; the library's collectives call it."""
+    rounds = 200
+    for result in launch_ranks([str(SETTLE), str(tmp_path), str(rounds)], world_size=2, timeout=300):
+        assert result.returncode == 0 and not result.killed_by_timeout, result.describe()
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["ranks"] == [0, 1]
+        assert len(record["counts"]) == rounds
+        assert all(after == 1 for _, after in record["counts"]), record["counts"]

@@ -16,10 +16,12 @@ import torch
 import torch.distributed as dist
 
 import hf_resumable  # noqa: F401  (installs the per-attempt rendezvous)
+from hf_resumable.distributed import settle
 
 time.sleep(float(sys.argv[1]))
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(sys.argv[2]) if len(sys.argv) > 2 else 300))
 total = torch.tensor([dist.get_rank() + 1.0])
 dist.all_reduce(total)
+settle(total)  # the process exits right after: gloo must not still hold the tensor then
 print(f"sum {total.item()}", flush=True)
 dist.destroy_process_group()

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hf_resumable.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint, wait_for_pending_saves
 from hf_resumable.checkpoint.commit import _writer
 from hf_resumable.data.elastic import ElasticSampler
+from hf_resumable.distributed import all_gather_json
 
 STEPS, SAVE_EVERY, DATASET, BATCH = 8, 2, 48, 4
 
@@ -118,9 +119,9 @@ def main() -> int:
                             training_state={"step": step, "sampler": sampler.state_dict()}, keep_last=2,
                             blocking=args.blocking)
     wait_for_pending_saves()
-    attempts = torch.tensor([attempt])
-    dist.all_reduce(attempts, op=dist.ReduceOp.MAX)  # restarts are counted per agent: take the most restarted
-    attempt = int(attempts.item())
+    # Restarts are counted per agent: take the most restarted. all_gather_json, not a bare all_reduce: the process
+    # exits right after, and gloo may still hold a bare collective's tensor then (see distributed.settle).
+    attempt = max(all_gather_json(attempt))
     if rank == 0:
         digest = hashlib.sha256()
         for name, tensor in sorted(model.state_dict().items()):
