@@ -158,6 +158,15 @@ def check_pieces_stored(section: Section, headers: Mapping[str, Any], *, source:
                                      + "\n  ".join(problems[:20]) + "\nLoad an earlier checkpoint.")
 
 
+def read_section(reader: Any, layout: Mapping[str, Any], key: str) -> Section:
+    """The layout section ``key``, checked against the verified headers of the files it names (``reader``: the
+    opened checkpoint's)."""
+    source = str(reader.path / LAYOUT_FILE)
+    section = Section.from_json(layout[key], source=source)
+    check_pieces_stored(section, reader.report.headers, source=source)
+    return section
+
+
 class PieceReader:
     """Reads boxes of stored tensors, each slice read with every byte it uses checked (the chunks it covers,
     :class:`~hf_resumable.format.slice_reader.VerifiedFile`); keeps each file open once.

@@ -112,10 +112,10 @@ from ._piece_reader import (
     PieceReader,
     Section,
     check_fits,
-    check_pieces_stored,
     fill_state,
     layout_from_regular,
     parse_layout,
+    read_section,
 )
 from ._placements import check_copies_agree
 from ._sharded_tensors import as_dtensors, into_sharded_tensors, optimizer_as_dtensors, optimizer_into_sharded_tensors
@@ -445,16 +445,8 @@ def _piece_reader(reader: _Reader, layout: Mapping[str, Any], section: Section) 
     """A reader of ``section``'s pieces, and of the master weights that give its weights described with
     ``"master"`` (ZeRO-3)."""
     source = str(reader.path)
-    masters = MasterWeights(reader, layout, reader.report.headers, source=source) if section.masters else None
+    masters = MasterWeights(reader, layout, source=source) if section.masters else None
     return PieceReader(reader, section, source=source, masters=masters)
-
-
-def _section(reader: _Reader, layout: Mapping[str, Any], key: str) -> Section:
-    """One layout section, checked against the verified headers of the files it names."""
-    source = str(reader.path / LAYOUT_FILE)
-    section = Section.from_json(layout[key], source=source)
-    check_pieces_stored(section, reader.report.headers, source=source)
-    return section
 
 
 def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Module, *, strict: bool,
@@ -466,7 +458,7 @@ def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Modu
     current = _model_state(model, originals)
     frozen = check_frozen_sharded(reader, current, full=full, strict=strict)  # recorded, not stored: checked
     current = {name: tensor for name, tensor in current.items() if name not in frozen}
-    section = _section(reader, layout, LAYOUT_KEY_MODEL)
+    section = read_section(reader, layout, LAYOUT_KEY_MODEL)
     names = check_fits(current, section, strict=strict, source=source, what="model")
     partitioned = is_partitioned(model)
     # One process, a plain model whose state dict is its weights and that runs nothing of its own on load: read
@@ -566,7 +558,7 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
 
     source = str(reader.path)
     document = layout[LAYOUT_KEY_OPTIMIZER_DOC]  # present and of this class (_check_optimizer_document)
-    section = _section(reader, layout, LAYOUT_KEY_OPTIMIZER)
+    section = read_section(reader, layout, LAYOUT_KEY_OPTIMIZER)
     if not document["non_tensor_state"] and not any(n.startswith(OPTIMIZER_STATE_PREFIX) for n in section.dtypes):
         _load_param_groups_only(model, optimizer, document, source=source)
         return
@@ -721,7 +713,7 @@ def _check_optimizer_document(opened: OpenedCheckpoint, layout: Mapping[str, Any
 
 def _consolidated_section(reader: _Reader, layout: Mapping[str, Any], key: str
                           ) -> tuple[Section, dict[str, torch.Tensor]]:
-    section = _section(reader, layout, key)
+    section = read_section(reader, layout, key)
     with _piece_reader(reader, layout, section) as pieces:
         # a weight stored flattened (ZeRO-3's partitions) gets its own shape back
         return section, {name: pieces.read_full(name).view(section.views.get(name, section.shapes[name]))
