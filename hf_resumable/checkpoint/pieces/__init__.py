@@ -6,6 +6,7 @@ and read the same pieces); everything else here is private to ``hf_resumable.che
 """
 
 from .._types import Box, intersect_boxes
+from ..state._optimizer import flatten_optimizer_state
 from ._dtensor import is_dtensor
 from ._frozen import base_not_stored
 from ._partitioned import (
@@ -23,7 +24,6 @@ from ._payload import add_sharded, capture_payload
 from ._piece_layout import (
     LocalState,
     check_storable,
-    flatten_optimizer_state,
     layout_document,
     piece_file,
     piece_report,

@@ -44,7 +44,7 @@ from ...format.safetensors_io import DTYPE_TO_STR, STR_TO_DTYPE
 from ...format.sharding import ShardIndex
 from .._types import Box, intersect_boxes
 from ..commit._threads import run_in_threads
-from ..state._model import check_model_fits, check_tied, load_state_dict_reason, load_through_state_dict, retie
+from ..state._model import check_tied
 from ._dtensor import is_dtensor, local_box, local_tensor, writes_piece
 
 logger = logging.getLogger(__name__)
@@ -533,31 +533,6 @@ class TrainablePart:
                                          "from another checkpoint.")
         return cls(index=index, renamed=renamed, tied=tied, record=record, stored=stored)
 
-    def plan(self, model: torch.nn.Module, targets: Mapping[str, torch.Tensor], *, strict: bool, full: bool,
-             source: str) -> dict[str, Any]:
-        """Check the frozen base, then the trainable part's keys, shapes and dtypes (nothing is written)."""
-        covered = check_frozen_base(self.record, targets, full=full, strict=strict, source=source)
-        rest = {name: tensor for name, tensor in targets.items() if name not in covered}
-        reason = load_state_dict_reason(model, targets)
-        if reason is not None:
-            return {"reason": reason, "targets": targets, "into": {}, "covered": covered}
-        into = check_model_fits(model, self.stored, self.tied, strict=strict, source=source, targets=rest)
-        in_file = {state: stored for stored, state in self.renamed.items()}
-        return {"reason": None, "targets": targets, "into": {in_file.get(n, n): t for n, t in into.items()},
-                "covered": covered}
-
-    def apply(self, model: torch.nn.Module, plan: Mapping[str, Any], leftovers: dict[str, torch.Tensor], *,
-              strict: bool, source: str) -> None:
-        forget_fingerprints(t for name, t in plan["targets"].items() if name not in plan["covered"])
-        if plan["reason"] is not None:
-            tensors = {self.renamed.get(n, n): leftovers.pop(n) for n in self.index.weight_map}
-            load_through_state_dict(model, tensors, self.tied, strict=strict, source=source, reason=plan["reason"],
-                                    covered=plan["covered"])
-            return
-        for name in self.index.weight_map:
-            leftovers.pop(name, None)  # stored tensors the model does not have (strict=False)
-        retie(plan["targets"], self.tied)
-
 
 def _check_renamed(index: ShardIndex, *, source: str) -> dict[str, str]:
     renamed = index.metadata.get(RENAMED_KEY) or {}
@@ -576,7 +551,11 @@ def _check_renamed(index: ShardIndex, *, source: str) -> dict[str, str]:
 
 def base_not_stored(directory: Any, *, wanted: str) -> BaseNotStoredError | None:
     """Where a whole model is expected: the error for a checkpoint that holds only its trainable part, else ``None``.
-    ``wanted`` says what the caller needed, e.g. ``"lazy loading needs every weight"``."""
+
+    Args:
+        directory (`Path`): the directory that was given.
+        wanted (`str`): what the caller needed, e.g. ``"lazy loading needs every weight"``.
+    """
     from pathlib import Path
 
     from ...constants import LAYOUT_FILE, MAX_JSON_SIZE

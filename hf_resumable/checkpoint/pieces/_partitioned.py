@@ -70,10 +70,15 @@ def _seen(partition: torch.Tensor) -> tuple[int, torch.Size, torch.dtype, torch.
 
 
 def partition_piece(partition: torch.Tensor, group: Any, *, numel: int | None = None) -> torch.Tensor:
-    """This rank's flat ``partition`` over ``group`` as its piece of the global flat tensor of ``numel`` elements
-    (default: every rank's partition end to end): a DTensor sharded on dim 0 viewing the partition's valid part, no
-    copy and no communication. Cached while the partition is the same tensor over the same storage, shape, dtype and
-    device (the engines update it in place); a partition whose ``.data`` was replaced gets a new piece.
+    """This rank's flat ``partition`` over ``group`` as its piece of the global flat tensor: a DTensor sharded on
+    dim 0 viewing the partition's valid part, no copy and no communication. Cached while the partition is the same
+    tensor over the same storage, shape, dtype and device (the engines update it in place).
+
+    Args:
+        partition (`torch.Tensor`): the flat partition (ZeRO-1/2: a param group's fp32 master partition or a moment
+            over it; ZeRO-3: a parameter's ``ds_tensor``).
+        group (`ProcessGroup`): the group the tensor is partitioned over.
+        numel (`int`, *optional*): elements of the global flat tensor (default: every rank's partition end to end).
     """
     key = (id(partition), id(group))
     hit = _PIECES.get(key)
@@ -423,7 +428,10 @@ def parameter_tensors(reader: Any, document: Mapping[str, Any], key: str, *,
 
 def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
     """``{fqn: flattened fp32 master weights}`` of every parameter a DeepSpeed ZeRO checkpoint's optimizer partitions
-    hold (``opened``: from ``open_checkpoint``), assembled in one process from every saving rank's pieces.
+    hold, assembled in one process from every saving rank's pieces.
+
+    Args:
+        opened (`OpenedCheckpoint`): from :func:`~hf_resumable.checkpoint.open_checkpoint`.
 
     Raises:
         IncompleteCheckpointError: the checkpoint holds no ZeRO optimizer partitions (not a DeepSpeed ZeRO checkpoint,
