@@ -1,8 +1,6 @@
-"""Pieces: a rank's part of each tensor (a box of the whole), the engine adapters that plan them (plain, DTensor,
-FSDP1 ``ShardedTensor``, DeepSpeed ZeRO partitions), their layout and reader, and resharding.
-
-The names below are this room's door for the rest of the library (the converters and the engine integrations build
-and read the same pieces); everything else here is private to ``hf_resumable.checkpoint``.
+"""Pieces: a rank's part of each tensor (a box of the whole), the engine adapters that plan them, their layout and
+reader, and resharding. The names below are this room's door for the rest of the library (the converters and the
+engine integrations); everything else here is private to ``hf_resumable.checkpoint``.
 """
 
 from .._types import Box, intersect_boxes

@@ -47,25 +47,10 @@ TENSOR_VIEW = "view"  # in a tensor's description: its own shape, when stored fl
 TENSOR_MASTER = "master"
 LAYOUT_VERSION_MASTERS = 2  # the layout version a section with TENSOR_MASTER descriptions needs to be read
 
-__all__ = [
-    "LAYOUT_FILE",
-    "LocalState",
-    "plan_region_reads",
-    "check_storable",
-    "pieces_to_stage",
-    "collect_local_state",
-    "find_tied",
-    "section_from_reports",
-    "stamp_layout_version",
-    "TENSOR_MASTER",
-    "layout_document",
-    "piece_file",
-    "plan_hf_weights",
-    "plain_sizes",
-    "check_coverage",
-    "copy_fingerprints",
-    "full_weights_for",
-]
+__all__ = ["LAYOUT_FILE", "LocalState", "plan_region_reads", "check_storable", "pieces_to_stage",
+           "collect_local_state", "find_tied", "section_from_reports", "stamp_layout_version", "TENSOR_MASTER",
+           "layout_document", "piece_file", "plan_hf_weights", "plain_sizes", "check_coverage", "copy_fingerprints",
+           "full_weights_for"]
 
 
 @dataclass(frozen=True)

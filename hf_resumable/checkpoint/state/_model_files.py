@@ -27,14 +27,8 @@ from ...format._jsonio import parse_json
 from ...format.safetensors_io import SafetensorsHeader
 from ...format.sharding import ShardIndex, ShardPlan, plan_shards
 
-__all__ = [
-    "plan_model_files",
-    "single_file_metadata",
-    "model_weights_file",
-    "has_model_weights",
-    "single_file_index",
-    "model_index",
-]
+__all__ = ["plan_model_files", "single_file_metadata", "model_weights_file", "has_model_weights", "single_file_index",
+           "model_index"]
 
 
 def plan_model_files(sizes: Mapping[str, int], *, max_shard_size: int | str) -> ShardPlan:

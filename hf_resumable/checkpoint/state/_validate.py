@@ -33,17 +33,8 @@ from ...constants import (
 from ...errors import CheckpointMismatchError, CorruptCheckpointError, FormatVersionError
 from ...format._jsonio import field_error
 
-__all__ = [
-    "check_training_state",
-    "check_optimizer_document",
-    "check_data_position",
-    "check_counters",
-    "check_like_live",
-    "check_hyperparameters",
-    "check_step_value",
-    "batches_yielded",
-    "is_count",
-]
+__all__ = ["check_training_state", "check_optimizer_document", "check_data_position", "check_counters",
+           "check_like_live", "check_hyperparameters", "check_step_value", "batches_yielded", "is_count"]
 
 # Keys of the data-position records the integrations write (data/rank-0000R.json); the same spelling as
 # hf_resumable.data.DATA_* (a test asserts it), kept here so the checkpoint core imports nothing above it.
