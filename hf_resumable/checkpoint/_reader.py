@@ -491,7 +491,8 @@ class OpenedCheckpoint(LoadedCheckpoint):
     def _plan_model(self, model: torch.nn.Module, *, strict: bool) -> dict[str, Any]:
         if self._model_index is None:
             raise IncompleteCheckpointError(f"{self.path}: no model weights were saved; load without model=.")
-        targets, trainable, source = model.state_dict(keep_vars=True), self._trainable, str(self.path)
+        targets = model.state_dict(keep_vars=True)
+        trainable, source = self._trainable, str(self.path)
         covered = set()  # the frozen base of a trainable part: checked against its record, not read
         if trainable is not None:
             covered = check_frozen_base(trainable.record, targets, full=self._reader.report.full, strict=strict,

@@ -31,7 +31,6 @@ from ...distributed import agreed_reads, all_gather_json, checkpoint_group, is_d
 from ...errors import CheckpointMismatchError, IncompleteCheckpointError
 from ...format._jsonio import json_bytes
 from ...format.sharding import build_index
-from ...format.state_codec import decode_state
 from .._types import Payload, TensorFile
 from ..background._step_gate import gated_optimizer, step_gate
 from ..commit._replicas import plan_replica_writers, split_replicas
@@ -39,7 +38,7 @@ from ..commit._writer import save_payload
 from ..commit.manifest import Manifest
 from ..state._model import TIED_KEY, load_state_dict_reason
 from ..state._model_files import single_file_metadata
-from ..state._optimizer import flatten_optimizer_state
+from ..state._optimizer import decode_optimizer_state, flatten_optimizer_state, load_by_position
 from ..state._validate import check_optimizer_document
 from ._dtensor import is_dtensor
 from ._frozen import base_not_stored, check_frozen_sharded, forget_fingerprints, split_frozen_sharded
@@ -433,39 +432,12 @@ def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Modu
     set_model_state_dict(model, filled, options=_options(strict=strict and not frozen))
 
 
-def _param_groups(saved: list[Mapping[str, Any]], current: list[Mapping[str, Any]], tensors: Mapping[str, Any],
-                  *, source: str) -> list[dict[str, Any]]:
-    """Saved hyper-parameters, with each group's parameters listed as the current optimizer lists them (as many
-    groups: :func:`_check_optimizer_document`)."""
-    groups = []
-    for i, (group, now) in enumerate(zip(saved, current)):
-        if set(group["params"]) != set(now["params"]):
-            raise CheckpointMismatchError(f"{source}: param group {i} holds different parameters than when saved.")
-        decoded = {k: decode_state(v, tensors, source=source) for k, v in group.items() if k != "params"}
-        groups.append({**decoded, "params": list(now["params"])})
-    return groups
-
-
-def _rebuild_optimizer_state(filled: Mapping[str, torch.Tensor], document: Mapping[str, Any],
-                             current: Mapping[str, Any], *, source: str) -> dict[str, Any]:
-    state: dict[str, dict[str, Any]] = {}
-    for key, value in filled.items():
-        if key.startswith(OPTIMIZER_STATE_PREFIX):
-            fqn, _, field = key[len(OPTIMIZER_STATE_PREFIX):].rpartition("/")
-            state.setdefault(fqn, {})[field] = value
-    for fqn, fields in document.get("non_tensor_state", {}).items():
-        for field, value in fields.items():
-            state.setdefault(fqn, {})[field] = decode_state(value, filled, source=source)
-    groups = _param_groups(document["param_groups"], current["param_groups"], filled, source=source)
-    return {"state": state, "param_groups": groups}
-
-
 def _load_param_groups_only(model: torch.nn.Module, optimizer: torch.optim.Optimizer, document: Mapping[str, Any],
                             *, source: str) -> None:
     """The saved optimizer had not stepped yet: restore its hyper-parameters and leave its state empty."""
     current = _optimizer_state(model, optimizer)
     optimizer.state.clear()
-    groups = _param_groups(document["param_groups"], current["param_groups"], {}, source=source)
+    groups = decode_optimizer_state({}, document, current["param_groups"], source=source)["param_groups"]
     for group, saved in zip(optimizer.param_groups, groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
 
@@ -497,7 +469,7 @@ def _load_resharded_partitions(reader: _Reader, section: Section, document: Mapp
     current = optimizer.sharded_state_dict()
     with agreed_reads(source), PieceReader(reader, section, source=source) as pieces:
         filled, renamed = reshard_partitions(current, document, pieces, source=source)
-    optimizer.load_sharded_state_dict(_rebuild_optimizer_state(filled, renamed, current, source=source))
+    optimizer.load_sharded_state_dict(decode_optimizer_state(filled, renamed, current["param_groups"], source=source))
     logger.info("Cut %d optimizer partition(s) of this rank from %d saved one(s) (another world size).",
                 len(current["state"]), len(document["non_tensor_state"]))
 
@@ -529,11 +501,11 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
     names = check_fits(current_tensors, section, strict=True, source=source, what="optimizer")
     with agreed_reads(source), PieceReader(reader, section, source=source) as pieces:  # before the apply's collectives
         filled = fill_state(current_tensors, pieces, names)
-    state = _rebuild_optimizer_state(filled, document, current, source=source)
+    state = decode_optimizer_state(filled, document, current["param_groups"], source=source)
     if own_pieces:
         optimizer.load_sharded_state_dict(state)
     elif direct is not None:
-        _load_by_position(optimizer, state)
+        load_by_position(optimizer, state)
     else:
         state = optimizer_into_sharded_tensors(state, originals)
         set_optimizer_state_dict(model, optimizer, state, options=_options())
@@ -577,16 +549,6 @@ def _state_templates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
             return None
         state.setdefault(fqn, {})[field] = template
     return {"state": state, "param_groups": groups}
-
-
-def _load_by_position(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-    """Install FQN-keyed optimizer state through the optimizer's own ``load_state_dict`` (its parameters by position,
-    as it lists them; the tensors already final, so it keeps them)."""
-    position = {fqn: i for i, fqn in enumerate(fqn for group in state["param_groups"] for fqn in group["params"])}
-    optimizer.load_state_dict({
-        "state": {position[fqn]: fields for fqn, fields in state["state"].items()},
-        "param_groups": [{**group, "params": [position[fqn] for fqn in group["params"]]}
-                         for group in state["param_groups"]]})
 
 
 def load_pieces_into(

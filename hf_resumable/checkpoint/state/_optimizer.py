@@ -239,34 +239,47 @@ def _target(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str, dty
     return torch.empty(shape, dtype=final_dtype, device=device)
 
 
-def apply_optimizer_state(
-    optimizer: torch.optim.Optimizer,
-    plan: OptimizerLoadPlan,
-    tensors: Mapping[str, torch.Tensor],
-    document: Mapping[str, Any],
-    *,
-    source: str,
-) -> None:
-    """Hand the state (``plan.targets`` read, ``tensors`` the others referenced from the document) to
-    ``optimizer.load_state_dict``, so its hooks and subclass logic run as upstream; the tensors are already final,
-    so it keeps them without a copy."""
-    names = plan.names
-    index_of = {name: i for i, name in enumerate(names)}
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in {**tensors, **plan.targets}.items():
+def decode_optimizer_state(tensors: Mapping[str, torch.Tensor], document: Mapping[str, Any],
+                           current_groups: list[Mapping[str, Any]], *, source: str) -> dict[str, Any]:
+    """The NAME-keyed optimizer state dict of the read ``tensors`` and the saved ``document``: each group with the
+    saved hyper-parameters and its parameters listed as ``current_groups`` (as many, checked before) lists them.
+
+    Raises:
+        CheckpointMismatchError: a param group holds different parameters than when saved.
+    """
+    state: dict[str, dict[str, Any]] = {}
+    for key, value in tensors.items():
         if key.startswith(OPTIMIZER_STATE_PREFIX):
             name, _, entry = key[len(OPTIMIZER_STATE_PREFIX):].rpartition("/")
-            state.setdefault(index_of[name], {})[entry] = value
+            state.setdefault(name, {})[entry] = value
     for name, fields in document.get("non_tensor_state", {}).items():
         for entry, value in fields.items():
-            state.setdefault(index_of[name], {})[entry] = decode_state(
-                value, tensors, source=source, path=f"optimizer/non_tensor_state/{name}/{entry}")
-    groups, offset = [], 0
-    for group, current in zip(document["param_groups"], optimizer.param_groups):
-        current_names = names[offset : offset + len(current["params"])]
+            state.setdefault(name, {})[entry] = decode_state(value, tensors, source=source,
+                                                             path=f"optimizer/non_tensor_state/{name}/{entry}")
+    groups = []
+    for i, (group, current) in enumerate(zip(document["param_groups"], current_groups)):
+        if set(group["params"]) != set(current["params"]):
+            raise CheckpointMismatchError(f"{source}: param group {i} holds different parameters than when saved.")
         decoded = {k: decode_state(v, tensors, source=source) for k, v in group.items() if k != "params"}
-        # torch pairs saved and current params by position, so list them in the current order.
-        decoded["params"] = list(range(offset, offset + len(current_names)))
-        groups.append(decoded)
-        offset += len(current_names)
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+        groups.append({**decoded, "params": list(current["params"])})
+    return {"state": state, "param_groups": groups}
+
+
+def load_by_position(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Install a NAME-keyed state dict through the optimizer's own ``load_state_dict`` (hooks and subclass logic run
+    as upstream): its parameters by position, as it lists them; the tensors are final, so it keeps them."""
+    position = {name: i for i, name in enumerate(name for group in state["param_groups"] for name in group["params"])}
+    optimizer.load_state_dict({
+        "state": {position[name]: fields for name, fields in state["state"].items()},
+        "param_groups": [{**group, "params": [position[name] for name in group["params"]]}
+                         for group in state["param_groups"]]})
+
+
+def apply_optimizer_state(optimizer: torch.optim.Optimizer, plan: OptimizerLoadPlan,
+                          tensors: Mapping[str, torch.Tensor], document: Mapping[str, Any], *, source: str) -> None:
+    """Install the planned state (``plan.targets`` read; ``tensors``: the others the document references)."""
+    groups, offset = [], 0
+    for current in optimizer.param_groups:
+        groups.append({"params": plan.names[offset : offset + len(current["params"])]})
+        offset += len(current["params"])
+    load_by_position(optimizer, decode_optimizer_state({**tensors, **plan.targets}, document, groups, source=source))
