@@ -1,11 +1,6 @@
-"""Open a committed checkpoint once (verify, decode, check), then fill live objects from it.
-
-:class:`OpenedCheckpoint` is the one read path: ``open`` verifies the checkpoint and decodes and checks
-everything that does not depend on a live object (training state, extras, data position, RNG, tied
-weights, counters); :meth:`OpenedCheckpoint.load_into` then checks the checkpoint against the live model,
-optimizer, scheduler and scaler, reads the tensors (hash-checked on the fly) and applies them, in the
-numbered steps of docs/architecture.md ("Loading"). Nothing is written into a live object before every
-check has passed.
+"""Open a committed checkpoint once (decode and check everything that does not depend on a live object), then fill
+live objects from it: :class:`OpenedCheckpoint`, in the numbered steps of docs/architecture.md ("Loading"). Nothing
+is written into a live object before every check has passed.
 """
 
 from __future__ import annotations
@@ -36,6 +31,7 @@ from ..constants import (
     STATE_KEY_PROGRESS,
     STATE_KEY_SCALER,
     STATE_KEY_SCHEDULER,
+    STATE_TENSORS_FILE,
     TRAINABLE_INDEX_FILE,
     TRAINING_STATE_FILE,
 )
@@ -55,8 +51,7 @@ from ..format.slice_reader import VerifiedFile
 from ..format.state_codec import decode_state
 from .commit._parallel_read import FileRead, read_files
 from .commit.manifest import Manifest
-from .pieces._frozen import TrainablePart, forget_fingerprints
-from .pieces._payload import STATE_TENSORS_FILE
+from .pieces._frozen import TrainablePart, check_frozen_base, forget_fingerprints
 from .pieces._pieces import load_pieces_into, reads_pieces
 from .state._model import (
     TIED_KEY,
@@ -136,9 +131,8 @@ def read_on_load(rank: int) -> Callable[[str], bool]:
 
 
 class _Reader:
-    """Reads files of one verified checkpoint: the bytes its verification kept (hashed once, no second read), else
-    from disk, refusing a file that is no longer the one verification checked, and checking each file's hash while
-    reading it (``hash_on_read``)."""
+    """Reads files of one verified checkpoint: the bytes its verification kept, else from disk (refused if no longer
+    the file verification checked; each file's hash checked while it is read with ``hash_on_read``)."""
 
     def __init__(self, path: Path, report: VerifyReport, *, hash_on_read: bool) -> None:
         self.path = path
@@ -152,34 +146,30 @@ class _Reader:
 
     def file_read(self, relpath: str, into: Mapping[str, torch.Tensor] | None = None,
                   new: Collection[str] = ()) -> FileRead:
-        """How to read the safetensors file ``relpath``: from the verified bytes, or from disk (refused if it is no
-        longer the file verification checked; hash-checked with ``hash_on_read``)."""
+        """How to read the safetensors file ``relpath``: from the verified bytes, or from disk."""
         path, header = member_path(self.path, relpath), self.report.headers[relpath]
         data = self.report.verified_bytes(relpath)
         if data is not None:
             return FileRead(path, header, None, into or {}, data=data)
-        check = None
-        if relpath in self.report.identities:
-            check = lambda now: self.report.check_unchanged(relpath, now)  # noqa: E731
-        return FileRead(path, header, self.expected(relpath), into or {}, check=check)
+        return FileRead(path, header, self.expected(relpath), into or {}, check=self._unchanged(relpath))
 
     def verified_file(self, relpath: str) -> VerifiedFile:
         """The safetensors file ``relpath`` opened for slice reads, every byte a read uses checked against its manifest
-        record (the chunks it covers; a record without chunk hashes: the whole file once, unless a full verification
-        hashed it), refused if it is no longer the file verification checked. Nothing is checked with
-        ``verify="none"``. Close it (or use it as a context manager)."""
+        record (nothing with ``verify="none"``). Close it (or use it as a context manager)."""
         if relpath not in self.report.headers:
             raise CorruptCheckpointError(f"{self.path / relpath}: not a safetensors file this checkpoint lists.")
         record = self.manifest.files[relpath] if self.hash_on_read or self.report.full else None
-        check = None
-        if relpath in self.report.identities:
-            check = lambda now: self.report.check_unchanged(relpath, now)  # noqa: E731
         return VerifiedFile(member_path(self.path, relpath), self.report.headers[relpath], record,
-                            hashed=self.report.full, check=check)
+                            hashed=self.report.full, check=self._unchanged(relpath))
+
+    def _unchanged(self, relpath: str) -> Callable[[Any], None] | None:
+        """The check that refuses ``relpath`` once it is no longer the file verification checked, if recorded."""
+        if relpath not in self.report.identities:
+            return None
+        return lambda now: self.report.check_unchanged(relpath, now)
 
     def raw(self, relpath: str, *, limit: int = MAX_JSON_SIZE) -> bytes:
-        """The bytes of a small file of the checkpoint: those its verification hashed and kept, else read (a regular
-        file inside the checkpoint, bounded; refused if it is no longer the file verification checked) and, with
+        """The bytes of a small file of the checkpoint: those its verification kept, else read (bounded) and, with
         ``hash_on_read``, hash-checked."""
         if relpath not in self.manifest.files:
             raise IncompleteCheckpointError(f"{self.path}: {relpath} is not part of this checkpoint.")
@@ -246,8 +236,8 @@ class _Reader:
         return offsets
 
     def peek(self, index: ShardIndex, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """Small tensors read by offset, NOT hash-checked (the full read checks them again): lets a load
-        check values such as optimizer step counts before anything is applied."""
+        """Small tensors read by offset, NOT hash-checked (the full read checks them again), to check values such as
+        optimizer step counts before anything is applied."""
         out = {}
         for name in names:
             filename = index.weight_map[name]
@@ -267,11 +257,8 @@ class _Reader:
     def read(self, jobs: list[tuple[ShardIndex, Mapping[str, torch.Tensor], Collection[str]]]
              ) -> dict[str, torch.Tensor]:
         """Read every file of every ``(index, destinations, names of new destinations)``, into the destinations
-        where a tensor has one; return the rest.
-
-        All files at once, several threads per file (:mod:`._parallel_read`); each file's hash is checked on
-        the fly, in byte order, and a mismatch raises :class:`CorruptCheckpointError` naming the file.
-        """
+        where a tensor has one; return the rest. Each file's hash is checked on the fly (``CorruptCheckpointError``
+        naming the file)."""
         reads = [self.file_read(filename, into, new) for index, into, new in jobs for filename in index.filenames]
         return read_files(reads)
 
@@ -294,7 +281,6 @@ class OpenedCheckpoint(LoadedCheckpoint):
     reshard: bool = False
     _reader: _Reader | None = field(default=None, repr=False)
     _document: dict[str, Any] = field(default_factory=dict, repr=False)
-    _state_tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _objects: dict[str, Any] = field(default_factory=dict, repr=False)  # decoded scheduler / scaler state
     _model_index: ShardIndex | None = field(default=None, repr=False)
     _tied: dict[str, str] = field(default_factory=dict, repr=False)
@@ -323,8 +309,7 @@ class OpenedCheckpoint(LoadedCheckpoint):
         decode = lambda key: decode_state(document.get(key) or {}, tensors, source=state_source, path=key)  # noqa: E731
         opened = cls(path=path, manifest=manifest, training_state=decode(STATE_KEY_PROGRESS),
                      extra=decode(STATE_KEY_EXTRA), rank=rank, world_size=world_size,
-                     allow_inexact_resume=allow_inexact_resume, reshard=reshard, _reader=reader, _document=document,
-                     _state_tensors=tensors)
+                     allow_inexact_resume=allow_inexact_resume, reshard=reshard, _reader=reader, _document=document)
         for key in (STATE_KEY_SCHEDULER, STATE_KEY_SCALER):
             if document.get(key) is not None:
                 opened._objects[key] = decode(key)
@@ -507,26 +492,32 @@ class OpenedCheckpoint(LoadedCheckpoint):
         if self._model_index is None:
             raise IncompleteCheckpointError(f"{self.path}: no model weights were saved; load without model=.")
         targets = model.state_dict(keep_vars=True)
-        if self._trainable is not None:  # the frozen base is checked against its record, not read
-            return self._trainable.plan(model, targets, strict=strict, full=self._reader.report.full,
-                                        source=str(self.path))
+        trainable, source = self._trainable, str(self.path)
+        covered = set()  # the frozen base of a trainable part: checked against its record, not read
+        if trainable is not None:
+            covered = check_frozen_base(trainable.record, targets, full=self._reader.report.full, strict=strict,
+                                        source=source)
         reason = load_state_dict_reason(model, targets)
         if reason is not None:  # the model's own load_state_dict decides keys and shapes, as upstream
-            return {"reason": reason, "targets": targets, "into": {}}
-        into = check_model_fits(model, self._reader.stored(self._model_index), self._tied, strict=strict,
-                                source=str(self.path), targets=targets)
-        return {"reason": None, "targets": targets, "into": into}
+            return {"reason": reason, "targets": targets, "into": {}, "covered": covered}
+        stored = self._reader.stored(self._model_index) if trainable is None else trainable.stored
+        rest = {name: tensor for name, tensor in targets.items() if name not in covered}
+        into = check_model_fits(model, stored, self._tied, strict=strict, source=source, targets=rest)
+        in_file = {} if trainable is None else {state: name for name, state in trainable.renamed.items()}
+        return {"reason": None, "targets": targets, "into": {in_file.get(n, n): t for n, t in into.items()},
+                "covered": covered}
 
     def _apply_model(self, model: torch.nn.Module, plan: Mapping[str, Any], leftovers: dict[str, torch.Tensor], *,
                      strict: bool) -> None:
-        if self._trainable is not None:
-            return self._trainable.apply(model, plan, leftovers, strict=strict, source=str(self.path))
-        forget_fingerprints(plan["targets"].values())  # written without a version bump: cached fingerprints are stale
+        covered = plan["covered"]
+        # written without a version bump: cached fingerprints are stale
+        forget_fingerprints(t for name, t in plan["targets"].items() if name not in covered)
+        renamed = self._trainable.renamed if self._trainable is not None else {}
         names = self._model_index.weight_map
         if plan["reason"] is not None:
-            tensors = {name: leftovers.pop(name) for name in names}
+            tensors = {renamed.get(name, name): leftovers.pop(name) for name in names}
             load_through_state_dict(model, tensors, self._tied, strict=strict, source=str(self.path),
-                                    reason=plan["reason"])
+                                    reason=plan["reason"], covered=covered)
             return
         for name in names:
             leftovers.pop(name, None)  # stored tensors the model does not have (strict=False)

@@ -1,9 +1,6 @@
-"""The checkpoint package's shared vocabulary: what a rank writes (:class:`Payload` of :class:`TensorFile` and
-:class:`IndexSpec`) and where a piece of a tensor sits (:class:`Box`, :func:`intersect_boxes`).
-
-Both the whole-tensor stack (capture, the writer, replicas, async saves) and the piece stack (sharded saves and
-loads, conversions) speak these types, so they sit at the bottom of ``checkpoint/``: this module imports nothing
-from the package, only the standard library, torch and the layers below (``format``, ``errors``).
+"""The checkpoint package's shared vocabulary, at the bottom of ``checkpoint/`` (it imports nothing from it): what a
+rank writes (:class:`Payload` of :class:`TensorFile` and :class:`IndexSpec`) and where a piece of a tensor sits
+(:class:`Box`, :func:`intersect_boxes`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""Pieces: a rank's part of each tensor (a box of the whole), the engine adapters that plan them (plain, DTensor,
-FSDP1 ``ShardedTensor``, DeepSpeed ZeRO partitions), their layout and reader, and resharding.
-
-The names below are this room's door for the rest of the library (the converters and the engine integrations build
-and read the same pieces); everything else here is private to ``hf_resumable.checkpoint``.
+"""Pieces: a rank's part of each tensor (a box of the whole), the engine adapters that plan them, their layout and
+reader, and resharding. The names below are this room's door for the rest of the library (the converters and the
+engine integrations); everything else here is private to ``hf_resumable.checkpoint``.
 """
 
 from .._types import Box, intersect_boxes
+from ..state._optimizer import flatten_optimizer_state
 from ._dtensor import is_dtensor
 from ._frozen import base_not_stored
 from ._partitioned import (
@@ -23,7 +22,6 @@ from ._payload import add_sharded, capture_payload
 from ._piece_layout import (
     LocalState,
     check_storable,
-    flatten_optimizer_state,
     layout_document,
     piece_file,
     piece_report,

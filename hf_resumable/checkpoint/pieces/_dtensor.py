@@ -1,12 +1,5 @@
-"""The pieces of DTensor-sharded state, one rank's view: whether a tensor is a DTensor, the box of the global tensor
-this rank holds (:func:`local_box`), its local tensor, and whether this rank is the one that writes that box
-(:func:`writes_piece`).
-
-Pure reads of a DTensor's mesh and placements (planned by
-:func:`~hf_resumable.checkpoint.pieces._placements.plan_piece`,
-cached per mesh), no collectives and no IO. Both the frozen record (:mod:`._frozen`) and the sharded engine
-(:mod:`._piece_layout`, which imports :mod:`._frozen`'s fingerprints) build on them, so neither imports the other's
-pieces.
+"""One rank's view of a DTensor: the box it holds (:func:`local_box`), its local tensor, and whether this rank
+writes that box (:func:`writes_piece`). Pure reads of the mesh and placements (cached per mesh), no collectives.
 """
 
 from __future__ import annotations
@@ -58,10 +51,9 @@ def local_box(tensor: torch.Tensor, *, name: str = "tensor") -> Box:
 
 
 def _per_mesh(function: Any) -> Any:
-    """Cache ``function(mesh, *rest)`` by the mesh's identity (and ``rest``): pure in its arguments, so computed once
-    per save layout instead of once per tensor per save. Not ``functools.lru_cache``: it compares meshes with
-    ``DeviceMesh.__eq__`` on every hit (engines create equal meshes as distinct objects), which cost more than the
-    computation on the training loop's time. The cache holds the meshes, so their ids are not reused."""
+    """Cache ``function(mesh, *rest)`` by the mesh's identity (and ``rest``). Not ``functools.lru_cache``: it would
+    compare meshes with ``DeviceMesh.__eq__`` on every hit, which costs more than the computation. The cache holds
+    the meshes, so their ids are not reused."""
     cache: dict[tuple, tuple[Any, Any]] = {}
 
     @functools.wraps(function)
@@ -91,15 +83,13 @@ def _plan_on(mesh: Any, shape: tuple[int, ...], placements: tuple, name: str) ->
 
 
 def piece_plan(tensor: torch.Tensor, name: str) -> PiecePlan:
-    """:func:`~hf_resumable.checkpoint.pieces._placements.plan_piece` of a DTensor (cached per mesh,
-    :func:`_per_mesh`)."""
+    """``plan_piece`` of a DTensor, cached per mesh."""
     return _plan_on(tensor.device_mesh, tuple(tensor.shape), tuple(tensor.placements), name)
 
 
 def writes_piece(name: str, tensor: torch.Tensor, rank: int, owner: int = 0) -> bool:
-    """Exactly one rank writes each distinct piece: of a DTensor, the holder of its box that
-    :func:`~hf_resumable.checkpoint.pieces._placements.plan_piece` elects; a plain (replicated) tensor, rank ``owner``
-    (:func:`~hf_resumable.checkpoint.commit._replicas.plan_replica_writers`)."""
+    """Whether this rank writes its piece of ``tensor``: of a DTensor, if ``plan_piece`` elects it among the holders
+    of its box; of a plain (replicated) tensor, if it is ``owner`` (``plan_replica_writers``)."""
     if not is_dtensor(tensor):
         return rank == owner
     return piece_plan(tensor, name).writes

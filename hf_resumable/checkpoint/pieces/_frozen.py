@@ -1,27 +1,7 @@
-"""Frozen parameters are identity, not state: what a checkpoint records instead of their bytes, and its checks.
+"""Frozen parameters are identity, not state: the record a checkpoint keeps instead of their bytes
+(``frozen_base.json``, whole tensors or per piece), its fingerprints (cached per process) and the checks on load.
 
-A model with parameters that do not train (``requires_grad=False``: a PEFT/LoRA base, a frozen embedding, a
-bitsandbytes-quantized base) is saved by default as its *trainable part* plus a *frozen record*:
-
-* ``trainable.safetensors.index.json`` + ``trainable-0000k-of-0000N.safetensors``: the trainable parameters and
-  every buffer, HF-style sharded under names that ``from_pretrained`` does not mistake for a whole model. A PEFT
-  adapter's tensors are stored once, in ``adapter_model.safetensors`` (PEFT's names; the index maps them back with
-  ``hf_resumable_renamed``), so the checkpoint is also a loadable adapter at no extra cost.
-* ``frozen_base.json``: every frozen tensor's name, dtype, shape and xxh3-128 fingerprint (of all its bytes, and of
-  a fixed sample of them), tied aliases, and where the base came from when known (a local path, or a Hub repo id
-  with the revision and commit).
-
-Loading checks the live model's frozen tensors against the record before anything is written: names, dtypes and
-shapes always; bytes by the sampled fingerprint (``verify="quick"``/``"none"``) or every byte
-(``verify="full"``). A different base raises :class:`~hf_resumable.errors.BaseMismatchError` naming the first
-differing tensors; a matching base is never read from disk.
-
-Sharded (FSDP2) checkpoints record frozen parameters the same way, per piece: each saving rank fingerprints the box
-it holds (record version 2) and a load checks the boxes the loading rank holds whole, ``full_tensor()`` for the
-others (:func:`split_frozen_sharded` and :func:`check_frozen_sharded`; the pieces from :mod:`._dtensor`).
-
-Fingerprints are computed once per process and cached (keyed by the tensor's storage, shape, stride, dtype and
-version counter); each later use re-hashes only the sample, so a save costs what the trainable state costs.
+See docs/format.md#a-checkpoint-of-a-model-with-frozen-parameters and docs/peft.md#how-the-base-is-checked.
 """
 
 from __future__ import annotations
@@ -64,7 +44,7 @@ from ...format.safetensors_io import DTYPE_TO_STR, STR_TO_DTYPE
 from ...format.sharding import ShardIndex
 from .._types import Box, intersect_boxes
 from ..commit._threads import run_in_threads
-from ..state._model import check_model_fits, check_tied, load_state_dict_reason, load_through_state_dict, retie
+from ..state._model import check_tied
 from ._dtensor import is_dtensor, local_box, local_tensor, writes_piece
 
 logger = logging.getLogger(__name__)
@@ -181,14 +161,8 @@ def _fingerprints(tensors: Mapping[str, torch.Tensor], *, full: bool) -> dict[st
 # ------------------------------------------------------------------------------------------------ the record
 @dataclass(frozen=True)
 class FrozenPiece:
-    """The fingerprints of one box of a frozen tensor (a sharded checkpoint records each rank's piece).
-
-    Args:
-        offset (`tuple[int, ...]`): where the box starts in the global tensor.
-        shape (`tuple[int, ...]`): its shape.
-        xxh3_128 (`str`): xxh3-128 of every byte of the box (C order).
-        sample_xxh3_128 (`str`): xxh3-128 of the box's sample.
-    """
+    """The fingerprints of one box of a frozen tensor (a piece record holds each rank's): where it starts, its
+    shape, the xxh3-128 of its bytes (C order) and of its sample."""
 
     offset: tuple[int, ...]
     shape: tuple[int, ...]
@@ -202,17 +176,9 @@ class FrozenPiece:
 
 @dataclass(frozen=True)
 class FrozenTensor:
-    """One frozen tensor as a checkpoint records it.
-
-    Args:
-        dtype (`str`): safetensors dtype name (``"F32"``, ``"BF16"``, ``"U8"`` ...).
-        shape (`tuple[int, ...]`): its shape.
-        xxh3_128 (`str` or `None`): xxh3-128 of every byte (C order); ``None`` in a sharded record whose tensor
-            was split over ranks (its ``pieces`` have the fingerprints).
-        sample_xxh3_128 (`str` or `None`): xxh3-128 of the sample (see ``SAMPLE_WINDOWS``/``SAMPLE_BYTES``).
-        pieces (`tuple[FrozenPiece, ...]`): sharded records only: the fingerprints of every stored-elsewhere box,
-            as the saving ranks held them (they tile the tensor).
-    """
+    """One frozen tensor as a checkpoint records it: safetensors dtype name, shape, and the xxh3-128 of every byte
+    (C order) and of the sample; in a piece record whose tensor was split over ranks the hashes are ``None`` and
+    ``pieces`` (which tile the tensor) hold them."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -228,29 +194,19 @@ class FrozenTensor:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count * torch.empty((), dtype=STR_TO_DTYPE[self.dtype]).element_size()
+        return self.numel * STR_TO_DTYPE[self.dtype].itemsize
 
     @property
     def numel(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
 class FrozenRecord:
-    """What a checkpoint records about the frozen parameters it does not store (``frozen_base.json``).
-
-    Args:
-        tensors (`dict[str, FrozenTensor]`): state-dict name -> dtype, shape and fingerprints.
-        tied (`dict[str, str]`): aliases (state-dict names sharing a recorded tensor) -> the recorded name.
-        source (`dict`): where the base came from, when known: ``name_or_path``, ``kind`` (``"local"`` or
-            ``"hub"``), ``revision``, ``commit``, ``quantization`` (its ``quantization_config``), ``model_class``.
-    """
+    """What a checkpoint records about the frozen parameters it does not store (``frozen_base.json``): each
+    tensor, the aliases (state-dict names sharing a recorded tensor -> the recorded name), and where the base came
+    from when known (``name_or_path``, ``kind`` "local" or "hub", ``revision``, ``commit``, ``quantization``,
+    ``model_class``)."""
 
     tensors: dict[str, FrozenTensor]
     tied: dict[str, str] = field(default_factory=dict)
@@ -453,16 +409,21 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
+def _dtype_name(name: str, tensor: torch.Tensor) -> str:
+    """The safetensors name of a frozen tensor's dtype; refuses one the format cannot describe."""
+    if tensor.dtype not in DTYPE_TO_STR:
+        raise CheckpointMismatchError(f"Frozen tensor {name!r} has dtype {tensor.dtype}, which the checkpoint "
+                                      "format cannot describe; save with standalone=True.")
+    return DTYPE_TO_STR[tensor.dtype]
+
+
 def build_record(tensors: Mapping[str, torch.Tensor], tied: Mapping[str, str],
                  source: Mapping[str, Any]) -> FrozenRecord:
     """The record of the frozen ``tensors`` (deduplicated; ``tied``: their aliases), with full fingerprints."""
     prints = _fingerprints(tensors, full=True)
     entries = {}
     for name, tensor in tensors.items():
-        if tensor.dtype not in DTYPE_TO_STR:
-            raise CheckpointMismatchError(f"Frozen tensor {name!r} has dtype {tensor.dtype}, which the checkpoint "
-                                          "format cannot describe; save with standalone=True.")
-        entries[name] = FrozenTensor(DTYPE_TO_STR[tensor.dtype], tuple(tensor.shape), prints[name].full,
+        entries[name] = FrozenTensor(_dtype_name(name, tensor), tuple(tensor.shape), prints[name].full,
                                      prints[name].sample)
     return FrozenRecord(tensors=entries, tied=dict(tied), source=dict(source))
 
@@ -470,9 +431,8 @@ def build_record(tensors: Mapping[str, torch.Tensor], tied: Mapping[str, str],
 # ------------------------------------------------------------------------------------------------ loading
 def check_frozen_base(record: FrozenRecord, targets: Mapping[str, torch.Tensor], *, full: bool, strict: bool,
                       source: str) -> set[str]:
-    """Check the live model's tensors against the frozen record; return the state-dict names it covers.
-
-    Names, dtypes and shapes first, then bytes: the sampled fingerprint, or with ``full`` every byte.
+    """Check the live model's tensors against the frozen record (names, dtypes and shapes, then the sampled
+    fingerprint, or with ``full`` every byte); return the state-dict names it covers.
 
     Raises:
         BaseMismatchError: a recorded tensor differs (the first ones are named, with what differs).
@@ -489,9 +449,8 @@ def check_frozen_base(record: FrozenRecord, targets: Mapping[str, torch.Tensor],
         elif entry.xxh3_128 is None:
             problems.append(f"{name}: recorded piece by piece (a checkpoint of per-rank pieces, whose "
                             "load checks each piece)")
-        elif DTYPE_TO_STR.get(live.dtype) != entry.dtype or tuple(live.shape) != entry.shape:
-            problems.append(f"{name}: the checkpoint's base has {entry.dtype} {list(entry.shape)}, the model has "
-                            f"{DTYPE_TO_STR.get(live.dtype, live.dtype)} {list(live.shape)}")
+        elif (problem := _kind_problem(name, live, entry)) is not None:
+            problems.append(problem)
         else:
             comparable[name] = live
     prints = _fingerprints(comparable, full=full)
@@ -506,6 +465,13 @@ def check_frozen_base(record: FrozenRecord, targets: Mapping[str, torch.Tensor],
     logger.info("%s: the model's %d frozen tensor(s) match the checkpoint's base record (%s).", source, len(present),
                 "every byte" if full else "names, dtypes, shapes and sampled bytes")
     return set(present)
+
+
+def _kind_problem(name: str, live: torch.Tensor, entry: FrozenTensor) -> str | None:
+    if DTYPE_TO_STR.get(live.dtype) == entry.dtype and tuple(live.shape) == entry.shape:
+        return None
+    return (f"{name}: the checkpoint's base has {entry.dtype} {list(entry.shape)}, the model has "
+            f"{DTYPE_TO_STR.get(live.dtype, live.dtype)} {list(live.shape)}")
 
 
 def raise_base_problems(record: FrozenRecord, problems: list[str], checked: int, absent: list[str], *, strict: bool,
@@ -531,15 +497,9 @@ def raise_base_problems(record: FrozenRecord, problems: list[str], checked: int,
 
 @dataclass
 class TrainablePart:
-    """The model part of a checkpoint that references its frozen base: the trainable index and the frozen record.
-
-    Args:
-        index (`ShardIndex`): ``trainable.safetensors.index.json`` (tensor names as stored in the files).
-        renamed (`dict[str, str]`): name in a file -> state-dict name, where they differ.
-        tied (`dict[str, str]`): stored aliases, in state-dict names.
-        record (`FrozenRecord`): the frozen parameters.
-        stored (`dict`): state-dict name -> (dtype, shape) of every stored tensor.
-    """
+    """The model part of a checkpoint that references its frozen base: the trainable index (names as in its files;
+    ``renamed`` maps them to state-dict names where they differ), the stored aliases and (dtype, shape) in state-dict
+    names, and the frozen record."""
 
     index: ShardIndex
     renamed: dict[str, str]
@@ -572,31 +532,6 @@ class TrainablePart:
             raise CorruptCheckpointError(f"{path}: tensors both stored and recorded as frozen: {both[:5]}. Resume "
                                          "from another checkpoint.")
         return cls(index=index, renamed=renamed, tied=tied, record=record, stored=stored)
-
-    def plan(self, model: torch.nn.Module, targets: Mapping[str, torch.Tensor], *, strict: bool, full: bool,
-             source: str) -> dict[str, Any]:
-        """Check the frozen base, then the trainable part's keys, shapes and dtypes (nothing is written)."""
-        covered = check_frozen_base(self.record, targets, full=full, strict=strict, source=source)
-        rest = {name: tensor for name, tensor in targets.items() if name not in covered}
-        reason = load_state_dict_reason(model, targets)
-        if reason is not None:
-            return {"reason": reason, "targets": targets, "into": {}, "covered": covered}
-        into = check_model_fits(model, self.stored, self.tied, strict=strict, source=source, targets=rest)
-        in_file = {state: stored for stored, state in self.renamed.items()}
-        return {"reason": None, "targets": targets, "into": {in_file.get(n, n): t for n, t in into.items()},
-                "covered": covered}
-
-    def apply(self, model: torch.nn.Module, plan: Mapping[str, Any], leftovers: dict[str, torch.Tensor], *,
-              strict: bool, source: str) -> None:
-        forget_fingerprints(t for name, t in plan["targets"].items() if name not in plan["covered"])
-        if plan["reason"] is not None:
-            tensors = {self.renamed.get(n, n): leftovers.pop(n) for n in self.index.weight_map}
-            load_through_state_dict(model, tensors, self.tied, strict=strict, source=source, reason=plan["reason"],
-                                    covered=plan["covered"])
-            return
-        for name in self.index.weight_map:
-            leftovers.pop(name, None)  # stored tensors the model does not have (strict=False)
-        retie(plan["targets"], self.tied)
 
 
 def _check_renamed(index: ShardIndex, *, source: str) -> dict[str, str]:
@@ -651,29 +586,12 @@ def base_not_stored(directory: Any, *, wanted: str) -> BaseNotStoredError | None
 
 def split_frozen_sharded(model: torch.nn.Module, state: Mapping[str, torch.Tensor], tied: Mapping[str, str], *,
                          rank: int) -> tuple[dict[str, torch.Tensor], dict[str, str], bytes | None]:
-    """A sharded save's model state without its frozen parameters, and (rank 0) their record.
+    """A piece save's model state without its frozen parameters, this rank's aliases of stored tensors, and on
+    rank 0 the record's bytes (``None`` elsewhere, or when nothing is frozen).
 
-    Each rank fingerprints the pieces of the frozen tensors it would have written (once per process, cached as in
-    a regular save); rank 0 gathers them and every rank's aliases (JSON) into a ``frozen_base.json`` whose tensors
-    list their pieces. A collective under torch.distributed when something is frozen (every rank calls it with the
-    same names; ``requires_grad`` is the same on every rank), so it runs on the training loop's thread.
-
-    Args:
-        model (`torch.nn.Module`): the model (FSDP2-wrapped or plain), for ``requires_grad`` and provenance.
-        state (`Mapping[str, torch.Tensor]`): its FQN-keyed state (DTensor pieces or plain tensors).
-        tied (`Mapping[str, str]`): the aliases this rank sees and leaves out (alias -> kept name; a rank whose
-            piece is empty cannot see a tie, so the record unites every rank's).
-        rank (`int`): this rank.
-
-    Returns:
-        `tuple`: the state to store, this rank's aliases of stored tensors, and the record's bytes on rank 0
-        (``None`` on the other ranks, and on every rank when nothing is frozen).
-
-    Example:
-
-    ```python
-    >>> stored, tied, record = split_frozen_sharded(model, weights, {}, rank=0)  # doctest: +SKIP
-    ```
+    Each rank fingerprints the pieces of the frozen tensors it would have written; rank 0 gathers them and every
+    rank's aliases (a rank whose piece is empty cannot see a tie). A collective when something is frozen, so it runs
+    on the training loop's thread.
     """
     frozen = frozen_names(model, state)
     if not frozen:
@@ -681,9 +599,7 @@ def split_frozen_sharded(model: torch.nn.Module, state: Mapping[str, torch.Tenso
     mine: dict[str, tuple[Any, torch.Tensor]] = {}
     for name in sorted(frozen - set(tied)):
         tensor = state[name]
-        if tensor.dtype not in DTYPE_TO_STR:
-            raise CheckpointMismatchError(f"Frozen tensor {name!r} has dtype {tensor.dtype}, which the checkpoint "
-                                          "format cannot describe; save with standalone=True.")
+        _dtype_name(name, tensor)
         box = local_box(tensor, name=name)
         if box.numel and writes_piece(name, tensor, rank):
             mine[name] = (box, local_tensor(tensor))
@@ -715,20 +631,9 @@ def split_frozen_sharded(model: torch.nn.Module, state: Mapping[str, torch.Tenso
 
 def check_frozen_sharded(reader: Any, current: Mapping[str, torch.Tensor], *, full: bool, strict: bool
                          ) -> set[str]:
-    """A sharded load: check the live frozen tensors (DTensor pieces or plain) against the checkpoint's record.
-
-    Each rank hashes the recorded boxes that lie inside the piece it holds (a same-world-size resume, or a plain
-    model, covers them all); boxes no rank holds whole (another sharding) are checked on ``full_tensor()``, one
-    tensor at a time. Every rank raises the same error. A collective under torch.distributed.
-
-    Args:
-        reader: the verified checkpoint's reader (``manifest``, ``json``, ``path``).
-        current (`Mapping[str, torch.Tensor]`): the model's FQN-keyed state as this rank holds it.
-        full (`bool`): compare every byte instead of the sample.
-        strict (`bool`): recorded tensors the model lacks are an error.
-
-    Returns:
-        `set[str]`: the names the record covers (empty when the checkpoint stores every parameter).
+    """A piece load's check of the live frozen tensors (DTensor pieces or plain) against the record; returns the
+    names it covers. Each rank hashes the recorded boxes inside the piece it holds; the boxes no rank holds whole
+    are checked on ``full_tensor()``. A collective: every rank raises the same error.
 
     Raises:
         BaseMismatchError: a frozen tensor differs (the first ones named).
@@ -743,7 +648,7 @@ def check_frozen_sharded(reader: Any, current: Mapping[str, torch.Tensor], *, fu
     problems: list[str] = []
     checked: list[list[Any]] = []
 
-    def compare(name: str, data: torch.Tensor, held: Box, index: int, piece: FrozenPiece) -> None:
+    def compare(name: str, data: torch.Tensor, held: Box, piece: FrozenPiece) -> None:
         region = data[tuple(slice(o - h, o - h + n) for o, h, n in zip(piece.offset, held.offset, piece.shape))]
         got = fingerprint(region, full=full)
         got, expected = (got.full, piece.xxh3_128) if full else (got.sample, piece.sample_xxh3_128)
@@ -753,15 +658,14 @@ def check_frozen_sharded(reader: Any, current: Mapping[str, torch.Tensor], *, fu
 
     for name, recorded in present.items():
         live, entry = current[name], record.tensors[recorded]
-        if DTYPE_TO_STR.get(live.dtype) != entry.dtype or tuple(live.shape) != entry.shape:
-            problems.append(f"{name}: the checkpoint's base has {entry.dtype} {list(entry.shape)}, the model has "
-                            f"{DTYPE_TO_STR.get(live.dtype, live.dtype)} {list(live.shape)}")
+        if (problem := _kind_problem(name, live, entry)) is not None:
+            problems.append(problem)
             checked += [[name, i] for i in range(len(entry.boxes()))]
             continue
         held, local = local_box(live), local_tensor(live)
         for index, piece in enumerate(entry.boxes()):
             if intersect_boxes(held, Box(piece.offset, piece.shape)) == Box(piece.offset, piece.shape):
-                compare(name, local, held, index, piece)
+                compare(name, local, held, piece)
                 checked.append([name, index])
     reports = all_gather_json({"problems": problems, "checked": checked})
     problems = sorted({line for r in reports for line in r["problems"]})
@@ -772,8 +676,8 @@ def check_frozen_sharded(reader: Any, current: Mapping[str, torch.Tensor], *, fu
         if missing:
             live = current[name]
             whole = live.full_tensor() if is_dtensor(live) else live.detach()
-            for index, piece in missing:
-                compare(name, whole, Box((0,) * whole.dim(), tuple(whole.shape)), index, piece)
+            for _, piece in missing:
+                compare(name, whole, Box((0,) * whole.dim(), tuple(whole.shape)), piece)
             del whole
     raise_base_problems(record, problems, len(present), sorted(set(wanted) - set(current)), strict=strict,
                     source=str(reader.path))

@@ -1,24 +1,8 @@
-"""Parameters partitioned flat across ranks (DeepSpeed ZeRO-3's ``ds_tensor``) as DTensor pieces of the sharded format.
-
-Under ZeRO-3 a parameter's ``data`` is empty (or, for a small "persistent" parameter, a gathered copy) and each rank
-holds ``ds_tensor``: its partition of the flattened parameter, ``ceil(numel / world)`` elements (the last ones
-padding). That is exactly the piece a ``DTensor`` of global shape ``(numel,)`` sharded on dim 0 over the parameter's
-process group holds (``torch.chunk`` sizes), so a sharded checkpoint stores every rank's partition of every weight
-under the parameter's own name, with the same writer, layout, hashes and verification as FSDP2 pieces, and loads it
-back into the partitions, at any world size (each rank reads the chunk of the flat parameter it holds). The global
-shape recorded is the flattened one: the partitions are of the flat parameter. Every partition, a parameter's or an
-optimizer's (below), becomes its piece through :func:`partition_piece`, which builds it once and reuses it at every
-save while the engine updates the partition in place.
-
-DeepSpeed's optimizer partitions (ZeRO-1/2: a param group's parameters end to end in one flat fp32 tensor, cut in
-equal parts per rank; ZeRO-3: each rank's chunk of every parameter of a sub-group, end to end) are saved as pieces of
-one flat tensor per partition, whose layout depends on the world size. Each records its :class:`PartitionMap`, so
-:func:`reshard_partitions` cuts a rank's partitions at another world size out of every saved rank's pieces
-(:func:`plan_partition_copies` plans the reads, pure; the pieces are read with the sharded reader's ``read_box``),
-and :func:`parameter_tensors` assembles one parameter's whole fp32 master weights (or moments) from them.
-
-Nothing here imports deepspeed: partitioned parameters are recognised by their attributes (``ds_tensor``,
-``ds_numel``, ``ds_process_group``).
+"""DeepSpeed ZeRO's partitions as pieces. A ZeRO-3 ``ds_tensor`` is exactly the piece a DTensor of the flattened
+parameter, sharded on dim 0 over its group, holds (``torch.chunk`` sizes; the last rank's padding cut off), so it is
+stored and verified as FSDP2 pieces are. ZeRO's flat optimizer partitions are pieces of one flat tensor each, with
+the :class:`PartitionMap` that lets a load at another world size cut them again. Nothing here imports deepspeed:
+parameters are recognised by ``ds_tensor``/``ds_numel``. See docs/format.md (DeepSpeed ZeRO).
 """
 
 from __future__ import annotations
@@ -86,19 +70,15 @@ def _seen(partition: torch.Tensor) -> tuple[int, torch.Size, torch.dtype, torch.
 
 
 def partition_piece(partition: torch.Tensor, group: Any, *, numel: int | None = None) -> torch.Tensor:
-    """This rank's flat ``partition`` over ``group`` as its piece of the global flat tensor: a DTensor of shape
-    ``(numel,)`` (default: every rank's partition end to end) sharded on dim 0, whose local tensor is the
-    partition's first ``numel - rank * partition.numel()`` elements (ZeRO-3 pads the last rank's), no copy and no
-    communication.
-
-    Cached per (partition, group): the same piece is returned while the partition is the same tensor over the same
-    storage, shape, dtype and device (updated in place); a partition whose ``.data`` was replaced gets a new one.
+    """This rank's flat ``partition`` over ``group`` as its piece of the global flat tensor: a DTensor sharded on
+    dim 0 viewing the partition's valid part, no copy and no communication. Cached while the partition is the same
+    tensor over the same storage, shape, dtype and device (the engines update it in place).
 
     Args:
         partition (`torch.Tensor`): the flat partition (ZeRO-1/2: a param group's fp32 master partition or a moment
-            over it; ZeRO-3: a parameter's ``ds_tensor``, the stable owner of the part it holds).
+            over it; ZeRO-3: a parameter's ``ds_tensor``).
         group (`ProcessGroup`): the group the tensor is partitioned over.
-        numel (`int`, *optional*): elements of the global flat tensor (ZeRO-3: the parameter's ``ds_numel``).
+        numel (`int`, *optional*): elements of the global flat tensor (default: every rank's partition end to end).
     """
     key = (id(partition), id(group))
     hit = _PIECES.get(key)
@@ -147,19 +127,10 @@ def partitioned_state(model: torch.nn.Module, state: Mapping[str, Any], *,
 
 def weights_from_masters(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any, *,
                          parameters: Mapping[str, Any] | None = None) -> tuple[dict[str, str], set[str]]:
-    """Which weights of ``state`` (ZeRO-3: :func:`partitioned_state`'s pieces; ZeRO-1/2: whole tensors) a save with
-    ``optimizer`` need not store.
-
-    The optimizer (:class:`~hf_resumable.integrations._deepspeed.ZeroOptimizerState` or ``Zero3OptimizerState``)
-    saves every parameter's fp32 master weights; where the weights equal their masters cast to their dtype (checked
-    now, bit for bit: ``masters_give_weights``, per rank under ZeRO-3, by every rank under ZeRO-1/2, whose weights
-    are whole), the masters determine them, and a load rebuilds them from the masters as DeepSpeed's own loads do.
-
-    Returns:
-        `tuple`: ``{name: its master's name}`` of every weight whose masters the optimizer saves (described with
-        ``"master"`` in the layout on every rank), and the names whose pieces this rank does not write (all of them,
-        or none where a weight differs from its master: it is then stored, and read over the masters on load).
-    """
+    """Which weights of ``state`` a save with a ZeRO ``optimizer`` need not store: ``{name: its master's name}`` of
+    every weight whose fp32 master weights the optimizer saves (described with ``"master"`` in the layout), and the
+    names whose pieces this rank does not write: all of them where the weights equal their masters cast, bit for bit
+    (``masters_give_weights``), else none (then stored, and read over the masters on load)."""
     masters = master_weight_names(model, state, optimizer, parameters=parameters)
     return masters, omitted_weights(masters, optimizer)
 
@@ -360,8 +331,7 @@ Copy(name='z2.g0', position=4, length=1, offset=4)]
 def read_partitioned(reader: Any, saved: Mapping[str, PartitionMap], key: str, wanted: list[Segment],
                      out: torch.Tensor, *, source: str) -> torch.Tensor:
     """Fill ``out`` (a flat partition, or a whole flattened parameter) at ``wanted`` with the saved optimizer tensor
-    ``key`` (``fp32``, ``exp_avg``...) of the flat partitions ``saved``, read from the pieces (``reader``: a
-    :class:`~hf_resumable.checkpoint.pieces._piece_reader.PieceReader` over the optimizer section); returns ``out``."""
+    ``key`` (``fp32``, ``exp_avg``...) of the flat partitions ``saved``, read through ``reader``, a ``PieceReader``."""
     from .._types import Box
 
     for copy in plan_partition_copies(wanted, saved, source=source):
@@ -398,15 +368,12 @@ def _rank_of(piece: Any, partition_map: PartitionMap) -> int:
 def reshard_partitions(current: Mapping[str, Any], document: Mapping[str, Any], reader: Any, *,
                        source: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Cut this rank's flat optimizer partitions (``current``, a ``ShardedOptimizerState.sharded_state_dict()`` at
-    the new world size) out of the saved ones (any world size, ``document`` their optimizer document, ``reader`` a
-    ``PieceReader`` over their section): every parameter's elements are read from wherever the saved partitions
-    hold them.
+    the new world size) out of the saved ones (any world size; ``reader`` a ``PieceReader`` over their section).
 
     Returns:
-        `tuple`: the filled tensors, named as :func:`._piece_layout.flatten_optimizer_state` names
-        ``current``'s, and ``document`` with the current partitions' names, for the sharded load to rebuild the state
-        from (a partition's non-partitioned state, e.g. Adam's ``step``, is the saved partition's that holds its
-        first parameter; padding keeps the live values).
+        `tuple`: the filled tensors, named as ``flatten_optimizer_state`` names ``current``'s, and ``document`` with
+        the current partitions' names (a partition's non-partitioned state, e.g. Adam's ``step``, is that of the saved
+        partition holding its first parameter; padding keeps the live values).
 
     Raises:
         IncompleteCheckpointError: the saved partitions record no partition map.
@@ -447,9 +414,8 @@ def reshard_partitions(current: Mapping[str, Any], document: Mapping[str, Any], 
 
 def parameter_tensors(reader: Any, document: Mapping[str, Any], key: str, *,
                       source: str) -> dict[str, torch.Tensor]:
-    """``{fqn: flattened tensor}`` of the saved optimizer tensor ``key`` of every parameter (``"fp32"``: the fp32
-    master weights), assembled from flat partitions saved at any world size (``reader``: a ``PieceReader`` over the
-    optimizer section, ``document`` its optimizer document)."""
+    """``{fqn: flattened tensor}`` of the saved optimizer tensor ``key`` of every parameter (``"fp32"``: the master
+    weights), assembled from flat partitions saved at any world size (``reader``: a ``PieceReader``)."""
     maps = saved_partition_maps(document, source=source)
     result = {}
     for name, partition_map in maps.items():
@@ -462,7 +428,7 @@ def parameter_tensors(reader: Any, document: Mapping[str, Any], key: str, *,
 
 def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
     """``{fqn: flattened fp32 master weights}`` of every parameter a DeepSpeed ZeRO checkpoint's optimizer partitions
-    hold, assembled in one process from the pieces of every saving rank (any world size, no process group).
+    hold, assembled in one process from every saving rank's pieces.
 
     Args:
         opened (`OpenedCheckpoint`): from :func:`~hf_resumable.checkpoint.open_checkpoint`.
@@ -472,7 +438,7 @@ def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
             or saved without the optimizer), or they record no partition map.
     """
     from ...constants import LAYOUT_FILE, LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC
-    from ._piece_reader import PieceReader, Section, check_pieces_stored, parse_layout
+    from ._piece_reader import PieceReader, parse_layout, read_section
 
     reader, source = opened._reader, str(opened.path / LAYOUT_FILE)
     layout = parse_layout(reader.json(LAYOUT_FILE), source=source) if LAYOUT_FILE in opened.manifest.files else {}
@@ -481,36 +447,27 @@ def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
         raise IncompleteCheckpointError(
             f"{opened.path} holds no DeepSpeed ZeRO optimizer partitions, so no fp32 master weights: only checkpoints "
             "of ZeRO-1/2/3 runs saved with their optimizer have them. Export the model's weights instead.")
-    section = Section.from_json(layout[LAYOUT_KEY_OPTIMIZER], source=source)
-    check_pieces_stored(section, reader.report.headers, source=source)
-    with PieceReader(reader, section, source=source) as pieces:
+    with PieceReader(reader, read_section(reader, layout, LAYOUT_KEY_OPTIMIZER), source=source) as pieces:
         return parameter_tensors(pieces, document, MASTER_KEY, source=source)
 
 
 class MasterWeights:
-    """Reads the elements of weights a layout gives by their fp32 master weights (``"master"`` in their description,
-    ZeRO-3): the parameter's elements in the optimizer's flat ``fp32`` partitions, saved at any world size, cast to
-    the weight's dtype. Closed by the :class:`~hf_resumable.checkpoint.pieces._piece_reader.PieceReader` it is given
-    to.
-
-    Args:
-        reader: the opened checkpoint's reader (``OpenedCheckpoint._reader``), whose files are read verified.
-        layout (`Mapping`): its parsed ``sharded_layout.json``.
-        headers (`Mapping`): the verified safetensors headers of its files.
+    """Reads the elements of weights a layout gives by their fp32 master weights (``"master"``, ZeRO-3): the
+    parameter's elements in the optimizer's flat ``fp32`` partitions, saved at any world size, cast to the weight's
+    dtype. ``reader``: the opened checkpoint's (its files read verified); closed by the ``PieceReader`` it is given to.
 
     Raises:
         IncompleteCheckpointError: the layout holds no ZeRO optimizer partitions with maps to read them from.
     """
 
-    def __init__(self, reader: Any, layout: Mapping[str, Any], headers: Mapping[str, Any], *, source: str) -> None:
+    def __init__(self, reader: Any, layout: Mapping[str, Any], *, source: str) -> None:
         from ...constants import LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC
-        from ._piece_reader import PieceReader, Section, check_pieces_stored
+        from ._piece_reader import PieceReader, read_section
 
         if layout.get(LAYOUT_KEY_OPTIMIZER) is None or layout.get(LAYOUT_KEY_OPTIMIZER_DOC) is None:
             raise IncompleteCheckpointError(f"{source}: weights are given by fp32 master weights, but no optimizer "
                                             "partitions were saved; the checkpoint is incomplete.")
-        section = Section.from_json(layout[LAYOUT_KEY_OPTIMIZER], source=source)
-        check_pieces_stored(section, headers, source=source)
+        section = read_section(reader, layout, LAYOUT_KEY_OPTIMIZER)
         self._maps = saved_partition_maps(layout[LAYOUT_KEY_OPTIMIZER_DOC], source=source)
         self._reader = PieceReader(reader, section, source=source)
         self._source = source

@@ -1,8 +1,5 @@
-"""Capture: turn live training objects into a :class:`~hf_resumable.checkpoint._types.Payload` of files to write
-(no IO yet).
-
-Splitting capture from writing is what makes async saves possible: the payload's tensors can be
-copied into staging buffers, and the writer never looks at the live objects again.
+"""Capture: live training objects -> a :class:`~hf_resumable.checkpoint._types.Payload` of files to write, no IO (so
+an async save can stage its tensors and the writer never looks at the live objects again).
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ...constants import (  # noqa: F401 - SHARDS_KEY and STATE_TENSORS_FILE are also imported from here
+from ...constants import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
     CONFIG_FILE,
@@ -32,7 +29,6 @@ from ...constants import (  # noqa: F401 - SHARDS_KEY and STATE_TENSORS_FILE are
     RENAMED_KEY,
     RNG_DIR,
     RNG_FILE_PATTERN,
-    SHARDS_KEY,
     SINGLE_MODEL_FILE,
     STATE_KEY_EXTRA,
     STATE_KEY_FORMAT_VERSION,
@@ -65,10 +61,8 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 def add_sharded(payload: Payload, tensors: Mapping[str, torch.Tensor], *, pattern: str, index: str,
                 max_shard_size: int | str, metadata: Mapping[str, Any]) -> None:
-    """The one shard-planning path for tensors written as HF-style shards plus an index (model, optimizer,
-    reshard, Hub push): :func:`~hf_resumable.format.sharding.plan_shards` places them,
-    :func:`~hf_resumable.format.sharding.build_index` describes them; the writer adds each shard's record to the index
-    (``_writer.index_document``)."""
+    """The one shard-planning path for tensors written as HF-style shards plus an index (model, optimizer, reshard,
+    Hub push); the writer adds each shard's record to the index."""
     plan = plan_shards({k: _nbytes(v) for k, v in tensors.items()}, max_shard_size=max_shard_size,
                        filename_pattern=pattern)
     for filename, names in plan.filename_to_names.items():
@@ -232,8 +226,7 @@ def capture_model(payload: Payload, model: torch.nn.Module | Mapping[str, torch.
     payload.blobs[FROZEN_RECORD_FILE] = json_bytes(frozen_record.to_json())
     logger.info("Frozen base not stored: %d tensor(s), %.1f MB (%s); %d trainable tensor(s) and buffers, %.1f MB.",
                 len(frozen_record.tensors), frozen_record.total_bytes / 1e6, frozen_record.describe_source(),
-                len(stored),
-                sum(_nbytes(t) for t in stored.values()) / 1e6)
+                len(stored), sum(_nbytes(t) for t in stored.values()) / 1e6)
 
 
 def _add_trainable(payload: Payload, stored: dict[str, torch.Tensor], tied: Mapping[str, str], frozen: set[str],

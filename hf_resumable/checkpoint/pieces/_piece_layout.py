@@ -1,19 +1,6 @@
-"""Per-rank pieces of an engine's state (FSDP2 / DTensor, FSDP1, ZeRO, or whole tensors split across the ranks):
-what each rank writes, and where every piece sits.
-
-Under FSDP2 (or any DTensor sharding) every rank holds a *piece* of each tensor: a box of the global
-tensor given by an ``offset`` and a ``shape``. A save writes each rank's pieces into its own
-safetensors files, in parallel, and rank 0 records the *layout* (every tensor's dtype and global shape,
-and which file holds which box) in ``sharded_layout.json``. A load computes the box the *loading* rank
-needs (any world size, any sharding, or the whole tensor for a plain model) and reads only the
-intersecting slices.
-
-Nothing here pickles: the layout travels between ranks as JSON (:func:`hf_resumable.distributed.all_gather_json`)
-and is written as JSON; tensors are written as safetensors.
-
-The pure helpers (:func:`plan_region_reads`, over the boxes of
-:func:`~hf_resumable.checkpoint._types.intersect_boxes`) work on integer tuples only, so they are tested without
-tensors.
+"""Per-rank pieces: what each rank writes (its boxes of every tensor, or the whole plain tensors it is given), and
+the layout (``sharded_layout.json``: every tensor's dtype, global shape and which file holds which box) built from
+every rank's JSON report. The planners here are pure. See docs/format.md#a-checkpoint-of-per-rank-pieces.
 """
 
 from __future__ import annotations
@@ -60,26 +47,10 @@ TENSOR_VIEW = "view"  # in a tensor's description: its own shape, when stored fl
 TENSOR_MASTER = "master"
 LAYOUT_VERSION_MASTERS = 2  # the layout version a section with TENSOR_MASTER descriptions needs to be read
 
-__all__ = [
-    "LAYOUT_FILE",
-    "LocalState",
-    "plan_region_reads",
-    "check_storable",
-    "pieces_to_stage",
-    "collect_local_state",
-    "find_tied",
-    "section_from_reports",
-    "stamp_layout_version",
-    "TENSOR_MASTER",
-    "layout_document",
-    "flatten_optimizer_state",
-    "piece_file",
-    "plan_hf_weights",
-    "plain_sizes",
-    "check_coverage",
-    "copy_fingerprints",
-    "full_weights_for",
-]
+__all__ = ["LAYOUT_FILE", "LocalState", "plan_region_reads", "check_storable", "pieces_to_stage",
+           "collect_local_state", "find_tied", "section_from_reports", "stamp_layout_version", "TENSOR_MASTER",
+           "layout_document", "piece_file", "plan_hf_weights", "plain_sizes", "check_coverage", "copy_fingerprints",
+           "full_weights_for"]
 
 
 @dataclass(frozen=True)
@@ -98,11 +69,9 @@ def _relative(box: Box, origin: Box) -> tuple[slice, ...]:
 
 def plan_region_reads(wanted: Box, pieces: Mapping[str, Box], *, name: str, source: str,
                       partial: bool = False) -> list[RegionRead]:
-    """The slice reads that assemble ``wanted`` from stored ``pieces`` (file -> box); pure, no IO.
-
-    Pieces of one tensor never overlap (each is written by exactly one rank), so the wanted box is
-    fully covered exactly when the intersections add up to its size. With ``partial`` (a weight whose missing
-    elements its fp32 master weights give, ``TENSOR_MASTER``), the reads of whatever the pieces cover.
+    """The slice reads that assemble ``wanted`` from stored ``pieces`` (file -> box); pure. Pieces never overlap, so
+    ``wanted`` is covered exactly when the intersections add up to its size; with ``partial`` (a weight its master
+    weights complete, ``TENSOR_MASTER``), the reads of whatever the pieces cover.
 
     Raises:
         CorruptCheckpointError: if the stored pieces do not cover ``wanted``.
@@ -132,12 +101,9 @@ def plan_region_reads(wanted: Box, pieces: Mapping[str, Box], *, name: str, sour
 
 
 def plain_sizes(state: Mapping[str, torch.Tensor], tied: Mapping[str, str]) -> dict[str, int]:
-    """The size in bytes of each plain (replicated, not DTensor) tensor of ``state`` that is kept (not a tied alias):
-    what :func:`~hf_resumable.checkpoint.commit._replicas.plan_replica_writers` splits over the ranks (every rank
-    holds the
-    same plain tensors, so every rank computes the same plan). Under DeepSpeed ZeRO-1/2 that is the whole model,
-    which rank 0 alone would otherwise stage and write. The layout records every piece's file, so nothing reads
-    them differently; :func:`check_coverage` refuses a layout in which the ranks disagreed.
+    """The size in bytes of each plain (not DTensor) tensor of ``state`` that is not a tied alias: what
+    ``plan_replica_writers`` splits over the ranks (every rank holds the same ones, so every rank plans alike; under
+    ZeRO-1/2 that is the whole model). :func:`check_coverage` refuses a layout in which the ranks disagreed.
 
     Example:
 
@@ -155,9 +121,9 @@ class LocalState:
     """What one rank contributes for one kind of state (model or optimizer).
 
     Args:
-        tensors (`dict[str, dict]`): every tensor's global ``dtype`` and ``shape`` (same on every rank).
+        tensors (`dict[str, dict]`): every tensor's global ``dtype`` and ``shape`` (the same on every rank).
         pieces (`list[tuple[str, torch.Tensor, Box]]`): this rank's pieces to write.
-        tied (`dict[str, str]`): aliases dropped because they share a tensor with a kept name.
+        tied (`dict[str, str]`): aliases left out because they share a tensor with a kept name.
     """
 
     tensors: dict[str, dict[str, Any]]
@@ -172,13 +138,9 @@ def local_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def find_tied(state: Mapping[str, torch.Tensor], *, local: Mapping[str, torch.Tensor] | None = None
               ) -> dict[str, str]:
-    """``{alias: first name}`` for names whose tensors share memory (tied weights, e.g. GPT-2's ``lm_head``).
-
-    :func:`~hf_resumable.checkpoint.state._model.find_aliases` on the local pieces: ``state_dict()`` detaches every
-    entry, so tied names hold distinct objects over one storage, which the local piece's storage tells apart. A
-    rank whose piece is empty cannot see a tie, but it writes nothing for it either: every rank drops the aliases it
-    sees, and the layout unites every rank's (:func:`section_from_reports`). ``local``: the :func:`local_tensors`
-    of ``state``, if already taken.
+    """``{alias: first name}`` for names whose local pieces share memory (tied weights), by ``find_aliases``. A rank
+    whose piece is empty cannot see a tie but writes nothing for it either; the layout unites every rank's
+    (:func:`section_from_reports`). ``local``: the :func:`local_tensors` of ``state``, if already taken.
     """
     if local is None:
         return find_aliases(state, local=local_tensor)
@@ -186,7 +148,7 @@ def find_tied(state: Mapping[str, torch.Tensor], *, local: Mapping[str, torch.Te
 
 
 def check_storable(state: Mapping[str, torch.Tensor]) -> None:
-    """Refuse what no piece file can hold, before anything is staged or written (dtypes and placements only).
+    """Refuse what no piece file can hold, before anything is staged or written.
 
     Raises:
         UnsupportedStateError: for a dtype safetensors cannot store, or a ``Partial`` DTensor.
@@ -203,9 +165,7 @@ def pieces_to_stage(state: Mapping[str, torch.Tensor], tied: Mapping[str, str], 
                     owners: Mapping[str, int] | None = None,
                     omit: Collection[str] = ()) -> list[tuple[str, torch.Tensor]]:
     """``(name, local piece)`` of every piece :func:`collect_local_state` will write for this rank: what an async
-    save copies on the training loop's time (never a byte of a tied alias, an empty piece, a replica another rank
-    writes or an ``omit``\ ted piece). ``local``: the :func:`local_tensors` of ``state``, if already taken;
-    ``owners``, ``omit``: as for :func:`collect_local_state`."""
+    save copies on the training loop's time. ``local``: the :func:`local_tensors` of ``state``, if already taken."""
     local = local if local is not None else local_tensors(state)
     owners = owners or {}
     return [(name, local[name]) for name, tensor in state.items()
@@ -216,15 +176,11 @@ def pieces_to_stage(state: Mapping[str, torch.Tensor], tied: Mapping[str, str], 
 def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: Mapping[str, str],
                         staged: Mapping[str, torch.Tensor] | None = None,
                         owners: Mapping[str, int] | None = None, omit: Collection[str] = ()) -> LocalState:
-    """This rank's pieces of ``state`` (DTensors and plain tensors, ``tied`` aliases left out) and every
-    tensor's global description. ``owners``: the rank that writes each plain tensor
-    (:func:`~hf_resumable.checkpoint.commit._replicas.plan_replica_writers`; rank 0 for a name it does not list).
-    ``omit``: tensors described but whose piece this rank does not write (ZeRO-3 weights its saved master
-    weights give, ``TENSOR_MASTER``).
-
-    ``staged`` (an async save's copies of the :func:`pieces_to_stage`) replaces the live local pieces: only the
-    tensors' metadata (dtype, global shape, mesh, placements) is read from ``state`` then, so this may run on a
-    background thread while training changes the live tensors.
+    """This rank's pieces of ``state`` (``tied`` aliases left out) and every tensor's global description.
+    ``owners``: the rank that writes each plain tensor (rank 0 where unlisted); ``omit``: tensors described whose
+    piece this rank does not write (weights the master weights give). ``staged`` (an async save's copies of
+    :func:`pieces_to_stage`) replaces the live pieces, so that only metadata is read from ``state`` and this may run
+    off the training thread.
 
     Raises:
         UnsupportedStateError: for an unsupported dtype or placement.
@@ -253,23 +209,6 @@ def collect_local_state(state: Mapping[str, torch.Tensor], *, rank: int, tied: M
                 local = staged[name]
             pieces.append((name, local, box))
     return LocalState(tensors, pieces, dict(tied))
-
-
-def flatten_optimizer_state(optimizer_state: Mapping[str, Any], optimizer_class: str
-                            ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Split an FQN-keyed optimizer state dict (``get_optimizer_state_dict``) into tensors and a JSON document.
-
-    Tensors (DTensors included) are named ``state/<param fqn>/<key>``, exactly as in
-    ``optimizer.safetensors`` of a regular checkpoint, and the document has the same shape as a
-    regular checkpoint's ``training_state.json["optimizer"]``, so
-    :func:`~hf_resumable.checkpoint.consolidate_checkpoint` turns one into the other by assembling tensors only.
-
-    Raises:
-        UnsupportedStateError: if a value cannot be stored without pickle.
-    """
-    from ..state._optimizer import encode_named_optimizer_state
-
-    return encode_named_optimizer_state(optimizer_state["state"], optimizer_state["param_groups"], optimizer_class)
 
 
 def piece_file(kind: str, rank: int, world_size: int) -> str:
@@ -306,9 +245,8 @@ def stamp_layout_version(layout: dict[str, Any]) -> dict[str, Any]:
 
 def section_from_reports(tensors: Mapping[str, Mapping[str, Any]], reports: list[Mapping[str, Any]]
                          ) -> dict[str, Any]:
-    """The layout section of one kind of state from every rank's :func:`piece_report`: the ranks' ties united,
-    every tensor but the aliases described (``tensors``: one rank's description), and every rank's pieces. Pure, so
-    every rank builds the same section from the same reports.
+    """The layout section of one kind of state from every rank's :func:`piece_report` (``tensors``: one rank's
+    descriptions): the ranks' ties united, every tensor but the aliases described, every rank's pieces. Pure.
 
     Example:
 
@@ -328,9 +266,8 @@ def section_from_reports(tensors: Mapping[str, Mapping[str, Any]], reports: list
 
 
 def check_coverage(section: Mapping[str, Any], *, source: str) -> None:
-    """Refuse a layout section in which a tensor's pieces do not add up to it exactly (pure): every element is
-    written by exactly one rank, and no piece twice, unless the ranks disagreed on who writes what (plain tensors
-    that were not the same on every rank, or a DTensor mesh whose copies the ranks count differently).
+    """Refuse a layout section in which a tensor's pieces do not cover it exactly once (pure): the ranks disagreed
+    on who writes what (plain tensors that differ between ranks, or mesh copies counted differently).
 
     Raises:
         CheckpointMismatchError: naming the tensors (the save commits nothing).
@@ -376,10 +313,8 @@ def piece_report(relpath: str, local: LocalState, copies: Mapping[str, Any] | No
 
 def copy_fingerprints(state: Mapping[str, torch.Tensor], tied: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     """``{name: {"offset": [...], "sample": fingerprint}}`` of every DTensor piece this rank holds in several copies
-    of a sub-mesh (an RMSNorm weight sharded over ``dp_shard`` and replicated over ``tp``): one copy writes it, so a
-    save checks that the copies agree (:func:`check_copies_agree`). Sampled xxh3-128 fingerprints
-    (:func:`~hf_resumable.checkpoint.pieces._frozen.fingerprint`), taken on the training loop's time, when the state is
-    the one saved."""
+    of a sub-mesh (e.g. sharded over ``dp_shard``, replicated over ``tp``): one copy writes it, so a save checks that
+    the copies agree (``check_copies_agree``). Taken on the training loop's time, when the state is the one saved."""
     prints = {}
     for name, tensor in state.items():
         if name in tied or not is_dtensor(tensor):
@@ -412,12 +347,8 @@ def plan_hf_weights(sizes: Mapping[str, int], *, world_size: int, max_shard_size
 
 def full_weights_for(state: Mapping[str, torch.Tensor], files: Mapping[str, str], owner: Mapping[str, int], *,
                      rank: int) -> dict[str, list[tuple[str, torch.Tensor]]]:
-    """Whole tensors of the HF shard files this rank writes, gathered from every rank's pieces.
-
-    ``DTensor.full_tensor()`` is a collective, so every rank walks ``state`` in the same order and takes
-    part in every gather; it keeps only the tensors of files it owns (memory: those files, plus one
-    tensor in flight).
-    """
+    """Whole tensors of the HF shard files this rank writes, gathered from every rank's pieces. Every rank walks
+    ``state`` in the same order (``full_tensor()`` is a collective) and keeps only the tensors of files it owns."""
     mine: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in state.items():
         if name not in files:
@@ -428,11 +359,12 @@ def full_weights_for(state: Mapping[str, torch.Tensor], files: Mapping[str, str]
     return mine
 
 
-def hf_weights_section(plan: ShardPlan, described: Mapping[str, Mapping[str, Any]], tied: Mapping[str, str]
-                       ) -> dict[str, Any]:
-    """Layout section for weights stored whole in HF shards: each tensor is one piece, its whole box."""
+def whole_tensor_section(files: Mapping[str, Collection[str]], described: Mapping[str, Mapping[str, Any]],
+                         tied: Mapping[str, str]) -> dict[str, Any]:
+    """Layout section for the ``described`` tensors stored whole (``files``: each file's tensor names, HF shards):
+    each tensor is one piece, its whole box."""
     pieces: dict[str, dict[str, Any]] = {}
-    for filename, names in plan.filename_to_names.items():
+    for filename, names in files.items():
         pieces[filename] = {n: Box((0,) * len(described[n]["shape"]), tuple(described[n]["shape"])).to_json()
                             for n in names}
     return {SECTION_TENSORS: dict(described), SECTION_PIECES: pieces, SECTION_TIED: dict(tied)}

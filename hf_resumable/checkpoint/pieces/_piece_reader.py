@@ -1,9 +1,6 @@
-"""Read the pieces of a checkpoint into whatever sharding the loading rank has (any world size).
-
-For every tensor the loading rank needs, the wanted box is this rank's DTensor piece (or the whole
-tensor for a plain model); :func:`~hf_resumable.checkpoint.pieces._piece_layout.plan_region_reads` says which
-slices of which stored pieces make it up, and :class:`~hf_resumable.format.slice_reader.VerifiedFile` reads those bytes
-(extended to the hashed chunks they cover) and checks them against the manifest.
+"""Read the pieces of a checkpoint into whatever sharding the loading rank has (any world size): the box each
+tensor's template holds, assembled from the slices of the stored pieces it overlaps (``plan_region_reads``), every
+byte checked against the manifest (``VerifiedFile``); files wanted whole are streamed as a regular load reads them.
 """
 
 from __future__ import annotations
@@ -37,6 +34,7 @@ from ._piece_layout import (
     TENSOR_VIEW,
     layout_document,
     plan_region_reads,
+    whole_tensor_section,
 )
 
 logger = logging.getLogger(__name__)
@@ -82,7 +80,7 @@ class Section:
 
 
 def parse_layout(document: Any, *, source: str) -> dict[str, Any]:
-    """Check the layout document's version and basic structure.
+    """Check the layout document's version and basic structure; returns it.
 
     Raises:
         FormatVersionError: if it was written by a newer hf_resumable.
@@ -101,30 +99,22 @@ def parse_layout(document: Any, *, source: str) -> dict[str, Any]:
 
 def _whole_tensor_section(index: ShardIndex, headers: Mapping[str, Any], tied: Mapping[str, str]) -> dict[str, Any]:
     """A layout section for an HF-style index: every tensor is one piece, the whole tensor, in its shard."""
-    tensors: dict[str, dict[str, Any]] = {}
-    pieces: dict[str, dict[str, Any]] = {}
-    for file, names in index.group_by_file().items():
-        header = headers.get(file)
-        if header is None:
+    files = index.group_by_file()
+    described = {}
+    for file, names in files.items():
+        if file not in headers:
             raise CorruptCheckpointError(f"{index.source}: refers to {file!r}, which the manifest does not list.")
         for name in names:
-            info = header.tensors[name]
-            tensors[name] = {"dtype": info.dtype, "shape": list(info.shape)}
-            pieces.setdefault(file, {})[name] = Box((0,) * len(info.shape), info.shape).to_json()
-    return {SECTION_TENSORS: tensors, SECTION_PIECES: pieces, SECTION_TIED: dict(tied)}
+            info = headers[file].tensors[name]
+            described[name] = {"dtype": info.dtype, "shape": list(info.shape)}
+    return whole_tensor_section(files, described, tied)
 
 
 def layout_from_regular(indexes: Mapping[str, ShardIndex | None], headers: Mapping[str, Any], *, world_size: int,
                         optimizer_document: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The layout of a regular (single-writer) checkpoint, so it loads into any sharding like a checkpoint of pieces.
-
-    Its optimizer tensors (``state/<name>/<key>``) and optimizer document already use the piece layout's
-    names and shape; only the pieces (whole tensors) are implied by the indexes.
-
-    Args:
-        indexes: ``{"model": ShardIndex, "optimizer": ShardIndex or None}``.
-        headers: relative path -> verified safetensors header.
-    """
+    """The layout of a regular checkpoint (``indexes``: ``{"model": ..., "optimizer": ... or None}``), so it loads
+    into any sharding as a checkpoint of pieces: its tensors and optimizer document already use the piece layout's
+    names; only the pieces (whole tensors) are implied by the indexes."""
     model = indexes["model"]
     optimizer = indexes.get("optimizer")
     return layout_document(
@@ -136,9 +126,6 @@ def layout_from_regular(indexes: Mapping[str, ShardIndex | None], headers: Mappi
 
 def check_pieces_stored(section: Section, headers: Mapping[str, Any], *, source: str) -> None:
     """Check every piece the layout names against the verified safetensors headers (file, name, shape, dtype).
-
-    Args:
-        headers: relative path -> parsed header, for the files the manifest lists (``VerifyReport.headers``).
 
     Raises:
         CorruptCheckpointError: listing every piece that is not stored as the layout says.
@@ -158,19 +145,19 @@ def check_pieces_stored(section: Section, headers: Mapping[str, Any], *, source:
                                      + "\n  ".join(problems[:20]) + "\nLoad an earlier checkpoint.")
 
 
+def read_section(reader: Any, layout: Mapping[str, Any], key: str) -> Section:
+    """The layout section ``key``, checked against the verified headers of the files it names (``reader``: the
+    opened checkpoint's)."""
+    source = str(reader.path / LAYOUT_FILE)
+    section = Section.from_json(layout[key], source=source)
+    check_pieces_stored(section, reader.report.headers, source=source)
+    return section
+
+
 class PieceReader:
-    """Reads boxes of stored tensors, each slice read with every byte it uses checked (the chunks it covers,
-    :class:`~hf_resumable.format.slice_reader.VerifiedFile`); keeps each file open once.
-
-    Use as a context manager so the file handles are closed.
-
-    Args:
-        reader: the opened checkpoint's reader (``OpenedCheckpoint._reader``): its ``path`` and its
-            ``verified_file(relpath)``, which opens a file with its manifest record and the verification's checks.
-        section (`Section`): the layout section read.
-        source (`str`): named in errors.
-        masters (`MasterWeights`, *optional*): gives the elements of a weight described with ``"master"`` that no
-            piece stores: its fp32 master weights, cast; closed with this reader.
+    """Reads boxes of a layout section's tensors through the opened checkpoint's reader, every byte a slice uses
+    checked; keeps each file open once (a context manager). ``masters`` (a ``MasterWeights``, closed with this
+    reader) gives the elements of a weight described with ``"master"`` that no piece stores.
     """
 
     def __init__(self, reader: Any, section: Section, *, source: str, masters: Any = None) -> None:
@@ -196,17 +183,9 @@ class PieceReader:
         return self._handles[file]
 
     def read_whole_files(self, wanted: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
-        """Read whole the files of which every tensor is in ``wanted`` as one whole piece (a checkpoint of whole
-        tensors, or a rank's file read at the world size it was written at) as the files of a regular checkpoint are
-        read: streamed, each file's hash checked in byte order while it is read (:func:`._parallel_read.read_files`).
-
-        Args:
-            wanted (`Mapping`): stored tensor name -> where to read it (a tensor of its shape) or ``None`` (new).
-
-        Returns:
-            `dict[str, torch.Tensor]`: what was read, by name (the given tensors, or new ones); the rest is left to
-            :meth:`read_box`.
-        """
+        """Read whole, streamed as a regular checkpoint's files are (each file's hash checked in byte order), the
+        files whose every tensor is in ``wanted`` (name -> a tensor of its shape to read into, or ``None``: new) as
+        one whole piece. Returns what was read, by name; the rest is left to :meth:`read_box`."""
         whole = {name for name in wanted if name not in self.section.masters
                  and _is_whole(self.section, name)}
         reads = []
@@ -256,9 +235,8 @@ def _wrap_like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 def check_fits(current: Mapping[str, torch.Tensor], section: Section, *, strict: bool, source: str,
                what: str) -> list[str]:
-    """Names of ``current`` to fill (in its order), matched by
-    :func:`~hf_resumable.checkpoint.state._model.match_keys`;
-    every missing, unexpected or mismatched key is reported at once.
+    """Names of ``current`` to fill (in its order), matched by ``match_keys``; every missing, unexpected or
+    mismatched key is reported at once.
 
     Raises:
         CheckpointMismatchError: listing all offending keys.
@@ -282,10 +260,9 @@ def _shape_for(template: torch.Tensor | None, section: Section, name: str) -> tu
 
 def fill_state(current: Mapping[str, torch.Tensor], reader: PieceReader, names: list[str], *,
                in_place: bool = False) -> dict[str, torch.Tensor]:
-    """New tensors shaped and sharded like ``current[name]`` for each of ``names``, read from the pieces (a
-    tensor stored flattened, into a whole template of its own shape: read whole and viewed). With ``in_place``, a
-    template that is a whole contiguous CPU tensor of the stored dtype is read into itself (and returned as is).
-    Files wanted whole are read whole (:meth:`PieceReader.read_whole_files`), the rest slice by slice."""
+    """New tensors shaped and sharded like ``current[name]`` for each of ``names``, read from the pieces (a tensor
+    stored flattened, into a template of its own shape: read whole and viewed); with ``in_place``, a template that
+    is a whole contiguous CPU tensor of the stored dtype is read into itself. Whole files are read whole."""
     filled: dict[str, torch.Tensor] = {}
     section = reader.section
     wanted: dict[str, torch.Tensor | None] = {}

@@ -1,28 +1,7 @@
-"""Pieces: the part of :func:`~hf_resumable.checkpoint.save_checkpoint` and of
-:meth:`~hf_resumable.checkpoint.OpenedCheckpoint.load_into` that stores and reads tensors as per-rank pieces.
-
-A checkpoint is a set of tensors, each stored as one or more pieces (a box of the global tensor). A whole tensor is
-one piece: a regular checkpoint (``model.safetensors`` or HF shards + index) is read here as such. A rank's pieces are
-what its engine holds: FSDP2 / DTensor local tensors, FSDP1's ``ShardedTensor`` shards re-wrapped, DeepSpeed ZeRO's
-flat partitions (:mod:`._partitioned`, :class:`ShardedOptimizerState`), or, for plain replicated tensors, whole
-tensors split across the ranks by bytes (:func:`~._replicas.plan_replica_writers`). :func:`saves_pieces` is the one
-rule that picks this layout; a load reads pieces at any world size, each rank only the slices it needs, every byte
-checked against the manifest's chunk hashes (:mod:`hf_resumable.format.chunks`).
-
-Layout of a piece ``checkpoint-<step>/``::
-
-    sharded/model-rank00000-of-00002.safetensors      rank 0's pieces of the weights (boxes in the header)
-    sharded/optimizer-rank00000-of-00002.safetensors  rank 0's pieces of the optimizer state
-    sharded_layout.json                               every tensor's dtype, global shape, and piece boxes
-    model.safetensors (or index + HF shards)          with layout="hf" only: whole weights instead of model pieces
-    frozen_base.json                                  frozen parameters, recorded instead of stored
-    config.json, training_state.json, rng/, data/     as in every checkpoint
-    manifest.json                                     written last
-
-(The directory and the layout file keep their format-v2 names, so checkpoints already written read unchanged.)
-
-Nothing is pickled: torch.distributed.checkpoint's writers pickle their metadata or exchange plans with pickling
-collectives, so neither is used; coordination here is JSON over :mod:`hf_resumable.distributed`.
+"""The piece half of ``save_checkpoint`` and ``OpenedCheckpoint.load_into``: a rank's pieces captured and planned
+inside the commit, read back at any world size (each rank only the slices it needs, every byte checked), and
+consolidated into whole tensors. :func:`saves_pieces` and :func:`reads_pieces` are the one rule for each direction.
+The files are in docs/format.md#a-checkpoint-of-per-rank-pieces; nothing is pickled (coordination is JSON).
 """
 
 from __future__ import annotations
@@ -52,7 +31,6 @@ from ...distributed import agreed_reads, all_gather_json, checkpoint_group, is_d
 from ...errors import CheckpointMismatchError, IncompleteCheckpointError
 from ...format._jsonio import json_bytes
 from ...format.sharding import build_index
-from ...format.state_codec import decode_state
 from .._types import Payload, TensorFile
 from ..background._step_gate import gated_optimizer, step_gate
 from ..commit._replicas import plan_replica_writers, split_replicas
@@ -60,6 +38,7 @@ from ..commit._writer import save_payload
 from ..commit.manifest import Manifest
 from ..state._model import TIED_KEY, load_state_dict_reason
 from ..state._model_files import single_file_metadata
+from ..state._optimizer import decode_optimizer_state, flatten_optimizer_state, load_by_position
 from ..state._validate import check_optimizer_document
 from ._dtensor import is_dtensor
 from ._frozen import base_not_stored, check_frozen_sharded, forget_fingerprints, split_frozen_sharded
@@ -94,9 +73,7 @@ from ._piece_layout import (
     collect_local_state,
     copy_fingerprints,
     find_tied,
-    flatten_optimizer_state,
     full_weights_for,
-    hf_weights_section,
     layout_document,
     local_tensors,
     piece_file,
@@ -107,15 +84,16 @@ from ._piece_layout import (
     plan_hf_weights,
     section_from_reports,
     stamp_layout_version,
+    whole_tensor_section,
 )
 from ._piece_reader import (
     PieceReader,
     Section,
     check_fits,
-    check_pieces_stored,
     fill_state,
     layout_from_regular,
     parse_layout,
+    read_section,
 )
 from ._placements import check_copies_agree
 from ._sharded_tensors import as_dtensors, into_sharded_tensors, optimizer_as_dtensors, optimizer_into_sharded_tensors
@@ -142,12 +120,11 @@ def _device(model: torch.nn.Module) -> torch.device:
 
 
 def _model_state(model: torch.nn.Module, originals: dict[str, Any] | None = None, *,
-                 partitioned: bool | None = None, parameters: Mapping[str, Any] | None = None,
-                 keep_vars: bool = False) -> dict[str, torch.Tensor]:
-    """FQN-keyed weights as this rank holds them (DTensor pieces under FSDP2 and, re-wrapped, FSDP1's sharded state
-    dict, whose ``ShardedTensor`` of each name goes into ``originals``; the partitions of the flattened parameters
-    under DeepSpeed ZeRO-3; plain tensors otherwise). ``partitioned``: :func:`is_partitioned` of ``model``, if
-    known; ``keep_vars``: unused (torch's ``get_model_state_dict`` returns detached entries)."""
+                 partitioned: bool | None = None, parameters: Mapping[str, Any] | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """FQN-keyed weights as this rank holds them: DTensor pieces (FSDP2; FSDP1's ``ShardedTensor`` re-wrapped, the
+    originals kept in ``originals``), ZeRO-3's partitions as pieces, plain tensors otherwise. ``partitioned``:
+    :func:`is_partitioned` of ``model``, if known."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state = get_model_state_dict(model, options=_options())
@@ -158,13 +135,11 @@ def _model_state(model: torch.nn.Module, originals: dict[str, Any] | None = None
 
 @runtime_checkable
 class ShardedOptimizerState(Protocol):
-    """An optimizer whose state an engine already splits across ranks (DeepSpeed ZeRO's flat partitions, see
-    :mod:`hf_resumable.integrations._deepspeed`), passed as ``optimizer=`` instead of the torch optimizer.
-
-    ``sharded_state_dict()`` returns ``{"state": {name: {key: DTensor piece or value}}, "param_groups": [...]}``
-    (groups list names), saved exactly as FSDP2 optimizer state; ``init_state()`` creates state to load into;
-    ``load_sharded_state_dict(state)`` puts a state dict of that shape in place. ``checkpoint_class`` is recorded
-    (and checked on load) as the optimizer's class; ``state`` and ``param_groups`` are the torch optimizer's.
+    """An optimizer whose state an engine already splits across ranks (DeepSpeed ZeRO's flat partitions), passed as
+    ``optimizer=`` instead of the torch optimizer. ``sharded_state_dict()`` returns ``{"state": {name: {key: DTensor
+    piece or value}}, "param_groups": [...]}`` (groups list names), saved as FSDP2 optimizer state; ``init_state()``
+    creates state to load into; ``load_sharded_state_dict(state)`` installs it. ``checkpoint_class`` is recorded
+    (and checked on load) as the optimizer's class.
 
     Example:
 
@@ -196,9 +171,8 @@ def _class_name(optimizer: Any) -> str:
 
 
 def engine_pieces(model: Any, optimizer: Any = None) -> bool:
-    """Whether an engine splits ``model`` or ``optimizer`` across ranks: DTensor parameters (FSDP2, tensor
-    parallel), FSDP1 wrappers, DeepSpeed ZeRO-3 partitions, or an optimizer that holds its own pieces
-    (:class:`ShardedOptimizerState`, ZeRO-1/2)."""
+    """Whether an engine splits ``model`` or ``optimizer`` across ranks: DTensor parameters, FSDP1 wrappers, ZeRO-3
+    partitions, or a :class:`ShardedOptimizerState` (ZeRO-1/2)."""
     if isinstance(optimizer, ShardedOptimizerState):
         return True
     if not isinstance(model, torch.nn.Module):
@@ -211,8 +185,7 @@ def engine_pieces(model: Any, optimizer: Any = None) -> bool:
 
 def saves_pieces(model: Any, optimizer: Any, layout: str) -> bool:
     """The one rule for a save's layout: per-rank pieces when ``layout="pieces"`` or an engine splits the model or
-    optimizer (:func:`engine_pieces`; with ``layout="hf"`` its weights are then gathered into HF files and only the
-    optimizer stays in pieces), else whole tensors in the HF layout.
+    optimizer (with ``layout="hf"`` its weights are then gathered into HF files), else whole tensors in the HF layout.
 
     Raises:
         ValueError: ``layout`` is not one of ``"auto"``, ``"hf"``, ``"pieces"``, or ``"pieces"`` for a state dict.
@@ -242,11 +215,8 @@ def reads_pieces(manifest_files: Any, model: Any, optimizer: Any) -> bool:
 
 
 def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """FQN-keyed optimizer state, without side effects on an optimizer that has not stepped yet.
-
-    ``get_optimizer_state_dict`` initializes an empty optimizer with a zero-lr step, which would start
-    AdamW's step count at 1 and change the run; that state is dropped again here.
-    """
+    """FQN-keyed optimizer state, without side effects on an optimizer that has not stepped yet
+    (``get_optimizer_state_dict`` initializes one with a zero-lr step, which would start AdamW's step count at 1)."""
     if isinstance(optimizer, ShardedOptimizerState):
         return optimizer.sharded_state_dict()
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -273,38 +243,19 @@ def _add_hf_weights(payload: Payload, weights: Mapping[str, torch.Tensor], local
     if rank == 0 and not single:
         index = build_index(plan, metadata={TIED_KEY: local.tied, "format": "pt"})
         payload.blobs[MODEL_INDEX_FILE] = json_bytes(index)
-    return hf_weights_section(plan, local.tensors, local.tied)
+    return whole_tensor_section(plan.filename_to_names, local.tensors, local.tied)
 
 
 @dataclass
 class _Pieces:
-    """This rank's share of a save in pieces, captured on the training loop's time, planned inside the commit.
-
-    :func:`capture_pieces` takes the state dicts (and, for an async save, the list of local pieces to copy);
-    :meth:`prepare` (step 2 of the commit protocol, on the background thread of an async save) describes them and
-    adds this rank's piece files; :meth:`finalize` builds ``sharded_layout.json`` from every rank's report, the
-    same bytes on every rank, which rank 0 writes once every rank's files are durable.
-
-    Args:
-        states (`dict`): ``kind -> (FQN-keyed state, the aliases this rank sees)`` of each kind stored in pieces.
-        staging (`dict[str, TensorFile]`): ``kind -> (name, local piece)`` of every piece written, for an async
-            save to copy in place (empty for a blocking save, which writes the live tensors).
-        layout (`dict`): the layout's fixed entries (version, world size, the ``hf_weights`` model section, the
-            optimizer document).
-        rank, world_size (`int`): this rank and the world size.
-        owners (`dict`): ``kind -> {name: rank}``, the rank that writes each plain (replicated) tensor
-            (:func:`~hf_resumable.checkpoint.commit._replicas.plan_replica_writers`).
-        masters, omitted (DeepSpeed ZeRO): the weights their saved fp32 master weights give, described so in the
-            layout, and those whose pieces this rank does not write
-            (:func:`~hf_resumable.checkpoint.pieces._partitioned.weights_from_masters`). An async save decides
-            ``omitted``
-            in :meth:`prepare` (``deferred``: the optimizer view; ``live``: the weights, copied there if they differ;
-            ``release``: opens the optimizer's steps, held until then).
+    """This rank's share of a save in pieces: captured on the training loop's time (:func:`capture_pieces`), planned
+    inside the commit (:meth:`prepare`, step 2, on an async save's thread), its layout built from every rank's report
+    (:meth:`finalize`, the same bytes on every rank). An async save decides ``omitted`` in :meth:`prepare`.
     """
 
-    states: dict[str, tuple[Mapping[str, torch.Tensor], dict[str, str]]]
-    staging: dict[str, TensorFile]
-    layout: dict[str, Any]
+    states: dict[str, tuple[Mapping[str, torch.Tensor], dict[str, str]]]  # kind -> (FQN-keyed state, its aliases)
+    staging: dict[str, TensorFile]  # kind -> the local pieces an async save copies (empty for a blocking save)
+    layout: dict[str, Any]  # the layout's fixed entries (the hf_weights model section, the optimizer document)
     rank: int
     world_size: int
     views: dict[str, list[int]] = field(default_factory=dict)  # ZeRO-3: each weight's own shape (stored flattened)
@@ -313,7 +264,7 @@ class _Pieces:
     deferred: Any = None  # ZeRO, async: the optimizer whose masters prepare() checks, its steps held meanwhile
     live: dict[str, torch.Tensor] = field(default_factory=dict)  # ...and the local weights, copied if they differ
     release: Any = None  # opens the held steps (idempotent)
-    owners: dict[str, dict[str, int]] = field(default_factory=dict)
+    owners: dict[str, dict[str, int]] = field(default_factory=dict)  # kind -> {plain tensor: the rank writing it}
     described: dict[str, dict[str, Any]] = field(default_factory=dict)
     copies: dict[str, dict[str, Any]] = field(default_factory=dict)  # kind -> copy_fingerprints of its state
 
@@ -367,11 +318,10 @@ def capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.op
                     rank: int, world_size: int, hf_weights: bool, max_shard_size: int | str, standalone: bool,
                     stage: bool) -> _Pieces:
     """What must happen on the training loop's time: the state-dict walks, the checks that raise now, the
-    collectives on the default group (the frozen record's gather; ``hf_weights``' gathers) and, with ``stage``,
-    the list of the local pieces an async save copies."""
+    collectives (the frozen record's gather; ``hf_weights``' gathers) and, with ``stage``, the pieces to copy."""
     partitioned = is_partitioned(model)
     parameters = state_parameters(model) if partitioned else None  # ZeRO-3: one walk, shared by the steps below
-    weights = _model_state(model, partitioned=partitioned, parameters=parameters, keep_vars=True)
+    weights = _model_state(model, partitioned=partitioned, parameters=parameters)
     states: dict[str, tuple[Mapping[str, torch.Tensor], dict[str, str]]] = {}
     layout: dict[str, Any] = {}
     local = local_tensors(weights)
@@ -442,19 +392,10 @@ def _read_layout(reader: _Reader) -> dict[str, Any]:
 
 
 def _piece_reader(reader: _Reader, layout: Mapping[str, Any], section: Section) -> PieceReader:
-    """A reader of ``section``'s pieces, and of the master weights that give its weights described with
-    ``"master"`` (ZeRO-3)."""
+    """A reader of ``section``'s pieces, and of the master weights of its weights described with ``"master"``."""
     source = str(reader.path)
-    masters = MasterWeights(reader, layout, reader.report.headers, source=source) if section.masters else None
+    masters = MasterWeights(reader, layout, source=source) if section.masters else None
     return PieceReader(reader, section, source=source, masters=masters)
-
-
-def _section(reader: _Reader, layout: Mapping[str, Any], key: str) -> Section:
-    """One layout section, checked against the verified headers of the files it names."""
-    source = str(reader.path / LAYOUT_FILE)
-    section = Section.from_json(layout[key], source=source)
-    check_pieces_stored(section, reader.report.headers, source=source)
-    return section
 
 
 def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Module, *, strict: bool,
@@ -466,7 +407,7 @@ def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Modu
     current = _model_state(model, originals)
     frozen = check_frozen_sharded(reader, current, full=full, strict=strict)  # recorded, not stored: checked
     current = {name: tensor for name, tensor in current.items() if name not in frozen}
-    section = _section(reader, layout, LAYOUT_KEY_MODEL)
+    section = read_section(reader, layout, LAYOUT_KEY_MODEL)
     names = check_fits(current, section, strict=strict, source=source, what="model")
     partitioned = is_partitioned(model)
     # One process, a plain model whose state dict is its weights and that runs nothing of its own on load: read
@@ -491,39 +432,12 @@ def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Modu
     set_model_state_dict(model, filled, options=_options(strict=strict and not frozen))
 
 
-def _param_groups(saved: list[Mapping[str, Any]], current: list[Mapping[str, Any]], tensors: Mapping[str, Any],
-                  *, source: str) -> list[dict[str, Any]]:
-    """Saved hyper-parameters, with each group's parameters listed as the current optimizer lists them (as many
-    groups: :func:`_check_optimizer_document`)."""
-    groups = []
-    for i, (group, now) in enumerate(zip(saved, current)):
-        if set(group["params"]) != set(now["params"]):
-            raise CheckpointMismatchError(f"{source}: param group {i} holds different parameters than when saved.")
-        decoded = {k: decode_state(v, tensors, source=source) for k, v in group.items() if k != "params"}
-        groups.append({**decoded, "params": list(now["params"])})
-    return groups
-
-
-def _rebuild_optimizer_state(filled: Mapping[str, torch.Tensor], document: Mapping[str, Any],
-                             current: Mapping[str, Any], *, source: str) -> dict[str, Any]:
-    state: dict[str, dict[str, Any]] = {}
-    for key, value in filled.items():
-        if key.startswith(OPTIMIZER_STATE_PREFIX):
-            fqn, _, field = key[len(OPTIMIZER_STATE_PREFIX):].rpartition("/")
-            state.setdefault(fqn, {})[field] = value
-    for fqn, fields in document.get("non_tensor_state", {}).items():
-        for field, value in fields.items():
-            state.setdefault(fqn, {})[field] = decode_state(value, filled, source=source)
-    groups = _param_groups(document["param_groups"], current["param_groups"], filled, source=source)
-    return {"state": state, "param_groups": groups}
-
-
 def _load_param_groups_only(model: torch.nn.Module, optimizer: torch.optim.Optimizer, document: Mapping[str, Any],
                             *, source: str) -> None:
     """The saved optimizer had not stepped yet: restore its hyper-parameters and leave its state empty."""
     current = _optimizer_state(model, optimizer)
     optimizer.state.clear()
-    groups = _param_groups(document["param_groups"], current["param_groups"], {}, source=source)
+    groups = decode_optimizer_state({}, document, current["param_groups"], source=source)["param_groups"]
     for group, saved in zip(optimizer.param_groups, groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
 
@@ -555,7 +469,7 @@ def _load_resharded_partitions(reader: _Reader, section: Section, document: Mapp
     current = optimizer.sharded_state_dict()
     with agreed_reads(source), PieceReader(reader, section, source=source) as pieces:
         filled, renamed = reshard_partitions(current, document, pieces, source=source)
-    optimizer.load_sharded_state_dict(_rebuild_optimizer_state(filled, renamed, current, source=source))
+    optimizer.load_sharded_state_dict(decode_optimizer_state(filled, renamed, current["param_groups"], source=source))
     logger.info("Cut %d optimizer partition(s) of this rank from %d saved one(s) (another world size).",
                 len(current["state"]), len(document["non_tensor_state"]))
 
@@ -566,7 +480,7 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
 
     source = str(reader.path)
     document = layout[LAYOUT_KEY_OPTIMIZER_DOC]  # present and of this class (_check_optimizer_document)
-    section = _section(reader, layout, LAYOUT_KEY_OPTIMIZER)
+    section = read_section(reader, layout, LAYOUT_KEY_OPTIMIZER)
     if not document["non_tensor_state"] and not any(n.startswith(OPTIMIZER_STATE_PREFIX) for n in section.dtypes):
         _load_param_groups_only(model, optimizer, document, source=source)
         return
@@ -587,11 +501,11 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
     names = check_fits(current_tensors, section, strict=True, source=source, what="optimizer")
     with agreed_reads(source), PieceReader(reader, section, source=source) as pieces:  # before the apply's collectives
         filled = fill_state(current_tensors, pieces, names)
-    state = _rebuild_optimizer_state(filled, document, current, source=source)
+    state = decode_optimizer_state(filled, document, current["param_groups"], source=source)
     if own_pieces:
         optimizer.load_sharded_state_dict(state)
     elif direct is not None:
-        _load_by_position(optimizer, state)
+        load_by_position(optimizer, state)
     else:
         state = optimizer_into_sharded_tensors(state, originals)
         set_optimizer_state_dict(model, optimizer, state, options=_options())
@@ -600,10 +514,9 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
 def _state_templates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, section: Section,
                      document: Mapping[str, Any]) -> dict[str, Any] | None:
     """The optimizer's FQN-keyed state as the checkpoint describes it, built from the live parameters without
-    running the optimizer: each stored state tensor shaped (and, for a DTensor parameter, placed) like its parameter,
-    a scalar as a scalar. ``None`` where that does not describe it (FSDP1's flat parameters, a parameter the model
-    does not name, state shaped unlike its parameter, other parameter groups): torch's ``get_optimizer_state_dict``
-    then creates the state with a zero-gradient step of the optimizer, whose cost is a whole step."""
+    running the optimizer (each state tensor shaped and placed like its parameter, a scalar as a scalar); ``None``
+    where that does not describe it (FSDP1, unnamed parameters, state shaped unlike its parameter, other groups):
+    torch's ``get_optimizer_state_dict`` then creates the state with a whole zero-gradient step."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
@@ -638,16 +551,6 @@ def _state_templates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     return {"state": state, "param_groups": groups}
 
 
-def _load_by_position(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-    """Install FQN-keyed optimizer state through the optimizer's own ``load_state_dict`` (its parameters by position,
-    as it lists them; the tensors already final, so it keeps them)."""
-    position = {fqn: i for i, fqn in enumerate(fqn for group in state["param_groups"] for fqn in group["params"])}
-    optimizer.load_state_dict({
-        "state": {position[fqn]: fields for fqn, fields in state["state"].items()},
-        "param_groups": [{**group, "params": [position[fqn] for fqn in group["params"]]}
-                         for group in state["param_groups"]]})
-
-
 def load_pieces_into(
     opened: OpenedCheckpoint,
     *,
@@ -659,18 +562,9 @@ def load_pieces_into(
     strict: bool = True,
     allow_inexact_resume: bool | None = None,
 ) -> OpenedCheckpoint:
-    """:meth:`~hf_resumable.checkpoint.OpenedCheckpoint.load_into` where :func:`reads_pieces`: each rank reads the
-    slices of the stored pieces that overlap what it holds (the whole tensors for a plain model), at any world size.
-
-    Under torch.distributed every rank calls it (collective): each rank reads its pieces into new tensors, the ranks
-    agree that every read succeeded, and only then are the live objects filled. The RNG is restored last.
-
-    Args:
-        opened (`OpenedCheckpoint`): from :func:`~hf_resumable.checkpoint.open_checkpoint`.
-        model, optimizer, scheduler, scaler, restore_rng, strict, allow_inexact_resume: as in ``load_into``.
-
-    Returns:
-        `OpenedCheckpoint`: ``opened``, its objects filled.
+    """``OpenedCheckpoint.load_into`` where :func:`reads_pieces`: each rank reads the slices of the stored pieces
+    that overlap what it holds, at any world size. A collective: the ranks agree that every read succeeded before
+    any live object is filled; the RNG is restored last. Returns ``opened``.
 
     Raises:
         ValueError: ``optimizer`` without ``model`` (optimizer state is matched by parameter name).
@@ -721,7 +615,7 @@ def _check_optimizer_document(opened: OpenedCheckpoint, layout: Mapping[str, Any
 
 def _consolidated_section(reader: _Reader, layout: Mapping[str, Any], key: str
                           ) -> tuple[Section, dict[str, torch.Tensor]]:
-    section = _section(reader, layout, key)
+    section = read_section(reader, layout, key)
     with _piece_reader(reader, layout, section) as pieces:
         # a weight stored flattened (ZeRO-3's partitions) gets its own shape back
         return section, {name: pieces.read_full(name).view(section.views.get(name, section.shapes[name]))
@@ -730,8 +624,8 @@ def _consolidated_section(reader: _Reader, layout: Mapping[str, Any], key: str
 
 def consolidate_pieces(reader: _Reader, output_dir: str | os.PathLike, *, max_shard_size: int | str,
                        include_optimizer: bool, overwrite: bool) -> Manifest:
-    """:func:`~hf_resumable.checkpoint.consolidate_checkpoint` of the checkpoint ``reader`` reads (fully verified):
-    its pieces assembled into whole tensors, written in the regular layout."""
+    """``consolidate_checkpoint`` of the (fully verified) checkpoint ``reader`` reads: its pieces assembled into whole
+    tensors, written in the regular layout."""
     path = reader.path
     if LAYOUT_FILE not in reader.manifest.files:
         raise IncompleteCheckpointError(f"{path} has no {LAYOUT_FILE}: it is already a regular checkpoint "

@@ -1,27 +1,7 @@
-"""Where a DTensor's piece sits, and which rank writes it: pure planning from placements and mesh coordinates.
-
-A DTensor on a ``DeviceMesh`` of any number of (named) dimensions holds, on each rank, the box of the global tensor
-its placements give (``Shard(d)`` on any dimension, several mesh dimensions sharding one tensor dimension,
-``_StridedShard`` as FSDP2 uses over tensor parallel, ``Replicate``). Several ranks may hold the same box: those that
-differ only in a mesh dimension the tensor is replicated over, and those that hold the same coordinate in another
-*copy* of the mesh (a tensor on a sub-mesh, e.g. an RMSNorm weight sharded over ``dp_shard`` and, untouched by tensor
-parallel, replicated over ``tp``). Exactly one of them writes it.
-
-:func:`plan_piece` answers both questions for one rank from integers and placements only (no process group, no
-tensor), so every rank computes every other rank's answer and the ranks agree without a collective:
-
-* the box: torch's own ``_compute_local_shape_and_global_offset`` (the plain-data form of
-  ``compute_local_shape_and_global_offset``), refusing ``Partial`` placements (a pending reduction);
-* the writer: the holders of one box are numbered (copy index first, then the replicated mesh coordinates); the one
-  whose number is ``(crc32(name) + index of the box) % holders`` writes, so the writes of replicated pieces spread
-  over the ranks instead of landing on rank 0.
-
-``_StridedShard`` pieces are boxes only where the strided split leaves each rank a contiguous range (FSDP2 over a
-tensor-parallel weight whose size both split evenly); :func:`check_tiling` proves it for a layout, one tensor
-dimension at a time (the ranges must follow each other and cover it), and refuses the others.
-
-:func:`describe_mesh` is the one place that reads a ``DeviceMesh`` (its shape, this rank's coordinate, and which copy
-of it this rank is in).
+"""Where a DTensor's piece sits, and which rank writes it: pure planning from placements and mesh coordinates
+(no process group, no tensor), so every rank computes every other rank's answer without a collective. A
+``_StridedShard`` split is refused where it leaves a rank elements that are not one box; :func:`describe_mesh` is
+the one reader of a ``DeviceMesh``. See docs/multi-gpu.md#pieces-of-any-dtensor-placement-tensor-parallel-n-d-meshes.
 """
 
 from __future__ import annotations
@@ -47,15 +27,9 @@ REPORT_COPIES = "copies"  # in a rank's layout report: {name: {"offset", "sample
 
 @dataclass(frozen=True)
 class MeshView:
-    """One rank's view of a ``DeviceMesh``, as plain integers.
-
-    Args:
-        shape (`tuple[int, ...]`): the mesh's size in each dimension.
-        coordinate (`tuple[int, ...]`): this rank's coordinate in it.
-        copies (`int`, *optional*, defaults to 1): how many copies of this mesh the job holds (a sub-mesh sliced out
-            of a larger mesh has one per coordinate of the dimensions it leaves out); each copy holds the same tensors.
-        copy (`int`, *optional*, defaults to 0): which of them this rank is in.
-    """
+    """One rank's view of a ``DeviceMesh``, as plain integers: its shape, this rank's coordinate, how many copies
+    of the mesh the job holds (a sub-mesh sliced out of a larger one has one per coordinate of the dimensions it
+    leaves out; each holds the same tensors) and which copy this rank is in."""
 
     shape: tuple[int, ...]
     coordinate: tuple[int, ...]
@@ -71,15 +45,8 @@ class MeshView:
 
 @dataclass(frozen=True)
 class PiecePlan:
-    """The piece of one tensor a rank holds, and whether it writes it.
-
-    Args:
-        offset (`tuple[int, ...]`), shape (`tuple[int, ...]`): the box of the global tensor.
-        holders (`int`): how many ranks of the job hold this same box.
-        writes (`bool`): whether this rank is the one of them that writes it.
-        copies (`int`, *optional*, defaults to 1): how many copies of the mesh hold it (more than 1: nothing in the
-            placements says the copies are equal, so a save compares them).
-    """
+    """The box of one tensor a rank holds, how many ranks hold the same box, whether this rank writes it, and how
+    many copies of the mesh hold it (more than 1: nothing says the copies are equal, so a save compares them)."""
 
     offset: tuple[int, ...]
     shape: tuple[int, ...]
@@ -106,12 +73,9 @@ def _box(shape: tuple[int, ...], placements: tuple, mesh_shape: tuple[int, ...],
 
 def check_tiling(shape: tuple[int, ...], placements: tuple, mesh_shape: tuple[int, ...], *, name: str = "tensor"
                  ) -> None:
-    """Refuse a layout whose pieces are not boxes that tile the tensor (pure).
-
-    A piece's range along a tensor dimension depends only on the mesh dimensions that shard that tensor dimension, so
-    each tensor dimension is checked alone: over the coordinates of those mesh dimensions, the distinct non-empty
-    ranges must follow each other from 0 to the dimension's size. Only a ``_StridedShard`` split can fail it (each
-    rank's elements are then every ``split_factor``-th chunk, which is a range only when its chunks are adjacent).
+    """Refuse a layout whose pieces are not boxes that tile the tensor (pure). Each tensor dimension is checked alone
+    (over the mesh dimensions that shard it, the distinct ranges must follow each other from 0 to its size); only a
+    ``_StridedShard`` split can fail.
 
     Raises:
         UnsupportedStateError: naming the tensor and its placements.
@@ -166,15 +130,6 @@ def plan_piece(shape: Sequence[int], placements: Sequence[Any], mesh: MeshView, 
     the one numbered ``(crc32(name) + b) % holders``, ``b`` the index of the box among the tensor's boxes, so the
     writes of a model's replicated pieces spread over the ranks.
 
-    Args:
-        shape (`Sequence[int]`): the global shape.
-        placements (`Sequence[Placement]`): one per mesh dimension.
-        mesh (`MeshView`): the mesh and this rank's place in it (:func:`describe_mesh`).
-        name (`str`): the tensor's name (spreads the writers; named in errors).
-
-    Returns:
-        `PiecePlan`: the box, how many ranks hold it, and whether this rank writes it.
-
     Raises:
         UnsupportedStateError: for a ``Partial`` placement, or pieces that are not boxes (:func:`check_tiling`).
         ValueError: if there are not as many placements as mesh dimensions.
@@ -216,12 +171,9 @@ def _linear(coordinate: Sequence[int], sizes: Sequence[int]) -> int:
 
 
 def describe_mesh(mesh: Any) -> MeshView | None:
-    """This rank's :class:`MeshView` of a ``DeviceMesh``, or ``None`` if this rank is not in it.
-
-    The copies of a mesh sliced out of a larger one (``mesh["dp_shard"]`` of a ``("dp_shard", "tp")`` mesh) are the
-    other slices: torch's mesh layout lists every one of them (``_layout.remap_to_tensor(_rank_map)``, one row per
-    copy); a mesh without that record (an older torch) counts as its only copy, and the save's coverage check refuses
-    what that misses.
+    """This rank's :class:`MeshView` of a ``DeviceMesh``, or ``None`` if this rank is not in it. The copies of a
+    sliced mesh are the rows of torch's mesh layout (``_layout.remap_to_tensor(_rank_map)``); a mesh without that
+    record counts as its only copy, and the save's coverage check refuses what that misses.
     """
     import torch
 
@@ -243,8 +195,8 @@ def describe_mesh(mesh: Any) -> MeshView | None:
 
 
 def check_copies_agree(reports: list[Mapping[str, Any]], *, source: str) -> None:
-    """Refuse a save in which the copies of one piece differ (pure): data-parallel replicas whose gradients were
-    never averaged, say, of which a checkpoint could keep only one.
+    """Refuse a save in which the copies of one piece differ (pure), e.g. replicas whose gradients were never
+    averaged, of which a checkpoint could keep only one.
 
     Raises:
         CheckpointMismatchError: naming the tensors (the save commits nothing).

@@ -1,11 +1,6 @@
-"""Rewrite the sharded tensor files of a committed checkpoint with a new shard size (helper of ``convert``).
-
-The model weights come out as any save writes them: one ``model.safetensors`` if they fit in one shard of the
-new size, else the HF index and its shards (so resharding also moves a checkpoint between the two layouts).
-
-Builds a checkpoint :class:`~hf_resumable.checkpoint._types.Payload` from the files on disk (sharded
-tensors re-planned, every other file carried as bytes) and commits it with the same writer
-``save_checkpoint`` uses: temp directory, manifest last, atomic rename.
+"""Rewrite the HF shards of a committed checkpoint with a new shard size (``convert``): a payload of the files on
+disk, tensors re-planned (one ``model.safetensors`` when they fit in one shard) and every other file carried as
+bytes, committed by the writer ``save_checkpoint`` uses.
 """
 
 from __future__ import annotations
@@ -16,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ...constants import OPTIMIZER_FILE_PATTERN, OPTIMIZER_INDEX_FILE, SINGLE_MODEL_FILE
+from ...constants import OPTIMIZER_FILE_PATTERN, OPTIMIZER_INDEX_FILE, SHARDS_KEY, SINGLE_MODEL_FILE
 from ...format.safetensors_io import read_header, read_safetensors
 from ...format.sharding import ShardIndex, parse_index
 from .._types import Payload
@@ -24,7 +19,7 @@ from ..commit._writer import save_payload
 from ..commit.manifest import Manifest
 from ..state._model import TIED_KEY, check_tied
 from ..state._model_files import model_index, model_weights_file
-from ._payload import SHARDS_KEY, add_model_weights, add_sharded
+from ._payload import add_model_weights, add_sharded
 
 
 def _read_sharded(directory: Path, index: ShardIndex) -> dict[str, torch.Tensor]:
@@ -49,8 +44,7 @@ def _read_index(source: Path, relpath: str) -> ShardIndex:
 
 
 def rewrite_shards(source: Path, target: Path, manifest: Manifest, *, max_shard_size: int | str) -> Manifest:
-    """Re-shard the model weights (either layout, see :mod:`.checkpoint.state._model_files`: one ``model.safetensors``
-    when they fit in one shard, else the HF index) and the optimizer tensors from ``source`` into ``target``."""
+    """Re-shard the model weights (either layout) and the optimizer tensors from ``source`` into ``target``."""
     payload = Payload()
     consumed: set[str] = set()
     files = manifest.files

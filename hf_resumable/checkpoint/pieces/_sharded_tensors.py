@@ -1,15 +1,7 @@
-"""FSDP1's sharded state dicts (``ShardedTensor`` pieces) as the DTensor pieces of the sharded format.
-
-``torch.distributed.checkpoint.state_dict`` reads an FSDP1 model and its optimizer under
-``StateDictType.SHARDED_STATE_DICT``: every weight and every optimizer moment comes as a ``ShardedTensor`` whose one
-local shard is this rank's chunk of dim 0 (``torch.chunk`` sizes over the FSDP process group). That is exactly the
-piece a ``DTensor`` sharded on dim 0 over the same group holds, so :func:`as_dtensors` re-wraps each local shard
-(no copy) and the sharded writer stores it as it stores FSDP2 pieces. A load fills the pieces, and
-:func:`into_sharded_tensors` copies them back into the ``ShardedTensor`` templates FSDP1's own load reads
-(``set_model_state_dict`` / ``set_optimizer_state_dict``), which it reshards into its flat parameters.
-
-Only a sharding over every rank is stored this way (``FULL_SHARD`` / ``SHARD_GRAD_OP``); a hybrid one, whose
-replica groups would each write the same pieces, is refused.
+"""FSDP1's sharded state dicts as pieces: each ``ShardedTensor``'s one local shard is this rank's chunk of dim 0,
+exactly the piece a DTensor sharded on dim 0 over the same group holds, so it is re-wrapped (no copy) on save, and a
+load copies the pieces back into the ``ShardedTensor`` templates FSDP1's own load reads. Only a sharding over every
+rank (``FULL_SHARD`` / ``SHARD_GRAD_OP``) is stored this way; a hybrid one is refused.
 """
 
 from __future__ import annotations
@@ -45,7 +37,6 @@ def _piece(name: str, value: Any, device: torch.device) -> torch.Tensor:
         UnsupportedStateError: a sharding that is not one chunk of dim 0 per rank over every rank.
     """
     from torch.distributed.tensor import DTensor, Shard
-
 
     group = value._process_group
     shards = value.local_shards()

@@ -1,8 +1,6 @@
 """The training state's own rules: a model's state dict (ties, aliases, key matching), its Hugging Face weight files,
-the optimizer's tensors, and the checks on a loaded state.
-
-The names below are this room's door for the rest of the library (the lazy loader, the Hub export and the data
-loaders share these rules); everything else here is private to ``hf_resumable.checkpoint``.
+the optimizer's tensors, and the checks on a loaded state. The names below are this room's door for the rest of the
+library; everything else here is private to ``hf_resumable.checkpoint``.
 """
 
 from ._model import KeyMatch, Mismatch, dedupe_tied, find_aliases, match_keys, mismatch_message

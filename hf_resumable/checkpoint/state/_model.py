@@ -1,7 +1,6 @@
-"""Model weights <-> named tensors: the one tied-weight detector (:func:`find_aliases`, used for dedup on save,
-the sharded save and lazy loading), the one key matcher (:func:`match_keys`: does this checkpoint fit this model,
-for regular, sharded and lazy loads) with its one error message, and on load the tied-record check and the choice
-between reading in place and the model's own ``load_state_dict``.
+"""Model weights <-> named tensors: the one tied-weight detector (:func:`find_aliases`), the one key matcher
+(:func:`match_keys`) with its one error message, and on load the tied-record check and the choice between reading in
+place and the model's own ``load_state_dict``.
 
 Example:
 
@@ -59,12 +58,8 @@ def storage_key(tensor: torch.Tensor) -> tuple | None:
 def find_aliases(state: Mapping[str, torch.Tensor], *,
                  local: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, str]:
     """``{alias: first name}`` for the names of ``state`` that are one tensor (tied weights, e.g. GPT-2's
-    ``lm_head.weight`` and ``transformer.wte.weight``): the one tied-weight detector.
-
-    Two entries are one tensor when they view the same bytes the same way (:func:`storage_key`; ``state_dict()``
-    detaches every entry, so tied names hold distinct objects over one storage), or, for a tensor without bytes
-    (a meta-device model, an empty tensor), when they are the very same object. The first name in ``state``
-    order is kept, as transformers keeps it.
+    ``lm_head.weight`` and ``transformer.wte.weight``): entries that view the same bytes the same way
+    (:func:`storage_key`), or, without bytes, the very same object. The first name is kept, as transformers keeps it.
 
     Args:
         state: names -> tensors, in state-dict order.
@@ -89,10 +84,8 @@ def model_state(model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor
 
 
 def dedupe_tied(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Drop aliases (:func:`find_aliases`), keeping the first name.
-
-    The first name in state-dict order is the one transformers keeps too (e.g. GPT-2's
-    ``transformer.wte.weight`` over ``lm_head.weight``), so ``from_pretrained`` re-ties correctly.
+    """Drop aliases (:func:`find_aliases`), keeping the first name, as transformers does (so ``from_pretrained``
+    re-ties correctly).
 
     Returns:
         `(tensors, tied)`: tensors to write, and ``{dropped_name: kept_name}``.
@@ -108,10 +101,8 @@ def dedupe_tied(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
 
 
 def check_tied(tied: Any, stored: Mapping[str, Any], *, source: str) -> dict[str, str]:
-    """Check the index's tied-weight record ``{dropped: kept}`` against the tensors actually stored.
-
-    An alias must name a tensor that is NOT stored (else loading would overwrite one stored tensor with
-    another, e.g. ``wpe.weight`` with ``wte.weight``) and point at one that is.
+    """Check the index's tied-weight record ``{dropped: kept}`` against the tensors stored: an alias must not be
+    stored itself (loading would overwrite one stored tensor with another) and must point at one that is.
 
     Raises:
         CorruptCheckpointError: listing every bad alias.
@@ -136,8 +127,7 @@ class Mismatch:
 
     Args:
         name (`str`): the expected (model) name.
-        stored (`TensorSpec`, *optional*): the checkpoint's dtype and shape for it.
-        expected (`TensorSpec`, *optional*): the model's.
+        stored, expected (`TensorSpec`, *optional*): the checkpoint's and the model's dtype and shape.
         reason (`str`, *optional*): why it cannot receive bytes at all (e.g. it is on the meta device).
     """
 
@@ -210,11 +200,7 @@ def match_keys(
     compare_dtype: bool = True,
     report_unexpected: bool = True,
 ) -> KeyMatch:
-    """The one answer to "does this checkpoint fit": match expected names to stored tensors by dtype and shape.
-
-    Used by the regular load (:func:`check_model_fits`), the sharded load
-    (:func:`hf_resumable.checkpoint.pieces._piece_reader.check_fits`) and lazy loading
-    (:func:`hf_resumable.lazy.plan_load`). Pure: only names, dtypes and shapes.
+    """The one answer to "does this checkpoint fit": match expected names to stored tensors by dtype and shape (pure).
 
     An expected name is filled by the stored tensor of the same name, or by the one the checkpoint's ``tied``
     record says it is an alias of (it receives that tensor's bytes, so it must have its shape and dtype). A name
@@ -298,12 +284,8 @@ def check_model_fits(
     source: str,
     targets: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Compare checkpoint keys/shapes/dtypes with the model once, globally (:func:`match_keys`); return the
-    model's targets that stored tensors are read into.
-
-    Aliases (``tied``) are checked against the tensor they share: the model's tensor under the alias name
-    must have the stored tensor's dtype and shape, since it receives its bytes. A model tensor on the meta
-    device cannot receive bytes in place.
+    """Compare checkpoint keys/shapes/dtypes with the model once, globally (:func:`match_keys`, aliases against the
+    tensor they share; meta tensors cannot receive bytes); return the model's targets the stored tensors fill.
 
     Raises:
         CheckpointMismatchError: listing every missing, unexpected and mismatched key at once.
@@ -336,13 +318,9 @@ _STATE_HOOKS = ("_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_s
 
 
 def load_state_dict_reason(model: torch.nn.Module, targets: Mapping[str, torch.Tensor]) -> str | None:
-    """Why ``model`` must be filled through its own ``load_state_dict`` instead of in place, or ``None``.
-
-    Reading straight into ``state_dict(keep_vars=True)`` tensors is exact only if those ARE the model's
-    parameters and buffers and nothing of the model's own runs on load. Checked once per load: overridden
-    (de)serialization methods on any module, registered state-dict or load-state-dict (pre/post) hooks
-    (lazy modules register one to materialize their shapes), and state-dict entries that are not
-    registered parameters or buffers (a hook or override returned copies).
+    """Why ``model`` must be filled through its own ``load_state_dict`` instead of in place, or ``None``: reading
+    into ``state_dict(keep_vars=True)`` is exact only if those ARE its parameters and buffers and nothing of its own
+    runs on load (no overridden (de)serialization method, no state-dict hook, e.g. a lazy module's).
     """
     for name, module in model.named_modules():
         for method in _STATE_METHODS:
@@ -360,12 +338,9 @@ def load_state_dict_reason(model: torch.nn.Module, targets: Mapping[str, torch.T
 
 
 class ModelSnapshot:
-    """The model's parameters and buffers (objects and values), to put back if its ``load_state_dict`` fails.
-
-    ``Module.load_state_dict`` copies key by key and raises at the end, so a refusal would leave the model
-    half loaded; a model's own ``_load_from_state_dict`` may also replace or resize tensors. Costs one copy of
-    the model's tensors, only on the ``load_state_dict`` path.
-    """
+    """The model's parameters and buffers (objects and values), to put back if its ``load_state_dict`` fails
+    (``Module.load_state_dict`` copies key by key and raises at the end; a model's own ``_load_from_state_dict`` may
+    replace or resize tensors)."""
 
     def __init__(self, model: torch.nn.Module, *, skip: Collection[int] = ()) -> None:
         self.modules = [(m, dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set))
@@ -396,9 +371,7 @@ class ModelSnapshot:
 def load_through_state_dict(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], tied: Mapping[str, str],
                             *, strict: bool, source: str, reason: str, covered: Collection[str] = ()) -> None:
     """Fill ``model`` with its own ``load_state_dict`` (aliases included), putting it back if that raises.
-
-    ``covered``: state-dict names the checkpoint does not store because they were checked against its frozen
-    record; they are left as they are (not snapshotted, not missing).
+    ``covered``: names checked against the frozen record instead, left as they are (not snapshotted, not missing).
 
     Raises:
         CheckpointMismatchError: with the model's own error; the model is as before the call.

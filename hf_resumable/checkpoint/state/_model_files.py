@@ -1,14 +1,6 @@
-"""Where a checkpoint's model weights are: one ``model.safetensors``, or the HF index and its shards.
-
-A model that fits in one shard is stored as ``save_pretrained`` stores it: a single ``model.safetensors`` and no
-index, so scripts and tools that open ``<checkpoint>/model.safetensors`` work. Its header ``__metadata__`` holds
-``{"format": "pt"}`` (what transformers checks) and the tied-weight record as a JSON string under
-``hf_resumable_tied``. A larger model keeps the HF index layout (``model.safetensors.index.json`` naming
-``model-0000k-of-0000N.safetensors``, the tied record and each shard's size and xxh3-128 in its metadata).
-Checkpoints of earlier versions (the index even for one shard) read as before.
-
-:func:`model_index` is the one answer to "which tensors are the model, in which file": a real index, or one
-synthesized from ``model.safetensors``'s header. Every reader of a checkpoint's model weights goes through it.
+"""Where a checkpoint's model weights are: one ``model.safetensors`` (as ``save_pretrained`` writes it, the tied
+record in its header) when they fit in one shard, else the HF index and its shards. :func:`model_index` is the one
+answer to "which tensors are the model, in which file", for every reader. See docs/format.md#a-regular-checkpoint.
 
 Example:
 
@@ -35,14 +27,8 @@ from ...format._jsonio import parse_json
 from ...format.safetensors_io import SafetensorsHeader
 from ...format.sharding import ShardIndex, ShardPlan, plan_shards
 
-__all__ = [
-    "plan_model_files",
-    "single_file_metadata",
-    "model_weights_file",
-    "has_model_weights",
-    "single_file_index",
-    "model_index",
-]
+__all__ = ["plan_model_files", "single_file_metadata", "model_weights_file", "has_model_weights", "single_file_index",
+           "model_index"]
 
 
 def plan_model_files(sizes: Mapping[str, int], *, max_shard_size: int | str) -> ShardPlan:
@@ -61,12 +47,8 @@ def single_file_metadata(tied: Mapping[str, str]) -> dict[str, str]:
 
 
 def model_weights_file(files: Collection[str]) -> str | None:
-    """The file that describes the model weights among ``files``: the index (it wins, as in every earlier
-    checkpoint), else ``model.safetensors``, else ``None`` (no whole model stored).
-
-    A checkpoint that stores only its trainable part (``trainable.safetensors.index.json``) never has a
-    ``model.safetensors`` of ours: one there is somebody else's file (a save hook's) and not the model.
-    """
+    """The file that describes the model weights among ``files``: the index (it wins), else ``model.safetensors``
+    (unless the checkpoint stores only its trainable part: one there is a save hook's file), else ``None``."""
     if MODEL_INDEX_FILE in files:
         return MODEL_INDEX_FILE
     if SINGLE_MODEL_FILE in files and TRAINABLE_INDEX_FILE not in files:
@@ -113,13 +95,8 @@ def single_file_index(header: SafetensorsHeader, *, source: str) -> ShardIndex:
 
 def model_index(files: Collection[str], headers: Mapping[str, SafetensorsHeader], *,
                 read_index: Callable[[str], ShardIndex], source: str) -> ShardIndex | None:
-    """The model index of a checkpoint, whatever its layout; ``None`` when it stores no whole model.
-
-    Args:
-        files: the manifest's relative paths.
-        headers: relative path -> verified safetensors header (``VerifyReport.headers``).
-        read_index: reads and checks ``model.safetensors.index.json`` (e.g. ``_Reader.index``).
-        source: the checkpoint directory, for error messages.
+    """The model index of a checkpoint (``files``: its manifest's; ``headers``: the verified ones; ``read_index``
+    reads and checks ``model.safetensors.index.json``), whatever its layout; ``None`` when it stores no whole model.
 
     Raises:
         CorruptCheckpointError / UnsafeIndexError / IncompleteCheckpointError: a bad index or header.

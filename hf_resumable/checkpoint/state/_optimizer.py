@@ -1,8 +1,5 @@
-"""Optimizer state <-> tensors keyed by parameter *name* plus JSON (param groups, scalar state).
-
-``optimizer.state_dict()`` keys state by parameter index, which silently breaks when parameters are
-reordered. Here each tensor is stored as ``state/<param name>/<key>`` and each group's ``params`` as a
-list of names, so a freshly built optimizer is matched by name.
+"""Optimizer state <-> tensors keyed by parameter *name* (``state/<param name>/<key>``) plus JSON (param groups
+listing names, scalar state), so a freshly built optimizer is matched by name, not by index.
 """
 
 from __future__ import annotations
@@ -49,28 +46,25 @@ def parameter_names(model: torch.nn.Module | None, optimizer: torch.optim.Optimi
     return names
 
 
-def encode_named_optimizer_state(
-    state: Mapping[str, Mapping[str, Any]], param_groups: list[Mapping[str, Any]], class_name: str
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Split a NAME-keyed optimizer state (groups list parameter names) into named tensors and a JSON document.
-
-    Tensors are named ``state/<param name>/<key>``; non-tensor values and param groups go into the document
-    (``{"class", "param_groups", "non_tensor_state"}``). Shared by regular and sharded (FSDP2) checkpoints,
-    so one layout serves both.
+def flatten_optimizer_state(optimizer_state: Mapping[str, Any], class_name: str
+                            ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split a NAME-keyed optimizer state dict (``get_optimizer_state_dict``'s: groups list parameter names) into
+    tensors named ``state/<name>/<key>`` and a JSON document ``{"class", "param_groups", "non_tensor_state"}``, as
+    both layouts store them.
 
     Raises:
         UnsupportedStateError: if a value cannot be stored without pickle.
     """
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
-    for name, per_param in state.items():
+    for name, per_param in optimizer_state["state"].items():
         for key, value in per_param.items():
             if isinstance(value, torch.Tensor):  # detach() only if needed: on a DTensor it is a dispatched op
                 tensors[f"{OPTIMIZER_STATE_PREFIX}{name}/{key}"] = value.detach() if value.requires_grad else value
             else:
                 scalars.setdefault(name, {})[key] = encode_state(value, tensors, prefix=f"scalar/{name}/{key}")
     groups = []
-    for i, group in enumerate(param_groups):
+    for i, group in enumerate(optimizer_state["param_groups"]):
         encoded = {k: encode_state(v, tensors, prefix=f"{OPTIMIZER_GROUP_PREFIX}{i}/{k}")
                    for k, v in group.items() if k != "params"}
         encoded["params"] = [str(name) for name in group["params"]]
@@ -85,7 +79,7 @@ def optimizer_to_tensors(
     state_dict = optimizer.state_dict()
     state = {names[index]: fields for index, fields in state_dict["state"].items()}
     groups = [{**group, "params": [names[index] for index in group["params"]]} for group in state_dict["param_groups"]]
-    return encode_named_optimizer_state(state, groups, type(optimizer).__qualname__)
+    return flatten_optimizer_state({"state": state, "param_groups": groups}, type(optimizer).__qualname__)
 
 
 # Per-parameter state that torch.optim's optimizers keep in the parameter's shape (Adam/AdamW/NAdam/RAdam/Adamax,
@@ -97,21 +91,14 @@ STEP_KEY = "step"
 
 @dataclass
 class OptimizerLoadPlan:
-    """Everything a load needs to fill an optimizer, decided before any byte is read.
+    """Everything a load needs to fill an optimizer, decided before any byte is read."""
 
-    Args:
-        names (`list[str]`): parameter names in ``state_dict`` index order.
-        targets (`dict[str, torch.Tensor]`): stored tensor name -> the tensor its bytes go into, allocated once
-            in the dtype, device and layout ``Optimizer.load_state_dict`` keeps (so it copies nothing), or the
-            optimizer's existing state tensor of exactly that kind (filled in place).
-        steps (`list[str]`): stored names of ``step`` tensors, whose values are checked before anything is applied.
-        new (`set[str]`): the targets allocated here (never touched yet), as opposed to reused state.
-    """
-
-    names: list[str]
+    names: list[str]  # parameter names in state_dict index order
+    # stored tensor name -> the tensor its bytes go into: allocated in the dtype, device and layout
+    # Optimizer.load_state_dict keeps (so it copies nothing), or the existing state tensor of that kind
     targets: dict[str, torch.Tensor] = field(default_factory=dict)
-    steps: list[str] = field(default_factory=list)
-    new: set[str] = field(default_factory=set)
+    steps: list[str] = field(default_factory=list)  # stored ``step`` tensors, checked before anything is applied
+    new: set[str] = field(default_factory=set)  # the targets allocated here, as opposed to reused state
 
 
 class _MetaTensors(Mapping):
@@ -133,9 +120,7 @@ class _MetaTensors(Mapping):
 
 def check_optimizer_matches(optimizer: torch.optim.Optimizer, names: list[str], document: Mapping[str, Any], *,
                             source: str) -> None:
-    """Refuse a saved optimizer state that cannot fit ``optimizer`` (checked before any tensor is read).
-
-    ``document`` has passed :func:`~hf_resumable.checkpoint.state._validate.check_optimizer_document`.
+    """Refuse a saved optimizer state (a checked document) that cannot fit ``optimizer``, before any tensor is read.
 
     Raises:
         CheckpointMismatchError: if the optimizer class, group structure or parameter names differ.
@@ -184,14 +169,10 @@ def plan_optimizer_load(
     source: str,
     offsets: Mapping[str, int] | None = None,
 ) -> OptimizerLoadPlan:
-    """Check the saved optimizer against the live one and allocate its state, without touching the optimizer.
-
-    Checks, all before any byte is read: class, groups and parameter names; each group's hyper-parameters
-    against the live group's kinds; non-tensor state (``step`` a whole non-negative number); each stored
-    ``state/<name>/<key>`` tensor names an optimized parameter, and per-parameter moments (``exp_avg``,
-    ``momentum_buffer``, ...) have the parameter's shape and floating dtype. ``offsets``: where each stored
-    tensor's bytes start in its file; new CPU state of the stored dtype is then allocated contiguous, so the read
-    lands in it in place.
+    """Check the saved optimizer against the live one (class, groups, names, hyper-parameter kinds, ``step``
+    values, each stored tensor naming an optimized parameter, moments shaped like it) and allocate its state, without
+    touching the optimizer. With ``offsets`` (each stored tensor's start in its file) new CPU state of the stored
+    dtype is allocated contiguous, so the read lands in it in place.
 
     Raises:
         CheckpointMismatchError: listing every problem.
@@ -243,9 +224,8 @@ def plan_optimizer_load(
 
 def _target(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str, dtype: torch.dtype,
             shape: tuple[int, ...], group: Mapping[str, Any], offset: int | None = None) -> torch.Tensor:
-    """The existing state tensor of the final kind (filled in place: a reload skips allocating and first-touching
-    that memory, as model weights do), else a new one allocated in that kind and the parameter's layout (contiguous
-    when it is a CPU tensor read in place, ``offset`` known)."""
+    """The existing state tensor of the final kind (filled in place), else a new one in that kind and the parameter's
+    layout (contiguous when it is a CPU tensor read in place, ``offset`` known)."""
     final_dtype, device = _final_kind(param, key, dtype, group)
     existing = optimizer.state.get(param, {}).get(key)
     if (isinstance(existing, torch.Tensor) and existing.dtype == final_dtype and tuple(existing.shape) == shape
@@ -259,37 +239,47 @@ def _target(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str, dty
     return torch.empty(shape, dtype=final_dtype, device=device)
 
 
-def apply_optimizer_state(
-    optimizer: torch.optim.Optimizer,
-    plan: OptimizerLoadPlan,
-    tensors: Mapping[str, torch.Tensor],
-    document: Mapping[str, Any],
-    *,
-    source: str,
-) -> None:
-    """Hand the state to ``optimizer.load_state_dict`` (its hooks and subclass logic run, as upstream); the
-    tensors are already of the final dtype and device, so it keeps them without a copy.
+def decode_optimizer_state(tensors: Mapping[str, torch.Tensor], document: Mapping[str, Any],
+                           current_groups: list[Mapping[str, Any]], *, source: str) -> dict[str, Any]:
+    """The NAME-keyed optimizer state dict of the read ``tensors`` and the saved ``document``: each group with the
+    saved hyper-parameters and its parameters listed as ``current_groups`` (as many, checked before) lists them.
 
-    The caller has run :func:`plan_optimizer_load` and read every tensor of ``plan.targets`` (``tensors`` also
-    holds the tensors referenced from param groups or non-tensor state).
+    Raises:
+        CheckpointMismatchError: a param group holds different parameters than when saved.
     """
-    names = plan.names
-    index_of = {name: i for i, name in enumerate(names)}
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in {**tensors, **plan.targets}.items():
+    state: dict[str, dict[str, Any]] = {}
+    for key, value in tensors.items():
         if key.startswith(OPTIMIZER_STATE_PREFIX):
             name, _, entry = key[len(OPTIMIZER_STATE_PREFIX):].rpartition("/")
-            state.setdefault(index_of[name], {})[entry] = value
+            state.setdefault(name, {})[entry] = value
     for name, fields in document.get("non_tensor_state", {}).items():
         for entry, value in fields.items():
-            state.setdefault(index_of[name], {})[entry] = decode_state(
-                value, tensors, source=source, path=f"optimizer/non_tensor_state/{name}/{entry}")
-    groups, offset = [], 0
-    for group, current in zip(document["param_groups"], optimizer.param_groups):
-        current_names = names[offset : offset + len(current["params"])]
+            state.setdefault(name, {})[entry] = decode_state(value, tensors, source=source,
+                                                             path=f"optimizer/non_tensor_state/{name}/{entry}")
+    groups = []
+    for i, (group, current) in enumerate(zip(document["param_groups"], current_groups)):
+        if set(group["params"]) != set(current["params"]):
+            raise CheckpointMismatchError(f"{source}: param group {i} holds different parameters than when saved.")
         decoded = {k: decode_state(v, tensors, source=source) for k, v in group.items() if k != "params"}
-        # torch pairs saved and current params by position, so list them in the current order.
-        decoded["params"] = list(range(offset, offset + len(current_names)))
-        groups.append(decoded)
-        offset += len(current_names)
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+        groups.append({**decoded, "params": list(current["params"])})
+    return {"state": state, "param_groups": groups}
+
+
+def load_by_position(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Install a NAME-keyed state dict through the optimizer's own ``load_state_dict`` (hooks and subclass logic run
+    as upstream): its parameters by position, as it lists them; the tensors are final, so it keeps them."""
+    position = {name: i for i, name in enumerate(name for group in state["param_groups"] for name in group["params"])}
+    optimizer.load_state_dict({
+        "state": {position[name]: fields for name, fields in state["state"].items()},
+        "param_groups": [{**group, "params": [position[name] for name in group["params"]]}
+                         for group in state["param_groups"]]})
+
+
+def apply_optimizer_state(optimizer: torch.optim.Optimizer, plan: OptimizerLoadPlan,
+                          tensors: Mapping[str, torch.Tensor], document: Mapping[str, Any], *, source: str) -> None:
+    """Install the planned state (``plan.targets`` read; ``tensors``: the others the document references)."""
+    groups, offset = [], 0
+    for current in optimizer.param_groups:
+        groups.append({"params": plan.names[offset : offset + len(current["params"])]})
+        offset += len(current["params"])
+    load_by_position(optimizer, decode_optimizer_state({**tensors, **plan.targets}, document, groups, source=source))

@@ -1,9 +1,5 @@
-"""PURE checks of a checkpoint's decoded documents, run before anything is written into a live object.
-
-A checkpoint that verifies (its hashes match) can still hold state that does not fit: a file edited and
-resealed, a bug in another writer, a different library version. Every check here takes decoded JSON (and,
-where it compares, the live object's own ``state_dict()``), raises one typed error naming the file, the
-field and what was expected, and touches nothing.
+"""PURE checks of a checkpoint's decoded documents (a checkpoint whose hashes match may still not fit), run before
+anything is written into a live object; each raises one typed error naming the file, the field and what was expected.
 
 Example:
 
@@ -37,17 +33,8 @@ from ...constants import (
 from ...errors import CheckpointMismatchError, CorruptCheckpointError, FormatVersionError
 from ...format._jsonio import field_error
 
-__all__ = [
-    "check_training_state",
-    "check_optimizer_document",
-    "check_data_position",
-    "check_counters",
-    "check_like_live",
-    "check_hyperparameters",
-    "check_step_value",
-    "batches_yielded",
-    "is_count",
-]
+__all__ = ["check_training_state", "check_optimizer_document", "check_data_position", "check_counters",
+           "check_like_live", "check_hyperparameters", "check_step_value", "batches_yielded", "is_count"]
 
 # Keys of the data-position records the integrations write (data/rank-0000R.json); the same spelling as
 # hf_resumable.data.DATA_* (a test asserts it), kept here so the checkpoint core imports nothing above it.
@@ -123,13 +110,9 @@ def check_optimizer_document(document: Any, *, source: str) -> None:
 
 
 def check_data_position(record: Any, *, source: str) -> None:
-    """Check a data-position record (``data/rank-0000R.json``): kinds, non-negative int counters, bounds.
-
-    Accepts one record (``{"kind": "map" | "stream", "epoch", "step", ...}``), an object holding a
-    ``"loaders"`` list of records (ResumableAccelerator), or any other object (a user's own position,
-    checked by its loader). In a record of our kinds, every counter present (``epoch``, ``step``,
-    ``num_batches``, the stream loader's ``_num_yielded``) is checked, and a map-style ``step`` against
-    its epoch's ``num_batches``.
+    """Check a data-position record (``data/rank-0000R.json``): one record of our kinds (every counter present a
+    non-negative int, a map-style ``step`` within its epoch), an object with a ``"loaders"`` list of them
+    (ResumableAccelerator), or any other object (a user's own position, checked by its loader).
 
     Raises:
         CorruptCheckpointError: a counter that is negative or not an int, or a map-style position past the
@@ -196,8 +179,7 @@ def batches_yielded(state: Mapping[str, Any], *, source: str, prefix: str = "") 
 
 
 def check_counters(progress: Mapping[str, Any], paths: Iterable[str], *, source: str) -> None:
-    """Each of ``paths`` (``"key"`` or ``"outer/inner"`` inside the progress cursor) that is present is a
-    non-negative int.
+    """Each of ``paths`` (``"key"`` or ``"outer/inner"`` in the progress cursor) that is present is a non-negative int.
 
     Raises:
         CorruptCheckpointError: naming the counter and its value.
@@ -211,13 +193,10 @@ def check_counters(progress: Mapping[str, Any], paths: Iterable[str], *, source:
 
 
 def check_like_live(stored: Any, live: Any, *, source: str, what: str) -> None:
-    """Check decoded ``stored`` state against the live object's ``state_dict()`` before ``load_state_dict``.
-
-    Schedulers' and scalers' ``load_state_dict`` assign keys as attributes (``self.__dict__.update``), so a
-    key the live object does not have (``__class__``, ``optimizer``) is refused, as are missing keys,
-    lists of another length, and values of another kind (a bool for a bool, an int for an int counter such
-    as ``last_epoch``, a number for a number, a tensor of the same shape and dtype for a tensor). A live
-    value of ``None`` accepts anything.
+    """Check decoded ``stored`` state against the live object's ``state_dict()`` before ``load_state_dict``, which
+    for schedulers and scalers assigns keys as attributes: unknown or missing keys, lists of another length and
+    values of another kind are refused (an int counter such as ``last_epoch`` must be an int); a live ``None``
+    accepts anything.
 
     Raises:
         CheckpointMismatchError: listing every difference (path, stored, expected).
