@@ -7,20 +7,17 @@ import math
 import os
 import re
 import shutil
-import socket
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from .._urls import is_remote
-from ..constants import CHECKPOINT_DIR_RE, OWNER_FILE, PIN_PREFIX, REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
+from ..constants import CHECKPOINT_DIR_RE, PIN_PREFIX, REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
 from ..distributed import rank_and_world_size
 from ..errors import HfResumableError
-from ..format._jsonio import parse_json
-from ..format._safefile import read_regular_file
 from ._reader import read_on_load
 from .commit._durability import is_durable
 from .commit._fs import claim, remove_dir, rename_noreplace
-from .commit._owner import OwnerTag, current_owner, owner_can_act, owner_is_alive, parse_member_name
+from .commit._owner import OwnerTag, owner_can_act, owner_is_alive, parse_member_name
 from .commit._pins import hold_pin, pin, unpin
 from .commit.manifest import is_committed, read_manifest
 from .verify import VerifyReport, verify_checkpoint
@@ -67,11 +64,7 @@ def cleanup_stale_temp_dirs(root: str | os.PathLike) -> list[Path]:
         return removed
     for entry in entries:
         owned = parse_member_name(entry.name)
-        if owned is None:
-            if _is_legacy_stale_temp(entry):
-                _delete_claimed(claim(entry, entry.name), removed, entry)
-            continue
-        if _owner_holds(owned.prefix, owned.owner):
+        if owned is None or _owner_holds(owned.prefix, owned.owner):
             continue
         if owned.prefix in (PIN_PREFIX, REMOVING_PREFIX):
             unpin(entry)
@@ -110,21 +103,6 @@ def _restore(trash: Path, target: Path) -> bool:
         return False
     logger.warning("Restored %s from %s (an overwrite of it was interrupted)", target, trash.name)
     return True
-
-
-
-def _is_legacy_stale_temp(entry: Path) -> bool:
-    """A temp dir of an earlier version: its ``.owner.json`` names a dead process on this host."""
-    if not entry.name.startswith(TMP_PREFIX):
-        return False
-    try:
-        owner = parse_json(read_regular_file(entry / OWNER_FILE, limit=4096), source=str(entry / OWNER_FILE))
-        pid, host = owner["pid"], owner["host"]
-    except (HfResumableError, OSError, KeyError, TypeError):
-        return False
-    if host != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return False
-    return not owner_is_alive(OwnerTag(host=current_owner().host, pid=pid, start=0))
 
 
 def find_latest_checkpoint(
