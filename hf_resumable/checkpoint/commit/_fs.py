@@ -1,15 +1,6 @@
-"""Local-filesystem primitives of the commit protocol: durable writes, owned temp names, atomic renames.
-
-Three rules make concurrent writers, readers and cleaners safe (docs/architecture.md, "Concurrency"):
-
-1. Every temporary entry is created under a name that carries its owner (``_owner.py``), so no instant
-   exists at which it looks ownerless, and only entries of provably dead owners are ever removed.
-2. A directory is removed by first renaming it to a name its remover alone owns; whatever is deleted
-   afterwards can no longer be renamed into place by anybody else.
-3. Commits never replace by accident: ``renameat2(RENAME_NOREPLACE)`` for a new checkpoint, and a
-   compare-and-swap (``RENAME_EXCHANGE``, checked against the directory the save meant to replace) for
-   ``overwrite=True``. Two processes committing the same name: exactly one wins.
-"""
+"""Local-filesystem primitives of the commit protocol: durable writes, owned temp names, no-replace and
+compare-and-swap renames, claim-then-delete. Why each keeps concurrent writers, readers and cleaners safe:
+docs/architecture.md, "Concurrency"."""
 
 from __future__ import annotations
 
@@ -77,11 +68,8 @@ def fsync_tree(path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- atomic renames
-def _load_renameat2():
-    return libc_function("renameat2", (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint))
-
-
-_renameat2_function = _load_renameat2()
+_renameat2_function = libc_function("renameat2",
+                                     (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint))
 
 
 def _renameat2(src: Path, dst: Path, flags: int) -> bool:
@@ -133,13 +121,9 @@ def create_temp_dir(target: Path) -> Path:
 
 
 def commit_dir(tmp: Path, target: Path, *, replaces: DirIdentity | None, sync: bool = True) -> None:
-    """Move the finished ``tmp`` to ``target`` atomically.
-
-    With ``sync=False`` (a deferred save, see ``_durability.py``; never with ``replaces``) nothing is fsynced: the
-    directories are fsynced once the files are.
-
-    ``replaces`` is the directory the caller checked and may replace (see ``_writer.check_target``), or
-    ``None`` if ``target`` must not exist.
+    """Move the finished ``tmp`` to ``target`` atomically: no-replace where ``replaces`` is ``None``, else a
+    compare-and-swap against ``replaces``, the directory the caller checked (``_writer.check_target``). With
+    ``sync=False`` (a deferred save, never with ``replaces``) nothing is fsynced.
 
     Raises:
         CheckpointExistsError: ``target`` appeared, or was replaced by somebody else, since the save started.
@@ -212,13 +196,8 @@ def claim(entry: Path, target_name: str) -> Path | None:
 
 
 class _TrashRemover:
-    """Deletes trash directories this process claimed, one at a time on a daemon thread (started on first use).
-
-    Deleting a checkpoint is mostly waiting on the filesystem (on a disk mounted with ``discard`` above all), not
-    CPU: time a training loop need not wait for. The trash carries this process's name and a deleting mark,
-    so nothing can find it as a checkpoint or rename it back; if the process dies first, the next cleaner of the
-    directory deletes it (``discovery.cleanup_stale``). Interpreter exit waits for the queue (``atexit``).
-    """
+    """Deletes trash directories this process claimed, one at a time on a daemon thread (started on first use);
+    interpreter exit waits for the queue. Should the process die first, the next cleaner deletes them."""
 
     def __init__(self) -> None:
         self._queue: queue.Queue[Path] = queue.Queue()
@@ -233,8 +212,7 @@ class _TrashRemover:
             self._queue.put(trash)
 
     def _run(self) -> None:
-        # At the training loop's priority, not lowered as a background write is: a deletion needs little CPU,
-        # and the next save's write waits for it (``_writer.write_payload``), which a starved deleter would delay.
+        # At the training loop's priority: the next save's write waits for it (``_writer.write_payload``).
         while True:
             trash = self._queue.get()
             try:
