@@ -1,27 +1,6 @@
-"""Reader pins: a reader that is about to load a checkpoint keeps retention from removing it under it.
-
-A pin is an empty file ``.pin-<checkpoint>.<owner>.<nonce>`` next to the checkpoint; a remover
-announces itself with an empty ``.removing-<checkpoint>.<owner>.<nonce>``. Each side first writes its
-own flag, then looks for the other's (``_fs.remove_dir`` is the remover):
-
-========================================  ==========================================================
-reader (``pin``)                          remover (``remove_dir``)
-========================================  ==========================================================
-1. create the pin                         1. create the announcement
-2. wait while a live remover's            2. if a live pin exists: withdraw the announcement and
-   announcement for it exists                keep the checkpoint (it is never moved)
-3. the checkpoint is there: pinned;       3. else rename it to a trash name of its own, delete it,
-   else it is gone                           then withdraw the announcement
-========================================  ==========================================================
-
-If the pin exists before the remover's step 2, the checkpoint is never touched; if it came later, the
-announcement is still there when the reader looks (step 2), so the reader waits until the removal is
-done and sees the checkpoint gone (``find_latest_checkpoint`` then takes the next one). A reader
-therefore never holds a path that retention deletes, and never sees a pinned checkpoint flicker
-away. Flags of dead processes are ignored and cleaned up, and so is the pin of a process being killed (a
-``SIGKILL`` pending: it will never read); a pin older than ``PIN_TTL`` stops
-protecting (a reader that sleeps for an hour does not block retention forever). Where the directory
-is read-only nothing can be deleted anyway, and no pin is made.
+"""Reader pins: a reader about to load a checkpoint keeps retention from removing it under it. The pin and remover
+protocol (each side writes its own flag, then looks for the other's) is docs/architecture.md's "Reader pins". Flags
+of dead processes, and the pin of a process being killed, are ignored and cleaned up.
 """
 
 from __future__ import annotations
@@ -49,11 +28,8 @@ _held_lock = threading.Lock()
 
 
 def pin(directory: Path) -> Path | None:
-    """Pin the checkpoint ``directory``; the pin's path (``None``: the checkpoint is gone).
-
-    Where no pin can be created (a read-only directory), nothing can remove the checkpoint either: the
-    checkpoint is reported present without a pin (the returned path then does not exist).
-    """
+    """Pin the checkpoint ``directory``; the pin's path (``None``: the checkpoint is gone). Where no pin can be created
+    (a read-only directory, where nothing can remove it either) the checkpoint is reported present without one."""
     parent, name = directory.parent, directory.name
     pin_path = parent / member_name(PIN_PREFIX, name)
     try:
@@ -90,11 +66,8 @@ def hold_pin(key: str, pin_path: Path | None) -> None:
 
 
 def release_pin(root: str | os.PathLike) -> None:
-    """Release this process's pin for the run ``root`` (held since :func:`hold_pin`), if any.
-
-    A save into ``root`` calls it: a process that writes a new checkpoint has loaded the one it found, and its pin
-    must not outlive a save that fails (a full disk) in a process that keeps running.
-    """
+    """Release this process's pin for the run ``root`` (held since :func:`hold_pin`), if any: a save into ``root``
+    calls it, so that the pin does not outlive a save that fails in a process that keeps running."""
     hold_pin(os.path.abspath(root), None)
 
 
