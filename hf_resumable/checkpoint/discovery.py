@@ -18,8 +18,8 @@ from ._reader import read_on_load
 from .commit._durability import is_durable
 from .commit._fs import claim, remove_dir, rename_noreplace
 from .commit._owner import OwnerTag, owner_can_act, owner_is_alive, parse_member_name
-from .commit._pins import hold_pin, pin, unpin
-from .commit.manifest import is_committed, read_manifest
+from .commit._pins import entries_named, hold_pin, pin, unpin
+from .commit.manifest import committed_manifest, read_manifest
 from .verify import VerifyReport, verify_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -56,13 +56,7 @@ def cleanup_stale_temp_dirs(root: str | os.PathLike) -> list[Path]:
     """
     root = Path(root)
     removed: list[Path] = []
-    try:
-        with os.scandir(root) as it:
-            entries = [Path(e.path) for e in it
-                       if e.name.startswith((TMP_PREFIX, TRASH_PREFIX, PIN_PREFIX, REMOVING_PREFIX))]
-    except OSError:
-        return removed
-    for entry in entries:
+    for entry in entries_named(root, (TMP_PREFIX, TRASH_PREFIX, PIN_PREFIX, REMOVING_PREFIX)):
         owned = parse_member_name(entry.name)
         if owned is None or _owner_holds(owned.prefix, owned.owner):
             continue
@@ -95,7 +89,7 @@ def _delete_claimed(claimed: Path | None, removed: list[Path], entry: Path) -> N
 
 def _restore(trash: Path, target: Path) -> bool:
     """Put back a checkpoint whose removal (or overwrite) was interrupted, if its name is still free."""
-    if os.path.lexists(target) or not is_committed(trash):
+    if os.path.lexists(target) or committed_manifest(trash) is None:
         return False
     try:
         rename_noreplace(trash, target)

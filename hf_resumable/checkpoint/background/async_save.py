@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -31,6 +29,7 @@ from ...errors import AsyncSaveError
 from .._types import Payload, TensorFile
 from ..commit._durability import make_durable
 from ..commit._replicas import part_of_rank, replica_signature
+from ..commit._threads import SerialThread
 from ..commit._writer import SaveStart, begin_save, finish_save
 from ..commit.manifest import Manifest
 from ._staging import BackgroundCopy, copy_into, start_copy
@@ -195,36 +194,6 @@ def _fix(error: BaseException) -> str:
     return "Fix the cause and save again, or resume from the previous checkpoint."
 
 
-class _Worker:
-    """One daemon thread, started on first use, that runs submitted jobs in order (a thread started per save would
-    block the training loop until it runs); a forked child starts its own."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._jobs: queue.SimpleQueue | None = None
-        self._thread: threading.Thread | None = None
-        self._pid: int | None = None
-
-    def submit(self, job: Callable[[], None]) -> None:
-        if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-            self._jobs, self._pid = queue.SimpleQueue(), os.getpid()
-            self._thread = threading.Thread(target=self._serve, args=(self._jobs,), name=self._name, daemon=True)
-            self._thread.start()
-        self._jobs.put(job)
-
-    def is_current(self) -> bool:
-        """Whether the caller runs on this worker's thread."""
-        return self._thread is threading.current_thread()
-
-    @staticmethod
-    def _serve(jobs: queue.SimpleQueue) -> None:
-        while True:
-            defer_to_running_threads()  # woken as the save's call returns: never preempt the training thread then
-            job = jobs.get()
-            defer_to_running_threads()  # HF_RESUMABLE_WRITER_PRIORITY may have changed while the thread waited
-            job()  # a job keeps its own errors
-
-
 class AsyncSaver:
     """Stage tensors into reusable host buffers, then write them on a background thread. Buffers are keyed by (file,
     tensor name) and reused while shape and dtype match, so fresh memory is touched once, not at every save."""
@@ -233,7 +202,10 @@ class AsyncSaver:
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
         self._job: _SaveJob | _SyncJob | None = None
         self._last: Future[Manifest] | None = None
-        self._worker = _Worker("hf_resumable-save")
+        # One thread for every save (one started per save would block the training loop until it runs). Before it
+        # waits, it defers to running threads (woken as the save's call returns, it must not preempt the training
+        # thread), and again before a job (HF_RESUMABLE_WRITER_PRIORITY may have changed meanwhile).
+        self._worker = SerialThread("hf_resumable-save", on_wake=defer_to_running_threads)
 
     def _buffer_pairs(self, files: Sequence[TensorFile]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(buffer, tensor)`` of every tensor of ``files``, whose tensors become the buffers (not copied yet)."""

@@ -7,12 +7,11 @@ from __future__ import annotations
 import atexit
 import ctypes
 import errno
+import functools
 import logging
 import os
-import queue
 import shutil
 import stat
-import threading
 from pathlib import Path
 
 from ..._tuning import tuning_options
@@ -22,6 +21,7 @@ from ...format._libc import libc_function
 from ...format.safetensors_io import FileRecord, record_of
 from ._owner import DELETING_MARK, member_name
 from ._pins import live_pins
+from ._threads import SerialThread
 
 logger = logging.getLogger(__name__)
 
@@ -195,37 +195,9 @@ def claim(entry: Path, target_name: str) -> Path | None:
     return mine
 
 
-class _TrashRemover:
-    """Deletes trash directories this process claimed, one at a time on a daemon thread (started on first use);
-    interpreter exit waits for the queue. Should the process die first, the next cleaner deletes them."""
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[Path] = queue.Queue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, trash: Path) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="hf_resumable-trash", daemon=True)
-                self._thread.start()
-            self._queue.put(trash)
-
-    def _run(self) -> None:
-        # At the training loop's priority: the next save's write waits for it (``_writer.write_payload``).
-        while True:
-            trash = self._queue.get()
-            try:
-                shutil.rmtree(trash, ignore_errors=True)
-            finally:
-                self._queue.task_done()
-
-    def wait(self) -> None:
-        """Block until every submitted trash directory is deleted."""
-        self._queue.join()
-
-
-_REMOVER = _TrashRemover()
+# Deletes the trash directories this process claimed, one at a time (should the process die first, the next cleaner
+# deletes them). At the training loop's priority: the next save's write waits for it (``_writer.write_payload``).
+_REMOVER = SerialThread("hf_resumable-trash")
 atexit.register(_REMOVER.wait)
 
 
@@ -254,7 +226,7 @@ def remove_dir(path: Path, *, background: bool = False) -> bool:
             return False
         fsync_dir(path.parent)
         if background and tuning_options().background_deletes:
-            _REMOVER.submit(trash)
+            _REMOVER.submit(functools.partial(shutil.rmtree, trash, ignore_errors=True))
         else:
             shutil.rmtree(trash, ignore_errors=True)
         return True

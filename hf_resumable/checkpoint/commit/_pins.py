@@ -6,6 +6,7 @@ of dead processes, and the pin of a process being killed, are ignored and cleane
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import threading
@@ -17,7 +18,8 @@ from ._owner import current_owner, member_name, owner_can_act, owner_is_alive, p
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["pin", "unpin", "live_pins", "removal_announced", "hold_pin", "release_pin", "release_held_pins"]
+__all__ = ["pin", "unpin", "live_pins", "removal_announced", "hold_pin", "release_pin", "release_held_pins",
+           "entries_named"]
 
 # How long a reader waits for a live remover to finish (removals take as long as deleting the files; this only
 # bounds a remover that was stopped between its steps 1 and 3).
@@ -49,10 +51,8 @@ def pin(directory: Path) -> Path | None:
 def unpin(pin_path: Path | None) -> None:
     """Remove a pin made by :func:`pin` (missing pins are fine)."""
     if pin_path is not None:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(pin_path)
-        except OSError:
-            pass
 
 
 def hold_pin(key: str, pin_path: Path | None) -> None:
@@ -86,7 +86,7 @@ def live_pins(parent: Path, name: str, *, ignore_own: bool) -> list[Path]:
     dead, not being killed)."""
     me = current_owner()
     found = []
-    for entry in _entries(parent, f"{PIN_PREFIX}{name}."):
+    for entry in entries_named(parent, f"{PIN_PREFIX}{name}."):
         owned = parse_member_name(entry.name)
         if owned is None or owned.target != name or (ignore_own and owned.owner == me):
             continue
@@ -105,14 +105,15 @@ def _present(directory: Path) -> bool:
 
 def removal_announced(parent: Path, name: str) -> bool:
     """Whether a live remover has announced that it is removing ``parent/name``."""
-    for entry in _entries(parent, f"{REMOVING_PREFIX}{name}."):
+    for entry in entries_named(parent, f"{REMOVING_PREFIX}{name}."):
         owned = parse_member_name(entry.name)
         if owned is not None and owned.target == name and owner_is_alive(owned.owner):
             return True
     return False
 
 
-def _entries(parent: Path, prefix: str) -> list[Path]:
+def entries_named(parent: Path, prefix: str | tuple[str, ...]) -> list[Path]:
+    """The entries of ``parent`` whose names start with ``prefix`` (none if it cannot be listed)."""
     try:
         with os.scandir(parent) as it:
             return [Path(e.path) for e in it if e.name.startswith(prefix)]

@@ -23,7 +23,7 @@ from ...distributed import (
     is_distributed,
     rank_and_world_size,
 )
-from ...errors import CheckpointExistsError, HfResumableError
+from ...errors import CheckpointExistsError
 from ...format._jsonio import json_bytes
 from ...format.rng import save_rng_state
 from ...format.safetensors_io import FileRecord, write_safetensors
@@ -34,7 +34,7 @@ from ._fs import DirIdentity, commit_dir, create_temp_dir, discard, wait_for_rem
 from ._pins import release_pin
 from ._replicas import part_of_rank, replica_signature, replicas_split
 from ._threads import run_in_threads
-from .manifest import Manifest, read_manifest, records_from_json, records_to_json
+from .manifest import Manifest, committed_manifest, records_from_json, records_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _refusal(target: Path, *, overwrite: bool) -> tuple[str | None, os.stat_resu
         kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "a file"
         return (f"{target} exists and is {kind}, not a checkpoint directory; hf_resumable does not replace it. Remove "
                 "it, or save under another name."), info
-    manifest = _manifest_or_none(target)
+    manifest = committed_manifest(target)
     if not overwrite:
         kind = "a committed checkpoint" if manifest is not None else "a directory"
         return (f"{target} already exists and is {kind}; pass overwrite=True to replace it atomically, or save under "
@@ -100,13 +100,6 @@ def stock_accelerate_files(directory: Path) -> list[str]:
         return sorted(name for name in os.listdir(directory) if STOCK_ACCELERATE_FILES_RE.match(name))
     except OSError:
         return []
-
-
-def _manifest_or_none(directory: Path) -> Manifest | None:
-    try:
-        return read_manifest(directory)
-    except (HfResumableError, OSError):
-        return None
 
 
 def _unlisted_entries(directory: Path, manifest: Manifest) -> list[str]:

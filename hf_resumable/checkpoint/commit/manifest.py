@@ -30,7 +30,7 @@ from ...format._safefile import member_path, read_regular_file
 from ...format.safetensors_io import FileRecord
 from ...format.sharding import check_relative_name
 
-__all__ = ["Manifest", "read_manifest", "is_committed", "library_versions"]
+__all__ = ["Manifest", "read_manifest", "committed_manifest", "library_versions"]
 
 # Largest world size a manifest may claim (bounds per-rank loops over a crafted value).
 MAX_WORLD_SIZE = 1 << 20
@@ -175,13 +175,12 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     return Manifest.from_json(raw, source=str(path))
 
 
-def is_committed(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` holds a valid hf_resumable manifest (it is a checkpoint hf_resumable committed)."""
+def committed_manifest(directory: str | os.PathLike) -> Manifest | None:
+    """The manifest of ``directory`` if it is a checkpoint hf_resumable committed (a valid manifest), else ``None``."""
     try:
-        read_manifest(directory)
+        return read_manifest(directory)
     except (HfResumableError, OSError):
-        return False
-    return True
+        return None
 
 
 def _record_from_json(document: Any, *, source: str, name: str) -> FileRecord:
