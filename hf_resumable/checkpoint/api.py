@@ -53,11 +53,8 @@ class CheckpointInfo:
 
 
 def require_local(location: Any, function: str) -> None:
-    """Refuse a remote location in the checkpoint core (which reads and writes local directories only).
-
-    Raises:
-        ValueError: for ``hf://`` and object-store URLs, naming the front function that takes them.
-    """
+    """Refuse a remote location (``hf://``, object stores) with a ``ValueError`` naming the front function that takes
+    it: the checkpoint core reads and writes local directories only."""
     if is_remote(location):
         raise ValueError(f"hf_resumable.checkpoint.{function} takes local directories; {os.fspath(location)!r} is "
                          f"remote. Use hf_resumable.{function} (or hf_resumable.locations.{function}), which "
@@ -155,11 +152,10 @@ def save_checkpoint(
             written and fsyncs them on the saver's thread, which the next save, any load and
             ``wait_for_pending_saves`` wait for; ``"immediate"`` (always for an overwrite) fsyncs every file before
             the commit. See docs/checkpoints.md#guarantees.
-        layout (`str`, *optional*, defaults to `"auto"`): how tensors are stored. ``"auto"``: per-rank pieces when an
-            engine splits the model or optimizer, else the HF layout. ``"pieces"``: per-rank pieces, also for plain
-            tensors. ``"hf"``: the weights whole, as ``save_pretrained`` lays them out, so ``from_pretrained`` loads
-            the directory; an engine's pieces are gathered (``DTensor.full_tensor()``, one model's worth of
-            communication per rank) and written round robin by the ranks, its optimizer state staying in pieces.
+        layout (`str`, *optional*, defaults to `"auto"`): ``"auto"``: per-rank pieces when an engine splits the
+            model or optimizer, else the HF layout; ``"pieces"``: per-rank pieces, also for plain tensors; ``"hf"``:
+            an engine's weights gathered and written whole, so ``from_pretrained`` loads the directory (its
+            optimizer state stays in pieces).
 
     Returns:
         `CheckpointInfo`
@@ -322,12 +318,9 @@ def open_checkpoint(
 
 
 def _reusable(report: VerifyReport, path: Path, *, verify: str) -> bool:
-    """Whether ``report`` stands for the verification ``open_checkpoint(path, verify=verify)`` would run.
-
-    Raises:
-        ValueError: it is not a report, or the report of another directory.
-        IncompleteCheckpointError / CorruptCheckpointError: it found problems, or the manifest changed since.
-    """
+    """Whether ``report`` stands for the verification ``open_checkpoint(path, verify=verify)`` would run. Raises
+    ``ValueError`` for what is not a report of ``path``, and the report's own error if it found problems or the
+    manifest changed since."""
     if not isinstance(report, VerifyReport):
         raise ValueError(f"verified= takes the VerifyReport of a verification of {path} (find_latest_verified or "
                          f"verify_checkpoint), got {type(report).__name__}.")
