@@ -289,9 +289,7 @@ def open_checkpoint(
     Example:
 
     ```python
-    >>> from hf_resumable.checkpoint import find_latest_verified, open_checkpoint
-    >>> report = find_latest_verified("out")  # doctest: +SKIP
-    >>> opened = open_checkpoint(report.path, verified=report)  # doctest: +SKIP
+    >>> from hf_resumable.checkpoint import open_checkpoint
     >>> opened = open_checkpoint("out/checkpoint-10")  # doctest: +SKIP
     >>> opened.step, opened.training_state  # doctest: +SKIP
     (10, {'global_step': 10})

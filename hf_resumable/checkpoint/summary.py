@@ -211,9 +211,7 @@ def _fill_geometry(summary: CheckpointSummary) -> None:
 
 
 def _fill_progress(summary: CheckpointSummary, state: Mapping[str, Any]) -> None:
-    progress = state.get(STATE_KEY_PROGRESS) or {}
-    extra = state.get(STATE_KEY_EXTRA) or {}
-    both = {"progress": progress, "extra": extra}
+    both = {"progress": state.get(STATE_KEY_PROGRESS) or {}, "extra": state.get(STATE_KEY_EXTRA) or {}}
     if summary.step is None:
         summary.step = _as_int(_find(both, _STEP_KEYS))
     summary.epoch = _as_float(_find(both, _EPOCH_KEYS))

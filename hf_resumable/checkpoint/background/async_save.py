@@ -30,7 +30,7 @@ from .._types import Payload, TensorFile
 from ..commit._durability import make_durable
 from ..commit._replicas import part_of_rank, replica_signature
 from ..commit._threads import SerialThread
-from ..commit._writer import SaveStart, begin_save, finish_save
+from ..commit._writer import begin_save, finish_save
 from ..commit.manifest import Manifest
 from ._staging import BackgroundCopy, copy_into, start_copy
 from ._step_gate import gated_optimizer, split_by_storage, step_gate, step_storages
@@ -102,7 +102,6 @@ class _SaveJob:
         self.pid = os.getpid()  # a forked child does not own its parent's save (nor the thread writing it)
         self.staging = _Staging()
         self.future: Future[Manifest] = Future()
-        self.start: SaveStart | None = None
         self.error: BaseException | None = None  # raised at the next wait
         self.raised: BaseException | None = None  # already raised by the call (a failed copy): not raised again
         self.priority: Lowering | None = None  # the writer's lowered priority (lower_thread_priority)
@@ -127,8 +126,7 @@ class _SaveJob:
 
     def _run(self) -> Manifest | None:
         try:
-            start = self.start = begin_save(self.target, overwrite=self._overwrite, group=self._group,
-                                            signature=self._signature)
+            start = begin_save(self.target, overwrite=self._overwrite, group=self._group, signature=self._signature)
         except BaseException as err:  # noqa: BLE001 - raised at the next wait (on every rank: rank 0 told them)
             self.error = err
             self.staging.finish(split=None)

@@ -35,13 +35,10 @@ CHUNK_BYTES = 8 * 1024 * 1024
 
 @dataclass
 class FileRead:
-    """One file to read: its verified header, the record to check it against (``None``: no check), the
-    destination tensors by name (any subset; the rest are returned as new tensors).
-
-    ``data``: the whole file, already hashed by a verification (its bytes are copied from there; nothing is read
-    from disk or hashed again). ``check``: called with the ``fstat`` of the descriptor before a byte is read (a
-    file that a full verification hashed must still be that file).
-    """
+    """One file to read: its verified header, the record to check it against (``None``: no check), the destination
+    tensors by name (any subset; the rest are returned as new tensors). ``data``: the whole file, already hashed by a
+    verification (nothing is read or hashed again); ``check``: called with the ``fstat`` of the descriptor before a
+    byte is read."""
 
     path: Path
     header: SafetensorsHeader
@@ -179,11 +176,8 @@ def _pread_into(fd: int, chunk: Chunk, path: Path) -> None:
 
 def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes: int = CHUNK_BYTES
                ) -> dict[str, torch.Tensor]:
-    """Read every tensor of every file; fill destinations; return the tensors that had none.
-
-    Destinations that are plain contiguous CPU tensors of the stored dtype and shape receive the bytes
-    directly (before the file's hash is known); every other destination is copied from a staging buffer
-    after all hashes matched. ``workers``: reads in flight (default :func:`read_streams`).
+    """Read every tensor of every file into its destination (in place, or from a staging buffer once every hash
+    matched); return the tensors that had none. ``workers``: reads in flight (default :func:`read_streams`).
 
     Raises:
         CorruptCheckpointError: a hash mismatch or a short file, naming the file (after every thread stopped), or a
