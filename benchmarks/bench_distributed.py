@@ -360,7 +360,7 @@ def replicated_worker(root: Path, repeats: int, hidden: int, max_shard_size: str
     import torch.distributed as dist
 
     from hf_resumable import save_checkpoint
-    from hf_resumable.checkpoint.commit._replicas import SPLIT_ENV
+    from hf_resumable._tuning import SPLIT_REPLICAS_ENV
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -378,7 +378,7 @@ def replicated_worker(root: Path, repeats: int, hidden: int, max_shard_size: str
     profile: dict[str, list[dict[str, float]]] = {name: [] for name in plans}
     for i in range(repeats + 1):  # the first round warms up
         for name in (list(plans) if i % 2 else list(plans)[::-1]):
-            os.environ[SPLIT_ENV] = plans[name]
+            os.environ[SPLIT_REPLICAS_ENV] = plans[name]
             path = root / f"{name.replace(' ', '-')}-{i}"
             if rank == 0:
                 drop_caches()

@@ -21,6 +21,8 @@ from hf_resumable.checkpoint import (
     wait_for_pending_saves,
 )
 from hf_resumable.checkpoint.commit import _writer
+from hf_resumable.checkpoint.commit._owner import OwnerTag, current_owner, member_name
+from hf_resumable.constants import TMP_PREFIX
 from hf_resumable.errors import (
     CorruptCheckpointError,
     FormatVersionError,
@@ -440,12 +442,11 @@ def test_retention_after_commit_through_save(tmp_path):
 
 def test_stale_temp_dirs_are_cleaned(tmp_path):
     _save_two(tmp_path)
-    stale = tmp_path / ".tmp-checkpoint-3-deadbeef"
+    me = current_owner()
+    stale = tmp_path / member_name(TMP_PREFIX, "checkpoint-3", OwnerTag(me.host, 2**22 + 12345, 1))  # no such pid
     stale.mkdir()
-    (stale / ".owner.json").write_text(json.dumps({"pid": 2**22 + 12345, "host": os.uname().nodename}))
-    live = tmp_path / ".tmp-checkpoint-4-cafecafe"
+    live = tmp_path / member_name(TMP_PREFIX, "checkpoint-4", me)
     live.mkdir()
-    (live / ".owner.json").write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename}))
     assert find_latest_checkpoint(tmp_path) == tmp_path / "checkpoint-2"
     assert not stale.exists() and live.exists()
 

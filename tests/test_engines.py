@@ -459,7 +459,8 @@ def test_a_flattened_weight_whose_view_does_not_fit_is_corrupt():
 def test_plain_tensors_are_split_across_the_ranks_and_a_disagreement_commits_nothing(monkeypatch):
     """ZeRO-1/2's whole weights (plain tensors every rank holds): each rank writes whole tensors of a plan all ranks
     compute alike, balanced by bytes, every tensor once; ranks that disagree are refused before the commit."""
-    from hf_resumable.checkpoint.commit._replicas import SPLIT_ENV, plan_replica_writers, split_replicas
+    from hf_resumable._tuning import SPLIT_REPLICAS_ENV
+    from hf_resumable.checkpoint.commit._replicas import plan_replica_writers, split_replicas
     from hf_resumable.checkpoint.pieces._piece_layout import (
         check_coverage,
         collect_local_state,
@@ -489,7 +490,7 @@ def test_plain_tensors_are_split_across_the_ranks_and_a_disagreement_commits_not
         check_coverage(section([{**owners, "mid": 0}, owners]), source="layout")  # written twice
     with pytest.raises(CheckpointMismatchError, match=r"\['small'\]"):
         check_coverage(section([{**owners, "small": 1}, {**owners, "small": 0}]), source="layout")  # by no rank
-    monkeypatch.setenv(SPLIT_ENV, "0")
+    monkeypatch.setenv(SPLIT_REPLICAS_ENV, "0")
     assert not split_replicas()
     assert plan_replica_writers(plain_sizes(state, tied), 2, split=split_replicas()) == {}
 

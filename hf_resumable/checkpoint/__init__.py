@@ -1,18 +1,6 @@
 """The hf_resumable checkpoint engine: safetensors, no pickle, hashed, atomically committed; one save and one load for
-every layout (a plain model's HF files, or per-rank pieces: FSDP, ZeRO, DTensor; see ``pieces/_pieces.py``).
-
-Layout of ``checkpoint-<step>/``::
-
-    model.safetensors                   one shard: as save_pretrained writes it (tied record in its header)
-    model.safetensors.index.json        or, for more: HF-compatible (from_pretrained works), + per-shard xxh3-128
-    model-00001-of-0000N.safetensors
-    config.json, generation_config.json, tokenizer files
-    optimizer.safetensors.index.json    optimizer tensors keyed by parameter name
-    optimizer-00001-of-0000N.safetensors
-    training_state.json                 progress cursor, scheduler, scaler, param groups, extra
-    rng/rank-00000.safetensors          RNG states as byte tensors
-    data/rank-00000.json                data-loader position (integrations)
-    manifest.json                       written last: every file, size, xxh3-128, versions
+every layout (a plain model's HF files, or per-rank pieces: FSDP, ZeRO, DTensor). The files of a checkpoint are
+described in docs/format.md.
 """
 
 from ._reader import LoadedCheckpoint, OpenedCheckpoint

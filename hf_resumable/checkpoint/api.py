@@ -38,8 +38,8 @@ atexit.register(lambda: _ASYNC.wait())
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """Where a save went. For ``blocking=False`` the checkpoint is committed only after
-    :func:`wait_for_pending_saves` (or the next save/load) returns.
+    """Where a save went. With ``blocking=False`` it is committed once :func:`wait_for_pending_saves` (or the next
+    save or load) returns.
 
     Args:
         path (`Path`): the checkpoint directory.
@@ -53,11 +53,8 @@ class CheckpointInfo:
 
 
 def require_local(location: Any, function: str) -> None:
-    """Refuse a remote location in the checkpoint core (which reads and writes local directories only).
-
-    Raises:
-        ValueError: for ``hf://`` and object-store URLs, naming the front function that takes them.
-    """
+    """Refuse a remote location (``hf://``, object stores) with a ``ValueError`` naming the front function that takes
+    it: the checkpoint core reads and writes local directories only."""
     if is_remote(location):
         raise ValueError(f"hf_resumable.checkpoint.{function} takes local directories; {os.fspath(location)!r} is "
                          f"remote. Use hf_resumable.{function} (or hf_resumable.locations.{function}), which "
@@ -70,20 +67,8 @@ def background_saver() -> AsyncSaver:
 
 
 def saves_async(save_async: bool | None) -> bool:
-    """An integration's ``save_async`` option (``ResumableTrainer``'s): ``None`` (its default) is on under
-    torch.distributed (torchrun with 2+ processes: every rank stages and returns, a small part of the stall of a
-    blocking save, docs/benchmarks.md) and off in a single process; ``True``/``False``
-    decide.
-
-    Example:
-
-    ```python
-    >>> saves_async(None)  # one process
-    False
-    >>> saves_async(True)
-    True
-    ```
-    """
+    """An integration's ``save_async`` option: ``None`` (the default) is on under torch.distributed and off in a
+    single process (docs/benchmarks.md); ``True``/``False`` decide."""
     return is_distributed() if save_async is None else bool(save_async)
 
 
@@ -129,33 +114,13 @@ def save_checkpoint(
     """Save a crash-safe, pickle-free training checkpoint of a plain, DDP, FSDP1/FSDP2, DeepSpeed ZeRO or DTensor
     model to ``directory``.
 
-    Files are written into a temporary sibling directory and renamed into place after ``manifest.json`` (every file
-    with its size and xxh3-128, computed while writing) is written last. A save killed at any moment leaves the
-    previous checkpoint intact and no directory that looks committed. A blocking save returns once its files are
-    committed; by default (``durability="deferred"``) they are fsynced right after, on the saver's thread (see
-    ``durability``). Model weights are laid out as ``save_pretrained`` lays them out: one ``model.safetensors``
-    when they fit in ``max_shard_size``, else ``model.safetensors.index.json`` and ``model-0000k-of-0000N.safetensors``
-    (``from_pretrained(directory)`` works either way); tied weights are stored once.
-
-    Under torch.distributed every rank calls it (collective). Every rank passes the same model and optimizer (DDP
-    replicas): their files are split across the ranks, each writing whole files of its share (rank 0 writes them
-    all if the ranks' files differ in names, shapes or dtypes); the checkpoint is the same bytes as one writer's.
-    When an engine splits the model or optimizer across ranks (FSDP2 / DTensor parameters, FSDP1, DeepSpeed ZeRO
-    partitions or a :class:`~hf_resumable.checkpoint.pieces._pieces.ShardedOptimizerState`), every rank writes the
-    pieces it holds into its own files, in parallel, and ``sharded_layout.json`` records every tensor's pieces
-    (``layout="pieces"`` does so for plain tensors too: the ranks split them, whole tensors balanced by bytes). Such a
-    checkpoint loads at any world size into any of these layouts (:func:`load_checkpoint`).
-
-    Frozen parameters are identity, not state: when ``model`` has parameters with ``requires_grad=False`` (a
-    PEFT/LoRA base, a frozen embedding, a quantized base), only its trainable part is stored
-    (``trainable.safetensors.index.json``: trainable parameters and every buffer; a PEFT adapter's tensors once, in
-    ``adapter_model.safetensors``), and ``frozen_base.json`` records what the frozen parameters are: names, dtypes,
-    shapes, xxh3-128 fingerprints (computed once per process, then cached) and where the base came from. Loading
-    checks the live model's frozen tensors against that record instead of reading them. Such a checkpoint is not a
-    whole model: ``from_pretrained(directory)`` loads a PEFT checkpoint as the base named in its
-    ``adapter_config.json`` plus the adapter (as for a stock Trainer checkpoint) and finds no weights otherwise;
-    ``hf-resumable export`` turns it and its base into a full model directory. ``standalone=True`` stores every
-    parameter instead.
+    Files go to a temporary sibling that is renamed into place once ``manifest.json`` (every file's size and
+    xxh3-128) is written last: a save killed at any moment leaves the previous checkpoint intact. Weights are laid out
+    as ``save_pretrained`` lays them out, tied weights once. Under torch.distributed every rank calls it: DDP replicas
+    share the writing of their files, and where an engine splits the model or optimizer (FSDP1/2, DTensor, ZeRO, a
+    :class:`~hf_resumable.checkpoint.ShardedOptimizerState`) every rank writes the pieces it holds, which load at any
+    world size. Parameters with ``requires_grad=False`` are recorded in ``frozen_base.json``, not stored, unless
+    ``standalone``. See docs/checkpoints.md, docs/format.md, docs/multi-gpu.md and docs/peft.md.
 
     Args:
         directory (`str` or `os.PathLike`): the checkpoint directory, e.g. ``out/checkpoint-120``.
@@ -172,33 +137,25 @@ def save_checkpoint(
             store the given state.
         metrics (`Mapping[str, float]`, *optional*): recorded in the manifest, for ``best_metric`` retention.
         max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): size limit of each HF weight file.
-        blocking (`bool`, *optional*, defaults to `True`): with `False`, tensors are staged into
-            reusable host buffers and written by a background thread. The call returns once buffers and other
-            state that may change before the next optimizer step are copied; ``optimizer``'s parameters and state
-            are copied meanwhile, and its next step waits until they are (code that writes them in place outside
-            the optimizer before that step must call ``wait_for_pending_saves`` first). Under torch.distributed
-            too: every rank stages and returns, writes its files in the background, and rank 0 commits once every
-            rank's files are durable (over a gloo group of its own, so the training loop's collectives are never
-            interleaved). The next save, any load, ``wait_for_pending_saves`` and interpreter exit wait for it and
-            raise its error.
+        blocking (`bool`, *optional*, defaults to `True`): with `False`, the call returns once what may change
+            before the next optimizer step is staged into host buffers; ``optimizer``'s next step waits until its
+            parameters and state are copied too, and a background thread writes and commits. The next save, any
+            load, ``wait_for_pending_saves`` and interpreter exit wait for it and raise its error
+            (docs/checkpoints.md#what-a-background-save-holds).
         overwrite (`bool`, *optional*, defaults to `False`): replace an existing checkpoint atomically.
         processing_class (*optional*): a tokenizer/processor whose ``save_pretrained`` files are included.
         keep_last (`int`, *optional*): after the commit, apply :func:`apply_retention` to the parent.
         best_metric (`str`, *optional*) / greater_is_better (`bool`): keep-best retention.
         standalone (`bool`, *optional*, defaults to `False`): store frozen parameters too, so the checkpoint needs
             no base to load (and ``from_pretrained(directory)`` loads the whole model).
-        durability (`str`, *optional*, defaults to `"deferred"`): when a blocking save's files are fsynced.
-            ``"deferred"``: the call commits the checkpoint once its files are written (as stock savers, which
-            never fsync) and fsyncs them on the saver's thread; the next save, any load, ``wait_for_pending_saves``
-            and interpreter exit wait for that. A process killed meanwhile loses nothing (the kernel holds the
-            bytes); after a machine crash, a reader hashes every byte of a checkpoint whose fsyncs had not
-            finished, and retention never deletes the newest checkpoint whose fsyncs have. ``"immediate"``: every
-            file is fsynced before the commit. An overwrite is always immediate.
-        layout (`str`, *optional*, defaults to `"auto"`): how tensors are stored. ``"auto"``: per-rank pieces when an
-            engine splits the model or optimizer, else the HF layout. ``"pieces"``: per-rank pieces, also for plain
-            tensors. ``"hf"``: the weights whole, as ``save_pretrained`` lays them out, so ``from_pretrained`` loads
-            the directory; an engine's pieces are gathered (``DTensor.full_tensor()``, one model's worth of
-            communication per rank) and written round robin by the ranks, its optimizer state staying in pieces.
+        durability (`str`, *optional*, defaults to `"deferred"`): ``"deferred"`` commits once the files are
+            written and fsyncs them on the saver's thread, which the next save, any load and
+            ``wait_for_pending_saves`` wait for; ``"immediate"`` (always for an overwrite) fsyncs every file before
+            the commit. See docs/checkpoints.md#guarantees.
+        layout (`str`, *optional*, defaults to `"auto"`): ``"auto"``: per-rank pieces when an engine splits the
+            model or optimizer, else the HF layout; ``"pieces"``: per-rank pieces, also for plain tensors; ``"hf"``:
+            an engine's weights gathered and written whole, so ``from_pretrained`` loads the directory (its
+            optimizer state stays in pieces).
 
     Returns:
         `CheckpointInfo`
@@ -222,7 +179,7 @@ def save_checkpoint(
     target = Path(directory)
     check_durability(durability)
     pieces_layout = saves_pieces(model, optimizer, layout)
-    _ASYNC.wait()  # (the removals retention started: write_payload waits for them)
+    _ASYNC.wait()
     rank, world_size = rank_and_world_size()
     if not is_distributed():  # fail before capturing anything (under torch.distributed step 1 tells every rank)
         check_target(target, overwrite=overwrite)
@@ -273,9 +230,8 @@ def save_checkpoint(
 
 def save_blocking(target: Path, payload: Any, *, step: int | None, metrics: dict[str, float], overwrite: bool,
                   durability: str, after: Any, prepare: Any = None, finalize: Any = None) -> Manifest:
-    """A blocking save's commit (:func:`~._writer.save_payload`), then ``after()`` (retention): at once when every
-    file was fsynced before the commit, else once the saver's thread has fsynced them (``durability="deferred"``,
-    see ``_durability.py``), so retention never counts a checkpoint that is not durable yet."""
+    """A blocking save's commit, then ``after()`` (retention): at once, or, for a deferred save, once the saver's
+    thread has fsynced its files, so retention never counts a checkpoint that is not durable yet."""
     deferred = []
 
     def sync_later(committed: Path, written: list[str]) -> None:
@@ -299,11 +255,9 @@ def open_checkpoint(
 ) -> OpenedCheckpoint:
     """Verify a local checkpoint once and decode everything in it that does not depend on a live object.
 
-    The returned object holds the training state, extras, this rank's data position and RNG state, all
-    decoded and checked (codec markers, counters, data-position bounds, RNG validity, tied-weight record);
-    :meth:`~OpenedCheckpoint.load_into` fills a model, optimizer, scheduler and scaler later (checking each
-    against the checkpoint before writing anything), and :meth:`~OpenedCheckpoint.restore_rng` restores the
-    RNG. Opening touches no live object and no generator.
+    The training state, extras, this rank's data position and RNG state are decoded and checked now;
+    :meth:`~OpenedCheckpoint.load_into` fills a model, optimizer, scheduler and scaler later (each checked against
+    the checkpoint before anything is written), and :meth:`~OpenedCheckpoint.restore_rng` restores the RNG.
 
     Args:
         directory (`str` or `os.PathLike`): a committed checkpoint directory on the local filesystem.
@@ -318,12 +272,9 @@ def open_checkpoint(
         reshard (`bool`, *optional*, defaults to `False`): weights and optimizer are cut to this world size and the
             caller keeps its data position across world sizes (an elastic run); a world-size change then only
             affects per-rank RNG streams. ``None``: when the checkpoint holds per-rank pieces.
-        verified (`VerifyReport`, *optional*): the verification of this directory that just ran, e.g. the one
-            :func:`~hf_resumable.checkpoint.find_latest_verified` returns: it is not repeated. The small files it
-            hashed and kept are used from memory (each byte used is a byte that was hashed; none is read twice);
-            every other file is hash-checked while it is read, as without it, and any file whose size, times or
-            inode changed since that verification is refused. A quick report does not stand for ``verify="full"``
-            (the checkpoint is then verified fully).
+        verified (`VerifyReport`, *optional*): the verification of this directory that just ran (e.g.
+            :func:`~hf_resumable.checkpoint.find_latest_verified`'s), not repeated: the small files it kept are used
+            from memory, and a file changed since is refused. A quick report does not stand for ``verify="full"``.
 
     Returns:
         `OpenedCheckpoint`: also a :class:`LoadedCheckpoint` (``step``, ``training_state``, ``extra``,
@@ -338,9 +289,7 @@ def open_checkpoint(
     Example:
 
     ```python
-    >>> from hf_resumable.checkpoint import find_latest_verified, open_checkpoint
-    >>> report = find_latest_verified("out")  # doctest: +SKIP
-    >>> opened = open_checkpoint(report.path, verified=report)  # doctest: +SKIP
+    >>> from hf_resumable.checkpoint import open_checkpoint
     >>> opened = open_checkpoint("out/checkpoint-10")  # doctest: +SKIP
     >>> opened.step, opened.training_state  # doctest: +SKIP
     (10, {'global_step': 10})
@@ -354,9 +303,7 @@ def open_checkpoint(
     _ASYNC.wait()  # a background save of this process may be committing this very directory
     path = Path(directory)
     rank, world_size = rank_and_world_size()
-    # 1. Verify once (quick: manifest, sizes, headers, small-file hashes, index consistency; full: every hash), or take
-    #    the verification that just ran. The report's parsed headers serve every later step, so no file is parsed
-    #    twice, and the small files it hashed are read from its kept bytes.
+    # 1. Verify once, or take the verification that just ran: its parsed headers and kept bytes serve every later step.
     if verified is not None and _reusable(verified, path, verify=verify):
         report = verified
     else:
@@ -369,12 +316,9 @@ def open_checkpoint(
 
 
 def _reusable(report: VerifyReport, path: Path, *, verify: str) -> bool:
-    """Whether ``report`` stands for the verification ``open_checkpoint(path, verify=verify)`` would run.
-
-    Raises:
-        ValueError: it is not a report, or the report of another directory.
-        IncompleteCheckpointError / CorruptCheckpointError: it found problems, or the manifest changed since.
-    """
+    """Whether ``report`` stands for the verification ``open_checkpoint(path, verify=verify)`` would run. Raises
+    ``ValueError`` for what is not a report of ``path``, and the report's own error if it found problems or the
+    manifest changed since."""
     if not isinstance(report, VerifyReport):
         raise ValueError(f"verified= takes the VerifyReport of a verification of {path} (find_latest_verified or "
                          f"verify_checkpoint), got {type(report).__name__}.")
@@ -403,19 +347,10 @@ def load_checkpoint(
     """Load a checkpoint written by :func:`save_checkpoint` into freshly built objects, bit for bit: any layout into
     a plain, DDP, FSDP1/FSDP2, DeepSpeed ZeRO or DTensor model and its optimizer.
 
-    :func:`open_checkpoint` followed by :meth:`OpenedCheckpoint.load_into`. Under torch.distributed a load of a
-    model or optimizer reads every file on every rank. Everything is checked before
-    anything is written into an object: the checkpoint verifies (``verify="quick"``: manifest, sizes,
-    headers, index consistency; ``verify="full"``: every hash first), its state decodes and is consistent
-    (types, counters, data position, RNG), and it fits the objects (keys, shapes and dtypes across all
-    shards, optimizer groups and state shapes, scheduler/scaler keys). Every missing, unexpected or
-    mismatched key is reported at once. Large files are hash-checked while they are read. The RNG is
-    restored last.
-
-    A checkpoint of per-rank pieces (or a model an engine splits) loads at any world size, into any sharding
-    (2 -> 1, 1 -> 2, 4 -> 3 give the tensors of the consolidated originals): each rank reads only the slices of the
-    stored pieces that overlap what it holds, every byte used checked against the hashes of the chunks it falls in.
-    A world-size change then only affects per-rank RNG streams (an ``InexactResumeError`` with ``restore_rng``).
+    :func:`open_checkpoint` followed by :meth:`OpenedCheckpoint.load_into`: everything is checked (the checkpoint's
+    hashes and state, and that it fits the objects, every offending key listed at once) before anything is written
+    into an object, and the RNG is restored last. A checkpoint of per-rank pieces loads at any world size, each rank
+    reading the slices it holds (docs/format.md#verification, docs/multi-gpu.md).
 
     Args:
         directory (`str` or `os.PathLike`): a committed checkpoint directory.
@@ -443,10 +378,7 @@ def load_checkpoint(
         ConfigDriftError: the checkpoint was written by a different number of processes (unless
             ``allow_inexact_resume``).
     """
-    if verify not in ("quick", "full", "none"):
-        raise ValueError(f"verify must be 'quick', 'full' or 'none', got {verify!r}.")
     require_local(directory, "load_checkpoint")
-    _ASYNC.wait()
     opened = open_checkpoint(directory, verify=verify, allow_inexact_resume=allow_inexact_resume, reshard=None)
     return opened.load_into(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, strict=strict,
                             restore_rng=restore_rng)
@@ -460,14 +392,9 @@ def consolidate_checkpoint(
     include_optimizer: bool = True,
     overwrite: bool = False,
 ) -> Manifest:
-    """Turn a checkpoint of per-rank pieces into a regular one: HF safetensors weights that ``from_pretrained`` loads.
-
-    The output holds ``model.safetensors`` (or, above ``max_shard_size``, ``model.safetensors.index.json`` with
-    ``model-0000k-of-0000N.safetensors``; tied weights stored once, as transformers expects), ``config.json``, and,
-    with ``include_optimizer``, the optimizer state in the regular layout, so :func:`load_checkpoint` resumes from it
-    too. It is committed like any checkpoint (manifest last, atomic rename). Run it in one process (outside
-    torch.distributed, or it becomes a collective); it holds one kind of state (weights, then optimizer) in memory at
-    a time. Every hash is checked first: consolidation is the moment a corrupted piece would spread.
+    """Turn a checkpoint of per-rank pieces into a regular one: HF safetensors weights that ``from_pretrained`` loads,
+    ``config.json`` and, with ``include_optimizer``, the optimizer state, so :func:`load_checkpoint` resumes from it
+    too. Run it in one process; every hash is checked first (docs/format.md#a-checkpoint-of-per-rank-pieces).
 
     Args:
         directory (`str` or `os.PathLike`): a committed checkpoint of pieces (written at any world size).

@@ -7,22 +7,19 @@ import math
 import os
 import re
 import shutil
-import socket
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from .._urls import is_remote
-from ..constants import CHECKPOINT_DIR_RE, OWNER_FILE, PIN_PREFIX, REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
+from ..constants import CHECKPOINT_DIR_RE, PIN_PREFIX, REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
 from ..distributed import rank_and_world_size
 from ..errors import HfResumableError
-from ..format._jsonio import parse_json
-from ..format._safefile import read_regular_file
 from ._reader import read_on_load
 from .commit._durability import is_durable
 from .commit._fs import claim, remove_dir, rename_noreplace
-from .commit._owner import OwnerTag, current_owner, owner_can_act, owner_is_alive, parse_member_name
-from .commit._pins import hold_pin, pin, unpin
-from .commit.manifest import is_committed, read_manifest
+from .commit._owner import OwnerTag, owner_can_act, owner_is_alive, parse_member_name
+from .commit._pins import entries_named, hold_pin, pin, unpin
+from .commit.manifest import committed_manifest, read_manifest
 from .verify import VerifyReport, verify_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -37,11 +34,9 @@ SET_ASIDE_PREFIX = "corrupt-"
 
 def list_checkpoints(root: str | os.PathLike, *,
                      pattern: re.Pattern[str] = CHECKPOINT_DIR_RE) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every ``checkpoint-N`` directory under ``root``, by step (not by mtime or name).
-
-    ``pattern`` (a compiled regex whose first group is the number) selects another naming scheme, e.g.
-    accelerate's ``checkpoint_<iteration>``.
-    """
+    """``(step, path)`` of every ``checkpoint-N`` directory under ``root``, by step (not by mtime or name);
+    ``pattern`` (first group: the number) selects another naming scheme, e.g. accelerate's
+    ``checkpoint_<iteration>``."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -54,32 +49,16 @@ def list_checkpoints(root: str | os.PathLike, *,
 
 
 def cleanup_stale_temp_dirs(root: str | os.PathLike) -> list[Path]:
-    """Remove what saves, removals and readers of dead processes left next to the checkpoints.
+    """Remove what saves, removals and readers of dead processes left next to the checkpoints; return what was removed.
 
-    Only owned names (see ``_owner.py``) whose owner is provably dead, or being killed (``SIGKILL`` pending, for
-    pins, temp and trash directories), are touched: a live writer's temp
-    dir, another host's, or any name hf_resumable did not create is never removed. Each stale entry is
-    first renamed to a name this process owns, then deleted, so two cleaners never delete the same
-    thing and nothing can be renamed into place while it is being deleted. An overwrite interrupted
-    between its two renames (where the filesystem cannot swap atomically: the old checkpoint sits in
-    an unmarked trash dir and its name is free) is undone: the checkpoint is put back. Returns what was
-    removed.
+    Only owned names whose owner is provably dead (or being killed) are touched, each first renamed to a name this
+    process owns; an overwrite interrupted between its two renames is undone (docs/architecture.md, "Concurrency").
     """
     root = Path(root)
     removed: list[Path] = []
-    try:
-        with os.scandir(root) as it:
-            entries = [Path(e.path) for e in it
-                       if e.name.startswith((TMP_PREFIX, TRASH_PREFIX, PIN_PREFIX, REMOVING_PREFIX))]
-    except OSError:
-        return removed
-    for entry in entries:
+    for entry in entries_named(root, (TMP_PREFIX, TRASH_PREFIX, PIN_PREFIX, REMOVING_PREFIX)):
         owned = parse_member_name(entry.name)
-        if owned is None:
-            if _is_legacy_stale_temp(entry):
-                _delete_claimed(claim(entry, entry.name), removed, entry)
-            continue
-        if _owner_holds(owned.prefix, owned.owner):
+        if owned is None or _owner_holds(owned.prefix, owned.owner):
             continue
         if owned.prefix in (PIN_PREFIX, REMOVING_PREFIX):
             unpin(entry)
@@ -91,13 +70,9 @@ def cleanup_stale_temp_dirs(root: str | os.PathLike) -> list[Path]:
 
 
 def _owner_holds(prefix: str, owner: OwnerTag) -> bool:
-    """Whether an entry of ``owner`` must be left alone.
-
-    A process being killed (``SIGKILL`` pending) runs nothing of its own any more: its pin guards no read, and its
-    temp or trash directory is taken by a rename, which the one system call it may still be inside either precedes
-    (ours then finds nothing) or follows (its own fails). Its removal announcement is kept until it is dead: a reader
-    that stopped waiting for it could pin a checkpoint that a rename already under way moves away.
-    """
+    """Whether an entry of ``owner`` must be left alone. A process being killed (``SIGKILL`` pending) runs none of its
+    own code again, but its removal announcement is kept until it is dead: a rename it is inside may still move a
+    checkpoint."""
     return owner_is_alive(owner) if prefix == REMOVING_PREFIX else owner_can_act(owner)
 
 
@@ -114,7 +89,7 @@ def _delete_claimed(claimed: Path | None, removed: list[Path], entry: Path) -> N
 
 def _restore(trash: Path, target: Path) -> bool:
     """Put back a checkpoint whose removal (or overwrite) was interrupted, if its name is still free."""
-    if os.path.lexists(target) or not is_committed(trash):
+    if os.path.lexists(target) or committed_manifest(trash) is None:
         return False
     try:
         rename_noreplace(trash, target)
@@ -124,36 +99,16 @@ def _restore(trash: Path, target: Path) -> bool:
     return True
 
 
-
-def _is_legacy_stale_temp(entry: Path) -> bool:
-    """A temp dir of an earlier version: its ``.owner.json`` names a dead process on this host."""
-    if not entry.name.startswith(TMP_PREFIX):
-        return False
-    try:
-        owner = parse_json(read_regular_file(entry / OWNER_FILE, limit=4096), source=str(entry / OWNER_FILE))
-        pid, host = owner["pid"], owner["host"]
-    except (HfResumableError, OSError, KeyError, TypeError):
-        return False
-    if host != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return False
-    return not owner_is_alive(OwnerTag(host=current_owner().host, pid=pid, start=0))
-
-
 def find_latest_checkpoint(
     root: str | os.PathLike, *, cleanup: bool = True, full: bool = False, pattern: re.Pattern[str] = CHECKPOINT_DIR_RE,
 ) -> Path | None:
-    """The newest ``checkpoint-N`` under ``root`` that passes verification, or None.
+    """The newest ``checkpoint-N`` under the local ``root`` that passes verification, or None.
 
-    Directories without a manifest (interrupted saves), with truncated/corrupt/hostile files, or that
-    cannot be read at all are skipped with a WARNING naming the reason; one bad candidate never stops
-    the search. Quick verification is the default (sizes, headers, hashes of files up to 4 MiB);
-    ``full=True`` hashes every file. With ``cleanup``, what dead processes left behind is removed
-    (see :func:`cleanup_stale_temp_dirs`). The checkpoint returned is pinned for this process (until
-    its next call on the same ``root``, its next save into ``root``, its exit, or ``PIN_TTL``), so
-    retention run by a concurrent writer does not remove it before it is loaded. ``root`` is a local
-    directory: for ``s3://`` and ``hf://`` roots use :func:`hf_resumable.find_latest_checkpoint` (which takes
-    ``storage_options`` for s3://). To open the checkpoint found without verifying it again, use
-    :func:`find_latest_verified`.
+    Candidates that fail (interrupted, truncated, corrupt, hostile or unreadable) are skipped with a WARNING naming the
+    reason. ``full=True`` hashes every file instead of those up to 4 MiB; ``cleanup`` first runs
+    :func:`cleanup_stale_temp_dirs`. The checkpoint returned is pinned for this process (until its next call on the
+    same ``root``, its next save into ``root``, its exit, or ``PIN_TTL``), so a concurrent writer's retention does not
+    remove it. For ``s3://`` and ``hf://`` roots use :func:`hf_resumable.find_latest_checkpoint`.
 
     Example:
 
@@ -173,13 +128,9 @@ def find_latest_verified(
 ) -> VerifyReport | None:
     """:func:`find_latest_checkpoint`, returning the verification of the checkpoint it found (or None).
 
-    The report (``report.path`` is the checkpoint, pinned as :func:`find_latest_checkpoint` pins it) keeps the
-    bytes of the small files this process will read when it opens and loads the checkpoint, so that
-    ``open_checkpoint(report.path, verified=report)`` neither verifies the checkpoint again nor reads or hashes
-    those files a second time: a resume reads each small file once, cold, and hashes it once. Any file that
-    changes after this call is refused by that open (or hash-checked while it is read, for the large files).
-    ``below`` (a step) looks only at older checkpoints: the resume fallback's next candidate after a checkpoint
-    that failed while it was loaded.
+    ``open_checkpoint(report.path, verified=report)`` then neither verifies the checkpoint again nor reads the small
+    files it kept a second time. ``below`` (a step) looks only at older checkpoints: the resume fallback's next
+    candidate.
 
     Example:
 
@@ -214,12 +165,9 @@ def find_latest_verified(
 
 
 def set_aside_checkpoint(path: str | os.PathLike) -> Path:
-    """Move a checkpoint that failed its hashes out of the way: ``checkpoint-8`` -> ``corrupt-checkpoint-8`` beside it
-    (``corrupt-checkpoint-8.2``... when taken), never replacing anything.
-
-    The directory is kept whole for inspection and never deleted by hf_resumable; its new name matches none of the
-    checkpoint patterns, so discovery (this process's and a restarted one's) never picks it again and a later save
-    of the same step neither collides with it nor replaces it.
+    """Move a checkpoint that failed its hashes out of every checkpoint pattern, kept for inspection:
+    ``checkpoint-8`` -> ``corrupt-checkpoint-8`` beside it (``corrupt-checkpoint-8.2``... when taken), never
+    replacing anything.
 
     Returns:
         `Path`: where it is now.
@@ -239,8 +187,7 @@ def set_aside_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def _verify(path: Path, *, full: bool, keep: Callable[[str], bool]) -> tuple[VerifyReport | None, str]:
-    """The verification of ``path`` and why it is not a valid checkpoint ('' if it is). Never raises for what the
-    files contain."""
+    """The verification of ``path`` and why it is not a valid checkpoint ('' if it is); never raises."""
     try:
         report = verify_checkpoint(path, full=full, keep=keep)
     except Exception as err:  # noqa: BLE001 - one bad candidate must never stop the fallback
@@ -260,12 +207,9 @@ def apply_retention(
 ) -> list[Path]:
     """Delete old committed checkpoints, keeping the newest ``keep_last``, the best one and ``protect``.
 
-    Call it only after the newest checkpoint has committed (the save functions do). It never deletes
-    the newest valid checkpoint whose files are known to be durable (a deferred save's are once its fsyncs are
-    done), never touches directories without a valid manifest (they were written
-    by another tool, or by the user), orders by step (not mtime or string), removes by renaming first
-    so a half-deleted directory never looks like a checkpoint, and keeps a checkpoint that a live
-    reader in another process has pinned (see :func:`find_latest_checkpoint`).
+    Call it only after the newest checkpoint has committed (the save functions do). It orders by step, never touches a
+    directory without a valid manifest, never deletes the newest valid checkpoint whose files are durable, keeps what a
+    live reader in another process has pinned, and renames before it deletes (docs/checkpoints.md#guarantees).
 
     Args:
         keep_last (`int`, *optional*, defaults to 2): newest checkpoints to keep (>= 1).
@@ -276,8 +220,8 @@ def apply_retention(
         pattern (`re.Pattern`, *optional*): directory-name regex (first group: the step), defaults to
             ``checkpoint-<N>``.
         background (`bool`, *optional*, defaults to `False`): return once each removed checkpoint is renamed out of
-            the way (no longer found as a checkpoint) and delete its files on a helper thread;
-            ``wait_for_pending_saves()`` and interpreter exit wait for the deletions.
+            the way and delete its files on a helper thread, which ``wait_for_pending_saves()`` and interpreter exit
+            wait for.
 
     Returns:
         `list[Path]`: the deleted checkpoints.

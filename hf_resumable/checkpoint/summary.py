@@ -1,23 +1,10 @@
-"""Summarize a checkpoint without loading a model: progress, batch geometry, shards, verification.
-
-:func:`summarize_checkpoint` reads only the manifest, ``training_state.json`` and the safetensors
-headers, so it is cheap on checkpoints of any size and works on damaged ones: whatever can be read is
-reported, and the verification result says what is wrong. The ``hf-resumable inspect`` command and
-the model cards (:mod:`hf_resumable.hub.cards`) are built on it.
-
-Example:
-
-```python
->>> from hf_resumable.checkpoint.summary import summarize_checkpoint
->>> summary = summarize_checkpoint("out/checkpoint-120")  # doctest: +SKIP
->>> summary.step, summary.parameter_count, summary.verified  # doctest: +SKIP
-(120, 124439808, True)
-```
-"""
+"""Summarize a checkpoint without loading a model: progress, batch geometry, shards, verification. What
+``hf-resumable inspect`` and the model cards (:mod:`hf_resumable.hub.cards`) show."""
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -36,7 +23,7 @@ from ..constants import (
     TRAINER_STATE_FILE,
     TRAINING_STATE_FILE,
 )
-from ..errors import HfResumableError
+from ..errors import CheckpointNotFoundError, HfResumableError
 from ..format._jsonio import parse_json
 from ..format._safefile import read_regular_file
 from .state._model_files import has_model_weights
@@ -61,26 +48,18 @@ _RESUMES_KEYS = ("resumes", "num_resumes", "resume_count")
 def format_size(num_bytes: int) -> str:
     """Human-readable decimal size, as the Hub shows it: ``format_size(2_500_000) == "2.50 MB"``."""
     value = float(num_bytes)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
+    for unit in ("B", "kB", "MB", "GB"):
+        if value < 1000:
             return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1000
-    return f"{value:.2f} TB"  # unreachable; keeps type checkers quiet
+    return f"{value:.2f} TB"
 
 
 @dataclass(frozen=True)
 class ShardSummary:
-    """One tensor file of a checkpoint.
-
-    Args:
-        file (`str`): path relative to the checkpoint.
-        kind (`str`): ``"model"``, ``"optimizer"``, ``"rng"`` or ``"other"``.
-        size (`int`): bytes on disk (as listed in the manifest).
-        sha256 (`str`, *optional*): hex sha256 from the manifest (only in manifests written before format version 2).
-        dtypes (`dict[str, int]`): safetensors dtype -> number of tensors (empty if the header is unreadable).
-        num_tensors (`int`): tensors in the file.
-        num_elements (`int`): elements over all tensors.
-    """
+    """One tensor file of a checkpoint (``file`` relative to it; ``kind``: ``"model"``, ``"optimizer"``, ``"rng"`` or
+    ``"other"``; ``size`` and hashes from the manifest, ``sha256`` only before format version 2; ``dtypes``: dtype ->
+    number of tensors, empty if the header is unreadable)."""
 
     file: str
     kind: str
@@ -101,26 +80,10 @@ class ShardSummary:
 class CheckpointSummary:
     """What ``hf-resumable inspect`` shows. Fields are ``None`` when the checkpoint does not record them.
 
-    Args:
-        path (`str`): the checkpoint directory.
-        step (`int`, *optional*): global (optimizer) step.
-        epoch (`float`, *optional*): epoch, possibly fractional.
-        samples_seen (`int`, *optional*): training samples consumed so far.
-        per_device_batch_size / gradient_accumulation_steps / world_size (`int`, *optional*): batch geometry.
-        effective_batch_size (`int`, *optional*): their product, when all three are known.
-        resumes (`int`, *optional*): how many times the run was resumed, when recorded.
-        parameter_count (`int`, *optional*): elements over all stored model tensors (tied weights once).
-        frozen_parameter_count (`int`, *optional*): elements of the frozen parameters the checkpoint records but does
-            not store (a checkpoint that references its base); ``None`` for a checkpoint that stores its whole model.
-        frozen_size (`int`, *optional*): their bytes.
-        frozen_base (`str`, *optional*): where that base came from (path or Hub repo id, revision, commit).
-        optimizer_class (`str`, *optional*): class name of the optimizer.
-        shards (`list[ShardSummary]`): every safetensors file listed in the manifest.
-        verified (`bool`): quick (or full) verification passed.
-        verification (`str`): ``"quick"`` or ``"full"``.
-        problems (`list[tuple[str, str]]`): ``(file, reason)`` for every problem found.
-        metrics (`dict[str, float]`): metrics recorded in the manifest.
-        versions (`dict[str, str]`): library versions that wrote the checkpoint.
+    ``effective_batch_size`` is the product of the batch geometry when all three parts are known;
+    ``parameter_count`` counts the stored model tensors' elements (tied weights once); ``frozen_parameter_count``,
+    ``frozen_size`` and ``frozen_base`` describe the frozen parameters a checkpoint records but does not store;
+    ``problems`` holds ``(file, reason)`` for every problem verification found.
     """
 
     path: str
@@ -188,10 +151,10 @@ def _or_dash(value: Any) -> str:
 
 
 def _describe_batch(summary: CheckpointSummary) -> str:
-    parts = (summary.per_device_batch_size, summary.gradient_accumulation_steps, summary.world_size)
     if summary.effective_batch_size is None:
         return "-"
-    return f"{summary.effective_batch_size} (= {parts[0]} per device x {parts[1]} accumulation x {parts[2]} ranks)"
+    return (f"{summary.effective_batch_size} (= {summary.per_device_batch_size} per device x "
+            f"{summary.gradient_accumulation_steps} accumulation x {summary.world_size} ranks)")
 
 
 def _shard_table(shards: Iterable[ShardSummary]) -> str:
@@ -228,6 +191,10 @@ def _as_int(value: Any) -> int | None:
         return None
 
 
+def _as_float(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     """A JSON object from ``path``, or ``None`` if it is missing, not a regular file, oversized or malformed."""
     try:
@@ -244,13 +211,10 @@ def _fill_geometry(summary: CheckpointSummary) -> None:
 
 
 def _fill_progress(summary: CheckpointSummary, state: Mapping[str, Any]) -> None:
-    progress = state.get(STATE_KEY_PROGRESS) or {}
-    extra = state.get(STATE_KEY_EXTRA) or {}
-    both = {"progress": progress, "extra": extra}
+    both = {"progress": state.get(STATE_KEY_PROGRESS) or {}, "extra": state.get(STATE_KEY_EXTRA) or {}}
     if summary.step is None:
         summary.step = _as_int(_find(both, _STEP_KEYS))
-    epoch = _find(both, _EPOCH_KEYS)
-    summary.epoch = float(epoch) if isinstance(epoch, (int, float)) and not isinstance(epoch, bool) else None
+    summary.epoch = _as_float(_find(both, _EPOCH_KEYS))
     summary.samples_seen = _as_int(_find(both, _SAMPLES_KEYS))
     summary.resumes = _as_int(_find(both, _RESUMES_KEYS))
     summary.per_device_batch_size = _as_int(_find(both, _PER_DEVICE_KEYS))
@@ -266,9 +230,8 @@ def _fill_from_trainer_state(summary: CheckpointSummary, trainer_state: Mapping[
     """Fallbacks from ``trainer_state.json`` (written by the Trainer integrations and the stock Trainer)."""
     if summary.step is None:
         summary.step = _as_int(trainer_state.get("global_step"))
-    epoch = trainer_state.get("epoch")
-    if summary.epoch is None and isinstance(epoch, (int, float)) and not isinstance(epoch, bool):
-        summary.epoch = float(epoch)
+    if summary.epoch is None:
+        summary.epoch = _as_float(trainer_state.get("epoch"))
     if summary.per_device_batch_size is None:
         summary.per_device_batch_size = _as_int(trainer_state.get("train_batch_size"))
 
@@ -318,10 +281,7 @@ def _fill_shards(summary: CheckpointSummary, report: Any) -> None:
         elements = 0
         for info in (header.tensors.values() if header is not None else ()):
             dtypes[info.dtype] = dtypes.get(info.dtype, 0) + 1
-            count = 1
-            for dim in info.shape:
-                count *= dim
-            elements += count
+            elements += math.prod(info.shape)
         shard = ShardSummary(relpath, _shard_kind(relpath), record.size, record.sha256, dtypes,
                              len(header.tensors) if header is not None else 0, elements, record.xxh3_128)
         summary.shards.append(shard)
@@ -345,10 +305,7 @@ def _fill_frozen(summary: CheckpointSummary, report: Any) -> None:
             header = report.headers.get(filename) if isinstance(filename, str) else None
             info = header.tensors.get(name) if header is not None else None
             if info is not None:
-                count = 1
-                for dim in info.shape:
-                    count *= dim
-                elements += count
+                elements += math.prod(info.shape)
         summary.parameter_count = elements
     try:
         record = FrozenRecord.from_json(_read_json(Path(report.path) / FROZEN_RECORD_FILE),
@@ -362,8 +319,8 @@ def _fill_frozen(summary: CheckpointSummary, report: Any) -> None:
 def summarize_checkpoint(directory: str | os.PathLike, *, full: bool = False) -> CheckpointSummary:
     """Summarize the checkpoint at ``directory`` from its manifest, state file and safetensors headers.
 
-    Nothing is loaded into memory beyond headers and JSON. A damaged checkpoint is still summarized as far
-    as it can be read; ``verified`` is then False and ``problems`` names each bad file.
+    Nothing is read beyond the manifest, the JSON state files and the safetensors headers. A damaged checkpoint is
+    summarized as far as it can be read; ``verified`` is then False and ``problems`` names each bad file.
 
     Args:
         directory (`str` or `os.PathLike`): a checkpoint directory (``checkpoint-N``).
@@ -385,8 +342,6 @@ def summarize_checkpoint(directory: str | os.PathLike, *, full: bool = False) ->
     ...
     ```
     """
-    from ..errors import CheckpointNotFoundError
-
     path = Path(directory)
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path}: no such checkpoint directory.")

@@ -1,10 +1,8 @@
 """Verify a checkpoint: quick (manifest, sizes, headers, training state, index consistency) or full (+ every hash).
 
-A report records the identity (device, inode, size, mtime, ctime) of every file it checked, and can keep the exact
-bytes of the small files it hashed (``keep=``). ``open_checkpoint(verified=report)`` then reads those files from
-memory instead of from disk (each byte used is a byte that was hashed: no window between check and use, one hash
-per file and resume), and refuses any file whose identity has changed since, before reading a byte of it
-(:meth:`VerifyReport.check_unchanged`); large files are still hash-checked while they are read.
+A report records the identity of every file it checked and can keep the bytes of the small files it hashed
+(``keep=``), so that ``open_checkpoint(verified=report)`` uses them and refuses any file changed since.
+See docs/format.md#verification.
 """
 
 from __future__ import annotations
@@ -60,24 +58,8 @@ _HASH_CHUNK = 16 * 1024 * 1024
 
 @dataclass(frozen=True)
 class FileIdentity:
-    """What ``fstat`` said about a file right after its bytes were read and hashed.
-
-    A later ``stat`` that differs means the file was replaced, written to, or had its metadata changed since;
-    the ctime cannot be set from user space, so a write cannot hide behind a restored mtime.
-
-    Args:
-        device (`int`) / inode (`int`): which file it is.
-        size (`int`), mtime_ns (`int`), ctime_ns (`int`): its size and last data / status change.
-
-    Example:
-
-    ```python
-    >>> import os
-    >>> FileIdentity.of(os.stat(".")) == FileIdentity.of(os.stat("."))
-    True
-
-    ```
-    """
+    """What ``fstat`` said about a file right after its bytes were read and hashed. A later ``stat`` that differs
+    means it was replaced, written to or had its metadata changed (the ctime cannot be set from user space)."""
 
     device: int
     inode: int
@@ -100,10 +82,8 @@ class VerifyReport:
         problems (`list[tuple[str, str]]`): ``(file, reason)`` for every problem found.
         manifest (`Manifest`, *optional*): the parsed manifest, when it could be read.
         headers (`dict[str, SafetensorsHeader]`): the parsed header of every safetensors file.
-        identities (`dict[str, FileIdentity]`): every file that was checked (hashed, or in quick mode sized and its
-            header parsed) and the manifest, as it was then.
-        contents (`dict[str, bytes]`): the verified bytes of the small files kept for the open that follows
-            (``verify_checkpoint(keep=...)``); a load that used them releases them.
+        identities (`dict[str, FileIdentity]`): every file that was checked, and the manifest, as it was then.
+        contents (`dict[str, bytes]`): the verified bytes of the small files kept for the open that follows.
     """
 
     path: str
@@ -138,8 +118,8 @@ class VerifyReport:
         raise error(self.summary() + "\nUse find_latest_checkpoint() to resume from the newest valid checkpoint.")
 
     def check_unchanged(self, relpath: str, now: os.stat_result | None = None) -> None:
-        """Refuse ``relpath`` if it is no longer the file this verification checked (nothing to check for a file it
-        did not). ``now``: the ``fstat`` of a descriptor just opened on it (default: ``stat`` its path).
+        """Refuse ``relpath`` if it is no longer the file this verification checked (nothing to check for a file it did
+        not). ``now``: the ``fstat`` of a descriptor just opened on it (default: ``stat`` its path).
 
         Raises:
             CorruptCheckpointError: it was replaced, written to or had its metadata changed since.
@@ -163,8 +143,8 @@ class VerifyReport:
                 "(find_latest_checkpoint) and load that.")
 
     def verified_bytes(self, relpath: str) -> bytes | None:
-        """The bytes this verification hashed and kept for ``relpath`` (``None``: not kept), after checking that the
-        file is still the one they came from (:meth:`check_unchanged`)."""
+        """The bytes this verification hashed and kept for ``relpath`` (``None``: not kept), once
+        :meth:`check_unchanged` passes."""
         data = self.contents.get(relpath)
         if data is not None:
             self.check_unchanged(relpath)
@@ -175,16 +155,11 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, raise_
                       keep: Callable[[str], bool] | None = None) -> VerifyReport:
     """Check that ``directory`` is a complete, uncorrupted checkpoint.
 
-    Quick mode reads the manifest (and checks its own checksum), checks every listed file exists with
-    the listed size, parses every safetensors header (catching truncation and bogus offsets), hashes
-    every file up to ``QUICK_HASH_LIMIT`` (4 MiB), parses ``training_state.json`` (bounded) and checks its
-    structure, and checks that each index refers only to listed shards holding the tensors it names (and that a
-    single ``model.safetensors``'s tied record parses). A checkpoint committed before its files were fsynced
-    (durability ``"deferred"``) whose fsyncs never finished, written on another boot or machine, is always verified
-    fully: a crash may have torn it.
-    Full mode reads every byte and checks every hash a record holds: the xxh3-128, plus the sha256 of records written
-    before format version 2 (quick mode checks small files by their xxh3-128, or by the sha256 where it is the only
-    hash). Each small file is read once: its header is parsed and its hash computed from the same bytes.
+    Quick mode checks the manifest (and its own checksum), every listed file's presence and size, every safetensors
+    header, ``training_state.json``'s structure and every index's consistency, and hashes the files up to
+    ``QUICK_HASH_LIMIT`` (4 MiB). Full mode hashes every byte against every hash its record holds. A checkpoint whose
+    deferred fsyncs never finished, written on another boot or machine, is always verified fully
+    (docs/format.md#verification).
 
     Args:
         directory (`str` or `os.PathLike`): the checkpoint directory.
@@ -301,8 +276,7 @@ def _hash_file(path: Path, expected: FileRecord) -> tuple[FileRecord, FileIdenti
 
 
 def _read_json(directory: Path, relpath: str, report: VerifyReport) -> object:
-    """A JSON file of the checkpoint: the bytes just verified, or read safely (regular file, inside the directory,
-    bounded) when it was too large to hash in quick mode."""
+    """A JSON file of the checkpoint: the bytes just verified, or read safely (bounded) when not kept."""
     raw = report.contents.get(relpath)
     if raw is None:
         raw = read_regular_file(member_path(directory, relpath), limit=MAX_JSON_SIZE)
@@ -310,8 +284,8 @@ def _read_json(directory: Path, relpath: str, report: VerifyReport) -> object:
 
 
 def _check_training_state(directory: Path, report: VerifyReport) -> None:
-    """``training_state.json`` parses (bounded) and has its structure: a hash that matches proves only that the
-    manifest was resealed with it, and a state that cannot be read makes the checkpoint unusable."""
+    """``training_state.json`` parses (bounded) and has its structure: a matching hash proves only that the manifest
+    was resealed with it."""
     try:
         check_training_state(_read_json(directory, TRAINING_STATE_FILE, report),
                              source=str(directory / TRAINING_STATE_FILE))

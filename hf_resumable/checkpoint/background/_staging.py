@@ -1,11 +1,6 @@
-"""Copy tensors into host staging buffers, bit for bit: now (:func:`copy_into`), or claimed tensor by tensor by whoever
-helps while the caller trains on (:func:`start_copy`).
-
-Plain contiguous CPU tensors of the same dtype and shape are copied as bytes by the C library's ``memmove`` (ctypes
-releases the GIL for the call); anything else goes through ``copy_``, and CUDA sources are copied ``non_blocking``
-into pinned buffers. A parallel copy on helper threads with non-temporal stores (a C extension) was deleted: on the
-only machine measured it did not shorten an async save's stall (docs/benchmarks.md, "Tuning switches").
-"""
+"""Copy tensors into host staging buffers, bit for bit: now (:func:`copy_into`), or claimed tensor by tensor by
+whoever helps while the caller trains on (:func:`start_copy`). Plain contiguous CPU tensors are copied by the C
+library's ``memmove`` (GIL released); anything else by ``copy_``, CUDA sources ``non_blocking`` into pinned buffers."""
 
 from __future__ import annotations
 
@@ -72,10 +67,9 @@ def copy_into(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, copier=None
 
 
 class BackgroundCopy:
-    """A staging copy claimed one tensor at a time by the threads that call :meth:`assist` or :meth:`join` (an async
-    save's thread, and the training thread once its held optimizer step is due): :meth:`join` takes part and returns
-    once every byte landed (raising the copy's error); :meth:`assist` takes part without waiting. Both may be called
-    from any thread, any number of times."""
+    """A staging copy claimed one tensor at a time by the threads that call :meth:`assist` (take part) or :meth:`join`
+    (take part, then wait for every byte and raise the copy's error): an async save's thread, and the training thread
+    once its held optimizer step is due. Both may be called from any thread, any number of times."""
 
     def __init__(self, calls: list[Callable[[], Any]], events: list[Any]) -> None:
         self._calls, self._events = calls, events
@@ -120,12 +114,8 @@ class BackgroundCopy:
 
 def start_copy(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, copier=None) -> BackgroundCopy:
     """Plan copying every ``src`` into its ``dst`` and return at once: the copy runs in the threads that then call
-    :meth:`BackgroundCopy.assist` or :meth:`BackgroundCopy.join`. The caller must not change a source until ``join``
-    returned (an async save holds the optimizer's next step, see :mod:`._step_gate`).
-
-    CUDA sources are copied on a side stream that first waits for the current one (enqueued here, which does not
-    wait for the device), into pinned buffers; ``join`` waits for them.
-    """
+    :meth:`BackgroundCopy.assist` or :meth:`BackgroundCopy.join`, and no source may change until ``join`` returned.
+    CUDA sources are enqueued now on a side stream that first waits for the current one."""
     events = [_copy_on_side_stream(dst, src.detach()) for dst, src in pairs if src.is_cuda]  # enqueued now
     calls = _copies([(dst, src) for dst, src in pairs if not src.is_cuda], copier or copy_bytes,
                     lambda dst, src: dst.copy_(src))

@@ -1,14 +1,7 @@
-"""Hold an optimizer's next step while a background save copies the tensors that step writes.
-
-Parameters and optimizer state change only in the optimizer's step (a forward changes buffers, a backward
-gradients). A background save therefore copies them after its call has returned, while the next forward and backward
-run, and the torch optimizer's next step waits at a step pre-hook until the copy is over (the design of torch DCP's
-async stager and torchtitan). One mechanism for every engine: plain and DDP models, FSDP1/2 pieces, and DeepSpeed
-ZeRO-1/2/3, whose engine steps its torch optimizer over the flat fp32 partitions and only then writes the model's
-weights (:meth:`~hf_resumable.integrations._deepspeed.ZeroOptimizerState.step_tensors`).
-
-An optimizer step that does not go through a torch optimizer cannot be held: such saves stage every tensor before
-they return (:func:`gated_optimizer` answers ``None``).
+"""Hold an optimizer's next step while a background save copies the tensors that step writes (parameters and
+optimizer state), so that forward and backward overlap the copy: one mechanism for every engine
+(docs/checkpoints.md#what-a-background-save-holds). A step that does not go through a torch optimizer cannot be
+held: such saves stage every tensor before they return (:func:`gated_optimizer` answers ``None``).
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """Background saves: stage the tensors into reusable host buffers, write and commit on a thread, return a future.
 
-The call returns once it has copied what may change before the next optimizer step (buffers, which a forward
-updates, and any tensor the state-dict walks did not take from the optimizer); the parameters and optimizer state
-are copied by the saver's thread meanwhile (the training thread helps once its next optimizer step is due), and that
-step waits until they are (:mod:`._step_gate`): forward and backward overlap the copy.
-
-:meth:`AsyncSaver.submit` returns a :class:`concurrent.futures.Future` of the committed manifest, to which the
-integrations attach what follows a commit (``integrations._core.AfterCommit``). At most one save is in flight: the
-next save, any load and interpreter exit wait for it (:meth:`AsyncSaver.wait` raises ``AsyncSaveError`` for a failed
-one). The commit protocol itself is :mod:`._writer`'s.
-
-The write runs at a lower CPU priority than the training loop (:func:`hf_resumable._tuning.lower_thread_priority`,
-``HF_RESUMABLE_WRITER_PRIORITY``, docs/performance.md): its hashing and page-cache copies take the cores the
-training threads leave idle instead of slowing every step, and get the normal priority back as soon as the training
-loop waits for them, or when the caller says the write is late (:meth:`AsyncSaver.expedite`: the next save is due).
+At most one save is in flight: the next save, any load and interpreter exit wait for it and raise its error. What
+the call copies, what the held optimizer step waits for, and the thread's lowered CPU priority:
+docs/architecture.md, "Async saves", and docs/performance.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import queue
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -42,7 +29,8 @@ from ...errors import AsyncSaveError
 from .._types import Payload, TensorFile
 from ..commit._durability import make_durable
 from ..commit._replicas import part_of_rank, replica_signature
-from ..commit._writer import SaveStart, begin_save, finish_save
+from ..commit._threads import SerialThread
+from ..commit._writer import begin_save, finish_save
 from ..commit.manifest import Manifest
 from ._staging import BackgroundCopy, copy_into, start_copy
 from ._step_gate import gated_optimizer, split_by_storage, step_gate, step_storages
@@ -51,10 +39,9 @@ __all__ = ["AsyncSaver", "BACKGROUND_SAVER"]
 
 
 class _Staging:
-    """One save's staging copy after its call returned: the copy of the tensors the held optimizer step writes
-    (``background``: the saver's thread copies them first, the training thread helps at the held step), and the rest
-    of the replicated files (``rest``: rank 0 writes them all should step 1 find the ranks' replicas differ), copied
-    by the saver's thread after step 1. ``release`` opens the optimizer's step."""
+    """One save's staging copy after its call returned: ``background``, what the held optimizer step writes (the
+    saver's thread copies it first, the training thread helps at the held step), and ``rest``, the replicated files
+    rank 0 writes should step 1 find the ranks' replicas differ. ``release`` opens the optimizer's step."""
 
     def __init__(self, background: BackgroundCopy | None = None,
                  rest: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
@@ -62,7 +49,7 @@ class _Staging:
         self.background, self.rest, self.release, self.failed = background, list(rest), release, failed
 
     def copy_background(self) -> None:
-        """Copy ``background`` now (the saver's thread, before its priority is lowered: the held step waits for it);
+        """Copy ``background`` now (before the saver's thread lowers its priority: the held step waits for it);
         an error is kept for :meth:`finish`."""
         background, self.background = self.background, None
         if background is None or self.failed is not None:
@@ -73,8 +60,8 @@ class _Staging:
             self.failed = err
 
     def finish(self, *, split: bool | None) -> BaseException | None:
-        """Complete the copy (``split``: step 1's answer; ``None``: step 1 failed, nothing more is needed); open the
-        held step whatever happens. Returns the copy's error."""
+        """Complete the copy (``split``: step 1's answer; ``None``: step 1 failed) and open the held step whatever
+        happens; return the copy's error."""
         try:
             if self.failed is not None:
                 return self.failed
@@ -115,7 +102,6 @@ class _SaveJob:
         self.pid = os.getpid()  # a forked child does not own its parent's save (nor the thread writing it)
         self.staging = _Staging()
         self.future: Future[Manifest] = Future()
-        self.start: SaveStart | None = None
         self.error: BaseException | None = None  # raised at the next wait
         self.raised: BaseException | None = None  # already raised by the call (a failed copy): not raised again
         self.priority: Lowering | None = None  # the writer's lowered priority (lower_thread_priority)
@@ -140,8 +126,7 @@ class _SaveJob:
 
     def _run(self) -> Manifest | None:
         try:
-            start = self.start = begin_save(self.target, overwrite=self._overwrite, group=self._group,
-                                            signature=self._signature)
+            start = begin_save(self.target, overwrite=self._overwrite, group=self._group, signature=self._signature)
         except BaseException as err:  # noqa: BLE001 - raised at the next wait (on every rank: rank 0 told them)
             self.error = err
             self.staging.finish(split=None)
@@ -197,8 +182,8 @@ class _SyncJob:
 
 
 def _fix(error: BaseException) -> str:
-    """What to do about a background job's ``error``: storage's (an ``OSError``) or, in a distributed job, most often
-    a collective with a rank that died or lost its connection (the gloo or NCCL error says which peer)."""
+    """What to do about a background job's ``error``: storage's (an ``OSError``), or, in a distributed job, most often
+    a peer that died or lost its connection."""
     if isinstance(error, OSError):
         return "Fix the cause (the disk, free space, permissions) and save again."
     if is_distributed():
@@ -207,53 +192,18 @@ def _fix(error: BaseException) -> str:
     return "Fix the cause and save again, or resume from the previous checkpoint."
 
 
-class _Worker:
-    """One daemon thread, started on first use, that runs submitted jobs in order.
-
-    A thread started per save would block the starter until it runs, tens of milliseconds on a loaded machine, on
-    the training loop's time. Daemon: interpreter exit waits for the in-flight save through ``atexit`` (see
-    :mod:`.api`), not for an idle thread; a forked child starts its own.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._jobs: queue.SimpleQueue | None = None
-        self._thread: threading.Thread | None = None
-        self._pid: int | None = None
-
-    def submit(self, job: Callable[[], None]) -> None:
-        if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-            self._jobs, self._pid = queue.SimpleQueue(), os.getpid()
-            self._thread = threading.Thread(target=self._serve, args=(self._jobs,), name=self._name, daemon=True)
-            self._thread.start()
-        self._jobs.put(job)
-
-    def is_current(self) -> bool:
-        """Whether the caller runs on this worker's thread."""
-        return self._thread is threading.current_thread()
-
-    @staticmethod
-    def _serve(jobs: queue.SimpleQueue) -> None:
-        while True:
-            defer_to_running_threads()  # woken as the save's call returns: never preempt the training thread then
-            job = jobs.get()
-            defer_to_running_threads()  # HF_RESUMABLE_WRITER_PRIORITY may have changed while the thread waited
-            job()  # a job keeps its own errors
-
-
 class AsyncSaver:
-    """Stage tensors into reusable host buffers, then write them on a background thread.
-
-    Buffers are keyed by (file, tensor name) and reused while shape and dtype match, so the first
-    touch of fresh memory is paid once, not at every save. At most one save is in flight: the next
-    save, any load and interpreter exit wait for it, and its exception is raised there.
-    """
+    """Stage tensors into reusable host buffers, then write them on a background thread. Buffers are keyed by (file,
+    tensor name) and reused while shape and dtype match, so fresh memory is touched once, not at every save."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
         self._job: _SaveJob | _SyncJob | None = None
         self._last: Future[Manifest] | None = None
-        self._worker = _Worker("hf_resumable-save")
+        # One thread for every save (one started per save would block the training loop until it runs). Before it
+        # waits, it defers to running threads (woken as the save's call returns, it must not preempt the training
+        # thread), and again before a job (HF_RESUMABLE_WRITER_PRIORITY may have changed meanwhile).
+        self._worker = SerialThread("hf_resumable-save", on_wake=defer_to_running_threads)
 
     def _buffer_pairs(self, files: Sequence[TensorFile]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(buffer, tensor)`` of every tensor of ``files``, whose tensors become the buffers (not copied yet)."""
@@ -272,26 +222,17 @@ class AsyncSaver:
             tensor_file.tensors = staged
         return pairs
 
-    def stage(self, payload: Payload, also: Sequence[TensorFile] = ()) -> Payload:
-        """Copy every tensor of ``payload`` (and of the files ``also``) into staging buffers, in one parallel copy;
-        the files then hold the buffers (returns ``payload``)."""
-        copy_into(self._buffer_pairs([*payload.tensor_files, *also]))
-        return payload
-
     def submit(self, target: Path, payload: Payload, *, step, metrics, overwrite, on_commit=None,
                also_stage: Sequence[TensorFile] = (), prepare=None, finalize=None, optimizer: Any = None
                ) -> Future[Manifest]:
         """Wait for the previous save, stage ``payload`` (and ``also_stage``) and start writing it in the background.
 
-        Under torch.distributed every rank calls it. Before it returns it copies what may change before the next
-        optimizer step: every tensor that is not a parameter or state of ``optimizer`` (the torch optimizer, or an
-        engine's checkpoint view, :func:`._step_gate.gated_optimizer`); the saver's thread copies the rest meanwhile,
-        and that optimizer's next step waits until they are done (without an optimizer that can be held, everything is
-        copied now). Step 1 (rank 0 checks the target and creates the temp dir) runs on the saver's thread; steps 2-5
-        (``prepare`` and ``finalize`` too, see :func:`~hf_resumable.checkpoint.commit._writer.finish_save`) follow
-        once the copy is over, then ``on_commit``. Its collectives use the save's own gloo group
-        (``distributed.checkpoint_group``), never the training loop's. A failure anywhere (a refused target, a
-        copy, a write, on any rank) commits nothing and is raised at the next wait on every rank.
+        Collective under torch.distributed. It returns once it has copied every tensor that is not a parameter or state
+        of ``optimizer`` (the torch optimizer, or an engine's checkpoint view: :func:`._step_gate.gated_optimizer`);
+        the saver's thread copies the rest while that optimizer's next step waits, then runs the commit protocol over
+        the save's own gloo group (``prepare`` and ``finalize``: see
+        :func:`~hf_resumable.checkpoint.commit._writer.finish_save`), then ``on_commit``. A failure anywhere commits
+        nothing and is raised at the next wait on every rank.
 
         Returns:
             `concurrent.futures.Future`: done once the save has committed (its result is the manifest) or failed.
@@ -352,12 +293,9 @@ class AsyncSaver:
         return isinstance(self._job, _SaveJob) and self.in_flight
 
     def expedite(self) -> bool:
-        """Give the in-flight write the training loop's CPU priority back, without waiting for it: a caller whose
-        next save is due while this one is still being written (under CPU contention the lowered writer can take
-        many steps to commit, and until it has, a preemption loses everything since the previous checkpoint).
-
-        Raising a priority again needs ``CAP_SYS_NICE`` or an ``RLIMIT_NICE`` that allows it; without either, the
-        write keeps its lower priority (see :func:`hf_resumable._tuning.restore_thread_priorities`).
+        """Give the in-flight write the training loop's CPU priority back, without waiting for it: a caller whose next
+        save is due while this one is still being written. Raising a priority again needs ``CAP_SYS_NICE`` or an
+        ``RLIMIT_NICE`` that allows it; without either, the write keeps its lower priority.
 
         Returns:
             `bool`: whether a write of this process was in flight (and so was given its priority back).
@@ -371,9 +309,9 @@ class AsyncSaver:
 
     def sync_later(self, target: Path, written: list[str], *, on_durable: Callable[[], None] | None = None
                    ) -> Future[None]:
-        """Fsync the files ``written`` (relative to the committed ``target``) of a blocking save with deferred
-        durability on the saver's thread, then ``on_durable``; collective (every rank of the save calls it, on the
-        training thread). The next save, any load, :meth:`wait` and interpreter exit wait for it, as for a save.
+        """Fsync the files ``written`` (relative to the committed ``target``) of a deferred blocking save on the
+        saver's thread, then ``on_durable``; collective. The next save, any load, :meth:`wait` and interpreter exit
+        wait for it.
 
         Returns:
             `concurrent.futures.Future`: done once every rank's files are durable (or failed).
@@ -408,6 +346,5 @@ class AsyncSaver:
             raise job.failure(error) from error
 
 
-# The process's one background saver (``api.background_saver``); loads below ``api`` (the shared reads, whose
-# collectives use the save's group) wait for it too.
+# The process's one background saver (``api.background_saver``); retention (``discovery``, below ``api``) waits for it.
 BACKGROUND_SAVER = AsyncSaver()

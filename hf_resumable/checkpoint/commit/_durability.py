@@ -1,30 +1,7 @@
-"""Deferred durability: a blocking save commits once its files are in the page cache; the fsyncs follow.
-
-Stock savers (``torch.save`` under DeepSpeed's ``save_checkpoint``, accelerate's ``save_state``) never fsync. Ours
-did, before the commit, so a blocking save waited for the disk. With durability ``"deferred"`` (the blocking
-saves' default) it waits only for the page cache:
-
-1. Every rank writes its files without fsync. Before the rename, rank 0 writes :data:`DURABILITY_FILE` (the
-   writer's boot id) into the temp dir, fsynced with the directory, so that whatever of the checkpoint reaches the
-   disk, the record is there too.
-2. The rename commits the checkpoint, as before; the call returns.
-3. On the saver thread (:mod:`.async_save`), every rank fsyncs the files it wrote; once all have, rank 0 fsyncs the
-   directories, replaces the record with one that says durable (atomically, never removed: a copy of the directory
-   made meanwhile never finds it gone) and fsyncs the checkpoint directory and its parent (:func:`make_durable`).
-
-What each failure then costs (docs/architecture.md, "Deferred durability"):
-
-- **The process dies** (SIGKILL, OOM, preemption of the job) at any moment after the rename: the kernel still has
-  every byte, readers on this machine see them, and the kernel writes them back by itself. Nothing is lost; a
-  save that fsynced first would have lost this checkpoint.
-- **The machine dies** (power, kernel crash) before step 3 ends: the record names another boot than the reader's
-  and says not durable, so :func:`needs_every_byte` makes quick verification hash every byte; a torn checkpoint is
-  skipped and the previous one is used. Retention never deletes the newest durable checkpoint (:func:`is_durable`), so
-  that one is always there.
-- **An fsync fails** (EIO, ENOSPC on a filesystem that reports it late): the record keeps saying not durable, so
-  the checkpoint never counts as durable, and the error is raised at the next save or wait.
-
-Overwrites (a checkpoint replaced in place) and systems without a boot id fsync before the commit, as before.
+"""Deferred durability: a blocking save commits once its files are in the page cache and fsyncs them afterwards on the
+saver's thread, with a ``.durability`` record (the writer's boot id) written before the rename and replaced by a
+durable one once every fsync is done. What each failure then costs: docs/checkpoints.md#guarantees; the steps:
+docs/architecture.md, "Deferred durability". Overwrites and systems without a boot id fsync before the commit.
 """
 
 from __future__ import annotations
@@ -118,11 +95,8 @@ def needs_every_byte(directory: str | os.PathLike) -> bool:
 
 def make_durable(target: Path, written: Iterable[str], *, group: Any = None) -> None:
     """Step 3 of a deferred save (collective over ``group``): fsync the files this rank wrote; once every rank has,
-    rank 0 fsyncs the directories, records ``target`` durable and fsyncs it and its parent.
-
-    Files that are gone or are no longer regular files (somebody removed or replaced the checkpoint meanwhile) are
-    skipped with a WARNING: there is nothing of ours left to make durable, and the record (if the directory is still
-    there) keeps saying not durable, so the checkpoint never counts as durable.
+    rank 0 fsyncs the directories, records ``target`` durable and fsyncs it and its parent. Files removed or replaced
+    meanwhile are skipped with a WARNING, and the record keeps saying not durable.
 
     Raises:
         OSError: this rank's fsync failed (its errno kept); RuntimeError: another rank's did. The record still says
@@ -165,10 +139,8 @@ def make_durable(target: Path, written: Iterable[str], *, group: Any = None) -> 
 
 
 def _record_durable(target: Path) -> None:
-    """Replace ``target``'s record with one that says durable, atomically: written under an owned name beside
-    ``target`` (never a transient name inside it, which a concurrent copy could list and then miss), fsynced, renamed
-    over the record, the directory fsynced. The record is never removed, so a copy of the checkpoint made meanwhile
-    never finds it gone."""
+    """Replace ``target``'s record with one that says durable: staged under an owned name beside ``target``, renamed
+    over the record, the directory fsynced. The record is never removed, so a copy made meanwhile never misses it."""
     if not (target / DURABILITY_FILE).exists():
         raise FileNotFoundError(errno.ENOENT, "no durability record", str(target / DURABILITY_FILE))
     staged = target.parent / member_name(TMP_PREFIX, f"{target.name}{DURABILITY_FILE}")

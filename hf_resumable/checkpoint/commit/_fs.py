@@ -1,27 +1,17 @@
-"""Local-filesystem primitives of the commit protocol: durable writes, owned temp names, atomic renames.
-
-Three rules make concurrent writers, readers and cleaners safe (docs/architecture.md, "Concurrency"):
-
-1. Every temporary entry is created under a name that carries its owner (``_owner.py``), so no instant
-   exists at which it looks ownerless, and only entries of provably dead owners are ever removed.
-2. A directory is removed by first renaming it to a name its remover alone owns; whatever is deleted
-   afterwards can no longer be renamed into place by anybody else.
-3. Commits never replace by accident: ``renameat2(RENAME_NOREPLACE)`` for a new checkpoint, and a
-   compare-and-swap (``RENAME_EXCHANGE``, checked against the directory the save meant to replace) for
-   ``overwrite=True``. Two processes committing the same name: exactly one wins.
-"""
+"""Local-filesystem primitives of the commit protocol: durable writes, owned temp names, no-replace and
+compare-and-swap renames, claim-then-delete. Why each keeps concurrent writers, readers and cleaners safe:
+docs/architecture.md, "Concurrency"."""
 
 from __future__ import annotations
 
 import atexit
 import ctypes
 import errno
+import functools
 import logging
 import os
-import queue
 import shutil
 import stat
-import threading
 from pathlib import Path
 
 from ..._tuning import tuning_options
@@ -31,6 +21,7 @@ from ...format._libc import libc_function
 from ...format.safetensors_io import FileRecord, record_of
 from ._owner import DELETING_MARK, member_name
 from ._pins import live_pins
+from ._threads import SerialThread
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +68,8 @@ def fsync_tree(path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- atomic renames
-def _load_renameat2():
-    return libc_function("renameat2", (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint))
-
-
-_renameat2_function = _load_renameat2()
+_renameat2_function = libc_function("renameat2",
+                                     (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint))
 
 
 def _renameat2(src: Path, dst: Path, flags: int) -> bool:
@@ -133,13 +121,9 @@ def create_temp_dir(target: Path) -> Path:
 
 
 def commit_dir(tmp: Path, target: Path, *, replaces: DirIdentity | None, sync: bool = True) -> None:
-    """Move the finished ``tmp`` to ``target`` atomically.
-
-    With ``sync=False`` (a deferred save, see ``_durability.py``; never with ``replaces``) nothing is fsynced: the
-    directories are fsynced once the files are.
-
-    ``replaces`` is the directory the caller checked and may replace (see ``_writer.check_target``), or
-    ``None`` if ``target`` must not exist.
+    """Move the finished ``tmp`` to ``target`` atomically: no-replace where ``replaces`` is ``None``, else a
+    compare-and-swap against ``replaces``, the directory the caller checked (``_writer.check_target``). With
+    ``sync=False`` (a deferred save, never with ``replaces``) nothing is fsynced.
 
     Raises:
         CheckpointExistsError: ``target`` appeared, or was replaced by somebody else, since the save started.
@@ -211,43 +195,9 @@ def claim(entry: Path, target_name: str) -> Path | None:
     return mine
 
 
-class _TrashRemover:
-    """Deletes trash directories this process claimed, one at a time on a daemon thread (started on first use).
-
-    Deleting a checkpoint is mostly waiting on the filesystem (on a disk mounted with ``discard`` above all), not
-    CPU: time a training loop need not wait for. The trash carries this process's name and a deleting mark,
-    so nothing can find it as a checkpoint or rename it back; if the process dies first, the next cleaner of the
-    directory deletes it (``discovery.cleanup_stale``). Interpreter exit waits for the queue (``atexit``).
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[Path] = queue.Queue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, trash: Path) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="hf_resumable-trash", daemon=True)
-                self._thread.start()
-            self._queue.put(trash)
-
-    def _run(self) -> None:
-        # At the training loop's priority, not lowered as a background write is: a deletion needs little CPU,
-        # and the next save's write waits for it (``_writer.write_payload``), which a starved deleter would delay.
-        while True:
-            trash = self._queue.get()
-            try:
-                shutil.rmtree(trash, ignore_errors=True)
-            finally:
-                self._queue.task_done()
-
-    def wait(self) -> None:
-        """Block until every submitted trash directory is deleted."""
-        self._queue.join()
-
-
-_REMOVER = _TrashRemover()
+# Deletes the trash directories this process claimed, one at a time (should the process die first, the next cleaner
+# deletes them). At the training loop's priority: the next save's write waits for it (``_writer.write_payload``).
+_REMOVER = SerialThread("hf_resumable-trash")
 atexit.register(_REMOVER.wait)
 
 
@@ -276,7 +226,7 @@ def remove_dir(path: Path, *, background: bool = False) -> bool:
             return False
         fsync_dir(path.parent)
         if background and tuning_options().background_deletes:
-            _REMOVER.submit(trash)
+            _REMOVER.submit(functools.partial(shutil.rmtree, trash, ignore_errors=True))
         else:
             shutil.rmtree(trash, ignore_errors=True)
         return True

@@ -1,20 +1,6 @@
-"""Who owns a temporary name: the writer's identity is part of the name itself.
-
-Every directory or file the commit protocol creates next to checkpoints (``.tmp-*`` while a save is
-written, ``.trash-*`` while one is deleted, ``.removing-*`` while a remover decides, ``.pin-*`` while a
-reader holds one) carries its owner in its name::
-
-    .tmp-checkpoint-120.3fa2b1c0.48213.912345.9ab3c2d1
-         ^ target       ^ host   ^ pid ^ start ^ random
-
-``mkdir``/``rename``/``open(O_EXCL)`` create a name atomically, so there is no instant at which the
-entry exists without an owner, and a rename to a name owned by somebody else is a transfer of
-ownership. An entry is *stale* only if its owner is provably dead: same host, and no process with
-that pid and that start time exists (a zombie, exited but not yet reaped by its parent, is dead). Anything
-else (a live owner, another host, a name we cannot parse) is never touched. Between the two, a process with a
-``SIGKILL`` pending (killed, not yet scheduled to die: on a loaded machine this lasts a while) runs no more
-code of its own; :func:`owner_can_act` says so, for the names whose owner must act to use them (a pin: a
-reader that will never read).
+"""Who owns a temporary name: every entry the commit protocol creates next to checkpoints (``.tmp-``, ``.trash-``,
+``.removing-``, ``.pin-``) carries its owner (host hash, pid, start time) in its name, so it is never ownerless, and
+only entries of provably dead owners are ever removed (docs/architecture.md, "Concurrency").
 
 Example:
 
@@ -129,7 +115,8 @@ def parse_member_name(name: str) -> OwnedName | None:
 
 
 def owner_is_alive(owner: OwnerTag) -> bool:
-    """Whether ``owner`` may still be running. ``True`` unless provably dead (same host, pid gone or reused)."""
+    """Whether ``owner`` may still be running: ``True`` unless provably dead (same host, and no process with that pid
+    and start time; a zombie is dead)."""
     if owner.host != current_owner().host:
         return True
     try:
@@ -148,13 +135,8 @@ def owner_is_alive(owner: OwnerTag) -> bool:
 
 
 def owner_can_act(owner: OwnerTag) -> bool:
-    """Whether ``owner`` may still run code of its own: alive (:func:`owner_is_alive`) and not being killed.
-
-    A process sent ``SIGKILL`` stays in the process table, running or sleeping, until the kernel gets to it (on a
-    loaded machine that lasts; a cleanup started right after the kill sees it), but it never returns to its own
-    code: a system call it is inside completes, nothing after it runs. Its pin guards a read that will never
-    happen.
-    """
+    """Whether ``owner`` may still run code of its own: alive and not being killed. A process sent ``SIGKILL`` stays in
+    the process table until the kernel gets to it (a while on a loaded machine) but never returns to its own code."""
     if not owner_is_alive(owner):
         return False
     return owner.host != current_owner().host or not _sigkill_pending(owner.pid)

@@ -1,20 +1,10 @@
 """Read many safetensors files at once with a few threads, each file's hash checked in byte order.
 
-A resume reads a model into memory that exists and an optimizer state twice its size into new memory. Every file is
-cut into chunks of at most ``CHUNK_BYTES`` (:func:`plan_reads`, pure: which byte range of which file lands in which
-tensor), and :func:`hf_resumable._tuning.read_streams` threads (``HF_RESUMABLE_READ_STREAMS=<n>`` or
-``read_files(workers=n)`` changes it; one per two usable cores by default) take the chunks in file order and
-``pread`` each straight into the destination tensor's bytes. Whichever thread completes a file's next chunk feeds
-that file's checksum, so every byte is hashed in order while the reads go on. ``pread``, ``xxh3`` and ``sha256``
-release the GIL. Tensors that cannot receive bytes in place (another device, dtype or layout) are read into CPU
-staging buffers and copied into their destination only after EVERY file's hash matched.
-
-Deleted, because they did not pay on either storage (``benchmarks/bench_read_paths.py``, docs/benchmarks.md): a
-thread faulting in the pages of new destinations ahead of the readers, ``O_DIRECT`` reads of the bytes ``mincore``
-said were not cached, interleaving all files' chunks, one stream hashing on a thread of its own, and a stream probe.
-
-A file may also come from memory (:attr:`FileRead.data`: bytes a verification already hashed and kept), and a
-file that verification hashed but did not keep is checked to be the very file it hashed before it is read
+Every file is cut into chunks (:func:`plan_reads`, pure: which byte range of which file lands in which tensor);
+:func:`hf_resumable._tuning.read_streams` threads ``pread`` them in file order straight into the destination
+tensors, and whichever thread completes a file's next chunk feeds that file's checksum. Destinations that cannot
+receive bytes in place are staged and copied only after EVERY file's hash matched. A file may also come from the
+bytes a verification kept (:attr:`FileRead.data`), or be checked to be the very file it hashed
 (:attr:`FileRead.check`).
 """
 
@@ -45,13 +35,10 @@ CHUNK_BYTES = 8 * 1024 * 1024
 
 @dataclass
 class FileRead:
-    """One file to read: its verified header, the record to check it against (``None``: no check), the
-    destination tensors by name (any subset; the rest are returned as new tensors).
-
-    ``data``: the whole file, already hashed by a verification (its bytes are copied from there; nothing is read
-    from disk or hashed again). ``check``: called with the ``fstat`` of the descriptor before a byte is read (a
-    file that a full verification hashed must still be that file).
-    """
+    """One file to read: its verified header, the record to check it against (``None``: no check), the destination
+    tensors by name (any subset; the rest are returned as new tensors). ``data``: the whole file, already hashed by a
+    verification (nothing is read or hashed again); ``check``: called with the ``fstat`` of the descriptor before a
+    byte is read."""
 
     path: Path
     header: SafetensorsHeader
@@ -67,8 +54,7 @@ class FileRead:
 
 @dataclass
 class Chunk:
-    """``len(view)`` bytes at ``offset`` of file ``file`` (its ``index``-th chunk), landing in ``view``, whose
-    memory is ``new`` (never touched yet) or not."""
+    """``len(view)`` bytes at ``offset`` of file ``file`` (its ``index``-th chunk), landing in ``view``."""
 
     file: int
     index: int
@@ -190,11 +176,8 @@ def _pread_into(fd: int, chunk: Chunk, path: Path) -> None:
 
 def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes: int = CHUNK_BYTES
                ) -> dict[str, torch.Tensor]:
-    """Read every tensor of every file; fill destinations; return the tensors that had none.
-
-    Destinations that are plain contiguous CPU tensors of the stored dtype and shape receive the bytes
-    directly (before the file's hash is known); every other destination is copied from a staging buffer
-    after all hashes matched. ``workers``: reads in flight (default :func:`read_streams`).
+    """Read every tensor of every file into its destination (in place, or from a staging buffer once every hash
+    matched); return the tensors that had none. ``workers``: reads in flight (default :func:`read_streams`).
 
     Raises:
         CorruptCheckpointError: a hash mismatch or a short file, naming the file (after every thread stopped), or a

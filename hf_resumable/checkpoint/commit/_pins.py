@@ -1,32 +1,12 @@
-"""Reader pins: a reader that is about to load a checkpoint keeps retention from removing it under it.
-
-A pin is an empty file ``.pin-<checkpoint>.<owner>.<nonce>`` next to the checkpoint; a remover
-announces itself with an empty ``.removing-<checkpoint>.<owner>.<nonce>``. Each side first writes its
-own flag, then looks for the other's (``_fs.remove_dir`` is the remover):
-
-========================================  ==========================================================
-reader (``pin``)                          remover (``remove_dir``)
-========================================  ==========================================================
-1. create the pin                         1. create the announcement
-2. wait while a live remover's            2. if a live pin exists: withdraw the announcement and
-   announcement for it exists                keep the checkpoint (it is never moved)
-3. the checkpoint is there: pinned;       3. else rename it to a trash name of its own, delete it,
-   else it is gone                           then withdraw the announcement
-========================================  ==========================================================
-
-If the pin exists before the remover's step 2, the checkpoint is never touched; if it came later, the
-announcement is still there when the reader looks (step 2), so the reader waits until the removal is
-done and sees the checkpoint gone (``find_latest_checkpoint`` then takes the next one). A reader
-therefore never holds a path that retention deletes, and never sees a pinned checkpoint flicker
-away. Flags of dead processes are ignored and cleaned up, and so is the pin of a process being killed (a
-``SIGKILL`` pending: it will never read); a pin older than ``PIN_TTL`` stops
-protecting (a reader that sleeps for an hour does not block retention forever). Where the directory
-is read-only nothing can be deleted anyway, and no pin is made.
+"""Reader pins: a reader about to load a checkpoint keeps retention from removing it under it. The pin and remover
+protocol (each side writes its own flag, then looks for the other's) is docs/architecture.md's "Reader pins". Flags
+of dead processes, and the pin of a process being killed, are ignored and cleaned up.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import threading
@@ -38,7 +18,8 @@ from ._owner import current_owner, member_name, owner_can_act, owner_is_alive, p
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["pin", "unpin", "live_pins", "removal_announced", "hold_pin", "release_pin", "release_held_pins"]
+__all__ = ["pin", "unpin", "live_pins", "removal_announced", "hold_pin", "release_pin", "release_held_pins",
+           "entries_named"]
 
 # How long a reader waits for a live remover to finish (removals take as long as deleting the files; this only
 # bounds a remover that was stopped between its steps 1 and 3).
@@ -49,11 +30,8 @@ _held_lock = threading.Lock()
 
 
 def pin(directory: Path) -> Path | None:
-    """Pin the checkpoint ``directory``; the pin's path (``None``: the checkpoint is gone).
-
-    Where no pin can be created (a read-only directory), nothing can remove the checkpoint either: the
-    checkpoint is reported present without a pin (the returned path then does not exist).
-    """
+    """Pin the checkpoint ``directory``; the pin's path (``None``: the checkpoint is gone). Where no pin can be created
+    (a read-only directory, where nothing can remove it either) the checkpoint is reported present without one."""
     parent, name = directory.parent, directory.name
     pin_path = parent / member_name(PIN_PREFIX, name)
     try:
@@ -73,10 +51,8 @@ def pin(directory: Path) -> Path | None:
 def unpin(pin_path: Path | None) -> None:
     """Remove a pin made by :func:`pin` (missing pins are fine)."""
     if pin_path is not None:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(pin_path)
-        except OSError:
-            pass
 
 
 def hold_pin(key: str, pin_path: Path | None) -> None:
@@ -90,11 +66,8 @@ def hold_pin(key: str, pin_path: Path | None) -> None:
 
 
 def release_pin(root: str | os.PathLike) -> None:
-    """Release this process's pin for the run ``root`` (held since :func:`hold_pin`), if any.
-
-    A save into ``root`` calls it: a process that writes a new checkpoint has loaded the one it found, and its pin
-    must not outlive a save that fails (a full disk) in a process that keeps running.
-    """
+    """Release this process's pin for the run ``root`` (held since :func:`hold_pin`), if any: a save into ``root``
+    calls it, so that the pin does not outlive a save that fails in a process that keeps running."""
     hold_pin(os.path.abspath(root), None)
 
 
@@ -113,7 +86,7 @@ def live_pins(parent: Path, name: str, *, ignore_own: bool) -> list[Path]:
     dead, not being killed)."""
     me = current_owner()
     found = []
-    for entry in _entries(parent, f"{PIN_PREFIX}{name}."):
+    for entry in entries_named(parent, f"{PIN_PREFIX}{name}."):
         owned = parse_member_name(entry.name)
         if owned is None or owned.target != name or (ignore_own and owned.owner == me):
             continue
@@ -132,14 +105,15 @@ def _present(directory: Path) -> bool:
 
 def removal_announced(parent: Path, name: str) -> bool:
     """Whether a live remover has announced that it is removing ``parent/name``."""
-    for entry in _entries(parent, f"{REMOVING_PREFIX}{name}."):
+    for entry in entries_named(parent, f"{REMOVING_PREFIX}{name}."):
         owned = parse_member_name(entry.name)
         if owned is not None and owned.target == name and owner_is_alive(owned.owner):
             return True
     return False
 
 
-def _entries(parent: Path, prefix: str) -> list[Path]:
+def entries_named(parent: Path, prefix: str | tuple[str, ...]) -> list[Path]:
+    """The entries of ``parent`` whose names start with ``prefix`` (none if it cannot be listed)."""
     try:
         with os.scandir(parent) as it:
             return [Path(e.path) for e in it if e.name.startswith(prefix)]

@@ -1,14 +1,7 @@
-"""Replicas share the save: under data parallelism (DDP) every rank holds the same model and optimizer, so the
-files that hold them are split across the ranks, each rank writing whole files of its share.
-
-The split is PURE (:func:`plan_replica_writers`: file sizes and the world size in, a rank per file out), so every
-rank computes the same plan from its own payload without a collective. Whether the ranks really hold the same files
-is settled in step 1 of the commit protocol, which already meets every rank: each sends
-:func:`replica_signature` (file names, tensor names, dtypes and shapes); only if all agree is the save split, else
-rank 0 writes every replicated file, as before. ``HF_RESUMABLE_SPLIT_REPLICAS=0`` keeps rank 0 the only writer.
-
-The same plan splits the whole tensors that every rank holds alike in a sharded save (DeepSpeed ZeRO-1/2's weights:
-``checkpoint.pieces._pieces`` passes their sizes).
+"""Replicas share the save: files (and ZeRO-1/2's whole tensors) that every rank holds alike are split across the
+ranks by a PURE plan every rank computes alike; whether the ranks really hold the same files is agreed in step 1 of
+the commit protocol (docs/architecture.md, "Commit protocol"). ``HF_RESUMABLE_SPLIT_REPLICAS=0`` keeps rank 0 the
+only writer.
 """
 
 from __future__ import annotations
@@ -18,28 +11,16 @@ import json
 from collections.abc import Mapping
 from dataclasses import replace
 
-from ..._tuning import SPLIT_REPLICAS_ENV, tuning_options
+from ..._tuning import tuning_options
 from .._types import Payload, TensorFile
 
 __all__ = ["plan_replica_writers", "replica_signature", "replicas_split", "part_of_rank", "split_replicas"]
-
-# "0": rank 0 writes every replicated byte (the single-writer plan, e.g. as a benchmark's baseline).
-SPLIT_ENV = SPLIT_REPLICAS_ENV
 
 
 def plan_replica_writers(sizes: Mapping[str, int], world_size: int, *, split: bool = True) -> dict[str, int]:
     """Which rank writes each item that every rank holds alike (a whole file or a whole tensor), balanced by bytes
     (pure): the largest item first, each to the rank with the fewest bytes so far (ties: the lower rank; equal sizes:
-    by name), so every rank computes the same plan. An item the plan leaves out is rank 0's.
-
-    Args:
-        sizes (`Mapping[str, int]`): each item's size in bytes.
-        world_size (`int`): the number of ranks.
-        split (`bool`, *optional*, defaults to `True`): `False` plans nothing (rank 0 writes every item: one rank,
-            ranks that disagree, or ``HF_RESUMABLE_SPLIT_REPLICAS=0``, see :func:`split_replicas`).
-
-    Returns:
-        `dict[str, int]`: the writing rank of each item.
+    by name). An item the plan leaves out is rank 0's; ``split=False`` leaves out every item.
 
     Raises:
         `ValueError`: ``world_size`` is below 1.
@@ -77,9 +58,8 @@ def _file_bytes(tensor_file: TensorFile) -> int:
 
 
 def replica_signature(payload: Payload) -> str | None:
-    """What must be the same on every rank for the replicated files to be split: their names, metadata and
-    tensors' names, dtypes and shapes (a digest), or ``None`` where this rank does not take part (no replicated
-    files, or ``HF_RESUMABLE_SPLIT_REPLICAS=0``)."""
+    """What must be the same on every rank for the replicated files to be split (a digest of their names, metadata and
+    tensors' names, dtypes and shapes), or ``None`` where this rank does not take part."""
     if not payload.replicated or not split_replicas():
         return None
     described = [[f.relpath, f.metadata, [[name, str(t.dtype), list(t.shape)] for name, t in f.tensors]]
@@ -93,10 +73,9 @@ def replicas_split(signatures: list[str | None]) -> bool:
 
 
 def part_of_rank(payload: Payload, rank: int, world_size: int, *, split: bool) -> Payload:
-    """The part of ``payload`` this rank writes: its own files, plus the replicated files that
-    :func:`plan_replica_writers` gives it (``split``) or, unsplit, all of them on rank 0 and none elsewhere. Only an
-    unsplit rank 0 keeps the indexes: they need every rank's shard records, so after a split rank 0 writes them after
-    the gather."""
+    """The part of ``payload`` this rank writes: its own files, plus the replicated files the plan gives it (``split``)
+    or, unsplit, all of them on rank 0. Only an unsplit rank 0 keeps the indexes: after a split they need every rank's
+    shard records, so rank 0 writes them after the gather."""
     if not payload.replicated:
         return payload
     writers = plan_replica_writers({f.relpath: _file_bytes(f) for f in payload.tensor_files

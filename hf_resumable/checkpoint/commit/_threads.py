@@ -1,8 +1,12 @@
-"""A fan-out on plain threads, shared by the writer, the reader and the verifier."""
+"""Plain threads (usable during interpreter exit, when executors refuse work): a fan-out shared by the writer, the
+reader and the verifier, and the serial daemon threads of background saves and deletions."""
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
+from collections.abc import Callable
 
 
 def run_in_threads(fn, items: list, *, workers: int) -> list:
@@ -34,3 +38,45 @@ def run_in_threads(fn, items: list, *, workers: int) -> list:
     if errors:
         raise errors[0]
     return results
+
+
+class SerialThread:
+    """One daemon thread, started on first use (and again in a forked child), that runs submitted jobs in order;
+    ``on_wake`` runs on it before it waits for a job and again before it runs one. A job keeps its own errors."""
+
+    def __init__(self, name: str, *, on_wake: Callable[[], None] | None = None) -> None:
+        self._name, self._on_wake = name, on_wake
+        self._jobs: queue.Queue[Callable[[], None]] | None = None
+        self._thread: threading.Thread | None = None
+        self._pid: int | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                self._jobs, self._pid = queue.Queue(), os.getpid()
+                self._thread = threading.Thread(target=self._serve, args=(self._jobs,), name=self._name, daemon=True)
+                self._thread.start()
+            self._jobs.put(job)
+
+    def is_current(self) -> bool:
+        """Whether the caller runs on this thread."""
+        return self._thread is threading.current_thread()
+
+    def wait(self) -> None:
+        """Block until every job this process submitted has run."""
+        jobs = self._jobs
+        if jobs is not None and self._pid == os.getpid():
+            jobs.join()
+
+    def _serve(self, jobs: queue.Queue[Callable[[], None]]) -> None:
+        while True:
+            if self._on_wake is not None:
+                self._on_wake()
+            job = jobs.get()
+            try:
+                if self._on_wake is not None:
+                    self._on_wake()
+                job()
+            finally:
+                jobs.task_done()

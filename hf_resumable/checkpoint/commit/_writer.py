@@ -1,11 +1,6 @@
-"""Write a :class:`Payload` into a temp dir, then commit: manifest last, fsync, atomic rename.
-
-Rank 0 creates an owned temp sibling ``.tmp-checkpoint-N.<owner>.<nonce>`` (see ``_owner.py``) and
-tells every rank its name; every rank writes its own files there; rank 0 gathers the file records (as
-JSON, never pickle), writes the manifest only after every rank reported its files durable, and
-renames. A rank killed mid-save therefore leaves no manifest, and the previous checkpoint stays the
-latest valid one.
-"""
+"""Write a :class:`Payload` into an owned temp dir, then commit: manifest last, fsync, atomic rename. Every rank writes
+its own files; rank 0 gathers their records (JSON, never pickle) and commits once every rank's files are written, so
+a rank killed mid-save leaves no manifest. The steps are docs/architecture.md's "Commit protocol"."""
 
 from __future__ import annotations
 
@@ -28,7 +23,7 @@ from ...distributed import (
     is_distributed,
     rank_and_world_size,
 )
-from ...errors import CheckpointExistsError, HfResumableError
+from ...errors import CheckpointExistsError
 from ...format._jsonio import json_bytes
 from ...format.rng import save_rng_state
 from ...format.safetensors_io import FileRecord, write_safetensors
@@ -39,7 +34,7 @@ from ._fs import DirIdentity, commit_dir, create_temp_dir, discard, wait_for_rem
 from ._pins import release_pin
 from ._replicas import part_of_rank, replica_signature, replicas_split
 from ._threads import run_in_threads
-from .manifest import Manifest, read_manifest, records_from_json, records_to_json
+from .manifest import Manifest, committed_manifest, records_from_json, records_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +46,8 @@ def save_refusal(target: Path, *, overwrite: bool) -> str | None:
     """The one answer to "may a save go to ``target``?": why not (looks at the disk), or ``None``.
 
     A missing path may always be saved to; an empty directory or a committed hf_resumable checkpoint only with
-    ``overwrite`` (replaced atomically). Never a file, a link, a directory holding files hf_resumable did not write
-    (a stock Trainer's or accelerate's checkpoint), or a committed checkpoint somebody added files to: hf_resumable
-    never deletes what it did not write.
+    ``overwrite``. Never a file, a link, a directory holding files hf_resumable did not write, or a committed
+    checkpoint somebody added files to: hf_resumable never deletes what it did not write.
     """
     return _refusal(target, overwrite=overwrite)[0]
 
@@ -81,7 +75,7 @@ def _refusal(target: Path, *, overwrite: bool) -> tuple[str | None, os.stat_resu
         kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "a file"
         return (f"{target} exists and is {kind}, not a checkpoint directory; hf_resumable does not replace it. Remove "
                 "it, or save under another name."), info
-    manifest = _manifest_or_none(target)
+    manifest = committed_manifest(target)
     if not overwrite:
         kind = "a committed checkpoint" if manifest is not None else "a directory"
         return (f"{target} already exists and is {kind}; pass overwrite=True to replace it atomically, or save under "
@@ -106,13 +100,6 @@ def stock_accelerate_files(directory: Path) -> list[str]:
         return sorted(name for name in os.listdir(directory) if STOCK_ACCELERATE_FILES_RE.match(name))
     except OSError:
         return []
-
-
-def _manifest_or_none(directory: Path) -> Manifest | None:
-    try:
-        return read_manifest(directory)
-    except (HfResumableError, OSError):
-        return None
 
 
 def _unlisted_entries(directory: Path, manifest: Manifest) -> list[str]:
@@ -164,23 +151,17 @@ def committed_directory(target: str | os.PathLike, *, overwrite: bool = False) -
         raise
 
 
-
 def index_document(spec: IndexSpec, records: Mapping[str, FileRecord]) -> dict[str, Any]:
-    """The index file of ``spec`` once its shards are written (pure): its weight map and metadata, plus each
-    shard's record (size and xxh3-128, without the manifest's chunk hashes) under ``SHARDS_KEY`` (what Hub downloads
-    check a shard against: a whole file)."""
+    """The index file of ``spec`` once its shards are written (pure), each shard's whole-file record under
+    ``SHARDS_KEY`` in its metadata (what Hub downloads check a shard against)."""
     shards = records_to_json({name: records[name].whole() for name in dict.fromkeys(spec.weight_map.values())})
     return {"metadata": {**spec.metadata, SHARDS_KEY: shards}, "weight_map": spec.weight_map}
 
 
 def write_payload(tmp: Path, payload: Payload, *, fsync: bool = True) -> dict[str, FileRecord]:
     """Write every file of ``payload`` under ``tmp`` (each fsynced, unless ``fsync=False``); return their records.
-
-    The checkpoints this process's retention removed in the background are deleted first, so that the disk never
-    holds more than the kept checkpoints and this one (what the stock Trainer's rotation leaves). For a background
-    save that wait is on the saver's thread: a save called right after a retention does not pay it on the training
-    thread (docs/benchmarks.md).
-    """
+    This process's background removals finish first, so the disk never holds more than the kept checkpoints and this
+    one."""
     wait_for_removals()
     records: dict[str, FileRecord] = {}
     total = sum(t.numel() * t.element_size() for f in payload.tensor_files for _, t in f.tensors)
@@ -193,8 +174,7 @@ def write_payload(tmp: Path, payload: Payload, *, fsync: bool = True) -> dict[st
             bar.update(record.size)
             return tensor_file.relpath, record
 
-        # Two files at a time: each file's hash runs on its own thread, so two hashes use both cores
-        # while the disk is kept busy.
+        # Two files at a time: each hashes on its own thread while the disk is kept busy.
         records.update(run_in_threads(write, payload.tensor_files, workers=WRITE_THREADS))
     for spec in payload.indexes:
         records[spec.relpath] = write_bytes_durably(tmp / spec.relpath, json_bytes(index_document(spec, records)),
@@ -222,15 +202,10 @@ class SaveStart:
 
 
 def begin_save(target: Path, *, overwrite: bool, group: Any = None, signature: str | None = None) -> SaveStart:
-    """Step 1 of the commit protocol (collective over ``group`` under torch.distributed).
-
-    Rank 0 checks the target (only an empty dir or our own checkpoint may be replaced) and creates the temp
-    dir under a name that carries its owner, so no cleaner can ever take it for a dead save's; every rank
-    learns its name, or rank 0's error (raised on every rank, with its type). Every rank first releases its
-    reader pin on the target's parent (``find_latest_checkpoint``'s), so that none is left if the save fails.
-    The same exchange carries every rank's ``signature`` (``_replicas.replica_signature`` of its payload): the
-    replicated files are split across the ranks only if all are the same.
-    """
+    """Step 1 of the commit protocol (collective over ``group``): rank 0 checks the target and creates the owned temp
+    dir; every rank learns its name or rank 0's error (raised on every rank). Every rank first releases its reader pin
+    on the target's parent, so none outlives a failed save. Every rank's ``signature``
+    (``_replicas.replica_signature``) travels along: the replicated files are split only if all are the same."""
     distributed = is_distributed()
     rank, _ = rank_and_world_size()
     release_pin(target.parent)  # the checkpoint this process found there is loaded by now; never outlive a failure
@@ -262,24 +237,18 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
                 sync_later: Callable[[Path, list[str]], None] | None = None) -> Manifest:
     """Steps 2-5 of the commit protocol for a save that :func:`begin_save` started (collective over its group).
 
-    ``prepare()``, if given, runs first in step 2 (it may add files to ``payload``); its JSON result travels with
-    this rank's records, and a failure in it fails the save like a failed write. ``finalize(reports)``, if given,
-    gets every rank's ``prepare`` result in rank order and returns more small files (``{relpath: bytes}``, e.g. a
-    layout of every rank's files); rank 0 calls it and writes them once every rank's files are durable, before the
-    manifest, and every rank learns their records in step 5.
-
-    ``sync_later(target, written)``, if given, makes the save deferred where it may be (``start.deferrable``: a new
-    target): no file is fsynced before the commit, rank 0 writes the record of ``_durability.py`` before the rename,
-    and every rank hands the files it wrote (relative paths) to ``sync_later`` once the commit is known; it fsyncs
-    them later (``_durability.make_durable``). Otherwise every file is fsynced before the commit.
+    ``prepare()`` runs first in step 2 (it may add files to ``payload``; its JSON result travels with this rank's
+    records). ``finalize(reports)`` gets every rank's ``prepare`` result in rank order and returns more small files,
+    which rank 0 writes before the manifest. ``sync_later(target, written)`` makes a save deferred where
+    ``start.deferrable``: nothing is fsynced before the commit, rank 0 writes the durability record before the rename,
+    and every rank hands the files it wrote to ``sync_later`` (``_durability.py``).
     """
     began = time.perf_counter()
     distributed = is_distributed()
     rank, world_size = rank_and_world_size()
     target, tmp, group = start.target, start.tmp, start.group
     deferred = sync_later is not None and start.deferrable
-    # 2. Every rank writes its own files there (and its share of the replicated ones): created exclusively, hashed
-    #    while written, fsynced (a deferred save's: later).
+    # 2. Every rank writes its own files there (and its share of the replicated ones).
     report = None
     try:
         report = prepare() if prepare is not None else None
@@ -305,8 +274,7 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
     files: dict[str, FileRecord] = {}
     for entry in gathered:
         files.update(records_from_json(entry["records"]))
-    # 4. Rank 0 writes the files built from every rank's report, the manifest last, then commits: fsync the tree,
-    #    rename into place (no-replace, or compare-and-swap for an overwrite), fsync the parent.
+    # 4. Rank 0 writes the files built from every rank's report, the manifest last, then commits (_fs.commit_dir).
     outcome, late, manifest = None, {}, None
     if rank == 0:
         try:
@@ -353,12 +321,9 @@ def save_payload(target: Path, payload: Payload, *, step: int | None, metrics: d
                  overwrite: bool, prepare: Callable[[], Any] | None = None,
                  finalize: Callable[[list[Any]], Mapping[str, bytes]] | None = None,
                  sync_later: Callable[[Path, list[str]], None] | None = None) -> Manifest:
-    """Write and commit ``payload`` at ``target`` (collective under torch.distributed), blocking.
-
-    The steps are those of docs/architecture.md, "Commit protocol" (``prepare``, ``finalize`` and ``sync_later``:
-    see :func:`finish_save`). Errors keep their type (an ``OSError`` keeps its errno) on the rank where they happened;
-    the other ranks raise the same kind.
-    """
+    """Write and commit ``payload`` at ``target`` (collective under torch.distributed), blocking; see
+    :func:`finish_save`. Errors keep their type (an ``OSError`` its errno) on the rank where they happened; the other
+    ranks raise the same kind."""
     start = begin_save(target, overwrite=overwrite, signature=replica_signature(payload))
     return finish_save(start, payload, step=step, metrics=metrics, prepare=prepare, finalize=finalize,
                        sync_later=sync_later)

@@ -1,16 +1,12 @@
-"""The manifest: the last file written, listing every other file with its size and xxh3-128.
-
-A directory is a committed checkpoint if and only if it holds a manifest that parses, has our
-format name and a version we can read, lists at least ``training_state.json`` (every save writes it, so an
-emptied manifest is refused), and whose files are all present with the listed sizes.
-
-File records of format version 2 hold ``size`` and ``xxh3_128``; those of version 1 also (or only) hold a
-``sha256``, and still load and verify by it. A record with neither hash is refused (docs/format.md).
+"""The manifest: the last file written, listing every other file with its size and hashes. A directory is a
+committed checkpoint if and only if it holds a manifest that parses, checks and lists ``training_state.json``
+(docs/format.md#file-records-and-hashes).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -34,7 +30,7 @@ from ...format._safefile import member_path, read_regular_file
 from ...format.safetensors_io import FileRecord
 from ...format.sharding import check_relative_name
 
-__all__ = ["Manifest", "read_manifest", "is_committed", "library_versions"]
+__all__ = ["Manifest", "read_manifest", "committed_manifest", "library_versions"]
 
 # Largest world size a manifest may claim (bounds per-rank loops over a crafted value).
 MAX_WORLD_SIZE = 1 << 20
@@ -47,8 +43,7 @@ def library_versions() -> dict[str, str]:
 
 @functools.cache
 def _installed_versions() -> dict[str, str]:
-    """:func:`library_versions`, looked up once per process: each lookup parses a package's metadata, which
-    would otherwise cost every save on every rank."""
+    """:func:`library_versions`, looked up once per process (each lookup parses a package's metadata)."""
     from importlib.metadata import PackageNotFoundError, version
 
     versions = {"hf_resumable": __version__, "python": platform.python_version()}
@@ -102,7 +97,7 @@ class Manifest:
             "created": self.created,
             "metrics": self.metrics,
             "versions": self.versions,
-            "files": {k: _record_to_json(v) for k, v in sorted(self.files.items())},
+            "files": {k: v.to_json() for k, v in sorted(self.files.items())},
         }
         document["checksum"] = _checksum(document)
         return json_bytes(document)
@@ -152,8 +147,6 @@ class Manifest:
 
 def _checksum(document: Mapping[str, Any]) -> str:
     """sha256 of the manifest's canonical JSON without its own checksum field."""
-    import hashlib
-
     canonical = json.dumps({k: v for k, v in document.items() if k != "checksum"}, sort_keys=True,
                            separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
@@ -182,17 +175,12 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     return Manifest.from_json(raw, source=str(path))
 
 
-def is_committed(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` holds a valid hf_resumable manifest (it is a checkpoint hf_resumable committed)."""
+def committed_manifest(directory: str | os.PathLike) -> Manifest | None:
+    """The manifest of ``directory`` if it is a checkpoint hf_resumable committed (a valid manifest), else ``None``."""
     try:
-        read_manifest(directory)
+        return read_manifest(directory)
     except (HfResumableError, OSError):
-        return False
-    return True
-
-
-def _record_to_json(record: FileRecord) -> dict[str, Any]:
-    return record.to_json()
+        return None
 
 
 def _record_from_json(document: Any, *, source: str, name: str) -> FileRecord:
@@ -209,7 +197,7 @@ def _is_number(value: Any) -> bool:
 
 def records_to_json(records: Mapping[str, FileRecord]) -> dict[str, Any]:
     """JSON form of file records (for gathering across ranks)."""
-    return {k: _record_to_json(v) for k, v in records.items()}
+    return {k: v.to_json() for k, v in records.items()}
 
 
 def records_from_json(document: Mapping[str, Any]) -> dict[str, FileRecord]:
