@@ -1,31 +1,10 @@
 """Graceful preemption: turn SIGTERM into "finish this optimizer step, checkpoint, exit with a known code".
 
-The signal handler only sets a flag and notes the time (no IO, no locks: a handler can interrupt any Python
-bytecode, including a half-written file). Both front doors run the same protocol at the end of every optimizer step,
-:meth:`PreemptionProtocol.at_step_boundary`: it combines what every rank proposes (one all-reduce, MAX over int32, so
-a signal that reaches one rank makes every rank act at the same step) and tells the front door what to do, a
-:class:`PreemptionAction`. The front door then saves a checkpoint, waits for it to commit, and
-:func:`exit_after_preemption` exits with :data:`PREEMPTION_EXIT_CODE`.
-
-**The notice.** Schedulers send SIGTERM some time before SIGKILL (Kubernetes' ``terminationGracePeriodSeconds``,
-30 s by default; SLURM's ``--signal=TERM@<seconds>``). Without a notice (``notice=None``, the default) the step the
-signal arrives in is saved and the process exits. With one, the protocol uses it: at the first step boundary after
-the signal every rank commits a checkpoint (in the background when saves are asynchronous) and keeps training; at
-each later boundary it keeps training only while, in the time left before the notice runs out,
-
-    time left >= NOTICE_SAFETY_FACTOR x (step + final save) + max(NOTICE_MARGIN_S, NOTICE_MARGIN_SHARE x notice)
-
-(:func:`fits_another_step`; 1.5x, and 1 s or a tenth of the notice as slack for the estimates: once the final save has
-committed a SIGKILL loses nothing, so the interpreter's exit need not fit), where *step* is the longer of the
-last step and the median of the recent ones, and *final save* is how long the notice checkpoint took from the save
-call to its commit (while it is still being written, three times the time it has taken so far: it is assumed half
-done, and the final save writes as much again). Otherwise every rank saves the step it is in and exits; a job that
-reaches its end first finishes normally. Ranks time the notice from their own signal (a rank told by another, from
-the boundary where it learnt of it); the MAX makes the rank with the least time left decide for all.
-
-Send the signal to the training processes themselves (``torchrun`` forwards it to its ranks;
-Kubernetes sends it to PID 1). ``DataLoader`` worker processes should not receive it: a worker that
-dies of SIGTERM makes PyTorch abort the main process before it can save.
+The signal handler only sets a flag and notes the time (no IO, no locks: a handler can interrupt any bytecode, a
+half-written file included). At every optimizer-step boundary both front doors call
+:meth:`PreemptionProtocol.at_step_boundary`, which agrees across ranks (one all-reduce, MAX) and returns a
+:class:`PreemptionAction`; with a notice, :func:`fits_another_step` decides whether to train on. The rule and where
+to send the signal: docs/trainer.md#the-preemption-notice.
 
 Example:
 

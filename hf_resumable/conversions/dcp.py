@@ -1,28 +1,10 @@
 """Switch in from accelerate + FSDP: a stock ``Accelerator.save_state`` of an FSDP ``SHARDED_STATE_DICT`` run.
 
-accelerate's ``save_state`` with FSDP's sharded state dict writes, through ``torch.distributed.checkpoint``'s
-``FileSystemWriter``:
-
-* ``pytorch_model_fsdp_0/`` and ``optimizer_0/``: one ``__<rank>_<i>.distcp`` per writing rank and a ``.metadata``,
-  the pickled ``Metadata`` that says, for every flattened key (``model.<fqn>``, ``optimizer.state.<fqn>.<key>``,
-  ``optimizer.param_groups.<i>.<key>``), its global shape and dtype, its chunks (a box each) and, per chunk, the file,
-  byte offset and length of its ``torch.save`` record;
-* ``scheduler.bin`` and ``random_states_<rank>.pkl`` (pickles).
-
-:func:`convert_accelerate_fsdp_checkpoint` reads the ``.metadata`` with the restricted unpickler of
-:func:`~hf_resumable.conversions._pickle.load_dcp_metadata` (DCP's metadata classes only; anything else is refused,
-naming the file), plans which chunk is which rank's piece (:func:`plan_dcp_pieces`, pure), reads each chunk's record
-with ``torch.load(weights_only=True)`` and writes the per-rank sharded checkpoint that ``ResumableAccelerator`` with
-FSDP2 writes: every chunk becomes its rank's piece, so the checkpoint loads at the same world size (and, as any of
-ours, resharded at another).
-
-> [!WARNING]
-> The first resume after the switch is NOT bit-exact, and ``ResumableAccelerator`` must be built with
-> ``allow_inexact_resume=True`` for it: stock accelerate does not record the data loader's position (its sampler
-> order differs from hf_resumable's), the optimizer step count is taken from the optimizer state (``step``), and the
-> stock RNG files hold the generators at the save, not hf_resumable's per-batch streams. Weights, Adam moments,
-> step counts, hyper-parameters, the scheduler and each rank's RNG are carried over exactly; every checkpoint the
-> resumed run writes resumes bit for bit.
+The DCP ``.metadata`` is read with the restricted unpickler of :mod:`~hf_resumable.conversions._pickle`, each chunk
+becomes the piece of the rank that wrote it (:func:`plan_dcp_pieces`, pure), and the result is the per-rank
+checkpoint ``ResumableAccelerator`` with FSDP2 writes. The first resume after the switch is NOT bit-exact and needs
+``allow_inexact_resume=True``, see
+docs/multi-gpu.md#switching-in-from-stock-deepspeed-or-accelerate-fsdp-checkpoints-and-exporting.
 
 Example:
 

@@ -1,30 +1,11 @@
 """Switch in from DeepSpeed: a stock ``transformers.Trainer`` + ``deepspeed=`` (ZeRO-1/2) checkpoint into ours.
 
-The Trainer's ``checkpoint-<step>/`` of a DeepSpeed run holds, next to ``model.safetensors``, ``trainer_state.json``
-and the per-rank ``rng_state_<r>.pth``, DeepSpeed's own ``global_step<N>/`` (named by the text file ``latest``):
-
-* ``mp_rank_00_model_states.pt``: the module's weights, which names are tied (``shared_params``), the engine's
-  counters (``global_steps``, ``global_samples``, ``skipped_steps``), the data-parallel size and the DeepSpeed config;
-* ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``: rank ``r``'s partition of each param group's flat fp32
-  master weights (``single_partition_of_fp32_groups``), the base optimizer's state over those partitions (Adam
-  moments, step), the loss scaler and the ZeRO stage.
-
-:func:`convert_deepspeed_checkpoint` writes the checkpoint ``ResumableTrainer(args=TrainingArguments(deepspeed=...))``
-(or ``ResumableAccelerator`` with the same ZeRO config) writes at that data-parallel size: each rank's partitions as
-its pieces of one global flat tensor per group (``zero<dp>.group<i>``: ``fp32``, ``exp_avg``, ``exp_avg_sq``,
-``step``), the weights whole from rank 0, the engine's counters and loss scaler, the scheduler, every rank's RNG and
-the Trainer's step and epoch. Which box each partition is (:func:`plan_zero_boxes`) is pure.
-
-> [!WARNING]
-> The ``.pt`` files are pickles. They are read with ``torch.load(weights_only=True)`` after a WARNING: tensors and
-> plain containers only, plus inert stand-ins for DeepSpeed's loss scaler, ZeRO stage enum and fragment addresses
-> (:data:`~hf_resumable.conversions._pickle.DEEPSPEED_GLOBALS`); deepspeed is never imported and nothing in the
-> files runs. ``zero_to_fp32.py`` and ``training_args.bin`` are neither read nor copied.
-
-The first resume after the switch is NOT bit-exact: the stock run's data order (its sampler), its data-loader and
-dropout random streams at the resume point, and its logging accumulators are not in the stock checkpoint as
-hf_resumable records them; the resumed run continues from the stock step with the same weights, master weights,
-moments, scheduler and (where the stock run saved it) RNG, and from then on every checkpoint resumes bit for bit.
+:func:`convert_deepspeed_checkpoint` writes the per-rank checkpoint ``ResumableTrainer`` (or ``ResumableAccelerator``)
+writes at the same data-parallel size: each rank's partitions as its pieces of one flat tensor per param group
+(:func:`plan_zero_boxes` and :func:`plan_zero_maps`, pure), the weights, the engine's counters, the scheduler and RNG.
+The ``.pt`` pickles are read with ``torch.load(weights_only=True)``, DeepSpeed's objects as inert stand-ins; deepspeed
+is never imported. The first resume after the switch is NOT bit-exact:
+docs/multi-gpu.md#switching-in-from-stock-deepspeed-or-accelerate-fsdp-checkpoints-and-exporting.
 
 Example:
 

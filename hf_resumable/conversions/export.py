@@ -1,19 +1,9 @@
 """Export a training checkpoint as a full model directory that ``from_pretrained`` loads.
 
-A checkpoint of a model with frozen parameters stores only its trainable part (see
-:func:`hf_resumable.save_checkpoint`); :func:`export_model` rebuilds the whole model from the checkpoint and its
-base, checks the base against the checkpoint's record of it (the same check a resume does), and writes:
-
-* a plain model: ``config.json`` + ``model*.safetensors`` (``save_pretrained``);
-* a PEFT model, ``merge_adapters=True``: the adapters merged into the base weights (``merge_and_unload``), a plain
-  model directory;
-* a PEFT model, ``merge_adapters=False``: the base weights plus the adapter files (``adapter_config.json``,
-  ``adapter_model.safetensors``): ``AutoModelFor...from_pretrained(directory)`` loads the base with the adapter
-  on top, ``PeftModel.from_pretrained`` finds the adapter there too.
-
-Tokenizer and processor files of the checkpoint are copied. A standalone checkpoint (every parameter stored)
-exports the same way without a base. Nothing from the checkpoint is executed: the model class must be one of
-``transformers``' own (no ``trust_remote_code``).
+:func:`export_model` rebuilds the whole model from the checkpoint and, for a checkpoint that stores only the
+trainable part, its base (checked against the checkpoint's record of it, as a resume does). A PEFT model is written
+merged (``merge_adapters=True``) or as the base plus the adapter files. Nothing from the checkpoint is executed: the
+model class must be one of ``transformers``' own. See docs/peft.md#using-such-a-checkpoint and docs/multi-gpu.md.
 
 Example:
 

@@ -1,19 +1,13 @@
 """Convert a stock ``transformers.Trainer`` checkpoint into the hf_resumable format, and reshard checkpoints.
 
 > [!WARNING]
-> A stock Trainer checkpoint stores optimizer, scheduler, scaler and RNG state with pickle
-> (``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state*.pth``). This module is the only
-> place in hf_resumable that reads pickles, always with ``torch.load(weights_only=True)`` (which refuses
-> arbitrary code), and only after logging a WARNING. Convert only checkpoints you trust; the converted
+> A stock Trainer checkpoint stores optimizer, scheduler, scaler and RNG state with pickle. They are read with
+> ``torch.load(weights_only=True)`` only, after a WARNING; convert only checkpoints you trust. The converted
 > checkpoint contains no pickle.
 
-The stock optimizer state is keyed by parameter *index*. The index order is rebuilt the way
-``Trainer.create_optimizer`` builds it (a weight-decay group, then a no-decay group, each in
-``named_parameters()`` order), checked against the saved group sizes, and then stored by parameter
-*name* as usual. This module reads the stock *files* and never imports the ``Trainer``: the file names come from
-:mod:`hf_resumable.constants`, and the two pieces of the Trainer's behaviour it mirrors (the weight-decay split and
-the ``weights_only`` allow-list) are written out here and checked against the Trainer's own in
-``tests/test_conversions.py``.
+The index-keyed optimizer state is stored by parameter name over the groups ``Trainer.create_optimizer`` builds (the
+Trainer's weight-decay rule, copied here and checked against the Trainer's own in ``tests/test_conversions.py``);
+the Trainer is never imported. See docs/trainer.md#switching-from-the-stock-trainer.
 
 Example:
 
