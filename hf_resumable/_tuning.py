@@ -1,16 +1,9 @@
 """The package's tuning: every mechanism that exists only to be faster, each behind one switch read here.
 
 A switch is an ``HF_RESUMABLE_*`` environment variable, read at the call (never at import, so a process may change
-it between saves), and validated: a value that is not understood raises ``ValueError`` naming the variable. Each was
-kept because a benchmark in ``benchmarks/`` showed that it helps; docs/performance.md lists them with their defaults
-and when to change them, docs/benchmarks.md ("Tuning switches") has the measurements and their commands.
-
-| switch | default | what it does |
-|---|---|---|
-| ``HF_RESUMABLE_READ_STREAMS`` | one per two usable cores, 1-4 | ``pread`` streams of a load |
-| ``HF_RESUMABLE_WRITER_PRIORITY`` | ``1`` | a background save writes below the training thread's CPU priority |
-| ``HF_RESUMABLE_BACKGROUND_DELETES`` | ``1`` | retention deletes the files of a removed checkpoint on a thread |
-| ``HF_RESUMABLE_SPLIT_REPLICAS`` | ``1`` | DDP ranks split the writing of the files they hold alike |
+it between saves) and validated: a value that is not understood raises ``ValueError`` naming the variable. Each was
+kept because a benchmark in ``benchmarks/`` showed that it helps: docs/performance.md lists them with their defaults,
+docs/benchmarks.md#tuning-switches has the measurements and their commands.
 
 Example:
 

@@ -1,24 +1,13 @@
-"""``hf-resumable``: inspect, verify, convert, reshard, export, push and pull checkpoints, run the resume demo,
-check a training command's resume, and run one with restarts.
+"""``hf-resumable``: the command line over the public API; every subcommand and its options: docs/cli.md.
 
-Thin by design: each subcommand parses its arguments and calls one library function. User mistakes
-(a missing path, a corrupt checkpoint, a bad size string) print one line to stderr and exit with a
-non-zero code, without a traceback.
+Thin by design: each subcommand parses its arguments and calls one library function. User mistakes (a missing path,
+a corrupt checkpoint, a bad size string) print one line to stderr and exit non-zero, without a traceback.
 
 Example:
 
 ```bash
-hf-resumable inspect out/checkpoint-120
 hf-resumable verify --full out/checkpoint-120     # exit 0 if valid, 1 if not
-hf-resumable convert out-stock/checkpoint-500 --output converted/checkpoint-500  # Trainer, +DeepSpeed, accel. FSDP
-hf-resumable convert tp-run/saved --output converted/checkpoint-300  # save_pretrained(distributed_checkpoint=True)
-hf-resumable reshard converted/checkpoint-500 --max-shard-size 200MB
-hf-resumable export out/checkpoint-120 --output merged --merge   # + its frozen base -> a from_pretrained directory
-hf-resumable push out/checkpoint-120 me/run --revision step-120
-hf-resumable pull hf://me/run@step-120 --local-dir restored
-hf-resumable demo
 hf-resumable check --kills 3 -- python train.py --output_dir {out}   # exit 0: EXACT; 1: DIVERGES at step K
-hf-resumable run --max-restarts 10 -- python train.py --output_dir out  # restarts a dead run, imports done ahead
 ```
 """
 

@@ -1,13 +1,8 @@
 """Capture and restore every random number generator a training step touches, without pickle.
 
-An :class:`RngState` holds python's ``random``, numpy's global generator, torch's CPU generator and
-every CUDA device's generator. It is stored as a safetensors file of byte tensors, with python's and
-numpy's small scalar parts in the safetensors metadata (JSON strings), so loading it never executes
-anything.
-
-:func:`seeded_rng` is the other half of exactness: inside it, the three global generators are
-reseeded from a position-derived seed (run seed, epoch, sample index...) and put back afterwards, so
-randomness in collators and dataset transforms becomes a pure function of *where* the run is.
+An :class:`RngState` (python, numpy, torch CPU, every CUDA device) is stored as a safetensors file of byte tensors,
+its small scalar parts in the header metadata. :func:`seeded_rng` reseeds the global generators from a position and
+puts them back afterwards, so data randomness is a pure function of where the run is.
 
 Example:
 

@@ -1,22 +1,11 @@
 """Reading and writing single safetensors files, with the checksum computed while the bytes move.
 
-The files are standard safetensors (8-byte little-endian header length, JSON header, data), readable
-by ``safetensors.safe_open`` and ``transformers``. We write them ourselves rather than through
-``safetensors.torch.save_file`` for two reasons:
-
-1. the xxh3-128 checksum is computed on the bytes as they are written (xxh3 hashes faster than storage writes), so the
-   manifest never needs a read-back pass;
-2. loads can ``readinto`` the destination parameter's own memory, one copy from the page cache,
-   with the checksum checked on the fly: hash-checked loads stay disk-bound.
-
-A :class:`FileRecord` holds a file's size and its xxh3-128; records written before format version 2 also (or
-only) hold a sha256, which is checked where it is the only hash, and by full verification. New records carry no
-sha256: it was the largest CPU cost of a save, and it protects no better (see
-docs/format.md). :class:`RecordChecker` is the one place bytes are checked against a record.
-
-Headers are validated before any data is trusted: a header that claims more bytes than the file
-holds, overlapping or gapped offsets, unknown dtypes, or a pickle payload are all rejected with
-:class:`~hf_resumable.errors.CorruptCheckpointError` naming the file.
+The files are standard safetensors, readable by ``safetensors.safe_open`` and ``transformers``. We write them
+ourselves so that the xxh3-128 (and the chunk hashes) are computed on the bytes as they are written, with no
+read-back pass, and loads can ``readinto`` the destination's own memory with the checksum checked on the fly.
+:class:`RecordChecker` is the one place bytes are checked against a :class:`FileRecord`. Headers are validated before
+any data is trusted (:class:`~hf_resumable.errors.CorruptCheckpointError` naming the file). Record versions and
+hashes: docs/format.md#file-records-and-hashes.
 """
 
 from __future__ import annotations

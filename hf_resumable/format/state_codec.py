@@ -1,16 +1,7 @@
-"""Encode Python state objects (``state_dict()`` results) as JSON plus a side table of tensors.
+"""Encode Python state objects (``state_dict()`` results) as JSON plus a side table of tensors, never pickle.
 
-``torch.save`` stores these with pickle, which executes code on load. Here every value must be one of
-a closed set of types; anything else is refused at save time with the path of the offending value.
-
-Encoding rules (the decoder inverts them exactly):
-
-- ``None``, ``bool``, ``int``, ``float`` (including ``nan``/``inf``) and ``str`` are stored as is;
-- ``list`` stays a list; ``tuple`` becomes ``{"__tuple__": [...]}``;
-- a ``dict`` whose keys are all strings (and none is a marker) stays an object; other dicts become
-  ``{"__dict__": [[key, value], ...]}`` (so integer keys survive);
-- a ``torch.Tensor`` becomes ``{"__tensor__": name}`` and is added to the side table;
-- ``torch.dtype`` becomes ``{"__dtype__": "float32"}``; numpy scalars become Python scalars.
+Every value must be one of a closed set of types; anything else is refused at save time with the path of the
+offending value. The encoding rules (the decoder inverts them exactly): docs/format.md#a-regular-checkpoint.
 
 Example:
 
