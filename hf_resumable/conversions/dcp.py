@@ -45,7 +45,7 @@ from ._commit import commit_for_ranks
 from ._layout import RankPiece, add_layout
 from ._pickle import load_dcp_metadata, load_torch_pickle
 from .deepspeed import NOT_BIT_EXACT_WARNING
-from .stock import OPTIMIZERS, _infer_optimizer, _rng_bytes, _StateHolder
+from .stock import _optimizer_class, _rng_bytes, _StateHolder
 
 logger = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ def read_dcp_optimizer(directory: Path, world_size: int, optimizer: str | None, 
         state.setdefault(fqn, {})[name] = torch.empty(0, dtype=dtype)  # a placeholder: only its name is used
     param_groups = ([groups[i] for i in sorted(groups)] if groups
                     else plan_flat_param_groups(per_param, order=_key_order(metadata)))
-    class_name = OPTIMIZERS[_optimizer_name(state, param_groups, optimizer)].__qualname__
+    class_name = _optimizer_class({"state": state, "param_groups": param_groups}, optimizer).__qualname__
     _, document = flatten_optimizer_state({"state": state, "param_groups": param_groups}, class_name)
     # 2. Every chunk as its rank's piece, named as a live FSDP2 save names it.
     pieces: list[list[RankPiece]] = [[] for _ in range(world_size)]
@@ -332,13 +332,6 @@ def plan_flat_param_groups(per_param: Mapping[str, Mapping[str, Any]], *, order:
         hyper = dict(per_param[fqn])
         groups.setdefault(repr(sorted(hyper.items())), {**hyper, "params": []})["params"].append(fqn)
     return list(groups.values())
-
-
-def _optimizer_name(state: Mapping[str, Any], groups: list[dict[str, Any]], optimizer: str | None) -> str:
-    name = (optimizer or _infer_optimizer({"state": state, "param_groups": groups})).lower()
-    if name not in OPTIMIZERS:
-        raise ValueError(f"Unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}.")
-    return name
 
 
 def _rng_state(saved: Mapping[str, Any], path: Path) -> RngState:

@@ -44,15 +44,7 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, Unsupporte
 from ._commit import commit_for_ranks
 from ._layout import RankPiece, add_layout, whole_box
 from ._pickle import DEEPSPEED_GLOBALS, load_torch_pickle
-from .stock import (
-    OPTIMIZERS,
-    TrainerCheckpointFiles,
-    _infer_optimizer,
-    _load_pickle,
-    _progress,
-    _rng_files,
-    _StateHolder,
-)
+from .stock import TrainerCheckpointFiles, _optimizer_class, _progress, _rng_files, _StateHolder
 
 logger = logging.getLogger(__name__)
 
@@ -344,18 +336,15 @@ def _engine_state(model_states: Mapping[str, Any], scaler: Any) -> dict[str, Any
     return state
 
 
-def _optimizer_class(ranks: list[_ZeroRank], optimizer: str | None) -> str:
+def _optimizer_class_name(ranks: list[_ZeroRank], optimizer: str | None) -> str:
     """The class a live run records: ``DeepSpeedZero<stage>/<torch optimizer>`` (the stock files do not name it)."""
-    name = (optimizer or _infer_optimizer({"state": dict(ranks[0].state),
-                                           "param_groups": ranks[0].param_groups})).lower()
-    if name not in OPTIMIZERS:
-        raise ValueError(f"Unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}.")
-    return f"DeepSpeedZero{ranks[0].stage}/{OPTIMIZERS[name].__qualname__}"
+    torch_class = _optimizer_class({"state": ranks[0].state, "param_groups": ranks[0].param_groups}, optimizer)
+    return f"DeepSpeedZero{ranks[0].stage}/{torch_class.__qualname__}"
 
 
 def _scheduler_state(files: TrainerCheckpointFiles, model_states: Mapping[str, Any]) -> _StateHolder | None:
     if files.scheduler is not None:
-        return _StateHolder(_load_pickle(files.scheduler))
+        return _StateHolder(load_torch_pickle(files.scheduler))
     saved = model_states.get("lr_scheduler")  # the scheduler DeepSpeed stepped (DeepSpeedSchedulerWrapper)
     return _StateHolder(saved) if isinstance(saved, dict) else None
 
@@ -426,7 +415,7 @@ def convert_deepspeed_checkpoint(
     # 3. Every rank's pieces and the layout.
     payload_model = dict(model_states.get("module") or {})
     tied = {alias: kept for alias, kept in (model_states.get("shared_params") or {}).items() if alias != kept}
-    class_name = _optimizer_class(ranks, optimizer)
+    class_name = _optimizer_class_name(ranks, optimizer)
     maps = _partition_maps(model_states, ranks, source=str(deepspeed.model_states))
     optimizer_pieces, document = _zero_optimizer_pieces(ranks, class_name, maps, source=str(deepspeed.tag))
     # 4. The shared state, every rank's RNG.
