@@ -43,7 +43,6 @@ __all__ = ["RngState", "capture_rng_state", "restore_rng_state", "check_rng_stat
 
 _KEY_TORCH = "torch_cpu"
 _KEY_NUMPY = "numpy_keys"
-_KEY_PYTHON = "python_state"
 _CUDA_PREFIX = "cuda/"
 _META_PYTHON = "python"
 _META_NUMPY = "numpy"

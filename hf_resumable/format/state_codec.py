@@ -17,7 +17,7 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ import torch
 from ..errors import CorruptCheckpointError, UnsupportedStateError
 from ._jsonio import field_error
 
-__all__ = ["encode_state", "decode_state", "check_encoded"]
+__all__ = ["encode_state", "decode_state"]
 
 _TUPLE = "__tuple__"
 _DICT = "__dict__"
@@ -86,27 +86,6 @@ def decode_state(value: Any, tensors: Mapping[str, torch.Tensor], *, source: str
         return _decode(value, _resolver(tensors, source), source, path)
     except RecursionError:
         raise CorruptCheckpointError(f"{source}: {path or '<root>'}: the state is nested too deeply.") from None
-
-
-def check_encoded(value: Any, tensor_names: Collection[str], *, source: str = "<state>", path: str = "") -> set[str]:
-    """Check an encoded document without decoding tensors; return the tensor names it refers to.
-
-    Raises:
-        CorruptCheckpointError: as :func:`decode_state` does (a reference outside ``tensor_names`` is missing).
-    """
-    referenced: set[str] = set()
-
-    def resolve(name: str, where: str) -> str:
-        if name not in tensor_names:
-            raise _missing(source, where, name)
-        referenced.add(name)
-        return name
-
-    try:
-        _decode(value, resolve, source, path)
-    except RecursionError:
-        raise CorruptCheckpointError(f"{source}: {path or '<root>'}: the state is nested too deeply.") from None
-    return referenced
 
 
 def _resolver(tensors: Mapping[str, torch.Tensor], source: str) -> Callable[[str, str], Any]:

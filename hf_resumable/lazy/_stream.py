@@ -238,9 +238,6 @@ class StreamingModel(contextlib.AbstractContextManager):
         return cls(model, weights, max_memory=max_memory, prefetch=prefetch, keep_resident=keep_resident,
                    strict=strict, device=device)
 
-    def _block_prefix(self, index: int) -> str:
-        return f"{self.blocks_name}.{index}."
-
     def __enter__(self) -> nn.Module:
         try:
             return self._enter()
