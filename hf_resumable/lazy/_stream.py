@@ -118,22 +118,12 @@ def _model_on_meta(location: str | os.PathLike, config: Any, revision: str | Non
 class StreamingModel(contextlib.AbstractContextManager):
     """Run a meta-device model within a memory budget: blocks that do not fit are read from the shards as they run.
 
-    On enter, every weight outside the blocks (embeddings, final norm, head) is loaded and the key match is checked
-    once for the whole model (``strict`` as in :func:`load_lazily`). Then :func:`plan_residency` splits the budget:
-    a model that fits is loaded whole; otherwise every block is streamed (with ``keep_resident``, as many blocks as
-    the rest of the budget holds are loaded and kept). A streamed block gets a forward pre-hook that waits for its
-    pages and a forward hook that hands its slot back. A background thread reads the next streamed blocks (in
-    forward order, wrapping around to the next decoding step) while the current block computes, so reading and
-    computing overlap. Outputs equal those of the fully loaded model, and ``generate`` works with the KV cache (the
-    cache holds keys and values, not weights, so streaming does not touch it).
-
-    Memory: the weights held never exceed ``max_memory``; activations and the KV cache come on top, as with
-    accelerate's ``max_memory``. A block stored in the model's dtype is a view of its shard, mapped once, and its
-    parameters are those views, installed on its first run and kept (so nothing is installed per token): the
-    thread reads its pages in (``madvise``, the GIL released) before it runs and drops them from the process after
-    (they stay in the page cache), so RSS counts only the blocks in flight. A block that must be cast is read into
-    pooled buffers, installed before it runs and put back on the meta device after. Reads go through the OS page
-    cache, so a model that fits in RAM is served from memory after the first pass.
+    On enter, the weights outside the blocks are loaded and the key match is checked once for the whole model
+    (``strict`` as in :func:`load_lazily`); :func:`plan_residency` splits the budget. A streamed block is read by a
+    background thread while the one before it computes, and hooks wait for its pages and hand its slot back. Outputs
+    equal those of the fully loaded model, and ``generate`` works with the KV cache. The weights held never exceed
+    ``max_memory``; activations and the KV cache come on top. How blocks are mapped, installed and evicted:
+    docs/streamed-inference.md.
 
     > [!WARNING]
     > A streamed block's parameters are read-only views of the shard files: an in-place change to one is dropped
