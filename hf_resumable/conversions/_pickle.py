@@ -90,14 +90,8 @@ def numpy_globals() -> list[Any]:
 
 
 def load_torch_pickle(path: str | os.PathLike, *, safe_globals: Iterable[Any] = ()) -> Any:
-    """``torch.load(path, weights_only=True)``, with numpy's array reconstruction and ``safe_globals`` allowed.
-
-    Args:
-        path (`str` or `os.PathLike`): a ``torch.save`` file.
-        safe_globals (`Iterable`, *optional*): more callables (or ``(callable, "module.name")`` stand-ins) to allow.
-
-    Returns:
-        The unpickled object (tensors on the CPU).
+    """``torch.load(path, weights_only=True)`` onto the CPU, with numpy's array reconstruction and ``safe_globals``
+    (callables, or ``(callable, "module.name")`` stand-ins) allowed.
 
     Raises:
         UnsafePickleError: (also a ``pickle.UnpicklingError``) the file names a global outside the allow-list.

@@ -71,22 +71,14 @@ _EXTRA_LAYOUT = {"accelerate_layout": {"custom_objects": 0, "hook_files": [], "m
 
 @dataclass(frozen=True)
 class DcpChunk:
-    """One stored chunk: which flattened key, its box, and where its ``torch.save`` record lies.
+    """One stored chunk: which flattened key, its box, and where its ``torch.save`` record lies."""
 
-    Args:
-        key (`str`): the DCP key (``model.transformer.wte.weight``).
-        box (`Box`): the chunk's box of the global tensor.
-        file (`str`): the ``.distcp`` file name (a plain name; its rank is in it).
-        rank (`int`): the rank that wrote it.
-        offset, length (`int`): the record's bytes in ``file``.
-    """
-
-    key: str
-    box: Box
-    file: str
-    rank: int
-    offset: int
-    length: int
+    key: str  # the DCP key (``model.transformer.wte.weight``)
+    box: Box  # the chunk's box of the global tensor
+    file: str  # the ``.distcp`` file name (a plain name; its rank is in it)
+    rank: int  # the rank that wrote it
+    offset: int  # where the record starts in ``file``
+    length: int  # and its bytes
 
 
 def plan_dcp_pieces(metadata: Any, *, source: str) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]],
@@ -155,21 +147,13 @@ def _read_chunk(directory: Path, chunk: DcpChunk, dtype: torch.dtype) -> torch.T
 
 @dataclass(frozen=True)
 class AccelerateFsdpFiles:
-    """The files of a stock accelerate FSDP ``save_state`` directory.
+    """The files of a stock accelerate FSDP ``save_state`` directory."""
 
-    Args:
-        directory (`Path`): the ``save_state`` directory.
-        model (`Path`): ``pytorch_model_fsdp_0/``.
-        optimizer (`Path`, *optional*): ``optimizer_0/``.
-        scheduler (`Path`, *optional*): ``scheduler.bin``.
-        random_states (`dict[int, Path]`): rank -> ``random_states_<rank>.pkl``.
-    """
-
-    directory: Path
-    model: Path
-    optimizer: Path | None
-    scheduler: Path | None
-    random_states: dict[int, Path]
+    directory: Path  # the ``save_state`` directory
+    model: Path  # ``pytorch_model_fsdp_0/``
+    optimizer: Path | None  # ``optimizer_0/``
+    scheduler: Path | None  # ``scheduler.bin``
+    random_states: dict[int, Path]  # rank -> ``random_states_<rank>.pkl``
 
     @classmethod
     def scan(cls, directory: Path) -> AccelerateFsdpFiles:
@@ -196,15 +180,7 @@ class AccelerateFsdpFiles:
 
 
 def is_accelerate_fsdp_checkpoint(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` holds accelerate's FSDP sharded ``save_state`` (``pytorch_model_fsdp_0/.metadata``).
-
-    Example:
-
-    ```python
-    >>> is_accelerate_fsdp_checkpoint("stock/checkpoint_3")  # doctest: +SKIP
-    True
-    ```
-    """
+    """Whether ``directory`` holds accelerate's FSDP sharded ``save_state`` (``pytorch_model_fsdp_0/.metadata``)."""
     return (Path(directory) / "pytorch_model_fsdp_0" / STOCK_DCP_METADATA_FILE).is_file()
 
 

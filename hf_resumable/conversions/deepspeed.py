@@ -73,19 +73,12 @@ _NOT_COPIED_SUFFIXES = (".py",)
 
 @dataclass(frozen=True)
 class DeepSpeedCheckpointFiles:
-    """The DeepSpeed part of a stock Trainer checkpoint: the tag directory and its files.
+    """The DeepSpeed part of a stock Trainer checkpoint: the tag directory and its files."""
 
-    Args:
-        directory (`Path`): the Trainer's ``checkpoint-<step>``.
-        tag (`Path`): ``global_step<N>`` inside it.
-        model_states (`Path`): ``mp_rank_00_model_states.pt``.
-        optim_states (`dict[int, Path]`): data-parallel rank -> its optimizer partition file.
-    """
-
-    directory: Path
-    tag: Path
-    model_states: Path
-    optim_states: dict[int, Path]
+    directory: Path  # the Trainer's ``checkpoint-<step>``
+    tag: Path  # ``global_step<N>`` inside it
+    model_states: Path  # ``mp_rank_00_model_states.pt``
+    optim_states: dict[int, Path]  # data-parallel rank -> its optimizer partition file
 
     @classmethod
     def scan(cls, directory: Path) -> DeepSpeedCheckpointFiles:
@@ -136,15 +129,7 @@ def _tag_directory(directory: Path) -> Path:
 
 
 def is_deepspeed_checkpoint(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` holds a DeepSpeed tag (``latest`` or a ``global_step<N>/`` with model states).
-
-    Example:
-
-    ```python
-    >>> is_deepspeed_checkpoint("out/checkpoint-300")  # doctest: +SKIP
-    True
-    ```
-    """
+    """Whether ``directory`` holds a DeepSpeed tag (``latest`` or a ``global_step<N>/`` with model states)."""
     path = Path(directory)
     if not path.is_dir():
         return False

@@ -69,36 +69,23 @@ _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")  # whole weights 
 
 @dataclass(frozen=True)
 class HfStoragePiece:
-    """One rank's box of one tensor, stored whole in one of that rank's safetensors files.
+    """One rank's box of one tensor, stored whole in one of that rank's safetensors files."""
 
-    Args:
-        name (`str`): the tensor's name (the model's state dict key).
-        rank (`int`): the rank that wrote it (the file's ``shard-<rank + 1>``).
-        file (`str`): the safetensors file's path.
-        box (`Box`): its box of the global tensor.
-    """
-
-    name: str
-    rank: int
-    file: str
-    box: Box
+    name: str  # the tensor's name (the model's state dict key)
+    rank: int  # the rank that wrote it (the file's ``shard-<rank + 1>``)
+    file: str  # the safetensors file's path
+    box: Box  # its box of the global tensor
 
 
 @dataclass(frozen=True)
 class TransformersDcpFiles:
-    """The files of a ``save_pretrained(distributed_checkpoint=True)`` directory.
+    """The files of a ``save_pretrained(distributed_checkpoint=True)`` directory."""
 
-    Args:
-        directory (`Path`): the model directory.
-        shards (`dict[int, list[Path]]`): rank -> its safetensors files.
-        optimizer (`Path`, *optional*): the optimizer's DCP directory.
-        copied (`list[Path]`): the other plain files, carried over as they are (``config.json``,
-            ``generation_config.json``, tokenizer files); never weights or files the checkpoint writes itself.
-    """
-
-    directory: Path
-    shards: dict[int, list[Path]]
-    optimizer: Path | None
+    directory: Path  # the model directory
+    shards: dict[int, list[Path]]  # rank -> its safetensors files
+    optimizer: Path | None  # the optimizer's DCP directory
+    # the other plain files, carried over as they are (``config.json``, ``generation_config.json``, tokenizer files);
+    # never weights or files the checkpoint writes itself
     copied: list[Path]
 
     @classmethod
@@ -149,15 +136,7 @@ def _find_optimizer(directory: Path, optimizer_dir: Path | None) -> Path | None:
 
 
 def is_transformers_distributed_checkpoint(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` holds ``save_pretrained(distributed_checkpoint=True)``'s per-rank safetensors files.
-
-    Example:
-
-    ```python
-    >>> is_transformers_distributed_checkpoint("tp-run/saved")  # doctest: +SKIP
-    True
-    ```
-    """
+    """Whether ``directory`` holds ``save_pretrained(distributed_checkpoint=True)``'s per-rank safetensors files."""
     path = Path(directory)
     return path.is_dir() and any(STOCK_DCP_HF_SHARD_RE.match(p.name) for p in path.iterdir())
 

@@ -117,12 +117,8 @@ def cuda_device_mismatch(saved: int, visible: int) -> str | None:
 
 
 def check_cuda_device_count(state: RngState, *, visible: int | None = None, source: str = "<rng state>") -> None:
-    """Refuse to restore ``state`` where another number of CUDA devices is visible, before anything is changed.
-
-    Args:
-        state (`RngState`): the state to restore.
-        visible (`int`, *optional*): the devices seen now (default: :func:`visible_cuda_devices`).
-        source (`str`, *optional*): where ``state`` comes from (a path), named in the message.
+    """Refuse to restore ``state`` where another number of CUDA devices is ``visible`` (default: those seen now),
+    before anything is changed; ``source`` (a path) is named in the message.
 
     Raises:
         InexactResumeError: if ``state`` holds another number of CUDA generators than ``visible``.

@@ -175,17 +175,11 @@ def build_index(plan: ShardPlan, *, metadata: Mapping[str, object] | None = None
 
 @dataclass(frozen=True)
 class ShardIndex:
-    """A validated index: tensor name -> shard file (relative, no traversal).
+    """A validated index: tensor name -> shard file (relative, no traversal)."""
 
-    Args:
-        weight_map (`dict[str, str]`): tensor name -> shard file name.
-        metadata (`dict`): the index's metadata (unknown keys preserved).
-        source (`str`): where the index came from, for error messages.
-    """
-
-    weight_map: dict[str, str]
-    metadata: dict = field(default_factory=dict)
-    source: str = "<index>"
+    weight_map: dict[str, str]  # tensor name -> shard file name
+    metadata: dict = field(default_factory=dict)  # the index's metadata (unknown keys preserved)
+    source: str = "<index>"  # where the index came from, for error messages
 
     @property
     def filenames(self) -> list[str]:

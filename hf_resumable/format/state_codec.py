@@ -69,13 +69,8 @@ def encode_state(value: Any, tensors: dict[str, torch.Tensor], *, prefix: str) -
 
 
 def decode_state(value: Any, tensors: Mapping[str, torch.Tensor], *, source: str = "<state>", path: str = "") -> Any:
-    """Invert :func:`encode_state`, checking every marker (nothing is trusted from the file).
-
-    Args:
-        value: the JSON document (as ``json.loads`` returned it).
-        tensors (`Mapping[str, torch.Tensor]`): the side table the document refers to.
-        source (`str`, *optional*): the file, for error messages.
-        path (`str`, *optional*): where ``value`` sits inside the file, for error messages.
+    """Invert :func:`encode_state`, checking every marker (nothing is trusted from the file). ``tensors`` is the side
+    table the document refers to; ``source`` (the file) and ``path`` (where ``value`` sits in it) go into errors.
 
     Raises:
         CorruptCheckpointError: naming the file, the path inside it and what was expected, if a marker is

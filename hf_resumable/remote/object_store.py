@@ -81,15 +81,12 @@ def _with_retries(what: str, fn, *, attempts: int = 4, base_delay: float = 0.5):
     for attempt in range(1, attempts + 1):
         try:
             return fn()
-        except (OSError, HfResumableError) as err:
-            if isinstance(err, (CheckpointExistsError, CorruptCheckpointError)) or attempt == attempts:
-                raise
-            delay = base_delay * 2 ** (attempt - 1)
-            logger.warning("%s failed (%s: %s); retry %d/%d in %.1f s", what, type(err).__name__, err, attempt,
-                           attempts - 1, delay)
-            time.sleep(delay)
         except Exception as err:  # noqa: BLE001 - botocore/aiohttp errors are not OSError subclasses
+            if isinstance(err, (CheckpointExistsError, CorruptCheckpointError)):
+                raise
             if attempt == attempts:
+                if isinstance(err, (OSError, HfResumableError)):
+                    raise
                 raise StorageError(f"{what} failed after {attempts} attempts: {type(err).__name__}: {err}") from err
             delay = base_delay * 2 ** (attempt - 1)
             logger.warning("%s failed (%s: %s); retry %d/%d in %.1f s", what, type(err).__name__, err, attempt,
