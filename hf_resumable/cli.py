@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ._urls import location_kind
 from ._version import __version__
 from .constants import MANIFEST_FILE, STOCK_OPTIMIZER_FILE
 from .errors import HfResumableError
@@ -33,13 +34,9 @@ EXIT_INVALID = 1  # verification failed / demo runs differ
 EXIT_USAGE = 2  # bad arguments, missing path, unreadable input (argparse uses 2 as well)
 
 
-def _is_hub_reference(target: str) -> bool:
-    return target.startswith("hf://")
-
-
 def _local_checkpoint(target: str, *, quiet: bool) -> Path:
     """A local directory for ``target``; ``hf://`` references are pulled (resumably, verified) first."""
-    if not _is_hub_reference(target):
+    if location_kind(target) != "hub":
         return Path(target)
     from .hub import pull_checkpoint
 

@@ -48,7 +48,7 @@ __all__ = ["NOTICE_MARGIN_S", "NOTICE_MARGIN_SHARE", "NOTICE_SAFETY_FACTOR", "PR
 # a clean preemption apart from a kill.
 PREEMPTION_EXIT_CODE = 143
 
-# The notice rule (see the module docstring): the time left must hold this many times a step plus the final save...
+# The notice rule (fits_another_step): the time left must hold this many times a step plus the final save...
 NOTICE_SAFETY_FACTOR = 1.5
 # ...plus this margin (slack for the estimates and the ranks' agreement): the larger of these two.
 NOTICE_MARGIN_S = 1.0
@@ -169,7 +169,7 @@ class PreemptionProtocol:
     Args:
         handler (`PreemptionHandler`, *optional*): this process's signal flag (``None``: never preempted).
         notice (`float`, *optional*): seconds from SIGTERM to SIGKILL. ``None``: save the signal's step and exit at
-            once. With a notice, see the module docstring for the rule.
+            once. With a notice, the rule is :func:`fits_another_step`.
         clock (`Callable[[], float]`, *optional*, defaults to `time.monotonic`): the clock the notice is timed with
             (the handler's ``received_at`` is ``time.monotonic()``).
 
@@ -243,7 +243,7 @@ class PreemptionProtocol:
             future.add_done_callback(lambda _: setattr(self, "_save_done", self.clock()))
 
     def estimates(self, now: float) -> tuple[float, float]:
-        """The step time and the final save's duration the rule uses at ``now`` (see the module docstring)."""
+        """The step time and the final save's duration the notice rule uses at ``now``."""
         step = max(statistics.median(self._steps), self._steps[-1]) if self._steps else 0.0
         if self._save_started is None:
             return step, 0.0

@@ -31,8 +31,6 @@ from ..checkpoint import CheckpointInfo
 from ..checkpoint.pieces import Box, capture_payload, flatten_optimizer_state
 from ..constants import (
     OPTIMIZER_STATE_PREFIX,
-    RNG_DIR,
-    RNG_FILE_PATTERN,
     STOCK_ACCELERATE_FSDP_MODEL_DIR_RE,
     STOCK_ACCELERATE_FSDP_OPTIMIZER_DIR_RE,
     STOCK_DCP_DATA_SUFFIX,
@@ -45,7 +43,7 @@ from ._commit import commit_for_ranks
 from ._layout import RankPiece, add_layout
 from ._pickle import load_dcp_metadata, load_torch_pickle
 from .deepspeed import NOT_BIT_EXACT_WARNING
-from .stock import _optimizer_class, _rng_bytes, _StateHolder
+from .stock import _optimizer_class, _split_rng, _StateHolder
 
 logger = logging.getLogger(__name__)
 
@@ -384,14 +382,13 @@ def convert_accelerate_fsdp_checkpoint(
                          "not tell it; pass step= (--step).")
     # 3. Shared state, every rank's RNG, commit.
     rngs = {rank: _rng_state(load_torch_pickle(path), path) for rank, path in sorted(files.random_states.items())}
-    extra_files = {f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}": _rng_bytes(state)
-                   for rank, state in rngs.items() if rank != 0}
+    rng, extra_files = _split_rng(rngs)
     scheduler = _StateHolder(load_torch_pickle(files.scheduler)) if files.scheduler is not None else None
     micro = int(load_torch_pickle(files.random_states[0]).get("step") or 0)
     progress = {"global_step": step, "optimizer_steps": [step], "accelerate_micro_step": micro}
     extra = {**_EXTRA_LAYOUT, "converted_from": "accelerate+FSDP"}
     payload = capture_payload(model=None, optimizer=None, scheduler=scheduler, scaler=None, training_state=progress,
-                              extra=extra, extra_files=extra_files, data_state=None, rng=rngs[0],
+                              extra=extra, extra_files=extra_files, data_state=None, rng=rng,
                               max_shard_size="2GB", processing_class=None, rank=0, is_main=True)
     add_layout(payload, model, payload_optimizer, optimizer_document=document)
     manifest = commit_for_ranks(Path(output), payload, step=step, world_size=world_size, overwrite=overwrite)

@@ -224,20 +224,21 @@ def _rng_bytes(state: RngState) -> bytes:
         return (Path(tmp) / "rng.safetensors").read_bytes()
 
 
+def _split_rng(states: Mapping[int, RngState]) -> tuple[RngState | bool, dict[str, bytes]]:
+    """Rank 0's RNG (for ``rng=``, ``False`` without one) and every other rank's RNG file as bytes (for
+    ``extra_files``)."""
+    others = {f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}": _rng_bytes(state)
+              for rank, state in sorted(states.items()) if rank != 0}
+    return states.get(0, False), others
+
+
 def _rng_files(files: TrainerCheckpointFiles) -> tuple[RngState | bool, dict[str, bytes]]:
-    """RNG of rank 0 (for ``rng=``) and every other rank's RNG file as bytes (for ``extra_files``)."""
-    extra: dict[str, bytes] = {}
-    rank0: RngState | bool = False
-    for rank, path in sorted(files.rng.items()):
-        state = _rng_state(load_torch_pickle(path))
-        if rank == 0:
-            rank0 = state
-            continue
-        extra[f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"] = _rng_bytes(state)
-    if rank0 is False:
+    """:func:`_split_rng` of the stock checkpoint's per-rank RNG files."""
+    states = {rank: _rng_state(load_torch_pickle(path)) for rank, path in files.rng.items()}
+    if 0 not in states:
         logger.warning("%s has no rng_state.pth; the converted checkpoint has no RNG state and resuming from it "
                        "will need allow_inexact_resume=True.", files.directory)
-    return rank0, extra
+    return _split_rng(states)
 
 
 def _progress(trainer_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

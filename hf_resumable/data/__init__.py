@@ -18,7 +18,6 @@ True
 ```
 """
 
-
 from __future__ import annotations
 
 from ._fingerprint import dataset_fingerprint

@@ -154,10 +154,8 @@ def build_stream_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], 
     whole stream (``num_workers=0`` only: workers would split the stream's order by worker), the pass's last, shorter
     global batch included (``padding_fn``: what a padding batch goes through).
 
-    A ``datasets`` shuffle buffer (``ds.shuffle(seed=..., buffer_size=N)``) is replaced by a
-    :class:`ResumableShuffleBuffer` of the same size (see :func:`resumable_shuffle_buffer`), whose content
-    is part of the saved position, so the stream resumes bit for bit. The resulting sample order differs
-    from the one ``datasets`` would produce with the same seed. A buffer that cannot be replaced (inside
+    A ``datasets`` shuffle buffer is replaced by a :class:`ResumableShuffleBuffer` of the same size
+    (:func:`resumable_shuffle_buffer`), so the stream resumes bit for bit; one that cannot be replaced (inside
     ``interleave_datasets``/``concatenate_datasets`` sources, or several buffers) is kept, with a WARNING.
 
     Raises:

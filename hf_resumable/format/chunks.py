@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CHUNK_HASH_SIZE", "CHUNK_DIGEST_CHARS", "ChunkHasher", "chunk_span"]
 
-# Bytes per hashed chunk of the files a writer records (see the module docstring for the choice).
+# Bytes per hashed chunk of the files a writer records (the choice: docs/format.md#file-records-and-hashes).
 CHUNK_HASH_SIZE = 1024 * 1024
 # Hex digits of one chunk's xxh3-64 in a record's ``chunk_xxh3_64`` string.
 CHUNK_DIGEST_CHARS = 16

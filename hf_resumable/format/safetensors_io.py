@@ -47,6 +47,7 @@ __all__ = [
     "check_file",
     "record_of",
     "RecordChecker",
+    "byte_view",
 ]
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -317,12 +318,9 @@ def header_from_bytes(path: str | os.PathLike, data: bytes | memoryview) -> Safe
     return parse_header_bytes(path, bytes(data[8 : 8 + length]), len(data))
 
 
-def _as_bytes(tensor: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor."""
-    flat = tensor.detach().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy, writable byte view of a contiguous CPU tensor (empty for an empty tensor)."""
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
@@ -490,7 +488,7 @@ def write_safetensors(
     digests = _Digests(xxh3_128=True, sha256=False, threaded=False, chunk_size=CHUNK_HASH_SIZE)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        for chunk in _chunks([memoryview(header)] + [_as_bytes(t) for _, t in ordered]):
+        for chunk in _chunks([memoryview(header)] + [byte_view(t) for _, t in ordered]):
             _write_all(fd, chunk)
             digests.feed(chunk)
         if fsync:
@@ -572,7 +570,7 @@ def read_safetensors(
                 target = into.get(info.name)
                 buffer = target if _can_read_into(target, info) else torch.empty(info.shape, dtype=info.torch_dtype)
                 f.seek(header.data_offset + info.start)
-                _read_exact(f, _as_bytes(buffer), path, info, pipeline)
+                _read_exact(f, byte_view(buffer), path, info, pipeline)
                 if info.name not in wanted:
                     continue
                 if target is not None and buffer is not target:

@@ -20,7 +20,7 @@ import xxhash
 from ..errors import CorruptCheckpointError
 from ._safefile import open_regular
 from .chunks import chunk_span
-from .safetensors_io import FileRecord, RecordChecker, SafetensorsHeader
+from .safetensors_io import FileRecord, RecordChecker, SafetensorsHeader, byte_view
 
 logger = logging.getLogger(__name__)
 
@@ -28,11 +28,6 @@ __all__ = ["VerifiedFile"]
 
 # Bytes read at a time when a record without chunk hashes makes a reader hash a whole file first.
 _WHOLE_FILE_READ = 16 * 1024 * 1024
-
-
-def _byte_view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable, without a copy."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 class VerifiedFile:
@@ -114,10 +109,10 @@ class VerifiedFile:
         start = self.header.data_offset + info.start + first * itemsize
         end = self.header.data_offset + info.start + (last + 1) * itemsize
         if last + 1 - first == math.prod(sizes) and into.is_contiguous() and into.device.type == "cpu":
-            self.read_range_into(start, end, _byte_view(into))
+            self.read_range_into(start, end, byte_view(into))
             return
         buffer = torch.empty(end - start, dtype=torch.uint8)
-        self.read_range_into(start, end, _byte_view(buffer))
+        self.read_range_into(start, end, byte_view(buffer))
         with torch.no_grad():
             into.copy_(buffer.view(info.torch_dtype).as_strided(sizes, strides))
 

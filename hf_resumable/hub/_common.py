@@ -1,6 +1,5 @@
 """Shared pieces of the hub package: hf:// URLs, a repo pinned at one commit, index and shard checks."""
 
-
 from __future__ import annotations
 
 import contextlib
@@ -47,8 +46,6 @@ from ..format.safetensors_io import FileRecord, check_file, hash_file
 from ..format.sharding import ShardIndex, check_relative_name, parse_index
 
 logger = logging.getLogger(__name__)
-
-
 
 
 # The index's shard records (one key with the checkpoint format's SHARDS_KEY, under the name the hub module used).

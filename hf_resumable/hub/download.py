@@ -1,7 +1,6 @@
 """resumable_download: ranged GETs into a ``.part`` file that survives the process (huggingface_hub 2.x deletes
 partial downloads when a process dies, so a multi-GB file would restart from zero)."""
 
-
 from __future__ import annotations
 
 import hashlib
@@ -24,7 +23,6 @@ from ..format.sharding import check_relative_name
 from ._common import _DOWNLOAD_CHUNK, _SHA256_RE, PART_SUFFIX, SIDECAR_SUFFIX, _sha256_of, hub_errors
 
 logger = logging.getLogger(__name__)
-
 
 
 # --------------------------------------------------------------------------------------------------- resumable GET
@@ -111,19 +109,17 @@ def _is_up_to_date(target: Path, remote: _RemoteFile, expected_sha256: str | Non
     return bool(remote.etag) and _git_blob_sha1(target) == remote.etag
 
 
-def _download_problem(part: Path, expected_sha256: str | None, expected: FileRecord | None) -> str | None:
-    """Why the downloaded ``part`` is not the wanted file: checked against the record ``expected`` (a manifest's: its
-    xxh3-128, or sha256 where it has no other) when given, else against ``expected_sha256`` (or the LFS oid)."""
-    if expected is not None:
-        return check_file(part, expected)
-    if expected_sha256 is not None and (actual := _sha256_of(part)) != expected_sha256:
-        return f"sha256 {actual} but expected {expected_sha256}"
-    return None
-
-
 def _finish_download(part: Path, target: Path, expected_sha256: str | None, expected: FileRecord | None,
                      source: str) -> None:
-    if (problem := _download_problem(part, expected_sha256, expected)) is not None:
+    """Move the downloaded ``part`` into place once it checks out: against the record ``expected`` (a manifest's: its
+    xxh3-128, or sha256 where it has no other) when given, else against ``expected_sha256`` (or the LFS oid)."""
+    if expected is not None:
+        problem = check_file(part, expected)
+    elif expected_sha256 is not None and (actual := _sha256_of(part)) != expected_sha256:
+        problem = f"sha256 {actual} but expected {expected_sha256}"
+    else:
+        problem = None
+    if problem is not None:
         part.unlink()
         raise CorruptCheckpointError(
             f"{source}: downloaded {problem}; the partial file was removed. Retry; if it persists, the remote file is"

@@ -14,7 +14,6 @@ Example:
 ```
 """
 
-
 from ._load import LoadPlan, load_lazily, plan_load
 from ._residency import ResidencyPlan, plan_residency
 from ._stream import StreamingModel, stream_forward

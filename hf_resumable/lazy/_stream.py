@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._urls import location_kind
 from ..hub import parse_hf_url
 from ._load import LoadPlan, _as_weights, _empty, _fill_aliases, _materialize, _read_into, _read_shard, _tie, plan_load
 from ._mapped import MappedBlock, ShardMaps
@@ -94,7 +95,7 @@ def _normalize_device(device: str | torch.device | None) -> torch.device | None:
 
 def _resolve(path_or_repo_id: str | os.PathLike, revision: str | None) -> tuple[str | os.PathLike, str | None]:
     """``hf://namespace/name[@revision]`` -> ``(namespace/name, revision)``; anything else unchanged."""
-    if not str(path_or_repo_id).startswith("hf://"):
+    if location_kind(path_or_repo_id) != "hub":
         return path_or_repo_id, revision
     url = parse_hf_url(str(path_or_repo_id))
     if url.path_in_repo or url.repo_type != "model":
@@ -321,14 +322,9 @@ class StreamingModel(contextlib.AbstractContextManager):
             _read_shard(self.model, self.weights, filename, group, self.plan.sources, self._pool.allocate)
 
     def _read_block(self, index: int) -> dict[str, torch.Tensor]:
-        """One block's tensors (runs on the prefetch thread; touches no module).
-
-        First the pages of the blocks that have run since the last read are dropped from the process (here, not in
-        the forward pass: ``madvise`` is a syscall the compute thread need not wait for). Tensors stored in the
-        model's dtype are views of their shard's mapping, made once per block (no header parse, no mmap per
-        token); their pages are read in here. Others are read into pooled buffers and cast. The next streamed
-        block's pages are then requested from the disk without waiting for them, so the disk keeps reading while this
-        block runs and the next one is populated."""
+        """One block's tensors (runs on the prefetch thread; touches no module): evict the blocks that ran (here: a
+        syscall the compute thread need not wait for), populate this block's views and read the rest into pooled
+        buffers, then ask the disk for the next block's pages (docs/streamed-inference.md)."""
         self._evict_finished()
         block = {}
         for mapped in self._view_block(index):
