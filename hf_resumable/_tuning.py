@@ -42,19 +42,12 @@ WRITER_NICE_INCREMENT = 10
 
 @dataclass(frozen=True, kw_only=True)
 class TuningOptions:
-    """The switches, as read from the environment by :func:`tuning_options`.
+    """The switches, as read from the environment by :func:`tuning_options`."""
 
-    Args:
-        read_streams (`int | None`): ``HF_RESUMABLE_READ_STREAMS``; ``None``: :func:`default_read_streams`.
-        writer_priority (`bool`): ``HF_RESUMABLE_WRITER_PRIORITY``.
-        background_deletes (`bool`): ``HF_RESUMABLE_BACKGROUND_DELETES``.
-        split_replicas (`bool`): ``HF_RESUMABLE_SPLIT_REPLICAS``.
-    """
-
-    read_streams: int | None = None
-    writer_priority: bool = True
-    background_deletes: bool = True
-    split_replicas: bool = True
+    read_streams: int | None = None  # ``HF_RESUMABLE_READ_STREAMS``; ``None``: :func:`default_read_streams`
+    writer_priority: bool = True  # ``HF_RESUMABLE_WRITER_PRIORITY``
+    background_deletes: bool = True  # ``HF_RESUMABLE_BACKGROUND_DELETES``
+    split_replicas: bool = True  # ``HF_RESUMABLE_SPLIT_REPLICAS``
 
     def __post_init__(self) -> None:
         if self.read_streams is not None and self.read_streams < 1:

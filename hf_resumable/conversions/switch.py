@@ -19,9 +19,7 @@ from ..checkpoint import CheckpointInfo
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STOCK_KINDS", "detect_stock_kind", "pickle_warning", "convert_stock_checkpoint"]
-
-STOCK_KINDS = ("accelerate-fsdp", "transformers-dcp", "deepspeed", "trainer")
+__all__ = ["detect_stock_kind", "pickle_warning", "convert_stock_checkpoint"]
 
 
 def detect_stock_kind(directory: str | os.PathLike) -> str:

@@ -301,7 +301,7 @@ def run_demo(output: str | os.PathLike, *, max_steps: int = 40, save_every: int 
              progress: bool = False) -> DemoReport:
     """Run the kill-and-resume demo in ``output`` and compare the runs.
 
-    1. Start the reference run and the victim run side by side (one thread each).
+    1. Start the reference run and the victim run side by side (two processes).
     2. SIGKILL the victim when its log reaches ``kill_step`` (default: random, after the first checkpoint).
     3. Restart the victim with the same command; it resumes from its newest valid checkpoint.
     4. Compare losses and final weights with :func:`compare_runs`, and plot both curves.

@@ -52,19 +52,12 @@ _MT_WORDS = 624  # words of an MT19937 state (python's and numpy's generators)
 
 @dataclass
 class RngState:
-    """The state of python ``random``, numpy's global generator, torch CPU and every CUDA device.
+    """The state of python ``random``, numpy's global generator, torch CPU and every CUDA device."""
 
-    Args:
-        python (`tuple`): ``random.getstate()``.
-        numpy (`tuple`): ``np.random.get_state()`` (legacy MT19937 tuple).
-        torch_cpu (`torch.Tensor`): ``torch.get_rng_state()`` (uint8).
-        cuda (`list[torch.Tensor]`): ``torch.cuda.get_rng_state_all()`` ([] without CUDA).
-    """
-
-    python: tuple
-    numpy: tuple
-    torch_cpu: torch.Tensor
-    cuda: list[torch.Tensor] = field(default_factory=list)
+    python: tuple  # ``random.getstate()``
+    numpy: tuple  # ``np.random.get_state()`` (legacy MT19937 tuple)
+    torch_cpu: torch.Tensor  # ``torch.get_rng_state()`` (uint8)
+    cuda: list[torch.Tensor] = field(default_factory=list)  # ``torch.cuda.get_rng_state_all()`` ([] without CUDA)
 
     def __post_init__(self) -> None:
         if self.torch_cpu.dtype != torch.uint8:

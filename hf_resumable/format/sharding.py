@@ -78,17 +78,11 @@ def parse_size(size: int | str) -> int:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Which tensor goes into which file.
+    """Which tensor goes into which file."""
 
-    Args:
-        filename_to_names (`dict[str, tuple[str, ...]]`): file name -> tensor names, in write order.
-        name_to_filename (`dict[str, str]`): tensor name -> file name.
-        total_size (`int`): sum of the planned tensor sizes in bytes.
-    """
-
-    filename_to_names: dict[str, tuple[str, ...]]
-    name_to_filename: dict[str, str]
-    total_size: int
+    filename_to_names: dict[str, tuple[str, ...]]  # file name -> tensor names, in write order
+    name_to_filename: dict[str, str]  # tensor name -> file name
+    total_size: int  # sum of the planned tensor sizes in bytes
 
     def __post_init__(self) -> None:
         for filename, names in self.filename_to_names.items():

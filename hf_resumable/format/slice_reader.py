@@ -33,18 +33,11 @@ _WHOLE_FILE_READ = 16 * 1024 * 1024
 class VerifiedFile:
     """An open safetensors file whose tensors, and slices of them, are read with every byte used checked.
 
-    With a record that has chunk hashes, each read covers whole chunks and checks each of them as it is read.
-    With a record without (format versions 1 and 2), the whole file is hashed once, before the first byte of it is
-    used, unless ``hashed`` says a verification already did (then ``check`` keeps it to that very file). Without a
-    record (``verify="none"``), nothing is checked.
-
-    Args:
-        path (`str`): the file.
-        header (`SafetensorsHeader`): its verified header.
-        record (`FileRecord`, *optional*): its manifest record.
-        hashed (`bool`, *optional*, defaults to `False`): a full verification hashed this file whole.
-        check (`Callable[[os.stat_result], None]`, *optional*): called with the descriptor's ``fstat`` before a
-            byte is read (it must still be the file a verification checked).
+    ``header`` is the file's verified header and ``record`` its manifest record. With chunk hashes in the record,
+    each read covers whole chunks and checks each of them as it is read. Without (format versions 1 and 2), the whole
+    file is hashed once, before the first byte of it is used, unless ``hashed`` says a full verification already did.
+    Without a record (``verify="none"``), nothing is checked. ``check`` is called with the descriptor's ``fstat``
+    before a byte is read (it must still be the file a verification checked).
 
     Raises:
         CorruptCheckpointError: from the reads, naming the file and the byte range whose chunk disagrees.

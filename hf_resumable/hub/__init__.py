@@ -14,23 +14,13 @@ Example:
 ```
 """
 
-from ._common import (
-    SHARD_RECORDS_KEY,
-    SINGLE_MODEL_FILE,
-    HfUrl,
-    HubSnapshot,
-    parse_hf_url,
-    read_index_file,
-    shard_record,
-)
+from ._common import HfUrl, HubSnapshot, parse_hf_url, read_index_file, shard_record
 from .checkpoints import PushedCheckpoint, find_latest_hub_checkpoint, pull_checkpoint, push_checkpoint
 from .download import resumable_download
 from .models import download_shards, push_sharded, write_sharded_model
 from .uploader import CheckpointUploader
 
 __all__ = [
-    "SINGLE_MODEL_FILE",
-    "SHARD_RECORDS_KEY",
     "HfUrl",
     "HubSnapshot",
     "read_index_file",

@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -17,12 +18,16 @@ import httpx2
 from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
+from ..constants import PART_SUFFIX, SIDECAR_SUFFIX
 from ..errors import CorruptCheckpointError, HubError
-from ..format.safetensors_io import FileRecord, check_file
+from ..format.safetensors_io import FileRecord, check_file, hash_file
 from ..format.sharding import check_relative_name
-from ._common import _DOWNLOAD_CHUNK, _SHA256_RE, PART_SUFFIX, SIDECAR_SUFFIX, _sha256_of, hub_errors
+from ._common import hub_errors
 
 logger = logging.getLogger(__name__)
+
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")  # an LFS file's ETag is its sha256
+_HASH_READ = 8 * 1024 * 1024  # bytes read at a time to hash a file already on disk
 
 
 # --------------------------------------------------------------------------------------------------- resumable GET
@@ -91,9 +96,14 @@ def _fetch_into(part: Path, remote: _RemoteFile, start: int, token: str | None) 
 def _git_blob_sha1(path: Path) -> str:
     digest = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
     with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_DOWNLOAD_CHUNK * 8):
+        while chunk := f.read(_HASH_READ):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _sha256_of(path: Path) -> str:
+    """The sha256 of a downloaded file, computed on demand: what the Hub knows an LFS file by (its oid)."""
+    return hash_file(path, xxh3_128=False, sha256=True).sha256
 
 
 def _is_up_to_date(target: Path, remote: _RemoteFile, expected_sha256: str | None,

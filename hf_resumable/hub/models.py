@@ -12,11 +12,18 @@ from typing import TYPE_CHECKING, Any
 
 from huggingface_hub import CommitInfo, HfApi
 
-from ..constants import FORMAT_VERSION, MODEL_FILE_PATTERN, MODEL_INDEX_FILE, README_FILE
+from ..constants import (
+    FORMAT_VERSION,
+    INDEX_VERSION_KEY,
+    MODEL_FILE_PATTERN,
+    MODEL_INDEX_FILE,
+    README_FILE,
+    SINGLE_MODEL_FILE,
+)
 from ..errors import CheckpointMismatchError, CheckpointNotFoundError
 from ..format._jsonio import json_bytes
 from ..format.sharding import ShardIndex
-from ._common import INDEX_VERSION_KEY, SINGLE_MODEL_FILE, WEIGHT_PATTERNS, HubSnapshot
+from ._common import WEIGHT_PATTERNS, HubSnapshot
 
 if TYPE_CHECKING:
     import torch

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from ..checkpoint.pieces import base_not_stored
-from ..constants import MODEL_INDEX_FILE, TIED_KEY
+from ..constants import MODEL_INDEX_FILE, SINGLE_MODEL_FILE, TIED_KEY
 from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -25,7 +25,7 @@ from ..errors import (
 from ..format._jsonio import parse_json
 from ..format.safetensors_io import STR_TO_DTYPE, SafetensorsHeader, read_header
 from ..format.sharding import ShardIndex
-from ..hub import SINGLE_MODEL_FILE, HubSnapshot, read_index_file
+from ..hub import HubSnapshot, read_index_file
 
 logger = logging.getLogger(__name__)
 
