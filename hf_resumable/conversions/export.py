@@ -136,13 +136,9 @@ def export_model(
 
 
 def _load_weights(opened: OpenedCheckpoint, model: Any) -> None:
-    """Fill ``model`` (plain, one process) with the checkpoint's weights.
-
-    A per-rank checkpoint (FSDP2 pieces, or DeepSpeed ZeRO-1/2, whose weights rank 0 saved whole) holds
-    ``sharded_layout.json``: each whole tensor is assembled from the rank pieces that cover it
-    (:func:`~hf_resumable.checkpoint.pieces._piece_layout.plan_region_reads` plans which slice of which piece file
-    goes where, then the slices are read), with no process group. Any other checkpoint loads as usual.
-    """
+    """Fill ``model`` (plain, one process) with the checkpoint's weights; in a per-rank checkpoint (one with
+    ``sharded_layout.json``) each whole tensor is assembled from the rank pieces that cover it, with no process
+    group."""
     if LAYOUT_FILE not in opened.manifest.files:
         opened.load_into(model=model, strict=True)
         return

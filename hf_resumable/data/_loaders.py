@@ -56,16 +56,10 @@ class ResumableDataLoader(DataLoader):
 
 
 class StepPosition:
-    """:class:`~hf_resumable.data._position.LoaderPosition` of a resumable loader (map-style or stream) iterated by a
-    loop that alone knows where it stands: the ``Trainer``, whose optimizer steps (``steps_done()``) of
-    ``batches_per_step`` batches each say which batch comes next (its ``skip_first_batches`` moves a map-style
-    loader's cursor on resume).
-
-    Args:
-        loader: a :class:`ResumableDataLoader` or the loader of :func:`build_stream_dataloader`.
-        steps_done (`Callable[[], int]`): optimizer steps done so far.
-        batches_per_step (`int`): batches per optimizer step (gradient accumulation).
-    """
+    """:class:`~hf_resumable.data._position.LoaderPosition` of a resumable ``loader`` (a :class:`ResumableDataLoader`
+    or :func:`build_stream_dataloader`'s) iterated by a loop that alone knows where it stands: the ``Trainer``, whose
+    optimizer steps (``steps_done()``) of ``batches_per_step`` batches each say which batch comes next (its
+    ``skip_first_batches`` moves a map-style loader's cursor on resume)."""
 
     def __init__(self, loader: Any, *, steps_done: Callable[[], int], batches_per_step: int) -> None:
         self.loader, self.steps_done, self.batches_per_step = loader, steps_done, batches_per_step
