@@ -51,7 +51,7 @@ def _write_threaded(path: str, tensors: list[tuple[str, torch.Tensor]], *, fsync
     ordered = st.layout_tensors(tensors)
     hasher = _Thread(sha256=sha256)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    for chunk in st._chunks([memoryview(st.build_header(ordered))] + [st._as_bytes(t) for _, t in ordered]):
+    for chunk in st._chunks([memoryview(st.build_header(ordered))] + [st.byte_view(t) for _, t in ordered]):
         hasher.queue.put(chunk)
         st._write_all(fd, chunk)
     hasher.finish()

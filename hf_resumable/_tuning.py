@@ -1,16 +1,9 @@
 """The package's tuning: every mechanism that exists only to be faster, each behind one switch read here.
 
 A switch is an ``HF_RESUMABLE_*`` environment variable, read at the call (never at import, so a process may change
-it between saves), and validated: a value that is not understood raises ``ValueError`` naming the variable. Each was
-kept because a benchmark in ``benchmarks/`` showed that it helps; docs/performance.md lists them with their defaults
-and when to change them, docs/benchmarks.md ("Tuning switches") has the measurements and their commands.
-
-| switch | default | what it does |
-|---|---|---|
-| ``HF_RESUMABLE_READ_STREAMS`` | one per two usable cores, 1-4 | ``pread`` streams of a load |
-| ``HF_RESUMABLE_WRITER_PRIORITY`` | ``1`` | a background save writes below the training thread's CPU priority |
-| ``HF_RESUMABLE_BACKGROUND_DELETES`` | ``1`` | retention deletes the files of a removed checkpoint on a thread |
-| ``HF_RESUMABLE_SPLIT_REPLICAS`` | ``1`` | DDP ranks split the writing of the files they hold alike |
+it between saves) and validated: a value that is not understood raises ``ValueError`` naming the variable. Each was
+kept because a benchmark in ``benchmarks/`` showed that it helps: docs/performance.md lists them with their defaults,
+docs/benchmarks.md#tuning-switches has the measurements and their commands.
 
 Example:
 
@@ -49,19 +42,12 @@ WRITER_NICE_INCREMENT = 10
 
 @dataclass(frozen=True, kw_only=True)
 class TuningOptions:
-    """The switches, as read from the environment by :func:`tuning_options`.
+    """The switches, as read from the environment by :func:`tuning_options`."""
 
-    Args:
-        read_streams (`int | None`): ``HF_RESUMABLE_READ_STREAMS``; ``None``: :func:`default_read_streams`.
-        writer_priority (`bool`): ``HF_RESUMABLE_WRITER_PRIORITY``.
-        background_deletes (`bool`): ``HF_RESUMABLE_BACKGROUND_DELETES``.
-        split_replicas (`bool`): ``HF_RESUMABLE_SPLIT_REPLICAS``.
-    """
-
-    read_streams: int | None = None
-    writer_priority: bool = True
-    background_deletes: bool = True
-    split_replicas: bool = True
+    read_streams: int | None = None  # ``HF_RESUMABLE_READ_STREAMS``; ``None``: :func:`default_read_streams`
+    writer_priority: bool = True  # ``HF_RESUMABLE_WRITER_PRIORITY``
+    background_deletes: bool = True  # ``HF_RESUMABLE_BACKGROUND_DELETES``
+    split_replicas: bool = True  # ``HF_RESUMABLE_SPLIT_REPLICAS``
 
     def __post_init__(self) -> None:
         if self.read_streams is not None and self.read_streams < 1:

@@ -1,24 +1,13 @@
-"""``hf-resumable``: inspect, verify, convert, reshard, export, push and pull checkpoints, run the resume demo,
-check a training command's resume, and run one with restarts.
+"""``hf-resumable``: the command line over the public API; every subcommand and its options: docs/cli.md.
 
-Thin by design: each subcommand parses its arguments and calls one library function. User mistakes
-(a missing path, a corrupt checkpoint, a bad size string) print one line to stderr and exit with a
-non-zero code, without a traceback.
+Thin by design: each subcommand parses its arguments and calls one library function. User mistakes (a missing path,
+a corrupt checkpoint, a bad size string) print one line to stderr and exit non-zero, without a traceback.
 
 Example:
 
 ```bash
-hf-resumable inspect out/checkpoint-120
 hf-resumable verify --full out/checkpoint-120     # exit 0 if valid, 1 if not
-hf-resumable convert out-stock/checkpoint-500 --output converted/checkpoint-500  # Trainer, +DeepSpeed, accel. FSDP
-hf-resumable convert tp-run/saved --output converted/checkpoint-300  # save_pretrained(distributed_checkpoint=True)
-hf-resumable reshard converted/checkpoint-500 --max-shard-size 200MB
-hf-resumable export out/checkpoint-120 --output merged --merge   # + its frozen base -> a from_pretrained directory
-hf-resumable push out/checkpoint-120 me/run --revision step-120
-hf-resumable pull hf://me/run@step-120 --local-dir restored
-hf-resumable demo
 hf-resumable check --kills 3 -- python train.py --output_dir {out}   # exit 0: EXACT; 1: DIVERGES at step K
-hf-resumable run --max-restarts 10 -- python train.py --output_dir out  # restarts a dead run, imports done ahead
 ```
 """
 
@@ -31,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ._urls import location_kind
 from ._version import __version__
 from .constants import MANIFEST_FILE, STOCK_OPTIMIZER_FILE
 from .errors import HfResumableError
@@ -44,13 +34,9 @@ EXIT_INVALID = 1  # verification failed / demo runs differ
 EXIT_USAGE = 2  # bad arguments, missing path, unreadable input (argparse uses 2 as well)
 
 
-def _is_hub_reference(target: str) -> bool:
-    return target.startswith("hf://")
-
-
 def _local_checkpoint(target: str, *, quiet: bool) -> Path:
     """A local directory for ``target``; ``hf://`` references are pulled (resumably, verified) first."""
-    if not _is_hub_reference(target):
+    if location_kind(target) != "hub":
         return Path(target)
     from .hub import pull_checkpoint
 

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import re
 
-# Version of the on-disk layout. Bump on any incompatible change; readers refuse newer versions.
-# 2: manifest file records (and index shard records) hold size and xxh3_128, no sha256 (version 1 readers required
-#    one); version 1 checkpoints still load and verify (docs/format.md).
-# 3: a safetensors file's manifest record also holds the xxh3-64 of every 1 MiB chunk, so that a slice read checks
-#    the chunks it covers (format/chunks.py); versions 1 and 2 still load and verify.
+# Version of the on-disk layout. Bump on any incompatible change; readers refuse newer versions. What each version
+# changed (1 and 2 still load and verify): docs/format.md#file-records-and-hashes.
 FORMAT_VERSION = 3
 # Value of the "format" field of the manifest: tells our checkpoints apart from anything else.
 FORMAT_NAME = "hf_resumable"
@@ -32,10 +29,8 @@ SHARDS_KEY = "hf_resumable_shards"
 TIED_KEY = "hf_resumable_tied"
 # Index metadata key: format version of what push_sharded wrote.
 INDEX_VERSION_KEY = "hf_resumable_format_version"
-# Checkpoints that reference their frozen base (the default when the model has parameters with requires_grad=False,
-# e.g. a PEFT/LoRA base or a frozen embedding): the trainable parameters and buffers are sharded like the model
-# files but under their own names, so a tool looking for model.safetensors[.index.json] never loads a partial model
-# as if it were whole; the frozen parameters are described, not stored, in FROZEN_RECORD_FILE.
+# The trainable part of a checkpoint that references its frozen base, named so that no tool takes it for a whole
+# model (docs/format.md#a-checkpoint-of-a-model-with-frozen-parameters).
 TRAINABLE_INDEX_FILE = "trainable.safetensors.index.json"
 TRAINABLE_FILE_PATTERN = "trainable{suffix}.safetensors"
 # Index metadata key of TRAINABLE_INDEX_FILE: {name in the file: state-dict name} for tensors stored under another
@@ -91,10 +86,8 @@ LAYOUT_KEY_OPTIMIZER = "optimizer"  # section for optimizer tensors, or null
 LAYOUT_KEY_OPTIMIZER_DOC = "optimizer_document"  # {"class", "param_groups", "non_tensor_state"} or null
 # Written last; its presence (and validity) is what makes a directory a committed checkpoint.
 MANIFEST_FILE = "manifest.json"
-# Inside a checkpoint committed before its files reached the disk (durability "deferred"): the writer's boot id, and
-# whether every file has been fsynced since ({"boot_id": ..., "durable": false, then true, replaced atomically, never
-# removed, so that a copy of the directory made meanwhile never finds it gone). A reader on another boot verifies every
-# byte of a checkpoint whose record says not durable.
+# Inside a checkpoint committed before its files reached the disk (durability "deferred"): {"boot_id", "durable"},
+# replaced atomically, never removed (docs/architecture.md, deferred durability).
 DURABILITY_FILE = ".durability"
 
 # Directory naming. "checkpoint-<step>" keeps transformers' get_last_checkpoint regex working.
@@ -123,7 +116,7 @@ TRAINABLE_FILES_RE = re.compile(r"^trainable(-\d+-of-\d+)?\.safetensors$")
 OPTIMIZER_FILES_RE = re.compile(r"^optimizer(-\d+-of-\d+)?\.safetensors$")
 
 # Stock layouts: files other tools write, which hf_resumable recognizes, converts (the only pickle reads, in
-# convert.py) or refuses, spelled as upstream spells them.
+# conversions/) or refuses, spelled as upstream spells them.
 # transformers.Trainer's checkpoint-<step>: weights (safetensors, or pickled), trainer_state.json (TRAINER_STATE_FILE),
 STOCK_PICKLED_WEIGHTS_FILE = "pytorch_model.bin"
 STOCK_PICKLED_WEIGHTS_INDEX_FILE = "pytorch_model.bin.index.json"
@@ -134,7 +127,7 @@ STOCK_SCHEDULER_FILE = "scheduler.pt"
 STOCK_SCALER_FILE = "scaler.pt"
 STOCK_RNG_FILE = "rng_state.pth"
 STOCK_RNG_FILE_GLOB = "rng_state_*.pth"
-# Suffixes of pickle files: never written by hf_resumable, never read outside convert.py.
+# Suffixes of pickle files: never written by hf_resumable, never read outside conversions/.
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl")
 # DeepSpeed's save_checkpoint (the Trainer's checkpoint-<step> with deepspeed=): a text file naming the tag, the
 # tag's directory, the pickled module/engine state of model-parallel rank 0, and each data-parallel rank's pickled

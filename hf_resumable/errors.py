@@ -60,19 +60,17 @@ class CheckpointNotFoundError(HfResumableError, FileNotFoundError):
 
 
 class IncompleteCheckpointError(HfResumableError, FileNotFoundError):
-    """A checkpoint directory has no manifest or misses files the manifest lists.
-
-    Such a directory is what a save that was killed part-way leaves behind; it is never loaded.
-    """
+    """A checkpoint directory has no manifest or misses files the manifest lists (what a save killed part-way leaves
+    behind; it is never loaded)."""
 
 
 class CorruptCheckpointError(HfResumableError, ValueError):
     """A checkpoint file exists but its bytes are wrong: truncated, bad header, or hash mismatch."""
 
 
-class CorruptOnAnotherRankError(CorruptCheckpointError):
-    """Another rank found a corrupt file while it read its part of a distributed load; this rank applied nothing
-    either. ``rank`` is the rank that found it, ``report`` its error (type and message, naming the file)."""
+class _FromAnotherRank(HfResumableError):
+    """An error another rank of a distributed load reported: ``rank`` is that rank, ``report`` its error (type and
+    message)."""
 
     def __init__(self, message: str, *, rank: int, report: str) -> None:
         super().__init__(message)
@@ -80,16 +78,15 @@ class CorruptOnAnotherRankError(CorruptCheckpointError):
         self.report = report
 
 
-class ReadFailedOnAnotherRankError(HfResumableError, RuntimeError):
+class CorruptOnAnotherRankError(_FromAnotherRank, CorruptCheckpointError):
+    """Another rank found a corrupt file while it read its part of a distributed load; this rank applied nothing
+    either. The report names the file."""
+
+
+class ReadFailedOnAnotherRankError(_FromAnotherRank, RuntimeError):
     """Another rank's reads of its part of a distributed load raised an error other than corruption (an ``OSError``
     of its node's disk, a ``MemoryError``, a layout mismatch only its pieces show); this rank stopped there too.
-    ``rank`` is that rank, ``report`` its error (type and message). Not a `CorruptCheckpointError`: a resume does
-    not fall back to an earlier checkpoint for it."""
-
-    def __init__(self, message: str, *, rank: int, report: str) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.report = report
+    Not a `CorruptCheckpointError`: a resume does not fall back to an earlier checkpoint for it."""
 
 
 class UnsafeIndexError(CorruptCheckpointError):
@@ -97,11 +94,8 @@ class UnsafeIndexError(CorruptCheckpointError):
 
 
 class UnsafePickleError(CorruptCheckpointError, pickle.UnpicklingError):
-    """A stock checkpoint's pickle holds objects that ``torch.load(weights_only=True)`` refuses to build.
-
-    Only :mod:`hf_resumable.conversions.stock` reads pickles; it never unpickles anything but tensors and plain
-    containers, so such a file (possibly malicious) is refused, naming it. Also a ``pickle.UnpicklingError``.
-    """
+    """A stock checkpoint's pickle holds objects outside the allow-list of :mod:`hf_resumable.conversions` (the only
+    pickle reads: tensors, plain containers and inert stand-ins), so the file, possibly malicious, is refused."""
 
 
 class CheckpointMismatchError(HfResumableError, ValueError):
@@ -173,18 +167,13 @@ class AsyncSaveError(HfResumableError, RuntimeError):
 
 
 class HubError(HfResumableError, OSError):
-    """A Hub operation failed (after retries) or the Hub returned something unusable.
-
-    Also an ``OSError``, as ``huggingface_hub``'s own HTTP errors are. Messages name the repo, the revision
-    (commit) and the file.
-    """
+    """A Hub operation failed (after retries) or the Hub returned something unusable; the message names the repo, the
+    revision (commit) and the file. An ``OSError``, as ``huggingface_hub``'s own HTTP errors are."""
 
 
 class HubEntryNotFoundError(HubError, IncompleteCheckpointError, _HubEntryNotFound):
-    """The repo at that revision has no file that an index or manifest names (HTTP 404).
-
-    Also ``huggingface_hub.errors.EntryNotFoundError``, what ``hf_hub_download`` raises for it.
-    """
+    """The repo at that revision has no file that an index or manifest names (HTTP 404); also the
+    ``EntryNotFoundError`` that ``hf_hub_download`` raises for it."""
 
 
 class HubServerError(HubError):

@@ -1,15 +1,9 @@
 """The one front for checkpoint locations: local directories, the Hub (``hf://``, ``user/repo``) and object stores
 (``s3://``, ``gs://``, ... through fsspec).
 
-The checkpoint core reads and writes local directories only. This module turns any location into one:
-
-* :func:`find_latest_checkpoint`, :func:`open_checkpoint`, :func:`load_checkpoint`: the core's functions for any
-  location (a remote checkpoint, or a remote run root: its newest committed checkpoint, is downloaded and
-  hash-checked first); these are the ones ``hf_resumable`` exports at the top level.
-* :func:`resolve_resume_path`: a ``resume_from_checkpoint=`` value naming a remote checkpoint or run root, as a
-  verified local directory (rank 0 downloads, the other ranks wait and use the same directory).
-* :func:`open_uploader`: a ``push_checkpoints_to=`` value as a background uploader
-  (:class:`~hf_resumable.hub.CheckpointUploader` or :class:`~hf_resumable.remote.CheckpointMirror`).
+The checkpoint core reads and writes local directories only. Here a remote checkpoint or run root (its newest
+committed checkpoint) is downloaded and hash-checked first, a ``resume_from_checkpoint=`` value becomes a verified
+local directory (rank 0 downloads, the others wait), and a ``push_checkpoints_to=`` value a background uploader.
 
 Example:
 

@@ -1,31 +1,10 @@
 """Graceful preemption: turn SIGTERM into "finish this optimizer step, checkpoint, exit with a known code".
 
-The signal handler only sets a flag and notes the time (no IO, no locks: a handler can interrupt any Python
-bytecode, including a half-written file). Both front doors run the same protocol at the end of every optimizer step,
-:meth:`PreemptionProtocol.at_step_boundary`: it combines what every rank proposes (one all-reduce, MAX over int32, so
-a signal that reaches one rank makes every rank act at the same step) and tells the front door what to do, a
-:class:`PreemptionAction`. The front door then saves a checkpoint, waits for it to commit, and
-:func:`exit_after_preemption` exits with :data:`PREEMPTION_EXIT_CODE`.
-
-**The notice.** Schedulers send SIGTERM some time before SIGKILL (Kubernetes' ``terminationGracePeriodSeconds``,
-30 s by default; SLURM's ``--signal=TERM@<seconds>``). Without a notice (``notice=None``, the default) the step the
-signal arrives in is saved and the process exits. With one, the protocol uses it: at the first step boundary after
-the signal every rank commits a checkpoint (in the background when saves are asynchronous) and keeps training; at
-each later boundary it keeps training only while, in the time left before the notice runs out,
-
-    time left >= NOTICE_SAFETY_FACTOR x (step + final save) + max(NOTICE_MARGIN_S, NOTICE_MARGIN_SHARE x notice)
-
-(:func:`fits_another_step`; 1.5x, and 1 s or a tenth of the notice as slack for the estimates: once the final save has
-committed a SIGKILL loses nothing, so the interpreter's exit need not fit), where *step* is the longer of the
-last step and the median of the recent ones, and *final save* is how long the notice checkpoint took from the save
-call to its commit (while it is still being written, three times the time it has taken so far: it is assumed half
-done, and the final save writes as much again). Otherwise every rank saves the step it is in and exits; a job that
-reaches its end first finishes normally. Ranks time the notice from their own signal (a rank told by another, from
-the boundary where it learnt of it); the MAX makes the rank with the least time left decide for all.
-
-Send the signal to the training processes themselves (``torchrun`` forwards it to its ranks;
-Kubernetes sends it to PID 1). ``DataLoader`` worker processes should not receive it: a worker that
-dies of SIGTERM makes PyTorch abort the main process before it can save.
+The signal handler only sets a flag and notes the time (no IO, no locks: a handler can interrupt any bytecode, a
+half-written file included). At every optimizer-step boundary both front doors call
+:meth:`PreemptionProtocol.at_step_boundary`, which agrees across ranks (one all-reduce, MAX) and returns a
+:class:`PreemptionAction`; with a notice, :func:`fits_another_step` decides whether to train on. The rule and where
+to send the signal: docs/trainer.md#the-preemption-notice.
 
 Example:
 
@@ -71,7 +50,7 @@ __all__ = ["NOTICE_MARGIN_S", "NOTICE_MARGIN_SHARE", "NOTICE_SAFETY_FACTOR", "PR
 # a clean preemption apart from a kill.
 PREEMPTION_EXIT_CODE = 143
 
-# The notice rule (see the module docstring): the time left must hold this many times a step plus the final save...
+# The notice rule (fits_another_step): the time left must hold this many times a step plus the final save...
 NOTICE_SAFETY_FACTOR = 1.5
 # ...plus this margin (slack for the estimates and the ranks' agreement): the larger of these two.
 NOTICE_MARGIN_S = 1.0
@@ -192,7 +171,7 @@ class PreemptionProtocol:
     Args:
         handler (`PreemptionHandler`, *optional*): this process's signal flag (``None``: never preempted).
         notice (`float`, *optional*): seconds from SIGTERM to SIGKILL. ``None``: save the signal's step and exit at
-            once. With a notice, see the module docstring for the rule.
+            once. With a notice, the rule is :func:`fits_another_step`.
         clock (`Callable[[], float]`, *optional*, defaults to `time.monotonic`): the clock the notice is timed with
             (the handler's ``received_at`` is ``time.monotonic()``).
 
@@ -266,7 +245,7 @@ class PreemptionProtocol:
             future.add_done_callback(lambda _: setattr(self, "_save_done", self.clock()))
 
     def estimates(self, now: float) -> tuple[float, float]:
-        """The step time and the final save's duration the rule uses at ``now`` (see the module docstring)."""
+        """The step time and the final save's duration the notice rule uses at ``now``."""
         step = max(statistics.median(self._steps), self._steps[-1]) if self._steps else 0.0
         if self._save_started is None:
             return step, 0.0

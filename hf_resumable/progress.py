@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["enable_progress_bars", "disable_progress_bars", "are_progress_bars_enabled", "progress_bar"]
+__all__ = ["enable_progress_bars", "disable_progress_bars", "progress_bar"]
 
 _STATE = {"enabled": False}
 _LOCK = threading.Lock()
@@ -34,10 +34,6 @@ def enable_progress_bars() -> None:
 def disable_progress_bars() -> None:
     """Hide them again (the default)."""
     _STATE["enabled"] = False
-
-
-def are_progress_bars_enabled() -> bool:
-    return _STATE["enabled"]
 
 
 class _Silent:

@@ -1,32 +1,9 @@
 """The per-step trace that ``hf-resumable check`` compares: written only when ``HF_RESUMABLE_TRACE`` names a directory.
 
-With the variable unset (the normal case) every hook below returns after one check of a module global, and no
-optimizer or module hook is installed: training is unchanged. With it set, each process appends JSON lines to
-``<dir>/rank-<rank>.jsonl`` (flushed per line, so a SIGKILL loses nothing already written):
-
-- ``batch``: each batch the library's data loaders yield (the Trainer's, accelerate's and plain loops' loaders),
-  keyed by the optimizer step it belongs to and its micro-batch index: an xxh3 digest of every tensor in it; and
-  each batch any other ``torch.utils.data.DataLoader`` yields (the script's own loader, ``source: DataLoader``),
-  recorded at the training forward pass that follows it, keyed by that pass;
-- ``forward``: at the start of each training forward pass (a global module forward pre-hook, outermost module
-  calls with grad enabled), the digest of every RNG (python, numpy, torch CPU, each initialized CUDA device);
-- ``inputs``: at the end of each training forward pass, the digest of its positional and keyword inputs (the batch
-  as the model received it, after any transform in the script's loop);
-- ``update``: after each optimizer step (a global ``torch.optim`` post-step hook): the learning rates used, a digest
-  of the other param-group settings, of the parameters and of the optimizer state;
-- ``loss``: each scalar that is backpropagated (a global wrap of ``torch.autograd.backward``; under
-  ``ResumableAccelerator.backward`` the loss before its scaling for accumulation);
-- ``log`` (``ResumableTrainer``'s logged metrics, ``ResumableAccelerator.log``'s values) and ``print``: each line
-  the process prints to stdout and each record its loggers handle (not hf_resumable's own), when it holds a number;
-- ``save`` (a save's files are written, not yet committed) and ``resume`` (a checkpoint was loaded: its step and the
-  digests of the restored parameters and optimizer state).
-
-``HF_RESUMABLE_TRACE_ATTEMPT`` numbers the launches of one run; ``HF_RESUMABLE_TRACE_STOP`` (``batch:K:M``,
-``update:K`` or ``save:N``) makes the process park itself at that event, after recording it, until it is killed:
-that is how the check kills a run at an exact point without depending on timing.
-``HF_RESUMABLE_TRACE_OUT`` names the run's output directory, written as ``{out}`` in printed lines.
-``HF_RESUMABLE_TRACE_WEIGHTS=checkpoint`` digests parameters and optimizer state only at resumes and when the
-process exits (``final``; for large models), instead of after every step.
+With the variable unset every hook below returns after one check of a module global and no optimizer or module hook
+is installed, so training is unchanged. With it set, each process appends JSON lines (flushed per line, so a SIGKILL
+loses nothing already written) to ``<dir>/rank-<rank>.jsonl``; the records and the other ``HF_RESUMABLE_TRACE_*``
+variables: docs/check.md#the-trace.
 
 Example:
 

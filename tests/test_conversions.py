@@ -14,7 +14,8 @@ from torch import nn
 from transformers import Trainer
 from transformers.trainer_pt_utils import safe_globals
 
-from hf_resumable.conversions.stock import _decay_parameter_names, _numpy_safe_globals
+from hf_resumable.conversions._pickle import numpy_globals
+from hf_resumable.conversions.stock import _decay_parameter_names
 
 from helpers.tiny_models import tiny_bert, tiny_gpt2, tiny_llama
 
@@ -56,6 +57,6 @@ def test_pickle_allow_list_is_the_trainers():
     always = set(torch.serialization.get_safe_globals())  # what torch and its importers allow process-wide
     with safe_globals():
         theirs = set(torch.serialization.get_safe_globals()) - always
-    with torch.serialization.safe_globals(_numpy_safe_globals()):
+    with torch.serialization.safe_globals(numpy_globals()):
         ours = set(torch.serialization.get_safe_globals()) - always
     assert ours == theirs and theirs

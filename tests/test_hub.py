@@ -14,6 +14,7 @@ import xxhash
 from huggingface_hub import HfApi, hf_hub_download
 from transformers import AutoModelForCausalLM
 
+from hf_resumable.constants import SHARDS_KEY
 from hf_resumable.errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -23,7 +24,6 @@ from hf_resumable.errors import (
     UnsafeIndexError,
 )
 from hf_resumable.hub import (
-    SHARD_RECORDS_KEY,
     CheckpointUploader,
     HfUrl,
     download_shards,
@@ -70,7 +70,7 @@ def test_push_sharded_layout_aliases_and_hashes(hub: FakeHub, pushed_gpt2: tuple
     assert "lm_head.weight" not in index["weight_map"]
     for shard in shards:
         data = hub.read_file(repo_id, shard)
-        assert index["metadata"][SHARD_RECORDS_KEY][shard] == {"size": len(data),
+        assert index["metadata"][SHARDS_KEY][shard] == {"size": len(data),
                                                                 "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
 
 
@@ -172,14 +172,14 @@ def test_an_index_of_format_version_1_with_sha256_records_still_downloads_checke
 
     repo_id, _ = pushed_gpt2
     old = _index(repo_id, hub)
-    for shard in old["metadata"][SHARD_RECORDS_KEY]:
+    for shard in old["metadata"][SHARDS_KEY]:
         data = hub.read_file(repo_id, shard)
-        old["metadata"][SHARD_RECORDS_KEY][shard] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        old["metadata"][SHARDS_KEY][shard] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     _upload_index(repo_id, old)
     assert sorted(p.name for p in download_shards(repo_id, local_dir=tmp_path / "ok").glob("*.safetensors")) == \
-        sorted(old["metadata"][SHARD_RECORDS_KEY])
-    shard = sorted(old["metadata"][SHARD_RECORDS_KEY])[0]
-    old["metadata"][SHARD_RECORDS_KEY][shard]["sha256"] = "f" * 64
+        sorted(old["metadata"][SHARDS_KEY])
+    shard = sorted(old["metadata"][SHARDS_KEY])[0]
+    old["metadata"][SHARDS_KEY][shard]["sha256"] = "f" * 64
     _upload_index(repo_id, old)
     with pytest.raises(CorruptCheckpointError, match="sha256 is"):
         download_shards(repo_id, local_dir=tmp_path / "bad")
@@ -189,9 +189,9 @@ def test_an_index_of_format_version_1_with_sha256_records_still_downloads_checke
 def test_download_shards_rejects_bad_repos(hub: FakeHub, pushed_gpt2: tuple, tmp_path: Path) -> None:
     repo_id, _ = pushed_gpt2
     good = _index(repo_id, hub)
-    shard = sorted(good["metadata"][SHARD_RECORDS_KEY])[0]
+    shard = sorted(good["metadata"][SHARDS_KEY])[0]
     tampered = json.loads(json.dumps(good))
-    tampered["metadata"][SHARD_RECORDS_KEY][shard]["xxh3_128"] = "f" * 32
+    tampered["metadata"][SHARDS_KEY][shard]["xxh3_128"] = "f" * 32
     _upload_index(repo_id, tampered)
     with pytest.raises(CorruptCheckpointError, match="xxh3-128 is"):
         download_shards(repo_id, local_dir=tmp_path / "bad")

@@ -1,10 +1,8 @@
 """``hf-resumable check``: prove that a user's own training command resumes bit for bit, or say where it does not.
 
-1. Run the command once, uninterrupted (the reference), with the per-step trace on (:mod:`hf_resumable.trace`).
-2. For each kill point (drawn from the reference's steps and saves by ``seed``): run it again, kill it there (the
-   whole process tree), and rerun the same command until it exits with 0.
-3. Compare every interrupted run's trace with the reference's (:mod:`._compare`): every batch, RNG state, loss,
-   logged metric, learning rate, weights and optimizer state, per optimizer step and rank.
+The command runs once uninterrupted with the per-step trace on (:mod:`hf_resumable.trace`), then once per kill point,
+killed there and rerun until it exits with 0; :mod:`._compare` compares every interrupted run's trace with the
+reference's, per optimizer step and rank. See docs/check.md.
 
 Example:
 

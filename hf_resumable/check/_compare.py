@@ -86,17 +86,11 @@ class Difference:
 
 @dataclass(frozen=True)
 class Comparison:
-    """Every difference, sorted (first = earliest step, then in the order the step computes things).
+    """Every difference, sorted (first = earliest step, then in the order the step computes things)."""
 
-    Args:
-        differences (`tuple[Difference, ...]`): sorted.
-        steps (`int`): optimizer steps of the reference (rank 0).
-        compared (`int`): records of the interrupted run that were compared.
-    """
-
-    differences: tuple[Difference, ...]
-    steps: int
-    compared: int
+    differences: tuple[Difference, ...]  # sorted
+    steps: int  # optimizer steps of the reference (rank 0)
+    compared: int  # records of the interrupted run that were compared
 
     @property
     def exact(self) -> bool:

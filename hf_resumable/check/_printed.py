@@ -38,15 +38,9 @@ def _is_timing(text: str, start: int, end: int, previous_end: int) -> bool:
 
 
 def split_numbers(text: str) -> tuple[str, tuple[str, ...]]:
-    """``(template, values)`` of a line: each compared number becomes ``#``, each timing number ``~``.
-
-    Args:
-        text (`str`): one printed line or log message.
-
-    Returns:
-        `tuple[str, tuple[str, ...]]`: the template and the compared numbers as printed (compared as text, so
-        ``0.41230`` and ``0.4123`` differ, as a script that prints more digits would show).
-    """
+    """``(template, values)`` of a printed line or log message: each compared number becomes ``#``, each timing number
+    ``~``. The values are the numbers as printed (compared as text, so ``0.41230`` and ``0.4123`` differ, as a
+    script that prints more digits would show)."""
     text = _ADDRESS.sub("<address>", _CLOCK.sub("<clock>", text))
     template, values, last, previous_end = [], [], 0, 0
     for match in _NUMBER.finditer(text):

@@ -1,10 +1,7 @@
 """Commit, from one process, a checkpoint that several ranks will resume (a converted per-rank checkpoint).
 
-A conversion builds every rank's files itself (each rank's piece files, its RNG state) in one :class:`Payload`, so
-the checkpoint is written by one process but recorded as written by ``world_size`` ranks: the manifest's
-``world_size`` is what a resume at the same world size checks. The commit protocol is the writer's
-(:mod:`hf_resumable.checkpoint.commit._writer`): a temp sibling directory, every file fsynced, the manifest last, the
-rename.
+A conversion builds every rank's files in one :class:`Payload`; the manifest records ``world_size`` ranks, which a
+resume at that world size checks. The commit protocol is the writer's (:mod:`hf_resumable.checkpoint.commit`).
 """
 
 from __future__ import annotations
@@ -24,17 +21,8 @@ __all__ = ["commit_for_ranks"]
 
 def commit_for_ranks(target: Path, payload: Payload, *, step: int | None, world_size: int,
                      overwrite: bool) -> Manifest:
-    """Write ``payload`` (the files of every rank) at ``target`` and commit it as written by ``world_size`` ranks.
-
-    Args:
-        target (`Path`): the checkpoint directory.
-        payload (`Payload`): every file of the checkpoint.
-        step (`int`, *optional*): the step the manifest records.
-        world_size (`int`): the number of ranks the checkpoint is for.
-        overwrite (`bool`): replace an existing checkpoint of ours atomically.
-
-    Returns:
-        `Manifest`: the committed manifest.
+    """Write ``payload`` (the files of every rank) at ``target`` and commit it as written by ``world_size`` ranks;
+    return the committed manifest. ``overwrite`` replaces an existing checkpoint of ours atomically.
 
     Raises:
         RuntimeError: called under torch.distributed (a conversion runs in one process).

@@ -1,11 +1,8 @@
 """Per-rank piece files and ``sharded_layout.json`` of a converted checkpoint, built in one process.
 
-A stock per-rank checkpoint (DeepSpeed's ZeRO partitions, torch.distributed.checkpoint's chunks) already says which
-rank held which box of which tensor; :func:`add_rank_pieces` writes each rank's boxes into that rank's piece file of
-the piece format (:mod:`hf_resumable.checkpoint.pieces._piece_layout`) and returns the layout section, exactly as the
-ranks of a live save would (each rank's :func:`piece_report`, united by :func:`section_from_reports`).
-:func:`layout_document` is the layout itself. Pure planning of the boxes happens in the converters; this module only
-assembles :class:`LocalState` objects into files.
+The converters plan which rank held which box of which tensor; this module writes each rank's boxes into that rank's
+piece file and returns the layout, exactly as the ranks of a live save would (each rank's :func:`piece_report`,
+united by :func:`section_from_reports`).
 """
 
 from __future__ import annotations
@@ -21,19 +18,19 @@ from ..checkpoint.pieces import (
     Box,
     LocalState,
     check_storable,
+    layout_document,
     piece_file,
     piece_report,
     piece_tensor_file,
     section_from_reports,
 )
-from ..checkpoint.pieces import layout_document as sharded_layout
 from ..constants import LAYOUT_FILE, LAYOUT_KEY_MODEL, LAYOUT_KEY_OPTIMIZER
 from ..format._jsonio import json_bytes
 from ..format.safetensors_io import DTYPE_TO_STR
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RankPiece", "add_layout", "add_rank_pieces", "layout_document", "whole_box"]
+__all__ = ["RankPiece", "add_layout", "add_rank_pieces", "whole_box"]
 
 # (tensor name, this rank's piece, its box in the global tensor, the global shape)
 RankPiece = tuple[str, torch.Tensor, Box, tuple[int, ...]]
@@ -48,14 +45,8 @@ def add_rank_pieces(payload: Payload, kind: str, pieces_by_rank: Sequence[Sequen
                     tied: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Add every rank's piece file of ``kind`` (``"model"`` or ``"optimizer"``) to ``payload``; return the section.
 
-    Args:
-        payload (`Payload`): the checkpoint's files.
-        kind (`str`): the layout key, ``"model"`` or ``"optimizer"``.
-        pieces_by_rank (`Sequence`): per rank, its ``(name, piece, box, global shape)``.
-        tied (`Mapping[str, str]`, *optional*): model aliases left out (``{alias: kept}``).
-
-    Returns:
-        `dict`: the layout section (tensors, pieces, tied).
+    ``pieces_by_rank`` holds, per rank, its ``(name, piece, box, global shape)``; ``tied`` the model aliases left out
+    (``{alias: kept}``).
 
     Raises:
         UnsupportedStateError: a dtype safetensors cannot store.
@@ -78,31 +69,18 @@ def add_rank_pieces(payload: Payload, kind: str, pieces_by_rank: Sequence[Sequen
     return section_from_reports(described, reports)
 
 
-def layout_document(*, world_size: int, model: Mapping[str, Any] | None, optimizer: Mapping[str, Any] | None,
-                    optimizer_document: Mapping[str, Any] | None) -> bytes:
-    """``sharded_layout.json`` as a save at ``world_size`` writes it (compact JSON)."""
-    return json_bytes(sharded_layout(world_size=world_size, model=model, optimizer=optimizer,
-                                     optimizer_document=optimizer_document), indent=None)
-
-
 def add_layout(payload: Payload, model: Sequence[Sequence[RankPiece]],
                optimizer: Sequence[Sequence[RankPiece]] | None, *, optimizer_document: Mapping[str, Any] | None,
                tied: Mapping[str, str] | None = None) -> None:
     """Add every rank's piece files of the model and of the optimizer (if any), and ``sharded_layout.json`` for
-    ``len(model)`` ranks, to ``payload``.
-
-    Args:
-        payload (`Payload`): the checkpoint's files.
-        model (`Sequence`): per rank, its pieces of the weights (:func:`add_rank_pieces`).
-        optimizer (`Sequence`, *optional*): per rank, its pieces of the optimizer state.
-        optimizer_document (`Mapping`, *optional*): the optimizer's JSON document.
-        tied (`Mapping[str, str]`, *optional*): model aliases left out (``{alias: kept}``).
+    ``len(model)`` ranks, to ``payload`` (arguments as :func:`add_rank_pieces`).
 
     Raises:
         UnsupportedStateError: a dtype safetensors cannot store.
     """
     model_section = add_rank_pieces(payload, LAYOUT_KEY_MODEL, model, tied=tied)
     optimizer_section = add_rank_pieces(payload, LAYOUT_KEY_OPTIMIZER, optimizer) if optimizer is not None else None
-    payload.blobs[LAYOUT_FILE] = layout_document(world_size=len(model), model=model_section,
-                                                 optimizer=optimizer_section, optimizer_document=optimizer_document)
+    layout = layout_document(world_size=len(model), model=model_section, optimizer=optimizer_section,
+                             optimizer_document=optimizer_document)
+    payload.blobs[LAYOUT_FILE] = json_bytes(layout, indent=None)  # compact, as a save writes it
 

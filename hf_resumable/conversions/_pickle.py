@@ -1,23 +1,9 @@
 """The only pickle reads in hf_resumable: stock checkpoints' files, each through an allow-list, never executed.
 
-* :func:`load_torch_pickle`: a ``torch.save`` file (the Trainer's ``optimizer.pt``, ``rng_state*.pth``, DeepSpeed's
-  ``*_model_states.pt`` / ``*_optim_states.pt``) with ``torch.load(weights_only=True)``: tensors and plain containers,
-  plus the few globals the caller names. DeepSpeed's own objects in its files (the loss scaler, the ZeRO stage enum,
-  the fragment addresses) are built as inert stand-ins registered under DeepSpeed's names (:data:`DEEPSPEED_GLOBALS`):
-  deepspeed is not imported and none of its code runs.
-* :func:`load_dcp_metadata`: ``torch.distributed.checkpoint``'s pickled ``.metadata`` with a restricted unpickler
-  whose ``find_class`` knows only DCP's metadata dataclasses, ``torch.Size``, dtypes and memory formats; any other
-  global (``os.system``, ``builtins.eval``...) is refused with :class:`~hf_resumable.errors.UnsafePickleError` naming
-  the file.
-
-Example:
-
-```python
->>> from hf_resumable.conversions._pickle import load_dcp_metadata
->>> metadata = load_dcp_metadata("ckpt/pytorch_model_fsdp_0/.metadata")  # doctest: +SKIP
->>> sorted(metadata.state_dict_metadata)[:1]  # doctest: +SKIP
-['model.lm_head.weight']
-```
+:func:`load_torch_pickle` reads a ``torch.save`` file with ``torch.load(weights_only=True)`` plus the globals the
+caller names (DeepSpeed's objects as the inert stand-ins of :data:`DEEPSPEED_GLOBALS`); :func:`load_dcp_metadata`
+reads DCP's ``.metadata`` with an unpickler that builds only DCP's metadata classes, ``torch.Size``, dtypes and
+memory formats, and raises :class:`~hf_resumable.errors.UnsafePickleError` naming the file for anything else.
 """
 
 from __future__ import annotations
@@ -104,14 +90,8 @@ def numpy_globals() -> list[Any]:
 
 
 def load_torch_pickle(path: str | os.PathLike, *, safe_globals: Iterable[Any] = ()) -> Any:
-    """``torch.load(path, weights_only=True)``, with numpy's array reconstruction and ``safe_globals`` allowed.
-
-    Args:
-        path (`str` or `os.PathLike`): a ``torch.save`` file.
-        safe_globals (`Iterable`, *optional*): more callables (or ``(callable, "module.name")`` stand-ins) to allow.
-
-    Returns:
-        The unpickled object (tensors on the CPU).
+    """``torch.load(path, weights_only=True)`` onto the CPU, with numpy's array reconstruction and ``safe_globals``
+    (callables, or ``(callable, "module.name")`` stand-ins) allowed.
 
     Raises:
         UnsafePickleError: (also a ``pickle.UnpicklingError``) the file names a global outside the allow-list.

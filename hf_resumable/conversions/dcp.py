@@ -1,28 +1,10 @@
 """Switch in from accelerate + FSDP: a stock ``Accelerator.save_state`` of an FSDP ``SHARDED_STATE_DICT`` run.
 
-accelerate's ``save_state`` with FSDP's sharded state dict writes, through ``torch.distributed.checkpoint``'s
-``FileSystemWriter``:
-
-* ``pytorch_model_fsdp_0/`` and ``optimizer_0/``: one ``__<rank>_<i>.distcp`` per writing rank and a ``.metadata``,
-  the pickled ``Metadata`` that says, for every flattened key (``model.<fqn>``, ``optimizer.state.<fqn>.<key>``,
-  ``optimizer.param_groups.<i>.<key>``), its global shape and dtype, its chunks (a box each) and, per chunk, the file,
-  byte offset and length of its ``torch.save`` record;
-* ``scheduler.bin`` and ``random_states_<rank>.pkl`` (pickles).
-
-:func:`convert_accelerate_fsdp_checkpoint` reads the ``.metadata`` with the restricted unpickler of
-:func:`~hf_resumable.conversions._pickle.load_dcp_metadata` (DCP's metadata classes only; anything else is refused,
-naming the file), plans which chunk is which rank's piece (:func:`plan_dcp_pieces`, pure), reads each chunk's record
-with ``torch.load(weights_only=True)`` and writes the per-rank sharded checkpoint that ``ResumableAccelerator`` with
-FSDP2 writes: every chunk becomes its rank's piece, so the checkpoint loads at the same world size (and, as any of
-ours, resharded at another).
-
-> [!WARNING]
-> The first resume after the switch is NOT bit-exact, and ``ResumableAccelerator`` must be built with
-> ``allow_inexact_resume=True`` for it: stock accelerate does not record the data loader's position (its sampler
-> order differs from hf_resumable's), the optimizer step count is taken from the optimizer state (``step``), and the
-> stock RNG files hold the generators at the save, not hf_resumable's per-batch streams. Weights, Adam moments,
-> step counts, hyper-parameters, the scheduler and each rank's RNG are carried over exactly; every checkpoint the
-> resumed run writes resumes bit for bit.
+The DCP ``.metadata`` is read with the restricted unpickler of :mod:`~hf_resumable.conversions._pickle`, each chunk
+becomes the piece of the rank that wrote it (:func:`plan_dcp_pieces`, pure), and the result is the per-rank
+checkpoint ``ResumableAccelerator`` with FSDP2 writes. The first resume after the switch is NOT bit-exact and needs
+``allow_inexact_resume=True``, see
+docs/multi-gpu.md#switching-in-from-stock-deepspeed-or-accelerate-fsdp-checkpoints-and-exporting.
 
 Example:
 
@@ -49,8 +31,6 @@ from ..checkpoint import CheckpointInfo
 from ..checkpoint.pieces import Box, capture_payload, flatten_optimizer_state
 from ..constants import (
     OPTIMIZER_STATE_PREFIX,
-    RNG_DIR,
-    RNG_FILE_PATTERN,
     STOCK_ACCELERATE_FSDP_MODEL_DIR_RE,
     STOCK_ACCELERATE_FSDP_OPTIMIZER_DIR_RE,
     STOCK_DCP_DATA_SUFFIX,
@@ -63,7 +43,7 @@ from ._commit import commit_for_ranks
 from ._layout import RankPiece, add_layout
 from ._pickle import load_dcp_metadata, load_torch_pickle
 from .deepspeed import NOT_BIT_EXACT_WARNING
-from .stock import OPTIMIZERS, _infer_optimizer, _rng_bytes, _StateHolder
+from .stock import _optimizer_class, _split_rng, _StateHolder
 
 logger = logging.getLogger(__name__)
 
@@ -89,22 +69,14 @@ _EXTRA_LAYOUT = {"accelerate_layout": {"custom_objects": 0, "hook_files": [], "m
 
 @dataclass(frozen=True)
 class DcpChunk:
-    """One stored chunk: which flattened key, its box, and where its ``torch.save`` record lies.
+    """One stored chunk: which flattened key, its box, and where its ``torch.save`` record lies."""
 
-    Args:
-        key (`str`): the DCP key (``model.transformer.wte.weight``).
-        box (`Box`): the chunk's box of the global tensor.
-        file (`str`): the ``.distcp`` file name (a plain name; its rank is in it).
-        rank (`int`): the rank that wrote it.
-        offset, length (`int`): the record's bytes in ``file``.
-    """
-
-    key: str
-    box: Box
-    file: str
-    rank: int
-    offset: int
-    length: int
+    key: str  # the DCP key (``model.transformer.wte.weight``)
+    box: Box  # the chunk's box of the global tensor
+    file: str  # the ``.distcp`` file name (a plain name; its rank is in it)
+    rank: int  # the rank that wrote it
+    offset: int  # where the record starts in ``file``
+    length: int  # and its bytes
 
 
 def plan_dcp_pieces(metadata: Any, *, source: str) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]],
@@ -173,21 +145,13 @@ def _read_chunk(directory: Path, chunk: DcpChunk, dtype: torch.dtype) -> torch.T
 
 @dataclass(frozen=True)
 class AccelerateFsdpFiles:
-    """The files of a stock accelerate FSDP ``save_state`` directory.
+    """The files of a stock accelerate FSDP ``save_state`` directory."""
 
-    Args:
-        directory (`Path`): the ``save_state`` directory.
-        model (`Path`): ``pytorch_model_fsdp_0/``.
-        optimizer (`Path`, *optional*): ``optimizer_0/``.
-        scheduler (`Path`, *optional*): ``scheduler.bin``.
-        random_states (`dict[int, Path]`): rank -> ``random_states_<rank>.pkl``.
-    """
-
-    directory: Path
-    model: Path
-    optimizer: Path | None
-    scheduler: Path | None
-    random_states: dict[int, Path]
+    directory: Path  # the ``save_state`` directory
+    model: Path  # ``pytorch_model_fsdp_0/``
+    optimizer: Path | None  # ``optimizer_0/``
+    scheduler: Path | None  # ``scheduler.bin``
+    random_states: dict[int, Path]  # rank -> ``random_states_<rank>.pkl``
 
     @classmethod
     def scan(cls, directory: Path) -> AccelerateFsdpFiles:
@@ -214,15 +178,7 @@ class AccelerateFsdpFiles:
 
 
 def is_accelerate_fsdp_checkpoint(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` holds accelerate's FSDP sharded ``save_state`` (``pytorch_model_fsdp_0/.metadata``).
-
-    Example:
-
-    ```python
-    >>> is_accelerate_fsdp_checkpoint("stock/checkpoint_3")  # doctest: +SKIP
-    True
-    ```
-    """
+    """Whether ``directory`` holds accelerate's FSDP sharded ``save_state`` (``pytorch_model_fsdp_0/.metadata``)."""
     return (Path(directory) / "pytorch_model_fsdp_0" / STOCK_DCP_METADATA_FILE).is_file()
 
 
@@ -306,7 +262,7 @@ def read_dcp_optimizer(directory: Path, world_size: int, optimizer: str | None, 
         state.setdefault(fqn, {})[name] = torch.empty(0, dtype=dtype)  # a placeholder: only its name is used
     param_groups = ([groups[i] for i in sorted(groups)] if groups
                     else plan_flat_param_groups(per_param, order=_key_order(metadata)))
-    class_name = OPTIMIZERS[_optimizer_name(state, param_groups, optimizer)].__qualname__
+    class_name = _optimizer_class({"state": state, "param_groups": param_groups}, optimizer).__qualname__
     _, document = flatten_optimizer_state({"state": state, "param_groups": param_groups}, class_name)
     # 2. Every chunk as its rank's piece, named as a live FSDP2 save names it.
     pieces: list[list[RankPiece]] = [[] for _ in range(world_size)]
@@ -350,13 +306,6 @@ def plan_flat_param_groups(per_param: Mapping[str, Mapping[str, Any]], *, order:
         hyper = dict(per_param[fqn])
         groups.setdefault(repr(sorted(hyper.items())), {**hyper, "params": []})["params"].append(fqn)
     return list(groups.values())
-
-
-def _optimizer_name(state: Mapping[str, Any], groups: list[dict[str, Any]], optimizer: str | None) -> str:
-    name = (optimizer or _infer_optimizer({"state": state, "param_groups": groups})).lower()
-    if name not in OPTIMIZERS:
-        raise ValueError(f"Unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}.")
-    return name
 
 
 def _rng_state(saved: Mapping[str, Any], path: Path) -> RngState:
@@ -433,14 +382,13 @@ def convert_accelerate_fsdp_checkpoint(
                          "not tell it; pass step= (--step).")
     # 3. Shared state, every rank's RNG, commit.
     rngs = {rank: _rng_state(load_torch_pickle(path), path) for rank, path in sorted(files.random_states.items())}
-    extra_files = {f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}": _rng_bytes(state)
-                   for rank, state in rngs.items() if rank != 0}
+    rng, extra_files = _split_rng(rngs)
     scheduler = _StateHolder(load_torch_pickle(files.scheduler)) if files.scheduler is not None else None
     micro = int(load_torch_pickle(files.random_states[0]).get("step") or 0)
     progress = {"global_step": step, "optimizer_steps": [step], "accelerate_micro_step": micro}
     extra = {**_EXTRA_LAYOUT, "converted_from": "accelerate+FSDP"}
     payload = capture_payload(model=None, optimizer=None, scheduler=scheduler, scaler=None, training_state=progress,
-                              extra=extra, extra_files=extra_files, data_state=None, rng=rngs[0],
+                              extra=extra, extra_files=extra_files, data_state=None, rng=rng,
                               max_shard_size="2GB", processing_class=None, rank=0, is_main=True)
     add_layout(payload, model, payload_optimizer, optimizer_document=document)
     manifest = commit_for_ranks(Path(output), payload, step=step, world_size=world_size, overwrite=overwrite)

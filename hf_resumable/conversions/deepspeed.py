@@ -1,30 +1,11 @@
 """Switch in from DeepSpeed: a stock ``transformers.Trainer`` + ``deepspeed=`` (ZeRO-1/2) checkpoint into ours.
 
-The Trainer's ``checkpoint-<step>/`` of a DeepSpeed run holds, next to ``model.safetensors``, ``trainer_state.json``
-and the per-rank ``rng_state_<r>.pth``, DeepSpeed's own ``global_step<N>/`` (named by the text file ``latest``):
-
-* ``mp_rank_00_model_states.pt``: the module's weights, which names are tied (``shared_params``), the engine's
-  counters (``global_steps``, ``global_samples``, ``skipped_steps``), the data-parallel size and the DeepSpeed config;
-* ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``: rank ``r``'s partition of each param group's flat fp32
-  master weights (``single_partition_of_fp32_groups``), the base optimizer's state over those partitions (Adam
-  moments, step), the loss scaler and the ZeRO stage.
-
-:func:`convert_deepspeed_checkpoint` writes the checkpoint ``ResumableTrainer(args=TrainingArguments(deepspeed=...))``
-(or ``ResumableAccelerator`` with the same ZeRO config) writes at that data-parallel size: each rank's partitions as
-its pieces of one global flat tensor per group (``zero<dp>.group<i>``: ``fp32``, ``exp_avg``, ``exp_avg_sq``,
-``step``), the weights whole from rank 0, the engine's counters and loss scaler, the scheduler, every rank's RNG and
-the Trainer's step and epoch. Which box each partition is (:func:`plan_zero_boxes`) is pure.
-
-> [!WARNING]
-> The ``.pt`` files are pickles. They are read with ``torch.load(weights_only=True)`` after a WARNING: tensors and
-> plain containers only, plus inert stand-ins for DeepSpeed's loss scaler, ZeRO stage enum and fragment addresses
-> (:data:`~hf_resumable.conversions._pickle.DEEPSPEED_GLOBALS`); deepspeed is never imported and nothing in the
-> files runs. ``zero_to_fp32.py`` and ``training_args.bin`` are neither read nor copied.
-
-The first resume after the switch is NOT bit-exact: the stock run's data order (its sampler), its data-loader and
-dropout random streams at the resume point, and its logging accumulators are not in the stock checkpoint as
-hf_resumable records them; the resumed run continues from the stock step with the same weights, master weights,
-moments, scheduler and (where the stock run saved it) RNG, and from then on every checkpoint resumes bit for bit.
+:func:`convert_deepspeed_checkpoint` writes the per-rank checkpoint ``ResumableTrainer`` (or ``ResumableAccelerator``)
+writes at the same data-parallel size: each rank's partitions as its pieces of one flat tensor per param group
+(:func:`plan_zero_boxes` and :func:`plan_zero_maps`, pure), the weights, the engine's counters, the scheduler and RNG.
+The ``.pt`` pickles are read with ``torch.load(weights_only=True)``, DeepSpeed's objects as inert stand-ins; deepspeed
+is never imported. The first resume after the switch is NOT bit-exact:
+docs/multi-gpu.md#switching-in-from-stock-deepspeed-or-accelerate-fsdp-checkpoints-and-exporting.
 
 Example:
 
@@ -63,15 +44,7 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, Unsupporte
 from ._commit import commit_for_ranks
 from ._layout import RankPiece, add_layout, whole_box
 from ._pickle import DEEPSPEED_GLOBALS, load_torch_pickle
-from .stock import (
-    OPTIMIZERS,
-    TrainerCheckpointFiles,
-    _infer_optimizer,
-    _load_pickle,
-    _progress,
-    _rng_files,
-    _StateHolder,
-)
+from .stock import TrainerCheckpointFiles, _optimizer_class, _progress, _rng_files, _StateHolder
 
 logger = logging.getLogger(__name__)
 
@@ -100,19 +73,12 @@ _NOT_COPIED_SUFFIXES = (".py",)
 
 @dataclass(frozen=True)
 class DeepSpeedCheckpointFiles:
-    """The DeepSpeed part of a stock Trainer checkpoint: the tag directory and its files.
+    """The DeepSpeed part of a stock Trainer checkpoint: the tag directory and its files."""
 
-    Args:
-        directory (`Path`): the Trainer's ``checkpoint-<step>``.
-        tag (`Path`): ``global_step<N>`` inside it.
-        model_states (`Path`): ``mp_rank_00_model_states.pt``.
-        optim_states (`dict[int, Path]`): data-parallel rank -> its optimizer partition file.
-    """
-
-    directory: Path
-    tag: Path
-    model_states: Path
-    optim_states: dict[int, Path]
+    directory: Path  # the Trainer's ``checkpoint-<step>``
+    tag: Path  # ``global_step<N>`` inside it
+    model_states: Path  # ``mp_rank_00_model_states.pt``
+    optim_states: dict[int, Path]  # data-parallel rank -> its optimizer partition file
 
     @classmethod
     def scan(cls, directory: Path) -> DeepSpeedCheckpointFiles:
@@ -163,15 +129,7 @@ def _tag_directory(directory: Path) -> Path:
 
 
 def is_deepspeed_checkpoint(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` holds a DeepSpeed tag (``latest`` or a ``global_step<N>/`` with model states).
-
-    Example:
-
-    ```python
-    >>> is_deepspeed_checkpoint("out/checkpoint-300")  # doctest: +SKIP
-    True
-    ```
-    """
+    """Whether ``directory`` holds a DeepSpeed tag (``latest`` or a ``global_step<N>/`` with model states)."""
     path = Path(directory)
     if not path.is_dir():
         return False
@@ -363,18 +321,15 @@ def _engine_state(model_states: Mapping[str, Any], scaler: Any) -> dict[str, Any
     return state
 
 
-def _optimizer_class(ranks: list[_ZeroRank], optimizer: str | None) -> str:
+def _optimizer_class_name(ranks: list[_ZeroRank], optimizer: str | None) -> str:
     """The class a live run records: ``DeepSpeedZero<stage>/<torch optimizer>`` (the stock files do not name it)."""
-    name = (optimizer or _infer_optimizer({"state": dict(ranks[0].state),
-                                           "param_groups": ranks[0].param_groups})).lower()
-    if name not in OPTIMIZERS:
-        raise ValueError(f"Unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}.")
-    return f"DeepSpeedZero{ranks[0].stage}/{OPTIMIZERS[name].__qualname__}"
+    torch_class = _optimizer_class({"state": ranks[0].state, "param_groups": ranks[0].param_groups}, optimizer)
+    return f"DeepSpeedZero{ranks[0].stage}/{torch_class.__qualname__}"
 
 
 def _scheduler_state(files: TrainerCheckpointFiles, model_states: Mapping[str, Any]) -> _StateHolder | None:
     if files.scheduler is not None:
-        return _StateHolder(_load_pickle(files.scheduler))
+        return _StateHolder(load_torch_pickle(files.scheduler))
     saved = model_states.get("lr_scheduler")  # the scheduler DeepSpeed stepped (DeepSpeedSchedulerWrapper)
     return _StateHolder(saved) if isinstance(saved, dict) else None
 
@@ -445,7 +400,7 @@ def convert_deepspeed_checkpoint(
     # 3. Every rank's pieces and the layout.
     payload_model = dict(model_states.get("module") or {})
     tied = {alias: kept for alias, kept in (model_states.get("shared_params") or {}).items() if alias != kept}
-    class_name = _optimizer_class(ranks, optimizer)
+    class_name = _optimizer_class_name(ranks, optimizer)
     maps = _partition_maps(model_states, ranks, source=str(deepspeed.model_states))
     optimizer_pieces, document = _zero_optimizer_pieces(ranks, class_name, maps, source=str(deepspeed.tag))
     # 4. The shared state, every rank's RNG.

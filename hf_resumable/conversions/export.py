@@ -1,19 +1,9 @@
 """Export a training checkpoint as a full model directory that ``from_pretrained`` loads.
 
-A checkpoint of a model with frozen parameters stores only its trainable part (see
-:func:`hf_resumable.save_checkpoint`); :func:`export_model` rebuilds the whole model from the checkpoint and its
-base, checks the base against the checkpoint's record of it (the same check a resume does), and writes:
-
-* a plain model: ``config.json`` + ``model*.safetensors`` (``save_pretrained``);
-* a PEFT model, ``merge_adapters=True``: the adapters merged into the base weights (``merge_and_unload``), a plain
-  model directory;
-* a PEFT model, ``merge_adapters=False``: the base weights plus the adapter files (``adapter_config.json``,
-  ``adapter_model.safetensors``): ``AutoModelFor...from_pretrained(directory)`` loads the base with the adapter
-  on top, ``PeftModel.from_pretrained`` finds the adapter there too.
-
-Tokenizer and processor files of the checkpoint are copied. A standalone checkpoint (every parameter stored)
-exports the same way without a base. Nothing from the checkpoint is executed: the model class must be one of
-``transformers``' own (no ``trust_remote_code``).
+:func:`export_model` rebuilds the whole model from the checkpoint and, for a checkpoint that stores only the
+trainable part, its base (checked against the checkpoint's record of it, as a resume does). A PEFT model is written
+merged (``merge_adapters=True``) or as the base plus the adapter files. Nothing from the checkpoint is executed: the
+model class must be one of ``transformers``' own. See docs/peft.md#using-such-a-checkpoint and docs/multi-gpu.md.
 
 Example:
 
@@ -146,13 +136,9 @@ def export_model(
 
 
 def _load_weights(opened: OpenedCheckpoint, model: Any) -> None:
-    """Fill ``model`` (plain, one process) with the checkpoint's weights.
-
-    A per-rank checkpoint (FSDP2 pieces, or DeepSpeed ZeRO-1/2, whose weights rank 0 saved whole) holds
-    ``sharded_layout.json``: each whole tensor is assembled from the rank pieces that cover it
-    (:func:`~hf_resumable.checkpoint.pieces._piece_layout.plan_region_reads` plans which slice of which piece file
-    goes where, then the slices are read), with no process group. Any other checkpoint loads as usual.
-    """
+    """Fill ``model`` (plain, one process) with the checkpoint's weights; in a per-rank checkpoint (one with
+    ``sharded_layout.json``) each whole tensor is assembled from the rank pieces that cover it, with no process
+    group."""
     if LAYOUT_FILE not in opened.manifest.files:
         opened.load_into(model=model, strict=True)
         return

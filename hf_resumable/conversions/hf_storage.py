@@ -1,32 +1,11 @@
 """Switch in from transformers' distributed checkpoint: ``save_pretrained(dir, distributed_checkpoint=True)``.
 
-A model loaded with ``from_pretrained(..., distributed_config=DistributedConfig(...))`` (tensor parallel, FSDP2, or
-both) saves with ``save_pretrained(dir, distributed_checkpoint=True)`` through torch's ``HuggingFaceStorageWriter``
-(``save_distributed=True``, no consolidation):
-
-* ``shard-<rank + 1>-model-00001-of-00001.safetensors``: one plain safetensors file per writing rank, holding that
-  rank's box of each tensor under the tensor's name; the box's offset in the global tensor is in the header metadata
-  (``DCP_SHARDING_INFO``: ``{name: {"saved_offsets": [...]}}``). A replicated tensor is written by one rank only.
-* ``config.json``, ``generation_config.json``: as ``save_pretrained`` writes them.
-
-Its optimizer, saved with ``transformers.distributed.save_optimizer_distributed(model, optimizer, dir)``, is a plain
-``torch.distributed.checkpoint`` directory (pickled ``.metadata`` and ``__<rank>_0.distcp`` records) of the
-flattened optimizer state dict: ``optimizer.state.<fqn>.<key>`` and ``optimizer.param_groups.<fqn>.<key>``. It is
-read by :func:`~hf_resumable.conversions.dcp.read_dcp_optimizer`, the one DCP reader (the restricted unpickler of
-:mod:`~hf_resumable.conversions._pickle` for ``.metadata``, ``torch.load(weights_only=True)`` per record), and looked
-for in the model's directory itself, in its ``optimizer/`` subdirectory, or where ``optimizer_dir`` says.
-
-:func:`convert_transformers_distributed_checkpoint` plans every rank's boxes from the headers
-(:func:`plan_hf_storage_pieces`, pure: offsets checked, the global shapes derived, the boxes checked to tile each
-tensor exactly once), reads each file with hf_resumable's validating safetensors reader, and commits the
-checkpoint of per-rank pieces that ``save_checkpoint`` writes (``sharded_layout.json``, one piece file per rank,
-optimizer state keyed by parameter name, everything hashed in the manifest), so it loads at any world size and sharding
-(``load_checkpoint``) and consolidates or exports to a ``from_pretrained`` directory.
-
-> [!WARNING]
-> These directories record neither the step, the scheduler, the RNG nor the data position: the step is taken from
-> the optimizer state (``step``) or given, and a resume from the converted checkpoint is not bit-exact
-> (``allow_inexact_resume=True``). Weights and optimizer state are carried over bit for bit.
+Every rank's box of each tensor is planned from the safetensors headers (:func:`plan_hf_storage_pieces`, pure:
+offsets checked, global shapes derived, the boxes checked to tile each tensor once); the optimizer that
+``save_optimizer_distributed`` wrote is read by :func:`~hf_resumable.conversions.dcp.read_dcp_optimizer`. The result
+is a per-rank checkpoint that loads at any world size. The source records no step, scheduler, RNG or data position,
+so a resume from it is not bit-exact, see
+docs/multi-gpu.md#transformers-distributedconfig-tensor-parallel-and-fsdp2-checkpoints.
 
 Example:
 
@@ -90,36 +69,23 @@ _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")  # whole weights 
 
 @dataclass(frozen=True)
 class HfStoragePiece:
-    """One rank's box of one tensor, stored whole in one of that rank's safetensors files.
+    """One rank's box of one tensor, stored whole in one of that rank's safetensors files."""
 
-    Args:
-        name (`str`): the tensor's name (the model's state dict key).
-        rank (`int`): the rank that wrote it (the file's ``shard-<rank + 1>``).
-        file (`str`): the safetensors file's path.
-        box (`Box`): its box of the global tensor.
-    """
-
-    name: str
-    rank: int
-    file: str
-    box: Box
+    name: str  # the tensor's name (the model's state dict key)
+    rank: int  # the rank that wrote it (the file's ``shard-<rank + 1>``)
+    file: str  # the safetensors file's path
+    box: Box  # its box of the global tensor
 
 
 @dataclass(frozen=True)
 class TransformersDcpFiles:
-    """The files of a ``save_pretrained(distributed_checkpoint=True)`` directory.
+    """The files of a ``save_pretrained(distributed_checkpoint=True)`` directory."""
 
-    Args:
-        directory (`Path`): the model directory.
-        shards (`dict[int, list[Path]]`): rank -> its safetensors files.
-        optimizer (`Path`, *optional*): the optimizer's DCP directory.
-        copied (`list[Path]`): the other plain files, carried over as they are (``config.json``,
-            ``generation_config.json``, tokenizer files); never weights or files the checkpoint writes itself.
-    """
-
-    directory: Path
-    shards: dict[int, list[Path]]
-    optimizer: Path | None
+    directory: Path  # the model directory
+    shards: dict[int, list[Path]]  # rank -> its safetensors files
+    optimizer: Path | None  # the optimizer's DCP directory
+    # the other plain files, carried over as they are (``config.json``, ``generation_config.json``, tokenizer files);
+    # never weights or files the checkpoint writes itself
     copied: list[Path]
 
     @classmethod
@@ -170,15 +136,7 @@ def _find_optimizer(directory: Path, optimizer_dir: Path | None) -> Path | None:
 
 
 def is_transformers_distributed_checkpoint(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` holds ``save_pretrained(distributed_checkpoint=True)``'s per-rank safetensors files.
-
-    Example:
-
-    ```python
-    >>> is_transformers_distributed_checkpoint("tp-run/saved")  # doctest: +SKIP
-    True
-    ```
-    """
+    """Whether ``directory`` holds ``save_pretrained(distributed_checkpoint=True)``'s per-rank safetensors files."""
     path = Path(directory)
     return path.is_dir() and any(STOCK_DCP_HF_SHARD_RE.match(p.name) for p in path.iterdir())
 

@@ -1,19 +1,13 @@
 """Convert a stock ``transformers.Trainer`` checkpoint into the hf_resumable format, and reshard checkpoints.
 
 > [!WARNING]
-> A stock Trainer checkpoint stores optimizer, scheduler, scaler and RNG state with pickle
-> (``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state*.pth``). This module is the only
-> place in hf_resumable that reads pickles, always with ``torch.load(weights_only=True)`` (which refuses
-> arbitrary code), and only after logging a WARNING. Convert only checkpoints you trust; the converted
+> A stock Trainer checkpoint stores optimizer, scheduler, scaler and RNG state with pickle. They are read with
+> ``torch.load(weights_only=True)`` only, after a WARNING; convert only checkpoints you trust. The converted
 > checkpoint contains no pickle.
 
-The stock optimizer state is keyed by parameter *index*. The index order is rebuilt the way
-``Trainer.create_optimizer`` builds it (a weight-decay group, then a no-decay group, each in
-``named_parameters()`` order), checked against the saved group sizes, and then stored by parameter
-*name* as usual. This module reads the stock *files* and never imports the ``Trainer``: the file names come from
-:mod:`hf_resumable.constants`, and the two pieces of the Trainer's behaviour it mirrors (the weight-decay split and
-the ``weights_only`` allow-list) are written out here and checked against the Trainer's own in
-``tests/test_conversions.py``.
+The index-keyed optimizer state is stored by parameter name over the groups ``Trainer.create_optimizer`` builds (the
+Trainer's weight-decay rule, copied here and checked against the Trainer's own in ``tests/test_conversions.py``);
+the Trainer is never imported. See docs/trainer.md#switching-from-the-stock-trainer.
 
 Example:
 
@@ -32,7 +26,7 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,7 +59,7 @@ from ..errors import (
 )
 from ..format.rng import RngState, save_rng_state
 from ..format.sharding import parse_size
-from ._pickle import load_torch_pickle, numpy_globals
+from ._pickle import load_torch_pickle
 
 logger = logging.getLogger(__name__)
 
@@ -146,14 +140,6 @@ class _StateHolder:
         return self._state
 
 
-_numpy_safe_globals = numpy_globals  # the allow-list checked against transformers' own in tests/test_conversions.py
-
-
-def _load_pickle(path: Path) -> Any:
-    """``torch.load(path, weights_only=True)``; a refused or unreadable pickle raises a typed error naming it."""
-    return load_torch_pickle(path)
-
-
 def _build_model(directory: Path) -> torch.nn.Module:
     from transformers import AutoModel, AutoModelForCausalLM
 
@@ -163,7 +149,7 @@ def _build_model(directory: Path) -> torch.nn.Module:
         return AutoModel.from_pretrained(directory)
 
 
-def _infer_optimizer(saved: dict[str, Any]) -> str:
+def _infer_optimizer(saved: Mapping[str, Any]) -> str:
     keys = {k for per_param in saved.get("state", {}).values() for k in per_param}
     group = (saved.get("param_groups") or [{}])[0]
     if "exp_avg" in keys or "exp_avg_sq" in keys:
@@ -172,6 +158,18 @@ def _infer_optimizer(saved: dict[str, Any]) -> str:
         if key in keys:
             return name
     return "adamw"
+
+
+def _optimizer_class(saved: Mapping[str, Any], name: str | None) -> Callable[..., torch.optim.Optimizer]:
+    """The class of ``OPTIMIZERS`` called ``name``, else the one ``saved``'s state points to.
+
+    Raises:
+        ValueError: an unknown ``name``.
+    """
+    name = (name or _infer_optimizer(saved)).lower()
+    if name not in OPTIMIZERS:
+        raise ValueError(f"Unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}.")
+    return OPTIMIZERS[name]
 
 
 def _decay_parameter_names(model: torch.nn.Module) -> set[str]:
@@ -203,12 +201,9 @@ def _trainer_param_groups(model: torch.nn.Module, saved: dict[str, Any]) -> list
 
 
 def _rebuild_optimizer(model: torch.nn.Module, path: Path, optimizer_name: str | None) -> torch.optim.Optimizer:
-    saved = _load_pickle(path)
-    name = (optimizer_name or _infer_optimizer(saved)).lower()
-    if name not in OPTIMIZERS:
-        raise ValueError(f"Unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}.")
+    saved = load_torch_pickle(path)
     groups = _trainer_param_groups(model, saved)
-    optimizer = OPTIMIZERS[name]([{"params": g} for g in groups])
+    optimizer = _optimizer_class(saved, optimizer_name)([{"params": g} for g in groups])
     optimizer.load_state_dict(saved)  # also restores every group's hyper-parameters (lr, betas, weight decay...)
     logger.info("Rebuilt %s over %d parameter group(s) from %s", type(optimizer).__name__, len(groups), path)
     return optimizer
@@ -229,20 +224,21 @@ def _rng_bytes(state: RngState) -> bytes:
         return (Path(tmp) / "rng.safetensors").read_bytes()
 
 
+def _split_rng(states: Mapping[int, RngState]) -> tuple[RngState | bool, dict[str, bytes]]:
+    """Rank 0's RNG (for ``rng=``, ``False`` without one) and every other rank's RNG file as bytes (for
+    ``extra_files``)."""
+    others = {f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}": _rng_bytes(state)
+              for rank, state in sorted(states.items()) if rank != 0}
+    return states.get(0, False), others
+
+
 def _rng_files(files: TrainerCheckpointFiles) -> tuple[RngState | bool, dict[str, bytes]]:
-    """RNG of rank 0 (for ``rng=``) and every other rank's RNG file as bytes (for ``extra_files``)."""
-    extra: dict[str, bytes] = {}
-    rank0: RngState | bool = False
-    for rank, path in sorted(files.rng.items()):
-        state = _rng_state(_load_pickle(path))
-        if rank == 0:
-            rank0 = state
-            continue
-        extra[f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"] = _rng_bytes(state)
-    if rank0 is False:
+    """:func:`_split_rng` of the stock checkpoint's per-rank RNG files."""
+    states = {rank: _rng_state(load_torch_pickle(path)) for rank, path in files.rng.items()}
+    if 0 not in states:
         logger.warning("%s has no rng_state.pth; the converted checkpoint has no RNG state and resuming from it "
                        "will need allow_inexact_resume=True.", files.directory)
-    return rank0, extra
+    return _split_rng(states)
 
 
 def _progress(trainer_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -309,8 +305,8 @@ def convert_trainer_checkpoint(
     if files.has_pickles:
         logger.warning("%s", PICKLE_WARNING)
     opt = _rebuild_optimizer(model, files.optimizer, optimizer) if files.optimizer else None
-    scheduler = _StateHolder(_load_pickle(files.scheduler)) if files.scheduler else None
-    scaler = _StateHolder(_load_pickle(files.scaler)) if files.scaler else None
+    scheduler = _StateHolder(load_torch_pickle(files.scheduler)) if files.scheduler else None
+    scaler = _StateHolder(load_torch_pickle(files.scaler)) if files.scaler else None
     rng, rng_files = _rng_files(files)
     progress, extra = _progress(files.trainer_state)
     extra_files = {path.name: path.read_bytes() for path in files.copied}

@@ -1,14 +1,5 @@
-"""Switching in: which stock layout a directory holds, and the one call that converts any of them.
-
-``hf-resumable convert`` calls :func:`convert_stock_checkpoint`, which picks the converter by what the directory
-holds (:func:`detect_stock_kind`, pure over file names):
-
-* ``"accelerate-fsdp"``: accelerate's FSDP sharded ``save_state`` (:mod:`~hf_resumable.conversions.dcp`);
-* ``"transformers-dcp"``: transformers' ``save_pretrained(distributed_checkpoint=True)`` per-rank safetensors, with
-  the optimizer ``save_optimizer_distributed`` wrote (:mod:`~hf_resumable.conversions.hf_storage`);
-* ``"deepspeed"``: a Trainer checkpoint with DeepSpeed's ``global_step<N>/``
-  (:mod:`~hf_resumable.conversions.deepspeed`);
-* ``"trainer"``: any other stock Trainer checkpoint (:mod:`~hf_resumable.conversions.stock`).
+"""Switching in: which stock layout a directory holds (:func:`detect_stock_kind`, pure over file names), and
+:func:`convert_stock_checkpoint`, the one call behind ``hf-resumable convert``.
 
 Example:
 
@@ -28,9 +19,7 @@ from ..checkpoint import CheckpointInfo
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["STOCK_KINDS", "detect_stock_kind", "pickle_warning", "convert_stock_checkpoint"]
-
-STOCK_KINDS = ("accelerate-fsdp", "transformers-dcp", "deepspeed", "trainer")
+__all__ = ["detect_stock_kind", "pickle_warning", "convert_stock_checkpoint"]
 
 
 def detect_stock_kind(directory: str | os.PathLike) -> str:

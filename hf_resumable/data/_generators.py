@@ -33,9 +33,7 @@ def _reseed(generator: Any, seed: int) -> None:
         generator.manual_seed(seed)
     elif isinstance(generator, np.random.Generator):
         generator.bit_generator.state = type(generator.bit_generator)(seed).state
-    elif isinstance(generator, np.random.RandomState):
-        generator.seed(seed)
-    else:
+    else:  # numpy's RandomState, random.Random
         generator.seed(seed)
 
 
@@ -97,7 +95,7 @@ def _resolve(root: Any, path: tuple[tuple[str, Any], ...]) -> Any:
 class GeneratorSlots:
     """The private random generators reachable from an object, found once and reseeded before every batch.
 
-    ``root`` is searched (see the module docstring for what is covered); each generator found is remembered
+    ``root`` is searched (what is covered: docs/trainer.md#what-else-it-does); each generator found is remembered
     by its path from ``root``, so a copy of ``root`` in a ``DataLoader`` worker is reseeded the same way.
 
     Args:

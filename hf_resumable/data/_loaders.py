@@ -56,16 +56,10 @@ class ResumableDataLoader(DataLoader):
 
 
 class StepPosition:
-    """:class:`~hf_resumable.data._position.LoaderPosition` of a resumable loader (map-style or stream) iterated by a
-    loop that alone knows where it stands: the ``Trainer``, whose optimizer steps (``steps_done()``) of
-    ``batches_per_step`` batches each say which batch comes next (its ``skip_first_batches`` moves a map-style
-    loader's cursor on resume).
-
-    Args:
-        loader: a :class:`ResumableDataLoader` or the loader of :func:`build_stream_dataloader`.
-        steps_done (`Callable[[], int]`): optimizer steps done so far.
-        batches_per_step (`int`): batches per optimizer step (gradient accumulation).
-    """
+    """:class:`~hf_resumable.data._position.LoaderPosition` of a resumable ``loader`` (a :class:`ResumableDataLoader`
+    or :func:`build_stream_dataloader`'s) iterated by a loop that alone knows where it stands: the ``Trainer``, whose
+    optimizer steps (``steps_done()``) of ``batches_per_step`` batches each say which batch comes next (its
+    ``skip_first_batches`` moves a map-style loader's cursor on resume)."""
 
     def __init__(self, loader: Any, *, steps_done: Callable[[], int], batches_per_step: int) -> None:
         self.loader, self.steps_done, self.batches_per_step = loader, steps_done, batches_per_step
@@ -154,10 +148,8 @@ def build_stream_dataloader(dataset: Any, *, collate_fn: Callable[[list], Any], 
     whole stream (``num_workers=0`` only: workers would split the stream's order by worker), the pass's last, shorter
     global batch included (``padding_fn``: what a padding batch goes through).
 
-    A ``datasets`` shuffle buffer (``ds.shuffle(seed=..., buffer_size=N)``) is replaced by a
-    :class:`ResumableShuffleBuffer` of the same size (see :func:`resumable_shuffle_buffer`), whose content
-    is part of the saved position, so the stream resumes bit for bit. The resulting sample order differs
-    from the one ``datasets`` would produce with the same seed. A buffer that cannot be replaced (inside
+    A ``datasets`` shuffle buffer is replaced by a :class:`ResumableShuffleBuffer` of the same size
+    (:func:`resumable_shuffle_buffer`), so the stream resumes bit for bit; one that cannot be replaced (inside
     ``interleave_datasets``/``concatenate_datasets`` sources, or several buffers) is kept, with a WARNING.
 
     Raises:

@@ -45,16 +45,12 @@ class ResumableBatchSampler(Sampler[BatchKey]):
             :func:`sampler_epoch_order`), ``num_samples`` long; replaces the built-in permutation. Under data
             parallelism it is sharded by whole batches (rank ``r`` takes batches ``r``, ``r + world_size``, ...,
             as accelerate's ``BatchSamplerShard`` does), not by sample.
-        global_batch (`int`, *optional*): the elastic layout (``elastic=True`` of both front doors), for a run whose
-            world size may change while its global batch (``global_batch`` samples per optimizer step) is kept.
-            Each epoch's order is split into *chunks* of ``batch_size`` consecutive positions, and rank ``r``'s
-            batch ``j`` is chunk ``j * world_size + r`` (:func:`~hf_resumable.data.elastic.split_global_step`).
-            Optimizer step ``k`` then trains on positions ``[k * global_batch, (k + 1) * global_batch)`` and every
-            chunk is the same batch at any world size (keys carry ``chunk``). The epoch's last, shorter step (unless
-            ``drop_last``) trains too: its last chunk may be short, and a rank without a chunk in it gets a
-            ``padding`` key (the step's first chunk, to be trained with weight zero; see :meth:`elastic_weight`),
-            so every rank has the same number of batches. Must be a multiple of ``batch_size * world_size``; not
-            with ``order``.
+        global_batch (`int`, *optional*): the elastic layout (``elastic=True`` of both front doors; samples per
+            optimizer step, kept when the world size changes): rank ``r``'s batch ``j`` is chunk
+            ``j * world_size + r`` of ``batch_size`` positions, so step ``k`` trains on positions
+            ``[k * global_batch, (k + 1) * global_batch)`` at any world size; a rank without a chunk in the epoch's
+            last, shorter step gets a ``padding`` key (:meth:`elastic_weight`; docs/trainer.md#elastic). A multiple
+            of ``batch_size * world_size``; not with ``order``.
 
     Example:
 
@@ -202,8 +198,6 @@ class ResumableBatchSampler(Sampler[BatchKey]):
         for step in range(self.start_step, len(self)):
             indices = tuple(order[step * self.batch_size : (step + 1) * self.batch_size])
             yield BatchKey(self.epoch, self.rank, step, indices)
-
-
 
 
 def sampler_epoch_order(sampler: Any, *, seed: int) -> Callable[[int], list[int]]:

@@ -37,14 +37,9 @@ DATA_LOADER = "loader"  # StatefulDataLoader.state_dict() (streaming)
 
 @runtime_checkable
 class LoaderPosition(Protocol):
-    """A loader's data position, whatever the loader: captured as a JSON record, restored without fetching.
-
-    Both front doors save and restore their loaders through it: ``ResumableAccelerator`` every prepared loader
-    (``ResumablePreparedLoader``, ``ResumableDataLoaderShard``/``Dispatcher``, ``StatefulLoaderPosition``),
-    ``ResumableTrainer`` its training loader (:class:`~hf_resumable.data._loaders.StepPosition`). Records use the
-    ``DATA_*`` keys; ``checkpoint.state._validate.check_data_position`` checks them on load (torchdata's counters
-    through its one reader, ``batches_yielded``).
-    """
+    """A loader's data position, whatever the loader: captured as a JSON record of the ``DATA_*`` keys, restored
+    without fetching. Both front doors save and restore their loaders through it;
+    ``checkpoint.state._validate.check_data_position`` checks the records on load."""
 
     def position(self) -> dict[str, Any]:
         """The JSON record of where the next batch comes from."""

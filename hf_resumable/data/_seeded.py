@@ -28,9 +28,7 @@ class SeededMapDataset(Dataset):
     Used with :class:`ResumableBatchSampler` as ``batch_sampler``: the ``DataLoader`` hands each key to
     :meth:`__getitems__`, which runs the user's data set (including a ``datasets`` ``set_transform``)
     and collator under ``data_rng(derive_seed(seed, epoch, rank, step))``. A key of the elastic layout (with a
-    ``chunk``, see :class:`ResumableBatchSampler`'s ``global_batch``) is keyed by the layout-free identities instead:
-    each sample is fetched under its own :func:`~hf_resumable.data.elastic.sample_seed` (the idea of
-    :class:`~hf_resumable.data.elastic.ElasticSeededDataset`) and the collator runs under a seed of
+    ``chunk``) is keyed by the sample (:func:`~hf_resumable.data.elastic.sample_seed`) and, for the collator, by
     ``(epoch, chunk)``, so a batch is built identically whichever rank and world size trains on it.
 
     Args:
@@ -90,15 +88,11 @@ class SeededIterableDataset(IterableDataset):
     :meth:`state_dict` returns the wrapped data set's own ``state_dict()`` plus the batch counter, so
     ``torchdata``'s ``StatefulDataLoader`` can snapshot it per yielded batch and resume without replay.
 
-    With ``global_batch`` (the elastic layout, the stream counterpart of :class:`ResumableBatchSampler`'s) the stream
-    is not split by rank: every rank reads all of it, one global batch (``global_batch`` examples) per optimizer step.
-    Example ``i`` of the pass is pulled under its own :func:`~hf_resumable.data.elastic.sample_seed` (so lazy
-    ``.map`` transforms draw the same numbers for it at any world size), the step's examples are cut into chunks of
-    ``batch_size`` numbered through the pass, chunk ``c`` goes to rank ``c % world_size`` and is collated under a seed
-    of ``(epoch, c)``. Step ``k`` is stream positions ``[k * global_batch, (k + 1) * global_batch)`` whatever the
-    world size, a final global batch the stream cannot fill is dropped, and the position (the data set's state at a
-    global-batch boundary plus the examples read, ``samples``) does not depend on the world size. Each rank reads
-    (and runs the transforms of) every example: ``world_size`` times the single-process reading.
+    With ``global_batch`` (the elastic layout) the stream is not split by rank: every rank reads all of it, one
+    global batch per optimizer step, example ``i`` under its own :func:`~hf_resumable.data.elastic.sample_seed`,
+    chunk ``c`` (of ``batch_size`` examples) going to rank ``c % world_size`` under a seed of ``(epoch, c)``; the
+    position (the data set's state at a global-batch boundary plus ``samples``, the examples read) does not depend on
+    the world size. The layout and its cost: docs/trainer.md#elastic.
 
     Args:
         dataset: a ``datasets.IterableDataset`` (or any iterable data set with ``state_dict`` /

@@ -23,13 +23,9 @@ logger = logging.getLogger(__name__)
 
 
 def has_shuffle_buffer(dataset: Any) -> bool:
-    """Whether a ``datasets.IterableDataset`` pipeline contains a ``.shuffle(buffer_size=...)`` buffer.
-
-    ``datasets`` saves the position of the stream under a shuffle buffer but not the buffer's content
-    (its ``load_state_dict`` refills the buffer from the resume point), so such a stream cannot be
-    resumed bit for bit from its ``state_dict``; :func:`build_stream_dataloader` therefore replaces the
-    buffer with a :class:`ResumableShuffleBuffer` (see :func:`resumable_shuffle_buffer`).
-    """
+    """Whether a ``datasets.IterableDataset`` pipeline contains a ``.shuffle(buffer_size=...)`` buffer, whose content
+    ``datasets`` does not save (its ``load_state_dict`` refills it from the resume point), so that
+    :func:`build_stream_dataloader` replaces it (:func:`resumable_shuffle_buffer`)."""
     return _has_buffer_node(getattr(dataset, "_ex_iterable", None))
 
 

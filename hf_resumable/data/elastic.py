@@ -1,21 +1,8 @@
 """Elastic data position: resume on a different number of ranks with exactly the samples not yet seen.
 
-:class:`ElasticSampler` orders the data set with a permutation that is a pure function of
-``(seed, epoch)`` and keeps one *global* cursor: the number of samples of that order that all ranks
-together have consumed. Global step ``k`` covers the next ``world_size * batch_size`` positions of the
-order and rank ``r`` takes the ``r``-th contiguous block of them. Because the cursor is global (and
-the same on every rank), a run saved on 2 ranks and resumed on 1 (or 1 -> 2, 4 -> 3, ...) continues
-with the very next unseen positions, split across the new ranks: none skipped, none repeated.
-
-Randomness that belongs to a sample (augmentation, masking inside ``__getitem__``) is keyed by the
-sample, not by the rank or batch that happens to fetch it: :class:`ElasticSeededDataset` runs
-``dataset[index]`` with python, numpy and torch generators seeded from
-``derive_seed(seed, epoch, index)``, so a sample is transformed identically at any world size.
-
-Unlike :class:`hf_resumable.data.ResumableBatchSampler`, whose cursor counts *this rank's* batches of
-a rank-strided order (exact at a fixed world size), the position here survives a world-size change.
-Note that ``batch_size`` is per rank: the global batch is ``world_size * batch_size``, so pick
-``batch_size = global_batch // world_size`` to keep the optimization identical across world sizes.
+:class:`ElasticSampler` keeps one *global* cursor over an order fixed by ``(seed, epoch)``, so a run saved on 2 ranks
+and resumed on 1 continues with the next unseen positions, none skipped, none repeated;
+:class:`ElasticSeededDataset` keys a sample's randomness by the sample. See docs/multi-gpu.md (elastic data).
 
 Example:
 

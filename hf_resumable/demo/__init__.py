@@ -1,11 +1,8 @@
 """``hf-resumable demo``: train, SIGKILL at a random step, restart with the same command, prove nothing changed.
 
-Two training processes (:mod:`hf_resumable.demo.train`) start side by side: a reference run that is
-never interrupted, and a run that this process kills with ``SIGKILL`` once its loss log reaches a
-randomly drawn step (wherever it is then: mid-step, mid-save...). The killed run is then started
-again with the very same command line; it resumes from the newest valid checkpoint and finishes.
-:func:`compare_runs` then checks, bit for bit, every per-step loss and the sha256 of the final
-weights; the demo prints a table, writes a PNG of both loss curves, and fails when anything differs.
+A reference run and a run killed at a random step (then restarted with the same command line) train side by side
+(:mod:`hf_resumable.demo.train`); :func:`compare_runs` checks every per-step loss and the final weights bit for bit.
+See docs/cli.md (``demo``).
 
 Example:
 
@@ -304,7 +301,7 @@ def run_demo(output: str | os.PathLike, *, max_steps: int = 40, save_every: int 
              progress: bool = False) -> DemoReport:
     """Run the kill-and-resume demo in ``output`` and compare the runs.
 
-    1. Start the reference run and the victim run side by side (one thread each).
+    1. Start the reference run and the victim run side by side (two processes).
     2. SIGKILL the victim when its log reaches ``kill_step`` (default: random, after the first checkpoint).
     3. Restart the victim with the same command; it resumes from its newest valid checkpoint.
     4. Compare losses and final weights with :func:`compare_runs`, and plot both curves.

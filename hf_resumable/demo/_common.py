@@ -25,27 +25,16 @@ CORPUS = "tiny_corpus.txt"
 
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
-    """Settings of one demo training run (identical for the reference run and the interrupted one).
+    """Settings of one demo training run (identical for the reference run and the interrupted one)."""
 
-    Args:
-        output (`Path`): run directory.
-        max_steps (`int`): optimizer steps to train.
-        seed (`int`): seed of model init, data order and dropout.
-        save_every (`int`): checkpoint every this many optimizer steps (and at the last step).
-        batch_size (`int`): samples per micro-batch.
-        accumulation (`int`): micro-batches per optimizer step.
-        block_size (`int`): tokens per sample.
-        kill_at (`int`, *optional*): SIGKILL this process right after optimizer step ``kill_at`` is logged.
-    """
-
-    output: Path
-    max_steps: int = 40
-    seed: int = 1234
-    save_every: int = 5
-    batch_size: int = 8
-    accumulation: int = 2
-    block_size: int = 64
-    kill_at: int | None = None
+    output: Path  # run directory
+    max_steps: int = 40  # optimizer steps to train
+    seed: int = 1234  # seed of model init, data order and dropout
+    save_every: int = 5  # checkpoint every this many optimizer steps (and at the last step)
+    batch_size: int = 8  # samples per micro-batch
+    accumulation: int = 2  # micro-batches per optimizer step
+    block_size: int = 64  # tokens per sample
+    kill_at: int | None = None  # SIGKILL this process right after optimizer step ``kill_at`` is logged
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "save_every", "batch_size", "accumulation", "block_size"):

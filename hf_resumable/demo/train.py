@@ -1,22 +1,9 @@
 """The training process of ``hf-resumable demo``: fine-tune a tiny causal LM, checkpoint, resume exactly.
 
-Run it as ``python -m hf_resumable.demo.train --output DIR --max-steps N``. The same command line is
-used for a fresh start and for a restart after a crash: it resumes from the newest valid checkpoint
-under ``DIR/checkpoints`` (:func:`~hf_resumable.find_latest_checkpoint`) when there is one.
-
-Everything is built locally: a GPT-2 with two layers from a config, a byte-level vocabulary (no
-tokenizer download) and the corpus shipped in the package (``hf_resumable/resources/tiny_corpus.txt``).
-The loop is exact by construction:
-
-* data order is a pure function of ``(seed, epoch)`` (a private ``torch.Generator``), and the cursor
-  ``(epoch, position)`` is saved in the checkpoint's training state;
-* checkpoints land on optimizer-step boundaries only, with the RNG state captured at the boundary
-  (dropout is on, so a wrong RNG would show in the losses);
-* restoring happens in the order model, optimizer, scheduler, RNG last (``load_checkpoint``).
-
-Per-step losses go to ``DIR/losses.jsonl`` (exact values as ``float.hex``); on resume the lines past
-the checkpoint are dropped, since those steps are re-run. At the end ``DIR/final.json`` holds the
-sha256 of the final weights.
+Run as ``python -m hf_resumable.demo.train --output DIR --max-steps N`` for a fresh start and for a restart alike: it
+resumes from the newest valid checkpoint under ``DIR/checkpoints``. Data order is a pure function of
+``(seed, epoch)``, checkpoints land on optimizer-step boundaries, and losses go to ``DIR/losses.jsonl`` (exact, as
+``float.hex``; the lines past the checkpoint are dropped on resume). See docs/cli.md (``demo``).
 
 Example:
 

@@ -1,15 +1,11 @@
 """The one JSON writer, the one bounded JSON parser and the one field error for every file hf_resumable writes or
 reads.
 
-Files in a checkpoint may have been crafted. Before ``json.loads`` sees them, the parser bounds what
-could exhaust the stack or the CPU, as safetensors bounds its header: nesting depth (a deep
-``[[[[...`` would raise ``RecursionError`` in the decoder, or later in whoever walks the result) and
-integer length (a 5000-digit literal costs quadratic time and raises ``ValueError``). Every failure
-is a :class:`~hf_resumable.errors.CorruptCheckpointError` naming the source. ``NaN``/``Infinity`` are
-accepted, as Python writes them (a scheduler's ``best`` starts at ``inf``); code that needs an int
-checks its type. Every check of a parsed field (the manifest, the training state, the state codec, data
-positions) reports a failure with :func:`field_error` / :func:`require_field`: the file, the field, the value
-and what was expected, in one wording.
+Files in a checkpoint may have been crafted, so before ``json.loads`` sees one the parser bounds nesting depth and
+integer length (what could exhaust the stack or the CPU) and raises
+:class:`~hf_resumable.errors.CorruptCheckpointError` naming the source. ``NaN``/``Infinity`` are accepted, as Python
+writes them (a scheduler's ``best`` starts at ``inf``). Checks of parsed fields report through :func:`field_error` /
+:func:`require_field`, in one wording.
 
 Example:
 

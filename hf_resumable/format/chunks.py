@@ -1,18 +1,9 @@
 """Chunk hashes: every byte a load uses is checked against a hash recorded at save time, read once.
 
-A file record of format version 3 holds, besides the whole file's size and xxh3-128, the xxh3-64 of every
-``chunk_size``-byte chunk of the file (the last one may be shorter), computed by the writer from the very bytes it
-writes (:class:`ChunkHasher`, fed by the same loop that feeds the whole-file hash: no second pass). A reader that
-needs only part of a file (a slice of a stored piece, at another world size) reads the byte range it uses, extended
-to the chunk boundaries it covers, and checks those chunks
-(:class:`~hf_resumable.format.slice_reader.VerifiedFile`); a file read whole is still checked by its whole-file hash
-while it is read. A record without chunk hashes (format versions 1 and 2) is checked by hashing the whole file once,
-before the first byte of it is used.
-
-Why ``CHUNK_HASH_SIZE`` is 1 MiB: a slice read reads at most one chunk before and one after the bytes it uses (a few
-MiB per piece against tensors of tens or hundreds of MiB), and the manifest holds 16 hex digits per chunk, 16 KiB per
-GiB of checkpoint: a 1 TiB checkpoint's manifest stays near 16 MiB, far under ``MAX_JSON_SIZE``. Index files
-(``hf_resumable_shards``) keep whole-file records only: a Hub download checks a whole file.
+:class:`ChunkHasher` computes the xxh3-64 of every ``chunk_size``-byte chunk in the writer's own hashing loop; a
+slice reader (:class:`~hf_resumable.format.slice_reader.VerifiedFile`) extends its byte range to the chunks it covers
+and checks them. A record without chunk hashes (format versions 1 and 2) is checked by hashing the whole file once,
+before its first byte is used. Why ``CHUNK_HASH_SIZE`` is 1 MiB: docs/format.md#file-records-and-hashes.
 """
 
 from __future__ import annotations
@@ -25,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CHUNK_HASH_SIZE", "CHUNK_DIGEST_CHARS", "ChunkHasher", "chunk_span"]
 
-# Bytes per hashed chunk of the files a writer records (see the module docstring for the choice).
+# Bytes per hashed chunk of the files a writer records (the choice: docs/format.md#file-records-and-hashes).
 CHUNK_HASH_SIZE = 1024 * 1024
 # Hex digits of one chunk's xxh3-64 in a record's ``chunk_xxh3_64`` string.
 CHUNK_DIGEST_CHARS = 16

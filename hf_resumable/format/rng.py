@@ -1,13 +1,8 @@
 """Capture and restore every random number generator a training step touches, without pickle.
 
-An :class:`RngState` holds python's ``random``, numpy's global generator, torch's CPU generator and
-every CUDA device's generator. It is stored as a safetensors file of byte tensors, with python's and
-numpy's small scalar parts in the safetensors metadata (JSON strings), so loading it never executes
-anything.
-
-:func:`seeded_rng` is the other half of exactness: inside it, the three global generators are
-reseeded from a position-derived seed (run seed, epoch, sample index...) and put back afterwards, so
-randomness in collators and dataset transforms becomes a pure function of *where* the run is.
+An :class:`RngState` (python, numpy, torch CPU, every CUDA device) is stored as a safetensors file of byte tensors,
+its small scalar parts in the header metadata. :func:`seeded_rng` reseeds the global generators from a position and
+puts them back afterwards, so data randomness is a pure function of where the run is.
 
 Example:
 
@@ -48,7 +43,6 @@ __all__ = ["RngState", "capture_rng_state", "restore_rng_state", "check_rng_stat
 
 _KEY_TORCH = "torch_cpu"
 _KEY_NUMPY = "numpy_keys"
-_KEY_PYTHON = "python_state"
 _CUDA_PREFIX = "cuda/"
 _META_PYTHON = "python"
 _META_NUMPY = "numpy"
@@ -58,19 +52,12 @@ _MT_WORDS = 624  # words of an MT19937 state (python's and numpy's generators)
 
 @dataclass
 class RngState:
-    """The state of python ``random``, numpy's global generator, torch CPU and every CUDA device.
+    """The state of python ``random``, numpy's global generator, torch CPU and every CUDA device."""
 
-    Args:
-        python (`tuple`): ``random.getstate()``.
-        numpy (`tuple`): ``np.random.get_state()`` (legacy MT19937 tuple).
-        torch_cpu (`torch.Tensor`): ``torch.get_rng_state()`` (uint8).
-        cuda (`list[torch.Tensor]`): ``torch.cuda.get_rng_state_all()`` ([] without CUDA).
-    """
-
-    python: tuple
-    numpy: tuple
-    torch_cpu: torch.Tensor
-    cuda: list[torch.Tensor] = field(default_factory=list)
+    python: tuple  # ``random.getstate()``
+    numpy: tuple  # ``np.random.get_state()`` (legacy MT19937 tuple)
+    torch_cpu: torch.Tensor  # ``torch.get_rng_state()`` (uint8)
+    cuda: list[torch.Tensor] = field(default_factory=list)  # ``torch.cuda.get_rng_state_all()`` ([] without CUDA)
 
     def __post_init__(self) -> None:
         if self.torch_cpu.dtype != torch.uint8:
@@ -123,12 +110,8 @@ def cuda_device_mismatch(saved: int, visible: int) -> str | None:
 
 
 def check_cuda_device_count(state: RngState, *, visible: int | None = None, source: str = "<rng state>") -> None:
-    """Refuse to restore ``state`` where another number of CUDA devices is visible, before anything is changed.
-
-    Args:
-        state (`RngState`): the state to restore.
-        visible (`int`, *optional*): the devices seen now (default: :func:`visible_cuda_devices`).
-        source (`str`, *optional*): where ``state`` comes from (a path), named in the message.
+    """Refuse to restore ``state`` where another number of CUDA devices is ``visible`` (default: those seen now),
+    before anything is changed; ``source`` (a path) is named in the message.
 
     Raises:
         InexactResumeError: if ``state`` holds another number of CUDA generators than ``visible``.

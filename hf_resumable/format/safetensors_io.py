@@ -1,22 +1,11 @@
 """Reading and writing single safetensors files, with the checksum computed while the bytes move.
 
-The files are standard safetensors (8-byte little-endian header length, JSON header, data), readable
-by ``safetensors.safe_open`` and ``transformers``. We write them ourselves rather than through
-``safetensors.torch.save_file`` for two reasons:
-
-1. the xxh3-128 checksum is computed on the bytes as they are written (xxh3 hashes faster than storage writes), so the
-   manifest never needs a read-back pass;
-2. loads can ``readinto`` the destination parameter's own memory, one copy from the page cache,
-   with the checksum checked on the fly: hash-checked loads stay disk-bound.
-
-A :class:`FileRecord` holds a file's size and its xxh3-128; records written before format version 2 also (or
-only) hold a sha256, which is checked where it is the only hash, and by full verification. New records carry no
-sha256: it was the largest CPU cost of a save, and it protects no better (see
-docs/format.md). :class:`RecordChecker` is the one place bytes are checked against a record.
-
-Headers are validated before any data is trusted: a header that claims more bytes than the file
-holds, overlapping or gapped offsets, unknown dtypes, or a pickle payload are all rejected with
-:class:`~hf_resumable.errors.CorruptCheckpointError` naming the file.
+The files are standard safetensors, readable by ``safetensors.safe_open`` and ``transformers``. We write them
+ourselves so that the xxh3-128 (and the chunk hashes) are computed on the bytes as they are written, with no
+read-back pass, and loads can ``readinto`` the destination's own memory with the checksum checked on the fly.
+:class:`RecordChecker` is the one place bytes are checked against a :class:`FileRecord`. Headers are validated before
+any data is trusted (:class:`~hf_resumable.errors.CorruptCheckpointError` naming the file). Record versions and
+hashes: docs/format.md#file-records-and-hashes.
 """
 
 from __future__ import annotations
@@ -58,6 +47,7 @@ __all__ = [
     "check_file",
     "record_of",
     "RecordChecker",
+    "byte_view",
 ]
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -328,12 +318,9 @@ def header_from_bytes(path: str | os.PathLike, data: bytes | memoryview) -> Safe
     return parse_header_bytes(path, bytes(data[8 : 8 + length]), len(data))
 
 
-def _as_bytes(tensor: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor."""
-    flat = tensor.detach().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy, writable byte view of a contiguous CPU tensor (empty for an empty tensor)."""
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
@@ -501,7 +488,7 @@ def write_safetensors(
     digests = _Digests(xxh3_128=True, sha256=False, threaded=False, chunk_size=CHUNK_HASH_SIZE)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        for chunk in _chunks([memoryview(header)] + [_as_bytes(t) for _, t in ordered]):
+        for chunk in _chunks([memoryview(header)] + [byte_view(t) for _, t in ordered]):
             _write_all(fd, chunk)
             digests.feed(chunk)
         if fsync:
@@ -583,7 +570,7 @@ def read_safetensors(
                 target = into.get(info.name)
                 buffer = target if _can_read_into(target, info) else torch.empty(info.shape, dtype=info.torch_dtype)
                 f.seek(header.data_offset + info.start)
-                _read_exact(f, _as_bytes(buffer), path, info, pipeline)
+                _read_exact(f, byte_view(buffer), path, info, pipeline)
                 if info.name not in wanted:
                     continue
                 if target is not None and buffer is not target:

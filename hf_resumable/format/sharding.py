@@ -78,17 +78,11 @@ def parse_size(size: int | str) -> int:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Which tensor goes into which file.
+    """Which tensor goes into which file."""
 
-    Args:
-        filename_to_names (`dict[str, tuple[str, ...]]`): file name -> tensor names, in write order.
-        name_to_filename (`dict[str, str]`): tensor name -> file name.
-        total_size (`int`): sum of the planned tensor sizes in bytes.
-    """
-
-    filename_to_names: dict[str, tuple[str, ...]]
-    name_to_filename: dict[str, str]
-    total_size: int
+    filename_to_names: dict[str, tuple[str, ...]]  # file name -> tensor names, in write order
+    name_to_filename: dict[str, str]  # tensor name -> file name
+    total_size: int  # sum of the planned tensor sizes in bytes
 
     def __post_init__(self) -> None:
         for filename, names in self.filename_to_names.items():
@@ -175,17 +169,11 @@ def build_index(plan: ShardPlan, *, metadata: Mapping[str, object] | None = None
 
 @dataclass(frozen=True)
 class ShardIndex:
-    """A validated index: tensor name -> shard file (relative, no traversal).
+    """A validated index: tensor name -> shard file (relative, no traversal)."""
 
-    Args:
-        weight_map (`dict[str, str]`): tensor name -> shard file name.
-        metadata (`dict`): the index's metadata (unknown keys preserved).
-        source (`str`): where the index came from, for error messages.
-    """
-
-    weight_map: dict[str, str]
-    metadata: dict = field(default_factory=dict)
-    source: str = "<index>"
+    weight_map: dict[str, str]  # tensor name -> shard file name
+    metadata: dict = field(default_factory=dict)  # the index's metadata (unknown keys preserved)
+    source: str = "<index>"  # where the index came from, for error messages
 
     @property
     def filenames(self) -> list[str]:

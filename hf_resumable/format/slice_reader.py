@@ -20,7 +20,7 @@ import xxhash
 from ..errors import CorruptCheckpointError
 from ._safefile import open_regular
 from .chunks import chunk_span
-from .safetensors_io import FileRecord, RecordChecker, SafetensorsHeader
+from .safetensors_io import FileRecord, RecordChecker, SafetensorsHeader, byte_view
 
 logger = logging.getLogger(__name__)
 
@@ -30,26 +30,14 @@ __all__ = ["VerifiedFile"]
 _WHOLE_FILE_READ = 16 * 1024 * 1024
 
 
-def _byte_view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable, without a copy."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
 class VerifiedFile:
     """An open safetensors file whose tensors, and slices of them, are read with every byte used checked.
 
-    With a record that has chunk hashes, each read covers whole chunks and checks each of them as it is read.
-    With a record without (format versions 1 and 2), the whole file is hashed once, before the first byte of it is
-    used, unless ``hashed`` says a verification already did (then ``check`` keeps it to that very file). Without a
-    record (``verify="none"``), nothing is checked.
-
-    Args:
-        path (`str`): the file.
-        header (`SafetensorsHeader`): its verified header.
-        record (`FileRecord`, *optional*): its manifest record.
-        hashed (`bool`, *optional*, defaults to `False`): a full verification hashed this file whole.
-        check (`Callable[[os.stat_result], None]`, *optional*): called with the descriptor's ``fstat`` before a
-            byte is read (it must still be the file a verification checked).
+    ``header`` is the file's verified header and ``record`` its manifest record. With chunk hashes in the record,
+    each read covers whole chunks and checks each of them as it is read. Without (format versions 1 and 2), the whole
+    file is hashed once, before the first byte of it is used, unless ``hashed`` says a full verification already did.
+    Without a record (``verify="none"``), nothing is checked. ``check`` is called with the descriptor's ``fstat``
+    before a byte is read (it must still be the file a verification checked).
 
     Raises:
         CorruptCheckpointError: from the reads, naming the file and the byte range whose chunk disagrees.
@@ -114,10 +102,10 @@ class VerifiedFile:
         start = self.header.data_offset + info.start + first * itemsize
         end = self.header.data_offset + info.start + (last + 1) * itemsize
         if last + 1 - first == math.prod(sizes) and into.is_contiguous() and into.device.type == "cpu":
-            self.read_range_into(start, end, _byte_view(into))
+            self.read_range_into(start, end, byte_view(into))
             return
         buffer = torch.empty(end - start, dtype=torch.uint8)
-        self.read_range_into(start, end, _byte_view(buffer))
+        self.read_range_into(start, end, byte_view(buffer))
         with torch.no_grad():
             into.copy_(buffer.view(info.torch_dtype).as_strided(sizes, strides))
 

@@ -1,16 +1,7 @@
-"""Encode Python state objects (``state_dict()`` results) as JSON plus a side table of tensors.
+"""Encode Python state objects (``state_dict()`` results) as JSON plus a side table of tensors, never pickle.
 
-``torch.save`` stores these with pickle, which executes code on load. Here every value must be one of
-a closed set of types; anything else is refused at save time with the path of the offending value.
-
-Encoding rules (the decoder inverts them exactly):
-
-- ``None``, ``bool``, ``int``, ``float`` (including ``nan``/``inf``) and ``str`` are stored as is;
-- ``list`` stays a list; ``tuple`` becomes ``{"__tuple__": [...]}``;
-- a ``dict`` whose keys are all strings (and none is a marker) stays an object; other dicts become
-  ``{"__dict__": [[key, value], ...]}`` (so integer keys survive);
-- a ``torch.Tensor`` becomes ``{"__tensor__": name}`` and is added to the side table;
-- ``torch.dtype`` becomes ``{"__dtype__": "float32"}``; numpy scalars become Python scalars.
+Every value must be one of a closed set of types; anything else is refused at save time with the path of the
+offending value. The encoding rules (the decoder inverts them exactly): docs/format.md#a-regular-checkpoint.
 
 Example:
 
@@ -26,7 +17,7 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -35,7 +26,7 @@ import torch
 from ..errors import CorruptCheckpointError, UnsupportedStateError
 from ._jsonio import field_error
 
-__all__ = ["encode_state", "decode_state", "check_encoded"]
+__all__ = ["encode_state", "decode_state"]
 
 _TUPLE = "__tuple__"
 _DICT = "__dict__"
@@ -78,13 +69,8 @@ def encode_state(value: Any, tensors: dict[str, torch.Tensor], *, prefix: str) -
 
 
 def decode_state(value: Any, tensors: Mapping[str, torch.Tensor], *, source: str = "<state>", path: str = "") -> Any:
-    """Invert :func:`encode_state`, checking every marker (nothing is trusted from the file).
-
-    Args:
-        value: the JSON document (as ``json.loads`` returned it).
-        tensors (`Mapping[str, torch.Tensor]`): the side table the document refers to.
-        source (`str`, *optional*): the file, for error messages.
-        path (`str`, *optional*): where ``value`` sits inside the file, for error messages.
+    """Invert :func:`encode_state`, checking every marker (nothing is trusted from the file). ``tensors`` is the side
+    table the document refers to; ``source`` (the file) and ``path`` (where ``value`` sits in it) go into errors.
 
     Raises:
         CorruptCheckpointError: naming the file, the path inside it and what was expected, if a marker is
@@ -95,27 +81,6 @@ def decode_state(value: Any, tensors: Mapping[str, torch.Tensor], *, source: str
         return _decode(value, _resolver(tensors, source), source, path)
     except RecursionError:
         raise CorruptCheckpointError(f"{source}: {path or '<root>'}: the state is nested too deeply.") from None
-
-
-def check_encoded(value: Any, tensor_names: Collection[str], *, source: str = "<state>", path: str = "") -> set[str]:
-    """Check an encoded document without decoding tensors; return the tensor names it refers to.
-
-    Raises:
-        CorruptCheckpointError: as :func:`decode_state` does (a reference outside ``tensor_names`` is missing).
-    """
-    referenced: set[str] = set()
-
-    def resolve(name: str, where: str) -> str:
-        if name not in tensor_names:
-            raise _missing(source, where, name)
-        referenced.add(name)
-        return name
-
-    try:
-        _decode(value, resolve, source, path)
-    except RecursionError:
-        raise CorruptCheckpointError(f"{source}: {path or '<root>'}: the state is nested too deeply.") from None
-    return referenced
 
 
 def _resolver(tensors: Mapping[str, torch.Tensor], source: str) -> Callable[[str, str], Any]:

@@ -1,12 +1,9 @@
 """Move sharded models and committed training checkpoints to and from the Hugging Face Hub.
 
-Everything goes through ``huggingface_hub`` (one ``upload_folder`` commit per push, ``hf_hub_download`` for the index
-and the shards), with one exception: :func:`resumable_download`, which issues ranged ``GET``s itself because
-``huggingface_hub`` 2.x deletes partial downloads when a process dies, so a multi-GB file would restart from zero.
-
-Downloads are index first: the ``model.safetensors.index.json`` names the shards, so only the shards holding the
-tensors asked for are fetched, and each is checked against the record (size and xxh3-128) that :func:`push_sharded`
-wrote in the index metadata (``metadata["hf_resumable_shards"]``).
+Everything goes through ``huggingface_hub`` (one ``upload_folder`` commit per push), except
+:func:`resumable_download`, which issues ranged ``GET``s itself because ``huggingface_hub`` deletes partial downloads
+when a process dies. Downloads are index first and check each shard against the record :func:`push_sharded` wrote.
+See docs/hub-and-lazy.md.
 
 Example:
 
@@ -17,23 +14,13 @@ Example:
 ```
 """
 
-from ._common import (
-    SHARD_RECORDS_KEY,
-    SINGLE_MODEL_FILE,
-    HfUrl,
-    HubSnapshot,
-    parse_hf_url,
-    read_index_file,
-    shard_record,
-)
+from ._common import HfUrl, HubSnapshot, parse_hf_url, read_index_file, shard_record
 from .checkpoints import PushedCheckpoint, find_latest_hub_checkpoint, pull_checkpoint, push_checkpoint
 from .download import resumable_download
 from .models import download_shards, push_sharded, write_sharded_model
 from .uploader import CheckpointUploader
 
 __all__ = [
-    "SINGLE_MODEL_FILE",
-    "SHARD_RECORDS_KEY",
     "HfUrl",
     "HubSnapshot",
     "read_index_file",

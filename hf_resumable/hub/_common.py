@@ -1,6 +1,5 @@
 """Shared pieces of the hub package: hf:// URLs, a repo pinned at one commit, index and shard checks."""
 
-
 from __future__ import annotations
 
 import contextlib
@@ -24,15 +23,7 @@ from huggingface_hub.errors import (
     SafetensorsParsingError,
 )
 
-from ..constants import (  # noqa: F401 - INDEX_VERSION_KEY, PART_SUFFIX, SIDECAR_SUFFIX re-exported for hub modules
-    INDEX_VERSION_KEY,
-    MAX_JSON_SIZE,
-    MODEL_INDEX_FILE,
-    PART_SUFFIX,
-    SHARDS_KEY,
-    SIDECAR_SUFFIX,
-    SINGLE_MODEL_FILE,
-)
+from ..constants import MAX_JSON_SIZE, MODEL_INDEX_FILE, SHARDS_KEY, SINGLE_MODEL_FILE
 from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -43,20 +34,14 @@ from ..errors import (
 )
 from ..format._jsonio import parse_json
 from ..format._safefile import read_regular_file
-from ..format.safetensors_io import FileRecord, check_file, hash_file
+from ..format.safetensors_io import FileRecord, check_file
 from ..format.sharding import ShardIndex, check_relative_name, parse_index
 
 logger = logging.getLogger(__name__)
 
 
-
-
-# The index's shard records (one key with the checkpoint format's SHARDS_KEY, under the name the hub module used).
-SHARD_RECORDS_KEY = SHARDS_KEY
 # Remote files push_sharded replaces on every push (stale shards of an earlier layout are deleted).
 WEIGHT_PATTERNS = ["model*.safetensors", MODEL_INDEX_FILE]
-_DOWNLOAD_CHUNK = 1024 * 1024
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 # Shard headers fetched at once when an index is opened (ranged GETs; each is small).
 HEADER_FETCH_WORKERS = 8
 
@@ -234,7 +219,7 @@ class HubSnapshot:
                                         local_dir=self.local_dir, repo_type=self.repo_type))
         if expected is not None:
             _verify_file(path, expected, source=f"{self.label}/{filename}",
-                         recorded_by=f"its {SHARD_RECORDS_KEY} record")
+                         recorded_by=f"its {SHARDS_KEY} record")
         return path
 
     def fetch_index(self) -> tuple[ShardIndex | None, Path]:
@@ -309,19 +294,19 @@ def shard_record(index: ShardIndex, filename: str, *, source: str | None = None)
     ```
     """
     source = source or index.source
-    records = index.metadata.get(SHARD_RECORDS_KEY)
+    records = index.metadata.get(SHARDS_KEY)
     if records is None:
         return None
     if not isinstance(records, dict):
-        raise HubFormatError(f"{source}: metadata {SHARD_RECORDS_KEY!r} must be an object of shard records; "
+        raise HubFormatError(f"{source}: metadata {SHARDS_KEY!r} must be an object of shard records; "
                              "the index is corrupt. Re-push the model.")
     record = records.get(filename)
     if record is None:
         return None
     try:
-        return FileRecord.from_json(record, source=source, where=f"{SHARD_RECORDS_KEY}[{filename[:100]!r}]")
+        return FileRecord.from_json(record, source=source, where=f"{SHARDS_KEY}[{filename[:100]!r}]")
     except CorruptCheckpointError as err:
-        raise HubFormatError(f"the {SHARD_RECORDS_KEY} record of {filename!r} is malformed: {err} Re-push the "
+        raise HubFormatError(f"the {SHARDS_KEY} record of {filename!r} is malformed: {err} Re-push the "
                              "model.") from None
 
 
@@ -341,11 +326,6 @@ def read_index_file(path: Path, *, source: str) -> ShardIndex:
     """
     document = parse_json(read_regular_file(path, limit=MAX_JSON_SIZE), source=source)
     return parse_index(document, source=source)
-
-
-def _sha256_of(path: Path) -> str:
-    """The sha256 of a downloaded file, computed here on demand: what the Hub knows an LFS file by (its oid)."""
-    return hash_file(path, xxh3_128=False, sha256=True).sha256
 
 
 def _remove_download(path: Path) -> None:

@@ -1,6 +1,5 @@
 """Push and pull committed training checkpoints; find the newest one in a repo."""
 
-
 from __future__ import annotations
 
 import functools
@@ -17,7 +16,6 @@ from ..checkpoint.commit.manifest import read_manifest
 from ..checkpoint.verify import verify_checkpoint
 from ..constants import CHECKPOINT_DIR_RE, MANIFEST_FILE
 from ..errors import IncompleteCheckpointError
-from ..format.safetensors_io import FileRecord
 from ..progress import progress_bar
 from ._common import HfUrl, HubSnapshot, parse_hf_url
 from .download import resumable_download
@@ -25,13 +23,7 @@ from .download import resumable_download
 logger = logging.getLogger(__name__)
 
 
-
 # --------------------------------------------------------------------------------------------------- checkpoints
-def _manifest_files(manifest_path: Path) -> dict[str, FileRecord]:
-    """``{relpath: record}`` of a manifest, validated by the checkpoint module's parser."""
-    return read_manifest(manifest_path.parent).files
-
-
 def _verify_against_manifest(directory: str | os.PathLike, *, check_hashes: bool = True) -> None:
     """Verify a checkpoint with :func:`hf_resumable.checkpoint.verify_checkpoint`; bad files are removed so a
     re-pull fetches them again.
@@ -106,7 +98,7 @@ def pull_checkpoint(
         )
     get = functools.partial(resumable_download, url.repo_id, revision=snapshot.commit, local_dir=root, token=token,
                             repo_type=url.repo_type)
-    manifest = _manifest_files(get(f"{prefix}{MANIFEST_FILE}"))
+    manifest = read_manifest(get(f"{prefix}{MANIFEST_FILE}").parent).files  # validated by the checkpoint's parser
     with progress_bar(total=sum(remote.values()), desc=f"pulling {url.path_in_repo or url.repo_id}") as bar:
         for name, size in remote.items():
             record = manifest.get(name[len(prefix):])

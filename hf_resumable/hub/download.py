@@ -1,13 +1,13 @@
 """resumable_download: ranged GETs into a ``.part`` file that survives the process (huggingface_hub 2.x deletes
 partial downloads when a process dies, so a multi-GB file would restart from zero)."""
 
-
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
 import os
+import re
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -18,13 +18,16 @@ import httpx2
 from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
 from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
+from ..constants import PART_SUFFIX, SIDECAR_SUFFIX
 from ..errors import CorruptCheckpointError, HubError
-from ..format.safetensors_io import FileRecord, check_file
+from ..format.safetensors_io import FileRecord, check_file, hash_file
 from ..format.sharding import check_relative_name
-from ._common import _DOWNLOAD_CHUNK, _SHA256_RE, PART_SUFFIX, SIDECAR_SUFFIX, _sha256_of, hub_errors
+from ._common import hub_errors
 
 logger = logging.getLogger(__name__)
 
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")  # an LFS file's ETag is its sha256
+_HASH_READ = 8 * 1024 * 1024  # bytes read at a time to hash a file already on disk
 
 
 # --------------------------------------------------------------------------------------------------- resumable GET
@@ -93,9 +96,14 @@ def _fetch_into(part: Path, remote: _RemoteFile, start: int, token: str | None) 
 def _git_blob_sha1(path: Path) -> str:
     digest = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
     with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_DOWNLOAD_CHUNK * 8):
+        while chunk := f.read(_HASH_READ):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _sha256_of(path: Path) -> str:
+    """The sha256 of a downloaded file, computed on demand: what the Hub knows an LFS file by (its oid)."""
+    return hash_file(path, xxh3_128=False, sha256=True).sha256
 
 
 def _is_up_to_date(target: Path, remote: _RemoteFile, expected_sha256: str | None,
@@ -111,19 +119,17 @@ def _is_up_to_date(target: Path, remote: _RemoteFile, expected_sha256: str | Non
     return bool(remote.etag) and _git_blob_sha1(target) == remote.etag
 
 
-def _download_problem(part: Path, expected_sha256: str | None, expected: FileRecord | None) -> str | None:
-    """Why the downloaded ``part`` is not the wanted file: checked against the record ``expected`` (a manifest's: its
-    xxh3-128, or sha256 where it has no other) when given, else against ``expected_sha256`` (or the LFS oid)."""
-    if expected is not None:
-        return check_file(part, expected)
-    if expected_sha256 is not None and (actual := _sha256_of(part)) != expected_sha256:
-        return f"sha256 {actual} but expected {expected_sha256}"
-    return None
-
-
 def _finish_download(part: Path, target: Path, expected_sha256: str | None, expected: FileRecord | None,
                      source: str) -> None:
-    if (problem := _download_problem(part, expected_sha256, expected)) is not None:
+    """Move the downloaded ``part`` into place once it checks out: against the record ``expected`` (a manifest's: its
+    xxh3-128, or sha256 where it has no other) when given, else against ``expected_sha256`` (or the LFS oid)."""
+    if expected is not None:
+        problem = check_file(part, expected)
+    elif expected_sha256 is not None and (actual := _sha256_of(part)) != expected_sha256:
+        problem = f"sha256 {actual} but expected {expected_sha256}"
+    else:
+        problem = None
+    if problem is not None:
         part.unlink()
         raise CorruptCheckpointError(
             f"{source}: downloaded {problem}; the partial file was removed. Retry; if it persists, the remote file is"

@@ -1,6 +1,5 @@
 """Push a sharded model in one commit; download only the shards that hold the tensors asked for."""
 
-
 from __future__ import annotations
 
 import logging
@@ -13,17 +12,23 @@ from typing import TYPE_CHECKING, Any
 
 from huggingface_hub import CommitInfo, HfApi
 
-from ..constants import FORMAT_VERSION, MODEL_FILE_PATTERN, MODEL_INDEX_FILE, README_FILE
+from ..constants import (
+    FORMAT_VERSION,
+    INDEX_VERSION_KEY,
+    MODEL_FILE_PATTERN,
+    MODEL_INDEX_FILE,
+    README_FILE,
+    SINGLE_MODEL_FILE,
+)
 from ..errors import CheckpointMismatchError, CheckpointNotFoundError
 from ..format._jsonio import json_bytes
 from ..format.sharding import ShardIndex
-from ._common import INDEX_VERSION_KEY, SINGLE_MODEL_FILE, WEIGHT_PATTERNS, HubSnapshot
+from ._common import WEIGHT_PATTERNS, HubSnapshot
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
-
 
 
 # --------------------------------------------------------------------------------------------------- push a model
@@ -71,12 +76,10 @@ def _stage_model(model_or_state_dict: Any, directory: Path, *, max_shard_size: i
     if hasattr(model_or_state_dict, "state_dict"):
         model = model_or_state_dict
         state_dict = model.state_dict()
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(directory)
-        generation_config = getattr(model, "generation_config", None)
-        if generation_config is not None and hasattr(generation_config, "save_pretrained"):
-            generation_config.save_pretrained(directory)
+        for attribute in ("config", "generation_config"):
+            saved_beside = getattr(model, attribute, None)
+            if saved_beside is not None and hasattr(saved_beside, "save_pretrained"):
+                saved_beside.save_pretrained(directory)
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"push_sharded needs a torch.nn.Module, a state dict or a directory, got {type(state_dict)}.")
     write_sharded_model(state_dict, directory, max_shard_size=max_shard_size)

@@ -28,11 +28,9 @@ def _is_retryable(err: BaseException) -> bool:
 class CheckpointUploader(BackgroundUploader[PushedCheckpoint]):
     """Push committed checkpoints to the Hub from a background thread, in submission order, never skipping one.
 
-    A :class:`~hf_resumable.remote.BackgroundUploader` whose push is :func:`push_checkpoint` (one commit per
-    checkpoint). Failed attempts are retried with exponential backoff on 5xx, 408/429 and connection errors. A
-    checkpoint is in :meth:`confirmed` only after its commit exists; until then it is in :meth:`pending` (also
-    after a final failure), so retention can keep every checkpoint that is not safely on the Hub. A final
-    failure is raised (as [`HubError`]) by the next :meth:`submit` or :meth:`wait`.
+    A :class:`~hf_resumable.remote.BackgroundUploader` (confirmed only once committed, pending until then) whose push
+    is :func:`push_checkpoint` (one commit per checkpoint), retrying 5xx, 408/429 and connection errors; a final
+    failure is raised as [`HubError`] by the next :meth:`submit` or :meth:`wait`.
 
     Args:
         repo_id (`str`): target repo.
@@ -41,9 +39,7 @@ class CheckpointUploader(BackgroundUploader[PushedCheckpoint]):
         branch (`str`, *optional*): default branch of every push (``submit(branch=)`` overrides it).
         path_prefix (`str`, *optional*): push each checkpoint to ``<path_prefix>/<its directory name>`` unless
             ``submit(path_in_repo=)`` says otherwise.
-        max_retries (`int`, *optional*, defaults to `5`): retries per checkpoint after the first attempt.
-        base_delay (`float`, *optional*, defaults to `1.0`): first backoff in seconds (doubled each retry).
-        max_delay (`float`, *optional*, defaults to `60.0`): backoff cap in seconds.
+        max_retries, base_delay, max_delay: as for :class:`~hf_resumable.remote.BackgroundUploader`.
 
     Example:
 

@@ -1,16 +1,8 @@
 """Lazy access to sharded safetensors weights: a read-only state dict, shard-by-shard loading, layer streaming.
 
-Three tools, all index first (``model.safetensors.index.json`` or a single ``model.safetensors``):
-
-- :class:`LazyStateDict`: a ``Mapping[str, torch.Tensor]`` whose names, shapes and dtypes come from the safetensors
-  headers; a tensor is read (``safetensors.safe_open``, mmap) when it is accessed, and for a Hub repo only the shards
-  actually touched are downloaded.
-- :func:`load_lazily`: fill a model (also one built on the meta device) shard by shard, reading each tensor straight
-  into the parameter's memory, so at most one shard's worth of pages is in flight beyond the model's own weights.
-  Strictness is decided **once**, against all shards, before anything is read.
-- :class:`StreamingModel` / :func:`stream_forward`: run a model that lives on the meta device within a memory budget
-  (``max_memory``): a model that fits is loaded whole, otherwise its blocks are read from the shards as they run
-  (:func:`plan_residency`), the next one on a background thread while the current one computes; ``generate`` works.
+:class:`LazyStateDict` reads a tensor when it is accessed, :func:`load_lazily` fills a model shard by shard
+(strictness decided once, against all shards), :class:`StreamingModel` / :func:`stream_forward` run a model within a
+memory budget. All read the index first. See docs/hub-and-lazy.md#lazy-loading and docs/streamed-inference.md.
 
 Example:
 
@@ -21,7 +13,6 @@ Example:
 >>> missing, unexpected = load_lazily(model, "me/tiny-llama")  # doctest: +SKIP
 ```
 """
-
 
 from ._load import LoadPlan, load_lazily, plan_load
 from ._residency import ResidencyPlan, plan_residency

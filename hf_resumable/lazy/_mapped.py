@@ -35,17 +35,11 @@ _MADVISE = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_
 
 @dataclass(frozen=True)
 class MappedBlock:
-    """Tensors that are views of one shard's mapping, and the page-aligned range of the file that holds them.
+    """Tensors that are views of one shard's mapping, and the page-aligned range of the file that holds them."""
 
-    Args:
-        tensors (`dict[str, torch.Tensor]`): contiguous CPU tensors backed by the file.
-        start (`int`): first address of the range (page-aligned).
-        length (`int`): bytes of the range.
-    """
-
-    tensors: dict[str, torch.Tensor]
-    start: int
-    length: int
+    tensors: dict[str, torch.Tensor]  # contiguous CPU tensors backed by the file
+    start: int  # first address of the range (page-aligned)
+    length: int  # bytes of the range
 
     def populate(self) -> None:
         """Read the range's pages in now, so using the tensors does not fault (ctypes releases the GIL: the
@@ -116,15 +110,8 @@ class ShardMaps:
 
     def view(self, path: str | os.PathLike, names: Collection[str],
              shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> MappedBlock:
-        """Views of the tensors ``names`` of the safetensors file ``path`` (no data is read).
-
-        Args:
-            path (`str` or `os.PathLike`): the shard.
-            names (`Collection[str]`): tensors to map.
-            shapes (`dict[str, tuple[torch.Size, torch.dtype]]`): the shape and dtype each must have.
-
-        Returns:
-            [`MappedBlock`].
+        """Views of the tensors ``names`` of the shard ``path``, each of the ``(shape, dtype)`` that ``shapes`` gives
+        it (no data is read).
 
         Raises:
             CorruptCheckpointError: if a tensor is missing, has another shape or dtype, or the file is truncated.

@@ -20,19 +20,13 @@ class BlockPrefetcher:
 
     ``read(index)`` runs on the thread and returns a block's tensors (file reads release the GIL, so the read
     overlaps the running block's compute). A block occupies one of ``slots`` until :meth:`done` hands it back, so at
-    most ``slots`` blocks are in memory. After the last block the thread goes on with the first one: the next decoding
-    step needs it, and reading it overlaps the head, the sampling and the embedding of the next token.
+    most ``slots`` blocks are in memory (``1``: no read-ahead). The blocks are read in ``order`` (forward order); after
+    the last one the thread goes on with the first: the next decoding step needs it, and reading it overlaps the
+    head, the sampling and the embedding of the next token.
 
     :meth:`take` returns a block once read. Asked for a block other than the next in order (a pass that stopped
-    half-way, or a caller running one block alone), it drops what was read ahead and restarts from that block.
-    An error raised by ``read`` is raised again by :meth:`take`.
-
-    Args:
-        order (`Sequence[int]`): the streamed blocks in forward order.
-        read (`Callable[[int], dict[str, torch.Tensor]]`): reads one block (called on the thread).
-        discard (`Callable[[int, dict[str, torch.Tensor]], None]`): takes back a block (its index and tensors)
-            read ahead and never used.
-        slots (`int`): blocks in memory at once (``1``: no read-ahead).
+    half-way, or a caller running one block alone), it hands what was read ahead to ``discard(index, tensors)`` and
+    restarts from that block. An error raised by ``read`` is raised again by :meth:`take`.
 
     Example:
 

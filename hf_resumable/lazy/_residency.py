@@ -69,14 +69,9 @@ def plan_residency(outside_bytes: int, block_bytes: Sequence[int], *, max_memory
                    prefetch: bool = True, keep_resident: bool = False) -> ResidencyPlan:
     """Plan which blocks stay resident and how many are read ahead within ``max_memory`` bytes of weights.
 
-    The non-block weights (embeddings, final norm, head) are always resident. Then, in this order: one slot for the
-    block that runs; a second slot so the next block is read while it runs (``prefetch``); and, with
-    ``keep_resident``, as many resident blocks as the rest of the budget holds, spread evenly over the depth of the
-    model. A budget that holds every weight streams nothing.
-
-    Resident blocks are off by default: measured against accelerate's disk offload (docs/streamed-inference.md),
-    they did not make decoding faster while the page cache holds the files, and they raise peak RSS by their size;
-    when it does not, they save only their share of the reads.
+    The non-block weights are always resident; then one slot for the block that runs, a second for the next one
+    (``prefetch``) and, with ``keep_resident``, resident blocks spread over the depth of the model. A budget that
+    holds every weight streams nothing. Why resident blocks are off by default: docs/streamed-inference.md.
 
     Args:
         outside_bytes (`int`): bytes of the weights outside the blocks.

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._urls import location_kind
 from ..hub import parse_hf_url
 from ._load import LoadPlan, _as_weights, _empty, _fill_aliases, _materialize, _read_into, _read_shard, _tie, plan_load
 from ._mapped import MappedBlock, ShardMaps
@@ -94,7 +95,7 @@ def _normalize_device(device: str | torch.device | None) -> torch.device | None:
 
 def _resolve(path_or_repo_id: str | os.PathLike, revision: str | None) -> tuple[str | os.PathLike, str | None]:
     """``hf://namespace/name[@revision]`` -> ``(namespace/name, revision)``; anything else unchanged."""
-    if not str(path_or_repo_id).startswith("hf://"):
+    if location_kind(path_or_repo_id) != "hub":
         return path_or_repo_id, revision
     url = parse_hf_url(str(path_or_repo_id))
     if url.path_in_repo or url.repo_type != "model":
@@ -118,22 +119,12 @@ def _model_on_meta(location: str | os.PathLike, config: Any, revision: str | Non
 class StreamingModel(contextlib.AbstractContextManager):
     """Run a meta-device model within a memory budget: blocks that do not fit are read from the shards as they run.
 
-    On enter, every weight outside the blocks (embeddings, final norm, head) is loaded and the key match is checked
-    once for the whole model (``strict`` as in :func:`load_lazily`). Then :func:`plan_residency` splits the budget:
-    a model that fits is loaded whole; otherwise every block is streamed (with ``keep_resident``, as many blocks as
-    the rest of the budget holds are loaded and kept). A streamed block gets a forward pre-hook that waits for its
-    pages and a forward hook that hands its slot back. A background thread reads the next streamed blocks (in
-    forward order, wrapping around to the next decoding step) while the current block computes, so reading and
-    computing overlap. Outputs equal those of the fully loaded model, and ``generate`` works with the KV cache (the
-    cache holds keys and values, not weights, so streaming does not touch it).
-
-    Memory: the weights held never exceed ``max_memory``; activations and the KV cache come on top, as with
-    accelerate's ``max_memory``. A block stored in the model's dtype is a view of its shard, mapped once, and its
-    parameters are those views, installed on its first run and kept (so nothing is installed per token): the
-    thread reads its pages in (``madvise``, the GIL released) before it runs and drops them from the process after
-    (they stay in the page cache), so RSS counts only the blocks in flight. A block that must be cast is read into
-    pooled buffers, installed before it runs and put back on the meta device after. Reads go through the OS page
-    cache, so a model that fits in RAM is served from memory after the first pass.
+    On enter, the weights outside the blocks are loaded and the key match is checked once for the whole model
+    (``strict`` as in :func:`load_lazily`); :func:`plan_residency` splits the budget. A streamed block is read by a
+    background thread while the one before it computes, and hooks wait for its pages and hand its slot back. Outputs
+    equal those of the fully loaded model, and ``generate`` works with the KV cache. The weights held never exceed
+    ``max_memory``; activations and the KV cache come on top. How blocks are mapped, installed and evicted:
+    docs/streamed-inference.md.
 
     > [!WARNING]
     > A streamed block's parameters are read-only views of the shard files: an in-place change to one is dropped
@@ -238,9 +229,6 @@ class StreamingModel(contextlib.AbstractContextManager):
         return cls(model, weights, max_memory=max_memory, prefetch=prefetch, keep_resident=keep_resident,
                    strict=strict, device=device)
 
-    def _block_prefix(self, index: int) -> str:
-        return f"{self.blocks_name}.{index}."
-
     def __enter__(self) -> nn.Module:
         try:
             return self._enter()
@@ -334,14 +322,9 @@ class StreamingModel(contextlib.AbstractContextManager):
             _read_shard(self.model, self.weights, filename, group, self.plan.sources, self._pool.allocate)
 
     def _read_block(self, index: int) -> dict[str, torch.Tensor]:
-        """One block's tensors (runs on the prefetch thread; touches no module).
-
-        First the pages of the blocks that have run since the last read are dropped from the process (here, not in
-        the forward pass: ``madvise`` is a syscall the compute thread need not wait for). Tensors stored in the
-        model's dtype are views of their shard's mapping, made once per block (no header parse, no mmap per
-        token); their pages are read in here. Others are read into pooled buffers and cast. The next streamed
-        block's pages are then requested from the disk without waiting for them, so the disk keeps reading while this
-        block runs and the next one is populated."""
+        """One block's tensors (runs on the prefetch thread; touches no module): evict the blocks that ran (here: a
+        syscall the compute thread need not wait for), populate this block's views and read the rest into pooled
+        buffers, then ask the disk for the next block's pages (docs/streamed-inference.md)."""
         self._evict_finished()
         block = {}
         for mapped in self._view_block(index):

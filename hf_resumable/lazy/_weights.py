@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from ..checkpoint.pieces import base_not_stored
-from ..constants import MODEL_INDEX_FILE, TIED_KEY
+from ..constants import MODEL_INDEX_FILE, SINGLE_MODEL_FILE, TIED_KEY
 from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -23,12 +23,11 @@ from ..errors import (
     IncompleteCheckpointError,
 )
 from ..format._jsonio import parse_json
-from ..format.safetensors_io import STR_TO_DTYPE, read_header
+from ..format.safetensors_io import STR_TO_DTYPE, SafetensorsHeader, read_header
 from ..format.sharding import ShardIndex
-from ..hub import SINGLE_MODEL_FILE, HubSnapshot, read_index_file
+from ..hub import HubSnapshot, read_index_file
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True)
@@ -161,8 +160,7 @@ class LazyStateDict(Mapping[str, torch.Tensor]):
             self._handles.pop(name, None)
 
 
-def _metas_from_header(path: Path, filename: str) -> dict[str, TensorMeta]:
-    header = read_header(path)
+def _metas(header: SafetensorsHeader, filename: str) -> dict[str, TensorMeta]:
     return {n: TensorMeta(n, info.torch_dtype, info.shape, filename) for n, info in header.tensors.items()}
 
 
@@ -202,7 +200,7 @@ def _aliases(index: ShardIndex) -> dict[str, str]:
 def _open_local(path: Path) -> LazyStateDict:
     if path.is_file():
         header = read_header(path)
-        metas = {n: TensorMeta(n, info.torch_dtype, info.shape, path.name) for n, info in header.tensors.items()}
+        metas = _metas(header, path.name)
         return LazyStateDict(metas, lambda _: path, source=str(path),
                              aliases=_tied_record(header.metadata.get(TIED_KEY), metas))
     index_path, single = path / MODEL_INDEX_FILE, path / SINGLE_MODEL_FILE
@@ -221,7 +219,7 @@ def _open_local(path: Path) -> LazyStateDict:
         shard = path / filename
         if not shard.is_file():
             raise IncompleteCheckpointError(f"{index_path} names shard {filename!r}, which is missing from {path}.")
-        metas.update({n: m for n, m in _metas_from_header(shard, filename).items()
+        metas.update({n: m for n, m in _metas(read_header(shard), filename).items()
                       if index.weight_map.get(n) == filename})
     _check_index_against_headers(index, metas)
     return LazyStateDict(metas, lambda f: path / f, source=str(path), aliases=_aliases(index))

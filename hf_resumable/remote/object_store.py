@@ -1,10 +1,8 @@
 """Object-store tier through fsspec: local-first saves, background uploads, manifest-last commits.
 
-Object stores have no atomic rename, so the commit marker is the remote ``manifest.json``, uploaded
-only after every other file is present with the size the manifest lists. A reader treats a remote
-``checkpoint-N/`` as committed only if its manifest parses and every file it lists is there with the
-right size; anything else (an upload cut by a network failure) is skipped, exactly like a local
-directory without a manifest.
+Object stores have no atomic rename, so the commit marker is the remote ``manifest.json``, uploaded last; a remote
+``checkpoint-N/`` counts as committed only if its manifest parses and every file it lists has its size. See
+docs/object-stores.md.
 
 Example:
 
@@ -81,15 +79,12 @@ def _with_retries(what: str, fn, *, attempts: int = 4, base_delay: float = 0.5):
     for attempt in range(1, attempts + 1):
         try:
             return fn()
-        except (OSError, HfResumableError) as err:
-            if isinstance(err, (CheckpointExistsError, CorruptCheckpointError)) or attempt == attempts:
-                raise
-            delay = base_delay * 2 ** (attempt - 1)
-            logger.warning("%s failed (%s: %s); retry %d/%d in %.1f s", what, type(err).__name__, err, attempt,
-                           attempts - 1, delay)
-            time.sleep(delay)
         except Exception as err:  # noqa: BLE001 - botocore/aiohttp errors are not OSError subclasses
+            if isinstance(err, (CheckpointExistsError, CorruptCheckpointError)):
+                raise
             if attempt == attempts:
+                if isinstance(err, (OSError, HfResumableError)):
+                    raise
                 raise StorageError(f"{what} failed after {attempts} attempts: {type(err).__name__}: {err}") from err
             delay = base_delay * 2 ** (attempt - 1)
             logger.warning("%s failed (%s: %s); retry %d/%d in %.1f s", what, type(err).__name__, err, attempt,
@@ -193,7 +188,6 @@ def upload_checkpoint(
         raise StorageError(f"{url}: after upload these files are missing or of the wrong size: {wrong[:5]}; "
                            "the checkpoint was not committed.")
     _with_retries(f"commit of {url}", lambda: fs.put_file(str(local_dir / MANIFEST_FILE), f"{root}/{MANIFEST_FILE}"))
-    total = sum(r.size for r in report.manifest.files.values())
     logger.info("Uploaded %s to %s (%.1f MB) in %.2f s", local_dir, url, total / 1e6, time.perf_counter() - started)
     return url
 

@@ -1,27 +1,20 @@
 """A standby interpreter: it runs a script's leading imports ahead of time, then starts the next attempts.
 
-Run by the supervisor as a file (``python [options] _standby.py CONTROL_FD PLAN_JSON``), never imported: it uses
-the standard library only, so that nothing but the planned imports is loaded before the run starts (not even
-``hf_resumable``), and so that any interpreter can run it. Started with the command's own interpreter, options,
-working directory and environment, it is the fresh process the command would start, with its first import
-statements already executed:
+Run by the supervisor as a file (``python [options] _standby.py CONTROL_FD PLAN_JSON``), never imported, standard
+library only, so that nothing but the planned imports is loaded before the run starts. Started with the command's
+own interpreter, options, directory and environment:
 
-1. ``sys.path[0]`` is set to what the command's interpreter would put there (the script's directory, or the working
-   directory for ``-m``), then each planned import statement is executed in a throwaway namespace, except those that
-   load the user's own modules (under the script's or the working directory, outside any ``site-packages``: they may
-   change before the run starts). One that fails is skipped: the run executes it again and fails as it would have.
-2. It reads requests on the ``CONTROL_FD`` socket, ignoring SIGINT (a Ctrl-C at the terminal is for the running
-   attempt). End of file (the supervisor is gone, or the standby is not needed) exits quietly.
-3. ``fork N``: it forks the attempt and stays, ready for the next failure, so that no restart imports anything
-   again. It answers ``pid P``, or ``refused WHY`` where a fork is not safe: an import started a Python thread, or
-   loaded a GPU driver (a forked child cannot use a driver its parent initialised). The attempt's parent exits at
-   once, so the supervisor (a child subreaper) becomes its parent.
+1. ``sys.path[0]`` is set as the command's interpreter would set it, then each planned import runs in a throwaway
+   namespace, except the user's own modules (they may change before the run starts); one that fails is skipped (the
+   run executes it again and fails as it would have).
+2. It reads requests on ``CONTROL_FD``, ignoring SIGINT; end of file exits quietly.
+3. ``fork N``: it forks the attempt and stays ready for the next failure, answering ``pid P``, or ``refused WHY``
+   where a fork is not safe (an import started a thread or loaded a GPU driver). The attempt's parent exits at once,
+   so the supervisor (a child subreaper) becomes its parent.
 4. ``go N``: it becomes the attempt itself (after a refused fork).
 
-An attempt has ``HF_RESUMABLE_RESTARTS=N`` and ``HF_RESUMABLE_WARM=1`` set, ``sys.argv`` as the command's, SIGINT
-as a new interpreter has it, torch's and numpy's global generators seeded anew (``random`` re-seeds itself after a
-fork), and runs the script as ``__main__`` the way the interpreter runs one (a module through :mod:`runpy`). Its exit
-status is the process's.
+An attempt has ``HF_RESUMABLE_RESTARTS=N`` and ``HF_RESUMABLE_WARM=1`` set, the command's ``sys.argv``, SIGINT as a
+new interpreter has it and torch's and numpy's global generators seeded anew, and runs the script as ``__main__``.
 """
 
 import json

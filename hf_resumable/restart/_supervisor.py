@@ -1,16 +1,9 @@
 """``hf-resumable run``: run a training command, and when its process dies, start it again at once.
 
-The restart is what a preemption costs beside the work redone, and most of a restart is imports (torch and
-transformers are slow to import). So while an attempt trains, a **standby interpreter** (started with the
-command's interpreter, options, directory and environment) has already executed the script's leading import
-statements and waits. When the attempt's process dies, the standby forks the next attempt and stays ready for the
-next failure (where a fork is unsafe it runs the attempt itself, and a new standby starts). The run's own code (the
-model, the data, the checkpoint loaded by ``ResumableTrainer``) starts fresh in each attempt, exactly as in a new
-process: only import statements ran ahead. See :mod:`._standby` for what the standby does, and
-:func:`~hf_resumable.restart._plan.plan_warm_start` for which commands qualify (others restart cold).
-
-Stopping: SIGTERM, SIGINT and SIGHUP sent to this process are passed on to the running attempt, and no restart
-follows; the exit status is the attempt's (``128 + N`` for a signal ``N``). An attempt that exits 0 ends the run.
+While an attempt trains, a standby interpreter (:mod:`._standby`) has already executed the script's leading import
+statements; when the attempt dies it forks the next one. Only import statements run ahead: the run's own code starts
+fresh in each attempt. Which commands qualify: :func:`~hf_resumable.restart._plan.plan_warm_start`. Signals, exit
+status and limits: docs/trainer.md#restarting-at-once-hf-resumable-run.
 """
 
 from __future__ import annotations
