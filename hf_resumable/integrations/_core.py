@@ -4,9 +4,10 @@ check, the follow-ups of a commit (:class:`AfterCommit`) and the upstream-versio
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from ._trainer_hparams import RESUME_HYPERPARAMETERS
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT", "AfterCommit", "ResumeOptions", "UpstreamInternalsError", "changed_settings", "check_drift",
-           "check_upstream", "inexact", "notice_save_in_flight"]
+           "check_upstream", "inexact", "notice_save_in_flight", "patched"]
 
 class _Default:
     """The "option not given" marker; one instance, which stays itself when the options are pickled or copied
@@ -210,6 +211,17 @@ class AfterCommit:
             background_saver().wait()
         for _, follow_up in pending:
             follow_up()
+
+
+@contextlib.contextmanager
+def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.<name>`` is ``value`` for the duration of the block (how the integrations bend upstream internals)."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
 
 def notice_save_in_flight() -> Future | None:

@@ -29,6 +29,7 @@ from ..checkpoint.pieces import (
 )
 from ..distributed import all_gather_json
 from ..errors import IncompleteCheckpointError, UnsupportedEngineError
+from ._core import patched
 from ._engines import refuse_engine
 
 logger = logging.getLogger(__name__)
@@ -440,19 +441,12 @@ def restore_engine_state(engine: Any, optimizers: list[Any], state: Mapping[str,
             setattr(scaler, key, value)
 
 
-@contextlib.contextmanager
-def deepspeed_resume_by_us() -> Iterator[None]:
+def deepspeed_resume_by_us() -> contextlib.AbstractContextManager[None]:
     """Inside ``Trainer.train``: the Trainer's ``deepspeed_load_checkpoint`` (DeepSpeed's pickled folders) does
     nothing; ``ResumableTrainer`` loads the ZeRO state from its own checkpoint."""
     import transformers.trainer as trainer_module
 
-    original = trainer_module.deepspeed_load_checkpoint
-
     def load_nothing(*args: Any, **kwargs: Any) -> None:
         logger.debug("DeepSpeed's own checkpoint loading skipped: hf_resumable loads the ZeRO state.")
 
-    trainer_module.deepspeed_load_checkpoint = load_nothing
-    try:
-        yield
-    finally:
-        trainer_module.deepspeed_load_checkpoint = original
+    return patched(trainer_module, "deepspeed_load_checkpoint", load_nothing)

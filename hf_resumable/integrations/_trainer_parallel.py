@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import UnsupportedEngineError
+from ._core import patched
 from ._parallelism import ParallelLayout, layout_of
 
 logger = logging.getLogger(__name__)
@@ -42,13 +43,8 @@ def sharded_model_construction(model: Any, args: Any) -> Iterator[None]:
         yield
         return
     requested = layout_of(getattr(args, "parallelism_config", None))
-    lifted = not args.save_only_model
-    args.save_only_model = True
-    try:
+    with patched(args, "save_only_model", True):
         yield
-    finally:
-        if lifted:
-            args.save_only_model = False
     loaded = _model_layout(model)
     if requested is not None and (requested.tp, requested.data_world) != (loaded.tp, loaded.data_world):
         raise UnsupportedEngineError(

@@ -14,7 +14,6 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from ..format.state import RunConfig
 from ..format.state_codec import encode_state
 from ..locations import open_uploader
 from ..preemption import PreemptionAction, PreemptionHandler, PreemptionProtocol, exit_after_preemption
-from ._core import AfterCommit, ResumeOptions, check_upstream, inexact, notice_save_in_flight
+from ._core import AfterCommit, ResumeOptions, check_upstream, inexact, notice_save_in_flight, patched
 from ._deepspeed import checkpoint_optimizer, deepspeed_resume_by_us
 from ._engines import check_trainer_engine
 from ._fallback import ResumeLoadError, resume_newest
@@ -131,17 +130,6 @@ def check_trainer_internals() -> list[str]:
 check_upstream("transformers", transformers.__version__, TESTED_TRANSFORMERS, check_trainer_internals())
 
 
-@contextlib.contextmanager
-def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
-    """``owner.<name>`` is ``value`` for the duration of the block."""
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
 def _cursor_skipping() -> contextlib.AbstractContextManager[None]:
     """Make the Trainer's ``skip_first_batches`` a cursor move for our loaders (others are unaffected)."""
     original = _trainer_module.skip_first_batches
@@ -151,7 +139,7 @@ def _cursor_skipping() -> contextlib.AbstractContextManager[None]:
             return dataloader.skip(num_batches)
         return original(dataloader, num_batches)
 
-    return _patched(_trainer_module, "skip_first_batches", skip_first_batches)
+    return patched(_trainer_module, "skip_first_batches", skip_first_batches)
 
 
 def _own_checkpoints_only(trainer: "ResumableTrainer") -> contextlib.AbstractContextManager[None]:
@@ -167,7 +155,7 @@ def _own_checkpoints_only(trainer: "ResumableTrainer") -> contextlib.AbstractCon
         return [path for path in original(output_dir, *args, **kwargs)
                 if is_own_checkpoint(Path(path)) and os.path.abspath(path) not in pending]
 
-    return _patched(_trainer_module, "sort_checkpoints", sort_checkpoints)
+    return patched(_trainer_module, "sort_checkpoints", sort_checkpoints)
 
 
 @dataclasses.dataclass
@@ -413,7 +401,7 @@ class ResumableTrainer(Trainer):
         self._loader_fallback = None
         self._train_loader = self._train_position = None
         # eval_on_start evaluates before the first step of the run, not again at every restart
-        no_eval = contextlib.nullcontext() if self._resume is None else _patched(self.args, "eval_on_start", False)
+        no_eval = contextlib.nullcontext() if self._resume is None else patched(self.args, "eval_on_start", False)
         try:
             with self._preemption, _cursor_skipping(), _own_checkpoints_only(self), no_eval, \
                     deepspeed_resume_by_us():
@@ -481,7 +469,7 @@ class ResumableTrainer(Trainer):
         """Restore ``ExportableState`` callbacks from the checkpoint (``restore_callback_states``, default on)."""
         if not self.resume_options.restore_callback_states or self.args.restore_callback_states_from_checkpoint:
             return super()._load_callback_state()
-        with _patched(self.args, "restore_callback_states_from_checkpoint", True):
+        with patched(self.args, "restore_callback_states_from_checkpoint", True):
             super()._load_callback_state()
 
     # ---- saving ----
