@@ -82,7 +82,44 @@ class HandOuts:
         self.batch: ElasticBatch | None = None
 
 
-class ResumablePreparedLoader(DataLoaderStateMixin):
+class _PreparedLoader(DataLoaderStateMixin):
+    """What both prepared loaders share: device placement, the batches of ``epoch`` handed out, and the elastic
+    hand-outs. ``layout`` holds their batch size, seed, rank and global batch (a batch sampler, or a stream)."""
+
+    def __init__(self, loader: Any, *, gradient_state: GradientState, device: torch.device | None,
+                 hand_outs: HandOuts | None, layout: Any, epoch: int) -> None:
+        self.loader = loader
+        self.gradient_state = gradient_state
+        self.device = device
+        self.dataset = loader.dataset
+        self._layout = layout
+        self.total_batch_size = layout.batch_size * layout.world_size
+        self.epoch = epoch
+        self.consumed = 0  # batches of ``epoch`` already handed out
+        self.hand_outs = hand_outs
+        self.last_batch: ElasticBatch | None = None  # elastic layout: the batch handed out last
+
+    @property
+    def batch_size(self) -> int:
+        return self._layout.batch_size
+
+    @property
+    def seed(self) -> int:
+        """The run seed of the loader's order and per-batch randomness."""
+        return self._layout.seed
+
+    def set_global_batch(self, global_batch: int) -> None:
+        """Elastic layout: the examples per optimizer step over all ranks (kept from the checkpoint)."""
+        self._layout.global_batch = global_batch
+
+    @property
+    def is_padding(self) -> bool:
+        """Whether the batch handed out last is a padding batch of the elastic layout (this rank has no samples in
+        the epoch's last, shorter step; ``backward`` scales its loss to zero): leave it out of logged losses."""
+        return self.last_batch is not None and self.last_batch.is_padding
+
+
+class ResumablePreparedLoader(_PreparedLoader):
     """A prepared :class:`~hf_resumable.data.ResumableDataLoader`: device placement, epoch and position.
 
     Iterating it yields the rest of the current epoch (from the restored position on), then advances
@@ -94,29 +131,10 @@ class ResumablePreparedLoader(DataLoaderStateMixin):
 
     def __init__(self, loader: ResumableDataLoader, *, gradient_state: GradientState,
                  device: torch.device | None, hand_outs: HandOuts | None = None) -> None:
-        self.loader = loader
-        self.gradient_state = gradient_state
-        self.device = device
-        self.dataset = loader.dataset
-        self._drop_last = loader.batch_sampler.drop_last
-        self.total_batch_size = loader.batch_sampler.batch_size * loader.batch_sampler.world_size
-        self.epoch = loader.batch_sampler.epoch
-        self.consumed = 0  # batches of ``epoch`` already handed out
-        self.hand_outs = hand_outs
-        self.last_batch: ElasticBatch | None = None  # elastic layout: the batch handed out last
-
-    @property
-    def batch_size(self) -> int:
-        return self.loader.batch_sampler.batch_size
-
-    @property
-    def seed(self) -> int:
-        """The run seed of the loader's order and per-batch randomness."""
-        return self.loader.batch_sampler.seed
-
-    def set_global_batch(self, global_batch: int) -> None:
-        """Elastic layout: the examples per optimizer step over all ranks (kept from the checkpoint)."""
-        self.loader.batch_sampler.global_batch = global_batch
+        sampler = loader.batch_sampler
+        super().__init__(loader, gradient_state=gradient_state, device=device, hand_outs=hand_outs, layout=sampler,
+                         epoch=sampler.epoch)
+        self._drop_last = sampler.drop_last
 
     def __len__(self) -> int:
         return len(self.loader.batch_sampler)
@@ -146,12 +164,6 @@ class ResumablePreparedLoader(DataLoaderStateMixin):
             _end_hand_outs(self)
         if self.consumed >= len(self):
             self._next_epoch()
-
-    @property
-    def is_padding(self) -> bool:
-        """Whether the batch handed out last is a padding batch of the elastic layout (this rank has no samples in
-        the epoch's last, shorter step; ``backward`` scales its loss to zero): leave it out of logged losses."""
-        return self.last_batch is not None and self.last_batch.is_padding
 
     def _next_epoch(self) -> None:
         self.epoch, self.consumed = self.epoch + 1, 0
@@ -183,7 +195,7 @@ class ResumablePreparedLoader(DataLoaderStateMixin):
                 "shuffle": sampler.shuffle, "drop_last": sampler.drop_last, "num_batches": len(self)}
 
 
-class ResumablePreparedStream(DataLoaderStateMixin):
+class ResumablePreparedStream(_PreparedLoader):
     """A prepared resumable stream (the loader of :func:`~hf_resumable.data.build_stream_dataloader`): device
     placement, epoch and position, as :class:`ResumablePreparedLoader`.
 
@@ -194,30 +206,11 @@ class ResumablePreparedStream(DataLoaderStateMixin):
 
     def __init__(self, loader: Any, *, gradient_state: GradientState, device: torch.device | None,
                  hand_outs: HandOuts | None = None) -> None:
-        self.loader = loader
-        self.gradient_state = gradient_state
-        self.device = device
-        self.dataset = loader.dataset  # a SeededIterableDataset
-        self.total_batch_size = self.dataset.batch_size * self.dataset.world_size
-        self.epoch = 0
-        self.consumed = 0  # batches of ``epoch`` already handed out
+        # the data set is a SeededIterableDataset: it holds the stream's layout
+        super().__init__(loader, gradient_state=gradient_state, device=device, hand_outs=hand_outs,
+                         layout=loader.dataset, epoch=0)
         self._positioned = False  # the loader's next pass starts at ``consumed`` (a restored state)
         self._state: dict[str, Any] | None = None  # loader state after the ``consumed`` batches of this pass
-        self.hand_outs = hand_outs
-        self.last_batch: ElasticBatch | None = None  # elastic layout: the batch handed out last
-
-    @property
-    def batch_size(self) -> int:
-        return self.dataset.batch_size
-
-    @property
-    def seed(self) -> int:
-        """The run seed of the per-example and per-batch randomness."""
-        return self.dataset.seed
-
-    def set_global_batch(self, global_batch: int) -> None:
-        """Elastic layout: the examples per optimizer step over all ranks (kept from the checkpoint)."""
-        self.dataset.global_batch = global_batch
 
     def set_epoch(self, epoch: int) -> None:
         """Select an epoch; selecting the current one keeps the position (so resumed runs may call it)."""
@@ -240,11 +233,6 @@ class ResumablePreparedStream(DataLoaderStateMixin):
             self.end()
             _end_hand_outs(self)
         self.epoch, self.consumed, self._state = self.epoch + 1, 0, None
-
-    @property
-    def is_padding(self) -> bool:
-        """Whether the batch handed out last is a padding batch of the elastic layout."""
-        return self.last_batch is not None and self.last_batch.is_padding
 
     def position(self) -> dict[str, Any]:
         """JSON record of where the next batch comes from (the start of a pass has no loader state)."""
@@ -297,17 +285,16 @@ def _read_one_ahead(loader: Any, stream: Any) -> Iterator[tuple[Any, dict[str, A
 _END = object()
 
 
-def _hand_out(loader: ResumablePreparedLoader | ResumablePreparedStream, samples: int, step_samples: int) -> None:
+def _hand_out(loader: _PreparedLoader, samples: int, step_samples: int) -> None:
     """Record the elastic batch ``loader`` is handing out (its ``consumed``-th of the epoch) and seed torch's
     generators for it, so a loop that trains it at once draws the dropout masks an accumulation window would."""
-    layout = loader.dataset if isinstance(loader, ResumablePreparedStream) else loader.loader.batch_sampler
-    chunk = (loader.consumed - 1) * layout.world_size + layout.rank
+    chunk = (loader.consumed - 1) * loader._layout.world_size + loader._layout.rank
     loader.last_batch = ElasticBatch(loader.seed, loader.epoch, chunk, samples, step_samples)
     loader.hand_outs.batch = loader.last_batch
     loader.last_batch.seed_model()
 
 
-def _end_hand_outs(loader: ResumablePreparedLoader | ResumablePreparedStream) -> None:
+def _end_hand_outs(loader: _PreparedLoader) -> None:
     """``loader``'s pass ended (or was left): a later ``backward`` is not weighed by its last batch."""
     if loader.hand_outs is not None and loader.hand_outs.batch is loader.last_batch:
         loader.hand_outs.batch = None
