@@ -1,31 +1,9 @@
-"""Plain ``DataLoader``\\ s prepared by :class:`~hf_resumable.integrations.accelerate.ResumableAccelerator`: the
-drop-in path is also the exact path.
+"""Plain ``DataLoader``\\ s prepared by ``ResumableAccelerator``: the drop-in path is also the exact path.
 
-``accelerator.prepare(DataLoader(...))`` first goes through accelerate's own ``prepare_data_loader`` (sharding
-with ``BatchSamplerShard``, ``even_batches``, ``split_batches``, ``dispatch_batches``, device placement,
-``use_stateful_dataloader``: all as upstream). The result is then rebuilt as a
-:class:`ResumableDataLoaderShard` (or :class:`ResumableDataLoaderDispatcher`), a subclass of accelerate's own
-class (``isinstance`` checks against ``DataLoaderShard``, ``DataLoader`` or torchdata's ``StatefulDataLoader``
-hold as before), with three additions:
-
-1. **Position.** The loader counts the batches it yielded in the current pass and saves ``(epoch, batch)``;
-   after ``load_state`` the next pass starts at that batch. Skipped batches are skipped in the batch sampler:
-   nothing is fetched, transformed or collated for them.
-2. **Order.** Every random sampler below (``RandomSampler``, ``WeightedRandomSampler``, ...) gets its own
-   generator, reseeded at the start of each pass from ``(seed, epoch)``; the loader's worker base seed too.
-   ``DistributedSampler`` and accelerate's ``SeedableRandomSampler`` already depend on the epoch only.
-3. **Per-batch randomness.** Each batch is fetched and collated inside ``data_rng(seed, epoch, rank, batch)``
-   (:func:`hf_resumable.data.data_rng`): random augmentation in the data set or the collator draws the same
-   numbers in an interrupted and an uninterrupted run, with any number of workers, and never shifts the main
-   process's generators (the ones dropout draws from).
-
-The seed is drawn from torch's global generator when the loader is prepared (after ``set_seed`` it is the
-same in every run) and saved with the position, so a resumed run continues with the saved one.
-
-A loader that cannot be rebuilt this way (an ``IterableDataset``, ``batch_size=None``, a ``BatchSampler``
-passed as ``sampler=``) is prepared by accelerate alone; :func:`plan_loader` says why, and the accelerator
-says so in a WARNING at ``prepare`` time (:func:`prepare_positioned_loader`, the accelerator's side of this;
-:func:`skip_restored_batches` is its ``skip_first_batches``).
+accelerate's ``prepare_data_loader`` runs as upstream; its result is rebuilt as a :class:`ResumableDataLoaderShard`
+(or :class:`ResumableDataLoaderDispatcher`), a subclass of accelerate's own class, adding a saved position, a
+``(seed, epoch)`` order and per-batch randomness keyed by position (docs/accelerate.md, "Prepared loaders resume
+exactly"). A loader that cannot be rebuilt is prepared by accelerate alone (:func:`plan_loader` says why).
 """
 
 from __future__ import annotations
@@ -111,12 +89,7 @@ class BatchPosition(NamedTuple):
 
 @dataclass(frozen=True)
 class LoaderPlan:
-    """Whether a DataLoader can be rebuilt as a resumable one, and what to tell the user.
-
-    Args:
-        resumable (`bool`): rebuild it (position, order and per-batch randomness are saved/derived).
-        note (`str`, *optional*): why it is not resumable, or what is not guaranteed.
-    """
+    """Whether a DataLoader can be rebuilt as a resumable one, and (``note``) why not, or what is not guaranteed."""
 
     resumable: bool
     note: str | None = None
@@ -193,10 +166,8 @@ class _PositionedBatchSampler(Sampler):
 
 
 class _PositionedDataset(Dataset):
-    """Fetches and collates a :class:`BatchPosition` inside a random context seeded by the batch's position.
-
-    Other attribute lookups go to the wrapped data set (``dataset.column_names``, ``len(dataset)``...).
-    """
+    """Fetches and collates a :class:`BatchPosition` inside a random context seeded by the batch's position; other
+    attribute lookups go to the wrapped data set."""
 
     def __init__(self, dataset: Any, collate_fn: Callable[[list], Any]) -> None:
         self.dataset, self.collate_fn = dataset, collate_fn
@@ -344,19 +315,12 @@ class _PositionMixin:
 
 
 class ResumableDataLoaderShard(_PositionMixin, DataLoaderShard):
-    """accelerate's ``DataLoaderShard`` whose position, order and per-batch randomness resume exactly.
-
-    Built by :func:`rebuild_prepared_loader`; see the module documentation.
-    """
+    """accelerate's ``DataLoaderShard`` whose position, order and per-batch randomness resume exactly."""
 
 
 class ResumableDataLoaderDispatcher(_PositionMixin, DataLoaderDispatcher):
-    """accelerate's ``DataLoaderDispatcher`` (``dispatch_batches=True``) with the same resumable position.
-
-    With several processes and ``drop_last=False``, the last batch of an epoch is completed with samples of
-    the pass's first batch; after a resume in the middle of that epoch those come from the first batch
-    *after* the resume point, so that one padded batch may differ.
-    """
+    """accelerate's ``DataLoaderDispatcher`` (``dispatch_batches=True``) with the same resumable position (its
+    epoch's last, padded batch after a mid-epoch resume may differ: docs/limits.md)."""
 
 
 def _dataloader_kwargs(loader: Any) -> dict[str, Any]:
@@ -365,14 +329,9 @@ def _dataloader_kwargs(loader: Any) -> dict[str, Any]:
 
 
 def rebuild_prepared_loader(prepared: Any, *, seed: int, process_index: int, num_processes: int) -> Any:
-    """Rebuild an accelerate-prepared ``DataLoaderShard``/``DataLoaderDispatcher`` as its resumable subclass.
-
-    The batch sampler accelerate built (with its sharding) is kept and wrapped; the data set and collator are
-    wrapped so that every batch is fetched and collated in its own seeded random context.
-
-    Returns:
-        The resumable loader, or ``prepared`` itself for another kind of loader (e.g. XLA's).
-    """
+    """Rebuild an accelerate-prepared ``DataLoaderShard``/``DataLoaderDispatcher`` as its resumable subclass (another
+    kind of loader, e.g. XLA's, is returned as is). accelerate's batch sampler is kept and wrapped; the data set and
+    collator are wrapped so that every batch is fetched and collated in its own seeded random context."""
     if type(prepared) not in (DataLoaderShard, DataLoaderDispatcher):
         return prepared
     base = prepared.base_dataloader
@@ -438,16 +397,9 @@ def prepare_positioned_loader(accelerator: ResumableAccelerator, data_loader: An
 
 def skip_restored_batches(accelerator: ResumableAccelerator, dataloader: Any, num_batches: int, *,
                           fallback: Callable[[Any, int], Any]) -> Any:
-    """``skip_first_batches`` of a loader prepared by the accelerator (positioned, never skipping twice); any other
-    loader goes to ``fallback`` (accelerate's own).
-
-    The loader itself is returned, positioned: after ``load_state`` restored it at batch ``n`` of its epoch,
-    ``skip_first_batches(loader, n)`` (what accelerate's checkpointing examples compute from the checkpoint name)
-    continues there, never skipping twice; on a loader without a restored position the next pass starts at
-    ``num_batches`` (as accelerate's skipping loader does, without fetching the skipped batches), and later passes
-    are whole epochs. The same call again in a later epoch of a resumed run (scripts that skip in every epoch after a
-    resume) skips nothing there, with a WARNING: the batches it names were skipped in the epoch the run resumed in
-    (see :class:`~hf_resumable.integrations._accelerate_loop.ResumedLoaders`).
+    """``skip_first_batches`` of a loader prepared by the accelerator: the loader itself, positioned, never skipping
+    twice (docs/accelerate.md); without a restored position the next pass starts at ``num_batches``, nothing
+    fetched. Any other loader goes to ``fallback`` (accelerate's own).
 
     Raises:
         ValueError: ``num_batches`` differs from the position ``load_state`` restored, or the loader is being iterated.
@@ -478,12 +430,8 @@ def skip_restored_batches(accelerator: ResumableAccelerator, dataloader: Any, nu
 
 class StatefulLoaderPosition:
     """The position of a loader accelerate prepared with ``use_stateful_dataloader=True`` that could not be rebuilt
-    resumable (an ``IterableDataset``): torchdata's own ``state_dict()``, saved and restored as stock accelerate
-    does (its ``dl_state_dict.bin``), as JSON. Randomness inside the pipeline is not keyed by position here.
-
-    Args:
-        loader: the prepared loader (its ``state_dict``/``load_state_dict`` are torchdata's).
-    """
+    resumable (an ``IterableDataset``): torchdata's own ``state_dict()``, saved as JSON as stock accelerate saves it.
+    Randomness inside the pipeline is not keyed by position here."""
 
     def __init__(self, loader: Any) -> None:
         self.loader = loader

@@ -1,37 +1,6 @@
 """``ResumableAccelerator(..., elastic=True)``: what a restart at another world size changes on the accelerate side
-(the rule itself, :func:`~hf_resumable.integrations._elastic.plan_elastic_resume`, is shared with the Trainer).
-
-* **Data-parallel ranks, not processes.** Under a ``ParallelismConfig`` the ranks of one tensor/context-parallel
-  group train the same batches, so everything below counts data-parallel ranks
-  (:func:`~hf_resumable.integrations._parallelism.data_parallel_rank`): the global batch, the scheduler rate, a
-  micro-batch's share of the loss, loader positions and the per-sample model randomness. A checkpoint's data-parallel
-  size is read from the layout it recorded (:func:`saved_data_world`); a resume at another layout (another
-  ``ParallelismConfig``, another number of processes, or both) is resharded by the piece engine and converted here.
-* **Schedule.** accelerate steps a prepared scheduler ``num_processes`` times per optimizer step (its batches grow
-  with the number of processes). A run resumed on another number of processes would step it at another rate and
-  leave the uninterrupted run's schedule; :class:`KeptRateScheduler` steps it at the rate of the run's first
-  launch (its number of data-parallel ranks), recorded in every checkpoint (``scheduler_steps_per_optimizer_step``).
-* **Settings.** The run settings compared at resume drop what an elastic resume changes on purpose (world size,
-  gradient accumulation, batches per epoch) once the global batch is kept (:func:`elastic_changes`).
-* **Position.** A loader's position is the number of its rank's batches consumed in the epoch; in the elastic layout
-  that is ``chunks / world_size`` (data-parallel ranks), so it converts exactly at an optimizer-step boundary
-  (:func:`convert_position`).
-* **Refused.** A layout change the piece engine cannot carry, a checkpoint of per-rank pieces (FSDP2, tensor parallel)
-  into a run that holds whole tensors, is refused by ``load_state`` before anything is loaded
-  (:func:`check_reshardable`).
-* **One mode, chosen once.** The accelerator picks :func:`world_size_mode` when it is built: a
-  :class:`FixedWorldSize` (``elastic=False``) or an :class:`ElasticWorldSize`. Every step that differs between the two
-  (the global batch a loader is built for, the accumulation window, the micro-batch a loss is weighed by, the
-  scheduler rate, the recorded settings, the plan on load, the drift compared, loader positions and RNG at another
-  world size) is a method of that object, so the accelerator asks it instead of reading ``elastic``.
-
-Example:
-
-```python
->>> convert_position({"kind": "map", "epoch": 1, "step": 4, "num_batches": 6}, saved_world_size=2, world_size=1,
-...                  num_batches=12)
-{'kind': 'map', 'epoch': 1, 'step': 8, 'num_batches': 12}
-```
+(docs/accelerate.md, "Another number of processes"). Everything counts data-parallel ranks, not processes. The
+accelerator picks its mode once (:func:`world_size_mode`); every step that differs is a method of that object.
 """
 
 from __future__ import annotations
@@ -75,13 +44,8 @@ _LOADER_DERIVED = (DATA_NUM_BATCHES,)  # loader settings that follow from the wo
 
 
 class KeptRateScheduler(AcceleratedScheduler):
-    """accelerate's ``AcceleratedScheduler``, stepping the wrapped scheduler ``rate`` times per optimizer step (the
-    rate of the run's first launch) instead of ``num_processes`` times.
-
-    Args:
-        prepared (`AcceleratedScheduler`): what accelerate's ``prepare_scheduler`` returned.
-        rate (`int`): scheduler steps per optimizer step.
-    """
+    """accelerate's ``AcceleratedScheduler`` of ``prepared``, stepping the wrapped scheduler ``rate`` times per
+    optimizer step (the run's first launch's rate) instead of ``num_processes`` times."""
 
     def __init__(self, prepared: AcceleratedScheduler, *, rate: int) -> None:
         super().__init__(prepared.scheduler, prepared.optimizers, step_with_optimizer=prepared.step_with_optimizer,
@@ -102,13 +66,8 @@ class KeptRateScheduler(AcceleratedScheduler):
 
 @dataclass(frozen=True)
 class DataWorld:
-    """Where a run's batches go.
-
-    Args:
-        processes (`int`): its number of processes.
-        data_ranks (`int`): its data-parallel ranks (``processes`` without a ``ParallelismConfig``).
-        layout (`str`, *optional*): its ``ParallelismConfig`` (:meth:`ParallelLayout.describe`), ``None`` without.
-    """
+    """Where a run's batches go: its processes, its data-parallel ranks and its ``ParallelismConfig`` layout
+    (:meth:`ParallelLayout.describe`; ``None`` without one)."""
 
     processes: int
     data_ranks: int
@@ -117,7 +76,7 @@ class DataWorld:
 
 def saved_data_world(saved: Mapping[str, Any], saved_world_size: int) -> DataWorld:
     """The :class:`DataWorld` of a checkpoint, from its run settings (``EXTRA_RUN``) and its manifest's world size
-    (pure). Its data-parallel ranks follow from the layout it recorded (``parallelism``), if it recorded one.
+    (pure).
 
     Example:
 
@@ -144,8 +103,7 @@ def current_data_world(accelerator: ResumableAccelerator) -> DataWorld:
 def check_reshardable(saved: DataWorld, now: DataWorld, *, saved_pieces: bool, pieces: bool,
                       checkpoint: str = "the checkpoint") -> None:
     """Refuse a layout change the piece engine cannot carry (pure): a checkpoint of per-rank pieces (FSDP2, tensor
-    parallel: its ``sharded_layout.json``) read into a run whose model holds whole tensors (one process or DDP
-    without a ``ParallelismConfig``).
+    parallel) read into a run whose model holds whole tensors.
 
     Raises:
         UnsupportedEngineError: pieces into whole tensors (names both layouts and the fix).
@@ -174,10 +132,9 @@ def _describe(world: DataWorld) -> str:
 
 
 def elastic_changes(changed: Mapping[str, tuple[Any, Any]], *, kept: bool) -> dict[str, tuple[Any, Any]]:
-    """``changed`` (``{name: (saved, now)}``) less what an elastic resume changes on purpose: the scheduler rate
-    (the saved one is kept), the loaders' batches per epoch, and, when the checkpoint is resumed at another layout
-    (``kept``: its global batch kept), the world size, the ``ParallelismConfig`` layout and gradient accumulation
-    (pure)."""
+    """``changed`` (``{name: (saved, now)}``) less what an elastic resume changes on purpose: the scheduler rate,
+    the loaders' batches per epoch and, with ``kept`` (the global batch kept at another layout), the world size,
+    layout and gradient accumulation (pure)."""
     drop = {KEY_SCHEDULER_RATE, *((*ELASTIC_SETTINGS, KEY_PARALLELISM) if kept else ())}
     out = {name: values for name, values in changed.items() if name not in drop}
     if "loaders" in out:
@@ -191,11 +148,18 @@ def elastic_changes(changed: Mapping[str, tuple[Any, Any]], *, kept: bool) -> di
 def convert_position(record: Mapping[str, Any], *, saved_world_size: int, world_size: int,
                      num_batches: int) -> dict[str, Any]:
     """A map-style position of the elastic layout saved at ``saved_world_size``, for a rank at ``world_size`` whose
-    epoch has ``num_batches`` batches (pure): ``step`` batches of each of ``saved_world_size`` ranks are
-    ``step * saved_world_size`` chunks.
+    epoch has ``num_batches`` batches (pure).
 
     Raises:
         InexactResumeError: the position is not on a boundary of the new layout (not an optimizer-step boundary).
+
+    Example:
+
+    ```python
+    >>> convert_position({"kind": "map", "epoch": 1, "step": 4, "num_batches": 6}, saved_world_size=2, world_size=1,
+    ...                  num_batches=12)
+    {'kind': 'map', 'epoch': 1, 'step': 8, 'num_batches': 12}
+    ```
     """
     chunks = int(record[DATA_STEP]) * saved_world_size
     if chunks % world_size:
@@ -206,21 +170,12 @@ def convert_position(record: Mapping[str, Any], *, saved_world_size: int, world_
 
 def plan_elastic_load(accelerator: ResumableAccelerator, path: Path, saved: Mapping[str, Any],
                       saved_world_size: int, *, saved_pieces: bool) -> bool:
-    """``elastic=True``: keep the first launch's scheduler rate; at another layout (another number of processes or
-    of data-parallel ranks, or another ``ParallelismConfig``), keep the checkpoint's global batch (gradient
-    accumulation over the data-parallel ranks, and the loaders' epoch cut). Whether the layout changed.
-
-    Args:
-        accelerator (`ResumableAccelerator`): the accelerator ``load_state`` fills.
-        path (`Path`): the checkpoint, named in messages.
-        saved (`Mapping`): the checkpoint's run settings (``EXTRA_RUN``).
-        saved_world_size (`int`): the checkpoint's world size (its manifest's).
-        saved_pieces (`bool`): whether the checkpoint holds per-rank pieces (``sharded_layout.json``).
+    """``elastic=True``: keep the first launch's scheduler rate; at another layout keep the checkpoint's global batch
+    (gradient accumulation over the data-parallel ranks, and the loaders' epoch cut). Whether the layout changed.
 
     Raises:
         ElasticWorldSizeError: the global batch does not divide over this run's data-parallel ranks.
-        ConfigDriftError: a loader that is not from ``prepare_resumable_dataloader`` (its order is per rank;
-            a plain ``DataLoader`` over a stream included).
+        ConfigDriftError: a loader that is not from ``prepare_resumable_dataloader`` (its order is per rank).
         UnsupportedEngineError: per-rank pieces into a run of whole tensors (:func:`check_reshardable`).
     """
     mode = accelerator._world_size_mode
@@ -257,9 +212,8 @@ def plan_elastic_load(accelerator: ResumableAccelerator, path: Path, saved: Mapp
 
 
 class FixedWorldSize:
-    """``elastic=False``: a resume continues at the checkpoint's world size (another one is drift, refused unless
-    ``allow_inexact_resume``). Each method is one step of the accelerator that an :class:`ElasticWorldSize` does
-    differently; here it is the plain accelerate behaviour."""
+    """``elastic=False``: a resume continues at the checkpoint's world size (another one is drift). Each method is a
+    step that :class:`ElasticWorldSize` does differently; here it is the plain accelerate behaviour."""
 
     enabled = False  # recorded in the run settings (KEY_ELASTIC)
 
@@ -286,14 +240,14 @@ class FixedWorldSize:
     def trained_micro_batch(self, window: AccumulationWindow | None,
                             accumulation: int) -> tuple[ElasticBatch | None, int]:
         """The elastic batch being trained on (``None``: not the elastic layout) and the micro-batches per rank of
-        its step (the active window's length, else ``accumulation``)."""
+        its step."""
         slot = window.slot if window is not None else None
         return None, accumulation if slot is None else slot[1]
 
     def scale_loss(self, loss: torch.Tensor, num_items_in_batch: int | torch.Tensor | None, *,
                    window: AccumulationWindow | None, accumulation: int, num_processes: int) -> torch.Tensor:
         """``backward``'s loss scaling: by ``num_processes / num_items_in_batch`` (a summed loss), else by the
-        micro-batches of the step; the micro-batch being trained on (:meth:`trained_micro_batch`) may weigh it.
+        micro-batches of the step, weighed by the elastic batch being trained on.
 
         Raises:
             ValueError: ``num_items_in_batch`` is not positive.
@@ -322,8 +276,7 @@ class FixedWorldSize:
         return dict(changed)
 
     def resumes_across(self) -> bool:
-        """Whether the checkpoint being loaded (:meth:`plan_load`) continues at another layout with converted
-        positions and rank-independent randomness (never, here: another layout is drift)."""
+        """Whether the checkpoint being loaded continues at another layout (never, here: that is drift)."""
         return False
 
     def loader_records(self, accelerator: ResumableAccelerator, records: list[Any] | None) -> list[Any] | None:
@@ -333,13 +286,8 @@ class FixedWorldSize:
 
 class ElasticWorldSize(FixedWorldSize):
     """``elastic=True``: a resume at another world size keeps the checkpoint's global batch, sample order, model
-    randomness and learning-rate schedule (see the module's description).
-
-    Args:
-        scheduler_rate (`int`): scheduler steps per optimizer step, the first launch's (its number of data-parallel
-            ranks until a checkpoint says otherwise).
-        data_ranks (`int`): the run's data-parallel ranks (a micro-batch's share of the global batch).
-    """
+    randomness and learning-rate schedule (``scheduler_rate``: the first launch's scheduler steps per optimizer
+    step; ``data_ranks``: this run's data-parallel ranks)."""
 
     enabled = True
 
@@ -368,8 +316,8 @@ class ElasticWorldSize(FixedWorldSize):
         return self.hand_outs if layout.global_batch is not None else None
 
     def keep_scheduler_rate(self, accelerator: ResumableAccelerator, prepared: Any) -> Any:
-        """``prepared`` (one object or a tuple) with every scheduler accelerate prepared (``prepare_scheduler``, or
-        ``prepare`` under DeepSpeed with a torch scheduler) made a :class:`KeptRateScheduler`."""
+        """``prepared`` (one object or a tuple) with every scheduler accelerate prepared made a
+        :class:`KeptRateScheduler`."""
         kept = {id(item): KeptRateScheduler(item, rate=self.scheduler_rate) for item in accelerator._schedulers
                 if type(item) is AcceleratedScheduler}  # not DeepSpeed's own schedules (its engine steps them)
         accelerator._schedulers = [kept.get(id(item), item) for item in accelerator._schedulers]
@@ -388,9 +336,8 @@ class ElasticWorldSize(FixedWorldSize):
 
     def trained_micro_batch(self, window: AccumulationWindow | None,
                             accumulation: int) -> tuple[ElasticBatch | None, int]:
-        """The active window's batch, else the batch an elastic loader handed out last (a loop iterating the loader
-        itself: of several elastic loaders, the one that handed out a batch most recently, while its pass is under
-        way) in a step of ``accumulation`` (its last micro-batch syncs: see :class:`ResumablePreparedLoader`)."""
+        """The active window's batch, else (a loop over the loader itself) the batch an elastic loader handed out
+        last, in a step of ``accumulation``."""
         if window is not None:
             slot = window.slot
             return window.current(), accumulation if slot is None else slot[1]
@@ -422,8 +369,7 @@ class ElasticWorldSize(FixedWorldSize):
 
 
 def world_size_mode(elastic: bool, *, data_ranks: int) -> FixedWorldSize:
-    """The accelerator's mode for ``elastic`` (chosen once, when it is built), for a run of ``data_ranks``
-    data-parallel ranks (its processes without a ``ParallelismConfig``).
+    """The accelerator's mode for ``elastic`` (chosen once, when it is built), for ``data_ranks`` data-parallel ranks.
 
     Example:
 

@@ -1,8 +1,5 @@
-"""The training-loop side of :class:`~hf_resumable.integrations.accelerate.ResumableAccelerator`: prepared
-resumable loaders, map-style and streaming (device placement, epoch and position; in the elastic layout each batch
-handed out as an :class:`ElasticBatch`), accumulation windows (the micro-batches of one optimizer step with their item
-count), and the watch over a resumed loop that skips again what its loaders already skipped (:class:`ResumedLoaders`).
-:func:`prepare_resumable_loader` is the accelerator's ``prepare`` of a loader built by :mod:`hf_resumable.data`.
+"""The training-loop side of ``ResumableAccelerator``: prepared resumable loaders, accumulation windows and the watch
+over a resumed loop that skips again what its loaders skipped (docs/accelerate.md, docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -38,14 +35,9 @@ __all__ = ["AccumulationWindow", "ElasticBatch", "HandOuts", "ResumablePreparedL
 class ElasticBatch:
     """A micro-batch of the elastic layout (``elastic=True``) as its prepared loader handed it out.
 
-    Args:
-        seed (`int`) / epoch (`int`) / chunk (`int`): what its model randomness is keyed by (batch ``n`` of a rank's
-            epoch is chunk ``n * world_size + rank`` in both elastic layouts, see
-            :func:`~hf_resumable.integrations._elastic.seed_model_rng`).
-        samples (`int`): its samples that train (0: a padding batch, a stand-in that lets this rank join the
-            collectives of the epoch's last, shorter step).
-        step_samples (`int`): the samples its optimizer step trains over all ranks (the global batch, or fewer in the
-            epoch's last step).
+    ``seed``, ``epoch`` and ``chunk`` key its model randomness (batch ``n`` of a rank's epoch is chunk
+    ``n * world_size + rank``); ``samples`` are its samples that train (0: a padding batch, which lets this rank join
+    the collectives of the epoch's last, shorter step); ``step_samples`` those its optimizer step trains on all ranks.
     """
 
     seed: int
@@ -65,8 +57,7 @@ class ElasticBatch:
 
     def loss_scale(self, *, num_processes: int, micro_batches: int) -> float | None:
         """The factor of its mean loss in a step of ``micro_batches`` micro-batches per rank: its share of the step's
-        samples (the process mean is taken), or ``None`` where that is ``1 / micro_batches`` (a whole step: the
-        loss is divided as without ``elastic=True``). Pure.
+        samples, or ``None`` for a whole step (the loss is divided as without ``elastic=True``). Pure.
 
         Example:
 
@@ -85,56 +76,65 @@ class ElasticBatch:
 
 class HandOuts:
     """The elastic batch an accelerator's prepared loaders handed out most recently (``None``: none, or its loader's
-    pass has ended): what ``backward`` weighs a loss by outside an :class:`AccumulationWindow`. Shared by the
-    loaders of one accelerator; each sets it as it hands a batch out and clears its own when its pass ends."""
+    pass has ended): what ``backward`` weighs a loss by outside an :class:`AccumulationWindow`."""
 
     def __init__(self) -> None:
         self.batch: ElasticBatch | None = None
 
 
-class ResumablePreparedLoader(DataLoaderStateMixin):
-    """A prepared :class:`~hf_resumable.data.ResumableDataLoader`: device placement, epoch and position.
+class _PreparedLoader(DataLoaderStateMixin):
+    """What both prepared loaders share: device placement, the batches of ``epoch`` handed out, and the elastic
+    hand-outs. ``layout`` holds their batch size, seed, rank and global batch (a batch sampler, or a stream)."""
 
-    Iterating it yields the rest of the current epoch (from the restored position on), then advances
-    :attr:`epoch`. Iterate epochs as ``for epoch in range(loader.epoch, num_epochs): for batch in loader:``
-    so a resumed run continues in the epoch it was interrupted in. ``end_of_dataloader`` is set on the
-    last batch of the epoch without prefetching (the batch count is known), as accelerate's gradient
-    synchronisation expects (so a loop that iterates it inside ``accelerator.accumulate`` steps after the epoch's
-    last micro-batch, also when the epoch's last step has fewer than ``gradient_accumulation_steps``).
-
-    Args:
-        loader (`ResumableDataLoader`): built for this rank (``rank``/``world_size`` of the accelerator).
-        gradient_state (`GradientState`): the accelerator's gradient state.
-        device (`torch.device`, *optional*): where batches are moved (``None``: left where they are).
-        hand_outs (`HandOuts`, *optional*): the elastic layout (``elastic=True``): each batch handed out is recorded
-            there as an :class:`ElasticBatch` (also :attr:`last_batch`), after seeding torch's generators for it.
-    """
-
-    def __init__(self, loader: ResumableDataLoader, *, gradient_state: GradientState,
-                 device: torch.device | None, hand_outs: HandOuts | None = None) -> None:
+    def __init__(self, loader: Any, *, gradient_state: GradientState, device: torch.device | None,
+                 hand_outs: HandOuts | None, layout: Any, epoch: int) -> None:
         self.loader = loader
         self.gradient_state = gradient_state
         self.device = device
         self.dataset = loader.dataset
-        self._drop_last = loader.batch_sampler.drop_last
-        self.total_batch_size = loader.batch_sampler.batch_size * loader.batch_sampler.world_size
-        self.epoch = loader.batch_sampler.epoch
+        self._layout = layout
+        self.total_batch_size = layout.batch_size * layout.world_size
+        self.epoch = epoch
         self.consumed = 0  # batches of ``epoch`` already handed out
         self.hand_outs = hand_outs
         self.last_batch: ElasticBatch | None = None  # elastic layout: the batch handed out last
 
     @property
     def batch_size(self) -> int:
-        return self.loader.batch_sampler.batch_size
+        return self._layout.batch_size
 
     @property
     def seed(self) -> int:
         """The run seed of the loader's order and per-batch randomness."""
-        return self.loader.batch_sampler.seed
+        return self._layout.seed
 
     def set_global_batch(self, global_batch: int) -> None:
         """Elastic layout: the examples per optimizer step over all ranks (kept from the checkpoint)."""
-        self.loader.batch_sampler.global_batch = global_batch
+        self._layout.global_batch = global_batch
+
+    @property
+    def is_padding(self) -> bool:
+        """Whether the batch handed out last is a padding batch of the elastic layout (this rank has no samples in
+        the epoch's last, shorter step; ``backward`` scales its loss to zero): leave it out of logged losses."""
+        return self.last_batch is not None and self.last_batch.is_padding
+
+
+class ResumablePreparedLoader(_PreparedLoader):
+    """A prepared :class:`~hf_resumable.data.ResumableDataLoader`: device placement, epoch and position.
+
+    Iterating it yields the rest of the current epoch (from the restored position on), then advances
+    :attr:`epoch`: iterate epochs as ``for epoch in range(loader.epoch, num_epochs): for batch in loader:``.
+    ``end_of_dataloader`` is set on the epoch's last batch without prefetching (the batch count is known). With
+    ``hand_outs`` (the elastic layout) each batch handed out is recorded as an :class:`ElasticBatch`, after
+    seeding torch's generators for it; ``device=None`` leaves batches where they are.
+    """
+
+    def __init__(self, loader: ResumableDataLoader, *, gradient_state: GradientState,
+                 device: torch.device | None, hand_outs: HandOuts | None = None) -> None:
+        sampler = loader.batch_sampler
+        super().__init__(loader, gradient_state=gradient_state, device=device, hand_outs=hand_outs, layout=sampler,
+                         epoch=sampler.epoch)
+        self._drop_last = sampler.drop_last
 
     def __len__(self) -> int:
         return len(self.loader.batch_sampler)
@@ -164,12 +164,6 @@ class ResumablePreparedLoader(DataLoaderStateMixin):
             _end_hand_outs(self)
         if self.consumed >= len(self):
             self._next_epoch()
-
-    @property
-    def is_padding(self) -> bool:
-        """Whether the batch handed out last is a padding batch of the elastic layout (this rank has no samples in
-        the epoch's last, shorter step; ``backward`` scales its loss to zero): leave it out of logged losses."""
-        return self.last_batch is not None and self.last_batch.is_padding
 
     def _next_epoch(self) -> None:
         self.epoch, self.consumed = self.epoch + 1, 0
@@ -201,54 +195,22 @@ class ResumablePreparedLoader(DataLoaderStateMixin):
                 "shuffle": sampler.shuffle, "drop_last": sampler.drop_last, "num_batches": len(self)}
 
 
-class ResumablePreparedStream(DataLoaderStateMixin):
-    """A prepared resumable stream (the loader of :func:`~hf_resumable.data.build_stream_dataloader`, the one the
-    ``ResumableTrainer`` trains streams with): device placement, epoch and position.
+class ResumablePreparedStream(_PreparedLoader):
+    """A prepared resumable stream (the loader of :func:`~hf_resumable.data.build_stream_dataloader`): device
+    placement, epoch and position, as :class:`ResumablePreparedLoader`.
 
-    Iterating it yields the rest of the current pass over the stream (from the restored position on), then advances
-    :attr:`epoch` (the wrapped ``datasets`` stream reshuffles per epoch). The position is the ``StatefulDataLoader``
-    state after the batches handed out; in the elastic layout it counts the examples read over all ranks, so it
-    loads at any world size on an optimizer-step boundary. The number of batches is not known in advance, so the
-    loader reads one batch ahead, as accelerate's ``DataLoaderShard`` does, and sets ``end_of_dataloader`` on the
-    pass's last batch (a loop that iterates it inside ``accelerator.accumulate`` steps after the pass's last
-    micro-batch, as with stock accelerate); the batch read ahead is not part of the position (the state is taken
-    before it is read).
-
-    Args:
-        loader: the stream loader, built for this rank (``rank``/``world_size`` of the accelerator).
-        gradient_state (`GradientState`): the accelerator's gradient state.
-        device (`torch.device`, *optional*): where batches are moved (``None``: left where they are).
-        hand_outs (`HandOuts`, *optional*): the elastic layout, as for :class:`ResumablePreparedLoader`. The pass's
-            last global batch is padded to whole windows of ``gradient_accumulation_steps`` micro-batches per rank,
-            so a loop that iterates it inside ``accelerator.accumulate`` steps after its last micro-batch.
+    The position is the ``StatefulDataLoader`` state after the batches handed out (docs/accelerate.md, "Streaming
+    data"). The number of batches is not known in advance, so it reads one batch ahead to set ``end_of_dataloader``
+    on the pass's last batch; the state is taken before that read, so the batch read ahead is not in the position.
     """
 
     def __init__(self, loader: Any, *, gradient_state: GradientState, device: torch.device | None,
                  hand_outs: HandOuts | None = None) -> None:
-        self.loader = loader
-        self.gradient_state = gradient_state
-        self.device = device
-        self.dataset = loader.dataset  # a SeededIterableDataset
-        self.total_batch_size = self.dataset.batch_size * self.dataset.world_size
-        self.epoch = 0
-        self.consumed = 0  # batches of ``epoch`` already handed out
+        # the data set is a SeededIterableDataset: it holds the stream's layout
+        super().__init__(loader, gradient_state=gradient_state, device=device, hand_outs=hand_outs,
+                         layout=loader.dataset, epoch=0)
         self._positioned = False  # the loader's next pass starts at ``consumed`` (a restored state)
         self._state: dict[str, Any] | None = None  # loader state after the ``consumed`` batches of this pass
-        self.hand_outs = hand_outs
-        self.last_batch: ElasticBatch | None = None  # elastic layout: the batch handed out last
-
-    @property
-    def batch_size(self) -> int:
-        return self.dataset.batch_size
-
-    @property
-    def seed(self) -> int:
-        """The run seed of the per-example and per-batch randomness."""
-        return self.dataset.seed
-
-    def set_global_batch(self, global_batch: int) -> None:
-        """Elastic layout: the examples per optimizer step over all ranks (kept from the checkpoint)."""
-        self.dataset.global_batch = global_batch
 
     def set_epoch(self, epoch: int) -> None:
         """Select an epoch; selecting the current one keeps the position (so resumed runs may call it)."""
@@ -271,12 +233,6 @@ class ResumablePreparedStream(DataLoaderStateMixin):
             self.end()
             _end_hand_outs(self)
         self.epoch, self.consumed, self._state = self.epoch + 1, 0, None
-
-    @property
-    def is_padding(self) -> bool:
-        """Whether the batch handed out last is a padding batch of the elastic layout (see
-        :attr:`ResumablePreparedLoader.is_padding`)."""
-        return self.last_batch is not None and self.last_batch.is_padding
 
     def position(self) -> dict[str, Any]:
         """JSON record of where the next batch comes from (the start of a pass has no loader state)."""
@@ -310,8 +266,7 @@ class ResumablePreparedStream(DataLoaderStateMixin):
 
 def _read_one_ahead(loader: Any, stream: Any) -> Iterator[tuple[Any, dict[str, Any] | None, Any, bool]]:
     """``loader``'s batches, each with the loader state and ``stream``'s elastic weight right after it was read, and
-    whether it is the pass's last batch: the next batch is read before one is handed out (as accelerate's
-    ``DataLoaderShard`` does to set ``end_of_dataloader``), so its state is taken before that read."""
+    whether it is the pass's last batch (the next batch is read before one is handed out)."""
     iterator = iter(loader)
     try:
         batch = next(iterator, _END)
@@ -330,17 +285,16 @@ def _read_one_ahead(loader: Any, stream: Any) -> Iterator[tuple[Any, dict[str, A
 _END = object()
 
 
-def _hand_out(loader: ResumablePreparedLoader | ResumablePreparedStream, samples: int, step_samples: int) -> None:
+def _hand_out(loader: _PreparedLoader, samples: int, step_samples: int) -> None:
     """Record the elastic batch ``loader`` is handing out (its ``consumed``-th of the epoch) and seed torch's
     generators for it, so a loop that trains it at once draws the dropout masks an accumulation window would."""
-    layout = loader.dataset if isinstance(loader, ResumablePreparedStream) else loader.loader.batch_sampler
-    chunk = (loader.consumed - 1) * layout.world_size + layout.rank
+    chunk = (loader.consumed - 1) * loader._layout.world_size + loader._layout.rank
     loader.last_batch = ElasticBatch(loader.seed, loader.epoch, chunk, samples, step_samples)
     loader.hand_outs.batch = loader.last_batch
     loader.last_batch.seed_model()
 
 
-def _end_hand_outs(loader: ResumablePreparedLoader | ResumablePreparedStream) -> None:
+def _end_hand_outs(loader: _PreparedLoader) -> None:
     """``loader``'s pass ended (or was left): a later ``backward`` is not weighed by its last batch."""
     if loader.hand_outs is not None and loader.hand_outs.batch is loader.last_batch:
         loader.hand_outs.batch = None
@@ -348,8 +302,7 @@ def _end_hand_outs(loader: ResumablePreparedLoader | ResumablePreparedStream) ->
 
 def prepare_resumable_loader(accelerator: ResumableAccelerator, data_loader: Any,
                              device_placement: bool | None) -> Any:
-    """Wrap a loader of :func:`~hf_resumable.data.build_map_dataloader` or
-    :func:`~hf_resumable.data.build_stream_dataloader` (no re-sharding) and register it with the accelerator's saved
+    """Wrap a loader built by :mod:`hf_resumable.data` (no re-sharding) and register it with the accelerator's saved
     loaders.
 
     Raises:
@@ -379,17 +332,14 @@ def prepare_resumable_loader(accelerator: ResumableAccelerator, data_loader: Any
 class AccumulationWindow:
     """The micro-batches of one optimizer step, with their item count summed over micro-batches and ranks.
 
-    Iterate it inside ``accelerator.accumulate(model)``: the accelerator synchronises gradients (and lets
-    the optimizer step) exactly on the window's last micro-batch, also when the window is shorter than
-    ``gradient_accumulation_steps`` (end of an epoch). It reads :attr:`slot` of the window it handed out.
+    Iterate it inside ``accelerator.accumulate(model)``: the accelerator synchronises gradients (and lets the
+    optimizer step) exactly on the window's last micro-batch, also in a short window at the end of an epoch.
 
     Args:
         batches (`list`): the micro-batches on this rank.
         num_items (`int`, *optional*): items (e.g. label tokens) in the whole window on all ranks.
-        elastic (`list[ElasticBatch]`, *optional*): per micro-batch, how its loader handed it out (``elastic=True``):
-            torch's generators are seeded from it before the micro-batch is handed out, so dropout does not depend
-            on the rank layout, and the accelerator scales its loss by its weight (0: a padding batch; the epoch's
-            last step is shorter than the global batch).
+        elastic (`list[ElasticBatch]`, *optional*): ``elastic=True``: per micro-batch, how its loader handed it out
+            (torch's generators are seeded from it, and the accelerator scales its loss by its weight).
     """
 
     def __init__(self, batches: list[Any], num_items: int | None, *,
@@ -404,9 +354,8 @@ class AccumulationWindow:
 
     @property
     def is_padding(self) -> bool:
-        """Whether the micro-batch being trained on is a padding batch (``elastic=True``: this rank has no samples in
-        the epoch's last, shorter step and trains on stand-ins so that it joins the step's collectives). ``backward``
-        scales its loss to zero and ``num_items`` leaves it out; leave it out of logged losses too."""
+        """Whether the micro-batch being trained on is a padding batch (``elastic=True``, the epoch's last, shorter
+        step): ``backward`` scales its loss to zero; leave it out of logged losses too."""
         batch = self.current()
         return batch is not None and batch.is_padding
 
@@ -463,9 +412,9 @@ _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep
 
 
 def _drawn_since(position: Mapping[str, Any], epoch: int, batch: int) -> float:
-    """Batches drawn since the loader was at ``batch`` of ``epoch``, given its ``position()`` record now (``inf``:
-    more than an epoch). Where the epoch's length is not known (a stream, whose restored position may be the very end
-    of its pass), the batches of the next epoch alone count: a lower bound, so a loop is never refused wrongly."""
+    """Batches drawn since the loader was at ``batch`` of ``epoch``, given its ``position()`` now (``inf``: more than
+    an epoch). Without the epoch's length (a stream) only the next epoch's count: a lower bound, never refusing
+    wrongly."""
     now_epoch, now_batch = int(position.get(DATA_EPOCH, 0)), int(position.get(DATA_STEP, 0))
     if now_epoch == epoch:
         return now_batch - batch
@@ -485,21 +434,9 @@ def script_location() -> str:
 class ResumedLoaders:
     """Where ``load_state`` put each prepared loader, to catch a script that skips again what its loader skipped.
 
-    A script written for stock accelerate (whose loaders restart at their first batch after ``load_state``) skips the
-    trained batches itself; here the loader already continues at its saved batch, so each such skip loses data:
-
-    1. **By hand**, ``for step, batch in enumerate(loader): if step < resume_step: continue``: batches of a loader
-       restored mid-epoch are drawn and thrown away. At the first backward after the resume, more than one
-       accumulation window (``gradient_accumulation_steps`` batches, what ``accumulation_windows`` draws before its
-       first backward) drawn from such a loader raises :class:`~hf_resumable.errors.DoubleSkipError`, before any
-       optimizer step (what was drawn cannot be put back).
-    2. **``skip_first_batches(loader, n)`` in every epoch** after a resume (accelerate's examples call it once, in
-       the epoch the run resumed in: that call is what the loader already did, and keeps working). In a later epoch
-       the call means the resume skip again, whose batches were not in that epoch: :meth:`is_repeated_skip` says so,
-       and the accelerator skips nothing there and logs a WARNING naming the call.
-
-    Only loaders restored in the middle of an epoch are watched (an evaluation loader, saved after its pass, is at
-    batch 0). Loops that never call ``accelerator.backward`` (``loss.backward()`` directly) are not watched.
+    A skip by hand (more than one accumulation window drawn before the first backward) raises ``DoubleSkipError``;
+    ``skip_first_batches(loader, n)`` repeated in a later epoch is found by :meth:`is_repeated_skip` and skips nothing,
+    with a WARNING (the rules: docs/accelerate.md). Only loaders restored mid-epoch are watched.
 
     Example:
 

@@ -1,16 +1,9 @@
-"""Which prepared object of a :class:`~hf_resumable.integrations.accelerate.ResumableAccelerator` goes where in a
-checkpoint: any number of models, optimizers and schedulers, with accelerate's index-based order.
+"""Which prepared object of a ``ResumableAccelerator`` goes where in a checkpoint, in accelerate's index order. PURE.
 
-accelerate saves ``model.safetensors, model_1.safetensors, ...``, ``optimizer.bin, optimizer_1.bin, ...`` and
-``scheduler.bin, scheduler_1.bin, ...`` by position. Here position 0 of each kind uses the hf_resumable
-checkpoint's own slots when it can (the model as HF-compatible sharded safetensors, the optimizer keyed by
-parameter name); every other object goes into the checkpoint's ``extra`` state (tensors in
-``training_state.safetensors``, hashed like every other file). Optimizer state is always keyed by parameter
-*name* where the parameter belongs to a prepared model (``model/<name>``, ``model_1/<name>``, ...) and by
-position otherwise (``<unnamed>/<i>``), so a learnable temperature or a second model's parameters are fine.
-
-The plan is a pure function of the prepared objects (:func:`plan_layout`); the JSON record of it is saved with
-the checkpoint, and loading follows the record, not today's objects.
+Position 0 of each kind uses the checkpoint's own slots when it can; every other object goes into its ``extra``
+state. Optimizer state is keyed by parameter name where the parameter belongs to a prepared model
+(``model/<name>``, ``model_1/<name>``) and by position otherwise (``<unnamed>/<i>``). The plan's JSON record is
+saved with the checkpoint, and loading follows the record, not today's objects.
 """
 
 from __future__ import annotations
@@ -52,16 +45,8 @@ def model_stem(index: int) -> str:
 
 @dataclass
 class Layout:
-    """Where each saved object lives. Serialised with :meth:`to_json` into the checkpoint.
-
-    Args:
-        models (`list[str]`): per saved weights slot (accelerate's ``weights`` list after the pre-hooks),
-            :data:`KIND_MODULE` or :data:`KIND_STATE_DICT`; slot 0 is the checkpoint's model slot.
-        optimizers (`list[str]`): per prepared optimizer, :data:`SLOT_CORE` or :data:`SLOT_EXTRA`.
-        schedulers (`int`): number of schedulers (0 in the core slot, the others in ``extra``).
-        custom_objects (`int`): number of objects passed to ``register_for_checkpointing``.
-        hook_files (`list[str]`): files the ``save_state`` pre-hooks wrote (committed with the checkpoint).
-    """
+    """Where each saved object lives: per weights slot (accelerate's ``weights`` after the pre-hooks) its kind, per
+    optimizer its slot, the numbers of schedulers and registered objects, and the files the pre-hooks wrote."""
 
     models: list[str] = field(default_factory=list)
     optimizers: list[str] = field(default_factory=list)
@@ -111,19 +96,9 @@ def parameter_keys(models: Sequence[torch.nn.Module], optimizer: torch.optim.Opt
 def plan_layout(*, weights: Sequence[Any], originals: Sequence[Any], models: Sequence[torch.nn.Module],
                 optimizers: Sequence[torch.optim.Optimizer], schedulers: int, custom_objects: int,
                 hook_files: Sequence[str], hooks_registered: bool) -> Layout:
-    """Decide where everything goes.
-
-    Args:
-        weights: accelerate's ``weights`` list after the ``save_state`` pre-hooks (they may remove or replace
-            entries); saved by position, as accelerate does.
-        originals: the state dicts the list started with (``originals[i]`` belongs to ``models[i]``).
-        models: the unwrapped prepared models.
-        optimizers: the underlying torch optimizers.
-        schedulers, custom_objects: counts.
-        hook_files: files the pre-hooks wrote.
-        hooks_registered: whether ``save_state`` pre-hooks exist (optimizer 0 then stays out of the core slot,
-            whose parameter names come from the model slot a hook may empty).
-    """
+    """Decide where everything goes. ``weights`` is accelerate's list after the ``save_state`` pre-hooks (which may
+    remove or replace entries), ``originals`` what it started with. With ``hooks_registered`` optimizer 0 stays out
+    of the core slot, whose parameter names come from the model slot a hook may empty."""
     kinds = []
     for index, entry in enumerate(weights):
         kinds.append(KIND_MODULE if index < len(originals) and entry is originals[index] else KIND_STATE_DICT)
@@ -143,12 +118,8 @@ def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def encode_optimizer(optimizer: torch.optim.Optimizer, keys: Sequence[str]) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with parameter positions replaced by their keys (tensors kept as is).
-
-    Parameters that belong to no prepared model (an extra learnable temperature) are saved too, under
-    ``"unowned"``: no model's weights hold them, and without them a resumed run would restart them from their
-    initial value.
-    """
+    """``optimizer.state_dict()`` with parameter positions replaced by their keys; parameters of no prepared model
+    (a learnable temperature) are saved too, under ``"unowned"``, since no model's weights hold them."""
     state = optimizer.state_dict()
     position_key = dict(enumerate(keys))
     return {
@@ -197,10 +168,8 @@ def load_optimizer(optimizer: torch.optim.Optimizer, keys: Sequence[str], stored
 
 
 def require_slots(layout: Layout, *, models_to_fill: int, optimizers: int, schedulers: int, where: str) -> None:
-    """Check that the checkpoint holds everything that is about to be loaded, before anything is touched.
-
-    Like accelerate, objects are matched by position and a checkpoint may hold more than is prepared now
-    (e.g. an evaluation script that prepares only the model).
+    """Check that the checkpoint holds everything that is about to be loaded, before anything is touched (matched by
+    position; it may hold more than is prepared now, as in accelerate).
 
     Raises:
         IncompleteCheckpointError: naming what is missing and why.

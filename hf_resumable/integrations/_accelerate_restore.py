@@ -1,15 +1,6 @@
-"""What :meth:`~hf_resumable.integrations.accelerate.ResumableAccelerator.load_state` does with one checkpoint, as
-functions of the accelerator (accelerate keeps its own in ``checkpointing.py``; the capture side is
-:mod:`~hf_resumable.integrations._accelerate_state`).
-
-:func:`restore_state` is the order of a resume: verify and decode the checkpoint once (:func:`open_for_resume`),
-compare the saved run settings before any object is touched (:func:`check_run_drift`), run accelerate's
-``load_state`` pre-hooks, fill models, optimizers, schedulers and the scaler, then the counters
-(:func:`restore_counters`), the loaders' positions (:func:`restore_loaders`), the registered objects and, last,
-this process's RNG (:func:`restore_rng`: restoring anything else may draw random numbers). What differs under
-``elastic=True`` is asked of the accelerator's elastic mode
-(:mod:`~hf_resumable.integrations._accelerate_elastic`). :func:`resolve_checkpoint` and :func:`describe_missing`
-decide which directory an explicit ``load_state(input_dir)`` reads, or why it cannot.
+"""The restore side of ``ResumableAccelerator.load_state``, as functions of the accelerator (the capture side is
+:mod:`._accelerate_state`): :func:`restore_state` is the order of a resume, RNG last; :func:`resolve_checkpoint`
+decides which directory an explicit ``load_state(input_dir)`` reads, or why it cannot.
 """
 
 from __future__ import annotations
@@ -92,16 +83,8 @@ def load_agreed(accelerator: ResumableAccelerator, path: Path, strict: bool,
 
 def restore_state(accelerator: ResumableAccelerator, path: Path, strict: bool,
                   verified: VerifyReport | None) -> LoadedCheckpoint:
-    """``load_state`` of one checkpoint into the accelerator's prepared objects, RNG last.
-
-    Args:
-        accelerator (`ResumableAccelerator`): the accelerator to fill (after ``prepare``).
-        path (`Path`): the checkpoint directory.
-        strict (`bool`): missing or unexpected model keys are errors.
-        verified (`VerifyReport`, *optional*): the report of a verification already done (not repeated).
-
-    Returns:
-        `LoadedCheckpoint`
+    """``load_state`` of one checkpoint into the accelerator's prepared objects, RNG last (``verified``: a
+    verification already done, not repeated).
 
     Raises:
         ConfigDriftError / ElasticWorldSizeError / IncompleteCheckpointError / InexactResumeError: see

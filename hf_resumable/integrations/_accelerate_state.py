@@ -1,20 +1,6 @@
-"""Bookkeeping of :class:`~hf_resumable.integrations.accelerate.ResumableAccelerator` around its saves: optimizer
-step counting (whatever the loop looks like) and the fingerprint that proves a checkpoint already holds the
-current state.
-
-* :class:`StepHook` is registered with ``register_step_post_hook`` on every prepared optimizer. torch calls it
-  only when the optimizer really stepped, so micro-steps inside an accumulation window (accelerate's
-  ``AcceleratedOptimizer.step`` does nothing then) and steps a ``GradScaler`` skipped on overflow are not
-  counted, and a loop that never calls ``accelerator.accumulate()`` is counted like one that does.
-* :func:`state_fingerprint` digests everything a save would write, cheaply: parameters, buffers and
-  optimizer tensors by identity and autograd version counter (every in-place update bumps it), small state
-  (schedulers, scaler, registered objects, loader positions, counters) by content, and the RNG states. Two
-  equal fingerprints mean that nothing a checkpoint holds changed in between.
-* :func:`capture_state` is what ``save_state`` hands the checkpoint writer: it runs accelerate's ``save_state``
-  pre-hooks in a staging directory, lays out any number of models, optimizers and schedulers
-  (:func:`~hf_resumable.integrations._accelerate_objects.plan_layout`) and gathers counters, loader positions and
-  the run settings a resume compares (:func:`run_settings`). The writing itself stays in ``save_state`` (the
-  restore side is :mod:`~hf_resumable.integrations._accelerate_restore`).
+"""The capture side of ``ResumableAccelerator``'s saves: optimizer step counting, the fingerprint that proves a
+checkpoint already holds the current state, and :func:`capture_state` (what ``save_state`` hands the checkpoint
+writer; the restore side is :mod:`._accelerate_restore`).
 """
 
 from __future__ import annotations
@@ -72,22 +58,16 @@ _CONTENT_DIGEST_BYTES = 1 << 16
 
 
 class StepCounts:
-    """Optimizer steps of one accelerator: ``global_step`` is the count of the most-stepped optimizer.
-
-    Args:
-        global_step (`int`, *optional*, defaults to 0): the starting value.
-    """
+    """Optimizer steps of one accelerator: ``global_step`` is the count of the most-stepped optimizer."""
 
     def __init__(self, global_step: int = 0) -> None:
         self.global_step = global_step
 
 
 class StepHook:
-    """``register_step_post_hook`` callback counting the real steps of one optimizer.
-
-    Args:
-        counts (`StepCounts`): shared with the accelerator (the hook holds no reference to the accelerator).
-    """
+    """``register_step_post_hook`` callback counting the real steps of one optimizer into ``counts`` (shared with the
+    accelerator). torch calls it only when the optimizer really stepped, so accumulation micro-steps and steps a
+    ``GradScaler`` skipped are not counted, however the loop is written."""
 
     def __init__(self, counts: StepCounts) -> None:
         self.counts = counts
@@ -174,11 +154,9 @@ def state_fingerprint(*, models: Iterable[torch.nn.Module], optimizers: Iterable
                       small_state: Any) -> str:
     """A digest of everything a save writes; equal digests mean nothing changed in between.
 
-    Args:
-        models: the prepared models (parameters and buffers by identity and version counter).
-        optimizers: the underlying torch optimizers (state tensors likewise; param groups by content).
-        small_state: JSON-like state digested by content (counters, scheduler/scaler/registered-object
-            state dicts, loader positions, the names a save goes to).
+    Large tensors (parameters, buffers, optimizer state) are digested by identity and autograd version counter (every
+    in-place update bumps it), ``small_state`` (JSON-like: counters, state dicts, positions) and the RNG states by
+    content.
 
     Example:
 
@@ -222,14 +200,8 @@ def model_weights(accelerator: ResumableAccelerator) -> list[Any]:
 
 
 def capture_state(accelerator: ResumableAccelerator) -> dict[str, Any]:
-    """Everything :func:`~hf_resumable.save_checkpoint` takes, after running the ``save_state`` pre-hooks.
-
-    Args:
-        accelerator (`ResumableAccelerator`): the accelerator whose prepared objects are captured.
-
-    Returns:
-        `dict`: the keyword arguments ``model``, ``optimizer``, ``scheduler``, ``scaler``, ``training_state``,
-        ``extra``, ``extra_files`` and ``data_state`` of the checkpoint writer.
+    """The keyword arguments of :func:`~hf_resumable.save_checkpoint` for the accelerator's prepared objects, after
+    running the ``save_state`` pre-hooks in a staging directory.
 
     Raises:
         HookFileConflictError: a pre-hook wrote a file whose name the checkpoint format uses.

@@ -1,26 +1,13 @@
-"""What both front doors share: their options (:class:`ResumeOptions`), the inexact-resume policy
-(:func:`inexact`: raise, or a WARNING with ``allow_inexact_resume=True``), the one drift check (:func:`check_drift`:
-every changed setting, old -> new, in one ``ConfigDriftError`` or one WARNING), the follow-ups of a commit
-(:class:`AfterCommit`, attached to the save's future) and the upstream-version policy (:func:`check_upstream`: a
-WARNING outside the tested range, :class:`UpstreamInternalsError` only for a missing internal). The resume fallback
-is :mod:`._fallback`; the preemption protocol is :class:`hf_resumable.preemption.PreemptionProtocol`;
-:func:`notice_save_in_flight` hands it the notice checkpoint's background write.
-
-Example:
-
-```python
->>> ResumeOptions(keep_last=0)
-Traceback (most recent call last):
-...
-ValueError: keep_last must be >= 1 or None, got 0.
-```
+"""What both front doors share: their options (:class:`ResumeOptions`), the inexact-resume policy, the one drift
+check, the follow-ups of a commit (:class:`AfterCommit`) and the upstream-version policy (docs/architecture.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -38,7 +25,7 @@ from ._trainer_hparams import RESUME_HYPERPARAMETERS
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT", "AfterCommit", "ResumeOptions", "UpstreamInternalsError", "changed_settings", "check_drift",
-           "check_upstream", "inexact", "notice_save_in_flight"]
+           "check_upstream", "inexact", "notice_save_in_flight", "patched"]
 
 class _Default:
     """The "option not given" marker; one instance, which stays itself when the options are pickled or copied
@@ -61,15 +48,20 @@ class UpstreamInternalsError(HfResumableError, ImportError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ResumeOptions:
-    """The options of both front doors, validated when built.
-
-    Each front door takes its options as keyword arguments, spelled and documented as before
-    (:class:`~hf_resumable.integrations.trainer.ResumableTrainer`,
-    :class:`~hf_resumable.integrations.accelerate.ResumableAccelerator`), and builds one of these from them.
+    """The options of both front doors (their keyword arguments, documented there), validated when built;
     ``keep_last`` is :data:`DEFAULT` when not given.
 
     Raises:
         ValueError: an option outside its allowed values (named, with the allowed ones).
+
+    Example:
+
+    ```python
+    >>> ResumeOptions(keep_last=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: keep_last must be >= 1 or None, got 0.
+    ```
     """
 
     allow_inexact_resume: bool = False
@@ -113,15 +105,10 @@ def restore_resumed_rng(state: RngState | None, *, across_world_sizes: bool, all
                         missing: Callable[[], None]) -> None:
     """Restore a resumed rank's RNG, the one rule of both front doors.
 
-    At another world size (``elastic=True``) the model's randomness is keyed per micro-batch, so a rank the
+    ``across_world_sizes`` (``elastic=True``): the model's randomness is keyed per micro-batch, so a rank the
     checkpoint had keeps its other streams and a new rank (no state) starts from its seed. At the same world size a
-    rank without state calls ``missing`` (an inexact resume: raised or warned by the caller's :func:`inexact`).
-
-    Args:
-        state (`RngState`, *optional*): this rank's saved RNG state.
-        across_world_sizes (`bool`): the resume changes the world size under the elastic mode.
-        allow_inexact_resume (`bool`): also allows restoring onto another device count.
-        missing (`Callable[[], None]`): called when the state is missing at the same world size.
+    rank without state calls ``missing`` (an inexact resume); ``allow_inexact_resume`` also allows another device
+    count.
     """
     if across_world_sizes:
         if state is not None:
@@ -209,9 +196,8 @@ class AfterCommit:
     def settle(self, *, poll: bool = False, removals: bool = True) -> None:
         """Wait for the save in flight, then run the follow-ups (with ``poll``: only once every attached save is done).
 
-        With ``removals=False`` (before the next save), or with ``poll`` (which never blocks), the checkpoints that
-        retention removed in the background may still be being deleted: the next save's write waits for them itself,
-        off the training thread for a background save (:func:`~hf_resumable.checkpoint.commit._writer.write_payload`).
+        With ``removals=False`` or ``poll``, checkpoints retention removed may still be being deleted (the next
+        save's write waits for them itself).
 
         Raises:
             AsyncSaveError: the background save failed; its follow-ups are dropped (nothing was committed).
@@ -225,6 +211,17 @@ class AfterCommit:
             background_saver().wait()
         for _, follow_up in pending:
             follow_up()
+
+
+@contextlib.contextmanager
+def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.<name>`` is ``value`` for the duration of the block (how the integrations bend upstream internals)."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
 
 def notice_save_in_flight() -> Future | None:

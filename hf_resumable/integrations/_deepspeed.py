@@ -1,30 +1,9 @@
 """DeepSpeed ZeRO-1/2/3 state in hf_resumable checkpoints: every rank writes its own partitions, no pickle.
 
-Under ZeRO-1/2 every rank holds the whole (bit16 or fp32) model, and its own partition of each param group's
-flattened fp32 master weights, over which the torch optimizer steps: its Adam moments are partitions too. A
-checkpoint stores them as pieces of one global flat tensor per param group (:class:`ZeroOptimizerState` shows each
-partition as a ``DTensor`` sharded on dim 0 over the data-parallel group), so the sharded writer and reader
-(:mod:`hf_resumable.checkpoint.pieces._pieces`) handle them as they handle FSDP2 pieces, under the pseudo-parameter
-``zero<dp size>.group<i>`` with the keys ``fp32`` (the master partition) and the base optimizer's own
-(``exp_avg``, ``exp_avg_sq``, ``step``). The model's weights are saved whole, split between the ranks by bytes
-(every rank holds them), and the engine's counters and loss scaler as JSON (:func:`capture_engine_state`).
-
-Under ZeRO-3 the parameters are partitioned too: every rank writes its partition of every weight (``ds_tensor``,
-as a piece of the flattened weight, :mod:`hf_resumable.checkpoint.pieces._partitioned`), and its partition of each
-sub-group's flat fp32 master weights and moments (:class:`Zero3OptimizerState`, pseudo-parameters
-``zero<dp size>.subgroup<i>``). Small parameters ZeRO-3 keeps gathered (``ds_persist``) are gathered again from the
-loaded partitions, as DeepSpeed does after its own loads.
-
-A partition's place in the flat tensor depends on the data-parallel size, which is part of the name; each
-partition also records its map (``partition``: which elements of which parameters every rank holds,
-:class:`~hf_resumable.checkpoint.pieces._partitioned.PartitionMap`). A checkpoint opened with ``elastic=True``
-therefore
-loads at another world size: the sharded load cuts this rank's partitions again from every saved rank's pieces
-(:func:`~hf_resumable.checkpoint.pieces._partitioned.reshard_partitions`). Without it, another world size is refused as
-configuration drift. ZeRO-Offload (optimizer or parameters on the CPU or NVMe) is refused: it is not tested.
-
-Nothing here imports deepspeed: the ZeRO optimizer is recognised by its attributes, so accelerate and the Trainer
-import it as they always do, and only when it is configured.
+Each rank's partitions of the flat fp32 master weights and their optimizer state are pieces of one flat tensor per
+param group (ZeRO-3: per sub-group), each with its partition map, so the piece engine writes, reads and reshards them
+as it does FSDP2 pieces (docs/multi-gpu.md, "DeepSpeed ZeRO-1/2/3"; docs/format.md). Nothing here imports deepspeed:
+the ZeRO optimizer is recognised by its attributes.
 """
 
 from __future__ import annotations
@@ -50,6 +29,7 @@ from ..checkpoint.pieces import (
 )
 from ..distributed import all_gather_json
 from ..errors import IncompleteCheckpointError, UnsupportedEngineError
+from ._core import patched
 from ._engines import refuse_engine
 
 logger = logging.getLogger(__name__)
@@ -59,8 +39,7 @@ __all__ = ["ZeroOptimizerState", "Zero3OptimizerState", "register_step_hook", "c
            "restore_engine_state", "deepspeed_engine", "deepspeed_resume_by_us"]
 
 # A param group's flat partition, named as a parameter would be. The data-parallel size is part of the name: the
-# partitions' layout depends on it, so they are never mixed with another world size's (an elastic load cuts them
-# again from their recorded maps).
+# partitions' layout depends on it (an elastic load cuts them again from their recorded maps).
 GROUP_NAME = "zero{world_size}.group{index}"
 SUBGROUP_NAME = "zero{world_size}.subgroup{index}"  # ZeRO-3: a sub-group's flat partition, named the same way
 EXTRA_DEEPSPEED = "deepspeed_engine"  # extra-state key: the engine's counters and loss scaler (capture_engine_state)
@@ -101,9 +80,8 @@ def torch_optimizer(optimizer: Any) -> Any:
 
 
 def checkpoint_optimizer(optimizer: Any) -> Any:
-    """What a checkpoint saves for ``optimizer`` (accelerate's wrapper or the engine's optimizer): a
-    :class:`ZeroOptimizerState` for ZeRO-1/2, a :class:`Zero3OptimizerState` for ZeRO-3, the torch optimizer
-    otherwise (its class is what a checkpoint records).
+    """What a checkpoint saves for ``optimizer``: a :class:`ZeroOptimizerState` for ZeRO-1/2, a
+    :class:`Zero3OptimizerState` for ZeRO-3, the torch optimizer otherwise.
 
     Raises:
         UnsupportedEngineError: ZeRO with the optimizer or parameters offloaded, or another DeepSpeed optimizer
@@ -126,9 +104,8 @@ def _unsupported(engine: str) -> UnsupportedEngineError:
 
 
 def _init_base_state(base: torch.optim.Optimizer) -> None:
-    """Create ``base``'s state over the flat partitions its groups list (zero gradients, learning rate 0) so a load
-    has templates to fill, as ``torch.distributed.checkpoint`` does for FSDP2; the load overwrites all of it (the
-    master partitions too). Step hooks do not run, so :attr:`ResumableAccelerator.global_step` does not count it."""
+    """Create ``base``'s state over its flat partitions (zero gradients, learning rate 0) so a load has templates to
+    fill; the load overwrites all of it. Step hooks do not run, so ``global_step`` does not count it."""
     lrs = [group["lr"] for group in base.param_groups]
     hooks = base._optimizer_step_pre_hooks, base._optimizer_step_post_hooks
     base._optimizer_step_pre_hooks, base._optimizer_step_post_hooks = type(hooks[0])(), type(hooks[1])()
@@ -148,8 +125,7 @@ def _init_base_state(base: torch.optim.Optimizer) -> None:
 
 class _ZeroState:
     """What both ZeRO optimizer views share: the base torch optimizer's param groups and state, and what its steps
-    write (a background save holds the base optimizer's next step until those are copied, :mod:`hf_resumable.
-    checkpoint.background._step_gate`; the engine writes the weights from the masters only after that step)."""
+    write (a background save holds the base optimizer's next step until those are copied)."""
 
     base: torch.optim.Optimizer
 
@@ -183,8 +159,8 @@ class _ZeroState:
 
 def _partition_entries(base: torch.optim.Optimizer, flat: torch.Tensor, group: Any,
                        partition_map: PartitionMap) -> dict[str, Any]:
-    """One flat fp32 partition's checkpoint entries: the master piece, the base optimizer's state over it, and the
-    map of the parameter elements it holds (JSON: what cuts it again for another world size)."""
+    """One flat fp32 partition's checkpoint entries: the master piece, the base optimizer's state over it, and its
+    partition map (JSON)."""
     entries = {MASTER_KEY: partition_piece(flat, group), PARTITION_KEY: partition_map.to_json()}
     for key, value in base.state.get(flat, {}).items():
         partitioned = torch.is_tensor(value) and value.shape == flat.shape
@@ -204,7 +180,7 @@ def _restore_partition(base: torch.optim.Optimizer, flat: torch.Tensor, saved: M
 
 def _equal_cast(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
     """Whether every ``(weight elements, master elements)`` pair holds the same bits once the masters are cast to the
-    weight's dtype: one pass over both at memory speed (``memcmp`` on the staging threads) for fp32 weights."""
+    weight's dtype."""
     same = [(held, master) for held, master in pairs if held.dtype == master.dtype]
     if not equal_bytes(same):
         return False
@@ -212,11 +188,8 @@ def _equal_cast(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
 
 
 class ZeroOptimizerState(_ZeroState):
-    """A ZeRO-1/2 optimizer as the sharded checkpoint sees it (:class:`~hf_resumable.checkpoint.
-    ShardedOptimizerState`): one pseudo-parameter per param group, whose state is this rank's partitions.
-
-    Args:
-        zero (`DeepSpeedZeroOptimizer`): the engine's optimizer.
+    """A ZeRO-1/2 optimizer ``zero`` as the piece engine sees it: one pseudo-parameter per param group, whose state
+    is this rank's partitions.
 
     Raises:
         UnsupportedEngineError: the optimizer is offloaded to the CPU (DeepSpeedCPUAdam, not tested).
@@ -260,12 +233,8 @@ class ZeroOptimizerState(_ZeroState):
 
     def masters_give_weights(self, *, group: Any = None) -> bool:
         """Whether every rank's fp32 master partition, cast to the weights' dtype, equals the elements of the weights
-        it covers, bit for bit: the masters saved then determine the (whole) weights, which a checkpoint does not
-        store (:func:`~hf_resumable.checkpoint.pieces._partitioned.weights_from_masters`). DeepSpeed's step keeps it
-        so (it copies the masters into the weights and gathers them), its loads rebuild the weights from the masters; a
-        weight written outside the optimizer breaks it, so it is checked at every save. Each rank checks the
-        elements its partition holds (one pass at memory speed); the answer is every rank's (a collective over
-        ``group``)."""
+        it covers, bit for bit: then the masters give the weights, which are not stored (docs/format.md). A weight
+        written outside the optimizer breaks it, so it is checked at every save; a collective over ``group``."""
         try:
             pairs = []
             for index, (_, flat, dp_group) in enumerate(self._partitions()):
@@ -309,16 +278,11 @@ class ZeroOptimizerState(_ZeroState):
 
 
 class Zero3OptimizerState(_ZeroState):
-    """A ZeRO-3 optimizer as the sharded checkpoint sees it (:class:`~hf_resumable.checkpoint.
-    ShardedOptimizerState`): one pseudo-parameter per sub-group (``zero<dp size>.subgroup<i>``), whose state is this
-    rank's partition of the sub-group's flat fp32 master weights (``fp32``) and the base optimizer's state over it.
+    """A ZeRO-3 optimizer ``zero`` as the piece engine sees it: one pseudo-parameter per sub-group, whose state is
+    this rank's partition of the sub-group's flat fp32 master weights and the base optimizer's state over it.
 
     ZeRO-3 lists a sub-group's flat partition in its param group only while it steps it; the param groups saved
-    list, per param group, the sub-groups that belong to it. The model's own partitions (``ds_tensor``) are saved
-    with the model (:mod:`hf_resumable.checkpoint.pieces._partitioned`).
-
-    Args:
-        zero (`DeepSpeedZeroOptimizer_Stage3`): the engine's optimizer.
+    list the sub-groups that belong to each. The model's own partitions (``ds_tensor``) are saved with the model.
 
     Raises:
         UnsupportedEngineError: the optimizer or the parameters are offloaded (ZeRO-Offload, not tested).
@@ -363,14 +327,10 @@ class Zero3OptimizerState(_ZeroState):
 
     def masters_give_weights(self, *, group: Any = None) -> bool:
         """Whether this rank's partition of every parameter (``ds_tensor``) equals its fp32 master partition cast to
-        the parameter's dtype, bit for bit: the masters saved then determine this rank's partitions, which it does
-        not store (:func:`~hf_resumable.checkpoint.pieces._partitioned.weights_from_masters`; no collective: another
-        rank's differing partitions are stored, and read over the masters).
-
-        DeepSpeed keeps it so (its step copies the masters into the partitions, ``_reassign_or_swap_out_partitioned_
-        parameters``, and so do its loads, which rebuild the partitions from the masters), but a parameter written
-        outside the optimizer (``GatheredParameters(modifier_rank=...)``) breaks it, so it is checked at every save,
-        in one pass over both. ``group``: unused (no collective)."""
+        the parameter's dtype, bit for bit: then the masters give this rank's partitions, which are not stored. A
+        parameter written outside the optimizer (``GatheredParameters(modifier_rank=...)``) breaks it, so it is
+        checked at every save. No collective (``group`` is unused): another rank's differing partitions are
+        stored."""
         pairs = []
         for index, flat in enumerate(self.zero.fp32_partitioned_groups_flat):
             offset = 0
@@ -402,8 +362,7 @@ class Zero3OptimizerState(_ZeroState):
             self.zero._clear_fp32_optimizer_param_groups()
 
     def init_state(self) -> None:
-        """Create the base optimizer's state for a load to fill (:func:`_init_base_state`), the flat partitions
-        listed in their groups meanwhile."""
+        """Create the base optimizer's state for a load to fill, the flat partitions listed in their groups."""
         if self.base.state:
             return
         with self._listed():
@@ -482,20 +441,12 @@ def restore_engine_state(engine: Any, optimizers: list[Any], state: Mapping[str,
             setattr(scaler, key, value)
 
 
-@contextlib.contextmanager
-def deepspeed_resume_by_us() -> Iterator[None]:
-    """Inside ``Trainer.train``: the Trainer's ``deepspeed_load_checkpoint`` (DeepSpeed's pickled
-    ``global_step*`` folders) does nothing; ``ResumableTrainer`` loads weights, ZeRO partitions and counters from
-    its own checkpoint in ``_load_optimizer_and_scheduler``."""
+def deepspeed_resume_by_us() -> contextlib.AbstractContextManager[None]:
+    """Inside ``Trainer.train``: the Trainer's ``deepspeed_load_checkpoint`` (DeepSpeed's pickled folders) does
+    nothing; ``ResumableTrainer`` loads the ZeRO state from its own checkpoint."""
     import transformers.trainer as trainer_module
-
-    original = trainer_module.deepspeed_load_checkpoint
 
     def load_nothing(*args: Any, **kwargs: Any) -> None:
         logger.debug("DeepSpeed's own checkpoint loading skipped: hf_resumable loads the ZeRO state.")
 
-    trainer_module.deepspeed_load_checkpoint = load_nothing
-    try:
-        yield
-    finally:
-        trainer_module.deepspeed_load_checkpoint = original
+    return patched(trainer_module, "deepspeed_load_checkpoint", load_nothing)

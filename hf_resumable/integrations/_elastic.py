@@ -1,24 +1,7 @@
-"""Elastic world size (``elastic=True`` of both front doors): a restart on another number of processes keeps the
-checkpoint's global batch, sample order and learning-rate schedule.
-
-Gradient accumulation is what makes the global batch independent of the number of processes: with the per-device
-batch ``B`` kept, a checkpoint written at world size ``W`` with ``GA`` micro-batches per optimizer step (global batch
-``G = B * GA * W``) continues at world size ``W'`` with ``GA' = G / (B * W')``. :func:`plan_elastic_resume` is that
-rule (pure); it refuses, before step 1, a world size that does not divide, listing the ones that do. The data side
-is :class:`~hf_resumable.data.ResumableBatchSampler`'s elastic layout (``global_batch``) and the model's randomness
-is keyed the same way (:func:`seed_model_rng`), so dropout does not depend on the rank layout either.
-
-Example:
-
-```python
->>> plan = plan_elastic_resume(saved_world_size=2, saved_accumulation=2, per_device_batch=4, world_size=1)
->>> plan.global_batch, plan.gradient_accumulation_steps
-(16, 4)
->>> plan_elastic_resume(saved_world_size=2, saved_accumulation=2, per_device_batch=4, world_size=3)
-Traceback (most recent call last):
-...
-hf_resumable.integrations._elastic.ElasticWorldSizeError: Cannot resume at world size 3 ...
-```
+"""Elastic world size (``elastic=True`` of both front doors), the rule both share: a restart on another number of
+processes keeps the checkpoint's global batch by changing the gradient accumulation (:func:`plan_elastic_resume`,
+pure), and the model's randomness is keyed by the global micro-batch (:func:`seed_model_rng`). docs/trainer.md,
+"Elastic", and docs/accelerate.md, "Another number of processes", describe the rest.
 """
 
 from __future__ import annotations
@@ -48,15 +31,8 @@ class ElasticWorldSizeError(ConfigDriftError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ElasticPlan:
-    """How a run continues at another world size.
-
-    Args:
-        global_batch (`int`): samples per optimizer step, kept from the checkpoint.
-        per_device_batch (`int`): samples per micro-batch on each rank, kept.
-        saved_world_size (`int`) / world_size (`int`): before and now.
-        saved_accumulation (`int`) / gradient_accumulation_steps (`int`): micro-batches per optimizer step, before
-            and now.
-    """
+    """How a run continues at another world size: the global and per-device batches kept, the world size and the
+    micro-batches per optimizer step before (``saved_*``) and now."""
 
     global_batch: int
     per_device_batch: int
@@ -90,20 +66,24 @@ def working_world_sizes(global_batch: int, per_device_batch: int) -> list[int]:
 
 def plan_elastic_resume(*, saved_world_size: int, saved_accumulation: int, per_device_batch: int,
                         world_size: int, checkpoint: str = "the checkpoint") -> ElasticPlan:
-    """The gradient accumulation that keeps the checkpoint's global batch at ``world_size`` (pure).
-
-    Args:
-        saved_world_size (`int`) / saved_accumulation (`int`): the checkpoint's world size and gradient accumulation.
-        per_device_batch (`int`): the per-device batch, the same in the checkpoint and now.
-        world_size (`int`): the world size now.
-        checkpoint (`str`, *optional*): named in the error.
-
-    Returns:
-        [`ElasticPlan`]
+    """The gradient accumulation that keeps the checkpoint's global batch (``per_device_batch x saved_accumulation x
+    saved_world_size``, the per-device batch unchanged) at ``world_size`` (pure).
 
     Raises:
         ElasticWorldSizeError: ``per_device_batch * world_size`` does not divide the global batch (the message lists
             the world sizes that do).
+
+    Example:
+
+    ```python
+    >>> plan = plan_elastic_resume(saved_world_size=2, saved_accumulation=2, per_device_batch=4, world_size=1)
+    >>> plan.global_batch, plan.gradient_accumulation_steps
+    (16, 4)
+    >>> plan_elastic_resume(saved_world_size=2, saved_accumulation=2, per_device_batch=4, world_size=3)
+    Traceback (most recent call last):
+    ...
+    hf_resumable.integrations._elastic.ElasticWorldSizeError: Cannot resume at world size 3 ...
+    ```
     """
     global_batch = per_device_batch * saved_accumulation * saved_world_size
     if global_batch % (per_device_batch * world_size):
@@ -122,8 +102,7 @@ def plan_elastic_resume(*, saved_world_size: int, saved_accumulation: int, per_d
 def seed_model_rng(seed: int, *, epoch: int, chunk: int) -> None:
     """Seed torch's CPU and CUDA generators for the micro-batch that trains on chunk ``chunk`` of ``epoch``.
 
-    A chunk (``per_device_batch`` consecutive positions of the epoch's global order, see
-    :class:`~hf_resumable.data.ResumableBatchSampler`) is the same batch at any world size; keyed by it, dropout
-    draws the same mask for it whichever rank trains on it and however many ranks there are.
+    A chunk (``per_device_batch`` consecutive positions of the epoch's global order) is the same batch at any world
+    size, so dropout draws the same mask for it whichever rank trains on it.
     """
     torch.manual_seed(derive_seed(seed, _TAG_MODEL, epoch, chunk))

@@ -1,37 +1,9 @@
 """Which distributed engines ``ResumableAccelerator`` and ``ResumableTrainer`` checkpoint, decided before step 1.
 
-Supported (every rank saves and loads its own pieces, :mod:`hf_resumable.checkpoint.pieces._pieces`; the same world
-size resumes bit-exactly):
-
-======================================  ========================================================================
-Engine                                  What each rank writes
-======================================  ========================================================================
-a single process, DDP                   rank 0 the whole state, every rank its RNG and data position
-FSDP2 (``fully_shard``)                 its DTensor pieces of the weights and optimizer state
-FSDP1, FULL_SHARD / SHARD_GRAD_OP,      its chunks of FSDP1's sharded state dict (``ShardedTensor`` local shards,
-any ``state_dict_type``                 :mod:`hf_resumable.checkpoint.pieces._sharded_tensors`), read from the root
-                                        wrapper (:func:`checkpoint_model`) whatever type accelerate uses for its own
-                                        saves; under ``NO_SHARD`` whole tensors, split by bytes
-                                        (``use_orig_params=False`` and ``NO_SHARD`` tested at the engine level only)
-DeepSpeed ZeRO-1/2, no offload          its share of the whole weights (split by bytes); its partitions of the
-                                        fp32 master weights and optimizer state (:mod:`._deepspeed`)
-DeepSpeed ZeRO-3, no offload            every rank its partition of every weight (``ds_tensor``,
-                                        :mod:`hf_resumable.checkpoint.pieces._partitioned`) and of each sub-group's
-                                        fp32 master weights and optimizer state
-======================================  ========================================================================
-
-Refused, with :class:`UnsupportedEngineError`, when the accelerator is built or ``train()`` starts, never at the
-first save after training up to it:
-
-* DeepSpeed ZeRO-Offload (``offload_optimizer`` / ``offload_param`` on ``cpu`` or ``nvme``): not tested; and ZeRO
-  stage 0 or DeepSpeed's other optimizers (``BF16_Optimizer``, ``FP16_Optimizer``), whose state is their own.
-  Detected from the plugin, accelerate's environment or ``TrainingArguments.deepspeed``, without importing deepspeed.
-* FSDP1 with a hybrid sharding strategy (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``): replica groups would each
-  write the same pieces.
-* Megatron-LM and XLA FSDP: their own model and optimizer wrappers.
-
-Everything here is pure over the options, the environment and accelerate's state: nothing is imported that the
-engine itself needs.
+Supported: a single process, DDP, FSDP2, FSDP1 (FULL_SHARD / SHARD_GRAD_OP, any ``state_dict_type``) and DeepSpeed
+ZeRO-1/2/3 without offload; the others are refused with :class:`UnsupportedEngineError` when the accelerator is built
+or ``train()`` starts (docs/multi-gpu.md, "What does not work yet"). Pure over the options, the environment and
+accelerate's state: nothing is imported that the engine itself needs.
 """
 
 from __future__ import annotations
@@ -183,12 +155,8 @@ def check_accelerate_state(state: Any) -> None:
 
 
 def check_trainer_engine(args: Any, state: Any, *, fsdp_xla: bool = False) -> None:
-    """Refuse, when ``train()`` starts, a ``Trainer`` engine hf_resumable does not checkpoint.
-
-    Args:
-        args (`TrainingArguments`): ``deepspeed`` is read as given (a dict or a JSON path); deepspeed is not imported.
-        state (`AcceleratorState`): the trainer's accelerator state.
-        fsdp_xla (`bool`, *optional*, defaults to `False`): the Trainer wraps the model with XLA FSDP.
+    """Refuse, when ``train()`` starts, a ``Trainer`` engine hf_resumable does not checkpoint (``args.deepspeed`` is
+    read as given, without importing deepspeed; ``fsdp_xla``: the Trainer wraps the model with XLA FSDP).
 
     Raises:
         UnsupportedEngineError: DeepSpeed ZeRO-3 or ZeRO-Offload, FSDP1 or XLA FSDP.

@@ -39,13 +39,8 @@ T = TypeVar("T")
 
 
 class ResumeLoadError(CorruptCheckpointError):
-    """A resume's load failed its hashes on at least one rank; raised on every rank alike (see :func:`agreed_load`).
-
-    Args:
-        message (`str`): what failed, where (and on which rank).
-        path (`str`): the checkpoint.
-        reason (`str`): the first failing rank's error.
-    """
+    """A resume's load of ``path`` failed its hashes on at least one rank (``reason``: the first failing rank's
+    error); raised on every rank alike (see :func:`agreed_load`)."""
 
     def __init__(self, message: str, *, path: str, reason: str) -> None:
         super().__init__(message)
@@ -114,13 +109,10 @@ def resume_newest(root: str | os.PathLike, load: Callable[[VerifyReport], T], *,
                   owner: str, first: VerifyReport | None) -> T | None:
     """Load ``first`` (the checkpoint discovery chose), falling back to older ones while a load fails its hashes.
 
-    Collective. ``load`` resumes from a verification report and raises :class:`ResumeLoadError` (from
-    :func:`agreed_load`) when the checkpoint failed its hashes while it was read, on any rank; it must leave no
-    trace of that attempt once it has loaded another checkpoint (the front doors fill every object again). Each
-    checkpoint that failed, while it was loaded or already in discovery's verification (a committed one newer than
-    ``first``), is moved aside (:func:`~hf_resumable.checkpoint.discovery.set_aside_checkpoint`: kept for inspection,
-    never picked again, never replaced by a later save of its step) with a WARNING naming it, the corrupt file and
-    the checkpoint used instead. An explicit path never goes through here: it raises.
+    Collective. ``load`` raises :class:`ResumeLoadError` (from :func:`agreed_load`) when the checkpoint failed its
+    hashes while it was read, on any rank, and must leave no trace of that attempt once it has loaded another one.
+    Each checkpoint that failed, while loaded or in discovery's verification (a committed one newer than ``first``),
+    is moved aside (kept for inspection, never picked again) with a WARNING naming it and the one used instead.
 
     Returns:
         what ``load`` returned, or `None` when there is no checkpoint at all (a fresh start).
@@ -161,11 +153,9 @@ def refuse_fresh_start(root: str | os.PathLike, *, pattern: re.Pattern[str], own
                        failed: Sequence[FailedResume] = ()) -> None:
     """A resume that found no usable checkpoint starts fresh only where there was none to use.
 
-    Directories without a manifest are interrupted saves (nothing was committed): a fresh start. A committed
-    checkpoint that does not verify, or that failed while it was loaded, is not: starting over would train from
-    step 0 and later replace it.
-
-    Collective: every rank raises if any rank found such a checkpoint (node-local copies may differ).
+    Directories without a manifest are interrupted saves: a fresh start. A committed checkpoint that does not verify,
+    or failed while it was loaded, is not (starting over would later replace it). Collective: every rank raises if
+    any rank found one.
 
     Raises:
         CorruptCheckpointError: ``failed`` is not empty, or a committed checkpoint under ``root`` does not verify.

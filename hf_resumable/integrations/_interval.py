@@ -1,24 +1,7 @@
 """How often to checkpoint: the interval that minimises the expected time lost to failures (Young/Daly). PURE.
 
-A run that saves every ``T`` seconds of training, where a save costs the run ``C`` seconds and failures come every
-``M`` seconds on average, loses per failure the work since the last checkpoint (``T / 2`` on average) and pays
-``C`` every ``T`` seconds meanwhile. Young (1974) found the optimum ``T = sqrt(2 C M)``; Daly (2006) refined it to
-``sqrt(2 C M) * (1 + sqrt(C / 2M) / 3 + C / 18M) - C`` for ``C < 2M`` (and ``M`` beyond), which is what
-:func:`plan_save_interval` returns, rounded to optimizer steps.
-
-``C`` is what the training loop loses to one save: for a blocking save its whole duration, for a background save
-the stall while the tensors are staged plus the slowdown of the steps that run while it is written. A background
-save must also have committed before the next one starts, so the interval is at least as many steps as the write
-took (``min_steps``).
-
-Example:
-
-```python
->>> from hf_resumable.integrations._interval import plan_save_interval
->>> plan = plan_save_interval(save_cost_s=2.0, step_time_s=0.5, mean_time_between_failures_s=3600.0)
->>> plan.steps, round(plan.seconds)
-(237, 118)
-```
+A save costs the run ``C`` seconds, failures come every ``M`` seconds on average; ``C`` is what the training loop
+loses to one save (docs/trainer.md, "A save interval that fits the failure rate").
 """
 
 from __future__ import annotations
@@ -34,17 +17,8 @@ __all__ = ["SaveIntervalPlan", "expected_loss_fraction", "has_drifted", "plan_sa
 
 @dataclasses.dataclass(frozen=True)
 class SaveIntervalPlan:
-    """The interval chosen, in optimizer steps, and the measurements it was chosen from.
-
-    Attributes:
-        steps (`int`): save every this many optimizer steps.
-        seconds (`float`): the interval in seconds of training (``steps * step_time_s``).
-        save_cost_s (`float`): seconds one save costs the training loop.
-        step_time_s (`float`): seconds per optimizer step without a save.
-        mean_time_between_failures_s (`float`): the expected time between failures.
-        expected_loss_fraction (`float`): the expected share of wall time lost to saves and failures at this
-            interval (see :func:`expected_loss_fraction`).
-    """
+    """The interval chosen, in optimizer ``steps`` (``seconds`` of training), the measurements it was chosen from,
+    and the expected share of wall time lost at it (:func:`expected_loss_fraction`)."""
 
     steps: int
     seconds: float
@@ -67,15 +41,9 @@ def _check_positive(**values: float) -> None:
 
 
 def daly_interval_s(save_cost_s: float, mean_time_between_failures_s: float) -> float:
-    """Daly's optimum interval, in seconds of work between checkpoints (Young's ``sqrt(2 C M)`` to first order).
-
-    Args:
-        save_cost_s (`float`): seconds one save costs the run (``C``).
-        mean_time_between_failures_s (`float`): the expected time between failures (``M``).
-
-    Returns:
-        `float`: the interval in seconds; ``M`` when a save costs at least ``2 M``.
-    """
+    """Daly's optimum interval in seconds of work between checkpoints, for a save cost ``C`` and a mean time between
+    failures ``M``: ``sqrt(2 C M) * (1 + sqrt(C / 2M) / 3 + C / 18M) - C`` (Young's ``sqrt(2 C M)`` to first
+    order), or ``M`` when a save costs at least ``2 M``."""
     _check_positive(save_cost_s=save_cost_s, mean_time_between_failures_s=mean_time_between_failures_s)
     cost, mtbf = save_cost_s, mean_time_between_failures_s
     if cost >= 2 * mtbf:
@@ -85,18 +53,8 @@ def daly_interval_s(save_cost_s: float, mean_time_between_failures_s: float) -> 
 
 def expected_loss_fraction(interval_s: float, *, save_cost_s: float, mean_time_between_failures_s: float,
                            restart_s: float = 0.0) -> float:
-    """The first-order share of wall time lost at a given interval: ``C / T`` for the saves plus
-    ``(T / 2 + R) / M`` for the work redone and the restart after each failure.
-
-    Args:
-        interval_s (`float`): seconds of training between saves (``T``).
-        save_cost_s (`float`): seconds one save costs (``C``).
-        mean_time_between_failures_s (`float`): the expected time between failures (``M``).
-        restart_s (`float`, *optional*, defaults to `0.0`): a restart's fixed cost (``R``), the same at any interval.
-
-    Returns:
-        `float`: the expected fraction of wall time lost.
-    """
+    """The first-order share of wall time lost at an interval ``T``: ``C / T`` for the saves plus ``(T / 2 + R) / M``
+    for the work redone and the restart (``restart_s``, ``R``) after each failure."""
     _check_positive(interval_s=interval_s, save_cost_s=save_cost_s,
                     mean_time_between_failures_s=mean_time_between_failures_s)
     return save_cost_s / interval_s + (interval_s / 2 + restart_s) / mean_time_between_failures_s
@@ -126,6 +84,9 @@ def plan_save_interval(*, save_cost_s: float, step_time_s: float, mean_time_betw
     ```python
     >>> plan_save_interval(save_cost_s=0.1, step_time_s=1.0, mean_time_between_failures_s=60.0).steps
     3
+    >>> plan = plan_save_interval(save_cost_s=2.0, step_time_s=0.5, mean_time_between_failures_s=3600.0)
+    >>> plan.steps, round(plan.seconds)
+    (237, 118)
     ```
     """
     _check_positive(save_cost_s=save_cost_s, step_time_s=step_time_s,

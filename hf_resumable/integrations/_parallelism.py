@@ -1,10 +1,8 @@
-"""accelerate's N-D layouts (``ParallelismConfig``) as the resumable front door needs them: which data-parallel rank a
-process is (the ranks of one tensor/context-parallel group read the same batches), the layout a checkpoint records
-(a resume at another one is configuration drift), and the layouts refused before step 1 on this device.
+"""accelerate's N-D layouts (``ParallelismConfig``) as the front doors need them, PURE: a process's data-parallel
+rank, the layout a checkpoint records, and the layouts refused before step 1 (docs/multi-gpu.md).
 
-Everything here is pure: sizes and indices in, answers out. accelerate builds its mesh as
-``("dp_replicate", "dp_shard", "cp", "sp", "tp")`` (the dimensions of size 1 left out) over ranks in row-major order,
-so the data-parallel dimensions come first and a process's data rank is its rank divided by the size of the others.
+accelerate builds its mesh as ``("dp_replicate", "dp_shard", "cp", "sp", "tp")`` (sizes of 1 left out) over ranks
+in row-major order, so a process's data rank is its rank divided by the size of the other dimensions.
 """
 
 from __future__ import annotations
@@ -30,12 +28,9 @@ _DATA = ("dp_replicate", "dp_shard")
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
-    """The sizes of an N-D layout (1 for a dimension not used).
-
-    Args:
-        dp_replicate (`int`), dp_shard (`int`): data parallel, replicated (DDP, HSDP replicas) and sharded (FSDP2).
-        cp (`int`), sp (`int`), tp (`int`): context, sequence and tensor parallel; the ranks of one such group read
-            the same batches.
+    """The sizes of an N-D layout (1 for a dimension not used): data parallel replicated (``dp_replicate``) and
+    sharded (``dp_shard``); context, sequence and tensor parallel (``cp``, ``sp``, ``tp``), whose groups' ranks read
+    the same batches.
 
     Example:
 
@@ -116,15 +111,8 @@ def parse_layout(text: str) -> ParallelLayout:
 
 def data_parallel_rank(layout: ParallelLayout | None, *, process_index: int, world_size: int) -> tuple[int, int]:
     """A process's data-parallel rank and the number of data-parallel ranks under ``layout`` (pure): the rule both
-    front doors shard their batches, global batch and loader positions by.
-
-    Args:
-        layout (`ParallelLayout`, *optional*): the run's layout (``None``: every process is a data rank).
-        process_index (`int`), world_size (`int`): the process's index and the number of processes.
-
-    Returns:
-        `tuple[int, int]`: ``(process_index, world_size)`` without a layout (or with one of another world size),
-        else ``(layout.data_rank(process_index), layout.data_world)``.
+    front doors shard their batches by. Without a layout (or one of another world size):
+    ``(process_index, world_size)``.
 
     Example:
 
@@ -139,9 +127,8 @@ def data_parallel_rank(layout: ParallelLayout | None, *, process_index: int, wor
 
 
 def accelerate_tp_ready() -> bool:
-    """Whether accelerate's FSDP2 + tensor-parallel preparation can run with the installed transformers: accelerate
-    1.16 makes the parameters tensor parallel left plain ``Replicate`` DTensors through transformers'
-    ``ReplicateParallel``, which transformers 5 no longer has."""
+    """Whether accelerate's FSDP2 + tensor-parallel preparation can run with the installed transformers (accelerate
+    1.16 imports transformers' ``ReplicateParallel``, which transformers 5 no longer has)."""
     try:
         from transformers.integrations.tensor_parallel import ReplicateParallel  # noqa: F401
     except ImportError:
@@ -152,21 +139,11 @@ def accelerate_tp_ready() -> bool:
 def check_runnable(layout: ParallelLayout | None, *, device_type: str, fsdp2: bool, tp_ready: bool = True) -> None:
     """Refuse, before step 1, a layout that cannot train as it says (pure).
 
-    * Context parallel (torch's ring attention behind ``accelerator.maybe_context_parallel``) and DeepSpeed's sequence
-      parallel (Ulysses) run on accelerator devices only; on the CPU they are refused. On a GPU the same code path
-      takes them: the ranks of one ``cp``/``sp`` group read the same batches (:meth:`ParallelLayout.data_rank`), and
-      their DTensor pieces are saved as any other placement.
-    * Data parallel beside tensor (or context) parallel without FSDP2: accelerate then wraps the model in nothing
-      (no DDP under tensor parallel), so no gradient is averaged over the data-parallel ranks and their replicas
-      drift apart; a checkpoint, which stores one copy of each replicated piece, could not hold them.
-    * FSDP2 with tensor parallel where accelerate's preparation cannot run (``tp_ready``,
+    * Context and sequence parallel run on accelerator devices only; on the CPU they are refused.
+    * Data parallel beside tensor (or context) parallel without FSDP2: accelerate then averages no gradient over the
+      data-parallel ranks, so their replicas drift apart and no checkpoint could hold them.
+    * FSDP2 with tensor parallel where accelerate's preparation cannot run (``tp_ready``:
       :func:`accelerate_tp_ready`).
-
-    Args:
-        layout (`ParallelLayout`, *optional*): the run's layout (``None``: no ``ParallelismConfig``, nothing to check).
-        device_type (`str`): the accelerator's device type.
-        fsdp2 (`bool`): whether accelerate shards with FSDP2.
-        tp_ready (`bool`, *optional*, defaults to `True`): :func:`accelerate_tp_ready`.
 
     Raises:
         UnsupportedEngineError: ``cp`` or ``sp`` larger than 1 on the CPU; data and tensor parallel without FSDP2.

@@ -1,23 +1,10 @@
-"""``AutoSaveInterval``: the Trainer saves at the interval that fits the failure rate (Young/Daly), measured live.
+"""``AutoSaveInterval``: the Trainer saves at the interval that fits the failure rate (Young/Daly), measured live
+(docs/trainer.md, "A save interval that fits the failure rate"; the plan is :mod:`._interval`'s).
 
-The planning is :func:`hf_resumable.integrations._interval.plan_save_interval` (PURE); this callback measures what
-it needs on the training thread, from the times of ``on_step_end``:
-
-* the step time: the median duration of the recent steps that ran without a save;
-* a save's cost to the loop: the extra time of the step that held the save (a blocking save; the staging stall
-  of a background one) plus, while a background save is written, the extra time of every step that ran meanwhile.
-
-Until a save has been measured, the first one is written two steps after training starts (a probe); then every
-``plan.steps`` steps. The interval is decided again when the save cost or the step time drifts by more than 1.5x;
-each decision is logged at INFO. The measurements are kept in checkpoints (an ``ExportableState``), so a resumed run
-plans from them without a new probe.
-
-A background save is written at a lower CPU priority than the training loop, so under CPU contention it can take
-many steps to commit, and until it has, a failure loses everything since the previous checkpoint. When the next save
-is due while one is still being written (for the probe, before any plan: when the interval planned from what it has
-cost so far has passed), its writer gets the loop's priority back (``AsyncSaver.expedite``) and the next save
-follows its commit: the write's duration bounds the interval from below without being planned on, since a write
-that would be expedited anyway says nothing about the interval.
+From the times of ``on_step_end``: the step time is the median of the recent steps without a save; a save's cost is
+the extra time of the step that held it plus, while a background save is written, that of every step meanwhile. A
+write still in flight when the next save is due gets the loop's priority back and the next save follows its commit:
+its duration bounds the interval from below without being planned on.
 """
 
 from __future__ import annotations
@@ -58,11 +45,8 @@ def check_save_strategy(save_strategy: Any) -> None:
 
 
 class AutoSaveInterval(TrainerCallback, ExportableState):
-    """Save at the Young/Daly interval for the expected time between failures, from the measured save cost and
+    """Save at the Young/Daly interval for ``mean_time_between_failures`` (seconds), from the measured save cost and
     step time (``ResumableTrainer(mean_time_between_failures=...)`` adds it).
-
-    Args:
-        mean_time_between_failures (`float`): the expected seconds between failures (preemptions, crashes).
 
     Raises:
         SaveIntervalError: ``mean_time_between_failures`` is not a positive, finite number of seconds.

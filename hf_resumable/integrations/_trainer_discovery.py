@@ -1,26 +1,10 @@
-"""Which checkpoint ``ResumableTrainer.train(resume_from_checkpoint=...)`` continues from, and which
-directories of ``output_dir`` the run must leave alone.
+"""Which checkpoint ``ResumableTrainer.train(resume_from_checkpoint=...)`` continues from, and which directories of
+``output_dir`` the run must leave alone. PURE over directory listings.
 
-``output_dir`` may hold three kinds of ``checkpoint-<step>`` directories:
-
-* **ours**: written by hf_resumable (``manifest.json`` present; validity is checked by ``verify_checkpoint``);
-* **stock**: written by the stock ``transformers.Trainer`` (``trainer_state.json`` and weights, pickled
-  optimizer state, no manifest). ``resume_from_checkpoint=True`` continues from it when it is the newest,
-  converted on the fly by :func:`hf_resumable.conversions.stock.convert_trainer_checkpoint` (``weights_only=True``
-  pickle reads); that resume is not bit-exact;
-* **foreign**: anything else that is not empty (another tool's files, a stock save killed half-way).
-
-hf_resumable never overwrites or deletes a stock or foreign directory, so a run that would save a
-checkpoint under such a name is refused when ``train`` starts (:func:`colliding_checkpoints`), not after
-hours of training. The functions here only look at directory listings; converting is the caller's IO.
-
-Example:
-
-```python
->>> from pathlib import Path
->>> classify_checkpoint_dir(Path("does-not-exist")) is None
-True
-```
+A ``checkpoint-<step>`` is **ours** (a manifest), **stock** (the stock ``Trainer``'s files: resumed, converted, not
+bit-exact; docs/trainer.md, "Switching from the stock Trainer") or **foreign** (anything else not empty).
+hf_resumable never overwrites a stock or foreign directory, so a run that would save over one is refused when
+``train`` starts (:func:`colliding_checkpoints`).
 """
 
 from __future__ import annotations
@@ -91,7 +75,15 @@ def is_stock_trainer_checkpoint(path: Path) -> bool:
 
 
 def classify_checkpoint_dir(path: Path) -> CheckpointKind | None:
-    """The kind of ``path``; ``None`` when it does not exist or is an empty directory (nothing to protect)."""
+    """The kind of ``path``; ``None`` when it does not exist or is an empty directory (nothing to protect).
+
+    Example:
+
+    ```python
+    >>> classify_checkpoint_dir(Path("does-not-exist")) is None
+    True
+    ```
+    """
     try:
         if not path.is_dir() or not any(path.iterdir()):
             return None

@@ -1,19 +1,6 @@
-"""``ResumableTrainer(..., elastic=True)``: what a restart at another world size changes on the Trainer side (the rule
-itself, :func:`~hf_resumable.integrations._elastic.plan_elastic_resume`, is shared with the Accelerator).
-
-The trainer picks its mode once, when it is built (:func:`trainer_world_size_mode`): a :class:`FixedTrainerWorldSize`
-(``elastic=False``) or an :class:`ElasticTrainerWorldSize`. Every step that differs between the two (the loader's
-layout, where a data position comes from, the plan on load, the drift compared, a changed tensor-parallel layout,
-the RNG at another world size, the model's randomness per micro-batch, the checks before step 1) is a method of that
-object, so the trainer asks it instead of reading ``elastic``. The Accelerator's counterpart is
-:mod:`~hf_resumable.integrations._accelerate_elastic` (its steps are accelerate's: scheduler rate, hand-outs).
-
-Example:
-
-```python
->>> trainer_world_size_mode(True).enabled, trainer_world_size_mode(False).enabled
-(True, False)
-```
+"""``ResumableTrainer(..., elastic=True)``: what a restart at another world size changes on the Trainer side
+(docs/trainer.md, "Elastic"). The trainer picks its mode once (:func:`trainer_world_size_mode`); every step that
+differs is a method of that object. The Accelerator's counterpart is :mod:`._accelerate_elastic`.
 """
 
 from __future__ import annotations
@@ -82,9 +69,8 @@ def check_elastic_loss(trainer: ResumableTrainer) -> None:
 
 
 class FixedTrainerWorldSize:
-    """``elastic=False``: a resume continues at the checkpoint's world size (another one is drift, refused unless
-    ``allow_config_drift``). Each method is one step of the trainer that an :class:`ElasticTrainerWorldSize` does
-    differently; here it is the plain ``Trainer`` behaviour."""
+    """``elastic=False``: a resume continues at the checkpoint's world size (another one is drift). Each method is a
+    step that :class:`ElasticTrainerWorldSize` does differently; here it is the plain ``Trainer`` behaviour."""
 
     enabled = False  # recorded in every checkpoint (EXTRA_ELASTIC)
 
@@ -114,8 +100,7 @@ class FixedTrainerWorldSize:
         return {KEY_PARALLELISM: (saved, now)}
 
     def resumes_across(self, saved_world_size: int, world_size: int) -> bool:
-        """Whether a checkpoint of ``saved_world_size`` continues at ``world_size`` with rank-independent model
-        randomness (never, here: another world size is drift)."""
+        """Whether a checkpoint of ``saved_world_size`` continues at ``world_size`` (never, here: that is drift)."""
         return False
 
     def seed_micro_batch(self, trainer: ResumableTrainer) -> None:
@@ -198,5 +183,13 @@ class ElasticTrainerWorldSize(FixedTrainerWorldSize):
 
 
 def trainer_world_size_mode(elastic: bool) -> FixedTrainerWorldSize:
-    """The trainer's mode for ``elastic`` (chosen once, when it is built)."""
+    """The trainer's mode for ``elastic`` (chosen once, when it is built).
+
+    Example:
+
+    ```python
+    >>> trainer_world_size_mode(True).enabled, trainer_world_size_mode(False).enabled
+    (True, False)
+    ```
+    """
     return ElasticTrainerWorldSize() if elastic else FixedTrainerWorldSize()

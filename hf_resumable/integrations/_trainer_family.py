@@ -1,31 +1,10 @@
 """The ``Trainer`` family: ``make_resumable(SFTTrainer)`` and the trainer attributes a checkpoint carries.
 
-A subclass of ``transformers.Trainer`` (TRL's ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``,
-``Seq2SeqTrainer``, a user's own) becomes resumable by putting ``ResumableTrainer`` *under* it in the
-method resolution order::
-
-    Resumable<Name>  ->  <Name> (and its bases)  ->  ResumableTrainer  ->  transformers.Trainer
-
-so the subclass keeps its own preprocessing, ``compute_loss``, ``log``, model card and ``_save_checkpoint``
-extras, and each ``super()`` call it makes reaches ``ResumableTrainer`` instead of the stock code. Options
-of ``ResumableTrainer`` (``allow_config_drift=``...) are accepted by the new class's constructor and set
-aside before the subclass's own constructor runs, which therefore never sees them.
-
-Such trainers keep counters of their own outside ``TrainerState`` (TRL's ``_total_train_tokens`` behind
-the logged ``num_tokens``, the per-step metrics it averages at each log in ``_metrics``, GRPO's
-micro-step counter ``_step``). The attributes named by ``resumable_state_attributes`` are saved in every
-checkpoint (``training_state.json``, no pickle) and put back before the first resumed step, so every
-logged metric matches the uninterrupted run. :func:`encode_attribute` and :func:`restore_attribute` do
-the conversion, keeping the container types (``defaultdict``, ``deque``) the trainer created.
-
-Example:
-
-```python
->>> from collections import defaultdict
->>> metrics = {"train": defaultdict(list)}
->>> restore_attribute(metrics, {"train": {"num_tokens": [51.0]}})["train"]["entropy"]
-[]
-```
+``ResumableTrainer`` goes *under* the subclass in the method order (``Resumable<Name> -> <Name> -> ResumableTrainer
+-> Trainer``), so the subclass's overrides stay and its ``super()`` calls reach ours; ResumableTrainer's options are
+set aside before the subclass's constructor runs. Counters such trainers keep outside ``TrainerState`` (TRL's
+``_total_train_tokens``, ``_metrics``, GRPO's ``_step``) are saved as JSON and restored in their container types
+(docs/trainer.md, "TRL, Seq2SeqTrainer and your own Trainer subclasses").
 """
 
 from __future__ import annotations
@@ -56,7 +35,17 @@ def encode_attribute(value: Any) -> Any:
 
 def restore_attribute(current: Any, saved: Any) -> Any:
     """``saved`` in the shape of ``current``: its dict (``defaultdict`` factory kept) or deque (``maxlen`` kept) is
-    refilled in place and returned; any other value is replaced by ``saved``."""
+    refilled in place and returned; any other value is replaced by ``saved``.
+
+    Example:
+
+    ```python
+    >>> from collections import defaultdict
+    >>> metrics = {"train": defaultdict(list)}
+    >>> restore_attribute(metrics, {"train": {"num_tokens": [51.0]}})["train"]["entropy"]
+    []
+    ```
+    """
     if isinstance(current, dict) and isinstance(saved, Mapping):
         factory = current.default_factory if isinstance(current, collections.defaultdict) else None
         previous = dict(current)

@@ -1,23 +1,9 @@
 """Optimization hyperparameters changed between a checkpoint and the run that resumes it.
 
-A resumed ``Trainer`` takes some values from the checkpoint and some from the new ``TrainingArguments``,
-silently: the learning rate, weight decay and Adam betas/epsilon live in the optimizer's param groups and the
-scheduler's base learning rates, which the checkpoint restores, while the schedule's shape and length,
-``max_grad_norm`` and label smoothing are read from the arguments. :func:`hyperparameter_changes` names
-every changed value, old -> new, with the one in effect and how to get the other;
-:func:`apply_new_hyperparameters` writes the new learning rate, weight decay, betas and epsilon into the
-restored optimizer and scheduler (``ResumableTrainer(resume_hyperparameters="arguments")``).
-
-These settings do not change which samples a step trains on (those are checked by
-:func:`hf_resumable.integrations._core.check_drift`), so a change is reported, not refused.
-
-Example:
-
-```python
->>> saved = {"learning_rate": 1e-3, "max_grad_norm": 1.0}
->>> [change.describe("checkpoint") for change in hyperparameter_changes(saved, {**saved, "max_grad_norm": 0.5})]
-['max_grad_norm: 1.0 -> 0.5 (0.5 is in effect: read from the arguments at every step)']
-```
+A resumed ``Trainer`` silently takes the learning rate, weight decay and Adam betas/epsilon from the checkpoint
+(the optimizer and scheduler restore them) and the schedule, ``max_grad_norm`` and label smoothing from the
+arguments. Every change is reported, old -> new with the one in effect (they do not change which samples a step
+trains on, so they are not drift); ``resume_hyperparameters="arguments"`` applies the new ones.
 """
 
 from __future__ import annotations
@@ -94,7 +80,16 @@ def hyperparameter_snapshot(args: Any, *, max_steps: int) -> dict[str, Any]:
 
 
 def hyperparameter_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[HyperparameterChange]:
-    """Every recorded setting whose value differs (settings a checkpoint did not record are not compared)."""
+    """Every recorded setting whose value differs (settings a checkpoint did not record are not compared).
+
+    Example:
+
+    ```python
+    >>> saved = {"learning_rate": 1e-3, "max_grad_norm": 1.0}
+    >>> [change.describe("checkpoint") for change in hyperparameter_changes(saved, {**saved, "max_grad_norm": 0.5})]
+    ['max_grad_norm: 1.0 -> 0.5 (0.5 is in effect: read from the arguments at every step)']
+    ```
+    """
     return [HyperparameterChange(name, saved[name], current.get(name)) for name in _FIELDS
             if name in saved and saved[name] != current.get(name)]
 

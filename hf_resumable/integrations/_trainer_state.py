@@ -1,9 +1,5 @@
-"""What :class:`~hf_resumable.integrations.trainer.ResumableTrainer` writes at a save, and what follows its commit.
-
-:func:`save_trainer_checkpoint` is ``ResumableTrainer._save_checkpoint``: it captures everything of the step
-(the logging loop's accumulators, the trainer attributes of a subclass, the run configuration, the data position,
-``trainer_state.json``) and hands it to the checkpoint writer; :func:`after_commit` applies retention, pushes and
-uploads once the checkpoint has committed. The restore side is :mod:`~hf_resumable.integrations._trainer_restore`.
+"""What ``ResumableTrainer`` writes at a save (:func:`save_trainer_checkpoint`, its ``_save_checkpoint``) and what
+follows the commit (:func:`after_commit`). The restore side is :mod:`._trainer_restore`.
 """
 
 from __future__ import annotations
@@ -55,13 +51,8 @@ EXTRA_PARALLELISM = KEY_PARALLELISM  # ParallelLayout.describe() of a tensor/N-D
 
 
 def save_trainer_checkpoint(trainer: ResumableTrainer, model: torch.nn.Module, trial: Any) -> None:
-    """Write ``checkpoint-<global_step>`` in the hf_resumable format (atomic, hashed, no pickle).
-
-    With ``save_async`` the checkpoint is staged and written in the background (the save before a preemption
-    exit excepted: the process exits right after it); what follows its commit (retention, uploads) runs once it
-    has committed.
-    Everything the checkpoint holds is captured here, at this step.
-    """
+    """Write ``checkpoint-<global_step>`` (everything captured at this step): in the background with ``save_async``,
+    except the save before a preemption exit; what follows the commit runs once it has committed."""
     # the previous background save has committed (or its failure is raised here)
     trainer._settle_saves(removals=False)
     if trainer.hp_search_backend is None and trial is None:

@@ -1,68 +1,9 @@
 """``ResumableAccelerator``: accelerate's ``Accelerator`` with crash-safe checkpoints and bit-exact resume.
 
-A drop-in: ``from hf_resumable import ResumableAccelerator as Accelerator`` in a working accelerate script
-changes nothing else. accelerate's own checkpointing tests pass with that one-line change
-(``tests/upstream/run_accelerate_upstream.py``). What it changes compared to ``accelerate.Accelerator``
-(whose ``save_state`` pickles optimizer, scheduler and RNG, deletes old checkpoints before writing the new one,
-swallows RNG load failures and leaves mid-epoch resume to the user):
-
-* ``save_state()`` writes the hf_resumable format (sharded safetensors, no pickle, manifest last, atomic
-  commit) where accelerate would: ``output_dir``, or ``checkpoint_<iteration>`` with
-  ``ProjectConfiguration(automatic_checkpoint_naming=True)`` (``total_limit`` retention only *after* the
-  commit, and only of hf_resumable checkpoints), or, without either, ``checkpoint-<global_step>``.
-  ``load_state()`` with no argument resumes from the newest checkpoint that *verifies* and restores every
-  counter, so the next save does not collide. Any number of models, optimizers, schedulers and registered
-  objects; accelerate's save/load pre-hooks run where accelerate runs them (see
-  :mod:`~hf_resumable.integrations._accelerate_objects` and :mod:`~hf_resumable.integrations._accelerate_paths`).
-* :attr:`ResumableAccelerator.global_step` counts real optimizer steps (a step hook on every prepared
-  optimizer), however the loop is written; a save never returns without writing unless a fingerprint proves
-  the checkpoint holds exactly the current state (:mod:`~hf_resumable.integrations._accelerate_state`).
-* ``prepare(DataLoader(...))`` returns accelerate's own loader class, rebuilt so that its position, order and
-  per-batch randomness resume exactly (:mod:`~hf_resumable.integrations._accelerate_data`). Training loaders
-  built with :func:`hf_resumable.data.build_map_dataloader` or :func:`~hf_resumable.data.build_stream_dataloader`
-  (or :meth:`ResumableAccelerator.prepare_resumable_dataloader`, map-style or streaming) are prepared without
-  accelerate's re-sharding.
-  Either way positions are saved per rank and restored without fetching, collating or moving a single
-  skipped batch.
-* RNG of every rank is saved and restored after everything else; a missing or mismatched piece raises
-  :class:`~hf_resumable.errors.InexactResumeError` (never a log line at INFO).
-* Resuming with another world size, accumulation setting or data layout raises
-  :class:`~hf_resumable.errors.ConfigDriftError` unless ``allow_inexact_resume=True``.
-* SIGTERM only sets a flag; :meth:`ResumableAccelerator.checkpoint_if_preempted` (called once per
-  optimizer step) saves and exits with :data:`~hf_resumable.preemption.PREEMPTION_EXIT_CODE` (with
-  ``preemption_notice``: saves, trains on while the notice leaves time, then saves and exits).
-* Token-exact gradient accumulation: :meth:`ResumableAccelerator.accumulation_windows` prefetches each
-  window and counts its items across micro-batches *and* ranks; ``backward(loss_sum,
-  num_items_in_batch=window.num_items)`` then makes the accumulated gradient the full-batch token mean,
-  short last window of an epoch included (accelerate divides every micro-batch by the configured number
-  of steps: a mean of means, and wrong for a short window).
-* Engines (:mod:`~hf_resumable.integrations._engines`): DDP, FSDP2 and FSDP1 (every rank writes its own
-  pieces) and DeepSpeed ZeRO-1/2/3 (every rank writes its partitions of the weights, the fp32 master weights and
-  optimizer state, :mod:`~hf_resumable.integrations._deepspeed`); ZeRO-Offload, FSDP1 hybrid sharding and
-  Megatron-LM are refused with :class:`~hf_resumable.errors.UnsupportedEngineError` when the accelerator is
-  built (DeepSpeed's other optimizers when prepared), before any training step.
-
-Checkpoints land only on optimizer-step boundaries: ``save_state()`` inside an accumulation window raises.
-
-Example:
-
-```python
->>> from hf_resumable.integrations.accelerate import ResumableAccelerator
->>> accelerator = ResumableAccelerator(gradient_accumulation_steps=4, checkpoint_dir="out")  # doctest: +SKIP
->>> loader = accelerator.prepare_resumable_dataloader(data, collate_fn=collate, batch_size=8, seed=0)  # doctest: +SKIP
->>> model, optimizer = accelerator.prepare(model, optimizer)  # doctest: +SKIP
->>> accelerator.load_state()  # latest valid checkpoint, or None on a fresh start  # doctest: +SKIP
->>> for epoch in range(loader.epoch, num_epochs):  # doctest: +SKIP
-...     for window in accelerator.accumulation_windows(loader, count_items=count_tokens):
-...         for batch in window:
-...             with accelerator.accumulate(model):
-...                 accelerator.backward(loss_sum(model, batch), num_items_in_batch=window.num_items)
-...                 optimizer.step()
-...                 optimizer.zero_grad()
-...         if accelerator.global_step % 100 == 0:
-...             accelerator.save_state()
-...         accelerator.checkpoint_if_preempted()
-```
+A one-line drop-in (``from hf_resumable import ResumableAccelerator as Accelerator``); what it changes on purpose,
+the resumable loop helpers and ``elastic=True`` are in docs/accelerate.md. The class is a thin front door: state
+capture and restore, loader preparation and the elastic mode live in the ``_accelerate_*.py`` modules
+(docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -245,24 +186,16 @@ class ResumableAccelerator(Accelerator):
             (a PEFT base, a frozen embedding) in every checkpoint too; by default they are recorded, not stored, and
             checked against the model by ``load_state`` (see :func:`hf_resumable.save_checkpoint`).
         elastic (`bool`, *optional*, defaults to `False`): ``load_state`` may continue a run saved by another
-            number of processes: the checkpoint's global batch (per-device batch x ``gradient_accumulation_steps``
-            x world size) is kept by changing ``gradient_accumulation_steps`` (a world size that does not divide it
-            raises ``ElasticWorldSizeError`` listing those that do); loaders from
-            :meth:`prepare_resumable_dataloader` give every optimizer step the same samples, dropout masks are keyed
-            by the global micro-batch and prepared schedulers keep the first launch's rate, so losses and weights
-            match the uninterrupted run up to float rounding (docs/accelerate.md, "Another number of processes";
-            :mod:`~hf_resumable.integrations._accelerate_elastic`).
+            number of processes, keeping the checkpoint's global batch by changing ``gradient_accumulation_steps``
+            (a world size that does not divide it raises ``ElasticWorldSizeError`` listing those that do); see
+            docs/accelerate.md, "Another number of processes".
 
     These options are validated when the accelerator is built and kept in ``resume_options`` (a frozen
     ``ResumeOptions``, shared with ``ResumableTrainer``).
 
-    Engines: a single process, DDP, FSDP2, FSDP1 and DeepSpeed ZeRO-1/2/3 without offload (see the module's
-    description).
-
     Raises:
-        UnsupportedEngineError: when built for DeepSpeed ZeRO-Offload (deepspeed is not imported for the
-            refusal), Megatron-LM or FSDP1 hybrid sharding, whose state these checkpoints would not hold (see
-            :mod:`._engines`), before any training step (``prepare`` refuses more: see there).
+        UnsupportedEngineError: when built for DeepSpeed ZeRO-Offload, Megatron-LM or FSDP1 hybrid sharding, whose
+            state these checkpoints would not hold, before any training step (``prepare`` refuses more).
 
     Example:
 
@@ -390,15 +323,10 @@ class ResumableAccelerator(Accelerator):
                                      ) -> ResumablePreparedLoader | ResumablePreparedStream:
         """Build (with this process's rank and world size) and prepare a resumable training loader.
 
-        Randomness in the collator and the data set is seeded by the batch's position (see
-        :mod:`hf_resumable.data`), so it is identical with any ``num_workers`` and after a resume.
-
-        A ``torch.utils.data.IterableDataset`` (a ``datasets`` stream, ``load_dataset(..., streaming=True)``) gets
-        the ``ResumableTrainer``'s stream loader (:func:`~hf_resumable.data.build_stream_dataloader`, ``shuffle``
-        is the stream's own): split by rank (``split_dataset_by_node``), or with ``elastic=True`` read whole by
-        every process, step ``k`` being stream examples ``[k * G, (k + 1) * G)`` (``G`` the global batch) at any
-        world size, each example pulled under a seed of its place in the stream (``num_workers=0`` only).
-        Its position is the ``StatefulDataLoader`` state (``torchdata`` needed).
+        Randomness in the collator and the data set is seeded by the batch's position, so it is identical with any
+        ``num_workers`` and after a resume. A ``torch.utils.data.IterableDataset`` (a ``datasets`` stream) gets the
+        ``ResumableTrainer``'s stream loader (:func:`~hf_resumable.data.build_stream_dataloader`, ``torchdata``
+        needed); docs/accelerate.md ("Streaming data") has its layouts.
 
         Raises:
             ValueError: an elastic stream with ``num_workers > 0``.
@@ -424,9 +352,8 @@ class ResumableAccelerator(Accelerator):
         return self.prepare(build_map_dataloader(dataset, shuffle=shuffle, **options))
 
     def _data_rank(self) -> tuple[int, int]:
-        """This process's data-parallel rank and the number of them: the process index and count, or, under a
-        ``ParallelismConfig``, the coordinate over its data dimensions (the ranks of one tensor/context-parallel
-        group read the same batches, :class:`~hf_resumable.integrations._parallelism.ParallelLayout`)."""
+        """This process's data-parallel rank and the number of them (under a ``ParallelismConfig``, the ranks of one
+        tensor/context-parallel group read the same batches)."""
         return data_parallel_rank(layout_of(self.parallelism_config), process_index=self.process_index,
                                   world_size=self.num_processes)
 
@@ -434,18 +361,13 @@ class ResumableAccelerator(Accelerator):
                             slice_fn_for_dispatch: Any = None) -> Any:
         """accelerate's ``prepare_data_loader``, returning a loader that resumes exactly.
 
-        * A plain ``DataLoader`` (or torchdata ``StatefulDataLoader``) over a map-style data set is prepared by
-          accelerate as usual (sharding, ``even_batches``, ``dispatch_batches``, device placement,
-          ``use_stateful_dataloader``), then rebuilt as a :class:`ResumableDataLoaderShard` (or
-          :class:`ResumableDataLoaderDispatcher`): the same class for ``isinstance``, the same batches per
-          process, plus a saved position (``load_state`` continues mid-epoch without fetching the skipped
-          batches), an order derived from ``(seed, epoch)`` and per-batch randomness keyed by position (see
-          :mod:`hf_resumable.integrations._accelerate_data`).
-        * A :class:`~hf_resumable.data.ResumableDataLoader` or a loader of
-          :func:`~hf_resumable.data.build_stream_dataloader` (from :meth:`prepare_resumable_dataloader`) is
-          wrapped without re-sharding.
-        * Any other loader (e.g. over an ``IterableDataset``) gets accelerate's treatment, and a WARNING says
-          that its position is not saved.
+        * A plain ``DataLoader`` (or ``StatefulDataLoader``) over a map-style data set is prepared by accelerate as
+          usual, then rebuilt as a :class:`ResumableDataLoaderShard` (or :class:`ResumableDataLoaderDispatcher`):
+          the same class and batches, plus a saved position, a ``(seed, epoch)`` order and per-batch randomness
+          keyed by position.
+        * A :class:`~hf_resumable.data.ResumableDataLoader` or a stream loader of
+          :meth:`prepare_resumable_dataloader` is wrapped without re-sharding.
+        * Any other loader gets accelerate's treatment, and a WARNING says that its position is not saved.
 
         Raises:
             ValueError: if a :class:`ResumableDataLoader` (or a stream loader of the elastic layout) was built for
@@ -490,13 +412,10 @@ class ResumableAccelerator(Accelerator):
                              ) -> Iterator[AccumulationWindow]:
         """Group the loader's batches into accumulation windows; count each window's items on all ranks.
 
-        Each window holds ``gradient_accumulation_steps`` micro-batches, except the last one of an epoch,
-        which holds what is left. With ``count_items`` (e.g. ``lambda b: (b["labels"][:, 1:] != -100).sum()``)
-        ``window.num_items`` is the item count of the whole window summed over its micro-batches and over
-        all processes (one all-reduce per window), ready for ``backward(..., num_items_in_batch=...)``.
-
-        Every process must iterate the same number of windows (true for resumable loaders: each rank has
-        the same number of batches per epoch).
+        Each window holds ``gradient_accumulation_steps`` micro-batches, except the last one of an epoch, which
+        holds what is left. With ``count_items`` (e.g. ``lambda b: (b["labels"][:, 1:] != -100).sum()``)
+        ``window.num_items`` is the window's item count over all processes (one all-reduce per window), ready for
+        ``backward(..., num_items_in_batch=...)``. Every process must iterate the same number of windows.
 
         Example:
 
@@ -534,23 +453,16 @@ class ResumableAccelerator(Accelerator):
         """Scale ``loss`` for accumulation, then backpropagate (through the GradScaler if there is one).
 
         * With ``num_items_in_batch`` (the window's item count on all processes, from
-          :meth:`accumulation_windows`), ``loss`` must be the **sum** of the per-item losses of this
-          micro-batch (``reduction="sum"``); it is scaled by ``num_processes / num_items_in_batch``, so
-          the accumulated, process-averaged gradient is the gradient of the full window's mean.
-        * Without it, inside an :class:`AccumulationWindow`, the mean loss is divided by the window's
-          actual length (accelerate divides by ``gradient_accumulation_steps``, also for a short last window).
-        * ``elastic=True``, a micro-batch of a loader from :meth:`prepare_resumable_dataloader`: a padding
-          micro-batch's loss is scaled to zero and, in the epoch's last, shorter step, a mean loss weighs the
-          micro-batch's share of the step's samples (which micro-batch:
-          :meth:`~hf_resumable.integrations._accelerate_elastic.ElasticWorldSize.trained_micro_batch`).
+          :meth:`accumulation_windows`), ``loss`` must be the **sum** of this micro-batch's per-item losses; it is
+          scaled by ``num_processes / num_items_in_batch``, so the accumulated gradient is that of the window's mean
+          (under DeepSpeed, whose engine divides by its accumulation itself, also times that accumulation).
+        * Without it, inside an :class:`AccumulationWindow`, the mean loss is divided by the window's actual length
+          (accelerate divides by ``gradient_accumulation_steps``, also for a short last window).
+        * ``elastic=True``: a padding micro-batch's loss is scaled to zero, and in the epoch's last, shorter step a
+          mean loss weighs the micro-batch's share of the step's samples.
         * Otherwise it behaves as ``accelerate.Accelerator.backward``.
 
-        Under DeepSpeed, whose engine divides the loss by its gradient accumulation itself, ``num_items_in_batch``
-        scales ``loss`` by ``num_processes * gradient_accumulation_steps / num_items_in_batch`` before the engine's
-        backward, which comes to the same gradient.
-
-        The first backward after ``load_state`` checks that the loop trains what it draws from the restored loaders
-        (:class:`~hf_resumable.integrations._accelerate_loop.ResumedLoaders`).
+        The first backward after ``load_state`` checks that the loop trains what it draws from the restored loaders.
 
         Raises:
             ValueError: if ``num_items_in_batch`` is not positive.
@@ -588,12 +500,9 @@ class ResumableAccelerator(Accelerator):
     def register_save_state_pre_hook(self, hook: Callable[..., None]) -> Any:
         """accelerate's hook: ``hook(models, weights, output_dir)`` runs in :meth:`save_state` before any saving.
 
-        Exactly as in accelerate, ``models`` is the list of prepared models, ``weights`` their state dicts (a hook
-        may remove entries, e.g. to save LoRA adapters itself, or replace them), and ``output_dir`` a directory
-        to write files into. Here that directory is a private staging directory: whatever the hook writes is
-        committed with the checkpoint, hashed in its manifest, and appears at the same relative path inside
-        the committed checkpoint directory (where the ``load_state`` pre-hook finds it). Only the main process's
-        files are kept (as with a shared directory; guard writes with ``accelerator.is_main_process``).
+        The arguments are accelerate's (a hook may remove or replace entries of ``weights``). ``output_dir`` is a
+        staging directory: what the hook writes there is committed with the checkpoint, hashed, at the same relative
+        path, where the ``load_state`` pre-hook finds it. Only the main process's files are kept.
 
         Returns:
             `torch.utils.hooks.RemovableHandle`
@@ -603,8 +512,8 @@ class ResumableAccelerator(Accelerator):
     def register_load_state_pre_hook(self, hook: Callable[..., None]) -> Any:
         """accelerate's hook: ``hook(models, input_dir)`` runs in :meth:`load_state` before anything is loaded.
 
-        ``models`` is a new list of the prepared models: a model the hook removes from it is not loaded (the
-        hook loaded it), exactly as in accelerate. ``input_dir`` is the committed checkpoint directory.
+        A model the hook removes from ``models`` is not loaded, as in accelerate; ``input_dir`` is the committed
+        checkpoint directory.
 
         Returns:
             `torch.utils.hooks.RemovableHandle`
@@ -702,13 +611,10 @@ class ResumableAccelerator(Accelerator):
         process's RNG.
 
         Without ``input_dir``: the newest valid ``checkpoint_<i>`` (automatic naming) or ``checkpoint-<step>``
-        under :attr:`checkpoint_dir`; partial or corrupt ones are skipped with a WARNING. One that fails its
-        hashes while it is loaded, on any process, is moved aside (``corrupt-<name>``, kept) and the one before it
-        loaded into the same objects, on every process alike. ``input_dir`` may also be
-        ``hf://user/repo[@rev][/path]`` or an fsspec URL (downloaded and hash-checked first).
-
-        After a resume with automatic naming, ``ProjectConfiguration.iteration`` continues after the loaded and
-        every existing ``checkpoint_<i>``, so the next save never collides (accelerate leaves that to the user).
+        under :attr:`checkpoint_dir`; partial or corrupt ones are skipped with a WARNING, and one that fails its
+        hashes while it is loaded is moved aside (``corrupt-<name>``) and the one before it loaded. ``input_dir``
+        may also be ``hf://user/repo[@rev][/path]`` or an fsspec URL. ``ProjectConfiguration.iteration`` continues
+        after every existing ``checkpoint_<i>``, so the next save never collides.
 
         Args:
             input_dir (`str` or `os.PathLike`, *optional*): the checkpoint to load.
@@ -792,10 +698,9 @@ class ResumableAccelerator(Accelerator):
     def end_training(self) -> None:
         """Wait for an in-flight asynchronous save, uninstall the SIGTERM handler, finish trackers, meet at a barrier.
 
-        Unlike accelerate's ``end_training`` the process group is *not* destroyed here: with gloo,
-        destroying it while a DDP-wrapped model still references it can deadlock later, when the model is
-        released (``~Reducer`` -> ``~ProcessGroupGloo`` waits on a mutex forever; seen under ``torchrun``
-        on 2 CPU processes). The group is released with the model, or at interpreter exit.
+        Unlike accelerate's ``end_training`` the process group is *not* destroyed: with gloo, destroying it while a
+        DDP-wrapped model still references it can deadlock when the model is released. The group is released with
+        the model, or at interpreter exit.
         """
         self._commits.settle()
         protocol = self._preemption_protocol

@@ -1,29 +1,8 @@
 """``ResumableTrainer``: a drop-in ``transformers.Trainer`` whose restarts continue bit for bit (docs/trainer.md).
 
-This is the only module that touches ``Trainer`` internals; the class is a thin front door whose overrides call the
-functions of the ``_trainer_*.py`` modules, which take the trainer as an argument. What it changes, and where:
-
-* **Data** (``_get_dataloader`` for training loaders, :mod:`._trainer_data`): the training loader is built from
-  :mod:`hf_resumable.data` (the sample order a pure function of ``(seed, epoch)``, every batch built under a seed
-  derived from its position, streams resumed from their ``state_dict``), so the main-process RNG is consumed only by
-  the model; ``transformers.trainer.skip_first_batches`` is patched during ``train`` into a cursor move.
-* **Checkpoints** (``_save_checkpoint``, ``_load_*``; :mod:`._trainer_state`, :mod:`._trainer_restore`): written and
-  read with :mod:`hf_resumable.checkpoint` (no pickle, atomic, hashed), in the background with ``save_async``; the
-  logging accumulators, where the step stands in the loop and a subclass's ``resumable_state_attributes`` are saved
-  too. The RNG is restored by the Trainer's own ``_load_rng_state`` call, right before the first resumed forward.
-* **The loop** (``_run_epoch``, ``_finalize_training``, ``_maybe_log_save_evaluate``): before the first resumed step
-  the end-of-epoch work that followed the checkpoint is done, and a checkpoint that ends the run trains nothing more.
-* **Discovery** (:mod:`._trainer_discovery`), **engines** (:mod:`._engines`, :mod:`._deepspeed`), **tensor parallel**
-  (:mod:`._trainer_parallel`), **elastic** (:mod:`._trainer_elastic`, one mode chosen when the trainer is built).
-* **Checks before the first step** (``set_initial_training_values``): a setup whose checkpoints would fail or not
-  resume exactly is refused with the fix; changed hyperparameters are reported (:mod:`._trainer_hparams`).
-* **Preemption**: SIGTERM saves the step on every rank (:class:`~hf_resumable.preemption.PreemptionProtocol`) and
-  exits with :data:`~hf_resumable.preemption.PREEMPTION_EXIT_CODE`, or trains on within a ``preemption_notice``.
-* **Subclasses** (:func:`make_resumable`, :mod:`._trainer_family`): ``ResumableTrainer`` goes under TRL's and the
-  user's ``Trainer`` subclasses in the method order, so their own overrides stay in effect.
-
-Checkpoints land on optimizer-step boundaries (after the optimizer step, the scheduler step, logging and evaluation
-of that step), exactly where ``Trainer`` saves.
+The only module that touches ``Trainer`` internals (checked at import). The class is a thin front door: its overrides
+call the functions of the ``_trainer_*.py`` modules, which take the trainer as an argument (docs/architecture.md).
+Checkpoints land on optimizer-step boundaries, exactly where ``Trainer`` saves.
 """
 
 from __future__ import annotations
@@ -35,7 +14,6 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +33,7 @@ from ..format.state import RunConfig
 from ..format.state_codec import encode_state
 from ..locations import open_uploader
 from ..preemption import PreemptionAction, PreemptionHandler, PreemptionProtocol, exit_after_preemption
-from ._core import AfterCommit, ResumeOptions, check_upstream, inexact, notice_save_in_flight
+from ._core import AfterCommit, ResumeOptions, check_upstream, inexact, notice_save_in_flight, patched
 from ._deepspeed import checkpoint_optimizer, deepspeed_resume_by_us
 from ._engines import check_trainer_engine
 from ._fallback import ResumeLoadError, resume_newest
@@ -152,17 +130,6 @@ def check_trainer_internals() -> list[str]:
 check_upstream("transformers", transformers.__version__, TESTED_TRANSFORMERS, check_trainer_internals())
 
 
-@contextlib.contextmanager
-def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
-    """``owner.<name>`` is ``value`` for the duration of the block."""
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
 def _cursor_skipping() -> contextlib.AbstractContextManager[None]:
     """Make the Trainer's ``skip_first_batches`` a cursor move for our loaders (others are unaffected)."""
     original = _trainer_module.skip_first_batches
@@ -172,7 +139,7 @@ def _cursor_skipping() -> contextlib.AbstractContextManager[None]:
             return dataloader.skip(num_batches)
         return original(dataloader, num_batches)
 
-    return _patched(_trainer_module, "skip_first_batches", skip_first_batches)
+    return patched(_trainer_module, "skip_first_batches", skip_first_batches)
 
 
 def _own_checkpoints_only(trainer: "ResumableTrainer") -> contextlib.AbstractContextManager[None]:
@@ -188,7 +155,7 @@ def _own_checkpoints_only(trainer: "ResumableTrainer") -> contextlib.AbstractCon
         return [path for path in original(output_dir, *args, **kwargs)
                 if is_own_checkpoint(Path(path)) and os.path.abspath(path) not in pending]
 
-    return _patched(_trainer_module, "sort_checkpoints", sort_checkpoints)
+    return patched(_trainer_module, "sort_checkpoints", sort_checkpoints)
 
 
 @dataclasses.dataclass
@@ -221,11 +188,9 @@ def _as_float(value: Any) -> float | None:
 class ResumableTrainer(Trainer):
     """A ``transformers.Trainer`` whose runs can be killed at any moment and restarted bit for bit.
 
-    Same constructor, ``TrainingArguments``, callbacks, evaluation and ``load_best_model_at_end`` as
-    ``Trainer``; checkpoints are written in the :mod:`hf_resumable.checkpoint` format. A run killed
-    at any point and restarted with ``train(resume_from_checkpoint=True)`` produces the same logged
-    losses and the same final weights and optimizer state, bit for bit, as the uninterrupted run
-    (same machine type and world size).
+    Same constructor, ``TrainingArguments``, callbacks and evaluation as ``Trainer``. A run killed at any point and
+    restarted with ``train(resume_from_checkpoint=True)`` produces the same logged losses, final weights and
+    optimizer state, bit for bit, as the uninterrupted run (same machine type and world size).
 
     Args:
         *args, **kwargs: everything ``transformers.Trainer`` accepts.
@@ -242,37 +207,29 @@ class ResumableTrainer(Trainer):
             (docs/trainer.md, "The preemption notice"). Without it the signal's step is saved and the process exits.
         checkpoint_verify (`str`, *optional*, defaults to `"quick"`): verification when loading
             (``"quick"`` or ``"full"``).
-        push_checkpoints_to (`str`, *optional*): after each checkpoint commits, upload it in the background
-            (queued, never skipped, retried): ``"user/repo"`` / ``"hf://user/repo[@branch][/path]"`` (one Hub
-            commit per checkpoint) or an fsspec URL such as ``"s3://bucket/run"`` (remote manifest written
-            last). Local retention (``save_total_limit``) never deletes a checkpoint whose upload is pending.
+        push_checkpoints_to (`str`, *optional*): upload each committed checkpoint in the background (queued, never
+            skipped, retried) to the Hub (``"user/repo"``, ``"hf://user/repo[@branch][/path]"``) or an fsspec store
+            (``"s3://bucket/run"``); retention never deletes a checkpoint whose upload is pending.
         storage_options (`dict`, *optional*): fsspec options for ``s3://`` pushes and resumes.
-        restore_callback_states (`bool`, *optional*, defaults to `True`): on resume, restore the state of every
-            ``ExportableState`` callback (``EarlyStoppingCallback``'s patience counter...) and of
-            ``TrainerControl`` from the checkpoint, as ``restore_callback_states_from_checkpoint=True`` does in
-            ``Trainer`` (whose default is `False`, which makes a resumed run diverge). `False` leaves the
-            callbacks as constructed unless ``restore_callback_states_from_checkpoint=True``.
+        restore_callback_states (`bool`, *optional*, defaults to `True`): on resume, restore every
+            ``ExportableState`` callback and ``TrainerControl`` from the checkpoint, as
+            ``restore_callback_states_from_checkpoint=True`` does in ``Trainer`` (whose default, `False`, makes a
+            resumed run diverge).
         resume_hyperparameters (`str`, *optional*, defaults to `"checkpoint"`): when a run is resumed with another
             ``learning_rate``, ``weight_decay``, ``adam_beta1/2`` or ``adam_epsilon``, ``"checkpoint"`` keeps the
             values restored with the optimizer and scheduler (as ``Trainer`` does), ``"arguments"`` writes the new
-            ones into them. Every changed optimization setting is reported at resume (old -> new, which one is in
-            effect); schedule settings (``lr_scheduler_type``, ``warmup_steps``, ``max_steps``) and
-            ``max_grad_norm`` always follow the arguments.
+            ones into them. Every change is reported at resume; schedule settings always follow the arguments.
         standalone_checkpoints (`bool`, *optional*, defaults to `False`): store frozen parameters (a PEFT base, a
-            frozen embedding) in every checkpoint too. By default they are recorded, not stored (names, dtypes,
-            shapes, fingerprints, where the base came from) and checked against the model on resume; see
-            :func:`hf_resumable.save_checkpoint`.
-        save_async (`bool`, *optional*): write checkpoints in the background (staged into reusable host buffers);
-            by default on under torch.distributed unless a callback overrides ``on_save``, off in a single process.
-            A failed background save raises :class:`~hf_resumable.errors.AsyncSaveError` at the next save or at the
-            end of ``train``; retention, uploads and ``push_to_hub`` act only on committed checkpoints; ``on_save``
-            runs when the save returns (:meth:`wait_for_pending_saves` waits for the commit). See docs/trainer.md,
-            "Background saves".
+            frozen embedding) in every checkpoint too; by default they are recorded, not stored, and checked against
+            the model on resume (see :func:`hf_resumable.save_checkpoint`).
+        save_async (`bool`, *optional*): write checkpoints in the background; by default on under torch.distributed
+            unless a callback overrides ``on_save``, off in a single process. A failed background save raises
+            :class:`~hf_resumable.errors.AsyncSaveError` at the next save or at the end of ``train`` (docs/trainer.md,
+            "Background saves").
         elastic (`bool`, *optional*, defaults to `False`): let a restart use another number of processes and
-            continue the same run: the checkpoint's global batch is kept by recomputing
-            ``gradient_accumulation_steps`` (a world size that does not divide it is refused before step 1 with
-            ``ElasticWorldSizeError``), and losses and weights match the uninterrupted run up to float rounding.
-            What it needs and refuses: docs/trainer.md, "Elastic".
+            continue the same run, keeping the checkpoint's global batch by recomputing
+            ``gradient_accumulation_steps`` (a world size that does not divide it raises ``ElasticWorldSizeError``
+            before step 1); docs/trainer.md, "Elastic".
         mean_time_between_failures (`float`, *optional*): the expected seconds between preemptions or crashes; the
             trainer then saves at the interval that minimises the expected lost time, measured as it trains
             (``AutoSaveInterval``; ``save_strategy`` must be ``"steps"``).
@@ -390,15 +347,12 @@ class ResumableTrainer(Trainer):
         """Train, resuming from ``resume_from_checkpoint`` when given.
 
         Args:
-            resume_from_checkpoint (`str`, `bool` or `os.PathLike`, *optional*): ``True`` or ``"auto"``:
-                the newest checkpoint under ``output_dir`` that verifies (partial/corrupt ones are
-                skipped with a WARNING) or a newer stock ``transformers.Trainer`` checkpoint (converted, not
-                bit-exact), or a fresh start when there is none. One that fails its hashes while it is loaded, on
-                any rank, is moved aside (``corrupt-checkpoint-N``, kept) and the one before it used instead,
-                as a clean resume from it would be (docs/checkpoints.md). A path: that checkpoint (it must verify;
-                a stock Trainer checkpoint is converted). ``"hf://user/repo[@rev][/path]"`` or
-                ``"s3://bucket/run"``: that remote checkpoint, or the newest committed one under a run root,
-                downloaded resumably and hash-checked first. ``None``/``False``: a fresh start.
+            resume_from_checkpoint (`str`, `bool` or `os.PathLike`, *optional*): ``True`` or ``"auto"``: the newest
+                checkpoint under ``output_dir`` that verifies, or a newer stock ``Trainer`` checkpoint (converted,
+                not bit-exact), or a fresh start when there is none; one that fails its hashes while it is loaded is
+                moved aside (``corrupt-checkpoint-N``) and the one before it used (docs/checkpoints.md). A path, or
+                ``"hf://user/repo[@rev][/path]"`` / ``"s3://bucket/run"``: that checkpoint (it must verify; a stock
+                one is converted). ``None``/``False``: a fresh start.
 
         Raises:
             ResumeCheckpointNotFoundError: the given path does not exist or is not a checkpoint (also a
@@ -412,11 +366,9 @@ class ResumableTrainer(Trainer):
                 (a ``ConfigDriftError``; the message lists the world sizes that can), before the first step.
             CheckpointExistsError: the run would save over a ``checkpoint-N`` directory hf_resumable did not write
                 (raised before the first step).
-            UnsupportedEngineError: DeepSpeed ZeRO-Offload (``TrainingArguments.deepspeed``), FSDP1 hybrid sharding
-                or XLA FSDP, refused before anything is read or trained; DeepSpeed's other optimizers
-                (``BF16_Optimizer``) once built, before the first step; pipeline or expert parallel, or context
-                parallel, beside a model sharded at load time (:mod:`._trainer_parallel`). FSDP1/2, ZeRO-1/2/3 and
-                tensor parallel (``DistributedConfig``) are supported: every rank saves its pieces.
+            UnsupportedEngineError: DeepSpeed ZeRO-Offload, FSDP1 hybrid sharding or XLA FSDP, refused before
+                anything is read or trained; DeepSpeed's other optimizers (``BF16_Optimizer``) or pipeline, expert
+                or context parallel beside a model sharded at load time, before the first step.
             InexactResumeError / UnsupportedStateError: before the first step, for a setup whose checkpoints could
                 not be resumed exactly or not be written (see docs/trainer.md).
             SystemExit: with ``PREEMPTION_EXIT_CODE`` after a SIGTERM, when ``exit_on_preemption``.
@@ -439,7 +391,7 @@ class ResumableTrainer(Trainer):
     def _train_from(self, checkpoint: Path | None, verified: VerifyReport | None, trial: Any,
                     ignore_keys_for_eval: list[str] | None, **kwargs: Any) -> Any:
         """``train`` from ``checkpoint`` (or from scratch); a failed hash while it is loaded leaves this trainer as
-        ``train`` found it, so that the fallback's next ``train`` is a clean resume of the checkpoint before."""
+        ``train`` found it, for the fallback's next ``train``."""
         self._before_train = (self.optimizer, self.lr_scheduler, self._created_lr_scheduler, self.model_wrapped)
         self._resume = open_for_resume(self, checkpoint, verified) if checkpoint is not None else None
         self.resumed_from = None if self._resume is None else (self._resume.converted_from or checkpoint)
@@ -449,7 +401,7 @@ class ResumableTrainer(Trainer):
         self._loader_fallback = None
         self._train_loader = self._train_position = None
         # eval_on_start evaluates before the first step of the run, not again at every restart
-        no_eval = contextlib.nullcontext() if self._resume is None else _patched(self.args, "eval_on_start", False)
+        no_eval = contextlib.nullcontext() if self._resume is None else patched(self.args, "eval_on_start", False)
         try:
             with self._preemption, _cursor_skipping(), _own_checkpoints_only(self), no_eval, \
                     deepspeed_resume_by_us():
@@ -473,17 +425,16 @@ class ResumableTrainer(Trainer):
         return output
 
     def _undo_failed_resume(self, failed: ResumeLoadError) -> None:
-        """Put back what ``train`` changed before the failed load (nothing was trained or saved): the optimizer and
-        scheduler it was given (``None``: created again), the unwrapped model, NEFTune's hook. Every object the load
-        wrote into is filled again by the next checkpoint's load. FSDP and DeepSpeed wrap the model in place, so
-        there ``failed.retry`` is false: the run stops, and its next start resumes from the checkpoint before."""
+        """Put back what ``train`` changed before the failed load: the optimizer, scheduler, unwrapped model and
+        NEFTune's hook. FSDP and DeepSpeed wrap the model in place, so there ``failed.retry`` is false: the run
+        stops, and its next start resumes from the checkpoint before."""
         self.optimizer, self.lr_scheduler, self._created_lr_scheduler, self.model_wrapped = self._before_train
         if self.neftune_noise_alpha is not None and getattr(self, "neftune_hook_handle", None) is not None:
             self.neftune_hook_handle.remove()  # train() adds it again
         failed.retry = not (self.is_fsdp_enabled or self.is_deepspeed_enabled)
 
     def _layout(self) -> ParallelLayout | None:
-        """The run's tensor/N-D parallel layout (:mod:`._trainer_parallel`); ``None`` without one."""
+        """The run's tensor/N-D parallel layout; ``None`` without one."""
         return trainer_layout(self.accelerator.unwrap_model(self.model),
                               getattr(self.accelerator, "parallelism_config", None))
 
@@ -510,8 +461,7 @@ class ResumableTrainer(Trainer):
         return build_train_dataloader(self, dataset, batch_size, sampler_fn, stock)
 
     def _data_parallel(self) -> tuple[int, int]:
-        """This process's data-parallel rank and their number: the process index and count, or, under tensor/N-D
-        parallel, the coordinate over the data dimensions (:mod:`._trainer_parallel`)."""
+        """This process's data-parallel rank and their number (under tensor/N-D parallel, over the data dimensions)."""
         return data_parallel_rank(self._layout(), process_index=self.args.process_index,
                                   world_size=self.args.world_size)
 
@@ -519,7 +469,7 @@ class ResumableTrainer(Trainer):
         """Restore ``ExportableState`` callbacks from the checkpoint (``restore_callback_states``, default on)."""
         if not self.resume_options.restore_callback_states or self.args.restore_callback_states_from_checkpoint:
             return super()._load_callback_state()
-        with _patched(self.args, "restore_callback_states_from_checkpoint", True):
+        with patched(self.args, "restore_callback_states_from_checkpoint", True):
             super()._load_callback_state()
 
     # ---- saving ----
@@ -531,9 +481,8 @@ class ResumableTrainer(Trainer):
     def _settle_saves(self, *, poll: bool = False, removals: bool = True) -> None:
         """Wait for this trainer's background save, then run what follows its commit; raise its failure.
 
-        With ``poll``, only a save that has already finished is settled, and a failure is kept to be raised at the
-        next save or at the end of ``train`` (where every rank waits: ranks never raise at different steps). With
-        ``removals=False`` (before a save) the old checkpoints retention removed may still be being deleted.
+        With ``poll``, only a finished save is settled and a failure is kept for the next save or the end of
+        ``train`` (where every rank waits, so ranks never raise at different steps).
         """
         try:
             self._commits.settle(poll=poll, removals=removals)
@@ -717,14 +666,10 @@ _RESUMABLE_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 def make_resumable(trainer_class: type, *, state_attributes: tuple[str, ...] | list[str] = ()) -> type:
     """The resumable version of a ``transformers.Trainer`` subclass (TRL's ``SFTTrainer``, ``Seq2SeqTrainer``...).
 
-    The returned class, ``Resumable<Name>``, is ``trainer_class`` with ``ResumableTrainer`` placed under it: the
-    subclass keeps its own preprocessing, ``compute_loss``, ``log``, model card and ``_save_checkpoint`` extras,
-    and gets ResumableTrainer's checkpoints, exact restarts, stock-checkpoint resume and early errors. Its
-    constructor takes the subclass's arguments plus ResumableTrainer's options (``allow_config_drift``,
-    ``allow_inexact_resume``, ``exit_on_preemption``, ``checkpoint_verify``, ``push_checkpoints_to``,
-    ``storage_options``, ``restore_callback_states``, ``resume_hyperparameters``, ``standalone_checkpoints``,
-    ``save_async``, ``elastic``, ``mean_time_between_failures``, ``preemption_notice``). The same class is returned
-    for the same arguments.
+    The returned class, ``Resumable<Name>``, is ``trainer_class`` with ``ResumableTrainer`` placed under it in the
+    method order: the subclass keeps its own overrides and gets ResumableTrainer's checkpoints and exact restarts.
+    Its constructor takes the subclass's arguments plus ResumableTrainer's options. The same class is returned for
+    the same arguments.
 
     Args:
         trainer_class (`type`): a subclass of ``transformers.Trainer``.
