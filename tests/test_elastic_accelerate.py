@@ -22,7 +22,14 @@ import pytest
 import torch
 
 from helpers.distributed_launch import REPO_ROOT
-from helpers.elastic_runs import assert_same_run, launch, logged_losses, samples_per_epoch, steps_of_rank
+from helpers.elastic_runs import (
+    assert_same_run,
+    launch,
+    logged_losses,
+    samples_per_epoch,
+    samples_per_step,
+    steps_of_rank,
+)
 
 WORKER = REPO_ROOT / "tests" / "scripts" / "elastic_accelerate_worker.py"
 
@@ -164,6 +171,18 @@ def test_a_stream_on_two_processes_then_one_is_the_uninterrupted_run(tmp_path: P
     assert_same_run(reference, run, steps=3)
     assert samples_per_epoch(run, 3) == [Counter(range(20))]
     assert learning_rates(run) == learning_rates(reference)
+
+
+@pytest.mark.slow
+def test_a_stream_step_is_recorded_with_the_samples_it_trains_not_those_read_ahead(tmp_path: Path) -> None:
+    """One process, accumulation 2 (a global batch of 4), a pass of 10 stream examples: the steps train 4, 4 and the
+    last 2 (with a padding micro-batch), every example once. The prepared stream reads one batch ahead (to mark the
+    pass's last batch), so it collates the next step's first micro-batch before a step ends: the worker records what
+    a step trains from its micro-batches, as the 2-process to 1-process comparison above needs."""
+    launch(tmp_path, nproc=1, max_steps=3, worker=WORKER, extra=("--stream", "--num-samples", "10"))
+    steps = samples_per_step(tmp_path)
+    assert [sum(steps[step].values()) for step in sorted(steps)] == [4, 4, 2]
+    assert sum(steps.values(), Counter()) == Counter(range(10))
 
 
 @pytest.fixture

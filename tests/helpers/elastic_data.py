@@ -1,6 +1,6 @@
 """The data of the elastic workers (tests/scripts/elastic_*_worker.py): variable-length rows with a per-sample random
-crop (map-style, or a ``datasets`` stream), a padding collator, and the sample indices each process collated
-(``FETCHED``)."""
+crop (map-style, or a ``datasets`` stream) and padding collators: :func:`collate` records the sample indices each
+process collated (``FETCHED``), :func:`collate_indexed` puts them in the batch."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import torch
 
 from helpers.tiny_models import VOCAB
 
-FETCHED: list[int] = []  # indices collated since the last optimizer step (num_workers=0: this process)
+# indices collated since the last optimizer step (num_workers=0: this process); they are the step's samples only
+# with a loader that collates a batch when it hands it out, not with one that reads ahead (a prepared stream)
+FETCHED: list[int] = []
 
 
 class CropRows(torch.utils.data.Dataset):
@@ -39,9 +41,8 @@ def crop_stream(count: int):
         remove_columns=["ids"])
 
 
-def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+def pad_rows(rows: list[dict]) -> dict[str, torch.Tensor]:
     """Right-pad with 0; padded positions are ignored by the loss (so micro-batches hold different token counts)."""
-    FETCHED.extend(row["index"] for row in rows)
     width = max(len(row["input_ids"]) for row in rows)
     ids = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -51,3 +52,13 @@ def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """:func:`pad_rows`, recording the rows' sample indices in ``FETCHED`` (batches a model takes as ``**batch``)."""
+    FETCHED.extend(row["index"] for row in rows)
+    return pad_rows(rows)
+
+
+def collate_indexed(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """:func:`pad_rows` plus the rows' sample indices as ``"index"``: a loop records what it trains from the batch
+    itself, whenever the loader collated it (a prepared stream collates the next batch before handing this one out)."""
+    return {**pad_rows(rows), "index": torch.tensor([row["index"] for row in rows])}

@@ -50,8 +50,9 @@ def launch(output: Path, *, nproc: int, max_steps: int = 4, kill_after: int | No
 
 def samples_per_step(run: Path) -> dict[int, Counter]:
     """``{step: Counter(sample indices)}`` over every rank and every launch of ``run``. A padding batch (a rank without
-    a sample in an epoch's last, shorter step trains on the step's first samples with weight zero) is collated like
-    any, so a sample collated on two ranks of one step is counted once: each step's samples are a set."""
+    a sample in an epoch's last, shorter step trains on the step's first samples with weight zero) is recorded by the
+    Trainer worker like any (it records what was collated), so a sample recorded on two ranks of one step is counted
+    once: each step's samples are a set (the accelerate worker records the micro-batches it trains, no padding)."""
     steps: dict[int, set] = {}
     for path in run.glob("samples-rank*.jsonl"):
         for line in path.read_text().splitlines():

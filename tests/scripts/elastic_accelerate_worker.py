@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hf_resumable import ResumableAccelerator  # noqa: E402
 
 from helpers import engine_fixtures as fx  # noqa: E402
-from helpers.elastic_data import FETCHED, CropRows, collate, crop_stream  # noqa: E402
+from helpers.elastic_data import CropRows, collate_indexed, crop_stream  # noqa: E402
 from helpers.tiny_models import tiny_gpt2  # noqa: E402
 
 
@@ -68,25 +68,29 @@ def engine_options(engine: str) -> dict:
 
 
 class StepEnd:
-    """What the worker records of each optimizer step: the samples each rank trained, the step's global token-mean
-    loss over its micro-batches that are not padding, a checkpoint, and the SIGKILL of ``--kill-after``."""
+    """What the worker records of each optimizer step: the samples each rank trained (the ``"index"`` of its
+    micro-batches that are not padding, not what was collated since the last step: a prepared stream collates the next
+    step's first micro-batch before this step ends), the step's global token-mean loss over those micro-batches, a
+    checkpoint, and the SIGKILL of ``--kill-after``."""
 
     def __init__(self, accelerator: ResumableAccelerator, scheduler: object, options: argparse.Namespace) -> None:
         self.accelerator, self.scheduler, self.options = accelerator, scheduler, options
         self.loss_sum = torch.zeros((), dtype=torch.float64)
         self.tokens = torch.zeros((), dtype=torch.float64)
+        self.indices: list[int] = []  # samples of the micro-batches trained since the last step
 
-    def add(self, loss_sum: torch.Tensor, tokens: torch.Tensor) -> None:
+    def add(self, loss_sum: torch.Tensor, tokens: torch.Tensor, indices: torch.Tensor) -> None:
         self.loss_sum += loss_sum.detach().double()
         self.tokens += tokens.double()
+        self.indices += indices.tolist()
 
     def end(self) -> bool:
         """Record the step just taken; whether the run is done."""
         accelerator, out = self.accelerator, self.options.output_dir
         step, rank = accelerator.global_step, accelerator.process_index
         with (out / f"samples-rank{rank}.jsonl").open("a") as record:
-            record.write(json.dumps({"step": step, "indices": FETCHED}) + "\n")
-        FETCHED.clear()
+            record.write(json.dumps({"step": step, "indices": self.indices}) + "\n")
+        self.indices = []
         total = float(accelerator.reduce(self.loss_sum, reduction="sum") / accelerator.reduce(self.tokens, "sum"))
         self.loss_sum.zero_()
         self.tokens.zero_()
@@ -109,7 +113,7 @@ def train(accelerator: ResumableAccelerator, model: torch.nn.Module, optimizer: 
         else:
             accelerator.backward(loss, num_items_in_batch=num_items)
         if not padding:  # a stand-in of the epoch's last step: trained with weight zero
-            step.add(loss, tokens)
+            step.add(loss, tokens, batch["index"])
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
@@ -144,9 +148,9 @@ def main() -> None:
     # a stream: 5 global batches of 8 per pass
     data = crop_stream(options.num_samples or 40) if options.stream else CropRows(options.num_samples or 24)
     if options.plain_loader:
-        loader = accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=2, collate_fn=collate))
+        loader = accelerator.prepare(torch.utils.data.DataLoader(data, batch_size=2, collate_fn=collate_indexed))
     else:
-        loader = accelerator.prepare_resumable_dataloader(data, collate_fn=collate, batch_size=2, seed=5)
+        loader = accelerator.prepare_resumable_dataloader(data, collate_fn=collate_indexed, batch_size=2, seed=5)
     model = tiny_gpt2(resid_pdrop=options.dropout, embd_pdrop=options.dropout, attn_pdrop=options.dropout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     # in scheduler steps, which accelerate takes num_processes of per optimizer step (2 at the first launch)
