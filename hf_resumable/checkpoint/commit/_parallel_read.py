@@ -22,7 +22,7 @@ import torch
 from ..._tuning import read_streams
 from ...errors import CorruptCheckpointError
 from ...format._safefile import open_regular
-from ...format.safetensors_io import FileRecord, RecordChecker, SafetensorsHeader, TensorInfo
+from ...format.safetensors_io import FileRecord, RecordChecker, SafetensorsHeader, TensorInfo, byte_view
 from ._threads import run_in_threads
 
 logger = logging.getLogger(__name__)
@@ -68,13 +68,6 @@ def _in_place(target: torch.Tensor | None, info: TensorInfo) -> bool:
             and not isinstance(target, torch.nn.parameter.UninitializedTensorMixin))
 
 
-def _byte_view(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(bytearray(0))
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
-
-
 def plan_reads(reads: list[FileRead], *, chunk_bytes: int = CHUNK_BYTES
                ) -> tuple[list[list[Chunk]], dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Cut every file into chunks (header bytes first when hashed, then every tensor in data order).
@@ -104,7 +97,7 @@ def plan_reads(reads: list[FileRead], *, chunk_bytes: int = CHUNK_BYTES
                     staged.append((buffer, target))
                 else:
                     fresh[info.name] = buffer
-            add(header.data_offset + info.start, _byte_view(buffer))
+            add(header.data_offset + info.start, byte_view(buffer))
         files.append(chunks)
     return files, fresh, staged
 
