@@ -60,11 +60,6 @@ class RegionRead:
     file: str
     source: tuple[slice, ...]
     target: tuple[slice, ...]
-    whole_piece: bool
-
-
-def _relative(box: Box, origin: Box) -> tuple[slice, ...]:
-    return tuple(slice(o - p, o - p + n) for o, p, n in zip(box.offset, origin.offset, box.shape))
 
 
 def plan_region_reads(wanted: Box, pieces: Mapping[str, Box], *, name: str, source: str,
@@ -89,7 +84,7 @@ def plan_region_reads(wanted: Box, pieces: Mapping[str, Box], *, name: str, sour
         overlap = intersect_boxes(piece, wanted)
         if overlap is None:
             continue
-        reads.append(RegionRead(file, _relative(overlap, piece), _relative(overlap, wanted), overlap == piece))
+        reads.append(RegionRead(file, overlap.slices(piece), overlap.slices(wanted)))
         covered += overlap.numel
     if covered != wanted.numel and not partial:
         raise CorruptCheckpointError(
@@ -365,6 +360,5 @@ def whole_tensor_section(files: Mapping[str, Collection[str]], described: Mappin
     each tensor is one piece, its whole box."""
     pieces: dict[str, dict[str, Any]] = {}
     for filename, names in files.items():
-        pieces[filename] = {n: Box((0,) * len(described[n]["shape"]), tuple(described[n]["shape"])).to_json()
-                            for n in names}
+        pieces[filename] = {n: Box.whole(described[n]["shape"]).to_json() for n in names}
     return {SECTION_TENSORS: dict(described), SECTION_PIECES: pieces, SECTION_TIED: dict(tied)}
