@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["is_partitioned", "partitioned_state", "partitioned_views", "load_partitioned_state", "PARTITION_KEY",
            "held_partition", "partition_piece", "state_parameters", "weights_from_masters", "master_weight_names",
            "omitted_weights", "MasterWeights", "PartitionMap", "Segment", "plan_partition_copies",
-           "reshard_partitions", "parameter_tensors", "read_master_weights"]
+           "reshard_partitions", "read_master_weights"]
 
 
 def _is_partitioned_parameter(value: Any) -> bool:
@@ -412,20 +412,6 @@ def reshard_partitions(current: Mapping[str, Any], document: Mapping[str, Any], 
     return filled, {**document, "param_groups": groups, "non_tensor_state": scalars}
 
 
-def parameter_tensors(reader: Any, document: Mapping[str, Any], key: str, *,
-                      source: str) -> dict[str, torch.Tensor]:
-    """``{fqn: flattened tensor}`` of the saved optimizer tensor ``key`` of every parameter (``"fp32"``: the master
-    weights), assembled from flat partitions saved at any world size (``reader``: a ``PieceReader``)."""
-    maps = saved_partition_maps(document, source=source)
-    result = {}
-    for name, partition_map in maps.items():
-        dtype = reader.section.dtypes[f"{OPTIMIZER_STATE_PREFIX}{name}/{key}"]
-        for fqn, numel, _, _ in partition_map.params:
-            result[fqn] = read_partitioned(reader, maps, key, [Segment(fqn, 0, numel, 0)],
-                                           torch.empty(numel, dtype=dtype), source=source)
-    return result
-
-
 def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
     """``{fqn: flattened fp32 master weights}`` of every parameter a DeepSpeed ZeRO checkpoint's optimizer partitions
     hold, assembled in one process from every saving rank's pieces.
@@ -438,7 +424,8 @@ def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
             or saved without the optimizer), or they record no partition map.
     """
     from ...constants import LAYOUT_FILE, LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC
-    from ._piece_reader import PieceReader, parse_layout, read_section
+    from .._types import Box
+    from ._piece_reader import parse_layout
 
     reader, source = opened._reader, str(opened.path / LAYOUT_FILE)
     layout = parse_layout(reader.json(LAYOUT_FILE), source=source) if LAYOUT_FILE in opened.manifest.files else {}
@@ -447,8 +434,12 @@ def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
         raise IncompleteCheckpointError(
             f"{opened.path} holds no DeepSpeed ZeRO optimizer partitions, so no fp32 master weights: only checkpoints "
             "of ZeRO-1/2/3 runs saved with their optimizer have them. Export the model's weights instead.")
-    with PieceReader(reader, read_section(reader, layout, LAYOUT_KEY_OPTIMIZER), source=source) as pieces:
-        return parameter_tensors(pieces, document, MASTER_KEY, source=source)
+    masters = MasterWeights(reader, layout, source=source)
+    try:
+        return {fqn: masters.read(fqn, Box((0,), (numel,)), (numel,), torch.float32)
+                for partition_map in masters.maps.values() for fqn, numel, _, _ in partition_map.params}
+    finally:
+        masters.close()
 
 
 class MasterWeights:
@@ -468,7 +459,7 @@ class MasterWeights:
             raise IncompleteCheckpointError(f"{source}: weights are given by fp32 master weights, but no optimizer "
                                             "partitions were saved; the checkpoint is incomplete.")
         section = read_section(reader, layout, LAYOUT_KEY_OPTIMIZER)
-        self._maps = saved_partition_maps(layout[LAYOUT_KEY_OPTIMIZER_DOC], source=source)
+        self.maps = saved_partition_maps(layout[LAYOUT_KEY_OPTIMIZER_DOC], source=source)
         self._reader = PieceReader(reader, section, source=source)
         self._source = source
 
@@ -478,11 +469,11 @@ class MasterWeights:
         if len(shape) == 1:  # the wanted elements only
             (start,), (length,) = box.offset, box.shape
             out = torch.empty(length, dtype=torch.float32)
-            read_partitioned(self._reader, self._maps, MASTER_KEY, [Segment(fqn, start, length, 0)], out,
+            read_partitioned(self._reader, self.maps, MASTER_KEY, [Segment(fqn, start, length, 0)], out,
                              source=self._source)
             return out.to(dtype)
         numel = math.prod(shape)
-        whole = read_partitioned(self._reader, self._maps, MASTER_KEY, [Segment(fqn, 0, numel, 0)],
+        whole = read_partitioned(self._reader, self.maps, MASTER_KEY, [Segment(fqn, 0, numel, 0)],
                                  torch.empty(numel, dtype=torch.float32), source=self._source).view(shape)
         return whole[tuple(slice(o, o + n) for o, n in zip(box.offset, box.shape))].to(dtype)
 
