@@ -9,6 +9,7 @@ import re
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from .._urls import is_remote
 from ..constants import CHECKPOINT_DIR_RE, PIN_PREFIX, REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
@@ -30,6 +31,15 @@ __all__ = ["list_checkpoints", "find_latest_checkpoint", "find_latest_verified",
 # Where a checkpoint that failed its hashes during a resume is moved (``corrupt-checkpoint-8``): out of discovery's,
 # retention's and the Trainer's ``checkpoint-*`` patterns, kept for inspection, never deleted by hf_resumable.
 SET_ASIDE_PREFIX = "corrupt-"
+
+
+def require_local(location: Any, function: str) -> None:
+    """Refuse a remote location (``hf://``, object stores) with a ``ValueError`` naming the front function that takes
+    it: the checkpoint core reads and writes local directories only."""
+    if is_remote(location):
+        raise ValueError(f"hf_resumable.checkpoint.{function} takes local directories; {os.fspath(location)!r} is "
+                         f"remote. Use hf_resumable.{function} (or hf_resumable.locations.{function}), which looks "
+                         "there (downloading and verifying what it reads).")
 
 
 def list_checkpoints(root: str | os.PathLike, *,
@@ -140,10 +150,7 @@ def find_latest_verified(
     >>> opened = open_checkpoint(report.path, verified=report)  # doctest: +SKIP
     ```
     """
-    if is_remote(root):
-        raise ValueError(f"hf_resumable.checkpoint.find_latest_checkpoint takes local directories; {os.fspath(root)!r}"
-                         " is remote. Use hf_resumable.find_latest_checkpoint (or hf_resumable.locations), which "
-                         "looks there.")
+    require_local(root, "find_latest_checkpoint")
     if cleanup:
         cleanup_stale_temp_dirs(root)
     key = os.path.abspath(root)  # the key of this process's pin on root (see _pins.release_pin)
