@@ -101,17 +101,15 @@ def _piece(parameter: Any) -> torch.Tensor:
 
 
 def state_parameters(model: torch.nn.Module) -> dict[str, Any]:
-    """``{state-dict name: parameter or buffer}`` (``state_dict(keep_vars=True)``, tied names included): a walk of
-    the module tree, which a save makes once and gives to every function here that takes ``parameters``."""
+    """``{state-dict name: parameter or buffer}``, tied names included: the walk a save makes once and gives to every
+    function here that takes ``parameters`` (which otherwise walk ``model`` themselves)."""
     return dict(model.state_dict(keep_vars=True))
 
 
 def partitioned_state(model: torch.nn.Module, state: Mapping[str, Any], *,
                       parameters: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """``state`` (FQN-keyed, as ``get_model_state_dict`` gives it) with every partitioned parameter replaced by its
-    piece: a DTensor of the flattened parameter over its process group, whose local tensor is the partition itself
-    (tied names get the same piece, so the writer stores it once). ``parameters``: :func:`state_parameters` of
-    ``model``, if the caller has it."""
+    """``state`` (FQN-keyed) with every partitioned parameter replaced by its piece (:func:`partition_piece`; tied
+    names get the same piece, so the writer stores it once)."""
     parameters = state_parameters(model) if parameters is None else parameters
     pieces: dict[int, torch.Tensor] = {}
     result = {}
@@ -127,10 +125,8 @@ def partitioned_state(model: torch.nn.Module, state: Mapping[str, Any], *,
 
 def weights_from_masters(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any, *,
                          parameters: Mapping[str, Any] | None = None) -> tuple[dict[str, str], set[str]]:
-    """Which weights of ``state`` a save with a ZeRO ``optimizer`` need not store: ``{name: its master's name}`` of
-    every weight whose fp32 master weights the optimizer saves (described with ``"master"`` in the layout), and the
-    names whose pieces this rank does not write: all of them where the weights equal their masters cast, bit for bit
-    (``masters_give_weights``), else none (then stored, and read over the masters on load)."""
+    """:func:`master_weight_names` and :func:`omitted_weights` of ``state``: the weights a save with a ZeRO
+    ``optimizer`` describes by their masters, and those whose pieces this rank does not write."""
     masters = master_weight_names(model, state, optimizer, parameters=parameters)
     return masters, omitted_weights(masters, optimizer)
 
@@ -138,8 +134,7 @@ def weights_from_masters(model: torch.nn.Module, state: Mapping[str, Any], optim
 def master_weight_names(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any, *,
                         parameters: Mapping[str, Any] | None = None) -> dict[str, str]:
     """``{name: its master's name}`` of every weight of ``state`` whose fp32 master weights ``optimizer`` (a ZeRO
-    optimizer view) saves; empty for any other optimizer. ``parameters``: :func:`state_parameters` of ``model``, if
-    the caller has it."""
+    optimizer view) saves (described with ``"master"`` in the layout); empty for any other optimizer."""
     master_names = getattr(optimizer, "master_names", None)
     if master_names is None:
         return {}
@@ -150,8 +145,8 @@ def master_weight_names(model: torch.nn.Module, state: Mapping[str, Any], optimi
 
 
 def omitted_weights(masters: Mapping[str, str], optimizer: Any, *, group: Any = None) -> set[str]:
-    """The weights of ``masters`` this rank does not store: all, if ``optimizer.masters_give_weights`` holds (a
-    collective over ``group`` under ZeRO-1/2), else none."""
+    """The weights of ``masters`` this rank does not store: all, if they equal their masters cast, bit for bit
+    (``optimizer.masters_give_weights``, a collective over ``group`` under ZeRO-1/2), else none."""
     if not masters:
         return set()
     if optimizer.masters_give_weights(group=group):
@@ -162,9 +157,8 @@ def omitted_weights(masters: Mapping[str, str], optimizer: Any, *, group: Any = 
 
 
 def partitioned_views(model: torch.nn.Module, *, parameters: Mapping[str, Any] | None = None) -> dict[str, list[int]]:
-    """``{name: shape}`` of every partitioned parameter (tied names included): the layout records it next to the
-    flattened global shape (``"view"``), so a consolidation, or a load into a model that is not partitioned, gives
-    each weight its own shape back. ``parameters``: :func:`state_parameters` of ``model``, if the caller has it."""
+    """``{name: shape}`` of every partitioned parameter (tied names included), which the layout records next to the
+    flattened global shape (``"view"``) so that a load into a model that is not partitioned restores it."""
     parameters = state_parameters(model) if parameters is None else parameters
     return {name: [int(x) for x in parameter.ds_shape] for name, parameter in parameters.items()
             if _is_partitioned_parameter(parameter) and hasattr(parameter, "ds_shape")}
