@@ -1,12 +1,6 @@
-"""Read many safetensors files at once with a few threads, each file's hash checked in byte order.
-
-Every file is cut into chunks (:func:`plan_reads`, pure: which byte range of which file lands in which tensor);
-:func:`hf_resumable._tuning.read_streams` threads ``pread`` them in file order straight into the destination
-tensors, and whichever thread completes a file's next chunk feeds that file's checksum. Destinations that cannot
-receive bytes in place are staged and copied only after EVERY file's hash matched. A file may also come from the
-bytes a verification kept (:attr:`FileRead.data`), or be checked to be the very file it hashed
-(:attr:`FileRead.check`).
-"""
+"""Read many safetensors files at once with a few threads straight into the destination tensors, each file's hash
+fed in byte order by whichever thread completes its next chunk; staged destinations are copied only after every hash
+matched (docs/architecture.md, ``_parallel_read.py``)."""
 
 from __future__ import annotations
 

@@ -131,14 +131,10 @@ def local_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: local_tensor(tensor) for name, tensor in state.items()}
 
 
-def find_tied(state: Mapping[str, torch.Tensor], *, local: Mapping[str, torch.Tensor] | None = None
-              ) -> dict[str, str]:
-    """``{alias: first name}`` for names whose local pieces share memory (tied weights), by ``find_aliases``. A rank
+def find_tied(state: Mapping[str, torch.Tensor], *, local: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """``{alias: first name}`` for names whose local pieces (``local``: :func:`local_tensors`) share memory. A rank
     whose piece is empty cannot see a tie but writes nothing for it either; the layout unites every rank's
-    (:func:`section_from_reports`). ``local``: the :func:`local_tensors` of ``state``, if already taken.
-    """
-    if local is None:
-        return find_aliases(state, local=local_tensor)
+    (:func:`section_from_reports`)."""
     return find_aliases({name: local[name] for name in state})
 
 
