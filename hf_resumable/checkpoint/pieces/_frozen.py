@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +27,8 @@ from ...constants import (
     FROZEN_KEY_VERSION,
     FROZEN_RECORD_FILE,
     FROZEN_RECORD_VERSION,
+    LAYOUT_FILE,
+    MAX_JSON_SIZE,
     RENAMED_KEY,
     TIED_KEY,
     TRAINABLE_INDEX_FILE,
@@ -36,10 +39,12 @@ from ...errors import (
     BaseNotStoredError,
     CheckpointMismatchError,
     CorruptCheckpointError,
+    FormatVersionError,
     IncompleteCheckpointError,
 )
 from ...format._bytes import tensor_bytes
-from ...format._jsonio import json_bytes, require_field
+from ...format._jsonio import json_bytes, parse_json, require_field
+from ...format._safefile import read_regular_file
 from ...format.safetensors_io import DTYPE_TO_STR, STR_TO_DTYPE
 from ...format.sharding import ShardIndex
 from .._types import Box, intersect_boxes
@@ -252,8 +257,6 @@ class FrozenRecord:
             FormatVersionError: a newer record version.
             CorruptCheckpointError: anything malformed (named).
         """
-        from ...errors import FormatVersionError
-
         require_field(isinstance(document, dict), source, "", type(document).__name__, "a JSON object")
         version = document.get(FROZEN_KEY_VERSION)
         require_field(type(version) is int, source, FROZEN_KEY_VERSION, version, "an int")
@@ -597,12 +600,6 @@ def base_not_stored(directory: Any, *, wanted: str) -> BaseNotStoredError | None
         directory (`Path`): the directory that was given.
         wanted (`str`): what the caller needed, e.g. ``"lazy loading needs every weight"``.
     """
-    from pathlib import Path
-
-    from ...constants import LAYOUT_FILE, MAX_JSON_SIZE
-    from ...format._jsonio import parse_json
-    from ...format._safefile import read_regular_file
-
     record = Path(directory) / FROZEN_RECORD_FILE
     if not record.is_file():
         return None
