@@ -122,7 +122,9 @@ class CheckpointSummary:
     def format_table(self) -> str:
         """A readable two-part table: overview, then one line per shard."""
         status = "OK" if self.verified else f"FAILED ({len(self.problems)} problem(s))"
-        batch = _describe_batch(self)
+        batch = "-" if self.effective_batch_size is None else (
+            f"{self.effective_batch_size} (= {self.per_device_batch_size} per device x "
+            f"{self.gradient_accumulation_steps} accumulation x {self.world_size} ranks)")
         rows = [
             ("checkpoint", self.path),
             ("step", _or_dash(self.step)),
@@ -148,13 +150,6 @@ class CheckpointSummary:
 
 def _or_dash(value: Any) -> str:
     return "-" if value is None else str(value)
-
-
-def _describe_batch(summary: CheckpointSummary) -> str:
-    if summary.effective_batch_size is None:
-        return "-"
-    return (f"{summary.effective_batch_size} (= {summary.per_device_batch_size} per device x "
-            f"{summary.gradient_accumulation_steps} accumulation x {summary.world_size} ranks)")
 
 
 def _shard_table(shards: Iterable[ShardSummary]) -> str:
