@@ -14,13 +14,12 @@ from typing import Any
 from .._urls import is_remote
 from ..constants import CHECKPOINT_DIR_RE, PIN_PREFIX, REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
 from ..distributed import rank_and_world_size
-from ..errors import HfResumableError
 from ._reader import read_on_load
 from .commit._durability import is_durable
 from .commit._fs import claim, remove_dir, rename_noreplace
 from .commit._owner import OwnerTag, owner_can_act, owner_is_alive, parse_member_name
 from .commit._pins import entries_named, hold_pin, pin, unpin
-from .commit.manifest import committed_manifest, read_manifest
+from .commit.manifest import committed_manifest
 from .verify import VerifyReport, verify_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -241,12 +240,8 @@ def apply_retention(
     from .background.async_save import BACKGROUND_SAVER  # below this module in the import order
 
     BACKGROUND_SAVER.wait_until_durable()  # this process's newest checkpoint counts once its fsyncs are done
-    committed = []
-    for step, path in list_checkpoints(root, pattern=pattern):
-        try:
-            committed.append((step, path, read_manifest(path)))
-        except HfResumableError:
-            continue
+    committed = [(step, path, manifest) for step, path in list_checkpoints(root, pattern=pattern)
+                 if (manifest := committed_manifest(path)) is not None]
     keep = {path for _, path, _ in committed[-keep_last:]}
     # the newest valid checkpoint whose files are known to be on the disk: a deferred save's is not until its fsyncs
     # are done (_durability.py), and a crash before that may tear it
