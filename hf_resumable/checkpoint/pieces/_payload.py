@@ -50,6 +50,7 @@ from .._types import IndexSpec, Payload, TensorFile
 from ..state._model import TIED_KEY, dedupe_tied, find_aliases, model_state, storage_key
 from ..state._model_files import plan_model_files, single_file_metadata
 from ..state._optimizer import optimizer_to_tensors, parameter_names
+from ._dtensor import is_dtensor
 from ._frozen import base_provenance, build_record, frozen_names
 
 logger = logging.getLogger(__name__)
@@ -188,9 +189,7 @@ def _capture_shared(payload: Payload, model, optimizer, scheduler, scaler, train
 
 def _refuse_dtensors(state: Mapping[str, torch.Tensor]) -> None:
     """Whole-tensor files cannot hold DTensors (FSDP2, tensor parallel): each rank holds only its pieces."""
-    from torch.distributed.tensor import DTensor
-
-    sharded = [name for name, tensor in state.items() if isinstance(tensor, DTensor)]
+    sharded = [name for name, tensor in state.items() if is_dtensor(tensor)]
     if sharded:
         raise UnsupportedStateError(
             f"The model holds DTensor parameters ({', '.join(sharded[:3])}{', ...' if len(sharded) > 3 else ''}: "
