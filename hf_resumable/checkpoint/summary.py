@@ -26,6 +26,7 @@ from ..constants import (
 from ..errors import CheckpointNotFoundError, HfResumableError
 from ..format._jsonio import parse_json
 from ..format._safefile import read_regular_file
+from .pieces._frozen import FrozenRecord
 from .state._model_files import has_model_weights
 from .verify import verify_checkpoint
 
@@ -290,8 +291,6 @@ def _fill_shards(summary: CheckpointSummary, report: Any) -> None:
 
 def _fill_frozen(summary: CheckpointSummary, report: Any) -> None:
     """A checkpoint that references its base: trainable elements from its index, the frozen base from its record."""
-    from .pieces._frozen import FrozenRecord
-
     index = _read_json(Path(report.path) / TRAINABLE_INDEX_FILE)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if isinstance(weight_map, dict):

@@ -16,8 +16,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...constants import OPTIMIZER_STATE_PREFIX
+from ...constants import LAYOUT_FILE, LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC, OPTIMIZER_STATE_PREFIX
 from ...errors import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
+from .._types import Box
 from ._dtensor import group_mesh, local_box
 
 logger = logging.getLogger(__name__)
@@ -326,8 +327,6 @@ def read_partitioned(reader: Any, saved: Mapping[str, PartitionMap], key: str, w
                      out: torch.Tensor, *, source: str) -> torch.Tensor:
     """Fill ``out`` (a flat partition, or a whole flattened parameter) at ``wanted`` with the saved optimizer tensor
     ``key`` (``fp32``, ``exp_avg``...) of the flat partitions ``saved``, read through ``reader``, a ``PieceReader``."""
-    from .._types import Box
-
     for copy in plan_partition_copies(wanted, saved, source=source):
         piece = reader.read_box(f"{OPTIMIZER_STATE_PREFIX}{copy.name}/{key}", Box((copy.position,), (copy.length,)))
         with torch.no_grad():
@@ -417,8 +416,6 @@ def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
         IncompleteCheckpointError: the checkpoint holds no ZeRO optimizer partitions (not a DeepSpeed ZeRO checkpoint,
             or saved without the optimizer), or they record no partition map.
     """
-    from ...constants import LAYOUT_FILE, LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC
-    from .._types import Box
     from ._piece_reader import parse_layout
 
     reader, source = opened._reader, str(opened.path / LAYOUT_FILE)
@@ -446,7 +443,6 @@ class MasterWeights:
     """
 
     def __init__(self, reader: Any, layout: Mapping[str, Any], *, source: str) -> None:
-        from ...constants import LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC
         from ._piece_reader import PieceReader, read_section
 
         if layout.get(LAYOUT_KEY_OPTIMIZER) is None or layout.get(LAYOUT_KEY_OPTIMIZER_DOC) is None:

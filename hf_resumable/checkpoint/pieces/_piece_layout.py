@@ -31,6 +31,7 @@ from ...format.safetensors_io import DTYPE_TO_STR
 from ...format.sharding import ShardPlan
 from .._types import Box, TensorFile, intersect_boxes
 from ..state._model import find_aliases
+from ..state._model_files import plan_model_files
 from ._dtensor import is_dtensor, local_box, local_tensor, piece_plan, writes_piece
 from ._frozen import fingerprint
 from ._placements import REPORT_COPIES
@@ -330,8 +331,6 @@ def plan_hf_weights(sizes: Mapping[str, int], *, world_size: int, max_shard_size
     {'model-00001-of-00002.safetensors': 0, 'model-00002-of-00002.safetensors': 1}
     ```
     """
-    from ..state._model_files import plan_model_files
-
     plan = plan_model_files(sizes, max_shard_size=max_shard_size)
     return plan, {filename: i % world_size for i, filename in enumerate(plan.filenames)}
 
