@@ -214,8 +214,8 @@ def apply_retention(
     """Delete old committed checkpoints, keeping the newest ``keep_last``, the best one and ``protect``.
 
     Call it only after the newest checkpoint has committed (the save functions do). It orders by step, never touches a
-    directory without a valid manifest, never deletes the newest valid checkpoint whose files are durable, keeps what a
-    live reader in another process has pinned, and renames before it deletes (docs/checkpoints.md#guarantees).
+    directory without a valid manifest, and never deletes the newest durable valid checkpoint or what a live reader
+    has pinned (docs/checkpoints.md#guarantees).
 
     Args:
         keep_last (`int`, *optional*, defaults to 2): newest checkpoints to keep (>= 1).

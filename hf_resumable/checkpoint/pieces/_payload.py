@@ -119,11 +119,10 @@ def capture_payload(
     the frozen record (see :mod:`._frozen`) unless ``standalone``.
     """
     payload = Payload()
+    reserved = set(extra_files or {})  # files the caller writes itself (accelerate's save hooks): not ours
     if replicas and not is_main:
-        _capture_replicas(payload, model, optimizer, max_shard_size, standalone=standalone,
-                          reserved=set(extra_files or {}))
+        _capture_replicas(payload, model, optimizer, max_shard_size, standalone=standalone, reserved=reserved)
     if is_main:
-        reserved = set(extra_files or {})  # files the caller writes itself (accelerate's save hooks): not ours
         _capture_shared(payload, model, optimizer, scheduler, scaler, training_state, extra, max_shard_size,
                         standalone=standalone, reserved=reserved)
         if model is not None and isinstance(model, torch.nn.Module):
