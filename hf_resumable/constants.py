@@ -104,8 +104,6 @@ PIN_PREFIX = ".pin-"
 REMOVING_PREFIX = ".removing-"
 # Seconds after which a pin no longer protects a checkpoint, even if its reader is still alive.
 PIN_TTL = 600.0
-# Record inside temp dirs written by earlier versions (pid/host of the writer); read only by cleanup.
-OWNER_FILE = ".owner.json"
 
 # Other files of a model directory, as save_pretrained and the Hub name them.
 GENERATION_CONFIG_FILE = "generation_config.json"

@@ -57,9 +57,18 @@ class Box:
     offset: tuple[int, ...]
     shape: tuple[int, ...]
 
+    @classmethod
+    def whole(cls, shape: tuple[int, ...]) -> "Box":
+        """All of a tensor of ``shape``."""
+        return cls((0,) * len(shape), tuple(int(n) for n in shape))
+
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def slices(self, origin: "Box") -> tuple[slice, ...]:
+        """This box as slices of a tensor holding ``origin`` (a box that contains it)."""
+        return tuple(slice(o - p, o - p + n) for o, p, n in zip(self.offset, origin.offset, self.shape))
 
     def to_json(self) -> dict[str, list[int]]:
         return {"offset": list(self.offset), "shape": list(self.shape)}

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from .._urls import is_remote
 from ..constants import DEFAULT_MAX_SHARD_SIZE, LAYOUT_FILE, MANIFEST_FILE
 from ..distributed import is_distributed, rank_and_world_size
 from ..format.rng import RngState
@@ -22,7 +21,7 @@ from .commit._durability import check_durability
 from .commit._fs import wait_for_removals
 from .commit._writer import check_target, save_payload
 from .commit.manifest import Manifest
-from .discovery import apply_retention
+from .discovery import apply_retention, require_local
 from .pieces._payload import capture_payload, capture_pretrained
 from .pieces._pieces import capture_pieces, consolidate_pieces, saves_pieces
 from .verify import VerifyReport, verify_checkpoint
@@ -50,15 +49,6 @@ class CheckpointInfo:
     path: Path
     step: int | None
     manifest: Manifest | None = None
-
-
-def require_local(location: Any, function: str) -> None:
-    """Refuse a remote location (``hf://``, object stores) with a ``ValueError`` naming the front function that takes
-    it: the checkpoint core reads and writes local directories only."""
-    if is_remote(location):
-        raise ValueError(f"hf_resumable.checkpoint.{function} takes local directories; {os.fspath(location)!r} is "
-                         f"remote. Use hf_resumable.{function} (or hf_resumable.locations.{function}), which "
-                         "downloads and verifies it first.")
 
 
 def background_saver() -> AsyncSaver:
@@ -112,15 +102,9 @@ def save_checkpoint(
     layout: str = "auto",
 ) -> CheckpointInfo:
     """Save a crash-safe, pickle-free training checkpoint of a plain, DDP, FSDP1/FSDP2, DeepSpeed ZeRO or DTensor
-    model to ``directory``.
-
-    Files go to a temporary sibling that is renamed into place once ``manifest.json`` (every file's size and
-    xxh3-128) is written last: a save killed at any moment leaves the previous checkpoint intact. Weights are laid out
-    as ``save_pretrained`` lays them out, tied weights once. Under torch.distributed every rank calls it: DDP replicas
-    share the writing of their files, and where an engine splits the model or optimizer (FSDP1/2, DTensor, ZeRO, a
-    :class:`~hf_resumable.checkpoint.ShardedOptimizerState`) every rank writes the pieces it holds, which load at any
-    world size. Parameters with ``requires_grad=False`` are recorded in ``frozen_base.json``, not stored, unless
-    ``standalone``. See docs/checkpoints.md, docs/format.md, docs/multi-gpu.md and docs/peft.md.
+    model to ``directory``, committed atomically (docs/checkpoints.md#guarantees). Under torch.distributed every rank
+    calls it; where an engine splits the model or optimizer, every rank writes the pieces it holds, which load at any
+    world size (docs/multi-gpu.md). Frozen parameters are recorded, not stored, unless ``standalone`` (docs/peft.md).
 
     Args:
         directory (`str` or `os.PathLike`): the checkpoint directory, e.g. ``out/checkpoint-120``.
@@ -137,21 +121,18 @@ def save_checkpoint(
             store the given state.
         metrics (`Mapping[str, float]`, *optional*): recorded in the manifest, for ``best_metric`` retention.
         max_shard_size (`int` or `str`, *optional*, defaults to `"2GB"`): size limit of each HF weight file.
-        blocking (`bool`, *optional*, defaults to `True`): with `False`, the call returns once what may change
-            before the next optimizer step is staged into host buffers; ``optimizer``'s next step waits until its
-            parameters and state are copied too, and a background thread writes and commits. The next save, any
-            load, ``wait_for_pending_saves`` and interpreter exit wait for it and raise its error
-            (docs/checkpoints.md#what-a-background-save-holds).
+        blocking (`bool`, *optional*, defaults to `True`): with `False`, return once the state is staged and write
+            on a background thread; the next save, any load and ``wait_for_pending_saves`` wait for it and raise its
+            error (docs/checkpoints.md#what-a-background-save-holds).
         overwrite (`bool`, *optional*, defaults to `False`): replace an existing checkpoint atomically.
         processing_class (*optional*): a tokenizer/processor whose ``save_pretrained`` files are included.
         keep_last (`int`, *optional*): after the commit, apply :func:`apply_retention` to the parent.
         best_metric (`str`, *optional*) / greater_is_better (`bool`): keep-best retention.
         standalone (`bool`, *optional*, defaults to `False`): store frozen parameters too, so the checkpoint needs
             no base to load (and ``from_pretrained(directory)`` loads the whole model).
-        durability (`str`, *optional*, defaults to `"deferred"`): ``"deferred"`` commits once the files are
-            written and fsyncs them on the saver's thread, which the next save, any load and
-            ``wait_for_pending_saves`` wait for; ``"immediate"`` (always for an overwrite) fsyncs every file before
-            the commit. See docs/checkpoints.md#guarantees.
+        durability (`str`, *optional*, defaults to `"deferred"`): ``"deferred"`` fsyncs the files on the saver's
+            thread after the commit, ``"immediate"`` (always for an overwrite) before it
+            (docs/checkpoints.md#guarantees).
         layout (`str`, *optional*, defaults to `"auto"`): ``"auto"``: per-rank pieces when an engine splits the
             model or optimizer, else the HF layout; ``"pieces"``: per-rank pieces, also for plain tensors; ``"hf"``:
             an engine's weights gathered and written whole, so ``from_pretrained`` loads the directory (its
@@ -253,11 +234,9 @@ def open_checkpoint(
     reshard: bool | None = False,
     verified: VerifyReport | None = None,
 ) -> OpenedCheckpoint:
-    """Verify a local checkpoint once and decode everything in it that does not depend on a live object.
-
-    The training state, extras, this rank's data position and RNG state are decoded and checked now;
-    :meth:`~OpenedCheckpoint.load_into` fills a model, optimizer, scheduler and scaler later (each checked against
-    the checkpoint before anything is written), and :meth:`~OpenedCheckpoint.restore_rng` restores the RNG.
+    """Verify a local checkpoint once and decode everything in it that does not depend on a live object; then
+    :meth:`~OpenedCheckpoint.load_into` fills a model, optimizer, scheduler and scaler (each checked against the
+    checkpoint before anything is written), and :meth:`~OpenedCheckpoint.restore_rng` restores the RNG.
 
     Args:
         directory (`str` or `os.PathLike`): a committed checkpoint directory on the local filesystem.
@@ -344,23 +323,17 @@ def load_checkpoint(
     verify: str = "quick",
     allow_inexact_resume: bool = False,
 ) -> LoadedCheckpoint:
-    """Load a checkpoint written by :func:`save_checkpoint` into freshly built objects, bit for bit: any layout into
-    a plain, DDP, FSDP1/FSDP2, DeepSpeed ZeRO or DTensor model and its optimizer.
-
-    :func:`open_checkpoint` followed by :meth:`OpenedCheckpoint.load_into`: everything is checked (the checkpoint's
-    hashes and state, and that it fits the objects, every offending key listed at once) before anything is written
-    into an object, and the RNG is restored last. A checkpoint of per-rank pieces loads at any world size, each rank
-    reading the slices it holds (docs/format.md#verification, docs/multi-gpu.md).
+    """Load a checkpoint written by :func:`save_checkpoint` into freshly built objects, bit for bit, at any world size:
+    :func:`open_checkpoint` followed by :meth:`OpenedCheckpoint.load_into` (everything checked before anything is
+    written into an object, the RNG restored last; docs/format.md#verification, docs/multi-gpu.md).
 
     Args:
         directory (`str` or `os.PathLike`): a committed checkpoint directory.
         model, optimizer, scheduler, scaler (*optional*): objects to fill (``None`` skips a part).
         restore_rng (`bool`, *optional*, defaults to `True`): restore this rank's RNG state.
         strict (`bool`, *optional*, defaults to `True`): missing/unexpected model keys are errors.
-        verify (`str`, *optional*, defaults to `"quick"`): ``"quick"``, ``"full"`` or ``"none"``
-            (``"none"`` skips hash checks while reading; structure is always checked).
-        allow_inexact_resume (`bool`, *optional*, defaults to `False`): continue with a WARNING when
-            this rank's RNG state is missing, or the world size changed, instead of raising.
+        verify (`str`, *optional*, defaults to `"quick"`): as in :func:`open_checkpoint`.
+        allow_inexact_resume (`bool`, *optional*, defaults to `False`): as in :func:`open_checkpoint`.
 
     Returns:
         `LoadedCheckpoint`: training state, extra state, data position and RNG state (the

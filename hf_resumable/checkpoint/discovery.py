@@ -9,17 +9,17 @@ import re
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from .._urls import is_remote
 from ..constants import CHECKPOINT_DIR_RE, PIN_PREFIX, REMOVING_PREFIX, TMP_PREFIX, TRASH_PREFIX
 from ..distributed import rank_and_world_size
-from ..errors import HfResumableError
 from ._reader import read_on_load
 from .commit._durability import is_durable
 from .commit._fs import claim, remove_dir, rename_noreplace
 from .commit._owner import OwnerTag, owner_can_act, owner_is_alive, parse_member_name
 from .commit._pins import entries_named, hold_pin, pin, unpin
-from .commit.manifest import committed_manifest, read_manifest
+from .commit.manifest import committed_manifest
 from .verify import VerifyReport, verify_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -30,6 +30,15 @@ __all__ = ["list_checkpoints", "find_latest_checkpoint", "find_latest_verified",
 # Where a checkpoint that failed its hashes during a resume is moved (``corrupt-checkpoint-8``): out of discovery's,
 # retention's and the Trainer's ``checkpoint-*`` patterns, kept for inspection, never deleted by hf_resumable.
 SET_ASIDE_PREFIX = "corrupt-"
+
+
+def require_local(location: Any, function: str) -> None:
+    """Refuse a remote location (``hf://``, object stores) with a ``ValueError`` naming the front function that takes
+    it: the checkpoint core reads and writes local directories only."""
+    if is_remote(location):
+        raise ValueError(f"hf_resumable.checkpoint.{function} takes local directories; {os.fspath(location)!r} is "
+                         f"remote. Use hf_resumable.{function} (or hf_resumable.locations.{function}), which looks "
+                         "there (downloading and verifying what it reads).")
 
 
 def list_checkpoints(root: str | os.PathLike, *,
@@ -140,10 +149,7 @@ def find_latest_verified(
     >>> opened = open_checkpoint(report.path, verified=report)  # doctest: +SKIP
     ```
     """
-    if is_remote(root):
-        raise ValueError(f"hf_resumable.checkpoint.find_latest_checkpoint takes local directories; {os.fspath(root)!r}"
-                         " is remote. Use hf_resumable.find_latest_checkpoint (or hf_resumable.locations), which "
-                         "looks there.")
+    require_local(root, "find_latest_checkpoint")
     if cleanup:
         cleanup_stale_temp_dirs(root)
     key = os.path.abspath(root)  # the key of this process's pin on root (see _pins.release_pin)
@@ -208,8 +214,8 @@ def apply_retention(
     """Delete old committed checkpoints, keeping the newest ``keep_last``, the best one and ``protect``.
 
     Call it only after the newest checkpoint has committed (the save functions do). It orders by step, never touches a
-    directory without a valid manifest, never deletes the newest valid checkpoint whose files are durable, keeps what a
-    live reader in another process has pinned, and renames before it deletes (docs/checkpoints.md#guarantees).
+    directory without a valid manifest, and never deletes the newest durable valid checkpoint or what a live reader
+    has pinned (docs/checkpoints.md#guarantees).
 
     Args:
         keep_last (`int`, *optional*, defaults to 2): newest checkpoints to keep (>= 1).
@@ -234,12 +240,8 @@ def apply_retention(
     from .background.async_save import BACKGROUND_SAVER  # below this module in the import order
 
     BACKGROUND_SAVER.wait_until_durable()  # this process's newest checkpoint counts once its fsyncs are done
-    committed = []
-    for step, path in list_checkpoints(root, pattern=pattern):
-        try:
-            committed.append((step, path, read_manifest(path)))
-        except HfResumableError:
-            continue
+    committed = [(step, path, manifest) for step, path in list_checkpoints(root, pattern=pattern)
+                 if (manifest := committed_manifest(path)) is not None]
     keep = {path for _, path, _ in committed[-keep_last:]}
     # the newest valid checkpoint whose files are known to be on the disk: a deferred save's is not until its fsyncs
     # are done (_durability.py), and a crash before that may tear it

@@ -26,6 +26,7 @@ from ..constants import (
 from ..errors import CheckpointNotFoundError, HfResumableError
 from ..format._jsonio import parse_json
 from ..format._safefile import read_regular_file
+from .pieces._frozen import FrozenRecord
 from .state._model_files import has_model_weights
 from .verify import verify_checkpoint
 
@@ -122,7 +123,9 @@ class CheckpointSummary:
     def format_table(self) -> str:
         """A readable two-part table: overview, then one line per shard."""
         status = "OK" if self.verified else f"FAILED ({len(self.problems)} problem(s))"
-        batch = _describe_batch(self)
+        batch = "-" if self.effective_batch_size is None else (
+            f"{self.effective_batch_size} (= {self.per_device_batch_size} per device x "
+            f"{self.gradient_accumulation_steps} accumulation x {self.world_size} ranks)")
         rows = [
             ("checkpoint", self.path),
             ("step", _or_dash(self.step)),
@@ -148,13 +151,6 @@ class CheckpointSummary:
 
 def _or_dash(value: Any) -> str:
     return "-" if value is None else str(value)
-
-
-def _describe_batch(summary: CheckpointSummary) -> str:
-    if summary.effective_batch_size is None:
-        return "-"
-    return (f"{summary.effective_batch_size} (= {summary.per_device_batch_size} per device x "
-            f"{summary.gradient_accumulation_steps} accumulation x {summary.world_size} ranks)")
 
 
 def _shard_table(shards: Iterable[ShardSummary]) -> str:
@@ -295,8 +291,6 @@ def _fill_shards(summary: CheckpointSummary, report: Any) -> None:
 
 def _fill_frozen(summary: CheckpointSummary, report: Any) -> None:
     """A checkpoint that references its base: trainable elements from its index, the frozen base from its record."""
-    from .pieces._frozen import FrozenRecord
-
     index = _read_json(Path(report.path) / TRAINABLE_INDEX_FILE)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if isinstance(weight_map, dict):

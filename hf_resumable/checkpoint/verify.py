@@ -7,10 +7,11 @@ See docs/format.md#verification.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,6 +111,17 @@ class VerifyReport:
         self.problems.append((file, reason))
         self.error_types.append(error_type)
 
+    @contextlib.contextmanager
+    def noting(self, file: str) -> Iterator[None]:
+        """Add what the block raises about ``file`` as its problem: a typed error, or a file that cannot be read
+        (permissions, I/O error), which makes the checkpoint unusable too."""
+        try:
+            yield
+        except HfResumableError as err:
+            self.add(file, str(err), type(err))
+        except OSError as err:
+            self.add(file, f"cannot be read ({type(err).__name__}: {err.strerror or err})")
+
     def raise_if_bad(self) -> None:
         """Raise the typed error that fits the first problem."""
         if self.ok:
@@ -189,34 +201,24 @@ def verify_checkpoint(directory: str | os.PathLike, *, full: bool = True, raise_
                     "crash may have torn it, so every byte is verified.", directory)
         full = True
     report = VerifyReport(path=str(directory), full=full)
-    try:
+    with report.noting(MANIFEST_FILE):
         report.manifest = read_manifest(directory)
         report.identities[MANIFEST_FILE] = FileIdentity.of(os.stat(member_path(directory, MANIFEST_FILE)))
-    except HfResumableError as err:
-        report.add(MANIFEST_FILE, str(err), type(err))
-    except OSError as err:
-        report.add(MANIFEST_FILE, f"cannot be read ({type(err).__name__}: {err})")
-    else:
-        _check_files(directory, report, keep)
-        if not report.problems:
-            _check_training_state(directory, report)
-            _check_indexes(directory, report)
-            _check_layout(directory, report)
+    if not report.problems:
+        for relpath, record in report.manifest.files.items():
+            with report.noting(relpath):
+                _check_file(directory, relpath, record, report, keep)
+    if not report.problems:
+        with report.noting(TRAINING_STATE_FILE):  # a matching hash proves only that the manifest was resealed with it
+            check_training_state(_read_json(directory, TRAINING_STATE_FILE, report),
+                                 source=str(directory / TRAINING_STATE_FILE))
+        _check_indexes(directory, report)
+        _check_layout(directory, report)
     if raise_on_error:
         report.raise_if_bad()
     if not report.ok:
         logger.debug("%s", report.summary())
     return report
-
-
-def _check_files(directory: Path, report: VerifyReport, keep: Callable[[str], bool] | None) -> None:
-    for relpath, record in report.manifest.files.items():
-        try:
-            _check_file(directory, relpath, record, report, keep)
-        except HfResumableError as err:
-            report.add(relpath, str(err), type(err))
-        except OSError as err:  # unreadable (permissions, I/O error): this checkpoint cannot be used
-            report.add(relpath, f"cannot be read ({type(err).__name__}: {err.strerror or err})")
 
 
 def _check_file(directory: Path, relpath: str, record: FileRecord, report: VerifyReport,
@@ -281,18 +283,6 @@ def _read_json(directory: Path, relpath: str, report: VerifyReport) -> object:
     if raw is None:
         raw = read_regular_file(member_path(directory, relpath), limit=MAX_JSON_SIZE)
     return parse_json(raw, source=str(directory / relpath))
-
-
-def _check_training_state(directory: Path, report: VerifyReport) -> None:
-    """``training_state.json`` parses (bounded) and has its structure: a matching hash proves only that the manifest
-    was resealed with it."""
-    try:
-        check_training_state(_read_json(directory, TRAINING_STATE_FILE, report),
-                             source=str(directory / TRAINING_STATE_FILE))
-    except HfResumableError as err:
-        report.add(TRAINING_STATE_FILE, str(err), type(err))
-    except OSError as err:
-        report.add(TRAINING_STATE_FILE, f"cannot be read ({type(err).__name__}: {err.strerror or err})")
 
 
 def _check_indexes(directory: Path, report: VerifyReport) -> None:

@@ -32,9 +32,9 @@ def _memmove_ok(dst: torch.Tensor, src: torch.Tensor) -> bool:
     )
 
 
-def _copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], copier: Callable[[int, int, int], Any],
-            other: Callable[[torch.Tensor, torch.Tensor], Any]) -> list[Callable[[], Any]]:
-    """One call per pair: a raw byte copy where it serves, else ``other(dst, src)`` with ``src`` detached (no autograd
+def _copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], copier: Callable[[int, int, int], Any]
+            ) -> list[Callable[[], Any]]:
+    """One call per pair: a raw byte copy where it serves, else ``dst.copy_(src)`` with ``src`` detached (no autograd
     record of the copy)."""
     calls: list[Callable[[], Any]] = []
     for dst, src in pairs:
@@ -42,28 +42,16 @@ def _copies(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], copier: Callable
             if src.nbytes:
                 calls.append(lambda d=dst.data_ptr(), s=src.data_ptr(), n=src.nbytes: copier(d, s, n))
         else:
-            calls.append(lambda d=dst, s=src.detach(): other(d, s))
+            calls.append(lambda d=dst, s=src.detach(): d.copy_(s))
     return calls
 
 
 def copy_into(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, copier=None) -> None:
-    """Copy every ``src`` into its ``dst`` (``(dst, src)`` pairs), bit for bit, and return when all bytes landed.
-
-    ``copier(dst_address, src_address, nbytes)`` copies raw bytes (default :data:`copy_bytes`).
+    """Copy every ``src`` into its ``dst`` (``(dst, src)`` pairs), bit for bit, and return when all bytes landed
+    (:func:`start_copy`, joined at once). ``copier(dst_address, src_address, nbytes)`` copies raw bytes (default
+    :data:`copy_bytes`).
     """
-    cuda_devices: set[torch.device] = set()
-
-    def copy_now(dst: torch.Tensor, src: torch.Tensor) -> None:
-        if src.is_cuda:
-            dst.copy_(src, non_blocking=dst.is_pinned())
-            cuda_devices.add(src.device)
-        else:
-            dst.copy_(src)
-
-    for call in _copies(pairs, copier or copy_bytes, copy_now):
-        call()
-    for device in cuda_devices:
-        torch.cuda.synchronize(device)
+    start_copy(pairs, copier=copier).join()
 
 
 class BackgroundCopy:
@@ -117,8 +105,7 @@ def start_copy(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, copier=Non
     :meth:`BackgroundCopy.assist` or :meth:`BackgroundCopy.join`, and no source may change until ``join`` returned.
     CUDA sources are enqueued now on a side stream that first waits for the current one."""
     events = [_copy_on_side_stream(dst, src.detach()) for dst, src in pairs if src.is_cuda]  # enqueued now
-    calls = _copies([(dst, src) for dst, src in pairs if not src.is_cuda], copier or copy_bytes,
-                    lambda dst, src: dst.copy_(src))
+    calls = _copies([(dst, src) for dst, src in pairs if not src.is_cuda], copier or copy_bytes)
     return BackgroundCopy(calls, events)
 
 

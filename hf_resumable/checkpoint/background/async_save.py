@@ -227,12 +227,10 @@ class AsyncSaver:
                ) -> Future[Manifest]:
         """Wait for the previous save, stage ``payload`` (and ``also_stage``) and start writing it in the background.
 
-        Collective under torch.distributed. It returns once it has copied every tensor that is not a parameter or state
-        of ``optimizer`` (the torch optimizer, or an engine's checkpoint view: :func:`._step_gate.gated_optimizer`);
-        the saver's thread copies the rest while that optimizer's next step waits, then runs the commit protocol over
-        the save's own gloo group (``prepare`` and ``finalize``: see
-        :func:`~hf_resumable.checkpoint.commit._writer.finish_save`), then ``on_commit``. A failure anywhere commits
-        nothing and is raised at the next wait on every rank.
+        Collective under torch.distributed. It returns once it has copied what ``optimizer``'s next step does not
+        write; the saver's thread copies the rest while that step waits, then commits (``prepare`` and ``finalize``:
+        :func:`~hf_resumable.checkpoint.commit._writer.finish_save`) and runs ``on_commit`` (docs/architecture.md,
+        "Async saves"). A failure anywhere commits nothing and is raised at the next wait on every rank.
 
         Returns:
             `concurrent.futures.Future`: done once the save has committed (its result is the manifest) or failed.

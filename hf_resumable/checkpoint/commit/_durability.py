@@ -16,7 +16,7 @@ from typing import Any
 
 from ...constants import DURABILITY_FILE, TMP_PREFIX
 from ...distributed import all_gather_json, broadcast_json, rank_and_world_size
-from ...errors import CorruptCheckpointError, HfResumableError
+from ...errors import CorruptCheckpointError
 from ...format._jsonio import json_bytes, parse_json
 from ...format._safefile import open_regular, read_regular_file
 from ._fs import fsync_dir, fsync_tree, write_bytes_durably
@@ -63,15 +63,11 @@ def pending_boot(directory: str | os.PathLike) -> str | None:
     """The boot id of a checkpoint whose durability is not confirmed yet: ``None`` if it is durable (no record: an
     immediate save's, or one that says durable), ``""`` if the record cannot be read (then no boot is trusted)."""
     path = Path(directory) / DURABILITY_FILE
-    try:
-        raw = read_regular_file(path, limit=_MAX_RECORD_BYTES)  # never blocks on a FIFO planted there
+    try:  # read_regular_file never blocks on a FIFO planted there
+        document = parse_json(read_regular_file(path, limit=_MAX_RECORD_BYTES), source=str(path))
     except FileNotFoundError:
         return None
-    except (OSError, HfResumableError):
-        return ""
-    try:
-        document = parse_json(raw, source=str(path))
-    except Exception:  # noqa: BLE001 - a torn or crafted record: trust no boot
+    except Exception:  # noqa: BLE001 - an unreadable, torn or crafted record: trust no boot
         return ""
     if not isinstance(document, dict):
         return ""

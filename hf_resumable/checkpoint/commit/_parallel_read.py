@@ -1,12 +1,6 @@
-"""Read many safetensors files at once with a few threads, each file's hash checked in byte order.
-
-Every file is cut into chunks (:func:`plan_reads`, pure: which byte range of which file lands in which tensor);
-:func:`hf_resumable._tuning.read_streams` threads ``pread`` them in file order straight into the destination
-tensors, and whichever thread completes a file's next chunk feeds that file's checksum. Destinations that cannot
-receive bytes in place are staged and copied only after EVERY file's hash matched. A file may also come from the
-bytes a verification kept (:attr:`FileRead.data`), or be checked to be the very file it hashed
-(:attr:`FileRead.check`).
-"""
+"""Read many safetensors files at once with a few threads straight into the destination tensors, each file's hash
+fed in byte order by whichever thread completes its next chunk; staged destinations are copied only after every hash
+matched (docs/architecture.md, ``_parallel_read.py``)."""
 
 from __future__ import annotations
 
@@ -22,7 +16,7 @@ import torch
 from ..._tuning import read_streams
 from ...errors import CorruptCheckpointError
 from ...format._safefile import open_regular
-from ...format.safetensors_io import FileRecord, RecordChecker, SafetensorsHeader, TensorInfo
+from ...format.safetensors_io import FileRecord, RecordChecker, SafetensorsHeader, TensorInfo, byte_view
 from ._threads import run_in_threads
 
 logger = logging.getLogger(__name__)
@@ -68,13 +62,6 @@ def _in_place(target: torch.Tensor | None, info: TensorInfo) -> bool:
             and not isinstance(target, torch.nn.parameter.UninitializedTensorMixin))
 
 
-def _byte_view(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(bytearray(0))
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
-
-
 def plan_reads(reads: list[FileRead], *, chunk_bytes: int = CHUNK_BYTES
                ) -> tuple[list[list[Chunk]], dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Cut every file into chunks (header bytes first when hashed, then every tensor in data order).
@@ -104,7 +91,7 @@ def plan_reads(reads: list[FileRead], *, chunk_bytes: int = CHUNK_BYTES
                     staged.append((buffer, target))
                 else:
                     fresh[info.name] = buffer
-            add(header.data_offset + info.start, _byte_view(buffer))
+            add(header.data_offset + info.start, byte_view(buffer))
         files.append(chunks)
     return files, fresh, staged
 

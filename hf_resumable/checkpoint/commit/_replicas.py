@@ -1,7 +1,5 @@
-"""Replicas share the save: files (and ZeRO-1/2's whole tensors) that every rank holds alike are split across the
-ranks by a PURE plan every rank computes alike; whether the ranks really hold the same files is agreed in step 1 of
-the commit protocol (docs/architecture.md, "Commit protocol"). ``HF_RESUMABLE_SPLIT_REPLICAS=0`` keeps rank 0 the
-only writer.
+"""Replicas share the save: what every rank holds alike is split across the ranks by a PURE plan, once step 1 of
+the commit protocol agreed that they hold the same files (docs/architecture.md, "Commit protocol").
 """
 
 from __future__ import annotations

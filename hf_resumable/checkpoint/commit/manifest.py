@@ -30,20 +30,16 @@ from ...format._safefile import member_path, read_regular_file
 from ...format.safetensors_io import FileRecord
 from ...format.sharding import check_relative_name
 
-__all__ = ["Manifest", "read_manifest", "committed_manifest", "library_versions"]
+__all__ = ["Manifest", "read_manifest", "committed_manifest"]
 
 # Largest world size a manifest may claim (bounds per-rank loops over a crafted value).
 MAX_WORLD_SIZE = 1 << 20
 
 
-def library_versions() -> dict[str, str]:
-    """Versions of the libraries that shape the bytes of a checkpoint."""
-    return dict(_installed_versions())
-
-
 @functools.cache
 def _installed_versions() -> dict[str, str]:
-    """:func:`library_versions`, looked up once per process (each lookup parses a package's metadata)."""
+    """Versions of the libraries that shape the bytes of a checkpoint, looked up once per process (each lookup parses
+    a package's metadata)."""
     from importlib.metadata import PackageNotFoundError, version
 
     versions = {"hf_resumable": __version__, "python": platform.python_version()}
@@ -73,7 +69,7 @@ class Manifest:
     step: int | None = None
     world_size: int = 1
     metrics: dict[str, float] = field(default_factory=dict)
-    versions: dict[str, str] = field(default_factory=library_versions)
+    versions: dict[str, str] = field(default_factory=lambda: dict(_installed_versions()))
     created: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
 

@@ -45,7 +45,7 @@ def local_box(tensor: torch.Tensor, *, name: str = "tensor") -> Box:
             not boxes (a ``_StridedShard`` that does not split evenly).
     """
     if not is_dtensor(tensor):
-        return Box((0,) * tensor.dim(), tuple(tensor.shape))
+        return Box.whole(tensor.shape)
     plan = piece_plan(tensor, name)
     return Box(plan.offset, plan.shape)
 

@@ -12,6 +12,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +27,8 @@ from ...constants import (
     FROZEN_KEY_VERSION,
     FROZEN_RECORD_FILE,
     FROZEN_RECORD_VERSION,
+    LAYOUT_FILE,
+    MAX_JSON_SIZE,
     RENAMED_KEY,
     TIED_KEY,
     TRAINABLE_INDEX_FILE,
@@ -36,10 +39,12 @@ from ...errors import (
     BaseNotStoredError,
     CheckpointMismatchError,
     CorruptCheckpointError,
+    FormatVersionError,
     IncompleteCheckpointError,
 )
 from ...format._bytes import tensor_bytes
-from ...format._jsonio import json_bytes, require_field
+from ...format._jsonio import json_bytes, parse_json, require_field
+from ...format._safefile import read_regular_file
 from ...format.safetensors_io import DTYPE_TO_STR, STR_TO_DTYPE
 from ...format.sharding import ShardIndex
 from .._types import Box, intersect_boxes
@@ -169,9 +174,12 @@ class FrozenPiece:
     xxh3_128: str
     sample_xxh3_128: str
 
+    @property
+    def box(self) -> Box:
+        return Box(self.offset, self.shape)
+
     def to_json(self) -> dict[str, Any]:
-        return {"offset": list(self.offset), "shape": list(self.shape), "xxh3_128": self.xxh3_128,
-                "sample_xxh3_128": self.sample_xxh3_128}
+        return {**self.box.to_json(), "xxh3_128": self.xxh3_128, "sample_xxh3_128": self.sample_xxh3_128}
 
 
 @dataclass(frozen=True)
@@ -185,6 +193,13 @@ class FrozenTensor:
     xxh3_128: str | None
     sample_xxh3_128: str | None
     pieces: tuple[FrozenPiece, ...] = ()
+
+    @classmethod
+    def of_pieces(cls, dtype: str, shape: tuple[int, ...], pieces: list[FrozenPiece]) -> "FrozenTensor":
+        """A tensor recorded by ``pieces`` that tile it, with the hashes of the whole where one piece is all of it."""
+        whole = len(pieces) == 1 and pieces[0].shape == tuple(shape)
+        return cls(dtype, tuple(shape), pieces[0].xxh3_128 if whole else None,
+                   pieces[0].sample_xxh3_128 if whole else None, pieces=tuple(pieces))
 
     def boxes(self) -> tuple[FrozenPiece, ...]:
         """The recorded boxes: the pieces, or the whole tensor as one."""
@@ -242,8 +257,6 @@ class FrozenRecord:
             FormatVersionError: a newer record version.
             CorruptCheckpointError: anything malformed (named).
         """
-        from ...errors import FormatVersionError
-
         require_field(isinstance(document, dict), source, "", type(document).__name__, "a JSON object")
         version = document.get(FROZEN_KEY_VERSION)
         require_field(type(version) is int, source, FROZEN_KEY_VERSION, version, "an int")
@@ -300,9 +313,7 @@ def _tensor_entry(name: Any, entry: Any, source: str) -> FrozenTensor:
     held = sum(math.prod(p.shape) for p in pieces)
     require_field(held == math.prod(shape), source, f"{where}.pieces", f"{held} elements",
                   f"pieces that tile the tensor's {math.prod(shape)} elements")
-    whole = [] if len(pieces) != 1 or pieces[0].shape != tuple(shape) else [pieces[0].xxh3_128,
-                                                                              pieces[0].sample_xxh3_128]
-    return FrozenTensor(dtype, tuple(shape), *(whole or [None, None]), pieces=tuple(pieces))
+    return FrozenTensor.of_pieces(dtype, tuple(shape), pieces)
 
 
 def _hashes(where: str, entry: Mapping[str, Any], source: str) -> tuple[str, str]:
@@ -430,44 +441,77 @@ def build_record(tensors: Mapping[str, torch.Tensor], tied: Mapping[str, str],
 
 # ------------------------------------------------------------------------------------------------ loading
 def check_frozen_base(record: FrozenRecord, targets: Mapping[str, torch.Tensor], *, full: bool, strict: bool,
-                      source: str) -> set[str]:
+                      source: str, pieces: bool = False) -> set[str]:
     """Check the live model's tensors against the frozen record (names, dtypes and shapes, then the sampled
     fingerprint, or with ``full`` every byte); return the state-dict names it covers.
+
+    With ``pieces`` (a piece load, a collective: every rank raises the same error) the live tensors may be DTensor
+    pieces: each rank hashes the recorded boxes inside the piece it holds, and the boxes no rank holds whole are
+    checked on ``full_tensor()``. Without it, a record of pieces is refused.
 
     Raises:
         BaseMismatchError: a recorded tensor differs (the first ones are named, with what differs).
         CheckpointMismatchError: with ``strict``, recorded tensors the model does not have.
     """
     wanted = {**{n: n for n in record.tensors}, **record.tied}  # model name -> recorded name
-    present = {n: r for n, r in wanted.items() if n in targets}
+    present = {n: r for n, r in sorted(wanted.items()) if n in targets}
     problems: list[str] = []
-    comparable: dict[str, torch.Tensor] = {}
+    regions: dict[tuple[str, int], torch.Tensor] = {}  # (name, box index) -> the live bytes of a recorded box
+    settled: list[tuple[str, int]] = []  # boxes of tensors that cannot be compared at all
     for name, recorded in present.items():
         live, entry = targets[name], record.tensors[recorded]
-        if live.device.type == "meta":
-            problems.append(f"{name}: the model's tensor is on the meta device (nothing to compare)")
-        elif entry.xxh3_128 is None:
-            problems.append(f"{name}: recorded piece by piece (a checkpoint of per-rank pieces, whose "
-                            "load checks each piece)")
-        elif (problem := _kind_problem(name, live, entry)) is not None:
+        problem = _live_problem(name, live, entry, pieces=pieces)
+        if problem is not None:
             problems.append(problem)
-        else:
-            comparable[name] = live
-    prints = _fingerprints(comparable, full=full)
-    for name in comparable:
-        entry = record.tensors[present[name]]
-        got, expected = (prints[name].full, entry.xxh3_128) if full else (prints[name].sample, entry.sample_xxh3_128)
-        if got != expected:
-            problems.append(f"{name}: its bytes differ ({'' if full else 'sampled '}xxh3-128 {got}, recorded "
-                            f"{expected})")
+            settled += [(name, index) for index in range(len(entry.boxes()))]
+            continue
+        held, local = (local_box(live), local_tensor(live)) if pieces else (Box.whole(live.shape), live.detach())
+        for index, piece in enumerate(entry.boxes()):
+            if intersect_boxes(held, piece.box) == piece.box:
+                regions[name, index] = local[piece.box.slices(held)]
+    problems += _compare(regions, record, present, full=full)
+    if pieces:
+        reports = all_gather_json({"problems": problems, "settled": [*settled, *regions]})
+        problems = sorted({line for r in reports for line in r["problems"]})
+        done = {(name, index) for r in reports for name, index in r["settled"]}
+        for name, recorded in present.items():  # the same order on every rank: full_tensor() is a collective
+            boxes = record.tensors[recorded].boxes()
+            missing = [i for i in range(len(boxes)) if (name, i) not in done]
+            if missing:
+                live = targets[name]
+                whole = live.full_tensor() if is_dtensor(live) else live.detach()
+                problems += _compare({(name, i): whole[boxes[i].box.slices(Box.whole(whole.shape))] for i in missing},
+                                     record, present, full=full)
+                del whole
     raise_base_problems(record, problems, len(present), sorted(set(wanted) - set(targets)), strict=strict,
-                    source=source)
+                        source=source)
     logger.info("%s: the model's %d frozen tensor(s) match the checkpoint's base record (%s).", source, len(present),
                 "every byte" if full else "names, dtypes, shapes and sampled bytes")
     return set(present)
 
 
-def _kind_problem(name: str, live: torch.Tensor, entry: FrozenTensor) -> str | None:
+def _compare(regions: Mapping[tuple[str, int], torch.Tensor], record: FrozenRecord, present: Mapping[str, str], *,
+             full: bool) -> list[str]:
+    """What differs between each live region ``(name, box index)`` and its recorded fingerprint."""
+    prints = _fingerprints(regions, full=full)
+    problems = []
+    for (name, index), got in prints.items():
+        entry = record.tensors[present[name]]
+        box = entry.boxes()[index]
+        got, expected = (got.full, box.xxh3_128) if full else (got.sample, box.sample_xxh3_128)
+        if got != expected:
+            what = f"the bytes of its box at {list(box.offset)} {list(box.shape)} differ" if entry.pieces else (
+                "its bytes differ")
+            problems.append(f"{name}: {what} ({'' if full else 'sampled '}xxh3-128 {got}, recorded {expected})")
+    return problems
+
+
+def _live_problem(name: str, live: torch.Tensor, entry: FrozenTensor, *, pieces: bool) -> str | None:
+    """Why the live tensor cannot be compared with its record at all (``None``: it can)."""
+    if live.device.type == "meta":
+        return f"{name}: the model's tensor is on the meta device (nothing to compare)"
+    if entry.xxh3_128 is None and not pieces:
+        return f"{name}: recorded piece by piece (a checkpoint of per-rank pieces, whose load checks each piece)"
     if DTYPE_TO_STR.get(live.dtype) == entry.dtype and tuple(live.shape) == entry.shape:
         return None
     return (f"{name}: the checkpoint's base has {entry.dtype} {list(entry.shape)}, the model has "
@@ -556,12 +600,6 @@ def base_not_stored(directory: Any, *, wanted: str) -> BaseNotStoredError | None
         directory (`Path`): the directory that was given.
         wanted (`str`): what the caller needed, e.g. ``"lazy loading needs every weight"``.
     """
-    from pathlib import Path
-
-    from ...constants import LAYOUT_FILE, MAX_JSON_SIZE
-    from ...format._jsonio import parse_json
-    from ...format._safefile import read_regular_file
-
     record = Path(directory) / FROZEN_RECORD_FILE
     if not record.is_file():
         return None
@@ -617,11 +655,7 @@ def split_frozen_sharded(model: torch.nn.Module, state: Mapping[str, torch.Tenso
         pieces = sorted((FrozenPiece(tuple(p["offset"]), tuple(p["shape"]), p["xxh3_128"], p["sample_xxh3_128"])
                          for ranks in gathered for n, p in ranks["pieces"].items() if n == name),
                         key=lambda p: p.offset)
-        tensor = state[name]
-        whole = len(pieces) == 1 and pieces[0].shape == tuple(tensor.shape)
-        entries[name] = FrozenTensor(DTYPE_TO_STR[tensor.dtype], tuple(tensor.shape),
-                                     pieces[0].xxh3_128 if whole else None,
-                                     pieces[0].sample_xxh3_128 if whole else None, pieces=tuple(pieces))
+        entries[name] = FrozenTensor.of_pieces(DTYPE_TO_STR[state[name].dtype], tuple(state[name].shape), pieces)
     record = FrozenRecord(tensors=entries, tied={a: k for a, k in tied.items() if k in frozen},
                           source=base_provenance(model))
     logger.info("Frozen base not stored in the sharded checkpoint: %d tensor(s), %.1f MB (%s).", len(entries),
@@ -631,56 +665,9 @@ def split_frozen_sharded(model: torch.nn.Module, state: Mapping[str, torch.Tenso
 
 def check_frozen_sharded(reader: Any, current: Mapping[str, torch.Tensor], *, full: bool, strict: bool
                          ) -> set[str]:
-    """A piece load's check of the live frozen tensors (DTensor pieces or plain) against the record; returns the
-    names it covers. Each rank hashes the recorded boxes inside the piece it holds; the boxes no rank holds whole
-    are checked on ``full_tensor()``. A collective: every rank raises the same error.
-
-    Raises:
-        BaseMismatchError: a frozen tensor differs (the first ones named).
-        CheckpointMismatchError: with ``strict``, recorded tensors the model does not have.
-    """
+    """A piece load's :func:`check_frozen_base` (a collective) against the record ``reader``'s checkpoint holds, if
+    any; returns the names it covers."""
     if FROZEN_RECORD_FILE not in reader.manifest.files:
         return set()
-    source = str(reader.path / FROZEN_RECORD_FILE)
-    record = FrozenRecord.from_json(reader.json(FROZEN_RECORD_FILE), source=source)
-    wanted = {**{n: n for n in record.tensors}, **record.tied}
-    present = {n: r for n, r in sorted(wanted.items()) if n in current}
-    problems: list[str] = []
-    checked: list[list[Any]] = []
-
-    def compare(name: str, data: torch.Tensor, held: Box, piece: FrozenPiece) -> None:
-        region = data[tuple(slice(o - h, o - h + n) for o, h, n in zip(piece.offset, held.offset, piece.shape))]
-        got = fingerprint(region, full=full)
-        got, expected = (got.full, piece.xxh3_128) if full else (got.sample, piece.sample_xxh3_128)
-        if got != expected:
-            problems.append(f"{name}: the bytes of its box at {list(piece.offset)} {list(piece.shape)} differ "
-                            f"({'' if full else 'sampled '}xxh3-128 {got}, recorded {expected})")
-
-    for name, recorded in present.items():
-        live, entry = current[name], record.tensors[recorded]
-        if (problem := _kind_problem(name, live, entry)) is not None:
-            problems.append(problem)
-            checked += [[name, i] for i in range(len(entry.boxes()))]
-            continue
-        held, local = local_box(live), local_tensor(live)
-        for index, piece in enumerate(entry.boxes()):
-            if intersect_boxes(held, Box(piece.offset, piece.shape)) == Box(piece.offset, piece.shape):
-                compare(name, local, held, piece)
-                checked.append([name, index])
-    reports = all_gather_json({"problems": problems, "checked": checked})
-    problems = sorted({line for r in reports for line in r["problems"]})
-    done = {(name, index) for r in reports for name, index in r["checked"]}
-    for name, recorded in present.items():  # the same order on every rank: full_tensor() is a collective
-        entry = record.tensors[recorded]
-        missing = [(i, p) for i, p in enumerate(entry.boxes()) if (name, i) not in done]
-        if missing:
-            live = current[name]
-            whole = live.full_tensor() if is_dtensor(live) else live.detach()
-            for _, piece in missing:
-                compare(name, whole, Box((0,) * whole.dim(), tuple(whole.shape)), piece)
-            del whole
-    raise_base_problems(record, problems, len(present), sorted(set(wanted) - set(current)), strict=strict,
-                    source=str(reader.path))
-    logger.info("%s: the model's %d frozen tensor(s) match the checkpoint's base record (%s).", reader.path,
-                len(present), "every byte" if full else "names, dtypes, shapes and sampled bytes")
-    return set(present)
+    record = FrozenRecord.from_json(reader.json(FROZEN_RECORD_FILE), source=str(reader.path / FROZEN_RECORD_FILE))
+    return check_frozen_base(record, current, full=full, strict=strict, source=str(reader.path), pieces=True)

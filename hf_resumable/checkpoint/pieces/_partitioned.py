@@ -16,8 +16,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...constants import OPTIMIZER_STATE_PREFIX
+from ...constants import LAYOUT_FILE, LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC, OPTIMIZER_STATE_PREFIX
 from ...errors import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
+from .._types import Box
 from ._dtensor import group_mesh, local_box
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["is_partitioned", "partitioned_state", "partitioned_views", "load_partitioned_state", "PARTITION_KEY",
            "held_partition", "partition_piece", "state_parameters", "weights_from_masters", "master_weight_names",
            "omitted_weights", "MasterWeights", "PartitionMap", "Segment", "plan_partition_copies",
-           "reshard_partitions", "parameter_tensors", "read_master_weights"]
+           "reshard_partitions", "read_master_weights"]
 
 
 def _is_partitioned_parameter(value: Any) -> bool:
@@ -101,17 +102,15 @@ def _piece(parameter: Any) -> torch.Tensor:
 
 
 def state_parameters(model: torch.nn.Module) -> dict[str, Any]:
-    """``{state-dict name: parameter or buffer}`` (``state_dict(keep_vars=True)``, tied names included): a walk of
-    the module tree, which a save makes once and gives to every function here that takes ``parameters``."""
+    """``{state-dict name: parameter or buffer}``, tied names included: the walk a save makes once and gives to every
+    function here that takes ``parameters`` (which otherwise walk ``model`` themselves)."""
     return dict(model.state_dict(keep_vars=True))
 
 
 def partitioned_state(model: torch.nn.Module, state: Mapping[str, Any], *,
                       parameters: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """``state`` (FQN-keyed, as ``get_model_state_dict`` gives it) with every partitioned parameter replaced by its
-    piece: a DTensor of the flattened parameter over its process group, whose local tensor is the partition itself
-    (tied names get the same piece, so the writer stores it once). ``parameters``: :func:`state_parameters` of
-    ``model``, if the caller has it."""
+    """``state`` (FQN-keyed) with every partitioned parameter replaced by its piece (:func:`partition_piece`; tied
+    names get the same piece, so the writer stores it once)."""
     parameters = state_parameters(model) if parameters is None else parameters
     pieces: dict[int, torch.Tensor] = {}
     result = {}
@@ -127,10 +126,8 @@ def partitioned_state(model: torch.nn.Module, state: Mapping[str, Any], *,
 
 def weights_from_masters(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any, *,
                          parameters: Mapping[str, Any] | None = None) -> tuple[dict[str, str], set[str]]:
-    """Which weights of ``state`` a save with a ZeRO ``optimizer`` need not store: ``{name: its master's name}`` of
-    every weight whose fp32 master weights the optimizer saves (described with ``"master"`` in the layout), and the
-    names whose pieces this rank does not write: all of them where the weights equal their masters cast, bit for bit
-    (``masters_give_weights``), else none (then stored, and read over the masters on load)."""
+    """:func:`master_weight_names` and :func:`omitted_weights` of ``state``: the weights a save with a ZeRO
+    ``optimizer`` describes by their masters, and those whose pieces this rank does not write."""
     masters = master_weight_names(model, state, optimizer, parameters=parameters)
     return masters, omitted_weights(masters, optimizer)
 
@@ -138,8 +135,7 @@ def weights_from_masters(model: torch.nn.Module, state: Mapping[str, Any], optim
 def master_weight_names(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any, *,
                         parameters: Mapping[str, Any] | None = None) -> dict[str, str]:
     """``{name: its master's name}`` of every weight of ``state`` whose fp32 master weights ``optimizer`` (a ZeRO
-    optimizer view) saves; empty for any other optimizer. ``parameters``: :func:`state_parameters` of ``model``, if
-    the caller has it."""
+    optimizer view) saves (described with ``"master"`` in the layout); empty for any other optimizer."""
     master_names = getattr(optimizer, "master_names", None)
     if master_names is None:
         return {}
@@ -150,8 +146,8 @@ def master_weight_names(model: torch.nn.Module, state: Mapping[str, Any], optimi
 
 
 def omitted_weights(masters: Mapping[str, str], optimizer: Any, *, group: Any = None) -> set[str]:
-    """The weights of ``masters`` this rank does not store: all, if ``optimizer.masters_give_weights`` holds (a
-    collective over ``group`` under ZeRO-1/2), else none."""
+    """The weights of ``masters`` this rank does not store: all, if they equal their masters cast, bit for bit
+    (``optimizer.masters_give_weights``, a collective over ``group`` under ZeRO-1/2), else none."""
     if not masters:
         return set()
     if optimizer.masters_give_weights(group=group):
@@ -162,9 +158,8 @@ def omitted_weights(masters: Mapping[str, str], optimizer: Any, *, group: Any = 
 
 
 def partitioned_views(model: torch.nn.Module, *, parameters: Mapping[str, Any] | None = None) -> dict[str, list[int]]:
-    """``{name: shape}`` of every partitioned parameter (tied names included): the layout records it next to the
-    flattened global shape (``"view"``), so a consolidation, or a load into a model that is not partitioned, gives
-    each weight its own shape back. ``parameters``: :func:`state_parameters` of ``model``, if the caller has it."""
+    """``{name: shape}`` of every partitioned parameter (tied names included), which the layout records next to the
+    flattened global shape (``"view"``) so that a load into a model that is not partitioned restores it."""
     parameters = state_parameters(model) if parameters is None else parameters
     return {name: [int(x) for x in parameter.ds_shape] for name, parameter in parameters.items()
             if _is_partitioned_parameter(parameter) and hasattr(parameter, "ds_shape")}
@@ -332,8 +327,6 @@ def read_partitioned(reader: Any, saved: Mapping[str, PartitionMap], key: str, w
                      out: torch.Tensor, *, source: str) -> torch.Tensor:
     """Fill ``out`` (a flat partition, or a whole flattened parameter) at ``wanted`` with the saved optimizer tensor
     ``key`` (``fp32``, ``exp_avg``...) of the flat partitions ``saved``, read through ``reader``, a ``PieceReader``."""
-    from .._types import Box
-
     for copy in plan_partition_copies(wanted, saved, source=source):
         piece = reader.read_box(f"{OPTIMIZER_STATE_PREFIX}{copy.name}/{key}", Box((copy.position,), (copy.length,)))
         with torch.no_grad():
@@ -412,20 +405,6 @@ def reshard_partitions(current: Mapping[str, Any], document: Mapping[str, Any], 
     return filled, {**document, "param_groups": groups, "non_tensor_state": scalars}
 
 
-def parameter_tensors(reader: Any, document: Mapping[str, Any], key: str, *,
-                      source: str) -> dict[str, torch.Tensor]:
-    """``{fqn: flattened tensor}`` of the saved optimizer tensor ``key`` of every parameter (``"fp32"``: the master
-    weights), assembled from flat partitions saved at any world size (``reader``: a ``PieceReader``)."""
-    maps = saved_partition_maps(document, source=source)
-    result = {}
-    for name, partition_map in maps.items():
-        dtype = reader.section.dtypes[f"{OPTIMIZER_STATE_PREFIX}{name}/{key}"]
-        for fqn, numel, _, _ in partition_map.params:
-            result[fqn] = read_partitioned(reader, maps, key, [Segment(fqn, 0, numel, 0)],
-                                           torch.empty(numel, dtype=dtype), source=source)
-    return result
-
-
 def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
     """``{fqn: flattened fp32 master weights}`` of every parameter a DeepSpeed ZeRO checkpoint's optimizer partitions
     hold, assembled in one process from every saving rank's pieces.
@@ -437,8 +416,7 @@ def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
         IncompleteCheckpointError: the checkpoint holds no ZeRO optimizer partitions (not a DeepSpeed ZeRO checkpoint,
             or saved without the optimizer), or they record no partition map.
     """
-    from ...constants import LAYOUT_FILE, LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC
-    from ._piece_reader import PieceReader, parse_layout, read_section
+    from ._piece_reader import parse_layout
 
     reader, source = opened._reader, str(opened.path / LAYOUT_FILE)
     layout = parse_layout(reader.json(LAYOUT_FILE), source=source) if LAYOUT_FILE in opened.manifest.files else {}
@@ -447,8 +425,12 @@ def read_master_weights(opened: Any) -> dict[str, torch.Tensor]:
         raise IncompleteCheckpointError(
             f"{opened.path} holds no DeepSpeed ZeRO optimizer partitions, so no fp32 master weights: only checkpoints "
             "of ZeRO-1/2/3 runs saved with their optimizer have them. Export the model's weights instead.")
-    with PieceReader(reader, read_section(reader, layout, LAYOUT_KEY_OPTIMIZER), source=source) as pieces:
-        return parameter_tensors(pieces, document, MASTER_KEY, source=source)
+    masters = MasterWeights(reader, layout, source=source)
+    try:
+        return {fqn: masters.read(fqn, Box((0,), (numel,)), (numel,), torch.float32)
+                for partition_map in masters.maps.values() for fqn, numel, _, _ in partition_map.params}
+    finally:
+        masters.close()
 
 
 class MasterWeights:
@@ -461,14 +443,13 @@ class MasterWeights:
     """
 
     def __init__(self, reader: Any, layout: Mapping[str, Any], *, source: str) -> None:
-        from ...constants import LAYOUT_KEY_OPTIMIZER, LAYOUT_KEY_OPTIMIZER_DOC
         from ._piece_reader import PieceReader, read_section
 
         if layout.get(LAYOUT_KEY_OPTIMIZER) is None or layout.get(LAYOUT_KEY_OPTIMIZER_DOC) is None:
             raise IncompleteCheckpointError(f"{source}: weights are given by fp32 master weights, but no optimizer "
                                             "partitions were saved; the checkpoint is incomplete.")
         section = read_section(reader, layout, LAYOUT_KEY_OPTIMIZER)
-        self._maps = saved_partition_maps(layout[LAYOUT_KEY_OPTIMIZER_DOC], source=source)
+        self.maps = saved_partition_maps(layout[LAYOUT_KEY_OPTIMIZER_DOC], source=source)
         self._reader = PieceReader(reader, section, source=source)
         self._source = source
 
@@ -478,11 +459,11 @@ class MasterWeights:
         if len(shape) == 1:  # the wanted elements only
             (start,), (length,) = box.offset, box.shape
             out = torch.empty(length, dtype=torch.float32)
-            read_partitioned(self._reader, self._maps, MASTER_KEY, [Segment(fqn, start, length, 0)], out,
+            read_partitioned(self._reader, self.maps, MASTER_KEY, [Segment(fqn, start, length, 0)], out,
                              source=self._source)
             return out.to(dtype)
         numel = math.prod(shape)
-        whole = read_partitioned(self._reader, self._maps, MASTER_KEY, [Segment(fqn, 0, numel, 0)],
+        whole = read_partitioned(self._reader, self.maps, MASTER_KEY, [Segment(fqn, 0, numel, 0)],
                                  torch.empty(numel, dtype=torch.float32), source=self._source).view(shape)
         return whole[tuple(slice(o, o + n) for o, n in zip(box.offset, box.shape))].to(dtype)
 

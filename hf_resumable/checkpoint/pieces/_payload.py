@@ -50,6 +50,7 @@ from .._types import IndexSpec, Payload, TensorFile
 from ..state._model import TIED_KEY, dedupe_tied, find_aliases, model_state, storage_key
 from ..state._model_files import plan_model_files, single_file_metadata
 from ..state._optimizer import optimizer_to_tensors, parameter_names
+from ._dtensor import is_dtensor
 from ._frozen import base_provenance, build_record, frozen_names
 
 logger = logging.getLogger(__name__)
@@ -118,11 +119,10 @@ def capture_payload(
     the frozen record (see :mod:`._frozen`) unless ``standalone``.
     """
     payload = Payload()
+    reserved = set(extra_files or {})  # files the caller writes itself (accelerate's save hooks): not ours
     if replicas and not is_main:
-        _capture_replicas(payload, model, optimizer, max_shard_size, standalone=standalone,
-                          reserved=set(extra_files or {}))
+        _capture_replicas(payload, model, optimizer, max_shard_size, standalone=standalone, reserved=reserved)
     if is_main:
-        reserved = set(extra_files or {})  # files the caller writes itself (accelerate's save hooks): not ours
         _capture_shared(payload, model, optimizer, scheduler, scaler, training_state, extra, max_shard_size,
                         standalone=standalone, reserved=reserved)
         if model is not None and isinstance(model, torch.nn.Module):
@@ -188,9 +188,7 @@ def _capture_shared(payload: Payload, model, optimizer, scheduler, scaler, train
 
 def _refuse_dtensors(state: Mapping[str, torch.Tensor]) -> None:
     """Whole-tensor files cannot hold DTensors (FSDP2, tensor parallel): each rank holds only its pieces."""
-    from torch.distributed.tensor import DTensor
-
-    sharded = [name for name, tensor in state.items() if isinstance(tensor, DTensor)]
+    sharded = [name for name, tensor in state.items() if is_dtensor(tensor)]
     if sharded:
         raise UnsupportedStateError(
             f"The model holds DTensor parameters ({', '.join(sharded[:3])}{', ...' if len(sharded) > 3 else ''}: "
@@ -283,9 +281,21 @@ def _unshare(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Ten
     return [(name, tensor.clone() if name in aliases else tensor) for name, tensor in named]
 
 
-# id(config) -> (its JSON, the files its save_pretrained wrote): a config that did not change since the last save is
+# id(object) -> (its JSON, the files its save_pretrained wrote): a config that did not change since the last save is
 # not written to a temporary directory again (saves run on the training loop's time).
-_CONFIG_FILES: dict[int, tuple[str, dict[str, bytes]]] = {}
+_SAVED_FILES: dict[int, tuple[str, dict[str, bytes]]] = {}
+
+
+def _saved_files(owner: Any, key: str | None, keep: Callable[[str], bool] = lambda relpath: True) -> dict[str, bytes]:
+    """The files of ``owner.save_pretrained`` that ``keep`` accepts, reused while ``key`` (the JSON of what they
+    hold; ``None``: not reused) is unchanged."""
+    cached = _SAVED_FILES.get(id(owner))
+    if key is not None and cached is not None and cached[0] == key:
+        return cached[1]
+    files = {k: v for k, v in _pretrained_files(owner.save_pretrained).items() if keep(k)}
+    if key is not None:
+        _SAVED_FILES[id(owner)] = (key, files)
+    return files
 
 
 def _config_key(config: Any) -> str | None:
@@ -299,44 +309,22 @@ def _config_key(config: Any) -> str | None:
         return to_json()
 
 
-def _config_files(config: Any) -> dict[str, bytes]:
-    """``config.save_pretrained``'s files, reused while the config's JSON is unchanged."""
-    key = _config_key(config)
-    cached = _CONFIG_FILES.get(id(config))
-    if key is not None and cached is not None and cached[0] == key:
-        return cached[1]
-    files = _pretrained_files(config.save_pretrained)
-    if key is not None:
-        _CONFIG_FILES[id(config)] = (key, files)
-    return files
-
-
-# id(model) -> (the adapters' configs as JSON, the adapter_config.json files PEFT wrote for them).
-_ADAPTER_CONFIGS: dict[int, tuple[str, dict[str, bytes]]] = {}
-
-
 def _adapter_configs(model: Any) -> dict[str, bytes]:
     """The ``adapter_config.json`` files of ``model.save_pretrained``, reused while the adapter configs are unchanged
     (so a save does not write the adapter weights to a temporary directory each time)."""
     key = json.dumps({name: config.to_dict() for name, config in model.peft_config.items()}, sort_keys=True,
                      default=str)
-    cached = _ADAPTER_CONFIGS.get(id(model))
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    files = {k: v for k, v in _pretrained_files(model.save_pretrained).items()
-             if k == ADAPTER_CONFIG_FILE or k.endswith(f"/{ADAPTER_CONFIG_FILE}")}
-    _ADAPTER_CONFIGS[id(model)] = (key, files)
-    return files
+    return _saved_files(model, key, lambda k: k == ADAPTER_CONFIG_FILE or k.endswith(f"/{ADAPTER_CONFIG_FILE}"))
 
 
 def capture_pretrained(payload: Payload, model: torch.nn.Module, processing_class: Any) -> None:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
-        payload.blobs.update(_config_files(config))
+        payload.blobs.update(_saved_files(config, _config_key(config)))
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and hasattr(generation_config, "save_pretrained"):
         try:
-            payload.blobs.update(_config_files(generation_config))
+            payload.blobs.update(_saved_files(generation_config, _config_key(generation_config)))
         except ValueError as err:  # transformers refuses to save an invalid generation config
             logger.warning("Not saving generation_config.json: %s", err)
     if isinstance(getattr(model, "peft_config", None), Mapping) and hasattr(model, "save_pretrained"):
@@ -348,8 +336,7 @@ def capture_pretrained(payload: Payload, model: torch.nn.Module, processing_clas
         if any(relpath.endswith(ADAPTER_WEIGHTS_FILE) for relpath in written):
             payload.blobs.update(_adapter_configs(model))
         else:  # the model was not captured by capture_model (sharded saves): the adapter files as PEFT writes them
-            payload.blobs.update({k: v for k, v in _pretrained_files(model.save_pretrained).items()
-                                  if k.startswith("adapter_") or "/adapter_" in k})
+            payload.blobs.update(_saved_files(model, None, lambda k: k.startswith("adapter_") or "/adapter_" in k))
         if any(spec.relpath == TRAINABLE_INDEX_FILE for spec in payload.indexes):
             payload.blobs.pop(CONFIG_FILE, None)
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):

@@ -31,6 +31,7 @@ from ...format.safetensors_io import DTYPE_TO_STR
 from ...format.sharding import ShardPlan
 from .._types import Box, TensorFile, intersect_boxes
 from ..state._model import find_aliases
+from ..state._model_files import plan_model_files
 from ._dtensor import is_dtensor, local_box, local_tensor, piece_plan, writes_piece
 from ._frozen import fingerprint
 from ._placements import REPORT_COPIES
@@ -60,11 +61,6 @@ class RegionRead:
     file: str
     source: tuple[slice, ...]
     target: tuple[slice, ...]
-    whole_piece: bool
-
-
-def _relative(box: Box, origin: Box) -> tuple[slice, ...]:
-    return tuple(slice(o - p, o - p + n) for o, p, n in zip(box.offset, origin.offset, box.shape))
 
 
 def plan_region_reads(wanted: Box, pieces: Mapping[str, Box], *, name: str, source: str,
@@ -89,7 +85,7 @@ def plan_region_reads(wanted: Box, pieces: Mapping[str, Box], *, name: str, sour
         overlap = intersect_boxes(piece, wanted)
         if overlap is None:
             continue
-        reads.append(RegionRead(file, _relative(overlap, piece), _relative(overlap, wanted), overlap == piece))
+        reads.append(RegionRead(file, overlap.slices(piece), overlap.slices(wanted)))
         covered += overlap.numel
     if covered != wanted.numel and not partial:
         raise CorruptCheckpointError(
@@ -136,14 +132,10 @@ def local_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: local_tensor(tensor) for name, tensor in state.items()}
 
 
-def find_tied(state: Mapping[str, torch.Tensor], *, local: Mapping[str, torch.Tensor] | None = None
-              ) -> dict[str, str]:
-    """``{alias: first name}`` for names whose local pieces share memory (tied weights), by ``find_aliases``. A rank
+def find_tied(state: Mapping[str, torch.Tensor], *, local: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """``{alias: first name}`` for names whose local pieces (``local``: :func:`local_tensors`) share memory. A rank
     whose piece is empty cannot see a tie but writes nothing for it either; the layout unites every rank's
-    (:func:`section_from_reports`). ``local``: the :func:`local_tensors` of ``state``, if already taken.
-    """
-    if local is None:
-        return find_aliases(state, local=local_tensor)
+    (:func:`section_from_reports`)."""
     return find_aliases({name: local[name] for name in state})
 
 
@@ -339,8 +331,6 @@ def plan_hf_weights(sizes: Mapping[str, int], *, world_size: int, max_shard_size
     {'model-00001-of-00002.safetensors': 0, 'model-00002-of-00002.safetensors': 1}
     ```
     """
-    from ..state._model_files import plan_model_files
-
     plan = plan_model_files(sizes, max_shard_size=max_shard_size)
     return plan, {filename: i % world_size for i, filename in enumerate(plan.filenames)}
 
@@ -365,6 +355,5 @@ def whole_tensor_section(files: Mapping[str, Collection[str]], described: Mappin
     each tensor is one piece, its whole box."""
     pieces: dict[str, dict[str, Any]] = {}
     for filename, names in files.items():
-        pieces[filename] = {n: Box((0,) * len(described[n]["shape"]), tuple(described[n]["shape"])).to_json()
-                            for n in names}
+        pieces[filename] = {n: Box.whole(described[n]["shape"]).to_json() for n in names}
     return {SECTION_TENSORS: dict(described), SECTION_PIECES: pieces, SECTION_TIED: dict(tied)}

@@ -6,7 +6,6 @@ bytes, committed by the writer ``save_checkpoint`` uses.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -33,12 +32,6 @@ def _read_sharded(directory: Path, index: ShardIndex) -> dict[str, torch.Tensor]
     return tensors
 
 
-def _replan(payload: Payload, tensors: Mapping[str, torch.Tensor], index: ShardIndex, *, relpath: str,
-            pattern: str, max_shard_size: int | str) -> None:
-    metadata = {k: v for k, v in index.metadata.items() if k not in ("total_size", SHARDS_KEY)}
-    add_sharded(payload, tensors, pattern=pattern, index=relpath, max_shard_size=max_shard_size, metadata=metadata)
-
-
 def _read_index(source: Path, relpath: str) -> ShardIndex:
     return parse_index(json.loads((source / relpath).read_bytes()), source=str(source / relpath))
 
@@ -57,8 +50,9 @@ def rewrite_shards(source: Path, target: Path, manifest: Manifest, *, max_shard_
         consumed |= {model_weights_file(files), *model.filenames}
     if OPTIMIZER_INDEX_FILE in files:
         index = _read_index(source, OPTIMIZER_INDEX_FILE)
-        _replan(payload, _read_sharded(source, index), index, relpath=OPTIMIZER_INDEX_FILE,
-                pattern=OPTIMIZER_FILE_PATTERN, max_shard_size=max_shard_size)
+        metadata = {k: v for k, v in index.metadata.items() if k not in ("total_size", SHARDS_KEY)}
+        add_sharded(payload, _read_sharded(source, index), pattern=OPTIMIZER_FILE_PATTERN, index=OPTIMIZER_INDEX_FILE,
+                    max_shard_size=max_shard_size, metadata=metadata)
         consumed |= {OPTIMIZER_INDEX_FILE, *index.filenames}
     for relpath in files:
         if relpath not in consumed:

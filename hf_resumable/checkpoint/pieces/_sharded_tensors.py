@@ -1,7 +1,5 @@
-"""FSDP1's sharded state dicts as pieces: each ``ShardedTensor``'s one local shard is this rank's chunk of dim 0,
-exactly the piece a DTensor sharded on dim 0 over the same group holds, so it is re-wrapped (no copy) on save, and a
-load copies the pieces back into the ``ShardedTensor`` templates FSDP1's own load reads. Only a sharding over every
-rank (``FULL_SHARD`` / ``SHARD_GRAD_OP``) is stored this way; a hybrid one is refused.
+"""FSDP1's ``ShardedTensor`` state as pieces: its local shard is the piece a DTensor sharded on dim 0 over the same
+group holds, so a save re-wraps it (no copy) and a load copies the pieces back into the templates FSDP1's load reads.
 """
 
 from __future__ import annotations
