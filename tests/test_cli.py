@@ -334,6 +334,7 @@ def test_demo_loop_backend_resumes_exactly_in_process(tmp_path: Path, monkeypatc
         config = demo_train.DemoConfig(output=tmp_path / "run", max_steps=6, save_every=3, kill_at=4)
         with pytest.raises(Killed):
             demo_train.train_loop(config)
+        monkeypatch.undo()  # ``demo_train.os`` is the os module: the restart's liveness checks need the real kill
         assert len(load_run(tmp_path / "run").losses) == 4
         resumed = demo_train.train_loop(demo_train.DemoConfig(output=tmp_path / "run", max_steps=6, save_every=3))
     finally:
