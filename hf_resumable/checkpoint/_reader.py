@@ -44,7 +44,7 @@ from ..errors import (
 from ..format._jsonio import parse_json
 from ..format._safefile import member_path, open_regular, read_regular_file
 from ..format.rng import RngState, cuda_device_mismatch, decode_rng_state, restore_rng_state, visible_cuda_devices
-from ..format.safetensors_io import FileRecord, record_of
+from ..format.safetensors_io import record_of
 from ..format.sharding import ShardIndex, parse_index
 from ..format.slice_reader import VerifiedFile
 from ..format.state_codec import decode_state
@@ -133,17 +133,15 @@ class _Reader:
         self.manifest = report.manifest
         self.hash_on_read = hash_on_read
 
-    def expected(self, relpath: str) -> FileRecord | None:
-        """The manifest record to check ``relpath`` against while reading it (``None``: not checked)."""
-        return self.manifest.files[relpath] if self.hash_on_read else None
-
     def file_read(self, relpath: str, into: Mapping[str, torch.Tensor] | None = None) -> FileRead:
-        """How to read the safetensors file ``relpath``: from the verified bytes, or from disk."""
+        """How to read the safetensors file ``relpath``: from the verified bytes, or from disk (its hash checked while
+        it streams with ``hash_on_read``)."""
         path, header = member_path(self.path, relpath), self.report.headers[relpath]
         data = self.report.verified_bytes(relpath)
         if data is not None:
             return FileRead(path, header, None, into or {}, data=data)
-        return FileRead(path, header, self.expected(relpath), into or {}, check=self._unchanged(relpath))
+        expected = self.manifest.files[relpath] if self.hash_on_read else None
+        return FileRead(path, header, expected, into or {}, check=self._unchanged(relpath))
 
     def verified_file(self, relpath: str) -> VerifiedFile:
         """The safetensors file ``relpath`` opened for slice reads, every byte a read uses checked against its manifest
@@ -180,9 +178,7 @@ class _Reader:
         return parse_json(self.raw(relpath), source=str(self.path / relpath))
 
     def rng(self, relpath: str) -> RngState:
-        """This rank's RNG state file, read as every other safetensors file (:meth:`file_read`)."""
-        if relpath not in self.report.headers:
-            raise CorruptCheckpointError(f"{self.path / relpath}: not a safetensors file.")
+        """This rank's RNG state file, read as every other safetensors file (:meth:`tensors`)."""
         return decode_rng_state(self.report.headers[relpath].metadata, self.tensors(relpath),
                                 source=str(self.path / relpath))
 
@@ -201,15 +197,10 @@ class _Reader:
                                              f"place there: {extra[:5]}. Resume from another checkpoint.")
         return index
 
-    def model_index(self) -> ShardIndex | None:
-        """The model's index whatever the layout (``model.safetensors`` alone, or the HF index); ``None``: no whole
-        model stored."""
-        return model_index(self.manifest.files, self.report.headers, read_index=self.index, source=str(self.path))
-
-    def tensors(self, relpath: str, *, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def tensors(self, relpath: str) -> dict[str, torch.Tensor]:
         if relpath not in self.report.headers:
             raise CorruptCheckpointError(f"{self.path / relpath}: not a safetensors file.")
-        return read_files([self.file_read(relpath, into)])
+        return read_files([self.file_read(relpath)])
 
     def stored(self, index: ShardIndex) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """dtype and shape of every tensor ``index`` names, from the headers verification already read."""
@@ -300,7 +291,8 @@ class OpenedCheckpoint(LoadedCheckpoint):
         # 5. The model index and its tied-weight record (an alias must not be stored itself and must point at a
         #    stored tensor, else a load would overwrite one tensor with another); or the trainable part's index,
         #    with the frozen base's record.
-        if (index := reader.model_index()) is not None:
+        index = model_index(manifest.files, report.headers, read_index=reader.index, source=str(path))
+        if index is not None:
             opened._model_index = index
             opened._tied = check_tied(index.metadata.get(TIED_KEY) or {}, reader.stored(index), source=index.source)
         elif (trainable := TrainablePart.open(reader, path)) is not None:

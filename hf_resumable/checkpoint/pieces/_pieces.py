@@ -27,7 +27,7 @@ from ...constants import (
     TRAINING_STATE_FILE,
 )
 from ...distributed import agreed_reads, all_gather_json, checkpoint_group, is_distributed
-from ...errors import CheckpointMismatchError, IncompleteCheckpointError
+from ...errors import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
 from ...format._jsonio import json_bytes
 from ...format.sharding import build_index
 from .._types import Payload, TensorFile
@@ -76,6 +76,7 @@ from ._piece_layout import (
     LAYOUT_KEY_OPTIMIZER,
     LAYOUT_KEY_OPTIMIZER_DOC,
     LAYOUT_KEY_WORLD_SIZE,
+    SECTION_PIECES,
     SHARDED_DIR,
     TENSOR_MASTER,
     TENSOR_VIEW,
@@ -492,14 +493,22 @@ def _plan_optimizer(opened: OpenedCheckpoint, layout: Mapping[str, Any], model: 
             stored = {name: (section.dtypes[name], section.shapes[name]) for name in section.dtypes}
             plan = plan_optimizer_load(optimizer, names, document, stored, source=_optimizer_source(opened),
                                        in_place=_whole_process(model, optimizer))
-            # a negative or non-integral step would only fail inside the optimizer's next step
-            steps = {name: next(iter(section.pieces[name])) for name in plan.steps}
-            for name, value in opened._reader.peek(steps).items():
-                check_step_value(value, field=f"{OPTIMIZER_INDEX_FILE}: {name}", source=str(opened.path))
+            _check_steps(opened, {name: next(iter(section.pieces[name])) for name in plan.steps})
             return plan
     if model is None:
         raise ValueError(f"{opened.path}: loading optimizer state needs model= to match it by parameter name.")
     return None
+
+
+def _check_steps(opened: OpenedCheckpoint, steps: Mapping[str, str]) -> None:
+    """The optimizer's step counts (name -> its file), read by offset: a negative or non-integral step would only fail
+    inside the optimizer's next step. A bad value in a file whose bytes changed is reported as that change."""
+    for name, value in opened._reader.peek(steps).items():
+        try:
+            check_step_value(value, field=f"{steps[name]}: {name}", source=str(opened.path))
+        except CorruptCheckpointError:
+            opened._reader.tensors(steps[name])  # hash-checked while it streams (verify="quick")
+            raise
 
 
 def _load_planned_optimizer(opened: OpenedCheckpoint, layout: Mapping[str, Any], optimizer: torch.optim.Optimizer,
@@ -611,7 +620,11 @@ def load_pieces_into(opened: OpenedCheckpoint, *, model: torch.nn.Module | None,
     if optimizer is not None:
         _check_optimizer_document(opened, layout, optimizer)
         plan = _plan_optimizer(opened, layout, model, optimizer)
-    # 2. Weights (keys matched by the one key matcher, then the pieces read), then optimizer state (an engine builds
+    # 2. Every file the load reads is still the one verification checked, before a byte of any is used.
+    parts = [key for key, obj in ((LAYOUT_KEY_MODEL, model), (LAYOUT_KEY_OPTIMIZER, optimizer)) if obj is not None]
+    for file in {file for key in parts if layout.get(key) for file in layout[key][SECTION_PIECES]}:
+        opened._reader.report.check_unchanged(file)
+    # 3. Weights (keys matched by the one key matcher, then the pieces read), then optimizer state (an engine builds
     #    its templates from the loaded parameters).
     try:
         if model is not None:
