@@ -177,11 +177,6 @@ class _Reader:
         """A JSON file of the checkpoint (:meth:`raw`), parsed with bounded depth."""
         return parse_json(self.raw(relpath), source=str(self.path / relpath))
 
-    def rng(self, relpath: str) -> RngState:
-        """This rank's RNG state file, read as every other safetensors file (:meth:`tensors`)."""
-        return decode_rng_state(self.report.headers[relpath].metadata, self.tensors(relpath),
-                                source=str(self.path / relpath))
-
     def release(self) -> None:
         """Drop the verified bytes kept for this open (a later read goes to disk, hash-checked)."""
         self.report.contents.clear()
@@ -287,7 +282,9 @@ class OpenedCheckpoint(LoadedCheckpoint):
             check_data_position(opened.data_state, source=str(path / data_rel))
         rng_rel = f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"
         if rng_rel in manifest.files:
-            opened.rng_state = reader.rng(rng_rel)
+            rng_tensors = reader.tensors(rng_rel)  # refused if it is not a safetensors file the checkpoint lists
+            opened.rng_state = decode_rng_state(report.headers[rng_rel].metadata, rng_tensors,
+                                                source=str(path / rng_rel))
         # 5. The model index and its tied-weight record (an alias must not be stored itself and must point at a
         #    stored tensor, else a load would overwrite one tensor with another); or the trainable part's index,
         #    with the frozen base's record.

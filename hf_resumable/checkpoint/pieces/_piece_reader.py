@@ -98,12 +98,11 @@ def parse_layout(document: Any, *, source: str) -> dict[str, Any]:
 
 
 def _whole_tensor_section(index: ShardIndex, headers: Mapping[str, Any], tied: Mapping[str, str]) -> dict[str, Any]:
-    """A layout section for an HF-style index: every tensor is one piece, the whole tensor, in its shard."""
+    """A layout section for an HF-style index (its files checked against the manifest by ``_Reader.index``): every
+    tensor is one piece, the whole tensor, in its shard."""
     files = index.group_by_file()
     described = {}
     for file, names in files.items():
-        if file not in headers:
-            raise CorruptCheckpointError(f"{index.source}: refers to {file!r}, which the manifest does not list.")
         for name in names:
             info = headers[file].tensors[name]
             described[name] = {"dtype": info.dtype, "shape": list(info.shape)}
@@ -161,7 +160,6 @@ class PieceReader:
 
     def __init__(self, reader: Any, section: Section, *, source: str, masters: Any = None) -> None:
         self.reader = reader
-        self.directory = reader.path
         self.section = section
         self.source = source
         self._stack = contextlib.ExitStack()

@@ -1,18 +1,6 @@
 """Where a checkpoint's model weights are: one ``model.safetensors`` (as ``save_pretrained`` writes it, the tied
 record in its header) when they fit in one shard, else the HF index and its shards. :func:`model_index` is the one
 answer to "which tensors are the model, in which file", for every reader. See docs/format.md#a-regular-checkpoint.
-
-Example:
-
-```python
->>> plan_model_files({"a": 4, "b": 4}, max_shard_size=100).filenames
-['model.safetensors']
->>> plan_model_files({"a": 4, "b": 4}, max_shard_size=4).filenames
-['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
->>> single_file_metadata({"lm_head.weight": "wte.weight"})
-{'format': 'pt', 'hf_resumable_tied': '{"lm_head.weight": "wte.weight"}'}
-
-```
 """
 
 from __future__ import annotations

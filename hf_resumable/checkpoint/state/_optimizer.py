@@ -101,23 +101,6 @@ class OptimizerLoadPlan:
     new: set[str] = field(default_factory=set)  # the targets allocated here, as opposed to reused state
 
 
-class _MetaTensors(Mapping):
-    """Stored tensors as meta tensors (dtype and shape, no data): decode documents before reading any byte."""
-
-    def __init__(self, stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
-        self.stored = stored
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        dtype, shape = self.stored[name]
-        return torch.empty(shape, dtype=dtype, device="meta")
-
-    def __iter__(self):
-        return iter(self.stored)
-
-    def __len__(self) -> int:
-        return len(self.stored)
-
-
 def check_optimizer_matches(optimizer: torch.optim.Optimizer, names: list[str], document: Mapping[str, Any], *,
                             source: str) -> None:
     """Refuse a saved optimizer state (a checked document of this optimizer's class) that cannot fit ``optimizer``,
@@ -175,7 +158,8 @@ def plan_optimizer_load(
         CorruptCheckpointError: for malformed encoded values.
     """
     check_optimizer_matches(optimizer, names, document, source=source)
-    meta = _MetaTensors(stored)
+    # the stored tensors as meta tensors (dtype and shape, no data): the documents decode before any byte is read
+    meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (dtype, shape) in stored.items()}
     problems: list[str] = []
     saved_groups = [{k: decode_state(v, meta, source=source, path=f"optimizer/param_groups/{i}/{k}")
                      for k, v in group.items() if k != "params"} for i, group in enumerate(document["param_groups"])]
