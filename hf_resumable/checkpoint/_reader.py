@@ -51,18 +51,10 @@ from ..format.state_codec import decode_state
 from .commit._parallel_read import FileRead, read_files
 from .commit.manifest import Manifest
 from .pieces._frozen import TrainablePart
-from .pieces._pieces import load_pieces_into
-from .state._model import (
-    TIED_KEY,
-    check_tied,
-)
+from .pieces._pieces import engine_pieces, load_pieces_into
+from .state._model import TIED_KEY, check_tied
 from .state._model_files import model_index
-from .state._validate import (
-    check_counters,
-    check_data_position,
-    check_like_live,
-    check_training_state,
-)
+from .state._validate import check_counters, check_data_position, check_like_live, check_training_state
 from .verify import VerifyReport
 
 logger = logging.getLogger(__name__)
@@ -411,7 +403,8 @@ class OpenedCheckpoint(LoadedCheckpoint):
             restore_rng_state(self.rng_state, allow_device_mismatch=True)  # the device count was checked in step 1
         logger.info("Loaded %s (step %s, saved by %d rank(s), loaded by %d)", self.path, self.step,
                     self.manifest.world_size, self.world_size)
-        trace.on_load(self.step, optimizer)  # hf-resumable check: the step counter continues from here
+        # hf-resumable check: the step counter continues from here (an engine's optimizer state is split, not digested)
+        trace.on_load(self.step, None if engine_pieces(model, optimizer) else optimizer)
         return self
 
     def _object_state(self, name: str, key: str, obj: Any) -> Any:

@@ -66,10 +66,7 @@ from ._partitioned import (
     state_parameters,
     weights_from_masters,
 )
-from ._payload import (
-    add_model_weights,
-    add_sharded,
-)
+from ._payload import add_model_weights, add_sharded
 from ._piece_layout import (
     LAYOUT_FILE,
     LAYOUT_KEY_MODEL,

@@ -103,19 +103,16 @@ class OptimizerLoadPlan:
 
 def check_optimizer_matches(optimizer: torch.optim.Optimizer, names: list[str], document: Mapping[str, Any], *,
                             source: str) -> None:
-    """Refuse a saved optimizer state (a checked document of this optimizer's class) that cannot fit ``optimizer``,
-    before any tensor is read.
+    """Refuse a saved optimizer state (a checked document of this optimizer's class and number of groups) that cannot
+    fit ``optimizer``, before any tensor is read.
 
     Raises:
-        CheckpointMismatchError: if the group structure or parameter names differ.
+        CheckpointMismatchError: if the parameter names, or the parameters of a group, differ.
     """
     index_of = {name: i for i, name in enumerate(names)}
     saved_groups = document["param_groups"]
-    problems = []
-    if len(saved_groups) != len(optimizer.param_groups):
-        problems.append(f"{len(saved_groups)} param group(s) saved, optimizer has {len(optimizer.param_groups)}")
     saved_names = [n for g in saved_groups for n in g["params"]]
-    problems += [f"{n}: saved in the optimizer state but not optimized now" for n in saved_names if n not in index_of]
+    problems = [f"{n}: saved in the optimizer state but not optimized now" for n in saved_names if n not in index_of]
     problems += [f"{n}: optimized now but absent from the saved state" for n in names if n not in set(saved_names)]
     if problems:
         raise CheckpointMismatchError(f"{source}: optimizer does not match the checkpoint:\n  " +
