@@ -409,25 +409,26 @@ def _whole_process(model: Any, optimizer: Any = None) -> bool:
 
 
 def _load_model(opened: OpenedCheckpoint, layout: Mapping[str, Any], model: torch.nn.Module, *, strict: bool) -> None:
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
     reader, source = opened._reader, str(opened.path)
     if layout.get(LAYOUT_KEY_MODEL) is None:
         raise IncompleteCheckpointError(f"{opened.path}: no model weights were saved; load without model=.")
     section = read_section(reader, layout, LAYOUT_KEY_MODEL)
-    if _whole_process(model):
+    in_place = _whole_process(model)
+    if in_place:
         reason = load_state_dict_reason(model, model.state_dict(keep_vars=True))
         if reason is not None:  # the model's own load_state_dict decides keys and shapes, as upstream
             _load_through_own(opened, layout, section, model, strict=strict, reason=reason)
             return
     renamed = _renamed(opened)
     originals: dict[str, Any] = {}  # FSDP1: the ShardedTensors its load reads, filled from the pieces
-    current = _model_state(model, originals)
+    if in_place and LAYOUT_FILE not in opened.manifest.files:  # the model's own names, as in its HF weight files
+        current = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    else:  # torch's names (a wrapper's prefixes removed), as pieces are saved
+        current = _model_state(model, originals)
     frozen = _check_frozen(opened, current, strict=strict)
     in_file = {state: file for file, state in renamed.items()}
     current = {in_file.get(name, name): tensor for name, tensor in current.items() if name not in frozen}
     names = check_fits(current, section, strict=strict, source=source, what="model")
-    in_place = _whole_process(model)
     with agreed_reads(source), _piece_reader(reader, layout, section) as pieces:  # every rank's reads, then apply
         filled = fill_state(current, pieces, names, in_place=in_place)
     if in_place:
@@ -440,10 +441,16 @@ def _load_model(opened: OpenedCheckpoint, layout: Mapping[str, Any], model: torc
             model.load_state_dict(buffers, strict=False)  # strict=False: the parameters are loaded already
     elif in_place:
         if filled:  # another dtype, a view: through the model's own load (keys were matched above)
-            set_model_state_dict(model, filled, options=_options(strict=False))
+            _set_model_state(model, filled, strict=False)
     else:
-        filled = into_sharded_tensors(filled, originals)
-        set_model_state_dict(model, filled, options=_options(strict=strict and not frozen))
+        _set_model_state(model, into_sharded_tensors(filled, originals), strict=strict and not frozen)
+
+
+def _set_model_state(model: torch.nn.Module, state: Mapping[str, Any], *, strict: bool) -> None:
+    """torch's ``set_model_state_dict`` (imported here: a plain load in one process rarely needs it)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, state, options=_options(strict=strict))
 
 
 def _load_through_own(opened: OpenedCheckpoint, layout: Mapping[str, Any], section: Section, model: torch.nn.Module,
@@ -508,15 +515,15 @@ def _check_steps(opened: OpenedCheckpoint, steps: Mapping[str, str]) -> None:
             raise
 
 
-def _load_planned_optimizer(opened: OpenedCheckpoint, layout: Mapping[str, Any], optimizer: torch.optim.Optimizer,
-                            plan: OptimizerLoadPlan) -> None:
+def _load_planned_optimizer(opened: OpenedCheckpoint, layout: Mapping[str, Any], model: torch.nn.Module | None,
+                            optimizer: torch.optim.Optimizer, plan: OptimizerLoadPlan) -> None:
     """Read the planned state (into the targets where they are plain CPU tensors of the stored dtype; into reused
     state tensors by copy otherwise) and install it through the optimizer's own ``load_state_dict``."""
     reader, source = opened._reader, str(opened.path)
     section = read_section(reader, layout, LAYOUT_KEY_OPTIMIZER)
     names = list(plan.targets)
     with agreed_reads(source), PieceReader(reader, section, source=source) as pieces:
-        tensors = fill_state(plan.targets, pieces, names, in_place=_whole_process(None, optimizer))
+        tensors = fill_state(plan.targets, pieces, names, in_place=_whole_process(model, optimizer))
         tensors.update({name: pieces.read_full(name) for name in section.dtypes if name not in plan.targets})
     for name in names:
         target = plan.targets[name]
@@ -627,7 +634,7 @@ def load_pieces_into(opened: OpenedCheckpoint, *, model: torch.nn.Module | None,
         if model is not None:
             _load_model(opened, layout, model, strict=strict)
         if plan is not None:
-            _load_planned_optimizer(opened, layout, optimizer, plan)
+            _load_planned_optimizer(opened, layout, model, optimizer, plan)
         elif optimizer is not None:
             _load_optimizer(opened._reader, layout, model, optimizer, reshard=opened.reshard)
     finally:

@@ -55,19 +55,6 @@ def single_file_index(header: SafetensorsHeader, *, source: str) -> ShardIndex:
 
     Raises:
         CorruptCheckpointError: the tied record is not valid JSON mapping alias names to stored names.
-
-    Example:
-
-    ```python
-    >>> import json
-    >>> from hf_resumable.format.safetensors_io import parse_header_bytes
-    >>> tensors = {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
-    >>> raw = json.dumps({"__metadata__": single_file_metadata({"b": "a"}), **tensors}).encode()
-    >>> index = single_file_index(parse_header_bytes("m", raw, 8 + len(raw) + 4), source="m")
-    >>> index.weight_map, index.metadata[TIED_KEY], index.metadata["total_size"]
-    ({'a': 'model.safetensors'}, {'b': 'a'}, 4)
-
-    ```
     """
     raw = header.metadata.get(TIED_KEY)
     tied: Any = {} if raw is None else parse_json(raw, source=f"{source}: __metadata__ {TIED_KEY}")
