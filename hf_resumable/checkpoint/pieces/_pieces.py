@@ -619,6 +619,10 @@ def load_pieces_into(opened: OpenedCheckpoint, *, model: torch.nn.Module | None,
         (before anything is applied), and they raise `CorruptOnAnotherRankError`.
     """
     # 1. The layout; optimizer state of another kind refused, a plain optimizer's planned, before anything is written.
+    if opened._trainable is not None and engine_pieces(model, optimizer):  # its whole-tensor base, against pieces
+        wanted = "resharded loading needs every weight (load_checkpoint checks its base against the model instead)"
+        if (error := base_not_stored(opened.path, wanted=wanted)) is not None:
+            raise error
     layout = _read_layout(opened)
     plan = None
     if optimizer is not None:
