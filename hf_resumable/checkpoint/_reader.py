@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,6 @@ from ..constants import (
     RNG_DIR,
     RNG_FILE_PATTERN,
     STATE_KEY_EXTRA,
-    STATE_KEY_OPTIMIZER,
     STATE_KEY_PROGRESS,
     STATE_KEY_SCALER,
     STATE_KEY_SCHEDULER,
@@ -45,31 +44,17 @@ from ..errors import (
 from ..format._jsonio import parse_json
 from ..format._safefile import member_path, open_regular, read_regular_file
 from ..format.rng import RngState, cuda_device_mismatch, decode_rng_state, restore_rng_state, visible_cuda_devices
-from ..format.safetensors_io import FileRecord, record_of
+from ..format.safetensors_io import record_of
 from ..format.sharding import ShardIndex, parse_index
 from ..format.slice_reader import VerifiedFile
 from ..format.state_codec import decode_state
 from .commit._parallel_read import FileRead, read_files
 from .commit.manifest import Manifest
-from .pieces._frozen import TrainablePart, check_frozen_base, forget_fingerprints
-from .pieces._pieces import load_pieces_into, reads_pieces
-from .state._model import (
-    TIED_KEY,
-    check_model_fits,
-    check_tied,
-    load_state_dict_reason,
-    load_through_state_dict,
-    retie,
-)
+from .pieces._frozen import TrainablePart
+from .pieces._pieces import engine_pieces, load_pieces_into
+from .state._model import TIED_KEY, check_tied
 from .state._model_files import model_index
-from .state._optimizer import OptimizerLoadPlan, apply_optimizer_state, parameter_names, plan_optimizer_load
-from .state._validate import (
-    check_counters,
-    check_data_position,
-    check_like_live,
-    check_step_value,
-    check_training_state,
-)
+from .state._validate import check_counters, check_data_position, check_like_live, check_training_state
 from .verify import VerifyReport
 
 logger = logging.getLogger(__name__)
@@ -140,18 +125,15 @@ class _Reader:
         self.manifest = report.manifest
         self.hash_on_read = hash_on_read
 
-    def expected(self, relpath: str) -> FileRecord | None:
-        """The manifest record to check ``relpath`` against while reading it (``None``: not checked)."""
-        return self.manifest.files[relpath] if self.hash_on_read else None
-
-    def file_read(self, relpath: str, into: Mapping[str, torch.Tensor] | None = None,
-                  new: Collection[str] = ()) -> FileRead:
-        """How to read the safetensors file ``relpath``: from the verified bytes, or from disk."""
+    def file_read(self, relpath: str, into: Mapping[str, torch.Tensor] | None = None) -> FileRead:
+        """How to read the safetensors file ``relpath``: from the verified bytes, or from disk (its hash checked while
+        it streams with ``hash_on_read``)."""
         path, header = member_path(self.path, relpath), self.report.headers[relpath]
         data = self.report.verified_bytes(relpath)
         if data is not None:
             return FileRead(path, header, None, into or {}, data=data)
-        return FileRead(path, header, self.expected(relpath), into or {}, check=self._unchanged(relpath))
+        expected = self.manifest.files[relpath] if self.hash_on_read else None
+        return FileRead(path, header, expected, into or {}, check=self._unchanged(relpath))
 
     def verified_file(self, relpath: str) -> VerifiedFile:
         """The safetensors file ``relpath`` opened for slice reads, every byte a read uses checked against its manifest
@@ -187,13 +169,6 @@ class _Reader:
         """A JSON file of the checkpoint (:meth:`raw`), parsed with bounded depth."""
         return parse_json(self.raw(relpath), source=str(self.path / relpath))
 
-    def rng(self, relpath: str) -> RngState:
-        """This rank's RNG state file, read as every other safetensors file (:meth:`file_read`)."""
-        if relpath not in self.report.headers:
-            raise CorruptCheckpointError(f"{self.path / relpath}: not a safetensors file.")
-        return decode_rng_state(self.report.headers[relpath].metadata, self.tensors(relpath),
-                                source=str(self.path / relpath))
-
     def release(self) -> None:
         """Drop the verified bytes kept for this open (a later read goes to disk, hash-checked)."""
         self.report.contents.clear()
@@ -209,15 +184,10 @@ class _Reader:
                                              f"place there: {extra[:5]}. Resume from another checkpoint.")
         return index
 
-    def model_index(self) -> ShardIndex | None:
-        """The model's index whatever the layout (``model.safetensors`` alone, or the HF index); ``None``: no whole
-        model stored."""
-        return model_index(self.manifest.files, self.report.headers, read_index=self.index, source=str(self.path))
-
-    def tensors(self, relpath: str, *, into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def tensors(self, relpath: str) -> dict[str, torch.Tensor]:
         if relpath not in self.report.headers:
             raise CorruptCheckpointError(f"{self.path / relpath}: not a safetensors file.")
-        return read_files([self.file_read(relpath, into)])
+        return read_files([self.file_read(relpath)])
 
     def stored(self, index: ShardIndex) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """dtype and shape of every tensor ``index`` names, from the headers verification already read."""
@@ -227,20 +197,11 @@ class _Reader:
             stored.update({n: (tensors[n].torch_dtype, tensors[n].shape) for n in index.names_in(filename)})
         return stored
 
-    def offsets(self, index: ShardIndex) -> dict[str, int]:
-        """Where the bytes of every tensor ``index`` names start in its file (from the verified headers)."""
-        offsets = {}
-        for filename in index.filenames:
-            header = self.report.headers[filename]
-            offsets.update({n: header.data_offset + header.tensors[n].start for n in index.names_in(filename)})
-        return offsets
-
-    def peek(self, index: ShardIndex, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """Small tensors read by offset, NOT hash-checked (the full read checks them again), to check values such as
-        optimizer step counts before anything is applied."""
+    def peek(self, files: Mapping[str, str]) -> dict[str, torch.Tensor]:
+        """Small tensors (name -> the file that holds it) read by offset, NOT hash-checked (the full read checks them
+        again), to check values such as optimizer step counts before anything is applied."""
         out = {}
-        for name in names:
-            filename = index.weight_map[name]
+        for name, filename in files.items():
             header = self.report.headers[filename]
             info = header.tensors[name]
             start = header.data_offset + info.start
@@ -253,14 +214,6 @@ class _Reader:
                 raise CorruptCheckpointError(f"{self.path / filename}: file ends inside tensor {name!r}.")
             out[name] = torch.frombuffer(bytearray(raw), dtype=info.torch_dtype).reshape(info.shape)
         return out
-
-    def read(self, jobs: list[tuple[ShardIndex, Mapping[str, torch.Tensor], Collection[str]]]
-             ) -> dict[str, torch.Tensor]:
-        """Read every file of every ``(index, destinations, names of new destinations)``, into the destinations
-        where a tensor has one; return the rest. Each file's hash is checked on the fly (``CorruptCheckpointError``
-        naming the file)."""
-        reads = [self.file_read(filename, into, new) for index, into, new in jobs for filename in index.filenames]
-        return read_files(reads)
 
 
 @dataclass(eq=False)
@@ -284,7 +237,6 @@ class OpenedCheckpoint(LoadedCheckpoint):
     _objects: dict[str, Any] = field(default_factory=dict, repr=False)  # decoded scheduler / scaler state
     _model_index: ShardIndex | None = field(default=None, repr=False)
     _tied: dict[str, str] = field(default_factory=dict, repr=False)
-    _optimizer_index: ShardIndex | None = field(default=None, repr=False)
     _trainable: TrainablePart | None = field(default=None, repr=False)  # a checkpoint that references its base
 
     # ------------------------------------------------------------------ open
@@ -322,11 +274,14 @@ class OpenedCheckpoint(LoadedCheckpoint):
             check_data_position(opened.data_state, source=str(path / data_rel))
         rng_rel = f"{RNG_DIR}/{RNG_FILE_PATTERN.format(rank=rank)}"
         if rng_rel in manifest.files:
-            opened.rng_state = reader.rng(rng_rel)
+            rng_tensors = reader.tensors(rng_rel)  # refused if it is not a safetensors file the checkpoint lists
+            opened.rng_state = decode_rng_state(report.headers[rng_rel].metadata, rng_tensors,
+                                                source=str(path / rng_rel))
         # 5. The model index and its tied-weight record (an alias must not be stored itself and must point at a
         #    stored tensor, else a load would overwrite one tensor with another); or the trainable part's index,
         #    with the frozen base's record.
-        if (index := reader.model_index()) is not None:
+        index = model_index(manifest.files, report.headers, read_index=reader.index, source=str(path))
+        if index is not None:
             opened._model_index = index
             opened._tied = check_tied(index.metadata.get(TIED_KEY) or {}, reader.stored(index), source=index.source)
         elif (trainable := TrainablePart.open(reader, path)) is not None:
@@ -408,9 +363,9 @@ class OpenedCheckpoint(LoadedCheckpoint):
     ) -> "OpenedCheckpoint":
         """Fill the given objects; every check runs before the first byte is written into any of them.
 
-        Any layout into any model: a checkpoint of per-rank pieces, or a live model or optimizer an engine splits
-        (FSDP1/2, DTensor, ZeRO), is read by :func:`~._pieces.load_pieces_into` (each rank reads the slices it holds,
-        at any world size); whole tensors into whole tensors below.
+        Any layout into any model, plain or split by an engine (FSDP1/2, DTensor, ZeRO), at any world size: the model
+        and optimizer are read by :func:`~.pieces._pieces.load_pieces_into` (a regular checkpoint's files are whole
+        pieces; each rank reads the slices it holds).
 
         Args:
             model, optimizer, scheduler, scaler (*optional*): objects to fill (``None`` skips a part).
@@ -432,107 +387,25 @@ class OpenedCheckpoint(LoadedCheckpoint):
                 checks every hash before anything is read into an object.
             ConfigDriftError / InexactResumeError: see :meth:`check_exact`.
         """
-        if reads_pieces(self.manifest.files, model, optimizer):
-            return load_pieces_into(self, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                                    strict=strict, restore_rng=restore_rng, allow_inexact_resume=allow_inexact_resume)
-        source = str(self.path)
-        model_plan, optimizer_plan, objects = self._plan_load(
-            model, optimizer, scheduler, scaler, strict=strict, restore_rng=restore_rng,
-            allow_inexact_resume=allow_inexact_resume)
-        # 6. Read every tensor, hash-checked: weights in place (or into new buffers for load_state_dict),
-        #    optimizer state into its final tensors. All files at once, so the disk stays busy while new
-        #    optimizer state is faulted in.
-        jobs = []
-        if model_plan is not None:
-            jobs.append((self._model_index, model_plan["into"], ()))
-        if optimizer_plan is not None:
-            jobs.append((self._optimizer_index, optimizer_plan.targets, optimizer_plan.new))
-        try:
-            leftovers = self._reader.read(jobs) if jobs else {}
-        finally:
-            self._reader.release()  # the verified bytes kept for this load are used (or will be read again, checked)
-        # 7. Apply: model (retie aliases, or its own load_state_dict), optimizer (its load_state_dict, with tensors
-        #    already final), scheduler, scaler.
-        if model_plan is not None:
-            self._apply_model(model, model_plan, leftovers, strict=strict)
-        if optimizer_plan is not None:
-            apply_optimizer_state(optimizer, optimizer_plan, leftovers, self._document[STATE_KEY_OPTIMIZER],
-                                  source=source)
-        for _name, obj, state in objects:
-            obj.load_state_dict(state)
-        # 8. The RNG last: applying anything else may draw random numbers.
-        if restore_rng and self.rng_state is not None:
-            restore_rng_state(self.rng_state, allow_device_mismatch=True)  # the device count was checked in step 1
-        logger.info("Loaded %s (step %s)", self.path, self.step)
-        trace.on_load(self.step, optimizer)  # hf-resumable check: the step counter continues from here
-        return self
-
-    def _plan_load(self, model, optimizer, scheduler, scaler, *, strict: bool, restore_rng: bool,
-                   allow_inexact_resume: bool | None) -> tuple[dict[str, Any] | None, OptimizerLoadPlan | None, list]:
-        """Steps 1-5 of :meth:`load_into`: every check and plan, nothing written into a live object."""
-        source = str(self.path)
-        # 1. Policy: world size and RNG, before anything else (a refusal must not cost a planned load).
+        # 1. Policy (world size and RNG), then scheduler and scaler state against the live objects' state_dict()
+        #    keys and kinds: a refusal costs nothing.
         self.check_exact(weights=model is not None, rng=restore_rng, allow_inexact_resume=allow_inexact_resume)
-        # 2. Plan the model: keys, shapes, dtypes and tied aliases, or the model's own load_state_dict.
-        model_plan = self._plan_model(model, strict=strict) if model is not None else None
-        # 3. Plan the optimizer: structure, hyper-parameters, state shapes; its state allocated, not installed.
-        optimizer_plan = self._plan_optimizer(model, optimizer) if optimizer is not None else None
-        # 4. Scheduler and scaler state against the live objects' state_dict() keys and kinds.
-        objects = [(name, obj, self._object_state(name, key, obj)) for name, obj, key in
+        objects = [(obj, self._object_state(name, key, obj)) for name, obj, key in
                    (("scheduler", scheduler, STATE_KEY_SCHEDULER), ("scaler", scaler, STATE_KEY_SCALER))
                    if obj is not None]
-        # 5. Values read by offset before applying anything: optimizer step counts (a negative or non-integral
-        #    step would only fail inside the optimizer's next step, after everything was applied).
-        if optimizer_plan is not None:
-            for name, value in self._reader.peek(self._optimizer_index, optimizer_plan.steps).items():
-                check_step_value(value, field=f"{OPTIMIZER_INDEX_FILE}: {name}", source=source)
-        return model_plan, optimizer_plan, objects
-
-    def _plan_model(self, model: torch.nn.Module, *, strict: bool) -> dict[str, Any]:
-        if self._model_index is None:
-            raise IncompleteCheckpointError(f"{self.path}: no model weights were saved; load without model=.")
-        targets = model.state_dict(keep_vars=True)
-        trainable, source = self._trainable, str(self.path)
-        covered = set()  # the frozen base of a trainable part: checked against its record, not read
-        if trainable is not None:
-            covered = check_frozen_base(trainable.record, targets, full=self._reader.report.full, strict=strict,
-                                        source=source)
-        reason = load_state_dict_reason(model, targets)
-        if reason is not None:  # the model's own load_state_dict decides keys and shapes, as upstream
-            return {"reason": reason, "targets": targets, "into": {}, "covered": covered}
-        stored = self._reader.stored(self._model_index) if trainable is None else trainable.stored
-        rest = {name: tensor for name, tensor in targets.items() if name not in covered}
-        into = check_model_fits(model, stored, self._tied, strict=strict, source=source, targets=rest)
-        in_file = {} if trainable is None else {state: name for name, state in trainable.renamed.items()}
-        return {"reason": None, "targets": targets, "into": {in_file.get(n, n): t for n, t in into.items()},
-                "covered": covered}
-
-    def _apply_model(self, model: torch.nn.Module, plan: Mapping[str, Any], leftovers: dict[str, torch.Tensor], *,
-                     strict: bool) -> None:
-        covered = plan["covered"]
-        # written without a version bump: cached fingerprints are stale
-        forget_fingerprints(t for name, t in plan["targets"].items() if name not in covered)
-        renamed = self._trainable.renamed if self._trainable is not None else {}
-        names = self._model_index.weight_map
-        if plan["reason"] is not None:
-            tensors = {renamed.get(name, name): leftovers.pop(name) for name in names}
-            load_through_state_dict(model, tensors, self._tied, strict=strict, source=str(self.path),
-                                    reason=plan["reason"], covered=covered)
-            return
-        for name in names:
-            leftovers.pop(name, None)  # stored tensors the model does not have (strict=False)
-        retie(plan["targets"], self._tied)
-
-    def _plan_optimizer(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer) -> OptimizerLoadPlan:
-        if OPTIMIZER_INDEX_FILE not in self.manifest.files or not self._document.get(STATE_KEY_OPTIMIZER):
-            raise IncompleteCheckpointError(
-                f"{self.path}: the checkpoint has no optimizer state; load without optimizer= or save with it.")
-        if self._optimizer_index is None:
-            self._optimizer_index = self._reader.index(OPTIMIZER_INDEX_FILE)
-        index = self._optimizer_index
-        names = parameter_names(model, optimizer)
-        return plan_optimizer_load(optimizer, names, self._document[STATE_KEY_OPTIMIZER], self._reader.stored(index),
-                                   source=str(self.path / TRAINING_STATE_FILE), offsets=self._reader.offsets(index))
+        # 2. Model and optimizer: planned and checked, read (every byte checked), applied.
+        if model is not None or optimizer is not None:
+            load_pieces_into(self, model=model, optimizer=optimizer, strict=strict)
+        # 3. Scheduler, scaler; the RNG last: applying anything else may draw random numbers.
+        for obj, state in objects:
+            obj.load_state_dict(state)
+        if restore_rng and self.rng_state is not None:
+            restore_rng_state(self.rng_state, allow_device_mismatch=True)  # the device count was checked in step 1
+        logger.info("Loaded %s (step %s, saved by %d rank(s), loaded by %d)", self.path, self.step,
+                    self.manifest.world_size, self.world_size)
+        # hf-resumable check: the step counter continues from here (an engine's optimizer state is split, not digested)
+        trace.on_load(self.step, None if engine_pieces(model, optimizer) else optimizer)
+        return self
 
     def _object_state(self, name: str, key: str, obj: Any) -> Any:
         if key not in self._objects:

@@ -19,7 +19,7 @@ from ...format.safetensors_io import STR_TO_DTYPE
 from ...format.sharding import ShardIndex, check_relative_name
 from .._types import Box
 from ..commit._parallel_read import read_files
-from ..state._model import TIED_KEY, match_keys
+from ..state._model import match_keys
 from ._dtensor import local_box
 from ._piece_layout import (
     LAYOUT_FILE,
@@ -98,28 +98,26 @@ def parse_layout(document: Any, *, source: str) -> dict[str, Any]:
 
 
 def _whole_tensor_section(index: ShardIndex, headers: Mapping[str, Any], tied: Mapping[str, str]) -> dict[str, Any]:
-    """A layout section for an HF-style index: every tensor is one piece, the whole tensor, in its shard."""
+    """A layout section for an HF-style index (its files checked against the manifest by ``_Reader.index``): every
+    tensor is one piece, the whole tensor, in its shard."""
     files = index.group_by_file()
     described = {}
     for file, names in files.items():
-        if file not in headers:
-            raise CorruptCheckpointError(f"{index.source}: refers to {file!r}, which the manifest does not list.")
         for name in names:
             info = headers[file].tensors[name]
             described[name] = {"dtype": info.dtype, "shape": list(info.shape)}
     return whole_tensor_section(files, described, tied)
 
 
-def layout_from_regular(indexes: Mapping[str, ShardIndex | None], headers: Mapping[str, Any], *, world_size: int,
-                        optimizer_document: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The layout of a regular checkpoint (``indexes``: ``{"model": ..., "optimizer": ... or None}``), so it loads
-    into any sharding as a checkpoint of pieces: its tensors and optimizer document already use the piece layout's
-    names; only the pieces (whole tensors) are implied by the indexes."""
-    model = indexes["model"]
-    optimizer = indexes.get("optimizer")
+def layout_from_regular(model: ShardIndex | None, optimizer: ShardIndex | None, headers: Mapping[str, Any], *,
+                        world_size: int, tied: Mapping[str, str], optimizer_document: Mapping[str, Any] | None
+                        ) -> dict[str, Any]:
+    """The layout of a regular checkpoint (its model and optimizer indexes; ``tied``: the checked alias record), so
+    it loads into any sharding as a checkpoint of pieces: its tensors and optimizer document already use the piece
+    layout's names; only the pieces (whole tensors) are implied by the indexes."""
     return layout_document(
         world_size=world_size,
-        model=_whole_tensor_section(model, headers, model.metadata.get(TIED_KEY) or {}),
+        model=_whole_tensor_section(model, headers, tied) if model is not None else None,
         optimizer=_whole_tensor_section(optimizer, headers, {}) if optimizer is not None else None,
         optimizer_document=optimizer_document if optimizer is not None else None)
 
@@ -162,7 +160,6 @@ class PieceReader:
 
     def __init__(self, reader: Any, section: Section, *, source: str, masters: Any = None) -> None:
         self.reader = reader
-        self.directory = reader.path
         self.section = section
         self.source = source
         self._stack = contextlib.ExitStack()
@@ -222,6 +219,14 @@ class PieceReader:
         shape = self.section.shapes[name]
         return self.read_box(name, Box((0,) * len(shape), shape))
 
+    def read_all(self) -> dict[str, torch.Tensor]:
+        """Every stored tensor of the section, whole (files that hold only whole tensors streamed whole); a tensor
+        stored flattened (ZeRO-3's partitions) gets its own shape back."""
+        section = self.section
+        whole = self.read_whole_files(dict.fromkeys(section.dtypes))
+        return {name: whole[name] if name in whole else self.read_full(name).view(section.views.get(
+            name, section.shapes[name])) for name in section.dtypes}
+
 
 def _wrap_like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` as a tensor of the same kind as ``template`` (a DTensor with its mesh and placements)."""
@@ -236,13 +241,16 @@ def _wrap_like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 def check_fits(current: Mapping[str, torch.Tensor], section: Section, *, strict: bool, source: str,
                what: str) -> list[str]:
     """Names of ``current`` to fill (in its order), matched by ``match_keys``; every missing, unexpected or
-    mismatched key is reported at once.
+    mismatched key is reported at once (a tensor on the meta device cannot receive bytes).
 
     Raises:
         CheckpointMismatchError: listing all offending keys.
     """
     stored = {name: (section.dtypes[name], _shape_for(current.get(name), section, name)) for name in section.dtypes}
-    match = match_keys({name: (t.dtype, tuple(t.shape)) for name, t in current.items()}, stored, tied=section.tied)
+    meta = {name: "the model's tensor is on the meta device (use hf_resumable.load_lazily)"
+            for name, t in current.items() if t.device.type == "meta"}
+    match = match_keys({name: (t.dtype, tuple(t.shape)) for name, t in current.items()}, stored, tied=section.tied,
+                       unusable=meta)
     match.check(strict=strict, source=source, what=what)
     filled = match.filled
     return [name for name in current if name in filled]

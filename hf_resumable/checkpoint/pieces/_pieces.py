@@ -1,7 +1,8 @@
-"""The piece half of ``save_checkpoint`` and ``OpenedCheckpoint.load_into``: a rank's pieces captured and planned
-inside the commit, read back at any world size (each rank only the slices it needs, every byte checked), and
-consolidated into whole tensors. :func:`saves_pieces` and :func:`reads_pieces` are the one rule for each direction.
-The files are in docs/format.md#a-checkpoint-of-per-rank-pieces; nothing is pickled (coordination is JSON).
+"""The piece half of ``save_checkpoint`` (:func:`saves_pieces` is the one rule for its layout) and the model and
+optimizer part of every ``OpenedCheckpoint.load_into``: a rank's pieces captured and planned inside the commit, read
+back at any world size (each rank only the slices it needs, every byte checked; a regular checkpoint's files are
+whole pieces), and consolidated into whole tensors. The files are in docs/format.md#a-checkpoint-of-per-rank-pieces;
+nothing is pickled (coordination is JSON). See docs/architecture.md#loading for the steps of a load.
 """
 
 from __future__ import annotations
@@ -23,12 +24,10 @@ from ...constants import (
     OPTIMIZER_STATE_PREFIX,
     SINGLE_MODEL_FILE,
     STATE_KEY_OPTIMIZER,
-    STATE_KEY_SCALER,
-    STATE_KEY_SCHEDULER,
     TRAINING_STATE_FILE,
 )
 from ...distributed import agreed_reads, all_gather_json, checkpoint_group, is_distributed
-from ...errors import CheckpointMismatchError, IncompleteCheckpointError
+from ...errors import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
 from ...format._jsonio import json_bytes
 from ...format.sharding import build_index
 from .._types import Payload, TensorFile
@@ -36,12 +35,25 @@ from ..background._step_gate import gated_optimizer, step_gate
 from ..commit._replicas import plan_replica_writers, split_replicas
 from ..commit._writer import save_payload
 from ..commit.manifest import Manifest
-from ..state._model import TIED_KEY, load_state_dict_reason
+from ..state._model import TIED_KEY, load_state_dict_reason, load_through_state_dict
 from ..state._model_files import single_file_metadata
-from ..state._optimizer import decode_optimizer_state, flatten_optimizer_state, load_by_position
-from ..state._validate import check_optimizer_document
+from ..state._optimizer import (
+    OptimizerLoadPlan,
+    apply_optimizer_state,
+    decode_optimizer_state,
+    flatten_optimizer_state,
+    parameter_names,
+    plan_optimizer_load,
+)
+from ..state._validate import check_optimizer_document, check_step_value
 from ._dtensor import is_dtensor
-from ._frozen import base_not_stored, check_frozen_sharded, forget_fingerprints, split_frozen_sharded
+from ._frozen import (
+    base_not_stored,
+    check_frozen_base,
+    check_frozen_sharded,
+    forget_fingerprints,
+    split_frozen_sharded,
+)
 from ._partitioned import (
     MasterWeights,
     is_partitioned,
@@ -54,16 +66,14 @@ from ._partitioned import (
     state_parameters,
     weights_from_masters,
 )
-from ._payload import (
-    add_model_weights,
-    add_sharded,
-)
+from ._payload import add_model_weights, add_sharded
 from ._piece_layout import (
     LAYOUT_FILE,
     LAYOUT_KEY_MODEL,
     LAYOUT_KEY_OPTIMIZER,
     LAYOUT_KEY_OPTIMIZER_DOC,
     LAYOUT_KEY_WORLD_SIZE,
+    SECTION_PIECES,
     SHARDED_DIR,
     TENSOR_MASTER,
     TENSOR_VIEW,
@@ -105,7 +115,7 @@ logger = logging.getLogger(__name__)
 
 LAYOUTS = ("auto", "hf", "pieces")  # save_checkpoint(layout=...): see saves_pieces
 
-__all__ = ["ShardedOptimizerState", "capture_pieces", "consolidate_pieces", "load_pieces_into", "reads_pieces",
+__all__ = ["ShardedOptimizerState", "capture_pieces", "consolidate_pieces", "load_pieces_into",
            "saves_pieces"]
 
 
@@ -204,14 +214,6 @@ def saves_pieces(model: Any, optimizer: Any, layout: str) -> bool:
         raise ValueError("layout='pieces' needs model= to be a torch.nn.Module (a state dict is stored whole, in the "
                          "HF layout); pass the module, or layout='auto'.")
     return layout == "pieces" or engine_pieces(model, optimizer)
-
-
-def reads_pieces(manifest_files: Any, model: Any, optimizer: Any) -> bool:
-    """The one rule for a load's path: the piece reader when the checkpoint holds pieces or an engine splits the live
-    model or optimizer (each rank then reads the slices it holds), else whole tensors into whole tensors."""
-    if model is None and optimizer is None:
-        return False
-    return LAYOUT_FILE in manifest_files or engine_pieces(model, optimizer)
 
 
 def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -373,22 +375,23 @@ def capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.op
                    **deferred)
 
 
-def _read_layout(reader: _Reader) -> dict[str, Any]:
-    """The piece layout, or the one implied by a regular checkpoint's indexes (whole tensors, one writer)."""
+def _read_layout(opened: OpenedCheckpoint) -> dict[str, Any]:
+    """The piece layout, or the one implied by a regular checkpoint's indexes (whole tensors, one writer; a trainable
+    part's tensors under the names in its files)."""
+    reader = opened._reader
     if LAYOUT_FILE in reader.manifest.files:
         return parse_layout(reader.json(LAYOUT_FILE), source=str(reader.path / LAYOUT_FILE))
-    model = reader.model_index()
-    if model is None:
-        wanted = "resharded loading needs every weight (load_checkpoint checks its base against the model instead)"
-        if (error := base_not_stored(reader.path, wanted=wanted)) is not None:
-            raise error
-        raise IncompleteCheckpointError(f"{reader.path} has neither {LAYOUT_FILE} nor {MODEL_INDEX_FILE} or "
-                                        f"{SINGLE_MODEL_FILE}: it holds no model weights to load.")
-    has_optimizer = OPTIMIZER_INDEX_FILE in reader.manifest.files
-    indexes = {"model": model, "optimizer": reader.index(OPTIMIZER_INDEX_FILE) if has_optimizer else None}
-    document = reader.json(TRAINING_STATE_FILE).get(STATE_KEY_OPTIMIZER) if has_optimizer else None
-    return layout_from_regular(indexes, reader.report.headers, world_size=reader.manifest.world_size,
-                               optimizer_document=document)
+    in_file = {state: file for file, state in _renamed(opened).items()}
+    tied = {in_file.get(alias, alias): in_file.get(kept, kept) for alias, kept in opened._tied.items()}
+    optimizer = reader.index(OPTIMIZER_INDEX_FILE) if OPTIMIZER_INDEX_FILE in reader.manifest.files else None
+    return layout_from_regular(opened._model_index, optimizer, reader.report.headers, tied=tied,
+                               world_size=reader.manifest.world_size,
+                               optimizer_document=opened._document.get(STATE_KEY_OPTIMIZER))
+
+
+def _renamed(opened: OpenedCheckpoint) -> dict[str, str]:
+    """Name in the checkpoint's files -> state-dict name, where a trainable part renamed it (PEFT)."""
+    return opened._trainable.renamed if opened._trainable is not None else {}
 
 
 def _piece_reader(reader: _Reader, layout: Mapping[str, Any], section: Section) -> PieceReader:
@@ -398,38 +401,135 @@ def _piece_reader(reader: _Reader, layout: Mapping[str, Any], section: Section) 
     return PieceReader(reader, section, source=source, masters=masters)
 
 
-def _load_model(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Module, *, strict: bool,
-                full: bool = False) -> None:
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+def _whole_process(model: Any, optimizer: Any = None) -> bool:
+    """One process and plain torch objects: read straight into the live tensors (under torch.distributed every rank
+    reads into new tensors first, so that no rank applies what another failed to read; an engine's state dict may be
+    a copy)."""
+    return not is_distributed() and not engine_pieces(model, optimizer)
 
-    source = str(reader.path)
-    originals: dict[str, Any] = {}  # FSDP1: the ShardedTensors its load reads, filled from the pieces
-    current = _model_state(model, originals)
-    frozen = check_frozen_sharded(reader, current, full=full, strict=strict)  # recorded, not stored: checked
-    current = {name: tensor for name, tensor in current.items() if name not in frozen}
+
+def _load_model(opened: OpenedCheckpoint, layout: Mapping[str, Any], model: torch.nn.Module, *, strict: bool) -> None:
+    reader, source = opened._reader, str(opened.path)
+    if layout.get(LAYOUT_KEY_MODEL) is None:
+        raise IncompleteCheckpointError(f"{opened.path}: no model weights were saved; load without model=.")
     section = read_section(reader, layout, LAYOUT_KEY_MODEL)
+    in_place = _whole_process(model)
+    if in_place:
+        reason = load_state_dict_reason(model, model.state_dict(keep_vars=True))
+        if reason is not None:  # the model's own load_state_dict decides keys and shapes, as upstream
+            _load_through_own(opened, layout, section, model, strict=strict, reason=reason)
+            return
+    renamed = _renamed(opened)
+    originals: dict[str, Any] = {}  # FSDP1: the ShardedTensors its load reads, filled from the pieces
+    if in_place and LAYOUT_FILE not in opened.manifest.files:  # the model's own names, as in its HF weight files
+        current = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    else:  # torch's names (a wrapper's prefixes removed), as pieces are saved
+        current = _model_state(model, originals)
+    frozen = _check_frozen(opened, current, strict=strict)
+    in_file = {state: file for file, state in renamed.items()}
+    current = {in_file.get(name, name): tensor for name, tensor in current.items() if name not in frozen}
     names = check_fits(current, section, strict=strict, source=source, what="model")
-    partitioned = is_partitioned(model)
-    # One process, a plain model whose state dict is its weights and that runs nothing of its own on load: read
-    # straight into the live weights, as a whole-tensor load does (under torch.distributed every rank reads into new
-    # tensors first, so that no rank applies what another failed to read; an engine's state dict may be a copy).
-    in_place = (not is_distributed() and not engine_pieces(model)
-                and load_state_dict_reason(model, model.state_dict(keep_vars=True)) is None)
     with agreed_reads(source), _piece_reader(reader, layout, section) as pieces:  # every rank's reads, then apply
         filled = fill_state(current, pieces, names, in_place=in_place)
-    if partitioned:  # ZeRO-3: the pieces go into the partitions; keys were matched above
+    if in_place:
+        forget_fingerprints(current.values())  # written without a version bump: cached fingerprints are stale
+    filled = {renamed.get(name, name): tensor for name, tensor in filled.items()
+              if not in_place or tensor is not current[name]}
+    if is_partitioned(model):  # ZeRO-3: the pieces go into the partitions; keys were matched above
         buffers = load_partitioned_state(model, filled)
         if buffers:
             model.load_state_dict(buffers, strict=False)  # strict=False: the parameters are loaded already
-        return
-    if in_place:
-        forget_fingerprints(current.values())  # written without a version bump: cached fingerprints are stale
-        filled = {name: tensor for name, tensor in filled.items() if tensor is not current[name]}
+    elif in_place:
         if filled:  # another dtype, a view: through the model's own load (keys were matched above)
-            set_model_state_dict(model, filled, options=_options(strict=False))
-        return
-    filled = into_sharded_tensors(filled, originals)
-    set_model_state_dict(model, filled, options=_options(strict=strict and not frozen))
+            _set_model_state(model, filled, strict=False)
+    else:
+        _set_model_state(model, into_sharded_tensors(filled, originals), strict=strict and not frozen)
+
+
+def _set_model_state(model: torch.nn.Module, state: Mapping[str, Any], *, strict: bool) -> None:
+    """torch's ``set_model_state_dict`` (imported here: a plain load in one process rarely needs it)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, state, options=_options(strict=strict))
+
+
+def _load_through_own(opened: OpenedCheckpoint, layout: Mapping[str, Any], section: Section, model: torch.nn.Module,
+                      *, strict: bool, reason: str) -> None:
+    """Every stored weight read whole, then given to the model's own ``load_state_dict`` (put back if it raises)."""
+    targets = model.state_dict(keep_vars=True)
+    covered = _check_frozen(opened, targets, strict=strict)  # recorded, not stored: checked, left as they are
+    with _piece_reader(opened._reader, layout, section) as pieces:
+        tensors = pieces.read_all()
+    renamed = _renamed(opened)
+    tied = {renamed.get(alias, alias): renamed.get(kept, kept) for alias, kept in section.tied.items()}
+    load_through_state_dict(model, {renamed.get(n, n): t for n, t in tensors.items()}, tied, strict=strict,
+                            source=str(opened.path), reason=reason, covered=covered)
+
+
+def _check_frozen(opened: OpenedCheckpoint, current: Mapping[str, torch.Tensor], *, strict: bool) -> set[str]:
+    """The live frozen tensors checked against the checkpoint's record (a trainable part's: whole tensors); returns
+    the names it covers."""
+    full = opened._reader.report.full
+    if opened._trainable is not None:
+        return check_frozen_base(opened._trainable.record, current, full=full, strict=strict, source=str(opened.path))
+    return check_frozen_sharded(opened._reader, current, full=full, strict=strict)
+
+
+def _plan_optimizer(opened: OpenedCheckpoint, layout: Mapping[str, Any], model: torch.nn.Module | None,
+                    optimizer: torch.optim.Optimizer) -> OptimizerLoadPlan | None:
+    """Before anything is written: a torch optimizer whose parameters are named as saved is checked against the
+    checkpoint (hyper-parameters, shapes, ``step`` values read by offset) and its state allocated, existing state
+    of the final kind reused. ``None``: the engine's own state dict gives the state to fill, after the weights.
+
+    Raises:
+        ValueError: ``optimizer`` of an engine without ``model`` (its state is matched by parameter name).
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    document = layout[LAYOUT_KEY_OPTIMIZER_DOC]  # present and of this class (_check_optimizer_document)
+    if not isinstance(optimizer, ShardedOptimizerState):
+        names = parameter_names(model, optimizer)
+        saved = {name for group in document["param_groups"] for name in group["params"]}
+        # The model's own names: a wrapper that renames (DDP's ``module.``, compile) or FSDP1 takes torch's path.
+        if model is None or (set(names) == saved and not any(isinstance(module, FullyShardedDataParallel)
+                                                              for module in model.modules())):
+            section = read_section(opened._reader, layout, LAYOUT_KEY_OPTIMIZER)
+            stored = {name: (section.dtypes[name], section.shapes[name]) for name in section.dtypes}
+            plan = plan_optimizer_load(optimizer, names, document, stored, source=_optimizer_source(opened),
+                                       in_place=_whole_process(model, optimizer))
+            _check_steps(opened, {name: next(iter(section.pieces[name])) for name in plan.steps})
+            return plan
+    if model is None:
+        raise ValueError(f"{opened.path}: loading optimizer state needs model= to match it by parameter name.")
+    return None
+
+
+def _check_steps(opened: OpenedCheckpoint, steps: Mapping[str, str]) -> None:
+    """The optimizer's step counts (name -> its file), read by offset: a negative or non-integral step would only fail
+    inside the optimizer's next step. A bad value in a file whose bytes changed is reported as that change."""
+    for name, value in opened._reader.peek(steps).items():
+        try:
+            check_step_value(value, field=f"{steps[name]}: {name}", source=str(opened.path))
+        except CorruptCheckpointError:
+            opened._reader.tensors(steps[name])  # hash-checked while it streams (verify="quick")
+            raise
+
+
+def _load_planned_optimizer(opened: OpenedCheckpoint, layout: Mapping[str, Any], model: torch.nn.Module | None,
+                            optimizer: torch.optim.Optimizer, plan: OptimizerLoadPlan) -> None:
+    """Read the planned state (into the targets where they are plain CPU tensors of the stored dtype; into reused
+    state tensors by copy otherwise) and install it through the optimizer's own ``load_state_dict``."""
+    reader, source = opened._reader, str(opened.path)
+    section = read_section(reader, layout, LAYOUT_KEY_OPTIMIZER)
+    names = list(plan.targets)
+    with agreed_reads(source), PieceReader(reader, section, source=source) as pieces:
+        tensors = fill_state(plan.targets, pieces, names, in_place=_whole_process(model, optimizer))
+        tensors.update({name: pieces.read_full(name) for name in section.dtypes if name not in plan.targets})
+    for name in names:
+        target = plan.targets[name]
+        if tensors[name] is not target and name not in plan.new:
+            tensors[name] = target.copy_(tensors[name])
+    apply_optimizer_state(optimizer, plan, tensors, layout[LAYOUT_KEY_OPTIMIZER_DOC], source=_optimizer_source(opened))
 
 
 def _load_param_groups_only(model: torch.nn.Module, optimizer: torch.optim.Optimizer, document: Mapping[str, Any],
@@ -476,6 +576,7 @@ def _load_resharded_partitions(reader: _Reader, section: Section, document: Mapp
 
 def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, *, reshard: bool = False) -> None:
+    """An engine's optimizer (or one whose parameters are named otherwise), from the state its engine gives."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     source = str(reader.path)
@@ -489,12 +590,9 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
     if own_pieces and reshard and _saved_elsewhere(optimizer, document):
         _load_resharded_partitions(reader, section, document, optimizer)
         return
-    direct = None if own_pieces else _state_templates(model, optimizer, section, document)
     if own_pieces:
         current = _own_pieces_templates(optimizer, section)
-    elif direct is not None:
-        current = direct
-    else:  # FSDP1's flat parameters, or state shaped unlike its parameter: torch's templates
+    else:  # FSDP1's flat parameters, or parameters named otherwise: torch's templates
         current = get_optimizer_state_dict(model, optimizer, options=_options())  # initializes an empty optimizer
         current = optimizer_as_dtensors(current, device=_device(model), originals=originals)
     current_tensors, _ = flatten_optimizer_state(current, _class_name(optimizer))
@@ -504,107 +602,62 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
     state = decode_optimizer_state(filled, document, current["param_groups"], source=source)
     if own_pieces:
         optimizer.load_sharded_state_dict(state)
-    elif direct is not None:
-        load_by_position(optimizer, state)
     else:
         state = optimizer_into_sharded_tensors(state, originals)
         set_optimizer_state_dict(model, optimizer, state, options=_options())
 
 
-def _state_templates(model: torch.nn.Module, optimizer: torch.optim.Optimizer, section: Section,
-                     document: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The optimizer's FQN-keyed state as the checkpoint describes it, built from the live parameters without
-    running the optimizer (each state tensor shaped and placed like its parameter, a scalar as a scalar); ``None``
-    where that does not describe it (FSDP1, unnamed parameters, state shaped unlike its parameter, other groups):
-    torch's ``get_optimizer_state_dict`` then creates the state with a whole zero-gradient step."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
-        return None
-    fqn_of: dict[int, str] = {}
-    # The model's own names: a wrapper that renames (DDP's ``module.``, compile) matches no saved name, and torch's
-    # path below takes over.
-    for name, value in model.named_parameters(remove_duplicate=False):
-        fqn_of.setdefault(id(value), name)  # a tied parameter: its first name, as torch's named_parameters gives
-    groups, parameters = [], {}
-    for group, saved in zip(optimizer.param_groups, document["param_groups"]):
-        names = [fqn_of.get(id(parameter)) for parameter in group["params"]]
-        if None in names or set(names) != set(saved["params"]):
-            return None
-        parameters.update(zip(names, group["params"]))
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for key, dtype in section.dtypes.items():
-        if not key.startswith(OPTIMIZER_STATE_PREFIX):
-            continue
-        fqn, _, field = key[len(OPTIMIZER_STATE_PREFIX):].rpartition("/")
-        parameter, shape = parameters.get(fqn), section.shapes[key]
-        if parameter is None:
-            return None
-        if tuple(shape) == tuple(parameter.shape):
-            template = torch.empty_like(parameter, dtype=dtype, requires_grad=False)  # untouched memory
-        elif not shape:
-            template = torch.empty((), dtype=dtype)  # a step count; load_state_dict moves it where it belongs
-        else:
-            return None
-        state.setdefault(fqn, {})[field] = template
-    return {"state": state, "param_groups": groups}
-
-
-def load_pieces_into(
-    opened: OpenedCheckpoint,
-    *,
-    model: torch.nn.Module | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    restore_rng: bool = False,
-    strict: bool = True,
-    allow_inexact_resume: bool | None = None,
-) -> OpenedCheckpoint:
-    """``OpenedCheckpoint.load_into`` where :func:`reads_pieces`: each rank reads the slices of the stored pieces
-    that overlap what it holds, at any world size. A collective: the ranks agree that every read succeeded before
-    any live object is filled; the RNG is restored last. Returns ``opened``.
+def load_pieces_into(opened: OpenedCheckpoint, *, model: torch.nn.Module | None,
+                     optimizer: torch.optim.Optimizer | None, strict: bool) -> None:
+    """The model and optimizer part of ``OpenedCheckpoint.load_into``, for every layout (a regular checkpoint's files
+    are whole pieces) and any sharding: each rank reads the slices of the stored pieces that overlap what it holds,
+    at any world size. A collective: the ranks agree that every read succeeded before any live object is filled.
 
     Raises:
-        ValueError: ``optimizer`` without ``model`` (optimizer state is matched by parameter name).
+        ValueError: an engine's ``optimizer`` without ``model`` (its state is matched by parameter name).
         As ``load_into``; a rank whose reads failed raises `CorruptCheckpointError` after the others learned of it
         (before anything is applied), and they raise `CorruptOnAnotherRankError`.
     """
-    if optimizer is not None and model is None:
-        raise ValueError(f"{opened.path}: loading optimizer state needs model= to match it by parameter name.")
-    # 1. Read the layout; refuse a silent inexact resume and optimizer/scheduler/scaler state of another kind,
-    #    before touching anything.
-    reader = opened._reader
-    layout = _read_layout(reader)
-    opened.check_exact(weights=model is not None, rng=restore_rng, allow_inexact_resume=allow_inexact_resume)
+    # 1. The layout; optimizer state of another kind refused, a plain optimizer's planned, before anything is written.
+    if opened._trainable is not None and engine_pieces(model, optimizer):  # its whole-tensor base, against pieces
+        wanted = "resharded loading needs every weight (load_checkpoint checks its base against the model instead)"
+        if (error := base_not_stored(opened.path, wanted=wanted)) is not None:
+            raise error
+    layout = _read_layout(opened)
+    plan = None
     if optimizer is not None:
         _check_optimizer_document(opened, layout, optimizer)
-    for name, obj, key in (("scheduler", scheduler, STATE_KEY_SCHEDULER), ("scaler", scaler, STATE_KEY_SCALER)):
-        if obj is not None:
-            opened._object_state(name, key, obj)
-    # 2. Weights (keys matched by the one key matcher, then the pieces read), then optimizer state, matched
-    #    against the loaded parameters (FSDP2 builds optimizer state from them).
-    if model is not None:
-        _load_model(reader, layout, model, strict=strict, full=reader.report.full)
-    if optimizer is not None:
-        _load_optimizer(reader, layout, model, optimizer, reshard=opened.reshard)
-    # 3. Scheduler, scaler; RNG last (load_into's steps 4, 7 and 8).
-    opened.load_into(scheduler=scheduler, scaler=scaler, restore_rng=restore_rng,
-                     allow_inexact_resume=allow_inexact_resume)
-    logger.info("Loaded the pieces of %s (step %s, saved by %d rank(s), loaded by %d)", opened.path, opened.step,
-                layout[LAYOUT_KEY_WORLD_SIZE], opened.world_size)
-    return opened
+        plan = _plan_optimizer(opened, layout, model, optimizer)
+    # 2. Every file the load reads is still the one verification checked, before a byte of any is used.
+    parts = [key for key, obj in ((LAYOUT_KEY_MODEL, model), (LAYOUT_KEY_OPTIMIZER, optimizer)) if obj is not None]
+    for file in {file for key in parts if layout.get(key) for file in layout[key][SECTION_PIECES]}:
+        opened._reader.report.check_unchanged(file)
+    # 3. Weights (keys matched by the one key matcher, then the pieces read), then optimizer state (an engine builds
+    #    its templates from the loaded parameters).
+    try:
+        if model is not None:
+            _load_model(opened, layout, model, strict=strict)
+        if plan is not None:
+            _load_planned_optimizer(opened, layout, model, optimizer, plan)
+        elif optimizer is not None:
+            _load_optimizer(opened._reader, layout, model, optimizer, reshard=opened.reshard)
+    finally:
+        opened._reader.release()  # the verified bytes kept for this load are used (or will be read again, checked)
+
+
+def _optimizer_source(opened: OpenedCheckpoint) -> str:
+    """The file that holds the optimizer document, for messages."""
+    name = LAYOUT_FILE if LAYOUT_FILE in opened.manifest.files else TRAINING_STATE_FILE
+    return str(opened.path / name)
 
 
 def _check_optimizer_document(opened: OpenedCheckpoint, layout: Mapping[str, Any],
                               optimizer: torch.optim.Optimizer) -> None:
     """The layout's optimizer document is well formed and of the live optimizer's class (before any load)."""
-    source = str(opened.path / LAYOUT_FILE) if LAYOUT_FILE in opened.manifest.files else str(opened.path)
     document = layout.get(LAYOUT_KEY_OPTIMIZER_DOC)
     if document is None or layout.get(LAYOUT_KEY_OPTIMIZER) is None:
         raise IncompleteCheckpointError(f"{opened.path}: no optimizer state was saved; load without optimizer=.")
-    check_optimizer_document(document, source=source)
+    check_optimizer_document(document, source=_optimizer_source(opened))
     if document["class"] != _class_name(optimizer):
         raise CheckpointMismatchError(f"{opened.path}: optimizer was {document['class']}, now "
                                       f"{_class_name(optimizer)}; build the same optimizer class to resume.")
@@ -617,9 +670,7 @@ def _consolidated_section(reader: _Reader, layout: Mapping[str, Any], key: str
                           ) -> tuple[Section, dict[str, torch.Tensor]]:
     section = read_section(reader, layout, key)
     with _piece_reader(reader, layout, section) as pieces:
-        # a weight stored flattened (ZeRO-3's partitions) gets its own shape back
-        return section, {name: pieces.read_full(name).view(section.views.get(name, section.shapes[name]))
-                         for name in section.dtypes}
+        return section, pieces.read_all()
 
 
 def consolidate_pieces(reader: _Reader, output_dir: str | os.PathLike, *, max_shard_size: int | str,
@@ -630,7 +681,7 @@ def consolidate_pieces(reader: _Reader, output_dir: str | os.PathLike, *, max_sh
     if LAYOUT_FILE not in reader.manifest.files:
         raise IncompleteCheckpointError(f"{path} has no {LAYOUT_FILE}: it is already a regular checkpoint "
                                         "(from_pretrained and load_checkpoint read it as is).")
-    layout = _read_layout(reader)
+    layout = parse_layout(reader.json(LAYOUT_FILE), source=str(path / LAYOUT_FILE))
     if (error := base_not_stored(path, wanted="consolidation needs every weight")) is not None:
         raise error
     payload = Payload()

@@ -38,7 +38,7 @@ from ...errors import CheckpointMismatchError, CorruptCheckpointError
 logger = logging.getLogger(__name__)
 
 __all__ = ["TensorSpec", "storage_key", "find_aliases", "dedupe_tied", "Mismatch", "KeyMatch", "match_keys",
-           "mismatch_message", "check_tied", "check_model_fits", "retie", "load_state_dict_reason", "ModelSnapshot",
+           "mismatch_message", "check_tied", "load_state_dict_reason", "ModelSnapshot",
            "load_through_state_dict", "model_state"]
 
 # What a key match compares: a tensor's dtype and shape.
@@ -273,41 +273,6 @@ def mismatch_message(match: KeyMatch, *, source: str, what: str = "model", stric
            "mismatches." if match.mismatched else
            f"Build the {what} with the checkpoint's config, or pass strict=False to skip missing/unexpected keys.")
     return f"{source} does not fit the {what} ({total} problem(s): {counts}):\n  " + "\n  ".join(listed) + "\n" + fix
-
-
-def check_model_fits(
-    model: torch.nn.Module,
-    stored: Mapping[str, TensorSpec],
-    tied: Mapping[str, str],
-    *,
-    strict: bool,
-    source: str,
-    targets: Mapping[str, torch.Tensor] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Compare checkpoint keys/shapes/dtypes with the model once, globally (:func:`match_keys`, aliases against the
-    tensor they share; meta tensors cannot receive bytes); return the model's targets the stored tensors fill.
-
-    Raises:
-        CheckpointMismatchError: listing every missing, unexpected and mismatched key at once.
-    """
-    targets = dict(model.state_dict(keep_vars=True) if targets is None else targets)
-    meta = {name: "the model's tensor is on the meta device (use hf_resumable.load_lazily)"
-            for name, t in targets.items() if t.device.type == "meta"}
-    match = match_keys({name: (t.dtype, tuple(t.shape)) for name, t in targets.items()}, stored, tied=tied,
-                       unusable=meta)
-    match.check(strict=strict, source=source, what="model")
-    return {name: t for name, t in targets.items() if name in stored}
-
-
-def retie(model_targets: Mapping[str, torch.Tensor], tied: Mapping[str, str]) -> None:
-    """After loading, copy kept tensors into aliases that the target model does not share."""
-    for dropped, kept in tied.items():
-        target, source = model_targets.get(dropped), model_targets.get(kept)
-        if target is None or source is None:
-            continue
-        if target.data_ptr() != source.data_ptr():
-            with torch.no_grad():
-                target.copy_(source)
 
 
 # Module methods and hooks through which a model takes part in (de)serializing its state. A model that uses

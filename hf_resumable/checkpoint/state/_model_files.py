@@ -1,18 +1,6 @@
 """Where a checkpoint's model weights are: one ``model.safetensors`` (as ``save_pretrained`` writes it, the tied
 record in its header) when they fit in one shard, else the HF index and its shards. :func:`model_index` is the one
 answer to "which tensors are the model, in which file", for every reader. See docs/format.md#a-regular-checkpoint.
-
-Example:
-
-```python
->>> plan_model_files({"a": 4, "b": 4}, max_shard_size=100).filenames
-['model.safetensors']
->>> plan_model_files({"a": 4, "b": 4}, max_shard_size=4).filenames
-['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
->>> single_file_metadata({"lm_head.weight": "wte.weight"})
-{'format': 'pt', 'hf_resumable_tied': '{"lm_head.weight": "wte.weight"}'}
-
-```
 """
 
 from __future__ import annotations
@@ -67,19 +55,6 @@ def single_file_index(header: SafetensorsHeader, *, source: str) -> ShardIndex:
 
     Raises:
         CorruptCheckpointError: the tied record is not valid JSON mapping alias names to stored names.
-
-    Example:
-
-    ```python
-    >>> import json
-    >>> from hf_resumable.format.safetensors_io import parse_header_bytes
-    >>> tensors = {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
-    >>> raw = json.dumps({"__metadata__": single_file_metadata({"b": "a"}), **tensors}).encode()
-    >>> index = single_file_index(parse_header_bytes("m", raw, 8 + len(raw) + 4), source="m")
-    >>> index.weight_map, index.metadata[TIED_KEY], index.metadata["total_size"]
-    ({'a': 'model.safetensors'}, {'b': 'a'}, 4)
-
-    ```
     """
     raw = header.metadata.get(TIED_KEY)
     tied: Any = {} if raw is None else parse_json(raw, source=f"{source}: __metadata__ {TIED_KEY}")

@@ -94,48 +94,25 @@ class OptimizerLoadPlan:
     """Everything a load needs to fill an optimizer, decided before any byte is read."""
 
     names: list[str]  # parameter names in state_dict index order
-    # stored tensor name -> the tensor its bytes go into: allocated in the dtype, device and layout
-    # Optimizer.load_state_dict keeps (so it copies nothing), or the existing state tensor of that kind
+    # stored tensor name -> the tensor its bytes go into: the existing state tensor of the final kind (reused), or
+    # one allocated in the dtype, device and layout Optimizer.load_state_dict keeps
     targets: dict[str, torch.Tensor] = field(default_factory=dict)
     steps: list[str] = field(default_factory=list)  # stored ``step`` tensors, checked before anything is applied
     new: set[str] = field(default_factory=set)  # the targets allocated here, as opposed to reused state
 
 
-class _MetaTensors(Mapping):
-    """Stored tensors as meta tensors (dtype and shape, no data): decode documents before reading any byte."""
-
-    def __init__(self, stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
-        self.stored = stored
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        dtype, shape = self.stored[name]
-        return torch.empty(shape, dtype=dtype, device="meta")
-
-    def __iter__(self):
-        return iter(self.stored)
-
-    def __len__(self) -> int:
-        return len(self.stored)
-
-
 def check_optimizer_matches(optimizer: torch.optim.Optimizer, names: list[str], document: Mapping[str, Any], *,
                             source: str) -> None:
-    """Refuse a saved optimizer state (a checked document) that cannot fit ``optimizer``, before any tensor is read.
+    """Refuse a saved optimizer state (a checked document of this optimizer's class and number of groups) that cannot
+    fit ``optimizer``, before any tensor is read.
 
     Raises:
-        CheckpointMismatchError: if the optimizer class, group structure or parameter names differ.
+        CheckpointMismatchError: if the parameter names, or the parameters of a group, differ.
     """
-    saved_class = document.get("class")
-    if saved_class != type(optimizer).__qualname__:
-        raise CheckpointMismatchError(f"{source}: optimizer was {saved_class}, now {type(optimizer).__qualname__}; "
-                                      "build the same optimizer class to resume.")
     index_of = {name: i for i, name in enumerate(names)}
     saved_groups = document["param_groups"]
-    problems = []
-    if len(saved_groups) != len(optimizer.param_groups):
-        problems.append(f"{len(saved_groups)} param group(s) saved, optimizer has {len(optimizer.param_groups)}")
     saved_names = [n for g in saved_groups for n in g["params"]]
-    problems += [f"{n}: saved in the optimizer state but not optimized now" for n in saved_names if n not in index_of]
+    problems = [f"{n}: saved in the optimizer state but not optimized now" for n in saved_names if n not in index_of]
     problems += [f"{n}: optimized now but absent from the saved state" for n in names if n not in set(saved_names)]
     if problems:
         raise CheckpointMismatchError(f"{source}: optimizer does not match the checkpoint:\n  " +
@@ -167,19 +144,19 @@ def plan_optimizer_load(
     stored: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
     *,
     source: str,
-    offsets: Mapping[str, int] | None = None,
+    in_place: bool = False,
 ) -> OptimizerLoadPlan:
-    """Check the saved optimizer against the live one (class, groups, names, hyper-parameter kinds, ``step``
-    values, each stored tensor naming an optimized parameter, moments shaped like it) and allocate its state, without
-    touching the optimizer. With ``offsets`` (each stored tensor's start in its file) new CPU state of the stored
-    dtype is allocated contiguous, so the read lands in it in place.
+    """Check the saved optimizer against the live one (groups, names, hyper-parameter kinds, ``step`` values, each
+    stored tensor naming an optimized parameter, moments shaped like it) and allocate its state, without touching the
+    optimizer. With ``in_place`` new CPU state of the stored dtype is allocated contiguous, so the read lands in it.
 
     Raises:
         CheckpointMismatchError: listing every problem.
         CorruptCheckpointError: for malformed encoded values.
     """
     check_optimizer_matches(optimizer, names, document, source=source)
-    meta = _MetaTensors(stored)
+    # the stored tensors as meta tensors (dtype and shape, no data): the documents decode before any byte is read
+    meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (dtype, shape) in stored.items()}
     problems: list[str] = []
     saved_groups = [{k: decode_state(v, meta, source=source, path=f"optimizer/param_groups/{i}/{k}")
                      for k, v in group.items() if k != "params"} for i, group in enumerate(document["param_groups"])]
@@ -209,8 +186,7 @@ def plan_optimizer_load(
         if key == STEP_KEY and math.prod(shape) != 1:
             problems.append(f"{tensor_name}: saved {dtype} {list(shape)}, expected a single step count")
             continue
-        plan.targets[tensor_name] = target = _target(optimizer, param, key, dtype, shape, group_of[name],
-                                                     (offsets or {}).get(tensor_name))
+        plan.targets[tensor_name] = target = _target(optimizer, param, key, dtype, shape, group_of[name], in_place)
         if target is not optimizer.state.get(param, {}).get(key):
             plan.new.add(tensor_name)
         if key == STEP_KEY:
@@ -223,15 +199,15 @@ def plan_optimizer_load(
 
 
 def _target(optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str, dtype: torch.dtype,
-            shape: tuple[int, ...], group: Mapping[str, Any], offset: int | None = None) -> torch.Tensor:
+            shape: tuple[int, ...], group: Mapping[str, Any], in_place: bool) -> torch.Tensor:
     """The existing state tensor of the final kind (filled in place), else a new one in that kind and the parameter's
-    layout (contiguous when it is a CPU tensor read in place, ``offset`` known)."""
+    layout (contiguous when it is a CPU tensor read in place)."""
     final_dtype, device = _final_kind(param, key, dtype, group)
     existing = optimizer.state.get(param, {}).get(key)
     if (isinstance(existing, torch.Tensor) and existing.dtype == final_dtype and tuple(existing.shape) == shape
             and existing.device == device):
         return existing
-    if (offset is not None and device.type == "cpu" and final_dtype == dtype and key != STEP_KEY
+    if (in_place and device.type == "cpu" and final_dtype == dtype and key != STEP_KEY
             and (tuple(param.shape) != shape or param.is_contiguous())):
         return torch.empty(shape, dtype=final_dtype)
     if tuple(param.shape) == shape and param.device == device and key != STEP_KEY:
@@ -277,9 +253,9 @@ def load_by_position(optimizer: torch.optim.Optimizer, state: Mapping[str, Any])
 
 def apply_optimizer_state(optimizer: torch.optim.Optimizer, plan: OptimizerLoadPlan,
                           tensors: Mapping[str, torch.Tensor], document: Mapping[str, Any], *, source: str) -> None:
-    """Install the planned state (``plan.targets`` read; ``tensors``: the others the document references)."""
+    """Install the planned state from the read ``tensors`` (every tensor the document references)."""
     groups, offset = [], 0
     for current in optimizer.param_groups:
         groups.append({"params": plan.names[offset : offset + len(current["params"])]})
         offset += len(current["params"])
-    load_by_position(optimizer, decode_optimizer_state({**tensors, **plan.targets}, document, groups, source=source))
+    load_by_position(optimizer, decode_optimizer_state(tensors, document, groups, source=source))

@@ -1,16 +1,5 @@
 """PURE checks of a checkpoint's decoded documents (a checkpoint whose hashes match may still not fit), run before
 anything is written into a live object; each raises one typed error naming the file, the field and what was expected.
-
-Example:
-
-```python
->>> check_data_position({"kind": "map", "epoch": 1, "step": 3, "num_batches": 8}, source="data/rank-00000.json")
->>> check_data_position({"kind": "map", "epoch": 1, "step": 9, "num_batches": 8}, source="d")  # doctest: +ELLIPSIS
-Traceback (most recent call last):
-...
-hf_resumable.errors.CorruptCheckpointError: d: step: 9 is past the end of an epoch of 8 batches; ...
-
-```
 """
 
 from __future__ import annotations
