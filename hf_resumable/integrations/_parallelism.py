@@ -23,7 +23,6 @@ KEY_PARALLELISM = "parallelism"  # in a run's recorded settings: ParallelLayout.
 
 # accelerate's canonical mesh order (``ParallelismConfig._get_mesh``): data-parallel dimensions first
 _ORDER = ("dp_replicate", "dp_shard", "cp", "sp", "tp")
-_DATA = ("dp_replicate", "dp_shard")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,7 +26,7 @@ Build the model with the checkpoint's config; strict=False skips missing/unexpec
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,20 +55,18 @@ def storage_key(tensor: torch.Tensor) -> tuple | None:
             tuple(tensor.stride()), tensor.dtype)
 
 
-def find_aliases(state: Mapping[str, torch.Tensor], *,
-                 local: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, str]:
+def find_aliases(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """``{alias: first name}`` for the names of ``state`` that are one tensor (tied weights, e.g. GPT-2's
     ``lm_head.weight`` and ``transformer.wte.weight``): entries that view the same bytes the same way
     (:func:`storage_key`), or, without bytes, the very same object. The first name is kept, as transformers keeps it.
 
     Args:
-        state: names -> tensors, in state-dict order.
-        local: the tensor whose storage to compare (a DTensor's local piece); default the entry itself.
+        state: names -> tensors, in state-dict order (a DTensor's local piece, to compare its storage).
     """
     first: dict[tuple, str] = {}
     aliases: dict[str, str] = {}
     for name, tensor in state.items():
-        key = storage_key(local(tensor) if local is not None else tensor)
+        key = storage_key(tensor)
         key = ("object", id(tensor)) if key is None else key  # ``state`` keeps the object alive: its id is unique
         kept = first.setdefault(key, name)
         if kept != name:
