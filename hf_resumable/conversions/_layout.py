@@ -30,15 +30,11 @@ from ..format.safetensors_io import DTYPE_TO_STR
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RankPiece", "add_layout", "add_rank_pieces", "whole_box"]
+__all__ = ["RankPiece", "add_layout", "add_rank_pieces"]
 
 # (tensor name, this rank's piece, its box in the global tensor, the global shape)
 RankPiece = tuple[str, torch.Tensor, Box, tuple[int, ...]]
 
-
-def whole_box(shape: Sequence[int]) -> Box:
-    """The box of a whole tensor of ``shape``."""
-    return Box((0,) * len(shape), tuple(int(x) for x in shape))
 
 
 def add_rank_pieces(payload: Payload, kind: str, pieces_by_rank: Sequence[Sequence[RankPiece]], *,

@@ -42,7 +42,7 @@ from ..constants import (
 )
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedEngineError
 from ._commit import commit_for_ranks
-from ._layout import RankPiece, add_layout, whole_box
+from ._layout import RankPiece, add_layout
 from ._pickle import DEEPSPEED_GLOBALS, load_torch_pickle
 from .stock import TrainerCheckpointFiles, _optimizer_class, _progress, _rng_files, _StateHolder
 
@@ -294,7 +294,7 @@ def _zero_optimizer_pieces(ranks: list[_ZeroRank], class_name: str, maps: list[P
                 box, total = partitioned[tensor_name]
                 pieces.append((tensor_name, tensor, box, (total,)))
             elif rank == 0:  # the same on every rank (the step count): stored once
-                pieces.append((tensor_name, tensor, whole_box(tensor.shape), tuple(tensor.shape)))
+                pieces.append((tensor_name, tensor, Box.whole(tensor.shape), tuple(tensor.shape)))
         pieces_by_rank.append(pieces)
     return pieces_by_rank, document
 
@@ -302,7 +302,7 @@ def _zero_optimizer_pieces(ranks: list[_ZeroRank], class_name: str, maps: list[P
 def _model_pieces(module: Mapping[str, torch.Tensor], tied: Mapping[str, str], world_size: int
                   ) -> list[list[RankPiece]]:
     """The weights whole, written by rank 0 (every ZeRO-1/2 rank holds them all), aliases left out."""
-    rank0 = [(name, tensor, whole_box(tensor.shape), tuple(tensor.shape)) for name, tensor in module.items()
+    rank0 = [(name, tensor, Box.whole(tensor.shape), tuple(tensor.shape)) for name, tensor in module.items()
              if name not in tied]
     return [rank0] + [[] for _ in range(world_size - 1)]
 

@@ -217,7 +217,7 @@ class PieceReader:
     def read_full(self, name: str) -> torch.Tensor:
         """The whole stored tensor ``name``."""
         shape = self.section.shapes[name]
-        return self.read_box(name, Box((0,) * len(shape), shape))
+        return self.read_box(name, Box.whole(shape))
 
     def read_all(self) -> dict[str, torch.Tensor]:
         """Every stored tensor of the section, whole (files that hold only whole tensors streamed whole); a tensor
