@@ -281,8 +281,9 @@ def stall_worker(root: Path, repeats: int, hidden: int, out: Path) -> None:
                 times[name].append(timing)
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, times)  # benchmark driver only: the library never pickles
+    from hf_resumable.distributed import all_gather_json
+
+    gathered = all_gather_json(times)  # settled: the worker exits soon after (distributed.settle)
     if rank == 0:
         slowest = {name: [[max(per_rank[name][k][j] for per_rank in gathered) for j in range(4)]
                           for k in range(repeats)] for name in names}
@@ -407,9 +408,9 @@ def replicated_worker(root: Path, repeats: int, hidden: int, max_shard_size: str
             dist.barrier()
             if i:
                 times[name].append(seconds if rank in ranks else 0.0)
-    gathered = [None] * dist.get_world_size()
-    # benchmark driver only: the library never pickles
-    dist.all_gather_object(gathered, {"times": times, "profile": profile})
+    from hf_resumable.distributed import all_gather_json
+
+    gathered = all_gather_json({"times": times, "profile": profile})  # settled (distributed.settle)
     if rank == 0:
         slowest = {name: [max(r["times"][name][k] for r in gathered) for k in range(repeats)] for name in times}
         per_rank = {name: [r["profile"][name] for r in gathered] for name in plans}
@@ -534,8 +535,9 @@ def engines_worker(engine: str, root: Path, repeats: int, hidden: int, stage: in
         if rank == 0:
             for path in root.glob(f"*-{i}"):
                 shutil.rmtree(path, ignore_errors=True)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, times)  # benchmark driver only: the library never pickles
+    from hf_resumable.distributed import all_gather_json
+
+    gathered = all_gather_json(times)  # settled: the worker exits soon after (distributed.settle)
     if rank == 0:
         slowest = {name: [[max(per_rank[name][k][j] for per_rank in gathered) for j in range(4)]
                           for k in range(repeats)] for name in times}
