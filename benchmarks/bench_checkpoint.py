@@ -67,7 +67,7 @@ import torch
 from _bench_common import drop_caches, raw_read, throttle_reads
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_resumable._tuning import READ_STREAMS_ENV, READ_WORKERS, read_streams
+from hf_resumable._tuning import PREFAULT_ENV, READ_STREAMS_ENV, READ_WORKERS, read_streams
 from hf_resumable.checkpoint import load_checkpoint, save_checkpoint, wait_for_pending_saves
 
 
@@ -173,13 +173,14 @@ def fresh_process_load(directory: Path, settings: dict[str, str], shape: list[st
     drop_caches()
     env = dict(os.environ)
     env.pop(READ_STREAMS_ENV, None)
+    env.pop(PREFAULT_ENV, None)
     env.update(settings)
-    streams = settings.get(READ_STREAMS_ENV)
+    streams = settings.get(READ_STREAMS_ENV, "default")
     out = subprocess.run([sys.executable, __file__, "--fresh-load", str(directory), *shape], check=True,
                          capture_output=True, text=True, env=env).stdout
     result = json.loads(out.strip().splitlines()[-1])
     for message in result.pop("probe"):
-        print(f"  fresh-process load ({streams or 'default'} streams): {message}", file=sys.stderr)
+        print(f"  fresh-process load ({streams} streams): {message}", file=sys.stderr)
     return result
 
 
@@ -249,15 +250,16 @@ def main() -> None:
                                                        "async_gate", "async_stall", "step", "step_overlapped",
                                                        "async_total", "stock",
                                                        "raw_read", "raw_read_parallel", "load_fresh",
-                                                       "load_fresh_1", "load_fresh_n", "load",
-                                                       "raw_read_new", "raw_read_direct")}
+                                                       "load_fresh_1", "load_fresh_n", "load_fresh_nopf",
+                                                       "load", "raw_read_new", "raw_read_direct")}
     # Each load's ratio to the raw cold reads of the same files just before and after it, in the same process:
     # this disk's speed drifts by up to 2x within a minute, so unpaired medians compare different disks.
-    paired: dict[str, list[float]] = {k: [] for k in ("load_fresh", "load_fresh_1", "load_fresh_n", "load",
+    paired: dict[str, list[float]] = {k: [] for k in ("load_fresh", "load_fresh_1", "load_fresh_n",
+                                                      "load_fresh_nopf", "load",
                                                       "raw_read_new", "raw_read_direct")}
     streams = read_streams()
     fixed = {"load_fresh": {}, "load_fresh_1": {READ_STREAMS_ENV: "1"}, "load_fresh_n": {READ_STREAMS_ENV:
-             str(READ_WORKERS)}}
+             str(READ_WORKERS)}, "load_fresh_nopf": {PREFAULT_ENV: "0"}}
     # Warm-up: allocate the async staging buffers once (they are reused afterwards, as in training).
     save_checkpoint(root / "warm", model=model, optimizer=optimizer, blocking=False)
     wait_for_pending_saves()
@@ -401,6 +403,8 @@ def report(results: dict[str, list[float]], paired: dict[str, list[float]], nbyt
         ("the same, 1 read stream (HF_RESUMABLE_READ_STREAMS=1)", "load_fresh_1", pair["load_fresh_1"], ""),
         (f"the same, {READ_WORKERS} read streams (HF_RESUMABLE_READ_STREAMS={READ_WORKERS})", "load_fresh_n",
          pair["load_fresh_n"], ""),
+        ("the same, new memory not prefaulted (HF_RESUMABLE_PREFAULT=0)", "load_fresh_nopf",
+         pair["load_fresh_nopf"], ""),
         ("hf_resumable load in place (model + existing AdamW state, hash-checked)", "load", pair["load"],
          ">= 0.9x"),
     ]

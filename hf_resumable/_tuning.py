@@ -15,24 +15,30 @@ True
 
 from __future__ import annotations
 
+import bisect
+import ctypes
 import logging
 import os
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from .format._libc import libc_function
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["TuningOptions", "tuning_options", "read_streams", "default_read_streams", "READ_WORKERS",
            "WRITER_NICE_INCREMENT", "Lowering", "lower_thread_priority", "restore_thread_priorities",
            "defer_to_running_threads", "READ_STREAMS_ENV", "WRITER_PRIORITY_ENV",
-           "BACKGROUND_DELETES_ENV", "SPLIT_REPLICAS_ENV"]
+           "BACKGROUND_DELETES_ENV", "SPLIT_REPLICAS_ENV", "PREFAULT_ENV", "Prefault", "view_address"]
 
 READ_STREAMS_ENV = "HF_RESUMABLE_READ_STREAMS"
 WRITER_PRIORITY_ENV = "HF_RESUMABLE_WRITER_PRIORITY"
 BACKGROUND_DELETES_ENV = "HF_RESUMABLE_BACKGROUND_DELETES"
 SPLIT_REPLICAS_ENV = "HF_RESUMABLE_SPLIT_REPLICAS"
+PREFAULT_ENV = "HF_RESUMABLE_PREFAULT"
 
 # Most read streams by default (all files share them).
 READ_WORKERS = 4
@@ -48,6 +54,7 @@ class TuningOptions:
     writer_priority: bool = True  # ``HF_RESUMABLE_WRITER_PRIORITY``
     background_deletes: bool = True  # ``HF_RESUMABLE_BACKGROUND_DELETES``
     split_replicas: bool = True  # ``HF_RESUMABLE_SPLIT_REPLICAS``
+    prefault: bool = True  # ``HF_RESUMABLE_PREFAULT``
 
     def __post_init__(self) -> None:
         if self.read_streams is not None and self.read_streams < 1:
@@ -89,7 +96,8 @@ def tuning_options() -> TuningOptions:
         ValueError: a switch holds a value it does not take (the message names the variable).
     """
     return TuningOptions(read_streams=_count(READ_STREAMS_ENV), writer_priority=_flag(WRITER_PRIORITY_ENV),
-                         background_deletes=_flag(BACKGROUND_DELETES_ENV), split_replicas=_flag(SPLIT_REPLICAS_ENV))
+                         background_deletes=_flag(BACKGROUND_DELETES_ENV), split_replicas=_flag(SPLIT_REPLICAS_ENV),
+                         prefault=_flag(PREFAULT_ENV))
 
 
 # ------------------------------------------------------------------------------------------------ read streams
@@ -120,6 +128,115 @@ def _usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
+
+
+# ------------------------------------------------------------------------------------------------ prefaulting
+# madvise(2) advice that faults in a range's pages writable without changing their contents (Linux >= 5.14).
+_MADV_POPULATE_WRITE = 23
+_MADVISE = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# Less new memory than this is not worth a thread; larger ranges are faulted in (and handed over) in steps of this.
+PREFAULT_MIN_BYTES = 64 << 20
+PREFAULT_STEP_BYTES = 8 << 20
+
+
+def view_address(view: memoryview) -> int:
+    """The address of a writable, contiguous, non-empty byte view's first byte."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+class Prefault:
+    """Fault in a load's new memory on a helper thread, in the order the load fills it. A process's new pages are
+    zeroed by the kernel on their first touch, which in a fresh process's load (new optimizer state) costs about as
+    long as the read itself; done on another core, it overlaps with the reads. ``HF_RESUMABLE_PREFAULT`` (on by
+    default; Linux >= 5.14: ``MADV_POPULATE_WRITE``, which never changes the contents).
+
+    A step of the memory goes to whichever of the two reaches it first: a reader calls :func:`Prefault.claim` with
+    the view it is about to fill, which waits only while a helper is faulting in that very step; the helper skips
+    what a reader claimed. Use as a context manager: the helper stops (at the step in progress) on exit, before the
+    memory may be freed.
+    """
+
+    _active: list[Prefault] = []
+    _registry = threading.Lock()
+
+    def __init__(self, ranges: Sequence[tuple[int, int]]) -> None:
+        self._steps: list[tuple[int, int]] = []
+        for address, nbytes in ranges:  # the whole pages inside each range; a reader touches the rest itself
+            first, end = -(-address // _PAGE) * _PAGE, (address + nbytes) // _PAGE * _PAGE
+            self._steps += [(at, min(PREFAULT_STEP_BYTES, end - at)) for at in range(first, end, PREFAULT_STEP_BYTES)]
+        self._starts = sorted((at, index) for index, (at, _) in enumerate(self._steps))
+        self._taken = [False] * len(self._steps)
+        self._busy: int | None = None
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, ranges: Sequence[tuple[int, int]]) -> Prefault:
+        """A helper over the ``(address, nbytes)`` ranges of new memory, in fill order; it does nothing where it is
+        switched off, not available, or the ranges are too small to be worth it."""
+        prefault = cls(ranges)
+        nbytes = sum(n for _, n in prefault._steps)
+        if _MADVISE is not None and nbytes >= PREFAULT_MIN_BYTES and _flag(PREFAULT_ENV):
+            with cls._registry:
+                cls._active.append(prefault)
+            logger.debug("Faulting in %d MiB of new memory on a helper thread", nbytes >> 20)
+            prefault._thread = threading.Thread(target=prefault._run, name="hf_resumable-prefault", daemon=True)
+            prefault._thread.start()
+        return prefault
+
+    def __enter__(self) -> Prefault:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        for index, (address, nbytes) in enumerate(self._steps):
+            with self._changed:
+                if self._taken[index]:
+                    continue
+                self._taken[index], self._busy = True, index
+            failed = _MADVISE(address, nbytes, _MADV_POPULATE_WRITE) != 0
+            with self._changed:
+                self._busy = None
+                self._changed.notify_all()
+            if failed:  # a kernel without the advice (EINVAL), or no memory left: the readers fault them in
+                logger.debug("Prefaulting stopped: madvise errno %d", ctypes.get_errno())
+                return
+
+    @classmethod
+    def claim(cls, view: memoryview) -> None:
+        """A reader is about to fill ``view``: the steps of running helpers that it overlaps are its own from now,
+        once no helper is faulting one of them in."""
+        if not cls._active or not len(view):
+            return
+        address = view_address(view)
+        for prefault in list(cls._active):
+            prefault._claim(address, address + len(view))
+
+    def _claim(self, start: int, end: int) -> None:
+        at = bisect.bisect_right(self._starts, (start, len(self._steps))) - 1
+        with self._changed:
+            for _, index in self._starts[max(at, 0):]:
+                step_start, nbytes = self._steps[index]
+                if step_start >= end:
+                    break
+                if step_start + nbytes > start:
+                    self._taken[index] = True
+                    while self._busy == index:
+                        self._changed.wait()
+
+    def stop(self) -> None:
+        """Stop at the step in progress and wait for the helper."""
+        if self._thread is None:
+            return
+        with self._changed:
+            self._taken = [True] * len(self._steps)
+        self._thread.join()
+        with self._registry:
+            self._active.remove(self)
+        self._thread = None
 
 
 # ------------------------------------------------------------------------------------------- thread priorities

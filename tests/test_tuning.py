@@ -1,22 +1,26 @@
 """The tuning switches (``hf_resumable/_tuning.py``): each ``HF_RESUMABLE_*`` switch is validated and turns its
-mechanism off; and the helper that runs a background save's threads below the training thread
+mechanism off; the prefault helper faults in new memory without changing it, and a load gives the same state with it
+and without; and the helper that runs a background save's threads below the training thread
 (``lower_thread_priority`` and ``restore_thread_priorities``, Linux: nice is per thread): the threads a lowered thread
 starts inherit its priority and get the normal one back with it, and a priority that cannot be set never fails a
 save: it is logged at debug."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import os
 import resource
 import sys
 import threading
+import time
 
 import pytest
 import torch
 
 from hf_resumable import _tuning
-from hf_resumable.checkpoint import read_manifest, save_checkpoint, wait_for_pending_saves
+from hf_resumable.checkpoint import load_checkpoint, read_manifest, save_checkpoint, wait_for_pending_saves
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 
@@ -24,7 +28,7 @@ INCREMENT = 5
 
 
 @pytest.mark.parametrize("name", [_tuning.WRITER_PRIORITY_ENV, _tuning.BACKGROUND_DELETES_ENV,
-                                  _tuning.SPLIT_REPLICAS_ENV, _tuning.READ_STREAMS_ENV])
+                                  _tuning.SPLIT_REPLICAS_ENV, _tuning.READ_STREAMS_ENV, _tuning.PREFAULT_ENV])
 def test_a_switch_refuses_a_value_it_does_not_take_naming_the_variable(monkeypatch, name):
     monkeypatch.setenv(name, "sometimes")
     with pytest.raises(ValueError, match=name):
@@ -33,15 +37,67 @@ def test_a_switch_refuses_a_value_it_does_not_take_naming_the_variable(monkeypat
 
 def test_the_switches_default_to_on_and_read_the_environment_at_the_call(monkeypatch):
     for name in (_tuning.WRITER_PRIORITY_ENV, _tuning.BACKGROUND_DELETES_ENV, _tuning.SPLIT_REPLICAS_ENV,
-                 _tuning.READ_STREAMS_ENV):
+                 _tuning.READ_STREAMS_ENV, _tuning.PREFAULT_ENV):
         monkeypatch.delenv(name, raising=False)
     assert _tuning.tuning_options() == _tuning.TuningOptions()
     monkeypatch.setenv(_tuning.BACKGROUND_DELETES_ENV, "0")
     monkeypatch.setenv(_tuning.READ_STREAMS_ENV, "3")
-    assert _tuning.tuning_options() == _tuning.TuningOptions(background_deletes=False, read_streams=3)
+    monkeypatch.setenv(_tuning.PREFAULT_ENV, "off")
+    assert _tuning.tuning_options() == _tuning.TuningOptions(background_deletes=False, read_streams=3, prefault=False)
     with pytest.raises(ValueError, match=_tuning.READ_STREAMS_ENV):
         _tuning.TuningOptions(read_streams=0)
 
+
+
+def _resident_pages(address: int, nbytes: int) -> int:
+    """How many pages of the anonymous mapping at ``address`` are in memory (``mincore``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    vector = (ctypes.c_ubyte * (nbytes // mmap.PAGESIZE))()
+    assert libc.mincore(address, nbytes, vector) == 0, ctypes.get_errno()
+    return sum(byte & 1 for byte in vector)
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_the_prefault_helper_faults_in_new_memory_without_changing_it_and_the_switch_turns_it_off(monkeypatch,
+                                                                                                   switch):
+    monkeypatch.setenv(_tuning.PREFAULT_ENV, switch)
+    nbytes = _tuning.PREFAULT_MIN_BYTES + 4 * mmap.PAGESIZE
+    memory = mmap.mmap(-1, nbytes)  # anonymous, page-aligned, untouched
+    address = _tuning.view_address(memoryview(memory))
+    memory[5 * mmap.PAGESIZE : 5 * mmap.PAGESIZE + 4] = b"kept"  # a page a reader filled before the helper came by
+    assert _resident_pages(address, nbytes) == 1
+    with _tuning.Prefault.start([(address, nbytes)]):
+        deadline = time.monotonic() + 60
+        while switch == "1" and _resident_pages(address, nbytes) < nbytes // mmap.PAGESIZE:
+            assert time.monotonic() < deadline, "the helper did not fault the memory in"
+            time.sleep(0.01)
+    assert _resident_pages(address, nbytes) == (nbytes // mmap.PAGESIZE if switch == "1" else 1)
+    assert memory[5 * mmap.PAGESIZE : 5 * mmap.PAGESIZE + 4] == b"kept"
+    assert bytes(memory).count(0) == nbytes - 4
+    assert not _tuning.Prefault._active  # the stopped helper left the registry readers consult
+
+
+def test_a_load_gives_the_same_state_with_the_prefault_helper_and_without(tmp_path, monkeypatch, caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4096, 2048)  # its AdamW state (two moments) is just over the helper's threshold
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4096)).sum().backward()
+    optimizer.step()
+    save_checkpoint(tmp_path / "ckpt", model=model, optimizer=optimizer, step=1)
+    states = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(_tuning.PREFAULT_ENV, switch)
+        fresh = torch.nn.Linear(4096, 2048)
+        fresh_optimizer = torch.optim.AdamW(fresh.parameters())  # no state yet: the load allocates it
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="hf_resumable._tuning"):
+            load_checkpoint(tmp_path / "ckpt", model=fresh, optimizer=fresh_optimizer)
+        assert any("helper thread" in r.getMessage() for r in caplog.records) == (switch == "1")
+        states[switch] = fresh_optimizer.state_dict()["state"]
+    for index, fields in optimizer.state_dict()["state"].items():
+        for key, value in fields.items():
+            assert torch.equal(states["1"][index][key], value) and torch.equal(states["0"][index][key], value)
 
 def test_with_the_writer_priority_switch_off_a_background_write_runs_at_the_training_priority(tmp_path, monkeypatch):
     from hf_resumable.checkpoint.commit import _writer

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..._tuning import read_streams
+from ..._tuning import Prefault, read_streams, view_address
 from ...errors import CorruptCheckpointError
 from ...format._safefile import open_regular
 from ...format.safetensors_io import FileRecord, RecordChecker, SafetensorsHeader, TensorInfo, byte_view
@@ -48,12 +48,14 @@ class FileRead:
 
 @dataclass
 class Chunk:
-    """``len(view)`` bytes at ``offset`` of file ``file`` (its ``index``-th chunk), landing in ``view``."""
+    """``len(view)`` bytes at ``offset`` of file ``file`` (its ``index``-th chunk), landing in ``view`` (``fresh``:
+    memory the read allocated, not touched yet)."""
 
     file: int
     index: int
     offset: int
     view: memoryview
+    fresh: bool = False
 
 
 def _in_place(target: torch.Tensor | None, info: TensorInfo) -> bool:
@@ -75,15 +77,16 @@ def plan_reads(reads: list[FileRead], *, chunk_bytes: int = CHUNK_BYTES
     for number, read in enumerate(reads):
         header, chunks = read.header, []
 
-        def add(offset: int, view: memoryview) -> None:
+        def add(offset: int, view: memoryview, fresh: bool = False) -> None:
             for start in range(0, len(view), chunk_bytes):
-                chunks.append(Chunk(number, len(chunks), offset + start, view[start : start + chunk_bytes]))
+                chunks.append(Chunk(number, len(chunks), offset + start, view[start : start + chunk_bytes], fresh))
 
         if read.expected is not None:
             add(0, memoryview(bytearray(header.data_offset)))
         for info in sorted(header.tensors.values(), key=lambda t: t.start):
             target = read.into.get(info.name)
-            if _in_place(target, info):
+            allocated = not _in_place(target, info)
+            if not allocated:
                 buffer = target
             else:
                 buffer = torch.empty(info.shape, dtype=info.torch_dtype)
@@ -91,7 +94,7 @@ def plan_reads(reads: list[FileRead], *, chunk_bytes: int = CHUNK_BYTES
                     staged.append((buffer, target))
                 else:
                     fresh[info.name] = buffer
-            add(header.data_offset + info.start, byte_view(buffer))
+            add(header.data_offset + info.start, byte_view(buffer), allocated)
         files.append(chunks)
     return files, fresh, staged
 
@@ -175,8 +178,10 @@ def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes
     files, fresh, staged = plan_reads(reads, chunk_bytes=chunk_bytes)
     states = [_FileState(read, chunks) for read, chunks in zip(reads, files)]
     queue = [chunk for chunks in files for chunk in chunks]
+    new = [chunk.view for chunk in queue if chunk.fresh and len(chunk.view)]
 
     def read_chunk(chunk: Chunk) -> None:
+        Prefault.claim(chunk.view)
         state = states[chunk.file]
         if state.read.data is not None:
             _copy_into(state.read.data, chunk, state.read.path)
@@ -186,7 +191,8 @@ def read_files(reads: list[FileRead], *, workers: int | None = None, chunk_bytes
 
     try:
         _open_files(states)
-        run_in_threads(read_chunk, queue, workers=max(1, streams))
+        with Prefault.start([(view_address(view), len(view)) for view in new]):  # the buffers allocated above
+            run_in_threads(read_chunk, queue, workers=max(1, streams))
     finally:
         for state in states:
             state.close()

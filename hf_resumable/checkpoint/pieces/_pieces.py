@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from ..._tuning import Prefault
 from ...constants import (
     FROZEN_RECORD_FILE,
     MODEL_INDEX_FILE,
@@ -532,6 +533,23 @@ def _load_planned_optimizer(opened: OpenedCheckpoint, layout: Mapping[str, Any],
     apply_optimizer_state(optimizer, plan, tensors, layout[LAYOUT_KEY_OPTIMIZER_DOC], source=_optimizer_source(opened))
 
 
+def _prefault_new_state(opened: OpenedCheckpoint, layout: Mapping[str, Any], plan: OptimizerLoadPlan | None
+                        ) -> Prefault:
+    """A helper that faults in the optimizer state the plan allocated (its contiguous CPU tensors), in the order the
+    optimizer's files give their bytes, from the start of the load (the weights are read first)."""
+    section = read_section(opened._reader, layout, LAYOUT_KEY_OPTIMIZER) if plan is not None else None
+    headers = opened._reader.report.headers
+
+    def position(name: str) -> tuple[str, int]:
+        file = next(iter(section.pieces[name]))
+        info = headers[file].tensors.get(name) if file in headers else None
+        return file, info.start if info is not None else 0
+
+    new = [plan.targets[name] for name in sorted(plan.new, key=position)] if plan is not None else []
+    return Prefault.start([(tensor.data_ptr(), tensor.numel() * tensor.element_size()) for tensor in new
+                           if tensor.device.type == "cpu" and tensor.is_contiguous()])
+
+
 def _load_param_groups_only(model: torch.nn.Module, optimizer: torch.optim.Optimizer, document: Mapping[str, Any],
                             *, source: str) -> None:
     """The saved optimizer had not stepped yet: restore its hyper-parameters and leave its state empty."""
@@ -633,14 +651,15 @@ def load_pieces_into(opened: OpenedCheckpoint, *, model: torch.nn.Module | None,
     for file in {file for key in parts if layout.get(key) for file in layout[key][SECTION_PIECES]}:
         opened._reader.report.check_unchanged(file)
     # 3. Weights (keys matched by the one key matcher, then the pieces read), then optimizer state (an engine builds
-    #    its templates from the loaded parameters).
+    #    its templates from the loaded parameters); the optimizer state allocated by the plan is faulted in meanwhile.
     try:
-        if model is not None:
-            _load_model(opened, layout, model, strict=strict)
-        if plan is not None:
-            _load_planned_optimizer(opened, layout, model, optimizer, plan)
-        elif optimizer is not None:
-            _load_optimizer(opened._reader, layout, model, optimizer, reshard=opened.reshard)
+        with _prefault_new_state(opened, layout, plan):
+            if model is not None:
+                _load_model(opened, layout, model, strict=strict)
+            if plan is not None:
+                _load_planned_optimizer(opened, layout, model, optimizer, plan)
+            elif optimizer is not None:
+                _load_optimizer(opened._reader, layout, model, optimizer, reshard=opened.reshard)
     finally:
         opened._reader.release()  # the verified bytes kept for this load are used (or will be read again, checked)
 
