@@ -216,9 +216,10 @@ class Prefault:
             prefault._claim(address, address + len(view))
 
     def _claim(self, start: int, end: int) -> None:
-        at = bisect.bisect_right(self._starts, (start, len(self._steps))) - 1
+        first = max(bisect.bisect_right(self._starts, (start, len(self._steps))) - 1, 0)
         with self._changed:
-            for _, index in self._starts[max(at, 0):]:
+            for position in range(first, len(self._starts)):
+                index = self._starts[position][1]
                 step_start, nbytes = self._steps[index]
                 if step_start >= end:
                     break
