@@ -78,6 +78,20 @@ def test_the_prefault_helper_faults_in_new_memory_without_changing_it_and_the_sw
     assert not _tuning.Prefault._active  # the stopped helper left the registry readers consult
 
 
+
+def test_what_a_reader_claimed_the_prefault_helper_leaves_to_it():
+    steps = 3
+    nbytes = steps * _tuning.PREFAULT_STEP_BYTES
+    memory = mmap.mmap(-1, nbytes)
+    address = _tuning.view_address(memoryview(memory))
+    prefault = _tuning.Prefault([(address, nbytes)])  # not started: its helper's loop runs below, in this thread
+    claimed = memoryview(memory)[_tuning.PREFAULT_STEP_BYTES + 10 : _tuning.PREFAULT_STEP_BYTES + 20]
+    prefault._claim(_tuning.view_address(claimed), _tuning.view_address(claimed) + len(claimed))
+    prefault._run()
+    per_step = _tuning.PREFAULT_STEP_BYTES // mmap.PAGESIZE
+    assert [_resident_pages(address + i * _tuning.PREFAULT_STEP_BYTES, _tuning.PREFAULT_STEP_BYTES)
+            for i in range(steps)] == [per_step, 0, per_step]
+
 def test_a_load_gives_the_same_state_with_the_prefault_helper_and_without(tmp_path, monkeypatch, caplog):
     torch.manual_seed(0)
     model = torch.nn.Linear(4096, 2048)  # its AdamW state (two moments) is just over the helper's threshold
