@@ -533,19 +533,10 @@ def _load_planned_optimizer(opened: OpenedCheckpoint, layout: Mapping[str, Any],
     apply_optimizer_state(optimizer, plan, tensors, layout[LAYOUT_KEY_OPTIMIZER_DOC], source=_optimizer_source(opened))
 
 
-def _prefault_new_state(opened: OpenedCheckpoint, layout: Mapping[str, Any], plan: OptimizerLoadPlan | None
-                        ) -> Prefault:
-    """A helper that faults in the optimizer state the plan allocated (its contiguous CPU tensors), in the order the
-    optimizer's files give their bytes, from the start of the load (the weights are read first)."""
-    section = read_section(opened._reader, layout, LAYOUT_KEY_OPTIMIZER) if plan is not None else None
-    headers = opened._reader.report.headers
-
-    def position(name: str) -> tuple[str, int]:
-        file = next(iter(section.pieces[name]))
-        info = headers[file].tensors.get(name) if file in headers else None
-        return file, info.start if info is not None else 0
-
-    new = [plan.targets[name] for name in sorted(plan.new, key=position)] if plan is not None else []
+def _prefault_new_state(plan: OptimizerLoadPlan | None) -> Prefault:
+    """A helper that faults in the optimizer state the plan allocated (its contiguous CPU tensors) from the start of
+    the load (the weights are read first), by name: the order of a file's tensors of one dtype."""
+    new = [plan.targets[name] for name in sorted(plan.new)] if plan is not None else []
     return Prefault.start([(tensor.data_ptr(), tensor.numel() * tensor.element_size()) for tensor in new
                            if tensor.device.type == "cpu" and tensor.is_contiguous()])
 
@@ -653,7 +644,7 @@ def load_pieces_into(opened: OpenedCheckpoint, *, model: torch.nn.Module | None,
     # 3. Weights (keys matched by the one key matcher, then the pieces read), then optimizer state (an engine builds
     #    its templates from the loaded parameters); the optimizer state allocated by the plan is faulted in meanwhile.
     try:
-        with _prefault_new_state(opened, layout, plan):
+        with _prefault_new_state(plan):
             if model is not None:
                 _load_model(opened, layout, model, strict=strict)
             if plan is not None:
