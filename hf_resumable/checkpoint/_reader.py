@@ -343,8 +343,7 @@ class OpenedCheckpoint(LoadedCheckpoint):
         Raises:
             InexactResumeError / ConfigDriftError: see :meth:`check_exact`.
         """
-        allow = self.allow_inexact_resume if allow_inexact_resume is None else allow_inexact_resume
-        self.check_exact(weights=False, rng=True, allow_inexact_resume=allow)
+        self.check_exact(weights=False, rng=True, allow_inexact_resume=allow_inexact_resume)
         if self.rng_state is not None:
             restore_rng_state(self.rng_state, allow_device_mismatch=True)
 

@@ -136,7 +136,7 @@ def committed_directory(target: str | os.PathLike, *, overwrite: bool = False) -
     ```python
     >>> with committed_directory("pulled/checkpoint-7") as tmp:  # doctest: +SKIP
     ...     fetch_every_file_into(tmp)
-    ...     write_file_durably(tmp / "manifest.json", manifest.to_json())
+    ...     write_bytes_durably(tmp / "manifest.json", manifest.to_json())
 
     ```
     """

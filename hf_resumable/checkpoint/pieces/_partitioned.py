@@ -24,9 +24,9 @@ from ._dtensor import group_mesh, local_box
 logger = logging.getLogger(__name__)
 
 __all__ = ["is_partitioned", "partitioned_state", "partitioned_views", "load_partitioned_state", "PARTITION_KEY",
-           "held_partition", "partition_piece", "state_parameters", "weights_from_masters", "master_weight_names",
-           "omitted_weights", "MasterWeights", "PartitionMap", "Segment", "plan_partition_copies",
-           "reshard_partitions", "read_master_weights"]
+           "held_partition", "partition_piece", "state_parameters", "master_weight_names", "omitted_weights",
+           "MasterWeights", "PartitionMap", "Segment", "plan_partition_copies", "reshard_partitions",
+           "read_master_weights"]
 
 
 def _is_partitioned_parameter(value: Any) -> bool:
@@ -122,14 +122,6 @@ def partitioned_state(model: torch.nn.Module, state: Mapping[str, Any], *,
             value = pieces[id(parameter)]
         result[name] = value
     return result
-
-
-def weights_from_masters(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any, *,
-                         parameters: Mapping[str, Any] | None = None) -> tuple[dict[str, str], set[str]]:
-    """:func:`master_weight_names` and :func:`omitted_weights` of ``state``: the weights a save with a ZeRO
-    ``optimizer`` describes by their masters, and those whose pieces this rank does not write."""
-    masters = master_weight_names(model, state, optimizer, parameters=parameters)
-    return masters, omitted_weights(masters, optimizer)
 
 
 def master_weight_names(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any, *,

@@ -51,7 +51,7 @@ from ..state._model import TIED_KEY, dedupe_tied, find_aliases, model_state, sto
 from ..state._model_files import plan_model_files, single_file_metadata
 from ..state._optimizer import optimizer_to_tensors, parameter_names
 from ._dtensor import is_dtensor
-from ._frozen import base_provenance, build_record, frozen_names
+from ._frozen import base_provenance, build_record, describe_source, frozen_names
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ def capture_model(payload: Payload, model: torch.nn.Module | Mapping[str, torch.
                                  base_provenance(module))
     payload.blobs[FROZEN_RECORD_FILE] = json_bytes(frozen_record.to_json())
     logger.info("Frozen base not stored: %d tensor(s), %.1f MB (%s); %d trainable tensor(s) and buffers, %.1f MB.",
-                len(frozen_record.tensors), frozen_record.total_bytes / 1e6, frozen_record.describe_source(),
+                len(frozen_record.tensors), frozen_record.total_bytes / 1e6, describe_source(frozen_record.source),
                 len(stored), sum(_nbytes(t) for t in stored.values()) / 1e6)
 
 
