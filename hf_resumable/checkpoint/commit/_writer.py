@@ -16,13 +16,7 @@ from typing import Any
 
 from ... import trace
 from ...constants import DURABILITY_FILE, MANIFEST_FILE, SHARDS_KEY, STOCK_ACCELERATE_FILES_RE
-from ...distributed import (
-    all_gather_json,
-    barrier,
-    broadcast_json,
-    is_distributed,
-    rank_and_world_size,
-)
+from ...distributed import all_gather_json, barrier, broadcast_json, is_distributed, rank_and_world_size
 from ...errors import CheckpointExistsError
 from ...format._jsonio import json_bytes
 from ...format.rng import save_rng_state

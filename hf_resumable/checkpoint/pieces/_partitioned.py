@@ -345,11 +345,6 @@ def saved_partition_maps(document: Mapping[str, Any], *, source: str) -> dict[st
     return maps
 
 
-def _rank_of(piece: Any, partition_map: PartitionMap) -> int:
-    """This rank's place in a partition's group: where its piece starts in the global flat tensor."""
-    return local_box(piece).offset[0] // max(partition_map.size, 1)
-
-
 def reshard_partitions(current: Mapping[str, Any], document: Mapping[str, Any], reader: Any, *,
                        source: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Cut this rank's flat optimizer partitions (``current``, a ``ShardedOptimizerState.sharded_state_dict()`` at
@@ -373,7 +368,8 @@ def reshard_partitions(current: Mapping[str, Any], document: Mapping[str, Any], 
     for name, fields in current["state"].items():
         partition_map = PartitionMap.from_json(fields[PARTITION_KEY], source=f"{name} (live)")
         flat = next(value for value in fields.values() if hasattr(value, "to_local"))
-        wanted = partition_map.segments(_rank_of(flat, partition_map))
+        # this rank's place in the partition's group: where its piece starts in the global flat tensor
+        wanted = partition_map.segments(local_box(flat).offset[0] // max(partition_map.size, 1))
         if not wanted:
             raise CheckpointMismatchError(f"{source}: the live partition {name!r} holds no parameter.")
         origin = holder.get(wanted[0].fqn)

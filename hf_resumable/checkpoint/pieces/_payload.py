@@ -270,15 +270,10 @@ def adapter_tensors(model: torch.nn.Module | None) -> dict[str, list[tuple[str, 
         state = get_peft_model_state_dict(model, adapter_name=name)
         relpath = ADAPTER_WEIGHTS_FILE if name == "default" else f"{name}/{ADAPTER_WEIGHTS_FILE}"
         check_relative_name(relpath, source="PEFT adapter name")
-        files[relpath] = _unshare([(key, value.detach()) for key, value in state.items()])
+        named = [(key, value.detach()) for key, value in state.items()]
+        aliases = find_aliases(dict(named))  # written as separate copies, as PEFT's save does (no aliases in a file)
+        files[relpath] = [(key, tensor.clone() if key in aliases else tensor) for key, tensor in named]
     return files
-
-
-def _unshare(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """Tensors that share memory are written as separate copies (what PEFT's save does: safetensors has no
-    aliases)."""
-    aliases = find_aliases(dict(named))
-    return [(name, tensor.clone() if name in aliases else tensor) for name, tensor in named]
 
 
 # id(object) -> (its JSON, the files its save_pretrained wrote): a config that did not change since the last save is
