@@ -328,6 +328,23 @@ def test_index_with_traversal_is_rejected(tmp_path):
         load_checkpoint(directory, model=tiny_gpt2(), restore_rng=False)
 
 
+def test_a_tensor_its_index_does_not_place_fails_verification_and_is_skipped(tmp_path):
+    # A shard holds a tensor the index no longer names: verification refuses it (a load would not know what it is),
+    # so a resume falls back to the previous checkpoint instead of failing inside the load.
+    _save_two(tmp_path)
+    directory = tmp_path / "checkpoint-2"
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    dropped = next(iter(index["weight_map"]))
+    del index["weight_map"][dropped]
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    _rewrite_manifest(directory, lambda files: None)
+    report = verify_checkpoint(directory, full=False)
+    assert any("does not place there" in why and dropped in why for _, why in report.problems), report.problems
+    assert find_latest_checkpoint(tmp_path) == tmp_path / "checkpoint-1"
+    with pytest.raises(CorruptCheckpointError, match="does not place there"):
+        load_checkpoint(directory, model=tiny_gpt2(), restore_rng=False)
+
+
 def test_manifest_listing_a_path_outside_is_rejected(tmp_path):
     _save_two(tmp_path)
     directory = tmp_path / "checkpoint-2"

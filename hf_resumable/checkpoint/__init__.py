@@ -12,7 +12,6 @@ from .api import (
     save_checkpoint,
     wait_for_pending_saves,
 )
-from .commit._fs import write_bytes_durably as write_file_durably
 from .commit._writer import committed_directory
 from .commit.manifest import Manifest, read_manifest
 from .discovery import (
@@ -45,5 +44,4 @@ __all__ = [
     "save_checkpoint",
     "verify_checkpoint",
     "wait_for_pending_saves",
-    "write_file_durably",
 ]

@@ -20,7 +20,6 @@ from ..constants import (
     DATA_STATE_FILE_PATTERN,
     FROZEN_RECORD_FILE,
     LAYOUT_FILE,
-    MANIFEST_FILE,
     MAX_JSON_SIZE,
     MODEL_INDEX_FILE,
     OPTIMIZER_INDEX_FILE,
@@ -174,15 +173,8 @@ class _Reader:
         self.report.contents.clear()
 
     def index(self, relpath: str) -> ShardIndex:
-        index = parse_index(self.json(relpath), source=str(self.path / relpath))
-        for filename in index.filenames:
-            if filename not in self.manifest.files or filename not in self.report.headers:
-                raise IncompleteCheckpointError(f"{self.path / relpath}: names {filename}, which the manifest lacks.")
-            extra = sorted(set(self.report.headers[filename].tensors) - set(index.names_in(filename)))
-            if extra:
-                raise CorruptCheckpointError(f"{self.path / filename}: holds tensors its index {relpath} does not "
-                                             f"place there: {extra[:5]}. Resume from another checkpoint.")
-        return index
+        """An index of the checkpoint (its files against the manifest and their headers: checked by verification)."""
+        return parse_index(self.json(relpath), source=str(self.path / relpath))
 
     def tensors(self, relpath: str) -> dict[str, torch.Tensor]:
         if relpath not in self.report.headers:
@@ -249,11 +241,8 @@ class OpenedCheckpoint(LoadedCheckpoint):
         reader = _Reader(path, report, hash_on_read=verify == "quick")
         manifest = report.manifest
         state_source = str(path / TRAINING_STATE_FILE)
-        # 2. Counters of the manifest, structure of training_state.json, its tensors: the structure is checked
-        #    before decoding so that a malformed document fails with its field named, not deep in the codec.
-        if manifest.step is not None and (type(manifest.step) is not int or manifest.step < 0):
-            raise CorruptCheckpointError(f"{path / MANIFEST_FILE}: step: {manifest.step!r} is invalid, expected a "
-                                         "non-negative int or null. Resume from another checkpoint.")
+        # 2. The structure of training_state.json (the manifest's fields were checked as it was read), its tensors:
+        #    the structure is checked before decoding so that a malformed document fails with its field named.
         document = check_training_state(reader.json(TRAINING_STATE_FILE), source=state_source)
         tensors = reader.tensors(STATE_TENSORS_FILE) if STATE_TENSORS_FILE in manifest.files else {}
         # 3. Decode once: progress, extra, scheduler and scaler state (every codec marker checked); load_into and
@@ -343,8 +332,7 @@ class OpenedCheckpoint(LoadedCheckpoint):
         Raises:
             InexactResumeError / ConfigDriftError: see :meth:`check_exact`.
         """
-        allow = self.allow_inexact_resume if allow_inexact_resume is None else allow_inexact_resume
-        self.check_exact(weights=False, rng=True, allow_inexact_resume=allow)
+        self.check_exact(weights=False, rng=True, allow_inexact_resume=allow_inexact_resume)
         if self.rng_state is not None:
             restore_rng_state(self.rng_state, allow_device_mismatch=True)
 

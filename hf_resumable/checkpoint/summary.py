@@ -26,7 +26,7 @@ from ..constants import (
 from ..errors import CheckpointNotFoundError, HfResumableError
 from ..format._jsonio import parse_json
 from ..format._safefile import read_regular_file
-from .pieces._frozen import FrozenRecord
+from .pieces._frozen import FrozenRecord, describe_source
 from .state._model_files import has_model_weights
 from .verify import verify_checkpoint
 
@@ -307,7 +307,7 @@ def _fill_frozen(summary: CheckpointSummary, report: Any) -> None:
     except HfResumableError:
         return
     summary.frozen_parameter_count, summary.frozen_size = record.numel, record.total_bytes
-    summary.frozen_base = record.describe_source()
+    summary.frozen_base = describe_source(record.source)
 
 
 def summarize_checkpoint(directory: str | os.PathLike, *, full: bool = False) -> CheckpointSummary:

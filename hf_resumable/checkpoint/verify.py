@@ -311,6 +311,8 @@ def _check_indexes(directory: Path, report: VerifyReport) -> None:
             absent = sorted(set(names) - set(header.tensors))
             if absent:
                 report.add(filename, f"lacks tensors the index places there: {absent[:5]}")
+            if extra := sorted(set(header.tensors) - set(names)):  # a load would not know which tensor they are
+                report.add(filename, f"holds tensors its index {index_name} does not place there: {extra[:5]}")
 
 
 def _check_layout(directory: Path, report: VerifyReport) -> None:

@@ -244,7 +244,8 @@ def download_checkpoint(
         CorruptCheckpointError: if a downloaded file's size or hash (xxh3-128, or the sha256 of an older manifest's
             record) differs from the manifest.
     """
-    from ..checkpoint import committed_directory, verify_checkpoint, write_file_durably
+    from ..checkpoint import committed_directory, verify_checkpoint
+    from ..checkpoint.commit import write_bytes_durably
     from ..format.sharding import check_relative_name
 
     fs, root = _fs(remote_dir, storage_options)
@@ -263,7 +264,7 @@ def download_checkpoint(
                 _with_retries(f"download of {rel}", lambda rel=rel, record=record: _fetch(fs, f"{root}/{rel}",
                                                                                         tmp / rel, record))
                 bar.update(record.size)
-        write_file_durably(tmp / MANIFEST_FILE, manifest.to_json())
+        write_bytes_durably(tmp / MANIFEST_FILE, manifest.to_json())
     return target
 
 

@@ -64,10 +64,6 @@ class OwnedName:
     mark: str = ""
 
 
-def _host_hash(hostname: str) -> str:
-    return hashlib.sha256(hostname.encode("utf-8", "surrogateescape")).hexdigest()[:8]
-
-
 def _start_time(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks since boot (Linux ``/proc``); ``None`` if there is no such process or it
     has exited (a zombie: killed, its parent has not reaped it yet, and ``kill(pid, 0)`` still succeeds)."""
@@ -90,7 +86,8 @@ def _start_time(pid: int) -> int | None:
 
 @functools.lru_cache(maxsize=None)
 def _owner_of(pid: int) -> OwnerTag:
-    return OwnerTag(host=_host_hash(socket.gethostname()), pid=pid, start=_start_time(pid) or 0)
+    host = hashlib.sha256(socket.gethostname().encode("utf-8", "surrogateescape")).hexdigest()[:8]
+    return OwnerTag(host=host, pid=pid, start=_start_time(pid) or 0)
 
 
 def current_owner() -> OwnerTag:

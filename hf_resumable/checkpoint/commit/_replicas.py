@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from ..._tuning import tuning_options
-from .._types import Payload, TensorFile
+from .._types import Payload
 
 __all__ = ["plan_replica_writers", "replica_signature", "replicas_split", "part_of_rank", "split_replicas"]
 
@@ -51,10 +51,6 @@ def split_replicas() -> bool:
     return tuning_options().split_replicas
 
 
-def _file_bytes(tensor_file: TensorFile) -> int:
-    return sum(t.numel() * t.element_size() for _, t in tensor_file.tensors)
-
-
 def replica_signature(payload: Payload) -> str | None:
     """What must be the same on every rank for the replicated files to be split (a digest of their names, metadata and
     tensors' names, dtypes and shapes), or ``None`` where this rank does not take part."""
@@ -76,8 +72,9 @@ def part_of_rank(payload: Payload, rank: int, world_size: int, *, split: bool) -
     shard records, so rank 0 writes them after the gather."""
     if not payload.replicated:
         return payload
-    writers = plan_replica_writers({f.relpath: _file_bytes(f) for f in payload.tensor_files
-                                    if f.relpath in payload.replicated}, world_size, split=split)
+    sizes = {f.relpath: sum(t.numel() * t.element_size() for _, t in f.tensors) for f in payload.tensor_files
+             if f.relpath in payload.replicated}
+    writers = plan_replica_writers(sizes, world_size, split=split)
     keep = [f for f in payload.tensor_files
             if f.relpath not in payload.replicated or writers.get(f.relpath, 0) == rank]
     return replace(payload, tensor_files=keep, indexes=payload.indexes if rank == 0 and not split else [])

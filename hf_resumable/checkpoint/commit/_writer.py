@@ -16,13 +16,7 @@ from typing import Any
 
 from ... import trace
 from ...constants import DURABILITY_FILE, MANIFEST_FILE, SHARDS_KEY, STOCK_ACCELERATE_FILES_RE
-from ...distributed import (
-    all_gather_json,
-    barrier,
-    broadcast_json,
-    is_distributed,
-    rank_and_world_size,
-)
+from ...distributed import all_gather_json, barrier, broadcast_json, is_distributed, rank_and_world_size
 from ...errors import CheckpointExistsError
 from ...format._jsonio import json_bytes
 from ...format.rng import save_rng_state
@@ -136,7 +130,7 @@ def committed_directory(target: str | os.PathLike, *, overwrite: bool = False) -
     ```python
     >>> with committed_directory("pulled/checkpoint-7") as tmp:  # doctest: +SKIP
     ...     fetch_every_file_into(tmp)
-    ...     write_file_durably(tmp / "manifest.json", manifest.to_json())
+    ...     write_bytes_durably(tmp / "manifest.json", manifest.to_json())
 
     ```
     """

@@ -55,8 +55,8 @@ from ._dtensor import is_dtensor, local_box, local_tensor, writes_piece
 logger = logging.getLogger(__name__)
 
 __all__ = ["FrozenTensor", "FrozenRecord", "TrainablePart", "frozen_names", "build_record", "base_provenance",
-           "check_frozen_base", "fingerprint", "forget_fingerprints", "base_not_stored", "FrozenPiece",
-           "raise_base_problems", "split_frozen_sharded", "check_frozen_sharded"]
+           "check_frozen_base", "describe_source", "fingerprint", "forget_fingerprints", "base_not_stored",
+           "FrozenPiece", "raise_base_problems", "split_frozen_sharded"]
 
 # The sampled fingerprint: SAMPLE_WINDOWS windows of SAMPLE_BYTES bytes, evenly spaced from the first byte to the
 # last; tensors up to SAMPLE_WINDOWS * SAMPLE_BYTES bytes are sampled whole (sample == every byte).
@@ -235,10 +235,6 @@ class FrozenRecord:
     def numel(self) -> int:
         return sum(t.numel for t in self.tensors.values())
 
-    def describe_source(self) -> str:
-        """``"gpt2 (Hub, revision main, commit 1a2b...)"``, ``"/path/to/base (local)"`` or ``"unknown"``."""
-        return describe_source(self.source)
-
     def to_json(self) -> dict[str, Any]:
         document = {FROZEN_KEY_VERSION: FROZEN_RECORD_VERSION, FROZEN_KEY_HASH: "xxh3-128",
                 FROZEN_KEY_SAMPLE: {"windows": SAMPLE_WINDOWS, "window_bytes": SAMPLE_BYTES},
@@ -333,6 +329,8 @@ def _tensor_json(tensor: FrozenTensor) -> dict[str, Any]:
 
 
 def describe_source(source: Mapping[str, Any]) -> str:
+    """Where a record's base came from: ``"gpt2 (Hub, revision main, commit 1a2b...)"``, ``"/path/to/base (local)"``
+    or ``"unknown"``."""
     name = source.get("name_or_path")
     if not name:
         return "unknown (not recorded)"
@@ -483,8 +481,8 @@ def check_frozen_base(record: FrozenRecord, targets: Mapping[str, torch.Tensor],
                 problems += _compare({(name, i): whole[boxes[i].box.slices(Box.whole(whole.shape))] for i in missing},
                                      record, present, full=full)
                 del whole
-    raise_base_problems(record, problems, len(present), sorted(set(wanted) - set(targets)), strict=strict,
-                        source=source)
+    raise_base_problems(describe_source(record.source), problems, len(present), sorted(set(wanted) - set(targets)),
+                        strict=strict, source=source)
     logger.info("%s: the model's %d frozen tensor(s) match the checkpoint's base record (%s).", source, len(present),
                 "every byte" if full else "names, dtypes, shapes and sampled bytes")
     return set(present)
@@ -518,21 +516,22 @@ def _live_problem(name: str, live: torch.Tensor, entry: FrozenTensor, *, pieces:
             f"{DTYPE_TO_STR.get(live.dtype, live.dtype)} {list(live.shape)}")
 
 
-def raise_base_problems(record: FrozenRecord, problems: list[str], checked: int, absent: list[str], *, strict: bool,
-                    source: str) -> None:
+def raise_base_problems(base: str, problems: list[str], checked: int, absent: list[str], *, strict: bool,
+                        source: str) -> None:
+    """Raise for the ``problems`` of a base check (``base``: where it came from); warn of ``absent`` ones skipped."""
     if problems:
         raise BaseMismatchError(
             f"{source}: the model's frozen parameters are not the base this checkpoint was trained with: "
             f"{len(problems)} of {checked} recorded tensor(s) differ:\n  " + "\n  ".join(problems[:_ERRORS_SHOWN])
             + (f"\n  ... and {len(problems) - _ERRORS_SHOWN} more" if len(problems) > _ERRORS_SHOWN else "")
-            + f"\nThe checkpoint stores only the trainable part; its base is {record.describe_source()}. Build the "
+            + f"\nThe checkpoint stores only the trainable part; its base is {base}. Build the "
             "model from that base (same revision, dtype and quantization, the same PEFT config) before loading, or "
             "resume from a standalone checkpoint (save_checkpoint(..., standalone=True), "
             "ResumableTrainer(standalone_checkpoints=True)).")
     if absent and strict:
         raise CheckpointMismatchError(
             f"{source}: {len(absent)} frozen tensor(s) of the checkpoint's base are not in the model, e.g. "
-            f"{absent[:5]}. Build the model from {record.describe_source()} with the checkpoint's PEFT config, or "
+            f"{absent[:5]}. Build the model from {base} with the checkpoint's PEFT config, or "
             "pass strict=False.")
     if absent:
         logger.warning("Loading %s with strict=False: %d recorded frozen tensor(s) are not in the model %s", source,
@@ -659,15 +658,5 @@ def split_frozen_sharded(model: torch.nn.Module, state: Mapping[str, torch.Tenso
     record = FrozenRecord(tensors=entries, tied={a: k for a, k in tied.items() if k in frozen},
                           source=base_provenance(model))
     logger.info("Frozen base not stored in the sharded checkpoint: %d tensor(s), %.1f MB (%s).", len(entries),
-                record.total_bytes / 1e6, record.describe_source())
+                record.total_bytes / 1e6, describe_source(record.source))
     return stored, kept_tied, json_bytes(record.to_json())
-
-
-def check_frozen_sharded(reader: Any, current: Mapping[str, torch.Tensor], *, full: bool, strict: bool
-                         ) -> set[str]:
-    """A piece load's :func:`check_frozen_base` (a collective) against the record ``reader``'s checkpoint holds, if
-    any; returns the names it covers."""
-    if FROZEN_RECORD_FILE not in reader.manifest.files:
-        return set()
-    record = FrozenRecord.from_json(reader.json(FROZEN_RECORD_FILE), source=str(reader.path / FROZEN_RECORD_FILE))
-    return check_frozen_base(record, current, full=full, strict=strict, source=str(reader.path), pieces=True)

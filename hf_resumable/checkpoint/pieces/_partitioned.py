@@ -24,9 +24,9 @@ from ._dtensor import group_mesh, local_box
 logger = logging.getLogger(__name__)
 
 __all__ = ["is_partitioned", "partitioned_state", "partitioned_views", "load_partitioned_state", "PARTITION_KEY",
-           "held_partition", "partition_piece", "state_parameters", "weights_from_masters", "master_weight_names",
-           "omitted_weights", "MasterWeights", "PartitionMap", "Segment", "plan_partition_copies",
-           "reshard_partitions", "read_master_weights"]
+           "held_partition", "partition_piece", "state_parameters", "master_weight_names", "omitted_weights",
+           "MasterWeights", "PartitionMap", "Segment", "plan_partition_copies", "reshard_partitions",
+           "read_master_weights"]
 
 
 def _is_partitioned_parameter(value: Any) -> bool:
@@ -122,14 +122,6 @@ def partitioned_state(model: torch.nn.Module, state: Mapping[str, Any], *,
             value = pieces[id(parameter)]
         result[name] = value
     return result
-
-
-def weights_from_masters(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any, *,
-                         parameters: Mapping[str, Any] | None = None) -> tuple[dict[str, str], set[str]]:
-    """:func:`master_weight_names` and :func:`omitted_weights` of ``state``: the weights a save with a ZeRO
-    ``optimizer`` describes by their masters, and those whose pieces this rank does not write."""
-    masters = master_weight_names(model, state, optimizer, parameters=parameters)
-    return masters, omitted_weights(masters, optimizer)
 
 
 def master_weight_names(model: torch.nn.Module, state: Mapping[str, Any], optimizer: Any, *,
@@ -353,11 +345,6 @@ def saved_partition_maps(document: Mapping[str, Any], *, source: str) -> dict[st
     return maps
 
 
-def _rank_of(piece: Any, partition_map: PartitionMap) -> int:
-    """This rank's place in a partition's group: where its piece starts in the global flat tensor."""
-    return local_box(piece).offset[0] // max(partition_map.size, 1)
-
-
 def reshard_partitions(current: Mapping[str, Any], document: Mapping[str, Any], reader: Any, *,
                        source: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Cut this rank's flat optimizer partitions (``current``, a ``ShardedOptimizerState.sharded_state_dict()`` at
@@ -381,7 +368,8 @@ def reshard_partitions(current: Mapping[str, Any], document: Mapping[str, Any], 
     for name, fields in current["state"].items():
         partition_map = PartitionMap.from_json(fields[PARTITION_KEY], source=f"{name} (live)")
         flat = next(value for value in fields.values() if hasattr(value, "to_local"))
-        wanted = partition_map.segments(_rank_of(flat, partition_map))
+        # this rank's place in the partition's group: where its piece starts in the global flat tensor
+        wanted = partition_map.segments(local_box(flat).offset[0] // max(partition_map.size, 1))
         if not wanted:
             raise CheckpointMismatchError(f"{source}: the live partition {name!r} holds no parameter.")
         origin = holder.get(wanted[0].fqn)

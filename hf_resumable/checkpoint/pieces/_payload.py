@@ -51,7 +51,7 @@ from ..state._model import TIED_KEY, dedupe_tied, find_aliases, model_state, sto
 from ..state._model_files import plan_model_files, single_file_metadata
 from ..state._optimizer import optimizer_to_tensors, parameter_names
 from ._dtensor import is_dtensor
-from ._frozen import base_provenance, build_record, frozen_names
+from ._frozen import base_provenance, build_record, describe_source, frozen_names
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ def capture_model(payload: Payload, model: torch.nn.Module | Mapping[str, torch.
                                  base_provenance(module))
     payload.blobs[FROZEN_RECORD_FILE] = json_bytes(frozen_record.to_json())
     logger.info("Frozen base not stored: %d tensor(s), %.1f MB (%s); %d trainable tensor(s) and buffers, %.1f MB.",
-                len(frozen_record.tensors), frozen_record.total_bytes / 1e6, frozen_record.describe_source(),
+                len(frozen_record.tensors), frozen_record.total_bytes / 1e6, describe_source(frozen_record.source),
                 len(stored), sum(_nbytes(t) for t in stored.values()) / 1e6)
 
 
@@ -270,15 +270,10 @@ def adapter_tensors(model: torch.nn.Module | None) -> dict[str, list[tuple[str, 
         state = get_peft_model_state_dict(model, adapter_name=name)
         relpath = ADAPTER_WEIGHTS_FILE if name == "default" else f"{name}/{ADAPTER_WEIGHTS_FILE}"
         check_relative_name(relpath, source="PEFT adapter name")
-        files[relpath] = _unshare([(key, value.detach()) for key, value in state.items()])
+        named = [(key, value.detach()) for key, value in state.items()]
+        aliases = find_aliases(dict(named))  # written as separate copies, as PEFT's save does (no aliases in a file)
+        files[relpath] = [(key, tensor.clone() if key in aliases else tensor) for key, tensor in named]
     return files
-
-
-def _unshare(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """Tensors that share memory are written as separate copies (what PEFT's save does: safetensors has no
-    aliases)."""
-    aliases = find_aliases(dict(named))
-    return [(name, tensor.clone() if name in aliases else tensor) for name, tensor in named]
 
 
 # id(object) -> (its JSON, the files its save_pretrained wrote): a config that did not change since the last save is

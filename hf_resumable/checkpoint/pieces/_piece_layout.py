@@ -30,7 +30,6 @@ from ...errors import CheckpointMismatchError, CorruptCheckpointError, Unsupport
 from ...format.safetensors_io import DTYPE_TO_STR
 from ...format.sharding import ShardPlan
 from .._types import Box, TensorFile, intersect_boxes
-from ..state._model import find_aliases
 from ..state._model_files import plan_model_files
 from ._dtensor import is_dtensor, local_box, local_tensor, piece_plan, writes_piece
 from ._frozen import fingerprint
@@ -49,9 +48,8 @@ TENSOR_MASTER = "master"
 LAYOUT_VERSION_MASTERS = 2  # the layout version a section with TENSOR_MASTER descriptions needs to be read
 
 __all__ = ["LAYOUT_FILE", "LocalState", "plan_region_reads", "check_storable", "pieces_to_stage",
-           "collect_local_state", "find_tied", "section_from_reports", "stamp_layout_version", "TENSOR_MASTER",
-           "layout_document", "piece_file", "plan_hf_weights", "plain_sizes", "check_coverage", "copy_fingerprints",
-           "full_weights_for"]
+           "collect_local_state", "section_from_reports", "stamp_layout_version", "TENSOR_MASTER",
+           "layout_document", "piece_file", "plan_hf_weights", "plain_sizes", "check_coverage", "copy_fingerprints"]
 
 
 @dataclass(frozen=True)
@@ -128,15 +126,8 @@ class LocalState:
 
 
 def local_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every entry's local piece (detached), taken once for :func:`find_tied` and :func:`pieces_to_stage`."""
+    """Every entry's local piece (detached), taken once for ``find_aliases`` and :func:`pieces_to_stage`."""
     return {name: local_tensor(tensor) for name, tensor in state.items()}
-
-
-def find_tied(state: Mapping[str, torch.Tensor], *, local: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """``{alias: first name}`` for names whose local pieces (``local``: :func:`local_tensors`) share memory. A rank
-    whose piece is empty cannot see a tie but writes nothing for it either; the layout unites every rank's
-    (:func:`section_from_reports`)."""
-    return find_aliases({name: local[name] for name in state})
 
 
 def check_storable(state: Mapping[str, torch.Tensor]) -> None:
@@ -333,20 +324,6 @@ def plan_hf_weights(sizes: Mapping[str, int], *, world_size: int, max_shard_size
     """
     plan = plan_model_files(sizes, max_shard_size=max_shard_size)
     return plan, {filename: i % world_size for i, filename in enumerate(plan.filenames)}
-
-
-def full_weights_for(state: Mapping[str, torch.Tensor], files: Mapping[str, str], owner: Mapping[str, int], *,
-                     rank: int) -> dict[str, list[tuple[str, torch.Tensor]]]:
-    """Whole tensors of the HF shard files this rank writes, gathered from every rank's pieces. Every rank walks
-    ``state`` in the same order (``full_tensor()`` is a collective) and keeps only the tensors of files it owns."""
-    mine: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    for name, tensor in state.items():
-        if name not in files:
-            continue
-        full = tensor.full_tensor() if is_dtensor(tensor) else tensor
-        if owner[files[name]] == rank:
-            mine.setdefault(files[name], []).append((name, full.detach()))
-    return mine
 
 
 def whole_tensor_section(files: Mapping[str, Collection[str]], described: Mapping[str, Mapping[str, Any]],

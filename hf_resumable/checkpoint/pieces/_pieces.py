@@ -36,7 +36,7 @@ from ..background._step_gate import gated_optimizer, step_gate
 from ..commit._replicas import plan_replica_writers, split_replicas
 from ..commit._writer import save_payload
 from ..commit.manifest import Manifest
-from ..state._model import TIED_KEY, load_state_dict_reason, load_through_state_dict
+from ..state._model import TIED_KEY, find_aliases, load_state_dict_reason, load_through_state_dict
 from ..state._model_files import single_file_metadata
 from ..state._optimizer import (
     OptimizerLoadPlan,
@@ -48,13 +48,7 @@ from ..state._optimizer import (
 )
 from ..state._validate import check_optimizer_document, check_step_value
 from ._dtensor import is_dtensor
-from ._frozen import (
-    base_not_stored,
-    check_frozen_base,
-    check_frozen_sharded,
-    forget_fingerprints,
-    split_frozen_sharded,
-)
+from ._frozen import FrozenRecord, base_not_stored, check_frozen_base, forget_fingerprints, split_frozen_sharded
 from ._partitioned import (
     MasterWeights,
     is_partitioned,
@@ -65,7 +59,6 @@ from ._partitioned import (
     partitioned_views,
     reshard_partitions,
     state_parameters,
-    weights_from_masters,
 )
 from ._payload import add_model_weights, add_sharded
 from ._piece_layout import (
@@ -83,8 +76,6 @@ from ._piece_layout import (
     check_storable,
     collect_local_state,
     copy_fingerprints,
-    find_tied,
-    full_weights_for,
     layout_document,
     local_tensors,
     piece_file,
@@ -237,7 +228,12 @@ def _add_hf_weights(payload: Payload, weights: Mapping[str, torch.Tensor], local
     """Add the HF shard files this rank owns (whole tensors, gathered) and, on rank 0, their index."""
     sizes = {name: weights[name].numel() * weights[name].element_size() for name in local.tensors}
     plan, owner = plan_hf_weights(sizes, world_size=world_size, max_shard_size=max_shard_size)
-    mine = full_weights_for(weights, plan.name_to_filename, owner, rank=rank)
+    files, mine = plan.name_to_filename, {}
+    for name, tensor in weights.items():  # in the same order on every rank: full_tensor() is a collective
+        if name in files:
+            full = tensor.full_tensor() if is_dtensor(tensor) else tensor
+            if owner[files[name]] == rank:
+                mine.setdefault(files[name], []).append((name, full.detach()))
     single = plan.filenames == [SINGLE_MODEL_FILE]  # one model.safetensors (tied record in its header), no index
     for filename in plan.filenames:
         if filename in mine:
@@ -328,7 +324,9 @@ def capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.op
     states: dict[str, tuple[Mapping[str, torch.Tensor], dict[str, str]]] = {}
     layout: dict[str, Any] = {}
     local = local_tensors(weights)
-    tied = find_tied(weights, local=local)  # this rank's view; the layout unites every rank's
+    # This rank's view: a rank whose piece is empty cannot see a tie (it writes nothing for it); the layout unites
+    # every rank's.
+    tied = find_aliases(local)
     if hf_weights:
         # The HF files and their index name every alias: every rank must know every tie (one gather).
         tied = {alias: kept for report in all_gather_json(tied) for alias, kept in report.items()}
@@ -349,17 +347,15 @@ def capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.op
         states[LAYOUT_KEY_OPTIMIZER] = (tensors, {})
     masters, omitted, deferred = {}, set(), {}
     if optimizer is not None and LAYOUT_KEY_MODEL in states:  # ZeRO: weights the saved master weights give
+        masters = master_weight_names(model, states[LAYOUT_KEY_MODEL][0], optimizer, parameters=parameters)
         held = gated_optimizer(optimizer) if stage else None
-        if held is not None:
+        if held is not None and masters:
             # checked on the saver's thread (not staged; copied there if they differ), the next step held meanwhile
-            masters = master_weight_names(model, states[LAYOUT_KEY_MODEL][0], optimizer, parameters=parameters)
-            if masters:
-                omitted = set(masters)
-                deferred = {"deferred": optimizer, "live": {name: local[name] for name in masters},
-                            "release": step_gate(held).hold()}
-        else:
-            masters, omitted = weights_from_masters(model, states[LAYOUT_KEY_MODEL][0], optimizer,
-                                                    parameters=parameters)
+            omitted = set(masters)
+            deferred = {"deferred": optimizer, "live": {name: local[name] for name in masters},
+                        "release": step_gate(held).hold()}
+        elif held is None:
+            omitted = omitted_weights(masters, optimizer)
     owners = {kind: plan_replica_writers(plain_sizes({name: tensor for name, tensor in state.items()
                                                       if name not in omitted}, tied),
                                          world_size, split=world_size > 1 and split_replicas())
@@ -468,12 +464,16 @@ def _load_through_own(opened: OpenedCheckpoint, layout: Mapping[str, Any], secti
 
 
 def _check_frozen(opened: OpenedCheckpoint, current: Mapping[str, torch.Tensor], *, strict: bool) -> set[str]:
-    """The live frozen tensors checked against the checkpoint's record (a trainable part's: whole tensors); returns
-    the names it covers."""
-    full = opened._reader.report.full
+    """The live frozen tensors checked against the checkpoint's record (a trainable part's: whole tensors; a piece
+    record's: a collective), if any; returns the names it covers."""
+    reader, source = opened._reader, str(opened.path)
     if opened._trainable is not None:
-        return check_frozen_base(opened._trainable.record, current, full=full, strict=strict, source=str(opened.path))
-    return check_frozen_sharded(opened._reader, current, full=full, strict=strict)
+        return check_frozen_base(opened._trainable.record, current, full=reader.report.full, strict=strict,
+                                 source=source)
+    if FROZEN_RECORD_FILE not in reader.manifest.files:
+        return set()
+    record = FrozenRecord.from_json(reader.json(FROZEN_RECORD_FILE), source=str(reader.path / FROZEN_RECORD_FILE))
+    return check_frozen_base(record, current, full=reader.report.full, strict=strict, source=source, pieces=True)
 
 
 def _plan_optimizer(opened: OpenedCheckpoint, layout: Mapping[str, Any], model: torch.nn.Module | None,
@@ -551,24 +551,6 @@ def _load_param_groups_only(model: torch.nn.Module, optimizer: torch.optim.Optim
         group.update({k: v for k, v in saved.items() if k != "params"})
 
 
-def _own_pieces_templates(optimizer: ShardedOptimizerState, section: Section) -> dict[str, Any]:
-    """The live state to fill, created first (``init_state``) only if the checkpoint holds state it lacks: a
-    checkpoint saved before the first step holds the master weights alone."""
-    current = optimizer.sharded_state_dict()
-    tensors, _ = flatten_optimizer_state(current, _class_name(optimizer))
-    if set(section.dtypes) - set(tensors):
-        optimizer.init_state()
-        current = optimizer.sharded_state_dict()
-    return current
-
-
-def _saved_elsewhere(optimizer: ShardedOptimizerState, document: Mapping[str, Any]) -> bool:
-    """Whether an engine's flat partitions were saved under other names: at another world size (ZeRO's names hold
-    the data-parallel size)."""
-    saved = {name for group in document["param_groups"] for name in group["params"]}
-    return saved != set(optimizer.sharded_state_dict()["state"])
-
-
 def _load_resharded_partitions(reader: _Reader, section: Section, document: Mapping[str, Any],
                                optimizer: ShardedOptimizerState) -> None:
     """An engine's flat optimizer partitions saved at another world size: this rank's are cut again from every
@@ -596,11 +578,17 @@ def _load_optimizer(reader: _Reader, layout: Mapping[str, Any], model: torch.nn.
         return
     own_pieces = isinstance(optimizer, ShardedOptimizerState)
     originals: dict[str, Any] = {}  # FSDP1: the ShardedTensors its load reads, filled from the pieces
-    if own_pieces and reshard and _saved_elsewhere(optimizer, document):
-        _load_resharded_partitions(reader, section, document, optimizer)
-        return
     if own_pieces:
-        current = _own_pieces_templates(optimizer, section)
+        current = optimizer.sharded_state_dict()
+        saved = {name for group in document["param_groups"] for name in group["params"]}
+        if reshard and saved != set(current["state"]):  # saved at another world size (ZeRO's names hold it)
+            _load_resharded_partitions(reader, section, document, optimizer)
+            return
+        # the live state is created first (init_state) only if the checkpoint holds state it lacks: a checkpoint
+        # saved before the first step holds the master weights alone
+        if set(section.dtypes) - set(flatten_optimizer_state(current, _class_name(optimizer))[0]):
+            optimizer.init_state()
+            current = optimizer.sharded_state_dict()
     else:  # FSDP1's flat parameters, or parameters named otherwise: torch's templates
         current = get_optimizer_state_dict(model, optimizer, options=_options())  # initializes an empty optimizer
         current = optimizer_as_dtensors(current, device=_device(model), originals=originals)

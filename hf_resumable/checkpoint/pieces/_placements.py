@@ -55,13 +55,6 @@ class PiecePlan:
     copies: int = 1
 
 
-def _refuse_partial(placements: Sequence[Any], name: str) -> None:
-    if any(p.is_partial() for p in placements):
-        raise UnsupportedStateError(
-            f"{name!r}: a DTensor with placements {tuple(placements)} holds a pending reduction (Partial); call "
-            "redistribute() to Shard or Replicate before saving.")
-
-
 @functools.lru_cache(maxsize=4096)
 def _box(shape: tuple[int, ...], placements: tuple, mesh_shape: tuple[int, ...], coordinate: tuple[int, ...]
          ) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -149,7 +142,10 @@ def plan_piece(shape: Sequence[int], placements: Sequence[Any], mesh: MeshView, 
     shape, placements = tuple(int(x) for x in shape), tuple(placements)
     if len(placements) != len(mesh.shape):
         raise ValueError(f"{name!r}: {len(placements)} placement(s) for a mesh of {len(mesh.shape)} dimension(s).")
-    _refuse_partial(placements, name)
+    if any(p.is_partial() for p in placements):
+        raise UnsupportedStateError(
+            f"{name!r}: a DTensor with placements {placements} holds a pending reduction (Partial); call "
+            "redistribute() to Shard or Replicate before saving.")
     check_tiling(shape, placements, mesh.shape, name=name)
     offset, local_shape = _box(shape, placements, mesh.shape, mesh.coordinate)
     replicated = [i for i, p in enumerate(placements) if p.is_replicate()]
