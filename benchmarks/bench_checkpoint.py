@@ -17,9 +17,10 @@ For a Llama-shaped model + AdamW state of about 1 GiB, each repetition measures:
 - the headline load: a fresh-process resume. A new process builds the model (randomly initialized), an
   AdamW without state and its scheduler, as a restarted job does, then times ``load_checkpoint`` (weights,
   optimizer, scheduler, RNG; hashes checked on the fly). The optimizer state is new memory, allocated and
-  first touched by the load. It reads with the default number of streams; the same load with one stream
-  and with four (``HF_RESUMABLE_READ_STREAMS``) runs right next to it, the three in rotating order, so the
-  table shows whether the default is right here,
+  first touched by the load (faulted in ahead of the reads on a helper thread, ``HF_RESUMABLE_PREFAULT``). It
+  reads with the default number of streams; the same load with one stream and with four
+  (``HF_RESUMABLE_READ_STREAMS``), and with the prefault helper off, runs right next to it, the four in rotating
+  order, so the table shows whether the defaults are right here,
 - the same load into a model and optimizer that exist with state (in place, into memory already there).
 
 Every load is paired: the same process reads the same files raw (one stream, into a reused 16 MiB buffer) just
