@@ -33,6 +33,7 @@ from hf_resumable.checkpoint import (
 )
 from hf_resumable.checkpoint._types import Box, intersect_boxes
 from hf_resumable.checkpoint.pieces._piece_layout import plan_region_reads
+from hf_resumable.constants import SHARDS_KEY
 from hf_resumable.data.elastic import ElasticSampler
 from hf_resumable.errors import (
     CheckpointMismatchError,
@@ -208,6 +209,12 @@ def test_fsdp2_two_ranks_save_load_on_one_process_and_consolidate(tmp_path):
     assert not any(f.startswith("sharded/model-") for f in read_manifest(hf_dir).files)
     index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) >= 2 and "lm_head.weight" not in index["weight_map"]
+    # each rank wrote its own shards; the index carries every shard's record (what a Hub download checks it against)
+    records = index["metadata"][SHARDS_KEY]
+    assert set(records) == set(index["weight_map"].values())
+    for shard, record in records.items():
+        on_disk = hash_file(hf_dir / shard)
+        assert (record["size"], record["xxh3_128"]) == (on_disk.size, on_disk.xxh3_128), shard
     for name, tensor in GPT2LMHeadModel.from_pretrained(hf_dir).state_dict().items():
         assert torch.equal(tensor, reference[f"model/{name}"]), name
     model, optimizer = fx.build("gpt2", seed=7)

@@ -170,9 +170,10 @@ def write_payload(tmp: Path, payload: Payload, *, fsync: bool = True) -> dict[st
 
         # Two files at a time: each hashes on its own thread while the disk is kept busy.
         records.update(run_in_threads(write, payload.tensor_files, workers=WRITE_THREADS))
-    for spec in payload.indexes:
-        records[spec.relpath] = write_bytes_durably(tmp / spec.relpath, json_bytes(index_document(spec, records)),
-                                                    fsync=fsync)
+    for spec in payload.indexes:  # those naming another rank's shards are written by rank 0 after the gather
+        if set(spec.weight_map.values()) <= records.keys():
+            records[spec.relpath] = write_bytes_durably(tmp / spec.relpath, json_bytes(index_document(spec, records)),
+                                                        fsync=fsync)
     for relpath, data in payload.blobs.items():
         records[relpath] = write_bytes_durably(tmp / relpath, data, fsync=fsync)
     if payload.rng is not None and payload.rng_relpath is not None:
@@ -272,8 +273,8 @@ def finish_save(start: SaveStart, payload: Payload, *, step: int | None, metrics
     outcome, late, manifest = None, {}, None
     if rank == 0:
         try:
-            if start.split:  # the indexes of shards that several ranks wrote
-                for spec in payload.indexes:
+            for spec in payload.indexes:  # the indexes of shards that several ranks wrote
+                if spec.relpath not in files:
                     late[spec.relpath] = write_bytes_durably(tmp / spec.relpath,
                                                              json_bytes(index_document(spec, files)),
                                                              fsync=not deferred)

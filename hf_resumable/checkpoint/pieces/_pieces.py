@@ -31,7 +31,7 @@ from ...distributed import agreed_reads, all_gather_json, checkpoint_group, is_d
 from ...errors import CheckpointMismatchError, CorruptCheckpointError, IncompleteCheckpointError
 from ...format._jsonio import json_bytes
 from ...format.sharding import build_index
-from .._types import Payload, TensorFile
+from .._types import IndexSpec, Payload, TensorFile
 from ..background._step_gate import gated_optimizer, step_gate
 from ..commit._replicas import plan_replica_writers, split_replicas
 from ..commit._writer import save_payload
@@ -240,8 +240,8 @@ def _add_hf_weights(payload: Payload, weights: Mapping[str, torch.Tensor], local
             metadata = single_file_metadata(local.tied) if single else {"format": "pt"}
             payload.tensor_files.append(TensorFile(filename, mine[filename], metadata))
     if rank == 0 and not single:
-        index = build_index(plan, metadata={TIED_KEY: local.tied, "format": "pt"})
-        payload.blobs[MODEL_INDEX_FILE] = json_bytes(index)
+        index = build_index(plan, metadata={TIED_KEY: local.tied, "format": "pt"})  # written with every shard's record
+        payload.indexes.append(IndexSpec(MODEL_INDEX_FILE, index["weight_map"], index["metadata"]))
     return whole_tensor_section(plan.filename_to_names, local.tensors, local.tied)
 
 
