@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .format._libc import libc_function
+from .format._libc import linux_madvise
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +133,7 @@ def _usable_cores() -> int:
 # ------------------------------------------------------------------------------------------------ prefaulting
 # madvise(2) advice that faults in a range's pages writable without changing their contents (Linux >= 5.14).
 _MADV_POPULATE_WRITE = 23
-_MADVISE = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)) \
-    if sys.platform.startswith("linux") else None  # another system numbers its advice otherwise
+_MADVISE = linux_madvise()
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # Less new memory than this is not worth a thread; larger ranges are faulted in (and handed over) in steps of this.
 PREFAULT_MIN_BYTES = 64 << 20

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["libc_function"]
+__all__ = ["libc_function", "linux_madvise"]
 
 
 @functools.cache
@@ -41,3 +42,11 @@ def libc_function(name: str, argtypes: tuple[Any, ...], restype: Any = ctypes.c_
     if function is not None:
         function.argtypes, function.restype = argtypes, restype
     return function
+
+
+def linux_madvise() -> Callable[..., Any] | None:
+    """``madvise(addr, length, advice)``, or ``None`` elsewhere than Linux (other systems number their advice
+    otherwise, so a Linux advice value must never reach them)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os
-import sys
 import threading
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -15,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CorruptCheckpointError
-from ..format._libc import libc_function
+from ..format._libc import linux_madvise
 from ..format.safetensors_io import SafetensorsHeader, read_header
 
 logger = logging.getLogger(__name__)
@@ -29,8 +27,7 @@ _MADV_DONTNEED = 4
 _MADV_WILLNEED = 3  # for a file mapping: start reading the whole range at once (large requests, not page faults)
 
 # madvise, looked up once (a lookup per call costs more than the call on a warm page cache); None off Linux.
-_MADVISE = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)) \
-    if sys.platform.startswith("linux") else None
+_MADVISE = linux_madvise()
 
 
 @dataclass(frozen=True)
