@@ -68,8 +68,8 @@ def replicas_split(signatures: list[str | None]) -> bool:
 
 def part_of_rank(payload: Payload, rank: int, world_size: int, *, split: bool) -> Payload:
     """The part of ``payload`` this rank writes: its own files, plus the replicated files the plan gives it (``split``)
-    or, unsplit, all of them on rank 0. Only an unsplit rank 0 keeps the indexes: after a split they need every rank's
-    shard records, so rank 0 writes them after the gather."""
+    or, unsplit, all of them on rank 0. Rank 0 keeps the indexes: the writer writes one as soon as every shard it names
+    has a record here, else after the gather (``_writer.write_payload``, ``finish_save``)."""
     if not payload.replicated:
         return payload
     sizes = {f.relpath: sum(t.numel() * t.element_size() for _, t in f.tensors) for f in payload.tensor_files
@@ -77,4 +77,4 @@ def part_of_rank(payload: Payload, rank: int, world_size: int, *, split: bool) -
     writers = plan_replica_writers(sizes, world_size, split=split)
     keep = [f for f in payload.tensor_files
             if f.relpath not in payload.replicated or writers.get(f.relpath, 0) == rank]
-    return replace(payload, tensor_files=keep, indexes=payload.indexes if rank == 0 and not split else [])
+    return replace(payload, tensor_files=keep, indexes=payload.indexes if rank == 0 else [])
