@@ -38,6 +38,14 @@ Usage:
     python benchmarks/bench_checkpoint.py --stall --repeats 5   # only the blocking save and the async stall rows
     python benchmarks/bench_checkpoint.py --repeats 3 --layout pieces   # the per-rank piece layout (one process)
     python benchmarks/bench_checkpoint.py --device cuda --repeats 3   # saves from a model on the GPU
+    python benchmarks/bench_checkpoint.py --alternate 8 [--throttle-read-mibps 1500]   # resume vs raw read, A/B
+
+``--alternate N`` measures only the headline ratio, as N pairs of fresh processes: one times a raw cold read of the
+checkpoint (one stream into a reused 16 MiB buffer), the other a resume, each after building the same model and
+AdamW, the two in alternating order. Every measured process follows an untimed resume of the same checkpoint in its
+own process, so both sides start from the same machine state (on this VM, a read right after a process freed its
+memory is slower: the memory goes back to the host and is backed again on first use). The ratio is the median of the
+per-pair ratios (raw read time over resume time).
 
 ``--device cuda`` trains and saves a model on the GPU (a save copies every tensor to the host: the async save into
 pinned buffers on a side stream); the fresh-process resume loads on the CPU, as a restarted job reads before it
@@ -185,10 +193,19 @@ def fresh_process_load(directory: Path, settings: dict[str, str], shape: list[st
     return result
 
 
-def _fresh_load_child(directory: str, hidden: int, layers: int) -> None:
+def _fresh_load_child(directory: str, hidden: int, layers: int, only: str | None = None) -> None:
     torch.manual_seed(1)
     model = LlamaForCausalLM(model_config(hidden, layers))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if only is not None:  # --alternate: one timed operation, nothing else
+        drop_caches()
+        start = time.perf_counter()
+        if only == "raw":
+            raw_read(Path(directory), bytearray(16 << 20))
+        else:
+            load_checkpoint(directory, model=model, optimizer=optimizer, scheduler=schedule(optimizer))
+        print(json.dumps({"seconds": time.perf_counter() - start}))
+        return
     probe = _ProbeLog()
     logging.getLogger("hf_resumable.checkpoint.commit._parallel_read").addHandler(probe)
     logging.getLogger("hf_resumable.checkpoint.commit._parallel_read").setLevel(logging.DEBUG)
@@ -234,15 +251,21 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where the model trains and is saved from (cpu, cuda)")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the Llama-shaped model")
     parser.add_argument("--layers", type=int, default=4, help="blocks of the Llama-shaped model")
+    parser.add_argument("--alternate", type=int, default=None, metavar="N",
+                        help="only the resume against a raw cold read: N pairs of fresh processes, alternating")
     parser.add_argument("--fresh-load", default=None, help=argparse.SUPPRESS)  # the child of fresh_process_load
+    parser.add_argument("--only", choices=("raw", "load"), default=None, help=argparse.SUPPRESS)  # --alternate's child
     args = parser.parse_args()
     save = functools.partial(save_checkpoint, layout="pieces" if args.layout == "pieces" else "auto")
     if args.fresh_load is not None:
-        _fresh_load_child(args.fresh_load, args.hidden, args.layers)
+        _fresh_load_child(args.fresh_load, args.hidden, args.layers, only=args.only)
         return
     shape = {"hidden": args.hidden, "layers": args.layers}
     root = Path(tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir))
     throttled = throttle_reads(str(root), args.throttle_read_mibps) if args.throttle_read_mibps else None
+    if args.alternate:
+        alternate(root, args.alternate, shape, throttled)
+        return
     load_before = os.getloadavg()[0]
     model, optimizer = build(**shape, device=args.device)
     fresh_model, fresh_optimizer = build(seed=1, **shape, device=args.device)
@@ -338,6 +361,40 @@ def main() -> None:
           f"end ({os.cpu_count()} cores)")
     if args.device != "cpu":
         print(f"model trained and saved from {args.device} ({torch.cuda.get_device_name(args.device)})")
+
+
+def alternate(root: Path, pairs: int, shape: dict[str, int], throttled: str | None) -> None:
+    """``--alternate``: a resume against a raw cold read, as ``pairs`` pairs of fresh processes (module docstring)."""
+    model, optimizer = build(**shape)
+    save_checkpoint(root / "checkpoint", model=model, optimizer=optimizer, scheduler=schedule(optimizer))
+    wait_for_pending_saves()
+    del model, optimizer
+    nbytes = dir_bytes(root / "checkpoint")
+    args = [str(root / "checkpoint"), "--hidden", str(shape["hidden"]), "--layers", str(shape["layers"])]
+
+    def child(only: str) -> float:
+        out = subprocess.run([sys.executable, __file__, "--fresh-load", *args, "--only", only], check=True,
+                             capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])["seconds"]
+
+    times: dict[str, list[float]] = {"raw": [], "load": []}
+    for pair in range(pairs):
+        for only in ("raw", "load") if pair % 2 == 0 else ("load", "raw"):
+            child("load")  # untimed: every measured process follows the same kind of process
+            times[only].append(child(only))
+        print(f"  pair {pair}: raw read {times['raw'][-1]:.3f} s, resume {times['load'][-1]:.3f} s", file=sys.stderr)
+    shutil.rmtree(root, ignore_errors=True)
+    ratios = [raw / load for raw, load in zip(times["raw"], times["load"])]
+    print(f"\nCheckpoint of {nbytes / 2**30:.2f} GiB (model + AdamW), {pairs} pairs of fresh processes, "
+          f"page cache dropped: {drop_caches()}\n")
+    print("| operation | median s | GB/s | ratio (median of pairs, range) | target |")
+    print("|---|---|---|---|---|")
+    raw, load = statistics.median(times["raw"]), statistics.median(times["load"])
+    print(f"| raw cold read (limit) | {raw:.3f} | {nbytes / raw / 1e9:.2f} | 1.00x |  |")
+    print(f"| hf_resumable resume in a fresh process | {load:.3f} | {nbytes / load / 1e9:.2f} | "
+          f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}..{max(ratios):.2f}) | >= 0.9x |")
+    if throttled:
+        print(f"\nreads throttled (blkio rule {throttled}; writes not throttled)")
 
 
 def _stall_rows(med: dict[str, float]) -> list[tuple[str, str, str, str]]:
