@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -262,13 +263,10 @@ def _fill_shards(summary: CheckpointSummary, report: Any) -> None:
         if not relpath.endswith(".safetensors"):
             continue
         header = report.headers.get(relpath)
-        dtypes: dict[str, int] = {}
-        elements = 0
-        for info in (header.tensors.values() if header is not None else ()):
-            dtypes[info.dtype] = dtypes.get(info.dtype, 0) + 1
-            elements += math.prod(info.shape)
-        shard = ShardSummary(relpath, _shard_kind(relpath), record.size, record.sha256, dtypes,
-                             len(header.tensors) if header is not None else 0, elements, record.xxh3_128)
+        infos = list(header.tensors.values()) if header is not None else []
+        elements = sum(math.prod(info.shape) for info in infos)
+        shard = ShardSummary(relpath, _shard_kind(relpath), record.size, record.sha256,
+                             dict(Counter(info.dtype for info in infos)), len(infos), elements, record.xxh3_128)
         summary.shards.append(shard)
         if shard.kind == "model":
             model_elements += elements

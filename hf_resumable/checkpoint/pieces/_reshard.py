@@ -65,8 +65,7 @@ def write_whole(opened: OpenedCheckpoint, target: Path, *, max_shard_size: int |
         else:
             add_sharded(payload, tensors, pattern=OPTIMIZER_FILE_PATTERN, index=OPTIMIZER_INDEX_FILE,
                         max_shard_size=max_shard_size, metadata={})
-    written = include_optimizer and layout.get(LAYOUT_KEY_OPTIMIZER) is not None
-    document = layout[LAYOUT_KEY_OPTIMIZER_DOC] if written else None
+    document = layout[LAYOUT_KEY_OPTIMIZER_DOC] if include_optimizer and layout.get(LAYOUT_KEY_OPTIMIZER) else None
     if document != opened._document.get(STATE_KEY_OPTIMIZER):  # a checkpoint of pieces keeps it in its layout
         payload.blobs[TRAINING_STATE_FILE] = json_bytes({**opened._document, STATE_KEY_OPTIMIZER: document})
     for relpath in files:
