@@ -89,6 +89,17 @@ def test_card_without_recorded_progress_uses_dashes(tmp_path: Path, caplog) -> N
     assert "pipeline_tag" not in _parse_without_warnings(str(card), tmp_path, caplog)
 
 
+def test_summary_takes_what_the_training_state_lacks_from_trainer_state(tmp_path: Path) -> None:
+    # One lookup over the progress cursor, the extra state, then trainer_state.json: the first that records a field
+    # wins (trainer_state.json once gave only the step, the epoch and the per-device batch size).
+    trainer_state = '{"global_step": 9, "epoch": 0.5, "train_batch_size": 4, "gradient_accumulation_steps": 2}'
+    save_checkpoint(tmp_path / "c", model=torch.nn.Linear(2, 2), rng=False, training_state={"epoch": 1.5},
+                    extra_files={"trainer_state.json": trainer_state})
+    summary = summarize_checkpoint(tmp_path / "c")
+    assert (summary.step, summary.epoch, summary.per_device_batch_size) == (9, 1.5, 4)
+    assert summary.gradient_accumulation_steps == 2 and summary.effective_batch_size == 8
+
+
 def test_card_and_inspect_of_a_checkpoint_whose_manifest_has_sha256_only(checkpoint: Path, capsys) -> None:
     import hashlib
     import json

@@ -253,6 +253,17 @@ def test_reshard_moves_between_the_two_layouts_keeping_every_byte(tmp_path):
         assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr()
 
 
+def test_reshard_writes_a_one_process_checkpoint_of_pieces_whole(tmp_path):
+    # Resharding is consolidation's rewrite: pieces come out in the regular layout (they were once copied unchanged).
+    model, optimizer = _trained()
+    save_checkpoint(tmp_path / "c", model=model, optimizer=optimizer, step=2, layout="pieces")
+    reshard_checkpoint(tmp_path / "c", max_shard_size="16KB", output=tmp_path / "r")
+    files = read_manifest(tmp_path / "r").files
+    assert MODEL_INDEX_FILE in files and not any(f.startswith("sharded") for f in files)
+    assert "sharded_layout.json" not in files and verify_checkpoint(tmp_path / "r", full=True).ok
+    _assert_loads_into_a_fresh_gpt2(tmp_path / "r", model, optimizer, seed=5)
+
+
 def test_sharded_checkpoints_write_the_same_layout(tmp_path):
     model, optimizer = _trained()
     # layout="hf" in one process: the weights whole, as one model.safetensors.

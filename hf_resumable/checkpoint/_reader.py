@@ -181,14 +181,6 @@ class _Reader:
             raise CorruptCheckpointError(f"{self.path / relpath}: not a safetensors file.")
         return read_files([self.file_read(relpath)])
 
-    def stored(self, index: ShardIndex) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """dtype and shape of every tensor ``index`` names, from the headers verification already read."""
-        stored = {}
-        for filename in index.filenames:
-            tensors = self.report.headers[filename].tensors
-            stored.update({n: (tensors[n].torch_dtype, tensors[n].shape) for n in index.names_in(filename)})
-        return stored
-
     def peek(self, files: Mapping[str, str]) -> dict[str, torch.Tensor]:
         """Small tensors (name -> the file that holds it) read by offset, NOT hash-checked (the full read checks them
         again), to check values such as optimizer step counts before anything is applied."""
@@ -272,7 +264,7 @@ class OpenedCheckpoint(LoadedCheckpoint):
         index = model_index(manifest.files, report.headers, read_index=reader.index, source=str(path))
         if index is not None:
             opened._model_index = index
-            opened._tied = check_tied(index.metadata.get(TIED_KEY) or {}, reader.stored(index), source=index.source)
+            opened._tied = check_tied(index.metadata.get(TIED_KEY) or {}, index.weight_map, source=index.source)
         elif (trainable := TrainablePart.open(reader, path)) is not None:
             opened._trainable, opened._model_index, opened._tied = trainable, trainable.index, trainable.tied
         return opened

@@ -14,8 +14,9 @@ import torch
 
 from ..constants import DEFAULT_MAX_SHARD_SIZE, LAYOUT_FILE, MANIFEST_FILE
 from ..distributed import is_distributed, rank_and_world_size
+from ..errors import IncompleteCheckpointError
 from ..format.rng import RngState
-from ._reader import LoadedCheckpoint, OpenedCheckpoint, _Reader, read_on_load
+from ._reader import LoadedCheckpoint, OpenedCheckpoint, read_on_load
 from .background.async_save import BACKGROUND_SAVER, AsyncSaver
 from .commit._durability import check_durability
 from .commit._fs import wait_for_removals
@@ -23,7 +24,8 @@ from .commit._writer import check_target, save_payload
 from .commit.manifest import Manifest
 from .discovery import apply_retention, require_local
 from .pieces._payload import capture_payload, capture_pretrained
-from .pieces._pieces import capture_pieces, consolidate_pieces, saves_pieces
+from .pieces._pieces import capture_pieces, saves_pieces
+from .pieces._reshard import write_whole
 from .verify import VerifyReport, verify_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -391,8 +393,9 @@ def consolidate_checkpoint(
     ```
     """
     require_local(directory, "consolidate_checkpoint")
-    _ASYNC.wait()
-    path = Path(directory)
-    reader = _Reader(path, verify_checkpoint(path, full=True, raise_on_error=True), hash_on_read=True)
-    return consolidate_pieces(reader, output_dir, max_shard_size=max_shard_size, include_optimizer=include_optimizer,
-                              overwrite=overwrite)
+    opened = open_checkpoint(directory, verify="full")
+    if LAYOUT_FILE not in opened.manifest.files:
+        raise IncompleteCheckpointError(f"{directory} has no {LAYOUT_FILE}: it is already a regular checkpoint "
+                                        "(from_pretrained and load_checkpoint read it as is).")
+    return write_whole(opened, Path(output_dir), max_shard_size=max_shard_size, include_optimizer=include_optimizer,
+                       overwrite=overwrite)

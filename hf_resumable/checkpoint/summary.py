@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -200,14 +201,11 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return document if isinstance(document, dict) else None
 
 
-def _fill_geometry(summary: CheckpointSummary) -> None:
-    geometry = (summary.per_device_batch_size, summary.gradient_accumulation_steps, summary.world_size)
-    if all(isinstance(v, int) and v > 0 for v in geometry):
-        summary.effective_batch_size = geometry[0] * geometry[1] * geometry[2]
-
-
-def _fill_progress(summary: CheckpointSummary, state: Mapping[str, Any]) -> None:
-    both = {"progress": state.get(STATE_KEY_PROGRESS) or {}, "extra": state.get(STATE_KEY_EXTRA) or {}}
+def _fill_progress(summary: CheckpointSummary, state: Mapping[str, Any], trainer_state: Mapping[str, Any]) -> None:
+    """Progress and batch geometry from the progress cursor, then the extra state, then ``trainer_state.json``
+    (written by the Trainer integrations and the stock Trainer): the first that records a field wins."""
+    both = {"progress": state.get(STATE_KEY_PROGRESS) or {}, "extra": state.get(STATE_KEY_EXTRA) or {},
+            "trainer": trainer_state}
     if summary.step is None:
         summary.step = _as_int(_find(both, _STEP_KEYS))
     summary.epoch = _as_float(_find(both, _EPOCH_KEYS))
@@ -216,20 +214,12 @@ def _fill_progress(summary: CheckpointSummary, state: Mapping[str, Any]) -> None
     summary.per_device_batch_size = _as_int(_find(both, _PER_DEVICE_KEYS))
     summary.gradient_accumulation_steps = _as_int(_find(both, _ACCUMULATION_KEYS))
     summary.world_size = _as_int(_find(both, _WORLD_SIZE_KEYS)) or summary.world_size
-    _fill_geometry(summary)
+    geometry = (summary.per_device_batch_size, summary.gradient_accumulation_steps, summary.world_size)
+    if all(isinstance(v, int) and v > 0 for v in geometry):
+        summary.effective_batch_size = math.prod(geometry)
     optimizer = state.get(STATE_KEY_OPTIMIZER)
     if isinstance(optimizer, Mapping):
         summary.optimizer_class = _optimizer_name(optimizer)
-
-
-def _fill_from_trainer_state(summary: CheckpointSummary, trainer_state: Mapping[str, Any]) -> None:
-    """Fallbacks from ``trainer_state.json`` (written by the Trainer integrations and the stock Trainer)."""
-    if summary.step is None:
-        summary.step = _as_int(trainer_state.get("global_step"))
-    if summary.epoch is None:
-        summary.epoch = _as_float(trainer_state.get("epoch"))
-    if summary.per_device_batch_size is None:
-        summary.per_device_batch_size = _as_int(trainer_state.get("train_batch_size"))
 
 
 # Optimizer wrappers whose class name hides the real optimizer (accelerate, Lightning).
@@ -273,13 +263,10 @@ def _fill_shards(summary: CheckpointSummary, report: Any) -> None:
         if not relpath.endswith(".safetensors"):
             continue
         header = report.headers.get(relpath)
-        dtypes: dict[str, int] = {}
-        elements = 0
-        for info in (header.tensors.values() if header is not None else ()):
-            dtypes[info.dtype] = dtypes.get(info.dtype, 0) + 1
-            elements += math.prod(info.shape)
-        shard = ShardSummary(relpath, _shard_kind(relpath), record.size, record.sha256, dtypes,
-                             len(header.tensors) if header is not None else 0, elements, record.xxh3_128)
+        infos = list(header.tensors.values()) if header is not None else []
+        elements = sum(math.prod(info.shape) for info in infos)
+        shard = ShardSummary(relpath, _shard_kind(relpath), record.size, record.sha256,
+                             dict(Counter(info.dtype for info in infos)), len(infos), elements, record.xxh3_128)
         summary.shards.append(shard)
         if shard.kind == "model":
             model_elements += elements
@@ -350,13 +337,7 @@ def summarize_checkpoint(directory: str | os.PathLike, *, full: bool = False) ->
         _fill_shards(summary, report)
     elif not (path / MANIFEST_FILE).exists():
         logger.debug("%s has no manifest; summarizing what is there", path)
-    state = _read_json(path / TRAINING_STATE_FILE)
-    if state is not None:
-        _fill_progress(summary, state)
-    trainer_state = _read_json(path / TRAINER_STATE_FILE)
-    if trainer_state is not None:
-        _fill_from_trainer_state(summary, trainer_state)
-        _fill_geometry(summary)
+    _fill_progress(summary, _read_json(path / TRAINING_STATE_FILE) or {}, _read_json(path / TRAINER_STATE_FILE) or {})
     if summary.optimizer_class is None and OPTIMIZER_INDEX_FILE in (report.manifest.files if report.manifest else {}):
         summary.optimizer_class = "unknown"
     return summary

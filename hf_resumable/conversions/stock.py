@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import CheckpointInfo, read_manifest, save_checkpoint, verify_checkpoint
+from ..checkpoint import CheckpointInfo, open_checkpoint, save_checkpoint
 from ..constants import (
     ADAPTER_WEIGHTS_FILE,
     CONFIG_FILE,
@@ -326,7 +326,8 @@ def reshard_checkpoint(
 
     Every tensor keeps its name, dtype and bytes; every other file (training state, RNG, data
     positions, config, tokenizer) is carried over unchanged; a new manifest is written last. Weights that fit in
-    one shard of the new size come out as one ``model.safetensors`` (no index), as every save writes them. Without
+    one shard of the new size come out as one ``model.safetensors`` (no index), as every save writes them; a
+    checkpoint of per-rank pieces saved by one process comes out in that regular layout too. Without
     ``output`` the checkpoint is replaced atomically in place (the old one stays valid until the new
     one is committed).
 
@@ -342,6 +343,7 @@ def reshard_checkpoint(
         IncompleteCheckpointError / CorruptCheckpointError: if the checkpoint does not verify.
         CheckpointExistsError: if ``output`` exists.
         ValueError: if ``max_shard_size`` cannot be parsed, or the checkpoint was written by several ranks.
+        BaseNotStoredError: a checkpoint of pieces that records its frozen base instead of storing it.
 
     Example:
 
@@ -350,15 +352,15 @@ def reshard_checkpoint(
     PosixPath('out/checkpoint-100')
     ```
     """
-    from ..checkpoint.pieces import rewrite_shards
+    from ..checkpoint.pieces import write_whole
 
     source = Path(directory)
     parse_size(max_shard_size)
-    verify_checkpoint(source, full=True, raise_on_error=True)
-    manifest = read_manifest(source)
-    if manifest.world_size != 1:
-        raise ValueError(f"{source} was written by {manifest.world_size} ranks; resharding multi-rank checkpoints "
-                         "is not supported yet.")
+    opened = open_checkpoint(source, verify="full")
+    if opened.manifest.world_size != 1:
+        raise ValueError(f"{source} was written by {opened.manifest.world_size} ranks; resharding multi-rank "
+                         "checkpoints is not supported yet.")
     target = Path(output) if output is not None else source
-    rewrite_shards(source, target, manifest, max_shard_size=max_shard_size)
+    write_whole(opened, target, max_shard_size=max_shard_size, include_optimizer=True,
+                overwrite=target.resolve() == source.resolve())
     return target

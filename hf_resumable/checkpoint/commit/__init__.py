@@ -5,14 +5,12 @@ The names below are this room's door for the rest of the library (conversions wr
 everything else here is private to ``hf_resumable.checkpoint``.
 """
 
-from .._types import IndexSpec, Payload, TensorFile
+from .._types import Payload
 from ._fs import commit_dir, discard, write_bytes_durably
 from ._writer import begin_save, index_document, save_refusal, stock_accelerate_files, write_payload
 
 __all__ = [
-    "IndexSpec",
     "Payload",
-    "TensorFile",
     "begin_save",
     "commit_dir",
     "discard",

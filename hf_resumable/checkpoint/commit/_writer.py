@@ -103,12 +103,10 @@ def _unlisted_entries(directory: Path, manifest: Manifest) -> list[str]:
     extra = []
     for root, dirs, files in os.walk(directory):
         relroot = os.path.relpath(root, directory)
-        for name in files:
-            relpath = name if relroot == "." else f"{relroot}/{name}"
-            if relpath not in listed:
-                extra.append(relpath)
+        prefix = "" if relroot == "." else f"{relroot}/"  # relative paths as the manifest lists them
+        extra += [prefix + name for name in files if prefix + name not in listed]
         for name in dirs:
-            relpath = name if relroot == "." else f"{relroot}/{name}"
+            relpath = prefix + name
             if relpath not in parents and not any(p.startswith(relpath + "/") for p in parents):
                 extra.append(relpath + "/")
     return sorted(extra)

@@ -28,7 +28,7 @@ from ._piece_layout import (
     piece_tensor_file,
     section_from_reports,
 )
-from ._reshard import rewrite_shards
+from ._reshard import write_whole
 
 __all__ = [
     "ENGINE_CLASS_PREFIX",
@@ -53,6 +53,6 @@ __all__ = [
     "piece_report",
     "piece_tensor_file",
     "read_master_weights",
-    "rewrite_shards",
     "section_from_reports",
+    "write_whole",
 ]

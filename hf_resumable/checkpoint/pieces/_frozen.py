@@ -541,14 +541,13 @@ def raise_base_problems(base: str, problems: list[str], checked: int, absent: li
 @dataclass
 class TrainablePart:
     """The model part of a checkpoint that references its frozen base: the trainable index (names as in its files;
-    ``renamed`` maps them to state-dict names where they differ), the stored aliases and (dtype, shape) in state-dict
-    names, and the frozen record."""
+    ``renamed`` maps them to state-dict names where they differ), the stored aliases in state-dict names, and the
+    frozen record."""
 
     index: ShardIndex
     renamed: dict[str, str]
     tied: dict[str, str]
     record: FrozenRecord
-    stored: dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
     @classmethod
     def open(cls, reader: Any, path: Any) -> "TrainablePart | None":
@@ -567,14 +566,14 @@ class TrainablePart:
         index = reader.index(TRAINABLE_INDEX_FILE)
         source = str(path / TRAINABLE_INDEX_FILE)
         renamed = _check_renamed(index, source=source)
-        stored = {renamed.get(n, n): v for n, v in reader.stored(index).items()}
+        stored = {renamed.get(n, n) for n in index.weight_map}  # every name verification found in its file
         tied = check_tied(index.metadata.get(TIED_KEY) or {}, stored, source=source)
         record = FrozenRecord.from_json(reader.json(FROZEN_RECORD_FILE), source=str(path / FROZEN_RECORD_FILE))
-        both = sorted((set(record.tensors) | set(record.tied)) & (set(stored) | set(tied)))
+        both = sorted((set(record.tensors) | set(record.tied)) & (stored | set(tied)))
         if both:
             raise CorruptCheckpointError(f"{path}: tensors both stored and recorded as frozen: {both[:5]}. Resume "
                                          "from another checkpoint.")
-        return cls(index=index, renamed=renamed, tied=tied, record=record, stored=stored)
+        return cls(index=index, renamed=renamed, tied=tied, record=record)
 
 
 def _check_renamed(index: ShardIndex, *, source: str) -> dict[str, str]:

@@ -1,17 +1,15 @@
 """The piece half of ``save_checkpoint`` (:func:`saves_pieces` is the one rule for its layout) and the model and
 optimizer part of every ``OpenedCheckpoint.load_into``: a rank's pieces captured and planned inside the commit, read
 back at any world size (each rank only the slices it needs, every byte checked; a regular checkpoint's files are
-whole pieces), and consolidated into whole tensors. The files are in docs/format.md#a-checkpoint-of-per-rank-pieces;
+whole pieces). The files are in docs/format.md#a-checkpoint-of-per-rank-pieces;
 nothing is pickled (coordination is JSON). See docs/architecture.md#loading for the steps of a load.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -20,7 +18,6 @@ from ..._tuning import Prefault
 from ...constants import (
     FROZEN_RECORD_FILE,
     MODEL_INDEX_FILE,
-    OPTIMIZER_FILE_PATTERN,
     OPTIMIZER_INDEX_FILE,
     OPTIMIZER_STATE_PREFIX,
     SINGLE_MODEL_FILE,
@@ -34,8 +31,6 @@ from ...format.sharding import build_index
 from .._types import IndexSpec, Payload, TensorFile
 from ..background._step_gate import gated_optimizer, step_gate
 from ..commit._replicas import plan_replica_writers, split_replicas
-from ..commit._writer import save_payload
-from ..commit.manifest import Manifest
 from ..state._model import TIED_KEY, find_aliases, load_state_dict_reason, load_through_state_dict
 from ..state._model_files import single_file_metadata
 from ..state._optimizer import (
@@ -60,15 +55,12 @@ from ._partitioned import (
     reshard_partitions,
     state_parameters,
 )
-from ._payload import add_model_weights, add_sharded
 from ._piece_layout import (
     LAYOUT_FILE,
     LAYOUT_KEY_MODEL,
     LAYOUT_KEY_OPTIMIZER,
     LAYOUT_KEY_OPTIMIZER_DOC,
-    LAYOUT_KEY_WORLD_SIZE,
     SECTION_PIECES,
-    SHARDED_DIR,
     TENSOR_MASTER,
     TENSOR_VIEW,
     LocalState,
@@ -107,8 +99,8 @@ logger = logging.getLogger(__name__)
 
 LAYOUTS = ("auto", "hf", "pieces")  # save_checkpoint(layout=...): see saves_pieces
 
-__all__ = ["ShardedOptimizerState", "capture_pieces", "consolidate_pieces", "load_pieces_into",
-           "saves_pieces"]
+__all__ = ["ShardedOptimizerState", "capture_pieces", "load_pieces_into", "read_layout", "saves_pieces",
+           "section_reader"]
 
 
 def _options(**kwargs: Any) -> Any:
@@ -372,7 +364,7 @@ def capture_pieces(payload: Payload, model: torch.nn.Module, optimizer: torch.op
                    **deferred)
 
 
-def _read_layout(opened: OpenedCheckpoint) -> dict[str, Any]:
+def read_layout(opened: OpenedCheckpoint) -> dict[str, Any]:
     """The piece layout, or the one implied by a regular checkpoint's indexes (whole tensors, one writer; a trainable
     part's tensors under the names in its files)."""
     reader = opened._reader
@@ -391,7 +383,7 @@ def _renamed(opened: OpenedCheckpoint) -> dict[str, str]:
     return opened._trainable.renamed if opened._trainable is not None else {}
 
 
-def _piece_reader(reader: _Reader, layout: Mapping[str, Any], section: Section) -> PieceReader:
+def section_reader(reader: _Reader, layout: Mapping[str, Any], section: Section) -> PieceReader:
     """A reader of ``section``'s pieces, and of the master weights of its weights described with ``"master"``."""
     source = str(reader.path)
     masters = MasterWeights(reader, layout, source=source) if section.masters else None
@@ -426,7 +418,7 @@ def _load_model(opened: OpenedCheckpoint, layout: Mapping[str, Any], model: torc
     in_file = {state: file for file, state in renamed.items()}
     current = {in_file.get(name, name): tensor for name, tensor in current.items() if name not in frozen}
     names = check_fits(current, section, strict=strict, source=source, what="model")
-    with agreed_reads(source), _piece_reader(reader, layout, section) as pieces:  # every rank's reads, then apply
+    with agreed_reads(source), section_reader(reader, layout, section) as pieces:  # every rank's reads, then apply
         filled = fill_state(current, pieces, names, in_place=in_place)
     if in_place:
         forget_fingerprints(current.values())  # written without a version bump: cached fingerprints are stale
@@ -455,7 +447,7 @@ def _load_through_own(opened: OpenedCheckpoint, layout: Mapping[str, Any], secti
     """Every stored weight read whole, then given to the model's own ``load_state_dict`` (put back if it raises)."""
     targets = model.state_dict(keep_vars=True)
     covered = _check_frozen(opened, targets, strict=strict)  # recorded, not stored: checked, left as they are
-    with _piece_reader(opened._reader, layout, section) as pieces:
+    with section_reader(opened._reader, layout, section) as pieces:
         tensors = pieces.read_all()
     renamed = _renamed(opened)
     tied = {renamed.get(alias, alias): renamed.get(kept, kept) for alias, kept in section.tied.items()}
@@ -620,7 +612,7 @@ def load_pieces_into(opened: OpenedCheckpoint, *, model: torch.nn.Module | None,
         wanted = "resharded loading needs every weight (load_checkpoint checks its base against the model instead)"
         if (error := base_not_stored(opened.path, wanted=wanted)) is not None:
             raise error
-    layout = _read_layout(opened)
+    layout = read_layout(opened)
     plan = None
     if optimizer is not None:
         _check_optimizer_document(opened, layout, optimizer)
@@ -662,46 +654,3 @@ def _check_optimizer_document(opened: OpenedCheckpoint, layout: Mapping[str, Any
     if len(document["param_groups"]) != len(optimizer.param_groups):
         raise CheckpointMismatchError(f"{opened.path}: {len(document['param_groups'])} param group(s) saved, the "
                                       f"optimizer has {len(optimizer.param_groups)}; build it with the same groups.")
-
-
-def _consolidated_section(reader: _Reader, layout: Mapping[str, Any], key: str
-                          ) -> tuple[Section, dict[str, torch.Tensor]]:
-    section = read_section(reader, layout, key)
-    with _piece_reader(reader, layout, section) as pieces:
-        return section, pieces.read_all()
-
-
-def consolidate_pieces(reader: _Reader, output_dir: str | os.PathLike, *, max_shard_size: int | str,
-                       include_optimizer: bool, overwrite: bool) -> Manifest:
-    """``consolidate_checkpoint`` of the (fully verified) checkpoint ``reader`` reads: its pieces assembled into whole
-    tensors, written in the regular layout."""
-    path = reader.path
-    if LAYOUT_FILE not in reader.manifest.files:
-        raise IncompleteCheckpointError(f"{path} has no {LAYOUT_FILE}: it is already a regular checkpoint "
-                                        "(from_pretrained and load_checkpoint read it as is).")
-    layout = parse_layout(reader.json(LAYOUT_FILE), source=str(path / LAYOUT_FILE))
-    if (error := base_not_stored(path, wanted="consolidation needs every weight")) is not None:
-        raise error
-    payload = Payload()
-    # 2. Weights as HF shards; tied aliases recorded so load_checkpoint re-ties and transformers ties itself.
-    section, weights = _consolidated_section(reader, layout, LAYOUT_KEY_MODEL)
-    consumed = {LAYOUT_FILE, TRAINING_STATE_FILE, MODEL_INDEX_FILE, OPTIMIZER_INDEX_FILE}
-    consumed |= {file for pieces in section.pieces.values() for file in pieces}
-    add_model_weights(payload, weights, tied=section.tied, max_shard_size=max_shard_size)
-    del weights
-    # 3. Optimizer tensors and document in the regular layout.
-    training_state = reader.json(TRAINING_STATE_FILE)
-    if include_optimizer and layout.get(LAYOUT_KEY_OPTIMIZER) is not None:
-        _, tensors = _consolidated_section(reader, layout, LAYOUT_KEY_OPTIMIZER)
-        add_sharded(payload, tensors, pattern=OPTIMIZER_FILE_PATTERN, index=OPTIMIZER_INDEX_FILE,
-                     max_shard_size=max_shard_size, metadata={})
-        training_state[STATE_KEY_OPTIMIZER] = layout[LAYOUT_KEY_OPTIMIZER_DOC]
-    payload.blobs[TRAINING_STATE_FILE] = json_bytes(training_state)
-    # 4. Everything else (config, tokenizer, RNG, data positions) as is.
-    for relpath in reader.manifest.files:
-        if relpath not in consumed and not relpath.startswith(f"{SHARDED_DIR}/"):
-            payload.blobs[relpath] = (path / relpath).read_bytes()
-    manifest = save_payload(Path(output_dir), payload, step=reader.manifest.step,
-                            metrics=dict(reader.manifest.metrics), overwrite=overwrite)
-    logger.info("Consolidated %s (saved by %d rank(s)) into %s", path, layout[LAYOUT_KEY_WORLD_SIZE], output_dir)
-    return manifest

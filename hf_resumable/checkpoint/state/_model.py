@@ -98,7 +98,7 @@ def dedupe_tied(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
     return {name: tensor for name, tensor in state.items() if name not in tied}, tied
 
 
-def check_tied(tied: Any, stored: Mapping[str, Any], *, source: str) -> dict[str, str]:
+def check_tied(tied: Any, stored: Collection[str], *, source: str) -> dict[str, str]:
     """Check the index's tied-weight record ``{dropped: kept}`` against the tensors stored: an alias must not be
     stored itself (loading would overwrite one stored tensor with another) and must point at one that is.
 
