@@ -256,6 +256,7 @@ def _batches(logs: list[list[dict]], ranks: range) -> list[list[str]]:
 
 
 @pytest.mark.distributed
+@pytest.mark.extended  # make test: test_dp_shard_x_tp_with_the_shim_resumes_bit_exact (tp pieces, killed after commit)
 def test_tensor_parallel_killed_after_a_commit_resumes_bit_exact(tmp_path, model_dir):
     logs = _assert_resumes_bit_exact(tmp_path, model_dir, {"tp": 2})
     first, second = _batches(logs, range(2))
@@ -263,6 +264,7 @@ def test_tensor_parallel_killed_after_a_commit_resumes_bit_exact(tmp_path, model
 
 
 @pytest.mark.distributed
+@pytest.mark.extended  # make test: test_elastic_tp_then_hsdp_then_tp_is_the_uninterrupted_run (HSDP killed, resumed)
 def test_hsdp_killed_after_a_commit_resumes_bit_exact(tmp_path, model_dir):
     logs = _assert_resumes_bit_exact(tmp_path, model_dir, {"dp_replicate": 2, "dp_shard": 2})
     batches = _batches(logs, range(4))

@@ -410,6 +410,7 @@ def test_zero3_falls_back_when_one_rank_finds_a_large_piece_corrupt_mid_load(tmp
 
 
 @pytest.mark.distributed
+@pytest.mark.extended  # make test: the FSDP2 case above (the same piece fallback; FSDP1 resumes in test_engines.py)
 def test_fsdp1_falls_back_when_one_rank_finds_a_large_piece_corrupt_mid_load(tmp_path, tmp_path_factory):
     """FSDP1 unshards its parameters to load them (a gather): without the agreement before it, rank 0's gather met
     rank 1's report and gloo aborted the job."""
