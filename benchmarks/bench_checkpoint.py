@@ -49,7 +49,8 @@ per-pair ratios (raw read time over resume time).
 
 ``--device cuda`` trains and saves a model on the GPU (a save copies every tensor to the host: the async save into
 pinned buffers on a side stream); the fresh-process resume loads on the CPU, as a restarted job reads before it
-moves anything. ``--hidden`` and ``--layers`` size the model (benchmarks/gpu_check.py's dry run makes it tiny).
+moves anything. ``--hidden`` and ``--layers`` size the model (benchmarks/gpu_check.py's dry run makes it tiny), and
+``--fresh-variants default`` runs the default fresh-process load alone in each repeat (the dry run's).
 
 ``--throttle-read-mibps`` caps the disk's read speed (a cgroup v1 blkio throttle, root only) so that it is
 steady: a VM's virtual disk is partly served from its host's cache and drifts by 2x within a minute; against a
@@ -253,6 +254,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="blocks of the Llama-shaped model")
     parser.add_argument("--alternate", type=int, default=None, metavar="N",
                         help="only the resume against a raw cold read: N pairs of fresh processes, alternating")
+    parser.add_argument("--fresh-variants", choices=("all", "default"), default="all",
+                        help="the fresh-process loads of each repeat: the default settings and their variants (1 and "
+                             "N read streams, prefault off), or the default alone (benchmarks/gpu_check.py's dry run)")
     parser.add_argument("--fresh-load", default=None, help=argparse.SUPPRESS)  # the child of fresh_process_load
     parser.add_argument("--only", choices=("raw", "load"), default=None, help=argparse.SUPPRESS)  # --alternate's child
     args = parser.parse_args()
@@ -284,6 +288,8 @@ def main() -> None:
     streams = read_streams()
     fixed = {"load_fresh": {}, "load_fresh_1": {READ_STREAMS_ENV: "1"}, "load_fresh_n": {READ_STREAMS_ENV:
              str(READ_WORKERS)}, "load_fresh_nopf": {PREFAULT_ENV: "0"}}
+    if args.fresh_variants == "default":
+        fixed = {"load_fresh": fixed["load_fresh"]}
     # Warm-up: allocate the async staging buffers once (they are reused afterwards, as in training).
     save_checkpoint(root / "warm", model=model, optimizer=optimizer, blocking=False)
     wait_for_pending_saves()
@@ -348,7 +354,7 @@ def main() -> None:
         drop_caches()
         paired["load"].append(min(before, raw_read(root / f"checkpoint-{rep}", read_buffer)) / results["load"][-1])
         shutil.rmtree(root / f"checkpoint-{rep}")
-        print(f"  repeat {rep}: " + ", ".join(f"{key} {values[-1]:.3f}" for key, values in results.items()),
+        print(f"  repeat {rep}: " + ", ".join(f"{key} {values[-1]:.3f}" for key, values in results.items() if values),
               file=sys.stderr)
     shutil.rmtree(root, ignore_errors=True)
     if args.stall:
@@ -430,8 +436,9 @@ def stall_report(results: dict[str, list[float]], nbytes: int, repeats: int, can
 
 def report(results: dict[str, list[float]], paired: dict[str, list[float]], nbytes: int, repeats: int,
            can_drop: bool, streams: str) -> None:
-    med = {k: statistics.median(v) for k, v in results.items()}
-    pair = {k: f"{statistics.median(v):.2f}x raw read (paired; {min(v):.2f}..{max(v):.2f})" for k, v in paired.items()}
+    med = {k: statistics.median(v) for k, v in results.items() if v}  # a variant left out has no rows
+    pair = {k: f"{statistics.median(v):.2f}x raw read (paired; {min(v):.2f}..{max(v):.2f})" for k, v in paired.items()
+            if v}
     gbps = {k: nbytes / v / 1e9 if v > 0 else float('inf') for k, v in med.items()}  # the gate wait may be 0
 
     print(f"\nCheckpoint of {nbytes / 2**30:.2f} GiB (model + AdamW), median of {repeats} runs, "
@@ -458,16 +465,17 @@ def report(results: dict[str, list[float]], paired: dict[str, list[float]], nbyt
          pair["raw_read_direct"], ""),
         (f"hf_resumable resume in a fresh process (model + new AdamW state, hash-checked; read streams: {streams})",
          "load_fresh", pair["load_fresh"], ">= 0.9x"),
-        ("the same, 1 read stream (HF_RESUMABLE_READ_STREAMS=1)", "load_fresh_1", pair["load_fresh_1"], ""),
+        ("the same, 1 read stream (HF_RESUMABLE_READ_STREAMS=1)", "load_fresh_1", pair.get("load_fresh_1"), ""),
         (f"the same, {READ_WORKERS} read streams (HF_RESUMABLE_READ_STREAMS={READ_WORKERS})", "load_fresh_n",
-         pair["load_fresh_n"], ""),
+         pair.get("load_fresh_n"), ""),
         ("the same, new memory not prefaulted (HF_RESUMABLE_PREFAULT=0)", "load_fresh_nopf",
-         pair["load_fresh_nopf"], ""),
+         pair.get("load_fresh_nopf"), ""),
         ("hf_resumable load in place (model + existing AdamW state, hash-checked)", "load", pair["load"],
          ">= 0.9x"),
     ]
     for label, key, ratio, target in rows:
-        print(f"| {label} | {med[key]:.3f} | {gbps[key]:.2f} | {ratio} | {target} |")
+        if key in med:
+            print(f"| {label} | {med[key]:.3f} | {gbps[key]:.2f} | {ratio} | {target} |")
     print(f"\nspeed-up over the stock pattern: {med['stock'] / med['save']:.2f}x (blocking), "
           f"{med['stock'] / med['async_stall']:.1f}x (async stall)")
 

@@ -166,7 +166,8 @@ def plan_steps(*, dry_run: bool, work: Path, python: str = sys.executable) -> li
     tier = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py",
             f"--junitxml={work / 'gpu_tier.xml'}"] + ([] if dry_run else ["-n", "4", "--dist", "load"])
     if dry_run:
-        checkpoint = ["--hidden", "64", "--layers", "1", "--repeats", "1"]
+        # each fresh interpreter costs more than the tiny work it does: one fresh-process load, not four
+        checkpoint = ["--hidden", "64", "--layers", "1", "--repeats", "1", "--fresh-variants", "default"]
         streamed = ["--runs", "1", "--tokens", "3", "--hidden", "384", "--layers", "16"]
         overhead = ["--lockstep-runs", "1", "--lockstep-steps", "15"]
         split = ["--hidden", "64", "--rounds", "1", "--repeats", "1"]

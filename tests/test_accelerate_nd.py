@@ -6,12 +6,12 @@
 * Real torchrun jobs of tests/scripts/nd_accelerate_worker.py (gloo CPU ranks, the test-only shim of
   tests/helpers/engine_fixtures.py): SIGKILLed after a committed checkpoint and rerun with the same command, every
   logged loss, weight piece and optimizer tensor equals the uninterrupted run's; the ranks of one tensor-parallel group
-  read the same batches, different data-parallel ranks different ones. tp (2 ranks) and HSDP (4 ranks) run in make
-  test, dp_shard x tp (4 ranks, killed after a commit and inside a save) in make test's slow tier, the 8-rank
-  dp_replicate x dp_shard x tp in the extended tier. FSDP2 beside tensor parallel runs with the test-only
-  ``ReplicateParallel`` of tests/helpers/replicate_parallel.py (accelerate 1.16 imports it from transformers, which
-  5.x no longer has); without it the layout is refused before step 1. A different layout on resume is refused before
-  step 1, naming both.
+  read the same batches, different data-parallel ranks different ones. dp_shard x tp (4 ranks, killed after a
+  commit) runs in make test; tp (2 ranks), HSDP (4 ranks, which make test resumes in the elastic run below),
+  dp_shard x tp killed inside a save, and the 8-rank dp_replicate x dp_shard x tp in the extended tier. FSDP2
+  beside tensor parallel runs with the test-only ``ReplicateParallel`` of tests/helpers/replicate_parallel.py
+  (accelerate 1.16 imports it from transformers, which 5.x no longer has); without it the layout is refused before
+  step 1. A different layout on resume is refused before step 1, naming both.
 * ``elastic=True`` (issue 43 item 4): the elastic mode counts data-parallel ranks, not processes (the pure rules of
   integrations/_accelerate_elastic.py), and a run moved between the layouts accelerate trains on gloo CPU ranks
   (tp2 on 2 ranks -> HSDP dp_replicate2 x dp_shard2 on 4 -> tp2, SIGKILLed after a commit) continues within 1e-5 of
@@ -256,6 +256,7 @@ def _batches(logs: list[list[dict]], ranks: range) -> list[list[str]]:
 
 
 @pytest.mark.distributed
+@pytest.mark.extended  # make test: test_dp_shard_x_tp_with_the_shim_resumes_bit_exact (tp pieces, killed after commit)
 def test_tensor_parallel_killed_after_a_commit_resumes_bit_exact(tmp_path, model_dir):
     logs = _assert_resumes_bit_exact(tmp_path, model_dir, {"tp": 2})
     first, second = _batches(logs, range(2))
@@ -263,6 +264,7 @@ def test_tensor_parallel_killed_after_a_commit_resumes_bit_exact(tmp_path, model
 
 
 @pytest.mark.distributed
+@pytest.mark.extended  # make test: test_elastic_tp_then_hsdp_then_tp_is_the_uninterrupted_run (HSDP killed, resumed)
 def test_hsdp_killed_after_a_commit_resumes_bit_exact(tmp_path, model_dir):
     logs = _assert_resumes_bit_exact(tmp_path, model_dir, {"dp_replicate": 2, "dp_shard": 2})
     batches = _batches(logs, range(4))

@@ -59,6 +59,7 @@ def test_two_processes_then_one_then_two_is_the_uninterrupted_run(tmp_path: Path
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.extended  # make test: 2 -> 1 -> 2 above (its last launch goes from 1 process to 2)
 def test_one_process_then_two_is_the_uninterrupted_run(tmp_path: Path) -> None:
     """10 samples, a global batch of 4 (1 process x 2 micro-batches of 2): step 3 (2 samples) ends the epoch; at 2
     processes (accumulation 1) rank 1 pads it."""

@@ -10,8 +10,9 @@ every logged loss and the final weights and optimizer state equal an uninterrupt
   (one restart, not a crash loop), and directly (extended);
 * 2 gloo ranks whose node-local copies differ (only rank 1's is corrupt): both fall back to the same checkpoint;
 * the FSDP2 piece layout, one rank's (small) piece file corrupt (extended);
-* FSDP2, FSDP1 and ZeRO-3 (extended), one byte of a piece file above 4 MiB that only rank 1 reads flipped: found in
-  the middle of the load, agreed before anything is applied, so no rank waits in (or crosses) a collective.
+* FSDP2, FSDP1 and ZeRO-3 (the last two extended), one byte of a piece file above 4 MiB that only rank 1 reads
+  flipped: found in the middle of the load, agreed before anything is applied, so no rank waits in (or crosses) a
+  collective.
 
 An explicit path still raises and moves nothing; a run directory whose committed checkpoints all fail is a
 ``CorruptCheckpointError`` listing each, never a fresh start; a newer checkpoint that failed verification is kept
@@ -410,6 +411,7 @@ def test_zero3_falls_back_when_one_rank_finds_a_large_piece_corrupt_mid_load(tmp
 
 
 @pytest.mark.distributed
+@pytest.mark.extended  # make test: the FSDP2 case above (the same piece fallback; FSDP1 resumes in test_engines.py)
 def test_fsdp1_falls_back_when_one_rank_finds_a_large_piece_corrupt_mid_load(tmp_path, tmp_path_factory):
     """FSDP1 unshards its parameters to load them (a gather): without the agreement before it, rank 0's gather met
     rank 1's report and gloo aborted the job."""

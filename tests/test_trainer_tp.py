@@ -133,6 +133,23 @@ def _run(output: Path, options: list[str], nproc: int, **env: str) -> subprocess
                         nproc=nproc)
 
 
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, model_dir):
+    """The uninterrupted run of a layout, run once for the module's tests that compare a killed run with it."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def reference(extra: list[str], nproc: int) -> Path:
+        key = (*extra, str(nproc))
+        if key not in runs:
+            output = tmp_path_factory.mktemp("reference") / "run"
+            done = _run(output, _options(model_dir, *extra), nproc)
+            assert done.returncode == 0, done.stdout[-5000:]
+            runs[key] = output
+        return runs[key]
+
+    return reference
+
+
 def _kill(output: Path, options: list[str], nproc: int, *, inside_save: bool) -> None:
     """Run the job held after checkpoint ``HOLD_STEP`` committed (or inside its save, right before the commit);
     then SIGKILL every process."""
@@ -166,26 +183,24 @@ def _history(output: Path, rank: int) -> list[dict]:
     return json.loads((output / f"result-rank{rank}.json").read_text())["log_history"]
 
 
-def _assert_resumes_bit_exact(tmp_path: Path, model_dir: Path, extra: list[str], nproc: int, *,
+def _assert_resumes_bit_exact(tmp_path: Path, model_dir: Path, reference: Path, extra: list[str], nproc: int, *,
                               inside_save: bool = False) -> list[dict[int, list[str]]]:
-    """The uninterrupted run, then one killed at checkpoint 2 and rerun: the same losses, weight pieces and
-    optimizer tensors on every rank. Returns the reference's batches per rank."""
+    """A run killed at checkpoint 2 and rerun, against the uninterrupted run ``reference``: the same losses, weight
+    pieces and optimizer tensors on every rank. Returns the reference's batches per rank."""
     options = _options(model_dir, *extra)
-    reference = _run(tmp_path / "reference", options, nproc)
-    assert reference.returncode == 0, reference.stdout[-5000:]
     _kill(tmp_path / "run", options, nproc, inside_save=inside_save)
     resumed = _run(tmp_path / "run", options, nproc)  # the same command
     assert resumed.returncode == 0, resumed.stdout[-5000:]
     batches = []
     for rank in range(nproc):
-        want, got = _history(tmp_path / "reference", rank), _history(tmp_path / "run", rank)
+        want, got = _history(reference, rank), _history(tmp_path / "run", rank)
         assert [row["step"] for row in want if "loss" in row] == list(range(1, MAX_STEPS + 1))
         assert got == want, rank  # every logged loss, grad norm and learning rate, as exact floats
         final, expected = (read_local_state(path / f"final-rank{rank}.safetensors")
-                           for path in (tmp_path / "run", tmp_path / "reference"))
+                           for path in (tmp_path / "run", reference))
         assert sorted(final) == sorted(expected) and any(name.startswith("optim/") for name in expected)
         assert not [name for name in expected if not torch.equal(final[name], expected[name])], rank
-        reference_batches = _batches(tmp_path / "reference", rank)
+        reference_batches = _batches(reference, rank)
         run_batches = _batches(tmp_path / "run", rank)
         assert {step: rows[-1:] for step, rows in run_batches.items()} == {
             step: rows[-1:] for step, rows in reference_batches.items()}
@@ -194,8 +209,8 @@ def _assert_resumes_bit_exact(tmp_path: Path, model_dir: Path, extra: list[str],
 
 
 @pytest.mark.distributed
-def test_distributed_config_tp2_killed_after_a_commit_resumes_bit_exact(tmp_path, model_dir):
-    batches = _assert_resumes_bit_exact(tmp_path, model_dir, ["--tp", "2"], 2)
+def test_distributed_config_tp2_killed_after_a_commit_resumes_bit_exact(tmp_path, model_dir, reference_run):
+    batches = _assert_resumes_bit_exact(tmp_path, model_dir, reference_run(["--tp", "2"], 2), ["--tp", "2"], 2)
     assert batches[0] == batches[1]  # one tensor-parallel group: the same batches
     layout = json.loads((tmp_path / "run" / "checkpoint-4" / "sharded_layout.json").read_text())
     assert layout["model"]["pieces"]  # the DTensor pieces of both ranks, through the piece engine
@@ -206,13 +221,15 @@ def test_distributed_config_tp2_killed_after_a_commit_resumes_bit_exact(tmp_path
                                           # tp2 x fsdp2 resumes after a commit in make test; inside a save: test-all
                                           pytest.param(["--tp", "2", "--fsdp", "2"], 4, marks=pytest.mark.extended)],
                          ids=["tp2", "tp2-x-fsdp2"])
-def test_killed_inside_a_save_resumes_bit_exact(tmp_path, model_dir, extra, nproc):
-    _assert_resumes_bit_exact(tmp_path, model_dir, extra, nproc, inside_save=True)
+def test_killed_inside_a_save_resumes_bit_exact(tmp_path, model_dir, reference_run, extra, nproc):
+    _assert_resumes_bit_exact(tmp_path, model_dir, reference_run(extra, nproc), extra, nproc, inside_save=True)
 
 
 @pytest.mark.distributed
-def test_tp_plan_auto_with_a_parallelism_config_resumes_bit_exact(tmp_path, model_dir):
-    batches = _assert_resumes_bit_exact(tmp_path, model_dir, ["--tp", "2", "--load", "tp_plan"], 2)
+@pytest.mark.extended  # make test: test_distributed_config_tp2_killed_after_a_commit_resumes_bit_exact (same pieces)
+def test_tp_plan_auto_with_a_parallelism_config_resumes_bit_exact(tmp_path, model_dir, reference_run):
+    extra = ["--tp", "2", "--load", "tp_plan"]
+    batches = _assert_resumes_bit_exact(tmp_path, model_dir, reference_run(extra, 2), extra, 2)
     assert batches[0] == batches[1]
 
 
@@ -229,15 +246,18 @@ def test_nd_parallel_trainer_shape_on_4_ranks_is_refused_before_step_1(tmp_path,
 
 
 @pytest.mark.distributed
-def test_tp2_beside_fsdp2_on_4_ranks_resumes_bit_exact(tmp_path, model_dir):
-    batches = _assert_resumes_bit_exact(tmp_path, model_dir, ["--tp", "2", "--fsdp", "2"], 4)
+def test_tp2_beside_fsdp2_on_4_ranks_resumes_bit_exact(tmp_path, model_dir, reference_run):
+    extra = ["--tp", "2", "--fsdp", "2"]
+    batches = _assert_resumes_bit_exact(tmp_path, model_dir, reference_run(extra, 4), extra, 4)
     assert batches[0] == batches[1] and batches[2] == batches[3]  # each tensor-parallel pair: the same batches
     assert batches[0] != batches[2]  # two data-parallel ranks: different ones
 
 
 @pytest.mark.distributed
-def test_tp2_beside_dp_replicate2_on_4_ranks_resumes_bit_exact(tmp_path, model_dir):
-    batches = _assert_resumes_bit_exact(tmp_path, model_dir, ["--tp", "2", "--dp-replicate", "2"], 4)
+@pytest.mark.extended  # make test: test_tp2_beside_fsdp2_on_4_ranks_resumes_bit_exact (tp beside data parallel)
+def test_tp2_beside_dp_replicate2_on_4_ranks_resumes_bit_exact(tmp_path, model_dir, reference_run):
+    extra = ["--tp", "2", "--dp-replicate", "2"]
+    batches = _assert_resumes_bit_exact(tmp_path, model_dir, reference_run(extra, 4), extra, 4)
     assert batches[0] == batches[1] and batches[2] == batches[3]
     assert batches[0] != batches[2]
 
@@ -284,6 +304,9 @@ def _elastic_kill(output: Path, options: list[str], nproc: int, step: int) -> No
 
 @pytest.mark.distributed
 @pytest.mark.slow
+# make test: the tp-size change below (the same Trainer, layout change and kills), and dropout across world sizes in
+# test_elastic_trainer.py
+@pytest.mark.extended
 def test_elastic_tp2_x_fsdp2_then_tp2_then_tp2_x_fsdp2_is_the_uninterrupted_run(tmp_path, model_dir):
     """tp2 x fsdp2 on 4 ranks (accumulation 1), killed after step 1; tp2 on 2 ranks (one data-parallel rank:
     accumulation 2, the global batch of 4 samples kept), killed after step 3; tp2 x fsdp2 on 4 ranks to the end.
@@ -337,6 +360,7 @@ def test_elastic_tp2_x_fsdp2_then_fsdp2_then_tp2_reshards_the_tensor_parallel_pi
 
 
 @pytest.mark.distributed
+@pytest.mark.extended  # make test: test_another_layout_on_resume_is_refused_naming_both (the same ConfigDriftError)
 def test_another_layout_without_elastic_stays_drift(tmp_path, model_dir):
     _kill(tmp_path / "run", _options(model_dir, "--tp", "2", "--fsdp", "2"), 4, inside_save=False)
     other = _run(tmp_path / "run", _options(model_dir, "--tp", "2"), 2)
@@ -357,6 +381,7 @@ def _check_tp(tmp_path: Path, model_dir: Path, *options: str):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.extended  # make test: test_check.py's ZeRO-2 loop under torchrun (EXACT)
 def test_check_judges_a_tensor_parallel_trainer_run_exact(tmp_path, model_dir):
     done, report = _check_tp(tmp_path, model_dir)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -368,6 +393,7 @@ def test_check_judges_a_tensor_parallel_trainer_run_exact(tmp_path, model_dir):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.extended  # make test: test_check.py's FSDP2 loop under torchrun (DIVERGES, named)
 def test_check_names_the_step_and_state_of_a_broken_tensor_parallel_run(tmp_path, model_dir):
     done, report = _check_tp(tmp_path, model_dir, "--forget-rng")
     assert done.returncode == 1, done.stdout + done.stderr
