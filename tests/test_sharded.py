@@ -34,6 +34,7 @@ from hf_resumable.checkpoint import (
 from hf_resumable.checkpoint._types import Box, intersect_boxes
 from hf_resumable.checkpoint.pieces._piece_layout import plan_region_reads
 from hf_resumable.constants import SHARDS_KEY
+from hf_resumable.conversions.stock import reshard_checkpoint
 from hf_resumable.data.elastic import ElasticSampler
 from hf_resumable.errors import (
     CheckpointMismatchError,
@@ -192,6 +193,10 @@ def test_fsdp2_two_ranks_save_load_on_one_process_and_consolidate(tmp_path):
     seen = [json.loads((tmp_path / f"seen-rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
     assert_every_sample_once(*seen, [i for batch in rest for i in batch])
 
+    # Resharding a checkpoint of two ranks names the way: consolidate it first.
+    with pytest.raises(ValueError, match="consolidate_checkpoint"):
+        reshard_checkpoint(path, max_shard_size="1MB", output=tmp_path / "resharded")
+    assert not (tmp_path / "resharded").exists()
     # Consolidated export: HF sharded safetensors for from_pretrained, and a regular checkpoint.
     consolidate_checkpoint(path, tmp_path / "export", max_shard_size=40_000)
     index = json.loads((tmp_path / "export" / "model.safetensors.index.json").read_text())

@@ -358,8 +358,8 @@ def reshard_checkpoint(
     parse_size(max_shard_size)
     opened = open_checkpoint(source, verify="full")
     if opened.manifest.world_size != 1:
-        raise ValueError(f"{source} was written by {opened.manifest.world_size} ranks; resharding multi-rank "
-                         "checkpoints is not supported yet.")
+        raise ValueError(f"{source} was written by {opened.manifest.world_size} ranks: write it whole first "
+                         "with hf_resumable.checkpoint.consolidate_checkpoint, then reshard that copy.")
     target = Path(output) if output is not None else source
     write_whole(opened, target, max_shard_size=max_shard_size, include_optimizer=True,
                 overwrite=target.resolve() == source.resolve())
