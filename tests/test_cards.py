@@ -90,10 +90,10 @@ def test_card_without_recorded_progress_uses_dashes(tmp_path: Path, caplog) -> N
 
 
 def test_summary_takes_what_the_training_state_lacks_from_trainer_state(tmp_path: Path) -> None:
-    # One lookup over the progress cursor, the extra state, then trainer_state.json: the first that records a field
-    # wins (trainer_state.json once gave only the step, the epoch and the per-device batch size).
+    # trainer_state.json gives every field the training state does not record (it once gave only the step, the epoch
+    # and the per-device batch size); one the training state records, even nested, is taken from there.
     trainer_state = '{"global_step": 9, "epoch": 0.5, "train_batch_size": 4, "gradient_accumulation_steps": 2}'
-    save_checkpoint(tmp_path / "c", model=torch.nn.Linear(2, 2), rng=False, training_state={"epoch": 1.5},
+    save_checkpoint(tmp_path / "c", model=torch.nn.Linear(2, 2), rng=False, training_state={"loop": {"epoch": 1.5}},
                     extra_files={"trainer_state.json": trainer_state})
     summary = summarize_checkpoint(tmp_path / "c")
     assert (summary.step, summary.epoch, summary.per_device_batch_size) == (9, 1.5, 4)

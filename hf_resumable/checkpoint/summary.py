@@ -164,20 +164,22 @@ def _shard_table(shards: Iterable[ShardSummary]) -> str:
     return "\n".join(lines)
 
 
-def _find(document: Any, keys: tuple[str, ...], *, depth: int = 4) -> Any:
-    """First value of any of ``keys`` in a nested mapping, breadth first (top-level keys win)."""
-    level = [document]
-    for _ in range(depth):
-        nested = []
-        for mapping in level:
-            if not isinstance(mapping, Mapping):
-                continue
-            for key in keys:
-                value = mapping.get(key)
-                if value is not None and not isinstance(value, (Mapping, list)):
-                    return value
-            nested += [v for v in mapping.values() if isinstance(v, Mapping)]
-        level = nested
+def _find(keys: tuple[str, ...], *documents: Any, depth: int = 4) -> Any:
+    """First value of any of ``keys`` in the first of ``documents`` (nested mappings) that records one, breadth first
+    inside each (top-level keys win)."""
+    for document in documents:
+        level = [document]
+        for _ in range(depth):
+            nested = []
+            for mapping in level:
+                if not isinstance(mapping, Mapping):
+                    continue
+                for key in keys:
+                    value = mapping.get(key)
+                    if value is not None and not isinstance(value, (Mapping, list)):
+                        return value
+                nested += [v for v in mapping.values() if isinstance(v, Mapping)]
+            level = nested
     return None
 
 
@@ -202,18 +204,17 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _fill_progress(summary: CheckpointSummary, state: Mapping[str, Any], trainer_state: Mapping[str, Any]) -> None:
-    """Progress and batch geometry from the progress cursor, then the extra state, then ``trainer_state.json``
-    (written by the Trainer integrations and the stock Trainer): the first that records a field wins."""
-    both = {"progress": state.get(STATE_KEY_PROGRESS) or {}, "extra": state.get(STATE_KEY_EXTRA) or {},
-            "trainer": trainer_state}
+    """Progress and batch geometry from the progress cursor and the extra state, and from ``trainer_state.json``
+    (written by the Trainer integrations and the stock Trainer) only for a field that those two do not record."""
+    both = {"progress": state.get(STATE_KEY_PROGRESS) or {}, "extra": state.get(STATE_KEY_EXTRA) or {}}
     if summary.step is None:
-        summary.step = _as_int(_find(both, _STEP_KEYS))
-    summary.epoch = _as_float(_find(both, _EPOCH_KEYS))
-    summary.samples_seen = _as_int(_find(both, _SAMPLES_KEYS))
-    summary.resumes = _as_int(_find(both, _RESUMES_KEYS))
-    summary.per_device_batch_size = _as_int(_find(both, _PER_DEVICE_KEYS))
-    summary.gradient_accumulation_steps = _as_int(_find(both, _ACCUMULATION_KEYS))
-    summary.world_size = _as_int(_find(both, _WORLD_SIZE_KEYS)) or summary.world_size
+        summary.step = _as_int(_find(_STEP_KEYS, both, trainer_state))
+    summary.epoch = _as_float(_find(_EPOCH_KEYS, both, trainer_state))
+    summary.samples_seen = _as_int(_find(_SAMPLES_KEYS, both, trainer_state))
+    summary.resumes = _as_int(_find(_RESUMES_KEYS, both, trainer_state))
+    summary.per_device_batch_size = _as_int(_find(_PER_DEVICE_KEYS, both, trainer_state))
+    summary.gradient_accumulation_steps = _as_int(_find(_ACCUMULATION_KEYS, both, trainer_state))
+    summary.world_size = _as_int(_find(_WORLD_SIZE_KEYS, both, trainer_state)) or summary.world_size
     geometry = (summary.per_device_batch_size, summary.gradient_accumulation_steps, summary.world_size)
     if all(isinstance(v, int) and v > 0 for v in geometry):
         summary.effective_batch_size = math.prod(geometry)
