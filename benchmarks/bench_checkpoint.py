@@ -179,7 +179,7 @@ def fresh_process_load(directory: Path, settings: dict[str, str], shape: list[st
     """``load_checkpoint`` timed inside a new process that first builds the model and an AdamW without state
     (with the reader's environment ``settings``; none: the defaults for this disk), between two raw cold reads of
     the same files in the same process (the paired baseline), and raw reads into new memory and with ``O_DIRECT``
-    after it."""
+    after it; with ``--only`` in ``shape``, the one operation it names (``--alternate``)."""
     drop_caches()
     env = dict(os.environ)
     env.pop(READ_STREAMS_ENV, None)
@@ -205,7 +205,7 @@ def _fresh_load_child(directory: str, hidden: int, layers: int, only: str | None
             raw_read(Path(directory), bytearray(16 << 20))
         else:
             load_checkpoint(directory, model=model, optimizer=optimizer, scheduler=schedule(optimizer))
-        print(json.dumps({"seconds": time.perf_counter() - start}))
+        print(json.dumps({"seconds": time.perf_counter() - start, "probe": []}))
         return
     probe = _ProbeLog()
     logging.getLogger("hf_resumable.checkpoint.commit._parallel_read").addHandler(probe)
@@ -376,12 +376,10 @@ def alternate(root: Path, pairs: int, shape: dict[str, int], throttled: str | No
     wait_for_pending_saves()
     del model, optimizer
     nbytes = dir_bytes(root / "checkpoint")
-    args = [str(root / "checkpoint"), "--hidden", str(shape["hidden"]), "--layers", str(shape["layers"])]
+    args = ["--hidden", str(shape["hidden"]), "--layers", str(shape["layers"])]
 
-    def child(only: str) -> float:
-        out = subprocess.run([sys.executable, __file__, "--fresh-load", *args, "--only", only], check=True,
-                             capture_output=True, text=True).stdout
-        return json.loads(out.strip().splitlines()[-1])["seconds"]
+    def child(only: str) -> float:  # the reader's defaults, as in the headline row
+        return fresh_process_load(root / "checkpoint", {}, [*args, "--only", only])["seconds"]
 
     times: dict[str, list[float]] = {"raw": [], "load": []}
     for pair in range(pairs):
